@@ -1,0 +1,232 @@
+//! The API's error model: one stable numeric code per failure kind, the offending field, details.
+//!
+//! Every error a client can see is an [`ApiError`]. The code is part of the API contract (plugins
+//! branch on it); the message is for humans. `data` always carries `{kind, field, details}` so a
+//! client can point at the exact field of its request without parsing the message.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Stable error codes of API v1 (see docs/api.md). Never renumber.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Code {
+    /// JSON-RPC: the line is not valid JSON.
+    ParseError,
+    /// JSON-RPC: not a request object, or the line is too long.
+    InvalidRequest,
+    /// JSON-RPC: no such method.
+    MethodNotFound,
+    /// JSON-RPC: params do not match the method's schema.
+    InvalidParams,
+    /// JSON-RPC: a daemon fault that is not the caller's doing.
+    Internal,
+    /// The socket peer is neither root nor in an allowed group.
+    Unauthorized,
+    /// The peer is read-only and called a mutating method.
+    ReadOnly,
+    /// The VM spec is malformed or violates a rule.
+    InvalidSpec,
+    /// `vm.apply` found an existing VM whose spec differs.
+    SpecDrift,
+    /// The request names hardware or sizes the host model does not have.
+    NotInModel,
+    /// Existing VMs plus the request exceed the host's allocatable capacity.
+    CapacityExceeded,
+    /// A hardware index is held by another VM.
+    HardwareInUse,
+    /// QEMU, qemu-img or another host step failed.
+    ProvisioningFailed,
+    /// No VM with that name.
+    NotFound,
+    /// Another operation on this VM is in progress.
+    Busy,
+}
+
+impl Code {
+    /// The numeric code on the wire.
+    pub fn as_i32(self) -> i32 {
+        match self {
+            Code::ParseError => -32700,
+            Code::InvalidRequest => -32600,
+            Code::MethodNotFound => -32601,
+            Code::InvalidParams => -32602,
+            Code::Internal => -32603,
+            Code::Unauthorized => 1001,
+            Code::ReadOnly => 1002,
+            Code::InvalidSpec => 2001,
+            Code::SpecDrift => 2002,
+            Code::NotInModel => 3001,
+            Code::CapacityExceeded => 3002,
+            Code::HardwareInUse => 3003,
+            Code::ProvisioningFailed => 4001,
+            Code::NotFound => 4040,
+            Code::Busy => 4090,
+        }
+    }
+
+    /// The machine-readable kind carried in `error.data.kind`.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Code::ParseError => "parse_error",
+            Code::InvalidRequest => "invalid_request",
+            Code::MethodNotFound => "method_not_found",
+            Code::InvalidParams => "invalid_params",
+            Code::Internal => "internal",
+            Code::Unauthorized => "unauthorized",
+            Code::ReadOnly => "read_only",
+            Code::InvalidSpec => "invalid_spec",
+            Code::SpecDrift => "spec_drift",
+            Code::NotInModel => "not_in_model",
+            Code::CapacityExceeded => "capacity_exceeded",
+            Code::HardwareInUse => "hardware_in_use",
+            Code::ProvisioningFailed => "provisioning_failed",
+            Code::NotFound => "not_found",
+            Code::Busy => "busy",
+        }
+    }
+
+    /// The code for a numeric wire value, if it is one of ours.
+    pub fn from_i32(n: i32) -> Option<Code> {
+        ALL_CODES.iter().copied().find(|c| c.as_i32() == n)
+    }
+}
+
+/// Every code, for lookups and documentation tests.
+pub const ALL_CODES: [Code; 15] = [
+    Code::ParseError,
+    Code::InvalidRequest,
+    Code::MethodNotFound,
+    Code::InvalidParams,
+    Code::Internal,
+    Code::Unauthorized,
+    Code::ReadOnly,
+    Code::InvalidSpec,
+    Code::SpecDrift,
+    Code::NotInModel,
+    Code::CapacityExceeded,
+    Code::HardwareInUse,
+    Code::ProvisioningFailed,
+    Code::NotFound,
+    Code::Busy,
+];
+
+/// `error.data` of every vmhost error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorData {
+    /// Same as the code, as a word (`invalid_spec`, `hardware_in_use`, ...).
+    pub kind: String,
+    /// The request field at fault (`spec.hardware.sfp[0]`), when there is one.
+    pub field: Option<String>,
+    /// Structured details: conflicts, stderr tails, differing fields.
+    pub details: Value,
+}
+
+/// A typed API error: what the client receives as the JSON-RPC `error` member.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message} (code {})", .code.as_i32())]
+pub struct ApiError {
+    /// The stable code.
+    pub code: Code,
+    /// Human-readable message.
+    pub message: String,
+    /// Offending field, if any.
+    pub field: Option<String>,
+    /// Structured details (`null` when there are none).
+    pub details: Value,
+}
+
+impl ApiError {
+    /// An error with a code and message and no field.
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        ApiError { code, message: message.into(), field: None, details: Value::Null }
+    }
+
+    /// Names the request field at fault.
+    pub fn field(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+
+    /// Attaches structured details.
+    pub fn details(mut self, details: Value) -> Self {
+        self.details = details;
+        self
+    }
+
+    /// Shorthand for a 2001 invalid-spec error on `field`.
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::new(Code::InvalidSpec, message).field(field)
+    }
+
+    /// Shorthand for 4040.
+    pub fn not_found(name: &str) -> Self {
+        ApiError::new(Code::NotFound, format!("no VM named {name:?}")).field("name")
+    }
+
+    /// Shorthand for an internal error.
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError::new(Code::Internal, message)
+    }
+
+    /// The `error.data` member.
+    pub fn data(&self) -> ErrorData {
+        ErrorData {
+            kind: self.code.kind().to_string(),
+            field: self.field.clone(),
+            details: self.details.clone(),
+        }
+    }
+
+    /// The full JSON-RPC error object.
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({
+            "code": self.code.as_i32(),
+            "message": self.message,
+            "data": self.data(),
+        })
+    }
+
+    /// Rebuilds an error from a JSON-RPC error object (client side).
+    pub fn from_json(v: &Value) -> ApiError {
+        let num = v.get("code").and_then(Value::as_i64).unwrap_or(-32603);
+        let code = i32::try_from(num).ok().and_then(Code::from_i32).unwrap_or(Code::Internal);
+        let message = v.get("message").and_then(Value::as_str).unwrap_or("unknown error").to_string();
+        let data = v.get("data");
+        let field = data.and_then(|d| d.get("field")).and_then(Value::as_str).map(str::to_string);
+        let details = data.and_then(|d| d.get("details")).cloned().unwrap_or(Value::Null);
+        ApiError { code, message, field, details }
+    }
+}
+
+impl From<ApiError> for jsonrpsee::types::ErrorObjectOwned {
+    fn from(e: ApiError) -> Self {
+        jsonrpsee::types::ErrorObjectOwned::owned(e.code.as_i32(), e.message.clone(), Some(e.data()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_unique_and_round_trip() {
+        let mut seen = std::collections::HashSet::new();
+        for c in ALL_CODES {
+            assert!(seen.insert(c.as_i32()), "duplicate code {}", c.as_i32());
+            assert_eq!(Code::from_i32(c.as_i32()), Some(c));
+        }
+        assert_eq!(Code::from_i32(7), None);
+    }
+
+    #[test]
+    fn json_round_trip_keeps_field_and_details() {
+        let e = ApiError::new(Code::HardwareInUse, "sfp index 5 in use by sensor1")
+            .field("spec.hardware.sfp[0]")
+            .details(serde_json::json!({"conflicts": [{"class": "sfp", "index": 5, "holder": "sensor1"}]}));
+        let j = e.to_json();
+        assert_eq!(j["code"], 3003);
+        assert_eq!(j["data"]["kind"], "hardware_in_use");
+        assert_eq!(ApiError::from_json(&j), e);
+    }
+}

@@ -1,0 +1,499 @@
+//! API v1 wire types, shared by the daemon, `vmhostctl`, the benchmark and the tests.
+//!
+//! Everything a client sends is deserialized into these closed types (`deny_unknown_fields`), so
+//! an unknown or misspelt field is an error rather than silently ignored. Field-level rules
+//! (name syntax, sizes, hardware) live in [`crate::validate`], not here: these types only fix the
+//! shape.
+
+pub mod error;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::path::PathBuf;
+
+pub use error::{ApiError, Code};
+
+/// Protocol version reported by `host.info`.
+pub const API_VERSION: u32 = 1;
+
+/// Methods that change nothing; a read-only peer may call only these.
+pub const READ_METHODS: &[&str] =
+    &["host.info", "host.check", "vm.list", "vm.get", "events.subscribe", "events.unsubscribe"];
+
+/// Every method of API v1, in documentation order.
+pub const ALL_METHODS: &[&str] = &[
+    "host.info",
+    "host.check",
+    "host.reconcile",
+    "vm.list",
+    "vm.get",
+    "vm.create",
+    "vm.apply",
+    "vm.start",
+    "vm.stop",
+    "vm.restart",
+    "vm.destroy",
+    "events.subscribe",
+    "events.unsubscribe",
+];
+
+/// Name of the JSON-RPC notification carrying an [`Event`].
+pub const EVENT_NOTIFICATION: &str = "events.event";
+
+/// True when `method` only reads. `host.reconcile` with `dry_run: true` is a read, but the
+/// method as a whole is classed mutating: the check happens before params are parsed.
+pub fn is_read_method(method: &str) -> bool {
+    READ_METHODS.contains(&method)
+}
+
+/// The state an operator wants a VM in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DesiredState {
+    /// QEMU should be running (default).
+    #[default]
+    Running,
+    /// Defined, resources held, no process.
+    Stopped,
+}
+
+/// A VM as the operator declares it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSpec {
+    /// `^[a-z0-9][a-z0-9-]{0,62}$`.
+    pub name: String,
+    /// Free-form role label (Security Onion: sensor, searchnode, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// Virtual CPUs.
+    pub cpu: u32,
+    /// Guest memory in MiB.
+    pub memory_mib: u64,
+    /// Desired run state.
+    #[serde(default)]
+    pub state: DesiredState,
+    /// Passthrough hardware by model index.
+    #[serde(default, skip_serializing_if = "HardwareRequest::is_empty")]
+    pub hardware: HardwareRequest,
+    /// How the VM boots.
+    pub boot: BootSpec,
+}
+
+/// Hardware indices per class, as in the host model.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareRequest {
+    /// Disk controllers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disk: Vec<u32>,
+    /// Copper NICs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub copper: Vec<u32>,
+    /// SFP NICs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sfp: Vec<u32>,
+}
+
+impl HardwareRequest {
+    /// True when no hardware is requested.
+    pub fn is_empty(&self) -> bool {
+        self.disk.is_empty() && self.copper.is_empty() && self.sfp.is_empty()
+    }
+
+    /// `(class, indices)` pairs in a fixed order.
+    pub fn by_class(&self) -> [(HardwareClass, &[u32]); 3] {
+        [
+            (HardwareClass::Disk, &self.disk),
+            (HardwareClass::Copper, &self.copper),
+            (HardwareClass::Sfp, &self.sfp),
+        ]
+    }
+}
+
+/// A class of passthrough hardware in the host model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HardwareClass {
+    /// Storage controllers.
+    Disk,
+    /// Copper network ports.
+    Copper,
+    /// SFP network ports.
+    Sfp,
+}
+
+impl HardwareClass {
+    /// Lowercase name, as in config and specs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HardwareClass::Disk => "disk",
+            HardwareClass::Copper => "copper",
+            HardwareClass::Sfp => "sfp",
+        }
+    }
+}
+
+impl std::fmt::Display for HardwareClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Boot source as sent on the wire: either `{image, disk_gib}` or `{kernel, initrd?, cmdline?}`.
+/// Kept as one struct of options so a wrong mix gets a precise 2001 naming the field, instead of
+/// serde's "did not match any variant".
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BootSpec {
+    /// A base image file name inside the image dir.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Size of the VM's overlay disk in GiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_gib: Option<u64>,
+    /// Absolute path of a kernel for direct boot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
+    /// Absolute path of an initrd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+}
+
+/// What the daemon observes a VM to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmStatus {
+    /// Record written, host resources being made.
+    Creating,
+    /// QEMU being launched.
+    Starting,
+    /// The recorded QEMU process is alive and is this VM's.
+    Running,
+    /// A stop is in progress.
+    Stopping,
+    /// Defined, no process.
+    Stopped,
+    /// The last operation failed; see `last_error`.
+    Failed,
+    /// The process vanished without the daemon stopping it.
+    Dead,
+    /// A destroy is in progress.
+    Destroying,
+}
+
+impl VmStatus {
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VmStatus::Creating => "creating",
+            VmStatus::Starting => "starting",
+            VmStatus::Running => "running",
+            VmStatus::Stopping => "stopping",
+            VmStatus::Stopped => "stopped",
+            VmStatus::Failed => "failed",
+            VmStatus::Dead => "dead",
+            VmStatus::Destroying => "destroying",
+        }
+    }
+}
+
+impl std::fmt::Display for VmStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The last error recorded on a VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LastError {
+    /// Stable code.
+    pub code: i32,
+    /// Message.
+    pub message: String,
+}
+
+/// A VM as `vm.get` and `vm.list` report it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmView {
+    /// VM name.
+    pub name: String,
+    /// The declared spec.
+    pub spec: VmSpec,
+    /// Desired state (from the spec).
+    pub desired_state: DesiredState,
+    /// Observed state.
+    pub status: VmStatus,
+    /// QEMU pid while running.
+    pub pid: Option<i32>,
+    /// RFC 3339 timestamps.
+    pub created_at: String,
+    /// Last record change.
+    pub updated_at: String,
+    /// Last start of QEMU, if any.
+    pub started_at: Option<String>,
+    /// Last error, if the last operation failed or the VM died.
+    pub last_error: Option<LastError>,
+    /// Where the guest's serial console is logged.
+    pub serial_log: PathBuf,
+}
+
+/// Result of every mutating VM call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Mutation {
+    /// Whether anything changed on the host or in the records.
+    pub changed: bool,
+    /// The VM after the call; `null` after a destroy.
+    pub vm: Option<VmView>,
+}
+
+/// Params of `vm.get`, `vm.start`, `vm.restart`, `vm.destroy`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NameParams {
+    /// VM name.
+    pub name: String,
+}
+
+/// Params of `vm.create`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateParams {
+    /// The VM to create.
+    pub spec: VmSpec,
+}
+
+/// Params of `vm.apply`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApplyParams {
+    /// The desired VM.
+    pub spec: VmSpec,
+    /// Destroy and recreate when the spec differs (default false: 2002).
+    #[serde(default)]
+    pub replace: bool,
+}
+
+/// Params of `vm.stop`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StopParams {
+    /// VM name.
+    pub name: String,
+    /// Seconds to wait for an ACPI shutdown before killing (default 30).
+    #[serde(default = "default_stop_timeout")]
+    pub timeout_s: u64,
+    /// Kill at once, no ACPI powerdown.
+    #[serde(default)]
+    pub force: bool,
+}
+
+fn default_stop_timeout() -> u64 {
+    30
+}
+
+/// Params of `host.reconcile`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileParams {
+    /// The whole desired set of VMs for this host.
+    pub vms: Vec<VmSpec>,
+    /// Destroy VMs that are not in `vms`.
+    #[serde(default)]
+    pub prune: bool,
+    /// Plan and validate only.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// One planned action of a reconcile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlanAction {
+    /// Define and (per spec.state) start a new VM.
+    Create,
+    /// Start an existing, stopped VM.
+    Start,
+    /// Stop a running VM.
+    Stop,
+    /// Destroy and recreate: the spec changed.
+    Replace,
+    /// Remove a VM not in the desired set (prune).
+    Destroy,
+    /// Already as desired.
+    None,
+}
+
+/// A plan entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanEntry {
+    /// VM name.
+    pub vm: String,
+    /// What would be done.
+    pub action: PlanAction,
+    /// Why.
+    pub reason: String,
+    /// Validation error that would make this entry fail (the plan still lists it).
+    pub error: Option<Value>,
+}
+
+/// The outcome of one reconcile entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReconcileResult {
+    /// VM name.
+    pub vm: String,
+    /// What was attempted.
+    pub action: PlanAction,
+    /// Success.
+    pub ok: bool,
+    /// Whether anything changed.
+    pub changed: bool,
+    /// The JSON-RPC error object, when it failed.
+    pub error: Option<Value>,
+}
+
+/// Result of `host.reconcile`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReconcileReport {
+    /// Echo of the request flag.
+    pub dry_run: bool,
+    /// One entry per VM concerned.
+    pub plan: Vec<PlanEntry>,
+    /// One result per plan entry; empty on a dry run.
+    pub results: Vec<ReconcileResult>,
+    /// True when every entry succeeded (or, on a dry run, validated).
+    pub ok: bool,
+}
+
+/// Total, reserved, allocated and free amounts of one resource.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceUsage {
+    /// What the host has.
+    pub total: u64,
+    /// Kept for the host itself.
+    pub reserved: u64,
+    /// Held by defined VMs.
+    pub allocated: u64,
+    /// total - reserved - allocated.
+    pub available: u64,
+}
+
+/// One hardware index of the host model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HardwareItem {
+    /// Class.
+    pub class: HardwareClass,
+    /// Index within the model.
+    pub index: u32,
+    /// PCI address, `DDDD:BB:SS.F`.
+    pub pci: String,
+    /// VM holding it, or null.
+    pub holder: Option<String>,
+}
+
+/// Result of `host.info`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostInfo {
+    /// Daemon version.
+    pub version: String,
+    /// API version.
+    pub api_version: u32,
+    /// `kvm` or `tcg`.
+    pub accel: String,
+    /// CPUs.
+    pub cpu: ResourceUsage,
+    /// Memory in MiB.
+    pub memory_mib: ResourceUsage,
+    /// Every index of the model.
+    pub hardware: Vec<HardwareItem>,
+    /// Number of VM records.
+    pub vm_count: usize,
+}
+
+/// Status of one preflight item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckStatus {
+    /// Present and working.
+    Ok,
+    /// Not installed / not present.
+    Missing,
+    /// Present but failing.
+    Error,
+}
+
+/// One preflight item.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckItem {
+    /// What was checked.
+    pub name: String,
+    /// Outcome.
+    pub status: CheckStatus,
+    /// Human detail (version, path, error).
+    pub detail: String,
+}
+
+/// Result of `host.check`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostCheck {
+    /// True when every item is ok.
+    pub ok: bool,
+    /// The items.
+    pub items: Vec<CheckItem>,
+}
+
+/// A VM state change, sent as an `events.event` notification.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// VM name.
+    pub vm: String,
+    /// Previous status (null for a new VM).
+    pub from: Option<VmStatus>,
+    /// New status (null once destroyed).
+    pub to: Option<VmStatus>,
+    /// Why.
+    pub reason: String,
+    /// RFC 3339 time.
+    pub time: String,
+}
+
+/// RFC 3339 UTC timestamp with seconds, for records and events.
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_rejects_unknown_fields() {
+        let j = serde_json::json!({"name": "a", "cpu": 1, "memory_mib": 64, "boot": {}, "colour": 1});
+        let err = serde_json::from_value::<VmSpec>(j).unwrap_err().to_string();
+        assert!(err.contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn spec_defaults_and_round_trip() {
+        let j = serde_json::json!({"name": "a", "cpu": 1, "memory_mib": 64,
+            "boot": {"kernel": "/k"}});
+        let s: VmSpec = serde_json::from_value(j).unwrap();
+        assert_eq!(s.state, DesiredState::Running);
+        assert!(s.hardware.is_empty());
+        let back: VmSpec = serde_json::from_value(serde_json::to_value(&s).unwrap()).unwrap();
+        assert_eq!(back, s);
+    }
+
+    #[test]
+    fn read_methods_are_known_methods() {
+        for m in READ_METHODS {
+            assert!(ALL_METHODS.contains(m));
+        }
+        assert!(!is_read_method("vm.create"));
+        assert!(is_read_method("vm.list"));
+    }
+}

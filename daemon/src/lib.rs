@@ -1,0 +1,23 @@
+//! vmhost: the host daemon's library.
+//!
+//! The tree is the table of contents. Pure planning lives in [`config`], [`hardware`],
+//! [`validate`], [`capacity`] and [`plan`]; each host resource has one owner ([`disk`] for
+//! overlays, [`qemu`] for processes, [`state`] for records); only [`lifecycle`] coordinates them.
+//! [`rpc`] is the socket front end and [`client`] the matching client used by `vmhostctl`, the
+//! benchmark and the tests.
+
+pub mod api;
+pub mod capacity;
+pub mod client;
+pub mod config;
+pub mod disk;
+pub mod events;
+pub mod hardware;
+pub mod lifecycle;
+pub mod plan;
+pub mod preflight;
+pub mod process;
+pub mod qemu;
+pub mod rpc;
+pub mod state;
+pub mod validate;

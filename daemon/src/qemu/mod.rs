@@ -1,0 +1,5 @@
+//! QEMU processes: the argv for a VM, launching it, and talking QMP to it.
+
+pub mod argv;
+pub mod launch;
+pub mod qmp;
