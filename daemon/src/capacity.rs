@@ -1,1 +1,215 @@
-//! TODO
+//! Capacity and hardware-conflict rules: may this VM be added to what the host already carries?
+//!
+//! Pure functions of (host config, current holdings, request). The lifecycle calls [`admit`]
+//! under its allocation lock right before writing the record, and reconcile's dry run calls it
+//! repeatedly on a simulated set, so a plan sees exactly the refusals a real run would get.
+//! Conflicts (3003) are reported before capacity (3002) because they name what to fix.
+
+use crate::api::{ApiError, Code, HardwareClass, HardwareItem, ResourceUsage, VmSpec};
+use crate::config::Hardware;
+use serde_json::json;
+use std::collections::BTreeMap;
+
+/// What one VM holds on the host.
+#[derive(Debug, Clone, Copy)]
+pub struct Holding<'a> {
+    /// VM name.
+    pub name: &'a str,
+    /// Its spec (cpu, memory, hardware).
+    pub spec: &'a VmSpec,
+}
+
+/// Checks that `request` fits next to `held` (which must not contain `request` itself).
+///
+/// # Errors
+/// 3003 listing every hardware conflict `{class, index, holder}`; else 3002 naming the exhausted
+/// resource with the numbers.
+pub fn admit(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> Result<(), ApiError> {
+    let holders = holders(held);
+    let mut conflicts = Vec::new();
+    let mut first_field = None;
+    for (class, indices) in request.hardware.by_class() {
+        for (pos, index) in indices.iter().enumerate() {
+            if let Some(holder) = holders.get(&(class, *index)) {
+                if *holder != request.name {
+                    first_field.get_or_insert_with(|| format!("spec.hardware.{class}[{pos}]"));
+                    conflicts.push((class, *index, holder.to_string()));
+                }
+            }
+        }
+    }
+    if !conflicts.is_empty() {
+        let message = conflicts
+            .iter()
+            .map(|(c, i, h)| format!("{} index {i} in use by {h}", c.as_str().to_uppercase()))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let list: Vec<_> = conflicts.iter().map(|(c, i, h)| json!({"class": c, "index": i, "holder": h})).collect();
+        let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": list }));
+        e.field = first_field;
+        return Err(e);
+    }
+
+    let others = held.iter().filter(|h| h.name != request.name);
+    let (cpu_used, mem_used) = others.fold((0u64, 0u64), |(c, m), h| (c + u64::from(h.spec.cpu), m + h.spec.memory_mib));
+    let cpu_free = u64::from(hw.cpu - hw.reserved_cpu).saturating_sub(cpu_used);
+    let mem_free = (hw.memory_mib - hw.reserved_memory_mib).saturating_sub(mem_used);
+    if u64::from(request.cpu) > cpu_free {
+        return Err(ApiError::new(
+            Code::CapacityExceeded,
+            format!(
+                "cpu {} exceeds the {cpu_free} CPUs available (total {}, reserved {}, allocated {cpu_used})",
+                request.cpu, hw.cpu, hw.reserved_cpu
+            ),
+        )
+        .field("spec.cpu")
+        .details(json!({"resource": "cpu", "requested": request.cpu, "available": cpu_free})));
+    }
+    if request.memory_mib > mem_free {
+        return Err(ApiError::new(
+            Code::CapacityExceeded,
+            format!(
+                "memory_mib {} exceeds the {mem_free} MiB available (total {}, reserved {}, allocated {mem_used})",
+                request.memory_mib, hw.memory_mib, hw.reserved_memory_mib
+            ),
+        )
+        .field("spec.memory_mib")
+        .details(json!({"resource": "memory_mib", "requested": request.memory_mib, "available": mem_free})));
+    }
+    Ok(())
+}
+
+/// Which VM holds each `(class, index)`.
+pub fn holders<'a>(held: &[Holding<'a>]) -> BTreeMap<(HardwareClass, u32), &'a str> {
+    let mut map = BTreeMap::new();
+    for h in held {
+        for (class, indices) in h.spec.hardware.by_class() {
+            for index in indices {
+                map.insert((class, *index), h.name);
+            }
+        }
+    }
+    map
+}
+
+/// CPU and memory usage, and every model index with its holder, for `host.info`.
+pub fn usage(hw: &Hardware, held: &[Holding<'_>]) -> (ResourceUsage, ResourceUsage, Vec<HardwareItem>) {
+    let cpu_alloc: u64 = held.iter().map(|h| u64::from(h.spec.cpu)).sum();
+    let mem_alloc: u64 = held.iter().map(|h| h.spec.memory_mib).sum();
+    let cpu = ResourceUsage {
+        total: u64::from(hw.cpu),
+        reserved: u64::from(hw.reserved_cpu),
+        allocated: cpu_alloc,
+        available: u64::from(hw.cpu - hw.reserved_cpu).saturating_sub(cpu_alloc),
+    };
+    let mem = ResourceUsage {
+        total: hw.memory_mib,
+        reserved: hw.reserved_memory_mib,
+        allocated: mem_alloc,
+        available: (hw.memory_mib - hw.reserved_memory_mib).saturating_sub(mem_alloc),
+    };
+    let by = holders(held);
+    let items = hw
+        .model
+        .iter()
+        .map(|(class, index, pci)| HardwareItem {
+            class,
+            index,
+            pci: pci.to_string(),
+            holder: by.get(&(class, index)).map(|s| s.to_string()),
+        })
+        .collect();
+    (cpu, mem, items)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::tests::{config, spec};
+
+    fn hold<'a>(specs: &'a [VmSpec]) -> Vec<Holding<'a>> {
+        specs.iter().map(|s| Holding { name: &s.name, spec: s }).collect()
+    }
+
+    #[test]
+    fn fits_until_capacity_is_reached() {
+        // 8 CPUs - 2 reserved = 6; 16 GiB - 4 = 12288 MiB.
+        let hw = config().hardware;
+        let mut a = spec("a");
+        a.cpu = 4;
+        a.memory_mib = 8192;
+        let held = [a];
+        let mut b = spec("b");
+        b.cpu = 2;
+        b.memory_mib = 4096;
+        assert!(admit(&hw, &hold(&held), &b).is_ok());
+        b.cpu = 3;
+        let e = admit(&hw, &hold(&held), &b).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::CapacityExceeded, Some("spec.cpu")));
+        assert_eq!(e.details["available"], 2);
+        b.cpu = 2;
+        b.memory_mib = 4097;
+        let e = admit(&hw, &hold(&held), &b).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::CapacityExceeded, Some("spec.memory_mib")));
+    }
+
+    #[test]
+    fn reserved_share_is_never_handed_out() {
+        let hw = config().hardware;
+        let mut a = spec("a");
+        a.cpu = 7; // in the model (8) but above 8 - 2 reserved
+        assert_eq!(admit(&hw, &[], &a).unwrap_err().code, Code::CapacityExceeded);
+    }
+
+    #[test]
+    fn the_vm_itself_is_not_counted_against_itself() {
+        let hw = config().hardware;
+        let mut a = spec("a");
+        a.cpu = 6;
+        a.hardware.sfp = vec![5];
+        let held = [a.clone()];
+        assert!(admit(&hw, &hold(&held), &a).is_ok());
+    }
+
+    #[test]
+    fn every_conflict_is_listed_before_capacity() {
+        let hw = config().hardware;
+        let mut s1 = spec("sensor1");
+        s1.hardware.sfp = vec![5];
+        s1.hardware.copper = vec![1];
+        let mut s2 = spec("search1");
+        s2.hardware.disk = vec![2];
+        let held = [s1, s2];
+        let mut req = spec("new");
+        req.cpu = 6; // would also exceed capacity
+        req.hardware.disk = vec![1, 2];
+        req.hardware.sfp = vec![6, 5];
+        req.hardware.copper = vec![1];
+        let e = admit(&hw, &hold(&held), &req).unwrap_err();
+        assert_eq!(e.code, Code::HardwareInUse);
+        assert_eq!(e.field.as_deref(), Some("spec.hardware.disk[1]"));
+        let conflicts = e.details["conflicts"].as_array().unwrap();
+        assert_eq!(conflicts.len(), 3);
+        assert_eq!(conflicts[0], json!({"class": "disk", "index": 2, "holder": "search1"}));
+        assert_eq!(conflicts[2], json!({"class": "sfp", "index": 5, "holder": "sensor1"}));
+        assert!(e.message.contains("SFP index 5 in use by sensor1"), "{}", e.message);
+    }
+
+    #[test]
+    fn usage_reports_holders_and_totals() {
+        let hw = config().hardware;
+        let mut a = spec("a");
+        a.cpu = 2;
+        a.hardware.sfp = vec![6];
+        let held = [a, spec("b")];
+        let (cpu, mem, items) = usage(&hw, &hold(&held));
+        assert_eq!(cpu, ResourceUsage { total: 8, reserved: 2, allocated: 3, available: 3 });
+        assert_eq!(mem.allocated, 512);
+        assert_eq!(mem.available, 12288 - 512);
+        assert_eq!(items.len(), 6);
+        let sfp6 = items.iter().find(|i| i.class == HardwareClass::Sfp && i.index == 6).unwrap();
+        assert_eq!(sfp6.holder.as_deref(), Some("a"));
+        assert_eq!(sfp6.pci, "0000:ca:00.1");
+        assert!(items.iter().filter(|i| i.holder.is_none()).count() == 5);
+    }
+}

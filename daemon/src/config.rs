@@ -1,1 +1,416 @@
-//! TODO
+//! The host configuration (`/etc/vmhost/vmhostd.toml`, documented in docs/config.md).
+//!
+//! Parsed once at start by [`Config::load`] (or [`Config::parse`] for text): TOML syntax first,
+//! then the typed shape (unknown keys are errors), then the cross-field rules. Any failure names
+//! the file, the key and the problem, and vmhostd refuses to start: a half-understood host model
+//! would let the daemon hand out hardware it does not have.
+
+use crate::api::HardwareClass;
+use crate::hardware::{HardwareModel, PciAddress};
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Default config file location.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/vmhost/vmhostd.toml";
+
+/// A config that could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        /// Config file.
+        file: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// TOML syntax error.
+    #[error("{file}: invalid TOML: {message}")]
+    Syntax {
+        /// Config file.
+        file: String,
+        /// Parser message with line and column.
+        message: String,
+    },
+    /// A key has the wrong type, is unknown, or breaks a rule.
+    #[error("{file}: key `{key}`: {problem}")]
+    Key {
+        /// Config file.
+        file: String,
+        /// Dotted key path.
+        key: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+/// Which accelerator QEMU uses. KVM unless `tcg` is set explicitly: never a silent fallback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    /// Hardware virtualisation (the product default).
+    #[default]
+    Kvm,
+    /// Software emulation, for tests and hosts without KVM.
+    Tcg,
+}
+
+impl Accel {
+    /// `kvm` or `tcg`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// `[paths]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Paths {
+    /// VM records, overlays and console logs.
+    pub state: PathBuf,
+    /// Sockets and pid files.
+    pub run: PathBuf,
+    /// Base images and kernels.
+    pub images: PathBuf,
+    /// The API socket.
+    pub socket: PathBuf,
+}
+
+impl Default for Paths {
+    fn default() -> Self {
+        Paths {
+            state: "/var/lib/vmhost".into(),
+            run: "/run/vmhost".into(),
+            images: "/var/lib/vmhost/images".into(),
+            socket: "/run/vmhost/vmhostd.sock".into(),
+        }
+    }
+}
+
+/// `[qemu]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QemuConfig {
+    /// qemu-system binary.
+    pub binary: PathBuf,
+    /// qemu-img binary.
+    pub img_binary: PathBuf,
+    /// Accelerator.
+    pub accel: Accel,
+    /// Machine type.
+    pub machine: String,
+    /// Seconds QEMU may take to initialise before the start counts as failed.
+    pub launch_timeout_s: u64,
+}
+
+impl Default for QemuConfig {
+    fn default() -> Self {
+        QemuConfig {
+            binary: "/usr/bin/qemu-system-x86_64".into(),
+            img_binary: "/usr/bin/qemu-img".into(),
+            accel: Accel::Kvm,
+            machine: "q35".into(),
+            launch_timeout_s: 30,
+        }
+    }
+}
+
+/// `[access]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Access {
+    /// Group whose members may call every method.
+    pub admin_group: String,
+    /// Group whose members may call read methods.
+    pub readonly_group: String,
+    /// Socket file mode, octal text (`"0666"`).
+    pub socket_mode: String,
+}
+
+impl Default for Access {
+    fn default() -> Self {
+        Access {
+            admin_group: "vmhost".into(),
+            readonly_group: "vmhost-ro".into(),
+            socket_mode: "0666".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHardware {
+    cpu: u32,
+    memory_gib: u64,
+    #[serde(default)]
+    reserved_cpu: u32,
+    #[serde(default)]
+    reserved_memory_gib: u64,
+    #[serde(default)]
+    disk: BTreeMap<String, String>,
+    #[serde(default)]
+    copper: BTreeMap<String, String>,
+    #[serde(default)]
+    sfp: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    paths: Paths,
+    #[serde(default)]
+    qemu: QemuConfig,
+    #[serde(default)]
+    access: Access,
+    hardware: RawHardware,
+}
+
+/// The host's capacity and passthrough devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hardware {
+    /// CPUs on the host.
+    pub cpu: u32,
+    /// Memory on the host, MiB.
+    pub memory_mib: u64,
+    /// CPUs kept for the host.
+    pub reserved_cpu: u32,
+    /// Memory kept for the host, MiB.
+    pub reserved_memory_mib: u64,
+    /// Passthrough devices by class and index.
+    pub model: HardwareModel,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Where the config came from (for messages).
+    pub file: PathBuf,
+    /// `[paths]`.
+    pub paths: Paths,
+    /// `[qemu]`.
+    pub qemu: QemuConfig,
+    /// `[access]`.
+    pub access: Access,
+    /// Socket mode parsed from `access.socket_mode`.
+    pub socket_mode: u32,
+    /// `[hardware]`.
+    pub hardware: Hardware,
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the file, key and problem.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { file: path.display().to_string(), source })?;
+        Config::parse(&text, path)
+    }
+
+    /// Validates config text; `file` is only used in messages.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the file, key and problem.
+    pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
+        let fname = file.display().to_string();
+        let value: toml::Value = toml::from_str(text)
+            .map_err(|e| ConfigError::Syntax { file: fname.clone(), message: e.to_string().trim().to_string() })?;
+        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let key = e.path().to_string();
+            ConfigError::Key { file: fname.clone(), key, problem: e.into_inner().to_string() }
+        })?;
+        let key_err = |key: &str, problem: String| ConfigError::Key { file: fname.clone(), key: key.into(), problem };
+
+        for (key, p) in [
+            ("paths.state", &raw.paths.state),
+            ("paths.run", &raw.paths.run),
+            ("paths.images", &raw.paths.images),
+            ("paths.socket", &raw.paths.socket),
+            ("qemu.binary", &raw.qemu.binary),
+            ("qemu.img_binary", &raw.qemu.img_binary),
+        ] {
+            if !p.is_absolute() {
+                return Err(key_err(key, format!("{} is not an absolute path", p.display())));
+            }
+        }
+        if raw.qemu.machine.is_empty() || !raw.qemu.machine.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(key_err("qemu.machine", format!("{:?} is not a machine type name", raw.qemu.machine)));
+        }
+        if raw.qemu.launch_timeout_s == 0 {
+            return Err(key_err("qemu.launch_timeout_s", "must be at least 1".into()));
+        }
+        let socket_mode = parse_mode(&raw.access.socket_mode).map_err(|p| key_err("access.socket_mode", p))?;
+
+        let h = &raw.hardware;
+        if h.cpu == 0 {
+            return Err(key_err("hardware.cpu", "must be at least 1".into()));
+        }
+        if h.memory_gib == 0 {
+            return Err(key_err("hardware.memory_gib", "must be at least 1".into()));
+        }
+        if h.reserved_cpu >= h.cpu {
+            return Err(key_err("hardware.reserved_cpu", format!("{} leaves no CPU for VMs (cpu = {})", h.reserved_cpu, h.cpu)));
+        }
+        if h.reserved_memory_gib >= h.memory_gib {
+            return Err(key_err(
+                "hardware.reserved_memory_gib",
+                format!("{} leaves no memory for VMs (memory_gib = {})", h.reserved_memory_gib, h.memory_gib),
+            ));
+        }
+        let memory_mib = h
+            .memory_gib
+            .checked_mul(1024)
+            .ok_or_else(|| key_err("hardware.memory_gib", "too large".into()))?;
+
+        let mut items = Vec::new();
+        let mut seen: HashMap<PciAddress, String> = HashMap::new();
+        for (class, table) in
+            [(HardwareClass::Disk, &h.disk), (HardwareClass::Copper, &h.copper), (HardwareClass::Sfp, &h.sfp)]
+        {
+            for (index_text, addr_text) in table {
+                let key = format!("hardware.{class}.{index_text}");
+                let index: u32 = index_text
+                    .parse()
+                    .map_err(|_| key_err(&key, format!("index {index_text:?} is not a non-negative integer")))?;
+                let addr = PciAddress::parse(addr_text).map_err(|p| key_err(&key, p))?;
+                if let Some(other) = seen.insert(addr, key.clone()) {
+                    return Err(key_err(&key, format!("PCI address {addr} is already used by {other}")));
+                }
+                items.push((class, index, addr));
+            }
+        }
+
+        Ok(Config {
+            file: file.to_path_buf(),
+            paths: raw.paths,
+            qemu: raw.qemu,
+            access: raw.access,
+            socket_mode,
+            hardware: Hardware {
+                cpu: h.cpu,
+                memory_mib,
+                reserved_cpu: h.reserved_cpu,
+                reserved_memory_mib: h.reserved_memory_gib * 1024,
+                model: HardwareModel::new(items),
+            },
+        })
+    }
+}
+
+fn parse_mode(text: &str) -> Result<u32, String> {
+    let digits = text.strip_prefix("0o").unwrap_or(text);
+    match u32::from_str_radix(digits, 8) {
+        Ok(m) if m <= 0o777 && !digits.is_empty() => Ok(m),
+        _ => Err(format!("{text:?} is not an octal file mode like \"0660\"")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL: &str = r#"
+[paths]
+state = "/var/lib/vmhost"
+run = "/run/vmhost"
+images = "/var/lib/vmhost/images"
+socket = "/run/vmhost/vmhostd.sock"
+[qemu]
+binary = "/usr/bin/qemu-system-x86_64"
+accel = "tcg"
+[access]
+admin_group = "vmhost"
+readonly_group = "vmhost-ro"
+[hardware]
+cpu = 32
+memory_gib = 256
+reserved_cpu = 2
+reserved_memory_gib = 8
+[hardware.disk]
+1 = "0000:c7:00.0"
+[hardware.copper]
+1 = "pci_0000_c8_00_0"
+[hardware.sfp]
+5 = "0000:ca:00.0"
+"#;
+
+    fn parse(t: &str) -> Result<Config, ConfigError> {
+        Config::parse(t, Path::new("/etc/vmhost/vmhostd.toml"))
+    }
+
+    fn key_error(t: &str) -> (String, String) {
+        match parse(t) {
+            Err(ConfigError::Key { key, problem, .. }) => (key, problem),
+            other => panic!("expected a key error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn full_example_parses() {
+        let c = parse(FULL).unwrap();
+        assert_eq!(c.qemu.accel, Accel::Tcg);
+        assert_eq!(c.hardware.memory_mib, 256 * 1024);
+        assert_eq!(c.hardware.reserved_memory_mib, 8 * 1024);
+        assert_eq!(c.socket_mode, 0o666);
+        assert_eq!(c.hardware.model.len(), 3);
+        assert_eq!(c.hardware.model.get(HardwareClass::Copper, 1).unwrap().to_string(), "0000:c8:00.0");
+        assert_eq!(c.hardware.model.get(HardwareClass::Sfp, 5).unwrap().to_string(), "0000:ca:00.0");
+        assert!(c.hardware.model.get(HardwareClass::Sfp, 1).is_none());
+    }
+
+    #[test]
+    fn minimal_config_defaults_to_kvm() {
+        let c = parse("[hardware]\ncpu = 4\nmemory_gib = 8\n").unwrap();
+        assert_eq!(c.qemu.accel, Accel::Kvm);
+        assert_eq!(c.paths.socket, PathBuf::from("/run/vmhost/vmhostd.sock"));
+        assert!(c.hardware.model.is_empty());
+    }
+
+    #[test]
+    fn syntax_error_names_file() {
+        let e = parse("[hardware\n").unwrap_err().to_string();
+        assert!(e.starts_with("/etc/vmhost/vmhostd.toml: invalid TOML"), "{e}");
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("[hardware]\ncpu = 4\n", "hardware", "memory_gib"),
+            ("[hardware]\ncpu = 4\nmemory_gib = 8\ncolour = 1\n", "hardware.colour", "colour"),
+            ("[hardware]\ncpu = \"x\"\nmemory_gib = 8\n", "hardware.cpu", "string"),
+            ("[qemu]\naccel = \"hvf\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "qemu.accel", "hvf"),
+            ("[hardware]\ncpu = 4\nmemory_gib = 8\nreserved_cpu = 4\n", "hardware.reserved_cpu", "no CPU"),
+            ("[hardware]\ncpu = 4\nmemory_gib = 8\nreserved_memory_gib = 9\n", "hardware.reserved_memory_gib", "no memory"),
+            ("[hardware]\ncpu = 0\nmemory_gib = 8\n", "hardware.cpu", "at least 1"),
+            ("[paths]\nstate = \"rel\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "paths.state", "absolute"),
+            ("[access]\nsocket_mode = \"999\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "access.socket_mode", "octal"),
+            ("[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\nx = \"0000:ca:00.0\"\n", "hardware.sfp.x", "index"),
+            ("[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\n5 = \"ca:00\"\n", "hardware.sfp.5", "PCI"),
+            (
+                "[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\n5 = \"ca:00.0\"\n[hardware.copper]\n1 = \"pci_0000_ca_00_0\"\n",
+                "hardware.sfp.5",
+                "already used by hardware.copper.1",
+            ),
+            ("[qemu]\nmachine = \"q35,accel=kvm\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "qemu.machine", "machine"),
+        ];
+        for (text, want_key, want_problem) in cases {
+            let (key, problem) = key_error(text);
+            assert_eq!(&key, want_key, "{text}");
+            assert!(problem.contains(want_problem), "{text}: {problem}");
+        }
+    }
+
+    #[test]
+    fn missing_file_is_a_read_error() {
+        let e = Config::load(Path::new("/nonexistent/vmhostd.toml")).unwrap_err();
+        assert!(matches!(e, ConfigError::Read { .. }));
+        assert!(e.to_string().contains("/nonexistent/vmhostd.toml"));
+    }
+}

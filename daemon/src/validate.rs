@@ -1,1 +1,354 @@
-//! TODO
+//! Spec validation: a pure function of (spec, host config), run before anything else.
+//!
+//! [`validate_spec`] checks the spec on its own (2001) and against the host model (3001). What other
+//! VMs hold is [`crate::capacity`]'s concern; whether files exist on disk is checked by the
+//! lifecycle right after, because that is not a pure question. A spec that passes here becomes a
+//! [`ValidSpec`] whose boot source is a closed enum, so later code cannot see an invalid mix.
+
+use crate::api::{ApiError, Code, VmSpec};
+use crate::config::Config;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+/// Lowest memory a VM may ask for, MiB: below this no x86 guest kernel boots.
+pub const MIN_MEMORY_MIB: u64 = 32;
+/// Largest overlay disk, GiB.
+pub const MAX_DISK_GIB: u64 = 65536;
+/// Longest kernel command line accepted (x86 COMMAND_LINE_SIZE is 2048).
+pub const MAX_CMDLINE: usize = 2048;
+
+/// How a validated VM boots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BootSource {
+    /// A qcow2 overlay over a base image from the image dir.
+    Image {
+        /// The base image's file name.
+        image: String,
+        /// Overlay size.
+        disk_gib: u64,
+    },
+    /// Direct kernel boot.
+    Kernel {
+        /// Kernel path.
+        kernel: PathBuf,
+        /// Optional initrd path.
+        initrd: Option<PathBuf>,
+        /// Kernel command line ("" when absent).
+        cmdline: String,
+    },
+}
+
+/// A spec that passed [`validate_spec`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidSpec {
+    /// The spec as sent.
+    pub spec: VmSpec,
+    /// Its boot source.
+    pub boot: BootSource,
+}
+
+/// True when `name` matches `^[a-z0-9][a-z0-9-]{0,62}$`.
+pub fn is_valid_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+}
+
+/// Checks a spec against the rules and the host model.
+///
+/// # Errors
+/// 2001 for a malformed spec, 3001 for sizes or hardware the host model does not have; the error
+/// names the field (`spec.hardware.sfp[1]`).
+pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiError> {
+    if !is_valid_name(&spec.name) {
+        return Err(ApiError::invalid(
+            "spec.name",
+            format!("name {:?} must match ^[a-z0-9][a-z0-9-]{{0,62}}$", spec.name),
+        ));
+    }
+    if let Some(role) = &spec.role {
+        let ok = !role.is_empty()
+            && role.len() <= 64
+            && role.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !ok {
+            return Err(ApiError::invalid("spec.role", "role must be 1-64 characters of [A-Za-z0-9_-]"));
+        }
+    }
+    let hw = &config.hardware;
+    if spec.cpu == 0 {
+        return Err(ApiError::invalid("spec.cpu", "cpu must be at least 1"));
+    }
+    if spec.cpu > hw.cpu {
+        return Err(ApiError::new(Code::NotInModel, format!("cpu {} is above the host's {} CPUs", spec.cpu, hw.cpu))
+            .field("spec.cpu"));
+    }
+    if spec.memory_mib < MIN_MEMORY_MIB {
+        return Err(ApiError::invalid("spec.memory_mib", format!("memory_mib must be at least {MIN_MEMORY_MIB}")));
+    }
+    if spec.memory_mib > hw.memory_mib {
+        return Err(ApiError::new(
+            Code::NotInModel,
+            format!("memory_mib {} is above the host's {} MiB", spec.memory_mib, hw.memory_mib),
+        )
+        .field("spec.memory_mib"));
+    }
+    for (class, indices) in spec.hardware.by_class() {
+        let mut seen = HashSet::new();
+        for (pos, &index) in indices.iter().enumerate() {
+            let field = format!("spec.hardware.{class}[{pos}]");
+            if !seen.insert(index) {
+                return Err(ApiError::invalid(field, format!("{class} index {index} is listed twice")));
+            }
+            if hw.model.get(class, index).is_none() {
+                return Err(ApiError::new(
+                    Code::NotInModel,
+                    format!("{class} index {index} is not in the host's hardware model"),
+                )
+                .field(field)
+                .details(serde_json::json!({"class": class, "index": index})));
+            }
+        }
+    }
+    let boot = validate_boot(spec)?;
+    Ok(ValidSpec { spec: spec.clone(), boot })
+}
+
+fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
+    let b = &spec.boot;
+    match (&b.image, &b.kernel) {
+        (Some(_), Some(_)) => Err(ApiError::invalid("spec.boot", "give either boot.image or boot.kernel, not both")),
+        (None, None) => Err(ApiError::invalid("spec.boot", "boot needs either image (with disk_gib) or kernel")),
+        (Some(image), None) => {
+            for (field, set) in [
+                ("spec.boot.initrd", b.initrd.is_some()),
+                ("spec.boot.cmdline", b.cmdline.is_some()),
+            ] {
+                if set {
+                    return Err(ApiError::invalid(field, "only valid with boot.kernel"));
+                }
+            }
+            if !is_plain_file_name(image) {
+                return Err(ApiError::invalid(
+                    "spec.boot.image",
+                    format!("{image:?} must be a file name in the image directory (no path, no leading dot)"),
+                ));
+            }
+            let disk_gib = b.disk_gib.ok_or_else(|| ApiError::invalid("spec.boot.disk_gib", "required with boot.image"))?;
+            if disk_gib == 0 || disk_gib > MAX_DISK_GIB {
+                return Err(ApiError::invalid("spec.boot.disk_gib", format!("must be 1..={MAX_DISK_GIB}")));
+            }
+            Ok(BootSource::Image { image: image.clone(), disk_gib })
+        }
+        (None, Some(kernel)) => {
+            if b.disk_gib.is_some() {
+                return Err(ApiError::invalid("spec.boot.disk_gib", "only valid with boot.image"));
+            }
+            check_abs_path("spec.boot.kernel", kernel)?;
+            if let Some(initrd) = &b.initrd {
+                check_abs_path("spec.boot.initrd", initrd)?;
+            }
+            let cmdline = b.cmdline.clone().unwrap_or_default();
+            if cmdline.len() > MAX_CMDLINE {
+                return Err(ApiError::invalid("spec.boot.cmdline", format!("longer than {MAX_CMDLINE} bytes")));
+            }
+            if cmdline.chars().any(|c| c.is_control()) {
+                return Err(ApiError::invalid("spec.boot.cmdline", "contains control characters"));
+            }
+            Ok(BootSource::Kernel { kernel: kernel.clone(), initrd: b.initrd.clone(), cmdline })
+        }
+    }
+}
+
+/// A single path component that cannot escape its directory or hide.
+fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && !name.starts_with('.')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-+".contains(c))
+}
+
+fn check_abs_path(field: &str, p: &Path) -> Result<(), ApiError> {
+    let text = p.to_string_lossy();
+    if !p.is_absolute() {
+        return Err(ApiError::invalid(field, format!("{text:?} is not an absolute path")));
+    }
+    // Path::components() silently drops interior "." components, so look at the text itself.
+    if text.split('/').any(|c| c == "." || c == "..") {
+        return Err(ApiError::invalid(field, format!("{text:?} must not contain . or .. components")));
+    }
+    // QEMU takes these as plain arguments, but a comma or control character in a path is never
+    // intended and would break any later option-list use.
+    if text.chars().any(|c| c.is_control() || c == ',') {
+        return Err(ApiError::invalid(field, format!("{text:?} contains a comma or control character")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::api::{BootSpec, DesiredState, HardwareRequest};
+    use std::path::Path;
+
+    pub(crate) fn config() -> Config {
+        Config::parse(
+            r#"
+[qemu]
+accel = "tcg"
+[hardware]
+cpu = 8
+memory_gib = 16
+reserved_cpu = 2
+reserved_memory_gib = 4
+[hardware.disk]
+1 = "0000:c7:00.0"
+2 = "0000:c7:00.1"
+[hardware.copper]
+1 = "0000:c8:00.0"
+2 = "0000:c8:00.1"
+[hardware.sfp]
+5 = "0000:ca:00.0"
+6 = "0000:ca:00.1"
+"#,
+            Path::new("test.toml"),
+        )
+        .unwrap()
+    }
+
+    pub(crate) fn spec(name: &str) -> VmSpec {
+        VmSpec {
+            name: name.into(),
+            role: None,
+            cpu: 1,
+            memory_mib: 256,
+            state: DesiredState::Running,
+            hardware: HardwareRequest::default(),
+            boot: BootSpec {
+                kernel: Some("/boot/vmlinuz".into()),
+                cmdline: Some("console=ttyS0".into()),
+                ..BootSpec::default()
+            },
+        }
+    }
+
+    fn err(s: &VmSpec) -> (i32, String) {
+        let e = validate_spec(s, &config()).unwrap_err();
+        (e.code.as_i32(), e.field.unwrap_or_default())
+    }
+
+    #[test]
+    fn good_kernel_and_image_specs_pass() {
+        let v = validate_spec(&spec("vm-1"), &config()).unwrap();
+        assert!(matches!(v.boot, BootSource::Kernel { ref cmdline, .. } if cmdline == "console=ttyS0"));
+        let mut s = spec("vm-2");
+        s.boot = BootSpec { image: Some("debian-12.qcow2".into()), disk_gib: Some(20), ..BootSpec::default() };
+        s.hardware = HardwareRequest { disk: vec![1, 2], copper: vec![1], sfp: vec![5] };
+        let v = validate_spec(&s, &config()).unwrap();
+        assert_eq!(v.boot, BootSource::Image { image: "debian-12.qcow2".into(), disk_gib: 20 });
+    }
+
+    #[test]
+    fn names() {
+        for good in ["a", "0", "vm-1", &"a".repeat(63)] {
+            assert!(is_valid_name(good), "{good}");
+        }
+        for bad in ["", "-a", "A", "a_b", "a.b", "é", &"a".repeat(64), "a b"] {
+            assert!(!is_valid_name(bad), "{bad}");
+            assert_eq!(err(&spec(bad)), (2001, "spec.name".into()));
+        }
+    }
+
+    #[test]
+    fn sizes() {
+        let mut s = spec("a");
+        s.cpu = 0;
+        assert_eq!(err(&s), (2001, "spec.cpu".into()));
+        s.cpu = 9;
+        assert_eq!(err(&s), (3001, "spec.cpu".into()));
+        s.cpu = 8; // the whole host is in the model even if reserved: capacity refuses it later
+        assert!(validate_spec(&s, &config()).is_ok());
+        s.memory_mib = 31;
+        assert_eq!(err(&s), (2001, "spec.memory_mib".into()));
+        s.memory_mib = 16 * 1024 + 1;
+        assert_eq!(err(&s), (3001, "spec.memory_mib".into()));
+    }
+
+    #[test]
+    fn hardware_indices() {
+        let mut s = spec("a");
+        s.hardware.sfp = vec![5, 7];
+        assert_eq!(err(&s), (3001, "spec.hardware.sfp[1]".into()));
+        s.hardware.sfp = vec![5, 5];
+        assert_eq!(err(&s), (2001, "spec.hardware.sfp[1]".into()));
+        s.hardware.sfp = vec![];
+        s.hardware.copper = vec![5]; // index 5 exists, but in class sfp
+        assert_eq!(err(&s), (3001, "spec.hardware.copper[0]".into()));
+        s.hardware.copper = vec![];
+        s.hardware.disk = vec![0];
+        assert_eq!(err(&s), (3001, "spec.hardware.disk[0]".into()));
+    }
+
+    #[test]
+    fn boot_mixes() {
+        let mut s = spec("a");
+        s.boot.image = Some("x.qcow2".into());
+        assert_eq!(err(&s), (2001, "spec.boot".into()));
+        s.boot = BootSpec::default();
+        assert_eq!(err(&s), (2001, "spec.boot".into()));
+        s.boot = BootSpec { image: Some("x.qcow2".into()), ..BootSpec::default() };
+        assert_eq!(err(&s), (2001, "spec.boot.disk_gib".into()));
+        s.boot.disk_gib = Some(0);
+        assert_eq!(err(&s), (2001, "spec.boot.disk_gib".into()));
+        s.boot.disk_gib = Some(MAX_DISK_GIB + 1);
+        assert_eq!(err(&s), (2001, "spec.boot.disk_gib".into()));
+        s.boot.disk_gib = Some(1);
+        s.boot.cmdline = Some("x".into());
+        assert_eq!(err(&s), (2001, "spec.boot.cmdline".into()));
+        s.boot.cmdline = None;
+        s.boot.initrd = Some("/i".into());
+        assert_eq!(err(&s), (2001, "spec.boot.initrd".into()));
+        for bad in ["../x", "/etc/passwd", ".hidden", "a/b", "", "a b", "a,b"] {
+            let mut s = spec("a");
+            s.boot = BootSpec { image: Some(bad.into()), disk_gib: Some(1), ..BootSpec::default() };
+            assert_eq!(err(&s), (2001, "spec.boot.image".into()), "{bad}");
+        }
+    }
+
+    #[test]
+    fn kernel_paths() {
+        let cases: &[(&str, Option<&str>, &str)] = &[
+            ("vmlinuz", None, "spec.boot.kernel"),
+            ("/boot/../etc/shadow", None, "spec.boot.kernel"),
+            ("/boot/./vmlinuz", None, "spec.boot.kernel"),
+            ("/boot/a,b", None, "spec.boot.kernel"),
+            ("/boot/vmlinuz", Some("initrd.img"), "spec.boot.initrd"),
+        ];
+        for (kernel, initrd, field) in cases {
+            let mut s = spec("a");
+            s.boot.kernel = Some(kernel.into());
+            s.boot.initrd = initrd.map(Into::into);
+            assert_eq!(err(&s), (2001, field.to_string()), "{kernel}");
+        }
+        let mut s = spec("a");
+        s.boot.disk_gib = Some(3);
+        assert_eq!(err(&s), (2001, "spec.boot.disk_gib".into()));
+        s.boot.disk_gib = None;
+        s.boot.cmdline = Some("a\nb".into());
+        assert_eq!(err(&s), (2001, "spec.boot.cmdline".into()));
+        s.boot.cmdline = Some("x".repeat(MAX_CMDLINE + 1));
+        assert_eq!(err(&s), (2001, "spec.boot.cmdline".into()));
+    }
+
+    #[test]
+    fn roles() {
+        let mut s = spec("a");
+        s.role = Some("sensor".into());
+        assert!(validate_spec(&s, &config()).is_ok());
+        s.role = Some("bad role".into());
+        assert_eq!(err(&s), (2001, "spec.role".into()));
+        s.role = Some(String::new());
+        assert_eq!(err(&s), (2001, "spec.role".into()));
+    }
+}
