@@ -239,6 +239,16 @@ impl Config {
                 return Err(key_err(key, format!("{} is not an absolute path", p.display())));
             }
         }
+        let run_len = raw.paths.run.as_os_str().len();
+        if run_len > crate::qemu::argv::MAX_RUN_DIR_LEN {
+            return Err(key_err(
+                "paths.run",
+                format!(
+                    "is {run_len} bytes; at most {} so every VM socket path fits a Unix socket address",
+                    crate::qemu::argv::MAX_RUN_DIR_LEN
+                ),
+            ));
+        }
         if raw.qemu.machine.is_empty() || !raw.qemu.machine.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
         {
             return Err(key_err("qemu.machine", format!("{:?} is not a machine type name", raw.qemu.machine)));
@@ -389,6 +399,7 @@ reserved_memory_gib = 8
             ("[hardware]\ncpu = 4\nmemory_gib = 8\nreserved_cpu = 4\n", "hardware.reserved_cpu", "no CPU"),
             ("[hardware]\ncpu = 4\nmemory_gib = 8\nreserved_memory_gib = 9\n", "hardware.reserved_memory_gib", "no memory"),
             ("[hardware]\ncpu = 0\nmemory_gib = 8\n", "hardware.cpu", "at least 1"),
+            ("[paths]\nrun = \"/run/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "paths.run", "Unix socket"),
             ("[paths]\nstate = \"rel\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "paths.state", "absolute"),
             ("[access]\nsocket_mode = \"999\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "access.socket_mode", "octal"),
             ("[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\nx = \"0000:ca:00.0\"\n", "hardware.sfp.x", "index"),

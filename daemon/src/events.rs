@@ -1,1 +1,53 @@
-//! TODO
+//! The VM event bus: every status change becomes an [`Event`] for `events.subscribe` clients.
+//!
+//! A broadcast channel: publishing never blocks the lifecycle, and a subscriber that falls more
+//! than [`CAPACITY`] events behind loses the oldest ones (it is told how many via a log line)
+//! rather than slowing the daemon down.
+
+use crate::api::{now_rfc3339, Event, VmStatus};
+use tokio::sync::broadcast;
+
+/// Events buffered per subscriber.
+pub const CAPACITY: usize = 1024;
+
+/// Publishes VM state changes.
+#[derive(Debug, Clone)]
+pub struct EventBus {
+    tx: broadcast::Sender<Event>,
+}
+
+impl Default for EventBus {
+    fn default() -> Self {
+        EventBus { tx: broadcast::channel(CAPACITY).0 }
+    }
+}
+
+impl EventBus {
+    /// Publishes a change of `vm` from `from` to `to`. No subscriber is fine.
+    pub fn emit(&self, vm: &str, from: Option<VmStatus>, to: Option<VmStatus>, reason: impl Into<String>) {
+        let event = Event { vm: vm.to_string(), from, to, reason: reason.into(), time: now_rfc3339() };
+        tracing::info!(vm, from = ?from, to = ?to, reason = %event.reason, "vm event");
+        let _ = self.tx.send(event);
+    }
+
+    /// A receiver of every event published from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.tx.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn subscribers_see_events_after_subscribing() {
+        let bus = EventBus::default();
+        bus.emit("early", None, Some(VmStatus::Creating), "nobody listens");
+        let mut rx = bus.subscribe();
+        bus.emit("a", Some(VmStatus::Running), Some(VmStatus::Dead), "process exited");
+        let e = rx.recv().await.unwrap();
+        assert_eq!((e.vm.as_str(), e.from, e.to), ("a", Some(VmStatus::Running), Some(VmStatus::Dead)));
+        assert!(rx.try_recv().is_err());
+    }
+}

@@ -1,1 +1,192 @@
-//! TODO
+//! Persistent VM records: the daemon's memory across its own restarts.
+//!
+//! One JSON file per VM under `STATE/vms/`, replaced atomically ([`atomic`]). The lifecycle writes
+//! a record *before* it touches the host (intent first), so after a crash every host resource
+//! that might exist is named by a record and can be found and cleaned up. [`Store::load_all`]
+//! runs once at start; unreadable files are reported and left in place, never overwritten.
+
+pub mod atomic;
+
+use crate::api::{LastError, VmSpec, VmStatus};
+use crate::process::ProcessIdentity;
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Version of the record format, bumped on incompatible change.
+pub const RECORD_VERSION: u32 = 1;
+
+/// What the daemon remembers about one VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmRecord {
+    /// Record format version.
+    pub version: u32,
+    /// The declared spec (its `state` is the desired state).
+    pub spec: VmSpec,
+    /// Observed status as last recorded.
+    pub status: VmStatus,
+    /// Whether the VM's CPU, memory and hardware are held (false after a failed create).
+    pub reserved: bool,
+    /// Whether this daemon made the VM's overlay disk (so destroy removes it).
+    pub overlay: Option<PathBuf>,
+    /// The QEMU process while one exists.
+    pub process: Option<ProcessIdentity>,
+    /// RFC 3339.
+    pub created_at: String,
+    /// RFC 3339.
+    pub updated_at: String,
+    /// RFC 3339, last QEMU start.
+    pub started_at: Option<String>,
+    /// Last failure.
+    pub last_error: Option<LastError>,
+}
+
+impl VmRecord {
+    /// A new record for `spec` in status `creating`, holding its resources.
+    pub fn new(spec: VmSpec) -> VmRecord {
+        let now = crate::api::now_rfc3339();
+        VmRecord {
+            version: RECORD_VERSION,
+            spec,
+            status: VmStatus::Creating,
+            reserved: true,
+            overlay: None,
+            process: None,
+            created_at: now.clone(),
+            updated_at: now,
+            started_at: None,
+            last_error: None,
+        }
+    }
+
+    /// The VM's name.
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+}
+
+/// A record file that could not be read: reported by `host.check`, and its name stays taken.
+#[derive(Debug, Clone)]
+pub struct BrokenRecord {
+    /// The file.
+    pub path: PathBuf,
+    /// The VM name taken from the file name.
+    pub name: String,
+    /// Why it could not be loaded.
+    pub error: String,
+}
+
+/// The record directory.
+#[derive(Debug, Clone)]
+pub struct Store {
+    dir: PathBuf,
+}
+
+impl Store {
+    /// Opens (creating if needed, mode 0700) `STATE/vms`.
+    ///
+    /// # Errors
+    /// The directory cannot be created.
+    pub fn open(state_dir: &Path) -> io::Result<Store> {
+        let dir = state_dir.join("vms");
+        fs::create_dir_all(&dir)?;
+        Ok(Store { dir })
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.json"))
+    }
+
+    /// Loads every record, sorted by name.
+    ///
+    /// # Errors
+    /// The directory cannot be listed. Individual bad files become [`BrokenRecord`]s.
+    pub fn load_all(&self) -> io::Result<(Vec<VmRecord>, Vec<BrokenRecord>)> {
+        let mut good = Vec::new();
+        let mut broken = Vec::new();
+        for entry in fs::read_dir(&self.dir)? {
+            let path = entry?.path();
+            let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            let Some(name) = file.strip_suffix(".json") else { continue };
+            if name.starts_with('.') {
+                continue; // a temp file left by a crash mid-write
+            }
+            let parsed = fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<VmRecord>(&b).map_err(|e| e.to_string()))
+                .and_then(|r| {
+                    if r.name() == name {
+                        Ok(r)
+                    } else {
+                        Err(format!("record names VM {:?}", r.name()))
+                    }
+                });
+            match parsed {
+                Ok(r) => good.push(r),
+                Err(error) => broken.push(BrokenRecord { path: path.clone(), name: name.to_string(), error }),
+            }
+        }
+        good.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        Ok((good, broken))
+    }
+
+    /// Writes `record` atomically, stamping `updated_at`.
+    ///
+    /// # Errors
+    /// I/O errors; the previous record is then intact.
+    pub fn save(&self, record: &mut VmRecord) -> io::Result<()> {
+        record.updated_at = crate::api::now_rfc3339();
+        let data = serde_json::to_vec_pretty(record).map_err(io::Error::other)?;
+        atomic::write_atomic(&self.path(record.name()), &data)
+    }
+
+    /// Removes the record of `name`.
+    ///
+    /// # Errors
+    /// I/O errors other than "absent".
+    pub fn remove(&self, name: &str) -> io::Result<()> {
+        atomic::remove_durable(&self.path(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::tests::spec;
+
+    #[test]
+    fn save_load_remove() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        let mut b = VmRecord::new(spec("b"));
+        let mut a = VmRecord::new(spec("a"));
+        a.process = Some(ProcessIdentity { pid: 42, start_ticks: 7 });
+        s.save(&mut b).unwrap();
+        s.save(&mut a).unwrap();
+        let (recs, broken) = s.load_all().unwrap();
+        assert!(broken.is_empty());
+        assert_eq!(recs, vec![a, b]);
+        s.remove("a").unwrap();
+        assert_eq!(s.load_all().unwrap().0.len(), 1);
+    }
+
+    #[test]
+    fn unreadable_records_are_reported_and_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        let vms = d.path().join("vms");
+        fs::write(vms.join("bad.json"), b"{not json").unwrap();
+        let mut other = VmRecord::new(spec("other"));
+        s.save(&mut other).unwrap();
+        fs::copy(vms.join("other.json"), vms.join("renamed.json")).unwrap();
+        fs::write(vms.join(".x.json.tmp.1"), b"partial").unwrap();
+        let (recs, broken) = s.load_all().unwrap();
+        assert_eq!(recs.len(), 1);
+        let mut names: Vec<_> = broken.iter().map(|b| b.name.as_str()).collect();
+        names.sort();
+        assert_eq!(names, vec!["bad", "renamed"]);
+        assert!(vms.join("bad.json").exists(), "a broken record is never deleted");
+    }
+}
