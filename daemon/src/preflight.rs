@@ -1,1 +1,146 @@
-//! TODO
+//! `host.check`: can this host run VMs as configured? One item per prerequisite.
+//!
+//! Everything is probed, nothing is changed: binaries are run with `--version`, directories are
+//! tested with a probe file that is removed again, the accelerator is opened. The order of
+//! [`check`]'s items is stable so operators and plugins can diff reports.
+
+use crate::api::{CheckItem, CheckStatus, HostCheck};
+use crate::config::{Accel, Config};
+use crate::state::BrokenRecord;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+fn item(name: &str, status: CheckStatus, detail: impl Into<String>) -> CheckItem {
+    CheckItem { name: name.to_string(), status, detail: detail.into() }
+}
+
+async fn binary_version(name: &str, binary: &Path) -> CheckItem {
+    if !binary.exists() {
+        return item(name, CheckStatus::Missing, format!("{} not found", binary.display()));
+    }
+    let run = tokio::process::Command::new(binary)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    match tokio::time::timeout(Duration::from_secs(10), run).await {
+        Ok(Ok(out)) if out.status.success() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            item(name, CheckStatus::Ok, format!("{}: {}", binary.display(), text.lines().next().unwrap_or("").trim()))
+        }
+        Ok(Ok(out)) => item(name, CheckStatus::Error, format!("{} --version exited with {}", binary.display(), out.status)),
+        Ok(Err(e)) => item(name, CheckStatus::Error, format!("cannot run {}: {e}", binary.display())),
+        Err(_) => item(name, CheckStatus::Error, format!("{} --version timed out", binary.display())),
+    }
+}
+
+fn accelerator(config: &Config) -> CheckItem {
+    match config.qemu.accel {
+        Accel::Tcg => item("accelerator", CheckStatus::Ok, "tcg (software emulation), set explicitly in the config"),
+        Accel::Kvm => match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+            Ok(_) => item("accelerator", CheckStatus::Ok, "kvm: /dev/kvm opened read-write"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                item("accelerator", CheckStatus::Missing, "kvm: /dev/kvm does not exist (no fallback to tcg)")
+            }
+            Err(e) => item("accelerator", CheckStatus::Error, format!("kvm: cannot open /dev/kvm: {e}")),
+        },
+    }
+}
+
+fn writable_dir(name: &str, dir: &Path) -> CheckItem {
+    if !dir.is_dir() {
+        return item(name, CheckStatus::Missing, format!("{} is not a directory", dir.display()));
+    }
+    let probe = dir.join(format!(".vmhost-probe-{}", std::process::id()));
+    match std::fs::write(&probe, b"") {
+        Ok(()) => {
+            let _ = std::fs::remove_file(&probe);
+            item(name, CheckStatus::Ok, format!("{} is writable", dir.display()))
+        }
+        Err(e) => item(name, CheckStatus::Error, format!("{} is not writable: {e}", dir.display())),
+    }
+}
+
+fn readable_dir(name: &str, dir: &Path) -> CheckItem {
+    match std::fs::read_dir(dir) {
+        Ok(_) => item(name, CheckStatus::Ok, format!("{} is readable", dir.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            item(name, CheckStatus::Missing, format!("{} does not exist", dir.display()))
+        }
+        Err(e) => item(name, CheckStatus::Error, format!("{}: {e}", dir.display())),
+    }
+}
+
+fn hardware(config: &Config) -> CheckItem {
+    let model = &config.hardware.model;
+    if model.is_empty() {
+        return item("hardware_model", CheckStatus::Ok, "no passthrough devices configured");
+    }
+    let missing: Vec<String> = model
+        .iter()
+        .filter(|(_, _, addr)| !Path::new("/sys/bus/pci/devices").join(addr.to_string()).exists())
+        .map(|(class, index, addr)| format!("{class} {index} ({addr})"))
+        .collect();
+    if missing.is_empty() {
+        item("hardware_model", CheckStatus::Ok, format!("all {} devices present", model.len()))
+    } else {
+        item("hardware_model", CheckStatus::Missing, format!("not present on this host: {}", missing.join(", ")))
+    }
+}
+
+fn records(broken: &[BrokenRecord]) -> CheckItem {
+    if broken.is_empty() {
+        return item("vm_records", CheckStatus::Ok, "all VM records readable");
+    }
+    let list: Vec<String> = broken.iter().map(|b| format!("{}: {}", b.path.display(), b.error)).collect();
+    item("vm_records", CheckStatus::Error, format!("unreadable records: {}", list.join("; ")))
+}
+
+/// Runs every preflight check.
+pub async fn check(config: &Config, broken: &[BrokenRecord]) -> HostCheck {
+    let items = vec![
+        binary_version("qemu", &config.qemu.binary).await,
+        binary_version("qemu_img", &config.qemu.img_binary).await,
+        accelerator(config),
+        writable_dir("state_dir", &config.paths.state),
+        writable_dir("run_dir", &config.paths.run),
+        readable_dir("image_dir", &config.paths.images),
+        hardware(config),
+        records(broken),
+    ];
+    let ok = items.iter().all(|i| i.status == CheckStatus::Ok);
+    HostCheck { ok, items }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::tests::config;
+
+    #[tokio::test]
+    async fn reports_missing_binaries_and_dirs() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = config();
+        c.qemu.binary = d.path().join("no-qemu");
+        c.qemu.img_binary = "/bin/true".into();
+        c.paths.state = d.path().to_path_buf();
+        c.paths.run = d.path().join("absent");
+        c.paths.images = d.path().join("absent-images");
+        let r = check(&c, &[]).await;
+        assert!(!r.ok);
+        let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
+        assert_eq!(status("qemu"), CheckStatus::Missing);
+        assert_eq!(status("qemu_img"), CheckStatus::Ok);
+        assert_eq!(status("accelerator"), CheckStatus::Ok); // tcg in the test config
+        assert_eq!(status("state_dir"), CheckStatus::Ok);
+        assert_eq!(status("run_dir"), CheckStatus::Missing);
+        assert_eq!(status("image_dir"), CheckStatus::Missing);
+        assert_eq!(status("hardware_model"), CheckStatus::Missing); // 0000:c7:00.0 is not on this host
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "the probe file is removed");
+        let broken = [BrokenRecord { path: "/x/a.json".into(), name: "a".into(), error: "bad".into() }];
+        let r = check(&c, &broken).await;
+        assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
+    }
+}

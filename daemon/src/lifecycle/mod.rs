@@ -1,1 +1,273 @@
-//! TODO
+//! The lifecycle manager: the only code that coordinates several host resources.
+//!
+//! It owns the in-memory table of VM records and the per-VM busy flags. Every mutating
+//! operation follows the same order:
+//!
+//! 1. validate (pure, [`crate::validate`]), then check files the spec names;
+//! 2. take the VM's busy flag ([`OpGuard`]; a second operation gets 4090) and, for a new VM,
+//!    admit it under the allocation lock ([`crate::capacity`]) and write its record (intent);
+//! 3. touch the host in dependency order: overlay disk ([`crate::disk`]), run dir, QEMU
+//!    ([`crate::qemu`]), with the record saved before each step that creates something;
+//! 4. on failure undo the completed steps in reverse and record `failed` with the error.
+//!
+//! Submodules: [`ops`] (create/start/stop/destroy/apply), [`launch`] (QEMU start and teardown
+//! steps), [`recover`] (re-adoption at daemon start, exit watching), [`reconcile`]
+//! (`host.reconcile`).
+
+mod launch;
+mod ops;
+mod reconcile;
+mod recover;
+
+use crate::api::{
+    ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION,
+};
+use crate::capacity::{self, Holding};
+use crate::config::Config;
+use crate::events::EventBus;
+use crate::qemu::argv::VmPaths;
+use crate::state::{BrokenRecord, Store, VmRecord};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Daemon version reported by `host.info`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+#[derive(Debug, Default)]
+struct Table {
+    vms: BTreeMap<String, VmRecord>,
+    busy: HashSet<String>,
+    broken: BTreeMap<String, BrokenRecord>,
+}
+
+/// Owns every VM of this host.
+#[derive(Debug)]
+pub struct Manager {
+    config: Arc<Config>,
+    store: Store,
+    events: EventBus,
+    table: Mutex<Table>,
+}
+
+/// Holds a VM's busy flag for the length of one operation.
+pub(crate) struct OpGuard {
+    mgr: Arc<Manager>,
+    name: String,
+}
+
+impl Drop for OpGuard {
+    fn drop(&mut self) {
+        self.mgr.lock().busy.remove(&self.name);
+    }
+}
+
+impl Manager {
+    /// Opens the state dir, loads the records and re-adopts running VMs (see [`recover`]).
+    ///
+    /// # Errors
+    /// A message when the state or run directories cannot be created or listed.
+    pub async fn open(config: Arc<Config>, events: EventBus) -> Result<Arc<Manager>, String> {
+        for dir in [
+            config.paths.state.clone(),
+            config.paths.state.join("disks"),
+            config.paths.state.join("logs"),
+            config.paths.run.clone(),
+        ] {
+            std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
+        let store = Store::open(&config.paths.state)
+            .map_err(|e| format!("cannot open {}: {e}", config.paths.state.join("vms").display()))?;
+        let (records, broken) =
+            store.load_all().map_err(|e| format!("cannot read {}: {e}", config.paths.state.display()))?;
+        for b in &broken {
+            tracing::error!(path = %b.path.display(), error = %b.error, "unreadable VM record left in place");
+        }
+        let table = Table {
+            vms: records.into_iter().map(|r| (r.spec.name.clone(), r)).collect(),
+            busy: HashSet::new(),
+            broken: broken.into_iter().map(|b| (b.name.clone(), b)).collect(),
+        };
+        let mgr = Arc::new(Manager { config, store, events, table: Mutex::new(table) });
+        mgr.recover_all().await;
+        Ok(mgr)
+    }
+
+    /// The config the manager runs with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The event bus.
+    pub fn events(&self) -> &EventBus {
+        &self.events
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        // A panic while holding the lock cannot leave the table half-updated (every update is a
+        // single insert), so a poisoned lock is still usable.
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn paths(&self, name: &str) -> VmPaths {
+        VmPaths::for_vm(&self.config, name)
+    }
+
+    /// Takes the busy flag of an existing VM.
+    fn begin(self: &Arc<Self>, name: &str) -> Result<(OpGuard, VmRecord), ApiError> {
+        let mut t = self.lock();
+        let rec = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+        if !t.busy.insert(name.to_string()) {
+            return Err(busy(name));
+        }
+        Ok((OpGuard { mgr: self.clone(), name: name.to_string() }, rec))
+    }
+
+    /// Records of every VM that holds resources, except `except`.
+    fn holdings_except(t: &Table, except: &str) -> Vec<VmSpec> {
+        t.vms.values().filter(|r| r.reserved && r.spec.name != except).map(|r| r.spec.clone()).collect()
+    }
+
+    /// Admits `spec` as a new VM: capacity, conflicts, record written, busy flag taken.
+    fn reserve_new(self: &Arc<Self>, spec: &VmSpec) -> Result<OpGuard, ApiError> {
+        let mut t = self.lock();
+        if t.vms.contains_key(&spec.name) {
+            return Err(ApiError::invalid("spec.name", format!("a VM named {:?} already exists", spec.name)));
+        }
+        if let Some(b) = t.broken.get(&spec.name) {
+            return Err(ApiError::internal(format!(
+                "the record {} of a VM with this name is unreadable ({}); repair or remove it first",
+                b.path.display(),
+                b.error
+            )));
+        }
+        if t.busy.contains(&spec.name) {
+            return Err(busy(&spec.name));
+        }
+        let held = Self::holdings_except(&t, &spec.name);
+        let holdings: Vec<Holding<'_>> = held.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
+        capacity::admit(&self.config.hardware, &holdings, spec)?;
+        let mut rec = VmRecord::new(spec.clone());
+        self.store.save(&mut rec).map_err(|e| state_write_error(&spec.name, &e))?;
+        t.vms.insert(spec.name.clone(), rec);
+        t.busy.insert(spec.name.clone());
+        drop(t);
+        self.events.emit(&spec.name, None, Some(VmStatus::Creating), "vm.create");
+        Ok(OpGuard { mgr: self.clone(), name: spec.name.clone() })
+    }
+
+    /// Re-reserves the resources of an existing VM whose reservation was released.
+    fn reserve_existing(&self, spec: &VmSpec) -> Result<(), ApiError> {
+        let t = self.lock();
+        let held = Self::holdings_except(&t, &spec.name);
+        let holdings: Vec<Holding<'_>> = held.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
+        capacity::admit(&self.config.hardware, &holdings, spec)
+    }
+
+    /// Applies `change` to the record of `name`, saves it, and emits an event when the status
+    /// changed. The in-memory record is only replaced once the file is written.
+    fn update(&self, name: &str, reason: &str, change: impl FnOnce(&mut VmRecord)) -> Result<VmRecord, ApiError> {
+        let mut t = self.lock();
+        let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+        let mut rec = old.clone();
+        change(&mut rec);
+        self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
+        t.vms.insert(name.to_string(), rec.clone());
+        drop(t);
+        if old.status != rec.status {
+            self.events.emit(name, Some(old.status), Some(rec.status), reason);
+        }
+        Ok(rec)
+    }
+
+    /// Deletes the record of `name` for good.
+    fn forget(&self, name: &str, reason: &str) -> Result<(), ApiError> {
+        let mut t = self.lock();
+        self.store.remove(name).map_err(|e| state_write_error(name, &e))?;
+        let old = t.vms.remove(name);
+        drop(t);
+        self.events.emit(name, old.map(|r| r.status), None, reason);
+        Ok(())
+    }
+
+    fn record(&self, name: &str) -> Result<VmRecord, ApiError> {
+        self.lock().vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))
+    }
+
+    /// The view of one VM, with `running` checked against /proc at read time.
+    fn view(&self, rec: &VmRecord) -> VmView {
+        let paths = self.paths(rec.name());
+        let mut status = rec.status;
+        let mut pid = rec.process.as_ref().map(|p| p.pid);
+        if status == VmStatus::Running {
+            let alive = rec.process.as_ref().is_some_and(|p| {
+                crate::process::matches(p, std::ffi::OsStr::new(&paths.cmdline_marker()))
+            });
+            if !alive {
+                status = VmStatus::Dead;
+                pid = None;
+            }
+        }
+        VmView {
+            name: rec.spec.name.clone(),
+            spec: rec.spec.clone(),
+            desired_state: rec.spec.state,
+            status,
+            pid,
+            created_at: rec.created_at.clone(),
+            updated_at: rec.updated_at.clone(),
+            started_at: rec.started_at.clone(),
+            last_error: rec.last_error.clone(),
+            serial_log: paths.serial_log,
+        }
+    }
+
+    /// `vm.list`: every VM, by name.
+    pub fn list(&self) -> Vec<VmView> {
+        let recs: Vec<VmRecord> = self.lock().vms.values().cloned().collect();
+        recs.iter().map(|r| self.view(r)).collect()
+    }
+
+    /// `vm.get`.
+    ///
+    /// # Errors
+    /// 4040 when there is no such VM.
+    pub fn get(&self, name: &str) -> Result<VmView, ApiError> {
+        let rec = self.record(name)?;
+        Ok(self.view(&rec))
+    }
+
+    /// `host.info`.
+    pub fn host_info(&self) -> HostInfo {
+        let t = self.lock();
+        let held: Vec<Holding<'_>> =
+            t.vms.values().filter(|r| r.reserved).map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
+        let (cpu, memory_mib, hardware) = capacity::usage(&self.config.hardware, &held);
+        HostInfo {
+            version: VERSION.to_string(),
+            api_version: API_VERSION,
+            accel: self.config.qemu.accel.as_str().to_string(),
+            cpu,
+            memory_mib,
+            hardware,
+            vm_count: t.vms.len(),
+        }
+    }
+
+    /// Records that could not be loaded, for `host.check`.
+    pub fn broken_records(&self) -> Vec<BrokenRecord> {
+        self.lock().broken.values().cloned().collect()
+    }
+}
+
+fn busy(name: &str) -> ApiError {
+    ApiError::new(Code::Busy, format!("another operation on VM {name:?} is in progress")).field("name")
+}
+
+fn state_write_error(name: &str, e: &std::io::Error) -> ApiError {
+    ApiError::new(Code::ProvisioningFailed, format!("cannot write the record of VM {name:?}: {e}"))
+        .details(serde_json::json!({"step": "state"}))
+}
+
+fn last_error(e: &ApiError) -> LastError {
+    LastError { code: e.code.as_i32(), message: e.message.clone() }
+}

@@ -1,1 +1,160 @@
-//! TODO
+//! The method table of API v1: parses params into the closed wire types and calls the manager.
+//!
+//! [`build`] registers every method of [`crate::api::ALL_METHODS`] on a jsonrpsee `RpcModule`;
+//! the transport ([`super::server`]) dispatches lines to it. Params are parsed here with the
+//! path of the offending field, so a bad request gets -32602 naming exactly what is wrong.
+
+use crate::api::{
+    ApiError, ApplyParams, Code, CreateParams, NameParams, ReconcileParams, StopParams, EVENT_NOTIFICATION,
+};
+use crate::lifecycle::Manager;
+use jsonrpsee::types::{ErrorObjectOwned, Params};
+use jsonrpsee::{RpcModule, SubscriptionMessage};
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+
+type RpcResult<T> = Result<T, ErrorObjectOwned>;
+
+/// Parses method params (an object; absent means `{}`) into `T`, naming the field at fault.
+///
+/// # Errors
+/// -32602 with `data.field` set to the dotted path (`spec.boot.kernel`, or `params`).
+pub fn parse_params<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, ApiError> {
+    let raw = params.as_str().unwrap_or("{}");
+    let de = &mut serde_json::Deserializer::from_str(raw);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let mut path = e.path().to_string();
+        let message = e.inner().to_string();
+        // serde names a missing or unknown field only in its message; fold it into the path.
+        for prefix in ["missing field `", "unknown field `"] {
+            if let Some(rest) = message.strip_prefix(prefix) {
+                if let Some(field) = rest.split('`').next() {
+                    path = if path == "." { field.to_string() } else { format!("{path}.{field}") };
+                }
+            }
+        }
+        if path == "." {
+            path = "params".to_string();
+        }
+        ApiError::new(Code::InvalidParams, format!("invalid params: {message}")).field(path)
+    })
+}
+
+fn call<T>(r: Result<T, ApiError>) -> RpcResult<T> {
+    r.map_err(Into::into)
+}
+
+/// Builds the method table over `manager`.
+///
+/// # Errors
+/// Only if a method name were registered twice (a programming error caught by the tests).
+pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee::core::RegisterMethodError> {
+    let mut m = RpcModule::new(manager);
+    m.register_method("host.info", |params, mgr, _| {
+        call(parse_params::<serde_json::Map<String, serde_json::Value>>(&params).map(|_| mgr.host_info()))
+    })?;
+    m.register_async_method("host.check", |_params, mgr, _| async move {
+        call(Ok::<_, ApiError>(crate::preflight::check(mgr.config(), &mgr.broken_records()).await))
+    })?;
+    m.register_async_method("host.reconcile", |params, mgr, _| async move {
+        let p: ReconcileParams = match parse_params(&params) {
+            Ok(p) => p,
+            Err(e) => return call(Err(e)),
+        };
+        call(Ok(mgr.reconcile(p).await))
+    })?;
+    m.register_method("vm.list", |_params, mgr, _| call(Ok::<_, ApiError>(mgr.list())))?;
+    m.register_method("vm.get", |params, mgr, _| call(parse_params::<NameParams>(&params).and_then(|p| mgr.get(&p.name))))?;
+    m.register_async_method("vm.create", |params, mgr, _| async move {
+        match parse_params::<CreateParams>(&params) {
+            Ok(p) => call(mgr.create(p.spec).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.apply", |params, mgr, _| async move {
+        match parse_params::<ApplyParams>(&params) {
+            Ok(p) => call(mgr.apply(p.spec, p.replace).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.start", |params, mgr, _| async move {
+        match parse_params::<NameParams>(&params) {
+            Ok(p) => call(mgr.start(&p.name).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.stop", |params, mgr, _| async move {
+        match parse_params::<StopParams>(&params) {
+            Ok(p) => call(mgr.stop(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.restart", |params, mgr, _| async move {
+        match parse_params::<StopParams>(&params) {
+            Ok(p) => call(mgr.restart(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.destroy", |params, mgr, _| async move {
+        match parse_params::<NameParams>(&params) {
+            Ok(p) => call(mgr.destroy(&p.name).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_subscription(
+        "events.subscribe",
+        EVENT_NOTIFICATION,
+        "events.unsubscribe",
+        |_params, pending, mgr, _| async move {
+            let mut rx = mgr.events().subscribe();
+            let sink = pending.accept().await?;
+            loop {
+                tokio::select! {
+                    _ = sink.closed() => break,
+                    ev = rx.recv() => match ev {
+                        Ok(ev) => {
+                            let msg = SubscriptionMessage::from(serde_json::value::to_raw_value(&ev)?);
+                            if sink.send(msg).await.is_err() {
+                                break;
+                            }
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                            tracing::warn!(missed = n, "event subscriber fell behind; events dropped");
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                    },
+                }
+            }
+            Ok(())
+        },
+    )?;
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &'static str) -> Params<'static> {
+        Params::new(Some(s))
+    }
+
+    #[test]
+    fn params_errors_name_the_field() {
+        let e = parse_params::<NameParams>(&p("{}")).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::InvalidParams, Some("name")));
+        let e = parse_params::<NameParams>(&p(r#"{"name": 3}"#)).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("name"));
+        let e = parse_params::<NameParams>(&p(r#"{"name": "a", "x": 1}"#)).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("x"));
+        let e = parse_params::<CreateParams>(&p(r#"{"spec": {"name": "a", "cpu": "two", "memory_mib": 1, "boot": {}}}"#))
+            .unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("spec.cpu"));
+        let e = parse_params::<CreateParams>(&p(r#"{"spec": {"name": "a", "cpu": 1, "memory_mib": 1, "boot": {"kernal": "/k"}}}"#))
+            .unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("spec.boot.kernal"));
+        let e = parse_params::<NameParams>(&p(r#"["a"]"#)).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("params"));
+        assert!(parse_params::<NameParams>(&p(r#"{"name": "a"}"#)).is_ok());
+    }
+}

@@ -1,0 +1,196 @@
+//! The steps that bring one VM's QEMU up and take it down, each with its undo.
+//!
+//! Order on the way up: boot files checked, overlay ([`Manager::ensure_overlay`]), run dir,
+//! QEMU launched and its identity recorded at once, QMP verified ([`Manager::launch_qemu`]).
+//! Teardown ([`Manager::kill_process`], [`Manager::clean_run_dir`]) is what rollback, stop and
+//! destroy share.
+
+use super::{last_error, Manager};
+use crate::api::{ApiError, Code, VmStatus};
+use crate::process::{self, ProcessIdentity};
+use crate::qemu::argv::{build_argv, VmPaths};
+use crate::qemu::launch::{launch, LaunchRequest};
+use crate::qemu::qmp::Qmp;
+use crate::validate::{BootSource, ValidSpec};
+use serde_json::json;
+use std::ffi::OsStr;
+use std::os::unix::fs::DirBuilderExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long QMP may take to answer right after launch.
+const QMP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a SIGKILLed QEMU may take to exit.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+fn provisioning(step: &str, message: String) -> ApiError {
+    ApiError::new(Code::ProvisioningFailed, message).details(json!({ "step": step }))
+}
+
+impl Manager {
+    /// Checks that the files a validated spec names exist (2001 otherwise).
+    pub(super) fn check_boot_files(&self, vm: &ValidSpec) -> Result<(), ApiError> {
+        match &vm.boot {
+            BootSource::Image { image, .. } => {
+                let p = self.config.paths.images.join(image);
+                if !p.is_file() {
+                    return Err(ApiError::invalid(
+                        "spec.boot.image",
+                        format!("no image {image:?} in {}", self.config.paths.images.display()),
+                    ));
+                }
+            }
+            BootSource::Kernel { kernel, initrd, .. } => {
+                if !kernel.is_file() {
+                    return Err(ApiError::invalid("spec.boot.kernel", format!("{} is not a file", kernel.display())));
+                }
+                if let Some(i) = initrd {
+                    if !i.is_file() {
+                        return Err(ApiError::invalid("spec.boot.initrd", format!("{} is not a file", i.display())));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the overlay of an image-booted VM unless it exists. Returns true when it made one.
+    /// The record names the overlay before qemu-img runs, so a crash cannot orphan it.
+    pub(super) async fn ensure_overlay(&self, vm: &ValidSpec) -> Result<bool, ApiError> {
+        let BootSource::Image { image, disk_gib } = &vm.boot else { return Ok(false) };
+        let paths = self.paths(&vm.spec.name);
+        if paths.overlay.exists() {
+            return Ok(false);
+        }
+        let overlay = paths.overlay.clone();
+        self.update(&vm.spec.name, "overlay", |r| r.overlay = Some(overlay))?;
+        let base = self.config.paths.images.join(image);
+        crate::disk::create_overlay(&self.config.qemu.img_binary, &base, &paths.overlay, *disk_gib)
+            .await
+            .map_err(|e| provisioning("disk", format!("cannot create the overlay disk: {e}")))?;
+        Ok(true)
+    }
+
+    /// The live QEMU of this VM, if any: the recorded identity, or else the pid file (QEMU may
+    /// have started just before a crash, before its identity was recorded).
+    pub(super) fn find_live(&self, paths: &VmPaths, recorded: Option<&ProcessIdentity>) -> Option<ProcessIdentity> {
+        let marker = paths.cmdline_marker();
+        let marker = OsStr::new(&marker);
+        if let Some(id) = recorded {
+            if process::matches(id, marker) {
+                return Some(id.clone());
+            }
+        }
+        let pid: i32 = std::fs::read_to_string(&paths.pidfile).ok()?.trim().parse().ok()?;
+        let id = process::identify(pid).ok()?;
+        process::matches(&id, marker).then_some(id)
+    }
+
+    /// Launches QEMU for `vm`, records its identity, and checks over QMP that it runs.
+    /// Leaves no process behind on error. The caller sets the final status.
+    pub(super) async fn launch_qemu(self: &Arc<Self>, vm: &ValidSpec) -> Result<ProcessIdentity, ApiError> {
+        let name = vm.spec.name.clone();
+        let paths = self.paths(&name);
+        if let Some(id) = self.find_live(&paths, None) {
+            // Never start a VM twice: a QEMU of this VM is already up (e.g. launched just before a
+            // daemon crash); adopt it.
+            tracing::warn!(vm = %name, pid = id.pid, "found a live QEMU for this VM; adopting it");
+            self.update(&name, "adopted", |r| r.process = Some(id.clone()))?;
+            return Ok(id);
+        }
+        self.clean_run_dir(&paths);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&paths.run_dir)
+            .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
+        self.update(&name, "vm.start", |r| {
+            r.status = VmStatus::Starting;
+            r.last_error = None;
+        })?;
+        let request = LaunchRequest {
+            binary: self.config.qemu.binary.clone(),
+            argv: build_argv(vm, &self.config, &paths),
+            pidfile: paths.pidfile.clone(),
+            timeout: Duration::from_secs(self.config.qemu.launch_timeout_s),
+        };
+        let id = match launch(&request).await {
+            Ok(id) => id,
+            Err(e) => {
+                self.clean_run_dir(&paths);
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                return Err(ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
+                    .details(json!({"step": "qemu", "stderr": tail})));
+            }
+        };
+        if let Err(e) = self.update(&name, "launched", |r| r.process = Some(id.clone())) {
+            self.kill_process(&id).await;
+            self.clean_run_dir(&paths);
+            return Err(e);
+        }
+        let verified = async {
+            let mut qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| e.to_string())?;
+            qmp.query_status().await.map_err(|e| e.to_string())
+        }
+        .await;
+        match verified {
+            Ok(status) if status == "running" => Ok(id),
+            other => {
+                let why = match other {
+                    Ok(s) => format!("QEMU reports status {s:?}"),
+                    Err(e) => format!("QMP check failed: {e}"),
+                };
+                self.kill_process(&id).await;
+                self.clean_run_dir(&paths);
+                let _ = self.update(&name, "launch failed", |r| r.process = None);
+                Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
+            }
+        }
+    }
+
+    /// SIGKILLs a VM process and waits (bounded) for it to exit.
+    pub(super) async fn kill_process(&self, id: &ProcessIdentity) {
+        let _ = process::signal(id.pid, nix::sys::signal::Signal::SIGKILL);
+        if tokio::time::timeout(KILL_WAIT, process::wait_exit(id.pid)).await.is_err() {
+            tracing::error!(pid = id.pid, "QEMU did not exit within {KILL_WAIT:?} of SIGKILL");
+        }
+    }
+
+    /// Removes the VM's run dir (sockets, pid file). Errors are logged: nothing depends on it.
+    pub(super) fn clean_run_dir(&self, paths: &VmPaths) {
+        match std::fs::remove_dir_all(&paths.run_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(dir = %paths.run_dir.display(), error = %e, "cannot remove run dir"),
+        }
+    }
+
+    /// Marks a VM running after a successful launch and starts watching its process.
+    pub(super) fn mark_running(self: &Arc<Self>, name: &str, id: ProcessIdentity, reason: &str) -> Result<(), ApiError> {
+        let now = crate::api::now_rfc3339();
+        let pid = id.clone();
+        self.update(name, reason, |r| {
+            r.status = VmStatus::Running;
+            r.process = Some(pid);
+            r.started_at = Some(now);
+            r.last_error = None;
+        })?;
+        self.watch(name, id);
+        Ok(())
+    }
+
+    /// Records a failed operation on `name`.
+    pub(super) fn mark_failed(&self, name: &str, e: &ApiError, release: bool) {
+        let le = last_error(e);
+        if let Err(save) = self.update(name, "failed", |r| {
+            r.status = VmStatus::Failed;
+            r.process = None;
+            r.last_error = Some(le);
+            if release {
+                r.reserved = false;
+            }
+        }) {
+            tracing::error!(vm = name, error = %save, "cannot record the failure");
+        }
+    }
+}

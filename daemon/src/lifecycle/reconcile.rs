@@ -1,0 +1,82 @@
+//! `host.reconcile`: converge the host to a whole desired set of VMs.
+//!
+//! The plan comes from [`crate::plan::plan_reconcile`] (pure). Execution frees resources before
+//! taking new ones (destroy, stop, replace, create, start) and runs every entry on its own: one
+//! failing VM is reported in its result and the others go on.
+
+use super::Manager;
+use crate::api::{
+    ApiError, Mutation, PlanAction, PlanEntry, ReconcileParams, ReconcileReport, ReconcileResult, StopParams,
+    VmSpec,
+};
+use crate::plan::{plan_reconcile, CurrentVm};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+fn order(action: PlanAction) -> u8 {
+    match action {
+        PlanAction::Destroy => 0,
+        PlanAction::Stop => 1,
+        PlanAction::Replace => 2,
+        PlanAction::Create => 3,
+        PlanAction::Start => 4,
+        PlanAction::None => 5,
+    }
+}
+
+impl Manager {
+    /// Plans (and unless `dry_run`, executes) a reconcile.
+    pub async fn reconcile(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
+        let current: BTreeMap<String, CurrentVm> = self
+            .list()
+            .into_iter()
+            .map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status }))
+            .collect();
+        let plan = plan_reconcile(&self.config, &p.vms, &current, p.prune);
+        if p.dry_run {
+            let ok = plan.iter().all(|e| e.error.is_none());
+            return ReconcileReport { dry_run: true, plan, results: Vec::new(), ok };
+        }
+        let specs: BTreeMap<&str, &VmSpec> = p.vms.iter().map(|s| (s.name.as_str(), s)).collect();
+        let mut indexed: Vec<(usize, &PlanEntry)> = plan.iter().enumerate().collect();
+        indexed.sort_by_key(|(i, e)| (order(e.action), *i));
+        let mut results: Vec<(usize, ReconcileResult)> = Vec::new();
+        for (i, entry) in indexed {
+            let outcome = match &entry.error {
+                Some(err) => Err(ApiError::from_json(err)),
+                None => self.run_entry(entry, specs.get(entry.vm.as_str()).copied()).await,
+            };
+            let result = match outcome {
+                Ok(changed) => ReconcileResult { vm: entry.vm.clone(), action: entry.action, ok: true, changed, error: None },
+                Err(e) => {
+                    tracing::warn!(vm = %entry.vm, action = ?entry.action, error = %e, "reconcile entry failed");
+                    ReconcileResult {
+                        vm: entry.vm.clone(),
+                        action: entry.action,
+                        ok: false,
+                        changed: false,
+                        error: Some(e.to_json()),
+                    }
+                }
+            };
+            results.push((i, result));
+        }
+        results.sort_by_key(|(i, _)| *i);
+        let results: Vec<ReconcileResult> = results.into_iter().map(|(_, r)| r).collect();
+        let ok = results.iter().all(|r| r.ok);
+        ReconcileReport { dry_run: false, plan, results, ok }
+    }
+
+    async fn run_entry(self: &Arc<Self>, entry: &PlanEntry, spec: Option<&VmSpec>) -> Result<bool, ApiError> {
+        let need_spec = || spec.cloned().ok_or_else(|| ApiError::internal("plan entry without a spec"));
+        let m: Mutation = match entry.action {
+            PlanAction::None => return Ok(false),
+            PlanAction::Destroy => self.destroy(&entry.vm).await?,
+            PlanAction::Stop => self.stop(StopParams { name: entry.vm.clone(), timeout_s: 30, force: false }).await?,
+            PlanAction::Start => self.start(&entry.vm).await?,
+            PlanAction::Create => self.create(need_spec()?).await?,
+            PlanAction::Replace => self.apply(need_spec()?, true).await?,
+        };
+        Ok(m.changed)
+    }
+}

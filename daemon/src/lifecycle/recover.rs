@@ -1,0 +1,130 @@
+//! Daemon restarts: re-adopt the VMs that kept running, settle interrupted operations, and
+//! watch every VM process for an exit the daemon did not cause.
+//!
+//! [`Manager::recover_all`] runs once from `Manager::open`, before the socket is served. What
+//! a record says is checked against /proc (pid, start time and command line, see
+//! [`crate::process::matches`]); the kernel's view wins.
+
+use super::Manager;
+use crate::api::{ApiError, Code, VmStatus};
+use crate::process::{self, ProcessIdentity};
+use crate::qemu::qmp::Qmp;
+use std::sync::Arc;
+use std::time::Duration;
+
+impl Manager {
+    pub(super) async fn recover_all(self: &Arc<Self>) {
+        let names: Vec<String> = self.lock().vms.keys().cloned().collect();
+        for name in names {
+            if let Err(e) = self.recover(&name).await {
+                tracing::error!(vm = %name, error = %e, "cannot settle the VM's record");
+            }
+        }
+    }
+
+    async fn recover(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
+        let rec = self.record(name)?;
+        let paths = self.paths(name);
+        let live = self.find_live(&paths, rec.process.as_ref());
+        match (live, rec.status) {
+            (Some(id), VmStatus::Destroying) => {
+                tracing::info!(vm = name, "finishing an interrupted destroy");
+                self.kill_process(&id).await;
+                self.finish_destroy(name)
+            }
+            (Some(id), _) => {
+                // Re-adopt: QMP must answer, but a VM whose monitor is wedged is still running
+                // and is not killed for it.
+                match Qmp::connect(&paths.qmp, Duration::from_secs(5)).await {
+                    Ok(mut q) => match q.query_status().await {
+                        Ok(s) => tracing::info!(vm = name, pid = id.pid, status = %s, "re-adopted running VM"),
+                        Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP query failed"),
+                    },
+                    Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP unreachable"),
+                }
+                let was = rec.status;
+                self.mark_running(name, id, "re-adopted after daemon restart")?;
+                if was != VmStatus::Running {
+                    tracing::info!(vm = name, from = %was, "interrupted operation left QEMU running");
+                }
+                Ok(())
+            }
+            (None, VmStatus::Destroying) => self.finish_destroy(name),
+            (None, status) => {
+                self.clean_run_dir(&paths);
+                let settle = match status {
+                    VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
+                    VmStatus::Stopping => Some((VmStatus::Stopped, "stop completed while vmhostd was not running", false)),
+                    VmStatus::Starting => Some((VmStatus::Failed, "start interrupted by a vmhostd restart", false)),
+                    VmStatus::Creating => Some((VmStatus::Failed, "create interrupted by a vmhostd restart", true)),
+                    VmStatus::Stopped | VmStatus::Failed | VmStatus::Dead | VmStatus::Destroying => None,
+                };
+                if let Some((to, why, undo_create)) = settle {
+                    if undo_create && rec.overlay.is_some() {
+                        let _ = crate::disk::remove_overlay(&paths.overlay);
+                    }
+                    let record_error = to != VmStatus::Stopped;
+                    self.update(name, why, |r| {
+                        r.status = to;
+                        r.process = None;
+                        if undo_create {
+                            r.reserved = false;
+                            r.overlay = None;
+                        }
+                        if record_error {
+                            r.last_error = Some(crate::api::LastError {
+                                code: Code::ProvisioningFailed.as_i32(),
+                                message: why.to_string(),
+                            });
+                        }
+                    })?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn finish_destroy(&self, name: &str) -> Result<(), ApiError> {
+        let paths = self.paths(name);
+        self.clean_run_dir(&paths);
+        let _ = crate::disk::remove_overlay(&paths.overlay);
+        let _ = std::fs::remove_file(&paths.serial_log);
+        self.forget(name, "destroyed (completed after restart)")
+    }
+
+    /// Watches a VM process; when it exits while the VM is recorded `running` and no operation
+    /// is in progress on it, the VM becomes `dead`.
+    pub(super) fn watch(self: &Arc<Self>, name: &str, id: ProcessIdentity) {
+        let mgr = Arc::downgrade(self);
+        let name = name.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = process::wait_exit(id.pid).await {
+                tracing::warn!(vm = %name, pid = id.pid, error = %e, "cannot watch QEMU; relying on reads");
+                return;
+            }
+            if let Some(mgr) = mgr.upgrade() {
+                mgr.on_exit(&name, &id);
+            }
+        });
+    }
+
+    fn on_exit(&self, name: &str, id: &ProcessIdentity) {
+        {
+            let t = self.lock();
+            let Some(rec) = t.vms.get(name) else { return };
+            if t.busy.contains(name) || rec.status != VmStatus::Running || rec.process.as_ref() != Some(id) {
+                return; // an operation caused or is handling this exit
+            }
+        }
+        let why = "QEMU exited unexpectedly (crashed, killed, or the guest powered off on its own)";
+        self.clean_run_dir(&self.paths(name));
+        let res = self.update(name, why, |r| {
+            r.status = VmStatus::Dead;
+            r.process = None;
+            r.last_error = Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message: why.into() });
+        });
+        if let Err(e) = res {
+            tracing::error!(vm = name, error = %e, "cannot record the VM's death");
+        }
+    }
+}
