@@ -1,1 +1,340 @@
-//! Test harness
+//! Test harness for vmhost's end-to-end tests and benchmark.
+//!
+//! [`guest`] builds (once, cached in `target/guest`) the real guest: Debian's cloud kernel and a
+//! busybox initramfs, via `tests/guest/build.sh`. [`TestHost`] runs a real `vmhostd` with
+//! `accel = "tcg"` in a temp dir and talks to it through the real socket; dropping it kills the
+//! daemon and every QEMU it started, so a failing test leaves no process behind.
+//!
+//! The binaries are taken from the cargo target dir: run `cargo build --workspace --bins` before
+//! `cargo test` (the README's test command and `.ci/run` do).
+
+use serde_json::{json, Value};
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+use vmhost::client::Client;
+
+/// Console line the test guest prints once userspace runs.
+pub const GUEST_READY: &str = "VMHOST-GUEST-READY";
+
+/// The workspace root.
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// The cargo target dir holding this test binary (`target/debug`).
+pub fn target_dir() -> PathBuf {
+    // current_exe is target/debug/deps/NAME-HASH (tests) or target/debug/NAME (bins).
+    let exe = std::env::current_exe().unwrap_or_default();
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir
+}
+
+/// Path of a workspace binary; panics with instructions when it was not built.
+pub fn bin(name: &str) -> PathBuf {
+    let p = target_dir().join(name);
+    assert!(p.exists(), "{} not found: run `cargo build --workspace --bins` first", p.display());
+    p
+}
+
+/// The test guest's kernel and initramfs.
+#[derive(Debug, Clone)]
+pub struct Guest {
+    /// `target/guest/vmlinuz`.
+    pub kernel: PathBuf,
+    /// `target/guest/initramfs.cpio.gz`.
+    pub initrd: PathBuf,
+}
+
+/// Builds the guest once per process (the script itself is cached and flock-safe).
+pub fn guest() -> Guest {
+    static GUEST: OnceLock<Guest> = OnceLock::new();
+    GUEST
+        .get_or_init(|| {
+            let out = workspace().join("target/guest");
+            let status = Command::new(workspace().join("tests/guest/build.sh"))
+                .arg(&out)
+                .status()
+                .expect("run tests/guest/build.sh");
+            assert!(status.success(), "tests/guest/build.sh failed");
+            Guest { kernel: out.join("vmlinuz"), initrd: out.join("initramfs.cpio.gz") }
+        })
+        .clone()
+}
+
+/// A vmhostd running in a temp dir.
+pub struct TestHost {
+    /// Temp dir holding config, state, run and images.
+    pub dir: tempfile::TempDir,
+    /// Config file.
+    pub config: PathBuf,
+    /// API socket.
+    pub socket: PathBuf,
+    daemon: Option<Child>,
+}
+
+/// Options of a test host.
+#[derive(Debug, Clone)]
+pub struct HostOptions {
+    /// `hardware.cpu`.
+    pub cpu: u32,
+    /// `hardware.memory_gib`.
+    pub memory_gib: u64,
+    /// Extra TOML appended (e.g. `[hardware.sfp]` tables).
+    pub extra: String,
+    /// `qemu.machine`.
+    pub machine: String,
+    /// `[access]` groups.
+    pub readonly_group: String,
+}
+
+impl Default for HostOptions {
+    fn default() -> Self {
+        HostOptions {
+            cpu: 8,
+            memory_gib: 8,
+            extra: String::new(),
+            machine: "q35".into(),
+            readonly_group: "vmhost-ro".into(),
+        }
+    }
+}
+
+impl TestHost {
+    /// Writes a config and starts the daemon.
+    pub fn start(opts: HostOptions) -> TestHost {
+        // Short prefix: the run dir must stay short enough for socket paths.
+        let dir = tempfile::Builder::new().prefix("vmh").tempdir_in("/tmp").expect("tempdir");
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).expect("chmod tempdir");
+        let d = dir.path();
+        fs::create_dir_all(d.join("images")).expect("images dir");
+        let config = d.join("vmhostd.toml");
+        let socket = d.join("vmhostd.sock");
+        let text = format!(
+            r#"[paths]
+state = "{state}"
+run = "{run}"
+images = "{images}"
+socket = "{socket}"
+[qemu]
+accel = "tcg"
+machine = "{machine}"
+[access]
+admin_group = "vmhost-test-admin"
+readonly_group = "{ro}"
+[hardware]
+cpu = {cpu}
+memory_gib = {mem}
+reserved_cpu = 1
+reserved_memory_gib = 1
+{extra}
+"#,
+            state = d.join("state").display(),
+            run = d.join("run").display(),
+            images = d.join("images").display(),
+            socket = socket.display(),
+            machine = opts.machine,
+            ro = opts.readonly_group,
+            cpu = opts.cpu,
+            mem = opts.memory_gib,
+            extra = opts.extra,
+        );
+        fs::write(&config, text).expect("write config");
+        let mut host = TestHost { dir, config, socket, daemon: None };
+        host.spawn_daemon();
+        host
+    }
+
+    /// Starts (or restarts) vmhostd and waits until its socket answers.
+    pub fn spawn_daemon(&mut self) {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("vmhostd.log"))
+            .expect("daemon log");
+        let err = log.try_clone().expect("dup log");
+        let child = Command::new(bin("vmhostd"))
+            .arg("--config")
+            .arg(&self.config)
+            .env("VMHOST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .expect("spawn vmhostd");
+        self.daemon = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut c) = Client::connect(&self.socket) {
+                if c.call::<Value>("host.info", json!({})).is_ok() {
+                    return;
+                }
+            }
+            if let Some(Ok(Some(status))) = self.daemon.as_mut().map(|c| c.try_wait()) {
+                panic!("vmhostd exited with {status}; log:\n{}", self.daemon_log());
+            }
+            assert!(Instant::now() < deadline, "vmhostd did not come up; log:\n{}", self.daemon_log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The daemon's pid.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.daemon.as_ref().map(Child::id)
+    }
+
+    /// SIGKILLs the daemon (VMs keep running).
+    pub fn kill_daemon(&mut self) {
+        if let Some(mut c) = self.daemon.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERMs the daemon and waits for it.
+    pub fn stop_daemon(&mut self) -> std::process::ExitStatus {
+        let mut c = self.daemon.take().expect("daemon running");
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        c.wait().expect("wait vmhostd")
+    }
+
+    /// The daemon's log so far.
+    pub fn daemon_log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("vmhostd.log")).unwrap_or_default()
+    }
+
+    /// A fresh client.
+    pub fn client(&self) -> Client {
+        Client::connect(&self.socket).expect("connect to vmhostd")
+    }
+
+    /// Calls a method, panicking with the daemon's error on failure.
+    pub fn call(&self, method: &str, params: Value) -> Value {
+        match self.client().call::<Value>(method, params.clone()) {
+            Ok(v) => v,
+            Err(e) => panic!("{method} {params} failed: {e}"),
+        }
+    }
+
+    /// Calls a method that must fail; returns the error object's code and the full error.
+    pub fn call_err(&self, method: &str, params: Value) -> (i32, vmhost::api::ApiError) {
+        match self.client().call::<Value>(method, params.clone()) {
+            Ok(v) => panic!("{method} {params} unexpectedly succeeded: {v}"),
+            Err(vmhost::client::ClientError::Api(e)) => (e.code.as_i32(), e),
+            Err(e) => panic!("{method}: transport error {e}"),
+        }
+    }
+
+    /// Runs vmhostctl against this host.
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(bin("vmhostctl")).arg("--socket").arg(&self.socket).args(args).output().expect("run vmhostctl")
+    }
+
+    /// State dir.
+    pub fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// Run dir.
+    pub fn run(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    /// Images dir.
+    pub fn images(&self) -> PathBuf {
+        self.dir.path().join("images")
+    }
+
+    /// A direct-kernel spec booting the test guest.
+    pub fn kernel_spec(&self, name: &str) -> Value {
+        let g = guest();
+        json!({
+            "name": name,
+            "cpu": 1,
+            "memory_mib": 256,
+            "boot": {
+                "kernel": g.kernel,
+                "initrd": g.initrd,
+                "cmdline": "console=ttyS0 panic=-1 quiet",
+            }
+        })
+    }
+
+    /// The guest's serial log.
+    pub fn serial(&self, name: &str) -> String {
+        fs::read_to_string(self.state().join("logs").join(format!("{name}.serial.log"))).unwrap_or_default()
+    }
+
+    /// Waits until the serial log of `name` contains `needle`.
+    pub fn wait_serial(&self, name: &str, needle: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.serial(name).contains(needle) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    }
+
+    /// Waits until `vm.get` reports `status` for `name`.
+    pub fn wait_status(&self, name: &str, status: &str, timeout: Duration) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let v = self.call("vm.get", json!({ "name": name }));
+            if v["status"] == status {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "{name} never became {status}: {v}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Pids of every live (non-zombie) QEMU whose command line mentions this host's dir.
+    pub fn qemu_pids(&self) -> Vec<i32> {
+        qemu_pids_under(self.dir.path())
+    }
+}
+
+/// Live QEMU processes whose command line mentions `dir`.
+pub fn qemu_pids_under(dir: &Path) -> Vec<i32> {
+    let needle = dir.to_string_lossy().into_owned();
+    let mut pids = Vec::new();
+    let Ok(entries) = fs::read_dir("/proc") else { return pids };
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let cmd = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd);
+        if !cmd.contains("qemu-system") || !cmd.contains(&needle) {
+            continue;
+        }
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit_once(')').map(|(_, r)| r.trim_start().chars().next().unwrap_or('?'));
+        if matches!(state, Some('Z') | Some('X') | None) {
+            continue;
+        }
+        pids.push(pid);
+    }
+    pids
+}
+
+/// True while `pid` exists and is not a zombie.
+pub fn alive(pid: i32) -> bool {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    matches!(stat.rsplit_once(')').map(|(_, r)| r.trim_start().chars().next()), Some(Some(c)) if c != 'Z' && c != 'X')
+}
+
+impl Drop for TestHost {
+    fn drop(&mut self) {
+        self.kill_daemon();
+        for pid in self.qemu_pids() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}

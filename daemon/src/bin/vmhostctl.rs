@@ -1,1 +1,342 @@
-fn main() {}
+//! vmhostctl: the command-line client of vmhostd.
+//!
+//! Prints tables by default and the daemon's JSON with `--json`; exits non-zero with the
+//! daemon's code and message when a call fails (1 for an API error, 3 when the daemon cannot be
+//! reached).
+
+use clap::{Parser, Subcommand};
+use serde_json::{json, Value};
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use vmhost::api::{HostCheck, HostInfo, Mutation, ReconcileReport, VmView};
+use vmhost::client::{Client, ClientError};
+
+#[derive(Parser)]
+#[command(name = "vmhostctl", version, about = "Control vmhostd over its socket")]
+struct Cli {
+    /// The daemon's socket.
+    #[arg(long, env = "VMHOST_SOCKET", default_value = "/run/vmhost/vmhostd.sock")]
+    socket: PathBuf,
+    /// Print the daemon's JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Host capacity, accelerator and hardware holders.
+    Info,
+    /// Preflight report.
+    Check,
+    /// All VMs.
+    List,
+    /// One VM.
+    Get { name: String },
+    /// Create a VM from a JSON spec file (`-` for stdin).
+    Create { file: PathBuf },
+    /// Create or converge a VM from a JSON spec file.
+    Apply {
+        file: PathBuf,
+        /// Destroy and recreate when the spec differs.
+        #[arg(long)]
+        replace: bool,
+    },
+    /// Start a VM.
+    Start { name: String },
+    /// Stop a VM (ACPI, then kill after the timeout).
+    Stop {
+        name: String,
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Stop then start a VM.
+    Restart {
+        name: String,
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Destroy a VM and its disk.
+    Destroy { name: String },
+    /// Converge to a desired set: a JSON file with an array of specs (or `{"vms": [...]}`).
+    Reconcile {
+        file: PathBuf,
+        #[arg(long)]
+        prune: bool,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Print VM events as they happen.
+    Events,
+    /// Call any method with JSON params.
+    Call { method: String, params: Option<String> },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Api(e)) => {
+            if cli.json {
+                println!("{}", json!({"error": e.to_json()}));
+            }
+            let field = e.field.as_deref().map(|f| format!(" [{f}]")).unwrap_or_default();
+            eprintln!("vmhostctl: error {} ({}){field}: {}", e.code.as_i32(), e.code.kind(), e.message);
+            if !e.details.is_null() {
+                eprintln!("  details: {}", e.details);
+            }
+            ExitCode::from(1)
+        }
+        Err(Failure::Connect(m)) => {
+            eprintln!("vmhostctl: {m}");
+            ExitCode::from(3)
+        }
+        Err(Failure::Usage(m)) => {
+            eprintln!("vmhostctl: {m}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+enum Failure {
+    Api(vmhost::api::ApiError),
+    Connect(String),
+    Usage(String),
+}
+
+impl From<ClientError> for Failure {
+    fn from(e: ClientError) -> Self {
+        match e {
+            ClientError::Api(a) => Failure::Api(a),
+            other => Failure::Connect(other.to_string()),
+        }
+    }
+}
+
+fn read_json(file: &PathBuf) -> Result<Value, Failure> {
+    let mut text = String::new();
+    if file.as_os_str() == "-" {
+        std::io::stdin().read_to_string(&mut text).map_err(|e| Failure::Usage(format!("stdin: {e}")))?;
+    } else {
+        text = std::fs::read_to_string(file).map_err(|e| Failure::Usage(format!("{}: {e}", file.display())))?;
+    }
+    serde_json::from_str(&text).map_err(|e| Failure::Usage(format!("{}: invalid JSON: {e}", file.display())))
+}
+
+fn run(cli: &Cli) -> Result<(), Failure> {
+    let mut c = Client::connect(&cli.socket)
+        .map_err(|e| Failure::Connect(format!("cannot reach vmhostd at {}: {e}", cli.socket.display())))?;
+    let out = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    match &cli.cmd {
+        Cmd::Info => {
+            let v: Value = c.call("host.info", json!({}))?;
+            if cli.json {
+                out(&v);
+            } else {
+                print_info(&serde_json::from_value(v).map_err(|e| Failure::Connect(e.to_string()))?);
+            }
+        }
+        Cmd::Check => {
+            let v: Value = c.call("host.check", json!({}))?;
+            let r: HostCheck = serde_json::from_value(v.clone()).map_err(|e| Failure::Connect(e.to_string()))?;
+            if cli.json {
+                out(&v);
+            } else {
+                let rows = r.items.iter().map(|i| vec![i.name.clone(), format!("{:?}", i.status).to_lowercase(), i.detail.clone()]);
+                print_table(&["ITEM", "STATUS", "DETAIL"], rows.collect());
+                println!("overall: {}", if r.ok { "ok" } else { "NOT OK" });
+            }
+            if !r.ok {
+                return Err(Failure::Usage("host check found problems".into()));
+            }
+        }
+        Cmd::List => {
+            let v: Value = c.call("vm.list", json!({}))?;
+            if cli.json {
+                out(&v);
+            } else {
+                let vms: Vec<VmView> = serde_json::from_value(v).map_err(|e| Failure::Connect(e.to_string()))?;
+                print_list(&vms);
+            }
+        }
+        Cmd::Get { name } => {
+            let v: Value = c.call("vm.get", json!({ "name": name }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                let vm: VmView = serde_json::from_value(v).map_err(|e| Failure::Connect(e.to_string()))?;
+                print_vm(&vm);
+            }
+        }
+        Cmd::Create { file } => mutation(cli, &mut c, "vm.create", json!({ "spec": read_json(file)? }))?,
+        Cmd::Apply { file, replace } => {
+            mutation(cli, &mut c, "vm.apply", json!({ "spec": read_json(file)?, "replace": replace }))?
+        }
+        Cmd::Start { name } => mutation(cli, &mut c, "vm.start", json!({ "name": name }))?,
+        Cmd::Stop { name, timeout, force } => {
+            mutation(cli, &mut c, "vm.stop", json!({ "name": name, "timeout_s": timeout, "force": force }))?
+        }
+        Cmd::Restart { name, timeout, force } => {
+            mutation(cli, &mut c, "vm.restart", json!({ "name": name, "timeout_s": timeout, "force": force }))?
+        }
+        Cmd::Destroy { name } => mutation(cli, &mut c, "vm.destroy", json!({ "name": name }))?,
+        Cmd::Reconcile { file, prune, dry_run } => {
+            let doc = read_json(file)?;
+            let vms = if doc.is_array() { doc } else { doc.get("vms").cloned().unwrap_or(Value::Null) };
+            let v: Value = c.call("host.reconcile", json!({ "vms": vms, "prune": prune, "dry_run": dry_run }))?;
+            let r: ReconcileReport = serde_json::from_value(v.clone()).map_err(|e| Failure::Connect(e.to_string()))?;
+            if cli.json {
+                out(&v);
+            } else {
+                print_reconcile(&r);
+            }
+            // A reconcile with failing entries is a failed command for scripts.
+            if !r.ok {
+                return Err(Failure::Usage("some reconcile entries failed".into()));
+            }
+        }
+        Cmd::Events => {
+            c.subscribe_events()?;
+            c.set_timeout(None);
+            loop {
+                match c.next_event(Duration::from_secs(3600))? {
+                    Some(e) if cli.json => println!("{}", serde_json::to_string(&e).unwrap_or_default()),
+                    Some(e) => println!(
+                        "{} {} {} -> {} ({})",
+                        e.time,
+                        e.vm,
+                        e.from.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                        e.to.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                        e.reason
+                    ),
+                    None => {}
+                }
+            }
+        }
+        Cmd::Call { method, params } => {
+            let p: Value = match params {
+                Some(t) => serde_json::from_str(t).map_err(|e| Failure::Usage(format!("params: invalid JSON: {e}")))?,
+                None => json!({}),
+            };
+            let v: Value = c.call(method, p)?;
+            out(&v);
+        }
+    }
+    Ok(())
+}
+
+fn mutation(cli: &Cli, c: &mut Client, method: &str, params: Value) -> Result<(), Failure> {
+    let v: Value = c.call(method, params)?;
+    if cli.json {
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return Ok(());
+    }
+    let m: Mutation = serde_json::from_value(v).map_err(|e| Failure::Connect(e.to_string()))?;
+    let what = if m.changed { "changed" } else { "unchanged" };
+    match m.vm {
+        Some(vm) => println!("{}: {what}, {}", vm.name, vm.status),
+        None => println!("{what}: destroyed"),
+    }
+    Ok(())
+}
+
+fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (i, cell) in r.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(cell.len());
+            }
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let parts: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{:<w$}", c, w = widths[i])).collect();
+        println!("{}", parts.join("  ").trim_end());
+    };
+    line(headers.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        line(r);
+    }
+}
+
+fn print_list(vms: &[VmView]) {
+    let rows = vms
+        .iter()
+        .map(|v| {
+            vec![
+                v.name.clone(),
+                v.status.to_string(),
+                format!("{:?}", v.desired_state).to_lowercase(),
+                v.spec.cpu.to_string(),
+                v.spec.memory_mib.to_string(),
+                v.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+                v.spec.role.clone().unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    print_table(&["NAME", "STATUS", "DESIRED", "CPU", "MEM_MIB", "PID", "ROLE"], rows);
+}
+
+fn print_vm(v: &VmView) {
+    println!("name:        {}", v.name);
+    println!("status:      {}", v.status);
+    println!("desired:     {}", format!("{:?}", v.desired_state).to_lowercase());
+    println!("pid:         {}", v.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()));
+    println!("cpu:         {}", v.spec.cpu);
+    println!("memory_mib:  {}", v.spec.memory_mib);
+    println!("created_at:  {}", v.created_at);
+    println!("started_at:  {}", v.started_at.clone().unwrap_or_else(|| "-".into()));
+    println!("serial_log:  {}", v.serial_log.display());
+    if let Some(e) = &v.last_error {
+        println!("last_error:  {} {}", e.code, e.message);
+    }
+    println!("spec:        {}", serde_json::to_string(&v.spec).unwrap_or_default());
+}
+
+fn print_info(i: &HostInfo) {
+    println!("vmhostd {} (API v{}), accel {}, {} VMs", i.version, i.api_version, i.accel, i.vm_count);
+    print_table(
+        &["RESOURCE", "TOTAL", "RESERVED", "ALLOCATED", "AVAILABLE"],
+        [("cpu", &i.cpu), ("memory_mib", &i.memory_mib)]
+            .iter()
+            .map(|(n, u)| {
+                vec![n.to_string(), u.total.to_string(), u.reserved.to_string(), u.allocated.to_string(), u.available.to_string()]
+            })
+            .collect(),
+    );
+    if !i.hardware.is_empty() {
+        println!();
+        let rows = i
+            .hardware
+            .iter()
+            .map(|h| vec![h.class.to_string(), h.index.to_string(), h.pci.clone(), h.holder.clone().unwrap_or_else(|| "-".into())])
+            .collect();
+        print_table(&["CLASS", "INDEX", "PCI", "HOLDER"], rows);
+    }
+}
+
+fn print_reconcile(r: &ReconcileReport) {
+    let rows = r
+        .plan
+        .iter()
+        .map(|p| {
+            let result = r.results.iter().find(|x| x.vm == p.vm);
+            let outcome = match (result, &p.error) {
+                (Some(x), _) if x.ok => if x.changed { "done".to_string() } else { "ok".to_string() },
+                (Some(x), _) => format!("FAILED {}", x.error.as_ref().map(|e| e["message"].to_string()).unwrap_or_default()),
+                (None, Some(e)) => format!("would fail: {}", e["message"]),
+                (None, None) => "planned".to_string(),
+            };
+            vec![p.vm.clone(), format!("{:?}", p.action).to_lowercase(), p.reason.clone(), outcome]
+        })
+        .collect();
+    print_table(&["VM", "ACTION", "REASON", "OUTCOME"], rows);
+    println!("{}{}", if r.dry_run { "dry run: " } else { "" }, if r.ok { "ok" } else { "FAILED" });
+}

@@ -1,1 +1,136 @@
-fn main() {}
+//! vmhost-bench: read-path latency and daemon memory, printed as a table.
+//!
+//! Starts a real vmhostd in a temp dir, defines N stopped VMs (records only, no QEMU), then
+//! measures `vm.list` and `vm.get` latency (p50, p99) and throughput with 1, 8 and 32 concurrent
+//! clients, and the daemon's RSS idle and with the records. Not a test: it asserts nothing
+//! about speed. Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N]`.
+
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use vmhost::client::Client;
+use vmhost_tests::{HostOptions, TestHost};
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2).find(|w| w[0] == name).and_then(|w| w[1].parse().ok()).unwrap_or(default)
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+struct Row {
+    method: &'static str,
+    clients: usize,
+    calls: usize,
+    p50: Duration,
+    p99: Duration,
+    per_s: f64,
+}
+
+fn measure(host: &TestHost, method: &'static str, clients: usize, total: usize, vms: usize) -> Row {
+    let per_client = (total / clients).max(1);
+    let start = Instant::now();
+    let mut lat: Vec<Duration> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..clients)
+            .map(|c| {
+                s.spawn(move || {
+                    let mut client = Client::connect(&host.socket).expect("connect");
+                    let mut out = Vec::with_capacity(per_client);
+                    for i in 0..per_client {
+                        let params = if method == "vm.get" {
+                            json!({ "name": format!("bench-{:04}", (c * 7919 + i) % vms) })
+                        } else {
+                            json!({})
+                        };
+                        let t = Instant::now();
+                        let _: Value = client.call(method, params).expect("call");
+                        out.push(t.elapsed());
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("client thread")).collect()
+    });
+    let wall = start.elapsed();
+    lat.sort();
+    Row {
+        method,
+        clients,
+        calls: lat.len(),
+        p50: percentile(&lat, 0.50),
+        p99: percentile(&lat, 0.99),
+        per_s: lat.len() as f64 / wall.as_secs_f64(),
+    }
+}
+
+fn main() {
+    let vms = arg("--vms", 1000);
+    let get_calls = arg("--get-calls", 8000);
+    let list_calls = arg("--list-calls", 320);
+    let host = TestHost::start(HostOptions {
+        cpu: (vms as u32) + 2,
+        memory_gib: (vms as u64 * 64 / 1024) + 2,
+        ..HostOptions::default()
+    });
+    let pid = host.daemon_pid().expect("daemon pid");
+    std::thread::sleep(Duration::from_millis(300));
+    let rss_idle = rss_kib(pid);
+
+    // Any existing file will do as a kernel: the VMs are defined stopped and never launched.
+    let kernel = host.config.clone();
+    let t = Instant::now();
+    let mut c = Client::connect(&host.socket).expect("connect");
+    for i in 0..vms {
+        let spec = json!({"name": format!("bench-{i:04}"), "cpu": 1, "memory_mib": 64, "state": "stopped",
+            "role": "bench", "boot": {"kernel": kernel, "cmdline": "console=ttyS0"}});
+        let _: Value = c.call("vm.create", json!({ "spec": spec })).expect("create");
+    }
+    let create_s = t.elapsed().as_secs_f64();
+    let rss_loaded = rss_kib(pid);
+
+    let mut rows = Vec::new();
+    for clients in [1, 8, 32] {
+        rows.push(measure(&host, "vm.get", clients, get_calls, vms));
+        rows.push(measure(&host, "vm.list", clients, list_calls, vms));
+    }
+    let rss_after = rss_kib(pid);
+
+    println!("vmhost-bench: {vms} VM records, vmhostd pid {pid}");
+    println!("defining {vms} stopped VMs: {create_s:.2} s ({:.0} creates/s, each an fsynced record)", vms as f64 / create_s);
+    println!();
+    println!("| method  | clients | calls | p50 (ms) | p99 (ms) | calls/s |");
+    println!("|---------|---------|-------|----------|----------|---------|");
+    for r in &rows {
+        println!(
+            "| {:<7} | {:>7} | {:>5} | {:>8.3} | {:>8.3} | {:>7.0} |",
+            r.method,
+            r.clients,
+            r.calls,
+            r.p50.as_secs_f64() * 1e3,
+            r.p99.as_secs_f64() * 1e3,
+            r.per_s
+        );
+    }
+    println!();
+    println!("| daemon RSS                 | KiB    |");
+    println!("|----------------------------|--------|");
+    println!("| idle, no records           | {rss_idle:>6} |");
+    println!("| {vms} records              | {rss_loaded:>6} |");
+    println!("| {vms} records, after load  | {rss_after:>6} |");
+}

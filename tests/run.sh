@@ -1,0 +1,11 @@
+#!/bin/bash
+# The whole test suite: lint, unit tests, and end-to-end tests against real QEMU (TCG).
+# This is the README's test command; .ci/run runs it on a clean machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tests/setup.sh
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
+# The end-to-end tests run the real binaries from target/debug.
+cargo build --workspace --bins
+cargo test --workspace

@@ -1,0 +1,324 @@
+//! End to end through the socket: real vmhostd, real QEMU (TCG), real guest kernel.
+
+use serde_json::{json, Value};
+use std::time::Duration;
+use vmhost_tests::{alive, HostOptions, TestHost, GUEST_READY};
+
+const BOOT: Duration = Duration::from_secs(90);
+
+fn names(list: &Value) -> Vec<String> {
+    list.as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap().to_string()).collect()
+}
+
+#[test]
+fn create_stop_start_destroy_with_a_real_guest() {
+    let host = TestHost::start(HostOptions::default());
+    let spec = host.kernel_spec("alpha");
+    let created = host.call("vm.create", json!({ "spec": spec }));
+    assert_eq!(created["changed"], true);
+    assert_eq!(created["vm"]["status"], "running");
+    let pid = created["vm"]["pid"].as_i64().unwrap() as i32;
+    assert!(alive(pid));
+    assert!(host.wait_serial("alpha", GUEST_READY, BOOT), "guest never reached userspace:\n{}", host.serial("alpha"));
+    assert!(host.run().join("alpha/qmp").exists());
+    assert!(host.run().join("alpha/agent").exists(), "agent chardev socket");
+
+    // Graceful stop: the test guest runs acpid, so ACPI powerdown ends QEMU by itself.
+    let stopped = host.call("vm.stop", json!({ "name": "alpha", "timeout_s": 30 }));
+    assert_eq!(stopped["changed"], true);
+    assert_eq!(stopped["vm"]["status"], "stopped");
+    assert_eq!(stopped["vm"]["desired_state"], "stopped");
+    assert!(!alive(pid));
+    assert!(!host.run().join("alpha").exists(), "run dir removed on stop");
+    assert!(host.serial("alpha").contains("VMHOST-GUEST-POWEROFF"), "stop went through ACPI");
+    let again = host.call("vm.stop", json!({ "name": "alpha" }));
+    assert_eq!(again["changed"], false);
+
+    let started = host.call("vm.start", json!({ "name": "alpha" }));
+    assert_eq!(started["vm"]["status"], "running");
+    let pid2 = started["vm"]["pid"].as_i64().unwrap() as i32;
+    assert_ne!(pid, pid2);
+    assert_eq!(host.call("vm.start", json!({ "name": "alpha" }))["changed"], false, "never started twice");
+    assert_eq!(host.qemu_pids(), vec![pid2]);
+
+    let destroyed = host.call("vm.destroy", json!({ "name": "alpha" }));
+    assert_eq!(destroyed, json!({ "changed": true, "vm": null }));
+    assert!(!alive(pid2));
+    assert!(host.qemu_pids().is_empty());
+    assert!(!host.state().join("vms/alpha.json").exists());
+    assert!(!host.state().join("logs/alpha.serial.log").exists());
+    let (code, _) = host.call_err("vm.get", json!({ "name": "alpha" }));
+    assert_eq!(code, 4040);
+}
+
+#[test]
+fn two_vms_at_once_then_capacity_and_conflicts_are_refused() {
+    // 4 CPUs - 1 reserved = 3 allocatable; sfp 5 and 6 exist.
+    let host = TestHost::start(HostOptions {
+        cpu: 4,
+        extra: "[hardware.sfp]\n5 = \"0000:ca:00.0\"\n6 = \"0000:ca:00.1\"\n".into(),
+        ..HostOptions::default()
+    });
+    let mut a = host.kernel_spec("vm-a");
+    a["hardware"] = json!({ "sfp": [5] });
+    let mut b = host.kernel_spec("vm-b");
+    b["cpu"] = json!(2);
+    // Create both concurrently, over two connections.
+    let (ra, rb) = std::thread::scope(|s| {
+        let ha = s.spawn(|| host.call("vm.create", json!({ "spec": a })));
+        let hb = s.spawn(|| host.call("vm.create", json!({ "spec": b })));
+        (ha.join().unwrap(), hb.join().unwrap())
+    });
+    assert_eq!(ra["vm"]["status"], "running");
+    assert_eq!(rb["vm"]["status"], "running");
+    assert!(host.wait_serial("vm-a", GUEST_READY, BOOT));
+    assert!(host.wait_serial("vm-b", GUEST_READY, BOOT));
+    assert_eq!(host.qemu_pids().len(), 2);
+
+    let info = host.call("host.info", json!({}));
+    assert_eq!(info["accel"], "tcg");
+    assert_eq!(info["cpu"], json!({"total": 4, "reserved": 1, "allocated": 3, "available": 0}));
+    let sfp5 = info["hardware"].as_array().unwrap().iter().find(|h| h["index"] == 5).unwrap().clone();
+    assert_eq!(sfp5, json!({"class": "sfp", "index": 5, "pci": "0000:ca:00.0", "holder": "vm-a"}));
+
+    let before = std::fs::read_dir(host.state().join("vms")).unwrap().count();
+    let (code, e) = host.call_err("vm.create", json!({ "spec": host.kernel_spec("vm-c") }));
+    assert_eq!(code, 3002, "{e:?}");
+    assert_eq!(e.field.as_deref(), Some("spec.cpu"));
+    let mut c = host.kernel_spec("vm-c");
+    c["cpu"] = json!(1);
+    c["hardware"] = json!({ "sfp": [6, 5] });
+    // Free a CPU so only the conflict remains.
+    host.call("vm.destroy", json!({ "name": "vm-b" }));
+    let (code, e) = host.call_err("vm.create", json!({ "spec": c }));
+    assert_eq!(code, 3003);
+    assert_eq!(e.details["conflicts"], json!([{"class": "sfp", "index": 5, "holder": "vm-a"}]));
+    let mut c = host.kernel_spec("vm-c");
+    c["hardware"] = json!({ "sfp": [7] });
+    assert_eq!(host.call_err("vm.create", json!({ "spec": c })).0, 3001);
+    // Refusals changed nothing.
+    assert_eq!(std::fs::read_dir(host.state().join("vms")).unwrap().count(), before - 1);
+    assert_eq!(names(&host.call("vm.list", json!({}))), vec!["vm-a"]);
+    assert_eq!(host.qemu_pids().len(), 1);
+}
+
+#[test]
+fn apply_is_idempotent_and_reports_drift() {
+    let host = TestHost::start(HostOptions::default());
+    let mut spec = host.kernel_spec("app");
+    spec["state"] = json!("stopped");
+    let r = host.call("vm.apply", json!({ "spec": spec }));
+    assert_eq!((r["changed"].clone(), r["vm"]["status"].clone()), (json!(true), json!("stopped")));
+    assert!(host.qemu_pids().is_empty(), "a stopped spec launches nothing");
+    let r = host.call("vm.apply", json!({ "spec": spec }));
+    assert_eq!(r["changed"], false);
+    spec["state"] = json!("running");
+    let r = host.call("vm.apply", json!({ "spec": spec }));
+    assert_eq!((r["changed"].clone(), r["vm"]["status"].clone()), (json!(true), json!("running")));
+    assert_eq!(host.call("vm.apply", json!({ "spec": spec }))["changed"], false);
+
+    let mut changed = spec.clone();
+    changed["memory_mib"] = json!(320);
+    changed["role"] = json!("sensor");
+    let (code, e) = host.call_err("vm.apply", json!({ "spec": changed }));
+    assert_eq!(code, 2002);
+    assert_eq!(e.details["fields"], json!(["memory_mib", "role"]));
+    let old_pid = host.call("vm.get", json!({"name": "app"}))["pid"].clone();
+    let r = host.call("vm.apply", json!({ "spec": changed, "replace": true }));
+    assert_eq!(r["changed"], true);
+    assert_eq!(r["vm"]["spec"]["memory_mib"], 320);
+    assert_ne!(r["vm"]["pid"], old_pid);
+    assert_eq!(host.qemu_pids().len(), 1);
+}
+
+#[test]
+fn reconcile_plans_validates_the_set_and_converges() {
+    // 5 CPUs - 1 reserved = 4 allocatable; stopped VMs hold their CPUs too.
+    let host = TestHost::start(HostOptions { cpu: 5, ..HostOptions::default() });
+    host.call("vm.create", json!({ "spec": host.kernel_spec("old") }));
+    let mut big = host.kernel_spec("big");
+    big["cpu"] = json!(3);
+    let mut small = host.kernel_spec("small");
+    small["state"] = json!("stopped");
+    let desired = json!([small, big]);
+
+    // Dry run without prune: "old" keeps its CPU, so "big" (3) does not fit next to old + small.
+    let r = host.call("host.reconcile", json!({ "vms": desired, "dry_run": true }));
+    assert_eq!(r["ok"], false);
+    assert_eq!(r["results"], json!([]));
+    let plan = r["plan"].as_array().unwrap();
+    assert_eq!(plan[0]["action"], "create");
+    assert_eq!(plan[0]["error"], Value::Null);
+    assert_eq!(plan[1]["error"]["code"], 3002);
+    assert_eq!(plan[2]["vm"], "old");
+    assert_eq!(plan[2]["action"], "none");
+    assert_eq!(names(&host.call("vm.list", json!({}))), vec!["old"], "dry run changed nothing");
+
+    // With prune, "old" is destroyed first and the set fits.
+    let r = host.call("host.reconcile", json!({ "vms": desired, "prune": true }));
+    assert_eq!(r["ok"], true, "{r}");
+    let results = r["results"].as_array().unwrap();
+    assert!(results.iter().all(|x| x["ok"] == true && x["changed"] == true), "{r}");
+    let list = host.call("vm.list", json!({}));
+    assert_eq!(names(&list), vec!["big", "small"]);
+    let status: Vec<_> = list.as_array().unwrap().iter().map(|v| v["status"].as_str().unwrap().to_string()).collect();
+    assert_eq!(status, vec!["running", "stopped"]);
+
+    // A second run is a no-op; one bad VM does not stop the others.
+    let mut bad = host.kernel_spec("bad");
+    bad["hardware"] = json!({ "disk": [1] });
+    let mut small_running = host.kernel_spec("small");
+    small_running["state"] = json!("running");
+    let mut big2 = host.kernel_spec("big");
+    big2["cpu"] = json!(2);
+    let r = host.call("host.reconcile", json!({ "vms": [small_running, big2, bad], "prune": true }));
+    assert_eq!(r["ok"], false);
+    let by_vm = |n: &str| r["results"].as_array().unwrap().iter().find(|x| x["vm"] == n).unwrap().clone();
+    assert_eq!(by_vm("bad")["error"]["code"], 3001);
+    assert_eq!(by_vm("small")["ok"], true);
+    assert_eq!(by_vm("big")["action"], "replace");
+    assert_eq!(by_vm("big")["ok"], true);
+    let r = host.call("host.reconcile", json!({ "vms": [small_running, big2], "prune": true }));
+    assert!(r["plan"].as_array().unwrap().iter().all(|p| p["action"] == "none"), "{r}");
+}
+
+#[test]
+fn events_report_state_changes_and_a_killed_qemu_is_dead() {
+    let host = TestHost::start(HostOptions::default());
+    let mut sub = host.client();
+    sub.subscribe_events().expect("subscribe");
+    host.call("vm.create", json!({ "spec": host.kernel_spec("ev") }));
+    let mut seen = Vec::new();
+    while let Some(e) = sub.next_event(Duration::from_secs(10)).expect("event") {
+        seen.push((e.from.map(|s| s.to_string()), e.to.map(|s| s.to_string())));
+        if e.to.map(|s| s.to_string()).as_deref() == Some("running") {
+            break;
+        }
+    }
+    assert_eq!(seen.first().unwrap(), &(None, Some("creating".to_string())));
+    assert!(seen.contains(&(Some("starting".into()), Some("running".into()))), "{seen:?}");
+
+    let pid = host.call("vm.get", json!({ "name": "ev" }))["pid"].as_i64().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let e = sub.next_event(Duration::from_secs(20)).expect("event").expect("a dead event");
+    assert_eq!((e.vm.as_str(), e.from.map(|s| s.to_string()), e.to.map(|s| s.to_string())),
+        ("ev", Some("running".into()), Some("dead".into())));
+    let v = host.wait_status("ev", "dead", Duration::from_secs(5));
+    assert_eq!(v["pid"], Value::Null);
+    assert!(v["last_error"]["message"].as_str().unwrap().contains("exited unexpectedly"));
+    assert!(!host.run().join("ev").exists());
+    // A dead VM can be started again.
+    assert_eq!(host.call("vm.start", json!({ "name": "ev" }))["vm"]["status"], "running");
+}
+
+#[test]
+fn vms_survive_a_daemon_kill_and_are_adopted() {
+    let mut host = TestHost::start(HostOptions::default());
+    host.call("vm.create", json!({ "spec": host.kernel_spec("keep") }));
+    host.call("vm.create", json!({ "spec": host.kernel_spec("gone") }));
+    let keep = host.call("vm.get", json!({ "name": "keep" }))["pid"].as_i64().unwrap() as i32;
+    let gone = host.call("vm.get", json!({ "name": "gone" }))["pid"].as_i64().unwrap() as i32;
+    assert!(host.wait_serial("keep", GUEST_READY, BOOT));
+
+    host.kill_daemon();
+    assert!(alive(keep), "QEMU outlives a kill -9 of vmhostd");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(gone), nix::sys::signal::Signal::SIGKILL).unwrap();
+    host.spawn_daemon();
+
+    let v = host.call("vm.get", json!({ "name": "keep" }));
+    assert_eq!(v["status"], "running");
+    assert_eq!(v["pid"], keep, "adopted, not restarted");
+    let v = host.call("vm.get", json!({ "name": "gone" }));
+    assert_eq!(v["status"], "dead");
+    assert_eq!(host.qemu_pids(), vec![keep], "nothing started twice");
+    assert!(host.daemon_log().contains("re-adopted running VM"));
+
+    // The adopted VM is fully manageable: stop goes through its QMP socket.
+    let r = host.call("vm.stop", json!({ "name": "keep", "timeout_s": 30 }));
+    assert_eq!(r["vm"]["status"], "stopped");
+    assert!(!alive(keep));
+    // And a clean SIGTERM leaves VMs running too.
+    host.call("vm.start", json!({ "name": "keep" }));
+    let pid = host.call("vm.get", json!({ "name": "keep" }))["pid"].as_i64().unwrap() as i32;
+    assert!(host.stop_daemon().success());
+    assert!(alive(pid));
+    host.spawn_daemon();
+    assert_eq!(host.call("vm.get", json!({ "name": "keep" }))["pid"], pid);
+}
+
+#[test]
+fn a_create_whose_qemu_cannot_start_leaves_nothing_behind() {
+    let host = TestHost::start(HostOptions::default());
+    // A file that is not a kernel: QEMU refuses it during initialisation.
+    let junk = host.images().join("junk-kernel");
+    std::fs::write(&junk, vec![0u8; 4096]).unwrap();
+    let mut spec = host.kernel_spec("broken");
+    spec["boot"]["kernel"] = json!(junk);
+    let (code, e) = host.call_err("vm.create", json!({ "spec": spec }));
+    assert_eq!(code, 4001, "{e:?}");
+    assert!(!e.details["stderr"].as_str().unwrap_or("").is_empty(), "stderr tail carried: {e:?}");
+    let v = host.call("vm.get", json!({ "name": "broken" }));
+    assert_eq!(v["status"], "failed");
+    assert_eq!(v["last_error"]["code"], 4001);
+    assert!(host.qemu_pids().is_empty());
+    assert!(!host.run().join("broken").exists(), "no socket or pid file left");
+    assert_eq!(host.call("host.info", json!({}))["cpu"]["allocated"], 0, "reservation released");
+    host.call("vm.destroy", json!({ "name": "broken" }));
+}
+
+#[test]
+fn image_boot_uses_an_overlay_and_rolls_it_back_on_failure() {
+    let host = TestHost::start(HostOptions::default());
+    let base = host.images().join("base.qcow2");
+    let st = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&base)
+        .arg("64M")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let base_bytes = std::fs::read(&base).unwrap();
+    let spec = json!({"name": "img", "cpu": 1, "memory_mib": 128, "boot": {"image": "base.qcow2", "disk_gib": 1}});
+    let r = host.call("vm.create", json!({ "spec": spec }));
+    assert_eq!(r["vm"]["status"], "running");
+    let overlay = host.state().join("disks/img.qcow2");
+    let info = std::process::Command::new("qemu-img").args(["info", "-U", "--output=json"]).arg(&overlay).output().unwrap();
+    let info: Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["backing-filename"], base.to_string_lossy().as_ref());
+    assert_eq!(info["virtual-size"], 1024 * 1024 * 1024u64);
+    host.call("vm.destroy", json!({ "name": "img" }));
+    assert!(!overlay.exists());
+    assert_eq!(std::fs::read(&base).unwrap(), base_bytes, "the base image is never written");
+
+    // Unknown image: refused before anything exists.
+    let bad = json!({"name": "img2", "cpu": 1, "memory_mib": 128, "boot": {"image": "nope.qcow2", "disk_gib": 1}});
+    let (code, e) = host.call_err("vm.create", json!({ "spec": bad }));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("spec.boot.image")));
+    assert_eq!(host.call("vm.list", json!({})), json!([]));
+}
+
+#[test]
+fn a_qemu_failure_after_the_overlay_removes_the_overlay() {
+    let host = TestHost::start(HostOptions { machine: "no-such-machine".into(), ..HostOptions::default() });
+    let base = host.images().join("base.qcow2");
+    assert!(std::process::Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&base).arg("64M").status().unwrap().success());
+    let spec = json!({"name": "img", "cpu": 1, "memory_mib": 128, "boot": {"image": "base.qcow2", "disk_gib": 1}});
+    let (code, e) = host.call_err("vm.create", json!({ "spec": spec }));
+    assert_eq!(code, 4001);
+    assert!(e.details["stderr"].as_str().unwrap().contains("no-such-machine"), "{e:?}");
+    assert!(!host.state().join("disks/img.qcow2").exists(), "overlay rolled back");
+    assert!(!host.run().join("img").exists());
+    assert!(host.qemu_pids().is_empty());
+    assert_eq!(host.call("vm.get", json!({"name": "img"}))["status"], "failed");
+}
+
+#[test]
+fn an_invalid_config_refuses_to_start_naming_file_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\n5 = \"zz:00.0\"\n").unwrap();
+    let out = std::process::Command::new(vmhost_tests::bin("vmhostd")).arg("--config").arg(&cfg).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&*cfg.to_string_lossy()) && err.contains("hardware.sfp.5"), "{err}");
+}
