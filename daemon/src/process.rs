@@ -11,6 +11,9 @@
 //!    through a pidfd, which works for processes that are not our children;
 //! 4. [`signal`] and [`signal_if_matches`] deliver stop and kill signals.
 //!
+//! It also shapes the stderr tails that errors about failed child programs carry (QEMU,
+//! `qemu-img`).
+//!
 //! A zombie counts as dead everywhere: an orphaned QEMU that exited lingers as a zombie until the
 //! init process reaps it (on these machines only about every 1.5 s), and it will never run again.
 //!
@@ -373,6 +376,19 @@ pub fn signal_if_matches(
     Ok(true)
 }
 
+/// The last `max` bytes of a process's output as text (lossy UTF-8, without a split character
+/// at the start, trailing whitespace trimmed): the "stderr tail" that errors carry.
+pub(crate) fn lossy_tail(bytes: &[u8], max: usize) -> String {
+    let mut start = bytes.len().saturating_sub(max);
+    // Skip UTF-8 continuation bytes so the tail does not begin with half a character.
+    while start < bytes.len() && start > 0 && (bytes[start] & 0xC0) == 0x80 {
+        start += 1;
+    }
+    String::from_utf8_lossy(&bytes[start..])
+        .trim_end()
+        .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -667,5 +683,15 @@ mod tests {
         assert!(!matches(&id, OsStr::new(&unique)));
         // Dead (zombie or reaped): a second signal is not sent.
         assert!(!signal_if_matches(&id, OsStr::new(&unique), Signal::SIGKILL).unwrap());
+    }
+
+    #[test]
+    fn lossy_tail_keeps_the_end_and_whole_characters() {
+        assert_eq!(lossy_tail(b"hello world\n", 6), "world");
+        assert_eq!(lossy_tail(b"abc", 10), "abc");
+        // "é" is two bytes; cutting into it must not produce a replacement character.
+        let s = "xé-end".as_bytes();
+        assert_eq!(lossy_tail(s, 5), "-end");
+        assert_eq!(lossy_tail(b"", 5), "");
     }
 }
