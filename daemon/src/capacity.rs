@@ -51,7 +51,8 @@ pub fn admit(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> Result<()
     }
 
     let others = held.iter().filter(|h| h.name != request.name);
-    let (cpu_used, mem_used) = others.fold((0u64, 0u64), |(c, m), h| (c + u64::from(h.spec.cpu), m + h.spec.memory_mib));
+    let (cpu_used, mem_used) =
+        others.fold((0u64, 0u64), |(c, m), h| (c + u64::from(h.spec.cpu), m + h.spec.memory_mib));
     let cpu_free = u64::from(hw.cpu - hw.reserved_cpu).saturating_sub(cpu_used);
     let mem_free = (hw.memory_mib - hw.reserved_memory_mib).saturating_sub(mem_used);
     if u64::from(request.cpu) > cpu_free {

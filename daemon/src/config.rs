@@ -133,11 +133,7 @@ pub struct Access {
 
 impl Default for Access {
     fn default() -> Self {
-        Access {
-            admin_group: "vmhost".into(),
-            readonly_group: "vmhost-ro".into(),
-            socket_mode: "0666".into(),
-        }
+        Access { admin_group: "vmhost".into(), readonly_group: "vmhost-ro".into(), socket_mode: "0666".into() }
     }
 }
 
@@ -249,7 +245,8 @@ impl Config {
                 ),
             ));
         }
-        if raw.qemu.machine.is_empty() || !raw.qemu.machine.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        if raw.qemu.machine.is_empty()
+            || !raw.qemu.machine.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
         {
             return Err(key_err("qemu.machine", format!("{:?} is not a machine type name", raw.qemu.machine)));
         }
@@ -266,7 +263,10 @@ impl Config {
             return Err(key_err("hardware.memory_gib", "must be at least 1".into()));
         }
         if h.reserved_cpu >= h.cpu {
-            return Err(key_err("hardware.reserved_cpu", format!("{} leaves no CPU for VMs (cpu = {})", h.reserved_cpu, h.cpu)));
+            return Err(key_err(
+                "hardware.reserved_cpu",
+                format!("{} leaves no CPU for VMs (cpu = {})", h.reserved_cpu, h.cpu),
+            ));
         }
         if h.reserved_memory_gib >= h.memory_gib {
             return Err(key_err(
@@ -274,10 +274,8 @@ impl Config {
                 format!("{} leaves no memory for VMs (memory_gib = {})", h.reserved_memory_gib, h.memory_gib),
             ));
         }
-        let memory_mib = h
-            .memory_gib
-            .checked_mul(1024)
-            .ok_or_else(|| key_err("hardware.memory_gib", "too large".into()))?;
+        let memory_mib =
+            h.memory_gib.checked_mul(1024).ok_or_else(|| key_err("hardware.memory_gib", "too large".into()))?;
 
         let mut items = Vec::new();
         let mut seen: HashMap<PciAddress, String> = HashMap::new();

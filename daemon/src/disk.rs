@@ -121,14 +121,9 @@ pub struct BaseInfo {
 /// `qemu-img`'s message; [`DiskError::Spawn`], [`DiskError::Timeout`]; [`DiskError::Output`]
 /// when the JSON lacks `format` or `virtual-size`.
 pub async fn base_info(qemu_img: &Path, base: &Path) -> Result<BaseInfo, DiskError> {
-    let stdout = run_qemu_img(
-        qemu_img,
-        "info",
-        vec!["info".into(), "--output=json".into(), path_arg(base)],
-    )
-    .await?;
-    let json: Value = serde_json::from_slice(&stdout)
-        .map_err(|e| DiskError::Output(format!("qemu-img info is not JSON: {e}")))?;
+    let stdout = run_qemu_img(qemu_img, "info", vec!["info".into(), "--output=json".into(), path_arg(base)]).await?;
+    let json: Value =
+        serde_json::from_slice(&stdout).map_err(|e| DiskError::Output(format!("qemu-img info is not JSON: {e}")))?;
     let format = json
         .get("format")
         .and_then(Value::as_str)
@@ -137,10 +132,7 @@ pub async fn base_info(qemu_img: &Path, base: &Path) -> Result<BaseInfo, DiskErr
         .get("virtual-size")
         .and_then(Value::as_u64)
         .ok_or_else(|| DiskError::Output("qemu-img info has no \"virtual-size\"".to_string()))?;
-    Ok(BaseInfo {
-        format: format.to_string(),
-        virtual_size,
-    })
+    Ok(BaseInfo { format: format.to_string(), virtual_size })
 }
 
 /// The format of `base` (`raw`, `qcow2`, ...), from `qemu-img info --output=json`.
@@ -166,47 +158,23 @@ pub async fn base_format(qemu_img: &Path, base: &Path) -> Result<String, DiskErr
 /// [`DiskError::QemuImg`] with `qemu-img`'s stderr tail when probing or creating fails (e.g. the
 /// base is missing); [`DiskError::Io`] when the overlay's directory is not writable; the errors
 /// of [`base_info`].
-pub async fn create_overlay(
-    qemu_img: &Path,
-    base: &Path,
-    overlay: &Path,
-    size_gib: u64,
-) -> Result<(), DiskError> {
-    match OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(overlay)
-    {
+pub async fn create_overlay(qemu_img: &Path, base: &Path, overlay: &Path, size_gib: u64) -> Result<(), DiskError> {
+    match OpenOptions::new().write(true).create_new(true).open(overlay) {
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
             return Err(DiskError::Exists(overlay.to_path_buf()));
         }
         Err(source) => {
-            return Err(DiskError::Io {
-                path: overlay.to_path_buf(),
-                source,
-            });
+            return Err(DiskError::Io { path: overlay.to_path_buf(), source });
         }
     }
-    let mut guard = RemoveOnDrop {
-        path: overlay,
-        armed: true,
-    };
+    let mut guard = RemoveOnDrop { path: overlay, armed: true };
 
-    let base = std::path::absolute(base).map_err(|source| DiskError::Io {
-        path: base.to_path_buf(),
-        source,
-    })?;
+    let base = std::path::absolute(base).map_err(|source| DiskError::Io { path: base.to_path_buf(), source })?;
     let info = base_info(qemu_img, &base).await?;
-    let too_small = size_gib
-        .checked_mul(GIB)
-        .is_some_and(|bytes| bytes < info.virtual_size);
+    let too_small = size_gib.checked_mul(GIB).is_some_and(|bytes| bytes < info.virtual_size);
     if too_small {
-        return Err(DiskError::TooSmall {
-            base,
-            base_bytes: info.virtual_size,
-            size_gib,
-        });
+        return Err(DiskError::TooSmall { base, base_bytes: info.virtual_size, size_gib });
     }
     run_qemu_img(
         qemu_img,
@@ -237,10 +205,7 @@ pub fn remove_overlay(overlay: &Path) -> Result<bool, DiskError> {
     match std::fs::remove_file(overlay) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(source) => Err(DiskError::Io {
-            path: overlay.to_path_buf(),
-            source,
-        }),
+        Err(source) => Err(DiskError::Io { path: overlay.to_path_buf(), source }),
     }
 }
 
@@ -280,10 +245,7 @@ async fn run_qemu_img(
     command: &'static str,
     args: Vec<std::ffi::OsString>,
 ) -> Result<Vec<u8>, DiskError> {
-    let spawn_error = |source| DiskError::Spawn {
-        program: qemu_img.to_path_buf(),
-        source,
-    };
+    let spawn_error = |source| DiskError::Spawn { program: qemu_img.to_path_buf(), source };
     let child = Command::new(qemu_img)
         .args(args)
         .stdin(Stdio::null())
@@ -295,10 +257,7 @@ async fn run_qemu_img(
     // On timeout the child is dropped, which kills it.
     let output = tokio::time::timeout(QEMU_IMG_TIMEOUT, child.wait_with_output())
         .await
-        .map_err(|_| DiskError::Timeout {
-            command,
-            after: QEMU_IMG_TIMEOUT,
-        })?
+        .map_err(|_| DiskError::Timeout { command, after: QEMU_IMG_TIMEOUT })?
         .map_err(spawn_error)?;
     if !output.status.success() {
         return Err(DiskError::QemuImg {
@@ -340,19 +299,12 @@ mod tests {
     fn digest(path: &Path) -> (u64, std::time::SystemTime) {
         let mut h = DefaultHasher::new();
         std::fs::read(path).unwrap().hash(&mut h);
-        (
-            h.finish(),
-            std::fs::metadata(path).unwrap().modified().unwrap(),
-        )
+        (h.finish(), std::fs::metadata(path).unwrap().modified().unwrap())
     }
 
     /// `qemu-img info --output=json` of an overlay, read independently of the module.
     fn info(path: &Path) -> Value {
-        let out = std::process::Command::new(QEMU_IMG)
-            .args(["info", "--output=json"])
-            .arg(path)
-            .output()
-            .unwrap();
+        let out = std::process::Command::new(QEMU_IMG).args(["info", "--output=json"]).arg(path).output().unwrap();
         assert!(out.status.success(), "{out:?}");
         serde_json::from_slice(&out.stdout).unwrap()
     }
@@ -364,10 +316,7 @@ mod tests {
         assert_eq!(base_format(qemu_img(), &raw).await.unwrap(), "raw");
         assert_eq!(
             base_info(qemu_img(), &qcow).await.unwrap(),
-            BaseInfo {
-                format: "qcow2".to_string(),
-                virtual_size: 2 * GIB
-            }
+            BaseInfo { format: "qcow2".to_string(), virtual_size: 2 * GIB }
         );
     }
 
@@ -386,9 +335,7 @@ mod tests {
         assert_eq!(i["backing-filename-format"], "raw");
 
         let ov_qcow = dir.path().join("vm2.qcow2");
-        create_overlay(qemu_img(), &qcow, &ov_qcow, 3)
-            .await
-            .unwrap();
+        create_overlay(qemu_img(), &qcow, &ov_qcow, 3).await.unwrap();
         let i = info(&ov_qcow);
         assert_eq!(i["virtual-size"], 3 * GIB);
         assert_eq!(i["backing-filename"], qcow.to_str().unwrap());
@@ -420,10 +367,7 @@ mod tests {
         let backing = PathBuf::from(info(&ov)["backing-filename"].as_str().unwrap());
         assert!(backing.is_absolute(), "{}", backing.display());
         // And it opens: `qemu-img info` above resolved the backing file.
-        assert_eq!(
-            info(&ov)["full-backing-filename"],
-            backing.to_str().unwrap()
-        );
+        assert_eq!(info(&ov)["full-backing-filename"], backing.to_str().unwrap());
     }
 
     #[tokio::test]
@@ -431,15 +375,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("nope.img");
         let ov = dir.path().join("vm.qcow2");
-        let err = create_overlay(qemu_img(), &missing, &ov, 1)
-            .await
-            .unwrap_err();
+        let err = create_overlay(qemu_img(), &missing, &ov, 1).await.unwrap_err();
         match &err {
-            DiskError::QemuImg {
-                command,
-                stderr_tail,
-                ..
-            } => {
+            DiskError::QemuImg { command, stderr_tail, .. } => {
                 assert_eq!(*command, "info");
                 assert!(stderr_tail.contains("nope.img"), "{stderr_tail}");
                 assert!(stderr_tail.contains("No such file"), "{stderr_tail}");
@@ -470,11 +408,7 @@ mod tests {
         let (_, qcow) = bases(dir.path());
         let ov = dir.path().join("vm.qcow2");
         match create_overlay(qemu_img(), &qcow, &ov, 1).await {
-            Err(DiskError::TooSmall {
-                base_bytes,
-                size_gib,
-                ..
-            }) => {
+            Err(DiskError::TooSmall { base_bytes, size_gib, .. }) => {
                 assert_eq!(base_bytes, 2 * GIB);
                 assert_eq!(size_gib, 1);
             }
@@ -491,15 +425,9 @@ mod tests {
         let (raw, _) = bases(dir.path());
         let ov = dir.path().join("vm.qcow2");
         // Far beyond what qcow2 allows: info succeeds, create fails.
-        let err = create_overlay(qemu_img(), &raw, &ov, u64::MAX / GIB)
-            .await
-            .unwrap_err();
+        let err = create_overlay(qemu_img(), &raw, &ov, u64::MAX / GIB).await.unwrap_err();
         match &err {
-            DiskError::QemuImg {
-                command,
-                stderr_tail,
-                ..
-            } => {
+            DiskError::QemuImg { command, stderr_tail, .. } => {
                 assert_eq!(*command, "create");
                 assert!(!stderr_tail.is_empty());
             }

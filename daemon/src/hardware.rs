@@ -58,12 +58,7 @@ impl PciAddress {
             return Err(format!("{text:?}: slot must be 00-1f and function 0-7"));
         }
         // The hex() widths above bound every value to its field's size.
-        Ok(PciAddress {
-            domain: domain as u16,
-            bus: bus as u8,
-            slot: slot as u8,
-            function: function as u8,
-        })
+        Ok(PciAddress { domain: domain as u16, bus: bus as u8, slot: slot as u8, function: function as u8 })
     }
 }
 
@@ -124,8 +119,17 @@ mod tests {
     #[test]
     fn rejects_malformed_addresses() {
         for t in [
-            "", "c7", "0000:c7:00", "0000:c7:20.0", "0000:c7:00.8", "00000:c7:00.0", "0000:c7x:00.0",
-            "pci_0000_c7_00", "0000:c7:00.0.1", "zz:00.0", "0000:c7:00.-1",
+            "",
+            "c7",
+            "0000:c7:00",
+            "0000:c7:20.0",
+            "0000:c7:00.8",
+            "00000:c7:00.0",
+            "0000:c7x:00.0",
+            "pci_0000_c7_00",
+            "0000:c7:00.0.1",
+            "zz:00.0",
+            "0000:c7:00.-1",
         ] {
             assert!(PciAddress::parse(t).is_err(), "{t:?} accepted");
         }

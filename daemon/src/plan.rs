@@ -136,9 +136,7 @@ mod tests {
     }
 
     fn actions(p: &[PlanEntry]) -> Vec<(String, PlanAction, Option<i64>)> {
-        p.iter()
-            .map(|e| (e.vm.clone(), e.action, e.error.as_ref().and_then(|v| v["code"].as_i64())))
-            .collect()
+        p.iter().map(|e| (e.vm.clone(), e.action, e.error.as_ref().and_then(|v| v["code"].as_i64()))).collect()
     }
 
     #[test]

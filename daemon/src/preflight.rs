@@ -30,7 +30,9 @@ async fn binary_version(name: &str, binary: &Path) -> CheckItem {
             let text = String::from_utf8_lossy(&out.stdout);
             item(name, CheckStatus::Ok, format!("{}: {}", binary.display(), text.lines().next().unwrap_or("").trim()))
         }
-        Ok(Ok(out)) => item(name, CheckStatus::Error, format!("{} --version exited with {}", binary.display(), out.status)),
+        Ok(Ok(out)) => {
+            item(name, CheckStatus::Error, format!("{} --version exited with {}", binary.display(), out.status))
+        }
         Ok(Err(e)) => item(name, CheckStatus::Error, format!("cannot run {}: {e}", binary.display())),
         Err(_) => item(name, CheckStatus::Error, format!("{} --version timed out", binary.display())),
     }

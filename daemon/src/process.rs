@@ -85,10 +85,7 @@ fn parse_stat(text: &str) -> io::Result<Stat> {
     let close = text.rfind(')').ok_or_else(|| bad("no ')' after comm"))?;
     // Fields after comm start with field 3 (state): field N is at index N - 3.
     let rest: Vec<&str> = text[close + 1..].split_whitespace().collect();
-    let state = rest
-        .first()
-        .and_then(|s| s.chars().next())
-        .ok_or_else(|| bad("no state field"))?;
+    let state = rest.first().and_then(|s| s.chars().next()).ok_or_else(|| bad("no state field"))?;
     let start_ticks = rest
         .get(22 - 3)
         .ok_or_else(|| bad("fewer than 22 fields"))?
@@ -130,10 +127,7 @@ fn is_gone(e: &io::Error) -> bool {
 pub fn liveness_in(proc_root: &Path, pid: i32) -> Liveness {
     let stat = open_pid_dir(proc_root, pid).and_then(|dir| read_stat_at(&dir));
     match stat {
-        Ok(Stat {
-            state: 'Z' | 'X' | 'x',
-            ..
-        }) => Liveness::Zombie,
+        Ok(Stat { state: 'Z' | 'X' | 'x', .. }) => Liveness::Zombie,
         Ok(_) => Liveness::Alive,
         Err(e) if is_gone(&e) => Liveness::Gone,
         Err(e) => {
@@ -162,10 +156,7 @@ pub fn liveness(pid: i32) -> Liveness {
 pub fn identify_in(proc_root: &Path, pid: i32) -> io::Result<ProcessIdentity> {
     let dir = open_pid_dir(proc_root, pid)?;
     let stat = read_stat_at(&dir)?;
-    Ok(ProcessIdentity {
-        pid,
-        start_ticks: stat.start_ticks,
-    })
+    Ok(ProcessIdentity { pid, start_ticks: stat.start_ticks })
 }
 
 /// The identity of the process `pid` now. A zombie still has an identity.
@@ -183,10 +174,7 @@ fn split_cmdline(bytes: &[u8]) -> Vec<OsString> {
     if bytes.is_empty() {
         return Vec::new();
     }
-    bytes
-        .split(|b| *b == 0)
-        .map(|arg| OsString::from_vec(arg.to_vec()))
-        .collect()
+    bytes.split(|b| *b == 0).map(|arg| OsString::from_vec(arg.to_vec())).collect()
 }
 
 /// [`cmdline`] with an explicit proc root.
@@ -228,9 +216,7 @@ pub fn matches_in(proc_root: &Path, expected: &ProcessIdentity, marker: &OsStr) 
     let Ok(args) = read_at(&dir, "cmdline") else {
         return false;
     };
-    split_cmdline(&args)
-        .iter()
-        .any(|arg| contains_bytes(arg.as_bytes(), marker.as_bytes()))
+    split_cmdline(&args).iter().any(|arg| contains_bytes(arg.as_bytes(), marker.as_bytes()))
 }
 
 /// True only if the recorded process still runs: it is alive (not a zombie), its start time is
@@ -257,11 +243,7 @@ fn pidfd_open(pid: i32) -> io::Result<Option<OwnedFd>> {
     let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if ret < 0 {
         let err = io::Error::last_os_error();
-        return if err.raw_os_error() == Some(libc::ESRCH) {
-            Ok(None)
-        } else {
-            Err(err)
-        };
+        return if err.raw_os_error() == Some(libc::ESRCH) { Ok(None) } else { Err(err) };
     }
     let fd = i32::try_from(ret).map_err(|_| io::Error::other("pidfd_open returned a bad fd"))?;
     // SAFETY: the kernel just returned this descriptor and nothing else owns it. pidfds are
@@ -325,10 +307,7 @@ pub async fn wait_exit_of(expected: &ProcessIdentity) -> io::Result<()> {
 /// group), or the error of `kill(2)`, e.g. `EPERM`.
 pub fn signal(pid: i32, sig: Signal) -> io::Result<bool> {
     if pid <= 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("refusing to signal pid {pid}"),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("refusing to signal pid {pid}")));
     }
     match nix::sys::signal::kill(Pid::from_raw(pid), sig) {
         Ok(()) => Ok(true),
@@ -343,11 +322,7 @@ pub fn signal(pid: i32, sig: Signal) -> io::Result<bool> {
 ///
 /// # Errors
 /// An error from `pidfd_open(2)` or `pidfd_send_signal(2)` other than "no such process".
-pub fn signal_if_matches(
-    expected: &ProcessIdentity,
-    marker: &OsStr,
-    sig: Signal,
-) -> io::Result<bool> {
+pub fn signal_if_matches(expected: &ProcessIdentity, marker: &OsStr, sig: Signal) -> io::Result<bool> {
     let Some(fd) = pidfd_open(expected.pid)? else {
         return Ok(false);
     };
@@ -367,11 +342,7 @@ pub fn signal_if_matches(
     };
     if ret < 0 {
         let err = io::Error::last_os_error();
-        return if err.raw_os_error() == Some(libc::ESRCH) {
-            Ok(false)
-        } else {
-            Err(err)
-        };
+        return if err.raw_os_error() == Some(libc::ESRCH) { Ok(false) } else { Err(err) };
     }
     Ok(true)
 }
@@ -384,9 +355,7 @@ pub(crate) fn lossy_tail(bytes: &[u8], max: usize) -> String {
     while start < bytes.len() && start > 0 && (bytes[start] & 0xC0) == 0x80 {
         start += 1;
     }
-    String::from_utf8_lossy(&bytes[start..])
-        .trim_end()
-        .to_string()
+    String::from_utf8_lossy(&bytes[start..]).trim_end().to_string()
 }
 
 #[cfg(test)]
@@ -399,10 +368,7 @@ mod tests {
     fn stat_line(pid: i32, comm: &str, state: char, start: u64) -> String {
         // Fields 4..=21 are filler; field 22 is the start time; a few more follow.
         let filler: Vec<String> = (4..=21).map(|n| n.to_string()).collect();
-        format!(
-            "{pid} ({comm}) {state} {} {start} 1440600064 8662 18446744073709551615\n",
-            filler.join(" ")
-        )
+        format!("{pid} ({comm}) {state} {} {start} 1440600064 8662 18446744073709551615\n", filler.join(" "))
     }
 
     /// A fake proc root with one process.
@@ -438,19 +404,9 @@ mod tests {
     #[test]
     fn fabricated_process_identity_liveness_and_cmdline() {
         let stat = stat_line(77, "qemu (vm) ) x", 'S', 4242);
-        let root = fake_proc(
-            77,
-            &stat,
-            b"qemu-system-x86_64\0-qmp\0unix:/run/vm/a.qmp,server=on\0",
-        );
+        let root = fake_proc(77, &stat, b"qemu-system-x86_64\0-qmp\0unix:/run/vm/a.qmp,server=on\0");
         let p = root.path();
-        assert_eq!(
-            identify_in(p, 77).unwrap(),
-            ProcessIdentity {
-                pid: 77,
-                start_ticks: 4242
-            }
-        );
+        assert_eq!(identify_in(p, 77).unwrap(), ProcessIdentity { pid: 77, start_ticks: 4242 });
         assert_eq!(liveness_in(p, 77), Liveness::Alive);
         assert_eq!(liveness_in(p, 78), Liveness::Gone);
         assert_eq!(liveness_in(p, 0), Liveness::Gone);
@@ -465,23 +421,14 @@ mod tests {
         );
         assert!(identify_in(p, 78).unwrap_err().kind() == io::ErrorKind::NotFound);
 
-        let me = ProcessIdentity {
-            pid: 77,
-            start_ticks: 4242,
-        };
+        let me = ProcessIdentity { pid: 77, start_ticks: 4242 };
         let marker = OsStr::new("/run/vm/a.qmp");
         assert!(matches_in(p, &me, marker));
         assert!(!matches_in(p, &me, OsStr::new("/run/vm/b.qmp")));
         assert!(!matches_in(p, &me, OsStr::new("")));
-        let reused = ProcessIdentity {
-            pid: 77,
-            start_ticks: 4243,
-        };
+        let reused = ProcessIdentity { pid: 77, start_ticks: 4243 };
         assert!(!matches_in(p, &reused, marker));
-        let other_pid = ProcessIdentity {
-            pid: 78,
-            start_ticks: 4242,
-        };
+        let other_pid = ProcessIdentity { pid: 78, start_ticks: 4242 };
         assert!(!matches_in(p, &other_pid, marker));
     }
 
@@ -499,10 +446,7 @@ mod tests {
     fn unparsable_stat_is_alive_but_does_not_match() {
         let root = fake_proc(5, "5 garbage", b"qemu\0/m\0");
         assert_eq!(liveness_in(root.path(), 5), Liveness::Alive);
-        let id = ProcessIdentity {
-            pid: 5,
-            start_ticks: 0,
-        };
+        let id = ProcessIdentity { pid: 5, start_ticks: 0 };
         assert!(!matches_in(root.path(), &id, OsStr::new("/m")));
     }
 
@@ -523,10 +467,7 @@ mod tests {
         let args = cmdline(me).unwrap();
         let exe = args[0].clone();
         assert!(matches(&a, &exe));
-        let wrong = ProcessIdentity {
-            pid: me,
-            start_ticks: a.start_ticks + 1,
-        };
+        let wrong = ProcessIdentity { pid: me, start_ticks: a.start_ticks + 1 };
         assert!(!matches(&wrong, &exe));
     }
 
@@ -568,10 +509,7 @@ mod tests {
         let mut child = Command::new("sleep").arg("30").spawn().unwrap();
         let pid = child.id() as i32;
         let waiting = tokio::time::timeout(Duration::from_millis(300), wait_exit(pid)).await;
-        assert!(
-            waiting.is_err(),
-            "wait_exit returned while the process runs"
-        );
+        assert!(waiting.is_err(), "wait_exit returned while the process runs");
 
         let watcher = tokio::spawn(wait_exit(pid));
         assert!(signal(pid, Signal::SIGKILL).unwrap());
@@ -583,10 +521,7 @@ mod tests {
         // Resolved before anyone reaped the child.
         assert_eq!(liveness(pid), Liveness::Zombie);
         // And a second wait on the zombie resolves at once.
-        tokio::time::timeout(Duration::from_secs(1), wait_exit(pid))
-            .await
-            .unwrap()
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(1), wait_exit(pid)).await.unwrap().unwrap();
         child.wait().unwrap();
     }
 
@@ -596,14 +531,8 @@ mod tests {
         let pid = child.id() as i32;
         let id = identify(pid).unwrap();
         child.wait().unwrap();
-        tokio::time::timeout(Duration::from_secs(1), wait_exit(pid))
-            .await
-            .unwrap()
-            .unwrap();
-        tokio::time::timeout(Duration::from_secs(1), wait_exit_of(&id))
-            .await
-            .unwrap()
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(1), wait_exit(pid)).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(1), wait_exit_of(&id)).await.unwrap().unwrap();
         assert!(wait_exit(0).await.is_err());
     }
 
@@ -612,25 +541,15 @@ mod tests {
         // Our own pid with a start time that is not ours: the recorded process is gone, and
         // the one holding the pid now must not be waited for.
         let me = identify(std::process::id() as i32).unwrap();
-        let stale = ProcessIdentity {
-            pid: me.pid,
-            start_ticks: me.start_ticks + 1,
-        };
-        tokio::time::timeout(Duration::from_secs(1), wait_exit_of(&stale))
-            .await
-            .unwrap()
-            .unwrap();
+        let stale = ProcessIdentity { pid: me.pid, start_ticks: me.start_ticks + 1 };
+        tokio::time::timeout(Duration::from_secs(1), wait_exit_of(&stale)).await.unwrap().unwrap();
     }
 
     /// Pids whose command line is exactly `args`.
     fn find_by_cmdline(args: &[&str]) -> Vec<i32> {
         let mut found = Vec::new();
         for entry in std::fs::read_dir(PROC_ROOT).unwrap().flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<i32>().ok())
-            else {
+            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
                 continue;
             };
             if cmdline(pid).is_ok_and(|c| c == args) {
@@ -645,11 +564,7 @@ mod tests {
         // `setsid --fork` starts `sleep` in a grandchild and exits: the sleep is orphaned and
         // reparented, like a daemonized QEMU. A unique duration finds it in /proc.
         let unique = format!("30.{}", std::process::id());
-        let status = Command::new("setsid")
-            .args(["--fork", "sleep", &unique])
-            .stdin(Stdio::null())
-            .status()
-            .unwrap();
+        let status = Command::new("setsid").args(["--fork", "sleep", &unique]).stdin(Stdio::null()).status().unwrap();
         assert!(status.success());
         let mut pids = Vec::new();
         for _ in 0..200 {
@@ -665,10 +580,7 @@ mod tests {
         assert!(matches(&id, OsStr::new(&unique)));
 
         let waiting = tokio::time::timeout(Duration::from_millis(300), wait_exit_of(&id)).await;
-        assert!(
-            waiting.is_err(),
-            "wait_exit_of returned while the process runs"
-        );
+        assert!(waiting.is_err(), "wait_exit_of returned while the process runs");
 
         let watcher = tokio::spawn(async move { wait_exit(pid).await });
         // Wrong marker: nothing is sent.

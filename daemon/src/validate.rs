@@ -121,10 +121,7 @@ fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
         (Some(_), Some(_)) => Err(ApiError::invalid("spec.boot", "give either boot.image or boot.kernel, not both")),
         (None, None) => Err(ApiError::invalid("spec.boot", "boot needs either image (with disk_gib) or kernel")),
         (Some(image), None) => {
-            for (field, set) in [
-                ("spec.boot.initrd", b.initrd.is_some()),
-                ("spec.boot.cmdline", b.cmdline.is_some()),
-            ] {
+            for (field, set) in [("spec.boot.initrd", b.initrd.is_some()), ("spec.boot.cmdline", b.cmdline.is_some())] {
                 if set {
                     return Err(ApiError::invalid(field, "only valid with boot.kernel"));
                 }
@@ -135,7 +132,8 @@ fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
                     format!("{image:?} must be a file name in the image directory (no path, no leading dot)"),
                 ));
             }
-            let disk_gib = b.disk_gib.ok_or_else(|| ApiError::invalid("spec.boot.disk_gib", "required with boot.image"))?;
+            let disk_gib =
+                b.disk_gib.ok_or_else(|| ApiError::invalid("spec.boot.disk_gib", "required with boot.image"))?;
             if disk_gib == 0 || disk_gib > MAX_DISK_GIB {
                 return Err(ApiError::invalid("spec.boot.disk_gib", format!("must be 1..={MAX_DISK_GIB}")));
             }

@@ -201,8 +201,10 @@ fn events_report_state_changes_and_a_killed_qemu_is_dead() {
     let pid = host.call("vm.get", json!({ "name": "ev" }))["pid"].as_i64().unwrap() as i32;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
     let e = sub.next_event(Duration::from_secs(20)).expect("event").expect("a dead event");
-    assert_eq!((e.vm.as_str(), e.from.map(|s| s.to_string()), e.to.map(|s| s.to_string())),
-        ("ev", Some("running".into()), Some("dead".into())));
+    assert_eq!(
+        (e.vm.as_str(), e.from.map(|s| s.to_string()), e.to.map(|s| s.to_string())),
+        ("ev", Some("running".into()), Some("dead".into()))
+    );
     let v = host.wait_status("ev", "dead", Duration::from_secs(5));
     assert_eq!(v["pid"], Value::Null);
     assert!(v["last_error"]["message"].as_str().unwrap().contains("exited unexpectedly"));
@@ -282,7 +284,8 @@ fn image_boot_uses_an_overlay_and_rolls_it_back_on_failure() {
     let r = host.call("vm.create", json!({ "spec": spec }));
     assert_eq!(r["vm"]["status"], "running");
     let overlay = host.state().join("disks/img.qcow2");
-    let info = std::process::Command::new("qemu-img").args(["info", "-U", "--output=json"]).arg(&overlay).output().unwrap();
+    let info =
+        std::process::Command::new("qemu-img").args(["info", "-U", "--output=json"]).arg(&overlay).output().unwrap();
     let info: Value = serde_json::from_slice(&info.stdout).unwrap();
     assert_eq!(info["backing-filename"], base.to_string_lossy().as_ref());
     assert_eq!(info["virtual-size"], 1024 * 1024 * 1024u64);
@@ -301,7 +304,13 @@ fn image_boot_uses_an_overlay_and_rolls_it_back_on_failure() {
 fn a_qemu_failure_after_the_overlay_removes_the_overlay() {
     let host = TestHost::start(HostOptions { machine: "no-such-machine".into(), ..HostOptions::default() });
     let base = host.images().join("base.qcow2");
-    assert!(std::process::Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&base).arg("64M").status().unwrap().success());
+    assert!(std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&base)
+        .arg("64M")
+        .status()
+        .unwrap()
+        .success());
     let spec = json!({"name": "img", "cpu": 1, "memory_mib": 128, "boot": {"image": "base.qcow2", "disk_gib": 1}});
     let (code, e) = host.call_err("vm.create", json!({ "spec": spec }));
     assert_eq!(code, 4001);

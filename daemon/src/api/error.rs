@@ -171,11 +171,7 @@ impl ApiError {
 
     /// The `error.data` member.
     pub fn data(&self) -> ErrorData {
-        ErrorData {
-            kind: self.code.kind().to_string(),
-            field: self.field.clone(),
-            details: self.details.clone(),
-        }
+        ErrorData { kind: self.code.kind().to_string(), field: self.field.clone(), details: self.details.clone() }
     }
 
     /// The full JSON-RPC error object.

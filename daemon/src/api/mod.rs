@@ -103,11 +103,7 @@ impl HardwareRequest {
 
     /// `(class, indices)` pairs in a fixed order.
     pub fn by_class(&self) -> [(HardwareClass, &[u32]); 3] {
-        [
-            (HardwareClass::Disk, &self.disk),
-            (HardwareClass::Copper, &self.copper),
-            (HardwareClass::Sfp, &self.sfp),
-        ]
+        [(HardwareClass::Disk, &self.disk), (HardwareClass::Copper, &self.copper), (HardwareClass::Sfp, &self.sfp)]
     }
 }
 

@@ -149,7 +149,10 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             if cli.json {
                 out(&v);
             } else {
-                let rows = r.items.iter().map(|i| vec![i.name.clone(), format!("{:?}", i.status).to_lowercase(), i.detail.clone()]);
+                let rows = r
+                    .items
+                    .iter()
+                    .map(|i| vec![i.name.clone(), format!("{:?}", i.status).to_lowercase(), i.detail.clone()]);
                 print_table(&["ITEM", "STATUS", "DETAIL"], rows.collect());
                 println!("overall: {}", if r.ok { "ok" } else { "NOT OK" });
             }
@@ -307,7 +310,13 @@ fn print_info(i: &HostInfo) {
         [("cpu", &i.cpu), ("memory_mib", &i.memory_mib)]
             .iter()
             .map(|(n, u)| {
-                vec![n.to_string(), u.total.to_string(), u.reserved.to_string(), u.allocated.to_string(), u.available.to_string()]
+                vec![
+                    n.to_string(),
+                    u.total.to_string(),
+                    u.reserved.to_string(),
+                    u.allocated.to_string(),
+                    u.available.to_string(),
+                ]
             })
             .collect(),
     );
@@ -316,7 +325,14 @@ fn print_info(i: &HostInfo) {
         let rows = i
             .hardware
             .iter()
-            .map(|h| vec![h.class.to_string(), h.index.to_string(), h.pci.clone(), h.holder.clone().unwrap_or_else(|| "-".into())])
+            .map(|h| {
+                vec![
+                    h.class.to_string(),
+                    h.index.to_string(),
+                    h.pci.clone(),
+                    h.holder.clone().unwrap_or_else(|| "-".into()),
+                ]
+            })
             .collect();
         print_table(&["CLASS", "INDEX", "PCI", "HOLDER"], rows);
     }
@@ -329,8 +345,16 @@ fn print_reconcile(r: &ReconcileReport) {
         .map(|p| {
             let result = r.results.iter().find(|x| x.vm == p.vm);
             let outcome = match (result, &p.error) {
-                (Some(x), _) if x.ok => if x.changed { "done".to_string() } else { "ok".to_string() },
-                (Some(x), _) => format!("FAILED {}", x.error.as_ref().map(|e| e["message"].to_string()).unwrap_or_default()),
+                (Some(x), _) if x.ok => {
+                    if x.changed {
+                        "done".to_string()
+                    } else {
+                        "ok".to_string()
+                    }
+                }
+                (Some(x), _) => {
+                    format!("FAILED {}", x.error.as_ref().map(|e| e["message"].to_string()).unwrap_or_default())
+                }
                 (None, Some(e)) => format!("would fail: {}", e["message"]),
                 (None, None) => "planned".to_string(),
             };

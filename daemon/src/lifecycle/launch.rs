@@ -166,7 +166,12 @@ impl Manager {
     }
 
     /// Marks a VM running after a successful launch and starts watching its process.
-    pub(super) fn mark_running(self: &Arc<Self>, name: &str, id: ProcessIdentity, reason: &str) -> Result<(), ApiError> {
+    pub(super) fn mark_running(
+        self: &Arc<Self>,
+        name: &str,
+        id: ProcessIdentity,
+        reason: &str,
+    ) -> Result<(), ApiError> {
         let now = crate::api::now_rfc3339();
         let pid = id.clone();
         self.update(name, reason, |r| {

@@ -19,9 +19,7 @@ mod ops;
 mod reconcile;
 mod recover;
 
-use crate::api::{
-    ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION,
-};
+use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION};
 use crate::capacity::{self, Holding};
 use crate::config::Config;
 use crate::events::EventBus;
@@ -199,9 +197,10 @@ impl Manager {
         let mut status = rec.status;
         let mut pid = rec.process.as_ref().map(|p| p.pid);
         if status == VmStatus::Running {
-            let alive = rec.process.as_ref().is_some_and(|p| {
-                crate::process::matches(p, std::ffi::OsStr::new(&paths.cmdline_marker()))
-            });
+            let alive = rec
+                .process
+                .as_ref()
+                .is_some_and(|p| crate::process::matches(p, std::ffi::OsStr::new(&paths.cmdline_marker())));
             if !alive {
                 status = VmStatus::Dead;
                 pid = None;

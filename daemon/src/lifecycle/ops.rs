@@ -4,7 +4,7 @@
 //! assumes the flag is held, so compound operations (restart, apply with replace) run their
 //! steps without letting another operation in between.
 
-use super::{OpGuard, Manager};
+use super::{Manager, OpGuard};
 use crate::api::{ApiError, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
 use crate::capacity::{self, Holding};
 use crate::process;
@@ -279,7 +279,11 @@ impl Manager {
         if !replace {
             return Err(ApiError::new(
                 Code::SpecDrift,
-                format!("VM {:?} exists with a different spec ({}); pass replace: true to recreate it", spec.name, drift.join(", ")),
+                format!(
+                    "VM {:?} exists with a different spec ({}); pass replace: true to recreate it",
+                    spec.name,
+                    drift.join(", ")
+                ),
             )
             .field("spec")
             .details(serde_json::json!({ "fields": drift })));

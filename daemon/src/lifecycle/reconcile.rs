@@ -6,8 +6,7 @@
 
 use super::Manager;
 use crate::api::{
-    ApiError, Mutation, PlanAction, PlanEntry, ReconcileParams, ReconcileReport, ReconcileResult, StopParams,
-    VmSpec,
+    ApiError, Mutation, PlanAction, PlanEntry, ReconcileParams, ReconcileReport, ReconcileResult, StopParams, VmSpec,
 };
 use crate::plan::{plan_reconcile, CurrentVm};
 use std::collections::BTreeMap;
@@ -27,11 +26,8 @@ fn order(action: PlanAction) -> u8 {
 impl Manager {
     /// Plans (and unless `dry_run`, executes) a reconcile.
     pub async fn reconcile(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
-        let current: BTreeMap<String, CurrentVm> = self
-            .list()
-            .into_iter()
-            .map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status }))
-            .collect();
+        let current: BTreeMap<String, CurrentVm> =
+            self.list().into_iter().map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status })).collect();
         let plan = plan_reconcile(&self.config, &p.vms, &current, p.prune);
         if p.dry_run {
             let ok = plan.iter().all(|e| e.error.is_none());
@@ -47,7 +43,9 @@ impl Manager {
                 None => self.run_entry(entry, specs.get(entry.vm.as_str()).copied()).await,
             };
             let result = match outcome {
-                Ok(changed) => ReconcileResult { vm: entry.vm.clone(), action: entry.action, ok: true, changed, error: None },
+                Ok(changed) => {
+                    ReconcileResult { vm: entry.vm.clone(), action: entry.action, ok: true, changed, error: None }
+                }
                 Err(e) => {
                     tracing::warn!(vm = %entry.vm, action = ?entry.action, error = %e, "reconcile entry failed");
                     ReconcileResult {

@@ -54,7 +54,9 @@ impl Manager {
                 self.clean_run_dir(&paths);
                 let settle = match status {
                     VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
-                    VmStatus::Stopping => Some((VmStatus::Stopped, "stop completed while vmhostd was not running", false)),
+                    VmStatus::Stopping => {
+                        Some((VmStatus::Stopped, "stop completed while vmhostd was not running", false))
+                    }
                     VmStatus::Starting => Some((VmStatus::Failed, "start interrupted by a vmhostd restart", false)),
                     VmStatus::Creating => Some((VmStatus::Failed, "create interrupted by a vmhostd restart", true)),
                     VmStatus::Stopped | VmStatus::Failed | VmStatus::Dead | VmStatus::Destroying => None,

@@ -107,9 +107,7 @@ impl LaunchError {
     /// QEMU's stderr tail, for the variants that have one.
     pub fn stderr_tail(&self) -> Option<&str> {
         match self {
-            LaunchError::Exited { stderr_tail, .. } | LaunchError::Timeout { stderr_tail, .. } => {
-                Some(stderr_tail)
-            }
+            LaunchError::Exited { stderr_tail, .. } | LaunchError::Timeout { stderr_tail, .. } => Some(stderr_tail),
             _ => None,
         }
     }
@@ -126,10 +124,7 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
         Ok(()) => tracing::debug!(pidfile = %req.pidfile.display(), "removed stale pidfile"),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => {
-            return Err(LaunchError::Pidfile(format!(
-                "cannot remove stale {}: {e}",
-                req.pidfile.display()
-            )));
+            return Err(LaunchError::Pidfile(format!("cannot remove stale {}: {e}", req.pidfile.display())));
         }
     }
     let deadline = Instant::now() + req.timeout;
@@ -143,21 +138,12 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
         .spawn()
         .map_err(LaunchError::Spawn)?;
     // From here on, any early return (or the caller dropping us) kills what the pidfile names.
-    let mut cleanup = KillFromPidfile {
-        pidfile: &req.pidfile,
-        armed: true,
-    };
-    let mut stderr = child
-        .stderr
-        .take()
-        .ok_or_else(|| LaunchError::Spawn(io::Error::other("QEMU's stderr was not captured")))?;
+    let mut cleanup = KillFromPidfile { pidfile: &req.pidfile, armed: true };
+    let mut stderr =
+        child.stderr.take().ok_or_else(|| LaunchError::Spawn(io::Error::other("QEMU's stderr was not captured")))?;
     let mut tail = Vec::new();
 
-    let waited = tokio::time::timeout_at(
-        deadline,
-        wait_foreground(&mut child, &mut stderr, &mut tail),
-    )
-    .await;
+    let waited = tokio::time::timeout_at(deadline, wait_foreground(&mut child, &mut stderr, &mut tail)).await;
     let status = match waited {
         Ok(Ok(status)) => status,
         Ok(Err(e)) => return Err(LaunchError::Spawn(e)),
@@ -175,10 +161,7 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
     drain(&mut stderr, &mut tail).await;
     let stderr_tail = process::lossy_tail(&tail, STDERR_TAIL);
     if !status.success() {
-        return Err(LaunchError::Exited {
-            status,
-            stderr_tail,
-        });
+        return Err(LaunchError::Exited { status, stderr_tail });
     }
     if !stderr_tail.is_empty() {
         tracing::warn!(pidfile = %req.pidfile.display(), stderr = %stderr_tail,
@@ -200,38 +183,23 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
 /// Rejects requests that would not daemonize or not write the pidfile we read back.
 fn check_request(req: &LaunchRequest) -> Result<(), LaunchError> {
     if !req.pidfile.is_absolute() {
-        return Err(LaunchError::BadRequest(format!(
-            "pidfile {} is not an absolute path",
-            req.pidfile.display()
-        )));
+        return Err(LaunchError::BadRequest(format!("pidfile {} is not an absolute path", req.pidfile.display())));
     }
     let is = |arg: &OsString, name: &str| {
-        arg.to_str().is_some_and(|a| {
-            a.strip_prefix('-') == Some(name) || a.strip_prefix("--") == Some(name)
-        })
+        arg.to_str().is_some_and(|a| a.strip_prefix('-') == Some(name) || a.strip_prefix("--") == Some(name))
     };
     if !req.argv.iter().any(|a| is(a, "daemonize")) {
         return Err(LaunchError::BadRequest("argv lacks -daemonize".to_string()));
     }
-    let has_pidfile = req
-        .argv
-        .windows(2)
-        .any(|w| is(&w[0], "pidfile") && w[1] == req.pidfile.as_os_str());
+    let has_pidfile = req.argv.windows(2).any(|w| is(&w[0], "pidfile") && w[1] == req.pidfile.as_os_str());
     if !has_pidfile {
-        return Err(LaunchError::BadRequest(format!(
-            "argv lacks -pidfile {}",
-            req.pidfile.display()
-        )));
+        return Err(LaunchError::BadRequest(format!("argv lacks -pidfile {}", req.pidfile.display())));
     }
     Ok(())
 }
 
 /// Waits for the foreground process to exit while collecting its stderr into `tail`.
-async fn wait_foreground(
-    child: &mut Child,
-    stderr: &mut ChildStderr,
-    tail: &mut Vec<u8>,
-) -> io::Result<ExitStatus> {
+async fn wait_foreground(child: &mut Child, stderr: &mut ChildStderr, tail: &mut Vec<u8>) -> io::Result<ExitStatus> {
     let mut buf = [0u8; 4096];
     let mut open = true;
     loop {
@@ -292,10 +260,7 @@ async fn read_pidfile(pidfile: &Path, until: Instant) -> Result<i32, LaunchError
                 format!("QEMU reported success but wrote no {}", pidfile.display())
             }
             Err(e) => {
-                return Err(LaunchError::Pidfile(format!(
-                    "cannot read {}: {e}",
-                    pidfile.display()
-                )));
+                return Err(LaunchError::Pidfile(format!("cannot read {}: {e}", pidfile.display())));
             }
         };
         if Instant::now() + PIDFILE_RETRY > until {
@@ -353,44 +318,20 @@ mod tests {
 
     fn paths() -> Paths {
         let dir = tempfile::tempdir().unwrap();
-        Paths {
-            pidfile: dir.path().join("qemu.pid"),
-            sock: dir.path().join("qmp.sock"),
-            _dir: dir,
-        }
+        Paths { pidfile: dir.path().join("qemu.pid"), sock: dir.path().join("qmp.sock"), _dir: dir }
     }
 
     /// A TCG VM without disks; `extra` goes before `-daemonize`.
     fn request(p: &Paths, extra: &[&str], qmp_wait: bool) -> LaunchRequest {
-        let mut argv: Vec<OsString> = [
-            "-accel",
-            "tcg",
-            "-M",
-            "q35",
-            "-m",
-            "64",
-            "-nodefaults",
-            "-display",
-            "none",
-        ]
-        .iter()
-        .map(OsString::from)
-        .collect();
+        let mut argv: Vec<OsString> = ["-accel", "tcg", "-M", "q35", "-m", "64", "-nodefaults", "-display", "none"]
+            .iter()
+            .map(OsString::from)
+            .collect();
         argv.extend(extra.iter().map(OsString::from));
         let mut qmp = OsString::from("unix:");
         qmp.push(&p.sock);
-        qmp.push(if qmp_wait {
-            ",server=on,wait=on"
-        } else {
-            ",server=on,wait=off"
-        });
-        argv.extend([
-            "-qmp".into(),
-            qmp,
-            "-daemonize".into(),
-            "-pidfile".into(),
-            p.pidfile.clone().into(),
-        ]);
+        qmp.push(if qmp_wait { ",server=on,wait=on" } else { ",server=on,wait=off" });
+        argv.extend(["-qmp".into(), qmp, "-daemonize".into(), "-pidfile".into(), p.pidfile.clone().into()]);
         LaunchRequest {
             binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
             argv,
@@ -403,21 +344,15 @@ mod tests {
     fn processes_mentioning(needle: &Path) -> Vec<i32> {
         let mut found = Vec::new();
         for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<i32>().ok())
-            else {
+            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
                 continue;
             };
             let Ok(args) = process::cmdline(pid) else {
                 continue;
             };
-            let hit = args.iter().any(|a| {
-                a.as_bytes()
-                    .windows(needle.as_os_str().len())
-                    .any(|w| w == needle.as_os_str().as_bytes())
-            });
+            let hit = args
+                .iter()
+                .any(|a| a.as_bytes().windows(needle.as_os_str().len()).any(|w| w == needle.as_os_str().as_bytes()));
             if hit && process::liveness(pid).is_alive() {
                 found.push(pid);
             }
@@ -449,34 +384,17 @@ mod tests {
         let args = process::cmdline(id.pid).unwrap();
         assert!(args.iter().any(|a| a == p.pidfile.as_os_str()), "{args:?}");
         assert!(process::matches(&id, p.sock.as_os_str()));
-        let recorded: i32 = std::fs::read_to_string(&p.pidfile)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let recorded: i32 = std::fs::read_to_string(&p.pidfile).unwrap().trim().parse().unwrap();
         assert_eq!(recorded, id.pid);
         // Daemonized: not our child; its parent is whoever adopts orphans.
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", id.pid)).unwrap();
-        let ppid: i32 = stat
-            .rsplit(')')
-            .next()
-            .unwrap()
-            .split_whitespace()
-            .nth(1)
-            .unwrap()
-            .parse()
-            .unwrap();
+        let ppid: i32 = stat.rsplit(')').next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
         assert_ne!(ppid, std::process::id() as i32);
 
-        let mut qmp = Qmp::connect(&p.sock, Duration::from_secs(10))
-            .await
-            .unwrap();
+        let mut qmp = Qmp::connect(&p.sock, Duration::from_secs(10)).await.unwrap();
         assert_eq!(qmp.query_status().await.unwrap(), "running");
         qmp.quit().await.unwrap();
-        tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&id))
-            .await
-            .unwrap()
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&id)).await.unwrap().unwrap();
         // QEMU removes its pidfile when it exits normally.
         assert!(!p.pidfile.exists());
     }
@@ -489,15 +407,9 @@ mod tests {
         std::fs::write(&p.pidfile, "1\n").unwrap();
         let err = launch(&req).await.unwrap_err();
         match &err {
-            LaunchError::Exited {
-                status,
-                stderr_tail,
-            } => {
+            LaunchError::Exited { status, stderr_tail } => {
                 assert_eq!(status.code(), Some(1));
-                assert!(
-                    stderr_tail.contains("unsupported machine type"),
-                    "{stderr_tail}"
-                );
+                assert!(stderr_tail.contains("unsupported machine type"), "{stderr_tail}");
             }
             other => panic!("expected Exited, got {other:?}"),
         }
@@ -514,10 +426,7 @@ mod tests {
         let req = request(&p, &["-kernel", "/nonexistent/vmlinuz"], false);
         match launch(&req).await {
             Err(LaunchError::Exited { stderr_tail, .. }) => {
-                assert!(
-                    stderr_tail.contains("/nonexistent/vmlinuz"),
-                    "{stderr_tail}"
-                );
+                assert!(stderr_tail.contains("/nonexistent/vmlinuz"), "{stderr_tail}");
             }
             other => panic!("expected Exited, got {other:?}"),
         }
@@ -535,10 +444,7 @@ mod tests {
         match launch(&req).await {
             Err(LaunchError::Timeout { after, stderr_tail }) => {
                 assert_eq!(after, Duration::from_secs(2));
-                assert!(
-                    stderr_tail.contains("waiting for connection"),
-                    "{stderr_tail}"
-                );
+                assert!(stderr_tail.contains("waiting for connection"), "{stderr_tail}");
             }
             other => panic!("expected Timeout, got {other:?}"),
         }
@@ -573,37 +479,18 @@ mod tests {
 
         let mut req = good.clone();
         req.argv.retain(|a| a != "-daemonize");
-        assert!(matches!(
-            launch(&req).await,
-            Err(LaunchError::BadRequest(_))
-        ));
+        assert!(matches!(launch(&req).await, Err(LaunchError::BadRequest(_))));
 
         let mut req = good.clone();
         req.pidfile = PathBuf::from("/elsewhere/qemu.pid");
-        assert!(matches!(
-            launch(&req).await,
-            Err(LaunchError::BadRequest(_))
-        ));
+        assert!(matches!(launch(&req).await, Err(LaunchError::BadRequest(_))));
 
         let mut req = good.clone();
         req.pidfile = PathBuf::from("qemu.pid");
-        assert!(matches!(
-            launch(&req).await,
-            Err(LaunchError::BadRequest(_))
-        ));
+        assert!(matches!(launch(&req).await, Err(LaunchError::BadRequest(_))));
 
         let mut req = good;
-        req.argv = req
-            .argv
-            .into_iter()
-            .map(|a| {
-                if a == "-daemonize" {
-                    "--daemonize".into()
-                } else {
-                    a
-                }
-            })
-            .collect();
+        req.argv = req.argv.into_iter().map(|a| if a == "-daemonize" { "--daemonize".into() } else { a }).collect();
         check_request(&req).unwrap();
     }
 

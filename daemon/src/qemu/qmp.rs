@@ -130,10 +130,7 @@ impl Qmp {
         match tokio::time::timeout_at(deadline, qmp.handshake()).await {
             Ok(result) => result?,
             Err(_) => {
-                return Err(QmpError::Timeout {
-                    what: format!("greeting on {}", path.display()),
-                    after: timeout,
-                });
+                return Err(QmpError::Timeout { what: format!("greeting on {}", path.display()), after: timeout });
             }
         }
         Ok(qmp)
@@ -143,10 +140,7 @@ impl Qmp {
     async fn handshake(&mut self) -> Result<(), QmpError> {
         let greeting = self.read_message().await?;
         if greeting.get("QMP").is_none() {
-            return Err(QmpError::Protocol(format!(
-                "expected a QMP greeting, got {}",
-                excerpt(&greeting)
-            )));
+            return Err(QmpError::Protocol(format!("expected a QMP greeting, got {}", excerpt(&greeting))));
         }
         self.greeting = greeting;
         let id = self.send("qmp_capabilities", None).await?;
@@ -182,11 +176,7 @@ impl Qmp {
     /// [`QmpError::Command`] when QEMU answers with an error, [`QmpError::Timeout`] when no
     /// reply came within [`Qmp::timeout`], [`QmpError::Closed`] on end of file,
     /// [`QmpError::Io`] and [`QmpError::Protocol`] as documented on the variants.
-    pub async fn execute(
-        &mut self,
-        command: &str,
-        arguments: Option<Value>,
-    ) -> Result<Value, QmpError> {
+    pub async fn execute(&mut self, command: &str, arguments: Option<Value>) -> Result<Value, QmpError> {
         let timeout = self.timeout;
         let call = async {
             let id = self.send(command, arguments).await?;
@@ -194,10 +184,7 @@ impl Qmp {
         };
         match tokio::time::timeout(timeout, call).await {
             Ok(result) => result,
-            Err(_) => Err(QmpError::Timeout {
-                what: format!("command {command:?}"),
-                after: timeout,
-            }),
+            Err(_) => Err(QmpError::Timeout { what: format!("command {command:?}"), after: timeout }),
         }
     }
 
@@ -211,9 +198,7 @@ impl Qmp {
             .get("status")
             .and_then(Value::as_str)
             .map(str::to_string)
-            .ok_or_else(|| {
-                QmpError::Protocol(format!("query-status without status: {}", excerpt(&reply)))
-            })
+            .ok_or_else(|| QmpError::Protocol(format!("query-status without status: {}", excerpt(&reply))))
     }
 
     /// Presses the virtual power button (ACPI). Only a guest that handles ACPI shuts down; QEMU
@@ -244,10 +229,7 @@ impl Qmp {
         };
         match tokio::time::timeout(timeout, call).await {
             Ok(result) => result,
-            Err(_) => Err(QmpError::Timeout {
-                what: "command \"quit\"".to_string(),
-                after: timeout,
-            }),
+            Err(_) => Err(QmpError::Timeout { what: "command \"quit\"".to_string(), after: timeout }),
         }
     }
 
@@ -283,10 +265,7 @@ impl Qmp {
         loop {
             let msg = self.read_message().await?;
             let Value::Object(mut obj) = msg else {
-                return Err(QmpError::Protocol(format!(
-                    "expected a JSON object, got {}",
-                    excerpt(&msg)
-                )));
+                return Err(QmpError::Protocol(format!("expected a JSON object, got {}", excerpt(&msg))));
             };
             if obj.contains_key("event") {
                 if self.events.len() == MAX_EVENTS {
@@ -296,10 +275,7 @@ impl Qmp {
                 continue;
             }
             if !obj.contains_key("return") && !obj.contains_key("error") {
-                return Err(QmpError::Protocol(format!(
-                    "unexpected message {}",
-                    excerpt(&Value::Object(obj))
-                )));
+                return Err(QmpError::Protocol(format!("unexpected message {}", excerpt(&Value::Object(obj)))));
             }
             match obj.get("id").map(Value::as_u64) {
                 Some(Some(n)) if n == id => {}
@@ -321,17 +297,8 @@ impl Qmp {
                 return Ok(value);
             }
             let error = obj.remove("error").unwrap_or(Value::Null);
-            let field = |name: &str| {
-                error
-                    .get(name)
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_string()
-            };
-            return Err(QmpError::Command {
-                class: field("class"),
-                desc: field("desc"),
-            });
+            let field = |name: &str| error.get(name).and_then(Value::as_str).unwrap_or_default().to_string();
+            return Err(QmpError::Command { class: field("class"), desc: field("desc") });
         }
     }
 
@@ -357,20 +324,14 @@ impl Qmp {
     async fn read_line(&mut self) -> Result<Vec<u8>, QmpError> {
         loop {
             let room = (MAX_LINE + 1).saturating_sub(self.line.len()) as u64;
-            let n = (&mut self.reader)
-                .take(room)
-                .read_until(b'\n', &mut self.line)
-                .await
-                .map_err(io_error)?;
+            let n = (&mut self.reader).take(room).read_until(b'\n', &mut self.line).await.map_err(io_error)?;
             if self.line.last() == Some(&b'\n') {
                 return Ok(std::mem::take(&mut self.line));
             }
             if self.line.len() > MAX_LINE {
                 self.line.clear();
                 self.broken = true;
-                return Err(QmpError::Protocol(format!(
-                    "line longer than {MAX_LINE} bytes"
-                )));
+                return Err(QmpError::Protocol(format!("line longer than {MAX_LINE} bytes")));
             }
             if n == 0 {
                 return Err(QmpError::Closed);
@@ -381,25 +342,16 @@ impl Qmp {
 
 /// Connects to `path`, retrying while it is absent or refuses connections, until `deadline`.
 async fn connect_retrying(path: &Path, deadline: Instant) -> Result<UnixStream, QmpError> {
-    let fail = |source| QmpError::Connect {
-        path: path.to_path_buf(),
-        source,
-    };
+    let fail = |source| QmpError::Connect { path: path.to_path_buf(), source };
     loop {
         let err = match tokio::time::timeout_at(deadline, UnixStream::connect(path)).await {
             Ok(Ok(stream)) => return Ok(stream),
             Ok(Err(e)) => e,
             Err(_) => {
-                return Err(fail(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "connection attempt timed out",
-                )));
+                return Err(fail(io::Error::new(io::ErrorKind::TimedOut, "connection attempt timed out")));
             }
         };
-        let retry = matches!(
-            err.kind(),
-            io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
-        );
+        let retry = matches!(err.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused);
         if !retry || Instant::now() + CONNECT_RETRY >= deadline {
             return Err(fail(err));
         }
@@ -464,9 +416,11 @@ mod tests {
             self.send(GREETING).await;
             let cmd = self.expect("qmp_capabilities").await;
             assert!(cmd.get("arguments").is_none());
-            self.send(r#"{"event": "NIC_RX_FILTER_CHANGED", "data": {}, "timestamp": {"seconds": 1, "microseconds": 2}}"#).await;
-            self.send(&json!({"return": {}, "id": cmd["id"]}).to_string())
-                .await;
+            self.send(
+                r#"{"event": "NIC_RX_FILTER_CHANGED", "data": {}, "timestamp": {"seconds": 1, "microseconds": 2}}"#,
+            )
+            .await;
+            self.send(&json!({"return": {}, "id": cmd["id"]}).to_string()).await;
         }
     }
 
@@ -482,11 +436,7 @@ mod tests {
         let task = tokio::spawn(async move {
             let (stream, _) = listener.accept().await.unwrap();
             let (r, w) = stream.into_split();
-            script(Peer {
-                lines: BufReader::new(r).lines(),
-                out: w,
-            })
-            .await;
+            script(Peer { lines: BufReader::new(r).lines(), out: w }).await;
         });
         (dir, path, task)
     }
@@ -498,19 +448,18 @@ mod tests {
 
             let cmd = peer.expect("query-status").await;
             let id = cmd["id"].as_u64().unwrap();
-            peer.send(&json!({"return": {"status": "stale"}, "id": id - 1}).to_string())
-                .await;
+            peer.send(&json!({"return": {"status": "stale"}, "id": id - 1}).to_string()).await;
             peer.send(r#"{"event": "SHUTDOWN", "data": {"guest": true, "reason": "guest-shutdown"}, "timestamp": {"seconds": 3, "microseconds": 4}}"#).await;
-            peer.send(r#"{"event": "STOP", "timestamp": {"seconds": 3, "microseconds": 5}}"#)
-                .await;
-            peer.send(
-                &json!({"return": {"status": "running", "running": true}, "id": id}).to_string(),
-            )
-            .await;
+            peer.send(r#"{"event": "STOP", "timestamp": {"seconds": 3, "microseconds": 5}}"#).await;
+            peer.send(&json!({"return": {"status": "running", "running": true}, "id": id}).to_string()).await;
 
             let cmd = peer.expect("device_del").await;
             assert_eq!(cmd["arguments"], json!({"id": "nic0"}));
-            peer.send(&json!({"error": {"class": "DeviceNotFound", "desc": "Device 'nic0' not found"}, "id": cmd["id"]}).to_string()).await;
+            peer.send(
+                &json!({"error": {"class": "DeviceNotFound", "desc": "Device 'nic0' not found"}, "id": cmd["id"]})
+                    .to_string(),
+            )
+            .await;
 
             peer.expect("quit").await;
             // QEMU may close without replying.
@@ -518,11 +467,7 @@ mod tests {
         let mut qmp = Qmp::connect(&path, Duration::from_secs(5)).await.unwrap();
         assert_eq!(qmp.greeting()["QMP"]["version"]["qemu"]["major"], 7);
         assert_eq!(qmp.query_status().await.unwrap(), "running");
-        let events: Vec<String> = qmp
-            .take_events()
-            .iter()
-            .map(|e| e["event"].as_str().unwrap().to_string())
-            .collect();
+        let events: Vec<String> = qmp.take_events().iter().map(|e| e["event"].as_str().unwrap().to_string()).collect();
         assert_eq!(events, ["NIC_RX_FILTER_CHANGED", "SHUTDOWN", "STOP"]);
         assert!(qmp.take_events().is_empty());
 
@@ -553,10 +498,7 @@ mod tests {
         }
         server.await.unwrap();
         qmp.set_timeout(Duration::from_secs(5));
-        assert!(matches!(
-            qmp.execute("query-status", None).await,
-            Err(QmpError::Closed)
-        ));
+        assert!(matches!(qmp.execute("query-status", None).await, Err(QmpError::Closed)));
     }
 
     #[tokio::test]
@@ -574,10 +516,7 @@ mod tests {
             other => panic!("expected a protocol error, got {other:?}"),
         }
         // The connection is out of step from now on.
-        assert!(matches!(
-            qmp.query_status().await,
-            Err(QmpError::Protocol(_))
-        ));
+        assert!(matches!(qmp.query_status().await, Err(QmpError::Protocol(_))));
         drop(qmp);
         server.await.unwrap();
     }
@@ -616,10 +555,7 @@ mod tests {
             let listener = UnixListener::bind(&late).unwrap();
             let (stream, _) = listener.accept().await.unwrap();
             let (r, w) = stream.into_split();
-            let mut peer = Peer {
-                lines: BufReader::new(r).lines(),
-                out: w,
-            };
+            let mut peer = Peer { lines: BufReader::new(r).lines(), out: w };
             peer.handshake().await;
         });
         let qmp = Qmp::connect(&path, Duration::from_secs(5)).await.unwrap();
@@ -652,22 +588,10 @@ mod tests {
                 .stdin(std::process::Stdio::null())
                 .output()
                 .unwrap();
-            assert!(
-                out.status.success(),
-                "qemu failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let pid: i32 = std::fs::read_to_string(&pidfile)
-                .unwrap()
-                .trim()
-                .parse()
-                .unwrap();
+            assert!(out.status.success(), "qemu failed: {}", String::from_utf8_lossy(&out.stderr));
+            let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
             let id = process::identify(pid).unwrap();
-            TestQemu {
-                _dir: dir,
-                sock,
-                id,
-            }
+            TestQemu { _dir: dir, sock, id }
         }
     }
 
@@ -681,9 +605,7 @@ mod tests {
     async fn real_qemu_status_unknown_command_and_quit() {
         let vm = TestQemu::start();
         assert!(process::matches(&vm.id, vm.sock.as_os_str()));
-        let mut qmp = Qmp::connect(&vm.sock, Duration::from_secs(10))
-            .await
-            .unwrap();
+        let mut qmp = Qmp::connect(&vm.sock, Duration::from_secs(10)).await.unwrap();
         assert_eq!(qmp.greeting()["QMP"]["version"]["qemu"]["major"], 7);
         assert_eq!(qmp.query_status().await.unwrap(), "running");
 
@@ -703,10 +625,7 @@ mod tests {
         assert_eq!(qmp.query_status().await.unwrap(), "running");
 
         // A second client gets no greeting while this one is connected.
-        assert!(matches!(
-            Qmp::connect(&vm.sock, Duration::from_millis(500)).await,
-            Err(QmpError::Timeout { .. })
-        ));
+        assert!(matches!(Qmp::connect(&vm.sock, Duration::from_millis(500)).await, Err(QmpError::Timeout { .. })));
 
         qmp.quit().await.unwrap();
         tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&vm.id))
@@ -715,17 +634,13 @@ mod tests {
             .unwrap();
         assert!(!process::matches(&vm.id, vm.sock.as_os_str()));
         // The socket is gone with the process.
-        assert!(Qmp::connect(&vm.sock, Duration::from_millis(200))
-            .await
-            .is_err());
+        assert!(Qmp::connect(&vm.sock, Duration::from_millis(200)).await.is_err());
     }
 
     #[tokio::test]
     async fn real_qemu_powerdown_without_acpi_guest_keeps_running() {
         let vm = TestQemu::start();
-        let mut qmp = Qmp::connect(&vm.sock, Duration::from_secs(10))
-            .await
-            .unwrap();
+        let mut qmp = Qmp::connect(&vm.sock, Duration::from_secs(10)).await.unwrap();
         // SeaBIOS with no OS does not act on the ACPI power button: the command succeeds and
         // the VM keeps running, which is why a stop must fall back to killing.
         qmp.system_powerdown().await.unwrap();
@@ -733,10 +648,7 @@ mod tests {
         assert_eq!(qmp.query_status().await.unwrap(), "running");
         assert!(process::matches(&vm.id, vm.sock.as_os_str()));
         let events: Vec<Value> = qmp.take_events();
-        assert!(
-            events.iter().any(|e| e["event"] == "POWERDOWN"),
-            "{events:?}"
-        );
+        assert!(events.iter().any(|e| e["event"] == "POWERDOWN"), "{events:?}");
         // Kill, and see it exit through the pidfd although it is not our child.
         assert!(process::signal_if_matches(&vm.id, vm.sock.as_os_str(), Signal::SIGKILL).unwrap());
         tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&vm.id))

@@ -64,7 +64,9 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
         call(Ok(mgr.reconcile(p).await))
     })?;
     m.register_method("vm.list", |_params, mgr, _| call(Ok::<_, ApiError>(mgr.list())))?;
-    m.register_method("vm.get", |params, mgr, _| call(parse_params::<NameParams>(&params).and_then(|p| mgr.get(&p.name))))?;
+    m.register_method("vm.get", |params, mgr, _| {
+        call(parse_params::<NameParams>(&params).and_then(|p| mgr.get(&p.name)))
+    })?;
     m.register_async_method("vm.create", |params, mgr, _| async move {
         match parse_params::<CreateParams>(&params) {
             Ok(p) => call(mgr.create(p.spec).await),
@@ -147,11 +149,14 @@ mod tests {
         assert_eq!(e.field.as_deref(), Some("name"));
         let e = parse_params::<NameParams>(&p(r#"{"name": "a", "x": 1}"#)).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("x"));
-        let e = parse_params::<CreateParams>(&p(r#"{"spec": {"name": "a", "cpu": "two", "memory_mib": 1, "boot": {}}}"#))
-            .unwrap_err();
+        let e =
+            parse_params::<CreateParams>(&p(r#"{"spec": {"name": "a", "cpu": "two", "memory_mib": 1, "boot": {}}}"#))
+                .unwrap_err();
         assert_eq!(e.field.as_deref(), Some("spec.cpu"));
-        let e = parse_params::<CreateParams>(&p(r#"{"spec": {"name": "a", "cpu": 1, "memory_mib": 1, "boot": {"kernal": "/k"}}}"#))
-            .unwrap_err();
+        let e = parse_params::<CreateParams>(&p(
+            r#"{"spec": {"name": "a", "cpu": 1, "memory_mib": 1, "boot": {"kernal": "/k"}}}"#,
+        ))
+        .unwrap_err();
         assert_eq!(e.field.as_deref(), Some("spec.boot.kernal"));
         let e = parse_params::<NameParams>(&p(r#"["a"]"#)).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("params"));

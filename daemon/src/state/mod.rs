@@ -116,13 +116,7 @@ impl Store {
             let parsed = fs::read(&path)
                 .map_err(|e| e.to_string())
                 .and_then(|b| serde_json::from_slice::<VmRecord>(&b).map_err(|e| e.to_string()))
-                .and_then(|r| {
-                    if r.name() == name {
-                        Ok(r)
-                    } else {
-                        Err(format!("record names VM {:?}", r.name()))
-                    }
-                });
+                .and_then(|r| if r.name() == name { Ok(r) } else { Err(format!("record names VM {:?}", r.name())) });
             match parsed {
                 Ok(r) => good.push(r),
                 Err(error) => broken.push(BrokenRecord { path: path.clone(), name: name.to_string(), error }),

@@ -112,7 +112,10 @@ fn main() {
     let rss_after = rss_kib(pid);
 
     println!("vmhost-bench: {vms} VM records, vmhostd pid {pid}");
-    println!("defining {vms} stopped VMs: {create_s:.2} s ({:.0} creates/s, each an fsynced record)", vms as f64 / create_s);
+    println!(
+        "defining {vms} stopped VMs: {create_s:.2} s ({:.0} creates/s, each an fsynced record)",
+        vms as f64 / create_s
+    );
     println!();
     println!("| method  | clients | calls | p50 (ms) | p99 (ms) | calls/s |");
     println!("|---------|---------|-------|----------|----------|---------|");
