@@ -25,13 +25,9 @@ pub fn parse_params<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, ApiEr
     serde_path_to_error::deserialize(de).map_err(|e| {
         let mut path = e.path().to_string();
         let message = e.inner().to_string();
-        // serde names a missing or unknown field only in its message; fold it into the path.
-        for prefix in ["missing field `", "unknown field `"] {
-            if let Some(rest) = message.strip_prefix(prefix) {
-                if let Some(field) = rest.split('`').next() {
-                    path = if path == "." { field.to_string() } else { format!("{path}.{field}") };
-                }
-            }
+        // serde names a missing field only in its message (the path stops at its parent).
+        if let Some(field) = message.strip_prefix("missing field `").and_then(|r| r.split('`').next()) {
+            path = if path == "." { field.to_string() } else { format!("{path}.{field}") };
         }
         if path == "." {
             path = "params".to_string();
@@ -158,7 +154,7 @@ mod tests {
         ))
         .unwrap_err();
         assert_eq!(e.field.as_deref(), Some("spec.boot.kernal"));
-        let e = parse_params::<NameParams>(&p(r#"["a"]"#)).unwrap_err();
+        let e = parse_params::<NameParams>(&p(r#""a""#)).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("params"));
         assert!(parse_params::<NameParams>(&p(r#"{"name": "a"}"#)).is_ok());
     }
