@@ -124,7 +124,7 @@ impl Manager {
             }
         };
         if let Err(e) = self.update(&name, "launched", |r| r.process = Some(id.clone())) {
-            self.kill_process(&id).await;
+            self.kill_process(&name, &id).await;
             self.clean_run_dir(&paths);
             return Err(e);
         }
@@ -140,7 +140,7 @@ impl Manager {
                     Ok(s) => format!("QEMU reports status {s:?}"),
                     Err(e) => format!("QMP check failed: {e}"),
                 };
-                self.kill_process(&id).await;
+                self.kill_process(&name, &id).await;
                 self.clean_run_dir(&paths);
                 let _ = self.update(&name, "launch failed", |r| r.process = None);
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
@@ -148,10 +148,15 @@ impl Manager {
         }
     }
 
-    /// SIGKILLs a VM process and waits (bounded) for it to exit.
-    pub(super) async fn kill_process(&self, id: &ProcessIdentity) {
-        let _ = process::signal(id.pid, nix::sys::signal::Signal::SIGKILL);
-        if tokio::time::timeout(KILL_WAIT, process::wait_exit(id.pid)).await.is_err() {
+    /// SIGKILLs a VM process, only if it still is this VM's QEMU (never a reused pid), and waits
+    /// (bounded) for it to exit.
+    pub(super) async fn kill_process(&self, name: &str, id: &ProcessIdentity) {
+        let marker = self.paths(name).cmdline_marker();
+        let sig = nix::sys::signal::Signal::SIGKILL;
+        if let Err(e) = process::signal_if_matches(id, OsStr::new(&marker), sig) {
+            tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU");
+        }
+        if tokio::time::timeout(KILL_WAIT, process::wait_exit_of(id)).await.is_err() {
             tracing::error!(pid = id.pid, "QEMU did not exit within {KILL_WAIT:?} of SIGKILL");
         }
     }

@@ -34,10 +34,21 @@ impl Manager {
 
     async fn create_held(self: &Arc<Self>, _g: &OpGuard, vm: &crate::validate::ValidSpec) -> Result<(), ApiError> {
         let name = vm.spec.name.as_str();
+        // An overlay without a record is an orphan of an earlier crash: a new VM never inherits it.
+        let stale = self.paths(name).overlay;
+        if stale.exists() {
+            tracing::warn!(vm = name, path = %stale.display(), "removing an orphaned overlay");
+            if let Err(e) = crate::disk::remove_overlay(&stale) {
+                let err = ApiError::new(Code::ProvisioningFailed, format!("cannot remove orphaned overlay: {e}"));
+                self.mark_failed(name, &err, true);
+                return Err(err);
+            }
+        }
         let made_overlay = match self.ensure_overlay(vm).await {
             Ok(made) => made,
             Err(e) => {
-                self.undo_create(name, false);
+                // create_overlay removed its partial file; the record must stop naming it.
+                let _ = self.update(name, "rollback", |r| r.overlay = None);
                 self.mark_failed(name, &e, true);
                 return Err(e);
             }
@@ -179,7 +190,7 @@ impl Manager {
             match asked {
                 Ok(_) => {
                     let wait = Duration::from_secs(p.timeout_s);
-                    exited = tokio::time::timeout(wait, process::wait_exit(id.pid)).await.is_ok();
+                    exited = tokio::time::timeout(wait, process::wait_exit_of(&id)).await.is_ok();
                     if !exited {
                         tracing::warn!(vm = name, "guest did not power off within {wait:?}; killing QEMU");
                     }
@@ -188,7 +199,7 @@ impl Manager {
             }
         }
         if !exited {
-            self.kill_process(&id).await;
+            self.kill_process(name, &id).await;
         }
         self.clean_run_dir(&paths);
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
@@ -235,7 +246,7 @@ impl Manager {
         let paths = self.paths(name);
         self.update(name, "vm.destroy", |r| r.status = VmStatus::Destroying)?;
         if let Some(id) = self.find_live(&paths, rec.process.as_ref()) {
-            self.kill_process(&id).await;
+            self.kill_process(name, &id).await;
         }
         self.clean_run_dir(&paths);
         if rec.overlay.is_some() || paths.overlay.exists() {

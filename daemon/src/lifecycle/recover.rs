@@ -29,7 +29,7 @@ impl Manager {
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
-                self.kill_process(&id).await;
+                self.kill_process(name, &id).await;
                 self.finish_destroy(name)
             }
             (Some(id), _) => {
@@ -100,7 +100,7 @@ impl Manager {
         let mgr = Arc::downgrade(self);
         let name = name.to_string();
         tokio::spawn(async move {
-            if let Err(e) = process::wait_exit(id.pid).await {
+            if let Err(e) = process::wait_exit_of(&id).await {
                 tracing::warn!(vm = %name, pid = id.pid, error = %e, "cannot watch QEMU; relying on reads");
                 return;
             }
