@@ -152,7 +152,7 @@ pub async fn serve(
     let result = loop {
         tokio::select! {
             biased;
-            _ = shutdown.wait_for(|stop| *stop) => break Ok(()),
+            () = shutdown_requested(&mut shutdown) => break Ok(()),
             Some(done) = connections.join_next(), if !connections.is_empty() => {
                 if let Err(e) = done {
                     error!(error = %e, "connection task failed");
@@ -376,11 +376,23 @@ enum End {
     ReadError,
 }
 
+/// Resolves once `*shutdown` is true or its sender is gone (which counts as shutdown).
+///
+/// The watch guard is dropped inside, so `select!`s using this keep their futures `Send`.
+async fn shutdown_requested(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+/// Resolves once the connection's phase is `at_least` or later (or every sender is gone).
+async fn phase_reached(phase: &mut watch::Receiver<Phase>, at_least: Phase) {
+    let _ = phase.wait_for(|p| *p >= at_least).await;
+}
+
 /// Resolves when the server shuts down or the connection stops being [`Phase::Open`].
 async fn stopped(shutdown: &mut watch::Receiver<bool>, phase: &mut watch::Receiver<Phase>) {
     tokio::select! {
-        _ = shutdown.wait_for(|stop| *stop) => {}
-        _ = phase.wait_for(|p| *p != Phase::Open) => {}
+        () = shutdown_requested(shutdown) => {}
+        () = phase_reached(phase, Phase::Draining) => {}
     }
 }
 
@@ -716,7 +728,7 @@ impl Conn {
         loop {
             tokio::select! {
                 biased;
-                _ = phase.wait_for(|p| *p != Phase::Open) => break,
+                () = phase_reached(&mut phase, Phase::Draining) => break,
                 message = notifications.recv() => match message {
                     Some(message) if self.send(message.get().to_owned()) => {}
                     // Ended (plain methods end at once), or the connection is gone.
@@ -744,7 +756,7 @@ async fn write_loop(
     loop {
         let first = tokio::select! {
             biased;
-            _ = dead.wait_for(|p| *p == Phase::Dead) => return None,
+            () = phase_reached(&mut dead, Phase::Dead) => return None,
             line = queue.recv() => line,
         };
         let Some(first) = first else {
@@ -760,7 +772,7 @@ async fn write_loop(
         }
         let written = tokio::select! {
             biased;
-            _ = dead.wait_for(|p| *p == Phase::Dead) => return None,
+            () = phase_reached(&mut dead, Phase::Dead) => return None,
             written = tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&buf)) => written,
         };
         match written {
@@ -1046,6 +1058,27 @@ mod tests {
         );
         let bad = response_line(raw("1"), raw(r#"{"jsonrpc":"2.0","id":0}"#));
         assert!(bad.contains("-32603"), "{bad}");
+    }
+
+    #[test]
+    fn serve_can_be_spawned() {
+        // The daemon spawns `serve` on a multi-threaded runtime: its future must be Send.
+        fn assert_send<T: Send>(_: &T) {}
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _guard = rt.enter();
+        let dir = tempfile::tempdir().unwrap();
+        let listener = bind(&dir.path().join("s"), 0o600).unwrap();
+        let (_stop, stopped) = watch::channel(false);
+        let methods = Methods::from(jsonrpsee::RpcModule::new(()));
+        assert_send(&serve(
+            listener,
+            methods,
+            Arc::new(AccessPolicy::default()),
+            stopped,
+        ));
     }
 
     #[test]
