@@ -63,7 +63,7 @@ fn event(i: u32) -> Event {
 
 /// `vm.list` (read) echoes its params; `vm.get` (read) sleeps `ms` then echoes; `vm.create`
 /// (mutating) counts and echoes; `events.subscribe` sends two events then waits to be closed;
-/// `test.flood` sends notifications as fast as it can.
+/// `test.flood` sends notifications as fast as it can; `test.forgetful` never answers.
 fn module(ctx: Arc<Ctx>) -> RpcModule<Ctx> {
     let mut m = RpcModule::from_arc(ctx);
     m.register_method(
@@ -119,6 +119,17 @@ fn module(ctx: Arc<Ctx>) -> RpcModule<Ctx> {
                     break;
                 }
             }
+            SubscriptionResult::Ok(())
+        },
+    )
+    .unwrap();
+    m.register_subscription(
+        "test.forgetful",
+        "test.forgot",
+        "test.unforget",
+        |_, pending, _, _| async move {
+            // A buggy handler: neither accepts nor rejects.
+            drop(pending);
             SubscriptionResult::Ok(())
         },
     )
@@ -504,6 +515,18 @@ fn subscriptions_deliver_events_and_end_with_the_connection() {
         .live_subscriptions
         .load(Ordering::SeqCst)
         == 0));
+}
+
+#[test]
+fn a_subscription_handler_that_never_answers_gets_an_internal_error() {
+    let server = start(admin_policy());
+    let mut client = server.client();
+    let answer = client
+        .call_raw(r#"{"jsonrpc":"2.0","id":1,"method":"test.forgetful"}"#)
+        .unwrap();
+    assert_eq!((code(&answer[0]), &answer[0]["id"]), (-32603, &json!(1)));
+    let got: Value = client.call("vm.list", Value::Null).unwrap();
+    assert_eq!(got, json!({"echo": null}));
 }
 
 #[test]

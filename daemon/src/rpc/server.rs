@@ -20,7 +20,7 @@
 
 use crate::api::{self, ApiError, Code};
 use crate::rpc::auth::{self, AccessPolicy, PeerIdentity, Role};
-use jsonrpsee::Methods;
+use jsonrpsee::{MethodCallback, Methods};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
 use std::borrow::Cow;
@@ -58,6 +58,9 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Capacity of the channel between a jsonrpsee subscription and its connection.
 const SUBSCRIPTION_BUFFER: usize = 64;
+
+/// How long a subscription handler may take to accept or reject its subscription.
+const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Read buffer per connection.
 const READ_BUFFER: usize = 64 * 1024;
@@ -693,11 +696,32 @@ impl Conn {
             method,
             params: request.params,
         });
+        let is_subscription = matches!(
+            self.methods.method(method),
+            Some(MethodCallback::Subscription(_))
+        );
         let methods = self.methods.clone();
         // Its own task, so a panicking method costs one -32603 answer, not the connection.
-        let dispatched =
-            tokio::spawn(async move { methods.raw_json_request(&call, SUBSCRIPTION_BUFFER).await })
-                .await;
+        let mut task =
+            tokio::spawn(async move { methods.raw_json_request(&call, SUBSCRIPTION_BUFFER).await });
+        let dispatched = if is_subscription {
+            // jsonrpsee's direct-call path waits forever when a subscription handler drops its
+            // pending sink without accepting or rejecting it; bound that wait.
+            match tokio::time::timeout(SUBSCRIBE_TIMEOUT, &mut task).await {
+                Ok(dispatched) => dispatched,
+                Err(_) => {
+                    task.abort();
+                    error!(method, "subscription neither accepted nor rejected in time");
+                    let err = ApiError::internal(format!("method {method} did not answer"));
+                    return match request.id {
+                        Some(id) => Reply::answer(error_line(id, &err)),
+                        None => Reply::silent(),
+                    };
+                }
+            }
+        } else {
+            task.await
+        };
         let Some(id) = request.id else {
             // Notification: no answer; dropping the receiver ends any subscription it opened.
             return Reply::silent();
