@@ -61,7 +61,7 @@ fn event(i: u32) -> Event {
     }
 }
 
-/// `vm.list` (read) echoes its params; `vm.get` (read) sleeps `ms` then echoes; `vm.create`
+/// `vm.list` (read) echoes its params; `vm.get` (read) sleeps `ms` and says so; `vm.create`
 /// (mutating) counts and echoes; `events.subscribe` sends two events then waits to be closed;
 /// `test.flood` sends notifications as fast as it can; `test.forgetful` never answers.
 fn module(ctx: Arc<Ctx>) -> RpcModule<Ctx> {
