@@ -67,8 +67,8 @@ impl Client {
     /// nobody listening); the message names the path.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client, ClientError> {
         let path = path.as_ref();
-        let stream = UnixStream::connect(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        let stream =
+            UnixStream::connect(path).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
         stream.set_write_timeout(Some(DEFAULT_TIMEOUT))?;
         Ok(Client {
             reader: BufReader::new(stream),
@@ -104,11 +104,7 @@ impl Client {
     /// [`ClientError::Api`] with the daemon's error (also for a connection-level refusal such
     /// as 1001), [`ClientError::Timeout`] when no answer came in time, [`ClientError::Protocol`]
     /// when the result does not decode as `T`, [`ClientError::Io`] when the connection fails.
-    pub fn call<T: DeserializeOwned>(
-        &mut self,
-        method: &str,
-        params: Value,
-    ) -> Result<T, ClientError> {
+    pub fn call<T: DeserializeOwned>(&mut self, method: &str, params: Value) -> Result<T, ClientError> {
         let id = self.next_id;
         self.next_id += 1;
         let mut request = json!({"jsonrpc": "2.0", "id": id, "method": method});
@@ -204,10 +200,7 @@ impl Client {
     ///
     /// As [`Client::call`]; [`ClientError::Protocol`] when there is no subscription.
     pub fn unsubscribe_events(&mut self) -> Result<bool, ClientError> {
-        let id = self
-            .subscription
-            .take()
-            .ok_or_else(|| ClientError::Protocol("not subscribed to events".into()))?;
+        let id = self.subscription.take().ok_or_else(|| ClientError::Protocol("not subscribed to events".into()))?;
         self.call("events.unsubscribe", json!([id]))
     }
 
@@ -251,9 +244,9 @@ impl Client {
         if let Some(error) = params.get("error") {
             return Err(ClientError::Api(ApiError::from_json(error)));
         }
-        let result = params.get("result").ok_or_else(|| {
-            ClientError::Protocol(format!("event without result: {notification}"))
-        })?;
+        let result = params
+            .get("result")
+            .ok_or_else(|| ClientError::Protocol(format!("event without result: {notification}")))?;
         serde_json::from_value(result.clone())
             .map(Some)
             .map_err(|e| ClientError::Protocol(format!("malformed event {result}: {e}")))
@@ -271,12 +264,10 @@ impl Client {
             Err(e) if matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => {
                 let deadline = Instant::now() + REFUSAL_WAIT;
                 match self.read_message(deadline, REFUSAL_WAIT) {
-                    Ok(message) if message.get("id") == Some(&Value::Null) => {
-                        match message.get("error") {
-                            Some(error) => Err(ClientError::Api(ApiError::from_json(error))),
-                            None => Err(e.into()),
-                        }
-                    }
+                    Ok(message) if message.get("id") == Some(&Value::Null) => match message.get("error") {
+                        Some(error) => Err(ClientError::Api(ApiError::from_json(error))),
+                        None => Err(e.into()),
+                    },
                     _ => Err(e.into()),
                 }
             }
@@ -287,22 +278,14 @@ impl Client {
     /// Reads the next line and parses it as JSON.
     fn read_message(&mut self, deadline: Instant, budget: Duration) -> Result<Value, ClientError> {
         let line = self.read_line(deadline, budget)?.ok_or_else(|| {
-            ClientError::Io(io::Error::new(
-                ErrorKind::UnexpectedEof,
-                "the daemon closed the connection",
-            ))
+            ClientError::Io(io::Error::new(ErrorKind::UnexpectedEof, "the daemon closed the connection"))
         })?;
-        serde_json::from_str(&line).map_err(|e| {
-            ClientError::Protocol(format!("invalid JSON from the daemon ({e}): {line}"))
-        })
+        serde_json::from_str(&line)
+            .map_err(|e| ClientError::Protocol(format!("invalid JSON from the daemon ({e}): {line}")))
     }
 
     /// Reads one line, waiting until `deadline`; `budget` is what a timeout reports.
-    fn read_line(
-        &mut self,
-        deadline: Instant,
-        budget: Duration,
-    ) -> Result<Option<String>, ClientError> {
+    fn read_line(&mut self, deadline: Instant, budget: Duration) -> Result<Option<String>, ClientError> {
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
@@ -315,11 +298,7 @@ impl Client {
                 Ok(0) => return self.take_line().map(Some),
                 Ok(_) if self.partial.ends_with(b"\n") => return self.take_line().map(Some),
                 Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                    ) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
                 Err(e) => return Err(e.into()),
             }
         }
@@ -334,8 +313,7 @@ impl Client {
         if line.ends_with(b"\r") {
             line.pop();
         }
-        String::from_utf8(line)
-            .map_err(|_| ClientError::Protocol("the daemon sent a line that is not UTF-8".into()))
+        String::from_utf8(line).map_err(|_| ClientError::Protocol("the daemon sent a line that is not UTF-8".into()))
     }
 
     /// Maps a write timeout to [`ClientError::Timeout`], other errors to [`ClientError::Io`].
@@ -358,11 +336,11 @@ fn decode_result<T: DeserializeOwned>(method: &str, mut answer: Value) -> Result
     if let Some(error) = answer.get("error") {
         return Err(ClientError::Api(ApiError::from_json(error)));
     }
-    let result = answer.get_mut("result").map(Value::take).ok_or_else(|| {
-        ClientError::Protocol(format!("answer to {method} has neither result nor error"))
-    })?;
-    serde_json::from_value(result)
-        .map_err(|e| ClientError::Protocol(format!("unexpected result of {method}: {e}")))
+    let result = answer
+        .get_mut("result")
+        .map(Value::take)
+        .ok_or_else(|| ClientError::Protocol(format!("answer to {method} has neither result nor error")))?;
+    serde_json::from_value(result).map_err(|e| ClientError::Protocol(format!("unexpected result of {method}: {e}")))
 }
 
 #[cfg(test)]
@@ -402,15 +380,9 @@ mod tests {
         let mut client = Client::connect(&path).unwrap();
         let got: Value = client.call("vm.list", Value::Null).unwrap();
         assert_eq!(got, json!({"n": 3}));
-        let event = client
-            .next_event(Duration::from_millis(10))
-            .unwrap()
-            .unwrap();
+        let event = client.next_event(Duration::from_millis(10)).unwrap().unwrap();
         assert_eq!(event.vm, "a");
-        assert!(client
-            .next_event(Duration::from_millis(50))
-            .unwrap()
-            .is_none());
+        assert!(client.next_event(Duration::from_millis(50)).unwrap().is_none());
     }
 
     #[test]
@@ -426,8 +398,7 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let (_dir, path) =
-            fake_daemon(&[r#"{"jsonrpc":"2.0","id":null,"error":{"code":1001,"message":"no"}}"#]);
+        let (_dir, path) = fake_daemon(&[r#"{"jsonrpc":"2.0","id":null,"error":{"code":1001,"message":"no"}}"#]);
         let mut client = Client::connect(&path).unwrap();
         match client.call::<Value>("vm.list", Value::Null) {
             Err(ClientError::Api(e)) => assert_eq!(e.code, Code::Unauthorized),

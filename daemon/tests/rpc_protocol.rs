@@ -66,11 +66,8 @@ fn event(i: u32) -> Event {
 /// `test.flood` sends notifications as fast as it can; `test.forgetful` never answers.
 fn module(ctx: Arc<Ctx>) -> RpcModule<Ctx> {
     let mut m = RpcModule::from_arc(ctx);
-    m.register_method(
-        "vm.list",
-        |params, _, _| json!({"echo": params.parse::<Value>().unwrap_or(Value::Null)}),
-    )
-    .unwrap();
+    m.register_method("vm.list", |params, _, _| json!({"echo": params.parse::<Value>().unwrap_or(Value::Null)}))
+        .unwrap();
     m.register_async_method("vm.get", |params, _, _| async move {
         #[derive(serde::Deserialize)]
         struct Sleep {
@@ -94,45 +91,30 @@ fn module(ctx: Arc<Ctx>) -> RpcModule<Ctx> {
             let _live = Live::new(ctx);
             let sink = pending.accept().await?;
             for i in 0..2 {
-                sink.send(serde_json::value::to_raw_value(&event(i))?)
-                    .await?;
+                sink.send(serde_json::value::to_raw_value(&event(i))?).await?;
             }
             sink.closed().await;
             SubscriptionResult::Ok(())
         },
     )
     .unwrap();
-    m.register_subscription(
-        "test.flood",
-        "test.flooded",
-        "test.unflood",
-        |_, pending, ctx, _| async move {
-            let _live = Live::new(Arc::clone(&ctx));
-            let sink = pending.accept().await?;
-            for i in 0..1_000_000u32 {
-                if sink
-                    .send(serde_json::value::to_raw_value(&i)?)
-                    .await
-                    .is_err()
-                {
-                    ctx.flood_ended.store(true, Ordering::SeqCst);
-                    break;
-                }
+    m.register_subscription("test.flood", "test.flooded", "test.unflood", |_, pending, ctx, _| async move {
+        let _live = Live::new(Arc::clone(&ctx));
+        let sink = pending.accept().await?;
+        for i in 0..1_000_000u32 {
+            if sink.send(serde_json::value::to_raw_value(&i)?).await.is_err() {
+                ctx.flood_ended.store(true, Ordering::SeqCst);
+                break;
             }
-            SubscriptionResult::Ok(())
-        },
-    )
+        }
+        SubscriptionResult::Ok(())
+    })
     .unwrap();
-    m.register_subscription(
-        "test.forgetful",
-        "test.forgot",
-        "test.unforget",
-        |_, pending, _, _| async move {
-            // A buggy handler: neither accepts nor rejects.
-            drop(pending);
-            SubscriptionResult::Ok(())
-        },
-    )
+    m.register_subscription("test.forgetful", "test.forgot", "test.unforget", |_, pending, _, _| async move {
+        // A buggy handler: neither accepts nor rejects.
+        drop(pending);
+        SubscriptionResult::Ok(())
+    })
     .unwrap();
     m
 }
@@ -156,11 +138,7 @@ fn start(policy: AccessPolicy) -> Server {
     // Traversable for the uid-65534 child peers.
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let path = dir.path().join("vmhost.sock");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let listener = {
         let _guard = rt.enter();
         bind(&path, 0o666).unwrap()
@@ -169,14 +147,7 @@ fn start(policy: AccessPolicy) -> Server {
     let (stop, stopped) = watch::channel(false);
     let methods = module(Arc::clone(&ctx)).into();
     let handle = rt.spawn(serve(listener, methods, Arc::new(policy), stopped));
-    Server {
-        ctx,
-        path,
-        stop,
-        handle: Some(handle),
-        rt,
-        _dir: dir,
-    }
+    Server { ctx, path, stop, handle: Some(handle), rt, _dir: dir }
 }
 
 impl Server {
@@ -188,9 +159,7 @@ impl Server {
 
     fn raw(&self) -> UnixStream {
         let stream = UnixStream::connect(&self.path).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         stream
     }
 }
@@ -203,10 +172,7 @@ impl Drop for Server {
 
 fn admin_policy() -> AccessPolicy {
     // Tests run as root, which is always admin; the gids are irrelevant for root.
-    AccessPolicy {
-        admin_gid: None,
-        readonly_gid: None,
-    }
+    AccessPolicy { admin_gid: None, readonly_gid: None }
 }
 
 /// Waits until `check` holds, for at most `limit`.
@@ -222,9 +188,7 @@ fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
 }
 
 fn code(v: &Value) -> i64 {
-    v["error"]["code"]
-        .as_i64()
-        .unwrap_or_else(|| panic!("not an error: {v}"))
+    v["error"]["code"].as_i64().unwrap_or_else(|| panic!("not an error: {v}"))
 }
 
 #[test]
@@ -233,21 +197,12 @@ fn single_call_and_typed_client() {
     let mut client = server.client();
     let got: Value = client.call("vm.list", json!({"a": 1})).unwrap();
     assert_eq!(got, json!({"echo": {"a": 1}}));
-    let raw = client
-        .call_raw(r#"{"jsonrpc":"2.0","id":"x-1","method":"vm.list"}"#)
-        .unwrap();
-    assert_eq!(
-        raw,
-        vec![json!({"jsonrpc": "2.0", "id": "x-1", "result": {"echo": null}})]
-    );
+    let raw = client.call_raw(r#"{"jsonrpc":"2.0","id":"x-1","method":"vm.list"}"#).unwrap();
+    assert_eq!(raw, vec![json!({"jsonrpc": "2.0", "id": "x-1", "result": {"echo": null}})]);
     // Ids are echoed verbatim, whatever number form they take.
-    let raw = client
-        .call_raw(r#"{"jsonrpc":"2.0","id":-2.5,"method":"vm.list"}"#)
-        .unwrap();
+    let raw = client.call_raw(r#"{"jsonrpc":"2.0","id":-2.5,"method":"vm.list"}"#).unwrap();
     assert_eq!(raw[0]["id"], json!(-2.5));
-    let raw = client
-        .call_raw("{\"jsonrpc\":\"2.0\",\"id\":null,\"method\":\"vm.list\"}\r\n")
-        .unwrap();
+    let raw = client.call_raw("{\"jsonrpc\":\"2.0\",\"id\":null,\"method\":\"vm.list\"}\r\n").unwrap();
     assert_eq!(raw[0]["id"], Value::Null);
     assert_eq!(raw[0]["result"], json!({"echo": null}));
 }
@@ -269,22 +224,10 @@ fn batch_with_valid_invalid_and_notification_elements() {
         )
         .unwrap();
     assert_eq!(answers.len(), 5, "{answers:?}");
-    assert_eq!(
-        answers[0],
-        json!({"jsonrpc": "2.0", "id": 1, "result": {"echo": [7]}})
-    );
-    assert_eq!(
-        (code(&answers[1]), &answers[1]["id"]),
-        (-32600, &Value::Null)
-    );
-    assert_eq!(
-        (code(&answers[2]), &answers[2]["id"]),
-        (-32600, &Value::Null)
-    );
-    assert_eq!(
-        answers[3],
-        json!({"jsonrpc": "2.0", "id": "c", "result": {"n": 2}})
-    );
+    assert_eq!(answers[0], json!({"jsonrpc": "2.0", "id": 1, "result": {"echo": [7]}}));
+    assert_eq!((code(&answers[1]), &answers[1]["id"]), (-32600, &Value::Null));
+    assert_eq!((code(&answers[2]), &answers[2]["id"]), (-32600, &Value::Null));
+    assert_eq!(answers[3], json!({"jsonrpc": "2.0", "id": "c", "result": {"n": 2}}));
     assert_eq!((code(&answers[4]), &answers[4]["id"]), (-32601, &json!(3)));
     // The notification ran, without an answer.
     assert_eq!(server.ctx.creates.load(Ordering::SeqCst), 2);
@@ -301,11 +244,7 @@ fn batch_with_valid_invalid_and_notification_elements() {
     let mut line = String::new();
     std::io::BufRead::read_line(&mut lines, &mut line).unwrap();
     assert_eq!(serde_json::from_str::<Value>(&line).unwrap()["id"], 9);
-    assert!(eventually(Duration::from_secs(5), || server
-        .ctx
-        .creates
-        .load(Ordering::SeqCst)
-        == 3));
+    assert!(eventually(Duration::from_secs(5), || server.ctx.creates.load(Ordering::SeqCst) == 3));
 
     // An empty batch is one -32600 object, not an array.
     raw.write_all(b"[]\n").unwrap();
@@ -327,10 +266,7 @@ fn requests_in_flight_are_answered_as_they_complete() {
         .unwrap();
     let first: Value = serde_json::from_str(&client.read_raw_line().unwrap().unwrap()).unwrap();
     let second: Value = serde_json::from_str(&client.read_raw_line().unwrap().unwrap()).unwrap();
-    assert_eq!(
-        (first["id"].clone(), second["id"].clone()),
-        (json!(2), json!(1))
-    );
+    assert_eq!((first["id"].clone(), second["id"].clone()), (json!(2), json!(1)));
     assert_eq!(second["result"], json!({"slept": 700}));
 }
 
@@ -349,17 +285,12 @@ fn requests_beyond_the_in_flight_limit_wait() {
     client.send_raw(burst.as_bytes()).unwrap();
     let mut seen = Vec::new();
     for _ in 0..count {
-        let answer: Value =
-            serde_json::from_str(&client.read_raw_line().unwrap().unwrap()).unwrap();
+        let answer: Value = serde_json::from_str(&client.read_raw_line().unwrap().unwrap()).unwrap();
         assert_eq!(answer["result"], json!({"slept": 400}), "{answer}");
         seen.push(answer["id"].as_u64().unwrap());
     }
     // The last request could only start once one of the first MAX_IN_FLIGHT had finished.
-    assert!(
-        start.elapsed() >= Duration::from_millis(800),
-        "{:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() >= Duration::from_millis(800), "{:?}", start.elapsed());
     seen.sort_unstable();
     assert_eq!(seen, (0..count as u64).collect::<Vec<_>>());
 }
@@ -373,26 +304,13 @@ fn bad_input_gets_errors_and_the_connection_stays_usable() {
         (b"\xff\xfe{}\n", -32700, Value::Null),
         (b"[1,\n", -32700, Value::Null),
         (b"\"just a string\"\n", -32600, Value::Null),
-        (
-            b"{\"jsonrpc\":\"2.0\",\"id\":4,\"method\":\"vm.list\",\"extra\":1}\n",
-            -32600,
-            json!(4),
-        ),
-        (
-            b"{\"jsonrpc\":\"2.0\",\"id\":5,\"method\":\"no.such.method\"}\n",
-            -32601,
-            json!(5),
-        ),
-        (
-            b"{\"jsonrpc\":\"2.0\",\"id\":6,\"method\":\"vm.get\",\"params\":{\"ms\":\"x\"}}\n",
-            -32602,
-            json!(6),
-        ),
+        (b"{\"jsonrpc\":\"2.0\",\"id\":4,\"method\":\"vm.list\",\"extra\":1}\n", -32600, json!(4)),
+        (b"{\"jsonrpc\":\"2.0\",\"id\":5,\"method\":\"no.such.method\"}\n", -32601, json!(5)),
+        (b"{\"jsonrpc\":\"2.0\",\"id\":6,\"method\":\"vm.get\",\"params\":{\"ms\":\"x\"}}\n", -32602, json!(6)),
     ];
     for (bytes, expected, id) in cases {
         client.send_raw(bytes).unwrap();
-        let answer: Value =
-            serde_json::from_str(&client.read_raw_line().unwrap().unwrap()).unwrap();
+        let answer: Value = serde_json::from_str(&client.read_raw_line().unwrap().unwrap()).unwrap();
         let shown = String::from_utf8_lossy(bytes);
         assert_eq!(code(&answer), expected, "{shown} -> {answer}");
         assert_eq!(answer["id"], id, "{shown} -> {answer}");
@@ -488,20 +406,15 @@ fn subscriptions_deliver_events_and_end_with_the_connection() {
     // Calls keep working on a subscribed connection.
     let got: Value = client.call("vm.list", Value::Null).unwrap();
     assert_eq!(got, json!({"echo": null}));
-    assert!(client
-        .next_event(Duration::from_millis(200))
-        .unwrap()
-        .is_none());
+    assert!(client.next_event(Duration::from_millis(200)).unwrap().is_none());
     assert!(client.unsubscribe_events().unwrap());
-    assert!(eventually(Duration::from_secs(5), || server
-        .ctx
-        .live_subscriptions
-        .load(Ordering::SeqCst)
-        == 0));
+    assert!(eventually(Duration::from_secs(5), || server.ctx.live_subscriptions.load(Ordering::SeqCst) == 0));
 
     // A subscription opened in a batch: the batch answer names it, its events follow.
     let answers = client
-        .call_raw(r#"[{"jsonrpc":"2.0","id":1,"method":"events.subscribe"},{"jsonrpc":"2.0","id":2,"method":"vm.list"}]"#)
+        .call_raw(
+            r#"[{"jsonrpc":"2.0","id":1,"method":"events.subscribe"},{"jsonrpc":"2.0","id":2,"method":"vm.list"}]"#,
+        )
         .unwrap();
     assert!(answers[0]["result"].is_number(), "{answers:?}");
     assert_eq!(answers[1]["result"], json!({"echo": null}));
@@ -510,20 +423,14 @@ fn subscriptions_deliver_events_and_end_with_the_connection() {
     assert_eq!(server.ctx.live_subscriptions.load(Ordering::SeqCst), 1);
     // Closing the connection ends the subscription task.
     drop(client);
-    assert!(eventually(Duration::from_secs(5), || server
-        .ctx
-        .live_subscriptions
-        .load(Ordering::SeqCst)
-        == 0));
+    assert!(eventually(Duration::from_secs(5), || server.ctx.live_subscriptions.load(Ordering::SeqCst) == 0));
 }
 
 #[test]
 fn a_subscription_handler_that_never_answers_gets_an_internal_error() {
     let server = start(admin_policy());
     let mut client = server.client();
-    let answer = client
-        .call_raw(r#"{"jsonrpc":"2.0","id":1,"method":"test.forgetful"}"#)
-        .unwrap();
+    let answer = client.call_raw(r#"{"jsonrpc":"2.0","id":1,"method":"test.forgetful"}"#).unwrap();
     assert_eq!((code(&answer[0]), &answer[0]["id"]), (-32603, &json!(1)));
     let got: Value = client.call("vm.list", Value::Null).unwrap();
     assert_eq!(got, json!({"echo": null}));
@@ -533,14 +440,9 @@ fn a_subscription_handler_that_never_answers_gets_an_internal_error() {
 fn a_peer_that_does_not_read_is_dropped_alone() {
     let server = start(admin_policy());
     let mut sluggard = server.raw();
-    sluggard
-        .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"test.flood\"}\n")
-        .unwrap();
+    sluggard.write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"test.flood\"}\n").unwrap();
     // It never reads; the server must give up on it, and the flood must stop.
-    assert!(eventually(Duration::from_secs(20), || server
-        .ctx
-        .flood_ended
-        .load(Ordering::SeqCst)));
+    assert!(eventually(Duration::from_secs(20), || server.ctx.flood_ended.load(Ordering::SeqCst)));
     let mut other = server.client();
     let got: Value = other.call("vm.list", Value::Null).unwrap();
     assert_eq!(got, json!({"echo": null}));
@@ -549,30 +451,21 @@ fn a_peer_that_does_not_read_is_dropped_alone() {
     let _ = sluggard.read_to_end(&mut all);
     let lines = all.split(|b| *b == b'\n').filter(|l| !l.is_empty()).count();
     assert!(lines < 1_000_000, "{lines}");
-    assert!(eventually(Duration::from_secs(5), || server
-        .ctx
-        .live_subscriptions
-        .load(Ordering::SeqCst)
-        == 0));
+    assert!(eventually(Duration::from_secs(5), || server.ctx.live_subscriptions.load(Ordering::SeqCst) == 0));
 }
 
 #[test]
 fn shutdown_stops_accepting_and_answers_requests_in_flight() {
     let mut server = start(admin_policy());
     let mut busy = server.client();
-    busy.send_raw(
-        b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"vm.get\",\"params\":{\"ms\":500}}\n",
-    )
-    .unwrap();
+    busy.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"vm.get\",\"params\":{\"ms\":500}}\n").unwrap();
     std::thread::sleep(Duration::from_millis(100));
     server.stop.send(true).unwrap();
     let answer: Value = serde_json::from_str(&busy.read_raw_line().unwrap().unwrap()).unwrap();
     assert_eq!(answer["result"], json!({"slept": 500}));
     assert_eq!(busy.read_raw_line().unwrap(), None);
     let handle = server.handle.take().unwrap();
-    let result = server
-        .rt
-        .block_on(async { tokio::time::timeout(Duration::from_secs(5), handle).await });
+    let result = server.rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), handle).await });
     assert!(matches!(result, Ok(Ok(Ok(())))), "{result:?}");
     assert!(UnixStream::connect(&server.path).is_err());
 }
@@ -600,19 +493,10 @@ fn run_as_nobody(scenario: &str, socket: &Path) -> bool {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{scenario} peer failed:\n{stdout}\n{stderr}"
-    );
+    assert!(out.status.success(), "{scenario} peer failed:\n{stdout}\n{stderr}");
     // Make sure the child really ran the scenario (and not zero tests).
-    assert!(
-        stdout.contains("1 passed"),
-        "{scenario} peer ran nothing:\n{stdout}\n{stderr}"
-    );
-    assert!(
-        stdout.contains(&format!("scenario {scenario} done")),
-        "{stdout}"
-    );
+    assert!(stdout.contains("1 passed"), "{scenario} peer ran nothing:\n{stdout}\n{stderr}");
+    assert!(stdout.contains(&format!("scenario {scenario} done")), "{stdout}");
     true
 }
 
@@ -655,9 +539,7 @@ fn readonly_peer(socket: &str) {
     assert_eq!(answers[1]["error"]["data"]["kind"], "read_only");
     assert_eq!((code(&answers[2]), &answers[2]["id"]), (-32601, &json!(3)));
     // A mutating notification is dropped silently.
-    client
-        .send_raw(b"{\"jsonrpc\":\"2.0\",\"method\":\"vm.create\"}\n")
-        .unwrap();
+    client.send_raw(b"{\"jsonrpc\":\"2.0\",\"method\":\"vm.create\"}\n").unwrap();
     // Subscribing is a read.
     client.subscribe_events().unwrap();
     let event = client.next_event(Duration::from_secs(10)).unwrap().unwrap();
@@ -670,11 +552,7 @@ fn unauthorized_peer(socket: &str) {
     raw.set_timeout(Duration::from_secs(20)).unwrap();
     let line = raw.read_raw_line().unwrap().unwrap();
     let answer: Value = serde_json::from_str(&line).unwrap();
-    assert_eq!(
-        (code(&answer), &answer["id"]),
-        (1001, &Value::Null),
-        "{answer}"
-    );
+    assert_eq!((code(&answer), &answer["id"]), (1001, &Value::Null), "{answer}");
     assert_eq!(answer["error"]["data"]["kind"], "unauthorized");
     assert_eq!(raw.read_raw_line().unwrap(), None);
     // A typed call reports the refusal as an API error.
@@ -689,10 +567,7 @@ fn unauthorized_peer(socket: &str) {
 #[test]
 fn readonly_peer_may_only_read() {
     // Unrelated admin gid; the read-only group is nobody's primary group.
-    let server = start(AccessPolicy {
-        admin_gid: Some(4_242_424),
-        readonly_gid: Some(NOBODY),
-    });
+    let server = start(AccessPolicy { admin_gid: Some(4_242_424), readonly_gid: Some(NOBODY) });
     if run_as_nobody("readonly", &server.path) {
         // The refused vm.create and the dropped notification never ran.
         assert_eq!(server.ctx.creates.load(Ordering::SeqCst), 0);
@@ -701,10 +576,7 @@ fn readonly_peer_may_only_read() {
 
 #[test]
 fn unauthorized_peer_is_refused() {
-    let server = start(AccessPolicy {
-        admin_gid: Some(4_242_424),
-        readonly_gid: Some(4_242_425),
-    });
+    let server = start(AccessPolicy { admin_gid: Some(4_242_424), readonly_gid: Some(4_242_425) });
     run_as_nobody("unauthorized", &server.path);
     // Root is still served by the same server.
     let got: Value = server.client().call("vm.list", Value::Null).unwrap();

@@ -207,7 +207,6 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         }
         Cmd::Events => {
             c.subscribe_events()?;
-            c.set_timeout(None);
             loop {
                 match c.next_event(Duration::from_secs(3600))? {
                     Some(e) if cli.json => println!("{}", serde_json::to_string(&e).unwrap_or_default()),

@@ -32,10 +32,7 @@ impl AccessPolicy {
     /// warning: the daemon still starts, and root keeps full access. An empty name means the
     /// role is deliberately disabled and is not warned about.
     pub fn from_group_names(admin: &str, readonly: &str) -> AccessPolicy {
-        AccessPolicy {
-            admin_gid: resolve_group(admin, "admin"),
-            readonly_gid: resolve_group(readonly, "read-only"),
-        }
+        AccessPolicy { admin_gid: resolve_group(admin, "admin"), readonly_gid: resolve_group(readonly, "read-only") }
     }
 }
 
@@ -47,10 +44,7 @@ fn resolve_group(name: &str, role: &str) -> Option<u32> {
     match Group::from_name(name) {
         Ok(Some(group)) => Some(group.gid.as_raw()),
         Ok(None) => {
-            warn!(
-                group = name,
-                "{role} group does not exist; that role is disabled"
-            );
+            warn!(group = name, "{role} group does not exist; that role is disabled");
             None
         }
         Err(e) => {
@@ -121,12 +115,7 @@ pub fn peer_identity(cred: &tokio::net::unix::UCred, policy: &AccessPolicy) -> P
 /// the check runs once, right at accept (a window of microseconds in which the pid space would
 /// have to wrap), and because the file is only trusted when its effective uid equals the
 /// credential's uid, so a reused pid can only lend groups of a process of the same user.
-pub fn lookup_identity(
-    uid: u32,
-    gid: u32,
-    pid: Option<i32>,
-    policy: &AccessPolicy,
-) -> PeerIdentity {
+pub fn lookup_identity(uid: u32, gid: u32, pid: Option<i32>, policy: &AccessPolicy) -> PeerIdentity {
     let supplementary = pid
         .filter(|p| *p > 0)
         .and_then(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
@@ -137,20 +126,12 @@ pub fn lookup_identity(
             } else {
                 // The process behind the pid is not the one that connected (pid reuse) or the
                 // file is unreadable in a way we do not understand: trust only SO_PEERCRED.
-                warn!(
-                    uid,
-                    pid, "peer process changed identity since connect; ignoring its groups"
-                );
+                warn!(uid, pid, "peer process changed identity since connect; ignoring its groups");
                 None
             }
         })
         .unwrap_or_default();
-    PeerIdentity {
-        uid,
-        gid,
-        supplementary,
-        user_name_groups: listed_groups(uid, policy),
-    }
+    PeerIdentity { uid, gid, supplementary, user_name_groups: listed_groups(uid, policy) }
 }
 
 /// Policy groups whose database member list contains the user name of `uid`.
@@ -186,10 +167,7 @@ fn parse_proc_status(text: &str) -> ProcStatus {
         if let Some(rest) = line.strip_prefix("Uid:") {
             status.effective_uid = rest.split_whitespace().nth(1).and_then(|n| n.parse().ok());
         } else if let Some(rest) = line.strip_prefix("Groups:") {
-            status.groups = rest
-                .split_whitespace()
-                .filter_map(|n| n.parse().ok())
-                .collect();
+            status.groups = rest.split_whitespace().filter_map(|n| n.parse().ok()).collect();
         }
     }
     status
@@ -204,91 +182,44 @@ mod tests {
     const OTHER: u32 = 1234;
 
     fn policy() -> AccessPolicy {
-        AccessPolicy {
-            admin_gid: Some(ADMIN),
-            readonly_gid: Some(READONLY),
-        }
+        AccessPolicy { admin_gid: Some(ADMIN), readonly_gid: Some(READONLY) }
     }
 
     fn peer(uid: u32, gid: u32, supplementary: &[u32], listed: &[u32]) -> PeerIdentity {
-        PeerIdentity {
-            uid,
-            gid,
-            supplementary: supplementary.to_vec(),
-            user_name_groups: listed.to_vec(),
-        }
+        PeerIdentity { uid, gid, supplementary: supplementary.to_vec(), user_name_groups: listed.to_vec() }
     }
 
     #[test]
     fn root_is_admin_whatever_the_groups() {
-        assert_eq!(
-            classify(&policy(), &peer(0, 0, &[], &[])),
-            Some(Role::Admin)
-        );
-        assert_eq!(
-            classify(&policy(), &peer(0, OTHER, &[READONLY], &[])),
-            Some(Role::Admin)
-        );
-        assert_eq!(
-            classify(&AccessPolicy::default(), &peer(0, 0, &[], &[])),
-            Some(Role::Admin)
-        );
+        assert_eq!(classify(&policy(), &peer(0, 0, &[], &[])), Some(Role::Admin));
+        assert_eq!(classify(&policy(), &peer(0, OTHER, &[READONLY], &[])), Some(Role::Admin));
+        assert_eq!(classify(&AccessPolicy::default(), &peer(0, 0, &[], &[])), Some(Role::Admin));
     }
 
     #[test]
     fn admin_by_primary_supplementary_or_listed_group() {
-        assert_eq!(
-            classify(&policy(), &peer(1000, ADMIN, &[], &[])),
-            Some(Role::Admin)
-        );
-        assert_eq!(
-            classify(&policy(), &peer(1000, OTHER, &[5, ADMIN], &[])),
-            Some(Role::Admin)
-        );
-        assert_eq!(
-            classify(&policy(), &peer(1000, OTHER, &[], &[ADMIN])),
-            Some(Role::Admin)
-        );
+        assert_eq!(classify(&policy(), &peer(1000, ADMIN, &[], &[])), Some(Role::Admin));
+        assert_eq!(classify(&policy(), &peer(1000, OTHER, &[5, ADMIN], &[])), Some(Role::Admin));
+        assert_eq!(classify(&policy(), &peer(1000, OTHER, &[], &[ADMIN])), Some(Role::Admin));
     }
 
     #[test]
     fn readonly_by_primary_supplementary_or_listed_group() {
-        assert_eq!(
-            classify(&policy(), &peer(1000, READONLY, &[], &[])),
-            Some(Role::ReadOnly)
-        );
-        assert_eq!(
-            classify(&policy(), &peer(1000, OTHER, &[READONLY], &[])),
-            Some(Role::ReadOnly)
-        );
-        assert_eq!(
-            classify(&policy(), &peer(1000, OTHER, &[], &[READONLY])),
-            Some(Role::ReadOnly)
-        );
+        assert_eq!(classify(&policy(), &peer(1000, READONLY, &[], &[])), Some(Role::ReadOnly));
+        assert_eq!(classify(&policy(), &peer(1000, OTHER, &[READONLY], &[])), Some(Role::ReadOnly));
+        assert_eq!(classify(&policy(), &peer(1000, OTHER, &[], &[READONLY])), Some(Role::ReadOnly));
     }
 
     #[test]
     fn both_groups_means_admin() {
-        assert_eq!(
-            classify(&policy(), &peer(1000, READONLY, &[ADMIN], &[])),
-            Some(Role::Admin)
-        );
-        assert_eq!(
-            classify(&policy(), &peer(1000, ADMIN, &[READONLY], &[])),
-            Some(Role::Admin)
-        );
-        assert_eq!(
-            classify(&policy(), &peer(1000, OTHER, &[READONLY], &[ADMIN])),
-            Some(Role::Admin)
-        );
+        assert_eq!(classify(&policy(), &peer(1000, READONLY, &[ADMIN], &[])), Some(Role::Admin));
+        assert_eq!(classify(&policy(), &peer(1000, ADMIN, &[READONLY], &[])), Some(Role::Admin));
+        assert_eq!(classify(&policy(), &peer(1000, OTHER, &[READONLY], &[ADMIN])), Some(Role::Admin));
     }
 
     #[test]
     fn neither_group_is_refused() {
-        assert_eq!(
-            classify(&policy(), &peer(1000, OTHER, &[1, 2, 3], &[])),
-            None
-        );
+        assert_eq!(classify(&policy(), &peer(1000, OTHER, &[1, 2, 3], &[])), None);
         assert_eq!(classify(&policy(), &peer(65534, 65534, &[], &[])), None);
     }
 
@@ -296,45 +227,21 @@ mod tests {
     fn missing_groups_leave_only_root() {
         let none = AccessPolicy::default();
         // A peer whose gid happens to equal what a group would have had gains nothing.
-        assert_eq!(
-            classify(&none, &peer(1000, ADMIN, &[READONLY], &[ADMIN])),
-            None
-        );
+        assert_eq!(classify(&none, &peer(1000, ADMIN, &[READONLY], &[ADMIN])), None);
         assert_eq!(classify(&none, &peer(0, 0, &[], &[])), Some(Role::Admin));
-        let readonly_only = AccessPolicy {
-            admin_gid: None,
-            readonly_gid: Some(READONLY),
-        };
+        let readonly_only = AccessPolicy { admin_gid: None, readonly_gid: Some(READONLY) };
         assert_eq!(classify(&readonly_only, &peer(1000, ADMIN, &[], &[])), None);
-        assert_eq!(
-            classify(&readonly_only, &peer(1000, READONLY, &[], &[])),
-            Some(Role::ReadOnly)
-        );
-        let admin_only = AccessPolicy {
-            admin_gid: Some(ADMIN),
-            readonly_gid: None,
-        };
+        assert_eq!(classify(&readonly_only, &peer(1000, READONLY, &[], &[])), Some(Role::ReadOnly));
+        let admin_only = AccessPolicy { admin_gid: Some(ADMIN), readonly_gid: None };
         assert_eq!(classify(&admin_only, &peer(1000, READONLY, &[], &[])), None);
-        assert_eq!(
-            classify(&admin_only, &peer(1000, ADMIN, &[], &[])),
-            Some(Role::Admin)
-        );
+        assert_eq!(classify(&admin_only, &peer(1000, ADMIN, &[], &[])), Some(Role::Admin));
     }
 
     #[test]
     fn from_group_names_resolves_existing_and_drops_missing() {
         let p = AccessPolicy::from_group_names("root", "no-such-group-vmhost-test");
-        assert_eq!(
-            p,
-            AccessPolicy {
-                admin_gid: Some(0),
-                readonly_gid: None
-            }
-        );
-        assert_eq!(
-            AccessPolicy::from_group_names("", ""),
-            AccessPolicy::default()
-        );
+        assert_eq!(p, AccessPolicy { admin_gid: Some(0), readonly_gid: None });
+        assert_eq!(AccessPolicy::from_group_names("", ""), AccessPolicy::default());
     }
 
     #[test]
@@ -362,15 +269,9 @@ mod tests {
             eprintln!("no group with a member list in /etc/group; skipping");
             return;
         };
-        let policy = AccessPolicy {
-            admin_gid: None,
-            readonly_gid: Some(gid),
-        };
+        let policy = AccessPolicy { admin_gid: None, readonly_gid: Some(gid) };
         assert_eq!(listed_groups(uid, &policy), vec![gid]);
-        let unrelated = AccessPolicy {
-            admin_gid: Some(gid),
-            readonly_gid: None,
-        };
+        let unrelated = AccessPolicy { admin_gid: Some(gid), readonly_gid: None };
         assert!(listed_groups(uid.wrapping_add(777_777), &unrelated).is_empty());
     }
 
@@ -380,9 +281,8 @@ mod tests {
         let gid = nix::unistd::getegid().as_raw();
         let pid = i32::try_from(std::process::id()).ok();
         let id = lookup_identity(me, gid, pid, &AccessPolicy::default());
-        let expected: Vec<u32> = nix::unistd::getgroups()
-            .map(|g| g.into_iter().map(Gid::as_raw).collect())
-            .unwrap_or_default();
+        let expected: Vec<u32> =
+            nix::unistd::getgroups().map(|g| g.into_iter().map(Gid::as_raw).collect()).unwrap_or_default();
         assert_eq!(id.supplementary, expected);
         // A credential whose uid does not match the process must not borrow its groups.
         let stranger = lookup_identity(me.wrapping_add(4242), gid, pid, &AccessPolicy::default());

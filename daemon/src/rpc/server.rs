@@ -106,17 +106,11 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
     if !meta.file_type().is_socket() {
         return Err(io::Error::new(
             ErrorKind::AlreadyExists,
-            format!(
-                "{} exists and is not a socket; not removing it",
-                path.display()
-            ),
+            format!("{} exists and is not a socket; not removing it", path.display()),
         ));
     }
     match std::os::unix::net::UnixStream::connect(path) {
-        Ok(_) => Err(io::Error::new(
-            ErrorKind::AddrInUse,
-            format!("another process is serving {}", path.display()),
-        )),
+        Ok(_) => Err(io::Error::new(ErrorKind::AddrInUse, format!("another process is serving {}", path.display()))),
         Err(e) if matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::NotFound) => {
             info!(path = %path.display(), "removing stale socket");
             match std::fs::remove_file(path) {
@@ -183,20 +177,12 @@ pub async fn serve(
     };
     drop(listener);
     if !connections.is_empty() {
-        info!(
-            open = connections.len(),
-            "RPC server stopping; letting connections finish"
-        );
+        info!(open = connections.len(), "RPC server stopping; letting connections finish");
     }
-    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
-        while connections.join_next().await.is_some() {}
-    })
-    .await;
+    let drained =
+        tokio::time::timeout(SHUTDOWN_GRACE, async { while connections.join_next().await.is_some() {} }).await;
     if drained.is_err() {
-        warn!(
-            left = connections.len(),
-            "connections still open after the grace period; dropping them"
-        );
+        warn!(left = connections.len(), "connections still open after the grace period; dropping them");
         connections.shutdown().await;
     }
     result
@@ -204,10 +190,7 @@ pub async fn serve(
 
 /// Accept errors that mean the listener is unusable, as opposed to a peer or resource problem.
 fn is_fatal_accept_error(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP | libc::EFAULT)
-    )
+    matches!(e.raw_os_error(), Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP | libc::EFAULT))
 }
 
 /// One accepted connection, from credential check to close.
@@ -225,26 +208,17 @@ async fn connection(
             return;
         }
     };
-    let span = info_span!(
-        "rpc_conn",
-        conn,
-        uid = cred.uid(),
-        gid = cred.gid(),
-        pid = cred.pid().unwrap_or(0)
-    );
+    let span = info_span!("rpc_conn", conn, uid = cred.uid(), gid = cred.gid(), pid = cred.pid().unwrap_or(0));
     async move {
         // The lookups read /proc and may query NSS (LDAP, ...): keep them off the reactor.
         let lookup_policy = Arc::clone(&policy);
-        let identity =
-            match tokio::task::spawn_blocking(move || auth::peer_identity(&cred, &lookup_policy))
-                .await
-            {
-                Ok(identity) => identity,
-                Err(e) => {
-                    error!(error = %e, "peer lookup failed; closing");
-                    return;
-                }
-            };
+        let identity = match tokio::task::spawn_blocking(move || auth::peer_identity(&cred, &lookup_policy)).await {
+            Ok(identity) => identity,
+            Err(e) => {
+                error!(error = %e, "peer lookup failed; closing");
+                return;
+            }
+        };
         match auth::classify(&policy, &identity) {
             None => refuse(stream, &identity).await,
             Some(role) => {
@@ -336,22 +310,12 @@ fn advance(phase: &watch::Sender<Phase>, to: Phase) {
 }
 
 /// Serves an accepted peer until it disconnects, misbehaves or the server shuts down.
-async fn run(
-    stream: UnixStream,
-    role: Role,
-    methods: Methods,
-    mut shutdown: watch::Receiver<bool>,
-) {
+async fn run(stream: UnixStream, role: Role, methods: Methods, mut shutdown: watch::Receiver<bool>) {
     let (rd, wr) = stream.into_split();
     let (out, queue) = mpsc::channel(WRITE_QUEUE);
     let phase = Arc::new(watch::channel(Phase::Open).0);
     let writer = tokio::spawn(write_loop(wr, queue, Arc::clone(&phase)).in_current_span());
-    let conn = Arc::new(Conn {
-        methods,
-        role,
-        out,
-        phase: Arc::clone(&phase),
-    });
+    let conn = Arc::new(Conn { methods, role, out, phase: Arc::clone(&phase) });
     let (rd, end) = read_loop(rd, &conn, &mut shutdown).await;
     advance(&phase, Phase::Draining);
     // The writer ends once every sender is gone, i.e. once the requests in flight have answered.
@@ -400,11 +364,7 @@ async fn stopped(shutdown: &mut watch::Receiver<bool>, phase: &mut watch::Receiv
 }
 
 /// Reads and dispatches lines until the connection ends; returns the read half and why.
-async fn read_loop(
-    rd: OwnedReadHalf,
-    conn: &Arc<Conn>,
-    shutdown: &mut watch::Receiver<bool>,
-) -> (OwnedReadHalf, End) {
+async fn read_loop(rd: OwnedReadHalf, conn: &Arc<Conn>, shutdown: &mut watch::Receiver<bool>) -> (OwnedReadHalf, End) {
     let mut reader = BufReader::with_capacity(READ_BUFFER, rd);
     let mut phase = conn.phase.subscribe();
     let in_flight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
@@ -422,23 +382,13 @@ async fn read_loop(
             }
             Ok(Frame::Eof) => break End::Eof,
             Ok(Frame::TooLong) => {
-                warn!(
-                    max = MAX_LINE,
-                    "request line too long; closing the connection"
-                );
-                let err = ApiError::new(
-                    Code::InvalidRequest,
-                    format!("request line longer than {MAX_LINE} bytes"),
-                );
+                warn!(max = MAX_LINE, "request line too long; closing the connection");
+                let err = ApiError::new(Code::InvalidRequest, format!("request line longer than {MAX_LINE} bytes"));
                 conn.send(error_line(RawValue::NULL, &err));
                 break End::TooLong;
             }
             Ok(Frame::Line) => {
-                let mut permits = Permits {
-                    in_flight: &in_flight,
-                    shutdown,
-                    phase: &mut phase,
-                };
+                let mut permits = Permits { in_flight: &in_flight, shutdown, phase: &mut phase };
                 if handle_line(conn, line, &mut permits).await.is_none() {
                     break End::Stopped;
                 }
@@ -463,10 +413,7 @@ enum Frame {
 ///
 /// Not cancellation-safe across calls (a partial line is lost), which is fine: it is only
 /// cancelled when the connection stops.
-async fn read_line<R: AsyncBufRead + Unpin>(
-    reader: &mut R,
-    line: &mut Vec<u8>,
-) -> io::Result<Frame> {
+async fn read_line<R: AsyncBufRead + Unpin>(reader: &mut R, line: &mut Vec<u8>) -> io::Result<Frame> {
     loop {
         let available = reader.fill_buf().await?;
         if available.is_empty() {
@@ -602,11 +549,7 @@ async fn answer_batch(conn: Arc<Conn>, replies: Vec<JoinHandle<Reply>>) {
         conn.send(format!("[{}]", responses.join(",")));
     }
     for notifications in subscriptions {
-        tokio::spawn(
-            Arc::clone(&conn)
-                .forward_owned(notifications)
-                .in_current_span(),
-        );
+        tokio::spawn(Arc::clone(&conn).forward_owned(notifications).in_current_span());
     }
 }
 
@@ -621,18 +564,12 @@ struct Reply {
 impl Reply {
     /// A reply with a response and no notifications.
     fn answer(response: String) -> Reply {
-        Reply {
-            response: Some(response),
-            notifications: None,
-        }
+        Reply { response: Some(response), notifications: None }
     }
 
     /// A reply to a notification: nothing.
     fn silent() -> Reply {
-        Reply {
-            response: None,
-            notifications: None,
-        }
+        Reply { response: None, notifications: None }
     }
 }
 
@@ -649,10 +586,7 @@ impl Conn {
         match self.out.try_send(line) {
             Ok(()) => true,
             Err(TrySendError::Full(_)) => {
-                warn!(
-                    queue = WRITE_QUEUE,
-                    "peer is not reading its answers; dropping the connection"
-                );
+                warn!(queue = WRITE_QUEUE, "peer is not reading its answers; dropping the connection");
                 advance(&self.phase, Phase::Dead);
                 false
             }
@@ -673,10 +607,7 @@ impl Conn {
         let method = request.method.as_str();
         debug!(method, notification = request.id.is_none(), "request");
         // Unknown methods go through to jsonrpsee, which answers -32601 for any role.
-        if self.role == Role::ReadOnly
-            && !api::is_read_method(method)
-            && self.methods.method(method).is_some()
-        {
+        if self.role == Role::ReadOnly && !api::is_read_method(method) && self.methods.method(method).is_some() {
             warn!(method, "read-only peer called a mutating method; refused");
             let err = ApiError::new(
                 Code::ReadOnly,
@@ -690,20 +621,11 @@ impl Conn {
         }
         // Dispatch our own rewrite of the request (id 0, known members only), so what runs is
         // exactly what was checked; the client's id is put back on the answer below.
-        let call = to_line(&Call {
-            jsonrpc: "2.0",
-            id: 0,
-            method,
-            params: request.params,
-        });
-        let is_subscription = matches!(
-            self.methods.method(method),
-            Some(MethodCallback::Subscription(_))
-        );
+        let call = to_line(&Call { jsonrpc: "2.0", id: 0, method, params: request.params });
+        let is_subscription = matches!(self.methods.method(method), Some(MethodCallback::Subscription(_)));
         let methods = self.methods.clone();
         // Its own task, so a panicking method costs one -32603 answer, not the connection.
-        let mut task =
-            tokio::spawn(async move { methods.raw_json_request(&call, SUBSCRIPTION_BUFFER).await });
+        let mut task = tokio::spawn(async move { methods.raw_json_request(&call, SUBSCRIPTION_BUFFER).await });
         let dispatched = if is_subscription {
             // jsonrpsee's direct-call path waits forever when a subscription handler drops its
             // pending sink without accepting or rejecting it; bound that wait.
@@ -727,16 +649,12 @@ impl Conn {
             return Reply::silent();
         };
         match dispatched {
-            Ok(Ok((answer, notifications))) => Reply {
-                response: Some(response_line(id, &answer)),
-                notifications: Some(notifications),
-            },
+            Ok(Ok((answer, notifications))) => {
+                Reply { response: Some(response_line(id, &answer)), notifications: Some(notifications) }
+            }
             Ok(Err(e)) => {
                 error!(method, error = %e, "jsonrpsee rejected a rewritten request");
-                Reply::answer(error_line(
-                    id,
-                    &ApiError::internal("request could not be dispatched"),
-                ))
+                Reply::answer(error_line(id, &ApiError::internal("request could not be dispatched")))
             }
             Err(e) => {
                 error!(method, error = %e, "method task failed");
@@ -837,35 +755,19 @@ impl<'a> Request<'a> {
     /// Checks the JSON-RPC 2.0 request shape: an object with `"jsonrpc": "2.0"`, a string
     /// `method`, optional array/object `params`, optional string/number/null `id`, nothing else.
     fn parse(text: &'a str) -> Result<Request<'a>, Invalid<'a>> {
-        let invalid = |id, message: &str| Invalid {
-            id,
-            message: message.to_string(),
-        };
-        let members: BTreeMap<Cow<'a, str>, &'a RawValue> = serde_json::from_str(text)
-            .map_err(|_| invalid(RawValue::NULL, "a request must be a JSON object"))?;
+        let invalid = |id, message: &str| Invalid { id, message: message.to_string() };
+        let members: BTreeMap<Cow<'a, str>, &'a RawValue> =
+            serde_json::from_str(text).map_err(|_| invalid(RawValue::NULL, "a request must be a JSON object"))?;
         let id = match members.get("id") {
             None => None,
             Some(id) if is_valid_id(id) => Some(*id),
-            Some(_) => {
-                return Err(invalid(
-                    RawValue::NULL,
-                    "id must be a string, a number or null",
-                ))
-            }
+            Some(_) => return Err(invalid(RawValue::NULL, "id must be a string, a number or null")),
         };
         let answer_id = id.unwrap_or(RawValue::NULL);
-        if let Some(unknown) = members
-            .keys()
-            .find(|k| !matches!(k.as_ref(), "jsonrpc" | "id" | "method" | "params"))
-        {
-            return Err(Invalid {
-                id: answer_id,
-                message: format!("unknown request member {unknown:?}"),
-            });
+        if let Some(unknown) = members.keys().find(|k| !matches!(k.as_ref(), "jsonrpc" | "id" | "method" | "params")) {
+            return Err(Invalid { id: answer_id, message: format!("unknown request member {unknown:?}") });
         }
-        let version = members
-            .get("jsonrpc")
-            .and_then(|v| serde_json::from_str::<String>(v.get()).ok());
+        let version = members.get("jsonrpc").and_then(|v| serde_json::from_str::<String>(v.get()).ok());
         if version.as_deref() != Some("2.0") {
             return Err(invalid(answer_id, "jsonrpc must be \"2.0\""));
         }
@@ -927,28 +829,14 @@ fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::
 /// Re-addresses a jsonrpsee response (made for id 0) to the client's `id`.
 fn response_line(id: &RawValue, answer: &RawValue) -> String {
     match serde_json::from_str::<Answer<'_>>(answer.get()) {
-        Ok(Answer {
-            error: Some(error), ..
-        }) => to_line(&Response {
-            jsonrpc: "2.0",
-            id,
-            result: None,
-            error: Some(error),
-        }),
-        Ok(Answer {
-            result: Some(result),
-            ..
-        }) => to_line(&Response::<()> {
-            jsonrpc: "2.0",
-            id,
-            result: Some(result),
-            error: None,
-        }),
+        Ok(Answer { error: Some(error), .. }) => {
+            to_line(&Response { jsonrpc: "2.0", id, result: None, error: Some(error) })
+        }
+        Ok(Answer { result: Some(result), .. }) => {
+            to_line(&Response::<()> { jsonrpc: "2.0", id, result: Some(result), error: None })
+        }
         _ => {
-            error!(
-                answer = answer.get(),
-                "jsonrpsee answered neither result nor error"
-            );
+            error!(answer = answer.get(), "jsonrpsee answered neither result nor error");
             error_line(id, &ApiError::internal("malformed method response"))
         }
     }
@@ -956,12 +844,7 @@ fn response_line(id: &RawValue, answer: &RawValue) -> String {
 
 /// An error response line.
 fn error_line(id: &RawValue, err: &ApiError) -> String {
-    to_line(&Response {
-        jsonrpc: "2.0",
-        id,
-        result: None,
-        error: Some(err.to_json()),
-    })
+    to_line(&Response { jsonrpc: "2.0", id, result: None, error: Some(err.to_json()) })
 }
 
 /// The -32700 line for a line that is not JSON.
@@ -1025,24 +908,15 @@ mod tests {
 
     #[test]
     fn parses_valid_requests() {
-        let r =
-            Request::parse(r#"{"jsonrpc":"2.0","id":"a","method":"vm.get","params":{"name":"x"}}"#)
-                .ok()
-                .unwrap();
+        let r = Request::parse(r#"{"jsonrpc":"2.0","id":"a","method":"vm.get","params":{"name":"x"}}"#).ok().unwrap();
         assert_eq!(r.id.map(RawValue::get), Some(r#""a""#));
         assert_eq!(r.method, "vm.get");
         assert_eq!(r.params.map(RawValue::get), Some(r#"{"name":"x"}"#));
-        let n = Request::parse(r#"{"jsonrpc":"2.0","method":"vm.list"}"#)
-            .ok()
-            .unwrap();
+        let n = Request::parse(r#"{"jsonrpc":"2.0","method":"vm.list"}"#).ok().unwrap();
         assert!(n.id.is_none() && n.params.is_none());
-        let null_id = Request::parse(r#"{"jsonrpc":"2.0","method":"m","id":null}"#)
-            .ok()
-            .unwrap();
+        let null_id = Request::parse(r#"{"jsonrpc":"2.0","method":"m","id":null}"#).ok().unwrap();
         assert_eq!(null_id.id.map(RawValue::get), Some("null"));
-        let negative = Request::parse(r#"{"jsonrpc":"2.0","method":"m","id":-1.5}"#)
-            .ok()
-            .unwrap();
+        let negative = Request::parse(r#"{"jsonrpc":"2.0","method":"m","id":-1.5}"#).ok().unwrap();
         assert_eq!(negative.id.map(RawValue::get), Some("-1.5"));
     }
 
@@ -1076,10 +950,7 @@ mod tests {
             raw(r#""x""#),
             raw(r#"{"jsonrpc":"2.0","id":0,"error":{"code":-32601,"message":"Method not found"}}"#),
         );
-        assert_eq!(
-            err,
-            r#"{"jsonrpc":"2.0","id":"x","error":{"code":-32601,"message":"Method not found"}}"#
-        );
+        assert_eq!(err, r#"{"jsonrpc":"2.0","id":"x","error":{"code":-32601,"message":"Method not found"}}"#);
         let bad = response_line(raw("1"), raw(r#"{"jsonrpc":"2.0","id":0}"#));
         assert!(bad.contains("-32603"), "{bad}");
     }
@@ -1088,29 +959,18 @@ mod tests {
     fn serve_can_be_spawned() {
         // The daemon spawns `serve` on a multi-threaded runtime: its future must be Send.
         fn assert_send<T: Send>(_: &T) {}
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let _guard = rt.enter();
         let dir = tempfile::tempdir().unwrap();
         let listener = bind(&dir.path().join("s"), 0o600).unwrap();
         let (_stop, stopped) = watch::channel(false);
         let methods = Methods::from(jsonrpsee::RpcModule::new(()));
-        assert_send(&serve(
-            listener,
-            methods,
-            Arc::new(AccessPolicy::default()),
-            stopped,
-        ));
+        assert_send(&serve(listener, methods, Arc::new(AccessPolicy::default()), stopped));
     }
 
     #[test]
     fn bind_refuses_live_sockets_and_non_sockets() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let _guard = rt.enter();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub/dir/vmhost.sock");
@@ -1125,10 +985,7 @@ mod tests {
         drop(again);
         let file = dir.path().join("plain");
         std::fs::write(&file, b"keep me").unwrap();
-        assert_eq!(
-            bind(&file, 0o666).unwrap_err().kind(),
-            ErrorKind::AlreadyExists
-        );
+        assert_eq!(bind(&file, 0o666).unwrap_err().kind(), ErrorKind::AlreadyExists);
         assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
     }
 }
