@@ -314,7 +314,7 @@ fn a_qemu_failure_after_the_overlay_removes_the_overlay() {
     let spec = json!({"name": "img", "cpu": 1, "memory_mib": 128, "boot": {"image": "base.qcow2", "disk_gib": 1}});
     let (code, e) = host.call_err("vm.create", json!({ "spec": spec }));
     assert_eq!(code, 4001);
-    assert!(e.details["stderr"].as_str().unwrap().contains("no-such-machine"), "{e:?}");
+    assert!(e.details["stderr"].as_str().unwrap().contains("unsupported machine type"), "{e:?}");
     assert!(!host.state().join("disks/img.qcow2").exists(), "overlay rolled back");
     assert!(!host.run().join("img").exists());
     assert!(host.qemu_pids().is_empty());

@@ -3,7 +3,7 @@
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
+use std::os::unix::process::CommandExt; // uid/gid; std drops supplementary groups when root sets a uid
 use std::process::Command;
 use std::time::Duration;
 use vmhost_tests::{bin, HostOptions, TestHost};
@@ -87,15 +87,7 @@ fn an_oversize_line_is_refused_and_other_clients_are_unaffected() {
 }
 
 fn ctl_as(host: &TestHost, uid: u32, gid: u32, args: &[&str]) -> std::process::Output {
-    Command::new(bin("vmhostctl"))
-        .arg("--socket")
-        .arg(&host.socket)
-        .args(args)
-        .uid(uid)
-        .gid(gid)
-        .groups(&[gid])
-        .output()
-        .unwrap()
+    Command::new(bin("vmhostctl")).arg("--socket").arg(&host.socket).args(args).uid(uid).gid(gid).output().unwrap()
 }
 
 #[test]
