@@ -7,6 +7,7 @@
 
 use crate::api::HardwareClass;
 use crate::hardware::{HardwareModel, PciAddress};
+use crate::ipv4::Ipv4Cidr;
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -156,6 +157,22 @@ struct RawHardware {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawNetwork {
+    bridge: String,
+    #[serde(default)]
+    create: bool,
+    uplink: Option<String>,
+    address: Option<String>,
+    #[serde(default)]
+    vlan_filtering: bool,
+    #[serde(default)]
+    trunk: Vec<u16>,
+    subnet: Option<String>,
+    mtu: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawConfig {
     #[serde(default)]
     paths: Paths,
@@ -164,6 +181,40 @@ struct RawConfig {
     #[serde(default)]
     access: Access,
     hardware: RawHardware,
+    #[serde(default)]
+    networks: BTreeMap<String, RawNetwork>,
+}
+
+/// A host network VM NICs attach to (`[networks.NAME]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Network {
+    /// The config key.
+    pub name: String,
+    /// Bridge name.
+    pub bridge: String,
+    /// vmhostd creates and owns the bridge (else it must exist).
+    pub create: bool,
+    /// A host link vmhostd enslaves to the bridge it creates.
+    pub uplink: Option<String>,
+    /// Host address vmhostd puts on the bridge it creates.
+    pub address: Option<Ipv4Cidr>,
+    /// Bridge VLAN filtering: a NIC's `vlan` becomes its tap port's untagged PVID.
+    pub vlan_filtering: bool,
+    /// Tagged VLANs on the uplink.
+    pub trunk: Vec<u16>,
+    /// Guest addresses must be inside it.
+    pub subnet: Option<Ipv4Cidr>,
+    /// MTU of a created bridge.
+    pub mtu: Option<u32>,
+}
+
+/// True for a valid Linux interface name: 1-15 bytes, no '/', ':' or whitespace, not . or ..
+pub fn is_valid_ifname(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 15
+        && name != "."
+        && name != ".."
+        && name.bytes().all(|b| b.is_ascii_graphic() && b != b'/' && b != b':')
 }
 
 /// The host's capacity and passthrough devices.
@@ -196,6 +247,8 @@ pub struct Config {
     pub socket_mode: u32,
     /// `[hardware]`.
     pub hardware: Hardware,
+    /// `[networks.NAME]`, by name.
+    pub networks: BTreeMap<String, Network>,
 }
 
 impl Config {
@@ -295,7 +348,81 @@ impl Config {
             }
         }
 
+        let mut networks = BTreeMap::new();
+        let mut bridges: HashMap<&str, &str> = HashMap::new();
+        for (name, n) in &raw.networks {
+            let k = |key: &str| format!("networks.{name}.{key}");
+            let name_ok = !name.is_empty()
+                && name.len() <= 32
+                && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+            if !name_ok {
+                return Err(key_err(&format!("networks.{name}"), "network names are 1-32 of [a-z0-9_-]".into()));
+            }
+            if !is_valid_ifname(&n.bridge) {
+                return Err(key_err(&k("bridge"), format!("{:?} is not an interface name (1-15 bytes)", n.bridge)));
+            }
+            if let Some(other) = bridges.insert(&n.bridge, name) {
+                return Err(key_err(&k("bridge"), format!("bridge {} is already used by network {other}", n.bridge)));
+            }
+            if !n.create {
+                for (key, set) in
+                    [("uplink", n.uplink.is_some()), ("address", n.address.is_some()), ("mtu", n.mtu.is_some())]
+                {
+                    if set {
+                        return Err(key_err(&k(key), "only valid with create = true".into()));
+                    }
+                }
+            }
+            if let Some(u) = &n.uplink {
+                if !is_valid_ifname(u) || u == &n.bridge {
+                    return Err(key_err(&k("uplink"), format!("{u:?} is not a usable interface name")));
+                }
+            }
+            let address =
+                n.address.as_deref().map(Ipv4Cidr::parse).transpose().map_err(|p| key_err(&k("address"), p))?;
+            let subnet = n.subnet.as_deref().map(Ipv4Cidr::parse).transpose().map_err(|p| key_err(&k("subnet"), p))?;
+            if let Some(s) = subnet {
+                if s.addr != s.network() {
+                    return Err(key_err(
+                        &k("subnet"),
+                        format!("{s} has host bits set (network is {}/{})", s.network(), s.prefix),
+                    ));
+                }
+            }
+            if let (Some(a), Some(s)) = (address, subnet) {
+                if !s.contains(a.addr) || a.prefix != s.prefix || a.is_network_or_broadcast() {
+                    return Err(key_err(&k("address"), format!("{a} is not a host address of subnet {s}")));
+                }
+            }
+            if !n.trunk.is_empty() && !n.vlan_filtering {
+                return Err(key_err(&k("trunk"), "needs vlan_filtering = true".into()));
+            }
+            if let Some(v) = n.trunk.iter().find(|v| !(1..=4094).contains(*v)) {
+                return Err(key_err(&k("trunk"), format!("VLAN {v} is outside 1-4094")));
+            }
+            if let Some(m) = n.mtu {
+                if !(68..=65535).contains(&m) {
+                    return Err(key_err(&k("mtu"), format!("{m} is outside 68-65535")));
+                }
+            }
+            networks.insert(
+                name.clone(),
+                Network {
+                    name: name.clone(),
+                    bridge: n.bridge.clone(),
+                    create: n.create,
+                    uplink: n.uplink.clone(),
+                    address,
+                    vlan_filtering: n.vlan_filtering,
+                    trunk: n.trunk.clone(),
+                    subnet,
+                    mtu: n.mtu,
+                },
+            );
+        }
+
         Ok(Config {
+            networks,
             file: file.to_path_buf(),
             paths: raw.paths,
             qemu: raw.qemu,
@@ -411,6 +538,49 @@ reserved_memory_gib = 8
         ];
         for (text, want_key, want_problem) in cases {
             let (key, problem) = key_error(text);
+            assert_eq!(&key, want_key, "{text}");
+            assert!(problem.contains(want_problem), "{text}: {problem}");
+        }
+    }
+
+    const NETS: &str = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+
+    #[test]
+    fn networks_parse() {
+        let c = parse(&format!(
+            "{NETS}[networks.lan]\nbridge = \"br-lan\"\ncreate = true\naddress = \"10.0.0.1/24\"\nsubnet = \"10.0.0.0/24\"\nmtu = 9000\n\
+             [networks.trunk]\nbridge = \"br0\"\nvlan_filtering = true\ntrunk = [10, 20]\n"
+        ))
+        .unwrap();
+        let lan = &c.networks["lan"];
+        assert!(lan.create);
+        assert_eq!(lan.address.unwrap().to_string(), "10.0.0.1/24");
+        assert_eq!(lan.mtu, Some(9000));
+        assert_eq!(c.networks["trunk"].trunk, vec![10, 20]);
+    }
+
+    #[test]
+    fn network_errors_name_the_key() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("[networks.lan]\n", "networks.lan", "bridge"),
+            ("[networks.lan]\nbridge = \"a-name-far-too-long\"\n", "networks.lan.bridge", "interface name"),
+            ("[networks.Lan]\nbridge = \"br0\"\n", "networks.Lan", "network names"),
+            ("[networks.a]\nbridge = \"br0\"\n[networks.b]\nbridge = \"br0\"\n", "networks.b.bridge", "already used"),
+            ("[networks.a]\nbridge = \"br0\"\naddress = \"10.0.0.1/24\"\n", "networks.a.address", "create = true"),
+            ("[networks.a]\nbridge = \"br0\"\ncreate = true\nuplink = \"br0\"\n", "networks.a.uplink", "usable"),
+            ("[networks.a]\nbridge = \"br0\"\nsubnet = \"10.0.0.1/24\"\n", "networks.a.subnet", "host bits"),
+            (
+                "[networks.a]\nbridge = \"br0\"\ncreate = true\nsubnet = \"10.0.0.0/24\"\naddress = \"10.0.1.1/24\"\n",
+                "networks.a.address",
+                "not a host address",
+            ),
+            ("[networks.a]\nbridge = \"br0\"\ntrunk = [10]\n", "networks.a.trunk", "vlan_filtering"),
+            ("[networks.a]\nbridge = \"br0\"\nvlan_filtering = true\ntrunk = [4095]\n", "networks.a.trunk", "1-4094"),
+            ("[networks.a]\nbridge = \"br0\"\ncreate = true\nmtu = 20\n", "networks.a.mtu", "68-65535"),
+            ("[networks.a]\nbridge = \"br0\"\nsubnet = \"10.0.0.0\"\n", "networks.a.subnet", "prefix"),
+        ];
+        for (text, want_key, want_problem) in cases {
+            let (key, problem) = key_error(&format!("{NETS}{text}"));
             assert_eq!(&key, want_key, "{text}");
             assert!(problem.contains(want_problem), "{text}: {problem}");
         }

@@ -112,6 +112,7 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
         }
     }
     let boot = validate_boot(spec)?;
+    crate::nic::validate_nics(spec, config)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
 }
 
@@ -223,6 +224,7 @@ reserved_memory_gib = 4
             memory_mib: 256,
             state: DesiredState::Running,
             hardware: HardwareRequest::default(),
+            nics: Vec::new(),
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),

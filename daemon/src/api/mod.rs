@@ -78,6 +78,48 @@ pub struct VmSpec {
     pub hardware: HardwareRequest,
     /// How the VM boots.
     pub boot: BootSpec,
+    /// Network interfaces, in guest PCI order (eth0, eth1, ...).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nics: Vec<NicSpec>,
+}
+
+/// One NIC of a VM: a tap on a configured network.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NicSpec {
+    /// Name of a `[networks.NAME]` of the host config.
+    pub network: String,
+    /// Access VLAN (1-4094) on a network with `vlan_filtering`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vlan: Option<u16>,
+    /// Fixed MAC (`02:00:00:00:00:01`); allocated when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// Guest IPv4 configuration; none means the guest is not configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipv4: Option<Ipv4Spec>,
+}
+
+/// Guest IPv4 configuration of a NIC.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Ipv4Spec {
+    /// A fixed address.
+    Static {
+        /// `10.0.0.5/24`.
+        address: String,
+        /// Default gateway.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gateway: Option<String>,
+        /// DNS servers.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        dns: Vec<String>,
+        /// DNS search domains.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        search: Vec<String>,
+    },
+    /// DHCP on this NIC.
+    Dhcp,
 }
 
 /// Hardware indices per class, as in the host model.
