@@ -8,6 +8,7 @@
 use crate::api::{ApiError, PlanAction, PlanEntry, VmSpec, VmStatus};
 use crate::capacity::{admit, Holding};
 use crate::config::Config;
+use crate::nic::{NicAlloc, NicHolding};
 use crate::validate::validate_spec;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashSet};
@@ -48,6 +49,11 @@ fn diff_values(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
         _ if a != b => out.push(path.to_string()),
         _ => {}
     }
+}
+
+/// The MACs a spec fixes, as allocations (tap names do not matter for a simulation).
+fn declared_macs(spec: &VmSpec) -> Vec<NicAlloc> {
+    spec.nics.iter().filter_map(|n| n.mac.clone()).map(|mac| NicAlloc { mac, tap: String::new() }).collect()
 }
 
 /// True when a VM in `status` counts as running for planning.
@@ -104,11 +110,12 @@ pub fn plan_reconcile(
     }
 
     // Admit the final set into a simulated host: the kept VMs, then the desired VMs that keep
-    // their spec, then creates and replaces in request order.
+    // their spec, then creates and replaces in request order. NIC conflicts are checked on the
+    // addresses and fixed MACs the specs declare.
     let kept: Vec<&VmSpec> =
         current.iter().filter(|(n, _)| !seen.contains(*n) && !prune).map(|(_, c)| &c.spec).collect();
-    let mut held: Vec<Holding<'_>> = kept.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
     let desired_by_name: BTreeMap<&str, &VmSpec> = desired.iter().map(|s| (s.name.as_str(), s)).collect();
+    let mut admitted: Vec<&VmSpec> = kept;
     for pass_changes in [false, true] {
         for entry in entries.iter_mut() {
             let changes = matches!(entry.action, PlanAction::Create | PlanAction::Replace);
@@ -116,8 +123,14 @@ pub fn plan_reconcile(
                 continue;
             }
             let Some(spec) = desired_by_name.get(entry.vm.as_str()) else { continue };
-            match admit(&config.hardware, &held, spec) {
-                Ok(()) => held.push(Holding { name: &spec.name, spec }),
+            let holdings: Vec<Holding<'_>> = admitted.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
+            let fixed: Vec<Vec<NicAlloc>> = admitted.iter().map(|s| declared_macs(s)).collect();
+            let nic_holdings: Vec<NicHolding<'_>> =
+                admitted.iter().zip(&fixed).map(|(s, a)| NicHolding { vm: &s.name, spec: s, allocs: a }).collect();
+            let verdict = admit(&config.hardware, &holdings, spec)
+                .and_then(|()| crate::nic::allocate(spec, config, &nic_holdings, &[]).map(|_| ()));
+            match verdict {
+                Ok(()) => admitted.push(spec),
                 Err(e) => entry.error = Some(e.to_json()),
             }
         }
@@ -258,6 +271,33 @@ mod tests {
         assert_eq!(p[0].error, None);
         assert_eq!(p[1].error.as_ref().unwrap()["code"], 2001);
         assert_eq!(p[2].error.as_ref().unwrap()["data"]["field"], "spec.name");
+    }
+
+    #[test]
+    fn address_conflicts_across_the_set_are_found() {
+        let c = crate::config::Config::parse(
+            "[hardware]\ncpu = 8\nmemory_gib = 16\n[networks.lan]\nbridge = \"br0\"\nsubnet = \"10.0.0.0/24\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let nic = crate::api::NicSpec {
+            network: "lan".into(),
+            vlan: None,
+            mac: None,
+            ipv4: Some(crate::api::Ipv4Spec::Static {
+                address: "10.0.0.5/24".into(),
+                gateway: None,
+                dns: vec![],
+                search: vec![],
+            }),
+        };
+        let mut a = spec("a");
+        a.nics = vec![nic.clone()];
+        let mut b = spec("b");
+        b.nics = vec![nic];
+        let p = plan_reconcile(&c, &[a, b], &BTreeMap::new(), false);
+        assert_eq!(actions(&p)[1], ("b".into(), PlanAction::Create, Some(3003)));
+        assert_eq!(p[0].error, None);
     }
 
     #[test]

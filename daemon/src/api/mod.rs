@@ -278,6 +278,18 @@ pub struct VmView {
     pub last_error: Option<LastError>,
     /// Where the guest's serial console is logged.
     pub serial_log: PathBuf,
+    /// What each NIC was given, in spec order.
+    #[serde(default)]
+    pub nics: Vec<NicView>,
+}
+
+/// A NIC's host-side identity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicView {
+    /// MAC address.
+    pub mac: String,
+    /// Host tap name.
+    pub tap: String,
 }
 
 /// Result of every mutating VM call.

@@ -23,6 +23,7 @@ use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, 
 use crate::capacity::{self, Holding};
 use crate::config::Config;
 use crate::events::EventBus;
+use crate::nic::{NicAlloc, NicHolding};
 use crate::qemu::argv::VmPaths;
 use crate::state::{BrokenRecord, Store, VmRecord};
 use std::collections::{BTreeMap, HashSet};
@@ -120,11 +121,6 @@ impl Manager {
         Ok((OpGuard { mgr: self.clone(), name: name.to_string() }, rec))
     }
 
-    /// Records of every VM that holds resources, except `except`.
-    fn holdings_except(t: &Table, except: &str) -> Vec<VmSpec> {
-        t.vms.values().filter(|r| r.reserved && r.spec.name != except).map(|r| r.spec.clone()).collect()
-    }
-
     /// Admits `spec` as a new VM: capacity, conflicts, record written, busy flag taken.
     fn reserve_new(self: &Arc<Self>, spec: &VmSpec) -> Result<OpGuard, ApiError> {
         let mut t = self.lock();
@@ -141,10 +137,9 @@ impl Manager {
         if t.busy.contains(&spec.name) {
             return Err(busy(&spec.name));
         }
-        let held = Self::holdings_except(&t, &spec.name);
-        let holdings: Vec<Holding<'_>> = held.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
-        capacity::admit(&self.config.hardware, &holdings, spec)?;
+        let allocs = self.admit_locked(&t, spec, &[])?;
         let mut rec = VmRecord::new(spec.clone());
+        rec.nics = allocs;
         self.store.save(&mut rec).map_err(|e| state_write_error(&spec.name, &e))?;
         t.vms.insert(spec.name.clone(), rec);
         t.busy.insert(spec.name.clone());
@@ -153,12 +148,27 @@ impl Manager {
         Ok(OpGuard { mgr: self.clone(), name: spec.name.clone() })
     }
 
-    /// Re-reserves the resources of an existing VM whose reservation was released.
-    fn reserve_existing(&self, spec: &VmSpec) -> Result<(), ApiError> {
+    /// Capacity, hardware and NIC admission of `spec` against every other VM that holds
+    /// resources; returns its NIC allocations (keeping `previous` where still free).
+    fn admit_locked(&self, t: &Table, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
+        let held: Vec<&VmRecord> = t.vms.values().filter(|r| r.reserved && r.spec.name != spec.name).collect();
+        let holdings: Vec<Holding<'_>> = held.iter().map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
+        capacity::admit(&self.config.hardware, &holdings, spec)?;
+        let nic_holdings: Vec<NicHolding<'_>> =
+            held.iter().map(|r| NicHolding { vm: &r.spec.name, spec: &r.spec, allocs: &r.nics }).collect();
+        crate::nic::allocate(spec, &self.config, &nic_holdings, previous)
+    }
+
+    /// Checks that `spec` would fit in place of the VM of the same name (nothing is reserved).
+    fn check_admission(&self, spec: &VmSpec) -> Result<(), ApiError> {
         let t = self.lock();
-        let held = Self::holdings_except(&t, &spec.name);
-        let holdings: Vec<Holding<'_>> = held.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
-        capacity::admit(&self.config.hardware, &holdings, spec)
+        self.admit_locked(&t, spec, &[]).map(|_| ())
+    }
+
+    /// Re-reserves the resources of an existing VM whose reservation was released.
+    fn reserve_existing(&self, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
+        let t = self.lock();
+        self.admit_locked(&t, spec, previous)
     }
 
     /// Applies `change` to the record of `name`, saves it, and emits an event when the status
@@ -217,6 +227,7 @@ impl Manager {
             started_at: rec.started_at.clone(),
             last_error: rec.last_error.clone(),
             serial_log: paths.serial_log,
+            nics: rec.nics.iter().map(|n| crate::api::NicView { mac: n.mac.clone(), tap: n.tap.clone() }).collect(),
         }
     }
 

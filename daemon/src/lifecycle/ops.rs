@@ -6,7 +6,6 @@
 
 use super::{Manager, OpGuard};
 use crate::api::{ApiError, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
-use crate::capacity::{self, Holding};
 use crate::process;
 use crate::validate::{validate_spec, BootSource};
 use std::sync::Arc;
@@ -112,12 +111,11 @@ impl Manager {
         let vm = validate_spec(&spec, &self.config)?;
         self.check_boot_files(&vm)?;
         let reserved_here = !rec.reserved;
-        if reserved_here {
-            self.reserve_existing(&spec)?;
-        }
+        let allocs = if reserved_here { self.reserve_existing(&spec, &rec.nics)? } else { rec.nics.clone() };
         self.update(name, "vm.start", |r| {
             r.spec.state = DesiredState::Running;
             r.reserved = true;
+            r.nics = allocs;
         })?;
         let made_overlay = match self.ensure_overlay(&vm).await {
             Ok(m) => m,
@@ -304,12 +302,7 @@ impl Manager {
         async move {
             let (guard, _) = self.begin(&spec.name)?;
             // Refuse before destroying anything if the new spec would not fit in place of the old.
-            {
-                let t = self.lock();
-                let held = Manager::holdings_except(&t, &spec.name);
-                let holdings: Vec<Holding<'_>> = held.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
-                capacity::admit(&self.config.hardware, &holdings, &spec)?;
-            }
+            self.check_admission(&spec)?;
             self.destroy_held(&guard, &spec.name).await?;
             drop(guard);
             let guard = self.reserve_new(&vm.spec)?;

@@ -8,6 +8,7 @@
 pub mod atomic;
 
 use crate::api::{LastError, VmSpec, VmStatus};
+use crate::nic::NicAlloc;
 use crate::process::ProcessIdentity;
 use serde::{Deserialize, Serialize};
 use std::fs;
@@ -41,6 +42,9 @@ pub struct VmRecord {
     pub started_at: Option<String>,
     /// Last failure.
     pub last_error: Option<LastError>,
+    /// MAC and tap name of each NIC, kept for the VM's life.
+    #[serde(default)]
+    pub nics: Vec<NicAlloc>,
 }
 
 impl VmRecord {
@@ -58,6 +62,7 @@ impl VmRecord {
             updated_at: now,
             started_at: None,
             last_error: None,
+            nics: Vec::new(),
         }
     }
 

@@ -1,0 +1,229 @@
+# Helpers for lab scenarios (busybox sh). A scenario starts with
+#   . /lab/lib.sh
+# and ends with `finish`, which prints the LAB-RESULT line and powers the lab off.
+# See tests/lab/README.md for the protocol and an example.
+#
+# Output conventions (all on the lab's serial console):
+#   LAB[<uptime>] text          say: progress, timings
+#   CHECK PASS <name>           check/require succeeded
+#   CHECK FAIL <name> (exit N)  followed by the command's output, each line "  | ..."
+#   LAB-RESULT PASS | LAB-RESULT FAIL <reason>   exactly once, last
+
+LAB_DIR=${LAB_DIR:-/run/lab}
+LAB_SOCKET=$LAB_DIR/vmhostd.sock
+LAB_CONFIG=$LAB_DIR/vmhostd.toml
+LAB_STATE=$LAB_DIR/state
+LAB_RUN=$LAB_DIR/run
+LAB_IMAGES=$LAB_DIR/images
+LAB_DAEMON_LOG=$LAB_DIR/vmhostd.log
+# The test guest (tests/guest) for nested VMs; it prints VMHOST-GUEST-READY when up.
+LAB_GUEST_KERNEL=/lab/guest/vmlinuz
+LAB_GUEST_INITRD=/lab/guest/initramfs.cpio.gz
+LAB_GUEST_READY=VMHOST-GUEST-READY
+LAB_NFAIL=0
+LAB_FIRST_FAIL=
+LAB_VMHOSTD_PID=
+mkdir -p "$LAB_DIR"
+
+# Seconds since the lab kernel booted (two decimals).
+lab_uptime() {
+    read -r _u _ </proc/uptime
+    echo "$_u"
+}
+
+# say TEXT...: a progress line with the lab's uptime.
+say() {
+    echo "LAB[$(lab_uptime)] $*"
+}
+
+# Seconds (with decimals) between two lab_uptime values: elapsed START END.
+elapsed() {
+    awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'
+}
+
+# check NAME CMD [ARGS...]: runs CMD, prints CHECK PASS/FAIL NAME. On failure the
+# command's output follows, indented; the scenario goes on, and `finish` will report
+# FAIL naming the first failed check. Returns CMD's status. LAB_VERBOSE=1 also
+# prints the output of passing checks.
+check() {
+    _name=$1
+    shift
+    _out=$("$@" 2>&1)
+    _rc=$?
+    if [ "$_rc" -eq 0 ]; then
+        echo "CHECK PASS $_name"
+        [ "${LAB_VERBOSE:-0}" = 1 ] && [ -n "$_out" ] && echo "$_out" | sed 's/^/  | /'
+    else
+        echo "CHECK FAIL $_name (exit $_rc)"
+        [ -n "$_out" ] && echo "$_out" | sed 's/^/  | /'
+        LAB_NFAIL=$((LAB_NFAIL + 1))
+        [ -n "$LAB_FIRST_FAIL" ] || LAB_FIRST_FAIL=$_name
+    fi
+    return "$_rc"
+}
+
+# require NAME CMD [ARGS...]: like check, but a failure ends the scenario at once.
+require() {
+    check "$@" || finish "required check failed: $1"
+}
+
+# expect_fail NAME CMD [ARGS...]: passes when CMD fails (a refusal that must happen).
+expect_fail() {
+    _name=$1
+    shift
+    check "$_name" _lab_not "$@"
+}
+_lab_not() {
+    if "$@"; then
+        echo "(succeeded, but it must fail)"
+        return 1
+    fi
+    return 0
+}
+
+# start_vmhostd [EXTRA_TOML]: writes $LAB_CONFIG (accel tcg, paths under $LAB_DIR,
+# hardware cpu/memory from LAB_HW_CPU/LAB_HW_MEM_GIB, defaults 4/4) plus EXTRA_TOML
+# (e.g. [networks.x] tables), starts vmhostd with its log in $LAB_DAEMON_LOG and waits
+# (60 s) until `vmhostctl info` answers. Fails the scenario if it does not come up.
+start_vmhostd() {
+    mkdir -p "$LAB_STATE" "$LAB_RUN" "$LAB_IMAGES"
+    cat >"$LAB_CONFIG" <<EOF
+[paths]
+state = "$LAB_STATE"
+run = "$LAB_RUN"
+images = "$LAB_IMAGES"
+socket = "$LAB_SOCKET"
+[qemu]
+binary = "/usr/bin/qemu-system-x86_64"
+img_binary = "/usr/bin/qemu-img"
+accel = "tcg"
+machine = "q35"
+launch_timeout_s = 120
+[hardware]
+cpu = ${LAB_HW_CPU:-4}
+memory_gib = ${LAB_HW_MEM_GIB:-4}
+reserved_cpu = 1
+reserved_memory_gib = 1
+${1:-}
+EOF
+    restart_vmhostd
+}
+
+# restart_vmhostd: starts vmhostd again with the existing $LAB_CONFIG (after
+# kill_vmhostd, for crash-recovery scenarios).
+restart_vmhostd() {
+    _t0=$(lab_uptime)
+    VMHOST_LOG=${VMHOST_LOG:-debug} vmhostd --config "$LAB_CONFIG" >>"$LAB_DAEMON_LOG" 2>&1 &
+    LAB_VMHOSTD_PID=$!
+    _i=0
+    while ! vmhostctl --socket "$LAB_SOCKET" info >/dev/null 2>&1; do
+        if ! kill -0 "$LAB_VMHOSTD_PID" 2>/dev/null; then
+            finish "vmhostd exited at start-up"
+        fi
+        _i=$((_i + 1))
+        [ "$_i" -le 600 ] || finish "vmhostd did not answer within 60 s"
+        sleep 0.1
+    done
+    say "vmhostd up (pid $LAB_VMHOSTD_PID) after $(elapsed "$_t0" "$(lab_uptime)") s"
+}
+
+# kill_vmhostd [SIGNAL]: signals vmhostd (default KILL) and waits for it to go.
+kill_vmhostd() {
+    [ -n "$LAB_VMHOSTD_PID" ] || return 0
+    kill "-${1:-KILL}" "$LAB_VMHOSTD_PID" 2>/dev/null
+    wait "$LAB_VMHOSTD_PID" 2>/dev/null
+    LAB_VMHOSTD_PID=
+}
+
+# ctl ARGS...: vmhostctl against the lab's daemon.
+ctl() {
+    vmhostctl --socket "$LAB_SOCKET" "$@"
+}
+
+# kernel_spec NAME [CMDLINE] [MEMORY_MIB]: a direct-kernel spec booting the test guest
+# (the JSON of tests/src/lib.rs kernel_spec). Prints it.
+kernel_spec() {
+    cat <<EOF
+{"name": "$1", "cpu": 1, "memory_mib": ${3:-256},
+ "boot": {"kernel": "$LAB_GUEST_KERNEL", "initrd": "$LAB_GUEST_INITRD",
+          "cmdline": "${2:-console=ttyS0 panic=-1 quiet}"}}
+EOF
+}
+
+# create_vm NAME [CMDLINE] [MEMORY_MIB]: vmhostctl create with kernel_spec. For other
+# specs write the JSON yourself and run `ctl create FILE`.
+create_vm() {
+    kernel_spec "$@" >"$LAB_DIR/$1.json"
+    ctl create "$LAB_DIR/$1.json"
+}
+
+# serial_log VM: path of a nested VM's serial console log.
+serial_log() {
+    echo "$LAB_STATE/logs/$1.serial.log"
+}
+
+# wait_serial VM MARKER TIMEOUT_S: waits until the VM's serial log contains MARKER
+# (fixed string). Prints how long it took; returns 1 on timeout.
+wait_serial() {
+    _t0=$(lab_uptime)
+    _log=$(serial_log "$1")
+    _n=$(($3 * 2))
+    while [ "$_n" -gt 0 ]; do
+        if grep -qF -- "$2" "$_log" 2>/dev/null; then
+            say "$1: \"$2\" after $(elapsed "$_t0" "$(lab_uptime)") s"
+            return 0
+        fi
+        sleep 0.5
+        _n=$((_n - 1))
+    done
+    say "$1: no \"$2\" within $3 s"
+    return 1
+}
+
+# vm_status VM: the VM's status word from `vmhostctl get` (running, stopped, ...).
+vm_status() {
+    ctl get "$1" | awk '$1 == "status:" { print $2 }'
+}
+
+# wait_status VM STATUS TIMEOUT_S
+wait_status() {
+    _n=$(($3 * 2))
+    while [ "$_n" -gt 0 ]; do
+        [ "$(vm_status "$1")" = "$2" ] && return 0
+        sleep 0.5
+        _n=$((_n - 1))
+    done
+    echo "$1 is $(vm_status "$1"), not $2, after $3 s"
+    return 1
+}
+
+# dump_logs: vmhostd's log and the tail of every nested serial log, for diagnosis.
+dump_logs() {
+    if [ -f "$LAB_DAEMON_LOG" ]; then
+        echo "----- vmhostd log (last 80 lines) -----"
+        tail -n 80 "$LAB_DAEMON_LOG"
+    fi
+    for _f in "$LAB_STATE"/logs/*.serial.log; do
+        [ -f "$_f" ] || continue
+        echo "----- ${_f##*/} (last 40 lines) -----"
+        tail -n 40 "$_f"
+    done
+    echo "-----"
+}
+
+# finish [REASON]: ends the scenario. FAIL when REASON is given or any check failed
+# (then the logs are dumped first), else PASS. Powers the lab off; never returns.
+finish() {
+    if [ -n "${1:-}" ] || [ "$LAB_NFAIL" -gt 0 ]; then
+        dump_logs
+        _reason=${1:-"$LAB_NFAIL check(s) failed, first: $LAB_FIRST_FAIL"}
+        echo "LAB-RESULT FAIL $_reason"
+    else
+        echo "LAB-RESULT PASS"
+    fi
+    sync
+    # Let the UART drain before the machine goes away.
+    sleep 1
+    poweroff -f
+    sleep 60
+}
