@@ -236,6 +236,21 @@ poweroff -f
 EOF
 chmod 755 "$STAGE/etc/acpi/PWRF/00000080"
 
+# udhcpc hook for ip=<dev>:dhcp: configure what the DHCP server offered.
+cat >"$STAGE/etc/udhcpc.script" <<'EOF'
+#!/bin/sh
+case $1 in
+    bound|renew)
+        ip addr flush dev "$interface"
+        ip addr add "$ip/${mask:-24}" dev "$interface"
+        [ -n "$router" ] && ip route replace default via "${router%% *}" dev "$interface"
+        for d in $dns; do echo "nameserver $d" >>/etc/resolv.conf; done
+        ;;
+esac
+exit 0
+EOF
+chmod 755 "$STAGE/etc/udhcpc.script"
+
 install -m 755 "$INIT_SH" "$STAGE/init"
 
 for spec in $EXTRA_FILES; do

@@ -54,8 +54,68 @@ if [ -e /dev/input/event0 ]; then
     acpid -c /etc/acpi -l /run/acpid.log
 fi
 
+# Guest addresses. The cloud kernel has no CONFIG_IP_PNP, so an ip= parameter
+# (dracut/klibc syntax, as vmhostd writes it for direct-kernel VMs) is applied
+# here: ip=<client>::<gateway>:<netmask>:<hostname>:<device>:off:<dns0>:<dns1>
+# or ip=<device>:dhcp.
+mask2prefix() {
+    prefix=0
+    for octet in $(echo "$1" | tr . ' '); do
+        case $octet in
+            255) prefix=$((prefix + 8)) ;; 254) prefix=$((prefix + 7)) ;;
+            252) prefix=$((prefix + 6)) ;; 248) prefix=$((prefix + 5)) ;;
+            240) prefix=$((prefix + 4)) ;; 224) prefix=$((prefix + 3)) ;;
+            192) prefix=$((prefix + 2)) ;; 128) prefix=$((prefix + 1)) ;;
+        esac
+    done
+    echo "$prefix"
+}
+apply_ip() {
+    old_ifs=$IFS
+    IFS=:
+    # shellcheck disable=SC2086 # splitting on ':' is the point
+    set -- $1
+    IFS=$old_ifs
+    if [ "${2:-}" = dhcp ]; then
+        ip link set "$1" up
+        udhcpc -i "$1" -q -n -t 5 -s /etc/udhcpc.script >/dev/null 2>&1 &&
+            echo "VMHOST-IP $1 dhcp" || echo "VMHOST-IP $1 dhcp-failed"
+        return
+    fi
+    client=$1 gw=$3 mask=$4 name=$5 dev=$6 dns0=${8:-} dns1=${9:-}
+    [ -n "$name" ] && hostname "$name"
+    ip link set "$dev" up
+    ip addr add "$client/$(mask2prefix "$mask")" dev "$dev"
+    [ -n "$gw" ] && ip route add default via "$gw" dev "$dev"
+    for d in $dns0 $dns1; do echo "nameserver $d" >>/etc/resolv.conf; done
+    echo "VMHOST-IP $dev $client/$(mask2prefix "$mask") gw=${gw:-none}"
+}
+ping_targets=""
+for arg in $(cat /proc/cmdline); do
+    case $arg in
+        ip=*) apply_ip "${arg#ip=}" ;;
+        vmhost.ping=*) ping_targets=$(echo "${arg#vmhost.ping=}" | tr , ' ') ;;
+    esac
+done
+
 read -r uptime _ </proc/uptime
 echo "VMHOST-GUEST-READY $(uname -r) $uptime"
+
+# Test hook: vmhost.ping=A,B,... pings each address (up to 60 tries, the peers
+# may still be booting) and reports VMHOST-PING <addr> ok|fail on the console.
+for target in $ping_targets; do
+    (
+        n=0
+        while [ $n -lt 60 ]; do
+            if ping -c 1 -W 1 "$target" >/dev/null 2>&1; then
+                echo "VMHOST-PING $target ok"
+                exit 0
+            fi
+            n=$((n + 1))
+        done
+        echo "VMHOST-PING $target fail"
+    ) &
+done
 
 # The guest agent, when the image was built with one (EXTRA_FILES in build.sh).
 # Its output goes to the serial console, next to the kernel's.
