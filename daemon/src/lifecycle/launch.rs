@@ -113,6 +113,7 @@ impl Manager {
             argv: build_argv(vm, &self.config, &paths),
             pidfile: paths.pidfile.clone(),
             timeout: Duration::from_secs(self.config.qemu.launch_timeout_s),
+            fds: Vec::new(),
         };
         let id = match launch(&request).await {
             Ok(id) => id,

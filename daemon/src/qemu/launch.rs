@@ -30,6 +30,7 @@
 
 use std::ffi::OsString;
 use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -55,7 +56,7 @@ const PIDFILE_RETRY: Duration = Duration::from_millis(20);
 const STDERR_DRAIN: Duration = Duration::from_millis(200);
 
 /// What to start.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct LaunchRequest {
     /// The QEMU binary, e.g. `/usr/bin/qemu-system-x86_64`.
     pub binary: PathBuf,
@@ -66,6 +67,36 @@ pub struct LaunchRequest {
     pub pidfile: PathBuf,
     /// Bound on the whole launch, from spawn to an identified VM process.
     pub timeout: Duration,
+    /// File descriptors QEMU inherits (tap devices): `fds[i]` becomes fd
+    /// [`FIRST_PASSED_FD`]` + i` in QEMU, which the argv names (`-netdev tap,fd=N`). This is how
+    /// QEMU uses a tap without CAP_NET_ADMIN.
+    pub fds: Vec<OwnedFd>,
+}
+
+/// The fd number the first of [`LaunchRequest::fds`] gets in QEMU.
+pub const FIRST_PASSED_FD: i32 = 3;
+
+/// Moves `fds` to 3, 4, ... in a freshly forked child. Runs between fork and exec, so it only
+/// uses async-signal-safe calls (fcntl, dup2) and allocates nothing.
+fn place_fds(fds: &[RawFd]) -> io::Result<()> {
+    // First lift every fd above the target range, so no dup2 clobbers a source not yet moved.
+    let mut lifted = [0 as RawFd; 64];
+    for (i, fd) in fds.iter().enumerate() {
+        // SAFETY: fcntl on an fd we own in this child; F_DUPFD_CLOEXEC creates a new fd.
+        let high = unsafe { libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 1000) };
+        if high < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        lifted[i] = high;
+    }
+    for (i, high) in lifted.iter().take(fds.len()).enumerate() {
+        let target = FIRST_PASSED_FD + i as i32;
+        // SAFETY: dup2 onto a fixed number; the new fd has FD_CLOEXEC clear, so QEMU inherits it.
+        if unsafe { libc::dup2(*high, target) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// Why a launch failed. After any of these no process of the launch is left running.
@@ -129,14 +160,19 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
     }
     let deadline = Instant::now() + req.timeout;
 
-    let mut child = Command::new(&req.binary)
-        .args(&req.argv)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(LaunchError::Spawn)?;
+    if req.fds.len() > 64 {
+        return Err(LaunchError::BadRequest(format!("{} fds to pass; at most 64", req.fds.len())));
+    }
+    let raw_fds: Vec<RawFd> = req.fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let mut command = Command::new(&req.binary);
+    command.args(&req.argv).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).kill_on_drop(true);
+    if !raw_fds.is_empty() {
+        // SAFETY: place_fds only calls async-signal-safe functions and does not allocate.
+        unsafe {
+            command.pre_exec(move || place_fds(&raw_fds));
+        }
+    }
+    let mut child = command.spawn().map_err(LaunchError::Spawn)?;
     // From here on, any early return (or the caller dropping us) kills what the pidfile names.
     let mut cleanup = KillFromPidfile { pidfile: &req.pidfile, armed: true };
     let mut stderr =
@@ -337,6 +373,7 @@ mod tests {
             argv,
             pidfile: p.pidfile.clone(),
             timeout: Duration::from_secs(20),
+            fds: Vec::new(),
         }
     }
 
@@ -397,6 +434,23 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&id)).await.unwrap().unwrap();
         // QEMU removes its pidfile when it exits normally.
         assert!(!p.pidfile.exists());
+    }
+
+    #[tokio::test]
+    async fn passed_fds_arrive_in_qemu_at_3_and_up() {
+        let p = paths();
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        let fa: OwnedFd = std::fs::File::create(&a).unwrap().into();
+        let fb: OwnedFd = std::fs::File::create(&b).unwrap().into();
+        let mut req = request(&p, &[], false);
+        req.fds = vec![fa, fb];
+        let id = launch(&req).await.unwrap();
+        let link = |n: i32| std::fs::read_link(format!("/proc/{}/fd/{n}", id.pid)).unwrap();
+        assert_eq!(link(FIRST_PASSED_FD), a);
+        assert_eq!(link(FIRST_PASSED_FD + 1), b);
+        let _ = process::signal(id.pid, Signal::SIGKILL);
+        tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&id)).await.unwrap().unwrap();
     }
 
     #[tokio::test]
@@ -475,21 +529,20 @@ mod tests {
     #[tokio::test]
     async fn requests_that_would_not_daemonize_are_refused() {
         let p = paths();
-        let good = request(&p, &[], false);
 
-        let mut req = good.clone();
+        let mut req = request(&p, &[], false);
         req.argv.retain(|a| a != "-daemonize");
         assert!(matches!(launch(&req).await, Err(LaunchError::BadRequest(_))));
 
-        let mut req = good.clone();
+        let mut req = request(&p, &[], false);
         req.pidfile = PathBuf::from("/elsewhere/qemu.pid");
         assert!(matches!(launch(&req).await, Err(LaunchError::BadRequest(_))));
 
-        let mut req = good.clone();
+        let mut req = request(&p, &[], false);
         req.pidfile = PathBuf::from("qemu.pid");
         assert!(matches!(launch(&req).await, Err(LaunchError::BadRequest(_))));
 
-        let mut req = good;
+        let mut req = request(&p, &[], false);
         req.argv = req.argv.into_iter().map(|a| if a == "-daemonize" { "--daemonize".into() } else { a }).collect();
         check_request(&req).unwrap();
     }
