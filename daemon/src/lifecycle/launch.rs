@@ -110,7 +110,7 @@ impl Manager {
         })?;
         let request = LaunchRequest {
             binary: self.config.qemu.binary.clone(),
-            argv: build_argv(vm, &self.config, &paths),
+            argv: build_argv(vm, &self.config, &paths, &[]),
             pidfile: paths.pidfile.clone(),
             timeout: Duration::from_secs(self.config.qemu.launch_timeout_s),
             fds: Vec::new(),

@@ -5,6 +5,8 @@
 //! have their commas doubled ([`escape_opt`]) so no path can inject an extra option.
 
 use crate::config::{Accel, Config};
+use crate::nic::{kernel_ip_params, NicAlloc};
+use crate::qemu::launch::FIRST_PASSED_FD;
 use crate::validate::{BootSource, ValidSpec};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -59,8 +61,10 @@ pub fn escape_opt(p: &Path) -> String {
     p.to_string_lossy().replace(',', ",,")
 }
 
-/// The argv (without the binary) that launches `vm` daemonized.
-pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths) -> Vec<OsString> {
+/// The argv (without the binary) that launches `vm` daemonized. NIC `i` uses the tap passed
+/// as fd `FIRST_PASSED_FD + i` (see [`crate::qemu::launch::LaunchRequest::fds`]) with the MAC
+/// from `nics[i]`; a direct-kernel VM also gets the guest addresses as `ip=` parameters.
+pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths, nics: &[NicAlloc]) -> Vec<OsString> {
     let spec = &vm.spec;
     let mut a: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
@@ -80,6 +84,11 @@ pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths) -> Vec<OsStr
     push(&["-device", "virtio-serial-pci,id=vser0"]);
     push(&["-chardev", &format!("socket,id=agent0,path={},server=on,wait=off", escape_opt(&paths.agent))]);
     push(&["-device", &format!("virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}")]);
+    for (i, nic) in nics.iter().enumerate() {
+        let fd = FIRST_PASSED_FD + i as i32;
+        push(&["-netdev", &format!("tap,id=net{i},fd={fd}")]);
+        push(&["-device", &format!("virtio-net-pci,netdev=net{i},mac={}", nic.mac)]);
+    }
     match &vm.boot {
         BootSource::Image { .. } => {
             push(&["-drive", &format!("file={},if=virtio,format=qcow2,discard=unmap", escape_opt(&paths.overlay))]);
@@ -89,8 +98,12 @@ pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths) -> Vec<OsStr
             if let Some(i) = initrd {
                 push(&["-initrd", &i.to_string_lossy()]);
             }
-            if !cmdline.is_empty() {
-                push(&["-append", cmdline]);
+            let mut line = cmdline.clone();
+            for p in kernel_ip_params(spec) {
+                line = if line.is_empty() { p } else { format!("{line} {p}") };
+            }
+            if !line.is_empty() {
+                push(&["-append", &line]);
             }
         }
     }
@@ -107,7 +120,7 @@ mod tests {
     fn argv_of(s: &crate::api::VmSpec, c: &Config) -> Vec<String> {
         let v = validate_spec(s, c).unwrap();
         let p = VmPaths::for_vm(c, &s.name);
-        build_argv(&v, c, &p).into_iter().map(|o| o.into_string().unwrap()).collect()
+        build_argv(&v, c, &p, &[]).into_iter().map(|o| o.into_string().unwrap()).collect()
     }
 
     fn value_after<'a>(argv: &'a [String], flag: &str) -> Vec<&'a str> {
@@ -150,6 +163,38 @@ mod tests {
         );
         assert!(!argv.iter().any(|a| a.contains("base.qcow2")));
         assert!(!argv.contains(&"-kernel".to_string()));
+    }
+
+    #[test]
+    fn nics_use_passed_fds_and_direct_kernel_vms_get_ip_params() {
+        let c = Config::parse(
+            "[qemu]\naccel = \"tcg\"\n[hardware]\ncpu = 4\nmemory_gib = 4\n[networks.lan]\nbridge = \"br0\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let mut s = spec("web");
+        let static_nic = crate::api::NicSpec {
+            network: "lan".into(),
+            vlan: None,
+            mac: None,
+            ipv4: Some(crate::api::Ipv4Spec::Static {
+                address: "10.0.0.5/24".into(),
+                gateway: None,
+                dns: vec![],
+                search: vec![],
+            }),
+        };
+        s.nics = vec![static_nic, crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }];
+        let v = validate_spec(&s, &c).unwrap();
+        let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
+        let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "web"), &allocs)
+            .into_iter()
+            .map(|o| o.into_string().unwrap())
+            .collect();
+        assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=3", "tap,id=net1,fd=4"]);
+        let devs = value_after(&argv, "-device");
+        assert!(devs.contains(&format!("virtio-net-pci,netdev=net1,mac={}", allocs[1].mac).as_str()), "{devs:?}");
+        assert_eq!(value_after(&argv, "-append"), ["console=ttyS0 ip=10.0.0.5:::255.255.255.0:web:eth0:off::"]);
     }
 
     #[test]
