@@ -200,23 +200,49 @@ fn contains_bytes(haystack: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-/// [`matches`] with an explicit proc root.
-pub fn matches_in(proc_root: &Path, expected: &ProcessIdentity, marker: &OsStr) -> bool {
-    let Ok(dir) = open_pid_dir(proc_root, expected.pid) else {
-        return false;
+/// [`verify`] with an explicit proc root.
+///
+/// # Errors
+/// Reading /proc failed for a reason other than the process being gone (e.g. EMFILE): the
+/// answer is unknown, and the caller must not act as if the process were dead.
+pub fn verify_in(proc_root: &Path, expected: &ProcessIdentity, marker: &OsStr) -> io::Result<bool> {
+    let dir = match open_pid_dir(proc_root, expected.pid) {
+        Ok(d) => d,
+        Err(e) if is_gone(&e) => return Ok(false),
+        Err(e) => return Err(e),
     };
     // Both files are read through the same directory descriptor, so they describe one process
     // even if the pid is reused in between.
-    let Ok(stat) = read_stat_at(&dir) else {
-        return false;
+    let stat = match read_stat_at(&dir) {
+        Ok(s) => s,
+        Err(e) if is_gone(&e) => return Ok(false),
+        Err(e) => return Err(e),
     };
     if matches!(stat.state, 'Z' | 'X' | 'x') || stat.start_ticks != expected.start_ticks {
-        return false;
+        return Ok(false);
     }
-    let Ok(args) = read_at(&dir, "cmdline") else {
-        return false;
+    let args = match read_at(&dir, "cmdline") {
+        Ok(a) => a,
+        Err(e) if is_gone(&e) => return Ok(false),
+        Err(e) => return Err(e),
     };
-    split_cmdline(&args).iter().any(|arg| contains_bytes(arg.as_bytes(), marker.as_bytes()))
+    Ok(split_cmdline(&args).iter().any(|arg| contains_bytes(arg.as_bytes(), marker.as_bytes())))
+}
+
+/// Like [`matches`], but tells "not this process" apart from "could not look".
+///
+/// A daemon short of file descriptors must not conclude that a running VM is gone: it would
+/// clean up after a live QEMU and could start the VM a second time.
+///
+/// # Errors
+/// See [`verify_in`].
+pub fn verify(expected: &ProcessIdentity, marker: &OsStr) -> io::Result<bool> {
+    verify_in(Path::new(PROC_ROOT), expected, marker)
+}
+
+/// [`matches`] with an explicit proc root.
+pub fn matches_in(proc_root: &Path, expected: &ProcessIdentity, marker: &OsStr) -> bool {
+    verify_in(proc_root, expected, marker).unwrap_or(false)
 }
 
 /// True only if the recorded process still runs: it is alive (not a zombie), its start time is
@@ -379,6 +405,20 @@ mod tests {
         std::fs::write(dir.join("stat"), stat).unwrap();
         std::fs::write(dir.join("cmdline"), cmdline).unwrap();
         root
+    }
+
+    #[test]
+    fn verify_tells_unknown_from_gone() {
+        let me = identify(std::process::id() as i32).unwrap();
+        let marker = std::ffi::OsString::from(std::env::args().next().unwrap());
+        assert!(verify(&me, &marker).unwrap());
+        let ghost = ProcessIdentity { pid: i32::MAX - 7, start_ticks: 1 };
+        assert!(!verify(&ghost, &marker).unwrap(), "a missing pid is a clean 'no'");
+        // A proc root that cannot be read at all is an error, not a 'no'.
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join(me.pid.to_string()), b"not a directory").unwrap();
+        assert!(verify_in(d.path(), &me, &marker).is_err());
+        assert!(!matches_in(d.path(), &me, &marker));
     }
 
     #[test]

@@ -9,10 +9,10 @@
 #
 # Output:
 #   OUTDIR/vmlinuz                the lab kernel (same as the test guest's)
-#   OUTDIR/initramfs-lab.cpio.gz  base layer (busybox + modules, built by
-#                                 tests/guest/build.sh) followed by the lab layer;
-#                                 the kernel unpacks concatenated archives in order,
-#                                 so the lab layer's /init replaces the guest's
+#   OUTDIR/initramfs-lab.cpio     uncompressed: the base layer (busybox + modules,
+#                                 built by tests/guest/build.sh) followed by the lab
+#                                 layer; the kernel unpacks concatenated archives in
+#                                 order, so the lab layer's /init replaces the guest's
 #   OUTDIR/kernel-version
 #   OUTDIR/.lab.inputs            digest of the inputs; rebuilt only when it changes
 #   OUTDIR/.lock                  flock target
@@ -127,7 +127,7 @@ for spec in $LAB_EXTRA_FILES; do
 done
 
 # --- up to date? -------------------------------------------------------------------
-TARGET="$OUTDIR/initramfs-lab.cpio.gz"
+TARGET="$OUTDIR/initramfs-lab.cpio"
 STAMP="$OUTDIR/.lab.inputs"
 mapfile -t DSTS < <(printf '%s\n' "${!FILES[@]}" | LC_ALL=C sort)
 DIGEST=$(
@@ -183,9 +183,12 @@ echo "$VERSION" >"$STAGE/lab/kernel-version"
 # few MB/s, while copying a plain cpio costs almost nothing (see README: timings).
 (cd "$STAGE" && find . -mindepth 1 -print0 | LC_ALL=C sort -z \
     | cpio --null -o -H newc -R 0:0 --reproducible --quiet) >"$OUTDIR/.layer.tmp"
-# newc archives are padded to 4 bytes; the base is gzip, and the kernel detects each
-# segment's format by its magic, so plain concatenation is a valid initramfs.
-cat "$BASE" "$OUTDIR/.layer.tmp" >"$TARGET.tmp"
+# The kernel unpacks concatenated cpio archives in order, later files replacing
+# earlier ones (so the lab's /init wins). The base is inflated here rather than
+# appended as gzip: an uncompressed archive right after a gzip member fails with
+# "invalid magic at start of compressed archive" (the kernel's gunzip does not
+# report the gzip trailer as consumed), and uncompressed is faster under TCG anyway.
+{ gzip -dc "$BASE"; cat "$OUTDIR/.layer.tmp"; } >"$TARGET.tmp"
 rm -f "$OUTDIR/.layer.tmp"
 mv "$TARGET.tmp" "$TARGET"
 cp "$GUEST_DIR/vmlinuz" "$OUTDIR/vmlinuz.tmp" && mv "$OUTDIR/vmlinuz.tmp" "$OUTDIR/vmlinuz"

@@ -196,7 +196,7 @@ fn events_report_state_changes_and_a_killed_qemu_is_dead() {
         }
     }
     assert_eq!(seen.first().unwrap(), &(None, Some("creating".to_string())));
-    assert!(seen.contains(&(Some("starting".into()), Some("running".into()))), "{seen:?}");
+    assert_eq!(seen, vec![(None, Some("creating".to_string())), (Some("creating".into()), Some("running".into()))]);
 
     let pid = host.call("vm.get", json!({ "name": "ev" }))["pid"].as_i64().unwrap() as i32;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
@@ -246,6 +246,11 @@ fn vms_survive_a_daemon_kill_and_are_adopted() {
     assert!(alive(pid));
     host.spawn_daemon();
     assert_eq!(host.call("vm.get", json!({ "name": "keep" }))["pid"], pid);
+    // The re-adopted VM is watched again: its death is recorded, not just noticed on reads.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    host.wait_status("keep", "dead", Duration::from_secs(10));
+    let rec: Value = serde_json::from_slice(&std::fs::read(host.state().join("vms/keep.json")).unwrap()).unwrap();
+    assert_eq!(rec["status"], "dead", "the record on disk says dead");
 }
 
 #[test]
@@ -330,4 +335,97 @@ fn an_invalid_config_refuses_to_start_naming_file_and_key() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&*cfg.to_string_lossy()) && err.contains("hardware.sfp.5"), "{err}");
+}
+
+/// A kernel spec whose guest ignores the ACPI power button.
+fn deaf_spec(host: &TestHost, name: &str) -> Value {
+    let mut s = host.kernel_spec(name);
+    s["boot"]["cmdline"] = json!("console=ttyS0 panic=-1 quiet vmhost.noacpi");
+    s
+}
+
+#[test]
+fn a_busy_vm_refuses_a_second_operation_and_stop_timeouts_are_bounded() {
+    let host = TestHost::start(HostOptions::default());
+    host.call("vm.create", json!({ "spec": deaf_spec(&host, "deaf") }));
+    assert!(host.wait_serial("deaf", GUEST_READY, BOOT));
+    let (code, e) = host.call_err("vm.stop", json!({ "name": "deaf", "timeout_s": 3601 }));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("timeout_s")));
+    let pid = host.call("vm.get", json!({ "name": "deaf" }))["pid"].as_i64().unwrap() as i32;
+    std::thread::scope(|s| {
+        let stopper = s.spawn(|| host.call("vm.stop", json!({ "name": "deaf", "timeout_s": 4 })));
+        std::thread::sleep(Duration::from_millis(1000));
+        let (code, _) = host.call_err("vm.start", json!({ "name": "deaf" }));
+        assert_eq!(code, 4090);
+        assert_eq!(host.call_err("vm.destroy", json!({ "name": "deaf" })).0, 4090);
+        // Other VMs and reads are not held up meanwhile.
+        assert_eq!(host.call("vm.get", json!({ "name": "deaf" }))["status"], "stopping");
+        host.call("vm.create", json!({ "spec": host.kernel_spec("other") }));
+        let r = stopper.join().unwrap();
+        assert_eq!(r["vm"]["status"], "stopped");
+    });
+    assert!(!alive(pid), "killed after the timeout");
+    assert!(!host.serial("deaf").contains("VMHOST-GUEST-POWEROFF"));
+}
+
+#[test]
+fn a_refused_replace_leaves_the_old_vm_running() {
+    let host = TestHost::start(HostOptions {
+        extra: "[hardware.sfp]\n5 = \"0000:ca:00.0\"\n".into(),
+        ..HostOptions::default()
+    });
+    let mut holder = host.kernel_spec("holder");
+    holder["hardware"] = json!({ "sfp": [5] });
+    holder["state"] = json!("stopped");
+    host.call("vm.create", json!({ "spec": holder }));
+    host.call("vm.create", json!({ "spec": host.kernel_spec("app") }));
+    let before = host.call("vm.get", json!({ "name": "app" }));
+    let mut new = host.kernel_spec("app");
+    new["hardware"] = json!({ "sfp": [5] });
+    let (code, _) = host.call_err("vm.apply", json!({ "spec": new, "replace": true }));
+    assert_eq!(code, 3003);
+    let after = host.call("vm.get", json!({ "name": "app" }));
+    assert_eq!(after["status"], "running");
+    assert_eq!(after["pid"], before["pid"]);
+    assert_eq!(after["spec"], before["spec"]);
+}
+
+#[test]
+fn a_second_daemon_on_the_same_state_dir_is_refused_and_changes_nothing() {
+    let host = TestHost::start(HostOptions::default());
+    host.call("vm.create", json!({ "spec": host.kernel_spec("one") }));
+    let record = std::fs::read(host.state().join("vms/one.json")).unwrap();
+    let out =
+        std::process::Command::new(vmhost_tests::bin("vmhostd")).arg("--config").arg(&host.config).output().unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("another vmhostd"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read(host.state().join("vms/one.json")).unwrap(), record);
+    assert_eq!(host.call("vm.get", json!({ "name": "one" }))["status"], "running");
+}
+
+#[test]
+fn a_stop_interrupted_by_a_daemon_kill_is_finished_after_restart() {
+    let mut host = TestHost::start(HostOptions::default());
+    host.call("vm.create", json!({ "spec": deaf_spec(&host, "half") }));
+    assert!(host.wait_serial("half", GUEST_READY, BOOT));
+    let pid = host.call("vm.get", json!({ "name": "half" }))["pid"].as_i64().unwrap() as i32;
+    let socket = host.socket.clone();
+    let stopper = std::thread::spawn(move || {
+        let mut c = vmhost::client::Client::connect(&socket).unwrap();
+        let _ = c.call::<Value>("vm.stop", json!({ "name": "half", "timeout_s": 600 }));
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    host.kill_daemon();
+    let _ = stopper.join();
+    assert!(alive(pid), "QEMU outlives the daemon");
+    host.spawn_daemon();
+    let v = host.call("vm.get", json!({ "name": "half" }));
+    assert_eq!(v["status"], "stopped");
+    assert_eq!(v["desired_state"], "stopped");
+    assert!(!alive(pid), "the interrupted stop was completed");
+    assert!(host.qemu_pids().is_empty());
 }

@@ -48,6 +48,7 @@ fn main() -> ExitCode {
     } else {
         builder.init();
     }
+    raise_fd_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -61,6 +62,19 @@ fn main() -> ExitCode {
             tracing::error!("{e}");
             eprintln!("vmhostd: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Raises the soft open-file limit to the hard one: every connection, QMP session and pidfd is a
+/// descriptor, and running out would leave the daemon unable to read /proc.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                eprintln!("vmhostd: cannot raise the open-file limit: {e}");
+            }
         }
     }
 }

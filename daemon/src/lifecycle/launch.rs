@@ -18,6 +18,11 @@ use std::os::unix::fs::DirBuilderExt;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Where qemu-img writes an overlay before it is renamed into place.
+pub(super) fn partial_overlay(paths: &VmPaths) -> std::path::PathBuf {
+    paths.overlay.with_extension("qcow2.partial")
+}
+
 /// How long QMP may take to answer right after launch.
 const QMP_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a SIGKILLed QEMU may take to exit.
@@ -55,7 +60,8 @@ impl Manager {
     }
 
     /// Makes the overlay of an image-booted VM unless it exists. Returns true when it made one.
-    /// The record names the overlay before qemu-img runs, so a crash cannot orphan it.
+    /// The record names the overlay before qemu-img runs, and qemu-img writes a temp file that
+    /// is renamed into place, so a crash leaves neither an orphan nor a half-made overlay.
     pub(super) async fn ensure_overlay(&self, vm: &ValidSpec) -> Result<bool, ApiError> {
         let BootSource::Image { image, disk_gib } = &vm.boot else { return Ok(false) };
         let paths = self.paths(&vm.spec.name);
@@ -65,33 +71,67 @@ impl Manager {
         let overlay = paths.overlay.clone();
         self.update(&vm.spec.name, "overlay", |r| r.overlay = Some(overlay))?;
         let base = self.config.paths.images.join(image);
-        crate::disk::create_overlay(&self.config.qemu.img_binary, &base, &paths.overlay, *disk_gib)
+        let partial = partial_overlay(&paths);
+        let _ = crate::disk::remove_overlay(&partial);
+        crate::disk::create_overlay(&self.config.qemu.img_binary, &base, &partial, *disk_gib)
             .await
             .map_err(|e| provisioning("disk", format!("cannot create the overlay disk: {e}")))?;
+        std::fs::rename(&partial, &paths.overlay).map_err(|e| {
+            let _ = crate::disk::remove_overlay(&partial);
+            provisioning("disk", format!("cannot move the overlay into place: {e}"))
+        })?;
         Ok(true)
     }
 
     /// The live QEMU of this VM, if any: the recorded identity, or else the pid file (QEMU may
     /// have started just before a crash, before its identity was recorded).
-    pub(super) fn find_live(&self, paths: &VmPaths, recorded: Option<&ProcessIdentity>) -> Option<ProcessIdentity> {
+    ///
+    /// # Errors
+    /// 4001 when /proc cannot be read (e.g. out of file descriptors): whether QEMU runs is then
+    /// unknown, and acting as if it did not could start the VM twice.
+    pub(super) fn find_live(
+        &self,
+        paths: &VmPaths,
+        recorded: Option<&ProcessIdentity>,
+    ) -> Result<Option<ProcessIdentity>, ApiError> {
         let marker = paths.cmdline_marker();
         let marker = OsStr::new(&marker);
+        let unknown = |e: std::io::Error| {
+            provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
+        };
+        let gone =
+            |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(nix::libc::ESRCH);
         if let Some(id) = recorded {
-            if process::matches(id, marker) {
-                return Some(id.clone());
+            if process::verify(id, marker).map_err(unknown)? {
+                return Ok(Some(id.clone()));
             }
         }
-        let pid: i32 = std::fs::read_to_string(&paths.pidfile).ok()?.trim().parse().ok()?;
-        let id = process::identify(pid).ok()?;
-        process::matches(&id, marker).then_some(id)
+        let text = match std::fs::read_to_string(&paths.pidfile) {
+            Ok(t) => t,
+            Err(e) if gone(&e) => return Ok(None),
+            Err(e) => return Err(unknown(e)),
+        };
+        let Ok(pid) = text.trim().parse::<i32>() else { return Ok(None) };
+        let id = match process::identify(pid) {
+            Ok(id) => id,
+            Err(e) if gone(&e) => return Ok(None),
+            Err(e) => return Err(unknown(e)),
+        };
+        Ok(process::verify(&id, marker).map_err(unknown)?.then_some(id))
     }
 
     /// Launches QEMU for `vm`, records its identity, and checks over QMP that it runs.
     /// Leaves no process behind on error. The caller sets the final status.
-    pub(super) async fn launch_qemu(self: &Arc<Self>, vm: &ValidSpec) -> Result<ProcessIdentity, ApiError> {
+    /// `during` is the status recorded while QEMU starts: `creating` for a create (so a crash
+    /// in this step is undone as a create), `starting` otherwise.
+    pub(super) async fn launch_qemu(
+        self: &Arc<Self>,
+        vm: &ValidSpec,
+        during: VmStatus,
+    ) -> Result<ProcessIdentity, ApiError> {
         let name = vm.spec.name.clone();
         let paths = self.paths(&name);
-        if let Some(id) = self.find_live(&paths, None) {
+        if let Some(id) = self.find_live(&paths, None)? {
             // Never start a VM twice: a QEMU of this VM is already up (e.g. launched just before a
             // daemon crash); adopt it.
             tracing::warn!(vm = %name, pid = id.pid, "found a live QEMU for this VM; adopting it");
@@ -104,8 +144,8 @@ impl Manager {
             .mode(0o700)
             .create(&paths.run_dir)
             .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
-        self.update(&name, "vm.start", |r| {
-            r.status = VmStatus::Starting;
+        self.update(&name, "launching QEMU", |r| {
+            r.status = during;
             r.last_error = None;
         })?;
         let request = LaunchRequest {
@@ -125,8 +165,9 @@ impl Manager {
             }
         };
         if let Err(e) = self.update(&name, "launched", |r| r.process = Some(id.clone())) {
-            self.kill_process(&name, &id).await;
-            self.clean_run_dir(&paths);
+            if self.kill_process(&name, &id).await.is_ok() {
+                self.clean_run_dir(&paths);
+            }
             return Err(e);
         }
         let verified = async {
@@ -141,7 +182,10 @@ impl Manager {
                     Ok(s) => format!("QEMU reports status {s:?}"),
                     Err(e) => format!("QMP check failed: {e}"),
                 };
-                self.kill_process(&name, &id).await;
+                if let Err(kill) = self.kill_process(&name, &id).await {
+                    // The record keeps the process so nothing treats the VM as stopped.
+                    return Err(kill);
+                }
                 self.clean_run_dir(&paths);
                 let _ = self.update(&name, "launch failed", |r| r.process = None);
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
@@ -151,14 +195,30 @@ impl Manager {
 
     /// SIGKILLs a VM process, only if it still is this VM's QEMU (never a reused pid), and waits
     /// (bounded) for it to exit.
-    pub(super) async fn kill_process(&self, name: &str, id: &ProcessIdentity) {
+    ///
+    /// # Errors
+    /// 4001 when the process may still run afterwards: the caller must then keep the record's
+    /// process and run dir, or the VM could later be started a second time.
+    pub(super) async fn kill_process(&self, name: &str, id: &ProcessIdentity) -> Result<(), ApiError> {
         let marker = self.paths(name).cmdline_marker();
         let sig = nix::sys::signal::Signal::SIGKILL;
         if let Err(e) = process::signal_if_matches(id, OsStr::new(&marker), sig) {
             tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU");
         }
-        if tokio::time::timeout(KILL_WAIT, process::wait_exit_of(id)).await.is_err() {
-            tracing::error!(pid = id.pid, "QEMU did not exit within {KILL_WAIT:?} of SIGKILL");
+        match tokio::time::timeout(KILL_WAIT, process::wait_exit_of(id)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) if !process::matches(id, OsStr::new(&marker)) => {
+                tracing::debug!(vm = name, error = %e, "exit watch failed but the process is gone");
+                Ok(())
+            }
+            outcome => {
+                let why = match outcome {
+                    Ok(Err(e)) => format!("cannot watch it exit: {e}"),
+                    _ => format!("it did not exit within {KILL_WAIT:?} of SIGKILL"),
+                };
+                tracing::error!(vm = name, pid = id.pid, "QEMU may still run: {why}");
+                Err(provisioning("kill", format!("QEMU (pid {}) may still run: {why}", id.pid)))
+            }
         }
     }
 

@@ -40,12 +40,33 @@ struct Table {
 }
 
 /// Owns every VM of this host.
-#[derive(Debug)]
 pub struct Manager {
     config: Arc<Config>,
     store: Store,
     events: EventBus,
     table: Mutex<Table>,
+    /// Held for the daemon's life: a second vmhostd on the same state dir must not touch it.
+    _state_lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager").field("state", &self.config.paths.state).finish_non_exhaustive()
+    }
+}
+
+/// Takes the exclusive lock on `STATE/vmhostd.lock`.
+fn lock_state_dir(state: &std::path::Path) -> Result<nix::fcntl::Flock<std::fs::File>, String> {
+    let path = state.join("vmhostd.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
+        format!("{} is locked ({errno}): another vmhostd runs on this state directory", path.display())
+    })
 }
 
 /// Holds a VM's busy flag for the length of one operation.
@@ -74,6 +95,9 @@ impl Manager {
         ] {
             std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         }
+        // Before anything is read or settled: a second daemon must not "recover" the first one's
+        // operations in progress.
+        let state_lock = lock_state_dir(&config.paths.state)?;
         let store = Store::open(&config.paths.state)
             .map_err(|e| format!("cannot open {}: {e}", config.paths.state.join("vms").display()))?;
         let (records, broken) =
@@ -86,7 +110,7 @@ impl Manager {
             busy: HashSet::new(),
             broken: broken.into_iter().map(|b| (b.name.clone(), b)).collect(),
         };
-        let mgr = Arc::new(Manager { config, store, events, table: Mutex::new(table) });
+        let mgr = Arc::new(Manager { config, store, events, table: Mutex::new(table), _state_lock: state_lock });
         mgr.recover_all().await;
         Ok(mgr)
     }
@@ -159,16 +183,62 @@ impl Manager {
         crate::nic::allocate(spec, &self.config, &nic_holdings, previous)
     }
 
-    /// Checks that `spec` would fit in place of the VM of the same name (nothing is reserved).
-    fn check_admission(&self, spec: &VmSpec) -> Result<(), ApiError> {
-        let t = self.lock();
-        self.admit_locked(&t, spec, &[]).map(|_| ())
+    /// Re-reserves the resources of an existing VM whose reservation was released (a failed
+    /// create): admission and the record write happen under one lock, like a create.
+    fn reserve_existing(&self, name: &str) -> Result<(), ApiError> {
+        let mut t = self.lock();
+        let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+        let mut rec = old.clone();
+        rec.spec.state = crate::api::DesiredState::Running;
+        rec.nics = self.admit_locked(&t, &rec.spec, &old.nics)?;
+        rec.reserved = true;
+        self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
+        t.vms.insert(name.to_string(), rec);
+        Ok(())
     }
 
-    /// Re-reserves the resources of an existing VM whose reservation was released.
-    fn reserve_existing(&self, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
-        let t = self.lock();
-        self.admit_locked(&t, spec, previous)
+    /// Replaces the spec of VM `name` by `spec` in one step under the allocation lock: the new
+    /// spec is admitted in place of the old, and the record (status `creating`) keeps the old
+    /// process and overlay so the caller can tear them down. After a crash, recovery undoes the
+    /// interrupted create; the new spec stays recorded as `failed`.
+    fn swap_spec(&self, name: &str, spec: &VmSpec) -> Result<VmRecord, ApiError> {
+        let mut t = self.lock();
+        let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+        let allocs = self.admit_locked(&t, spec, &[])?;
+        let mut rec = VmRecord::new(spec.clone());
+        rec.nics = allocs;
+        rec.process = old.process.clone();
+        rec.overlay = old.overlay.clone();
+        self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
+        t.vms.insert(name.to_string(), rec);
+        drop(t);
+        self.events.emit(name, Some(old.status), Some(VmStatus::Creating), "vm.apply replace");
+        Ok(old)
+    }
+
+    /// Like [`Manager::update`], but only when `condition` holds for the current record, checked
+    /// under the same lock. Returns whether the change was made.
+    fn update_if(
+        &self,
+        name: &str,
+        reason: &str,
+        condition: impl FnOnce(&VmRecord, bool) -> bool,
+        change: impl FnOnce(&mut VmRecord),
+    ) -> Result<bool, ApiError> {
+        let mut t = self.lock();
+        let Some(old) = t.vms.get(name).cloned() else { return Ok(false) };
+        if !condition(&old, t.busy.contains(name)) {
+            return Ok(false);
+        }
+        let mut rec = old.clone();
+        change(&mut rec);
+        self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
+        t.vms.insert(name.to_string(), rec.clone());
+        drop(t);
+        if old.status != rec.status {
+            self.events.emit(name, Some(old.status), Some(rec.status), reason);
+        }
+        Ok(true)
     }
 
     /// Applies `change` to the record of `name`, saves it, and emits an event when the status
@@ -207,10 +277,10 @@ impl Manager {
         let mut status = rec.status;
         let mut pid = rec.process.as_ref().map(|p| p.pid);
         if status == VmStatus::Running {
-            let alive = rec
-                .process
-                .as_ref()
-                .is_some_and(|p| crate::process::matches(p, std::ffi::OsStr::new(&paths.cmdline_marker())));
+            // An unreadable /proc is not proof of death: keep what the record says.
+            let alive = rec.process.as_ref().is_some_and(|p| {
+                crate::process::verify(p, std::ffi::OsStr::new(&paths.cmdline_marker())).unwrap_or(true)
+            });
             if !alive {
                 status = VmStatus::Dead;
                 pid = None;

@@ -4,13 +4,17 @@
 //! assumes the flag is held, so compound operations (restart, apply with replace) run their
 //! steps without letting another operation in between.
 
+use super::launch::partial_overlay;
 use super::{Manager, OpGuard};
 use crate::api::{ApiError, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
 use crate::process;
-use crate::validate::{validate_spec, BootSource};
+use crate::validate::{validate_spec, BootSource, ValidSpec};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
+
+/// Longest graceful-stop wait accepted; the busy flag is held that long.
+pub const MAX_STOP_TIMEOUT_S: u64 = 3600;
 
 impl Manager {
     /// `vm.create`: defines the VM and, unless `spec.state` is `stopped`, starts it.
@@ -31,22 +35,25 @@ impl Manager {
         .await
     }
 
-    async fn create_held(self: &Arc<Self>, _g: &OpGuard, vm: &crate::validate::ValidSpec) -> Result<(), ApiError> {
+    /// The host steps of a create; the record (status `creating`, resources reserved) exists.
+    async fn create_held(self: &Arc<Self>, _g: &OpGuard, vm: &ValidSpec) -> Result<(), ApiError> {
         let name = vm.spec.name.as_str();
         // An overlay without a record is an orphan of an earlier crash: a new VM never inherits it.
-        let stale = self.paths(name).overlay;
-        if stale.exists() {
-            tracing::warn!(vm = name, path = %stale.display(), "removing an orphaned overlay");
-            if let Err(e) = crate::disk::remove_overlay(&stale) {
-                let err = ApiError::new(Code::ProvisioningFailed, format!("cannot remove orphaned overlay: {e}"));
-                self.mark_failed(name, &err, true);
-                return Err(err);
+        let paths = self.paths(name);
+        for stale in [paths.overlay.clone(), partial_overlay(&paths)] {
+            if stale.exists() {
+                tracing::warn!(vm = name, path = %stale.display(), "removing an orphaned overlay");
+                if let Err(e) = crate::disk::remove_overlay(&stale) {
+                    let err = ApiError::new(Code::ProvisioningFailed, format!("cannot remove orphaned overlay: {e}"));
+                    self.mark_failed(name, &err, true);
+                    return Err(err);
+                }
             }
         }
         let made_overlay = match self.ensure_overlay(vm).await {
             Ok(made) => made,
             Err(e) => {
-                // create_overlay removed its partial file; the record must stop naming it.
+                // The partial overlay is gone; the record must stop naming it.
                 let _ = self.update(name, "rollback", |r| r.overlay = None);
                 self.mark_failed(name, &e, true);
                 return Err(e);
@@ -56,20 +63,19 @@ impl Manager {
             self.update(name, "created stopped", |r| r.status = VmStatus::Stopped)?;
             return Ok(());
         }
-        match self.launch_qemu(vm).await {
+        match self.launch_qemu(vm, VmStatus::Creating).await {
             Ok(id) => self.mark_running(name, id, "vm.create"),
             Err(e) => {
-                self.undo_create(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
+                self.undo_overlay(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
                 self.mark_failed(name, &e, true);
                 Err(e)
             }
         }
     }
 
-    /// Undoes a create's disk step: the overlay is removed (QEMU and run dir are undone by
-    /// `launch_qemu` itself).
-    fn undo_create(&self, name: &str, remove_overlay: bool) {
-        if !remove_overlay {
+    /// Removes the VM's overlay as part of a rollback.
+    fn undo_overlay(&self, name: &str, remove: bool) {
+        if !remove {
             return;
         }
         let overlay = self.paths(name).overlay;
@@ -98,7 +104,7 @@ impl Manager {
         let rec = self.record(name)?;
         let paths = self.paths(name);
         let state_changed = rec.spec.state != DesiredState::Running;
-        if let Some(id) = self.find_live(&paths, rec.process.as_ref()) {
+        if let Some(id) = self.find_live(&paths, rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
                 self.update(name, "vm.start", |r| r.spec.state = DesiredState::Running)?;
                 self.mark_running(name, id, "already running")?;
@@ -111,12 +117,11 @@ impl Manager {
         let vm = validate_spec(&spec, &self.config)?;
         self.check_boot_files(&vm)?;
         let reserved_here = !rec.reserved;
-        let allocs = if reserved_here { self.reserve_existing(&spec, &rec.nics)? } else { rec.nics.clone() };
-        self.update(name, "vm.start", |r| {
-            r.spec.state = DesiredState::Running;
-            r.reserved = true;
-            r.nics = allocs;
-        })?;
+        if reserved_here {
+            self.reserve_existing(name)?;
+        } else {
+            self.update(name, "vm.start", |r| r.spec.state = DesiredState::Running)?;
+        }
         let made_overlay = match self.ensure_overlay(&vm).await {
             Ok(m) => m,
             Err(e) => {
@@ -124,14 +129,14 @@ impl Manager {
                 return Err(e);
             }
         };
-        match self.launch_qemu(&vm).await {
+        match self.launch_qemu(&vm, VmStatus::Starting).await {
             Ok(id) => {
                 self.mark_running(name, id, "vm.start")?;
                 Ok(true)
             }
             Err(e) => {
                 if reserved_here {
-                    self.undo_create(name, made_overlay);
+                    self.undo_overlay(name, made_overlay);
                 }
                 self.mark_failed(name, &e, reserved_here);
                 Err(e)
@@ -142,10 +147,12 @@ impl Manager {
     /// `vm.stop`: ACPI powerdown over QMP, SIGKILL after `timeout_s` (at once with `force`).
     ///
     /// # Errors
-    /// 4040, 4090, 4001 when the record cannot be written.
+    /// 2001 for a timeout above [`MAX_STOP_TIMEOUT_S`], 4040, 4090, 4001 when QEMU could not be
+    /// ended (the record then keeps the process).
     pub async fn stop(self: &Arc<Self>, p: StopParams) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.stop", vm = %p.name);
         async move {
+            check_stop_timeout(&p)?;
             let (guard, _) = self.begin(&p.name)?;
             let changed = self.stop_held(&guard, &p).await?;
             Ok(Mutation { changed, vm: Some(self.get(&p.name)?) })
@@ -159,7 +166,7 @@ impl Manager {
         let rec = self.record(name)?;
         let paths = self.paths(name);
         let state_changed = rec.spec.state != DesiredState::Stopped;
-        let Some(id) = self.find_live(&paths, rec.process.as_ref()) else {
+        let Some(id) = self.find_live(&paths, rec.process.as_ref())? else {
             self.clean_run_dir(&paths);
             let status_changed = matches!(rec.status, VmStatus::Running | VmStatus::Starting | VmStatus::Stopping);
             if state_changed || status_changed {
@@ -186,9 +193,10 @@ impl Manager {
             }
             .await;
             match asked {
-                Ok(_) => {
+                Ok(()) => {
                     let wait = Duration::from_secs(p.timeout_s);
-                    exited = tokio::time::timeout(wait, process::wait_exit_of(&id)).await.is_ok();
+                    // Only an observed exit counts; a failed watch falls through to the kill.
+                    exited = matches!(tokio::time::timeout(wait, process::wait_exit_of(&id)).await, Ok(Ok(())));
                     if !exited {
                         tracing::warn!(vm = name, "guest did not power off within {wait:?}; killing QEMU");
                     }
@@ -197,7 +205,7 @@ impl Manager {
             }
         }
         if !exited {
-            self.kill_process(name, &id).await;
+            self.kill_process(name, &id).await?;
         }
         self.clean_run_dir(&paths);
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
@@ -215,6 +223,7 @@ impl Manager {
     pub async fn restart(self: &Arc<Self>, p: StopParams) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.restart", vm = %p.name);
         async move {
+            check_stop_timeout(&p)?;
             let (guard, _) = self.begin(&p.name)?;
             self.stop_held(&guard, &p).await?;
             self.start_held(&guard, &p.name).await?;
@@ -227,7 +236,8 @@ impl Manager {
     /// `vm.destroy`: kills QEMU, removes overlay, sockets, console log and record.
     ///
     /// # Errors
-    /// 4040, 4090, 4001 when a file cannot be removed (the record then says `failed`).
+    /// 4040, 4090, 4001 when QEMU cannot be ended or a file cannot be removed (the record then
+    /// says `failed` and keeps what still exists).
     pub async fn destroy(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.destroy", vm = %name);
         async move {
@@ -239,16 +249,25 @@ impl Manager {
         .await
     }
 
-    pub(super) async fn destroy_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<(), ApiError> {
+    async fn destroy_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<(), ApiError> {
+        self.update(name, "vm.destroy", |r| r.status = VmStatus::Destroying)?;
+        self.teardown(name).await?;
+        self.forget(name, "destroyed")
+    }
+
+    /// Ends the VM's QEMU and removes its run dir, overlay and console log. The record stays.
+    async fn teardown(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         let rec = self.record(name)?;
         let paths = self.paths(name);
-        self.update(name, "vm.destroy", |r| r.status = VmStatus::Destroying)?;
-        if let Some(id) = self.find_live(&paths, rec.process.as_ref()) {
-            self.kill_process(name, &id).await;
+        if let Some(id) = self.find_live(&paths, rec.process.as_ref())? {
+            if let Err(e) = self.kill_process(name, &id).await {
+                self.mark_failed(name, &e, false);
+                return Err(e);
+            }
         }
         self.clean_run_dir(&paths);
-        if rec.overlay.is_some() || paths.overlay.exists() {
-            if let Err(e) = crate::disk::remove_overlay(&paths.overlay) {
+        for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
+            if let Err(e) = crate::disk::remove_overlay(&overlay) {
                 let err = ApiError::new(Code::ProvisioningFailed, format!("cannot remove the overlay: {e}"));
                 self.mark_failed(name, &err, false);
                 return Err(err);
@@ -259,20 +278,25 @@ impl Manager {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => tracing::warn!(vm = name, error = %e, "cannot remove the console log"),
         }
-        self.forget(name, "destroyed")
+        self.update(name, "torn down", |r| {
+            r.process = None;
+            r.overlay = None;
+        })?;
+        Ok(())
     }
 
     /// `vm.apply`: create when absent, converge the run state when the spec is equal, refuse a
     /// different spec with 2002 unless `replace`, which destroys and recreates.
     ///
     /// # Errors
-    /// As create, plus 2002 listing the differing fields in `details.fields`.
+    /// As create, plus 2002 listing the differing fields in `details.fields`. A refused replace
+    /// (3002/3003) leaves the old VM untouched.
     pub async fn apply(self: &Arc<Self>, spec: VmSpec, replace: bool) -> Result<Mutation, ApiError> {
         let vm = validate_spec(&spec, &self.config)?;
         let Ok(current) = self.record(&spec.name) else { return self.create(spec).await };
         let drift = crate::plan::spec_drift(&current.spec, &spec);
         if drift.is_empty() {
-            let up = self.find_live(&self.paths(&spec.name), current.process.as_ref()).is_some();
+            let up = self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some();
             let converge = match spec.state {
                 DesiredState::Running => !up,
                 DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,
@@ -301,15 +325,24 @@ impl Manager {
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
         async move {
             let (guard, _) = self.begin(&spec.name)?;
-            // Refuse before destroying anything if the new spec would not fit in place of the old.
-            self.check_admission(&spec)?;
-            self.destroy_held(&guard, &spec.name).await?;
-            drop(guard);
-            let guard = self.reserve_new(&vm.spec)?;
+            // Admission of the new spec in place of the old and the record swap are one step:
+            // a refusal leaves the old VM as it was.
+            self.swap_spec(&spec.name, &vm.spec)?;
+            if let Err(e) = self.teardown(&spec.name).await {
+                self.mark_failed(&spec.name, &e, true);
+                return Err(e);
+            }
             self.create_held(&guard, &vm).await?;
             Ok(Mutation { changed: true, vm: Some(self.get(&spec.name)?) })
         }
         .instrument(span)
         .await
     }
+}
+
+fn check_stop_timeout(p: &StopParams) -> Result<(), ApiError> {
+    if p.timeout_s > MAX_STOP_TIMEOUT_S {
+        return Err(ApiError::invalid("timeout_s", format!("at most {MAX_STOP_TIMEOUT_S} seconds")));
+    }
+    Ok(())
 }

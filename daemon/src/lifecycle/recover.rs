@@ -8,6 +8,7 @@
 use super::Manager;
 use crate::api::{ApiError, Code, VmStatus};
 use crate::process::{self, ProcessIdentity};
+use crate::qemu::argv::VmPaths;
 use crate::qemu::qmp::Qmp;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,12 +26,30 @@ impl Manager {
     async fn recover(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         let rec = self.record(name)?;
         let paths = self.paths(name);
-        let live = self.find_live(&paths, rec.process.as_ref());
+        // If /proc cannot be read the record is left exactly as it is: guessing could start a
+        // VM twice or delete a live VM's sockets.
+        let live = self.find_live(&paths, rec.process.as_ref())?;
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
-                self.kill_process(name, &id).await;
+                self.kill_process(name, &id).await?;
                 self.finish_destroy(name)
+            }
+            (Some(id), VmStatus::Stopping) => {
+                tracing::info!(vm = name, "finishing an interrupted stop");
+                self.kill_process(name, &id).await?;
+                self.clean_run_dir(&paths);
+                self.update(name, "stop completed after vmhostd restart", |r| {
+                    r.status = VmStatus::Stopped;
+                    r.process = None;
+                })?;
+                Ok(())
+            }
+            (Some(id), VmStatus::Creating) => {
+                // The create never reached `running`: undo it rather than adopt a half-made VM.
+                tracing::info!(vm = name, "undoing an interrupted create");
+                self.kill_process(name, &id).await?;
+                self.settle_without_process(name, &paths, VmStatus::Creating)
             }
             (Some(id), _) => {
                 // Re-adopt: QMP must answer, but a VM whose monitor is wedged is still running
@@ -42,48 +61,47 @@ impl Manager {
                     },
                     Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP unreachable"),
                 }
-                let was = rec.status;
+                let started_at = rec.started_at.clone();
                 self.mark_running(name, id, "re-adopted after daemon restart")?;
-                if was != VmStatus::Running {
-                    tracing::info!(vm = name, from = %was, "interrupted operation left QEMU running");
+                if started_at.is_some() {
+                    self.update(name, "re-adopted", |r| r.started_at = started_at)?;
                 }
                 Ok(())
             }
             (None, VmStatus::Destroying) => self.finish_destroy(name),
-            (None, status) => {
-                self.clean_run_dir(&paths);
-                let settle = match status {
-                    VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
-                    VmStatus::Stopping => {
-                        Some((VmStatus::Stopped, "stop completed while vmhostd was not running", false))
-                    }
-                    VmStatus::Starting => Some((VmStatus::Failed, "start interrupted by a vmhostd restart", false)),
-                    VmStatus::Creating => Some((VmStatus::Failed, "create interrupted by a vmhostd restart", true)),
-                    VmStatus::Stopped | VmStatus::Failed | VmStatus::Dead | VmStatus::Destroying => None,
-                };
-                if let Some((to, why, undo_create)) = settle {
-                    if undo_create && rec.overlay.is_some() {
-                        let _ = crate::disk::remove_overlay(&paths.overlay);
-                    }
-                    let record_error = to != VmStatus::Stopped;
-                    self.update(name, why, |r| {
-                        r.status = to;
-                        r.process = None;
-                        if undo_create {
-                            r.reserved = false;
-                            r.overlay = None;
-                        }
-                        if record_error {
-                            r.last_error = Some(crate::api::LastError {
-                                code: Code::ProvisioningFailed.as_i32(),
-                                message: why.to_string(),
-                            });
-                        }
-                    })?;
-                }
-                Ok(())
-            }
+            (None, status) => self.settle_without_process(name, &paths, status),
         }
+    }
+
+    /// Settles a record whose QEMU is gone.
+    fn settle_without_process(&self, name: &str, paths: &VmPaths, status: VmStatus) -> Result<(), ApiError> {
+        self.clean_run_dir(paths);
+        let _ = crate::disk::remove_overlay(&super::launch::partial_overlay(paths));
+        let settle = match status {
+            VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
+            VmStatus::Stopping => Some((VmStatus::Stopped, "stop completed while vmhostd was not running", false)),
+            VmStatus::Starting => Some((VmStatus::Failed, "start interrupted by a vmhostd restart", false)),
+            VmStatus::Creating => Some((VmStatus::Failed, "create interrupted by a vmhostd restart", true)),
+            VmStatus::Stopped | VmStatus::Failed | VmStatus::Dead | VmStatus::Destroying => None,
+        };
+        let Some((to, why, undo_create)) = settle else { return Ok(()) };
+        if undo_create {
+            let _ = crate::disk::remove_overlay(&paths.overlay);
+        }
+        let record_error = to != VmStatus::Stopped;
+        self.update(name, why, |r| {
+            r.status = to;
+            r.process = None;
+            if undo_create {
+                r.reserved = false;
+                r.overlay = None;
+            }
+            if record_error {
+                r.last_error =
+                    Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message: why.to_string() });
+            }
+        })?;
+        Ok(())
     }
 
     fn finish_destroy(&self, name: &str) -> Result<(), ApiError> {
@@ -105,28 +123,48 @@ impl Manager {
                 return;
             }
             if let Some(mgr) = mgr.upgrade() {
-                mgr.on_exit(&name, &id);
+                mgr.on_exit(&name, &id).await;
             }
         });
     }
 
-    fn on_exit(&self, name: &str, id: &ProcessIdentity) {
-        {
-            let t = self.lock();
-            let Some(rec) = t.vms.get(name) else { return };
-            if t.busy.contains(name) || rec.status != VmStatus::Running || rec.process.as_ref() != Some(id) {
-                return; // an operation caused or is handling this exit
+    /// Records the death of a VM's process. While an operation holds the VM, the operation
+    /// decides; the check is repeated until it is done, so no death goes unrecorded.
+    async fn on_exit(&self, name: &str, id: &ProcessIdentity) {
+        let why = "QEMU exited unexpectedly (crashed, killed, or the guest powered off on its own)";
+        for _ in 0..EXIT_RECHECKS {
+            let mut was_busy = false;
+            let result = self.update_if(
+                name,
+                why,
+                |rec, busy| {
+                    was_busy = busy;
+                    !busy && rec.status == VmStatus::Running && rec.process.as_ref() == Some(id)
+                },
+                |r| {
+                    r.status = VmStatus::Dead;
+                    r.process = None;
+                    r.last_error =
+                        Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message: why.into() });
+                },
+            );
+            match result {
+                Ok(true) => {
+                    self.clean_run_dir(&self.paths(name));
+                    return;
+                }
+                Ok(false) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,
+                Ok(false) => return, // stopped, restarted or destroyed by an operation
+                Err(e) => {
+                    tracing::error!(vm = name, error = %e, "cannot record the VM's death");
+                    return;
+                }
             }
         }
-        let why = "QEMU exited unexpectedly (crashed, killed, or the guest powered off on its own)";
-        self.clean_run_dir(&self.paths(name));
-        let res = self.update(name, why, |r| {
-            r.status = VmStatus::Dead;
-            r.process = None;
-            r.last_error = Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message: why.into() });
-        });
-        if let Err(e) = res {
-            tracing::error!(vm = name, error = %e, "cannot record the VM's death");
-        }
+        tracing::warn!(vm = name, "VM stayed busy; its exit is left to reads and operations");
     }
 }
+
+/// How often and how long `on_exit` re-checks a busy VM (an hour: the longest stop timeout).
+const EXIT_RECHECK_EVERY: Duration = Duration::from_millis(250);
+const EXIT_RECHECKS: u32 = 4 * 3600;

@@ -39,6 +39,14 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
+/// Most connections open at once; further ones are closed at accept. Together with
+/// [`MAX_CONNECTIONS_PER_UID`] this keeps any one local user from exhausting the daemon's file
+/// descriptors (which would also blind it to its own VM processes in /proc).
+pub const MAX_CONNECTIONS: usize = 512;
+
+/// Most connections one non-root uid may hold.
+pub const MAX_CONNECTIONS_PER_UID: usize = 64;
+
 /// Longest accepted request line in bytes, without its `\n` (or `\r\n`).
 pub const MAX_LINE: usize = 1024 * 1024;
 
@@ -144,6 +152,7 @@ pub async fn serve(
 ) -> io::Result<()> {
     let mut connections = JoinSet::new();
     let mut next_conn: u64 = 0;
+    let per_uid: Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>> = Arc::default();
     // Handed to each connection; `shutdown` itself is borrowed by the select below.
     let for_connections = shutdown.clone();
     let result = loop {
@@ -157,14 +166,27 @@ pub async fn serve(
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    let uid = stream.peer_cred().map(|c| c.uid()).unwrap_or(u32::MAX);
+                    let held = {
+                        let mut counts = per_uid.lock().unwrap_or_else(|p| p.into_inner());
+                        let n = counts.entry(uid).or_insert(0);
+                        *n += 1;
+                        *n
+                    };
+                    let over_uid = uid != 0 && held > MAX_CONNECTIONS_PER_UID;
+                    if connections.len() >= MAX_CONNECTIONS || over_uid {
+                        warn!(uid, open = connections.len(), "connection limit reached; closing new connection");
+                        release_uid(&per_uid, uid);
+                        drop(stream);
+                        continue;
+                    }
                     next_conn += 1;
-                    connections.spawn(connection(
-                        stream,
-                        next_conn,
-                        methods.clone(),
-                        Arc::clone(&policy),
-                        for_connections.clone(),
-                    ));
+                    let conn = connection(stream, next_conn, methods.clone(), Arc::clone(&policy), for_connections.clone());
+                    let counts = Arc::clone(&per_uid);
+                    connections.spawn(async move {
+                        conn.await;
+                        release_uid(&counts, uid);
+                    });
                 }
                 Err(e) if is_fatal_accept_error(&e) => break Err(e),
                 Err(e) => {
@@ -186,6 +208,16 @@ pub async fn serve(
         connections.shutdown().await;
     }
     result
+}
+
+fn release_uid(counts: &std::sync::Mutex<std::collections::HashMap<u32, usize>>, uid: u32) {
+    let mut counts = counts.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(n) = counts.get_mut(&uid) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            counts.remove(&uid);
+        }
+    }
 }
 
 /// Accept errors that mean the listener is unusable, as opposed to a peer or resource problem.

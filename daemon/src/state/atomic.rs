@@ -24,13 +24,18 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
         let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
         f.write_all(data)?;
         f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
+        fs::rename(&tmp, path)
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
+        return result;
     }
-    result
+    // The new content is in place once the rename succeeded; reporting a failed directory fsync
+    // as a failed write would make callers believe the old content is still there.
+    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
+        tracing::warn!(dir = %dir.display(), error = %e, "directory fsync failed after rename");
+    }
+    Ok(())
 }
 
 /// Removes `path` and makes the removal durable. Absent is fine.
