@@ -182,10 +182,8 @@ impl Manager {
                     Ok(s) => format!("QEMU reports status {s:?}"),
                     Err(e) => format!("QMP check failed: {e}"),
                 };
-                if let Err(kill) = self.kill_process(&name, &id).await {
-                    // The record keeps the process so nothing treats the VM as stopped.
-                    return Err(kill);
-                }
+                // On a failed kill the record keeps the process, so nothing treats the VM as stopped.
+                self.kill_process(&name, &id).await?;
                 self.clean_run_dir(&paths);
                 let _ = self.update(&name, "launch failed", |r| r.process = None);
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
