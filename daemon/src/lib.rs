@@ -14,6 +14,7 @@ pub mod disk;
 pub mod events;
 pub mod hardware;
 pub mod lifecycle;
+pub mod net;
 pub mod plan;
 pub mod preflight;
 pub mod process;
