@@ -492,7 +492,190 @@ impl Netlink {
 
 #[cfg(test)]
 mod tests {
+    use std::process::Command;
+
+    use super::super::testing::in_netns;
+    use super::super::{owner_alias, parse_owner, tap, Owner};
     use super::*;
+
+    /// Runs `ip ARGS` as a test fixture (only for links the code under test must not create).
+    fn ip(args: &[&str]) {
+        let out = Command::new("ip").args(args).output().expect("run ip");
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    #[test]
+    fn connect_outside_a_runtime_is_an_error() {
+        let err = Netlink::connect().err().expect("connect without a runtime");
+        assert_eq!(err.code(), "io");
+    }
+
+    #[test]
+    fn bridge_is_created_marked_and_down_then_configured() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let alias = owner_alias(&Owner::Network("lan".into()));
+            let br = nl.create_bridge("vmbr-lan", false, &alias).await.unwrap();
+            assert_eq!(br.name, "vmbr-lan");
+            assert_eq!(br.kind.as_deref(), Some("bridge"));
+            assert_eq!(br.alias.as_deref(), Some(alias.as_str()));
+            assert_eq!(parse_owner(br.alias.as_deref().unwrap()), Some(Owner::Network("lan".into())));
+            assert!(!br.up, "a new bridge stays down until set_up");
+            assert_eq!(br.master, None);
+            assert!(br.mac.is_some());
+            assert_eq!(br.mtu, 1500);
+
+            nl.set_mtu(br.index, 1400).await.unwrap();
+            nl.set_up(br.index).await.unwrap();
+            let again = nl.link_by_name("vmbr-lan").await.unwrap().unwrap();
+            assert_eq!(again.index, br.index);
+            assert_eq!(again.mtu, 1400);
+            assert!(again.up);
+            assert_eq!(nl.link_by_index(br.index).await.unwrap(), Some(again.clone()));
+
+            let all = nl.links().await.unwrap();
+            assert!(all.contains(&again));
+            let lo = all.iter().find(|l| l.name == "lo").expect("lo in a new namespace");
+            assert_eq!(lo.kind, None);
+
+            // The same name again is a clear conflict, and the first bridge is untouched.
+            let err = nl.create_bridge("vmbr-lan", false, &alias).await.unwrap_err();
+            assert!(matches!(err, NetError::Exists(_)), "{err:?}");
+            assert_eq!(nl.link_by_name("vmbr-lan").await.unwrap(), Some(again));
+
+            // Alias changes and clears.
+            nl.set_alias(br.index, "vmhost:net=other").await.unwrap();
+            let renamed = nl.link_by_index(br.index).await.unwrap().unwrap();
+            assert_eq!(renamed.alias.as_deref(), Some("vmhost:net=other"));
+            nl.set_alias(br.index, "").await.unwrap();
+            assert_eq!(nl.link_by_index(br.index).await.unwrap().unwrap().alias, None);
+        });
+    }
+
+    #[test]
+    fn missing_links_are_none_or_not_found() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            assert_eq!(nl.link_by_name("nope0").await.unwrap(), None);
+            assert_eq!(nl.link_by_index(4242).await.unwrap(), None);
+            assert_eq!(nl.link_by_index(0).await.unwrap(), None);
+            assert!(matches!(nl.link_by_name("bad name").await, Err(NetError::InvalidName { .. })));
+            for err in [
+                nl.set_up(4242).await.unwrap_err(),
+                nl.set_mtu(4242, 1400).await.unwrap_err(),
+                nl.set_alias(4242, "x").await.unwrap_err(),
+                nl.delete_link(4242).await.unwrap_err(),
+            ] {
+                assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+            }
+        });
+    }
+
+    #[test]
+    fn foreign_link_has_no_owner_and_delete_removes_only_what_is_asked() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            // Fixture: a veth pair the daemon did not make, one end with an operator's alias.
+            ip(&["link", "add", "uplink0", "type", "veth", "peer", "name", "uplink1"]);
+            ip(&["link", "set", "uplink0", "alias", "rack uplink"]);
+            let br = nl.create_bridge("vmbr0", false, "vmhost:net=lan").await.unwrap();
+
+            let foreign: Vec<LinkInfo> = nl
+                .links()
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|l| l.alias.as_deref().and_then(parse_owner).is_none())
+                .collect();
+            let mut names: Vec<&str> = foreign.iter().map(|l| l.name.as_str()).collect();
+            names.sort_unstable();
+            assert_eq!(names, ["lo", "uplink0", "uplink1"], "only the bridge carries a marker");
+            let veth = nl.link_by_name("uplink0").await.unwrap().unwrap();
+            assert_eq!(veth.kind.as_deref(), Some("veth"));
+            assert_eq!(veth.alias.as_deref(), Some("rack uplink"));
+            assert_eq!(parse_owner(veth.alias.as_deref().unwrap()), None);
+            assert_eq!(nl.link_by_name("uplink1").await.unwrap().unwrap().alias, None);
+
+            nl.delete_link(br.index).await.unwrap();
+            assert_eq!(nl.link_by_name("vmbr0").await.unwrap(), None);
+            assert!(nl.link_by_name("uplink0").await.unwrap().is_some());
+            assert!(nl.link_by_name("uplink1").await.unwrap().is_some());
+            let err = nl.delete_link(br.index).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+        });
+    }
+
+    #[test]
+    fn addresses_are_added_and_listed() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let br = nl.create_bridge("vmbr0", false, "vmhost:net=lan").await.unwrap();
+            assert_eq!(nl.addresses(br.index).await.unwrap(), []);
+            nl.add_address(br.index, Ipv4Addr::new(10, 77, 0, 1), 24).await.unwrap();
+            nl.add_address(br.index, Ipv4Addr::new(10, 78, 0, 1), 16).await.unwrap();
+            let v4: Vec<(IpAddr, u8)> =
+                nl.addresses(br.index).await.unwrap().into_iter().filter(|(ip, _)| ip.is_ipv4()).collect();
+            assert_eq!(
+                v4,
+                [(IpAddr::V4(Ipv4Addr::new(10, 77, 0, 1)), 24), (IpAddr::V4(Ipv4Addr::new(10, 78, 0, 1)), 16)]
+            );
+
+            let dup = nl.add_address(br.index, Ipv4Addr::new(10, 77, 0, 1), 24).await.unwrap_err();
+            assert!(matches!(dup, NetError::Exists(_)), "{dup:?}");
+            let bad = nl.add_address(br.index, Ipv4Addr::new(10, 77, 0, 2), 33).await.unwrap_err();
+            assert!(matches!(bad, NetError::InvalidPrefix(33)), "{bad:?}");
+            let missing = nl.add_address(4242, Ipv4Addr::new(10, 77, 0, 3), 24).await.unwrap_err();
+            assert!(matches!(missing, NetError::NotFound(_)), "{missing:?}");
+
+            // Another link's addresses are not reported.
+            let lo = nl.link_by_name("lo").await.unwrap().unwrap();
+            assert!(nl.addresses(lo.index).await.unwrap().iter().all(|(ip, _)| !ip.to_string().starts_with("10.7")));
+        });
+    }
+
+    #[test]
+    fn vlan_requests_on_this_kernel_are_unsupported() {
+        // This machine's kernel has no bridge VLAN filtering; the lab host proves the real thing.
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let br = nl.create_bridge("vmbr0", false, "vmhost:net=lan").await.unwrap();
+            let _tap = tap::create_tap("vmt0").unwrap();
+            let port = nl.link_by_name("vmt0").await.unwrap().unwrap();
+
+            // Checked before the kernel is asked.
+            for vid in [0, 4095, 5000] {
+                let err = nl.bridge_vlan_add(port.index, vid, true).await.unwrap_err();
+                assert!(matches!(err, NetError::InvalidVlan(v) if v == vid), "{err:?}");
+            }
+            let err = nl.bridge_vlan_add(port.index, 10, true).await.unwrap_err();
+            assert!(matches!(err, NetError::NotABridgePort(i) if i == port.index), "{err:?}");
+            let err = nl.bridge_vlan_add(4242, 10, true).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+
+            nl.set_master(port.index, br.index).await.unwrap();
+            for pvid_untagged in [true, false] {
+                let err = nl.bridge_vlan_add(port.index, 10, pvid_untagged).await.unwrap_err();
+                assert!(matches!(err, NetError::Unsupported { what: VLAN_FILTERING }), "{err:?}");
+            }
+            // The kernel ignores per-VLAN delete results, so a delete "succeeds" even here.
+            nl.bridge_vlan_del(port.index, 10).await.unwrap();
+            let err = nl.bridge_vlan_del(port.index, 0).await.unwrap_err();
+            assert!(matches!(err, NetError::InvalidVlan(0)), "{err:?}");
+            assert_eq!(nl.bridge_vlans(port.index).await.unwrap(), []);
+            assert_eq!(nl.bridge_vlans(br.index).await.unwrap(), []);
+
+            let err = nl.set_bridge_vlan_filtering(br.index, true).await.unwrap_err();
+            assert!(matches!(err, NetError::Unsupported { .. }), "{err:?}");
+            nl.set_bridge_vlan_filtering(br.index, false).await.unwrap();
+            let err = nl.set_bridge_vlan_filtering(port.index, false).await.unwrap_err();
+            assert!(matches!(err, NetError::NotABridge { ref kind, .. } if kind.as_deref() == Some("tun")), "{err:?}");
+
+            // Creating a filtering bridge fails cleanly and leaves nothing behind.
+            let err = nl.create_bridge("vmbr1", true, "vmhost:net=v").await.unwrap_err();
+            assert!(matches!(err, NetError::Unsupported { .. }), "{err:?}");
+            assert_eq!(nl.link_by_name("vmbr1").await.unwrap(), None);
+        });
+    }
 
     #[test]
     fn vlan_entries_are_read_from_af_spec_with_ranges_expanded() {

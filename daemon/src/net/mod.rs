@@ -207,6 +207,39 @@ pub fn validate_link_name(name: &str) -> Result<(), NetError> {
     }
 }
 
+/// Test support: running async code in a fresh network namespace.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::future::Future;
+
+    use nix::sched::CloneFlags;
+
+    /// Runs `body` in a new thread that first moves into a network namespace of its own
+    /// (`unshare(CLONE_NEWNET)`), then drives `body` on a current-thread tokio runtime.
+    ///
+    /// A network namespace belongs to a thread, not a process, so other tests running in parallel
+    /// keep theirs; everything `body` creates is confined to the new namespace and disappears with
+    /// it. Netlink sockets, `/dev/net/tun` descriptors and child processes made inside `body` all
+    /// live in that namespace, which is why the socket must be opened after the `unshare`, inside
+    /// the thread. Needs root (`CAP_SYS_ADMIN`); a panic in `body` is re-raised in the caller.
+    pub(crate) fn in_netns<F, Fut, T>(body: F) -> T
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = T>,
+        T: Send + 'static,
+    {
+        let thread = std::thread::spawn(move || {
+            nix::sched::unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET) needs root");
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            runtime.block_on(body())
+        });
+        match thread.join() {
+            Ok(value) => value,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
