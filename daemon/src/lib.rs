@@ -15,6 +15,7 @@ pub mod events;
 pub mod hardware;
 pub mod ipv4;
 pub mod lifecycle;
+pub mod net;
 pub mod nic;
 pub mod plan;
 pub mod preflight;

@@ -31,9 +31,10 @@ lab_uptime() {
     echo "$_u"
 }
 
-# say TEXT...: a progress line with the lab's uptime.
+# say TEXT...: a progress line with the lab's uptime. Written to the console directly,
+# so it shows even inside `check` (which captures its command's output).
 say() {
-    echo "LAB[$(lab_uptime)] $*"
+    echo "LAB[$(lab_uptime)] $*" >/dev/console
 }
 
 # Seconds (with decimals) between two lab_uptime values: elapsed START END.
@@ -113,7 +114,7 @@ EOF
 # kill_vmhostd, for crash-recovery scenarios).
 restart_vmhostd() {
     _t0=$(lab_uptime)
-    VMHOST_LOG=${VMHOST_LOG:-debug} vmhostd --config "$LAB_CONFIG" >>"$LAB_DAEMON_LOG" 2>&1 &
+    NO_COLOR=1 VMHOST_LOG=${VMHOST_LOG:-debug} vmhostd --config "$LAB_CONFIG" >>"$LAB_DAEMON_LOG" 2>&1 &
     LAB_VMHOSTD_PID=$!
     _i=0
     while ! vmhostctl --socket "$LAB_SOCKET" info >/dev/null 2>&1; do
@@ -183,6 +184,12 @@ wait_serial() {
 # vm_status VM: the VM's status word from `vmhostctl get` (running, stopped, ...).
 vm_status() {
     ctl get "$1" | awk '$1 == "status:" { print $2 }'
+}
+
+# vm_listed VM STATUS: `vmhostctl list` has a row for VM with that status (prints the
+# table, which `check` shows on failure).
+vm_listed() {
+    ctl list | awk -v n="$1" -v s="$2" '{ print } $1 == n && $2 == s { found = 1 } END { exit !found }'
 }
 
 # wait_status VM STATUS TIMEOUT_S

@@ -10,9 +10,10 @@
 //! never changed or deleted. Taps are not persistent: they vanish when the last fd closes, so a
 //! QEMU or daemon that dies cannot leave one behind on its own.
 
-use super::link::{owner_alias, parse_owner, LinkInfo, Netlink, Owner};
+use super::link::{LinkInfo, Netlink};
 use super::tap::create_tap;
 use super::NetError;
+use super::{owner_alias, parse_owner, Owner};
 use crate::api::{ApiError, Code, NicSpec};
 use crate::config::{Config, Network};
 use crate::nic::NicAlloc;
@@ -46,8 +47,8 @@ impl HostNet {
     ///
     /// # Errors
     /// The netlink socket cannot be opened.
-    pub async fn connect() -> Result<HostNet, NetError> {
-        Ok(HostNet { nl: Netlink::connect().await? })
+    pub fn connect() -> Result<HostNet, NetError> {
+        Ok(HostNet { nl: Netlink::connect()? })
     }
 
     /// Makes every configured network usable: owned bridges (`create = true`) are created or
@@ -86,7 +87,8 @@ impl HostNet {
                 ))
             }
             None => {
-                let l = self.nl.create_bridge(&net.bridge, net.vlan_filtering, &marker).await.map_err(|e| e.to_string())?;
+                let l =
+                    self.nl.create_bridge(&net.bridge, net.vlan_filtering, &marker).await.map_err(|e| e.to_string())?;
                 (l, "created")
             }
         };
@@ -162,7 +164,8 @@ impl HostNet {
         let mut fds = Vec::with_capacity(nics.len());
         for (i, (nic, alloc)) in nics.iter().zip(allocs).enumerate() {
             let net = config.networks.get(&nic.network).ok_or_else(|| {
-                ApiError::new(Code::NotInModel, format!("no network {:?}", nic.network)).field(format!("spec.nics[{i}].network"))
+                ApiError::new(Code::NotInModel, format!("no network {:?}", nic.network))
+                    .field(format!("spec.nics[{i}].network"))
             })?;
             let fd = self.attach_one(vm, net, nic, alloc).await.map_err(|(step, e)| {
                 let mut err = net_error(step, &e);
@@ -191,8 +194,10 @@ impl HostNet {
         // it; remove it first, but only if it is ours.
         if let Some(old) = self.nl.link_by_name(&alloc.tap).await.map_err(|e| ("tap", e))? {
             match old.alias.as_deref().and_then(parse_owner) {
-                Some(Owner::Vm(owner)) if owner == vm => self.nl.delete_link(old.index).await.map_err(|e| ("tap", e))?,
-                _ => return Err(("tap", NetError::Busy(alloc.tap.clone()))),
+                Some(Owner::Vm(owner)) if owner == vm => {
+                    self.nl.delete_link(old.index).await.map_err(|e| ("tap", e))?
+                }
+                _ => return Err(("tap", NetError::Exists(alloc.tap.clone()))),
             }
         }
         let fd = create_tap(&alloc.tap).map_err(|e| ("tap", e))?;
@@ -202,7 +207,7 @@ impl HostNet {
             .await
             .map_err(|e| ("tap", e))?
             .ok_or_else(|| ("tap", NetError::NotFound(alloc.tap.clone())))?;
-        self.nl.set_alias(tap.index, &owner_alias(vm)).await.map_err(|e| ("alias", e))?;
+        self.nl.set_alias(tap.index, &owner_alias(&Owner::Vm(vm.to_string()))).await.map_err(|e| ("alias", e))?;
         self.nl.set_mtu(tap.index, bridge.mtu).await.map_err(|e| ("mtu", e))?;
         self.nl.set_master(tap.index, bridge.index).await.map_err(|e| ("attach", e))?;
         if let Some(vid) = nic.vlan {
@@ -241,5 +246,5 @@ impl HostNet {
 
 /// The marker of a bridge vmhostd owns for network `name`.
 fn owner_alias_network(name: &str) -> String {
-    super::link::network_alias(name)
+    owner_alias(&Owner::Network(name.to_string()))
 }

@@ -1,0 +1,304 @@
+//! The kernel-facing layer of host networking: taps, bridges, addresses and bridge VLANs.
+//!
+//! vmhostd gives each VM NIC a tap on a bridge. This module is the only place that asks the kernel
+//! for those links, and it speaks to the kernel directly: netlink (through `rtnetlink`) for links,
+//! addresses and VLANs, the `/dev/net/tun` ioctl for taps. It never runs `ip`, `brctl` or
+//! `bridge`: their output is not an interface, and a daemon that shells out cannot tell a kernel
+//! refusal from a missing binary.
+//!
+//! The networking layer above uses it in this order:
+//!
+//! 1. [`link::Netlink::connect`] opens one netlink socket (inside a tokio runtime);
+//! 2. for a network the daemon owns, [`link::Netlink::create_bridge`] makes the bridge with its
+//!    ownership marker ([`owner_alias`]), then sets its MTU, address and VLAN filtering and brings it
+//!    up; an existing bridge is only looked up ([`link::Netlink::link_by_name`]);
+//! 3. per NIC, [`tap::create_tap`] makes a tap whose life is tied to its file descriptor;
+//!    [`link::Netlink::set_alias`] marks it, then it gets the bridge's MTU, is attached with
+//!    [`link::Netlink::set_master`], gets its VLAN ([`link::Netlink::bridge_vlan_add`]) and is brought
+//!    up; the descriptor goes to QEMU (`-netdev tap,fd=N`);
+//! 4. on destroy or at start-up, [`link::Netlink::links`] plus [`parse_owner`] find the links the
+//!    daemon made, and [`link::Netlink::delete_link`] removes them.
+//!
+//! # Ownership
+//! Every link vmhostd creates carries an interface alias (`ifalias`) starting with [`ALIAS_PREFIX`]
+//! that names its owner ([`Owner`]). The daemon never changes or deletes a link without such a
+//! marker: a bridge the operator made, an uplink, another program's veth are left exactly as they
+//! are. Taps additionally vanish by themselves when their last descriptor closes (see [`tap`]), so a
+//! crash between creating a tap and marking it leaves nothing behind.
+//!
+//! # Where this is proven
+//! The tests here run against the real kernel, each in its own network namespace (see
+//! `testing::in_netns`). This machine's kernel has bridges but no bridge VLAN filtering, so here
+//! the tests only prove that the VLAN calls fail with a clear [`NetError::Unsupported`]. VLAN
+//! behaviour itself (PVID/untagged access ports, tagged trunks, isolation between VLANs) is proven
+//! in the lab host: a QEMU/TCG VM running Debian's cloud kernel, whose bridge has VLAN filtering
+//! (built separately, see the host-networking issue).
+
+pub mod host;
+pub mod link;
+pub mod tap;
+
+use std::io;
+
+/// The start of every ownership marker vmhostd writes into a link's `ifalias`.
+pub const ALIAS_PREFIX: &str = "vmhost:";
+
+/// Longest interface name the kernel accepts, in bytes (`IFNAMSIZ` minus the terminating NUL).
+pub const MAX_LINK_NAME: usize = 15;
+
+/// Who owns a link that vmhostd created, as recorded in its `ifalias`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Owner {
+    /// A VM's tap (`vmhost:vm=NAME`).
+    Vm(String),
+    /// A bridge vmhostd created for a network (`vmhost:net=NAME`).
+    Network(String),
+}
+
+/// The `ifalias` marker naming `owner`: `vmhost:vm=NAME` or `vmhost:net=NAME`.
+///
+/// [`parse_owner`] reads it back. The kernel limits an alias to 255 bytes; names are validated
+/// far below that by the config and spec rules.
+pub fn owner_alias(owner: &Owner) -> String {
+    match owner {
+        Owner::Vm(name) => format!("{ALIAS_PREFIX}vm={name}"),
+        Owner::Network(name) => format!("{ALIAS_PREFIX}net={name}"),
+    }
+}
+
+/// The owner recorded in an `ifalias`, or `None` when the alias is not a vmhost marker (a link
+/// vmhostd must not touch).
+///
+/// Only the exact forms [`owner_alias`] writes count: an unknown kind or an empty name is `None`.
+pub fn parse_owner(alias: &str) -> Option<Owner> {
+    let rest = alias.strip_prefix(ALIAS_PREFIX)?;
+    let (kind, name) = rest.split_once('=')?;
+    if name.is_empty() {
+        return None;
+    }
+    match kind {
+        "vm" => Some(Owner::Vm(name.to_string())),
+        "net" => Some(Owner::Network(name.to_string())),
+        _ => None,
+    }
+}
+
+/// What can go wrong when talking to the kernel about links.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// A link name the kernel would refuse, or one this module refuses to pass on.
+    #[error("invalid link name {name:?}: {reason}")]
+    InvalidName {
+        /// The name given.
+        name: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// A VLAN id outside 1..=4094.
+    #[error("invalid VLAN id {0} (must be 1..=4094)")]
+    InvalidVlan(u16),
+    /// An IPv4 prefix length above 32.
+    #[error("invalid IPv4 prefix length {0} (must be 0..=32)")]
+    InvalidPrefix(u8),
+    /// The link, address or VLAN does not exist (`ENODEV`, `ENOENT`, ...).
+    #[error("{0} not found")]
+    NotFound(String),
+    /// A link with that name, or that address, already exists (`EEXIST`, `EBUSY` from the tun driver).
+    #[error("{0} already exists")]
+    Exists(String),
+    /// The link is not a bridge, but the operation needs one.
+    #[error("link #{index} is not a bridge (kind {kind:?})")]
+    NotABridge {
+        /// The link's index.
+        index: u32,
+        /// Its kind as the kernel reports it (`None` for a plain device).
+        kind: Option<String>,
+    },
+    /// The link is not attached to a bridge, but the operation works on bridge ports.
+    #[error("link #{0} is not a bridge port")]
+    NotABridgePort(u32),
+    /// The kernel lacks a feature (`EOPNOTSUPP`), e.g. bridge VLAN filtering on this build.
+    #[error("{what} is not supported by this kernel")]
+    Unsupported {
+        /// The feature.
+        what: &'static str,
+    },
+    /// The kernel refused a netlink request for another reason.
+    #[error("netlink {op} failed: {source}")]
+    Netlink {
+        /// The operation (`create bridge`, `set master`, ...).
+        op: &'static str,
+        /// The kernel's errno, when the failure is a kernel answer.
+        errno: Option<i32>,
+        /// The netlink library's error.
+        #[source]
+        source: rtnetlink::Error,
+    },
+    /// A system call outside netlink failed (opening `/dev/net/tun`, `TUNSETIFF`, the socket).
+    #[error("{op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// Why it failed.
+        #[source]
+        source: io::Error,
+    },
+    /// The kernel's answer lacks something it always sends (e.g. a just-created link is missing).
+    #[error("unexpected netlink answer: {0}")]
+    Unexpected(String),
+}
+
+impl NetError {
+    /// A short, stable word for the kind of failure, for logs and error details.
+    pub fn code(&self) -> &'static str {
+        match self {
+            NetError::InvalidName { .. } => "invalid_name",
+            NetError::InvalidVlan(_) => "invalid_vlan",
+            NetError::InvalidPrefix(_) => "invalid_prefix",
+            NetError::NotFound(_) => "not_found",
+            NetError::Exists(_) => "exists",
+            NetError::NotABridge { .. } => "not_a_bridge",
+            NetError::NotABridgePort(_) => "not_a_bridge_port",
+            NetError::Unsupported { .. } => "unsupported",
+            NetError::Netlink { .. } => "netlink",
+            NetError::Io { .. } => "io",
+            NetError::Unexpected(_) => "unexpected",
+        }
+    }
+
+    /// The kernel's errno behind a [`NetError::Netlink`] or [`NetError::Io`] error.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            NetError::Netlink { errno, .. } => *errno,
+            NetError::Io { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+/// Checks a link name the way the kernel's `dev_valid_name` does (1 to 15 bytes, not `.` or
+/// `..`, no `/`, `:` or whitespace), and also refuses NUL and `%`: `%d` would make the kernel
+/// pick the name, and vmhostd's names are deterministic.
+///
+/// # Errors
+/// [`NetError::InvalidName`] with the reason.
+pub fn validate_link_name(name: &str) -> Result<(), NetError> {
+    let reason = if name.is_empty() {
+        Some("empty")
+    } else if name.len() > MAX_LINK_NAME {
+        Some("longer than 15 bytes")
+    } else if name == "." || name == ".." {
+        Some("\".\" and \"..\" are reserved")
+    } else if name.contains('/') {
+        Some("contains '/'")
+    } else if name.contains(':') {
+        Some("contains ':'")
+    } else if name.contains('%') {
+        Some("contains '%'")
+    } else if name.contains('\0') {
+        Some("contains NUL")
+    } else if name.chars().any(char::is_whitespace) {
+        Some("contains whitespace")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(NetError::InvalidName { name: name.to_string(), reason }),
+        None => Ok(()),
+    }
+}
+
+/// Test support: running async code in a fresh network namespace.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::future::Future;
+
+    use nix::sched::CloneFlags;
+
+    /// Runs `body` in a new thread that first moves into a network namespace of its own
+    /// (`unshare(CLONE_NEWNET)`), then drives `body` on a current-thread tokio runtime.
+    ///
+    /// A network namespace belongs to a thread, not a process, so other tests running in parallel
+    /// keep theirs; everything `body` creates is confined to the new namespace and disappears with
+    /// it. Netlink sockets, `/dev/net/tun` descriptors and child processes made inside `body` all
+    /// live in that namespace, which is why the socket must be opened after the `unshare`, inside
+    /// the thread. Needs root (`CAP_SYS_ADMIN`); a panic in `body` is re-raised in the caller.
+    pub(crate) fn in_netns<F, Fut, T>(body: F) -> T
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = T>,
+        T: Send + 'static,
+    {
+        let thread = std::thread::spawn(move || {
+            nix::sched::unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET) needs root");
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            runtime.block_on(body())
+        });
+        match thread.join() {
+            Ok(value) => value,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owner_alias_round_trips() {
+        let vm = Owner::Vm("web-1".to_string());
+        let net = Owner::Network("lan".to_string());
+        assert_eq!(owner_alias(&vm), "vmhost:vm=web-1");
+        assert_eq!(owner_alias(&net), "vmhost:net=lan");
+        assert_eq!(parse_owner(&owner_alias(&vm)), Some(vm));
+        assert_eq!(parse_owner(&owner_alias(&net)), Some(net));
+        // A name may itself contain '=' or ':'; only the first '=' separates.
+        assert_eq!(parse_owner("vmhost:vm=a=b:c"), Some(Owner::Vm("a=b:c".to_string())));
+    }
+
+    #[test]
+    fn foreign_aliases_have_no_owner() {
+        for alias in [
+            "",
+            "uplink to the rack",
+            "vmhost",
+            "vmhost:",
+            "vmhost:vm",
+            "vmhost:vm=",
+            "vmhost:net=",
+            "vmhost:disk=x",
+            "VMHOST:vm=x",
+            " vmhost:vm=x",
+            "libvirt:vm=x",
+        ] {
+            assert_eq!(parse_owner(alias), None, "{alias:?}");
+        }
+    }
+
+    #[test]
+    fn link_names_follow_the_kernel_rules() {
+        for good in ["a", "vmt-web1-0", "br-lan", "x".repeat(15).as_str(), "tap.0", "é"] {
+            assert!(validate_link_name(good).is_ok(), "{good:?}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", "a\tb", "a\nb", "eth0:1", "tap%d", "a\0b", &"x".repeat(16)] {
+            let err = validate_link_name(bad).unwrap_err();
+            assert_eq!(err.code(), "invalid_name", "{bad:?}");
+        }
+        // 15 bytes but more than 15 characters' worth is counted in bytes: "é" is two.
+        assert!(validate_link_name(&"é".repeat(8)).is_err());
+        assert!(validate_link_name(&"é".repeat(7)).is_ok());
+    }
+
+    #[test]
+    fn error_codes_and_errno() {
+        let e = NetError::Io { op: "open /dev/net/tun", source: io::Error::from_raw_os_error(libc::EPERM) };
+        assert_eq!(e.code(), "io");
+        assert_eq!(e.errno(), Some(libc::EPERM));
+        assert_eq!(NetError::Unsupported { what: "bridge VLAN filtering" }.errno(), None);
+        assert_eq!(
+            NetError::Unsupported { what: "bridge VLAN filtering" }.to_string(),
+            "bridge VLAN filtering is not supported by this kernel"
+        );
+    }
+}
