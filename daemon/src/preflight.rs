@@ -6,6 +6,7 @@
 
 use crate::api::{CheckItem, CheckStatus, HostCheck};
 use crate::config::{Accel, Config};
+use crate::net::host::NetworkState;
 use crate::state::BrokenRecord;
 use std::path::Path;
 use std::process::Stdio;
@@ -100,9 +101,19 @@ fn records(broken: &[BrokenRecord]) -> CheckItem {
     item("vm_records", CheckStatus::Error, format!("unreadable records: {}", list.join("; ")))
 }
 
-/// Runs every preflight check.
-pub async fn check(config: &Config, broken: &[BrokenRecord]) -> HostCheck {
-    let items = vec![
+fn networks(states: &[NetworkState]) -> Vec<CheckItem> {
+    states
+        .iter()
+        .map(|s| {
+            let status = if s.ready { CheckStatus::Ok } else { CheckStatus::Error };
+            item(&format!("network.{}", s.name), status, s.detail.clone())
+        })
+        .collect()
+}
+
+/// Runs every preflight check; `networks` is what the network owner found at its last check.
+pub async fn check(config: &Config, broken: &[BrokenRecord], network_states: &[NetworkState]) -> HostCheck {
+    let mut items = vec![
         binary_version("qemu", &config.qemu.binary).await,
         binary_version("qemu_img", &config.qemu.img_binary).await,
         accelerator(config),
@@ -112,6 +123,7 @@ pub async fn check(config: &Config, broken: &[BrokenRecord]) -> HostCheck {
         hardware(config),
         records(broken),
     ];
+    items.extend(networks(network_states));
     let ok = items.iter().all(|i| i.status == CheckStatus::Ok);
     HostCheck { ok, items }
 }
@@ -130,7 +142,7 @@ mod tests {
         c.paths.state = d.path().to_path_buf();
         c.paths.run = d.path().join("absent");
         c.paths.images = d.path().join("absent-images");
-        let r = check(&c, &[]).await;
+        let r = check(&c, &[], &[]).await;
         assert!(!r.ok);
         let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
         assert_eq!(status("qemu"), CheckStatus::Missing);
@@ -142,7 +154,9 @@ mod tests {
         assert_eq!(status("hardware_model"), CheckStatus::Missing); // 0000:c7:00.0 is not on this host
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "the probe file is removed");
         let broken = [BrokenRecord { path: "/x/a.json".into(), name: "a".into(), error: "bad".into() }];
-        let r = check(&c, &broken).await;
+        let nets = [NetworkState { name: "lan".into(), ready: false, detail: "bridge br0 does not exist".into() }];
+        let r = check(&c, &broken, &nets).await;
+        assert_eq!(r.items.iter().find(|i| i.name == "network.lan").unwrap().status, CheckStatus::Error);
         assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
     }
 }

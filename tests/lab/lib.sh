@@ -20,6 +20,12 @@ LAB_DAEMON_LOG=$LAB_DIR/vmhostd.log
 LAB_GUEST_KERNEL=/lab/guest/vmlinuz
 LAB_GUEST_INITRD=/lab/guest/initramfs.cpio.gz
 LAB_GUEST_READY=VMHOST-GUEST-READY
+# iproute2 (full `ip` and `bridge`). Busybox sh runs its own applets before searching
+# PATH, so a bare `ip` is always busybox's (no tuntap, no bridge or VLAN-filtering
+# options, no -d details): call iproute2 by path, as "$IP".
+IP=/usr/local/sbin/ip
+BRIDGE=/usr/local/sbin/bridge
+export IP BRIDGE
 LAB_NFAIL=0
 LAB_FIRST_FAIL=
 LAB_VMHOSTD_PID=

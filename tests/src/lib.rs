@@ -76,6 +76,8 @@ pub struct TestHost {
     pub config: PathBuf,
     /// API socket.
     pub socket: PathBuf,
+    /// The daemon's network namespace (`ip netns` name), if it has one.
+    pub netns: Option<String>,
     daemon: Option<Child>,
 }
 
@@ -92,6 +94,8 @@ pub struct HostOptions {
     pub machine: String,
     /// `[access]` groups.
     pub readonly_group: String,
+    /// Run the daemon (and so its QEMUs and links) in a network namespace of its own.
+    pub netns: bool,
 }
 
 impl Default for HostOptions {
@@ -102,6 +106,7 @@ impl Default for HostOptions {
             extra: String::new(),
             machine: "q35".into(),
             readonly_group: "vmhost-ro".into(),
+            netns: false,
         }
     }
 }
@@ -146,9 +151,23 @@ reserved_memory_gib = 1
             extra = opts.extra,
         );
         fs::write(&config, text).expect("write config");
-        let mut host = TestHost { dir, config, socket, daemon: None };
+        let netns = opts.netns.then(|| {
+            let name = d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let st = Command::new("ip").args(["netns", "add", &name]).status().expect("ip netns add");
+            assert!(st.success(), "ip netns add {name} failed");
+            name
+        });
+        let mut host = TestHost { dir, config, socket, netns, daemon: None };
         host.spawn_daemon();
         host
+    }
+
+    /// Creates the network namespace the daemon will run in without starting it, so a test can
+    /// put fixtures there first. Returns the host; call [`TestHost::spawn_daemon`] next.
+    pub fn prepare(opts: HostOptions) -> TestHost {
+        let mut h = TestHost::start(opts);
+        h.stop_daemon();
+        h
     }
 
     /// Starts (or restarts) vmhostd and waits until its socket answers.
@@ -159,15 +178,18 @@ reserved_memory_gib = 1
             .open(self.dir.path().join("vmhostd.log"))
             .expect("daemon log");
         let err = log.try_clone().expect("dup log");
-        let child = Command::new(bin("vmhostd"))
-            .arg("--config")
-            .arg(&self.config)
-            .env("VMHOST_LOG", "debug")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .expect("spawn vmhostd");
+        let mut cmd = Command::new(bin("vmhostd"));
+        cmd.arg("--config").arg(&self.config).env("VMHOST_LOG", "debug").stdin(Stdio::null()).stdout(log).stderr(err);
+        if let Some(ns) = &self.netns {
+            let nsfile = fs::File::open(format!("/run/netns/{ns}")).expect("open netns");
+            // SAFETY: setns is async-signal-safe and the closure allocates nothing.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    nix::sched::setns(&nsfile, nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+                });
+            }
+        }
+        let child = cmd.spawn().expect("spawn vmhostd");
         self.daemon = Some(child);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -296,6 +318,19 @@ reserved_memory_gib = 1
         }
     }
 
+    /// Runs `ip -n NETNS ARGS...` (inspection and fixtures only) and returns its stdout.
+    pub fn ip(&self, args: &[&str]) -> String {
+        let ns = self.netns.as_deref().expect("host has a netns");
+        let out = Command::new("ip").arg("-n").arg(ns).args(args).output().expect("run ip");
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Links in the host's netns as `ip -j link` objects.
+    pub fn links(&self) -> Vec<Value> {
+        serde_json::from_str(&self.ip(&["-j", "-d", "link", "show"])).unwrap_or_default()
+    }
+
     /// Pids of every live (non-zombie) QEMU whose command line mentions this host's dir.
     pub fn qemu_pids(&self) -> Vec<i32> {
         qemu_pids_under(self.dir.path())
@@ -336,5 +371,10 @@ impl Drop for TestHost {
         for pid in self.qemu_pids() {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
         }
+        if let Some(ns) = &self.netns {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
     }
 }
+
+pub mod lab;

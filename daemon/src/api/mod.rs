@@ -462,6 +462,47 @@ pub struct HostInfo {
     pub hardware: Vec<HardwareItem>,
     /// Number of VM records.
     pub vm_count: usize,
+    /// Configured networks and the NICs on them.
+    #[serde(default)]
+    pub networks: Vec<NetworkInfo>,
+}
+
+/// A configured network as `host.info` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkInfo {
+    /// Network name.
+    pub name: String,
+    /// Its bridge.
+    pub bridge: String,
+    /// Whether vmhostd creates and owns the bridge.
+    pub created: bool,
+    /// Bridge VLAN filtering.
+    pub vlan_filtering: bool,
+    /// Declared subnet.
+    pub subnet: Option<String>,
+    /// Usable right now.
+    pub ready: bool,
+    /// What vmhostd found or did.
+    pub detail: String,
+    /// NICs of VMs on this network.
+    pub nics: Vec<NetworkNic>,
+}
+
+/// A VM NIC on a network.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkNic {
+    /// VM name.
+    pub vm: String,
+    /// NIC index in the VM's spec.
+    pub nic: usize,
+    /// MAC.
+    pub mac: String,
+    /// Host tap.
+    pub tap: String,
+    /// Access VLAN.
+    pub vlan: Option<u16>,
+    /// Static guest address, if any.
+    pub address: Option<String>,
 }
 
 /// Status of one preflight item.

@@ -148,16 +148,31 @@ impl Manager {
             r.status = during;
             r.last_error = None;
         })?;
+        // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
+        // failure below removes the taps: they are not persistent.
+        let allocs = self.record(&name)?.nics;
+        let fds = match self.net.attach_nics(&self.config, &name, &vm.spec.nics, &allocs).await {
+            Ok(fds) => fds,
+            Err(e) => {
+                self.net.detach_nics(&name).await;
+                self.clean_run_dir(&paths);
+                return Err(e);
+            }
+        };
         let request = LaunchRequest {
             binary: self.config.qemu.binary.clone(),
-            argv: build_argv(vm, &self.config, &paths, &[]),
+            argv: build_argv(vm, &self.config, &paths, &allocs),
             pidfile: paths.pidfile.clone(),
             timeout: Duration::from_secs(self.config.qemu.launch_timeout_s),
-            fds: Vec::new(),
+            fds,
         };
-        let id = match launch(&request).await {
+        let launched = launch(&request).await;
+        // QEMU holds its own copies now; ours must go so the taps die with QEMU.
+        drop(request);
+        let id = match launched {
             Ok(id) => id,
             Err(e) => {
+                self.net.detach_nics(&name).await;
                 self.clean_run_dir(&paths);
                 let tail = e.stderr_tail().unwrap_or_default().to_string();
                 return Err(ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
@@ -185,6 +200,7 @@ impl Manager {
                 // On a failed kill the record keeps the process, so nothing treats the VM as stopped.
                 self.kill_process(&name, &id).await?;
                 self.clean_run_dir(&paths);
+                self.net.detach_nics(&name).await;
                 let _ = self.update(&name, "launch failed", |r| r.process = None);
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
             }

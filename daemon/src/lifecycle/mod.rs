@@ -23,6 +23,7 @@ use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, 
 use crate::capacity::{self, Holding};
 use crate::config::Config;
 use crate::events::EventBus;
+use crate::net::host::{HostNet, NetworkState};
 use crate::nic::{NicAlloc, NicHolding};
 use crate::qemu::argv::VmPaths;
 use crate::state::{BrokenRecord, Store, VmRecord};
@@ -47,6 +48,10 @@ pub struct Manager {
     table: Mutex<Table>,
     /// Held for the daemon's life: a second vmhostd on the same state dir must not touch it.
     _state_lock: nix::fcntl::Flock<std::fs::File>,
+    /// Host networking (bridges, taps), the owner of every link vmhostd makes.
+    net: HostNet,
+    /// What the last network check found, by network name.
+    net_states: Mutex<BTreeMap<String, NetworkState>>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -110,9 +115,42 @@ impl Manager {
             busy: HashSet::new(),
             broken: broken.into_iter().map(|b| (b.name.clone(), b)).collect(),
         };
-        let mgr = Arc::new(Manager { config, store, events, table: Mutex::new(table), _state_lock: state_lock });
+        let net = HostNet::connect().map_err(|e| format!("cannot open netlink: {e}"))?;
+        let mgr = Arc::new(Manager {
+            config,
+            store,
+            events,
+            table: Mutex::new(table),
+            _state_lock: state_lock,
+            net,
+            net_states: Mutex::new(BTreeMap::new()),
+        });
         mgr.recover_all().await;
+        mgr.refresh_networks().await;
+        let live: HashSet<String> =
+            mgr.lock().vms.values().filter(|r| r.status == VmStatus::Running).map(|r| r.spec.name.clone()).collect();
+        let removed = mgr.net.remove_orphans(&live).await;
+        if !removed.is_empty() {
+            tracing::info!(links = ?removed, "removed orphaned links");
+        }
         Ok(mgr)
+    }
+
+    /// Makes the configured networks usable and remembers what was found.
+    pub async fn refresh_networks(&self) {
+        let states = self.net.ensure_networks(&self.config).await;
+        let mut map = self.net_states.lock().unwrap_or_else(|p| p.into_inner());
+        *map = states.into_iter().map(|s| (s.name.clone(), s)).collect();
+    }
+
+    /// Network states for `host.check`.
+    pub fn network_states(&self) -> Vec<NetworkState> {
+        self.net_states.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
+    }
+
+    /// The host networking owner.
+    pub fn host_net(&self) -> &HostNet {
+        &self.net
     }
 
     /// The config the manager runs with.
@@ -330,7 +368,48 @@ impl Manager {
             memory_mib,
             hardware,
             vm_count: t.vms.len(),
+            networks: self.network_info(&t),
         }
+    }
+
+    fn network_info(&self, t: &Table) -> Vec<crate::api::NetworkInfo> {
+        let states = self.network_states();
+        self.config
+            .networks
+            .values()
+            .map(|n| {
+                let state = states.iter().find(|s| s.name == n.name);
+                let nics = t
+                    .vms
+                    .values()
+                    .flat_map(|r| {
+                        r.spec.nics.iter().zip(&r.nics).enumerate().filter(|(_, (spec, _))| spec.network == n.name).map(
+                            |(i, (spec, alloc))| crate::api::NetworkNic {
+                                vm: r.spec.name.clone(),
+                                nic: i,
+                                mac: alloc.mac.clone(),
+                                tap: alloc.tap.clone(),
+                                vlan: spec.vlan,
+                                address: match &spec.ipv4 {
+                                    Some(crate::api::Ipv4Spec::Static { address, .. }) => Some(address.clone()),
+                                    _ => None,
+                                },
+                            },
+                        )
+                    })
+                    .collect();
+                crate::api::NetworkInfo {
+                    name: n.name.clone(),
+                    bridge: n.bridge.clone(),
+                    created: n.create,
+                    vlan_filtering: n.vlan_filtering,
+                    subnet: n.subnet.map(|s| s.to_string()),
+                    ready: state.is_some_and(|s| s.ready),
+                    detail: state.map(|s| s.detail.clone()).unwrap_or_default(),
+                    nics,
+                }
+            })
+            .collect()
     }
 
     /// Records that could not be loaded, for `host.check`.

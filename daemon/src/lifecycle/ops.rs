@@ -168,6 +168,7 @@ impl Manager {
         let state_changed = rec.spec.state != DesiredState::Stopped;
         let Some(id) = self.find_live(&paths, rec.process.as_ref())? else {
             self.clean_run_dir(&paths);
+            self.net.detach_nics(name).await;
             let status_changed = matches!(rec.status, VmStatus::Running | VmStatus::Starting | VmStatus::Stopping);
             if state_changed || status_changed {
                 self.update(name, "vm.stop", |r| {
@@ -208,6 +209,7 @@ impl Manager {
             self.kill_process(name, &id).await?;
         }
         self.clean_run_dir(&paths);
+        self.net.detach_nics(name).await;
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
         self.update(name, reason, |r| {
             r.status = VmStatus::Stopped;
@@ -266,6 +268,7 @@ impl Manager {
             }
         }
         self.clean_run_dir(&paths);
+        self.net.detach_nics(name).await;
         for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
             if let Err(e) = crate::disk::remove_overlay(&overlay) {
                 let err = ApiError::new(Code::ProvisioningFailed, format!("cannot remove the overlay: {e}"));

@@ -151,6 +151,7 @@ impl Manager {
             match result {
                 Ok(true) => {
                     self.clean_run_dir(&self.paths(name));
+                    self.net.detach_nics(name).await;
                     return;
                 }
                 Ok(false) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,

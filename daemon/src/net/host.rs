@@ -68,6 +68,27 @@ impl HostNet {
         out
     }
 
+    /// Reports whether each network's bridge is present (and, for owned bridges, marked as
+    /// ours) without changing anything: what `host.check` shows.
+    pub async fn probe_networks(&self, config: &Config) -> Vec<NetworkState> {
+        let mut out = Vec::new();
+        for net in config.networks.values() {
+            let (ready, detail) = match self.nl.link_by_name(&net.bridge).await {
+                Ok(Some(l)) if l.kind.as_deref() != Some("bridge") => {
+                    (false, format!("{} is a {:?}, not a bridge", net.bridge, l.kind))
+                }
+                Ok(Some(l)) if net.create && l.alias.as_deref() != Some(owner_alias_network(&net.name).as_str()) => {
+                    (false, format!("{} exists without vmhostd's marker", net.bridge))
+                }
+                Ok(Some(l)) => (true, format!("bridge {} present, {}", net.bridge, if l.up { "up" } else { "down" })),
+                Ok(None) => (false, format!("bridge {} does not exist", net.bridge)),
+                Err(e) => (false, format!("cannot look up {}: {e}", net.bridge)),
+            };
+            out.push(NetworkState { name: net.name.clone(), ready, detail });
+        }
+        out
+    }
+
     async fn ensure_network(&self, net: &Network) -> Result<String, String> {
         let existing = self.nl.link_by_name(&net.bridge).await.map_err(|e| e.to_string())?;
         if !net.create {

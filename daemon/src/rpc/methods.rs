@@ -50,7 +50,9 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
         call(parse_params::<serde_json::Map<String, serde_json::Value>>(&params).map(|_| mgr.host_info()))
     })?;
     m.register_async_method("host.check", |_params, mgr, _| async move {
-        call(Ok::<_, ApiError>(crate::preflight::check(mgr.config(), &mgr.broken_records()).await))
+        let networks = mgr.host_net().probe_networks(mgr.config()).await;
+        let report = crate::preflight::check(mgr.config(), &mgr.broken_records(), &networks).await;
+        call(Ok::<_, ApiError>(report))
     })?;
     m.register_async_method("host.reconcile", |params, mgr, _| async move {
         let p: ReconcileParams = match parse_params(&params) {

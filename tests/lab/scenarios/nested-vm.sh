@@ -25,8 +25,8 @@ check vm-list-running vm_listed g1 running
 check vm-get-running wait_status g1 running 10
 
 # --- what this machine's kernel lacks --------------------------------------------------
-# busybox ip first (what a minimal image has), then iproute2 (/usr/local/sbin/ip),
-# which the scenarios of the networking issue use for bridge VLAN tables.
+# busybox ip first (what a minimal image has; it cannot set bridge options, sysfs can),
+# then iproute2 ("$IP", "$BRIDGE"; lib.sh), which also shows the bridge VLAN table.
 check bb-dummy busybox ip link add d0 type dummy
 check bb-vlan busybox ip link add link d0 name d0.10 type vlan id 10
 check vlan-id-10 grep -q "VID: 10" /proc/net/vlan/d0.10
@@ -34,20 +34,20 @@ check bb-bridge busybox ip link add br0 type bridge
 check bridge-vlan-filtering-sysfs sh -c 'echo 1 >/sys/class/net/br0/bridge/vlan_filtering &&
     test "$(cat /sys/class/net/br0/bridge/vlan_filtering)" = 1'
 
-check ip-vlan ip link add link d0 name d0.20 type vlan id 20
-check ip-vlan-details sh -c 'ip -d link show d0.20 | grep -q "vlan protocol 802.1Q id 20"'
-check ip-bridge-filtering ip link add br1 type bridge vlan_filtering 1
-check ip-bridge-filtering-on sh -c 'ip -d link show br1 | grep -q "vlan_filtering 1"'
-check port-dummy ip link add d1 type dummy
-check port-enslave ip link set d1 master br1
-check tap-create ip tuntap add dev tap0 mode tap
-check tap-enslave ip link set tap0 master br1
-check port-pvid bridge vlan add dev tap0 vid 10 pvid untagged
-check port-trunk bridge vlan add dev d1 vid 20
-check bridge-vlan-table sh -c 'bridge vlan show dev tap0 | grep -Eq "10 PVID (Egress )?Untagged" &&
-    bridge vlan show dev d1 | grep -Eq "\b20\b"'
-check links-up sh -c 'ip link set d0 up && ip link set d0.10 up && ip link set br1 up'
-LAB_VERBOSE=1 check show-links sh -c 'ip -br link; bridge vlan show'
+check ip-vlan "$IP" link add link d0 name d0.20 type vlan id 20
+check ip-vlan-details sh -c '"$IP" -d link show d0.20 | grep -q "vlan protocol 802.1Q id 20"'
+check ip-bridge-filtering "$IP" link add br1 type bridge vlan_filtering 1
+check ip-bridge-filtering-on sh -c '"$IP" -d link show br1 | grep -q "vlan_filtering 1"'
+check port-dummy "$IP" link add d1 type dummy
+check port-enslave "$IP" link set d1 master br1
+check tap-create "$IP" tuntap add dev tap0 mode tap
+check tap-enslave "$IP" link set tap0 master br1
+check port-pvid "$BRIDGE" vlan add dev tap0 vid 10 pvid untagged
+check port-trunk "$BRIDGE" vlan add dev d1 vid 20
+check bridge-vlan-table sh -c '"$BRIDGE" vlan show dev tap0 | grep -Eq "10 PVID (Egress )?Untagged" &&
+    "$BRIDGE" vlan show dev d1 | grep -Eq "\b20\b"'
+check links-up sh -c '"$IP" link set d0 up && "$IP" link set d0.10 up && "$IP" link set br1 up'
+LAB_VERBOSE=1 check show-links sh -c '"$IP" -br link; "$BRIDGE" vlan show'
 
 check vfio-modules sh -c 'lsmod | grep -q "^vfio_pci " && test -c /dev/vfio/vfio'
 

@@ -1,0 +1,237 @@
+//! Host networking end to end: a real vmhostd in its own network namespace, real taps and
+//! bridges made through netlink, real TCG guests pinging each other.
+//!
+//! This kernel has no VLAN filtering and no 802.1Q: VLAN behaviour is proven in the lab host
+//! (tests/tests/lab.rs).
+
+use serde_json::{json, Value};
+use std::time::Duration;
+use vmhost_tests::{HostOptions, TestHost, GUEST_READY};
+
+const BOOT: Duration = Duration::from_secs(90);
+
+const LAN: &str = r#"
+[networks.lan]
+bridge = "br-lan"
+create = true
+address = "10.0.0.1/24"
+subnet = "10.0.0.0/24"
+"#;
+
+fn host_with(extra: &str) -> TestHost {
+    TestHost::start(HostOptions { netns: true, extra: extra.into(), ..HostOptions::default() })
+}
+
+fn nic_spec(host: &TestHost, name: &str, addr: &str, ping: &[&str]) -> Value {
+    let mut s = host.kernel_spec(name);
+    s["nics"] = json!([{ "network": "lan", "ipv4": {
+        "mode": "static", "address": addr, "gateway": "10.0.0.1", "dns": ["10.0.0.1"], "search": ["lab.example"]
+    }}]);
+    let cmdline = format!("console=ttyS0 panic=-1 quiet vmhost.ping={}", ping.join(","));
+    s["boot"]["cmdline"] = json!(cmdline);
+    s
+}
+
+fn link<'a>(links: &'a [Value], name: &str) -> Option<&'a Value> {
+    links.iter().find(|l| l["ifname"] == name)
+}
+
+#[test]
+fn two_vms_on_a_bridge_reach_each_other_and_the_host() {
+    let host = host_with(LAN);
+    let br = link(&host.links(), "br-lan").cloned().expect("vmhostd created the bridge");
+    assert_eq!(br["ifalias"], "vmhost:net=lan");
+    assert!(host.ip(&["-4", "addr", "show", "dev", "br-lan"]).contains("10.0.0.1/24"));
+
+    let a =
+        host.call("vm.create", json!({ "spec": nic_spec(&host, "vm-a", "10.0.0.5/24", &["10.0.0.6", "10.0.0.1"]) }));
+    let b =
+        host.call("vm.create", json!({ "spec": nic_spec(&host, "vm-b", "10.0.0.6/24", &["10.0.0.5", "10.0.0.1"]) }));
+    let tap_a = a["vm"]["nics"][0]["tap"].as_str().unwrap().to_string();
+    let mac_a = a["vm"]["nics"][0]["mac"].as_str().unwrap().to_string();
+    assert!(tap_a.len() <= 15);
+
+    // Host side: a marked tap per NIC, on the bridge, up, with the bridge's MTU.
+    let links = host.links();
+    let t = link(&links, &tap_a).expect("tap exists");
+    assert_eq!(t["ifalias"], "vmhost:vm=vm-a");
+    assert_eq!(t["master"], "br-lan");
+    assert_eq!(t["mtu"], br["mtu"]);
+    assert!(t["flags"].as_array().unwrap().iter().any(|f| f == "UP"));
+
+    // Guest side: the declared address applied, the MAC we chose, and both peers reachable.
+    for (vm, peer) in [("vm-a", "10.0.0.6"), ("vm-b", "10.0.0.5")] {
+        assert!(host.wait_serial(vm, GUEST_READY, BOOT), "{vm}:\n{}", host.serial(vm));
+        for target in [peer, "10.0.0.1"] {
+            let ok = format!("VMHOST-PING {target} ok");
+            assert!(host.wait_serial(vm, &ok, BOOT), "{vm} cannot reach {target}:\n{}", host.serial(vm));
+        }
+    }
+    assert!(host.serial("vm-a").contains("VMHOST-IP eth0 10.0.0.5/24 gw=10.0.0.1"));
+    let neigh = host.ip(&["neigh", "show", "dev", "br-lan"]);
+    assert!(neigh.contains(&mac_a), "the host saw vm-a's MAC {mac_a}: {neigh}");
+
+    // host.info lists the network and its NICs.
+    let info = host.call("host.info", json!({}));
+    let lan = &info["networks"][0];
+    assert_eq!((lan["name"].clone(), lan["ready"].clone()), (json!("lan"), json!(true)));
+    let vms: Vec<&str> = lan["nics"].as_array().unwrap().iter().map(|n| n["vm"].as_str().unwrap()).collect();
+    assert_eq!(vms, vec!["vm-a", "vm-b"]);
+
+    // Destroy removes the VM's tap and nothing else.
+    host.call("vm.destroy", json!({ "name": "vm-a" }));
+    let links = host.links();
+    assert!(link(&links, &tap_a).is_none(), "tap removed");
+    assert!(link(&links, "br-lan").is_some(), "the network's bridge stays");
+    assert_eq!(host.call("vm.get", json!({ "name": "vm-b" }))["status"], "running");
+}
+
+#[test]
+fn orphans_are_removed_foreign_links_are_never_touched_and_bridges_are_adopted() {
+    let mut host = host_with(LAN);
+    let br_index = link(&host.links(), "br-lan").unwrap()["ifindex"].clone();
+    host.call("vm.create", json!({ "spec": nic_spec(&host, "keep", "10.0.0.7/24", &[]) }));
+    let keep_tap = host.call("vm.get", json!({ "name": "keep" }))["nics"][0]["tap"].as_str().unwrap().to_string();
+    host.kill_daemon();
+
+    // Fixtures made behind the daemon's back: an orphan with our marker, a foreign tap and a
+    // foreign veth pair without it (one carrying an operator's alias).
+    host.ip(&["tuntap", "add", "mode", "tap", "name", "vmhdeadbeefn0"]);
+    host.ip(&["link", "set", "vmhdeadbeefn0", "alias", "vmhost:vm=ghost"]);
+    host.ip(&["tuntap", "add", "mode", "tap", "name", "othertap"]);
+    host.ip(&["link", "add", "foreign0", "type", "veth", "peer", "name", "foreign1"]);
+    host.ip(&["link", "set", "foreign1", "alias", "operator:keep-out"]);
+    host.ip(&["link", "set", "foreign0", "master", "br-lan"]);
+    host.spawn_daemon();
+
+    let links = host.links();
+    assert!(link(&links, "vmhdeadbeefn0").is_none(), "orphan with our marker removed");
+    for name in ["othertap", "foreign0", "foreign1"] {
+        assert!(link(&links, name).is_some(), "{name} must be left alone");
+    }
+    assert_eq!(link(&links, "foreign0").unwrap()["master"], "br-lan", "a foreign port is not detached");
+    assert_eq!(link(&links, "br-lan").unwrap()["ifindex"], br_index, "bridge adopted, not recreated");
+    assert!(link(&links, &keep_tap).is_some(), "a running VM's tap survives the restart");
+    assert!(host.daemon_log().contains("removed orphaned link"));
+}
+
+#[test]
+fn an_unmarked_bridge_is_not_taken_over() {
+    let mut host = host_with("");
+    host.kill_daemon();
+    host.ip(&["link", "add", "br-lan", "type", "bridge"]);
+    std::fs::write(&host.config, std::fs::read_to_string(&host.config).unwrap() + LAN).unwrap();
+    host.spawn_daemon();
+    let check = host.call("host.check", json!({}));
+    let item = check["items"].as_array().unwrap().iter().find(|i| i["name"] == "network.lan").unwrap().clone();
+    assert_eq!(item["status"], "error", "{item}");
+    assert!(item["detail"].as_str().unwrap().contains("marker"));
+    let br = link(&host.links(), "br-lan").cloned().unwrap();
+    assert!(br["ifalias"].is_null(), "nothing was written to the foreign bridge");
+    assert!(!host.ip(&["-4", "addr", "show", "dev", "br-lan"]).contains("10.0.0.1"));
+}
+
+#[test]
+fn bad_nic_input_is_refused_and_creates_nothing() {
+    let host = host_with(LAN);
+    host.call("vm.create", json!({ "spec": nic_spec(&host, "first", "10.0.0.5/24", &[]) }));
+    let links_before = host.links().len();
+    let base = |name: &str| nic_spec(&host, name, "10.0.0.9/24", &[]);
+    let cases: Vec<(Value, i32, &str)> = vec![
+        (
+            {
+                let mut s = base("dup");
+                s["nics"][0]["ipv4"]["address"] = json!("10.0.0.5/24");
+                s
+            },
+            3003,
+            "spec.nics[0].ipv4.address",
+        ),
+        (
+            {
+                let mut s = base("host");
+                s["nics"][0]["ipv4"]["address"] = json!("10.0.0.1/24");
+                s["nics"][0]["ipv4"]["gateway"] = Value::Null;
+                s
+            },
+            3003,
+            "spec.nics[0].ipv4.address",
+        ),
+        (
+            {
+                let mut s = base("out");
+                s["nics"][0]["ipv4"]["address"] = json!("10.0.1.9/24");
+                s
+            },
+            2001,
+            "spec.nics[0].ipv4.address",
+        ),
+        (
+            {
+                let mut s = base("mac");
+                s["nics"][0]["mac"] = json!("01:00:5e:00:00:01");
+                s
+            },
+            2001,
+            "spec.nics[0].mac",
+        ),
+        (
+            {
+                let mut s = base("net");
+                s["nics"][0]["network"] = json!("wan");
+                s
+            },
+            3001,
+            "spec.nics[0].network",
+        ),
+        (
+            {
+                let mut s = base("v0");
+                s["nics"][0]["vlan"] = json!(0);
+                s
+            },
+            2001,
+            "spec.nics[0].vlan",
+        ),
+        (
+            {
+                let mut s = base("v4095");
+                s["nics"][0]["vlan"] = json!(4095);
+                s
+            },
+            2001,
+            "spec.nics[0].vlan",
+        ),
+        (
+            {
+                let mut s = base("many");
+                s["nics"] = json!(vec![json!({"network": "lan"}); 9]);
+                s
+            },
+            2001,
+            "spec.nics",
+        ),
+    ];
+    for (spec, code, field) in cases {
+        let name = spec["name"].as_str().unwrap().to_string();
+        let (got, e) = host.call_err("vm.create", json!({ "spec": spec }));
+        assert_eq!((got, e.field.as_deref()), (code, Some(field)), "{name}: {e:?}");
+        assert_eq!(host.call_err("vm.get", json!({ "name": name })).0, 4040, "{name}: no record");
+    }
+    assert_eq!(host.links().len(), links_before, "no link was created");
+}
+
+#[test]
+fn a_failed_launch_leaves_no_tap() {
+    let host = host_with(LAN);
+    let junk = host.images().join("junk-kernel");
+    std::fs::write(&junk, vec![0u8; 4096]).unwrap();
+    let mut spec = nic_spec(&host, "broken", "10.0.0.5/24", &[]);
+    spec["boot"]["kernel"] = json!(junk);
+    let before = host.links().len();
+    assert_eq!(host.call_err("vm.create", json!({ "spec": spec })).0, 4001);
+    assert_eq!(host.links().len(), before, "the tap went away with the failed launch");
+    // The address is free again: a new VM may take it.
+    host.call("vm.destroy", json!({ "name": "broken" }));
+    host.call("vm.create", json!({ "spec": nic_spec(&host, "fixed", "10.0.0.5/24", &[]) }));
+}
