@@ -50,6 +50,8 @@ fn two_vms_on_a_bridge_reach_each_other_and_the_host() {
     let tap_a = a["vm"]["nics"][0]["tap"].as_str().unwrap().to_string();
     let mac_a = a["vm"]["nics"][0]["mac"].as_str().unwrap().to_string();
     assert!(tap_a.len() <= 15);
+    assert_ne!(b["vm"]["nics"][0]["tap"], a["vm"]["nics"][0]["tap"]);
+    assert_ne!(b["vm"]["nics"][0]["mac"], a["vm"]["nics"][0]["mac"]);
 
     // Host side: a marked tap per NIC, on the bridge, up, with the bridge's MTU.
     let links = host.links();
