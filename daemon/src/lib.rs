@@ -22,5 +22,6 @@ pub mod preflight;
 pub mod process;
 pub mod qemu;
 pub mod rpc;
+pub mod seed;
 pub mod state;
 pub mod validate;

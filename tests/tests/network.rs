@@ -237,3 +237,46 @@ fn a_failed_launch_leaves_no_tap() {
     host.call("vm.destroy", json!({ "name": "broken" }));
     host.call("vm.create", json!({ "spec": nic_spec(&host, "fixed", "10.0.0.5/24", &[]) }));
 }
+
+#[test]
+fn image_vms_get_a_cloud_init_seed_matching_their_nics() {
+    use std::io::Read;
+    let host = host_with(LAN);
+    let base = host.images().join("base.qcow2");
+    let st =
+        std::process::Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&base).arg("64M").status();
+    assert!(st.unwrap().success());
+    let spec = json!({"name": "cloud", "cpu": 1, "memory_mib": 128,
+        "boot": {"image": "base.qcow2", "disk_gib": 1},
+        "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.8/24", "gateway": "10.0.0.1",
+                  "dns": ["10.0.0.1"], "search": ["lab.example"]}}]});
+    let r = host.call("vm.create", json!({ "spec": spec }));
+    let mac = r["vm"]["nics"][0]["mac"].as_str().unwrap().to_string();
+    let seed = host.state().join("seeds/cloud.img");
+    let read = |name: &str| -> String {
+        let fs = fatfs::FileSystem::new(std::fs::File::open(&seed).unwrap(), fatfs::FsOptions::new()).unwrap();
+        assert_eq!(fs.volume_label().trim(), "CIDATA");
+        let mut text = String::new();
+        fs.root_dir().open_file(name).unwrap().read_to_string(&mut text).unwrap();
+        text
+    };
+    let net: Value = serde_json::from_str(&read("network-config")).unwrap();
+    assert_eq!(net["ethernets"]["eth0"]["match"]["macaddress"], mac.as_str());
+    assert_eq!(net["ethernets"]["eth0"]["addresses"], json!(["10.0.0.8/24"]));
+    assert!(read("meta-data").contains("\"local-hostname\":\"cloud\""));
+    // QEMU has it attached read-only.
+    let pid = r["vm"]["pid"].as_i64().unwrap();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    assert!(cmdline.contains("seeds/cloud.img,if=virtio,format=raw,readonly=on"), "{cmdline}");
+
+    // A changed spec gives a new seed on the next start (new instance-id, new address).
+    let before = read("meta-data");
+    let mut changed = host.call("vm.get", json!({ "name": "cloud" }))["spec"].clone();
+    changed["nics"][0]["ipv4"]["address"] = json!("10.0.0.9/24");
+    host.call("vm.apply", json!({ "spec": changed, "replace": true }));
+    assert_ne!(read("meta-data"), before);
+    assert!(read("network-config").contains("10.0.0.9/24"));
+    host.call("vm.destroy", json!({ "name": "cloud" }));
+    assert!(!seed.exists(), "destroy removes the seed");
+}

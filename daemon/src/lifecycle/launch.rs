@@ -148,9 +148,16 @@ impl Manager {
             r.status = during;
             r.last_error = None;
         })?;
+        let allocs = self.record(&name)?.nics;
+        if matches!(vm.boot, BootSource::Image { .. }) {
+            let files = crate::seed::render(&vm.spec, &allocs);
+            if let Err(e) = crate::seed::write_seed(&paths.seed, &files) {
+                self.clean_run_dir(&paths);
+                return Err(provisioning("seed", format!("cannot write the cloud-init seed: {e}")));
+            }
+        }
         // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
         // failure below removes the taps: they are not persistent.
-        let allocs = self.record(&name)?.nics;
         let fds = match self.net.attach_nics(&self.config, &name, &vm.spec.nics, &allocs).await {
             Ok(fds) => fds,
             Err(e) => {

@@ -96,6 +96,7 @@ impl Manager {
             config.paths.state.clone(),
             config.paths.state.join("disks"),
             config.paths.state.join("logs"),
+            config.paths.state.join("seeds"),
             config.paths.run.clone(),
         ] {
             std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;

@@ -73,11 +73,12 @@ impl Manager {
         }
     }
 
-    /// Removes the VM's overlay as part of a rollback.
+    /// Removes the VM's overlay (and seed) as part of a rollback.
     fn undo_overlay(&self, name: &str, remove: bool) {
         if !remove {
             return;
         }
+        let _ = std::fs::remove_file(self.paths(name).seed);
         let overlay = self.paths(name).overlay;
         if let Err(e) = crate::disk::remove_overlay(&overlay) {
             tracing::error!(vm = name, error = %e, "rollback: cannot remove the overlay");
@@ -269,6 +270,7 @@ impl Manager {
         }
         self.clean_run_dir(&paths);
         self.net.detach_nics(name).await;
+        let _ = std::fs::remove_file(&paths.seed);
         for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
             if let Err(e) = crate::disk::remove_overlay(&overlay) {
                 let err = ApiError::new(Code::ProvisioningFailed, format!("cannot remove the overlay: {e}"));

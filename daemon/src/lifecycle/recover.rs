@@ -87,6 +87,7 @@ impl Manager {
         let Some((to, why, undo_create)) = settle else { return Ok(()) };
         if undo_create {
             let _ = crate::disk::remove_overlay(&paths.overlay);
+            let _ = std::fs::remove_file(&paths.seed);
         }
         let record_error = to != VmStatus::Stopped;
         self.update(name, why, |r| {
@@ -108,6 +109,7 @@ impl Manager {
         let paths = self.paths(name);
         self.clean_run_dir(&paths);
         let _ = crate::disk::remove_overlay(&paths.overlay);
+        let _ = std::fs::remove_file(&paths.seed);
         let _ = std::fs::remove_file(&paths.serial_log);
         self.forget(name, "destroyed (completed after restart)")
     }

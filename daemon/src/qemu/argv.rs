@@ -33,6 +33,8 @@ pub struct VmPaths {
     pub serial_log: PathBuf,
     /// qcow2 overlay for image-booted VMs.
     pub overlay: PathBuf,
+    /// cloud-init NoCloud seed for image-booted VMs, rebuilt at every start.
+    pub seed: PathBuf,
 }
 
 impl VmPaths {
@@ -46,6 +48,7 @@ impl VmPaths {
             run_dir,
             serial_log: config.paths.state.join("logs").join(format!("{name}.serial.log")),
             overlay: config.paths.state.join("disks").join(format!("{name}.qcow2")),
+            seed: config.paths.state.join("seeds").join(format!("{name}.img")),
         }
     }
 
@@ -92,6 +95,7 @@ pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths, nics: &[NicA
     match &vm.boot {
         BootSource::Image { .. } => {
             push(&["-drive", &format!("file={},if=virtio,format=qcow2,discard=unmap", escape_opt(&paths.overlay))]);
+            push(&["-drive", &format!("file={},if=virtio,format=raw,readonly=on", escape_opt(&paths.seed))]);
         }
         BootSource::Kernel { kernel, initrd, cmdline } => {
             push(&["-kernel", &kernel.to_string_lossy()]);
@@ -158,10 +162,14 @@ mod tests {
         s.boot = BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(4), ..BootSpec::default() };
         let argv = argv_of(&s, &c);
         assert_eq!(
-            value_after(&argv, "-drive"),
-            ["file=/var/lib/vmhost/disks/vm-2.qcow2,if=virtio,format=qcow2,discard=unmap"]
+            value_after(&argv, "-drive")[0],
+            "file=/var/lib/vmhost/disks/vm-2.qcow2,if=virtio,format=qcow2,discard=unmap"
         );
         assert!(!argv.iter().any(|a| a.contains("base.qcow2")));
+        assert_eq!(
+            value_after(&argv, "-drive")[1],
+            "file=/var/lib/vmhost/seeds/vm-2.img,if=virtio,format=raw,readonly=on"
+        );
         assert!(!argv.contains(&"-kernel".to_string()));
     }
 
