@@ -280,3 +280,40 @@ fn image_vms_get_a_cloud_init_seed_matching_their_nics() {
     host.call("vm.destroy", json!({ "name": "cloud" }));
     assert!(!seed.exists(), "destroy removes the seed");
 }
+
+#[test]
+fn killing_the_daemon_mid_create_leaves_no_orphan_link() {
+    let mut host = host_with(LAN);
+    // Kill vmhostd at different points of a create with two NICs, restart, and check that every
+    // link carrying a VM marker belongs to a VM whose QEMU runs.
+    for (round, delay_ms) in [0u64, 20, 60, 120, 250, 500].into_iter().enumerate() {
+        let name = format!("k{round}");
+        let mut spec = nic_spec(&host, &name, &format!("10.0.0.{}/24", 20 + round), &[]);
+        spec["nics"] = json!([spec["nics"][0].clone(), {"network": "lan"}]);
+        let socket = host.socket.clone();
+        let creator = std::thread::spawn(move || {
+            if let Ok(mut c) = vmhost::client::Client::connect(&socket) {
+                let _ = c.call::<Value>("vm.create", json!({ "spec": spec }));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        host.kill_daemon();
+        let _ = creator.join();
+        host.spawn_daemon();
+        let running: Vec<String> = host
+            .call("vm.list", json!({}))
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| v["status"] == "running")
+            .map(|v| v["name"].as_str().unwrap().to_string())
+            .collect();
+        for l in host.links() {
+            if let Some(owner) = l["ifalias"].as_str().and_then(|a| a.strip_prefix("vmhost:vm=")) {
+                assert!(running.iter().any(|r| r == owner), "round {round}: orphan {} of {owner}", l["ifname"]);
+            }
+        }
+        let pids = host.qemu_pids();
+        assert!(pids.len() <= running.len(), "round {round}: QEMUs {pids:?} but running {running:?}");
+    }
+}
