@@ -68,11 +68,13 @@ VERSION=$(cat "$GUEST_DIR/kernel-version")
 
 # --- tools needed here ---------------------------------------------------------------
 # iproute2 gives the lab `ip` with every link type and `bridge` (busybox ip lacks
-# bridge VLAN commands); binutils' strip shrinks the debug binaries ~8x.
+# bridge VLAN commands); binutils' strip shrinks the debug binaries ~8x; socat talks
+# to QMP sockets.
 need=()
 command -v ip >/dev/null && command -v bridge >/dev/null || need+=(iproute2)
 command -v strip >/dev/null || need+=(binutils)
 command -v ldconfig >/dev/null || need+=(libc-bin)
+command -v socat >/dev/null || need+=(socat)
 if [ ${#need[@]} -gt 0 ]; then
     log "installing ${need[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -114,6 +116,8 @@ done
 add_elf "$BIN_DIR/vmhostd" /usr/bin/vmhostd
 add_elf "$BIN_DIR/vmhostctl" /usr/bin/vmhostctl
 [ -x "$BIN_DIR/vmhost-agent" ] && add "$BIN_DIR/vmhost-agent" /lab/bin/vmhost-agent
+# socat: QMP and agent sockets of nested VMs (busybox nc has no Unix sockets).
+add_elf "$(command -v socat)" /usr/bin/socat
 add_elf "$(command -v ip)" /usr/local/sbin/ip
 add_elf "$(command -v bridge)" /usr/local/sbin/bridge
 add "$GUEST_DIR/vmlinuz" /lab/guest/vmlinuz

@@ -45,7 +45,9 @@ lab_poweroff() {
 # IOMMU; they only matter when the lab runs with intel-iommu (lab.rs extra args).
 for m in virtio_ring virtio virtio_pci virtio_console virtio_net virtio_blk button evdev \
          qemu_fw_cfg tun bridge 8021q dummy vfio vfio_iommu_type1 vfio_pci; do
-    modprobe -q "$m" 2>/dev/null || echo "lab-init: module $m not loaded"
+    # numdummies=0: no stray dummy0; a scenario creates the links it wants.
+    case $m in dummy) set -- numdummies=0 ;; *) set -- ;; esac
+    modprobe -q "$m" "$@" 2>/dev/null || echo "lab-init: module $m not loaded"
 done
 # Extra modules named on the command line: lab.modules=a,b,c
 for arg in $(cat /proc/cmdline); do

@@ -210,6 +210,20 @@ wait_status() {
     return 1
 }
 
+# qmp SOCKET COMMAND [ARGUMENTS_JSON]: one QMP command on a QEMU monitor socket; prints
+# QEMU's replies (greeting, capabilities, then the command's return or error). A QMP
+# socket takes one client at a time: this works for QEMUs started by the scenario, not
+# for one whose monitor vmhostd holds.
+qmp() {
+    if [ -n "${3:-}" ]; then
+        _cmd="{\"execute\": \"$2\", \"arguments\": $3}"
+    else
+        _cmd="{\"execute\": \"$2\"}"
+    fi
+    # -t 5: after sending, wait up to 5 s for the replies before closing.
+    printf '{"execute": "qmp_capabilities"}\n%s\n' "$_cmd" | socat -t 5 - "UNIX-CONNECT:$1"
+}
+
 # dump_logs: vmhostd's log and the tail of every nested serial log, for diagnosis.
 dump_logs() {
     if [ -f "$LAB_DAEMON_LOG" ]; then

@@ -3,7 +3,9 @@
 //! Starts a real vmhostd in a temp dir, defines N stopped VMs (records only, no QEMU), then
 //! measures `vm.list` and `vm.get` latency (p50, p99) and throughput with 1, 8 and 32 concurrent
 //! clients, and the daemon's RSS idle and with the records. Not a test: it asserts nothing
-//! about speed. Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N]`.
+//! about speed. Then, in a network namespace, it times `vm.create` (to QEMU running) with 0, 1, 4
+//! and 8 NICs; the difference to 0 NICs is the networking share (taps made, attached, handed to
+//! QEMU). Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N]`.
 
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -79,6 +81,48 @@ fn measure(host: &TestHost, method: &'static str, clients: usize, total: usize, 
     }
 }
 
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// `vm.create` latency (returns once QEMU runs and answers QMP) by number of NICs.
+fn nic_bench(rounds: usize) {
+    let host = TestHost::start(HostOptions {
+        netns: true,
+        extra: "[networks.lan]\nbridge = \"br-bench\"\ncreate = true\naddress = \"10.9.0.1/24\"\n".into(),
+        ..HostOptions::default()
+    });
+    let g = vmhost_tests::guest();
+    let mut rows = Vec::new();
+    for nics in [0usize, 1, 4, 8] {
+        let mut times = Vec::new();
+        for r in 0..rounds {
+            let name = format!("n{nics}-{r}");
+            let spec = json!({"name": name, "cpu": 1, "memory_mib": 128,
+                "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": "console=ttyS0 quiet"},
+                "nics": vec![json!({"network": "lan"}); nics]});
+            let t = Instant::now();
+            host.call("vm.create", json!({ "spec": spec }));
+            times.push(t.elapsed());
+            host.call("vm.destroy", json!({ "name": name }));
+        }
+        rows.push((nics, median(times)));
+    }
+    let base = rows.first().map(|r| r.1).unwrap_or_default();
+    println!();
+    println!("vm.create to QEMU running (median of {rounds}), TCG, direct kernel boot:");
+    println!("| NICs | create (ms) | networking share (ms) |");
+    println!("|------|-------------|-----------------------|");
+    for (nics, t) in rows {
+        println!(
+            "| {nics:>4} | {:>11.1} | {:>21.1} |",
+            t.as_secs_f64() * 1e3,
+            t.saturating_sub(base).as_secs_f64() * 1e3
+        );
+    }
+}
+
 fn main() {
     let vms = arg("--vms", 1000);
     let get_calls = arg("--get-calls", 8000);
@@ -136,4 +180,6 @@ fn main() {
     println!("| idle, no records           | {rss_idle:>6} |");
     println!("| {vms} records              | {rss_loaded:>6} |");
     println!("| {vms} records, after load  | {rss_after:>6} |");
+    drop(host);
+    nic_bench(arg("--nic-rounds", 7));
 }
