@@ -288,6 +288,10 @@ impl Config {
                 return Err(key_err(key, format!("{} is not an absolute path", p.display())));
             }
         }
+        let socket_len = raw.paths.socket.as_os_str().len();
+        if socket_len > 107 {
+            return Err(key_err("paths.socket", format!("is {socket_len} bytes; a Unix socket path has at most 107")));
+        }
         let run_len = raw.paths.run.as_os_str().len();
         if run_len > crate::qemu::argv::MAX_RUN_DIR_LEN {
             return Err(key_err(
@@ -337,9 +341,10 @@ impl Config {
         {
             for (index_text, addr_text) in table {
                 let key = format!("hardware.{class}.{index_text}");
-                let index: u32 = index_text
-                    .parse()
-                    .map_err(|_| key_err(&key, format!("index {index_text:?} is not a non-negative integer")))?;
+                let index: u32 =
+                    index_text.parse().ok().filter(|i: &u32| i.to_string() == *index_text).ok_or_else(|| {
+                        key_err(&key, format!("index {index_text:?} is not a plain non-negative integer"))
+                    })?;
                 let addr = PciAddress::parse(addr_text).map_err(|p| key_err(&key, p))?;
                 if let Some(other) = seen.insert(addr, key.clone()) {
                     return Err(key_err(&key, format!("PCI address {addr} is already used by {other}")));
@@ -389,6 +394,11 @@ impl Config {
                     ));
                 }
             }
+            if let Some(a) = address {
+                if a.is_network_or_broadcast() {
+                    return Err(key_err(&k("address"), format!("{a} is a network or broadcast address")));
+                }
+            }
             if let (Some(a), Some(s)) = (address, subnet) {
                 if !s.contains(a.addr) || a.prefix != s.prefix || a.is_network_or_broadcast() {
                     return Err(key_err(&k("address"), format!("{a} is not a host address of subnet {s}")));
@@ -396,6 +406,9 @@ impl Config {
             }
             if !n.trunk.is_empty() && !n.vlan_filtering {
                 return Err(key_err(&k("trunk"), "needs vlan_filtering = true".into()));
+            }
+            if !n.trunk.is_empty() && n.uplink.is_none() {
+                return Err(key_err(&k("trunk"), "needs an uplink (the port the VLANs are tagged on)".into()));
             }
             if let Some(v) = n.trunk.iter().find(|v| !(1..=4094).contains(*v)) {
                 return Err(key_err(&k("trunk"), format!("VLAN {v} is outside 1-4094")));
@@ -528,6 +541,8 @@ reserved_memory_gib = 8
             ("[paths]\nstate = \"rel\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "paths.state", "absolute"),
             ("[access]\nsocket_mode = \"999\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "access.socket_mode", "octal"),
             ("[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\nx = \"0000:ca:00.0\"\n", "hardware.sfp.x", "index"),
+            ("[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\n05 = \"0000:ca:00.0\"\n", "hardware.sfp.05", "plain"),
+            ("[paths]\nsocket = \"/{long}\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "paths.socket", "107"),
             ("[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\n5 = \"ca:00\"\n", "hardware.sfp.5", "PCI"),
             (
                 "[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\n5 = \"ca:00.0\"\n[hardware.copper]\n1 = \"pci_0000_ca_00_0\"\n",
@@ -537,7 +552,8 @@ reserved_memory_gib = 8
             ("[qemu]\nmachine = \"q35,accel=kvm\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "qemu.machine", "machine"),
         ];
         for (text, want_key, want_problem) in cases {
-            let (key, problem) = key_error(text);
+            let text = text.replace("{long}", &"s".repeat(110));
+            let (key, problem) = key_error(&text);
             assert_eq!(&key, want_key, "{text}");
             assert!(problem.contains(want_problem), "{text}: {problem}");
         }
@@ -549,7 +565,7 @@ reserved_memory_gib = 8
     fn networks_parse() {
         let c = parse(&format!(
             "{NETS}[networks.lan]\nbridge = \"br-lan\"\ncreate = true\naddress = \"10.0.0.1/24\"\nsubnet = \"10.0.0.0/24\"\nmtu = 9000\n\
-             [networks.trunk]\nbridge = \"br0\"\nvlan_filtering = true\ntrunk = [10, 20]\n"
+             [networks.trunk]\nbridge = \"br0\"\ncreate = true\nuplink = \"eth1\"\nvlan_filtering = true\ntrunk = [10, 20]\n"
         ))
         .unwrap();
         let lan = &c.networks["lan"];
@@ -575,7 +591,9 @@ reserved_memory_gib = 8
                 "not a host address",
             ),
             ("[networks.a]\nbridge = \"br0\"\ntrunk = [10]\n", "networks.a.trunk", "vlan_filtering"),
-            ("[networks.a]\nbridge = \"br0\"\nvlan_filtering = true\ntrunk = [4095]\n", "networks.a.trunk", "1-4094"),
+            ("[networks.a]\nbridge = \"br0\"\nvlan_filtering = true\ntrunk = [10]\n", "networks.a.trunk", "uplink"),
+            ("[networks.a]\nbridge = \"br0\"\ncreate = true\naddress = \"10.0.0.0/24\"\n", "networks.a.address", "network or broadcast"),
+            ("[networks.a]\nbridge = \"br0\"\ncreate = true\nuplink = \"e1\"\nvlan_filtering = true\ntrunk = [4095]\n", "networks.a.trunk", "1-4094"),
             ("[networks.a]\nbridge = \"br0\"\ncreate = true\nmtu = 20\n", "networks.a.mtu", "68-65535"),
             ("[networks.a]\nbridge = \"br0\"\nsubnet = \"10.0.0.0\"\n", "networks.a.subnet", "prefix"),
         ];

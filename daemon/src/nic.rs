@@ -257,13 +257,8 @@ pub fn allocate(
         let message = conflicts
             .iter()
             .map(|c| {
-                format!(
-                    "NIC {} {} {} in use by {}",
-                    c["nic"],
-                    c["kind"],
-                    c["value"],
-                    c["holder"].as_str().unwrap_or("?")
-                )
+                let text = |k: &str| c[k].as_str().unwrap_or("?").to_string();
+                format!("NIC {} {} {} in use by {}", c["nic"], text("kind"), text("value"), text("holder"))
             })
             .collect::<Vec<_>>()
             .join("; ");
@@ -307,7 +302,7 @@ pub fn kernel_ip_params(spec: &VmSpec) -> Vec<String> {
     for (i, nic) in spec.nics.iter().enumerate() {
         let dev = format!("eth{i}");
         match &nic.ipv4 {
-            Some(Ipv4Spec::Dhcp) => out.push(format!("ip={dev}:dhcp")),
+            Some(Ipv4Spec::Dhcp {}) => out.push(format!("ip={dev}:dhcp")),
             Some(Ipv4Spec::Static { address, gateway, dns, .. }) => {
                 let Ok(a) = Ipv4Cidr::parse(address) else { continue };
                 let gw = gateway.clone().unwrap_or_default();
@@ -389,7 +384,7 @@ vlan_filtering = true
         let s = with(vec![nic("lan", Some("10.0.0.5/24")), open, n]);
         assert!(validate_nics(&s, &config()).is_ok());
         let mut d = nic("lan", None);
-        d.ipv4 = Some(Ipv4Spec::Dhcp);
+        d.ipv4 = Some(Ipv4Spec::Dhcp {});
         assert!(validate_nics(&with(vec![d]), &config()).is_ok());
     }
 
@@ -493,6 +488,7 @@ vlan_filtering = true
         assert_eq!(list.len(), 3, "{list:?}");
         assert_eq!(list[0]["holder"], "host");
         assert!(list.iter().any(|x| x["kind"] == "mac" && x["holder"] == "web"));
+        assert!(e.message.contains("NIC 0 address 10.0.0.1 in use by host"), "{}", e.message);
         // The same address on another network is fine.
         let s = with(vec![nic("open", Some("10.0.0.5/24"))]);
         assert!(allocate(&s, &c, &others, &[]).is_ok());
@@ -501,7 +497,7 @@ vlan_filtering = true
     #[test]
     fn kernel_ip_params_follow_dracut_syntax() {
         let mut d = nic("open", None);
-        d.ipv4 = Some(Ipv4Spec::Dhcp);
+        d.ipv4 = Some(Ipv4Spec::Dhcp {});
         let mut s = with(vec![nic("lan", Some("10.0.0.5/24")), nic("open", None), d]);
         s.name = "web1".into();
         assert_eq!(

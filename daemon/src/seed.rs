@@ -43,7 +43,7 @@ pub fn render(spec: &VmSpec, allocs: &[NicAlloc]) -> SeedFiles {
         e.insert("match".into(), json!({ "macaddress": alloc.mac }));
         e.insert("set-name".into(), json!(format!("eth{i}")));
         match &nic.ipv4 {
-            Some(Ipv4Spec::Dhcp) => {
+            Some(Ipv4Spec::Dhcp {}) => {
                 e.insert("dhcp4".into(), json!(true));
             }
             Some(Ipv4Spec::Static { address, gateway, dns, search }) => {
@@ -127,7 +127,7 @@ mod tests {
                     search: vec!["example.org".into()],
                 }),
             },
-            NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp) },
+            NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) },
         ];
         s
     }

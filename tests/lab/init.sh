@@ -44,12 +44,13 @@ lab_poweroff() {
 # scenario, then what vmhostd and the tests need. vfio_pci etc. load fine without an
 # IOMMU; they only matter when the lab runs with intel-iommu (lab.rs extra args).
 for m in virtio_ring virtio virtio_pci virtio_console virtio_net virtio_blk button evdev \
-         qemu_fw_cfg tun bridge 8021q dummy vfio vfio_iommu_type1 vfio_pci; do
+         qemu_fw_cfg tun bridge 8021q dummy vfio vfio_iommu_type1 vfio_pci vmxnet3; do
     # numdummies=0: no stray dummy0; a scenario creates the links it wants.
     case $m in dummy) set -- numdummies=0 ;; *) set -- ;; esac
     modprobe -q "$m" "$@" 2>/dev/null || echo "lab-init: module $m not loaded"
 done
 # Extra modules named on the command line: lab.modules=a,b,c
+# shellcheck disable=SC2013  # words, not lines
 for arg in $(cat /proc/cmdline); do
     case $arg in
     lab.modules=*)
@@ -72,6 +73,7 @@ done <"/lib/modules/$(uname -r)/modules.devname"
 hostname vmhost-lab
 ip link set lo up 2>/dev/null
 # VFIO pins all guest memory; nested QEMUs inherit this from vmhostd.
+# shellcheck disable=SC3045  # busybox ash has ulimit -l
 ulimit -l unlimited 2>/dev/null
 mkdir -p /lab/files /var/lib /var/log
 

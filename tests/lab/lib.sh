@@ -19,6 +19,7 @@ LAB_DAEMON_LOG=$LAB_DIR/vmhostd.log
 # The test guest (tests/guest) for nested VMs; it prints VMHOST-GUEST-READY when up.
 LAB_GUEST_KERNEL=/lab/guest/vmlinuz
 LAB_GUEST_INITRD=/lab/guest/initramfs.cpio.gz
+# shellcheck disable=SC2034  # used by scenarios
 LAB_GUEST_READY=VMHOST-GUEST-READY
 # iproute2 (full `ip` and `bridge`). Busybox sh runs its own applets before searching
 # PATH, so a bare `ip` is always busybox's (no tuntap, no bridge or VLAN-filtering

@@ -354,7 +354,7 @@ fn a_busy_vm_refuses_a_second_operation_and_stop_timeouts_are_bounded() {
     host.call("vm.create", json!({ "spec": deaf_spec(&host, "deaf") }));
     assert!(host.wait_serial("deaf", GUEST_READY, BOOT));
     let (code, e) = host.call_err("vm.stop", json!({ "name": "deaf", "timeout_s": 3601 }));
-    assert_eq!((code, e.field.as_deref()), (2001, Some("timeout_s")));
+    assert_eq!((code, e.field.as_deref()), (-32602, Some("timeout_s")));
     let pid = host.call("vm.get", json!({ "name": "deaf" }))["pid"].as_i64().unwrap() as i32;
     std::thread::scope(|s| {
         let stopper = s.spawn(|| host.call("vm.stop", json!({ "name": "deaf", "timeout_s": 4 })));

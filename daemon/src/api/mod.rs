@@ -118,8 +118,8 @@ pub enum Ipv4Spec {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         search: Vec<String>,
     },
-    /// DHCP on this NIC.
-    Dhcp,
+    /// DHCP on this NIC (a struct variant, so unknown members are rejected like elsewhere).
+    Dhcp {},
 }
 
 /// Hardware indices per class, as in the host model.

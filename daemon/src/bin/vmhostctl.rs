@@ -17,7 +17,7 @@ use vmhost::client::{Client, ClientError};
 #[command(name = "vmhostctl", version, about = "Control vmhostd over its socket")]
 struct Cli {
     /// The daemon's socket.
-    #[arg(long, env = "VMHOST_SOCKET", default_value = "/run/vmhost/vmhostd.sock")]
+    #[arg(long, global = true, env = "VMHOST_SOCKET", default_value = "/run/vmhost/vmhostd.sock")]
     socket: PathBuf,
     /// Print the daemon's JSON instead of tables.
     #[arg(long, global = true)]
@@ -184,9 +184,12 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         }
         Cmd::Start { name } => mutation(cli, &mut c, "vm.start", json!({ "name": name }))?,
         Cmd::Stop { name, timeout, force } => {
+            // The daemon may wait `timeout` for the guest, then kill it: wait longer than that.
+            c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
             mutation(cli, &mut c, "vm.stop", json!({ "name": name, "timeout_s": timeout, "force": force }))?
         }
         Cmd::Restart { name, timeout, force } => {
+            c.set_timeout(Duration::from_secs(timeout.saturating_add(180)))?;
             mutation(cli, &mut c, "vm.restart", json!({ "name": name, "timeout_s": timeout, "force": force }))?
         }
         Cmd::Destroy { name } => mutation(cli, &mut c, "vm.destroy", json!({ "name": name }))?,

@@ -73,9 +73,11 @@ impl Manager {
         let base = self.config.paths.images.join(image);
         let partial = partial_overlay(&paths);
         let _ = crate::disk::remove_overlay(&partial);
-        crate::disk::create_overlay(&self.config.qemu.img_binary, &base, &partial, *disk_gib)
-            .await
-            .map_err(|e| provisioning("disk", format!("cannot create the overlay disk: {e}")))?;
+        crate::disk::create_overlay(&self.config.qemu.img_binary, &base, &partial, *disk_gib).await.map_err(|e| {
+            let tail = e.stderr_tail().unwrap_or_default().to_string();
+            ApiError::new(Code::ProvisioningFailed, format!("cannot create the overlay disk: {e}"))
+                .details(json!({ "step": "disk", "stderr": tail }))
+        })?;
         std::fs::rename(&partial, &paths.overlay).map_err(|e| {
             let _ = crate::disk::remove_overlay(&partial);
             provisioning("disk", format!("cannot move the overlay into place: {e}"))

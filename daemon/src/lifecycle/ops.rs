@@ -170,7 +170,10 @@ impl Manager {
         let Some(id) = self.find_live(&paths, rec.process.as_ref())? else {
             self.clean_run_dir(&paths);
             self.net.detach_nics(name).await;
-            let status_changed = matches!(rec.status, VmStatus::Running | VmStatus::Starting | VmStatus::Stopping);
+            let status_changed = matches!(
+                rec.status,
+                VmStatus::Running | VmStatus::Starting | VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed
+            );
             if state_changed || status_changed {
                 self.update(name, "vm.stop", |r| {
                     r.spec.state = DesiredState::Stopped;
@@ -347,7 +350,8 @@ impl Manager {
 
 fn check_stop_timeout(p: &StopParams) -> Result<(), ApiError> {
     if p.timeout_s > MAX_STOP_TIMEOUT_S {
-        return Err(ApiError::invalid("timeout_s", format!("at most {MAX_STOP_TIMEOUT_S} seconds")));
+        return Err(ApiError::new(Code::InvalidParams, format!("timeout_s: at most {MAX_STOP_TIMEOUT_S} seconds"))
+            .field("timeout_s"));
     }
     Ok(())
 }

@@ -28,7 +28,20 @@ impl Manager {
     pub async fn reconcile(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
         let current: BTreeMap<String, CurrentVm> =
             self.list().into_iter().map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status })).collect();
-        let plan = plan_reconcile(&self.config, &p.vms, &current, p.prune);
+        let mut plan = plan_reconcile(&self.config, &p.vms, &current, p.prune);
+        // The plan is pure; the files a spec names are checked here, so a dry run also shows a
+        // missing image or kernel.
+        for entry in plan.iter_mut().filter(|e| e.error.is_none()) {
+            if !matches!(entry.action, PlanAction::Create | PlanAction::Replace | PlanAction::Start) {
+                continue;
+            }
+            let Some(spec) = p.vms.iter().find(|s| s.name == entry.vm) else { continue };
+            if let Ok(vm) = crate::validate::validate_spec(spec, &self.config) {
+                if let Err(e) = self.check_boot_files(&vm) {
+                    entry.error = Some(e.to_json());
+                }
+            }
+        }
         if p.dry_run {
             let ok = plan.iter().all(|e| e.error.is_none());
             return ReconcileReport { dry_run: true, plan, results: Vec::new(), ok };
