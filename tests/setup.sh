@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 missing=()
-for pair in qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static \
+for pair in qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static ip:iproute2 strip:binutils \
     cpio:cpio depmod:kmod socat:socat; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || [ -x "/bin/${pair%%:*}" ] || missing+=("${pair#*:}")
 done

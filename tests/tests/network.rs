@@ -317,3 +317,26 @@ fn killing_the_daemon_mid_create_leaves_no_orphan_link() {
         assert!(pids.len() <= running.len(), "round {round}: QEMUs {pids:?} but running {running:?}");
     }
 }
+
+#[test]
+fn a_networking_failure_rolls_the_create_back() {
+    // "ext" names a bridge that does not exist: the tap step fails after the record was written.
+    let host = host_with(&format!("{LAN}\n[networks.ext]\nbridge = \"br-missing\"\n"));
+    let check = host.call("host.check", json!({}));
+    let ext = check["items"].as_array().unwrap().iter().find(|i| i["name"] == "network.ext").unwrap().clone();
+    assert_eq!(ext["status"], "error");
+    let before = host.links().len();
+    let mut spec = nic_spec(&host, "half", "10.0.0.5/24", &[]);
+    spec["nics"] = json!([spec["nics"][0].clone(), {"network": "ext"}]);
+    let (code, e) = host.call_err("vm.create", json!({ "spec": spec }));
+    assert_eq!(code, 4001, "{e:?}");
+    assert_eq!(e.details["step"], "network.bridge");
+    assert_eq!(e.field.as_deref(), Some("spec.nics[1]"));
+    assert_eq!(host.links().len(), before, "the first NIC's tap was removed too");
+    assert!(host.qemu_pids().is_empty());
+    let v = host.call("vm.get", json!({ "name": "half" }));
+    assert_eq!(v["status"], "failed");
+    assert_eq!(host.call("host.info", json!({}))["cpu"]["allocated"], 0, "allocations released");
+    // Its address is free for another VM.
+    host.call("vm.create", json!({ "spec": nic_spec(&host, "other", "10.0.0.5/24", &[]) }));
+}

@@ -478,6 +478,12 @@ pub struct NetworkInfo {
     pub created: bool,
     /// Bridge VLAN filtering.
     pub vlan_filtering: bool,
+    /// VLANs tagged on the uplink.
+    #[serde(default)]
+    pub trunk: Vec<u16>,
+    /// Uplink enslaved to an owned bridge.
+    #[serde(default)]
+    pub uplink: Option<String>,
     /// Declared subnet.
     pub subnet: Option<String>,
     /// Usable right now.

@@ -404,6 +404,8 @@ impl Manager {
                     bridge: n.bridge.clone(),
                     created: n.create,
                     vlan_filtering: n.vlan_filtering,
+                    trunk: n.trunk.clone(),
+                    uplink: n.uplink.clone(),
                     subnet: n.subnet.map(|s| s.to_string()),
                     ready: state.is_some_and(|s| s.ready),
                     detail: state.map(|s| s.detail.clone()).unwrap_or_default(),
