@@ -280,17 +280,7 @@ mod tests {
             std::path::Path::new("t.toml"),
         )
         .unwrap();
-        let nic = crate::api::NicSpec {
-            network: "lan".into(),
-            vlan: None,
-            mac: None,
-            ipv4: Some(crate::api::Ipv4Spec::Static {
-                address: "10.0.0.5/24".into(),
-                gateway: None,
-                dns: vec![],
-                search: vec![],
-            }),
-        };
+        let nic = crate::validate::tests::static_nic("lan", "10.0.0.5/24");
         let mut a = spec("a");
         a.nics = vec![nic.clone()];
         let mut b = spec("b");

@@ -233,6 +233,21 @@ reserved_memory_gib = 4
         }
     }
 
+    /// A NIC on `network` with a static address and nothing else.
+    pub(crate) fn static_nic(network: &str, address: &str) -> crate::api::NicSpec {
+        crate::api::NicSpec {
+            network: network.into(),
+            vlan: None,
+            mac: None,
+            ipv4: Some(crate::api::Ipv4Spec::Static {
+                address: address.into(),
+                gateway: None,
+                dns: vec![],
+                search: vec![],
+            }),
+        }
+    }
+
     fn err(s: &VmSpec) -> (i32, String) {
         let e = validate_spec(s, &config()).unwrap_err();
         (e.code.as_i32(), e.field.unwrap_or_default())

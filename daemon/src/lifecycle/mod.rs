@@ -255,19 +255,20 @@ impl Manager {
         Ok(old)
     }
 
-    /// Like [`Manager::update`], but only when `condition` holds for the current record, checked
-    /// under the same lock. Returns whether the change was made.
+    /// Like [`Manager::update`], but only when `condition` holds for the current record (and
+    /// the VM's busy flag), checked under the same lock. Returns the new record when the change
+    /// was made, `None` when the VM is absent or the condition failed.
     fn update_if(
         &self,
         name: &str,
         reason: &str,
         condition: impl FnOnce(&VmRecord, bool) -> bool,
         change: impl FnOnce(&mut VmRecord),
-    ) -> Result<bool, ApiError> {
+    ) -> Result<Option<VmRecord>, ApiError> {
         let mut t = self.lock();
-        let Some(old) = t.vms.get(name).cloned() else { return Ok(false) };
+        let Some(old) = t.vms.get(name).cloned() else { return Ok(None) };
         if !condition(&old, t.busy.contains(name)) {
-            return Ok(false);
+            return Ok(None);
         }
         let mut rec = old.clone();
         change(&mut rec);
@@ -277,23 +278,13 @@ impl Manager {
         if old.status != rec.status {
             self.events.emit(name, Some(old.status), Some(rec.status), reason);
         }
-        Ok(true)
+        Ok(Some(rec))
     }
 
     /// Applies `change` to the record of `name`, saves it, and emits an event when the status
     /// changed. The in-memory record is only replaced once the file is written.
     fn update(&self, name: &str, reason: &str, change: impl FnOnce(&mut VmRecord)) -> Result<VmRecord, ApiError> {
-        let mut t = self.lock();
-        let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
-        let mut rec = old.clone();
-        change(&mut rec);
-        self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
-        t.vms.insert(name.to_string(), rec.clone());
-        drop(t);
-        if old.status != rec.status {
-            self.events.emit(name, Some(old.status), Some(rec.status), reason);
-        }
-        Ok(rec)
+        self.update_if(name, reason, |_, _| true, change)?.ok_or_else(|| ApiError::not_found(name))
     }
 
     /// Deletes the record of `name` for good.

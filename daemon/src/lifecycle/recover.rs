@@ -151,13 +151,13 @@ impl Manager {
                 },
             );
             match result {
-                Ok(true) => {
+                Ok(Some(_)) => {
                     self.clean_run_dir(&self.paths(name));
                     self.net.detach_nics(name).await;
                     return;
                 }
-                Ok(false) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,
-                Ok(false) => return, // stopped, restarted or destroyed by an operation
+                Ok(None) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,
+                Ok(None) => return, // stopped, restarted or destroyed by an operation
                 Err(e) => {
                     tracing::error!(vm = name, error = %e, "cannot record the VM's death");
                     return;

@@ -181,17 +181,7 @@ mod tests {
         )
         .unwrap();
         let mut s = spec("web");
-        let static_nic = crate::api::NicSpec {
-            network: "lan".into(),
-            vlan: None,
-            mac: None,
-            ipv4: Some(crate::api::Ipv4Spec::Static {
-                address: "10.0.0.5/24".into(),
-                gateway: None,
-                dns: vec![],
-                search: vec![],
-            }),
-        };
+        let static_nic = crate::validate::tests::static_nic("lan", "10.0.0.5/24");
         s.nics = vec![static_nic, crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }];
         let v = validate_spec(&s, &c).unwrap();
         let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
