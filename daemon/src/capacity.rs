@@ -7,6 +7,8 @@
 
 use crate::api::{ApiError, Code, HardwareClass, HardwareItem, ResourceUsage, VmSpec};
 use crate::config::Hardware;
+use crate::hardware::PciAddress;
+use crate::validate::requested_devices;
 use serde_json::json;
 use std::collections::BTreeMap;
 
@@ -25,26 +27,42 @@ pub struct Holding<'a> {
 /// 3003 listing every hardware conflict `{class, index, holder}`; else 3002 naming the exhausted
 /// resource with the numbers.
 pub fn admit(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> Result<(), ApiError> {
-    let holders = holders(held);
+    // Devices are compared by PCI address, so a device named by index in one spec and by raw
+    // address in another is still one device.
+    let mut by_address: BTreeMap<PciAddress, &str> = BTreeMap::new();
+    for h in held.iter().filter(|h| h.name != request.name) {
+        for addr in requested_devices(h.spec, hw) {
+            by_address.insert(addr, h.name);
+        }
+    }
     let mut conflicts = Vec::new();
     let mut first_field = None;
     for (class, indices) in request.hardware.by_class() {
         for (pos, index) in indices.iter().enumerate() {
-            if let Some(holder) = holders.get(&(class, *index)) {
-                if *holder != request.name {
-                    first_field.get_or_insert_with(|| format!("spec.hardware.{class}[{pos}]"));
-                    conflicts.push((class, *index, holder.to_string()));
-                }
+            let Some(addr) = hw.model.get(class, *index) else { continue };
+            if let Some(holder) = by_address.get(&addr) {
+                first_field.get_or_insert_with(|| format!("spec.hardware.{class}[{pos}]"));
+                conflicts.push((
+                    format!("{} index {index}", class.as_str().to_uppercase()),
+                    json!({"class": class, "index": index, "pci": addr.to_string(), "holder": holder}),
+                ));
             }
+        }
+    }
+    for (pos, text) in request.pci.iter().enumerate() {
+        let Ok(addr) = PciAddress::parse(text) else { continue };
+        if let Some(holder) = by_address.get(&addr) {
+            first_field.get_or_insert_with(|| format!("spec.pci[{pos}]"));
+            conflicts.push((format!("PCI device {addr}"), json!({"pci": addr.to_string(), "holder": holder})));
         }
     }
     if !conflicts.is_empty() {
         let message = conflicts
             .iter()
-            .map(|(c, i, h)| format!("{} index {i} in use by {h}", c.as_str().to_uppercase()))
+            .map(|(what, c)| format!("{what} in use by {}", c["holder"].as_str().unwrap_or("?")))
             .collect::<Vec<_>>()
             .join("; ");
-        let list: Vec<_> = conflicts.iter().map(|(c, i, h)| json!({"class": c, "index": i, "holder": h})).collect();
+        let list: Vec<_> = conflicts.into_iter().map(|(_, c)| c).collect();
         let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": list }));
         e.field = first_field;
         return Err(e);
@@ -109,7 +127,8 @@ pub fn usage(hw: &Hardware, held: &[Holding<'_>]) -> (ResourceUsage, ResourceUsa
         allocated: mem_alloc,
         available: (hw.memory_mib - hw.reserved_memory_mib).saturating_sub(mem_alloc),
     };
-    let by = holders(held);
+    let by: BTreeMap<PciAddress, &str> =
+        held.iter().flat_map(|h| requested_devices(h.spec, hw).into_iter().map(move |a| (a, h.name))).collect();
     let items = hw
         .model
         .iter()
@@ -117,7 +136,7 @@ pub fn usage(hw: &Hardware, held: &[Holding<'_>]) -> (ResourceUsage, ResourceUsa
             class,
             index,
             pci: pci.to_string(),
-            holder: by.get(&(class, index)).map(|s| s.to_string()),
+            holder: by.get(&pci).map(|s| s.to_string()),
         })
         .collect();
     (cpu, mem, items)
@@ -191,9 +210,28 @@ mod tests {
         assert_eq!(e.field.as_deref(), Some("spec.hardware.disk[1]"));
         let conflicts = e.details["conflicts"].as_array().unwrap();
         assert_eq!(conflicts.len(), 3);
-        assert_eq!(conflicts[0], json!({"class": "disk", "index": 2, "holder": "search1"}));
-        assert_eq!(conflicts[2], json!({"class": "sfp", "index": 5, "holder": "sensor1"}));
+        assert_eq!(conflicts[0], json!({"class": "disk", "index": 2, "pci": "0000:c7:00.1", "holder": "search1"}));
+        assert_eq!(conflicts[2], json!({"class": "sfp", "index": 5, "pci": "0000:ca:00.0", "holder": "sensor1"}));
         assert!(e.message.contains("SFP index 5 in use by sensor1"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_device_by_address_conflicts_with_the_same_device_by_index() {
+        let mut hw = config().hardware;
+        hw.allow_raw_pci = true;
+        let mut a = spec("a");
+        a.hardware.sfp = vec![5];
+        let held = [a];
+        let mut b = spec("b");
+        b.pci = vec!["pci_0000_ca_00_0".into()];
+        let e = admit(&hw, &hold(&held), &b).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::HardwareInUse, Some("spec.pci[0]")));
+        assert_eq!(e.details["conflicts"], json!([{"pci": "0000:ca:00.0", "holder": "a"}]));
+        // And the other way round.
+        let held = [b];
+        let mut c = spec("c");
+        c.hardware.sfp = vec![5];
+        assert_eq!(admit(&hw, &hold(&held), &c).unwrap_err().details["conflicts"][0]["holder"], "b");
     }
 
     #[test]

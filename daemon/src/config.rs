@@ -153,6 +153,8 @@ struct RawHardware {
     copper: BTreeMap<String, String>,
     #[serde(default)]
     sfp: BTreeMap<String, String>,
+    #[serde(default)]
+    allow_raw_pci: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -230,6 +232,8 @@ pub struct Hardware {
     pub reserved_memory_mib: u64,
     /// Passthrough devices by class and index.
     pub model: HardwareModel,
+    /// Specs may also name devices by PCI address (`pci: [...]`).
+    pub allow_raw_pci: bool,
 }
 
 /// The validated configuration.
@@ -447,6 +451,7 @@ impl Config {
                 reserved_cpu: h.reserved_cpu,
                 reserved_memory_mib: h.reserved_memory_gib * 1024,
                 model: HardwareModel::new(items),
+                allow_raw_pci: h.allow_raw_pci,
             },
         })
     }

@@ -7,6 +7,7 @@
 
 use crate::api::{ApiError, Code, VmSpec};
 use crate::config::Config;
+use crate::hardware::PciAddress;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
@@ -111,9 +112,46 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
             }
         }
     }
+    validate_raw_pci(spec, config)?;
     let boot = validate_boot(spec)?;
     crate::nic::validate_nics(spec, config)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
+}
+
+fn validate_raw_pci(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
+    if spec.pci.is_empty() {
+        return Ok(());
+    }
+    if !config.hardware.allow_raw_pci {
+        return Err(ApiError::invalid(
+            "spec.pci",
+            "devices by PCI address need allow_raw_pci = true in the host config; use hardware indices",
+        ));
+    }
+    let mut seen = HashSet::new();
+    let requested: HashSet<PciAddress> = spec
+        .hardware
+        .by_class()
+        .iter()
+        .flat_map(|(c, idx)| idx.iter().filter_map(|i| config.hardware.model.get(*c, *i)))
+        .collect();
+    for (pos, text) in spec.pci.iter().enumerate() {
+        let field = format!("spec.pci[{pos}]");
+        let addr = PciAddress::parse(text).map_err(|m| ApiError::invalid(&field, m))?;
+        if !seen.insert(addr) || requested.contains(&addr) {
+            return Err(ApiError::invalid(field, format!("{addr} is requested twice")));
+        }
+    }
+    Ok(())
+}
+
+/// Every PCI device a spec asks for (model indices resolved, then raw addresses), in order.
+/// Unknown indices and malformed addresses are skipped: validation reports them.
+pub fn requested_devices(spec: &VmSpec, hw: &crate::config::Hardware) -> Vec<PciAddress> {
+    let mut out: Vec<PciAddress> =
+        spec.hardware.by_class().iter().flat_map(|(c, idx)| idx.iter().filter_map(|i| hw.model.get(*c, *i))).collect();
+    out.extend(spec.pci.iter().filter_map(|t| PciAddress::parse(t).ok()));
+    out
 }
 
 fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
@@ -224,6 +262,7 @@ reserved_memory_gib = 4
             memory_mib: 256,
             state: DesiredState::Running,
             hardware: HardwareRequest::default(),
+            pci: Vec::new(),
             nics: Vec::new(),
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
@@ -354,6 +393,27 @@ reserved_memory_gib = 4
         assert_eq!(err(&s), (2001, "spec.boot.cmdline".into()));
         s.boot.cmdline = Some("x".repeat(MAX_CMDLINE + 1));
         assert_eq!(err(&s), (2001, "spec.boot.cmdline".into()));
+    }
+
+    #[test]
+    fn raw_pci_needs_the_host_switch_and_valid_addresses() {
+        let mut s = spec("a");
+        s.pci = vec!["0000:d0:00.0".into()];
+        assert_eq!(err(&s), (2001, "spec.pci".into()));
+        let mut c = config();
+        c.hardware.allow_raw_pci = true;
+        assert!(validate_spec(&s, &c).is_ok());
+        s.pci = vec!["pci_0000_d0_00_0".into(), "d0:00.0".into()];
+        let e = validate_spec(&s, &c).unwrap_err();
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.pci[1]")));
+        s.pci = vec!["zz".into()];
+        assert_eq!(validate_spec(&s, &c).unwrap_err().field.as_deref(), Some("spec.pci[0]"));
+        // The same device by index and by address.
+        s.pci = vec!["0000:ca:00.0".into()];
+        s.hardware.sfp = vec![5];
+        assert_eq!(validate_spec(&s, &c).unwrap_err().field.as_deref(), Some("spec.pci[0]"));
+        s.hardware.sfp = vec![];
+        assert_eq!(requested_devices(&s, &c.hardware), vec![PciAddress::parse("0000:ca:00.0").unwrap()]);
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub struct VmSpec {
     /// Passthrough hardware by model index.
     #[serde(default, skip_serializing_if = "HardwareRequest::is_empty")]
     pub hardware: HardwareRequest,
+    /// Passthrough devices by PCI address; only when the host sets `hardware.allow_raw_pci`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pci: Vec<String>,
     /// How the VM boots.
     pub boot: BootSpec,
     /// Network interfaces, in guest PCI order (eth0, eth1, ...).
