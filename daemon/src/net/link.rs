@@ -386,6 +386,39 @@ impl Netlink {
         Ok(out)
     }
 
+    /// Indexes of the links that carry a default route (IPv4 or IPv6, any table, multipath
+    /// included): a NIC with one is in use by the host and must not be passed through.
+    ///
+    /// # Errors
+    /// The route dump fails.
+    pub async fn default_route_links(&self) -> Result<std::collections::BTreeSet<u32>, NetError> {
+        use rtnetlink::packet_route::route::RouteAttribute;
+        let mut out = std::collections::BTreeSet::new();
+        let requests = [
+            rtnetlink::RouteMessageBuilder::<Ipv4Addr>::new().build(),
+            rtnetlink::RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+        ];
+        for request in requests {
+            let mut routes = self.handle.route().get(request).execute();
+            let dump_err = |source| NetError::Netlink { op: "dump routes", errno: errno_of(&source), source };
+            while let Some(route) = routes.try_next().await.map_err(dump_err)? {
+                if route.header.destination_prefix_length != 0 {
+                    continue;
+                }
+                for attr in &route.attributes {
+                    match attr {
+                        RouteAttribute::Oif(index) => {
+                            out.insert(*index);
+                        }
+                        RouteAttribute::MultiPath(hops) => out.extend(hops.iter().map(|h| h.interface_index)),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Checks a port VLAN request before the kernel sees it: a valid VLAN id, and a link
     /// `port_index` that exists and is attached to a master.
     async fn check_port(&self, port_index: u32, vid: u16) -> Result<(), NetError> {
@@ -568,6 +601,24 @@ mod tests {
             ] {
                 assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
             }
+        });
+    }
+
+    #[test]
+    fn default_routes_are_found_per_link() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            ip(&["link", "add", "up0", "type", "veth", "peer", "name", "up1"]);
+            for l in ["up0", "up1"] {
+                ip(&["link", "set", l, "up"]);
+            }
+            ip(&["addr", "add", "192.0.2.2/24", "dev", "up0"]);
+            ip(&["addr", "add", "198.51.100.2/24", "dev", "up1"]);
+            assert!(nl.default_route_links().await.unwrap().is_empty());
+            ip(&["route", "add", "default", "via", "192.0.2.1", "dev", "up0"]);
+            let up0 = nl.link_by_name("up0").await.unwrap().unwrap().index;
+            let links = nl.default_route_links().await.unwrap();
+            assert_eq!(links.into_iter().collect::<Vec<_>>(), vec![up0], "only up0 carries the default route");
         });
     }
 
