@@ -13,6 +13,7 @@ pub mod config;
 pub mod disk;
 pub mod events;
 pub mod hardware;
+pub mod host_usage;
 pub mod ipv4;
 pub mod lifecycle;
 pub mod net;
