@@ -174,6 +174,7 @@ impl Manager {
             pidfile: paths.pidfile.clone(),
             timeout: Duration::from_secs(self.config.qemu.launch_timeout_s),
             fds,
+            memlock: None,
         };
         let launched = launch(&request).await;
         // QEMU holds its own copies now; ours must go so the taps die with QEMU.

@@ -87,6 +87,9 @@ pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths, nics: &[NicA
     push(&["-device", "virtio-serial-pci,id=vser0"]);
     push(&["-chardev", &format!("socket,id=agent0,path={},server=on,wait=off", escape_opt(&paths.agent))]);
     push(&["-device", &format!("virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}")]);
+    for (i, addr) in crate::validate::requested_devices(spec, &config.hardware).iter().enumerate() {
+        push(&["-device", &format!("vfio-pci,host={addr},id=hostdev{i}")]);
+    }
     for (i, nic) in nics.iter().enumerate() {
         let fd = FIRST_PASSED_FD + i as i32;
         push(&["-netdev", &format!("tap,id=net{i},fd={fd}")]);
@@ -193,6 +196,26 @@ mod tests {
         let devs = value_after(&argv, "-device");
         assert!(devs.contains(&format!("virtio-net-pci,netdev=net1,mac={}", allocs[1].mac).as_str()), "{devs:?}");
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0 ip=10.0.0.5:::255.255.255.0:web:eth0:off::"]);
+    }
+
+    #[test]
+    fn passthrough_devices_by_index_and_address() {
+        let mut c = config();
+        c.hardware.allow_raw_pci = true;
+        let mut s = spec("pt");
+        s.hardware.sfp = vec![5];
+        s.hardware.disk = vec![2];
+        s.pci = vec!["pci_0000_d0_00_1".into()];
+        let argv = argv_of(&s, &c);
+        let devs: Vec<&str> = value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("vfio-pci")).collect();
+        assert_eq!(
+            devs,
+            [
+                "vfio-pci,host=0000:c7:00.1,id=hostdev0",
+                "vfio-pci,host=0000:ca:00.0,id=hostdev1",
+                "vfio-pci,host=0000:d0:00.1,id=hostdev2"
+            ]
+        );
     }
 
     #[test]

@@ -71,6 +71,21 @@ pub struct LaunchRequest {
     /// [`FIRST_PASSED_FD`]` + i` in QEMU, which the argv names (`-netdev tap,fd=N`). This is how
     /// QEMU uses a tap without CAP_NET_ADMIN.
     pub fds: Vec<OwnedFd>,
+    /// RLIMIT_MEMLOCK for QEMU in bytes: VFIO pins all guest RAM, so a VM with passthrough
+    /// devices needs at least its memory size.
+    pub memlock: Option<u64>,
+}
+
+const CAP_SYS_RESOURCE: u32 = 24;
+
+/// Whether this process has `cap` in its effective set (from /proc/self/status).
+fn has_capability(cap: u32) -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|bits| bits & (1u64 << cap) != 0)
 }
 
 /// The fd number the first of [`LaunchRequest::fds`] gets in QEMU.
@@ -166,10 +181,38 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
     let raw_fds: Vec<RawFd> = req.fds.iter().map(AsRawFd::as_raw_fd).collect();
     let mut command = Command::new(&req.binary);
     command.args(&req.argv).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).kill_on_drop(true);
-    if !raw_fds.is_empty() {
-        // SAFETY: place_fds only calls async-signal-safe functions and does not allocate.
+    let memlock = req.memlock;
+    if let Some(bytes) = memlock {
+        let mut cur = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes into the struct we pass.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut cur) } == 0;
+        if ok && cur.rlim_max < bytes && !has_capability(CAP_SYS_RESOURCE) {
+            tracing::warn!(
+                wanted = bytes,
+                hard_limit = cur.rlim_max,
+                "cannot raise QEMU's RLIMIT_MEMLOCK without CAP_SYS_RESOURCE; VFIO needs CAP_IPC_LOCK then"
+            );
+        }
+    }
+    if !raw_fds.is_empty() || memlock.is_some() {
+        // SAFETY: place_fds and setrlimit only call async-signal-safe functions and do not
+        // allocate.
         unsafe {
-            command.pre_exec(move || place_fds(&raw_fds));
+            command.pre_exec(move || {
+                if let Some(bytes) = memlock {
+                    // Raising the hard limit needs CAP_SYS_RESOURCE. Without it (EPERM) the
+                    // limit stays as it is and QEMU relies on CAP_IPC_LOCK, as a root QEMU
+                    // has; the daemon logs that before spawning.
+                    let lim = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+                    if libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) != 0 {
+                        let err = io::Error::last_os_error();
+                        if err.raw_os_error() != Some(libc::EPERM) {
+                            return Err(err);
+                        }
+                    }
+                }
+                place_fds(&raw_fds)
+            });
         }
     }
     let mut child = command.spawn().map_err(LaunchError::Spawn)?;
@@ -374,6 +417,7 @@ mod tests {
             pidfile: p.pidfile.clone(),
             timeout: Duration::from_secs(20),
             fds: Vec::new(),
+            memlock: None,
         }
     }
 
@@ -451,6 +495,20 @@ mod tests {
         assert_eq!(link(FIRST_PASSED_FD + 1), b);
         let _ = process::signal(id.pid, Signal::SIGKILL);
         tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&id)).await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn memlock_limit_is_applied_to_qemu() {
+        let p = paths();
+        let mut req = request(&p, &[], false);
+        // Below this machine's hard limit (8 MiB), which cannot be raised here.
+        req.memlock = Some(4 * 1024 * 1024);
+        let id = launch(&req).await.unwrap();
+        let limits = std::fs::read_to_string(format!("/proc/{}/limits", id.pid)).unwrap();
+        let line = limits.lines().find(|l| l.starts_with("Max locked memory")).unwrap().to_string();
+        let _ = process::signal(id.pid, Signal::SIGKILL);
+        tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&id)).await.unwrap().unwrap();
+        assert!(line.contains("4194304"), "{line}");
     }
 
     #[tokio::test]
