@@ -53,14 +53,18 @@ fn create_stop_start_destroy_with_a_real_guest() {
 
 #[test]
 fn two_vms_at_once_then_capacity_and_conflicts_are_refused() {
-    // 4 CPUs - 1 reserved = 3 allocatable; sfp 5 and 6 exist.
+    // 5 CPUs - 1 reserved = 4 allocatable; sfp 5 and 6 exist in the model (not on this machine:
+    // the VM holding sfp 5 stays stopped, so nothing is passed through).
     let host = TestHost::start(HostOptions {
-        cpu: 4,
+        cpu: 5,
         extra: "[hardware.sfp]\n5 = \"0000:ca:00.0\"\n6 = \"0000:ca:00.1\"\n".into(),
         ..HostOptions::default()
     });
-    let mut a = host.kernel_spec("vm-a");
-    a["hardware"] = json!({ "sfp": [5] });
+    let mut holder = host.kernel_spec("holder");
+    holder["hardware"] = json!({ "sfp": [5] });
+    holder["state"] = json!("stopped");
+    host.call("vm.create", json!({ "spec": holder }));
+    let a = host.kernel_spec("vm-a");
     let mut b = host.kernel_spec("vm-b");
     b["cpu"] = json!(2);
     // Create both concurrently, over two connections.
@@ -77,9 +81,10 @@ fn two_vms_at_once_then_capacity_and_conflicts_are_refused() {
 
     let info = host.call("host.info", json!({}));
     assert_eq!(info["accel"], "tcg");
-    assert_eq!(info["cpu"], json!({"total": 4, "reserved": 1, "allocated": 3, "available": 0}));
+    assert_eq!(info["cpu"], json!({"total": 5, "reserved": 1, "allocated": 4, "available": 0}));
     let sfp5 = info["hardware"].as_array().unwrap().iter().find(|h| h["index"] == 5).unwrap().clone();
-    assert_eq!(sfp5, json!({"class": "sfp", "index": 5, "pci": "0000:ca:00.0", "holder": "vm-a"}));
+    assert_eq!(sfp5["holder"], "holder");
+    assert_eq!(sfp5["pci"], "0000:ca:00.0");
 
     let before = std::fs::read_dir(host.state().join("vms")).unwrap().count();
     let (code, e) = host.call_err("vm.create", json!({ "spec": host.kernel_spec("vm-c") }));
@@ -88,17 +93,20 @@ fn two_vms_at_once_then_capacity_and_conflicts_are_refused() {
     let mut c = host.kernel_spec("vm-c");
     c["cpu"] = json!(1);
     c["hardware"] = json!({ "sfp": [6, 5] });
-    // Free a CPU so only the conflict remains.
+    // Free CPUs so only the conflict remains.
     host.call("vm.destroy", json!({ "name": "vm-b" }));
     let (code, e) = host.call_err("vm.create", json!({ "spec": c }));
     assert_eq!(code, 3003);
-    assert_eq!(e.details["conflicts"], json!([{"class": "sfp", "index": 5, "holder": "vm-a"}]));
+    assert_eq!(
+        e.details["conflicts"],
+        json!([{"class": "sfp", "index": 5, "pci": "0000:ca:00.0", "holder": "holder"}])
+    );
     let mut c = host.kernel_spec("vm-c");
     c["hardware"] = json!({ "sfp": [7] });
     assert_eq!(host.call_err("vm.create", json!({ "spec": c })).0, 3001);
     // Refusals changed nothing.
     assert_eq!(std::fs::read_dir(host.state().join("vms")).unwrap().count(), before - 1);
-    assert_eq!(names(&host.call("vm.list", json!({}))), vec!["vm-a"]);
+    assert_eq!(names(&host.call("vm.list", json!({}))), vec!["holder", "vm-a"]);
     assert_eq!(host.qemu_pids().len(), 1);
 }
 
