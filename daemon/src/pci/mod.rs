@@ -25,6 +25,7 @@
 //!
 //! Every function here blocks (sysfs I/O, bounded polling): call it from `spawn_blocking`.
 
+pub mod bind;
 pub mod check;
 #[cfg(test)]
 pub mod fake;
