@@ -18,6 +18,7 @@ pub mod ipv4;
 pub mod lifecycle;
 pub mod net;
 pub mod nic;
+pub mod pci;
 pub mod plan;
 pub mod preflight;
 pub mod process;

@@ -35,6 +35,12 @@ pub enum Code {
     CapacityExceeded,
     /// A hardware index is held by another VM.
     HardwareInUse,
+    /// A passthrough device's IOMMU group has a member that is still used by the host or another
+    /// VM, so the group cannot be handed to the VM as a whole.
+    GroupNotViable,
+    /// A passthrough device is in use by the host itself (an addressed or routed network
+    /// interface, a bridge or bond member, a mounted file system).
+    InUseByHost,
     /// QEMU, qemu-img or another host step failed.
     ProvisioningFailed,
     /// No VM with that name.
@@ -59,6 +65,8 @@ impl Code {
             Code::NotInModel => 3001,
             Code::CapacityExceeded => 3002,
             Code::HardwareInUse => 3003,
+            Code::GroupNotViable => 3004,
+            Code::InUseByHost => 3005,
             Code::ProvisioningFailed => 4001,
             Code::NotFound => 4040,
             Code::Busy => 4090,
@@ -80,6 +88,8 @@ impl Code {
             Code::NotInModel => "not_in_model",
             Code::CapacityExceeded => "capacity_exceeded",
             Code::HardwareInUse => "hardware_in_use",
+            Code::GroupNotViable => "group_not_viable",
+            Code::InUseByHost => "in_use_by_host",
             Code::ProvisioningFailed => "provisioning_failed",
             Code::NotFound => "not_found",
             Code::Busy => "busy",
@@ -93,7 +103,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 15] = [
+pub const ALL_CODES: [Code; 17] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -106,6 +116,8 @@ pub const ALL_CODES: [Code; 15] = [
     Code::NotInModel,
     Code::CapacityExceeded,
     Code::HardwareInUse,
+    Code::GroupNotViable,
+    Code::InUseByHost,
     Code::ProvisioningFailed,
     Code::NotFound,
     Code::Busy,
@@ -213,6 +225,17 @@ mod tests {
             assert_eq!(Code::from_i32(c.as_i32()), Some(c));
         }
         assert_eq!(Code::from_i32(7), None);
+    }
+
+    #[test]
+    fn passthrough_codes_have_their_numbers_and_kinds() {
+        assert_eq!(Code::GroupNotViable.as_i32(), 3004);
+        assert_eq!(Code::GroupNotViable.kind(), "group_not_viable");
+        assert_eq!(Code::InUseByHost.as_i32(), 3005);
+        assert_eq!(Code::InUseByHost.kind(), "in_use_by_host");
+        // The serde name is the kind.
+        assert_eq!(serde_json::to_value(Code::GroupNotViable).unwrap(), "group_not_viable");
+        assert_eq!(serde_json::to_value(Code::InUseByHost).unwrap(), "in_use_by_host");
     }
 
     #[test]
