@@ -1,0 +1,87 @@
+# Lab scenario (tests/tests/lab.rs vfio_passthrough_in_the_lab): the lab is a q35 machine with
+# an emulated IOMMU (intel-iommu, kernel-irqchip=split, intel_iommu=on) and emulated devices:
+#   0000:00:05.0 vmxnet3  (host driver vmxnet3)  copper 1
+#   0000:00:06.0 nvme     (host driver nvme)     disk 1
+#   0000:00:1f.2 ahci     (ICH9: shares its IOMMU group with 00:1f.0 and 00:1f.3)  sfp 5
+# vmhostd binds what a VM needs to vfio-pci, QEMU gets it, and everything goes back to its
+# original driver on destroy and after a daemon crash.
+. /lab/lib.sh
+
+say "scenario vfio: kernel $(uname -r), iommu groups: $(ls /sys/kernel/iommu_groups | wc -l)"
+drv() {
+    _l=$(readlink "/sys/bus/pci/devices/$1/driver" 2>/dev/null) && basename "$_l" || echo none
+}
+is_drv() { test "$(drv "$1")" = "$2" || { echo "$1 is on $(drv "$1"), not $2"; return 1; }; }
+HW='
+[hardware.copper]
+1 = "0000:00:05.0"
+[hardware.disk]
+1 = "0000:00:06.0"
+[hardware.sfp]
+5 = "0000:00:1f.2"
+'
+start_vmhostd "$HW"
+check orig-vmxnet3 is_drv 0000:00:05.0 vmxnet3
+check orig-nvme is_drv 0000:00:06.0 nvme
+LAB_VERBOSE=1 check host-check sh -c 'vmhostctl --socket '"$LAB_SOCKET"' check; true'
+
+# pt_vm NAME HARDWARE_JSON: a kernel VM (it need not boot far: QEMU running is what counts).
+pt_vm() {
+    cat >"$LAB_DIR/$1.json" <<JSON
+{"name": "$1", "cpu": 1, "memory_mib": 128, "hardware": $2,
+ "boot": {"kernel": "$LAB_GUEST_KERNEL", "initrd": "$LAB_GUEST_INITRD", "cmdline": "console=ttyS0 quiet"}}
+JSON
+    ctl create "$LAB_DIR/$1.json"
+}
+
+# --- two devices into one VM ---------------------------------------------------------
+t0=$(lab_uptime)
+require create-p1 pt_vm p1 '{"copper": [1], "disk": [1]}'
+say "TIMING create with 2 passthrough devices: $(elapsed "$t0" "$(lab_uptime)") s"
+check bound-vmxnet3 is_drv 0000:00:05.0 vfio-pci
+check bound-nvme is_drv 0000:00:06.0 vfio-pci
+# The nested QEMU sees them (vendor 0x15ad = 5549 vmxnet3, 0x1b36 = 6966 QEMU's nvme).
+pci_json=$(qmp "$LAB_RUN/p1/qmp" query-pci)
+has() { echo "$pci_json" | grep -Eq "$1" || { echo "$pci_json"; return 1; }; }
+check qemu-sees-vmxnet3 has '"vendor": ?5549'
+check qemu-sees-nvme has '"vendor": ?6966'
+
+# --- refusals -------------------------------------------------------------------------
+said() { echo "$1" | grep -q -- "$2" || { echo "$1"; return 1; }; }
+ich9=$(pt_vm p2 '{"sfp": [5]}' 2>&1)
+check ich9-group-not-viable said "$ich9" 'error 3004'
+check ich9-lists-siblings said "$ich9" '0000:00:1f.0'
+check ich9-untouched is_drv 0000:00:1f.2 ahci
+held=$(pt_vm p3 '{"copper": [1]}' 2>&1)
+check held-device-refused said "$held" 'error 3003'
+
+# --- release on destroy ---------------------------------------------------------------
+t0=$(lab_uptime)
+check destroy-p1 ctl destroy p1
+say "TIMING destroy with 2 passthrough devices: $(elapsed "$t0" "$(lab_uptime)") s"
+check back-vmxnet3 is_drv 0000:00:05.0 vmxnet3
+check back-nvme is_drv 0000:00:06.0 nvme
+
+# --- kill -9 of vmhostd after binding, before QEMU starts --------------------------------
+# A QEMU wrapper that takes 30 s to start gives the window; QEMU never starts (the wrapper
+# is killed with the daemon), as if the daemon died right after binding.
+cat >/run/slow-qemu <<'SH'
+#!/bin/sh
+sleep 30
+exec /usr/bin/qemu-system-x86_64 "$@"
+SH
+chmod 755 /run/slow-qemu
+kill_vmhostd
+sed -i 's|^binary = .*|binary = "/run/slow-qemu"|' "$LAB_CONFIG"
+restart_vmhostd
+pt_vm p4 '{"copper": [1]}' >/dev/null 2>&1 &
+n=0
+while [ "$(drv 0000:00:05.0)" != vfio-pci ] && [ $n -lt 300 ]; do sleep 0.1; n=$((n + 1)); done
+check bound-before-crash is_drv 0000:00:05.0 vfio-pci
+kill_vmhostd KILL
+pkill -KILL -f /run/slow-qemu
+sed -i 's|^binary = .*|binary = "/usr/bin/qemu-system-x86_64"|' "$LAB_CONFIG"
+restart_vmhostd
+check restored-after-crash is_drv 0000:00:05.0 vmxnet3
+check p4-failed wait_status p4 failed 10
+finish
