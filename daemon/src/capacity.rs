@@ -137,6 +137,9 @@ pub fn usage(hw: &Hardware, held: &[Holding<'_>]) -> (ResourceUsage, ResourceUsa
             index,
             pci: pci.to_string(),
             holder: by.get(&pci).map(|s| s.to_string()),
+            present: false,
+            driver: None,
+            iommu_group: None,
         })
         .collect();
     (cpu, mem, items)

@@ -10,18 +10,7 @@ use crate::net::NetError;
 use std::collections::BTreeSet;
 use std::path::Path;
 
-/// The host's use of network interfaces and block devices, by name.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HostUsage {
-    /// Interfaces with at least one address (IPv6 link-local ones aside).
-    pub ifaces_with_address: BTreeSet<String>,
-    /// Interfaces carrying a default route.
-    pub default_route_ifaces: BTreeSet<String>,
-    /// Interfaces enslaved to a bridge or bond.
-    pub enslaved_ifaces: BTreeSet<String>,
-    /// Block devices (disks or partitions, e.g. `nvme0n1p1`) with a mounted filesystem.
-    pub mounted_block_devs: BTreeSet<String>,
-}
+pub use crate::pci::check::HostUsage;
 
 /// The `major:minor` of every mounted block device in a mountinfo text (field 3).
 pub fn mounted_dev_numbers(mountinfo: &str) -> BTreeSet<String> {

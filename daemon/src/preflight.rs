@@ -93,6 +93,42 @@ fn hardware(config: &Config) -> CheckItem {
     }
 }
 
+/// IOMMU, vfio-pci (loaded if needed) and /dev/vfio/vfio: only required when passthrough is
+/// configured (a model with devices, or raw PCI allowed).
+async fn vfio(config: &Config) -> Vec<CheckItem> {
+    let wanted = !config.hardware.model.is_empty() || config.hardware.allow_raw_pci;
+    let pci = crate::pci::Pci::real();
+    let not_needed = |what: &str| item(what, CheckStatus::Ok, "no passthrough devices configured");
+    let iommu = if pci.iommu_enabled() {
+        item("iommu", CheckStatus::Ok, "/sys/kernel/iommu_groups is populated")
+    } else if wanted {
+        item(
+            "iommu",
+            CheckStatus::Missing,
+            "no IOMMU groups: enable VT-d/AMD-Vi and boot with intel_iommu=on or amd_iommu=on",
+        )
+    } else {
+        not_needed("iommu")
+    };
+    let mut vfio_pci = pci.vfio_pci_present();
+    if wanted && !vfio_pci {
+        vfio_pci = tokio::task::spawn_blocking(crate::pci::load_vfio_pci).await.map(|r| r.is_ok()).unwrap_or(false);
+    }
+    let driver = match (vfio_pci, wanted) {
+        (true, _) => item("vfio_pci", CheckStatus::Ok, "vfio-pci driver available"),
+        (false, true) => {
+            item("vfio_pci", CheckStatus::Missing, "vfio-pci driver not available (modprobe vfio-pci failed)")
+        }
+        (false, false) => not_needed("vfio_pci"),
+    };
+    let container = match (crate::pci::vfio_container_present(), wanted) {
+        (true, _) => item("vfio_container", CheckStatus::Ok, "/dev/vfio/vfio present"),
+        (false, true) => item("vfio_container", CheckStatus::Missing, "/dev/vfio/vfio missing"),
+        (false, false) => not_needed("vfio_container"),
+    };
+    vec![iommu, driver, container]
+}
+
 fn records(broken: &[BrokenRecord]) -> CheckItem {
     if broken.is_empty() {
         return item("vm_records", CheckStatus::Ok, "all VM records readable");
@@ -124,6 +160,7 @@ pub async fn check(config: &Config, broken: &[BrokenRecord], network_states: &[N
         records(broken),
     ];
     items.extend(networks(network_states));
+    items.extend(vfio(config).await);
     let ok = items.iter().all(|i| i.status == CheckStatus::Ok);
     HostCheck { ok, items }
 }

@@ -446,6 +446,15 @@ pub struct HardwareItem {
     pub pci: String,
     /// VM holding it, or null.
     pub holder: Option<String>,
+    /// Whether the device exists on this host (sysfs), read at call time.
+    #[serde(default)]
+    pub present: bool,
+    /// Its current driver (`vfio-pci` while passed through), if any.
+    #[serde(default)]
+    pub driver: Option<String>,
+    /// Its IOMMU group, if the IOMMU is on.
+    #[serde(default)]
+    pub iommu_group: Option<u32>,
 }
 
 /// Result of `host.info`.

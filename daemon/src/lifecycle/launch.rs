@@ -150,6 +150,29 @@ impl Manager {
             r.status = during;
             r.last_error = None;
         })?;
+        if let Err(e) = self.bind_passthrough(&vm.spec).await {
+            self.clean_run_dir(&paths);
+            return Err(e);
+        }
+        match self.start_process(vm, &paths).await {
+            Ok(id) => Ok(id),
+            Err(e) => {
+                // Devices go back only when no QEMU of this VM can still be holding them.
+                let recorded = self.record(&name).ok().and_then(|r| r.process);
+                if matches!(self.find_live(&paths, recorded.as_ref()), Ok(None)) {
+                    if let Err(rel) = self.release_passthrough(&name).await {
+                        tracing::error!(vm = %name, error = %rel, "rollback: passthrough devices not restored");
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Seed, taps, QEMU, QMP check: the steps after the devices are bound.
+    async fn start_process(self: &Arc<Self>, vm: &ValidSpec, paths: &VmPaths) -> Result<ProcessIdentity, ApiError> {
+        let name = vm.spec.name.clone();
+        let paths = paths.clone();
         let allocs = self.record(&name)?.nics;
         if matches!(vm.boot, BootSource::Image { .. }) {
             let files = crate::seed::render(&vm.spec, &allocs);
@@ -174,7 +197,7 @@ impl Manager {
             pidfile: paths.pidfile.clone(),
             timeout: Duration::from_secs(self.config.qemu.launch_timeout_s),
             fds,
-            memlock: None,
+            memlock: self.memlock_for(&vm.spec),
         };
         let launched = launch(&request).await;
         // QEMU holds its own copies now; ours must go so the taps die with QEMU.

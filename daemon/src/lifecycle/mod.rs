@@ -18,6 +18,7 @@ mod launch;
 mod ops;
 mod reconcile;
 mod recover;
+mod vfio;
 
 use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION};
 use crate::capacity::{self, Holding};
@@ -52,6 +53,8 @@ pub struct Manager {
     net: HostNet,
     /// What the last network check found, by network name.
     net_states: Mutex<BTreeMap<String, NetworkState>>,
+    /// PCI devices through sysfs, the owner of vfio-pci bindings.
+    pci: Arc<crate::pci::Pci>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -125,6 +128,7 @@ impl Manager {
             _state_lock: state_lock,
             net,
             net_states: Mutex::new(BTreeMap::new()),
+            pci: Arc::new(crate::pci::Pci::real()),
         });
         mgr.recover_all().await;
         mgr.refresh_networks().await;
@@ -222,6 +226,15 @@ impl Manager {
         crate::nic::allocate(spec, &self.config, &nic_holdings, previous)
     }
 
+    /// Admission of a new VM without reserving anything (a refusal before slower checks).
+    fn precheck_admission(&self, spec: &VmSpec) -> Result<(), ApiError> {
+        let t = self.lock();
+        if t.vms.contains_key(&spec.name) {
+            return Err(ApiError::invalid("spec.name", format!("a VM named {:?} already exists", spec.name)));
+        }
+        self.admit_locked(&t, spec, &[]).map(|_| ())
+    }
+
     /// Re-reserves the resources of an existing VM whose reservation was released (a failed
     /// create): admission and the record write happen under one lock, like a create.
     fn reserve_existing(&self, name: &str) -> Result<(), ApiError> {
@@ -248,6 +261,7 @@ impl Manager {
         rec.nics = allocs;
         rec.process = old.process.clone();
         rec.overlay = old.overlay.clone();
+        rec.vfio = old.vfio.clone();
         self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
         t.vms.insert(name.to_string(), rec);
         drop(t);
@@ -351,7 +365,15 @@ impl Manager {
         let t = self.lock();
         let held: Vec<Holding<'_>> =
             t.vms.values().filter(|r| r.reserved).map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
-        let (cpu, memory_mib, hardware) = capacity::usage(&self.config.hardware, &held);
+        let (cpu, memory_mib, mut hardware) = capacity::usage(&self.config.hardware, &held);
+        // What the kernel says about each device right now (sysfs reads, no writes).
+        for item in &mut hardware {
+            if let Ok(addr) = crate::hardware::PciAddress::parse(&item.pci) {
+                item.present = self.pci.exists(addr);
+                item.driver = self.pci.driver(addr).ok().flatten();
+                item.iommu_group = self.pci.iommu_group(addr).ok().flatten();
+            }
+        }
         HostInfo {
             version: VERSION.to_string(),
             api_version: API_VERSION,

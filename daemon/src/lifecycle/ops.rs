@@ -27,6 +27,13 @@ impl Manager {
         async move {
             let vm = validate_spec(&spec, &self.config)?;
             self.check_boot_files(&vm)?;
+            if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
+                // Capacity and conflicts first (what the records say), then what the kernel says
+                // about the devices; both before anything is recorded. reserve_new admits again
+                // under the lock, so nothing can slip in between.
+                self.precheck_admission(&vm.spec)?;
+                self.check_passthrough(&vm.spec).await?;
+            }
             let guard = self.reserve_new(&vm.spec)?;
             self.create_held(&guard, &vm).await?;
             Ok(Mutation { changed: true, vm: Some(self.get(&spec.name)?) })
@@ -117,6 +124,7 @@ impl Manager {
         spec.state = DesiredState::Running;
         let vm = validate_spec(&spec, &self.config)?;
         self.check_boot_files(&vm)?;
+        self.check_passthrough(&vm.spec).await?;
         let reserved_here = !rec.reserved;
         if reserved_here {
             self.reserve_existing(name)?;
@@ -170,6 +178,7 @@ impl Manager {
         let Some(id) = self.find_live(&paths, rec.process.as_ref())? else {
             self.clean_run_dir(&paths);
             self.net.detach_nics(name).await;
+            self.release_passthrough(name).await?;
             let status_changed = matches!(
                 rec.status,
                 VmStatus::Running | VmStatus::Starting | VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed
@@ -219,6 +228,7 @@ impl Manager {
             r.status = VmStatus::Stopped;
             r.process = None;
         })?;
+        self.release_passthrough(name).await?;
         Ok(true)
     }
 
@@ -273,6 +283,10 @@ impl Manager {
         }
         self.clean_run_dir(&paths);
         self.net.detach_nics(name).await;
+        if let Err(e) = self.release_passthrough(name).await {
+            self.mark_failed(name, &e, false);
+            return Err(e);
+        }
         let _ = std::fs::remove_file(&paths.seed);
         for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
             if let Err(e) = crate::disk::remove_overlay(&overlay) {

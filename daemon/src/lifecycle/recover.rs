@@ -24,6 +24,24 @@ impl Manager {
     }
 
     async fn recover(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
+        self.settle(name).await?;
+        // Devices of a VM without a live QEMU go back to their host drivers.
+        let rec = self.record(name);
+        if let Ok(rec) = rec {
+            let live = self.find_live(&self.paths(name), rec.process.as_ref())?;
+            if live.is_none() && !rec.vfio.is_empty() {
+                tracing::info!(
+                    vm = name,
+                    devices = rec.vfio.len(),
+                    "restoring passthrough devices of a VM that is not running"
+                );
+                self.release_passthrough(name).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn settle(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         let rec = self.record(name)?;
         let paths = self.paths(name);
         // If /proc cannot be read the record is left exactly as it is: guessing could start a
@@ -33,7 +51,7 @@ impl Manager {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
                 self.kill_process(name, &id).await?;
-                self.finish_destroy(name)
+                self.finish_destroy(name).await
             }
             (Some(id), VmStatus::Stopping) => {
                 tracing::info!(vm = name, "finishing an interrupted stop");
@@ -68,7 +86,7 @@ impl Manager {
                 }
                 Ok(())
             }
-            (None, VmStatus::Destroying) => self.finish_destroy(name),
+            (None, VmStatus::Destroying) => self.finish_destroy(name).await,
             (None, status) => self.settle_without_process(name, &paths, status),
         }
     }
@@ -105,7 +123,8 @@ impl Manager {
         Ok(())
     }
 
-    fn finish_destroy(&self, name: &str) -> Result<(), ApiError> {
+    async fn finish_destroy(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
+        self.release_passthrough(name).await?;
         let paths = self.paths(name);
         self.clean_run_dir(&paths);
         let _ = crate::disk::remove_overlay(&paths.overlay);
@@ -154,6 +173,9 @@ impl Manager {
                 Ok(Some(_)) => {
                     self.clean_run_dir(&self.paths(name));
                     self.net.detach_nics(name).await;
+                    if let Err(e) = self.release_passthrough(name).await {
+                        tracing::error!(vm = name, error = %e, "passthrough devices of a dead VM not restored");
+                    }
                     return;
                 }
                 Ok(None) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,

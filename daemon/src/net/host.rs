@@ -51,6 +51,11 @@ impl HostNet {
         Ok(HostNet { nl: Netlink::connect()? })
     }
 
+    /// The netlink connection, for read-only queries of other owners (host usage checks).
+    pub fn netlink(&self) -> &Netlink {
+        &self.nl
+    }
+
     /// Makes every configured network usable: owned bridges (`create = true`) are created or
     /// adopted (only when they carry our marker) and configured; external bridges must exist.
     pub async fn ensure_networks(&self, config: &Config) -> Vec<NetworkState> {

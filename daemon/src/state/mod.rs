@@ -45,6 +45,10 @@ pub struct VmRecord {
     /// MAC and tap name of each NIC, kept for the VM's life.
     #[serde(default)]
     pub nics: Vec<NicAlloc>,
+    /// PCI functions moved to vfio-pci for this VM, with their original drivers; written before
+    /// the first sysfs change and cleared once they are given back.
+    #[serde(default)]
+    pub vfio: Vec<crate::pci::bind::Binding>,
 }
 
 impl VmRecord {
@@ -63,6 +67,7 @@ impl VmRecord {
             started_at: None,
             last_error: None,
             nics: Vec::new(),
+            vfio: Vec::new(),
         }
     }
 
