@@ -2,7 +2,10 @@
 # an emulated IOMMU (intel-iommu, kernel-irqchip=split, intel_iommu=on) and emulated devices:
 #   0000:00:05.0 vmxnet3  (host driver vmxnet3)  copper 1
 #   0000:00:06.0 nvme     (host driver nvme)     disk 1
-#   0000:00:1f.2 ahci     (ICH9: shares its IOMMU group with 00:1f.0 and 00:1f.3)  sfp 5
+#   0000:00:07.0 virtio-net, function 0 of a multifunction slot whose function 1 (another
+#                virtio-net, driver virtio-pci) shares its IOMMU group  sfp 5
+#   0000:00:1f.2 ICH9 SATA: shares its group with 00:1f.0 and 00:1f.3; the cloud kernel has
+#                no driver for any of them, so the group is viable  sfp 6
 # vmhostd binds what a VM needs to vfio-pci, QEMU gets it, and everything goes back to its
 # original driver on destroy and after a daemon crash.
 . /lab/lib.sh
@@ -18,7 +21,8 @@ HW='
 [hardware.disk]
 1 = "0000:00:06.0"
 [hardware.sfp]
-5 = "0000:00:1f.2"
+5 = "0000:00:07.0"
+6 = "0000:00:1f.2"
 '
 start_vmhostd "$HW"
 check orig-vmxnet3 is_drv 0000:00:05.0 vmxnet3
@@ -48,10 +52,19 @@ check qemu-sees-nvme has '"vendor": ?6966'
 
 # --- refusals -------------------------------------------------------------------------
 said() { echo "$1" | grep -q -- "$2" || { echo "$1"; return 1; }; }
-ich9=$(pt_vm p2 '{"sfp": [5]}' 2>&1)
-check ich9-group-not-viable said "$ich9" 'error 3004'
-check ich9-lists-siblings said "$ich9" '0000:00:1f.0'
-check ich9-untouched is_drv 0000:00:1f.2 ahci
+check sibling-on-virtio is_drv 0000:00:07.1 virtio-pci
+shared=$(pt_vm p2 '{"sfp": [5]}' 2>&1)
+check group-not-viable said "$shared" 'error 3004'
+check group-lists-sibling said "$shared" '0000:00:07.1'
+check group-names-driver said "$shared" 'virtio-pci'
+check group-untouched is_drv 0000:00:07.0 virtio-pci
+check group-no-record sh -c "! vmhostctl --socket $LAB_SOCKET get p2 >/dev/null 2>&1"
+# ICH9's group is viable here (its other functions have no driver): the VM runs and the
+# function goes back to having no driver on destroy.
+require create-ich9 pt_vm p5 '{"sfp": [6]}'
+check ich9-bound is_drv 0000:00:1f.2 vfio-pci
+check destroy-ich9 ctl destroy p5
+check ich9-driverless-again is_drv 0000:00:1f.2 none
 held=$(pt_vm p3 '{"copper": [1]}' 2>&1)
 check held-device-refused said "$held" 'error 3003'
 
