@@ -91,11 +91,16 @@ impl Manager {
         self.update(&spec.name, "vfio intent", |r| r.vfio = record)?;
         let pci = self.pci.clone();
         let to_bind = planned.clone();
+        let started = std::time::Instant::now();
         let bound = tokio::task::spawn_blocking(move || bind::bind_vfio(&pci, &to_bind, BIND_TIMEOUT))
             .await
             .map_err(|e| pci_error("bind", e))?;
         match bound {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                tracing::info!(vm = %spec.name, devices = planned.len(), elapsed_ms = ms, "vfio bound");
+                Ok(())
+            }
             Err(e) => {
                 let err = e.to_api_error();
                 let restored_all = match &e {
@@ -124,11 +129,15 @@ impl Manager {
             return Ok(());
         }
         let pci = self.pci.clone();
+        let count = bindings.len();
+        let started = std::time::Instant::now();
         let released = tokio::task::spawn_blocking(move || bind::release(&pci, &bindings, BIND_TIMEOUT))
             .await
             .map_err(|e| pci_error("release", e))?;
         match released {
             Ok(()) => {
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                tracing::info!(vm = name, devices = count, elapsed_ms = ms, "vfio released");
                 self.update(name, "vfio released", |r| r.vfio.clear())?;
                 Ok(())
             }

@@ -39,6 +39,11 @@ JSON
 }
 
 # --- two devices into one VM ---------------------------------------------------------
+# Baseline: the same VM without devices, for the passthrough share of a start.
+t0=$(lab_uptime)
+require create-p0 pt_vm p0 '{}'
+say "TIMING create without passthrough: $(elapsed "$t0" "$(lab_uptime)") s"
+check destroy-p0 ctl destroy p0
 t0=$(lab_uptime)
 require create-p1 pt_vm p1 '{"copper": [1], "disk": [1]}'
 say "TIMING create with 2 passthrough devices: $(elapsed "$t0" "$(lab_uptime)") s"
@@ -72,6 +77,8 @@ check held-device-refused said "$held" 'error 3003'
 t0=$(lab_uptime)
 check destroy-p1 ctl destroy p1
 say "TIMING destroy with 2 passthrough devices: $(elapsed "$t0" "$(lab_uptime)") s"
+say "TIMING $(grep -o 'vfio bound.*' "$LAB_DAEMON_LOG" | head -n 1)"
+say "TIMING $(grep -o 'vfio released.*' "$LAB_DAEMON_LOG" | head -n 1)"
 check back-vmxnet3 is_drv 0000:00:05.0 vmxnet3
 check back-nvme is_drv 0000:00:06.0 nvme
 
