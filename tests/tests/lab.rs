@@ -75,14 +75,10 @@ fn vfio_passthrough_in_the_lab() {
         ..LabOptions::default()
     };
     let out = run_lab(include_str!("../lab/scenarios/vfio.sh"), &opts);
-    let timing = |marker: &str| out.log.lines().find(|l| l.contains(marker)).unwrap_or("-").to_string();
-    eprintln!(
-        "lab vfio: {} after {:.1?}; {}; {}",
-        out.result,
-        out.elapsed,
-        timing("TIMING create"),
-        timing("TIMING destroy")
-    );
+    eprintln!("lab vfio: {} after {:.1?}", out.result, out.elapsed);
+    for line in out.log.lines().filter(|l| l.contains("TIMING")) {
+        eprintln!("  {line}");
+    }
     assert!(out.passed, "lab scenario failed: {}\n----- lab console -----\n{}", out.result, out.log);
     let checks = out.checks();
     for name in [

@@ -137,7 +137,7 @@ impl Manager {
         match released {
             Ok(()) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
-                tracing::info!(vm = name, devices = count, elapsed_ms = ms, "vfio released");
+                tracing::info!(vm = %name, devices = count, elapsed_ms = ms, "vfio released");
                 self.update(name, "vfio released", |r| r.vfio.clear())?;
                 Ok(())
             }

@@ -78,7 +78,7 @@ t0=$(lab_uptime)
 check destroy-p1 ctl destroy p1
 say "TIMING destroy with 2 passthrough devices: $(elapsed "$t0" "$(lab_uptime)") s"
 say "TIMING $(grep -o 'vfio bound.*' "$LAB_DAEMON_LOG" | head -n 1)"
-say "TIMING $(grep -o 'vfio released.*' "$LAB_DAEMON_LOG" | head -n 1)"
+say "TIMING $(grep -o 'vfio released vm=p1.*' "$LAB_DAEMON_LOG" | head -n 1)"
 check back-vmxnet3 is_drv 0000:00:05.0 vmxnet3
 check back-nvme is_drv 0000:00:06.0 nvme
 
