@@ -6,6 +6,7 @@
 //! [`rpc`] is the socket front end and [`client`] the matching client used by `vmhostctl`, the
 //! benchmark and the tests.
 
+pub mod agent;
 pub mod api;
 pub mod capacity;
 pub mod client;

@@ -23,13 +23,14 @@ pub struct CurrentVm {
 }
 
 /// Dotted paths of the fields that differ between two specs, ignoring `state` (a state change is
-/// a start or stop, not drift).
+/// a start or stop, not drift) and `guest_interfaces` (applied live by the guest agent).
 pub fn spec_drift(current: &VmSpec, desired: &VmSpec) -> Vec<String> {
     let mut a = serde_json::to_value(current).unwrap_or(Value::Null);
     let mut b = serde_json::to_value(desired).unwrap_or(Value::Null);
     for v in [&mut a, &mut b] {
         if let Some(o) = v.as_object_mut() {
             o.remove("state");
+            o.remove("guest_interfaces");
         }
     }
     let mut out = Vec::new();

@@ -115,6 +115,7 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
     validate_raw_pci(spec, config)?;
     let boot = validate_boot(spec)?;
     crate::nic::validate_nics(spec, config)?;
+    validate_guest_interfaces(spec)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
 }
 
@@ -152,6 +153,38 @@ pub fn requested_devices(spec: &VmSpec, hw: &crate::config::Hardware) -> Vec<Pci
         spec.hardware.by_class().iter().flat_map(|(c, idx)| idx.iter().filter_map(|i| hw.model.get(*c, *i))).collect();
     out.extend(spec.pci.iter().filter_map(|t| PciAddress::parse(t).ok()));
     out
+}
+
+/// Guest interfaces: names 1-15 of `[A-Za-z0-9._-]`, unique; a VLAN has a link and an id
+/// 1-4094; addresses `a.b.c.d/p`. The agent checks again (it never trusts the host either).
+fn validate_guest_interfaces(spec: &VmSpec) -> Result<(), ApiError> {
+    let mut names = HashSet::new();
+    let mut vlans = HashSet::new();
+    for (i, g) in spec.guest_interfaces.iter().enumerate() {
+        let f = |k: &str| format!("spec.guest_interfaces[{i}].{k}");
+        let name_ok = !g.name.is_empty()
+            && g.name.len() <= 15
+            && g.name != "lo"
+            && g.name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+        if !name_ok || !names.insert(g.name.clone()) {
+            return Err(ApiError::invalid(f("name"), format!("{:?} is not a usable, unique interface name", g.name)));
+        }
+        match (&g.link, g.vlan_id) {
+            (Some(link), Some(v)) => {
+                if !(1..=4094).contains(&v) {
+                    return Err(ApiError::invalid(f("vlan_id"), format!("VLAN {v} is outside 1-4094")));
+                }
+                if !vlans.insert((link.clone(), v)) {
+                    return Err(ApiError::invalid(f("vlan_id"), format!("VLAN {v} on {link} is declared twice")));
+                }
+            }
+            (None, None) => {}
+            (Some(_), None) => return Err(ApiError::invalid(f("vlan_id"), "a link needs a vlan_id")),
+            (None, Some(_)) => return Err(ApiError::invalid(f("link"), "a vlan_id needs a link")),
+        }
+        crate::ipv4::Ipv4Cidr::parse(&g.address).map_err(|m| ApiError::invalid(f("address"), m))?;
+    }
+    Ok(())
 }
 
 fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
@@ -264,6 +297,7 @@ reserved_memory_gib = 4
             hardware: HardwareRequest::default(),
             pci: Vec::new(),
             nics: Vec::new(),
+            guest_interfaces: Vec::new(),
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),

@@ -47,6 +47,10 @@ pub enum Code {
     NotFound,
     /// Another operation on this VM is in progress.
     Busy,
+    /// The VM's guest agent has no open session.
+    AgentNotConnected,
+    /// The VM's guest agent did not answer in time.
+    AgentTimeout,
 }
 
 impl Code {
@@ -70,6 +74,8 @@ impl Code {
             Code::ProvisioningFailed => 4001,
             Code::NotFound => 4040,
             Code::Busy => 4090,
+            Code::AgentNotConnected => 5001,
+            Code::AgentTimeout => 5002,
         }
     }
 
@@ -93,6 +99,8 @@ impl Code {
             Code::ProvisioningFailed => "provisioning_failed",
             Code::NotFound => "not_found",
             Code::Busy => "busy",
+            Code::AgentNotConnected => "agent_not_connected",
+            Code::AgentTimeout => "agent_timeout",
         }
     }
 
@@ -103,7 +111,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 17] = [
+pub const ALL_CODES: [Code; 19] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -121,6 +129,8 @@ pub const ALL_CODES: [Code; 17] = [
     Code::ProvisioningFailed,
     Code::NotFound,
     Code::Busy,
+    Code::AgentNotConnected,
+    Code::AgentTimeout,
 ];
 
 /// `error.data` of every vmhost error.

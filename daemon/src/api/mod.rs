@@ -17,8 +17,17 @@ pub use error::{ApiError, Code};
 pub const API_VERSION: u32 = 1;
 
 /// Methods that change nothing; a read-only peer may call only these.
-pub const READ_METHODS: &[&str] =
-    &["host.info", "host.check", "vm.list", "vm.get", "events.subscribe", "events.unsubscribe"];
+pub const READ_METHODS: &[&str] = &[
+    "host.info",
+    "host.check",
+    "vm.list",
+    "vm.get",
+    "vm.guest_info",
+    "vm.guest_network",
+    "vm.check",
+    "events.subscribe",
+    "events.unsubscribe",
+];
 
 /// Every method of API v1, in documentation order.
 pub const ALL_METHODS: &[&str] = &[
@@ -33,6 +42,9 @@ pub const ALL_METHODS: &[&str] = &[
     "vm.stop",
     "vm.restart",
     "vm.destroy",
+    "vm.guest_info",
+    "vm.guest_network",
+    "vm.check",
     "events.subscribe",
     "events.unsubscribe",
 ];
@@ -84,6 +96,10 @@ pub struct VmSpec {
     /// Network interfaces, in guest PCI order (eth0, eth1, ...).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nics: Vec<NicSpec>,
+    /// Extra interfaces the guest agent creates and proves (VLANs over a NIC, dummies); changed
+    /// live, without recreating the VM.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub guest_interfaces: Vec<crate::agent::wire::GuestInterfaceSpec>,
 }
 
 /// One NIC of a VM: a tap on a configured network.
@@ -284,6 +300,9 @@ pub struct VmView {
     /// What each NIC was given, in spec order.
     #[serde(default)]
     pub nics: Vec<NicView>,
+    /// The guest agent's session.
+    #[serde(default)]
+    pub agent: crate::agent::supervisor::AgentStatus,
 }
 
 /// A NIC's host-side identity.

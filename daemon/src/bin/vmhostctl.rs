@@ -30,8 +30,12 @@ struct Cli {
 enum Cmd {
     /// Host capacity, accelerator and hardware holders.
     Info,
-    /// Preflight report.
-    Check,
+    /// Preflight report of the host, or with NAME the guest agent's network check of that VM.
+    Check { name: Option<String> },
+    /// What the guest agent reports about the guest (version, hostname, kernel, uptime).
+    GuestInfo { name: String },
+    /// The guest's interfaces, routes and DNS, as its agent sees them.
+    GuestNetwork { name: String },
     /// All VMs.
     List,
     /// One VM.
@@ -143,7 +147,35 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 print_info(&serde_json::from_value(v).map_err(|e| Failure::Connect(e.to_string()))?);
             }
         }
-        Cmd::Check => {
+        Cmd::Check { name: Some(name) } => {
+            let v: Value = c.call("vm.check", json!({ "name": name }))?;
+            let r: vmhost::agent::wire::CheckReport =
+                serde_json::from_value(v.clone()).map_err(|e| Failure::Connect(e.to_string()))?;
+            if cli.json {
+                out(&v);
+            } else {
+                let rows = r
+                    .checks
+                    .iter()
+                    .map(|k| {
+                        vec![
+                            if k.ok { "ok" } else { "FAIL" }.to_string(),
+                            k.name.clone(),
+                            k.expected.clone(),
+                            k.observed.clone(),
+                        ]
+                    })
+                    .collect();
+                print_table(&["RESULT", "CHECK", "EXPECTED", "OBSERVED"], rows);
+                println!("{name}: network {}", if r.ok { "as declared" } else { "NOT as declared" });
+            }
+            if !r.ok {
+                return Err(Failure::Usage("the guest's network is not as declared".into()));
+            }
+        }
+        Cmd::GuestInfo { name } => out(&c.call::<Value>("vm.guest_info", json!({ "name": name }))?),
+        Cmd::GuestNetwork { name } => out(&c.call::<Value>("vm.guest_network", json!({ "name": name }))?),
+        Cmd::Check { name: None } => {
             let v: Value = c.call("host.check", json!({}))?;
             let r: HostCheck = serde_json::from_value(v.clone()).map_err(|e| Failure::Connect(e.to_string()))?;
             if cli.json {

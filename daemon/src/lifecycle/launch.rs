@@ -187,6 +187,7 @@ impl Manager {
             Ok(fds) => fds,
             Err(e) => {
                 self.net.detach_nics(&name).await;
+                self.agents.stop(&name);
                 self.clean_run_dir(&paths);
                 return Err(e);
             }
@@ -206,6 +207,7 @@ impl Manager {
             Ok(id) => id,
             Err(e) => {
                 self.net.detach_nics(&name).await;
+                self.agents.stop(&name);
                 self.clean_run_dir(&paths);
                 let tail = e.stderr_tail().unwrap_or_default().to_string();
                 return Err(ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
@@ -234,6 +236,7 @@ impl Manager {
                 self.kill_process(&name, &id).await?;
                 self.clean_run_dir(&paths);
                 self.net.detach_nics(&name).await;
+                self.agents.stop(&name);
                 let _ = self.update(&name, "launch failed", |r| r.process = None);
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
             }
@@ -294,6 +297,7 @@ impl Manager {
             r.last_error = None;
         })?;
         self.watch(name, id);
+        self.watch_agent(name);
         Ok(())
     }
 

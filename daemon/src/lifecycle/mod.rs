@@ -14,6 +14,7 @@
 //! steps), [`recover`] (re-adoption at daemon start, exit watching), [`reconcile`]
 //! (`host.reconcile`).
 
+mod agent;
 mod launch;
 mod ops;
 mod reconcile;
@@ -55,6 +56,8 @@ pub struct Manager {
     net_states: Mutex<BTreeMap<String, NetworkState>>,
     /// PCI devices through sysfs, the owner of vfio-pci bindings.
     pci: Arc<crate::pci::Pci>,
+    /// Guest agent sessions, one per running VM.
+    agents: Arc<crate::agent::supervisor::AgentHub>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -129,6 +132,7 @@ impl Manager {
             net,
             net_states: Mutex::new(BTreeMap::new()),
             pci: Arc::new(crate::pci::Pci::real()),
+            agents: Arc::default(),
         });
         mgr.recover_all().await;
         mgr.refresh_networks().await;
@@ -342,6 +346,7 @@ impl Manager {
             last_error: rec.last_error.clone(),
             serial_log: paths.serial_log,
             nics: rec.nics.iter().map(|n| crate::api::NicView { mac: n.mac.clone(), tap: n.tap.clone() }).collect(),
+            agent: self.agents.status(rec.name()),
         }
     }
 

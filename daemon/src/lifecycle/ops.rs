@@ -178,6 +178,7 @@ impl Manager {
         let Some(id) = self.find_live(&paths, rec.process.as_ref())? else {
             self.clean_run_dir(&paths);
             self.net.detach_nics(name).await;
+            self.agents.stop(name);
             self.release_passthrough(name).await?;
             let status_changed = matches!(
                 rec.status,
@@ -223,6 +224,7 @@ impl Manager {
         }
         self.clean_run_dir(&paths);
         self.net.detach_nics(name).await;
+        self.agents.stop(name);
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
         self.update(name, reason, |r| {
             r.status = VmStatus::Stopped;
@@ -283,6 +285,7 @@ impl Manager {
         }
         self.clean_run_dir(&paths);
         self.net.detach_nics(name).await;
+        self.agents.stop(name);
         if let Err(e) = self.release_passthrough(name).await {
             self.mark_failed(name, &e, false);
             return Err(e);
@@ -317,6 +320,15 @@ impl Manager {
         let vm = validate_spec(&spec, &self.config)?;
         let Ok(current) = self.record(&spec.name) else { return self.create(spec).await };
         let drift = crate::plan::spec_drift(&current.spec, &spec);
+        if drift.is_empty() && current.spec.guest_interfaces != spec.guest_interfaces {
+            // Guest interfaces change live: record them, then have the agent apply them.
+            let wanted = spec.guest_interfaces.clone();
+            self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
+            if self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some() {
+                self.apply_guest_interfaces(&spec.name).await?;
+            }
+            return Ok(Mutation { changed: true, vm: Some(self.get(&spec.name)?) });
+        }
         if drift.is_empty() {
             let up = self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some();
             let converge = match spec.state {
@@ -347,6 +359,9 @@ impl Manager {
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
         async move {
             let (guard, _) = self.begin(&spec.name)?;
+            if vm.spec.state == DesiredState::Running {
+                self.check_passthrough(&vm.spec).await?;
+            }
             // Admission of the new spec in place of the old and the record swap are one step:
             // a refusal leaves the old VM as it was.
             self.swap_spec(&spec.name, &vm.spec)?;

@@ -173,6 +173,7 @@ impl Manager {
                 Ok(Some(_)) => {
                     self.clean_run_dir(&self.paths(name));
                     self.net.detach_nics(name).await;
+                    self.agents.stop(name);
                     if let Err(e) = self.release_passthrough(name).await {
                         tracing::error!(vm = name, error = %e, "passthrough devices of a dead VM not restored");
                     }

@@ -87,13 +87,15 @@ pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths, nics: &[NicA
     push(&["-device", "virtio-serial-pci,id=vser0"]);
     push(&["-chardev", &format!("socket,id=agent0,path={},server=on,wait=off", escape_opt(&paths.agent))]);
     push(&["-device", &format!("virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}")]);
-    for (i, addr) in crate::validate::requested_devices(spec, &config.hardware).iter().enumerate() {
-        push(&["-device", &format!("vfio-pci,host={addr},id=hostdev{i}")]);
-    }
     for (i, nic) in nics.iter().enumerate() {
         let fd = FIRST_PASSED_FD + i as i32;
         push(&["-netdev", &format!("tap,id=net{i},fd={fd}")]);
         push(&["-device", &format!("virtio-net-pci,netdev=net{i},mac={}", nic.mac)]);
+    }
+    // Passthrough devices after the virtio NICs: QEMU gives slots in command-line order, so the
+    // declared NICs keep the first guest interface names (eth0, ...) that ip= and seeds use.
+    for (i, addr) in crate::validate::requested_devices(spec, &config.hardware).iter().enumerate() {
+        push(&["-device", &format!("vfio-pci,host={addr},id=hostdev{i}")]);
     }
     match &vm.boot {
         BootSource::Image { .. } => {

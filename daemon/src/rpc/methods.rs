@@ -101,6 +101,24 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             Err(e) => call(Err(e)),
         }
     })?;
+    m.register_async_method("vm.guest_info", |params, mgr, _| async move {
+        match parse_params::<NameParams>(&params) {
+            Ok(p) => call(mgr.guest_info(&p.name).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.guest_network", |params, mgr, _| async move {
+        match parse_params::<NameParams>(&params) {
+            Ok(p) => call(mgr.guest_network(&p.name).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.check", |params, mgr, _| async move {
+        match parse_params::<NameParams>(&params) {
+            Ok(p) => call(mgr.check_guest(&p.name).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
     m.register_subscription(
         "events.subscribe",
         EVENT_NOTIFICATION,

@@ -1,0 +1,90 @@
+//! Guest agent use by the lifecycle: keeping a session per running VM, applying the spec's
+//! `guest_interfaces` whenever a session (re)starts, and `vm.check` with expectations taken from
+//! the spec and the VM record, never from the guest.
+
+use super::Manager;
+use crate::agent::supervisor::SessionEvent;
+use crate::agent::wire::{AgentInfo, ApplyReport, CheckReport, Expected, ExpectedNic, NetState};
+use crate::api::{ApiError, Ipv4Spec};
+use serde_json::json;
+use std::sync::Arc;
+
+impl Manager {
+    /// Starts keeping an agent session for `name` (idempotent).
+    pub(super) fn watch_agent(self: &Arc<Self>, name: &str) {
+        let mgr = Arc::downgrade(self);
+        let vm = name.to_string();
+        self.agents.start(name, self.paths(name).agent, move |event| {
+            let mgr = mgr.clone();
+            let vm = vm.clone();
+            async move {
+                let Some(mgr) = mgr.upgrade() else { return };
+                if event == SessionEvent::GuestRebooted {
+                    tracing::info!(vm = %vm, "guest rebooted; re-applying its interfaces");
+                }
+                if let Err(e) = mgr.apply_guest_interfaces(&vm).await {
+                    tracing::warn!(vm = %vm, error = %e, "guest interfaces not applied");
+                }
+            }
+        });
+    }
+
+    /// Sends the spec's `guest_interfaces` to the agent (an empty list deletes what the agent
+    /// made before).
+    pub(super) async fn apply_guest_interfaces(&self, name: &str) -> Result<ApplyReport, ApiError> {
+        let spec = self.record(name)?.spec;
+        let report: ApplyReport =
+            self.agents.call(name, "net.apply", json!({ "interfaces": spec.guest_interfaces })).await?;
+        if report.changed {
+            tracing::info!(vm = name, created = ?report.created, deleted = ?report.deleted, "guest interfaces applied");
+        }
+        Ok(report)
+    }
+
+    /// `vm.guest_info`.
+    ///
+    /// # Errors
+    /// 4040, 5001, 5002.
+    pub async fn guest_info(&self, name: &str) -> Result<AgentInfo, ApiError> {
+        self.record(name)?;
+        self.agents.call(name, "agent.info", json!({})).await
+    }
+
+    /// `vm.guest_network`: what the guest sees.
+    ///
+    /// # Errors
+    /// 4040, 5001, 5002.
+    pub async fn guest_network(&self, name: &str) -> Result<NetState, ApiError> {
+        self.record(name)?;
+        self.agents.call(name, "net.state", json!({})).await
+    }
+
+    /// `vm.check`: is the guest's network what the spec declares?
+    ///
+    /// # Errors
+    /// 4040, 5001, 5002.
+    pub async fn check_guest(&self, name: &str) -> Result<CheckReport, ApiError> {
+        let rec = self.record(name)?;
+        let expected = expected_network(&rec);
+        self.agents.call(name, "net.check", json!({ "expected": expected })).await
+    }
+}
+
+/// What `vm.check` expects, from the spec (addresses, gateway, DNS) and the record (MACs).
+pub(super) fn expected_network(rec: &crate::state::VmRecord) -> Expected {
+    let mut e = Expected::default();
+    for (nic, alloc) in rec.spec.nics.iter().zip(&rec.nics) {
+        let mut addresses = Vec::new();
+        if let Some(Ipv4Spec::Static { address, gateway, dns, search }) = &nic.ipv4 {
+            addresses.push(address.clone());
+            if e.gateway.is_none() {
+                e.gateway.clone_from(gateway);
+            }
+            e.dns.extend(dns.iter().cloned());
+            e.search.extend(search.iter().cloned());
+        }
+        e.interfaces.push(ExpectedNic { mac: alloc.mac.clone(), addresses, up: true });
+    }
+    e.probe_gateway = e.gateway.is_some();
+    e
+}
