@@ -10,7 +10,9 @@
 //! at a time, and must fit a 2 MiB static binary and 4 MiB of RSS.
 
 pub mod addr;
+pub mod netlink;
 pub mod protocol;
+pub mod state;
 
 /// Writes one line to stderr (the serial console in the test guest, the journal under systemd).
 pub fn log(message: &str) {
