@@ -10,7 +10,9 @@
 //! at a time, and must fit a 2 MiB static binary and 4 MiB of RSS.
 
 pub mod addr;
+pub mod check;
 pub mod netlink;
+pub mod probe;
 pub mod protocol;
 pub mod state;
 
