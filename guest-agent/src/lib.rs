@@ -10,6 +10,7 @@
 //! at a time, and must fit a 2 MiB static binary and 4 MiB of RSS.
 
 pub mod addr;
+pub mod apply;
 pub mod check;
 pub mod netlink;
 pub mod probe;
