@@ -10,9 +10,12 @@
 //! at a time, and must fit a 2 MiB static binary and 4 MiB of RSS.
 
 pub mod addr;
+pub mod agent;
 pub mod apply;
 pub mod check;
+pub mod info;
 pub mod netlink;
+pub mod port;
 pub mod probe;
 pub mod protocol;
 pub mod state;
