@@ -24,3 +24,6 @@ pub mod state;
 pub fn log(message: &str) {
     eprintln!("vmhost-agent: {message}");
 }
+
+#[cfg(test)]
+mod kernel_tests;

@@ -146,13 +146,18 @@ fn wait_readable(fd: &OwnedFd, timeout: Duration) -> io::Result<bool> {
 
 /// Sends ICMP echo requests to `target` and waits for a reply, for at most [`TIMEOUT`].
 pub fn ping(target: Ipv4Addr) -> ProbeOutcome {
-    match ping_for(target, TIMEOUT) {
+    ping_within(target, TIMEOUT)
+}
+
+/// [`ping`] with an explicit total time.
+pub fn ping_within(target: Ipv4Addr, timeout: Duration) -> ProbeOutcome {
+    match ping_for(target, timeout) {
         Ok(outcome) => outcome,
         Err(e) => ProbeOutcome::Failed(e.to_string()),
     }
 }
 
-/// [`ping`] with an explicit total time.
+/// The probe itself; errors are a socket that could not be opened or a send the kernel refused.
 fn ping_for(target: Ipv4Addr, timeout: Duration) -> io::Result<ProbeOutcome> {
     let (fd, raw) = open_socket()?;
     // Distinguishes our replies on a raw socket; the datagram socket's kernel-chosen id is not
