@@ -41,7 +41,7 @@ pub struct AgentInfo {
     pub kernel: String,
     /// Whole seconds since the guest booted (`/proc/uptime`).
     pub uptime_s: u64,
-    /// The agent's own resident set size in KiB (`VmRSS` of `/proc/self/status`).
+    /// The agent's own resident set size in KiB (`Rss` of `/proc/self/smaps_rollup`, else `VmRSS`).
     pub rss_kib: u64,
 }
 
@@ -64,14 +64,26 @@ fn parse_uptime(text: &str) -> u64 {
     text.split_whitespace().next().and_then(|s| s.parse::<f64>().ok()).map_or(0, |s| s as u64)
 }
 
-/// `VmRSS` in KiB from `/proc/PID/status` text.
-fn parse_rss_kib(status: &str) -> u64 {
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+/// The value in KiB of the `key:` line (`Rss:` of `smaps_rollup`, `VmRSS:` of `status`), 0 when
+/// there is none.
+fn parse_kib(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+/// The agent's resident set size in KiB.
+///
+/// `smaps_rollup` first: it walks the page tables and is exact. `VmRSS` of `status` is the
+/// fallback only, because kernels before 6.2 keep per-thread RSS counters that reach the reported
+/// total only every 64 page faults, and a process as small as the agent then shows a few KiB.
+fn rss_kib(proc_root: &Path) -> u64 {
+    match parse_kib(&read(&proc_root.join("self/smaps_rollup")), "Rss:") {
+        0 => parse_kib(&read(&proc_root.join("self/status")), "VmRSS:"),
+        kib => kib,
+    }
 }
 
 /// The `agent.info` reply, read below `proc_root` (`/proc` outside tests).
@@ -81,7 +93,7 @@ pub fn agent_info(proc_root: &Path) -> AgentInfo {
         hostname: read(&proc_root.join("sys/kernel/hostname")).trim().to_string(),
         kernel: read(&proc_root.join("sys/kernel/osrelease")).trim().to_string(),
         uptime_s: parse_uptime(&read(&proc_root.join("uptime"))),
-        rss_kib: parse_rss_kib(&read(&proc_root.join("self/status"))),
+        rss_kib: rss_kib(proc_root),
     }
 }
 
@@ -93,8 +105,10 @@ mod tests {
     fn proc_files_are_parsed() {
         assert_eq!(parse_uptime("1234.56 789.00\n"), 1234);
         assert_eq!(parse_uptime(""), 0);
-        assert_eq!(parse_rss_kib("Name:\tvmhost-agent\nVmPeak:\t 9000 kB\nVmRSS:\t    1532 kB\n"), 1532);
-        assert_eq!(parse_rss_kib("Name: x\n"), 0);
+        assert_eq!(parse_kib("Name:\tvmhost-agent\nVmPeak:\t 9000 kB\nVmRSS:\t    1532 kB\n", "VmRSS:"), 1532);
+        assert_eq!(parse_kib("Name: x\n", "VmRSS:"), 0);
+        let rollup = "55d5c5a5a000-7ffd [rollup]\nRss:                1340 kB\nPss:                 1200 kB\n";
+        assert_eq!(parse_kib(rollup, "Rss:"), 1340);
     }
 
     #[test]
@@ -106,6 +120,9 @@ mod tests {
         std::fs::write(dir.path().join("sys/kernel/osrelease"), "6.1.0-57-cloud-amd64\n").expect("write");
         std::fs::write(dir.path().join("uptime"), "12.50 3.00\n").expect("write");
         std::fs::write(dir.path().join("self/status"), "VmRSS:\t 1200 kB\n").expect("write");
+        // Without smaps_rollup, VmRSS counts.
+        assert_eq!(agent_info(dir.path()).rss_kib, 1200);
+        std::fs::write(dir.path().join("self/smaps_rollup"), "Rss: 1300 kB\n").expect("write");
         let info = agent_info(dir.path());
         assert_eq!(
             info,
@@ -114,7 +131,7 @@ mod tests {
                 hostname: "guest-1".into(),
                 kernel: "6.1.0-57-cloud-amd64".into(),
                 uptime_s: 12,
-                rss_kib: 1200
+                rss_kib: 1300
             }
         );
         // The real /proc works too.
