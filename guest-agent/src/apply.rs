@@ -453,10 +453,26 @@ pub fn execute(steps: &[Step], netlink: &mut Netlink, state: &Snapshot) -> Resul
 }
 
 /// Creates a link, finds its index and marks it; deletes it again if marking fails.
+///
+/// One exception to "only links the agent created": loading the dummy driver (which the kernel
+/// does on the first dummy request) makes the driver create `dummy0` by itself (its `numdummies`
+/// parameter defaults to 1), so the agent's own request for `dummy0` then fails with `EEXIST`. A
+/// dummy with the requested name that is down, unmarked and without addresses right after that
+/// failure (and that the plan did not see, or it would have refused the name) is that side effect
+/// of the agent's request: it is adopted, i.e. marked and used.
 fn create_marked(netlink: &mut Netlink, name: &str, kind: &Kind) -> Result<u32, NetlinkError> {
-    match kind {
-        Kind::Dummy => netlink.create_dummy(name)?,
-        Kind::Vlan { parent_index, vlan_id, .. } => netlink.create_vlan(name, *parent_index, *vlan_id)?,
+    let created = match kind {
+        Kind::Dummy => netlink.create_dummy(name),
+        Kind::Vlan { parent_index, vlan_id, .. } => netlink.create_vlan(name, *parent_index, *vlan_id),
+    };
+    if let Err(e) = created {
+        let adopted = match (&e, kind) {
+            (NetlinkError::Kernel { errno: libc::EEXIST, .. }, Kind::Dummy) => driver_made_dummy(netlink, name)?,
+            _ => None,
+        };
+        let Some(index) = adopted else { return Err(e) };
+        netlink.set_alias(index, MARKER)?;
+        return Ok(index);
     }
     let link = netlink
         .link_by_name(name)?
@@ -467,6 +483,17 @@ fn create_marked(netlink: &mut Netlink, name: &str, kind: &Kind) -> Result<u32, 
         return Err(e);
     }
     Ok(link.index)
+}
+
+/// The index of `name` if it is a pristine dummy (down, unmarked, no IPv4 address): what the dummy
+/// driver creates by itself when it is loaded.
+fn driver_made_dummy(netlink: &mut Netlink, name: &str) -> Result<Option<u32>, NetlinkError> {
+    let Some(link) = netlink.link_by_name(name)? else { return Ok(None) };
+    let pristine = link.kind == "dummy" && link.alias.is_empty() && !link.up;
+    if !pristine || netlink.addresses()?.iter().any(|a| a.index == link.index) {
+        return Ok(None);
+    }
+    Ok(Some(link.index))
 }
 
 /// Compares the state after an apply with the desired state and with the state before; returns
