@@ -17,7 +17,7 @@ use crate::info;
 use crate::log;
 use crate::netlink::Netlink;
 use crate::probe;
-use crate::protocol::{parse_params, Methods, RpcError, METHOD_NOT_FOUND};
+use crate::protocol::{parse_params, Methods, RpcError, INVALID_SEMANTICS, METHOD_NOT_FOUND};
 use crate::state::{read_dns, Snapshot, RESOLV_CONF};
 
 /// Longest nonce `sync` accepts, in bytes.
@@ -125,6 +125,7 @@ impl Methods for Agent {
                         r.created, r.updated, r.deleted
                     )),
                     Ok(_) => {}
+                    Err(e) if e.code == INVALID_SEMANTICS => log(&format!("net.apply refused: {}", e.message)),
                     Err(e) => log(&format!("net.apply failed: {}", e.message)),
                 }
                 to_value(&result?)
@@ -137,7 +138,7 @@ impl Methods for Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{handle_line, INVALID_PARAMS, INVALID_SEMANTICS};
+    use crate::protocol::{handle_line, INVALID_PARAMS};
 
     fn call(line: &str) -> Value {
         let mut agent = Agent::default();
