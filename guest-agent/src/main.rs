@@ -85,7 +85,7 @@ fn main() -> ExitCode {
             Ok(port) => {
                 log(&format!("serving on {}", path.display()));
                 last_problem.clear();
-                let error = Server::new(port, Agent::new(options.paths.clone())).run();
+                let error = Server::new(port, Agent::new(options.paths.clone())).run(|port| port.is_at(&path));
                 report(&mut last_problem, format!("port {} failed: {error}; reopening", path.display()));
             }
             Err(e) => report(&mut last_problem, format!("cannot open {}: {e}", path.display())),

@@ -33,6 +33,9 @@ pub const HANGUP_RETRY: Duration = Duration::from_millis(200);
 /// read).
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How often, while no host is connected, the server checks that its device still exists.
+pub const RECHECK: Duration = Duration::from_secs(5);
+
 /// How long one wait for input lasts before the loop looks again.
 const POLL_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -113,6 +116,20 @@ impl Port {
             return Err(io::Error::last_os_error());
         }
         Ok(Port { fd })
+    }
+
+    /// True when `path` is still the device this port has open (same device number), false when
+    /// it is gone or is now another device.
+    pub fn is_at(&self, path: &Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        // SAFETY: a zeroed stat is valid storage for fstat to fill.
+        let mut ours: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on a descriptor we own, into `ours`.
+        if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut ours) } != 0 {
+            return false;
+        }
+        std::fs::metadata(path)
+            .is_ok_and(|m| m.dev() == ours.st_dev && m.ino() == ours.st_ino && m.rdev() == ours.st_rdev)
     }
 
     /// Waits up to `timeout` for input or a hang-up.
@@ -246,13 +263,24 @@ impl<M: Methods> Server<M> {
     /// Serves until the port fails: sleeps [`HANGUP_RETRY`] between looks while no host is
     /// connected, answers requests while one is.
     ///
+    /// While no host is connected, `still_there` is asked every [`RECHECK`] whether the device is
+    /// still the one that was opened (a hot-unplugged port just looks disconnected forever); when
+    /// it says no, serving ends so that the caller finds the port again.
+    ///
     /// # Errors
-    /// Only returns with the port error that ended serving; the caller reopens the port.
-    pub fn run(&mut self) -> io::Error {
+    /// Only returns, with the error that ended serving; the caller reopens the port.
+    pub fn run(&mut self, mut still_there: impl FnMut(&Port) -> bool) -> io::Error {
+        let mut last_check = Instant::now();
         loop {
             match self.turn(POLL_INTERVAL) {
                 Ok(Readiness::HangUp) => {
                     self.note(false);
+                    if last_check.elapsed() >= RECHECK {
+                        last_check = Instant::now();
+                        if !still_there(&self.port) {
+                            return io::Error::new(io::ErrorKind::NotFound, "the port device went away");
+                        }
+                    }
                     std::thread::sleep(HANGUP_RETRY);
                 }
                 Ok(_) => self.note(true),
@@ -314,6 +342,22 @@ mod tests {
         assert!(lines[1].contains("-32700"), "{text}");
         drop(host);
         assert_eq!(server.turn(Duration::from_secs(1)).expect("turn"), Readiness::HangUp);
+    }
+
+    #[test]
+    fn a_replaced_or_vanished_device_is_noticed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("vport0p1");
+        std::fs::write(&path, "").expect("create");
+        let port = Port::open(&path).expect("open");
+        assert!(port.is_at(&path));
+        // Replaced while we hold the old one open (so its inode cannot be reused), then gone.
+        let other = dir.path().join("new");
+        std::fs::write(&other, "").expect("create");
+        std::fs::rename(&other, &path).expect("replace");
+        assert!(!port.is_at(&path), "another file now");
+        std::fs::remove_file(&path).expect("remove");
+        assert!(!port.is_at(&path), "gone");
     }
 
     #[test]
