@@ -201,8 +201,8 @@ pub fn handle_frame(frame: &Frame, methods: &mut dyn Methods) -> Option<String> 
 /// - Not a request object (a batch array, another JSON value, a missing or wrong `jsonrpc`, an
 ///   unknown member, an id that is not a string, number or null): [`INVALID_REQUEST`], with the id
 ///   when it could be read.
-/// - A request without `id` (a notification) is dropped: the agent has no method worth running
-///   unanswered.
+/// - A valid request without `id` (a notification) is dropped: the agent has no method worth
+///   running unanswered. An invalid one is answered with `id: null`.
 /// - The answer to `sync` starts with a newline, which ends any partial line an earlier session
 ///   left in the agent-to-host direction; the host discards everything up to the sync answer.
 pub fn handle_line(line: &[u8], methods: &mut dyn Methods) -> Option<String> {
@@ -228,9 +228,12 @@ pub fn handle_line(line: &[u8], methods: &mut dyn Methods) -> Option<String> {
         Some(_) => return Some(error_null(INVALID_REQUEST, "id must be a string, a number or null")),
     };
     let request = check_envelope(object);
-    let Some(id) = id else {
-        // A notification: never answered, so not run either.
-        return None;
+    let id = match (id, &request) {
+        (Some(id), _) => id,
+        // A valid notification: never answered, so not run either.
+        (None, Ok(_)) => return None,
+        // An invalid request is answered even without an id (JSON-RPC 2.0, section 5).
+        (None, Err(_)) => Value::Null,
     };
     let outcome = request.and_then(|(method, params)| {
         let sync = method == "sync";
@@ -391,8 +394,10 @@ mod tests {
         assert_eq!(reply(r#"{"jsonrpc":"2.0","id":1,"method":5}"#)["error"]["code"], INVALID_REQUEST);
         assert_eq!(reply(r#"{"jsonrpc":"2.0","id":1,"method":"echo","params":3}"#)["error"]["code"], INVALID_PARAMS);
         assert_eq!(reply(r#"{"jsonrpc":"2.0","id":1,"method":"nope"}"#)["error"]["code"], METHOD_NOT_FOUND);
-        // Notifications and blank lines get no answer.
+        // Notifications and blank lines get no answer; an invalid request without id does.
         assert_eq!(handle_line(br#"{"jsonrpc":"2.0","method":"echo"}"#, &mut Fake), None);
+        let v = reply(r#"{"method":"echo"}"#);
+        assert_eq!((v["error"]["code"].clone(), v["id"].clone()), (json!(INVALID_REQUEST), Value::Null));
         assert_eq!(handle_line(b"", &mut Fake), None);
         assert_eq!(handle_line(b" \r", &mut Fake), None);
         // A CRLF line end is accepted.
