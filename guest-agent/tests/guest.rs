@@ -8,7 +8,8 @@
 //! `ip=`, and then plays the host: sync, hello, agent.info (RSS budget), net.state, net.check (passing,
 //! and failing by name for a wrong address and a wrong gateway), net.apply (VLAN + dummy, again
 //! unchanged, then removal), hostile frames, and a disconnect with stale data in both directions
-//! followed by a reconnect and a successful sync.
+//! followed by a reconnect and a successful sync, and finally a guest reset under a host that stays
+//! connected.
 //!
 //! Needs root-free QEMU (qemu-system-x86_64) and whatever `tests/guest/build.sh` installs; takes
 //! about a minute, most of it the first release build and the TCG boot.
@@ -103,9 +104,12 @@ fn boot(kernel: &Path, initrd: &Path, dir: &Path) -> Vm {
     let sock = dir.join("agent.sock");
     let log = dir.join("serial.log");
     let child = Command::new("qemu-system-x86_64")
-        .args(["-accel", "tcg", "-M", "q35", "-m", "256", "-nodefaults", "-display", "none", "-no-reboot"])
+        // No -no-reboot: the test resets the guest through QMP and expects it to boot again.
+        .args(["-accel", "tcg", "-M", "q35", "-m", "256", "-nodefaults", "-display", "none"])
         .arg("-serial")
         .arg(format!("file:{}", log.display()))
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", dir.join("qmp.sock").display()))
         .arg("-kernel")
         .arg(kernel)
         .arg("-initrd")
@@ -122,6 +126,30 @@ fn boot(kernel: &Path, initrd: &Path, dir: &Path) -> Vm {
         .spawn()
         .expect("start qemu-system-x86_64");
     Vm { child, log }
+}
+
+/// Runs one QMP command (after the capabilities handshake) and returns its answer line.
+fn qmp(sock: &Path, command: &str) -> String {
+    let stream = UnixStream::connect(sock).expect("connect QMP");
+    stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut reader = std::io::BufReader::new(stream.try_clone().expect("clone"));
+    let mut writer = stream;
+    let mut line = String::new();
+    let mut next = |reader: &mut std::io::BufReader<UnixStream>| {
+        // Skip asynchronous events; return the next greeting or command answer.
+        loop {
+            line.clear();
+            std::io::BufRead::read_line(reader, &mut line).expect("QMP read");
+            if !line.contains("\"event\"") {
+                return line.clone();
+            }
+        }
+    };
+    next(&mut reader);
+    writer.write_all(b"{\"execute\":\"qmp_capabilities\"}\n").expect("QMP write");
+    next(&mut reader);
+    writer.write_all(format!("{{\"execute\":\"{command}\"}}\n").as_bytes()).expect("QMP write");
+    next(&mut reader)
 }
 
 /// The host end of the agent channel: newline-delimited JSON-RPC over the chardev socket.
@@ -408,6 +436,16 @@ fn agent_in_the_test_guest() {
     let info = host.ok("agent.info", json!({}));
     let rss = info["rss_kib"].as_u64().expect("rss_kib");
     eprintln!("budget: agent RSS after the whole session {rss} KiB");
+
+    // A guest reboot under a host that stays connected: the new agent answers a sync on the same
+    // host connection (what the host sends meanwhile waits in the chardev), with a new uptime.
+    let answer = qmp(&dir.path().join("qmp.sock"), "system_reset");
+    assert!(answer.contains("\"return\""), "system_reset: {answer}");
+    let reset = Instant::now();
+    host.sync("after-reboot", Duration::from_secs(120));
+    eprintln!("timing: guest reset to sync answer on the same connection: {:.1} s", reset.elapsed().as_secs_f64());
+    assert_eq!(host.ok("hello", json!({}))["protocol_version"], 1);
+    assert_eq!(vm.serial().matches("VMHOST-GUEST-READY").count(), 2, "booted twice");
     assert!(rss <= RSS_BUDGET_KIB, "RSS {rss} KiB, budget {RSS_BUDGET_KIB}");
     let serial = vm.serial();
     for line in serial.lines().filter(|l| l.contains("vmhost-agent")) {
