@@ -464,10 +464,12 @@ impl Netlink {
         // Best effort: older kernels lack these; errors then just carry no text.
         let _ = set_int_opt(&fd, SOL_NETLINK, NETLINK_EXT_ACK, 1, "extended ack");
         let _ = set_int_opt(&fd, SOL_NETLINK, NETLINK_CAP_ACK, 1, "capped ack");
+        // The kernel sizes dump datagrams to at most SKB_WITH_OVERHEAD(32768) bytes, so 32 KiB
+        // always holds one; `receive` still detects a larger one (MSG_TRUNC) instead of cutting it.
         Ok(Netlink { fd, seq: 0, buf: vec![0; 32 * 1024] })
     }
 
-    /// Sends one request (`header` = the fixed struct after `nlmsghdr`, then `attributes`) and
+    /// Sends one request (`payload` = the fixed struct after `nlmsghdr`, then attributes) and
     /// returns its sequence number.
     fn send(&mut self, kind: u16, flags: u16, payload: &[u8], op: &'static str) -> Result<u32, NetlinkError> {
         self.seq = self.seq.wrapping_add(1);
