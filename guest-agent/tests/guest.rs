@@ -197,23 +197,25 @@ impl Host {
         }
     }
 
-    /// Starts a session: a bare newline, then sync with `nonce`; discards everything until the
-    /// matching answer. Resends (with a fresh nonce) every 5 s, since the agent may still be
-    /// starting. Returns how many lines were discarded.
+    /// Starts a session: a bare newline, then sync with a nonce; discards everything until the
+    /// answer to one of the syncs sent by this call. Resends (with a fresh nonce) every 5 s, since
+    /// the agent may still be starting; all nonces of this call are new, so any of their answers
+    /// proves the stream is in step. Returns how many lines were discarded.
     fn sync(&mut self, nonce: &str, timeout: Duration) -> usize {
         let deadline = Instant::now() + timeout;
         let mut discarded = 0;
-        let mut attempt = 0;
+        let mut sent: Vec<String> = Vec::new();
         loop {
-            let nonce = format!("{nonce}-{attempt}");
+            let nonce = format!("{nonce}-{}", sent.len());
             let request =
                 json!({"jsonrpc": "2.0", "id": format!("sync-{nonce}"), "method": "sync", "params": {"nonce": nonce}});
             self.send(format!("\n{request}\n").as_bytes());
+            sent.push(nonce);
             let resend = Instant::now() + Duration::from_secs(5);
             while let Some(line) = self.line(resend.min(deadline)) {
                 let answer: Option<Value> = serde_json::from_slice(&line).ok();
                 let matched = answer.as_ref().is_some_and(|v| {
-                    v["id"] == json!(format!("sync-{nonce}")) && v["result"] == json!({"nonce": nonce})
+                    sent.iter().any(|n| v["id"] == json!(format!("sync-{n}")) && v["result"] == json!({"nonce": n}))
                 });
                 if matched {
                     return discarded;
@@ -221,7 +223,6 @@ impl Host {
                 discarded += 1;
             }
             assert!(Instant::now() < deadline, "no sync answer within {timeout:?}");
-            attempt += 1;
         }
     }
 
