@@ -1,0 +1,178 @@
+//! The agent's methods: maps each JSON-RPC method name to the module that answers it.
+//!
+//! [`Agent`] implements [`Methods`] for the port loop. Every method parses its parameters into a
+//! closed type first (unknown members are -32602, see [`parse_params`]), so nothing reaches the
+//! kernel before the request is known to be well-formed. Kernel access opens a fresh netlink socket
+//! per request: the agent serves one request at a time and the socket costs microseconds, while a
+//! long-lived one would need its own recovery.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::apply::{self, ApplyParams};
+use crate::check::{self, CheckParams};
+use crate::info;
+use crate::log;
+use crate::netlink::Netlink;
+use crate::probe;
+use crate::protocol::{parse_params, Methods, RpcError, INVALID_SEMANTICS, METHOD_NOT_FOUND};
+use crate::state::{read_dns, Snapshot, RESOLV_CONF};
+
+/// Longest nonce `sync` accepts, in bytes.
+pub const MAX_NONCE: usize = 128;
+
+/// Where the agent reads and writes, overridable for tests and unusual images.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Paths {
+    /// `resolv.conf` to report.
+    pub resolv_conf: PathBuf,
+    /// Where `net.apply` saves its intent.
+    pub intent: PathBuf,
+    /// The proc file system.
+    pub proc_root: PathBuf,
+}
+
+impl Default for Paths {
+    fn default() -> Paths {
+        Paths {
+            resolv_conf: PathBuf::from(RESOLV_CONF),
+            intent: PathBuf::from("/run/vmhost-agent/intent.json"),
+            proc_root: PathBuf::from("/proc"),
+        }
+    }
+}
+
+/// Parameters of `sync`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SyncParams {
+    /// Echoed back, so the host can tell this session's answer from stale ones.
+    nonce: String,
+}
+
+/// Parameters of the methods that take none.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoParams {}
+
+/// The method handlers.
+#[derive(Debug, Default)]
+pub struct Agent {
+    /// File locations.
+    pub paths: Paths,
+}
+
+/// Serializes a reply value.
+fn to_value<T: serde::Serialize>(value: &T) -> Result<Value, RpcError> {
+    serde_json::to_value(value).map_err(|e| RpcError::internal(format!("cannot serialize the reply: {e}")))
+}
+
+/// Opens netlink, as -32603 when that fails.
+fn netlink() -> Result<Netlink, RpcError> {
+    Netlink::open().map_err(|e| RpcError::internal(format!("netlink unavailable: {e}")))
+}
+
+impl Agent {
+    /// An agent using `paths`.
+    pub fn new(paths: Paths) -> Agent {
+        Agent { paths }
+    }
+
+    /// `net.state` as a typed value.
+    fn net_state(&self) -> Result<crate::state::NetState, RpcError> {
+        let snapshot = Snapshot::take(&mut netlink()?)
+            .map_err(|e| RpcError::internal(format!("cannot read the network state: {e}")))?;
+        Ok(snapshot.view(read_dns(&self.paths.resolv_conf)))
+    }
+}
+
+impl Methods for Agent {
+    fn call(&mut self, method: &str, params: Option<Value>) -> Result<Value, RpcError> {
+        match method {
+            "sync" => {
+                let p: SyncParams = parse_params(params)?;
+                if p.nonce.is_empty() || p.nonce.len() > MAX_NONCE {
+                    return Err(RpcError::invalid("nonce", format!("nonce must be 1 to {MAX_NONCE} bytes")));
+                }
+                Ok(json!({ "nonce": p.nonce }))
+            }
+            "hello" => {
+                parse_params::<NoParams>(params)?;
+                to_value(&info::hello())
+            }
+            "agent.info" => {
+                parse_params::<NoParams>(params)?;
+                to_value(&info::agent_info(&self.paths.proc_root))
+            }
+            "net.state" => {
+                parse_params::<NoParams>(params)?;
+                to_value(&self.net_state()?)
+            }
+            "net.check" => {
+                let p: CheckParams = parse_params(params)?;
+                let expected = check::validate(&p.expected)?;
+                let state = self.net_state()?;
+                to_value(&check::evaluate(&expected, &state, &mut probe::ping))
+            }
+            "net.apply" => {
+                let p: ApplyParams = parse_params(params)?;
+                let result = apply::apply(&p, &mut netlink()?, &self.paths.intent);
+                match &result {
+                    Ok(r) if r.changed => log(&format!(
+                        "net.apply: created {:?} updated {:?} deleted {:?}",
+                        r.created, r.updated, r.deleted
+                    )),
+                    Ok(_) => {}
+                    Err(e) if e.code == INVALID_SEMANTICS => log(&format!("net.apply refused: {}", e.message)),
+                    Err(e) => log(&format!("net.apply failed: {}", e.message)),
+                }
+                to_value(&result?)
+            }
+            _ => Err(RpcError::new(METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{handle_line, INVALID_PARAMS};
+
+    fn call(line: &str) -> Value {
+        let mut agent = Agent::default();
+        let text = handle_line(line.as_bytes(), &mut agent).expect("a reply");
+        serde_json::from_str(text.trim_start()).expect("JSON")
+    }
+
+    #[test]
+    fn sync_hello_and_info_need_no_kernel() {
+        let v = call(r#"{"jsonrpc":"2.0","id":"sync-n1","method":"sync","params":{"nonce":"n1"}}"#);
+        assert_eq!(v, json!({"jsonrpc": "2.0", "id": "sync-n1", "result": {"nonce": "n1"}}));
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"hello"}"#);
+        assert_eq!(v["result"]["protocol_version"], 1);
+        assert_eq!(v["result"]["capabilities"], json!(["agent.info", "net.state", "net.check", "net.apply"]));
+        let v = call(r#"{"jsonrpc":"2.0","id":2,"method":"agent.info","params":{}}"#);
+        assert!(v["result"]["rss_kib"].as_u64().unwrap_or(0) > 0, "{v}");
+    }
+
+    #[test]
+    fn params_are_checked_before_anything_runs() {
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"sync","params":{}}"#);
+        assert_eq!(
+            (v["error"]["code"].clone(), v["error"]["data"]["field"].clone()),
+            (json!(INVALID_PARAMS), json!("nonce"))
+        );
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"sync","params":{"nonce":""}}"#);
+        assert_eq!(v["error"]["code"], INVALID_SEMANTICS);
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"hello","params":{"x":1}}"#);
+        assert_eq!(v["error"]["data"]["field"], "x");
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"net.apply","params":{"interfaces":[{"name":"d"}]}}"#);
+        assert_eq!(v["error"]["data"]["field"], "interfaces[0].address");
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"net.check","params":{"expected":{"gateway":"x"}}}"#);
+        assert_eq!(v["error"]["data"]["field"], "expected.gateway");
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"vm.start"}"#);
+        assert_eq!(v["error"]["code"], METHOD_NOT_FOUND);
+    }
+}

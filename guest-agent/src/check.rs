@@ -1,0 +1,396 @@
+//! `net.check`: compares what the host expects with what the guest has, item by item.
+//!
+//! The expected values always come from the host (from the VM's spec); the agent only reports what
+//! it observes next to them. Order of use: [`validate`] turns the host's [`Expected`] into typed
+//! [`Expectations`] (refusing bad values with 5100 naming the field); the caller takes a
+//! [`NetState`](crate::state::NetState) (the same view `net.state` returns); [`evaluate`] produces
+//! the [`CheckReport`], calling the gateway probe only when asked to. `evaluate` is pure apart from
+//! that probe callback, so every rule is unit-tested on made-up states.
+//!
+//! Check names are stable strings the host can show and match on:
+//! `nic MAC present`, `nic MAC up` (or `down`), `address A/P on NAME`, `default route via GW`,
+//! `gateway GW reachable`, `dns server S`, `search DOMAIN`.
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use serde::{Deserialize, Serialize};
+
+use crate::addr::{format_mac, parse_ipv4, parse_mac, Ipv4Net};
+use crate::probe::ProbeOutcome;
+use crate::protocol::RpcError;
+use crate::state::{Interface, NetState};
+
+/// Parameters of `net.check`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckParams {
+    /// What the host declared.
+    pub expected: Expected,
+}
+
+/// The host's expectations, as sent. Every member is optional; an absent one is not checked.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expected {
+    /// NICs, identified by MAC.
+    #[serde(default)]
+    pub interfaces: Vec<ExpectedNic>,
+    /// The default gateway; `null` or absent: no route or probe check.
+    #[serde(default)]
+    pub gateway: Option<String>,
+    /// DNS servers that must be configured (IPv4 or IPv6).
+    #[serde(default)]
+    pub dns: Vec<String>,
+    /// Search domains that must be configured.
+    #[serde(default)]
+    pub search: Vec<String>,
+    /// Send ICMP echo requests to the gateway.
+    #[serde(default)]
+    pub probe_gateway: bool,
+}
+
+/// One expected NIC.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExpectedNic {
+    /// Its MAC address.
+    pub mac: String,
+    /// IPv4 addresses (`a.b.c.d/p`) it must have.
+    #[serde(default)]
+    pub addresses: Vec<String>,
+    /// Whether it must be administratively up (default `true`).
+    #[serde(default = "yes")]
+    pub up: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The reply of `net.check`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckReport {
+    /// True when every check passed.
+    pub ok: bool,
+    /// Every check, in a stable order: NICs (presence, up, addresses), route, probe, DNS, search.
+    pub checks: Vec<Check>,
+}
+
+/// One item of a [`CheckReport`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Check {
+    /// What is checked, e.g. `address 10.0.0.5/24 on eth0`.
+    pub name: String,
+    /// Whether the observation matches.
+    pub ok: bool,
+    /// The expected value, from the host.
+    pub expected: String,
+    /// What the guest has.
+    pub observed: String,
+}
+
+/// The host's expectations with every value parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expectations {
+    /// NICs: MAC, addresses, up.
+    pub nics: Vec<([u8; 6], Vec<Ipv4Net>, bool)>,
+    /// Default gateway.
+    pub gateway: Option<Ipv4Addr>,
+    /// DNS servers.
+    pub dns: Vec<IpAddr>,
+    /// Search domains.
+    pub search: Vec<String>,
+    /// Probe the gateway.
+    pub probe_gateway: bool,
+}
+
+/// Parses and checks the values of `expected`.
+///
+/// # Errors
+/// 5100 with `data.field` (e.g. `expected.interfaces[0].addresses[1]`) for a malformed MAC,
+/// address, gateway, DNS server or search domain, or a MAC listed twice.
+pub fn validate(expected: &Expected) -> Result<Expectations, RpcError> {
+    let mut nics = Vec::with_capacity(expected.interfaces.len());
+    for (i, nic) in expected.interfaces.iter().enumerate() {
+        let field = format!("expected.interfaces[{i}].mac");
+        let mac = parse_mac(&nic.mac).map_err(|e| RpcError::invalid(&field, format!("{field}: {e}")))?;
+        if nics.iter().any(|(m, _, _)| *m == mac) {
+            return Err(RpcError::invalid(&field, format!("{field}: {} is listed twice", format_mac(&mac))));
+        }
+        let mut addresses = Vec::with_capacity(nic.addresses.len());
+        for (j, address) in nic.addresses.iter().enumerate() {
+            let field = format!("expected.interfaces[{i}].addresses[{j}]");
+            addresses.push(address.parse::<Ipv4Net>().map_err(|e| RpcError::invalid(&field, format!("{field}: {e}")))?);
+        }
+        nics.push((mac, addresses, nic.up));
+    }
+    let gateway = match &expected.gateway {
+        Some(gw) => {
+            Some(parse_ipv4(gw).map_err(|e| RpcError::invalid("expected.gateway", format!("expected.gateway: {e}")))?)
+        }
+        None => None,
+    };
+    let mut dns = Vec::with_capacity(expected.dns.len());
+    for (i, server) in expected.dns.iter().enumerate() {
+        let field = format!("expected.dns[{i}]");
+        dns.push(
+            server.parse::<IpAddr>().map_err(|_| RpcError::invalid(&field, format!("{field}: not an IP address")))?,
+        );
+    }
+    for (i, domain) in expected.search.iter().enumerate() {
+        let trimmed = domain.strip_suffix('.').unwrap_or(domain);
+        if trimmed.is_empty() || trimmed.len() > 253 || !trimmed.bytes().all(|b| b.is_ascii_graphic()) {
+            let field = format!("expected.search[{i}]");
+            return Err(RpcError::invalid(&field, format!("{field}: not a domain name")));
+        }
+    }
+    Ok(Expectations { nics, gateway, dns, search: expected.search.clone(), probe_gateway: expected.probe_gateway })
+}
+
+/// The interface that is the NIC with `mac`: a plain device (no link kind) first, because VLANs
+/// and other stacked links share their parent's MAC; otherwise the first link with that MAC.
+fn nic_with_mac<'a>(state: &'a NetState, mac: &str) -> Option<&'a Interface> {
+    let mut with_mac = state.interfaces.iter().filter(|i| i.mac == mac);
+    let first = with_mac.clone().next();
+    with_mac.find(|i| i.kind.is_empty()).or(first)
+}
+
+/// `a, b, c`, or `none` for an empty list.
+fn list_or_none(items: &[String], separator: &str) -> String {
+    if items.is_empty() {
+        "none".to_string()
+    } else {
+        items.join(separator)
+    }
+}
+
+/// Compares `state` with `expected` and returns every check. `probe` is called at most once, for
+/// the gateway, when `probe_gateway` is set and a gateway is expected.
+pub fn evaluate(
+    expected: &Expectations,
+    state: &NetState,
+    probe: &mut dyn FnMut(Ipv4Addr) -> ProbeOutcome,
+) -> CheckReport {
+    let mut checks = Vec::new();
+    let mut push = |name: String, ok: bool, expected: String, observed: String| {
+        checks.push(Check { name, ok, expected, observed });
+    };
+    for (mac, addresses, up) in &expected.nics {
+        let mac = format_mac(mac);
+        let nic = nic_with_mac(state, &mac);
+        push(
+            format!("nic {mac} present"),
+            nic.is_some(),
+            "present".into(),
+            nic.map_or_else(|| "absent".into(), |n| n.name.clone()),
+        );
+        let word = |up: bool| if up { "up" } else { "down" };
+        push(
+            format!("nic {mac} {}", word(*up)),
+            nic.is_some_and(|n| n.up == *up),
+            word(*up).into(),
+            nic.map_or_else(|| "absent".into(), |n| word(n.up).into()),
+        );
+        for address in addresses {
+            let (name, observed, ok) = match nic {
+                Some(n) => {
+                    let have: Vec<Ipv4Net> = n.addresses.iter().filter_map(|a| a.parse().ok()).collect();
+                    (n.name.clone(), list_or_none(&n.addresses, ", "), have.contains(address))
+                }
+                None => (format!("nic {mac}"), "nic absent".into(), false),
+            };
+            push(format!("address {address} on {name}"), ok, address.to_string(), observed);
+        }
+    }
+    if let Some(gateway) = expected.gateway {
+        let defaults: Vec<_> = state.routes.iter().filter(|r| r.dst == "default").collect();
+        let ok =
+            defaults.iter().any(|r| r.gateway.as_deref().and_then(|g| g.parse::<Ipv4Addr>().ok()) == Some(gateway));
+        let observed: Vec<String> = defaults
+            .iter()
+            .map(|r| match &r.gateway {
+                Some(g) => format!("via {g} dev {}", r.dev),
+                None => format!("dev {}", r.dev),
+            })
+            .collect();
+        push(format!("default route via {gateway}"), ok, format!("via {gateway}"), list_or_none(&observed, "; "));
+        if expected.probe_gateway {
+            let outcome = probe(gateway);
+            push(
+                format!("gateway {gateway} reachable"),
+                outcome.is_reply(),
+                outcome.expectation(),
+                outcome.to_string(),
+            );
+        }
+    }
+    for server in &expected.dns {
+        let ok = state.dns.servers.iter().any(|s| s.parse::<IpAddr>().ok() == Some(*server));
+        push(format!("dns server {server}"), ok, server.to_string(), list_or_none(&state.dns.servers, ", "));
+    }
+    for domain in &expected.search {
+        let norm = |d: &str| d.strip_suffix('.').unwrap_or(d).to_ascii_lowercase();
+        let ok = state.dns.search.iter().any(|s| norm(s) == norm(domain));
+        push(format!("search {domain}"), ok, domain.clone(), list_or_none(&state.dns.search, " "));
+    }
+    CheckReport { ok: checks.iter().all(|c| c.ok), checks }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{parse_params, INVALID_PARAMS, INVALID_SEMANTICS};
+    use crate::state::{Dns, RouteView};
+    use serde_json::json;
+    use std::time::Duration;
+
+    fn iface(name: &str, mac: &str, kind: &str, up: bool, addresses: &[&str]) -> Interface {
+        Interface {
+            name: name.into(),
+            mac: mac.into(),
+            up,
+            mtu: 1500,
+            kind: kind.into(),
+            alias: String::new(),
+            addresses: addresses.iter().map(|a| a.to_string()).collect(),
+        }
+    }
+
+    /// A guest with eth0 (10.0.0.5/24 via 10.0.0.1), a VLAN on it sharing its MAC, and a second NIC
+    /// that is down.
+    fn guest() -> NetState {
+        NetState {
+            interfaces: vec![
+                iface("lo", "00:00:00:00:00:00", "", true, &["127.0.0.1/8"]),
+                iface("eth0.20", "02:00:00:00:00:01", "vlan", true, &["10.20.0.5/24"]),
+                iface("eth0", "02:00:00:00:00:01", "", true, &["10.0.0.5/24"]),
+                iface("eth1", "02:00:00:00:00:02", "", false, &[]),
+            ],
+            routes: vec![
+                RouteView { dst: "default".into(), gateway: Some("10.0.0.1".into()), dev: "eth0".into() },
+                RouteView { dst: "10.0.0.0/24".into(), gateway: None, dev: "eth0".into() },
+            ],
+            dns: Dns { servers: vec!["10.0.0.1".into()], search: vec!["example.org".into()] },
+        }
+    }
+
+    fn expectations(value: serde_json::Value) -> Expectations {
+        let params: CheckParams = parse_params(Some(json!({ "expected": value }))).expect("parses");
+        validate(&params.expected).expect("valid")
+    }
+
+    fn no_probe(_: Ipv4Addr) -> ProbeOutcome {
+        panic!("the probe must not run")
+    }
+
+    #[test]
+    fn a_matching_guest_passes_every_check() {
+        let expected = expectations(json!({
+            "interfaces": [{"mac": "02:00:00:00:00:01", "addresses": ["10.0.0.5/24"], "up": true}],
+            "gateway": "10.0.0.1", "dns": ["10.0.0.1"], "search": ["Example.org."], "probe_gateway": true
+        }));
+        let mut probed = Vec::new();
+        let report = evaluate(&expected, &guest(), &mut |gw| {
+            probed.push(gw);
+            ProbeOutcome::Reply(Duration::from_micros(800))
+        });
+        let names: Vec<&str> = report.checks.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "nic 02:00:00:00:00:01 present",
+                "nic 02:00:00:00:00:01 up",
+                "address 10.0.0.5/24 on eth0",
+                "default route via 10.0.0.1",
+                "gateway 10.0.0.1 reachable",
+                "dns server 10.0.0.1",
+                "search Example.org.",
+            ]
+        );
+        assert!(report.ok, "{report:?}");
+        assert_eq!(probed, [Ipv4Addr::new(10, 0, 0, 1)]);
+        // The NIC is eth0, not the VLAN sharing its MAC.
+        assert_eq!(report.checks[0].observed, "eth0");
+    }
+
+    #[test]
+    fn wrong_items_fail_by_name_with_both_values() {
+        let expected = expectations(json!({
+            "interfaces": [
+                {"mac": "02:00:00:00:00:01", "addresses": ["10.0.0.6/24", "10.0.0.5/24"]},
+                {"mac": "02:00:00:00:00:02"},
+                {"mac": "02:00:00:00:00:09", "addresses": ["10.9.0.1/24"]}
+            ],
+            "gateway": "10.0.0.254", "dns": ["1.1.1.1"], "search": ["lab.example"], "probe_gateway": true
+        }));
+        let report = evaluate(&expected, &guest(), &mut |_| ProbeOutcome::NoReply(Duration::from_millis(1000)));
+        assert!(!report.ok);
+        let failed: Vec<(&str, &str, &str)> = report
+            .checks
+            .iter()
+            .filter(|c| !c.ok)
+            .map(|c| (c.name.as_str(), c.expected.as_str(), c.observed.as_str()))
+            .collect();
+        assert_eq!(
+            failed,
+            [
+                ("address 10.0.0.6/24 on eth0", "10.0.0.6/24", "10.0.0.5/24"),
+                ("nic 02:00:00:00:00:02 up", "up", "down"),
+                ("nic 02:00:00:00:00:09 present", "present", "absent"),
+                ("nic 02:00:00:00:00:09 up", "up", "absent"),
+                ("address 10.9.0.1/24 on nic 02:00:00:00:00:09", "10.9.0.1/24", "nic absent"),
+                ("default route via 10.0.0.254", "via 10.0.0.254", "via 10.0.0.1 dev eth0"),
+                ("gateway 10.0.0.254 reachable", "echo reply within 1000 ms", "no reply within 1000 ms"),
+                ("dns server 1.1.1.1", "1.1.1.1", "10.0.0.1"),
+                ("search lab.example", "lab.example", "example.org"),
+            ]
+        );
+    }
+
+    #[test]
+    fn absent_members_are_not_checked() {
+        let report = evaluate(&expectations(json!({})), &guest(), &mut no_probe);
+        assert_eq!(report, CheckReport { ok: true, checks: vec![] });
+        // A probe without a gateway is skipped, and a down NIC can be expected down.
+        let expected =
+            expectations(json!({"probe_gateway": true, "interfaces": [{"mac": "02:00:00:00:00:02", "up": false}]}));
+        let report = evaluate(&expected, &guest(), &mut no_probe);
+        assert!(report.ok, "{report:?}");
+        assert_eq!(report.checks[1].name, "nic 02:00:00:00:00:02 down");
+        // No default route at all.
+        let mut bare = guest();
+        bare.routes.clear();
+        let report = evaluate(&expectations(json!({"gateway": "10.0.0.1"})), &bare, &mut no_probe);
+        assert_eq!(report.checks[0].observed, "none");
+    }
+
+    #[test]
+    fn bad_values_are_refused_naming_the_field() {
+        let field = |value: serde_json::Value| {
+            let params: CheckParams = parse_params(Some(json!({ "expected": value }))).expect("well-typed");
+            let e = validate(&params.expected).expect_err("refused");
+            assert_eq!(e.code, INVALID_SEMANTICS);
+            e.data.map(|d| d["field"].clone()).unwrap_or_default()
+        };
+        assert_eq!(field(json!({"interfaces": [{"mac": "02:00"}]})), "expected.interfaces[0].mac");
+        assert_eq!(
+            field(json!({"interfaces": [{"mac": "02:00:00:00:00:01", "addresses": ["10.0.0.5/24", "10.0.0.5"]}]})),
+            "expected.interfaces[0].addresses[1]"
+        );
+        assert_eq!(
+            field(json!({"interfaces": [{"mac": "02:00:00:00:00:01"}, {"mac": "02:00:00:00:00:01"}]})),
+            "expected.interfaces[1].mac"
+        );
+        assert_eq!(field(json!({"gateway": "10.0.0"})), "expected.gateway");
+        assert_eq!(field(json!({"dns": ["1.1.1.1", "dns.example"]})), "expected.dns[1]");
+        assert_eq!(field(json!({"search": ["a b"]})), "expected.search[0]");
+        // Wrong types and unknown members are -32602 from the closed types.
+        let e = parse_params::<CheckParams>(Some(json!({"expected": {"gateway": 5}}))).expect_err("type");
+        assert_eq!((e.code, e.data.map(|d| d["field"].clone())), (INVALID_PARAMS, Some(json!("expected.gateway"))));
+        let e = parse_params::<CheckParams>(Some(json!({"expected": {"interfaces": [{"mac": "x", "mtu": 1}]}})))
+            .expect_err("unknown");
+        assert_eq!(e.data.map(|d| d["field"].clone()), Some(json!("expected.interfaces[0].mtu")));
+    }
+}

@@ -1,0 +1,141 @@
+//! `hello` and `agent.info`: who the agent is and what the guest is, from `/proc`.
+//!
+//! Every reading is from a `/proc` file so the parsing can be tested on fabricated text; a file that
+//! cannot be read becomes an empty or zero value rather than an error, because `agent.info` is a
+//! liveness probe and should answer whatever the guest's state.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// The agent's version (the crate version).
+pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The protocol version `hello` announces. Bumped on any incompatible change.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The method groups `hello` announces.
+pub const CAPABILITIES: [&str; 4] = ["agent.info", "net.state", "net.check", "net.apply"];
+
+/// The reply of `hello`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hello {
+    /// [`AGENT_VERSION`].
+    pub agent_version: String,
+    /// [`PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// [`CAPABILITIES`].
+    pub capabilities: Vec<String>,
+}
+
+/// The reply of `agent.info`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentInfo {
+    /// [`AGENT_VERSION`].
+    pub version: String,
+    /// The guest's host name (`/proc/sys/kernel/hostname`).
+    pub hostname: String,
+    /// The guest's kernel release (`/proc/sys/kernel/osrelease`).
+    pub kernel: String,
+    /// Whole seconds since the guest booted (`/proc/uptime`).
+    pub uptime_s: u64,
+    /// The agent's own resident set size in KiB (`Rss` of `/proc/self/smaps_rollup`, else `VmRSS`).
+    pub rss_kib: u64,
+}
+
+/// The `hello` reply.
+pub fn hello() -> Hello {
+    Hello {
+        agent_version: AGENT_VERSION.to_string(),
+        protocol_version: PROTOCOL_VERSION,
+        capabilities: CAPABILITIES.iter().map(|c| c.to_string()).collect(),
+    }
+}
+
+/// Reads a small text file, empty when it cannot be read.
+fn read(path: &Path) -> String {
+    std::fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default()
+}
+
+/// The first field of `/proc/uptime`, in whole seconds.
+fn parse_uptime(text: &str) -> u64 {
+    text.split_whitespace().next().and_then(|s| s.parse::<f64>().ok()).map_or(0, |s| s as u64)
+}
+
+/// The value in KiB of the `key:` line (`Rss:` of `smaps_rollup`, `VmRSS:` of `status`), 0 when
+/// there is none.
+fn parse_kib(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The agent's resident set size in KiB.
+///
+/// `smaps_rollup` first: it walks the page tables and is exact. `VmRSS` of `status` is the
+/// fallback only, because kernels before 6.2 keep per-thread RSS counters that reach the reported
+/// total only every 64 page faults, and a process as small as the agent then shows a few KiB.
+fn rss_kib(proc_root: &Path) -> u64 {
+    match parse_kib(&read(&proc_root.join("self/smaps_rollup")), "Rss:") {
+        0 => parse_kib(&read(&proc_root.join("self/status")), "VmRSS:"),
+        kib => kib,
+    }
+}
+
+/// The `agent.info` reply, read below `proc_root` (`/proc` outside tests).
+pub fn agent_info(proc_root: &Path) -> AgentInfo {
+    AgentInfo {
+        version: AGENT_VERSION.to_string(),
+        hostname: read(&proc_root.join("sys/kernel/hostname")).trim().to_string(),
+        kernel: read(&proc_root.join("sys/kernel/osrelease")).trim().to_string(),
+        uptime_s: parse_uptime(&read(&proc_root.join("uptime"))),
+        rss_kib: rss_kib(proc_root),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_files_are_parsed() {
+        assert_eq!(parse_uptime("1234.56 789.00\n"), 1234);
+        assert_eq!(parse_uptime(""), 0);
+        assert_eq!(parse_kib("Name:\tvmhost-agent\nVmPeak:\t 9000 kB\nVmRSS:\t    1532 kB\n", "VmRSS:"), 1532);
+        assert_eq!(parse_kib("Name: x\n", "VmRSS:"), 0);
+        let rollup = "55d5c5a5a000-7ffd [rollup]\nRss:                1340 kB\nPss:                 1200 kB\n";
+        assert_eq!(parse_kib(rollup, "Rss:"), 1340);
+    }
+
+    #[test]
+    fn info_from_a_fabricated_proc() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir_all(dir.path().join("sys/kernel")).expect("mkdir");
+        std::fs::create_dir_all(dir.path().join("self")).expect("mkdir");
+        std::fs::write(dir.path().join("sys/kernel/hostname"), "guest-1\n").expect("write");
+        std::fs::write(dir.path().join("sys/kernel/osrelease"), "6.1.0-57-cloud-amd64\n").expect("write");
+        std::fs::write(dir.path().join("uptime"), "12.50 3.00\n").expect("write");
+        std::fs::write(dir.path().join("self/status"), "VmRSS:\t 1200 kB\n").expect("write");
+        // Without smaps_rollup, VmRSS counts.
+        assert_eq!(agent_info(dir.path()).rss_kib, 1200);
+        std::fs::write(dir.path().join("self/smaps_rollup"), "Rss: 1300 kB\n").expect("write");
+        let info = agent_info(dir.path());
+        assert_eq!(
+            info,
+            AgentInfo {
+                version: AGENT_VERSION.into(),
+                hostname: "guest-1".into(),
+                kernel: "6.1.0-57-cloud-amd64".into(),
+                uptime_s: 12,
+                rss_kib: 1300
+            }
+        );
+        // The real /proc works too.
+        assert!(agent_info(Path::new("/proc")).rss_kib > 0);
+        assert_eq!(hello().capabilities, CAPABILITIES);
+    }
+}

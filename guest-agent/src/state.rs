@@ -1,0 +1,231 @@
+//! What the guest's network looks like: the reply of `net.state`, and the kernel snapshot that
+//! `net.check` and `net.apply` work from.
+//!
+//! Order of use: [`Snapshot::take`] reads links, IPv4 addresses and main-table routes through one
+//! netlink socket; [`read_dns`] reads `/etc/resolv.conf`; [`Snapshot::view`] turns both into the
+//! [`NetState`] the host sees. `net.check` evaluates its expectations against that same
+//! [`NetState`], so a check never sees anything the host could not see itself.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::addr::{format_mac, Ipv4Net};
+use crate::netlink::{Address, Link, Netlink, NetlinkError, Route};
+
+/// Where the resolver configuration is read from.
+pub const RESOLV_CONF: &str = "/etc/resolv.conf";
+
+/// The reply of `net.state`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetState {
+    /// Every link, in index order.
+    pub interfaces: Vec<Interface>,
+    /// IPv4 unicast routes of the main table.
+    pub routes: Vec<RouteView>,
+    /// The resolver configuration.
+    pub dns: Dns,
+}
+
+/// One link as `net.state` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Interface {
+    /// Interface name.
+    pub name: String,
+    /// Hardware address (`aa:bb:cc:dd:ee:ff`), empty for links without a six-byte one.
+    pub mac: String,
+    /// Administratively up (`IFF_UP`).
+    pub up: bool,
+    /// MTU in bytes.
+    pub mtu: u32,
+    /// Link kind (`vlan`, `dummy`, ...), empty for a plain device such as a hardware NIC.
+    pub kind: String,
+    /// Interface alias, empty when unset; `vmhost-agent` on links the agent created.
+    pub alias: String,
+    /// IPv4 addresses as `a.b.c.d/p`, in the kernel's order.
+    pub addresses: Vec<String>,
+}
+
+/// One route as `net.state` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteView {
+    /// `default` or `a.b.c.d/p`.
+    pub dst: String,
+    /// Next hop, `null` for a directly connected network.
+    pub gateway: Option<String>,
+    /// Output interface name; empty for a multipath route (not decoded).
+    pub dev: String,
+}
+
+/// The resolver configuration from `resolv.conf`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Dns {
+    /// `nameserver` entries, in file order.
+    pub servers: Vec<String>,
+    /// The search list: the domains of the last `search` or `domain` line (as the resolver uses).
+    pub search: Vec<String>,
+}
+
+/// The kernel's view of links, IPv4 addresses and main-table routes at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Every link, in index order.
+    pub links: Vec<Link>,
+    /// Every IPv4 address.
+    pub addresses: Vec<Address>,
+    /// IPv4 unicast routes of the main table.
+    pub routes: Vec<Route>,
+}
+
+impl Snapshot {
+    /// Reads links, addresses and routes through `netlink`.
+    ///
+    /// # Errors
+    /// Any [`NetlinkError`] of the three dumps.
+    pub fn take(netlink: &mut Netlink) -> Result<Snapshot, NetlinkError> {
+        Ok(Snapshot { links: netlink.links()?, addresses: netlink.addresses()?, routes: netlink.routes()? })
+    }
+
+    /// The link called `name`.
+    pub fn link(&self, name: &str) -> Option<&Link> {
+        self.links.iter().find(|l| l.name == name)
+    }
+
+    /// The name of link `index`, or `#index` for a link that vanished between dumps.
+    pub fn name_of(&self, index: u32) -> String {
+        self.links.iter().find(|l| l.index == index).map_or_else(|| format!("#{index}"), |l| l.name.clone())
+    }
+
+    /// The IPv4 addresses of link `index`, in the kernel's order.
+    pub fn addresses_of(&self, index: u32) -> Vec<Ipv4Net> {
+        self.addresses.iter().filter(|a| a.index == index).map(|a| Ipv4Net { addr: a.addr, prefix: a.prefix }).collect()
+    }
+
+    /// The default routes, in the kernel's order.
+    pub fn default_routes(&self) -> Vec<Route> {
+        self.routes.iter().filter(|r| r.is_default()).copied().collect()
+    }
+
+    /// The `net.state` view of this snapshot plus `dns`.
+    pub fn view(&self, dns: Dns) -> NetState {
+        let interfaces = self
+            .links
+            .iter()
+            .map(|l| Interface {
+                name: l.name.clone(),
+                mac: l.mac.as_ref().map(format_mac).unwrap_or_default(),
+                up: l.up,
+                mtu: l.mtu,
+                kind: l.kind.clone(),
+                alias: l.alias.clone(),
+                addresses: self.addresses_of(l.index).iter().map(Ipv4Net::to_string).collect(),
+            })
+            .collect();
+        let routes = self
+            .routes
+            .iter()
+            .map(|r| RouteView {
+                dst: if r.is_default() {
+                    "default".to_string()
+                } else {
+                    Ipv4Net { addr: r.dst, prefix: r.dst_len }.to_string()
+                },
+                gateway: r.gateway.map(|g| g.to_string()),
+                dev: r.oif.map(|i| self.name_of(i)).unwrap_or_default(),
+            })
+            .collect();
+        NetState { interfaces, routes, dns }
+    }
+}
+
+/// Parses `resolv.conf` text: `nameserver` lines in order, and the search list of the last
+/// `search` or `domain` line (the two override each other, as in glibc's resolver). Comments
+/// (`#`, `;`) and other options are ignored.
+pub fn parse_resolv_conf(text: &str) -> Dns {
+    let mut dns = Dns::default();
+    for line in text.lines() {
+        let line = line.split(['#', ';']).next().unwrap_or("");
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some("nameserver") => dns.servers.extend(words.next().map(str::to_string)),
+            Some("search") => dns.search = words.map(str::to_string).collect(),
+            Some("domain") => dns.search = words.next().map(str::to_string).into_iter().collect(),
+            _ => {}
+        }
+    }
+    dns
+}
+
+/// Reads and parses the resolver configuration at `path`; a missing or unreadable file is an
+/// empty configuration (the resolver then has no servers either).
+pub fn read_dns(path: &Path) -> Dns {
+    std::fs::read(path).map(|bytes| parse_resolv_conf(&String::from_utf8_lossy(&bytes))).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn resolv_conf_follows_the_resolver() {
+        let dns = parse_resolv_conf(
+            "# generated\nnameserver 10.0.2.3\nnameserver 2001:db8::1 # v6\n\
+             domain old.example\nsearch example.org lab.example.org\noptions ndots:2\n;nameserver 1.1.1.1\n",
+        );
+        assert_eq!(dns.servers, ["10.0.2.3", "2001:db8::1"]);
+        assert_eq!(dns.search, ["example.org", "lab.example.org"]);
+        // The last of search/domain wins.
+        assert_eq!(parse_resolv_conf("search a.example b.example\ndomain c.example\n").search, ["c.example"]);
+        assert_eq!(parse_resolv_conf(""), Dns::default());
+        assert_eq!(read_dns(Path::new("/nonexistent/resolv.conf")), Dns::default());
+    }
+
+    #[test]
+    fn view_names_devices_and_default_routes() {
+        let snapshot = Snapshot {
+            links: vec![
+                Link { index: 1, name: "lo".into(), up: true, mtu: 65536, mac: Some([0; 6]), ..Link::default() },
+                Link {
+                    index: 2,
+                    name: "eth0".into(),
+                    up: true,
+                    mtu: 1500,
+                    mac: Some([0x52, 0x54, 0, 0x12, 0x34, 0x56]),
+                    ..Link::default()
+                },
+            ],
+            addresses: vec![
+                Address { index: 1, addr: Ipv4Addr::LOCALHOST, prefix: 8 },
+                Address { index: 2, addr: Ipv4Addr::new(10, 0, 2, 15), prefix: 24 },
+            ],
+            routes: vec![
+                Route {
+                    dst: Ipv4Addr::UNSPECIFIED,
+                    dst_len: 0,
+                    gateway: Some(Ipv4Addr::new(10, 0, 2, 2)),
+                    oif: Some(2),
+                    priority: 0,
+                },
+                Route { dst: Ipv4Addr::new(10, 0, 2, 0), dst_len: 24, gateway: None, oif: Some(2), priority: 0 },
+                Route { dst: Ipv4Addr::new(10, 9, 0, 0), dst_len: 16, gateway: None, oif: Some(9), priority: 0 },
+            ],
+        };
+        let state = snapshot.view(Dns::default());
+        assert_eq!(state.interfaces[1].mac, "52:54:00:12:34:56");
+        assert_eq!(state.interfaces[1].addresses, ["10.0.2.15/24"]);
+        assert_eq!(
+            state.routes[0],
+            RouteView { dst: "default".into(), gateway: Some("10.0.2.2".into()), dev: "eth0".into() }
+        );
+        assert_eq!(state.routes[1].dst, "10.0.2.0/24");
+        assert_eq!(state.routes[2].dev, "#9");
+        let json = serde_json::to_value(&state).expect("serializes");
+        assert_eq!(json["interfaces"][0]["kind"], "");
+        assert_eq!(json["routes"][1]["gateway"], serde_json::Value::Null);
+    }
+}
