@@ -313,6 +313,19 @@ pub fn kernel_ip_params(spec: &VmSpec) -> Vec<String> {
             None => {}
         }
     }
+    // klibc's ip= has no field for search domains; the guest's init (or agent) reads these.
+    let search: Vec<&str> = spec
+        .nics
+        .iter()
+        .filter_map(|n| match &n.ipv4 {
+            Some(Ipv4Spec::Static { search, .. }) => Some(search.iter().map(String::as_str)),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    if !search.is_empty() {
+        out.push(format!("vmhost.dns_search={}", search.join(",")));
+    }
     out
 }
 
@@ -502,7 +515,11 @@ vlan_filtering = true
         s.name = "web1".into();
         assert_eq!(
             kernel_ip_params(&s),
-            vec!["ip=10.0.0.5::10.0.0.1:255.255.255.0:web1:eth0:off:10.0.0.1:".to_string(), "ip=eth2:dhcp".to_string()]
+            vec![
+                "ip=10.0.0.5::10.0.0.1:255.255.255.0:web1:eth0:off:10.0.0.1:".to_string(),
+                "ip=eth2:dhcp".to_string(),
+                "vmhost.dns_search=example.org".to_string()
+            ]
         );
     }
 }

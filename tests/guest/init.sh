@@ -101,6 +101,7 @@ for arg in $(cat /proc/cmdline); do
     case $arg in
         ip=*) [ "$skip_ip" = 1 ] || apply_ip "${arg#ip=}" ;;
         vmhost.ping=*) ping_targets=$(echo "${arg#vmhost.ping=}" | tr , ' ') ;;
+        vmhost.dns_search=*) [ "$skip_ip" = 1 ] || echo "search $(echo "${arg#vmhost.dns_search=}" | tr , ' ')" >>/etc/resolv.conf ;;
     esac
 done
 

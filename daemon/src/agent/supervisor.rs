@@ -91,7 +91,7 @@ impl AgentHub {
         vms.insert(vm.to_string(), agent.clone());
         let name = vm.to_string();
         tokio::spawn(async move {
-            let mut last_uptime = 0u64;
+            let mut last_uptime = None;
             loop {
                 let event = keep(&agent, &name, &mut last_uptime).await;
                 if let Some(event) = event {
@@ -165,11 +165,39 @@ impl AgentHub {
 }
 
 /// One round of keeping a session: connect if there is none, else ping. Returns what happened.
-async fn keep(agent: &VmAgent, vm: &str, last_uptime: &mut u64) -> Option<SessionEvent> {
+/// The guest's uptime as last seen, and when: a reboot shows as an uptime below what the time
+/// since then allows (a plain "uptime went down" misses a reboot that lands on the same value).
+#[derive(Debug, Clone, Copy)]
+struct Baseline {
+    uptime_s: u64,
+    at: std::time::Instant,
+}
+
+impl Baseline {
+    fn now(uptime_s: u64) -> Baseline {
+        Baseline { uptime_s, at: std::time::Instant::now() }
+    }
+
+    /// True when `uptime_s` cannot be the same boot (2 s of slack for rounding).
+    fn rebooted(&self, uptime_s: u64) -> bool {
+        uptime_s + 2 < self.uptime_s + self.at.elapsed().as_secs()
+    }
+}
+
+async fn keep(agent: &VmAgent, vm: &str, last_uptime: &mut Option<Baseline>) -> Option<SessionEvent> {
     let mut guard = agent.conn.lock().await;
     if guard.is_none() {
         match AgentConn::connect(&agent.socket, CONNECT_TIMEOUT).await {
-            Ok(conn) => {
+            Ok(mut conn) => {
+                // The uptime at connection is the baseline: a reboot right after connecting
+                // must still be noticed at the next ping.
+                *last_uptime = match conn.call::<AgentInfo>("agent.info", json!({}), CONNECT_TIMEOUT).await {
+                    Ok(info) => Some(Baseline::now(info.uptime_s)),
+                    Err(e) => {
+                        tracing::debug!(vm, error = %e, "agent.info failed right after connecting");
+                        return None;
+                    }
+                };
                 tracing::info!(vm, version = %conn.hello.agent_version, "guest agent connected");
                 if let Ok(mut s) = agent.status.lock() {
                     *s = AgentStatus {
@@ -179,7 +207,6 @@ async fn keep(agent: &VmAgent, vm: &str, last_uptime: &mut u64) -> Option<Sessio
                     };
                 }
                 *guard = Some(conn);
-                *last_uptime = 0;
                 return Some(SessionEvent::Connected);
             }
             Err(e) => {
@@ -194,8 +221,9 @@ async fn keep(agent: &VmAgent, vm: &str, last_uptime: &mut u64) -> Option<Sessio
             if let Ok(mut s) = agent.status.lock() {
                 s.last_seen = Some(crate::api::now_rfc3339());
             }
-            let rebooted = info.uptime_s < *last_uptime;
-            *last_uptime = info.uptime_s;
+            let rebooted = last_uptime.is_some_and(|b| b.rebooted(info.uptime_s));
+            tracing::debug!(vm, uptime = info.uptime_s, rebooted, "agent ping");
+            *last_uptime = Some(Baseline::now(info.uptime_s));
             rebooted.then_some(SessionEvent::GuestRebooted)
         }
         Err(e) => {
@@ -206,5 +234,19 @@ async fn keep(agent: &VmAgent, vm: &str, last_uptime: &mut u64) -> Option<Sessio
             }
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reboots_are_told_by_uptime_against_elapsed_time() {
+        let b = Baseline { uptime_s: 30, at: std::time::Instant::now() - Duration::from_secs(10) };
+        assert!(!b.rebooted(40), "same boot");
+        assert!(!b.rebooted(38), "within the slack");
+        assert!(b.rebooted(30), "same value 10 s later: a new boot");
+        assert!(b.rebooted(3));
     }
 }

@@ -5,7 +5,8 @@
 //! clients, and the daemon's RSS idle and with the records. Not a test: it asserts nothing
 //! about speed. Then, in a network namespace, it times `vm.create` (to QEMU running) with 0, 1, 4
 //! and 8 NICs; the difference to 0 NICs is the networking share (taps made, attached, handed to
-//! QEMU). Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N]`.
+//! QEMU). Last, the guest agent: binary size, RSS in the guest, `vm.check` round trips.
+//! Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N] [--check-rounds N]`.
 
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -123,6 +124,50 @@ fn nic_bench(rounds: usize) {
     }
 }
 
+/// Guest agent: binary size, RSS in the guest, and `vm.check` round trips under TCG.
+fn agent_bench(rounds: usize) {
+    let host = TestHost::start(HostOptions {
+        netns: true,
+        extra: "[networks.lan]\nbridge = \"br-bench\"\ncreate = true\naddress = \"10.9.0.1/24\"\n".into(),
+        ..HostOptions::default()
+    });
+    let g = vmhost_tests::agent_guest();
+    let spec = json!({"name": "agent", "cpu": 1, "memory_mib": 256,
+        "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": "console=ttyS0 quiet"},
+        "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.9.0.5/24", "gateway": "10.9.0.1"}}]});
+    let t = Instant::now();
+    host.call("vm.create", json!({ "spec": spec }));
+    while host.call("vm.get", json!({"name": "agent"}))["agent"]["connected"] != true {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ready = t.elapsed();
+    let mut c = Client::connect(&host.socket).expect("connect");
+    let mut lat = Vec::new();
+    for _ in 0..rounds {
+        let t = Instant::now();
+        let _: Value = c.call("vm.check", json!({"name": "agent"})).expect("vm.check");
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    let info: Value = c.call("vm.guest_info", json!({"name": "agent"})).expect("guest_info");
+    let size = std::fs::metadata(vmhost_tests::workspace().join("target/guest-agent/vmhost-agent-e2e"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    println!();
+    println!("guest agent (TCG guest, static binary):");
+    println!("| figure | value |");
+    println!("|--------|-------|");
+    println!("| stripped binary size | {size} bytes ({:.2} MiB) |", size as f64 / 1048576.0);
+    println!("| agent RSS in the guest | {} KiB |", info["rss_kib"]);
+    println!("| vm.create to agent connected | {:.1} s |", ready.as_secs_f64());
+    println!(
+        "| vm.check round trip p50 ({} calls, gateway probed) | {:.1} ms |",
+        lat.len(),
+        percentile(&lat, 0.5).as_secs_f64() * 1e3
+    );
+    println!("| vm.check round trip p99 | {:.1} ms |", percentile(&lat, 0.99).as_secs_f64() * 1e3);
+}
+
 fn main() {
     let vms = arg("--vms", 1000);
     let get_calls = arg("--get-calls", 8000);
@@ -182,4 +227,5 @@ fn main() {
     println!("| {vms} records, after load  | {rss_after:>6} |");
     drop(host);
     nic_bench(arg("--nic-rounds", 7));
+    agent_bench(arg("--check-rounds", 200));
 }
