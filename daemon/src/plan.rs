@@ -89,6 +89,9 @@ pub fn plan_reconcile(
                         (crate::api::DesiredState::Stopped, true) => {
                             (PlanAction::Stop, format!("desired stopped, is {}", cur.status))
                         }
+                        _ if cur.spec.guest_interfaces != spec.guest_interfaces => {
+                            (PlanAction::None, "guest interfaces differ (applied live by the agent)".to_string())
+                        }
                         _ => (PlanAction::None, format!("up to date ({})", cur.status)),
                     }
                 }

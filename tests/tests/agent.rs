@@ -155,8 +155,12 @@ fn guest_interfaces_are_applied_live_kept_across_reboots_and_removed() {
     host.spawn_daemon();
     wait_agent(&host, "gi");
 
+    // Removal through a reconcile of the whole desired set: no replace, applied live.
     s["guest_interfaces"] = json!([]);
-    assert_eq!(host.call("vm.apply", json!({ "spec": s }))["changed"], true);
+    let r = host.call("host.reconcile", json!({ "vms": [s] }));
+    assert_eq!(r["plan"][0]["action"], "none", "{r}");
+    assert!(r["plan"][0]["reason"].as_str().unwrap().contains("guest interfaces"), "{r}");
+    assert_eq!((r["results"][0]["ok"].clone(), r["results"][0]["changed"].clone()), (json!(true), json!(true)), "{r}");
     assert!(!guest_ifaces(&host, "gi").iter().any(|i| i["name"] == "eth0.20"), "removed from the spec, gone");
     assert_eq!(host.call("vm.get", json!({"name": "gi"}))["pid"], pid);
 }

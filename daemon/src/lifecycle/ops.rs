@@ -320,23 +320,25 @@ impl Manager {
         let vm = validate_spec(&spec, &self.config)?;
         let Ok(current) = self.record(&spec.name) else { return self.create(spec).await };
         let drift = crate::plan::spec_drift(&current.spec, &spec);
-        if drift.is_empty() && current.spec.guest_interfaces != spec.guest_interfaces {
-            // Guest interfaces change live: record them, then have the agent apply them.
-            let wanted = spec.guest_interfaces.clone();
-            self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
-            if self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some() {
-                self.apply_guest_interfaces(&spec.name).await?;
-            }
-            return Ok(Mutation { changed: true, vm: Some(self.get(&spec.name)?) });
-        }
         if drift.is_empty() {
+            // Guest interfaces change live, under the VM's busy flag: record them, then have the
+            // agent apply them. The run state is converged after that, in the same call.
+            let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;
+            if interfaces_changed {
+                let (_guard, _) = self.begin(&spec.name)?;
+                let wanted = spec.guest_interfaces.clone();
+                self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
+                if self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some() {
+                    self.apply_guest_interfaces(&spec.name).await?;
+                }
+            }
             let up = self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some();
             let converge = match spec.state {
                 DesiredState::Running => !up,
                 DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,
             };
             return match (converge, spec.state) {
-                (false, _) => Ok(Mutation { changed: false, vm: Some(self.get(&spec.name)?) }),
+                (false, _) => Ok(Mutation { changed: interfaces_changed, vm: Some(self.get(&spec.name)?) }),
                 (true, DesiredState::Running) => self.start(&spec.name).await,
                 (true, DesiredState::Stopped) => {
                     self.stop(StopParams { name: spec.name.clone(), timeout_s: 30, force: false }).await
@@ -359,7 +361,13 @@ impl Manager {
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
         async move {
             let (guard, _) = self.begin(&spec.name)?;
-            if vm.spec.state == DesiredState::Running {
+            if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
+                // Capacity and conflicts in place of the old spec first, then the kernel's view
+                // of the devices; swap_spec admits again under the lock.
+                {
+                    let t = self.lock();
+                    self.admit_locked(&t, &vm.spec, &[])?;
+                }
                 self.check_passthrough(&vm.spec).await?;
             }
             // Admission of the new spec in place of the old and the record swap are one step:

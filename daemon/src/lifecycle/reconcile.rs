@@ -80,13 +80,20 @@ impl Manager {
 
     async fn run_entry(self: &Arc<Self>, entry: &PlanEntry, spec: Option<&VmSpec>) -> Result<bool, ApiError> {
         let need_spec = || spec.cloned().ok_or_else(|| ApiError::internal("plan entry without a spec"));
-        let m: Mutation = match entry.action {
-            PlanAction::None => return Ok(false),
-            PlanAction::Destroy => self.destroy(&entry.vm).await?,
-            PlanAction::Stop => self.stop(StopParams { name: entry.vm.clone(), timeout_s: 30, force: false }).await?,
-            PlanAction::Start => self.start(&entry.vm).await?,
-            PlanAction::Create => self.create(need_spec()?).await?,
-            PlanAction::Replace => self.apply(need_spec()?, true).await?,
+        let m: Mutation = match (entry.action, spec) {
+            // A desired VM that keeps its spec: vm.apply converges its run state and its guest
+            // interfaces (which are applied live, not a replace).
+            (PlanAction::None | PlanAction::Start | PlanAction::Stop, Some(spec)) => {
+                self.apply(spec.clone(), false).await?
+            }
+            (PlanAction::None, None) => return Ok(false),
+            (PlanAction::Destroy, _) => self.destroy(&entry.vm).await?,
+            (PlanAction::Stop, None) => {
+                self.stop(StopParams { name: entry.vm.clone(), timeout_s: 30, force: false }).await?
+            }
+            (PlanAction::Start, None) => self.start(&entry.vm).await?,
+            (PlanAction::Create, _) => self.create(need_spec()?).await?,
+            (PlanAction::Replace, _) => self.apply(need_spec()?, true).await?,
         };
         Ok(m.changed)
     }
