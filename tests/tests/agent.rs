@@ -177,3 +177,57 @@ fn a_vm_without_a_connected_agent_gets_5001_and_others_are_unaffected() {
     assert!(host.call("vm.list", json!({})).is_array());
     assert!(t.elapsed() < Duration::from_secs(5), "reads are not held up by agent sessions");
 }
+
+/// The test guest with a flooding script as its "agent" (tests/guest/hostile/flood-agent.sh).
+fn hostile_guest() -> vmhost_tests::Guest {
+    let base = vmhost_tests::guest();
+    let root = vmhost_tests::workspace();
+    let script = root.join("tests/guest/hostile/flood-agent.sh");
+    let out = root.join("target/guest");
+    let st = std::process::Command::new(root.join("tests/guest/build.sh"))
+        .env("EXTRA_FILES", format!("{}:/bin/vmhost-agent", script.display()))
+        .env("INITRAMFS_NAME", "initramfs-hostile.cpio.gz")
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    vmhost_tests::Guest { kernel: base.kernel, initrd: out.join("initramfs-hostile.cpio.gz") }
+}
+
+#[test]
+fn a_hostile_guest_floods_its_port_and_the_daemon_stays_responsive() {
+    let host = TestHost::start(HostOptions::default());
+    let g = hostile_guest();
+    let evil = json!({"name": "evil", "cpu": 1, "memory_mib": 256,
+        "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": "console=ttyS0 panic=-1 quiet"}});
+    host.call("vm.create", json!({ "spec": evil }));
+    assert!(host.wait_serial("evil", vmhost_tests::GUEST_READY, Duration::from_secs(90)));
+    let daemon = host.daemon_pid().unwrap();
+    let started = Instant::now();
+    let mut refused = 0;
+    while started.elapsed() < Duration::from_secs(20) {
+        // The hostile guest never gets a session: its calls are refused in bounded time.
+        let t = Instant::now();
+        let (code, _) = host.call_err("vm.check", json!({ "name": "evil" }));
+        assert!(code == 5001 || code == 5002, "code {code}");
+        assert!(t.elapsed() < Duration::from_secs(25), "a refused call is bounded");
+        refused += 1;
+        // Other calls are answered at once.
+        let t = Instant::now();
+        assert_eq!(host.call("vm.get", json!({ "name": "evil" }))["agent"]["connected"], false);
+        assert!(host.call("vm.list", json!({})).is_array());
+        assert!(t.elapsed() < Duration::from_secs(2), "reads held up: {:?}", t.elapsed());
+    }
+    assert!(refused > 0);
+    let log = host.daemon_log();
+    assert!(log.contains("longer than 65536") || log.contains("invalid reply"), "the flood was noticed");
+    let status = std::fs::read_to_string(format!("/proc/{daemon}/status")).unwrap();
+    let rss_kib: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(rss_kib < 200 * 1024, "the flood is not buffered: vmhostd RSS {rss_kib} KiB");
+    assert_eq!(host.call("vm.get", json!({ "name": "evil" }))["status"], "running");
+}
