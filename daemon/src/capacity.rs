@@ -5,7 +5,7 @@
 //! repeatedly on a simulated set, so a plan sees exactly the refusals a real run would get.
 //! Conflicts (3003) are reported before capacity (3002) because they name what to fix.
 
-use crate::api::{ApiError, Code, HardwareClass, HardwareItem, ResourceUsage, VmSpec};
+use crate::api::{ApiError, Code, HardwareItem, ResourceUsage, VmSpec};
 use crate::config::Hardware;
 use crate::hardware::PciAddress;
 use crate::validate::requested_devices;
@@ -96,19 +96,6 @@ pub fn admit(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> Result<()
         .details(json!({"resource": "memory_mib", "requested": request.memory_mib, "available": mem_free})));
     }
     Ok(())
-}
-
-/// Which VM holds each `(class, index)`.
-pub fn holders<'a>(held: &[Holding<'a>]) -> BTreeMap<(HardwareClass, u32), &'a str> {
-    let mut map = BTreeMap::new();
-    for h in held {
-        for (class, indices) in h.spec.hardware.by_class() {
-            for index in indices {
-                map.insert((class, *index), h.name);
-            }
-        }
-    }
-    map
 }
 
 /// CPU and memory usage, and every model index with its holder, for `host.info`.
@@ -249,7 +236,7 @@ mod tests {
         assert_eq!(mem.allocated, 512);
         assert_eq!(mem.available, 12288 - 512);
         assert_eq!(items.len(), 6);
-        let sfp6 = items.iter().find(|i| i.class == HardwareClass::Sfp && i.index == 6).unwrap();
+        let sfp6 = items.iter().find(|i| i.class == crate::api::HardwareClass::Sfp && i.index == 6).unwrap();
         assert_eq!(sfp6.holder.as_deref(), Some("a"));
         assert_eq!(sfp6.pci, "0000:ca:00.1");
         assert!(items.iter().filter(|i| i.holder.is_none()).count() == 5);

@@ -146,13 +146,29 @@ fn validate_raw_pci(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Every PCI device a spec asks for (model indices resolved, then raw addresses), in order.
-/// Unknown indices and malformed addresses are skipped: validation reports them.
-pub fn requested_devices(spec: &VmSpec, hw: &crate::config::Hardware) -> Vec<PciAddress> {
-    let mut out: Vec<PciAddress> =
-        spec.hardware.by_class().iter().flat_map(|(c, idx)| idx.iter().filter_map(|i| hw.model.get(*c, *i))).collect();
-    out.extend(spec.pci.iter().filter_map(|t| PciAddress::parse(t).ok()));
+/// Every PCI device a spec asks for (model indices resolved, then raw addresses), in order,
+/// with the request field each came from. Unknown indices and malformed addresses are skipped:
+/// validation reports them.
+pub fn requested_devices_with_fields(spec: &VmSpec, hw: &crate::config::Hardware) -> Vec<(PciAddress, String)> {
+    let mut out = Vec::new();
+    for (class, indices) in spec.hardware.by_class() {
+        for (pos, index) in indices.iter().enumerate() {
+            if let Some(addr) = hw.model.get(class, *index) {
+                out.push((addr, format!("spec.hardware.{class}[{pos}]")));
+            }
+        }
+    }
+    for (pos, text) in spec.pci.iter().enumerate() {
+        if let Ok(addr) = PciAddress::parse(text) {
+            out.push((addr, format!("spec.pci[{pos}]")));
+        }
+    }
     out
+}
+
+/// [`requested_devices_with_fields`] without the fields.
+pub fn requested_devices(spec: &VmSpec, hw: &crate::config::Hardware) -> Vec<PciAddress> {
+    requested_devices_with_fields(spec, hw).into_iter().map(|(addr, _)| addr).collect()
 }
 
 /// Guest interfaces: names 1-15 of `[A-Za-z0-9._-]`, unique; a VLAN has a link and an id

@@ -17,6 +17,15 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
 
+/// A `[networks.lan]` table: a bridge vmhostd creates, host address 10.0.0.1/24.
+pub const LAN_NETWORK: &str = r#"
+[networks.lan]
+bridge = "br-lan"
+create = true
+address = "10.0.0.1/24"
+subnet = "10.0.0.0/24"
+"#;
+
 /// Console line the test guest prints once userspace runs.
 pub const GUEST_READY: &str = "VMHOST-GUEST-READY";
 

@@ -7,13 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 use vmhost_tests::{agent_guest, HostOptions, TestHost};
 
-const LAN: &str = r#"
-[networks.lan]
-bridge = "br-lan"
-create = true
-address = "10.0.0.1/24"
-subnet = "10.0.0.0/24"
-"#;
+const LAN: &str = vmhost_tests::LAN_NETWORK;
 
 fn spec(name: &str, addr: &str, extra_cmdline: &str) -> Value {
     let g = agent_guest();

@@ -10,13 +10,7 @@ use vmhost_tests::{HostOptions, TestHost, GUEST_READY};
 
 const BOOT: Duration = Duration::from_secs(90);
 
-const LAN: &str = r#"
-[networks.lan]
-bridge = "br-lan"
-create = true
-address = "10.0.0.1/24"
-subnet = "10.0.0.0/24"
-"#;
+const LAN: &str = vmhost_tests::LAN_NETWORK;
 
 fn host_with(extra: &str) -> TestHost {
     TestHost::start(HostOptions { netns: true, extra: extra.into(), ..HostOptions::default() })

@@ -22,24 +22,6 @@ fn pci_error(step: &str, e: impl std::fmt::Display) -> ApiError {
         .details(json!({ "step": format!("vfio.{step}") }))
 }
 
-/// The devices of `spec` with the request field each came from.
-fn requested(spec: &VmSpec, config: &crate::config::Config) -> Vec<Requested> {
-    let mut out = Vec::new();
-    for (class, indices) in spec.hardware.by_class() {
-        for (pos, index) in indices.iter().enumerate() {
-            if let Some(addr) = config.hardware.model.get(class, *index) {
-                out.push(Requested::new(addr, format!("spec.hardware.{class}[{pos}]")));
-            }
-        }
-    }
-    for (pos, text) in spec.pci.iter().enumerate() {
-        if let Ok(addr) = crate::hardware::PciAddress::parse(text) {
-            out.push(Requested::new(addr, format!("spec.pci[{pos}]")));
-        }
-    }
-    out
-}
-
 impl Manager {
     /// Checks that every passthrough device of `spec` can go to it now. Changes nothing.
     ///
@@ -47,7 +29,10 @@ impl Manager {
     /// 2001 (absent, a bridge), 3003 (bound for another VM), 3005 (used by the host), 3004
     /// (IOMMU group not viable, listing the blocking devices), 4001 when sysfs or netlink fail.
     pub(super) async fn check_passthrough(&self, spec: &VmSpec) -> Result<Option<Assignment>, ApiError> {
-        let wanted = requested(spec, &self.config);
+        let wanted: Vec<Requested> = crate::validate::requested_devices_with_fields(spec, &self.config.hardware)
+            .into_iter()
+            .map(|(addr, field)| Requested::new(addr, field))
+            .collect();
         if wanted.is_empty() {
             return Ok(None);
         }
