@@ -41,6 +41,9 @@ pub struct AgentInfo {
     pub kernel: String,
     /// Whole seconds since the guest booted (`/proc/uptime`).
     pub uptime_s: u64,
+    /// The kernel's random id of this boot (`/proc/sys/kernel/random/boot_id`): the host tells a
+    /// guest reboot by it changing, which an uptime cannot tell when the reboot is fast.
+    pub boot_id: String,
     /// The agent's own resident set size in KiB (`Rss` of `/proc/self/smaps_rollup`, else `VmRSS`).
     pub rss_kib: u64,
 }
@@ -93,6 +96,7 @@ pub fn agent_info(proc_root: &Path) -> AgentInfo {
         hostname: read(&proc_root.join("sys/kernel/hostname")).trim().to_string(),
         kernel: read(&proc_root.join("sys/kernel/osrelease")).trim().to_string(),
         uptime_s: parse_uptime(&read(&proc_root.join("uptime"))),
+        boot_id: read(&proc_root.join("sys/kernel/random/boot_id")).trim().to_string(),
         rss_kib: rss_kib(proc_root),
     }
 }
@@ -114,11 +118,13 @@ mod tests {
     #[test]
     fn info_from_a_fabricated_proc() {
         let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::create_dir_all(dir.path().join("sys/kernel")).expect("mkdir");
+        std::fs::create_dir_all(dir.path().join("sys/kernel/random")).expect("mkdir");
         std::fs::create_dir_all(dir.path().join("self")).expect("mkdir");
         std::fs::write(dir.path().join("sys/kernel/hostname"), "guest-1\n").expect("write");
         std::fs::write(dir.path().join("sys/kernel/osrelease"), "6.1.0-57-cloud-amd64\n").expect("write");
         std::fs::write(dir.path().join("uptime"), "12.50 3.00\n").expect("write");
+        std::fs::write(dir.path().join("sys/kernel/random/boot_id"), "0f7c2a9e-1b2c-4d3e-8f90-123456789abc\n")
+            .expect("write");
         std::fs::write(dir.path().join("self/status"), "VmRSS:\t 1200 kB\n").expect("write");
         // Without smaps_rollup, VmRSS counts.
         assert_eq!(agent_info(dir.path()).rss_kib, 1200);
@@ -131,6 +137,7 @@ mod tests {
                 hostname: "guest-1".into(),
                 kernel: "6.1.0-57-cloud-amd64".into(),
                 uptime_s: 12,
+                boot_id: "0f7c2a9e-1b2c-4d3e-8f90-123456789abc".into(),
                 rss_kib: 1300
             }
         );

@@ -128,12 +128,11 @@ fn guest_interfaces_are_applied_live_kept_across_reboots_and_removed() {
     assert_eq!(again["vm"]["pid"], pid, "guest interfaces never restart the VM");
 
     // A guest reboot: the agent comes back, the daemon notices and applies the interfaces again.
-    let before = host.call("vm.guest_info", json!({ "name": "gi" }))["uptime_s"].as_u64().unwrap();
+    let before = host.call("vm.guest_info", json!({ "name": "gi" }))["boot_id"].clone();
+    assert!(before.as_str().is_some_and(|b| b.len() == 36), "{before}");
     reset(&host, "gi");
     wait_for(&host, "the rebooted guest's agent", || {
-        host.client()
-            .call::<Value>("vm.guest_info", json!({ "name": "gi" }))
-            .is_ok_and(|i| i["uptime_s"].as_u64().unwrap_or(u64::MAX) < before.max(1))
+        host.client().call::<Value>("vm.guest_info", json!({ "name": "gi" })).is_ok_and(|i| i["boot_id"] != before)
     });
     let deadline = Instant::now() + Duration::from_secs(120);
     while !guest_ifaces(&host, "gi").iter().any(|i| i["name"] == "eth0.20") {

@@ -222,7 +222,7 @@ mod tests {
             // A stale reply with another id, then the real one.
             w.write_all(b"{\"jsonrpc\":\"2.0\",\"id\":99,\"result\":1}\n").await.unwrap();
             let reply = json!({"jsonrpc": "2.0", "id": v["id"], "result": {"version": "t", "hostname": "g",
-                "kernel": "6.1", "uptime_s": 5, "rss_kib": 900}});
+                "kernel": "6.1", "uptime_s": 5, "boot_id": "b", "rss_kib": 900}});
             w.write_all(format!("{reply}\n").as_bytes()).await.unwrap();
         })
         .await;
@@ -250,7 +250,7 @@ mod tests {
     #[tokio::test]
     async fn hostile_replies_are_refused_in_bounded_time() {
         // Extra fields in a reply: refused by the closed type.
-        let e = hostile(b"{\"jsonrpc\":\"2.0\",\"id\":2,\"result\":{\"version\":\"t\",\"hostname\":\"g\",\"kernel\":\"k\",\"uptime_s\":1,\"rss_kib\":1,\"host_path\":\"/etc\"}}\n").await;
+        let e = hostile(b"{\"jsonrpc\":\"2.0\",\"id\":2,\"result\":{\"version\":\"t\",\"hostname\":\"g\",\"kernel\":\"k\",\"uptime_s\":1,\"boot_id\":\"b\",\"rss_kib\":1,\"host_path\":\"/etc\"}}\n").await;
         assert!(matches!(e, AgentError::Protocol(_)), "{e:?}");
         // Garbage and invalid UTF-8 are skipped; nothing else comes: a timeout.
         let e = hostile(b"\xff\xfe garbage\n{not json}\n").await;

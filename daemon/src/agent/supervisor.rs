@@ -42,7 +42,7 @@ pub struct AgentStatus {
 pub enum SessionEvent {
     /// A new session (first one, after a daemon restart, or after the guest came back).
     Connected,
-    /// The guest rebooted under an open session (its uptime went down).
+    /// The guest rebooted under an open session (its boot id changed).
     GuestRebooted,
 }
 
@@ -91,9 +91,9 @@ impl AgentHub {
         vms.insert(vm.to_string(), agent.clone());
         let name = vm.to_string();
         tokio::spawn(async move {
-            let mut last_uptime = None;
+            let mut last_boot = None;
             loop {
-                let event = keep(&agent, &name, &mut last_uptime).await;
+                let event = keep(&agent, &name, &mut last_boot).await;
                 if let Some(event) = event {
                     on_event(event).await;
                 }
@@ -164,35 +164,34 @@ impl AgentHub {
     }
 }
 
-/// One round of keeping a session: connect if there is none, else ping. Returns what happened.
-/// The guest's uptime as last seen, and when: a reboot shows as an uptime below what the time
-/// since then allows (a plain "uptime went down" misses a reboot that lands on the same value).
-#[derive(Debug, Clone, Copy)]
+/// The guest's boot as last seen: a reboot shows as a new `boot_id`. (An uptime cannot tell a
+/// reboot that is as fast as the time between two pings.)
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Baseline {
-    uptime_s: u64,
-    at: std::time::Instant,
+    boot_id: String,
 }
 
 impl Baseline {
-    fn now(uptime_s: u64) -> Baseline {
-        Baseline { uptime_s, at: std::time::Instant::now() }
+    fn of(info: &AgentInfo) -> Baseline {
+        Baseline { boot_id: info.boot_id.clone() }
     }
 
-    /// True when `uptime_s` cannot be the same boot (2 s of slack for rounding).
-    fn rebooted(&self, uptime_s: u64) -> bool {
-        uptime_s + 2 < self.uptime_s + self.at.elapsed().as_secs()
+    /// True when `info` comes from another boot than the baseline.
+    fn rebooted(&self, info: &AgentInfo) -> bool {
+        self.boot_id != info.boot_id
     }
 }
 
-async fn keep(agent: &VmAgent, vm: &str, last_uptime: &mut Option<Baseline>) -> Option<SessionEvent> {
+/// One round of keeping a session: connect if there is none, else ping. Returns what happened.
+async fn keep(agent: &VmAgent, vm: &str, last_boot: &mut Option<Baseline>) -> Option<SessionEvent> {
     let mut guard = agent.conn.lock().await;
     if guard.is_none() {
         match AgentConn::connect(&agent.socket, CONNECT_TIMEOUT).await {
             Ok(mut conn) => {
-                // The uptime at connection is the baseline: a reboot right after connecting
+                // The boot at connection is the baseline: a reboot right after connecting
                 // must still be noticed at the next ping.
-                *last_uptime = match conn.call::<AgentInfo>("agent.info", json!({}), CONNECT_TIMEOUT).await {
-                    Ok(info) => Some(Baseline::now(info.uptime_s)),
+                *last_boot = match conn.call::<AgentInfo>("agent.info", json!({}), CONNECT_TIMEOUT).await {
+                    Ok(info) => Some(Baseline::of(&info)),
                     Err(e) => {
                         tracing::debug!(vm, error = %e, "agent.info failed right after connecting");
                         return None;
@@ -221,9 +220,9 @@ async fn keep(agent: &VmAgent, vm: &str, last_uptime: &mut Option<Baseline>) -> 
             if let Ok(mut s) = agent.status.lock() {
                 s.last_seen = Some(crate::api::now_rfc3339());
             }
-            let rebooted = last_uptime.is_some_and(|b| b.rebooted(info.uptime_s));
+            let rebooted = last_boot.as_ref().is_some_and(|b| b.rebooted(&info));
             tracing::debug!(vm, uptime = info.uptime_s, rebooted, "agent ping");
-            *last_uptime = Some(Baseline::now(info.uptime_s));
+            *last_boot = Some(Baseline::of(&info));
             rebooted.then_some(SessionEvent::GuestRebooted)
         }
         Err(e) => {
@@ -241,12 +240,23 @@ async fn keep(agent: &VmAgent, vm: &str, last_uptime: &mut Option<Baseline>) -> 
 mod tests {
     use super::*;
 
+    fn info(boot_id: &str, uptime_s: u64) -> AgentInfo {
+        AgentInfo {
+            version: "t".into(),
+            hostname: "g".into(),
+            kernel: "k".into(),
+            uptime_s,
+            boot_id: boot_id.into(),
+            rss_kib: 1,
+        }
+    }
+
     #[test]
-    fn reboots_are_told_by_uptime_against_elapsed_time() {
-        let b = Baseline { uptime_s: 30, at: std::time::Instant::now() - Duration::from_secs(10) };
-        assert!(!b.rebooted(40), "same boot");
-        assert!(!b.rebooted(38), "within the slack");
-        assert!(b.rebooted(30), "same value 10 s later: a new boot");
-        assert!(b.rebooted(3));
+    fn reboots_are_told_by_the_boot_id_whatever_the_uptime() {
+        let b = Baseline::of(&info("a", 30));
+        assert!(!b.rebooted(&info("a", 40)), "same boot");
+        assert!(!b.rebooted(&info("a", 3)), "an uptime alone never means a reboot");
+        assert!(b.rebooted(&info("b", 30)), "a new boot that reached the same uptime");
+        assert!(b.rebooted(&info("b", 3)));
     }
 }

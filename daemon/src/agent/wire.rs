@@ -38,6 +38,8 @@ pub struct AgentInfo {
     pub kernel: String,
     /// Guest uptime.
     pub uptime_s: u64,
+    /// The guest kernel's id of this boot; a new one means the guest rebooted.
+    pub boot_id: String,
     /// The agent's own memory use.
     pub rss_kib: u64,
 }
