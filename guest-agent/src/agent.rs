@@ -55,7 +55,7 @@ struct SyncParams {
 /// Parameters of the methods that take none.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct NoParams {}
+pub(crate) struct NoParams {}
 
 /// The method handlers.
 #[derive(Debug, Default)]

@@ -9,8 +9,10 @@
 //! replies from an earlier session. A session starts with a bare `\n` (ends whatever partial line
 //! the agent holds) and a `sync` request carrying a fresh nonce; every line until the reply with
 //! that nonce is discarded. Request ids are then numbered from 1 and a reply with another id is
-//! skipped, so nothing stale can be taken for an answer.
+//! skipped, so nothing stale can be taken for an answer. Framing and reply matching are the pure
+//! functions of [`super::frame`].
 
+use super::frame::{match_reply, LineReader};
 use super::wire::{Hello, SyncReply};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -56,7 +58,7 @@ pub enum AgentError {
 #[derive(Debug)]
 pub struct AgentConn {
     stream: UnixStream,
-    buf: Vec<u8>,
+    reader: LineReader,
     next_id: u64,
     /// What the agent said in `hello`.
     pub hello: Hello,
@@ -80,7 +82,7 @@ impl AgentConn {
             .map_err(AgentError::Connect)?;
         let mut conn = AgentConn {
             stream,
-            buf: Vec::new(),
+            reader: LineReader::new(),
             next_id: 1,
             hello: Hello { agent_version: String::new(), protocol_version: 0, capabilities: Vec::new() },
         };
@@ -129,19 +131,9 @@ impl AgentConn {
             let left = deadline.saturating_duration_since(Instant::now());
             let line =
                 tokio::time::timeout(left, self.read_line()).await.map_err(|_| AgentError::Timeout(timeout))??;
-            let Ok(msg) = serde_json::from_slice::<Value>(&line) else { continue };
-            if msg.get("id") != Some(id) {
-                continue; // stale, noise, or an error line with id null
+            if let Some(outcome) = match_reply(&line, id) {
+                return outcome;
             }
-            if let Some(err) = msg.get("error") {
-                return Err(AgentError::Remote {
-                    code: err.get("code").and_then(Value::as_i64).unwrap_or(0),
-                    message: err.get("message").and_then(Value::as_str).unwrap_or("").chars().take(512).collect(),
-                    data: err.get("data").cloned().unwrap_or(Value::Null),
-                });
-            }
-            let result = msg.get("result").cloned().unwrap_or(Value::Null);
-            return serde_json::from_value(result).map_err(|e| AgentError::Protocol(e.to_string()));
         }
         Err(AgentError::Protocol(format!("more than {MAX_SKIPPED} unrelated lines")))
     }
@@ -149,20 +141,15 @@ impl AgentConn {
     /// One line without its newline; more than [`MAX_FRAME`] bytes ends the session.
     async fn read_line(&mut self) -> Result<Vec<u8>, AgentError> {
         loop {
-            if let Some(pos) = self.buf.iter().position(|b| *b == b'\n') {
-                let mut line: Vec<u8> = self.buf.drain(..=pos).collect();
-                line.pop();
+            if let Some(line) = self.reader.next_line()? {
                 return Ok(line);
-            }
-            if self.buf.len() > MAX_FRAME {
-                return Err(AgentError::Protocol(format!("a line longer than {MAX_FRAME} bytes")));
             }
             let mut chunk = [0u8; 8192];
             let n = self.stream.read(&mut chunk).await.map_err(|e| AgentError::Closed(e.to_string()))?;
             if n == 0 {
                 return Err(AgentError::Closed("EOF".into()));
             }
-            self.buf.extend_from_slice(&chunk[..n]);
+            self.reader.push(&chunk[..n]);
         }
     }
 }

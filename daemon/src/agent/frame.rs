@@ -1,0 +1,140 @@
+//! The pure half of an agent session: cutting the guest's byte stream into lines and deciding
+//! what one line means for the request waiting on it.
+//!
+//! Kept apart from [`super::conn`] (which owns the socket, the deadlines and the ids) so that
+//! everything a hostile guest's bytes reach without a socket can be fuzzed and unit-tested
+//! directly: feed every chunk read to [`LineReader::push`], take lines with
+//! [`LineReader::next_line`] until it returns `None`, and hand each line to [`match_reply`].
+
+use super::conn::{AgentError, MAX_FRAME};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+/// Longest error message kept from the guest, in characters.
+pub const MAX_REMOTE_MESSAGE: usize = 512;
+
+/// Bytes read from the guest that do not yet form a complete line.
+#[derive(Debug, Default)]
+pub struct LineReader {
+    buf: Vec<u8>,
+}
+
+impl LineReader {
+    /// An empty reader.
+    pub fn new() -> LineReader {
+        LineReader::default()
+    }
+
+    /// Adds bytes read from the stream.
+    pub fn push(&mut self, chunk: &[u8]) {
+        self.buf.extend_from_slice(chunk);
+    }
+
+    /// The next complete line without its newline, `None` when more bytes are needed.
+    ///
+    /// # Errors
+    /// [`AgentError::Protocol`] when the pending line is longer than [`MAX_FRAME`] bytes; the
+    /// session must then be dropped (the reader holds at most one chunk beyond the limit).
+    pub fn next_line(&mut self) -> Result<Option<Vec<u8>>, AgentError> {
+        match self.buf.iter().position(|b| *b == b'\n') {
+            Some(pos) if pos <= MAX_FRAME => {
+                let mut line: Vec<u8> = self.buf.drain(..=pos).collect();
+                line.pop();
+                Ok(Some(line))
+            }
+            Some(_) => Err(oversize()),
+            None if self.buf.len() > MAX_FRAME => Err(oversize()),
+            None => Ok(None),
+        }
+    }
+}
+
+fn oversize() -> AgentError {
+    AgentError::Protocol(format!("a line longer than {MAX_FRAME} bytes"))
+}
+
+/// What one line means for the request with `id`: `None` when it is not its reply (stale, noise,
+/// not JSON, an error line with id null) and is to be skipped; otherwise the outcome.
+///
+/// # Errors
+/// Inside the `Some`: [`AgentError::Remote`] for a JSON-RPC error reply (message cut to
+/// [`MAX_REMOTE_MESSAGE`] characters), [`AgentError::Protocol`] when the result does not fit the
+/// closed type `T`.
+pub fn match_reply<T: DeserializeOwned>(line: &[u8], id: &Value) -> Option<Result<T, AgentError>> {
+    let msg = serde_json::from_slice::<Value>(line).ok()?;
+    if msg.get("id") != Some(id) {
+        return None;
+    }
+    if let Some(err) = msg.get("error") {
+        return Some(Err(AgentError::Remote {
+            code: err.get("code").and_then(Value::as_i64).unwrap_or(0),
+            message: err
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .chars()
+                .take(MAX_REMOTE_MESSAGE)
+                .collect(),
+            data: err.get("data").cloned().unwrap_or(Value::Null),
+        }));
+    }
+    let result = msg.get("result").cloned().unwrap_or(Value::Null);
+    Some(serde_json::from_value(result).map_err(|e| AgentError::Protocol(e.to_string())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::wire::AgentInfo;
+    use serde_json::json;
+
+    fn lines(reader: &mut LineReader) -> Vec<Vec<u8>> {
+        std::iter::from_fn(|| reader.next_line().ok().flatten()).collect()
+    }
+
+    #[test]
+    fn lines_are_cut_at_newlines_whatever_the_chunks() {
+        let mut r = LineReader::new();
+        r.push(b"ab");
+        assert!(r.next_line().unwrap().is_none());
+        r.push(b"c\n\nde\nf");
+        assert_eq!(lines(&mut r), vec![b"abc".to_vec(), vec![], b"de".to_vec()]);
+        r.push(b"\n");
+        assert_eq!(lines(&mut r), vec![b"f".to_vec()]);
+    }
+
+    #[test]
+    fn a_line_over_the_limit_is_an_error_with_or_without_its_newline() {
+        let mut r = LineReader::new();
+        r.push(&vec![b'x'; MAX_FRAME]);
+        assert!(r.next_line().unwrap().is_none(), "exactly the limit is still a line in the making");
+        r.push(b"\n");
+        assert_eq!(r.next_line().unwrap().map(|l| l.len()), Some(MAX_FRAME));
+        r.push(&vec![b'x'; MAX_FRAME + 1]);
+        assert!(matches!(r.next_line(), Err(AgentError::Protocol(_))));
+        let mut r = LineReader::new();
+        r.push(&[vec![b'y'; MAX_FRAME + 1], b"\nok\n".to_vec()].concat());
+        assert!(matches!(r.next_line(), Err(AgentError::Protocol(_))), "a complete but oversize line");
+    }
+
+    #[test]
+    fn replies_are_matched_by_id_and_parsed_into_closed_types() {
+        let id = json!(3);
+        assert!(match_reply::<Value>(b"not json", &id).is_none());
+        assert!(match_reply::<Value>(br#"{"jsonrpc":"2.0","id":2,"result":1}"#, &id).is_none(), "other id");
+        assert!(match_reply::<Value>(br#"{"jsonrpc":"2.0","id":"3","result":1}"#, &id).is_none(), "string id");
+        assert!(match_reply::<Value>(br#"{"jsonrpc":"2.0","id":null,"error":{"code":1}}"#, &id).is_none());
+        let ok = match_reply::<u32>(br#"{"jsonrpc":"2.0","id":3,"result":7}"#, &id);
+        assert_eq!(ok.map(|r| r.ok()), Some(Some(7)));
+        let long = "m".repeat(2000);
+        let line = json!({"jsonrpc": "2.0", "id": 3, "error": {"code": 5100, "message": long, "data": {"field": "x"}}});
+        match match_reply::<Value>(line.to_string().as_bytes(), &id) {
+            Some(Err(AgentError::Remote { code, message, data })) => {
+                assert_eq!((code, message.len(), data), (5100, MAX_REMOTE_MESSAGE, json!({"field": "x"})));
+            }
+            other => panic!("{other:?}"),
+        }
+        let extra = br#"{"jsonrpc":"2.0","id":3,"result":{"version":"t","hostname":"g","kernel":"k","uptime_s":1,"boot_id":"b","rss_kib":1,"host_path":"/etc"}}"#;
+        assert!(matches!(match_reply::<AgentInfo>(extra, &id), Some(Err(AgentError::Protocol(_)))));
+    }
+}

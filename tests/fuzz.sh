@@ -1,0 +1,34 @@
+#!/bin/bash
+# Fuzzes the two parsers a hostile peer reaches on the agent channel, for a bounded time each:
+#   daemon/fuzz      agent_frame  the daemon reading what a guest writes (vmhost::agent::fuzz)
+#   guest-agent/fuzz request      the agent reading what the host writes (vmhost_agent::fuzz)
+# Usage: tests/fuzz.sh [SECONDS per target, default 120] [TARGET...]
+# Not part of CI (tests/run.sh replays the committed corpora and past crashes as unit tests).
+# New interesting inputs go to target/fuzz/corpus/TARGET (the committed corpus only seeds);
+# a crash stops the run with its input under target/fuzz/artifacts/TARGET: copy it into
+# CRATE/fuzz/regressions/TARGET/, fix the bug, and the unit test replays it from then on.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-120}
+shift || true
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(agent_frame request)
+
+command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz
+# cargo fuzz passes -Z flags (sanitizer, coverage); the machine's toolchain is stable.
+export RUSTC_BOOTSTRAP=1
+root=$PWD
+for target in "${targets[@]}"; do
+    case $target in
+        agent_frame) crate=daemon ;;
+        request) crate=guest-agent ;;
+        *) echo "fuzz.sh: unknown target $target" >&2; exit 2 ;;
+    esac
+    work=$root/target/fuzz
+    mkdir -p "$work/corpus/$target" "$work/artifacts/$target"
+    echo "fuzz.sh: $target for ${secs}s"
+    (cd "$crate" && cargo fuzz run --target-dir "$work/build" "$target" \
+        "$work/corpus/$target" "fuzz/corpus/$target" "fuzz/regressions/$target" -- \
+        -max_total_time="$secs" -max_len=140000 -rss_limit_mb=2048 -timeout=10 \
+        -dict="fuzz/$target.dict" -artifact_prefix="$work/artifacts/$target/" -print_final_stats=1)
+done
