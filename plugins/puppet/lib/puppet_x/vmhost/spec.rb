@@ -104,12 +104,17 @@ module PuppetX
       def same?(attr, current, desired)
         return current.nil? || current == :absent if desired.nil? || desired == :absent
 
-        key = ATTRIBUTES.fetch(attr)
-        left = attr == :hardware ? normalize_hardware(current) : normalize(current, key)
-        right = attr == :hardware ? normalize_hardware(desired) : normalize(desired, key)
-        left = {} if left == :absent && right.is_a?(Hash)
-        left = [] if left == :absent && right.is_a?(Array)
-        left == right
+        right = comparable(attr, desired)
+        if current.nil? || current == :absent
+          # The daemon leaves out empty members: absent is the empty value of the shape.
+          return right.respond_to?(:empty?) && right.empty?
+        end
+
+        comparable(attr, current) == right
+      end
+
+      def comparable(attr, value)
+        attr == :hardware ? normalize_hardware(value) : normalize(value, ATTRIBUTES.fetch(attr))
       end
 
       # The full spec for vm.apply: the recorded spec (CURRENT, nil for a new VM) with every
