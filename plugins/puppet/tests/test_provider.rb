@@ -48,11 +48,26 @@ class TestProvider < Minitest::Test
     { 'error' => { 'code' => 4040, 'message' => 'no VM', 'data' => { 'kind' => 'not_found', 'field' => 'name' } } }
   end
 
+  # Like serde in the daemon: an integer member sent as a string is -32602.
+  def wrong_type(value, key = nil)
+    case value
+    when Hash then value.map { |k, v| wrong_type(v, k) }.compact.first
+    when Array then value.map { |v| wrong_type(v, key) }.compact.first
+    else key if %w[cpu memory_mib disk_gib vlan vlan_id].include?(key) && !value.is_a?(Integer)
+    end
+  end
+
   def apply(spec)
+    if (field = wrong_type(spec))
+      return { 'error' => { 'code' => -32_602, 'message' => "invalid type for #{field}",
+                            'data' => { 'kind' => 'invalid_params', 'field' => "spec.#{field}", 'details' => nil } } }
+    end
     if spec['memory_mib'].to_i < 32
       return { 'error' => { 'code' => 2001, 'message' => 'memory_mib must be at least 32',
                             'data' => { 'kind' => 'invalid_spec', 'field' => 'spec.memory_mib', 'details' => nil } } }
     end
+    return { 'result' => { 'changed' => false, 'vm' => @vms[spec['name']] } } if @ignore_changes
+
     spec = { 'state' => 'running' }.merge(spec)
     @vms[spec['name']] = view(spec)
     { 'result' => { 'changed' => true, 'vm' => @vms[spec['name']] } }
@@ -139,6 +154,13 @@ class TestProvider < Minitest::Test
     assert_equal 'noop', status.events.first.status
     assert_equal %w[vm.list], @fake.methods_called
     assert_equal 1, @vms['web1']['spec']['cpu']
+  end
+
+  def test_a_change_the_daemon_does_not_see_is_warned_about
+    apply_vm(**web1)
+    @ignore_changes = true
+    apply_vm(**web1(cpu: 3))
+    assert(@logs.map(&:to_s).any? { |l| l.include?('vmhostd reported no change for vm.apply') })
   end
 
   def test_absent_destroys

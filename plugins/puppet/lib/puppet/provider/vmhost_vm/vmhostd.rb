@@ -123,7 +123,7 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
       result = call('vm.apply', { 'spec' => desired_spec, 'replace' => resource[:replace] == true })
       view = result.is_a?(Hash) ? result['vm'] : nil
       @property_hash = view.is_a?(Hash) ? self.class.hash_from_view(view, socket) : {}
-      Puppet.debug("vmhost_vm[#{resource[:name]}]: vm.apply changed=#{result['changed'].inspect}") if result.is_a?(Hash)
+      warn_unchanged(result)
     end
     @pending = {}
   end
@@ -150,6 +150,15 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
     return nil unless exists
 
     current_ensure == :running ? 'running' : 'stopped'
+  end
+
+  # Puppet saw a difference but vmhostd changed nothing: a declared value is written
+  # differently from the way the daemon records it, and every run would report a change.
+  def warn_unchanged(result)
+    return unless result.is_a?(Hash) && result['changed'] == false
+
+    Puppet.warning("vmhost_vm[#{resource[:name]}]: vmhostd reported no change for vm.apply; " \
+                   'a declared value probably differs from the recorded spec only in how it is written')
   end
 
   def call(method, params)
