@@ -1,5 +1,6 @@
 # frozen_string_literal: true
 
+require 'io/wait'
 require 'json'
 require 'socket'
 
