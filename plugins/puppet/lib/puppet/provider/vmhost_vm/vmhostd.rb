@@ -1,0 +1,182 @@
+# frozen_string_literal: true
+
+require_relative '../../../puppet_x/vmhost/client'
+require_relative '../../../puppet_x/vmhost/spec'
+
+Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
+  desc <<~DOC
+    Talks to vmhostd over its Unix socket (JSON-RPC 2.0, Ruby standard library only).
+    Current state comes from one `vm.list` per socket (prefetch). Changes are collected and
+    applied once, in `flush`: `vm.apply` with the full spec (the daemon creates, starts,
+    stops, replaces or changes guest interfaces as its own rules say), or `vm.destroy` for
+    `ensure => absent`. Nothing is sent in noop mode.
+  DOC
+
+  class << self
+    def client(socket, timeout = PuppetX::Vmhost::Client::DEFAULT_TIMEOUT)
+      PuppetX::Vmhost::Client.new(socket, timeout: timeout)
+    end
+
+    # The provider's view of a VM from vmhostd's VM view.
+    def hash_from_view(view, socket)
+      spec = view['spec'].is_a?(Hash) ? view['spec'] : {}
+      hash = {
+        name: view['name'],
+        ensure: PuppetX::Vmhost::Spec::RUNNING_STATUSES.include?(view['status']) ? :running : :stopped,
+        status: view['status'],
+        spec: spec,
+        socket: socket
+      }
+      PuppetX::Vmhost::Spec::ATTRIBUTES.each_key do |attr|
+        hash[attr] = PuppetX::Vmhost::Spec.attribute_value(spec, attr)
+      end
+      hash
+    end
+
+    # `puppet resource vmhost_vm`: every VM on the default socket.
+    def instances
+      socket = PuppetX::Vmhost.socket_path
+      client(socket).call('vm.list').map { |view| new(hash_from_view(view, socket)) }
+    end
+
+    # One vm.list per socket. A socket that cannot be read leaves its resources
+    # unprefetched; each of them then fails on its own with the connection error.
+    def prefetch(resources)
+      resources.values.group_by { |r| PuppetX::Vmhost.socket_path(r[:socket]) }.each do |socket, group|
+        begin
+          views = client(socket).call('vm.list')
+        rescue PuppetX::Vmhost::Error => e
+          Puppet.debug("vmhost_vm: prefetch from #{socket} failed: #{e.message}")
+          next
+        end
+        by_name = {}
+        Array(views).each { |v| by_name[v['name']] = v if v.is_a?(Hash) }
+        group.each do |res|
+          view = by_name[res[:name]]
+          hash = view ? hash_from_view(view, socket) : { name: res[:name], ensure: :absent, socket: socket }
+          res.provider = new(hash)
+        end
+      end
+    end
+  end
+
+  def initialize(value = {})
+    super
+    @pending = {}
+  end
+
+  def socket
+    explicit = resource ? resource[:socket] : @property_hash[:socket]
+    PuppetX::Vmhost.socket_path(explicit)
+  end
+
+  # The current state, fetched with vm.get when prefetch did not provide it.
+  def current
+    return @property_hash unless @property_hash.empty?
+
+    view = begin
+      self.class.client(socket).call('vm.get', { 'name' => resource[:name] })
+    rescue PuppetX::Vmhost::DaemonError => e
+      raise puppet_error(e) unless e.code == 4040
+
+      nil
+    rescue PuppetX::Vmhost::Error => e
+      raise puppet_error(e)
+    end
+    @property_hash = view ? self.class.hash_from_view(view, socket) : { name: resource[:name], ensure: :absent }
+  end
+
+  def current_ensure
+    current[:ensure] || :absent
+  end
+
+  def exists?
+    current_ensure != :absent
+  end
+
+  def request_ensure(value)
+    @pending[:ensure] = value
+  end
+
+  def create
+    request_ensure(:present)
+  end
+
+  def destroy
+    request_ensure(:absent)
+  end
+
+  PuppetX::Vmhost::Spec::ATTRIBUTES.each_key do |attr|
+    define_method(attr) { current[attr] }
+    define_method(:"#{attr}=") { |_value| @pending[attr] = true }
+  end
+
+  # Sends the collected changes: one vm.destroy or one vm.apply. Puppet does not call flush in
+  # noop mode; the guard below keeps it that way if a caller does.
+  def flush
+    return if @pending.empty? || resource.noop?
+
+    if @pending[:ensure] == :absent
+      call('vm.destroy', { 'name' => resource[:name] })
+      @property_hash = { name: resource[:name], ensure: :absent }
+    else
+      result = call('vm.apply', { 'spec' => desired_spec, 'replace' => resource[:replace] == true })
+      view = result.is_a?(Hash) ? result['vm'] : nil
+      @property_hash = view.is_a?(Hash) ? self.class.hash_from_view(view, socket) : {}
+      warn_unchanged(result)
+    end
+    @pending = {}
+  end
+
+  # The full spec: the recorded one with every declared attribute over it (declared values
+  # are sent even when only another one changed, so one call converges everything).
+  def desired_spec
+    exists = current_ensure != :absent
+    declared = {}
+    PuppetX::Vmhost::Spec::ATTRIBUTES.each_key do |attr|
+      prop = resource.property(attr)
+      declared[attr] = prop.should if prop && !prop.should.nil?
+    end
+    PuppetX::Vmhost::Spec.build(resource[:name], exists ? current[:spec] : nil, declared, desired_state(exists))
+  end
+
+  private
+
+  # running / stopped as declared; for present the observed run state is kept (a new VM
+  # gets the daemon's default, running).
+  def desired_state(exists)
+    want = resource.should(:ensure) || :present
+    return want.to_s if %i[running stopped].include?(want)
+    return nil unless exists
+
+    current_ensure == :running ? 'running' : 'stopped'
+  end
+
+  # Puppet saw a difference but vmhostd changed nothing: a declared value is written
+  # differently from the way the daemon records it, and every run would report a change.
+  def warn_unchanged(result)
+    return unless result.is_a?(Hash) && result['changed'] == false
+
+    Puppet.warning("vmhost_vm[#{resource[:name]}]: vmhostd reported no change for vm.apply; " \
+                   'a declared value probably differs from the recorded spec only in how it is written')
+  end
+
+  def call(method, params)
+    timeout = resource[:timeout] || PuppetX::Vmhost::Client::MUTATING_TIMEOUT
+    self.class.client(socket, timeout).call(method, params)
+  rescue PuppetX::Vmhost::Error => e
+    raise puppet_error(e)
+  end
+
+  def puppet_error(err)
+    text = err.message.dup
+    if err.is_a?(PuppetX::Vmhost::DaemonError)
+      attr = PuppetX::Vmhost::Spec.attribute_for_field(err.field)
+      text << " (attribute #{attr})" if attr
+      if err.code == 2002 && resource[:replace] != true
+        text << '; set replace => true to let vmhostd recreate the VM (this deletes its disk overlay)'
+      end
+    end
+    Puppet::Error.new(text)
+  end
+end

@@ -1,0 +1,251 @@
+# frozen_string_literal: true
+
+require 'puppet/parameter/boolean'
+require_relative '../../puppet_x/vmhost/spec'
+
+Puppet::Type.newtype(:vmhost_vm) do
+  @doc = <<~DOC
+    A VM on a vmhost host, managed through vmhostd's JSON-RPC socket.
+
+    The type checks only the shape of each attribute; every rule (names, limits, capacity,
+    conflicts, networks, boot files) is the daemon's, and its refusals are reported with the
+    daemon's error code, message and offending field. Attributes that are not declared are
+    not managed: they keep the value the daemon has recorded.
+
+    Changes are collected and sent once per resource, as one `vm.apply` with the full spec
+    (the recorded spec with the declared attributes put over it). A change to anything but
+    `ensure` and `guest_interfaces` of an existing VM means recreating it; vmhostd does that
+    only with `replace => true` (it deletes the VM's disk overlay), otherwise it refuses with
+    error 2002 naming the differing fields.
+
+        vmhost_vm { 'web1':
+          ensure => running,
+          cpu    => 1,
+          memory => '256M',
+          boot   => { 'kernel' => '/srv/vm/vmlinuz', 'initrd' => '/srv/vm/initrd.img',
+                      'cmdline' => 'console=ttyS0' },
+          nics   => [{ 'network' => 'lan', 'ipv4' => { 'mode' => 'dhcp' } }],
+        }
+  DOC
+
+  # Shape checks shared by the structured properties.
+  shape = Module.new do
+    def hash_with_string_keys!(value, what)
+      raise ArgumentError, "#{what} must be a hash, not #{value.inspect}" unless value.is_a?(Hash)
+
+      value.each_key do |k|
+        raise ArgumentError, "#{what} keys must be strings, not #{k.inspect}" unless k.is_a?(String) || k.is_a?(Symbol)
+      end
+    end
+
+    def integer_like!(value, what)
+      ok = value.is_a?(Integer) || (value.is_a?(String) && value.match?(/\A\d+\z/))
+      raise ArgumentError, "#{what} must be a non-negative integer, not #{value.inspect}" unless ok
+    end
+  end
+
+  ensurable do
+    desc <<~DOC
+      `running`: the VM exists and its QEMU runs. `stopped`: it exists and does not run.
+      `present`: it exists; its run state is not managed (a VM created with `present` is
+      started, the daemon's default). `absent`: it does not exist (`vm.destroy`, which also
+      deletes its disk overlay). Defaults to `present`.
+
+      The current value is `running` while vmhostd reports the status `running`, `starting`
+      or `creating`, and `stopped` for `stopped`, `stopping`, `failed` and `dead`.
+    DOC
+
+    newvalue(:running) { provider.request_ensure(:running) }
+    newvalue(:stopped) { provider.request_ensure(:stopped) }
+    newvalue(:present) { provider.request_ensure(:present) }
+    newvalue(:absent) { provider.request_ensure(:absent) }
+
+    defaultto :present
+
+    def retrieve
+      provider.current_ensure
+    end
+
+    def insync?(is)
+      want = should
+      return is != :absent if want == :present
+
+      is == want
+    end
+
+    def change_to_s(current, desired)
+      return 'created' if current == :absent
+      return 'removed' if desired == :absent
+
+      super
+    end
+  end
+
+  newparam(:name, namevar: true) do
+    desc 'The VM name (the spec\'s `name`; vmhostd checks its form).'
+
+    validate do |value|
+      raise ArgumentError, 'name must be a non-empty string' unless value.is_a?(String) && !value.empty?
+    end
+  end
+
+  newparam(:socket) do
+    desc <<~DOC
+      vmhostd's API socket. Default: the environment variable `VMHOST_SOCKET` (as for
+      vmhostctl) when it is set and not empty, else `/run/vmhost/vmhostd.sock`.
+    DOC
+
+    validate do |value|
+      raise ArgumentError, 'socket must be an absolute path' unless value.is_a?(String) && value.start_with?('/')
+    end
+  end
+
+  newparam(:replace, boolean: true, parent: Puppet::Parameter::Boolean) do
+    desc <<~DOC
+      Whether vmhostd may recreate the VM when its spec differs from the declared one
+      (`vm.apply` with `replace: true`): QEMU is killed and the VM's disk overlay, seed and
+      console log are deleted. Default `false`: such a change fails with error 2002.
+    DOC
+
+    defaultto false
+  end
+
+  newparam(:timeout) do
+    desc 'Seconds to wait for vmhostd\'s answer to a changing call (`vm.apply`, `vm.destroy`). Default 300.'
+    defaultto 300
+
+    validate do |value|
+      ok = value.is_a?(Numeric) || (value.is_a?(String) && value.match?(/\A\d+(\.\d+)?\z/))
+      unless ok && Float(value).positive?
+        raise ArgumentError,
+              "timeout must be a positive number of seconds, not #{value.inspect}"
+      end
+    end
+    munge { |value| Float(value) }
+  end
+
+  newproperty(:role) do
+    desc 'A free label (spec `role`).'
+
+    validate do |value|
+      raise ArgumentError, "role must be a string, not #{value.inspect}" unless value.is_a?(String)
+    end
+  end
+
+  newproperty(:cpu) do
+    desc 'Number of virtual CPUs (spec `cpu`). Required to create a VM.'
+    extend shape
+
+    validate { |value| self.class.integer_like!(value, 'cpu') }
+    munge { |value| Integer(value.to_s, 10) }
+  end
+
+  newproperty(:memory) do
+    desc <<~DOC
+      Memory in MiB (spec `memory_mib`). An integer is MiB; a string may carry a binary
+      unit: `'512'`, `'512M'`, `'512MiB'`, `'2G'`, `'2GiB'` (G = 1024 MiB). Reported in MiB.
+      Required to create a VM.
+    DOC
+
+    validate do |value|
+      if PuppetX::Vmhost::Spec.memory_mib(value).nil?
+        raise ArgumentError,
+              "memory must be MiB or a size such as '512M' or '2G', not #{value.inspect}"
+      end
+    end
+    munge { |value| PuppetX::Vmhost::Spec.memory_mib(value) }
+  end
+
+  newproperty(:hardware) do
+    desc <<~DOC
+      Passthrough devices by the host's hardware model (spec `hardware`): a hash from class
+      (`disk`, `copper`, `sfp`) to an array of indices, e.g. `{ 'sfp' => [5], 'copper' => [1] }`.
+      An empty class is the same as a missing one. Order within a class matters to vmhostd.
+    DOC
+    extend shape
+
+    validate do |value|
+      self.class.hash_with_string_keys!(value, 'hardware')
+      value.each do |cls, indices|
+        unless indices.is_a?(Array)
+          raise ArgumentError,
+                "hardware #{cls} must be an array of indices, not #{indices.inspect}"
+        end
+
+        indices.each { |i| self.class.integer_like!(i, "hardware #{cls} index") }
+      end
+    end
+    munge { |value| PuppetX::Vmhost::Spec.normalize_hardware(value) }
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:hardware, is, should)
+    end
+  end
+
+  newproperty(:pci, array_matching: :all) do
+    desc <<~DOC
+      Passthrough devices by PCI address (spec `pci`), e.g. `['0000:ca:00.0']`. vmhostd accepts
+      them only when its config sets `hardware.allow_raw_pci`, and compares them as written.
+    DOC
+
+    validate do |value|
+      raise ArgumentError, "pci entries must be strings, not #{value.inspect}" unless value.is_a?(String)
+    end
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:pci, is, should)
+    end
+  end
+
+  newproperty(:boot) do
+    desc <<~DOC
+      How the VM boots (spec `boot`), a hash: `{ 'image' => 'base.qcow2', 'disk_gib' => 4 }`
+      or `{ 'kernel' => '/path/vmlinuz', 'initrd' => '/path/initrd', 'cmdline' => '...' }`.
+      Compared as a whole. Required to create a VM.
+    DOC
+    extend shape
+
+    validate { |value| self.class.hash_with_string_keys!(value, 'boot') }
+    munge { |value| PuppetX::Vmhost::Spec.normalize(value, 'boot') }
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:boot, is, should)
+    end
+  end
+
+  newproperty(:nics, array_matching: :all) do
+    desc <<~DOC
+      The VM's NICs in guest order (spec `nics`), an array of hashes:
+      `{ 'network' => 'lan', 'vlan' => 10, 'mac' => '52:54:00:12:34:56',
+         'ipv4' => { 'mode' => 'static', 'address' => '10.0.0.5/24', 'gateway' => '10.0.0.1',
+                     'dns' => ['10.0.0.1'], 'search' => ['example.org'] } }`
+      or `'ipv4' => { 'mode' => 'dhcp' }`. Compared as a whole, in order. `nics => []`
+      declares a VM without NICs.
+    DOC
+    extend shape
+
+    validate { |value| self.class.hash_with_string_keys!(value, 'each nic') }
+    munge { |value| PuppetX::Vmhost::Spec.normalize(value, 'nics') }
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:nics, is, should)
+    end
+  end
+
+  newproperty(:guest_interfaces, array_matching: :all) do
+    desc <<~DOC
+      Interfaces the guest agent creates in the guest (spec `guest_interfaces`), an array of
+      hashes `{ 'name' => 'eth0.20', 'link' => 'eth0', 'vlan_id' => 20, 'address' => '10.20.0.5/24' }`.
+      vmhostd applies a change live (no restart, no `replace` needed); on a running VM that
+      needs a connected guest agent (else error 5001).
+    DOC
+    extend shape
+
+    validate { |value| self.class.hash_with_string_keys!(value, 'each guest interface') }
+    munge { |value| PuppetX::Vmhost::Spec.normalize(value, 'guest_interfaces') }
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:guest_interfaces, is, should)
+    end
+  end
+end

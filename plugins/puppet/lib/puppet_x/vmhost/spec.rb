@@ -1,0 +1,155 @@
+# frozen_string_literal: true
+
+module PuppetX
+  module Vmhost
+    # Turning declared attributes into a vmhostd spec and comparing them with the spec the
+    # daemon echoes. The daemon leaves out unset members, empty lists and empty hardware
+    # classes when it echoes a spec (docs/api.md, "The VM spec"), so both sides are normalised
+    # the same way before they are compared: string keys, no nil members, no empty lists or
+    # objects, and whole-number strings turned into integers where the spec wants integers.
+    # No spec rule is checked here: every rule lives in the daemon.
+    module Spec
+      # Spec members, by the type's attribute names. Everything but memory keeps its name.
+      ATTRIBUTES = {
+        role: 'role',
+        cpu: 'cpu',
+        memory: 'memory_mib',
+        hardware: 'hardware',
+        pci: 'pci',
+        boot: 'boot',
+        nics: 'nics',
+        guest_interfaces: 'guest_interfaces'
+      }.freeze
+
+      # Members whose value is an integer in the spec, at any depth.
+      INTEGER_KEYS = %w[cpu memory_mib disk_gib vlan vlan_id].freeze
+
+      # Statuses in which the VM counts as running (ensure => running is in sync).
+      RUNNING_STATUSES = %w[running starting creating].freeze
+
+      MEMORY_UNITS = { '' => 1, 'm' => 1, 'mib' => 1, 'g' => 1024, 'gib' => 1024 }.freeze
+
+      module_function
+
+      # A whole-number string as an Integer; anything else unchanged.
+      def integerish(value)
+        value.is_a?(String) && value.match?(/\A\d+\z/) ? Integer(value, 10) : value
+      end
+
+      # Memory in MiB from an Integer (MiB) or a string such as "512", "512M", "512MiB", "2G",
+      # "2GiB". Returns nil for anything else (the type reports it).
+      def memory_mib(value)
+        return value if value.is_a?(Integer)
+        return nil unless value.is_a?(String)
+
+        m = value.strip.match(/\A(\d+)\s*([a-z]*)\z/i)
+        return nil unless m
+
+        factor = MEMORY_UNITS[m[2].downcase]
+        factor && (Integer(m[1], 10) * factor)
+      end
+
+      # Normalises a value the way the daemon echoes it (see the module comment).
+      def normalize(value, key = nil)
+        case value
+        when Hash then normalize_hash(value)
+        when Array then value.map { |v| normalize(v, key) }
+        when Symbol then value.to_s
+        else INTEGER_KEYS.include?(key) ? integerish(value) : value
+        end
+      end
+
+      def normalize_hash(hash)
+        out = {}
+        hash.each do |k, v|
+          k = k.to_s
+          v = k == 'hardware' ? normalize_hardware(v) : normalize(v, k)
+          next if blank?(v)
+
+          out[k] = v
+        end
+        out
+      end
+
+      # hardware: class => [indices]; indices are integers, empty classes are left out.
+      def normalize_hardware(value)
+        return normalize(value) unless value.is_a?(Hash)
+
+        out = {}
+        value.each do |cls, indices|
+          indices = Array(indices).map { |i| integerish(i.is_a?(Symbol) ? i.to_s : i) }
+          out[cls.to_s] = indices unless indices.empty?
+        end
+        out
+      end
+
+      def blank?(value)
+        value.nil? || ((value.is_a?(Array) || value.is_a?(Hash)) && value.empty?)
+      end
+
+      # A spec member as the type's attribute sees it: the normalised value, or the empty
+      # value of its shape when the daemon left it out.
+      def attribute_value(spec, attr)
+        key = ATTRIBUTES.fetch(attr)
+        value = spec[key]
+        case attr
+        when :hardware, :boot then value.nil? ? {} : normalize(value, key)
+        when :pci, :nics, :guest_interfaces then value.nil? ? [] : normalize(value, key)
+        when :role then value.nil? ? :absent : value
+        else value.nil? ? :absent : normalize(value, key)
+        end
+      end
+
+      # Whether a declared value (DESIRED) matches the daemon's (CURRENT) for ATTR.
+      def same?(attr, current, desired)
+        return current.nil? || current == :absent if desired.nil? || desired == :absent
+
+        right = comparable(attr, desired)
+        if current.nil? || current == :absent
+          # The daemon leaves out empty members: absent is the empty value of the shape.
+          return right.respond_to?(:empty?) && right.empty?
+        end
+
+        comparable(attr, current) == right
+      end
+
+      def comparable(attr, value)
+        attr == :hardware ? normalize_hardware(value) : normalize(value, ATTRIBUTES.fetch(attr))
+      end
+
+      # The full spec for vm.apply: the recorded spec (CURRENT, nil for a new VM) with every
+      # declared attribute (DECLARED: attr => value) put over it, and the run state STATE
+      # ('running' / 'stopped', nil to leave the recorded one or the daemon's default).
+      def build(name, current, declared, state)
+        spec = current.nil? ? {} : normalize(current)
+        spec['name'] = name.to_s
+        declared.each do |attr, value|
+          key = ATTRIBUTES.fetch(attr)
+          if value.nil? || value == :absent
+            spec.delete(key)
+          else
+            spec[key] = value
+          end
+        end
+        if state.nil?
+          spec.delete('state') if current.nil?
+        else
+          spec['state'] = state.to_s
+        end
+        normalize(spec)
+      end
+
+      # The type attribute a daemon error field (spec.memory_mib, spec.nics[0].ipv4) is about.
+      def attribute_for_field(field)
+        m = field.to_s.match(/\Aspec\.([a-z_]+)/)
+        return nil unless m
+
+        return 'ensure' if m[1] == 'state'
+        return 'name' if m[1] == 'name'
+
+        attr = ATTRIBUTES.key(m[1])
+        attr&.to_s
+      end
+    end
+  end
+end

@@ -1,0 +1,217 @@
+# frozen_string_literal: true
+
+require 'minitest/autorun'
+require 'fileutils'
+require 'tmpdir'
+require 'puppet'
+require_relative 'fake_vmhostd'
+
+$LOAD_PATH.unshift(File.expand_path('../lib', __dir__))
+PUPPET_DIR = Dir.mktmpdir('vmhpuppet')
+Minitest.after_run { FileUtils.remove_entry(PUPPET_DIR) }
+Puppet.initialize_settings(['--confdir', PUPPET_DIR, '--vardir', PUPPET_DIR, '--codedir', PUPPET_DIR,
+                            '--rundir', PUPPET_DIR, '--logdir', PUPPET_DIR])
+require 'puppet/type/vmhost_vm'
+require 'puppet/provider/vmhost_vm/vmhostd'
+
+# The type and provider in a real (in-process) Puppet catalog run against a fake daemon:
+# what is sent, how often, and what a rerun or noop does.
+class TestProvider < Minitest::Test
+  KERNEL_BOOT = { 'kernel' => '/srv/vmlinuz', 'initrd' => '/srv/initrd', 'cmdline' => 'console=ttyS0' }.freeze
+
+  def setup
+    @vms = {}
+    @logs = []
+    Puppet::Util::Log.newdestination(Puppet::Test::LogCollector.new(@logs))
+    Puppet::Util::Log.level = :info
+    @fake = FakeVmhostd.new { |req| handle(req) }
+  end
+
+  def teardown
+    Puppet::Util::Log.close_all
+    @fake&.close
+  end
+
+  # A tiny daemon: enough of vm.list / vm.get / vm.apply / vm.destroy for the provider.
+  def handle(req)
+    p = req['params'] || {}
+    case req['method']
+    when 'vm.list' then { 'result' => @vms.values }
+    when 'vm.get' then @vms[p['name']] ? { 'result' => @vms[p['name']] } : not_found
+    when 'vm.apply' then apply(p['spec'])
+    when 'vm.destroy' then { 'result' => { 'changed' => !@vms.delete(p['name']).nil?, 'vm' => nil } }
+    else { 'error' => { 'code' => -32_601, 'message' => 'Method not found' } }
+    end
+  end
+
+  def not_found
+    { 'error' => { 'code' => 4040, 'message' => 'no VM', 'data' => { 'kind' => 'not_found', 'field' => 'name' } } }
+  end
+
+  # Like serde in the daemon: an integer member sent as a string is -32602.
+  def wrong_type(value, key = nil)
+    case value
+    when Hash then value.map { |k, v| wrong_type(v, k) }.compact.first
+    when Array then value.map { |v| wrong_type(v, key) }.compact.first
+    else key if %w[cpu memory_mib disk_gib vlan vlan_id].include?(key) && !value.is_a?(Integer)
+    end
+  end
+
+  def apply(spec)
+    if (field = wrong_type(spec))
+      return { 'error' => { 'code' => -32_602, 'message' => "invalid type for #{field}",
+                            'data' => { 'kind' => 'invalid_params', 'field' => "spec.#{field}", 'details' => nil } } }
+    end
+    if spec['memory_mib'].to_i < 32
+      return { 'error' => { 'code' => 2001, 'message' => 'memory_mib must be at least 32',
+                            'data' => { 'kind' => 'invalid_spec', 'field' => 'spec.memory_mib', 'details' => nil } } }
+    end
+    return { 'result' => { 'changed' => false, 'vm' => @vms[spec['name']] } } if @ignore_changes
+
+    spec = { 'state' => 'running' }.merge(spec)
+    @vms[spec['name']] = view(spec)
+    { 'result' => { 'changed' => true, 'vm' => @vms[spec['name']] } }
+  end
+
+  def view(spec)
+    { 'name' => spec['name'], 'spec' => spec, 'desired_state' => spec['state'],
+      'status' => spec['state'] == 'running' ? 'running' : 'stopped' }
+  end
+
+  def apply_vm(noop: false, **attrs)
+    catalog = Puppet::Resource::Catalog.new
+    res = Puppet::Type.type(:vmhost_vm).new({ socket: @fake.path }.merge(attrs))
+    res[:noop] = true if noop
+    catalog.add_resource(res)
+    catalog.apply.report.resource_statuses.values.first
+  end
+
+  def web1(**extra)
+    { name: 'web1', ensure: 'running', cpu: 1, memory: '256M', boot: KERNEL_BOOT }.merge(extra)
+  end
+
+  def test_create_sends_one_apply_with_the_declared_spec
+    status = apply_vm(**web1(nics: [{ 'network' => 'lan', 'ipv4' => { 'mode' => 'dhcp' } }]))
+    assert status.changed
+    refute status.failed
+    reqs = @fake.request_list
+    assert_equal(%w[vm.list vm.apply], reqs.map { |r| r['method'] })
+    assert_equal({ 'name' => 'web1', 'cpu' => 1, 'memory_mib' => 256, 'state' => 'running', 'boot' => KERNEL_BOOT,
+                   'nics' => [{ 'network' => 'lan', 'ipv4' => { 'mode' => 'dhcp' } }] },
+                 reqs[1]['params']['spec'])
+    assert_equal false, reqs[1]['params']['replace']
+  end
+
+  def test_rerun_with_string_numbers_and_empty_lists_changes_nothing
+    attrs = web1(cpu: '1', memory: 256, hardware: { 'sfp' => [] }, pci: [], nics: [],
+                 guest_interfaces: [{ 'name' => 'eth0.20', 'link' => 'eth0', 'vlan_id' => '20',
+                                      'address' => '10.20.0.5/24' }],
+                 boot: KERNEL_BOOT.merge('initrd' => nil))
+    assert apply_vm(**attrs).changed
+    assert_equal %w[vm.list vm.apply], @fake.methods_called
+    status = apply_vm(**attrs)
+    refute status.changed
+    assert_equal %w[vm.list], @fake.methods_called
+  end
+
+  def test_several_changes_are_sent_in_one_call_over_the_recorded_spec
+    apply_vm(**web1(role: 'web'))
+    @fake.request_list
+    status = apply_vm(name: 'web1', cpu: 2, memory: '1G', replace: true)
+    assert status.changed
+    assert_equal 2, status.events.size
+    reqs = @fake.request_list
+    assert_equal(%w[vm.list vm.apply], reqs.map { |r| r['method'] })
+    assert_equal({ 'name' => 'web1', 'role' => 'web', 'cpu' => 2, 'memory_mib' => 1024, 'state' => 'running',
+                   'boot' => KERNEL_BOOT }, reqs[1]['params']['spec'])
+    assert_equal true, reqs[1]['params']['replace']
+  end
+
+  def test_undeclared_attributes_are_not_managed
+    apply_vm(**web1(role: 'web'))
+    @fake.request_list
+    refute apply_vm(name: 'web1', ensure: 'present').changed
+    assert_equal %w[vm.list], @fake.methods_called
+  end
+
+  def test_run_state
+    apply_vm(**web1)
+    @fake.request_list
+    assert apply_vm(name: 'web1', ensure: 'stopped').changed
+    reqs = @fake.request_list
+    assert_equal 'stopped', reqs[1]['params']['spec']['state']
+    assert_equal 1, reqs[1]['params']['spec']['cpu']
+    refute apply_vm(name: 'web1', ensure: 'stopped').changed
+    refute apply_vm(name: 'web1', ensure: 'present').changed
+  end
+
+  def test_noop_sends_nothing_but_reports
+    apply_vm(**web1)
+    @fake.request_list
+    status = apply_vm(noop: true, **web1(cpu: 4))
+    refute status.changed
+    assert_equal 1, status.events.size
+    assert_equal 'noop', status.events.first.status
+    assert_equal %w[vm.list], @fake.methods_called
+    assert_equal 1, @vms['web1']['spec']['cpu']
+  end
+
+  def test_a_change_the_daemon_does_not_see_is_warned_about
+    apply_vm(**web1)
+    @ignore_changes = true
+    apply_vm(**web1(cpu: 3))
+    assert(@logs.map(&:to_s).any? { |l| l.include?('vmhostd reported no change for vm.apply') })
+  end
+
+  def test_absent_destroys
+    apply_vm(**web1)
+    @fake.request_list
+    assert apply_vm(name: 'web1', ensure: 'absent').changed
+    assert_equal %w[vm.list vm.destroy], @fake.methods_called
+    refute apply_vm(name: 'web1', ensure: 'absent').changed
+  end
+
+  def test_daemon_error_becomes_a_failed_resource_with_code_field_and_attribute
+    status = apply_vm(**web1(memory: 16))
+    assert status.failed
+    line = @logs.map(&:to_s).grep(/vmhostd refused/).first
+    refute_nil line, @logs.map(&:to_s).join("\n")
+    assert_includes line, 'error 2001 (invalid_spec) on field spec.memory_mib: ' \
+                          'memory_mib must be at least 32 (attribute memory)'
+  end
+
+  def test_unreachable_socket_fails_each_resource_with_the_reason
+    catalog = Puppet::Resource::Catalog.new
+    res = Puppet::Type.type(:vmhost_vm).new(web1.merge(socket: File.join(PUPPET_DIR, 'nosuch.sock')))
+    catalog.add_resource(res)
+    status = catalog.apply.report.resource_statuses.values.first
+    assert status.failed
+    assert(@logs.map(&:to_s).any? { |l| l.include?('cannot connect to vmhostd at') })
+  end
+
+  def test_shape_validation_in_the_type
+    type = Puppet::Type.type(:vmhost_vm)
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', cpu: 'two') }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', memory: '2GB') }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', hardware: { 'sfp' => 5 }) }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', nics: ['lan']) }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', boot: '/vmlinuz') }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', socket: 'relative.sock') }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', ensure: 'paused') }
+    # Rules are the daemon's: a name it would refuse passes the type.
+    assert type.new(name: 'Not_A_Valid_Name', cpu: 100_000)
+  end
+
+  def test_instances_read_the_default_socket
+    apply_vm(**web1(role: 'web'))
+    old = ENV.fetch('VMHOST_SOCKET', nil)
+    ENV['VMHOST_SOCKET'] = @fake.path
+    found = Puppet::Type.type(:vmhost_vm).provider(:vmhostd).instances
+    assert_equal ['web1'], found.map(&:name)
+    assert_equal :running, found.first.current_ensure
+    assert_equal 256, found.first.memory
+    assert_equal 'web', found.first.role
+  ensure
+    old.nil? ? ENV.delete('VMHOST_SOCKET') : ENV['VMHOST_SOCKET'] = old
+  end
+end

@@ -1,0 +1,103 @@
+# frozen_string_literal: true
+
+require 'minitest/autorun'
+require_relative '../lib/puppet_x/vmhost/spec'
+
+# Normalisation, comparison and spec building: what makes a rerun change nothing.
+class TestSpec < Minitest::Test
+  Spec = PuppetX::Vmhost::Spec
+
+  def test_memory_units
+    assert_equal 256, Spec.memory_mib(256)
+    assert_equal 256, Spec.memory_mib('256')
+    assert_equal 256, Spec.memory_mib('256M')
+    assert_equal 256, Spec.memory_mib('256MiB')
+    assert_equal 2048, Spec.memory_mib('2G')
+    assert_equal 2048, Spec.memory_mib('2gib')
+    assert_nil Spec.memory_mib('2GB')
+    assert_nil Spec.memory_mib('lots')
+    assert_nil Spec.memory_mib(1.5)
+  end
+
+  def test_normalize_drops_what_the_daemon_leaves_out
+    declared = { 'network' => 'lan', 'vlan' => '10', 'mac' => nil,
+                 'ipv4' => { 'mode' => 'static', 'address' => '10.0.0.5/24', 'dns' => [], 'search' => [] } }
+    assert_equal({ 'network' => 'lan', 'vlan' => 10, 'ipv4' => { 'mode' => 'static', 'address' => '10.0.0.5/24' } },
+                 Spec.normalize(declared))
+  end
+
+  def test_normalize_keeps_strings_that_are_not_integer_members
+    assert_equal({ 'cmdline' => '42', 'disk_gib' => 4 }, Spec.normalize({ cmdline: '42', disk_gib: '4' }))
+    assert_equal({ 'cmdline' => '' }, Spec.normalize({ 'cmdline' => '' }))
+  end
+
+  def test_hardware_normalisation
+    assert_equal({ 'sfp' => [5, 6] }, Spec.normalize_hardware({ 'sfp' => %w[5 6], 'disk' => [] }))
+    assert_equal({ 'copper' => [1] }, Spec.normalize_hardware({ copper: [1] }))
+  end
+
+  def test_same_compares_after_normalisation
+    assert Spec.same?(:hardware, {}, { 'sfp' => [] })
+    assert Spec.same?(:hardware, { 'sfp' => [5] }, { 'sfp' => ['5'], 'disk' => [] })
+    refute Spec.same?(:hardware, { 'sfp' => [5, 6] }, { 'sfp' => [6, 5] })
+    assert Spec.same?(:nics, [], [])
+    assert Spec.same?(:nics, :absent, [])
+    refute Spec.same?(:nics, [], [{ 'network' => 'lan' }])
+    assert Spec.same?(:guest_interfaces,
+                      [{ 'name' => 'eth0.20', 'link' => 'eth0', 'vlan_id' => 20, 'address' => '10.20.0.5/24' }],
+                      [{ 'name' => 'eth0.20', 'link' => 'eth0', 'vlan_id' => '20', 'address' => '10.20.0.5/24' }])
+    assert Spec.same?(:boot, { 'image' => 'b.qcow2', 'disk_gib' => 2 }, { 'image' => 'b.qcow2', 'disk_gib' => '2' })
+    refute Spec.same?(:boot, { 'kernel' => '/k', 'cmdline' => 'quiet' }, { 'kernel' => '/k' })
+  end
+
+  def test_attribute_value_gives_empty_shapes_for_left_out_members
+    spec = { 'name' => 'a', 'cpu' => 1, 'memory_mib' => 256, 'state' => 'running', 'boot' => { 'kernel' => '/k' } }
+    assert_equal 1, Spec.attribute_value(spec, :cpu)
+    assert_equal 256, Spec.attribute_value(spec, :memory)
+    assert_equal :absent, Spec.attribute_value(spec, :role)
+    assert_equal({}, Spec.attribute_value(spec, :hardware))
+    assert_equal [], Spec.attribute_value(spec, :nics)
+    assert_equal [], Spec.attribute_value(spec, :pci)
+    assert_equal [], Spec.attribute_value(spec, :guest_interfaces)
+  end
+
+  def test_build_puts_declared_attributes_over_the_recorded_spec
+    recorded = { 'name' => 'a', 'role' => 'web', 'cpu' => 1, 'memory_mib' => 256, 'state' => 'running',
+                 'boot' => { 'kernel' => '/k' }, 'nics' => [{ 'network' => 'lan' }] }
+    spec = Spec.build('a', recorded, { cpu: 2, memory: 512 }, 'running')
+    assert_equal({ 'name' => 'a', 'role' => 'web', 'cpu' => 2, 'memory_mib' => 512, 'state' => 'running',
+                   'boot' => { 'kernel' => '/k' }, 'nics' => [{ 'network' => 'lan' }] }, spec)
+  end
+
+  def test_build_for_a_new_vm
+    spec = Spec.build('b', nil, { cpu: 1, memory: 256, boot: { 'kernel' => '/k' }, nics: [], hardware: {} }, nil)
+    assert_equal({ 'name' => 'b', 'cpu' => 1, 'memory_mib' => 256, 'boot' => { 'kernel' => '/k' } }, spec)
+    assert_equal 'stopped', Spec.build('b', nil, { cpu: 1 }, 'stopped')['state']
+  end
+
+  def test_build_clears_a_list_declared_empty
+    recorded = { 'name' => 'a', 'cpu' => 1, 'memory_mib' => 256, 'state' => 'stopped', 'boot' => { 'kernel' => '/k' },
+                 'guest_interfaces' => [{ 'name' => 'd0', 'address' => '10.9.0.1/24' }] }
+    spec = Spec.build('a', recorded, { guest_interfaces: [] }, 'stopped')
+    refute spec.key?('guest_interfaces')
+    assert_equal 'stopped', spec['state']
+  end
+
+  def test_build_keeps_the_recorded_state_when_none_is_given
+    recorded = { 'name' => 'a', 'cpu' => 1, 'memory_mib' => 256, 'state' => 'stopped', 'boot' => { 'kernel' => '/k' } }
+    assert_equal 'stopped', Spec.build('a', recorded, {}, nil)['state']
+  end
+
+  def test_attribute_for_field
+    assert_equal 'memory', Spec.attribute_for_field('spec.memory_mib')
+    assert_equal 'cpu', Spec.attribute_for_field('spec.cpu')
+    assert_equal 'nics', Spec.attribute_for_field('spec.nics[0].ipv4.address')
+    assert_equal 'hardware', Spec.attribute_for_field('spec.hardware.sfp[1]')
+    assert_equal 'guest_interfaces', Spec.attribute_for_field('spec.guest_interfaces[0].vlan_id')
+    assert_equal 'name', Spec.attribute_for_field('spec.name')
+    assert_equal 'ensure', Spec.attribute_for_field('spec.state')
+    assert_nil Spec.attribute_for_field('spec')
+    assert_nil Spec.attribute_for_field('name')
+    assert_nil Spec.attribute_for_field(nil)
+  end
+end

@@ -1,0 +1,209 @@
+//! The Puppet module (`plugins/puppet`) end to end: real `puppet apply` with the module on its
+//! modulepath, against a real vmhostd running real (TCG) QEMUs.
+
+use serde_json::{json, Value};
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+use vmhost::client::Client;
+use vmhost_tests::{guest, workspace, HostOptions, TestHost};
+
+/// A throwaway Puppet setup: a modulepath holding `vmhost -> plugins/puppet` and private
+/// conf/var dirs, so runs never touch /etc/puppet or /var/cache/puppet.
+struct Puppet {
+    dir: tempfile::TempDir,
+}
+
+/// One `puppet apply`: its `--detailed-exitcodes` code and its output (stdout and stderr).
+struct Run {
+    code: i32,
+    output: String,
+}
+
+impl Puppet {
+    fn new() -> Puppet {
+        let dir = tempfile::Builder::new().prefix("vmhpup").tempdir_in("/tmp").expect("tempdir");
+        fs::create_dir_all(dir.path().join("modules")).expect("modules dir");
+        std::os::unix::fs::symlink(workspace().join("plugins/puppet"), dir.path().join("modules/vmhost"))
+            .expect("symlink the module");
+        Puppet { dir }
+    }
+
+    /// `puppet apply --detailed-exitcodes -e MANIFEST` with `VMHOST_SOCKET=socket`.
+    fn apply(&self, socket: &Path, manifest: &str, extra: &[&str]) -> Run {
+        let d = self.dir.path();
+        let mut cmd = Command::new("puppet");
+        cmd.arg("apply").arg("--detailed-exitcodes").arg("--color=false").arg("--modulepath").arg(d.join("modules"));
+        for (opt, sub) in [("--confdir", "etc"), ("--vardir", "var"), ("--codedir", "code"), ("--logdir", "log")] {
+            cmd.arg(opt).arg(d.join(sub));
+        }
+        cmd.args(extra).arg("-e").arg(manifest).env("VMHOST_SOCKET", socket);
+        let out = cmd.output().expect("run puppet apply (apt-get install puppet)");
+        let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        Run { code: out.status.code().unwrap_or(-1), output }
+    }
+}
+
+/// A kernel-booted VM as a manifest: 1 CPU, 256 MiB, the test guest; `extra` adds attributes.
+fn vm(name: &str, ensure: &str, extra: &str) -> String {
+    let g = guest();
+    format!(
+        "vmhost_vm {{ '{name}':\n  ensure => {ensure},\n  cpu => 1,\n  memory => '256M',\n  \
+         boot => {{ 'kernel' => '{}', 'initrd' => '{}', 'cmdline' => 'console=ttyS0 panic=-1 quiet' }},\n  {extra}\n}}\n",
+        g.kernel.display(),
+        g.initrd.display()
+    )
+}
+
+fn get(host: &TestHost, name: &str) -> Value {
+    host.call("vm.get", json!({ "name": name }))
+}
+
+/// Every event the subscription has received so far (waits briefly for stragglers).
+fn drain(events: &mut Client) -> Vec<String> {
+    let mut seen = Vec::new();
+    while let Some(e) = events.next_event(Duration::from_millis(500)).expect("read events") {
+        seen.push(format!("{} {}", e.vm, e.reason));
+    }
+    seen
+}
+
+#[test]
+fn puppet_creates_converges_reports_noop_changes_once_and_destroys() {
+    let host = TestHost::start(HostOptions::default());
+    let puppet = Puppet::new();
+    let sock = host.socket.clone();
+    let mut events = host.client();
+    events.subscribe_events().expect("subscribe");
+
+    // ensure => running creates the VM; the fact and the function read host.info on the way.
+    let info = host.call("host.info", json!({}));
+    let manifest = format!(
+        "notice(\"fact-version=${{facts['vmhost']['version']}} fact-api=${{facts['vmhost']['api_version']}}\")\n\
+         notice(\"fn-accel=${{vmhost::host_info()['accel']}}\")\n{}",
+        vm("web1", "running", "guest_interfaces => [],")
+    );
+    let run = puppet.apply(&sock, &manifest, &[]);
+    assert_eq!(run.code, 2, "first run must change something:\n{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[web1]/ensure: created"), "{}", run.output);
+    let version = info["version"].as_str().unwrap();
+    assert!(run.output.contains(&format!("fact-version={version} fact-api=1")), "fact: {}", run.output);
+    assert!(run.output.contains("fn-accel=tcg"), "function: {}", run.output);
+    let v = get(&host, "web1");
+    assert_eq!(v["status"], "running");
+    assert_eq!(v["spec"]["cpu"], 1);
+    assert_eq!(v["spec"]["memory_mib"], 256);
+    assert_eq!(v["spec"]["boot"]["kernel"], json!(guest().kernel));
+    let pid = v["pid"].clone();
+    assert_eq!(drain(&mut events).iter().filter(|e| e.as_str() == "web1 vm.create").count(), 2, "creating, running");
+
+    // A rerun changes nothing: exit code 0 and not one event.
+    let run = puppet.apply(&sock, &manifest, &[]);
+    assert_eq!(run.code, 0, "rerun must change nothing:\n{}", run.output);
+    assert!(drain(&mut events).is_empty());
+    assert_eq!(get(&host, "web1")["pid"], pid);
+
+    // --noop reports the change and sends nothing.
+    let changed = vm("web1", "running", "cpu => 2, replace => true,").replace("cpu => 1,\n", "");
+    let run = puppet.apply(&sock, &changed, &["--noop"]);
+    assert_eq!(run.code, 0, "{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[web1]/cpu: current_value 1, should be 2 (noop)"), "{}", run.output);
+    let v = get(&host, "web1");
+    assert_eq!(v["spec"]["cpu"], 1, "noop changed the VM");
+    assert_eq!(v["pid"], pid);
+    assert!(drain(&mut events).is_empty(), "noop reached the daemon");
+
+    // Without replace the daemon refuses the drift: its code, fields and the hint are shown.
+    let refused = vm("web1", "running", "cpu => 2,").replace("cpu => 1,\n", "");
+    let run = puppet.apply(&sock, &refused, &[]);
+    assert_eq!(run.code & 4, 4, "a refused change is a failure:\n{}", run.output);
+    assert!(run.output.contains("error 2002 (spec_drift) on field spec"), "{}", run.output);
+    assert!(run.output.contains(r#"details: {"fields":["cpu"]}"#), "{}", run.output);
+    assert!(run.output.contains("set replace => true"), "{}", run.output);
+    assert_eq!(get(&host, "web1")["pid"], pid);
+
+    // With replace => true the change is applied, in one replace.
+    let run = puppet.apply(&sock, &changed, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[web1]/cpu: cpu changed 1 to 2"), "{}", run.output);
+    let v = get(&host, "web1");
+    assert_eq!(v["spec"]["cpu"], 2);
+    assert_eq!(v["status"], "running");
+    let seen = drain(&mut events);
+    assert_eq!(seen.iter().filter(|e| e.as_str() == "web1 vm.apply replace").count(), 1, "{seen:?}");
+    let run = puppet.apply(&sock, &changed, &[]);
+    assert_eq!(run.code, 0, "rerun after the change:\n{}", run.output);
+    assert!(drain(&mut events).is_empty());
+
+    // ensure => absent destroys; a rerun has nothing to do.
+    let run = puppet.apply(&sock, "vmhost_vm { 'web1': ensure => absent }", &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[web1]/ensure: removed"), "{}", run.output);
+    assert_eq!(host.call_err("vm.get", json!({ "name": "web1" })).0, 4040);
+    assert!(host.qemu_pids().is_empty());
+    let run = puppet.apply(&sock, "vmhost_vm { 'web1': ensure => absent }", &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+}
+
+#[test]
+fn puppet_run_state_structured_attributes_and_errors() {
+    let host = TestHost::start(HostOptions::default());
+    let puppet = Puppet::new();
+    let sock = host.socket.clone();
+
+    // Created stopped (no QEMU), with structured attributes written the loose way (strings
+    // for numbers, empty lists and classes) that the daemon echoes normalised.
+    let attrs = "role => 'db', hardware => { 'sfp' => [] }, pci => [], nics => [],\n  \
+                 guest_interfaces => [{ 'name' => 'dummy0', 'address' => '10.9.0.1/24' }],";
+    let stopped = vm("db1", "stopped", attrs).replace("cpu => 1,", "cpu => '1',");
+    let run = puppet.apply(&sock, &stopped, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    let v = get(&host, "db1");
+    assert_eq!(v["status"], "stopped");
+    assert_eq!(v["spec"]["state"], "stopped");
+    assert_eq!(v["spec"]["role"], "db");
+    assert_eq!(v["spec"]["guest_interfaces"], json!([{ "name": "dummy0", "address": "10.9.0.1/24" }]));
+    assert!(host.qemu_pids().is_empty());
+    let run = puppet.apply(&sock, &stopped, &[]);
+    assert_eq!(run.code, 0, "rerun of the loose form must change nothing:\n{}", run.output);
+
+    // ensure => present leaves the run state alone; running starts it.
+    let run = puppet.apply(&sock, "vmhost_vm { 'db1': ensure => present }", &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+    let run = puppet.apply(&sock, "vmhost_vm { 'db1': ensure => running }", &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("ensure changed 'stopped' to 'running'"), "{}", run.output);
+    let v = get(&host, "db1");
+    assert_eq!(v["status"], "running");
+    assert_eq!(v["spec"]["role"], "db", "undeclared attributes are kept");
+    let run = puppet.apply(&sock, "vmhost_vm { 'db1': ensure => running }", &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+
+    // A spec the daemon refuses fails the resource with its code, field and message; the
+    // explicit socket parameter is used over $VMHOST_SOCKET.
+    let bad = vm("bad1", "running", &format!("socket => '{}',", sock.display())).replace("'256M'", "16");
+    let nowhere = puppet.dir.path().join("nosuch.sock");
+    let run = puppet.apply(&nowhere, &bad, &[]);
+    assert_eq!(run.code & 4, 4, "{}", run.output);
+    assert!(
+        run.output.contains(
+            "vmhostd refused vm.apply: error 2001 (invalid_spec) on field spec.memory_mib: \
+             memory_mib must be at least 32 (attribute memory)"
+        ),
+        "{}",
+        run.output
+    );
+    assert_eq!(host.call_err("vm.get", json!({ "name": "bad1" })).0, 4040, "a refused spec creates nothing");
+    let too_big = vm("bad2", "running", "").replace("cpu => 1,", "cpu => 64,");
+    let run = puppet.apply(&sock, &too_big, &[]);
+    assert!(run.output.contains("error 3001 (not_in_model) on field spec.cpu"), "{}", run.output);
+
+    // No daemon: the fact is absent, and a resource fails with the reason.
+    let run = puppet.apply(&nowhere, "notice(\"fact-is-undef=${facts['vmhost'] == undef}\")", &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+    assert!(run.output.contains("fact-is-undef=true"), "{}", run.output);
+    let run = puppet.apply(&nowhere, "vmhost_vm { 'db1': ensure => running }", &[]);
+    assert_eq!(run.code & 4, 4, "{}", run.output);
+    assert!(run.output.contains(&format!("cannot connect to vmhostd at {}", nowhere.display())), "{}", run.output);
+}
