@@ -130,6 +130,18 @@ fn vmhostctl_prints_tables_json_and_errors() {
     let out = host.ctl(&["--json", "get", "cli"]);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["status"], "running");
+    // A reader that has closed the pipe (`| head -0`): no panic, just the pipe signal.
+    let (reader, writer) = nix::unistd::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(bin("vmhostctl"))
+        .arg("--socket")
+        .arg(&host.socket)
+        .args(["--json", "get", "cli"])
+        .stdout(std::process::Stdio::from(writer))
+        .output()
+        .unwrap();
+    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&out.status), Some(libc::SIGPIPE));
     let out = host.ctl(&["get", "nope"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("error 4040 (not_found)"));

@@ -84,6 +84,12 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // A closed output pipe (`vmhostctl --json list | head -1`) ends the CLI quietly, as it does any
+    // Unix filter, instead of a panic from println!. Rust sets SIGPIPE to ignored by default.
+    // SAFETY: no other thread exists yet, and SIG_DFL installs no handler code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,
