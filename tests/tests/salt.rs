@@ -198,6 +198,41 @@ fn synced_states_create_converge_predict_and_destroy() {
 }
 
 #[test]
+fn stopped_creates_without_qemu_and_present_keeps_the_recorded_run_state() {
+    let host = TestHost::start(HostOptions::default());
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+    let spec = host.kernel_spec("idle");
+    minion.sls("idle", "idle", "vmhost.stopped", &args_of(&spec));
+    let r = minion.apply("idle", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(r["changes"]["new"]["status"], "stopped", "{r}");
+    let vm = host.call("vm.get", json!({ "name": "idle" }));
+    assert_eq!((&vm["status"], &vm["pid"]), (&json!("stopped"), &Value::Null));
+    assert!(host.qemu_pids().is_empty(), "created stopped: no QEMU");
+    assert_eq!(minion.apply("idle", false)["changes"], json!({}), "second run");
+
+    // present keeps the recorded desired state (stopped): nothing to do, under test=True too.
+    minion.sls("idlepresent", "idle", "vmhost.present", &args_of(&spec));
+    for test in [true, false] {
+        let r = minion.apply("idlepresent", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "test={test}: {r}");
+    }
+    assert_eq!(host.call("vm.get", json!({ "name": "idle" }))["status"], "stopped");
+
+    // running starts it, reporting the run state that changed.
+    minion.sls("idlerun", "idle", "vmhost.running", &args_of(&spec));
+    let r = minion.apply("idlerun", true);
+    assert_eq!((&r["result"], &r["changes"]["action"]), (&Value::Null, &json!("start")), "{r}");
+    let r = minion.apply("idlerun", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(r["changes"]["old"]["status"], "stopped", "{r}");
+    assert_eq!(r["changes"]["new"]["status"], "running", "{r}");
+    assert_eq!(r["changes"]["new"]["spec"], json!({ "state": "running" }), "{r}");
+    assert_eq!(host.call("vm.get", json!({ "name": "idle" }))["status"], "running");
+}
+
+#[test]
 fn invalid_spec_fails_with_the_daemons_code_and_field() {
     let host = TestHost::start(HostOptions::default());
     let minion = Minion::new(&host, Loading::Sync);

@@ -153,6 +153,13 @@ def _spec(spec):
     return spec
 
 
+def _timeout_s(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise CommandExecutionError(f"timeout_s must be an integer, not {value!r}") from None
+
+
 def info():
     """
     Host capacity, accelerator, hardware model with holders, networks (``host.info``).
@@ -216,7 +223,7 @@ def stop(name, timeout_s=30, force=False):
 
     CLI Example: ``salt '*' vmhost.stop sensor1 timeout_s=60``
     """
-    timeout_s = int(timeout_s)
+    timeout_s = _timeout_s(timeout_s)
     params = {"name": name, "timeout_s": timeout_s, "force": bool(force)}
     return _call("vm.stop", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + max(timeout_s, 0))
 
@@ -227,7 +234,7 @@ def restart(name, timeout_s=30, force=False):
 
     CLI Example: ``salt '*' vmhost.restart sensor1 force=True``
     """
-    timeout_s = int(timeout_s)
+    timeout_s = _timeout_s(timeout_s)
     params = {"name": name, "timeout_s": timeout_s, "force": bool(force)}
     return _call("vm.restart", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + max(timeout_s, 0) + 60)
 
