@@ -98,18 +98,19 @@ def _call(method, params=None, timeout=None):
                 sock.sendall(json.dumps(request).encode() + b"\n")
             except (BrokenPipeError, ConnectionResetError):
                 pass  # vmhostd may have refused us at accept (1001) and closed: read its line
-            return _read_reply(sock, request_id, deadline, timeout)
+            return _read_reply(sock, request_id, deadline)
         except TimeoutError:
             raise CommandExecutionError(f"vmhostd did not answer {method} within {timeout:g} s") from None
         except OSError as exc:
             raise CommandExecutionError(f"connection to vmhostd at {path} failed: {exc.strerror or exc}") from None
 
 
-def _read_reply(sock, request_id, deadline, timeout):
+def _read_reply(sock, request_id, deadline):
     """Reads lines until the answer to `request_id`; bounded in size and time."""
-    buf = b""
+    buf = bytearray()
     while True:
-        while b"\n" not in buf:
+        end = buf.find(b"\n")
+        while end < 0:
             if len(buf) > MAX_REPLY_BYTES:
                 raise CommandExecutionError(f"vmhostd sent a reply line longer than {MAX_REPLY_BYTES} bytes")
             remaining = deadline - time.monotonic()
@@ -119,8 +120,13 @@ def _read_reply(sock, request_id, deadline, timeout):
             chunk = sock.recv(min(65536, MAX_REPLY_BYTES + 1 - len(buf)))
             if not chunk:
                 raise CommandExecutionError("vmhostd closed the connection without answering")
+            end = chunk.find(b"\n")
+            if end >= 0:
+                end += len(buf)
             buf += chunk
-        line, buf = buf.split(b"\n", 1)  # buf never exceeds the cap + 1, so neither does line
+        # buf never exceeds the cap + 1 bytes, so neither does the line
+        line = bytes(buf[:end])
+        del buf[: end + 1]
         if not line.strip():
             continue
         try:
