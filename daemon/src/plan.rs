@@ -62,6 +62,15 @@ fn is_up(status: VmStatus) -> bool {
     matches!(status, VmStatus::Running | VmStatus::Starting | VmStatus::Creating)
 }
 
+/// True when a VM desired stopped would be changed by a stop: it is up, its record still says
+/// desired running, or its status (stopping, dead, failed) is settled to `stopped` by the stop.
+/// Mirrors what `vm.apply` and `vm.stop` do, so that a dry run predicts the real run.
+fn stop_changes(cur: &CurrentVm) -> bool {
+    is_up(cur.status)
+        || cur.spec.state != crate::api::DesiredState::Stopped
+        || matches!(cur.status, VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed)
+}
+
 /// Plans a reconcile of `current` towards `desired`.
 ///
 /// Entries come in request order, then (for VMs not in the desired set) in name order. An entry
@@ -86,7 +95,7 @@ pub fn plan_reconcile(
                         (crate::api::DesiredState::Running, false) => {
                             (PlanAction::Start, format!("desired running, is {}", cur.status))
                         }
-                        (crate::api::DesiredState::Stopped, true) => {
+                        (crate::api::DesiredState::Stopped, _) if stop_changes(cur) => {
                             (PlanAction::Stop, format!("desired stopped, is {}", cur.status))
                         }
                         _ if cur.spec.guest_interfaces != spec.guest_interfaces => {
@@ -211,6 +220,42 @@ mod tests {
         let p = plan_reconcile(&c, &desired, &current, true);
         assert_eq!(p[6].action, PlanAction::Destroy);
         assert_eq!(p[5].error, None, "pruning extra frees the CPU the replace needs");
+    }
+
+    /// A dry run predicts what `vm.apply` does for a VM desired stopped: a stop whenever the stop
+    /// would change the record, not only when QEMU is up.
+    #[test]
+    fn desired_stopped_plans_a_stop_whenever_the_stop_would_change_something() {
+        let c = config();
+        let stopped_spec = |name: &str| {
+            let mut s = spec(name);
+            s.state = DesiredState::Stopped;
+            s
+        };
+        let recorded_stopped = |name: &str, status| (stopped_spec(name), status);
+        let current = cur(&[
+            (spec("dead"), VmStatus::Dead),
+            recorded_stopped("deadstopped", VmStatus::Dead),
+            recorded_stopped("failed", VmStatus::Failed),
+            recorded_stopped("stopping", VmStatus::Stopping),
+            (spec("was_running"), VmStatus::Stopped),
+            recorded_stopped("settled", VmStatus::Stopped),
+        ]);
+        let desired: Vec<VmSpec> =
+            ["dead", "deadstopped", "failed", "stopping", "was_running", "settled"].map(stopped_spec).to_vec();
+        let p = plan_reconcile(&c, &desired, &current, false);
+        let got: Vec<(String, PlanAction)> = p.iter().map(|e| (e.vm.clone(), e.action)).collect();
+        let want: Vec<(String, PlanAction)> = [
+            ("dead", PlanAction::Stop),
+            ("deadstopped", PlanAction::Stop),
+            ("failed", PlanAction::Stop),
+            ("stopping", PlanAction::Stop),
+            ("was_running", PlanAction::Stop),
+            ("settled", PlanAction::None),
+        ]
+        .map(|(n, a)| (n.to_string(), a))
+        .to_vec();
+        assert_eq!(got, want);
     }
 
     #[test]
