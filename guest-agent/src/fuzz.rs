@@ -101,7 +101,11 @@ fn to_value<T: serde::Serialize>(value: &T) -> Result<Value, RpcError> {
 /// fuzzer found.
 pub fn requests(data: &[u8]) {
     let Some((&step, rest)) = data.split_first() else { return };
-    let mut methods = Offline { agent: Agent::new(Paths::default()), snapshot: fabricated_snapshot() };
+    // Nothing of the machine is read either: /proc of an instrumented process is slow to read
+    // (smaps_rollup walks its sanitizer's shadow mappings) and says nothing about the parser.
+    let nowhere = std::path::PathBuf::from("/nonexistent/vmhost-agent-fuzz");
+    let paths = Paths { resolv_conf: nowhere.join("resolv.conf"), intent: nowhere.join("intent"), proc_root: nowhere };
+    let mut methods = Offline { agent: Agent::new(paths), snapshot: fabricated_snapshot() };
     let mut buffer = LineBuffer::new();
     for chunk in rest.chunks(usize::from(step) + 1) {
         buffer.push(chunk, |frame| {
