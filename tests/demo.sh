@@ -1,11 +1,13 @@
 #!/bin/bash
 # The vmhost demo: start vmhostd (TCG, in a temp dir and its own network namespace), boot a VM
-# with a NIC on a bridge vmhostd creates, show it running and the guest's own view of its network
-# (address applied, host bridge reachable), then clean up. KEEP=1 leaves daemon and VM up.
+# with a NIC on a bridge vmhostd creates and the guest agent inside, show it running and the guest
+# agent's check of its network against the spec (vmhostctl check demo), then clean up.
+# KEEP=1 leaves daemon and VM up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests/setup.sh
 cargo build --workspace --bins --quiet
+tests/guest/build-agent-guest.sh target/guest
 root=$(pwd)
 ctl="$root/target/debug/vmhostctl"
 dir=$(mktemp -d /tmp/vmhdemo.XXXX)
@@ -51,11 +53,11 @@ cleanup() {
 trap cleanup EXIT
 for _ in $(seq 100); do [ -S "$VMHOST_SOCKET" ] && break; sleep 0.1; done
 
-echo "== vmhostctl check"
+echo "== vmhostctl check (the host's readiness)"
 "$ctl" check || true
 cat >"$dir/demo.json" <<JSON
 {"name": "demo", "role": "sensor", "cpu": 1, "memory_mib": 256,
- "boot": {"kernel": "$root/target/guest/vmlinuz", "initrd": "$root/target/guest/initramfs.cpio.gz",
+ "boot": {"kernel": "$root/target/guest/vmlinuz", "initrd": "$root/target/guest/initramfs-agent.cpio.gz",
           "cmdline": "console=ttyS0 panic=-1 quiet vmhost.ping=10.77.0.1"},
  "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.77.0.10/24",
            "gateway": "10.77.0.1", "dns": ["10.77.0.1"]}}]}
@@ -72,4 +74,10 @@ echo "== vmhostctl info"
 "$ctl" info
 echo "== host side: the VM's tap on the bridge vmhostd created"
 ip -n "$netns" -br link show master br-demo
-echo "(a structured check from the guest agent, vmhostctl check, arrives with issue 5)"
+echo "== waiting for the guest agent"
+for _ in $(seq 600); do
+    "$ctl" --json get demo | grep -q '"connected": true' && break
+    sleep 0.2
+done
+echo "== vmhostctl check demo: the guest agent checks the VM's network against its spec"
+"$ctl" check demo

@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 tests/setup.sh
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The plugins: lint and unit tests against a fake socket server (their end-to-end tests against
+# a real vmhostd are cargo tests in tests/tests/).
+plugins/salt/tests/check.sh
+plugins/puppet/tests/check.sh
 # The end-to-end tests run the real binaries from target/debug.
 cargo build --workspace --bins
 cargo test --workspace

@@ -1,9 +1,8 @@
 //! End to end: the static agent inside the test guest (Debian cloud kernel, busybox initramfs,
 //! QEMU/TCG), driven through the virtio-serial chardev socket exactly as vmhostd will drive it.
 //!
-//! The test builds the static x86_64 agent (`RUSTFLAGS=-C target-feature=+crt-static cargo build
-//! --release --target x86_64-unknown-linux-gnu`), strips a copy, checks the size budget, puts it
-//! into a test initramfs (`tests/guest/build.sh` with `EXTRA_FILES`), boots the guest with a
+//! The test builds the static x86_64 agent, strips a copy and puts it into a test initramfs
+//! (`tests/guest/build-agent-guest.sh`), checks the size budget, boots the guest with a
 //! virtio-serial port `org.vmhost.agent.0` on a UNIX socket plus a user-mode NIC configured through
 //! `ip=`, and then plays the host: sync, hello, agent.info (RSS budget), net.state, net.check (passing,
 //! and failing by name for a wrong address and a wrong gateway), net.apply (VLAN + dummy, again
@@ -37,37 +36,19 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace().join("target"))
 }
 
-/// Builds the static release agent and returns a stripped copy's path.
-fn build_static_agent() -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(workspace())
-        .env("RUSTFLAGS", "-C target-feature=+crt-static")
-        .args(["build", "--release", "-p", "vmhost-agent", "--target", "x86_64-unknown-linux-gnu"])
-        .status()
-        .expect("run cargo build");
-    assert!(status.success(), "static build of vmhost-agent failed");
-    let built = target_dir().join("x86_64-unknown-linux-gnu/release/vmhost-agent");
-    let stripped = target_dir().join("guest-agent/vmhost-agent");
-    std::fs::create_dir_all(stripped.parent().expect("parent")).expect("mkdir");
-    let status = Command::new("strip").arg("-o").arg(&stripped).arg(&built).status().expect("run strip (binutils)");
-    assert!(status.success(), "strip failed");
-    stripped
-}
-
-/// Builds the test initramfs with the agent as /bin/vmhost-agent; returns (kernel, initrd, kernel version).
-fn build_guest(agent: &Path) -> (PathBuf, PathBuf, String) {
+/// Builds the static, stripped agent and the test initramfs holding it as /bin/vmhost-agent
+/// (`tests/guest/build-agent-guest.sh`); returns (agent, kernel, initrd, kernel version).
+fn build_guest() -> (PathBuf, PathBuf, PathBuf, String) {
     let out = target_dir().join("guest");
-    let status = Command::new(workspace().join("tests/guest/build.sh"))
+    let status = Command::new(workspace().join("tests/guest/build-agent-guest.sh"))
         .current_dir(workspace())
-        .env("EXTRA_FILES", format!("{}:/bin/vmhost-agent", agent.display()))
-        .env("INITRAMFS_NAME", "initramfs-agent.cpio.gz")
         .arg(&out)
         .status()
-        .expect("run tests/guest/build.sh");
-    assert!(status.success(), "tests/guest/build.sh failed");
+        .expect("run tests/guest/build-agent-guest.sh");
+    assert!(status.success(), "tests/guest/build-agent-guest.sh failed");
     let version = std::fs::read_to_string(out.join("kernel-version")).expect("kernel-version").trim().to_string();
-    (out.join("vmlinuz"), out.join("initramfs-agent.cpio.gz"), version)
+    let agent = target_dir().join("guest-agent/vmhost-agent");
+    (agent, out.join("vmlinuz"), out.join("initramfs-agent.cpio.gz"), version)
 }
 
 /// A running QEMU, killed on drop.
@@ -281,11 +262,10 @@ fn timed<T>(label: &str, f: impl FnOnce() -> T) -> T {
 
 #[test]
 fn agent_in_the_test_guest() {
-    let agent = timed("static release build + strip", build_static_agent);
+    let (agent, kernel, initrd, kernel_version) = timed("static release build + strip + initramfs", build_guest);
     let size = std::fs::metadata(&agent).expect("stat agent").len();
     eprintln!("budget: stripped static vmhost-agent is {size} bytes ({:.2} MiB)", size as f64 / 1048576.0);
     assert!(size <= SIZE_BUDGET, "agent is {size} bytes, budget {SIZE_BUDGET}");
-    let (kernel, initrd, kernel_version) = timed("initramfs", || build_guest(&agent));
 
     let dir = tempfile::tempdir().expect("tempdir");
     let started = Instant::now();

@@ -77,36 +77,20 @@ pub fn guest() -> Guest {
         .clone()
 }
 
-/// The test guest with the static `vmhost-agent` as /bin/vmhost-agent (built once per process:
-/// `cargo build --release` of the agent with static glibc, stripped, packed by build.sh).
+/// The test guest with the static `vmhost-agent` as /bin/vmhost-agent (built once per process by
+/// `tests/guest/build-agent-guest.sh`).
 pub fn agent_guest() -> Guest {
     static GUEST: OnceLock<Guest> = OnceLock::new();
     GUEST
         .get_or_init(|| {
             let base = guest();
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = Command::new(cargo)
-                .current_dir(workspace())
-                .env("RUSTFLAGS", "-C target-feature=+crt-static")
-                .args(["build", "--release", "-p", "vmhost-agent", "--target", "x86_64-unknown-linux-gnu"])
-                .status()
-                .expect("run cargo build");
-            assert!(status.success(), "static build of vmhost-agent failed");
-            let target = workspace().join("target");
-            let built = target.join("x86_64-unknown-linux-gnu/release/vmhost-agent");
-            let stripped = target.join("guest-agent/vmhost-agent-e2e");
-            fs::create_dir_all(target.join("guest-agent")).expect("mkdir");
-            let st = Command::new("strip").arg("-o").arg(&stripped).arg(&built).status().expect("strip");
-            assert!(st.success(), "strip failed");
-            let out = target.join("guest");
-            let st = Command::new(workspace().join("tests/guest/build.sh"))
-                .env("EXTRA_FILES", format!("{}:/bin/vmhost-agent", stripped.display()))
-                .env("INITRAMFS_NAME", "initramfs-agent-e2e.cpio.gz")
+            let out = workspace().join("target/guest");
+            let st = Command::new(workspace().join("tests/guest/build-agent-guest.sh"))
                 .arg(&out)
                 .status()
-                .expect("run build.sh");
-            assert!(st.success(), "build.sh with the agent failed");
-            Guest { kernel: base.kernel, initrd: out.join("initramfs-agent-e2e.cpio.gz") }
+                .expect("run build-agent-guest.sh");
+            assert!(st.success(), "tests/guest/build-agent-guest.sh failed");
+            Guest { kernel: base.kernel, initrd: out.join("initramfs-agent.cpio.gz") }
         })
         .clone()
 }

@@ -150,7 +150,7 @@ fn agent_bench(rounds: usize) {
     }
     lat.sort();
     let info: Value = c.call("vm.guest_info", json!({"name": "agent"})).expect("guest_info");
-    let size = std::fs::metadata(vmhost_tests::workspace().join("target/guest-agent/vmhost-agent-e2e"))
+    let size = std::fs::metadata(vmhost_tests::workspace().join("target/guest-agent/vmhost-agent"))
         .map(|m| m.len())
         .unwrap_or(0);
     println!();
