@@ -70,9 +70,7 @@ def tag_part(value):
 
 def build_tag(hypervisor, vm, status):
     """``vmhost/<hypervisor>/<vm>/<status>``, each component sanitised by :func:`tag_part`."""
-    return "/".join(
-        (TAG_PREFIX, tag_part(hypervisor), tag_part(vm), tag_part(status))
-    )
+    return "/".join((TAG_PREFIX, tag_part(hypervisor), tag_part(vm), tag_part(status)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,8 +123,16 @@ def _positive(kwargs, key, default):
 def parse_config(kwargs):
     """Checks and normalises the engine's config (the keyword arguments of ``start``)."""
     known = {
-        "vms_dir", "suffix", "network", "boot", "interval", "poll", "retry", "timeout",
-        "prune", "dry_run",
+        "vms_dir",
+        "suffix",
+        "network",
+        "boot",
+        "interval",
+        "poll",
+        "retry",
+        "timeout",
+        "prune",
+        "dry_run",
     }
     unknown = set(kwargs) - known
     if unknown:
@@ -167,7 +173,7 @@ def parse_config(kwargs):
         "interval": _positive(kwargs, "interval", 300),
         "poll": _positive(kwargs, "poll", 10),
         "retry": _positive(kwargs, "retry", 60),
-        "timeout": _positive(kwargs, "timeout", 600),
+        "timeout": _positive(kwargs, "timeout", 960),
         "prune": prune,
         "dry_run": bool(kwargs.get("dry_run", False)),
     }
@@ -312,9 +318,7 @@ def map_entry(entry, config, source="<file>", index=0):
             raise _Bad("entry", "must be a JSON object")
         host = entry.get("hostname")
         if not isinstance(host, str) or not HOSTNAME_RE.match(host.strip().lower()):
-            raise _Bad(
-                "hostname", f"{json.dumps(host)[:70]} is not a hostname (letters, digits, -)"
-            )
+            raise _Bad("hostname", f"{json.dumps(host)[:70]} is not a hostname (letters, digits, -)")
         role = entry.get("role")
         if role not in SO_ROLES:
             raise _Bad("role", f"{json.dumps(role)[:40]} is not one of {', '.join(SO_ROLES)}")
@@ -337,10 +341,7 @@ def map_entry(entry, config, source="<file>", index=0):
             if power in ("Stop", "Shutdown"):
                 state = "stopped"
             elif power not in ("Start", "Reboot", "Reset"):
-                raise _Bad(
-                    "powercontrol", f"{json.dumps(power)[:40]} is not Start, Reboot, Shutdown, "
-                    "Reset or Stop"
-                )
+                raise _Bad("powercontrol", f"{json.dumps(power)[:40]} is not Start, Reboot, Shutdown, Reset or Stop")
         spec["state"] = state
         hardware = {}
         for cls in HARDWARE_CLASSES:
@@ -355,8 +356,9 @@ def map_entry(entry, config, source="<file>", index=0):
         boot = config["boot"]["roles"].get(role) or config["boot"]["default"]
         if boot is None:
             raise _Bad(
-                "role", f"no boot source configured for role {role} (set boot.roles.{role} "
-                "or boot.default in the engine config)"
+                "role",
+                f"no boot source configured for role {role} (set boot.roles.{role} "
+                "or boot.default in the engine config)",
             )
         boot = dict(boot)
         if "image" in boot and nsm > 0 and "disk" not in hardware:
@@ -389,7 +391,9 @@ def map_file(text, config, source="<file>"):
             spec = map_entry(entry, config, source, index)
             if spec["name"] in seen:
                 raise EntryError(
-                    source, index, "hostname",
+                    source,
+                    index,
+                    "hostname",
                     f"VM {spec['name']} is already defined by entry {seen[spec['name']]}",
                     spec["name"],
                 )
@@ -497,7 +501,8 @@ class Engine:
             if isinstance(rec, dict):
                 managed = rec.get("managed")
                 rec["managed"] = sorted(
-                    n for n in (managed if isinstance(managed, list) else [])
+                    n
+                    for n in (managed if isinstance(managed, list) else [])
                     if isinstance(n, str) and VM_NAME_RE.match(n)
                 )
                 out[hyp] = rec
@@ -572,8 +577,7 @@ class Engine:
                 rec = self.state.setdefault(hyp, {"managed": []})
                 rec["last_attempt"] = now
                 rec["last_error"] = str(exc)[:2000]
-                self._fire(hyp, HYPERVISOR_TAG, "reconcile_failed",
-                           {"file": path, "error": str(exc)[:2000]})
+                self._fire(hyp, HYPERVISOR_TAG, "reconcile_failed", {"file": path, "error": str(exc)[:2000]})
                 outcomes[hyp] = "failed"
             try:
                 self._save_state()
@@ -619,19 +623,32 @@ class Engine:
         try:
             specs, errors, protected, complete = map_file(text, self.config, path)
         except EntryError as exc:
-            self._fire(hyp, HYPERVISOR_TAG, "invalid", {"file": path, "field": exc.field,
-                                                        "error": str(exc)})
+            self._fire(hyp, HYPERVISOR_TAG, "invalid", {"file": path, "field": exc.field, "error": str(exc)})
             raise HypervisorFailure(str(exc)) from None
         for err in errors:
             log.error("vmhost_engine: %s", err)
-            self._fire(hyp, err.name or f"_entry{err.index}", "invalid", {
-                "file": path, "index": err.index, "field": err.field, "error": str(err),
-            })
+            self._fire(
+                hyp,
+                err.name or f"_entry{err.index}",
+                "invalid",
+                {
+                    "file": path,
+                    "index": err.index,
+                    "field": err.field,
+                    "error": str(err),
+                },
+            )
         prune = self.config["prune"]
         dry = self.config["dry_run"]
-        ret = self._call(hyp, "vmhost.reconcile", {
-            "vms": specs, "prune": prune == "all" and complete and not errors, "dry_run": dry,
-        })
+        ret = self._call(
+            hyp,
+            "vmhost.reconcile",
+            {
+                "vms": specs,
+                "prune": prune == "all" and complete and not errors,
+                "dry_run": dry,
+            },
+        )
         plan, results = check_reconcile_return(ret)
         desired = {s["name"] for s in specs}
         managed = set(rec.get("managed", []))
@@ -643,10 +660,18 @@ class Engine:
             if res["ok"] and not res.get("changed"):
                 continue
             status = "reconciled" if res["ok"] else "reconcile_failed"
-            self._fire(hyp, name, status, {
-                "action": res["action"], "ok": res["ok"], "changed": bool(res.get("changed")),
-                "error": _short_error(res.get("error")), "dry_run": dry,
-            })
+            self._fire(
+                hyp,
+                name,
+                status,
+                {
+                    "action": res["action"],
+                    "ok": res["ok"],
+                    "changed": bool(res.get("changed")),
+                    "error": _short_error(res.get("error")),
+                    "dry_run": dry,
+                },
+            )
         if not results and dry:
             for item in plan:
                 if item["vm"] in desired and item.get("error"):
@@ -658,35 +683,61 @@ class Engine:
             if doomed and not complete:
                 log.error(
                     "vmhost_engine: %s: not pruning %s: a bad entry in %s has no usable name",
-                    hyp, ", ".join(doomed), path,
+                    hyp,
+                    ", ".join(doomed),
+                    path,
                 )
                 all_ok = False
                 doomed = []
             for name in doomed:
                 if dry:
-                    self._fire(hyp, name, "reconciled", {"action": "destroy", "ok": True,
-                                                         "changed": False, "dry_run": True})
+                    self._fire(
+                        hyp, name, "reconciled", {"action": "destroy", "ok": True, "changed": False, "dry_run": True}
+                    )
                     continue
                 try:
                     self._call(hyp, "vmhost.destroy", {"name": name})
                 except HypervisorFailure as exc:
+                    if "vmhostd error 4040" in str(exc):
+                        # Gone already (destroyed by hand meanwhile): what we wanted.
+                        destroyed.add(name)
+                        continue
                     all_ok = False
-                    self._fire(hyp, name, "reconcile_failed", {
-                        "action": "destroy", "ok": False, "changed": False,
-                        "error": str(exc)[:1000], "dry_run": False,
-                    })
+                    self._fire(
+                        hyp,
+                        name,
+                        "reconcile_failed",
+                        {
+                            "action": "destroy",
+                            "ok": False,
+                            "changed": False,
+                            "error": str(exc)[:1000],
+                            "dry_run": False,
+                        },
+                    )
                     continue
                 destroyed.add(name)
-                self._fire(hyp, name, "reconciled", {
-                    "action": "destroy", "ok": True, "changed": True, "error": None,
-                    "dry_run": False,
-                })
+                self._fire(
+                    hyp,
+                    name,
+                    "reconciled",
+                    {
+                        "action": "destroy",
+                        "ok": True,
+                        "changed": True,
+                        "error": None,
+                        "dry_run": False,
+                    },
+                )
         if not dry:
             # A VM stays managed until it is seen gone; bad entries keep their VMs managed.
             keep = (managed & (on_host_extra | protected)) - destroyed
             rec["managed"] = sorted(desired | keep)
         summary = {
-            "file": path, "ok": all_ok, "dry_run": dry, "vms": len(specs),
+            "file": path,
+            "ok": all_ok,
+            "dry_run": dry,
+            "vms": len(specs),
             "invalid": len(errors),
             "failed": sum(1 for r in results if not r["ok"]),
             "changed": sum(1 for r in results if r.get("changed")),
@@ -699,7 +750,11 @@ class Engine:
     def _call(self, hyp, fun, kwarg):
         try:
             ret = self.client.cmd(
-                [hyp], fun, kwarg=kwarg, tgt_type="list", timeout=self.config["timeout"],
+                [hyp],
+                fun,
+                kwarg=kwarg,
+                tgt_type="list",
+                timeout=self.config["timeout"],
                 full_return=True,
             )
         except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except

@@ -90,6 +90,9 @@ def socket_path(kwargs, opts, pillar):
         return kwargs["socket"]
     if opts.get("vmhost.socket"):
         return opts["vmhost.socket"]
+    nested = opts.get("vmhost")
+    if isinstance(nested, dict) and nested.get("socket"):
+        return nested["socket"]
     vmhost = (pillar or {}).get("vmhost")
     if isinstance(vmhost, dict) and vmhost.get("socket"):
         return vmhost["socket"]
