@@ -477,7 +477,6 @@ class Engine:
         self.fire_event = fire
         self.cachedir = cachedir
         self.clock = clock
-        self.seen = {}  # hypervisor -> (mtime_ns, size, digest) of the last read
         self.state = self._load_state()
 
     # -- state --------------------------------------------------------------------------------
@@ -586,20 +585,13 @@ class Engine:
         return outcomes
 
     def _maybe_run(self, hyp, path, now):
+        # Files are small: hash the content at every poll instead of trusting mtime, which
+        # misses an edit within the file system's timestamp granularity.
         try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise HypervisorFailure(f"cannot stat {path}: {exc}") from None
-        key = (st.st_mtime_ns, st.st_size)
-        seen = self.seen.get(hyp)
-        if seen and seen[:2] == key and not self.due(hyp, seen[2], now):
-            return "skipped"
-        try:
-            st, content = self._read(path)
+            _, content = self._read(path)
         except OSError as exc:
             raise HypervisorFailure(f"cannot read {path}: {exc}") from None
         digest = content_digest(content, self.config)
-        self.seen[hyp] = (st.st_mtime_ns, st.st_size, digest)
         if not self.due(hyp, digest, now):
             return "skipped"
         rec = self.state.setdefault(hyp, {"managed": []})
