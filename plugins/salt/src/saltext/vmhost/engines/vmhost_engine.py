@@ -340,7 +340,16 @@ def map_entry(entry, config, source="<file>", index=0):
         if not _blank(power):
             if power in ("Stop", "Shutdown"):
                 state = "stopped"
-            elif power not in ("Start", "Reboot", "Reset"):
+            elif power in ("Reboot", "Reset"):
+                # One-shot operations have no declarative meaning: this engine never edits the
+                # file to consume them, so doing them would repeat at every run.
+                log.warning(
+                    "vmhost_engine: %s: entry %s: powercontrol %s ignored (use vmhost.restart)",
+                    source,
+                    index,
+                    power,
+                )
+            elif power != "Start":
                 raise _Bad("powercontrol", f"{json.dumps(power)[:40]} is not Start, Reboot, Shutdown, Reset or Stop")
         spec["state"] = state
         hardware = {}
