@@ -784,8 +784,11 @@ def start(**kwargs):
     try:
         config = parse_config(kwargs)
     except ConfigError as exc:
-        log.error("vmhost_engine: bad configuration, engine not started: %s", exc)
-        return
+        # Returning would make salt's process manager restart the engine at once, forever:
+        # stay idle instead and repeat the complaint now and then.
+        while True:
+            log.error("vmhost_engine: bad configuration, engine idle until fixed: %s", exc)
+            time.sleep(3600)
     cachedir = os.path.join(opts["cachedir"], "vmhost_engine")
     client = salt.client.LocalClient(mopts=opts)
     bus = salt.utils.event.get_master_event(opts, opts["sock_dir"], listen=False)
