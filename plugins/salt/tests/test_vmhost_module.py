@@ -82,6 +82,8 @@ class Requests(ModuleTest):
             self.mod.apply(["x"])
         with self.assertRaisesRegex(CommandExecutionError, "vms must be a list"):
             self.mod.reconcile({"name": "a"})
+        with self.assertRaisesRegex(CommandExecutionError, "timeout_s must be an integer"):
+            self.mod.stop("web", timeout_s="soon")
         self.assertEqual(self.daemon.requests, [])
 
     def test_socket_path_falls_back_to_the_flat_option_and_the_default(self):

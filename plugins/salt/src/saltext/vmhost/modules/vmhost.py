@@ -98,18 +98,19 @@ def _call(method, params=None, timeout=None):
                 sock.sendall(json.dumps(request).encode() + b"\n")
             except (BrokenPipeError, ConnectionResetError):
                 pass  # vmhostd may have refused us at accept (1001) and closed: read its line
-            return _read_reply(sock, request_id, deadline, timeout)
+            return _read_reply(sock, request_id, deadline)
         except TimeoutError:
             raise CommandExecutionError(f"vmhostd did not answer {method} within {timeout:g} s") from None
         except OSError as exc:
             raise CommandExecutionError(f"connection to vmhostd at {path} failed: {exc.strerror or exc}") from None
 
 
-def _read_reply(sock, request_id, deadline, timeout):
+def _read_reply(sock, request_id, deadline):
     """Reads lines until the answer to `request_id`; bounded in size and time."""
-    buf = b""
+    buf = bytearray()
     while True:
-        while b"\n" not in buf:
+        end = buf.find(b"\n")
+        while end < 0:
             if len(buf) > MAX_REPLY_BYTES:
                 raise CommandExecutionError(f"vmhostd sent a reply line longer than {MAX_REPLY_BYTES} bytes")
             remaining = deadline - time.monotonic()
@@ -119,8 +120,13 @@ def _read_reply(sock, request_id, deadline, timeout):
             chunk = sock.recv(min(65536, MAX_REPLY_BYTES + 1 - len(buf)))
             if not chunk:
                 raise CommandExecutionError("vmhostd closed the connection without answering")
+            end = chunk.find(b"\n")
+            if end >= 0:
+                end += len(buf)
             buf += chunk
-        line, buf = buf.split(b"\n", 1)  # buf never exceeds the cap + 1, so neither does line
+        # buf never exceeds the cap + 1 bytes, so neither does the line
+        line = bytes(buf[:end])
+        del buf[: end + 1]
         if not line.strip():
             continue
         try:
@@ -151,6 +157,13 @@ def _spec(spec):
     if not isinstance(spec, dict):
         raise CommandExecutionError("spec must be a dict (a VM spec, see docs/api.md)")
     return spec
+
+
+def _timeout_s(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise CommandExecutionError(f"timeout_s must be an integer, not {value!r}") from None
 
 
 def info():
@@ -216,7 +229,7 @@ def stop(name, timeout_s=30, force=False):
 
     CLI Example: ``salt '*' vmhost.stop sensor1 timeout_s=60``
     """
-    timeout_s = int(timeout_s)
+    timeout_s = _timeout_s(timeout_s)
     params = {"name": name, "timeout_s": timeout_s, "force": bool(force)}
     return _call("vm.stop", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + max(timeout_s, 0))
 
@@ -227,7 +240,7 @@ def restart(name, timeout_s=30, force=False):
 
     CLI Example: ``salt '*' vmhost.restart sensor1 force=True``
     """
-    timeout_s = int(timeout_s)
+    timeout_s = _timeout_s(timeout_s)
     params = {"name": name, "timeout_s": timeout_s, "force": bool(force)}
     return _call("vm.restart", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + max(timeout_s, 0) + 60)
 

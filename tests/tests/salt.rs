@@ -1,0 +1,319 @@
+//! The Salt extension end to end: real `salt-call --local` (Salt 3007 from `target/salt-venv`,
+//! made by `tests/setup.sh`) runs the `vmhost` states and execution module against a real vmhostd
+//! and real QEMU (TCG). Both ways of loading the modules are used: synced from `salt://_modules`
+//! and `salt://_states`, and the `saltext.vmhost` distribution installed with pip (its
+//! `salt.loader` entry points), which must be the only thing that makes the module available.
+
+use serde_json::{json, Map, Value};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use vmhost_tests::{alive, workspace, HostOptions, TestHost};
+
+/// How the minion finds the vmhost modules.
+enum Loading {
+    /// Copies in `file_roots` (`_modules/vmhost.py`, `_states/vmhost.py`), then `saltutil.sync_all`.
+    Sync,
+    /// `pip install --target` of plugins/salt; the dir is put on PYTHONPATH.
+    Extension,
+}
+
+/// A masterless minion configuration in a temp dir, pointed at one test host.
+struct Minion {
+    dir: tempfile::TempDir,
+    pythonpath: Option<PathBuf>,
+}
+
+fn venv_bin(name: &str) -> PathBuf {
+    let p = workspace().join("target/salt-venv/bin").join(name);
+    assert!(p.exists(), "{} not found: run tests/setup.sh first", p.display());
+    p
+}
+
+fn plugin_src() -> PathBuf {
+    workspace().join("plugins/salt/src/saltext/vmhost")
+}
+
+impl Minion {
+    fn new(host: &TestHost, loading: Loading) -> Minion {
+        let dir = tempfile::Builder::new().prefix("vmhsalt").tempdir().expect("tempdir");
+        let d = dir.path();
+        let srv = d.join("srv");
+        fs::create_dir_all(&srv).expect("mkdir srv");
+        let socket = host.socket.display().to_string();
+        let mut conf = format!(
+            "root_dir: {root}\nfile_client: local\nfile_roots:\n  base:\n    - {srv}\n",
+            root = d.join("root").display(),
+            srv = srv.display()
+        );
+        let mut pythonpath = None;
+        match loading {
+            Loading::Sync => {
+                // The socket from the minion config (nested form).
+                conf.push_str(&format!("vmhost:\n  socket: {socket}\n"));
+                for kind in ["modules", "states"] {
+                    fs::create_dir_all(srv.join(format!("_{kind}"))).expect("mkdir");
+                    fs::copy(plugin_src().join(kind).join("vmhost.py"), srv.join(format!("_{kind}/vmhost.py")))
+                        .expect("copy module");
+                }
+            }
+            Loading::Extension => {
+                // The socket from pillar.
+                let pillar = d.join("pillar");
+                fs::create_dir_all(&pillar).expect("mkdir pillar");
+                fs::write(pillar.join("top.sls"), "base:\n  '*':\n    - vmhost\n").expect("pillar top");
+                fs::write(pillar.join("vmhost.sls"), format!("vmhost:\n  socket: {socket}\n")).expect("pillar");
+                conf.push_str(&format!("pillar_roots:\n  base:\n    - {}\n", pillar.display()));
+                pythonpath = Some(install_extension(d));
+            }
+        }
+        fs::write(d.join("minion"), conf).expect("write minion config");
+        Minion { dir, pythonpath }
+    }
+
+    /// Runs `salt-call --local -c DIR --out=json ARGS`.
+    fn run(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(venv_bin("salt-call"));
+        cmd.args(["--local", "--out=json", "-c"]).arg(self.dir.path()).args(args);
+        if let Some(p) = &self.pythonpath {
+            cmd.env("PYTHONPATH", p);
+        }
+        cmd.output().expect("run salt-call")
+    }
+
+    /// Runs `salt-call` and returns the `local` member of its JSON output.
+    fn call(&self, args: &[&str]) -> Value {
+        let out = self.run(args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+            panic!("salt-call {args:?}: {e}\nstdout: {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr))
+        });
+        v["local"].clone()
+    }
+
+    /// Writes `srv/NAME.sls` (JSON renderer) with one state `ID: {FUN: [args...]}`.
+    fn sls(&self, name: &str, id: &str, fun: &str, args: &Map<String, Value>) {
+        let list: Vec<Value> = args.iter().map(|(k, v)| json!({ k.as_str(): v })).collect();
+        let text = format!("#!json\n{}\n", json!({ id: { fun: list } }));
+        fs::write(self.dir.path().join("srv").join(format!("{name}.sls")), text).expect("write sls");
+    }
+
+    /// Applies an sls and returns the result of its single state.
+    fn apply(&self, sls: &str, test: bool) -> Value {
+        let local = self.call(&["state.apply", sls, if test { "test=True" } else { "test=False" }]);
+        let states = local.as_object().unwrap_or_else(|| panic!("state.apply {sls} did not run: {local}"));
+        assert_eq!(states.len(), 1, "{local}");
+        states.values().next().cloned().unwrap_or_default()
+    }
+}
+
+/// `pip install --no-deps --target` of a copy of plugins/salt (the build writes into its source
+/// tree). pip fetches the build backend (setuptools) from the package index, as on any machine.
+fn install_extension(dir: &Path) -> PathBuf {
+    let copy = dir.join("plugin-src");
+    let st = Command::new("cp").arg("-r").arg(workspace().join("plugins/salt")).arg(&copy).status().expect("cp");
+    assert!(st.success());
+    let _ = fs::remove_dir_all(copy.join("tests"));
+    let target = dir.join("site");
+    let out = Command::new(venv_bin("pip"))
+        .args(["install", "-q", "--disable-pip-version-check", "--no-deps", "--target"])
+        .arg(&target)
+        .arg(&copy)
+        .output()
+        .expect("run pip");
+    assert!(out.status.success(), "pip install failed: {}", String::from_utf8_lossy(&out.stderr));
+    target
+}
+
+/// The spec's members but `name`, as state arguments.
+fn args_of(spec: &Value) -> Map<String, Value> {
+    let mut m = spec.as_object().cloned().unwrap_or_default();
+    m.remove("name");
+    m
+}
+
+fn get_err(host: &TestHost, name: &str) -> i32 {
+    host.call_err("vm.get", json!({ "name": name })).0
+}
+
+#[test]
+fn synced_states_create_converge_predict_and_destroy() {
+    let host = TestHost::start(HostOptions::default());
+    let minion = Minion::new(&host, Loading::Sync);
+    let synced = minion.call(&["saltutil.sync_all"]);
+    assert_eq!(synced["modules"], json!(["modules.vmhost"]), "{synced}");
+    assert_eq!(synced["states"], json!(["states.vmhost"]), "{synced}");
+
+    let spec = host.kernel_spec("web");
+    minion.sls("web", "web", "vmhost.running", &args_of(&spec));
+
+    // test=True: the daemon's dry run predicts a create, and nothing is created.
+    let r = minion.apply("web", true);
+    assert_eq!(r["result"], Value::Null, "{r}");
+    assert_eq!(r["changes"]["action"], "create", "{r}");
+    assert!(r["comment"].as_str().unwrap_or("").contains("would be created"), "{r}");
+    assert_eq!(get_err(&host, "web"), 4040, "test=True must not create");
+
+    let r = minion.apply("web", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(r["changes"]["old"], Value::Null, "{r}");
+    assert_eq!(r["changes"]["new"]["status"], "running", "{r}");
+    let vm = host.call("vm.get", json!({ "name": "web" }));
+    assert_eq!(vm["status"], "running");
+    let pid = vm["pid"].as_i64().expect("pid") as i32;
+    assert!(alive(pid));
+    assert_eq!(r["changes"]["new"]["pid"], pid);
+
+    // Second run: nothing to do.
+    let r = minion.apply("web", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "{r}");
+    assert_eq!(host.call("vm.get", json!({ "name": "web" }))["pid"], pid);
+
+    // The execution module sees the same VM.
+    let listed = minion.call(&["vmhost.list"]);
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!(listed[0]["name"], "web");
+
+    // stopped under test=True: a stop is predicted, the VM keeps running.
+    minion.sls("webstop", "web", "vmhost.stopped", &args_of(&spec));
+    let r = minion.apply("webstop", true);
+    assert_eq!(r["result"], Value::Null, "{r}");
+    assert_eq!(r["changes"]["action"], "stop", "{r}");
+    let vm = host.call("vm.get", json!({ "name": "web" }));
+    assert_eq!((&vm["status"], &vm["pid"]), (&json!("running"), &json!(pid)), "test=True must not stop");
+
+    // absent under test=True predicts, then destroys for real, then has nothing to do.
+    minion.sls("gone", "web", "vmhost.absent", &Map::new());
+    let r = minion.apply("gone", true);
+    assert_eq!(r["result"], Value::Null, "{r}");
+    assert_eq!(host.call("vm.get", json!({ "name": "web" }))["pid"], pid, "test=True must not destroy");
+    let r = minion.apply("gone", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(r["changes"]["new"], Value::Null, "{r}");
+    assert_eq!(r["changes"]["old"]["status"], "running", "{r}");
+    assert_eq!(get_err(&host, "web"), 4040);
+    assert!(!alive(pid), "destroy kills QEMU");
+    let r = minion.apply("gone", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "{r}");
+}
+
+#[test]
+fn stopped_creates_without_qemu_and_present_keeps_the_recorded_run_state() {
+    let host = TestHost::start(HostOptions::default());
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+    let spec = host.kernel_spec("idle");
+    minion.sls("idle", "idle", "vmhost.stopped", &args_of(&spec));
+    let r = minion.apply("idle", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(r["changes"]["new"]["status"], "stopped", "{r}");
+    let vm = host.call("vm.get", json!({ "name": "idle" }));
+    assert_eq!((&vm["status"], &vm["pid"]), (&json!("stopped"), &Value::Null));
+    assert!(host.qemu_pids().is_empty(), "created stopped: no QEMU");
+    assert_eq!(minion.apply("idle", false)["changes"], json!({}), "second run");
+
+    // present keeps the recorded desired state (stopped): nothing to do, under test=True too.
+    minion.sls("idlepresent", "idle", "vmhost.present", &args_of(&spec));
+    for test in [true, false] {
+        let r = minion.apply("idlepresent", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "test={test}: {r}");
+    }
+    assert_eq!(host.call("vm.get", json!({ "name": "idle" }))["status"], "stopped");
+
+    // running starts it, reporting the run state that changed.
+    minion.sls("idlerun", "idle", "vmhost.running", &args_of(&spec));
+    let r = minion.apply("idlerun", true);
+    assert_eq!((&r["result"], &r["changes"]["action"]), (&Value::Null, &json!("start")), "{r}");
+    let r = minion.apply("idlerun", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(r["changes"]["old"]["status"], "stopped", "{r}");
+    assert_eq!(r["changes"]["new"]["status"], "running", "{r}");
+    assert_eq!(r["changes"]["new"]["spec"], json!({ "state": "running" }), "{r}");
+    assert_eq!(host.call("vm.get", json!({ "name": "idle" }))["status"], "running");
+}
+
+#[test]
+fn invalid_spec_fails_with_the_daemons_code_and_field() {
+    let host = TestHost::start(HostOptions::default());
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+    let mut spec = host.kernel_spec("bad");
+    spec["memory_mib"] = json!(16);
+    minion.sls("bad", "bad", "vmhost.running", &args_of(&spec));
+    for test in [true, false] {
+        let r = minion.apply("bad", test);
+        assert_eq!(r["result"], false, "test={test}: {r}");
+        assert_eq!(r["changes"], json!({}), "{r}");
+        let comment = r["comment"].as_str().unwrap_or("");
+        assert!(comment.contains("vmhostd error 2001 (spec.memory_mib)"), "test={test}: {comment}");
+    }
+    assert_eq!(get_err(&host, "bad"), 4040);
+
+    // A NIC on a network the host does not define: 3001 on the NIC's field.
+    let mut spec = host.kernel_spec("badnet");
+    spec["nics"] = json!([{ "network": "nosuch" }]);
+    minion.sls("badnet", "badnet", "vmhost.running", &args_of(&spec));
+    let r = minion.apply("badnet", false);
+    assert_eq!(r["result"], false, "{r}");
+    assert!(r["comment"].as_str().unwrap_or("").contains("vmhostd error 3001 (spec.nics[0].network)"), "{r}");
+}
+
+#[test]
+fn installed_extension_provides_modules_states_and_engines_through_entry_points() {
+    let host = TestHost::start(HostOptions::default());
+    let minion = Minion::new(&host, Loading::Extension);
+    let site = minion.pythonpath.clone().expect("installed");
+
+    // The entry points name the three loader hooks, and each returns the package's dir.
+    let probe = Command::new(venv_bin("python"))
+        .env("PYTHONPATH", &site)
+        .args([
+            "-c",
+            "import json, importlib.metadata as m\n\
+             eps = [e for e in m.entry_points(group='salt.loader') if e.dist.name == 'saltext.vmhost']\n\
+             print(json.dumps({e.name: e.load()() for e in eps}))",
+        ])
+        .output()
+        .expect("run python");
+    let hooks: Value = serde_json::from_slice(&probe.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&probe.stderr)));
+    let pkg = site.join("saltext/vmhost");
+    assert_eq!(
+        hooks,
+        json!({
+            "module_dirs": [pkg.join("modules")],
+            "states_dirs": [pkg.join("states")],
+            "engines_dirs": [pkg.join("engines")],
+        })
+    );
+
+    // Without the installed distribution on the path the minion has no vmhost module at all, so
+    // what follows is loaded through the entry points.
+    let bare = Minion { dir: tempfile::tempdir().expect("tempdir"), pythonpath: None };
+    fs::copy(minion.dir.path().join("minion"), bare.dir.path().join("minion")).expect("copy config");
+    let missing = bare.run(&["vmhost.info"]);
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(!missing.status.success() && stderr.contains("'vmhost.info' is not available"), "{stderr}");
+
+    let info = minion.call(&["vmhost.info"]);
+    assert_eq!(info["api_version"], 1, "{info}");
+
+    let spec = host.kernel_spec("ext");
+    minion.sls("ext", "ext", "vmhost.running", &args_of(&spec));
+    let r = minion.apply("ext", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(host.call("vm.get", json!({ "name": "ext" }))["status"], "running");
+    let r = minion.apply("ext", false);
+    assert_eq!(r["changes"], json!({}), "{r}");
+
+    // The engine's contract: reconcile returns the daemon's report unchanged.
+    let spec_json = spec.to_string();
+    let report = minion.call(&["vmhost.reconcile", &format!("[{spec_json}]"), "dry_run=True"]);
+    assert_eq!(report["dry_run"], true, "{report}");
+    assert_eq!(report["plan"][0]["action"], "none", "{report}");
+    assert_eq!(report["ok"], true, "{report}");
+
+    minion.sls("extgone", "ext", "vmhost.absent", &Map::new());
+    assert_eq!(minion.apply("extgone", false)["result"], true);
+    assert_eq!(get_err(&host, "ext"), 4040);
+}
