@@ -1,0 +1,513 @@
+"""Unit tests of the vmhost_engine master engine: the Security Onion mapping, change detection,
+prune of managed VMs only, per-hypervisor failure isolation (fake LocalClient) and tags."""
+
+import copy
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+import unittest
+
+ENGINES = os.path.join(os.path.dirname(__file__), "..", "src", "saltext", "vmhost", "engines")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ENGINES, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+eng = _load("vmhost_engine")
+# The failures these tests provoke are logged on purpose; keep the test output readable.
+eng.log.setLevel(logging.CRITICAL)
+
+KERNEL = {"kernel": "/boot/vmlinuz", "initrd": "/boot/initrd.img", "cmdline": "console=ttyS0"}
+IMAGE = {"image": "so-base.qcow2", "disk_gib": 100}
+
+
+def config(**over):
+    raw = {
+        "vms_dir": "/nonexistent",
+        "network": "br0",
+        "boot": {"default": IMAGE, "roles": {"sensor": KERNEL}},
+    }
+    raw.update(over)
+    return eng.parse_config(raw)
+
+
+STATIC = {
+    "hostname": "sensor1",
+    "role": "sensor",
+    "network_mode": "static4",
+    "ip4": "192.168.1.10/24",
+    "gw4": "192.168.1.1",
+    "dns4": "192.168.1.2, 192.168.1.3",
+    "search4": "example.com",
+    "cpu": 4,
+    "memory": 8,
+    "disk": [],
+    "copper": ["1", 2],
+    "sfp": ["5"],
+}
+
+
+class MappingTest(unittest.TestCase):
+    def test_static_entry_maps_every_field(self):
+        spec = eng.map_entry(STATIC, config(), "/x/hv1VMs", 0)
+        self.assertEqual(
+            spec,
+            {
+                "name": "sensor1-sensor",
+                "role": "sensor",
+                "cpu": 4,
+                "memory_mib": 8192,
+                "state": "running",
+                "hardware": {"copper": [1, 2], "sfp": [5]},
+                "boot": KERNEL,
+                "nics": [
+                    {
+                        "network": "br0",
+                        "ipv4": {
+                            "mode": "static",
+                            "address": "192.168.1.10/24",
+                            "gateway": "192.168.1.1",
+                            "dns": ["192.168.1.2", "192.168.1.3"],
+                            "search": ["example.com"],
+                        },
+                    }
+                ],
+            },
+        )
+
+    def test_dhcp_ignores_static_fields_and_default_boot_with_nsm(self):
+        entry = {
+            "hostname": "Search1",
+            "role": "searchnode",
+            "network_mode": "dhcp4",
+            "ip4": "",
+            "gw4": "",
+            "dns4": "",
+            "search4": "",
+            "cpu": "2",
+            "memory": "16",
+            "nsm_size": 500,
+        }
+        spec = eng.map_entry(entry, config())
+        self.assertEqual(spec["name"], "search1-searchnode")
+        self.assertEqual(spec["nics"], [{"network": "br0", "ipv4": {"mode": "dhcp"}}])
+        self.assertEqual(spec["cpu"], 2)
+        self.assertEqual(spec["memory_mib"], 16384)
+        self.assertNotIn("hardware", spec)
+        # nsm_size grows the image overlay; the config's boot is not modified.
+        self.assertEqual(spec["boot"], {"image": "so-base.qcow2", "disk_gib": 600})
+        self.assertEqual(config()["boot"]["default"]["disk_gib"], 100)
+
+    def test_nsm_size_ignored_when_disk_is_set(self):
+        entry = dict(STATIC, role="heavynode", disk=["3"], nsm_size=500)
+        spec = eng.map_entry(entry, config())
+        self.assertEqual(spec["boot"], IMAGE)
+        self.assertEqual(spec["hardware"]["disk"], [3])
+
+    def test_powercontrol(self):
+        self.assertEqual(eng.map_entry(dict(STATIC, powercontrol="Stop"), config())["state"], "stopped")
+        self.assertEqual(eng.map_entry(dict(STATIC, powercontrol="Shutdown"), config())["state"], "stopped")
+        self.assertEqual(eng.map_entry(dict(STATIC, powercontrol="Start"), config())["state"], "running")
+        self.assertEqual(eng.map_entry(dict(STATIC, powercontrol="Reboot"), config())["state"], "running")
+
+    def test_static_without_gateway_dns_search(self):
+        entry = dict(STATIC, gw4="", dns4="", search4=None)
+        spec = eng.map_entry(entry, config())
+        self.assertEqual(spec["nics"][0]["ipv4"], {"mode": "static", "address": "192.168.1.10/24"})
+
+    def test_bad_fields_name_file_and_field(self):
+        cases = [
+            ({"hostname": "bad_host"}, "hostname"),
+            ({"hostname": 7}, "hostname"),
+            ({"role": "manager"}, "role"),
+            ({"cpu": "two"}, "cpu"),
+            ({"cpu": True}, "cpu"),
+            ({"cpu": 0}, "cpu"),
+            ({"memory": 1.5}, "memory"),
+            ({"network_mode": "static6"}, "network_mode"),
+            ({"ip4": "192.168.1.10"}, "ip4"),
+            ({"ip4": "300.1.1.1/24"}, "ip4"),
+            ({"gw4": "10.0.0.1"}, "gw4"),
+            ({"gw4": "192.168.1.10"}, "gw4"),
+            ({"dns4": "192.168.1.2,nameserver"}, "dns4"),
+            ({"search4": "bad_domain!"}, "search4"),
+            ({"sfp": ["x"]}, "sfp[0]"),
+            ({"copper": ["1", 1]}, "copper[1]"),
+            ({"copper": "1"}, "copper"),
+            ({"powercontrol": "Explode"}, "powercontrol"),
+            ({"nsm_size": "big"}, "nsm_size"),
+        ]
+        for change, field in cases:
+            with self.subTest(change=change):
+                with self.assertRaises(eng.EntryError) as ctx:
+                    eng.map_entry(dict(STATIC, **change), config(), "/x/hv1VMs", 3)
+                self.assertEqual(ctx.exception.field, field)
+                self.assertIn("/x/hv1VMs", str(ctx.exception))
+                self.assertIn("entry 3", str(ctx.exception))
+                self.assertIn(f"field {field}", str(ctx.exception))
+        entry = dict(STATIC)
+        del entry["cpu"]
+        with self.assertRaises(eng.EntryError) as ctx:
+            eng.map_entry(entry, config())
+        self.assertEqual(ctx.exception.field, "cpu")
+
+    def test_role_without_boot_source(self):
+        cfg = eng.parse_config({"vms_dir": "/x", "network": "br0", "boot": {"roles": {"sensor": KERNEL}}})
+        with self.assertRaises(eng.EntryError) as ctx:
+            eng.map_entry(dict(STATIC, role="idh"), cfg, "f", 0)
+        self.assertEqual(ctx.exception.field, "role")
+        self.assertIn("boot.roles.idh", str(ctx.exception))
+
+    def test_map_file_keeps_good_entries(self):
+        entries = [
+            STATIC,
+            dict(STATIC, hostname="sensor2", cpu="x"),
+            dict(STATIC, hostname="bad_name"),
+            dict(STATIC, hostname="search1", role="searchnode", network_mode="dhcp4"),
+            dict(STATIC, hostname="SENSOR1"),
+        ]
+        specs, errors, protected, complete = eng.map_file(json.dumps(entries), config(), "/d/hv1VMs")
+        self.assertEqual([s["name"] for s in specs], ["sensor1-sensor", "search1-searchnode"])
+        self.assertEqual([(e.index, e.field) for e in errors], [(1, "cpu"), (2, "hostname"), (4, "hostname")])
+        self.assertIn("already defined by entry 0", str(errors[2]))
+        self.assertEqual(protected, {"sensor2-sensor", "sensor1-sensor"})
+        self.assertFalse(complete)
+        specs, errors, protected, complete = eng.map_file(json.dumps(entries[:2]), config(), "f")
+        self.assertTrue(complete)
+
+    def test_map_file_rejects_non_arrays(self):
+        for text in ("{", '{"hostname": "x"}', "null"):
+            with self.assertRaises(eng.EntryError) as ctx:
+                eng.map_file(text, config(), "/d/hv1VMs")
+            self.assertEqual(ctx.exception.field, "file")
+            self.assertIn("/d/hv1VMs", str(ctx.exception))
+
+    def test_config_errors(self):
+        for raw in (
+            {"network": "br0", "boot": {"default": IMAGE}},
+            {"vms_dir": "rel", "network": "br0", "boot": {"default": IMAGE}},
+            {"vms_dir": "/d", "boot": {"default": IMAGE}},
+            {"vms_dir": "/d", "network": "br0"},
+            {"vms_dir": "/d", "network": "br0", "boot": {"default": {"image": "x"}}},
+            {"vms_dir": "/d", "network": "br0", "boot": {"default": {"kernel": "rel"}}},
+            {"vms_dir": "/d", "network": "br0", "boot": {"default": dict(IMAGE, kernel="/k")}},
+            {"vms_dir": "/d", "network": "br0", "boot": {"default": IMAGE}, "prune": "some"},
+            {"vms_dir": "/d", "network": "br0", "boot": {"default": IMAGE}, "interval": 0},
+            {"vms_dir": "/d", "network": "br0", "boot": {"default": IMAGE}, "colour": 1},
+        ):
+            with self.subTest(raw=raw), self.assertRaises(eng.ConfigError):
+                eng.parse_config(raw)
+
+
+class TagTest(unittest.TestCase):
+    def test_tags(self):
+        self.assertEqual(eng.build_tag("hv1", "sensor1-sensor", "reconciled"), "vmhost/hv1/sensor1-sensor/reconciled")
+        self.assertEqual(eng.build_tag("hv.example.com", "_hypervisor", "x"), "vmhost/hv.example.com/_hypervisor/x")
+        self.assertEqual(eng.build_tag("a/b", "..", ""), "vmhost/a_b/_/_")
+        self.assertEqual(eng.build_tag("h", "x" * 100, "s"), "vmhost/h/" + "x" * 64 + "/s")
+
+
+class FakeHost:
+    """A hypervisor minion with vmhostd, as far as reconcile and destroy go."""
+
+    def __init__(self, vms=()):
+        self.vms = set(vms)
+        self.calls = []
+        self.fail_create = set()
+
+    def reconcile(self, vms, prune, dry_run):
+        desired = [s["name"] for s in vms]
+        extra = sorted(self.vms - set(desired))
+        plan, results = [], []
+        for name in desired:
+            action = "none" if name in self.vms else "create"
+            plan.append({"vm": name, "action": action, "reason": "", "error": None})
+        for name in extra:
+            plan.append({"vm": name, "action": "destroy" if prune else "none", "reason": "", "error": None})
+        if not dry_run:
+            for item in plan:
+                name, action = item["vm"], item["action"]
+                ok = name not in self.fail_create
+                err = None if ok else {"code": 4001, "message": "QEMU failed", "data": {"kind": "x", "field": None}}
+                if ok and action == "create":
+                    self.vms.add(name)
+                if ok and action == "destroy":
+                    self.vms.discard(name)
+                results.append(
+                    {"vm": name, "action": action, "ok": ok, "changed": ok and action != "none", "error": err}
+                )
+        return {"dry_run": dry_run, "plan": plan, "results": results, "ok": all(r["ok"] for r in results)}
+
+    def destroy(self, name):
+        if name not in self.vms:
+            raise RuntimeError(f'vmhostd error 4040 (name): no VM named "{name}"')
+        self.vms.discard(name)
+        return {"changed": True, "vm": None}
+
+
+class FakeClient:
+    """LocalClient.cmd over FakeHosts; a minion id missing from `hosts` is down."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+        self.calls = []
+        self.raise_for = set()
+        self.garbage_for = {}
+
+    def cmd(self, tgt, fun, kwarg=None, tgt_type="glob", timeout=None, full_return=False):
+        assert tgt_type == "list" and full_return and len(tgt) == 1
+        hyp = tgt[0]
+        self.calls.append((hyp, fun, copy.deepcopy(kwarg)))
+        if hyp in self.raise_for:
+            raise OSError("publish socket gone")
+        if hyp in self.garbage_for:
+            return {hyp: {"ret": self.garbage_for[hyp], "retcode": 0}}
+        host = self.hosts.get(hyp)
+        if host is None:
+            return {}
+        try:
+            ret = getattr(host, fun.split(".")[1])(**kwarg)
+        except RuntimeError as exc:
+            return {hyp: {"ret": f"ERROR: {exc}", "retcode": 1}}
+        return {hyp: {"ret": ret, "retcode": 0}}
+
+
+def entry(host, role="sensor", **kw):
+    e = {"hostname": host, "role": role, "network_mode": "dhcp4", "cpu": 1, "memory": 1}
+    e.update(kw)
+    return e
+
+
+class EngineTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.dir = os.path.join(self.tmp.name, "vms")
+        os.mkdir(self.dir)
+        self.cache = os.path.join(self.tmp.name, "cache", "vmhost_engine")
+        self.now = 1000.0
+        self.events = []
+        self.hosts = {"hv1": FakeHost(), "hv2": FakeHost({"manual"})}
+        self.client = FakeClient(self.hosts)
+
+    def engine(self, **over):
+        cfg = config(vms_dir=self.dir, interval=300, retry=60, **over)
+        return eng.Engine(
+            cfg, self.client, lambda data, tag: self.events.append((tag, data)), self.cache, lambda: self.now
+        )
+
+    def write(self, hyp, entries, mtime=None):
+        path = os.path.join(self.dir, f"{hyp}VMs")
+        with open(path, "w") as f:
+            f.write(entries if isinstance(entries, str) else json.dumps(entries))
+        self.now += 1
+        os.utime(path, (self.now, mtime or self.now))
+
+    def tags(self):
+        out = [t for t, _ in self.events]
+        self.events.clear()
+        return out
+
+    def test_converges_and_fires_per_vm_results(self):
+        self.write("hv1", [entry("a"), entry("b", "searchnode")])
+        self.write("hv2", [entry("c")])
+        out = self.engine().run_once()
+        self.assertEqual(out, {"hv1": "ok", "hv2": "ok"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-searchnode"})
+        self.assertEqual(self.hosts["hv2"].vms, {"c-sensor", "manual"})
+        tags = self.tags()
+        for tag in (
+            "vmhost/hv1/a-sensor/reconciled",
+            "vmhost/hv1/b-searchnode/reconciled",
+            "vmhost/hv1/_hypervisor/reconciled",
+            "vmhost/hv2/c-sensor/reconciled",
+        ):
+            self.assertIn(tag, tags)
+        # The unmanaged VM on hv2 is neither touched nor reported.
+        self.assertFalse([t for t in tags if "manual" in t])
+        call = self.client.calls[0]
+        self.assertEqual(call[1], "vmhost.reconcile")
+        self.assertFalse(call[2]["prune"])
+        self.assertEqual([s["name"] for s in call[2]["vms"]], ["a-sensor", "b-searchnode"])
+
+    def test_change_detection_interval_and_retry(self):
+        self.write("hv1", [entry("a")])
+        engine = self.engine()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(engine.run_once(), {"hv1": "skipped"})
+        # Same content, new mtime: hashed, still skipped.
+        self.write("hv1", [entry("a")])
+        self.assertEqual(engine.run_once(), {"hv1": "skipped"})
+        # New content, same size and mtime: seen by its hash.
+        self.write("hv1", [entry("b")], mtime=self.now)
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        # A restarted engine knows what it applied (cache dir).
+        self.assertEqual(self.engine().run_once(), {"hv1": "skipped"})
+        # The interval forces a run (drift correction).
+        self.now += 301
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(engine.run_once(), {"hv1": "skipped"})
+        # A failing host is retried every `retry` seconds, not every poll.
+        del self.hosts["hv1"]
+        self.write("hv1", [entry("c")])
+        self.assertEqual(engine.run_once(), {"hv1": "failed"})
+        self.assertEqual(engine.run_once(), {"hv1": "skipped"})
+        self.now += 61
+        self.hosts["hv1"] = FakeHost()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        # A config change (e.g. another boot image) changes the digest too.
+        self.assertEqual(self.engine(network="br1").run_once(), {"hv1": "ok"})
+
+    def test_failures_are_isolated(self):
+        self.write("down", [entry("a")])
+        self.write("hv1", [entry("b")])
+        self.write("bad", "[{")
+        self.write("boom", [entry("c")])
+        self.write("liar", [entry("d")])
+        self.write("hv2", [entry("e")])
+        self.client.raise_for.add("boom")
+        self.client.garbage_for["liar"] = {"plan": [{"vm": "../etc", "action": "none"}], "results": []}
+        out = self.engine().run_once()
+        self.assertEqual(
+            out, {"bad": "failed", "boom": "failed", "down": "failed", "hv1": "ok", "hv2": "ok", "liar": "failed"}
+        )
+        self.assertEqual(self.hosts["hv1"].vms, {"b-sensor"})
+        self.assertEqual(self.hosts["hv2"].vms, {"e-sensor", "manual"})
+        failed = {t: d for t, d in self.events if t.endswith("/_hypervisor/reconcile_failed")}
+        self.assertEqual(
+            sorted(failed),
+            [f"vmhost/{h}/_hypervisor/reconcile_failed" for h in ("bad", "boom", "down", "liar")],
+        )
+        self.assertIn("did not answer", failed["vmhost/down/_hypervisor/reconcile_failed"]["error"])
+        self.assertIn("not valid JSON", failed["vmhost/bad/_hypervisor/reconcile_failed"]["error"])
+        self.assertIn("could not be published", failed["vmhost/boom/_hypervisor/reconcile_failed"]["error"])
+        self.assertIn("invalid VM", failed["vmhost/liar/_hypervisor/reconcile_failed"]["error"])
+        self.assertIn("vmhost/bad/_hypervisor/invalid", [t for t, _ in self.events])
+
+    def test_bad_entry_fires_invalid_and_others_apply(self):
+        self.write("hv1", [entry("a"), entry("b", cpu="many"), entry("c", sfp=["x"])])
+        out = self.engine().run_once()
+        self.assertEqual(out, {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor"})
+        invalid = {t: d for t, d in self.events if t.endswith("/invalid")}
+        self.assertEqual(sorted(invalid), ["vmhost/hv1/b-sensor/invalid", "vmhost/hv1/c-sensor/invalid"])
+        self.assertEqual(invalid["vmhost/hv1/c-sensor/invalid"]["field"], "sfp[0]")
+        self.assertIn("hv1VMs", invalid["vmhost/hv1/b-sensor/invalid"]["error"])
+
+    def test_prune_destroys_only_managed_vms(self):
+        self.write("hv2", [entry("a"), entry("b")])
+        engine = self.engine()
+        engine.run_once()
+        self.assertEqual(self.hosts["hv2"].vms, {"a-sensor", "b-sensor", "manual"})
+        self.write("hv2", [entry("a")])
+        self.events.clear()
+        self.assertEqual(engine.run_once(), {"hv2": "ok"})
+        self.assertEqual(self.hosts["hv2"].vms, {"a-sensor", "manual"})
+        self.assertIn(("hv2", "vmhost.destroy", {"name": "b-sensor"}), self.client.calls)
+        self.assertIn("vmhost/hv2/b-sensor/reconciled", self.tags())
+        with open(os.path.join(self.cache, "state.json")) as f:
+            self.assertEqual(json.load(f)["hv2"]["managed"], ["a-sensor"])
+        # An empty file empties the host of managed VMs, never of others.
+        self.write("hv2", [])
+        engine.run_once()
+        self.assertEqual(self.hosts["hv2"].vms, {"manual"})
+
+    def test_bad_entry_protects_its_vm_from_prune(self):
+        self.write("hv1", [entry("a"), entry("b")])
+        engine = self.engine()
+        engine.run_once()
+        self.write("hv1", [entry("a"), entry("b", memory="lots")])
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-sensor"})
+        # A bad entry without a usable name stops all destroys on that host.
+        self.write("hv1", [entry("Bad_One")])
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-sensor"})
+        self.assertFalse([c for c in self.client.calls if c[1] == "vmhost.destroy"])
+        # Fixed: both go.
+        self.write("hv1", [])
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.hosts["hv1"].vms, set())
+
+    def test_destroy_of_a_vm_already_gone_counts_as_done(self):
+        self.write("hv1", [entry("a"), entry("b")])
+        engine = self.engine()
+        engine.run_once()
+
+        real = self.hosts["hv1"].reconcile
+
+        def reconcile_then_vanish(**kw):
+            ret = real(**kw)
+            self.hosts["hv1"].vms.discard("b-sensor")  # destroyed by hand meanwhile
+            return ret
+
+        self.hosts["hv1"].reconcile = reconcile_then_vanish
+        self.write("hv1", [entry("a")])
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        with open(os.path.join(self.cache, "state.json")) as f:
+            self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor"])
+
+    def test_prune_all_and_off(self):
+        self.write("hv2", [entry("a")])
+        self.engine(prune="all").run_once()
+        self.assertTrue(self.client.calls[-1][2]["prune"])
+        self.assertEqual(self.hosts["hv2"].vms, {"a-sensor"})
+        self.write("hv2", [])
+        self.engine(prune="off").run_once()
+        self.assertEqual(self.hosts["hv2"].vms, {"a-sensor"})
+        self.assertFalse([c for c in self.client.calls if c[1] == "vmhost.destroy"])
+
+    def test_failed_vm_is_reported_and_retried(self):
+        self.hosts["hv1"].fail_create.add("b-sensor")
+        self.write("hv1", [entry("a"), entry("b")])
+        engine = self.engine()
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        failed = [(t, d) for t, d in self.events if t == "vmhost/hv1/b-sensor/reconcile_failed"]
+        self.assertEqual(len(failed), 1)
+        self.assertEqual(failed[0][1]["error"]["code"], 4001)
+        self.assertEqual(failed[0][1]["action"], "create")
+        self.assertIn("vmhost/hv1/_hypervisor/reconcile_failed", [t for t, _ in self.events])
+        self.hosts["hv1"].fail_create.clear()
+        self.assertEqual(engine.run_once(), {"hv1": "skipped"})
+        self.now += 61
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-sensor"})
+
+    def test_dry_run_changes_nothing(self):
+        self.write("hv2", [entry("a")])
+        self.engine(dry_run=True).run_once()
+        self.assertTrue(self.client.calls[-1][2]["dry_run"])
+        self.assertEqual(self.hosts["hv2"].vms, {"manual"})
+
+    def test_writes_only_its_cache_dir(self):
+        self.write("hv1", [entry("a")])
+        self.write("down", [entry("a")])
+        before = {f: os.path.getmtime(os.path.join(self.dir, f)) for f in os.listdir(self.dir)}
+        engine = self.engine()
+        engine.run_once()
+        self.now += 1000
+        engine.run_once()
+        after = {f: os.path.getmtime(os.path.join(self.dir, f)) for f in os.listdir(self.dir)}
+        self.assertEqual(before, after)
+        self.assertEqual(sorted(os.listdir(self.tmp.name)), ["cache", "vms"])
+        self.assertEqual(os.listdir(os.path.join(self.tmp.name, "cache")), ["vmhost_engine"])
+        self.assertEqual(os.listdir(self.cache), ["state.json"])
+
+    def test_ignores_other_files(self):
+        self.write("hv1", [entry("a")])
+        for name in ("README", ".hv2VMs", "VMs", "a b VMs"):
+            with open(os.path.join(self.dir, name), "w") as f:
+                f.write("[]")
+        self.assertEqual(self.engine().run_once(), {"hv1": "ok"})
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,436 @@
+//! The Salt master engine end to end: a real salt-master running `vmhost_engine`, two real
+//! salt-minions running `vmhost_events`, each minion pointed at its own real vmhostd (TCG QEMU,
+//! own network namespace), all on loopback in temp dirs. The engine reads two Security Onion
+//! `<hypervisor>VMs` files and converges both hosts; removing an entry destroys that VM on the
+//! right host only and never a VM the engine did not create; daemon events and the engine's
+//! results reach the master's event bus under `vmhost/<hypervisor>/<vm>/<status>`.
+//!
+//! Needs `tests/setup.sh` (target/salt-venv with salt 3007) and `cargo build --workspace --bins`.
+
+use serde_json::{json, Value};
+use std::fs;
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use vmhost_tests::{guest, workspace, HostOptions, TestHost, LAN_NETWORK};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// A process started in its own process group; dropping it ends the whole group (salt's
+/// masters and minions fork worker processes): SIGTERM, up to 3 s, then SIGKILL.
+struct Group {
+    name: &'static str,
+    child: Child,
+}
+
+impl Group {
+    fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Group {
+        let out = fs::File::create(log).expect("create log");
+        let err = out.try_clone().expect("dup log");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        Group { name, child }
+    }
+
+    fn assert_running(&mut self, log: &Path) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            panic!("{} exited with {status}:\n{}", self.name, fs::read_to_string(log).unwrap_or_default());
+        }
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        let pgid = nix::unistd::Pid::from_raw(-(self.child.id() as i32));
+        let _ = nix::sys::signal::kill(pgid, nix::sys::signal::Signal::SIGTERM);
+        // Give the group leader 3 s to shut down its workers, then SIGKILL whatever of the
+        // group is left. A salt-minion's graceful shutdown takes 6-8 s here and can hang for
+        // good when its process manager restarts an engine that the same SIGTERM ended.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_)) | Err(_)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = nix::sys::signal::kill(pgid, nix::sys::signal::Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+fn venv(bin: &str) -> PathBuf {
+    let p = workspace().join("target/salt-venv/bin").join(bin);
+    assert!(p.exists(), "{} missing: run tests/setup.sh first", p.display());
+    p
+}
+
+/// Subscribes to the master's event bus and appends every event as a JSON line; prints
+/// READY once subscribed.
+const LISTENER: &str = r#"
+import json, sys
+import salt.config, salt.utils.event
+opts = salt.config.master_config(sys.argv[1])
+bus = salt.utils.event.get_master_event(opts, opts["sock_dir"], listen=True)
+bus.connect_pub()
+print("READY", flush=True)
+with open(sys.argv[2], "a") as out:
+    while True:
+        ev = bus.get_event(full=True, wait=5)
+        if ev:
+            out.write(json.dumps({"tag": ev["tag"], "data": ev["data"]}, default=str) + "\n")
+            out.flush()
+"#;
+
+struct Salt {
+    dir: tempfile::TempDir,
+    vms: PathBuf,
+    events: PathBuf,
+    // Ended by Salt's Drop.
+    procs: Vec<Group>,
+}
+
+impl Salt {
+    fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    fn start(hosts: &[(&str, &TestHost)]) -> Salt {
+        let dir = tempfile::Builder::new().prefix("slt").tempdir_in("/tmp").expect("tempdir");
+        let d = dir.path().to_path_buf();
+        let (publish, ret) = (free_port(), free_port());
+        let ext = workspace().join("plugins/salt/src/saltext/vmhost");
+        let g = guest();
+        let vms = d.join("vms");
+        fs::create_dir_all(&vms).expect("vms dir");
+        fs::create_dir_all(d.join("master/conf")).expect("master dir");
+        let master = format!(
+            r#"root_dir: {d}/master
+pki_dir: {d}/master/pki
+cachedir: {d}/master/cache
+sock_dir: {d}/master/sock
+pidfile: {d}/master/master.pid
+log_file: {d}/master/master.log
+log_level_logfile: info
+interface: 127.0.0.1
+publish_port: {publish}
+ret_port: {ret}
+auto_accept: True
+user: root
+worker_threads: 2
+module_dirs: [{ext}]
+engines:
+  - vmhost_engine:
+      vms_dir: {vms}
+      network: lan
+      poll: 1
+      retry: 3
+      interval: 600
+      timeout: 90
+      boot:
+        default:
+          kernel: {kernel}
+          initrd: {initrd}
+          cmdline: "console=ttyS0 panic=-1 quiet"
+"#,
+            d = d.display(),
+            ext = ext.display(),
+            vms = vms.display(),
+            kernel = g.kernel.display(),
+            initrd = g.initrd.display(),
+        );
+        fs::write(d.join("master/conf/master"), master).expect("master config");
+        fs::write(d.join("listen.py"), LISTENER).expect("listener");
+        let mut procs = Vec::new();
+        let mlog = d.join("master.out");
+        procs.push(Group::spawn(
+            "salt-master",
+            Command::new(venv("salt-master")).arg("-c").arg(d.join("master/conf")),
+            &mlog,
+        ));
+        let events = d.join("events.jsonl");
+        let mut salt = Salt { dir, vms, events, procs };
+
+        // The listener subscribes once the master's publisher socket exists.
+        let deadline = Instant::now() + WAIT;
+        while !salt.path("master/sock/master_event_pub.ipc").exists() {
+            salt.procs[0].assert_running(&mlog);
+            assert!(Instant::now() < deadline, "salt-master did not come up:\n{}", read(&mlog));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let llog = salt.path("listener.out");
+        let listener = Group::spawn(
+            "listener",
+            Command::new(venv("python"))
+                .arg(salt.path("listen.py"))
+                .arg(salt.path("master/conf/master"))
+                .arg(&salt.events),
+            &llog,
+        );
+        salt.procs.push(listener);
+        wait_for(|| read(&llog).contains("READY"), "the event listener to subscribe", &llog);
+
+        for (id, host) in hosts {
+            let md = d.join(id);
+            fs::create_dir_all(md.join("conf")).expect("minion dir");
+            let minion = format!(
+                r#"id: {id}
+master: 127.0.0.1
+master_port: {ret}
+publish_port: {publish}
+root_dir: {md}
+pki_dir: {md}/pki
+cachedir: {md}/cache
+sock_dir: {md}/sock
+pidfile: {md}/minion.pid
+log_file: {md}/minion.log
+log_level_logfile: info
+user: root
+acceptance_wait_time: 1
+random_reauth_delay: 0
+enable_fqdns_grains: False
+enable_gpu_grains: False
+module_dirs: [{ext}]
+vmhost.socket: {socket}
+engines:
+  - vmhost_events: {{}}
+"#,
+                md = md.display(),
+                ext = ext.display(),
+                socket = host.socket.display(),
+            );
+            fs::write(md.join("conf/minion"), minion).expect("minion config");
+            let log = d.join(format!("{id}.out"));
+            salt.procs.push(Group::spawn(
+                "salt-minion",
+                Command::new(venv("salt-minion")).arg("-c").arg(md.join("conf")),
+                &log,
+            ));
+        }
+        // Both minions authenticated (keys auto-accepted) and connected.
+        for (id, _) in hosts {
+            let tag = format!("salt/minion/{id}/start");
+            salt.wait_event(&format!("{id} to start"), |e| e["tag"] == tag.as_str());
+        }
+        salt
+    }
+
+    fn events(&self) -> Vec<Value> {
+        read(&self.events).lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+    }
+
+    fn wait_event(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(e) = self.events().into_iter().find(|e| pred(e)) {
+                return e;
+            }
+            assert!(Instant::now() < deadline, "no event for {what}; events:\n{}\n{}", read(&self.events), self.logs());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn tag_event(&self, tag: &str) -> Value {
+        self.wait_event(tag, |e| e["tag"] == tag)
+    }
+
+    fn write_vms(&self, hypervisor: &str, entries: Value) {
+        // Written aside and renamed: the engine never sees half a file.
+        let tmp = self.dir.path().join(format!("{hypervisor}.tmp"));
+        fs::write(&tmp, serde_json::to_vec_pretty(&entries).expect("json")).expect("write");
+        fs::rename(&tmp, self.vms.join(format!("{hypervisor}VMs"))).expect("rename");
+    }
+
+    fn logs(&self) -> String {
+        let mut out = String::new();
+        for f in ["master/master.log", "hv1/minion.log", "hv2/minion.log"] {
+            let text = read(&self.path(f));
+            let tail: Vec<&str> = text.lines().rev().take(40).collect();
+            out += &format!("--- {f} (tail)\n{}\n", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        }
+        out
+    }
+}
+
+impl Drop for Salt {
+    fn drop(&mut self) {
+        // SIGTERM every group at once and give them 3 s together, then SIGKILL what is left;
+        // reaping (Group's Drop) is then immediate.
+        let groups: Vec<_> = self.procs.iter().map(|p| nix::unistd::Pid::from_raw(-(p.child.id() as i32))).collect();
+        for g in &groups {
+            let _ = nix::sys::signal::kill(*g, nix::sys::signal::Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline && self.procs.iter_mut().any(|p| matches!(p.child.try_wait(), Ok(None))) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        for g in &groups {
+            let _ = nix::sys::signal::kill(*g, nix::sys::signal::Signal::SIGKILL);
+        }
+        while let Some(p) = self.procs.pop() {
+            drop(p);
+        }
+    }
+}
+
+fn read(p: &Path) -> String {
+    fs::read_to_string(p).unwrap_or_default()
+}
+
+fn wait_for(cond: impl Fn() -> bool, what: &str, log: &Path) {
+    let deadline = Instant::now() + WAIT;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}:\n{}", read(log));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `{name: (status, pid)}` of a host's VMs.
+fn vms(host: &TestHost) -> Vec<(String, String, Option<u64>)> {
+    let list = host.call("vm.list", json!({}));
+    list.as_array()
+        .expect("vm.list array")
+        .iter()
+        .map(|v| {
+            (
+                v["name"].as_str().unwrap_or_default().to_string(),
+                v["status"].as_str().unwrap_or_default().to_string(),
+                v["pid"].as_u64(),
+            )
+        })
+        .collect()
+}
+
+fn names(host: &TestHost) -> Vec<String> {
+    vms(host).into_iter().map(|(n, _, _)| n).collect()
+}
+
+fn wait_vms(host: &TestHost, want: &[&str], salt: &Salt) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let now = vms(host);
+        let running = now.iter().all(|(_, s, _)| s == "running");
+        if running && names(host) == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "host never had exactly {want:?} running: {now:?}\n{}", salt.logs());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn so_entry(hostname: &str, role: &str, net: Value) -> Value {
+    let mut e =
+        json!({ "hostname": hostname, "role": role, "cpu": 1, "memory": 1, "disk": [], "copper": [], "sfp": [] });
+    for (k, v) in net.as_object().expect("object") {
+        e[k] = v.clone();
+    }
+    e
+}
+
+#[test]
+fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_the_master() {
+    let opts = || HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() };
+    let hv1 = TestHost::start(opts());
+    let hv2 = TestHost::start(opts());
+    // A VM on hv2 that the engine did not create: it must survive every prune.
+    hv2.call("vm.create", json!({ "spec": hv2.kernel_spec("manual") }));
+
+    let t0 = Instant::now();
+    let salt = Salt::start(&[("hv1", &hv1), ("hv2", &hv2)]);
+    eprintln!("salt up after {:?}", t0.elapsed());
+
+    let sensor1 = so_entry(
+        "sensor1",
+        "sensor",
+        json!({"network_mode": "static4", "ip4": "10.0.0.11/24", "gw4": "10.0.0.1",
+               "dns4": "10.0.0.1, 10.0.0.2", "search4": "so.test"}),
+    );
+    let search1 = so_entry(
+        "search1",
+        "searchnode",
+        json!({"network_mode": "dhcp4", "ip4": "", "gw4": "", "dns4": "", "search4": "", "cpu": "1", "memory": "1"}),
+    );
+    let sensor2 =
+        so_entry("sensor2", "sensor", json!({"network_mode": "static4", "ip4": "10.0.0.21/24", "gw4": "10.0.0.1"}));
+    let broken = so_entry("broken", "sensor", json!({"network_mode": "dhcp4", "cpu": "lots"}));
+    salt.write_vms("hv1", json!([sensor1, search1]));
+    salt.write_vms("hv2", json!([sensor2, broken]));
+    // A file for a minion that does not exist fails alone.
+    salt.write_vms("hv3", json!([so_entry("x", "idh", json!({"network_mode": "dhcp4"}))]));
+
+    wait_vms(&hv1, &["search1-searchnode", "sensor1-sensor"], &salt);
+    wait_vms(&hv2, &["manual", "sensor2-sensor"], &salt);
+    eprintln!("both hosts converged after {:?}", t0.elapsed());
+
+    // The SO entry became the spec the mapping promises.
+    let s1 = hv1.call("vm.get", json!({"name": "sensor1-sensor"}));
+    assert_eq!(s1["spec"]["role"], "sensor");
+    assert_eq!(s1["spec"]["cpu"], 1);
+    assert_eq!(s1["spec"]["memory_mib"], 1024);
+    assert_eq!(
+        s1["spec"]["nics"],
+        json!([{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.11/24", "gateway": "10.0.0.1",
+                "dns": ["10.0.0.1", "10.0.0.2"], "search": ["so.test"]}}])
+    );
+    assert_eq!(s1["spec"]["boot"]["kernel"], json!(guest().kernel));
+    let q1 = hv1.call("vm.get", json!({"name": "search1-searchnode"}));
+    assert_eq!(q1["spec"]["nics"], json!([{"network": "lan", "ipv4": {"mode": "dhcp"}}]));
+
+    // Events on the master bus: the daemon's, forwarded by each minion's vmhost_events (the
+    // master stamps the authenticated minion id), and the engine's per-VM results.
+    for (hyp, vm) in [("hv1", "sensor1-sensor"), ("hv1", "search1-searchnode"), ("hv2", "sensor2-sensor")] {
+        let e = salt.tag_event(&format!("vmhost/{hyp}/{vm}/running"));
+        assert_eq!(e["data"]["id"], hyp, "{e}");
+        assert_eq!(e["data"]["data"]["source"], "vmhostd", "{e}");
+        assert_eq!(e["data"]["data"]["from"], "creating", "{e}");
+        let e = salt.tag_event(&format!("vmhost/{hyp}/{vm}/reconciled"));
+        assert_eq!(e["data"]["action"], "create", "{e}");
+        assert_eq!(e["data"]["source"], "vmhost_engine", "{e}");
+    }
+    let bad = salt.tag_event("vmhost/hv2/broken-sensor/invalid");
+    assert_eq!(bad["data"]["field"], "cpu", "{bad}");
+    assert!(bad["data"]["error"].as_str().unwrap_or_default().contains("hv2VMs"), "{bad}");
+    let hv3 = salt.tag_event("vmhost/hv3/_hypervisor/reconcile_failed");
+    assert!(hv3["data"]["error"].as_str().unwrap_or_default().contains("did not answer"), "{hv3}");
+    salt.tag_event("vmhost/hv1/_hypervisor/reconciled");
+    // The engine's only write: its cache dir.
+    let state: Value =
+        serde_json::from_str(&read(&salt.path("master/cache/vmhost_engine/state.json"))).expect("engine state");
+    assert_eq!(state["hv1"]["managed"], json!(["search1-searchnode", "sensor1-sensor"]));
+    assert_eq!(state["hv2"]["managed"], json!(["sensor2-sensor"]));
+
+    // Removing an entry from hv1's file destroys that VM on hv1 only.
+    let before1 = vms(&hv1);
+    let before2 = vms(&hv2);
+    salt.write_vms("hv1", json!([sensor1]));
+    wait_vms(&hv1, &["sensor1-sensor"], &salt);
+    let e = salt.tag_event("vmhost/hv1/search1-searchnode/destroyed");
+    assert_eq!(e["data"]["id"], "hv1", "{e}");
+    salt.wait_event("the engine's destroy result", |e| {
+        e["tag"] == "vmhost/hv1/search1-searchnode/reconciled" && e["data"]["action"] == "destroy"
+    });
+    let s1_before = before1.iter().find(|v| v.0 == "sensor1-sensor").cloned();
+    assert_eq!(vms(&hv1).first().cloned(), s1_before, "sensor1 untouched");
+    assert_eq!(vms(&hv2), before2, "hv2 untouched");
+
+    // Removing hv2's last good entry destroys sensor2 but never the VM made by hand.
+    salt.write_vms("hv2", json!([broken]));
+    wait_vms(&hv2, &["manual"], &salt);
+    salt.tag_event("vmhost/hv2/sensor2-sensor/destroyed");
+    assert_eq!(vms(&hv2)[0], before2.iter().find(|v| v.0 == "manual").cloned().expect("manual"));
+    assert_eq!(vms(&hv1).first().cloned(), s1_before, "hv1 untouched");
+    assert!(!salt.events().iter().any(|e| e["tag"].as_str().unwrap_or_default().starts_with("vmhost/hv2/manual/")));
+    eprintln!("prunes done after {:?}", t0.elapsed());
+    drop(salt);
+    eprintln!("salt stopped after {:?}", t0.elapsed());
+}
