@@ -13,6 +13,7 @@ pub mod client;
 pub mod config;
 pub mod disk;
 pub mod events;
+pub mod fuzz;
 pub mod hardware;
 pub mod host_usage;
 pub mod ipv4;

@@ -7,6 +7,5 @@
 
 pub mod conn;
 pub mod frame;
-pub mod fuzz;
 pub mod supervisor;
 pub mod wire;

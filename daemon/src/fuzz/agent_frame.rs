@@ -7,9 +7,9 @@
 //! [`MAX_FRAME`] is ever handed on, framing fails only as a protocol error, and an error message kept from the guest is cut to
 //! [`MAX_REMOTE_MESSAGE`] characters. No production code calls it.
 
-use super::conn::{AgentError, MAX_FRAME};
-use super::frame::{match_reply, LineReader, MAX_REMOTE_MESSAGE};
-use super::wire::{AgentInfo, ApplyReport, CheckReport, Hello, NetState, SyncReply};
+use crate::agent::conn::{AgentError, MAX_FRAME};
+use crate::agent::frame::{match_reply, LineReader, MAX_REMOTE_MESSAGE};
+use crate::agent::wire::{AgentInfo, ApplyReport, CheckReport, Hello, NetState, SyncReply};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -65,21 +65,9 @@ fn check<T: DeserializeOwned>(line: &[u8], id: &Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
-    /// Every input of the committed corpus and every past crash, through the fuzz entry point.
     #[test]
     fn the_fuzz_corpus_and_past_crashes_replay_cleanly() {
-        let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
-        let mut seen = 0;
-        for dir in ["corpus/agent_frame", "regressions/agent_frame"] {
-            let Ok(entries) = std::fs::read_dir(fuzz.join(dir)) else { continue };
-            for entry in entries.flatten() {
-                let data = std::fs::read(entry.path()).expect("read corpus file");
-                replies(&data);
-                seen += 1;
-            }
-        }
-        assert!(seen >= 5, "the seed corpus is committed ({seen} inputs found)");
+        assert!(crate::fuzz::replay("agent_frame", replies) >= 5, "the seed corpus is committed");
     }
 }
