@@ -150,10 +150,12 @@ impl Manager {
             r.status = during;
             r.last_error = None;
         })?;
+        self.crashpoint("launch:recorded");
         if let Err(e) = self.bind_passthrough(&vm.spec).await {
             self.clean_run_dir(&paths);
             return Err(e);
         }
+        self.crashpoint("launch:bound");
         match self.start_process(vm, &paths).await {
             Ok(id) => Ok(id),
             Err(e) => {
@@ -192,6 +194,7 @@ impl Manager {
                 return Err(e);
             }
         };
+        self.crashpoint("launch:taps");
         let request = LaunchRequest {
             binary: self.config.qemu.binary.clone(),
             argv: build_argv(vm, &self.config, &paths, &allocs),
@@ -204,7 +207,10 @@ impl Manager {
         // QEMU holds its own copies now; ours must go so the taps die with QEMU.
         drop(request);
         let id = match launched {
-            Ok(id) => id,
+            Ok(id) => {
+                self.crashpoint("launch:spawned");
+                id
+            }
             Err(e) => {
                 self.net.detach_nics(&name).await;
                 self.agents.stop(&name);
@@ -220,6 +226,7 @@ impl Manager {
             }
             return Err(e);
         }
+        self.crashpoint("launch:launched");
         let verified = async {
             let mut qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| e.to_string())?;
             qmp.query_status().await.map_err(|e| e.to_string())

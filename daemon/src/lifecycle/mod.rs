@@ -305,6 +305,11 @@ impl Manager {
         self.update_if(name, reason, |_, _| true, change)?.ok_or_else(|| ApiError::not_found(name))
     }
 
+    /// A step boundary the fault tests may crash the daemon at ([`crate::crashpoint`]).
+    fn crashpoint(&self, step: &str) {
+        crate::crashpoint::hit(&self.config.paths.run, step);
+    }
+
     /// Deletes the record of `name` for good.
     fn forget(&self, name: &str, reason: &str) -> Result<(), ApiError> {
         let mut t = self.lock();

@@ -45,6 +45,7 @@ impl Manager {
     /// The host steps of a create; the record (status `creating`, resources reserved) exists.
     async fn create_held(self: &Arc<Self>, _g: &OpGuard, vm: &ValidSpec) -> Result<(), ApiError> {
         let name = vm.spec.name.as_str();
+        self.crashpoint("create:recorded");
         // An overlay without a record is an orphan of an earlier crash: a new VM never inherits it.
         let paths = self.paths(name);
         for stale in [paths.overlay.clone(), partial_overlay(&paths)] {
@@ -66,12 +67,17 @@ impl Manager {
                 return Err(e);
             }
         };
+        self.crashpoint("create:overlay");
         if vm.spec.state == DesiredState::Stopped {
             self.update(name, "created stopped", |r| r.status = VmStatus::Stopped)?;
             return Ok(());
         }
         match self.launch_qemu(vm, VmStatus::Creating).await {
-            Ok(id) => self.mark_running(name, id, "vm.create"),
+            Ok(id) => {
+                self.mark_running(name, id, "vm.create")?;
+                self.crashpoint("create:running");
+                Ok(())
+            }
             Err(e) => {
                 self.undo_overlay(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
                 self.mark_failed(name, &e, true);
@@ -269,7 +275,9 @@ impl Manager {
 
     async fn destroy_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<(), ApiError> {
         self.update(name, "vm.destroy", |r| r.status = VmStatus::Destroying)?;
+        self.crashpoint("destroy:recorded");
         self.teardown(name).await?;
+        self.crashpoint("destroy:torn-down");
         self.forget(name, "destroyed")
     }
 
@@ -283,6 +291,7 @@ impl Manager {
                 return Err(e);
             }
         }
+        self.crashpoint("teardown:killed");
         self.clean_run_dir(&paths);
         self.net.detach_nics(name).await;
         self.agents.stop(name);

@@ -1,0 +1,184 @@
+//! Faults: vmhostd killed with SIGKILL at every step boundary of a create and a destroy (the
+//! debug-build crash points of `vmhost::crashpoint`), then restarted. After each restart: no QEMU
+//! without a running record, no tap without a live QEMU, no overlay or run-dir socket without a
+//! record that owns it, and converging the same spec again ends with exactly one QEMU.
+//!
+//! The VM boots from an image (so there is an overlay and a cloud-init seed) with a NIC on a
+//! bridge vmhostd owns (so there is a tap), in the daemon's own network namespace.
+
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use vmhost_tests::{HostOptions, TestHost, LAN_NETWORK};
+
+const CREATE_STEPS: [&str; 8] = [
+    "create:recorded",
+    "create:overlay",
+    "launch:recorded",
+    "launch:bound",
+    "launch:taps",
+    "launch:spawned",
+    "launch:launched",
+    "create:running",
+];
+const DESTROY_STEPS: [&str; 3] = ["destroy:recorded", "teardown:killed", "destroy:torn-down"];
+
+fn host() -> TestHost {
+    let host = TestHost::start(HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() });
+    let st = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(host.images().join("base.qcow2"))
+        .arg("64M")
+        .status()
+        .expect("qemu-img");
+    assert!(st.success());
+    host
+}
+
+fn spec(name: &str) -> Value {
+    json!({"name": name, "cpu": 1, "memory_mib": 128, "boot": {"image": "base.qcow2", "disk_gib": 1},
+           "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.9/24", "gateway": "10.0.0.1"}}]})
+}
+
+fn arm(host: &TestHost, step: &str) {
+    std::fs::write(host.run().join(vmhost::crashpoint::FILE), step).expect("arm the crash point");
+}
+
+fn disarm(host: &TestHost) {
+    let _ = std::fs::remove_file(host.run().join(vmhost::crashpoint::FILE));
+}
+
+/// Calls `method` expecting the daemon to die under it; waits until it is gone, then restarts it.
+fn crash_during(host: &mut TestHost, step: &str, method: &str, params: Value) {
+    arm(host, step);
+    let pid = host.daemon_pid().expect("daemon");
+    let answer = host.client().call::<Value>(method, params);
+    assert!(answer.is_err(), "{step}: {method} answered although the daemon should have died: {answer:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while vmhost_tests::alive(pid as i32) {
+        assert!(Instant::now() < deadline, "{step}: vmhostd did not die at the crash point");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = host.daemon_log();
+    let reached = log.lines().any(|l| l.contains("crash point reached") && l.contains(&format!("\"{step}\"")));
+    assert!(reached, "{step}: the crash point was not what killed it; log:\n{log}");
+    host.kill_daemon(); // reap
+    disarm(host);
+    host.spawn_daemon();
+}
+
+fn files_in(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// What a restarted daemon must show: everything on the host belongs to a record that says so.
+fn assert_consistent(host: &TestHost, step: &str) {
+    let vms = host.call("vm.list", json!({}));
+    let vms = vms.as_array().expect("list");
+    let running: Vec<&str> =
+        vms.iter().filter(|v| v["status"] == "running").filter_map(|v| v["name"].as_str()).collect();
+    let names: Vec<&str> = vms.iter().filter_map(|v| v["name"].as_str()).collect();
+    let pids = host.qemu_pids();
+    assert_eq!(pids.len(), running.len(), "{step}: QEMUs {pids:?}, running VMs {running:?}");
+    for l in host.links() {
+        if let Some(owner) = l["ifalias"].as_str().and_then(|a| a.strip_prefix("vmhost:vm=")) {
+            if l["linkinfo"]["info_kind"] == "bridge" {
+                continue;
+            }
+            assert!(running.contains(&owner), "{step}: link {} of {owner} without a live QEMU", l["ifname"]);
+        }
+    }
+    for dir in files_in(&host.run()) {
+        let path = host.run().join(&dir);
+        if path.is_dir() {
+            assert!(running.contains(&dir.as_str()), "{step}: run dir {dir} without a running VM");
+        }
+    }
+    for f in files_in(&host.state().join("disks")) {
+        assert!(names.iter().any(|n| f.starts_with(n)), "{step}: disk file {f} without a record");
+        assert!(!f.contains("partial"), "{step}: half-made overlay {f} left");
+    }
+}
+
+#[test]
+fn a_daemon_killed_at_any_step_of_a_create_leaves_nothing_behind_and_never_starts_a_vm_twice() {
+    let mut host = host();
+    for step in CREATE_STEPS {
+        let name = "crashy";
+        crash_during(&mut host, step, "vm.create", json!({ "spec": spec(name) }));
+        assert_consistent(&host, step);
+        // Converging the same spec again ends with one running VM, one QEMU.
+        let v = host.call("vm.apply", json!({ "spec": spec(name) }));
+        assert_eq!(v["vm"]["status"], "running", "{step}: {v}");
+        assert_eq!(host.qemu_pids().len(), 1, "{step}: exactly one QEMU");
+        assert_consistent(&host, step);
+        host.call("vm.destroy", json!({ "name": name }));
+        assert!(host.qemu_pids().is_empty(), "{step}");
+        assert_consistent(&host, step);
+    }
+}
+
+#[test]
+fn a_daemon_killed_at_any_step_of_a_destroy_finishes_it_after_restart() {
+    let mut host = host();
+    for step in DESTROY_STEPS {
+        let name = "doomed";
+        host.call("vm.create", json!({ "spec": spec(name) }));
+        crash_during(&mut host, step, "vm.destroy", json!({ "name": name }));
+        assert_consistent(&host, step);
+        let (code, _) = host.call_err("vm.get", json!({ "name": name }));
+        assert_eq!(code, 4040, "{step}: the interrupted destroy was finished at start");
+        assert!(host.qemu_pids().is_empty(), "{step}");
+    }
+}
+
+/// A state file system with no space left: a create is refused with a clear error naming the
+/// record, earlier records stay intact and loadable, and nothing of the refused VM is left.
+#[test]
+fn a_full_state_disk_refuses_clearly_and_keeps_old_records() {
+    let mut host = TestHost::prepare(HostOptions::default());
+    let state = host.state();
+    std::fs::create_dir_all(&state).expect("state dir");
+    let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "vmhost-full-state"]).arg(&state).status();
+    assert!(st.is_ok_and(|s| s.success()), "mount a small tmpfs on the state dir");
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(state.clone());
+    host.spawn_daemon();
+    let mut keep = host.kernel_spec("keep");
+    keep["state"] = json!("stopped");
+    host.call("vm.create", json!({ "spec": keep }));
+    let before = host.call("vm.get", json!({ "name": "keep" }));
+
+    // Fill the file system.
+    let filler = state.join("filler");
+    let mut f = std::fs::File::create(&filler).expect("filler");
+    let chunk = vec![0u8; 64 * 1024];
+    while std::io::Write::write_all(&mut f, &chunk).is_ok() {}
+    drop(f);
+
+    let (code, e) = host.call_err("vm.create", json!({ "spec": host.kernel_spec("refused") }));
+    assert_eq!(code, 4001, "{e:?}");
+    assert!(e.message.contains("refused") && e.message.to_lowercase().contains("space"), "{}", e.message);
+    assert_eq!(e.details["step"], "state", "{e:?}");
+    assert!(host.qemu_pids().is_empty(), "nothing was launched");
+    assert_eq!(host.call_err("vm.get", json!({ "name": "refused" })).0, 4040);
+
+    // The old record survived, also across a restart with space again.
+    std::fs::remove_file(&filler).expect("remove filler");
+    host.stop_daemon();
+    host.spawn_daemon();
+    let after = host.call("vm.get", json!({ "name": "keep" }));
+    assert_eq!(after["spec"], before["spec"]);
+    assert_eq!(host.call_err("vm.get", json!({ "name": "refused" })).0, 4040);
+    let names: Vec<String> = files_in(&state);
+    assert!(!names.iter().any(|n| n.contains("refused")), "no file of the refused VM: {names:?}");
+    host.stop_daemon();
+}
