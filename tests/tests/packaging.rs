@@ -24,9 +24,9 @@ const UNITS: [&str; 3] = ["vmhostd.service", "vmhostd.socket", "vmhost-agent.ser
 const UNIT_DIR: &str = "/lib/systemd/system";
 const CONFIG: &str = "/etc/vmhost/vmhostd.toml";
 const SOCKET: &str = "/run/vmhost/vmhostd.sock";
-/// The exposure `systemd-analyze security` gives vmhostd.service (3.1 when this was written; see
+/// The exposure `systemd-analyze security` gives vmhostd.service (2.8 when this was written; see
 /// docs/security.md). A hardening line lost pushes it over.
-const MAX_EXPOSURE: f64 = 3.5;
+const MAX_EXPOSURE: f64 = 3.0;
 /// Users and groups the package creates and its purge removes.
 const USERS: [&str; 1] = ["vmhost-qemu"];
 const GROUPS: [&str; 3] = ["vmhost", "vmhost-ro", "vmhost-qemu"];

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use vmhost::config::{Config, DEFAULT_CONFIG_PATH};
 use vmhost::events::EventBus;
 use vmhost::lifecycle::Manager;
-use vmhost::rpc::{activation::Activation, auth::AccessPolicy, methods, server};
+use vmhost::rpc::activation::{self, Activation};
+use vmhost::rpc::{auth::AccessPolicy, methods, server};
 
 #[derive(Parser)]
 #[command(name = "vmhostd", version, about = "vmhost host daemon: VMs over JSON-RPC on a Unix socket")]
@@ -50,7 +51,7 @@ fn main() -> ExitCode {
         builder.init();
     }
     raise_fd_limit();
-    // Before the runtime starts threads: this edits the environment.
+    // First: the socket systemd passed becomes close-on-exec before anything could fork.
     let activation = match Activation::from_env() {
         Ok(a) => a,
         Err(e) => {
@@ -58,6 +59,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Before the runtime starts threads (this edits the environment): no child inherits them.
+    activation::remove_env();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {

@@ -10,9 +10,12 @@
 //! vmhostd sends `READY=1` once the socket serves (VMs already re-adopted) and `STOPPING=1` when
 //! it shuts down.
 //!
-//! [`Activation::from_env`] reads and *removes* these variables (as `sd_listen_fds(1)` does), so
-//! QEMU and every other child starts without them. It must run before any other thread exists:
-//! changing the environment is not thread-safe.
+//! Start-up order: [`Activation::from_env`] first, before anything forks, so the inherited socket
+//! is close-on-exec before any program could inherit it; then whatever else must run while the
+//! process has one thread (it must keep descriptor 3 and these variables: the daemon's sandbox
+//! does); then [`remove_env`] (as `sd_listen_fds(1)` does), so QEMU and every other child starts
+//! without the variables. Both must run before any other thread exists: changing the environment
+//! is not thread-safe.
 
 use std::ffi::OsString;
 use std::fmt;
@@ -61,10 +64,10 @@ pub struct Activation {
 }
 
 impl Activation {
-    /// Takes the inherited socket and the notification address from the environment, and removes
-    /// `LISTEN_PID`, `LISTEN_FDS`, `LISTEN_FDNAMES` and `NOTIFY_SOCKET` from it.
+    /// Takes the inherited socket (made close-on-exec) and the notification address from the
+    /// environment. The variables stay until [`remove_env`].
     ///
-    /// Call this once, before starting any thread (the async runtime included).
+    /// Call this once, before starting any thread (the async runtime included) or process.
     ///
     /// # Errors
     ///
@@ -74,9 +77,6 @@ impl Activation {
         let pid = std::env::var_os("LISTEN_PID");
         let fds = std::env::var_os("LISTEN_FDS");
         let notify = std::env::var_os("NOTIFY_SOCKET").filter(|s| !s.is_empty());
-        for var in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "NOTIFY_SOCKET"] {
-            std::env::remove_var(var);
-        }
         let count = listen_fds(
             pid.as_ref().map(|s| s.to_string_lossy()).as_deref(),
             fds.as_ref().map(|s| s.to_string_lossy()).as_deref(),
@@ -128,6 +128,18 @@ impl Activation {
             }
         }
         Ok(())
+    }
+}
+
+/// The variables of socket activation and readiness notification.
+pub const VARIABLES: [&str; 4] = ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "NOTIFY_SOCKET"];
+
+/// Removes [`VARIABLES`] from the environment, so that no child inherits them.
+///
+/// Call this before starting any thread: changing the environment is not thread-safe.
+pub fn remove_env() {
+    for var in VARIABLES {
+        std::env::remove_var(var);
     }
 }
 
