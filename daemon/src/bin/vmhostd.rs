@@ -2,7 +2,8 @@
 //!
 //! Start-up order matters: config (refuse to start on any error), logging, the manager (records
 //! loaded and running VMs re-adopted *before* the socket accepts calls), then the socket. On
-//! SIGTERM/SIGINT the socket closes and the daemon exits; VMs keep running.
+//! SIGTERM/SIGINT the socket closes and the daemon exits; VMs keep running. Under systemd the socket
+//! may be inherited instead of bound (`rpc::activation`), and readiness is notified.
 
 use clap::Parser;
 use std::path::PathBuf;
@@ -11,6 +12,7 @@ use std::sync::Arc;
 use vmhost::config::{Config, DEFAULT_CONFIG_PATH};
 use vmhost::events::EventBus;
 use vmhost::lifecycle::Manager;
+use vmhost::rpc::activation::{self, Activation};
 use vmhost::rpc::{auth::AccessPolicy, methods, server};
 
 #[derive(Parser)]
@@ -49,6 +51,16 @@ fn main() -> ExitCode {
         builder.init();
     }
     raise_fd_limit();
+    // First: the socket systemd passed becomes close-on-exec before anything could fork.
+    let activation = match Activation::from_env() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("vmhostd: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Before the runtime starts threads (this edits the environment): no child inherits them.
+    activation::remove_env();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -56,7 +68,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(config)) {
+    match runtime.block_on(run(config, activation)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");
@@ -79,13 +91,26 @@ fn raise_fd_limit() {
     }
 }
 
-async fn run(config: Config) -> Result<(), String> {
+async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     let config = Arc::new(config);
     tracing::info!(config = %config.file.display(), accel = config.qemu.accel.as_str(), "vmhostd starting");
     let manager = Manager::open(config.clone(), EventBus::default()).await?;
     let module = methods::build(manager).map_err(|e| format!("method table: {e}"))?;
-    let listener = server::bind(&config.paths.socket, config.socket_mode)
-        .map_err(|e| format!("cannot listen on {}: {e}", config.paths.socket.display()))?;
+    let inherited = activation.listener.take();
+    let activated = inherited.is_some();
+    let listener = match inherited {
+        Some(inherited) => {
+            let addr = inherited.local_addr().ok().and_then(|a| a.as_pathname().map(|p| p.display().to_string()));
+            let addr = addr.as_deref().unwrap_or("?");
+            tracing::info!(
+                socket = addr,
+                "serving the socket systemd passed (socket activation); paths.socket is not used"
+            );
+            server::from_inherited(inherited).map_err(|e| format!("cannot serve the inherited socket: {e}"))?
+        }
+        None => server::bind(&config.paths.socket, config.socket_mode)
+            .map_err(|e| format!("cannot listen on {}: {e}", config.paths.socket.display()))?,
+    };
     let policy = Arc::new(AccessPolicy::from_group_names(&config.access.admin_group, &config.access.readonly_group));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -101,8 +126,17 @@ async fn run(config: Config) -> Result<(), String> {
         tracing::info!("shutting down; VMs keep running");
         let _ = stop_tx.send(true);
     });
-    tracing::info!(socket = %config.paths.socket.display(), "serving");
+    if !activated {
+        tracing::info!(socket = %config.paths.socket.display(), "serving");
+    }
+    if let Err(e) = activation.notify("READY=1") {
+        tracing::warn!(error = %e, "cannot notify the service manager");
+    }
     let served = server::serve(listener, module.into(), policy, stop_rx).await;
-    let _ = std::fs::remove_file(&config.paths.socket);
+    let _ = activation.notify("STOPPING=1");
+    // An inherited socket stays: systemd keeps listening on it and starts vmhostd again on demand.
+    if !activated {
+        let _ = std::fs::remove_file(&config.paths.socket);
+    }
     served.map_err(|e| format!("socket server: {e}"))
 }

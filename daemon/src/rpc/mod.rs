@@ -1,6 +1,7 @@
 //! The JSON-RPC front end: socket, framing, peer checks ([`server`], [`auth`]) and the method
-//! table ([`methods`]).
+//! table ([`methods`]); [`activation`] takes the socket from systemd instead of binding it.
 
+pub mod activation;
 pub mod auth;
 pub mod methods;
 pub mod server;

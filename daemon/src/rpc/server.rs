@@ -5,8 +5,8 @@
 //! transport and nothing more: methods are registered and dispatched by jsonrpsee
 //! ([`Methods::raw_json_request`]), access is decided by [`super::auth`].
 //!
-//! Order of use: [`bind`] creates the socket file at start-up, then [`serve`] runs the accept
-//! loop until shutdown. Each accepted connection then goes through, in order:
+//! Order of use: [`bind`] creates the socket file at start-up (or [`from_inherited`] takes the one
+//! systemd passed), then [`serve`] runs the accept loop until shutdown. Each accepted connection then goes through, in order:
 //!
 //! 1. the credential check ([`auth::peer_identity`], [`auth::classify`]), before any byte is
 //!    read: a refused peer gets one error line (1001) and is disconnected;
@@ -100,6 +100,19 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     // Between bind and chmod the file has umask-derived bits; harmless, since every connection
     // is checked by credential anyway.
     std::fs::set_permissions(path, Permissions::from_mode(mode))?;
+    listener.set_nonblocking(true)?;
+    UnixListener::from_std(listener)
+}
+
+/// Serves on a listening socket the service manager created and passed in (socket activation,
+/// see [`super::activation`]) instead of [`bind`]ing one. Its path, mode and owner are the
+/// manager's (`vmhostd.socket`); the caller must not remove the socket file at exit, since the
+/// manager keeps listening on it. Must be called from within a Tokio runtime.
+///
+/// # Errors
+///
+/// When the socket cannot be made non-blocking or registered with the runtime.
+pub fn from_inherited(listener: std::os::unix::net::UnixListener) -> io::Result<UnixListener> {
     listener.set_nonblocking(true)?;
     UnixListener::from_std(listener)
 }
