@@ -1,9 +1,10 @@
 #!/bin/bash
 # Fuzzes the parsers untrusted input reaches, for a bounded time each:
 #   daemon/fuzz      agent_frame  the daemon reading what a guest writes (vmhost::fuzz::agent_frame)
+#   daemon/fuzz      request      a line a client sends on the API socket (vmhost::fuzz::request)
 #   daemon/fuzz      spec         VM specs and desired sets from clients (vmhost::fuzz::spec)
 #   daemon/fuzz      config       vmhostd.toml (vmhost::fuzz::config)
-#   guest-agent/fuzz request      the agent reading what the host writes (vmhost_agent::fuzz)
+#   guest-agent/fuzz agent_request the agent reading what the host writes (vmhost_agent::fuzz)
 # Usage: tests/fuzz.sh [SECONDS per target, default 120] [TARGET...]
 # Not part of CI (tests/run.sh replays the committed corpora and past crashes as unit tests).
 # New interesting inputs go to target/fuzz/corpus/TARGET (the committed corpus only seeds);
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-120}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(agent_frame spec config request)
+[ ${#targets[@]} -gt 0 ] || targets=(agent_frame request spec config agent_request)
 
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz
 # cargo fuzz passes -Z flags (sanitizer, coverage); the machine's toolchain is stable.
@@ -22,8 +23,8 @@ export RUSTC_BOOTSTRAP=1
 root=$PWD
 for target in "${targets[@]}"; do
     case $target in
-        agent_frame | spec | config) crate=daemon ;;
-        request) crate=guest-agent ;;
+        agent_frame | request | spec | config) crate=daemon ;;
+        agent_request) crate=guest-agent ;;
         *) echo "fuzz.sh: unknown target $target" >&2; exit 2 ;;
     esac
     work=$root/target/fuzz

@@ -1,4 +1,4 @@
-//! The request parser as the cargo fuzz target `request` drives it (`guest-agent/fuzz/`), and
+//! The request parser as the cargo fuzz target `agent_request` drives it (`guest-agent/fuzz/`), and
 //! the replay of its corpus and past crashes as unit tests.
 //!
 //! [`requests`] feeds arbitrary host bytes through exactly the path a real port loop takes
@@ -139,7 +139,7 @@ mod tests {
     fn the_fuzz_corpus_and_past_crashes_replay_cleanly() {
         let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
         let mut seen = 0;
-        for dir in ["corpus/request", "regressions/request"] {
+        for dir in ["corpus/agent_request", "regressions/agent_request"] {
             let Ok(entries) = std::fs::read_dir(fuzz.join(dir)) else { continue };
             for entry in entries.flatten() {
                 let data = std::fs::read(entry.path()).expect("read corpus file");

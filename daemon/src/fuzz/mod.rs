@@ -6,6 +6,7 @@
 
 pub mod agent_frame;
 pub mod config;
+pub mod request;
 pub mod spec;
 
 /// Runs every file of `daemon/fuzz/corpus/TARGET/` and `daemon/fuzz/regressions/TARGET/` through

@@ -11,20 +11,19 @@
 //! 1. the credential check ([`auth::peer_identity`], [`auth::classify`]), before any byte is
 //!    read: a refused peer gets one error line (1001) and is disconnected;
 //! 2. the bounded line reader (`read_line`): a line over [`MAX_LINE`] ends the connection;
-//! 3. the line parser (`handle_line`): invalid UTF-8 or JSON is answered with -32700, an array
-//!    is a batch, anything else a single request;
-//! 4. per request (`Conn::process`): shape check (-32600), read-only check (1002), then dispatch
+//! 3. the line parser (`handle_line`, with the pure [`request::classify`]): invalid UTF-8 or
+//!    JSON is answered with -32700, an array is a batch, anything else a single request;
+//! 4. per request (`Conn::process`): shape check ([`Request::parse`], -32600), read-only check (1002), then dispatch
 //!    in its own task, at most [`MAX_IN_FLIGHT`] at a time per connection;
 //! 5. the write queue and writer task (`write_loop`): answers go out as they complete, followed
 //!    by any subscription notifications; a peer that stops reading is dropped.
 
 use crate::api::{self, ApiError, Code};
 use crate::rpc::auth::{self, AccessPolicy, PeerIdentity, Role};
+use crate::rpc::request::{self, Line, Request};
 use jsonrpsee::{MethodCallback, Methods};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
-use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::fs::Permissions;
 use std::io::{self, ErrorKind};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -514,64 +513,46 @@ impl Permits<'_> {
 
 /// Parses one line and starts its requests; `None` when the connection stopped meanwhile.
 async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>) -> Option<()> {
-    let Ok(text) = String::from_utf8(line) else {
-        let err = ApiError::new(Code::ParseError, "request line is not valid UTF-8");
-        conn.send(error_line(RawValue::NULL, &err));
-        return Some(());
-    };
-    let start = text.trim_start_matches([' ', '\t', '\r']);
-    if start.trim_end_matches([' ', '\t', '\r']).is_empty() {
-        // A blank line is not a request; ignoring it keeps interactive use (socat) pleasant.
-        return Some(());
-    }
-    if start.starts_with('[') {
-        let elements: Vec<Box<RawValue>> = match serde_json::from_str(&text) {
-            Ok(elements) => elements,
-            Err(e) => {
-                conn.send(parse_error_line(&e));
-                return Some(());
-            }
-        };
-        if elements.is_empty() {
-            let err = ApiError::new(Code::InvalidRequest, "empty batch");
+    let elements = match request::classify(line) {
+        Line::Blank => return Some(()),
+        Line::Error(err) => {
             conn.send(error_line(RawValue::NULL, &err));
             return Some(());
         }
-        let mut replies = Vec::with_capacity(elements.len());
-        for element in elements {
+        Line::Single(text) => {
             let permit = permits.acquire().await?;
             let conn = Arc::clone(conn);
-            replies.push(tokio::spawn(
+            tokio::spawn(
                 async move {
-                    let reply = conn.process(element.get()).await;
+                    let reply = conn.process(&text).await;
                     drop(permit);
-                    reply
+                    if let Some(response) = reply.response {
+                        conn.send(response);
+                    }
+                    if let Some(notifications) = reply.notifications {
+                        conn.forward(notifications).await;
+                    }
                 }
                 .in_current_span(),
-            ));
-        }
-        tokio::spawn(answer_batch(Arc::clone(conn), replies).in_current_span());
-    } else {
-        if let Err(e) = serde_json::from_str::<&RawValue>(&text) {
-            conn.send(parse_error_line(&e));
+            );
             return Some(());
         }
+        Line::Batch(elements) => elements,
+    };
+    let mut replies = Vec::with_capacity(elements.len());
+    for element in elements {
         let permit = permits.acquire().await?;
         let conn = Arc::clone(conn);
-        tokio::spawn(
+        replies.push(tokio::spawn(
             async move {
-                let reply = conn.process(&text).await;
+                let reply = conn.process(element.get()).await;
                 drop(permit);
-                if let Some(response) = reply.response {
-                    conn.send(response);
-                }
-                if let Some(notifications) = reply.notifications {
-                    conn.forward(notifications).await;
-                }
+                reply
             }
             .in_current_span(),
-        );
+        ));
     }
+    tokio::spawn(answer_batch(Arc::clone(conn), replies).in_current_span());
     Some(())
 }
 
@@ -778,62 +759,6 @@ async fn write_loop(
     }
 }
 
-/// A request that passed the shape checks, borrowing from its text.
-struct Request<'a> {
-    /// The id to answer with; `None` for a notification.
-    id: Option<&'a RawValue>,
-    /// The method name.
-    method: String,
-    /// The params, an array or object, if given.
-    params: Option<&'a RawValue>,
-}
-
-/// Why a JSON value is not a request, and the id to answer with.
-struct Invalid<'a> {
-    /// The request's id when it had a valid one, else `null`.
-    id: &'a RawValue,
-    /// For the error message.
-    message: String,
-}
-
-impl<'a> Request<'a> {
-    /// Checks the JSON-RPC 2.0 request shape: an object with `"jsonrpc": "2.0"`, a string
-    /// `method`, optional array/object `params`, optional string/number/null `id`, nothing else.
-    fn parse(text: &'a str) -> Result<Request<'a>, Invalid<'a>> {
-        let invalid = |id, message: &str| Invalid { id, message: message.to_string() };
-        let members: BTreeMap<Cow<'a, str>, &'a RawValue> =
-            serde_json::from_str(text).map_err(|_| invalid(RawValue::NULL, "a request must be a JSON object"))?;
-        let id = match members.get("id") {
-            None => None,
-            Some(id) if is_valid_id(id) => Some(*id),
-            Some(_) => return Err(invalid(RawValue::NULL, "id must be a string, a number or null")),
-        };
-        let answer_id = id.unwrap_or(RawValue::NULL);
-        if let Some(unknown) = members.keys().find(|k| !matches!(k.as_ref(), "jsonrpc" | "id" | "method" | "params")) {
-            return Err(Invalid { id: answer_id, message: format!("unknown request member {unknown:?}") });
-        }
-        let version = members.get("jsonrpc").and_then(|v| serde_json::from_str::<String>(v.get()).ok());
-        if version.as_deref() != Some("2.0") {
-            return Err(invalid(answer_id, "jsonrpc must be \"2.0\""));
-        }
-        let method = members
-            .get("method")
-            .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
-            .ok_or_else(|| invalid(answer_id, "method must be a string"))?;
-        let params = members.get("params").copied();
-        if params.is_some_and(|p| !p.get().starts_with(['[', '{'])) {
-            return Err(invalid(answer_id, "params must be an array or an object"));
-        }
-        Ok(Request { id, method, params })
-    }
-}
-
-/// JSON-RPC ids are strings, numbers or null.
-fn is_valid_id(id: &RawValue) -> bool {
-    let text = id.get();
-    text == "null" || text.starts_with(['"', '-', '0', '1', '2', '3', '4', '5', '6', '7', '8', '9'])
-}
-
 /// The request handed to jsonrpsee.
 #[derive(Serialize)]
 struct Call<'a> {
@@ -890,12 +815,6 @@ fn response_line(id: &RawValue, answer: &RawValue) -> String {
 /// An error response line.
 fn error_line(id: &RawValue, err: &ApiError) -> String {
     to_line(&Response { jsonrpc: "2.0", id, result: None, error: Some(err.to_json()) })
-}
-
-/// The -32700 line for a line that is not JSON.
-fn parse_error_line(e: &serde_json::Error) -> String {
-    let err = ApiError::new(Code::ParseError, format!("invalid JSON: {e}"));
-    error_line(RawValue::NULL, &err)
 }
 
 /// Serializes a message; our messages always serialize, the fallback only avoids a panic.

@@ -1,0 +1,80 @@
+//! Request parsing as the cargo fuzz target `request` drives it: arbitrary bytes as one line a
+//! client sends on the API socket.
+//!
+//! [`request_line`] runs the line through exactly what the server does before dispatch
+//! ([`classify`], [`Request::parse`] per request or batch element) and then parses the params of
+//! every known method into its closed type ([`parse_params`]), as the method table does. It
+//! panics when a promise breaks: a refused line is -32700 or -32600, an accepted request has a
+//! string/number/null id and array/object params, an invalid one is answered with a valid id or
+//! `null`, and a params refusal is -32602 naming a field.
+
+use crate::api::{ApplyParams, Code, CreateParams, NameParams, ReconcileParams, StopParams};
+use crate::rpc::methods::parse_params;
+use crate::rpc::request::{classify, is_valid_id, Line, Request};
+use jsonrpsee::types::Params;
+use serde::de::DeserializeOwned;
+
+/// Runs `data` as one request line.
+///
+/// # Panics
+/// When a promise of the module documentation breaks: that is a bug the fuzzer found.
+pub fn request_line(data: &[u8]) {
+    match classify(data.to_vec()) {
+        Line::Blank => {}
+        Line::Error(e) => assert!(matches!(e.code, Code::ParseError | Code::InvalidRequest), "{e:?}"),
+        Line::Single(text) => one_request(&text),
+        Line::Batch(elements) => {
+            assert!(!elements.is_empty(), "an empty batch is refused, not dispatched");
+            for element in elements {
+                one_request(element.get());
+            }
+        }
+    }
+}
+
+fn one_request(text: &str) {
+    match Request::parse(text) {
+        Ok(request) => {
+            if let Some(id) = request.id {
+                assert!(is_valid_id(id), "accepted id {}", id.get());
+            }
+            if let Some(params) = request.params {
+                assert!(params.get().starts_with(['[', '{']), "accepted params {}", params.get());
+            }
+            typed_params(&request.method, &Params::new(request.params.map(|p| p.get())));
+        }
+        Err(invalid) => assert!(is_valid_id(invalid.id), "answered with id {}", invalid.id.get()),
+    }
+}
+
+/// The params of each method, parsed into the type its handler uses.
+fn typed_params(method: &str, params: &Params<'_>) {
+    match method {
+        "host.info" => check::<serde_json::Map<String, serde_json::Value>>(params),
+        "host.reconcile" => check::<ReconcileParams>(params),
+        "vm.create" => check::<CreateParams>(params),
+        "vm.apply" => check::<ApplyParams>(params),
+        "vm.stop" | "vm.restart" => check::<StopParams>(params),
+        "vm.get" | "vm.start" | "vm.destroy" | "vm.guest_info" | "vm.guest_network" | "vm.check" => {
+            check::<NameParams>(params)
+        }
+        _ => {}
+    }
+}
+
+fn check<T: DeserializeOwned>(params: &Params<'_>) {
+    if let Err(e) = parse_params::<T>(params) {
+        assert_eq!(e.code, Code::InvalidParams, "{e:?}");
+        assert!(e.field.as_deref().is_some_and(|f| !f.is_empty()), "a params refusal names its field: {e:?}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fuzz_corpus_and_past_crashes_replay_cleanly() {
+        assert!(crate::fuzz::replay("request", request_line) >= 5, "the seed corpus is committed");
+    }
+}
