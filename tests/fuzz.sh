@@ -28,7 +28,8 @@ for target in "${targets[@]}"; do
         *) echo "fuzz.sh: unknown target $target" >&2; exit 2 ;;
     esac
     work=$root/target/fuzz
-    mkdir -p "$work/corpus/$target" "$work/artifacts/$target"
+    # libFuzzer refuses a missing corpus dir; the regressions dir exists once a crash was kept.
+    mkdir -p "$work/corpus/$target" "$work/artifacts/$target" "$crate/fuzz/regressions/$target"
     echo "fuzz.sh: $target for ${secs}s"
     (cd "$crate" && cargo fuzz run --target-dir "$work/build" "$target" \
         "$work/corpus/$target" "fuzz/corpus/$target" "fuzz/regressions/$target" -- \
