@@ -310,6 +310,9 @@ struct Boot {
     connected: Option<Duration>,
 }
 
+/// Picks one figure of a boot.
+type Pick = fn(&Boot) -> Option<Duration>;
+
 /// Polls the serial log (and `vm.get` when `host` is given) until the agent is seen serving
 /// (and connected).
 fn wait_boot(t0: Instant, running: Duration, serial: &Path, host: Option<(&TestHost, &str)>) -> Boot {
@@ -485,11 +488,11 @@ fn main() {
     let (vmhostd_boots, (libvirtd_boots, virtlogd_boots)) = (host.daemon_pid().map_or(0, rss_kib), lv.rss());
     drop(host);
 
-    let col = |v: &[Boot], f: fn(&Boot) -> Option<Duration>| -> Option<Duration> {
+    let col = |v: &[Boot], f: Pick| -> Option<Duration> {
         let xs: Vec<Duration> = v.iter().filter_map(f).collect();
         (!xs.is_empty()).then(|| median(xs))
     };
-    let min = |v: &[Boot], f: fn(&Boot) -> Option<Duration>| -> Option<Duration> { v.iter().filter_map(f).min() };
+    let min = |v: &[Boot], f: Pick| -> Option<Duration> { v.iter().filter_map(f).min() };
     let cell = |d: Option<Duration>| d.map_or("n/a".to_string(), |d| format!("{:.2}", d.as_secs_f64()));
     let ratio = |a: Option<Duration>, b: Option<Duration>| match (a, b) {
         (Some(a), Some(b)) if a > Duration::ZERO => format!("{:.2}", b.as_secs_f64() / a.as_secs_f64()),
@@ -505,7 +508,7 @@ fn main() {
     );
     let _ = writeln!(out, "| step | vmhost p50 (s) | libvirt p50 (s) | ratio | vmhost min (s) | libvirt min (s) |");
     let _ = writeln!(out, "|------|---------------:|----------------:|------:|---------------:|----------------:|");
-    let rows: [(&str, fn(&Boot) -> Option<Duration>); 3] = [
+    let rows: [(&str, Pick); 3] = [
         ("command returned (VM running): `vmhostctl create` / `virsh create`", |b| Some(b.running)),
         ("console `VMHOST-GUEST-READY`", |b| Some(b.ready)),
         ("console `vmhost-agent: serving on`", |b| Some(b.serving)),
