@@ -1,15 +1,16 @@
 #!/bin/bash
 # Runs a private libvirt (Debian 12: monolithic libvirtd 9.0 + virtlogd) for vmhost-compare,
 # without touching the host's own libvirt state or network: it lives in new mount and network
-# namespaces, with tmpfs over every libvirt state, config, cache, log and run dir, so nothing it
-# defines or starts (domains, the "default" network, capability caches) outlives it. Its API
-# socket is DIR/libvirt-sock (connect with qemu:///system?socket=DIR/libvirt-sock).
+# namespaces, with DIR/root/... bound over its config, state and log dirs and tmpfs over its cache
+# and run dirs, so nothing it defines or starts (domains, the "default" network, capability
+# caches) outlives it or touches the host's libvirt. Its API socket is DIR/libvirt-sock (connect
+# with qemu:///system?socket=DIR/libvirt-sock).
 #
 # Usage: tests/compare/libvirt-private.sh DIR
 # Writes DIR/libvirtd.conf; virtlogd's pid goes to DIR/virtlogd.pid; then execs libvirtd in the
 # foreground (so the caller's child pid is libvirtd's). Its QEMUs run as root
 # (DIR/qemu.conf, bound over /etc/libvirt/qemu.conf inside). Kill libvirtd and virtlogd to stop it;
-# the namespaces, tmpfs mounts and the QEMUs' private state vanish with their last process.
+# the namespaces and mounts vanish with their last process, the files with DIR.
 set -euo pipefail
 dir=${1:?usage: libvirt-private.sh DIR}
 cat >"$dir/libvirtd.conf" <<CONF
@@ -21,7 +22,13 @@ auth_unix_rw = "none"
 CONF
 exec unshare --mount --net --propagation private -- /bin/bash -euo pipefail -c '
     dir=$1
-    for d in /etc/libvirt/qemu /var/lib/libvirt /var/cache/libvirt /var/log/libvirt /run/libvirt; do
+    # What a real host keeps on disk stays on disk (DIR'"'"'s file system, like vmhostd'"'"'s state in
+    # vmhost-compare), so defining domains costs what it costs there; run and cache on tmpfs.
+    for d in /etc/libvirt/qemu /var/lib/libvirt /var/log/libvirt; do
+        mkdir -p "$d" "$dir/root$d"
+        mount --bind "$dir/root$d" "$d"
+    done
+    for d in /var/cache/libvirt /run/libvirt; do
         mkdir -p "$d"
         mount -t tmpfs -o mode=0755 libvirt-private "$d"
     done

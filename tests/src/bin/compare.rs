@@ -292,7 +292,15 @@ impl Drop for Libvirt {
             let _ = c.wait();
         }
         if let Some(pid) = virtlogd {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
+            let pid = nix::unistd::Pid::from_raw(pid as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while vmhost_tests::alive(pid.as_raw()) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if vmhost_tests::alive(pid.as_raw()) {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            }
         }
         for dir in &self.new_cgroups {
             rmdir_cgroup(dir);
@@ -613,7 +621,8 @@ fn main() {
     let _ = writeln!(
         out,
         "vmhost: {vms} VMs created `stopped` ({:.2} s over one connection, each record fsynced); libvirt: \
-         {vms} domains defined, not started ({:.2} s of `define` in one virsh session). CLI rows: p50 of \
+         {vms} domains defined, not started ({:.2} s of `define` in one virsh session); both on the same ext4 \
+         file system. CLI rows: p50 of \
          {cli_calls} runs, process start included. Connection rows: vmhost p50 of {list_api_calls} `vm.list` / \
          {api_calls} `vm.get` calls over one socket connection; libvirt the same count of `list --all` / \
          `dominfo` commands in one virsh session (its connection kept), p50 of virsh's own per-command \
@@ -693,8 +702,8 @@ fn main() {
          --update-docs` (see docs/testing.md; about 10 minutes): vmhostd (release build) and libvirt {} (Debian 12 `libvirt-daemon-system`, QEMU {}) on the same machine in one run. \
          Machine: 2 cores, TCG, other builds and tests running at the same time (1-minute load {load1} at the \
          start), so absolute figures are inflated and noisy; the ratios matter. libvirt ran privately \
-         (`tests/compare/libvirt-private.sh`: own mount and network namespaces, QEMU as root as under vmhostd, \
-         defaults otherwise: per-domain cgroups and /dev namespace, virtlogd for the console).\n\n{out}{END}\n",
+         (`tests/compare/libvirt-private.sh`: own mount and network namespaces, its config and state on the same \
+         ext4 file system as vmhostd's, QEMU as root as under vmhostd, defaults otherwise: per-domain cgroups and /dev namespace, virtlogd for the console).\n\n{out}{END}\n",
         pkg_version("libvirt-daemon"),
         pkg_version("qemu-system-x86"),
     );
