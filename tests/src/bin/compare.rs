@@ -699,7 +699,7 @@ fn main() {
 
     let section = format!(
         "{BEGIN}\n## Against libvirt 9 ({date})\n\n`cargo build --release --workspace --bins && target/release/vmhost-compare \
-         --update-docs` (see docs/testing.md; about 10 minutes): vmhostd (release build) and libvirt {} (Debian 12 `libvirt-daemon-system`, QEMU {}) on the same machine in one run. \
+         --update-docs` (see docs/testing.md; 5 to 10 minutes): vmhostd (release build) and libvirt {} (Debian 12 `libvirt-daemon-system`, QEMU {}) on the same machine in one run. \
          Machine: 2 cores, TCG, other builds and tests running at the same time (1-minute load {load1} at the \
          start), so absolute figures are inflated and noisy; the ratios matter. libvirt ran privately \
          (`tests/compare/libvirt-private.sh`: own mount and network namespaces, its config and state on the same \
