@@ -1,0 +1,725 @@
+//! vmhost-compare: vmhost against libvirt 9 (Debian 12's `libvirt-daemon-system`) on this machine,
+//! both measured in one run on the same kernel, initramfs and TCG settings, printed as a markdown
+//! table; `--update-docs` also replaces its section of docs/performance.md.
+//!
+//! 1. Create → running → guest ready → agent serving, alternately vmhost, libvirt, vmhost, ... for
+//!    `--rounds` rounds after one warm-up start each (libvirt probes QEMU's capabilities at its
+//!    first start). vmhost: `vmhostctl create SPEC.json`; libvirt: `virsh create DOMAIN.xml`
+//!    (transient). Both boot the agent test guest (`target/guest/initramfs-agent.cpio.gz`, the
+//!    static vmhost-agent inside) with 1 vCPU, 256 MiB, q35, TCG, serial console to a file and a
+//!    virtio-serial port named `org.vmhost.agent.0`; readiness is seen on that console
+//!    (`VMHOST-GUEST-READY`, then `vmhost-agent: serving on`), plus for vmhost when `vm.get`
+//!    reports `agent.connected`.
+//! 2. List/get with `--vms` records: vmhost VMs created `stopped`, libvirt domains defined (not
+//!    started). CLI (one process per call: `vmhostctl list|get`, `virsh list --all|dominfo`) and
+//!    in one connection (vmhost: `vm.list`/`vm.get` over the socket; libvirt: the same virsh
+//!    commands fed to one `virsh` session, which keeps its connection).
+//! 3. Memory: vmhostd against libvirtd + virtlogd (Debian 12's libvirt is the monolithic
+//!    libvirtd; its QEMU driver lives inside it); the guest agent's size and RSS against
+//!    qemu-guest-agent's (unpacked from its .deb; run on the host, see the printed note).
+//!
+//! libvirt runs privately (tests/compare/libvirt-private.sh: own mount and network namespaces,
+//! tmpfs over its state dirs) so nothing on the host is defined or changed beyond the packages
+//! installed if missing. Takes several minutes; not part of the tests.
+//! Usage: `vmhost-compare [--rounds N] [--vms N] [--cli-calls N] [--api-calls N] [--update-docs]`.
+
+use serde_json::{json, Value};
+use std::fmt::Write as _;
+use std::fs;
+use std::io::Write as _;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use vmhost::client::Client;
+use vmhost_tests::{bin, qemu_pids_under, workspace, HostOptions, TestHost, GUEST_READY};
+
+const AGENT_SERVING: &str = "vmhost-agent: serving on";
+const CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
+const MEMORY_MIB: u64 = 256;
+const BEGIN: &str = "<!-- compare:begin -->";
+const END: &str = "<!-- compare:end -->";
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2).find(|w| w[0] == name).and_then(|w| w[1].parse().ok()).unwrap_or(default)
+}
+
+fn flag(name: &str) -> bool {
+    std::env::args().any(|a| a == name)
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.2} MiB", bytes as f64 / 1048576.0)
+}
+
+/// Wraps prose lines at `width` columns like the rest of the docs; tables, lists, headings and
+/// markers stay as they are.
+fn wrap(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        if line.len() <= width || line.starts_with(['|', '#', '-', '<']) {
+            out.push_str(line);
+            out.push('\n');
+            continue;
+        }
+        let mut cur = String::new();
+        for word in line.split(' ') {
+            if !cur.is_empty() && cur.len() + 1 + word.len() > width {
+                out.push_str(&cur);
+                out.push('\n');
+                cur.clear();
+            }
+            if !cur.is_empty() {
+                cur.push(' ');
+            }
+            cur.push_str(word);
+        }
+        out.push_str(&cur);
+        out.push('\n');
+    }
+    out
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Installs libvirt's daemon and client if missing (no recommends: no dnsmasq, no lvm2).
+/// Debian's policy-rc.d on these machines keeps the packages from starting their services.
+fn ensure_libvirt() {
+    if Path::new("/usr/sbin/libvirtd").exists() && Path::new("/usr/bin/virsh").exists() {
+        return;
+    }
+    eprintln!("installing libvirt-daemon-system and libvirt-clients ...");
+    run(Command::new("apt-get")
+        .args(["install", "-y", "--no-install-recommends", "libvirt-daemon-system", "libvirt-clients"])
+        .env("DEBIAN_FRONTEND", "noninteractive"));
+}
+
+/// The libvirt package versions, e.g. "libvirt-daemon 9.0.0-4+deb12u2".
+fn pkg_version(pkg: &str) -> String {
+    let out = Command::new("dpkg-query").args(["-W", "-f", "${Version}", pkg]).output();
+    out.ok().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default()
+}
+
+/// A private libvirtd (and virtlogd) in its own namespaces; see tests/compare/libvirt-private.sh.
+struct Libvirt {
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    /// Cgroup dirs libvirt makes for its domains (`machine` under each controller) that did not
+    /// exist before: removed (when empty) at the end.
+    new_cgroups: Vec<std::path::PathBuf>,
+}
+
+fn machine_cgroups() -> Vec<std::path::PathBuf> {
+    let Ok(entries) = fs::read_dir("/sys/fs/cgroup") else { return Vec::new() };
+    entries.flatten().map(|e| e.path().join("machine")).filter(|p| p.is_dir()).collect()
+}
+
+/// Removes a cgroup dir and its child cgroups, deepest first (rmdir works on an empty cgroup).
+fn rmdir_cgroup(dir: &Path) {
+    if let Ok(entries) = fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                rmdir_cgroup(&e.path());
+            }
+        }
+    }
+    let _ = fs::remove_dir(dir);
+}
+
+impl Libvirt {
+    fn start() -> Libvirt {
+        let dir = tempfile::Builder::new().prefix("vmhcmp").tempdir_in("/tmp").expect("tempdir");
+        let log = fs::File::create(dir.path().join("libvirtd.log")).expect("libvirtd log");
+        let err = log.try_clone().expect("dup log");
+        let child = Command::new(workspace().join("tests/compare/libvirt-private.sh"))
+            .arg(dir.path())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .expect("spawn tests/compare/libvirt-private.sh");
+        let before = machine_cgroups();
+        let mut lv = Libvirt { dir, child: Some(child), new_cgroups: Vec::new() };
+        lv.new_cgroups =
+            ["cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "systemd", "unified"]
+                .iter()
+                .map(|c| Path::new("/sys/fs/cgroup").join(c).join("machine"))
+                .filter(|p| !before.contains(p))
+                .collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if lv.dir.path().join("libvirt-sock").exists() && lv.virsh_ok(&["version"]) {
+                return lv;
+            }
+            if let Some(Ok(Some(st))) = lv.child.as_mut().map(Child::try_wait) {
+                panic!("libvirtd exited with {st}: {}", lv.log());
+            }
+            assert!(Instant::now() < deadline, "libvirtd did not come up: {}", lv.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("libvirtd.log")).unwrap_or_default()
+    }
+
+    fn uri(&self) -> String {
+        format!("qemu:///system?socket={}", self.dir.path().join("libvirt-sock").display())
+    }
+
+    fn virsh(&self) -> Command {
+        let mut c = Command::new("virsh");
+        c.arg("-q").arg("-c").arg(self.uri());
+        c
+    }
+
+    fn virsh_ok(&self, args: &[&str]) -> bool {
+        self.virsh().args(args).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    }
+
+    fn pid(&self, name: &str) -> Option<u32> {
+        fs::read_to_string(self.dir.path().join(format!("{name}.pid"))).ok()?.trim().parse().ok()
+    }
+
+    /// RSS of libvirtd and of virtlogd.
+    fn rss(&self) -> (u64, u64) {
+        (self.pid("libvirtd").map_or(0, rss_kib), self.pid("virtlogd").map_or(0, rss_kib))
+    }
+
+    /// Runs commands in one virsh session (one connection kept). Returns the wall time and each
+    /// command's own time as virsh measures it (`-t`).
+    fn session(&self, commands: &str) -> (Duration, Vec<Duration>) {
+        let mut child = self
+            .virsh()
+            .arg("-t")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn virsh");
+        let t = Instant::now();
+        let mut stdin = child.stdin.take().expect("virsh stdin");
+        let text = commands.to_string();
+        let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
+        let out = child.wait_with_output().expect("wait virsh");
+        let elapsed = t.elapsed();
+        writer.join().expect("writer thread").expect("write to virsh");
+        assert!(out.status.success(), "virsh session failed: {}", String::from_utf8_lossy(&out.stderr));
+        let times = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("(Time: ")?.strip_suffix(" ms)")?.parse::<f64>().ok())
+            .map(|v| Duration::from_secs_f64(v / 1e3))
+            .collect();
+        (elapsed, times)
+    }
+
+    fn domain_xml(&self, name: &str, kernel: &Path, initrd: &Path, serial: &Path) -> String {
+        format!(
+            r#"<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>{MEMORY_MIB}</memory>
+  <vcpu>1</vcpu>
+  <os>
+    <type arch='x86_64' machine='q35'>hvm</type>
+    <kernel>{kernel}</kernel>
+    <initrd>{initrd}</initrd>
+    <cmdline>{CMDLINE}</cmdline>
+  </os>
+  <features><acpi/></features>
+  <on_poweroff>destroy</on_poweroff>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <serial type='file'><source path='{serial}'/><target port='0'/></serial>
+    <channel type='unix'>
+      <source mode='bind' path='{agent}'/>
+      <target type='virtio' name='org.vmhost.agent.0'/>
+    </channel>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+"#,
+            kernel = kernel.display(),
+            initrd = initrd.display(),
+            serial = serial.display(),
+            agent = self.dir.path().join(format!("{name}.agent.sock")).display(),
+        )
+    }
+}
+
+impl Drop for Libvirt {
+    fn drop(&mut self) {
+        // Running domains first (libvirt then removes their cgroups), then anything left.
+        if let Ok(out) = self.virsh().args(["list", "--name"]).output() {
+            for name in String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()) {
+                let _ = self.virsh().args(["destroy", name.trim()]).stdout(Stdio::null()).status();
+            }
+        }
+        for pid in qemu_pids_under(self.dir.path()) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+        let virtlogd = self.pid("virtlogd");
+        if let Some(mut c) = self.child.take() {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(pid) = virtlogd {
+            let pid = nix::unistd::Pid::from_raw(pid as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while vmhost_tests::alive(pid.as_raw()) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if vmhost_tests::alive(pid.as_raw()) {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            }
+        }
+        for dir in &self.new_cgroups {
+            rmdir_cgroup(dir);
+        }
+    }
+}
+
+/// One boot: command returned (VM running), console ready line, console agent line, and (vmhost
+/// only) `agent.connected`.
+#[derive(Default, Clone)]
+struct Boot {
+    running: Duration,
+    ready: Duration,
+    serving: Duration,
+    connected: Option<Duration>,
+}
+
+/// Picks one figure of a boot.
+type Pick = fn(&Boot) -> Option<Duration>;
+
+/// Polls the serial log (and `vm.get` when `host` is given) until the agent is seen serving
+/// (and connected).
+fn wait_boot(t0: Instant, running: Duration, serial: &Path, host: Option<(&TestHost, &str)>) -> Boot {
+    let mut b = Boot { running, ..Boot::default() };
+    let (mut ready, mut serving) = (None, None);
+    let deadline = t0 + Duration::from_secs(180);
+    loop {
+        let log = fs::read_to_string(serial).unwrap_or_default();
+        if ready.is_none() && log.contains(GUEST_READY) {
+            ready = Some(t0.elapsed());
+        }
+        if serving.is_none() && log.contains(AGENT_SERVING) {
+            serving = Some(t0.elapsed());
+        }
+        if let Some((h, name)) = host {
+            if b.connected.is_none() && h.call("vm.get", json!({ "name": name }))["agent"]["connected"] == true {
+                b.connected = Some(t0.elapsed());
+            }
+        }
+        if let (Some(r), Some(s)) = (ready, serving) {
+            if host.is_none() || b.connected.is_some() {
+                b.ready = r;
+                b.serving = s;
+                return b;
+            }
+        }
+        assert!(Instant::now() < deadline, "guest did not boot within 180 s; console:\n{log}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn boot_vmhost(host: &TestHost, name: &str, spec_dir: &Path) -> (Boot, Option<u64>) {
+    let g = vmhost_tests::agent_guest();
+    let spec = json!({"name": name, "cpu": 1, "memory_mib": MEMORY_MIB,
+        "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": CMDLINE}});
+    let file = spec_dir.join(format!("{name}.json"));
+    fs::write(&file, spec.to_string()).expect("write spec");
+    let t0 = Instant::now();
+    let out = host.ctl(&["create", &file.to_string_lossy()]);
+    let running = t0.elapsed();
+    assert!(out.status.success(), "vmhostctl create: {}", String::from_utf8_lossy(&out.stderr));
+    let serial = host.state().join("logs").join(format!("{name}.serial.log"));
+    let b = wait_boot(t0, running, &serial, Some((host, name)));
+    let rss = host.call("vm.guest_info", json!({ "name": name }))["rss_kib"].as_u64();
+    host.call("vm.destroy", json!({ "name": name }));
+    (b, rss)
+}
+
+fn boot_libvirt(lv: &Libvirt, name: &str) -> Boot {
+    let g = vmhost_tests::agent_guest();
+    let serial = lv.dir.path().join(format!("{name}.serial.log"));
+    let xml = lv.dir.path().join(format!("{name}.xml"));
+    fs::write(&xml, lv.domain_xml(name, &g.kernel, &g.initrd, &serial)).expect("write domain xml");
+    let t0 = Instant::now();
+    run(lv.virsh().arg("create").arg(&xml));
+    let running = t0.elapsed();
+    let b = wait_boot(t0, running, &serial, None);
+    run(lv.virsh().args(["destroy", name]));
+    b
+}
+
+/// Median wall time of `n` runs of a command (process spawn included).
+fn cli_median(n: usize, mut make: impl FnMut(usize) -> Command) -> Duration {
+    let times = (0..n)
+        .map(|i| {
+            let mut c = make(i);
+            c.stdout(Stdio::null()).stderr(Stdio::null());
+            let t = Instant::now();
+            let st = c.status().expect("spawn CLI");
+            let d = t.elapsed();
+            assert!(st.success(), "{c:?} failed");
+            d
+        })
+        .collect();
+    median(times)
+}
+
+/// qemu-guest-agent unpacked from its Debian package: binary size, shared libraries, RSS.
+struct QemuGa {
+    version: String,
+    size: u64,
+    libs: Vec<(String, u64)>,
+    rss_kib: u64,
+}
+
+fn qemu_ga(work: &Path) -> QemuGa {
+    let dl = work.join("qga-deb");
+    fs::create_dir_all(&dl).expect("mkdir");
+    run(Command::new("apt-get").args(["download", "qemu-guest-agent"]).current_dir(&dl));
+    let deb = fs::read_dir(&dl)
+        .expect("read download dir")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .expect("qemu-guest-agent .deb downloaded");
+    let root = work.join("qga-root");
+    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root));
+    let ga = root.join("usr/sbin/qemu-ga");
+    let version = run(Command::new("dpkg-deb").args(["-f"]).arg(&deb).arg("Version")).trim().to_string();
+    let size = fs::metadata(&ga).map(|m| m.len()).expect("qemu-ga in the package");
+    // Its shared libraries as this Debian 12 host resolves them (the guest would need the same).
+    let ldd = run(Command::new("ldd").arg(&ga));
+    let libs = ldd
+        .lines()
+        .filter_map(|l| {
+            let path = l.split("=>").nth(1)?.split_whitespace().next()?;
+            let real = fs::canonicalize(path).ok()?;
+            let name = l.split_whitespace().next()?.to_string();
+            Some((name, fs::metadata(real).ok()?.len()))
+        })
+        .collect();
+    // Run it on the host against a Unix socket (a virtio-serial port's stand-in), answer one
+    // guest-info, then read its RSS.
+    let sock = work.join("qga.sock");
+    let mut child = Command::new(&ga)
+        .args(["-m", "unix-listen", "-p"])
+        .arg(&sock)
+        .arg("-t")
+        .arg(work)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn qemu-ga");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sock.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut rss = 0;
+    if let Ok(mut s) = std::os::unix::net::UnixStream::connect(&sock) {
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let _ = s.write_all(b"{\"execute\":\"guest-info\"}\n");
+        let mut buf = [0u8; 65536];
+        let _ = std::io::Read::read(&mut s, &mut buf);
+        std::thread::sleep(Duration::from_millis(200));
+        rss = rss_kib(child.id());
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    QemuGa { version, size, libs, rss_kib: rss }
+}
+
+fn main() {
+    let rounds = arg("--rounds", 5);
+    let vms = arg("--vms", 1000);
+    let cli_calls = arg("--cli-calls", 20);
+    let api_calls = arg("--api-calls", 200);
+    let update_docs = flag("--update-docs");
+
+    ensure_libvirt();
+    let guest = vmhost_tests::agent_guest();
+    let work = tempfile::Builder::new().prefix("vmhcmpw").tempdir_in("/tmp").expect("tempdir");
+    let mut out = String::new();
+    let date = run(Command::new("date").args(["-u", "+%Y-%m-%d"])).trim().to_string();
+    let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load1 = load.split_whitespace().next().unwrap_or("?").to_string();
+
+    // 1. Boot latency, alternating.
+    let host = TestHost::start(HostOptions::default());
+    let lv = Libvirt::start();
+    let (vmhostd_idle, (libvirtd_idle, virtlogd_idle)) = (host.daemon_pid().map_or(0, rss_kib), lv.rss());
+    eprintln!("warm-up starts ...");
+    let _ = boot_vmhost(&host, "warm", work.path());
+    let _ = boot_libvirt(&lv, "warm");
+    let (mut vh, mut lb, mut agent_rss) = (Vec::new(), Vec::new(), None);
+    for r in 0..rounds {
+        eprintln!("round {} of {rounds}", r + 1);
+        let (b, rss) = boot_vmhost(&host, &format!("cmp{r}"), work.path());
+        agent_rss = agent_rss.or(rss);
+        vh.push(b);
+        lb.push(boot_libvirt(&lv, &format!("cmp{r}")));
+    }
+    let (vmhostd_boots, (libvirtd_boots, virtlogd_boots)) = (host.daemon_pid().map_or(0, rss_kib), lv.rss());
+    drop(host);
+
+    let col = |v: &[Boot], f: Pick| -> Option<Duration> {
+        let xs: Vec<Duration> = v.iter().filter_map(f).collect();
+        (!xs.is_empty()).then(|| median(xs))
+    };
+    let min = |v: &[Boot], f: Pick| -> Option<Duration> { v.iter().filter_map(f).min() };
+    let cell = |d: Option<Duration>| d.map_or("n/a".to_string(), |d| format!("{:.2}", d.as_secs_f64()));
+    let ratio = |a: Option<Duration>, b: Option<Duration>| match (a, b) {
+        (Some(a), Some(b)) if a > Duration::ZERO => format!("{:.2}", b.as_secs_f64() / a.as_secs_f64()),
+        _ => "n/a".into(),
+    };
+    let _ = writeln!(out, "### Boot: create → running → guest ready → agent serving\n");
+    let _ = writeln!(
+        out,
+        "p50 of {rounds} rounds, alternating vmhost and libvirt after one warm-up start each; seconds from \
+         the command's start. Same kernel and initramfs (`initramfs-agent.cpio.gz`), 1 vCPU, {MEMORY_MIB} MiB, \
+         q35, TCG, serial console to a file, virtio-serial port for the agent. Ratio = libvirt / vmhost. \
+         The minimum is the least disturbed round on this shared machine.\n"
+    );
+    let _ = writeln!(out, "| step | vmhost p50 (s) | libvirt p50 (s) | ratio | vmhost min (s) | libvirt min (s) |");
+    let _ = writeln!(out, "|------|---------------:|----------------:|------:|---------------:|----------------:|");
+    let rows: [(&str, Pick); 3] = [
+        ("command returned (VM running): `vmhostctl create` / `virsh create`", |b| Some(b.running)),
+        ("console `VMHOST-GUEST-READY`", |b| Some(b.ready)),
+        ("console `vmhost-agent: serving on`", |b| Some(b.serving)),
+    ];
+    for (label, f) in rows {
+        let (a, b) = (col(&vh, f), col(&lb, f));
+        let (c, d) = (min(&vh, f), min(&lb, f));
+        let _ = writeln!(out, "| {label} | {} | {} | {} | {} | {} |", cell(a), cell(b), ratio(a, b), cell(c), cell(d));
+    }
+    let _ = writeln!(
+        out,
+        "| vmhost: `vm.get` shows `agent.connected` (daemon's session up) | {} | — | — | {} | — |",
+        cell(col(&vh, |b| b.connected)),
+        cell(min(&vh, |b| b.connected))
+    );
+    let _ = writeln!(out, "\nEach round (vmhost; libvirt), seconds to running / ready / serving:\n");
+    for (i, (a, b)) in vh.iter().zip(&lb).enumerate() {
+        let _ = writeln!(
+            out,
+            "- round {}: {:.2} / {:.2} / {:.2}; {:.2} / {:.2} / {:.2}",
+            i + 1,
+            a.running.as_secs_f64(),
+            a.ready.as_secs_f64(),
+            a.serving.as_secs_f64(),
+            b.running.as_secs_f64(),
+            b.ready.as_secs_f64(),
+            b.serving.as_secs_f64()
+        );
+    }
+
+    // 2. List/get with N records.
+    eprintln!("defining {vms} records on each side ...");
+    let host = TestHost::start(HostOptions {
+        cpu: (vms as u32) + 2,
+        memory_gib: (vms as u64 * 64 / 1024) + 2,
+        ..HostOptions::default()
+    });
+    let name = |i: usize| format!("cmp-{i:04}");
+    let t = Instant::now();
+    let mut c = Client::connect(&host.socket).expect("connect");
+    for i in 0..vms {
+        let spec = json!({"name": name(i), "cpu": 1, "memory_mib": 64, "state": "stopped",
+            "boot": {"kernel": guest.kernel, "initrd": guest.initrd, "cmdline": CMDLINE}});
+        let _: Value = c.call("vm.create", json!({ "spec": spec })).expect("vm.create stopped");
+    }
+    let vmhost_define = t.elapsed();
+    let xml_dir = work.path().join("xml");
+    fs::create_dir_all(&xml_dir).expect("mkdir xml");
+    let mut cmds = String::new();
+    for i in 0..vms {
+        let f = xml_dir.join(format!("{}.xml", name(i)));
+        let serial = lv.dir.path().join(format!("{}.serial.log", name(i)));
+        fs::write(&f, lv.domain_xml(&name(i), &guest.kernel, &guest.initrd, &serial)).expect("write xml");
+        let _ = writeln!(cmds, "define {}", f.display());
+    }
+    let (libvirt_define, _) = lv.session(&cmds);
+    let listed = run(lv.virsh().args(["list", "--all", "--name"])).lines().filter(|l| !l.trim().is_empty()).count();
+    assert!(listed >= vms, "virsh list shows {listed} domains, expected {vms}");
+
+    let sock = host.socket.clone();
+    let ctl = bin("vmhostctl");
+    let v_list_cli = cli_median(cli_calls, |_| {
+        let mut c = Command::new(&ctl);
+        c.arg("--socket").arg(&sock).arg("list");
+        c
+    });
+    let v_get_cli = cli_median(cli_calls, |i| {
+        let mut c = Command::new(&ctl);
+        c.arg("--socket").arg(&sock).args(["get", &name(i * 37 % vms)]);
+        c
+    });
+    let l_list_cli = cli_median(cli_calls, |_| {
+        let mut c = lv.virsh();
+        c.args(["list", "--all"]);
+        c
+    });
+    let l_get_cli = cli_median(cli_calls, |i| {
+        let mut c = lv.virsh();
+        c.args(["dominfo", &name(i * 37 % vms)]);
+        c
+    });
+    let mut api = |method: &str, n: usize| -> Duration {
+        let mut lat = Vec::with_capacity(n);
+        for i in 0..n {
+            let params = if method == "vm.get" { json!({ "name": name(i * 37 % vms) }) } else { json!({}) };
+            let t = Instant::now();
+            let _: Value = c.call(method, params).expect("api call");
+            lat.push(t.elapsed());
+        }
+        median(lat)
+    };
+    let list_api_calls = (api_calls / 10).max(5);
+    let v_list_api = api("vm.list", list_api_calls);
+    let v_get_api = api("vm.get", api_calls);
+    // One virsh session: p50 of virsh's own per-command times (`virsh -t`).
+    let l_list_api = median(lv.session(&"list --all\n".repeat(list_api_calls)).1);
+    let l_get_api =
+        median(lv.session(&(0..api_calls).map(|i| format!("dominfo {}\n", name(i * 37 % vms))).collect::<String>()).1);
+    let (vmhostd_loaded, (libvirtd_loaded, virtlogd_loaded)) = (host.daemon_pid().map_or(0, rss_kib), lv.rss());
+
+    let _ = writeln!(out, "\n### List and get with {vms} records\n");
+    let _ = writeln!(
+        out,
+        "vmhost: {vms} VMs created `stopped` ({:.2} s over one connection, each record fsynced); libvirt: \
+         {vms} domains defined, not started ({:.2} s of `define` in one virsh session); both on the same ext4 \
+         file system. CLI rows: p50 of \
+         {cli_calls} runs, process start included. Connection rows: vmhost p50 of {list_api_calls} `vm.list` / \
+         {api_calls} `vm.get` calls over one socket connection; libvirt the same count of `list --all` / \
+         `dominfo` commands in one virsh session (its connection kept), p50 of virsh's own per-command \
+         times (`virsh -t`).\n",
+        vmhost_define.as_secs_f64(),
+        libvirt_define.as_secs_f64()
+    );
+    let _ = writeln!(out, "| operation | vmhost (ms) | libvirt (ms) | ratio |");
+    let _ = writeln!(out, "|-----------|------------:|-------------:|------:|");
+    let r = |a: Duration, b: Duration| format!("{:.2}", b.as_secs_f64() / a.as_secs_f64().max(1e-9));
+    for (label, a, b) in [
+        ("list, CLI: `vmhostctl list` / `virsh list --all`", v_list_cli, l_list_cli),
+        ("get, CLI: `vmhostctl get` / `virsh dominfo`", v_get_cli, l_get_cli),
+        ("list, one connection: `vm.list` / `list --all`", v_list_api, l_list_api),
+        ("get, one connection: `vm.get` / `dominfo`", v_get_api, l_get_api),
+    ] {
+        let _ = writeln!(out, "| {label} | {:.2} | {:.2} | {} |", ms(a), ms(b), r(a, b));
+    }
+    drop(host);
+
+    // 3. Memory and the agents.
+    let qga = qemu_ga(work.path());
+    drop(lv);
+    let ours = workspace().join("target/guest-agent/vmhost-agent");
+    let ours_size = fs::metadata(&ours).map(|m| m.len()).unwrap_or(0);
+    let libs_total: u64 = qga.libs.iter().map(|l| l.1).sum();
+    let _ = writeln!(out, "\n### Daemon memory (RSS, KiB)\n");
+    let _ = writeln!(
+        out,
+        "libvirt: Debian 12's libvirt 9 runs the monolithic `libvirtd` (its QEMU driver inside) plus `virtlogd` \
+         (QEMU's console and log output); both are counted.\n"
+    );
+    let _ = writeln!(out, "| when | vmhostd | libvirtd | virtlogd | libvirt total | ratio (libvirt / vmhost) |");
+    let _ = writeln!(out, "|------|--------:|---------:|---------:|--------------:|------------------------:|");
+    for (label, v, l, g) in [
+        ("started, nothing defined", vmhostd_idle, libvirtd_idle, virtlogd_idle),
+        (&*format!("after {} boots", rounds + 1), vmhostd_boots, libvirtd_boots, virtlogd_boots),
+        (&*format!("{vms} records, after the list/get calls"), vmhostd_loaded, libvirtd_loaded, virtlogd_loaded),
+    ] {
+        let _ = writeln!(out, "| {label} | {v} | {l} | {g} | {} | {:.1} |", l + g, (l + g) as f64 / v.max(1) as f64);
+    }
+    let _ = writeln!(out, "\n### Guest agent\n");
+    let _ = writeln!(out, "| figure | vmhost-agent | qemu-guest-agent |");
+    let _ = writeln!(out, "|--------|-------------:|-----------------:|");
+    let _ = writeln!(
+        out,
+        "| binary (stripped) | {} bytes ({}), static | {} bytes ({}), dynamic, version {} |",
+        ours_size,
+        mib(ours_size),
+        qga.size,
+        mib(qga.size),
+        qga.version
+    );
+    let _ = writeln!(
+        out,
+        "| shared libraries it loads (sizes on Debian 12) | none | {} bytes ({}) in {} libraries |",
+        libs_total,
+        mib(libs_total),
+        qga.libs.len()
+    );
+    let _ = writeln!(
+        out,
+        "| RSS | {} KiB (in the guest, `vm.guest_info`) | {} KiB (on the host, after one `guest-info`) |",
+        agent_rss.map_or("n/a".into(), |v| v.to_string()),
+        qga.rss_kib
+    );
+    let _ = writeln!(
+        out,
+        "\nqemu-ga's libraries: {}. It was not booted in the test guest (the busybox initramfs has no glibc \
+         or glib); it ran on the host with `-m unix-listen` on a socket, a virtio-serial port's stand-in, \
+         so its RSS counts the host's resident pages of those shared libraries.",
+        qga.libs.iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
+    );
+
+    let section = format!(
+        "{BEGIN}\n## Against libvirt 9 ({date})\n\n`cargo build --release --workspace --bins && target/release/vmhost-compare \
+         --update-docs` (see docs/testing.md; 5 to 10 minutes): vmhostd (release build) and libvirt {} (Debian 12 `libvirt-daemon-system`, QEMU {}) on the same machine in one run. \
+         Machine: 2 cores, TCG, other builds and tests running at the same time (1-minute load {load1} at the \
+         start), so absolute figures are inflated and noisy; the ratios matter. libvirt ran privately \
+         (`tests/compare/libvirt-private.sh`: own mount and network namespaces, its config and state on the same \
+         ext4 file system as vmhostd's, QEMU as root as under vmhostd, defaults otherwise: per-domain cgroups and /dev namespace, virtlogd for the console).\n\n{out}{END}\n",
+        pkg_version("libvirt-daemon"),
+        pkg_version("qemu-system-x86"),
+    );
+    let section = wrap(&section, 100);
+    println!("{section}");
+    if update_docs {
+        let path = workspace().join("docs/performance.md");
+        let doc = fs::read_to_string(&path).expect("read docs/performance.md");
+        let new = match (doc.find(BEGIN), doc.find(END)) {
+            (Some(b), Some(e)) if e > b => {
+                let tail = doc[e + END.len()..].trim_start_matches('\n');
+                format!("{}{section}{}{tail}", &doc[..b], if tail.is_empty() { "" } else { "\n" })
+            }
+            _ => format!("{}\n{section}", doc.trim_end_matches('\n').to_string() + "\n"),
+        };
+        fs::write(&path, new).expect("write docs/performance.md");
+        eprintln!("updated {}", path.display());
+    }
+}
