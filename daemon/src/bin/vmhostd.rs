@@ -1,6 +1,7 @@
 //! vmhostd: the vmhost host daemon.
 //!
-//! Start-up order matters: config (refuse to start on any error), logging, the manager (records
+//! Start-up order matters: config (refuse to start on any error), logging, the sandbox (before
+//! any other thread exists; see `vmhost::sandbox`), the manager (records
 //! loaded and running VMs re-adopted *before* the socket accepts calls), then the socket. On
 //! SIGTERM/SIGINT the socket closes and the daemon exits; VMs keep running.
 
@@ -49,6 +50,13 @@ fn main() -> ExitCode {
         builder.init();
     }
     raise_fd_limit();
+    // Before the runtime: capabilities, Landlock and seccomp bind the calling thread and the
+    // threads it creates afterwards (docs/sandbox.md).
+    if let Err(e) = vmhost::sandbox::enter(&config) {
+        tracing::error!("{e}");
+        eprintln!("vmhostd: refusing to start: {e}");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
