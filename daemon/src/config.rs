@@ -590,7 +590,8 @@ reserved_memory_gib = 8
         for (text, mode) in
             [("require", SandboxMode::Require), ("best-effort", SandboxMode::BestEffort), ("off", SandboxMode::Off)]
         {
-            let c = parse(&format!("sandbox = \"{text}\"\nseccomp = \"log\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n")).unwrap();
+            let c = parse(&format!("sandbox = \"{text}\"\nseccomp = \"log\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n"))
+                .unwrap();
             assert_eq!(c.sandbox, mode);
             assert_eq!(c.sandbox.as_str(), text);
             assert_eq!(c.seccomp, SeccompMode::Log);

@@ -132,7 +132,11 @@ fn host_check_reports_each_layer() {
     let detail = |n: &str| item(&items, n)["detail"].as_str().unwrap_or_default().to_string();
     assert!(detail("sandbox").contains("mode require; no_new_privs set"), "{}", detail("sandbox"));
     assert!(detail("capabilities").starts_with("daemon: effective=cap_kill,cap_net_admin permitted=cap_kill,cap_net_admin bounding=cap_kill,cap_net_admin inheritable=none ambient=none; spawner: effective=cap_setgid,cap_setuid"), "{}", detail("capabilities"));
-    assert!(detail("landlock").starts_with("daemon: fully enforced with ABI 5 rights (kernel ABI "), "{}", detail("landlock"));
+    assert!(
+        detail("landlock").starts_with("daemon: fully enforced with ABI 5 rights (kernel ABI "),
+        "{}",
+        detail("landlock")
+    );
     assert!(detail("landlock").contains("spawner: fully enforced"), "{}", detail("landlock"));
     assert!(detail("seccomp").starts_with("enforce: "), "{}", detail("seccomp"));
 }
@@ -189,7 +193,8 @@ fn require_refuses_a_kernel_without_landlock_and_best_effort_reports_it() {
     assert!(!host.socket.exists(), "nothing served");
 
     // best-effort: starts, and host.check says Landlock is missing.
-    let text = std::fs::read_to_string(&host.config).unwrap().replace("sandbox = \"require\"", "sandbox = \"best-effort\"");
+    let text =
+        std::fs::read_to_string(&host.config).unwrap().replace("sandbox = \"require\"", "sandbox = \"best-effort\"");
     std::fs::write(&host.config, text).unwrap();
     let mut child = without_landlock(&host).stderr(std::process::Stdio::null()).spawn().unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);

@@ -176,11 +176,8 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
     }
     // Raising the hard limit needs CAP_SYS_RESOURCE. Without it (EPERM) the limit stays as it
     // is and QEMU relies on CAP_IPC_LOCK, as a root QEMU has; the daemon logs that above.
-    let command = spawn::Command::new(&req.binary)
-        .args(req.argv.iter().cloned())
-        .capture_stderr()
-        .pass_fds(fds)
-        .memlock(memlock);
+    let command =
+        spawn::Command::new(&req.binary).args(req.argv.iter().cloned()).capture_stderr().pass_fds(fds).memlock(memlock);
     let mut child = command.spawn().await.map_err(LaunchError::Spawn)?;
     // From here on, any early return (or the caller dropping us) kills what the pidfile names.
     let mut cleanup = KillFromPidfile { pidfile: &req.pidfile, armed: true };

@@ -22,7 +22,10 @@ pub const CAP_SYS_MODULE: u32 = 16;
 /// What the daemon keeps, each with the reason (shown by docs/sandbox.md and `host.check`).
 pub const DAEMON: &[(Capability, &str)] = &[
     (Capability::CAP_NET_ADMIN, "netlink changes to links and bridges, TUNSETIFF/TUNSETPERSIST on /dev/net/tun"),
-    (Capability::CAP_KILL, "signals to QEMU processes that may run as another user (re-adopted VMs, later an unprivileged QEMU user)"),
+    (
+        Capability::CAP_KILL,
+        "signals to QEMU processes that may run as another user (re-adopted VMs, later an unprivileged QEMU user)",
+    ),
 ];
 
 /// What the spawner keeps, each with the reason.

@@ -140,7 +140,8 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
 
     // 2. Directories.
     let p = &config.paths;
-    let mut dirs = vec![p.state.clone(), p.state.join("disks"), p.state.join("logs"), p.state.join("seeds"), p.run.clone()];
+    let mut dirs =
+        vec![p.state.clone(), p.state.join("disks"), p.state.join("logs"), p.state.join("seeds"), p.run.clone()];
     dirs.extend(p.socket.parent().map(std::path::Path::to_path_buf));
     for d in dirs {
         std::fs::create_dir_all(&d).map_err(|source| SandboxError::Dir { path: d.display().to_string(), source })?;

@@ -38,7 +38,11 @@ pub fn run(outside: &str) {
     let unshare = {
         // SAFETY: unshare with a flag; must be refused here.
         let r = unsafe { libc::unshare(libc::CLONE_NEWNS) };
-        if r == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
     };
     lines.push(format!("unshare: {}", outcome(unshare)));
     let state_ok = Path::new("/proc/self/status").exists();

@@ -31,8 +31,8 @@ use nix::sys::socket::{
     recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
 };
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// The fd number the first passed descriptor gets in the child.
 pub const FIRST_PASSED_FD: i32 = 3;
@@ -69,7 +69,14 @@ pub struct Command {
 impl Command {
     /// `program` with no arguments, stdin, stdout and stderr on `/dev/null`.
     pub fn new(program: impl Into<PathBuf>) -> Command {
-        Command { program: program.into(), args: Vec::new(), stdout: false, stderr: false, fds: Vec::new(), memlock: None }
+        Command {
+            program: program.into(),
+            args: Vec::new(),
+            stdout: false,
+            stderr: false,
+            fds: Vec::new(),
+            memlock: None,
+        }
     }
 
     /// Appends arguments.
@@ -525,7 +532,8 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
 pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: bool) -> ! {
     let mut running: Vec<Running> = Vec::new();
     loop {
-        let mut pfds: Vec<libc::pollfd> = vec![libc::pollfd { fd: control.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        let mut pfds: Vec<libc::pollfd> =
+            vec![libc::pollfd { fd: control.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
         for r in &running {
             let fd = r.pidfd.as_ref().map_or(-1, AsRawFd::as_raw_fd);
             pfds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
@@ -586,7 +594,12 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
 }
 
 /// Checks and starts one request in the spawner.
-fn start(bytes: &[u8], mut fds: Vec<OwnedFd>, allow: &Allowlist, ambient_sys_module: bool) -> io::Result<std::process::Child> {
+fn start(
+    bytes: &[u8],
+    mut fds: Vec<OwnedFd>,
+    allow: &Allowlist,
+    ambient_sys_module: bool,
+) -> io::Result<std::process::Child> {
     let req: Request = serde_json::from_slice(bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let want = usize::from(req.stdout) + usize::from(req.stderr) + req.nfds;
     if fds.len() != want || req.nfds > MAX_PASSED_FDS {
