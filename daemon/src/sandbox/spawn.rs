@@ -548,18 +548,16 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
             }
             std::process::exit(1);
         }
-        // Reap what exited.
-        let mut i = 0;
-        while i < running.len() {
+        // Reap what exited. Backwards, so swap_remove only moves entries already looked at and
+        // `pfds[i + 1]` stays the entry of `running[i]`.
+        for i in (0..running.len()).rev() {
             let ready = pfds[i + 1].revents != 0 || running[i].pidfd.is_none();
             if ready {
                 if let Ok(Some(status)) = running[i].child.try_wait() {
                     let r = running.swap_remove(i);
                     send_reply(&r.reply, &Reply { status: Some(status.into_raw()), ..Reply::default() }, None);
-                    continue;
                 }
             }
-            i += 1;
         }
         if pfds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) == 0 {
             continue;
