@@ -4,7 +4,8 @@
 //! Items, in this order: `sandbox` (mode, no_new_privs, environment), `capabilities` (daemon and
 //! spawner sets), `landlock` (kernel ABI, enforcement, rules), `seccomp` (mode, table size).
 //! With `best-effort` a layer that is not in force is `missing`; with `off` every item is `ok`
-//! and says the sandbox is off.
+//! and says the sandbox is off. `landlock` is `ok` only when both the daemon's and the spawner's
+//! rulesets are in force.
 
 use super::caps::CapSets;
 use super::State;
@@ -55,10 +56,11 @@ pub fn items(config: &Config, st: &State) -> Vec<CheckItem> {
         ),
     );
     let spawner_ll = st.spawner.as_ref().map_or("none".to_string(), |s| s.landlock.clone());
+    let spawner_enforced = st.spawner.as_ref().is_some_and(|s| s.landlock_enforced);
     let landlock = match &st.landlock {
         Some(Ok(o)) => item(
             "landlock",
-            CheckStatus::Ok,
+            if spawner_enforced { CheckStatus::Ok } else { CheckStatus::Missing },
             format!(
                 "daemon: {} with ABI {} rights (kernel ABI {}), {} rules{}; spawner: {}",
                 o.status,
@@ -97,4 +99,55 @@ pub fn items(config: &Config, st: &State) -> Vec<CheckItem> {
         _ => item("seccomp", CheckStatus::Missing, "not in force"),
     };
     vec![sandbox, caps, landlock, seccomp]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::landlock::Outcome;
+    use crate::sandbox::SpawnerReport;
+    use crate::validate::tests::config;
+
+    fn status(items: &[CheckItem], name: &str) -> CheckStatus {
+        items.iter().find(|i| i.name == name).map(|i| i.status).unwrap_or(CheckStatus::Error)
+    }
+
+    #[test]
+    fn off_is_four_ok_items() {
+        let mut c = config();
+        c.sandbox = SandboxMode::Off;
+        let items = items(&c, &State::default());
+        let names: Vec<&str> = items.iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(names, ["sandbox", "capabilities", "landlock", "seccomp"]);
+        assert!(items.iter().all(|i| i.status == CheckStatus::Ok && i.detail.contains("\"off\"")));
+    }
+
+    #[test]
+    fn layers_not_in_force_are_missing() {
+        let mut c = config();
+        c.sandbox = SandboxMode::BestEffort;
+        let enforced = Outcome { kernel_abi: 7, status: "fully enforced", rules: 3, skipped: vec![] };
+        let spawner =
+            SpawnerReport { caps_error: String::new(), landlock: "fully enforced".into(), landlock_enforced: true };
+        let mut st = State {
+            mode: Some(SandboxMode::BestEffort),
+            caps: Some(Err("no CAP_SETPCAP".into())),
+            landlock: Some(Err("the kernel has no Landlock (ABI 0)".into())),
+            seccomp: Some(Err("refused".into())),
+            spawner: Some(spawner.clone()),
+            ..State::default()
+        };
+        let i = items(&c, &st);
+        assert_eq!(status(&i, "capabilities"), CheckStatus::Missing);
+        assert_eq!(status(&i, "landlock"), CheckStatus::Missing);
+        assert_eq!(status(&i, "seccomp"), CheckStatus::Missing);
+        // The daemon's ruleset alone is not enough: the spawner's must be in force too.
+        st.landlock = Some(Ok(enforced));
+        assert_eq!(status(&items(&c, &st), "landlock"), CheckStatus::Ok);
+        st.spawner = Some(SpawnerReport { landlock_enforced: false, ..spawner });
+        assert_eq!(status(&items(&c, &st), "landlock"), CheckStatus::Missing);
+        // This test process has no seccomp filter: a recorded success is not believed.
+        st.seccomp = Some(Ok(125));
+        assert_eq!(status(&items(&c, &st), "seccomp"), CheckStatus::Missing);
+    }
 }
