@@ -26,7 +26,7 @@ fn lab_host_runs_vmhostd_and_a_nested_vm() {
         .lines()
         .filter(|l| ["| sandbox ", "| capabilities ", "| landlock ", "| seccomp "].iter().any(|item| l.contains(item)))
     {
-        eprintln!("lab sandbox: {}", line.trim_start_matches(|c| c == ' ' || c == '|').trim());
+        eprintln!("lab sandbox: {}", line.trim_start_matches([' ', '|']).trim());
     }
     assert!(out.passed, "lab scenario failed: {}\n----- lab console -----\n{}", out.result, out.log);
     let checks = out.checks();
