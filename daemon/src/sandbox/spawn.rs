@@ -565,6 +565,9 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
         let (bytes, mut fds) = match recv_with_fds(control.as_raw_fd(), MsgFlags::empty()) {
             Ok(got) => got,
             Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            // More descriptors than a request may carry (MSG_CTRUNC): the kernel closed the
+            // surplus; drop the request, keep serving.
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => continue,
             Err(_) => std::process::exit(0),
         };
         if bytes.is_empty() && fds.is_empty() {
