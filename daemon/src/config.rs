@@ -67,6 +67,53 @@ impl Accel {
     }
 }
 
+/// Top-level `sandbox`: how the daemon confines itself at start (docs/sandbox.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SandboxMode {
+    /// Every layer (capabilities, no_new_privs, Landlock, seccomp) must be in force, or the
+    /// daemon refuses to start.
+    Require,
+    /// Each layer the host supports is put in force; what is missing is logged and reported by
+    /// `host.check` (the default, so a kernel without Landlock still runs VMs).
+    #[default]
+    BestEffort,
+    /// No sandbox: the daemon runs with the privileges it was started with.
+    Off,
+}
+
+impl SandboxMode {
+    /// `require`, `best-effort` or `off`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxMode::Require => "require",
+            SandboxMode::BestEffort => "best-effort",
+            SandboxMode::Off => "off",
+        }
+    }
+}
+
+/// Top-level `seccomp`: what the daemon's seccomp filter does with a syscall not in its table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SeccompMode {
+    /// The syscall fails with EPERM.
+    #[default]
+    Enforce,
+    /// The syscall runs and the kernel logs it (SECCOMP_RET_LOG), for finding what is missing.
+    Log,
+}
+
+impl SeccompMode {
+    /// `enforce` or `log`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SeccompMode::Enforce => "enforce",
+            SeccompMode::Log => "log",
+        }
+    }
+}
+
 /// `[paths]`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -177,6 +224,10 @@ struct RawNetwork {
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     #[serde(default)]
+    sandbox: SandboxMode,
+    #[serde(default)]
+    seccomp: SeccompMode,
+    #[serde(default)]
     paths: Paths,
     #[serde(default)]
     qemu: QemuConfig,
@@ -241,6 +292,10 @@ pub struct Hardware {
 pub struct Config {
     /// Where the config came from (for messages).
     pub file: PathBuf,
+    /// Top-level `sandbox`.
+    pub sandbox: SandboxMode,
+    /// Top-level `seccomp`.
+    pub seccomp: SeccompMode,
     /// `[paths]`.
     pub paths: Paths,
     /// `[qemu]`.
@@ -441,6 +496,8 @@ impl Config {
         Ok(Config {
             networks,
             file: file.to_path_buf(),
+            sandbox: raw.sandbox,
+            seccomp: raw.seccomp,
             paths: raw.paths,
             qemu: raw.qemu,
             access: raw.access,
@@ -524,6 +581,26 @@ reserved_memory_gib = 8
         assert_eq!(c.qemu.accel, Accel::Kvm);
         assert_eq!(c.paths.socket, PathBuf::from("/run/vmhost/vmhostd.sock"));
         assert!(c.hardware.model.is_empty());
+    }
+
+    #[test]
+    fn sandbox_modes_parse() {
+        let c = parse("[hardware]\ncpu = 4\nmemory_gib = 8\n").unwrap();
+        assert_eq!((c.sandbox, c.seccomp), (SandboxMode::BestEffort, SeccompMode::Enforce));
+        for (text, mode) in
+            [("require", SandboxMode::Require), ("best-effort", SandboxMode::BestEffort), ("off", SandboxMode::Off)]
+        {
+            let c = parse(&format!("sandbox = \"{text}\"\nseccomp = \"log\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n"))
+                .unwrap();
+            assert_eq!(c.sandbox, mode);
+            assert_eq!(c.sandbox.as_str(), text);
+            assert_eq!(c.seccomp, SeccompMode::Log);
+        }
+        let (key, problem) = key_error("sandbox = \"on\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n");
+        assert_eq!(key, "sandbox");
+        assert!(problem.contains("require"), "{problem}");
+        let (key, _) = key_error("seccomp = \"kill\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n");
+        assert_eq!(key, "seccomp");
     }
 
     #[test]

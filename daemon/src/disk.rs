@@ -20,11 +20,10 @@
 use std::fs::OpenOptions;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::process::Command;
 
 use crate::process::lossy_tail;
 
@@ -246,16 +245,9 @@ async fn run_qemu_img(
     args: Vec<std::ffi::OsString>,
 ) -> Result<Vec<u8>, DiskError> {
     let spawn_error = |source| DiskError::Spawn { program: qemu_img.to_path_buf(), source };
-    let child = Command::new(qemu_img)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(spawn_error)?;
+    let run = crate::sandbox::spawn::Command::new(qemu_img).args(args);
     // On timeout the child is dropped, which kills it.
-    let output = tokio::time::timeout(QEMU_IMG_TIMEOUT, child.wait_with_output())
+    let output = tokio::time::timeout(QEMU_IMG_TIMEOUT, run.output())
         .await
         .map_err(|_| DiskError::Timeout { command, after: QEMU_IMG_TIMEOUT })?
         .map_err(spawn_error)?;

@@ -3,7 +3,7 @@
 //! The tree is the table of contents. Pure planning lives in [`config`], [`hardware`],
 //! [`validate`], [`capacity`] and [`plan`]; each host resource has one owner ([`disk`] for
 //! overlays, [`qemu`] for processes, [`state`] for records); only [`lifecycle`] coordinates them.
-//! [`rpc`] is the socket front end and [`client`] the matching client used by `vmhostctl`, the
+//! [`sandbox`] confines the daemon at start. [`rpc`] is the socket front end and [`client`] the matching client used by `vmhostctl`, the
 //! benchmark and the tests.
 
 pub mod agent;
@@ -27,6 +27,7 @@ pub mod preflight;
 pub mod process;
 pub mod qemu;
 pub mod rpc;
+pub mod sandbox;
 pub mod seed;
 pub mod state;
 pub mod validate;

@@ -9,7 +9,6 @@ use crate::config::{Accel, Config};
 use crate::net::host::NetworkState;
 use crate::state::BrokenRecord;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 fn item(name: &str, status: CheckStatus, detail: impl Into<String>) -> CheckItem {
@@ -20,12 +19,7 @@ async fn binary_version(name: &str, binary: &Path) -> CheckItem {
     if !binary.exists() {
         return item(name, CheckStatus::Missing, format!("{} not found", binary.display()));
     }
-    let run = tokio::process::Command::new(binary)
-        .arg("--version")
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .output();
+    let run = crate::sandbox::spawn::Command::new(binary).args(["--version"]).output();
     match tokio::time::timeout(Duration::from_secs(10), run).await {
         Ok(Ok(out)) if out.status.success() => {
             let text = String::from_utf8_lossy(&out.stdout);
@@ -161,6 +155,7 @@ pub async fn check(config: &Config, broken: &[BrokenRecord], network_states: &[N
     ];
     items.extend(networks(network_states));
     items.extend(vfio(config).await);
+    items.extend(crate::sandbox::report::items(config, &crate::sandbox::state()));
     let ok = items.iter().all(|i| i.status == CheckStatus::Ok);
     HostCheck { ok, items }
 }

@@ -96,6 +96,7 @@ _lab_not() {
 start_vmhostd() {
     mkdir -p "$LAB_STATE" "$LAB_RUN" "$LAB_IMAGES"
     cat >"$LAB_CONFIG" <<EOF
+sandbox = "${LAB_SANDBOX:-require}"
 [paths]
 state = "$LAB_STATE"
 run = "$LAB_RUN"
@@ -146,6 +147,19 @@ kill_vmhostd() {
 # ctl ARGS...: vmhostctl against the lab's daemon.
 ctl() {
     vmhostctl --socket "$LAB_SOCKET" "$@"
+}
+
+# sandbox_in_force: `vmhostctl check` shows the four sandbox items ok (docs/sandbox.md), the
+# daemon's Landlock ruleset enforced (the cloud kernel 6.1 has ABI 2: "partially enforced") and
+# the daemon's documented capability sets. Prints the four lines.
+sandbox_in_force() {
+    _c=$(ctl check 2>&1)
+    echo "$_c" | grep -E '^(sandbox|capabilities|landlock|seccomp) '
+    for _i in sandbox capabilities landlock seccomp; do
+        echo "$_c" | grep -Eq "^$_i +ok " || return 1
+    done
+    echo "$_c" | grep -Eq '^landlock +ok +daemon: (fully|partially) enforced' &&
+        echo "$_c" | grep -Eq '^capabilities +ok +daemon: effective=cap_kill,cap_net_admin permitted=cap_kill,cap_net_admin bounding=cap_kill,cap_net_admin inheritable=none ambient=none; '
 }
 
 # kernel_spec NAME [CMDLINE] [MEMORY_MIB]: a direct-kernel spec booting the test guest

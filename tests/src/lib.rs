@@ -1,5 +1,8 @@
 //! Test harness for vmhost's end-to-end tests and benchmark.
 //!
+//! Every [`TestHost`] runs its daemon with `sandbox = "require"` unless a test says otherwise,
+//! so the whole end-to-end suite proves the sandbox lets the daemon do its work.
+//!
 //! [`guest`] builds (once, cached in `target/guest`) the real guest: Debian's cloud kernel and a
 //! busybox initramfs, via `tests/guest/build.sh`. [`TestHost`] runs a real `vmhostd` with
 //! `accel = "tcg"` in a temp dir and talks to it through the real socket; dropping it kills the
@@ -105,6 +108,8 @@ pub struct TestHost {
     pub socket: PathBuf,
     /// The daemon's network namespace (`ip netns` name), if it has one.
     pub netns: Option<String>,
+    /// Extra environment of the daemon (e.g. the sandbox probe's variable).
+    pub env: Vec<(String, String)>,
     daemon: Option<Child>,
 }
 
@@ -123,6 +128,13 @@ pub struct HostOptions {
     pub readonly_group: String,
     /// Run the daemon (and so its QEMUs and links) in a network namespace of its own.
     pub netns: bool,
+    /// Top-level `sandbox`: `require` by default, so every end-to-end test runs sandboxed.
+    pub sandbox: String,
+    /// Top-level `seccomp`: `enforce`, or the value of `VMHOST_TEST_SECCOMP` (`log` to find
+    /// syscalls the table lacks, see docs/sandbox.md).
+    pub seccomp: String,
+    /// Extra environment of the daemon.
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for HostOptions {
@@ -134,6 +146,9 @@ impl Default for HostOptions {
             machine: "q35".into(),
             readonly_group: "vmhost-ro".into(),
             netns: false,
+            sandbox: "require".into(),
+            seccomp: std::env::var("VMHOST_TEST_SECCOMP").unwrap_or_else(|_| "enforce".into()),
+            env: Vec::new(),
         }
     }
 }
@@ -149,7 +164,9 @@ impl TestHost {
         let config = d.join("vmhostd.toml");
         let socket = d.join("vmhostd.sock");
         let text = format!(
-            r#"[paths]
+            r#"sandbox = "{sandbox}"
+seccomp = "{seccomp}"
+[paths]
 state = "{state}"
 run = "{run}"
 images = "{images}"
@@ -167,6 +184,8 @@ reserved_cpu = 1
 reserved_memory_gib = 1
 {extra}
 "#,
+            sandbox = opts.sandbox,
+            seccomp = opts.seccomp,
             state = d.join("state").display(),
             run = d.join("run").display(),
             images = d.join("images").display(),
@@ -184,7 +203,7 @@ reserved_memory_gib = 1
             assert!(st.success(), "ip netns add {name} failed");
             name
         });
-        let mut host = TestHost { dir, config, socket, netns, daemon: None };
+        let mut host = TestHost { dir, config, socket, netns, env: opts.env, daemon: None };
         host.spawn_daemon();
         host
     }
@@ -207,6 +226,7 @@ reserved_memory_gib = 1
         let err = log.try_clone().expect("dup log");
         let mut cmd = Command::new(bin("vmhostd"));
         cmd.arg("--config").arg(&self.config).env("VMHOST_LOG", "debug").stdin(Stdio::null()).stdout(log).stderr(err);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         if let Some(ns) = &self.netns {
             let nsfile = fs::File::open(format!("/run/netns/{ns}")).expect("open netns");
             // SAFETY: setns is async-signal-safe and the closure allocates nothing.

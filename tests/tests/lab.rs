@@ -20,9 +20,24 @@ fn lab_host_runs_vmhostd_and_a_nested_vm() {
         timing("TIMING vm.create"),
         timing("TIMING nested guest ready"),
     );
+    // What the sandbox achieves on the lab's kernel (Debian 6.1: Landlock ABI 2).
+    for line in out
+        .log
+        .lines()
+        .filter(|l| ["| sandbox ", "| capabilities ", "| landlock ", "| seccomp "].iter().any(|item| l.contains(item)))
+    {
+        eprintln!("lab sandbox: {}", line.trim_start_matches([' ', '|']).trim());
+    }
     assert!(out.passed, "lab scenario failed: {}\n----- lab console -----\n{}", out.result, out.log);
     let checks = out.checks();
-    for name in ["nested-guest-ready", "vm-list-running", "bb-vlan", "ip-bridge-filtering-on", "bridge-vlan-table"] {
+    for name in [
+        "sandbox-in-force",
+        "nested-guest-ready",
+        "vm-list-running",
+        "bb-vlan",
+        "ip-bridge-filtering-on",
+        "bridge-vlan-table",
+    ] {
         assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);
     }
 }
@@ -82,6 +97,7 @@ fn vfio_passthrough_in_the_lab() {
     assert!(out.passed, "lab scenario failed: {}\n----- lab console -----\n{}", out.result, out.log);
     let checks = out.checks();
     for name in [
+        "sandbox-in-force",
         "bound-vmxnet3",
         "bound-nvme",
         "qemu-sees-vmxnet3",

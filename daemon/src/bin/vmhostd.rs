@@ -1,6 +1,7 @@
 //! vmhostd: the vmhost host daemon.
 //!
-//! Start-up order matters: config (refuse to start on any error), logging, the manager (records
+//! Start-up order matters: config (refuse to start on any error), logging, the sandbox (before
+//! any other thread exists; see `vmhost::sandbox`), the manager (records
 //! loaded and running VMs re-adopted *before* the socket accepts calls), then the socket. On
 //! SIGTERM/SIGINT the socket closes and the daemon exits; VMs keep running. Under systemd the socket
 //! may be inherited instead of bound (`rpc::activation`), and readiness is notified.
@@ -51,7 +52,8 @@ fn main() -> ExitCode {
         builder.init();
     }
     raise_fd_limit();
-    // First: the socket systemd passed becomes close-on-exec before anything could fork.
+    // First: the socket systemd passed becomes close-on-exec before anything could fork (the
+    // sandbox forks its spawner).
     let activation = match Activation::from_env() {
         Ok(a) => a,
         Err(e) => {
@@ -59,6 +61,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Before the runtime: capabilities, Landlock and seccomp bind the calling thread and the
+    // threads it creates afterwards (docs/sandbox.md). It keeps LISTEN_* and the inherited fds.
+    if let Err(e) = vmhost::sandbox::enter(&config) {
+        tracing::error!("{e}");
+        eprintln!("vmhostd: refusing to start: {e}");
+        return ExitCode::FAILURE;
+    }
     // Before the runtime starts threads (this edits the environment): no child inherits them.
     activation::remove_env();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

@@ -422,6 +422,9 @@ pub fn load_vfio_pci() -> Result<(), PciError> {
         .map(Path::new)
         .find(|p| p.exists())
         .unwrap_or(Path::new("modprobe"));
+    if crate::sandbox::spawn::has_spawner() {
+        return load_vfio_pci_via_spawner(program);
+    }
     let mut child = Command::new(program)
         .arg("vfio-pci")
         .stdin(Stdio::null())
@@ -452,6 +455,29 @@ pub fn load_vfio_pci() -> Result<(), PciError> {
         return Err(PciError::Modprobe(format!(
             "modprobe vfio-pci failed ({status}): {}",
             crate::process::lossy_tail(&stderr, 1024)
+        )));
+    }
+    if !Pci::real().vfio_pci_present() {
+        return Err(PciError::Modprobe("modprobe succeeded but /sys/bus/pci/drivers/vfio-pci is absent".to_string()));
+    }
+    Ok(())
+}
+
+/// [`load_vfio_pci`] through the sandbox's spawner (the daemon cannot run programs itself).
+/// Called on the blocking pool of a tokio runtime.
+fn load_vfio_pci_via_spawner(program: &Path) -> Result<(), PciError> {
+    let handle = tokio::runtime::Handle::try_current()
+        .map_err(|e| PciError::Modprobe(format!("cannot run {}: no runtime: {e}", program.display())))?;
+    let command = crate::sandbox::spawn::Command::new(program).args(["vfio-pci"]);
+    let out = handle
+        .block_on(async { tokio::time::timeout(MODPROBE_TIMEOUT, command.output()).await })
+        .map_err(|_| PciError::Modprobe(format!("modprobe did not finish within {MODPROBE_TIMEOUT:?}")))?
+        .map_err(|e| PciError::Modprobe(format!("cannot run {}: {e}", program.display())))?;
+    if !out.status.success() {
+        return Err(PciError::Modprobe(format!(
+            "modprobe vfio-pci failed ({}): {}",
+            out.status,
+            crate::process::lossy_tail(&out.stderr, 1024)
         )));
     }
     if !Pci::real().vfio_pci_present() {

@@ -30,17 +30,17 @@
 
 use std::ffi::OsString;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use tokio::io::AsyncReadExt;
-use tokio::process::{Child, ChildStderr, Command};
 use tokio::time::Instant;
 
 use crate::process::{self, ProcessIdentity};
+use crate::sandbox::spawn::{self, Child, Pipe};
 
 /// How many bytes at the end of QEMU's stderr are kept for errors.
 pub const STDERR_TAIL: usize = 4096;
@@ -89,30 +89,7 @@ fn has_capability(cap: u32) -> bool {
 }
 
 /// The fd number the first of [`LaunchRequest::fds`] gets in QEMU.
-pub const FIRST_PASSED_FD: i32 = 3;
-
-/// Moves `fds` to 3, 4, ... in a freshly forked child. Runs between fork and exec, so it only
-/// uses async-signal-safe calls (fcntl, dup2) and allocates nothing.
-fn place_fds(fds: &[RawFd]) -> io::Result<()> {
-    // First lift every fd above the target range, so no dup2 clobbers a source not yet moved.
-    let mut lifted = [0 as RawFd; 64];
-    for (i, fd) in fds.iter().enumerate() {
-        // SAFETY: fcntl on an fd we own in this child; F_DUPFD_CLOEXEC creates a new fd.
-        let high = unsafe { libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 1000) };
-        if high < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        lifted[i] = high;
-    }
-    for (i, high) in lifted.iter().take(fds.len()).enumerate() {
-        let target = FIRST_PASSED_FD + i as i32;
-        // SAFETY: dup2 onto a fixed number; the new fd has FD_CLOEXEC clear, so QEMU inherits it.
-        if unsafe { libc::dup2(*high, target) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
+pub use crate::sandbox::spawn::FIRST_PASSED_FD;
 
 /// Why a launch failed. After any of these no process of the launch is left running.
 #[derive(Debug, thiserror::Error)]
@@ -175,18 +152,21 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
     }
     let deadline = Instant::now() + req.timeout;
 
-    if req.fds.len() > 64 {
-        return Err(LaunchError::BadRequest(format!("{} fds to pass; at most 64", req.fds.len())));
+    if req.fds.len() > spawn::MAX_PASSED_FDS {
+        return Err(LaunchError::BadRequest(format!(
+            "{} fds to pass; at most {}",
+            req.fds.len(),
+            spawn::MAX_PASSED_FDS
+        )));
     }
-    let raw_fds: Vec<RawFd> = req.fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let mut command = Command::new(&req.binary);
-    command.args(&req.argv).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).kill_on_drop(true);
+    let fds = req.fds.iter().map(OwnedFd::try_clone).collect::<io::Result<Vec<_>>>().map_err(LaunchError::Spawn)?;
     let memlock = req.memlock;
     if let Some(bytes) = memlock {
         let mut cur = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
         // SAFETY: getrlimit writes into the struct we pass.
         let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut cur) } == 0;
-        if ok && cur.rlim_max < bytes && !has_capability(CAP_SYS_RESOURCE) {
+        // With a spawner, the spawner has CAP_SYS_RESOURCE (docs/sandbox.md).
+        if ok && cur.rlim_max < bytes && !spawn::has_spawner() && !has_capability(CAP_SYS_RESOURCE) {
             tracing::warn!(
                 wanted = bytes,
                 hard_limit = cur.rlim_max,
@@ -194,28 +174,11 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
             );
         }
     }
-    if !raw_fds.is_empty() || memlock.is_some() {
-        // SAFETY: place_fds and setrlimit only call async-signal-safe functions and do not
-        // allocate.
-        unsafe {
-            command.pre_exec(move || {
-                if let Some(bytes) = memlock {
-                    // Raising the hard limit needs CAP_SYS_RESOURCE. Without it (EPERM) the
-                    // limit stays as it is and QEMU relies on CAP_IPC_LOCK, as a root QEMU
-                    // has; the daemon logs that before spawning.
-                    let lim = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
-                    if libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) != 0 {
-                        let err = io::Error::last_os_error();
-                        if err.raw_os_error() != Some(libc::EPERM) {
-                            return Err(err);
-                        }
-                    }
-                }
-                place_fds(&raw_fds)
-            });
-        }
-    }
-    let mut child = command.spawn().map_err(LaunchError::Spawn)?;
+    // Raising the hard limit needs CAP_SYS_RESOURCE. Without it (EPERM) the limit stays as it
+    // is and QEMU relies on CAP_IPC_LOCK, as a root QEMU has; the daemon logs that above.
+    let command =
+        spawn::Command::new(&req.binary).args(req.argv.iter().cloned()).capture_stderr().pass_fds(fds).memlock(memlock);
+    let mut child = command.spawn().await.map_err(LaunchError::Spawn)?;
     // From here on, any early return (or the caller dropping us) kills what the pidfile names.
     let mut cleanup = KillFromPidfile { pidfile: &req.pidfile, armed: true };
     let mut stderr =
@@ -278,7 +241,7 @@ fn check_request(req: &LaunchRequest) -> Result<(), LaunchError> {
 }
 
 /// Waits for the foreground process to exit while collecting its stderr into `tail`.
-async fn wait_foreground(child: &mut Child, stderr: &mut ChildStderr, tail: &mut Vec<u8>) -> io::Result<ExitStatus> {
+async fn wait_foreground(child: &mut Child, stderr: &mut Pipe, tail: &mut Vec<u8>) -> io::Result<ExitStatus> {
     let mut buf = [0u8; 4096];
     let mut open = true;
     loop {
@@ -297,7 +260,7 @@ async fn wait_foreground(child: &mut Child, stderr: &mut ChildStderr, tail: &mut
 }
 
 /// Reads what is left on stderr, until end of file or [`STDERR_DRAIN`].
-async fn drain(stderr: &mut ChildStderr, tail: &mut Vec<u8>) {
+async fn drain(stderr: &mut Pipe, tail: &mut Vec<u8>) {
     let mut buf = [0u8; 4096];
     let _ = tokio::time::timeout(STDERR_DRAIN, async {
         while let Ok(n) = stderr.read(&mut buf).await {

@@ -9,6 +9,7 @@ say "scenario nested-vm: kernel $(uname -r), $(nproc) CPUs, $(awk '/MemTotal/ {p
 # --- vmhostd and a nested VM ---------------------------------------------------------
 start_vmhostd
 check host-check ctl check
+LAB_VERBOSE=1 check sandbox-in-force sandbox_in_force
 
 t_create=$(lab_uptime)
 require vm-create create_vm g1 "console=ttyS0 panic=-1 quiet"

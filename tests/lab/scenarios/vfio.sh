@@ -28,6 +28,7 @@ start_vmhostd "$HW"
 check orig-vmxnet3 is_drv 0000:00:05.0 vmxnet3
 check orig-nvme is_drv 0000:00:06.0 nvme
 LAB_VERBOSE=1 check host-check sh -c 'vmhostctl --socket '"$LAB_SOCKET"' check; true'
+LAB_VERBOSE=1 check sandbox-in-force sandbox_in_force
 
 # pt_vm NAME HARDWARE_JSON: a kernel VM (it need not boot far: QEMU running is what counts).
 pt_vm() {

@@ -1,0 +1,303 @@
+//! Landlock: which files the daemon and the spawner may reach.
+//!
+//! The rules are data ([`Rule`]: a path, an [`Access`] class and the reason), built from the
+//! config by [`daemon_rules`] and [`spawner_rules`] and applied by [`apply`]. The ruleset
+//! handles every filesystem right of ABI 5 (so device ioctls are covered where the kernel has
+//! ABI 5 or later) and TCP bind/connect (ABI 4; no rule grants them, so neither process can use
+//! TCP). On an older kernel the landlock crate keeps what the kernel knows, and [`apply`]
+//! reports the kernel's ABI and whether the ruleset was fully or partially enforced.
+//!
+//! A rule is added only for a path that exists when the daemon starts (Landlock needs an open
+//! descriptor). Paths are resolved when opened, so a sysfs symlink such as
+//! `/sys/bus/pci/devices/0000:05:00.0` grants access to its `/sys/devices/...` target, which is
+//! where the kernel checks writes to `driver_override`.
+
+use crate::config::{Accel, Config};
+use landlock::Access as _;
+use landlock::{
+    AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath, PathFd, Ruleset, RulesetAttr,
+    RulesetCreatedAttr, RulesetStatus, ABI,
+};
+use std::path::{Path, PathBuf};
+
+/// The ABI whose rights the ruleset handles (5: device ioctls).
+pub const TARGET_ABI: ABI = ABI::V5;
+
+/// What a rule grants beneath its path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Read files, list directories.
+    Read,
+    /// Read and execute (programs, shared libraries).
+    ReadExec,
+    /// Everything: create, remove, rename, write, truncate, sockets, device ioctls.
+    ReadWrite,
+    /// Open a device read-write and use its ioctls.
+    Device,
+    /// Read and write existing files (sysfs attributes), nothing else.
+    WriteFiles,
+    /// Create and remove a Unix socket (the API socket's directory).
+    Socket,
+}
+
+impl Access {
+    fn rights(self, abi: ABI) -> BitFlags<AccessFs> {
+        match self {
+            Access::Read => AccessFs::ReadFile | AccessFs::ReadDir,
+            Access::ReadExec => AccessFs::ReadFile | AccessFs::ReadDir | AccessFs::Execute,
+            Access::ReadWrite => AccessFs::from_all(abi),
+            Access::Device => AccessFs::ReadFile | AccessFs::WriteFile | AccessFs::IoctlDev,
+            Access::WriteFiles => AccessFs::ReadFile | AccessFs::ReadDir | AccessFs::WriteFile,
+            Access::Socket => AccessFs::MakeSock | AccessFs::RemoveFile,
+        }
+    }
+
+    /// `read`, `read-exec`, ...
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Access::Read => "read",
+            Access::ReadExec => "read-exec",
+            Access::ReadWrite => "read-write",
+            Access::Device => "device",
+            Access::WriteFiles => "write-files",
+            Access::Socket => "socket",
+        }
+    }
+}
+
+/// One Landlock rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    /// Granted beneath this path (or on this file).
+    pub path: PathBuf,
+    /// What is granted.
+    pub access: Access,
+    /// Why.
+    pub why: &'static str,
+}
+
+fn rule(path: impl Into<PathBuf>, access: Access, why: &'static str) -> Rule {
+    Rule { path: path.into(), access, why }
+}
+
+/// True when the config lets VMs have passthrough devices.
+pub fn passthrough(config: &Config) -> bool {
+    !config.hardware.model.is_empty() || config.hardware.allow_raw_pci
+}
+
+/// The daemon's rules. `pci_devices` are the sysfs directories of the PCI functions it may bind
+/// to vfio-pci and back (see [`pci_device_dirs`]).
+pub fn daemon_rules(config: &Config, pci_devices: &[PathBuf]) -> Vec<Rule> {
+    let p = &config.paths;
+    let mut v = vec![
+        rule(&p.state, Access::ReadWrite, "VM records, overlays, seeds, serial logs, the lock file"),
+        rule(&p.run, Access::ReadWrite, "per-VM QMP and agent sockets, pid files"),
+        rule(&p.images, Access::Read, "base images (probed, never written)"),
+    ];
+    if let Some(dir) = p.socket.parent() {
+        v.push(rule(dir, Access::Socket, "the API socket (created at start, removed at exit)"));
+    }
+    v.extend([
+        rule("/etc/vmhost", Access::Read, "configuration"),
+        rule("/etc/group", Access::Read, "access groups (getgrnam, getgrgid)"),
+        rule("/etc/passwd", Access::Read, "user names of peers (group member lists)"),
+        rule("/etc/nsswitch.conf", Access::Read, "name service configuration for group lookups"),
+        rule("/etc/ld.so.cache", Access::Read, "locating name service modules"),
+        rule("/usr/lib", Access::ReadExec, "name service modules (libnss_*) loaded by group lookups"),
+        rule("/lib", Access::ReadExec, "same, where /lib is not a link to /usr/lib"),
+        rule("/lib64", Access::ReadExec, "same"),
+        rule("/proc", Access::Read, "QEMU process identity, peers' groups, mounts in use"),
+        rule("/sys", Access::Read, "PCI devices, IOMMU groups, network devices"),
+        rule("/dev/null", Access::Device, "null I/O"),
+        rule("/dev/urandom", Access::Read, "randomness"),
+        rule("/dev/net/tun", Access::Device, "creating tap devices (TUNSETIFF)"),
+    ]);
+    if config.qemu.accel == Accel::Kvm {
+        v.push(rule("/dev/kvm", Access::Device, "host.check opens the accelerator"));
+    }
+    if passthrough(config) {
+        v.push(rule("/dev/vfio", Access::Device, "VFIO groups of passed-through devices"));
+        v.push(rule("/sys/bus/pci/drivers_probe", Access::WriteFiles, "binding a device to vfio-pci"));
+        v.push(rule("/sys/bus/pci/drivers", Access::WriteFiles, "bind/unbind of a device's original driver"));
+        for dir in pci_devices {
+            v.push(rule(dir, Access::WriteFiles, "driver_override of a passthrough device"));
+        }
+    }
+    v
+}
+
+/// The spawner's rules (QEMU, qemu-img and modprobe inherit them): read and execute everywhere,
+/// since a spec may name a kernel or initrd anywhere; write only the state and run directories
+/// and the devices QEMU opens.
+pub fn spawner_rules(config: &Config) -> Vec<Rule> {
+    let p = &config.paths;
+    let mut v = vec![
+        rule("/", Access::ReadExec, "QEMU, its libraries, firmware and modules; kernels and images a spec names"),
+        rule(&p.state, Access::ReadWrite, "overlays (qemu-img create), serial logs, seeds"),
+        rule(&p.run, Access::ReadWrite, "QMP and agent sockets, pid files"),
+        rule("/dev/null", Access::Device, "QEMU's stdio"),
+        rule("/dev/urandom", Access::Read, "randomness"),
+        rule("/dev/kvm", Access::Device, "the accelerator"),
+    ];
+    if passthrough(config) {
+        v.push(rule("/dev/vfio", Access::Device, "VFIO groups and container"));
+    }
+    v
+}
+
+/// The sysfs directories (resolved under /sys/devices) of the PCI functions the daemon may bind:
+/// with `allow_raw_pci` every function present at start, else the model's devices and the
+/// other members of their IOMMU groups.
+pub fn pci_device_dirs(config: &Config) -> Vec<PathBuf> {
+    let base = Path::new("/sys/bus/pci/devices");
+    let mut names: Vec<String> = Vec::new();
+    if config.hardware.allow_raw_pci {
+        if let Ok(rd) = std::fs::read_dir(base) {
+            names.extend(rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()));
+        }
+    } else {
+        for (_, _, addr) in config.hardware.model.iter() {
+            let a = addr.to_string();
+            if let Ok(rd) = std::fs::read_dir(base.join(&a).join("iommu_group/devices")) {
+                names.extend(rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()));
+            }
+            names.push(a);
+        }
+    }
+    let mut dirs: Vec<PathBuf> = names.iter().filter_map(|n| std::fs::canonicalize(base.join(n)).ok()).collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs
+}
+
+/// What [`apply`] achieved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// The kernel's Landlock ABI (0: none).
+    pub kernel_abi: i32,
+    /// `fully enforced`, `partially enforced` or `not enforced`.
+    pub status: &'static str,
+    /// Rules added.
+    pub rules: usize,
+    /// Rule paths that do not exist on this host (skipped).
+    pub skipped: Vec<PathBuf>,
+}
+
+impl Outcome {
+    /// True when the ruleset restricts this process at all.
+    pub fn enforced(&self) -> bool {
+        self.status != "not enforced"
+    }
+}
+
+/// Landlock errors.
+#[derive(Debug, thiserror::Error)]
+pub enum LandlockError {
+    /// The crate refused the ruleset or the kernel refused to apply it.
+    #[error("landlock: {0}")]
+    Ruleset(#[from] landlock::RulesetError),
+}
+
+/// The kernel's Landlock ABI version, 0 when Landlock is missing or disabled.
+pub fn kernel_abi() -> i32 {
+    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
+    // SAFETY: landlock_create_ruleset(NULL, 0, VERSION) only returns a number.
+    let v = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    i32::try_from(v).ok().filter(|v| *v > 0).unwrap_or(0)
+}
+
+/// Restricts the calling thread (before other threads exist: the process) to `rules`.
+///
+/// # Errors
+/// [`LandlockError`] when the ruleset cannot be built or applied; a kernel without Landlock is
+/// not an error but an [`Outcome`] with status `not enforced`.
+pub fn apply(rules: &[Rule]) -> Result<Outcome, LandlockError> {
+    let abi = TARGET_ABI;
+    let mut created = Ruleset::default()
+        .set_compatibility(CompatLevel::BestEffort)
+        .handle_access(AccessFs::from_all(abi))?
+        .handle_access(AccessNet::from_all(abi))?
+        .create()?;
+    let mut skipped = Vec::new();
+    let mut added = 0;
+    for r in rules {
+        let Ok(fd) = PathFd::new(&r.path) else {
+            skipped.push(r.path.clone());
+            continue;
+        };
+        let mut rights = r.access.rights(abi);
+        if !r.path.is_dir() {
+            rights &= AccessFs::from_file(abi);
+        }
+        created = created.add_rule(PathBeneath::new(fd, rights))?;
+        added += 1;
+    }
+    let status = created.restrict_self()?;
+    let status = match status.ruleset {
+        RulesetStatus::FullyEnforced => "fully enforced",
+        RulesetStatus::PartiallyEnforced => "partially enforced",
+        RulesetStatus::NotEnforced => "not enforced",
+    };
+    Ok(Outcome { kernel_abi: kernel_abi(), status, rules: added, skipped })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::tests::config;
+
+    #[test]
+    fn daemon_rules_follow_the_config() {
+        let mut c = config();
+        c.hardware.model = crate::hardware::HardwareModel::new(Vec::new());
+        c.hardware.allow_raw_pci = false;
+        let r = daemon_rules(&c, &[]);
+        let find = |p: &str| r.iter().find(|x| x.path == Path::new(p)).map(|x| x.access);
+        assert_eq!(find(&c.paths.state.to_string_lossy()), Some(Access::ReadWrite));
+        assert_eq!(find(&c.paths.run.to_string_lossy()), Some(Access::ReadWrite));
+        assert_eq!(find(&c.paths.images.to_string_lossy()), Some(Access::Read));
+        assert_eq!(find("/dev/net/tun"), Some(Access::Device));
+        assert_eq!(find("/etc/vmhost"), Some(Access::Read));
+        assert_eq!(find("/dev/kvm"), None, "tcg: the daemon does not open /dev/kvm");
+        assert_eq!(find("/dev/vfio"), None, "no passthrough configured");
+        assert!(!r.iter().any(|x| x.path.starts_with("/sys/bus/pci") && x.access == Access::WriteFiles));
+        assert!(!r.iter().any(|x| x.path == Path::new("/") || x.path == Path::new("/etc")), "nothing broad");
+        c.hardware.allow_raw_pci = true;
+        c.qemu.accel = Accel::Kvm;
+        let r = daemon_rules(&c, &[PathBuf::from("/sys/devices/pci0000:00/0000:00:05.0")]);
+        let find = |p: &str| r.iter().find(|x| x.path == Path::new(p)).map(|x| x.access);
+        assert_eq!(find("/dev/kvm"), Some(Access::Device));
+        assert_eq!(find("/dev/vfio"), Some(Access::Device));
+        assert_eq!(find("/sys/bus/pci/drivers_probe"), Some(Access::WriteFiles));
+        assert_eq!(find("/sys/devices/pci0000:00/0000:00:05.0"), Some(Access::WriteFiles));
+    }
+
+    #[test]
+    fn spawner_writes_only_state_run_and_devices() {
+        let c = config();
+        for r in spawner_rules(&c) {
+            let writes = matches!(r.access, Access::ReadWrite | Access::WriteFiles | Access::Socket);
+            if writes {
+                assert!(r.path == c.paths.state || r.path == c.paths.run, "{r:?}");
+            }
+            if r.access == Access::Device {
+                assert!(r.path.starts_with("/dev"), "{r:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn rights_are_sane() {
+        assert!(!Access::Read.rights(ABI::V5).contains(AccessFs::WriteFile));
+        assert!(Access::Device.rights(ABI::V5).contains(AccessFs::IoctlDev));
+        assert!(!Access::WriteFiles.rights(ABI::V5).contains(AccessFs::MakeReg));
+        assert!(Access::ReadWrite.rights(ABI::V5).contains(AccessFs::Refer));
+    }
+}

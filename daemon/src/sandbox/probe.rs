@@ -1,0 +1,54 @@
+//! Test-only hook (compiled only with debug assertions, so never in a release build): after the
+//! sandbox is in force, try what it must forbid and print each outcome on stderr, for
+//! tests/tests/sandbox.rs to check.
+//!
+//! Asked for with the environment variable [`VAR`] set to a path outside the daemon's
+//! directories; it is read before the environment is cleared. Lines look like
+//! `sandbox-probe: read /etc/shadow: errno 13`.
+
+use std::io::Write;
+use std::path::Path;
+
+/// The variable naming the path the probe tries to create.
+pub const VAR: &str = "VMHOST_TEST_SANDBOX_PROBE";
+
+/// The probe's target path, when the variable is set.
+pub fn requested() -> Option<String> {
+    std::env::var(VAR).ok().filter(|v| !v.is_empty())
+}
+
+fn outcome(r: std::io::Result<()>) -> String {
+    match r {
+        Ok(()) => "ok".into(),
+        Err(e) => format!("errno {}", e.raw_os_error().unwrap_or(-1)),
+    }
+}
+
+/// Runs every probe.
+pub fn run(outside: &str) {
+    let mut lines = Vec::new();
+    let read_shadow = std::fs::File::open("/etc/shadow").map(|_| ());
+    lines.push(format!("read /etc/shadow: {}", outcome(read_shadow)));
+    let create = std::fs::write(outside, b"escaped\n");
+    lines.push(format!("create {outside}: {}", outcome(create)));
+    let exec = std::process::Command::new("/bin/true").status().map(|_| ());
+    lines.push(format!("exec /bin/true: {}", outcome(exec)));
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").map(|_| ());
+    lines.push(format!("tcp bind: {}", outcome(tcp)));
+    let unshare = {
+        // SAFETY: unshare with a flag; must be refused here.
+        let r = unsafe { libc::unshare(libc::CLONE_NEWNS) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    lines.push(format!("unshare: {}", outcome(unshare)));
+    let state_ok = Path::new("/proc/self/status").exists();
+    lines.push(format!("proc visible: {state_ok}"));
+    let mut err = std::io::stderr().lock();
+    for l in lines {
+        let _ = writeln!(err, "sandbox-probe: {l}");
+    }
+}

@@ -1,0 +1,676 @@
+//! Running programs: QEMU, qemu-img, modprobe and their `--version` probes.
+//!
+//! A sandboxed daemon cannot run them itself: its seccomp filter has no `execve`, and whatever it
+//! started would inherit its filter, its Landlock domain and its capability bounding set. So when
+//! the sandbox is on, [`super::enter`] forks a **spawner** before it confines the daemon. The
+//! spawner is a small single-threaded process with its own, different confinement (its own
+//! capabilities, see [`super::caps`], and its own Landlock domain, see [`super::landlock`]; no
+//! seccomp filter, so QEMU is not bound to the daemon's syscall table). It does one thing: on a
+//! request over a `SOCK_SEQPACKET` socket pair it starts one of the programs it was configured to
+//! allow, with the descriptors the daemon sent along (`SCM_RIGHTS`), and reports the pid (with a
+//! pidfd) and later the exit status on a per-request reply socket.
+//!
+//! [`Command`] and [`Child`] are the daemon's side and behave like tokio's: a captured stdout or
+//! stderr is an async pipe, [`Child::wait`] returns the exit status, the child is killed when the
+//! [`Child`] is dropped before it was waited for. Without a spawner (`sandbox = "off"`, and unit
+//! tests) the same types start the program in-process with tokio.
+//!
+//! The spawner only runs programs on its allowlist (the configured `qemu.binary`,
+//! `qemu.img_binary`, and `modprobe vfio-pci` when passthrough is configured), with an empty
+//! environment except `PATH`, stdin on `/dev/null`.
+
+use std::ffi::OsString;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Mutex, OnceLock};
+
+use nix::sys::socket::{
+    recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
+};
+use serde::{Deserialize, Serialize};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+/// The fd number the first passed descriptor gets in the child.
+pub const FIRST_PASSED_FD: i32 = 3;
+
+/// At most this many descriptors are passed to one child.
+pub const MAX_PASSED_FDS: usize = 64;
+
+/// Largest request the spawner reads (argv as JSON).
+const MAX_REQUEST: usize = 256 * 1024;
+
+/// `PATH` of every program the spawner starts.
+const CHILD_PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The modprobe binaries the spawner may run (`modprobe vfio-pci` only).
+pub const MODPROBE: [&str; 2] = ["/usr/sbin/modprobe", "/sbin/modprobe"];
+
+/// An async pipe from a child's stdout or stderr.
+pub type Pipe = Box<dyn AsyncRead + Unpin + Send>;
+
+/// The daemon's connection to its spawner, once [`super::enter`] forked one.
+static SPAWNER: OnceLock<Mutex<OwnedFd>> = OnceLock::new();
+
+/// What to run.
+#[derive(Debug)]
+pub struct Command {
+    program: PathBuf,
+    args: Vec<OsString>,
+    stdout: bool,
+    stderr: bool,
+    fds: Vec<OwnedFd>,
+    memlock: Option<u64>,
+}
+
+impl Command {
+    /// `program` with no arguments, stdin, stdout and stderr on `/dev/null`.
+    pub fn new(program: impl Into<PathBuf>) -> Command {
+        Command {
+            program: program.into(),
+            args: Vec::new(),
+            stdout: false,
+            stderr: false,
+            fds: Vec::new(),
+            memlock: None,
+        }
+    }
+
+    /// Appends arguments.
+    pub fn args<I, S>(mut self, args: I) -> Command
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<OsString>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Captures stdout in [`Child::stdout`].
+    pub fn capture_stdout(mut self) -> Command {
+        self.stdout = true;
+        self
+    }
+
+    /// Captures stderr in [`Child::stderr`].
+    pub fn capture_stderr(mut self) -> Command {
+        self.stderr = true;
+        self
+    }
+
+    /// Descriptors the child inherits: `fds[i]` becomes fd [`FIRST_PASSED_FD`]` + i`.
+    pub fn pass_fds(mut self, fds: Vec<OwnedFd>) -> Command {
+        self.fds = fds;
+        self
+    }
+
+    /// RLIMIT_MEMLOCK (soft and hard) of the child, in bytes.
+    pub fn memlock(mut self, bytes: Option<u64>) -> Command {
+        self.memlock = bytes;
+        self
+    }
+
+    /// Starts the program (through the spawner when there is one).
+    ///
+    /// # Errors
+    /// The program cannot be started (missing, not executable, not on the spawner's allowlist:
+    /// `PermissionDenied`), too many fds, or the spawner is gone.
+    pub async fn spawn(self) -> io::Result<Child> {
+        if self.fds.len() > MAX_PASSED_FDS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} fds to pass; at most {MAX_PASSED_FDS}", self.fds.len()),
+            ));
+        }
+        match SPAWNER.get() {
+            Some(control) => spawn_remote(control, self).await,
+            None => spawn_local(self),
+        }
+    }
+
+    /// Runs the program with stdout and stderr captured and waits for it.
+    ///
+    /// # Errors
+    /// As [`Command::spawn`], or reading its output or waiting failed.
+    pub async fn output(self) -> io::Result<std::process::Output> {
+        let mut child = self.capture_stdout().capture_stderr().spawn().await?;
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let (mut so, mut se) = (child.stdout.take(), child.stderr.take());
+        let read_out = async {
+            match so.as_mut() {
+                Some(p) => p.read_to_end(&mut out).await.map(|_| ()),
+                None => Ok(()),
+            }
+        };
+        let read_err = async {
+            match se.as_mut() {
+                Some(p) => p.read_to_end(&mut err).await.map(|_| ()),
+                None => Ok(()),
+            }
+        };
+        let (a, b, status) = tokio::join!(read_out, read_err, child.wait());
+        a?;
+        b?;
+        Ok(std::process::Output { status: status?, stdout: out, stderr: err })
+    }
+}
+
+/// True when programs are started by a spawner process.
+pub fn has_spawner() -> bool {
+    SPAWNER.get().is_some()
+}
+
+/// A started program. Killed (SIGKILL) when dropped before [`Child::wait`] returned.
+pub struct Child {
+    /// Its pid.
+    pub pid: i32,
+    /// Its stdout, when captured.
+    pub stdout: Option<Pipe>,
+    /// Its stderr, when captured.
+    pub stderr: Option<Pipe>,
+    inner: Inner,
+}
+
+impl std::fmt::Debug for Child {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Child").field("pid", &self.pid).finish_non_exhaustive()
+    }
+}
+
+enum Inner {
+    Local(tokio::process::Child),
+    Remote(Remote),
+}
+
+struct Remote {
+    reply: AsyncFd<OwnedFd>,
+    buf: Vec<u8>,
+    pidfd: Option<OwnedFd>,
+    status: Option<ExitStatus>,
+}
+
+impl Child {
+    /// Waits for the program to exit.
+    ///
+    /// # Errors
+    /// Waiting failed, or the spawner went away before reporting the exit.
+    pub async fn wait(&mut self) -> io::Result<ExitStatus> {
+        match &mut self.inner {
+            Inner::Local(c) => c.wait().await,
+            Inner::Remote(r) => {
+                if let Some(s) = r.status {
+                    return Ok(s);
+                }
+                loop {
+                    let (msg, _) = next_message(&r.reply, &mut r.buf).await?;
+                    if let Some(raw) = msg.status {
+                        let status = ExitStatus::from_raw(raw);
+                        r.status = Some(status);
+                        return Ok(status);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends SIGKILL (nothing when it already exited).
+    ///
+    /// # Errors
+    /// The signal could not be sent.
+    pub fn start_kill(&mut self) -> io::Result<()> {
+        match &mut self.inner {
+            Inner::Local(c) => match c.start_kill() {
+                Err(e) if e.kind() == io::ErrorKind::InvalidInput => Ok(()),
+                other => other,
+            },
+            Inner::Remote(r) => {
+                if r.status.is_some() {
+                    return Ok(());
+                }
+                kill_remote(self.pid, r.pidfd.as_ref())
+            }
+        }
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if let Inner::Remote(r) = &self.inner {
+            if r.status.is_none() {
+                let _ = kill_remote(self.pid, r.pidfd.as_ref());
+            }
+        }
+        // Local: tokio's kill_on_drop.
+    }
+}
+
+fn kill_remote(pid: i32, pidfd: Option<&OwnedFd>) -> io::Result<()> {
+    let ret = match pidfd {
+        // SAFETY: pidfd_send_signal with a pidfd we own, no siginfo.
+        Some(fd) => unsafe {
+            libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), libc::SIGKILL, std::ptr::null::<u8>(), 0)
+        },
+        // SAFETY: plain kill(2); only without a pidfd (kernels before 5.3).
+        None => libc::c_long::from(unsafe { libc::kill(pid, libc::SIGKILL) }),
+    };
+    if ret == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::ESRCH) {
+        Ok(())
+    } else {
+        Err(e)
+    }
+}
+
+/// Moves `fds` to 3, 4, ... in a freshly forked child. Runs between fork and exec, so it only
+/// uses async-signal-safe calls (fcntl, dup2) and allocates nothing.
+fn place_fds(fds: &[RawFd]) -> io::Result<()> {
+    // First lift every fd above the target range, so no dup2 clobbers a source not yet moved.
+    let mut lifted = [0 as RawFd; MAX_PASSED_FDS];
+    for (i, fd) in fds.iter().enumerate().take(MAX_PASSED_FDS) {
+        // SAFETY: fcntl on an fd we own in this child; F_DUPFD_CLOEXEC creates a new fd.
+        let high = unsafe { libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 1000) };
+        if high < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        lifted[i] = high;
+    }
+    for (i, high) in lifted.iter().take(fds.len()).enumerate() {
+        let target = FIRST_PASSED_FD + i as i32;
+        // SAFETY: dup2 onto a fixed number; the new fd has FD_CLOEXEC clear, so the child keeps it.
+        if unsafe { libc::dup2(*high, target) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Sets RLIMIT_MEMLOCK between fork and exec. Raising the hard limit needs CAP_SYS_RESOURCE;
+/// without it (EPERM) the limit stays and QEMU relies on CAP_IPC_LOCK.
+fn set_memlock(bytes: u64) -> io::Result<()> {
+    let lim = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+    // SAFETY: setrlimit with a valid struct; async-signal-safe.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) } != 0 {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EPERM) {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+fn spawn_local(cmd: Command) -> io::Result<Child> {
+    let mut command = tokio::process::Command::new(&cmd.program);
+    let piped = |on: bool| if on { Stdio::piped() } else { Stdio::null() };
+    command.args(&cmd.args).stdin(Stdio::null()).stdout(piped(cmd.stdout)).stderr(piped(cmd.stderr)).kill_on_drop(true);
+    let raw_fds: Vec<RawFd> = cmd.fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let memlock = cmd.memlock;
+    if !raw_fds.is_empty() || memlock.is_some() {
+        // SAFETY: set_memlock and place_fds only call async-signal-safe functions and do not
+        // allocate.
+        unsafe {
+            command.pre_exec(move || {
+                if let Some(bytes) = memlock {
+                    set_memlock(bytes)?;
+                }
+                place_fds(&raw_fds)
+            });
+        }
+    }
+    let mut child = command.spawn()?;
+    drop(cmd.fds);
+    let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+    let stdout = child.stdout.take().map(|p| Box::new(p) as Pipe);
+    let stderr = child.stderr.take().map(|p| Box::new(p) as Pipe);
+    Ok(Child { pid, stdout, stderr, inner: Inner::Local(child) })
+}
+
+/// A request to the spawner. The descriptors travel alongside in this order: the reply socket,
+/// stdout's write end (if `stdout`), stderr's (if `stderr`), then `nfds` passed fds.
+#[derive(Debug, Serialize, Deserialize)]
+struct Request {
+    program: String,
+    args: Vec<String>,
+    stdout: bool,
+    stderr: bool,
+    nfds: usize,
+    memlock: Option<u64>,
+}
+
+/// A line on a reply socket: first `pid` (with a pidfd attached) or `error`, then `status`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Reply {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pid: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    errno: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    status: Option<i32>,
+}
+
+fn utf8(what: &str, s: &std::ffi::OsStr) -> io::Result<String> {
+    s.to_str()
+        .map(str::to_string)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{what} is not UTF-8: {s:?}")))
+}
+
+fn pipe_pair() -> io::Result<(Pipe, OwnedFd)> {
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let receiver = tokio::net::unix::pipe::Receiver::from_owned_fd(r)?;
+    Ok((Box::new(receiver), w))
+}
+
+async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Child> {
+    let req = Request {
+        program: utf8("program", cmd.program.as_os_str())?,
+        args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
+        stdout: cmd.stdout,
+        stderr: cmd.stderr,
+        nfds: cmd.fds.len(),
+        memlock: cmd.memlock,
+    };
+    let payload = serde_json::to_vec(&req).map_err(io::Error::other)?;
+    if payload.len() > MAX_REQUEST {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "command line too long for the spawner"));
+    }
+    let (mine, theirs) =
+        socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK)?;
+    let mut send: Vec<OwnedFd> = vec![theirs];
+    let (mut stdout, mut stderr) = (None, None);
+    if cmd.stdout {
+        let (r, w) = pipe_pair()?;
+        stdout = Some(r);
+        send.push(w);
+    }
+    if cmd.stderr {
+        let (r, w) = pipe_pair()?;
+        stderr = Some(r);
+        send.push(w);
+    }
+    send.extend(cmd.fds);
+    let raw: Vec<RawFd> = send.iter().map(AsRawFd::as_raw_fd).collect();
+    {
+        let guard = control.lock().map_err(|_| io::Error::other("spawner lock poisoned"))?;
+        sendmsg::<()>(
+            guard.as_raw_fd(),
+            &[IoSlice::new(&payload)],
+            &[ControlMessage::ScmRights(&raw)],
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .map_err(|e| io::Error::new(io::ErrorKind::BrokenPipe, format!("the spawner process is gone: {e}")))?;
+    }
+    drop(send);
+    // SAFETY: `mine` is an open socket we own; the AsyncFd owns it from here on.
+    let reply = unsafe { AsyncFd::register(mine) }.map_err(io::Error::from)?;
+    let mut buf = Vec::new();
+    let (first, mut fds) = next_message(&reply, &mut buf).await?;
+    if let Some(error) = first.error {
+        return Err(match first.errno {
+            Some(n) => io::Error::new(io::Error::from_raw_os_error(n).kind(), error),
+            None => io::Error::other(error),
+        });
+    }
+    let pid = first.pid.ok_or_else(|| io::Error::other("spawner reply without pid"))?;
+    let pidfd = fds.pop();
+    Ok(Child { pid, stdout, stderr, inner: Inner::Remote(Remote { reply, buf, pidfd, status: None }) })
+}
+
+/// Reads the next reply line (and any descriptors sent with it).
+async fn next_message(sock: &AsyncFd<OwnedFd>, buf: &mut Vec<u8>) -> io::Result<(Reply, Vec<OwnedFd>)> {
+    let mut fds = Vec::new();
+    loop {
+        if let Some(nl) = buf.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=nl).collect();
+            let reply: Reply = serde_json::from_slice(&line).map_err(io::Error::other)?;
+            return Ok((reply, fds));
+        }
+        let mut guard = sock.readable().await?;
+        match guard.try_io(|s| recv_with_fds(s.get_ref().as_fd().as_raw_fd(), MsgFlags::MSG_DONTWAIT)) {
+            Ok(Ok((bytes, got))) => {
+                if bytes.is_empty() {
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the spawner closed the reply"));
+                }
+                buf.extend_from_slice(&bytes);
+                fds.extend(got);
+            }
+            Ok(Err(e)) => return Err(e),
+            Err(_would_block) => continue,
+        }
+    }
+}
+
+/// One recvmsg: the bytes and the descriptors (close-on-exec) that came with them.
+fn recv_with_fds(fd: RawFd, flags: MsgFlags) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let mut data = vec![0u8; MAX_REQUEST];
+    let mut cmsg = nix::cmsg_space!([RawFd; MAX_PASSED_FDS + 4]);
+    let mut iov = [IoSliceMut::new(&mut data)];
+    let msg = recvmsg::<()>(fd, &mut iov, Some(&mut cmsg), flags | MsgFlags::MSG_CMSG_CLOEXEC).map_err(|e| {
+        if e == nix::errno::Errno::EAGAIN {
+            io::Error::from(io::ErrorKind::WouldBlock)
+        } else {
+            io::Error::from(e)
+        }
+    })?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs().map_err(io::Error::from)? {
+        if let ControlMessageOwned::ScmRights(list) = c {
+            // SAFETY: the kernel just installed these descriptors in this process for us.
+            fds.extend(list.into_iter().map(|raw| unsafe { OwnedFd::from_raw_fd(raw) }));
+        }
+    }
+    let n = msg.bytes;
+    data.truncate(n);
+    Ok((data, fds))
+}
+
+/// What the spawner may start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allowlist {
+    /// Exact program paths.
+    pub programs: Vec<PathBuf>,
+    /// modprobe may run, with exactly `vfio-pci` as its argument (passthrough configured).
+    pub modprobe: bool,
+}
+
+impl Allowlist {
+    /// Whether `program ARGS` may run.
+    pub fn permits(&self, program: &Path, args: &[String]) -> bool {
+        if MODPROBE.iter().any(|m| Path::new(m) == program) {
+            return self.modprobe && args == ["vfio-pci"];
+        }
+        self.programs.iter().any(|p| p == program)
+    }
+}
+
+/// Creates the daemon↔spawner socket pair: `(daemon end, spawner end)`.
+///
+/// # Errors
+/// socketpair failed.
+pub(crate) fn control_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    Ok(socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)?)
+}
+
+/// Makes `control` the daemon's way to start programs (called once, in the daemon).
+pub(crate) fn install(control: OwnedFd) {
+    let _ = SPAWNER.set(Mutex::new(control));
+}
+
+struct Running {
+    child: std::process::Child,
+    pidfd: Option<OwnedFd>,
+    reply: OwnedFd,
+}
+
+fn send_reply(sock: &OwnedFd, reply: &Reply, fd: Option<&OwnedFd>) {
+    let mut line = serde_json::to_vec(reply).unwrap_or_else(|_| b"{}".to_vec());
+    line.push(b'\n');
+    let raw: Vec<RawFd> = fd.iter().map(|f| f.as_raw_fd()).collect();
+    let cmsgs: Vec<ControlMessage> = if raw.is_empty() { Vec::new() } else { vec![ControlMessage::ScmRights(&raw)] };
+    // The reply socket is non-blocking and holds at most two short lines: a failure means the
+    // daemon side is gone, and then nobody is waiting for the answer.
+    let _ = sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(&line)], &cmsgs, MsgFlags::MSG_NOSIGNAL, None);
+}
+
+fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open returns a new fd or -1.
+    let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    let fd = i32::try_from(ret).ok().filter(|f| *f >= 0)?;
+    // SAFETY: the kernel just returned this new descriptor; we own it.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The spawner's loop: serve requests on `control` until the daemon closes it, then exit.
+/// Runs in the forked spawner process, which is single-threaded.
+pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: bool) -> ! {
+    let mut running: Vec<Running> = Vec::new();
+    loop {
+        let mut pfds: Vec<libc::pollfd> =
+            vec![libc::pollfd { fd: control.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        for r in &running {
+            let fd = r.pidfd.as_ref().map_or(-1, AsRawFd::as_raw_fd);
+            pfds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+        }
+        // Without pidfds (old kernels) poll with a timeout and try_wait everything.
+        let timeout = if running.iter().any(|r| r.pidfd.is_none()) { 50 } else { -1 };
+        // SAFETY: pfds is a valid array of pollfd of the given length.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout) };
+        if n < 0 {
+            if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            std::process::exit(1);
+        }
+        // Reap what exited. Backwards, so swap_remove only moves entries already looked at and
+        // `pfds[i + 1]` stays the entry of `running[i]`.
+        for i in (0..running.len()).rev() {
+            let ready = pfds[i + 1].revents != 0 || running[i].pidfd.is_none();
+            if ready {
+                if let Ok(Some(status)) = running[i].child.try_wait() {
+                    let r = running.swap_remove(i);
+                    send_reply(&r.reply, &Reply { status: Some(status.into_raw()), ..Reply::default() }, None);
+                }
+            }
+        }
+        if pfds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) == 0 {
+            continue;
+        }
+        let (bytes, mut fds) = match recv_with_fds(control.as_raw_fd(), MsgFlags::empty()) {
+            Ok(got) => got,
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            // More descriptors than a request may carry (MSG_CTRUNC): the kernel closed the
+            // surplus; drop the request, keep serving.
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => continue,
+            Err(_) => std::process::exit(0),
+        };
+        if bytes.is_empty() && fds.is_empty() {
+            // The daemon closed its end: it is gone. Programs still running are left alone,
+            // like a daemon that was killed leaves them.
+            std::process::exit(0);
+        }
+        if fds.is_empty() {
+            continue;
+        }
+        let reply = fds.remove(0);
+        match start(&bytes, fds, allow, ambient_sys_module) {
+            Ok(child) => {
+                let pidfd = pidfd_open(child.id());
+                let pid = i32::try_from(child.id()).unwrap_or(0);
+                send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
+                running.push(Running { child, pidfd, reply });
+            }
+            Err(e) => {
+                let reply_msg = Reply { error: Some(e.to_string()), errno: e.raw_os_error(), ..Reply::default() };
+                send_reply(&reply, &reply_msg, None);
+            }
+        }
+    }
+}
+
+/// Checks and starts one request in the spawner.
+fn start(
+    bytes: &[u8],
+    mut fds: Vec<OwnedFd>,
+    allow: &Allowlist,
+    ambient_sys_module: bool,
+) -> io::Result<std::process::Child> {
+    let req: Request = serde_json::from_slice(bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let want = usize::from(req.stdout) + usize::from(req.stderr) + req.nfds;
+    if fds.len() != want || req.nfds > MAX_PASSED_FDS {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "descriptor count does not match the request"));
+    }
+    let program = PathBuf::from(&req.program);
+    if !allow.permits(&program, &req.args) {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("the spawner does not run {} with these arguments (not on its allowlist)", program.display()),
+        ));
+    }
+    let passed = fds.split_off(usize::from(req.stdout) + usize::from(req.stderr));
+    let mut stdio = fds.into_iter();
+    let mut command = std::process::Command::new(&program);
+    command.args(&req.args).env_clear().env("PATH", CHILD_PATH).stdin(Stdio::null());
+    command.stdout(if req.stdout { stdio.next().map_or_else(Stdio::null, Stdio::from) } else { Stdio::null() });
+    command.stderr(if req.stderr { stdio.next().map_or_else(Stdio::null, Stdio::from) } else { Stdio::null() });
+    let raw: Vec<RawFd> = passed.iter().map(AsRawFd::as_raw_fd).collect();
+    let memlock = req.memlock;
+    let raise_module = ambient_sys_module && MODPROBE.iter().any(|m| Path::new(m) == program);
+    // SAFETY: only async-signal-safe calls (setrlimit, prctl, fcntl, dup2), no allocation.
+    unsafe {
+        command.pre_exec(move || {
+            if let Some(bytes) = memlock {
+                set_memlock(bytes)?;
+            }
+            if raise_module {
+                // modprobe gets CAP_SYS_MODULE as an ambient capability; nothing else gets any.
+                let cap = libc::c_ulong::from(super::caps::CAP_SYS_MODULE);
+                if libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_RAISE as libc::c_ulong, cap, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            place_fds(&raw)
+        });
+    }
+    let child = command.spawn();
+    drop(passed);
+    child
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allowlist_is_exact() {
+        let a = Allowlist { programs: vec!["/usr/bin/qemu-img".into()], modprobe: true };
+        assert!(a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
+        assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
+        assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()]));
+        assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()]));
+        assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()]));
+        assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
+        let no_pci = Allowlist { programs: vec![], modprobe: false };
+        assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
+    }
+
+    #[tokio::test]
+    async fn local_output_and_kill_on_drop() {
+        let out = Command::new("/bin/sh").args(["-c", "echo out; echo err >&2; exit 3"]).output().await.unwrap();
+        assert_eq!(out.status.code(), Some(3));
+        assert_eq!(out.stdout, b"out\n");
+        assert_eq!(out.stderr, b"err\n");
+        let child = Command::new("/bin/sleep").args(["30"]).spawn().await.unwrap();
+        let pid = child.pid;
+        drop(child);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        assert!(stat.is_empty() || stat.contains(") Z"), "{stat}");
+    }
+}

@@ -1,0 +1,213 @@
+//! The daemon's sandbox (docs/sandbox.md) against a real vmhostd: the capability sets in
+//! /proc/PID/status are exactly the documented ones (daemon, spawner, QEMU), the test-only probe
+//! cannot read /etc/shadow, write outside the daemon's directories, exec or use TCP,
+//! `host.check` reports each layer, `off` changes nothing, and `require` refuses to start on a
+//! host without Landlock while `best-effort` starts and reports it missing. Every other
+//! end-to-end test runs with `sandbox = "require"` too (the harness's default).
+
+use serde_json::{json, Value};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::time::Duration;
+use vmhost_tests::{bin, HostOptions, TestHost};
+
+const CAP_KILL: u64 = 1 << 5;
+const CAP_SETGID: u64 = 1 << 6;
+const CAP_SETUID: u64 = 1 << 7;
+const CAP_NET_ADMIN: u64 = 1 << 12;
+const CAP_SYS_RESOURCE: u64 = 1 << 24;
+
+fn status_field(pid: i32, name: &str) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    text.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_string()).unwrap_or_default()
+}
+
+fn caps(pid: i32, set: &str) -> u64 {
+    u64::from_str_radix(&status_field(pid, &format!("Cap{set}:")), 16).unwrap_or(u64::MAX)
+}
+
+/// What this test process may hand down (a container may lack some capabilities).
+fn our_permitted() -> u64 {
+    caps(std::process::id() as i32, "Prm")
+}
+
+/// The spawner: the daemon's child named vmhostd.
+fn spawner_of(daemon: i32) -> i32 {
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let Some((head, rest)) = stat.rsplit_once(')') else { continue };
+        let ppid: i32 = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+        if ppid == daemon && head.ends_with("(vmhostd") {
+            return pid;
+        }
+    }
+    panic!("no spawner child of {daemon}");
+}
+
+fn check_items(host: &TestHost) -> Vec<Value> {
+    host.call("host.check", json!({}))["items"].as_array().cloned().unwrap_or_default()
+}
+
+fn item<'a>(items: &'a [Value], name: &str) -> &'a Value {
+    items.iter().find(|i| i["name"] == name).unwrap_or_else(|| panic!("no item {name}: {items:?}"))
+}
+
+#[test]
+fn capability_sets_are_exactly_the_documented_ones() {
+    let host = TestHost::start(HostOptions::default());
+    let daemon = host.daemon_pid().unwrap() as i32;
+    let want = CAP_NET_ADMIN | CAP_KILL;
+    for set in ["Eff", "Prm", "Bnd"] {
+        assert_eq!(caps(daemon, set), want, "daemon Cap{set}");
+    }
+    assert_eq!(caps(daemon, "Inh"), 0);
+    assert_eq!(caps(daemon, "Amb"), 0);
+    assert_eq!(status_field(daemon, "NoNewPrivs:"), "1");
+    assert_eq!(status_field(daemon, "Seccomp:"), "2", "filter mode");
+
+    // The spawner: CAP_SETUID, CAP_SETGID, CAP_SYS_RESOURCE (those the daemon was started with),
+    // no seccomp filter, no_new_privs.
+    let spawner = spawner_of(daemon);
+    let want = (CAP_SETUID | CAP_SETGID | CAP_SYS_RESOURCE) & our_permitted();
+    for set in ["Eff", "Prm", "Bnd"] {
+        assert_eq!(caps(spawner, set), want, "spawner Cap{set}");
+    }
+    assert_eq!(caps(spawner, "Inh") | caps(spawner, "Amb"), 0);
+    assert_eq!(status_field(spawner, "NoNewPrivs:"), "1");
+    assert_eq!(status_field(spawner, "Seccomp:"), "0");
+
+    // QEMU runs as root with no capabilities at all (securebits NOROOT), no_new_privs.
+    host.call("vm.create", json!({ "spec": host.kernel_spec("caps") }));
+    let qemu = *host.qemu_pids().first().expect("a QEMU");
+    assert_eq!(status_field(qemu, "Uid:").split_whitespace().next(), Some("0"));
+    assert_eq!(caps(qemu, "Eff"), 0, "QEMU CapEff");
+    assert_eq!(caps(qemu, "Prm"), 0, "QEMU CapPrm");
+    assert_eq!(caps(qemu, "Amb"), 0, "QEMU CapAmb");
+    assert_eq!(status_field(qemu, "NoNewPrivs:"), "1");
+    assert!(host.wait_serial("caps", vmhost_tests::GUEST_READY, Duration::from_secs(60)), "guest did not boot");
+    host.call("vm.destroy", json!({"name": "caps"}));
+}
+
+#[test]
+fn the_probe_cannot_escape() {
+    if !cfg!(debug_assertions) {
+        eprintln!("skipped: the probe exists only in debug builds");
+        return;
+    }
+    let outside = tempfile::tempdir().unwrap();
+    let target = outside.path().join("escaped");
+    let host = TestHost::start(HostOptions {
+        env: vec![("VMHOST_TEST_SANDBOX_PROBE".into(), target.display().to_string())],
+        ..HostOptions::default()
+    });
+    let log = host.daemon_log();
+    let line = |what: &str| {
+        log.lines()
+            .find(|l| l.starts_with(&format!("sandbox-probe: {what}")))
+            .unwrap_or_else(|| panic!("no probe line for {what}:\n{log}"))
+            .to_string()
+    };
+    // Landlock refuses files with EACCES; seccomp refuses syscalls with EPERM.
+    assert!(line("read /etc/shadow").ends_with("errno 13"), "{log}");
+    assert!(line("create").ends_with("errno 13"), "{log}");
+    assert!(line("exec /bin/true").ends_with("errno 1"), "{log}");
+    assert!(line("tcp bind").ends_with("errno 13"), "{log}");
+    assert!(line("unshare").ends_with("errno 1"), "{log}");
+    assert!(!target.exists(), "the probe wrote outside the daemon's directories");
+    // The daemon still works.
+    assert!(host.call("host.info", json!({}))["version"].is_string());
+}
+
+#[test]
+fn host_check_reports_each_layer() {
+    let host = TestHost::start(HostOptions::default());
+    let items = check_items(&host);
+    let names: Vec<&str> = items.iter().filter_map(|i| i["name"].as_str()).collect();
+    let n = names.len();
+    assert_eq!(&names[n - 4..], ["sandbox", "capabilities", "landlock", "seccomp"], "last four, in order");
+    for name in ["sandbox", "capabilities", "landlock", "seccomp"] {
+        assert_eq!(item(&items, name)["status"], "ok", "{name}: {}", item(&items, name));
+    }
+    let detail = |n: &str| item(&items, n)["detail"].as_str().unwrap_or_default().to_string();
+    assert!(detail("sandbox").contains("mode require; no_new_privs set"), "{}", detail("sandbox"));
+    assert!(detail("capabilities").starts_with("daemon: effective=cap_kill,cap_net_admin permitted=cap_kill,cap_net_admin bounding=cap_kill,cap_net_admin inheritable=none ambient=none; spawner: effective=cap_setgid,cap_setuid"), "{}", detail("capabilities"));
+    assert!(
+        detail("landlock").starts_with("daemon: fully enforced with ABI 5 rights (kernel ABI "),
+        "{}",
+        detail("landlock")
+    );
+    assert!(detail("landlock").contains("spawner: fully enforced"), "{}", detail("landlock"));
+    assert!(detail("seccomp").starts_with("enforce: "), "{}", detail("seccomp"));
+}
+
+#[test]
+fn off_changes_nothing() {
+    let host = TestHost::start(HostOptions { sandbox: "off".into(), ..HostOptions::default() });
+    let daemon = host.daemon_pid().unwrap() as i32;
+    assert_eq!(caps(daemon, "Eff"), caps(std::process::id() as i32, "Eff"));
+    assert_eq!(status_field(daemon, "Seccomp:"), "0");
+    let items = check_items(&host);
+    for name in ["sandbox", "capabilities", "landlock", "seccomp"] {
+        assert_eq!(item(&items, name)["status"], "ok");
+        assert!(item(&items, name)["detail"].as_str().unwrap().contains("\"off\""));
+    }
+    // Programs run in-process then: QEMU starts all the same.
+    host.call("vm.create", json!({ "spec": host.kernel_spec("off") }));
+    assert!(host.wait_serial("off", vmhost_tests::GUEST_READY, Duration::from_secs(60)), "guest did not boot");
+}
+
+/// Runs vmhostd on `host`'s config as if the kernel had no Landlock: a seccomp filter installed
+/// before exec makes landlock_create_ruleset fail with ENOSYS.
+fn without_landlock(host: &TestHost) -> Command {
+    use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+    let rules = [(libc::SYS_landlock_create_ruleset, vec![])].into_iter().collect();
+    let filter =
+        SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), TargetArch::x86_64)
+            .unwrap();
+    let program: BpfProgram = filter.try_into().unwrap();
+    let mut cmd = Command::new(bin("vmhostd"));
+    cmd.arg("--config").arg(&host.config);
+    // SAFETY: prctl and seccomp only; the program was built before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            seccompiler::apply_filter(&program).map_err(std::io::Error::other)
+        });
+    }
+    cmd
+}
+
+#[test]
+fn require_refuses_a_kernel_without_landlock_and_best_effort_reports_it() {
+    let mut host = TestHost::prepare(HostOptions::default());
+    let out = without_landlock(&host).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("vmhostd: refusing to start: sandbox = \"require\" but landlock is not in force"),
+        "{stderr}"
+    );
+    assert!(!host.socket.exists(), "nothing served");
+
+    // best-effort: starts, and host.check says Landlock is missing.
+    let text =
+        std::fs::read_to_string(&host.config).unwrap().replace("sandbox = \"require\"", "sandbox = \"best-effort\"");
+    std::fs::write(&host.config, text).unwrap();
+    let mut child = without_landlock(&host).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while vmhost::client::Client::connect(&host.socket).is_err() {
+        assert!(std::time::Instant::now() < deadline, "best-effort daemon did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let items = check_items(&host);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(item(&items, "landlock")["status"], "missing", "{items:?}");
+    assert!(item(&items, "landlock")["detail"].as_str().unwrap().contains("no Landlock"), "{items:?}");
+    assert_eq!(item(&items, "seccomp")["status"], "ok");
+    assert_eq!(item(&items, "capabilities")["status"], "ok");
+    host.env.clear();
+}
