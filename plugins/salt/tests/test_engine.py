@@ -2,26 +2,15 @@
 prune of managed VMs only, per-hypervisor failure isolation (fake LocalClient) and tags."""
 
 import copy
-import importlib.util
 import json
 import logging
 import os
-import sys
 import tempfile
 import unittest
 
-ENGINES = os.path.join(os.path.dirname(__file__), "..", "src", "saltext", "vmhost", "engines")
+from vmhost_fakes import load_engine
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ENGINES, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-eng = _load("vmhost_engine")
+eng = load_engine("vmhost_engine")
 # The failures these tests provoke are logged on purpose; keep the test output readable.
 eng.log.setLevel(logging.CRITICAL)
 

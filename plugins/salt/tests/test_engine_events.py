@@ -1,28 +1,17 @@
 """Unit tests of the vmhost_events minion engine: event -> (tag, data), and a real Unix socket
 that plays vmhostd's events.subscribe."""
 
-import importlib.util
 import json
 import logging
 import os
 import socket
-import sys
 import tempfile
 import threading
 import unittest
 
-ENGINES = os.path.join(os.path.dirname(__file__), "..", "src", "saltext", "vmhost", "engines")
+from vmhost_fakes import load_engine
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ENGINES, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ev = _load("vmhost_events")
+ev = load_engine("vmhost_events")
 # The failures these tests provoke are logged on purpose; keep the test output readable.
 ev.log.setLevel(logging.CRITICAL)
 

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 
@@ -19,6 +20,15 @@ def load(kind, dunders):
     spec.loader.exec_module(module)
     for key, value in dunders.items():
         setattr(module, key, value)
+    return module
+
+
+def load_engine(name):
+    """Loads ``SRC/engines/<name>.py`` as the module ``name``, as Salt's loader would."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SRC, "engines", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
     return module
 
 
