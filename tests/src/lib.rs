@@ -406,6 +406,17 @@ pub fn qemu_pids_under(dir: &Path) -> Vec<i32> {
     pids
 }
 
+/// The resident set size of `pid` in KiB (`VmRSS` of /proc/PID/status); 0 when it cannot be read.
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 /// True while `pid` exists and is not a zombie.
 pub fn alive(pid: i32) -> bool {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();

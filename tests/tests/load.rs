@@ -9,21 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use vmhost::client::{Client, ClientError};
-use vmhost_tests::{HostOptions, TestHost};
+use vmhost_tests::{rss_kib, HostOptions, TestHost};
 
 const CLIENTS: usize = 64;
 const CALLS: usize = 1000;
 const CHURNED: [&str; 4] = ["churn0", "churn1", "churn2", "churn3"];
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 /// Call `i` of a client: the method, its params, and the error codes it may legitimately get.
 fn mixed_call(i: usize, steady: &Value) -> (&'static str, Value, &'static [i32]) {

@@ -11,21 +11,11 @@
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
-use vmhost_tests::{HostOptions, TestHost};
+use vmhost_tests::{rss_kib, HostOptions, TestHost};
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
     args.windows(2).find(|w| w[0] == name).and_then(|w| w[1].parse().ok()).unwrap_or(default)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {

@@ -31,7 +31,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
-use vmhost_tests::{bin, qemu_pids_under, workspace, HostOptions, TestHost, GUEST_READY};
+use vmhost_tests::{bin, qemu_pids_under, rss_kib, workspace, HostOptions, TestHost, GUEST_READY};
 
 const AGENT_SERVING: &str = "vmhost-agent: serving on";
 const CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
@@ -46,16 +46,6 @@ fn arg(name: &str, default: usize) -> usize {
 
 fn flag(name: &str) -> bool {
     std::env::args().any(|a| a == name)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
