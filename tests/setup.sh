@@ -18,6 +18,12 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get -o DPkg::Lock::Timeout=300 update -qq
     apt-get -o DPkg::Lock::Timeout=300 install -y -qq "${missing[@]}" >/dev/null
 fi
+# Test hosts run QEMU as this user (tests/src/lib.rs QEMU_USER); vmhost-qemu itself belongs to
+# the Debian package, which the packaging test installs and purges.
+if ! getent passwd vmhost-test-qemu >/dev/null; then
+    adduser --system --group --no-create-home --home /nonexistent --shell /usr/sbin/nologin \
+        --quiet vmhost-test-qemu
+fi
 # Salt 3008 pins a certifi PyPI does not have here; 3007 is the supported line.
 if [ ! -x target/salt-venv/bin/salt-call ] || [ ! -x target/salt-venv/bin/ruff ]; then
     echo "setup: installing salt 3007 and ruff into target/salt-venv"

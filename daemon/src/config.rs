@@ -153,7 +153,24 @@ pub struct QemuConfig {
     pub machine: String,
     /// Seconds QEMU may take to initialise before the start counts as failed.
     pub launch_timeout_s: u64,
+    /// The unprivileged user QEMU runs as (docs/sandbox.md).
+    pub user: String,
+    /// QEMU's own seccomp filter: `-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,
+    /// resourcecontrol=deny`.
+    pub sandbox: bool,
 }
+
+/// A user and group to run a program as: `qemu.user`, resolved when the config is loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize)]
+pub struct UserIds {
+    /// User id.
+    pub uid: u32,
+    /// Its primary group id; the program gets no supplementary groups.
+    pub gid: u32,
+}
+
+/// The default `qemu.user`, which the Debian package creates.
+pub const DEFAULT_QEMU_USER: &str = "vmhost-qemu";
 
 impl Default for QemuConfig {
     fn default() -> Self {
@@ -163,6 +180,8 @@ impl Default for QemuConfig {
             accel: Accel::Kvm,
             machine: "q35".into(),
             launch_timeout_s: 30,
+            user: DEFAULT_QEMU_USER.into(),
+            sandbox: true,
         }
     }
 }
@@ -300,6 +319,9 @@ pub struct Config {
     pub paths: Paths,
     /// `[qemu]`.
     pub qemu: QemuConfig,
+    /// `qemu.user` resolved to ids by [`Config::load`]; `None` from [`Config::parse`] alone,
+    /// and then QEMU runs as the daemon's user (unit tests).
+    pub qemu_user: Option<UserIds>,
     /// `[access]`.
     pub access: Access,
     /// Socket mode parsed from `access.socket_mode`.
@@ -318,7 +340,22 @@ impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Read { file: path.display().to_string(), source })?;
-        Config::parse(&text, path)
+        let mut config = Config::parse(&text, path)?;
+        let user = nix::unistd::User::from_name(&config.qemu.user).map_err(|e| ConfigError::Key {
+            file: path.display().to_string(),
+            key: "qemu.user".into(),
+            problem: format!("cannot look up {:?}: {e}", config.qemu.user),
+        })?;
+        let user = user.ok_or_else(|| ConfigError::Key {
+            file: path.display().to_string(),
+            key: "qemu.user".into(),
+            problem: format!(
+                "no user {:?}: create it (adduser --system --group {0}) or name another",
+                config.qemu.user
+            ),
+        })?;
+        config.qemu_user = Some(UserIds { uid: user.uid.as_raw(), gid: user.gid.as_raw() });
+        Ok(config)
     }
 
     /// Validates config text; `file` is only used in messages.
@@ -368,6 +405,12 @@ impl Config {
         }
         if raw.qemu.launch_timeout_s == 0 {
             return Err(key_err("qemu.launch_timeout_s", "must be at least 1".into()));
+        }
+        let user_ok = raw.qemu.user.len() <= 32
+            && raw.qemu.user.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+            && raw.qemu.user.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-_".contains(c));
+        if !user_ok {
+            return Err(key_err("qemu.user", format!("{:?} is not a user name", raw.qemu.user)));
         }
         let socket_mode = parse_mode(&raw.access.socket_mode).map_err(|p| key_err("access.socket_mode", p))?;
 
@@ -500,6 +543,7 @@ impl Config {
             seccomp: raw.seccomp,
             paths: raw.paths,
             qemu: raw.qemu,
+            qemu_user: None,
             access: raw.access,
             socket_mode,
             hardware: Hardware {

@@ -18,6 +18,7 @@
 //! failures carry the tail of its stderr.
 
 use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -158,7 +159,8 @@ pub async fn base_format(qemu_img: &Path, base: &Path) -> Result<String, DiskErr
 /// base is missing); [`DiskError::Io`] when the overlay's directory is not writable; the errors
 /// of [`base_info`].
 pub async fn create_overlay(qemu_img: &Path, base: &Path, overlay: &Path, size_gib: u64) -> Result<(), DiskError> {
-    match OpenOptions::new().write(true).create_new(true).open(overlay) {
+    // Private: only the daemon opens it; QEMU gets a descriptor (docs/sandbox.md).
+    match OpenOptions::new().write(true).create_new(true).mode(0o600).open(overlay) {
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
             return Err(DiskError::Exists(overlay.to_path_buf()));

@@ -240,14 +240,50 @@ pub fn verify(expected: &ProcessIdentity, marker: &OsStr) -> io::Result<bool> {
     verify_in(Path::new(PROC_ROOT), expected, marker)
 }
 
+/// [`find_by_marker`] with an explicit proc root.
+///
+/// # Errors
+/// As [`find_by_marker`].
+pub fn find_by_marker_in(proc_root: &Path, marker: &OsStr) -> io::Result<Option<ProcessIdentity>> {
+    for entry in std::fs::read_dir(proc_root)? {
+        let entry = entry?;
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        // Processes hidden from us (hidepid) cannot be a QEMU we started: skip them.
+        let skip = |e: &io::Error| is_gone(e) || e.kind() == io::ErrorKind::PermissionDenied;
+        let id = match identify_in(proc_root, pid) {
+            Ok(id) => id,
+            Err(e) if skip(&e) => continue,
+            Err(e) => return Err(e),
+        };
+        match verify_in(proc_root, &id, marker) {
+            Ok(true) => return Ok(Some(id)),
+            Ok(false) => {}
+            Err(e) if skip(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
+}
+
+/// The live process one of whose arguments contains `marker`, if any: how the daemon finds a
+/// VM's QEMU that started just before a crash, before its identity was recorded. A marker is
+/// unique per VM, so there is at most one.
+///
+/// # Errors
+/// /proc could not be listed or a process's files could not be read for a reason other than
+/// it being gone: whether the VM runs is then unknown.
+pub fn find_by_marker(marker: &OsStr) -> io::Result<Option<ProcessIdentity>> {
+    find_by_marker_in(Path::new(PROC_ROOT), marker)
+}
+
 /// [`matches`] with an explicit proc root.
 pub fn matches_in(proc_root: &Path, expected: &ProcessIdentity, marker: &OsStr) -> bool {
     verify_in(proc_root, expected, marker).unwrap_or(false)
 }
 
 /// True only if the recorded process still runs: it is alive (not a zombie), its start time is
-/// the recorded one, and one of its arguments contains `marker` (the VM's unique QMP socket
-/// path). An empty marker matches nothing.
+/// the recorded one, and one of its arguments contains `marker` (unique per VM:
+/// [`crate::qemu::argv::VmPaths::cmdline_marker`]). An empty marker matches nothing.
 ///
 /// All three are needed. The pid alone may since have been given to any other process. Pid and
 /// start time together do identify one process, but a record can be stale or wrong (written
@@ -419,6 +455,27 @@ mod tests {
         std::fs::write(d.path().join(me.pid.to_string()), b"not a directory").unwrap();
         assert!(verify_in(d.path(), &me, &marker).is_err());
         assert!(!matches_in(d.path(), &me, &marker));
+    }
+
+    #[test]
+    fn find_by_marker_finds_only_a_live_process_with_the_marker() {
+        let root = fake_proc(40, &stat_line(40, "qemu", 'S', 100), b"qemu\0-add-fd\0fd=5,set=5,opaque=/s/vm-a.log\0");
+        let add = |pid: i32, state: char, cmdline: &[u8]| {
+            let dir = root.path().join(pid.to_string());
+            std::fs::create_dir(&dir).unwrap();
+            std::fs::write(dir.join("stat"), stat_line(pid, "qemu", state, 200)).unwrap();
+            std::fs::write(dir.join("cmdline"), cmdline).unwrap();
+        };
+        add(41, 'Z', b"qemu\0opaque=/s/vm-b.log\0");
+        add(42, 'S', b"qemu\0opaque=/s/vm-c.log\0");
+        std::fs::write(root.path().join("self"), b"not a pid").unwrap();
+        let find = |m: &str| find_by_marker_in(root.path(), OsStr::new(m)).unwrap().map(|id| id.pid);
+        assert_eq!(find("opaque=/s/vm-a.log"), Some(40));
+        assert_eq!(find("opaque=/s/vm-c.log"), Some(42));
+        assert_eq!(find("opaque=/s/vm-b.log"), None, "a zombie is not running");
+        assert_eq!(find("opaque=/s/vm-d.log"), None);
+        assert_eq!(find(""), None, "an empty marker matches nothing");
+        assert!(find_by_marker_in(&root.path().join("absent"), OsStr::new("x")).is_err());
     }
 
     #[test]

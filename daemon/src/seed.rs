@@ -13,6 +13,7 @@ use crate::api::{Ipv4Spec, VmSpec};
 use crate::nic::NicAlloc;
 use serde_json::{json, Map, Value};
 use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
 use std::io::{self, Write};
 use std::path::Path;
 
@@ -77,7 +78,7 @@ pub fn render(spec: &VmSpec, allocs: &[NicAlloc]) -> SeedFiles {
 pub fn write_seed(path: &Path, files: &SeedFiles) -> io::Result<()> {
     let tmp = path.with_extension("img.partial");
     let result = (|| {
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp)?;
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
         file.set_len(SEED_BYTES)?;
         let mut disk = file;
         fatfs::format_volume(&mut disk, fatfs::FormatVolumeOptions::new().volume_label(*b"CIDATA     "))?;

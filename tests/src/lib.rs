@@ -32,6 +32,10 @@ subnet = "10.0.0.0/24"
 /// Console line the test guest prints once userspace runs.
 pub const GUEST_READY: &str = "VMHOST-GUEST-READY";
 
+/// The unprivileged user test hosts run QEMU as (`qemu.user`), created by tests/setup.sh. Not
+/// `vmhost-qemu`: the packaging test installs and purges the package that owns that user.
+pub const QEMU_USER: &str = "vmhost-test-qemu";
+
 /// The workspace root.
 pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
@@ -174,6 +178,7 @@ socket = "{socket}"
 [qemu]
 accel = "tcg"
 machine = "{machine}"
+user = "{qemu_user}"
 [access]
 admin_group = "vmhost-test-admin"
 readonly_group = "{ro}"
@@ -191,6 +196,7 @@ reserved_memory_gib = 1
             images = d.join("images").display(),
             socket = socket.display(),
             machine = opts.machine,
+            qemu_user = QEMU_USER,
             ro = opts.readonly_group,
             cpu = opts.cpu,
             mem = opts.memory_gib,

@@ -1,5 +1,6 @@
 //! The daemon's sandbox (docs/sandbox.md) against a real vmhostd: the capability sets in
-//! /proc/PID/status are exactly the documented ones (daemon, spawner, QEMU), the test-only probe
+//! /proc/PID/status are exactly the documented ones (daemon, spawner, QEMU), QEMU runs as the
+//! unprivileged user on descriptors the daemon opened, the test-only probe
 //! cannot read /etc/shadow, write outside the daemon's directories, exec or use TCP,
 //! `host.check` reports each layer, `off` changes nothing, and `require` refuses to start on a
 //! host without Landlock while `best-effort` starts and reports it missing. Every other
@@ -77,16 +78,96 @@ fn capability_sets_are_exactly_the_documented_ones() {
     assert_eq!(status_field(spawner, "NoNewPrivs:"), "1");
     assert_eq!(status_field(spawner, "Seccomp:"), "0");
 
-    // QEMU runs as root with no capabilities at all (securebits NOROOT), no_new_privs.
+    // QEMU: see qemu_runs_unprivileged_on_descriptors.
     host.call("vm.create", json!({ "spec": host.kernel_spec("caps") }));
     let qemu = *host.qemu_pids().first().expect("a QEMU");
-    assert_eq!(status_field(qemu, "Uid:").split_whitespace().next(), Some("0"));
-    assert_eq!(caps(qemu, "Eff"), 0, "QEMU CapEff");
-    assert_eq!(caps(qemu, "Prm"), 0, "QEMU CapPrm");
-    assert_eq!(caps(qemu, "Amb"), 0, "QEMU CapAmb");
-    assert_eq!(status_field(qemu, "NoNewPrivs:"), "1");
+    assert_qemu_unprivileged(qemu);
+    assert_eq!(parent_of(qemu), spawner, "QEMU is the spawner's child");
     assert!(host.wait_serial("caps", vmhost_tests::GUEST_READY, Duration::from_secs(60)), "guest did not boot");
     host.call("vm.destroy", json!({"name": "caps"}));
+}
+
+fn parent_of(pid: i32) -> i32 {
+    status_field(pid, "PPid:").parse().unwrap_or(0)
+}
+
+/// The uid and gid of the test QEMU user.
+fn qemu_user_ids() -> (String, String) {
+    let out = Command::new("getent").args(["passwd", vmhost_tests::QEMU_USER]).output().unwrap();
+    let line = String::from_utf8_lossy(&out.stdout).to_string();
+    let fields: Vec<&str> = line.trim().split(':').collect();
+    assert!(fields.len() > 3, "no user {} (tests/setup.sh creates it)", vmhost_tests::QEMU_USER);
+    (fields[2].to_string(), fields[3].to_string())
+}
+
+/// QEMU runs as the configured user (real, effective, saved and filesystem ids), with no
+/// supplementary groups, no capabilities, no_new_privs and its own seccomp filter.
+fn assert_qemu_unprivileged(qemu: i32) {
+    let (uid, gid) = qemu_user_ids();
+    assert_ne!(uid, "0");
+    let ids = |field: &str| status_field(qemu, field).split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(ids("Uid:"), vec![uid; 4], "QEMU uids");
+    assert_eq!(ids("Gid:"), vec![gid; 4], "QEMU gids");
+    assert_eq!(status_field(qemu, "Groups:"), "", "QEMU supplementary groups");
+    for set in ["Eff", "Prm", "Inh", "Amb"] {
+        assert_eq!(caps(qemu, set), 0, "QEMU Cap{set}");
+    }
+    assert_eq!(status_field(qemu, "NoNewPrivs:"), "1");
+    assert_eq!(status_field(qemu, "Seccomp:"), "2", "QEMU's -sandbox filter");
+}
+
+/// QEMU as the unprivileged user with an image-booted VM: every VM file it uses (sockets,
+/// serial log, overlay, base image, seed) is a descriptor the daemon opened; the files and the
+/// run dir stay root's and private, so QEMU could not open them by path.
+#[test]
+fn qemu_runs_unprivileged_on_descriptors() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let host = TestHost::start(HostOptions::default());
+    let base = host.images().join("base.qcow2");
+    let made = Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&base).arg("64M").status().unwrap();
+    assert!(made.success());
+    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let spec = json!({"name": "img", "cpu": 1, "memory_mib": 128, "boot": {"image": "base.qcow2", "disk_gib": 1}});
+    let vm = host.call("vm.create", json!({ "spec": spec }));
+    assert_eq!(vm["vm"]["status"], "running", "{vm}");
+    let qemu = *host.qemu_pids().first().expect("a QEMU");
+    assert_qemu_unprivileged(qemu);
+
+    let state = host.dir.path().join("state");
+    let run_dir = host.dir.path().join("run/img");
+    let expected = [
+        run_dir.join("qmp"),
+        run_dir.join("agent"),
+        state.join("logs/img.serial.log"),
+        state.join("disks/img.qcow2"),
+        base.clone(),
+        state.join("seeds/img.img"),
+    ];
+    let mut open: Vec<std::path::PathBuf> = Vec::new();
+    let mut sockets = 0;
+    for e in std::fs::read_dir(format!("/proc/{qemu}/fd")).unwrap().flatten() {
+        let target = std::fs::read_link(e.path()).unwrap_or_default();
+        if target.to_string_lossy().starts_with("socket:") {
+            sockets += 1;
+        }
+        open.push(target);
+    }
+    for file in &expected[2..] {
+        assert!(open.contains(file), "QEMU does not hold {}: {open:?}", file.display());
+        let meta = std::fs::metadata(file).unwrap();
+        assert_eq!(meta.uid(), 0, "{} stays root's", file.display());
+        assert_eq!(meta.mode() & 0o077, 0, "{} is private: {:o}", file.display(), meta.mode());
+    }
+    assert!(sockets >= 2, "the QMP and agent listening sockets: {open:?}");
+    let run = std::fs::metadata(&run_dir).unwrap();
+    assert_eq!((run.uid(), run.mode() & 0o777), (0, 0o700), "the run dir is the daemon's alone");
+    // QEMU's stderr is its log.
+    let stderr = std::fs::read_link(format!("/proc/{qemu}/fd/2")).unwrap();
+    assert_eq!(stderr, state.join("logs/img.qemu.log"));
+    // And the VM works through them: QMP answered (status running above), stop and destroy.
+    host.call("vm.stop", json!({"name": "img", "timeout_s": 1}));
+    host.call("vm.destroy", json!({"name": "img"}));
+    assert!(!state.join("logs/img.qemu.log").exists(), "destroy removes QEMU's log");
 }
 
 #[test]
@@ -152,8 +233,11 @@ fn off_changes_nothing() {
         assert_eq!(item(&items, name)["status"], "ok");
         assert!(item(&items, name)["detail"].as_str().unwrap().contains("\"off\""));
     }
-    // Programs run in-process then: QEMU starts all the same.
+    // Programs run in-process then: QEMU starts all the same, still as the unprivileged user.
     host.call("vm.create", json!({ "spec": host.kernel_spec("off") }));
+    let qemu = *host.qemu_pids().first().expect("a QEMU");
+    assert_qemu_unprivileged(qemu);
+    assert_eq!(parent_of(qemu), daemon, "without a spawner QEMU is the daemon's child");
     assert!(host.wait_serial("off", vmhost_tests::GUEST_READY, Duration::from_secs(60)), "guest did not boot");
 }
 

@@ -8,7 +8,7 @@
 use super::{last_error, Manager};
 use crate::api::{ApiError, Code, VmStatus};
 use crate::process::{self, ProcessIdentity};
-use crate::qemu::argv::{build_argv, VmPaths};
+use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
 use crate::qemu::launch::{launch, LaunchRequest};
 use crate::qemu::qmp::Qmp;
 use crate::validate::{BootSource, ValidSpec};
@@ -21,6 +21,14 @@ use std::time::Duration;
 /// Where qemu-img writes an overlay before it is renamed into place.
 pub(super) fn partial_overlay(paths: &VmPaths) -> std::path::PathBuf {
     paths.overlay.with_extension("qcow2.partial")
+}
+
+/// What [`Manager::open_passed_fds`] opened.
+struct PassedFds {
+    /// In [`passed_fds`] order.
+    fds: Vec<std::os::fd::OwnedFd>,
+    /// The base image's format (`qemu-img info`), empty for a direct-kernel VM.
+    base_format: String,
 }
 
 /// How long QMP may take to answer right after launch.
@@ -85,8 +93,9 @@ impl Manager {
         Ok(true)
     }
 
-    /// The live QEMU of this VM, if any: the recorded identity, or else the pid file (QEMU may
-    /// have started just before a crash, before its identity was recorded).
+    /// The live QEMU of this VM, if any: the recorded identity, or else a process with the VM's
+    /// cmdline marker (QEMU may have started just before a crash, before its identity was
+    /// recorded).
     ///
     /// # Errors
     /// 4001 when /proc cannot be read (e.g. out of file descriptors): whether QEMU runs is then
@@ -101,25 +110,12 @@ impl Manager {
         let unknown = |e: std::io::Error| {
             provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
         };
-        let gone =
-            |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(nix::libc::ESRCH);
         if let Some(id) = recorded {
             if process::verify(id, marker).map_err(unknown)? {
                 return Ok(Some(id.clone()));
             }
         }
-        let text = match std::fs::read_to_string(&paths.pidfile) {
-            Ok(t) => t,
-            Err(e) if gone(&e) => return Ok(None),
-            Err(e) => return Err(unknown(e)),
-        };
-        let Ok(pid) = text.trim().parse::<i32>() else { return Ok(None) };
-        let id = match process::identify(pid) {
-            Ok(id) => id,
-            Err(e) if gone(&e) => return Ok(None),
-            Err(e) => return Err(unknown(e)),
-        };
-        Ok(process::verify(&id, marker).map_err(unknown)?.then_some(id))
+        process::find_by_marker(marker).map_err(unknown)
     }
 
     /// Launches QEMU for `vm`, records its identity, and checks over QMP that it runs.
@@ -195,16 +191,28 @@ impl Manager {
             }
         };
         self.crashpoint("launch:taps");
+        let opened = match self.open_passed_fds(vm, &paths, fds).await {
+            Ok(opened) => opened,
+            Err(e) => {
+                self.net.detach_nics(&name).await;
+                self.agents.stop(&name);
+                self.clean_run_dir(&paths);
+                return Err(e);
+            }
+        };
         let request = LaunchRequest {
             binary: self.config.qemu.binary.clone(),
-            argv: build_argv(vm, &self.config, &paths, &allocs),
-            pidfile: paths.pidfile.clone(),
+            argv: build_argv(vm, &self.config, &paths, &allocs, &opened.base_format),
+            qmp: paths.qmp.clone(),
+            log: paths.qemu_log.clone(),
             timeout: Duration::from_secs(self.config.qemu.launch_timeout_s),
-            fds,
+            fds: opened.fds,
             memlock: self.memlock_for(&vm.spec),
+            user: self.config.qemu_user,
         };
         let launched = launch(&request).await;
-        // QEMU holds its own copies now; ours must go so the taps die with QEMU.
+        // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client
+        // of a dead QEMU's sockets is refused rather than queued.
         drop(request);
         let id = match launched {
             Ok(id) => {
@@ -248,6 +256,75 @@ impl Manager {
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
             }
         }
+    }
+
+    /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP and agent
+    /// sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
+    /// (`taps`, already open), and for an image-booted VM the overlay (read-write and
+    /// read-only), its base image and the seed. Also returns the base image's format.
+    ///
+    /// # Errors
+    /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound.
+    async fn open_passed_fds(
+        &self,
+        vm: &ValidSpec,
+        paths: &VmPaths,
+        taps: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<PassedFds, ApiError> {
+        use std::fs::OpenOptions;
+        use std::os::fd::OwnedFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let failed = |what: &std::path::Path, e: std::io::Error| {
+            provisioning("qemu_files", format!("cannot open {} for QEMU: {e}", what.display()))
+        };
+        let listen = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
+            let _ = std::fs::remove_file(path);
+            std::os::unix::net::UnixListener::bind(path).map(OwnedFd::from).map_err(|e| failed(path, e))
+        };
+        let read_only = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
+            std::fs::File::open(path).map(OwnedFd::from).map_err(|e| failed(path, e))
+        };
+        let mut taps = taps.into_iter();
+        let mut fds = Vec::new();
+        let mut base_format = String::new();
+        let base = match &vm.boot {
+            BootSource::Image { image, .. } => Some(self.config.paths.images.join(image)),
+            BootSource::Kernel { .. } => None,
+        };
+        for which in passed_fds(vm, vm.spec.nics.len()) {
+            let fd = match which {
+                PassedFd::Qmp => listen(&paths.qmp)?,
+                PassedFd::Agent => listen(&paths.agent)?,
+                PassedFd::SerialLog => OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .mode(0o600)
+                    .open(&paths.serial_log)
+                    .map(OwnedFd::from)
+                    .map_err(|e| failed(&paths.serial_log, e))?,
+                PassedFd::Tap(i) => taps
+                    .next()
+                    .ok_or_else(|| provisioning("qemu_files", format!("no tap for NIC {i}")))?,
+                PassedFd::OverlayRw => OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&paths.overlay)
+                    .map(OwnedFd::from)
+                    .map_err(|e| failed(&paths.overlay, e))?,
+                PassedFd::OverlayRo => read_only(&paths.overlay)?,
+                PassedFd::Base => {
+                    let Some(base) = &base else { continue };
+                    let info = crate::disk::base_info(&self.config.qemu.img_binary, base)
+                        .await
+                        .map_err(|e| provisioning("qemu_files", format!("cannot read the base image: {e}")))?;
+                    base_format = info.format;
+                    read_only(base)?
+                }
+                PassedFd::Seed => read_only(&paths.seed)?,
+            };
+            fds.push(fd);
+        }
+        Ok(PassedFds { fds, base_format })
     }
 
     /// SIGKILLs a VM process, only if it still is this VM's QEMU (never a reused pid), and waits

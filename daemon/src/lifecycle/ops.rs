@@ -307,10 +307,12 @@ impl Manager {
                 return Err(err);
             }
         }
-        match std::fs::remove_file(&paths.serial_log) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(vm = name, error = %e, "cannot remove the console log"),
+        for log in [&paths.serial_log, &paths.qemu_log] {
+            match std::fs::remove_file(log) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(vm = name, log = %log.display(), error = %e, "cannot remove a log"),
+            }
         }
         self.update(name, "torn down", |r| {
             r.process = None;

@@ -130,6 +130,7 @@ impl Manager {
         let _ = crate::disk::remove_overlay(&paths.overlay);
         let _ = std::fs::remove_file(&paths.seed);
         let _ = std::fs::remove_file(&paths.serial_log);
+        let _ = std::fs::remove_file(&paths.qemu_log);
         self.forget(name, "destroyed (completed after restart)")
     }
 

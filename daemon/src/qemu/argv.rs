@@ -1,8 +1,16 @@
 //! The QEMU command line for a VM: a pure function of (spec, config, paths), built as an argv.
 //!
-//! Nothing here runs anything. [`VmPaths::for_vm`] fixes where each VM's files live, and
-//! [`build_argv`] turns a validated spec into arguments. Values that go into QEMU option lists
-//! have their commas doubled ([`escape_opt`]) so no path can inject an extra option.
+//! Nothing here runs anything. [`VmPaths::for_vm`] fixes where each VM's files live,
+//! [`passed_fds`] which descriptors QEMU is handed and in what order, and [`build_argv`] turns
+//! a validated spec into arguments that name those descriptors. Values that go into QEMU option
+//! lists have their commas doubled ([`escape_opt`]) so no path can inject an extra option.
+//!
+//! QEMU runs as an unprivileged user (docs/sandbox.md) and opens none of the VM's files by
+//! path: the daemon opens them and passes descriptors. The QMP and agent sockets are listening
+//! sockets the daemon bound (`-chardev socket,fd=N`); the serial log, the overlay, its base image
+//! and the seed are fd sets (`-add-fd`, `/dev/fdset/N`). Only the kernel and initrd of a
+//! direct-kernel VM are opened by path (QEMU's loader cannot take a descriptor), so they must be
+//! readable by that user.
 
 use crate::config::{Accel, Config};
 use crate::nic::{kernel_ip_params, NicAlloc};
@@ -27,10 +35,11 @@ pub struct VmPaths {
     pub qmp: PathBuf,
     /// Guest agent chardev socket.
     pub agent: PathBuf,
-    /// QEMU's pid file.
-    pub pidfile: PathBuf,
     /// Serial console log, kept across restarts until destroy.
     pub serial_log: PathBuf,
+    /// QEMU's own stderr (its warnings and why it failed to start), appended, kept like the
+    /// serial log.
+    pub qemu_log: PathBuf,
     /// qcow2 overlay for image-booted VMs.
     pub overlay: PathBuf,
     /// cloud-init NoCloud seed for image-booted VMs, rebuilt at every start.
@@ -44,30 +53,80 @@ impl VmPaths {
         VmPaths {
             qmp: run_dir.join("qmp"),
             agent: run_dir.join("agent"),
-            pidfile: run_dir.join("qemu.pid"),
             run_dir,
             serial_log: config.paths.state.join("logs").join(format!("{name}.serial.log")),
+            qemu_log: config.paths.state.join("logs").join(format!("{name}.qemu.log")),
             overlay: config.paths.state.join("disks").join(format!("{name}.qcow2")),
             seed: config.paths.state.join("seeds").join(format!("{name}.img")),
         }
     }
 
-    /// The text that identifies this VM's QEMU in /proc/PID/cmdline: its QMP socket path as it
-    /// appears in the argv. Unique per VM because the name is unique.
+    /// The text that identifies this VM's QEMU in /proc/PID/cmdline: the description of the
+    /// serial log's fd set. Unique per VM because the name is unique in a state dir.
     pub fn cmdline_marker(&self) -> String {
-        format!("path={}", escape_opt(&self.qmp))
+        format!("opaque={}", escape_opt(&self.serial_log))
     }
 }
+
+/// One descriptor QEMU is handed. [`passed_fds`] lists them in fd order from
+/// [`FIRST_PASSED_FD`]; the launch opens each ([`crate::lifecycle`]) in that order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassedFd {
+    /// The listening QMP socket (`VmPaths::qmp`).
+    Qmp,
+    /// The listening guest agent socket (`VmPaths::agent`).
+    Agent,
+    /// The serial log, write-only, appending.
+    SerialLog,
+    /// The tap of NIC `i`.
+    Tap(usize),
+    /// The overlay, read-write.
+    OverlayRw,
+    /// The overlay, read-only: QEMU opens an image read-only first, and a fd set must hold a
+    /// descriptor of each access mode QEMU asks for.
+    OverlayRo,
+    /// The base image behind the overlay, read-only.
+    Base,
+    /// The cloud-init seed, read-only.
+    Seed,
+}
+
+/// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
+pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
+    let mut fds = vec![PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog];
+    fds.extend((0..nics).map(PassedFd::Tap));
+    if matches!(vm.boot, BootSource::Image { .. }) {
+        fds.extend([PassedFd::OverlayRw, PassedFd::OverlayRo, PassedFd::Base, PassedFd::Seed]);
+    }
+    fds
+}
+
+/// QEMU's own seccomp filter: no obsolete syscalls, no setuid, no fork or exec, no scheduler
+/// or resource changes (docs/sandbox.md).
+pub const QEMU_SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 
 /// Doubles commas, QEMU's escape inside option lists.
 pub fn escape_opt(p: &Path) -> String {
     p.to_string_lossy().replace(',', ",,")
 }
 
-/// The argv (without the binary) that launches `vm` daemonized. NIC `i` uses the tap passed
-/// as fd `FIRST_PASSED_FD + i` (see [`crate::qemu::launch::LaunchRequest::fds`]) with the MAC
-/// from `nics[i]`; a direct-kernel VM also gets the guest addresses as `ip=` parameters.
-pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths, nics: &[NicAlloc]) -> Vec<OsString> {
+/// The argv (without the binary) that launches `vm` in the foreground. Descriptors are numbered
+/// as [`passed_fds`] lists them (see [`crate::qemu::launch::LaunchRequest::fds`]); NIC `i` gets
+/// the MAC from `nics[i]`; a direct-kernel VM also gets the guest addresses as `ip=`
+/// parameters. `base_format` is the format of an image-booted VM's base image (`qemu-img info`),
+/// needed because QEMU is given the base as a descriptor rather than the path in the overlay.
+pub fn build_argv(
+    vm: &ValidSpec,
+    config: &Config,
+    paths: &VmPaths,
+    nics: &[NicAlloc],
+    base_format: &str,
+) -> Vec<OsString> {
+    let layout = passed_fds(vm, nics.len());
+    let fd = |which: PassedFd| {
+        let i = layout.iter().position(|f| *f == which).unwrap_or(layout.len());
+        FIRST_PASSED_FD + i as i32
+    };
     let spec = &vm.spec;
     let mut a: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
@@ -79,16 +138,21 @@ pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths, nics: &[NicA
     }
     push(&["-smp", &spec.cpu.to_string(), "-m", &spec.memory_mib.to_string()]);
     push(&["-nodefaults", "-no-user-config", "-display", "none"]);
-    push(&["-daemonize", "-pidfile", &paths.pidfile.to_string_lossy()]);
-    push(&["-chardev", &format!("socket,id=qmp,{},server=on,wait=off", paths.cmdline_marker())]);
+    if config.qemu.sandbox {
+        push(&["-sandbox", QEMU_SANDBOX]);
+    }
+    let fdset = |which: PassedFd, path: &Path| format!("fd={0},set={0},opaque={1}", fd(which), escape_opt(path));
+    push(&["-chardev", &format!("socket,id=qmp,fd={},server=on,wait=off", fd(PassedFd::Qmp))]);
     push(&["-mon", "chardev=qmp,mode=control"]);
-    push(&["-chardev", &format!("file,id=serial0,path={},append=on", escape_opt(&paths.serial_log))]);
+    // The description of this fd set is the cmdline marker (VmPaths::cmdline_marker).
+    push(&["-add-fd", &fdset(PassedFd::SerialLog, &paths.serial_log)]);
+    push(&["-chardev", &format!("file,id=serial0,path=/dev/fdset/{},append=on", fd(PassedFd::SerialLog))]);
     push(&["-serial", "chardev:serial0"]);
     push(&["-device", "virtio-serial-pci,id=vser0"]);
-    push(&["-chardev", &format!("socket,id=agent0,path={},server=on,wait=off", escape_opt(&paths.agent))]);
+    push(&["-chardev", &format!("socket,id=agent0,fd={},server=on,wait=off", fd(PassedFd::Agent))]);
     push(&["-device", &format!("virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}")]);
     for (i, nic) in nics.iter().enumerate() {
-        let fd = FIRST_PASSED_FD + i as i32;
+        let fd = fd(PassedFd::Tap(i));
         push(&["-netdev", &format!("tap,id=net{i},fd={fd}")]);
         push(&["-device", &format!("virtio-net-pci,netdev=net{i},mac={}", nic.mac)]);
     }
@@ -98,9 +162,23 @@ pub fn build_argv(vm: &ValidSpec, config: &Config, paths: &VmPaths, nics: &[NicA
         push(&["-device", &format!("vfio-pci,host={addr},id=hostdev{i}")]);
     }
     match &vm.boot {
-        BootSource::Image { .. } => {
-            push(&["-drive", &format!("file={},if=virtio,format=qcow2,discard=unmap", escape_opt(&paths.overlay))]);
-            push(&["-drive", &format!("file={},if=virtio,format=raw,readonly=on", escape_opt(&paths.seed))]);
+        BootSource::Image { image, .. } => {
+            let base = config.paths.images.join(image);
+            push(&["-add-fd", &fdset(PassedFd::OverlayRw, &paths.overlay)]);
+            push(&["-add-fd", &format!("fd={},set={}", fd(PassedFd::OverlayRo), fd(PassedFd::OverlayRw))]);
+            push(&["-add-fd", &fdset(PassedFd::Base, &base)]);
+            let format: String = base_format.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+            push(&[
+                "-drive",
+                &format!(
+                    "file=/dev/fdset/{},if=virtio,format=qcow2,discard=unmap,backing.driver={format},\
+                     backing.file.filename=/dev/fdset/{}",
+                    fd(PassedFd::OverlayRw),
+                    fd(PassedFd::Base)
+                ),
+            ]);
+            push(&["-add-fd", &fdset(PassedFd::Seed, &paths.seed)]);
+            push(&["-drive", &format!("file=/dev/fdset/{},if=virtio,format=raw,readonly=on", fd(PassedFd::Seed))]);
         }
         BootSource::Kernel { kernel, initrd, cmdline } => {
             push(&["-kernel", &kernel.to_string_lossy()]);
@@ -129,7 +207,7 @@ mod tests {
     fn argv_of(s: &crate::api::VmSpec, c: &Config) -> Vec<String> {
         let v = validate_spec(s, c).unwrap();
         let p = VmPaths::for_vm(c, &s.name);
-        build_argv(&v, c, &p, &[]).into_iter().map(|o| o.into_string().unwrap()).collect()
+        build_argv(&v, c, &p, &[], "qcow2").into_iter().map(|o| o.into_string().unwrap()).collect()
     }
 
     fn value_after<'a>(argv: &'a [String], flag: &str) -> Vec<&'a str> {
@@ -150,11 +228,16 @@ mod tests {
         assert_eq!(value_after(&argv, "-kernel"), ["/boot/vmlinuz"]);
         assert_eq!(value_after(&argv, "-initrd"), ["/boot/initrd.img"]);
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0"]);
-        assert_eq!(value_after(&argv, "-pidfile"), ["/run/vmhost/vm-1/qemu.pid"]);
-        assert!(argv.contains(&"-daemonize".to_string()));
+        // In the foreground (the spawner holds it), under QEMU's own seccomp filter.
+        assert!(!argv.iter().any(|a| a == "-daemonize" || a == "-pidfile"));
+        assert_eq!(value_after(&argv, "-sandbox"), [QEMU_SANDBOX]);
         assert!(argv.iter().any(|a| a.contains("name=org.vmhost.agent.0")));
-        assert!(argv.iter().any(|a| a == "socket,id=agent0,path=/run/vmhost/vm-1/agent,server=on,wait=off"));
-        assert!(argv.iter().any(|a| a == "file,id=serial0,path=/var/lib/vmhost/logs/vm-1.serial.log,append=on"));
+        // Sockets and the serial log are descriptors, in passed_fds order; no VM path is opened.
+        assert!(argv.iter().any(|a| a == "socket,id=qmp,fd=3,server=on,wait=off"));
+        assert!(argv.iter().any(|a| a == "socket,id=agent0,fd=4,server=on,wait=off"));
+        assert_eq!(value_after(&argv, "-add-fd"), ["fd=5,set=5,opaque=/var/lib/vmhost/logs/vm-1.serial.log"]);
+        assert!(argv.iter().any(|a| a == "file,id=serial0,path=/dev/fdset/5,append=on"));
+        assert!(!argv.iter().any(|a| a.contains("/run/vmhost")));
         assert!(!argv.contains(&"-drive".to_string()));
         let marker = VmPaths::for_vm(&c, "vm-1").cmdline_marker();
         assert_eq!(argv.iter().filter(|a| a.contains(&marker)).count(), 1);
@@ -165,15 +248,38 @@ mod tests {
         let c = config();
         let mut s = spec("vm-2");
         s.boot = BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(4), ..BootSpec::default() };
+        let v = validate_spec(&s, &c).unwrap();
+        assert_eq!(
+            passed_fds(&v, 0),
+            [
+                PassedFd::Qmp,
+                PassedFd::Agent,
+                PassedFd::SerialLog,
+                PassedFd::OverlayRw,
+                PassedFd::OverlayRo,
+                PassedFd::Base,
+                PassedFd::Seed
+            ]
+        );
         let argv = argv_of(&s, &c);
         assert_eq!(
-            value_after(&argv, "-drive")[0],
-            "file=/var/lib/vmhost/disks/vm-2.qcow2,if=virtio,format=qcow2,discard=unmap"
+            value_after(&argv, "-add-fd"),
+            [
+                "fd=5,set=5,opaque=/var/lib/vmhost/logs/vm-2.serial.log",
+                "fd=6,set=6,opaque=/var/lib/vmhost/disks/vm-2.qcow2",
+                "fd=7,set=6",
+                "fd=8,set=8,opaque=/var/lib/vmhost/images/base.qcow2",
+                "fd=9,set=9,opaque=/var/lib/vmhost/seeds/vm-2.img"
+            ]
         );
-        assert!(!argv.iter().any(|a| a.contains("base.qcow2")));
+        // The overlay, with its base given as a descriptor rather than the path in its header.
         assert_eq!(
-            value_after(&argv, "-drive")[1],
-            "file=/var/lib/vmhost/seeds/vm-2.img,if=virtio,format=raw,readonly=on"
+            value_after(&argv, "-drive"),
+            [
+                "file=/dev/fdset/6,if=virtio,format=qcow2,discard=unmap,backing.driver=qcow2,\
+                 backing.file.filename=/dev/fdset/8",
+                "file=/dev/fdset/9,if=virtio,format=raw,readonly=on"
+            ]
         );
         assert!(!argv.contains(&"-kernel".to_string()));
     }
@@ -190,11 +296,12 @@ mod tests {
         s.nics = vec![static_nic, crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }];
         let v = validate_spec(&s, &c).unwrap();
         let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
-        let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "web"), &allocs)
+        let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "web"), &allocs, "")
             .into_iter()
             .map(|o| o.into_string().unwrap())
             .collect();
-        assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=3", "tap,id=net1,fd=4"]);
+        assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6", "tap,id=net1,fd=7"]);
+        assert_eq!(passed_fds(&v, 2)[3..], [PassedFd::Tap(0), PassedFd::Tap(1)]);
         let devs = value_after(&argv, "-device");
         assert!(devs.contains(&format!("virtio-net-pci,netdev=net1,mac={}", allocs[1].mac).as_str()), "{devs:?}");
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0 ip=10.0.0.5:::255.255.255.0:web:eth0:off::"]);
@@ -234,7 +341,25 @@ mod tests {
         let mut c = config();
         c.paths.state = "/srv/a,readonly=on".into();
         let argv = argv_of(&spec("a"), &c);
-        assert!(argv.iter().any(|a| a == "file,id=serial0,path=/srv/a,,readonly=on/logs/a.serial.log,append=on"));
+        assert!(argv.iter().any(|a| a == "fd=5,set=5,opaque=/srv/a,,readonly=on/logs/a.serial.log"));
+    }
+
+    #[test]
+    fn base_format_cannot_inject_options() {
+        let c = config();
+        let mut s = spec("vm-2");
+        s.boot = BootSpec { image: Some("base.img".into()), disk_gib: Some(4), ..BootSpec::default() };
+        let v = validate_spec(&s, &c).unwrap();
+        let argv = build_argv(&v, &c, &VmPaths::for_vm(&c, "vm-2"), &[], "raw,file.filename=/etc/shadow");
+        let drive = argv.iter().find(|a| a.to_string_lossy().starts_with("file=/dev/fdset/6")).unwrap();
+        assert!(drive.to_string_lossy().contains("backing.driver=rawfilefilenameetcshadow,"), "{drive:?}");
+    }
+
+    #[test]
+    fn qemu_sandbox_can_be_turned_off() {
+        let mut c = config();
+        c.qemu.sandbox = false;
+        assert!(!argv_of(&spec("a"), &c).contains(&"-sandbox".to_string()));
     }
 
     #[test]

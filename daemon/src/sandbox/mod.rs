@@ -249,6 +249,10 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     if unsafe { libc::getppid() } as u32 != parent {
         std::process::exit(0);
     }
+    // Nothing but the control socket: not the listening socket systemd passed (the daemon
+    // serves it; a spawner outliving the daemon must not keep it open), not the log.
+    let own = control.as_raw_fd();
+    let _ = env::close_stray_fds(own..own + 1);
     let passthrough = landlock::passthrough(config);
     let keep: Vec<::caps::Capability> = caps::spawner_caps(passthrough).iter().map(|(c, _)| *c).collect();
     let inheritable: Vec<::caps::Capability> =
@@ -269,6 +273,7 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     unsafe { libc::send(control.as_raw_fd(), text.as_ptr().cast(), text.len(), libc::MSG_NOSIGNAL) };
     let mut programs = vec![config.qemu.binary.clone(), config.qemu.img_binary.clone()];
     programs.dedup();
-    let allow = spawn::Allowlist { programs, modprobe: passthrough };
+    let run_as = config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default();
+    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as };
     spawn::serve(control, &allow, passthrough)
 }

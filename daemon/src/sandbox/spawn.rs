@@ -31,6 +31,8 @@ use nix::sys::socket::{
     recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
 };
 use serde::{Deserialize, Serialize};
+
+pub use crate::config::UserIds;
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
@@ -62,8 +64,10 @@ pub struct Command {
     args: Vec<OsString>,
     stdout: bool,
     stderr: bool,
+    stderr_file: Option<OwnedFd>,
     fds: Vec<OwnedFd>,
     memlock: Option<u64>,
+    user: Option<UserIds>,
 }
 
 impl Command {
@@ -74,8 +78,10 @@ impl Command {
             args: Vec::new(),
             stdout: false,
             stderr: false,
+            stderr_file: None,
             fds: Vec::new(),
             memlock: None,
+            user: None,
         }
     }
 
@@ -98,6 +104,22 @@ impl Command {
     /// Captures stderr in [`Child::stderr`].
     pub fn capture_stderr(mut self) -> Command {
         self.stderr = true;
+        self
+    }
+
+    /// Sends stderr to `file` (e.g. a log opened for appending) instead of a pipe: for a
+    /// program that outlives the daemon's interest in its output, like QEMU.
+    pub fn stderr_to(mut self, file: OwnedFd) -> Command {
+        self.stderr = false;
+        self.stderr_file = Some(file);
+        self
+    }
+
+    /// Runs the program as `user` (no supplementary groups), when not `None`. Through the
+    /// spawner this is not the daemon's choice: the spawner runs the QEMU binary as the
+    /// configured user whatever is asked, and everything else as itself.
+    pub fn user(mut self, user: Option<UserIds>) -> Command {
+        self.user = user;
         self
     }
 
@@ -163,7 +185,8 @@ pub fn has_spawner() -> bool {
     SPAWNER.get().is_some()
 }
 
-/// A started program. Killed (SIGKILL) when dropped before [`Child::wait`] returned.
+/// A started program. Killed (SIGKILL) when dropped before [`Child::wait`] returned, unless
+/// it was [detached](Child::detach).
 pub struct Child {
     /// Its pid.
     pub pid: i32,
@@ -172,6 +195,7 @@ pub struct Child {
     /// Its stderr, when captured.
     pub stderr: Option<Pipe>,
     inner: Inner,
+    detached: bool,
 }
 
 impl std::fmt::Debug for Child {
@@ -216,6 +240,12 @@ impl Child {
         }
     }
 
+    /// Lets the program run on after this handle is dropped (a VM's QEMU once it is up). Its
+    /// parent (the spawner, or the daemon without one) still reaps it when it exits.
+    pub fn detach(mut self) {
+        self.detached = true;
+    }
+
     /// Sends SIGKILL (nothing when it already exited).
     ///
     /// # Errors
@@ -238,12 +268,20 @@ impl Child {
 
 impl Drop for Child {
     fn drop(&mut self) {
-        if let Inner::Remote(r) = &self.inner {
-            if r.status.is_none() {
-                let _ = kill_remote(self.pid, r.pidfd.as_ref());
+        if self.detached {
+            return;
+        }
+        match &mut self.inner {
+            Inner::Remote(r) => {
+                if r.status.is_none() {
+                    let _ = kill_remote(self.pid, r.pidfd.as_ref());
+                }
+            }
+            // tokio reaps a dropped child in the background.
+            Inner::Local(c) => {
+                let _ = c.start_kill();
             }
         }
-        // Local: tokio's kill_on_drop.
     }
 }
 
@@ -290,6 +328,25 @@ fn place_fds(fds: &[RawFd]) -> io::Result<()> {
     Ok(())
 }
 
+/// Becomes `user` between fork and exec: no supplementary groups, its gid, its uid, and a
+/// umask that keeps whatever it creates private. Needs CAP_SETGID and CAP_SETUID (the spawner
+/// has them). The capabilities do not survive the exec: the securebits set with them
+/// (docs/sandbox.md) give a non-setuid program none, and without a spawner a uid change from 0
+/// clears them. Only async-signal-safe calls.
+fn become_user(user: UserIds) -> io::Result<()> {
+    // SAFETY: setgroups with an empty list, setgid, setuid and umask take plain integers.
+    unsafe {
+        if libc::setgroups(0, std::ptr::null()) != 0
+            || libc::setgid(user.gid) != 0
+            || libc::setuid(user.uid) != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+        libc::umask(0o077);
+    }
+    Ok(())
+}
+
 /// Sets RLIMIT_MEMLOCK between fork and exec. Raising the hard limit needs CAP_SYS_RESOURCE;
 /// without it (EPERM) the limit stays and QEMU relies on CAP_IPC_LOCK.
 fn set_memlock(bytes: u64) -> io::Result<()> {
@@ -307,16 +364,22 @@ fn set_memlock(bytes: u64) -> io::Result<()> {
 fn spawn_local(cmd: Command) -> io::Result<Child> {
     let mut command = tokio::process::Command::new(&cmd.program);
     let piped = |on: bool| if on { Stdio::piped() } else { Stdio::null() };
-    command.args(&cmd.args).stdin(Stdio::null()).stdout(piped(cmd.stdout)).stderr(piped(cmd.stderr)).kill_on_drop(true);
+    command.args(&cmd.args).stdin(Stdio::null()).stdout(piped(cmd.stdout)).stderr(piped(cmd.stderr));
+    if let Some(file) = cmd.stderr_file {
+        command.stderr(Stdio::from(file));
+    }
     let raw_fds: Vec<RawFd> = cmd.fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let memlock = cmd.memlock;
-    if !raw_fds.is_empty() || memlock.is_some() {
-        // SAFETY: set_memlock and place_fds only call async-signal-safe functions and do not
-        // allocate.
+    let (memlock, user) = (cmd.memlock, cmd.user);
+    if !raw_fds.is_empty() || memlock.is_some() || user.is_some() {
+        // SAFETY: set_memlock, become_user and place_fds only call async-signal-safe functions
+        // and do not allocate.
         unsafe {
             command.pre_exec(move || {
                 if let Some(bytes) = memlock {
                     set_memlock(bytes)?;
+                }
+                if let Some(u) = user {
+                    become_user(u)?;
                 }
                 place_fds(&raw_fds)
             });
@@ -327,7 +390,7 @@ fn spawn_local(cmd: Command) -> io::Result<Child> {
     let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
     let stdout = child.stdout.take().map(|p| Box::new(p) as Pipe);
     let stderr = child.stderr.take().map(|p| Box::new(p) as Pipe);
-    Ok(Child { pid, stdout, stderr, inner: Inner::Local(child) })
+    Ok(Child { pid, stdout, stderr, inner: Inner::Local(child), detached: false })
 }
 
 /// A request to the spawner. The descriptors travel alongside in this order: the reply socket,
@@ -372,7 +435,7 @@ async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Chil
         program: utf8("program", cmd.program.as_os_str())?,
         args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
         stdout: cmd.stdout,
-        stderr: cmd.stderr,
+        stderr: cmd.stderr || cmd.stderr_file.is_some(),
         nfds: cmd.fds.len(),
         memlock: cmd.memlock,
     };
@@ -389,7 +452,9 @@ async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Chil
         stdout = Some(r);
         send.push(w);
     }
-    if cmd.stderr {
+    if let Some(file) = cmd.stderr_file {
+        send.push(file);
+    } else if cmd.stderr {
         let (r, w) = pipe_pair()?;
         stderr = Some(r);
         send.push(w);
@@ -420,7 +485,13 @@ async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Chil
     }
     let pid = first.pid.ok_or_else(|| io::Error::other("spawner reply without pid"))?;
     let pidfd = fds.pop();
-    Ok(Child { pid, stdout, stderr, inner: Inner::Remote(Remote { reply, buf, pidfd, status: None }) })
+    Ok(Child {
+        pid,
+        stdout,
+        stderr,
+        inner: Inner::Remote(Remote { reply, buf, pidfd, status: None }),
+        detached: false,
+    })
 }
 
 /// Reads the next reply line (and any descriptors sent with it).
@@ -471,16 +542,24 @@ fn recv_with_fds(fd: RawFd, flags: MsgFlags) -> io::Result<(Vec<u8>, Vec<OwnedFd
     Ok((data, fds))
 }
 
-/// What the spawner may start.
+/// What the spawner may start, and as whom.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Allowlist {
     /// Exact program paths.
     pub programs: Vec<PathBuf>,
     /// modprobe may run, with exactly `vfio-pci` as its argument (passthrough configured).
     pub modprobe: bool,
+    /// Programs that always run as another user (the QEMU binary as `qemu.user`), whatever
+    /// the request says.
+    pub run_as: Vec<(PathBuf, UserIds)>,
 }
 
 impl Allowlist {
+    /// The user `program` runs as: its `run_as` entry, else the spawner's own.
+    pub fn user_for(&self, program: &Path) -> Option<UserIds> {
+        self.run_as.iter().find(|(p, _)| p == program).map(|(_, u)| *u)
+    }
+
     /// Whether `program ARGS` may run.
     pub fn permits(&self, program: &Path, args: &[String]) -> bool {
         if MODPROBE.iter().any(|m| Path::new(m) == program) {
@@ -621,12 +700,18 @@ fn start(
     command.stderr(if req.stderr { stdio.next().map_or_else(Stdio::null, Stdio::from) } else { Stdio::null() });
     let raw: Vec<RawFd> = passed.iter().map(AsRawFd::as_raw_fd).collect();
     let memlock = req.memlock;
+    let user = allow.user_for(&program);
     let raise_module = ambient_sys_module && MODPROBE.iter().any(|m| Path::new(m) == program);
-    // SAFETY: only async-signal-safe calls (setrlimit, prctl, fcntl, dup2), no allocation.
+    // SAFETY: only async-signal-safe calls (setrlimit, setgroups, setgid, setuid, umask, prctl,
+    // fcntl, dup2), no allocation.
     unsafe {
         command.pre_exec(move || {
+            // The limit first: raising it needs CAP_SYS_RESOURCE, which the uid change drops.
             if let Some(bytes) = memlock {
                 set_memlock(bytes)?;
+            }
+            if let Some(u) = user {
+                become_user(u)?;
             }
             if raise_module {
                 // modprobe gets CAP_SYS_MODULE as an ambient capability; nothing else gets any.
@@ -649,14 +734,14 @@ mod tests {
 
     #[test]
     fn allowlist_is_exact() {
-        let a = Allowlist { programs: vec!["/usr/bin/qemu-img".into()], modprobe: true };
+        let a = Allowlist { programs: vec!["/usr/bin/qemu-img".into()], modprobe: true, run_as: vec![] };
         assert!(a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
         assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
         assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()]));
         assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
-        let no_pci = Allowlist { programs: vec![], modprobe: false };
+        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![] };
         assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
     }
 
