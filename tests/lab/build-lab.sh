@@ -172,11 +172,13 @@ mkdir -p "$STAGE"/{etc,root,lab/files,usr/local/bin}
 cat >"$STAGE/etc/passwd" <<'EOF'
 root:x:0:0:root:/root:/bin/sh
 nobody:x:65534:65534:nobody:/nonexistent:/bin/false
+vmhost-qemu:x:992:992:vmhost QEMU processes:/nonexistent:/bin/false
 EOF
 cat >"$STAGE/etc/group" <<'EOF'
 root:x:0:
 vmhost:x:990:
 vmhost-ro:x:991:
+vmhost-qemu:x:992:
 nogroup:x:65534:
 EOF
 printf 'passwd: files\ngroup: files\nhosts: files\n' >"$STAGE/etc/nsswitch.conf"

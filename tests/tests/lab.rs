@@ -102,6 +102,8 @@ fn vfio_passthrough_in_the_lab() {
         "bound-nvme",
         "qemu-sees-vmxnet3",
         "qemu-sees-nvme",
+        "qemu-unprivileged",
+        "vfio-groups-for-qemu",
         "group-not-viable",
         "group-lists-sibling",
         "group-untouched",

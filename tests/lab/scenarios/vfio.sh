@@ -55,6 +55,26 @@ pci_json=$(qmp "$LAB_RUN/p1/qmp" query-pci)
 has() { echo "$pci_json" | grep -Eq "$1" || { echo "$pci_json"; return 1; }; }
 check qemu-sees-vmxnet3 has '"vendor": ?5549'
 check qemu-sees-nvme has '"vendor": ?6966'
+# ... while QEMU runs as vmhost-qemu (uid 992 in the lab), which may open the two group
+# devices because vmhostd gave them to its group.
+qemu_pid_of() {
+    for d in /proc/[0-9]*; do
+        tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -q "guest=$1," && { basename "$d"; return 0; }
+    done
+    return 1
+}
+qemu_unprivileged() {
+    _p=$(qemu_pid_of "$1") || { echo "no QEMU for $1"; return 1; }
+    _ids=$(awk '/^(Uid|Gid|CapEff):/ {printf "%s %s ", $1, $2}' "/proc/$_p/status")
+    test "$_ids" = "Uid: 992 Gid: 992 CapEff: 0000000000000000 " || { echo "QEMU of $1: $_ids"; return 1; }
+}
+groups_for_qemu() {
+    for _n in /dev/vfio/[0-9]*; do
+        test "$(stat -c %g:%a "$_n")" = 992:660 || { ls -ln /dev/vfio; return 1; }
+    done
+}
+check qemu-unprivileged qemu_unprivileged p1
+check vfio-groups-for-qemu groups_for_qemu
 
 # --- refusals -------------------------------------------------------------------------
 said() { echo "$1" | grep -q -- "$2" || { echo "$1"; return 1; }; }
