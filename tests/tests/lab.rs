@@ -152,6 +152,7 @@ fn vfio_crash_between_devices_in_the_lab() {
         "different-groups",
         "orig-vmxnet3",
         "orig-nvme",
+        "sandbox-in-force",
         "bind-crash-create-unanswered",
         "bind-crash-daemon-died",
         "bind-crash-sigkill",

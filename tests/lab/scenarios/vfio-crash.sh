@@ -39,6 +39,9 @@ subnet = "10.0.20.0/24"
 LAB_VERBOSE=1 check different-groups other_groups
 check orig-vmxnet3 is_drv $NIC vmxnet3
 check orig-nvme is_drv $NVME nvme
+# The crash points work under the sandbox (Landlock lets the daemon read RUN/crashpoint,
+# seccomp lets it kill itself).
+LAB_VERBOSE=1 check sandbox-in-force sandbox_in_force
 
 # pt_vm NAME: a kernel VM with both devices and a NIC (it need not boot far: QEMU running
 # is what counts).
