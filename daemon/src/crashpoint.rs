@@ -2,10 +2,12 @@
 //! that a restart leaves no orphan and no VM started twice.
 //!
 //! The lifecycle calls [`hit`] with a step name (e.g. `launch:taps`, listed in
-//! `docs/lifecycle.md`) at every step boundary. In builds with debug assertions (the builds the
-//! tests run) it reads `RUN/crashpoint`; when the file names that step, the daemon sends itself
-//! SIGKILL there, exactly as an OOM kill or power cut would stop it. Release builds compile it
-//! to nothing: production never reads the file and cannot be made to crash by it.
+//! `docs/lifecycle.md`) at every step boundary, and between passthrough devices
+//! (`vfio:bound:N`, `vfio:released:N`, from the blocking pool). In builds with debug assertions
+//! (the builds the tests run) it reads `RUN/crashpoint`; when the file names that step, the
+//! daemon sends itself SIGKILL there, exactly as an OOM kill or power cut would stop it. Release
+//! builds compile it to nothing: production never reads the file and cannot be made to crash by
+//! it.
 
 use std::path::Path;
 

@@ -117,3 +117,96 @@ fn vfio_passthrough_in_the_lab() {
         assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);
     }
 }
+
+/// vmhostd killed with SIGKILL by its crash points between two passthrough devices (in different
+/// IOMMU groups), then restarted: after the first device was bound during a create, the create
+/// is undone (record `failed`, reservation and devices given back, no QEMU, tap or run dir) and
+/// a fresh create of the same VM gets both devices and one QEMU; after the first device was
+/// released during a destroy, the destroy is finished (record gone, both devices back).
+#[test]
+fn vfio_crash_between_devices_in_the_lab() {
+    let args = [
+        "-M",
+        "kernel-irqchip=split",
+        "-device",
+        "intel-iommu,intremap=on,caching-mode=on",
+        "-device",
+        "vmxnet3,addr=05.0",
+        "-drive",
+        "if=none,id=nvm0,driver=null-co,size=64M",
+        "-device",
+        "nvme,addr=06.0,serial=labnvme,drive=nvm0",
+    ];
+    let opts = LabOptions {
+        timeout: Duration::from_secs(25 * 60),
+        extra_qemu_args: args.iter().map(|s| s.to_string()).collect(),
+        extra_cmdline: "intel_iommu=on".into(),
+        ..LabOptions::default()
+    };
+    let out = run_lab(include_str!("../lab/scenarios/vfio-crash.sh"), &opts);
+    eprintln!("lab vfio-crash: {} after {:.1?}", out.result, out.elapsed);
+    for line in out.log.lines().filter(|l| l.contains("DAEMON")) {
+        eprintln!("  {line}");
+    }
+    assert!(out.passed, "lab scenario failed: {}\n----- lab console -----\n{}", out.result, out.log);
+    let checks = out.checks();
+    for name in [
+        "different-groups",
+        "orig-vmxnet3",
+        "orig-nvme",
+        "sandbox-in-force",
+        "bind-crash-create-unanswered",
+        "bind-crash-daemon-died",
+        "bind-crash-sigkill",
+        "bind-crash-first-bound",
+        "bind-crash-second-untouched",
+        "bind-crash-second-no-override",
+        "bind-crash-intent-recorded",
+        "bind-crash-no-qemu",
+        "bind-recovered-nvme",
+        "bind-recovered-vmxnet3",
+        "bind-recovered-overrides",
+        "bind-recovered-failed",
+        "bind-recovered-record",
+        "bind-recovered-no-qemu",
+        "bind-recovered-no-tap",
+        "bind-recovered-no-run-dir",
+        "bind-recovered-no-sockets",
+        "bind-failed-destroyed",
+        "fresh-create",
+        "fresh-running",
+        "fresh-nvme-bound",
+        "fresh-vmxnet3-bound",
+        "fresh-one-qemu",
+        "fresh-has-tap",
+        "fresh-has-sockets",
+        "release-crash-destroy-unanswered",
+        "release-crash-daemon-died",
+        "release-crash-sigkill",
+        "release-crash-no-qemu",
+        "release-crash-first-back",
+        "release-crash-second-held",
+        "release-crash-destroying",
+        "release-recovered-vmxnet3",
+        "release-recovered-nvme",
+        "release-recovered-overrides",
+        "release-recovered-gone",
+        "release-recovered-no-record",
+        "release-recovered-no-qemu",
+        "release-recovered-no-tap",
+        "release-recovered-no-run-dir",
+        "release-recovered-no-sockets",
+        "again-create",
+        "again-running",
+        "again-nvme-bound",
+        "again-vmxnet3-bound",
+        "again-one-qemu",
+        "again-destroy",
+        "again-back-vmxnet3",
+        "again-back-nvme",
+        "again-no-qemu",
+        "again-no-tap",
+    ] {
+        assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);
+    }
+}

@@ -77,9 +77,18 @@ impl Manager {
         let pci = self.pci.clone();
         let to_bind = planned.clone();
         let started = std::time::Instant::now();
-        let bound = tokio::task::spawn_blocking(move || bind::bind_vfio(&pci, &to_bind, BIND_TIMEOUT))
-            .await
-            .map_err(|e| pci_error("bind", e))?;
+        let run = self.config.paths.run.clone();
+        let bound = tokio::task::spawn_blocking(move || {
+            // A crash between two devices leaves some bound and some not: the fault tests need
+            // that state, which no step boundary of the lifecycle shows.
+            let mut n = 0;
+            bind::bind_vfio_each(&pci, &to_bind, BIND_TIMEOUT, |_| {
+                n += 1;
+                crate::crashpoint::hit(&run, &format!("vfio:bound:{n}"));
+            })
+        })
+        .await
+        .map_err(|e| pci_error("bind", e))?;
         match bound {
             Ok(()) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -116,9 +125,16 @@ impl Manager {
         let pci = self.pci.clone();
         let count = bindings.len();
         let started = std::time::Instant::now();
-        let released = tokio::task::spawn_blocking(move || bind::release(&pci, &bindings, BIND_TIMEOUT))
-            .await
-            .map_err(|e| pci_error("release", e))?;
+        let run = self.config.paths.run.clone();
+        let released = tokio::task::spawn_blocking(move || {
+            let mut n = 0;
+            bind::release_each(&pci, &bindings, BIND_TIMEOUT, |_| {
+                n += 1;
+                crate::crashpoint::hit(&run, &format!("vfio:released:{n}"));
+            })
+        })
+        .await
+        .map_err(|e| pci_error("release", e))?;
         match released {
             Ok(()) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;

@@ -21,6 +21,9 @@
 //!
 //! A device found already on vfio-pci (`original_driver` is vfio-pci) is left there by both:
 //! vmhostd gives back exactly what it took.
+//!
+//! [`bind_vfio_each`] and [`release_each`] also call a hook after each device, so a caller can
+//! act between two devices (the lifecycle's test crash points) without this module knowing why.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -246,6 +249,24 @@ fn wait_for(pci: &Pci, address: PciAddress, want: &str, timeout: Duration) -> Re
 /// [`BindError::NoVfioPci`] before touching anything; [`BindError::Bind`] naming the device and
 /// step that failed, after releasing every device already changed (with what that achieved).
 pub fn bind_vfio(pci: &Pci, bindings: &[Binding], timeout: Duration) -> Result<(), BindError> {
+    bind_vfio_each(pci, bindings, timeout, |_| {})
+}
+
+/// [`bind_vfio`], calling `after_each` once per binding, in order, as soon as that device is on
+/// vfio-pci (also when it was there already) and before the next one is touched. It is not
+/// called for a device that fails, nor while a failed bind restores the others.
+///
+/// The hook is where the lifecycle puts its test crash points between two devices, without this
+/// module knowing about crash points.
+///
+/// # Errors
+/// As [`bind_vfio`].
+pub fn bind_vfio_each(
+    pci: &Pci,
+    bindings: &[Binding],
+    timeout: Duration,
+    mut after_each: impl FnMut(&Binding),
+) -> Result<(), BindError> {
     if !pci.vfio_pci_present() {
         return Err(BindError::NoVfioPci);
     }
@@ -263,6 +284,7 @@ pub fn bind_vfio(pci: &Pci, bindings: &[Binding], timeout: Duration) -> Result<(
             tracing::warn!(%failure, "binding to vfio-pci failed; restored what was changed");
             return Err(BindError::Bind { failure, restored, restore_failures });
         }
+        after_each(b);
     }
     Ok(())
 }
@@ -294,7 +316,28 @@ fn bind_one<'a>(
 /// # Errors
 /// [`BindError::Release`] listing every device that could not be restored, with the step.
 pub fn release(pci: &Pci, bindings: &[Binding], timeout: Duration) -> Result<(), BindError> {
-    let failures: Vec<StepFailure> = bindings.iter().filter_map(|b| release_one(pci, b, timeout).err()).collect();
+    release_each(pci, bindings, timeout, |_| {})
+}
+
+/// [`release`], calling `after_each` once per binding, in order, as soon as that device is back
+/// in its original state (also when it needed nothing) and before the next one is touched. It is
+/// not called for a device that could not be restored.
+///
+/// # Errors
+/// As [`release`].
+pub fn release_each(
+    pci: &Pci,
+    bindings: &[Binding],
+    timeout: Duration,
+    mut after_each: impl FnMut(&Binding),
+) -> Result<(), BindError> {
+    let mut failures = Vec::new();
+    for b in bindings {
+        match release_one(pci, b, timeout) {
+            Ok(()) => after_each(b),
+            Err(f) => failures.push(f),
+        }
+    }
     if failures.is_empty() {
         Ok(())
     } else {
@@ -432,6 +475,101 @@ mod tests {
             assert_eq!(f.driver_of(d).as_deref(), Some("e1000e"));
             assert_eq!(f.override_of(d), None);
         }
+    }
+
+    /// Where each device stands when a hook runs: (device, NIC1's driver, NVME's driver, NVME's
+    /// override).
+    type Seen = (String, Option<String>, Option<String>, Option<String>);
+
+    fn snapshot(f: &FakeSysfs, b: &Binding) -> Seen {
+        (b.address.to_string(), f.driver_of(NIC1), f.driver_of(NVME), f.override_of(NVME))
+    }
+
+    fn s(v: &str) -> Option<String> {
+        Some(v.to_string())
+    }
+
+    #[test]
+    fn the_bind_hook_runs_once_per_device_in_order_before_the_next_is_touched() {
+        let (f, pci) = setup();
+        let plan = plan_bindings(&pci, &assignment(&[NIC1, NVME])).unwrap();
+        let mut seen: Vec<Seen> = Vec::new();
+        bind_vfio_each(&pci, &plan, SHORT, |b| seen.push(snapshot(&f, b))).unwrap();
+        assert_eq!(
+            seen,
+            [
+                // NIC1 is bound; NVME has not been written to yet.
+                (NIC1.to_string(), s(VFIO_PCI), None, None),
+                (NVME.to_string(), s(VFIO_PCI), s(VFIO_PCI), s(VFIO_PCI)),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_bind_hook_counts_a_device_already_on_vfio_pci() {
+        // The hook numbers positions in the binding list, so a device left as it was counts too.
+        let (f, pci) = setup();
+        f.write(Path::new("bus/pci/devices/0000:01:00.0/driver_override"), VFIO_PCI).unwrap();
+        f.write(Path::new("bus/pci/drivers_probe"), NVME).unwrap();
+        let plan = plan_bindings(&pci, &assignment(&[NVME, NIC1])).unwrap();
+        let mut seen = Vec::new();
+        bind_vfio_each(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap();
+        assert_eq!(seen, [addr(NVME), addr(NIC1)]);
+    }
+
+    #[test]
+    fn the_bind_hook_skips_a_failed_device_and_the_restore() {
+        let (f, pci) = setup();
+        f.refuse_probe(NIC2, VFIO_PCI);
+        let plan = plan_bindings(&pci, &assignment(&[NIC1, NIC2])).unwrap();
+        let mut seen = Vec::new();
+        let e = bind_vfio_each(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap_err();
+        assert!(matches!(e, BindError::Bind { .. }), "{e:?}");
+        assert_eq!(seen, [addr(NIC1)]);
+        assert_eq!(f.driver_of(NIC1).as_deref(), Some("e1000e"));
+    }
+
+    #[test]
+    fn without_vfio_pci_the_bind_hook_never_runs() {
+        let f = Arc::new(FakeSysfs::new());
+        f.add_device(FakeDevice::endpoint(NIC1, 0x8086, 0x10d3, 0x020000, 7).driver("e1000e"));
+        let pci = Pci::new(Box::new(Arc::clone(&f)));
+        let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
+        let mut calls = 0;
+        assert_eq!(bind_vfio_each(&pci, &plan, SHORT, |_| calls += 1), Err(BindError::NoVfioPci));
+        assert_eq!(calls, 0);
+    }
+
+    #[test]
+    fn the_release_hook_runs_once_per_device_in_order_before_the_next_is_touched() {
+        let (f, pci) = setup();
+        let plan = plan_bindings(&pci, &assignment(&[NIC1, NVME])).unwrap();
+        bind_vfio(&pci, &plan, SHORT).unwrap();
+        let mut seen: Vec<Seen> = Vec::new();
+        release_each(&pci, &plan, SHORT, |b| seen.push(snapshot(&f, b))).unwrap();
+        assert_eq!(
+            seen,
+            [
+                // NIC1 is back on e1000e; NVME is still held by vfio-pci.
+                (NIC1.to_string(), s("e1000e"), s(VFIO_PCI), s(VFIO_PCI)),
+                (NVME.to_string(), s("e1000e"), None, None),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_release_hook_skips_a_device_that_was_not_restored() {
+        let (f, pci) = setup();
+        let plan = plan_bindings(&pci, &assignment(&[NIC1, NVME])).unwrap();
+        bind_vfio(&pci, &plan, SHORT).unwrap();
+        f.fail_writes_to("bus/pci/devices/0000:00:05.0/driver/unbind");
+        let mut seen = Vec::new();
+        let e = release_each(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap_err();
+        let BindError::Release { failures } = e else { panic!("expected Release") };
+        assert_eq!(failures.len(), 1);
+        assert_eq!(failures[0].address, addr(NIC1));
+        // Release carries on past NIC1, so NVME still gets its call.
+        assert_eq!(seen, [addr(NVME)]);
     }
 
     #[test]
