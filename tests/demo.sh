@@ -21,6 +21,7 @@ images = "$dir/images"
 socket = "$dir/vmhostd.sock"
 [qemu]
 accel = "tcg"   # this machine has no usable KVM; the product default is kvm
+user = "vmhost-test-qemu"   # QEMU's unprivileged user, created by tests/setup.sh
 [hardware]
 cpu = 4
 memory_gib = 4

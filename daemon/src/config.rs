@@ -731,6 +731,32 @@ reserved_memory_gib = 8
     }
 
     #[test]
+    fn qemu_user_is_a_name_resolved_on_load() {
+        let base = "[hardware]\ncpu = 2\nmemory_gib = 2\n";
+        let parsed = Config::parse(base, Path::new("t.toml")).unwrap();
+        assert_eq!((parsed.qemu.user.as_str(), parsed.qemu.sandbox, parsed.qemu_user), (DEFAULT_QEMU_USER, true, None));
+        for bad in ["", "Root", "a b", "x,y", "-x", &"a".repeat(33)] {
+            let (key, problem) = key_error(&format!("[qemu]\nuser = {bad:?}\n{base}"));
+            assert_eq!(key, "qemu.user", "{bad:?}");
+            assert!(problem.contains("not a user name"), "{problem}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("vmhostd.toml");
+        std::fs::write(&file, format!("[qemu]\nuser = \"root\"\nsandbox = false\n{base}")).unwrap();
+        let loaded = Config::load(&file).unwrap();
+        assert_eq!(loaded.qemu_user, Some(UserIds { uid: 0, gid: 0 }));
+        assert!(!loaded.qemu.sandbox);
+        std::fs::write(&file, format!("[qemu]\nuser = \"no-such-user-here\"\n{base}")).unwrap();
+        match Config::load(&file) {
+            Err(ConfigError::Key { key, problem, .. }) => {
+                assert_eq!(key, "qemu.user");
+                assert!(problem.contains("no user \"no-such-user-here\""), "{problem}");
+            }
+            other => panic!("expected a qemu.user error, got {other:?}"),
+        }
+    }
+
+    #[test]
     fn missing_file_is_a_read_error() {
         let e = Config::load(Path::new("/nonexistent/vmhostd.toml")).unwrap_err();
         assert!(matches!(e, ConfigError::Read { .. }));

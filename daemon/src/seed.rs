@@ -13,8 +13,8 @@ use crate::api::{Ipv4Spec, VmSpec};
 use crate::nic::NicAlloc;
 use serde_json::{json, Map, Value};
 use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 /// Size of the seed volume: small, but above FAT12's minimum.

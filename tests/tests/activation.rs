@@ -27,8 +27,9 @@ impl Setup {
         let config = d.join("vmhostd.toml");
         let text = format!(
             "[paths]\nstate = \"{0}/state\"\nrun = \"{0}/run\"\nimages = \"{0}/images\"\nsocket = \"{0}/vmhostd.sock\"\n\
-             [qemu]\naccel = \"tcg\"\n[hardware]\ncpu = 2\nmemory_gib = 2\n",
-            d.display()
+             [qemu]\naccel = \"tcg\"\nuser = \"{1}\"\n[hardware]\ncpu = 2\nmemory_gib = 2\n",
+            d.display(),
+            vmhost_tests::QEMU_USER
         );
         fs::write(&config, text).expect("write config");
         Setup { dir, config }

@@ -306,9 +306,9 @@ impl Manager {
                     .open(&paths.serial_log)
                     .map(OwnedFd::from)
                     .map_err(|e| failed(&paths.serial_log, e))?,
-                PassedFd::Tap(i) => taps
-                    .next()
-                    .ok_or_else(|| provisioning("qemu_files", format!("no tap for NIC {i}")))?,
+                PassedFd::Tap(i) => {
+                    taps.next().ok_or_else(|| provisioning("qemu_files", format!("no tap for NIC {i}")))?
+                }
                 PassedFd::OverlayRw => OpenOptions::new()
                     .read(true)
                     .write(true)
@@ -351,9 +351,10 @@ impl Manager {
             let node = crate::pci::bind::vfio_group_dev(g);
             let gid = nix::unistd::Gid::from_raw(user.gid);
             // fchownat, the one call of the family in the daemon's seccomp table.
-            let changed = nix::unistd::fchownat(nix::fcntl::AT_FDCWD, &node, None, Some(gid), nix::fcntl::AtFlags::empty())
-                .map_err(std::io::Error::from)
-                .and_then(|()| std::fs::set_permissions(&node, std::fs::Permissions::from_mode(0o660)));
+            let changed =
+                nix::unistd::fchownat(nix::fcntl::AT_FDCWD, &node, None, Some(gid), nix::fcntl::AtFlags::empty())
+                    .map_err(std::io::Error::from)
+                    .and_then(|()| std::fs::set_permissions(&node, std::fs::Permissions::from_mode(0o660)));
             match changed {
                 Ok(()) => tracing::debug!(vm = name, node = %node.display(), "VFIO group handed to QEMU's group"),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

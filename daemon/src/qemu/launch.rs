@@ -289,7 +289,10 @@ mod tests {
             .map(OsString::from)
             .collect();
         argv.extend(["-name".into(), OsString::from(format!("guest={}", p.name))]);
-        argv.extend(["-chardev", "socket,id=qmp,fd=3,server=on,wait=off", "-mon", "chardev=qmp,mode=control"].map(OsString::from));
+        argv.extend(
+            ["-chardev", "socket,id=qmp,fd=3,server=on,wait=off", "-mon", "chardev=qmp,mode=control"]
+                .map(OsString::from),
+        );
         argv.extend(extra.iter().map(OsString::from));
         LaunchRequest {
             binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),

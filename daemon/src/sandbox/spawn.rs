@@ -336,10 +336,7 @@ fn place_fds(fds: &[RawFd]) -> io::Result<()> {
 fn become_user(user: UserIds) -> io::Result<()> {
     // SAFETY: setgroups with an empty list, setgid, setuid and umask take plain integers.
     unsafe {
-        if libc::setgroups(0, std::ptr::null()) != 0
-            || libc::setgid(user.gid) != 0
-            || libc::setuid(user.uid) != 0
-        {
+        if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(user.gid) != 0 || libc::setuid(user.uid) != 0 {
             return Err(io::Error::last_os_error());
         }
         libc::umask(0o077);
@@ -485,13 +482,7 @@ async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Chil
     }
     let pid = first.pid.ok_or_else(|| io::Error::other("spawner reply without pid"))?;
     let pidfd = fds.pop();
-    Ok(Child {
-        pid,
-        stdout,
-        stderr,
-        inner: Inner::Remote(Remote { reply, buf, pidfd, status: None }),
-        detached: false,
-    })
+    Ok(Child { pid, stdout, stderr, inner: Inner::Remote(Remote { reply, buf, pidfd, status: None }), detached: false })
 }
 
 /// Reads the next reply line (and any descriptors sent with it).
