@@ -130,6 +130,20 @@ fn recv(sock: &UnixDatagram) -> String {
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
+/// Pids whose parent is `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for e in fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let stat = fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            found.push(child);
+        }
+    }
+    found
+}
+
 fn ctl(socket: &Path, args: &[&str]) -> Output {
     Command::new(bin("vmhostctl")).arg("--socket").arg(socket).args(args).output().expect("run vmhostctl")
 }
@@ -160,6 +174,21 @@ fn serves_the_inherited_socket_and_leaves_it_for_the_next_start() {
     let flags = fdinfo.lines().find_map(|l| l.strip_prefix("flags:")).expect("flags line").trim();
     let flags = u32::from_str_radix(flags, 8).expect("octal flags");
     assert_ne!(flags & 0o2_000_000, 0, "fd 3 must be O_CLOEXEC: {fdinfo}");
+    // The spawner (the daemon's child) holds nothing but stdio and its control socket: not the
+    // listening socket, which must not outlive the daemon in another process.
+    let spawner = children_of(daemon.id()).into_iter().next().expect("the spawner process");
+    let mut fds: Vec<(i32, String)> = fs::read_dir(format!("/proc/{spawner}/fd"))
+        .expect("spawner fds")
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_str()?.parse().ok()?;
+            Some((n, fs::read_link(e.path()).ok()?.to_string_lossy().into_owned()))
+        })
+        .collect();
+    fds.sort();
+    let listening = fs::read_link(format!("/proc/{}/fd/3", daemon.id())).expect("daemon fd 3");
+    assert!(fds.iter().all(|(_, t)| *t != listening.to_string_lossy()), "spawner holds the activated socket: {fds:?}");
+    assert_eq!(fds.iter().filter(|(n, _)| *n > 2).count(), 1, "spawner fds: {fds:?}");
 
     drop(client);
     assert!(sigterm(&mut daemon).success(), "log:\n{}", setup.log());

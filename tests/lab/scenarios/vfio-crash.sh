@@ -54,12 +54,13 @@ JSON
     ctl create "$LAB_DIR/$1.json"
 }
 
-# qemu_of VM: pids of live (not zombie) QEMUs whose command line names the VM's run dir.
+# qemu_of VM: pids of live (not zombie) QEMUs whose command line names the VM (-name guest=VM,
+# the only vmhostd in the lab makes names unique).
 qemu_of() {
     for _d in /proc/[0-9]*; do
         [ "$(awk '/^State:/ { print $2 }' "$_d/status" 2>/dev/null)" = Z ] && continue
         _c=$(tr '\0' ' ' <"$_d/cmdline" 2>/dev/null) || continue
-        case "$_c" in *qemu-system*"$LAB_RUN/$1/"*) echo "${_d#/proc/}" ;; esac
+        case "$_c" in *qemu-system*"guest=$1,"*) echo "${_d#/proc/}" ;; esac
     done
 }
 # qemu_count VM N: exactly N QEMUs of the VM.
