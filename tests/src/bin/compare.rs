@@ -21,14 +21,26 @@
 //! libvirt runs privately (tests/compare/libvirt-private.sh: own mount and network namespaces,
 //! tmpfs over its state dirs) so nothing on the host is defined or changed beyond the packages
 //! installed if missing. Takes several minutes; not part of the tests.
-//! Usage: `vmhost-compare [--rounds N] [--vms N] [--cli-calls N] [--api-calls N] [--update-docs]`.
+//!
+//! Interrupting (SIGINT, e.g. Ctrl-C, or SIGTERM) stops the run at the next step: everything it
+//! started is stopped (vmhostd and its QEMUs, libvirtd, virtlogd and their QEMUs, qemu-ga,
+//! a command in flight), libvirt's domains go with its private state dir, the temp dirs are
+//! removed, and it exits with 128 + the signal (130 for SIGINT) after one line on stderr.
+//! tests/tests/compare_interrupt.rs proves it. Each temp dir is named on stderr when made.
+//!
+//! Usage: `vmhost-compare [--rounds N] [--vms N] [--cli-calls N] [--api-calls N] [--update-docs]`,
+//! or `vmhost-compare --vmhost-boot-only [--rounds N]`: only vmhost's half of part 1, without
+//! libvirt (a quick look at vmhost's boot latency; what the interrupt test drives).
 
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::fs;
 use std::io::Write as _;
+use std::os::unix::process::CommandExt as _;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitCode, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
 use vmhost_tests::{bin, qemu_pids_under, rss_kib, workspace, HostOptions, TestHost, GUEST_READY};
@@ -38,6 +50,52 @@ const CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
 const MEMORY_MIB: u64 = 256;
 const BEGIN: &str = "<!-- compare:begin -->";
 const END: &str = "<!-- compare:end -->";
+
+/// The signal (SIGINT or SIGTERM) that asked the run to stop; 0 while none has.
+static SIGNAL: AtomicUsize = AtomicUsize::new(0);
+
+/// The unwind payload of [`check`]: main turns it into the exit status.
+struct Interrupted;
+
+fn interrupted() -> Option<i32> {
+    match SIGNAL.load(Ordering::SeqCst) {
+        0 => None,
+        sig => Some(sig as i32),
+    }
+}
+
+/// Unwinds to main once a signal has arrived. Unwinding rather than exiting is what stops
+/// everything: each owner of something started (TestHost, Libvirt, Guarded, TempDir) cleans up
+/// as it drops, exactly as on a normal end or a failed assertion. resume_unwind skips the panic
+/// hook, so the interrupt prints no backtrace.
+fn check() {
+    if interrupted().is_some() {
+        std::panic::resume_unwind(Box::new(Interrupted));
+    }
+}
+
+/// Sleeps `d`, then [`check`]s: every polling loop here goes through this, so an interrupt is
+/// seen within one poll interval.
+fn pause(d: Duration) {
+    std::thread::sleep(d);
+    check();
+}
+
+/// A child process that is killed (and reaped) when dropped, so that an interrupt or a failed
+/// step ends it like the rest.
+struct Guarded(Child);
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Names a temp dir on stderr, so an operator (and the interrupt test) knows what to look for.
+fn announce(dir: &Path) {
+    eprintln!("vmhost-compare: temp dir {}", dir.display());
+}
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -89,8 +147,45 @@ fn wrap(text: &str, width: usize) -> String {
     out
 }
 
+/// Waits for a spawned child like `wait_with_output`, which runs on a thread so that an interrupt
+/// is noticed at once (SIGTERM to the child, SIGKILL after 5 s) while a normal exit is seen without
+/// polling delay: the timed commands (`vmhostctl create`, `virsh create`) both wait here.
+fn wait_output(child: Child) -> Output {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    loop {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(out) => return out.expect("wait for child"),
+            Err(mpsc::RecvTimeoutError::Timeout) if interrupted().is_some() => {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+                if rx.recv_timeout(Duration::from_secs(5)).is_err() {
+                    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                    let _ = rx.recv();
+                }
+                check();
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => panic!("waiter thread died"),
+        }
+    }
+}
+
+/// Runs a command to its end (interruptibly, see [`wait_output`]), returning its output.
+fn output(cmd: &mut Command) -> Output {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    wait_output(child)
+}
+
 fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    let out = output(cmd);
     assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -142,6 +237,7 @@ fn rmdir_cgroup(dir: &Path) {
 impl Libvirt {
     fn start() -> Libvirt {
         let dir = tempfile::Builder::new().prefix("vmhcmp").tempdir_in("/tmp").expect("tempdir");
+        announce(dir.path());
         let log = fs::File::create(dir.path().join("libvirtd.log")).expect("libvirtd log");
         let err = log.try_clone().expect("dup log");
         let child = Command::new(workspace().join("tests/compare/libvirt-private.sh"))
@@ -149,6 +245,9 @@ impl Libvirt {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
+            // Out of the terminal's process group: Ctrl-C reaches only vmhost-compare, whose
+            // cleanup still needs libvirtd to destroy the domains.
+            .process_group(0)
             .spawn()
             .expect("spawn tests/compare/libvirt-private.sh");
         let before = machine_cgroups();
@@ -168,7 +267,7 @@ impl Libvirt {
                 panic!("libvirtd exited with {st}: {}", lv.log());
             }
             assert!(Instant::now() < deadline, "libvirtd did not come up: {}", lv.log());
-            std::thread::sleep(Duration::from_millis(100));
+            pause(Duration::from_millis(100));
         }
     }
 
@@ -214,7 +313,7 @@ impl Libvirt {
         let mut stdin = child.stdin.take().expect("virsh stdin");
         let text = commands.to_string();
         let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
-        let out = child.wait_with_output().expect("wait virsh");
+        let out = wait_output(child);
         let elapsed = t.elapsed();
         writer.join().expect("writer thread").expect("write to virsh");
         assert!(out.status.success(), "virsh session failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -338,7 +437,7 @@ fn wait_boot(t0: Instant, running: Duration, serial: &Path, host: Option<(&TestH
             }
         }
         assert!(Instant::now() < deadline, "guest did not boot within 180 s; console:\n{log}");
-        std::thread::sleep(Duration::from_millis(20));
+        pause(Duration::from_millis(20));
     }
 }
 
@@ -348,8 +447,10 @@ fn boot_vmhost(host: &TestHost, name: &str, spec_dir: &Path) -> (Boot, Option<u6
         "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": CMDLINE}});
     let file = spec_dir.join(format!("{name}.json"));
     fs::write(&file, spec.to_string()).expect("write spec");
+    let mut ctl = Command::new(bin("vmhostctl"));
+    ctl.arg("--socket").arg(&host.socket).arg("create").arg(&file);
     let t0 = Instant::now();
-    let out = host.ctl(&["create", &file.to_string_lossy()]);
+    let out = output(&mut ctl);
     let running = t0.elapsed();
     assert!(out.status.success(), "vmhostctl create: {}", String::from_utf8_lossy(&out.stderr));
     let serial = host.state().join("logs").join(format!("{name}.serial.log"));
@@ -376,6 +477,7 @@ fn boot_libvirt(lv: &Libvirt, name: &str) -> Boot {
 fn cli_median(n: usize, mut make: impl FnMut(usize) -> Command) -> Duration {
     let times = (0..n)
         .map(|i| {
+            check();
             let mut c = make(i);
             c.stdout(Stdio::null()).stderr(Stdio::null());
             let t = Instant::now();
@@ -425,7 +527,7 @@ fn qemu_ga(work: &Path) -> QemuGa {
     // Run it on the host against a Unix socket (a virtio-serial port's stand-in), answer one
     // guest-info, then read its RSS.
     let sock = work.join("qga.sock");
-    let mut child = Command::new(&ga)
+    let child = Command::new(&ga)
         .args(["-m", "unix-listen", "-p"])
         .arg(&sock)
         .arg("-t")
@@ -435,9 +537,11 @@ fn qemu_ga(work: &Path) -> QemuGa {
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn qemu-ga");
+    let pid = child.id();
+    let _child = Guarded(child);
     let deadline = Instant::now() + Duration::from_secs(10);
     while !sock.exists() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
+        pause(Duration::from_millis(20));
     }
     let mut rss = 0;
     if let Ok(mut s) = std::os::unix::net::UnixStream::connect(&sock) {
@@ -446,23 +550,50 @@ fn qemu_ga(work: &Path) -> QemuGa {
         let mut buf = [0u8; 65536];
         let _ = std::io::Read::read(&mut s, &mut buf);
         std::thread::sleep(Duration::from_millis(200));
-        rss = rss_kib(child.id());
+        rss = rss_kib(pid);
     }
-    let _ = child.kill();
-    let _ = child.wait();
     QemuGa { version, size, libs, rss_kib: rss }
 }
 
-fn main() {
+fn main() -> ExitCode {
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_usize(sig, &SIGNAL, sig as usize).expect("install signal handler");
+    }
+    // A failure after an interrupt (a command the terminal's Ctrl-C also reached, a daemon that
+    // went with it) is the interrupt's doing: no panic message for it.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if interrupted().is_none() {
+            hook(info);
+        }
+    }));
+    let result = std::panic::catch_unwind(compare);
+    if let Some(sig) = interrupted() {
+        let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
+        eprintln!("vmhost-compare: interrupted by {name}; stopped the processes it started and removed its temp dirs");
+        return ExitCode::from(128 + sig as u8);
+    }
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(_) => ExitCode::from(101),
+    }
+}
+
+fn compare() {
     let rounds = arg("--rounds", 5);
     let vms = arg("--vms", 1000);
     let cli_calls = arg("--cli-calls", 20);
     let api_calls = arg("--api-calls", 200);
     let update_docs = flag("--update-docs");
+    let boot_only = flag("--vmhost-boot-only");
+    assert!(!(boot_only && update_docs), "--vmhost-boot-only measures one side only: no --update-docs with it");
 
-    ensure_libvirt();
+    if !boot_only {
+        ensure_libvirt();
+    }
     let guest = vmhost_tests::agent_guest();
     let work = tempfile::Builder::new().prefix("vmhcmpw").tempdir_in("/tmp").expect("tempdir");
+    announce(work.path());
     let mut out = String::new();
     let date = run(Command::new("date").args(["-u", "+%Y-%m-%d"])).trim().to_string();
     let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -470,20 +601,26 @@ fn main() {
 
     // 1. Boot latency, alternating.
     let host = TestHost::start(HostOptions::default());
-    let lv = Libvirt::start();
-    let (vmhostd_idle, (libvirtd_idle, virtlogd_idle)) = (host.daemon_pid().map_or(0, rss_kib), lv.rss());
+    announce(host.dir.path());
+    let lv = (!boot_only).then(Libvirt::start);
+    let lv_rss = |lv: &Option<Libvirt>| lv.as_ref().map_or((0, 0), Libvirt::rss);
+    let (vmhostd_idle, (libvirtd_idle, virtlogd_idle)) = (host.daemon_pid().map_or(0, rss_kib), lv_rss(&lv));
     eprintln!("warm-up starts ...");
     let _ = boot_vmhost(&host, "warm", work.path());
-    let _ = boot_libvirt(&lv, "warm");
+    if let Some(lv) = &lv {
+        let _ = boot_libvirt(lv, "warm");
+    }
     let (mut vh, mut lb, mut agent_rss) = (Vec::new(), Vec::new(), None);
     for r in 0..rounds {
         eprintln!("round {} of {rounds}", r + 1);
         let (b, rss) = boot_vmhost(&host, &format!("cmp{r}"), work.path());
         agent_rss = agent_rss.or(rss);
         vh.push(b);
-        lb.push(boot_libvirt(&lv, &format!("cmp{r}")));
+        if let Some(lv) = &lv {
+            lb.push(boot_libvirt(lv, &format!("cmp{r}")));
+        }
     }
-    let (vmhostd_boots, (libvirtd_boots, virtlogd_boots)) = (host.daemon_pid().map_or(0, rss_kib), lv.rss());
+    let (vmhostd_boots, (libvirtd_boots, virtlogd_boots)) = (host.daemon_pid().map_or(0, rss_kib), lv_rss(&lv));
     drop(host);
 
     let col = |v: &[Boot], f: Pick| -> Option<Duration> {
@@ -523,19 +660,17 @@ fn main() {
         cell(min(&vh, |b| b.connected))
     );
     let _ = writeln!(out, "\nEach round (vmhost; libvirt), seconds to running / ready / serving:\n");
-    for (i, (a, b)) in vh.iter().zip(&lb).enumerate() {
-        let _ = writeln!(
-            out,
-            "- round {}: {:.2} / {:.2} / {:.2}; {:.2} / {:.2} / {:.2}",
-            i + 1,
-            a.running.as_secs_f64(),
-            a.ready.as_secs_f64(),
-            a.serving.as_secs_f64(),
-            b.running.as_secs_f64(),
-            b.ready.as_secs_f64(),
-            b.serving.as_secs_f64()
-        );
+    let times = |b: &Boot| {
+        format!("{:.2} / {:.2} / {:.2}", b.running.as_secs_f64(), b.ready.as_secs_f64(), b.serving.as_secs_f64())
+    };
+    for (i, a) in vh.iter().enumerate() {
+        let b = lb.get(i).map_or("—".into(), times);
+        let _ = writeln!(out, "- round {}: {}; {b}", i + 1, times(a));
     }
+    let Some(lv) = lv else {
+        println!("{out}");
+        return;
+    };
 
     // 2. List/get with N records.
     eprintln!("defining {vms} records on each side ...");
@@ -544,6 +679,7 @@ fn main() {
         memory_gib: (vms as u64 * 64 / 1024) + 2,
         ..HostOptions::default()
     });
+    announce(host.dir.path());
     let name = |i: usize| format!("cmp-{i:04}");
     let t = Instant::now();
     let mut c = Client::connect(&host.socket).expect("connect");
@@ -551,6 +687,7 @@ fn main() {
         let spec = json!({"name": name(i), "cpu": 1, "memory_mib": 64, "state": "stopped",
             "boot": {"kernel": guest.kernel, "initrd": guest.initrd, "cmdline": CMDLINE}});
         let _: Value = c.call("vm.create", json!({ "spec": spec })).expect("vm.create stopped");
+        check();
     }
     let vmhost_define = t.elapsed();
     let xml_dir = work.path().join("xml");
@@ -591,6 +728,7 @@ fn main() {
     let mut api = |method: &str, n: usize| -> Duration {
         let mut lat = Vec::with_capacity(n);
         for i in 0..n {
+            check();
             let params = if method == "vm.get" { json!({ "name": name(i * 37 % vms) }) } else { json!({}) };
             let t = Instant::now();
             let _: Value = c.call(method, params).expect("api call");
