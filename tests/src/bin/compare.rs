@@ -16,15 +16,19 @@
 //!    commands fed to one `virsh` session, which keeps its connection).
 //! 3. Memory: vmhostd against libvirtd + virtlogd (Debian 12's libvirt is the monolithic
 //!    libvirtd; its QEMU driver lives inside it); the guest agent's size and RSS against
-//!    qemu-guest-agent's (unpacked from its .deb; run on the host, see the printed note).
+//!    qemu-guest-agent's (Debian 12's package). Both agents run in one guest
+//!    (`target/guest/initramfs-compare.cpio.gz`, tests/guest/build-compare-guest.sh: the same kernel
+//!    and busybox, qemu-ga with its shared libraries and the loader), each answers one request
+//!    over its own virtio-serial port, and the guest prints both resident set sizes on its console
+//!    (tests/compare/agents-init.sh).
 //!
 //! libvirt runs privately (tests/compare/libvirt-private.sh: own mount and network namespaces,
 //! tmpfs over its state dirs) so nothing on the host is defined or changed beyond the packages
 //! installed if missing. Takes several minutes; not part of the tests.
 //!
 //! Interrupting (SIGINT, e.g. Ctrl-C, or SIGTERM) stops the run at the next step: everything it
-//! started is stopped (vmhostd and its QEMUs, libvirtd, virtlogd and their QEMUs, qemu-ga,
-//! a command in flight), libvirt's domains go with its private state dir, the temp dirs are
+//! started is stopped (vmhostd and its QEMUs, libvirtd, virtlogd and their QEMUs, the agent
+//! guest, a command in flight), libvirt's domains go with its private state dir, the temp dirs are
 //! removed, and it exits with 128 + the signal (130 for SIGINT) after one line on stderr.
 //! tests/tests/compare_interrupt.rs proves it. Each temp dir is named on stderr when made.
 //!
@@ -50,6 +54,8 @@ const CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
 const MEMORY_MIB: u64 = 256;
 const BEGIN: &str = "<!-- compare:begin -->";
 const END: &str = "<!-- compare:end -->";
+/// Console line of the agent guest (tests/compare/agents-init.sh).
+const AGENTS_RSS: &str = "VMHOST-AGENTS-RSS";
 
 /// The signal (SIGINT or SIGTERM) that asked the run to stop; 0 while none has.
 static SIGNAL: AtomicUsize = AtomicUsize::new(0);
@@ -490,32 +496,66 @@ fn cli_median(n: usize, mut make: impl FnMut(usize) -> Command) -> Duration {
     median(times)
 }
 
-/// qemu-guest-agent unpacked from its Debian package: binary size, shared libraries, RSS.
-struct QemuGa {
-    version: String,
-    size: u64,
-    libs: Vec<(String, u64)>,
-    rss_kib: u64,
+/// qemu-guest-agent as packaged (binary size, shared libraries) and both agents' memory as
+/// measured in one guest.
+struct Agents {
+    qga_version: String,
+    qga_size: u64,
+    qga_libs: Vec<(String, u64)>,
+    /// KiB: (`Rss` of smaps_rollup, `VmRSS` of status) in the guest, after one request each.
+    vmhost_agent: (u64, u64),
+    qemu_ga: (u64, u64),
 }
 
-fn qemu_ga(work: &Path) -> QemuGa {
-    let dl = work.join("qga-deb");
-    fs::create_dir_all(&dl).expect("mkdir");
-    run(Command::new("apt-get").args(["download", "qemu-guest-agent"]).current_dir(&dl));
-    let deb = fs::read_dir(&dl)
-        .expect("read download dir")
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|e| e == "deb"))
-        .expect("qemu-guest-agent .deb downloaded");
-    let root = work.join("qga-root");
-    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root));
-    let ga = root.join("usr/sbin/qemu-ga");
-    let version = run(Command::new("dpkg-deb").args(["-f"]).arg(&deb).arg("Version")).trim().to_string();
-    let size = fs::metadata(&ga).map(|m| m.len()).expect("qemu-ga in the package");
-    // Its shared libraries as this Debian 12 host resolves them (the guest would need the same).
+/// One JSON request line to an agent's port (a QEMU chardev socket); returns the reply line.
+/// QEMU holds what is written until the guest opens the port, so this may be sent while the
+/// guest still boots.
+fn ask(sock: &Path, request: &str, console: &Path) -> (std::os::unix::net::UnixStream, String) {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut s = loop {
+        if let Ok(s) = std::os::unix::net::UnixStream::connect(sock) {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "cannot connect to {}", sock.display());
+        pause(Duration::from_millis(20));
+    };
+    s.write_all(request.as_bytes()).and_then(|_| s.write_all(b"\n")).expect("write agent request");
+    s.set_read_timeout(Some(Duration::from_millis(200))).expect("read timeout");
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 65536];
+    while !reply.contains(&b'\n') {
+        match std::io::Read::read(&mut s, &mut buf) {
+            Ok(0) => panic!("{} closed without a reply", sock.display()),
+            Ok(n) => reply.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(e) => panic!("read {}: {e}", sock.display()),
+        }
+        let console = || fs::read_to_string(console).unwrap_or_default();
+        assert!(Instant::now() < deadline, "no reply on {} within 180 s; console:\n{}", sock.display(), console());
+        check();
+    }
+    (s, String::from_utf8_lossy(&reply).into_owned())
+}
+
+/// `VMHOST-AGENTS-RSS vmhost-agent.rss=N ...`: the value of `key`, in KiB.
+fn agents_figure(line: &str, key: &str) -> Option<u64> {
+    line.split_whitespace().find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+}
+
+fn agents(work: &Path) -> Agents {
+    let out = workspace().join("target/guest");
+    let st = Command::new(workspace().join("tests/guest/build-compare-guest.sh"))
+        .arg(&out)
+        .status()
+        .expect("run tests/guest/build-compare-guest.sh");
+    assert!(st.success(), "tests/guest/build-compare-guest.sh failed");
+    let deb = out.join("qga/qemu-guest-agent.deb");
+    let ga = out.join("qga/root/usr/sbin/qemu-ga");
+    let qga_version = run(Command::new("dpkg-deb").args(["-f"]).arg(&deb).arg("Version")).trim().to_string();
+    let qga_size = fs::metadata(&ga).map(|m| m.len()).expect("qemu-ga in the package");
+    // The libraries the build script copied into the guest: this Debian 12 host's.
     let ldd = run(Command::new("ldd").arg(&ga));
-    let libs = ldd
+    let qga_libs = ldd
         .lines()
         .filter_map(|l| {
             let path = l.split("=>").nth(1)?.split_whitespace().next()?;
@@ -524,35 +564,66 @@ fn qemu_ga(work: &Path) -> QemuGa {
             Some((name, fs::metadata(real).ok()?.len()))
         })
         .collect();
-    // Run it on the host against a Unix socket (a virtio-serial port's stand-in), answer one
-    // guest-info, then read its RSS.
-    let sock = work.join("qga.sock");
-    let child = Command::new(&ga)
-        .args(["-m", "unix-listen", "-p"])
-        .arg(&sock)
-        .arg("-t")
-        .arg(work)
+
+    let dir = work.join("agents");
+    fs::create_dir_all(&dir).expect("mkdir agents");
+    let (console, vh, qga) = (dir.join("serial.log"), dir.join("vmhost-agent.sock"), dir.join("qga.sock"));
+    let chardev = |id: &str, path: &Path| format!("socket,id={id},path={},server=on,wait=off", path.display());
+    // The same machine as the boot rounds (vmhostd's argv for a direct-kernel VM), plus the second
+    // port qemu-ga looks for.
+    let qemu = Command::new("qemu-system-x86_64")
+        .args(["-accel", "tcg", "-machine", "q35", "-smp", "1", "-m", &MEMORY_MIB.to_string()])
+        .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
+        .arg("-serial")
+        .arg(format!("file:{}", console.display()))
+        .arg("-kernel")
+        .arg(out.join("vmlinuz"))
+        .arg("-initrd")
+        .arg(out.join("initramfs-compare.cpio.gz"))
+        .args(["-append", &format!("{CMDLINE} rdinit=/compare-init")])
+        .args(["-device", "virtio-serial-pci,id=vser0"])
+        .args(["-chardev", &chardev("vh", &vh)])
+        .args(["-device", "virtserialport,bus=vser0.0,chardev=vh,name=org.vmhost.agent.0"])
+        .args(["-chardev", &chardev("qga", &qga)])
+        .args(["-device", "virtserialport,bus=vser0.0,chardev=qga,name=org.qemu.guest_agent.0"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(fs::File::create(dir.join("qemu.log")).expect("qemu log"))
+        // Out of the terminal's process group, like libvirtd: Ctrl-C is vmhost-compare's to handle.
+        .process_group(0)
         .spawn()
-        .expect("spawn qemu-ga");
-    let pid = child.id();
-    let _child = Guarded(child);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sock.exists() && Instant::now() < deadline {
-        pause(Duration::from_millis(20));
+        .expect("spawn qemu-system-x86_64");
+    let _qemu = Guarded(qemu);
+    eprintln!("agents in one guest ...");
+    let (_vh_conn, r) = ask(&vh, r#"{"jsonrpc":"2.0","id":1,"method":"agent.info"}"#, &console);
+    assert!(r.contains("\"result\""), "agent.info: {r}");
+    let (_qga_conn, r) = ask(&qga, r#"{"execute":"guest-info"}"#, &console);
+    assert!(r.contains("\"return\""), "guest-info: {r}");
+    // The guest prints a line a second; the second one after the replies was sampled after them.
+    let lines = |text: &str| text.lines().filter(|l| l.starts_with(AGENTS_RSS)).map(str::to_string).collect::<Vec<_>>();
+    let seen = lines(&fs::read_to_string(&console).unwrap_or_default()).len();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let line = loop {
+        let text = fs::read_to_string(&console).unwrap_or_default();
+        if let Some(l) = lines(&text).get(seen + 1) {
+            break l.clone();
+        }
+        assert!(Instant::now() < deadline, "no {AGENTS_RSS} line; console:\n{text}");
+        pause(Duration::from_millis(100));
+    };
+    let figure = |key: &str| {
+        agents_figure(&line, key).unwrap_or_else(|| {
+            let text = fs::read_to_string(&console).unwrap_or_default();
+            panic!("{key} missing or gone in {line:?}; console:\n{text}")
+        })
+    };
+    Agents {
+        qga_version,
+        qga_size,
+        qga_libs,
+        vmhost_agent: (figure("vmhost-agent.rss"), figure("vmhost-agent.vmrss")),
+        qemu_ga: (figure("qemu-ga.rss"), figure("qemu-ga.vmrss")),
     }
-    let mut rss = 0;
-    if let Ok(mut s) = std::os::unix::net::UnixStream::connect(&sock) {
-        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-        let _ = s.write_all(b"{\"execute\":\"guest-info\"}\n");
-        let mut buf = [0u8; 65536];
-        let _ = std::io::Read::read(&mut s, &mut buf);
-        std::thread::sleep(Duration::from_millis(200));
-        rss = rss_kib(pid);
-    }
-    QemuGa { version, size, libs, rss_kib: rss }
 }
 
 fn main() -> ExitCode {
@@ -772,11 +843,11 @@ fn compare() {
     drop(host);
 
     // 3. Memory and the agents.
-    let qga = qemu_ga(work.path());
     drop(lv);
+    let qga = agents(work.path());
     let ours = workspace().join("target/guest-agent/vmhost-agent");
     let ours_size = fs::metadata(&ours).map(|m| m.len()).unwrap_or(0);
-    let libs_total: u64 = qga.libs.iter().map(|l| l.1).sum();
+    let libs_total: u64 = qga.qga_libs.iter().map(|l| l.1).sum();
     let _ = writeln!(out, "\n### Daemon memory (RSS, KiB)\n");
     let _ = writeln!(
         out,
@@ -800,29 +871,43 @@ fn compare() {
         "| binary (stripped) | {} bytes ({}), static | {} bytes ({}), dynamic, version {} |",
         ours_size,
         mib(ours_size),
-        qga.size,
-        mib(qga.size),
-        qga.version
+        qga.qga_size,
+        mib(qga.qga_size),
+        qga.qga_version
     );
     let _ = writeln!(
         out,
         "| shared libraries it loads (sizes on Debian 12) | none | {} bytes ({}) in {} libraries |",
         libs_total,
         mib(libs_total),
-        qga.libs.len()
+        qga.qga_libs.len()
     );
     let _ = writeln!(
         out,
-        "| RSS | {} KiB (in the guest, `vm.guest_info`) | {} KiB (on the host, after one `guest-info`) |",
-        agent_rss.map_or("n/a".into(), |v| v.to_string()),
-        qga.rss_kib
+        "| RSS in one guest, after one request each (`Rss` of /proc/PID/smaps_rollup) | {} KiB | {} KiB |",
+        qga.vmhost_agent.0, qga.qemu_ga.0
     );
     let _ = writeln!(
         out,
-        "\nqemu-ga's libraries: {}. It was not booted in the test guest (the busybox initramfs has no glibc \
-         or glib); it ran on the host with `-m unix-listen` on a socket, a virtio-serial port's stand-in, \
-         so its RSS counts the host's resident pages of those shared libraries.",
-        qga.libs.iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
+        "| `VmRSS` of /proc/PID/status, same moment | {} KiB | {} KiB |",
+        qga.vmhost_agent.1, qga.qemu_ga.1
+    );
+    let _ = writeln!(
+        out,
+        "| RSS the agent reports in `vm.guest_info` (boot rounds above) | {} KiB | — |",
+        agent_rss.map_or("n/a".into(), |v| v.to_string())
+    );
+    let _ = writeln!(
+        out,
+        "\nBoth agents ran in one guest (`initramfs-compare.cpio.gz`, `tests/guest/build-compare-guest.sh`: the \
+         boot rounds' kernel, busybox and static vmhost-agent, plus qemu-ga with the shared libraries and loader \
+         of this Debian 12 host), 1 vCPU, {MEMORY_MIB} MiB, q35, TCG, each on its own virtio-serial port \
+         (`org.vmhost.agent.0`, `org.qemu.guest_agent.0`). Each answered one request from the host \
+         (`agent.info`, `guest-info`) and kept its connection; the guest's init \
+         (`tests/compare/agents-init.sh`) then read both figures from /proc. `Rss` of smaps_rollup walks the \
+         page tables; this 6.1 kernel folds per-thread counters into `VmRSS` only every 64 page faults, which \
+         is why a process as small as vmhost-agent can show a few KiB there. qemu-ga's libraries: {}.",
+        qga.qga_libs.iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
     );
 
     let section = format!(
