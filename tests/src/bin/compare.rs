@@ -16,19 +16,35 @@
 //!    commands fed to one `virsh` session, which keeps its connection).
 //! 3. Memory: vmhostd against libvirtd + virtlogd (Debian 12's libvirt is the monolithic
 //!    libvirtd; its QEMU driver lives inside it); the guest agent's size and RSS against
-//!    qemu-guest-agent's (unpacked from its .deb; run on the host, see the printed note).
+//!    qemu-guest-agent's (Debian 12's package). Both agents run in one guest
+//!    (`target/guest/initramfs-compare.cpio.gz`, tests/guest/build-compare-guest.sh: the same kernel
+//!    and busybox, qemu-ga with its shared libraries and the loader), each answers one request
+//!    over its own virtio-serial port, and the guest prints both resident set sizes on its console
+//!    (tests/compare/agents-init.sh).
 //!
 //! libvirt runs privately (tests/compare/libvirt-private.sh: own mount and network namespaces,
 //! tmpfs over its state dirs) so nothing on the host is defined or changed beyond the packages
 //! installed if missing. Takes several minutes; not part of the tests.
-//! Usage: `vmhost-compare [--rounds N] [--vms N] [--cli-calls N] [--api-calls N] [--update-docs]`.
+//!
+//! Interrupting (SIGINT, e.g. Ctrl-C, or SIGTERM) stops the run at the next step: everything it
+//! started is stopped (vmhostd and its QEMUs, libvirtd, virtlogd and their QEMUs, the agent
+//! guest, a command in flight), libvirt's domains go with its private state dir, the temp dirs are
+//! removed, and it exits with 128 + the signal (130 for SIGINT) after one line on stderr.
+//! tests/tests/compare_interrupt.rs proves it. Each temp dir is named on stderr when made.
+//!
+//! Usage: `vmhost-compare [--rounds N] [--vms N] [--cli-calls N] [--api-calls N] [--update-docs]`,
+//! or `vmhost-compare --vmhost-boot-only [--rounds N]`: only vmhost's half of part 1, without
+//! libvirt (a quick look at vmhost's boot latency; what the interrupt test drives).
 
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::fs;
 use std::io::Write as _;
+use std::os::unix::process::CommandExt as _;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitCode, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
 use vmhost_tests::{bin, qemu_pids_under, rss_kib, workspace, HostOptions, TestHost, GUEST_READY};
@@ -38,6 +54,54 @@ const CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
 const MEMORY_MIB: u64 = 256;
 const BEGIN: &str = "<!-- compare:begin -->";
 const END: &str = "<!-- compare:end -->";
+/// Console line of the agent guest (tests/compare/agents-init.sh).
+const AGENTS_RSS: &str = "VMHOST-AGENTS-RSS";
+
+/// The signal (SIGINT or SIGTERM) that asked the run to stop; 0 while none has.
+static SIGNAL: AtomicUsize = AtomicUsize::new(0);
+
+/// The unwind payload of [`check`]: main turns it into the exit status.
+struct Interrupted;
+
+fn interrupted() -> Option<i32> {
+    match SIGNAL.load(Ordering::SeqCst) {
+        0 => None,
+        sig => Some(sig as i32),
+    }
+}
+
+/// Unwinds to main once a signal has arrived. Unwinding rather than exiting is what stops
+/// everything: each owner of something started (TestHost, Libvirt, Guarded, TempDir) cleans up
+/// as it drops, exactly as on a normal end or a failed assertion. resume_unwind skips the panic
+/// hook, so the interrupt prints no backtrace.
+fn check() {
+    if interrupted().is_some() {
+        std::panic::resume_unwind(Box::new(Interrupted));
+    }
+}
+
+/// Sleeps `d`, then [`check`]s: every polling loop here goes through this, so an interrupt is
+/// seen within one poll interval.
+fn pause(d: Duration) {
+    std::thread::sleep(d);
+    check();
+}
+
+/// A child process that is killed (and reaped) when dropped, so that an interrupt or a failed
+/// step ends it like the rest.
+struct Guarded(Child);
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Names a temp dir on stderr, so an operator (and the interrupt test) knows what to look for.
+fn announce(dir: &Path) {
+    eprintln!("vmhost-compare: temp dir {}", dir.display());
+}
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -89,8 +153,45 @@ fn wrap(text: &str, width: usize) -> String {
     out
 }
 
+/// Waits for a spawned child like `wait_with_output`, which runs on a thread so that an interrupt
+/// is noticed at once (SIGTERM to the child, SIGKILL after 5 s) while a normal exit is seen without
+/// polling delay: the timed commands (`vmhostctl create`, `virsh create`) both wait here.
+fn wait_output(child: Child) -> Output {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    loop {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(out) => return out.expect("wait for child"),
+            Err(mpsc::RecvTimeoutError::Timeout) if interrupted().is_some() => {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+                if rx.recv_timeout(Duration::from_secs(5)).is_err() {
+                    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                    let _ = rx.recv();
+                }
+                check();
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => panic!("waiter thread died"),
+        }
+    }
+}
+
+/// Runs a command to its end (interruptibly, see [`wait_output`]), returning its output.
+fn output(cmd: &mut Command) -> Output {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    wait_output(child)
+}
+
 fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    let out = output(cmd);
     assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -142,6 +243,7 @@ fn rmdir_cgroup(dir: &Path) {
 impl Libvirt {
     fn start() -> Libvirt {
         let dir = tempfile::Builder::new().prefix("vmhcmp").tempdir_in("/tmp").expect("tempdir");
+        announce(dir.path());
         let log = fs::File::create(dir.path().join("libvirtd.log")).expect("libvirtd log");
         let err = log.try_clone().expect("dup log");
         let child = Command::new(workspace().join("tests/compare/libvirt-private.sh"))
@@ -149,6 +251,9 @@ impl Libvirt {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
+            // Out of the terminal's process group: Ctrl-C reaches only vmhost-compare, whose
+            // cleanup still needs libvirtd to destroy the domains.
+            .process_group(0)
             .spawn()
             .expect("spawn tests/compare/libvirt-private.sh");
         let before = machine_cgroups();
@@ -168,7 +273,7 @@ impl Libvirt {
                 panic!("libvirtd exited with {st}: {}", lv.log());
             }
             assert!(Instant::now() < deadline, "libvirtd did not come up: {}", lv.log());
-            std::thread::sleep(Duration::from_millis(100));
+            pause(Duration::from_millis(100));
         }
     }
 
@@ -214,7 +319,7 @@ impl Libvirt {
         let mut stdin = child.stdin.take().expect("virsh stdin");
         let text = commands.to_string();
         let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
-        let out = child.wait_with_output().expect("wait virsh");
+        let out = wait_output(child);
         let elapsed = t.elapsed();
         writer.join().expect("writer thread").expect("write to virsh");
         assert!(out.status.success(), "virsh session failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -338,7 +443,7 @@ fn wait_boot(t0: Instant, running: Duration, serial: &Path, host: Option<(&TestH
             }
         }
         assert!(Instant::now() < deadline, "guest did not boot within 180 s; console:\n{log}");
-        std::thread::sleep(Duration::from_millis(20));
+        pause(Duration::from_millis(20));
     }
 }
 
@@ -348,8 +453,10 @@ fn boot_vmhost(host: &TestHost, name: &str, spec_dir: &Path) -> (Boot, Option<u6
         "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": CMDLINE}});
     let file = spec_dir.join(format!("{name}.json"));
     fs::write(&file, spec.to_string()).expect("write spec");
+    let mut ctl = Command::new(bin("vmhostctl"));
+    ctl.arg("--socket").arg(&host.socket).arg("create").arg(&file);
     let t0 = Instant::now();
-    let out = host.ctl(&["create", &file.to_string_lossy()]);
+    let out = output(&mut ctl);
     let running = t0.elapsed();
     assert!(out.status.success(), "vmhostctl create: {}", String::from_utf8_lossy(&out.stderr));
     let serial = host.state().join("logs").join(format!("{name}.serial.log"));
@@ -376,6 +483,7 @@ fn boot_libvirt(lv: &Libvirt, name: &str) -> Boot {
 fn cli_median(n: usize, mut make: impl FnMut(usize) -> Command) -> Duration {
     let times = (0..n)
         .map(|i| {
+            check();
             let mut c = make(i);
             c.stdout(Stdio::null()).stderr(Stdio::null());
             let t = Instant::now();
@@ -388,32 +496,66 @@ fn cli_median(n: usize, mut make: impl FnMut(usize) -> Command) -> Duration {
     median(times)
 }
 
-/// qemu-guest-agent unpacked from its Debian package: binary size, shared libraries, RSS.
-struct QemuGa {
-    version: String,
-    size: u64,
-    libs: Vec<(String, u64)>,
-    rss_kib: u64,
+/// qemu-guest-agent as packaged (binary size, shared libraries) and both agents' memory as
+/// measured in one guest.
+struct Agents {
+    qga_version: String,
+    qga_size: u64,
+    qga_libs: Vec<(String, u64)>,
+    /// KiB: (`Rss` of smaps_rollup, `VmRSS` of status) in the guest, after one request each.
+    vmhost_agent: (u64, u64),
+    qemu_ga: (u64, u64),
 }
 
-fn qemu_ga(work: &Path) -> QemuGa {
-    let dl = work.join("qga-deb");
-    fs::create_dir_all(&dl).expect("mkdir");
-    run(Command::new("apt-get").args(["download", "qemu-guest-agent"]).current_dir(&dl));
-    let deb = fs::read_dir(&dl)
-        .expect("read download dir")
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|e| e == "deb"))
-        .expect("qemu-guest-agent .deb downloaded");
-    let root = work.join("qga-root");
-    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root));
-    let ga = root.join("usr/sbin/qemu-ga");
-    let version = run(Command::new("dpkg-deb").args(["-f"]).arg(&deb).arg("Version")).trim().to_string();
-    let size = fs::metadata(&ga).map(|m| m.len()).expect("qemu-ga in the package");
-    // Its shared libraries as this Debian 12 host resolves them (the guest would need the same).
+/// One JSON request line to an agent's port (a QEMU chardev socket); returns the reply line.
+/// QEMU holds what is written until the guest opens the port, so this may be sent while the
+/// guest still boots.
+fn ask(sock: &Path, request: &str, console: &Path) -> (std::os::unix::net::UnixStream, String) {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut s = loop {
+        if let Ok(s) = std::os::unix::net::UnixStream::connect(sock) {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "cannot connect to {}", sock.display());
+        pause(Duration::from_millis(20));
+    };
+    s.write_all(request.as_bytes()).and_then(|_| s.write_all(b"\n")).expect("write agent request");
+    s.set_read_timeout(Some(Duration::from_millis(200))).expect("read timeout");
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 65536];
+    while !reply.contains(&b'\n') {
+        match std::io::Read::read(&mut s, &mut buf) {
+            Ok(0) => panic!("{} closed without a reply", sock.display()),
+            Ok(n) => reply.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(e) => panic!("read {}: {e}", sock.display()),
+        }
+        let console = || fs::read_to_string(console).unwrap_or_default();
+        assert!(Instant::now() < deadline, "no reply on {} within 180 s; console:\n{}", sock.display(), console());
+        check();
+    }
+    (s, String::from_utf8_lossy(&reply).into_owned())
+}
+
+/// `VMHOST-AGENTS-RSS vmhost-agent.rss=N ...`: the value of `key`, in KiB.
+fn agents_figure(line: &str, key: &str) -> Option<u64> {
+    line.split_whitespace().find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+}
+
+fn agents(work: &Path) -> Agents {
+    let out = workspace().join("target/guest");
+    let st = Command::new(workspace().join("tests/guest/build-compare-guest.sh"))
+        .arg(&out)
+        .status()
+        .expect("run tests/guest/build-compare-guest.sh");
+    assert!(st.success(), "tests/guest/build-compare-guest.sh failed");
+    let deb = out.join("qga/qemu-guest-agent.deb");
+    let ga = out.join("qga/root/usr/sbin/qemu-ga");
+    let qga_version = run(Command::new("dpkg-deb").args(["-f"]).arg(&deb).arg("Version")).trim().to_string();
+    let qga_size = fs::metadata(&ga).map(|m| m.len()).expect("qemu-ga in the package");
+    // The libraries the build script copied into the guest: this Debian 12 host's.
     let ldd = run(Command::new("ldd").arg(&ga));
-    let libs = ldd
+    let qga_libs = ldd
         .lines()
         .filter_map(|l| {
             let path = l.split("=>").nth(1)?.split_whitespace().next()?;
@@ -422,47 +564,110 @@ fn qemu_ga(work: &Path) -> QemuGa {
             Some((name, fs::metadata(real).ok()?.len()))
         })
         .collect();
-    // Run it on the host against a Unix socket (a virtio-serial port's stand-in), answer one
-    // guest-info, then read its RSS.
-    let sock = work.join("qga.sock");
-    let mut child = Command::new(&ga)
-        .args(["-m", "unix-listen", "-p"])
-        .arg(&sock)
-        .arg("-t")
-        .arg(work)
+
+    let dir = work.join("agents");
+    fs::create_dir_all(&dir).expect("mkdir agents");
+    let (console, vh, qga) = (dir.join("serial.log"), dir.join("vmhost-agent.sock"), dir.join("qga.sock"));
+    let chardev = |id: &str, path: &Path| format!("socket,id={id},path={},server=on,wait=off", path.display());
+    // The same machine as the boot rounds (vmhostd's argv for a direct-kernel VM), plus the second
+    // port qemu-ga looks for.
+    let qemu = Command::new("qemu-system-x86_64")
+        .args(["-accel", "tcg", "-machine", "q35", "-smp", "1", "-m", &MEMORY_MIB.to_string()])
+        .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
+        .arg("-serial")
+        .arg(format!("file:{}", console.display()))
+        .arg("-kernel")
+        .arg(out.join("vmlinuz"))
+        .arg("-initrd")
+        .arg(out.join("initramfs-compare.cpio.gz"))
+        .args(["-append", &format!("{CMDLINE} rdinit=/compare-init")])
+        .args(["-device", "virtio-serial-pci,id=vser0"])
+        .args(["-chardev", &chardev("vh", &vh)])
+        .args(["-device", "virtserialport,bus=vser0.0,chardev=vh,name=org.vmhost.agent.0"])
+        .args(["-chardev", &chardev("qga", &qga)])
+        .args(["-device", "virtserialport,bus=vser0.0,chardev=qga,name=org.qemu.guest_agent.0"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(fs::File::create(dir.join("qemu.log")).expect("qemu log"))
+        // Out of the terminal's process group, like libvirtd: Ctrl-C is vmhost-compare's to handle.
+        .process_group(0)
         .spawn()
-        .expect("spawn qemu-ga");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sock.exists() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
+        .expect("spawn qemu-system-x86_64");
+    let _qemu = Guarded(qemu);
+    eprintln!("agents in one guest ...");
+    let (_vh_conn, r) = ask(&vh, r#"{"jsonrpc":"2.0","id":1,"method":"agent.info"}"#, &console);
+    assert!(r.contains("\"result\""), "agent.info: {r}");
+    let (_qga_conn, r) = ask(&qga, r#"{"execute":"guest-info"}"#, &console);
+    assert!(r.contains("\"return\""), "guest-info: {r}");
+    // The guest prints a line a second; the second one after the replies was sampled after them.
+    let lines = |text: &str| text.lines().filter(|l| l.starts_with(AGENTS_RSS)).map(str::to_string).collect::<Vec<_>>();
+    let seen = lines(&fs::read_to_string(&console).unwrap_or_default()).len();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let line = loop {
+        let text = fs::read_to_string(&console).unwrap_or_default();
+        if let Some(l) = lines(&text).get(seen + 1) {
+            break l.clone();
+        }
+        assert!(Instant::now() < deadline, "no {AGENTS_RSS} line; console:\n{text}");
+        pause(Duration::from_millis(100));
+    };
+    let figure = |key: &str| {
+        agents_figure(&line, key).unwrap_or_else(|| {
+            let text = fs::read_to_string(&console).unwrap_or_default();
+            panic!("{key} missing or gone in {line:?}; console:\n{text}")
+        })
+    };
+    Agents {
+        qga_version,
+        qga_size,
+        qga_libs,
+        vmhost_agent: (figure("vmhost-agent.rss"), figure("vmhost-agent.vmrss")),
+        qemu_ga: (figure("qemu-ga.rss"), figure("qemu-ga.vmrss")),
     }
-    let mut rss = 0;
-    if let Ok(mut s) = std::os::unix::net::UnixStream::connect(&sock) {
-        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-        let _ = s.write_all(b"{\"execute\":\"guest-info\"}\n");
-        let mut buf = [0u8; 65536];
-        let _ = std::io::Read::read(&mut s, &mut buf);
-        std::thread::sleep(Duration::from_millis(200));
-        rss = rss_kib(child.id());
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    QemuGa { version, size, libs, rss_kib: rss }
 }
 
-fn main() {
+fn main() -> ExitCode {
+    if flag("--vmhost-boot-only") && flag("--update-docs") {
+        eprintln!("vmhost-compare: --vmhost-boot-only measures one side only; it cannot --update-docs");
+        return ExitCode::from(2);
+    }
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_usize(sig, &SIGNAL, sig as usize).expect("install signal handler");
+    }
+    // A failure after an interrupt (a command the terminal's Ctrl-C also reached, a daemon that
+    // went with it) is the interrupt's doing: no panic message for it.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if interrupted().is_none() {
+            hook(info);
+        }
+    }));
+    let result = std::panic::catch_unwind(compare);
+    if let Some(sig) = interrupted() {
+        let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
+        eprintln!("vmhost-compare: interrupted by {name}; stopped the processes it started and removed its temp dirs");
+        return ExitCode::from(128 + sig as u8);
+    }
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(_) => ExitCode::from(101),
+    }
+}
+
+fn compare() {
     let rounds = arg("--rounds", 5);
     let vms = arg("--vms", 1000);
     let cli_calls = arg("--cli-calls", 20);
     let api_calls = arg("--api-calls", 200);
     let update_docs = flag("--update-docs");
+    let boot_only = flag("--vmhost-boot-only");
 
-    ensure_libvirt();
+    if !boot_only {
+        ensure_libvirt();
+    }
     let guest = vmhost_tests::agent_guest();
     let work = tempfile::Builder::new().prefix("vmhcmpw").tempdir_in("/tmp").expect("tempdir");
+    announce(work.path());
     let mut out = String::new();
     let date = run(Command::new("date").args(["-u", "+%Y-%m-%d"])).trim().to_string();
     let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -470,20 +675,26 @@ fn main() {
 
     // 1. Boot latency, alternating.
     let host = TestHost::start(HostOptions::default());
-    let lv = Libvirt::start();
-    let (vmhostd_idle, (libvirtd_idle, virtlogd_idle)) = (host.daemon_pid().map_or(0, rss_kib), lv.rss());
+    announce(host.dir.path());
+    let lv = (!boot_only).then(Libvirt::start);
+    let lv_rss = |lv: &Option<Libvirt>| lv.as_ref().map_or((0, 0), Libvirt::rss);
+    let (vmhostd_idle, (libvirtd_idle, virtlogd_idle)) = (host.daemon_pid().map_or(0, rss_kib), lv_rss(&lv));
     eprintln!("warm-up starts ...");
     let _ = boot_vmhost(&host, "warm", work.path());
-    let _ = boot_libvirt(&lv, "warm");
+    if let Some(lv) = &lv {
+        let _ = boot_libvirt(lv, "warm");
+    }
     let (mut vh, mut lb, mut agent_rss) = (Vec::new(), Vec::new(), None);
     for r in 0..rounds {
         eprintln!("round {} of {rounds}", r + 1);
         let (b, rss) = boot_vmhost(&host, &format!("cmp{r}"), work.path());
         agent_rss = agent_rss.or(rss);
         vh.push(b);
-        lb.push(boot_libvirt(&lv, &format!("cmp{r}")));
+        if let Some(lv) = &lv {
+            lb.push(boot_libvirt(lv, &format!("cmp{r}")));
+        }
     }
-    let (vmhostd_boots, (libvirtd_boots, virtlogd_boots)) = (host.daemon_pid().map_or(0, rss_kib), lv.rss());
+    let (vmhostd_boots, (libvirtd_boots, virtlogd_boots)) = (host.daemon_pid().map_or(0, rss_kib), lv_rss(&lv));
     drop(host);
 
     let col = |v: &[Boot], f: Pick| -> Option<Duration> {
@@ -523,19 +734,17 @@ fn main() {
         cell(min(&vh, |b| b.connected))
     );
     let _ = writeln!(out, "\nEach round (vmhost; libvirt), seconds to running / ready / serving:\n");
-    for (i, (a, b)) in vh.iter().zip(&lb).enumerate() {
-        let _ = writeln!(
-            out,
-            "- round {}: {:.2} / {:.2} / {:.2}; {:.2} / {:.2} / {:.2}",
-            i + 1,
-            a.running.as_secs_f64(),
-            a.ready.as_secs_f64(),
-            a.serving.as_secs_f64(),
-            b.running.as_secs_f64(),
-            b.ready.as_secs_f64(),
-            b.serving.as_secs_f64()
-        );
+    let times = |b: &Boot| {
+        format!("{:.2} / {:.2} / {:.2}", b.running.as_secs_f64(), b.ready.as_secs_f64(), b.serving.as_secs_f64())
+    };
+    for (i, a) in vh.iter().enumerate() {
+        let b = lb.get(i).map_or("—".into(), times);
+        let _ = writeln!(out, "- round {}: {}; {b}", i + 1, times(a));
     }
+    let Some(lv) = lv else {
+        println!("{out}");
+        return;
+    };
 
     // 2. List/get with N records.
     eprintln!("defining {vms} records on each side ...");
@@ -544,6 +753,7 @@ fn main() {
         memory_gib: (vms as u64 * 64 / 1024) + 2,
         ..HostOptions::default()
     });
+    announce(host.dir.path());
     let name = |i: usize| format!("cmp-{i:04}");
     let t = Instant::now();
     let mut c = Client::connect(&host.socket).expect("connect");
@@ -551,6 +761,7 @@ fn main() {
         let spec = json!({"name": name(i), "cpu": 1, "memory_mib": 64, "state": "stopped",
             "boot": {"kernel": guest.kernel, "initrd": guest.initrd, "cmdline": CMDLINE}});
         let _: Value = c.call("vm.create", json!({ "spec": spec })).expect("vm.create stopped");
+        check();
     }
     let vmhost_define = t.elapsed();
     let xml_dir = work.path().join("xml");
@@ -591,6 +802,7 @@ fn main() {
     let mut api = |method: &str, n: usize| -> Duration {
         let mut lat = Vec::with_capacity(n);
         for i in 0..n {
+            check();
             let params = if method == "vm.get" { json!({ "name": name(i * 37 % vms) }) } else { json!({}) };
             let t = Instant::now();
             let _: Value = c.call(method, params).expect("api call");
@@ -634,11 +846,11 @@ fn main() {
     drop(host);
 
     // 3. Memory and the agents.
-    let qga = qemu_ga(work.path());
     drop(lv);
+    let qga = agents(work.path());
     let ours = workspace().join("target/guest-agent/vmhost-agent");
     let ours_size = fs::metadata(&ours).map(|m| m.len()).unwrap_or(0);
-    let libs_total: u64 = qga.libs.iter().map(|l| l.1).sum();
+    let libs_total: u64 = qga.qga_libs.iter().map(|l| l.1).sum();
     let _ = writeln!(out, "\n### Daemon memory (RSS, KiB)\n");
     let _ = writeln!(
         out,
@@ -662,29 +874,43 @@ fn main() {
         "| binary (stripped) | {} bytes ({}), static | {} bytes ({}), dynamic, version {} |",
         ours_size,
         mib(ours_size),
-        qga.size,
-        mib(qga.size),
-        qga.version
+        qga.qga_size,
+        mib(qga.qga_size),
+        qga.qga_version
     );
     let _ = writeln!(
         out,
         "| shared libraries it loads (sizes on Debian 12) | none | {} bytes ({}) in {} libraries |",
         libs_total,
         mib(libs_total),
-        qga.libs.len()
+        qga.qga_libs.len()
     );
     let _ = writeln!(
         out,
-        "| RSS | {} KiB (in the guest, `vm.guest_info`) | {} KiB (on the host, after one `guest-info`) |",
-        agent_rss.map_or("n/a".into(), |v| v.to_string()),
-        qga.rss_kib
+        "| RSS in one guest, after one request each (`Rss` of /proc/PID/smaps_rollup) | {} KiB | {} KiB |",
+        qga.vmhost_agent.0, qga.qemu_ga.0
     );
     let _ = writeln!(
         out,
-        "\nqemu-ga's libraries: {}. It was not booted in the test guest (the busybox initramfs has no glibc \
-         or glib); it ran on the host with `-m unix-listen` on a socket, a virtio-serial port's stand-in, \
-         so its RSS counts the host's resident pages of those shared libraries.",
-        qga.libs.iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
+        "| `VmRSS` of /proc/PID/status, same moment | {} KiB | {} KiB |",
+        qga.vmhost_agent.1, qga.qemu_ga.1
+    );
+    let _ = writeln!(
+        out,
+        "| RSS the agent reports in `vm.guest_info` (boot rounds above) | {} KiB | — |",
+        agent_rss.map_or("n/a".into(), |v| v.to_string())
+    );
+    let _ = writeln!(
+        out,
+        "\nBoth agents ran in one guest (`initramfs-compare.cpio.gz`, `tests/guest/build-compare-guest.sh`: the \
+         boot rounds' kernel, busybox and static vmhost-agent, plus qemu-ga with the shared libraries and loader \
+         of this Debian 12 host), 1 vCPU, {MEMORY_MIB} MiB, q35, TCG, each on its own virtio-serial port \
+         (`org.vmhost.agent.0`, `org.qemu.guest_agent.0`). Each answered one request from the host \
+         (`agent.info`, `guest-info`) and kept its connection; the guest's init \
+         (`tests/compare/agents-init.sh`) then read both figures from /proc. `Rss` of smaps_rollup walks the \
+         page tables; this 6.1 kernel folds per-thread counters into `VmRSS` only every 64 page faults, which \
+         is why a process as small as vmhost-agent can show a few KiB there. qemu-ga's libraries: {}.",
+        qga.qga_libs.iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
     );
 
     let section = format!(
