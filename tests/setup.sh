@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 missing=()
 for pair in qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static ip:iproute2 strip:binutils \
     cpio:cpio depmod:kmod socat:socat puppet:puppet rubocop:rubocop systemd-analyze:systemd \
-    systemd-socket-activate:systemd adduser:adduser; do
+    systemd-socket-activate:systemd systemd-nspawn:systemd-container adduser:adduser; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || [ -x "/bin/${pair%%:*}" ] || missing+=("${pair#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -31,8 +31,12 @@ alive() { kill -0 "$1" && ! grep -q '^State:.*Z' "/proc/$1/status"; }
 # Installation: postinst creates the users, writes the config, enables and starts the socket.
 check dpkg-install dpkg -i /proof/vmhostd_*.deb /proof/vmhost-agent_*.deb
 check socket-listening systemctl is-active vmhostd.socket
+check postinst-started-the-service systemctl is-active vmhostd.service
+# With the service stopped and the socket left listening, the first client starts the service
+# again (socket activation) and is answered.
+systemctl stop vmhostd.service
 check service-waits-for-a-client inactive vmhostd.service
-# The first client starts the service (socket activation) and is answered.
+check socket-still-listening systemctl is-active vmhostd.socket
 check first-call-activates vmhostctl info
 check service-active systemctl is-active vmhostd.service
 check sandbox-in-force sh -c 'vmhostctl check 2>&1 | grep -Eq "^sandbox +ok "'
@@ -40,11 +44,22 @@ check sandbox-in-force sh -c 'vmhostctl check 2>&1 | grep -Eq "^sandbox +ok "'
 # KVM does not work here (ENVIRONMENT.md): the packaged config's accel must be edited, as an
 # operator on such a host would.
 sed -i 's/^accel = .*/accel = "tcg"/' /etc/vmhost/vmhostd.toml
+# A network, so the VM's NIC proves taps under the unit's device policy (the container has a
+# network namespace of its own).
+cat >>/etc/vmhost/vmhostd.toml <<'EOF'
+
+[networks.lan]
+bridge = "br-sd"
+create = true
+address = "10.0.0.1/24"
+subnet = "10.0.0.0/24"
+EOF
 check check-config vmhostd --check-config
 # Type=notify: a restart returns only once the new daemon sent READY=1.
 check restart systemctl restart vmhostd.service
 cat >/proof/vm.json <<'EOF'
 {"name": "sd", "cpu": 1, "memory_mib": 256,
+ "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.5/24"}}],
  "boot": {"kernel": "/proof/vmlinuz", "initrd": "/proof/initrd", "cmdline": "console=ttyS0 panic=-1 quiet"}}
 EOF
 check create vmhostctl create /proof/vm.json
@@ -54,6 +69,8 @@ qemu_uid=$(id -u vmhost-qemu)
 check qemu-runs-as-vmhost-qemu sh -c "awk '/^Uid:/ {print \$2\$3\$4\$5}' /proc/$pid/status | grep -qx '$qemu_uid$qemu_uid$qemu_uid$qemu_uid'"
 check qemu-in-the-service-cgroup grep -q vmhostd.service "/proc/$pid/cgroup"
 check guest-boots wait_for 120 grep -q VMHOST-GUEST-READY /var/lib/vmhost/logs/sd.serial.log
+check tap-on-the-bridge sh -c 'ip -o link show master br-sd | grep -q "alias vmhost:vm=sd"'
+check qemu-holds-the-tap sh -c "ls -l /proc/$pid/fd | grep -q /dev/net/tun"
 
 # KillMode=process: a restart of the service leaves the VM running; the new daemon adopts it.
 check restart-keeps-the-vm systemctl restart vmhostd.service
@@ -62,6 +79,7 @@ check vm-adopted sh -c "test \"\$(vmhostctl get sd | awk '\$1 == \"status:\" {pr
 check same-qemu sh -c "test \"\$(vmhostctl get sd | awk '\$1 == \"pid:\" {print \$2}')\" = $pid"
 
 check destroy vmhostctl destroy sd
+check tap-removed sh -c '! ip -o link show | grep -q "alias vmhost:vm=sd"'
 check qemu-gone wait_for 10 sh -c "! kill -0 $pid 2>/dev/null || grep -q '^State:.*Z' /proc/$pid/status"
 check service-stop systemctl stop vmhostd.service vmhostd.socket
 check purge dpkg --purge vmhostd vmhost-agent
