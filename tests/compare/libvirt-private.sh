@@ -38,7 +38,7 @@ for d in /var/cache/libvirt /run/libvirt; do
     mount -t tmpfs -o mode=0755 libvirt-private "$d"
 done
 ip link set lo up
-# QEMU runs as root, as under vmhostd. With Debian's default user (libvirt-qemu) libvirt finds
+# libvirt's QEMU runs as root (vmhostd's runs as an unprivileged user). With Debian's default user (libvirt-qemu) libvirt finds
 # /dev/kvm (root-only here) unusable while QEMU's own probe reports KVM enabled, so it throws its
 # capability cache away at every lookup and re-probes QEMU about 17 times (over a minute) per
 # domain start. The domains are type qemu (TCG) either way.

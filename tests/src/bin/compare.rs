@@ -919,7 +919,7 @@ fn compare() {
          Machine: 2 cores, TCG, other builds and tests running at the same time (1-minute load {load1} at the \
          start), so absolute figures are inflated and noisy; the ratios matter. libvirt ran privately \
          (`tests/compare/libvirt-private.sh`: own mount and network namespaces, its config and state on the same \
-         ext4 file system as vmhostd's, QEMU as root as under vmhostd, defaults otherwise: per-domain cgroups and /dev namespace, virtlogd for the console).\n\n{out}{END}\n",
+         ext4 file system as vmhostd's, libvirt's QEMU as root (with its default user it re-probes QEMU at every start here; vmhostd's QEMU runs as an unprivileged user), defaults otherwise: per-domain cgroups and /dev namespace, virtlogd for the console).\n\n{out}{END}\n",
         pkg_version("libvirt-daemon"),
         pkg_version("qemu-system-x86"),
     );
