@@ -206,7 +206,10 @@ fn host_check_reports_each_layer() {
     let items = check_items(&host);
     let names: Vec<&str> = items.iter().filter_map(|i| i["name"].as_str()).collect();
     let n = names.len();
-    assert_eq!(&names[n - 4..], ["sandbox", "capabilities", "landlock", "seccomp"], "last four, in order");
+    assert_eq!(&names[n - 5..], ["sandbox", "capabilities", "landlock", "seccomp", "qemu_user"], "last five, in order");
+    let qemu = item(&items, "qemu_user");
+    assert_eq!(qemu["status"], "ok", "{qemu}");
+    assert!(qemu["detail"].as_str().unwrap().contains(vmhost_tests::QEMU_USER), "{qemu}");
     for name in ["sandbox", "capabilities", "landlock", "seccomp"] {
         assert_eq!(item(&items, name)["status"], "ok", "{name}: {}", item(&items, name));
     }

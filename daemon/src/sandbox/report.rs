@@ -2,7 +2,9 @@
 //! where the kernel shows it (/proc/self/status for capabilities, no_new_privs and seccomp).
 //!
 //! Items, in this order: `sandbox` (mode, no_new_privs, environment), `capabilities` (daemon and
-//! spawner sets), `landlock` (kernel ABI, enforcement, rules), `seccomp` (mode, table size).
+//! spawner sets), `landlock` (kernel ABI, enforcement, rules), `seccomp` (mode, table size),
+//! `qemu_user` (who QEMU runs as and whether its own `-sandbox` filter is on; `missing` when
+//! it runs as root), which applies whatever the sandbox mode.
 //! With `best-effort` a layer that is not in force is `missing`; with `off` every item is `ok`
 //! and says the sandbox is off. `landlock` is `ok` only when both the daemon's and the spawner's
 //! rulesets are in force.
@@ -21,10 +23,10 @@ pub fn items(config: &Config, st: &State) -> Vec<CheckItem> {
     let mode = config.sandbox;
     if mode == SandboxMode::Off || st.mode.is_none() {
         let off = "sandbox = \"off\": not in force";
-        return ["sandbox", "capabilities", "landlock", "seccomp"]
-            .iter()
-            .map(|n| item(n, CheckStatus::Ok, off))
-            .collect();
+        let mut v: Vec<CheckItem> =
+            ["sandbox", "capabilities", "landlock", "seccomp"].iter().map(|n| item(n, CheckStatus::Ok, off)).collect();
+        v.push(qemu_user(config));
+        return v;
     }
     let nnp = super::env::no_new_privs();
     let sandbox = item(
@@ -87,7 +89,7 @@ pub fn items(config: &Config, st: &State) -> Vec<CheckItem> {
             "seccomp",
             CheckStatus::Ok,
             format!(
-                "{}: {n} syscalls allowed (daemon/src/sandbox/seccomp.rs), others {}; the spawner and QEMU have no filter",
+                "{}: {n} syscalls allowed (daemon/src/sandbox/seccomp.rs), others {}; the spawner has no filter, QEMU its own (qemu_user)",
                 config.seccomp.as_str(),
                 match config.seccomp {
                     crate::config::SeccompMode::Enforce => "fail with EPERM",
@@ -98,7 +100,36 @@ pub fn items(config: &Config, st: &State) -> Vec<CheckItem> {
         Some(Err(e)) => item("seccomp", CheckStatus::Missing, format!("not in force: {e}")),
         _ => item("seccomp", CheckStatus::Missing, "not in force"),
     };
-    vec![sandbox, caps, landlock, seccomp]
+    vec![sandbox, caps, landlock, seccomp, qemu_user(config)]
+}
+
+/// Who QEMU runs as (`qemu.user`) and whether its own seccomp filter is on.
+fn qemu_user(config: &Config) -> CheckItem {
+    let filter = if config.qemu.sandbox {
+        "-sandbox on (obsolete, elevateprivileges, spawn, resourcecontrol denied)"
+    } else {
+        "-sandbox off (qemu.sandbox = false)"
+    };
+    match config.qemu_user {
+        Some(u) if u.uid != 0 => item(
+            "qemu_user",
+            CheckStatus::Ok,
+            format!(
+                "QEMU runs as {} (uid {}, gid {}, no other groups, no capabilities); {filter}",
+                config.qemu.user, u.uid, u.gid
+            ),
+        ),
+        Some(_) => item(
+            "qemu_user",
+            CheckStatus::Missing,
+            format!("QEMU runs as root (qemu.user = {:?}); {filter}", config.qemu.user),
+        ),
+        None => item(
+            "qemu_user",
+            CheckStatus::Missing,
+            format!("QEMU runs as the daemon's user (no config file loaded); {filter}"),
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -113,13 +144,29 @@ mod tests {
     }
 
     #[test]
-    fn off_is_four_ok_items() {
+    fn off_is_four_ok_items_and_the_qemu_user() {
         let mut c = config();
         c.sandbox = SandboxMode::Off;
+        c.qemu_user = Some(crate::config::UserIds { uid: 103, gid: 109 });
         let items = items(&c, &State::default());
         let names: Vec<&str> = items.iter().map(|i| i.name.as_str()).collect();
-        assert_eq!(names, ["sandbox", "capabilities", "landlock", "seccomp"]);
-        assert!(items.iter().all(|i| i.status == CheckStatus::Ok && i.detail.contains("\"off\"")));
+        assert_eq!(names, ["sandbox", "capabilities", "landlock", "seccomp", "qemu_user"]);
+        assert!(items[..4].iter().all(|i| i.status == CheckStatus::Ok && i.detail.contains("\"off\"")));
+        assert_eq!(items[4].status, CheckStatus::Ok);
+        assert!(items[4].detail.contains("vmhost-qemu (uid 103, gid 109") && items[4].detail.contains("-sandbox on"));
+    }
+
+    #[test]
+    fn qemu_as_root_is_missing() {
+        let mut c = config();
+        c.qemu.user = "root".into();
+        c.qemu.sandbox = false;
+        c.qemu_user = Some(crate::config::UserIds { uid: 0, gid: 0 });
+        let item = qemu_user(&c);
+        assert_eq!(item.status, CheckStatus::Missing);
+        assert!(item.detail.contains("as root") && item.detail.contains("-sandbox off"), "{}", item.detail);
+        c.qemu_user = None;
+        assert_eq!(qemu_user(&c).status, CheckStatus::Missing);
     }
 
     #[test]
