@@ -258,11 +258,27 @@ fn image_vms_get_a_cloud_init_seed_matching_their_nics() {
     assert_eq!(net["ethernets"]["eth0"]["match"]["macaddress"], mac.as_str());
     assert_eq!(net["ethernets"]["eth0"]["addresses"], json!(["10.0.0.8/24"]));
     assert!(read("meta-data").contains("\"local-hostname\":\"cloud\""));
-    // QEMU has it attached read-only.
+    // QEMU has it attached read-only: a read-only descriptor the daemon opened, and a read-only
+    // drive on that fd set.
     let pid = r["vm"]["pid"].as_i64().unwrap();
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
-    let cmdline = String::from_utf8_lossy(&cmdline);
-    assert!(cmdline.contains("seeds/cloud.img,if=virtio,format=raw,readonly=on"), "{cmdline}");
+    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    let set = cmdline
+        .split(' ')
+        .find_map(|a| a.strip_suffix(&format!(",opaque={}", seed.display()))?.split(",set=").nth(1))
+        .unwrap_or_else(|| panic!("no fd set for the seed: {cmdline}"))
+        .to_string();
+    assert!(cmdline.contains(&format!("file=/dev/fdset/{set},if=virtio,format=raw,readonly=on")), "{cmdline}");
+    let fd_dir = format!("/proc/{pid}/fd");
+    let seed_fd = std::fs::read_dir(&fd_dir)
+        .unwrap()
+        .flatten()
+        .find(|e| std::fs::read_link(e.path()).is_ok_and(|t| t == seed))
+        .expect("QEMU holds the seed");
+    let fdinfo =
+        std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", seed_fd.file_name().to_string_lossy())).unwrap();
+    let flags = fdinfo.lines().find_map(|l| l.strip_prefix("flags:")).unwrap().trim();
+    assert_eq!(u32::from_str_radix(flags, 8).unwrap() & 0o3, 0, "the seed is open read-only: {fdinfo}");
 
     // A changed spec gives a new seed on the next start (new instance-id, new address).
     let before = read("meta-data");
