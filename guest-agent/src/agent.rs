@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::apply::{self, ApplyParams};
 use crate::check::{self, CheckParams};
@@ -19,6 +19,7 @@ use crate::netlink::Netlink;
 use crate::probe;
 use crate::protocol::{parse_params, Methods, RpcError, INVALID_SEMANTICS, METHOD_NOT_FOUND};
 use crate::state::{read_dns, Snapshot, RESOLV_CONF};
+use vmhost_agent_protocol::{SyncParams, SyncReply};
 
 /// Longest nonce `sync` accepts, in bytes.
 pub const MAX_NONCE: usize = 128;
@@ -42,14 +43,6 @@ impl Default for Paths {
             proc_root: PathBuf::from("/proc"),
         }
     }
-}
-
-/// Parameters of `sync`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SyncParams {
-    /// Echoed back, so the host can tell this session's answer from stale ones.
-    nonce: String,
 }
 
 /// Parameters of the methods that take none.
@@ -96,7 +89,7 @@ impl Methods for Agent {
                 if p.nonce.is_empty() || p.nonce.len() > MAX_NONCE {
                     return Err(RpcError::invalid("nonce", format!("nonce must be 1 to {MAX_NONCE} bytes")));
                 }
-                Ok(json!({ "nonce": p.nonce }))
+                to_value(&SyncReply { nonce: p.nonce })
             }
             "hello" => {
                 parse_params::<NoParams>(params)?;
@@ -139,6 +132,7 @@ impl Methods for Agent {
 mod tests {
     use super::*;
     use crate::protocol::{handle_line, INVALID_PARAMS};
+    use serde_json::json;
 
     fn call(line: &str) -> Value {
         let mut agent = Agent::default();

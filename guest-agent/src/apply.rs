@@ -24,7 +24,6 @@ use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::addr::Ipv4Net;
@@ -45,43 +44,14 @@ pub const MAX_INTERFACES: usize = 64;
 /// for per-protocol settings directories (`/proc/sys/net/ipv4/conf/{all,default}`).
 const RESERVED_NAMES: [&str; 3] = ["lo", "all", "default"];
 
-/// Parameters of `net.apply`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ApplyParams {
-    /// The complete desired set of agent-owned interfaces.
-    pub interfaces: Vec<DesiredInterface>,
-}
+/// Parameters of `net.apply`, with the VLAN id parsed as any integer so that [`validate`] refuses
+/// an id outside 1..=4094 with 5100 naming the field (the daemon sends `u16`; the JSON is the same).
+pub type ApplyParams = vmhost_agent_protocol::ApplyParams<i64>;
 
-/// One desired interface, as sent: a VLAN when `link` and `vlan_id` are given, a dummy otherwise.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DesiredInterface {
-    /// Interface name, 1 to 15 bytes.
-    pub name: String,
-    /// The link a VLAN sits on (e.g. `eth0`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub link: Option<String>,
-    /// The 802.1Q id, 1 to 4094.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vlan_id: Option<i64>,
-    /// Its one IPv4 address, `a.b.c.d/p`.
-    pub address: String,
-}
+/// One desired interface of [`ApplyParams`].
+pub type DesiredInterface = vmhost_agent_protocol::DesiredInterface<i64>;
 
-/// The reply of a successful `net.apply`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ApplyReport {
-    /// Whether anything was changed.
-    pub changed: bool,
-    /// Interfaces created.
-    pub created: Vec<String>,
-    /// Interfaces changed in place or recreated (a different kind, VLAN link or id).
-    pub updated: Vec<String>,
-    /// Owned interfaces deleted because they are no longer declared.
-    pub deleted: Vec<String>,
-}
+pub use vmhost_agent_protocol::ApplyReport;
 
 /// The type of a desired interface.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -13,83 +13,12 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use serde::{Deserialize, Serialize};
+pub use vmhost_agent_protocol::{Check, CheckParams, CheckReport, Expected, ExpectedNic};
 
 use crate::addr::{format_mac, parse_ipv4, parse_mac, Ipv4Net};
 use crate::probe::ProbeOutcome;
 use crate::protocol::RpcError;
 use crate::state::{Interface, NetState};
-
-/// Parameters of `net.check`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CheckParams {
-    /// What the host declared.
-    pub expected: Expected,
-}
-
-/// The host's expectations, as sent. Every member is optional; an absent one is not checked.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Expected {
-    /// NICs, identified by MAC.
-    #[serde(default)]
-    pub interfaces: Vec<ExpectedNic>,
-    /// The default gateway; `null` or absent: no route or probe check.
-    #[serde(default)]
-    pub gateway: Option<String>,
-    /// DNS servers that must be configured (IPv4 or IPv6).
-    #[serde(default)]
-    pub dns: Vec<String>,
-    /// Search domains that must be configured.
-    #[serde(default)]
-    pub search: Vec<String>,
-    /// Send ICMP echo requests to the gateway.
-    #[serde(default)]
-    pub probe_gateway: bool,
-}
-
-/// One expected NIC.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ExpectedNic {
-    /// Its MAC address.
-    pub mac: String,
-    /// IPv4 addresses (`a.b.c.d/p`) it must have.
-    #[serde(default)]
-    pub addresses: Vec<String>,
-    /// Whether it must be administratively up (default `true`).
-    #[serde(default = "yes")]
-    pub up: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-/// The reply of `net.check`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CheckReport {
-    /// True when every check passed.
-    pub ok: bool,
-    /// Every check, in a stable order: NICs (presence, up, addresses), route, probe, DNS, search.
-    pub checks: Vec<Check>,
-}
-
-/// One item of a [`CheckReport`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Check {
-    /// What is checked, e.g. `address 10.0.0.5/24 on eth0`.
-    pub name: String,
-    /// Whether the observation matches.
-    pub ok: bool,
-    /// The expected value, from the host.
-    pub expected: String,
-    /// What the guest has.
-    pub observed: String,
-}
 
 /// The host's expectations with every value parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,47 +6,13 @@
 
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+pub use vmhost_agent_protocol::{AgentInfo, Hello, PROTOCOL_VERSION};
 
 /// The agent's version (the crate version).
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// The protocol version `hello` announces. Bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 1;
-
 /// The method groups `hello` announces.
 pub const CAPABILITIES: [&str; 4] = ["agent.info", "net.state", "net.check", "net.apply"];
-
-/// The reply of `hello`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Hello {
-    /// [`AGENT_VERSION`].
-    pub agent_version: String,
-    /// [`PROTOCOL_VERSION`].
-    pub protocol_version: u32,
-    /// [`CAPABILITIES`].
-    pub capabilities: Vec<String>,
-}
-
-/// The reply of `agent.info`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AgentInfo {
-    /// [`AGENT_VERSION`].
-    pub version: String,
-    /// The guest's host name (`/proc/sys/kernel/hostname`).
-    pub hostname: String,
-    /// The guest's kernel release (`/proc/sys/kernel/osrelease`).
-    pub kernel: String,
-    /// Whole seconds since the guest booted (`/proc/uptime`).
-    pub uptime_s: u64,
-    /// The kernel's random id of this boot (`/proc/sys/kernel/random/boot_id`): the host tells a
-    /// guest reboot by it changing, which an uptime cannot tell when the reboot is fast.
-    pub boot_id: String,
-    /// The agent's own resident set size in KiB (`Rss` of `/proc/self/smaps_rollup`, else `VmRSS`).
-    pub rss_kib: u64,
-}
 
 /// The `hello` reply.
 pub fn hello() -> Hello {

@@ -8,67 +8,13 @@
 
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+pub use vmhost_agent_protocol::{Dns, Interface, NetState, RouteView};
 
 use crate::addr::{format_mac, Ipv4Net};
 use crate::netlink::{Address, Link, Netlink, NetlinkError, Route};
 
 /// Where the resolver configuration is read from.
 pub const RESOLV_CONF: &str = "/etc/resolv.conf";
-
-/// The reply of `net.state`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NetState {
-    /// Every link, in index order.
-    pub interfaces: Vec<Interface>,
-    /// IPv4 unicast routes of the main table.
-    pub routes: Vec<RouteView>,
-    /// The resolver configuration.
-    pub dns: Dns,
-}
-
-/// One link as `net.state` reports it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Interface {
-    /// Interface name.
-    pub name: String,
-    /// Hardware address (`aa:bb:cc:dd:ee:ff`), empty for links without a six-byte one.
-    pub mac: String,
-    /// Administratively up (`IFF_UP`).
-    pub up: bool,
-    /// MTU in bytes.
-    pub mtu: u32,
-    /// Link kind (`vlan`, `dummy`, ...), empty for a plain device such as a hardware NIC.
-    pub kind: String,
-    /// Interface alias, empty when unset; `vmhost-agent` on links the agent created.
-    pub alias: String,
-    /// IPv4 addresses as `a.b.c.d/p`, in the kernel's order.
-    pub addresses: Vec<String>,
-}
-
-/// One route as `net.state` reports it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RouteView {
-    /// `default` or `a.b.c.d/p`.
-    pub dst: String,
-    /// Next hop, `null` for a directly connected network.
-    pub gateway: Option<String>,
-    /// Output interface name; empty for a multipath route (not decoded).
-    pub dev: String,
-}
-
-/// The resolver configuration from `resolv.conf`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Dns {
-    /// `nameserver` entries, in file order.
-    pub servers: Vec<String>,
-    /// The search list: the domains of the last `search` or `domain` line (as the resolver uses).
-    pub search: Vec<String>,
-}
 
 /// The kernel's view of links, IPv4 addresses and main-table routes at one moment.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
