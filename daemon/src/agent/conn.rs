@@ -13,13 +13,13 @@
 //! functions of [`super::frame`].
 
 use super::frame::{match_reply, LineReader};
-use super::wire::{Hello, SyncReply};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
+use vmhost_agent_protocol::{Hello, SyncParams, SyncReply, PROTOCOL_VERSION};
 
 /// Longest line accepted from the guest, in bytes.
 pub const MAX_FRAME: usize = 64 * 1024;
@@ -88,15 +88,19 @@ impl AgentConn {
         };
         let n = nonce();
         let sync_id = format!("sync-{n}");
-        let line = json!({"jsonrpc": "2.0", "id": sync_id, "method": "sync", "params": {"nonce": n}});
+        let params = SyncParams { nonce: n.clone() };
+        let line = json!({"jsonrpc": "2.0", "id": sync_id, "method": "sync", "params": params});
         conn.write_line(&format!("\n{line}")).await?;
         let reply: SyncReply = conn.wait_reply(&json!(sync_id), timeout).await?;
         if reply.nonce != n {
             return Err(AgentError::Protocol("sync answered with another nonce".into()));
         }
         conn.hello = conn.call("hello", json!({}), timeout).await?;
-        if conn.hello.protocol_version != 1 {
-            return Err(AgentError::Protocol(format!("protocol version {} (want 1)", conn.hello.protocol_version)));
+        if conn.hello.protocol_version != PROTOCOL_VERSION {
+            return Err(AgentError::Protocol(format!(
+                "protocol version {} (want {PROTOCOL_VERSION})",
+                conn.hello.protocol_version
+            )));
         }
         Ok(conn)
     }
@@ -215,7 +219,7 @@ mod tests {
         .await;
         let mut c = AgentConn::connect(&p, Duration::from_secs(5)).await.unwrap();
         assert_eq!(c.hello.protocol_version, 1);
-        let info: super::super::wire::AgentInfo =
+        let info: vmhost_agent_protocol::AgentInfo =
             c.call("agent.info", json!({}), Duration::from_secs(5)).await.unwrap();
         assert_eq!(info.hostname, "g");
     }
@@ -231,7 +235,9 @@ mod tests {
         })
         .await;
         let mut c = AgentConn::connect(&p, Duration::from_secs(5)).await.unwrap();
-        c.call::<super::super::wire::AgentInfo>("agent.info", json!({}), Duration::from_millis(800)).await.unwrap_err()
+        c.call::<vmhost_agent_protocol::AgentInfo>("agent.info", json!({}), Duration::from_millis(800))
+            .await
+            .unwrap_err()
     }
 
     #[tokio::test]

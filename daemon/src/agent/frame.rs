@@ -98,8 +98,8 @@ pub fn match_reply<T: DeserializeOwned>(line: &[u8], id: &Value) -> Option<Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::wire::AgentInfo;
     use serde_json::json;
+    use vmhost_agent_protocol::AgentInfo;
 
     fn lines(reader: &mut LineReader) -> Vec<Vec<u8>> {
         std::iter::from_fn(|| reader.next_line().ok().flatten()).collect()

@@ -6,7 +6,6 @@
 //! so it cannot block the daemon or other VMs.
 
 use super::conn::{AgentConn, AgentError};
-use super::wire::AgentInfo;
 use crate::api::{ApiError, Code};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -16,6 +15,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Mutex as AsyncMutex;
+use vmhost_agent_protocol::AgentInfo;
 
 /// Bound on connecting and resynchronising.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

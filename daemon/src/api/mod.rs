@@ -99,7 +99,7 @@ pub struct VmSpec {
     /// Extra interfaces the guest agent creates and proves (VLANs over a NIC, dummies); changed
     /// live, without recreating the VM.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub guest_interfaces: Vec<crate::agent::wire::GuestInterfaceSpec>,
+    pub guest_interfaces: Vec<vmhost_agent_protocol::DesiredInterface<u16>>,
 }
 
 /// One NIC of a VM: a tap on a configured network.

@@ -155,7 +155,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         }
         Cmd::Check { name: Some(name) } => {
             let v: Value = c.call("vm.check", json!({ "name": name }))?;
-            let r: vmhost::agent::wire::CheckReport =
+            let r: vmhost_agent_protocol::CheckReport =
                 serde_json::from_value(v.clone()).map_err(|e| Failure::Connect(e.to_string()))?;
             if cli.json {
                 out(&v);

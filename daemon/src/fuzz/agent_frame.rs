@@ -9,9 +9,9 @@
 
 use crate::agent::conn::{AgentError, MAX_FRAME};
 use crate::agent::frame::{match_reply, LineReader, MAX_REMOTE_MESSAGE};
-use crate::agent::wire::{AgentInfo, ApplyReport, CheckReport, Hello, NetState, SyncReply};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use vmhost_agent_protocol::{AgentInfo, ApplyReport, CheckReport, Hello, NetState, SyncReply};
 
 /// Runs `data` through the session's framing and reply matching as the guest's bytes.
 ///

@@ -4,10 +4,12 @@
 
 use super::Manager;
 use crate::agent::supervisor::SessionEvent;
-use crate::agent::wire::{AgentInfo, ApplyReport, CheckReport, Expected, ExpectedNic, NetState};
 use crate::api::{ApiError, Ipv4Spec};
 use serde_json::json;
 use std::sync::Arc;
+use vmhost_agent_protocol::{
+    AgentInfo, ApplyParams, ApplyReport, CheckParams, CheckReport, Expected, ExpectedNic, NetState,
+};
 
 impl Manager {
     /// Starts keeping an agent session for `name` (idempotent).
@@ -34,7 +36,7 @@ impl Manager {
     pub(super) async fn apply_guest_interfaces(&self, name: &str) -> Result<ApplyReport, ApiError> {
         let spec = self.record(name)?.spec;
         let report: ApplyReport =
-            self.agents.call(name, "net.apply", json!({ "interfaces": spec.guest_interfaces })).await?;
+            self.agents.call(name, "net.apply", json!(ApplyParams { interfaces: spec.guest_interfaces })).await?;
         if report.changed {
             tracing::info!(vm = name, created = ?report.created, deleted = ?report.deleted, "guest interfaces applied");
         }
@@ -66,7 +68,7 @@ impl Manager {
     pub async fn check_guest(&self, name: &str) -> Result<CheckReport, ApiError> {
         let rec = self.record(name)?;
         let expected = expected_network(&rec);
-        self.agents.call(name, "net.check", json!({ "expected": expected })).await
+        self.agents.call(name, "net.check", json!(CheckParams { expected })).await
     }
 }
 
