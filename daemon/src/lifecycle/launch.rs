@@ -188,9 +188,7 @@ impl Manager {
         let fds = match self.net.attach_nics(&self.config, &name, &vm.spec.nics, &allocs).await {
             Ok(fds) => fds,
             Err(e) => {
-                self.net.detach_nics(&name).await;
-                self.agents.stop(&name);
-                self.clean_run_dir(&paths);
+                self.undo_start_steps(&name, &paths).await;
                 return Err(e);
             }
         };
@@ -198,9 +196,7 @@ impl Manager {
         let opened = match self.open_passed_fds(vm, &paths, fds).await {
             Ok(opened) => opened,
             Err(e) => {
-                self.net.detach_nics(&name).await;
-                self.agents.stop(&name);
-                self.clean_run_dir(&paths);
+                self.undo_start_steps(&name, &paths).await;
                 return Err(e);
             }
         };
@@ -224,9 +220,7 @@ impl Manager {
                 id
             }
             Err(e) => {
-                self.net.detach_nics(&name).await;
-                self.agents.stop(&name);
-                self.clean_run_dir(&paths);
+                self.undo_start_steps(&name, &paths).await;
                 let tail = e.stderr_tail().unwrap_or_default().to_string();
                 return Err(ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
                     .details(json!({"step": "qemu", "stderr": tail})));
@@ -253,13 +247,19 @@ impl Manager {
                 };
                 // On a failed kill the record keeps the process, so nothing treats the VM as stopped.
                 self.kill_process(&name, &id).await?;
-                self.clean_run_dir(&paths);
-                self.net.detach_nics(&name).await;
-                self.agents.stop(&name);
+                self.undo_start_steps(&name, &paths).await;
                 let _ = self.update(&name, "launch failed", |r| r.process = None);
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
             }
         }
+    }
+
+    /// Undoes what [`Manager::start_process`] set up around QEMU once no QEMU of the VM holds
+    /// it: the taps, the agent session and the run dir with its sockets.
+    async fn undo_start_steps(&self, name: &str, paths: &VmPaths) {
+        self.net.detach_nics(name).await;
+        self.agents.stop(name);
+        self.clean_run_dir(paths);
     }
 
     /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP and agent

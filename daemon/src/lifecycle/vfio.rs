@@ -77,18 +77,10 @@ impl Manager {
         let pci = self.pci.clone();
         let to_bind = planned.clone();
         let started = std::time::Instant::now();
-        let run = self.config.paths.run.clone();
-        let bound = tokio::task::spawn_blocking(move || {
-            // A crash between two devices leaves some bound and some not: the fault tests need
-            // that state, which no step boundary of the lifecycle shows.
-            let mut n = 0;
-            bind::bind_vfio_each(&pci, &to_bind, BIND_TIMEOUT, |_| {
-                n += 1;
-                crate::crashpoint::hit(&run, &format!("vfio:bound:{n}"));
-            })
-        })
-        .await
-        .map_err(|e| pci_error("bind", e))?;
+        let after_each = numbered_crashpoint(self.config.paths.run.clone(), "vfio:bound");
+        let bound = tokio::task::spawn_blocking(move || bind::bind_vfio(&pci, &to_bind, BIND_TIMEOUT, after_each))
+            .await
+            .map_err(|e| pci_error("bind", e))?;
         match bound {
             Ok(()) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -125,16 +117,10 @@ impl Manager {
         let pci = self.pci.clone();
         let count = bindings.len();
         let started = std::time::Instant::now();
-        let run = self.config.paths.run.clone();
-        let released = tokio::task::spawn_blocking(move || {
-            let mut n = 0;
-            bind::release_each(&pci, &bindings, BIND_TIMEOUT, |_| {
-                n += 1;
-                crate::crashpoint::hit(&run, &format!("vfio:released:{n}"));
-            })
-        })
-        .await
-        .map_err(|e| pci_error("release", e))?;
+        let after_each = numbered_crashpoint(self.config.paths.run.clone(), "vfio:released");
+        let released = tokio::task::spawn_blocking(move || bind::release(&pci, &bindings, BIND_TIMEOUT, after_each))
+            .await
+            .map_err(|e| pci_error("release", e))?;
         match released {
             Ok(()) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -153,5 +139,16 @@ impl Manager {
     pub(super) fn memlock_for(&self, spec: &VmSpec) -> Option<u64> {
         (!requested_devices(spec, &self.config.hardware).is_empty())
             .then(|| (spec.memory_mib + 1024).saturating_mul(1024 * 1024))
+    }
+}
+
+/// The hook for [`bind::bind_vfio`] and [`bind::release`]: the crash point `STEP:N` after the
+/// Nth device. A crash between two devices leaves some changed and some not: the fault tests
+/// need that state, which no step boundary of the lifecycle shows.
+fn numbered_crashpoint(run: std::path::PathBuf, step: &'static str) -> impl FnMut(&Binding) {
+    let mut n = 0;
+    move |_| {
+        n += 1;
+        crate::crashpoint::hit(&run, &format!("{step}:{n}"));
     }
 }

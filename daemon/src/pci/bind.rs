@@ -22,8 +22,8 @@
 //! A device found already on vfio-pci (`original_driver` is vfio-pci) is left there by both:
 //! vmhostd gives back exactly what it took.
 //!
-//! [`bind_vfio_each`] and [`release_each`] also call a hook after each device, so a caller can
-//! act between two devices (the lifecycle's test crash points) without this module knowing why.
+//! Both call a hook after each device, so a caller can act between two devices (the lifecycle's
+//! test crash points) without this module knowing why.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -245,23 +245,15 @@ fn wait_for(pci: &Pci, address: PciAddress, want: &str, timeout: Duration) -> Re
 /// Binds each device to vfio-pci (see the module documentation), each wait bounded by
 /// `timeout`. Devices already on vfio-pci are left as they are.
 ///
+/// Calls `after_each` once per binding, in order, as soon as that device is on vfio-pci (also
+/// when it was there already) and before the next one is touched. It is not called for a device
+/// that fails, nor while a failed bind restores the others. The hook is where the lifecycle puts
+/// its test crash points between two devices, without this module knowing about crash points.
+///
 /// # Errors
 /// [`BindError::NoVfioPci`] before touching anything; [`BindError::Bind`] naming the device and
 /// step that failed, after releasing every device already changed (with what that achieved).
-pub fn bind_vfio(pci: &Pci, bindings: &[Binding], timeout: Duration) -> Result<(), BindError> {
-    bind_vfio_each(pci, bindings, timeout, |_| {})
-}
-
-/// [`bind_vfio`], calling `after_each` once per binding, in order, as soon as that device is on
-/// vfio-pci (also when it was there already) and before the next one is touched. It is not
-/// called for a device that fails, nor while a failed bind restores the others.
-///
-/// The hook is where the lifecycle puts its test crash points between two devices, without this
-/// module knowing about crash points.
-///
-/// # Errors
-/// As [`bind_vfio`].
-pub fn bind_vfio_each(
+pub fn bind_vfio(
     pci: &Pci,
     bindings: &[Binding],
     timeout: Duration,
@@ -313,19 +305,13 @@ fn bind_one<'a>(
 /// Gives each device back to its original driver (see the module documentation), each wait
 /// bounded by `timeout`. Carries on past failures.
 ///
-/// # Errors
-/// [`BindError::Release`] listing every device that could not be restored, with the step.
-pub fn release(pci: &Pci, bindings: &[Binding], timeout: Duration) -> Result<(), BindError> {
-    release_each(pci, bindings, timeout, |_| {})
-}
-
-/// [`release`], calling `after_each` once per binding, in order, as soon as that device is back
-/// in its original state (also when it needed nothing) and before the next one is touched. It is
-/// not called for a device that could not be restored.
+/// Calls `after_each` once per binding, in order, as soon as that device is back in its original
+/// state (also when it needed nothing) and before the next one is touched. It is not called for a
+/// device that could not be restored.
 ///
 /// # Errors
-/// As [`release`].
-pub fn release_each(
+/// [`BindError::Release`] listing every device that could not be restored, with the step.
+pub fn release(
     pci: &Pci,
     bindings: &[Binding],
     timeout: Duration,
@@ -455,7 +441,7 @@ mod tests {
     fn binds_a_whole_group_then_releases_it() {
         let (f, pci) = setup();
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NIC2])).unwrap();
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         for d in [NIC1, NIC2] {
             assert_eq!(f.driver_of(d).as_deref(), Some(VFIO_PCI));
             assert_eq!(f.override_of(d).as_deref(), Some(VFIO_PCI));
@@ -470,7 +456,7 @@ mod tests {
                 ("bus/pci/drivers_probe".to_string(), NIC1.to_string()),
             ]
         );
-        release(&pci, &plan, SHORT).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         for d in [NIC1, NIC2] {
             assert_eq!(f.driver_of(d).as_deref(), Some("e1000e"));
             assert_eq!(f.override_of(d), None);
@@ -494,7 +480,7 @@ mod tests {
         let (f, pci) = setup();
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NVME])).unwrap();
         let mut seen: Vec<Seen> = Vec::new();
-        bind_vfio_each(&pci, &plan, SHORT, |b| seen.push(snapshot(&f, b))).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |b| seen.push(snapshot(&f, b))).unwrap();
         assert_eq!(
             seen,
             [
@@ -513,7 +499,7 @@ mod tests {
         f.write(Path::new("bus/pci/drivers_probe"), NVME).unwrap();
         let plan = plan_bindings(&pci, &assignment(&[NVME, NIC1])).unwrap();
         let mut seen = Vec::new();
-        bind_vfio_each(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap();
         assert_eq!(seen, [addr(NVME), addr(NIC1)]);
     }
 
@@ -523,7 +509,7 @@ mod tests {
         f.refuse_probe(NIC2, VFIO_PCI);
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NIC2])).unwrap();
         let mut seen = Vec::new();
-        let e = bind_vfio_each(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap_err();
+        let e = bind_vfio(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap_err();
         assert!(matches!(e, BindError::Bind { .. }), "{e:?}");
         assert_eq!(seen, [addr(NIC1)]);
         assert_eq!(f.driver_of(NIC1).as_deref(), Some("e1000e"));
@@ -536,7 +522,7 @@ mod tests {
         let pci = Pci::new(Box::new(Arc::clone(&f)));
         let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
         let mut calls = 0;
-        assert_eq!(bind_vfio_each(&pci, &plan, SHORT, |_| calls += 1), Err(BindError::NoVfioPci));
+        assert_eq!(bind_vfio(&pci, &plan, SHORT, |_| calls += 1), Err(BindError::NoVfioPci));
         assert_eq!(calls, 0);
     }
 
@@ -544,9 +530,9 @@ mod tests {
     fn the_release_hook_runs_once_per_device_in_order_before_the_next_is_touched() {
         let (f, pci) = setup();
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NVME])).unwrap();
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         let mut seen: Vec<Seen> = Vec::new();
-        release_each(&pci, &plan, SHORT, |b| seen.push(snapshot(&f, b))).unwrap();
+        release(&pci, &plan, SHORT, |b| seen.push(snapshot(&f, b))).unwrap();
         assert_eq!(
             seen,
             [
@@ -561,10 +547,10 @@ mod tests {
     fn the_release_hook_skips_a_device_that_was_not_restored() {
         let (f, pci) = setup();
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NVME])).unwrap();
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         f.fail_writes_to("bus/pci/devices/0000:00:05.0/driver/unbind");
         let mut seen = Vec::new();
-        let e = release_each(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap_err();
+        let e = release(&pci, &plan, SHORT, |b| seen.push(b.address)).unwrap_err();
         let BindError::Release { failures } = e else { panic!("expected Release") };
         assert_eq!(failures.len(), 1);
         assert_eq!(failures[0].address, addr(NIC1));
@@ -576,12 +562,12 @@ mod tests {
     fn a_driverless_device_is_bound_and_released_to_no_driver() {
         let (f, pci) = setup();
         let plan = plan_bindings(&pci, &assignment(&[NVME])).unwrap();
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         assert_eq!(f.driver_of(NVME).as_deref(), Some(VFIO_PCI));
         // No unbind was needed.
         assert!(!f.writes().iter().any(|(p, _)| p.ends_with("unbind")));
         f.clear_writes();
-        release(&pci, &plan, SHORT).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         assert_eq!(f.driver_of(NVME), None);
         assert_eq!(f.override_of(NVME), None);
         // Unbound and the override cleared, but not reprobed: the nvme driver would take it, and
@@ -600,7 +586,7 @@ mod tests {
         let (f, pci) = setup();
         f.refuse_probe(NIC2, VFIO_PCI);
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NIC2])).unwrap();
-        let e = bind_vfio(&pci, &plan, SHORT).unwrap_err();
+        let e = bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap_err();
         match &e {
             BindError::Bind { failure, restored, restore_failures } => {
                 assert_eq!(failure.address, addr(NIC2));
@@ -629,7 +615,7 @@ mod tests {
         let (f, pci) = setup();
         f.fail_nth_write(5);
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NIC2])).unwrap();
-        match bind_vfio(&pci, &plan, SHORT).unwrap_err() {
+        match bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap_err() {
             BindError::Bind { failure, restore_failures, .. } => {
                 assert_eq!((failure.address, failure.step), (addr(NIC2), Step::Unbind));
                 assert!(failure.reason.contains("driver/unbind"), "{}", failure.reason);
@@ -648,7 +634,7 @@ mod tests {
         let (f, pci) = setup();
         f.fail_nth_write(1);
         let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
-        match bind_vfio(&pci, &plan, SHORT).unwrap_err() {
+        match bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap_err() {
             BindError::Bind { failure, restored, restore_failures } => {
                 assert_eq!(failure.step, Step::SetOverride);
                 // The device was released (a no-op) and counts as restored.
@@ -667,7 +653,7 @@ mod tests {
         f.add_device(FakeDevice::endpoint(NIC1, 0x8086, 0x10d3, 0x020000, 7).driver("e1000e"));
         let pci = Pci::new(Box::new(Arc::clone(&f)));
         let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
-        assert_eq!(bind_vfio(&pci, &plan, SHORT), Err(BindError::NoVfioPci));
+        assert_eq!(bind_vfio(&pci, &plan, SHORT, |_| {}), Err(BindError::NoVfioPci));
         assert!(f.writes().is_empty());
         assert_eq!(BindError::NoVfioPci.to_api_error().code, Code::ProvisioningFailed);
     }
@@ -676,13 +662,13 @@ mod tests {
     fn binding_and_releasing_twice_is_harmless() {
         let (f, pci) = setup();
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NVME])).unwrap();
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         f.clear_writes();
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         assert!(f.writes().is_empty(), "{:?}", f.writes());
-        release(&pci, &plan, SHORT).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         f.clear_writes();
-        release(&pci, &plan, SHORT).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         assert!(f.writes().is_empty(), "{:?}", f.writes());
         assert_eq!(f.driver_of(NIC1).as_deref(), Some("e1000e"));
         assert_eq!(f.driver_of(NVME), None);
@@ -694,7 +680,7 @@ mod tests {
         let (f, pci) = setup();
         f.write(Path::new("bus/pci/devices/0000:00:05.0/driver_override"), VFIO_PCI).unwrap();
         f.write(Path::new("bus/pci/devices/0000:00:05.0/driver/unbind"), NIC1).unwrap();
-        release(&pci, &[binding(NIC1, Some("e1000e"))], SHORT).unwrap();
+        release(&pci, &[binding(NIC1, Some("e1000e"))], SHORT, |_| {}).unwrap();
         assert_eq!(f.driver_of(NIC1).as_deref(), Some("e1000e"));
         assert_eq!(f.override_of(NIC1), None);
     }
@@ -707,8 +693,8 @@ mod tests {
         f.clear_writes();
         let plan = plan_bindings(&pci, &assignment(&[NVME])).unwrap();
         assert_eq!(plan, [binding(NVME, Some(VFIO_PCI))]);
-        bind_vfio(&pci, &plan, SHORT).unwrap();
-        release(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         assert!(f.writes().is_empty(), "{:?}", f.writes());
         assert_eq!(f.driver_of(NVME).as_deref(), Some(VFIO_PCI));
     }
@@ -722,9 +708,9 @@ mod tests {
         f.write(Path::new("bus/pci/drivers/nvme_alt/bind"), NVME).unwrap();
         let plan = plan_bindings(&pci, &assignment(&[NVME])).unwrap();
         assert_eq!(plan, [binding(NVME, Some("nvme_alt"))]);
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         f.clear_writes();
-        release(&pci, &plan, SHORT).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         assert_eq!(f.driver_of(NVME).as_deref(), Some("nvme_alt"));
         assert_eq!(f.writes().last(), Some(&("bus/pci/drivers/nvme_alt/bind".to_string(), NVME.to_string())));
         assert!(!f.writes().iter().any(|(p, _)| p == "bus/pci/drivers_probe"));
@@ -734,9 +720,9 @@ mod tests {
     fn release_falls_back_to_drivers_probe() {
         let (f, pci) = setup();
         let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         f.fail_writes_to("bus/pci/drivers/e1000e/bind");
-        release(&pci, &plan, SHORT).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         assert_eq!(f.driver_of(NIC1).as_deref(), Some("e1000e"));
         assert_eq!(f.writes().last(), Some(&("bus/pci/drivers_probe".to_string(), NIC1.to_string())));
     }
@@ -745,11 +731,11 @@ mod tests {
     fn release_carries_on_and_reports_every_failure() {
         let (f, pci) = setup();
         let plan = plan_bindings(&pci, &assignment(&[NIC1, NIC2, NVME])).unwrap();
-        bind_vfio(&pci, &plan, SHORT).unwrap();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
         // NIC1 cannot be unbound; NIC2's driver refuses it; NVME releases fine.
         f.fail_writes_to("bus/pci/devices/0000:00:05.0/driver/unbind");
         f.refuse_probe(NIC2, "e1000e");
-        let e = release(&pci, &plan, SHORT).unwrap_err();
+        let e = release(&pci, &plan, SHORT, |_| {}).unwrap_err();
         let BindError::Release { failures } = &e else { panic!("expected Release, got {e:?}") };
         let got: Vec<(PciAddress, Step)> = failures.iter().map(|x| (x.address, x.step)).collect();
         assert_eq!(got, [(addr(NIC1), Step::Unbind), (addr(NIC2), Step::WaitRestored)]);
@@ -758,7 +744,7 @@ mod tests {
         assert_eq!(e.to_api_error().details["failures"].as_array().map(Vec::len), Some(2));
         // Once the faults are gone, releasing again finishes the job.
         f.heal();
-        release(&pci, &plan, SHORT).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         assert_eq!(f.driver_of(NIC1).as_deref(), Some("e1000e"));
         assert_eq!(f.driver_of(NIC2).as_deref(), Some("e1000e"));
     }
@@ -767,8 +753,8 @@ mod tests {
     fn release_reports_a_missing_original_driver_and_leaves_the_device_driverless() {
         let (f, pci) = setup();
         let plan = vec![binding(NIC1, Some("gone_driver"))];
-        bind_vfio(&pci, &plan, SHORT).unwrap();
-        let e = release(&pci, &plan, SHORT).unwrap_err();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
+        let e = release(&pci, &plan, SHORT, |_| {}).unwrap_err();
         let BindError::Release { failures } = e else { panic!("expected Release") };
         assert_eq!(failures[0].step, Step::Reprobe);
         assert!(failures[0].reason.contains("gone_driver is not loaded"), "{}", failures[0].reason);
@@ -782,8 +768,8 @@ mod tests {
         let (f, pci) = setup();
         f.add_driver("igb", &[]);
         let plan = vec![binding(NIC1, Some("igb"))];
-        bind_vfio(&pci, &plan, SHORT).unwrap();
-        let e = release(&pci, &plan, SHORT).unwrap_err();
+        bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap();
+        let e = release(&pci, &plan, SHORT, |_| {}).unwrap_err();
         let BindError::Release { failures } = e else { panic!("expected Release") };
         assert_eq!(failures[0].step, Step::WaitRestored);
         assert!(failures[0].reason.contains("bound to e1000e instead of igb"), "{}", failures[0].reason);
@@ -797,7 +783,7 @@ mod tests {
         f.write(Path::new("bus/pci/devices/0000:00:05.0/driver/unbind"), NIC1).unwrap();
         f.write(Path::new("bus/pci/devices/0000:00:05.0/driver_override"), "pci-stub").unwrap();
         f.write(Path::new("bus/pci/drivers/pci-stub/bind"), NIC1).unwrap();
-        let e = release(&pci, &[binding(NIC1, Some("e1000e"))], SHORT).unwrap_err();
+        let e = release(&pci, &[binding(NIC1, Some("e1000e"))], SHORT, |_| {}).unwrap_err();
         let BindError::Release { failures } = e else { panic!("expected Release") };
         assert!(failures[0].reason.contains("neither vfio-pci nor its original driver"), "{}", failures[0].reason);
         assert_eq!(f.driver_of(NIC1).as_deref(), Some("pci-stub"));
@@ -809,7 +795,7 @@ mod tests {
         f.probe_lag(NIC1, 5);
         let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
         let start = Instant::now();
-        bind_vfio(&pci, &plan, Duration::from_secs(5)).unwrap();
+        bind_vfio(&pci, &plan, Duration::from_secs(5), |_| {}).unwrap();
         assert!(start.elapsed() >= POLL_INTERVAL * 4, "{:?}", start.elapsed());
         assert_eq!(f.driver_of(NIC1).as_deref(), Some(VFIO_PCI));
     }
@@ -821,7 +807,7 @@ mod tests {
         let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
         let timeout = Duration::from_millis(150);
         let start = Instant::now();
-        let e = bind_vfio(&pci, &plan, timeout).unwrap_err();
+        let e = bind_vfio(&pci, &plan, timeout, |_| {}).unwrap_err();
         let took = start.elapsed();
         assert!(took >= timeout && took < timeout * 2 + Duration::from_secs(1), "{took:?}");
         let BindError::Bind { failure, .. } = e else { panic!("expected Bind") };
@@ -836,13 +822,13 @@ mod tests {
         let (f, pci) = setup();
         f.probe_lag(NIC1, 10_000);
         let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
-        let e = bind_vfio(&pci, &plan, Duration::from_millis(50)).unwrap_err();
+        let e = bind_vfio(&pci, &plan, Duration::from_millis(50), |_| {}).unwrap_err();
         let BindError::Bind { restored, restore_failures, .. } = &e else { panic!("expected Bind") };
         assert!(restored.is_empty());
         assert_eq!(restore_failures.len(), 1);
         assert!(e.to_string().contains("restoring failed"), "{e}");
         f.heal();
-        release(&pci, &plan, SHORT).unwrap();
+        release(&pci, &plan, SHORT, |_| {}).unwrap();
         assert_eq!(f.driver_of(NIC1).as_deref(), Some("e1000e"));
         assert_eq!(f.override_of(NIC1), None);
     }
@@ -852,7 +838,7 @@ mod tests {
         let (f, pci) = setup();
         f.add_device(FakeDevice::endpoint("0000:00:07.0", 0x8086, 0x10d3, 0x020000, 0).driver("e1000e").no_group());
         let plan = plan_bindings(&pci, &assignment(&["0000:00:07.0"])).unwrap();
-        let e = bind_vfio(&pci, &plan, SHORT).unwrap_err();
+        let e = bind_vfio(&pci, &plan, SHORT, |_| {}).unwrap_err();
         let BindError::Bind { failure, restored, .. } = e else { panic!("expected Bind") };
         assert_eq!(failure.step, Step::WaitBound);
         assert_eq!(restored, [addr("0000:00:07.0")]);
@@ -862,7 +848,7 @@ mod tests {
     #[test]
     fn a_vanished_device_needs_no_release() {
         let (_, pci) = setup();
-        release(&pci, &[binding("0000:0a:00.0", Some("e1000e"))], SHORT).unwrap();
+        release(&pci, &[binding("0000:0a:00.0", Some("e1000e"))], SHORT, |_| {}).unwrap();
     }
 
     #[test]
