@@ -68,17 +68,24 @@ pub struct Guest {
     pub initrd: PathBuf,
 }
 
-/// Builds the guest once per process (the script itself is cached and flock-safe).
+/// Runs `tests/guest/SCRIPT target/guest` (the guest build scripts are cached and flock-safe)
+/// and returns that output dir.
+pub fn build_guest_image(script: &str) -> PathBuf {
+    let out = workspace().join("target/guest");
+    let status = Command::new(workspace().join("tests/guest").join(script))
+        .arg(&out)
+        .status()
+        .unwrap_or_else(|e| panic!("run tests/guest/{script}: {e}"));
+    assert!(status.success(), "tests/guest/{script} failed");
+    out
+}
+
+/// Builds the guest once per process.
 pub fn guest() -> Guest {
     static GUEST: OnceLock<Guest> = OnceLock::new();
     GUEST
         .get_or_init(|| {
-            let out = workspace().join("target/guest");
-            let status = Command::new(workspace().join("tests/guest/build.sh"))
-                .arg(&out)
-                .status()
-                .expect("run tests/guest/build.sh");
-            assert!(status.success(), "tests/guest/build.sh failed");
+            let out = build_guest_image("build.sh");
             Guest { kernel: out.join("vmlinuz"), initrd: out.join("initramfs.cpio.gz") }
         })
         .clone()
@@ -91,15 +98,33 @@ pub fn agent_guest() -> Guest {
     GUEST
         .get_or_init(|| {
             let base = guest();
-            let out = workspace().join("target/guest");
-            let st = Command::new(workspace().join("tests/guest/build-agent-guest.sh"))
-                .arg(&out)
-                .status()
-                .expect("run build-agent-guest.sh");
-            assert!(st.success(), "tests/guest/build-agent-guest.sh failed");
+            let out = build_guest_image("build-agent-guest.sh");
             Guest { kernel: base.kernel, initrd: out.join("initramfs-agent.cpio.gz") }
         })
         .clone()
+}
+
+/// Runs `cmd` to completion and returns its stdout; panics with its status, stdout and stderr
+/// when it fails.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Builds the two Debian packages into `target/deb` (`packaging/build-debs.sh`; cargo reuses
+/// `target/release`) and returns their paths, asserting there are two.
+pub fn build_debs() -> Vec<String> {
+    let printed = run_ok(Command::new(workspace().join("packaging/build-debs.sh")).arg(workspace().join("target/deb")));
+    let debs: Vec<String> = printed.lines().filter(|l| l.ends_with(".deb")).map(str::to_string).collect();
+    assert_eq!(debs.len(), 2, "build-debs.sh printed {debs:?}");
+    debs
 }
 
 /// A vmhostd running in a temp dir.
@@ -388,6 +413,21 @@ reserved_memory_gib = 1
     pub fn qemu_pids(&self) -> Vec<i32> {
         qemu_pids_under(self.dir.path())
     }
+}
+
+/// Pids whose parent is `pid` (from `/proc/*/stat`).
+pub fn children_of(pid: i32) -> Vec<i32> {
+    let mut found = Vec::new();
+    let Ok(entries) = fs::read_dir("/proc") else { return found };
+    for e in entries.flatten() {
+        let Ok(child) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let stat = fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+        if ppid == Some(pid) {
+            found.push(child);
+        }
+    }
+    found
 }
 
 /// Live QEMU processes whose command line mentions `dir`.

@@ -130,20 +130,6 @@ fn recv(sock: &UnixDatagram) -> String {
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
-/// Pids whose parent is `pid`.
-fn children_of(pid: u32) -> Vec<u32> {
-    let mut found = Vec::new();
-    for e in fs::read_dir("/proc").expect("/proc").flatten() {
-        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-        let stat = fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
-        if ppid == Some(pid) {
-            found.push(child);
-        }
-    }
-    found
-}
-
 fn ctl(socket: &Path, args: &[&str]) -> Output {
     Command::new(bin("vmhostctl")).arg("--socket").arg(socket).args(args).output().expect("run vmhostctl")
 }
@@ -176,7 +162,7 @@ fn serves_the_inherited_socket_and_leaves_it_for_the_next_start() {
     assert_ne!(flags & 0o2_000_000, 0, "fd 3 must be O_CLOEXEC: {fdinfo}");
     // The spawner (the daemon's child) holds nothing but stdio and its control socket: not the
     // listening socket, which must not outlive the daemon in another process.
-    let spawner = children_of(daemon.id()).into_iter().next().expect("the spawner process");
+    let spawner = vmhost_tests::children_of(daemon.id() as i32).into_iter().next().expect("the spawner process");
     let mut fds: Vec<(i32, String)> = fs::read_dir(format!("/proc/{spawner}/fd"))
         .expect("spawner fds")
         .flatten()

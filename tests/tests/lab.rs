@@ -59,14 +59,10 @@ fn vlans_isolate_vms_in_the_lab() {
     }
 }
 
-/// VFIO passthrough on a real kernel with an IOMMU (the lab: q35 + intel-iommu, emulated vmxnet3
-/// and NVMe, and ICH9's shared group): a VM gets two devices (QMP `query-pci` of its QEMU shows
-/// them), destroy gives them back to their drivers, a device whose IOMMU group holds a sibling on
-/// a host driver is refused with 3004 naming it, ICH9's group (siblings driverless here) is
-/// viable, a held device is refused with 3003, and a daemon killed after binding but
-/// before QEMU started leaves the devices restored after its restart.
-#[test]
-fn vfio_passthrough_in_the_lab() {
+/// The VFIO lab: q35 with an emulated IOMMU (intel-iommu, kernel-irqchip=split, intel_iommu=on),
+/// a vmxnet3 at 00:05.0 and an NVMe at 00:06.0, each in a group of its own, plus `extra` QEMU
+/// arguments.
+fn iommu_lab(extra: &[&str]) -> LabOptions {
     let args = [
         "-M",
         "kernel-irqchip=split",
@@ -78,17 +74,25 @@ fn vfio_passthrough_in_the_lab() {
         "if=none,id=nvm0,driver=null-co,size=64M",
         "-device",
         "nvme,addr=06.0,serial=labnvme,drive=nvm0",
-        "-device",
-        "virtio-net-pci,addr=07.0,multifunction=on",
-        "-device",
-        "virtio-net-pci,addr=07.1",
     ];
-    let opts = LabOptions {
+    LabOptions {
         timeout: Duration::from_secs(25 * 60),
-        extra_qemu_args: args.iter().map(|s| s.to_string()).collect(),
+        extra_qemu_args: args.iter().chain(extra).map(|s| s.to_string()).collect(),
         extra_cmdline: "intel_iommu=on".into(),
         ..LabOptions::default()
-    };
+    }
+}
+
+/// VFIO passthrough on a real kernel with an IOMMU (the lab: q35 + intel-iommu, emulated vmxnet3
+/// and NVMe, and ICH9's shared group): a VM gets two devices (QMP `query-pci` of its QEMU shows
+/// them), destroy gives them back to their drivers, a device whose IOMMU group holds a sibling on
+/// a host driver is refused with 3004 naming it, ICH9's group (siblings driverless here) is
+/// viable, a held device is refused with 3003, and a daemon killed after binding but
+/// before QEMU started leaves the devices restored after its restart.
+#[test]
+fn vfio_passthrough_in_the_lab() {
+    let opts =
+        iommu_lab(&["-device", "virtio-net-pci,addr=07.0,multifunction=on", "-device", "virtio-net-pci,addr=07.1"]);
     let out = run_lab(include_str!("../lab/scenarios/vfio.sh"), &opts);
     eprintln!("lab vfio: {} after {:.1?}", out.result, out.elapsed);
     for line in out.log.lines().filter(|l| l.contains("TIMING")) {
@@ -125,25 +129,7 @@ fn vfio_passthrough_in_the_lab() {
 /// released during a destroy, the destroy is finished (record gone, both devices back).
 #[test]
 fn vfio_crash_between_devices_in_the_lab() {
-    let args = [
-        "-M",
-        "kernel-irqchip=split",
-        "-device",
-        "intel-iommu,intremap=on,caching-mode=on",
-        "-device",
-        "vmxnet3,addr=05.0",
-        "-drive",
-        "if=none,id=nvm0,driver=null-co,size=64M",
-        "-device",
-        "nvme,addr=06.0,serial=labnvme,drive=nvm0",
-    ];
-    let opts = LabOptions {
-        timeout: Duration::from_secs(25 * 60),
-        extra_qemu_args: args.iter().map(|s| s.to_string()).collect(),
-        extra_cmdline: "intel_iommu=on".into(),
-        ..LabOptions::default()
-    };
-    let out = run_lab(include_str!("../lab/scenarios/vfio-crash.sh"), &opts);
+    let out = run_lab(include_str!("../lab/scenarios/vfio-crash.sh"), &iommu_lab(&[]));
     eprintln!("lab vfio-crash: {} after {:.1?}", out.result, out.elapsed);
     for line in out.log.lines().filter(|l| l.contains("DAEMON")) {
         eprintln!("  {line}");

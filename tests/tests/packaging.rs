@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
-use vmhost_tests::workspace;
+use vmhost_tests::{build_debs, run_ok, workspace};
 
 const PACKAGES: [&str; 2] = ["vmhostd", "vmhost-agent"];
 const UNITS: [&str; 3] = ["vmhostd.service", "vmhostd.socket", "vmhost-agent.service"];
@@ -35,18 +35,6 @@ const TREES: [&str; 5] = ["/etc", "/usr", "/var", "/run", "/opt"];
 
 fn run(cmd: &mut Command) -> Output {
     cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
-}
-
-fn ok(cmd: &mut Command) -> String {
-    let out = run(cmd);
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn getent(db: &str, name: &str) -> Option<String> {
@@ -196,21 +184,18 @@ fn debs_install_verify_serve_and_purge_cleanly() {
 
     // Build (cargo reuses target/release).
     let started = Instant::now();
-    let out_dir = workspace().join("target/deb");
-    let debs = ok(Command::new(workspace().join("packaging/build-debs.sh")).arg(&out_dir));
-    let debs: Vec<&str> = debs.lines().filter(|l| l.ends_with(".deb")).collect();
-    assert_eq!(debs.len(), 2, "build-debs.sh printed {debs:?}");
+    let debs = build_debs();
     println!("packages built in {:?}: {debs:?}", started.elapsed());
     let agent_deb = debs.iter().find(|d| d.contains("vmhost-agent_")).expect("agent deb");
-    let contents = ok(Command::new("dpkg-deb").args(["-c", agent_deb]));
+    let contents = run_ok(Command::new("dpkg-deb").args(["-c", agent_deb]));
     assert!(contents.contains("./usr/sbin/vmhost-agent"), "{contents}");
 
     let netns = format!("vmhpkg{}", std::process::id());
-    ok(Command::new("ip").args(["netns", "add", &netns]));
+    run_ok(Command::new("ip").args(["netns", "add", &netns]));
     let mut cleanup = Cleanup { netns: netns.clone(), daemon: None };
 
     // Install.
-    ok(Command::new("dpkg").arg("-i").args(&debs));
+    run_ok(Command::new("dpkg").arg("-i").args(&debs));
     for p in PACKAGES {
         assert!(installed(p), "{p} not installed");
     }
@@ -218,7 +203,7 @@ fn debs_install_verify_serve_and_purge_cleanly() {
         let mode = fs::metadata(f).unwrap_or_else(|e| panic!("{f}: {e}")).permissions().mode();
         assert_eq!(mode & 0o777, 0o755, "{f}");
     }
-    let headers = ok(Command::new("readelf").args(["-l", "/usr/sbin/vmhost-agent"]));
+    let headers = run_ok(Command::new("readelf").args(["-l", "/usr/sbin/vmhost-agent"]));
     assert!(!headers.contains("INTERP"), "the packaged agent must be static:\n{headers}");
     for unit in UNITS {
         assert!(Path::new(UNIT_DIR).join(unit).is_file(), "{unit} not installed");
@@ -261,9 +246,11 @@ fn debs_install_verify_serve_and_purge_cleanly() {
         assert!(service.lines().any(|l| l == line), "vmhostd.service lacks {line}");
     }
     assert!(service.lines().any(|l| l.starts_with("CapabilityBoundingSet=CAP_NET_ADMIN ")));
-    let security = ok(Command::new("systemd-analyze")
-        .args(["security", "--offline=yes", "--no-pager"])
-        .arg(Path::new(UNIT_DIR).join("vmhostd.service")));
+    let security = run_ok(
+        Command::new("systemd-analyze")
+            .args(["security", "--offline=yes", "--no-pager"])
+            .arg(Path::new(UNIT_DIR).join("vmhostd.service")),
+    );
     let exposure: f64 = security
         .lines()
         .find_map(|l| l.split("Overall exposure level for vmhostd.service: ").nth(1))
@@ -279,13 +266,13 @@ fn debs_install_verify_serve_and_purge_cleanly() {
     let config = fs::read_to_string(CONFIG).expect("packaged config");
     assert!(config.contains(&format!("socket = \"{SOCKET}\"")), "{config}");
     assert!(!config.contains('@'), "unsubstituted template:\n{config}");
-    ok(Command::new("/usr/sbin/vmhostd").args(["--config", CONFIG, "--check-config"]));
+    run_ok(Command::new("/usr/sbin/vmhostd").args(["--config", CONFIG, "--check-config"]));
 
     // The daemon with the packaged config, started directly; vmhostctl with its defaults.
     let log = workspace().join("target/deb/vmhostd-test.log");
     cleanup.daemon = Some(spawn_in(&netns, &log, "/usr/sbin/vmhostd", &["--config", CONFIG]));
     wait_served(cleanup.daemon.as_mut().expect("daemon"), &log);
-    let info = ok(Command::new("/usr/bin/vmhostctl").arg("info"));
+    let info = run_ok(Command::new("/usr/bin/vmhostctl").arg("info"));
     assert!(info.contains("accel kvm"), "{info}");
     let check = run(Command::new("/usr/bin/vmhostctl").arg("check"));
     let check_text = String::from_utf8_lossy(&check.stdout);
@@ -309,7 +296,7 @@ fn debs_install_verify_serve_and_purge_cleanly() {
         &["-l", SOCKET, "/usr/sbin/vmhostd", "--config", CONFIG],
     ));
     wait_served(cleanup.daemon.as_mut().expect("daemon"), &log);
-    ok(Command::new("/usr/bin/vmhostctl").arg("list"));
+    run_ok(Command::new("/usr/bin/vmhostctl").arg("list"));
     assert!(fs::read_to_string(&log).unwrap_or_default().contains("socket activation"));
     assert_eq!(
         cleanup.stop_daemon().and_then(|s| s.code()),
@@ -319,7 +306,7 @@ fn debs_install_verify_serve_and_purge_cleanly() {
     );
 
     // Purge: nothing of vmhost is left.
-    ok(Command::new("dpkg").arg("--purge").args(PACKAGES));
+    run_ok(Command::new("dpkg").arg("--purge").args(PACKAGES));
     for p in PACKAGES {
         assert!(!installed(p), "{p} still installed");
     }

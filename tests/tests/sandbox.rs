@@ -34,16 +34,10 @@ fn our_permitted() -> u64 {
 
 /// The spawner: the daemon's child named vmhostd.
 fn spawner_of(daemon: i32) -> i32 {
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let Some((head, rest)) = stat.rsplit_once(')') else { continue };
-        let ppid: i32 = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
-        if ppid == daemon && head.ends_with("(vmhostd") {
-            return pid;
-        }
-    }
-    panic!("no spawner child of {daemon}");
+    vmhost_tests::children_of(daemon)
+        .into_iter()
+        .find(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "vmhostd"))
+        .unwrap_or_else(|| panic!("no spawner child of {daemon}"))
 }
 
 fn check_items(host: &TestHost) -> Vec<Value> {

@@ -14,7 +14,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use vmhost_tests::{guest, workspace};
+use vmhost_tests::{build_debs, guest, run_ok, workspace};
 
 /// Every check proof.sh makes, in order.
 const CHECKS: [&str; 26] = [
@@ -57,27 +57,13 @@ impl Drop for Overlay<'_> {
     }
 }
 
-fn ok(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 #[test]
 fn packaged_units_run_a_vm_under_systemd() {
     assert!(
         Path::new("/usr/bin/systemd-nspawn").exists(),
         "systemd-nspawn is missing (tests/setup.sh installs systemd-container)"
     );
-    let debs = ok(Command::new(workspace().join("packaging/build-debs.sh")).arg(workspace().join("target/deb")));
-    let debs: Vec<&str> = debs.lines().filter(|l| l.ends_with(".deb")).collect();
-    assert_eq!(debs.len(), 2, "build-debs.sh printed {debs:?}");
+    let debs = build_debs();
 
     let dir = tempfile::Builder::new().prefix("vmhsd").tempdir_in("/tmp").unwrap();
     let (upper, work, root) = (dir.path().join("upper"), dir.path().join("work"), dir.path().join("root"));
@@ -85,7 +71,7 @@ fn packaged_units_run_a_vm_under_systemd() {
         fs::create_dir(d).unwrap();
     }
     let opts = format!("lowerdir=/,upperdir={},workdir={}", upper.display(), work.display());
-    ok(Command::new("mount").args(["-t", "overlay", "overlay", "-o", &opts]).arg(&root));
+    run_ok(Command::new("mount").args(["-t", "overlay", "overlay", "-o", &opts]).arg(&root));
     let _overlay = Overlay { root: &root };
 
     // Container images carry a policy-rc.d that forbids starting services from maintainer

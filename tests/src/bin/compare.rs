@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
-use vmhost_tests::{bin, qemu_pids_under, rss_kib, workspace, HostOptions, TestHost, GUEST_READY};
+use vmhost_tests::{bin, build_guest_image, qemu_pids_under, rss_kib, workspace, HostOptions, TestHost, GUEST_READY};
 
 const AGENT_SERVING: &str = "vmhost-agent: serving on";
 const CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
@@ -543,12 +543,7 @@ fn agents_figure(line: &str, key: &str) -> Option<u64> {
 }
 
 fn agents(work: &Path) -> Agents {
-    let out = workspace().join("target/guest");
-    let st = Command::new(workspace().join("tests/guest/build-compare-guest.sh"))
-        .arg(&out)
-        .status()
-        .expect("run tests/guest/build-compare-guest.sh");
-    assert!(st.success(), "tests/guest/build-compare-guest.sh failed");
+    let out = build_guest_image("build-compare-guest.sh");
     let deb = out.join("qga/qemu-guest-agent.deb");
     let ga = out.join("qga/root/usr/sbin/qemu-ga");
     let qga_version = run(Command::new("dpkg-deb").args(["-f"]).arg(&deb).arg("Version")).trim().to_string();
