@@ -151,6 +151,8 @@ pub struct QemuConfig {
     pub accel: Accel,
     /// Machine type.
     pub machine: String,
+    /// The guest CPU model (`-cpu`): empty means `host` under KVM and QEMU's default under TCG.
+    pub cpu_model: String,
     /// Seconds QEMU may take to initialise before the start counts as failed.
     pub launch_timeout_s: u64,
     /// The unprivileged user QEMU runs as (docs/sandbox.md).
@@ -179,6 +181,7 @@ impl Default for QemuConfig {
             img_binary: "/usr/bin/qemu-img".into(),
             accel: Accel::Kvm,
             machine: "q35".into(),
+            cpu_model: String::new(),
             launch_timeout_s: 30,
             user: DEFAULT_QEMU_USER.into(),
             sandbox: true,
@@ -402,6 +405,9 @@ impl Config {
             || !raw.qemu.machine.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
         {
             return Err(key_err("qemu.machine", format!("{:?} is not a machine type name", raw.qemu.machine)));
+        }
+        if !raw.qemu.cpu_model.chars().all(|c| c.is_ascii_alphanumeric() || "-_.,=+".contains(c)) {
+            return Err(key_err("qemu.cpu_model", format!("{:?} is not a CPU model", raw.qemu.cpu_model)));
         }
         if raw.qemu.launch_timeout_s == 0 {
             return Err(key_err("qemu.launch_timeout_s", "must be at least 1".into()));
@@ -676,6 +682,7 @@ reserved_memory_gib = 8
                 "already used by hardware.copper.1",
             ),
             ("[qemu]\nmachine = \"q35,accel=kvm\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "qemu.machine", "machine"),
+            ("[qemu]\ncpu_model = \"host -x\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "qemu.cpu_model", "CPU model"),
         ];
         for (text, want_key, want_problem) in cases {
             let text = text.replace("{long}", &"s".repeat(110));

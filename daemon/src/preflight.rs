@@ -7,6 +7,7 @@
 use crate::api::{CheckItem, CheckStatus, HostCheck};
 use crate::config::{Accel, Config};
 use crate::net::host::NetworkState;
+use crate::qemu::kvm::Access;
 use crate::state::BrokenRecord;
 use std::path::Path;
 use std::time::Duration;
@@ -33,16 +34,50 @@ async fn binary_version(name: &str, binary: &Path) -> CheckItem {
     }
 }
 
-fn accelerator(config: &Config) -> CheckItem {
-    match config.qemu.accel {
-        Accel::Tcg => item("accelerator", CheckStatus::Ok, "tcg (software emulation), set explicitly in the config"),
-        Accel::Kvm => match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
-            Ok(_) => item("accelerator", CheckStatus::Ok, "kvm: /dev/kvm opened read-write"),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                item("accelerator", CheckStatus::Missing, "kvm: /dev/kvm does not exist (no fallback to tcg)")
-            }
-            Err(e) => item("accelerator", CheckStatus::Error, format!("kvm: cannot open /dev/kvm: {e}")),
-        },
+/// KVM usable by QEMU: `/dev/kvm` opened read-write as `qemu.user` with exactly the groups
+/// QEMU gets (by the spawner, which starts QEMU; [`crate::qemu::kvm`]), not as the daemon.
+async fn accelerator(config: &Config) -> CheckItem {
+    if config.qemu.accel == Accel::Tcg {
+        return item("accelerator", CheckStatus::Ok, "tcg (software emulation), set explicitly in the config");
+    }
+    let who = qemu_user_name(config);
+    match crate::sandbox::spawn::kvm_access(config.qemu_user).await {
+        Ok(Access::Usable) => {
+            item("accelerator", CheckStatus::Ok, format!("kvm: /dev/kvm opened read-write as {who}, as QEMU runs"))
+        }
+        Ok(Access::Missing) => item(
+            "accelerator",
+            CheckStatus::Missing,
+            "kvm: /dev/kvm does not exist (load kvm_intel or kvm_amd, enable virtualisation in the firmware; \
+             no fallback to tcg)",
+        ),
+        Ok(Access::Denied(errno)) => {
+            let owner = std::fs::metadata(crate::qemu::kvm::KVM_DEV)
+                .map(|m| {
+                    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+                    format!("{:04o} uid {} gid {}", m.permissions().mode() & 0o7777, m.uid(), m.gid())
+                })
+                .unwrap_or_default();
+            item(
+                "accelerator",
+                CheckStatus::Denied,
+                format!(
+                    "kvm: {who} cannot open /dev/kvm ({owner}): {}; QEMU keeps only the group that owns \
+                     /dev/kvm, so make that group kvm with mode 0660 (udev does) and add {who} to it \
+                     (adduser {who} kvm)",
+                    std::io::Error::from_raw_os_error(errno)
+                ),
+            )
+        }
+        Err(e) => item("accelerator", CheckStatus::Error, format!("kvm: cannot test /dev/kvm as {who}: {e}")),
+    }
+}
+
+/// `qemu.user` as configured, or "root" when QEMU runs as the daemon's user.
+fn qemu_user_name(config: &Config) -> String {
+    match config.qemu_user {
+        Some(u) if u.uid != 0 => config.qemu.user.clone(),
+        _ => "root".to_string(),
     }
 }
 
@@ -146,7 +181,7 @@ pub async fn check(config: &Config, broken: &[BrokenRecord], network_states: &[N
     let mut items = vec![
         binary_version("qemu", &config.qemu.binary).await,
         binary_version("qemu_img", &config.qemu.img_binary).await,
-        accelerator(config),
+        accelerator(config).await,
         writable_dir("state_dir", &config.paths.state),
         writable_dir("run_dir", &config.paths.run),
         readable_dir("image_dir", &config.paths.images),

@@ -12,6 +12,7 @@ use std::process::Command;
 use std::time::Duration;
 use vmhost_tests::{bin, HostOptions, TestHost};
 
+const CAP_DAC_READ_SEARCH: u64 = 1 << 2;
 const CAP_KILL: u64 = 1 << 5;
 const CAP_SETGID: u64 = 1 << 6;
 const CAP_SETUID: u64 = 1 << 7;
@@ -62,11 +63,13 @@ fn capability_sets_are_exactly_the_documented_ones() {
     assert_eq!(status_field(daemon, "Seccomp:"), "2", "filter mode");
 
     // The spawner: CAP_SETUID, CAP_SETGID, CAP_SYS_RESOURCE (those the daemon was started with),
-    // no seccomp filter, no_new_privs.
+    // and CAP_DAC_READ_SEARCH permitted but not effective (raised only to open a boot file); no
+    // seccomp filter, no_new_privs.
     let spawner = spawner_of(daemon);
     let want = (CAP_SETUID | CAP_SETGID | CAP_SYS_RESOURCE) & our_permitted();
-    for set in ["Eff", "Prm", "Bnd"] {
-        assert_eq!(caps(spawner, set), want, "spawner Cap{set}");
+    assert_eq!(caps(spawner, "Eff"), want, "spawner CapEff");
+    for set in ["Prm", "Bnd"] {
+        assert_eq!(caps(spawner, set), want | (CAP_DAC_READ_SEARCH & our_permitted()), "spawner Cap{set}");
     }
     assert_eq!(caps(spawner, "Inh") | caps(spawner, "Amb"), 0);
     assert_eq!(status_field(spawner, "NoNewPrivs:"), "1");

@@ -550,6 +550,8 @@ pub enum CheckStatus {
     Ok,
     /// Not installed / not present.
     Missing,
+    /// Present, but the user that needs it may not use it (e.g. `/dev/kvm` for QEMU's user).
+    Denied,
     /// Present but failing.
     Error,
 }

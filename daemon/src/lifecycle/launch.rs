@@ -40,9 +40,29 @@ fn provisioning(step: &str, message: String) -> ApiError {
     ApiError::new(Code::ProvisioningFailed, message).details(json!({ "step": step }))
 }
 
+/// Opens (with `copy`: copies, see [`crate::qemu::boot_files`]) the kernel or initrd of VM
+/// `vm` that spec field `field` names. Whatever stops it is the spec's problem: 2001 naming
+/// the field.
+async fn boot_file(
+    vm: &str,
+    field: &str,
+    path: &std::path::Path,
+    copy: bool,
+) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
+    crate::sandbox::spawn::boot_file(path, vm, copy).await.map_err(|e| {
+        let why = match e.kind() {
+            std::io::ErrorKind::NotFound => format!("{} does not exist", path.display()),
+            std::io::ErrorKind::PermissionDenied => format!("vmhostd cannot read {}: {e}", path.display()),
+            _ => format!("cannot use {}: {e}", path.display()),
+        };
+        ApiError::invalid(field, why)
+    })
+}
+
 impl Manager {
-    /// Checks that the files a validated spec names exist (2001 otherwise).
-    pub(super) fn check_boot_files(&self, vm: &ValidSpec) -> Result<(), ApiError> {
+    /// Checks that the files a validated spec names exist and, for a kernel and initrd, that
+    /// vmhostd can open them (2001 otherwise). Nothing is read yet: the launch copies them.
+    pub(super) async fn check_boot_files(&self, vm: &ValidSpec) -> Result<(), ApiError> {
         match &vm.boot {
             BootSource::Image { image, .. } => {
                 let p = self.config.paths.images.join(image);
@@ -54,13 +74,9 @@ impl Manager {
                 }
             }
             BootSource::Kernel { kernel, initrd, .. } => {
-                if !kernel.is_file() {
-                    return Err(ApiError::invalid("spec.boot.kernel", format!("{} is not a file", kernel.display())));
-                }
+                boot_file(&vm.spec.name, "spec.boot.kernel", kernel, false).await?;
                 if let Some(i) = initrd {
-                    if !i.is_file() {
-                        return Err(ApiError::invalid("spec.boot.initrd", format!("{} is not a file", i.display())));
-                    }
+                    boot_file(&vm.spec.name, "spec.boot.initrd", i, false).await?;
                 }
             }
         }
@@ -209,6 +225,7 @@ impl Manager {
             fds: opened.fds,
             memlock: self.memlock_for(&vm.spec),
             user: self.config.qemu_user,
+            kvm: self.config.qemu.accel == crate::config::Accel::Kvm,
         };
         let launched = launch(&request).await;
         // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client
@@ -264,11 +281,13 @@ impl Manager {
 
     /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP and agent
     /// sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
-    /// (`taps`, already open), and for an image-booted VM the overlay (read-write and
-    /// read-only), its base image and the seed. Also returns the base image's format.
+    /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
+    /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
+    /// initrd (read here, once per launch). Also returns the base image's format.
     ///
     /// # Errors
-    /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound.
+    /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound; 2001 naming
+    /// the field when the kernel or initrd can no longer be read.
     async fn open_passed_fds(
         &self,
         vm: &ValidSpec,
@@ -325,6 +344,16 @@ impl Manager {
                     read_only(base)?
                 }
                 PassedFd::Seed => read_only(&paths.seed)?,
+                PassedFd::Kernel | PassedFd::Initrd => {
+                    let BootSource::Kernel { kernel, initrd, .. } = &vm.boot else { continue };
+                    let (field, path) = match (which, initrd) {
+                        (PassedFd::Initrd, Some(i)) => ("spec.boot.initrd", i),
+                        (PassedFd::Initrd, None) => continue,
+                        _ => ("spec.boot.kernel", kernel),
+                    };
+                    let copied = boot_file(&vm.spec.name, field, path, true).await?;
+                    copied.ok_or_else(|| provisioning("qemu_files", format!("no copy of {}", path.display())))?
+                }
             };
             fds.push(fd);
         }

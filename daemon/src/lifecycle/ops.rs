@@ -26,7 +26,7 @@ impl Manager {
         let span = tracing::info_span!("vm.create", vm = %spec.name);
         async move {
             let vm = validate_spec(&spec, &self.config)?;
-            self.check_boot_files(&vm)?;
+            self.check_boot_files(&vm).await?;
             if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
                 // Capacity and conflicts first (what the records say), then what the kernel says
                 // about the devices; both before anything is recorded. reserve_new admits again
@@ -129,7 +129,7 @@ impl Manager {
         let mut spec = rec.spec.clone();
         spec.state = DesiredState::Running;
         let vm = validate_spec(&spec, &self.config)?;
-        self.check_boot_files(&vm)?;
+        self.check_boot_files(&vm).await?;
         self.check_passthrough(&vm.spec).await?;
         let reserved_here = !rec.reserved;
         if reserved_here {
@@ -368,7 +368,7 @@ impl Manager {
             .field("spec")
             .details(serde_json::json!({ "fields": drift })));
         }
-        self.check_boot_files(&vm)?;
+        self.check_boot_files(&vm).await?;
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
         async move {
             let (guard, _) = self.begin(&spec.name)?;

@@ -37,7 +37,7 @@ impl Manager {
             }
             let Some(spec) = p.vms.iter().find(|s| s.name == entry.vm) else { continue };
             if let Ok(vm) = crate::validate::validate_spec(spec, &self.config) {
-                if let Err(e) = self.check_boot_files(&vm) {
+                if let Err(e) = self.check_boot_files(&vm).await {
                     entry.error = Some(e.to_json());
                 }
             }

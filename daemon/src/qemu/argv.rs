@@ -8,12 +8,13 @@
 //! QEMU runs as an unprivileged user (docs/sandbox.md) and opens none of the VM's files by
 //! path: the daemon opens them and passes descriptors. The QMP and agent sockets are listening
 //! sockets the daemon bound (`-chardev socket,fd=N`); the serial log, the overlay, its base image
-//! and the seed are fd sets (`-add-fd`, `/dev/fdset/N`). Only the kernel and initrd of a
-//! direct-kernel VM are opened by path (QEMU's loader cannot take a descriptor), so they must be
-//! readable by that user.
+//! and the seed are fd sets (`-add-fd`, `/dev/fdset/N`). A direct-kernel VM's kernel and initrd
+//! are sealed in-memory copies ([`crate::qemu::boot_files`]) that QEMU's loader, which takes
+//! only a path, opens as `/proc/self/fd/N`.
 
 use crate::config::{Accel, Config};
 use crate::nic::{kernel_ip_params, NicAlloc};
+use crate::qemu::boot_files::proc_path;
 use crate::qemu::launch::FIRST_PASSED_FD;
 use crate::validate::{BootSource, ValidSpec};
 use std::ffi::OsString;
@@ -89,14 +90,24 @@ pub enum PassedFd {
     Base,
     /// The cloud-init seed, read-only.
     Seed,
+    /// The sealed copy of a direct-kernel VM's kernel.
+    Kernel,
+    /// The sealed copy of its initrd.
+    Initrd,
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
 pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
     let mut fds = vec![PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog];
     fds.extend((0..nics).map(PassedFd::Tap));
-    if matches!(vm.boot, BootSource::Image { .. }) {
-        fds.extend([PassedFd::OverlayRw, PassedFd::OverlayRo, PassedFd::Base, PassedFd::Seed]);
+    match &vm.boot {
+        BootSource::Image { .. } => {
+            fds.extend([PassedFd::OverlayRw, PassedFd::OverlayRo, PassedFd::Base, PassedFd::Seed]);
+        }
+        BootSource::Kernel { initrd, .. } => {
+            fds.push(PassedFd::Kernel);
+            fds.extend(initrd.as_ref().map(|_| PassedFd::Initrd));
+        }
     }
     fds
 }
@@ -133,8 +144,10 @@ pub fn build_argv(
     push(&["-name", &format!("guest={},debug-threads=on", spec.name)]);
     push(&["-machine", &config.qemu.machine]);
     push(&["-accel", config.qemu.accel.as_str()]);
-    if config.qemu.accel == Accel::Kvm {
-        push(&["-cpu", "host"]);
+    match (config.qemu.cpu_model.as_str(), config.qemu.accel) {
+        ("", Accel::Kvm) => push(&["-cpu", "host"]),
+        ("", Accel::Tcg) => {}
+        (model, _) => push(&["-cpu", model]),
     }
     push(&["-smp", &spec.cpu.to_string(), "-m", &spec.memory_mib.to_string()]);
     push(&["-nodefaults", "-no-user-config", "-display", "none"]);
@@ -180,10 +193,10 @@ pub fn build_argv(
             push(&["-add-fd", &fdset(PassedFd::Seed, &paths.seed)]);
             push(&["-drive", &format!("file=/dev/fdset/{},if=virtio,format=raw,readonly=on", fd(PassedFd::Seed))]);
         }
-        BootSource::Kernel { kernel, initrd, cmdline } => {
-            push(&["-kernel", &kernel.to_string_lossy()]);
-            if let Some(i) = initrd {
-                push(&["-initrd", &i.to_string_lossy()]);
+        BootSource::Kernel { initrd, cmdline, .. } => {
+            push(&["-kernel", &proc_path(fd(PassedFd::Kernel))]);
+            if initrd.is_some() {
+                push(&["-initrd", &proc_path(fd(PassedFd::Initrd))]);
             }
             let mut line = cmdline.clone();
             for p in kernel_ip_params(spec) {
@@ -225,8 +238,20 @@ mod tests {
         assert!(!argv.contains(&"-cpu".to_string()), "no -cpu host under tcg");
         assert_eq!(value_after(&argv, "-smp"), ["2"]);
         assert_eq!(value_after(&argv, "-m"), ["256"]);
-        assert_eq!(value_after(&argv, "-kernel"), ["/boot/vmlinuz"]);
-        assert_eq!(value_after(&argv, "-initrd"), ["/boot/initrd.img"]);
+        // The kernel and initrd are the sealed copies passed after the serial log; no path of
+        // the spec reaches QEMU.
+        assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/6"]);
+        assert_eq!(value_after(&argv, "-initrd"), ["/proc/self/fd/7"]);
+        assert!(!argv.iter().any(|a| a.contains("/boot/")), "{argv:?}");
+        let v = validate_spec(&s, &c).unwrap();
+        assert_eq!(
+            passed_fds(&v, 0),
+            [PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog, PassedFd::Kernel, PassedFd::Initrd]
+        );
+        s.boot.initrd = None;
+        let v = validate_spec(&s, &c).unwrap();
+        assert_eq!(passed_fds(&v, 0), [PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog, PassedFd::Kernel]);
+        assert!(!argv_of(&s, &c).contains(&"-initrd".to_string()));
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0"]);
         // In the foreground (the spawner holds it), under QEMU's own seccomp filter.
         assert!(!argv.iter().any(|a| a == "-daemonize" || a == "-pidfile"));
@@ -301,7 +326,8 @@ mod tests {
             .map(|o| o.into_string().unwrap())
             .collect();
         assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6", "tap,id=net1,fd=7"]);
-        assert_eq!(passed_fds(&v, 2)[3..], [PassedFd::Tap(0), PassedFd::Tap(1)]);
+        assert_eq!(passed_fds(&v, 2)[3..], [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel]);
+        assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/8"]);
         let devs = value_after(&argv, "-device");
         assert!(devs.contains(&format!("virtio-net-pci,netdev=net1,mac={}", allocs[1].mac).as_str()), "{devs:?}");
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0 ip=10.0.0.5:::255.255.255.0:web:eth0:off::"]);
@@ -334,6 +360,10 @@ mod tests {
         let argv = argv_of(&spec("a"), &c);
         assert_eq!(value_after(&argv, "-accel"), ["kvm"]);
         assert_eq!(value_after(&argv, "-cpu"), ["host"]);
+        c.qemu.cpu_model = "qemu64".into();
+        assert_eq!(value_after(&argv_of(&spec("a"), &c), "-cpu"), ["qemu64"]);
+        c.qemu.accel = Accel::Tcg;
+        assert_eq!(value_after(&argv_of(&spec("a"), &c), "-cpu"), ["qemu64"]);
     }
 
     #[test]

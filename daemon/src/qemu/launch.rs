@@ -64,6 +64,8 @@ pub struct LaunchRequest {
     pub memlock: Option<u64>,
     /// The user QEMU runs as (`qemu.user`); `None`: the daemon's.
     pub user: Option<UserIds>,
+    /// `accel = "kvm"`: QEMU keeps the group owning `/dev/kvm` ([`crate::qemu::kvm`]).
+    pub kvm: bool,
 }
 
 const CAP_SYS_RESOURCE: u32 = 24;
@@ -158,7 +160,8 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
         .stderr_to(log.into())
         .pass_fds(fds)
         .memlock(req.memlock)
-        .user(req.user);
+        .user(req.user)
+        .keep_kvm_group(req.kvm);
     // From here on, any early return (or the caller dropping us) kills QEMU (the handle's drop).
     let mut child = command.spawn().await.map_err(LaunchError::Spawn)?;
     let identity = match process::identify(child.pid) {
@@ -303,6 +306,7 @@ mod tests {
             fds: vec![listener],
             memlock: None,
             user: None,
+            kvm: false,
         }
     }
 

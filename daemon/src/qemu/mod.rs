@@ -1,5 +1,7 @@
 //! QEMU processes: the argv for a VM, launching it, and talking QMP to it.
 
 pub mod argv;
+pub mod boot_files;
+pub mod kvm;
 pub mod launch;
 pub mod qmp;

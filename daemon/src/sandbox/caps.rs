@@ -28,12 +28,28 @@ pub const DAEMON: &[(Capability, &str)] = &[
     ),
 ];
 
-/// What the spawner keeps, each with the reason.
+/// What the spawner keeps, each with the reason. `CAP_DAC_READ_SEARCH` is permitted but not
+/// effective: [`with_effective`] raises it only while a kernel or initrd is opened.
 pub const SPAWNER: &[(Capability, &str)] = &[
     (Capability::CAP_SYS_RESOURCE, "raise QEMU's RLIMIT_MEMLOCK hard limit (VFIO pins all guest memory)"),
-    (Capability::CAP_SETUID, "reserved for starting QEMU as an unprivileged user (not used yet)"),
-    (Capability::CAP_SETGID, "reserved for starting QEMU as an unprivileged group (not used yet)"),
+    (Capability::CAP_SETUID, "start QEMU as the unprivileged qemu.user"),
+    (Capability::CAP_SETGID, "start QEMU with qemu.user's group (and the one owning /dev/kvm)"),
+    (
+        Capability::CAP_DAC_READ_SEARCH,
+        "open a kernel or initrd a spec names wherever root could read it (raised only for that open)",
+    ),
 ];
+
+/// Runs `f` with `cap` raised in the effective set (when it is permitted), then lowers it.
+/// For a single-threaded process (the spawner): the sets are per thread.
+pub fn with_effective<T>(cap: Capability, f: impl FnOnce() -> T) -> T {
+    let raised = caps::raise(None, CapSet::Effective, cap).is_ok();
+    let out = f();
+    if raised {
+        let _ = caps::drop(None, CapSet::Effective, cap);
+    }
+    out
+}
 
 /// Why the spawner keeps `CAP_SYS_MODULE` when passthrough is configured.
 pub const SYS_MODULE_WHY: &str = "modprobe vfio-pci (its only allowed use), as an ambient capability of that modprobe";
@@ -197,9 +213,9 @@ mod tests {
         assert_eq!(d, [Capability::CAP_NET_ADMIN, Capability::CAP_KILL]);
         assert_eq!(names(mask(&d)), "cap_kill,cap_net_admin");
         let s: Vec<Capability> = spawner_caps(false).iter().map(|(c, _)| *c).collect();
-        assert_eq!(names(mask(&s)), "cap_setgid,cap_setuid,cap_sys_resource");
+        assert_eq!(names(mask(&s)), "cap_dac_read_search,cap_setgid,cap_setuid,cap_sys_resource");
         let s: Vec<Capability> = spawner_caps(true).iter().map(|(c, _)| *c).collect();
-        assert_eq!(names(mask(&s)), "cap_setgid,cap_setuid,cap_sys_module,cap_sys_resource");
+        assert_eq!(names(mask(&s)), "cap_dac_read_search,cap_setgid,cap_setuid,cap_sys_module,cap_sys_resource");
         assert_eq!(Capability::CAP_SYS_MODULE.index() as u32, CAP_SYS_MODULE);
         assert_eq!(names(0), "none");
     }

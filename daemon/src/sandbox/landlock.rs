@@ -12,7 +12,7 @@
 //! `/sys/bus/pci/devices/0000:05:00.0` grants access to its `/sys/devices/...` target, which is
 //! where the kernel checks writes to `driver_override`.
 
-use crate::config::{Accel, Config};
+use crate::config::Config;
 use landlock::Access as _;
 use landlock::{
     AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath, PathFd, Ruleset, RulesetAttr,
@@ -112,9 +112,6 @@ pub fn daemon_rules(config: &Config, pci_devices: &[PathBuf]) -> Vec<Rule> {
         rule("/dev/urandom", Access::Read, "randomness"),
         rule("/dev/net/tun", Access::Device, "creating tap devices (TUNSETIFF)"),
     ]);
-    if config.qemu.accel == Accel::Kvm {
-        v.push(rule("/dev/kvm", Access::Device, "host.check opens the accelerator"));
-    }
     if passthrough(config) {
         v.push(rule("/dev/vfio", Access::Device, "VFIO groups of passed-through devices"));
         v.push(rule("/sys/bus/pci/drivers_probe", Access::WriteFiles, "binding a device to vfio-pci"));
@@ -251,6 +248,7 @@ pub fn apply(rules: &[Rule]) -> Result<Outcome, LandlockError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Accel;
     use crate::validate::tests::config;
 
     #[test]
@@ -265,7 +263,7 @@ mod tests {
         assert_eq!(find(&c.paths.images.to_string_lossy()), Some(Access::Read));
         assert_eq!(find("/dev/net/tun"), Some(Access::Device));
         assert_eq!(find("/etc/vmhost"), Some(Access::Read));
-        assert_eq!(find("/dev/kvm"), None, "tcg: the daemon does not open /dev/kvm");
+        assert_eq!(find("/dev/kvm"), None, "the daemon never opens /dev/kvm");
         assert_eq!(find("/dev/vfio"), None, "no passthrough configured");
         assert!(!r.iter().any(|x| x.path.starts_with("/sys/bus/pci") && x.access == Access::WriteFiles));
         assert!(!r.iter().any(|x| x.path == Path::new("/") || x.path == Path::new("/etc")), "nothing broad");
@@ -273,7 +271,7 @@ mod tests {
         c.qemu.accel = Accel::Kvm;
         let r = daemon_rules(&c, &[PathBuf::from("/sys/devices/pci0000:00/0000:00:05.0")]);
         let find = |p: &str| r.iter().find(|x| x.path == Path::new(p)).map(|x| x.access);
-        assert_eq!(find("/dev/kvm"), Some(Access::Device));
+        assert_eq!(find("/dev/kvm"), None, "kvm: the spawner probes /dev/kvm as QEMU's user, not the daemon");
         assert_eq!(find("/dev/vfio"), Some(Access::Device));
         assert_eq!(find("/sys/bus/pci/drivers_probe"), Some(Access::WriteFiles));
         assert_eq!(find("/sys/devices/pci0000:00/0000:00:05.0"), Some(Access::WriteFiles));

@@ -278,6 +278,8 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     if let Err(e) = caps::restrict(&keep, &inheritable) {
         report.caps_error = e.to_string();
     }
+    // Permitted, not effective: raised only while a boot file is opened.
+    let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_DAC_READ_SEARCH);
     match landlock::apply(&landlock::spawner_rules(config)) {
         Ok(o) => {
             report.landlock_enforced = o.enforced();
@@ -291,6 +293,7 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     let mut programs = vec![config.qemu.binary.clone(), config.qemu.img_binary.clone()];
     programs.dedup();
     let run_as = config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default();
-    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as };
+    let kvm = config.qemu.accel == crate::config::Accel::Kvm;
+    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as, kvm };
     spawn::serve(control, &allow, passthrough)
 }

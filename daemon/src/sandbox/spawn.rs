@@ -68,6 +68,7 @@ pub struct Command {
     fds: Vec<OwnedFd>,
     memlock: Option<u64>,
     user: Option<UserIds>,
+    kvm: bool,
 }
 
 impl Command {
@@ -82,6 +83,7 @@ impl Command {
             fds: Vec::new(),
             memlock: None,
             user: None,
+            kvm: false,
         }
     }
 
@@ -115,11 +117,19 @@ impl Command {
         self
     }
 
-    /// Runs the program as `user` (no supplementary groups), when not `None`. Through the
-    /// spawner this is not the daemon's choice: the spawner runs the QEMU binary as the
-    /// configured user whatever is asked, and everything else as itself.
+    /// Runs the program as `user` (no supplementary groups, see [`Command::keep_kvm_group`]),
+    /// when not `None`. Through the spawner this is not the daemon's choice: the spawner runs
+    /// the QEMU binary as the configured user whatever is asked, and everything else as itself.
     pub fn user(mut self, user: Option<UserIds>) -> Command {
         self.user = user;
+        self
+    }
+
+    /// With a `user`, keeps the group owning `/dev/kvm` when that user is a member of it
+    /// ([`crate::qemu::kvm::qemu_groups`]): for QEMU with `accel = "kvm"`. Through the
+    /// spawner its own config decides, not this flag.
+    pub fn keep_kvm_group(mut self, kvm: bool) -> Command {
+        self.kvm = kvm;
         self
     }
 
@@ -328,15 +338,20 @@ fn place_fds(fds: &[RawFd]) -> io::Result<()> {
     Ok(())
 }
 
-/// Becomes `user` between fork and exec: no supplementary groups, its gid, its uid, and a
-/// umask that keeps whatever it creates private. Needs CAP_SETGID and CAP_SETUID (the spawner
-/// has them). The capabilities do not survive the exec: the securebits set with them
-/// (docs/sandbox.md) give a non-setuid program none, and without a spawner a uid change from 0
-/// clears them. Only async-signal-safe calls.
-fn become_user(user: UserIds) -> io::Result<()> {
-    // SAFETY: setgroups with an empty list, setgid, setuid and umask take plain integers.
+/// Becomes `user` between fork and exec: exactly `groups` as supplementary groups (none, or
+/// the one [`crate::qemu::kvm::qemu_groups`] allows), its gid, its uid, and a umask that keeps
+/// whatever it creates private. Needs CAP_SETGID and CAP_SETUID (the spawner has them). The
+/// capabilities do not survive the exec: the securebits set with them (docs/sandbox.md) give a
+/// non-setuid program none, and without a spawner a uid change from 0 clears them. Only
+/// async-signal-safe calls.
+pub(crate) fn become_user(user: UserIds, groups: &[u32]) -> io::Result<()> {
+    // SAFETY: setgroups with a valid array of its length, setgid, setuid and umask take plain
+    // integers.
     unsafe {
-        if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(user.gid) != 0 || libc::setuid(user.uid) != 0 {
+        if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+            || libc::setgid(user.gid) != 0
+            || libc::setuid(user.uid) != 0
+        {
             return Err(io::Error::last_os_error());
         }
         libc::umask(0o077);
@@ -367,6 +382,10 @@ fn spawn_local(cmd: Command) -> io::Result<Child> {
     }
     let raw_fds: Vec<RawFd> = cmd.fds.iter().map(AsRawFd::as_raw_fd).collect();
     let (memlock, user) = (cmd.memlock, cmd.user);
+    let groups = match user {
+        Some(u) if cmd.kvm => crate::qemu::kvm::qemu_groups(u),
+        _ => Vec::new(),
+    };
     if !raw_fds.is_empty() || memlock.is_some() || user.is_some() {
         // SAFETY: set_memlock, become_user and place_fds only call async-signal-safe functions
         // and do not allocate.
@@ -376,7 +395,7 @@ fn spawn_local(cmd: Command) -> io::Result<Child> {
                     set_memlock(bytes)?;
                 }
                 if let Some(u) = user {
-                    become_user(u)?;
+                    become_user(u, &groups)?;
                 }
                 place_fds(&raw_fds)
             });
@@ -390,10 +409,30 @@ fn spawn_local(cmd: Command) -> io::Result<Child> {
     Ok(Child { pid, stdout, stderr, inner: Inner::Local(child), detached: false })
 }
 
-/// A request to the spawner. The descriptors travel alongside in this order: the reply socket,
-/// stdout's write end (if `stdout`), stderr's (if `stderr`), then `nfds` passed fds.
+/// A request to the spawner. The reply socket always travels first among the descriptors.
 #[derive(Debug, Serialize, Deserialize)]
-struct Request {
+#[serde(tag = "op", rename_all = "snake_case")]
+enum Request {
+    /// Start a program ([`RunRequest`]).
+    Run(RunRequest),
+    /// Open a kernel or initrd ([`crate::qemu::boot_files`]) and, with `copy`, send back its
+    /// sealed copy; without, only whether it can be opened.
+    BootFile {
+        /// The file a spec names.
+        path: String,
+        /// The VM's name, for the copy's label.
+        name: String,
+        /// Copy it (a launch) or only open it (the check before anything starts).
+        copy: bool,
+    },
+    /// Whether QEMU's user, with the groups QEMU gets, can open `/dev/kvm`.
+    KvmAccess,
+}
+
+/// Start a program. After the reply socket come stdout's write end (if `stdout`), stderr's (if
+/// `stderr`), then `nfds` passed fds.
+#[derive(Debug, Serialize, Deserialize)]
+struct RunRequest {
     program: String,
     args: Vec<String>,
     stdout: bool,
@@ -402,9 +441,15 @@ struct Request {
     memlock: Option<u64>,
 }
 
-/// A line on a reply socket: first `pid` (with a pidfd attached) or `error`, then `status`.
+/// A line on a reply socket. For `run`: first `pid` (with a pidfd attached) or `error`, then
+/// `status`. For `boot_file`: `ok` (with the copy attached when asked) or `error`. For
+/// `kvm_access`: `access` (0 usable, -1 missing, else the errno) or `error`.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct Reply {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ok: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    access: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pid: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -427,36 +472,15 @@ fn pipe_pair() -> io::Result<(Pipe, OwnedFd)> {
     Ok((Box::new(receiver), w))
 }
 
-async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Child> {
-    let req = Request {
-        program: utf8("program", cmd.program.as_os_str())?,
-        args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
-        stdout: cmd.stdout,
-        stderr: cmd.stderr || cmd.stderr_file.is_some(),
-        nfds: cmd.fds.len(),
-        memlock: cmd.memlock,
-    };
-    let payload = serde_json::to_vec(&req).map_err(io::Error::other)?;
+/// Sends `req` with `fds` after a new reply socket, and returns our end of that socket.
+fn send_request(control: &Mutex<OwnedFd>, req: &Request, fds: Vec<OwnedFd>) -> io::Result<AsyncFd<OwnedFd>> {
+    let payload = serde_json::to_vec(req).map_err(io::Error::other)?;
     if payload.len() > MAX_REQUEST {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "command line too long for the spawner"));
     }
     let (mine, theirs) =
         socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK)?;
-    let mut send: Vec<OwnedFd> = vec![theirs];
-    let (mut stdout, mut stderr) = (None, None);
-    if cmd.stdout {
-        let (r, w) = pipe_pair()?;
-        stdout = Some(r);
-        send.push(w);
-    }
-    if let Some(file) = cmd.stderr_file {
-        send.push(file);
-    } else if cmd.stderr {
-        let (r, w) = pipe_pair()?;
-        stderr = Some(r);
-        send.push(w);
-    }
-    send.extend(cmd.fds);
+    let send: Vec<OwnedFd> = std::iter::once(theirs).chain(fds).collect();
     let raw: Vec<RawFd> = send.iter().map(AsRawFd::as_raw_fd).collect();
     {
         let guard = control.lock().map_err(|_| io::Error::other("spawner lock poisoned"))?;
@@ -471,14 +495,110 @@ async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Chil
     }
     drop(send);
     // SAFETY: `mine` is an open socket we own; the AsyncFd owns it from here on.
-    let reply = unsafe { AsyncFd::register(mine) }.map_err(io::Error::from)?;
+    unsafe { AsyncFd::register(mine) }.map_err(io::Error::from)
+}
+
+/// The error a reply carries, if any.
+fn reply_error(reply: &Reply) -> Option<io::Error> {
+    let error = reply.error.clone()?;
+    Some(match reply.errno {
+        Some(n) => io::Error::new(io::Error::from_raw_os_error(n).kind(), error),
+        None => io::Error::other(error),
+    })
+}
+
+/// Opens a kernel or initrd for VM `name` ([`crate::qemu::boot_files`]): through the spawner,
+/// which may read where the daemon's Landlock rules do not reach, or in-process without one.
+/// With `copy` returns the sealed copy QEMU gets; without, only checks that it opens.
+///
+/// # Errors
+/// As [`crate::qemu::boot_files::open`] and [`crate::qemu::boot_files::sealed_copy`] (their
+/// kinds are kept across the spawner), or the spawner is gone.
+pub async fn boot_file(path: &Path, name: &str, copy: bool) -> io::Result<Option<OwnedFd>> {
+    use crate::qemu::boot_files;
+    let Some(control) = SPAWNER.get() else {
+        let (path, name) = (path.to_path_buf(), name.to_string());
+        return tokio::task::spawn_blocking(move || {
+            let file = boot_files::open(&path)?;
+            if copy {
+                boot_files::sealed_copy(file, &path, &name).map(Some)
+            } else {
+                Ok(None)
+            }
+        })
+        .await
+        .map_err(io::Error::other)?;
+    };
+    let req = Request::BootFile { path: utf8("path", path.as_os_str())?, name: name.to_string(), copy };
+    let reply = send_request(control, &req, Vec::new())?;
+    let (answer, mut fds) = next_message(&reply, &mut Vec::new()).await?;
+    if let Some(e) = reply_error(&answer) {
+        return Err(e);
+    }
+    match (copy, fds.pop()) {
+        (true, None) => Err(io::Error::other("the spawner sent no copy")),
+        (_, fd) => Ok(fd.filter(|_| copy)),
+    }
+}
+
+/// Whether `qemu.user` (`user`; `None`: QEMU runs as the daemon's user), with the groups QEMU
+/// gets under `accel = "kvm"`, can open `/dev/kvm`: asked of the spawner, which starts QEMU,
+/// or probed in-process without one.
+///
+/// # Errors
+/// The probe could not run, or the spawner is gone.
+pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::Access> {
+    use crate::qemu::kvm::{self, Access};
+    let Some(control) = SPAWNER.get() else {
+        return tokio::task::spawn_blocking(move || {
+            let groups = user.map(kvm::qemu_groups).unwrap_or_default();
+            kvm::probe(user, &groups)
+        })
+        .await
+        .map_err(io::Error::other)?;
+    };
+    let reply = send_request(control, &Request::KvmAccess, Vec::new())?;
+    let (answer, _) = next_message(&reply, &mut Vec::new()).await?;
+    if let Some(e) = reply_error(&answer) {
+        return Err(e);
+    }
+    Ok(match answer.access {
+        Some(0) => Access::Usable,
+        Some(-1) => Access::Missing,
+        Some(errno) => Access::Denied(errno),
+        None => return Err(io::Error::other("spawner reply without access")),
+    })
+}
+
+async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Child> {
+    let req = Request::Run(RunRequest {
+        program: utf8("program", cmd.program.as_os_str())?,
+        args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
+        stdout: cmd.stdout,
+        stderr: cmd.stderr || cmd.stderr_file.is_some(),
+        nfds: cmd.fds.len(),
+        memlock: cmd.memlock,
+    });
+    let mut send: Vec<OwnedFd> = Vec::new();
+    let (mut stdout, mut stderr) = (None, None);
+    if cmd.stdout {
+        let (r, w) = pipe_pair()?;
+        stdout = Some(r);
+        send.push(w);
+    }
+    if let Some(file) = cmd.stderr_file {
+        send.push(file);
+    } else if cmd.stderr {
+        let (r, w) = pipe_pair()?;
+        stderr = Some(r);
+        send.push(w);
+    }
+    send.extend(cmd.fds);
+    let reply = send_request(control, &req, send)?;
     let mut buf = Vec::new();
     let (first, mut fds) = next_message(&reply, &mut buf).await?;
-    if let Some(error) = first.error {
-        return Err(match first.errno {
-            Some(n) => io::Error::new(io::Error::from_raw_os_error(n).kind(), error),
-            None => io::Error::other(error),
-        });
+    if let Some(e) = reply_error(&first) {
+        return Err(e);
     }
     let pid = first.pid.ok_or_else(|| io::Error::other("spawner reply without pid"))?;
     let pidfd = fds.pop();
@@ -543,6 +663,9 @@ pub struct Allowlist {
     /// Programs that always run as another user (the QEMU binary as `qemu.user`), whatever
     /// the request says.
     pub run_as: Vec<(PathBuf, UserIds)>,
+    /// `accel = "kvm"`: a program run as another user keeps the group owning `/dev/kvm` when
+    /// that user is a member ([`crate::qemu::kvm::qemu_groups`]).
+    pub kvm: bool,
 }
 
 impl Allowlist {
@@ -649,29 +772,68 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
             continue;
         }
         let reply = fds.remove(0);
-        match start(&bytes, fds, allow, ambient_sys_module) {
-            Ok(child) => {
-                let pidfd = pidfd_open(child.id());
-                let pid = i32::try_from(child.id()).unwrap_or(0);
-                send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
-                running.push(Running { child, pidfd, reply });
-            }
+        let failed = |e: io::Error| Reply { error: Some(e.to_string()), errno: e.raw_os_error(), ..Reply::default() };
+        let req = match serde_json::from_slice::<Request>(&bytes) {
+            Ok(req) => req,
             Err(e) => {
-                let reply_msg = Reply { error: Some(e.to_string()), errno: e.raw_os_error(), ..Reply::default() };
-                send_reply(&reply, &reply_msg, None);
+                send_reply(&reply, &failed(io::Error::new(io::ErrorKind::InvalidInput, e)), None);
+                continue;
+            }
+        };
+        match req {
+            Request::Run(run) => match start(run, fds, allow, ambient_sys_module) {
+                Ok(child) => {
+                    let pidfd = pidfd_open(child.id());
+                    let pid = i32::try_from(child.id()).unwrap_or(0);
+                    send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
+                    running.push(Running { child, pidfd, reply });
+                }
+                Err(e) => send_reply(&reply, &failed(e), None),
+            },
+            Request::BootFile { path, name, copy } => match serve_boot_file(Path::new(&path), &name, copy) {
+                Ok(fd) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, fd.as_ref()),
+                Err(e) => send_reply(&reply, &failed(e), None),
+            },
+            Request::KvmAccess => {
+                use crate::qemu::kvm::{self, Access};
+                let user = allow.run_as.first().map(|(_, u)| *u);
+                let groups = user.map(kvm::qemu_groups).unwrap_or_default();
+                match kvm::probe(user, &groups) {
+                    Ok(access) => {
+                        let code = match access {
+                            Access::Usable => 0,
+                            Access::Missing => -1,
+                            Access::Denied(errno) => errno,
+                        };
+                        send_reply(&reply, &Reply { access: Some(code), ..Reply::default() }, None);
+                    }
+                    Err(e) => send_reply(&reply, &failed(e), None),
+                }
             }
         }
     }
 }
 
+/// Opens (and with `copy`, copies) a boot file in the spawner. Opening is the one thing done
+/// with CAP_DAC_READ_SEARCH raised, so a file root can read boots wherever it lives
+/// ([`super::caps::SPAWNER`]); the copy reads the open descriptor.
+fn serve_boot_file(path: &Path, name: &str, copy: bool) -> io::Result<Option<OwnedFd>> {
+    use crate::qemu::boot_files;
+    let file = super::caps::with_effective(::caps::Capability::CAP_DAC_READ_SEARCH, || boot_files::open(path))?;
+    if copy {
+        boot_files::sealed_copy(file, path, name).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
 /// Checks and starts one request in the spawner.
 fn start(
-    bytes: &[u8],
+    req: RunRequest,
     mut fds: Vec<OwnedFd>,
     allow: &Allowlist,
     ambient_sys_module: bool,
 ) -> io::Result<std::process::Child> {
-    let req: Request = serde_json::from_slice(bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let want = usize::from(req.stdout) + usize::from(req.stderr) + req.nfds;
     if fds.len() != want || req.nfds > MAX_PASSED_FDS {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "descriptor count does not match the request"));
@@ -692,6 +854,10 @@ fn start(
     let raw: Vec<RawFd> = passed.iter().map(AsRawFd::as_raw_fd).collect();
     let memlock = req.memlock;
     let user = allow.user_for(&program);
+    let groups = match user {
+        Some(u) if allow.kvm => crate::qemu::kvm::qemu_groups(u),
+        _ => Vec::new(),
+    };
     let raise_module = ambient_sys_module && MODPROBE.iter().any(|m| Path::new(m) == program);
     // SAFETY: only async-signal-safe calls (setrlimit, setgroups, setgid, setuid, umask, prctl,
     // fcntl, dup2), no allocation.
@@ -702,7 +868,7 @@ fn start(
                 set_memlock(bytes)?;
             }
             if let Some(u) = user {
-                become_user(u)?;
+                become_user(u, &groups)?;
             }
             if raise_module {
                 // modprobe gets CAP_SYS_MODULE as an ambient capability; nothing else gets any.
@@ -725,14 +891,14 @@ mod tests {
 
     #[test]
     fn allowlist_is_exact() {
-        let a = Allowlist { programs: vec!["/usr/bin/qemu-img".into()], modprobe: true, run_as: vec![] };
+        let a = Allowlist { programs: vec!["/usr/bin/qemu-img".into()], modprobe: true, run_as: vec![], kvm: false };
         assert!(a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
         assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
         assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()]));
         assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
-        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![] };
+        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![], kvm: false };
         assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
     }
 

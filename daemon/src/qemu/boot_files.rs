@@ -1,0 +1,179 @@
+//! A direct-kernel VM's kernel and initrd, handed to QEMU as sealed in-memory copies.
+//!
+//! QEMU runs as the unprivileged `qemu.user` and opens no VM file by path (docs/sandbox.md).
+//! Its `-kernel` and `-initrd` loaders take only a path, not a descriptor or an fd set, so
+//! each file is copied, once per launch, into a memfd that is then sealed against any change
+//! and passed to QEMU, which opens it as `/proc/self/fd/N`. A memfd belongs to nobody's
+//! directory and its inode is readable by anyone who holds it, so the file's own mode and
+//! the modes of its parent directories no longer matter: whatever vmhostd can read boots. The
+//! copy is also a snapshot: a kernel rewritten on disk while the VM runs does not change it.
+//!
+//! The daemon itself may not read arbitrary paths (its Landlock rules, docs/sandbox.md), so
+//! with the sandbox on the spawner does both steps ([`crate::sandbox::spawn::boot_file`]);
+//! without it the daemon calls them in-process. In order:
+//!
+//! 1. [`open`]: open read-only, refuse anything but a regular file of at most
+//!    [`MAX_BOOT_FILE`] bytes. `vm.create`/`vm.start` do this alone first, so a missing or
+//!    unreadable file is a 2001 before anything is started ([`crate::lifecycle`]).
+//! 2. [`sealed_copy`]: copy into a memfd (in the kernel: `copy_file_range`/`sendfile`), seal
+//!    it (no write, grow, shrink or further seals), return it. The launch does this.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+
+/// Largest kernel or initrd accepted: far above any real one (a distribution initrd is tens of
+/// MiB), low enough that a wrong path cannot make the daemon copy a disk image into memory.
+pub const MAX_BOOT_FILE: u64 = 1 << 30;
+
+/// Opens `path` read-only for copying.
+///
+/// # Errors
+/// `NotFound`, `PermissionDenied` from the open; `InvalidInput` when it is not a regular file
+/// (a FIFO or device is never read) or larger than [`MAX_BOOT_FILE`].
+pub fn open(path: &Path) -> io::Result<File> {
+    // O_NONBLOCK: opening a FIFO must not wait for a writer; regular-file reads ignore it.
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
+    let meta = file.metadata()?;
+    let kind = meta.file_type();
+    if !kind.is_file() {
+        let what = if kind.is_dir() {
+            "a directory"
+        } else if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_block_device() || kind.is_char_device() {
+            "a device"
+        } else {
+            "not a regular file"
+        };
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is {what}", path.display())));
+    }
+    if meta.len() > MAX_BOOT_FILE {
+        return Err(too_large(path, meta.len()));
+    }
+    Ok(file)
+}
+
+fn too_large(path: &Path, len: u64) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{} has {len} bytes; a kernel or initrd may have at most {MAX_BOOT_FILE}", path.display()),
+    )
+}
+
+/// Copies `file` (from [`open`]) into a new sealed memfd named `vmhost:NAME` and returns it.
+/// The copy has the size the file had while it was read; a file that grows past
+/// [`MAX_BOOT_FILE`] meanwhile is refused.
+///
+/// # Errors
+/// memfd_create, the copy or sealing failed; `InvalidInput` as in [`open`].
+pub fn sealed_copy(mut file: File, path: &Path, name: &str) -> io::Result<OwnedFd> {
+    let label: Vec<u8> = format!("vmhost:{name}").bytes().filter(|b| *b != 0).take(200).chain([0]).collect();
+    // SAFETY: memfd_create with a NUL-terminated name and flags; returns a new fd or -1.
+    let raw = unsafe { libc::memfd_create(label.as_ptr().cast(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this new descriptor; nothing else owns it.
+    let mut copy = unsafe { File::from_raw_fd(raw) };
+    let copied = io::copy(&mut io::Read::take(&mut file, MAX_BOOT_FILE + 1), &mut copy)?;
+    if copied > MAX_BOOT_FILE {
+        return Err(too_large(path, copied));
+    }
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl(F_ADD_SEALS) with an integer argument on a memfd we own.
+    if unsafe { libc::fcntl(copy.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(OwnedFd::from(copy))
+}
+
+/// The path under which QEMU opens passed descriptor `fd` of its own.
+pub fn proc_path(fd: i32) -> String {
+    format!("/proc/self/fd/{fd}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::fs::PermissionsExt;
+
+    fn seals(fd: &OwnedFd) -> i32 {
+        // SAFETY: fcntl(F_GET_SEALS) on a descriptor we own.
+        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) }
+    }
+
+    #[test]
+    fn copy_is_sealed_complete_and_a_snapshot() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("vmlinuz");
+        let content: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&p, &content).unwrap();
+        let fd = sealed_copy(open(&p).unwrap(), &p, "vm-1").unwrap();
+        let s = seals(&fd);
+        for seal in [libc::F_SEAL_SEAL, libc::F_SEAL_SHRINK, libc::F_SEAL_GROW, libc::F_SEAL_WRITE] {
+            assert_ne!(s & seal, 0, "seal {seal:#x} missing from {s:#x}");
+        }
+        // Rewriting the file on disk does not change the copy.
+        std::fs::write(&p, b"changed").unwrap();
+        let mut copy = File::from(fd);
+        copy.rewind().unwrap();
+        let mut back = Vec::new();
+        copy.read_to_end(&mut back).unwrap();
+        assert_eq!(back, content);
+        // Nobody can write it, not even its owner.
+        assert!(copy.write_all(b"x").is_err());
+        assert!(copy.set_len(1).is_err());
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", copy.as_raw_fd())).unwrap();
+        assert!(link.to_string_lossy().starts_with("/memfd:vmhost:vm-1"), "{link:?}");
+    }
+
+    #[test]
+    fn the_copy_is_readable_through_proc_whatever_the_source_mode() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("initrd");
+        std::fs::write(&p, b"initrd bytes").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o000)).unwrap();
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        // Root reads a mode 0000 file as its owner only with CAP_DAC_OVERRIDE; unit tests run as root.
+        let Ok(file) = open(&p) else { return };
+        let fd = sealed_copy(file, &p, "x").unwrap();
+        let mode = std::fs::metadata(proc_path(fd.as_raw_fd())).unwrap().permissions().mode();
+        assert_eq!(mode & 0o004, 0o004, "a memfd is world-readable: {mode:o}");
+        assert_eq!(std::fs::read(proc_path(fd.as_raw_fd())).unwrap(), b"initrd bytes");
+    }
+
+    #[test]
+    fn only_regular_files_are_opened() {
+        let d = tempfile::tempdir().unwrap();
+        let err = open(d.path()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        assert!(err.to_string().contains("is a directory"), "{err}");
+        let fifo = d.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let err = open(&fifo).unwrap_err();
+        assert!(err.to_string().contains("is a FIFO"), "{err}");
+        let err = open(Path::new("/dev/null")).unwrap_err();
+        assert!(err.to_string().contains("is a device"), "{err}");
+        assert_eq!(open(&d.path().join("absent")).unwrap_err().kind(), io::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn oversized_files_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("huge");
+        let f = File::create(&p).unwrap();
+        f.set_len(MAX_BOOT_FILE + 1).unwrap(); // sparse: no disk space used
+        let err = open(&p).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        assert!(err.to_string().contains("at most"), "{err}");
+    }
+
+    #[test]
+    fn proc_path_names_the_descriptor() {
+        assert_eq!(proc_path(9), "/proc/self/fd/9");
+    }
+}
