@@ -164,6 +164,10 @@ pub struct HostOptions {
     pub seccomp: String,
     /// Extra environment of the daemon.
     pub env: Vec<(String, String)>,
+    /// `qemu.accel`: `tcg` (this machine's nested KVM hangs guests, ../shared/ENVIRONMENT.md).
+    pub accel: String,
+    /// `qemu.cpu_model`, empty for the default.
+    pub cpu_model: String,
 }
 
 impl Default for HostOptions {
@@ -178,6 +182,8 @@ impl Default for HostOptions {
             sandbox: "require".into(),
             seccomp: std::env::var("VMHOST_TEST_SECCOMP").unwrap_or_else(|_| "enforce".into()),
             env: Vec::new(),
+            accel: "tcg".into(),
+            cpu_model: String::new(),
         }
     }
 }
@@ -201,7 +207,8 @@ run = "{run}"
 images = "{images}"
 socket = "{socket}"
 [qemu]
-accel = "tcg"
+accel = "{accel}"
+cpu_model = "{cpu_model}"
 machine = "{machine}"
 user = "{qemu_user}"
 [access]
@@ -221,6 +228,8 @@ reserved_memory_gib = 1
             images = d.join("images").display(),
             socket = socket.display(),
             machine = opts.machine,
+            accel = opts.accel,
+            cpu_model = opts.cpu_model,
             qemu_user = QEMU_USER,
             ro = opts.readonly_group,
             cpu = opts.cpu,
