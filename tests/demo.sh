@@ -10,8 +10,7 @@ cargo build --workspace --bins --quiet
 tests/guest/build-agent-guest.sh target/guest
 root=$(pwd)
 ctl="$root/target/debug/vmhostctl"
-dir=$(mktemp -d /tmp/vmhdemo.XXXX)
-chmod 755 "$dir"
+dir=$(mktemp -d /tmp/vmhdemo.XXXX)   # 0700: QEMU gets every file as a descriptor
 mkdir -p "$dir/images"
 cat >"$dir/vmhostd.toml" <<TOML
 [paths]

@@ -16,12 +16,17 @@ fn item(name: &str, status: CheckStatus, detail: impl Into<String>) -> CheckItem
     CheckItem { name: name.to_string(), status, detail: detail.into() }
 }
 
+/// How long `--version` may take. Generous: a cold page cache on a slow disk must not turn a
+/// working binary into a failed item.
+const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
+
 async fn binary_version(name: &str, binary: &Path) -> CheckItem {
     if !binary.exists() {
-        return item(name, CheckStatus::Missing, format!("{} not found", binary.display()));
+        let package = if name == "qemu_img" { " (Debian: qemu-utils)" } else { " (Debian: qemu-system-x86)" };
+        return item(name, CheckStatus::Missing, format!("{} not found{package}", binary.display()));
     }
     let run = crate::sandbox::spawn::Command::new(binary).args(["--version"]).output();
-    match tokio::time::timeout(Duration::from_secs(10), run).await {
+    match tokio::time::timeout(VERSION_TIMEOUT, run).await {
         Ok(Ok(out)) if out.status.success() => {
             let text = String::from_utf8_lossy(&out.stdout);
             item(name, CheckStatus::Ok, format!("{}: {}", binary.display(), text.lines().next().unwrap_or("").trim()))
@@ -30,7 +35,11 @@ async fn binary_version(name: &str, binary: &Path) -> CheckItem {
             item(name, CheckStatus::Error, format!("{} --version exited with {}", binary.display(), out.status))
         }
         Ok(Err(e)) => item(name, CheckStatus::Error, format!("cannot run {}: {e}", binary.display())),
-        Err(_) => item(name, CheckStatus::Error, format!("{} --version timed out", binary.display())),
+        Err(_) => item(
+            name,
+            CheckStatus::Error,
+            format!("{} --version did not finish within {VERSION_TIMEOUT:?}", binary.display()),
+        ),
     }
 }
 
