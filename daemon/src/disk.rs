@@ -239,6 +239,27 @@ fn path_arg(path: &Path) -> std::ffi::OsString {
     }
 }
 
+/// Grows a stopped VM's overlay to `size_gib` (`qemu-img resize`). Never shrinks: the caller
+/// has refused a smaller size (2001) before anything stopped; a size at or below the current
+/// virtual size changes nothing.
+///
+/// # Errors
+/// [`DiskError::QemuImg`] with qemu-img's stderr tail, or the errors of [`base_info`] (used to
+/// read the current size).
+pub async fn grow_overlay(qemu_img: &Path, overlay: &Path, size_gib: u64) -> Result<bool, DiskError> {
+    let bytes = size_gib.saturating_mul(GIB);
+    if base_info(qemu_img, overlay).await?.virtual_size >= bytes {
+        return Ok(false);
+    }
+    run_qemu_img(
+        qemu_img,
+        "resize",
+        vec!["resize".into(), "-q".into(), "-f".into(), "qcow2".into(), path_arg(overlay), bytes.to_string().into()],
+    )
+    .await?;
+    Ok(true)
+}
+
 /// Runs `qemu-img ARGS` (stdin null, output captured, killed after [`QEMU_IMG_TIMEOUT`]) and
 /// returns its stdout.
 async fn run_qemu_img(

@@ -1,9 +1,11 @@
 //! Convergence planning: what must happen to turn the current VMs into the desired ones.
 //!
-//! [`spec_drift`] compares two specs field by field (`vm.apply`'s 2002); [`plan_reconcile`] turns
-//! a desired set into one [`PlanEntry`] per VM and validates the set as a whole by admitting it
-//! into a simulated host in a fixed order: VMs that stay as they are first, then the ones to
-//! create or replace, in request order. Both are pure; the lifecycle executes the plan.
+//! [`spec_drift`] compares two specs field by field; [`classify`] says what a change takes
+//! (nothing, a change in place that keeps the disk, with or without a restart, or a replace with
+//! a new disk, which only a `boot.image` change needs); [`plan_reconcile`] turns a desired set
+//! into one [`PlanEntry`] per VM and validates the set as a whole by admitting it into a
+//! simulated host in a fixed order: VMs that stay as they are first, then the ones to create,
+//! reconfigure or replace, in request order. All are pure; the lifecycle executes the plan.
 
 use crate::api::{ApiError, PlanAction, PlanEntry, VmSpec, VmStatus};
 use crate::capacity::{admit, Holding};
@@ -12,6 +14,20 @@ use crate::nic::{NicAlloc, NicHolding};
 use crate::validate::validate_spec;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashSet};
+
+/// The 2002 of a `boot.image` change without `replace: true`: the VM is left as it is.
+pub fn replace_needed(name: &str, fields: &[String]) -> ApiError {
+    ApiError::new(
+        crate::api::Code::SpecDrift,
+        format!(
+            "VM {name:?}: boot.image changes, which needs a new disk and destroys the old one ({}); \
+             pass replace: true to do that",
+            fields.join(", ")
+        ),
+    )
+    .field("spec.boot.image")
+    .details(serde_json::json!({ "fields": fields }))
+}
 
 /// A VM as the planner sees it.
 #[derive(Debug, Clone)]
@@ -36,6 +52,54 @@ pub fn spec_drift(current: &VmSpec, desired: &VmSpec) -> Vec<String> {
     let mut out = Vec::new();
     diff_values("", &a, &b, &mut out);
     out
+}
+
+/// What turning a VM's `current` spec into `desired` takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Nothing (state and guest interfaces aside, which converge separately).
+    None,
+    /// Changed in place, every disk kept. `restart`: QEMU must restart for it (anything but a
+    /// larger `boot.disk_gib`, which grows live).
+    Reconfigure {
+        /// The differing fields.
+        fields: Vec<String>,
+        /// Whether a running VM restarts for it.
+        restart: bool,
+    },
+    /// `boot.image` changes: only a new disk can do that (`replace: true`).
+    Replace {
+        /// The differing fields.
+        fields: Vec<String>,
+    },
+}
+
+/// The one field whose change needs no restart: a disk grows live.
+const LIVE_FIELDS: [&str; 1] = ["boot.disk_gib"];
+
+/// Classifies the change from `current` to `desired` (both valid specs of the same VM).
+///
+/// # Errors
+/// 2001 on `spec.boot.disk_gib` when the disk would shrink (a disk is never shrunk; only a
+/// replace, which makes a new one, may give a smaller size).
+pub fn classify(current: &VmSpec, desired: &VmSpec) -> Result<Change, ApiError> {
+    let fields = spec_drift(current, desired);
+    if fields.is_empty() {
+        return Ok(Change::None);
+    }
+    if fields.iter().any(|f| f == "boot.image") {
+        return Ok(Change::Replace { fields });
+    }
+    if let (Some(old), Some(new)) = (current.boot.disk_gib, desired.boot.disk_gib) {
+        if new < old {
+            return Err(ApiError::invalid(
+                "spec.boot.disk_gib",
+                format!("the disk is {old} GiB and is never shrunk; {new} GiB is smaller (a new disk needs a new boot.image and replace)"),
+            ));
+        }
+    }
+    let restart = fields.iter().any(|f| !LIVE_FIELDS.contains(&f.as_str()));
+    Ok(Change::Reconfigure { fields, restart })
 }
 
 fn diff_values(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
@@ -80,18 +144,40 @@ pub fn plan_reconcile(
     desired: &[VmSpec],
     current: &BTreeMap<String, CurrentVm>,
     prune: bool,
+    replace: bool,
 ) -> Vec<PlanEntry> {
     let mut entries: Vec<PlanEntry> = Vec::new();
     let mut seen = HashSet::new();
     for spec in desired {
+        let mut fields = Vec::new();
+        let mut restart = None;
+        let mut refused = None;
         let (action, reason) = match current.get(&spec.name) {
             None => (PlanAction::Create, "not defined on this host".to_string()),
             Some(cur) => {
-                let drift = spec_drift(&cur.spec, spec);
-                if !drift.is_empty() {
-                    (PlanAction::Replace, format!("spec differs: {}", drift.join(", ")))
-                } else {
-                    match (spec.state, is_up(cur.status)) {
+                let change = classify(&cur.spec, spec);
+                match change {
+                    Err(e) => {
+                        refused = Some(e.to_json());
+                        (PlanAction::Reconfigure, "the change cannot be made".to_string())
+                    }
+                    Ok(Change::Replace { fields: f }) => {
+                        if !replace {
+                            refused = Some(replace_needed(&spec.name, &f).to_json());
+                        }
+                        let reason = format!("boot.image changes (a new disk): {}", f.join(", "));
+                        fields = f;
+                        (PlanAction::Replace, reason)
+                    }
+                    Ok(Change::Reconfigure { fields: f, restart: r }) => {
+                        let r = r && is_up(cur.status);
+                        restart = Some(r);
+                        let how = if r { "restarts" } else { "no restart" };
+                        let reason = format!("changed in place, disk kept ({how}): {}", f.join(", "));
+                        fields = f;
+                        (PlanAction::Reconfigure, reason)
+                    }
+                    Ok(Change::None) => match (spec.state, is_up(cur.status)) {
                         (crate::api::DesiredState::Running, false) => {
                             (PlanAction::Start, format!("desired running, is {}", cur.status))
                         }
@@ -102,16 +188,16 @@ pub fn plan_reconcile(
                             (PlanAction::None, "guest interfaces differ (applied live by the agent)".to_string())
                         }
                         _ => (PlanAction::None, format!("up to date ({})", cur.status)),
-                    }
+                    },
                 }
             }
         };
         let error = if !seen.insert(spec.name.clone()) {
             Some(ApiError::invalid("vms", format!("VM {:?} is listed twice", spec.name)).to_json())
         } else {
-            validate_spec(spec, config).err().map(|e| e.to_json())
+            validate_spec(spec, config).err().map(|e| e.to_json()).or(refused)
         };
-        entries.push(PlanEntry { vm: spec.name.clone(), action, reason, error });
+        entries.push(PlanEntry { vm: spec.name.clone(), action, reason, error, fields, restart });
     }
     for name in current.keys().filter(|n| !seen.contains(*n)) {
         let (action, reason) = if prune {
@@ -119,7 +205,7 @@ pub fn plan_reconcile(
         } else {
             (PlanAction::None, "not in the desired set; kept (prune is off)".to_string())
         };
-        entries.push(PlanEntry { vm: name.clone(), action, reason, error: None });
+        entries.push(PlanEntry { vm: name.clone(), action, reason, error: None, fields: Vec::new(), restart: None });
     }
 
     // Admit the final set into a simulated host: the kept VMs, then the desired VMs that keep
@@ -131,7 +217,7 @@ pub fn plan_reconcile(
     let mut admitted: Vec<&VmSpec> = kept;
     for pass_changes in [false, true] {
         for entry in entries.iter_mut() {
-            let changes = matches!(entry.action, PlanAction::Create | PlanAction::Replace);
+            let changes = matches!(entry.action, PlanAction::Create | PlanAction::Replace | PlanAction::Reconfigure);
             if changes != pass_changes || entry.error.is_some() || entry.action == PlanAction::Destroy {
                 continue;
             }
@@ -202,7 +288,7 @@ mod tests {
         ]);
         to_stop.state = DesiredState::Stopped;
         let desired = vec![spec("new"), same, stopped, to_stop, dead, changed_new];
-        let p = plan_reconcile(&c, &desired, &current, false);
+        let p = plan_reconcile(&c, &desired, &current, false, false);
         assert_eq!(
             actions(&p),
             vec![
@@ -211,13 +297,14 @@ mod tests {
                 ("stopped".into(), PlanAction::Start, None),
                 ("tostop".into(), PlanAction::Stop, None),
                 ("dead".into(), PlanAction::Start, None),
-                // Seven 1-CPU VMs on 6 allocatable CPUs: the replace is admitted last and refused.
-                ("changed".into(), PlanAction::Replace, Some(3002)),
+                // Seven 1-CPU VMs on 6 allocatable CPUs: the change is admitted last and refused.
+                ("changed".into(), PlanAction::Reconfigure, Some(3002)),
                 ("extra".into(), PlanAction::None, None),
             ]
         );
         assert!(p[5].reason.contains("memory_mib"), "{}", p[5].reason);
-        let p = plan_reconcile(&c, &desired, &current, true);
+        assert_eq!((p[5].fields.clone(), p[5].restart), (vec!["memory_mib".to_string()], Some(true)));
+        let p = plan_reconcile(&c, &desired, &current, true, false);
         assert_eq!(p[6].action, PlanAction::Destroy);
         assert_eq!(p[5].error, None, "pruning extra frees the CPU the replace needs");
     }
@@ -243,7 +330,7 @@ mod tests {
         ]);
         let desired: Vec<VmSpec> =
             ["dead", "deadstopped", "failed", "stopping", "was_running", "settled"].map(stopped_spec).to_vec();
-        let p = plan_reconcile(&c, &desired, &current, false);
+        let p = plan_reconcile(&c, &desired, &current, false, false);
         let got: Vec<(String, PlanAction)> = p.iter().map(|e| (e.vm.clone(), e.action)).collect();
         let want: Vec<(String, PlanAction)> = [
             ("dead", PlanAction::Stop),
@@ -273,7 +360,7 @@ mod tests {
         e.hardware.sfp = vec![5];
         let mut bad = spec("bad");
         bad.hardware.sfp = vec![9];
-        let p = plan_reconcile(&c, &[a, b, d, e, bad], &BTreeMap::new(), false);
+        let p = plan_reconcile(&c, &[a, b, d, e, bad], &BTreeMap::new(), false, false);
         assert_eq!(
             actions(&p),
             vec![
@@ -297,12 +384,12 @@ mod tests {
         let mut new = spec("new");
         new.cpu = 2;
         // "new" comes first in the request but the unchanged "old" keeps its CPUs.
-        let p = plan_reconcile(&c, &[new.clone(), old.clone()], &current, false);
+        let p = plan_reconcile(&c, &[new.clone(), old.clone()], &current, false, false);
         assert_eq!(actions(&p)[0], ("new".into(), PlanAction::Create, Some(3002)));
         assert_eq!(actions(&p)[1], ("old".into(), PlanAction::None, None));
         // With prune, "kept" is destroyed and its CPU frees room for "new" (1 + 4 + 1 = 6).
         new.cpu = 1;
-        let p = plan_reconcile(&c, &[new, old], &current, true);
+        let p = plan_reconcile(&c, &[new, old], &current, true, false);
         assert_eq!(
             actions(&p),
             vec![
@@ -316,7 +403,7 @@ mod tests {
     #[test]
     fn duplicates_and_invalid_specs_are_flagged() {
         let c = config();
-        let p = plan_reconcile(&c, &[spec("a"), spec("a"), spec("B")], &BTreeMap::new(), false);
+        let p = plan_reconcile(&c, &[spec("a"), spec("a"), spec("B")], &BTreeMap::new(), false, false);
         assert_eq!(p[0].error, None);
         assert_eq!(p[1].error.as_ref().unwrap()["code"], 2001);
         assert_eq!(p[2].error.as_ref().unwrap()["data"]["field"], "spec.name");
@@ -334,20 +421,110 @@ mod tests {
         a.nics = vec![nic.clone()];
         let mut b = spec("b");
         b.nics = vec![nic];
-        let p = plan_reconcile(&c, &[a, b], &BTreeMap::new(), false);
+        let p = plan_reconcile(&c, &[a, b], &BTreeMap::new(), false, false);
         assert_eq!(actions(&p)[1], ("b".into(), PlanAction::Create, Some(3003)));
         assert_eq!(p[0].error, None);
     }
 
     #[test]
-    fn replace_may_reuse_its_own_hardware() {
+    fn a_changed_vm_may_reuse_its_own_hardware() {
         let c = config();
         let mut a = spec("a");
         a.hardware.sfp = vec![5];
         let current = cur(&[(a.clone(), VmStatus::Running)]);
         let mut a2 = a.clone();
         a2.cpu = 2;
-        let p = plan_reconcile(&c, &[a2], &current, false);
-        assert_eq!(actions(&p), vec![("a".into(), PlanAction::Replace, None)]);
+        let p = plan_reconcile(&c, &[a2], &current, false, false);
+        assert_eq!(actions(&p), vec![("a".into(), PlanAction::Reconfigure, None)]);
+    }
+
+    fn image_spec(name: &str, image: &str, gib: u64) -> VmSpec {
+        let mut s = spec(name);
+        s.boot = crate::api::BootSpec { image: Some(image.into()), disk_gib: Some(gib), ..Default::default() };
+        s
+    }
+
+    #[test]
+    fn only_an_image_change_needs_a_replace() {
+        let a = image_spec("a", "base.qcow2", 10);
+        assert_eq!(classify(&a, &a).unwrap(), Change::None);
+        let mut b = a.clone();
+        b.state = DesiredState::Stopped;
+        b.guest_interfaces = vec![];
+        assert_eq!(classify(&a, &b).unwrap(), Change::None, "state and guest interfaces converge separately");
+        for (what, change) in [
+            ("cpu", Box::new(|s: &mut VmSpec| s.cpu = 2) as Box<dyn Fn(&mut VmSpec)>),
+            ("memory_mib", Box::new(|s: &mut VmSpec| s.memory_mib = 1024)),
+            ("role", Box::new(|s: &mut VmSpec| s.role = Some("sensor".into()))),
+            ("hardware", Box::new(|s: &mut VmSpec| s.hardware.sfp = vec![5])),
+            ("pci", Box::new(|s: &mut VmSpec| s.pci = vec!["pci_0000_d0_00_1".into()])),
+        ] {
+            let mut b = a.clone();
+            change(&mut b);
+            match classify(&a, &b).unwrap() {
+                Change::Reconfigure { fields, restart } => {
+                    assert_eq!(fields, vec![what.to_string()]);
+                    assert!(restart, "{what} needs a restart");
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        let grown = image_spec("a", "base.qcow2", 20);
+        assert_eq!(
+            classify(&a, &grown).unwrap(),
+            Change::Reconfigure { fields: vec!["boot.disk_gib".into()], restart: false },
+            "a larger disk grows live"
+        );
+        let mut grown_and_cpu = grown.clone();
+        grown_and_cpu.cpu = 3;
+        assert!(matches!(classify(&a, &grown_and_cpu).unwrap(), Change::Reconfigure { restart: true, .. }));
+        let e = classify(&a, &image_spec("a", "base.qcow2", 5)).unwrap_err();
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.boot.disk_gib")));
+        // A new image (even a smaller disk with it) is a replace.
+        assert_eq!(
+            classify(&a, &image_spec("a", "other.qcow2", 5)).unwrap(),
+            Change::Replace { fields: vec!["boot.disk_gib".into(), "boot.image".into()] }
+        );
+        // Kernel boot to image boot and back change boot.image too.
+        assert!(matches!(classify(&spec("a"), &a).unwrap(), Change::Replace { .. }));
+        assert!(matches!(classify(&a, &spec("a")).unwrap(), Change::Replace { .. }));
+        // Kernel, initrd and cmdline change in place.
+        let mut k = spec("a");
+        k.boot.cmdline = Some("console=ttyS0 quiet".into());
+        assert!(matches!(classify(&spec("a"), &k).unwrap(), Change::Reconfigure { restart: true, .. }));
+    }
+
+    #[test]
+    fn reconcile_plans_reconfigure_and_replaces_only_when_asked() {
+        let c = config();
+        let a = image_spec("a", "base.qcow2", 10);
+        let b = image_spec("b", "base.qcow2", 10);
+        let s = image_spec("s", "base.qcow2", 10);
+        let current = cur(&[(a.clone(), VmStatus::Running), (b.clone(), VmStatus::Running), (s.clone(), VmStatus::Stopped)]);
+        let mut a2 = a.clone();
+        a2.memory_mib = 512;
+        let b2 = image_spec("b", "other.qcow2", 10);
+        let mut s2 = s.clone();
+        s2.cpu = 2;
+        s2.state = DesiredState::Stopped;
+        let desired = vec![a2, b2, s2];
+        let p = plan_reconcile(&c, &desired, &current, false, false);
+        assert_eq!(
+            actions(&p),
+            vec![
+                ("a".into(), PlanAction::Reconfigure, None),
+                ("b".into(), PlanAction::Replace, Some(2002)),
+                ("s".into(), PlanAction::Reconfigure, None),
+            ]
+        );
+        assert_eq!(p[0].restart, Some(true));
+        assert_eq!(p[1].error.as_ref().unwrap()["data"]["field"], "spec.boot.image");
+        assert_eq!(p[2].restart, Some(false), "a stopped VM is only re-recorded");
+        let p = plan_reconcile(&c, &desired, &current, false, true);
+        assert_eq!(actions(&p)[1], ("b".into(), PlanAction::Replace, None));
+        let mut shrunk = a.clone();
+        shrunk.boot.disk_gib = Some(1);
+        let p = plan_reconcile(&c, &[shrunk], &current, false, true);
+        assert_eq!(actions(&p)[0], ("a".into(), PlanAction::Reconfigure, Some(2001)));
     }
 }

@@ -125,18 +125,23 @@ fn apply_is_idempotent_and_reports_drift() {
     assert_eq!((r["changed"].clone(), r["vm"]["status"].clone()), (json!(true), json!("running")));
     assert_eq!(host.call("vm.apply", json!({ "spec": spec }))["changed"], false);
 
+    // Anything but a new boot.image changes in place (a restart), without replace.
     let mut changed = spec.clone();
     changed["memory_mib"] = json!(320);
     changed["role"] = json!("sensor");
-    let (code, e) = host.call_err("vm.apply", json!({ "spec": changed }));
-    assert_eq!(code, 2002);
-    assert_eq!(e.details["fields"], json!(["memory_mib", "role"]));
     let old_pid = host.call("vm.get", json!({"name": "app"}))["pid"].clone();
-    let r = host.call("vm.apply", json!({ "spec": changed, "replace": true }));
+    let r = host.call("vm.apply", json!({ "spec": changed, "timeout_s": 1 }));
     assert_eq!(r["changed"], true);
     assert_eq!(r["vm"]["spec"]["memory_mib"], 320);
     assert_ne!(r["vm"]["pid"], old_pid);
     assert_eq!(host.qemu_pids().len(), 1);
+    // A new boot.image needs replace (a new disk): 2002 naming the field, nothing touched.
+    let mut imaged = changed.clone();
+    imaged["boot"] = json!({ "image": "base.qcow2", "disk_gib": 1 });
+    let pid = r["vm"]["pid"].clone();
+    let (code, e) = host.call_err("vm.apply", json!({ "spec": imaged }));
+    assert_eq!((code, e.field.as_deref()), (2002, Some("spec.boot.image")));
+    assert_eq!(host.call("vm.get", json!({"name": "app"}))["pid"], pid);
 }
 
 #[test]
@@ -184,7 +189,7 @@ fn reconcile_plans_validates_the_set_and_converges() {
     let by_vm = |n: &str| r["results"].as_array().unwrap().iter().find(|x| x["vm"] == n).unwrap().clone();
     assert_eq!(by_vm("bad")["error"]["code"], 3001);
     assert_eq!(by_vm("small")["ok"], true);
-    assert_eq!(by_vm("big")["action"], "replace");
+    assert_eq!(by_vm("big")["action"], "reconfigure");
     assert_eq!(by_vm("big")["ok"], true);
     let r = host.call("host.reconcile", json!({ "vms": [small_running, big2], "prune": true }));
     assert!(r["plan"].as_array().unwrap().iter().all(|p| p["action"] == "none"), "{r}");

@@ -303,6 +303,10 @@ pub struct VmView {
     /// The guest agent's session.
     #[serde(default)]
     pub agent: crate::agent::supervisor::AgentStatus,
+    /// The VM runs an older spec than `spec` (changed with `restart: false`); its next start
+    /// applies `spec`.
+    #[serde(default)]
+    pub pending_restart: bool,
 }
 
 /// A NIC's host-side identity.
@@ -345,9 +349,22 @@ pub struct CreateParams {
 pub struct ApplyParams {
     /// The desired VM.
     pub spec: VmSpec,
-    /// Destroy and recreate when the spec differs (default false: 2002).
+    /// Destroy and recreate (a new disk) when `boot.image` changes (default false: 2002). Any
+    /// other change is made in place, keeping the disk, and never needs it.
     #[serde(default)]
     pub replace: bool,
+    /// For an in-place change of a running VM that needs a restart: stop (ACPI, `timeout_s`,
+    /// then kill) and start it with the new spec (default true), or only record the new spec
+    /// for the next start (false; the view shows `pending_restart`).
+    #[serde(default = "default_true")]
+    pub restart: bool,
+    /// Seconds to wait for the guest to power off before QEMU is killed (default 30).
+    #[serde(default = "default_stop_timeout")]
+    pub timeout_s: u64,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// Params of `vm.stop`.
@@ -380,6 +397,10 @@ pub struct ReconcileParams {
     /// Plan and validate only.
     #[serde(default)]
     pub dry_run: bool,
+    /// Allow `replace` entries (a `boot.image` change destroys the old disk); without it such an
+    /// entry fails with 2002 and the VM is left alone.
+    #[serde(default)]
+    pub replace: bool,
 }
 
 /// One planned action of a reconcile.
@@ -392,7 +413,9 @@ pub enum PlanAction {
     Start,
     /// Stop a running VM.
     Stop,
-    /// Destroy and recreate: the spec changed.
+    /// Change the VM in place, keeping its disk (`fields`; `restart` when QEMU restarts).
+    Reconfigure,
+    /// Destroy and recreate with a new disk: `boot.image` changed (only with `replace: true`).
     Replace,
     /// Remove a VM not in the desired set (prune).
     Destroy,
@@ -411,6 +434,13 @@ pub struct PlanEntry {
     pub reason: String,
     /// Validation error that would make this entry fail (the plan still lists it).
     pub error: Option<Value>,
+    /// For `reconfigure` and `replace`: the spec fields that differ (dotted paths).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fields: Vec<String>,
+    /// For `reconfigure`: whether the VM restarts for it (false: only a live disk grow, or the VM
+    /// is not running).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<bool>,
 }
 
 /// The outcome of one reconcile entry.

@@ -50,7 +50,7 @@ trunk = [20, 30]
 pub fn spec_json(data: &[u8]) {
     let config = Config::parse(HOST, Path::new("fuzz-host.toml")).unwrap_or_else(|e| panic!("{e}"));
     if let Ok(set) = serde_json::from_slice::<Vec<VmSpec>>(data) {
-        let plan = plan_reconcile(&config, &set, &BTreeMap::new(), false);
+        let plan = plan_reconcile(&config, &set, &BTreeMap::new(), false, false);
         assert_eq!(plan.len(), set.len(), "one plan entry per desired VM");
         return;
     }

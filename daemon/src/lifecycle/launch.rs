@@ -161,6 +161,8 @@ impl Manager {
         self.update(&name, "launching QEMU", |r| {
             r.status = during;
             r.last_error = None;
+            // The new QEMU runs the recorded spec: nothing is pending any more.
+            r.running_spec = None;
         })?;
         self.crashpoint("launch:recorded");
         if let Err(e) = self.bind_passthrough(&vm.spec).await {

@@ -10,14 +10,15 @@
 //!    ([`crate::qemu`]), with the record saved before each step that creates something;
 //! 4. on failure undo the completed steps in reverse and record `failed` with the error.
 //!
-//! Submodules: [`ops`] (create/start/stop/destroy/apply), [`launch`] (QEMU start and teardown
-//! steps), [`recover`] (re-adoption at daemon start, exit watching), [`reconcile`]
-//! (`host.reconcile`).
+//! Submodules: [`ops`] (create/start/stop/destroy/apply), [`reconfigure`] (`vm.apply` of a
+//! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`recover`]
+//! (re-adoption at daemon start, exit watching), [`reconcile`] (`host.reconcile`).
 
 mod agent;
 mod launch;
 mod ops;
 mod reconcile;
+mod reconfigure;
 mod recover;
 mod vfio;
 
@@ -223,7 +224,14 @@ impl Manager {
     /// resources; returns its NIC allocations (keeping `previous` where still free).
     fn admit_locked(&self, t: &Table, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
         let held: Vec<&VmRecord> = t.vms.values().filter(|r| r.reserved && r.spec.name != spec.name).collect();
-        let holdings: Vec<Holding<'_>> = held.iter().map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
+        // A VM changed without a restart holds what its running QEMU was started with too.
+        let holdings: Vec<Holding<'_>> = held
+            .iter()
+            .flat_map(|r| {
+                let running = r.running_spec.as_ref().filter(|_| r.status == crate::api::VmStatus::Running);
+                std::iter::once(&r.spec).chain(running).map(|spec| Holding { name: &r.spec.name, spec })
+            })
+            .collect();
         capacity::admit(&self.config.hardware, &holdings, spec)?;
         let nic_holdings: Vec<NicHolding<'_>> =
             held.iter().map(|r| NicHolding { vm: &r.spec.name, spec: &r.spec, allocs: &r.nics }).collect();
@@ -352,6 +360,7 @@ impl Manager {
             serial_log: paths.serial_log,
             nics: rec.nics.iter().map(|n| crate::api::NicView { mac: n.mac.clone(), tap: n.tap.clone() }).collect(),
             agent: self.agents.status(rec.name()),
+            pending_restart: rec.running_spec.is_some() && matches!(status, VmStatus::Running | VmStatus::Stopping),
         }
     }
 

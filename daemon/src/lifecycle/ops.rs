@@ -6,7 +6,8 @@
 
 use super::launch::partial_overlay;
 use super::{Manager, OpGuard};
-use crate::api::{ApiError, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
+use crate::api::{ApiError, ApplyParams, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
+use crate::plan::Change;
 use crate::process;
 use crate::validate::{validate_spec, BootSource, ValidSpec};
 use std::sync::Arc;
@@ -114,7 +115,7 @@ impl Manager {
         .await
     }
 
-    async fn start_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<bool, ApiError> {
+    pub(super) async fn start_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<bool, ApiError> {
         let rec = self.record(name)?;
         let paths = self.paths(name);
         let state_changed = rec.spec.state != DesiredState::Running;
@@ -206,8 +207,28 @@ impl Manager {
             r.spec.state = DesiredState::Stopped;
             r.status = VmStatus::Stopping;
         })?;
+        self.shut_down(name, &id, p.timeout_s, p.force).await?;
+        Ok(true)
+    }
+
+    /// Ends the live QEMU `id` of VM `name` (recorded `stopping` by the caller): ACPI powerdown
+    /// and up to `timeout_s` for the guest to power off (unless `force`), else SIGKILL; then its
+    /// taps, agent session, run dir and passthrough devices go, and the VM is `stopped`. The
+    /// desired state is the caller's business (`vm.stop` sets it, a reconfigure keeps it).
+    ///
+    /// # Errors
+    /// 4001 when QEMU could not be ended (the record keeps the process) or devices not given
+    /// back.
+    pub(super) async fn shut_down(
+        &self,
+        name: &str,
+        id: &crate::process::ProcessIdentity,
+        timeout_s: u64,
+        force: bool,
+    ) -> Result<(), ApiError> {
+        let paths = self.paths(name);
         let mut exited = false;
-        if !p.force {
+        if !force {
             let asked = async {
                 let mut qmp = crate::qemu::qmp::Qmp::connect(&paths.qmp, Duration::from_secs(5)).await?;
                 qmp.system_powerdown().await
@@ -215,9 +236,9 @@ impl Manager {
             .await;
             match asked {
                 Ok(()) => {
-                    let wait = Duration::from_secs(p.timeout_s);
+                    let wait = Duration::from_secs(timeout_s);
                     // Only an observed exit counts; a failed watch falls through to the kill.
-                    exited = matches!(tokio::time::timeout(wait, process::wait_exit_of(&id)).await, Ok(Ok(())));
+                    exited = matches!(tokio::time::timeout(wait, process::wait_exit_of(id)).await, Ok(Ok(())));
                     if !exited {
                         tracing::warn!(vm = name, "guest did not power off within {wait:?}; killing QEMU");
                     }
@@ -226,7 +247,7 @@ impl Manager {
             }
         }
         if !exited {
-            self.kill_process(name, &id).await?;
+            self.kill_process(name, id).await?;
         }
         self.clean_run_dir(&paths);
         self.net.detach_nics(name).await;
@@ -236,8 +257,7 @@ impl Manager {
             r.status = VmStatus::Stopped;
             r.process = None;
         })?;
-        self.release_passthrough(name).await?;
-        Ok(true)
+        self.release_passthrough(name).await
     }
 
     /// `vm.restart`: a stop (same params as `vm.stop`) followed by a start, as one operation.
@@ -321,52 +341,29 @@ impl Manager {
         Ok(())
     }
 
-    /// `vm.apply`: create when absent, converge the run state when the spec is equal, refuse a
-    /// different spec with 2002 unless `replace`, which destroys and recreates.
+    /// `vm.apply`: create when absent; converge the run state (and guest interfaces) when the
+    /// spec is equal; change the VM in place, keeping its disk, when anything but `boot.image`
+    /// differs ([`Manager::reconfigure`]); replace it (a new disk) only for a `boot.image`
+    /// change with `replace`.
     ///
     /// # Errors
-    /// As create, plus 2002 listing the differing fields in `details.fields`. A refused replace
-    /// (3002/3003) leaves the old VM untouched.
-    pub async fn apply(self: &Arc<Self>, spec: VmSpec, replace: bool) -> Result<Mutation, ApiError> {
+    /// As create; 2002 naming `spec.boot.image` (with `details.fields`) for an image change
+    /// without `replace`; 2001 for a smaller disk; as [`Manager::reconfigure`]. A refused
+    /// change (2001/2002/3002/3003/3004/3005) leaves the VM exactly as it was.
+    pub async fn apply(self: &Arc<Self>, p: ApplyParams) -> Result<Mutation, ApiError> {
+        let ApplyParams { spec, replace, restart, timeout_s } = p;
+        check_stop_timeout(&StopParams { name: spec.name.clone(), timeout_s, force: false })?;
         let vm = validate_spec(&spec, &self.config)?;
         let Ok(current) = self.record(&spec.name) else { return self.create(spec).await };
-        let drift = crate::plan::spec_drift(&current.spec, &spec);
-        if drift.is_empty() {
-            // Guest interfaces change live, under the VM's busy flag: record them, then have the
-            // agent apply them. The run state is converged after that, in the same call.
-            let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;
-            if interfaces_changed {
-                let (_guard, _) = self.begin(&spec.name)?;
-                let wanted = spec.guest_interfaces.clone();
-                self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
-                if self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some() {
-                    self.apply_guest_interfaces(&spec.name).await?;
-                }
+        let fields = match crate::plan::classify(&current.spec, &spec)? {
+            Change::None => return self.converge_unchanged(&current, spec).await,
+            Change::Reconfigure { fields, restart: needs_restart } => {
+                return self.reconfigure(vm, fields, needs_restart && restart, timeout_s).await;
             }
-            let up = self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some();
-            let converge = match spec.state {
-                DesiredState::Running => !up,
-                DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,
-            };
-            return match (converge, spec.state) {
-                (false, _) => Ok(Mutation { changed: interfaces_changed, vm: Some(self.get(&spec.name)?) }),
-                (true, DesiredState::Running) => self.start(&spec.name).await,
-                (true, DesiredState::Stopped) => {
-                    self.stop(StopParams { name: spec.name.clone(), timeout_s: 30, force: false }).await
-                }
-            };
-        }
+            Change::Replace { fields } => fields,
+        };
         if !replace {
-            return Err(ApiError::new(
-                Code::SpecDrift,
-                format!(
-                    "VM {:?} exists with a different spec ({}); pass replace: true to recreate it",
-                    spec.name,
-                    drift.join(", ")
-                ),
-            )
-            .field("spec")
-            .details(serde_json::json!({ "fields": drift })));
+            return Err(crate::plan::replace_needed(&spec.name, &fields));
         }
         self.check_boot_files(&vm).await?;
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
@@ -393,6 +390,35 @@ impl Manager {
         }
         .instrument(span)
         .await
+    }
+
+    /// `vm.apply` with an unchanged spec: guest interfaces change live, under the VM's busy
+    /// flag (recorded, then applied by the agent); then the run state is converged, in the same
+    /// call.
+    async fn converge_unchanged(self: &Arc<Self>, current: &crate::state::VmRecord, spec: VmSpec) -> Result<Mutation, ApiError> {
+        // Guest interfaces change live, under the VM's busy flag: record them, then have the
+        // agent apply them. The run state is converged after that, in the same call.
+        let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;
+        if interfaces_changed {
+            let (_guard, _) = self.begin(&spec.name)?;
+            let wanted = spec.guest_interfaces.clone();
+            self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
+            if self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some() {
+                self.apply_guest_interfaces(&spec.name).await?;
+            }
+        }
+        let up = self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some();
+        let converge = match spec.state {
+            DesiredState::Running => !up,
+            DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,
+        };
+        match (converge, spec.state) {
+            (false, _) => Ok(Mutation { changed: interfaces_changed, vm: Some(self.get(&spec.name)?) }),
+            (true, DesiredState::Running) => self.start(&spec.name).await,
+            (true, DesiredState::Stopped) => {
+                self.stop(StopParams { name: spec.name.clone(), timeout_s: 30, force: false }).await
+            }
+        }
     }
 }
 

@@ -1,12 +1,13 @@
 //! `host.reconcile`: converge the host to a whole desired set of VMs.
 //!
 //! The plan comes from [`crate::plan::plan_reconcile`] (pure). Execution frees resources before
-//! taking new ones (destroy, stop, replace, create, start) and runs every entry on its own: one
+//! taking new ones (destroy, stop, reconfigure, replace, create, start) and runs every entry on its own: one
 //! failing VM is reported in its result and the others go on.
 
 use super::Manager;
 use crate::api::{
-    ApiError, Mutation, PlanAction, PlanEntry, ReconcileParams, ReconcileReport, ReconcileResult, StopParams, VmSpec,
+    ApiError, ApplyParams, Mutation, PlanAction, PlanEntry, ReconcileParams, ReconcileReport, ReconcileResult,
+    StopParams, VmSpec,
 };
 use crate::plan::{plan_reconcile, CurrentVm};
 use std::collections::BTreeMap;
@@ -16,10 +17,11 @@ fn order(action: PlanAction) -> u8 {
     match action {
         PlanAction::Destroy => 0,
         PlanAction::Stop => 1,
-        PlanAction::Replace => 2,
-        PlanAction::Create => 3,
-        PlanAction::Start => 4,
-        PlanAction::None => 5,
+        PlanAction::Reconfigure => 2,
+        PlanAction::Replace => 3,
+        PlanAction::Create => 4,
+        PlanAction::Start => 5,
+        PlanAction::None => 6,
     }
 }
 
@@ -28,11 +30,11 @@ impl Manager {
     pub async fn reconcile(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
         let current: BTreeMap<String, CurrentVm> =
             self.list().into_iter().map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status })).collect();
-        let mut plan = plan_reconcile(&self.config, &p.vms, &current, p.prune);
+        let mut plan = plan_reconcile(&self.config, &p.vms, &current, p.prune, p.replace);
         // The plan is pure; the files a spec names are checked here, so a dry run also shows a
         // missing image or kernel.
         for entry in plan.iter_mut().filter(|e| e.error.is_none()) {
-            if !matches!(entry.action, PlanAction::Create | PlanAction::Replace | PlanAction::Start) {
+            if !matches!(entry.action, PlanAction::Create | PlanAction::Replace | PlanAction::Reconfigure | PlanAction::Start) {
                 continue;
             }
             let Some(spec) = p.vms.iter().find(|s| s.name == entry.vm) else { continue };
@@ -84,7 +86,7 @@ impl Manager {
             // A desired VM that keeps its spec: vm.apply converges its run state and its guest
             // interfaces (which are applied live, not a replace).
             (PlanAction::None | PlanAction::Start | PlanAction::Stop, Some(spec)) => {
-                self.apply(spec.clone(), false).await?
+                self.apply(apply_params(spec.clone(), false)).await?
             }
             (PlanAction::None, None) => return Ok(false),
             (PlanAction::Destroy, _) => self.destroy(&entry.vm).await?,
@@ -93,8 +95,16 @@ impl Manager {
             }
             (PlanAction::Start, None) => self.start(&entry.vm).await?,
             (PlanAction::Create, _) => self.create(need_spec()?).await?,
-            (PlanAction::Replace, _) => self.apply(need_spec()?, true).await?,
+            // In place, the disk kept; restarted when needed, like vm.apply's default.
+            (PlanAction::Reconfigure, _) => self.apply(apply_params(need_spec()?, false)).await?,
+            // Planned only with `replace: true` (else the entry carries a 2002 and never runs).
+            (PlanAction::Replace, _) => self.apply(apply_params(need_spec()?, true)).await?,
         };
         Ok(m.changed)
     }
+}
+
+/// `vm.apply`'s params for a reconcile entry: restart when needed, the default stop timeout.
+fn apply_params(spec: VmSpec, replace: bool) -> ApplyParams {
+    ApplyParams { spec, replace, restart: true, timeout_s: 30 }
 }

@@ -20,6 +20,10 @@ use crate::validate::{BootSource, ValidSpec};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+/// QEMU's name for an image-booted VM's disk: the first `if=virtio` drive, the overlay (the
+/// seed comes second). `block_resize` grows it live.
+pub const DISK_DRIVE: &str = "virtio0";
+
 /// virtio-serial port name the guest agent looks for.
 pub const AGENT_PORT_NAME: &str = "org.vmhost.agent.0";
 

@@ -211,6 +211,16 @@ impl Qmp {
         self.execute("system_powerdown", None).await.map(drop)
     }
 
+    /// Grows the block device `device` (the VM's disk is `virtio0`, see
+    /// [`crate::qemu::argv`]) to `bytes` while the guest runs; the guest sees the new size.
+    ///
+    /// # Errors
+    /// As [`Qmp::execute`] (QEMU refuses a size below the current one).
+    pub async fn block_resize(&mut self, device: &str, bytes: u64) -> Result<(), QmpError> {
+        let args = serde_json::json!({ "device": device, "size": bytes });
+        self.execute("block_resize", Some(args)).await.map(drop)
+    }
+
     /// Makes QEMU exit at once (no guest shutdown). QEMU may close the socket before or after
     /// its reply; end of file (or a reset) after the command was sent counts as success. The
     /// process may still be exiting when this returns: wait for it with

@@ -73,7 +73,7 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
     })?;
     m.register_async_method("vm.apply", |params, mgr, _| async move {
         match parse_params::<ApplyParams>(&params) {
-            Ok(p) => call(mgr.apply(p.spec, p.replace).await),
+            Ok(p) => call(mgr.apply(p).await),
             Err(e) => call(Err(e)),
         }
     })?;

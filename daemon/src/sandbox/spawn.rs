@@ -18,6 +18,20 @@
 //! The spawner only runs programs on its allowlist (the configured `qemu.binary`,
 //! `qemu.img_binary`, and `modprobe vfio-pci` when passthrough is configured), with an empty
 //! environment except `PATH`, stdin on `/dev/null`.
+//!
+//! **Every program starts in a session (and process group) of its own** (`setsid()` between
+//! fork and exec, through the spawner and without one), so a signal meant for the daemon's
+//! process group or terminal never reaches it: Ctrl-C on a vmhostd started from a shell, a
+//! `kill -- -PGID` of its group, or the hang-up of its terminal end the daemon (and its spawner)
+//! but no VM, and the next daemon adopts every QEMU as it was (docs/lifecycle.md). Only the
+//! daemon decides when something it started dies: [`Child::start_kill`] and the kill on drop
+//! signal one process (its pidfd or pid), never a group. This holds for the short-lived programs
+//! too (qemu-img, modprobe, the `--version` probes), for one rule rather than a list of
+//! exceptions: a Ctrl-C meant for the daemon must not half-kill a `qemu-img create` writing an
+//! overlay or a `modprobe` loading a module either. A daemon that dies while one runs leaves it
+//! to finish by itself, as a `kill -9` of the daemon's pid always did, and a restart settles the
+//! interrupted operation from its record. None of them has a controlling terminal (stdin is
+//! `/dev/null`), so a new session costs nothing.
 
 use std::ffi::OsString;
 use std::io::{self, IoSlice, IoSliceMut};
@@ -359,6 +373,17 @@ pub(crate) fn become_user(user: UserIds, groups: &[u32]) -> io::Result<()> {
     Ok(())
 }
 
+/// Makes the freshly forked child the leader of a new session and process group (its pid is
+/// both ids), without a controlling terminal: signals to the daemon's group or terminal do not
+/// reach it (module doc). Needs no privilege, so it comes first. Async-signal-safe.
+fn new_session() -> io::Result<()> {
+    // SAFETY: setsid takes no arguments; a forked child is never a group leader, so it succeeds.
+    if unsafe { libc::setsid() } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Sets RLIMIT_MEMLOCK between fork and exec. Raising the hard limit needs CAP_SYS_RESOURCE;
 /// without it (EPERM) the limit stays and QEMU relies on CAP_IPC_LOCK.
 fn set_memlock(bytes: u64) -> io::Result<()> {
@@ -386,20 +411,19 @@ fn spawn_local(cmd: Command) -> io::Result<Child> {
         Some(u) if cmd.kvm => crate::qemu::kvm::qemu_groups(u),
         _ => Vec::new(),
     };
-    if !raw_fds.is_empty() || memlock.is_some() || user.is_some() {
-        // SAFETY: set_memlock, become_user and place_fds only call async-signal-safe functions
-        // and do not allocate.
-        unsafe {
-            command.pre_exec(move || {
-                if let Some(bytes) = memlock {
-                    set_memlock(bytes)?;
-                }
-                if let Some(u) = user {
-                    become_user(u, &groups)?;
-                }
-                place_fds(&raw_fds)
-            });
-        }
+    // SAFETY: new_session, set_memlock, become_user and place_fds only call async-signal-safe
+    // functions and do not allocate.
+    unsafe {
+        command.pre_exec(move || {
+            new_session()?;
+            if let Some(bytes) = memlock {
+                set_memlock(bytes)?;
+            }
+            if let Some(u) = user {
+                become_user(u, &groups)?;
+            }
+            place_fds(&raw_fds)
+        });
     }
     let mut child = command.spawn()?;
     drop(cmd.fds);
@@ -859,11 +883,14 @@ fn start(
         _ => Vec::new(),
     };
     let raise_module = ambient_sys_module && MODPROBE.iter().any(|m| Path::new(m) == program);
-    // SAFETY: only async-signal-safe calls (setrlimit, setgroups, setgid, setuid, umask, prctl,
-    // fcntl, dup2), no allocation.
+    // SAFETY: only async-signal-safe calls (setsid, setrlimit, setgroups, setgid, setuid, umask,
+    // prctl, fcntl, dup2), no allocation.
     unsafe {
         command.pre_exec(move || {
-            // The limit first: raising it needs CAP_SYS_RESOURCE, which the uid change drops.
+            // Its own session and process group, whatever the program (module doc).
+            new_session()?;
+            // The limit before the user change: raising it needs CAP_SYS_RESOURCE, which the uid
+            // change drops.
             if let Some(bytes) = memlock {
                 set_memlock(bytes)?;
             }
@@ -914,5 +941,47 @@ mod tests {
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         assert!(stat.is_empty() || stat.contains(") Z"), "{stat}");
+    }
+
+    /// Process group and session of `pid` (fields 5 and 6 of /proc/PID/stat; `self` works).
+    fn pgrp_and_session(pid: &str) -> (i32, i32) {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // The command name (field 2) may hold spaces; the fields after it do not.
+        let rest: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+        (rest[2].parse().unwrap(), rest[3].parse().unwrap())
+    }
+
+    #[tokio::test]
+    async fn local_children_get_their_own_session_and_group() {
+        let ours = pgrp_and_session("self");
+        let mut child = Command::new("/bin/sleep").args(["30"]).spawn().await.unwrap();
+        let pid = child.pid;
+        assert!(pid > 0);
+        // pre_exec ran before the exec, so the ids are final by the time spawn returned.
+        assert_eq!(pgrp_and_session(&pid.to_string()), (pid, pid), "its own process group and session");
+        assert_ne!(ours.0, pid);
+        assert_ne!(ours.1, pid);
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+    }
+
+    #[test]
+    fn spawner_children_get_their_own_session_and_group() {
+        // The spawner's `start`, called in this process (no spawner fork needed to check it).
+        let allow = Allowlist { programs: vec!["/bin/sleep".into()], modprobe: false, run_as: vec![], kvm: false };
+        let req = RunRequest {
+            program: "/bin/sleep".into(),
+            args: vec!["30".into()],
+            stdout: false,
+            stderr: false,
+            nfds: 0,
+            memlock: None,
+        };
+        let mut child = start(req, Vec::new(), &allow, false).unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        assert_eq!(pgrp_and_session(&pid.to_string()), (pid, pid), "its own process group and session");
+        assert_ne!(pgrp_and_session("self"), (pid, pid));
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 }

@@ -49,6 +49,11 @@ pub struct VmRecord {
     /// the first sysfs change and cleared once they are given back.
     #[serde(default)]
     pub vfio: Vec<crate::pci::bind::Binding>,
+    /// The spec the running QEMU was started with, when `spec` was changed since without a
+    /// restart (`vm.apply` with `restart: false`): the VM holds what both ask for until its
+    /// next start, which applies `spec` and clears this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_spec: Option<VmSpec>,
 }
 
 impl VmRecord {
@@ -68,6 +73,7 @@ impl VmRecord {
             last_error: None,
             nics: Vec::new(),
             vfio: Vec::new(),
+            running_spec: None,
         }
     }
 

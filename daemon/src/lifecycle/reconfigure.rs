@@ -1,0 +1,210 @@
+//! Changing an existing VM in place: every field but `boot.image`, never a disk deleted.
+//!
+//! `vm.apply` (and `host.reconcile`'s `reconfigure` entries) come here once
+//! [`crate::plan::classify`] has said the change keeps the disk. In order:
+//!
+//! 1. check the new spec's files (2001) and take the VM's busy flag;
+//! 2. admit the new spec in place of the VM's own holdings (3002/3003), and check its
+//!    passthrough devices (3004/3005) when it is to run. A refusal returns here: nothing was
+//!    recorded, a running VM keeps running exactly as it was;
+//! 3. record the new spec (intent). For a running VM the record also keeps the spec its QEMU
+//!    runs (`running_spec`), so after a crash from here on the VM shows `pending_restart`
+//!    and holds what both specs ask for until its next start;
+//! 4. by case:
+//!    - not running: grow the disk offline (`qemu-img resize`); start it if it is desired
+//!      running;
+//!    - running, only a larger disk: grow it live (QMP `block_resize`), no restart;
+//!    - running, `restart: false`: grow live if needed; the next start applies the rest;
+//!    - running, restart: stop (ACPI, `timeout_s`, kill), grow offline, start with the new
+//!      spec. If that start fails, the old spec (with the grown disk size) is recorded again
+//!      and started, and the error says so.
+//!
+//! The overlay is never removed or recreated here: its inode and every byte survive.
+
+use super::{Manager, OpGuard};
+use crate::api::{ApiError, Code, DesiredState, Mutation, VmSpec, VmStatus};
+use crate::qemu::argv::DISK_DRIVE;
+use crate::validate::ValidSpec;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::Instrument;
+
+/// How long a live disk grow may take over QMP.
+const RESIZE_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Manager {
+    /// Changes VM `vm.spec.name` in place to `vm` (`fields` differ; `restart`: a running VM
+    /// restarts for it, else the change waits for its next start unless it is only a larger
+    /// disk). See the module doc for the order.
+    ///
+    /// # Errors
+    /// 2001 (files), 3002/3003/3004/3005 (admission, devices) with nothing changed; 4090 when
+    /// the VM is busy; 4001 when a host step fails, after the rollback described above.
+    pub(super) async fn reconfigure(
+        self: &Arc<Self>,
+        vm: ValidSpec,
+        fields: Vec<String>,
+        restart: bool,
+        timeout_s: u64,
+    ) -> Result<Mutation, ApiError> {
+        let name = vm.spec.name.clone();
+        let span = tracing::info_span!("vm.reconfigure", vm = %name, fields = %fields.join(","));
+        async move {
+            self.check_boot_files(&vm).await?;
+            let (guard, _) = self.begin(&name)?;
+            self.reconfigure_held(&guard, &vm, restart, timeout_s).await?;
+            Ok(Mutation { changed: true, vm: Some(self.get(&name)?) })
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn reconfigure_held(
+        self: &Arc<Self>,
+        g: &OpGuard,
+        vm: &ValidSpec,
+        restart: bool,
+        timeout_s: u64,
+    ) -> Result<(), ApiError> {
+        let name = vm.spec.name.as_str();
+        let old = self.record(name)?;
+        let live = self.find_live(&self.paths(name), old.process.as_ref())?;
+        if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
+            // Capacity and conflicts first, then the kernel's view of the devices; the record
+            // swap below admits again under the lock.
+            {
+                let t = self.lock();
+                self.admit_locked(&t, &vm.spec, &old.nics)?;
+            }
+            self.check_passthrough(&vm.spec).await?;
+        }
+        let grow_to = grown_disk(&old.spec, &vm.spec);
+        let Some(id) = live else {
+            self.swap_in_place(name, &vm.spec, None)?;
+            self.crashpoint("reconfigure:recorded");
+            self.grow_offline(name, grow_to).await?;
+            if vm.spec.state == DesiredState::Running {
+                self.start_held(g, name).await?;
+            }
+            return Ok(());
+        };
+        if !restart {
+            // The running QEMU keeps the old spec; a disk-only change leaves nothing pending.
+            let pending = crate::plan::spec_drift(&old.spec, &vm.spec).iter().any(|f| f != "boot.disk_gib");
+            let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
+            self.swap_in_place(name, &vm.spec, pending.then_some(running))?;
+            self.crashpoint("reconfigure:recorded");
+            if let Some(gib) = grow_to {
+                if let Err(e) = self.grow_live(name, gib).await {
+                    self.swap_in_place(name, &old.spec, old.running_spec.clone())?;
+                    return Err(e);
+                }
+            }
+            return Ok(());
+        }
+        let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
+        self.swap_in_place(name, &vm.spec, Some(running))?;
+        self.crashpoint("reconfigure:recorded");
+        self.update(name, "reconfigure: stopping", |r| r.status = VmStatus::Stopping)?;
+        self.shut_down(name, &id, timeout_s, false).await?;
+        self.crashpoint("reconfigure:stopped");
+        if let Err(e) = self.grow_offline(name, grow_to).await {
+            return Err(self.roll_back(g, &old.spec, grow_to, e).await);
+        }
+        match self.start_held(g, name).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.roll_back(g, &old.spec, grow_to, e).await),
+        }
+    }
+
+    /// After a failed restart with the new spec: records `previous` again (with the disk size
+    /// the overlay has now, since a disk is never shrunk) and starts the VM with it. Returns
+    /// the error to report: `cause`, saying whether the old spec runs again.
+    async fn roll_back(self: &Arc<Self>, g: &OpGuard, previous: &VmSpec, grown: Option<u64>, cause: ApiError) -> ApiError {
+        let name = previous.name.as_str();
+        let mut spec = previous.clone();
+        if let Some(gib) = grown {
+            spec.boot.disk_gib = Some(gib);
+        }
+        tracing::warn!(vm = name, error = %cause, "reconfigure failed; starting the VM with its previous spec");
+        let restored = async {
+            self.swap_in_place(name, &spec, None)?;
+            self.start_held(g, name).await
+        }
+        .await;
+        let (message, rolled_back) = match &restored {
+            Ok(_) => (format!("reconfigure failed: {}; the VM runs again with its previous spec", cause.message), true),
+            Err(again) => (
+                format!(
+                    "reconfigure failed: {}; starting it again with its previous spec failed too: {}",
+                    cause.message, again.message
+                ),
+                false,
+            ),
+        };
+        ApiError::new(Code::ProvisioningFailed, message).details(json!({
+            "step": "reconfigure",
+            "rolled_back": rolled_back,
+            "cause": cause.to_json(),
+        }))
+    }
+
+    /// Records `spec` for VM `name` in place of its current one, admitted (capacity, conflicts,
+    /// NICs keeping their MACs and taps) against every other VM under the allocation lock, the
+    /// VM's own holdings counted as released. `running` is the spec its live QEMU still runs,
+    /// if that differs. Status, process, overlay and device bindings are kept.
+    ///
+    /// # Errors
+    /// 3002/3003 from admission (nothing written), or the record cannot be written.
+    fn swap_in_place(&self, name: &str, spec: &VmSpec, running: Option<VmSpec>) -> Result<(), ApiError> {
+        let mut t = self.lock();
+        let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+        let mut rec = old.clone();
+        rec.nics = self.admit_locked(&t, spec, &old.nics)?;
+        rec.spec = spec.clone();
+        rec.running_spec = running;
+        rec.reserved = rec.reserved || spec.state == DesiredState::Running;
+        self.store.save(&mut rec).map_err(|e| super::state_write_error(name, &e))?;
+        t.vms.insert(name.to_string(), rec);
+        Ok(())
+    }
+
+    /// Grows the overlay of a stopped VM to `gib` (nothing when `None` or there is no overlay).
+    async fn grow_offline(&self, name: &str, gib: Option<u64>) -> Result<(), ApiError> {
+        let Some(gib) = gib else { return Ok(()) };
+        let overlay = self.paths(name).overlay;
+        if !overlay.exists() {
+            return Ok(());
+        }
+        crate::disk::grow_overlay(&self.config.qemu.img_binary, &overlay, gib).await.map_err(|e| {
+            let tail = e.stderr_tail().unwrap_or_default().to_string();
+            ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
+                .details(json!({ "step": "disk_grow", "stderr": tail }))
+        })?;
+        Ok(())
+    }
+
+    /// Grows a running VM's disk to `gib` over QMP; the guest sees the new size at once.
+    async fn grow_live(&self, name: &str, gib: u64) -> Result<(), ApiError> {
+        let qmp = self.paths(name).qmp;
+        let grown = async {
+            let mut q = crate::qemu::qmp::Qmp::connect(&qmp, RESIZE_TIMEOUT).await?;
+            q.block_resize(DISK_DRIVE, gib.saturating_mul(1 << 30)).await
+        }
+        .await;
+        grown.map_err(|e| {
+            ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB while running: {e}"))
+                .details(json!({ "step": "disk_grow" }))
+        })
+    }
+}
+
+/// The new disk size when `desired` grows an image-booted VM's disk.
+fn grown_disk(current: &VmSpec, desired: &VmSpec) -> Option<u64> {
+    match (current.boot.disk_gib, desired.boot.disk_gib) {
+        (Some(old), Some(new)) if new > old => Some(new),
+        _ => None,
+    }
+}
+
