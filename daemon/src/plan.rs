@@ -500,7 +500,8 @@ mod tests {
         let a = image_spec("a", "base.qcow2", 10);
         let b = image_spec("b", "base.qcow2", 10);
         let s = image_spec("s", "base.qcow2", 10);
-        let current = cur(&[(a.clone(), VmStatus::Running), (b.clone(), VmStatus::Running), (s.clone(), VmStatus::Stopped)]);
+        let current =
+            cur(&[(a.clone(), VmStatus::Running), (b.clone(), VmStatus::Running), (s.clone(), VmStatus::Stopped)]);
         let mut a2 = a.clone();
         a2.memory_mib = 512;
         let b2 = image_spec("b", "other.qcow2", 10);

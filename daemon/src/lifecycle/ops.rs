@@ -395,7 +395,11 @@ impl Manager {
     /// `vm.apply` with an unchanged spec: guest interfaces change live, under the VM's busy
     /// flag (recorded, then applied by the agent); then the run state is converged, in the same
     /// call.
-    async fn converge_unchanged(self: &Arc<Self>, current: &crate::state::VmRecord, spec: VmSpec) -> Result<Mutation, ApiError> {
+    async fn converge_unchanged(
+        self: &Arc<Self>,
+        current: &crate::state::VmRecord,
+        spec: VmSpec,
+    ) -> Result<Mutation, ApiError> {
         // Guest interfaces change live, under the VM's busy flag: record them, then have the
         // agent apply them. The run state is converged after that, in the same call.
         let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;

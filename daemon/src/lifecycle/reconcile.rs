@@ -34,7 +34,10 @@ impl Manager {
         // The plan is pure; the files a spec names are checked here, so a dry run also shows a
         // missing image or kernel.
         for entry in plan.iter_mut().filter(|e| e.error.is_none()) {
-            if !matches!(entry.action, PlanAction::Create | PlanAction::Replace | PlanAction::Reconfigure | PlanAction::Start) {
+            if !matches!(
+                entry.action,
+                PlanAction::Create | PlanAction::Replace | PlanAction::Reconfigure | PlanAction::Start
+            ) {
                 continue;
             }
             let Some(spec) = p.vms.iter().find(|s| s.name == entry.vm) else { continue };

@@ -121,7 +121,13 @@ impl Manager {
     /// After a failed restart with the new spec: records `previous` again (with the disk size
     /// the overlay has now, since a disk is never shrunk) and starts the VM with it. Returns
     /// the error to report: `cause`, saying whether the old spec runs again.
-    async fn roll_back(self: &Arc<Self>, g: &OpGuard, previous: &VmSpec, grown: Option<u64>, cause: ApiError) -> ApiError {
+    async fn roll_back(
+        self: &Arc<Self>,
+        g: &OpGuard,
+        previous: &VmSpec,
+        grown: Option<u64>,
+        cause: ApiError,
+    ) -> ApiError {
         let name = previous.name.as_str();
         let mut spec = previous.clone();
         if let Some(gib) = grown {
@@ -207,4 +213,3 @@ fn grown_disk(current: &VmSpec, desired: &VmSpec) -> Option<u64> {
         _ => None,
     }
 }
-
