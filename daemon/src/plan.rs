@@ -36,6 +36,8 @@ pub struct CurrentVm {
     pub spec: VmSpec,
     /// Its observed status.
     pub status: VmStatus,
+    /// It runs an older spec than `spec` (a change recorded with `restart: false`).
+    pub pending_restart: bool,
 }
 
 /// Dotted paths of the fields that differ between two specs, ignoring `state` (a state change is
@@ -177,6 +179,10 @@ pub fn plan_reconcile(
                         fields = f;
                         (PlanAction::Reconfigure, reason)
                     }
+                    Ok(Change::None) if cur.pending_restart && spec.state == crate::api::DesiredState::Running => {
+                        restart = Some(true);
+                        (PlanAction::Reconfigure, "runs an older spec: restarted to apply it".to_string())
+                    }
                     Ok(Change::None) => match (spec.state, is_up(cur.status)) {
                         (crate::api::DesiredState::Running, false) => {
                             (PlanAction::Start, format!("desired running, is {}", cur.status))
@@ -244,7 +250,10 @@ mod tests {
     use crate::validate::tests::{config, spec};
 
     fn cur(specs: &[(VmSpec, VmStatus)]) -> BTreeMap<String, CurrentVm> {
-        specs.iter().map(|(s, st)| (s.name.clone(), CurrentVm { spec: s.clone(), status: *st })).collect()
+        specs
+            .iter()
+            .map(|(s, st)| (s.name.clone(), CurrentVm { spec: s.clone(), status: *st, pending_restart: false }))
+            .collect()
     }
 
     fn actions(p: &[PlanEntry]) -> Vec<(String, PlanAction, Option<i64>)> {
@@ -523,6 +532,15 @@ mod tests {
         assert_eq!(p[2].restart, Some(false), "a stopped VM is only re-recorded");
         let p = plan_reconcile(&c, &desired, &current, false, true);
         assert_eq!(actions(&p)[1], ("b".into(), PlanAction::Replace, None));
+        // A VM that runs an older spec (restart: false) is restarted by a reconcile that wants it running.
+        let mut pending = cur(&[(a.clone(), VmStatus::Running)]);
+        if let Some(v) = pending.get_mut("a") {
+            v.pending_restart = true;
+        }
+        let p = plan_reconcile(&c, std::slice::from_ref(&a), &pending, false, false);
+        assert_eq!((p[0].action, p[0].restart), (PlanAction::Reconfigure, Some(true)));
+        let p = plan_reconcile(&c, std::slice::from_ref(&a), &current, false, false);
+        assert_eq!(p[0].action, PlanAction::None);
         let mut shrunk = a.clone();
         shrunk.boot.disk_gib = Some(1);
         let p = plan_reconcile(&c, &[shrunk], &current, false, true);

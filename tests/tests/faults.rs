@@ -23,6 +23,7 @@ const CREATE_STEPS: [&str; 8] = [
     "create:running",
 ];
 const DESTROY_STEPS: [&str; 3] = ["destroy:recorded", "teardown:killed", "destroy:torn-down"];
+const RECONFIGURE_STEPS: [&str; 2] = ["reconfigure:recorded", "reconfigure:stopped"];
 
 fn host() -> TestHost {
     let host = TestHost::start(HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() });
@@ -132,6 +133,52 @@ fn a_daemon_killed_at_any_step_of_a_destroy_finishes_it_after_restart() {
         let (code, _) = host.call_err("vm.get", json!({ "name": name }));
         assert_eq!(code, 4040, "{step}: the interrupted destroy was finished at start");
         assert!(host.qemu_pids().is_empty(), "{step}");
+    }
+}
+
+/// A reconfigure (memory changed, restart) interrupted at each of its steps: the restarted daemon
+/// shows a consistent VM (never two QEMUs), the disk is the same file with the same bytes, and
+/// applying the new spec again ends with one QEMU running it.
+#[test]
+fn a_daemon_killed_at_any_step_of_a_reconfigure_keeps_the_disk_and_converges() {
+    use std::os::unix::fs::MetadataExt;
+    let mut host = host();
+    for step in RECONFIGURE_STEPS {
+        let name = "changing";
+        host.call("vm.create", json!({ "spec": spec(name) }));
+        let disk = host.state().join("disks").join(format!("{name}.qcow2"));
+        let write = "write -P 0x5a 2M 64k";
+        host.call("vm.stop", json!({ "name": name, "timeout_s": 1 }));
+        vmhost_tests::run_ok(Command::new("qemu-io").args(["-f", "qcow2", "-c", write]).arg(&disk));
+        host.call("vm.start", json!({ "name": name }));
+        let ino = std::fs::metadata(&disk).expect("overlay").ino();
+        let mut changed = spec(name);
+        changed["memory_mib"] = json!(192);
+        crash_during(&mut host, step, "vm.apply", json!({ "spec": changed, "timeout_s": 1 }));
+        assert_consistent(&host, step);
+        assert!(host.qemu_pids().len() <= 1, "{step}: never two QEMUs");
+        let v = host.call("vm.get", json!({ "name": name }));
+        assert_eq!(v["spec"]["memory_mib"], 192, "{step}: the new spec was recorded before the crash");
+        assert_eq!(std::fs::metadata(&disk).expect("overlay").ino(), ino, "{step}: same disk");
+        // Converging the new spec again: one QEMU, running it.
+        let v = host.call("vm.apply", json!({ "spec": changed, "timeout_s": 1 }));
+        assert_eq!(
+            (v["vm"]["status"].clone(), v["vm"]["pending_restart"].clone()),
+            (json!("running"), json!(false)),
+            "{step}: {v}"
+        );
+        let pids = host.qemu_pids();
+        assert_eq!(pids.len(), 1, "{step}: exactly one QEMU");
+        let argv = std::fs::read(format!("/proc/{}/cmdline", pids[0])).unwrap();
+        let argv: Vec<&[u8]> = argv.split(|b| *b == 0).collect();
+        assert!(argv.windows(2).any(|w| w[0] == b"-m" && w[1] == b"192"), "{step}: QEMU runs the new spec");
+        assert_eq!(std::fs::metadata(&disk).expect("overlay").ino(), ino, "{step}: same disk");
+        let read = "read -P 0x5a 2M 64k";
+        let out =
+            vmhost_tests::run_ok(Command::new("qemu-io").args(["-U", "-r", "-f", "qcow2", "-c", read]).arg(&disk));
+        assert!(!out.contains("verification failed"), "{step}: marker lost: {out}");
+        assert_consistent(&host, step);
+        host.call("vm.destroy", json!({ "name": name }));
     }
 }
 

@@ -356,7 +356,17 @@ impl Manager {
         let vm = validate_spec(&spec, &self.config)?;
         let Ok(current) = self.record(&spec.name) else { return self.create(spec).await };
         let fields = match crate::plan::classify(&current.spec, &spec)? {
-            Change::None => return self.converge_unchanged(&current, spec).await,
+            Change::None => {
+                // A change recorded with `restart: false` (or just before a crash) is applied now.
+                let pending = current.running_spec.as_ref().filter(|_| restart && current.status == VmStatus::Running);
+                return match pending {
+                    Some(running) => {
+                        let fields = crate::plan::spec_drift(running, &spec);
+                        self.reconfigure(vm, fields, true, timeout_s).await
+                    }
+                    None => self.converge_unchanged(&current, spec).await,
+                };
+            }
             Change::Reconfigure { fields, restart: needs_restart } => {
                 return self.reconfigure(vm, fields, needs_restart && restart, timeout_s).await;
             }

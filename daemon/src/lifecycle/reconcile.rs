@@ -28,8 +28,11 @@ fn order(action: PlanAction) -> u8 {
 impl Manager {
     /// Plans (and unless `dry_run`, executes) a reconcile.
     pub async fn reconcile(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
-        let current: BTreeMap<String, CurrentVm> =
-            self.list().into_iter().map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status })).collect();
+        let current: BTreeMap<String, CurrentVm> = self
+            .list()
+            .into_iter()
+            .map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status, pending_restart: v.pending_restart }))
+            .collect();
         let mut plan = plan_reconcile(&self.config, &p.vms, &current, p.prune, p.replace);
         // The plan is pure; the files a spec names are checked here, so a dry run also shows a
         // missing image or kernel.
