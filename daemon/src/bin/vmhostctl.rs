@@ -42,12 +42,19 @@ enum Cmd {
     Get { name: String },
     /// Create a VM from a JSON spec file (`-` for stdin).
     Create { file: PathBuf },
-    /// Create or converge a VM from a JSON spec file.
+    /// Create or converge a VM from a JSON spec file; a changed VM is changed in place, its
+    /// disk kept.
     Apply {
         file: PathBuf,
-        /// Destroy and recreate when the spec differs.
+        /// Allow a boot.image change: a new disk, the old one deleted.
         #[arg(long)]
         replace: bool,
+        /// Record a change that needs a restart for the VM's next start instead of restarting it.
+        #[arg(long)]
+        no_restart: bool,
+        /// Seconds the guest has to power off for a restart before QEMU is killed.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
     },
     /// Start a VM.
     Start { name: String },
@@ -76,6 +83,9 @@ enum Cmd {
         prune: bool,
         #[arg(long)]
         dry_run: bool,
+        /// Allow replace entries (a boot.image change: a new disk, the old one deleted).
+        #[arg(long)]
+        replace: bool,
     },
     /// Print VM events as they happen.
     Events,
@@ -217,8 +227,11 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             }
         }
         Cmd::Create { file } => mutation(cli, &mut c, "vm.create", json!({ "spec": read_json(file)? }))?,
-        Cmd::Apply { file, replace } => {
-            mutation(cli, &mut c, "vm.apply", json!({ "spec": read_json(file)?, "replace": replace }))?
+        Cmd::Apply { file, replace, no_restart, timeout } => {
+            c.set_timeout(Duration::from_secs(timeout.saturating_add(180)))?;
+            let params =
+                json!({ "spec": read_json(file)?, "replace": replace, "restart": !no_restart, "timeout_s": timeout });
+            mutation(cli, &mut c, "vm.apply", params)?
         }
         Cmd::Start { name } => mutation(cli, &mut c, "vm.start", json!({ "name": name }))?,
         Cmd::Stop { name, timeout, force } => {
@@ -231,10 +244,13 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             mutation(cli, &mut c, "vm.restart", json!({ "name": name, "timeout_s": timeout, "force": force }))?
         }
         Cmd::Destroy { name } => mutation(cli, &mut c, "vm.destroy", json!({ "name": name }))?,
-        Cmd::Reconcile { file, prune, dry_run } => {
+        Cmd::Reconcile { file, prune, dry_run, replace } => {
             let doc = read_json(file)?;
             let vms = if doc.is_array() { doc } else { doc.get("vms").cloned().unwrap_or(Value::Null) };
-            let v: Value = c.call("host.reconcile", json!({ "vms": vms, "prune": prune, "dry_run": dry_run }))?;
+            let v: Value = c.call(
+                "host.reconcile",
+                json!({ "vms": vms, "prune": prune, "dry_run": dry_run, "replace": replace }),
+            )?;
             let r: ReconcileReport = serde_json::from_value(v.clone()).map_err(|e| Failure::Connect(e.to_string()))?;
             if cli.json {
                 out(&v);
@@ -331,6 +347,9 @@ fn print_vm(v: &VmView) {
     println!("name:        {}", v.name);
     println!("status:      {}", v.status);
     println!("desired:     {}", format!("{:?}", v.desired_state).to_lowercase());
+    if v.pending_restart {
+        println!("pending:     a changed spec waits for the next start (vm.apply without --no-restart applies it)");
+    }
     println!("pid:         {}", v.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()));
     println!("cpu:         {}", v.spec.cpu);
     println!("memory_mib:  {}", v.spec.memory_mib);
