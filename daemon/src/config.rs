@@ -189,6 +189,33 @@ impl Default for QemuConfig {
     }
 }
 
+/// `[lifecycle]`: what vmhostd does with VMs on its own.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LifecycleConfig {
+    /// At start, start the VMs whose desired state is `running` but whose QEMU is gone (a host
+    /// reboot, or QEMU ended while vmhostd was down).
+    pub autostart: bool,
+    /// How many VMs autostart starts at once; 0 (the default) means the host's CPU count.
+    pub start_concurrency: u32,
+}
+
+impl Default for LifecycleConfig {
+    fn default() -> Self {
+        LifecycleConfig { autostart: true, start_concurrency: 0 }
+    }
+}
+
+impl LifecycleConfig {
+    /// `start_concurrency`, with 0 resolved to the CPUs this process may run on (at least 1).
+    pub fn concurrency(&self) -> usize {
+        match self.start_concurrency {
+            0 => std::thread::available_parallelism().map(usize::from).unwrap_or(1),
+            n => n as usize,
+        }
+    }
+}
+
 /// `[access]`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -255,6 +282,8 @@ struct RawConfig {
     qemu: QemuConfig,
     #[serde(default)]
     access: Access,
+    #[serde(default)]
+    lifecycle: LifecycleConfig,
     hardware: RawHardware,
     #[serde(default)]
     networks: BTreeMap<String, RawNetwork>,
@@ -327,6 +356,8 @@ pub struct Config {
     pub qemu_user: Option<UserIds>,
     /// `[access]`.
     pub access: Access,
+    /// `[lifecycle]`.
+    pub lifecycle: LifecycleConfig,
     /// Socket mode parsed from `access.socket_mode`.
     pub socket_mode: u32,
     /// `[hardware]`.
@@ -551,6 +582,7 @@ impl Config {
             qemu: raw.qemu,
             qemu_user: None,
             access: raw.access,
+            lifecycle: raw.lifecycle,
             socket_mode,
             hardware: Hardware {
                 cpu: h.cpu,

@@ -228,7 +228,10 @@ fn events_report_state_changes_and_a_killed_qemu_is_dead() {
 
 #[test]
 fn vms_survive_a_daemon_kill_and_are_adopted() {
-    let mut host = TestHost::start(HostOptions::default());
+    // Autostart off: this test is about adoption and recording deaths (tests/tests/autostart.rs
+    // covers starting the dead ones again).
+    let mut host =
+        TestHost::start(HostOptions { extra: "[lifecycle]\nautostart = false\n".into(), ..HostOptions::default() });
     host.call("vm.create", json!({ "spec": host.kernel_spec("keep") }));
     host.call("vm.create", json!({ "spec": host.kernel_spec("gone") }));
     let keep = host.call("vm.get", json!({ "name": "keep" }))["pid"].as_i64().unwrap() as i32;

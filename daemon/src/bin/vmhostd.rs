@@ -104,7 +104,7 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     let config = Arc::new(config);
     tracing::info!(config = %config.file.display(), accel = config.qemu.accel.as_str(), "vmhostd starting");
     let manager = Manager::open(config.clone(), EventBus::default()).await?;
-    let module = methods::build(manager).map_err(|e| format!("method table: {e}"))?;
+    let module = methods::build(manager.clone()).map_err(|e| format!("method table: {e}"))?;
     let inherited = activation.listener.take();
     let activated = inherited.is_some();
     let listener = match inherited {
@@ -138,6 +138,8 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     if !activated {
         tracing::info!(socket = %config.paths.socket.display(), "serving");
     }
+    // In the background: the socket is served while VMs desired running come back.
+    let _autostart = manager.autostart();
     if let Err(e) = activation.notify("READY=1") {
         tracing::warn!(error = %e, "cannot notify the service manager");
     }

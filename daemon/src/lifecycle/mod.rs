@@ -12,9 +12,11 @@
 //!
 //! Submodules: [`ops`] (create/start/stop/destroy/apply), [`reconfigure`] (`vm.apply` of a
 //! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`recover`]
-//! (re-adoption at daemon start, exit watching), [`reconcile`] (`host.reconcile`).
+//! (re-adoption at daemon start, exit watching), [`autostart`] (VMs desired running, started at
+//! daemon start), [`reconcile`] (`host.reconcile`).
 
 mod agent;
+mod autostart;
 mod launch;
 mod ops;
 mod reconcile;

@@ -105,23 +105,30 @@ impl Manager {
     /// # Errors
     /// 4040, 4090, 3002/3003 when a VM whose reservation was released no longer fits, 4001.
     pub async fn start(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
-        let span = tracing::info_span!("vm.start", vm = %name);
+        self.start_for("vm.start", name).await
+    }
+
+    /// A start on behalf of `why` (`vm.start`, `autostart`, `restart policy`): the reason its
+    /// events carry.
+    pub(super) async fn start_for(self: &Arc<Self>, why: &str, name: &str) -> Result<Mutation, ApiError> {
+        let span = tracing::info_span!("vm.start", vm = %name, why);
         async move {
             let (guard, _) = self.begin(name)?;
-            let changed = self.start_held(&guard, name).await?;
+            let changed = self.start_held(&guard, name, why).await?;
             Ok(Mutation { changed, vm: Some(self.get(name)?) })
         }
         .instrument(span)
         .await
     }
 
-    pub(super) async fn start_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<bool, ApiError> {
+    /// The steps of a start with the busy flag held; `reason` is the events' reason.
+    pub(super) async fn start_held(self: &Arc<Self>, _g: &OpGuard, name: &str, reason: &str) -> Result<bool, ApiError> {
         let rec = self.record(name)?;
         let paths = self.paths(name);
         let state_changed = rec.spec.state != DesiredState::Running;
         if let Some(id) = self.find_live(&paths, rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
-                self.update(name, "vm.start", |r| r.spec.state = DesiredState::Running)?;
+                self.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
                 self.mark_running(name, id, "already running")?;
                 return Ok(true);
             }
@@ -136,7 +143,7 @@ impl Manager {
         if reserved_here {
             self.reserve_existing(name)?;
         } else {
-            self.update(name, "vm.start", |r| r.spec.state = DesiredState::Running)?;
+            self.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
         }
         let made_overlay = match self.ensure_overlay(&vm).await {
             Ok(m) => m,
@@ -147,7 +154,7 @@ impl Manager {
         };
         match self.launch_qemu(&vm, VmStatus::Starting).await {
             Ok(id) => {
-                self.mark_running(name, id, "vm.start")?;
+                self.mark_running(name, id, reason)?;
                 Ok(true)
             }
             Err(e) => {
@@ -270,7 +277,7 @@ impl Manager {
             check_stop_timeout(&p)?;
             let (guard, _) = self.begin(&p.name)?;
             self.stop_held(&guard, &p).await?;
-            self.start_held(&guard, &p.name).await?;
+            self.start_held(&guard, &p.name, "vm.restart").await?;
             Ok(Mutation { changed: true, vm: Some(self.get(&p.name)?) })
         }
         .instrument(span)

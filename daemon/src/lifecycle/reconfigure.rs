@@ -85,7 +85,7 @@ impl Manager {
             self.crashpoint("reconfigure:recorded");
             self.grow_offline(name, grow_to).await?;
             if vm.spec.state == DesiredState::Running {
-                self.start_held(g, name).await?;
+                self.start_held(g, name, "reconfigure").await?;
             }
             return Ok(());
         };
@@ -112,7 +112,7 @@ impl Manager {
         if let Err(e) = self.grow_offline(name, grow_to).await {
             return Err(self.roll_back(g, &old.spec, grow_to, e).await);
         }
-        match self.start_held(g, name).await {
+        match self.start_held(g, name, "reconfigure").await {
             Ok(_) => Ok(()),
             Err(e) => Err(self.roll_back(g, &old.spec, grow_to, e).await),
         }
@@ -136,7 +136,7 @@ impl Manager {
         tracing::warn!(vm = name, error = %cause, "reconfigure failed; starting the VM with its previous spec");
         let restored = async {
             self.swap_in_place(name, &spec, None)?;
-            self.start_held(g, name).await
+            self.start_held(g, name, "reconfigure rolled back").await
         }
         .await;
         let (message, rolled_back) = match &restored {
