@@ -6,17 +6,62 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-missing=()
-for pair in qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static ip:iproute2 strip:binutils \
-    cpio:cpio depmod:kmod socat:socat puppet:puppet rubocop:rubocop systemd-analyze:systemd \
-    systemd-socket-activate:systemd systemd-nspawn:systemd-container adduser:adduser; do
-    command -v "${pair%%:*}" >/dev/null 2>&1 || [ -x "/bin/${pair%%:*}" ] || missing+=("${pair#*:}")
-done
+# Every command the tests and the demo need, with the Debian package that provides it.
+required=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static ip:iproute2
+    strip:binutils cpio:cpio depmod:kmod socat:socat puppet:puppet rubocop:rubocop
+    systemd-analyze:systemd systemd-socket-activate:systemd systemd-nspawn:systemd-container
+    adduser:adduser)
+
+# Sets `missing_commands` to the required commands not found and `missing` to their packages
+# (each once). QEMU and qemu-utils are a pair: when either is needed both are installed in one
+# transaction, qemu-utils by name, so that apt cannot satisfy qemu-system-x86 (and its Recommends,
+# such as qemu-block-extra of the same version) by removing a qemu-utils it did not install.
+find_missing() {
+    local pair cmd pkg
+    missing_commands=()
+    missing=()
+    hash -r
+    for pair in "${required[@]}"; do
+        cmd=${pair%%:*} pkg=${pair#*:}
+        if command -v "$cmd" >/dev/null 2>&1 || [ -x "/bin/$cmd" ]; then continue; fi
+        missing_commands+=("$cmd")
+        [[ " ${missing[*]} " == *" $pkg "* ]] || missing+=("$pkg")
+    done
+    if [[ " ${missing[*]} " == *" qemu-system-x86 "* || " ${missing[*]} " == *" qemu-utils "* ]]; then
+        for pkg in qemu-system-x86 qemu-utils; do
+            [[ " ${missing[*]} " == *" $pkg "* ]] || missing+=("$pkg")
+        done
+    fi
+}
+
+# Quiet unless apt-get fails: then its whole output (unmet dependencies are on stdout) and exit 1.
+apt_install() {
+    local out
+    if ! out=$(DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q "$@" 2>&1); then
+        printf '%s\n' "$out" >&2
+        echo "setup: FAILED: apt-get install $* failed (output above)" >&2
+        exit 1
+    fi
+}
+
+find_missing
 if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: installing ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get -o DPkg::Lock::Timeout=300 update -qq
-    apt-get -o DPkg::Lock::Timeout=300 install -y -qq "${missing[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq
+    apt_install "${missing[@]}"
+    # An installation can remove what provided a command found before it: apt once satisfied
+    # qemu-system-x86 7.2 by removing a preinstalled qemu-utils 10 (a backport), and qemu-img was
+    # gone. So every command is checked again, and what is missing now is installed once more.
+    find_missing
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "setup: ${missing_commands[*]} missing after installing (removed by it?); installing ${missing[*]} again" >&2
+        apt_install "${missing[@]}"
+        find_missing
+        if [ ${#missing[@]} -gt 0 ]; then
+            echo "setup: FAILED: still missing after two installations: ${missing_commands[*]} (packages ${missing[*]})" >&2
+            exit 1
+        fi
+    fi
 fi
 # Test hosts run QEMU as this user (tests/src/lib.rs QEMU_USER); vmhost-qemu itself belongs to
 # the Debian package, which the packaging test installs and purges.
@@ -24,6 +69,10 @@ if ! getent passwd vmhost-test-qemu >/dev/null; then
     adduser --system --group --no-create-home --home /nonexistent --shell /usr/sbin/nologin \
         --quiet vmhost-test-qemu
 fi
+# As the package does for vmhost-qemu: QEMU keeps, of its supplementary groups, only the one
+# owning /dev/kvm, and only when its user is a member; kvm is that group on Debian.
+getent group kvm >/dev/null || addgroup --system --quiet kvm
+[[ " $(id -nG vmhost-test-qemu) " == *" kvm "* ]] || adduser --quiet vmhost-test-qemu kvm
 # Salt 3008 pins a certifi PyPI does not have here; 3007 is the supported line.
 if [ ! -x target/salt-venv/bin/salt-call ] || [ ! -x target/salt-venv/bin/ruff ]; then
     echo "setup: installing salt 3007 and ruff into target/salt-venv"

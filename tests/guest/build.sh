@@ -82,7 +82,9 @@ ensure_tools() {
     [ ${#missing[@]} -eq 0 ] && return 0
     log "installing ${missing[*]}"
     apt_update_once
-    apt-get "${APT_OPTS[@]}" install -y qemu-system-x86 busybox-static cpio kmod socat >&2
+    # qemu-utils by name: otherwise apt may satisfy qemu-system-x86 by removing a qemu-utils of
+    # another version (see tests/setup.sh), and qemu-img is gone.
+    apt-get "${APT_OPTS[@]}" install -y qemu-system-x86 qemu-utils busybox-static cpio kmod socat >&2
 }
 
 # apt-get download needs package lists; on a fresh machine there are none yet.
