@@ -34,6 +34,7 @@ pub const ALL_METHODS: &[&str] = &[
     "host.info",
     "host.check",
     "host.reconcile",
+    "host.shutdown_vms",
     "vm.list",
     "vm.get",
     "vm.create",
@@ -383,6 +384,35 @@ pub struct StopParams {
 
 fn default_stop_timeout() -> u64 {
     30
+}
+
+/// Params of `host.shutdown_vms`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownVmsParams {
+    /// Seconds every guest has to power off after the ACPI button before its QEMU is killed.
+    #[serde(default = "default_stop_timeout")]
+    pub timeout_s: u64,
+}
+
+/// What `host.shutdown_vms` did to one VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShutdownResult {
+    /// VM name.
+    pub vm: String,
+    /// It is no longer running.
+    pub ok: bool,
+    /// The error when not (e.g. 4090: another operation held it).
+    pub error: Option<Value>,
+}
+
+/// Result of `host.shutdown_vms`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShutdownReport {
+    /// One entry per VM that was running, by name.
+    pub vms: Vec<ShutdownResult>,
+    /// Every one of them is down.
+    pub ok: bool,
 }
 
 /// Params of `host.reconcile`.

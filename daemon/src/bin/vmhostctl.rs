@@ -87,6 +87,12 @@ enum Cmd {
         #[arg(long)]
         replace: bool,
     },
+    /// Power off every running VM (ACPI, killed after the timeout), keeping them desired
+    /// running so autostart brings them back: what vmhost-guests.service runs at host shutdown.
+    ShutdownVms {
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+    },
     /// Print VM events as they happen.
     Events,
     /// Call any method with JSON params.
@@ -242,6 +248,22 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         Cmd::Restart { name, timeout, force } => {
             c.set_timeout(Duration::from_secs(timeout.saturating_add(180)))?;
             mutation(cli, &mut c, "vm.restart", json!({ "name": name, "timeout_s": timeout, "force": force }))?
+        }
+        Cmd::ShutdownVms { timeout } => {
+            c.set_timeout(Duration::from_secs(timeout.saturating_add(180)))?;
+            let v: Value = c.call("host.shutdown_vms", json!({ "timeout_s": timeout }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                for r in v["vms"].as_array().into_iter().flatten() {
+                    let outcome =
+                        if r["ok"] == true { "off".to_string() } else { format!("FAILED {}", r["error"]["message"]) };
+                    println!("{:<24} {outcome}", r["vm"].as_str().unwrap_or(""));
+                }
+            }
+            if v["ok"] != true {
+                return Err(Failure::Usage("some VMs could not be powered off".into()));
+            }
         }
         Cmd::Destroy { name } => mutation(cli, &mut c, "vm.destroy", json!({ "name": name }))?,
         Cmd::Reconcile { file, prune, dry_run, replace } => {

@@ -13,7 +13,7 @@
 //! Submodules: [`ops`] (create/start/stop/destroy/apply), [`reconfigure`] (`vm.apply` of a
 //! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`recover`]
 //! (re-adoption at daemon start, exit watching), [`autostart`] (VMs desired running, started at
-//! daemon start), [`reconcile`] (`host.reconcile`).
+//! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`).
 
 mod agent;
 mod autostart;
@@ -22,6 +22,7 @@ mod ops;
 mod reconcile;
 mod reconfigure;
 mod recover;
+mod shutdown;
 mod vfio;
 
 use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION};

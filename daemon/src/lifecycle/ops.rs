@@ -444,7 +444,12 @@ impl Manager {
 }
 
 fn check_stop_timeout(p: &StopParams) -> Result<(), ApiError> {
-    if p.timeout_s > MAX_STOP_TIMEOUT_S {
+    check_stop_timeout_s(p.timeout_s)
+}
+
+/// `-32602` (invalid params) on `timeout_s` above [`MAX_STOP_TIMEOUT_S`].
+pub(super) fn check_stop_timeout_s(timeout_s: u64) -> Result<(), ApiError> {
+    if timeout_s > MAX_STOP_TIMEOUT_S {
         return Err(ApiError::new(Code::InvalidParams, format!("timeout_s: at most {MAX_STOP_TIMEOUT_S} seconds"))
             .field("timeout_s"));
     }

@@ -5,7 +5,8 @@
 //! path of the offending field, so a bad request gets -32602 naming exactly what is wrong.
 
 use crate::api::{
-    ApiError, ApplyParams, Code, CreateParams, NameParams, ReconcileParams, StopParams, EVENT_NOTIFICATION,
+    ApiError, ApplyParams, Code, CreateParams, NameParams, ReconcileParams, ShutdownVmsParams, StopParams,
+    EVENT_NOTIFICATION,
 };
 use crate::lifecycle::Manager;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
@@ -60,6 +61,12 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             Err(e) => return call(Err(e)),
         };
         call(Ok(mgr.reconcile(p).await))
+    })?;
+    m.register_async_method("host.shutdown_vms", |params, mgr, _| async move {
+        match parse_params::<ShutdownVmsParams>(&params) {
+            Ok(p) => call(mgr.shutdown_vms(p.timeout_s).await),
+            Err(e) => call(Err(e)),
+        }
     })?;
     m.register_method("vm.list", |_params, mgr, _| call(Ok::<_, ApiError>(mgr.list())))?;
     m.register_method("vm.get", |params, mgr, _| {
