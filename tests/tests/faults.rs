@@ -25,8 +25,11 @@ const CREATE_STEPS: [&str; 8] = [
 const DESTROY_STEPS: [&str; 3] = ["destroy:recorded", "teardown:killed", "destroy:torn-down"];
 const RECONFIGURE_STEPS: [&str; 2] = ["reconfigure:recorded", "reconfigure:stopped"];
 
+/// Autostart off: each test checks what a restart settles before anything is started again, then
+/// converges itself (tests/tests/autostart.rs covers autostart).
 fn host() -> TestHost {
-    let host = TestHost::start(HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() });
+    let extra = format!("{LAN_NETWORK}\n[lifecycle]\nautostart = false\n");
+    let host = TestHost::start(HostOptions { netns: true, extra, ..HostOptions::default() });
     let st = Command::new("qemu-img")
         .args(["create", "-q", "-f", "qcow2"])
         .arg(host.images().join("base.qcow2"))
