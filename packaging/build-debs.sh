@@ -72,7 +72,8 @@ install -d -m 0755 "$d/usr/sbin" "$d/usr/bin" "$d/lib/systemd/system" "$d/usr/li
 strip -o "$d/usr/sbin/vmhostd" target/release/vmhostd
 strip -o "$d/usr/bin/vmhostctl" target/release/vmhostctl
 chmod 0755 "$d/usr/sbin/vmhostd" "$d/usr/bin/vmhostctl"
-install -m 0644 packaging/systemd/vmhostd.service packaging/systemd/vmhostd.socket "$d/lib/systemd/system/"
+install -m 0644 packaging/systemd/vmhostd.service packaging/systemd/vmhostd.socket \
+    packaging/systemd/vmhost-guests.service "$d/lib/systemd/system/"
 install -m 0644 packaging/modules-load.d/vmhost.conf "$d/usr/lib/modules-load.d/vmhost.conf"
 # The template postinst turns into /etc/vmhost/vmhostd.toml at first installation.
 install -m 0644 packaging/vmhostd.toml.in "$d/usr/share/vmhostd/vmhostd.toml.in"

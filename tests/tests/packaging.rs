@@ -20,7 +20,7 @@ use vmhost::client::Client;
 use vmhost_tests::{build_debs, run_ok, workspace};
 
 const PACKAGES: [&str; 2] = ["vmhostd", "vmhost-agent"];
-const UNITS: [&str; 3] = ["vmhostd.service", "vmhostd.socket", "vmhost-agent.service"];
+const UNITS: [&str; 4] = ["vmhostd.service", "vmhostd.socket", "vmhost-guests.service", "vmhost-agent.service"];
 const UNIT_DIR: &str = "/lib/systemd/system";
 const CONFIG: &str = "/etc/vmhost/vmhostd.toml";
 const SOCKET: &str = "/run/vmhost/vmhostd.sock";
@@ -212,6 +212,7 @@ fn debs_install_verify_serve_and_purge_cleanly() {
     for link in [
         "/etc/systemd/system/sockets.target.wants/vmhostd.socket",
         "/etc/systemd/system/multi-user.target.wants/vmhostd.service",
+        "/etc/systemd/system/multi-user.target.wants/vmhost-guests.service",
         "/etc/systemd/system/multi-user.target.wants/vmhost-agent.service",
     ] {
         assert!(fs::symlink_metadata(link).is_ok(), "{link} missing: unit not enabled");
@@ -224,6 +225,9 @@ fn debs_install_verify_serve_and_purge_cleanly() {
     for g in GROUPS {
         assert!(getent("group", g).is_some(), "group {g} missing");
     }
+    // QEMU keeps the group owning /dev/kvm when vmhost-qemu is a member: the package makes it one.
+    let kvm = getent("group", "kvm").expect("group kvm");
+    assert!(kvm.trim_end().rsplit(':').next().is_some_and(|m| m.split(',').any(|u| u == "vmhost-qemu")), "{kvm}");
 
     // The units: systemd accepts them (any warning fails the test), and the hardening holds.
     let units: Vec<PathBuf> = UNITS.iter().map(|u| Path::new(UNIT_DIR).join(u)).collect();
@@ -316,6 +320,8 @@ fn debs_install_verify_serve_and_purge_cleanly() {
     for g in GROUPS {
         assert!(getent("group", g).is_none(), "group {g} left behind");
     }
+    let kvm = getent("group", "kvm").expect("purge keeps the shared group kvm");
+    assert!(!kvm.contains("vmhost-qemu"), "{kvm}");
     let left: Vec<_> = vmhost_paths().difference(&vmhost_before).cloned().collect();
     assert!(left.is_empty(), "left behind after purge: {left:?}");
     let etc_left: Vec<_> = etc_names().difference(&etc_before).cloned().collect();
