@@ -1,5 +1,7 @@
 //! The Puppet module (`plugins/puppet`) end to end: real `puppet apply` with the module on its
-//! modulepath, against a real vmhostd running real (TCG) QEMUs.
+//! modulepath, against a real vmhostd running real (TCG) QEMUs. A changed `cpu` or `memory` is
+//! applied in place (the VM restarts with the new spec) without `replace`; only a new boot
+//! image needs `replace => true`.
 
 use serde_json::{json, Value};
 use std::fs;
@@ -7,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 use vmhost::client::Client;
-use vmhost_tests::{guest, workspace, HostOptions, TestHost};
+use vmhost_tests::{guest, run_ok, workspace, HostOptions, TestHost};
 
 /// A throwaway Puppet setup: a modulepath holding `vmhost -> plugins/puppet` and private
 /// conf/var dirs, so runs never touch /etc/puppet or /var/cache/puppet.
@@ -54,6 +56,15 @@ fn vm(name: &str, ensure: &str, extra: &str) -> String {
         g.kernel.display(),
         g.initrd.display()
     )
+}
+
+fn argv_of(pid: i64) -> Vec<String> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).expect("QEMU's command line");
+    raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
+}
+
+fn value_after(argv: &[String], flag: &str) -> String {
+    argv.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone()).unwrap_or_default()
 }
 
 fn get(host: &TestHost, name: &str) -> Value {
@@ -105,7 +116,7 @@ fn puppet_creates_converges_reports_noop_changes_once_and_destroys() {
     assert_eq!(get(&host, "web1")["pid"], pid);
 
     // --noop reports the change and sends nothing.
-    let changed = vm("web1", "running", "cpu => 2, replace => true,").replace("cpu => 1,\n", "");
+    let changed = vm("web1", "running", "cpu => 2, restart_timeout => 5,").replace("cpu => 1,\n", "");
     let run = puppet.apply(&sock, &changed, &["--noop"]);
     assert_eq!(run.code, 0, "{}", run.output);
     assert!(run.output.contains("Vmhost_vm[web1]/cpu: current_value 1, should be 2 (noop)"), "{}", run.output);
@@ -114,26 +125,68 @@ fn puppet_creates_converges_reports_noop_changes_once_and_destroys() {
     assert_eq!(v["pid"], pid);
     assert!(drain(&mut events).is_empty(), "noop reached the daemon");
 
-    // Without replace the daemon refuses the drift: its code, fields and the hint are shown.
-    let refused = vm("web1", "running", "cpu => 2,").replace("cpu => 1,\n", "");
-    let run = puppet.apply(&sock, &refused, &[]);
-    assert_eq!(run.code & 4, 4, "a refused change is a failure:\n{}", run.output);
-    assert!(run.output.contains("error 2002 (spec_drift) on field spec"), "{}", run.output);
-    assert!(run.output.contains(r#"details: {"fields":["cpu"]}"#), "{}", run.output);
-    assert!(run.output.contains("set replace => true"), "{}", run.output);
-    assert_eq!(get(&host, "web1")["pid"], pid);
-
-    // With replace => true the change is applied, in one replace.
+    // A cpu change without replace: vmhostd changes the VM in place and restarts it (ACPI,
+    // QEMU killed after restart_timeout if the guest does not power off by then).
     let run = puppet.apply(&sock, &changed, &[]);
     assert_eq!(run.code, 2, "{}", run.output);
     assert!(run.output.contains("Vmhost_vm[web1]/cpu: cpu changed 1 to 2"), "{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[web1]: reconfigured in place, disk kept (cpu)"), "{}", run.output);
     let v = get(&host, "web1");
-    assert_eq!(v["spec"]["cpu"], 2);
-    assert_eq!(v["status"], "running");
+    assert_eq!((&v["spec"]["cpu"], &v["status"], &v["pending_restart"]), (&json!(2), &json!("running"), &json!(false)));
+    let cpu_pid = v["pid"].as_i64().expect("pid");
+    assert_ne!(json!(cpu_pid), pid, "restarted for the change");
+    assert_eq!(value_after(&argv_of(cpu_pid), "-smp"), "2");
     let seen = drain(&mut events);
-    assert_eq!(seen.iter().filter(|e| e.as_str() == "web1 vm.apply replace").count(), 1, "{seen:?}");
+    assert!(!seen.iter().any(|e| e.contains("replace")), "no replace: {seen:?}");
     let run = puppet.apply(&sock, &changed, &[]);
     assert_eq!(run.code, 0, "rerun after the change:\n{}", run.output);
+    assert!(drain(&mut events).is_empty());
+
+    // A memory change, likewise: in place, without replace.
+    let more = changed.replace("memory => '256M'", "memory => '384M'");
+    let run = puppet.apply(&sock, &more, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[web1]/memory: memory changed 256 to 384"), "{}", run.output);
+    assert!(run.output.contains("reconfigured in place, disk kept (memory_mib)"), "{}", run.output);
+    let v = get(&host, "web1");
+    assert_eq!((&v["spec"]["memory_mib"], &v["status"]), (&json!(384), &json!("running")));
+    let mem_pid = v["pid"].as_i64().expect("pid");
+    assert_ne!(mem_pid, cpu_pid, "restarted for the change");
+    assert_eq!(value_after(&argv_of(mem_pid), "-m"), "384");
+    assert!(!drain(&mut events).iter().any(|e| e.contains("replace")));
+    let run = puppet.apply(&sock, &more, &[]);
+    assert_eq!(run.code, 0, "rerun after the change:\n{}", run.output);
+
+    // Only a new boot image needs replace: without it the daemon refuses with 2002 on
+    // spec.boot.image, the hint is shown, and the VM is untouched.
+    run_ok(
+        Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(host.images().join("base.qcow2")).arg("64M"),
+    );
+    let image = "vmhost_vm { 'web1': ensure => running, boot => { 'image' => 'base.qcow2', 'disk_gib' => 1 }, ";
+    let refused = format!("{image}}}");
+    let run = puppet.apply(&sock, &refused, &[]);
+    assert_eq!(run.code & 4, 4, "a refused change is a failure:\n{}", run.output);
+    assert!(run.output.contains("error 2002 (spec_drift) on field spec.boot.image"), "{}", run.output);
+    assert!(
+        run.output.contains("(attribute boot); a new boot image needs a new disk: set replace => true"),
+        "{}",
+        run.output
+    );
+    let v = get(&host, "web1");
+    assert_eq!((v["pid"].as_i64(), &v["spec"]["boot"]["kernel"]), (Some(mem_pid), &json!(guest().kernel)));
+
+    // With replace => true: one replace, a new disk.
+    let replaced = format!("{image}replace => true }}");
+    let run = puppet.apply(&sock, &replaced, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[web1]: replaced with a new disk ("), "{}", run.output);
+    let v = get(&host, "web1");
+    assert_eq!((&v["spec"]["boot"], &v["status"]), (&json!({"image": "base.qcow2", "disk_gib": 1}), &json!("running")));
+    assert!(host.state().join("disks/web1.qcow2").exists());
+    let seen = drain(&mut events);
+    assert_eq!(seen.iter().filter(|e| e.as_str() == "web1 vm.apply replace").count(), 1, "{seen:?}");
+    let run = puppet.apply(&sock, &replaced, &[]);
+    assert_eq!(run.code, 0, "rerun after the replace:\n{}", run.output);
     assert!(drain(&mut events).is_empty());
 
     // ensure => absent destroys; a rerun has nothing to do.

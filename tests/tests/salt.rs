@@ -6,9 +6,10 @@
 
 use serde_json::{json, Map, Value};
 use std::fs;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use vmhost_tests::{alive, workspace, HostOptions, TestHost};
+use vmhost_tests::{alive, run_ok, workspace, HostOptions, TestHost};
 
 /// How the minion finds the vmhost modules.
 enum Loading {
@@ -256,6 +257,136 @@ fn invalid_spec_fails_with_the_daemons_code_and_field() {
     let r = minion.apply("badnet", false);
     assert_eq!(r["result"], false, "{r}");
     assert!(r["comment"].as_str().unwrap_or("").contains("vmhostd error 3001 (spec.nics[0].network)"), "{r}");
+}
+
+fn overlay_ino(host: &TestHost, name: &str) -> u64 {
+    fs::metadata(host.state().join("disks").join(format!("{name}.qcow2"))).expect("overlay").ino()
+}
+
+fn argv_of(pid: i64) -> Vec<String> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).expect("QEMU's command line");
+    raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
+}
+
+fn value_after(argv: &[String], flag: &str) -> String {
+    argv.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone()).unwrap_or_default()
+}
+
+fn comment(r: &Value) -> &str {
+    r["comment"].as_str().unwrap_or_default()
+}
+
+/// An image-booted VM (an empty base image: QEMU runs, the guest has no OS and ignores ACPI, so
+/// every restart ends with a kill after the state's `timeout_s: 1`). A changed `memory_mib` is
+/// made in place: same overlay inode, a new QEMU with the new `-m`. Only a new `boot.image`
+/// needs `replace: True`.
+#[test]
+fn a_memory_change_reconfigures_in_place_and_keeps_the_disk() {
+    let host = TestHost::start(HostOptions::default());
+    for image in ["base.qcow2", "other.qcow2"] {
+        run_ok(
+            Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(host.images().join(image)).arg("64M"),
+        );
+    }
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+    let spec = json!({"name": "disk", "cpu": 1, "memory_mib": 128, "boot": {"image": "base.qcow2", "disk_gib": 1}});
+    let sls = |name: &str, spec: &Value, extra: Value| {
+        let mut args = args_of(spec);
+        args.insert("timeout_s".into(), json!(1));
+        args.extend(extra.as_object().cloned().unwrap_or_default());
+        minion.sls(name, "disk", "vmhost.running", &args);
+    };
+    sls("disk", &spec, json!({}));
+    let r = minion.apply("disk", false);
+    assert_eq!((&r["result"], comment(&r)), (&json!(true), "VM disk created (running)"), "{r}");
+    let ino = overlay_ino(&host, "disk");
+    let pid = host.call("vm.get", json!({ "name": "disk" }))["pid"].as_i64().expect("pid");
+    assert_eq!(value_after(&argv_of(pid), "-m"), "128");
+
+    // test=True: the daemon's dry run predicts a reconfigure with a restart; nothing happens.
+    let mut more = spec.clone();
+    more["memory_mib"] = json!(256);
+    sls("more", &more, json!({}));
+    let r = minion.apply("more", true);
+    assert_eq!(r["result"], Value::Null, "{r}");
+    assert_eq!(r["changes"]["action"], "reconfigure", "{r}");
+    assert_eq!((&r["changes"]["fields"], &r["changes"]["restart"]), (&json!(["memory_mib"]), &json!(true)), "{r}");
+    assert_eq!(comment(&r), "VM disk would be reconfigured in place (disk kept): memory_mib; it is restarted");
+    assert_eq!(host.call("vm.get", json!({ "name": "disk" }))["pid"], pid, "test=True must not restart");
+
+    // The real run: changed in place, without replace. Same disk, a new QEMU with -m 256.
+    let r = minion.apply("more", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(comment(&r), "VM disk reconfigured in place (disk kept): memory_mib (running)", "{r}");
+    assert_eq!(
+        (&r["changes"]["old"]["spec"], &r["changes"]["new"]["spec"]),
+        (&json!({"memory_mib": 128}), &json!({"memory_mib": 256})),
+        "{r}"
+    );
+    let vm = host.call("vm.get", json!({ "name": "disk" }));
+    assert_eq!((&vm["status"], &vm["pending_restart"]), (&json!("running"), &json!(false)), "{vm}");
+    let new_pid = vm["pid"].as_i64().expect("pid");
+    assert_ne!(new_pid, pid, "restarted");
+    assert!(!alive(pid as i32));
+    assert_eq!(value_after(&argv_of(new_pid), "-m"), "256");
+    assert_eq!(overlay_ino(&host, "disk"), ino, "the disk is kept");
+    assert_eq!(host.qemu_pids().len(), 1, "one QEMU");
+    let r = minion.apply("more", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "second run: {r}");
+
+    // restart: False records the change; the VM runs on as it was until it restarts.
+    let mut later = spec.clone();
+    later["memory_mib"] = json!(384);
+    sls("later", &later, json!({"restart": false}));
+    let r = minion.apply("later", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert!(comment(&r).contains("memory_mib; restart pending (restart is False)"), "{r}");
+    assert_eq!(r["changes"]["new"]["pending_restart"], true, "{r}");
+    let vm = host.call("vm.get", json!({ "name": "disk" }));
+    assert_eq!((vm["pid"].as_i64(), &vm["pending_restart"]), (Some(new_pid), &json!(true)), "{vm}");
+    assert_eq!(value_after(&argv_of(new_pid), "-m"), "256");
+    // The same state with restart (the default) applies it now.
+    sls("now", &later, json!({}));
+    let r = minion.apply("now", true);
+    assert_eq!((&r["result"], &r["changes"]["action"]), (&Value::Null, &json!("reconfigure")), "{r}");
+    let r = minion.apply("now", false);
+    assert_eq!(comment(&r), "VM disk restarted to apply its pending change (running)", "{r}");
+    let vm = host.call("vm.get", json!({ "name": "disk" }));
+    let pid384 = vm["pid"].as_i64().expect("pid");
+    assert_eq!((&vm["pending_restart"], value_after(&argv_of(pid384), "-m")), (&json!(false), "384".into()));
+    assert_eq!(overlay_ino(&host, "disk"), ino, "the disk is kept");
+
+    // A new boot.image needs a new disk: refused (2002) without replace, under test=True too,
+    // and nothing changes.
+    let mut other = later.clone();
+    other["boot"]["image"] = json!("other.qcow2");
+    sls("other", &other, json!({}));
+    for test in [true, false] {
+        let r = minion.apply("other", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "test={test}: {r}");
+        assert!(comment(&r).contains("vmhostd error 2002 (spec.boot.image)"), "test={test}: {r}");
+        assert!(comment(&r).contains("set replace: True to recreate the VM with a new disk"), "{r}");
+    }
+    let vm = host.call("vm.get", json!({ "name": "disk" }));
+    assert_eq!((vm["pid"].as_i64(), &vm["spec"]["boot"]["image"]), (Some(pid384), &json!("base.qcow2")));
+    assert_eq!(overlay_ino(&host, "disk"), ino);
+
+    // With replace: True it is replaced: a new disk (a new VM record), a new QEMU.
+    sls("replace", &other, json!({"replace": true}));
+    let r = minion.apply("replace", true);
+    assert_eq!((&r["result"], &r["changes"]["action"]), (&Value::Null, &json!("replace")), "{r}");
+    let r = minion.apply("replace", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(
+        comment(&r),
+        "VM disk replaced (new disk; the old disk overlay was deleted): boot.image (running)",
+        "{r}"
+    );
+    let after = host.call("vm.get", json!({ "name": "disk" }));
+    assert_eq!(after["spec"]["boot"]["image"], "other.qcow2");
+    assert_ne!(after["created_at"], vm["created_at"], "a replace makes a new VM");
+    assert_ne!(after["pid"].as_i64(), Some(pid384));
 }
 
 #[test]

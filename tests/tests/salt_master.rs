@@ -3,18 +3,22 @@
 //! own network namespace), all on loopback in temp dirs. The engine reads two Security Onion
 //! `<hypervisor>VMs` files and converges both hosts; removing an entry destroys that VM on the
 //! right host only and never a VM the engine did not create; daemon events and the engine's
-//! results reach the master's event bus under `vmhost/<hypervisor>/<vm>/<status>`.
+//! results reach the master's event bus under `vmhost/<hypervisor>/<vm>/<status>`. An edited
+//! entry is reconfigured in place (same disk inode, a new QEMU with the new memory); an entry
+//! whose VM has another image is reported `reconcile_failed` with the daemon's 2002 and its VM
+//! left alone: the engine never replaces.
 //!
 //! Needs `tests/setup.sh` (target/salt-venv with salt 3007) and `cargo build --workspace --bins`.
 
 use serde_json::{json, Value};
 use std::fs;
 use std::net::TcpListener;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use vmhost_tests::{guest, workspace, HostOptions, TestHost, LAN_NETWORK};
+use vmhost_tests::{guest, run_ok, workspace, HostOptions, TestHost, LAN_NETWORK};
 
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -142,6 +146,8 @@ engines:
           kernel: {kernel}
           initrd: {initrd}
           cmdline: "console=ttyS0 panic=-1 quiet"
+        roles:
+          heavynode: {{image: base.qcow2, disk_gib: 1}}
 "#,
             d = d.display(),
             ext = ext.display(),
@@ -328,6 +334,24 @@ fn wait_vms(host: &TestHost, want: &[&str], salt: &Salt) {
     }
 }
 
+fn overlay_ino(host: &TestHost, name: &str) -> u64 {
+    fs::metadata(host.state().join("disks").join(format!("{name}.qcow2"))).expect("overlay").ino()
+}
+
+fn argv_of(pid: i64) -> Vec<String> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).expect("QEMU's command line");
+    raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
+}
+
+fn value_after(argv: &[String], flag: &str) -> String {
+    argv.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone()).unwrap_or_default()
+}
+
+/// An empty qcow2 base image in a host's images dir.
+fn base_image(host: &TestHost, name: &str) {
+    run_ok(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(host.images().join(name)).arg("64M"));
+}
+
 fn so_entry(hostname: &str, role: &str, net: Value) -> Value {
     let mut e =
         json!({ "hostname": hostname, "role": role, "cpu": 1, "memory": 1, "disk": [], "copper": [], "sfp": [] });
@@ -342,6 +366,9 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     let opts = || HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() };
     let hv1 = TestHost::start(opts());
     let hv2 = TestHost::start(opts());
+    base_image(&hv1, "base.qcow2");
+    base_image(&hv2, "base.qcow2");
+    base_image(&hv2, "other.qcow2");
     // A VM on hv2 that the engine did not create: it must survive every prune.
     hv2.call("vm.create", json!({ "spec": hv2.kernel_spec("manual") }));
 
@@ -431,6 +458,72 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     assert_eq!(vms(&hv1).first().cloned(), s1_before, "hv1 untouched");
     assert!(!salt.events().iter().any(|e| e["tag"].as_str().unwrap_or_default().starts_with("vmhost/hv2/manual/")));
     eprintln!("prunes done after {:?}", t0.elapsed());
+
+    // An edited entry is changed in place and keeps its disk. img1 is a heavynode, which the
+    // engine config boots from an image (empty: QEMU runs, the guest has no OS and ignores
+    // ACPI, so its restart waits for the 30 s power-off timeout host.reconcile uses).
+    let img1 = so_entry("img1", "heavynode", json!({"network_mode": "dhcp4"}));
+    salt.write_vms("hv1", json!([sensor1, img1]));
+    wait_vms(&hv1, &["img1-heavynode", "sensor1-sensor"], &salt);
+    salt.wait_event("img1's create", |e| {
+        e["tag"] == "vmhost/hv1/img1-heavynode/reconciled" && e["data"]["action"] == "create"
+    });
+    let ino = overlay_ino(&hv1, "img1-heavynode");
+    let before = hv1.call("vm.get", json!({"name": "img1-heavynode"}));
+    let img1_pid = before["pid"].as_i64().expect("pid");
+    assert_eq!(value_after(&argv_of(img1_pid), "-m"), "1024");
+    let s1_pid = hv1.call("vm.get", json!({"name": "sensor1-sensor"}))["pid"].clone();
+
+    // The engine never replaces: a VM whose image differs from what its entry maps to gets the
+    // daemon's 2002 and is left alone. A VM made by hand on hv2 with another image, then claimed
+    // by an entry, meets the same plan entry as a change of the engine's boot image would.
+    let img2_spec = json!({"name": "img2-heavynode", "role": "heavynode", "cpu": 1, "memory_mib": 1024,
+        "boot": {"image": "other.qcow2", "disk_gib": 1}, "nics": [{"network": "lan", "ipv4": {"mode": "dhcp"}}]});
+    hv2.call("vm.create", json!({ "spec": img2_spec }));
+    let img2_before = hv2.call("vm.get", json!({"name": "img2-heavynode"}));
+    let manual_before = vms(&hv2).into_iter().find(|v| v.0 == "manual");
+
+    let mut img1_more = img1.clone();
+    img1_more["memory"] = json!(2);
+    let t1 = Instant::now();
+    salt.write_vms("hv1", json!([sensor1, img1_more]));
+    salt.write_vms("hv2", json!([broken, so_entry("img2", "heavynode", json!({"network_mode": "dhcp4"}))]));
+    let e = salt.wait_event("img1's reconfigure", |e| {
+        e["tag"] == "vmhost/hv1/img1-heavynode/reconciled" && e["data"]["action"] == "reconfigure"
+    });
+    eprintln!("img1 reconfigured after {:?}", t1.elapsed());
+    assert_eq!((&e["data"]["ok"], &e["data"]["changed"]), (&json!(true), &json!(true)), "{e}");
+    assert_eq!((&e["data"]["fields"], &e["data"]["restart"]), (&json!(["memory_mib"]), &json!(true)), "{e}");
+    let after = hv1.call("vm.get", json!({"name": "img1-heavynode"}));
+    assert_eq!((&after["status"], &after["spec"]["memory_mib"]), (&json!("running"), &json!(2048)), "{after}");
+    let new_pid = after["pid"].as_i64().expect("pid");
+    assert_ne!(new_pid, img1_pid, "restarted for the change");
+    assert_eq!(value_after(&argv_of(new_pid), "-m"), "2048");
+    assert_eq!(overlay_ino(&hv1, "img1-heavynode"), ino, "the disk is kept");
+    assert_eq!(after["created_at"], before["created_at"], "not recreated");
+    assert_eq!(hv1.call("vm.get", json!({"name": "sensor1-sensor"}))["pid"], s1_pid, "sensor1 untouched");
+
+    let f = salt.tag_event("vmhost/hv2/img2-heavynode/reconcile_failed");
+    assert_eq!((&f["data"]["action"], &f["data"]["ok"]), (&json!("replace"), &json!(false)), "{f}");
+    assert_eq!(
+        (&f["data"]["error"]["code"], &f["data"]["error"]["field"]),
+        (&json!(2002), &json!("spec.boot.image")),
+        "{f}"
+    );
+    assert_eq!(f["data"]["fields"], json!(["boot.image"]), "{f}");
+    assert!(f["data"]["hint"].as_str().unwrap_or_default().contains("never replaces"), "{f}");
+    let img2_after = hv2.call("vm.get", json!({"name": "img2-heavynode"}));
+    assert_eq!(
+        (&img2_after["pid"], &img2_after["spec"], &img2_after["created_at"]),
+        (&img2_before["pid"], &img2_before["spec"], &img2_before["created_at"]),
+        "img2 left alone"
+    );
+    assert_eq!(vms(&hv2).into_iter().find(|v| v.0 == "manual"), manual_before, "manual untouched");
+    assert!(
+        !salt.events().iter().any(|e| e["data"]["action"] == "replace" && e["data"]["ok"] == true),
+        "nothing was replaced"
+    );
+    eprintln!("edits done after {:?}", t0.elapsed());
     drop(salt);
     eprintln!("salt stopped after {:?}", t0.elapsed());
 }

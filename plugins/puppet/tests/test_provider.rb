@@ -14,31 +14,15 @@ Puppet.initialize_settings(['--confdir', PUPPET_DIR, '--vardir', PUPPET_DIR, '--
 require 'puppet/type/vmhost_vm'
 require 'puppet/provider/vmhost_vm/vmhostd'
 
-# The type and provider in a real (in-process) Puppet catalog run against a fake daemon:
-# what is sent, how often, and what a rerun or noop does.
-class TestProvider < Minitest::Test
-  KERNEL_BOOT = { 'kernel' => '/srv/vmlinuz', 'initrd' => '/srv/initrd', 'cmdline' => 'console=ttyS0' }.freeze
-
-  def setup
-    @vms = {}
-    @logs = []
-    Puppet::Util::Log.newdestination(Puppet::Test::LogCollector.new(@logs))
-    Puppet::Util::Log.level = :info
-    @fake = FakeVmhostd.new { |req| handle(req) }
-  end
-
-  def teardown
-    Puppet::Util::Log.close_all
-    @fake&.close
-  end
-
-  # A tiny daemon: enough of vm.list / vm.get / vm.apply / vm.destroy for the provider.
+# A tiny daemon: enough of vm.list / vm.get / vm.apply / vm.destroy for the provider, over the
+# test's @vms (name => VM view).
+module FakeVmLogic
   def handle(req)
     p = req['params'] || {}
     case req['method']
     when 'vm.list' then { 'result' => @vms.values }
     when 'vm.get' then @vms[p['name']] ? { 'result' => @vms[p['name']] } : not_found
-    when 'vm.apply' then apply(p['spec'])
+    when 'vm.apply' then apply(p['spec'], p)
     when 'vm.destroy' then { 'result' => { 'changed' => !@vms.delete(p['name']).nil?, 'vm' => nil } }
     else { 'error' => { 'code' => -32_601, 'message' => 'Method not found' } }
     end
@@ -57,7 +41,24 @@ class TestProvider < Minitest::Test
     end
   end
 
-  def apply(spec)
+  # Like vmhostd: only a new boot image needs replace (2002 without it); anything else is
+  # changed in place, and with restart: false a running VM shows pending_restart.
+  def image_drift(spec, params)
+    old = @vms[spec['name']]
+    return nil if old.nil? || params['replace']
+    return nil if old['spec'].dig('boot', 'image') == spec.dig('boot', 'image')
+
+    { 'error' => { 'code' => 2002,
+                   'message' => "VM \"#{spec['name']}\": boot.image changes, which needs a new disk and destroys " \
+                                'the old one (boot.image); pass replace: true to do that',
+                   'data' => { 'kind' => 'spec_drift', 'field' => 'spec.boot.image',
+                               'details' => { 'fields' => ['boot.image'] } } } }
+  end
+
+  def apply(spec, params = {})
+    drift = image_drift(spec, params)
+    return drift if drift
+
     if (field = wrong_type(spec))
       return { 'error' => { 'code' => -32_602, 'message' => "invalid type for #{field}",
                             'data' => { 'kind' => 'invalid_params', 'field' => "spec.#{field}", 'details' => nil } } }
@@ -69,13 +70,36 @@ class TestProvider < Minitest::Test
     return { 'result' => { 'changed' => false, 'vm' => @vms[spec['name']] } } if @ignore_changes
 
     spec = { 'state' => 'running' }.merge(spec)
+    existed = @vms.key?(spec['name'])
     @vms[spec['name']] = view(spec)
+    @vms[spec['name']]['pending_restart'] = existed && params['restart'] == false
     { 'result' => { 'changed' => true, 'vm' => @vms[spec['name']] } }
   end
 
   def view(spec)
     { 'name' => spec['name'], 'spec' => spec, 'desired_state' => spec['state'],
       'status' => spec['state'] == 'running' ? 'running' : 'stopped' }
+  end
+end
+
+# The type and provider in a real (in-process) Puppet catalog run against a fake daemon:
+# what is sent, how often, and what a rerun or noop does.
+class TestProvider < Minitest::Test
+  include FakeVmLogic
+
+  KERNEL_BOOT = { 'kernel' => '/srv/vmlinuz', 'initrd' => '/srv/initrd', 'cmdline' => 'console=ttyS0' }.freeze
+
+  def setup
+    @vms = {}
+    @logs = []
+    Puppet::Util::Log.newdestination(Puppet::Test::LogCollector.new(@logs))
+    Puppet::Util::Log.level = :info
+    @fake = FakeVmhostd.new { |req| handle(req) }
+  end
+
+  def teardown
+    Puppet::Util::Log.close_all
+    @fake&.close
   end
 
   def apply_vm(noop: false, **attrs)
@@ -100,6 +124,8 @@ class TestProvider < Minitest::Test
                    'nics' => [{ 'network' => 'lan', 'ipv4' => { 'mode' => 'dhcp' } }] },
                  reqs[1]['params']['spec'])
     assert_equal false, reqs[1]['params']['replace']
+    assert_equal true, reqs[1]['params']['restart']
+    assert_equal 30, reqs[1]['params']['timeout_s']
   end
 
   def test_rerun_with_string_numbers_and_empty_lists_changes_nothing
@@ -117,14 +143,52 @@ class TestProvider < Minitest::Test
   def test_several_changes_are_sent_in_one_call_over_the_recorded_spec
     apply_vm(**web1(role: 'web'))
     @fake.request_list
-    status = apply_vm(name: 'web1', cpu: 2, memory: '1G', replace: true)
+    status = apply_vm(name: 'web1', cpu: 2, memory: '1G')
     assert status.changed
+    refute status.failed
     assert_equal 2, status.events.size
     reqs = @fake.request_list
     assert_equal(%w[vm.list vm.apply], reqs.map { |r| r['method'] })
     assert_equal({ 'name' => 'web1', 'role' => 'web', 'cpu' => 2, 'memory_mib' => 1024, 'state' => 'running',
                    'boot' => KERNEL_BOOT }, reqs[1]['params']['spec'])
-    assert_equal true, reqs[1]['params']['replace']
+    # No replace: vmhostd changes CPUs and memory in place, keeping the disk.
+    assert_equal false, reqs[1]['params']['replace']
+    assert_includes logs_text, 'reconfigured in place, disk kept (cpu, memory_mib)'
+  end
+
+  def test_restart_and_its_timeout_are_passed_on
+    apply_vm(**web1)
+    @fake.request_list
+    status = apply_vm(**web1(memory: '512M', restart: false, restart_timeout: '5'))
+    refute status.failed
+    params = @fake.request_list[1]['params']
+    assert_equal [false, 5], [params['restart'], params['timeout_s']]
+    assert_includes logs_text, 'reconfigured in place, disk kept (memory_mib); restart => false: ' \
+                               'the change applies at the next start of the VM'
+    type = Puppet::Type.type(:vmhost_vm)
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', restart_timeout: 3601) }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', restart_timeout: -1) }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', restart_timeout: 'soon') }
+  end
+
+  def test_a_new_boot_image_needs_replace
+    image = { 'image' => 'base.qcow2', 'disk_gib' => 2 }
+    apply_vm(**web1(boot: image))
+    @fake.request_list
+    new_image = image.merge('image' => 'new.qcow2')
+    assert apply_vm(**web1(boot: new_image)).failed
+    line = @logs.map(&:to_s).grep(/vmhostd refused/).first.to_s
+    assert_includes line, 'error 2002 (spec_drift) on field spec.boot.image: '
+    assert_includes line, '(attribute boot); a new boot image needs a new disk: set replace => true'
+    assert_equal 'base.qcow2', @vms['web1']['spec']['boot']['image']
+    @fake.request_list
+    refute apply_vm(**web1(boot: new_image, replace: true)).failed
+    assert_equal true, @fake.request_list[1]['params']['replace']
+    assert_includes logs_text, 'replaced with a new disk (boot.image); the old disk overlay was deleted'
+  end
+
+  def logs_text
+    @logs.map(&:to_s).join("\n")
   end
 
   def test_undeclared_attributes_are_not_managed

@@ -88,6 +88,17 @@ class TestSpec < Minitest::Test
     assert_equal 'stopped', Spec.build('a', recorded, {}, nil)['state']
   end
 
+  def test_drift_names_the_differing_members_as_vmhostd_does
+    old = { 'name' => 'a', 'cpu' => 1, 'memory_mib' => 256, 'state' => 'running',
+            'boot' => { 'image' => 'b.qcow2', 'disk_gib' => 2 }, 'guest_interfaces' => [{ 'name' => 'd0' }] }
+    new = old.merge('memory_mib' => 512, 'state' => 'stopped', 'guest_interfaces' => [],
+                    'boot' => { 'image' => 'b.qcow2', 'disk_gib' => 3 })
+    assert_equal %w[boot.disk_gib memory_mib], Spec.drift(old, new)
+    assert_equal %w[boot.image], Spec.drift(old, old.merge('boot' => { 'image' => 'c.qcow2', 'disk_gib' => 2 }))
+    assert_equal %w[role], Spec.drift(old, old.merge('role' => 'web'))
+    assert_empty Spec.drift(old, old.merge('cpu' => '1'))
+  end
+
   def test_attribute_for_field
     assert_equal 'memory', Spec.attribute_for_field('spec.memory_mib')
     assert_equal 'cpu', Spec.attribute_for_field('spec.cpu')

@@ -205,40 +205,75 @@ class TagTest(unittest.TestCase):
 
 
 class FakeHost:
-    """A hypervisor minion with vmhostd, as far as reconcile and destroy go."""
+    """A hypervisor minion with vmhostd, as far as reconcile and destroy go: an edited spec is
+    reconfigured in place, a new boot image is a replace that needs ``replace`` (which the engine
+    never gives: the fake takes no such argument), so it carries the daemon's 2002."""
 
     def __init__(self, vms=()):
         self.vms = set(vms)
+        self.specs = {}
         self.calls = []
         self.fail_create = set()
 
+    def _change(self, spec):
+        """(action, fields, error) for a desired spec of an existing VM."""
+        old = self.specs.setdefault(spec["name"], spec)
+        fields = sorted(k for k in set(old) | set(spec) if k != "state" and old.get(k) != spec.get(k))
+        if not fields:
+            return "none", [], None
+        if (old.get("boot") or {}).get("image") != (spec.get("boot") or {}).get("image"):
+            fields = ["boot.image"]
+            err = {
+                "code": 2002,
+                "message": f'VM "{spec["name"]}": boot.image changes, which needs a new disk and destroys the old '
+                "one (boot.image); pass replace: true to do that",
+                "data": {"kind": "spec_drift", "field": "spec.boot.image", "details": {"fields": fields}},
+            }
+            return "replace", fields, err
+        return "reconfigure", fields, None
+
     def reconcile(self, vms, prune, dry_run):
         desired = [s["name"] for s in vms]
+        by_name = {s["name"]: s for s in vms}
         extra = sorted(self.vms - set(desired))
         plan, results = [], []
         for name in desired:
-            action = "none" if name in self.vms else "create"
-            plan.append({"vm": name, "action": action, "reason": "", "error": None})
+            if name in self.vms:
+                action, fields, err = self._change(by_name[name])
+            else:
+                action, fields, err = "create", [], None
+            item = {"vm": name, "action": action, "reason": "", "error": err}
+            if fields:
+                item["fields"] = fields
+            if action == "reconfigure":
+                item["restart"] = True
+            plan.append(item)
         for name in extra:
             plan.append({"vm": name, "action": "destroy" if prune else "none", "reason": "", "error": None})
         if not dry_run:
             for item in plan:
                 name, action = item["vm"], item["action"]
-                ok = name not in self.fail_create
-                err = None if ok else {"code": 4001, "message": "QEMU failed", "data": {"kind": "x", "field": None}}
-                if ok and action == "create":
+                ok = name not in self.fail_create and item["error"] is None
+                err = item["error"]
+                if ok is False and err is None:
+                    err = {"code": 4001, "message": "QEMU failed", "data": {"kind": "x", "field": None}}
+                if ok and action in ("create", "reconfigure"):
                     self.vms.add(name)
+                    self.specs[name] = by_name[name]
                 if ok and action == "destroy":
                     self.vms.discard(name)
+                    self.specs.pop(name, None)
                 results.append(
                     {"vm": name, "action": action, "ok": ok, "changed": ok and action != "none", "error": err}
                 )
-        return {"dry_run": dry_run, "plan": plan, "results": results, "ok": all(r["ok"] for r in results)}
+        ok = all(r["ok"] for r in results) and all(p["error"] is None for p in plan)
+        return {"dry_run": dry_run, "plan": plan, "results": results, "ok": ok}
 
     def destroy(self, name):
         if name not in self.vms:
             raise RuntimeError(f'vmhostd error 4040 (name): no VM named "{name}"')
         self.vms.discard(name)
+        self.specs.pop(name, None)
         return {"changed": True, "vm": None}
 
 
@@ -469,6 +504,66 @@ class EngineTest(unittest.TestCase):
         self.now += 61
         self.assertEqual(engine.run_once(), {"hv1": "ok"})
         self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-sensor"})
+
+    def test_an_edited_entry_is_reconfigured_and_never_replaced(self):
+        self.write("hv1", [entry("a"), entry("b", "searchnode")])
+        engine = self.engine()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.events.clear()
+        # More memory for a: changed in place, reported with its fields and restart.
+        self.write("hv1", [entry("a", memory=2), entry("b", "searchnode")])
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        done = [d for t, d in self.events if t == "vmhost/hv1/a-sensor/reconciled"]
+        self.assertEqual(len(done), 1, self.events)
+        self.assertEqual(
+            {k: done[0][k] for k in ("action", "ok", "changed", "error", "fields", "restart")},
+            {
+                "action": "reconfigure",
+                "ok": True,
+                "changed": True,
+                "error": None,
+                "fields": ["memory_mib"],
+                "restart": True,
+            },
+        )
+        self.assertEqual(self.hosts["hv1"].specs["a-sensor"]["memory_mib"], 2048)
+        self.assertFalse([t for t, _ in self.events if "b-searchnode" in t], "b is unchanged: no event")
+        # Never replace: the engine leaves it out of every call (the daemon's default is false).
+        for _, fun, kwarg in self.client.calls:
+            if fun == "vmhost.reconcile":
+                self.assertNotIn("replace", kwarg)
+
+        # A new image for searchnode (the engine config's boot source): the daemon's 2002 is
+        # reported for b, which is left as it is; a stays.
+        self.events.clear()
+        new_image = {"default": {"image": "so-new.qcow2", "disk_gib": 100}, "roles": {"sensor": KERNEL}}
+        engine = self.engine(boot=new_image)
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        failed = [d for t, d in self.events if t == "vmhost/hv1/b-searchnode/reconcile_failed"]
+        self.assertEqual(len(failed), 1, self.events)
+        self.assertEqual(failed[0]["action"], "replace")
+        self.assertEqual(failed[0]["ok"], False)
+        self.assertEqual(failed[0]["fields"], ["boot.image"])
+        self.assertEqual(
+            (failed[0]["error"]["code"], failed[0]["error"]["field"], failed[0]["error"]["kind"]),
+            (2002, "spec.boot.image", "spec_drift"),
+        )
+        self.assertIn("never replaces a VM", failed[0]["hint"])
+        self.assertEqual(self.hosts["hv1"].specs["b-searchnode"]["boot"], IMAGE, "b left alone")
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-searchnode"})
+        summary = [d for t, d in self.events if t == "vmhost/hv1/_hypervisor/reconcile_failed"]
+        self.assertEqual((summary[0]["failed"], summary[0]["ok"]), (1, False))
+        with open(os.path.join(self.cache, "state.json")) as f:
+            self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor", "b-searchnode"])
+        # Retried after `retry`, and still never replaced.
+        self.now += 61
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].specs["b-searchnode"]["boot"], IMAGE)
+
+    def test_plan_details_of_a_lying_minion_are_dropped(self):
+        self.assertEqual(eng._plan_details({"fields": ["cpu", 3], "restart": "yes"}), {})
+        self.assertEqual(eng._plan_details({"fields": ["x" * 500]}), {"fields": ["x" * 100]})
+        self.assertEqual(eng._plan_details({"fields": ["f"] * 65, "restart": False}), {"restart": False})
 
     def test_dry_run_changes_nothing(self):
         self.write("hv2", [entry("a")])

@@ -35,8 +35,24 @@ class Requests(ModuleTest):
             (self.mod.check_host, (), "host.check", {}),
             (self.mod.list_, (), "vm.list", {}),
             (self.mod.get, ("web",), "vm.get", {"name": "web"}),
-            (self.mod.apply, (spec,), "vm.apply", {"spec": spec, "replace": False}),
-            (self.mod.apply, ('{"name": "web", "cpu": 1}', True), "vm.apply", {"spec": spec, "replace": True}),
+            (
+                self.mod.apply,
+                (spec,),
+                "vm.apply",
+                {"spec": spec, "replace": False, "restart": True, "timeout_s": 30},
+            ),
+            (
+                self.mod.apply,
+                ('{"name": "web", "cpu": 1}', True),
+                "vm.apply",
+                {"spec": spec, "replace": True, "restart": True, "timeout_s": 30},
+            ),
+            (
+                self.mod.apply,
+                (spec, "False", "false", "5"),
+                "vm.apply",
+                {"spec": spec, "replace": False, "restart": False, "timeout_s": 5},
+            ),
             (self.mod.start, ("web",), "vm.start", {"name": "web"}),
             (self.mod.stop, ("web",), "vm.stop", {"name": "web", "timeout_s": 30, "force": False}),
             (self.mod.stop, ("web", "5", True), "vm.stop", {"name": "web", "timeout_s": 5, "force": True}),
@@ -45,12 +61,23 @@ class Requests(ModuleTest):
             (self.mod.check, ("web",), "vm.check", {"name": "web"}),
             (self.mod.guest_info, ("web",), "vm.guest_info", {"name": "web"}),
             (self.mod.guest_network, ("web",), "vm.guest_network", {"name": "web"}),
-            (self.mod.reconcile, ([spec],), "host.reconcile", {"vms": [spec], "prune": False, "dry_run": False}),
+            (
+                self.mod.reconcile,
+                ([spec],),
+                "host.reconcile",
+                {"vms": [spec], "prune": False, "dry_run": False, "replace": False},
+            ),
             (
                 self.mod.reconcile,
                 ({"vms": [spec]}, True, True),
                 "host.reconcile",
-                {"vms": [spec], "prune": True, "dry_run": True},
+                {"vms": [spec], "prune": True, "dry_run": True, "replace": False},
+            ),
+            (
+                self.mod.reconcile,
+                ([spec], False, True, True),
+                "host.reconcile",
+                {"vms": [spec], "prune": False, "dry_run": True, "replace": True},
             ),
         ]
         for fn, args, method, params in cases:
@@ -84,6 +111,13 @@ class Requests(ModuleTest):
             self.mod.reconcile({"name": "a"})
         with self.assertRaisesRegex(CommandExecutionError, "timeout_s must be an integer"):
             self.mod.stop("web", timeout_s="soon")
+        with self.assertRaisesRegex(CommandExecutionError, "timeout_s must be an integer"):
+            self.mod.apply({"name": "web"}, timeout_s="soon")
+        # A flag written as text is read as YAML reads it, never as a truthy string.
+        with self.assertRaisesRegex(CommandExecutionError, "replace must be True or False, not 'maybe'"):
+            self.mod.apply({"name": "web"}, replace="maybe")
+        with self.assertRaisesRegex(CommandExecutionError, "restart must be True or False"):
+            self.mod.apply({"name": "web"}, restart=[])
         self.assertEqual(self.daemon.requests, [])
 
     def test_socket_path_falls_back_to_the_flat_option_and_the_default(self):
@@ -270,6 +304,17 @@ class TransportErrors(ModuleTest):
         self.assertEqual(self.mod.stop("web", timeout_s=1), {"changed": True, "vm": None})
         with self.assertRaisesRegex(CommandExecutionError, "did not answer vm.stop"):
             self.mod.stop("web", timeout_s=0)
+
+    def test_apply_waits_longer_than_its_timeout_s(self):
+        def slow(request, conn):
+            time.sleep(0.8)
+            send(conn, answer(request, {"changed": True, "vm": None}))
+
+        self.start(slow, timeout=0.5)
+        # A restart for an in-place change waits for the guest's power-off: timeout_s is added.
+        self.assertEqual(self.mod.apply({"name": "web"}, timeout_s=1), {"changed": True, "vm": None})
+        with self.assertRaisesRegex(CommandExecutionError, "did not answer vm.apply"):
+            self.mod.apply({"name": "web"}, timeout_s=0)
 
 
 if __name__ == "__main__":

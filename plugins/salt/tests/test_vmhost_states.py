@@ -18,13 +18,36 @@ def not_found(params):
     raise Fail(error(4040, f'no VM named "{params["name"]}"', field="name", kind="not_found"))
 
 
-def plan(action, reason, err=None, vm="web"):
+def plan(action, reason, err=None, vm="web", **extra):
     # prune false: the other VMs of the host are listed as kept, with action none.
     entries = [
-        {"vm": vm, "action": action, "reason": reason, "error": err},
+        dict({"vm": vm, "action": action, "reason": reason, "error": err}, **extra),
         {"vm": "other", "action": "none", "reason": "not in the desired set; kept (prune is off)", "error": None},
     ]
     return lambda params: {"dry_run": True, "plan": entries, "results": [], "ok": err is None}
+
+
+IMAGE_DRIFT = error(
+    2002,
+    'VM "web": boot.image changes, which needs a new disk and destroys the old one (boot.image); '
+    "pass replace: true to do that",
+    field="spec.boot.image",
+    details={"fields": ["boot.image"]},
+    kind="spec_drift",
+)
+
+
+def image_plan(params):
+    """The daemon's dry run for a boot.image change: a 2002 unless replace is given."""
+    err = None if params["replace"] else IMAGE_DRIFT
+    entry = {
+        "vm": "web",
+        "action": "replace",
+        "reason": "boot.image changes (a new disk): boot.image",
+        "error": err,
+        "fields": ["boot.image"],
+    }
+    return {"dry_run": True, "plan": [entry], "results": [], "ok": err is None}
 
 
 class StateTest(unittest.TestCase):
@@ -68,6 +91,7 @@ class TestMode(StateTest):
                     "vms": [{"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "state": "running"}],
                     "prune": False,
                     "dry_run": True,
+                    "replace": False,
                 }
             ],
         )
@@ -102,16 +126,106 @@ class TestMode(StateTest):
         )
         self.assertNothingMutated()
 
-    def test_replace_without_permission_fails(self):
-        spec = {"name": "web", "cpu": 2, "memory_mib": 256, "boot": BOOT}
-        self.start({"vm.get": lambda p: view(spec), "host.reconcile": plan("replace", "spec differs: cpu")}, test=True)
-        ret = self.state.running("web", replace=False, cpu=1, memory_mib=256, boot=BOOT)
+    def test_image_change_without_replace_fails_with_the_daemons_2002(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": {"image": "old.qcow2", "disk_gib": 2}}
+        self.start({"vm.get": lambda p: view(spec), "host.reconcile": image_plan}, test=True)
+        new_boot = {"image": "new.qcow2", "disk_gib": 2}
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=new_boot)
         self.assertIs(ret["result"], False)
-        self.assertIn("spec differs: cpu", ret["comment"])
+        self.assertEqual(ret["changes"], {})
+        self.assertTrue(
+            ret["comment"].startswith(
+                "VM web would fail to be replaced (new disk): vmhostd error 2002 (spec.boot.image): "
+            ),
+            ret["comment"],
+        )
+        self.assertTrue(
+            ret["comment"].endswith(
+                "; set replace: True to recreate the VM with a new disk (its old disk overlay is deleted)"
+            ),
+            ret["comment"],
+        )
+        # With replace the dry run is asked with replace, and predicts the new disk.
+        ret = self.state.running("web", replace=True, cpu=1, memory_mib=256, boot=new_boot)
+        self.assertIsNone(ret["result"])
+        self.assertEqual(
+            ret["changes"],
+            {"action": "replace", "reason": "boot.image changes (a new disk): boot.image", "fields": ["boot.image"]},
+        )
+        self.assertEqual(
+            ret["comment"], "VM web would be replaced (new disk; the old disk overlay is deleted): boot.image"
+        )
+        self.assertEqual([p["replace"] for p in self.params("host.reconcile")], [False, True])
+        self.assertNothingMutated()
+
+    def test_reconfigure_is_predicted_with_its_fields_and_restart(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
+        reason = "changed in place, disk kept (restarts): memory_mib"
+        self.start(
+            {
+                "vm.get": lambda p: view(spec),
+                "host.reconcile": plan("reconfigure", reason, fields=["memory_mib"], restart=True),
+            },
+            test=True,
+        )
+        ret = self.state.running("web", cpu=1, memory_mib=512, boot=BOOT)
+        self.assertEqual(
+            ret,
+            {
+                "name": "web",
+                "result": None,
+                "changes": {"action": "reconfigure", "reason": reason, "fields": ["memory_mib"], "restart": True},
+                "comment": "VM web would be reconfigured in place (disk kept): memory_mib; it is restarted",
+            },
+        )
+        # Without replace: a reconfigure never needs it, and the dry run is asked without it.
+        self.assertEqual(self.params("host.reconcile")[0]["replace"], False)
+        # restart=False: the restart the plan assumes stays pending.
+        ret = self.state.running("web", restart=False, cpu=1, memory_mib=512, boot=BOOT)
+        self.assertIsNone(ret["result"])
+        self.assertEqual((ret["changes"]["restart"], ret["changes"]["pending_restart"]), (False, True))
+        self.assertIn("restart pending (restart is False)", ret["comment"])
+        self.assertNothingMutated()
+
+    def test_reconfigure_without_restart(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": {"image": "b.qcow2", "disk_gib": 2}}
+        reason = "changed in place, disk kept (no restart): boot.disk_gib"
+        self.start(
+            {
+                "vm.get": lambda p: view(spec),
+                "host.reconcile": plan("reconfigure", reason, fields=["boot.disk_gib"], restart=False),
+            },
+            test=True,
+        )
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot={"image": "b.qcow2", "disk_gib": 4})
+        self.assertEqual(ret["changes"]["restart"], False)
+        self.assertEqual(ret["comment"], "VM web would be reconfigured in place (disk kept): boot.disk_gib; no restart")
+
+    def test_a_pending_restart(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
+        reason = "runs an older spec: restarted to apply it"
+        self.start(
+            {"vm.get": lambda p: view(spec), "host.reconcile": plan("reconfigure", reason, restart=True)}, test=True
+        )
         ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT)
         self.assertIsNone(ret["result"])
-        self.assertEqual(ret["changes"]["action"], "replace")
-        self.assertNothingMutated()
+        self.assertEqual(ret["comment"], f"VM web would be restarted to apply its pending change ({reason})")
+        # restart=False leaves it pending: nothing to do.
+        ret = self.state.running("web", restart=False, cpu=1, memory_mib=256, boot=BOOT)
+        self.assertEqual((ret["result"], ret["changes"]), (True, {}))
+        self.assertIn("runs an older spec until its next start", ret["comment"])
+
+    def test_smaller_disk_is_refused_by_the_dry_run(self):
+        err = error(2001, "the disk is 4 GiB and is never shrunk", field="spec.boot.disk_gib")
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": {"image": "b.qcow2", "disk_gib": 4}}
+        self.start({"vm.get": lambda p: view(spec), "host.reconcile": plan("reconfigure", "cannot", err)}, test=True)
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot={"image": "b.qcow2", "disk_gib": 2})
+        self.assertIs(ret["result"], False)
+        self.assertEqual(
+            ret["comment"],
+            "VM web would fail to be reconfigured in place (disk kept): "
+            "vmhostd error 2001 (spec.boot.disk_gib): the disk is 4 GiB and is never shrunk",
+        )
 
     def test_guest_interfaces_alone_is_a_change(self):
         spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
@@ -152,7 +266,10 @@ class RealRun(StateTest):
             ret["changes"],
             {"old": None, "new": {"spec": dict(spec, state="running"), "status": "running", "pid": 42}},
         )
-        self.assertEqual(self.params("vm.apply"), [{"spec": dict(spec, state="running"), "replace": True}])
+        self.assertEqual(
+            self.params("vm.apply"),
+            [{"spec": dict(spec, state="running"), "replace": False, "restart": True, "timeout_s": 30}],
+        )
 
     def test_unchanged(self):
         spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
@@ -176,16 +293,97 @@ class RealRun(StateTest):
         )
         self.assertEqual(ret["comment"], "VM web updated (running)")
 
-    def test_daemon_error_fails_with_code_and_field(self):
-        drift = error(2002, 'VM "web" exists with a different spec (cpu)', field="spec", details={"fields": ["cpu"]})
+    def test_image_change_fails_with_the_daemons_2002_and_the_hint(self):
         self.start(
-            {"vm.get": lambda p: view({"name": "web"}), "vm.apply": lambda p: (_ for _ in ()).throw(Fail(drift))}
+            {
+                "vm.get": lambda p: view({"name": "web"}),
+                "vm.apply": lambda p: (_ for _ in ()).throw(Fail(IMAGE_DRIFT)),
+            }
         )
-        ret = self.state.running("web", replace=False, cpu=2, memory_mib=256, boot=BOOT)
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot={"image": "new.qcow2", "disk_gib": 2})
         self.assertIs(ret["result"], False)
         self.assertEqual(ret["changes"], {})
-        self.assertTrue(ret["comment"].startswith('vmhostd error 2002 (spec): VM "web" exists'), ret["comment"])
+        self.assertTrue(
+            ret["comment"].startswith('vmhostd error 2002 (spec.boot.image): VM "web": boot.image changes'),
+            ret["comment"],
+        )
+        self.assertIn("; set replace: True to recreate the VM with a new disk", ret["comment"])
         self.assertEqual(self.params("vm.apply")[0]["replace"], False)
+
+    def test_reconfigured_in_place(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": {"image": "b.qcow2", "disk_gib": 2}}
+        changed = dict(spec, memory_mib=512, boot={"image": "b.qcow2", "disk_gib": 3})
+        self.start(
+            {"vm.get": lambda p: view(spec, pid=7), "vm.apply": lambda p: {"changed": True, "vm": view(changed, pid=8)}}
+        )
+        ret = self.state.running("web", timeout_s=5, **{k: v for k, v in changed.items() if k != "name"})
+        self.assertIs(ret["result"], True)
+        self.assertEqual(
+            ret["comment"], "VM web reconfigured in place (disk kept): boot.disk_gib, memory_mib (running)"
+        )
+        self.assertEqual(
+            ret["changes"],
+            {
+                "old": {"pid": 7, "spec": {"memory_mib": 256, "boot": {"image": "b.qcow2", "disk_gib": 2}}},
+                "new": {"pid": 8, "spec": {"memory_mib": 512, "boot": {"image": "b.qcow2", "disk_gib": 3}}},
+            },
+        )
+        sent = self.params("vm.apply")[0]
+        self.assertEqual((sent["replace"], sent["restart"], sent["timeout_s"]), (False, True, 5))
+
+    def test_reconfigured_with_the_restart_pending(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
+        changed = dict(spec, cpu=2)
+        after = dict(view(changed, pid=7), pending_restart=True)
+        self.start(
+            {
+                "vm.get": lambda p: dict(view(spec, pid=7), pending_restart=False),
+                "vm.apply": lambda p: {"changed": True, "vm": after},
+            }
+        )
+        ret = self.state.running("web", restart=False, cpu=2, memory_mib=256, boot=BOOT)
+        self.assertEqual(
+            ret["comment"],
+            "VM web reconfigured in place (disk kept): cpu; restart pending (restart is False): "
+            "the change applies at its next start (running)",
+        )
+        self.assertEqual(
+            ret["changes"],
+            {
+                "old": {"pending_restart": False, "spec": {"cpu": 1}},
+                "new": {"pending_restart": True, "spec": {"cpu": 2}},
+            },
+        )
+        self.assertEqual(self.params("vm.apply")[0]["restart"], False)
+
+    def test_replaced_with_a_new_disk(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": {"image": "old.qcow2", "disk_gib": 2}}
+        changed = dict(spec, boot={"image": "new.qcow2", "disk_gib": 2})
+        self.start(
+            {"vm.get": lambda p: view(spec, pid=7), "vm.apply": lambda p: {"changed": True, "vm": view(changed, pid=9)}}
+        )
+        ret = self.state.running("web", replace=True, cpu=1, memory_mib=256, boot=changed["boot"])
+        self.assertEqual(
+            ret["comment"], "VM web replaced (new disk; the old disk overlay was deleted): boot.image (running)"
+        )
+        self.assertEqual(self.params("vm.apply")[0]["replace"], True)
+
+    def test_flags_written_as_text(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
+        self.start({"vm.get": lambda p: view(spec), "vm.apply": lambda p: {"changed": False, "vm": view(spec)}})
+        self.state.running("web", replace="False", restart="no", cpu=1, memory_mib=256, boot=BOOT)
+        sent = self.params("vm.apply")[0]
+        self.assertEqual((sent["replace"], sent["restart"]), (False, False))
+        ret = self.state.running("web", replace="perhaps", cpu=1)
+        self.assertIs(ret["result"], False)
+        self.assertIn("replace must be True or False, not 'perhaps'", ret["comment"])
+
+    def test_bad_timeout_fails_the_state(self):
+        self.start({"vm.get": lambda p: view({"name": "web"})})
+        ret = self.state.running("web", timeout_s="soon", cpu=1)
+        self.assertIs(ret["result"], False)
+        self.assertIn("timeout_s must be an integer", ret["comment"])
+        self.assertEqual(self.daemon.methods_called(), ["vm.get"])
 
     def test_no_daemon(self):
         self.start({})

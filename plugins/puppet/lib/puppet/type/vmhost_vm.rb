@@ -13,10 +13,11 @@ Puppet::Type.newtype(:vmhost_vm) do
     not managed: they keep the value the daemon has recorded.
 
     Changes are collected and sent once per resource, as one `vm.apply` with the full spec
-    (the recorded spec with the declared attributes put over it). A change to anything but
-    `ensure` and `guest_interfaces` of an existing VM means recreating it; vmhostd does that
-    only with `replace => true` (it deletes the VM's disk overlay), otherwise it refuses with
-    error 2002 naming the differing fields.
+    (the recorded spec with the declared attributes put over it). vmhostd changes an existing
+    VM in place and keeps its disk (CPUs, memory, role, devices, NICs, kernel boot, a larger
+    disk); a running VM restarts for it unless `restart => false`. Only a new boot image needs
+    `replace => true` (a new disk: the old disk overlay is deleted); without it vmhostd refuses
+    with error 2002 and nothing changes.
 
         vmhost_vm { 'web1':
           ensure => running,
@@ -102,12 +103,42 @@ Puppet::Type.newtype(:vmhost_vm) do
 
   newparam(:replace, boolean: true, parent: Puppet::Parameter::Boolean) do
     desc <<~DOC
-      Whether vmhostd may recreate the VM when its spec differs from the declared one
-      (`vm.apply` with `replace: true`): QEMU is killed and the VM's disk overlay, seed and
-      console log are deleted. Default `false`: such a change fails with error 2002.
+      Whether vmhostd may recreate the VM with a new disk when its boot image (`boot`'s
+      `image`) changes (`vm.apply` with `replace: true`): QEMU is killed and the VM's disk
+      overlay, seed and console log are deleted. Default `false`: such a change fails with
+      error 2002. Every other change is made in place, keeping the disk, and never needs it.
     DOC
 
     defaultto false
+  end
+
+  newparam(:restart, boolean: true, parent: Puppet::Parameter::Boolean) do
+    desc <<~DOC
+      For an in-place change of a running VM (CPUs, memory, devices, NICs, kernel boot):
+      `true` (default) restarts it with the new spec (ACPI power-off, QEMU killed after
+      `restart_timeout` seconds, then started); `false` only records the change, which applies
+      at the VM's next start (vmhostd shows `pending_restart`). A larger disk grows live
+      either way.
+    DOC
+
+    defaultto true
+  end
+
+  newparam(:restart_timeout) do
+    desc <<~DOC
+      Seconds the guest has to power off for that restart before QEMU is killed (`vm.apply`'s
+      `timeout_s`), 0 to 3600. Default 30. Added to `timeout` for the call's own wait.
+    DOC
+    defaultto 30
+
+    validate do |value|
+      ok = value.is_a?(Integer) || (value.is_a?(String) && value.match?(/\A\d+\z/))
+      unless ok && (0..3600).cover?(Integer(value.to_s, 10))
+        raise ArgumentError,
+              "restart_timeout must be a whole number of seconds from 0 to 3600, not #{value.inspect}"
+      end
+    end
+    munge { |value| Integer(value.to_s, 10) }
   end
 
   newparam(:timeout) do

@@ -139,6 +139,32 @@ module PuppetX
         normalize(spec)
       end
 
+      # Members that are never drift: the run state converges by a start or stop, guest
+      # interfaces are applied live.
+      NOT_DRIFT = %w[state guest_interfaces].freeze
+
+      # Dotted paths of the spec members that differ between two recorded specs (`cpu`,
+      # `boot.image`), as vmhostd names them; `state` and `guest_interfaces` are not drift.
+      def drift(old_spec, new_spec, path = nil)
+        a = normalize(old_spec || {})
+        b = normalize(new_spec || {})
+        if path.nil?
+          # Not Hash#except: that needs Ruby 3 (see docs/puppet.md on Ruby 2.7).
+          NOT_DRIFT.each do |k|
+            a.delete(k)
+            b.delete(k)
+          end
+        end
+        (a.keys | b.keys).sort.flat_map do |key|
+          sub = path ? "#{path}.#{key}" : key
+          if a[key].is_a?(Hash) && b[key].is_a?(Hash)
+            drift(a[key], b[key], sub)
+          else
+            a[key] == b[key] ? [] : [sub]
+          end
+        end
+      end
+
       # The type attribute a daemon error field (spec.memory_mib, spec.nics[0].ipv4) is about.
       def attribute_for_field(field)
         m = field.to_s.match(/\Aspec\.([a-z_]+)/)

@@ -8,7 +8,8 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
     Talks to vmhostd over its Unix socket (JSON-RPC 2.0, Ruby standard library only).
     Current state comes from one `vm.list` per socket (prefetch). Changes are collected and
     applied once, in `flush`: `vm.apply` with the full spec (the daemon creates, starts,
-    stops, replaces or changes guest interfaces as its own rules say), or `vm.destroy` for
+    stops, changes the VM in place keeping its disk, replaces it for a new boot image with
+    `replace => true`, or changes guest interfaces, as its own rules say), or `vm.destroy` for
     `ensure => absent`. Nothing is sent in noop mode.
   DOC
 
@@ -120,10 +121,12 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
       call('vm.destroy', { 'name' => resource[:name] })
       @property_hash = { name: resource[:name], ensure: :absent }
     else
-      result = call('vm.apply', { 'spec' => desired_spec, 'replace' => resource[:replace] == true })
+      before = exists? ? current[:spec] : nil
+      result = call('vm.apply', apply_params)
       view = result.is_a?(Hash) ? result['vm'] : nil
       @property_hash = view.is_a?(Hash) ? self.class.hash_from_view(view, socket) : {}
       warn_unchanged(result)
+      report_change(before, view) if before && view.is_a?(Hash)
     end
     @pending = {}
   end
@@ -140,7 +143,34 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
     PuppetX::Vmhost::Spec.build(resource[:name], exists ? current[:spec] : nil, declared, desired_state(exists))
   end
 
+  # vm.apply's params: the full spec, replace only when declared, and how a running VM
+  # restarts for an in-place change.
+  def apply_params
+    { 'spec' => desired_spec, 'replace' => resource[:replace] == true,
+      'restart' => resource[:restart] != false, 'timeout_s' => restart_timeout }
+  end
+
   private
+
+  def restart_timeout
+    resource[:restart_timeout] || 30
+  end
+
+  # Says what vmhostd did to an existing VM whose spec changed: a new boot image is a replace
+  # (new disk), anything else was changed in place with the disk kept.
+  def report_change(before, view)
+    fields = PuppetX::Vmhost::Spec.drift(before, view['spec'])
+    return if fields.empty?
+
+    if fields.include?('boot.image')
+      resource.notice("replaced with a new disk (#{fields.join(', ')}); the old disk overlay was deleted")
+    elsif view['pending_restart'] == true
+      resource.notice("reconfigured in place, disk kept (#{fields.join(', ')}); " \
+                      'restart => false: the change applies at the next start of the VM')
+    else
+      resource.notice("reconfigured in place, disk kept (#{fields.join(', ')})")
+    end
+  end
 
   # running / stopped as declared; for present the observed run state is kept (a new VM
   # gets the daemon's default, running).
@@ -163,6 +193,8 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
 
   def call(method, params)
     timeout = resource[:timeout] || PuppetX::Vmhost::Client::MUTATING_TIMEOUT
+    # A restart for an in-place change waits for the guest's power-off first.
+    timeout += restart_timeout if method == 'vm.apply'
     self.class.client(socket, timeout).call(method, params)
   rescue PuppetX::Vmhost::Error => e
     raise puppet_error(e)
@@ -174,7 +206,8 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
       attr = PuppetX::Vmhost::Spec.attribute_for_field(err.field)
       text << " (attribute #{attr})" if attr
       if err.code == 2002 && resource[:replace] != true
-        text << '; set replace => true to let vmhostd recreate the VM (this deletes its disk overlay)'
+        text << '; a new boot image needs a new disk: set replace => true to let vmhostd recreate ' \
+                'the VM (this deletes its disk overlay)'
       end
     end
     Puppet::Error.new(text)

@@ -6,6 +6,10 @@ Single file, Python stdlib plus salt only, so it works both from the installed e
 copied to ``salt://_engines/``. See docs/salt-engine.md for the configuration, the mapping of
 the file format onto vmhostd's VM spec, what prune does, the events and the threat model.
 
+An edited entry is changed in place by vmhostd, keeping the VM's disk (plan action
+``reconfigure``). The engine never replaces a VM: an entry whose boot image changed gets the
+daemon's 2002, is reported as ``reconcile_failed`` and its VM is left alone.
+
 Master config::
 
     engines:
@@ -44,7 +48,15 @@ DOMAIN_RE = re.compile(
     r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
 )
 TAG_PART_RE = re.compile(r"[^A-Za-z0-9._-]")
-RESULT_ACTIONS = ("create", "replace", "start", "stop", "none", "destroy")
+RESULT_ACTIONS = ("create", "reconfigure", "replace", "start", "stop", "none", "destroy")
+# vmhostd's code for a change that needs a new disk (a new boot.image): the engine never allows
+# that (it calls host.reconcile without replace), so the VM is reported and left alone.
+SPEC_DRIFT = 2002
+REPLACE_HINT = (
+    "the engine never replaces a VM (a new boot image means a new disk and the old one deleted); "
+    "the VM is left as it is: restore its boot source in the engine config, or destroy the VM "
+    "by hand (salt HYPERVISOR vmhost.destroy NAME) to have it created again from the new image"
+)
 STATE_FILE = "state.json"
 
 __virtualname__ = "vmhost_engine"
@@ -448,6 +460,22 @@ def check_reconcile_return(ret):
     return plan, results
 
 
+def _plan_details(entry):
+    """``fields`` (dotted spec paths) and ``restart`` of a ``reconfigure`` or ``replace`` plan
+    entry, for the events; anything not of the expected shape is left out."""
+    out = {}
+    fields = entry.get("fields")
+    if isinstance(fields, list) and len(fields) <= 64 and all(isinstance(f, str) for f in fields):
+        out["fields"] = [f[:100] for f in fields]
+    if isinstance(entry.get("restart"), bool):
+        out["restart"] = entry["restart"]
+    return out
+
+
+def _error_code(error):
+    return error.get("code") if isinstance(error, dict) else None
+
+
 def _short_error(error):
     if isinstance(error, dict):
         out = {k: error.get(k) for k in ("code", "message") if k in error}
@@ -641,6 +669,10 @@ class Engine:
             )
         prune = self.config["prune"]
         dry = self.config["dry_run"]
+        # Never with replace: an edited entry is changed in place (its disk kept), and an entry
+        # whose boot image changed gets the daemon's 2002 and is left alone (see REPLACE_HINT).
+        # replace is left out rather than sent as false: the daemon's default, and a minion with
+        # an older execution module still accepts the call.
         ret = self._call(
             hyp,
             "vmhost.reconcile",
@@ -654,6 +686,7 @@ class Engine:
         desired = {s["name"] for s in specs}
         managed = set(rec.get("managed", []))
         all_ok = not errors and bool(ret.get("ok", False))
+        planned = {p["vm"]: p for p in plan}
         for res in results:
             name = res["vm"]
             if name not in desired and res["action"] != "destroy":
@@ -661,18 +694,19 @@ class Engine:
             if res["ok"] and not res.get("changed"):
                 continue
             status = "reconciled" if res["ok"] else "reconcile_failed"
-            self._fire(
-                hyp,
-                name,
-                status,
-                {
-                    "action": res["action"],
-                    "ok": res["ok"],
-                    "changed": bool(res.get("changed")),
-                    "error": _short_error(res.get("error")),
-                    "dry_run": dry,
-                },
-            )
+            data = {
+                "action": res["action"],
+                "ok": res["ok"],
+                "changed": bool(res.get("changed")),
+                "error": _short_error(res.get("error")),
+                "dry_run": dry,
+            }
+            data.update(_plan_details(planned.get(name, {})))
+            if not res["ok"] and _error_code(res.get("error")) == SPEC_DRIFT:
+                # A new boot.image: the daemon left the VM alone because replace was not given.
+                data["hint"] = REPLACE_HINT
+                log.warning("vmhost_engine: %s: VM %s not replaced: %s", hyp, name, REPLACE_HINT)
+            self._fire(hyp, name, status, data)
         if not results and dry:
             for item in plan:
                 if item["vm"] in desired and item.get("error"):

@@ -13,7 +13,8 @@ Configuration (minion config, grains or pillar, read with ``config.get``):
 ``vmhost:socket`` (or ``vmhost.socket``)
     vmhostd's socket, default ``/run/vmhost/vmhostd.sock``.
 ``vmhost:timeout`` (or ``vmhost.timeout``)
-    seconds to wait for an answer, default 120; ``stop`` and ``restart`` add their ``timeout_s``.
+    seconds to wait for an answer, default 120; ``apply``, ``stop`` and ``restart`` add their
+    ``timeout_s``.
 ``vmhost:reconcile_timeout`` (or ``vmhost.reconcile_timeout``)
     seconds to wait for a ``reconcile`` that is not a dry run, default 900.
 
@@ -159,6 +160,22 @@ def _spec(spec):
     return spec
 
 
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def _flag(value, name):
+    """A boolean argument. Text is read as YAML would (``"False"`` is false, never truthy), so a
+    quoted ``replace: "False"`` cannot turn into a replace that deletes a disk."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise CommandExecutionError(f"{name} must be True or False, not {value!r}")
+
+
 def _timeout_s(value):
     try:
         return int(value)
@@ -202,15 +219,28 @@ def get(name):
     return _call("vm.get", {"name": name})
 
 
-def apply(spec, replace=False):
+def apply(spec, replace=False, restart=True, timeout_s=30):
     """
     Make one VM so (``vm.apply``): create it, converge its run state to ``spec.state``, apply
-    ``guest_interfaces`` live; with ``replace=True`` recreate it when its spec differs (its
-    disk overlay is deleted). Returns ``{changed, vm}``.
+    ``guest_interfaces`` live, and change an existing VM whose spec differs **in place, keeping
+    its disk** (CPUs, memory, role, devices, NICs, kernel/initrd/cmdline, a larger disk). A
+    running VM restarts for such a change (ACPI power-off, killed after ``timeout_s`` seconds, at
+    most 3600, then started with the new spec) unless ``restart=False``, which only records the
+    change for its next start (the VM view shows ``pending_restart: true``). Only a change of
+    ``boot.image`` needs ``replace=True``, which recreates the VM with a new disk (**the old disk
+    overlay is deleted**); without it vmhostd refuses with 2002. Returns ``{changed, vm}``.
 
-    CLI Example: ``salt '*' vmhost.apply '{"name": "web", "cpu": 1, ...}' replace=True``
+    CLI Example: ``salt '*' vmhost.apply '{"name": "web", "cpu": 1, ...}' timeout_s=60``
     """
-    return _call("vm.apply", {"spec": _spec(spec), "replace": bool(replace)})
+    timeout_s = _timeout_s(timeout_s)
+    params = {
+        "spec": _spec(spec),
+        "replace": _flag(replace, "replace"),
+        "restart": _flag(restart, "restart"),
+        "timeout_s": timeout_s,
+    }
+    # A restart waits for the guest's power-off (timeout_s) on top of the usual answer time.
+    return _call("vm.apply", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + max(timeout_s, 0))
 
 
 def start(name):
@@ -230,7 +260,7 @@ def stop(name, timeout_s=30, force=False):
     CLI Example: ``salt '*' vmhost.stop sensor1 timeout_s=60``
     """
     timeout_s = _timeout_s(timeout_s)
-    params = {"name": name, "timeout_s": timeout_s, "force": bool(force)}
+    params = {"name": name, "timeout_s": timeout_s, "force": _flag(force, "force")}
     return _call("vm.stop", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + max(timeout_s, 0))
 
 
@@ -241,7 +271,7 @@ def restart(name, timeout_s=30, force=False):
     CLI Example: ``salt '*' vmhost.restart sensor1 force=True``
     """
     timeout_s = _timeout_s(timeout_s)
-    params = {"name": name, "timeout_s": timeout_s, "force": bool(force)}
+    params = {"name": name, "timeout_s": timeout_s, "force": _flag(force, "force")}
     return _call("vm.restart", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + max(timeout_s, 0) + 60)
 
 
@@ -255,10 +285,13 @@ def destroy(name):
     return _call("vm.destroy", {"name": name})
 
 
-def reconcile(vms, prune=False, dry_run=False):
+def reconcile(vms, prune=False, dry_run=False, replace=False):
     """
     Converge the host to a whole desired set of VMs (``host.reconcile``), or with
-    ``dry_run=True`` only plan and validate it. ``prune=True`` destroys VMs not in ``vms``.
+    ``dry_run=True`` only plan and validate it. ``prune=True`` destroys VMs not in ``vms``. A VM
+    whose spec differs is changed in place, keeping its disk (plan action ``reconfigure``); one
+    whose ``boot.image`` differs is recreated with a new disk (``replace``, the old disk deleted)
+    only with ``replace=True``, else its plan entry carries error 2002 and it is left alone.
     Returns the daemon's report ``{dry_run, plan, results, ok}`` unchanged; failures of single
     VMs are inside it, not raised.
 
@@ -273,8 +306,13 @@ def reconcile(vms, prune=False, dry_run=False):
         vms = vms["vms"]
     if not isinstance(vms, list):
         raise CommandExecutionError("vms must be a list of VM specs")
-    params = {"vms": [_spec(s) for s in vms], "prune": bool(prune), "dry_run": bool(dry_run)}
-    timeout = None if dry_run else float(_option("reconcile_timeout", DEFAULT_RECONCILE_TIMEOUT))
+    params = {
+        "vms": [_spec(s) for s in vms],
+        "prune": _flag(prune, "prune"),
+        "dry_run": _flag(dry_run, "dry_run"),
+        "replace": _flag(replace, "replace"),
+    }
+    timeout = None if params["dry_run"] else float(_option("reconcile_timeout", DEFAULT_RECONCILE_TIMEOUT))
     return _call("host.reconcile", params, timeout=timeout)
 
 
