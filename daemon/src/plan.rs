@@ -76,8 +76,14 @@ pub enum Change {
     },
 }
 
-/// The one field whose change needs no restart: a disk grows live.
-const LIVE_FIELDS: [&str; 1] = ["boot.disk_gib"];
+/// The fields whose change needs no restart: a disk grows live, the restart policy is the
+/// daemon's own business.
+const LIVE_FIELDS: [&str; 2] = ["boot.disk_gib", "restart_policy"];
+
+/// Whether a running VM must restart for a change of `fields`.
+pub fn needs_restart(fields: &[String]) -> bool {
+    fields.iter().any(|f| !LIVE_FIELDS.contains(&f.as_str()))
+}
 
 /// Classifies the change from `current` to `desired` (both valid specs of the same VM).
 ///
@@ -100,7 +106,7 @@ pub fn classify(current: &VmSpec, desired: &VmSpec) -> Result<Change, ApiError> 
             ));
         }
     }
-    let restart = fields.iter().any(|f| !LIVE_FIELDS.contains(&f.as_str()));
+    let restart = needs_restart(&fields);
     Ok(Change::Reconfigure { fields, restart })
 }
 

@@ -314,6 +314,7 @@ reserved_memory_gib = 4
             pci: Vec::new(),
             nics: Vec::new(),
             guest_interfaces: Vec::new(),
+            restart_policy: Default::default(),
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),

@@ -200,3 +200,24 @@ fn a_failed_restart_rolls_back_to_the_old_spec() {
     assert_eq!(std::fs::metadata(overlay(&host, "rb")).unwrap().ino(), ino);
     assert_marker(&host, "rb");
 }
+
+#[test]
+fn a_change_sent_with_state_stopped_stops_the_vm_and_keeps_the_disk() {
+    let host = host(8, "");
+    let ino = create_with_marker(&host, &spec("halt"));
+    let pid = view(&host, "halt")["pid"].as_i64().unwrap() as i32;
+    let mut changed = spec("halt");
+    changed["memory_mib"] = json!(256);
+    changed["state"] = json!("stopped");
+    let r = host.call("vm.apply", json!({ "spec": changed, "timeout_s": 1 }));
+    assert_eq!(
+        (r["vm"]["status"].as_str(), r["vm"]["desired_state"].as_str()),
+        (Some("stopped"), Some("stopped")),
+        "{r}"
+    );
+    assert_eq!(r["vm"]["spec"]["memory_mib"], 256);
+    assert!(!vmhost_tests::alive(pid), "stopped, not restarted");
+    assert!(host.qemu_pids().is_empty());
+    assert_eq!(std::fs::metadata(overlay(&host, "halt")).unwrap().ino(), ino);
+    assert_marker(&host, "halt");
+}

@@ -70,6 +70,26 @@ pub enum DesiredState {
     Stopped,
 }
 
+/// What vmhostd does when a VM's QEMU ends without vmhostd asking (docs/lifecycle.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestartPolicy {
+    /// Restart after a crash or kill (with backoff); a guest that powers itself off is `stopped`.
+    #[default]
+    OnFailure,
+    /// Restart after any exit, a guest power-off included.
+    Always,
+    /// Never restart: a crash leaves the VM `dead`, a guest power-off `stopped`.
+    Never,
+}
+
+impl RestartPolicy {
+    /// True for the default (`on-failure`), which specs and views leave out.
+    pub fn is_default(&self) -> bool {
+        *self == RestartPolicy::OnFailure
+    }
+}
+
 /// A VM as the operator declares it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -101,6 +121,9 @@ pub struct VmSpec {
     /// live, without recreating the VM.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub guest_interfaces: Vec<vmhost_agent_protocol::DesiredInterface<u16>>,
+    /// What happens when QEMU ends without vmhostd asking; changed without a restart.
+    #[serde(default, skip_serializing_if = "RestartPolicy::is_default")]
+    pub restart_policy: RestartPolicy,
 }
 
 /// One NIC of a VM: a tap on a configured network.
@@ -308,6 +331,13 @@ pub struct VmView {
     /// applies `spec`.
     #[serde(default)]
     pub pending_restart: bool,
+    /// How often the restart policy has restarted the VM.
+    #[serde(default)]
+    pub restarts: u32,
+    /// Why its QEMU last ended without vmhostd asking (`guest powered off`, `killed by signal
+    /// 9`, ...), if it did.
+    #[serde(default)]
+    pub last_exit: Option<String>,
 }
 
 /// A NIC's host-side identity.
@@ -359,7 +389,8 @@ pub struct ApplyParams {
     /// for the next start (false; the view shows `pending_restart`).
     #[serde(default = "default_true")]
     pub restart: bool,
-    /// Seconds to wait for the guest to power off before QEMU is killed (default 30).
+    /// Seconds the guest has to power off before QEMU is killed, for a restart or a stop this
+    /// call makes (default 30).
     #[serde(default = "default_stop_timeout")]
     pub timeout_s: u64,
 }
@@ -431,6 +462,10 @@ pub struct ReconcileParams {
     /// entry fails with 2002 and the VM is left alone.
     #[serde(default)]
     pub replace: bool,
+    /// Seconds a guest has to power off (a stop, or a restart for a change) before QEMU is
+    /// killed (default 30, at most 3600).
+    #[serde(default = "default_stop_timeout")]
+    pub timeout_s: u64,
 }
 
 /// One planned action of a reconcile.

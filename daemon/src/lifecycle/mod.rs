@@ -364,6 +364,8 @@ impl Manager {
             nics: rec.nics.iter().map(|n| crate::api::NicView { mac: n.mac.clone(), tap: n.tap.clone() }).collect(),
             agent: self.agents.status(rec.name()),
             pending_restart: rec.running_spec.is_some() && matches!(status, VmStatus::Running | VmStatus::Stopping),
+            restarts: rec.restarts,
+            last_exit: rec.last_exit.clone(),
         }
     }
 

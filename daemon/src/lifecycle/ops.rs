@@ -371,7 +371,7 @@ impl Manager {
                         let fields = crate::plan::spec_drift(running, &spec);
                         self.reconfigure(vm, fields, true, timeout_s).await
                     }
-                    None => self.converge_unchanged(&current, spec).await,
+                    None => self.converge_unchanged(&current, spec, timeout_s).await,
                 };
             }
             Change::Reconfigure { fields, restart: needs_restart } => {
@@ -416,6 +416,7 @@ impl Manager {
         self: &Arc<Self>,
         current: &crate::state::VmRecord,
         spec: VmSpec,
+        timeout_s: u64,
     ) -> Result<Mutation, ApiError> {
         // Guest interfaces change live, under the VM's busy flag: record them, then have the
         // agent apply them. The run state is converged after that, in the same call.
@@ -437,7 +438,7 @@ impl Manager {
             (false, _) => Ok(Mutation { changed: interfaces_changed, vm: Some(self.get(&spec.name)?) }),
             (true, DesiredState::Running) => self.start(&spec.name).await,
             (true, DesiredState::Stopped) => {
-                self.stop(StopParams { name: spec.name.clone(), timeout_s: 30, force: false }).await
+                self.stop(StopParams { name: spec.name.clone(), timeout_s, force: false }).await
             }
         }
     }

@@ -61,7 +61,7 @@ impl Manager {
         for (i, entry) in indexed {
             let outcome = match &entry.error {
                 Some(err) => Err(ApiError::from_json(err)),
-                None => self.run_entry(entry, specs.get(entry.vm.as_str()).copied()).await,
+                None => self.run_entry(entry, specs.get(entry.vm.as_str()).copied(), p.timeout_s).await,
             };
             let result = match outcome {
                 Ok(changed) => {
@@ -86,31 +86,36 @@ impl Manager {
         ReconcileReport { dry_run: false, plan, results, ok }
     }
 
-    async fn run_entry(self: &Arc<Self>, entry: &PlanEntry, spec: Option<&VmSpec>) -> Result<bool, ApiError> {
+    async fn run_entry(
+        self: &Arc<Self>,
+        entry: &PlanEntry,
+        spec: Option<&VmSpec>,
+        timeout_s: u64,
+    ) -> Result<bool, ApiError> {
         let need_spec = || spec.cloned().ok_or_else(|| ApiError::internal("plan entry without a spec"));
         let m: Mutation = match (entry.action, spec) {
             // A desired VM that keeps its spec: vm.apply converges its run state and its guest
             // interfaces (which are applied live, not a replace).
             (PlanAction::None | PlanAction::Start | PlanAction::Stop, Some(spec)) => {
-                self.apply(apply_params(spec.clone(), false)).await?
+                self.apply(apply_params(spec.clone(), false, timeout_s)).await?
             }
             (PlanAction::None, None) => return Ok(false),
             (PlanAction::Destroy, _) => self.destroy(&entry.vm).await?,
             (PlanAction::Stop, None) => {
-                self.stop(StopParams { name: entry.vm.clone(), timeout_s: 30, force: false }).await?
+                self.stop(StopParams { name: entry.vm.clone(), timeout_s, force: false }).await?
             }
             (PlanAction::Start, None) => self.start(&entry.vm).await?,
             (PlanAction::Create, _) => self.create(need_spec()?).await?,
             // In place, the disk kept; restarted when needed, like vm.apply's default.
-            (PlanAction::Reconfigure, _) => self.apply(apply_params(need_spec()?, false)).await?,
+            (PlanAction::Reconfigure, _) => self.apply(apply_params(need_spec()?, false, timeout_s)).await?,
             // Planned only with `replace: true` (else the entry carries a 2002 and never runs).
-            (PlanAction::Replace, _) => self.apply(apply_params(need_spec()?, true)).await?,
+            (PlanAction::Replace, _) => self.apply(apply_params(need_spec()?, true, timeout_s)).await?,
         };
         Ok(m.changed)
     }
 }
 
-/// `vm.apply`'s params for a reconcile entry: restart when needed, the default stop timeout.
-fn apply_params(spec: VmSpec, replace: bool) -> ApplyParams {
-    ApplyParams { spec, replace, restart: true, timeout_s: 30 }
+/// `vm.apply`'s params for a reconcile entry: restart when needed, the request's stop timeout.
+fn apply_params(spec: VmSpec, replace: bool, timeout_s: u64) -> ApplyParams {
+    ApplyParams { spec, replace, restart: true, timeout_s }
 }

@@ -13,6 +13,7 @@
 //! 4. by case:
 //!    - not running: grow the disk offline (`qemu-img resize`); start it if it is desired
 //!      running;
+//!    - running and now desired stopped: stop it (ACPI, `timeout_s`, kill), grow offline;
 //!    - running, only a larger disk: grow it live (QMP `block_resize`), no restart;
 //!    - running, `restart: false`: grow live if needed; the next start applies the rest;
 //!    - running, restart: stop (ACPI, `timeout_s`, kill), grow offline, start with the new
@@ -89,9 +90,17 @@ impl Manager {
             }
             return Ok(());
         };
+        if vm.spec.state == DesiredState::Stopped {
+            // Changed and to be stopped: a stop, not a restart, whatever `restart` says.
+            self.swap_in_place(name, &vm.spec, None)?;
+            self.crashpoint("reconfigure:recorded");
+            self.update(name, "reconfigure: stopping", |r| r.status = VmStatus::Stopping)?;
+            self.shut_down(name, &id, timeout_s, false).await?;
+            return self.grow_offline(name, grow_to).await;
+        }
         if !restart {
             // The running QEMU keeps the old spec; a disk-only change leaves nothing pending.
-            let pending = crate::plan::spec_drift(&old.spec, &vm.spec).iter().any(|f| f != "boot.disk_gib");
+            let pending = crate::plan::needs_restart(&crate::plan::spec_drift(&old.spec, &vm.spec));
             let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
             self.swap_in_place(name, &vm.spec, pending.then_some(running))?;
             self.crashpoint("reconfigure:recorded");

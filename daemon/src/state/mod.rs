@@ -53,7 +53,15 @@ pub struct VmRecord {
     /// restart (`vm.apply` with `restart: false`): the VM holds what both ask for until its
     /// next start, which applies `spec` and clears this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub running_spec: Option<VmSpec>,
+    pub running_spec: Option<VmSpec>,    /// Restarts made by the restart policy, over the VM's life.
+    #[serde(default)]
+    pub restarts: u32,
+    /// Unix times of the unexpected exits in the current 10-minute window (the policy's count).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<u64>,
+    /// Why QEMU last ended without vmhostd asking.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_exit: Option<String>,
 }
 
 impl VmRecord {
@@ -74,6 +82,9 @@ impl VmRecord {
             nics: Vec::new(),
             vfio: Vec::new(),
             running_spec: None,
+            restarts: 0,
+            failures: Vec::new(),
+            last_exit: None,
         }
     }
 
