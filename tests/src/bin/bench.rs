@@ -5,10 +5,19 @@
 //! clients, and the daemon's RSS idle and with the records. Not a test: it asserts nothing
 //! about speed. Then, in a network namespace, it times `vm.create` (to QEMU running) with 0, 1, 4
 //! and 8 NICs; the difference to 0 NICs is the networking share (taps made, attached, handed to
-//! QEMU). Last, the guest agent: binary size, RSS in the guest, `vm.check` round trips.
-//! Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N] [--check-rounds N]`.
+//! QEMU). Then the boot files: `vm.create` of a direct-kernel VM whose kernel and initrd are the
+//! test guest's cut or zero-padded to 7 and 20 MiB (`--boot-kernel-mib`, `--boot-initrd-mib`)
+//! against the files as built, and the in-process cost of their sealed copies
+//! (daemon/src/qemu/boot_files.rs).
+//! Last, the guest agent: binary size, RSS in the guest, `vm.check` round trips.
+//! Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N] [--boot-rounds N]
+//! [--boot-kernel-mib N] [--boot-initrd-mib N] [--check-rounds N]`; 0 VMs or 0 rounds skip that section.
 
 use serde_json::{json, Value};
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
 use vmhost_tests::{rss_kib, HostOptions, TestHost};
@@ -79,6 +88,9 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 /// `vm.create` latency (returns once QEMU runs and answers QMP) by number of NICs.
 fn nic_bench(rounds: usize) {
+    if rounds == 0 {
+        return;
+    }
     let host = TestHost::start(HostOptions {
         netns: true,
         extra: "[networks.lan]\nbridge = \"br-bench\"\ncreate = true\naddress = \"10.9.0.1/24\"\n".into(),
@@ -114,8 +126,145 @@ fn nic_bench(rounds: usize) {
     }
 }
 
+const MIB: u64 = 1 << 20;
+
+/// Writes `dst`: the first `size` bytes of `src`, then zero bytes up to `size` (written, not
+/// sparse), mode 0644. A bzImage cut short keeps its header, which is all QEMU reads of it
+/// before it answers QMP; the guest would not boot, but `vm.create` returns before it tries.
+fn sized_copy(src: &Path, dst: &Path, size: u64) {
+    let mut from = fs::File::open(src).unwrap_or_else(|e| panic!("open {}: {e}", src.display()));
+    let mut to = fs::File::create(dst).unwrap_or_else(|e| panic!("create {}: {e}", dst.display()));
+    let copied = std::io::copy(&mut (&mut from).take(size), &mut to).expect("copy boot file");
+    let zeros = vec![0u8; MIB as usize];
+    let mut left = size - copied;
+    while left > 0 {
+        let n = left.min(MIB);
+        to.write_all(&zeros[..n as usize]).expect("pad boot file");
+        left -= n;
+    }
+    to.sync_all().expect("sync boot file");
+    fs::set_permissions(dst, fs::Permissions::from_mode(0o644)).expect("chmod 0644");
+}
+
+/// Memfds the QEMUs of `host` hold open and their total size in bytes.
+fn qemu_memfds(host: &TestHost) -> (usize, u64) {
+    let (mut count, mut bytes) = (0, 0);
+    for pid in host.qemu_pids() {
+        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
+        for fd in fds.flatten() {
+            let is_memfd = fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:"));
+            if is_memfd {
+                count += 1;
+                bytes += fs::metadata(fd.path()).map(|m| m.len()).unwrap_or(0);
+            }
+        }
+    }
+    (count, bytes)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// `vm.create` (to QEMU running) of a direct-kernel VM by boot file size, and the in-process cost
+/// of sealed copies of the large pair. The files sit in a 0755 dir as 0644 files, so a vmhostd
+/// that lets QEMU open them by path (before sealed copies) runs the same section.
+fn boot_bench(rounds: usize, kernel_mib: u64, initrd_mib: u64) {
+    if rounds == 0 {
+        return;
+    }
+    let g = vmhost_tests::guest();
+    let dir = tempfile::Builder::new().prefix("vmhboot").tempdir_in("/tmp").expect("tempdir");
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).expect("chmod 0755");
+    let size = |p: &Path| fs::metadata(p).map(|m| m.len()).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let big = (dir.path().join("vmlinuz-big"), dir.path().join("initrd-big"));
+    sized_copy(&g.kernel, &big.0, kernel_mib * MIB);
+    sized_copy(&g.initrd, &big.1, initrd_mib * MIB);
+    let built = (dir.path().join("vmlinuz-built"), dir.path().join("initrd-built"));
+    sized_copy(&g.kernel, &built.0, size(&g.kernel));
+    sized_copy(&g.initrd, &built.1, size(&g.initrd));
+    let cases: [(String, (PathBuf, PathBuf)); 2] = [
+        (format!("kernel {kernel_mib} MiB + initrd {initrd_mib} MiB"), big.clone()),
+        ("test guest as built".to_string(), built),
+    ];
+
+    let host = TestHost::start(HostOptions::default());
+    let create = |name: &str, files: &(PathBuf, PathBuf)| {
+        let spec = json!({"name": name, "cpu": 1, "memory_mib": 128,
+            "boot": {"kernel": files.0, "initrd": files.1, "cmdline": "console=ttyS0 panic=-1 quiet"}});
+        let t = Instant::now();
+        host.call("vm.create", json!({ "spec": spec }));
+        t.elapsed()
+    };
+    // Warm-up (page cache, QEMU's own files) and what QEMU holds while it runs.
+    let mut held = Vec::new();
+    for (i, (_, files)) in cases.iter().enumerate() {
+        let name = format!("boot-warm-{i}");
+        create(&name, files);
+        held.push(qemu_memfds(&host));
+        host.call("vm.destroy", json!({ "name": name }));
+    }
+    // Rounds alternate the cases, so drift in the machine's load hits both alike.
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); cases.len()];
+    for r in 0..rounds {
+        for (i, (_, files)) in cases.iter().enumerate() {
+            let name = format!("boot-{i}-{r}");
+            times[i].push(create(&name, files));
+            host.call("vm.destroy", json!({ "name": name }));
+        }
+    }
+    drop(host);
+
+    println!();
+    println!("vm.create to QEMU running by boot file size ({rounds} rounds after a warm-up), TCG, 1 vCPU, 128 MiB:");
+    println!("| boot files | kernel + initrd (bytes) | median (ms) | p90 (ms) | min (ms) | max (ms) | QEMU's memfds |");
+    println!("|------------|-------------------------|-------------|----------|----------|----------|---------------|");
+    for (((label, files), t), (n, bytes)) in cases.iter().zip(times.iter_mut()).zip(&held) {
+        t.sort();
+        println!(
+            "| {label} | {} + {} | {:.1} | {:.1} | {:.1} | {:.1} | {n} ({:.1} MiB) |",
+            size(&files.0),
+            size(&files.1),
+            ms(percentile(t, 0.5)),
+            ms(percentile(t, 0.9)),
+            ms(t[0]),
+            ms(t[t.len() - 1]),
+            *bytes as f64 / MIB as f64
+        );
+    }
+    copy_bench(rounds, &big.0, &big.1);
+}
+
+/// The sealed copies alone, in this process (no spawner round trip): open, copy into a memfd
+/// and seal the kernel and the initrd, as the spawner does at each launch.
+fn copy_bench(rounds: usize, kernel: &Path, initrd: &Path) {
+    use vmhost::qemu::boot_files::{open, sealed_copy};
+    let once = || {
+        let t = Instant::now();
+        let k = sealed_copy(open(kernel).expect("open kernel"), kernel, "bench").expect("copy kernel");
+        let i = sealed_copy(open(initrd).expect("open initrd"), initrd, "bench").expect("copy initrd");
+        let took = t.elapsed();
+        drop((k, i));
+        took
+    };
+    once();
+    let mut t: Vec<Duration> = (0..rounds).map(|_| once()).collect();
+    t.sort();
+    println!(
+        "copy in-process (open + copy + seal, kernel {} + initrd {} bytes, {rounds} rounds): median {:.1} ms, p90 {:.1} ms, min {:.1} ms",
+        fs::metadata(kernel).map(|m| m.len()).unwrap_or(0),
+        fs::metadata(initrd).map(|m| m.len()).unwrap_or(0),
+        ms(percentile(&t, 0.5)),
+        ms(percentile(&t, 0.9)),
+        ms(t[0])
+    );
+}
+
 /// Guest agent: binary size, RSS in the guest, and `vm.check` round trips under TCG.
 fn agent_bench(rounds: usize) {
+    if rounds == 0 {
+        return;
+    }
     let host = TestHost::start(HostOptions {
         netns: true,
         extra: "[networks.lan]\nbridge = \"br-bench\"\ncreate = true\naddress = \"10.9.0.1/24\"\n".into(),
@@ -158,10 +307,11 @@ fn agent_bench(rounds: usize) {
     println!("| vm.check round trip p99 | {:.1} ms |", percentile(&lat, 0.99).as_secs_f64() * 1e3);
 }
 
-fn main() {
-    let vms = arg("--vms", 1000);
-    let get_calls = arg("--get-calls", 8000);
-    let list_calls = arg("--list-calls", 320);
+/// `vm.get` and `vm.list` over `vms` stopped records, and the daemon's RSS.
+fn read_bench(vms: usize, get_calls: usize, list_calls: usize) {
+    if vms == 0 {
+        return;
+    }
     let host = TestHost::start(HostOptions {
         cpu: (vms as u32) + 2,
         memory_gib: (vms as u64 * 64 / 1024) + 2,
@@ -216,6 +366,11 @@ fn main() {
     println!("| {vms} records              | {rss_loaded:>6} |");
     println!("| {vms} records, after load  | {rss_after:>6} |");
     drop(host);
+}
+
+fn main() {
+    read_bench(arg("--vms", 1000), arg("--get-calls", 8000), arg("--list-calls", 320));
     nic_bench(arg("--nic-rounds", 7));
+    boot_bench(arg("--boot-rounds", 15), arg("--boot-kernel-mib", 7) as u64, arg("--boot-initrd-mib", 20) as u64);
     agent_bench(arg("--check-rounds", 200));
 }
