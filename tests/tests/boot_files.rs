@@ -17,12 +17,12 @@ fn mode_owner(p: &Path) -> (u32, u32) {
     (m.mode() & 0o7777, m.uid())
 }
 
-/// The descriptors of `pid` that are vmhost's boot-file copies of VM `vm`: (fd, link target).
-fn boot_copies(pid: i32, vm: &str) -> Vec<(PathBuf, String)> {
+/// The descriptors of `pid` that are vmhost's boot-file copies: (fd, link target).
+fn boot_copies(pid: i32) -> Vec<(PathBuf, String)> {
     let mut found = Vec::new();
     for e in fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
         let target = fs::read_link(e.path()).unwrap_or_default().to_string_lossy().into_owned();
-        if target.starts_with(&format!("/memfd:vmhost:{vm} ")) {
+        if target.starts_with("/memfd:vmhost:boot:") {
             found.push((e.path(), target));
         }
     }
@@ -53,7 +53,7 @@ fn private_kernel_and_initrd_boot_as_sealed_copies() {
     assert_eq!(vm["vm"]["status"], "running", "{vm}");
     assert!(host.wait_serial("private", GUEST_READY, Duration::from_secs(90)), "guest did not reach userspace");
 
-    let qemu = *host.qemu_pids().first().expect("a QEMU");
+    let qemu = host.call("vm.get", json!({"name": "private"}))["pid"].as_i64().expect("a QEMU") as i32;
     let uid = fs::metadata(format!("/proc/{qemu}")).unwrap().uid();
     assert_ne!(uid, 0, "QEMU runs as the unprivileged test user");
     let cmdline = fs::read(format!("/proc/{qemu}/cmdline")).unwrap();
@@ -64,9 +64,21 @@ fn private_kernel_and_initrd_boot_as_sealed_copies() {
         String::from_utf8_lossy(&cmdline).replace('\0', " ")
     );
 
+    // A second VM booting the same, unchanged files shares the same sealed copies.
+    let twin = json!({"name": "twin", "cpu": 1, "memory_mib": 256,
+        "boot": {"kernel": kernel, "initrd": initrd, "cmdline": "console=ttyS0 panic=-1 quiet"}});
+    host.call("vm.create", json!({ "spec": twin }));
+    let twin_pid = host.call("vm.get", json!({"name": "twin"}))["pid"].as_i64().expect("a QEMU") as i32;
+    let inodes = |pid: i32| -> Vec<u64> {
+        let mut v: Vec<u64> = boot_copies(pid).iter().map(|(fd, _)| fs::metadata(fd).unwrap().ino()).collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(inodes(twin_pid), inodes(qemu), "one copy of each file, shared");
+
     // A file changed on disk while the VM runs does not change what QEMU holds.
     fs::write(&kernel, b"not a kernel any more").unwrap();
-    let copies = boot_copies(qemu, "private");
+    let copies = boot_copies(qemu);
     assert_eq!(copies.len(), 2, "QEMU holds a copy of the kernel and of the initrd: {copies:?}");
     let mut contents = Vec::new();
     for (fd, target) in &copies {
@@ -89,6 +101,9 @@ fn private_kernel_and_initrd_boot_as_sealed_copies() {
     assert_eq!(mode_owner(&kernel), (0o600, 0));
     assert_eq!(mode_owner(&initrd), (0o600, 0));
     assert_eq!([mode_owner(&g.kernel), mode_owner(&g.initrd)], before, "the test guest's files are untouched");
+    // The next launch sees the changed file: the garbage kernel now makes QEMU fail.
+    let (code, e) = host.call_err("vm.restart", json!({"name": "twin", "timeout_s": 1}));
+    assert_eq!(code, 4001, "{e:?}");
     host.call("vm.destroy", json!({"name": "private"}));
 }
 

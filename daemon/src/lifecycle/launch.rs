@@ -40,16 +40,10 @@ fn provisioning(step: &str, message: String) -> ApiError {
     ApiError::new(Code::ProvisioningFailed, message).details(json!({ "step": step }))
 }
 
-/// Opens (with `copy`: copies, see [`crate::qemu::boot_files`]) the kernel or initrd of VM
-/// `vm` that spec field `field` names. Whatever stops it is the spec's problem: 2001 naming
-/// the field.
-async fn boot_file(
-    vm: &str,
-    field: &str,
-    path: &std::path::Path,
-    copy: bool,
-) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
-    crate::sandbox::spawn::boot_file(path, vm, copy).await.map_err(|e| {
+/// Opens (with `copy`: copies, see [`crate::qemu::boot_files`]) the kernel or initrd that spec
+/// field `field` names. Whatever stops it is the spec's problem: 2001 naming the field.
+async fn boot_file(field: &str, path: &std::path::Path, copy: bool) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
+    crate::sandbox::spawn::boot_file(path, copy).await.map_err(|e| {
         let why = match e.kind() {
             std::io::ErrorKind::NotFound => format!("{} does not exist", path.display()),
             std::io::ErrorKind::PermissionDenied => format!("vmhostd cannot read {}: {e}", path.display()),
@@ -74,9 +68,9 @@ impl Manager {
                 }
             }
             BootSource::Kernel { kernel, initrd, .. } => {
-                boot_file(&vm.spec.name, "spec.boot.kernel", kernel, false).await?;
+                boot_file("spec.boot.kernel", kernel, false).await?;
                 if let Some(i) = initrd {
-                    boot_file(&vm.spec.name, "spec.boot.initrd", i, false).await?;
+                    boot_file("spec.boot.initrd", i, false).await?;
                 }
             }
         }
@@ -353,7 +347,7 @@ impl Manager {
                         (PassedFd::Initrd, None) => continue,
                         _ => ("spec.boot.kernel", kernel),
                     };
-                    let copied = boot_file(&vm.spec.name, field, path, true).await?;
+                    let copied = boot_file(field, path, true).await?;
                     copied.ok_or_else(|| provisioning("qemu_files", format!("no copy of {}", path.display())))?
                 }
             };

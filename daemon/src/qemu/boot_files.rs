@@ -15,8 +15,18 @@
 //! 1. [`open`]: open read-only, refuse anything but a regular file of at most
 //!    [`MAX_BOOT_FILE`] bytes. `vm.create`/`vm.start` do this alone first, so a missing or
 //!    unreadable file is a 2001 before anything is started ([`crate::lifecycle`]).
-//! 2. [`sealed_copy`]: copy into a memfd (in the kernel: `copy_file_range`/`sendfile`), seal
-//!    it (no write, grow, shrink or further seals), return it. The launch does this.
+//! 2. [`CopyCache::copy`]: a sealed copy of the open file, made by [`sealed_copy`] (into a
+//!    memfd, in the kernel: `copy_file_range`/`sendfile`; sealed against writing, growing,
+//!    shrinking and new seals), or the copy made earlier of the very same file version. The
+//!    launch does this.
+//!
+//! Copying 27 MiB costs about 20 ms here (docs/performance.md), more than a create may add, and
+//! every copy held by a QEMU is memory that cannot be reclaimed. So the copies are kept and
+//! shared: a file whose device, inode, size, modification and change times are unchanged gets a
+//! descriptor of the copy already made (the seals make sharing safe: no QEMU can change what
+//! another reads). Any write, truncation, replacement or `chmod` changes the change time, so a
+//! changed file always gets a new copy; VMs already running keep the one they were given. The
+//! cache holds at most [`CACHED_COPIES`] copies, least recently used first out.
 
 use std::fs::File;
 use std::io;
@@ -88,6 +98,81 @@ pub fn sealed_copy(mut file: File, path: &Path, name: &str) -> io::Result<OwnedF
         return Err(io::Error::last_os_error());
     }
     Ok(OwnedFd::from(copy))
+}
+
+/// How many sealed copies [`CopyCache`] keeps for reuse.
+pub const CACHED_COPIES: usize = 8;
+
+/// What identifies one version of a file: if any of it changed, the content may have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Version {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Version {
+    fn of(meta: &std::fs::Metadata) -> Version {
+        use std::os::unix::fs::MetadataExt;
+        Version {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            size: meta.size(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
+/// Sealed copies of boot files, shared by every launch of the same file version (see the
+/// module doc). One per process that copies (the spawner, or the daemon without one).
+#[derive(Debug, Default)]
+pub struct CopyCache {
+    /// (version, copy), most recently used last.
+    entries: Vec<(Version, OwnedFd)>,
+}
+
+impl CopyCache {
+    /// An empty cache.
+    pub const fn new() -> CopyCache {
+        CopyCache { entries: Vec::new() }
+    }
+
+    /// A descriptor of the sealed copy of `file` (from [`open`]): the cached one when this
+    /// version of the file was copied before, else a new copy (cached, evicting the least
+    /// recently used beyond [`CACHED_COPIES`]).
+    ///
+    /// # Errors
+    /// As [`sealed_copy`], or duplicating the descriptor failed.
+    pub fn copy(&mut self, file: File, path: &Path) -> io::Result<OwnedFd> {
+        let version = Version::of(&file.metadata()?);
+        if let Some(i) = self.entries.iter().position(|(v, _)| *v == version) {
+            let entry = self.entries.remove(i);
+            let fd = entry.1.try_clone();
+            self.entries.push(entry);
+            return fd;
+        }
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let copy = sealed_copy(file, path, &format!("boot:{name}"))?;
+        let fd = copy.try_clone()?;
+        self.entries.push((version, copy));
+        if self.entries.len() > CACHED_COPIES {
+            self.entries.remove(0);
+        }
+        Ok(fd)
+    }
+
+    /// How many copies are kept.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no copy is kept.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
 }
 
 /// The path under which QEMU opens passed descriptor `fd` of its own.
@@ -170,6 +255,58 @@ mod tests {
         let err = open(&p).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
         assert!(err.to_string().contains("at most"), "{err}");
+    }
+
+    fn inode_of(fd: &OwnedFd) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(proc_path(fd.as_raw_fd())).unwrap().ino()
+    }
+
+    #[test]
+    fn the_same_file_version_shares_one_copy_and_a_change_gets_a_new_one() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("vmlinuz");
+        std::fs::write(&p, b"kernel v1").unwrap();
+        let mut cache = CopyCache::default();
+        let a = cache.copy(open(&p).unwrap(), &p).unwrap();
+        let b = cache.copy(open(&p).unwrap(), &p).unwrap();
+        assert_eq!(inode_of(&a), inode_of(&b), "one copy, shared");
+        assert_eq!(cache.len(), 1);
+        // Rewritten (even with the same length): a new copy; the old one is unchanged.
+        std::fs::write(&p, b"kernel v2").unwrap();
+        let c = cache.copy(open(&p).unwrap(), &p).unwrap();
+        assert_ne!(inode_of(&a), inode_of(&c));
+        assert_eq!(std::fs::read(proc_path(a.as_raw_fd())).unwrap(), b"kernel v1");
+        assert_eq!(std::fs::read(proc_path(c.as_raw_fd())).unwrap(), b"kernel v2");
+        // A chmod changes the change time: a new copy too (the content might have been swapped
+        // in with a rename, or not; a copy too many is cheap, a stale one is wrong).
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let e = cache.copy(open(&p).unwrap(), &p).unwrap();
+        assert_ne!(inode_of(&c), inode_of(&e));
+        let link = std::fs::read_link(proc_path(e.as_raw_fd())).unwrap();
+        assert!(link.to_string_lossy().starts_with("/memfd:vmhost:boot:vmlinuz"), "{link:?}");
+    }
+
+    #[test]
+    fn the_cache_is_bounded_least_recently_used_first_out() {
+        let d = tempfile::tempdir().unwrap();
+        let mut cache = CopyCache::default();
+        let paths: Vec<_> = (0..=CACHED_COPIES).map(|i| d.path().join(format!("k{i}"))).collect();
+        for (i, p) in paths.iter().enumerate() {
+            std::fs::write(p, format!("kernel {i}")).unwrap();
+        }
+        let first = cache.copy(open(&paths[0]).unwrap(), &paths[0]).unwrap();
+        for p in &paths[1..CACHED_COPIES] {
+            cache.copy(open(p).unwrap(), p).unwrap();
+        }
+        // Using k0 again makes k1 the least recently used.
+        cache.copy(open(&paths[0]).unwrap(), &paths[0]).unwrap();
+        cache.copy(open(&paths[CACHED_COPIES]).unwrap(), &paths[CACHED_COPIES]).unwrap();
+        assert_eq!(cache.len(), CACHED_COPIES);
+        let again = cache.copy(open(&paths[0]).unwrap(), &paths[0]).unwrap();
+        assert_eq!(inode_of(&first), inode_of(&again), "k0 stayed");
+        // A descriptor handed out stays valid after its copy left the cache.
+        assert_eq!(std::fs::read(proc_path(first.as_raw_fd())).unwrap(), b"kernel 0");
     }
 
     #[test]

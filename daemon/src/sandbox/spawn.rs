@@ -440,12 +440,11 @@ enum Request {
     /// Start a program ([`RunRequest`]).
     Run(RunRequest),
     /// Open a kernel or initrd ([`crate::qemu::boot_files`]) and, with `copy`, send back its
-    /// sealed copy; without, only whether it can be opened.
+    /// sealed copy (from the spawner's [`crate::qemu::boot_files::CopyCache`]); without, only
+    /// whether it can be opened.
     BootFile {
         /// The file a spec names.
         path: String,
-        /// The VM's name, for the copy's label.
-        name: String,
         /// Copy it (a launch) or only open it (the check before anything starts).
         copy: bool,
     },
@@ -531,29 +530,32 @@ fn reply_error(reply: &Reply) -> Option<io::Error> {
     })
 }
 
-/// Opens a kernel or initrd for VM `name` ([`crate::qemu::boot_files`]): through the spawner,
-/// which may read where the daemon's Landlock rules do not reach, or in-process without one.
-/// With `copy` returns the sealed copy QEMU gets; without, only checks that it opens.
+/// The daemon's own copies when it has no spawner.
+static LOCAL_COPIES: Mutex<crate::qemu::boot_files::CopyCache> = Mutex::new(crate::qemu::boot_files::CopyCache::new());
+
+/// Opens a kernel or initrd ([`crate::qemu::boot_files`]): through the spawner, which may read
+/// where the daemon's Landlock rules do not reach, or in-process without one. With `copy`
+/// returns the sealed copy QEMU gets; without, only checks that it opens.
 ///
 /// # Errors
 /// As [`crate::qemu::boot_files::open`] and [`crate::qemu::boot_files::sealed_copy`] (their
 /// kinds are kept across the spawner), or the spawner is gone.
-pub async fn boot_file(path: &Path, name: &str, copy: bool) -> io::Result<Option<OwnedFd>> {
+pub async fn boot_file(path: &Path, copy: bool) -> io::Result<Option<OwnedFd>> {
     use crate::qemu::boot_files;
     let Some(control) = SPAWNER.get() else {
-        let (path, name) = (path.to_path_buf(), name.to_string());
+        let path = path.to_path_buf();
         return tokio::task::spawn_blocking(move || {
             let file = boot_files::open(&path)?;
-            if copy {
-                boot_files::sealed_copy(file, &path, &name).map(Some)
-            } else {
-                Ok(None)
+            if !copy {
+                return Ok(None);
             }
+            let mut cache = LOCAL_COPIES.lock().map_err(|_| io::Error::other("copy cache lock poisoned"))?;
+            cache.copy(file, &path).map(Some)
         })
         .await
         .map_err(io::Error::other)?;
     };
-    let req = Request::BootFile { path: utf8("path", path.as_os_str())?, name: name.to_string(), copy };
+    let req = Request::BootFile { path: utf8("path", path.as_os_str())?, copy };
     let reply = send_request(control, &req, Vec::new())?;
     let (answer, mut fds) = next_message(&reply, &mut Vec::new()).await?;
     if let Some(e) = reply_error(&answer) {
@@ -748,6 +750,7 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
 /// Runs in the forked spawner process, which is single-threaded.
 pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: bool) -> ! {
     let mut running: Vec<Running> = Vec::new();
+    let mut copies = crate::qemu::boot_files::CopyCache::default();
     loop {
         let mut pfds: Vec<libc::pollfd> =
             vec![libc::pollfd { fd: control.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
@@ -814,7 +817,7 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
                 }
                 Err(e) => send_reply(&reply, &failed(e), None),
             },
-            Request::BootFile { path, name, copy } => match serve_boot_file(Path::new(&path), &name, copy) {
+            Request::BootFile { path, copy } => match serve_boot_file(&mut copies, Path::new(&path), copy) {
                 Ok(fd) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, fd.as_ref()),
                 Err(e) => send_reply(&reply, &failed(e), None),
             },
@@ -841,11 +844,15 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
 /// Opens (and with `copy`, copies) a boot file in the spawner. Opening is the one thing done
 /// with CAP_DAC_READ_SEARCH raised, so a file root can read boots wherever it lives
 /// ([`super::caps::SPAWNER`]); the copy reads the open descriptor.
-fn serve_boot_file(path: &Path, name: &str, copy: bool) -> io::Result<Option<OwnedFd>> {
+fn serve_boot_file(
+    copies: &mut crate::qemu::boot_files::CopyCache,
+    path: &Path,
+    copy: bool,
+) -> io::Result<Option<OwnedFd>> {
     use crate::qemu::boot_files;
     let file = super::caps::with_effective(::caps::Capability::CAP_DAC_READ_SEARCH, || boot_files::open(path))?;
     if copy {
-        boot_files::sealed_copy(file, path, name).map(Some)
+        copies.copy(file, path).map(Some)
     } else {
         Ok(None)
     }
