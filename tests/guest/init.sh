@@ -5,6 +5,7 @@
 # Console protocol (tests match on these):
 #   VMHOST-GUEST-READY <kernel-version> <uptime-seconds>   once, when the guest is up
 #   VMHOST-GUEST-POWEROFF                                  ACPI power button pressed
+#   VMHOST-GUEST-SELF-POWEROFF                             powering off on its own (vmhost.poweroff)
 #
 # ACPI shutdown: busybox acpid watches the power button (ACPI "button" driver ->
 # evdev input device) and runs /etc/acpi/PWRF/00000080, which does `poweroff -f`.
@@ -107,6 +108,12 @@ done
 
 read -r uptime _ </proc/uptime
 echo "VMHOST-GUEST-READY $(uname -r) $uptime"
+# Test hook: vmhost.poweroff makes a guest that powers itself off once it is up (a guest-initiated
+# shutdown, which the restart policy tells apart from a crash).
+if grep -qw vmhost.poweroff /proc/cmdline; then
+    echo "VMHOST-GUEST-SELF-POWEROFF"
+    poweroff -f
+fi
 
 # Test hook: vmhost.ping=A,B,... pings each address (up to 60 tries, the peers
 # may still be booting) and reports VMHOST-PING <addr> ok|fail on the console.

@@ -491,3 +491,21 @@ impl Drop for TestHost {
 }
 
 pub mod lab;
+
+/// `text` without ANSI colour sequences: the daemon's log is coloured, and tests read it.
+pub fn plain_log(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

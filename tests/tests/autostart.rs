@@ -36,27 +36,9 @@ fn simulate_host_reboot(host: &mut TestHost) {
     }
 }
 
-/// `text` without ANSI colour sequences (the daemon's log is coloured).
-fn plain(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for d in chars.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// The VM transitions in a daemon log, in order: (vm, from, to).
 fn transitions(log: &str) -> Vec<(String, String, String)> {
-    let log = plain(log);
+    let log = vmhost_tests::plain_log(log);
     let field = |line: &str, key: &str| -> String {
         let Some(at) = line.find(key) else { return String::new() };
         let rest = &line[at + key.len()..];

@@ -200,7 +200,10 @@ fn events_report_state_changes_and_a_killed_qemu_is_dead() {
     let host = TestHost::start(HostOptions::default());
     let mut sub = host.client();
     sub.subscribe_events().expect("subscribe");
-    host.call("vm.create", json!({ "spec": host.kernel_spec("ev") }));
+    // restart_policy never: a killed QEMU stays dead (tests/tests/restart_policy.rs covers restarts).
+    let mut ev = host.kernel_spec("ev");
+    ev["restart_policy"] = json!("never");
+    host.call("vm.create", json!({ "spec": ev }));
     let mut seen = Vec::new();
     while let Some(e) = sub.next_event(Duration::from_secs(10)).expect("event") {
         seen.push((e.from.map(|s| s.to_string()), e.to.map(|s| s.to_string())));
@@ -232,8 +235,13 @@ fn vms_survive_a_daemon_kill_and_are_adopted() {
     // covers starting the dead ones again).
     let mut host =
         TestHost::start(HostOptions { extra: "[lifecycle]\nautostart = false\n".into(), ..HostOptions::default() });
-    host.call("vm.create", json!({ "spec": host.kernel_spec("keep") }));
-    host.call("vm.create", json!({ "spec": host.kernel_spec("gone") }));
+    let never = |name: &str| {
+        let mut s = host.kernel_spec(name);
+        s["restart_policy"] = json!("never");
+        s
+    };
+    host.call("vm.create", json!({ "spec": never("keep") }));
+    host.call("vm.create", json!({ "spec": never("gone") }));
     let keep = host.call("vm.get", json!({ "name": "keep" }))["pid"].as_i64().unwrap() as i32;
     let gone = host.call("vm.get", json!({ "name": "gone" }))["pid"].as_i64().unwrap() as i32;
     assert!(host.wait_serial("keep", GUEST_READY, BOOT));

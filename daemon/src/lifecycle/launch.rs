@@ -314,6 +314,7 @@ impl Manager {
             let fd = match which {
                 PassedFd::Qmp => listen(&paths.qmp)?,
                 PassedFd::Agent => listen(&paths.agent)?,
+                PassedFd::QmpEvents => listen(&paths.qmp_events)?,
                 PassedFd::SerialLog => OpenOptions::new()
                     .append(true)
                     .create(true)

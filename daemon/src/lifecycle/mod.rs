@@ -12,11 +12,12 @@
 //!
 //! Submodules: [`ops`] (create/start/stop/destroy/apply), [`reconfigure`] (`vm.apply` of a
 //! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`recover`]
-//! (re-adoption at daemon start, exit watching), [`autostart`] (VMs desired running, started at
+//! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`).
 
 mod agent;
 mod autostart;
+mod exits;
 mod launch;
 mod ops;
 mod reconcile;

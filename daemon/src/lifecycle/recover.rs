@@ -1,5 +1,5 @@
-//! Daemon restarts: re-adopt the VMs that kept running, settle interrupted operations, and
-//! watch every VM process for an exit the daemon did not cause.
+//! Daemon restarts: re-adopt the VMs that kept running and settle interrupted operations
+//! (watching each VM's exit is [`super::exits`]).
 //!
 //! [`Manager::recover_all`] runs once from `Manager::open`, before the socket is served. What
 //! a record says is checked against /proc (pid, start time and command line, see
@@ -7,7 +7,6 @@
 
 use super::Manager;
 use crate::api::{ApiError, Code, VmStatus};
-use crate::process::{self, ProcessIdentity};
 use crate::qemu::argv::VmPaths;
 use crate::qemu::qmp::Qmp;
 use std::sync::Arc;
@@ -133,65 +132,4 @@ impl Manager {
         let _ = std::fs::remove_file(&paths.qemu_log);
         self.forget(name, "destroyed (completed after restart)")
     }
-
-    /// Watches a VM process; when it exits while the VM is recorded `running` and no operation
-    /// is in progress on it, the VM becomes `dead`.
-    pub(super) fn watch(self: &Arc<Self>, name: &str, id: ProcessIdentity) {
-        let mgr = Arc::downgrade(self);
-        let name = name.to_string();
-        tokio::spawn(async move {
-            if let Err(e) = process::wait_exit_of(&id).await {
-                tracing::warn!(vm = %name, pid = id.pid, error = %e, "cannot watch QEMU; relying on reads");
-                return;
-            }
-            if let Some(mgr) = mgr.upgrade() {
-                mgr.on_exit(&name, &id).await;
-            }
-        });
-    }
-
-    /// Records the death of a VM's process. While an operation holds the VM, the operation
-    /// decides; the check is repeated until it is done, so no death goes unrecorded.
-    async fn on_exit(&self, name: &str, id: &ProcessIdentity) {
-        let why = "QEMU exited unexpectedly (crashed, killed, or the guest powered off on its own)";
-        for _ in 0..EXIT_RECHECKS {
-            let mut was_busy = false;
-            let result = self.update_if(
-                name,
-                why,
-                |rec, busy| {
-                    was_busy = busy;
-                    !busy && rec.status == VmStatus::Running && rec.process.as_ref() == Some(id)
-                },
-                |r| {
-                    r.status = VmStatus::Dead;
-                    r.process = None;
-                    r.last_error =
-                        Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message: why.into() });
-                },
-            );
-            match result {
-                Ok(Some(_)) => {
-                    self.clean_run_dir(&self.paths(name));
-                    self.net.detach_nics(name).await;
-                    self.agents.stop(name);
-                    if let Err(e) = self.release_passthrough(name).await {
-                        tracing::error!(vm = name, error = %e, "passthrough devices of a dead VM not restored");
-                    }
-                    return;
-                }
-                Ok(None) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,
-                Ok(None) => return, // stopped, restarted or destroyed by an operation
-                Err(e) => {
-                    tracing::error!(vm = name, error = %e, "cannot record the VM's death");
-                    return;
-                }
-            }
-        }
-        tracing::warn!(vm = name, "VM stayed busy; its exit is left to reads and operations");
-    }
 }
-
-/// How often and how long `on_exit` re-checks a busy VM (an hour: the longest stop timeout).
-const EXIT_RECHECK_EVERY: Duration = Duration::from_millis(250);
-const EXIT_RECHECKS: u32 = 4 * 3600;

@@ -38,6 +38,8 @@ pub struct VmPaths {
     pub run_dir: PathBuf,
     /// QMP control socket.
     pub qmp: PathBuf,
+    /// A second QMP monitor the daemon only listens on for events (why QEMU ends).
+    pub qmp_events: PathBuf,
     /// Guest agent chardev socket.
     pub agent: PathBuf,
     /// Serial console log, kept across restarts until destroy.
@@ -57,6 +59,7 @@ impl VmPaths {
         let run_dir = config.paths.run.join(name);
         VmPaths {
             qmp: run_dir.join("qmp"),
+            qmp_events: run_dir.join("qmpev"),
             agent: run_dir.join("agent"),
             run_dir,
             serial_log: config.paths.state.join("logs").join(format!("{name}.serial.log")),
@@ -98,6 +101,9 @@ pub enum PassedFd {
     Kernel,
     /// The sealed copy of its initrd.
     Initrd,
+    /// The listening socket of the event monitor (`VmPaths::qmp_events`). Last, so the other
+    /// numbers stay what VMs started before it existed had.
+    QmpEvents,
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -113,6 +119,7 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
             fds.extend(initrd.as_ref().map(|_| PassedFd::Initrd));
         }
     }
+    fds.push(PassedFd::QmpEvents);
     fds
 }
 
@@ -161,6 +168,8 @@ pub fn build_argv(
     let fdset = |which: PassedFd, path: &Path| format!("fd={0},set={0},opaque={1}", fd(which), escape_opt(path));
     push(&["-chardev", &format!("socket,id=qmp,fd={},server=on,wait=off", fd(PassedFd::Qmp))]);
     push(&["-mon", "chardev=qmp,mode=control"]);
+    push(&["-chardev", &format!("socket,id=qmpev,fd={},server=on,wait=off", fd(PassedFd::QmpEvents))]);
+    push(&["-mon", "chardev=qmpev,mode=control"]);
     // The description of this fd set is the cmdline marker (VmPaths::cmdline_marker).
     push(&["-add-fd", &fdset(PassedFd::SerialLog, &paths.serial_log)]);
     push(&["-chardev", &format!("file,id=serial0,path=/dev/fdset/{},append=on", fd(PassedFd::SerialLog))]);
@@ -250,11 +259,24 @@ mod tests {
         let v = validate_spec(&s, &c).unwrap();
         assert_eq!(
             passed_fds(&v, 0),
-            [PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog, PassedFd::Kernel, PassedFd::Initrd]
+            [
+                PassedFd::Qmp,
+                PassedFd::Agent,
+                PassedFd::SerialLog,
+                PassedFd::Kernel,
+                PassedFd::Initrd,
+                PassedFd::QmpEvents
+            ]
         );
+        // The event monitor: a second QMP monitor on the last descriptor.
+        assert!(argv.iter().any(|a| a == "socket,id=qmpev,fd=8,server=on,wait=off"), "{argv:?}");
+        assert_eq!(value_after(&argv, "-mon"), ["chardev=qmp,mode=control", "chardev=qmpev,mode=control"]);
         s.boot.initrd = None;
         let v = validate_spec(&s, &c).unwrap();
-        assert_eq!(passed_fds(&v, 0), [PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog, PassedFd::Kernel]);
+        assert_eq!(
+            passed_fds(&v, 0),
+            [PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog, PassedFd::Kernel, PassedFd::QmpEvents]
+        );
         assert!(!argv_of(&s, &c).contains(&"-initrd".to_string()));
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0"]);
         // In the foreground (the spawner holds it), under QEMU's own seccomp filter.
@@ -287,7 +309,8 @@ mod tests {
                 PassedFd::OverlayRw,
                 PassedFd::OverlayRo,
                 PassedFd::Base,
-                PassedFd::Seed
+                PassedFd::Seed,
+                PassedFd::QmpEvents
             ]
         );
         let argv = argv_of(&s, &c);
@@ -330,7 +353,7 @@ mod tests {
             .map(|o| o.into_string().unwrap())
             .collect();
         assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6", "tap,id=net1,fd=7"]);
-        assert_eq!(passed_fds(&v, 2)[3..], [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel]);
+        assert_eq!(passed_fds(&v, 2)[3..], [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel, PassedFd::QmpEvents]);
         assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/8"]);
         let devs = value_after(&argv, "-device");
         assert!(devs.contains(&format!("virtio-net-pci,netdev=net1,mac={}", allocs[1].mac).as_str()), "{devs:?}");

@@ -211,6 +211,24 @@ impl Qmp {
         self.execute("system_powerdown", None).await.map(drop)
     }
 
+    /// Waits, without a time limit, for the next asynchronous event (kept ones first) and
+    /// returns it. For a monitor used only to listen (the VM's event monitor).
+    ///
+    /// # Errors
+    /// [`QmpError::Closed`] once QEMU is gone; [`QmpError::Io`] and [`QmpError::Protocol`] as
+    /// documented on the variants.
+    pub async fn next_event(&mut self) -> Result<Value, QmpError> {
+        if let Some(e) = self.events.pop_front() {
+            return Ok(e);
+        }
+        loop {
+            let msg = self.read_message().await?;
+            if msg.get("event").is_some() {
+                return Ok(msg);
+            }
+        }
+    }
+
     /// Grows the block device `device` (the VM's disk is `virtio0`, see
     /// [`crate::qemu::argv`]) to `bytes` while the guest runs; the guest sees the new size.
     ///

@@ -1,0 +1,292 @@
+//! Exits vmhostd did not ask for, and the restart policy (`spec.restart_policy`).
+//!
+//! Every running VM is watched twice: its process by a pidfd ([`Manager::watch`]), and its
+//! event monitor (a second QMP monitor, `RUN/NAME/qmpev`) by a listener that remembers whether
+//! a `SHUTDOWN` event said the guest asked for it. When the process ends while no operation
+//! holds the VM ([`Manager::on_exit`]):
+//!
+//! 1. the cause is the listener's answer (waited for briefly: the event is written before QEMU
+//!    exits): a guest power-off, or anything else (crash, kill, a host-side `quit`);
+//! 2. [`verdict`] (pure) decides from the policy, the cause and the failures of the last
+//!    10 minutes ([`failures_after`]): `stopped` (a guest power-off under `on-failure` or
+//!    `never`; the desired state becomes `stopped`), `dead` (`never`), a restart after a backoff
+//!    of 1 s doubling to 60 s, or `failed` at the 5th failure within 10 minutes;
+//! 3. the verdict is recorded (status, `last_exit`, the failure times) before anything else, then
+//!    the VM's taps, agent session, run dir and devices go;
+//! 4. a restart sleeps the backoff and starts the VM through the ordinary start steps (reason
+//!    `restart policy`), only if it is still `dead` and desired running and nobody else is working
+//!    on it. A daemon killed meanwhile leaves a `dead` VM desired running, which autostart starts.
+//!
+//! 10 minutes of uptime reset the count. A restart that fails to start leaves the VM `failed`
+//! (no retry loop).
+
+use super::Manager;
+use crate::api::{Code, RestartPolicy, VmStatus};
+use crate::process::{self, ProcessIdentity};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The window failures are counted in, and the uptime that forgives them.
+pub const FAILURE_WINDOW_S: u64 = 600;
+/// The failure that makes a VM `failed` instead of restarted.
+pub const MAX_FAILURES: usize = 5;
+/// The longest backoff.
+pub const MAX_BACKOFF_S: u64 = 60;
+
+/// How long `on_exit` waits for the event listener to have read the `SHUTDOWN` event.
+const EVENT_WAIT: Duration = Duration::from_secs(2);
+/// How often and how long `on_exit` re-checks a busy VM (an hour: the longest stop timeout).
+const EXIT_RECHECK_EVERY: Duration = Duration::from_millis(250);
+const EXIT_RECHECKS: u32 = 4 * 3600;
+
+/// Why QEMU ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExitCause {
+    /// The guest powered itself off (`SHUTDOWN` with `guest: true`).
+    GuestPowerOff,
+    /// Anything else: a crash, a kill, a host-side quit; the text says what is known.
+    Failure(String),
+}
+
+/// What happens to a VM whose QEMU ended without vmhostd asking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// `stopped`, desired state `stopped`: the guest chose to power off.
+    Stopped,
+    /// `dead`, left so (`never`).
+    Dead,
+    /// `dead` now, started again after this delay.
+    Restart(Duration),
+    /// `failed`: too many failures within the window.
+    GiveUp,
+}
+
+/// The failure times that count after an exit at `now`: the earlier ones within
+/// [`FAILURE_WINDOW_S`], none at all if the VM had run that long (`started_at`), then `now`.
+pub fn failures_after(earlier: &[u64], started_at: Option<u64>, now: u64) -> Vec<u64> {
+    let ran_long = started_at.is_some_and(|s| now.saturating_sub(s) >= FAILURE_WINDOW_S);
+    let mut kept: Vec<u64> = if ran_long {
+        Vec::new()
+    } else {
+        earlier.iter().copied().filter(|t| now - t.min(&now) < FAILURE_WINDOW_S).collect()
+    };
+    kept.push(now);
+    kept
+}
+
+/// The backoff before restart number `n` (1-based) of the current window: 1 s doubling, at most
+/// [`MAX_BACKOFF_S`].
+pub fn backoff(n: usize) -> Duration {
+    let exp = u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX).min(16);
+    Duration::from_secs((1u64 << exp).min(MAX_BACKOFF_S))
+}
+
+/// The verdict for an exit with `cause` under `policy`, `failures` being [`failures_after`]'s
+/// result (this exit included) when the cause is a failure.
+pub fn verdict(policy: RestartPolicy, cause: &ExitCause, failures: usize) -> Verdict {
+    match (cause, policy) {
+        (ExitCause::GuestPowerOff, RestartPolicy::Always) => Verdict::Restart(backoff(1)),
+        (ExitCause::GuestPowerOff, _) => Verdict::Stopped,
+        (ExitCause::Failure(_), RestartPolicy::Never) => Verdict::Dead,
+        (ExitCause::Failure(_), _) if failures >= MAX_FAILURES => Verdict::GiveUp,
+        (ExitCause::Failure(_), _) => Verdict::Restart(backoff(failures)),
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn unix_time_of(rfc3339: Option<&str>) -> Option<u64> {
+    let t = humantime::parse_rfc3339(rfc3339?).ok()?;
+    t.duration_since(std::time::UNIX_EPOCH).ok().map(|d| d.as_secs())
+}
+
+impl Manager {
+    /// Watches a running VM: its process (pidfd) and its event monitor. See the module doc.
+    pub(super) fn watch(self: &Arc<Self>, name: &str, id: ProcessIdentity) {
+        let listener = self.listen_for_shutdown(name);
+        let mgr = Arc::downgrade(self);
+        let name = name.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = process::wait_exit_of(&id).await {
+                tracing::warn!(vm = %name, pid = id.pid, error = %e, "cannot watch QEMU; relying on reads");
+                return;
+            }
+            let cause = match tokio::time::timeout(EVENT_WAIT, listener).await {
+                Ok(Ok(Some(true))) => ExitCause::GuestPowerOff,
+                Ok(Ok(Some(false))) => ExitCause::Failure("QEMU shut down at the host's request".into()),
+                _ => ExitCause::Failure("QEMU exited unexpectedly (crashed or killed)".into()),
+            };
+            if let Some(mgr) = mgr.upgrade() {
+                mgr.on_exit(&name, &id, cause).await;
+            }
+        });
+    }
+
+    /// Listens on the VM's event monitor until QEMU closes it. The task's result: whether the
+    /// last `SHUTDOWN` event said the guest asked (`None`: no such event, or no monitor, as for
+    /// a VM started before it existed).
+    fn listen_for_shutdown(&self, name: &str) -> tokio::task::JoinHandle<Option<bool>> {
+        let socket = self.paths(name).qmp_events;
+        let name = name.to_string();
+        tokio::spawn(async move {
+            let mut qmp = match crate::qemu::qmp::Qmp::connect(&socket, Duration::from_secs(10)).await {
+                Ok(q) => q,
+                Err(e) => {
+                    tracing::debug!(vm = %name, error = %e, "no event monitor; exits count as failures");
+                    return None;
+                }
+            };
+            let mut guest = None;
+            while let Ok(event) = qmp.next_event().await {
+                if event["event"] == "SHUTDOWN" {
+                    guest = Some(event["data"]["guest"] == true);
+                    tracing::info!(vm = %name, data = %event["data"], "QEMU reports a shutdown");
+                }
+            }
+            guest
+        })
+    }
+
+    /// Records the end of a VM's process and applies its restart policy. While an operation
+    /// holds the VM, the operation decides; the check is repeated until it is done.
+    pub(super) async fn on_exit(self: &Arc<Self>, name: &str, id: &ProcessIdentity, cause: ExitCause) {
+        for _ in 0..EXIT_RECHECKS {
+            let mut was_busy = false;
+            let mut decided = Verdict::Dead;
+            let now = unix_now();
+            let result = self.update_if(
+                name,
+                "QEMU exited",
+                |rec, busy| {
+                    was_busy = busy;
+                    !busy && rec.status == VmStatus::Running && rec.process.as_ref() == Some(id)
+                },
+                |r| {
+                    let failures = match cause {
+                        ExitCause::GuestPowerOff => r.failures.clone(),
+                        ExitCause::Failure(_) => {
+                            failures_after(&r.failures, unix_time_of(r.started_at.as_deref()), now)
+                        }
+                    };
+                    decided = verdict(r.spec.restart_policy, &cause, failures.len());
+                    r.failures = failures;
+                    r.process = None;
+                    r.last_exit = Some(match &cause {
+                        ExitCause::GuestPowerOff => "guest powered off".to_string(),
+                        ExitCause::Failure(why) => why.clone(),
+                    });
+                    match decided {
+                        Verdict::Stopped => {
+                            r.status = VmStatus::Stopped;
+                            r.spec.state = crate::api::DesiredState::Stopped;
+                        }
+                        Verdict::Dead | Verdict::Restart(_) => {
+                            r.status = VmStatus::Dead;
+                        }
+                        Verdict::GiveUp => r.status = VmStatus::Failed,
+                    }
+                    if let ExitCause::Failure(why) = &cause {
+                        let message = match decided {
+                            Verdict::GiveUp => format!(
+                                "{why}; {MAX_FAILURES} failures within {} minutes: not restarted again",
+                                FAILURE_WINDOW_S / 60
+                            ),
+                            _ => why.clone(),
+                        };
+                        r.last_error = Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message });
+                    }
+                },
+            );
+            match result {
+                Ok(Some(_)) => {
+                    tracing::info!(vm = name, cause = ?cause, verdict = ?decided, "QEMU ended without vmhostd asking");
+                    self.clean_run_dir(&self.paths(name));
+                    self.net.detach_nics(name).await;
+                    self.agents.stop(name);
+                    if let Err(e) = self.release_passthrough(name).await {
+                        tracing::error!(vm = name, error = %e, "passthrough devices of an ended VM not restored");
+                    }
+                    if let Verdict::Restart(after) = decided {
+                        self.restart_later(name, after);
+                    }
+                    return;
+                }
+                Ok(None) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,
+                Ok(None) => return, // stopped, restarted or destroyed by an operation
+                Err(e) => {
+                    tracing::error!(vm = name, error = %e, "cannot record the VM's exit");
+                    return;
+                }
+            }
+        }
+        tracing::warn!(vm = name, "VM stayed busy; its exit is left to reads and operations");
+    }
+
+    /// Starts VM `name` again after `after`, if by then it is still `dead`, desired running and
+    /// free (an operator's stop, destroy or start meanwhile wins).
+    fn restart_later(self: &Arc<Self>, name: &str, after: Duration) {
+        let mgr = Arc::downgrade(self);
+        let name = name.to_string();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            let Some(mgr) = mgr.upgrade() else { return };
+            let still = mgr
+                .record(&name)
+                .is_ok_and(|r| r.status == VmStatus::Dead && r.spec.state == crate::api::DesiredState::Running);
+            if !still {
+                return;
+            }
+            match mgr.start_for("restart policy", &name).await {
+                Ok(_) => {
+                    let _ = mgr.update(&name, "restart policy", |r| r.restarts = r.restarts.saturating_add(1));
+                    tracing::info!(vm = %name, "restarted by its restart policy");
+                }
+                Err(e) => tracing::warn!(vm = %name, error = %e, "restart policy: the start failed"),
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use RestartPolicy::{Always, Never, OnFailure};
+
+    fn crash() -> ExitCause {
+        ExitCause::Failure("killed".into())
+    }
+
+    #[test]
+    fn each_policy_and_cause() {
+        assert_eq!(verdict(OnFailure, &ExitCause::GuestPowerOff, 0), Verdict::Stopped);
+        assert_eq!(verdict(Never, &ExitCause::GuestPowerOff, 0), Verdict::Stopped);
+        assert_eq!(verdict(Always, &ExitCause::GuestPowerOff, 0), Verdict::Restart(Duration::from_secs(1)));
+        assert_eq!(verdict(Never, &crash(), 1), Verdict::Dead);
+        assert_eq!(verdict(OnFailure, &crash(), 1), Verdict::Restart(Duration::from_secs(1)));
+        assert_eq!(verdict(Always, &crash(), 2), Verdict::Restart(Duration::from_secs(2)));
+        assert_eq!(verdict(OnFailure, &crash(), 4), Verdict::Restart(Duration::from_secs(8)));
+        assert_eq!(verdict(OnFailure, &crash(), 5), Verdict::GiveUp);
+        assert_eq!(verdict(Always, &crash(), 6), Verdict::GiveUp);
+        assert_eq!(verdict(Never, &crash(), 9), Verdict::Dead, "never: no counting");
+    }
+
+    #[test]
+    fn backoff_doubles_from_one_second_to_a_minute() {
+        let secs: Vec<u64> = (1..=9).map(|n| backoff(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
+        assert_eq!(backoff(usize::MAX).as_secs(), 60);
+    }
+
+    #[test]
+    fn failures_count_within_ten_minutes_and_uptime_forgives_them() {
+        let now = 10_000;
+        assert_eq!(failures_after(&[], Some(now - 5), now), [now]);
+        assert_eq!(failures_after(&[now - 700, now - 300, now - 10], Some(now - 5), now), [now - 300, now - 10, now]);
+        assert_eq!(failures_after(&[now - 300, now - 10], Some(now - 600), now), [now], "10 minutes up: forgiven");
+        assert_eq!(failures_after(&[now - 300], None, now), [now - 300, now]);
+        // A clock that went backwards does not panic.
+        assert_eq!(failures_after(&[now + 50], Some(now - 1), now), [now + 50, now]);
+    }
+}
