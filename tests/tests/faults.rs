@@ -185,6 +185,48 @@ fn a_daemon_killed_at_any_step_of_a_reconfigure_keeps_the_disk_and_converges() {
     }
 }
 
+/// Restarts vmhostd itself does (the restart policy, then autostart) go through the create's
+/// launch steps: killed at one of them while restarting a crashed VM, the next daemon ends with
+/// the VM running on exactly one QEMU, its disk the same file.
+#[test]
+fn a_daemon_killed_during_a_policy_restart_ends_with_one_qemu() {
+    use std::os::unix::fs::MetadataExt;
+    let mut host = TestHost::start(HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() });
+    vmhost_tests::run_ok(
+        Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(host.images().join("base.qcow2")).arg("64M"),
+    );
+    for step in ["launch:taps", "launch:spawned", "launch:launched"] {
+        let name = "phoenix";
+        let v = host.call("vm.create", json!({ "spec": spec(name) }));
+        let disk = host.state().join("disks").join(format!("{name}.qcow2"));
+        let ino = std::fs::metadata(&disk).expect("overlay").ino();
+        arm(&host, step);
+        let daemon = host.daemon_pid().expect("daemon");
+        let qemu = nix::unistd::Pid::from_raw(v["vm"]["pid"].as_i64().expect("pid") as i32);
+        nix::sys::signal::kill(qemu, nix::sys::signal::Signal::SIGKILL).expect("kill QEMU");
+        // The policy restarts it after 1 s and the daemon dies at the crash point.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while vmhost_tests::alive(daemon as i32) {
+            assert!(Instant::now() < deadline, "{step}: the restart never reached the crash point");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(host.daemon_log().contains(&format!("\"{step}\"")), "{step}: not the crash point");
+        host.kill_daemon();
+        disarm(&host);
+        host.spawn_daemon();
+        // Re-adopted or started by autostart: running, one QEMU, the same disk.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while host.call("vm.get", json!({ "name": name }))["status"] != "running" {
+            assert!(Instant::now() < deadline, "{step}: never running again");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(host.qemu_pids().len(), 1, "{step}: exactly one QEMU");
+        assert_eq!(std::fs::metadata(&disk).expect("overlay").ino(), ino, "{step}: same disk");
+        assert_consistent(&host, step);
+        host.call("vm.destroy", json!({ "name": name }));
+    }
+}
+
 /// A state file system with no space left: a create is refused with a clear error naming the
 /// record, earlier records stay intact and loadable, and nothing of the refused VM is left.
 #[test]
