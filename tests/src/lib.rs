@@ -509,3 +509,20 @@ pub fn plain_log(text: &str) -> String {
     }
     out
 }
+
+/// The command line of process `pid` (a VM's QEMU), one string per argument.
+pub fn argv_of(pid: i64) -> Vec<String> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).expect("QEMU's command line");
+    raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
+}
+
+/// The argument after the first `flag` in `argv` (empty when there is none).
+pub fn value_after(argv: &[String], flag: &str) -> String {
+    argv.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone()).unwrap_or_default()
+}
+
+/// The inode of VM `name`'s overlay disk on `host`: the same inode means the same disk.
+pub fn overlay_ino(host: &TestHost, name: &str) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(host.state().join("disks").join(format!("{name}.qcow2"))).expect("overlay").ino()
+}

@@ -58,15 +58,6 @@ fn vm(name: &str, ensure: &str, extra: &str) -> String {
     )
 }
 
-fn argv_of(pid: i64) -> Vec<String> {
-    let raw = fs::read(format!("/proc/{pid}/cmdline")).expect("QEMU's command line");
-    raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
-}
-
-fn value_after(argv: &[String], flag: &str) -> String {
-    argv.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone()).unwrap_or_default()
-}
-
 fn get(host: &TestHost, name: &str) -> Value {
     host.call("vm.get", json!({ "name": name }))
 }
@@ -135,7 +126,7 @@ fn puppet_creates_converges_reports_noop_changes_once_and_destroys() {
     assert_eq!((&v["spec"]["cpu"], &v["status"], &v["pending_restart"]), (&json!(2), &json!("running"), &json!(false)));
     let cpu_pid = v["pid"].as_i64().expect("pid");
     assert_ne!(json!(cpu_pid), pid, "restarted for the change");
-    assert_eq!(value_after(&argv_of(cpu_pid), "-smp"), "2");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(cpu_pid), "-smp"), "2");
     let seen = drain(&mut events);
     assert!(!seen.iter().any(|e| e.contains("replace")), "no replace: {seen:?}");
     let run = puppet.apply(&sock, &changed, &[]);
@@ -152,7 +143,7 @@ fn puppet_creates_converges_reports_noop_changes_once_and_destroys() {
     assert_eq!((&v["spec"]["memory_mib"], &v["status"]), (&json!(384), &json!("running")));
     let mem_pid = v["pid"].as_i64().expect("pid");
     assert_ne!(mem_pid, cpu_pid, "restarted for the change");
-    assert_eq!(value_after(&argv_of(mem_pid), "-m"), "384");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(mem_pid), "-m"), "384");
     assert!(!drain(&mut events).iter().any(|e| e.contains("replace")));
     let run = puppet.apply(&sock, &more, &[]);
     assert_eq!(run.code, 0, "rerun after the change:\n{}", run.output);

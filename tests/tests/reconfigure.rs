@@ -61,15 +61,6 @@ fn assert_marker(host: &TestHost, name: &str) {
     assert!(out.contains("read 65536/65536 bytes"), "{out}");
 }
 
-fn argv_of(pid: i64) -> Vec<String> {
-    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
-    raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
-}
-
-fn value_after(argv: &[String], flag: &str) -> String {
-    argv.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone()).unwrap_or_default()
-}
-
 fn view(host: &TestHost, name: &str) -> Value {
     host.call("vm.get", json!({ "name": name }))
 }
@@ -85,7 +76,7 @@ fn cpu_and_memory_change_in_place_keeping_the_disk() {
     let ino = create_with_marker(&host, &spec("sensor"));
     let before = view(&host, "sensor");
     let old_pid = before["pid"].as_i64().unwrap();
-    assert_eq!(value_after(&argv_of(old_pid), "-m"), "128");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(old_pid), "-m"), "128");
 
     let mut changed = spec("sensor");
     changed["cpu"] = json!(2);
@@ -96,8 +87,11 @@ fn cpu_and_memory_change_in_place_keeping_the_disk() {
     assert_eq!(r["vm"]["pending_restart"], false);
     let pid = r["vm"]["pid"].as_i64().unwrap();
     assert_ne!(pid, old_pid, "restarted");
-    let argv = argv_of(pid);
-    assert_eq!((value_after(&argv, "-smp"), value_after(&argv, "-m")), ("2".into(), "256".into()));
+    let argv = vmhost_tests::argv_of(pid);
+    assert_eq!(
+        (vmhost_tests::value_after(&argv, "-smp"), vmhost_tests::value_after(&argv, "-m")),
+        ("2".into(), "256".into())
+    );
     assert_eq!(std::fs::metadata(overlay(&host, "sensor")).unwrap().ino(), ino, "same overlay inode");
     assert_marker(&host, "sensor");
     assert_eq!(host.qemu_pids().len(), 1, "one QEMU");
@@ -108,12 +102,12 @@ fn cpu_and_memory_change_in_place_keeping_the_disk() {
     let r = host.call("vm.apply", json!({ "spec": later, "restart": false }));
     assert_eq!((r["vm"]["pid"].as_i64(), r["vm"]["pending_restart"].clone()), (Some(pid), json!(true)));
     assert_eq!(r["vm"]["spec"]["memory_mib"], 384);
-    assert_eq!(value_after(&argv_of(pid), "-m"), "256", "the running QEMU is untouched");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(pid), "-m"), "256", "the running QEMU is untouched");
     let r = host.call("vm.restart", json!({ "name": "sensor", "timeout_s": 1 }));
     let newest = r["vm"]["pid"].as_i64().unwrap();
     assert_ne!(newest, pid);
     assert_eq!(r["vm"]["pending_restart"], false);
-    assert_eq!(value_after(&argv_of(newest), "-m"), "384", "the next start applied it");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(newest), "-m"), "384", "the next start applied it");
     assert_eq!(std::fs::metadata(overlay(&host, "sensor")).unwrap().ino(), ino);
     assert_marker(&host, "sensor");
     host.call("vm.destroy", json!({ "name": "sensor" }));
@@ -196,7 +190,7 @@ fn a_failed_restart_rolls_back_to_the_old_spec() {
     assert!(after["spec"]["nics"].as_array().is_none_or(Vec::is_empty), "{after}");
     let pid = after["pid"].as_i64().unwrap();
     assert_ne!(pid, old_pid);
-    assert_eq!(value_after(&argv_of(pid), "-m"), "128");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(pid), "-m"), "128");
     assert_eq!(std::fs::metadata(overlay(&host, "rb")).unwrap().ino(), ino);
     assert_marker(&host, "rb");
 }

@@ -6,7 +6,6 @@
 
 use serde_json::{json, Map, Value};
 use std::fs;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use vmhost_tests::{alive, run_ok, workspace, HostOptions, TestHost};
@@ -259,19 +258,6 @@ fn invalid_spec_fails_with_the_daemons_code_and_field() {
     assert!(r["comment"].as_str().unwrap_or("").contains("vmhostd error 3001 (spec.nics[0].network)"), "{r}");
 }
 
-fn overlay_ino(host: &TestHost, name: &str) -> u64 {
-    fs::metadata(host.state().join("disks").join(format!("{name}.qcow2"))).expect("overlay").ino()
-}
-
-fn argv_of(pid: i64) -> Vec<String> {
-    let raw = fs::read(format!("/proc/{pid}/cmdline")).expect("QEMU's command line");
-    raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
-}
-
-fn value_after(argv: &[String], flag: &str) -> String {
-    argv.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone()).unwrap_or_default()
-}
-
 fn comment(r: &Value) -> &str {
     r["comment"].as_str().unwrap_or_default()
 }
@@ -300,9 +286,9 @@ fn a_memory_change_reconfigures_in_place_and_keeps_the_disk() {
     sls("disk", &spec, json!({}));
     let r = minion.apply("disk", false);
     assert_eq!((&r["result"], comment(&r)), (&json!(true), "VM disk created (running)"), "{r}");
-    let ino = overlay_ino(&host, "disk");
+    let ino = vmhost_tests::overlay_ino(&host, "disk");
     let pid = host.call("vm.get", json!({ "name": "disk" }))["pid"].as_i64().expect("pid");
-    assert_eq!(value_after(&argv_of(pid), "-m"), "128");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(pid), "-m"), "128");
 
     // test=True: the daemon's dry run predicts a reconfigure with a restart; nothing happens.
     let mut more = spec.clone();
@@ -329,8 +315,8 @@ fn a_memory_change_reconfigures_in_place_and_keeps_the_disk() {
     let new_pid = vm["pid"].as_i64().expect("pid");
     assert_ne!(new_pid, pid, "restarted");
     assert!(!alive(pid as i32));
-    assert_eq!(value_after(&argv_of(new_pid), "-m"), "256");
-    assert_eq!(overlay_ino(&host, "disk"), ino, "the disk is kept");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(new_pid), "-m"), "256");
+    assert_eq!(vmhost_tests::overlay_ino(&host, "disk"), ino, "the disk is kept");
     assert_eq!(host.qemu_pids().len(), 1, "one QEMU");
     let r = minion.apply("more", false);
     assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "second run: {r}");
@@ -345,7 +331,7 @@ fn a_memory_change_reconfigures_in_place_and_keeps_the_disk() {
     assert_eq!(r["changes"]["new"]["pending_restart"], true, "{r}");
     let vm = host.call("vm.get", json!({ "name": "disk" }));
     assert_eq!((vm["pid"].as_i64(), &vm["pending_restart"]), (Some(new_pid), &json!(true)), "{vm}");
-    assert_eq!(value_after(&argv_of(new_pid), "-m"), "256");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(new_pid), "-m"), "256");
     // The same state with restart (the default) applies it now.
     sls("now", &later, json!({}));
     let r = minion.apply("now", true);
@@ -354,8 +340,11 @@ fn a_memory_change_reconfigures_in_place_and_keeps_the_disk() {
     assert_eq!(comment(&r), "VM disk restarted to apply its pending change (running)", "{r}");
     let vm = host.call("vm.get", json!({ "name": "disk" }));
     let pid384 = vm["pid"].as_i64().expect("pid");
-    assert_eq!((&vm["pending_restart"], value_after(&argv_of(pid384), "-m")), (&json!(false), "384".into()));
-    assert_eq!(overlay_ino(&host, "disk"), ino, "the disk is kept");
+    assert_eq!(
+        (&vm["pending_restart"], vmhost_tests::value_after(&vmhost_tests::argv_of(pid384), "-m")),
+        (&json!(false), "384".into())
+    );
+    assert_eq!(vmhost_tests::overlay_ino(&host, "disk"), ino, "the disk is kept");
 
     // A new boot.image needs a new disk: refused (2002) without replace, under test=True too,
     // and nothing changes.
@@ -370,7 +359,7 @@ fn a_memory_change_reconfigures_in_place_and_keeps_the_disk() {
     }
     let vm = host.call("vm.get", json!({ "name": "disk" }));
     assert_eq!((vm["pid"].as_i64(), &vm["spec"]["boot"]["image"]), (Some(pid384), &json!("base.qcow2")));
-    assert_eq!(overlay_ino(&host, "disk"), ino);
+    assert_eq!(vmhost_tests::overlay_ino(&host, "disk"), ino);
 
     // With replace: True it is replaced: a new disk (a new VM record), a new QEMU.
     sls("replace", &other, json!({"replace": true}));

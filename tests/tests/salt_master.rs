@@ -13,7 +13,6 @@
 use serde_json::{json, Value};
 use std::fs;
 use std::net::TcpListener;
-use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -334,19 +333,6 @@ fn wait_vms(host: &TestHost, want: &[&str], salt: &Salt) {
     }
 }
 
-fn overlay_ino(host: &TestHost, name: &str) -> u64 {
-    fs::metadata(host.state().join("disks").join(format!("{name}.qcow2"))).expect("overlay").ino()
-}
-
-fn argv_of(pid: i64) -> Vec<String> {
-    let raw = fs::read(format!("/proc/{pid}/cmdline")).expect("QEMU's command line");
-    raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
-}
-
-fn value_after(argv: &[String], flag: &str) -> String {
-    argv.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone()).unwrap_or_default()
-}
-
 /// An empty qcow2 base image in a host's images dir.
 fn base_image(host: &TestHost, name: &str) {
     run_ok(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(host.images().join(name)).arg("64M"));
@@ -468,10 +454,10 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     salt.wait_event("img1's create", |e| {
         e["tag"] == "vmhost/hv1/img1-heavynode/reconciled" && e["data"]["action"] == "create"
     });
-    let ino = overlay_ino(&hv1, "img1-heavynode");
+    let ino = vmhost_tests::overlay_ino(&hv1, "img1-heavynode");
     let before = hv1.call("vm.get", json!({"name": "img1-heavynode"}));
     let img1_pid = before["pid"].as_i64().expect("pid");
-    assert_eq!(value_after(&argv_of(img1_pid), "-m"), "1024");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(img1_pid), "-m"), "1024");
     let s1_pid = hv1.call("vm.get", json!({"name": "sensor1-sensor"}))["pid"].clone();
 
     // The engine never replaces: a VM whose image differs from what its entry maps to gets the
@@ -498,8 +484,8 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     assert_eq!((&after["status"], &after["spec"]["memory_mib"]), (&json!("running"), &json!(2048)), "{after}");
     let new_pid = after["pid"].as_i64().expect("pid");
     assert_ne!(new_pid, img1_pid, "restarted for the change");
-    assert_eq!(value_after(&argv_of(new_pid), "-m"), "2048");
-    assert_eq!(overlay_ino(&hv1, "img1-heavynode"), ino, "the disk is kept");
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(new_pid), "-m"), "2048");
+    assert_eq!(vmhost_tests::overlay_ino(&hv1, "img1-heavynode"), ino, "the disk is kept");
     assert_eq!(after["created_at"], before["created_at"], "not recreated");
     assert_eq!(hv1.call("vm.get", json!({"name": "sensor1-sensor"}))["pid"], s1_pid, "sensor1 untouched");
 
