@@ -78,10 +78,23 @@ check qemu-survived alive "$pid"
 check vm-adopted sh -c "test \"\$(vmhostctl get sd | awk '\$1 == \"status:\" {print \$2}')\" = running"
 check same-qemu sh -c "test \"\$(vmhostctl get sd | awk '\$1 == \"pid:\" {print \$2}')\" = $pid"
 
+# vmhost-guests.service: its stop, which host shutdown does, powers the VM off and keeps it
+# desired running; the next vmhostd start (as after a boot) starts it again (autostart).
+vm_is() { test "$(field sd status)" = "$1" && test "$(field sd desired)" = "$2"; }
+gone() { ! kill -0 "$1" 2>/dev/null || grep -q '^State:.*Z' "/proc/$1/status"; }
+check guests-unit-active systemctl is-active vmhost-guests.service
+check guests-stop-powers-off systemctl stop vmhost-guests.service
+check qemu-powered-off wait_for 10 gone "$pid"
+check vm-stopped-desired-running vm_is stopped running
+check guests-start systemctl start vmhost-guests.service
+check restart-autostarts systemctl restart vmhostd.service
+check vm-autostarted wait_for 60 vm_is running running
+pid=$(field sd pid)
+
 check destroy vmhostctl destroy sd
 check tap-removed sh -c '! ip -o link show | grep -q "alias vmhost:vm=sd"'
 check qemu-gone wait_for 10 sh -c "! kill -0 $pid 2>/dev/null || grep -q '^State:.*Z' /proc/$pid/status"
-check service-stop systemctl stop vmhostd.service vmhostd.socket
+check service-stop systemctl stop vmhost-guests.service vmhostd.service vmhostd.socket
 check purge dpkg --purge vmhostd vmhost-agent
 check nothing-left sh -c '! ls -d /etc/vmhost /var/lib/vmhost /run/vmhost 2>/dev/null && ! getent passwd vmhost-qemu'
 echo DONE >>"$R"

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use vmhost_tests::{build_debs, guest, run_ok, workspace};
 
 /// Every check proof.sh makes, in order.
-const CHECKS: [&str; 26] = [
+const CHECKS: [&str; 33] = [
     "dpkg-install",
     "socket-listening",
     "postinst-started-the-service",
@@ -38,6 +38,13 @@ const CHECKS: [&str; 26] = [
     "qemu-survived",
     "vm-adopted",
     "same-qemu",
+    "guests-unit-active",
+    "guests-stop-powers-off",
+    "qemu-powered-off",
+    "vm-stopped-desired-running",
+    "guests-start",
+    "restart-autostarts",
+    "vm-autostarted",
     "destroy",
     "tap-removed",
     "qemu-gone",
