@@ -7,11 +7,14 @@
 //! and 8 NICs; the difference to 0 NICs is the networking share (taps made, attached, handed to
 //! QEMU). Then the boot files: `vm.create` of a direct-kernel VM whose kernel and initrd are the
 //! test guest's cut or zero-padded to 7 and 20 MiB (`--boot-kernel-mib`, `--boot-initrd-mib`)
-//! against the files as built, and the in-process cost of their sealed copies
-//! (daemon/src/qemu/boot_files.rs).
+//! against the files as built, all unchanged (the daemon's cached sealed copies reused) and the
+//! large pair touched before each create (a new file version: copied), and the in-process cost
+//! of their sealed copies (daemon/src/qemu/boot_files.rs).
 //! Last, the guest agent: binary size, RSS in the guest, `vm.check` round trips.
 //! Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N] [--boot-rounds N]
-//! [--boot-kernel-mib N] [--boot-initrd-mib N] [--check-rounds N]`; 0 VMs or 0 rounds skip that section.
+//! [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR] [--check-rounds N]`; 0 VMs or 0 rounds
+//! skip that section. `--boot-guest DIR` takes the test guest's `vmlinuz` and `initramfs.cpio.gz`
+//! from DIR instead of building it (the same files for two builds compared).
 
 use serde_json::{json, Value};
 use std::fs;
@@ -146,34 +149,81 @@ fn sized_copy(src: &Path, dst: &Path, size: u64) {
     fs::set_permissions(dst, fs::Permissions::from_mode(0o644)).expect("chmod 0644");
 }
 
-/// Memfds the QEMUs of `host` hold open and their total size in bytes.
-fn qemu_memfds(host: &TestHost) -> (usize, u64) {
-    let (mut count, mut bytes) = (0, 0);
-    for pid in host.qemu_pids() {
+/// The boot-file memfds (`/memfd:vmhost:...`) processes `pids` hold open: descriptors, distinct
+/// memfds (by inode) and the total size of the distinct ones in bytes.
+fn memfds(pids: &[i32]) -> (usize, usize, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let (mut count, mut seen, mut bytes) = (0, std::collections::HashSet::new(), 0);
+    for pid in pids {
         let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
         for fd in fds.flatten() {
-            let is_memfd = fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:"));
-            if is_memfd {
-                count += 1;
-                bytes += fs::metadata(fd.path()).map(|m| m.len()).unwrap_or(0);
+            let is_memfd = fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:vmhost"));
+            let Some(meta) = is_memfd.then(|| fs::metadata(fd.path()).ok()).flatten() else { continue };
+            count += 1;
+            if seen.insert((meta.dev(), meta.ino())) {
+                bytes += meta.len();
             }
         }
     }
-    (count, bytes)
+    (count, seen.len(), bytes)
+}
+
+/// The daemon's process and all its descendants (its spawner, the spawner's QEMUs).
+fn daemon_tree(host: &TestHost) -> Vec<i32> {
+    let mut pids: Vec<i32> = host.daemon_pid().map(|p| p as i32).into_iter().collect();
+    let mut i = 0;
+    while i < pids.len() {
+        pids.extend(vmhost_tests::children_of(pids[i]));
+        i += 1;
+    }
+    pids
 }
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / MIB as f64
+}
+
+/// A string flag's value.
+fn arg_str(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2).find(|w| w[0] == name).map(|w| w[1].clone())
+}
+
+/// Gives both files a new modification time (and so a new change time): a new version of each
+/// file to a vmhostd that caches copies by (device, inode, size, mtime, ctime), same inode and
+/// content (still in the page cache, as a file just written is).
+fn touch(files: &(PathBuf, PathBuf)) {
+    for p in [&files.0, &files.1] {
+        let f = fs::File::options().write(true).open(p).unwrap_or_else(|e| panic!("open {}: {e}", p.display()));
+        f.set_modified(std::time::SystemTime::now()).unwrap_or_else(|e| panic!("touch {}: {e}", p.display()));
+    }
+}
+
 /// `vm.create` (to QEMU running) of a direct-kernel VM by boot file size, and the in-process cost
 /// of sealed copies of the large pair. The files sit in a 0755 dir as 0644 files, so a vmhostd
-/// that lets QEMU open them by path (before sealed copies) runs the same section.
+/// that lets QEMU open them by path (before sealed copies) runs the same section. The test guest's
+/// files are built as usual, or taken from `--boot-guest DIR` (`DIR/vmlinuz`,
+/// `DIR/initramfs.cpio.gz`: the same files for two builds of vmhost).
+///
+/// Rounds alternate three cases: the large pair unchanged and the test guest's files unchanged
+/// (after the warm-up, a vmhostd that caches sealed copies reuses them: its steady state), and the
+/// large pair touched just before the create (a new file version each round: the first create
+/// of a new version, which copies).
 fn boot_bench(rounds: usize, kernel_mib: u64, initrd_mib: u64) {
     if rounds == 0 {
         return;
     }
-    let g = vmhost_tests::guest();
+    let g = match arg_str("--boot-guest") {
+        Some(d) => vmhost_tests::Guest {
+            kernel: Path::new(&d).join("vmlinuz"),
+            initrd: Path::new(&d).join("initramfs.cpio.gz"),
+        },
+        None => vmhost_tests::guest(),
+    };
     let dir = tempfile::Builder::new().prefix("vmhboot").tempdir_in("/tmp").expect("tempdir");
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).expect("chmod 0755");
     let size = |p: &Path| fs::metadata(p).map(|m| m.len()).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
@@ -183,9 +233,11 @@ fn boot_bench(rounds: usize, kernel_mib: u64, initrd_mib: u64) {
     let built = (dir.path().join("vmlinuz-built"), dir.path().join("initrd-built"));
     sized_copy(&g.kernel, &built.0, size(&g.kernel));
     sized_copy(&g.initrd, &built.1, size(&g.initrd));
-    let cases: [(String, (PathBuf, PathBuf)); 2] = [
-        (format!("kernel {kernel_mib} MiB + initrd {initrd_mib} MiB"), big.clone()),
-        ("test guest as built".to_string(), built),
+    // (label, files, touched before each create)
+    let cases: [(String, (PathBuf, PathBuf), bool); 3] = [
+        (format!("kernel {kernel_mib} MiB + initrd {initrd_mib} MiB, unchanged"), big.clone(), false),
+        ("test guest as built, unchanged".to_string(), built.clone(), false),
+        (format!("kernel {kernel_mib} MiB + initrd {initrd_mib} MiB, touched before each create"), big.clone(), true),
     ];
 
     let host = TestHost::start(HostOptions::default());
@@ -196,31 +248,43 @@ fn boot_bench(rounds: usize, kernel_mib: u64, initrd_mib: u64) {
         host.call("vm.create", json!({ "spec": spec }));
         t.elapsed()
     };
-    // Warm-up (page cache, QEMU's own files) and what QEMU holds while it runs.
+    // Warm-up (page cache, QEMU's own files, the first copies) and what QEMU holds while it runs.
     let mut held = Vec::new();
-    for (i, (_, files)) in cases.iter().enumerate() {
+    for (i, files) in [&big, &built].into_iter().enumerate() {
         let name = format!("boot-warm-{i}");
         create(&name, files);
-        held.push(qemu_memfds(&host));
+        held.push(memfds(&host.qemu_pids()));
         host.call("vm.destroy", json!({ "name": name }));
     }
-    // Rounds alternate the cases, so drift in the machine's load hits both alike.
+    // Two VMs booted from the same (unchanged) files at once: what their QEMUs hold together.
+    create("boot-pair-0", &big);
+    create("boot-pair-1", &big);
+    let pair = memfds(&host.qemu_pids());
+    host.call("vm.destroy", json!({ "name": "boot-pair-0" }));
+    host.call("vm.destroy", json!({ "name": "boot-pair-1" }));
+    // Rounds alternate the cases, so drift in the machine's load hits all alike.
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); cases.len()];
     for r in 0..rounds {
-        for (i, (_, files)) in cases.iter().enumerate() {
+        for (i, (_, files, touched)) in cases.iter().enumerate() {
+            if *touched {
+                touch(files);
+            }
             let name = format!("boot-{i}-{r}");
             times[i].push(create(&name, files));
             host.call("vm.destroy", json!({ "name": name }));
         }
     }
+    // No VM runs now: the memfds left are the copies the daemon (its spawner) keeps.
+    let kept = memfds(&daemon_tree(&host));
     drop(host);
 
     println!();
     println!("vm.create to QEMU running by boot file size ({rounds} rounds after a warm-up), TCG, 1 vCPU, 128 MiB:");
     println!("| boot files | kernel + initrd (bytes) | median (ms) | p90 (ms) | min (ms) | max (ms) | QEMU's memfds |");
     println!("|------------|-------------------------|-------------|----------|----------|----------|---------------|");
-    for (((label, files), t), (n, bytes)) in cases.iter().zip(times.iter_mut()).zip(&held) {
+    for ((label, files, _), t) in cases.iter().zip(times.iter_mut()) {
         t.sort();
+        let (n, _, bytes) = held[usize::from(files == &built)];
         println!(
             "| {label} | {} + {} | {:.1} | {:.1} | {:.1} | {:.1} | {n} ({:.1} MiB) |",
             size(&files.0),
@@ -229,16 +293,25 @@ fn boot_bench(rounds: usize, kernel_mib: u64, initrd_mib: u64) {
             ms(percentile(t, 0.9)),
             ms(t[0]),
             ms(t[t.len() - 1]),
-            *bytes as f64 / MIB as f64
+            mib(bytes)
         );
     }
+    println!(
+        "two VMs of the large pair at once: their QEMUs hold {} memfds, {} distinct ({:.1} MiB)",
+        pair.0,
+        pair.1,
+        mib(pair.2)
+    );
+    println!("after the rounds, no VM running: the daemon keeps {} memfds ({:.1} MiB)", kept.1, mib(kept.2));
     copy_bench(rounds, &big.0, &big.1);
 }
 
 /// The sealed copies alone, in this process (no spawner round trip): open, copy into a memfd
-/// and seal the kernel and the initrd, as the spawner does at each launch.
+/// and seal the kernel and the initrd, as the spawner does at a launch of a new file version;
+/// and the launch of an unchanged one: open and take the cached copy
+/// ([`vmhost::qemu::boot_files::CopyCache`]).
 fn copy_bench(rounds: usize, kernel: &Path, initrd: &Path) {
-    use vmhost::qemu::boot_files::{open, sealed_copy};
+    use vmhost::qemu::boot_files::{open, sealed_copy, CopyCache};
     let once = || {
         let t = Instant::now();
         let k = sealed_copy(open(kernel).expect("open kernel"), kernel, "bench").expect("copy kernel");
@@ -257,6 +330,23 @@ fn copy_bench(rounds: usize, kernel: &Path, initrd: &Path) {
         ms(percentile(&t, 0.5)),
         ms(percentile(&t, 0.9)),
         ms(t[0])
+    );
+    let mut cache = CopyCache::new();
+    let mut cached = || {
+        let t = Instant::now();
+        let k = cache.copy(open(kernel).expect("open kernel"), kernel).expect("copy kernel");
+        let i = cache.copy(open(initrd).expect("open initrd"), initrd).expect("copy initrd");
+        let took = t.elapsed();
+        drop((k, i));
+        took
+    };
+    cached();
+    let mut t: Vec<Duration> = (0..rounds).map(|_| cached()).collect();
+    t.sort();
+    println!(
+        "cached copy in-process (open + CopyCache hit, same files, {rounds} rounds): median {:.3} ms, p90 {:.3} ms",
+        ms(percentile(&t, 0.5)),
+        ms(percentile(&t, 0.9))
     );
 }
 
