@@ -10,10 +10,13 @@
 //! against the files as built, all unchanged (the daemon's cached sealed copies reused) and the
 //! large pair touched before each create (a new file version: copied), and the in-process cost
 //! of their sealed copies (daemon/src/qemu/boot_files.rs).
-//! Last, the guest agent: binary size, RSS in the guest, `vm.check` round trips.
+//! Then the guest agent: binary size, RSS in the guest, `vm.check` round trips. Last, day-2
+//! figures ([`vmhost_tests::bench_lifecycle`]): a running VM changed in place (`vm.apply`,
+//! ACPI power-off and start) and autostart of `--autostart-vms` VMs after a simulated host
+//! reboot, at the default `start_concurrency` and at 4.
 //! Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N] [--boot-rounds N]
-//! [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR] [--check-rounds N]`; 0 VMs or 0 rounds
-//! skip that section. `--boot-guest DIR` takes the test guest's `vmlinuz` and `initramfs.cpio.gz`
+//! [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR] [--check-rounds N]
+//! [--reconfigure-rounds N] [--autostart-vms N]`; 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test guest's `vmlinuz` and `initramfs.cpio.gz`
 //! from DIR instead of building it (the same files for two builds compared).
 
 use serde_json::{json, Value};
@@ -463,4 +466,6 @@ fn main() {
     nic_bench(arg("--nic-rounds", 7));
     boot_bench(arg("--boot-rounds", 15), arg("--boot-kernel-mib", 7) as u64, arg("--boot-initrd-mib", 20) as u64);
     agent_bench(arg("--check-rounds", 200));
+    vmhost_tests::bench_lifecycle::reconfigure(arg("--reconfigure-rounds", 7));
+    vmhost_tests::bench_lifecycle::autostart(arg("--autostart-vms", 20), &[0, 4]);
 }
