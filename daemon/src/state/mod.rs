@@ -53,7 +53,8 @@ pub struct VmRecord {
     /// restart (`vm.apply` with `restart: false`): the VM holds what both ask for until its
     /// next start, which applies `spec` and clears this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub running_spec: Option<VmSpec>,    /// Restarts made by the restart policy, over the VM's life.
+    pub running_spec: Option<VmSpec>,
+    /// Restarts made by the restart policy, over the VM's life.
     #[serde(default)]
     pub restarts: u32,
     /// Unix times of the unexpected exits in the current 10-minute window (the policy's count).
