@@ -384,6 +384,41 @@ fn new_session() -> io::Result<()> {
     Ok(())
 }
 
+/// What every started program gets between fork and exec, whether the spawner or the daemon
+/// starts it: its own session, then its memlock limit, then its user.
+struct ChildSetup {
+    memlock: Option<u64>,
+    user: Option<UserIds>,
+    /// Computed before the fork (it reads /dev/kvm and the group database).
+    groups: Vec<u32>,
+}
+
+impl ChildSetup {
+    /// `kvm`: the user keeps the group owning `/dev/kvm` ([`crate::qemu::kvm::qemu_groups`]).
+    fn new(memlock: Option<u64>, user: Option<UserIds>, kvm: bool) -> ChildSetup {
+        let groups = match user {
+            Some(u) if kvm => crate::qemu::kvm::qemu_groups(u),
+            _ => Vec::new(),
+        };
+        ChildSetup { memlock, user, groups }
+    }
+
+    /// Runs in the forked child: only async-signal-safe calls, no allocation.
+    fn apply(&self) -> io::Result<()> {
+        // Its own session and process group, whatever the program (module doc).
+        new_session()?;
+        // The limit before the user change: raising it needs CAP_SYS_RESOURCE, which the uid
+        // change drops.
+        if let Some(bytes) = self.memlock {
+            set_memlock(bytes)?;
+        }
+        if let Some(u) = self.user {
+            become_user(u, &self.groups)?;
+        }
+        Ok(())
+    }
+}
+
 /// Sets RLIMIT_MEMLOCK between fork and exec. Raising the hard limit needs CAP_SYS_RESOURCE;
 /// without it (EPERM) the limit stays and QEMU relies on CAP_IPC_LOCK.
 fn set_memlock(bytes: u64) -> io::Result<()> {
@@ -406,22 +441,12 @@ fn spawn_local(cmd: Command) -> io::Result<Child> {
         command.stderr(Stdio::from(file));
     }
     let raw_fds: Vec<RawFd> = cmd.fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let (memlock, user) = (cmd.memlock, cmd.user);
-    let groups = match user {
-        Some(u) if cmd.kvm => crate::qemu::kvm::qemu_groups(u),
-        _ => Vec::new(),
-    };
-    // SAFETY: new_session, set_memlock, become_user and place_fds only call async-signal-safe
-    // functions and do not allocate.
+    let setup = ChildSetup::new(cmd.memlock, cmd.user, cmd.kvm);
+    // SAFETY: ChildSetup::apply and place_fds only call async-signal-safe functions and do not
+    // allocate.
     unsafe {
         command.pre_exec(move || {
-            new_session()?;
-            if let Some(bytes) = memlock {
-                set_memlock(bytes)?;
-            }
-            if let Some(u) = user {
-                become_user(u, &groups)?;
-            }
+            setup.apply()?;
             place_fds(&raw_fds)
         });
     }
@@ -883,27 +908,13 @@ fn start(
     command.stdout(if req.stdout { stdio.next().map_or_else(Stdio::null, Stdio::from) } else { Stdio::null() });
     command.stderr(if req.stderr { stdio.next().map_or_else(Stdio::null, Stdio::from) } else { Stdio::null() });
     let raw: Vec<RawFd> = passed.iter().map(AsRawFd::as_raw_fd).collect();
-    let memlock = req.memlock;
-    let user = allow.user_for(&program);
-    let groups = match user {
-        Some(u) if allow.kvm => crate::qemu::kvm::qemu_groups(u),
-        _ => Vec::new(),
-    };
+    let setup = ChildSetup::new(req.memlock, allow.user_for(&program), allow.kvm);
     let raise_module = ambient_sys_module && MODPROBE.iter().any(|m| Path::new(m) == program);
     // SAFETY: only async-signal-safe calls (setsid, setrlimit, setgroups, setgid, setuid, umask,
     // prctl, fcntl, dup2), no allocation.
     unsafe {
         command.pre_exec(move || {
-            // Its own session and process group, whatever the program (module doc).
-            new_session()?;
-            // The limit before the user change: raising it needs CAP_SYS_RESOURCE, which the uid
-            // change drops.
-            if let Some(bytes) = memlock {
-                set_memlock(bytes)?;
-            }
-            if let Some(u) = user {
-                become_user(u, &groups)?;
-            }
+            setup.apply()?;
             if raise_module {
                 // modprobe gets CAP_SYS_MODULE as an ambient capability; nothing else gets any.
                 let cap = libc::c_ulong::from(super::caps::CAP_SYS_MODULE);
