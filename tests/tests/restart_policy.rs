@@ -66,10 +66,20 @@ fn never_leaves_a_killed_vm_dead() {
     kill9(pid);
     let v = wait_until(&host, "fragile", "dead", |v| v["status"] == "dead");
     assert_eq!((v["restarts"].clone(), v["spec"]["restart_policy"].clone()), (json!(0), json!("never")));
-    // The daemon decided so (no restart is scheduled), as its log says.
-    let log = vmhost_tests::plain_log(&host.daemon_log());
-    let decided = log.lines().find(|l| l.contains("QEMU ended without vmhostd asking") && l.contains("fragile"));
-    assert!(decided.is_some_and(|l| l.contains("verdict=Dead")), "{decided:?}");
+    // The daemon decided so (no restart is scheduled), as its log says (written just after the
+    // record).
+    let decided = || {
+        let log = vmhost_tests::plain_log(&host.daemon_log());
+        log.lines()
+            .find(|l| l.contains("QEMU ended without vmhostd asking") && l.contains("fragile"))
+            .map(str::to_string)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while decided().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let line = decided();
+    assert!(line.as_deref().is_some_and(|l| l.contains("verdict=Dead")), "{line:?}");
     assert!(!alive(pid as i32));
 }
 

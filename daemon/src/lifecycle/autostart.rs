@@ -47,8 +47,10 @@ impl Manager {
                 let (mgr, slots) = (mgr.clone(), slots.clone());
                 tasks.spawn(async move {
                     let Ok(_slot) = slots.acquire_owned().await else { return };
-                    match mgr.start_for("autostart", &name).await {
-                        Ok(_) => tracing::info!(vm = %name, "autostart: started"),
+                    let settled = [VmStatus::Dead, VmStatus::Stopped, VmStatus::Failed];
+                    match mgr.start_if_wanted("autostart", &name, &settled).await {
+                        Ok(Some(_)) => tracing::info!(vm = %name, "autostart: started"),
+                        Ok(None) => tracing::info!(vm = %name, "autostart: changed meanwhile; left as it is"),
                         Err(e) => tracing::warn!(vm = %name, error = %e, "autostart: start failed"),
                     }
                 });

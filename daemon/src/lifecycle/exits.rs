@@ -141,7 +141,9 @@ impl Manager {
             let mut guest = None;
             while let Ok(event) = qmp.next_event().await {
                 if event["event"] == "SHUTDOWN" {
-                    guest = Some(event["data"]["guest"] == true);
+                    // guest: true also comes with a guest panic ("guest-panic"): only a power-off
+                    // the guest asked for counts.
+                    guest = Some(event["data"]["guest"] == true && event["data"]["reason"] == "guest-shutdown");
                     tracing::info!(vm = %name, data = %event["data"], "QEMU reports a shutdown");
                 }
             }
@@ -232,18 +234,26 @@ impl Manager {
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
             let Some(mgr) = mgr.upgrade() else { return };
-            let still = mgr
-                .record(&name)
-                .is_ok_and(|r| r.status == VmStatus::Dead && r.spec.state == crate::api::DesiredState::Running);
-            if !still {
-                return;
-            }
-            match mgr.start_for("restart policy", &name).await {
-                Ok(_) => {
+            match mgr.start_if_wanted("restart policy", &name, &[VmStatus::Dead]).await {
+                Ok(Some(_)) => {
                     let _ = mgr.update(&name, "restart policy", |r| r.restarts = r.restarts.saturating_add(1));
                     tracing::info!(vm = %name, "restarted by its restart policy");
                 }
-                Err(e) => tracing::warn!(vm = %name, error = %e, "restart policy: the start failed"),
+                Ok(None) => tracing::info!(vm = %name, "restart policy: changed meanwhile; not restarted"),
+                Err(e) => {
+                    tracing::warn!(vm = %name, error = %e, "restart policy: the start failed");
+                    // A start refused before launch leaves the VM dead: it is failed, with why.
+                    let le = super::last_error(&e);
+                    let _ = mgr.update_if(
+                        &name,
+                        "restart policy: start failed",
+                        |r, busy| !busy && r.status == VmStatus::Dead,
+                        |r| {
+                            r.status = VmStatus::Failed;
+                            r.last_error = Some(le);
+                        },
+                    );
+                }
             }
         });
     }

@@ -279,7 +279,8 @@ impl Manager {
     /// sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
     /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
-    /// initrd (read here, once per launch). Also returns the base image's format.
+    /// initrd (copied here when this file version has no copy yet). Also returns the base
+    /// image's format.
     ///
     /// # Errors
     /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound; 2001 naming

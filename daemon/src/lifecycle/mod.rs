@@ -228,17 +228,19 @@ impl Manager {
     /// resources; returns its NIC allocations (keeping `previous` where still free).
     fn admit_locked(&self, t: &Table, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
         let held: Vec<&VmRecord> = t.vms.values().filter(|r| r.reserved && r.spec.name != spec.name).collect();
-        // A VM changed without a restart holds what its running QEMU was started with too.
-        let holdings: Vec<Holding<'_>> = held
-            .iter()
-            .flat_map(|r| {
-                let running = r.running_spec.as_ref().filter(|_| r.status == crate::api::VmStatus::Running);
-                std::iter::once(&r.spec).chain(running).map(|spec| Holding { name: &r.spec.name, spec })
-            })
-            .collect();
+        // A VM changed without a restart holds what its live QEMU was started with too (also
+        // while it is being stopped for the restart): devices, CPUs, memory and addresses.
+        fn specs(r: &VmRecord) -> Vec<&VmSpec> {
+            let live = matches!(r.status, VmStatus::Running | VmStatus::Stopping);
+            std::iter::once(&r.spec).chain(r.running_spec.as_ref().filter(|_| live)).collect()
+        }
+        let holdings: Vec<Holding<'_>> =
+            held.iter().flat_map(|r| specs(r).into_iter().map(|spec| Holding { name: &r.spec.name, spec })).collect();
         capacity::admit(&self.config.hardware, &holdings, spec)?;
-        let nic_holdings: Vec<NicHolding<'_>> =
-            held.iter().map(|r| NicHolding { vm: &r.spec.name, spec: &r.spec, allocs: &r.nics }).collect();
+        let nic_holdings: Vec<NicHolding<'_>> = held
+            .iter()
+            .flat_map(|r| specs(r).into_iter().map(|spec| NicHolding { vm: &r.spec.name, spec, allocs: &r.nics }))
+            .collect();
         crate::nic::allocate(spec, &self.config, &nic_holdings, previous)
     }
 

@@ -105,17 +105,38 @@ impl Manager {
     /// # Errors
     /// 4040, 4090, 3002/3003 when a VM whose reservation was released no longer fits, 4001.
     pub async fn start(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
-        self.start_for("vm.start", name).await
-    }
-
-    /// A start on behalf of `why` (`vm.start`, `autostart`, `restart policy`): the reason its
-    /// events carry.
-    pub(super) async fn start_for(self: &Arc<Self>, why: &str, name: &str) -> Result<Mutation, ApiError> {
-        let span = tracing::info_span!("vm.start", vm = %name, why);
+        let span = tracing::info_span!("vm.start", vm = %name);
         async move {
             let (guard, _) = self.begin(name)?;
-            let changed = self.start_held(&guard, name, why).await?;
+            let changed = self.start_held(&guard, name, "vm.start").await?;
+            // An operator's start begins the restart policy's count afresh.
+            self.update(name, "vm.start", |r| r.failures.clear())?;
             Ok(Mutation { changed, vm: Some(self.get(name)?) })
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// A start vmhostd makes on its own (`why`: autostart, the restart policy): only if, under
+    /// the VM's busy flag, it is still desired running and in one of `statuses`, so that an
+    /// operator's stop, start or destroy meanwhile always wins. `None` when not started.
+    ///
+    /// # Errors
+    /// As `vm.start`; 4090 when an operation holds the VM.
+    pub(super) async fn start_if_wanted(
+        self: &Arc<Self>,
+        why: &str,
+        name: &str,
+        statuses: &[VmStatus],
+    ) -> Result<Option<Mutation>, ApiError> {
+        let span = tracing::info_span!("vm.start", vm = %name, why);
+        async move {
+            let (guard, rec) = self.begin(name)?;
+            if rec.spec.state != DesiredState::Running || !statuses.contains(&rec.status) {
+                return Ok(None);
+            }
+            let changed = self.start_held(&guard, name, why).await?;
+            Ok(Some(Mutation { changed, vm: Some(self.get(name)?) }))
         }
         .instrument(span)
         .await
@@ -301,7 +322,12 @@ impl Manager {
     }
 
     async fn destroy_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<(), ApiError> {
-        self.update(name, "vm.destroy", |r| r.status = VmStatus::Destroying)?;
+        // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
+        // the restart policy) starts a VM the operator asked to destroy.
+        self.update(name, "vm.destroy", |r| {
+            r.status = VmStatus::Destroying;
+            r.spec.state = DesiredState::Stopped;
+        })?;
         self.crashpoint("destroy:recorded");
         self.teardown(name).await?;
         self.crashpoint("destroy:torn-down");

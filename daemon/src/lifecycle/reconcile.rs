@@ -27,7 +27,14 @@ fn order(action: PlanAction) -> u8 {
 
 impl Manager {
     /// Plans (and unless `dry_run`, executes) a reconcile.
-    pub async fn reconcile(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
+    pub async fn reconcile(self: &Arc<Self>, p: ReconcileParams) -> Result<ReconcileReport, ApiError> {
+        // Before anything runs: an invalid timeout would otherwise fail every stop and apply
+        // after the destroys and creates were done.
+        super::ops::check_stop_timeout_s(p.timeout_s)?;
+        Ok(self.plan_and_run(p).await)
+    }
+
+    async fn plan_and_run(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
         let current: BTreeMap<String, CurrentVm> = self
             .list()
             .into_iter()

@@ -98,10 +98,12 @@ impl Manager {
             self.shut_down(name, &id, timeout_s, false).await?;
             return self.grow_offline(name, grow_to).await;
         }
+        // What the live QEMU runs: the recorded spec, or an older one a change is pending over.
+        let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
         if !restart {
-            // The running QEMU keeps the old spec; a disk-only change leaves nothing pending.
-            let pending = crate::plan::needs_restart(&crate::plan::spec_drift(&old.spec, &vm.spec));
-            let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
+            // The running QEMU keeps its spec; pending is what differs from that, not from the
+            // last recorded one (a disk-only change leaves an earlier change pending).
+            let pending = crate::plan::needs_restart(&crate::plan::spec_drift(&running, &vm.spec));
             self.swap_in_place(name, &vm.spec, pending.then_some(running))?;
             self.crashpoint("reconfigure:recorded");
             if let Some(gib) = grow_to {
@@ -112,35 +114,37 @@ impl Manager {
             }
             return Ok(());
         }
-        let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
-        self.swap_in_place(name, &vm.spec, Some(running))?;
+        self.swap_in_place(name, &vm.spec, Some(running.clone()))?;
         self.crashpoint("reconfigure:recorded");
         self.update(name, "reconfigure: stopping", |r| r.status = VmStatus::Stopping)?;
         self.shut_down(name, &id, timeout_s, false).await?;
         self.crashpoint("reconfigure:stopped");
+        // A rollback restores what ran, with the largest disk size any of the specs had (the
+        // overlay is never shrunk).
+        let disk = [running.boot.disk_gib, old.spec.boot.disk_gib].into_iter().flatten().max();
         if let Err(e) = self.grow_offline(name, grow_to).await {
-            return Err(self.roll_back(g, &old.spec, grow_to, e).await);
+            return Err(self.roll_back(g, &running, disk, e).await);
         }
         match self.start_held(g, name, "reconfigure").await {
             Ok(_) => Ok(()),
-            Err(e) => Err(self.roll_back(g, &old.spec, grow_to, e).await),
+            Err(e) => Err(self.roll_back(g, &running, disk.max(grow_to), e).await),
         }
     }
 
-    /// After a failed restart with the new spec: records `previous` again (with the disk size
-    /// the overlay has now, since a disk is never shrunk) and starts the VM with it. Returns
-    /// the error to report: `cause`, saying whether the old spec runs again.
+    /// After a failed restart with the new spec: records `previous` (the spec that ran) again,
+    /// with `disk_gib` the size the overlay has now (a disk is never shrunk), and starts the VM
+    /// with it. Returns the error to report: `cause`, saying whether the old spec runs again.
     async fn roll_back(
         self: &Arc<Self>,
         g: &OpGuard,
         previous: &VmSpec,
-        grown: Option<u64>,
+        disk_gib: Option<u64>,
         cause: ApiError,
     ) -> ApiError {
         let name = previous.name.as_str();
         let mut spec = previous.clone();
-        if let Some(gib) = grown {
-            spec.boot.disk_gib = Some(gib);
+        if spec.boot.disk_gib.is_some() && disk_gib.is_some() {
+            spec.boot.disk_gib = disk_gib;
         }
         tracing::warn!(vm = name, error = %cause, "reconfigure failed; starting the VM with its previous spec");
         let restored = async {

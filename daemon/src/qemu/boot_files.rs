@@ -2,7 +2,8 @@
 //!
 //! QEMU runs as the unprivileged `qemu.user` and opens no VM file by path (docs/sandbox.md).
 //! Its `-kernel` and `-initrd` loaders take only a path, not a descriptor or an fd set, so
-//! each file is copied, once per launch, into a memfd that is then sealed against any change
+//! each file is copied (once per file version, see [`CopyCache`]) into a memfd that is then sealed
+//! against any change
 //! and passed to QEMU, which opens it as `/proc/self/fd/N`. A memfd belongs to nobody's
 //! directory and its inode is readable by anyone who holds it, so the file's own mode and
 //! the modes of its parent directories no longer matter: whatever vmhostd can read boots. The
@@ -73,7 +74,8 @@ fn too_large(path: &Path, len: u64) -> io::Error {
     )
 }
 
-/// Copies `file` (from [`open`]) into a new sealed memfd named `vmhost:NAME` and returns it.
+/// Copies `file` (from [`open`]) into a new sealed memfd named `vmhost:NAME` (the cache's copies:
+/// `vmhost:boot:FILE`) and returns it.
 /// The copy has the size the file had while it was read; a file that grows past
 /// [`MAX_BOOT_FILE`] meanwhile is refused.
 ///
@@ -155,7 +157,12 @@ impl CopyCache {
             return fd;
         }
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let same_file = file.try_clone()?;
         let copy = sealed_copy(file, path, &format!("boot:{name}"))?;
+        if Version::of(&same_file.metadata()?) != version {
+            // Written to while it was copied: this copy may be torn; used once, never shared.
+            return Ok(copy);
+        }
         let fd = copy.try_clone()?;
         self.entries.push((version, copy));
         if self.entries.len() > CACHED_COPIES {

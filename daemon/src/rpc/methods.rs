@@ -60,7 +60,7 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             Ok(p) => p,
             Err(e) => return call(Err(e)),
         };
-        call(Ok(mgr.reconcile(p).await))
+        call(mgr.reconcile(p).await)
     })?;
     m.register_async_method("host.shutdown_vms", |params, mgr, _| async move {
         match parse_params::<ShutdownVmsParams>(&params) {
