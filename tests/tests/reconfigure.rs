@@ -215,3 +215,24 @@ fn a_change_sent_with_state_stopped_stops_the_vm_and_keeps_the_disk() {
     assert_eq!(std::fs::metadata(overlay(&host, "halt")).unwrap().ino(), ino);
     assert_marker(&host, "halt");
 }
+
+#[test]
+fn a_pending_change_stays_pending_through_a_disk_only_change() {
+    let host = host(8, "");
+    create_with_marker(&host, &spec("later"));
+    let pid = view(&host, "later")["pid"].clone();
+    let mut more = spec("later");
+    more["memory_mib"] = json!(256);
+    let r = host.call("vm.apply", json!({ "spec": more, "restart": false }));
+    assert_eq!(r["vm"]["pending_restart"], true);
+    // Only the disk grows now (live): the memory change still waits for a restart.
+    more["boot"]["disk_gib"] = json!(2);
+    let r = host.call("vm.apply", json!({ "spec": more, "restart": false }));
+    assert_eq!((r["vm"]["pid"].clone(), r["vm"]["pending_restart"].clone()), (pid, json!(true)), "{r}");
+    // And applying it with the default restart: true applies the pending change.
+    let r = host.call("vm.apply", json!({ "spec": more, "timeout_s": 1 }));
+    assert_eq!(r["vm"]["pending_restart"], false, "{r}");
+    let new_pid = r["vm"]["pid"].as_i64().unwrap();
+    assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(new_pid), "-m"), "256");
+    assert_marker(&host, "later");
+}
