@@ -86,8 +86,16 @@ fn an_oversize_line_is_refused_and_other_clients_are_unaffected() {
     assert!(host.call("host.info", json!({}))["version"].is_string());
 }
 
+/// Runs vmhostctl as `uid`:`gid`. The checkout may be in a 0700 directory (a home, `mktemp -d`)
+/// that other users cannot enter, so they run a copy in the host's own 0755 temp dir.
 fn ctl_as(host: &TestHost, uid: u32, gid: u32, args: &[&str]) -> std::process::Output {
-    Command::new(bin("vmhostctl")).arg("--socket").arg(&host.socket).args(args).uid(uid).gid(gid).output().unwrap()
+    use std::os::unix::fs::PermissionsExt;
+    let ctl = host.dir.path().join("vmhostctl");
+    if !ctl.exists() {
+        std::fs::copy(bin("vmhostctl"), &ctl).unwrap();
+        std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    Command::new(&ctl).arg("--socket").arg(&host.socket).args(args).uid(uid).gid(gid).output().unwrap()
 }
 
 #[test]
