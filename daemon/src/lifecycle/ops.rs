@@ -231,18 +231,15 @@ impl Manager {
             }
             return Ok(false);
         };
-        self.update(name, "vm.stop", |r| {
-            r.spec.state = DesiredState::Stopped;
-            r.status = VmStatus::Stopping;
-        })?;
-        self.shut_down(name, &id, p.timeout_s, p.force).await?;
+        self.shut_down(name, &id, "vm.stop", Some(DesiredState::Stopped), p.timeout_s, p.force).await?;
         Ok(true)
     }
 
-    /// Ends the live QEMU `id` of VM `name` (recorded `stopping` by the caller): ACPI powerdown
-    /// and up to `timeout_s` for the guest to power off (unless `force`), else SIGKILL; then its
-    /// taps, agent session, run dir and passthrough devices go, and the VM is `stopped`. The
-    /// desired state is the caller's business (`vm.stop` sets it, a reconfigure keeps it).
+    /// Ends the live QEMU `id` of VM `name`: records it `stopping` (for `reason`, with desired
+    /// state `desired` when given: `vm.stop` sets it, a reconfigure or host shutdown keeps it),
+    /// then ACPI powerdown and up to `timeout_s` for the guest to power off (unless `force`),
+    /// else SIGKILL; then its taps, agent session, run dir and passthrough devices go, and the
+    /// VM is `stopped`.
     ///
     /// # Errors
     /// 4001 when QEMU could not be ended (the record keeps the process) or devices not given
@@ -251,9 +248,17 @@ impl Manager {
         &self,
         name: &str,
         id: &crate::process::ProcessIdentity,
+        reason: &str,
+        desired: Option<DesiredState>,
         timeout_s: u64,
         force: bool,
     ) -> Result<(), ApiError> {
+        self.update(name, reason, |r| {
+            r.status = VmStatus::Stopping;
+            if let Some(state) = desired {
+                r.spec.state = state;
+            }
+        })?;
         let paths = self.paths(name);
         let mut exited = false;
         if !force {

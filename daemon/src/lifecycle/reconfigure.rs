@@ -23,7 +23,7 @@
 //! The overlay is never removed or recreated here: its inode and every byte survive.
 
 use super::{Manager, OpGuard};
-use crate::api::{ApiError, Code, DesiredState, Mutation, VmSpec, VmStatus};
+use crate::api::{ApiError, Code, DesiredState, Mutation, VmSpec};
 use crate::qemu::argv::DISK_DRIVE;
 use crate::validate::ValidSpec;
 use serde_json::json;
@@ -94,8 +94,7 @@ impl Manager {
             // Changed and to be stopped: a stop, not a restart, whatever `restart` says.
             self.swap_in_place(name, &vm.spec, None)?;
             self.crashpoint("reconfigure:recorded");
-            self.update(name, "reconfigure: stopping", |r| r.status = VmStatus::Stopping)?;
-            self.shut_down(name, &id, timeout_s, false).await?;
+            self.shut_down(name, &id, "reconfigure: stopping", None, timeout_s, false).await?;
             return self.grow_offline(name, grow_to).await;
         }
         // What the live QEMU runs: the recorded spec, or an older one a change is pending over.
@@ -116,8 +115,7 @@ impl Manager {
         }
         self.swap_in_place(name, &vm.spec, Some(running.clone()))?;
         self.crashpoint("reconfigure:recorded");
-        self.update(name, "reconfigure: stopping", |r| r.status = VmStatus::Stopping)?;
-        self.shut_down(name, &id, timeout_s, false).await?;
+        self.shut_down(name, &id, "reconfigure: stopping", None, timeout_s, false).await?;
         self.crashpoint("reconfigure:stopped");
         // A rollback restores what ran, with the largest disk size any of the specs had (the
         // overlay is never shrunk).

@@ -51,7 +51,6 @@ impl Manager {
     async fn power_off(self: &Arc<Self>, name: &str, timeout_s: u64) -> Result<(), ApiError> {
         let (_guard, rec) = self.begin(name)?;
         let Some(id) = self.find_live(&self.paths(name), rec.process.as_ref())? else { return Ok(()) };
-        self.update(name, "host shutdown", |r| r.status = VmStatus::Stopping)?;
-        self.shut_down(name, &id, timeout_s, false).await
+        self.shut_down(name, &id, "host shutdown", None, timeout_s, false).await
     }
 }

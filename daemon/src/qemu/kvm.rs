@@ -47,7 +47,7 @@ fn is_member(uid: u32, gid: u32) -> bool {
 }
 
 /// What [`probe`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Access {
     /// QEMU's user opened `/dev/kvm` read-write.
     Usable,
@@ -66,6 +66,15 @@ impl Access {
             e => Access::Denied(e),
         }
     }
+}
+
+/// [`probe`] as QEMU would run: as `user` (`None`: the caller's user) with [`qemu_groups`].
+///
+/// # Errors
+/// As [`probe`].
+pub fn probe_as_qemu(user: Option<UserIds>) -> std::io::Result<Access> {
+    let groups = user.map(qemu_groups).unwrap_or_default();
+    probe(user, &groups)
 }
 
 /// Opens `/dev/kvm` read-write in a forked child that first becomes `user` (when `Some`) with

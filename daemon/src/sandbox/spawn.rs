@@ -491,13 +491,13 @@ struct RunRequest {
 
 /// A line on a reply socket. For `run`: first `pid` (with a pidfd attached) or `error`, then
 /// `status`. For `boot_file`: `ok` (with the copy attached when asked) or `error`. For
-/// `kvm_access`: `access` (0 usable, -1 missing, else the errno) or `error`.
+/// `kvm_access`: `access` or `error`.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct Reply {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     ok: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    access: Option<i32>,
+    access: Option<crate::qemu::kvm::Access>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pid: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -599,26 +599,17 @@ pub async fn boot_file(path: &Path, copy: bool) -> io::Result<Option<OwnedFd>> {
 /// # Errors
 /// The probe could not run, or the spawner is gone.
 pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::Access> {
-    use crate::qemu::kvm::{self, Access};
     let Some(control) = SPAWNER.get() else {
-        return tokio::task::spawn_blocking(move || {
-            let groups = user.map(kvm::qemu_groups).unwrap_or_default();
-            kvm::probe(user, &groups)
-        })
-        .await
-        .map_err(io::Error::other)?;
+        return tokio::task::spawn_blocking(move || crate::qemu::kvm::probe_as_qemu(user))
+            .await
+            .map_err(io::Error::other)?;
     };
     let reply = send_request(control, &Request::KvmAccess, Vec::new())?;
     let (answer, _) = next_message(&reply, &mut Vec::new()).await?;
     if let Some(e) = reply_error(&answer) {
         return Err(e);
     }
-    Ok(match answer.access {
-        Some(0) => Access::Usable,
-        Some(-1) => Access::Missing,
-        Some(errno) => Access::Denied(errno),
-        None => return Err(io::Error::other("spawner reply without access")),
-    })
+    answer.access.ok_or_else(|| io::Error::other("spawner reply without access"))
 }
 
 async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Child> {
@@ -847,17 +838,10 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
                 Err(e) => send_reply(&reply, &failed(e), None),
             },
             Request::KvmAccess => {
-                use crate::qemu::kvm::{self, Access};
                 let user = allow.run_as.first().map(|(_, u)| *u);
-                let groups = user.map(kvm::qemu_groups).unwrap_or_default();
-                match kvm::probe(user, &groups) {
+                match crate::qemu::kvm::probe_as_qemu(user) {
                     Ok(access) => {
-                        let code = match access {
-                            Access::Usable => 0,
-                            Access::Missing => -1,
-                            Access::Denied(errno) => errno,
-                        };
-                        send_reply(&reply, &Reply { access: Some(code), ..Reply::default() }, None);
+                        send_reply(&reply, &Reply { access: Some(access), ..Reply::default() }, None);
                     }
                     Err(e) => send_reply(&reply, &failed(e), None),
                 }
