@@ -24,17 +24,44 @@ pub fn parse_params<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, ApiEr
     let raw = params.as_str().unwrap_or("{}");
     let de = &mut serde_json::Deserializer::from_str(raw);
     serde_path_to_error::deserialize(de).map_err(|e| {
-        let mut path = e.path().to_string();
+        let mut path = field_path(e.path());
         let message = e.inner().to_string();
         // serde names a missing field only in its message (the path stops at its parent).
         if let Some(field) = message.strip_prefix("missing field `").and_then(|r| r.split('`').next()) {
-            path = if path == "." { field.to_string() } else { format!("{path}.{field}") };
+            path = if path.is_empty() { field.to_string() } else { format!("{path}.{field}") };
         }
-        if path == "." {
+        if path.is_empty() {
             path = "params".to_string();
         }
         ApiError::new(Code::InvalidParams, format!("invalid params: {message}")).field(path)
     })
+}
+
+/// The dotted path of the offending field (`spec.disks[1].size_gib`), empty at the root.
+///
+/// An empty key is written `""`: a client may send one (`{"": 1}`), and the field must still
+/// name something, never the empty string (found by the `request` fuzz target).
+fn field_path(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let mut out = String::new();
+    for segment in path {
+        match segment {
+            Segment::Seq { index } => out.push_str(&format!("[{index}]")),
+            Segment::Map { key } | Segment::Enum { variant: key } => {
+                if !out.is_empty() {
+                    out.push('.');
+                }
+                out.push_str(if key.is_empty() { "\"\"" } else { key });
+            }
+            Segment::Unknown => {
+                if !out.is_empty() {
+                    out.push('.');
+                }
+                out.push('?');
+            }
+        }
+    }
+    out
 }
 
 fn call<T>(r: Result<T, ApiError>) -> RpcResult<T> {
@@ -184,5 +211,18 @@ mod tests {
         let e = parse_params::<NameParams>(&p(r#""a""#)).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("params"));
         assert!(parse_params::<NameParams>(&p(r#"{"name": "a"}"#)).is_ok());
+    }
+
+    #[test]
+    fn an_empty_key_is_named_not_left_empty() {
+        let e = parse_params::<NameParams>(&p(r#"{"": "sensor1"}"#)).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::InvalidParams, Some(r#""""#)));
+        let e = parse_params::<CreateParams>(&p(r#"{"spec": {"": 1}}"#)).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some(r#"spec."""#));
+        let e = parse_params::<CreateParams>(&p(
+            r#"{"spec": {"name": "a", "cpu": 1, "memory_mib": 1, "boot": {}, "nics": [{"": 1}]}}"#,
+        ))
+        .unwrap_err();
+        assert!(e.field.as_deref().is_some_and(|f| f.starts_with("spec.nics[0]")), "{e:?}");
     }
 }
