@@ -19,6 +19,7 @@ pub mod hardware;
 pub mod host_usage;
 pub mod ipv4;
 pub mod lifecycle;
+pub mod logcap;
 pub mod net;
 pub mod nic;
 pub mod pci;

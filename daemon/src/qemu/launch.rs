@@ -250,6 +250,9 @@ fn stderr_tail(log: &Path, start: u64) -> String {
     let read = || -> io::Result<Vec<u8>> {
         let mut f = std::fs::File::open(log)?;
         let len = f.metadata()?.len();
+        // A log shorter than where this launch began was trimmed since (crate::logcap): its
+        // offsets moved, so the tail is all there is.
+        let start = if start > len { 0 } else { start };
         let from = start.max(len.saturating_sub(STDERR_TAIL as u64));
         f.seek(SeekFrom::Start(from))?;
         let mut bytes = Vec::new();
