@@ -15,6 +15,7 @@ pub mod crashpoint;
 pub mod disk;
 pub mod events;
 pub mod fuzz;
+pub mod guest_text;
 pub mod hardware;
 pub mod host_usage;
 pub mod ipv4;

@@ -14,6 +14,7 @@
 //! functions of [`super::frame`].
 
 use super::frame::{match_reply, LineReader, SkipBudget};
+use crate::guest_text::GuestText;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -38,11 +39,13 @@ pub enum AgentError {
     #[error("agent session closed: {0}")]
     Closed(String),
     /// The guest sent something that is not a valid reply (oversize, not UTF-8, not JSON, wrong
-    /// shape); the session is dropped.
-    #[error("invalid reply from the guest agent: {0}")]
+    /// shape); the session is dropped. The text may quote the guest (serde names what it found):
+    /// it displays escaped and capped.
+    #[error("invalid reply from the guest agent: {}", GuestText(.0))]
     Protocol(String),
-    /// The agent answered with a JSON-RPC error.
-    #[error("the guest agent refused: {message} (code {code})")]
+    /// The agent answered with a JSON-RPC error; its message is the guest's and displays escaped
+    /// and capped.
+    #[error("the guest agent refused: {} (code {code})", GuestText(.message))]
     Remote {
         /// The agent's code.
         code: i64,
