@@ -352,7 +352,14 @@ fn mutation(cli: &Cli, c: &mut Client, method: &str, params: Value) -> Result<()
 }
 
 fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
-    // Escaped before measuring, so the columns line up with what is shown.
+    for line in table(headers, rows) {
+        say!("{line}");
+    }
+}
+
+/// The lines of a table: cells escaped ([`vmhost::guest_text::escape`]) before the columns are
+/// measured, so they line up with what is shown and no cell can break its row.
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> Vec<String> {
     let rows: Vec<Vec<String>> =
         rows.into_iter().map(|r| r.iter().map(|c| vmhost::guest_text::escape(c).into_owned()).collect()).collect();
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
@@ -363,14 +370,17 @@ fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
             }
         }
     }
-    let line = |cells: Vec<String>| {
-        let parts: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{:<w$}", c, w = widths[i])).collect();
-        say!("{}", parts.join("  ").trim_end());
+    let line = |cells: &[String]| {
+        let parts: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{:<w$}", c, w = widths.get(i).copied().unwrap_or(0)))
+            .collect();
+        parts.join("  ").trim_end().to_string()
     };
-    line(headers.iter().map(|h| h.to_string()).collect());
-    for r in rows {
-        line(r);
-    }
+    let mut out = vec![line(&headers.iter().map(|h| h.to_string()).collect::<Vec<_>>())];
+    out.extend(rows.iter().map(|r| line(r)));
+    out
 }
 
 fn print_list(vms: &[VmView]) {
@@ -470,4 +480,32 @@ fn print_reconcile(r: &ReconcileReport) {
         .collect();
     print_table(&["VM", "ACTION", "REASON", "OUTCOME"], rows);
     say!("{}{}", if r.dry_run { "dry run: " } else { "" }, if r.ok { "ok" } else { "FAILED" });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_cells_are_escaped_and_stay_in_their_row() {
+        let rows = vec![
+            vec!["FAIL".into(), "eth0\nFORGED ok".into(), "\u{1b}[32mok\u{1b}[0m".into(), "x\rY\u{9b}2J".into()],
+            vec!["ok".into(), "dns".into(), "10.0.0.1".into(), "10.0.0.1".into()],
+        ];
+        let lines = table(&["RESULT", "CHECK", "EXPECTED", "OBSERVED"], rows);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(lines[1], r"FAIL    eth0\nFORGED ok  \x1b[32mok\x1b[0m  x\rY\u{9b}2J");
+        assert!(lines.iter().all(|l| !l.chars().any(|c| c.is_control())), "{lines:?}");
+        // Columns line up with the escaped text.
+        assert_eq!(lines[2].find("dns"), lines[1].find("eth0"));
+        assert_eq!(lines[2].find("10.0.0.1"), lines[1].find(r"\x1b"));
+    }
+
+    #[test]
+    fn json_output_keeps_its_value_without_raw_c1() {
+        let v = json!({"hostname": "liar\u{9b}31m\u{1b}]0;t\u{7}"});
+        let text = json_line(&serde_json::to_string_pretty(&v).unwrap());
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text}");
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), v);
+    }
 }
