@@ -347,6 +347,17 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(id)).await.unwrap().unwrap();
     }
 
+    #[test]
+    fn the_stderr_tail_survives_a_log_trimmed_since_the_launch_began() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("qemu.log");
+        std::fs::write(&log, "earlier launches\nthis launch: it failed\n").unwrap();
+        assert_eq!(stderr_tail(&log, 17), "this launch: it failed");
+        // logcap dropped the log's oldest part: the offset where this launch began is past its end.
+        std::fs::write(&log, "it failed\n").unwrap();
+        assert_eq!(stderr_tail(&log, 17), "it failed");
+    }
+
     #[tokio::test]
     async fn good_launch_returns_the_live_vm_process_once_qmp_greets() {
         let p = paths();
