@@ -216,6 +216,26 @@ impl LifecycleConfig {
     }
 }
 
+/// `[logs]`: the per-VM serial and QEMU logs a guest can fill.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogsConfig {
+    /// Most bytes of each VM log (serial console, QEMU's stderr); a log past it loses its oldest
+    /// half ([`crate::logcap`]).
+    pub max_bytes: u64,
+}
+
+/// `logs.max_bytes` by default: 16 MiB per VM per log.
+pub const DEFAULT_LOG_MAX_BYTES: u64 = 16 * 1024 * 1024;
+/// The smallest `logs.max_bytes`: half of it must still span whole file-system blocks.
+pub const MIN_LOG_MAX_BYTES: u64 = 64 * 1024;
+
+impl Default for LogsConfig {
+    fn default() -> Self {
+        LogsConfig { max_bytes: DEFAULT_LOG_MAX_BYTES }
+    }
+}
+
 /// `[access]`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -284,6 +304,8 @@ struct RawConfig {
     access: Access,
     #[serde(default)]
     lifecycle: LifecycleConfig,
+    #[serde(default)]
+    logs: LogsConfig,
     hardware: RawHardware,
     #[serde(default)]
     networks: BTreeMap<String, RawNetwork>,
@@ -358,6 +380,8 @@ pub struct Config {
     pub access: Access,
     /// `[lifecycle]`.
     pub lifecycle: LifecycleConfig,
+    /// `[logs]`.
+    pub logs: LogsConfig,
     /// Socket mode parsed from `access.socket_mode`.
     pub socket_mode: u32,
     /// `[hardware]`.
@@ -448,6 +472,9 @@ impl Config {
             && raw.qemu.user.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-_".contains(c));
         if !user_ok {
             return Err(key_err("qemu.user", format!("{:?} is not a user name", raw.qemu.user)));
+        }
+        if raw.logs.max_bytes < MIN_LOG_MAX_BYTES {
+            return Err(key_err("logs.max_bytes", format!("must be at least {MIN_LOG_MAX_BYTES} (64 KiB)")));
         }
         let socket_mode = parse_mode(&raw.access.socket_mode).map_err(|p| key_err("access.socket_mode", p))?;
 
@@ -583,6 +610,7 @@ impl Config {
             qemu_user: None,
             access: raw.access,
             lifecycle: raw.lifecycle,
+            logs: raw.logs,
             socket_mode,
             hardware: Hardware {
                 cpu: h.cpu,
@@ -663,6 +691,17 @@ reserved_memory_gib = 8
         assert_eq!(c.qemu.accel, Accel::Kvm);
         assert_eq!(c.paths.socket, PathBuf::from("/run/vmhost/vmhostd.sock"));
         assert!(c.hardware.model.is_empty());
+        assert_eq!(c.logs.max_bytes, 16 * 1024 * 1024);
+    }
+
+    #[test]
+    fn log_cap_is_configurable_within_a_floor() {
+        let c = parse("[logs]\nmax_bytes = 262144\n[hardware]\ncpu = 4\nmemory_gib = 8\n").unwrap();
+        assert_eq!(c.logs.max_bytes, 256 * 1024);
+        let (key, problem) = key_error("[logs]\nmax_bytes = 4096\n[hardware]\ncpu = 4\nmemory_gib = 8\n");
+        assert_eq!((key.as_str(), problem.contains("64 KiB")), ("logs.max_bytes", true), "{problem}");
+        let (key, _) = key_error("[logs]\nmax_files = 2\n[hardware]\ncpu = 4\nmemory_gib = 8\n");
+        assert_eq!(key, "logs.max_files");
     }
 
     #[test]

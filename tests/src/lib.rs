@@ -375,9 +375,11 @@ reserved_memory_gib = 1
         })
     }
 
-    /// The guest's serial log.
+    /// The guest's serial log (lossy UTF-8: a guest writes any bytes, and a log trimmed to
+    /// `logs.max_bytes` may start in the middle of a character).
     pub fn serial(&self, name: &str) -> String {
-        fs::read_to_string(self.state().join("logs").join(format!("{name}.serial.log"))).unwrap_or_default()
+        let bytes = fs::read(self.state().join("logs").join(format!("{name}.serial.log"))).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 
     /// Waits until the serial log of `name` contains `needle`.

@@ -219,3 +219,99 @@ fn a_hostile_guest_floods_its_port_and_the_daemon_stays_responsive() {
     assert!(rss_kib < 200 * 1024, "the flood is not buffered: vmhostd RSS {rss_kib} KiB");
     assert_eq!(host.call("vm.get", json!({ "name": "evil" }))["status"], "running");
 }
+
+/// The test guest with a lying "agent" whose every string forges lines and terminal sequences
+/// (tests/guest/hostile/liar-agent.sh).
+fn liar_guest() -> vmhost_tests::Guest {
+    let base = vmhost_tests::guest();
+    let root = vmhost_tests::workspace();
+    let script = root.join("tests/guest/hostile/liar-agent.sh");
+    let out = root.join("target/guest");
+    let st = std::process::Command::new(root.join("tests/guest/build.sh"))
+        .env("EXTRA_FILES", format!("{}:/bin/vmhost-agent", script.display()))
+        .env("INITRAMFS_NAME", "initramfs-liar.cpio.gz")
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    vmhost_tests::Guest { kernel: base.kernel, initrd: out.join("initramfs-liar.cpio.gz") }
+}
+
+/// No character that could forge a line or drive a terminal.
+fn assert_inert(what: &str, text: &str) {
+    let bad: Vec<char> = text.chars().filter(|c| (c.is_control() && *c != '\n') || *c == '\u{9b}').collect();
+    assert!(bad.is_empty(), "{what} holds raw control characters {bad:?}:\n{text}");
+}
+
+#[test]
+fn guest_strings_are_escaped_in_the_log_and_in_vmhostctl() {
+    let host = TestHost::start(HostOptions::default());
+    let g = liar_guest();
+    let liar = json!({"name": "liar", "cpu": 1, "memory_mib": 256,
+        "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": "console=ttyS0 panic=-1 quiet"}});
+    host.call("vm.create", json!({ "spec": liar }));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let v = loop {
+        let v = host.call("vm.get", json!({ "name": "liar" }));
+        if v["agent"]["connected"] == true {
+            break v;
+        }
+        let log = vmhost_tests::plain_log(&host.daemon_log());
+        assert!(Instant::now() < deadline, "the liar never got a session: {v}\n{}\n{log}", host.serial("liar"));
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert!(v["agent"]["version"].as_str().unwrap().contains("\nFORGED-LINE"), "the API keeps the raw value: {v}");
+
+    // The log: the guest's version and its error message each stay on their own line, escaped.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let log = loop {
+        let log = host.daemon_log();
+        if log.contains("guest interfaces not applied") {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "net.apply's refusal never logged:\n{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let plain = vmhost_tests::plain_log(&log);
+    let connected: Vec<&str> = plain.lines().filter(|l| l.contains("guest agent connected")).collect();
+    assert_eq!(connected.len(), 1, "{plain}");
+    assert!(
+        connected[0]
+            .contains(r"0.9\nFORGED-LINE level=ERROR vmhostd: root shell granted\r\x1b[2K\x1b]0;pwned\x07\u{9b}31m"),
+        "{}",
+        connected[0]
+    );
+    let refused: Vec<&str> = plain.lines().filter(|l| l.contains("guest interfaces not applied")).collect();
+    assert!(refused.iter().all(|l| l.contains(r"refused\nFORGED-LINE")), "{refused:?}");
+    for line in plain.lines().filter(|l| l.contains("FORGED")) {
+        assert!(line.contains(r"\nFORGED-LINE"), "a forged line: {line:?}");
+    }
+    assert!(
+        !log.contains('\r') && !log.contains("\u{1b}]0;pwned") && !log.contains("\u{1b}[2K"),
+        "raw sequences in the log"
+    );
+    assert!(!log.contains('\u{9b}'), "a raw C1 CSI in the log");
+
+    // vmhostctl's table: one row, its cells escaped; no raw control characters anywhere.
+    let out = host.ctl(&["check", "liar"]);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!out.status.success(), "the liar says its network is not as declared");
+    assert_inert("vmhostctl check", &stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "header, one row, summary:\n{stdout}");
+    assert!(lines[1].starts_with("FAIL"), "{}", lines[1]);
+    assert!(lines[1].contains(r"eth0\nFORGED-LINE level=ERROR"), "{}", lines[1]);
+    assert!(lines[1].contains(r"\x1b[32mok\x1b[0m") && lines[1].contains(r"x\rFORGED-CELL"), "{}", lines[1]);
+
+    // Plain-text errors (the agent's refusal of net.state) and JSON (guest-info) are inert too.
+    let out = host.ctl(&["guest-network", "liar"]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_inert("vmhostctl guest-network", &stderr);
+    assert!(stderr.lines().next().unwrap_or("").contains(r"refused\nFORGED-LINE"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 2, "the error and its details:\n{stderr}");
+    let out = host.ctl(&["guest-info", "liar"]);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_inert("vmhostctl guest-info", &stdout);
+    let info: Value = serde_json::from_str(&stdout).unwrap();
+    assert!(info["hostname"].as_str().unwrap().ends_with("\u{1b}]0;pwned\u{7}\u{9b}31m"), "JSON keeps the value");
+}

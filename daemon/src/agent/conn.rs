@@ -3,7 +3,8 @@
 //! Order: [`AgentConn::connect`] (connect, resync, `hello`), then [`AgentConn::call`] as often as
 //! needed; drop it on any error and connect again. The guest is hostile: every line is at most
 //! [`MAX_FRAME`] bytes (a longer one ends the session), every wait is bounded, and replies are
-//! parsed into closed types.
+//! parsed into closed types, and at most [`super::frame::MAX_SKIPPED_BYTES`] of unrelated lines
+//! are read while waiting for one reply.
 //!
 //! Resync: the byte stream survives host disconnects, so it may hold a partial line or stale
 //! replies from an earlier session. A session starts with a bare `\n` (ends whatever partial line
@@ -12,7 +13,8 @@
 //! skipped, so nothing stale can be taken for an answer. Framing and reply matching are the pure
 //! functions of [`super::frame`].
 
-use super::frame::{match_reply, LineReader};
+use super::frame::{match_reply, LineReader, SkipBudget};
+use crate::guest_text::GuestText;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -23,8 +25,6 @@ use vmhost_agent_protocol::{Hello, SyncParams, SyncReply, PROTOCOL_VERSION};
 
 /// Longest line accepted from the guest, in bytes.
 pub const MAX_FRAME: usize = 64 * 1024;
-/// Most lines skipped while waiting for one reply (stale replies, noise) before giving up.
-const MAX_SKIPPED: usize = 1000;
 
 /// Why a session failed.
 #[derive(Debug, thiserror::Error)]
@@ -39,11 +39,13 @@ pub enum AgentError {
     #[error("agent session closed: {0}")]
     Closed(String),
     /// The guest sent something that is not a valid reply (oversize, not UTF-8, not JSON, wrong
-    /// shape); the session is dropped.
-    #[error("invalid reply from the guest agent: {0}")]
+    /// shape); the session is dropped. The text may quote the guest (serde names what it found):
+    /// it displays escaped and capped.
+    #[error("invalid reply from the guest agent: {}", GuestText(.0))]
     Protocol(String),
-    /// The agent answered with a JSON-RPC error.
-    #[error("the guest agent refused: {message} (code {code})")]
+    /// The agent answered with a JSON-RPC error; its message is the guest's and displays escaped
+    /// and capped.
+    #[error("the guest agent refused: {} (code {code})", GuestText(.message))]
     Remote {
         /// The agent's code.
         code: i64,
@@ -128,18 +130,19 @@ impl AgentConn {
         self.stream.write_all(&bytes).await.map_err(|e| AgentError::Closed(e.to_string()))
     }
 
-    /// Reads replies until the one with `id`, bounded in time and in lines skipped.
+    /// Reads replies until the one with `id`, bounded in time and in bytes skipped.
     async fn wait_reply<T: DeserializeOwned>(&mut self, id: &Value, timeout: Duration) -> Result<T, AgentError> {
         let deadline = Instant::now() + timeout;
-        for _ in 0..MAX_SKIPPED {
+        let mut budget = SkipBudget::new();
+        loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let line =
                 tokio::time::timeout(left, self.read_line()).await.map_err(|_| AgentError::Timeout(timeout))??;
             if let Some(outcome) = match_reply(&line, id) {
                 return outcome;
             }
+            budget.skip(&line)?;
         }
-        Err(AgentError::Protocol(format!("more than {MAX_SKIPPED} unrelated lines")))
     }
 
     /// One line without its newline; more than [`MAX_FRAME`] bytes ends the session.
@@ -251,6 +254,26 @@ mod tests {
         // A stall: a timeout.
         let e = hostile(b"").await;
         assert!(matches!(e, AgentError::Timeout(_)), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_long_garbage_lines_stops_being_read_after_the_byte_cap() {
+        // 64 lines of 60 KiB (each within the frame limit, far fewer than the old cap of 1000
+        // lines), then the real reply: the wait gives up after MAX_SKIPPED_BYTES instead of
+        // parsing 3.75 MiB of garbage.
+        static FLOOD: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+        let flood: &'static [u8] = FLOOD.get_or_init(|| {
+            let mut v = Vec::new();
+            for _ in 0..64 {
+                v.extend(std::iter::repeat_n(b'g', 60 * 1024));
+                v.push(b'\n');
+            }
+            v.extend_from_slice(br#"{"jsonrpc":"2.0","id":2,"result":{"version":"t","hostname":"g","kernel":"k","uptime_s":1,"boot_id":"b","rss_kib":1}}"#);
+            v.push(b'\n');
+            v
+        });
+        let e = hostile(flood).await;
+        assert!(matches!(e, AgentError::Protocol(ref m) if m == "more than 262144 bytes of unrelated lines"), "{e:?}");
     }
 
     #[tokio::test]

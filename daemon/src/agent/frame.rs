@@ -4,7 +4,9 @@
 //! Kept apart from [`super::conn`] (which owns the socket, the deadlines and the ids) so that
 //! everything a hostile guest's bytes reach without a socket can be fuzzed and unit-tested
 //! directly: feed every chunk read to [`LineReader::push`], take lines with
-//! [`LineReader::next_line`] until it returns `None`, and hand each line to [`match_reply`].
+//! [`LineReader::next_line`] until it returns `None`, and hand each line to [`match_reply`];
+//! every line that is not the awaited reply goes through [`SkipBudget::skip`], which ends the wait
+//! once a guest made the daemon read and parse [`MAX_SKIPPED_BYTES`] of unrelated lines.
 
 use super::conn::{AgentError, MAX_FRAME};
 use serde::de::DeserializeOwned;
@@ -12,6 +14,38 @@ use serde_json::Value;
 
 /// Longest error message kept from the guest, in characters.
 pub const MAX_REMOTE_MESSAGE: usize = 512;
+
+/// Most bytes of unrelated lines (stale replies, noise, garbage) read while waiting for one reply,
+/// newlines included. Counted in bytes, not lines: a cap of lines let a flooding guest make the
+/// daemon read and parse up to 1000 lines of [`MAX_FRAME`] bytes (64 MiB) per call. Four full
+/// frames leave room for a resync's stale replies and a chatty agent's noise.
+pub const MAX_SKIPPED_BYTES: usize = 4 * MAX_FRAME;
+
+/// The bytes of lines skipped so far while waiting for one reply; one per wait.
+#[derive(Debug, Default)]
+pub struct SkipBudget {
+    skipped: usize,
+}
+
+impl SkipBudget {
+    /// A budget with nothing skipped yet.
+    pub fn new() -> SkipBudget {
+        SkipBudget::default()
+    }
+
+    /// Counts `line` (and its newline) as skipped.
+    ///
+    /// # Errors
+    /// [`AgentError::Protocol`] ("more than 262144 bytes of unrelated lines") once more than
+    /// [`MAX_SKIPPED_BYTES`] were skipped: the wait ends and the session must be dropped.
+    pub fn skip(&mut self, line: &[u8]) -> Result<(), AgentError> {
+        self.skipped = self.skipped.saturating_add(line.len().saturating_add(1));
+        if self.skipped > MAX_SKIPPED_BYTES {
+            return Err(AgentError::Protocol(format!("more than {MAX_SKIPPED_BYTES} bytes of unrelated lines")));
+        }
+        Ok(())
+    }
+}
 
 /// Bytes read from the guest that do not yet form a complete line.
 #[derive(Debug, Default)]
@@ -142,6 +176,23 @@ mod tests {
         let mut r = LineReader::new();
         r.push(&[vec![b'y'; MAX_FRAME + 1], b"\nok\n".to_vec()].concat());
         assert!(matches!(r.next_line(), Err(AgentError::Protocol(_))), "a complete but oversize line");
+    }
+
+    #[test]
+    fn skipped_bytes_are_capped_whatever_the_line_count() {
+        let mut b = SkipBudget::new();
+        let line = vec![b'g'; MAX_FRAME - 1];
+        for _ in 0..4 {
+            assert!(b.skip(&line).is_ok(), "four full frames fit");
+        }
+        match b.skip(b"") {
+            Err(AgentError::Protocol(m)) => assert_eq!(m, "more than 262144 bytes of unrelated lines"),
+            other => panic!("{other:?}"),
+        }
+        // Many short lines count by their bytes (newlines included), not by their number.
+        let mut b = SkipBudget::new();
+        let n = (0..).take_while(|_| b.skip(b"x").is_ok()).count();
+        assert_eq!(n, MAX_SKIPPED_BYTES / 2);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use super::conn::{AgentConn, AgentError};
 use crate::api::{ApiError, Code};
+use crate::guest_text::GuestText;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -142,7 +143,10 @@ impl AgentHub {
                 Ok(v)
             }
             Err(AgentError::Remote { code, message, data }) => {
-                Err(ApiError::new(Code::ProvisioningFailed, format!("the guest agent refused {method}: {message}"))
+                // The guest's message, escaped and capped: this message reaches logs and terminals
+                // (the raw text stays in details, JSON-escaped).
+                let shown = GuestText(&message);
+                Err(ApiError::new(Code::ProvisioningFailed, format!("the guest agent refused {method}: {shown}"))
                     .details(json!({"agent_error": {"code": code, "message": message, "data": data}})))
             }
             Err(e) => {
@@ -197,7 +201,7 @@ async fn keep(agent: &VmAgent, vm: &str, last_boot: &mut Option<Baseline>) -> Op
                         return None;
                     }
                 };
-                tracing::info!(vm, version = %conn.hello.agent_version, "guest agent connected");
+                tracing::info!(vm, version = %GuestText(&conn.hello.agent_version), "guest agent connected");
                 if let Ok(mut s) = agent.status.lock() {
                     *s = AgentStatus {
                         connected: true,

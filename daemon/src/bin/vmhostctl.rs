@@ -3,6 +3,12 @@
 //! Prints tables by default and the daemon's JSON with `--json`; exits non-zero with the
 //! daemon's code and message when a call fails (1 for an API error, 3 when the daemon cannot be
 //! reached).
+//!
+//! Text in the output may come from a guest (agent versions, errors, `vm.check` cells) or any
+//! client: every human-readable line goes through [`say!`]/[`tell!`], which escape control, C1 and
+//! reordering characters ([`vmhost::guest_text::escape`]), and JSON through [`json_line`], which
+//! also escapes the C1 characters serde leaves as they are. Nothing a guest sends can forge a line,
+//! overwrite one or drive the terminal.
 
 use clap::{Parser, Subcommand};
 use serde_json::{json, Value};
@@ -12,6 +18,23 @@ use std::process::ExitCode;
 use std::time::Duration;
 use vmhost::api::{HostCheck, HostInfo, Mutation, ReconcileReport, VmView};
 use vmhost::client::{Client, ClientError};
+
+/// `println!` for human-readable output, escaped as a whole (a `\n` inside a value stays on its
+/// line as `\n`).
+macro_rules! say {
+    () => { println!() };
+    ($($arg:tt)*) => { println!("{}", vmhost::guest_text::escape(&format!($($arg)*))) };
+}
+
+/// `eprintln!`, escaped as [`say!`] is.
+macro_rules! tell {
+    ($($arg:tt)*) => { eprintln!("{}", vmhost::guest_text::escape(&format!($($arg)*))) };
+}
+
+/// JSON for output: serde escapes the C0 controls in strings; C1 ones are escaped here too.
+fn json_line(text: &str) -> String {
+    vmhost::guest_text::escape_json_c1(text).into_owned()
+}
 
 #[derive(Parser)]
 #[command(name = "vmhostctl", version, about = "Control vmhostd over its socket")]
@@ -111,21 +134,21 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Api(e)) => {
             if cli.json {
-                println!("{}", json!({"error": e.to_json()}));
+                println!("{}", json_line(&json!({"error": e.to_json()}).to_string()));
             }
             let field = e.field.as_deref().map(|f| format!(" [{f}]")).unwrap_or_default();
-            eprintln!("vmhostctl: error {} ({}){field}: {}", e.code.as_i32(), e.code.kind(), e.message);
+            tell!("vmhostctl: error {} ({}){field}: {}", e.code.as_i32(), e.code.kind(), e.message);
             if !e.details.is_null() {
-                eprintln!("  details: {}", e.details);
+                tell!("  details: {}", e.details);
             }
             ExitCode::from(1)
         }
         Err(Failure::Connect(m)) => {
-            eprintln!("vmhostctl: {m}");
+            tell!("vmhostctl: {m}");
             ExitCode::from(3)
         }
         Err(Failure::Usage(m)) => {
-            eprintln!("vmhostctl: {m}");
+            tell!("vmhostctl: {m}");
             ExitCode::from(2)
         }
     }
@@ -159,7 +182,7 @@ fn read_json(file: &PathBuf) -> Result<Value, Failure> {
 fn run(cli: &Cli) -> Result<(), Failure> {
     let mut c = Client::connect(&cli.socket)
         .map_err(|e| Failure::Connect(format!("cannot reach vmhostd at {}: {e}", cli.socket.display())))?;
-    let out = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    let out = |v: &Value| println!("{}", json_line(&serde_json::to_string_pretty(v).unwrap_or_default()));
     match &cli.cmd {
         Cmd::Info => {
             let v: Value = c.call("host.info", json!({}))?;
@@ -189,7 +212,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                     })
                     .collect();
                 print_table(&["RESULT", "CHECK", "EXPECTED", "OBSERVED"], rows);
-                println!("{name}: network {}", if r.ok { "as declared" } else { "NOT as declared" });
+                say!("{name}: network {}", if r.ok { "as declared" } else { "NOT as declared" });
             }
             if !r.ok {
                 return Err(Failure::Usage("the guest's network is not as declared".into()));
@@ -208,7 +231,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                     .iter()
                     .map(|i| vec![i.name.clone(), format!("{:?}", i.status).to_lowercase(), i.detail.clone()]);
                 print_table(&["ITEM", "STATUS", "DETAIL"], rows.collect());
-                println!("overall: {}", if r.ok { "ok" } else { "NOT OK" });
+                say!("overall: {}", if r.ok { "ok" } else { "NOT OK" });
             }
             if !r.ok {
                 return Err(Failure::Usage("host check found problems".into()));
@@ -258,7 +281,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 for r in v["vms"].as_array().into_iter().flatten() {
                     let outcome =
                         if r["ok"] == true { "off".to_string() } else { format!("FAILED {}", r["error"]["message"]) };
-                    println!("{:<24} {outcome}", r["vm"].as_str().unwrap_or(""));
+                    say!("{:<24} {outcome}", r["vm"].as_str().unwrap_or(""));
                 }
             }
             if v["ok"] != true {
@@ -288,8 +311,8 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             c.subscribe_events()?;
             loop {
                 match c.next_event(Duration::from_secs(3600))? {
-                    Some(e) if cli.json => println!("{}", serde_json::to_string(&e).unwrap_or_default()),
-                    Some(e) => println!(
+                    Some(e) if cli.json => println!("{}", json_line(&serde_json::to_string(&e).unwrap_or_default())),
+                    Some(e) => say!(
                         "{} {} {} -> {} ({})",
                         e.time,
                         e.vm,
@@ -316,19 +339,29 @@ fn run(cli: &Cli) -> Result<(), Failure> {
 fn mutation(cli: &Cli, c: &mut Client, method: &str, params: Value) -> Result<(), Failure> {
     let v: Value = c.call(method, params)?;
     if cli.json {
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        println!("{}", json_line(&serde_json::to_string_pretty(&v).unwrap_or_default()));
         return Ok(());
     }
     let m: Mutation = serde_json::from_value(v).map_err(|e| Failure::Connect(e.to_string()))?;
     let what = if m.changed { "changed" } else { "unchanged" };
     match m.vm {
-        Some(vm) => println!("{}: {what}, {}", vm.name, vm.status),
-        None => println!("{what}: destroyed"),
+        Some(vm) => say!("{}: {what}, {}", vm.name, vm.status),
+        None => say!("{what}: destroyed"),
     }
     Ok(())
 }
 
 fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
+    for line in table(headers, rows) {
+        say!("{line}");
+    }
+}
+
+/// The lines of a table: cells escaped ([`vmhost::guest_text::escape`]) before the columns are
+/// measured, so they line up with what is shown and no cell can break its row.
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> Vec<String> {
+    let rows: Vec<Vec<String>> =
+        rows.into_iter().map(|r| r.iter().map(|c| vmhost::guest_text::escape(c).into_owned()).collect()).collect();
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for r in &rows {
         for (i, cell) in r.iter().enumerate() {
@@ -337,14 +370,17 @@ fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
             }
         }
     }
-    let line = |cells: Vec<String>| {
-        let parts: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{:<w$}", c, w = widths[i])).collect();
-        println!("{}", parts.join("  ").trim_end());
+    let line = |cells: &[String]| {
+        let parts: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{:<w$}", c, w = widths.get(i).copied().unwrap_or(0)))
+            .collect();
+        parts.join("  ").trim_end().to_string()
     };
-    line(headers.iter().map(|h| h.to_string()).collect());
-    for r in rows {
-        line(r);
-    }
+    let mut out = vec![line(&headers.iter().map(|h| h.to_string()).collect::<Vec<_>>())];
+    out.extend(rows.iter().map(|r| line(r)));
+    out
 }
 
 fn print_list(vms: &[VmView]) {
@@ -366,26 +402,26 @@ fn print_list(vms: &[VmView]) {
 }
 
 fn print_vm(v: &VmView) {
-    println!("name:        {}", v.name);
-    println!("status:      {}", v.status);
-    println!("desired:     {}", format!("{:?}", v.desired_state).to_lowercase());
+    say!("name:        {}", v.name);
+    say!("status:      {}", v.status);
+    say!("desired:     {}", format!("{:?}", v.desired_state).to_lowercase());
     if v.pending_restart {
-        println!("pending:     a changed spec waits for the next start (vm.apply without --no-restart applies it)");
+        say!("pending:     a changed spec waits for the next start (vm.apply without --no-restart applies it)");
     }
-    println!("pid:         {}", v.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()));
-    println!("cpu:         {}", v.spec.cpu);
-    println!("memory_mib:  {}", v.spec.memory_mib);
-    println!("created_at:  {}", v.created_at);
-    println!("started_at:  {}", v.started_at.clone().unwrap_or_else(|| "-".into()));
-    println!("serial_log:  {}", v.serial_log.display());
+    say!("pid:         {}", v.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()));
+    say!("cpu:         {}", v.spec.cpu);
+    say!("memory_mib:  {}", v.spec.memory_mib);
+    say!("created_at:  {}", v.created_at);
+    say!("started_at:  {}", v.started_at.clone().unwrap_or_else(|| "-".into()));
+    say!("serial_log:  {}", v.serial_log.display());
     if let Some(e) = &v.last_error {
-        println!("last_error:  {} {}", e.code, e.message);
+        say!("last_error:  {} {}", e.code, e.message);
     }
-    println!("spec:        {}", serde_json::to_string(&v.spec).unwrap_or_default());
+    say!("spec:        {}", serde_json::to_string(&v.spec).unwrap_or_default());
 }
 
 fn print_info(i: &HostInfo) {
-    println!("vmhostd {} (API v{}), accel {}, {} VMs", i.version, i.api_version, i.accel, i.vm_count);
+    say!("vmhostd {} (API v{}), accel {}, {} VMs", i.version, i.api_version, i.accel, i.vm_count);
     print_table(
         &["RESOURCE", "TOTAL", "RESERVED", "ALLOCATED", "AVAILABLE"],
         [("cpu", &i.cpu), ("memory_mib", &i.memory_mib)]
@@ -402,7 +438,7 @@ fn print_info(i: &HostInfo) {
             .collect(),
     );
     if !i.hardware.is_empty() {
-        println!();
+        say!();
         let rows = i
             .hardware
             .iter()
@@ -443,5 +479,33 @@ fn print_reconcile(r: &ReconcileReport) {
         })
         .collect();
     print_table(&["VM", "ACTION", "REASON", "OUTCOME"], rows);
-    println!("{}{}", if r.dry_run { "dry run: " } else { "" }, if r.ok { "ok" } else { "FAILED" });
+    say!("{}{}", if r.dry_run { "dry run: " } else { "" }, if r.ok { "ok" } else { "FAILED" });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_cells_are_escaped_and_stay_in_their_row() {
+        let rows = vec![
+            vec!["FAIL".into(), "eth0\nFORGED ok".into(), "\u{1b}[32mok\u{1b}[0m".into(), "x\rY\u{9b}2J".into()],
+            vec!["ok".into(), "dns".into(), "10.0.0.1".into(), "10.0.0.1".into()],
+        ];
+        let lines = table(&["RESULT", "CHECK", "EXPECTED", "OBSERVED"], rows);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(lines[1], r"FAIL    eth0\nFORGED ok  \x1b[32mok\x1b[0m  x\rY\u{9b}2J");
+        assert!(lines.iter().all(|l| !l.chars().any(|c| c.is_control())), "{lines:?}");
+        // Columns line up with the escaped text.
+        assert_eq!(lines[2].find("dns"), lines[1].find("eth0"));
+        assert_eq!(lines[2].find("10.0.0.1"), lines[1].find(r"\x1b"));
+    }
+
+    #[test]
+    fn json_output_keeps_its_value_without_raw_c1() {
+        let v = json!({"hostname": "liar\u{9b}31m\u{1b}]0;t\u{7}"});
+        let text = json_line(&serde_json::to_string_pretty(&v).unwrap());
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text}");
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), v);
+    }
 }

@@ -140,6 +140,8 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     }
     // In the background: the socket is served while VMs desired running come back.
     let _autostart = manager.autostart();
+    // QEMU writes each VM's logs itself; they are capped from the side (module doc of logcap).
+    let _logcap = vmhost::logcap::spawn(config.paths.state.join("logs"), config.logs.max_bytes);
     if let Err(e) = activation.notify("READY=1") {
         tracing::warn!(error = %e, "cannot notify the service manager");
     }

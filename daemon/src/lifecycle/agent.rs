@@ -5,6 +5,7 @@
 use super::Manager;
 use crate::agent::supervisor::SessionEvent;
 use crate::api::{ApiError, Ipv4Spec};
+use crate::guest_text::GuestList;
 use serde_json::json;
 use std::sync::Arc;
 use vmhost_agent_protocol::{
@@ -38,7 +39,8 @@ impl Manager {
         let report: ApplyReport =
             self.agents.call(name, "net.apply", json!(ApplyParams { interfaces: spec.guest_interfaces })).await?;
         if report.changed {
-            tracing::info!(vm = name, created = ?report.created, deleted = ?report.deleted, "guest interfaces applied");
+            let (created, deleted) = (GuestList(&report.created), GuestList(&report.deleted));
+            tracing::info!(vm = name, %created, %deleted, "guest interfaces applied");
         }
         Ok(report)
     }

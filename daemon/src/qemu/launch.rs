@@ -250,6 +250,9 @@ fn stderr_tail(log: &Path, start: u64) -> String {
     let read = || -> io::Result<Vec<u8>> {
         let mut f = std::fs::File::open(log)?;
         let len = f.metadata()?.len();
+        // A log shorter than where this launch began was trimmed since (crate::logcap): its
+        // offsets moved, so the tail is all there is.
+        let start = if start > len { 0 } else { start };
         let from = start.max(len.saturating_sub(STDERR_TAIL as u64));
         f.seek(SeekFrom::Start(from))?;
         let mut bytes = Vec::new();
@@ -342,6 +345,17 @@ mod tests {
     async fn kill(id: &ProcessIdentity) {
         let _ = process::signal(id.pid, Signal::SIGKILL);
         tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(id)).await.unwrap().unwrap();
+    }
+
+    #[test]
+    fn the_stderr_tail_survives_a_log_trimmed_since_the_launch_began() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("qemu.log");
+        std::fs::write(&log, "earlier launches\nthis launch: it failed\n").unwrap();
+        assert_eq!(stderr_tail(&log, 17), "this launch: it failed");
+        // logcap dropped the log's oldest part: the offset where this launch began is past its end.
+        std::fs::write(&log, "it failed\n").unwrap();
+        assert_eq!(stderr_tail(&log, 17), "it failed");
     }
 
     #[tokio::test]

@@ -65,6 +65,7 @@ pub const ALLOWED: &[Syscall] = &[
     sys!(SYS_fsync, "atomic record writes"),
     sys!(SYS_fdatasync, "atomic record writes"),
     sys!(SYS_ftruncate, FS),
+    sys!(SYS_fallocate, "capping VM logs: FALLOC_FL_COLLAPSE_RANGE drops their oldest part (logcap)"),
     sys!(SYS_sendfile, "copying files"),
     sys!(SYS_copy_file_range, "copying files"),
     sys!(SYS_open, FS),

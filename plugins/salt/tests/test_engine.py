@@ -2,11 +2,14 @@
 prune of managed VMs only, per-hypervisor failure isolation (fake LocalClient) and tags."""
 
 import copy
+import errno
 import json
 import logging
 import os
+import stat
 import tempfile
 import unittest
+from unittest import mock
 
 from vmhost_fakes import load_engine
 
@@ -584,6 +587,63 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(sorted(os.listdir(self.tmp.name)), ["cache", "vms"])
         self.assertEqual(os.listdir(os.path.join(self.tmp.name, "cache")), ["vmhost_engine"])
         self.assertEqual(os.listdir(self.cache), ["state.json"])
+
+    def test_a_symlinked_vm_file_is_refused_and_others_apply(self):
+        secret = os.path.join(self.tmp.name, "secret.json")
+        with open(secret, "w") as f:
+            json.dump([entry("stolen")], f)
+        os.symlink(secret, os.path.join(self.dir, "hv2VMs"))
+        self.write("hv1", [entry("a")])
+        with self.assertLogs(eng.log, "ERROR") as logged:
+            out = self.engine().run_once()
+        self.assertEqual(out, {"hv1": "ok", "hv2": "failed"})
+        self.assertEqual(self.hosts["hv2"].vms, {"manual"}, "nothing was read through the link")
+        failed = {t: d for t, d in self.events if t.endswith("/_hypervisor/reconcile_failed")}
+        self.assertIn("is a symbolic link: refused", failed["vmhost/hv2/_hypervisor/reconcile_failed"]["error"])
+        self.assertTrue(any("symbolic link" in m for m in logged.output), logged.output)
+
+    def test_a_fifo_is_refused_without_blocking(self):
+        os.mkfifo(os.path.join(self.dir, "hv2VMs"))
+        self.write("hv1", [entry("a")])
+        self.assertEqual(self.engine().run_once(), {"hv1": "ok", "hv2": "failed"})
+        self.assertIn("not a regular file", self.events[-1][1]["error"] if self.events else "")
+
+    def test_state_file_is_written_atomically_and_synced(self):
+        self.write("hv1", [entry("a")])
+        engine = self.engine()
+        engine.run_once()
+        state = os.path.join(self.cache, "state.json")
+        with open(state) as f:
+            old = f.read()
+        # Every write fsyncs the temp file before the rename and the directory after it.
+        synced = []
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def fsync(fd):
+            synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+            real_fsync(fd)
+
+        def replace(src, dst):
+            synced.append("rename")
+            real_replace(src, dst)
+
+        with mock.patch.object(eng.os, "fsync", fsync), mock.patch.object(eng.os, "replace", replace):
+            self.write("hv1", [entry("a"), entry("b")])
+            engine.run_once()
+        self.assertEqual(synced, ["file", "rename", "dir"])
+        with open(state) as f:
+            new = f.read()
+        self.assertNotEqual(old, new)
+        # A write that fails before the rename (a full disk at fsync) leaves the old state whole
+        # and no temp file behind.
+        self.write("hv1", [entry("a"), entry("b"), entry("c")])
+        with mock.patch.object(eng.os, "fsync", side_effect=OSError(errno.ENOSPC, "No space left on device")):
+            with self.assertLogs(eng.log, "ERROR"):
+                engine.run_once()
+        with open(state) as f:
+            self.assertEqual(f.read(), new)
+        self.assertEqual(os.listdir(self.cache), ["state.json"])
+        self.assertEqual(stat.S_IMODE(os.stat(state).st_mode), 0o600)
 
     def test_ignores_other_files(self):
         self.write("hv1", [entry("a")])

@@ -22,6 +22,7 @@ Master config::
               sensor: {image: so-sensor.qcow2, disk_gib: 300}
 """
 
+import errno
 import hashlib
 import ipaddress
 import json
@@ -545,11 +546,32 @@ class Engine:
         return out
 
     def _save_state(self):
+        """Writes the state so that a crash or power loss leaves the old file or the new one,
+        never a torn or empty one: a temp file written and fsynced, renamed over the state
+        file, then the directory fsynced so the rename itself is on disk. The temp file is
+        removed when any step fails (the old state stays)."""
         os.makedirs(self.cachedir, mode=0o700, exist_ok=True)
-        tmp = self._state_path() + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.state, f, sort_keys=True, indent=1)
-        os.replace(tmp, self._state_path())
+        path = self._state_path()
+        tmp = path + ".tmp"
+        data = json.dumps(self.state, sort_keys=True, indent=1).encode("utf-8")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        dfd = os.open(self.cachedir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def _fire(self, hypervisor, vm, status, data):
         body = dict(data, hypervisor=hypervisor, vm=vm, status=status, source="vmhost_engine")
@@ -580,13 +602,26 @@ class Engine:
         return out
 
     def _read(self, path):
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise HypervisorFailure(f"{path} is not a regular file")
-        if st.st_size > MAX_FILE_BYTES:
-            raise HypervisorFailure(f"{path} is larger than {MAX_FILE_BYTES} bytes")
-        with open(path, "rb") as f:
+        """Opens ``path`` without following a symbolic link (O_NOFOLLOW; O_NONBLOCK so that a
+        FIFO cannot stall the engine) and checks what was opened (fstat), not what a path
+        named a moment before: a link swapped in cannot make the engine read another file."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise HypervisorFailure(
+                    f"{path} is a symbolic link: refused (VM files are read as regular files, never through a link)"
+                ) from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise HypervisorFailure(f"{path} is not a regular file")
+            if st.st_size > MAX_FILE_BYTES:
+                raise HypervisorFailure(f"{path} is larger than {MAX_FILE_BYTES} bytes")
             content = f.read(MAX_FILE_BYTES + 1)
+        if len(content) > MAX_FILE_BYTES:
+            raise HypervisorFailure(f"{path} is larger than {MAX_FILE_BYTES} bytes")
         return st, content
 
     def due(self, hypervisor, digest, now):
