@@ -171,15 +171,49 @@ pub fn requested_devices(spec: &VmSpec, hw: &crate::config::Hardware) -> Vec<Pci
     requested_devices_with_fields(spec, hw).into_iter().map(|(addr, _)| addr).collect()
 }
 
-/// Guest interfaces: names 1-15 of `[A-Za-z0-9._-]`, unique; a VLAN has a link and an id
-/// 1-4094; addresses `a.b.c.d/p`. The agent checks again (it never trusts the host either).
+/// Most `guest_interfaces` one spec may declare: the guest agent's own limit
+/// (`guest-agent/src/apply.rs`, `MAX_INTERFACES`), so a spec the daemon records is one the agent
+/// can apply, and a record cannot grow without bound.
+pub const MAX_GUEST_INTERFACES: usize = 64;
+
+/// Longest interface name the kernel accepts, in bytes (IFNAMSIZ - 1).
+pub const MAX_IFNAME: usize = 15;
+
+/// Why `link` cannot name the guest interface a VLAN sits on, if it cannot: the guest agent's
+/// rules for an interface name (`name_problem` in guest-agent/src/apply.rs, which are the
+/// kernel's: 1-15 bytes, not `.` or `..`, no `/`, `:`, `%`, NUL or whitespace), plus no control
+/// character (guest text is shown in logs and tables) and not `lo`, which the agent refuses as a
+/// VLAN's link.
+fn link_problem(link: &str) -> Option<&'static str> {
+    if link.is_empty() {
+        Some("is empty")
+    } else if link.len() > MAX_IFNAME {
+        Some("is longer than 15 bytes")
+    } else if link == "." || link == ".." || link == "lo" {
+        Some("is reserved")
+    } else if link.contains(['/', ':', '%']) || link.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        Some("contains '/', ':', '%', whitespace or a control character")
+    } else {
+        None
+    }
+}
+
+/// Guest interfaces: at most [`MAX_GUEST_INTERFACES`]; names 1-15 of `[A-Za-z0-9._-]`, unique;
+/// a VLAN has a link (see [`link_problem`]) and an id 1-4094; addresses `a.b.c.d/p`. The agent
+/// checks again (it never trusts the host either).
 fn validate_guest_interfaces(spec: &VmSpec) -> Result<(), ApiError> {
+    if spec.guest_interfaces.len() > MAX_GUEST_INTERFACES {
+        return Err(ApiError::invalid(
+            "spec.guest_interfaces",
+            format!("{} interfaces; at most {MAX_GUEST_INTERFACES} are allowed", spec.guest_interfaces.len()),
+        ));
+    }
     let mut names = HashSet::new();
     let mut vlans = HashSet::new();
     for (i, g) in spec.guest_interfaces.iter().enumerate() {
         let f = |k: &str| format!("spec.guest_interfaces[{i}].{k}");
         let name_ok = !g.name.is_empty()
-            && g.name.len() <= 15
+            && g.name.len() <= MAX_IFNAME
             && g.name != "lo"
             && g.name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
         if !name_ok || !names.insert(g.name.clone()) {
@@ -187,6 +221,10 @@ fn validate_guest_interfaces(spec: &VmSpec) -> Result<(), ApiError> {
         }
         match (&g.link, g.vlan_id) {
             (Some(link), Some(v)) => {
+                if let Some(problem) = link_problem(link) {
+                    // Debug formatting: the refused text may hold control characters.
+                    return Err(ApiError::invalid(f("link"), format!("interface name {link:?} {problem}")));
+                }
                 if !(1..=4094).contains(&v) {
                     return Err(ApiError::invalid(f("vlan_id"), format!("VLAN {v} is outside 1-4094")));
                 }
@@ -465,6 +503,44 @@ reserved_memory_gib = 4
         assert_eq!(validate_spec(&s, &c).unwrap_err().field.as_deref(), Some("spec.pci[0]"));
         s.hardware.sfp = vec![];
         assert_eq!(requested_devices(&s, &c.hardware), vec![PciAddress::parse("0000:ca:00.0").unwrap()]);
+    }
+
+    fn vlan(name: &str, link: &str, vlan_id: u16) -> vmhost_agent_protocol::DesiredInterface<u16> {
+        vmhost_agent_protocol::DesiredInterface {
+            name: name.into(),
+            link: Some(link.into()),
+            vlan_id: Some(vlan_id),
+            address: format!("10.0.{vlan_id}.2/24"),
+        }
+    }
+
+    #[test]
+    fn guest_interface_links_follow_the_agents_name_rules() {
+        let mut s = spec("a");
+        s.guest_interfaces = vec![vlan("v1", "eth0", 1), vlan("v2", "enp0s3.x-y_1", 2), vlan("v3", &"e".repeat(15), 3)];
+        assert!(validate_spec(&s, &config()).is_ok());
+        let long = "e".repeat(16);
+        let bad = ["", &long, "lo", ".", "..", "eth/0", "eth:0", "eth%d", "eth 0", "eth\n0", "e\u{1b}[2J", "eth0\0"];
+        for link in bad {
+            s.guest_interfaces = vec![vlan("v1", "eth0", 1), vlan("v2", "eth0", 2), vlan("v3", link, 3)];
+            let e = validate_spec(&s, &config()).unwrap_err();
+            assert_eq!(
+                (e.code.as_i32(), e.field.as_deref()),
+                (2001, Some("spec.guest_interfaces[2].link")),
+                "{link:?}"
+            );
+            assert!(!e.message.contains('\u{1b}') && !e.message.contains('\n'), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn guest_interfaces_are_at_most_64() {
+        let mut s = spec("a");
+        s.guest_interfaces = (1..=MAX_GUEST_INTERFACES as u16).map(|v| vlan(&format!("v{v}"), "eth0", v)).collect();
+        assert!(validate_spec(&s, &config()).is_ok());
+        s.guest_interfaces.push(vlan("v65", "eth0", 65));
+        let e = validate_spec(&s, &config()).unwrap_err();
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.guest_interfaces")));
     }
 
     #[test]

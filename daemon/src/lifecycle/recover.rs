@@ -2,8 +2,8 @@
 //! (watching each VM's exit is [`super::exits`]).
 //!
 //! [`Manager::recover_all`] runs once from `Manager::open`, before the socket is served. What
-//! a record says is checked against /proc (pid, start time and command line, see
-//! [`crate::process::matches`]); the kernel's view wins.
+//! a record says is checked against /proc (pid, start time, command line, user and executable,
+//! see [`crate::qemu::identity`]); the kernel's view wins.
 
 use super::Manager;
 use crate::api::{ApiError, Code, VmStatus};
