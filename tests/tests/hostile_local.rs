@@ -139,7 +139,11 @@ fn a_fake_qemu_is_ignored_by_create_and_start() {
     wait_boots(&host, "alpha", 1);
     let log = plain_log(&host.daemon_log());
     assert!(!log.contains("adopting it"), "create adopted a fake:\n{log}");
-    assert!(log.contains("not its QEMU"), "the fakes were not reported:\n{log}");
+    // Each fake is reported with the rule it breaks: another user; qemu.user's own processes
+    // (sleep and a real QEMU binary) were not started by the daemon's spawner.
+    let nobody = ids("nobody").0;
+    assert!(log.contains(&format!("runs as uid {nobody}")), "the fake of nobody was not reported:\n{log}");
+    assert!(log.matches("but its parent is pid").count() >= 2, "qemu.user's fakes were not reported:\n{log}");
 
     host.call("vm.stop", json!({ "name": "alpha", "timeout_s": 30 }));
     assert!(!alive(pid));
@@ -185,6 +189,10 @@ fn recovery_does_not_adopt_a_fake_and_still_adopts_the_real_qemu() {
 
     let v = host.call("vm.get", json!({ "name": "gone" }));
     assert_eq!(v["status"], "dead", "recovery adopted a fake: {v}");
+    // Started before this daemon, qemu.user's sleep is judged by its executable.
+    let log = plain_log(&host.daemon_log());
+    assert!(log.contains("executes \"/usr/bin/sleep\", not qemu.binary"), "{log}");
+    assert!(log.contains(&format!("runs as uid {}", ids("nobody").0)), "{log}");
     assert_eq!(v["pid"], Value::Null);
     for f in &fakes {
         assert!(alive(f.pid()), "{} was killed", f.what);
