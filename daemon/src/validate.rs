@@ -114,6 +114,12 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
     }
     validate_raw_pci(spec, config)?;
     let boot = validate_boot(spec)?;
+    if let BootSource::Kernel { kernel, initrd, .. } = &boot {
+        check_boot_dir("spec.boot.kernel", kernel, config)?;
+        if let Some(initrd) = initrd {
+            check_boot_dir("spec.boot.initrd", initrd, config)?;
+        }
+    }
     crate::nic::validate_nics(spec, config)?;
     validate_guest_interfaces(spec)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
@@ -293,6 +299,22 @@ fn is_plain_file_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-+".contains(c))
 }
 
+/// A kernel or initrd must be in one of the boot directories (`paths.boot`): a lexical check,
+/// before any file is touched, so that vmhostd does not tell a client whether a file elsewhere
+/// exists. The open beneath that directory ([`crate::qemu::boot_files::open_under`]) refuses a
+/// symlink that leads out of it.
+fn check_boot_dir(field: &str, p: &Path, config: &Config) -> Result<(), ApiError> {
+    let dirs = config.paths.boot_dirs();
+    if crate::qemu::boot_files::boot_dir_of(&dirs, p).is_some() {
+        return Ok(());
+    }
+    let listed: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    Err(ApiError::invalid(
+        field,
+        format!("{:?} is not in a boot directory (paths.boot: {})", p.display().to_string(), listed.join(", ")),
+    ))
+}
+
 fn check_abs_path(field: &str, p: &Path) -> Result<(), ApiError> {
     let text = p.to_string_lossy();
     if !p.is_absolute() {
@@ -319,6 +341,8 @@ pub(crate) mod tests {
     pub(crate) fn config() -> Config {
         Config::parse(
             r#"
+[paths]
+boot = ["/boot", "/var/lib/vmhost/images"]
 [qemu]
 accel = "tcg"
 [hardware]
@@ -482,6 +506,39 @@ reserved_memory_gib = 4
         assert_eq!(err(&s), (2001, "spec.boot.cmdline".into()));
         s.boot.cmdline = Some("x".repeat(MAX_CMDLINE + 1));
         assert_eq!(err(&s), (2001, "spec.boot.cmdline".into()));
+    }
+
+    #[test]
+    fn kernels_and_initrds_must_be_in_a_boot_directory() {
+        for (kernel, initrd, field) in [
+            ("/etc/shadow", None, "spec.boot.kernel"),
+            ("/bootx/vmlinuz", None, "spec.boot.kernel"),
+            ("/boot", None, "spec.boot.kernel"),
+            ("/boot/vmlinuz", Some("/root/initrd.img"), "spec.boot.initrd"),
+            ("/boot/vmlinuz", Some("/var/lib/vmhost/imagesx/i"), "spec.boot.initrd"),
+        ] {
+            let mut s = spec("a");
+            s.boot.kernel = Some(kernel.into());
+            s.boot.initrd = initrd.map(Into::into);
+            let e = validate_spec(&s, &config()).unwrap_err();
+            assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some(field)), "{kernel} {initrd:?}");
+            assert!(e.message.contains("paths.boot"), "{}", e.message);
+        }
+        let mut s = spec("a");
+        s.boot.kernel = Some("/boot/sub/vmlinuz".into());
+        s.boot.initrd = Some("/var/lib/vmhost/images/initrd.img".into());
+        assert!(validate_spec(&s, &config()).is_ok());
+        // Without paths.boot: the images directory and /var/lib/vmhost/boot.
+        let mut c = config();
+        c.paths.boot = None;
+        assert_eq!(err_with(&s, &c), (2001, "spec.boot.kernel".into()));
+        s.boot.kernel = Some("/var/lib/vmhost/boot/vmlinuz".into());
+        assert!(validate_spec(&s, &c).is_ok());
+    }
+
+    fn err_with(s: &VmSpec, c: &Config) -> (i32, String) {
+        let e = validate_spec(s, c).unwrap_err();
+        (e.code.as_i32(), e.field.unwrap_or_default())
     }
 
     #[test]

@@ -42,8 +42,13 @@ fn provisioning(step: &str, message: String) -> ApiError {
 
 /// Opens (with `copy`: copies, see [`crate::qemu::boot_files`]) the kernel or initrd that spec
 /// field `field` names. Whatever stops it is the spec's problem: 2001 naming the field.
-async fn boot_file(field: &str, path: &std::path::Path, copy: bool) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
-    crate::sandbox::spawn::boot_file(path, copy).await.map_err(|e| {
+async fn boot_file(
+    dirs: &[std::path::PathBuf],
+    field: &str,
+    path: &std::path::Path,
+    copy: bool,
+) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
+    crate::sandbox::spawn::boot_file(dirs, path, copy).await.map_err(|e| {
         let why = match e.kind() {
             std::io::ErrorKind::NotFound => format!("{} does not exist", path.display()),
             std::io::ErrorKind::PermissionDenied => format!("vmhostd cannot read {}: {e}", path.display()),
@@ -68,9 +73,10 @@ impl Manager {
                 }
             }
             BootSource::Kernel { kernel, initrd, .. } => {
-                boot_file("spec.boot.kernel", kernel, false).await?;
+                let dirs = self.config.paths.boot_dirs();
+                boot_file(&dirs, "spec.boot.kernel", kernel, false).await?;
                 if let Some(i) = initrd {
-                    boot_file("spec.boot.initrd", i, false).await?;
+                    boot_file(&dirs, "spec.boot.initrd", i, false).await?;
                 }
             }
         }
@@ -362,7 +368,7 @@ impl Manager {
                         (PassedFd::Initrd, None) => continue,
                         _ => ("spec.boot.kernel", kernel),
                     };
-                    let copied = boot_file(field, path, true).await?;
+                    let copied = boot_file(&self.config.paths.boot_dirs(), field, path, true).await?;
                     copied.ok_or_else(|| provisioning("qemu_files", format!("no copy of {}", path.display())))?
                 }
             };
