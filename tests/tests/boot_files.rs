@@ -157,10 +157,16 @@ fn boot_files_outside_the_boot_directories_are_refused() {
     refused(&host, "nofile", json!({"kernel": "/etc/no-such-file"}), "spec.boot.kernel", says);
     refused(&host, "outi", json!({"kernel": g.kernel, "initrd": "/etc/shadow"}), "spec.boot.initrd", says);
     // The same answer for a file that exists and one that does not: no oracle.
-    let (_, a) = host.call_err("vm.create", json!({"spec": {"name": "x", "cpu": 1, "memory_mib": 128,
-        "boot": {"kernel": "/etc/passwd"}}}));
-    let (_, b) = host.call_err("vm.create", json!({"spec": {"name": "x", "cpu": 1, "memory_mib": 128,
-        "boot": {"kernel": "/etc/passwd-no-such"}}}));
+    let (_, a) = host.call_err(
+        "vm.create",
+        json!({"spec": {"name": "x", "cpu": 1, "memory_mib": 128,
+        "boot": {"kernel": "/etc/passwd"}}}),
+    );
+    let (_, b) = host.call_err(
+        "vm.create",
+        json!({"spec": {"name": "x", "cpu": 1, "memory_mib": 128,
+        "boot": {"kernel": "/etc/passwd-no-such"}}}),
+    );
     assert_eq!(a.message, b.message.replace("passwd-no-such", "passwd"));
 
     // A dry run plans the same refusal.
