@@ -209,15 +209,19 @@ fn remembered() -> &'static Remembered {
 }
 
 /// Reads `/proc/PID/exe` below an open `/proc/PID` directory. `Ok(None)` when the process has
-/// no executable (a kernel thread) or it may not be read (another user's process, without ptrace
-/// access).
+/// no executable (a kernel thread), has exited, or its executable may not be read (another
+/// user's process, without ptrace access).
 fn read_executable(dir: &OwnedFd) -> io::Result<Option<Executable>> {
     let meta = nix::sys::stat::fstatat(dir, "exe", nix::fcntl::AtFlags::empty());
     let link = nix::fcntl::readlinkat(dir, "exe");
     match (meta, link) {
         (Ok(st), Ok(link)) => Ok(Some(Executable { dev: st.st_dev, ino: st.st_ino, link })),
         (Err(e), _) | (_, Err(e)) => match e {
-            nix::errno::Errno::EACCES | nix::errno::Errno::EPERM | nix::errno::Errno::ENOENT => Ok(None),
+            // ESRCH: it exited meanwhile; its other facts say so (or it is judged as it was).
+            nix::errno::Errno::EACCES
+            | nix::errno::Errno::EPERM
+            | nix::errno::Errno::ENOENT
+            | nix::errno::Errno::ESRCH => Ok(None),
             e => Err(io::Error::from(e)),
         },
     }
