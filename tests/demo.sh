@@ -18,6 +18,7 @@ state = "$dir/state"
 run = "$dir/run"
 images = "$dir/images"
 socket = "$dir/vmhostd.sock"
+boot = ["$root/target/guest"]   # the only directory the demo VM's kernel and initrd may come from
 [qemu]
 accel = "tcg"   # this machine has no usable KVM; the product default is kvm
 user = "vmhost-test-qemu"   # QEMU's unprivileged user, created by tests/setup.sh

@@ -126,6 +126,20 @@ pub struct Paths {
     pub images: PathBuf,
     /// The API socket.
     pub socket: PathBuf,
+    /// Directories a direct-kernel VM's `boot.kernel` and `boot.initrd` may be in; unset: the
+    /// images directory and [`DEFAULT_BOOT_DIR`] (see [`Paths::boot_dirs`]).
+    pub boot: Option<Vec<PathBuf>>,
+}
+
+/// The boot directory besides the images directory when `paths.boot` is not set.
+pub const DEFAULT_BOOT_DIR: &str = "/var/lib/vmhost/boot";
+
+impl Paths {
+    /// The directories kernels and initrds may be in: `paths.boot`, or by default the images
+    /// directory and [`DEFAULT_BOOT_DIR`].
+    pub fn boot_dirs(&self) -> Vec<PathBuf> {
+        self.boot.clone().unwrap_or_else(|| vec![self.images.clone(), DEFAULT_BOOT_DIR.into()])
+    }
 }
 
 impl Default for Paths {
@@ -135,6 +149,7 @@ impl Default for Paths {
             run: "/run/vmhost".into(),
             images: "/var/lib/vmhost/images".into(),
             socket: "/run/vmhost/vmhostd.sock".into(),
+            boot: None,
         }
     }
 }
@@ -440,6 +455,16 @@ impl Config {
         ] {
             if !p.is_absolute() {
                 return Err(key_err(key, format!("{} is not an absolute path", p.display())));
+            }
+        }
+        for (i, dir) in raw.paths.boot.iter().flatten().enumerate() {
+            // The same rule as a spec's boot paths: the directory check is lexical.
+            let text = dir.to_string_lossy();
+            if !dir.is_absolute() || text.split('/').any(|c| c == "." || c == "..") {
+                return Err(key_err(
+                    &format!("paths.boot[{i}]"),
+                    format!("{text:?} is not an absolute path without . or .. components"),
+                ));
             }
         }
         let socket_len = raw.paths.socket.as_os_str().len();
@@ -831,6 +856,21 @@ reserved_memory_gib = 8
                 assert!(problem.contains("no user \"no-such-user-here\""), "{problem}");
             }
             other => panic!("expected a qemu.user error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn boot_dirs_default_to_the_images_dir_and_can_be_set() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(&format!("[paths]\nimages = \"/srv/images\"\n{hw}")).unwrap();
+        assert_eq!(c.paths.boot_dirs(), vec![PathBuf::from("/srv/images"), PathBuf::from(DEFAULT_BOOT_DIR)]);
+        let c = parse(&format!("[paths]\nboot = [\"/srv/kernels\", \"/boot\"]\n{hw}")).unwrap();
+        assert_eq!(c.paths.boot_dirs(), vec![PathBuf::from("/srv/kernels"), PathBuf::from("/boot")]);
+        let c = parse(&format!("[paths]\nboot = []\n{hw}")).unwrap();
+        assert!(c.paths.boot_dirs().is_empty(), "an empty list allows no direct-kernel boot");
+        for bad in ["kernels", "/srv/../etc", "/srv/./k"] {
+            let (key, _) = key_error(&format!("[paths]\nboot = [\"/ok\", \"{bad}\"]\n{hw}"));
+            assert_eq!(key, "paths.boot[1]", "{bad}");
         }
     }
 

@@ -427,7 +427,7 @@ mod tests {
     #[test]
     fn address_conflicts_across_the_set_are_found() {
         let c = crate::config::Config::parse(
-            "[hardware]\ncpu = 8\nmemory_gib = 16\n[networks.lan]\nbridge = \"br0\"\nsubnet = \"10.0.0.0/24\"\n",
+            "[paths]\nboot = [\"/boot\"]\n[hardware]\ncpu = 8\nmemory_gib = 16\n[networks.lan]\nbridge = \"br0\"\nsubnet = \"10.0.0.0/24\"\n",
             std::path::Path::new("t.toml"),
         )
         .unwrap();

@@ -114,6 +114,12 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
     }
     validate_raw_pci(spec, config)?;
     let boot = validate_boot(spec)?;
+    if let BootSource::Kernel { kernel, initrd, .. } = &boot {
+        check_boot_dir("spec.boot.kernel", kernel, config)?;
+        if let Some(initrd) = initrd {
+            check_boot_dir("spec.boot.initrd", initrd, config)?;
+        }
+    }
     crate::nic::validate_nics(spec, config)?;
     validate_guest_interfaces(spec)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
@@ -171,15 +177,49 @@ pub fn requested_devices(spec: &VmSpec, hw: &crate::config::Hardware) -> Vec<Pci
     requested_devices_with_fields(spec, hw).into_iter().map(|(addr, _)| addr).collect()
 }
 
-/// Guest interfaces: names 1-15 of `[A-Za-z0-9._-]`, unique; a VLAN has a link and an id
-/// 1-4094; addresses `a.b.c.d/p`. The agent checks again (it never trusts the host either).
+/// Most `guest_interfaces` one spec may declare: the guest agent's own limit
+/// (`guest-agent/src/apply.rs`, `MAX_INTERFACES`), so a spec the daemon records is one the agent
+/// can apply, and a record cannot grow without bound.
+pub const MAX_GUEST_INTERFACES: usize = 64;
+
+/// Longest interface name the kernel accepts, in bytes (IFNAMSIZ - 1).
+pub const MAX_IFNAME: usize = 15;
+
+/// Why `link` cannot name the guest interface a VLAN sits on, if it cannot: the guest agent's
+/// rules for an interface name (`name_problem` in guest-agent/src/apply.rs, which are the
+/// kernel's: 1-15 bytes, not `.` or `..`, no `/`, `:`, `%`, NUL or whitespace), plus no control
+/// character (guest text is shown in logs and tables) and not `lo`, which the agent refuses as a
+/// VLAN's link.
+fn link_problem(link: &str) -> Option<&'static str> {
+    if link.is_empty() {
+        Some("is empty")
+    } else if link.len() > MAX_IFNAME {
+        Some("is longer than 15 bytes")
+    } else if link == "." || link == ".." || link == "lo" {
+        Some("is reserved")
+    } else if link.contains(['/', ':', '%']) || link.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        Some("contains '/', ':', '%', whitespace or a control character")
+    } else {
+        None
+    }
+}
+
+/// Guest interfaces: at most [`MAX_GUEST_INTERFACES`]; names 1-15 of `[A-Za-z0-9._-]`, unique;
+/// a VLAN has a link (see [`link_problem`]) and an id 1-4094; addresses `a.b.c.d/p`. The agent
+/// checks again (it never trusts the host either).
 fn validate_guest_interfaces(spec: &VmSpec) -> Result<(), ApiError> {
+    if spec.guest_interfaces.len() > MAX_GUEST_INTERFACES {
+        return Err(ApiError::invalid(
+            "spec.guest_interfaces",
+            format!("{} interfaces; at most {MAX_GUEST_INTERFACES} are allowed", spec.guest_interfaces.len()),
+        ));
+    }
     let mut names = HashSet::new();
     let mut vlans = HashSet::new();
     for (i, g) in spec.guest_interfaces.iter().enumerate() {
         let f = |k: &str| format!("spec.guest_interfaces[{i}].{k}");
         let name_ok = !g.name.is_empty()
-            && g.name.len() <= 15
+            && g.name.len() <= MAX_IFNAME
             && g.name != "lo"
             && g.name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
         if !name_ok || !names.insert(g.name.clone()) {
@@ -187,6 +227,10 @@ fn validate_guest_interfaces(spec: &VmSpec) -> Result<(), ApiError> {
         }
         match (&g.link, g.vlan_id) {
             (Some(link), Some(v)) => {
+                if let Some(problem) = link_problem(link) {
+                    // Debug formatting: the refused text may hold control characters.
+                    return Err(ApiError::invalid(f("link"), format!("interface name {link:?} {problem}")));
+                }
                 if !(1..=4094).contains(&v) {
                     return Err(ApiError::invalid(f("vlan_id"), format!("VLAN {v} is outside 1-4094")));
                 }
@@ -255,6 +299,22 @@ fn is_plain_file_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-+".contains(c))
 }
 
+/// A kernel or initrd must be in one of the boot directories (`paths.boot`): a lexical check,
+/// before any file is touched, so that vmhostd does not tell a client whether a file elsewhere
+/// exists. The open beneath that directory ([`crate::qemu::boot_files::open_under`]) refuses a
+/// symlink that leads out of it.
+fn check_boot_dir(field: &str, p: &Path, config: &Config) -> Result<(), ApiError> {
+    let dirs = config.paths.boot_dirs();
+    if crate::qemu::boot_files::boot_dir_of(&dirs, p).is_some() {
+        return Ok(());
+    }
+    let listed: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    Err(ApiError::invalid(
+        field,
+        format!("{:?} is not in a boot directory (paths.boot: {})", p.display().to_string(), listed.join(", ")),
+    ))
+}
+
 fn check_abs_path(field: &str, p: &Path) -> Result<(), ApiError> {
     let text = p.to_string_lossy();
     if !p.is_absolute() {
@@ -281,6 +341,8 @@ pub(crate) mod tests {
     pub(crate) fn config() -> Config {
         Config::parse(
             r#"
+[paths]
+boot = ["/boot", "/var/lib/vmhost/images"]
 [qemu]
 accel = "tcg"
 [hardware]
@@ -447,6 +509,39 @@ reserved_memory_gib = 4
     }
 
     #[test]
+    fn kernels_and_initrds_must_be_in_a_boot_directory() {
+        for (kernel, initrd, field) in [
+            ("/etc/shadow", None, "spec.boot.kernel"),
+            ("/bootx/vmlinuz", None, "spec.boot.kernel"),
+            ("/boot", None, "spec.boot.kernel"),
+            ("/boot/vmlinuz", Some("/root/initrd.img"), "spec.boot.initrd"),
+            ("/boot/vmlinuz", Some("/var/lib/vmhost/imagesx/i"), "spec.boot.initrd"),
+        ] {
+            let mut s = spec("a");
+            s.boot.kernel = Some(kernel.into());
+            s.boot.initrd = initrd.map(Into::into);
+            let e = validate_spec(&s, &config()).unwrap_err();
+            assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some(field)), "{kernel} {initrd:?}");
+            assert!(e.message.contains("paths.boot"), "{}", e.message);
+        }
+        let mut s = spec("a");
+        s.boot.kernel = Some("/boot/sub/vmlinuz".into());
+        s.boot.initrd = Some("/var/lib/vmhost/images/initrd.img".into());
+        assert!(validate_spec(&s, &config()).is_ok());
+        // Without paths.boot: the images directory and /var/lib/vmhost/boot.
+        let mut c = config();
+        c.paths.boot = None;
+        assert_eq!(err_with(&s, &c), (2001, "spec.boot.kernel".into()));
+        s.boot.kernel = Some("/var/lib/vmhost/boot/vmlinuz".into());
+        assert!(validate_spec(&s, &c).is_ok());
+    }
+
+    fn err_with(s: &VmSpec, c: &Config) -> (i32, String) {
+        let e = validate_spec(s, c).unwrap_err();
+        (e.code.as_i32(), e.field.unwrap_or_default())
+    }
+
+    #[test]
     fn raw_pci_needs_the_host_switch_and_valid_addresses() {
         let mut s = spec("a");
         s.pci = vec!["0000:d0:00.0".into()];
@@ -465,6 +560,44 @@ reserved_memory_gib = 4
         assert_eq!(validate_spec(&s, &c).unwrap_err().field.as_deref(), Some("spec.pci[0]"));
         s.hardware.sfp = vec![];
         assert_eq!(requested_devices(&s, &c.hardware), vec![PciAddress::parse("0000:ca:00.0").unwrap()]);
+    }
+
+    fn vlan(name: &str, link: &str, vlan_id: u16) -> vmhost_agent_protocol::DesiredInterface<u16> {
+        vmhost_agent_protocol::DesiredInterface {
+            name: name.into(),
+            link: Some(link.into()),
+            vlan_id: Some(vlan_id),
+            address: format!("10.0.{vlan_id}.2/24"),
+        }
+    }
+
+    #[test]
+    fn guest_interface_links_follow_the_agents_name_rules() {
+        let mut s = spec("a");
+        s.guest_interfaces = vec![vlan("v1", "eth0", 1), vlan("v2", "enp0s3.x-y_1", 2), vlan("v3", &"e".repeat(15), 3)];
+        assert!(validate_spec(&s, &config()).is_ok());
+        let long = "e".repeat(16);
+        let bad = ["", &long, "lo", ".", "..", "eth/0", "eth:0", "eth%d", "eth 0", "eth\n0", "e\u{1b}[2J", "eth0\0"];
+        for link in bad {
+            s.guest_interfaces = vec![vlan("v1", "eth0", 1), vlan("v2", "eth0", 2), vlan("v3", link, 3)];
+            let e = validate_spec(&s, &config()).unwrap_err();
+            assert_eq!(
+                (e.code.as_i32(), e.field.as_deref()),
+                (2001, Some("spec.guest_interfaces[2].link")),
+                "{link:?}"
+            );
+            assert!(!e.message.contains('\u{1b}') && !e.message.contains('\n'), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn guest_interfaces_are_at_most_64() {
+        let mut s = spec("a");
+        s.guest_interfaces = (1..=MAX_GUEST_INTERFACES as u16).map(|v| vlan(&format!("v{v}"), "eth0", v)).collect();
+        assert!(validate_spec(&s, &config()).is_ok());
+        s.guest_interfaces.push(vlan("v65", "eth0", 65));
+        let e = validate_spec(&s, &config()).unwrap_err();
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.guest_interfaces")));
     }
 
     #[test]

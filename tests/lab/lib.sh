@@ -102,6 +102,7 @@ state = "$LAB_STATE"
 run = "$LAB_RUN"
 images = "$LAB_IMAGES"
 socket = "$LAB_SOCKET"
+boot = ["$LAB_IMAGES", "$(dirname "$LAB_GUEST_KERNEL")", "$(dirname "$LAB_GUEST_INITRD")"]   # kernels and initrds VMs may boot
 [qemu]
 binary = "/usr/bin/qemu-system-x86_64"
 img_binary = "/usr/bin/qemu-img"

@@ -127,6 +127,15 @@ pub fn build_debs() -> Vec<String> {
     debs
 }
 
+/// The `paths.boot` list of a test host: its images dir, the test guest's dir (`target/guest`,
+/// where [`guest`] builds) and `extra`, as a TOML array.
+pub fn boot_dirs_toml(images: &Path, extra: &[PathBuf]) -> String {
+    let mut dirs = vec![images.to_path_buf(), workspace().join("target/guest")];
+    dirs.extend(extra.iter().cloned());
+    let quoted: Vec<String> = dirs.iter().map(|d| format!("{:?}", d.display().to_string())).collect();
+    format!("[{}]", quoted.join(", "))
+}
+
 /// A vmhostd running in a temp dir.
 pub struct TestHost {
     /// Temp dir holding config, state, run and images.
@@ -168,6 +177,9 @@ pub struct HostOptions {
     pub accel: String,
     /// `qemu.cpu_model`, empty for the default.
     pub cpu_model: String,
+    /// Boot directories (`paths.boot`) besides the host's images dir and the test guest's
+    /// `target/guest`, for tests that boot kernels from elsewhere.
+    pub boot_dirs: Vec<PathBuf>,
 }
 
 impl Default for HostOptions {
@@ -184,6 +196,7 @@ impl Default for HostOptions {
             env: Vec::new(),
             accel: "tcg".into(),
             cpu_model: String::new(),
+            boot_dirs: Vec::new(),
         }
     }
 }
@@ -206,6 +219,7 @@ state = "{state}"
 run = "{run}"
 images = "{images}"
 socket = "{socket}"
+boot = {boot}
 [qemu]
 accel = "{accel}"
 cpu_model = "{cpu_model}"
@@ -227,6 +241,7 @@ reserved_memory_gib = 1
             run = d.join("run").display(),
             images = d.join("images").display(),
             socket = socket.display(),
+            boot = boot_dirs_toml(&d.join("images"), &opts.boot_dirs),
             machine = opts.machine,
             accel = opts.accel,
             cpu_model = opts.cpu_model,

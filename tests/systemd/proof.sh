@@ -44,6 +44,8 @@ check sandbox-in-force sh -c 'vmhostctl check 2>&1 | grep -Eq "^sandbox +ok "'
 # KVM does not work here (ENVIRONMENT.md): the packaged config's accel must be edited, as an
 # operator on such a host would.
 sed -i 's/^accel = .*/accel = "tcg"/' /etc/vmhost/vmhostd.toml
+# The test guest's kernel and initrd are in /proof: a boot directory of this host (paths.boot).
+sed -i 's|^# boot = .*|boot = ["/proof"]|' /etc/vmhost/vmhostd.toml
 # A network, so the VM's NIC proves taps under the unit's device policy (the container has a
 # network namespace of its own).
 cat >>/etc/vmhost/vmhostd.toml <<'EOF'

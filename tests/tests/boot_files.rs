@@ -46,7 +46,7 @@ fn private_kernel_and_initrd_boot_as_sealed_copies() {
     let kernel_bytes = fs::read(&kernel).unwrap();
     let initrd_bytes = fs::read(&initrd).unwrap();
 
-    let host = TestHost::start(HostOptions::default());
+    let host = TestHost::start(HostOptions { boot_dirs: vec![private.path().to_path_buf()], ..HostOptions::default() });
     let spec = json!({"name": "private", "cpu": 1, "memory_mib": 256,
         "boot": {"kernel": kernel, "initrd": initrd, "cmdline": "console=ttyS0 panic=-1 quiet"}});
     let vm = host.call("vm.create", json!({ "spec": spec }));
@@ -123,15 +123,70 @@ fn refused(host: &TestHost, name: &str, boot: Value, field: &str, says: &str) {
 #[test]
 fn unusable_boot_files_are_2001_before_anything_starts() {
     let g = guest();
-    let host = TestHost::start(HostOptions::default());
     let d = tempfile::tempdir().unwrap();
+    let host = TestHost::start(HostOptions { boot_dirs: vec![d.path().to_path_buf()], ..HostOptions::default() });
     let fifo = d.path().join("fifo");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
     let absent = d.path().join("absent");
     refused(&host, "nokernel", json!({"kernel": absent}), "spec.boot.kernel", "does not exist");
-    refused(&host, "dirkernel", json!({"kernel": d.path()}), "spec.boot.kernel", "is a directory");
+    fs::create_dir(d.path().join("sub")).unwrap();
+    refused(&host, "dirkernel", json!({"kernel": d.path().join("sub")}), "spec.boot.kernel", "is a directory");
     // A FIFO is refused at once, never read (a read would wait for a writer).
     refused(&host, "fifoinitrd", json!({"kernel": g.kernel, "initrd": fifo}), "spec.boot.initrd", "is a FIFO");
-    refused(&host, "devkernel", json!({"kernel": "/dev/zero"}), "spec.boot.kernel", "is a device");
+    let zero = d.path().join("zero");
+    let dev = nix::sys::stat::makedev(1, 5);
+    nix::sys::stat::mknod(&zero, nix::sys::stat::SFlag::S_IFCHR, nix::sys::stat::Mode::S_IRUSR, dev).unwrap();
+    refused(&host, "devkernel", json!({"kernel": zero}), "spec.boot.kernel", "is a device");
+    assert!(!fs::read_dir(host.state().join("disks")).map(|mut r| r.next().is_some()).unwrap_or(false));
+}
+
+/// `boot.kernel` and `boot.initrd` name files in the boot directories (`paths.boot`) only: a
+/// path elsewhere is a 2001 before any file is looked at (vmhostd is no existence oracle), in a
+/// dry run too, and a symlink in a boot directory that leads out of it is refused when opened.
+#[test]
+fn boot_files_outside_the_boot_directories_are_refused() {
+    let g = guest();
+    let host = TestHost::start(HostOptions::default());
+    // Root can read both, and the first is even a real kernel: the directory decides.
+    let outside = tempfile::Builder::new().prefix("vmhout").tempdir_in("/tmp").unwrap();
+    let kernel = outside.path().join("vmlinuz");
+    fs::copy(&g.kernel, &kernel).unwrap();
+    let says = "not in a boot directory";
+    refused(&host, "outk", json!({"kernel": kernel}), "spec.boot.kernel", says);
+    refused(&host, "shadow", json!({"kernel": "/etc/shadow"}), "spec.boot.kernel", says);
+    refused(&host, "nofile", json!({"kernel": "/etc/no-such-file"}), "spec.boot.kernel", says);
+    refused(&host, "outi", json!({"kernel": g.kernel, "initrd": "/etc/shadow"}), "spec.boot.initrd", says);
+    // The same answer for a file that exists and one that does not: no oracle.
+    let (_, a) = host.call_err(
+        "vm.create",
+        json!({"spec": {"name": "x", "cpu": 1, "memory_mib": 128,
+        "boot": {"kernel": "/etc/passwd"}}}),
+    );
+    let (_, b) = host.call_err(
+        "vm.create",
+        json!({"spec": {"name": "x", "cpu": 1, "memory_mib": 128,
+        "boot": {"kernel": "/etc/passwd-no-such"}}}),
+    );
+    assert_eq!(a.message, b.message.replace("passwd-no-such", "passwd"));
+
+    // A dry run plans the same refusal.
+    let spec = json!({"name": "dry", "cpu": 1, "memory_mib": 128, "boot": {"kernel": kernel}});
+    let report = host.call("host.reconcile", json!({"vms": [spec], "dry_run": true}));
+    let text = report.to_string();
+    assert!(text.contains("2001") && text.contains("spec.boot.kernel"), "{report}");
+    assert_eq!(host.call_err("vm.get", json!({"name": "dry"})).0, 4040);
+
+    // A symlink in the images directory (a boot directory) pointing out of it.
+    let link = host.images().join("escape");
+    std::os::unix::fs::symlink(&kernel, &link).unwrap();
+    refused(&host, "escape", json!({"kernel": link}), "spec.boot.kernel", "leads out of the boot directory");
+    // One that stays inside boots.
+    fs::copy(&g.kernel, host.images().join("vmlinuz-1")).unwrap();
+    std::os::unix::fs::symlink("vmlinuz-1", host.images().join("vmlinuz")).unwrap();
+    let spec = json!({"name": "inside", "cpu": 1, "memory_mib": 256,
+        "boot": {"kernel": host.images().join("vmlinuz"), "initrd": g.initrd, "cmdline": "console=ttyS0 panic=-1 quiet"}});
+    assert_eq!(host.call("vm.create", json!({ "spec": spec }))["vm"]["status"], "running");
+    assert!(host.wait_serial("inside", GUEST_READY, Duration::from_secs(90)), "guest did not reach userspace");
+    host.call("vm.destroy", json!({"name": "inside"}));
     assert!(!fs::read_dir(host.state().join("disks")).map(|mut r| r.next().is_some()).unwrap_or(false));
 }

@@ -99,7 +99,7 @@ fn packaged_units_run_a_vm_under_systemd() {
     fs::copy(&g.kernel, proof.join("vmlinuz")).unwrap();
     fs::copy(&g.initrd, proof.join("initrd")).unwrap();
     for f in ["vmlinuz", "initrd"] {
-        // QEMU runs as vmhost-qemu and opens the kernel and initrd by path.
+        // Readable by anyone (vmhostd hands QEMU sealed copies); /proof is paths.boot (proof.sh).
         fs::set_permissions(proof.join(f), fs::Permissions::from_mode(0o644)).unwrap();
     }
     fs::copy(workspace().join("tests/systemd/proof.sh"), proof.join("proof.sh")).unwrap();

@@ -61,6 +61,27 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Before the sandbox creates the state directory's subdirectories (with its umask): they
+    // are private (vmhost::state::dirs).
+    match vmhost::state::dirs::prepare(&config.paths.state) {
+        Ok(tightened) => {
+            for dir in tightened {
+                tracing::warn!(dir = %dir.display(), "tightened a state directory to mode 0700");
+            }
+        }
+        Err(e) => {
+            eprintln!("vmhostd: refusing to start: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    // Before the sandbox, which takes away reading other users' /proc/PID/exe: the executables
+    // of the QEMUs that outlived the previous daemon, so that only real ones are re-adopted
+    // (vmhost::qemu::identity).
+    let qemu_uid = config.qemu_user.map_or_else(|| nix::unistd::geteuid().as_raw(), |u| u.uid);
+    match vmhost::qemu::identity::remember_executables(qemu_uid) {
+        Ok(n) => tracing::debug!(processes = n, uid = qemu_uid, "remembered the executables of qemu.user's processes"),
+        Err(e) => tracing::warn!(error = %e, "cannot list /proc: no QEMU of a previous vmhostd will be re-adopted"),
+    }
     // Before the runtime: capabilities, Landlock and seccomp bind the calling thread and the
     // threads it creates afterwards (docs/sandbox.md). It keeps LISTEN_* and the inherited fds.
     if let Err(e) = vmhost::sandbox::enter(&config) {

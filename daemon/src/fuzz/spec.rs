@@ -14,8 +14,11 @@ use crate::validate::validate_spec;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// The host the specs are validated against: hardware classes and two networks.
+/// The host the specs are validated against: hardware classes, two networks, and `/boot` as its
+/// boot directory (the corpus's kernels are there).
 const HOST: &str = r#"
+[paths]
+boot = ["/boot"]
 [qemu]
 accel = "tcg"
 [hardware]

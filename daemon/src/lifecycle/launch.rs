@@ -9,11 +9,11 @@ use super::{last_error, Manager};
 use crate::api::{ApiError, Code, VmStatus};
 use crate::process::{self, ProcessIdentity};
 use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
+use crate::qemu::identity::{self, QemuCheck};
 use crate::qemu::launch::{launch, LaunchRequest};
 use crate::qemu::qmp::Qmp;
 use crate::validate::{BootSource, ValidSpec};
 use serde_json::json;
-use std::ffi::OsStr;
 use std::os::unix::fs::DirBuilderExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,8 +42,13 @@ fn provisioning(step: &str, message: String) -> ApiError {
 
 /// Opens (with `copy`: copies, see [`crate::qemu::boot_files`]) the kernel or initrd that spec
 /// field `field` names. Whatever stops it is the spec's problem: 2001 naming the field.
-async fn boot_file(field: &str, path: &std::path::Path, copy: bool) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
-    crate::sandbox::spawn::boot_file(path, copy).await.map_err(|e| {
+async fn boot_file(
+    dirs: &[std::path::PathBuf],
+    field: &str,
+    path: &std::path::Path,
+    copy: bool,
+) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
+    crate::sandbox::spawn::boot_file(dirs, path, copy).await.map_err(|e| {
         let why = match e.kind() {
             std::io::ErrorKind::NotFound => format!("{} does not exist", path.display()),
             std::io::ErrorKind::PermissionDenied => format!("vmhostd cannot read {}: {e}", path.display()),
@@ -68,9 +73,10 @@ impl Manager {
                 }
             }
             BootSource::Kernel { kernel, initrd, .. } => {
-                boot_file("spec.boot.kernel", kernel, false).await?;
+                let dirs = self.config.paths.boot_dirs();
+                boot_file(&dirs, "spec.boot.kernel", kernel, false).await?;
                 if let Some(i) = initrd {
-                    boot_file("spec.boot.initrd", i, false).await?;
+                    boot_file(&dirs, "spec.boot.initrd", i, false).await?;
                 }
             }
         }
@@ -115,17 +121,30 @@ impl Manager {
         paths: &VmPaths,
         recorded: Option<&ProcessIdentity>,
     ) -> Result<Option<ProcessIdentity>, ApiError> {
-        let marker = paths.cmdline_marker();
-        let marker = OsStr::new(&marker);
         let unknown = |e: std::io::Error| {
             provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
         };
+        let check = self.qemu_check(paths).map_err(unknown)?;
         if let Some(id) = recorded {
-            if process::verify(id, marker).map_err(unknown)? {
+            if identity::verify(id, &check).map_err(unknown)?.is_ok() {
                 return Ok(Some(id.clone()));
             }
         }
-        process::find_by_marker(marker).map_err(unknown)
+        identity::find(&check).map_err(unknown)
+    }
+
+    /// What this VM's QEMU must be ([`identity`]): its marker, `qemu.user`'s uid (the daemon's
+    /// own when QEMU runs as root), `qemu.binary`, and the process that starts QEMUs now.
+    ///
+    /// # Errors
+    /// The spawner cannot be read in /proc.
+    pub(super) fn qemu_check(&self, paths: &VmPaths) -> std::io::Result<QemuCheck> {
+        Ok(QemuCheck {
+            marker: paths.cmdline_marker().into(),
+            uid: self.config.qemu_user.map_or_else(|| nix::unistd::geteuid().as_raw(), |u| u.uid),
+            binary: self.config.qemu.binary.clone(),
+            spawner: identity::spawner()?,
+        })
     }
 
     /// Launches QEMU for `vm`, records its identity, and checks over QMP that it runs.
@@ -349,7 +368,7 @@ impl Manager {
                         (PassedFd::Initrd, None) => continue,
                         _ => ("spec.boot.kernel", kernel),
                     };
-                    let copied = boot_file(field, path, true).await?;
+                    let copied = boot_file(&self.config.paths.boot_dirs(), field, path, true).await?;
                     copied.ok_or_else(|| provisioning("qemu_files", format!("no copy of {}", path.display())))?
                 }
             };
@@ -405,14 +424,19 @@ impl Manager {
     /// 4001 when the process may still run afterwards: the caller must then keep the record's
     /// process and run dir, or the VM could later be started a second time.
     pub(super) async fn kill_process(&self, name: &str, id: &ProcessIdentity) -> Result<(), ApiError> {
-        let marker = self.paths(name).cmdline_marker();
         let sig = nix::sys::signal::Signal::SIGKILL;
-        if let Err(e) = process::signal_if_matches(id, OsStr::new(&marker), sig) {
-            tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU");
+        let check = self.qemu_check(&self.paths(name));
+        match &check {
+            Ok(check) => {
+                if let Err(e) = identity::signal_if_qemu(id, check, sig) {
+                    tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU");
+                }
+            }
+            Err(e) => tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU"),
         }
         match tokio::time::timeout(KILL_WAIT, process::wait_exit_of(id)).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) if !process::matches(id, OsStr::new(&marker)) => {
+            Ok(Err(e)) if check.as_ref().is_ok_and(|c| !identity::is_qemu(id, c)) => {
                 tracing::debug!(vm = name, error = %e, "exit watch failed but the process is gone");
                 Ok(())
             }

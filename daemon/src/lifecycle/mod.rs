@@ -103,14 +103,12 @@ impl Manager {
     /// # Errors
     /// A message when the state or run directories cannot be created or listed.
     pub async fn open(config: Arc<Config>, events: EventBus) -> Result<Arc<Manager>, String> {
-        for dir in [
-            config.paths.state.clone(),
-            config.paths.state.join("disks"),
-            config.paths.state.join("logs"),
-            config.paths.state.join("seeds"),
-            config.paths.run.clone(),
-        ] {
+        for dir in [config.paths.state.clone(), config.paths.run.clone()] {
             std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
+        // The subdirectories name the VMs: 0700 (crate::state::dirs).
+        for dir in crate::state::dirs::prepare(&config.paths.state)? {
+            tracing::warn!(dir = %dir.display(), "tightened a state directory to mode 0700");
         }
         // Before anything is read or settled: a second daemon must not "recover" the first one's
         // operations in progress.
@@ -345,8 +343,9 @@ impl Manager {
         let mut pid = rec.process.as_ref().map(|p| p.pid);
         if status == VmStatus::Running {
             // An unreadable /proc is not proof of death: keep what the record says.
-            let alive = rec.process.as_ref().is_some_and(|p| {
-                crate::process::verify(p, std::ffi::OsStr::new(&paths.cmdline_marker())).unwrap_or(true)
+            let alive = rec.process.as_ref().is_some_and(|p| match self.qemu_check(&paths) {
+                Ok(check) => crate::qemu::identity::verify(p, &check).map_or(true, |v| v.is_ok()),
+                Err(_) => true,
             });
             if !alive {
                 status = VmStatus::Dead;

@@ -2,8 +2,8 @@
 //! (watching each VM's exit is [`super::exits`]).
 //!
 //! [`Manager::recover_all`] runs once from `Manager::open`, before the socket is served. What
-//! a record says is checked against /proc (pid, start time and command line, see
-//! [`crate::process::matches`]); the kernel's view wins.
+//! a record says is checked against /proc (pid, start time, command line, user and executable,
+//! see [`crate::qemu::identity`]); the kernel's view wins.
 
 use super::Manager;
 use crate::api::{ApiError, Code, VmStatus};
@@ -131,5 +131,93 @@ impl Manager {
         let _ = std::fs::remove_file(&paths.serial_log);
         let _ = std::fs::remove_file(&paths.qemu_log);
         self.forget(name, "destroyed (completed after restart)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pci::bind::Binding;
+    use crate::pci::fake::{addr, FakeDevice, FakeSysfs};
+    use crate::process::ProcessIdentity;
+    use crate::state::{Store, VmRecord};
+    use std::collections::{BTreeMap, HashSet};
+    use std::os::unix::process::CommandExt;
+    use std::sync::Mutex;
+
+    const NIC: &str = "0000:00:05.0";
+
+    /// A `sleep` whose argv[0] is `marker`, killed on drop.
+    struct Fake(std::process::Child);
+
+    impl Drop for Fake {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// The recovery a restarted daemon runs, on a record of a VM that was running with a device
+    /// passed through, whose QEMU died while no daemon ran, while a process that is not QEMU
+    /// carries the VM's marker (started by this test process, which plays the spawner here, as
+    /// root, which plays qemu.user: only its executable gives it away). The device goes back to
+    /// its driver and the VM is dead. Before the identity check, recovery took the fake for the
+    /// VM's QEMU, re-adopted it and kept the device on vfio-pci.
+    #[tokio::test]
+    async fn recovery_gives_passthrough_devices_back_despite_a_fake_qemu() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = crate::validate::tests::config();
+        config.paths.state = dir.path().join("state");
+        config.paths.run = dir.path().join("run");
+        crate::state::dirs::prepare(&config.paths.state).unwrap();
+        std::fs::create_dir_all(&config.paths.run).unwrap();
+
+        let sysfs = Arc::new(FakeSysfs::new());
+        sysfs.add_driver("e1000e", &[(0x8086, 0x10d3)]).add_driver(crate::pci::VFIO_PCI, &[]);
+        sysfs.add_device(FakeDevice::endpoint(NIC, 0x8086, 0x10d3, 0x020000, 7).driver(crate::pci::VFIO_PCI));
+
+        let store = Store::open(&config.paths.state).unwrap();
+        let mut rec = VmRecord::new(crate::validate::tests::spec("vm-1"));
+        rec.status = VmStatus::Running;
+        // A QEMU that has exited: no process has this start time.
+        rec.process = Some(ProcessIdentity { pid: i32::MAX - 3, start_ticks: 1 });
+        rec.vfio = vec![Binding { address: addr(NIC), original_driver: Some("e1000e".into()) }];
+        store.save(&mut rec).unwrap();
+
+        let marker = VmPaths::for_vm(&config, "vm-1").cmdline_marker();
+        let fake = Fake(std::process::Command::new("/usr/bin/sleep").arg0(&marker).arg("30").spawn().unwrap());
+        let pid = fake.0.id() as i32;
+        for _ in 0..500 {
+            if crate::process::cmdline(pid).is_ok_and(|c| c.len() == 2) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+
+        let config = Arc::new(config);
+        let (records, _) = store.load_all().unwrap();
+        let mgr = Arc::new(Manager {
+            config: config.clone(),
+            store,
+            events: crate::events::EventBus::default(),
+            table: Mutex::new(super::super::Table {
+                vms: records.into_iter().map(|r| (r.spec.name.clone(), r)).collect(),
+                busy: HashSet::new(),
+                broken: BTreeMap::new(),
+            }),
+            _state_lock: super::super::lock_state_dir(&config.paths.state).unwrap(),
+            net: crate::net::host::HostNet::connect().unwrap(),
+            net_states: Mutex::new(BTreeMap::new()),
+            pci: Arc::new(crate::pci::Pci::new(Box::new(Arc::clone(&sysfs)))),
+            agents: Arc::default(),
+        });
+        mgr.recover_all().await;
+
+        let rec = mgr.record("vm-1").unwrap();
+        assert_eq!(rec.status, VmStatus::Dead, "the fake was re-adopted");
+        assert_eq!(rec.process, None);
+        assert!(rec.vfio.is_empty(), "the device is still recorded as passed through");
+        assert_eq!(sysfs.driver_of(NIC).as_deref(), Some("e1000e"), "the device is back with its driver");
+        assert!(crate::process::liveness(pid).is_alive(), "the fake was signalled");
     }
 }

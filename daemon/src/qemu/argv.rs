@@ -339,7 +339,7 @@ mod tests {
     #[test]
     fn nics_use_passed_fds_and_direct_kernel_vms_get_ip_params() {
         let c = Config::parse(
-            "[qemu]\naccel = \"tcg\"\n[hardware]\ncpu = 4\nmemory_gib = 4\n[networks.lan]\nbridge = \"br0\"\n",
+            "[paths]\nboot = [\"/boot\"]\n[qemu]\naccel = \"tcg\"\n[hardware]\ncpu = 4\nmemory_gib = 4\n[networks.lan]\nbridge = \"br0\"\n",
             std::path::Path::new("t.toml"),
         )
         .unwrap();

@@ -13,7 +13,12 @@
 //! with the sandbox on the spawner does both steps ([`crate::sandbox::spawn::boot_file`]);
 //! without it the daemon calls them in-process. In order:
 //!
-//! 1. [`open`]: open read-only, refuse anything but a regular file of at most
+//! 0. [`boot_dir_of`] (pure, from [`crate::validate`]): the path must lie, lexically, in one of
+//!    the configured boot directories (`paths.boot`), so a client cannot use vmhostd to learn
+//!    whether any file on the host exists: a path elsewhere is a 2001 before any file is touched.
+//! 1. [`open_under`]: open read-only *beneath* that directory (`openat2` with `RESOLVE_BENEATH`
+//!    relative to the directory: a symlink or `..` that leads out of it is refused, one that
+//!    stays inside is followed), refuse anything but a regular file of at most
 //!    [`MAX_BOOT_FILE`] bytes. `vm.create`/`vm.start` do this alone first, so a missing or
 //!    unreadable file is a 2001 before anything is started ([`crate::lifecycle`]).
 //! 2. [`CopyCache::copy`]: a sealed copy of the open file, made by [`sealed_copy`] (into a
@@ -32,21 +37,99 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
 /// Largest kernel or initrd accepted: far above any real one (a distribution initrd is tens of
 /// MiB), low enough that a wrong path cannot make the daemon copy a disk image into memory.
 pub const MAX_BOOT_FILE: u64 = 1 << 30;
 
-/// Opens `path` read-only for copying.
+/// The boot directory `path` lies in, and `path` relative to it: the first of `dirs` that is a
+/// proper ancestor of `path`, compared component by component (so `/boot2/x` is not in `/boot`).
+/// Both must be absolute without `.` or `..` components (the config and the spec are checked
+/// for that); a path that has them is in no directory.
+pub fn boot_dir_of<'a>(dirs: &'a [PathBuf], path: &'a Path) -> Option<(&'a Path, &'a Path)> {
+    let plain =
+        |p: &Path| p.is_absolute() && p.components().all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+    // Path::components() hides an interior "." ("a/./b"), so look at the text as well.
+    let dotted = |p: &Path| p.as_os_str().as_bytes().split(|b| *b == b'/').any(|c| c == b"." || c == b"..");
+    if !plain(path) || dotted(path) {
+        return None;
+    }
+    dirs.iter().filter(|d| plain(d) && !dotted(d)).find_map(|d| {
+        let rel = path.strip_prefix(d).ok()?;
+        (!rel.as_os_str().is_empty()).then_some((d.as_path(), rel))
+    })
+}
+
+/// `struct open_how` of openat2(2) (libc's is non-exhaustive).
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// Opens `path` read-only for copying, beneath the boot directory it lies in ([`boot_dir_of`]).
 ///
 /// # Errors
-/// `NotFound`, `PermissionDenied` from the open; `InvalidInput` when it is not a regular file
-/// (a FIFO or device is never read) or larger than [`MAX_BOOT_FILE`].
-pub fn open(path: &Path) -> io::Result<File> {
+/// `PermissionDenied` when `path` is in none of `dirs`, or when resolving it leaves its
+/// directory (a symlink pointing elsewhere, an absolute symlink); `NotFound`,
+/// `PermissionDenied` from the open; `InvalidInput` when it is not a regular file (a FIFO or
+/// device is never read) or larger than [`MAX_BOOT_FILE`].
+pub fn open_under(dirs: &[PathBuf], path: &Path) -> io::Result<File> {
+    let Some((dir, rel)) = boot_dir_of(dirs, path) else {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{} is not in a boot directory (paths.boot)", path.display()),
+        ));
+    };
+    let base = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_DIRECTORY).open(dir)?;
+    let rel_c = std::ffi::CString::new(rel.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the path"))?;
     // O_NONBLOCK: opening a FIFO must not wait for a writer; regular-file reads ignore it.
+    let how = OpenHow {
+        flags: (libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: openat2 with a descriptor we hold, a NUL-terminated path and an open_how of the
+    // size passed; it returns a new descriptor or -1.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            base.as_raw_fd(),
+            rel_c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if ret < 0 {
+        let e = io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EXDEV) | Some(libc::ELOOP) => io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{} leads out of the boot directory {} (a symlink)", path.display(), dir.display()),
+            ),
+            _ => e,
+        });
+    }
+    let fd = i32::try_from(ret).map_err(|_| io::Error::other("openat2 returned a bad descriptor"))?;
+    // SAFETY: the kernel just returned this descriptor and nothing else owns it.
+    let file = unsafe { File::from_raw_fd(fd) };
+    check_file(file, path)
+}
+
+/// Opens `path` read-only for copying, wherever it is (tests; the daemon uses [`open_under`]).
+#[cfg(test)]
+fn open(path: &Path) -> io::Result<File> {
     let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
+    check_file(file, path)
+}
+
+/// Refuses anything but a regular file of at most [`MAX_BOOT_FILE`] bytes.
+fn check_file(file: File, path: &Path) -> io::Result<File> {
     let meta = file.metadata()?;
     let kind = meta.file_type();
     if !kind.is_file() {
@@ -314,6 +397,69 @@ mod tests {
         assert_eq!(inode_of(&first), inode_of(&again), "k0 stayed");
         // A descriptor handed out stays valid after its copy left the cache.
         assert_eq!(std::fs::read(proc_path(first.as_raw_fd())).unwrap(), b"kernel 0");
+    }
+
+    #[test]
+    fn boot_dir_of_is_lexical_and_component_wise() {
+        let dirs: Vec<PathBuf> = vec!["/var/lib/vmhost/images".into(), "/boot".into(), "relative".into()];
+        let of = |p: &str| boot_dir_of(&dirs, Path::new(p)).map(|(d, r)| (d.to_path_buf(), r.to_path_buf()));
+        assert_eq!(of("/boot/vmlinuz"), Some(("/boot".into(), "vmlinuz".into())));
+        assert_eq!(of("/boot//sub/initrd.img"), Some(("/boot".into(), "sub/initrd.img".into())));
+        assert_eq!(of("/var/lib/vmhost/images/k"), Some(("/var/lib/vmhost/images".into(), "k".into())));
+        for outside in [
+            "/boot",
+            "/boot/",
+            "/boot2/vmlinuz",
+            "/etc/shadow",
+            "/boot/../etc/shadow",
+            "/boot/./vmlinuz",
+            "/boot/sub/../../etc/shadow",
+            "boot/vmlinuz",
+            "relative/vmlinuz",
+            "/var/lib/vmhost/images",
+        ] {
+            assert_eq!(of(outside), None, "{outside}");
+        }
+        // A configured directory with dots is no directory at all.
+        let dotted: Vec<PathBuf> = vec!["/srv/../etc".into()];
+        assert_eq!(boot_dir_of(&dotted, Path::new("/srv/../etc/shadow")), None);
+        assert_eq!(boot_dir_of(&[], Path::new("/boot/vmlinuz")), None);
+    }
+
+    #[test]
+    fn open_under_stays_beneath_the_boot_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let boot = root.path().join("boot");
+        std::fs::create_dir_all(boot.join("sub")).unwrap();
+        std::fs::write(boot.join("vmlinuz"), b"kernel").unwrap();
+        std::fs::write(root.path().join("secret"), b"secret").unwrap();
+        // Links that stay inside are followed; links that leave are refused, even to a file
+        // root can read.
+        std::os::unix::fs::symlink("vmlinuz", boot.join("current")).unwrap();
+        std::os::unix::fs::symlink("../vmlinuz", boot.join("sub/up")).unwrap();
+        std::os::unix::fs::symlink("../secret", boot.join("escape")).unwrap();
+        std::os::unix::fs::symlink(root.path().join("secret"), boot.join("absolute")).unwrap();
+        std::os::unix::fs::symlink(boot.join("vmlinuz"), boot.join("absolute-inside")).unwrap();
+        std::os::unix::fs::symlink(root.path(), boot.join("dirlink")).unwrap();
+        let dirs = vec![boot.clone()];
+        let read = |name: &str| -> io::Result<Vec<u8>> {
+            let mut f = open_under(&dirs, &boot.join(name))?;
+            let mut out = Vec::new();
+            io::Read::read_to_end(&mut f, &mut out)?;
+            Ok(out)
+        };
+        assert_eq!(read("vmlinuz").unwrap(), b"kernel");
+        assert_eq!(read("current").unwrap(), b"kernel");
+        assert_eq!(read("sub/up").unwrap(), b"kernel");
+        for out in ["escape", "absolute", "absolute-inside", "dirlink/secret"] {
+            let e = read(out).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{out}: {e}");
+        }
+        assert_eq!(read("absent").unwrap_err().kind(), io::ErrorKind::NotFound);
+        assert_eq!(read("sub").unwrap_err().kind(), io::ErrorKind::InvalidInput, "a directory");
+        let e = open_under(&dirs, &root.path().join("secret")).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        assert!(e.to_string().contains("paths.boot"), "{e}");
     }
 
     #[test]

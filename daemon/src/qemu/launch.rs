@@ -368,7 +368,10 @@ mod tests {
         assert_ne!(id.pid, std::process::id() as i32);
         assert!(process::liveness(id.pid).is_alive());
         assert_eq!(process::identify(id.pid).unwrap(), id);
-        assert!(process::matches(&id, std::ffi::OsStr::new(&p.name)));
+        assert!(crate::qemu::identity::is_qemu(
+            &id,
+            &crate::qemu::identity::tests::child_check(std::ffi::OsStr::new(&p.name), "/usr/bin/qemu-system-x86_64")
+        ));
         let args = process::cmdline(id.pid).unwrap();
         assert!(!args.iter().any(|a| a == "-daemonize"), "{args:?}");
 

@@ -2,6 +2,7 @@
 
 pub mod argv;
 pub mod boot_files;
+pub mod identity;
 pub mod kvm;
 pub mod launch;
 pub mod qmp;

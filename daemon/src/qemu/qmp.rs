@@ -413,6 +413,7 @@ fn excerpt(v: &Value) -> String {
 mod tests {
     use super::*;
     use crate::process;
+    use crate::qemu::identity;
     use nix::sys::signal::Signal;
     use serde_json::json;
     use tokio::net::UnixListener;
@@ -621,18 +622,23 @@ mod tests {
             let id = process::identify(pid).unwrap();
             TestQemu { _dir: dir, sock, id }
         }
+
+        /// What identifies it: an orphan (`-daemonize`) of this uid running the QEMU binary.
+        fn check(&self) -> identity::QemuCheck {
+            identity::tests::orphan_check(self.sock.as_os_str(), "/usr/bin/qemu-system-x86_64")
+        }
     }
 
     impl Drop for TestQemu {
         fn drop(&mut self) {
-            let _ = process::signal_if_matches(&self.id, self.sock.as_os_str(), Signal::SIGKILL);
+            let _ = identity::signal_if_qemu(&self.id, &self.check(), Signal::SIGKILL);
         }
     }
 
     #[tokio::test]
     async fn real_qemu_status_unknown_command_and_quit() {
         let vm = TestQemu::start();
-        assert!(process::matches(&vm.id, vm.sock.as_os_str()));
+        assert!(identity::is_qemu(&vm.id, &vm.check()));
         let mut qmp = Qmp::connect(&vm.sock, Duration::from_secs(10)).await.unwrap();
         assert_eq!(qmp.greeting()["QMP"]["version"]["qemu"]["major"], 7);
         assert_eq!(qmp.query_status().await.unwrap(), "running");
@@ -660,7 +666,7 @@ mod tests {
             .await
             .expect("QEMU did not exit after quit")
             .unwrap();
-        assert!(!process::matches(&vm.id, vm.sock.as_os_str()));
+        assert!(!identity::is_qemu(&vm.id, &vm.check()));
         // The socket is gone with the process.
         assert!(Qmp::connect(&vm.sock, Duration::from_millis(200)).await.is_err());
     }
@@ -674,11 +680,11 @@ mod tests {
         qmp.system_powerdown().await.unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(qmp.query_status().await.unwrap(), "running");
-        assert!(process::matches(&vm.id, vm.sock.as_os_str()));
+        assert!(identity::is_qemu(&vm.id, &vm.check()));
         let events: Vec<Value> = qmp.take_events();
         assert!(events.iter().any(|e| e["event"] == "POWERDOWN"), "{events:?}");
         // Kill, and see it exit through the pidfd although it is not our child.
-        assert!(process::signal_if_matches(&vm.id, vm.sock.as_os_str(), Signal::SIGKILL).unwrap());
+        assert!(identity::signal_if_qemu(&vm.id, &vm.check(), Signal::SIGKILL).unwrap());
         tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&vm.id))
             .await
             .expect("QEMU did not exit after SIGKILL")

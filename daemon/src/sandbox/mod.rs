@@ -294,6 +294,6 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     programs.dedup();
     let run_as = config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default();
     let kvm = config.qemu.accel == crate::config::Accel::Kvm;
-    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as, kvm };
+    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as, kvm, boot_dirs: config.paths.boot_dirs() };
     spawn::serve(control, &allow, passthrough)
 }

@@ -563,14 +563,16 @@ static LOCAL_COPIES: Mutex<crate::qemu::boot_files::CopyCache> = Mutex::new(crat
 /// returns the sealed copy QEMU gets; without, only checks that it opens.
 ///
 /// # Errors
-/// As [`crate::qemu::boot_files::open`] and [`crate::qemu::boot_files::sealed_copy`] (their
-/// kinds are kept across the spawner), or the spawner is gone.
-pub async fn boot_file(path: &Path, copy: bool) -> io::Result<Option<OwnedFd>> {
+/// As [`crate::qemu::boot_files::open_under`] and [`crate::qemu::boot_files::sealed_copy`]
+/// (their kinds are kept across the spawner), or the spawner is gone. `boot_dirs` is
+/// `paths.boot` for the in-process open; the spawner has its own copy ([`Allowlist`]).
+pub async fn boot_file(boot_dirs: &[PathBuf], path: &Path, copy: bool) -> io::Result<Option<OwnedFd>> {
     use crate::qemu::boot_files;
     let Some(control) = SPAWNER.get() else {
         let path = path.to_path_buf();
+        let dirs = boot_dirs.to_vec();
         return tokio::task::spawn_blocking(move || {
-            let file = boot_files::open(&path)?;
+            let file = boot_files::open_under(&dirs, &path)?;
             if !copy {
                 return Ok(None);
             }
@@ -708,6 +710,9 @@ pub struct Allowlist {
     /// `accel = "kvm"`: a program run as another user keeps the group owning `/dev/kvm` when
     /// that user is a member ([`crate::qemu::kvm::qemu_groups`]).
     pub kvm: bool,
+    /// `paths.boot`: the only directories a kernel or initrd is opened beneath
+    /// ([`crate::qemu::boot_files::open_under`]), whatever path the daemon asks for.
+    pub boot_dirs: Vec<PathBuf>,
 }
 
 impl Allowlist {
@@ -833,10 +838,12 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
                 }
                 Err(e) => send_reply(&reply, &failed(e), None),
             },
-            Request::BootFile { path, copy } => match serve_boot_file(&mut copies, Path::new(&path), copy) {
-                Ok(fd) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, fd.as_ref()),
-                Err(e) => send_reply(&reply, &failed(e), None),
-            },
+            Request::BootFile { path, copy } => {
+                match serve_boot_file(&mut copies, &allow.boot_dirs, Path::new(&path), copy) {
+                    Ok(fd) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, fd.as_ref()),
+                    Err(e) => send_reply(&reply, &failed(e), None),
+                }
+            }
             Request::KvmAccess => {
                 let user = allow.run_as.first().map(|(_, u)| *u);
                 match crate::qemu::kvm::probe_as_qemu(user) {
@@ -855,11 +862,14 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
 /// ([`super::caps::SPAWNER`]); the copy reads the open descriptor.
 fn serve_boot_file(
     copies: &mut crate::qemu::boot_files::CopyCache,
+    boot_dirs: &[PathBuf],
     path: &Path,
     copy: bool,
 ) -> io::Result<Option<OwnedFd>> {
     use crate::qemu::boot_files;
-    let file = super::caps::with_effective(::caps::Capability::CAP_DAC_READ_SEARCH, || boot_files::open(path))?;
+    let file = super::caps::with_effective(::caps::Capability::CAP_DAC_READ_SEARCH, || {
+        boot_files::open_under(boot_dirs, path)
+    })?;
     if copy {
         copies.copy(file, path).map(Some)
     } else {
@@ -920,14 +930,20 @@ mod tests {
 
     #[test]
     fn allowlist_is_exact() {
-        let a = Allowlist { programs: vec!["/usr/bin/qemu-img".into()], modprobe: true, run_as: vec![], kvm: false };
+        let a = Allowlist {
+            programs: vec!["/usr/bin/qemu-img".into()],
+            modprobe: true,
+            run_as: vec![],
+            kvm: false,
+            boot_dirs: vec![],
+        };
         assert!(a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
         assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
         assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()]));
         assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
-        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![], kvm: false };
+        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![], kvm: false, boot_dirs: vec![] };
         assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
     }
 
@@ -970,7 +986,13 @@ mod tests {
     #[test]
     fn spawner_children_get_their_own_session_and_group() {
         // The spawner's `start`, called in this process (no spawner fork needed to check it).
-        let allow = Allowlist { programs: vec!["/bin/sleep".into()], modprobe: false, run_as: vec![], kvm: false };
+        let allow = Allowlist {
+            programs: vec!["/bin/sleep".into()],
+            modprobe: false,
+            run_as: vec![],
+            kvm: false,
+            boot_dirs: vec![],
+        };
         let req = RunRequest {
             program: "/bin/sleep".into(),
             args: vec!["30".into()],

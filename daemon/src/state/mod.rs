@@ -6,6 +6,7 @@
 //! runs once at start; unreadable files are reported and left in place, never overwritten.
 
 pub mod atomic;
+pub mod dirs;
 
 use crate::api::{LastError, VmSpec, VmStatus};
 use crate::nic::NicAlloc;
@@ -113,13 +114,13 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens (creating if needed, mode 0700) `STATE/vms`.
+    /// Opens (creating if needed, mode 0700, see [`dirs`]) `STATE/vms`.
     ///
     /// # Errors
-    /// The directory cannot be created.
+    /// The directory cannot be created or made private.
     pub fn open(state_dir: &Path) -> io::Result<Store> {
         let dir = state_dir.join("vms");
-        fs::create_dir_all(&dir)?;
+        dirs::private_dir(&dir)?;
         Ok(Store { dir })
     }
 

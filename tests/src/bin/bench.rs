@@ -243,7 +243,7 @@ fn boot_bench(rounds: usize, kernel_mib: u64, initrd_mib: u64) {
         (format!("kernel {kernel_mib} MiB + initrd {initrd_mib} MiB, touched before each create"), big.clone(), true),
     ];
 
-    let host = TestHost::start(HostOptions::default());
+    let host = TestHost::start(HostOptions { boot_dirs: vec![dir.path().to_path_buf()], ..HostOptions::default() });
     let create = |name: &str, files: &(PathBuf, PathBuf)| {
         let spec = json!({"name": name, "cpu": 1, "memory_mib": 128,
             "boot": {"kernel": files.0, "initrd": files.1, "cmdline": "console=ttyS0 panic=-1 quiet"}});
@@ -314,7 +314,10 @@ fn boot_bench(rounds: usize, kernel_mib: u64, initrd_mib: u64) {
 /// and the launch of an unchanged one: open and take the cached copy
 /// ([`vmhost::qemu::boot_files::CopyCache`]).
 fn copy_bench(rounds: usize, kernel: &Path, initrd: &Path) {
-    use vmhost::qemu::boot_files::{open, sealed_copy, CopyCache};
+    use vmhost::qemu::boot_files::{open_under, sealed_copy, CopyCache};
+    // Both files sit in one directory, which is all the boot directories there are here.
+    let dirs: Vec<PathBuf> = kernel.parent().into_iter().map(Path::to_path_buf).collect();
+    let open = |p: &Path| open_under(&dirs, p);
     let once = || {
         let t = Instant::now();
         let k = sealed_copy(open(kernel).expect("open kernel"), kernel, "bench").expect("copy kernel");
@@ -414,8 +417,10 @@ fn read_bench(vms: usize, get_calls: usize, list_calls: usize) {
     std::thread::sleep(Duration::from_millis(300));
     let rss_idle = rss_kib(pid);
 
-    // Any existing file will do as a kernel: the VMs are defined stopped and never launched.
-    let kernel = host.config.clone();
+    // Any existing file in a boot directory will do as a kernel: the VMs are defined stopped and
+    // never launched.
+    let kernel = host.images().join("bench-kernel");
+    fs::write(&kernel, b"not a kernel").expect("write bench kernel");
     let t = Instant::now();
     let mut c = Client::connect(&host.socket).expect("connect");
     for i in 0..vms {

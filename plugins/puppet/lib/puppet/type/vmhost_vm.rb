@@ -231,7 +231,8 @@ Puppet::Type.newtype(:vmhost_vm) do
   newproperty(:boot) do
     desc <<~DOC
       How the VM boots (spec `boot`), a hash: `{ 'image' => 'base.qcow2', 'disk_gib' => 4 }`
-      or `{ 'kernel' => '/path/vmlinuz', 'initrd' => '/path/initrd', 'cmdline' => '...' }`.
+      or `{ 'kernel' => '/path/vmlinuz', 'initrd' => '/path/initrd', 'cmdline' => '...' }`
+      (the kernel and initrd in one of the host's boot directories, vmhostd's `paths.boot`).
       Compared as a whole. Required to create a VM.
     DOC
     extend shape

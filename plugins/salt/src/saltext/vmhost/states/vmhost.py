@@ -23,6 +23,9 @@ nothing but the Python standard library.
         - boot:
             kernel: /srv/guest/vmlinuz
             initrd: /srv/guest/initramfs.cpio.gz
+
+A kernel and initrd must be in one of the host's boot directories (vmhostd's ``paths.boot``;
+here ``/srv/guest`` would be one), or vmhostd refuses the spec with 2001.
 """
 
 from salt.exceptions import CommandExecutionError
