@@ -254,7 +254,7 @@ fn start_spawner(config: &Config) -> Result<(i32, SpawnerReport), SandboxError> 
     }
     let report: SpawnerReport =
         serde_json::from_slice(&buf[..n]).map_err(|e| SandboxError::Spawner(format!("bad report: {e}")))?;
-    spawn::install(daemon_end);
+    spawn::install(daemon_end).map_err(|e| SandboxError::Spawner(e.to_string()))?;
     Ok((pid, report))
 }
 

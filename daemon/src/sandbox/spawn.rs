@@ -41,6 +41,8 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Mutex, OnceLock};
 
+use tokio::io::Interest;
+
 use nix::sys::socket::{
     recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
 };
@@ -69,7 +71,21 @@ pub const MODPROBE: [&str; 2] = ["/usr/sbin/modprobe", "/sbin/modprobe"];
 pub type Pipe = Box<dyn AsyncRead + Unpin + Send>;
 
 /// The daemon's connection to its spawner, once [`super::enter`] forked one.
-static SPAWNER: OnceLock<Mutex<OwnedFd>> = OnceLock::new();
+static SPAWNER: OnceLock<Control> = OnceLock::new();
+
+/// The daemon's end of the control socket, non-blocking.
+///
+/// Requests are sent with a non-blocking `sendmsg`; when the socket is full (the spawner is busy
+/// copying a boot file, or stalled) the sending task waits for writability on the runtime's
+/// reactor instead of blocking its worker thread, so a stalled spawner delays only the tasks
+/// that need it. No lock is needed: on a `SOCK_SEQPACKET` socket each `sendmsg` is one whole
+/// record, so concurrent senders never interleave. (The alternative, a blocking `sendmsg` on
+/// `spawn_blocking` behind a tokio mutex, would still let every waiting request pin one thread
+/// of the blocking pool for as long as the spawner stalls; readiness pins none.)
+#[derive(Debug)]
+pub(crate) struct Control {
+    fd: OwnedFd,
+}
 
 /// What to run.
 #[derive(Debug)]
@@ -520,8 +536,54 @@ fn pipe_pair() -> io::Result<(Pipe, OwnedFd)> {
     Ok((Box::new(receiver), w))
 }
 
+impl Control {
+    /// Takes over the daemon's end of a control socket pair and makes it non-blocking.
+    ///
+    /// # Errors
+    /// fcntl failed.
+    pub(crate) fn new(fd: OwnedFd) -> io::Result<Control> {
+        let flags = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_GETFL)?;
+        let flags = nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFL(flags))?;
+        Ok(Control { fd })
+    }
+
+    /// Sends one record (`payload` with `fds`), waiting on the reactor while the socket is full.
+    async fn send(&self, payload: &[u8], fds: &[RawFd]) -> io::Result<()> {
+        let cmsgs = [ControlMessage::ScmRights(fds)];
+        loop {
+            match sendmsg::<()>(
+                self.fd.as_raw_fd(),
+                &[IoSlice::new(payload)],
+                &cmsgs,
+                MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+                None,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(nix::errno::Errno::EAGAIN) => self.writable().await?,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, format!("the spawner process is gone: {e}")))
+                }
+            }
+        }
+    }
+
+    /// Waits until the socket has room. A duplicate descriptor is registered for the wait, so
+    /// any number of tasks (and runtimes) may wait at once: the same descriptor cannot be added
+    /// to one epoll twice, a duplicate is a new entry. Edge-triggered registration reports a
+    /// socket that became writable before it was registered, so no wake-up is lost.
+    async fn writable(&self) -> io::Result<()> {
+        let dup = self.fd.try_clone()?;
+        // SAFETY: `dup` is an open descriptor we own; the AsyncFd owns it until the wait ends.
+        let fd = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) }?;
+        let _ready = fd.writable().await?;
+        Ok(())
+    }
+}
+
 /// Sends `req` with `fds` after a new reply socket, and returns our end of that socket.
-fn send_request(control: &Mutex<OwnedFd>, req: &Request, fds: Vec<OwnedFd>) -> io::Result<AsyncFd<OwnedFd>> {
+async fn send_request(control: &Control, req: &Request, fds: Vec<OwnedFd>) -> io::Result<AsyncFd<OwnedFd>> {
     let payload = serde_json::to_vec(req).map_err(io::Error::other)?;
     if payload.len() > MAX_REQUEST {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "command line too long for the spawner"));
@@ -530,17 +592,7 @@ fn send_request(control: &Mutex<OwnedFd>, req: &Request, fds: Vec<OwnedFd>) -> i
         socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK)?;
     let send: Vec<OwnedFd> = std::iter::once(theirs).chain(fds).collect();
     let raw: Vec<RawFd> = send.iter().map(AsRawFd::as_raw_fd).collect();
-    {
-        let guard = control.lock().map_err(|_| io::Error::other("spawner lock poisoned"))?;
-        sendmsg::<()>(
-            guard.as_raw_fd(),
-            &[IoSlice::new(&payload)],
-            &[ControlMessage::ScmRights(&raw)],
-            MsgFlags::MSG_NOSIGNAL,
-            None,
-        )
-        .map_err(|e| io::Error::new(io::ErrorKind::BrokenPipe, format!("the spawner process is gone: {e}")))?;
-    }
+    control.send(&payload, &raw).await?;
     drop(send);
     // SAFETY: `mine` is an open socket we own; the AsyncFd owns it from here on.
     unsafe { AsyncFd::register(mine) }.map_err(io::Error::from)
@@ -581,7 +633,7 @@ pub async fn boot_file(path: &Path, copy: bool) -> io::Result<Option<OwnedFd>> {
         .map_err(io::Error::other)?;
     };
     let req = Request::BootFile { path: utf8("path", path.as_os_str())?, copy };
-    let reply = send_request(control, &req, Vec::new())?;
+    let reply = send_request(control, &req, Vec::new()).await?;
     let (answer, mut fds) = next_message(&reply, &mut Vec::new()).await?;
     if let Some(e) = reply_error(&answer) {
         return Err(e);
@@ -604,7 +656,7 @@ pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::A
             .await
             .map_err(io::Error::other)?;
     };
-    let reply = send_request(control, &Request::KvmAccess, Vec::new())?;
+    let reply = send_request(control, &Request::KvmAccess, Vec::new()).await?;
     let (answer, _) = next_message(&reply, &mut Vec::new()).await?;
     if let Some(e) = reply_error(&answer) {
         return Err(e);
@@ -612,7 +664,7 @@ pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::A
     answer.access.ok_or_else(|| io::Error::other("spawner reply without access"))
 }
 
-async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Child> {
+async fn spawn_remote(control: &Control, cmd: Command) -> io::Result<Child> {
     let req = Request::Run(RunRequest {
         program: utf8("program", cmd.program.as_os_str())?,
         args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
@@ -636,7 +688,7 @@ async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Chil
         send.push(w);
     }
     send.extend(cmd.fds);
-    let reply = send_request(control, &req, send)?;
+    let reply = send_request(control, &req, send).await?;
     let mut buf = Vec::new();
     let (first, mut fds) = next_message(&reply, &mut buf).await?;
     if let Some(e) = reply_error(&first) {
@@ -734,8 +786,12 @@ pub(crate) fn control_pair() -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Makes `control` the daemon's way to start programs (called once, in the daemon).
-pub(crate) fn install(control: OwnedFd) {
-    let _ = SPAWNER.set(Mutex::new(control));
+///
+/// # Errors
+/// The socket cannot be made non-blocking.
+pub(crate) fn install(control: OwnedFd) -> io::Result<()> {
+    let _ = SPAWNER.set(Control::new(control)?);
+    Ok(())
 }
 
 struct Running {
@@ -929,6 +985,70 @@ mod tests {
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
         let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![], kvm: false };
         assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
+    }
+
+    /// A spawner that reads nothing fills the control socket; requests then wait on the reactor
+    /// and the runtime's only thread keeps running other tasks. (A blocking `sendmsg` would
+    /// block that thread for good: the watchdog below then fails the test.)
+    #[test]
+    fn a_stalled_spawner_blocks_no_runtime_thread() {
+        const REQUESTS: usize = 5000;
+        let (daemon_end, spawner_end) = control_pair().unwrap();
+        let control = std::sync::Arc::new(Control::new(daemon_end).unwrap());
+        let probe = control.fd.try_clone().unwrap();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let runtime = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                let sender = {
+                    let (c, sent) = (control.clone(), sent.clone());
+                    tokio::spawn(async move {
+                        for _ in 0..REQUESTS {
+                            send_request(&c, &Request::KvmAccess, Vec::new()).await?;
+                            sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        io::Result::Ok(())
+                    })
+                };
+                // This task runs on the same single thread: it gets here again only if the
+                // sender yields when the socket is full.
+                loop {
+                    tokio::task::yield_now().await;
+                    let full = matches!(
+                        sendmsg::<()>(probe.as_raw_fd(), &[IoSlice::new(b"")], &[], MsgFlags::MSG_DONTWAIT, None),
+                        Err(nix::errno::Errno::EAGAIN)
+                    );
+                    if full && sent.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                        break;
+                    }
+                }
+                if sender.is_finished() {
+                    panic!("the sender did not wait for room: {:?}", sender.await);
+                }
+                // The spawner wakes up and drains: every request arrives, whole.
+                let drain = std::thread::spawn(move || {
+                    let mut got = 0;
+                    while got < REQUESTS {
+                        let (bytes, fds) = recv_with_fds(spawner_end.as_raw_fd(), MsgFlags::empty()).unwrap();
+                        if bytes.is_empty() {
+                            continue; // the probe's empty records
+                        }
+                        assert!(serde_json::from_slice::<Request>(&bytes).is_ok());
+                        assert_eq!(fds.len(), 1, "the reply socket");
+                        got += 1;
+                    }
+                });
+                sender.await.unwrap().unwrap();
+                drain.join().unwrap();
+            });
+            let _ = done_tx.send(());
+        });
+        // A deadlock guard, not a timing assertion: with a blocking send the runtime never ends.
+        if done_rx.recv_timeout(std::time::Duration::from_secs(120)).is_err() {
+            panic!("the runtime's only thread is blocked by the stalled spawner");
+        }
+        runtime.join().unwrap();
     }
 
     #[tokio::test]
