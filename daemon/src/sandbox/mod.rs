@@ -11,8 +11,8 @@
 //!    can gain privileges afterwards);
 //! 4. [`spawn`]: fork the spawner, which confines itself ([`caps::spawner_caps`],
 //!    [`landlock::spawner_rules`], no seccomp) and then only starts the allowlisted programs;
-//! 5. the daemon joins the group of `qemu.user` (to hand VFIO group devices to QEMU), then
-//!    [`caps`]: it drops to CAP_NET_ADMIN and CAP_KILL (all five sets, securebits locked);
+//! 5. [`caps`]: the daemon drops to CAP_NET_ADMIN and CAP_KILL (all five sets, securebits
+//!    locked); VFIO group nodes are handed to QEMU by the spawner ([`spawn::vfio_node`]);
 //! 6. [`landlock`]: the daemon's file rules ([`landlock::daemon_rules`]), no TCP;
 //! 7. [`seccomp`]: the daemon's syscall table, last, so the steps before need no syscall the
 //!    table lacks.
@@ -29,6 +29,7 @@ pub mod landlock;
 mod probe;
 pub mod report;
 pub mod seccomp;
+pub mod socket;
 pub mod spawn;
 
 use crate::config::{Config, SandboxMode};
@@ -164,11 +165,7 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     }
     st.spawner = Some(report);
 
-    // 5. Capabilities, after joining the QEMU user's group (that needs CAP_SETGID): as owner
-    // of a VFIO group device the daemon may then give it to that group without CAP_CHOWN.
-    if let Err(e) = join_qemu_group(config) {
-        required(mode, "capabilities", format!("cannot join the group of qemu.user: {e}"))?;
-    }
+    // 5. Capabilities.
     let keep: Vec<::caps::Capability> = caps::DAEMON.iter().map(|(c, _)| *c).collect();
     match caps::restrict(&keep, &[]) {
         Ok(()) => st.caps = Some(Ok(())),
@@ -213,19 +210,6 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     #[cfg(debug_assertions)]
     if let Some(outside) = probe {
         probe::run(&outside);
-    }
-    Ok(())
-}
-
-/// Adds the primary group of `qemu.user` to the daemon's supplementary groups (nothing when
-/// QEMU runs as root or the config was not loaded from a file).
-fn join_qemu_group(config: &Config) -> nix::Result<()> {
-    let Some(user) = config.qemu_user.filter(|u| u.uid != 0) else { return Ok(()) };
-    let gid = nix::unistd::Gid::from_raw(user.gid);
-    let mut groups = nix::unistd::getgroups()?;
-    if !groups.contains(&gid) {
-        groups.push(gid);
-        nix::unistd::setgroups(&groups)?;
     }
     Ok(())
 }
@@ -280,6 +264,8 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     }
     // Permitted, not effective: raised only while a boot file is opened.
     let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_DAC_READ_SEARCH);
+    // Likewise, only while a VFIO group node changes group.
+    let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_CHOWN);
     match landlock::apply(&landlock::spawner_rules(config)) {
         Ok(o) => {
             report.landlock_enforced = o.enforced();
@@ -294,6 +280,6 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     programs.dedup();
     let run_as = config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default();
     let kvm = config.qemu.accel == crate::config::Accel::Kvm;
-    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as, kvm };
+    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as, kvm, vfio_nodes: passthrough };
     spawn::serve(control, &allow, passthrough)
 }

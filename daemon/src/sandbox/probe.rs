@@ -45,6 +45,31 @@ pub fn run(outside: &str) {
         }
     };
     lines.push(format!("unshare: {}", outcome(unshare)));
+    let last = |r: libc::c_long| if r == -1 { Err(std::io::Error::last_os_error()) } else { Ok(()) };
+    // SAFETY: unshare with a flag; must be refused here.
+    lines.push(format!("unshare user: {}", outcome(last(unsafe { libc::unshare(libc::CLONE_NEWUSER) }.into()))));
+    // Mode 0666 is /dev/null's own: harmless even if it were allowed.
+    // SAFETY: chmod with a valid C string.
+    lines.push(format!(
+        "chmod /dev/null: {}",
+        outcome(last(unsafe { libc::chmod(c"/dev/null".as_ptr(), 0o666) }.into()))
+    ));
+    // SAFETY: a raw fork-like clone; a child that exists leaves at once.
+    let fork =
+        unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
+    if fork == 0 {
+        // SAFETY: leave the child without running anything of the parent's.
+        unsafe { libc::_exit(0) };
+    }
+    lines.push(format!("fork: {}", outcome(last(fork.min(0)))));
+    let mut args = [0u64; 11];
+    // SAFETY: clone3 with a valid (zeroed) struct of its size; answered before it is read.
+    let clone3 = unsafe { libc::syscall(libc::SYS_clone3, args.as_mut_ptr(), std::mem::size_of_val(&args)) };
+    if clone3 == 0 {
+        // SAFETY: as above.
+        unsafe { libc::_exit(0) };
+    }
+    lines.push(format!("clone3: {}", outcome(last(clone3.min(0)))));
     let state_ok = Path::new("/proc/self/status").exists();
     lines.push(format!("proc visible: {state_ok}"));
     let mut err = std::io::stderr().lock();

@@ -491,6 +491,78 @@ enum Request {
     },
     /// Whether QEMU's user, with the groups QEMU gets, can open `/dev/kvm`.
     KvmAccess,
+    /// Give the VFIO group node `/dev/vfio/GROUP` group `gid` and permission bits `mode`
+    /// (within [`VFIO_NODE_MODES`]); the reply's `node` is what it had before.
+    VfioNode {
+        /// The IOMMU group number (the spawner makes the path itself).
+        group: u32,
+        /// The node's new group.
+        gid: u32,
+        /// The node's new permission bits.
+        mode: u32,
+    },
+}
+
+/// The most a VFIO group node may be opened up to: read and write for its owner and group,
+/// never for others.
+pub const VFIO_NODE_MODES: u32 = 0o660;
+
+/// A VFIO group node's group and permission bits: what [`vfio_node`] found before it changed
+/// them, recorded (with intent, before the change) so they can be put back on release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAccess {
+    /// The IOMMU group number: the node is `/dev/vfio/GROUP`.
+    pub group: u32,
+    /// Its group id.
+    pub gid: u32,
+    /// Its permission bits.
+    pub mode: u32,
+}
+
+/// Sets group and mode of `/dev/vfio/GROUP`, in whichever process may (the spawner, or the
+/// daemon without one): only a character device, by a path made from the number, with at most
+/// [`VFIO_NODE_MODES`]. Returns what it had before.
+fn set_vfio_node(group: u32, gid: u32, mode: u32) -> io::Result<NodeAccess> {
+    set_node(&crate::pci::bind::vfio_group_dev(group), group, gid, mode)
+}
+
+/// [`set_vfio_node`] on `node` (a test's node in a temporary directory).
+fn set_node(node: &Path, group: u32, gid: u32, mode: u32) -> io::Result<NodeAccess> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    if mode & !VFIO_NODE_MODES != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("mode {mode:o} opens a VFIO group node beyond {VFIO_NODE_MODES:o}"),
+        ));
+    }
+    let meta = std::fs::symlink_metadata(node)?;
+    if !meta.file_type().is_char_device() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a device node", node.display())));
+    }
+    let before = NodeAccess { group, gid: meta.gid(), mode: meta.mode() & 0o7777 };
+    std::os::unix::fs::lchown(node, None, Some(gid))?;
+    std::fs::set_permissions(node, std::fs::Permissions::from_mode(mode))?;
+    Ok(before)
+}
+
+/// Gives `/dev/vfio/GROUP` group `gid` and mode `mode` (at most [`VFIO_NODE_MODES`]), through
+/// the spawner when there is one: the daemon's seccomp table has no path-based chmod or chown.
+/// Returns the node's group and mode before.
+///
+/// # Errors
+/// `NotFound` when the node does not exist, `PermissionDenied` for a mode beyond
+/// [`VFIO_NODE_MODES`], `InvalidInput` when it is not a device node, the OS error of the
+/// change, or the spawner is gone.
+pub async fn vfio_node(group: u32, gid: u32, mode: u32) -> io::Result<NodeAccess> {
+    let Some(control) = SPAWNER.get() else {
+        return tokio::task::spawn_blocking(move || set_vfio_node(group, gid, mode)).await.map_err(io::Error::other)?;
+    };
+    let reply = send_request(control, &Request::VfioNode { group, gid, mode }, Vec::new()).await?;
+    let (answer, _) = next_message(&reply, &mut Vec::new()).await?;
+    if let Some(e) = reply_error(&answer) {
+        return Err(e);
+    }
+    answer.node.ok_or_else(|| io::Error::other("spawner reply without node"))
 }
 
 /// Start a program. After the reply socket come stdout's write end (if `stdout`), stderr's (if
@@ -514,6 +586,8 @@ struct Reply {
     ok: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     access: Option<crate::qemu::kvm::Access>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    node: Option<NodeAccess>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pid: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -760,6 +834,8 @@ pub struct Allowlist {
     /// `accel = "kvm"`: a program run as another user keeps the group owning `/dev/kvm` when
     /// that user is a member ([`crate::qemu::kvm::qemu_groups`]).
     pub kvm: bool,
+    /// VFIO group nodes may be handed to QEMU's group ([`vfio_node`]): passthrough configured.
+    pub vfio_nodes: bool,
 }
 
 impl Allowlist {
@@ -902,6 +978,17 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
                     Err(e) => send_reply(&reply, &failed(e), None),
                 }
             }
+            Request::VfioNode { group, gid, mode } => {
+                let changed = if allow.vfio_nodes {
+                    super::caps::with_effective(::caps::Capability::CAP_CHOWN, || set_vfio_node(group, gid, mode))
+                } else {
+                    Err(io::Error::new(io::ErrorKind::PermissionDenied, "no passthrough configured"))
+                };
+                match changed {
+                    Ok(node) => send_reply(&reply, &Reply { node: Some(node), ..Reply::default() }, None),
+                    Err(e) => send_reply(&reply, &failed(e), None),
+                }
+            }
         }
     }
 }
@@ -976,14 +1063,20 @@ mod tests {
 
     #[test]
     fn allowlist_is_exact() {
-        let a = Allowlist { programs: vec!["/usr/bin/qemu-img".into()], modprobe: true, run_as: vec![], kvm: false };
+        let a = Allowlist {
+            programs: vec!["/usr/bin/qemu-img".into()],
+            modprobe: true,
+            run_as: vec![],
+            kvm: false,
+            vfio_nodes: false,
+        };
         assert!(a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
         assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
         assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()]));
         assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
-        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![], kvm: false };
+        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![], kvm: false, vfio_nodes: false };
         assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
     }
 
@@ -1051,6 +1144,32 @@ mod tests {
         runtime.join().unwrap();
     }
 
+    #[test]
+    fn a_vfio_node_is_handed_over_and_put_back_within_its_limits() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let node = dir.path().join("7");
+        let c = std::ffi::CString::new(node.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mknod with a valid path (the tests run as root); /dev/null's numbers.
+        assert_eq!(unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(1, 3)) }, 0);
+        let before = set_node(&node, 7, 4321, 0o660).unwrap();
+        assert_eq!(before, NodeAccess { group: 7, gid: 0, mode: 0o600 });
+        let meta = std::fs::metadata(&node).unwrap();
+        assert_eq!((meta.gid(), meta.mode() & 0o7777), (4321, 0o660));
+        // Release puts back what was recorded.
+        assert_eq!(set_node(&node, 7, before.gid, before.mode).unwrap().mode, 0o660);
+        let meta = std::fs::metadata(&node).unwrap();
+        assert_eq!((meta.gid(), meta.mode() & 0o7777), (0, 0o600));
+        // Never for others, never setuid or executable; never a regular file.
+        for mode in [0o666, 0o4660, 0o770] {
+            assert_eq!(set_node(&node, 7, 0, mode).unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+        }
+        let file = dir.path().join("8");
+        std::fs::write(&file, b"").unwrap();
+        assert_eq!(set_node(&file, 8, 0, 0o660).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(std::fs::metadata(&node).unwrap().mode() & 0o7777, 0o600);
+    }
+
     #[tokio::test]
     async fn local_output_and_kill_on_drop() {
         let out = Command::new("/bin/sh").args(["-c", "echo out; echo err >&2; exit 3"]).output().await.unwrap();
@@ -1090,7 +1209,13 @@ mod tests {
     #[test]
     fn spawner_children_get_their_own_session_and_group() {
         // The spawner's `start`, called in this process (no spawner fork needed to check it).
-        let allow = Allowlist { programs: vec!["/bin/sleep".into()], modprobe: false, run_as: vec![], kvm: false };
+        let allow = Allowlist {
+            programs: vec!["/bin/sleep".into()],
+            modprobe: false,
+            run_as: vec![],
+            kvm: false,
+            vfio_nodes: false,
+        };
         let req = RunRequest {
             program: "/bin/sleep".into(),
             args: vec!["30".into()],
