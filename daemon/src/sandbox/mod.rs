@@ -276,10 +276,41 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     let text = serde_json::to_vec(&report).unwrap_or_default();
     // SAFETY: send from our buffer on our socket.
     unsafe { libc::send(control.as_raw_fd(), text.as_ptr().cast(), text.len(), libc::MSG_NOSIGNAL) };
-    let mut programs = vec![config.qemu.binary.clone(), config.qemu.img_binary.clone()];
-    programs.dedup();
-    let run_as = config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default();
-    let kvm = config.qemu.accel == crate::config::Accel::Kvm;
-    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as, kvm, vfio_nodes: passthrough };
+    let allow = allowlist(config);
     spawn::serve(control, &allow, passthrough)
+}
+
+/// What the spawner may do for `config`: start the QEMU binary (as `qemu.user`), `modprobe
+/// vfio-pci` and hand VFIO group nodes over when passthrough is configured, and run `qemu-img`
+/// only for an operation on files of the images and overlay directories (never from an argv).
+pub fn allowlist(config: &Config) -> spawn::Allowlist {
+    let passthrough = landlock::passthrough(config);
+    spawn::Allowlist {
+        programs: vec![config.qemu.binary.clone()],
+        modprobe: passthrough,
+        run_as: config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default(),
+        kvm: config.qemu.accel == crate::config::Accel::Kvm,
+        vfio_nodes: passthrough,
+        qemu_img: Some(config.qemu.img_binary.clone()),
+        img_read: vec![config.paths.images.clone()],
+        img_write: vec![config.paths.state.join("disks")],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spawner_never_runs_a_qemu_img_argv() {
+        let c = crate::validate::tests::config();
+        let allow = allowlist(&c);
+        let img = &c.qemu.img_binary;
+        for args in [vec!["info".to_string(), "/etc/shadow".into()], vec!["--version".into()], vec![]] {
+            assert!(!allow.permits(img, &args), "{args:?}");
+        }
+        assert!(allow.permits(&c.qemu.binary, &["-version".into()]));
+        let overlay = c.paths.state.join("disks/vm.qcow2");
+        assert!(allow.permits_img(&crate::disk::ImgOp::Resize { overlay, bytes: 1 }));
+    }
 }

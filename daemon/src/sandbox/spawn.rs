@@ -99,9 +99,33 @@ pub struct Command {
     memlock: Option<u64>,
     user: Option<UserIds>,
     kvm: bool,
+    img_op: Option<crate::disk::ImgOp>,
 }
 
 impl Command {
+    /// `qemu-img` (`program`) for one fixed operation: the arguments come from the operation's
+    /// template ([`crate::disk::ImgOp::argv`]), and through the spawner only the operation
+    /// travels; the spawner fills in the template itself.
+    ///
+    /// # Errors
+    /// The operation's parameters do not fit its template.
+    pub fn qemu_img(program: &Path, op: crate::disk::ImgOp) -> Result<Command, crate::disk::DiskError> {
+        let args = op.argv()?;
+        let mut cmd = Command::new(program).args(args);
+        cmd.img_op = Some(op);
+        Ok(cmd)
+    }
+
+    /// `binary --version`: for `qemu-img` (`qemu_img`) its [`crate::disk::ImgOp::Version`]
+    /// operation, since the spawner runs `qemu-img` for nothing else.
+    pub fn version_probe(binary: &Path, qemu_img: bool) -> Command {
+        let mut cmd = Command::new(binary).args(["--version"]);
+        if qemu_img {
+            cmd.img_op = Some(crate::disk::ImgOp::Version);
+        }
+        cmd
+    }
+
     /// `program` with no arguments, stdin, stdout and stderr on `/dev/null`.
     pub fn new(program: impl Into<PathBuf>) -> Command {
         Command {
@@ -114,6 +138,7 @@ impl Command {
             memlock: None,
             user: None,
             kvm: false,
+            img_op: None,
         }
     }
 
@@ -491,6 +516,12 @@ enum Request {
     },
     /// Whether QEMU's user, with the groups QEMU gets, can open `/dev/kvm`.
     KvmAccess,
+    /// Run `qemu-img` for one operation; the spawner builds its command line from the
+    /// operation's template. After the reply socket come stdout's and stderr's write ends.
+    QemuImg {
+        /// The operation.
+        operation: crate::disk::ImgOp,
+    },
     /// Give the VFIO group node `/dev/vfio/GROUP` group `gid` and permission bits `mode`
     /// (within [`VFIO_NODE_MODES`]); the reply's `node` is what it had before.
     VfioNode {
@@ -739,14 +770,18 @@ pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::A
 }
 
 async fn spawn_remote(control: &Control, cmd: Command) -> io::Result<Child> {
-    let req = Request::Run(RunRequest {
-        program: utf8("program", cmd.program.as_os_str())?,
-        args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
-        stdout: cmd.stdout,
-        stderr: cmd.stderr || cmd.stderr_file.is_some(),
-        nfds: cmd.fds.len(),
-        memlock: cmd.memlock,
-    });
+    let req = match &cmd.img_op {
+        Some(op) if cmd.stdout && cmd.stderr && cmd.fds.is_empty() => Request::QemuImg { operation: op.clone() },
+        Some(_) => return Err(io::Error::new(io::ErrorKind::InvalidInput, "qemu-img runs with its output captured")),
+        None => Request::Run(RunRequest {
+            program: utf8("program", cmd.program.as_os_str())?,
+            args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
+            stdout: cmd.stdout,
+            stderr: cmd.stderr || cmd.stderr_file.is_some(),
+            nfds: cmd.fds.len(),
+            memlock: cmd.memlock,
+        }),
+    };
     let mut send: Vec<OwnedFd> = Vec::new();
     let (mut stdout, mut stderr) = (None, None);
     if cmd.stdout {
@@ -836,6 +871,13 @@ pub struct Allowlist {
     pub kvm: bool,
     /// VFIO group nodes may be handed to QEMU's group ([`vfio_node`]): passthrough configured.
     pub vfio_nodes: bool,
+    /// The `qemu-img` binary: it runs only for a [`Request::QemuImg`] operation, never for a
+    /// `run` request (its path is not among `programs`).
+    pub qemu_img: Option<PathBuf>,
+    /// Where `qemu-img` may read images (the images directory).
+    pub img_read: Vec<PathBuf>,
+    /// Where `qemu-img` may read and write overlays (the state's `disks` directory).
+    pub img_write: Vec<PathBuf>,
 }
 
 impl Allowlist {
@@ -844,12 +886,21 @@ impl Allowlist {
         self.run_as.iter().find(|(p, _)| p == program).map(|(_, u)| *u)
     }
 
-    /// Whether `program ARGS` may run.
+    /// Whether `program ARGS` may run (a `run` request; never `qemu-img`, which runs only for
+    /// an operation, [`Allowlist::permits_img`]).
     pub fn permits(&self, program: &Path, args: &[String]) -> bool {
         if MODPROBE.iter().any(|m| Path::new(m) == program) {
             return self.modprobe && args == ["vfio-pci"];
         }
+        if self.qemu_img.as_deref() == Some(program) {
+            return false;
+        }
         self.programs.iter().any(|p| p == program)
+    }
+
+    /// Whether `qemu-img` may run for `op`: only on files in its directories.
+    pub fn permits_img(&self, op: &crate::disk::ImgOp) -> bool {
+        self.qemu_img.is_some() && op.confined_to(&self.img_read, &self.img_write)
     }
 }
 
@@ -956,15 +1007,22 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
             }
         };
         match req {
-            Request::Run(run) => match start(run, fds, allow, ambient_sys_module) {
-                Ok(child) => {
-                    let pidfd = pidfd_open(child.id());
-                    let pid = i32::try_from(child.id()).unwrap_or(0);
-                    send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
-                    running.push(Running { child, pidfd, reply });
+            Request::Run(_) | Request::QemuImg { .. } => {
+                let started = match req {
+                    Request::Run(run) => start(run, fds, allow, ambient_sys_module),
+                    Request::QemuImg { operation } => start_qemu_img(&operation, fds, allow),
+                    _ => continue,
+                };
+                match started {
+                    Ok(child) => {
+                        let pidfd = pidfd_open(child.id());
+                        let pid = i32::try_from(child.id()).unwrap_or(0);
+                        send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
+                        running.push(Running { child, pidfd, reply });
+                    }
+                    Err(e) => send_reply(&reply, &failed(e), None),
                 }
-                Err(e) => send_reply(&reply, &failed(e), None),
-            },
+            }
             Request::BootFile { path, copy } => match serve_boot_file(&mut copies, Path::new(&path), copy) {
                 Ok(fd) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, fd.as_ref()),
                 Err(e) => send_reply(&reply, &failed(e), None),
@@ -1010,8 +1068,47 @@ fn serve_boot_file(
     }
 }
 
+/// Checks a `qemu-img` operation, fills in its template and starts it (stdout and stderr are
+/// the two descriptors after the reply socket).
+fn start_qemu_img(op: &crate::disk::ImgOp, fds: Vec<OwnedFd>, allow: &Allowlist) -> io::Result<std::process::Child> {
+    let Some(program) = allow.qemu_img.as_ref().filter(|_| allow.permits_img(op)) else {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("the spawner does not run qemu-img {} on files outside its directories", op.command()),
+        ));
+    };
+    let args = op.argv().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+    let args = args.iter().map(|a| utf8("argument", a)).collect::<io::Result<Vec<_>>>()?;
+    let req = RunRequest {
+        program: utf8("program", program.as_os_str())?,
+        args,
+        stdout: true,
+        stderr: true,
+        nfds: 0,
+        memlock: None,
+    };
+    launch(req, fds, allow, false)
+}
+
 /// Checks and starts one request in the spawner.
 fn start(
+    req: RunRequest,
+    fds: Vec<OwnedFd>,
+    allow: &Allowlist,
+    ambient_sys_module: bool,
+) -> io::Result<std::process::Child> {
+    let program = PathBuf::from(&req.program);
+    if !allow.permits(&program, &req.args) {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("the spawner does not run {} with these arguments (not on its allowlist)", program.display()),
+        ));
+    }
+    launch(req, fds, allow, ambient_sys_module)
+}
+
+/// Starts an allowed request: its descriptors in place, its session, limits and user.
+fn launch(
     req: RunRequest,
     mut fds: Vec<OwnedFd>,
     allow: &Allowlist,
@@ -1022,12 +1119,6 @@ fn start(
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "descriptor count does not match the request"));
     }
     let program = PathBuf::from(&req.program);
-    if !allow.permits(&program, &req.args) {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("the spawner does not run {} with these arguments (not on its allowlist)", program.display()),
-        ));
-    }
     let passed = fds.split_off(usize::from(req.stdout) + usize::from(req.stderr));
     let mut stdio = fds.into_iter();
     let mut command = std::process::Command::new(&program);
@@ -1064,25 +1155,102 @@ mod tests {
     #[test]
     fn allowlist_is_exact() {
         let a = Allowlist {
-            programs: vec!["/usr/bin/qemu-img".into()],
+            programs: vec!["/usr/bin/qemu-system-x86_64".into()],
             modprobe: true,
             run_as: vec![],
             kvm: false,
             vfio_nodes: false,
+            qemu_img: Some("/usr/bin/qemu-img".into()),
+            img_read: vec!["/var/lib/vmhost/images".into()],
+            img_write: vec!["/var/lib/vmhost/disks".into()],
         };
-        assert!(a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
+        assert!(a.permits(Path::new("/usr/bin/qemu-system-x86_64"), &["-version".into()]));
         assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
         assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()]));
         assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
-        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![], kvm: false, vfio_nodes: false };
+        let no_pci = Allowlist { modprobe: false, ..a.clone() };
         assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
+        // qemu-img never runs from an argv, only for an operation on files in its directories.
+        assert!(!a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
+        let info = |p: &str| crate::disk::ImgOp::Info { image: p.into() };
+        assert!(a.permits_img(&info("/var/lib/vmhost/images/base.raw")));
+        assert!(a.permits_img(&info("/var/lib/vmhost/disks/vm1.qcow2")));
+        assert!(!a.permits_img(&info("/etc/shadow")));
+        assert!(!a.permits_img(&info("/var/lib/vmhost/images/../../../etc/shadow")));
+        let create = |base: &str, overlay: &str| crate::disk::ImgOp::Create {
+            base: base.into(),
+            base_format: "raw".into(),
+            overlay: overlay.into(),
+            size_gib: 1,
+        };
+        assert!(a.permits_img(&create("/var/lib/vmhost/images/b", "/var/lib/vmhost/disks/o")));
+        assert!(!a.permits_img(&create("/var/lib/vmhost/images/b", "/var/lib/vmhost/images/o")), "writes only disks");
+        assert!(!a.permits_img(&create("/dev/sda", "/var/lib/vmhost/disks/o")));
+        assert!(!a.permits_img(&crate::disk::ImgOp::Resize { overlay: "/dev/sda".into(), bytes: 1 }));
+        assert!(!Allowlist { qemu_img: None, ..a }.permits_img(&info("/var/lib/vmhost/images/b")));
     }
 
-    /// A spawner that reads nothing fills the control socket; requests then wait on the reactor
-    /// and the runtime's only thread keeps running other tasks. (A blocking `sendmsg` would
-    /// block that thread for good: the watchdog below then fails the test.)
+    /// The spawner's side, called in this process: an argv for qemu-img is refused, an
+    /// operation outside its directories too, and an allowed one runs its template.
+    #[test]
+    fn the_spawner_runs_qemu_img_only_for_confined_operations() {
+        let Some(img) = ["/usr/bin/qemu-img"].into_iter().find(|p| Path::new(p).exists()) else {
+            panic!("qemu-img is needed (apt-get install qemu-utils)");
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (images, disks) = (dir.path().join("images"), dir.path().join("disks"));
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::create_dir_all(&disks).unwrap();
+        std::fs::write(images.join("base.raw"), vec![0u8; 1 << 20]).unwrap();
+        let allow = Allowlist {
+            programs: vec![],
+            modprobe: false,
+            run_as: vec![],
+            kvm: false,
+            vfio_nodes: false,
+            qemu_img: Some(img.into()),
+            img_read: vec![images.clone()],
+            img_write: vec![disks.clone()],
+        };
+        let pipes = || {
+            let (r1, w1) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+            let (r2, w2) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+            ((r1, r2), vec![w1, w2])
+        };
+        let escaped = dir.path().join("escaped.qcow2");
+        let argv = RunRequest {
+            program: img.into(),
+            args: vec!["create".into(), "-f".into(), "qcow2".into(), escaped.display().to_string(), "1G".into()],
+            stdout: true,
+            stderr: true,
+            nfds: 0,
+            memlock: None,
+        };
+        let (_, w) = pipes();
+        assert_eq!(start(argv, w, &allow, false).unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+        let outside = crate::disk::ImgOp::Create {
+            base: images.join("base.raw"),
+            base_format: "raw".into(),
+            overlay: escaped.clone(),
+            size_gib: 1,
+        };
+        let (_, w) = pipes();
+        assert_eq!(start_qemu_img(&outside, w, &allow).unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+        assert!(!escaped.exists());
+        let inside = crate::disk::ImgOp::Create {
+            base: images.join("base.raw"),
+            base_format: "raw".into(),
+            overlay: disks.join("vm.qcow2"),
+            size_gib: 1,
+        };
+        let (_r, w) = pipes();
+        let status = start_qemu_img(&inside, w, &allow).unwrap().wait().unwrap();
+        assert!(status.success());
+        assert!(disks.join("vm.qcow2").exists());
+    }
+
     #[test]
     fn a_stalled_spawner_blocks_no_runtime_thread() {
         const REQUESTS: usize = 5000;
@@ -1215,6 +1383,9 @@ mod tests {
             run_as: vec![],
             kvm: false,
             vfio_nodes: false,
+            qemu_img: None,
+            img_read: vec![],
+            img_write: vec![],
         };
         let req = RunRequest {
             program: "/bin/sleep".into(),
