@@ -176,7 +176,7 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     }
 
     // 6. Landlock.
-    let rules = landlock::daemon_rules(config, &landlock::pci_device_dirs(config));
+    let rules = landlock::daemon_rules(config, &landlock::pci_write_files(&landlock::pci_device_dirs(config)));
     match landlock::apply(&rules) {
         Ok(outcome) if outcome.enforced() => st.landlock = Some(Ok(outcome)),
         Ok(outcome) => {
