@@ -125,9 +125,10 @@ impl Manager {
             match spawn::vfio_node(node.group, node.gid, node.mode & VFIO_NODE_MODES).await {
                 Ok(_) => tracing::debug!(vm = name, group = node.group, "VFIO group node put back"),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // Not a reason to keep the devices from their drivers: the node is left as it
+                // is, and said so.
                 Err(e) => {
-                    tracing::error!(vm = name, group = node.group, error = %e, "cannot put a VFIO group node back");
-                    return Err(pci_error("vfio_node", e));
+                    tracing::error!(vm = name, group = node.group, error = %e, "cannot put a VFIO group node back; left as it is");
                 }
             }
         }

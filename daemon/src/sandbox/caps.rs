@@ -54,12 +54,15 @@ pub fn with_effective<T>(cap: Capability, f: impl FnOnce() -> T) -> T {
 /// Why the spawner keeps `CAP_SYS_MODULE` when passthrough is configured.
 pub const SYS_MODULE_WHY: &str = "modprobe vfio-pci (its only allowed use), as an ambient capability of that modprobe";
 
-/// Why the spawner keeps `CAP_CHOWN` when passthrough is configured.
-pub const CHOWN_WHY: &str = "give a VFIO group node (/dev/vfio/N, root's) to qemu.user's group and back \
+/// Why the spawner keeps `CAP_CHOWN` when passthrough is configured (and it was started with
+/// it): putting a VFIO group node back to a group other than root's or qemu.user's, which the
+/// spawner, the node's owner and a member of those two, may give it without.
+pub const CHOWN_WHY: &str = "put a VFIO group node (/dev/vfio/N) back to a group the spawner is not a member of \
      (raised only for that change)";
 
 /// The spawner's set: [`SPAWNER`] plus `CAP_SYS_MODULE` and `CAP_CHOWN` (permitted, raised only
-/// while a VFIO group node changes group) when `passthrough`.
+/// while a VFIO group node changes group; kept only if the daemon was started with it) when
+/// `passthrough`.
 pub fn spawner_caps(passthrough: bool) -> Vec<(Capability, &'static str)> {
     let mut v = SPAWNER.to_vec();
     if passthrough {

@@ -18,9 +18,10 @@
 //! `unbind`, and `bind` and `unbind` of the drivers those devices have at start (binding to
 //! vfio-pci unbinds the original driver; release binds it back). Nothing else: not `remove`,
 //! `reset`, `config` or `rescan` of any device, not the bind files of any other driver (the root
-//! disk's, say, unless it is also a modelled device's driver). Limits, since a rule needs a
-//! file that exists at start: a driver a device gets only after the start (or vfio-pci when its
-//! module is loaded later) has no rule; release then falls back to `drivers_probe`, which
+//! disk's, say, unless it is also a modelled device's driver). A device on vfio-pci at start (a
+//! restart while its VM runs) has its original driver from the VM's record. Limits, since a rule
+//! needs a file that exists at start: a driver a device gets only after the start (or vfio-pci
+//! when its module could not be loaded at start) has no rule; release then falls back to `drivers_probe`, which
 //! probes the drivers whose id tables match, and unbinding from vfio-pci is refused until the
 //! daemon restarts with vfio-pci loaded (load it at boot on passthrough hosts).
 
@@ -184,16 +185,29 @@ pub fn pci_device_dirs(config: &Config) -> Vec<PathBuf> {
 
 /// The sysfs attribute files the daemon may write for passthrough (module doc): for each of
 /// `device_dirs` ([`pci_device_dirs`]) its `driver_override` and its current driver's `bind`
-/// and `unbind`, and vfio-pci's `bind` and `unbind`.
-pub fn pci_write_files(device_dirs: &[PathBuf]) -> Vec<PathBuf> {
-    pci_write_files_in(Path::new("/sys"), device_dirs)
+/// and `unbind`, the same files of `recorded_drivers` (the original drivers VM records name for
+/// devices that are on vfio-pci now, see [`recorded_original_drivers`]), and vfio-pci's `bind`
+/// and `unbind`.
+pub fn pci_write_files(device_dirs: &[PathBuf], recorded_drivers: &[String]) -> Vec<PathBuf> {
+    pci_write_files_in(Path::new("/sys"), device_dirs, recorded_drivers)
+}
+
+/// The original drivers VM records name for their passthrough devices: a daemon restarted while
+/// a VM holds its devices sees vfio-pci as their driver, and must still be allowed to give them
+/// back and bind them again. Unreadable records name nothing.
+pub fn recorded_original_drivers(config: &Config) -> Vec<String> {
+    let Ok(store) = crate::state::Store::open(&config.paths.state) else { return Vec::new() };
+    let Ok((records, _)) = store.load_all() else { return Vec::new() };
+    records.iter().flat_map(|r| r.vfio.iter().filter_map(|b| b.original_driver.clone())).collect()
 }
 
 /// [`pci_write_files`] with sysfs at `sys` (a test's tree).
-fn pci_write_files_in(sys: &Path, device_dirs: &[PathBuf]) -> Vec<PathBuf> {
+fn pci_write_files_in(sys: &Path, device_dirs: &[PathBuf], recorded_drivers: &[String]) -> Vec<PathBuf> {
     let drivers = sys.join("bus/pci/drivers");
     let mut files = Vec::new();
     let mut driver_names = vec![crate::pci::VFIO_PCI.to_string()];
+    // A driver name is one path component (a record is data the daemon wrote, but still).
+    driver_names.extend(recorded_drivers.iter().filter(|d| !d.contains('/') && !d.starts_with('.')).cloned());
     for dir in device_dirs {
         files.push(dir.join("driver_override"));
         if let Ok(target) = std::fs::read_link(dir.join("driver")) {
@@ -355,7 +369,12 @@ mod tests {
             d.join("vfio-pci/unbind"),
         ];
         want.sort();
-        assert_eq!(pci_write_files_in(root, std::slice::from_ref(&nic)), want);
+        assert_eq!(pci_write_files_in(root, std::slice::from_ref(&nic), &[]), want);
+        // A restart while the device is on vfio-pci: its record names the original driver.
+        std::fs::remove_file(nic.join("driver")).unwrap();
+        std::os::unix::fs::symlink("../../../bus/pci/drivers/vfio-pci", nic.join("driver")).unwrap();
+        let recorded = ["e1000e".to_string(), "../x".into()];
+        assert_eq!(pci_write_files_in(root, std::slice::from_ref(&nic), &recorded), want);
     }
 
     /// Makes [`landlock_probe`] run: the fake sysfs root it writes to.
@@ -391,7 +410,7 @@ mod tests {
         let nic = root.join("devices/pci0000:00/0000:00:05.0");
         let mut c = config();
         c.hardware.allow_raw_pci = true;
-        let files = pci_write_files_in(&root, std::slice::from_ref(&nic));
+        let files = pci_write_files_in(&root, std::slice::from_ref(&nic), &[]);
         // The daemon's rules, with the fake tree readable as /sys is.
         let mut rules = daemon_rules(&c, &files);
         rules.push(rule(&root, Access::Read, "the fake sysfs"));

@@ -6,7 +6,8 @@
 //!
 //! 1. [`env`]: clear the environment and close stray descriptors (nothing inherited leaks into
 //!    the daemon or what it starts);
-//! 2. create the state, run and socket directories (Landlock rules need existing paths);
+//! 2. create the state, run and socket directories, and with passthrough configured load
+//!    vfio-pci (Landlock rules need existing paths);
 //! 3. set no_new_privs (needed for Landlock and seccomp without CAP_SYS_ADMIN, and no execve
 //!    can gain privileges afterwards);
 //! 4. [`spawn`]: fork the spawner, which confines itself ([`caps::spawner_caps`],
@@ -148,6 +149,15 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
         std::fs::create_dir_all(&d).map_err(|source| SandboxError::Dir { path: d.display().to_string(), source })?;
     }
 
+    // With passthrough configured, vfio-pci now, while the daemon may still run modprobe itself:
+    // Landlock grants its bind and unbind files by name, and they exist only once it is loaded.
+    let vfio_pci = std::path::Path::new("/sys/bus/pci/drivers").join(crate::pci::VFIO_PCI);
+    if landlock::passthrough(config) && !vfio_pci.exists() {
+        if let Err(e) = crate::pci::load_vfio_pci() {
+            tracing::warn!(error = %e, "cannot load vfio-pci at start; passthrough cannot unbind from it until a restart");
+        }
+    }
+
     // 3. no_new_privs.
     match env::set_no_new_privs() {
         Ok(()) => st.no_new_privs = true,
@@ -176,7 +186,12 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     }
 
     // 6. Landlock.
-    let rules = landlock::daemon_rules(config, &landlock::pci_write_files(&landlock::pci_device_dirs(config)));
+    let pci_files = if landlock::passthrough(config) {
+        landlock::pci_write_files(&landlock::pci_device_dirs(config), &landlock::recorded_original_drivers(config))
+    } else {
+        Vec::new()
+    };
+    let rules = landlock::daemon_rules(config, &pci_files);
     match landlock::apply(&rules) {
         Ok(outcome) if outcome.enforced() => st.landlock = Some(Ok(outcome)),
         Ok(outcome) => {
@@ -208,8 +223,21 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     );
     let _ = STATE.set(st);
     #[cfg(debug_assertions)]
-    if let Some(outside) = probe {
-        probe::run(&outside);
+    if let Some((outside, opens)) = probe {
+        probe::run(&outside, &opens);
+    }
+    Ok(())
+}
+
+/// Adds the primary group of `qemu.user` to the calling process's supplementary groups (nothing
+/// when QEMU runs as root or the config was not loaded from a file).
+fn join_qemu_group(config: &Config) -> nix::Result<()> {
+    let Some(user) = config.qemu_user.filter(|u| u.uid != 0) else { return Ok(()) };
+    let gid = nix::unistd::Gid::from_raw(user.gid);
+    let mut groups = nix::unistd::getgroups()?;
+    if !groups.contains(&gid) {
+        groups.push(gid);
+        nix::unistd::setgroups(&groups)?;
     }
     Ok(())
 }
@@ -255,10 +283,19 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     let own = control.as_raw_fd();
     let _ = env::close_stray_fds(own..own + 1);
     let passthrough = landlock::passthrough(config);
+    let mut report = SpawnerReport::default();
+    // With passthrough, the spawner joins the group of qemu.user (with CAP_SETGID, before the
+    // drop): as owner of a VFIO group node (the kernel makes them root's) and a member of that
+    // group it may give the node to it without CAP_CHOWN, which a service manager's bounding
+    // set may lack. Programs it starts as qemu.user get their own groups (become_user).
+    if passthrough {
+        if let Err(e) = join_qemu_group(config) {
+            report.caps_error = format!("cannot join the group of qemu.user: {e}");
+        }
+    }
     let keep: Vec<::caps::Capability> = caps::spawner_caps(passthrough).iter().map(|(c, _)| *c).collect();
     let inheritable: Vec<::caps::Capability> =
         if passthrough { vec![::caps::Capability::CAP_SYS_MODULE] } else { Vec::new() };
-    let mut report = SpawnerReport::default();
     if let Err(e) = caps::restrict(&keep, &inheritable) {
         report.caps_error = e.to_string();
     }

@@ -12,9 +12,15 @@ use std::path::Path;
 /// The variable naming the path the probe tries to create.
 pub const VAR: &str = "VMHOST_TEST_SANDBOX_PROBE";
 
-/// The probe's target path, when the variable is set.
-pub fn requested() -> Option<String> {
-    std::env::var(VAR).ok().filter(|v| !v.is_empty())
+/// Optional: comma-separated files the probe opens for writing (and closes without writing a
+/// byte, so a sysfs `remove` it could open removes nothing): `open-for-write PATH: ...` lines.
+pub const OPEN_VAR: &str = "VMHOST_TEST_SANDBOX_PROBE_OPEN";
+
+/// The probe's target path and the files to open, when the variable is set.
+pub fn requested() -> Option<(String, Vec<String>)> {
+    let outside = std::env::var(VAR).ok().filter(|v| !v.is_empty())?;
+    let opens = std::env::var(OPEN_VAR).unwrap_or_default();
+    Some((outside, opens.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()))
 }
 
 fn outcome(r: std::io::Result<()>) -> String {
@@ -25,8 +31,12 @@ fn outcome(r: std::io::Result<()>) -> String {
 }
 
 /// Runs every probe.
-pub fn run(outside: &str) {
+pub fn run(outside: &str, opens: &[String]) {
     let mut lines = Vec::new();
+    for path in opens {
+        let opened = std::fs::OpenOptions::new().write(true).open(path).map(|_| ());
+        lines.push(format!("open-for-write {path}: {}", outcome(opened)));
+    }
     let read_shadow = std::fs::File::open("/etc/shadow").map(|_| ());
     lines.push(format!("read /etc/shadow: {}", outcome(read_shadow)));
     let create = std::fs::write(outside, b"escaped\n");

@@ -28,7 +28,19 @@ HW='
 [lifecycle]
 autostart = false
 '
+# The sandbox probe (debug builds): the daemon opens sysfs files for writing and reports each
+# outcome (it writes nothing). Landlock grants exactly driver_override and the drivers' bind
+# files passthrough writes, never a modelled device's remove or config.
+export VMHOST_TEST_SANDBOX_PROBE="$LAB_DIR/escaped"
+D=/sys/bus/pci/devices/0000:00:05.0
+export VMHOST_TEST_SANDBOX_PROBE_OPEN="$D/remove,$D/config,$D/driver_override,/sys/bus/pci/drivers/vmxnet3/bind"
 start_vmhostd "$HW"
+unset VMHOST_TEST_SANDBOX_PROBE VMHOST_TEST_SANDBOX_PROBE_OPEN
+probe_said() { grep -F "sandbox-probe: open-for-write $1: $2" "$LAB_DAEMON_LOG"; }
+check sysfs-remove-refused probe_said "$D/remove" 'errno 13'
+check sysfs-config-refused probe_said "$D/config" 'errno 13'
+check sysfs-override-granted probe_said "$D/driver_override" ok
+check sysfs-original-bind-granted probe_said /sys/bus/pci/drivers/vmxnet3/bind ok
 check orig-vmxnet3 is_drv 0000:00:05.0 vmxnet3
 check orig-nvme is_drv 0000:00:06.0 nvme
 LAB_VERBOSE=1 check host-check sh -c 'vmhostctl --socket '"$LAB_SOCKET"' check; true'
