@@ -15,9 +15,15 @@
 //! [`Child`] is dropped before it was waited for. Without a spawner (`sandbox = "off"`, and unit
 //! tests) the same types start the program in-process with tokio.
 //!
-//! The spawner only runs programs on its allowlist (the configured `qemu.binary`,
-//! `qemu.img_binary`, and `modprobe vfio-pci` when passthrough is configured), with an empty
-//! environment except `PATH`, stdin on `/dev/null`.
+//! The spawner only runs programs on its allowlist (the configured `qemu.binary`, and `modprobe
+//! vfio-pci` when passthrough is configured), with an empty environment except `PATH`, stdin on
+//! `/dev/null`; `qemu.img_binary` only for a [`crate::disk::ImgOp`] whose template the spawner
+//! fills in itself ([`Command::qemu_img`]), on files of the images and overlay directories. It
+//! also opens boot files, probes `/dev/kvm` as QEMU's user, and hands VFIO group nodes to
+//! QEMU's group and back ([`vfio_node`]).
+//!
+//! The control socket is driven asynchronously ([`Control`]): a full socket makes the sending
+//! task wait on the reactor, never a runtime thread.
 //!
 //! **Every program starts in a session (and process group) of its own** (`setsid()` between
 //! fork and exec, through the spawner and without one), so a signal meant for the daemon's
