@@ -15,7 +15,11 @@
 //! replacing or modifying a base under existing overlays corrupts them.
 //!
 //! All work is done by the `qemu-img` binary (no shell), bounded by [`QEMU_IMG_TIMEOUT`]; its
-//! failures carry the tail of its stderr.
+//! failures carry the tail of its stderr. It runs only as one of the fixed operations of
+//! [`ImgOp`], whose command lines [`ImgOp::argv`] builds from templates: with a sandbox the
+//! daemon sends the spawner the operation (typed parameters), never an argv, and the spawner
+//! refuses a `qemu-img` argv and any operation on a file outside the image and overlay
+//! directories ([`ImgOp::confined_to`]).
 
 use std::fs::OpenOptions;
 use std::io;
@@ -104,6 +108,111 @@ impl DiskError {
     }
 }
 
+/// One `qemu-img` operation with typed parameters: the only ways `qemu-img` runs.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ImgOp {
+    /// `qemu-img --version` (host.check).
+    Version,
+    /// `qemu-img info --output=json IMAGE`.
+    Info {
+        /// The image (a base, or an overlay whose size is read).
+        image: PathBuf,
+    },
+    /// `qemu-img create -q -f qcow2 -F FORMAT -b BASE OVERLAY SIZEG`.
+    Create {
+        /// The base, absolute (the overlay records it).
+        base: PathBuf,
+        /// The base's format, as [`base_info`] found it.
+        base_format: String,
+        /// The overlay to write.
+        overlay: PathBuf,
+        /// Its virtual size in GiB.
+        size_gib: u64,
+    },
+    /// `qemu-img resize -q -f qcow2 OVERLAY BYTES`.
+    Resize {
+        /// The overlay to grow.
+        overlay: PathBuf,
+        /// Its new virtual size in bytes.
+        bytes: u64,
+    },
+}
+
+impl ImgOp {
+    /// The name used in errors (`info`, `create`, `resize`).
+    pub fn command(&self) -> &'static str {
+        match self {
+            ImgOp::Version => "--version",
+            ImgOp::Info { .. } => "info",
+            ImgOp::Create { .. } => "create",
+            ImgOp::Resize { .. } => "resize",
+        }
+    }
+
+    /// The arguments after the program: the fixed template with the parameters filled in.
+    /// Paths that start with `-` are made `./-...`; a format is refused unless it is a plain
+    /// word (a letter or digit, then letters, digits, `-`, `_`), so no parameter can become an
+    /// option.
+    ///
+    /// # Errors
+    /// [`DiskError::Output`] for a format that is not a plain word.
+    pub fn argv(&self) -> Result<Vec<std::ffi::OsString>, DiskError> {
+        Ok(match self {
+            ImgOp::Version => vec!["--version".into()],
+            ImgOp::Info { image } => vec!["info".into(), "--output=json".into(), path_arg(image)],
+            ImgOp::Create { base, base_format, overlay, size_gib } => {
+                let plain = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_';
+                let starts_plain = base_format.starts_with(|c: char| c.is_ascii_alphanumeric());
+                if !starts_plain || !base_format.chars().all(plain) {
+                    return Err(DiskError::Output(format!("unexpected base format {base_format:?}")));
+                }
+                vec![
+                    "create".into(),
+                    "-q".into(),
+                    "-f".into(),
+                    "qcow2".into(),
+                    "-F".into(),
+                    base_format.into(),
+                    "-b".into(),
+                    path_arg(base),
+                    path_arg(overlay),
+                    format!("{size_gib}G").into(),
+                ]
+            }
+            ImgOp::Resize { overlay, bytes } => {
+                vec![
+                    "resize".into(),
+                    "-q".into(),
+                    "-f".into(),
+                    "qcow2".into(),
+                    path_arg(overlay),
+                    bytes.to_string().into(),
+                ]
+            }
+        })
+    }
+
+    /// Whether every file of the operation lies where it may: images it reads under one of
+    /// `read` or `write`, overlays it writes under one of `write`. Paths must be absolute and
+    /// free of `..`, so the check on the text is the check on the file (symbolic links inside
+    /// those directories are the operator's).
+    pub fn confined_to(&self, read: &[PathBuf], write: &[PathBuf]) -> bool {
+        let under = |p: &Path, roots: &[PathBuf]| {
+            p.is_absolute()
+                && !p.components().any(|c| matches!(c, std::path::Component::ParentDir))
+                && roots.iter().any(|r| p.starts_with(r) && p != r.as_path())
+        };
+        let readable = |p: &Path| under(p, read) || under(p, write);
+        match self {
+            ImgOp::Version => true,
+            ImgOp::Info { image } => readable(image),
+            ImgOp::Create { base, overlay, .. } => readable(base) && under(overlay, write),
+            ImgOp::Resize { overlay, .. } => under(overlay, write),
+        }
+    }
+}
+
 /// What [`base_info`] learns about a base image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BaseInfo {
@@ -121,7 +230,8 @@ pub struct BaseInfo {
 /// `qemu-img`'s message; [`DiskError::Spawn`], [`DiskError::Timeout`]; [`DiskError::Output`]
 /// when the JSON lacks `format` or `virtual-size`.
 pub async fn base_info(qemu_img: &Path, base: &Path) -> Result<BaseInfo, DiskError> {
-    let stdout = run_qemu_img(qemu_img, "info", vec!["info".into(), "--output=json".into(), path_arg(base)]).await?;
+    let base = std::path::absolute(base).map_err(|source| DiskError::Io { path: base.to_path_buf(), source })?;
+    let stdout = run_qemu_img(qemu_img, ImgOp::Info { image: base }).await?;
     let json: Value =
         serde_json::from_slice(&stdout).map_err(|e| DiskError::Output(format!("qemu-img info is not JSON: {e}")))?;
     let format = json
@@ -177,23 +287,9 @@ pub async fn create_overlay(qemu_img: &Path, base: &Path, overlay: &Path, size_g
     if too_small {
         return Err(DiskError::TooSmall { base, base_bytes: info.virtual_size, size_gib });
     }
-    run_qemu_img(
-        qemu_img,
-        "create",
-        vec![
-            "create".into(),
-            "-q".into(),
-            "-f".into(),
-            "qcow2".into(),
-            "-F".into(),
-            info.format.into(),
-            "-b".into(),
-            base.into_os_string(),
-            path_arg(overlay),
-            format!("{size_gib}G").into(),
-        ],
-    )
-    .await?;
+    let overlay_abs =
+        std::path::absolute(overlay).map_err(|source| DiskError::Io { path: overlay.to_path_buf(), source })?;
+    run_qemu_img(qemu_img, ImgOp::Create { base, base_format: info.format, overlay: overlay_abs, size_gib }).await?;
     guard.armed = false;
     Ok(())
 }
@@ -251,24 +347,18 @@ pub async fn grow_overlay(qemu_img: &Path, overlay: &Path, size_gib: u64) -> Res
     if base_info(qemu_img, overlay).await?.virtual_size >= bytes {
         return Ok(false);
     }
-    run_qemu_img(
-        qemu_img,
-        "resize",
-        vec!["resize".into(), "-q".into(), "-f".into(), "qcow2".into(), path_arg(overlay), bytes.to_string().into()],
-    )
-    .await?;
+    let overlay =
+        std::path::absolute(overlay).map_err(|source| DiskError::Io { path: overlay.to_path_buf(), source })?;
+    run_qemu_img(qemu_img, ImgOp::Resize { overlay, bytes }).await?;
     Ok(true)
 }
 
-/// Runs `qemu-img ARGS` (stdin null, output captured, killed after [`QEMU_IMG_TIMEOUT`]) and
-/// returns its stdout.
-async fn run_qemu_img(
-    qemu_img: &Path,
-    command: &'static str,
-    args: Vec<std::ffi::OsString>,
-) -> Result<Vec<u8>, DiskError> {
+/// Runs `qemu-img` for `op` (stdin null, output captured, killed after [`QEMU_IMG_TIMEOUT`])
+/// and returns its stdout.
+async fn run_qemu_img(qemu_img: &Path, op: ImgOp) -> Result<Vec<u8>, DiskError> {
+    let command = op.command();
     let spawn_error = |source| DiskError::Spawn { program: qemu_img.to_path_buf(), source };
-    let run = crate::sandbox::spawn::Command::new(qemu_img).args(args);
+    let run = crate::sandbox::spawn::Command::qemu_img(qemu_img, op)?;
     // On timeout the child is dropped, which kills it.
     let output = tokio::time::timeout(QEMU_IMG_TIMEOUT, run.output())
         .await
@@ -463,6 +553,32 @@ mod tests {
             other => panic!("expected Spawn, got {other:?}"),
         }
         assert!(!ov.exists());
+    }
+
+    #[test]
+    fn operations_fill_fixed_templates() {
+        let argv = |op: ImgOp| op.argv().unwrap().into_iter().map(|a| a.into_string().unwrap()).collect::<Vec<_>>();
+        assert_eq!(argv(ImgOp::Info { image: "/i/b.raw".into() }), ["info", "--output=json", "/i/b.raw"]);
+        let create =
+            ImgOp::Create { base: "/i/b".into(), base_format: "qcow2".into(), overlay: "/d/-o".into(), size_gib: 3 };
+        assert_eq!(argv(create), ["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", "/i/b", "/d/-o", "3G"]);
+        assert_eq!(
+            argv(ImgOp::Resize { overlay: "-o".into(), bytes: 1 << 30 }),
+            ["resize", "-q", "-f", "qcow2", "./-o", "1073741824"]
+        );
+        // A format cannot smuggle an option or a second argument.
+        for bad in ["", "raw -o x", "--help", "raw,backing_file=/etc/shadow"] {
+            let op =
+                ImgOp::Create { base: "/i/b".into(), base_format: bad.into(), overlay: "/d/o".into(), size_gib: 1 };
+            assert!(op.argv().is_err(), "{bad:?}");
+        }
+        // Confinement: absolute, no `..`, inside, never the directory itself.
+        let (read, write) = (vec![PathBuf::from("/i")], vec![PathBuf::from("/d")]);
+        assert!(ImgOp::Info { image: "/d/o".into() }.confined_to(&read, &write));
+        for outside in ["i/b", "/i/../etc/shadow", "/i", "/etc/shadow", "/id"] {
+            assert!(!ImgOp::Info { image: outside.into() }.confined_to(&read, &write), "{outside}");
+        }
+        assert!(!ImgOp::Resize { overlay: "/i/b".into(), bytes: 1 }.confined_to(&read, &write));
     }
 
     #[test]

@@ -25,7 +25,7 @@ async fn binary_version(name: &str, binary: &Path) -> CheckItem {
         let package = if name == "qemu_img" { " (Debian: qemu-utils)" } else { " (Debian: qemu-system-x86)" };
         return item(name, CheckStatus::Missing, format!("{} not found{package}", binary.display()));
     }
-    let run = crate::sandbox::spawn::Command::new(binary).args(["--version"]).output();
+    let run = crate::sandbox::spawn::Command::version_probe(binary, name == "qemu_img").output();
     match tokio::time::timeout(VERSION_TIMEOUT, run).await {
         Ok(Ok(out)) if out.status.success() => {
             let text = String::from_utf8_lossy(&out.stdout);

@@ -192,6 +192,10 @@ fn the_probe_cannot_escape() {
     assert!(line("exec /bin/true").ends_with("errno 1"), "{log}");
     assert!(line("tcp bind").ends_with("errno 13"), "{log}");
     assert!(line("unshare").ends_with("errno 1"), "{log}");
+    assert!(line("unshare user").ends_with("errno 1"), "{log}");
+    assert!(line("chmod /dev/null").ends_with("errno 1"), "{log}");
+    assert!(line("fork").ends_with("errno 1"), "{log}");
+    assert!(line("clone3").ends_with("errno 38"), "clone3 says ENOSYS: {log}");
     assert!(!target.exists(), "the probe wrote outside the daemon's directories");
     // The daemon still works.
     assert!(host.call("host.info", json!({}))["version"].is_string());

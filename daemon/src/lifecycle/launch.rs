@@ -203,7 +203,7 @@ impl Manager {
         let name = vm.spec.name.clone();
         let paths = paths.clone();
         let allocs = self.record(&name)?.nics;
-        if let Err(e) = self.hand_vfio_groups_to_qemu(&name) {
+        if let Err(e) = self.hand_vfio_groups_to_qemu(&name).await {
             self.clean_run_dir(&paths);
             return Err(e);
         }
@@ -375,46 +375,6 @@ impl Manager {
             fds.push(fd);
         }
         Ok(PassedFds { fds, base_format })
-    }
-
-    /// Lets QEMU's user open the VFIO group devices of the VM's bound devices: group
-    /// `qemu.user`'s, mode 0660. The daemon owns them (the kernel makes them root's) and is a
-    /// member of that group ([`crate::sandbox`]), so this needs no CAP_CHOWN. A node that does
-    /// not exist is left to QEMU to report.
-    ///
-    /// # Errors
-    /// 4001 with step `vfio_access` when a node's group or mode cannot be changed.
-    fn hand_vfio_groups_to_qemu(&self, name: &str) -> Result<(), ApiError> {
-        use std::os::unix::fs::PermissionsExt;
-        let Some(user) = self.config.qemu_user.filter(|u| u.uid != 0) else { return Ok(()) };
-        let mut groups = std::collections::BTreeSet::new();
-        for b in self.record(name)?.vfio {
-            if let Ok(Some(g)) = self.pci.iommu_group(b.address) {
-                groups.insert(g);
-            }
-        }
-        for g in groups {
-            let node = crate::pci::bind::vfio_group_dev(g);
-            let gid = nix::unistd::Gid::from_raw(user.gid);
-            // fchownat, the one call of the family in the daemon's seccomp table.
-            let changed =
-                nix::unistd::fchownat(nix::fcntl::AT_FDCWD, &node, None, Some(gid), nix::fcntl::AtFlags::empty())
-                    .map_err(std::io::Error::from)
-                    .and_then(|()| std::fs::set_permissions(&node, std::fs::Permissions::from_mode(0o660)));
-            match changed {
-                Ok(()) => tracing::debug!(vm = name, node = %node.display(), "VFIO group handed to QEMU's group"),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    tracing::warn!(vm = name, node = %node.display(), "no VFIO group device node");
-                }
-                Err(e) => {
-                    return Err(provisioning(
-                        "vfio_access",
-                        format!("cannot give {} to the group of qemu.user: {e}", node.display()),
-                    ));
-                }
-            }
-        }
-        Ok(())
     }
 
     /// SIGKILLs a VM process, only if it still is this VM's QEMU (never a reused pid), and waits

@@ -181,7 +181,7 @@ mod tests {
         rec.status = VmStatus::Running;
         // A QEMU that has exited: no process has this start time.
         rec.process = Some(ProcessIdentity { pid: i32::MAX - 3, start_ticks: 1 });
-        rec.vfio = vec![Binding { address: addr(NIC), original_driver: Some("e1000e".into()) }];
+        rec.vfio = vec![Binding { address: addr(NIC), original_driver: Some("e1000e".into()), node_before: None }];
         store.save(&mut rec).unwrap();
 
         let marker = VmPaths::for_vm(&config, "vm-1").cmdline_marker();

@@ -3,16 +3,21 @@
 //! Order: [`Manager::check_passthrough`] before anything is recorded or touched (2001, 3003,
 //! 3004, 3005 refuse the request cleanly); [`Manager::bind_passthrough`] right before QEMU, which
 //! records every affected function's original driver in the VM record *before* the first sysfs
-//! write; [`Manager::release_passthrough`] after QEMU is gone (stop, destroy, death, failed
-//! launch, and at daemon start for VMs whose QEMU vanished). The record's bindings are cleared
-//! only once release succeeded, so a failed release is retried at the next opportunity.
+//! write; [`Manager::hand_vfio_groups_to_qemu`] after it, which records each IOMMU group node's
+//! group and mode *before* the spawner gives the node to QEMU's group;
+//! [`Manager::release_passthrough`] after QEMU is gone (stop, destroy, death, failed launch, and
+//! at daemon start for VMs whose QEMU vanished), which first puts each node's group and mode
+//! back, then the drivers. The record's bindings are cleared only once release succeeded, so a
+//! failed release is retried at the next opportunity.
 //!
 //! Sysfs writes and the bounded waits for the kernel block, so they run on the blocking pool.
 
 use super::Manager;
 use crate::api::{ApiError, Code, VmSpec};
+use crate::hardware::PciAddress;
 use crate::pci::bind::{self, Binding, BIND_TIMEOUT};
 use crate::pci::check::{self, Assignment, Requested};
+use crate::sandbox::spawn::{self, NodeAccess, VFIO_NODE_MODES};
 use crate::validate::requested_devices;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -114,6 +119,19 @@ impl Manager {
         if bindings.is_empty() {
             return Ok(());
         }
+        // The nodes first: once the drivers are back the kernel may remove them (nothing left to
+        // put back then), or keep them for another device of the group still on vfio-pci.
+        for node in nodes_to_revert(&bindings) {
+            match spawn::vfio_node(node.group, node.gid, node.mode & VFIO_NODE_MODES).await {
+                Ok(_) => tracing::debug!(vm = name, group = node.group, "VFIO group node put back"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // Not a reason to keep the devices from their drivers: the node is left as it
+                // is, and said so.
+                Err(e) => {
+                    tracing::error!(vm = name, group = node.group, error = %e, "cannot put a VFIO group node back; left as it is");
+                }
+            }
+        }
         let pci = self.pci.clone();
         let count = bindings.len();
         let started = std::time::Instant::now();
@@ -135,11 +153,79 @@ impl Manager {
         }
     }
 
+    /// Lets QEMU's user open the VFIO group nodes of the VM's bound devices: group
+    /// `qemu.user`'s, mode 0660, changed by the spawner (the daemon's seccomp table has no
+    /// path-based chmod or chown). Each node's group and mode before are recorded in the VM's
+    /// bindings first, so release (even after a crash) puts them back. A node that does not
+    /// exist is left to QEMU to report.
+    ///
+    /// # Errors
+    /// 4001 with step `vfio_access` when a node's group or mode cannot be changed or recorded.
+    pub(super) async fn hand_vfio_groups_to_qemu(&self, name: &str) -> Result<(), ApiError> {
+        use std::os::unix::fs::MetadataExt;
+        let Some(user) = self.config.qemu_user.filter(|u| u.uid != 0) else { return Ok(()) };
+        let bindings = self.record(name)?.vfio;
+        let groups: Vec<(PciAddress, u32)> =
+            bindings.iter().filter_map(|b| Some((b.address, self.pci.iommu_group(b.address).ok()??))).collect();
+        let unique: std::collections::BTreeSet<u32> = groups.iter().map(|(_, g)| *g).collect();
+        for g in unique {
+            let node = bind::vfio_group_dev(g);
+            // Intent first; a node already recorded (a launch that crashed after handing it
+            // over) keeps its first record, not the handed-over state.
+            if !bindings.iter().any(|b| b.node_before.is_some_and(|n| n.group == g)) {
+                let before = match std::fs::symlink_metadata(&node) {
+                    Ok(meta) => NodeAccess { group: g, gid: meta.gid(), mode: meta.mode() & 0o7777 },
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        tracing::warn!(vm = name, node = %node.display(), "no VFIO group device node");
+                        continue;
+                    }
+                    Err(e) => return Err(access_error(&node, e)),
+                };
+                let groups = groups.clone();
+                self.update(name, "vfio node intent", move |r| record_node_before(&mut r.vfio, &groups, before))?;
+            }
+            match spawn::vfio_node(g, user.gid, VFIO_NODE_MODES).await {
+                Ok(_) => tracing::debug!(vm = name, node = %node.display(), "VFIO group handed to QEMU's group"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    tracing::warn!(vm = name, node = %node.display(), "no VFIO group device node");
+                }
+                Err(e) => return Err(access_error(&node, e)),
+            }
+        }
+        Ok(())
+    }
+
     /// RLIMIT_MEMLOCK QEMU needs: VFIO pins all guest RAM (plus room for QEMU's own buffers).
     pub(super) fn memlock_for(&self, spec: &VmSpec) -> Option<u64> {
         (!requested_devices(spec, &self.config.hardware).is_empty())
             .then(|| (spec.memory_mib + 1024).saturating_mul(1024 * 1024))
     }
+}
+
+fn access_error(node: &std::path::Path, e: std::io::Error) -> ApiError {
+    ApiError::new(Code::ProvisioningFailed, format!("cannot give {} to the group of qemu.user: {e}", node.display()))
+        .details(json!({ "step": "vfio_access" }))
+}
+
+/// Records `before` on every binding in its group (`groups` maps devices to groups) that has
+/// no record of its node yet.
+fn record_node_before(bindings: &mut [Binding], groups: &[(PciAddress, u32)], before: NodeAccess) {
+    for b in bindings.iter_mut().filter(|b| b.node_before.is_none()) {
+        if groups.iter().any(|(a, g)| *a == b.address && *g == before.group) {
+            b.node_before = Some(before);
+        }
+    }
+}
+
+/// The nodes to put back on release: one per group, as first recorded.
+fn nodes_to_revert(bindings: &[Binding]) -> Vec<NodeAccess> {
+    let mut out: Vec<NodeAccess> = Vec::new();
+    for n in bindings.iter().filter_map(|b| b.node_before) {
+        if !out.iter().any(|o| o.group == n.group) {
+            out.push(n);
+        }
+    }
+    out
 }
 
 /// The hook for [`bind::bind_vfio`] and [`bind::release`]: the crash point `STEP:N` after the
@@ -150,5 +236,34 @@ fn numbered_crashpoint(run: std::path::PathBuf, step: &'static str) -> impl FnMu
     move |_| {
         n += 1;
         crate::crashpoint::hit(&run, &format!("{step}:{n}"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn binding(addr: &str) -> Binding {
+        Binding { address: PciAddress::parse(addr).unwrap(), original_driver: Some("e1000e".into()), node_before: None }
+    }
+
+    #[test]
+    fn node_records_are_kept_once_per_group_and_reverted_once() {
+        let mut b = vec![binding("0000:00:05.0"), binding("0000:00:05.1"), binding("0000:00:06.0")];
+        let groups: Vec<(PciAddress, u32)> = vec![(b[0].address, 3), (b[1].address, 3), (b[2].address, 4)];
+        let first = NodeAccess { group: 3, gid: 0, mode: 0o600 };
+        record_node_before(&mut b, &groups, first);
+        assert_eq!(b[0].node_before, Some(first));
+        assert_eq!(b[1].node_before, Some(first));
+        assert_eq!(b[2].node_before, None);
+        // A second record (after a crash, the node already handed over) does not overwrite.
+        record_node_before(&mut b, &groups, NodeAccess { group: 3, gid: 999, mode: 0o660 });
+        assert_eq!(b[0].node_before, Some(first));
+        let other = NodeAccess { group: 4, gid: 10, mode: 0o640 };
+        record_node_before(&mut b, &groups, other);
+        assert_eq!(nodes_to_revert(&b), vec![first, other]);
+        // Records written before this field existed read as nothing to put back.
+        let old: Binding = serde_json::from_str(r#"{"address":"0000:00:05.0","original_driver":null}"#).unwrap();
+        assert_eq!(nodes_to_revert(&[old]), vec![]);
     }
 }

@@ -54,6 +54,10 @@ pub struct Binding {
     pub address: PciAddress,
     /// The driver it had before binding; `None` when it had none.
     pub original_driver: Option<String>,
+    /// Its IOMMU group's node (`/dev/vfio/GROUP`) before it was handed to QEMU's group:
+    /// recorded before the change, put back on release ([`crate::sandbox::spawn::vfio_node`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_before: Option<crate::sandbox::spawn::NodeAccess>,
 }
 
 /// Serde for [`PciAddress`] as its canonical text.
@@ -203,7 +207,11 @@ pub fn vfio_group_dev(group: u32) -> PathBuf {
 /// # Errors
 /// [`PciError::Io`] when a `driver` link cannot be read.
 pub fn plan_bindings(pci: &Pci, assignment: &Assignment) -> Result<Vec<Binding>, PciError> {
-    assignment.to_bind.iter().map(|&address| Ok(Binding { address, original_driver: pci.driver(address)? })).collect()
+    assignment
+        .to_bind
+        .iter()
+        .map(|&address| Ok(Binding { address, original_driver: pci.driver(address)?, node_before: None }))
+        .collect()
 }
 
 /// `bus/pci/devices/BDF/ATTR`.
@@ -416,7 +424,7 @@ mod tests {
     }
 
     fn binding(address: &str, driver: Option<&str>) -> Binding {
-        Binding { address: addr(address), original_driver: driver.map(str::to_string) }
+        Binding { address: addr(address), original_driver: driver.map(str::to_string), node_before: None }
     }
 
     #[test]

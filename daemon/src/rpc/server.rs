@@ -24,9 +24,8 @@ use crate::rpc::request::{self, Line, Request};
 use jsonrpsee::{MethodCallback, Methods};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
-use std::fs::Permissions;
 use std::io::{self, ErrorKind};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -95,10 +94,8 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
         std::fs::create_dir_all(parent)?;
     }
     remove_stale_socket(path)?;
-    let listener = std::os::unix::net::UnixListener::bind(path)?;
-    // Between bind and chmod the file has umask-derived bits; harmless, since every connection
-    // is checked by credential anyway.
-    std::fs::set_permissions(path, Permissions::from_mode(mode))?;
+    // Created with its mode (no chmod afterwards: the daemon's seccomp table has none).
+    let listener = crate::sandbox::socket::bind(path, mode)?;
     listener.set_nonblocking(true)?;
     UnixListener::from_std(listener)
 }
@@ -828,6 +825,7 @@ fn to_line<T: Serialize>(message: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn raw(text: &str) -> &RawValue {
         serde_json::from_str(text).unwrap()

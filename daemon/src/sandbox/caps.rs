@@ -54,11 +54,20 @@ pub fn with_effective<T>(cap: Capability, f: impl FnOnce() -> T) -> T {
 /// Why the spawner keeps `CAP_SYS_MODULE` when passthrough is configured.
 pub const SYS_MODULE_WHY: &str = "modprobe vfio-pci (its only allowed use), as an ambient capability of that modprobe";
 
-/// The spawner's set: [`SPAWNER`] plus `CAP_SYS_MODULE` when `passthrough`.
+/// Why the spawner keeps `CAP_CHOWN` when passthrough is configured (and it was started with
+/// it): putting a VFIO group node back to a group other than root's or qemu.user's, which the
+/// spawner, the node's owner and a member of those two, may give it without.
+pub const CHOWN_WHY: &str = "put a VFIO group node (/dev/vfio/N) back to a group the spawner is not a member of \
+     (raised only for that change)";
+
+/// The spawner's set: [`SPAWNER`] plus `CAP_SYS_MODULE` and `CAP_CHOWN` (permitted, raised only
+/// while a VFIO group node changes group; kept only if the daemon was started with it) when
+/// `passthrough`.
 pub fn spawner_caps(passthrough: bool) -> Vec<(Capability, &'static str)> {
     let mut v = SPAWNER.to_vec();
     if passthrough {
         v.push((Capability::CAP_SYS_MODULE, SYS_MODULE_WHY));
+        v.push((Capability::CAP_CHOWN, CHOWN_WHY));
     }
     v
 }
@@ -215,7 +224,10 @@ mod tests {
         let s: Vec<Capability> = spawner_caps(false).iter().map(|(c, _)| *c).collect();
         assert_eq!(names(mask(&s)), "cap_dac_read_search,cap_setgid,cap_setuid,cap_sys_resource");
         let s: Vec<Capability> = spawner_caps(true).iter().map(|(c, _)| *c).collect();
-        assert_eq!(names(mask(&s)), "cap_dac_read_search,cap_setgid,cap_setuid,cap_sys_module,cap_sys_resource");
+        assert_eq!(
+            names(mask(&s)),
+            "cap_chown,cap_dac_read_search,cap_setgid,cap_setuid,cap_sys_module,cap_sys_resource"
+        );
         assert_eq!(Capability::CAP_SYS_MODULE.index() as u32, CAP_SYS_MODULE);
         assert_eq!(names(0), "none");
     }

@@ -11,6 +11,19 @@
 //! descriptor). Paths are resolved when opened, so a sysfs symlink such as
 //! `/sys/bus/pci/devices/0000:05:00.0` grants access to its `/sys/devices/...` target, which is
 //! where the kernel checks writes to `driver_override`.
+//!
+//! sysfs is granted read-only, plus write on exactly the attribute files passthrough writes
+//! ([`pci_write_files`], computed at start from the hardware model): each modelled device's
+//! (and IOMMU group peer's) `driver_override`, `bus/pci/drivers_probe`, vfio-pci's `bind` and
+//! `unbind`, and `bind` and `unbind` of the drivers those devices have at start (binding to
+//! vfio-pci unbinds the original driver; release binds it back). Nothing else: not `remove`,
+//! `reset`, `config` or `rescan` of any device, not the bind files of any other driver (the root
+//! disk's, say, unless it is also a modelled device's driver). A device on vfio-pci at start (a
+//! restart while its VM runs) has its original driver from the VM's record. Limits, since a rule
+//! needs a file that exists at start: a driver a device gets only after the start (or vfio-pci
+//! when its module could not be loaded at start) has no rule; release then falls back to `drivers_probe`, which
+//! probes the drivers whose id tables match, and unbinding from vfio-pci is refused until the
+//! daemon restarts with vfio-pci loaded (load it at boot on passthrough hosts).
 
 use crate::config::Config;
 use landlock::Access as _;
@@ -85,9 +98,9 @@ pub fn passthrough(config: &Config) -> bool {
     !config.hardware.model.is_empty() || config.hardware.allow_raw_pci
 }
 
-/// The daemon's rules. `pci_devices` are the sysfs directories of the PCI functions it may bind
-/// to vfio-pci and back (see [`pci_device_dirs`]).
-pub fn daemon_rules(config: &Config, pci_devices: &[PathBuf]) -> Vec<Rule> {
+/// The daemon's rules. `pci_files` are the sysfs attribute files passthrough writes (see
+/// [`pci_write_files`]).
+pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
     let p = &config.paths;
     let mut v = vec![
         rule(&p.state, Access::ReadWrite, "VM records, overlays, seeds, serial logs, the lock file"),
@@ -115,9 +128,12 @@ pub fn daemon_rules(config: &Config, pci_devices: &[PathBuf]) -> Vec<Rule> {
     if passthrough(config) {
         v.push(rule("/dev/vfio", Access::Device, "VFIO groups of passed-through devices"));
         v.push(rule("/sys/bus/pci/drivers_probe", Access::WriteFiles, "binding a device to vfio-pci"));
-        v.push(rule("/sys/bus/pci/drivers", Access::WriteFiles, "bind/unbind of a device's original driver"));
-        for dir in pci_devices {
-            v.push(rule(dir, Access::WriteFiles, "driver_override of a passthrough device"));
+        for file in pci_files {
+            v.push(rule(
+                file,
+                Access::WriteFiles,
+                "driver_override of a passthrough device; bind/unbind of vfio-pci and of its original driver",
+            ));
         }
     }
     v
@@ -165,6 +181,48 @@ pub fn pci_device_dirs(config: &Config) -> Vec<PathBuf> {
     dirs.sort();
     dirs.dedup();
     dirs
+}
+
+/// The sysfs attribute files the daemon may write for passthrough (module doc): for each of
+/// `device_dirs` ([`pci_device_dirs`]) its `driver_override` and its current driver's `bind`
+/// and `unbind`, the same files of `recorded_drivers` (the original drivers VM records name for
+/// devices that are on vfio-pci now, see [`recorded_original_drivers`]), and vfio-pci's `bind`
+/// and `unbind`.
+pub fn pci_write_files(device_dirs: &[PathBuf], recorded_drivers: &[String]) -> Vec<PathBuf> {
+    pci_write_files_in(Path::new("/sys"), device_dirs, recorded_drivers)
+}
+
+/// The original drivers VM records name for their passthrough devices: a daemon restarted while
+/// a VM holds its devices sees vfio-pci as their driver, and must still be allowed to give them
+/// back and bind them again. Unreadable records name nothing.
+pub fn recorded_original_drivers(config: &Config) -> Vec<String> {
+    let Ok(store) = crate::state::Store::open(&config.paths.state) else { return Vec::new() };
+    let Ok((records, _)) = store.load_all() else { return Vec::new() };
+    records.iter().flat_map(|r| r.vfio.iter().filter_map(|b| b.original_driver.clone())).collect()
+}
+
+/// [`pci_write_files`] with sysfs at `sys` (a test's tree).
+fn pci_write_files_in(sys: &Path, device_dirs: &[PathBuf], recorded_drivers: &[String]) -> Vec<PathBuf> {
+    let drivers = sys.join("bus/pci/drivers");
+    let mut files = Vec::new();
+    let mut driver_names = vec![crate::pci::VFIO_PCI.to_string()];
+    // A driver name is one path component (a record is data the daemon wrote, but still).
+    driver_names.extend(recorded_drivers.iter().filter(|d| !d.contains('/') && !d.starts_with('.')).cloned());
+    for dir in device_dirs {
+        files.push(dir.join("driver_override"));
+        if let Ok(target) = std::fs::read_link(dir.join("driver")) {
+            if let Some(name) = target.file_name() {
+                driver_names.push(name.to_string_lossy().into_owned());
+            }
+        }
+    }
+    for name in driver_names {
+        files.push(drivers.join(&name).join("bind"));
+        files.push(drivers.join(&name).join("unbind"));
+    }
+    files.sort();
+    files.dedup();
+    files
 }
 
 /// What [`apply`] achieved.
@@ -269,12 +327,103 @@ mod tests {
         assert!(!r.iter().any(|x| x.path == Path::new("/") || x.path == Path::new("/etc")), "nothing broad");
         c.hardware.allow_raw_pci = true;
         c.qemu.accel = Accel::Kvm;
-        let r = daemon_rules(&c, &[PathBuf::from("/sys/devices/pci0000:00/0000:00:05.0")]);
+        let r = daemon_rules(&c, &[PathBuf::from("/sys/devices/pci0000:00/0000:00:05.0/driver_override")]);
         let find = |p: &str| r.iter().find(|x| x.path == Path::new(p)).map(|x| x.access);
         assert_eq!(find("/dev/kvm"), None, "kvm: the spawner probes /dev/kvm as QEMU's user, not the daemon");
         assert_eq!(find("/dev/vfio"), Some(Access::Device));
         assert_eq!(find("/sys/bus/pci/drivers_probe"), Some(Access::WriteFiles));
-        assert_eq!(find("/sys/devices/pci0000:00/0000:00:05.0"), Some(Access::WriteFiles));
+        assert_eq!(find("/sys/devices/pci0000:00/0000:00:05.0/driver_override"), Some(Access::WriteFiles));
+        assert_eq!(find("/sys/devices/pci0000:00/0000:00:05.0"), None, "not the device's directory");
+        assert_eq!(find("/sys/bus/pci/drivers"), None, "not every driver's bind and unbind");
+    }
+
+    /// A fake sysfs tree: a modelled NIC on e1000e, a disk on nvme, vfio-pci loaded.
+    fn fake_sysfs(root: &Path) -> PathBuf {
+        let nic = root.join("devices/pci0000:00/0000:00:05.0");
+        std::fs::create_dir_all(&nic).unwrap();
+        for f in ["driver_override", "remove", "reset", "config"] {
+            std::fs::write(nic.join(f), b"").unwrap();
+        }
+        for d in ["e1000e", "nvme", "vfio-pci"] {
+            let dir = root.join("bus/pci/drivers").join(d);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("bind"), b"").unwrap();
+            std::fs::write(dir.join("unbind"), b"").unwrap();
+        }
+        std::fs::write(root.join("bus/pci/drivers_probe"), b"").unwrap();
+        std::os::unix::fs::symlink("../../../bus/pci/drivers/e1000e", nic.join("driver")).unwrap();
+        nic
+    }
+
+    #[test]
+    fn pci_write_files_are_exactly_the_attributes_passthrough_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let nic = fake_sysfs(root);
+        let d = root.join("bus/pci/drivers");
+        let mut want = vec![
+            nic.join("driver_override"),
+            d.join("e1000e/bind"),
+            d.join("e1000e/unbind"),
+            d.join("vfio-pci/bind"),
+            d.join("vfio-pci/unbind"),
+        ];
+        want.sort();
+        assert_eq!(pci_write_files_in(root, std::slice::from_ref(&nic), &[]), want);
+        // A restart while the device is on vfio-pci: its record names the original driver.
+        std::fs::remove_file(nic.join("driver")).unwrap();
+        std::os::unix::fs::symlink("../../../bus/pci/drivers/vfio-pci", nic.join("driver")).unwrap();
+        let recorded = ["e1000e".to_string(), "../x".into()];
+        assert_eq!(pci_write_files_in(root, std::slice::from_ref(&nic), &recorded), want);
+    }
+
+    /// Makes [`landlock_probe`] run: the fake sysfs root it writes to.
+    const PROBE_VAR: &str = "VMHOST_TEST_LANDLOCK_PROBE_DIR";
+
+    /// The daemon's rules for a modelled device, applied to a fresh process (this test binary
+    /// again, running [`landlock_probe`]) on a fake sysfs tree: `driver_override` and the
+    /// original driver's bind file are writable; the device's `remove`, `reset` and `config`
+    /// and another driver's (nvme's) bind are not.
+    #[test]
+    fn the_daemon_cannot_write_remove_of_a_modelled_device() {
+        if kernel_abi() == 0 {
+            eprintln!("skipped: no Landlock in this kernel");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        fake_sysfs(dir.path());
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "sandbox::landlock::tests::landlock_probe", "--ignored", "--nocapture"])
+            .env(PROBE_VAR, dir.path())
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("landlock-probe: done"), "the probe did not run:\n{text}");
+    }
+
+    #[test]
+    #[ignore = "run in a child process by the_daemon_cannot_write_remove_of_a_modelled_device"]
+    fn landlock_probe() {
+        let Some(root) = std::env::var_os(PROBE_VAR) else { return };
+        let root = PathBuf::from(root);
+        let nic = root.join("devices/pci0000:00/0000:00:05.0");
+        let mut c = config();
+        c.hardware.allow_raw_pci = true;
+        let files = pci_write_files_in(&root, std::slice::from_ref(&nic), &[]);
+        // The daemon's rules, with the fake tree readable as /sys is.
+        let mut rules = daemon_rules(&c, &files);
+        rules.push(rule(&root, Access::Read, "the fake sysfs"));
+        assert!(apply(&rules).unwrap().enforced());
+        let write = |p: PathBuf| std::fs::OpenOptions::new().write(true).open(&p).map(|_| ()).map_err(|e| e.kind());
+        assert_eq!(write(nic.join("driver_override")), Ok(()));
+        assert_eq!(write(root.join("bus/pci/drivers/e1000e/bind")), Ok(()));
+        assert_eq!(write(root.join("bus/pci/drivers/vfio-pci/unbind")), Ok(()));
+        for denied in ["remove", "reset", "config"] {
+            assert_eq!(write(nic.join(denied)), Err(std::io::ErrorKind::PermissionDenied), "{denied}");
+        }
+        assert_eq!(write(root.join("bus/pci/drivers/nvme/bind")), Err(std::io::ErrorKind::PermissionDenied));
+        println!("landlock-probe: done");
     }
 
     #[test]

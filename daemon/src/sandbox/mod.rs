@@ -6,13 +6,14 @@
 //!
 //! 1. [`env`]: clear the environment and close stray descriptors (nothing inherited leaks into
 //!    the daemon or what it starts);
-//! 2. create the state, run and socket directories (Landlock rules need existing paths);
+//! 2. create the state, run and socket directories, and with passthrough configured load
+//!    vfio-pci (Landlock rules need existing paths);
 //! 3. set no_new_privs (needed for Landlock and seccomp without CAP_SYS_ADMIN, and no execve
 //!    can gain privileges afterwards);
 //! 4. [`spawn`]: fork the spawner, which confines itself ([`caps::spawner_caps`],
 //!    [`landlock::spawner_rules`], no seccomp) and then only starts the allowlisted programs;
-//! 5. the daemon joins the group of `qemu.user` (to hand VFIO group devices to QEMU), then
-//!    [`caps`]: it drops to CAP_NET_ADMIN and CAP_KILL (all five sets, securebits locked);
+//! 5. [`caps`]: the daemon drops to CAP_NET_ADMIN and CAP_KILL (all five sets, securebits
+//!    locked); VFIO group nodes are handed to QEMU by the spawner ([`spawn::vfio_node`]);
 //! 6. [`landlock`]: the daemon's file rules ([`landlock::daemon_rules`]), no TCP;
 //! 7. [`seccomp`]: the daemon's syscall table, last, so the steps before need no syscall the
 //!    table lacks.
@@ -29,6 +30,7 @@ pub mod landlock;
 mod probe;
 pub mod report;
 pub mod seccomp;
+pub mod socket;
 pub mod spawn;
 
 use crate::config::{Config, SandboxMode};
@@ -147,6 +149,15 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
         std::fs::create_dir_all(&d).map_err(|source| SandboxError::Dir { path: d.display().to_string(), source })?;
     }
 
+    // With passthrough configured, vfio-pci now, while the daemon may still run modprobe itself:
+    // Landlock grants its bind and unbind files by name, and they exist only once it is loaded.
+    let vfio_pci = std::path::Path::new("/sys/bus/pci/drivers").join(crate::pci::VFIO_PCI);
+    if landlock::passthrough(config) && !vfio_pci.exists() {
+        if let Err(e) = crate::pci::load_vfio_pci() {
+            tracing::warn!(error = %e, "cannot load vfio-pci at start; passthrough cannot unbind from it until a restart");
+        }
+    }
+
     // 3. no_new_privs.
     match env::set_no_new_privs() {
         Ok(()) => st.no_new_privs = true,
@@ -164,11 +175,7 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     }
     st.spawner = Some(report);
 
-    // 5. Capabilities, after joining the QEMU user's group (that needs CAP_SETGID): as owner
-    // of a VFIO group device the daemon may then give it to that group without CAP_CHOWN.
-    if let Err(e) = join_qemu_group(config) {
-        required(mode, "capabilities", format!("cannot join the group of qemu.user: {e}"))?;
-    }
+    // 5. Capabilities.
     let keep: Vec<::caps::Capability> = caps::DAEMON.iter().map(|(c, _)| *c).collect();
     match caps::restrict(&keep, &[]) {
         Ok(()) => st.caps = Some(Ok(())),
@@ -179,7 +186,12 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     }
 
     // 6. Landlock.
-    let rules = landlock::daemon_rules(config, &landlock::pci_device_dirs(config));
+    let pci_files = if landlock::passthrough(config) {
+        landlock::pci_write_files(&landlock::pci_device_dirs(config), &landlock::recorded_original_drivers(config))
+    } else {
+        Vec::new()
+    };
+    let rules = landlock::daemon_rules(config, &pci_files);
     match landlock::apply(&rules) {
         Ok(outcome) if outcome.enforced() => st.landlock = Some(Ok(outcome)),
         Ok(outcome) => {
@@ -211,14 +223,14 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     );
     let _ = STATE.set(st);
     #[cfg(debug_assertions)]
-    if let Some(outside) = probe {
-        probe::run(&outside);
+    if let Some((outside, opens)) = probe {
+        probe::run(&outside, &opens);
     }
     Ok(())
 }
 
-/// Adds the primary group of `qemu.user` to the daemon's supplementary groups (nothing when
-/// QEMU runs as root or the config was not loaded from a file).
+/// Adds the primary group of `qemu.user` to the calling process's supplementary groups (nothing
+/// when QEMU runs as root or the config was not loaded from a file).
 fn join_qemu_group(config: &Config) -> nix::Result<()> {
     let Some(user) = config.qemu_user.filter(|u| u.uid != 0) else { return Ok(()) };
     let gid = nix::unistd::Gid::from_raw(user.gid);
@@ -254,7 +266,7 @@ fn start_spawner(config: &Config) -> Result<(i32, SpawnerReport), SandboxError> 
     }
     let report: SpawnerReport =
         serde_json::from_slice(&buf[..n]).map_err(|e| SandboxError::Spawner(format!("bad report: {e}")))?;
-    spawn::install(daemon_end);
+    spawn::install(daemon_end).map_err(|e| SandboxError::Spawner(e.to_string()))?;
     Ok((pid, report))
 }
 
@@ -271,15 +283,26 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     let own = control.as_raw_fd();
     let _ = env::close_stray_fds(own..own + 1);
     let passthrough = landlock::passthrough(config);
+    let mut report = SpawnerReport::default();
+    // With passthrough, the spawner joins the group of qemu.user (with CAP_SETGID, before the
+    // drop): as owner of a VFIO group node (the kernel makes them root's) and a member of that
+    // group it may give the node to it without CAP_CHOWN, which a service manager's bounding
+    // set may lack. Programs it starts as qemu.user get their own groups (become_user).
+    if passthrough {
+        if let Err(e) = join_qemu_group(config) {
+            report.caps_error = format!("cannot join the group of qemu.user: {e}");
+        }
+    }
     let keep: Vec<::caps::Capability> = caps::spawner_caps(passthrough).iter().map(|(c, _)| *c).collect();
     let inheritable: Vec<::caps::Capability> =
         if passthrough { vec![::caps::Capability::CAP_SYS_MODULE] } else { Vec::new() };
-    let mut report = SpawnerReport::default();
     if let Err(e) = caps::restrict(&keep, &inheritable) {
         report.caps_error = e.to_string();
     }
     // Permitted, not effective: raised only while a boot file is opened.
     let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_DAC_READ_SEARCH);
+    // Likewise, only while a VFIO group node changes group.
+    let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_CHOWN);
     match landlock::apply(&landlock::spawner_rules(config)) {
         Ok(o) => {
             report.landlock_enforced = o.enforced();
@@ -290,10 +313,42 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     let text = serde_json::to_vec(&report).unwrap_or_default();
     // SAFETY: send from our buffer on our socket.
     unsafe { libc::send(control.as_raw_fd(), text.as_ptr().cast(), text.len(), libc::MSG_NOSIGNAL) };
-    let mut programs = vec![config.qemu.binary.clone(), config.qemu.img_binary.clone()];
-    programs.dedup();
-    let run_as = config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default();
-    let kvm = config.qemu.accel == crate::config::Accel::Kvm;
-    let allow = spawn::Allowlist { programs, modprobe: passthrough, run_as, kvm, boot_dirs: config.paths.boot_dirs() };
+    let allow = allowlist(config);
     spawn::serve(control, &allow, passthrough)
+}
+
+/// What the spawner may do for `config`: start the QEMU binary (as `qemu.user`), `modprobe
+/// vfio-pci` and hand VFIO group nodes over when passthrough is configured, and run `qemu-img`
+/// only for an operation on files of the images and overlay directories (never from an argv).
+pub fn allowlist(config: &Config) -> spawn::Allowlist {
+    let passthrough = landlock::passthrough(config);
+    spawn::Allowlist {
+        programs: vec![config.qemu.binary.clone()],
+        modprobe: passthrough,
+        run_as: config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default(),
+        kvm: config.qemu.accel == crate::config::Accel::Kvm,
+        vfio_nodes: passthrough,
+        qemu_img: Some(config.qemu.img_binary.clone()),
+        img_read: vec![config.paths.images.clone()],
+        img_write: vec![config.paths.state.join("disks")],
+        boot_dirs: config.paths.boot_dirs(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spawner_never_runs_a_qemu_img_argv() {
+        let c = crate::validate::tests::config();
+        let allow = allowlist(&c);
+        let img = &c.qemu.img_binary;
+        for args in [vec!["info".to_string(), "/etc/shadow".into()], vec!["--version".into()], vec![]] {
+            assert!(!allow.permits(img, &args), "{args:?}");
+        }
+        assert!(allow.permits(&c.qemu.binary, &["-version".into()]));
+        let overlay = c.paths.state.join("disks/vm.qcow2");
+        assert!(allow.permits_img(&crate::disk::ImgOp::Resize { overlay, bytes: 1 }));
+    }
 }

@@ -5,15 +5,26 @@
 //! and logged by the kernel (`seccomp = "log"`, SECCOMP_RET_LOG: `audit: type=1326 ... syscall=N`
 //! in the kernel log), the mode for finding what a new code path needs. The filter is installed
 //! on the daemon only: it runs no program itself (the spawner does, see [`super::spawn`]), so
-//! `execve`, `ptrace`, `mount`, module loading, `bpf`, `setns`, `unshare`, namespaces and
-//! credential changes are all absent from the table.
+//! `execve`, `ptrace`, `mount`, module loading, `bpf`, `setns`, namespaces and credential
+//! changes are all absent from the table.
+//!
+//! Three calls are allowed only with some arguments ([`ARG_RULES`]), because their other uses
+//! would undo the sandbox: `clone` only with the flags of a new thread (no new namespace, no
+//! fork), `unshare` only with `CLONE_FS` (a thread's own umask, for the API socket's mode, see
+//! [`super::socket`]), and `clone3`, whose flags sit in a struct a filter cannot read, is
+//! answered `ENOSYS` (by instructions put before the table, [`build`]), so glibc falls back to
+//! `clone`. No path-based `chmod`, `fchmodat` or `fchownat`: a compromised daemon cannot open up
+//! a device node by name; the VFIO group nodes QEMU needs are changed by the spawner
+//! ([`super::spawn::vfio_node`]).
 //!
 //! The table was built by running every end-to-end test with `seccomp = "log"` and reading the
 //! kernel log (docs/sandbox.md says how to redo that), starting from what std, tokio, glibc's
 //! name service and the daemon's own code call.
 
 use crate::config::SeccompMode;
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
+};
 use std::collections::BTreeMap;
 
 /// One allowed syscall.
@@ -92,10 +103,8 @@ pub const ALLOWED: &[Syscall] = &[
     sys!(SYS_rename, FS),
     sys!(SYS_renameat, FS),
     sys!(SYS_renameat2, FS),
-    sys!(SYS_chmod, "the API socket's mode; a VFIO group device's mode for QEMU"),
-    sys!(SYS_fchmod, "the API socket's mode"),
-    sys!(SYS_fchmodat, "the API socket's mode; a VFIO group device's mode for QEMU"),
-    sys!(SYS_fchownat, "a VFIO group device to the group of qemu.user"),
+    sys!(SYS_fchmod, "files the daemon opened itself (a descriptor, never a path)"),
+    sys!(SYS_umask, "the API socket's mode, in a thread with its own umask"),
     sys!(SYS_utimensat, FS),
     sys!(SYS_mmap, MEM),
     sys!(SYS_munmap, MEM),
@@ -103,8 +112,8 @@ pub const ALLOWED: &[Syscall] = &[
     sys!(SYS_mremap, MEM),
     sys!(SYS_madvise, MEM),
     sys!(SYS_brk, MEM),
-    sys!(SYS_clone, THREAD),
-    sys!(SYS_clone3, THREAD),
+    sys!(SYS_clone, "tokio's worker and blocking threads (thread flags only, ARG_RULES)"),
+    sys!(SYS_unshare, "CLONE_FS only (ARG_RULES): a thread's own umask for the API socket"),
     sys!(SYS_futex, THREAD),
     sys!(SYS_set_robust_list, THREAD),
     sys!(SYS_rseq, THREAD),
@@ -186,7 +195,13 @@ pub const NEVER: &[(&str, i64)] = &[
     ("finit_module", libc::SYS_finit_module),
     ("bpf", libc::SYS_bpf),
     ("setns", libc::SYS_setns),
-    ("unshare", libc::SYS_unshare),
+    ("clone3", libc::SYS_clone3),
+    ("chmod", libc::SYS_chmod),
+    ("fchmodat", libc::SYS_fchmodat),
+    ("fchmodat2", 452),
+    ("chown", libc::SYS_chown),
+    ("lchown", libc::SYS_lchown),
+    ("fchownat", libc::SYS_fchownat),
     ("setuid", libc::SYS_setuid),
     ("setgid", libc::SYS_setgid),
     ("capset", libc::SYS_capset),
@@ -195,6 +210,31 @@ pub const NEVER: &[(&str, i64)] = &[
     ("reboot", libc::SYS_reboot),
     ("chroot", libc::SYS_chroot),
     ("pivot_root", libc::SYS_pivot_root),
+];
+
+/// The flags glibc's `pthread_create` passes to `clone` (its fallback when `clone3` says
+/// ENOSYS): a thread sharing everything, and nothing else.
+pub const THREAD_FLAGS: u64 = (libc::CLONE_VM
+    | libc::CLONE_FS
+    | libc::CLONE_FILES
+    | libc::CLONE_SIGHAND
+    | libc::CLONE_THREAD
+    | libc::CLONE_SYSVSEM
+    | libc::CLONE_SETTLS
+    | libc::CLONE_PARENT_SETTID
+    | libc::CLONE_CHILD_CLEARTID) as u64;
+
+/// What a `clone` must include to be a thread (not a fork sharing some things).
+const THREAD_REQUIRED: u64 = (libc::CLONE_VM | libc::CLONE_SIGHAND | libc::CLONE_THREAD) as u64;
+
+/// Syscalls of [`ALLOWED`] that are allowed only with these arguments: (syscall, argument 0
+/// masked with the mask, must equal the value), every condition of an entry must hold.
+pub const ARG_RULES: &[(i64, &[(u64, u64)])] = &[
+    // No flag outside the thread flags (no CLONE_NEW*, no CLONE_VFORK or exit signal), and the
+    // ones that make it a thread.
+    (libc::SYS_clone, &[(!THREAD_FLAGS, 0), (THREAD_REQUIRED, THREAD_REQUIRED)]),
+    // Exactly CLONE_FS: a private umask and cwd, no namespace.
+    (libc::SYS_unshare, &[(u64::MAX, libc::CLONE_FS as u64)]),
 ];
 
 /// seccomp errors.
@@ -213,13 +253,45 @@ pub enum SeccompError {
 /// # Errors
 /// [`SeccompError::Build`] (a duplicate or invalid entry).
 pub fn build(mode: SeccompMode) -> Result<BpfProgram, SeccompError> {
-    let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> = ALLOWED.iter().map(|s| (s.nr, Vec::new())).collect();
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = ALLOWED.iter().map(|s| (s.nr, Vec::new())).collect();
+    for (nr, conditions) in ARG_RULES {
+        let conditions = conditions
+            .iter()
+            .map(|(mask, value)| {
+                SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(*mask), *value)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        rules.insert(*nr, vec![SeccompRule::new(conditions)?]);
+    }
     let mismatch = match mode {
         SeccompMode::Enforce => SeccompAction::Errno(libc::EPERM as u32),
         SeccompMode::Log => SeccompAction::Log,
     };
     let filter = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, TargetArch::x86_64)?;
-    Ok(filter.try_into()?)
+    let table: BpfProgram = filter.try_into()?;
+    let mut program = clone3_enosys();
+    program.extend(table);
+    Ok(program)
+}
+
+/// Instructions run before the table: on x86_64, `clone3` returns ENOSYS (in both modes, so
+/// glibc always takes its `clone` fallback, whose flags the table checks). Anything else falls
+/// through to the table, which starts over with its own architecture check.
+fn clone3_enosys() -> BpfProgram {
+    use seccompiler::sock_filter;
+    const LD_W_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
+    const JEQ_K: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
+    const RET_K: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
+    // Offsets in struct seccomp_data: nr at 0, arch at 4.
+    // AUDIT_ARCH_X86_64: EM_X86_64 (62) | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE.
+    let arch: u32 = 0xC000_003E;
+    vec![
+        sock_filter { code: LD_W_ABS, jt: 0, jf: 0, k: 4 },
+        sock_filter { code: JEQ_K, jt: 0, jf: 3, k: arch },
+        sock_filter { code: LD_W_ABS, jt: 0, jf: 0, k: 0 },
+        sock_filter { code: JEQ_K, jt: 0, jf: 1, k: libc::SYS_clone3 as u32 },
+        sock_filter { code: RET_K, jt: 0, jf: 0, k: libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32 },
+    ]
 }
 
 /// Installs the filter on the calling thread (before other threads exist: the whole process,
@@ -297,5 +369,100 @@ mod tests {
         unsafe { libc::waitpid(pid, &mut status, 0) };
         assert!(libc::WIFEXITED(status), "child died: {status}");
         assert_eq!(libc::WEXITSTATUS(status), 0);
+    }
+
+    /// Makes [`filtered_process_probe`] run: the directory holding the device node it tries.
+    const PROBE_VAR: &str = "VMHOST_TEST_SECCOMP_PROBE_DIR";
+
+    /// The daemon's filter, put on a fresh process (this test binary run again for
+    /// [`filtered_process_probe`]): no new namespace, no path-based chmod or chown of a device
+    /// node, and threads (a tokio runtime) still work.
+    #[test]
+    fn the_filter_refuses_namespaces_and_device_chmod_but_runs_threads() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = dir.path().join("null");
+        let c = std::ffi::CString::new(node.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mknod with a valid path; /dev/null's numbers.
+        let made = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(1, 3)) };
+        assert_eq!(made, 0, "mknod (the tests run as root): {}", std::io::Error::last_os_error());
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "sandbox::seccomp::tests::filtered_process_probe", "--ignored", "--nocapture"])
+            .env(PROBE_VAR, dir.path())
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("seccomp-probe: done"), "the probe did not run:\n{text}");
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(&node).unwrap();
+        assert_eq!((meta.mode() & 0o7777, meta.uid(), meta.gid()), (0o600, 0, 0), "the node is unchanged");
+    }
+
+    fn errno_of(ret: libc::c_long) -> i32 {
+        if ret == -1 {
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+        } else {
+            0
+        }
+    }
+
+    #[test]
+    #[ignore = "run in a child process by the_filter_refuses_namespaces_and_device_chmod_but_runs_threads"]
+    fn filtered_process_probe() {
+        let Some(dir) = std::env::var_os(PROBE_VAR) else { return };
+        let node = std::path::Path::new(&dir).join("null");
+        let c = std::ffi::CString::new(node.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: plain prctl.
+        assert_eq!(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }, 0);
+        // The filter binds this thread and every thread it creates from here on.
+        apply(SeccompMode::Enforce).unwrap();
+        let eperm = libc::EPERM;
+        // SAFETY (all raw calls below): syscalls with plain integer or valid pointer arguments;
+        // any that unexpectedly succeeds in creating a process exits that process at once.
+        unsafe {
+            for flags in
+                [libc::CLONE_NEWNS, libc::CLONE_NEWUSER, libc::CLONE_NEWNET, libc::CLONE_FS | libc::CLONE_NEWNS]
+            {
+                assert_eq!(errno_of(libc::unshare(flags).into()), eperm, "unshare({flags:#x})");
+            }
+            assert_eq!(errno_of(libc::setns(0, 0).into()), eperm, "setns");
+            // A fork, and a clone into a new user namespace: refused.
+            for flags in [libc::SIGCHLD, libc::CLONE_NEWUSER | libc::SIGCHLD, THREAD_FLAGS as i32 | libc::CLONE_NEWNS] {
+                let r = libc::syscall(libc::SYS_clone, flags as libc::c_ulong, 0usize, 0usize, 0usize, 0usize);
+                if r == 0 {
+                    libc::_exit(0);
+                }
+                assert_eq!(errno_of(r), eperm, "clone({flags:#x})");
+            }
+            // clone3: ENOSYS, whatever its struct says.
+            let mut args = [0u64; 11];
+            args[0] = libc::CLONE_NEWUSER as u64;
+            let r = libc::syscall(libc::SYS_clone3, args.as_mut_ptr(), std::mem::size_of_val(&args));
+            if r == 0 {
+                libc::_exit(0);
+            }
+            assert_eq!(errno_of(r), libc::ENOSYS, "clone3");
+            assert_eq!(errno_of(libc::chmod(c.as_ptr(), 0o666).into()), eperm, "chmod");
+            assert_eq!(errno_of(libc::fchmodat(libc::AT_FDCWD, c.as_ptr(), 0o666, 0).into()), eperm, "fchmodat");
+            assert_eq!(errno_of(libc::chown(c.as_ptr(), 0, 1).into()), eperm, "chown");
+            assert_eq!(errno_of(libc::fchownat(libc::AT_FDCWD, c.as_ptr(), 0, 1, 0).into()), eperm, "fchownat");
+            assert_eq!(errno_of(libc::syscall(452, libc::AT_FDCWD, c.as_ptr(), 0o666, 0)), eperm, "fchmodat2");
+        }
+        // Threads: std's, and a multi-threaded tokio runtime with its blocking pool.
+        assert_eq!(std::thread::spawn(|| 7).join().unwrap(), 7);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let got = rt.block_on(async {
+            let a = tokio::spawn(async { 1 }).await.unwrap();
+            let b = tokio::task::spawn_blocking(|| 2).await.unwrap();
+            a + b
+        });
+        assert_eq!(got, 3);
+        // The one allowed unshare, in a thread of its own (what the API socket's bind does).
+        let fs = std::thread::spawn(|| {
+            // SAFETY: unshare with a flag.
+            errno_of(unsafe { libc::unshare(libc::CLONE_FS) }.into())
+        });
+        assert_eq!(fs.join().unwrap(), 0, "unshare(CLONE_FS)");
+        println!("seccomp-probe: done");
     }
 }

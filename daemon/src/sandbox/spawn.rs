@@ -15,9 +15,15 @@
 //! [`Child`] is dropped before it was waited for. Without a spawner (`sandbox = "off"`, and unit
 //! tests) the same types start the program in-process with tokio.
 //!
-//! The spawner only runs programs on its allowlist (the configured `qemu.binary`,
-//! `qemu.img_binary`, and `modprobe vfio-pci` when passthrough is configured), with an empty
-//! environment except `PATH`, stdin on `/dev/null`.
+//! The spawner only runs programs on its allowlist (the configured `qemu.binary`, and `modprobe
+//! vfio-pci` when passthrough is configured), with an empty environment except `PATH`, stdin on
+//! `/dev/null`; `qemu.img_binary` only for a [`crate::disk::ImgOp`] whose template the spawner
+//! fills in itself ([`Command::qemu_img`]), on files of the images and overlay directories. It
+//! also opens boot files, probes `/dev/kvm` as QEMU's user, and hands VFIO group nodes to
+//! QEMU's group and back ([`vfio_node`]).
+//!
+//! The control socket is driven asynchronously ([`Control`]): a full socket makes the sending
+//! task wait on the reactor, never a runtime thread.
 //!
 //! **Every program starts in a session (and process group) of its own** (`setsid()` between
 //! fork and exec, through the spawner and without one), so a signal meant for the daemon's
@@ -40,6 +46,8 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Mutex, OnceLock};
+
+use tokio::io::Interest;
 
 use nix::sys::socket::{
     recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
@@ -69,7 +77,21 @@ pub const MODPROBE: [&str; 2] = ["/usr/sbin/modprobe", "/sbin/modprobe"];
 pub type Pipe = Box<dyn AsyncRead + Unpin + Send>;
 
 /// The daemon's connection to its spawner, once [`super::enter`] forked one.
-static SPAWNER: OnceLock<Mutex<OwnedFd>> = OnceLock::new();
+static SPAWNER: OnceLock<Control> = OnceLock::new();
+
+/// The daemon's end of the control socket, non-blocking.
+///
+/// Requests are sent with a non-blocking `sendmsg`; when the socket is full (the spawner is busy
+/// copying a boot file, or stalled) the sending task waits for writability on the runtime's
+/// reactor instead of blocking its worker thread, so a stalled spawner delays only the tasks
+/// that need it. No lock is needed: on a `SOCK_SEQPACKET` socket each `sendmsg` is one whole
+/// record, so concurrent senders never interleave. (The alternative, a blocking `sendmsg` on
+/// `spawn_blocking` behind a tokio mutex, would still let every waiting request pin one thread
+/// of the blocking pool for as long as the spawner stalls; readiness pins none.)
+#[derive(Debug)]
+pub(crate) struct Control {
+    fd: OwnedFd,
+}
 
 /// What to run.
 #[derive(Debug)]
@@ -83,9 +105,33 @@ pub struct Command {
     memlock: Option<u64>,
     user: Option<UserIds>,
     kvm: bool,
+    img_op: Option<crate::disk::ImgOp>,
 }
 
 impl Command {
+    /// `qemu-img` (`program`) for one fixed operation: the arguments come from the operation's
+    /// template ([`crate::disk::ImgOp::argv`]), and through the spawner only the operation
+    /// travels; the spawner fills in the template itself.
+    ///
+    /// # Errors
+    /// The operation's parameters do not fit its template.
+    pub fn qemu_img(program: &Path, op: crate::disk::ImgOp) -> Result<Command, crate::disk::DiskError> {
+        let args = op.argv()?;
+        let mut cmd = Command::new(program).args(args);
+        cmd.img_op = Some(op);
+        Ok(cmd)
+    }
+
+    /// `binary --version`: for `qemu-img` (`qemu_img`) its [`crate::disk::ImgOp::Version`]
+    /// operation, since the spawner runs `qemu-img` for nothing else.
+    pub fn version_probe(binary: &Path, qemu_img: bool) -> Command {
+        let mut cmd = Command::new(binary).args(["--version"]);
+        if qemu_img {
+            cmd.img_op = Some(crate::disk::ImgOp::Version);
+        }
+        cmd
+    }
+
     /// `program` with no arguments, stdin, stdout and stderr on `/dev/null`.
     pub fn new(program: impl Into<PathBuf>) -> Command {
         Command {
@@ -98,6 +144,7 @@ impl Command {
             memlock: None,
             user: None,
             kvm: false,
+            img_op: None,
         }
     }
 
@@ -475,6 +522,84 @@ enum Request {
     },
     /// Whether QEMU's user, with the groups QEMU gets, can open `/dev/kvm`.
     KvmAccess,
+    /// Run `qemu-img` for one operation; the spawner builds its command line from the
+    /// operation's template. After the reply socket come stdout's and stderr's write ends.
+    QemuImg {
+        /// The operation.
+        operation: crate::disk::ImgOp,
+    },
+    /// Give the VFIO group node `/dev/vfio/GROUP` group `gid` and permission bits `mode`
+    /// (within [`VFIO_NODE_MODES`]); the reply's `node` is what it had before.
+    VfioNode {
+        /// The IOMMU group number (the spawner makes the path itself).
+        group: u32,
+        /// The node's new group.
+        gid: u32,
+        /// The node's new permission bits.
+        mode: u32,
+    },
+}
+
+/// The most a VFIO group node may be opened up to: read and write for its owner and group,
+/// never for others.
+pub const VFIO_NODE_MODES: u32 = 0o660;
+
+/// A VFIO group node's group and permission bits: what [`vfio_node`] found before it changed
+/// them, recorded (with intent, before the change) so they can be put back on release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAccess {
+    /// The IOMMU group number: the node is `/dev/vfio/GROUP`.
+    pub group: u32,
+    /// Its group id.
+    pub gid: u32,
+    /// Its permission bits.
+    pub mode: u32,
+}
+
+/// Sets group and mode of `/dev/vfio/GROUP`, in whichever process may (the spawner, or the
+/// daemon without one): only a character device, by a path made from the number, with at most
+/// [`VFIO_NODE_MODES`]. Returns what it had before.
+fn set_vfio_node(group: u32, gid: u32, mode: u32) -> io::Result<NodeAccess> {
+    set_node(&crate::pci::bind::vfio_group_dev(group), group, gid, mode)
+}
+
+/// [`set_vfio_node`] on `node` (a test's node in a temporary directory).
+fn set_node(node: &Path, group: u32, gid: u32, mode: u32) -> io::Result<NodeAccess> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    if mode & !VFIO_NODE_MODES != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("mode {mode:o} opens a VFIO group node beyond {VFIO_NODE_MODES:o}"),
+        ));
+    }
+    let meta = std::fs::symlink_metadata(node)?;
+    if !meta.file_type().is_char_device() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a device node", node.display())));
+    }
+    let before = NodeAccess { group, gid: meta.gid(), mode: meta.mode() & 0o7777 };
+    std::os::unix::fs::lchown(node, None, Some(gid))?;
+    std::fs::set_permissions(node, std::fs::Permissions::from_mode(mode))?;
+    Ok(before)
+}
+
+/// Gives `/dev/vfio/GROUP` group `gid` and mode `mode` (at most [`VFIO_NODE_MODES`]), through
+/// the spawner when there is one: the daemon's seccomp table has no path-based chmod or chown.
+/// Returns the node's group and mode before.
+///
+/// # Errors
+/// `NotFound` when the node does not exist, `PermissionDenied` for a mode beyond
+/// [`VFIO_NODE_MODES`], `InvalidInput` when it is not a device node, the OS error of the
+/// change, or the spawner is gone.
+pub async fn vfio_node(group: u32, gid: u32, mode: u32) -> io::Result<NodeAccess> {
+    let Some(control) = SPAWNER.get() else {
+        return tokio::task::spawn_blocking(move || set_vfio_node(group, gid, mode)).await.map_err(io::Error::other)?;
+    };
+    let reply = send_request(control, &Request::VfioNode { group, gid, mode }, Vec::new()).await?;
+    let (answer, _) = next_message(&reply, &mut Vec::new()).await?;
+    if let Some(e) = reply_error(&answer) {
+        return Err(e);
+    }
+    answer.node.ok_or_else(|| io::Error::other("spawner reply without node"))
 }
 
 /// Start a program. After the reply socket come stdout's write end (if `stdout`), stderr's (if
@@ -499,6 +624,8 @@ struct Reply {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     access: Option<crate::qemu::kvm::Access>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    node: Option<NodeAccess>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pid: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     error: Option<String>,
@@ -520,8 +647,54 @@ fn pipe_pair() -> io::Result<(Pipe, OwnedFd)> {
     Ok((Box::new(receiver), w))
 }
 
+impl Control {
+    /// Takes over the daemon's end of a control socket pair and makes it non-blocking.
+    ///
+    /// # Errors
+    /// fcntl failed.
+    pub(crate) fn new(fd: OwnedFd) -> io::Result<Control> {
+        let flags = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_GETFL)?;
+        let flags = nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFL(flags))?;
+        Ok(Control { fd })
+    }
+
+    /// Sends one record (`payload` with `fds`), waiting on the reactor while the socket is full.
+    async fn send(&self, payload: &[u8], fds: &[RawFd]) -> io::Result<()> {
+        let cmsgs = [ControlMessage::ScmRights(fds)];
+        loop {
+            match sendmsg::<()>(
+                self.fd.as_raw_fd(),
+                &[IoSlice::new(payload)],
+                &cmsgs,
+                MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+                None,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(nix::errno::Errno::EAGAIN) => self.writable().await?,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, format!("the spawner process is gone: {e}")))
+                }
+            }
+        }
+    }
+
+    /// Waits until the socket has room. A duplicate descriptor is registered for the wait, so
+    /// any number of tasks (and runtimes) may wait at once: the same descriptor cannot be added
+    /// to one epoll twice, a duplicate is a new entry. Edge-triggered registration reports a
+    /// socket that became writable before it was registered, so no wake-up is lost.
+    async fn writable(&self) -> io::Result<()> {
+        let dup = self.fd.try_clone()?;
+        // SAFETY: `dup` is an open descriptor we own; the AsyncFd owns it until the wait ends.
+        let fd = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) }?;
+        let _ready = fd.writable().await?;
+        Ok(())
+    }
+}
+
 /// Sends `req` with `fds` after a new reply socket, and returns our end of that socket.
-fn send_request(control: &Mutex<OwnedFd>, req: &Request, fds: Vec<OwnedFd>) -> io::Result<AsyncFd<OwnedFd>> {
+async fn send_request(control: &Control, req: &Request, fds: Vec<OwnedFd>) -> io::Result<AsyncFd<OwnedFd>> {
     let payload = serde_json::to_vec(req).map_err(io::Error::other)?;
     if payload.len() > MAX_REQUEST {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "command line too long for the spawner"));
@@ -530,17 +703,7 @@ fn send_request(control: &Mutex<OwnedFd>, req: &Request, fds: Vec<OwnedFd>) -> i
         socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK)?;
     let send: Vec<OwnedFd> = std::iter::once(theirs).chain(fds).collect();
     let raw: Vec<RawFd> = send.iter().map(AsRawFd::as_raw_fd).collect();
-    {
-        let guard = control.lock().map_err(|_| io::Error::other("spawner lock poisoned"))?;
-        sendmsg::<()>(
-            guard.as_raw_fd(),
-            &[IoSlice::new(&payload)],
-            &[ControlMessage::ScmRights(&raw)],
-            MsgFlags::MSG_NOSIGNAL,
-            None,
-        )
-        .map_err(|e| io::Error::new(io::ErrorKind::BrokenPipe, format!("the spawner process is gone: {e}")))?;
-    }
+    control.send(&payload, &raw).await?;
     drop(send);
     // SAFETY: `mine` is an open socket we own; the AsyncFd owns it from here on.
     unsafe { AsyncFd::register(mine) }.map_err(io::Error::from)
@@ -583,7 +746,7 @@ pub async fn boot_file(boot_dirs: &[PathBuf], path: &Path, copy: bool) -> io::Re
         .map_err(io::Error::other)?;
     };
     let req = Request::BootFile { path: utf8("path", path.as_os_str())?, copy };
-    let reply = send_request(control, &req, Vec::new())?;
+    let reply = send_request(control, &req, Vec::new()).await?;
     let (answer, mut fds) = next_message(&reply, &mut Vec::new()).await?;
     if let Some(e) = reply_error(&answer) {
         return Err(e);
@@ -606,7 +769,7 @@ pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::A
             .await
             .map_err(io::Error::other)?;
     };
-    let reply = send_request(control, &Request::KvmAccess, Vec::new())?;
+    let reply = send_request(control, &Request::KvmAccess, Vec::new()).await?;
     let (answer, _) = next_message(&reply, &mut Vec::new()).await?;
     if let Some(e) = reply_error(&answer) {
         return Err(e);
@@ -614,15 +777,19 @@ pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::A
     answer.access.ok_or_else(|| io::Error::other("spawner reply without access"))
 }
 
-async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Child> {
-    let req = Request::Run(RunRequest {
-        program: utf8("program", cmd.program.as_os_str())?,
-        args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
-        stdout: cmd.stdout,
-        stderr: cmd.stderr || cmd.stderr_file.is_some(),
-        nfds: cmd.fds.len(),
-        memlock: cmd.memlock,
-    });
+async fn spawn_remote(control: &Control, cmd: Command) -> io::Result<Child> {
+    let req = match &cmd.img_op {
+        Some(op) if cmd.stdout && cmd.stderr && cmd.fds.is_empty() => Request::QemuImg { operation: op.clone() },
+        Some(_) => return Err(io::Error::new(io::ErrorKind::InvalidInput, "qemu-img runs with its output captured")),
+        None => Request::Run(RunRequest {
+            program: utf8("program", cmd.program.as_os_str())?,
+            args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
+            stdout: cmd.stdout,
+            stderr: cmd.stderr || cmd.stderr_file.is_some(),
+            nfds: cmd.fds.len(),
+            memlock: cmd.memlock,
+        }),
+    };
     let mut send: Vec<OwnedFd> = Vec::new();
     let (mut stdout, mut stderr) = (None, None);
     if cmd.stdout {
@@ -638,7 +805,7 @@ async fn spawn_remote(control: &Mutex<OwnedFd>, cmd: Command) -> io::Result<Chil
         send.push(w);
     }
     send.extend(cmd.fds);
-    let reply = send_request(control, &req, send)?;
+    let reply = send_request(control, &req, send).await?;
     let mut buf = Vec::new();
     let (first, mut fds) = next_message(&reply, &mut buf).await?;
     if let Some(e) = reply_error(&first) {
@@ -710,6 +877,15 @@ pub struct Allowlist {
     /// `accel = "kvm"`: a program run as another user keeps the group owning `/dev/kvm` when
     /// that user is a member ([`crate::qemu::kvm::qemu_groups`]).
     pub kvm: bool,
+    /// VFIO group nodes may be handed to QEMU's group ([`vfio_node`]): passthrough configured.
+    pub vfio_nodes: bool,
+    /// The `qemu-img` binary: it runs only for a [`Request::QemuImg`] operation, never for a
+    /// `run` request (its path is not among `programs`).
+    pub qemu_img: Option<PathBuf>,
+    /// Where `qemu-img` may read images (the images directory).
+    pub img_read: Vec<PathBuf>,
+    /// Where `qemu-img` may read and write overlays (the state's `disks` directory).
+    pub img_write: Vec<PathBuf>,
     /// `paths.boot`: the only directories a kernel or initrd is opened beneath
     /// ([`crate::qemu::boot_files::open_under`]), whatever path the daemon asks for.
     pub boot_dirs: Vec<PathBuf>,
@@ -721,12 +897,21 @@ impl Allowlist {
         self.run_as.iter().find(|(p, _)| p == program).map(|(_, u)| *u)
     }
 
-    /// Whether `program ARGS` may run.
+    /// Whether `program ARGS` may run (a `run` request; never `qemu-img`, which runs only for
+    /// an operation, [`Allowlist::permits_img`]).
     pub fn permits(&self, program: &Path, args: &[String]) -> bool {
         if MODPROBE.iter().any(|m| Path::new(m) == program) {
             return self.modprobe && args == ["vfio-pci"];
         }
+        if self.qemu_img.as_deref() == Some(program) {
+            return false;
+        }
         self.programs.iter().any(|p| p == program)
+    }
+
+    /// Whether `qemu-img` may run for `op`: only on files in its directories.
+    pub fn permits_img(&self, op: &crate::disk::ImgOp) -> bool {
+        self.qemu_img.is_some() && op.confined_to(&self.img_read, &self.img_write)
     }
 }
 
@@ -739,8 +924,12 @@ pub(crate) fn control_pair() -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Makes `control` the daemon's way to start programs (called once, in the daemon).
-pub(crate) fn install(control: OwnedFd) {
-    let _ = SPAWNER.set(Mutex::new(control));
+///
+/// # Errors
+/// The socket cannot be made non-blocking.
+pub(crate) fn install(control: OwnedFd) -> io::Result<()> {
+    let _ = SPAWNER.set(Control::new(control)?);
+    Ok(())
 }
 
 struct Running {
@@ -829,15 +1018,22 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
             }
         };
         match req {
-            Request::Run(run) => match start(run, fds, allow, ambient_sys_module) {
-                Ok(child) => {
-                    let pidfd = pidfd_open(child.id());
-                    let pid = i32::try_from(child.id()).unwrap_or(0);
-                    send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
-                    running.push(Running { child, pidfd, reply });
+            Request::Run(_) | Request::QemuImg { .. } => {
+                let started = match req {
+                    Request::Run(run) => start(run, fds, allow, ambient_sys_module),
+                    Request::QemuImg { operation } => start_qemu_img(&operation, fds, allow),
+                    _ => continue,
+                };
+                match started {
+                    Ok(child) => {
+                        let pidfd = pidfd_open(child.id());
+                        let pid = i32::try_from(child.id()).unwrap_or(0);
+                        send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
+                        running.push(Running { child, pidfd, reply });
+                    }
+                    Err(e) => send_reply(&reply, &failed(e), None),
                 }
-                Err(e) => send_reply(&reply, &failed(e), None),
-            },
+            }
             Request::BootFile { path, copy } => {
                 match serve_boot_file(&mut copies, &allow.boot_dirs, Path::new(&path), copy) {
                     Ok(fd) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, fd.as_ref()),
@@ -850,6 +1046,17 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
                     Ok(access) => {
                         send_reply(&reply, &Reply { access: Some(access), ..Reply::default() }, None);
                     }
+                    Err(e) => send_reply(&reply, &failed(e), None),
+                }
+            }
+            Request::VfioNode { group, gid, mode } => {
+                let changed = if allow.vfio_nodes {
+                    super::caps::with_effective(::caps::Capability::CAP_CHOWN, || set_vfio_node(group, gid, mode))
+                } else {
+                    Err(io::Error::new(io::ErrorKind::PermissionDenied, "no passthrough configured"))
+                };
+                match changed {
+                    Ok(node) => send_reply(&reply, &Reply { node: Some(node), ..Reply::default() }, None),
                     Err(e) => send_reply(&reply, &failed(e), None),
                 }
             }
@@ -877,8 +1084,47 @@ fn serve_boot_file(
     }
 }
 
+/// Checks a `qemu-img` operation, fills in its template and starts it (stdout and stderr are
+/// the two descriptors after the reply socket).
+fn start_qemu_img(op: &crate::disk::ImgOp, fds: Vec<OwnedFd>, allow: &Allowlist) -> io::Result<std::process::Child> {
+    let Some(program) = allow.qemu_img.as_ref().filter(|_| allow.permits_img(op)) else {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("the spawner does not run qemu-img {} on files outside its directories", op.command()),
+        ));
+    };
+    let args = op.argv().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+    let args = args.iter().map(|a| utf8("argument", a)).collect::<io::Result<Vec<_>>>()?;
+    let req = RunRequest {
+        program: utf8("program", program.as_os_str())?,
+        args,
+        stdout: true,
+        stderr: true,
+        nfds: 0,
+        memlock: None,
+    };
+    launch(req, fds, allow, false)
+}
+
 /// Checks and starts one request in the spawner.
 fn start(
+    req: RunRequest,
+    fds: Vec<OwnedFd>,
+    allow: &Allowlist,
+    ambient_sys_module: bool,
+) -> io::Result<std::process::Child> {
+    let program = PathBuf::from(&req.program);
+    if !allow.permits(&program, &req.args) {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("the spawner does not run {} with these arguments (not on its allowlist)", program.display()),
+        ));
+    }
+    launch(req, fds, allow, ambient_sys_module)
+}
+
+/// Starts an allowed request: its descriptors in place, its session, limits and user.
+fn launch(
     req: RunRequest,
     mut fds: Vec<OwnedFd>,
     allow: &Allowlist,
@@ -889,12 +1135,6 @@ fn start(
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "descriptor count does not match the request"));
     }
     let program = PathBuf::from(&req.program);
-    if !allow.permits(&program, &req.args) {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("the spawner does not run {} with these arguments (not on its allowlist)", program.display()),
-        ));
-    }
     let passed = fds.split_off(usize::from(req.stdout) + usize::from(req.stderr));
     let mut stdio = fds.into_iter();
     let mut command = std::process::Command::new(&program);
@@ -931,20 +1171,189 @@ mod tests {
     #[test]
     fn allowlist_is_exact() {
         let a = Allowlist {
-            programs: vec!["/usr/bin/qemu-img".into()],
+            programs: vec!["/usr/bin/qemu-system-x86_64".into()],
             modprobe: true,
             run_as: vec![],
             kvm: false,
+            vfio_nodes: false,
+            qemu_img: Some("/usr/bin/qemu-img".into()),
+            img_read: vec!["/var/lib/vmhost/images".into()],
+            img_write: vec!["/var/lib/vmhost/disks".into()],
             boot_dirs: vec![],
         };
-        assert!(a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
+        assert!(a.permits(Path::new("/usr/bin/qemu-system-x86_64"), &["-version".into()]));
         assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
         assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()]));
         assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()]));
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
-        let no_pci = Allowlist { programs: vec![], modprobe: false, run_as: vec![], kvm: false, boot_dirs: vec![] };
+        let no_pci = Allowlist { modprobe: false, ..a.clone() };
         assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
+        // qemu-img never runs from an argv, only for an operation on files in its directories.
+        assert!(!a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
+        let info = |p: &str| crate::disk::ImgOp::Info { image: p.into() };
+        assert!(a.permits_img(&info("/var/lib/vmhost/images/base.raw")));
+        assert!(a.permits_img(&info("/var/lib/vmhost/disks/vm1.qcow2")));
+        assert!(!a.permits_img(&info("/etc/shadow")));
+        assert!(!a.permits_img(&info("/var/lib/vmhost/images/../../../etc/shadow")));
+        let create = |base: &str, overlay: &str| crate::disk::ImgOp::Create {
+            base: base.into(),
+            base_format: "raw".into(),
+            overlay: overlay.into(),
+            size_gib: 1,
+        };
+        assert!(a.permits_img(&create("/var/lib/vmhost/images/b", "/var/lib/vmhost/disks/o")));
+        assert!(!a.permits_img(&create("/var/lib/vmhost/images/b", "/var/lib/vmhost/images/o")), "writes only disks");
+        assert!(!a.permits_img(&create("/dev/sda", "/var/lib/vmhost/disks/o")));
+        assert!(!a.permits_img(&crate::disk::ImgOp::Resize { overlay: "/dev/sda".into(), bytes: 1 }));
+        assert!(!Allowlist { qemu_img: None, ..a }.permits_img(&info("/var/lib/vmhost/images/b")));
+    }
+
+    /// The spawner's side, called in this process: an argv for qemu-img is refused, an
+    /// operation outside its directories too, and an allowed one runs its template.
+    #[test]
+    fn the_spawner_runs_qemu_img_only_for_confined_operations() {
+        let Some(img) = ["/usr/bin/qemu-img"].into_iter().find(|p| Path::new(p).exists()) else {
+            panic!("qemu-img is needed (apt-get install qemu-utils)");
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (images, disks) = (dir.path().join("images"), dir.path().join("disks"));
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::create_dir_all(&disks).unwrap();
+        std::fs::write(images.join("base.raw"), vec![0u8; 1 << 20]).unwrap();
+        let allow = Allowlist {
+            programs: vec![],
+            modprobe: false,
+            run_as: vec![],
+            kvm: false,
+            vfio_nodes: false,
+            qemu_img: Some(img.into()),
+            img_read: vec![images.clone()],
+            img_write: vec![disks.clone()],
+            boot_dirs: vec![],
+        };
+        let pipes = || {
+            let (r1, w1) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+            let (r2, w2) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+            ((r1, r2), vec![w1, w2])
+        };
+        let escaped = dir.path().join("escaped.qcow2");
+        let argv = RunRequest {
+            program: img.into(),
+            args: vec!["create".into(), "-f".into(), "qcow2".into(), escaped.display().to_string(), "1G".into()],
+            stdout: true,
+            stderr: true,
+            nfds: 0,
+            memlock: None,
+        };
+        let (_, w) = pipes();
+        assert_eq!(start(argv, w, &allow, false).unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+        let outside = crate::disk::ImgOp::Create {
+            base: images.join("base.raw"),
+            base_format: "raw".into(),
+            overlay: escaped.clone(),
+            size_gib: 1,
+        };
+        let (_, w) = pipes();
+        assert_eq!(start_qemu_img(&outside, w, &allow).unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+        assert!(!escaped.exists());
+        let inside = crate::disk::ImgOp::Create {
+            base: images.join("base.raw"),
+            base_format: "raw".into(),
+            overlay: disks.join("vm.qcow2"),
+            size_gib: 1,
+        };
+        let (_r, w) = pipes();
+        let status = start_qemu_img(&inside, w, &allow).unwrap().wait().unwrap();
+        assert!(status.success());
+        assert!(disks.join("vm.qcow2").exists());
+    }
+
+    #[test]
+    fn a_stalled_spawner_blocks_no_runtime_thread() {
+        const REQUESTS: usize = 5000;
+        let (daemon_end, spawner_end) = control_pair().unwrap();
+        let control = std::sync::Arc::new(Control::new(daemon_end).unwrap());
+        let probe = control.fd.try_clone().unwrap();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let runtime = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                let sender = {
+                    let (c, sent) = (control.clone(), sent.clone());
+                    tokio::spawn(async move {
+                        for _ in 0..REQUESTS {
+                            send_request(&c, &Request::KvmAccess, Vec::new()).await?;
+                            sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        io::Result::Ok(())
+                    })
+                };
+                // This task runs on the same single thread: it gets here again only if the
+                // sender yields when the socket is full.
+                loop {
+                    tokio::task::yield_now().await;
+                    let full = matches!(
+                        sendmsg::<()>(probe.as_raw_fd(), &[IoSlice::new(b"")], &[], MsgFlags::MSG_DONTWAIT, None),
+                        Err(nix::errno::Errno::EAGAIN)
+                    );
+                    if full && sent.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                        break;
+                    }
+                }
+                if sender.is_finished() {
+                    panic!("the sender did not wait for room: {:?}", sender.await);
+                }
+                // The spawner wakes up and drains: every request arrives, whole.
+                let drain = std::thread::spawn(move || {
+                    let mut got = 0;
+                    while got < REQUESTS {
+                        let (bytes, fds) = recv_with_fds(spawner_end.as_raw_fd(), MsgFlags::empty()).unwrap();
+                        if bytes.is_empty() {
+                            continue; // the probe's empty records
+                        }
+                        assert!(serde_json::from_slice::<Request>(&bytes).is_ok());
+                        assert_eq!(fds.len(), 1, "the reply socket");
+                        got += 1;
+                    }
+                });
+                sender.await.unwrap().unwrap();
+                drain.join().unwrap();
+            });
+            let _ = done_tx.send(());
+        });
+        // A deadlock guard, not a timing assertion: with a blocking send the runtime never ends.
+        if done_rx.recv_timeout(std::time::Duration::from_secs(120)).is_err() {
+            panic!("the runtime's only thread is blocked by the stalled spawner");
+        }
+        runtime.join().unwrap();
+    }
+
+    #[test]
+    fn a_vfio_node_is_handed_over_and_put_back_within_its_limits() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let node = dir.path().join("7");
+        let c = std::ffi::CString::new(node.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mknod with a valid path (the tests run as root); /dev/null's numbers.
+        assert_eq!(unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(1, 3)) }, 0);
+        let before = set_node(&node, 7, 4321, 0o660).unwrap();
+        assert_eq!(before, NodeAccess { group: 7, gid: 0, mode: 0o600 });
+        let meta = std::fs::metadata(&node).unwrap();
+        assert_eq!((meta.gid(), meta.mode() & 0o7777), (4321, 0o660));
+        // Release puts back what was recorded.
+        assert_eq!(set_node(&node, 7, before.gid, before.mode).unwrap().mode, 0o660);
+        let meta = std::fs::metadata(&node).unwrap();
+        assert_eq!((meta.gid(), meta.mode() & 0o7777), (0, 0o600));
+        // Never for others, never setuid or executable; never a regular file.
+        for mode in [0o666, 0o4660, 0o770] {
+            assert_eq!(set_node(&node, 7, 0, mode).unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+        }
+        let file = dir.path().join("8");
+        std::fs::write(&file, b"").unwrap();
+        assert_eq!(set_node(&file, 8, 0, 0o660).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(std::fs::metadata(&node).unwrap().mode() & 0o7777, 0o600);
     }
 
     #[tokio::test]
@@ -991,6 +1400,10 @@ mod tests {
             modprobe: false,
             run_as: vec![],
             kvm: false,
+            vfio_nodes: false,
+            qemu_img: None,
+            img_read: vec![],
+            img_write: vec![],
             boot_dirs: vec![],
         };
         let req = RunRequest {

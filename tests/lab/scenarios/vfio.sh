@@ -28,7 +28,19 @@ HW='
 [lifecycle]
 autostart = false
 '
+# The sandbox probe (debug builds): the daemon opens sysfs files for writing and reports each
+# outcome (it writes nothing). Landlock grants exactly driver_override and the drivers' bind
+# files passthrough writes, never a modelled device's remove or config.
+export VMHOST_TEST_SANDBOX_PROBE="$LAB_DIR/escaped"
+D=/sys/bus/pci/devices/0000:00:05.0
+export VMHOST_TEST_SANDBOX_PROBE_OPEN="$D/remove,$D/config,$D/driver_override,/sys/bus/pci/drivers/vmxnet3/bind"
 start_vmhostd "$HW"
+unset VMHOST_TEST_SANDBOX_PROBE VMHOST_TEST_SANDBOX_PROBE_OPEN
+probe_said() { grep -F "sandbox-probe: open-for-write $1: $2" "$LAB_DAEMON_LOG"; }
+check sysfs-remove-refused probe_said "$D/remove" 'errno 13'
+check sysfs-config-refused probe_said "$D/config" 'errno 13'
+check sysfs-override-granted probe_said "$D/driver_override" ok
+check sysfs-original-bind-granted probe_said /sys/bus/pci/drivers/vmxnet3/bind ok
 check orig-vmxnet3 is_drv 0000:00:05.0 vmxnet3
 check orig-nvme is_drv 0000:00:06.0 nvme
 LAB_VERBOSE=1 check host-check sh -c 'vmhostctl --socket '"$LAB_SOCKET"' check; true'
@@ -91,10 +103,23 @@ check group-untouched is_drv 0000:00:07.0 virtio-pci
 check group-no-record sh -c "! vmhostctl --socket $LAB_SOCKET get p2 >/dev/null 2>&1"
 # ICH9's group is viable here (its other functions have no driver): the VM runs and the
 # function goes back to having no driver on destroy.
+# A sibling put on vfio-pci by hand keeps the group's node after the VM releases 1f.2: the node
+# must be back to root's 0600 then, not left to QEMU's group.
+sib=0000:00:1f.3
+echo vfio-pci >/sys/bus/pci/devices/$sib/driver_override
+echo $sib >/sys/bus/pci/drivers_probe
+check ich9-sibling-on-vfio is_drv $sib vfio-pci
+node=/dev/vfio/$(basename "$(readlink /sys/bus/pci/devices/$sib/iommu_group)")
+node_is() { test "$(stat -c %u:%g:%a "$node")" = "$1" || { ls -ln /dev/vfio; return 1; }; }
+check ich9-node-root-before node_is 0:0:600
 require create-ich9 pt_vm p5 '{"sfp": [6]}'
 check ich9-bound is_drv 0000:00:1f.2 vfio-pci
+check ich9-node-for-qemu node_is 0:992:660
 check destroy-ich9 ctl destroy p5
 check ich9-driverless-again is_drv 0000:00:1f.2 none
+check ich9-node-put-back node_is 0:0:600
+echo $sib >/sys/bus/pci/drivers/vfio-pci/unbind
+echo >/sys/bus/pci/devices/$sib/driver_override
 held=$(pt_vm p3 '{"copper": [1]}' 2>&1)
 check held-device-refused said "$held" 'error 3003'
 
