@@ -694,13 +694,19 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
 /// The elements' in-flight slots are held until the array is queued: a batch's answers are
 /// memory the peer has not read yet, and a peer that does not read must not get more read.
 async fn answer_batch(conn: Arc<Conn>, replies: Vec<JoinHandle<(Reply, InFlight)>>) {
-    let mut responses = Vec::with_capacity(replies.len());
+    // Built in place as the answers come in, so no answer is held twice.
+    let mut line = String::from("[");
     let mut subscriptions = Vec::new();
     let mut held = Vec::with_capacity(replies.len());
     for reply in replies {
         match reply.await {
             Ok((reply, permit)) => {
-                responses.extend(reply.response);
+                if let Some(response) = reply.response {
+                    if line.len() > 1 {
+                        line.push(',');
+                    }
+                    line.push_str(&response);
+                }
                 subscriptions.extend(reply.notifications);
                 held.push(permit);
             }
@@ -708,9 +714,8 @@ async fn answer_batch(conn: Arc<Conn>, replies: Vec<JoinHandle<(Reply, InFlight)
         }
     }
     // All notifications (no answers) ⇒ nothing is written, as JSON-RPC 2.0 requires.
-    if !responses.is_empty() {
-        let line = format!("[{}]", responses.join(","));
-        drop(responses);
+    if line.len() > 1 {
+        line.push(']');
         conn.send(line).await;
     }
     drop(held);
