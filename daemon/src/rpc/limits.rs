@@ -122,6 +122,13 @@ struct UidShare {
 }
 
 impl UidShare {
+    /// True when no connection or request holds any of its semaphores.
+    fn unused(&self) -> bool {
+        Arc::strong_count(&self.in_flight) == 1
+            && Arc::strong_count(&self.queued) == 1
+            && Arc::strong_count(&self.subscriptions) == 1
+    }
+
     fn new() -> UidShare {
         UidShare {
             connections: 0,
@@ -160,7 +167,10 @@ impl Drop for Slot {
         if self.uid != 0 {
             if let Some(share) = book.uids.get_mut(&self.uid) {
                 share.connections = share.connections.saturating_sub(1);
-                if share.connections == 0 {
+                // Requests of a closed connection may still run and hold the uid's slots: the
+                // share is forgotten only once nothing holds it, so reconnecting does not
+                // reset the uid's limits.
+                if share.connections == 0 && share.unused() {
                     book.uids.remove(&self.uid);
                 }
             }
@@ -201,6 +211,8 @@ impl Registry {
     /// The limit that is hit; nothing is taken then.
     pub fn admit(self: &Arc<Self>, uid: u32) -> Result<Slot, SlotRefusal> {
         let mut book = self.book();
+        // Shares kept for requests that outlived their connections, now unused.
+        book.uids.retain(|_, share| share.connections > 0 || !share.unused());
         let held = if uid == 0 { 0 } else { book.uids.get(&uid).map_or(0, |s| s.connections) };
         admit(book.open, held, uid)?;
         book.open += 1;
@@ -334,6 +346,23 @@ mod tests {
         let (b1, b2) = (registry.budget(&r1), registry.budget(&r2));
         assert!(!Arc::ptr_eq(&b1.queued, &b2.queued), "root connections are budgeted one by one");
         assert!(b1.uid_in_flight.is_none() && b1.uid_subscriptions.is_none());
+    }
+
+    #[test]
+    fn reconnecting_does_not_reset_a_uids_limits_while_its_requests_run() {
+        let registry = Registry::new();
+        let slot = registry.admit(1000).unwrap();
+        let budget = registry.budget(&slot);
+        let running = Arc::clone(budget.uid_in_flight.as_ref().unwrap()).try_acquire_owned().unwrap();
+        drop(budget);
+        drop(slot);
+        let again = registry.admit(1000).unwrap();
+        let available = registry.budget(&again).uid_in_flight.unwrap().available_permits();
+        assert_eq!(available, MAX_IN_FLIGHT_PER_UID - 1, "the request still running counts");
+        drop(again);
+        drop(running);
+        let fresh = registry.admit(1000).unwrap();
+        assert_eq!(registry.budget(&fresh).uid_in_flight.unwrap().available_permits(), MAX_IN_FLIGHT_PER_UID);
     }
 
     #[test]

@@ -5,18 +5,27 @@
 //! transport and nothing more: methods are registered and dispatched by jsonrpsee
 //! ([`Methods::raw_json_request`]), access is decided by [`super::auth`].
 //!
-//! Order of use: [`bind`] creates the socket file at start-up (or [`from_inherited`] takes the one
-//! systemd passed), then [`serve`] runs the accept loop until shutdown. Each accepted connection then goes through, in order:
+//! Order of use: [`bind`] creates the socket file at start-up, in a directory only the daemon may
+//! write ([`socket_dir`]; or [`from_inherited`] takes the one systemd passed), then [`serve`]
+//! runs the accept loop until shutdown. Each accepted connection then goes through, in order:
 //!
-//! 1. the credential check ([`auth::peer_identity`], [`auth::classify`]), before any byte is
-//!    read: a refused peer gets one error line (1001) and is disconnected;
-//! 2. the bounded line reader (`read_line`): a line over [`MAX_LINE`] ends the connection;
-//! 3. the line parser (`handle_line`, with the pure [`request::classify`]): invalid UTF-8 or
-//!    JSON is answered with -32700, an array is a batch, anything else a single request;
-//! 4. per request (`Conn::process`): shape check ([`Request::parse`], -32600), read-only check (1002), then dispatch
-//!    in its own task, at most [`MAX_IN_FLIGHT`] at a time per connection;
-//! 5. the write queue and writer task (`write_loop`): answers go out as they complete, followed
-//!    by any subscription notifications; a peer that stops reading is dropped.
+//! 1. a connection slot ([`limits::Registry::admit`]): over a limit it is closed at once;
+//! 2. the credential check ([`auth::peer_identity`], [`auth::classify`]), before any byte is
+//!    read: a refused peer gets one error line (1001) and is disconnected; a read-only peer also
+//!    needs a read-only slot (1003 otherwise). Refusals are logged at most once per interval;
+//! 3. the bounded line reader (`read_line`): a line over [`MAX_LINE`] ends the connection, and
+//!    an idle connection (nothing in flight, no subscription) is closed after the idle timeout;
+//! 4. the line parser (`handle_line`, with the pure [`request::classify`]): invalid UTF-8 or
+//!    JSON is answered with -32700, an array is a batch (over [`limits::MAX_BATCH`]: 1003),
+//!    anything else a single request;
+//! 5. per request (`Conn::process`): shape check ([`Request::parse`], -32600), read-only check
+//!    (1002), guest-agent rate ([`AgentRate`], 1004), subscription slots (1003), then dispatch in
+//!    its own task, at most [`MAX_IN_FLIGHT`] at a time per connection and per uid, each holding
+//!    its slot until its answer is queued;
+//! 6. the write queue and writer task (`write_loop`): answers go out as they complete, followed
+//!    by any subscription notifications; the queue is bounded in bytes ([`limits::Budget`]), a
+//!    full one makes its senders wait (so the reader stops: back-pressure), and a peer that does
+//!    not read for [`WRITE_TIMEOUT`] is dropped.
 
 use crate::api::{self, ApiError, Code};
 use crate::rpc::agent_rate::AgentRate;
@@ -71,8 +80,9 @@ const LINGER_BYTES: usize = 4 * 1024 * 1024;
 /// credential check, not the mode, is the access gate).
 ///
 /// Creates the parent directory if needed; refuses a directory that is not root's (or the
-/// daemon's user's) or that group or others may write ([`socket_dir`]). An existing socket file is removed only when
-/// nobody answers on it (a leftover of a crashed daemon); anything else at `path` is left alone.
+/// daemon's user's) or that group or others may write ([`socket_dir`]). An existing socket file
+/// is removed only when nobody answers on it (a leftover of a crashed daemon); anything else at
+/// `path` is left alone.
 /// Must be called from within a Tokio runtime.
 ///
 /// # Errors
