@@ -363,3 +363,30 @@ fn a_socket_directory_others_may_write_is_refused() {
     host.spawn_daemon();
     assert!(host.call("host.info", json!({}))["version"].is_string());
 }
+
+#[test]
+fn readonly_peers_cannot_take_the_slots_kept_for_admins() {
+    let host = TestHost::start(HostOptions { readonly_group: "nogroup".into(), ..HostOptions::default() });
+    // 448 read-only connections (7 uids × 64), each served once so the daemon has classified it.
+    let mut held = Vec::new();
+    for uid in 60100..60107 {
+        for _ in 0..64 {
+            let (mut s, mut r) = reader_as(&host.socket, uid);
+            s.write_all((request(1, "host.info") + "\n").as_bytes()).unwrap();
+            assert!(read_json(&mut r)["result"]["version"].is_string());
+            held.push((s, r));
+        }
+    }
+    // One more read-only peer, of a uid with no connection yet, is told why and closed.
+    let (_s, mut r) = reader_as(&host.socket, 60200);
+    let v = read_json(&mut r);
+    assert_eq!(v["error"]["code"], 1003, "{v}");
+    assert_eq!(v["error"]["data"]["details"]["limit"], "readonly_connections", "{v}");
+    let mut rest = Vec::new();
+    assert_eq!(r.read_to_end(&mut rest).unwrap_or(0), 0, "then closed");
+    // Root still gets in and is served.
+    let mut c = admin(&host);
+    let info: Value = c.call("host.info", json!({})).expect("an admin is served");
+    assert!(info["version"].is_string());
+    drop(held);
+}
