@@ -261,11 +261,19 @@ pub struct Access {
     pub readonly_group: String,
     /// Socket file mode, octal text (`"0666"`).
     pub socket_mode: String,
+    /// Seconds after which a connection with nothing in flight, no subscription and no new
+    /// request line is closed (1 to 86400).
+    pub idle_timeout_s: u64,
 }
 
 impl Default for Access {
     fn default() -> Self {
-        Access { admin_group: "vmhost".into(), readonly_group: "vmhost-ro".into(), socket_mode: "0666".into() }
+        Access {
+            admin_group: "vmhost".into(),
+            readonly_group: "vmhost-ro".into(),
+            socket_mode: "0666".into(),
+            idle_timeout_s: 600,
+        }
     }
 }
 
@@ -502,6 +510,9 @@ impl Config {
             return Err(key_err("logs.max_bytes", format!("must be at least {MIN_LOG_MAX_BYTES} (64 KiB)")));
         }
         let socket_mode = parse_mode(&raw.access.socket_mode).map_err(|p| key_err("access.socket_mode", p))?;
+        if !(1..=86_400).contains(&raw.access.idle_timeout_s) {
+            return Err(key_err("access.idle_timeout_s", "must be between 1 and 86400".into()));
+        }
 
         let h = &raw.hardware;
         if h.cpu == 0 {
@@ -768,6 +779,7 @@ reserved_memory_gib = 8
             ("[paths]\nrun = \"/run/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "paths.run", "Unix socket"),
             ("[paths]\nstate = \"rel\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "paths.state", "absolute"),
             ("[access]\nsocket_mode = \"999\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "access.socket_mode", "octal"),
+            ("[access]\nidle_timeout_s = 0\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "access.idle_timeout_s", "between"),
             ("[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\nx = \"0000:ca:00.0\"\n", "hardware.sfp.x", "index"),
             ("[hardware]\ncpu = 4\nmemory_gib = 8\n[hardware.sfp]\n05 = \"0000:ca:00.0\"\n", "hardware.sfp.05", "plain"),
             ("[paths]\nsocket = \"/{long}\"\n[hardware]\ncpu = 4\nmemory_gib = 8\n", "paths.socket", "107"),

@@ -25,6 +25,12 @@ pub enum Code {
     Unauthorized,
     /// The peer is read-only and called a mutating method.
     ReadOnly,
+    /// A request would exceed a limit of the connection or of the peer's uid (batch length,
+    /// subscriptions); `details` names the limit and its value.
+    LimitExceeded,
+    /// Too many guest-agent calls for this VM and role in a short time; retry after
+    /// `details.retry_after_ms`.
+    RateLimited,
     /// The VM spec is malformed or violates a rule.
     InvalidSpec,
     /// `vm.apply` found an existing VM whose spec differs.
@@ -64,6 +70,8 @@ impl Code {
             Code::Internal => -32603,
             Code::Unauthorized => 1001,
             Code::ReadOnly => 1002,
+            Code::LimitExceeded => 1003,
+            Code::RateLimited => 1004,
             Code::InvalidSpec => 2001,
             Code::SpecDrift => 2002,
             Code::NotInModel => 3001,
@@ -89,6 +97,8 @@ impl Code {
             Code::Internal => "internal",
             Code::Unauthorized => "unauthorized",
             Code::ReadOnly => "read_only",
+            Code::LimitExceeded => "limit_exceeded",
+            Code::RateLimited => "rate_limited",
             Code::InvalidSpec => "invalid_spec",
             Code::SpecDrift => "spec_drift",
             Code::NotInModel => "not_in_model",
@@ -111,7 +121,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 19] = [
+pub const ALL_CODES: [Code; 21] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -119,6 +129,8 @@ pub const ALL_CODES: [Code; 19] = [
     Code::Internal,
     Code::Unauthorized,
     Code::ReadOnly,
+    Code::LimitExceeded,
+    Code::RateLimited,
     Code::InvalidSpec,
     Code::SpecDrift,
     Code::NotInModel,

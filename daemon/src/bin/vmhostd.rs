@@ -166,7 +166,8 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     if let Err(e) = activation.notify("READY=1") {
         tracing::warn!(error = %e, "cannot notify the service manager");
     }
-    let served = server::serve(listener, module.into(), policy, stop_rx).await;
+    let options = server::Options { idle_timeout: std::time::Duration::from_secs(config.access.idle_timeout_s) };
+    let served = server::serve_with(listener, module.into(), policy, options, stop_rx).await;
     let _ = activation.notify("STOPPING=1");
     // An inherited socket stays: systemd keeps listening on it and starts vmhostd again on demand.
     if !activated {

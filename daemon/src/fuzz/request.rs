@@ -4,7 +4,7 @@
 //! [`request_line`] runs the line through exactly what the server does before dispatch
 //! ([`classify`], [`Request::parse`] per request or batch element) and then parses the params of
 //! every known method into its closed type ([`parse_params`]), as the method table does. It
-//! panics when a promise breaks: a refused line is -32700 or -32600, an accepted request has a
+//! panics when a promise breaks: a refused line is -32700, -32600 or 1003 (an over-long batch), an accepted request has a
 //! string/number/null id and array/object params, an invalid one is answered with a valid id or
 //! `null`, and a params refusal is -32602 naming a field.
 
@@ -21,10 +21,13 @@ use serde::de::DeserializeOwned;
 pub fn request_line(data: &[u8]) {
     match classify(data.to_vec()) {
         Line::Blank => {}
-        Line::Error(e) => assert!(matches!(e.code, Code::ParseError | Code::InvalidRequest), "{e:?}"),
+        Line::Error(e) => {
+            assert!(matches!(e.code, Code::ParseError | Code::InvalidRequest | Code::LimitExceeded), "{e:?}");
+        }
         Line::Single(text) => one_request(&text),
         Line::Batch(elements) => {
             assert!(!elements.is_empty(), "an empty batch is refused, not dispatched");
+            assert!(elements.len() <= crate::rpc::limits::MAX_BATCH, "an over-long batch is refused, not dispatched");
             for element in elements {
                 one_request(element.get());
             }

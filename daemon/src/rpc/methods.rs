@@ -9,6 +9,7 @@ use crate::api::{
     EVENT_NOTIFICATION,
 };
 use crate::lifecycle::Manager;
+use crate::rpc::single_flight::SingleFlight;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::{RpcModule, SubscriptionMessage};
 use serde::de::DeserializeOwned;
@@ -74,13 +75,23 @@ fn call<T>(r: Result<T, ApiError>) -> RpcResult<T> {
 /// Only if a method name were registered twice (a programming error caught by the tests).
 pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee::core::RegisterMethodError> {
     let mut m = RpcModule::new(manager);
+    // One host check at a time: it starts processes, and concurrent callers share its report.
+    let host_check = Arc::new(SingleFlight::default());
     m.register_method("host.info", |params, mgr, _| {
         call(parse_params::<serde_json::Map<String, serde_json::Value>>(&params).map(|_| mgr.host_info()))
     })?;
-    m.register_async_method("host.check", |_params, mgr, _| async move {
-        let networks = mgr.host_net().probe_networks(mgr.config()).await;
-        let report = crate::preflight::check(mgr.config(), &mgr.broken_records(), &networks).await;
-        call(Ok::<_, ApiError>(report))
+    m.register_async_method("host.check", move |_params, mgr, _| {
+        let host_check = Arc::clone(&host_check);
+        async move {
+            let report = host_check
+                .run(|| async move {
+                    tracing::debug!("host check running");
+                    let networks = mgr.host_net().probe_networks(mgr.config()).await;
+                    crate::preflight::check(mgr.config(), &mgr.broken_records(), &networks).await
+                })
+                .await;
+            call(report.ok_or_else(|| ApiError::internal("the host check failed unexpectedly")))
+        }
     })?;
     m.register_async_method("host.reconcile", |params, mgr, _| async move {
         let p: ReconcileParams = match parse_params(&params) {

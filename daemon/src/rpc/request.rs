@@ -6,6 +6,7 @@
 //! cargo fuzz target `request` (`crate::fuzz::request`) drives exactly these functions.
 
 use crate::api::{ApiError, Code};
+use crate::rpc::limits::MAX_BATCH;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -19,7 +20,8 @@ pub enum Line {
     Single(String),
     /// A non-empty batch: its elements, each to be shape-checked on its own.
     Batch(Vec<Box<RawValue>>),
-    /// Not UTF-8 or not JSON (-32700), or an empty batch (-32600): answered with id `null`.
+    /// Not UTF-8 or not JSON (-32700), an empty batch (-32600), or a batch of more than
+    /// [`MAX_BATCH`] elements (1003, refused as a whole): answered with id `null`.
     Error(ApiError),
 }
 
@@ -33,15 +35,62 @@ pub fn classify(line: Vec<u8>) -> Line {
         return Line::Blank;
     }
     if start.starts_with('[') {
-        return match serde_json::from_str::<Vec<Box<RawValue>>>(&text) {
-            Ok(elements) if elements.is_empty() => Line::Error(ApiError::new(Code::InvalidRequest, "empty batch")),
-            Ok(elements) => Line::Batch(elements),
+        return match serde_json::from_str::<Bounded>(&text) {
+            Ok(Bounded { elements, .. }) if elements.is_empty() => {
+                Line::Error(ApiError::new(Code::InvalidRequest, "empty batch"))
+            }
+            Ok(Bounded { total, .. }) if total > MAX_BATCH => Line::Error(
+                ApiError::new(
+                    Code::LimitExceeded,
+                    format!("batch of {total} requests refused: a batch may hold at most {MAX_BATCH}"),
+                )
+                .details(serde_json::json!({"limit": "batch_length", "max": MAX_BATCH, "got": total})),
+            ),
+            Ok(Bounded { elements, .. }) => Line::Batch(elements),
             Err(e) => Line::Error(parse_error(&e)),
         };
     }
     match serde_json::from_str::<&RawValue>(&text) {
         Ok(_) => Line::Single(text),
         Err(e) => Line::Error(parse_error(&e)),
+    }
+}
+
+/// A batch read without holding more than [`MAX_BATCH`] elements: the rest are only counted
+/// (skipped without allocating), so a 1 MiB line of tiny elements costs no memory per element.
+struct Bounded {
+    /// The first [`MAX_BATCH`] elements.
+    elements: Vec<Box<RawValue>>,
+    /// How many elements the batch has.
+    total: usize,
+}
+
+impl<'de> serde::Deserialize<'de> for Bounded {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Bounded;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON array")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Bounded, A::Error> {
+                let mut elements = Vec::new();
+                let mut total = 0usize;
+                loop {
+                    if elements.len() < MAX_BATCH {
+                        match seq.next_element::<Box<RawValue>>()? {
+                            Some(element) => elements.push(element),
+                            None => break,
+                        }
+                    } else if seq.next_element::<serde::de::IgnoredAny>()?.is_none() {
+                        break;
+                    }
+                    total += 1;
+                }
+                Ok(Bounded { elements, total })
+            }
+        }
+        d.deserialize_seq(Visitor)
     }
 }
 

@@ -5,22 +5,34 @@
 //! transport and nothing more: methods are registered and dispatched by jsonrpsee
 //! ([`Methods::raw_json_request`]), access is decided by [`super::auth`].
 //!
-//! Order of use: [`bind`] creates the socket file at start-up (or [`from_inherited`] takes the one
-//! systemd passed), then [`serve`] runs the accept loop until shutdown. Each accepted connection then goes through, in order:
+//! Order of use: [`bind`] creates the socket file at start-up, in a directory only the daemon may
+//! write ([`socket_dir`]; or [`from_inherited`] takes the one systemd passed), then [`serve`]
+//! runs the accept loop until shutdown. Each accepted connection then goes through, in order:
 //!
-//! 1. the credential check ([`auth::peer_identity`], [`auth::classify`]), before any byte is
-//!    read: a refused peer gets one error line (1001) and is disconnected;
-//! 2. the bounded line reader (`read_line`): a line over [`MAX_LINE`] ends the connection;
-//! 3. the line parser (`handle_line`, with the pure [`request::classify`]): invalid UTF-8 or
-//!    JSON is answered with -32700, an array is a batch, anything else a single request;
-//! 4. per request (`Conn::process`): shape check ([`Request::parse`], -32600), read-only check (1002), then dispatch
-//!    in its own task, at most [`MAX_IN_FLIGHT`] at a time per connection;
-//! 5. the write queue and writer task (`write_loop`): answers go out as they complete, followed
-//!    by any subscription notifications; a peer that stops reading is dropped.
+//! 1. a connection slot ([`limits::Registry::admit`]): over a limit it is closed at once;
+//! 2. the credential check ([`auth::peer_identity`], [`auth::classify`]), before any byte is
+//!    read: a refused peer gets one error line (1001) and is disconnected; a read-only peer also
+//!    needs a read-only slot (1003 otherwise). Refusals are logged at most once per interval;
+//! 3. the bounded line reader (`read_line`): a line over [`MAX_LINE`] ends the connection, and
+//!    an idle connection (nothing in flight, no subscription) is closed after the idle timeout;
+//! 4. the line parser (`handle_line`, with the pure [`request::classify`]): invalid UTF-8 or
+//!    JSON is answered with -32700, an array is a batch (over [`limits::MAX_BATCH`]: 1003),
+//!    anything else a single request;
+//! 5. per request (`Conn::process`): shape check ([`Request::parse`], -32600), read-only check
+//!    (1002), guest-agent rate ([`AgentRate`], 1004), subscription slots (1003), then dispatch in
+//!    its own task, at most [`MAX_IN_FLIGHT`] at a time per connection and per uid, each holding
+//!    its slot until its answer is queued;
+//! 6. the write queue and writer task (`write_loop`): answers go out as they complete, followed
+//!    by any subscription notifications; the queue is bounded in bytes ([`limits::Budget`]), a
+//!    full one makes its senders wait (so the reader stops: back-pressure), and a peer that does
+//!    not read for [`WRITE_TIMEOUT`] is dropped.
 
 use crate::api::{self, ApiError, Code};
+use crate::rpc::agent_rate::AgentRate;
 use crate::rpc::auth::{self, AccessPolicy, PeerIdentity, Role};
+use crate::rpc::limits::{self, Budget, Registry, SharedThrottle, Slot};
 use crate::rpc::request::{self, Line, Request};
+use crate::rpc::socket_dir;
 use jsonrpsee::{MethodCallback, Methods};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
@@ -32,29 +44,14 @@ use std::time::Duration;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-/// Most connections open at once; further ones are closed at accept. Together with
-/// [`MAX_CONNECTIONS_PER_UID`] this keeps any one local user from exhausting the daemon's file
-/// descriptors (which would also blind it to its own VM processes in /proc).
-pub const MAX_CONNECTIONS: usize = 512;
-
-/// Most connections one non-root uid may hold.
-pub const MAX_CONNECTIONS_PER_UID: usize = 64;
+pub use super::limits::{MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID, MAX_IN_FLIGHT};
 
 /// Longest accepted request line in bytes, without its `\n` (or `\r\n`).
 pub const MAX_LINE: usize = 1024 * 1024;
-
-/// Requests of one connection dispatched at once. Further requests wait: the connection is not
-/// read until one finishes, which pushes back on the client through the socket buffer.
-pub const MAX_IN_FLIGHT: usize = 64;
-
-/// Lines (responses, batch responses, notifications) queued for one connection. Well above
-/// [`MAX_IN_FLIGHT`], so only a peer that does not read fills it; it is then disconnected.
-pub const WRITE_QUEUE: usize = 1024;
 
 /// How long one write may wait for the peer to read before the peer is dropped.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -81,18 +78,23 @@ const LINGER_BYTES: usize = 4 * 1024 * 1024;
 /// Creates the listening socket at `path` with permission bits `mode` (e.g. `0o666`; the
 /// credential check, not the mode, is the access gate).
 ///
-/// Creates the parent directory if needed. An existing socket file is removed only when
-/// nobody answers on it (a leftover of a crashed daemon); anything else at `path` is left alone.
+/// Creates the parent directory if needed; refuses a directory that is not root's (or the
+/// daemon's user's) or that group or others may write ([`socket_dir`]). An existing socket file
+/// is removed only when nobody answers on it (a leftover of a crashed daemon); anything else at
+/// `path` is left alone.
 /// Must be called from within a Tokio runtime.
 ///
 /// # Errors
 ///
-/// `AddrInUse` when another process serves `path`, `AlreadyExists` when `path` is not a socket,
-/// and any error of creating the directory, binding or changing the mode.
+/// `PermissionDenied` when the directory fails the [`socket_dir`] rule, `AddrInUse` when
+/// another process serves `path`, `AlreadyExists` when `path` is not a socket, and any error of
+/// creating the directory, binding or changing the mode.
 pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)?;
+        // 0755 at most (the umask may narrow it): a directory made here passes the check below.
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o755).create(parent)?;
     }
+    socket_dir::check(&socket_dir::parent_of(path))?;
     remove_stale_socket(path)?;
     // Created with its mode (no chmod afterwards: the daemon's seccomp table has none).
     let listener = crate::sandbox::socket::bind(path, mode)?;
@@ -107,8 +109,13 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
 ///
 /// # Errors
 ///
-/// When the socket cannot be made non-blocking or registered with the runtime.
+/// `PermissionDenied` when the socket's directory fails the [`socket_dir`] rule, or when the
+/// socket cannot be made non-blocking or registered with the runtime.
 pub fn from_inherited(listener: std::os::unix::net::UnixListener) -> io::Result<UnixListener> {
+    // An abstract or unnamed socket has no directory to replace it in.
+    if let Some(path) = listener.local_addr().ok().as_ref().and_then(|a| a.as_pathname()) {
+        socket_dir::check(&socket_dir::parent_of(path))?;
+    }
     listener.set_nonblocking(true)?;
     UnixListener::from_std(listener)
 }
@@ -157,11 +164,62 @@ pub async fn serve(
     listener: UnixListener,
     methods: Methods,
     policy: Arc<AccessPolicy>,
+    shutdown: watch::Receiver<bool>,
+) -> io::Result<()> {
+    serve_with(listener, methods, policy, Options::default(), shutdown).await
+}
+
+/// Settings of [`serve_with`] that come from the configuration.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// A connection with no request in flight, no subscription and no complete request line for
+    /// this long is closed (`access.idle_timeout_s`).
+    pub idle_timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { idle_timeout: limits::DEFAULT_IDLE_TIMEOUT }
+    }
+}
+
+/// What every connection of one server shares.
+struct Shared {
+    methods: Methods,
+    policy: Arc<AccessPolicy>,
+    options: Options,
+    registry: Arc<Registry>,
+    /// Refusals at accept (slots) and of peers without a role, logged at most once per
+    /// [`limits::REFUSAL_LOG_INTERVAL`] each.
+    slot_log: SharedThrottle,
+    refusal_log: SharedThrottle,
+    /// Guest-agent calls per VM and role.
+    agent_calls: Arc<AgentRate>,
+}
+
+/// [`serve`] with `options`.
+///
+/// # Errors
+///
+/// As [`serve`].
+pub async fn serve_with(
+    listener: UnixListener,
+    methods: Methods,
+    policy: Arc<AccessPolicy>,
+    options: Options,
     mut shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     let mut connections = JoinSet::new();
     let mut next_conn: u64 = 0;
-    let per_uid: Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>> = Arc::default();
+    let shared = Arc::new(Shared {
+        methods,
+        policy,
+        options,
+        registry: Registry::new(),
+        slot_log: SharedThrottle::default(),
+        refusal_log: SharedThrottle::default(),
+        agent_calls: Arc::new(AgentRate::default()),
+    });
     // Handed to each connection; `shutdown` itself is borrowed by the select below.
     let for_connections = shutdown.clone();
     let result = loop {
@@ -176,26 +234,19 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     let uid = stream.peer_cred().map(|c| c.uid()).unwrap_or(u32::MAX);
-                    let held = {
-                        let mut counts = per_uid.lock().unwrap_or_else(|p| p.into_inner());
-                        let n = counts.entry(uid).or_insert(0);
-                        *n += 1;
-                        *n
+                    let slot = match shared.registry.admit(uid) {
+                        Ok(slot) => slot,
+                        Err(refusal) => {
+                            if let Some(suppressed) = shared.slot_log.allow() {
+                                warn!(uid, %refusal, suppressed, "closing new connection");
+                            }
+                            drop(stream);
+                            continue;
+                        }
                     };
-                    let over_uid = uid != 0 && held > MAX_CONNECTIONS_PER_UID;
-                    if connections.len() >= MAX_CONNECTIONS || over_uid {
-                        warn!(uid, open = connections.len(), "connection limit reached; closing new connection");
-                        release_uid(&per_uid, uid);
-                        drop(stream);
-                        continue;
-                    }
                     next_conn += 1;
-                    let conn = connection(stream, next_conn, methods.clone(), Arc::clone(&policy), for_connections.clone());
-                    let counts = Arc::clone(&per_uid);
-                    connections.spawn(async move {
-                        conn.await;
-                        release_uid(&counts, uid);
-                    });
+                    let conn = connection(stream, next_conn, slot, Arc::clone(&shared), for_connections.clone());
+                    connections.spawn(conn);
                 }
                 Err(e) if is_fatal_accept_error(&e) => break Err(e),
                 Err(e) => {
@@ -219,16 +270,6 @@ pub async fn serve(
     result
 }
 
-fn release_uid(counts: &std::sync::Mutex<std::collections::HashMap<u32, usize>>, uid: u32) {
-    let mut counts = counts.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(n) = counts.get_mut(&uid) {
-        *n = n.saturating_sub(1);
-        if *n == 0 {
-            counts.remove(&uid);
-        }
-    }
-}
-
 /// Accept errors that mean the listener is unusable, as opposed to a peer or resource problem.
 fn is_fatal_accept_error(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP | libc::EFAULT))
@@ -238,8 +279,8 @@ fn is_fatal_accept_error(e: &io::Error) -> bool {
 async fn connection(
     stream: UnixStream,
     conn: u64,
-    methods: Methods,
-    policy: Arc<AccessPolicy>,
+    mut slot: Slot,
+    shared: Arc<Shared>,
     shutdown: watch::Receiver<bool>,
 ) {
     let cred = match stream.peer_cred() {
@@ -252,7 +293,7 @@ async fn connection(
     let span = info_span!("rpc_conn", conn, uid = cred.uid(), gid = cred.gid(), pid = cred.pid().unwrap_or(0));
     async move {
         // The lookups read /proc and may query NSS (LDAP, ...): keep them off the reactor.
-        let lookup_policy = Arc::clone(&policy);
+        let lookup_policy = Arc::clone(&shared.policy);
         let identity = match tokio::task::spawn_blocking(move || auth::peer_identity(&cred, &lookup_policy)).await {
             Ok(identity) => identity,
             Err(e) => {
@@ -260,25 +301,41 @@ async fn connection(
                 return;
             }
         };
-        match auth::classify(&policy, &identity) {
-            None => refuse(stream, &identity).await,
+        match auth::classify(&shared.policy, &identity) {
+            None => refuse(stream, &identity, &shared.refusal_log).await,
             Some(role) => {
-                info!(?role, "peer connected");
-                run(stream, role, methods, shutdown).await;
-                info!("peer disconnected");
+                if let Err(refusal) = shared.registry.admit_role(&mut slot, role) {
+                    if let Some(suppressed) = shared.slot_log.allow() {
+                        warn!(%refusal, suppressed, "closing new connection");
+                    }
+                    let err = ApiError::new(Code::LimitExceeded, refusal.to_string()).details(serde_json::json!({
+                        "limit": "readonly_connections",
+                        "max": limits::MAX_READONLY_CONNECTIONS,
+                    }));
+                    say_and_close(stream, &err).await;
+                    return;
+                }
+                let budget = shared.registry.budget(&slot);
+                debug!(?role, "peer connected");
+                run(stream, role, budget, &shared, shutdown).await;
+                debug!("peer disconnected");
             }
         }
+        drop(slot);
     }
     .instrument(span)
     .await;
 }
 
 /// Tells a peer with no role why, then disconnects it.
-async fn refuse(mut stream: UnixStream, identity: &PeerIdentity) {
-    warn!(
-        supplementary = ?identity.supplementary,
-        "refused peer: neither root nor a member of the admin or read-only group"
-    );
+async fn refuse(stream: UnixStream, identity: &PeerIdentity, log: &SharedThrottle) {
+    if let Some(suppressed) = log.allow() {
+        warn!(
+            supplementary = ?identity.supplementary,
+            suppressed,
+            "refused peer: neither root nor a member of the admin or read-only group"
+        );
+    }
     let err = ApiError::new(
         Code::Unauthorized,
         format!(
@@ -287,7 +344,12 @@ async fn refuse(mut stream: UnixStream, identity: &PeerIdentity) {
             identity.uid
         ),
     );
-    let mut line = error_line(RawValue::NULL, &err);
+    say_and_close(stream, &err).await;
+}
+
+/// Sends one error line (`id: null`) and closes the connection.
+async fn say_and_close(mut stream: UnixStream, err: &ApiError) {
+    let mut line = error_line(RawValue::NULL, err);
     line.push('\n');
     if let Ok(Ok(())) = tokio::time::timeout(LINGER, stream.write_all(line.as_bytes())).await {
         linger_close(stream).await;
@@ -333,10 +395,24 @@ struct Conn {
     methods: Methods,
     /// What the peer may call.
     role: Role,
-    /// The write queue; each entry is one complete line.
-    out: mpsc::Sender<String>,
+    /// The write queue; each entry is one complete line holding its share of the byte budget.
+    out: mpsc::UnboundedSender<Queued>,
+    /// The byte budget of the write queue (the connection's, or its uid's).
+    queued: Arc<Semaphore>,
+    /// This connection's subscriptions.
+    subscriptions: Arc<Semaphore>,
+    /// Its uid's subscriptions (`None` for root).
+    uid_subscriptions: Option<Arc<Semaphore>>,
+    /// Guest-agent calls per VM and role, shared by all connections.
+    agent_calls: Arc<AgentRate>,
     /// The connection's [`Phase`]; shared with the writer, which holds no `out` sender.
     phase: Arc<watch::Sender<Phase>>,
+}
+
+/// One line in the write queue, with the bytes of the budget it holds until it is written.
+struct Queued {
+    line: String,
+    _bytes: OwnedSemaphorePermit,
 }
 
 /// Moves `phase` forward to `to` (never back).
@@ -350,14 +426,29 @@ fn advance(phase: &watch::Sender<Phase>, to: Phase) {
     });
 }
 
-/// Serves an accepted peer until it disconnects, misbehaves or the server shuts down.
-async fn run(stream: UnixStream, role: Role, methods: Methods, mut shutdown: watch::Receiver<bool>) {
+/// Serves an accepted peer until it disconnects, misbehaves, idles or the server shuts down.
+async fn run(stream: UnixStream, role: Role, budget: Budget, shared: &Shared, mut shutdown: watch::Receiver<bool>) {
     let (rd, wr) = stream.into_split();
-    let (out, queue) = mpsc::channel(WRITE_QUEUE);
+    let (out, queue) = mpsc::unbounded_channel();
     let phase = Arc::new(watch::channel(Phase::Open).0);
     let writer = tokio::spawn(write_loop(wr, queue, Arc::clone(&phase)).in_current_span());
-    let conn = Arc::new(Conn { methods, role, out, phase: Arc::clone(&phase) });
-    let (rd, end) = read_loop(rd, &conn, &mut shutdown).await;
+    let conn = Arc::new(Conn {
+        methods: shared.methods.clone(),
+        role,
+        out,
+        queued: budget.queued,
+        subscriptions: budget.subscriptions,
+        uid_subscriptions: budget.uid_subscriptions,
+        agent_calls: Arc::clone(&shared.agent_calls),
+        phase: Arc::clone(&phase),
+    });
+    let mut permits = Permits {
+        in_flight: budget.in_flight,
+        uid_in_flight: budget.uid_in_flight,
+        shutdown: &mut shutdown,
+        phase: phase.subscribe(),
+    };
+    let (rd, end) = read_loop(rd, &conn, &mut permits, shared.options.idle_timeout).await;
     advance(&phase, Phase::Draining);
     // The writer ends once every sender is gone, i.e. once the requests in flight have answered.
     drop(conn);
@@ -382,6 +473,8 @@ enum End {
     Stopped,
     /// The socket failed.
     ReadError,
+    /// Nothing in flight, no subscription and no request line for the idle timeout.
+    Idle,
 }
 
 /// Resolves once `*shutdown` is true or its sender is gone (which counts as shutdown).
@@ -405,32 +498,53 @@ async fn stopped(shutdown: &mut watch::Receiver<bool>, phase: &mut watch::Receiv
 }
 
 /// Reads and dispatches lines until the connection ends; returns the read half and why.
-async fn read_loop(rd: OwnedReadHalf, conn: &Arc<Conn>, shutdown: &mut watch::Receiver<bool>) -> (OwnedReadHalf, End) {
+async fn read_loop(
+    rd: OwnedReadHalf,
+    conn: &Arc<Conn>,
+    permits: &mut Permits<'_>,
+    idle_timeout: Duration,
+) -> (OwnedReadHalf, End) {
     let mut reader = BufReader::with_capacity(READ_BUFFER, rd);
     let mut phase = conn.phase.subscribe();
-    let in_flight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let end = loop {
         let mut line = Vec::new();
-        let frame = tokio::select! {
-            biased;
-            _ = stopped(shutdown, &mut phase) => break End::Stopped,
-            frame = read_line(&mut reader, &mut line) => frame,
+        let frame = {
+            // Not cancelled by the idle timer: a partial line must not be lost while the peer
+            // is busy (requests in flight or subscriptions open).
+            let read = read_line(&mut reader, &mut line);
+            tokio::pin!(read);
+            loop {
+                tokio::select! {
+                    biased;
+                    () = stopped(permits.shutdown, &mut phase) => break None,
+                    frame = &mut read => break Some(frame),
+                    () = tokio::time::sleep(idle_timeout) => {
+                        if permits.idle() && conn.subscriptions.available_permits() == limits::MAX_SUBSCRIPTIONS_PER_CONNECTION {
+                            break Some(Ok(Frame::Idle));
+                        }
+                    }
+                }
+            }
         };
+        let Some(frame) = frame else { break End::Stopped };
         match frame {
             Err(e) => {
                 debug!(error = %e, "read failed");
                 break End::ReadError;
             }
             Ok(Frame::Eof) => break End::Eof,
+            Ok(Frame::Idle) => {
+                info!(timeout = ?idle_timeout, "connection idle; closing it");
+                break End::Idle;
+            }
             Ok(Frame::TooLong) => {
                 warn!(max = MAX_LINE, "request line too long; closing the connection");
                 let err = ApiError::new(Code::InvalidRequest, format!("request line longer than {MAX_LINE} bytes"));
-                conn.send(error_line(RawValue::NULL, &err));
+                conn.send(error_line(RawValue::NULL, &err)).await;
                 break End::TooLong;
             }
             Ok(Frame::Line) => {
-                let mut permits = Permits { in_flight: &in_flight, shutdown, phase: &mut phase };
-                if handle_line(conn, line, &mut permits).await.is_none() {
+                if handle_line(conn, line, permits).await.is_none() {
                     break End::Stopped;
                 }
             }
@@ -448,6 +562,8 @@ enum Frame {
     Eof,
     /// The line exceeds [`MAX_LINE`]; reading stopped at the limit, the rest is unread.
     TooLong,
+    /// Not from [`read_line`]: the idle timeout passed with nothing in flight.
+    Idle,
 }
 
 /// Reads one line into `line`, never holding more than [`MAX_LINE`] + 1 bytes of it.
@@ -490,21 +606,44 @@ fn finish_line(line: &mut Vec<u8>) -> Frame {
     }
 }
 
-/// What the reader needs to wait for an in-flight slot without missing a stop.
+/// The in-flight slots of a connection (and its uid), and what the reader must not miss while
+/// it waits for one.
 struct Permits<'a> {
-    in_flight: &'a Arc<Semaphore>,
+    in_flight: Arc<Semaphore>,
+    uid_in_flight: Option<Arc<Semaphore>>,
     shutdown: &'a mut watch::Receiver<bool>,
-    phase: &'a mut watch::Receiver<Phase>,
+    phase: watch::Receiver<Phase>,
+}
+
+/// One request's in-flight slot: the connection's and, for non-root, its uid's. Held until the
+/// request's answer is queued, so answers the peer does not read stop further reading.
+struct InFlight {
+    _own: OwnedSemaphorePermit,
+    _uid: Option<OwnedSemaphorePermit>,
 }
 
 impl Permits<'_> {
     /// Waits for a free in-flight slot; `None` when the connection stops meanwhile.
-    async fn acquire(&mut self) -> Option<OwnedSemaphorePermit> {
-        tokio::select! {
+    async fn acquire(&mut self) -> Option<InFlight> {
+        let own = tokio::select! {
             biased;
-            _ = stopped(self.shutdown, self.phase) => None,
-            permit = Arc::clone(self.in_flight).acquire_owned() => permit.ok(),
-        }
+            () = stopped(self.shutdown, &mut self.phase) => return None,
+            permit = Arc::clone(&self.in_flight).acquire_owned() => permit.ok()?,
+        };
+        let uid = match &self.uid_in_flight {
+            None => None,
+            Some(uid) => tokio::select! {
+                biased;
+                () = stopped(self.shutdown, &mut self.phase) => return None,
+                permit = Arc::clone(uid).acquire_owned() => Some(permit.ok()?),
+            },
+        };
+        Some(InFlight { _own: own, _uid: uid })
+    }
+
+    /// True when no request of this connection is in flight.
+    fn idle(&self) -> bool {
+        self.in_flight.available_permits() == MAX_IN_FLIGHT
     }
 }
 
@@ -513,7 +652,10 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
     let elements = match request::classify(line) {
         Line::Blank => return Some(()),
         Line::Error(err) => {
-            conn.send(error_line(RawValue::NULL, &err));
+            if err.code == Code::LimitExceeded {
+                warn!(message = %err.message, "request line refused");
+            }
+            conn.send(error_line(RawValue::NULL, &err)).await;
             return Some(());
         }
         Line::Single(text) => {
@@ -522,10 +664,11 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
             tokio::spawn(
                 async move {
                     let reply = conn.process(&text).await;
-                    drop(permit);
+                    drop(text);
                     if let Some(response) = reply.response {
-                        conn.send(response);
+                        conn.send(response).await;
                     }
+                    drop(permit);
                     if let Some(notifications) = reply.notifications {
                         conn.forward(notifications).await;
                     }
@@ -543,8 +686,7 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
         replies.push(tokio::spawn(
             async move {
                 let reply = conn.process(element.get()).await;
-                drop(permit);
-                reply
+                (reply, permit)
             }
             .in_current_span(),
         ));
@@ -555,25 +697,45 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
 
 /// Writes one array line with the answers of a batch, in request order, then forwards the
 /// notifications of subscriptions the batch opened (after the answer that names them).
-async fn answer_batch(conn: Arc<Conn>, replies: Vec<JoinHandle<Reply>>) {
-    let mut responses = Vec::with_capacity(replies.len());
+///
+/// The elements' in-flight slots are held until the array is queued: a batch's answers are
+/// memory the peer has not read yet, and a peer that does not read must not get more read.
+async fn answer_batch(conn: Arc<Conn>, replies: Vec<JoinHandle<(Reply, InFlight)>>) {
+    // Built in place as the answers come in, so no answer is held twice.
+    let mut line = String::from("[");
     let mut subscriptions = Vec::new();
+    let mut held = Vec::with_capacity(replies.len());
     for reply in replies {
         match reply.await {
-            Ok(reply) => {
-                responses.extend(reply.response);
+            Ok((reply, permit)) => {
+                if let Some(response) = reply.response {
+                    if line.len() > 1 {
+                        line.push(',');
+                    }
+                    line.push_str(&response);
+                }
                 subscriptions.extend(reply.notifications);
+                held.push(permit);
             }
             Err(e) => error!(error = %e, "batch element task failed"),
         }
     }
     // All notifications (no answers) ⇒ nothing is written, as JSON-RPC 2.0 requires.
-    if !responses.is_empty() {
-        conn.send(format!("[{}]", responses.join(",")));
+    if line.len() > 1 {
+        line.push(']');
+        conn.send(line).await;
     }
+    drop(held);
     for notifications in subscriptions {
         tokio::spawn(Arc::clone(&conn).forward_owned(notifications).in_current_span());
     }
+}
+
+/// The notifications of an open subscription, with the subscription slots it holds.
+struct Subscription {
+    notifications: mpsc::Receiver<Box<RawValue>>,
+    _own: OwnedSemaphorePermit,
+    _uid: Option<OwnedSemaphorePermit>,
 }
 
 /// The outcome of one request.
@@ -581,7 +743,7 @@ struct Reply {
     /// The response object, `None` for a notification.
     response: Option<String>,
     /// Where a subscription's notifications arrive; `None` when nothing can arrive.
-    notifications: Option<mpsc::Receiver<Box<RawValue>>>,
+    notifications: Option<Subscription>,
 }
 
 impl Reply {
@@ -594,27 +756,65 @@ impl Reply {
     fn silent() -> Reply {
         Reply { response: None, notifications: None }
     }
+
+    /// An error reply to `id` (nothing for a notification).
+    fn error(id: Option<&RawValue>, err: &ApiError) -> Reply {
+        match id {
+            Some(id) => Reply::answer(error_line(id, err)),
+            None => Reply::silent(),
+        }
+    }
 }
 
 impl Conn {
-    /// Queues one line (a `\n` is appended). Returns false when the line cannot be delivered:
-    /// the connection is gone, or the queue is full and the connection is dropped for it.
-    fn send(&self, mut line: String) -> bool {
+    /// Queues one line (a `\n` is appended), waiting while the byte budget is spent: the peer
+    /// must read before more is queued for it (back-pressure). Returns false when the line
+    /// cannot be delivered because the connection is gone.
+    async fn send(&self, mut line: String) -> bool {
         // A raw newline in JSON can only be insignificant whitespace (inside strings it is
         // escaped), so replacing it keeps the message intact and the framing safe.
         if line.contains('\n') {
             line = line.replace('\n', " ");
         }
         line.push('\n');
-        match self.out.try_send(line) {
-            Ok(()) => true,
-            Err(TrySendError::Full(_)) => {
-                warn!(queue = WRITE_QUEUE, "peer is not reading its answers; dropping the connection");
-                advance(&self.phase, Phase::Dead);
-                false
-            }
-            Err(TrySendError::Closed(_)) => false,
-        }
+        // A line larger than the whole budget waits for an empty queue.
+        let cost = line.len().saturating_add(limits::LINE_OVERHEAD).min(limits::MAX_QUEUED_BYTES);
+        let cost = u32::try_from(cost).unwrap_or(u32::MAX);
+        let mut phase = self.phase.subscribe();
+        let bytes = tokio::select! {
+            biased;
+            () = phase_reached(&mut phase, Phase::Dead) => return false,
+            bytes = Arc::clone(&self.queued).acquire_many_owned(cost) => match bytes {
+                Ok(bytes) => bytes,
+                Err(_) => return false,
+            },
+        };
+        self.out.send(Queued { line, _bytes: bytes }).is_ok()
+    }
+
+    /// Takes a subscription slot of the connection and of its uid.
+    ///
+    /// # Errors
+    /// 1003 naming the limit that is reached.
+    fn subscription_slots(&self) -> Result<(OwnedSemaphorePermit, Option<OwnedSemaphorePermit>), ApiError> {
+        let refused = |limit: &str, max: usize| {
+            ApiError::new(
+                Code::LimitExceeded,
+                format!("too many subscriptions: at most {max} per {limit}; unsubscribe or close one first"),
+            )
+            .field("method")
+            .details(serde_json::json!({"limit": format!("subscriptions_per_{limit}"), "max": max}))
+        };
+        let own = Arc::clone(&self.subscriptions)
+            .try_acquire_owned()
+            .map_err(|_| refused("connection", limits::MAX_SUBSCRIPTIONS_PER_CONNECTION))?;
+        let uid = match &self.uid_subscriptions {
+            None => None,
+            Some(uid) => Some(
+                Arc::clone(uid).try_acquire_owned().map_err(|_| refused("uid", limits::MAX_SUBSCRIPTIONS_PER_UID))?,
+            ),
+        };
+        Ok((own, uid))
     }
 
     /// Checks and dispatches one request (a single line or a batch element; valid JSON).
@@ -637,15 +837,27 @@ impl Conn {
                 format!("method {method} is not allowed: this peer has read-only access"),
             )
             .field("method");
-            return match request.id {
-                Some(id) => Reply::answer(error_line(id, &err)),
-                None => Reply::silent(),
-            };
+            return Reply::error(request.id, &err);
         }
+        if let Err(err) = self.agent_calls.check(method, request.params, self.role) {
+            debug!(method, "guest-agent call refused by the rate limit");
+            return Reply::error(request.id, &err);
+        }
+        let is_subscription = matches!(self.methods.method(method), Some(MethodCallback::Subscription(_)));
+        let slots = if is_subscription {
+            match self.subscription_slots() {
+                Ok(slots) => Some(slots),
+                Err(err) => {
+                    warn!(method, limit = %err.details["limit"], "subscription refused");
+                    return Reply::error(request.id, &err);
+                }
+            }
+        } else {
+            None
+        };
         // Dispatch our own rewrite of the request (id 0, known members only), so what runs is
         // exactly what was checked; the client's id is put back on the answer below.
         let call = to_line(&Call { jsonrpc: "2.0", id: 0, method, params: request.params });
-        let is_subscription = matches!(self.methods.method(method), Some(MethodCallback::Subscription(_)));
         let methods = self.methods.clone();
         // Its own task, so a panicking method costs one -32603 answer, not the connection.
         let mut task = tokio::spawn(async move { methods.raw_json_request(&call, SUBSCRIPTION_BUFFER).await });
@@ -658,10 +870,7 @@ impl Conn {
                     task.abort();
                     error!(method, "subscription neither accepted nor rejected in time");
                     let err = ApiError::internal(format!("method {method} did not answer"));
-                    return match request.id {
-                        Some(id) => Reply::answer(error_line(id, &err)),
-                        None => Reply::silent(),
-                    };
+                    return Reply::error(request.id, &err);
                 }
             }
         } else {
@@ -673,7 +882,8 @@ impl Conn {
         };
         match dispatched {
             Ok(Ok((answer, notifications))) => {
-                Reply { response: Some(response_line(id, &answer)), notifications: Some(notifications) }
+                let notifications = slots.map(|(own, uid)| Subscription { notifications, _own: own, _uid: uid });
+                Reply { response: Some(response_line(id, &answer)), notifications }
             }
             Ok(Err(e)) => {
                 error!(method, error = %e, "jsonrpsee rejected a rewritten request");
@@ -687,16 +897,18 @@ impl Conn {
         }
     }
 
-    /// Writes a subscription's notifications until it ends or the connection stops.
-    async fn forward(&self, mut notifications: mpsc::Receiver<Box<RawValue>>) {
+    /// Writes a subscription's notifications until it ends or the connection stops; its
+    /// subscription slots are given back then.
+    async fn forward(&self, subscription: Subscription) {
         let mut phase = self.phase.subscribe();
+        let mut notifications = subscription.notifications;
         loop {
             tokio::select! {
                 biased;
                 () = phase_reached(&mut phase, Phase::Draining) => break,
                 message = notifications.recv() => match message {
-                    Some(message) if self.send(message.get().to_owned()) => {}
-                    // Ended (plain methods end at once), or the connection is gone.
+                    Some(message) if self.send(message.get().to_owned()).await => {}
+                    // Ended, or the connection is gone.
                     _ => break,
                 },
             }
@@ -704,20 +916,21 @@ impl Conn {
     }
 
     /// [`Conn::forward`] for a spawned task.
-    async fn forward_owned(self: Arc<Self>, notifications: mpsc::Receiver<Box<RawValue>>) {
-        self.forward(notifications).await;
+    async fn forward_owned(self: Arc<Self>, subscription: Subscription) {
+        self.forward(subscription).await;
     }
 }
 
 /// Writes queued lines until every sender is gone (returns the write half, all written) or the
-/// connection is dropped (returns `None`).
+/// connection is dropped (returns `None`). A line's budget bytes are given back once written.
 async fn write_loop(
     mut wr: OwnedWriteHalf,
-    mut queue: mpsc::Receiver<String>,
+    mut queue: mpsc::UnboundedReceiver<Queued>,
     phase: Arc<watch::Sender<Phase>>,
 ) -> Option<OwnedWriteHalf> {
     let mut dead = phase.subscribe();
     let mut buf = Vec::with_capacity(COALESCE);
+    let mut written_lines = Vec::new();
     loop {
         let first = tokio::select! {
             biased;
@@ -728,10 +941,14 @@ async fn write_loop(
             return Some(wr);
         };
         buf.clear();
-        buf.extend_from_slice(first.as_bytes());
+        buf.extend_from_slice(first.line.as_bytes());
+        written_lines.push(first);
         while buf.len() < COALESCE {
             match queue.try_recv() {
-                Ok(line) => buf.extend_from_slice(line.as_bytes()),
+                Ok(queued) => {
+                    buf.extend_from_slice(queued.line.as_bytes());
+                    written_lines.push(queued);
+                }
                 Err(_) => break,
             }
         }
@@ -740,6 +957,11 @@ async fn write_loop(
             () = phase_reached(&mut dead, Phase::Dead) => return None,
             written = tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&buf)) => written,
         };
+        written_lines.clear();
+        if buf.capacity() > COALESCE * 2 {
+            // One large line must not keep its buffer for the connection's life.
+            buf = Vec::with_capacity(COALESCE);
+        }
         match written {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -866,6 +1088,28 @@ mod tests {
         assert!(got[0].1.len() <= MAX_LINE + 1);
         let endless = vec![b'x'; MAX_LINE * 2];
         assert_eq!(frames(&endless).await[0].0, Frame::TooLong);
+    }
+
+    #[test]
+    fn an_overlong_batch_is_refused_as_a_whole() {
+        let element = r#"{"jsonrpc":"2.0","id":1,"method":"vm.list"}"#;
+        let batch = |n: usize| format!("[{}]", vec![element; n].join(",")).into_bytes();
+        assert!(matches!(request::classify(batch(limits::MAX_BATCH)), Line::Batch(e) if e.len() == limits::MAX_BATCH));
+        match request::classify(batch(limits::MAX_BATCH + 1)) {
+            Line::Error(e) => {
+                assert_eq!(e.code, Code::LimitExceeded);
+                assert_eq!(e.details["limit"], "batch_length");
+                assert_eq!(e.details["got"], limits::MAX_BATCH + 1);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Elements past the limit are skipped, not trusted: broken JSON there is still -32700.
+        let mut broken = batch(limits::MAX_BATCH + 1);
+        broken.truncate(broken.len() - 2);
+        assert!(matches!(request::classify(broken), Line::Error(e) if e.code == Code::ParseError));
+        // A million tiny elements are counted without holding them.
+        let tiny = format!("[{}1]", "1,".repeat(500_000)).into_bytes();
+        assert!(matches!(request::classify(tiny), Line::Error(e) if e.details["got"] == 500_001));
     }
 
     #[test]
