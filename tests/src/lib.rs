@@ -148,6 +148,9 @@ pub struct TestHost {
     pub netns: Option<String>,
     /// Extra environment of the daemon (e.g. the sandbox probe's variable).
     pub env: Vec<(String, String)>,
+    /// Start the daemon without `CAP_SYS_PTRACE` in its bounding set, as the packaged unit
+    /// does (the tests otherwise run it as root with every capability).
+    pub without_ptrace: bool,
     daemon: Option<Child>,
 }
 
@@ -258,7 +261,7 @@ reserved_memory_gib = 1
             assert!(st.success(), "ip netns add {name} failed");
             name
         });
-        let mut host = TestHost { dir, config, socket, netns, env: opts.env, daemon: None };
+        let mut host = TestHost { dir, config, socket, netns, env: opts.env, without_ptrace: false, daemon: None };
         host.spawn_daemon();
         host
     }
@@ -288,6 +291,19 @@ reserved_memory_gib = 1
             unsafe {
                 std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
                     nix::sched::setns(&nsfile, nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+                });
+            }
+        }
+        if self.without_ptrace {
+            // SAFETY: prctl is async-signal-safe and the closure allocates nothing.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                    // CAP_SYS_PTRACE is capability 19 (linux/capability.h).
+                    if libc::prctl(libc::PR_CAPBSET_DROP, 19, 0, 0, 0) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
                 });
             }
         }

@@ -185,6 +185,8 @@ fn recovery_does_not_adopt_a_fake_and_still_adopts_the_real_qemu() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let fakes = fakes(&host, "gone", false);
+    // As under the packaged unit: no CAP_SYS_PTRACE, so QEMU's executable is read as qemu.user.
+    host.without_ptrace = true;
     host.spawn_daemon();
 
     let v = host.call("vm.get", json!({ "name": "gone" }));

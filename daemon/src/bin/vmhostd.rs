@@ -77,9 +77,14 @@ fn main() -> ExitCode {
     // Before the sandbox, which takes away reading other users' /proc/PID/exe: the executables
     // of the QEMUs that outlived the previous daemon, so that only real ones are re-adopted
     // (vmhost::qemu::identity).
-    let qemu_uid = config.qemu_user.map_or_else(|| nix::unistd::geteuid().as_raw(), |u| u.uid);
-    match vmhost::qemu::identity::remember_executables(qemu_uid) {
-        Ok(n) => tracing::debug!(processes = n, uid = qemu_uid, "remembered the executables of qemu.user's processes"),
+    let qemu_user = config.qemu_user.unwrap_or_else(|| vmhost::config::UserIds {
+        uid: nix::unistd::geteuid().as_raw(),
+        gid: nix::unistd::getegid().as_raw(),
+    });
+    match vmhost::qemu::identity::remember_executables(qemu_user) {
+        Ok(n) => {
+            tracing::debug!(processes = n, uid = qemu_user.uid, "remembered the executables of qemu.user's processes")
+        }
         Err(e) => tracing::warn!(error = %e, "cannot list /proc: no QEMU of a previous vmhostd will be re-adopted"),
     }
     // Before the runtime: capabilities, Landlock and seccomp bind the calling thread and the

@@ -260,17 +260,49 @@ pub fn remember_executables_in(proc_root: &Path, uid: u32) -> io::Result<Remembe
     Ok(found)
 }
 
-/// Remembers the executable of every process running as `uid` (`qemu.user`), for [`judge`] to
-/// know the executables of QEMUs that outlived the previous daemon. Call once, while the process
-/// may still read any `/proc/PID/exe` (before the sandbox); later calls do nothing.
+/// Remembers the executable of every process running as `user` (`qemu.user`), for [`judge`] to
+/// know the executables of QEMUs that outlived the previous daemon. Call once, before the
+/// sandbox, from a thread that may still change its file-system ids; later calls do nothing.
+///
+/// Reading another user's `/proc/PID/exe` is a ptrace check: root passes it only with
+/// `CAP_SYS_PTRACE`, which the packaged unit does not grant. A caller whose file-system uid and
+/// gid are the target's own passes it without any capability, so this thread takes `user`'s
+/// (`setfsuid`/`setfsgid` change only the calling thread, and need only `CAP_SETUID`/
+/// `CAP_SETGID`) for the scan and takes its own back after it.
 ///
 /// # Errors
 /// `/proc` cannot be listed; nothing is remembered then, and no orphaned QEMU is re-adopted.
-pub fn remember_executables(uid: u32) -> io::Result<usize> {
-    let found = remember_executables_in(Path::new(process::PROC_ROOT), uid)?;
+pub fn remember_executables(user: crate::config::UserIds) -> io::Result<usize> {
+    let found = {
+        let _as_user = FsIds::become_(user);
+        remember_executables_in(Path::new(process::PROC_ROOT), user.uid)
+    }?;
     let n = found.len();
     let _ = REMEMBERED.set(found);
     Ok(n)
+}
+
+/// This thread's file-system ids switched to a user's until dropped.
+struct FsIds {
+    uid: nix::unistd::Uid,
+    gid: nix::unistd::Gid,
+}
+
+impl FsIds {
+    fn become_(user: crate::config::UserIds) -> FsIds {
+        // The previous ids are returned; without CAP_SETUID/CAP_SETGID the call changes nothing
+        // and the scan simply reads less (the same as before the switch existed).
+        let gid = nix::unistd::setfsgid(nix::unistd::Gid::from_raw(user.gid));
+        let uid = nix::unistd::setfsuid(nix::unistd::Uid::from_raw(user.uid));
+        FsIds { uid, gid }
+    }
+}
+
+impl Drop for FsIds {
+    fn drop(&mut self) {
+        nix::unistd::setfsuid(self.uid);
+        nix::unistd::setfsgid(self.gid);
+    }
 }
 
 static SPAWNER: OnceLock<ProcessIdentity> = OnceLock::new();
