@@ -202,9 +202,11 @@ fn a_hostile_guest_floods_its_port_and_the_daemon_stays_responsive() {
         // The hostile guest never gets a session: its calls are refused in bounded time.
         let t = Instant::now();
         let (code, _) = host.call_err("vm.check", json!({ "name": "evil" }));
-        assert!(code == 5001 || code == 5002, "code {code}");
+        // 1004: this loop outruns the per-VM rate of agent calls (docs/api.md#limits), which
+        // is refused at once without asking the guest.
+        assert!(code == 5001 || code == 5002 || code == 1004, "code {code}");
         assert!(t.elapsed() < Duration::from_secs(25), "a refused call is bounded");
-        refused += 1;
+        refused += usize::from(code != 1004);
         // Other calls are answered at once.
         let t = Instant::now();
         assert_eq!(host.call("vm.get", json!({ "name": "evil" }))["agent"]["connected"], false);
