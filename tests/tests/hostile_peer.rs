@@ -365,6 +365,39 @@ fn a_socket_directory_others_may_write_is_refused() {
 }
 
 #[test]
+fn a_socket_directory_the_daemon_creates_is_0755_whatever_the_umask() {
+    let host = TestHost::prepare(HostOptions::default());
+    let made = host.dir.path().join("made/here");
+    let socket = made.join("vmhostd.sock");
+    let text = std::fs::read_to_string(&host.config).unwrap();
+    let text =
+        text.replace(&format!("socket = \"{}\"", host.socket.display()), &format!("socket = \"{}\"", socket.display()));
+    std::fs::write(&host.config, text).unwrap();
+    let log = host.dir.path().join("umask0.log");
+    let mut cmd = std::process::Command::new(bin("vmhostd"));
+    cmd.arg("--config").arg(&host.config).stdout(std::process::Stdio::null());
+    cmd.stderr(std::fs::File::create(&log).unwrap());
+    // SAFETY: umask is async-signal-safe and the closure allocates nothing.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            libc::umask(0);
+            Ok(())
+        });
+    }
+    let mut daemon = cmd.spawn().unwrap();
+    let up = eventually(Duration::from_secs(30), || {
+        matches!(daemon.try_wait(), Ok(Some(_))) || vmhost::client::Client::connect(&socket).is_ok()
+    });
+    let exited = matches!(daemon.try_wait(), Ok(Some(_)));
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(up && !exited, "vmhostd under umask 0 did not serve:\n{stderr}");
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(&made), 0o755, "{stderr}");
+}
+
+#[test]
 fn readonly_peers_cannot_take_the_slots_kept_for_admins() {
     let host = TestHost::start(HostOptions { readonly_group: "nogroup".into(), ..HostOptions::default() });
     // 448 read-only connections (7 uids × 64), each served once so the daemon has classified it.

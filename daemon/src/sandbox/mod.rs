@@ -141,12 +141,21 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     }
 
     // 2. Directories.
+    // Modes given, not left to the umask: under umask 0 the socket's directory would be 0777,
+    // which the server then refuses (rpc::socket_dir); the state's subdirectories are private.
     let p = &config.paths;
-    let mut dirs =
-        vec![p.state.clone(), p.state.join("disks"), p.state.join("logs"), p.state.join("seeds"), p.run.clone()];
-    dirs.extend(p.socket.parent().map(std::path::Path::to_path_buf));
-    for d in dirs {
-        std::fs::create_dir_all(&d).map_err(|source| SandboxError::Dir { path: d.display().to_string(), source })?;
+    let mut dirs = vec![
+        (p.state.clone(), 0o755),
+        (p.state.join("disks"), 0o700),
+        (p.state.join("logs"), 0o700),
+        (p.state.join("seeds"), 0o700),
+        (p.run.clone(), 0o755),
+    ];
+    dirs.extend(p.socket.parent().map(|d| (d.to_path_buf(), 0o755)));
+    for (d, mode) in dirs {
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), mode)
+            .create(&d)
+            .map_err(|source| SandboxError::Dir { path: d.display().to_string(), source })?;
     }
 
     // With passthrough configured, vfio-pci now, while the daemon may still run modprobe itself:
