@@ -7,8 +7,12 @@ for d in /sys/class/virtio-ports/*; do
     [ "$(cat "$d/name" 2>/dev/null)" = org.vmhost.agent.0 ] && port=/dev/${d##*/}
 done
 [ -n "$port" ] || exit 1
-exec 3<>"$port"
 evil='\nFORGED-LINE level=ERROR vmhostd: root shell granted\r\u001b[2K\u001b]0;pwned\u0007\u009b31m'
+# A read of the port returns end-of-file while the host side is not connected (before the
+# daemon's first connection, and between its attempts when an answer came too late under a
+# loaded TCG): open it again, as the real agent does, instead of exiting.
+while :; do
+exec 3<>"$port"
 while IFS= read -r line <&3; do
     [ -n "$line" ] || continue
     # Fields by parameter expansion only: no fork per line, so answers stay quick under TCG.
@@ -35,4 +39,7 @@ while IFS= read -r line <&3; do
             continue ;;
     esac
     printf '{"jsonrpc":"2.0","id":%s,"result":%s}\n' "$id" "$result" >&3
+done
+exec 3<&-
+sleep 1
 done
