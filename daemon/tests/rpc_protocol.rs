@@ -484,7 +484,14 @@ fn run_as_nobody(scenario: &str, socket: &Path) -> bool {
         eprintln!("not root: skipping the {scenario} peer test");
         return false;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    // A copy of this binary in a directory of the host's temp dir: the checkout may be in a
+    // 0700 directory (a home, mktemp -d) that uid 65534 cannot enter to execute it.
+    let copy_dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(copy_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = copy_dir.path().join("rpc_protocol");
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = std::process::Command::new(&exe)
         .args(["--exact", "child_client", "--nocapture", "--test-threads=1"])
         .env(CHILD_SCENARIO, scenario)
         .env(CHILD_SOCKET, socket)

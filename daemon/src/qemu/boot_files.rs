@@ -107,6 +107,11 @@ pub fn open_under(dirs: &[PathBuf], path: &Path) -> io::Result<File> {
     };
     if ret < 0 {
         let e = io::Error::last_os_error();
+        if matches!(e.raw_os_error(), Some(libc::ENOSYS) | Some(libc::EPERM)) {
+            // No openat2: a kernel before 5.6, or a service manager's system-call filter that
+            // answers it ENOSYS/EPERM (systemd does for calls its tables do not know).
+            return open_beneath_without_openat2(&base, rel, path, dir).and_then(|f| check_file(f, path));
+        }
         return Err(match e.raw_os_error() {
             Some(libc::EXDEV) | Some(libc::ELOOP) => io::Error::new(
                 io::ErrorKind::PermissionDenied,
@@ -119,6 +124,52 @@ pub fn open_under(dirs: &[PathBuf], path: &Path) -> io::Result<File> {
     // SAFETY: the kernel just returned this descriptor and nothing else owns it.
     let file = unsafe { File::from_raw_fd(fd) };
     check_file(file, path)
+}
+
+/// [`open_under`] without `openat2`: walks `rel` one component at a time from `base` with
+/// `O_NOFOLLOW`, so no symlink is followed at all (stricter than `RESOLVE_BENEATH`, which follows
+/// those that stay inside) and `..` is refused.
+fn open_beneath_without_openat2(base: &File, rel: &Path, path: &Path, dir: &Path) -> io::Result<File> {
+    use std::path::Component;
+    let refused = || {
+        io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a plain path beneath the boot directory {} (no symlinks without openat2)",
+                path.display(),
+                dir.display()
+            ),
+        )
+    };
+    let parts: Vec<&std::ffi::OsStr> = rel
+        .components()
+        .map(|c| match c {
+            Component::Normal(p) => Ok(p),
+            _ => Err(refused()),
+        })
+        .collect::<io::Result<_>>()?;
+    let Some((last, dirs)) = parts.split_last() else { return Err(refused()) };
+    let mut cur = base.try_clone()?;
+    let at = |from: &File, name: &std::ffi::OsStr, flags: i32| -> io::Result<File> {
+        let c = std::ffi::CString::new(name.as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the path"))?;
+        // SAFETY: openat with a descriptor we hold and a NUL-terminated name.
+        let fd = unsafe { libc::openat(from.as_raw_fd(), c.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENOTDIR)) {
+                refused()
+            } else {
+                e
+            });
+        }
+        // SAFETY: the kernel just returned this descriptor and nothing else owns it.
+        Ok(unsafe { File::from_raw_fd(fd) })
+    };
+    for name in dirs {
+        cur = at(&cur, name, libc::O_PATH | libc::O_DIRECTORY)?;
+    }
+    at(&cur, last, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY)
 }
 
 /// Opens `path` read-only for copying, wherever it is (tests; the daemon uses [`open_under`]).
@@ -424,6 +475,28 @@ mod tests {
         let dotted: Vec<PathBuf> = vec!["/srv/../etc".into()];
         assert_eq!(boot_dir_of(&dotted, Path::new("/srv/../etc/shadow")), None);
         assert_eq!(boot_dir_of(&[], Path::new("/boot/vmlinuz")), None);
+    }
+
+    #[test]
+    fn without_openat2_no_symlink_is_followed() {
+        let root = tempfile::tempdir().unwrap();
+        let boot = root.path().join("boot");
+        std::fs::create_dir_all(boot.join("sub")).unwrap();
+        std::fs::write(boot.join("sub/vmlinuz"), b"kernel").unwrap();
+        std::fs::write(root.path().join("secret"), b"secret").unwrap();
+        std::os::unix::fs::symlink("sub/vmlinuz", boot.join("current")).unwrap();
+        std::os::unix::fs::symlink("../secret", boot.join("escape")).unwrap();
+        std::os::unix::fs::symlink(root.path(), boot.join("dirlink")).unwrap();
+        let base = File::open(&boot).unwrap();
+        let open = |rel: &str| open_beneath_without_openat2(&base, Path::new(rel), &boot.join(rel), &boot);
+        let mut out = Vec::new();
+        io::Read::read_to_end(&mut open("sub/vmlinuz").unwrap(), &mut out).unwrap();
+        assert_eq!(out, b"kernel");
+        for refused in ["current", "escape", "dirlink/secret", "sub/../sub/vmlinuz", ""] {
+            let e = open(refused).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{refused}: {e}");
+        }
+        assert_eq!(open("absent").unwrap_err().kind(), io::ErrorKind::NotFound);
     }
 
     #[test]
