@@ -104,6 +104,22 @@ pub fn agent_guest() -> Guest {
         .clone()
 }
 
+/// The test guest with a hostile stand-in for the agent: `tests/guest/hostile/SCRIPT` packed as
+/// /bin/vmhost-agent into `target/guest/INITRAMFS` (the guest's init starts it after boot).
+pub fn hostile_guest(script: &str, initramfs: &str) -> Guest {
+    let base = guest();
+    let root = workspace();
+    let out = root.join("target/guest");
+    let st = Command::new(root.join("tests/guest/build.sh"))
+        .env("EXTRA_FILES", format!("{}:/bin/vmhost-agent", root.join("tests/guest/hostile").join(script).display()))
+        .env("INITRAMFS_NAME", initramfs)
+        .arg(&out)
+        .status()
+        .expect("run tests/guest/build.sh");
+    assert!(st.success(), "tests/guest/build.sh {script}: {st}");
+    Guest { kernel: base.kernel, initrd: out.join(initramfs) }
+}
+
 /// Runs `cmd` to completion and returns its stdout; panics with its status, stdout and stderr
 /// when it fails.
 pub fn run_ok(cmd: &mut Command) -> String {

@@ -173,18 +173,7 @@ fn a_vm_without_a_connected_agent_gets_5001_and_others_are_unaffected() {
 
 /// The test guest with a flooding script as its "agent" (tests/guest/hostile/flood-agent.sh).
 fn hostile_guest() -> vmhost_tests::Guest {
-    let base = vmhost_tests::guest();
-    let root = vmhost_tests::workspace();
-    let script = root.join("tests/guest/hostile/flood-agent.sh");
-    let out = root.join("target/guest");
-    let st = std::process::Command::new(root.join("tests/guest/build.sh"))
-        .env("EXTRA_FILES", format!("{}:/bin/vmhost-agent", script.display()))
-        .env("INITRAMFS_NAME", "initramfs-hostile.cpio.gz")
-        .arg(&out)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    vmhost_tests::Guest { kernel: base.kernel, initrd: out.join("initramfs-hostile.cpio.gz") }
+    vmhost_tests::hostile_guest("flood-agent.sh", "initramfs-hostile.cpio.gz")
 }
 
 #[test]
@@ -225,18 +214,7 @@ fn a_hostile_guest_floods_its_port_and_the_daemon_stays_responsive() {
 /// The test guest with a lying "agent" whose every string forges lines and terminal sequences
 /// (tests/guest/hostile/liar-agent.sh).
 fn liar_guest() -> vmhost_tests::Guest {
-    let base = vmhost_tests::guest();
-    let root = vmhost_tests::workspace();
-    let script = root.join("tests/guest/hostile/liar-agent.sh");
-    let out = root.join("target/guest");
-    let st = std::process::Command::new(root.join("tests/guest/build.sh"))
-        .env("EXTRA_FILES", format!("{}:/bin/vmhost-agent", script.display()))
-        .env("INITRAMFS_NAME", "initramfs-liar.cpio.gz")
-        .arg(&out)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    vmhost_tests::Guest { kernel: base.kernel, initrd: out.join("initramfs-liar.cpio.gz") }
+    vmhost_tests::hostile_guest("liar-agent.sh", "initramfs-liar.cpio.gz")
 }
 
 /// No character that could forge a line or drive a terminal.

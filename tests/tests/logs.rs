@@ -13,18 +13,7 @@ const LINE: u64 = 121;
 
 /// The test guest whose "agent" prints numbered lines to the console forever.
 fn flood_guest() -> vmhost_tests::Guest {
-    let base = vmhost_tests::guest();
-    let root = vmhost_tests::workspace();
-    let script = root.join("tests/guest/hostile/flood-console.sh");
-    let out = root.join("target/guest");
-    let st = std::process::Command::new(root.join("tests/guest/build.sh"))
-        .env("EXTRA_FILES", format!("{}:/bin/vmhost-agent", script.display()))
-        .env("INITRAMFS_NAME", "initramfs-flood.cpio.gz")
-        .arg(&out)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    vmhost_tests::Guest { kernel: base.kernel, initrd: out.join("initramfs-flood.cpio.gz") }
+    vmhost_tests::hostile_guest("flood-console.sh", "initramfs-flood.cpio.gz")
 }
 
 fn size(path: &Path) -> u64 {
