@@ -144,13 +144,9 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     // Modes given, not left to the umask: under umask 0 the socket's directory would be 0777,
     // which the server then refuses (rpc::socket_dir); the state's subdirectories are private.
     let p = &config.paths;
-    let mut dirs = vec![
-        (p.state.clone(), 0o755),
-        (p.state.join("disks"), 0o700),
-        (p.state.join("logs"), 0o700),
-        (p.state.join("seeds"), 0o700),
-        (p.run.clone(), 0o755),
-    ];
+    let private = crate::state::dirs::PRIVATE.iter().map(|d| (p.state.join(d), crate::state::dirs::MODE));
+    let mut dirs = vec![(p.state.clone(), 0o755), (p.run.clone(), 0o755)];
+    dirs.extend(private);
     dirs.extend(p.socket.parent().map(|d| (d.to_path_buf(), 0o755)));
     for (d, mode) in dirs {
         std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), mode)
