@@ -160,7 +160,8 @@ impl Default for Paths {
 pub struct QemuConfig {
     /// qemu-system binary.
     pub binary: PathBuf,
-    /// qemu-img binary.
+    /// No longer used: image files are worked on by `binary` as `qemu.user`
+    /// ([`crate::disk`]). Still accepted (and checked to be absolute) so existing configs load.
     pub img_binary: PathBuf,
     /// Accelerator.
     pub accel: Accel,

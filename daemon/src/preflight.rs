@@ -22,10 +22,9 @@ const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
 
 async fn binary_version(name: &str, binary: &Path) -> CheckItem {
     if !binary.exists() {
-        let package = if name == "qemu_img" { " (Debian: qemu-utils)" } else { " (Debian: qemu-system-x86)" };
-        return item(name, CheckStatus::Missing, format!("{} not found{package}", binary.display()));
+        return item(name, CheckStatus::Missing, format!("{} not found (Debian: qemu-system-x86)", binary.display()));
     }
-    let run = crate::sandbox::spawn::Command::version_probe(binary, name == "qemu_img").output();
+    let run = crate::sandbox::spawn::Command::version_probe(binary).output();
     match tokio::time::timeout(VERSION_TIMEOUT, run).await {
         Ok(Ok(out)) if out.status.success() => {
             let text = String::from_utf8_lossy(&out.stdout);
@@ -189,7 +188,6 @@ fn networks(states: &[NetworkState]) -> Vec<CheckItem> {
 pub async fn check(config: &Config, broken: &[BrokenRecord], network_states: &[NetworkState]) -> HostCheck {
     let mut items = vec![
         binary_version("qemu", &config.qemu.binary).await,
-        binary_version("qemu_img", &config.qemu.img_binary).await,
         accelerator(config).await,
         writable_dir("state_dir", &config.paths.state),
         writable_dir("run_dir", &config.paths.run),
@@ -214,7 +212,6 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let mut c = config();
         c.qemu.binary = d.path().join("no-qemu");
-        c.qemu.img_binary = "/bin/true".into();
         c.paths.state = d.path().to_path_buf();
         c.paths.run = d.path().join("absent");
         c.paths.images = d.path().join("absent-images");
@@ -222,7 +219,7 @@ mod tests {
         assert!(!r.ok);
         let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
         assert_eq!(status("qemu"), CheckStatus::Missing);
-        assert_eq!(status("qemu_img"), CheckStatus::Ok);
+        assert!(!r.items.iter().any(|i| i.name == "qemu_img"), "qemu-img is not needed");
         assert_eq!(status("accelerator"), CheckStatus::Ok); // tcg in the test config
         assert_eq!(status("state_dir"), CheckStatus::Ok);
         assert_eq!(status("run_dir"), CheckStatus::Missing);

@@ -14,8 +14,7 @@
 //!    through a pidfd, which works for processes that are not our children;
 //! 4. [`signal`] (and [`crate::qemu::identity::signal_if_qemu`]) deliver stop and kill signals.
 //!
-//! It also shapes the stderr tails that errors about failed child programs carry (QEMU,
-//! `qemu-img`).
+//! It also shapes the stderr tails that errors about failed child programs carry (QEMU).
 //!
 //! A zombie counts as dead everywhere: an orphaned QEMU that exited lingers as a zombie until the
 //! init process reaps it (on these machines only about every 1.5 s), and it will never run again.

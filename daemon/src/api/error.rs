@@ -47,7 +47,7 @@ pub enum Code {
     /// A passthrough device is in use by the host itself (an addressed or routed network
     /// interface, a bridge or bond member, a mounted file system).
     InUseByHost,
-    /// QEMU, qemu-img or another host step failed.
+    /// QEMU or another host step failed.
     ProvisioningFailed,
     /// No VM with that name.
     NotFound,

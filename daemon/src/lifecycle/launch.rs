@@ -18,7 +18,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Where qemu-img writes an overlay before it is renamed into place.
+/// Where an overlay is written before it is renamed into place.
 pub(super) fn partial_overlay(paths: &VmPaths) -> std::path::PathBuf {
     paths.overlay.with_extension("qcow2.partial")
 }
@@ -27,7 +27,7 @@ pub(super) fn partial_overlay(paths: &VmPaths) -> std::path::PathBuf {
 struct PassedFds {
     /// In [`passed_fds`] order.
     fds: Vec<std::os::fd::OwnedFd>,
-    /// The base image's format (`qemu-img info`), empty for a direct-kernel VM.
+    /// The base image's format ([`crate::disk::base_info`]), empty for a direct-kernel VM.
     base_format: String,
 }
 
@@ -84,8 +84,8 @@ impl Manager {
     }
 
     /// Makes the overlay of an image-booted VM unless it exists. Returns true when it made one.
-    /// The record names the overlay before qemu-img runs, and qemu-img writes a temp file that
-    /// is renamed into place, so a crash leaves neither an orphan nor a half-made overlay.
+    /// The record names the overlay before QEMU writes it, into a temp file that is renamed into
+    /// place, so a crash leaves neither an orphan nor a half-made overlay.
     pub(super) async fn ensure_overlay(&self, vm: &ValidSpec) -> Result<bool, ApiError> {
         let BootSource::Image { image, disk_gib } = &vm.boot else { return Ok(false) };
         let paths = self.paths(&vm.spec.name);
@@ -97,7 +97,7 @@ impl Manager {
         let base = self.config.paths.images.join(image);
         let partial = partial_overlay(&paths);
         let _ = crate::disk::remove_overlay(&partial);
-        crate::disk::create_overlay(&self.config.qemu.img_binary, &base, &partial, *disk_gib).await.map_err(|e| {
+        crate::disk::create_overlay(&self.disk_tool(), &base, &partial, *disk_gib).await.map_err(|e| {
             let tail = e.stderr_tail().unwrap_or_default().to_string();
             ApiError::new(Code::ProvisioningFailed, format!("cannot create the overlay disk: {e}"))
                 .details(json!({ "step": "disk", "stderr": tail }))
@@ -354,7 +354,7 @@ impl Manager {
                 PassedFd::OverlayRo => read_only(&paths.overlay)?,
                 PassedFd::Base => {
                     let Some(base) = &base else { continue };
-                    let info = crate::disk::base_info(&self.config.qemu.img_binary, base)
+                    let info = crate::disk::base_info(&self.disk_tool(), base)
                         .await
                         .map_err(|e| provisioning("qemu_files", format!("cannot read the base image: {e}")))?;
                     base_format = info.format;

@@ -185,6 +185,11 @@ impl Manager {
         VmPaths::for_vm(&self.config, name)
     }
 
+    /// The QEMU that works on image files: `qemu.binary` as `qemu.user` ([`crate::disk`]).
+    fn disk_tool(&self) -> crate::disk::Tool {
+        crate::disk::Tool { binary: self.config.qemu.binary.clone(), user: self.config.qemu_user }
+    }
+
     /// Takes the busy flag of an existing VM.
     fn begin(self: &Arc<Self>, name: &str) -> Result<(OpGuard, VmRecord), ApiError> {
         let mut t = self.lock();

@@ -11,7 +11,7 @@
 //!    runs (`running_spec`), so after a crash from here on the VM shows `pending_restart`
 //!    and holds what both specs ask for until its next start;
 //! 4. by case:
-//!    - not running: grow the disk offline (`qemu-img resize`); start it if it is desired
+//!    - not running: grow the disk offline ([`crate::disk::grow_overlay`]); start it if it is desired
 //!      running;
 //!    - running and now desired stopped: stop it (ACPI, `timeout_s`, kill), grow offline;
 //!    - running, only a larger disk: grow it live (QMP `block_resize`), no restart;
@@ -194,7 +194,7 @@ impl Manager {
         if !overlay.exists() {
             return Ok(());
         }
-        crate::disk::grow_overlay(&self.config.qemu.img_binary, &overlay, gib).await.map_err(|e| {
+        crate::disk::grow_overlay(&self.disk_tool(), &overlay, gib).await.map_err(|e| {
             let tail = e.stderr_tail().unwrap_or_default().to_string();
             ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
                 .details(json!({ "step": "disk_grow", "stderr": tail }))

@@ -135,7 +135,7 @@ pub fn escape_opt(p: &Path) -> String {
 /// The argv (without the binary) that launches `vm` in the foreground. Descriptors are numbered
 /// as [`passed_fds`] lists them (see [`crate::qemu::launch::LaunchRequest::fds`]); NIC `i` gets
 /// the MAC from `nics[i]`; a direct-kernel VM also gets the guest addresses as `ip=`
-/// parameters. `base_format` is the format of an image-booted VM's base image (`qemu-img info`),
+/// parameters. `base_format` is the format of an image-booted VM's base image ([`crate::disk::base_info`]),
 /// needed because QEMU is given the base as a descriptor rather than the path in the overlay.
 pub fn build_argv(
     vm: &ValidSpec,

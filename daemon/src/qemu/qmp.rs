@@ -5,7 +5,8 @@
 //! order:
 //!
 //! 1. [`Qmp::connect`] connects (retrying while QEMU has not created the socket yet), reads the
-//!    greeting and leaves negotiation mode with `qmp_capabilities`;
+//!    greeting and leaves negotiation mode with `qmp_capabilities` ([`Qmp::over`] does the same
+//!    on a socket pair's end, for a QEMU run only to work on image files, [`crate::disk`]);
 //! 2. [`Qmp::execute`] runs any command, or the helpers [`Qmp::query_status`],
 //!    [`Qmp::system_powerdown`] and [`Qmp::quit`];
 //! 3. asynchronous events that arrive meanwhile (`SHUTDOWN`, `POWERDOWN`, ...) are kept and can be
@@ -116,6 +117,23 @@ impl Qmp {
     pub async fn connect(path: &Path, timeout: Duration) -> Result<Qmp, QmpError> {
         let deadline = Instant::now() + timeout;
         let stream = connect_retrying(path, deadline).await?;
+        Qmp::greet(stream, &path.display().to_string(), deadline, timeout).await
+    }
+
+    /// Like [`Qmp::connect`], on a stream already connected to QEMU's monitor (one end of a
+    /// socket pair whose other end QEMU inherited): reads the greeting and negotiates, within
+    /// `timeout`.
+    ///
+    /// # Errors
+    /// As [`Qmp::connect`], except [`QmpError::Connect`]; [`QmpError::Closed`] if QEMU exited
+    /// before greeting.
+    pub async fn over(stream: UnixStream, timeout: Duration) -> Result<Qmp, QmpError> {
+        Qmp::greet(stream, "an inherited socket", Instant::now() + timeout, timeout).await
+    }
+
+    /// Reads the greeting on `stream` and negotiates before `deadline`; `what` names the
+    /// socket in a timeout error.
+    async fn greet(stream: UnixStream, what: &str, deadline: Instant, timeout: Duration) -> Result<Qmp, QmpError> {
         let (read, write) = stream.into_split();
         let mut qmp = Qmp {
             reader: BufReader::new(read),
@@ -130,7 +148,7 @@ impl Qmp {
         match tokio::time::timeout_at(deadline, qmp.handshake()).await {
             Ok(result) => result?,
             Err(_) => {
-                return Err(QmpError::Timeout { what: format!("greeting on {}", path.display()), after: timeout });
+                return Err(QmpError::Timeout { what: format!("greeting on {what}"), after: timeout });
             }
         }
         Ok(qmp)

@@ -5,8 +5,8 @@
 //! passthrough is configured, see [`spawner_caps`]). Inheritable and ambient sets are empty
 //! except for that one case. Both processes also set the securebits `SECBIT_NOROOT` and
 //! `SECBIT_NO_SETUID_FIXUP` (locked), so a program they start as uid 0 does **not** get the
-//! full capability set that root normally gets on `execve`: QEMU and qemu-img run as root with
-//! no capabilities at all. Everything else root-owned the daemon needs (its state files, sysfs
+//! full capability set that root normally gets on `execve`: a program run as root (modprobe,
+//! QEMU without a `qemu.user`) has no capabilities at all. Everything else root-owned the daemon needs (its state files, sysfs
 //! attributes, `/dev/kvm`, `/dev/vfio/*`, QEMU's sockets, /proc of its QEMUs) is reachable as
 //! the owner, without `CAP_DAC_OVERRIDE`; tests prove it (tests/tests/sandbox.rs and every
 //! earlier end-to-end test run with `sandbox = "require"`).

@@ -139,14 +139,18 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
     v
 }
 
-/// The spawner's rules (QEMU, qemu-img and modprobe inherit them): read and execute everywhere,
+/// The spawner's rules (QEMU and modprobe inherit them): read and execute everywhere,
 /// since a spec may name a kernel or initrd anywhere; write only the state and run directories
 /// and the devices QEMU opens.
 pub fn spawner_rules(config: &Config) -> Vec<Rule> {
     let p = &config.paths;
     let mut v = vec![
         rule("/", Access::ReadExec, "QEMU, its libraries, firmware and modules; kernels and images a spec names"),
-        rule(&p.state, Access::ReadWrite, "overlays (qemu-img create), serial logs, seeds"),
+        rule(
+            &p.state,
+            Access::ReadWrite,
+            "overlays, serial logs, seeds (QEMU gets descriptors; kept for the spawner's own work)",
+        ),
         rule(&p.run, Access::ReadWrite, "QMP and agent sockets, pid files"),
         rule("/dev/null", Access::Device, "QEMU's stdio"),
         rule("/dev/urandom", Access::Read, "randomness"),

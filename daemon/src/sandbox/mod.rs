@@ -323,8 +323,8 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
 }
 
 /// What the spawner may do for `config`: start the QEMU binary (as `qemu.user`), `modprobe
-/// vfio-pci` and hand VFIO group nodes over when passthrough is configured, and run `qemu-img`
-/// only for an operation on files of the images and overlay directories (never from an argv).
+/// vfio-pci` and hand VFIO group nodes over when passthrough is configured. Nothing else: image
+/// files are worked on by the QEMU binary too ([`crate::disk`]), so `qemu-img` never runs.
 pub fn allowlist(config: &Config) -> spawn::Allowlist {
     let passthrough = landlock::passthrough(config);
     spawn::Allowlist {
@@ -333,9 +333,6 @@ pub fn allowlist(config: &Config) -> spawn::Allowlist {
         run_as: config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default(),
         kvm: config.qemu.accel == crate::config::Accel::Kvm,
         vfio_nodes: passthrough,
-        qemu_img: Some(config.qemu.img_binary.clone()),
-        img_read: vec![config.paths.images.clone()],
-        img_write: vec![config.paths.state.join("disks")],
         boot_dirs: config.paths.boot_dirs(),
     }
 }
@@ -345,15 +342,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_spawner_never_runs_a_qemu_img_argv() {
-        let c = crate::validate::tests::config();
+    fn the_spawner_runs_only_qemu_as_its_user_and_never_qemu_img() {
+        let mut c = crate::validate::tests::config();
+        c.qemu_user = Some(crate::config::UserIds { uid: 4242, gid: 4242 });
         let allow = allowlist(&c);
-        let img = &c.qemu.img_binary;
+        let img = std::path::Path::new("/usr/bin/qemu-img");
         for args in [vec!["info".to_string(), "/etc/shadow".into()], vec!["--version".into()], vec![]] {
             assert!(!allow.permits(img, &args), "{args:?}");
         }
         assert!(allow.permits(&c.qemu.binary, &["-version".into()]));
-        let overlay = c.paths.state.join("disks/vm.qcow2");
-        assert!(allow.permits_img(&crate::disk::ImgOp::Resize { overlay, bytes: 1 }));
+        assert_eq!(allow.user_for(&c.qemu.binary), c.qemu_user);
     }
 }

@@ -1,4 +1,4 @@
-//! Running programs: QEMU, qemu-img, modprobe and their `--version` probes.
+//! Running programs: QEMU, modprobe and their `--version` probes.
 //!
 //! A sandboxed daemon cannot run them itself: its seccomp filter has no `execve`, and whatever it
 //! started would inherit its filter, its Landlock domain and its capability bounding set. So when
@@ -17,9 +17,8 @@
 //!
 //! The spawner only runs programs on its allowlist (the configured `qemu.binary`, and `modprobe
 //! vfio-pci` when passthrough is configured), with an empty environment except `PATH`, stdin on
-//! `/dev/null`; `qemu.img_binary` only for a [`crate::disk::ImgOp`] whose template the spawner
-//! fills in itself ([`Command::qemu_img`]), on files of the images and overlay directories. It
-//! also opens boot files, probes `/dev/kvm` as QEMU's user, and hands VFIO group nodes to
+//! `/dev/null`. The QEMU binary always runs as `qemu.user`, whether it boots a VM or works on
+//! an image file without a guest ([`crate::disk::offline_qemu`]). It also opens boot files, probes `/dev/kvm` as QEMU's user, and hands VFIO group nodes to
 //! QEMU's group and back ([`vfio_node`]).
 //!
 //! The control socket is driven asynchronously ([`Control`]): a full socket makes the sending
@@ -32,9 +31,9 @@
 //! but no VM, and the next daemon adopts every QEMU as it was (docs/lifecycle.md). Only the
 //! daemon decides when something it started dies: [`Child::start_kill`] and the kill on drop
 //! signal one process (its pidfd or pid), never a group. This holds for the short-lived programs
-//! too (qemu-img, modprobe, the `--version` probes), for one rule rather than a list of
-//! exceptions: a Ctrl-C meant for the daemon must not half-kill a `qemu-img create` writing an
-//! overlay or a `modprobe` loading a module either. A daemon that dies while one runs leaves it
+//! too (QEMU writing an overlay without a guest, modprobe, the `--version` probes), for one rule
+//! rather than a list of exceptions: a Ctrl-C meant for the daemon must not half-kill a QEMU
+//! creating an overlay or a `modprobe` loading a module either. A daemon that dies while one runs leaves it
 //! to finish by itself, as a `kill -9` of the daemon's pid always did, and a restart settles the
 //! interrupted operation from its record. None of them has a controlling terminal (stdin is
 //! `/dev/null`), so a new session costs nothing.
@@ -105,31 +104,12 @@ pub struct Command {
     memlock: Option<u64>,
     user: Option<UserIds>,
     kvm: bool,
-    img_op: Option<crate::disk::ImgOp>,
 }
 
 impl Command {
-    /// `qemu-img` (`program`) for one fixed operation: the arguments come from the operation's
-    /// template ([`crate::disk::ImgOp::argv`]), and through the spawner only the operation
-    /// travels; the spawner fills in the template itself.
-    ///
-    /// # Errors
-    /// The operation's parameters do not fit its template.
-    pub fn qemu_img(program: &Path, op: crate::disk::ImgOp) -> Result<Command, crate::disk::DiskError> {
-        let args = op.argv()?;
-        let mut cmd = Command::new(program).args(args);
-        cmd.img_op = Some(op);
-        Ok(cmd)
-    }
-
-    /// `binary --version`: for `qemu-img` (`qemu_img`) its [`crate::disk::ImgOp::Version`]
-    /// operation, since the spawner runs `qemu-img` for nothing else.
-    pub fn version_probe(binary: &Path, qemu_img: bool) -> Command {
-        let mut cmd = Command::new(binary).args(["--version"]);
-        if qemu_img {
-            cmd.img_op = Some(crate::disk::ImgOp::Version);
-        }
-        cmd
+    /// `binary --version`.
+    pub fn version_probe(binary: &Path) -> Command {
+        Command::new(binary).args(["--version"])
     }
 
     /// `program` with no arguments, stdin, stdout and stderr on `/dev/null`.
@@ -144,7 +124,6 @@ impl Command {
             memlock: None,
             user: None,
             kvm: false,
-            img_op: None,
         }
     }
 
@@ -522,12 +501,6 @@ enum Request {
     },
     /// Whether QEMU's user, with the groups QEMU gets, can open `/dev/kvm`.
     KvmAccess,
-    /// Run `qemu-img` for one operation; the spawner builds its command line from the
-    /// operation's template. After the reply socket come stdout's and stderr's write ends.
-    QemuImg {
-        /// The operation.
-        operation: crate::disk::ImgOp,
-    },
     /// Give the VFIO group node `/dev/vfio/GROUP` group `gid` and permission bits `mode`
     /// (within [`VFIO_NODE_MODES`]); the reply's `node` is what it had before.
     VfioNode {
@@ -778,18 +751,14 @@ pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::A
 }
 
 async fn spawn_remote(control: &Control, cmd: Command) -> io::Result<Child> {
-    let req = match &cmd.img_op {
-        Some(op) if cmd.stdout && cmd.stderr && cmd.fds.is_empty() => Request::QemuImg { operation: op.clone() },
-        Some(_) => return Err(io::Error::new(io::ErrorKind::InvalidInput, "qemu-img runs with its output captured")),
-        None => Request::Run(RunRequest {
-            program: utf8("program", cmd.program.as_os_str())?,
-            args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
-            stdout: cmd.stdout,
-            stderr: cmd.stderr || cmd.stderr_file.is_some(),
-            nfds: cmd.fds.len(),
-            memlock: cmd.memlock,
-        }),
-    };
+    let req = Request::Run(RunRequest {
+        program: utf8("program", cmd.program.as_os_str())?,
+        args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
+        stdout: cmd.stdout,
+        stderr: cmd.stderr || cmd.stderr_file.is_some(),
+        nfds: cmd.fds.len(),
+        memlock: cmd.memlock,
+    });
     let mut send: Vec<OwnedFd> = Vec::new();
     let (mut stdout, mut stderr) = (None, None);
     if cmd.stdout {
@@ -879,13 +848,6 @@ pub struct Allowlist {
     pub kvm: bool,
     /// VFIO group nodes may be handed to QEMU's group ([`vfio_node`]): passthrough configured.
     pub vfio_nodes: bool,
-    /// The `qemu-img` binary: it runs only for a [`Request::QemuImg`] operation, never for a
-    /// `run` request (its path is not among `programs`).
-    pub qemu_img: Option<PathBuf>,
-    /// Where `qemu-img` may read images (the images directory).
-    pub img_read: Vec<PathBuf>,
-    /// Where `qemu-img` may read and write overlays (the state's `disks` directory).
-    pub img_write: Vec<PathBuf>,
     /// `paths.boot`: the only directories a kernel or initrd is opened beneath
     /// ([`crate::qemu::boot_files::open_under`]), whatever path the daemon asks for.
     pub boot_dirs: Vec<PathBuf>,
@@ -897,21 +859,12 @@ impl Allowlist {
         self.run_as.iter().find(|(p, _)| p == program).map(|(_, u)| *u)
     }
 
-    /// Whether `program ARGS` may run (a `run` request; never `qemu-img`, which runs only for
-    /// an operation, [`Allowlist::permits_img`]).
+    /// Whether `program ARGS` may run (a `run` request).
     pub fn permits(&self, program: &Path, args: &[String]) -> bool {
         if MODPROBE.iter().any(|m| Path::new(m) == program) {
             return self.modprobe && args == ["vfio-pci"];
         }
-        if self.qemu_img.as_deref() == Some(program) {
-            return false;
-        }
         self.programs.iter().any(|p| p == program)
-    }
-
-    /// Whether `qemu-img` may run for `op`: only on files in its directories.
-    pub fn permits_img(&self, op: &crate::disk::ImgOp) -> bool {
-        self.qemu_img.is_some() && op.confined_to(&self.img_read, &self.img_write)
     }
 }
 
@@ -1018,22 +971,15 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
             }
         };
         match req {
-            Request::Run(_) | Request::QemuImg { .. } => {
-                let started = match req {
-                    Request::Run(run) => start(run, fds, allow, ambient_sys_module),
-                    Request::QemuImg { operation } => start_qemu_img(&operation, fds, allow),
-                    _ => continue,
-                };
-                match started {
-                    Ok(child) => {
-                        let pidfd = pidfd_open(child.id());
-                        let pid = i32::try_from(child.id()).unwrap_or(0);
-                        send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
-                        running.push(Running { child, pidfd, reply });
-                    }
-                    Err(e) => send_reply(&reply, &failed(e), None),
+            Request::Run(run) => match start(run, fds, allow, ambient_sys_module) {
+                Ok(child) => {
+                    let pidfd = pidfd_open(child.id());
+                    let pid = i32::try_from(child.id()).unwrap_or(0);
+                    send_reply(&reply, &Reply { pid: Some(pid), ..Reply::default() }, pidfd.as_ref());
+                    running.push(Running { child, pidfd, reply });
                 }
-            }
+                Err(e) => send_reply(&reply, &failed(e), None),
+            },
             Request::BootFile { path, copy } => {
                 match serve_boot_file(&mut copies, &allow.boot_dirs, Path::new(&path), copy) {
                     Ok(fd) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, fd.as_ref()),
@@ -1082,28 +1028,6 @@ fn serve_boot_file(
     } else {
         Ok(None)
     }
-}
-
-/// Checks a `qemu-img` operation, fills in its template and starts it (stdout and stderr are
-/// the two descriptors after the reply socket).
-fn start_qemu_img(op: &crate::disk::ImgOp, fds: Vec<OwnedFd>, allow: &Allowlist) -> io::Result<std::process::Child> {
-    let Some(program) = allow.qemu_img.as_ref().filter(|_| allow.permits_img(op)) else {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("the spawner does not run qemu-img {} on files outside its directories", op.command()),
-        ));
-    };
-    let args = op.argv().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-    let args = args.iter().map(|a| utf8("argument", a)).collect::<io::Result<Vec<_>>>()?;
-    let req = RunRequest {
-        program: utf8("program", program.as_os_str())?,
-        args,
-        stdout: true,
-        stderr: true,
-        nfds: 0,
-        memlock: None,
-    };
-    launch(req, fds, allow, false)
 }
 
 /// Checks and starts one request in the spawner.
@@ -1176,9 +1100,6 @@ mod tests {
             run_as: vec![],
             kvm: false,
             vfio_nodes: false,
-            qemu_img: Some("/usr/bin/qemu-img".into()),
-            img_read: vec!["/var/lib/vmhost/images".into()],
-            img_write: vec!["/var/lib/vmhost/disks".into()],
             boot_dirs: vec![],
         };
         assert!(a.permits(Path::new("/usr/bin/qemu-system-x86_64"), &["-version".into()]));
@@ -1189,84 +1110,8 @@ mod tests {
         assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
         let no_pci = Allowlist { modprobe: false, ..a.clone() };
         assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
-        // qemu-img never runs from an argv, only for an operation on files in its directories.
+        // qemu-img is not a program the daemon needs (image work is QEMU's, as qemu.user).
         assert!(!a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
-        let info = |p: &str| crate::disk::ImgOp::Info { image: p.into() };
-        assert!(a.permits_img(&info("/var/lib/vmhost/images/base.raw")));
-        assert!(a.permits_img(&info("/var/lib/vmhost/disks/vm1.qcow2")));
-        assert!(!a.permits_img(&info("/etc/shadow")));
-        assert!(!a.permits_img(&info("/var/lib/vmhost/images/../../../etc/shadow")));
-        let create = |base: &str, overlay: &str| crate::disk::ImgOp::Create {
-            base: base.into(),
-            base_format: "raw".into(),
-            overlay: overlay.into(),
-            size_gib: 1,
-        };
-        assert!(a.permits_img(&create("/var/lib/vmhost/images/b", "/var/lib/vmhost/disks/o")));
-        assert!(!a.permits_img(&create("/var/lib/vmhost/images/b", "/var/lib/vmhost/images/o")), "writes only disks");
-        assert!(!a.permits_img(&create("/dev/sda", "/var/lib/vmhost/disks/o")));
-        assert!(!a.permits_img(&crate::disk::ImgOp::Resize { overlay: "/dev/sda".into(), bytes: 1 }));
-        assert!(!Allowlist { qemu_img: None, ..a }.permits_img(&info("/var/lib/vmhost/images/b")));
-    }
-
-    /// The spawner's side, called in this process: an argv for qemu-img is refused, an
-    /// operation outside its directories too, and an allowed one runs its template.
-    #[test]
-    fn the_spawner_runs_qemu_img_only_for_confined_operations() {
-        let Some(img) = ["/usr/bin/qemu-img"].into_iter().find(|p| Path::new(p).exists()) else {
-            panic!("qemu-img is needed (apt-get install qemu-utils)");
-        };
-        let dir = tempfile::tempdir().unwrap();
-        let (images, disks) = (dir.path().join("images"), dir.path().join("disks"));
-        std::fs::create_dir_all(&images).unwrap();
-        std::fs::create_dir_all(&disks).unwrap();
-        std::fs::write(images.join("base.raw"), vec![0u8; 1 << 20]).unwrap();
-        let allow = Allowlist {
-            programs: vec![],
-            modprobe: false,
-            run_as: vec![],
-            kvm: false,
-            vfio_nodes: false,
-            qemu_img: Some(img.into()),
-            img_read: vec![images.clone()],
-            img_write: vec![disks.clone()],
-            boot_dirs: vec![],
-        };
-        let pipes = || {
-            let (r1, w1) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
-            let (r2, w2) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
-            ((r1, r2), vec![w1, w2])
-        };
-        let escaped = dir.path().join("escaped.qcow2");
-        let argv = RunRequest {
-            program: img.into(),
-            args: vec!["create".into(), "-f".into(), "qcow2".into(), escaped.display().to_string(), "1G".into()],
-            stdout: true,
-            stderr: true,
-            nfds: 0,
-            memlock: None,
-        };
-        let (_, w) = pipes();
-        assert_eq!(start(argv, w, &allow, false).unwrap_err().kind(), io::ErrorKind::PermissionDenied);
-        let outside = crate::disk::ImgOp::Create {
-            base: images.join("base.raw"),
-            base_format: "raw".into(),
-            overlay: escaped.clone(),
-            size_gib: 1,
-        };
-        let (_, w) = pipes();
-        assert_eq!(start_qemu_img(&outside, w, &allow).unwrap_err().kind(), io::ErrorKind::PermissionDenied);
-        assert!(!escaped.exists());
-        let inside = crate::disk::ImgOp::Create {
-            base: images.join("base.raw"),
-            base_format: "raw".into(),
-            overlay: disks.join("vm.qcow2"),
-            size_gib: 1,
-        };
-        let (_r, w) = pipes();
-        let status = start_qemu_img(&inside, w, &allow).unwrap().wait().unwrap();
-        assert!(status.success());
-        assert!(disks.join("vm.qcow2").exists());
     }
 
     #[test]
@@ -1401,9 +1246,6 @@ mod tests {
             run_as: vec![],
             kvm: false,
             vfio_nodes: false,
-            qemu_img: None,
-            img_read: vec![],
-            img_write: vec![],
             boot_dirs: vec![],
         };
         let req = RunRequest {
