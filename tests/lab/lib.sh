@@ -105,7 +105,6 @@ socket = "$LAB_SOCKET"
 boot = ["$LAB_IMAGES", "$(dirname "$LAB_GUEST_KERNEL")", "$(dirname "$LAB_GUEST_INITRD")"]   # kernels and initrds VMs may boot
 [qemu]
 binary = "/usr/bin/qemu-system-x86_64"
-img_binary = "/usr/bin/qemu-img"
 accel = "tcg"
 machine = "q35"
 launch_timeout_s = 120
