@@ -282,7 +282,9 @@ fn debs_install_verify_serve_and_purge_cleanly() {
     let check_text = String::from_utf8_lossy(&check.stdout);
     assert!(check_text.contains("accelerator"), "{check_text}");
     println!("vmhostctl info:\n{info}vmhostctl check:\n{check_text}");
-    assert!(Path::new("/var/lib/vmhost/vms").is_dir() && Path::new("/var/lib/vmhost/images").is_dir());
+    for dir in ["vms", "images", "boot"] {
+        assert!(Path::new("/var/lib/vmhost").join(dir).is_dir(), "/var/lib/vmhost/{dir}");
+    }
     assert_eq!(
         cleanup.stop_daemon().and_then(|s| s.code()),
         Some(0),
