@@ -106,8 +106,40 @@ pub fn classify(current: &VmSpec, desired: &VmSpec) -> Result<Change, ApiError> 
             ));
         }
     }
+    check_disk_changes(current, desired)?;
     let restart = needs_restart(&fields);
     Ok(Change::Reconfigure { fields, restart })
+}
+
+/// A data disk kept by name is never shrunk and never changes format in place (only a new name
+/// makes a new disk).
+///
+/// # Errors
+/// 2001 naming `spec.disks[i].size_gib` or `spec.disks[i].format`.
+fn check_disk_changes(current: &VmSpec, desired: &VmSpec) -> Result<(), ApiError> {
+    for (i, new) in desired.disks.iter().enumerate() {
+        let Some(old) = current.disks.iter().find(|d| d.name == new.name) else { continue };
+        if old.format != new.format {
+            return Err(ApiError::invalid(
+                format!("spec.disks[{i}].format"),
+                format!(
+                    "data disk {:?} is {}; a format cannot change in place (add a disk under another name)",
+                    new.name,
+                    old.format.as_str()
+                ),
+            ));
+        }
+        if new.size_gib < old.size_gib {
+            return Err(ApiError::invalid(
+                format!("spec.disks[{i}].size_gib"),
+                format!(
+                    "data disk {:?} is {} GiB and is never shrunk; {} GiB is smaller",
+                    new.name, old.size_gib, new.size_gib
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn diff_values(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
@@ -451,6 +483,35 @@ mod tests {
         a2.cpu = 2;
         let p = plan_reconcile(&c, &[a2], &current, false, false);
         assert_eq!(actions(&p), vec![("a".into(), PlanAction::Reconfigure, None)]);
+    }
+
+    #[test]
+    fn data_disks_grow_and_come_and_go_but_never_shrink_or_change_format() {
+        use crate::api::{DataDiskSpec, DiskCache, DiskFormat};
+        let disk = |name: &str, size_gib, format| DataDiskSpec {
+            name: name.into(),
+            size_gib,
+            format,
+            preallocate: false,
+            cache: DiskCache::None,
+            aio: None,
+            keep_on_destroy: false,
+        };
+        let with = |disks: Vec<DataDiskSpec>| {
+            let mut s = spec("v");
+            s.disks = disks;
+            s
+        };
+        let one = with(vec![disk("nsm", 2, DiskFormat::Raw)]);
+        let grown = with(vec![disk("nsm", 3, DiskFormat::Raw)]);
+        assert!(matches!(classify(&one, &grown).unwrap(), Change::Reconfigure { .. }));
+        let added = with(vec![disk("nsm", 2, DiskFormat::Raw), disk("logs", 1, DiskFormat::Qcow2)]);
+        assert!(matches!(classify(&one, &added).unwrap(), Change::Reconfigure { .. }));
+        assert!(matches!(classify(&added, &one).unwrap(), Change::Reconfigure { .. }), "a disk may go");
+        assert_eq!(classify(&grown, &one).unwrap_err().field.as_deref(), Some("spec.disks[0].size_gib"));
+        let qcow = with(vec![disk("nsm", 2, DiskFormat::Qcow2)]);
+        assert_eq!(classify(&one, &qcow).unwrap_err().field.as_deref(), Some("spec.disks[0].format"));
+        assert_eq!(classify(&one, &one).unwrap(), Change::None);
     }
 
     fn image_spec(name: &str, image: &str, gib: u64) -> VmSpec {

@@ -57,6 +57,49 @@ pub fn is_valid_name(name: &str) -> bool {
         && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
 }
 
+/// True when `name` is a data disk name: 1-20 of `[a-z0-9-]`.
+pub fn is_valid_disk_name(name: &str) -> bool {
+    (1..=20).contains(&name.len()) && name.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+}
+
+/// The rules on `spec.disks`: at most [`crate::api::disks::MAX_DATA_DISKS`], names valid and
+/// unique, sizes within 1..=[`MAX_DISK_GIB`], native AIO only without the host cache.
+fn validate_disks(spec: &VmSpec) -> Result<(), ApiError> {
+    use crate::api::{DiskAio, DiskCache};
+    let max = crate::api::disks::MAX_DATA_DISKS;
+    if spec.disks.len() > max {
+        return Err(ApiError::invalid("spec.disks", format!("at most {max} data disks")));
+    }
+    let mut seen = HashSet::new();
+    for (i, disk) in spec.disks.iter().enumerate() {
+        if !is_valid_disk_name(&disk.name) {
+            return Err(ApiError::invalid(
+                format!("spec.disks[{i}].name"),
+                format!("disk name {:?} must be 1-20 characters of [a-z0-9-]", disk.name),
+            ));
+        }
+        if !seen.insert(disk.name.as_str()) {
+            return Err(ApiError::invalid(
+                format!("spec.disks[{i}].name"),
+                format!("disk name {:?} is listed twice", disk.name),
+            ));
+        }
+        if disk.size_gib == 0 || disk.size_gib > MAX_DISK_GIB {
+            return Err(ApiError::invalid(
+                format!("spec.disks[{i}].size_gib"),
+                format!("size_gib must be 1-{MAX_DISK_GIB}"),
+            ));
+        }
+        if disk.aio == Some(DiskAio::Native) && disk.cache != DiskCache::None {
+            return Err(ApiError::invalid(
+                format!("spec.disks[{i}].aio"),
+                "aio native needs cache none (it opens the disk with O_DIRECT)",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Checks a spec against the rules and the host model.
 ///
 /// # Errors
@@ -120,6 +163,7 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
             check_boot_dir("spec.boot.initrd", initrd, config)?;
         }
     }
+    validate_disks(spec)?;
     crate::nic::validate_nics(spec, config)?;
     validate_guest_interfaces(spec)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
@@ -374,6 +418,7 @@ reserved_memory_gib = 4
             state: DesiredState::Running,
             hardware: HardwareRequest::default(),
             pci: Vec::new(),
+            disks: Vec::new(),
             nics: Vec::new(),
             guest_interfaces: Vec::new(),
             restart_policy: Default::default(),

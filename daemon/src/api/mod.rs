@@ -5,12 +5,14 @@
 //! (name syntax, sizes, hardware) live in [`crate::validate`], not here: these types only fix the
 //! shape.
 
+pub mod disks;
 pub mod error;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::PathBuf;
 
+pub use disks::{DataDiskSpec, DiskAio, DiskCache, DiskFormat, KeptDisk};
 pub use error::{ApiError, Code};
 
 /// Protocol version reported by `host.info`.
@@ -35,6 +37,7 @@ pub const ALL_METHODS: &[&str] = &[
     "host.check",
     "host.reconcile",
     "host.shutdown_vms",
+    "host.purge_kept_disks",
     "vm.list",
     "vm.get",
     "vm.create",
@@ -114,6 +117,10 @@ pub struct VmSpec {
     pub pci: Vec<String>,
     /// How the VM boots.
     pub boot: BootSpec,
+    /// Data disks after the boot disk, in guest order (`vdb`, `vdc`, ... after an image's
+    /// `vda`); at most [`disks::MAX_DATA_DISKS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DataDiskSpec>,
     /// Network interfaces, in guest PCI order (eth0, eth1, ...).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nics: Vec<NicSpec>,
@@ -356,6 +363,16 @@ pub struct Mutation {
     pub changed: bool,
     /// The VM after the call; `null` after a destroy.
     pub vm: Option<VmView>,
+    /// After a destroy: the data disks kept (`keep_on_destroy`), where they are now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kept_disks: Vec<std::path::PathBuf>,
+}
+
+impl Mutation {
+    /// A result that kept no disks.
+    pub fn new(changed: bool, vm: Option<VmView>) -> Mutation {
+        Mutation { changed, vm, kept_disks: Vec::new() }
+    }
 }
 
 /// Params of `vm.get`, `vm.start`, `vm.restart`, `vm.destroy`.
@@ -591,6 +608,9 @@ pub struct HostInfo {
     /// Configured networks and the NICs on them.
     #[serde(default)]
     pub networks: Vec<NetworkInfo>,
+    /// Data disks kept after their VM was destroyed.
+    #[serde(default)]
+    pub kept_disks: Vec<KeptDisk>,
 }
 
 /// A configured network as `host.info` shows it.

@@ -20,6 +20,7 @@
 //! ([`offline_qemu`]): no image parser runs as root, and no file is ever made the user's. Each
 //! operation is bounded by [`TOOL_TIMEOUT`]; failures carry QEMU's reason and its stderr tail.
 
+pub mod data;
 pub mod offline_qemu;
 
 use std::fs::{File, OpenOptions};
@@ -36,7 +37,7 @@ use offline_qemu::{Input, Session};
 pub const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One GiB in bytes.
-const GIB: u64 = 1 << 30;
+pub(crate) const GIB: u64 = 1 << 30;
 
 /// What can go wrong with overlays.
 #[derive(Debug, thiserror::Error)]
@@ -175,7 +176,7 @@ pub async fn create_overlay(tool: &Tool, base: &Path, overlay: &Path, size_gib: 
         let Some(bytes) = bytes else {
             return Err(DiskError::TooSmall { base: base.clone(), base_bytes: info.virtual_size, size_gib });
         };
-        session.create_qcow2(1, bytes, Some((&base, &info.format))).await?;
+        session.create_qcow2(1, bytes, Some((&base, &info.format)), false).await?;
         session.finish().await
     })
     .await?;
@@ -224,7 +225,7 @@ fn open_read_only(path: &Path) -> Result<OwnedFd, DiskError> {
 }
 
 /// `work` bounded by [`TOOL_TIMEOUT`]; on expiry the session is dropped, which kills QEMU.
-async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     operation: &'static str,
     work: impl std::future::Future<Output = Result<T, DiskError>>,
 ) -> Result<T, DiskError> {
@@ -232,11 +233,11 @@ async fn bounded<T>(
 }
 
 /// Removes a half-made overlay unless disarmed.
-struct RemoveOnDrop<'a> {
+pub(crate) struct RemoveOnDrop<'a> {
     /// The overlay.
-    path: &'a Path,
+    pub(crate) path: &'a Path,
     /// Cleared on success.
-    armed: bool,
+    pub(crate) armed: bool,
 }
 
 impl Drop for RemoveOnDrop<'_> {

@@ -179,7 +179,7 @@ impl Session {
 
     /// Writes a qcow2 header of `bytes` virtual size into image input `i` (an empty file),
     /// recording `backing` (absolute path and format) when given; the backing file is not
-    /// opened.
+    /// opened. With `preallocate` every cluster is allocated (`falloc`: reserved, not written).
     ///
     /// # Errors
     /// [`DiskError::Tool`] if QEMU refuses or the creation job fails; [`DiskError::Output`] for
@@ -189,9 +189,11 @@ impl Session {
         i: usize,
         bytes: u64,
         backing: Option<(&Path, &str)>,
+        preallocate: bool,
     ) -> Result<(), DiskError> {
         let file = self.file_node(i).await?;
-        let mut options = json!({ "driver": "qcow2", "file": file, "size": bytes });
+        let preallocation = if preallocate { "falloc" } else { "off" };
+        let mut options = json!({ "driver": "qcow2", "file": file, "size": bytes, "preallocation": preallocation });
         if let Some((path, format)) = backing {
             let path = path
                 .to_str()

@@ -1,6 +1,7 @@
 //! The steps that bring one VM's QEMU up and take it down, each with its undo.
 //!
-//! Order on the way up: boot files checked, overlay ([`Manager::ensure_overlay`]), run dir,
+//! Order on the way up: boot files checked, overlay ([`Manager::ensure_overlay`]), data disks
+//! ([`super::data_disks`]), run dir,
 //! QEMU launched and its identity recorded at once, QMP verified ([`Manager::launch_qemu`]).
 //! Teardown ([`Manager::kill_process`], [`Manager::clean_run_dir`]) is what rollback, stop and
 //! destroy share.
@@ -298,8 +299,8 @@ impl Manager {
     /// sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
     /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
-    /// initrd (copied here when this file version has no copy yet). Also returns the base
-    /// image's format.
+    /// initrd (copied here when this file version has no copy yet), and the data disks
+    /// (read-write). Also returns the base image's format.
     ///
     /// # Errors
     /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound; 2001 naming
@@ -361,6 +362,16 @@ impl Manager {
                     read_only(base)?
                 }
                 PassedFd::Seed => read_only(&paths.seed)?,
+                PassedFd::DataDisk(i) => {
+                    let Some(disk) = vm.spec.disks.get(i) else { continue };
+                    let file = paths.data_disk(disk);
+                    OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .open(&file)
+                        .map(OwnedFd::from)
+                        .map_err(|e| failed(&file, e))?
+                }
                 PassedFd::Kernel | PassedFd::Initrd => {
                     let BootSource::Kernel { kernel, initrd, .. } = &vm.boot else { continue };
                     let (field, path) = match (which, initrd) {

@@ -6,17 +6,20 @@
 //! 1. validate (pure, [`crate::validate`]), then check files the spec names;
 //! 2. take the VM's busy flag ([`OpGuard`]; a second operation gets 4090) and, for a new VM,
 //!    admit it under the allocation lock ([`crate::capacity`]) and write its record (intent);
-//! 3. touch the host in dependency order: overlay disk ([`crate::disk`]), run dir, QEMU
-//!    ([`crate::qemu`]), with the record saved before each step that creates something;
+//! 3. touch the host in dependency order: overlay disk ([`crate::disk`]), data disks
+//!    ([`data_disks`]), run dir, QEMU ([`crate::qemu`]), with the record saved before each step
+//!    that creates something;
 //! 4. on failure undo the completed steps in reverse and record `failed` with the error.
 //!
 //! Submodules: [`ops`] (create/start/stop/destroy/apply), [`reconfigure`] (`vm.apply` of a
-//! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`recover`]
+//! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`data_disks`]
+//! (data disks made, grown, kept, taken back), [`recover`]
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`).
 
 mod agent;
 mod autostart;
+mod data_disks;
 mod exits;
 mod launch;
 mod ops;
@@ -393,6 +396,7 @@ impl Manager {
 
     /// `host.info`.
     pub fn host_info(&self) -> HostInfo {
+        let kept_disks = self.kept_disks();
         let t = self.lock();
         let held: Vec<Holding<'_>> =
             t.vms.values().filter(|r| r.reserved).map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
@@ -414,6 +418,7 @@ impl Manager {
             hardware,
             vm_count: t.vms.len(),
             networks: self.network_info(&t),
+            kept_disks,
         }
     }
 

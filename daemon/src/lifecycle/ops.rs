@@ -36,14 +36,20 @@ impl Manager {
                 self.check_passthrough(&vm.spec).await?;
             }
             let guard = self.reserve_new(&vm.spec)?;
+            if let Err(e) = self.clear_orphan_disks(&vm.spec.name) {
+                self.mark_failed(&vm.spec.name, &e, true);
+                return Err(e);
+            }
             self.create_held(&guard, &vm).await?;
-            Ok(Mutation { changed: true, vm: Some(self.get(&spec.name)?) })
+            Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
         }
         .instrument(span)
         .await
     }
 
-    /// The host steps of a create; the record (status `creating`, resources reserved) exists.
+    /// The host steps of a create (and of a replace, after the teardown, which kept the data
+    /// disks); the record (status `creating`, resources reserved) exists. Undoing it removes
+    /// only what it made and returns the data disks it took back.
     async fn create_held(self: &Arc<Self>, _g: &OpGuard, vm: &ValidSpec) -> Result<(), ApiError> {
         let name = vm.spec.name.as_str();
         self.crashpoint("create:recorded");
@@ -69,17 +75,25 @@ impl Manager {
             }
         };
         self.crashpoint("create:overlay");
+        if let Err(e) = self.ensure_data_disks(&vm.spec, true).await {
+            self.undo_data_disks(name);
+            self.undo_overlay(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
+            self.mark_failed(name, &e, true);
+            return Err(e);
+        }
+        self.crashpoint("create:disks");
         if vm.spec.state == DesiredState::Stopped {
             self.update(name, "created stopped", |r| r.status = VmStatus::Stopped)?;
-            return Ok(());
+            return self.end_disk_tracking(name);
         }
         match self.launch_qemu(vm, VmStatus::Creating).await {
             Ok(id) => {
                 self.mark_running(name, id, "vm.create")?;
                 self.crashpoint("create:running");
-                Ok(())
+                self.end_disk_tracking(name)
             }
             Err(e) => {
+                self.undo_data_disks(name);
                 self.undo_overlay(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
                 self.mark_failed(name, &e, true);
                 Err(e)
@@ -111,7 +125,7 @@ impl Manager {
             let changed = self.start_held(&guard, name, "vm.start").await?;
             // An operator's start begins the restart policy's count afresh.
             self.update(name, "vm.start", |r| r.failures.clear())?;
-            Ok(Mutation { changed, vm: Some(self.get(name)?) })
+            Ok(Mutation::new(changed, Some(self.get(name)?)))
         }
         .instrument(span)
         .await
@@ -136,7 +150,7 @@ impl Manager {
                 return Ok(None);
             }
             let changed = self.start_held(&guard, name, why).await?;
-            Ok(Some(Mutation { changed, vm: Some(self.get(name)?) }))
+            Ok(Some(Mutation::new(changed, Some(self.get(name)?))))
         }
         .instrument(span)
         .await
@@ -173,9 +187,24 @@ impl Manager {
                 return Err(e);
             }
         };
+        // A disk added while the VM was stopped is made now; one a change dropped goes only
+        // once the new spec runs (a failed restart rolls back to the spec that still has it).
+        if let Err(e) = self.ensure_data_disks(&vm.spec, false).await {
+            if reserved_here {
+                self.undo_overlay(name, made_overlay);
+            }
+            self.mark_failed(name, &e, reserved_here);
+            return Err(e);
+        }
+        let pending_from = rec.running_spec.clone();
         match self.launch_qemu(&vm, VmStatus::Starting).await {
             Ok(id) => {
                 self.mark_running(name, id, reason)?;
+                if let Some(previous) = pending_from {
+                    if let Err(e) = self.retire_data_disks(&previous, &vm.spec) {
+                        tracing::error!(vm = name, error = %e.message, "a dropped data disk stays in place");
+                    }
+                }
                 Ok(true)
             }
             Err(e) => {
@@ -199,7 +228,7 @@ impl Manager {
             check_stop_timeout(&p)?;
             let (guard, _) = self.begin(&p.name)?;
             let changed = self.stop_held(&guard, &p).await?;
-            Ok(Mutation { changed, vm: Some(self.get(&p.name)?) })
+            Ok(Mutation::new(changed, Some(self.get(&p.name)?)))
         }
         .instrument(span)
         .await
@@ -304,7 +333,7 @@ impl Manager {
             let (guard, _) = self.begin(&p.name)?;
             self.stop_held(&guard, &p).await?;
             self.start_held(&guard, &p.name, "vm.restart").await?;
-            Ok(Mutation { changed: true, vm: Some(self.get(&p.name)?) })
+            Ok(Mutation::new(true, Some(self.get(&p.name)?)))
         }
         .instrument(span)
         .await
@@ -319,14 +348,14 @@ impl Manager {
         let span = tracing::info_span!("vm.destroy", vm = %name);
         async move {
             let (guard, _) = self.begin(name)?;
-            self.destroy_held(&guard, name).await?;
-            Ok(Mutation { changed: true, vm: None })
+            let kept_disks = self.destroy_held(&guard, name).await?;
+            Ok(Mutation { changed: true, vm: None, kept_disks })
         }
         .instrument(span)
         .await
     }
 
-    async fn destroy_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<(), ApiError> {
+    async fn destroy_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<Vec<std::path::PathBuf>, ApiError> {
         // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
         // the restart policy) starts a VM the operator asked to destroy.
         self.update(name, "vm.destroy", |r| {
@@ -336,10 +365,21 @@ impl Manager {
         self.crashpoint("destroy:recorded");
         self.teardown(name).await?;
         self.crashpoint("destroy:torn-down");
-        self.forget(name, "destroyed")
+        let spec = self.record(name)?.spec;
+        let kept = match self.dispose_data_disks(&spec) {
+            Ok(kept) => kept,
+            Err(e) => {
+                self.mark_failed(name, &e, false);
+                return Err(e);
+            }
+        };
+        self.crashpoint("destroy:disks");
+        self.forget(name, "destroyed")?;
+        Ok(kept)
     }
 
-    /// Ends the VM's QEMU and removes its run dir, overlay and console log. The record stays.
+    /// Ends the VM's QEMU and removes its run dir, overlay and console log. The record and the
+    /// data disks stay (a destroy disposes of them next, a replace keeps them).
     async fn teardown(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         let rec = self.record(name)?;
         let paths = self.paths(name);
@@ -434,7 +474,7 @@ impl Manager {
                 return Err(e);
             }
             self.create_held(&guard, &vm).await?;
-            Ok(Mutation { changed: true, vm: Some(self.get(&spec.name)?) })
+            Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
         }
         .instrument(span)
         .await
@@ -466,7 +506,7 @@ impl Manager {
             DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,
         };
         match (converge, spec.state) {
-            (false, _) => Ok(Mutation { changed: interfaces_changed, vm: Some(self.get(&spec.name)?) }),
+            (false, _) => Ok(Mutation::new(interfaces_changed, Some(self.get(&spec.name)?))),
             (true, DesiredState::Running) => self.start(&spec.name).await,
             (true, DesiredState::Stopped) => {
                 self.stop(StopParams { name: spec.name.clone(), timeout_s, force: false }).await

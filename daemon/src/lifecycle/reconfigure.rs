@@ -55,7 +55,7 @@ impl Manager {
             self.check_boot_files(&vm).await?;
             let (guard, _) = self.begin(&name)?;
             self.reconfigure_held(&guard, &vm, restart, timeout_s).await?;
-            Ok(Mutation { changed: true, vm: Some(self.get(&name)?) })
+            Ok(Mutation::new(true, Some(self.get(&name)?)))
         }
         .instrument(span)
         .await
@@ -84,7 +84,8 @@ impl Manager {
         let Some(id) = live else {
             self.swap_in_place(name, &vm.spec, None)?;
             self.crashpoint("reconfigure:recorded");
-            self.grow_offline(name, grow_to).await?;
+            self.grow_offline(&vm.spec, grow_to).await?;
+            self.retire_dropped_disks(&old, &vm.spec)?;
             if vm.spec.state == DesiredState::Running {
                 self.start_held(g, name, "reconfigure").await?;
             }
@@ -95,7 +96,8 @@ impl Manager {
             self.swap_in_place(name, &vm.spec, None)?;
             self.crashpoint("reconfigure:recorded");
             self.shut_down(name, &id, "reconfigure: stopping", None, timeout_s, false).await?;
-            return self.grow_offline(name, grow_to).await;
+            self.grow_offline(&vm.spec, grow_to).await?;
+            return self.retire_dropped_disks(&old, &vm.spec);
         }
         // What the live QEMU runs: the recorded spec, or an older one a change is pending over.
         let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
@@ -120,7 +122,7 @@ impl Manager {
         // A rollback restores what ran, with the largest disk size any of the specs had (the
         // overlay is never shrunk).
         let disk = [running.boot.disk_gib, old.spec.boot.disk_gib].into_iter().flatten().max();
-        if let Err(e) = self.grow_offline(name, grow_to).await {
+        if let Err(e) = self.grow_offline(&vm.spec, grow_to).await {
             return Err(self.roll_back(g, &running, disk, e).await);
         }
         match self.start_held(g, name, "reconfigure").await {
@@ -187,10 +189,22 @@ impl Manager {
         Ok(())
     }
 
-    /// Grows the overlay of a stopped VM to `gib` (nothing when `None` or there is no overlay).
-    async fn grow_offline(&self, name: &str, gib: Option<u64>) -> Result<(), ApiError> {
+    /// Drops the data disks neither `spec` nor what the VM runs lists, after a change to a VM
+    /// whose QEMU is not running (a running one drops them once its new spec runs, in the
+    /// start).
+    fn retire_dropped_disks(&self, old: &crate::state::VmRecord, spec: &VmSpec) -> Result<(), ApiError> {
+        for previous in std::iter::once(&old.spec).chain(old.running_spec.as_ref()) {
+            self.retire_data_disks(previous, spec)?;
+        }
+        Ok(())
+    }
+
+    /// Grows the data disks of a stopped VM to their sizes in `spec`, and its overlay to `gib`
+    /// (nothing when `None` or there is no overlay).
+    async fn grow_offline(&self, spec: &VmSpec, gib: Option<u64>) -> Result<(), ApiError> {
+        self.grow_data_disks(spec).await?;
         let Some(gib) = gib else { return Ok(()) };
-        let overlay = self.paths(name).overlay;
+        let overlay = self.paths(&spec.name).overlay;
         if !overlay.exists() {
             return Ok(());
         }

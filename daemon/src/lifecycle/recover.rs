@@ -105,6 +105,7 @@ impl Manager {
         if undo_create {
             let _ = crate::disk::remove_overlay(&paths.overlay);
             let _ = std::fs::remove_file(&paths.seed);
+            self.undo_data_disks(name);
         }
         let record_error = to != VmStatus::Stopped;
         self.update(name, why, |r| {
@@ -130,6 +131,8 @@ impl Manager {
         let _ = std::fs::remove_file(&paths.seed);
         let _ = std::fs::remove_file(&paths.serial_log);
         let _ = std::fs::remove_file(&paths.qemu_log);
+        let spec = self.record(name)?.spec;
+        self.dispose_data_disks(&spec)?;
         self.forget(name, "destroyed (completed after restart)")
     }
 }

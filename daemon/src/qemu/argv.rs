@@ -20,9 +20,15 @@ use crate::validate::{BootSource, ValidSpec};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-/// QEMU's name for an image-booted VM's disk: the first `if=virtio` drive, the overlay (the
-/// seed comes second). `block_resize` grows it live.
+/// QEMU's name for an image-booted VM's boot disk (the overlay), which `block_resize` grows
+/// live. It is the name QEMU gave the first `if=virtio` drive, which VMs started before the
+/// disks were explicit devices still have.
 pub const DISK_DRIVE: &str = "virtio0";
+
+/// QEMU's drive and device id of data disk `name` (`data-NAME`).
+pub fn data_drive(name: &str) -> String {
+    format!("data-{name}")
+}
 
 /// virtio-serial port name the guest agent looks for.
 pub const AGENT_PORT_NAME: &str = "org.vmhost.agent.0";
@@ -51,6 +57,11 @@ pub struct VmPaths {
     pub overlay: PathBuf,
     /// cloud-init NoCloud seed for image-booted VMs, rebuilt at every start.
     pub seed: PathBuf,
+    /// `STATE/disks/NAME`: the VM's data disks ([`VmPaths::data_disk`]).
+    pub disk_dir: PathBuf,
+    /// `STATE/kept-disks/NAME`: data disks a destroy kept, until a VM of this name takes them
+    /// back or they are purged.
+    pub kept_dir: PathBuf,
 }
 
 impl VmPaths {
@@ -66,7 +77,24 @@ impl VmPaths {
             qemu_log: config.paths.state.join("logs").join(format!("{name}.qemu.log")),
             overlay: config.paths.state.join("disks").join(format!("{name}.qcow2")),
             seed: config.paths.state.join("seeds").join(format!("{name}.img")),
+            disk_dir: config.paths.state.join("disks").join(name),
+            kept_dir: config.paths.state.join("kept-disks").join(name),
         }
+    }
+
+    /// The file of data disk `disk`: `STATE/disks/NAME/DISK.FORMAT`.
+    pub fn data_disk(&self, disk: &crate::api::DataDiskSpec) -> PathBuf {
+        self.disk_dir.join(disk.file_name())
+    }
+
+    /// Where a data disk is made before it is renamed to [`VmPaths::data_disk`].
+    pub fn partial_data_disk(&self, disk: &crate::api::DataDiskSpec) -> PathBuf {
+        self.disk_dir.join(format!("{}.partial", disk.file_name()))
+    }
+
+    /// Where a destroy keeps data disk `disk`: `STATE/kept-disks/NAME/DISK.FORMAT`.
+    pub fn kept_disk(&self, disk: &crate::api::DataDiskSpec) -> PathBuf {
+        self.kept_dir.join(disk.file_name())
     }
 
     /// The text that identifies this VM's QEMU in /proc/PID/cmdline: the description of the
@@ -101,9 +129,11 @@ pub enum PassedFd {
     Kernel,
     /// The sealed copy of its initrd.
     Initrd,
-    /// The listening socket of the event monitor (`VmPaths::qmp_events`). Last, so the other
-    /// numbers stay what VMs started before it existed had.
+    /// The listening socket of the event monitor (`VmPaths::qmp_events`). After the others, so
+    /// their numbers stay what VMs started before it existed had.
     QmpEvents,
+    /// Data disk `i` of the spec, read-write.
+    DataDisk(usize),
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -120,6 +150,7 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
         }
     }
     fds.push(PassedFd::QmpEvents);
+    fds.extend((0..vm.spec.disks.len()).map(PassedFd::DataDisk));
     fds
 }
 
@@ -187,24 +218,50 @@ pub fn build_argv(
     for (i, addr) in crate::validate::requested_devices(spec, &config.hardware).iter().enumerate() {
         push(&["-device", &format!("vfio-pci,host={addr},id=hostdev{i}")]);
     }
+    // Disks as explicit devices in guest order: the boot disk, the data disks in spec order,
+    // the seed last (cloud-init finds it by its label), so the data disks are vdb, vdc, ...
+    if let BootSource::Image { image, .. } = &vm.boot {
+        let base = config.paths.images.join(image);
+        push(&["-add-fd", &fdset(PassedFd::OverlayRw, &paths.overlay)]);
+        push(&["-add-fd", &format!("fd={},set={}", fd(PassedFd::OverlayRo), fd(PassedFd::OverlayRw))]);
+        push(&["-add-fd", &fdset(PassedFd::Base, &base)]);
+        let format: String = base_format.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+        push(&[
+            "-drive",
+            &format!(
+                "file=/dev/fdset/{},if=none,id={DISK_DRIVE},format=qcow2,discard=unmap,backing.driver={format},\
+                 backing.file.filename=/dev/fdset/{}",
+                fd(PassedFd::OverlayRw),
+                fd(PassedFd::Base)
+            ),
+        ]);
+        push(&["-device", &format!("virtio-blk-pci,drive={DISK_DRIVE},id=boot-disk")]);
+    }
+    for (i, disk) in spec.disks.iter().enumerate() {
+        let which = PassedFd::DataDisk(i);
+        push(&["-add-fd", &fdset(which, &paths.data_disk(disk))]);
+        push(&[
+            "-drive",
+            &format!(
+                "file=/dev/fdset/{},if=none,id={},format={},cache={},aio={},discard=unmap",
+                fd(which),
+                data_drive(&disk.name),
+                disk.format.as_str(),
+                disk.cache.as_str(),
+                disk.effective_aio().as_str()
+            ),
+        ]);
+        // The name is the serial: 1-20 of [a-z0-9-] (validate.rs), within virtio-blk's 20 bytes.
+        push(&["-device", &format!("virtio-blk-pci,drive={0},id={0},serial={1}", data_drive(&disk.name), disk.name)]);
+    }
     match &vm.boot {
-        BootSource::Image { image, .. } => {
-            let base = config.paths.images.join(image);
-            push(&["-add-fd", &fdset(PassedFd::OverlayRw, &paths.overlay)]);
-            push(&["-add-fd", &format!("fd={},set={}", fd(PassedFd::OverlayRo), fd(PassedFd::OverlayRw))]);
-            push(&["-add-fd", &fdset(PassedFd::Base, &base)]);
-            let format: String = base_format.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+        BootSource::Image { .. } => {
+            push(&["-add-fd", &fdset(PassedFd::Seed, &paths.seed)]);
             push(&[
                 "-drive",
-                &format!(
-                    "file=/dev/fdset/{},if=virtio,format=qcow2,discard=unmap,backing.driver={format},\
-                     backing.file.filename=/dev/fdset/{}",
-                    fd(PassedFd::OverlayRw),
-                    fd(PassedFd::Base)
-                ),
+                &format!("file=/dev/fdset/{},if=none,id=seed,format=raw,readonly=on", fd(PassedFd::Seed)),
             ]);
-            push(&["-add-fd", &fdset(PassedFd::Seed, &paths.seed)]);
-            push(&["-drive", &format!("file=/dev/fdset/{},if=virtio,format=raw,readonly=on", fd(PassedFd::Seed))]);
+            push(&["-device", "virtio-blk-pci,drive=seed,id=seed"]);
         }
         BootSource::Kernel { initrd, cmdline, .. } => {
             push(&["-kernel", &proc_path(fd(PassedFd::Kernel))]);
@@ -328,12 +385,59 @@ mod tests {
         assert_eq!(
             value_after(&argv, "-drive"),
             [
-                "file=/dev/fdset/6,if=virtio,format=qcow2,discard=unmap,backing.driver=qcow2,\
+                "file=/dev/fdset/6,if=none,id=virtio0,format=qcow2,discard=unmap,backing.driver=qcow2,\
                  backing.file.filename=/dev/fdset/8",
-                "file=/dev/fdset/9,if=virtio,format=raw,readonly=on"
+                "file=/dev/fdset/9,if=none,id=seed,format=raw,readonly=on"
             ]
         );
         assert!(!argv.contains(&"-kernel".to_string()));
+    }
+
+    #[test]
+    fn data_disks_follow_the_boot_disk_in_spec_order_named_by_their_serial() {
+        use crate::api::{DataDiskSpec, DiskCache, DiskFormat};
+        let c = config();
+        let mut s = spec("vm-3");
+        s.boot = BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(1), ..BootSpec::default() };
+        let disk = |name: &str, format, cache| DataDiskSpec {
+            name: name.into(),
+            size_gib: 1,
+            format,
+            preallocate: false,
+            cache,
+            aio: None,
+            keep_on_destroy: false,
+        };
+        s.disks =
+            vec![disk("nsm", DiskFormat::Raw, DiskCache::None), disk("logs", DiskFormat::Qcow2, DiskCache::Writeback)];
+        let v = validate_spec(&s, &c).unwrap();
+        let layout = passed_fds(&v, 0);
+        assert_eq!(&layout[layout.len() - 2..], [PassedFd::DataDisk(0), PassedFd::DataDisk(1)]);
+        let argv = argv_of(&s, &c);
+        let devices: Vec<&str> =
+            value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("virtio-blk")).collect();
+        assert_eq!(
+            devices,
+            [
+                "virtio-blk-pci,drive=virtio0,id=boot-disk",
+                "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm",
+                "virtio-blk-pci,drive=data-logs,id=data-logs,serial=logs",
+                "virtio-blk-pci,drive=seed,id=seed"
+            ]
+        );
+        let (nsm_fd, logs_fd) = (3 + layout.len() - 2, 3 + layout.len() - 1);
+        let drives = value_after(&argv, "-drive");
+        assert_eq!(
+            &drives[1..3],
+            [
+                format!("file=/dev/fdset/{nsm_fd},if=none,id=data-nsm,format=raw,cache=none,aio=native,discard=unmap"),
+                format!(
+                    "file=/dev/fdset/{logs_fd},if=none,id=data-logs,format=qcow2,cache=writeback,aio=threads,discard=unmap"
+                ),
+            ]
+        );
+        assert!(value_after(&argv, "-add-fd")
+            .contains(&format!("fd={nsm_fd},set={nsm_fd},opaque=/var/lib/vmhost/disks/vm-3/nsm.raw").as_str()));
     }
 
     #[test]

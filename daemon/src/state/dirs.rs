@@ -1,7 +1,7 @@
 //! The state directory's subdirectories are private to root (mode 0700).
 //!
 //! Their entries name the VMs (`vms/NAME.json`, `logs/NAME.serial.log`, `disks/NAME.qcow2`,
-//! `seeds/NAME.img`), and a VM's name is all a local user needs to forge the command-line marker
+//! `disks/NAME/` with its data disks, `kept-disks/NAME/`, `seeds/NAME.img`), and a VM's name is all a local user needs to forge the command-line marker
 //! the daemon used to trust ([`crate::qemu::identity`]); logs and seeds also hold what a guest
 //! printed and its cloud-init data. Nothing but the daemon needs to enter them: QEMU, running as
 //! `qemu.user`, gets every file in them as a descriptor (docs/sandbox.md).
@@ -18,7 +18,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// The subdirectories of the state directory that are private.
-pub const PRIVATE: [&str; 4] = ["vms", "disks", "logs", "seeds"];
+pub const PRIVATE: [&str; 5] = ["vms", "disks", "kept-disks", "logs", "seeds"];
 
 /// The mode of a private directory.
 pub const MODE: u32 = 0o700;

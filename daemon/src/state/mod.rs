@@ -64,6 +64,14 @@ pub struct VmRecord {
     /// Why QEMU last ended without vmhostd asking.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_exit: Option<String>,
+    /// Data disks the create in progress made (named before each is made): undoing the create
+    /// deletes exactly these. Cleared when the create ends.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub new_disks: Vec<String>,
+    /// Data disks the create in progress took back from `kept-disks` (named before each is
+    /// moved): undoing the create moves exactly these back. Cleared when the create ends.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reclaimed_disks: Vec<String>,
 }
 
 impl VmRecord {
@@ -87,6 +95,8 @@ impl VmRecord {
             restarts: 0,
             failures: Vec::new(),
             last_exit: None,
+            new_disks: Vec::new(),
+            reclaimed_disks: Vec::new(),
         }
     }
 

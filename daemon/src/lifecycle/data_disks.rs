@@ -1,0 +1,339 @@
+//! A VM's data disks across its life: made before its QEMU starts, grown with its spec, kept
+//! or deleted only when the operator says so, taken back by a VM of the same name.
+//!
+//! The files are `STATE/disks/NAME/DISK.FORMAT` ([`VmPaths::data_disk`]); a destroy moves those
+//! with `keep_on_destroy` to `STATE/kept-disks/NAME/` and deletes the rest. Every step records
+//! its intent first, so a crash never leaves a disk that nothing names or deletes one that a
+//! create merely took back. The lifecycle calls, in this order:
+//!
+//! 1. a create: [`Manager::clear_orphan_disks`] (files no record names), then
+//!    [`Manager::ensure_data_disks`] with tracking (each disk taken back from `kept-disks` is
+//!    named in `reclaimed_disks`, each new one in `new_disks`, before the file is touched);
+//!    [`Manager::end_disk_tracking`] when the create ends, or [`Manager::undo_data_disks`]
+//!    when it is undone (new ones deleted, taken-back ones returned);
+//! 2. a start: [`Manager::ensure_data_disks`] without tracking (a disk added while stopped);
+//! 3. a change of a stopped VM: [`Manager::grow_data_disks`], then, once the VM runs its new
+//!    spec, [`Manager::retire_data_disks`] for the disks the spec dropped;
+//! 4. a destroy: [`Manager::dispose_data_disks`], whose kept paths the reply names;
+//! 5. the host: [`Manager::kept_disks`] (`host.info`), [`Manager::purge_kept_disks`].
+//!
+//! A replace (new `boot.image`) runs a create without clearing orphans or undoing anything
+//! but what it made, so every data disk outlives it.
+
+use super::Manager;
+use crate::api::{ApiError, Code, DataDiskSpec, DiskFormat, KeptDisk, VmSpec};
+use crate::qemu::argv::VmPaths;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+fn failed(message: String) -> ApiError {
+    ApiError::new(Code::ProvisioningFailed, message).details(json!({ "step": "data_disk" }))
+}
+
+/// Creates `dir` (mode 0700) unless it exists.
+fn private_dir(dir: &Path) -> Result<(), ApiError> {
+    crate::state::dirs::private_dir(dir).map(drop).map_err(|e| failed(format!("cannot create {}: {e}", dir.display())))
+}
+
+/// Removes `dir` if it is empty; anything else in it stays (and is logged).
+fn remove_if_empty(dir: &Path) {
+    match std::fs::remove_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "left a data disk directory in place"),
+    }
+}
+
+/// Removes `path`; absent is fine.
+fn remove_file(path: &Path) -> Result<(), ApiError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(failed(format!("cannot delete {}: {e}", path.display()))),
+    }
+}
+
+/// Moves `from` to `to` (same file system: a rename), creating `to`'s directory.
+fn move_disk(from: &Path, to: &Path) -> Result<(), ApiError> {
+    if let Some(dir) = to.parent() {
+        private_dir(dir)?;
+    }
+    std::fs::rename(from, to).map_err(|e| failed(format!("cannot move {} to {}: {e}", from.display(), to.display())))
+}
+
+impl Manager {
+    /// Deletes files in the VM's data disk directory that no record names (a VM of this name
+    /// is being created, so none can be its own): a new VM never inherits a stranger's disk.
+    /// Kept disks are elsewhere and are not touched.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when one cannot be deleted.
+    pub(super) fn clear_orphan_disks(&self, name: &str) -> Result<(), ApiError> {
+        let dir = self.paths(name).disk_dir;
+        let Ok(entries) = std::fs::read_dir(&dir) else { return Ok(()) };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            tracing::warn!(vm = name, path = %path.display(), "removing an orphaned data disk");
+            remove_file(&path)?;
+        }
+        remove_if_empty(&dir);
+        Ok(())
+    }
+
+    /// Makes every data disk `spec` lists that has no file yet: one kept by the destroy of a VM
+    /// of this name (same disk name and format) is taken back and grown to the spec's size if
+    /// smaller, else a new one is made (under a temporary name, then renamed). With `track`
+    /// (a create), each is named in the record (`reclaimed_disks`, `new_disks`) before its file
+    /// is touched.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when a disk cannot be made, moved or grown (what was made before
+    /// stays; the caller decides whether to undo it).
+    pub(super) async fn ensure_data_disks(&self, spec: &VmSpec, track: bool) -> Result<(), ApiError> {
+        let name = spec.name.as_str();
+        let paths = self.paths(name);
+        if spec.disks.is_empty() {
+            return Ok(());
+        }
+        private_dir(&paths.disk_dir)?;
+        for disk in &spec.disks {
+            let file = paths.data_disk(disk);
+            if file.exists() {
+                continue;
+            }
+            let kept = paths.kept_disk(disk);
+            if kept.exists() {
+                if track {
+                    let d = disk.name.clone();
+                    self.update(name, "taking back a kept disk", |r| r.reclaimed_disks.push(d))?;
+                }
+                move_disk(&kept, &file)?;
+                tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
+                self.crashpoint("data_disk:reclaimed");
+                crate::disk::data::grow(&self.disk_tool(), &file, disk)
+                    .await
+                    .map_err(|e| failed(format!("cannot grow data disk {:?}: {e}", disk.name)))?;
+                continue;
+            }
+            if track {
+                let d = disk.name.clone();
+                self.update(name, "making a data disk", |r| r.new_disks.push(d))?;
+            }
+            let partial = paths.partial_data_disk(disk);
+            remove_file(&partial)?;
+            crate::disk::data::create(&self.disk_tool(), &partial, disk).await.map_err(|e| {
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                failed(format!("cannot make data disk {:?}: {e}", disk.name))
+                    .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
+            })?;
+            std::fs::rename(&partial, &file).map_err(|e| {
+                let _ = std::fs::remove_file(&partial);
+                failed(format!("cannot move data disk {:?} into place: {e}", disk.name))
+            })?;
+            self.crashpoint("data_disk:made");
+        }
+        Ok(())
+    }
+
+    /// The create that tracked its disks has ended (made or undone): nothing is to be undone
+    /// any more.
+    ///
+    /// # Errors
+    /// The record cannot be written.
+    pub(super) fn end_disk_tracking(&self, name: &str) -> Result<(), ApiError> {
+        let rec = self.record(name)?;
+        if rec.new_disks.is_empty() && rec.reclaimed_disks.is_empty() {
+            return Ok(());
+        }
+        self.update(name, "data disks settled", |r| {
+            r.new_disks.clear();
+            r.reclaimed_disks.clear();
+        })
+        .map(drop)
+    }
+
+    /// Undoes the data disk steps of a create: deletes the disks it made and returns those it
+    /// took back to `kept-disks`, as the record names them; disks it found in place (a
+    /// replace keeps them) are not touched. Failures are logged: an undo goes as far as it can.
+    pub(super) fn undo_data_disks(&self, name: &str) {
+        let Ok(rec) = self.record(name) else { return };
+        let paths = self.paths(name);
+        let by_name = |n: &String| rec.spec.disks.iter().find(|d| &d.name == n);
+        for disk in rec.new_disks.iter().filter_map(by_name) {
+            for file in [paths.data_disk(disk), paths.partial_data_disk(disk)] {
+                if let Err(e) = remove_file(&file) {
+                    tracing::error!(vm = name, error = %e.message, "rollback: a new data disk stays");
+                }
+            }
+        }
+        for disk in rec.reclaimed_disks.iter().filter_map(by_name) {
+            let file = paths.data_disk(disk);
+            if file.exists() {
+                if let Err(e) = move_disk(&file, &paths.kept_disk(disk)) {
+                    tracing::error!(vm = name, error = %e.message, "rollback: a taken-back disk was not returned");
+                }
+            }
+        }
+        remove_if_empty(&paths.disk_dir);
+        if let Err(e) = self.end_disk_tracking(name) {
+            tracing::error!(vm = name, error = %e.message, "rollback: cannot clear the disk tracking");
+        }
+    }
+
+    /// Grows every data disk of a VM whose QEMU is not running to its size in `spec`.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` naming the disk.
+    pub(super) async fn grow_data_disks(&self, spec: &VmSpec) -> Result<(), ApiError> {
+        let paths = self.paths(&spec.name);
+        for disk in &spec.disks {
+            let file = paths.data_disk(disk);
+            if !file.exists() {
+                continue; // made at the next start
+            }
+            crate::disk::data::grow(&self.disk_tool(), &file, disk).await.map_err(|e| {
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                failed(format!("cannot grow data disk {:?} to {} GiB: {e}", disk.name, disk.size_gib))
+                    .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Deals with the disks `old` lists and `new` does not (the VM runs `new` or is stopped):
+    /// kept in `kept-disks` when `old` said `keep_on_destroy`, else deleted. Returns the kept
+    /// paths.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when one cannot be moved or deleted.
+    pub(super) fn retire_data_disks(&self, old: &VmSpec, new: &VmSpec) -> Result<Vec<PathBuf>, ApiError> {
+        let dropped: Vec<&DataDiskSpec> =
+            old.disks.iter().filter(|d| !new.disks.iter().any(|n| n.name == d.name && n.format == d.format)).collect();
+        self.let_go(&new.name, &dropped)
+    }
+
+    /// A destroy's share: every data disk of `spec` kept or deleted, leftovers of interrupted
+    /// steps deleted, the directory removed when empty. Returns the kept paths.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when a disk cannot be moved or deleted.
+    pub(super) fn dispose_data_disks(&self, spec: &VmSpec) -> Result<Vec<PathBuf>, ApiError> {
+        let all: Vec<&DataDiskSpec> = spec.disks.iter().collect();
+        let kept = self.let_go(&spec.name, &all)?;
+        let paths = self.paths(&spec.name);
+        for disk in &spec.disks {
+            remove_file(&paths.partial_data_disk(disk))?;
+        }
+        remove_if_empty(&paths.disk_dir);
+        Ok(kept)
+    }
+
+    /// Keeps (moves) or deletes each of `disks` of VM `name`; returns the kept paths.
+    fn let_go(&self, name: &str, disks: &[&DataDiskSpec]) -> Result<Vec<PathBuf>, ApiError> {
+        let paths = self.paths(name);
+        let mut kept = Vec::new();
+        for disk in disks {
+            let file = paths.data_disk(disk);
+            if !file.exists() {
+                continue;
+            }
+            if disk.keep_on_destroy {
+                let to = paths.kept_disk(disk);
+                if to.exists() {
+                    return Err(failed(format!(
+                        "cannot keep data disk {:?}: {} already holds a kept disk; purge it first",
+                        disk.name,
+                        to.display()
+                    )));
+                }
+                move_disk(&file, &to)?;
+                tracing::info!(vm = name, disk = %disk.name, path = %to.display(), "kept a data disk");
+                kept.push(to);
+            } else {
+                remove_file(&file)?;
+                tracing::info!(vm = name, disk = %disk.name, "deleted a data disk");
+            }
+        }
+        Ok(kept)
+    }
+
+    /// Every data disk in `STATE/kept-disks`, by VM and disk name.
+    pub fn kept_disks(&self) -> Vec<KeptDisk> {
+        let root = self.config.paths.state.join("kept-disks");
+        let mut out = Vec::new();
+        let Ok(vms) = std::fs::read_dir(&root) else { return out };
+        for vm in vms.flatten() {
+            let Ok(files) = std::fs::read_dir(vm.path()) else { continue };
+            for file in files.flatten() {
+                let path = file.path();
+                let Some((disk, format)) = parse_file_name(&path) else { continue };
+                let file_bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
+                out.push(KeptDisk {
+                    vm: vm.file_name().to_string_lossy().into_owned(),
+                    name: disk,
+                    format,
+                    path,
+                    file_bytes,
+                });
+            }
+        }
+        out.sort_by(|a, b| (&a.vm, &a.name).cmp(&(&b.vm, &b.name)));
+        out
+    }
+
+    /// `host.purge_kept_disks`: deletes the data disks kept for VM `vm`.
+    ///
+    /// # Errors
+    /// 2001 on `vm` for a name that is not a VM name; 4040 when nothing is kept for it; 4001 when
+    /// a file cannot be deleted (those deleted before are reported in the message).
+    pub fn purge_kept_disks(&self, vm: &str) -> Result<crate::api::disks::PurgeReport, ApiError> {
+        if !crate::validate::is_valid_name(vm) {
+            return Err(ApiError::invalid("vm", format!("{vm:?} is not a VM name")));
+        }
+        let dir = VmPaths::for_vm(&self.config, vm).kept_dir;
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ApiError::new(Code::NotFound, format!("no kept disks for VM {vm:?}")).field("vm"));
+            }
+            Err(e) => return Err(failed(format!("cannot read {}: {e}", dir.display()))),
+        };
+        let mut deleted = Vec::new();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if let Err(e) = remove_file(&path) {
+                return Err(failed(format!("{} (deleted before: {deleted:?})", e.message)));
+            }
+            tracing::info!(vm, path = %path.display(), "purged a kept data disk");
+            deleted.push(path);
+        }
+        remove_if_empty(&dir);
+        Ok(crate::api::disks::PurgeReport { deleted })
+    }
+}
+
+/// `DISK.FORMAT` back into its parts, for a name a data disk can have.
+fn parse_file_name(path: &Path) -> Option<(String, DiskFormat)> {
+    let file = path.file_name()?.to_str()?;
+    let (disk, ext) = file.rsplit_once('.')?;
+    let format = match ext {
+        "qcow2" => DiskFormat::Qcow2,
+        "raw" => DiskFormat::Raw,
+        _ => return None,
+    };
+    crate::validate::is_valid_disk_name(disk).then(|| (disk.to_string(), format))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_file_names_parse_back_and_others_are_skipped() {
+        assert_eq!(parse_file_name(Path::new("/k/vm/nsm.raw")), Some(("nsm".into(), DiskFormat::Raw)));
+        assert_eq!(parse_file_name(Path::new("/k/vm/logs-1.qcow2")), Some(("logs-1".into(), DiskFormat::Qcow2)));
+        for other in ["/k/vm/nsm.raw.partial", "/k/vm/nsm.img", "/k/vm/NSM.raw", "/k/vm/.raw"] {
+            assert_eq!(parse_file_name(Path::new(other)), None, "{other}");
+        }
+    }
+}
