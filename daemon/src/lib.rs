@@ -11,6 +11,7 @@ pub mod api;
 pub mod capacity;
 pub mod client;
 pub mod config;
+pub mod console;
 pub mod crashpoint;
 pub mod disk;
 pub mod events;
