@@ -185,10 +185,7 @@ impl Hub {
         if limited && st.limited >= MAX_CONSOLE_CLIENTS_PER_VM {
             return Err(ApiError::new(
                 Code::LimitExceeded,
-                format!(
-                    "too many read-only console clients of {}: at most {MAX_CONSOLE_CLIENTS_PER_VM}",
-                    self.name
-                ),
+                format!("too many read-only console clients of {}: at most {MAX_CONSOLE_CLIENTS_PER_VM}", self.name),
             )
             .field("name")
             .details(serde_json::json!({"limit": "console_clients_per_vm", "max": MAX_CONSOLE_CLIENTS_PER_VM})));
@@ -317,7 +314,8 @@ impl Drop for Member {
 /// convenience, the log stays the record). Not following a symlink, as the log capping does not.
 fn log_tail(path: &Path, max: usize) -> Vec<u8> {
     let read = || -> io::Result<Vec<u8>> {
-        let mut f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)?;
+        let mut f =
+            std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)?;
         let len = f.metadata()?.len();
         f.seek(SeekFrom::Start(len.saturating_sub(max as u64)))?;
         let mut out = Vec::with_capacity(max);

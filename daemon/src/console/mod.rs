@@ -83,11 +83,8 @@ impl Consoles {
                 hub
             }
         };
-        let mode = if p.read_only {
-            Mode::Watch { limited: role == Role::ReadOnly }
-        } else {
-            Mode::Write { force: p.force }
-        };
+        let mode =
+            if p.read_only { Mode::Watch { limited: role == Role::ReadOnly } } else { Mode::Write { force: p.force } };
         let attached = hub.join(mode, peer)?;
         tracing::info!(vm = %p.name, uid = peer.uid, pid = peer.pid, ?mode, "console client attached");
         Ok(attached)

@@ -65,38 +65,38 @@ pub async fn run(
     let Attachment { replay, next, output, kicked, member } = attachment;
     let (mut rd, mut wr) = stream.into_split();
     let ending = {
-    let out = pump_output(&mut wr, replay, next, output);
-    let input = async {
-        if !early_input.is_empty() {
-            member.send_input(early_input).await;
-        }
-        let mut buf = vec![0u8; INPUT_CHUNK];
-        loop {
-            match rd.read(&mut buf).await {
-                Ok(0) => return Ending::Detached,
-                Err(_) => return Ending::ClientGone,
-                // A watcher's (or replaced writer's) bytes are read and dropped here.
-                Ok(n) => {
-                    member.send_input(buf[..n].to_vec()).await;
+        let out = pump_output(&mut wr, replay, next, output);
+        let input = async {
+            if !early_input.is_empty() {
+                member.send_input(early_input).await;
+            }
+            let mut buf = vec![0u8; INPUT_CHUNK];
+            loop {
+                match rd.read(&mut buf).await {
+                    Ok(0) => return Ending::Detached,
+                    Err(_) => return Ending::ClientGone,
+                    // A watcher's (or replaced writer's) bytes are read and dropped here.
+                    Ok(n) => {
+                        member.send_input(buf[..n].to_vec()).await;
+                    }
                 }
             }
+        };
+        let taken_over = async {
+            match kicked {
+                Some(rx) => match rx.await {
+                    Ok(text) => text,
+                    Err(_) => std::future::pending().await,
+                },
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            ending = out => ending,
+            ending = input => ending,
+            text = taken_over => Ending::TakenOver(text),
+            _ = shutdown.wait_for(|s| *s) => Ending::Shutdown,
         }
-    };
-    let taken_over = async {
-        match kicked {
-            Some(rx) => match rx.await {
-                Ok(text) => text,
-                Err(_) => std::future::pending().await,
-            },
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        ending = out => ending,
-        ending = input => ending,
-        text = taken_over => Ending::TakenOver(text),
-        _ = shutdown.wait_for(|s| *s) => Ending::Shutdown,
-    }
     };
     // Detach before the last word: a taken-over writer is no writer any more either way.
     drop(member);

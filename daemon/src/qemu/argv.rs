@@ -387,13 +387,7 @@ mod tests {
         assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6", "tap,id=net1,fd=7"]);
         assert_eq!(
             passed_fds(&v, 2)[3..],
-            [
-                PassedFd::Tap(0),
-                PassedFd::Tap(1),
-                PassedFd::Kernel,
-                PassedFd::QmpEvents,
-                PassedFd::Console
-            ]
+            [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel, PassedFd::QmpEvents, PassedFd::Console]
         );
         assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/8"]);
         let devs = value_after(&argv, "-device");
