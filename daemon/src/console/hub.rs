@@ -380,6 +380,26 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn read_only_peers_cannot_take_every_place() {
+        let d = tempfile::tempdir().unwrap();
+        let (path, listener) = qemu(d.path()).await;
+        let hub = Hub::connect("vm", &path, &d.path().join("none.log")).await.unwrap();
+        let _guest = listener.accept().await.unwrap();
+        let ro = Peer { uid: 65534, pid: 9 };
+        let mut held: Vec<_> =
+            (0..MAX_CONSOLE_CLIENTS_PER_VM).map(|_| hub.join(Mode::Watch { limited: true }, ro).unwrap()).collect();
+        let err = hub.join(Mode::Watch { limited: true }, ro).unwrap_err();
+        assert_eq!((err.code, err.details["limit"].as_str()), (Code::LimitExceeded, Some("console_clients_per_vm")));
+        // Admins are not counted: they watch and write.
+        let admin = Peer { uid: 0, pid: 1 };
+        let _watch = hub.join(Mode::Watch { limited: false }, admin).unwrap();
+        let _write = hub.join(Mode::Write { force: false }, admin).unwrap();
+        // A place given back is free again.
+        held.pop();
+        let _again = hub.join(Mode::Watch { limited: true }, ro).unwrap();
+    }
+
+    #[tokio::test]
     async fn a_client_that_never_reads_does_not_hold_the_output() {
         let d = tempfile::tempdir().unwrap();
         let (path, listener) = qemu(d.path()).await;

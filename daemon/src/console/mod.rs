@@ -63,29 +63,39 @@ impl Consoles {
             .details(serde_json::json!({"status": view.status})));
         }
         let paths = VmPaths::for_vm(self.manager.config(), &p.name);
-        let mut hubs = self.hubs.lock().await;
-        hubs.retain(|_, hub| hub.alive());
-        let hub = match hubs.get(&p.name) {
-            Some(hub) => Arc::clone(hub),
-            None => {
-                let hub = Hub::connect(&p.name, &paths.console, &paths.serial_log).await.map_err(|e| {
-                    ApiError::new(
-                        Code::ConsoleUnavailable,
-                        format!(
-                            "cannot connect to the console of {} ({e}); a VM started by a vmhostd without \
-                             consoles gets one at its next start",
-                            p.name
-                        ),
-                    )
-                    .field("name")
-                })?;
-                hubs.insert(p.name.clone(), Arc::clone(&hub));
-                hub
-            }
-        };
         let mode =
             if p.read_only { Mode::Watch { limited: role == Role::ReadOnly } } else { Mode::Write { force: p.force } };
-        let attached = hub.join(mode, peer)?;
+        let mut hubs = self.hubs.lock().await;
+        hubs.retain(|_, hub| hub.alive());
+        // Twice at most: the hub found may end (its last client leaving) before this one joins.
+        let mut attempts = 0;
+        let attached = loop {
+            attempts += 1;
+            let hub = match hubs.get(&p.name) {
+                Some(hub) => Arc::clone(hub),
+                None => {
+                    let hub = Hub::connect(&p.name, &paths.console, &paths.serial_log).await.map_err(|e| {
+                        ApiError::new(
+                            Code::ConsoleUnavailable,
+                            format!(
+                                "cannot connect to the console of {} ({e}); a VM started by a vmhostd without \
+                                 consoles gets one at its next start",
+                                p.name
+                            ),
+                        )
+                        .field("name")
+                    })?;
+                    hubs.insert(p.name.clone(), Arc::clone(&hub));
+                    hub
+                }
+            };
+            match hub.join(mode, peer) {
+                Err(e) if e.code == Code::ConsoleUnavailable && attempts < 2 => {
+                    hubs.remove(&p.name);
+                }
+                joined => break joined?,
+            }
+        };
         tracing::info!(vm = %p.name, uid = peer.uid, pid = peer.pid, ?mode, "console client attached");
         Ok(attached)
     }
