@@ -203,6 +203,17 @@ fn an_operator_types_into_the_guest_shell_one_writer_at_a_time() {
     assert!(!log.contains("vmhost-ro-keys"), "a read-only peer's keystrokes reached the guest:\n{log}");
     assert!(!watcher.text().contains("vmhost-ro-keys"), "{}", watcher.text());
 
+    // vm.console is checked like any request, and switches only a request of its own line.
+    let (code, e) = host.call_err("vm.console", json!({ "name": "con1", "froce": true }));
+    assert_eq!((code, e.field.as_deref()), (-32602, Some("froce")));
+    let (code, _) = host.call_err("vm.console", json!({ "name": "nosuch" }));
+    assert_eq!(code, 4040);
+    let batch = host
+        .client()
+        .call_raw(r#"[{"jsonrpc":"2.0","id":1,"method":"vm.console","params":{"name":"con1"}}]"#)
+        .expect("batch answer");
+    assert_eq!(batch[0]["error"]["code"], -32600, "{batch:?}");
+
     // Stopping the VM closes every console (exit 4, told why).
     host.call("vm.stop", json!({ "name": "con1", "force": true }));
     assert_eq!(c.wait_exit().code(), Some(4));
