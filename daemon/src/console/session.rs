@@ -141,3 +141,40 @@ async fn pump_output(
 async fn write(wr: &mut tokio::net::unix::OwnedWriteHalf, bytes: &[u8]) -> bool {
     matches!(tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(bytes)).await, Ok(Ok(())))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::console::hub::{Hub, Mode, Peer};
+
+    /// The bytes each dropped marker in `text` says were lost.
+    fn lost(text: &str) -> u64 {
+        text.split("[vmhost: ").skip(1).filter_map(|m| m.split(' ').next()?.parse::<u64>().ok()).sum()
+    }
+
+    #[tokio::test]
+    async fn a_client_that_fell_behind_is_told_how_much_it_lost_then_why_it_ends() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("con");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let hub = Hub::connect("vm", &path, &d.path().join("none.log")).await.unwrap();
+        let (mut guest, _) = listener.accept().await.unwrap();
+        let attachment = hub.join(Mode::Watch { limited: false }, Peer { uid: 0, pid: 1 }).unwrap();
+        let (daemon_side, mut client) = UnixStream::pair().unwrap();
+        let (_stop, shutdown) = watch::channel(false);
+        let session = tokio::spawn(run(daemon_side, attachment, Vec::new(), shutdown));
+        // The guest prints far more than every buffer while the client reads nothing; then its
+        // QEMU goes away.
+        let total = 4 * 1024 * 1024;
+        guest.write_all(&vec![b'x'; total]).await.unwrap();
+        drop(guest);
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        let text = String::from_utf8_lossy(&got);
+        let shown = got.iter().filter(|b| **b == b'x').count() as u64;
+        assert!(shown < total as u64, "nothing was dropped: the test did not fill the buffers");
+        assert_eq!(shown + lost(&text), total as u64, "every byte is shown or counted as lost");
+        assert!(text.ends_with("[vmhost: console closed: the VM's QEMU ended]\r\n"), "{}", &text[text.len() - 80..]);
+        assert_eq!(session.await.unwrap(), Ending::ConsoleClosed);
+    }
+}
