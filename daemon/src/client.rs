@@ -6,10 +6,10 @@
 //!
 //! Order of use: [`Client::connect`], optionally [`Client::set_timeout`], then [`Client::call`]
 //! for typed calls. For events, [`Client::subscribe_events`] once, then [`Client::next_event`] in
-//! a loop. Protocol tests use [`Client::call_raw`], [`Client::send_raw`] and
+//! a loop. [`Client::console`] turns the connection into a console's byte stream. Protocol tests use [`Client::call_raw`], [`Client::send_raw`] and
 //! [`Client::read_raw_line`] to send arbitrary bytes and see the daemon's exact answer.
 
-use crate::api::{ApiError, Event, EVENT_NOTIFICATION};
+use crate::api::{ApiError, ConsoleAttached, Event, EVENT_NOTIFICATION};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -181,6 +181,31 @@ impl Client {
     /// that is not UTF-8.
     pub fn read_raw_line(&mut self) -> Result<Option<String>, ClientError> {
         self.read_line(Instant::now() + self.timeout, self.timeout)
+    }
+
+    /// Attaches to the serial console of VM `name` (`vm.console`): on success the connection is
+    /// no longer JSON-RPC but the console's byte stream, returned with the bytes of it that
+    /// already arrived (the start of the replay) and the daemon's answer.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::call`] (4090 when another client writes and `force` is not set, 1002 for a
+    /// read-only peer that does not ask for `read_only`, 4091 when the VM has no console).
+    pub fn console(
+        mut self,
+        name: &str,
+        read_only: bool,
+        force: bool,
+    ) -> Result<(UnixStream, Vec<u8>, ConsoleAttached), ClientError> {
+        let attached: ConsoleAttached =
+            self.call("vm.console", json!({"name": name, "read_only": read_only, "force": force}))?;
+        // The answer's line is taken; whatever follows it in the buffer is console output.
+        let mut early = std::mem::take(&mut self.partial);
+        early.extend_from_slice(self.reader.buffer());
+        let stream = self.reader.into_inner();
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        Ok((stream, early, attached))
     }
 
     /// Subscribes this connection to VM events; returns the subscription id.

@@ -4,13 +4,14 @@
 //! [`validate`], [`capacity`] and [`plan`]; each host resource has one owner ([`disk`] for
 //! overlays, [`qemu`] for processes, [`state`] for records); only [`lifecycle`] coordinates them.
 //! [`sandbox`] confines the daemon at start. [`rpc`] is the socket front end and [`client`] the matching client used by `vmhostctl`, the
-//! benchmark and the tests.
+//! benchmark and the tests; [`console`] serves the VMs' serial consoles through that socket.
 
 pub mod agent;
 pub mod api;
 pub mod capacity;
 pub mod client;
 pub mod config;
+pub mod console;
 pub mod crashpoint;
 pub mod disk;
 pub mod events;

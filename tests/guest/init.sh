@@ -6,6 +6,7 @@
 #   VMHOST-GUEST-READY <kernel-version> <uptime-seconds>   once, when the guest is up
 #   VMHOST-GUEST-POWEROFF                                  ACPI power button pressed
 #   VMHOST-GUEST-SELF-POWEROFF                             powering off on its own (vmhost.poweroff)
+# With vmhost.shell on the kernel command line, an interactive shell runs on ttyS0.
 #
 # ACPI shutdown: busybox acpid watches the power button (ACPI "button" driver ->
 # evdev input device) and runs /etc/acpi/PWRF/00000080, which does `poweroff -f`.
@@ -131,14 +132,25 @@ for target in $ping_targets; do
     ) &
 done
 
+# Test hook: vmhost.shell runs an interactive shell on the serial console, as many real guests
+# run a getty there (the console tests type into it through vmhostd). setsid gives it ttyS0 as
+# its controlling terminal; it is started again when it exits.
+if grep -qw vmhost.shell /proc/cmdline; then
+    (
+        while true; do
+            setsid sh -c 'exec sh -i </dev/ttyS0 >/dev/ttyS0 2>&1'
+        done
+    ) &
+fi
+
 # The guest agent, when the image was built with one (EXTRA_FILES in build.sh).
 # Its output goes to the serial console, next to the kernel's.
 if [ -x /bin/vmhost-agent ]; then
     /bin/vmhost-agent &
 fi
 
-# PID 1 must never exit (the kernel would panic). There is no console input to
-# run a shell on, so just idle; ash's wait also reaps orphans reparented to us.
+# PID 1 must never exit (the kernel would panic). Console input goes to the
+# vmhost.shell shell, if any, so just idle; ash's wait also reaps orphans reparented to us.
 while true; do
     sleep 3600
 done

@@ -57,6 +57,9 @@ pub enum Code {
     AgentNotConnected,
     /// The VM's guest agent did not answer in time.
     AgentTimeout,
+    /// `vm.console`: the VM has no serial console to attach to now (it is not running, or its
+    /// QEMU was started by a vmhostd without console sockets).
+    ConsoleUnavailable,
 }
 
 impl Code {
@@ -84,6 +87,7 @@ impl Code {
             Code::Busy => 4090,
             Code::AgentNotConnected => 5001,
             Code::AgentTimeout => 5002,
+            Code::ConsoleUnavailable => 4091,
         }
     }
 
@@ -111,6 +115,7 @@ impl Code {
             Code::Busy => "busy",
             Code::AgentNotConnected => "agent_not_connected",
             Code::AgentTimeout => "agent_timeout",
+            Code::ConsoleUnavailable => "console_unavailable",
         }
     }
 
@@ -121,7 +126,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 21] = [
+pub const ALL_CODES: [Code; 22] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -143,6 +148,7 @@ pub const ALL_CODES: [Code; 21] = [
     Code::Busy,
     Code::AgentNotConnected,
     Code::AgentTimeout,
+    Code::ConsoleUnavailable,
 ];
 
 /// `error.data` of every vmhost error.

@@ -27,6 +27,7 @@ pub const READ_METHODS: &[&str] = &[
     "vm.guest_info",
     "vm.guest_network",
     "vm.check",
+    "vm.console",
     "events.subscribe",
     "events.unsubscribe",
 ];
@@ -49,6 +50,7 @@ pub const ALL_METHODS: &[&str] = &[
     "vm.guest_info",
     "vm.guest_network",
     "vm.check",
+    "vm.console",
     "events.subscribe",
     "events.unsubscribe",
 ];
@@ -381,6 +383,33 @@ impl Mutation {
 pub struct NameParams {
     /// VM name.
     pub name: String,
+}
+
+/// Params of `vm.console` (docs/console.md). A read-only peer may only watch: it must send
+/// `read_only: true`, and a writer needs the admin role.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConsoleParams {
+    /// VM name.
+    pub name: String,
+    /// Only watch: nothing this client sends reaches the guest.
+    #[serde(default)]
+    pub read_only: bool,
+    /// Take the console over from the current writer, which is told and detached.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// The result of `vm.console`, the last JSON line before the connection becomes the console's
+/// byte stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsoleAttached {
+    /// VM name.
+    pub name: String,
+    /// Whether this client only watches.
+    pub read_only: bool,
+    /// Bytes of earlier output replayed first (at most 16 KiB).
+    pub replay_bytes: u64,
 }
 
 /// Params of `vm.create`.

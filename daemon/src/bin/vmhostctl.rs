@@ -8,7 +8,8 @@
 //! client: every human-readable line goes through [`say!`]/[`tell!`], which escape control, C1 and
 //! reordering characters ([`vmhost::guest_text::escape`]), and JSON through [`json_line`], which
 //! also escapes the C1 characters serde leaves as they are. Nothing a guest sends can forge a line,
-//! overwrite one or drive the terminal.
+//! overwrite one or drive the terminal. The one exception is `console`, which is the guest's
+//! serial console on the terminal, as it printed it (docs/console.md).
 
 use clap::{Parser, Subcommand};
 use serde_json::{json, Value};
@@ -118,6 +119,16 @@ enum Cmd {
     },
     /// Print VM events as they happen.
     Events,
+    /// Attach the terminal to a VM's serial console; Ctrl-] detaches (docs/console.md).
+    Console {
+        name: String,
+        /// Only watch: nothing typed reaches the guest (what a read-only peer may do).
+        #[arg(long)]
+        read_only: bool,
+        /// Take the console over from its current writer, which is detached.
+        #[arg(long)]
+        force: bool,
+    },
     /// Call any method with JSON params.
     Call { method: String, params: Option<String> },
 }
@@ -151,6 +162,11 @@ fn main() -> ExitCode {
             tell!("vmhostctl: {m}");
             ExitCode::from(2)
         }
+        Err(Failure::Console(m)) => {
+            eprintln!();
+            tell!("vmhostctl: {m}");
+            ExitCode::from(4)
+        }
     }
 }
 
@@ -158,6 +174,8 @@ enum Failure {
     Api(vmhost::api::ApiError),
     Connect(String),
     Usage(String),
+    /// A console closed by the daemon, or its terminal failing.
+    Console(String),
 }
 
 impl From<ClientError> for Failure {
@@ -182,6 +200,9 @@ fn read_json(file: &PathBuf) -> Result<Value, Failure> {
 fn run(cli: &Cli) -> Result<(), Failure> {
     let mut c = Client::connect(&cli.socket)
         .map_err(|e| Failure::Connect(format!("cannot reach vmhostd at {}: {e}", cli.socket.display())))?;
+    if let Cmd::Console { name, read_only, force } = &cli.cmd {
+        return console(c, name, *read_only, *force);
+    }
     let out = |v: &Value| println!("{}", json_line(&serde_json::to_string_pretty(v).unwrap_or_default()));
     match &cli.cmd {
         Cmd::Info => {
@@ -324,6 +345,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 }
             }
         }
+        Cmd::Console { .. } => {}
         Cmd::Call { method, params } => {
             let p: Value = match params {
                 Some(t) => serde_json::from_str(t).map_err(|e| Failure::Usage(format!("params: invalid JSON: {e}")))?,
@@ -334,6 +356,26 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// `vmhostctl console`: attaches, then hands the terminal to the console until Ctrl-] (exit 0)
+/// or the daemon closes it (exit 4: taken over, the VM stopped, the daemon stopping).
+fn console(c: Client, name: &str, read_only: bool, force: bool) -> Result<(), Failure> {
+    let (stream, early, attached) = c.console(name, read_only, force)?;
+    let mode = if attached.read_only { ", read-only" } else { "" };
+    tell!("Connected to the console of {name}{mode} (escape character is ^])");
+    let outcome = vmhost::console::terminal::run(stream, &early)
+        .map_err(|e| Failure::Console(format!("console of {name}: {e}")))?;
+    match outcome {
+        vmhost::console::terminal::Outcome::Detached => {
+            eprintln!();
+            tell!("Detached from the console of {name}");
+            Ok(())
+        }
+        vmhost::console::terminal::Outcome::Closed => {
+            Err(Failure::Console(format!("the console of {name} was closed by vmhostd")))
+        }
+    }
 }
 
 fn mutation(cli: &Cli, c: &mut Client, method: &str, params: Value) -> Result<(), Failure> {

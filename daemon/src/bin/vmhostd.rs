@@ -171,7 +171,10 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     if let Err(e) = activation.notify("READY=1") {
         tracing::warn!(error = %e, "cannot notify the service manager");
     }
-    let options = server::Options { idle_timeout: std::time::Duration::from_secs(config.access.idle_timeout_s) };
+    let options = server::Options {
+        idle_timeout: std::time::Duration::from_secs(config.access.idle_timeout_s),
+        consoles: Some(vmhost::console::Consoles::new(manager.clone())),
+    };
     let served = server::serve_with(listener, module.into(), policy, options, stop_rx).await;
     let _ = activation.notify("STOPPING=1");
     // An inherited socket stays: systemd keeps listening on it and starts vmhostd again on demand.

@@ -8,7 +8,7 @@
 //! string/number/null id and array/object params, an invalid one is answered with a valid id or
 //! `null`, and a params refusal is -32602 naming a field.
 
-use crate::api::{ApplyParams, Code, CreateParams, NameParams, ReconcileParams, StopParams};
+use crate::api::{ApplyParams, Code, ConsoleParams, CreateParams, NameParams, ReconcileParams, StopParams};
 use crate::rpc::methods::parse_params;
 use crate::rpc::request::{classify, is_valid_id, Line, Request};
 use jsonrpsee::types::Params;
@@ -58,6 +58,8 @@ fn typed_params(method: &str, params: &Params<'_>) {
         "vm.create" => check::<CreateParams>(params),
         "vm.apply" => check::<ApplyParams>(params),
         "vm.stop" | "vm.restart" => check::<StopParams>(params),
+        // Parsed by the transport before it switches the connection (rpc::server).
+        "vm.console" => check::<ConsoleParams>(params),
         "vm.get" | "vm.start" | "vm.destroy" | "vm.guest_info" | "vm.guest_network" | "vm.check" => {
             check::<NameParams>(params)
         }

@@ -295,8 +295,8 @@ impl Manager {
         self.clean_run_dir(paths);
     }
 
-    /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP and agent
-    /// sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
+    /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP, agent and
+    /// serial console sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
     /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
     /// initrd (copied here when this file version has no copy yet), and the data disks
@@ -336,6 +336,7 @@ impl Manager {
                 PassedFd::Qmp => listen(&paths.qmp)?,
                 PassedFd::Agent => listen(&paths.agent)?,
                 PassedFd::QmpEvents => listen(&paths.qmp_events)?,
+                PassedFd::Console => listen(&paths.console)?,
                 PassedFd::SerialLog => OpenOptions::new()
                     .append(true)
                     .create(true)

@@ -6,8 +6,8 @@
 //! lists have their commas doubled ([`escape_opt`]) so no path can inject an extra option.
 //!
 //! QEMU runs as an unprivileged user (docs/sandbox.md) and opens none of the VM's files by
-//! path: the daemon opens them and passes descriptors. The QMP and agent sockets are listening
-//! sockets the daemon bound (`-chardev socket,fd=N`); the serial log, the overlay, its base image
+//! path: the daemon opens them and passes descriptors. The QMP, agent and serial console sockets
+//! are listening sockets the daemon bound (`-chardev socket,fd=N`); the serial log, the overlay, its base image
 //! and the seed are fd sets (`-add-fd`, `/dev/fdset/N`). A direct-kernel VM's kernel and initrd
 //! are sealed in-memory copies ([`crate::qemu::boot_files`]) that QEMU's loader, which takes
 //! only a path, opens as `/proc/self/fd/N`.
@@ -48,6 +48,10 @@ pub struct VmPaths {
     pub qmp_events: PathBuf,
     /// Guest agent chardev socket.
     pub agent: PathBuf,
+    /// The serial console's socket (`con`, short: every socket path must fit `sun_path` for a
+    /// [`MAX_RUN_DIR_LEN`] run dir); the daemon connects to it while clients are attached
+    /// ([`crate::console`]).
+    pub console: PathBuf,
     /// Serial console log, kept across restarts until destroy.
     pub serial_log: PathBuf,
     /// QEMU's own stderr (its warnings and why it failed to start), appended, kept like the
@@ -72,6 +76,7 @@ impl VmPaths {
             qmp: run_dir.join("qmp"),
             qmp_events: run_dir.join("qmpev"),
             agent: run_dir.join("agent"),
+            console: run_dir.join("con"),
             run_dir,
             serial_log: config.paths.state.join("logs").join(format!("{name}.serial.log")),
             qemu_log: config.paths.state.join("logs").join(format!("{name}.qemu.log")),
@@ -129,9 +134,12 @@ pub enum PassedFd {
     Kernel,
     /// The sealed copy of its initrd.
     Initrd,
-    /// The listening socket of the event monitor (`VmPaths::qmp_events`). After the others, so
-    /// their numbers stay what VMs started before it existed had.
+    /// The listening socket of the event monitor (`VmPaths::qmp_events`). After the others,
+    /// so their numbers stay what VMs started before it existed had.
     QmpEvents,
+    /// The listening socket of the serial console (`VmPaths::console`). After those, for the
+    /// same reason.
+    Console,
     /// Data disk `i` of the spec, read-write.
     DataDisk(usize),
 }
@@ -149,7 +157,7 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
             fds.extend(initrd.as_ref().map(|_| PassedFd::Initrd));
         }
     }
-    fds.push(PassedFd::QmpEvents);
+    fds.extend([PassedFd::QmpEvents, PassedFd::Console]);
     fds.extend((0..vm.spec.disks.len()).map(PassedFd::DataDisk));
     fds
 }
@@ -203,7 +211,17 @@ pub fn build_argv(
     push(&["-mon", "chardev=qmpev,mode=control"]);
     // The description of this fd set is the cmdline marker (VmPaths::cmdline_marker).
     push(&["-add-fd", &fdset(PassedFd::SerialLog, &paths.serial_log)]);
-    push(&["-chardev", &format!("file,id=serial0,path=/dev/fdset/{},append=on", fd(PassedFd::SerialLog))]);
+    // The serial port is a socket the daemon connects to while console clients are attached;
+    // QEMU itself appends everything the guest prints to the log (`logfile`), connected or not,
+    // so the log never depends on the daemon (docs/console.md).
+    push(&[
+        "-chardev",
+        &format!(
+            "socket,id=serial0,fd={},server=on,wait=off,logfile=/dev/fdset/{},logappend=on",
+            fd(PassedFd::Console),
+            fd(PassedFd::SerialLog)
+        ),
+    ]);
     push(&["-serial", "chardev:serial0"]);
     push(&["-device", "virtio-serial-pci,id=vser0"]);
     push(&["-chardev", &format!("socket,id=agent0,fd={},server=on,wait=off", fd(PassedFd::Agent))]);
@@ -322,7 +340,8 @@ mod tests {
                 PassedFd::SerialLog,
                 PassedFd::Kernel,
                 PassedFd::Initrd,
-                PassedFd::QmpEvents
+                PassedFd::QmpEvents,
+                PassedFd::Console
             ]
         );
         // The event monitor: a second QMP monitor on the last descriptor.
@@ -332,7 +351,14 @@ mod tests {
         let v = validate_spec(&s, &c).unwrap();
         assert_eq!(
             passed_fds(&v, 0),
-            [PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog, PassedFd::Kernel, PassedFd::QmpEvents]
+            [
+                PassedFd::Qmp,
+                PassedFd::Agent,
+                PassedFd::SerialLog,
+                PassedFd::Kernel,
+                PassedFd::QmpEvents,
+                PassedFd::Console
+            ]
         );
         assert!(!argv_of(&s, &c).contains(&"-initrd".to_string()));
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0"]);
@@ -344,7 +370,12 @@ mod tests {
         assert!(argv.iter().any(|a| a == "socket,id=qmp,fd=3,server=on,wait=off"));
         assert!(argv.iter().any(|a| a == "socket,id=agent0,fd=4,server=on,wait=off"));
         assert_eq!(value_after(&argv, "-add-fd"), ["fd=5,set=5,opaque=/var/lib/vmhost/logs/vm-1.serial.log"]);
-        assert!(argv.iter().any(|a| a == "file,id=serial0,path=/dev/fdset/5,append=on"));
+        // The serial port: the console socket (last fd), logging to the serial log's fd set.
+        assert!(
+            argv.iter().any(|a| a == "socket,id=serial0,fd=9,server=on,wait=off,logfile=/dev/fdset/5,logappend=on"),
+            "{argv:?}"
+        );
+        assert_eq!(value_after(&argv, "-serial"), ["chardev:serial0"]);
         assert!(!argv.iter().any(|a| a.contains("/run/vmhost")));
         assert!(!argv.contains(&"-drive".to_string()));
         let marker = VmPaths::for_vm(&c, "vm-1").cmdline_marker();
@@ -367,7 +398,8 @@ mod tests {
                 PassedFd::OverlayRo,
                 PassedFd::Base,
                 PassedFd::Seed,
-                PassedFd::QmpEvents
+                PassedFd::QmpEvents,
+                PassedFd::Console
             ]
         );
         let argv = argv_of(&s, &c);
@@ -457,7 +489,10 @@ mod tests {
             .map(|o| o.into_string().unwrap())
             .collect();
         assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6", "tap,id=net1,fd=7"]);
-        assert_eq!(passed_fds(&v, 2)[3..], [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel, PassedFd::QmpEvents]);
+        assert_eq!(
+            passed_fds(&v, 2)[3..],
+            [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel, PassedFd::QmpEvents, PassedFd::Console]
+        );
         assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/8"]);
         let devs = value_after(&argv, "-device");
         assert!(devs.contains(&format!("virtio-net-pci,netdev=net1,mac={}", allocs[1].mac).as_str()), "{devs:?}");

@@ -62,6 +62,11 @@ pub const MAX_SUBSCRIPTIONS_PER_CONNECTION: usize = 8;
 /// Open subscriptions over all connections of one non-root uid.
 pub const MAX_SUBSCRIPTIONS_PER_UID: usize = 32;
 
+/// Read-only peers' clients attached to one VM's serial console at once (`vm.console`, 1003
+/// beyond); admins' are not counted, so read-only peers cannot keep them out. Each holds its
+/// connection slot as well; what the daemon holds per client is bounded (docs/console.md).
+pub const MAX_CONSOLE_CLIENTS_PER_VM: usize = 16;
+
 /// Default of `access.idle_timeout_s`.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 

@@ -164,6 +164,14 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             Err(e) => call(Err(e)),
         }
     })?;
+    // The transport serves vm.console itself (it switches the connection to a byte stream,
+    // docs/console.md); what reaches this table is a vm.console it cannot switch for.
+    m.register_method("vm.console", |_params, _mgr, _| {
+        call(Err::<(), _>(ApiError::new(
+            Code::InvalidRequest,
+            "vm.console must be a request of its own line, with an id (not in a batch, not a notification)",
+        )))
+    })?;
     m.register_subscription(
         "events.subscribe",
         EVENT_NOTIFICATION,

@@ -25,9 +25,15 @@
 //! 6. the write queue and writer task (`write_loop`): answers go out as they complete, followed
 //!    by any subscription notifications; the queue is bounded in bytes ([`limits::Budget`]), a
 //!    full one makes its senders wait (so the reader stops: back-pressure), and a peer that does
-//!    not read for [`WRITE_TIMEOUT`] is dropped.
+//!    not read for [`WRITE_TIMEOUT`] is dropped;
+//! 7. `vm.console` alone on its line (`Conn::console`) is not dispatched: once the client is
+//!    attached ([`Consoles::attach`]), reading stops, the answers in flight are written, then the
+//!    answer of `vm.console`, and the connection becomes the console's byte stream
+//!    ([`crate::console::session`]) until it closes.
 
-use crate::api::{self, ApiError, Code};
+use crate::api::{self, ApiError, Code, ConsoleAttached, ConsoleParams};
+use crate::console::hub::{Attachment, Peer};
+use crate::console::Consoles;
 use crate::rpc::agent_rate::AgentRate;
 use crate::rpc::auth::{self, AccessPolicy, PeerIdentity, Role};
 use crate::rpc::limits::{self, Budget, Registry, SharedThrottle, Slot};
@@ -175,11 +181,13 @@ pub struct Options {
     /// A connection with no request in flight, no subscription and no complete request line for
     /// this long is closed (`access.idle_timeout_s`).
     pub idle_timeout: Duration,
+    /// Serves `vm.console` (without it, `vm.console` is dispatched like any method).
+    pub consoles: Option<Arc<Consoles>>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { idle_timeout: limits::DEFAULT_IDLE_TIMEOUT }
+        Options { idle_timeout: limits::DEFAULT_IDLE_TIMEOUT, consoles: None }
     }
 }
 
@@ -317,7 +325,8 @@ async fn connection(
                 }
                 let budget = shared.registry.budget(&slot);
                 debug!(?role, "peer connected");
-                run(stream, role, budget, &shared, shutdown).await;
+                let peer = Peer { uid: identity.uid, pid: cred.pid().unwrap_or(0) };
+                run(stream, role, peer, budget, &shared, shutdown).await;
                 debug!("peer disconnected");
             }
         }
@@ -407,6 +416,10 @@ struct Conn {
     agent_calls: Arc<AgentRate>,
     /// The connection's [`Phase`]; shared with the writer, which holds no `out` sender.
     phase: Arc<watch::Sender<Phase>>,
+    /// Who the peer is (for `vm.console`'s writer).
+    peer: Peer,
+    /// Serves `vm.console`.
+    consoles: Option<Arc<Consoles>>,
 }
 
 /// One line in the write queue, with the bytes of the budget it holds until it is written.
@@ -427,7 +440,14 @@ fn advance(phase: &watch::Sender<Phase>, to: Phase) {
 }
 
 /// Serves an accepted peer until it disconnects, misbehaves, idles or the server shuts down.
-async fn run(stream: UnixStream, role: Role, budget: Budget, shared: &Shared, mut shutdown: watch::Receiver<bool>) {
+async fn run(
+    stream: UnixStream,
+    role: Role,
+    peer: Peer,
+    budget: Budget,
+    shared: &Shared,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let (rd, wr) = stream.into_split();
     let (out, queue) = mpsc::unbounded_channel();
     let phase = Arc::new(watch::channel(Phase::Open).0);
@@ -441,6 +461,8 @@ async fn run(stream: UnixStream, role: Role, budget: Budget, shared: &Shared, mu
         uid_subscriptions: budget.uid_subscriptions,
         agent_calls: Arc::clone(&shared.agent_calls),
         phase: Arc::clone(&phase),
+        peer,
+        consoles: shared.options.consoles.clone(),
     });
     let mut permits = Permits {
         in_flight: budget.in_flight,
@@ -458,8 +480,36 @@ async fn run(stream: UnixStream, role: Role, budget: Budget, shared: &Shared, mu
     };
     debug!(?end, "connection closing");
     if let Ok(stream) = rd.reunite(wr) {
-        linger_close(stream).await;
+        match end {
+            End::Console(switch) => console_stream(stream, *switch, shutdown).await,
+            _ => linger_close(stream).await,
+        }
     }
+}
+
+/// A connection whose client attached to a console: the answer to send once every earlier
+/// answer is written, the attachment, and what the client sent after its request.
+struct ConsoleSwitch {
+    answer: String,
+    attachment: Attachment,
+    early_input: Vec<u8>,
+}
+
+impl std::fmt::Debug for ConsoleSwitch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsoleSwitch").field("answer", &self.answer).finish_non_exhaustive()
+    }
+}
+
+/// Sends the answer of `vm.console`, then runs the connection as the console's byte stream.
+async fn console_stream(mut stream: UnixStream, switch: ConsoleSwitch, shutdown: watch::Receiver<bool>) {
+    let ConsoleSwitch { mut answer, attachment, early_input } = switch;
+    answer.push('\n');
+    if !matches!(tokio::time::timeout(WRITE_TIMEOUT, stream.write_all(answer.as_bytes())).await, Ok(Ok(()))) {
+        return;
+    }
+    let ending = crate::console::session::run(stream, attachment, early_input, shutdown).await;
+    info!(?ending, "console client detached");
 }
 
 /// Why the reader stopped.
@@ -475,6 +525,8 @@ enum End {
     ReadError,
     /// Nothing in flight, no subscription and no request line for the idle timeout.
     Idle,
+    /// The client attached to a console: the connection becomes its byte stream.
+    Console(Box<ConsoleSwitch>),
 }
 
 /// Resolves once `*shutdown` is true or its sender is gone (which counts as shutdown).
@@ -543,11 +595,14 @@ async fn read_loop(
                 conn.send(error_line(RawValue::NULL, &err)).await;
                 break End::TooLong;
             }
-            Ok(Frame::Line) => {
-                if handle_line(conn, line, permits).await.is_none() {
-                    break End::Stopped;
+            Ok(Frame::Line) => match handle_line(conn, line, permits).await {
+                Ok(()) => {}
+                Err(End::Console(mut switch)) => {
+                    switch.early_input = reader.buffer().to_vec();
+                    break End::Console(switch);
                 }
-            }
+                Err(end) => break end,
+            },
         }
     };
     (reader.into_inner(), end)
@@ -647,19 +702,28 @@ impl Permits<'_> {
     }
 }
 
-/// Parses one line and starts its requests; `None` when the connection stopped meanwhile.
-async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>) -> Option<()> {
+/// Parses one line and starts its requests; `Err` ends the reading: [`End::Stopped`] when the
+/// connection stopped meanwhile, [`End::Console`] when it becomes a console stream.
+async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>) -> Result<(), End> {
     let elements = match request::classify(line) {
-        Line::Blank => return Some(()),
+        Line::Blank => return Ok(()),
         Line::Error(err) => {
             if err.code == Code::LimitExceeded {
                 warn!(message = %err.message, "request line refused");
             }
             conn.send(error_line(RawValue::NULL, &err)).await;
-            return Some(());
+            return Ok(());
         }
         Line::Single(text) => {
-            let permit = permits.acquire().await?;
+            match conn.console(&text).await {
+                Some(Ok(switch)) => return Err(End::Console(Box::new(switch))),
+                Some(Err(answer)) => {
+                    conn.send(answer).await;
+                    return Ok(());
+                }
+                None => {}
+            }
+            let permit = permits.acquire().await.ok_or(End::Stopped)?;
             let conn = Arc::clone(conn);
             tokio::spawn(
                 async move {
@@ -675,13 +739,13 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
                 }
                 .in_current_span(),
             );
-            return Some(());
+            return Ok(());
         }
         Line::Batch(elements) => elements,
     };
     let mut replies = Vec::with_capacity(elements.len());
     for element in elements {
-        let permit = permits.acquire().await?;
+        let permit = permits.acquire().await.ok_or(End::Stopped)?;
         let conn = Arc::clone(conn);
         replies.push(tokio::spawn(
             async move {
@@ -692,7 +756,7 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
         ));
     }
     tokio::spawn(answer_batch(Arc::clone(conn), replies).in_current_span());
-    Some(())
+    Ok(())
 }
 
 /// Writes one array line with the answers of a batch, in request order, then forwards the
@@ -790,6 +854,40 @@ impl Conn {
             },
         };
         self.out.send(Queued { line, _bytes: bytes }).is_ok()
+    }
+
+    /// Attaches the client to a console when `text` is a `vm.console` request with an id (and
+    /// this server serves consoles): `Some(Ok)` to switch the connection over, `Some(Err)` with
+    /// the error line to answer (the connection stays JSON-RPC), `None` for any other request.
+    async fn console(&self, text: &str) -> Option<Result<ConsoleSwitch, String>> {
+        let consoles = self.consoles.as_ref()?;
+        // Most lines are not vm.console: skip the second parse for them. A method name spelled
+        // with JSON escapes is not switched (the method table answers it with -32600).
+        if !text.contains("\"vm.console\"") {
+            return None;
+        }
+        let request = Request::parse(text).ok()?;
+        let id = request.id.filter(|_| request.method == "vm.console")?;
+        let params = jsonrpsee::types::Params::new(request.params.map(RawValue::get));
+        let params: ConsoleParams = match crate::rpc::methods::parse_params(&params) {
+            Ok(p) => p,
+            Err(err) => return Some(Err(error_line(id, &err))),
+        };
+        match consoles.attach(&params, self.role, self.peer).await {
+            Ok(attachment) => {
+                let result = ConsoleAttached {
+                    name: params.name.clone(),
+                    read_only: !attachment.member.writer,
+                    replay_bytes: attachment.replay.len() as u64,
+                };
+                let answer = to_line(&serde_json::json!({"jsonrpc": "2.0", "id": id, "result": result}));
+                Some(Ok(ConsoleSwitch { answer, attachment, early_input: Vec::new() }))
+            }
+            Err(err) => {
+                info!(vm = %params.name, code = err.code.as_i32(), "console attach refused");
+                Some(Err(error_line(id, &err)))
+            }
+        }
     }
 
     /// Takes a subscription slot of the connection and of its uid.
