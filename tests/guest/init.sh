@@ -7,6 +7,7 @@
 #   VMHOST-GUEST-POWEROFF                                  ACPI power button pressed
 #   VMHOST-GUEST-SELF-POWEROFF                             powering off on its own (vmhost.poweroff)
 # With vmhost.shell on the kernel command line, an interactive shell runs on ttyS0.
+#   VMHOST-WROTE <serial> <word>, VMHOST-DISK ...         vmhost.writemark, vmhost.disks (below)
 #
 # ACPI shutdown: busybox acpid watches the power button (ACPI "button" driver ->
 # evdev input device) and runs /etc/acpi/PWRF/00000080, which does `poweroff -f`.
@@ -131,6 +132,32 @@ for target in $ping_targets; do
         echo "VMHOST-PING $target fail"
     ) &
 done
+
+# Test hook: vmhost.writemark=SERIAL:WORD writes "VMHOSTMARK:WORD" at the start of the virtio
+# disk with that serial (a data disk's name); vmhost.disks then reports every virtio disk as
+#   VMHOST-DISK <dev> serial=<serial> sectors=<512-byte sectors> mark=<marker or ->
+# and then VMHOST-DISKS-DONE, so the storage tests see what the guest sees: order, serials, sizes and what survived.
+for arg in $(cat /proc/cmdline); do
+    case $arg in
+        vmhost.writemark=*:*)
+            want=${arg#vmhost.writemark=}
+            for dev in /sys/block/vd*; do
+                [ "$(cat "$dev/serial" 2>/dev/null)" = "${want%%:*}" ] || continue
+                printf 'VMHOSTMARK:%s\n' "${want#*:}" | dd of="/dev/${dev##*/}" bs=512 conv=sync,notrunc,fsync 2>/dev/null &&
+                    echo "VMHOST-WROTE ${want%%:*} ${want#*:}"
+            done
+            ;;
+    esac
+done
+if grep -qw vmhost.disks /proc/cmdline; then
+    for dev in /sys/block/vd*; do
+        [ -e "$dev" ] || continue
+        mark=$(dd if="/dev/${dev##*/}" bs=512 count=1 2>/dev/null | head -n 1 | tr -cd 'A-Za-z0-9:._-')
+        case $mark in VMHOSTMARK:*) mark=${mark#VMHOSTMARK:} ;; *) mark=- ;; esac
+        echo "VMHOST-DISK ${dev##*/} serial=$(cat "$dev/serial" 2>/dev/null) sectors=$(cat "$dev/size") mark=$mark"
+    done
+    echo "VMHOST-DISKS-DONE"
+fi
 
 # Test hook: vmhost.shell runs an interactive shell on the serial console, as many real guests
 # run a getty there (the console tests type into it through vmhostd). setsid gives it ttyS0 as

@@ -98,7 +98,7 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
-    /// Destroy a VM and its disk.
+    /// Destroy a VM and its disks (data disks with keep_on_destroy are kept).
     Destroy { name: String },
     /// Converge to a desired set: a JSON file with an array of specs (or `{"vms": [...]}`).
     Reconcile {
@@ -117,6 +117,8 @@ enum Cmd {
         #[arg(long, default_value_t = 30)]
         timeout: u64,
     },
+    /// Delete the data disks kept after VM NAME was destroyed (`keep_on_destroy`).
+    PurgeKeptDisks { name: String },
     /// Print VM events as they happen.
     Events,
     /// Attach the terminal to a VM's serial console; Ctrl-] detaches (docs/console.md).
@@ -310,6 +312,16 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             }
         }
         Cmd::Destroy { name } => mutation(cli, &mut c, "vm.destroy", json!({ "name": name }))?,
+        Cmd::PurgeKeptDisks { name } => {
+            let v: Value = c.call("host.purge_kept_disks", json!({ "vm": name }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                for path in v.get("deleted").and_then(Value::as_array).into_iter().flatten() {
+                    say!("deleted {}", path.as_str().unwrap_or_default());
+                }
+            }
+        }
         Cmd::Reconcile { file, prune, dry_run, replace } => {
             let doc = read_json(file)?;
             let vms = if doc.is_array() { doc } else { doc.get("vms").cloned().unwrap_or(Value::Null) };
@@ -389,6 +401,9 @@ fn mutation(cli: &Cli, c: &mut Client, method: &str, params: Value) -> Result<()
     match m.vm {
         Some(vm) => say!("{}: {what}, {}", vm.name, vm.status),
         None => say!("{what}: destroyed"),
+    }
+    for kept in &m.kept_disks {
+        say!("kept data disk {}", kept.display());
     }
     Ok(())
 }
@@ -494,6 +509,15 @@ fn print_info(i: &HostInfo) {
             })
             .collect();
         print_table(&["CLASS", "INDEX", "PCI", "HOLDER"], rows);
+    }
+    if !i.kept_disks.is_empty() {
+        say!();
+        let rows = i
+            .kept_disks
+            .iter()
+            .map(|k| vec![k.vm.clone(), k.name.clone(), k.format.as_str().to_string(), k.path.display().to_string()])
+            .collect();
+        print_table(&["KEPT FOR VM", "DISK", "FORMAT", "PATH"], rows);
     }
 }
 

@@ -284,11 +284,16 @@ impl Manager {
     /// `host.purge_kept_disks`: deletes the data disks kept for VM `vm`.
     ///
     /// # Errors
-    /// 2001 on `vm` for a name that is not a VM name; 4040 when nothing is kept for it; 4001 when
-    /// a file cannot be deleted (those deleted before are reported in the message).
+    /// 2001 on `vm` for a name that is not a VM name; 4040 when nothing is kept for it; 4090
+    /// while an operation holds a VM of that name; 4001 when a file cannot be deleted (those
+    /// deleted before are reported in the message).
     pub fn purge_kept_disks(&self, vm: &str) -> Result<crate::api::disks::PurgeReport, ApiError> {
         if !crate::validate::is_valid_name(vm) {
             return Err(ApiError::invalid("vm", format!("{vm:?} is not a VM name")));
+        }
+        if self.lock().busy.contains(vm) {
+            // A create of that name may be taking a kept disk back right now.
+            return Err(super::busy(vm));
         }
         let dir = VmPaths::for_vm(&self.config, vm).kept_dir;
         let entries = match std::fs::read_dir(&dir) {

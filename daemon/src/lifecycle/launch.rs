@@ -300,7 +300,7 @@ impl Manager {
     /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
     /// initrd (copied here when this file version has no copy yet), and the data disks
-    /// (read-write). Also returns the base image's format.
+    /// (read-write and read-only). Also returns the base image's format.
     ///
     /// # Errors
     /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound; 2001 naming
@@ -372,6 +372,10 @@ impl Manager {
                         .open(&file)
                         .map(OwnedFd::from)
                         .map_err(|e| failed(&file, e))?
+                }
+                PassedFd::DataDiskRo(i) => {
+                    let Some(disk) = vm.spec.disks.get(i) else { continue };
+                    read_only(&paths.data_disk(disk))?
                 }
                 PassedFd::Kernel | PassedFd::Initrd => {
                     let BootSource::Kernel { kernel, initrd, .. } = &vm.boot else { continue };

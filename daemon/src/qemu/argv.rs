@@ -142,6 +142,9 @@ pub enum PassedFd {
     Console,
     /// Data disk `i` of the spec, read-write.
     DataDisk(usize),
+    /// Data disk `i`, read-only, in the same fd set: QEMU opens it read-only first, like the
+    /// overlay.
+    DataDiskRo(usize),
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -158,7 +161,7 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
         }
     }
     fds.extend([PassedFd::QmpEvents, PassedFd::Console]);
-    fds.extend((0..vm.spec.disks.len()).map(PassedFd::DataDisk));
+    fds.extend((0..vm.spec.disks.len()).flat_map(|i| [PassedFd::DataDisk(i), PassedFd::DataDiskRo(i)]));
     fds
 }
 
@@ -258,6 +261,7 @@ pub fn build_argv(
     for (i, disk) in spec.disks.iter().enumerate() {
         let which = PassedFd::DataDisk(i);
         push(&["-add-fd", &fdset(which, &paths.data_disk(disk))]);
+        push(&["-add-fd", &format!("fd={},set={}", fd(PassedFd::DataDiskRo(i)), fd(which))]);
         push(&[
             "-drive",
             &format!(
@@ -444,7 +448,10 @@ mod tests {
             vec![disk("nsm", DiskFormat::Raw, DiskCache::None), disk("logs", DiskFormat::Qcow2, DiskCache::Writeback)];
         let v = validate_spec(&s, &c).unwrap();
         let layout = passed_fds(&v, 0);
-        assert_eq!(&layout[layout.len() - 2..], [PassedFd::DataDisk(0), PassedFd::DataDisk(1)]);
+        assert_eq!(
+            &layout[layout.len() - 4..],
+            [PassedFd::DataDisk(0), PassedFd::DataDiskRo(0), PassedFd::DataDisk(1), PassedFd::DataDiskRo(1)]
+        );
         let argv = argv_of(&s, &c);
         let devices: Vec<&str> =
             value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("virtio-blk")).collect();
@@ -457,7 +464,7 @@ mod tests {
                 "virtio-blk-pci,drive=seed,id=seed"
             ]
         );
-        let (nsm_fd, logs_fd) = (3 + layout.len() - 2, 3 + layout.len() - 1);
+        let (nsm_fd, logs_fd) = (3 + layout.len() - 4, 3 + layout.len() - 2);
         let drives = value_after(&argv, "-drive");
         assert_eq!(
             &drives[1..3],

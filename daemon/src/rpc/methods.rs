@@ -106,6 +106,9 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             Err(e) => call(Err(e)),
         }
     })?;
+    m.register_method("host.purge_kept_disks", |params, mgr, _| {
+        call(parse_params::<crate::api::disks::PurgeKeptDisksParams>(&params).and_then(|p| mgr.purge_kept_disks(&p.vm)))
+    })?;
     m.register_method("vm.list", |_params, mgr, _| call(Ok::<_, ApiError>(mgr.list())))?;
     m.register_method("vm.get", |params, mgr, _| {
         call(parse_params::<NameParams>(&params).and_then(|p| mgr.get(&p.name)))

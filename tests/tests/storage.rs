@@ -1,0 +1,265 @@
+//! Data disks (docs/storage.md): what the guest sees (order, serials, sizes), that what it wrote
+//! survives a reconfigure, a stop and start, a grow and a replace, that a dropped disk goes and
+//! an added one comes, and that `keep_on_destroy` keeps a disk for the next VM of that name.
+//!
+//! The guest is the test initramfs with its `vmhost.disks` hook: it reports every virtio disk as
+//! `VMHOST-DISK <dev> serial=<serial> sectors=<n> mark=<marker>` on its console, and
+//! `vmhost.writemark=SERIAL:WORD` writes a marker to the disk with that serial first.
+
+use serde_json::{json, Value};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+use vmhost_tests::{run_ok, HostOptions, TestHost};
+
+const BOOT: Duration = Duration::from_secs(120);
+const GIB_SECTORS: u64 = (1 << 30) / 512;
+
+fn host() -> TestHost {
+    TestHost::start(HostOptions { memory_gib: 4, ..HostOptions::default() })
+}
+
+/// A direct-kernel guest reporting its disks, with `disks` and extra kernel arguments.
+fn disk_spec(host: &TestHost, name: &str, disks: Value, extra_cmdline: &str) -> Value {
+    let mut spec = host.kernel_spec(name);
+    let cmdline = format!("{} vmhost.disks {extra_cmdline}", spec["boot"]["cmdline"].as_str().unwrap());
+    spec["boot"]["cmdline"] = json!(cmdline.trim());
+    spec["disks"] = disks;
+    spec
+}
+
+fn data_disk(host: &TestHost, vm: &str, file: &str) -> PathBuf {
+    host.state().join("disks").join(vm).join(file)
+}
+
+fn kept_disk(host: &TestHost, vm: &str, file: &str) -> PathBuf {
+    host.state().join("kept-disks").join(vm).join(file)
+}
+
+/// Waits for the guest's `boot`-th disk report (1-based) and returns its lines as
+/// `(dev, serial, sectors, mark)`.
+fn disk_report(host: &TestHost, name: &str, boot: usize) -> Vec<(String, String, u64, String)> {
+    let marker = "VMHOST-GUEST-READY";
+    let deadline = std::time::Instant::now() + BOOT;
+    loop {
+        let log = host.serial(name);
+        let boots: Vec<&str> = log.split(marker).skip(1).collect();
+        // The guest prints its report after READY and ends it with VMHOST-DISKS-DONE.
+        if boots.len() >= boot {
+            let section = boots[boot - 1];
+            let lines: Vec<(String, String, u64, String)> = section
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("VMHOST-DISK "))
+                .filter_map(|l| {
+                    let mut parts = l.split_whitespace();
+                    let dev = parts.next()?.to_string();
+                    let serial = parts.next()?.strip_prefix("serial=")?.to_string();
+                    let sectors = parts.next()?.strip_prefix("sectors=")?.parse().ok()?;
+                    let mark = parts.next()?.strip_prefix("mark=")?.to_string();
+                    Some((dev, serial, sectors, mark))
+                })
+                .collect();
+            if section.contains("VMHOST-DISKS-DONE") {
+                return lines;
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "{name}: no disk report for boot {boot}; serial:\n{log}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn apply(host: &TestHost, spec: &Value) -> Value {
+    host.call("vm.apply", json!({ "spec": spec, "timeout_s": 5 }))
+}
+
+#[test]
+fn the_guest_sees_its_data_disks_and_keeps_what_it_wrote_through_every_change() {
+    let host = host();
+    let disks = json!([
+        {"name": "nsm", "size_gib": 1, "format": "raw", "keep_on_destroy": true},
+        {"name": "logs", "size_gib": 1}
+    ]);
+    // First boot: the guest writes its marker to nsm, then reports.
+    host.call("vm.create", json!({ "spec": disk_spec(&host, "sensor", disks.clone(), "vmhost.writemark=nsm:first") }));
+    assert!(host.wait_serial("sensor", "VMHOST-WROTE nsm first", BOOT), "{}", host.serial("sensor"));
+    let report = disk_report(&host, "sensor", 1);
+    assert_eq!(
+        report,
+        [
+            ("vda".into(), "nsm".into(), GIB_SECTORS, "first".into()),
+            ("vdb".into(), "logs".into(), GIB_SECTORS, "-".into())
+        ],
+        "a direct-kernel VM has no boot disk: the data disks are vda, vdb in spec order"
+    );
+    let nsm = data_disk(&host, "sensor", "nsm.raw");
+    let meta = std::fs::metadata(&nsm).unwrap();
+    assert_eq!((meta.len(), meta.uid(), meta.permissions().mode() & 0o777), (1 << 30, 0, 0o600));
+    assert!(data_disk(&host, "sensor", "logs.qcow2").is_file());
+    let ino = meta.ino();
+
+    // A reconfigure (the kernel command line changes: a restart) without the write: still there.
+    let plain = disk_spec(&host, "sensor", disks.clone(), "");
+    apply(&host, &plain);
+    assert_eq!(disk_report(&host, "sensor", 2)[0], ("vda".into(), "nsm".into(), GIB_SECTORS, "first".into()));
+
+    // Stop and start.
+    host.call("vm.stop", json!({ "name": "sensor", "timeout_s": 10 }));
+    host.call("vm.start", json!({ "name": "sensor" }));
+    assert_eq!(disk_report(&host, "sensor", 3)[0].3, "first");
+
+    // nsm grows to 2 GiB; logs is dropped and extra added.
+    let changed = json!([
+        {"name": "nsm", "size_gib": 2, "format": "raw", "keep_on_destroy": true},
+        {"name": "extra", "size_gib": 1, "format": "qcow2"}
+    ]);
+    apply(&host, &disk_spec(&host, "sensor", changed.clone(), ""));
+    let report = disk_report(&host, "sensor", 4);
+    assert_eq!(
+        report,
+        [
+            ("vda".into(), "nsm".into(), 2 * GIB_SECTORS, "first".into()),
+            ("vdb".into(), "extra".into(), GIB_SECTORS, "-".into())
+        ]
+    );
+    assert_eq!(std::fs::metadata(&nsm).unwrap().ino(), ino, "the same file, grown");
+    assert!(!data_disk(&host, "sensor", "logs.qcow2").exists(), "a dropped disk without keep_on_destroy is deleted");
+
+    // Refused changes leave the VM as it is.
+    let mut smaller = disk_spec(&host, "sensor", changed.clone(), "");
+    smaller["disks"][0]["size_gib"] = json!(1);
+    let (code, e) = host.call_err("vm.apply", json!({ "spec": smaller }));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("spec.disks[0].size_gib")), "{e:?}");
+    let mut other_format = disk_spec(&host, "sensor", changed.clone(), "");
+    other_format["disks"][0]["format"] = json!("qcow2");
+    let (code, e) = host.call_err("vm.apply", json!({ "spec": other_format }));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("spec.disks[0].format")), "{e:?}");
+
+    // Destroy keeps nsm (and says where), deletes extra.
+    let destroyed = host.call("vm.destroy", json!({ "name": "sensor" }));
+    let kept = kept_disk(&host, "sensor", "nsm.raw");
+    assert_eq!(destroyed["kept_disks"], json!([kept]), "{destroyed}");
+    assert!(kept.is_file());
+    assert!(!host.state().join("disks").join("sensor").exists(), "nothing else of the VM is left");
+    let info = host.call("host.info", json!({}));
+    assert_eq!(info["kept_disks"][0]["vm"], "sensor", "{info}");
+    assert_eq!(info["kept_disks"][0]["name"], "nsm");
+    let listed = String::from_utf8_lossy(&host.ctl(&["info"]).stdout).into_owned();
+    assert!(listed.contains("nsm") && listed.contains(&kept.display().to_string()), "{listed}");
+
+    // A new VM of the same name takes it back, with what the old one wrote.
+    host.call("vm.create", json!({ "spec": disk_spec(&host, "sensor", changed.clone(), "") }));
+    // (The destroy removed the old console log: this is the new VM's first boot.)
+    assert_eq!(disk_report(&host, "sensor", 1)[0], ("vda".into(), "nsm".into(), 2 * GIB_SECTORS, "first".into()));
+    assert!(!kept.exists(), "taken back, not copied");
+    assert_eq!(host.call("host.info", json!({}))["kept_disks"], json!([]));
+
+    // Purge: only what is kept, only by name.
+    host.call("vm.destroy", json!({ "name": "sensor" }));
+    assert!(kept.is_file());
+    let (code, _) = host.call_err("host.purge_kept_disks", json!({ "vm": "nobody" }));
+    assert_eq!(code, 4040);
+    let (code, e) = host.call_err("host.purge_kept_disks", json!({ "vm": "../etc" }));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("vm")));
+    let purged = host.call("host.purge_kept_disks", json!({ "vm": "sensor" }));
+    assert_eq!(purged["deleted"], json!([kept]));
+    assert!(!kept.exists() && !host.state().join("kept-disks").join("sensor").exists());
+}
+
+#[test]
+fn a_failed_create_returns_the_disks_it_took_back_and_deletes_the_ones_it_made() {
+    let host = host();
+    let keep = json!([{"name": "pcap", "size_gib": 1, "format": "raw", "keep_on_destroy": true}]);
+    let mut stopped = disk_spec(&host, "rebuilt", keep, "");
+    stopped["state"] = json!("stopped");
+    host.call("vm.create", json!({ "spec": stopped }));
+    let disk = data_disk(&host, "rebuilt", "pcap.raw");
+    std::fs::write(&disk, b"the old sensor's data").unwrap();
+    std::fs::OpenOptions::new().write(true).open(&disk).unwrap().set_len(1 << 30).unwrap();
+    host.call("vm.destroy", json!({ "name": "rebuilt" }));
+    let kept = kept_disk(&host, "rebuilt", "pcap.raw");
+    assert!(kept.is_file());
+
+    // A create of the same name takes pcap back, makes fresh, and then QEMU cannot start.
+    let junk = host.images().join("junk-kernel");
+    std::fs::write(&junk, vec![0u8; 4096]).unwrap();
+    let disks = json!([
+        {"name": "pcap", "size_gib": 1, "format": "raw", "keep_on_destroy": true},
+        {"name": "fresh", "size_gib": 1}
+    ]);
+    let mut broken = disk_spec(&host, "rebuilt", disks, "");
+    broken["boot"]["kernel"] = json!(junk);
+    let (code, e) = host.call_err("vm.create", json!({ "spec": broken }));
+    assert_eq!(code, 4001, "{e:?}");
+    assert!(kept.is_file(), "the disk it took back is returned");
+    assert!(std::fs::read(&kept).unwrap().starts_with(b"the old sensor's data"));
+    assert!(!data_disk(&host, "rebuilt", "fresh.qcow2").exists(), "the disk it made is gone");
+    assert!(!host.state().join("disks").join("rebuilt").exists());
+    host.call("vm.destroy", json!({ "name": "rebuilt" }));
+    assert!(kept.is_file(), "destroying the failed VM does not touch the kept disk");
+}
+
+#[test]
+fn a_replace_makes_a_new_boot_disk_and_keeps_every_data_disk() {
+    let host = host();
+    for image in ["base.qcow2", "other.qcow2"] {
+        run_ok(
+            Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(host.images().join(image)).arg("64M"),
+        );
+    }
+    // The test images have no OS: the disks are checked from the host, the VM killed on stop.
+    let spec = |image: &str| {
+        json!({"name": "img", "cpu": 1, "memory_mib": 128, "boot": {"image": image, "disk_gib": 1},
+               "disks": [{"name": "nsm", "size_gib": 1, "format": "raw"}]})
+    };
+    let mut stopped = spec("base.qcow2");
+    stopped["state"] = json!("stopped");
+    host.call("vm.create", json!({ "spec": stopped }));
+    let nsm = data_disk(&host, "img", "nsm.raw");
+    std::fs::write(&nsm, b"kept across a replace").unwrap();
+    std::fs::OpenOptions::new().write(true).open(&nsm).unwrap().set_len(1 << 30).unwrap();
+    let ino = std::fs::metadata(&nsm).unwrap().ino();
+    host.call("vm.start", json!({ "name": "img" }));
+    let pid = host.call("vm.get", json!({ "name": "img" }))["pid"].as_i64().unwrap();
+    let argv = vmhost_tests::argv_of(pid);
+    let devices: Vec<&String> = argv.iter().filter(|a| a.starts_with("virtio-blk-pci")).collect();
+    assert_eq!(
+        devices,
+        [
+            "virtio-blk-pci,drive=virtio0,id=boot-disk",
+            "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm",
+            "virtio-blk-pci,drive=seed,id=seed"
+        ],
+        "boot disk, then data disks, then the seed"
+    );
+    let overlay = host.state().join("disks").join("img.qcow2");
+    let overlay_ino = std::fs::metadata(&overlay).unwrap().ino();
+
+    let v = host.call("vm.apply", json!({ "spec": spec("other.qcow2"), "replace": true, "timeout_s": 1 }));
+    assert_eq!(v["vm"]["status"], "running", "{v}");
+    assert_ne!(std::fs::metadata(&overlay).unwrap().ino(), overlay_ino, "a new boot disk");
+    assert_eq!(std::fs::metadata(&nsm).unwrap().ino(), ino, "the same data disk");
+    assert!(std::fs::read(&nsm).unwrap().starts_with(b"kept across a replace"));
+    host.call("vm.destroy", json!({ "name": "img" }));
+    assert!(!nsm.exists());
+}
+
+#[test]
+fn bad_disk_lists_are_refused_naming_the_field_and_nothing_is_made() {
+    let host = host();
+    let cases: Vec<(Value, &str)> = vec![
+        (json!((0..17).map(|i| json!({"name": format!("d{i}"), "size_gib": 1})).collect::<Vec<_>>()), "spec.disks"),
+        (json!([{"name": "a", "size_gib": 1}, {"name": "a", "size_gib": 1}]), "spec.disks[1].name"),
+        (json!([{"name": "Bad_Name", "size_gib": 1}]), "spec.disks[0].name"),
+        (json!([{"name": "twenty-one-characters", "size_gib": 1}]), "spec.disks[0].name"),
+        (json!([{"name": "z", "size_gib": 0}]), "spec.disks[0].size_gib"),
+        (json!([{"name": "n", "size_gib": 1, "cache": "writeback", "aio": "native"}]), "spec.disks[0].aio"),
+    ];
+    for (disks, field) in cases {
+        let (code, e) = host.call_err("vm.create", json!({ "spec": disk_spec(&host, "bad", disks, "") }));
+        assert_eq!((code, e.field.as_deref()), (2001, Some(field)), "{e:?}");
+    }
+    let (code, _) = host.call_err("vm.get", json!({ "name": "bad" }));
+    assert_eq!(code, 4040);
+    assert!(!host.state().join("disks").join("bad").exists());
+}
