@@ -32,4 +32,5 @@ pub mod rpc;
 pub mod sandbox;
 pub mod seed;
 pub mod state;
+pub mod stats;
 pub mod validate;

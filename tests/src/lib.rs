@@ -540,6 +540,7 @@ impl Drop for TestHost {
 }
 
 pub mod bench_lifecycle;
+pub mod boot_sector;
 pub mod lab;
 
 /// `text` without ANSI colour sequences: the daemon's log is coloured, and tests read it.

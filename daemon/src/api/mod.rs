@@ -6,6 +6,7 @@
 //! shape.
 
 pub mod error;
+pub mod stats;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -25,6 +26,8 @@ pub const READ_METHODS: &[&str] = &[
     "vm.guest_info",
     "vm.guest_network",
     "vm.check",
+    "vm.stats",
+    "host.stats",
     "events.subscribe",
     "events.unsubscribe",
 ];
@@ -46,6 +49,8 @@ pub const ALL_METHODS: &[&str] = &[
     "vm.guest_info",
     "vm.guest_network",
     "vm.check",
+    "vm.stats",
+    "host.stats",
     "events.subscribe",
     "events.unsubscribe",
 ];

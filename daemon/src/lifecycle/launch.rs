@@ -335,6 +335,7 @@ impl Manager {
                 PassedFd::Qmp => listen(&paths.qmp)?,
                 PassedFd::Agent => listen(&paths.agent)?,
                 PassedFd::QmpEvents => listen(&paths.qmp_events)?,
+                PassedFd::QmpStats => listen(&paths.qmp_stats)?,
                 PassedFd::SerialLog => OpenOptions::new()
                     .append(true)
                     .create(true)

@@ -13,7 +13,8 @@
 //! Submodules: [`ops`] (create/start/stop/destroy/apply), [`reconfigure`] (`vm.apply` of a
 //! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`recover`]
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
-//! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`).
+//! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
+//! `host.stats`).
 
 mod agent;
 mod autostart;
@@ -24,6 +25,7 @@ mod reconcile;
 mod reconfigure;
 mod recover;
 mod shutdown;
+mod stats;
 mod vfio;
 
 use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION};

@@ -40,6 +40,9 @@ pub struct VmPaths {
     pub qmp: PathBuf,
     /// A second QMP monitor the daemon only listens on for events (why QEMU ends).
     pub qmp_events: PathBuf,
+    /// A third QMP monitor only `vm.stats` queries, so collecting figures never waits for (or
+    /// delays) the control monitor a stop or a disk grow needs.
+    pub qmp_stats: PathBuf,
     /// Guest agent chardev socket.
     pub agent: PathBuf,
     /// Serial console log, kept across restarts until destroy.
@@ -60,6 +63,7 @@ impl VmPaths {
         VmPaths {
             qmp: run_dir.join("qmp"),
             qmp_events: run_dir.join("qmpev"),
+            qmp_stats: run_dir.join("qmpst"),
             agent: run_dir.join("agent"),
             run_dir,
             serial_log: config.paths.state.join("logs").join(format!("{name}.serial.log")),
@@ -104,6 +108,9 @@ pub enum PassedFd {
     /// The listening socket of the event monitor (`VmPaths::qmp_events`). Last, so the other
     /// numbers stay what VMs started before it existed had.
     QmpEvents,
+    /// The listening socket of the stats monitor (`VmPaths::qmp_stats`), after the event
+    /// monitor for the same reason.
+    QmpStats,
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -119,7 +126,7 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
             fds.extend(initrd.as_ref().map(|_| PassedFd::Initrd));
         }
     }
-    fds.push(PassedFd::QmpEvents);
+    fds.extend([PassedFd::QmpEvents, PassedFd::QmpStats]);
     fds
 }
 
@@ -170,6 +177,8 @@ pub fn build_argv(
     push(&["-mon", "chardev=qmp,mode=control"]);
     push(&["-chardev", &format!("socket,id=qmpev,fd={},server=on,wait=off", fd(PassedFd::QmpEvents))]);
     push(&["-mon", "chardev=qmpev,mode=control"]);
+    push(&["-chardev", &format!("socket,id=qmpst,fd={},server=on,wait=off", fd(PassedFd::QmpStats))]);
+    push(&["-mon", "chardev=qmpst,mode=control"]);
     // The description of this fd set is the cmdline marker (VmPaths::cmdline_marker).
     push(&["-add-fd", &fdset(PassedFd::SerialLog, &paths.serial_log)]);
     push(&["-chardev", &format!("file,id=serial0,path=/dev/fdset/{},append=on", fd(PassedFd::SerialLog))]);
@@ -265,17 +274,29 @@ mod tests {
                 PassedFd::SerialLog,
                 PassedFd::Kernel,
                 PassedFd::Initrd,
-                PassedFd::QmpEvents
+                PassedFd::QmpEvents,
+                PassedFd::QmpStats
             ]
         );
         // The event monitor: a second QMP monitor on the last descriptor.
         assert!(argv.iter().any(|a| a == "socket,id=qmpev,fd=8,server=on,wait=off"), "{argv:?}");
-        assert_eq!(value_after(&argv, "-mon"), ["chardev=qmp,mode=control", "chardev=qmpev,mode=control"]);
+        assert!(argv.iter().any(|a| a == "socket,id=qmpst,fd=9,server=on,wait=off"), "{argv:?}");
+        assert_eq!(
+            value_after(&argv, "-mon"),
+            ["chardev=qmp,mode=control", "chardev=qmpev,mode=control", "chardev=qmpst,mode=control"]
+        );
         s.boot.initrd = None;
         let v = validate_spec(&s, &c).unwrap();
         assert_eq!(
             passed_fds(&v, 0),
-            [PassedFd::Qmp, PassedFd::Agent, PassedFd::SerialLog, PassedFd::Kernel, PassedFd::QmpEvents]
+            [
+                PassedFd::Qmp,
+                PassedFd::Agent,
+                PassedFd::SerialLog,
+                PassedFd::Kernel,
+                PassedFd::QmpEvents,
+                PassedFd::QmpStats
+            ]
         );
         assert!(!argv_of(&s, &c).contains(&"-initrd".to_string()));
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0"]);
@@ -310,7 +331,8 @@ mod tests {
                 PassedFd::OverlayRo,
                 PassedFd::Base,
                 PassedFd::Seed,
-                PassedFd::QmpEvents
+                PassedFd::QmpEvents,
+                PassedFd::QmpStats
             ]
         );
         let argv = argv_of(&s, &c);
@@ -353,7 +375,10 @@ mod tests {
             .map(|o| o.into_string().unwrap())
             .collect();
         assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6", "tap,id=net1,fd=7"]);
-        assert_eq!(passed_fds(&v, 2)[3..], [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel, PassedFd::QmpEvents]);
+        assert_eq!(
+            passed_fds(&v, 2)[3..],
+            [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel, PassedFd::QmpEvents, PassedFd::QmpStats]
+        );
         assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/8"]);
         let devs = value_after(&argv, "-device");
         assert!(devs.contains(&format!("virtio-net-pci,netdev=net1,mac={}", allocs[1].mac).as_str()), "{devs:?}");

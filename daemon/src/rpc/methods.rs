@@ -164,6 +164,18 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             Err(e) => call(Err(e)),
         }
     })?;
+    m.register_async_method("vm.stats", |params, mgr, _| async move {
+        match parse_params::<crate::api::stats::StatsParams>(&params) {
+            Ok(p) => call(mgr.vm_stats(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("host.stats", |params, mgr, _| async move {
+        match parse_params::<serde_json::Map<String, serde_json::Value>>(&params) {
+            Ok(_) => call(Ok::<_, ApiError>(mgr.host_stats().await)),
+            Err(e) => call(Err(e)),
+        }
+    })?;
     m.register_subscription(
         "events.subscribe",
         EVENT_NOTIFICATION,
