@@ -540,6 +540,7 @@ impl Drop for TestHost {
 }
 
 pub mod bench_lifecycle;
+pub mod bench_stats;
 pub mod boot_sector;
 pub mod lab;
 

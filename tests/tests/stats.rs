@@ -110,6 +110,18 @@ fn a_vm_whose_monitor_does_not_answer_gets_its_other_figures_and_a_marker() {
     assert_eq!((n["missing"].clone(), n["nics"].as_array().map(Vec::len)), (json!({}), Some(1)), "{r:#}");
     // Answered again once QEMU runs.
     wait_stats(&host, "the monitor answers again", |r| vm(r, "disk")["missing"] == json!({}));
+    // A new QEMU of the same VM: its own figures through a new connection, counters from zero.
+    let before = host.call("vm.stats", json!({"name": "disk"}));
+    let r = host.call("vm.restart", json!({"name": "disk", "force": true}));
+    let new_pid = r["vm"]["pid"].clone();
+    assert_ne!(new_pid, json!(pid), "{r:#}");
+    let after = wait_stats(&host, "the restarted VM's figures", |r| {
+        let d = vm(r, "disk");
+        d["pid"] == new_pid && d["missing"] == json!({}) && d["disks"].as_array().is_some_and(|a| !a.is_empty())
+    });
+    let d = vm(&after, "disk");
+    assert!(num(&d["uptime_s"]) < num(&vm(&before, "disk")["uptime_s"]) + 1.0, "{after:#}");
+    assert_ne!(d["vcpus"][0]["thread_id"], vm(&before, "disk")["vcpus"][0]["thread_id"], "{after:#}");
 }
 
 /// Parses `text` with prometheus_client's text parser (target/salt-venv, tests/setup.sh) and

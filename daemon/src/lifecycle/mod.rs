@@ -65,6 +65,8 @@ pub struct Manager {
     pci: Arc<crate::pci::Pci>,
     /// Guest agent sessions, one per running VM.
     agents: Arc<crate::agent::supervisor::AgentHub>,
+    /// `vm.stats`' connections to each running QEMU's stats monitor.
+    stats_monitors: crate::stats::collect::Monitors,
 }
 
 impl std::fmt::Debug for Manager {
@@ -138,6 +140,7 @@ impl Manager {
             net_states: Mutex::new(BTreeMap::new()),
             pci: Arc::new(crate::pci::Pci::real()),
             agents: Arc::default(),
+            stats_monitors: Default::default(),
         });
         mgr.recover_all().await;
         mgr.refresh_networks().await;

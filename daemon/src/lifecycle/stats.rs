@@ -17,7 +17,7 @@ impl Manager {
     pub async fn vm_stats(&self, p: StatsParams) -> Result<VmStatsReport, ApiError> {
         let targets = self.stats_targets(p.name.as_deref())?;
         let (timestamp_ms, time) = crate::stats::now();
-        let vms = collect::vms(targets, self.net.netlink()).await;
+        let vms = collect::vms(targets, self.net.netlink(), &self.stats_monitors, p.name.is_none()).await;
         Ok(VmStatsReport { timestamp_ms, time, vms })
     }
 

@@ -1,10 +1,16 @@
 //! Reads the figures of many VMs at once, from a snapshot taken without any lock held.
 //!
 //! Use: build one [`Target`] per VM from its record (the manager does this under its table lock,
-//! then releases it), then call [`vms`]. It makes one netlink dump for every tap, then reads each
-//! running VM concurrently: `/proc` first, then the VM's stats monitor (its own QMP socket, see
-//! [`crate::qemu::argv::VmPaths::qmp_stats`]) for vCPU threads and block counters, bounded by
-//! [`QMP_TIMEOUT`]. A part that fails is named in `missing`; the rest is still reported.
+//! then releases it), then call [`vms`] with the manager's [`Monitors`]. It makes one netlink dump
+//! for every tap, then reads each running VM concurrently: `/proc` first, then the VM's stats
+//! monitor (its own QMP socket, see [`crate::qemu::argv::VmPaths::qmp_stats`]) for block counters,
+//! bounded by [`QMP_TIMEOUT`]. A part that fails is named in `missing`; the rest is still reported.
+//!
+//! [`Monitors`] keeps one connection per running QEMU, with its vCPU threads (fixed for the life
+//! of a QEMU: vmhost hot-plugs no CPUs), so a call costs one QMP round trip per VM instead of a
+//! connect, greeting, negotiation and two commands. A connection is used by one call at a time,
+//! taken out of its slot while in use and put back only after a success: a call that fails or is
+//! cut short by the timeout leaves the slot empty, and the next call connects afresh.
 
 use super::procfs::{self, Ticks};
 use crate::api::stats::{DiskStats, NicStats, VcpuStats, VmStats};
@@ -38,8 +44,44 @@ pub struct Target {
     pub memory_mib: u64,
 }
 
-/// The figures of every target, in the order given.
-pub async fn vms(targets: Vec<Target>, net: &Netlink) -> Vec<VmStats> {
+/// An open stats monitor of one QEMU process, with what never changes while it runs.
+struct Monitor {
+    /// The process it belongs to: a new QEMU of the same VM gets a new connection.
+    process: ProcessIdentity,
+    qmp: Qmp,
+    threads: Vec<VcpuThread>,
+}
+
+type Slot = std::sync::Arc<tokio::sync::Mutex<Option<Monitor>>>;
+
+/// The stats monitor connections, by VM name (owned by the lifecycle manager).
+#[derive(Default)]
+pub struct Monitors {
+    slots: std::sync::Mutex<BTreeMap<String, Slot>>,
+}
+
+impl std::fmt::Debug for Monitors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Monitors").finish_non_exhaustive()
+    }
+}
+
+impl Monitors {
+    fn slot(&self, name: &str) -> Slot {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.entry(name.to_string()).or_default().clone()
+    }
+
+    /// Closes the connections of VMs not in `running` (stopped, destroyed).
+    fn keep_only(&self, running: &[&str]) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.retain(|name, _| running.contains(&name.as_str()));
+    }
+}
+
+/// The figures of every target, in the order given. `all`: the targets are every VM, so
+/// connections of VMs not running among them are closed.
+pub async fn vms(targets: Vec<Target>, net: &Netlink, monitors: &Monitors, all: bool) -> Vec<VmStats> {
     let ticks = Ticks::system();
     let live = |t: &Target| t.status == VmStatus::Running && t.process.is_some();
     let counters = if targets.iter().any(|t| live(t) && !t.nics.is_empty()) {
@@ -47,6 +89,10 @@ pub async fn vms(targets: Vec<Target>, net: &Netlink) -> Vec<VmStats> {
     } else {
         Ok(BTreeMap::new())
     };
+    if all {
+        let running: Vec<&str> = targets.iter().filter(|t| live(t)).map(|t| t.name.as_str()).collect();
+        monitors.keep_only(&running);
+    }
     let uptime = std::fs::read_to_string(Path::new(crate::process::PROC_ROOT).join("uptime")).unwrap_or_default();
     let reads = targets.into_iter().map(|t| {
         let counters = &counters;
@@ -54,7 +100,7 @@ pub async fn vms(targets: Vec<Target>, net: &Netlink) -> Vec<VmStats> {
         async move {
             let mut stats = empty(&t);
             if let (VmStatus::Running, Some(process)) = (t.status, t.process.as_ref()) {
-                read_running(&t, process, &mut stats, ticks, uptime, counters).await;
+                read_running(&t, process, &mut stats, ticks, uptime, counters, monitors.slot(&t.name)).await;
             }
             stats
         }
@@ -86,6 +132,7 @@ async fn read_running(
     ticks: Ticks,
     uptime: &str,
     counters: &Result<BTreeMap<String, LinkCounters>, String>,
+    slot: Slot,
 ) {
     stats.pid = Some(process.pid);
     match counters {
@@ -112,7 +159,7 @@ async fn read_running(
             stats.missing.insert("process".into(), e.to_string());
         }
     }
-    let (threads, blocks) = match tokio::time::timeout(QMP_TIMEOUT, query(&t.qmp_stats)).await {
+    let (threads, blocks) = match tokio::time::timeout(QMP_TIMEOUT, query(&t.qmp_stats, process, &slot)).await {
         Ok(Ok(answers)) => answers,
         Ok(Err(e)) => {
             let why = format!("QEMU's stats monitor: {e}");
@@ -138,8 +185,26 @@ async fn read_running(
     }
 }
 
-/// Both monitor queries on one connection.
-async fn query(socket: &Path) -> Result<(Vec<VcpuThread>, Vec<BlockStats>), QmpError> {
+/// The vCPU threads and block counters of `process`, over its cached connection or a new one.
+async fn query(
+    socket: &Path,
+    process: &ProcessIdentity,
+    slot: &Slot,
+) -> Result<(Vec<VcpuThread>, Vec<BlockStats>), QmpError> {
+    let mut guard = slot.lock().await;
+    // Out of the slot while in use: only a success puts it back.
+    let mut monitor = match guard.take() {
+        Some(m) if m.process == *process => m,
+        _ => connect(socket, process).await?,
+    };
+    let blocks = monitor.qmp.blockstats().await?;
+    let threads = monitor.threads.clone();
+    *guard = Some(monitor);
+    Ok((threads, blocks))
+}
+
+/// Opens the stats monitor of `process` and asks for its vCPU threads once.
+async fn connect(socket: &Path, process: &ProcessIdentity) -> Result<Monitor, QmpError> {
     // The socket is made before QEMU starts: absent now, it never comes (a QEMU started by a
     // vmhostd without the stats monitor). Fail at once instead of retrying until the timeout.
     if !socket.exists() {
@@ -154,8 +219,7 @@ async fn query(socket: &Path) -> Result<(Vec<VcpuThread>, Vec<BlockStats>), QmpE
     let mut qmp = Qmp::connect(socket, QMP_TIMEOUT).await?;
     qmp.set_timeout(QMP_TIMEOUT);
     let threads = qmp.vcpu_threads().await?;
-    let blocks = qmp.blockstats().await?;
-    Ok((threads, blocks))
+    Ok(Monitor { process: process.clone(), qmp, threads })
 }
 
 /// The block devices the guest has (QEMU also lists nodes without a drive name: skipped).
@@ -251,7 +315,7 @@ mod tests {
             memory_mib: 64,
         };
         let stopped = Target { name: "b".into(), status: VmStatus::Stopped, process: None, ..target.clone() };
-        let out = vms(vec![target, stopped], &net).await;
+        let out = vms(vec![target, stopped], &net, &Monitors::default(), true).await;
         let a = &out[0];
         assert!(a.cpu_seconds.is_some() && a.rss_bytes.unwrap_or(0) > 0, "{a:?}");
         assert_eq!((a.restarts, a.memory_bytes, a.nics.len()), (2, 64 << 20, 1));
