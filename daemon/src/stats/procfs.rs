@@ -108,7 +108,7 @@ pub struct ProcessDir {
 /// As described; [`ProcError::Read`] when the stat cannot be read or parsed.
 pub fn open_process_in(proc_root: &Path, expected: &ProcessIdentity) -> Result<ProcessDir, ProcError> {
     let dir = crate::process::open_pid_dir(proc_root, expected.pid).map_err(|e| gone_or(e, "stat"))?;
-    let stat = read_parsed(&dir, "stat", |t| parse_stat(t))?;
+    let stat = read_parsed(&dir, "stat", parse_stat)?;
     if stat.start != expected.start_ticks {
         return Err(ProcError::Gone);
     }
@@ -137,7 +137,7 @@ pub fn read_thread(p: &ProcessDir, tid: i32, ticks: Ticks) -> Result<f64, ProcEr
     if tid <= 0 {
         return Err(ProcError::Gone);
     }
-    let stat = read_parsed(&p.dir, &format!("task/{tid}/stat"), |t| parse_stat(t))?;
+    let stat = read_parsed(&p.dir, &format!("task/{tid}/stat"), parse_stat)?;
     Ok(stat.used as f64 / ticks.per_second)
 }
 

@@ -43,6 +43,10 @@ fn number(v: f64) -> String {
     }
 }
 
+/// A per-VM metric: the VM's one value, if it has one.
+type Scalar = fn(&VmStats) -> Option<f64>;
+
+/// A metric with one sample per vCPU, disk or NIC: the extra labels and the value of each.
 type Per<'a> = fn(&'a VmStats) -> Vec<(Vec<(&'static str, String)>, f64)>;
 
 /// The exposition of `vms` (and `host`, if given).
@@ -55,7 +59,7 @@ pub fn render(vms: &VmStatsReport, host: Option<&HostStats>) -> String {
             f.sample("vmhost_vm_up", &[("vm", &v.name)], f64::from(u8::from(v.status == VmStatus::Running)));
         }
     }
-    let scalar: [(&str, &str, &str, fn(&VmStats) -> Option<f64>); 6] = [
+    let scalar: [(&str, &str, &str, Scalar); 6] = [
         ("vmhost_vm_cpu_seconds_total", "counter", "CPU time of the VM's QEMU process (user and system).", |v| {
             v.cpu_seconds
         }),
