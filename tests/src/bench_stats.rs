@@ -41,6 +41,17 @@ fn time_calls(host: &TestHost, method: &str, params: &serde_json::Value, calls: 
     took
 }
 
+/// CPU seconds (user + system) used so far by process `pid` and by the QEMUs of `host`.
+fn cpu_seconds(host: &TestHost, pid: u32) -> (f64, f64) {
+    let of = |pid: i64| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let rest: Vec<&str> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
+        let field = |n: usize| rest.get(n - 3).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+        (field(14) + field(15)) / 100.0
+    };
+    (of(i64::from(pid)), host.qemu_pids().into_iter().map(|p| of(i64::from(p))).sum())
+}
+
 /// Starts `vms` idle VMs and prints the latency of `calls` stats calls of each kind.
 pub fn stats(vms: usize, calls: usize) {
     if vms == 0 || calls == 0 {
@@ -60,7 +71,19 @@ pub fn stats(vms: usize, calls: usize) {
     // One call first: the figures of a VM are read the same way every time, but the daemon's
     // first dump of the links and first connections warm its caches.
     let _ = time_calls(&host, "vm.stats", &json!({}), 1);
+    let daemon = host.daemon_pid().expect("daemon pid");
+    // What the idle QEMUs use with no call (TCG timers of halted guests), to subtract.
+    let (_, idle0) = cpu_seconds(&host, daemon);
+    std::thread::sleep(Duration::from_secs(5));
+    let (_, idle1) = cpu_seconds(&host, daemon);
+    let idle_per_s = (idle1 - idle0) / 5.0;
+    let (d0, q0) = cpu_seconds(&host, daemon);
+    let t0 = Instant::now();
     let all = time_calls(&host, "vm.stats", &json!({}), calls);
+    let wall = t0.elapsed().as_secs_f64();
+    let (d1, q1) = cpu_seconds(&host, daemon);
+    // The QEMUs idle (halted) meanwhile: what they used is mostly answering the calls.
+    let per_call = |s: f64| s * 1000.0 / calls as f64;
     let one = time_calls(&host, "vm.stats", &json!({"name": "stat-00"}), calls);
     let host_stats = time_calls(&host, "host.stats", &json!({}), calls);
     println!();
@@ -79,4 +102,12 @@ pub fn stats(vms: usize, calls: usize) {
             ms(took[took.len() - 1])
         );
     }
+    println!(
+        "CPU per `vm.stats` of all VMs: vmhostd {:.1} ms, the {vms} QEMUs together {:.1} ms beyond their idle \
+         {:.0} ms/s ({:.1} ms wall per call)",
+        per_call(d1 - d0),
+        per_call((q1 - q0) - idle_per_s * wall),
+        idle_per_s * 1000.0,
+        wall * 1000.0 / calls as f64
+    );
 }
