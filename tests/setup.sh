@@ -79,4 +79,10 @@ if [ ! -x target/salt-venv/bin/salt-call ] || [ ! -x target/salt-venv/bin/ruff ]
     python3 -m venv target/salt-venv
     target/salt-venv/bin/pip install -q --disable-pip-version-check "salt==3007.*" ruff
 fi
+# The Prometheus text-format parser the metrics test checks `vmhostctl stats --prometheus` with.
+# `python -m pip`: a venv copied from another checkout keeps that checkout's path in its scripts.
+if ! target/salt-venv/bin/python -c "import prometheus_client.parser" 2>/dev/null; then
+    echo "setup: installing prometheus_client into target/salt-venv"
+    target/salt-venv/bin/python -m pip install -q --disable-pip-version-check "prometheus_client==0.21.1"
+fi
 tests/guest/build.sh target/guest

@@ -33,4 +33,5 @@ pub mod rpc;
 pub mod sandbox;
 pub mod seed;
 pub mod state;
+pub mod stats;
 pub mod validate;

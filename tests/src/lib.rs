@@ -540,6 +540,8 @@ impl Drop for TestHost {
 }
 
 pub mod bench_lifecycle;
+pub mod bench_stats;
+pub mod boot_sector;
 pub mod lab;
 
 /// `text` without ANSI colour sequences: the daemon's log is coloured, and tests read it.

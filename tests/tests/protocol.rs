@@ -108,6 +108,9 @@ fn peers_are_checked_by_kernel_credentials() {
 
     let out = ctl_as(&host, 65534, 65534, &["list"]);
     assert!(out.status.success(), "read-only peer may list: {}", String::from_utf8_lossy(&out.stderr));
+    // Metrics are reads: vm.stats and host.stats (docs/metrics.md).
+    let out = ctl_as(&host, 65534, 65534, &["stats", "--prometheus"]);
+    assert!(out.status.success(), "read-only peer may read stats: {}", String::from_utf8_lossy(&out.stderr));
     let out = ctl_as(&host, 65534, 65534, &["create", spec.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("1002"), "{}", String::from_utf8_lossy(&out.stderr));

@@ -258,6 +258,24 @@ fn invalid_spec_fails_with_the_daemons_code_and_field() {
     assert!(r["comment"].as_str().unwrap_or("").contains("vmhostd error 3001 (spec.nics[0].network)"), "{r}");
 }
 
+#[test]
+fn the_execution_module_reports_stats_of_every_vm_or_one() {
+    let host = TestHost::start(HostOptions::default());
+    host.call("vm.create", json!({ "spec": host.kernel_spec("counted") }));
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+    let all = minion.call(&["vmhost.stats"]);
+    let vm = &all["vms"][0];
+    assert_eq!((vm["name"].clone(), vm["status"].clone()), (json!("counted"), json!("running")), "{all}");
+    assert!(vm["cpu_seconds"].as_f64().is_some() && all["timestamp_ms"].as_u64().unwrap_or(0) > 0, "{all}");
+    let one = minion.call(&["vmhost.stats", "counted"]);
+    assert_eq!(one["vms"].as_array().map(Vec::len), Some(1), "{one}");
+    // An unknown VM is the daemon's 4040, as for every other function.
+    let out = minion.run(&["vmhost.stats", "nosuch"]);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("4040"), "{text}");
+}
+
 fn comment(r: &Value) -> &str {
     r["comment"].as_str().unwrap_or_default()
 }

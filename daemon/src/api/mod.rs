@@ -7,6 +7,7 @@
 
 pub mod disks;
 pub mod error;
+pub mod stats;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -28,6 +29,8 @@ pub const READ_METHODS: &[&str] = &[
     "vm.guest_network",
     "vm.check",
     "vm.console",
+    "vm.stats",
+    "host.stats",
     "events.subscribe",
     "events.unsubscribe",
 ];
@@ -51,6 +54,8 @@ pub const ALL_METHODS: &[&str] = &[
     "vm.guest_network",
     "vm.check",
     "vm.console",
+    "vm.stats",
+    "host.stats",
     "events.subscribe",
     "events.unsubscribe",
 ];

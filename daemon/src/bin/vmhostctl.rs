@@ -17,6 +17,7 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use vmhost::api::stats::{HostStats, VmStatsReport};
 use vmhost::api::{HostCheck, HostInfo, Mutation, ReconcileReport, VmView};
 use vmhost::client::{Client, ClientError};
 
@@ -130,6 +131,23 @@ enum Cmd {
         /// Take the console over from its current writer, which is detached.
         #[arg(long)]
         force: bool,
+    },
+    /// Counters of one VM or every VM (CPU, memory, disks, NICs), or with `--prometheus` the
+    /// Prometheus text format (host figures too when no NAME is given).
+    Stats {
+        name: Option<String>,
+        #[arg(long)]
+        prometheus: bool,
+    },
+    /// A refreshing table of every VM's CPU %, memory, disk and network rates.
+    Top {
+        /// Seconds between samples.
+        #[arg(long, default_value_t = 2.0)]
+        interval: f64,
+        /// Print this many tables and exit (each after a new sample), instead of refreshing
+        /// the screen until interrupted.
+        #[arg(long)]
+        iterations: Option<u64>,
     },
     /// Call any method with JSON params.
     Call { method: String, params: Option<String> },
@@ -358,6 +376,8 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             }
         }
         Cmd::Console { .. } => {}
+        Cmd::Stats { name, prometheus } => stats_cmd(cli, &mut c, name.as_deref(), *prometheus)?,
+        Cmd::Top { interval, iterations } => top_cmd(&mut c, *interval, *iterations)?,
         Cmd::Call { method, params } => {
             let p: Value = match params {
                 Some(t) => serde_json::from_str(t).map_err(|e| Failure::Usage(format!("params: invalid JSON: {e}")))?,
@@ -546,6 +566,85 @@ fn print_reconcile(r: &ReconcileReport) {
         .collect();
     print_table(&["VM", "ACTION", "REASON", "OUTCOME"], rows);
     say!("{}{}", if r.dry_run { "dry run: " } else { "" }, if r.ok { "ok" } else { "FAILED" });
+}
+
+/// `vmhostctl stats`: JSON, the Prometheus text format, or a table of the raw counters.
+fn stats_cmd(cli: &Cli, c: &mut Client, name: Option<&str>, prometheus: bool) -> Result<(), Failure> {
+    let params = name.map_or_else(|| json!({}), |n| json!({ "name": n }));
+    let v: Value = c.call("vm.stats", params)?;
+    let report: VmStatsReport = serde_json::from_value(v.clone()).map_err(|e| Failure::Connect(e.to_string()))?;
+    if prometheus {
+        let host: Option<HostStats> = match name {
+            Some(_) => None,
+            None => Some(c.call("host.stats", json!({}))?),
+        };
+        // Label values are escaped for the format; VM names cannot hold control characters.
+        print!("{}", vmhost::stats::prometheus::render(&report, host.as_ref()));
+    } else if cli.json {
+        println!("{}", json_line(&serde_json::to_string_pretty(&v).unwrap_or_default()));
+    } else {
+        let bytes = |b: Option<u64>| vmhost::stats::top::human_bytes(b.map(|x| x as f64));
+        let rows = report
+            .vms
+            .iter()
+            .map(|v| {
+                vec![
+                    v.name.clone(),
+                    v.status.to_string(),
+                    v.cpu_seconds.map_or_else(|| "-".into(), |s| format!("{s:.2}")),
+                    bytes(v.rss_bytes),
+                    bytes(Some(v.disks.iter().map(|d| d.read_bytes).sum())),
+                    bytes(Some(v.disks.iter().map(|d| d.write_bytes).sum())),
+                    bytes(Some(v.nics.iter().map(|n| n.rx_bytes).sum())),
+                    bytes(Some(v.nics.iter().map(|n| n.tx_bytes).sum())),
+                    v.missing.keys().cloned().collect::<Vec<_>>().join(","),
+                ]
+            })
+            .collect();
+        print_table(&["NAME", "STATUS", "CPU_S", "RSS", "DISK_RD", "DISK_WR", "NET_RX", "NET_TX", "MISSING"], rows);
+    }
+    Ok(())
+}
+
+/// `vmhostctl top`: samples `vm.stats` every `interval` and prints rates between the last two.
+fn top_cmd(c: &mut Client, interval: f64, iterations: Option<u64>) -> Result<(), Failure> {
+    use std::io::IsTerminal;
+    if !(interval.is_finite() && interval > 0.0) {
+        return Err(Failure::Usage("--interval must be a positive number of seconds".into()));
+    }
+    let refresh = iterations.is_none() && std::io::stdout().is_terminal();
+    let mut prev: VmStatsReport = c.call("vm.stats", json!({}))?;
+    let mut shown = 0u64;
+    while iterations.is_none_or(|n| shown < n) {
+        std::thread::sleep(Duration::from_secs_f64(interval));
+        let cur: VmStatsReport = c.call("vm.stats", json!({}))?;
+        let pct = |p: Option<f64>| p.map_or_else(|| "-".into(), |p| format!("{p:.1}"));
+        let rate = |r: Option<f64>| format!("{}/s", vmhost::stats::top::human_bytes(r));
+        let rows = vmhost::stats::top::rows(&prev, &cur)
+            .into_iter()
+            .map(|r| {
+                vec![
+                    r.name,
+                    r.status,
+                    pct(r.cpu_percent),
+                    vmhost::stats::top::human_bytes(r.rss_bytes.map(|b| b as f64)),
+                    rate(r.disk_read_per_s),
+                    rate(r.disk_write_per_s),
+                    rate(r.net_rx_per_s),
+                    rate(r.net_tx_per_s),
+                ]
+            })
+            .collect();
+        if refresh {
+            // Clear the screen and home the cursor: a fixed sequence, never guest text.
+            print!("\x1b[H\x1b[2J");
+        }
+        say!("{}  {} VMs, every {interval}s", cur.time, cur.vms.len());
+        print_table(&["NAME", "STATUS", "CPU%", "RSS", "DISK_RD", "DISK_WR", "NET_RX", "NET_TX"], rows);
+        prev = cur;
+        shown += 1;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -53,7 +53,8 @@ fn one_request(text: &str) {
 /// The params of each method, parsed into the type its handler uses.
 fn typed_params(method: &str, params: &Params<'_>) {
     match method {
-        "host.info" => check::<serde_json::Map<String, serde_json::Value>>(params),
+        "host.info" | "host.stats" => check::<serde_json::Map<String, serde_json::Value>>(params),
+        "vm.stats" => check::<crate::api::stats::StatsParams>(params),
         "host.reconcile" => check::<ReconcileParams>(params),
         "vm.create" => check::<CreateParams>(params),
         "vm.apply" => check::<ApplyParams>(params),

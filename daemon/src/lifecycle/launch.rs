@@ -337,6 +337,7 @@ impl Manager {
                 PassedFd::Agent => listen(&paths.agent)?,
                 PassedFd::QmpEvents => listen(&paths.qmp_events)?,
                 PassedFd::Console => listen(&paths.console)?,
+                PassedFd::QmpStats => listen(&paths.qmp_stats)?,
                 PassedFd::SerialLog => OpenOptions::new()
                     .append(true)
                     .create(true)

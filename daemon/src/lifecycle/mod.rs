@@ -15,7 +15,8 @@
 //! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`data_disks`]
 //! (data disks made, grown, kept, taken back), [`recover`]
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
-//! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`).
+//! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
+//! `host.stats`).
 
 mod agent;
 mod autostart;
@@ -27,6 +28,7 @@ mod reconcile;
 mod reconfigure;
 mod recover;
 mod shutdown;
+mod stats;
 mod vfio;
 
 use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION};
@@ -66,6 +68,8 @@ pub struct Manager {
     pci: Arc<crate::pci::Pci>,
     /// Guest agent sessions, one per running VM.
     agents: Arc<crate::agent::supervisor::AgentHub>,
+    /// `vm.stats`' connections to each running QEMU's stats monitor.
+    stats_monitors: crate::stats::collect::Monitors,
 }
 
 impl std::fmt::Debug for Manager {
@@ -139,6 +143,7 @@ impl Manager {
             net_states: Mutex::new(BTreeMap::new()),
             pci: Arc::new(crate::pci::Pci::real()),
             agents: Arc::default(),
+            stats_monitors: Default::default(),
         });
         mgr.recover_all().await;
         mgr.refresh_networks().await;

@@ -213,6 +213,7 @@ mod tests {
             net_states: Mutex::new(BTreeMap::new()),
             pci: Arc::new(crate::pci::Pci::new(Box::new(Arc::clone(&sysfs)))),
             agents: Arc::default(),
+            stats_monitors: Default::default(),
         });
         mgr.recover_all().await;
 

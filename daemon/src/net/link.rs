@@ -90,6 +90,38 @@ impl LinkInfo {
     }
 }
 
+/// A link's cumulative traffic counters (`IFLA_STATS64`), as the host side sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LinkCounters {
+    /// Bytes received by the link.
+    pub rx_bytes: u64,
+    /// Packets received.
+    pub rx_packets: u64,
+    /// Received packets dropped.
+    pub rx_dropped: u64,
+    /// Bytes sent.
+    pub tx_bytes: u64,
+    /// Packets sent.
+    pub tx_packets: u64,
+    /// Packets dropped on the way out (for a tap: the guest did not take them in time).
+    pub tx_dropped: u64,
+}
+
+/// The counters in an `RTM_NEWLINK` answer, if it carries `IFLA_STATS64`.
+fn counters_of(msg: &LinkMessage) -> Option<LinkCounters> {
+    msg.attributes.iter().find_map(|attr| match attr {
+        LinkAttribute::Stats64(s) => Some(LinkCounters {
+            rx_bytes: s.rx_bytes,
+            rx_packets: s.rx_packets,
+            rx_dropped: s.rx_dropped,
+            tx_bytes: s.tx_bytes,
+            tx_packets: s.tx_packets,
+            tx_dropped: s.tx_dropped,
+        }),
+        _ => None,
+    })
+}
+
 /// One bridge VLAN entry of a port, as [`Netlink::bridge_vlans`] reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BridgeVlan {
@@ -243,6 +275,26 @@ impl Netlink {
             source,
         })? {
             out.push(LinkInfo::from_message(&msg));
+        }
+        Ok(out)
+    }
+
+    /// The traffic counters of every link that reports them, by name: one dump, however many
+    /// links are asked about (`vm.stats` reads every tap this way).
+    ///
+    /// # Errors
+    /// [`NetError::Netlink`] when the dump fails.
+    pub async fn link_counters(&self) -> Result<std::collections::BTreeMap<String, LinkCounters>, NetError> {
+        let mut answers = self.handle.link().get().execute();
+        let mut out = std::collections::BTreeMap::new();
+        while let Some(msg) = answers.try_next().await.map_err(|source| NetError::Netlink {
+            op: "dump link counters",
+            errno: errno_of(&source),
+            source,
+        })? {
+            if let Some(counters) = counters_of(&msg) {
+                out.insert(LinkInfo::from_message(&msg).name, counters);
+            }
         }
         Ok(out)
     }

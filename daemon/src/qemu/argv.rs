@@ -46,6 +46,9 @@ pub struct VmPaths {
     pub qmp: PathBuf,
     /// A second QMP monitor the daemon only listens on for events (why QEMU ends).
     pub qmp_events: PathBuf,
+    /// A third QMP monitor only `vm.stats` queries, so collecting figures never waits for (or
+    /// delays) the control monitor a stop or a disk grow needs.
+    pub qmp_stats: PathBuf,
     /// Guest agent chardev socket.
     pub agent: PathBuf,
     /// The serial console's socket (`con`, short: every socket path must fit `sun_path` for a
@@ -75,6 +78,7 @@ impl VmPaths {
         VmPaths {
             qmp: run_dir.join("qmp"),
             qmp_events: run_dir.join("qmpev"),
+            qmp_stats: run_dir.join("qmpst"),
             agent: run_dir.join("agent"),
             console: run_dir.join("con"),
             run_dir,
@@ -140,6 +144,9 @@ pub enum PassedFd {
     /// The listening socket of the serial console (`VmPaths::console`). After those, for the
     /// same reason.
     Console,
+    /// The listening socket of the stats monitor (`VmPaths::qmp_stats`), after the event
+    /// monitor for the same reason.
+    QmpStats,
     /// Data disk `i` of the spec, read-write.
     DataDisk(usize),
     /// Data disk `i`, read-only, in the same fd set: QEMU opens it read-only first, like the
@@ -160,7 +167,7 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
             fds.extend(initrd.as_ref().map(|_| PassedFd::Initrd));
         }
     }
-    fds.extend([PassedFd::QmpEvents, PassedFd::Console]);
+    fds.extend([PassedFd::QmpEvents, PassedFd::Console, PassedFd::QmpStats]);
     fds.extend((0..vm.spec.disks.len()).flat_map(|i| [PassedFd::DataDisk(i), PassedFd::DataDiskRo(i)]));
     fds
 }
@@ -212,6 +219,8 @@ pub fn build_argv(
     push(&["-mon", "chardev=qmp,mode=control"]);
     push(&["-chardev", &format!("socket,id=qmpev,fd={},server=on,wait=off", fd(PassedFd::QmpEvents))]);
     push(&["-mon", "chardev=qmpev,mode=control"]);
+    push(&["-chardev", &format!("socket,id=qmpst,fd={},server=on,wait=off", fd(PassedFd::QmpStats))]);
+    push(&["-mon", "chardev=qmpst,mode=control"]);
     // The description of this fd set is the cmdline marker (VmPaths::cmdline_marker).
     push(&["-add-fd", &fdset(PassedFd::SerialLog, &paths.serial_log)]);
     // The serial port is a socket the daemon connects to while console clients are attached;
@@ -345,12 +354,17 @@ mod tests {
                 PassedFd::Kernel,
                 PassedFd::Initrd,
                 PassedFd::QmpEvents,
-                PassedFd::Console
+                PassedFd::Console,
+                PassedFd::QmpStats
             ]
         );
-        // The event monitor: a second QMP monitor on the last descriptor.
+        // The event monitor and the stats monitor, after the console, on the last descriptors.
         assert!(argv.iter().any(|a| a == "socket,id=qmpev,fd=8,server=on,wait=off"), "{argv:?}");
-        assert_eq!(value_after(&argv, "-mon"), ["chardev=qmp,mode=control", "chardev=qmpev,mode=control"]);
+        assert!(argv.iter().any(|a| a == "socket,id=qmpst,fd=10,server=on,wait=off"), "{argv:?}");
+        assert_eq!(
+            value_after(&argv, "-mon"),
+            ["chardev=qmp,mode=control", "chardev=qmpev,mode=control", "chardev=qmpst,mode=control"]
+        );
         s.boot.initrd = None;
         let v = validate_spec(&s, &c).unwrap();
         assert_eq!(
@@ -361,7 +375,8 @@ mod tests {
                 PassedFd::SerialLog,
                 PassedFd::Kernel,
                 PassedFd::QmpEvents,
-                PassedFd::Console
+                PassedFd::Console,
+                PassedFd::QmpStats
             ]
         );
         assert!(!argv_of(&s, &c).contains(&"-initrd".to_string()));
@@ -403,7 +418,8 @@ mod tests {
                 PassedFd::Base,
                 PassedFd::Seed,
                 PassedFd::QmpEvents,
-                PassedFd::Console
+                PassedFd::Console,
+                PassedFd::QmpStats
             ]
         );
         let argv = argv_of(&s, &c);
@@ -498,7 +514,14 @@ mod tests {
         assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6", "tap,id=net1,fd=7"]);
         assert_eq!(
             passed_fds(&v, 2)[3..],
-            [PassedFd::Tap(0), PassedFd::Tap(1), PassedFd::Kernel, PassedFd::QmpEvents, PassedFd::Console]
+            [
+                PassedFd::Tap(0),
+                PassedFd::Tap(1),
+                PassedFd::Kernel,
+                PassedFd::QmpEvents,
+                PassedFd::Console,
+                PassedFd::QmpStats
+            ]
         );
         assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/8"]);
         let devs = value_after(&argv, "-device");

@@ -257,6 +257,24 @@ impl Qmp {
         self.execute("block_resize", Some(args)).await.map(drop)
     }
 
+    /// The host thread of each vCPU (`query-cpus-fast`), by vCPU index.
+    ///
+    /// # Errors
+    /// As [`Qmp::execute`], and [`QmpError::Protocol`] if the reply is not a list of CPUs.
+    pub async fn vcpu_threads(&mut self) -> Result<Vec<VcpuThread>, QmpError> {
+        let reply = self.execute("query-cpus-fast", None).await?;
+        serde_json::from_value(reply).map_err(|e| QmpError::Protocol(format!("query-cpus-fast: {e}")))
+    }
+
+    /// The I/O counters of every block device the guest sees (`query-blockstats`).
+    ///
+    /// # Errors
+    /// As [`Qmp::execute`], and [`QmpError::Protocol`] if the reply is not a list of devices.
+    pub async fn blockstats(&mut self) -> Result<Vec<BlockStats>, QmpError> {
+        let reply = self.execute("query-blockstats", None).await?;
+        serde_json::from_value(reply).map_err(|e| QmpError::Protocol(format!("query-blockstats: {e}")))
+    }
+
     /// Makes QEMU exit at once (no guest shutdown). QEMU may close the socket before or after
     /// its reply; end of file (or a reset) after the command was sent counts as success. The
     /// process may still be exiting when this returns: wait for it with
@@ -384,6 +402,40 @@ impl Qmp {
             }
         }
     }
+}
+
+/// One vCPU and the host thread that runs it, from `query-cpus-fast`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct VcpuThread {
+    /// The vCPU's index.
+    #[serde(rename = "cpu-index")]
+    pub index: u32,
+    /// The host thread id (`/proc/PID/task/TID`).
+    #[serde(rename = "thread-id")]
+    pub thread_id: i32,
+}
+
+/// One block device's counters, from `query-blockstats` (the fields vmhost reports).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct BlockStats {
+    /// The drive's name (`virtio0`, ...); empty for a device without a legacy drive name.
+    #[serde(default)]
+    pub device: String,
+    /// The counters.
+    pub stats: BlockCounters,
+}
+
+/// Cumulative I/O of one block device since QEMU started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub struct BlockCounters {
+    /// Bytes read.
+    pub rd_bytes: u64,
+    /// Bytes written.
+    pub wr_bytes: u64,
+    /// Read requests.
+    pub rd_operations: u64,
+    /// Write requests.
+    pub wr_operations: u64,
 }
 
 /// Connects to `path`, retrying while it is absent or refuses connections, until `deadline`.

@@ -175,6 +175,18 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             "vm.console must be a request of its own line, with an id (not in a batch, not a notification)",
         )))
     })?;
+    m.register_async_method("vm.stats", |params, mgr, _| async move {
+        match parse_params::<crate::api::stats::StatsParams>(&params) {
+            Ok(p) => call(mgr.vm_stats(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("host.stats", |params, mgr, _| async move {
+        match parse_params::<serde_json::Map<String, serde_json::Value>>(&params) {
+            Ok(_) => call(Ok::<_, ApiError>(mgr.host_stats().await)),
+            Err(e) => call(Err(e)),
+        }
+    })?;
     m.register_subscription(
         "events.subscribe",
         EVENT_NOTIFICATION,

@@ -61,6 +61,8 @@ class Requests(ModuleTest):
             (self.mod.check, ("web",), "vm.check", {"name": "web"}),
             (self.mod.guest_info, ("web",), "vm.guest_info", {"name": "web"}),
             (self.mod.guest_network, ("web",), "vm.guest_network", {"name": "web"}),
+            (self.mod.stats, (), "vm.stats", {}),
+            (self.mod.stats, ("web",), "vm.stats", {"name": "web"}),
             (
                 self.mod.reconcile,
                 ([spec],),

@@ -342,3 +342,15 @@ def guest_network(name):
     CLI Example: ``salt '*' vmhost.guest_network sensor1``
     """
     return _call("vm.guest_network", {"name": name})
+
+
+def stats(name=None):
+    """
+    Counters of one VM, or of every VM when ``name`` is not given (``vm.stats``): CPU seconds
+    of QEMU and of each vCPU, RSS, per-disk and per-NIC counters, uptime, restarts, with a
+    ``timestamp_ms``; rates are the difference of two calls. A part that could not be read is
+    named in the VM's ``missing``.
+
+    CLI Example: ``salt '*' vmhost.stats`` or ``salt '*' vmhost.stats sensor1``
+    """
+    return _call("vm.stats", {} if name is None else {"name": name})

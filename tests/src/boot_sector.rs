@@ -1,0 +1,43 @@
+//! The smallest guests: a raw base image whose only content is a hand-assembled 512-byte boot
+//! sector, run by SeaBIOS with no kernel at all. Cheap to run by the dozen (the stats benchmark)
+//! and exact about what they do (the metrics test: a guest that writes its disk in a loop).
+//!
+//! Use: [`write_image`] with [`HALT`] or [`WRITE_LOOP`] into the host's images dir, then a spec
+//! with `boot.image` naming it.
+
+use std::path::Path;
+
+/// `hlt; jmp $-1`: an idle guest (TCG sleeps while the vCPU halts).
+pub const HALT: &[u8] = &[0xF4, 0xEB, 0xFD];
+
+/// Writes its own sector to sector 2 of the boot disk through the BIOS (`int 13h`, AH=03), for
+/// ever: every round is a virtio-blk write request, and the vCPU never idles.
+///
+/// ```text
+/// 31 C0     xor ax, ax
+/// 8E D8     mov ds, ax
+/// 8E C0     mov es, ax
+/// B8 01 03  again: mov ax, 0x0301   ; write 1 sector
+/// B9 02 00  mov cx, 0x0002          ; cylinder 0, sector 2
+/// BA 80 00  mov dx, 0x0080          ; head 0, first hard disk
+/// BB 00 7C  mov bx, 0x7c00          ; from ES:BX, this sector
+/// CD 13     int 0x13
+/// EB F0     jmp again
+/// ```
+pub const WRITE_LOOP: &[u8] = &[
+    0x31, 0xC0, 0x8E, 0xD8, 0x8E, 0xC0, 0xB8, 0x01, 0x03, 0xB9, 0x02, 0x00, 0xBA, 0x80, 0x00, 0xBB, 0x00, 0x7C, 0xCD,
+    0x13, 0xEB, 0xF0,
+];
+
+/// Writes a 1 MiB raw disk image at `path` whose boot sector runs `code`.
+///
+/// # Panics
+/// When the file cannot be written or `code` does not fit before the signature.
+pub fn write_image(path: &Path, code: &[u8]) {
+    assert!(code.len() <= 510, "a boot sector holds 510 bytes of code");
+    let mut image = vec![0u8; 1 << 20];
+    image[..code.len()].copy_from_slice(code);
+    image[510] = 0x55;
+    image[511] = 0xAA;
+    std::fs::write(path, image).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+}
