@@ -4,7 +4,9 @@
 //! record that owns it, and converging the same spec again ends with exactly one QEMU.
 //!
 //! The VM boots from an image (so there is an overlay and a cloud-init seed) with a NIC on a
-//! bridge vmhostd owns (so there is a tap), in the daemon's own network namespace.
+//! bridge vmhostd owns (so there is a tap), in the daemon's own network namespace, and has two
+//! data disks: `nsm`, kept on destroy (so from the second round on a create takes it back), and
+//! `logs`. Whatever the crash, `nsm` exists exactly once, in the VM's disks or kept, never both.
 
 use serde_json::{json, Value};
 use std::path::Path;
@@ -12,9 +14,12 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use vmhost_tests::{HostOptions, TestHost, LAN_NETWORK};
 
-const CREATE_STEPS: [&str; 8] = [
+const CREATE_STEPS: [&str; 11] = [
     "create:recorded",
     "create:overlay",
+    "data_disk:reclaimed",
+    "data_disk:made",
+    "create:disks",
     "launch:recorded",
     "launch:bound",
     "launch:taps",
@@ -22,7 +27,7 @@ const CREATE_STEPS: [&str; 8] = [
     "launch:launched",
     "create:running",
 ];
-const DESTROY_STEPS: [&str; 3] = ["destroy:recorded", "teardown:killed", "destroy:torn-down"];
+const DESTROY_STEPS: [&str; 4] = ["destroy:recorded", "teardown:killed", "destroy:torn-down", "destroy:disks"];
 const RECONFIGURE_STEPS: [&str; 2] = ["reconfigure:recorded", "reconfigure:stopped"];
 
 /// Autostart off: each test checks what a restart settles before anything is started again, then
@@ -42,7 +47,9 @@ fn host() -> TestHost {
 
 fn spec(name: &str) -> Value {
     json!({"name": name, "cpu": 1, "memory_mib": 128, "boot": {"image": "base.qcow2", "disk_gib": 1},
-           "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.9/24", "gateway": "10.0.0.1"}}]})
+           "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.9/24", "gateway": "10.0.0.1"}}],
+           "disks": [{"name": "nsm", "size_gib": 1, "format": "raw", "keep_on_destroy": true},
+                     {"name": "logs", "size_gib": 1}]})
 }
 
 fn arm(host: &TestHost, step: &str) {
@@ -104,7 +111,23 @@ fn assert_consistent(host: &TestHost, step: &str) {
     for f in files_in(&host.state().join("disks")) {
         assert!(names.iter().any(|n| f.starts_with(n)), "{step}: disk file {f} without a record");
         assert!(!f.contains("partial"), "{step}: half-made overlay {f} left");
+        for d in files_in(&host.state().join("disks").join(&f)) {
+            assert!(!d.contains("partial"), "{step}: half-made data disk {f}/{d} left");
+        }
     }
+    // The kept disk is never copied or lost: in the VM's disks or kept, not both.
+    for vm in files_in(&host.state().join("kept-disks")) {
+        let in_vm = host.state().join("disks").join(&vm).join("nsm.raw").exists();
+        let kept = host.state().join("kept-disks").join(&vm).join("nsm.raw").exists();
+        assert!(!(in_vm && kept), "{step}: nsm of {vm} both in use and kept");
+    }
+}
+
+/// `nsm.raw` of VM `name` exists exactly once: in its disks or kept.
+fn assert_nsm_once(host: &TestHost, name: &str, step: &str) {
+    let in_vm = host.state().join("disks").join(name).join("nsm.raw").exists();
+    let kept = host.state().join("kept-disks").join(name).join("nsm.raw").exists();
+    assert!(in_vm ^ kept, "{step}: nsm of {name}: in the VM's disks {in_vm}, kept {kept}");
 }
 
 #[test]
@@ -114,6 +137,10 @@ fn a_daemon_killed_at_any_step_of_a_create_leaves_nothing_behind_and_never_start
         let name = "crashy";
         crash_during(&mut host, step, "vm.create", json!({ "spec": spec(name) }));
         assert_consistent(&host, step);
+        if step != CREATE_STEPS[0] {
+            // From the second round on, nsm was kept by the last round's destroy.
+            assert_nsm_once(&host, name, step);
+        }
         // Converging the same spec again ends with one running VM, one QEMU.
         let v = host.call("vm.apply", json!({ "spec": spec(name) }));
         assert_eq!(v["vm"]["status"], "running", "{step}: {v}");
@@ -122,6 +149,7 @@ fn a_daemon_killed_at_any_step_of_a_create_leaves_nothing_behind_and_never_start
         host.call("vm.destroy", json!({ "name": name }));
         assert!(host.qemu_pids().is_empty(), "{step}");
         assert_consistent(&host, step);
+        assert_nsm_once(&host, name, step);
     }
 }
 
@@ -135,6 +163,8 @@ fn a_daemon_killed_at_any_step_of_a_destroy_finishes_it_after_restart() {
         assert_consistent(&host, step);
         let (code, _) = host.call_err("vm.get", json!({ "name": name }));
         assert_eq!(code, 4040, "{step}: the interrupted destroy was finished at start");
+        assert_nsm_once(&host, name, step);
+        assert!(!host.state().join("disks").join(name).exists(), "{step}: logs deleted, nsm kept");
         assert!(host.qemu_pids().is_empty(), "{step}");
     }
 }
