@@ -252,6 +252,33 @@ impl Default for LogsConfig {
     }
 }
 
+/// `[storage]` as written: `overcommit` is a ratio.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawStorage {
+    overcommit: f64,
+}
+
+impl Default for RawStorage {
+    fn default() -> Self {
+        RawStorage { overcommit: 1.0 }
+    }
+}
+
+/// `[storage]`: disk-space admission ([`crate::capacity::admit_disk_space`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageConfig {
+    /// `overcommit` in percent: new disks may provision up to this share of the state file
+    /// system's free space (100: no more than is free).
+    pub overcommit_percent: u64,
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        StorageConfig { overcommit_percent: 100 }
+    }
+}
+
 /// `[access]`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -330,6 +357,8 @@ struct RawConfig {
     lifecycle: LifecycleConfig,
     #[serde(default)]
     logs: LogsConfig,
+    #[serde(default)]
+    storage: RawStorage,
     hardware: RawHardware,
     #[serde(default)]
     networks: BTreeMap<String, RawNetwork>,
@@ -406,6 +435,8 @@ pub struct Config {
     pub lifecycle: LifecycleConfig,
     /// `[logs]`.
     pub logs: LogsConfig,
+    /// `[storage]`.
+    pub storage: StorageConfig,
     /// Socket mode parsed from `access.socket_mode`.
     pub socket_mode: u32,
     /// `[hardware]`.
@@ -507,6 +538,11 @@ impl Config {
         if !user_ok {
             return Err(key_err("qemu.user", format!("{:?} is not a user name", raw.qemu.user)));
         }
+        let overcommit = raw.storage.overcommit;
+        if !(0.1..=100.0).contains(&overcommit) {
+            return Err(key_err("storage.overcommit", format!("{overcommit} is not between 0.1 and 100")));
+        }
+        let storage = StorageConfig { overcommit_percent: (overcommit * 100.0).round() as u64 };
         if raw.logs.max_bytes < MIN_LOG_MAX_BYTES {
             return Err(key_err("logs.max_bytes", format!("must be at least {MIN_LOG_MAX_BYTES} (64 KiB)")));
         }
@@ -648,6 +684,7 @@ impl Config {
             access: raw.access,
             lifecycle: raw.lifecycle,
             logs: raw.logs,
+            storage,
             socket_mode,
             hardware: Hardware {
                 cpu: h.cpu,
@@ -739,6 +776,19 @@ reserved_memory_gib = 8
         assert_eq!((key.as_str(), problem.contains("64 KiB")), ("logs.max_bytes", true), "{problem}");
         let (key, _) = key_error("[logs]\nmax_files = 2\n[hardware]\ncpu = 4\nmemory_gib = 8\n");
         assert_eq!(key, "logs.max_files");
+    }
+
+    #[test]
+    fn storage_overcommit_is_a_ratio_within_bounds() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        assert_eq!(parse(hw).unwrap().storage.overcommit_percent, 100);
+        assert_eq!(parse(&format!("[storage]\novercommit = 2.5\n{hw}")).unwrap().storage.overcommit_percent, 250);
+        for bad in ["0.0", "0.05", "101.0", "-1.0"] {
+            let (key, _) = key_error(&format!("[storage]\novercommit = {bad}\n{hw}"));
+            assert_eq!(key, "storage.overcommit", "{bad}");
+        }
+        let (key, _) = key_error(&format!("[storage]\nreserve = 1\n{hw}"));
+        assert_eq!(key, "storage.reserve");
     }
 
     #[test]

@@ -85,6 +85,41 @@ pub fn needs_restart(fields: &[String]) -> bool {
     fields.iter().any(|f| !LIVE_FIELDS.contains(&f.as_str()))
 }
 
+/// Whether a running VM must restart to go from `current` to `desired`: as [`needs_restart`],
+/// except that `disks` is live when the data disks are the same list and only sizes grew
+/// (QMP `block_resize`, [`grown_data_disks`]).
+pub fn restart_needed(current: &VmSpec, desired: &VmSpec) -> bool {
+    let fields: Vec<String> = spec_drift(current, desired)
+        .into_iter()
+        .filter(|f| !(f == "disks" && only_data_disk_sizes_grow(current, desired)))
+        .collect();
+    needs_restart(&fields)
+}
+
+/// True when `desired`'s data disks are `current`'s, in the same order with the same options,
+/// with sizes equal or larger.
+fn only_data_disk_sizes_grow(current: &VmSpec, desired: &VmSpec) -> bool {
+    current.disks.len() == desired.disks.len()
+        && current.disks.iter().zip(&desired.disks).all(|(a, b)| {
+            let mut resized = a.clone();
+            resized.size_gib = b.size_gib;
+            resized == *b && b.size_gib >= a.size_gib
+        })
+}
+
+/// The data disks `desired` makes larger than in `current` (same name and format), with their
+/// old sizes in GiB.
+pub fn grown_data_disks<'a>(current: &VmSpec, desired: &'a VmSpec) -> Vec<(&'a crate::api::DataDiskSpec, u64)> {
+    desired
+        .disks
+        .iter()
+        .filter_map(|d| {
+            let old = current.disks.iter().find(|o| o.name == d.name && o.format == d.format)?;
+            (d.size_gib > old.size_gib).then_some((d, old.size_gib))
+        })
+        .collect()
+}
+
 /// Classifies the change from `current` to `desired` (both valid specs of the same VM).
 ///
 /// # Errors
@@ -107,7 +142,7 @@ pub fn classify(current: &VmSpec, desired: &VmSpec) -> Result<Change, ApiError> 
         }
     }
     check_disk_changes(current, desired)?;
-    let restart = needs_restart(&fields);
+    let restart = restart_needed(current, desired);
     Ok(Change::Reconfigure { fields, restart })
 }
 
@@ -504,10 +539,21 @@ mod tests {
         };
         let one = with(vec![disk("nsm", 2, DiskFormat::Raw)]);
         let grown = with(vec![disk("nsm", 3, DiskFormat::Raw)]);
-        assert!(matches!(classify(&one, &grown).unwrap(), Change::Reconfigure { .. }));
+        let restarts = |c: Change| match c {
+            Change::Reconfigure { restart, .. } => restart,
+            other => panic!("expected a change in place, got {other:?}"),
+        };
+        assert!(!restarts(classify(&one, &grown).unwrap()), "a larger disk grows live");
+        assert_eq!(
+            grown_data_disks(&one, &grown).iter().map(|(d, old)| (d.name.as_str(), *old)).collect::<Vec<_>>(),
+            [("nsm", 2)]
+        );
         let added = with(vec![disk("nsm", 2, DiskFormat::Raw), disk("logs", 1, DiskFormat::Qcow2)]);
-        assert!(matches!(classify(&one, &added).unwrap(), Change::Reconfigure { .. }));
-        assert!(matches!(classify(&added, &one).unwrap(), Change::Reconfigure { .. }), "a disk may go");
+        assert!(restarts(classify(&one, &added).unwrap()), "a new disk comes with a restart");
+        assert!(restarts(classify(&added, &one).unwrap()), "a disk may go, with a restart");
+        let mut cached = grown.clone();
+        cached.disks[0].cache = DiskCache::Writeback;
+        assert!(restarts(classify(&one, &cached).unwrap()), "another cache mode needs a restart");
         assert_eq!(classify(&grown, &one).unwrap_err().field.as_deref(), Some("spec.disks[0].size_gib"));
         let qcow = with(vec![disk("nsm", 2, DiskFormat::Qcow2)]);
         assert_eq!(classify(&one, &qcow).unwrap_err().field.as_deref(), Some("spec.disks[0].format"));

@@ -136,7 +136,8 @@ done
 # Test hook: vmhost.writemark=SERIAL:WORD writes "VMHOSTMARK:WORD" at the start of the virtio
 # disk with that serial (a data disk's name); vmhost.disks then reports every virtio disk as
 #   VMHOST-DISK <dev> serial=<serial> sectors=<512-byte sectors> mark=<marker or ->
-# and then VMHOST-DISKS-DONE, so the storage tests see what the guest sees: order, serials, sizes and what survived.
+# and then VMHOST-DISKS-DONE, then VMHOST-DISK-SIZES <dev>=<sectors> ... at every later change,
+# so the storage tests see what the guest sees: order, serials, sizes and what survived.
 for arg in $(cat /proc/cmdline); do
     case $arg in
         vmhost.writemark=*:*)
@@ -157,6 +158,21 @@ if grep -qw vmhost.disks /proc/cmdline; then
         echo "VMHOST-DISK ${dev##*/} serial=$(cat "$dev/serial" 2>/dev/null) sectors=$(cat "$dev/size") mark=$mark"
     done
     echo "VMHOST-DISKS-DONE"
+    # Then a watch: every change of a disk's size (a live grow) is reported as it happens.
+    (
+        sizes=
+        while true; do
+            now=
+            for dev in /sys/block/vd*; do
+                [ -e "$dev" ] && now="$now ${dev##*/}=$(cat "$dev/size")"
+            done
+            if [ -n "$sizes" ] && [ "$now" != "$sizes" ]; then
+                echo "VMHOST-DISK-SIZES$now"
+            fi
+            sizes=$now
+            sleep 0.5
+        done
+    ) &
 fi
 
 # Test hook: vmhost.shell runs an interactive shell on the serial console, as many real guests

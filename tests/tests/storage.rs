@@ -108,7 +108,22 @@ fn the_guest_sees_its_data_disks_and_keeps_what_it_wrote_through_every_change() 
     host.call("vm.start", json!({ "name": "sensor" }));
     assert_eq!(disk_report(&host, "sensor", 3)[0].3, "first");
 
-    // nsm grows to 2 GiB; logs is dropped and extra added.
+    // nsm grows to 2 GiB while the guest runs: same QEMU, and the guest sees the new size.
+    let pid = host.call("vm.get", json!({ "name": "sensor" }))["pid"].clone();
+    let grown = json!([
+        {"name": "nsm", "size_gib": 2, "format": "raw", "keep_on_destroy": true},
+        {"name": "logs", "size_gib": 1}
+    ]);
+    let v = apply(&host, &disk_spec(&host, "sensor", grown, ""));
+    assert_eq!(v["vm"]["pid"], pid, "grown live, no restart: {v}");
+    assert!(
+        host.wait_serial("sensor", &format!("VMHOST-DISK-SIZES vda={} vdb={GIB_SECTORS}", 2 * GIB_SECTORS), BOOT),
+        "{}",
+        host.serial("sensor")
+    );
+    assert_eq!(std::fs::metadata(&nsm).unwrap().len(), 2 << 30);
+
+    // logs is dropped and extra added (a restart).
     let changed = json!([
         {"name": "nsm", "size_gib": 2, "format": "raw", "keep_on_destroy": true},
         {"name": "extra", "size_gib": 1, "format": "qcow2"}
@@ -264,4 +279,38 @@ fn bad_disk_lists_are_refused_naming_the_field_and_nothing_is_made() {
     let (code, _) = host.call_err("vm.get", json!({ "name": "bad" }));
     assert_eq!(code, 4040);
     assert!(!host.state().join("disks").join("bad").exists());
+}
+
+#[test]
+fn disks_larger_than_the_free_space_are_refused_before_anything_is_made() {
+    let host = host();
+    let info = host.call("host.info", json!({}));
+    let free = info["storage"]["free_bytes"].as_u64().unwrap();
+    assert!(free > 0 && info["storage"]["total_bytes"].as_u64().unwrap() >= free, "{info}");
+    let too_big = free / (1 << 30) + 1;
+    let disks = json!([{"name": "nsm", "size_gib": too_big, "format": "raw"}]);
+    let (code, e) = host.call_err("vm.create", json!({ "spec": disk_spec(&host, "huge", disks, "") }));
+    assert_eq!((code, e.field.as_deref()), (3002, Some("spec.disks")), "{e:?}");
+    assert_eq!(e.details["resource"], "disk_gib");
+    assert_eq!(e.details["requested"], too_big);
+    assert_eq!(host.call_err("vm.get", json!({ "name": "huge" })).0, 4040);
+    assert!(!host.state().join("disks").join("huge").exists(), "nothing made");
+
+    // Preallocated disks keep a 10 % margin: 95 % of the free space is refused, sparse it fits.
+    let most = free * 95 / 100 / (1 << 30);
+    let preallocated = json!([{"name": "nsm", "size_gib": most, "format": "raw", "preallocate": true}]);
+    let (code, e) = host.call_err("vm.create", json!({ "spec": disk_spec(&host, "pre", preallocated, "") }));
+    assert_eq!(code, 3002, "{e:?}");
+
+    // Growing a VM's disk past the free space: refused, the VM as it was.
+    let mut spec = disk_spec(&host, "small", json!([{"name": "nsm", "size_gib": 1}]), "");
+    spec["state"] = json!("stopped");
+    host.call("vm.create", json!({ "spec": spec }));
+    let provisioned = host.call("host.info", json!({}))["storage"]["provisioned_bytes"].as_u64().unwrap();
+    assert_eq!(provisioned, 1 << 30, "the VM's disks at full size");
+    spec["disks"][0]["size_gib"] = json!(too_big + 1);
+    let (code, _) = host.call_err("vm.apply", json!({ "spec": spec }));
+    assert_eq!(code, 3002);
+    assert_eq!(host.call("vm.get", json!({ "name": "small" }))["spec"]["disks"][0]["size_gib"], 1);
+    assert!(std::fs::metadata(data_disk(&host, "small", "nsm.qcow2")).unwrap().len() < (1 << 30), "a sparse qcow2");
 }

@@ -645,6 +645,22 @@ pub struct HostInfo {
     /// Data disks kept after their VM was destroyed.
     #[serde(default)]
     pub kept_disks: Vec<KeptDisk>,
+    /// The state file system, where every VM disk lives.
+    #[serde(default)]
+    pub storage: StorageInfo,
+}
+
+/// The state file system as `host.info` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StorageInfo {
+    /// Its size in bytes (0 when it cannot be read).
+    pub total_bytes: u64,
+    /// Bytes still free for vmhostd.
+    pub free_bytes: u64,
+    /// What every VM's disks (overlays and data disks) take at their full size.
+    pub provisioned_bytes: u64,
+    /// `storage.overcommit`.
+    pub overcommit: f64,
 }
 
 /// A configured network as `host.info` shows it.

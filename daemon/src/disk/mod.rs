@@ -22,6 +22,7 @@
 
 pub mod data;
 pub mod offline_qemu;
+pub mod space;
 
 use std::fs::{File, OpenOptions};
 use std::io;

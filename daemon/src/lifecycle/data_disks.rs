@@ -6,6 +6,7 @@
 //! its intent first, so a crash never leaves a disk that nothing names or deletes one that a
 //! create merely took back. The lifecycle calls, in this order:
 //!
+//! 0. before any of them: [`Manager::admit_disk_space`] (3002 when the new disks do not fit);
 //! 1. a create: [`Manager::clear_orphan_disks`] (files no record names), then
 //!    [`Manager::ensure_data_disks`] with tracking (each disk taken back from `kept-disks` is
 //!    named in `reclaimed_disks`, each new one in `new_disks`, before the file is touched);
@@ -62,6 +63,23 @@ fn move_disk(from: &Path, to: &Path) -> Result<(), ApiError> {
 }
 
 impl Manager {
+    /// Disk-space admission ([`crate::disk::space`]): refuses (3002) a create (`old` none), a
+    /// change or a replace whose new disks do not fit the state file system's free space.
+    /// Before anything is made or recorded.
+    ///
+    /// # Errors
+    /// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
+    pub(super) fn admit_disk_space(&self, old: Option<&VmSpec>, new: &VmSpec) -> Result<(), ApiError> {
+        let request = crate::disk::space::new_provision(old, new);
+        if request.bytes == 0 {
+            return Ok(());
+        }
+        let state = &self.config.paths.state;
+        let space = crate::disk::space::FsSpace::of(state)
+            .map_err(|e| failed(format!("cannot read the free space of {}: {e}", state.display())))?;
+        crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)
+    }
+
     /// Deletes files in the VM's data disk directory that no record names (a VM of this name
     /// is being created, so none can be its own): a new VM never inherits a stranger's disk.
     /// Kept disks are elsewhere and are not touched.

@@ -402,7 +402,14 @@ impl Manager {
     /// `host.info`.
     pub fn host_info(&self) -> HostInfo {
         let kept_disks = self.kept_disks();
+        let space = crate::disk::space::FsSpace::of(&self.config.paths.state).ok();
         let t = self.lock();
+        let storage = crate::api::StorageInfo {
+            total_bytes: space.map_or(0, |s| s.total),
+            free_bytes: space.map_or(0, |s| s.free),
+            provisioned_bytes: t.vms.values().map(|r| crate::disk::space::provisioned(&r.spec)).sum(),
+            overcommit: self.config.storage.overcommit_percent as f64 / 100.0,
+        };
         let held: Vec<Holding<'_>> =
             t.vms.values().filter(|r| r.reserved).map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
         let (cpu, memory_mib, mut hardware) = capacity::usage(&self.config.hardware, &held);
@@ -424,6 +431,7 @@ impl Manager {
             vm_count: t.vms.len(),
             networks: self.network_info(&t),
             kept_disks,
+            storage,
         }
     }
 

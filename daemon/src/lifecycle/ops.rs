@@ -28,6 +28,7 @@ impl Manager {
         async move {
             let vm = validate_spec(&spec, &self.config)?;
             self.check_boot_files(&vm).await?;
+            self.admit_disk_space(None, &vm.spec)?;
             if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
                 // Capacity and conflicts first (what the records say), then what the kernel says
                 // about the devices; both before anything is recorded. reserve_new admits again
@@ -456,7 +457,8 @@ impl Manager {
         self.check_boot_files(&vm).await?;
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
         async move {
-            let (guard, _) = self.begin(&spec.name)?;
+            let (guard, current) = self.begin(&spec.name)?;
+            self.admit_disk_space(Some(&current.spec), &vm.spec)?;
             if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
                 // Capacity and conflicts in place of the old spec first, then the kernel's view
                 // of the devices; swap_spec admits again under the lock.

@@ -4,7 +4,8 @@
 //! [`crate::plan::classify`] has said the change keeps the disk. In order:
 //!
 //! 1. check the new spec's files (2001) and take the VM's busy flag;
-//! 2. admit the new spec in place of the VM's own holdings (3002/3003), and check its
+//! 2. admit the new spec in place of the VM's own holdings (3002/3003; new disk bytes against
+//!    the state file system's free space, 3002), and check its
 //!    passthrough devices (3004/3005) when it is to run. A refusal returns here: nothing was
 //!    recorded, a running VM keeps running exactly as it was;
 //! 3. record the new spec (intent). For a running VM the record also keeps the spec its QEMU
@@ -14,7 +15,7 @@
 //!    - not running: grow the disk offline ([`crate::disk::grow_overlay`]); start it if it is desired
 //!      running;
 //!    - running and now desired stopped: stop it (ACPI, `timeout_s`, kill), grow offline;
-//!    - running, only a larger disk: grow it live (QMP `block_resize`), no restart;
+//!    - running, only larger disks (boot or data): grow them live (QMP `block_resize`), no restart;
 //!    - running, `restart: false`: grow live if needed; the next start applies the rest;
 //!    - running, restart: stop (ACPI, `timeout_s`, kill), grow offline, start with the new
 //!      spec. If that start fails, the old spec (with the grown disk size) is recorded again
@@ -70,6 +71,7 @@ impl Manager {
     ) -> Result<(), ApiError> {
         let name = vm.spec.name.as_str();
         let old = self.record(name)?;
+        self.admit_disk_space(Some(&old.spec), &vm.spec)?;
         let live = self.find_live(&self.paths(name), old.process.as_ref())?;
         if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
             // Capacity and conflicts first, then the kernel's view of the devices; the record
@@ -104,14 +106,21 @@ impl Manager {
         if !restart {
             // The running QEMU keeps its spec; pending is what differs from that, not from the
             // last recorded one (a disk-only change leaves an earlier change pending).
-            let pending = crate::plan::needs_restart(&crate::plan::spec_drift(&running, &vm.spec));
-            self.swap_in_place(name, &vm.spec, pending.then_some(running))?;
+            let pending = crate::plan::restart_needed(&running, &vm.spec);
+            self.swap_in_place(name, &vm.spec, pending.then_some(running.clone()))?;
             self.crashpoint("reconfigure:recorded");
-            if let Some(gib) = grow_to {
-                if let Err(e) = self.grow_live(name, gib).await {
-                    self.swap_in_place(name, &old.spec, old.running_spec.clone())?;
-                    return Err(e);
+            // Only what the running QEMU has grows live: a disk it does not have yet comes with
+            // the restart.
+            let grown = crate::plan::grown_data_disks(&running, &vm.spec);
+            let live = async {
+                if let Some(gib) = grow_to {
+                    self.grow_live(name, gib).await?;
                 }
+                self.grow_data_disks_live(name, &grown).await
+            };
+            if let Err(e) = live.await {
+                self.swap_in_place(name, &old.spec, old.running_spec.clone())?;
+                return Err(e);
             }
             return Ok(());
         }
@@ -228,6 +237,40 @@ impl Manager {
             ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB while running: {e}"))
                 .details(json!({ "step": "disk_grow" }))
         })
+    }
+}
+
+impl Manager {
+    /// Grows data disks of a running VM over QMP (`block_resize` of `data-NAME`); the guest
+    /// sees each new size at once. A preallocated raw disk then gets its new blocks reserved.
+    async fn grow_data_disks_live(
+        &self,
+        name: &str,
+        grown: &[(&crate::api::DataDiskSpec, u64)],
+    ) -> Result<(), ApiError> {
+        if grown.is_empty() {
+            return Ok(());
+        }
+        let paths = self.paths(name);
+        let failed = |disk: &str, e: String| {
+            ApiError::new(Code::ProvisioningFailed, format!("cannot grow data disk {disk:?} while running: {e}"))
+                .details(json!({ "step": "data_disk", "disk": disk }))
+        };
+        let mut q = crate::qemu::qmp::Qmp::connect(&paths.qmp, RESIZE_TIMEOUT)
+            .await
+            .map_err(|e| failed(&grown[0].0.name, e.to_string()))?;
+        for (disk, old_gib) in grown {
+            let drive = crate::qemu::argv::data_drive(&disk.name);
+            q.block_resize(&drive, disk.size_gib.saturating_mul(1 << 30))
+                .await
+                .map_err(|e| failed(&disk.name, e.to_string()))?;
+            if disk.preallocate && disk.format == crate::api::DiskFormat::Raw {
+                crate::disk::data::preallocate_tail(&paths.data_disk(disk), old_gib.saturating_mul(1 << 30))
+                    .await
+                    .map_err(|e| failed(&disk.name, e.to_string()))?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -274,7 +274,7 @@ pub fn build_argv(
         push(&[
             "-drive",
             &format!(
-                "file=/dev/fdset/{},if=none,id={},format={},cache={},aio={},discard=unmap",
+                "file=/dev/fdset/{},if=none,id={},format={},cache={},aio={},discard=unmap,file.locking=off",
                 fd(which),
                 data_drive(&disk.name),
                 disk.format.as_str(),
@@ -282,7 +282,11 @@ pub fn build_argv(
                 disk.effective_aio().as_str()
             ),
         ]);
-        // The name is the serial: 1-20 of [a-z0-9-] (validate.rs), within virtio-blk's 20 bytes.
+        // No image locking: QEMU takes OFD locks through the descriptors it dups from the fd set,
+        // and the set keeps the first (read-only) description and its locks alive, so a later
+        // resize finds its own lock in the way ("Failed to get \"write\" lock"). The daemon
+        // hands each disk to one QEMU only. The name is the serial: 1-20 of [a-z0-9-]
+        // (validate.rs), within virtio-blk's 20 bytes.
         push(&["-device", &format!("virtio-blk-pci,drive={0},id={0},serial={1}", data_drive(&disk.name), disk.name)]);
     }
     match &vm.boot {
@@ -485,9 +489,9 @@ mod tests {
         assert_eq!(
             &drives[1..3],
             [
-                format!("file=/dev/fdset/{nsm_fd},if=none,id=data-nsm,format=raw,cache=none,aio=native,discard=unmap"),
+                format!("file=/dev/fdset/{nsm_fd},if=none,id=data-nsm,format=raw,cache=none,aio=native,discard=unmap,file.locking=off"),
                 format!(
-                    "file=/dev/fdset/{logs_fd},if=none,id=data-logs,format=qcow2,cache=writeback,aio=threads,discard=unmap"
+                    "file=/dev/fdset/{logs_fd},if=none,id=data-logs,format=qcow2,cache=writeback,aio=threads,discard=unmap,file.locking=off"
                 ),
             ]
         );

@@ -1,0 +1,183 @@
+//! Disk-space admission: may a change provision these new disk bytes on the state file system?
+//!
+//! Disks are counted at their full size (a sparse overlay or data disk can fill up to it), so a
+//! host never promises more than it has (times `storage.overcommit`). Pure functions of (specs,
+//! free space, config), used in this order by the lifecycle, right before anything is made:
+//!
+//! 1. [`new_provision`] says what a create (no old spec), a change in place or a replace adds;
+//! 2. [`FsSpace::of`] reads the state file system's size and free space (`statvfs`);
+//! 3. [`admit`] refuses (3002) what does not fit: all new bytes against the free space times
+//!    the overcommit ratio, and the preallocated ones against the free space less a 10 % margin
+//!    (as Security Onion keeps for its preallocated NSM volumes), whatever the ratio.
+//!
+//! The check is not a reservation: two creates at once may each see the same free space, and
+//! anything else writing to the file system changes it. A write that finds it full still fails
+//! cleanly (4001), and the create is undone.
+
+use std::path::Path;
+
+use serde_json::json;
+
+use super::GIB;
+use crate::api::{ApiError, Code, VmSpec};
+
+/// Share of the free space preallocated disks may take, in percent.
+pub const PREALLOCATE_PERCENT: u64 = 90;
+
+/// Disk bytes a spec provisions, or a change adds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Provision {
+    /// Every byte at full size (boot overlay and data disks).
+    pub bytes: u64,
+    /// The part that is preallocated (allocated at creation).
+    pub preallocated: u64,
+    /// Whether data disks are part of it (for the field an error names).
+    pub data_disks: bool,
+}
+
+/// The state file system's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsSpace {
+    /// Its size in bytes.
+    pub total: u64,
+    /// Bytes an unprivileged writer may still use (`f_bavail`).
+    pub free: u64,
+}
+
+impl FsSpace {
+    /// The file system holding `path`.
+    ///
+    /// # Errors
+    /// `statvfs` failed.
+    pub fn of(path: &Path) -> std::io::Result<FsSpace> {
+        let st = nix::sys::statvfs::statvfs(path)?;
+        let frsize = st.fragment_size();
+        Ok(FsSpace { total: st.blocks().saturating_mul(frsize), free: st.blocks_available().saturating_mul(frsize) })
+    }
+}
+
+/// Every disk byte `spec` provisions at full size.
+pub fn provisioned(spec: &VmSpec) -> u64 {
+    new_provision(None, spec).bytes
+}
+
+/// What turning `old` (none for a create) into `new` adds: a larger or new overlay, larger or
+/// new data disks. Shrinking or dropping frees nothing here (a dropped disk may be kept).
+pub fn new_provision(old: Option<&VmSpec>, new: &VmSpec) -> Provision {
+    let gib = |g: u64| g.saturating_mul(GIB);
+    let old_overlay = old.and_then(|o| o.boot.disk_gib).unwrap_or(0);
+    let mut p =
+        Provision { bytes: gib(new.boot.disk_gib.unwrap_or(0).saturating_sub(old_overlay)), ..Provision::default() };
+    for disk in &new.disks {
+        let before = old
+            .and_then(|o| o.disks.iter().find(|d| d.name == disk.name && d.format == disk.format))
+            .map_or(0, |d| d.size_gib);
+        let added = gib(disk.size_gib.saturating_sub(before));
+        if added == 0 {
+            continue;
+        }
+        p.bytes = p.bytes.saturating_add(added);
+        p.data_disks = true;
+        if disk.preallocate {
+            p.preallocated = p.preallocated.saturating_add(added);
+        }
+    }
+    p
+}
+
+/// Whether `request` fits in `space` with `overcommit_percent`.
+///
+/// # Errors
+/// 3002 with `resource: "disk_gib"`, the requested and available GiB, naming `spec.disks` (or
+/// `spec.boot.disk_gib` when only the overlay grows).
+pub fn admit(request: Provision, space: FsSpace, overcommit_percent: u64) -> Result<(), ApiError> {
+    let share = |percent: u64| (u128::from(space.free) * u128::from(percent) / 100).min(u128::from(u64::MAX)) as u64;
+    let field = if request.data_disks { "spec.disks" } else { "spec.boot.disk_gib" };
+    let refuse = |requested: u64, available: u64, why: &str| {
+        let (req_gib, avail_gib) = (requested.div_ceil(GIB), available / GIB);
+        Err(ApiError::new(
+            Code::CapacityExceeded,
+            format!("{req_gib} GiB of new disks {why}: {avail_gib} GiB available on the state file system"),
+        )
+        .field(field)
+        .details(json!({
+            "resource": "disk_gib",
+            "requested": req_gib,
+            "available": avail_gib,
+            "free_bytes": space.free,
+            "total_bytes": space.total,
+        })))
+    };
+    let allowed = share(overcommit_percent);
+    if request.bytes > allowed {
+        return refuse(request.bytes, allowed, "do not fit");
+    }
+    let prealloc_allowed = share(PREALLOCATE_PERCENT);
+    if request.preallocated > prealloc_allowed {
+        return refuse(request.preallocated, prealloc_allowed, "preallocated would leave less than 10 % free");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{BootSpec, DataDiskSpec, DiskCache, DiskFormat};
+
+    fn spec(overlay: Option<u64>, disks: &[(&str, u64, bool)]) -> VmSpec {
+        let mut s = crate::validate::tests::spec("v");
+        if let Some(g) = overlay {
+            s.boot = BootSpec { image: Some("b".into()), disk_gib: Some(g), ..BootSpec::default() };
+        }
+        s.disks = disks
+            .iter()
+            .map(|(n, g, pre)| DataDiskSpec {
+                name: (*n).into(),
+                size_gib: *g,
+                format: DiskFormat::Raw,
+                preallocate: *pre,
+                cache: DiskCache::None,
+                aio: None,
+                keep_on_destroy: false,
+            })
+            .collect();
+        s
+    }
+
+    #[test]
+    fn a_create_counts_everything_and_a_change_only_what_grows_or_comes() {
+        let a = spec(Some(10), &[("nsm", 100, true), ("logs", 5, false)]);
+        assert_eq!(new_provision(None, &a), Provision { bytes: 115 * GIB, preallocated: 100 * GIB, data_disks: true });
+        assert_eq!(provisioned(&a), 115 * GIB);
+        let grown = spec(Some(12), &[("nsm", 150, true), ("logs", 5, false), ("x", 1, false)]);
+        assert_eq!(
+            new_provision(Some(&a), &grown),
+            Provision { bytes: (2 + 50 + 1) * GIB, preallocated: 50 * GIB, data_disks: true }
+        );
+        let overlay_only = spec(Some(20), &[("nsm", 100, true), ("logs", 5, false)]);
+        assert_eq!(new_provision(Some(&a), &overlay_only), Provision { bytes: 10 * GIB, ..Provision::default() });
+        let dropped = spec(Some(10), &[("nsm", 100, true)]);
+        assert_eq!(new_provision(Some(&a), &dropped), Provision::default());
+        assert_eq!(new_provision(Some(&a), &a), Provision::default());
+    }
+
+    #[test]
+    fn admission_refuses_what_exceeds_free_space_times_overcommit_and_the_preallocation_margin() {
+        let space = FsSpace { total: 1000 * GIB, free: 100 * GIB };
+        let sparse = |g: u64| Provision { bytes: g * GIB, preallocated: 0, data_disks: true };
+        assert!(admit(sparse(100), space, 100).is_ok());
+        let e = admit(sparse(101), space, 100).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::CapacityExceeded, Some("spec.disks")));
+        assert_eq!((e.details["resource"].as_str(), e.details["requested"].as_u64()), (Some("disk_gib"), Some(101)));
+        assert_eq!(e.details["available"], 100);
+        assert!(admit(sparse(250), space, 250).is_ok(), "overcommit 2.5");
+        assert!(admit(sparse(251), space, 250).is_err());
+        let pre = |g: u64| Provision { bytes: g * GIB, preallocated: g * GIB, data_disks: true };
+        assert!(admit(pre(90), space, 1000).is_ok());
+        let e = admit(pre(91), space, 1000).unwrap_err();
+        assert_eq!(e.details["available"], 90, "a 10 % margin whatever the overcommit: {e:?}");
+        let overlay = Provision { bytes: 101 * GIB, preallocated: 0, data_disks: false };
+        assert_eq!(admit(overlay, space, 100).unwrap_err().field.as_deref(), Some("spec.boot.disk_gib"));
+        assert!(admit(Provision::default(), FsSpace { total: 0, free: 0 }, 100).is_ok(), "nothing new always fits");
+    }
+}
