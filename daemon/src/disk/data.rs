@@ -74,15 +74,7 @@ pub async fn grow(tool: &Tool, path: &Path, spec: &DataDiskSpec) -> Result<bool,
             size_raw(file, path, now, bytes, spec.preallocate).await?;
             Ok(true)
         }
-        DiskFormat::Qcow2 => {
-            bounded("grow", async {
-                let mut session = Session::start(tool, vec![Input::Image(OwnedFd::from(file))], "grow").await?;
-                let grew = session.grow_qcow2(0, bytes).await?;
-                session.finish().await?;
-                Ok(grew)
-            })
-            .await
-        }
+        DiskFormat::Qcow2 => super::grow_qcow2(tool, file, bytes).await,
     }
 }
 

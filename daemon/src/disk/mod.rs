@@ -205,12 +205,17 @@ pub fn remove_overlay(overlay: &Path) -> Result<bool, DiskError> {
 /// [`DiskError::Io`] if the overlay cannot be opened; [`DiskError::Tool`] with QEMU's reason;
 /// [`DiskError::Spawn`], [`DiskError::Timeout`], [`DiskError::Output`].
 pub async fn grow_overlay(tool: &Tool, overlay: &Path, size_gib: u64) -> Result<bool, DiskError> {
-    let bytes = size_gib.saturating_mul(GIB);
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .open(overlay)
         .map_err(|source| DiskError::Io { path: overlay.to_path_buf(), source })?;
+    grow_qcow2(tool, file, size_gib.saturating_mul(GIB)).await
+}
+
+/// Grows the qcow2 image open as `file` to `bytes` (its backing file, if any, never opened);
+/// returns whether it grew.
+pub(crate) async fn grow_qcow2(tool: &Tool, file: File, bytes: u64) -> Result<bool, DiskError> {
     bounded("grow", async {
         let mut session = Session::start(tool, vec![Input::Image(OwnedFd::from(file))], "grow").await?;
         let grew = session.grow_qcow2(0, bytes).await?;
