@@ -371,7 +371,8 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     let search1 = so_entry(
         "search1",
         "searchnode",
-        json!({"network_mode": "dhcp4", "ip4": "", "gw4": "", "dns4": "", "search4": "", "cpu": "1", "memory": "1"}),
+        json!({"network_mode": "dhcp4", "ip4": "", "gw4": "", "dns4": "", "search4": "", "cpu": "1", "memory": "1",
+               "nsm_size": 1}),
     );
     let sensor2 =
         so_entry("sensor2", "sensor", json!({"network_mode": "static4", "ip4": "10.0.0.21/24", "gw4": "10.0.0.1"}));
@@ -398,6 +399,13 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     assert_eq!(s1["spec"]["boot"]["kernel"], json!(guest().kernel));
     let q1 = hv1.call("vm.get", json!({"name": "search1-searchnode"}));
     assert_eq!(q1["spec"]["nics"], json!([{"network": "lan", "ipv4": {"mode": "dhcp"}}]));
+    // nsm_size is SO's NSM volume: a raw, preallocated data disk of its own.
+    assert_eq!(
+        q1["spec"]["disks"],
+        json!([{"name": "nsm", "size_gib": 1, "format": "raw", "preallocate": true, "cache": "none", "aio": "native"}])
+    );
+    let nsm = hv1.state().join("disks").join("search1-searchnode").join("nsm.raw");
+    assert!(std::fs::metadata(&nsm).is_ok_and(|m| m.len() == 1 << 30), "{}", nsm.display());
 
     // Events on the master bus: the daemon's, forwarded by each minion's vmhost_events (the
     // master stamps the authenticated minion id), and the engine's per-VM results.

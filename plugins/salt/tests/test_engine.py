@@ -94,15 +94,20 @@ class MappingTest(unittest.TestCase):
         self.assertEqual(spec["cpu"], 2)
         self.assertEqual(spec["memory_mib"], 16384)
         self.assertNotIn("hardware", spec)
-        # nsm_size grows the image overlay; the config's boot is not modified.
-        self.assertEqual(spec["boot"], {"image": "so-base.qcow2", "disk_gib": 600})
-        self.assertEqual(config()["boot"]["default"]["disk_gib"], 100)
+        # nsm_size is a data disk of its own, raw and preallocated as SO makes its NSM volumes;
+        # the overlay keeps the configured size.
+        self.assertEqual(spec["boot"], {"image": "so-base.qcow2", "disk_gib": 100})
+        self.assertEqual(
+            spec["disks"],
+            [{"name": "nsm", "size_gib": 500, "format": "raw", "preallocate": True, "cache": "none", "aio": "native"}],
+        )
 
     def test_nsm_size_ignored_when_disk_is_set(self):
         entry = dict(STATIC, role="heavynode", disk=["3"], nsm_size=500)
         spec = eng.map_entry(entry, config())
         self.assertEqual(spec["boot"], IMAGE)
         self.assertEqual(spec["hardware"]["disk"], [3])
+        self.assertNotIn("disks", spec, "the NSM data lives on the passed-through disk")
 
     def test_powercontrol(self):
         self.assertEqual(eng.map_entry(dict(STATIC, powercontrol="Stop"), config())["state"], "stopped")

@@ -382,10 +382,13 @@ def map_entry(entry, config, source="<file>", index=0):
                 f"no boot source configured for role {role} (set boot.roles.{role} "
                 "or boot.default in the engine config)",
             )
-        boot = dict(boot)
-        if "image" in boot and nsm > 0 and "disk" not in hardware:
-            boot["disk_gib"] = boot["disk_gib"] + nsm
-        spec["boot"] = boot
+        spec["boot"] = dict(boot)
+        if nsm > 0 and "disk" not in hardware:
+            # Security Onion's NSM volume: a raw, fully preallocated data disk, virtio-blk with
+            # cache=none and io=native, the guest's disk right after the OS disk.
+            spec["disks"] = [
+                {"name": "nsm", "size_gib": nsm, "format": "raw", "preallocate": True, "cache": "none", "aio": "native"}
+            ]
         spec["nics"] = [_ipv4(entry, config["network"])]
     except _Bad as exc:
         field, message = exc.args
