@@ -148,6 +148,29 @@ fn puppet_creates_converges_reports_noop_changes_once_and_destroys() {
     let run = puppet.apply(&sock, &more, &[]);
     assert_eq!(run.code, 0, "rerun after the change:\n{}", run.output);
 
+    // A data disk: added (a restart), then grown live (same QEMU), reruns change nothing.
+    let with_disk =
+        more.replace("\n}\n", "\n  disks => [{ 'name' => 'nsm', 'size_gib' => 1, 'format' => 'raw' }],\n}\n");
+    assert_ne!(with_disk, more, "the manifest has a place for disks:\n{more}");
+    let run = puppet.apply(&sock, &with_disk, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[web1]/disks: disks changed"), "{}", run.output);
+    let disk_pid = get(&host, "web1")["pid"].clone();
+    let nsm = host.state().join("disks").join("web1").join("nsm.raw");
+    assert_eq!(std::fs::metadata(&nsm).map(|m| m.len()).ok(), Some(1 << 30));
+    let run = puppet.apply(&sock, &with_disk, &[]);
+    assert_eq!(run.code, 0, "rerun after adding a disk:\n{}", run.output);
+    let grown = with_disk.replace("'size_gib' => 1", "'size_gib' => 2");
+    let run = puppet.apply(&sock, &grown, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert_eq!(get(&host, "web1")["pid"], disk_pid, "grown live");
+    assert_eq!(std::fs::metadata(&nsm).map(|m| m.len()).ok(), Some(2 << 30));
+    let run = puppet.apply(&sock, &grown, &[]);
+    assert_eq!(run.code, 0, "rerun after the grow:\n{}", run.output);
+    drain(&mut events);
+    // The QEMU the next steps must leave untouched.
+    let mem_pid = disk_pid.as_i64().expect("pid");
+
     // Only a new boot image needs replace: without it the daemon refuses with 2002 on
     // spec.boot.image, the hint is shown, and the VM is untouched.
     run_ok(

@@ -402,7 +402,8 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     // nsm_size is SO's NSM volume: a raw, preallocated data disk of its own.
     assert_eq!(
         q1["spec"]["disks"],
-        json!([{"name": "nsm", "size_gib": 1, "format": "raw", "preallocate": true, "cache": "none", "aio": "native"}])
+        json!([{"name": "nsm", "size_gib": 1, "format": "raw", "preallocate": true, "aio": "native"}]),
+        "(defaults such as cache none are left out of the echo)"
     );
     let nsm = hv1.state().join("disks").join("search1-searchnode").join("nsm.raw");
     assert!(std::fs::metadata(&nsm).is_ok_and(|m| m.len() == 1 << 30), "{}", nsm.display());

@@ -21,15 +21,15 @@ pub struct DataDiskSpec {
     pub name: String,
     /// Size in GiB; grown when it grows, never shrunk.
     pub size_gib: u64,
-    /// File format.
-    #[serde(default)]
+    /// File format. Like every default, left out when echoed.
+    #[serde(default, skip_serializing_if = "DiskFormat::is_default")]
     pub format: DiskFormat,
     /// Allocate every block at creation (and when grown), so the disk cannot run out of space
     /// later; otherwise the file is sparse.
     #[serde(default, skip_serializing_if = "is_false")]
     pub preallocate: bool,
     /// Host page cache use.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "DiskCache::is_default")]
     pub cache: DiskCache,
     /// How QEMU submits I/O; default `native` with `cache: none`, else `threads`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -72,6 +72,10 @@ pub enum DiskFormat {
 }
 
 impl DiskFormat {
+    fn is_default(&self) -> bool {
+        *self == DiskFormat::default()
+    }
+
     /// QEMU's name for it, also the file's extension.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -93,6 +97,10 @@ pub enum DiskCache {
 }
 
 impl DiskCache {
+    fn is_default(&self) -> bool {
+        *self == DiskCache::default()
+    }
+
     /// QEMU's name for it.
     pub fn as_str(self) -> &'static str {
         match self {

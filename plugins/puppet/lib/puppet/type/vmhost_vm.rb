@@ -264,6 +264,26 @@ Puppet::Type.newtype(:vmhost_vm) do
     end
   end
 
+  newproperty(:disks, array_matching: :all) do
+    desc <<~DOC
+      The VM's data disks after its boot disk, in guest order (spec `disks`), an array of
+      hashes `{ 'name' => 'nsm', 'size_gib' => 500, 'format' => 'raw', 'preallocate' => true,
+      'keep_on_destroy' => true }` (optional members: `format` qcow2 or raw, `preallocate`,
+      `cache` none or writeback, `aio`, `keep_on_destroy`). A larger `size_gib` grows the disk
+      live; adding or dropping one restarts a running VM; a smaller size is refused (2001).
+      Leave out members at their defaults (the daemon echoes none of them). `disks => []`
+      declares a VM without data disks.
+    DOC
+    extend shape
+
+    validate { |value| self.class.hash_with_string_keys!(value, 'each disk') }
+    munge { |value| PuppetX::Vmhost::Spec.normalize(value, 'disks') }
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:disks, is, should)
+    end
+  end
+
   newproperty(:guest_interfaces, array_matching: :all) do
     desc <<~DOC
       Interfaces the guest agent creates in the guest (spec `guest_interfaces`), an array of

@@ -18,11 +18,12 @@ module PuppetX
         pci: 'pci',
         boot: 'boot',
         nics: 'nics',
+        disks: 'disks',
         guest_interfaces: 'guest_interfaces'
       }.freeze
 
       # Members whose value is an integer in the spec, at any depth.
-      INTEGER_KEYS = %w[cpu memory_mib disk_gib vlan vlan_id].freeze
+      INTEGER_KEYS = %w[cpu memory_mib disk_gib size_gib vlan vlan_id].freeze
 
       # Statuses in which the VM counts as running (ensure => running is in sync).
       RUNNING_STATUSES = %w[running starting creating].freeze
@@ -94,7 +95,7 @@ module PuppetX
         value = spec[key]
         case attr
         when :hardware, :boot then value.nil? ? {} : normalize(value, key)
-        when :pci, :nics, :guest_interfaces then value.nil? ? [] : normalize(value, key)
+        when :pci, :nics, :disks, :guest_interfaces then value.nil? ? [] : normalize(value, key)
         when :role then value.nil? ? :absent : value
         else value.nil? ? :absent : normalize(value, key)
         end

@@ -275,8 +275,8 @@ def running(name, spec=None, replace=False, restart=True, timeout_s=30, **kwargs
         the VM's name (the spec's ``name``).
     spec
         optional dict with spec members (e.g. from pillar); the state's other arguments are
-        spec members too (``cpu``, ``memory_mib``, ``boot``, ``nics``, ``hardware``, ``pci``,
-        ``role``, ``guest_interfaces``) and override it.
+        spec members too (``cpu``, ``memory_mib``, ``boot``, ``nics``, ``disks``, ``hardware``,
+        ``pci``, ``role``, ``guest_interfaces``) and override it.
     replace
         only for a change of ``boot.image``, which needs a new disk: True recreates the VM
         (vmhostd deletes its old disk overlay); False (default) fails with vmhostd's 2002. Every
