@@ -314,3 +314,21 @@ fn disks_larger_than_the_free_space_are_refused_before_anything_is_made() {
     assert_eq!(host.call("vm.get", json!({ "name": "small" }))["spec"]["disks"][0]["size_gib"], 1);
     assert!(std::fs::metadata(data_disk(&host, "small", "nsm.qcow2")).unwrap().len() < (1 << 30), "a sparse qcow2");
 }
+
+#[test]
+fn a_disk_dropped_without_a_restart_goes_at_the_next_start_and_not_before() {
+    let host = host();
+    let both = json!([{"name": "a", "size_gib": 1}, {"name": "b", "size_gib": 1, "keep_on_destroy": true}]);
+    host.call("vm.create", json!({ "spec": disk_spec(&host, "pend", both, "") }));
+    let pid = host.call("vm.get", json!({ "name": "pend" }))["pid"].clone();
+    let only_a = disk_spec(&host, "pend", json!([{"name": "a", "size_gib": 1}]), "");
+    let v = host.call("vm.apply", json!({ "spec": only_a, "restart": false }));
+    assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(true)), "{v}");
+    let b = data_disk(&host, "pend", "b.qcow2");
+    assert!(b.is_file(), "the running QEMU still has b: it stays until the new spec runs");
+    host.call("vm.restart", json!({ "name": "pend", "timeout_s": 5 }));
+    assert!(!b.exists());
+    assert!(kept_disk(&host, "pend", "b.qcow2").is_file(), "dropped with keep_on_destroy: kept");
+    let report = disk_report(&host, "pend", 2);
+    assert_eq!(report.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["a"], "{report:?}");
+}
