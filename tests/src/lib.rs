@@ -541,6 +541,7 @@ impl Drop for TestHost {
 
 pub mod bench_lifecycle;
 pub mod bench_stats;
+pub mod bench_storage;
 pub mod boot_sector;
 pub mod lab;
 

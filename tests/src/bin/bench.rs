@@ -14,10 +14,11 @@
 //! figures ([`vmhost_tests::bench_lifecycle`]): a running VM changed in place (`vm.apply`,
 //! ACPI power-off and start) and autostart of `--autostart-vms` VMs after a simulated host
 //! reboot, at the default `start_concurrency` and at 4. Then metrics
-//! ([`vmhost_tests::bench_stats`]): `vm.stats` latency with `--stats-vms` running VMs.
+//! ([`vmhost_tests::bench_stats`]): `vm.stats` latency with `--stats-vms` running VMs. Last,
+//! data disks ([`vmhost_tests::bench_storage`]): create with 0, 1, 4 data disks, live grow.
 //! Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N] [--boot-rounds N]
 //! [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR] [--check-rounds N]
-//! [--reconfigure-rounds N] [--autostart-vms N] [--stats-vms N] [--stats-calls N]`; 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test guest's `vmlinuz` and `initramfs.cpio.gz`
+//! [--reconfigure-rounds N] [--autostart-vms N] [--stats-vms N] [--stats-calls N] [--storage-rounds N]`; 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test guest's `vmlinuz` and `initramfs.cpio.gz`
 //! from DIR instead of building it (the same files for two builds compared).
 
 use serde_json::{json, Value};
@@ -475,4 +476,5 @@ fn main() {
     vmhost_tests::bench_lifecycle::reconfigure(arg("--reconfigure-rounds", 7));
     vmhost_tests::bench_lifecycle::autostart(arg("--autostart-vms", 20), &[0, 4]);
     vmhost_tests::bench_stats::stats(arg("--stats-vms", 50), arg("--stats-calls", 200));
+    vmhost_tests::bench_storage::storage(arg("--storage-rounds", 5));
 }
