@@ -245,4 +245,27 @@ mod tests {
             Verdict::Missing("QEMU's stats monitor has not answered yet: refused".into())
         );
     }
+
+    #[tokio::test]
+    async fn the_sampler_of_a_process_that_exits_clears_its_figures_and_stops() {
+        let mut child = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        let process = crate::process::identify(child.id() as i32).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let samplers = Samplers::default();
+        let mut rx = samplers.get("a", &process, &dir.path().join("qmpst"));
+        // No monitor socket: the first attempt fails and says so, the process still runs.
+        let first = Samplers::wait_first(&mut rx, Duration::from_secs(10)).await;
+        assert!(first.error.as_deref().is_some_and(|e| e.contains("no stats monitor")) && !first.gone, "{first:?}");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let gone = tokio::time::timeout(SAMPLE_INTERVAL * 5, rx.wait_for(|c| c.gone)).await;
+        assert!(gone.is_ok_and(|c| c.is_ok_and(|c| c.sample.is_none())));
+        // The task ends (it returns right after publishing `gone`); a next call starts a new one.
+        let finished = || samplers.running.lock().unwrap().get("a").is_some_and(|r| r.task.is_finished());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !finished() && Instant::now() < deadline {
+            tokio::task::yield_now().await;
+        }
+        assert!(finished());
+    }
 }
