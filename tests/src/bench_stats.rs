@@ -68,15 +68,20 @@ pub fn stats(vms: usize, calls: usize) {
         assert_eq!(r["vm"]["status"], "running", "{r}");
     }
     let started = t.elapsed();
-    // One call first: the figures of a VM are read the same way every time, but the daemon's
-    // first dump of the links and first connections warm its caches.
-    let _ = time_calls(&host, "vm.stats", &json!({}), 1);
     let daemon = host.daemon_pid().expect("daemon pid");
-    // What the idle QEMUs use with no call (TCG timers of halted guests), to subtract.
-    let (_, idle0) = cpu_seconds(&host, daemon);
-    std::thread::sleep(Duration::from_secs(5));
-    let (_, idle1) = cpu_seconds(&host, daemon);
-    let idle_per_s = (idle1 - idle0) / 5.0;
+    // What vmhostd and the QEMUs use over 5 s with no call and no samplers yet (TCG timers of
+    // halted guests).
+    let idle = |secs: u64| {
+        let (d0, q0) = cpu_seconds(&host, daemon);
+        std::thread::sleep(Duration::from_secs(secs));
+        let (d1, q1) = cpu_seconds(&host, daemon);
+        ((d1 - d0) / secs as f64, (q1 - q0) / secs as f64)
+    };
+    let (daemon_bare, qemu_bare) = idle(5);
+    // One call first: it starts each VM's sampler and waits for its first sample.
+    let _ = time_calls(&host, "vm.stats", &json!({}), 1);
+    // The same with the samplers running (their background cost), and the base to subtract.
+    let (daemon_idle, idle_per_s) = idle(5);
     let (d0, q0) = cpu_seconds(&host, daemon);
     let t0 = Instant::now();
     let all = time_calls(&host, "vm.stats", &json!({}), calls);
@@ -109,5 +114,10 @@ pub fn stats(vms: usize, calls: usize) {
         per_call((q1 - q0) - idle_per_s * wall),
         idle_per_s * 1000.0,
         wall * 1000.0 / calls as f64
+    );
+    println!(
+        "Background sampling of the {vms} VMs, CPU per second with no call: vmhostd {:.1} ms/s, the QEMUs {:.1} ms/s",
+        (daemon_idle - daemon_bare) * 1000.0,
+        (idle_per_s - qemu_bare) * 1000.0
     );
 }

@@ -56,6 +56,7 @@ fn cpu_disk_and_network_counters_rise_with_what_the_guests_do() {
     assert_eq!(d0["status"], "running", "{before:#}");
     assert_eq!(d0["disks"][0]["device"], "virtio0", "{d0:#}");
     assert_eq!(d0["vcpus"].as_array().map(Vec::len), Some(1), "{d0:#}");
+    assert!(d0["disks_sampled_ms"].as_u64().is_some_and(|ms| ms > 0), "{before:#}");
     assert!(d0["vcpus"][0]["thread_id"].as_i64().unwrap_or(0) > 0, "{d0:#}");
     assert!(num(&d0["rss_bytes"]) > 0.0 && num(&d0["uptime_s"]) >= 0.0, "{d0:#}");
     assert_eq!((d0["memory_bytes"].clone(), d0["missing"].clone()), (json!(32 << 20), json!({})), "{d0:#}");
@@ -98,9 +99,11 @@ fn cpu_disk_and_network_counters_rise_with_what_the_guests_do() {
 fn a_vm_whose_monitor_does_not_answer_gets_its_other_figures_and_a_marker() {
     let host = start_host();
     let pid = host.call("vm.get", json!({"name": "disk"}))["pid"].as_i64().expect("pid") as i32;
+    // A sample first, so what follows proves that a stale one is marked, not served.
+    wait_stats(&host, "a first sample", |r| vm(r, "disk")["missing"] == json!({}));
     let frozen = nix::unistd::Pid::from_raw(pid);
     nix::sys::signal::kill(frozen, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
-    let r = host.call("vm.stats", json!({}));
+    let r = wait_stats(&host, "the frozen VM's sample marked stale", |r| vm(r, "disk")["missing"]["disks"].is_string());
     nix::sys::signal::kill(frozen, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
     let d = vm(&r, "disk");
     assert!(d["missing"]["disks"].as_str().is_some_and(|m| m.contains("stats monitor")), "{r:#}");
@@ -181,8 +184,9 @@ fn prometheus_output_parses_and_names_every_running_vm_and_top_shows_rates() {
         "{text}"
     );
 
-    // top: two samples, one table, every VM with its CPU % and the writer's disk rate.
-    let out = host.ctl(&["top", "--iterations", "1", "--interval", "1"]);
+    // top: two samples, one table, every VM with its CPU % and the writer's disk rate (disk
+    // counters are sampled every 2 s, so the interval spans at least one new sample).
+    let out = host.ctl(&["top", "--iterations", "1", "--interval", "3"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let table = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(table.contains("CPU%") && table.contains("DISK_WR"), "{table}");

@@ -54,6 +54,10 @@ pub struct VmStats {
     /// I/O of each block device.
     #[serde(default)]
     pub disks: Vec<DiskStats>,
+    /// When `vcpus`' thread list and `disks` were sampled from QEMU (every few seconds, not at
+    /// `timestamp_ms`), milliseconds since the Unix epoch: disk rates use this instant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disks_sampled_ms: Option<u64>,
     /// Traffic of each NIC, in spec order.
     #[serde(default)]
     pub nics: Vec<NicStats>,

@@ -141,7 +141,8 @@ enum Cmd {
     },
     /// A refreshing table of every VM's CPU %, memory, disk and network rates.
     Top {
-        /// Seconds between samples.
+        /// Seconds between samples (disk rates need at least vmhostd's 2 s disk sampling
+        /// interval; a shorter one shows `-` when no new disk sample came in between).
         #[arg(long, default_value_t = 2.0)]
         interval: f64,
         /// Print this many tables and exit (each after a new sample), instead of refreshing

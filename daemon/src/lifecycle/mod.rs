@@ -69,7 +69,7 @@ pub struct Manager {
     /// Guest agent sessions, one per running VM.
     agents: Arc<crate::agent::supervisor::AgentHub>,
     /// `vm.stats`' connections to each running QEMU's stats monitor.
-    stats_monitors: crate::stats::collect::Monitors,
+    stats_monitors: crate::stats::sampler::Samplers,
 }
 
 impl std::fmt::Debug for Manager {

@@ -1,29 +1,24 @@
 //! Reads the figures of many VMs at once, from a snapshot taken without any lock held.
 //!
 //! Use: build one [`Target`] per VM from its record (the manager does this under its table lock,
-//! then releases it), then call [`vms`] with the manager's [`Monitors`]. It makes one netlink dump
-//! for every tap, then reads each running VM concurrently: `/proc` first, then the VM's stats
-//! monitor (its own QMP socket, see [`crate::qemu::argv::VmPaths::qmp_stats`]) for block counters,
-//! bounded by [`QMP_TIMEOUT`]. A part that fails is named in `missing`; the rest is still reported.
-//!
-//! [`Monitors`] keeps one connection per running QEMU, with its vCPU threads (fixed for the life
-//! of a QEMU: vmhost hot-plugs no CPUs), so a call costs one QMP round trip per VM instead of a
-//! connect, greeting, negotiation and two commands. A connection is used by one call at a time,
-//! taken out of its slot while in use and put back only after a success: a call that fails or is
-//! cut short by the timeout leaves the slot empty, and the next call connects afresh.
+//! then releases it), then call [`vms`] with the manager's [`Samplers`]. It makes one netlink dump
+//! for every tap, then reads each running VM: `/proc` first, then the last sample of the VM's
+//! stats monitor kept by [`super::sampler`] (vCPU threads and block counters), so no QEMU is asked
+//! anything during a call. Only the first call for a new QEMU process waits for its first sample,
+//! bounded by [`QMP_TIMEOUT`]. A part that fails, or a sample too old to be current, is named in
+//! `missing`; the rest is still reported.
 
 use super::procfs::{self, Ticks};
+use super::sampler::{judge, Verdict, STALE_AFTER};
+pub use super::sampler::{Samplers, QMP_TIMEOUT};
 use crate::api::stats::{DiskStats, NicStats, VcpuStats, VmStats};
 use crate::api::VmStatus;
 use crate::net::link::{LinkCounters, Netlink};
 use crate::process::ProcessIdentity;
-use crate::qemu::qmp::{BlockStats, Qmp, QmpError, VcpuThread};
+use crate::qemu::qmp::BlockStats;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-/// Bound on connecting to a VM's stats monitor and both queries together.
-pub const QMP_TIMEOUT: Duration = Duration::from_millis(1500);
+use std::time::Instant;
 
 /// What the collector needs of one VM, copied out of its record.
 #[derive(Debug, Clone)]
@@ -44,44 +39,9 @@ pub struct Target {
     pub memory_mib: u64,
 }
 
-/// An open stats monitor of one QEMU process, with what never changes while it runs.
-struct Monitor {
-    /// The process it belongs to: a new QEMU of the same VM gets a new connection.
-    process: ProcessIdentity,
-    qmp: Qmp,
-    threads: Vec<VcpuThread>,
-}
-
-type Slot = std::sync::Arc<tokio::sync::Mutex<Option<Monitor>>>;
-
-/// The stats monitor connections, by VM name (owned by the lifecycle manager).
-#[derive(Default)]
-pub struct Monitors {
-    slots: std::sync::Mutex<BTreeMap<String, Slot>>,
-}
-
-impl std::fmt::Debug for Monitors {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Monitors").finish_non_exhaustive()
-    }
-}
-
-impl Monitors {
-    fn slot(&self, name: &str) -> Slot {
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        slots.entry(name.to_string()).or_default().clone()
-    }
-
-    /// Closes the connections of VMs not in `running` (stopped, destroyed).
-    fn keep_only(&self, running: &[&str]) {
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        slots.retain(|name, _| running.contains(&name.as_str()));
-    }
-}
-
 /// The figures of every target, in the order given. `all`: the targets are every VM, so
 /// connections of VMs not running among them are closed.
-pub async fn vms(targets: Vec<Target>, net: &Netlink, monitors: &Monitors, all: bool) -> Vec<VmStats> {
+pub async fn vms(targets: Vec<Target>, net: &Netlink, samplers: &Samplers, all: bool) -> Vec<VmStats> {
     let ticks = Ticks::system();
     let live = |t: &Target| t.status == VmStatus::Running && t.process.is_some();
     let counters = if targets.iter().any(|t| live(t) && !t.nics.is_empty()) {
@@ -91,7 +51,7 @@ pub async fn vms(targets: Vec<Target>, net: &Netlink, monitors: &Monitors, all: 
     };
     if all {
         let running: Vec<&str> = targets.iter().filter(|t| live(t)).map(|t| t.name.as_str()).collect();
-        monitors.keep_only(&running);
+        samplers.keep_only(&running);
     }
     let uptime = std::fs::read_to_string(Path::new(crate::process::PROC_ROOT).join("uptime")).unwrap_or_default();
     let reads = targets.into_iter().map(|t| {
@@ -100,7 +60,7 @@ pub async fn vms(targets: Vec<Target>, net: &Netlink, monitors: &Monitors, all: 
         async move {
             let mut stats = empty(&t);
             if let (VmStatus::Running, Some(process)) = (t.status, t.process.as_ref()) {
-                read_running(&t, process, &mut stats, ticks, uptime, counters, monitors.slot(&t.name)).await;
+                read_running(&t, process, &mut stats, ticks, uptime, counters, samplers).await;
             }
             stats
         }
@@ -120,6 +80,7 @@ fn empty(t: &Target) -> VmStats {
         rss_bytes: None,
         vcpus: Vec::new(),
         disks: Vec::new(),
+        disks_sampled_ms: None,
         nics: Vec::new(),
         missing: BTreeMap::new(),
     }
@@ -132,7 +93,7 @@ async fn read_running(
     ticks: Ticks,
     uptime: &str,
     counters: &Result<BTreeMap<String, LinkCounters>, String>,
-    slot: Slot,
+    samplers: &Samplers,
 ) {
     stats.pid = Some(process.pid);
     match counters {
@@ -159,23 +120,19 @@ async fn read_running(
             stats.missing.insert("process".into(), e.to_string());
         }
     }
-    let (threads, blocks) = match tokio::time::timeout(QMP_TIMEOUT, query(&t.qmp_stats, process, &slot)).await {
-        Ok(Ok(answers)) => answers,
-        Ok(Err(e)) => {
-            let why = format!("QEMU's stats monitor: {e}");
-            stats.missing.insert("vcpus".into(), why.clone());
-            stats.missing.insert("disks".into(), why);
-            return;
-        }
-        Err(_) => {
-            let why = format!("QEMU's stats monitor did not answer within {QMP_TIMEOUT:?}");
+    let mut rx = samplers.get(&t.name, process, &t.qmp_stats);
+    let cache = Samplers::wait_first(&mut rx, QMP_TIMEOUT).await;
+    let sample = match judge(&cache, Instant::now(), STALE_AFTER) {
+        Verdict::Current(sample) => sample,
+        Verdict::Missing(why) => {
             stats.missing.insert("vcpus".into(), why.clone());
             stats.missing.insert("disks".into(), why);
             return;
         }
     };
-    stats.disks = disk_stats(blocks);
-    for v in threads {
+    stats.disks = disk_stats(&sample.blocks);
+    stats.disks_sampled_ms = Some(sample.at_ms);
+    for v in sample.threads.iter() {
         match procfs::read_thread(&dir, v.thread_id, ticks) {
             Ok(cpu_seconds) => stats.vcpus.push(VcpuStats { index: v.index, thread_id: v.thread_id, cpu_seconds }),
             Err(e) => {
@@ -185,50 +142,13 @@ async fn read_running(
     }
 }
 
-/// The vCPU threads and block counters of `process`, over its cached connection or a new one.
-async fn query(
-    socket: &Path,
-    process: &ProcessIdentity,
-    slot: &Slot,
-) -> Result<(Vec<VcpuThread>, Vec<BlockStats>), QmpError> {
-    let mut guard = slot.lock().await;
-    // Out of the slot while in use: only a success puts it back.
-    let mut monitor = match guard.take() {
-        Some(m) if m.process == *process => m,
-        _ => connect(socket, process).await?,
-    };
-    let blocks = monitor.qmp.blockstats().await?;
-    let threads = monitor.threads.clone();
-    *guard = Some(monitor);
-    Ok((threads, blocks))
-}
-
-/// Opens the stats monitor of `process` and asks for its vCPU threads once.
-async fn connect(socket: &Path, process: &ProcessIdentity) -> Result<Monitor, QmpError> {
-    // The socket is made before QEMU starts: absent now, it never comes (a QEMU started by a
-    // vmhostd without the stats monitor). Fail at once instead of retrying until the timeout.
-    if !socket.exists() {
-        return Err(QmpError::Connect {
-            path: socket.to_path_buf(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "no stats monitor (QEMU started by an older vmhostd)",
-            ),
-        });
-    }
-    let mut qmp = Qmp::connect(socket, QMP_TIMEOUT).await?;
-    qmp.set_timeout(QMP_TIMEOUT);
-    let threads = qmp.vcpu_threads().await?;
-    Ok(Monitor { process: process.clone(), qmp, threads })
-}
-
 /// The block devices the guest has (QEMU also lists nodes without a drive name: skipped).
-fn disk_stats(blocks: Vec<BlockStats>) -> Vec<DiskStats> {
+fn disk_stats(blocks: &[BlockStats]) -> Vec<DiskStats> {
     blocks
-        .into_iter()
+        .iter()
         .filter(|b| !b.device.is_empty())
         .map(|b| DiskStats {
-            device: b.device,
+            device: b.device.clone(),
             read_bytes: b.stats.rd_bytes,
             write_bytes: b.stats.wr_bytes,
             read_ops: b.stats.rd_operations,
@@ -289,7 +209,7 @@ mod tests {
     #[test]
     fn only_drives_with_a_name_are_disks() {
         let counters = BlockCounters { rd_bytes: 1, wr_bytes: 2, rd_operations: 3, wr_operations: 4 };
-        let out = disk_stats(vec![
+        let out = disk_stats(&[
             BlockStats { device: "virtio0".into(), stats: counters },
             BlockStats { device: String::new(), stats: counters },
         ]);
@@ -315,7 +235,7 @@ mod tests {
             memory_mib: 64,
         };
         let stopped = Target { name: "b".into(), status: VmStatus::Stopped, process: None, ..target.clone() };
-        let out = vms(vec![target, stopped], &net, &Monitors::default(), true).await;
+        let out = vms(vec![target, stopped], &net, &Samplers::default(), true).await;
         let a = &out[0];
         assert!(a.cpu_seconds.is_some() && a.rss_bytes.unwrap_or(0) > 0, "{a:?}");
         assert_eq!((a.restarts, a.memory_bytes, a.nics.len()), (2, 64 << 20, 1));

@@ -188,6 +188,7 @@ mod tests {
                 read_ops: 3,
                 write_ops: 4,
             }],
+            disks_sampled_ms: None,
             nics: vec![NicStats {
                 index: 0,
                 tap: "vmt\"x".into(),

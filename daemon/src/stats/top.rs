@@ -34,17 +34,26 @@ pub fn rows(prev: &VmStatsReport, cur: &VmStatsReport) -> Vec<Row> {
         .iter()
         .map(|v| {
             let before = prev.vms.iter().find(|p| p.name == v.name && p.pid == v.pid && v.pid.is_some());
-            let rate = |get: &dyn Fn(&VmStats) -> Option<f64>| -> Option<f64> {
+            let rate_over = |secs: f64, get: &dyn Fn(&VmStats) -> Option<f64>| -> Option<f64> {
                 let (b, a) = (get(before?)?, get(v)?);
                 (secs > 0.0 && a >= b).then(|| (a - b) / secs)
             };
+            let rate = |get: &dyn Fn(&VmStats) -> Option<f64>| rate_over(secs, get);
+            // Disk counters carry their own sampling instant (docs/metrics.md): two reports
+            // within one sampling interval have the same sample and so no disk rate.
+            let disk_secs = before.map_or(0.0, |b| {
+                let (t0, t1) =
+                    (b.disks_sampled_ms.unwrap_or(prev.timestamp_ms), v.disks_sampled_ms.unwrap_or(cur.timestamp_ms));
+                t1.saturating_sub(t0) as f64 / 1000.0
+            });
+            let disk_rate = |get: &dyn Fn(&VmStats) -> Option<f64>| rate_over(disk_secs, get);
             Row {
                 name: v.name.clone(),
                 status: v.status.to_string(),
                 cpu_percent: rate(&|s| s.cpu_seconds).map(|r| r * 100.0),
                 rss_bytes: v.rss_bytes,
-                disk_read_per_s: rate(&|s| total(s, "disks", |s| s.disks.iter().map(|d| d.read_bytes).sum())),
-                disk_write_per_s: rate(&|s| total(s, "disks", |s| s.disks.iter().map(|d| d.write_bytes).sum())),
+                disk_read_per_s: disk_rate(&|s| total(s, "disks", |s| s.disks.iter().map(|d| d.read_bytes).sum())),
+                disk_write_per_s: disk_rate(&|s| total(s, "disks", |s| s.disks.iter().map(|d| d.write_bytes).sum())),
                 net_rx_per_s: rate(&|s| total(s, "nics", |s| s.nics.iter().map(|n| n.rx_bytes).sum())),
                 net_tx_per_s: rate(&|s| total(s, "nics", |s| s.nics.iter().map(|n| n.tx_bytes).sum())),
             }
@@ -94,6 +103,7 @@ mod tests {
                 read_ops: 0,
                 write_ops: 0,
             }],
+            disks_sampled_ms: None,
             nics: vec![NicStats {
                 index: 0,
                 tap: "t".into(),
@@ -128,5 +138,16 @@ mod tests {
         assert_eq!(human_bytes(Some(2048.0)), "2KiB");
         assert_eq!(human_bytes(None), "-");
         assert_eq!(human_bytes(Some(3.0 * 1024.0 * 1024.0 * 1024.0)), "3.0GiB");
+    }
+
+    #[test]
+    fn disk_rates_run_between_the_instants_the_disks_were_sampled() {
+        let sampled = |ms, written| VmStats { disks_sampled_ms: Some(ms), ..vm(5, 1.0, written, 0) };
+        // Reports 2 s apart, disk samples 4 s apart.
+        let r = rows(&report(5000, vec![sampled(1000, 0)]), &report(7000, vec![sampled(5000, 4096)]));
+        assert_eq!(r[0].disk_write_per_s, Some(1024.0));
+        // The same sample in both reports gives no disk rate, not a rate of zero.
+        let r = rows(&report(5000, vec![sampled(5000, 4096)]), &report(6000, vec![sampled(5000, 4096)]));
+        assert_eq!(r[0].disk_write_per_s, None);
     }
 }
