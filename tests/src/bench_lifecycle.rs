@@ -3,17 +3,9 @@
 //! autostart takes to bring back 20 VMs desired running after a simulated host reboot
 //! (vmhostd and every QEMU SIGKILLed). Prints figures; asserts nothing about time.
 
-use crate::{alive, HostOptions, TestHost};
+use crate::{alive, percentile, HostOptions, TestHost};
 use serde_json::json;
 use std::time::{Duration, Instant};
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
 
 fn ms(d: Duration) -> String {
     format!("{:.0}", d.as_secs_f64() * 1000.0)

@@ -5,17 +5,9 @@
 //! namespace, so every part of a VM's figures is read (`/proc`, the taps' counters, the stats
 //! monitor). Prints figures; asserts nothing about time.
 
-use crate::{boot_sector, HostOptions, TestHost, LAN_NETWORK};
+use crate::{boot_sector, percentile, HostOptions, TestHost, LAN_NETWORK};
 use serde_json::json;
 use std::time::{Duration, Instant};
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
 
 fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
-    v.get(v.len() / 2).copied().unwrap_or(Duration::ZERO)
+    crate::percentile(&v, 0.5)
 }
 
 fn ms(d: Duration) -> String {

@@ -539,6 +539,16 @@ impl Drop for TestHost {
     }
 }
 
+/// The `p`-quantile (0.0-1.0) of `sorted` durations, nearest rank; zero for none. For the
+/// benchmarks' tables.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
 pub mod bench_lifecycle;
 pub mod bench_stats;
 pub mod bench_storage;
