@@ -37,17 +37,33 @@ find_missing() {
 # Quiet unless apt-get fails: then its whole output (unmet dependencies are on stdout) and exit 1.
 apt_install() {
     local out
-    if ! out=$(DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q "$@" 2>&1); then
+    if ! out=$(DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q --allow-downgrades "$@" 2>&1); then
         printf '%s\n' "$out" >&2
         echo "setup: FAILED: apt-get install $* failed (output above)" >&2
         exit 1
     fi
 }
 
+# QEMU and qemu-utils come from the distribution's own release, as a pair: a machine may have a
+# qemu-utils backport (10.x) preinstalled, which Breaks qemu-system-common < 8.0, and apt will
+# neither install QEMU 7.2 beside it nor downgrade it unasked. `pkg/CODENAME` picks the release's
+# version of both and --allow-downgrades lets apt replace the backport.
+codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
+apt_packages() {
+    local pkg
+    for pkg in "$@"; do
+        case $pkg in
+        qemu-system-x86 | qemu-utils) echo "$pkg/$codename" ;;
+        *) echo "$pkg" ;;
+        esac
+    done
+}
+
 find_missing
 if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: installing ${missing[*]}"
     DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq
+    mapfile -t missing < <(apt_packages "${missing[@]}")
     apt_install "${missing[@]}"
     # An installation can remove what provided a command found before it: apt once satisfied
     # qemu-system-x86 7.2 by removing a preinstalled qemu-utils 10 (a backport), and qemu-img was
@@ -55,6 +71,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     find_missing
     if [ ${#missing[@]} -gt 0 ]; then
         echo "setup: ${missing_commands[*]} missing after installing (removed by it?); installing ${missing[*]} again" >&2
+        mapfile -t missing < <(apt_packages "${missing[@]}")
         apt_install "${missing[@]}"
         find_missing
         if [ ${#missing[@]} -gt 0 ]; then

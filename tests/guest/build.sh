@@ -82,9 +82,12 @@ ensure_tools() {
     [ ${#missing[@]} -eq 0 ] && return 0
     log "installing ${missing[*]}"
     apt_update_once
-    # qemu-utils by name: otherwise apt may satisfy qemu-system-x86 by removing a qemu-utils of
-    # another version (see tests/setup.sh), and qemu-img is gone.
-    apt-get "${APT_OPTS[@]}" install -y qemu-system-x86 qemu-utils busybox-static cpio kmod socat >&2
+    # QEMU and qemu-utils from the release itself, as a pair (see tests/setup.sh): a preinstalled
+    # qemu-utils backport would otherwise block QEMU 7.2 or be removed, and qemu-img is gone.
+    local codename
+    codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
+    apt-get "${APT_OPTS[@]}" install -y --allow-downgrades "qemu-system-x86/$codename" "qemu-utils/$codename" \
+        busybox-static cpio kmod socat >&2
 }
 
 # apt-get download needs package lists; on a fresh machine there are none yet.
