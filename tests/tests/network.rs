@@ -268,7 +268,7 @@ fn image_vms_get_a_cloud_init_seed_matching_their_nics() {
         .find_map(|a| a.strip_suffix(&format!(",opaque={}", seed.display()))?.split(",set=").nth(1))
         .unwrap_or_else(|| panic!("no fd set for the seed: {cmdline}"))
         .to_string();
-    assert!(cmdline.contains(&format!("file=/dev/fdset/{set},if=virtio,format=raw,readonly=on")), "{cmdline}");
+    assert!(cmdline.contains(&format!("file=/dev/fdset/{set},if=none,id=seed,format=raw,readonly=on")), "{cmdline}");
     let fd_dir = format!("/proc/{pid}/fd");
     let seed_fd = std::fs::read_dir(&fd_dir)
         .unwrap()
