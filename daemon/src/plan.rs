@@ -7,7 +7,7 @@
 //! simulated host in a fixed order: VMs that stay as they are first, then the ones to create,
 //! reconfigure or replace, in request order. All are pure; the lifecycle executes the plan.
 
-use crate::api::{ApiError, PlanAction, PlanEntry, VmSpec, VmStatus};
+use crate::api::{ApiError, DataDiskSpec, PlanAction, PlanEntry, VmSpec, VmStatus};
 use crate::capacity::{admit, Holding};
 use crate::config::Config;
 use crate::nic::{NicAlloc, NicHolding};
@@ -86,30 +86,64 @@ pub fn needs_restart(fields: &[String]) -> bool {
 }
 
 /// Whether a running VM must restart to go from `current` to `desired`: as [`needs_restart`],
-/// except that `disks` is live when the data disks are the same list and only sizes grew
-/// (QMP `block_resize`, [`grown_data_disks`]).
+/// except that `disks` is live when [`live_disk_changes`] can reach the new list (grow, hot-plug,
+/// unplug).
 pub fn restart_needed(current: &VmSpec, desired: &VmSpec) -> bool {
     let fields: Vec<String> = spec_drift(current, desired)
         .into_iter()
-        .filter(|f| !(f == "disks" && only_data_disk_sizes_grow(current, desired)))
+        .filter(|f| !(f == "disks" && live_disk_changes(current, desired).is_some()))
         .collect();
     needs_restart(&fields)
 }
 
-/// True when `desired`'s data disks are `current`'s, in the same order with the same options,
-/// with sizes equal or larger.
-fn only_data_disk_sizes_grow(current: &VmSpec, desired: &VmSpec) -> bool {
-    current.disks.len() == desired.disks.len()
-        && current.disks.iter().zip(&desired.disks).all(|(a, b)| {
-            let mut resized = a.clone();
-            resized.size_gib = b.size_gib;
-            resized == *b && b.size_gib >= a.size_gib
-        })
+/// What turns a running QEMU's data disks (`current`'s) into `desired`'s without a restart.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DiskChanges<'a> {
+    /// Disks both list, larger in `desired`, with their old sizes in GiB (`block_resize`).
+    pub grow: Vec<(&'a DataDiskSpec, u64)>,
+    /// Disks only `current` lists, in its order (unplugged, then deleted or kept).
+    pub remove: Vec<&'a DataDiskSpec>,
+    /// Disks only `desired` lists, in its order (made and hot-plugged).
+    pub add: Vec<&'a DataDiskSpec>,
+}
+
+impl DiskChanges<'_> {
+    /// Nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.grow.is_empty() && self.remove.is_empty() && self.add.is_empty()
+    }
+}
+
+/// The live steps from `current`'s data disks to `desired`'s, or `None` when only a restart
+/// gets there: a disk both list (by name) must keep its format and options and not shrink, and
+/// the disks both list must stay in the same order (the guest's order is fixed at start). A
+/// disk added anywhere is hot-plugged (the guest names it after those it has until the next
+/// start; `/dev/disk/by-id/virtio-NAME` is stable).
+pub fn live_disk_changes<'a>(current: &'a VmSpec, desired: &'a VmSpec) -> Option<DiskChanges<'a>> {
+    let kept_in = |list: &'a [DataDiskSpec], other: &'a [DataDiskSpec]| -> Vec<&'a DataDiskSpec> {
+        list.iter().filter(|d| other.iter().any(|o| o.name == d.name)).collect()
+    };
+    let old_kept = kept_in(&current.disks, &desired.disks);
+    let new_kept = kept_in(&desired.disks, &current.disks);
+    let mut changes = DiskChanges::default();
+    for (a, b) in old_kept.iter().zip(&new_kept) {
+        let mut resized = (*a).clone();
+        resized.size_gib = b.size_gib;
+        if resized != **b || b.size_gib < a.size_gib {
+            return None;
+        }
+        if b.size_gib > a.size_gib {
+            changes.grow.push((*b, a.size_gib));
+        }
+    }
+    changes.remove = current.disks.iter().filter(|d| !desired.disks.iter().any(|o| o.name == d.name)).collect();
+    changes.add = desired.disks.iter().filter(|d| !current.disks.iter().any(|o| o.name == d.name)).collect();
+    Some(changes)
 }
 
 /// The data disks `desired` makes larger than in `current` (same name and format), with their
 /// old sizes in GiB.
-pub fn grown_data_disks<'a>(current: &VmSpec, desired: &'a VmSpec) -> Vec<(&'a crate::api::DataDiskSpec, u64)> {
+pub fn grown_data_disks<'a>(current: &VmSpec, desired: &'a VmSpec) -> Vec<(&'a DataDiskSpec, u64)> {
     desired
         .disks
         .iter()
@@ -549,11 +583,40 @@ mod tests {
             [("nsm", 2)]
         );
         let added = with(vec![disk("nsm", 2, DiskFormat::Raw), disk("logs", 1, DiskFormat::Qcow2)]);
-        assert!(restarts(classify(&one, &added).unwrap()), "a new disk comes with a restart");
-        assert!(restarts(classify(&added, &one).unwrap()), "a disk may go, with a restart");
+        assert!(!restarts(classify(&one, &added).unwrap()), "a new disk is hot-plugged");
+        assert!(!restarts(classify(&added, &one).unwrap()), "a dropped disk is unplugged");
+        let names = |v: &[&DataDiskSpec]| v.iter().map(|d| d.name.clone()).collect::<Vec<_>>();
+        let live = live_disk_changes(&one, &added).unwrap();
+        assert_eq!((names(&live.add), names(&live.remove), live.grow.len()), (vec!["logs".to_string()], vec![], 0));
+        let live = live_disk_changes(&added, &one).unwrap();
+        assert_eq!((names(&live.add), names(&live.remove)), (vec![], vec!["logs".to_string()]));
+        // Grown, one dropped and one added at once, in the middle: all live.
+        let three =
+            with(vec![disk("a", 1, DiskFormat::Raw), disk("b", 1, DiskFormat::Raw), disk("c", 1, DiskFormat::Raw)]);
+        let mixed =
+            with(vec![disk("a", 2, DiskFormat::Raw), disk("n", 1, DiskFormat::Qcow2), disk("c", 1, DiskFormat::Raw)]);
+        let live = live_disk_changes(&three, &mixed).unwrap();
+        assert_eq!(
+            (
+                names(&live.add),
+                names(&live.remove),
+                live.grow.iter().map(|(d, o)| (d.name.clone(), *o)).collect::<Vec<_>>()
+            ),
+            (vec!["n".to_string()], vec!["b".to_string()], vec![("a".to_string(), 1)])
+        );
+        assert!(!restarts(classify(&three, &mixed).unwrap()));
+        assert!(live_disk_changes(&one, &one).unwrap().is_empty());
+        // The kept disks in another order: the guest's order is fixed at start.
+        let swapped =
+            with(vec![disk("c", 1, DiskFormat::Raw), disk("a", 1, DiskFormat::Raw), disk("b", 1, DiskFormat::Raw)]);
+        assert_eq!(live_disk_changes(&three, &swapped), None);
+        assert!(restarts(classify(&three, &swapped).unwrap()), "a new order needs a restart");
         let mut cached = grown.clone();
         cached.disks[0].cache = DiskCache::Writeback;
         assert!(restarts(classify(&one, &cached).unwrap()), "another cache mode needs a restart");
+        let mut other = added.clone();
+        other.cpu += 1;
+        assert!(restarts(classify(&one, &other).unwrap()), "a disk with another change still restarts");
         assert_eq!(classify(&grown, &one).unwrap_err().field.as_deref(), Some("spec.disks[0].size_gib"));
         let qcow = with(vec![disk("nsm", 2, DiskFormat::Qcow2)]);
         assert_eq!(classify(&one, &qcow).unwrap_err().field.as_deref(), Some("spec.disks[0].format"));

@@ -23,6 +23,8 @@ mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
 mount -t tmpfs tmpfs /run
 mount -t tmpfs tmpfs /tmp
+# A task stuck in the kernel is reported (with its stack) after 5 s rather than 120 s.
+echo 5 >/proc/sys/kernel/hung_task_timeout_secs 2>/dev/null || true
 # The kernel opened the console on the initramfs's own /dev before devtmpfs
 # covered it; reopen so we do not depend on that node existing.
 exec </dev/console >/dev/console 2>&1
@@ -158,16 +160,43 @@ if grep -qw vmhost.disks /proc/cmdline; then
         echo "VMHOST-DISK ${dev##*/} serial=$(cat "$dev/serial" 2>/dev/null) sectors=$(cat "$dev/size") mark=$mark"
     done
     echo "VMHOST-DISKS-DONE"
-    # Then a watch: every change of a disk's size (a live grow) is reported as it happens.
+    # Then a watch: every change of the disks (a live grow, a hot-plug, an unplug) is reported
+    # as it happens: VMHOST-DISK-SIZES with every disk's size, and VMHOST-DISK-ADDED <dev>
+    # serial=<serial> or VMHOST-DISK-REMOVED <dev> for a disk that came or went. Through the
+    # kernel's log (level 2, shown despite `quiet`): the console writes it by polling the UART,
+    # whereas a tty write waits for the UART's interrupt, which under TCG was seen to stop
+    # coming after a PCI hot-plug, leaving the report stuck in the guest.
     (
-        sizes=
+        exec >/dev/kmsg
+        say() { printf '<2>%s\n' "$*"; }
+        # A disk is known by its name and its PCI path (another slot for a hot-plugged disk),
+        # so an unplug and a hot-plug between two looks that reuse a name are both seen.
+        disks() {
+            for dev in /sys/block/vd*; do
+                [ -e "$dev" ] && printf ' %s@%s' "${dev##*/}" "$(readlink -f "$dev" | tr ' ' _)"
+            done
+        }
+        sizes= known=" $(disks) "
         while true; do
             now=
             for dev in /sys/block/vd*; do
                 [ -e "$dev" ] && now="$now ${dev##*/}=$(cat "$dev/size")"
             done
+            ids=" $(disks) "
+            if [ "$ids" != "$known" ]; then
+                for id in $known; do
+                    case $ids in *" $id "*) ;; *) say "VMHOST-DISK-REMOVED ${id%@*}" ;; esac
+                done
+                for id in $ids; do
+                    case $known in
+                        *" $id "*) ;;
+                        *) say "VMHOST-DISK-ADDED ${id%@*} serial=$(cat "/sys/block/${id%@*}/serial" 2>/dev/null)" ;;
+                    esac
+                done
+                known=$ids
+            fi
             if [ -n "$sizes" ] && [ "$now" != "$sizes" ]; then
-                echo "VMHOST-DISK-SIZES$now"
+                say "VMHOST-DISK-SIZES$now"
             fi
             sizes=$now
             sleep 0.5

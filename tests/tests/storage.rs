@@ -123,12 +123,29 @@ fn the_guest_sees_its_data_disks_and_keeps_what_it_wrote_through_every_change() 
     );
     assert_eq!(std::fs::metadata(&nsm).unwrap().len(), 2 << 30);
 
-    // logs is dropped and extra added (a restart).
+    // logs is unplugged and extra hot-plugged: the same QEMU; the guest sees one go, the other come.
     let changed = json!([
         {"name": "nsm", "size_gib": 2, "format": "raw", "keep_on_destroy": true},
         {"name": "extra", "size_gib": 1, "format": "qcow2"}
     ]);
-    apply(&host, &disk_spec(&host, "sensor", changed.clone(), ""));
+    let v = apply(&host, &disk_spec(&host, "sensor", changed.clone(), ""));
+    assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(false)), "live, nothing pending: {v}");
+    assert!(
+        host.wait_serial("sensor", "VMHOST-DISK-REMOVED vdb", BOOT),
+        "{}\n{}",
+        host.serial("sensor"),
+        host.daemon_log()
+    );
+    assert!(wait_added(&host, "sensor", "extra"), "{}", host.serial("sensor"));
+    assert!(!data_disk(&host, "sensor", "logs.qcow2").exists(), "an unplugged disk without keep_on_destroy is deleted");
+    assert!(data_disk(&host, "sensor", "extra.qcow2").is_file());
+    let stats = host.call("vm.stats", json!({ "name": "sensor" }));
+    let devices: Vec<&str> =
+        stats["vms"][0]["disks"].as_array().unwrap().iter().filter_map(|d| d["device"].as_str()).collect();
+    assert!(devices.contains(&"data-extra") && !devices.contains(&"data-logs"), "{stats}");
+
+    // The next start puts the disks in spec order.
+    host.call("vm.restart", json!({ "name": "sensor", "timeout_s": 5 }));
     let report = disk_report(&host, "sensor", 4);
     assert_eq!(
         report,
@@ -138,7 +155,6 @@ fn the_guest_sees_its_data_disks_and_keeps_what_it_wrote_through_every_change() 
         ]
     );
     assert_eq!(std::fs::metadata(&nsm).unwrap().ino(), ino, "the same file, grown");
-    assert!(!data_disk(&host, "sensor", "logs.qcow2").exists(), "a dropped disk without keep_on_destroy is deleted");
 
     // Refused changes leave the VM as it is.
     let mut smaller = disk_spec(&host, "sensor", changed.clone(), "");
@@ -316,19 +332,55 @@ fn disks_larger_than_the_free_space_are_refused_before_anything_is_made() {
 }
 
 #[test]
-fn a_disk_dropped_without_a_restart_goes_at_the_next_start_and_not_before() {
+fn disks_come_and_go_while_running_and_a_restart_puts_them_in_order() {
     let host = host();
     let both = json!([{"name": "a", "size_gib": 1}, {"name": "b", "size_gib": 1, "keep_on_destroy": true}]);
-    host.call("vm.create", json!({ "spec": disk_spec(&host, "pend", both, "") }));
+    host.call("vm.create", json!({ "spec": disk_spec(&host, "pend", both, "vmhost.writemark=b:kept") }));
+    assert!(host.wait_serial("pend", "VMHOST-WROTE b kept", BOOT), "{}", host.serial("pend"));
+    assert_eq!(disk_report(&host, "pend", 1).len(), 2);
     let pid = host.call("vm.get", json!({ "name": "pend" }))["pid"].clone();
-    let only_a = disk_spec(&host, "pend", json!([{"name": "a", "size_gib": 1}]), "");
+
+    // b is unplugged even with restart: false; kept, as it says.
+    let only_a = disk_spec(&host, "pend", json!([{"name": "a", "size_gib": 1}]), "vmhost.writemark=b:kept");
     let v = host.call("vm.apply", json!({ "spec": only_a, "restart": false }));
+    assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(false)), "{v}");
+    assert!(host.wait_serial("pend", "VMHOST-DISK-REMOVED vdb", BOOT), "{}", host.serial("pend"));
+    assert!(!data_disk(&host, "pend", "b.qcow2").exists());
+    let kept = kept_disk(&host, "pend", "b.qcow2");
+    assert!(kept.is_file(), "unplugged with keep_on_destroy: kept");
+
+    // b comes back (taken back from kept-disks) and c is new, together with a change that
+    // needs a restart, not made: the disks are hot-plugged now, the rest waits.
+    let mut more = disk_spec(
+        &host,
+        "pend",
+        json!([{"name": "c", "size_gib": 2}, {"name": "a", "size_gib": 1}, {"name": "b", "size_gib": 1, "keep_on_destroy": true}]),
+        "vmhost.writemark=b:kept",
+    );
+    more["memory_mib"] = json!(more["memory_mib"].as_u64().unwrap() + 16);
+    let v = host.call("vm.apply", json!({ "spec": more, "restart": false }));
     assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(true)), "{v}");
-    let b = data_disk(&host, "pend", "b.qcow2");
-    assert!(b.is_file(), "the running QEMU still has b: it stays until the new spec runs");
+    assert!(wait_added(&host, "pend", "b") && wait_added(&host, "pend", "c"), "{}", host.serial("pend"));
+    assert!(!kept.exists(), "taken back");
+    assert!(data_disk(&host, "pend", "c.qcow2").is_file());
+
+    // The restart applies the rest and the spec's order; b still holds what the guest wrote.
     host.call("vm.restart", json!({ "name": "pend", "timeout_s": 5 }));
-    assert!(!b.exists());
-    assert!(kept_disk(&host, "pend", "b.qcow2").is_file(), "dropped with keep_on_destroy: kept");
     let report = disk_report(&host, "pend", 2);
-    assert_eq!(report.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["a"], "{report:?}");
+    let order: Vec<(&str, &str)> = report.iter().map(|r| (r.1.as_str(), r.3.as_str())).collect();
+    assert_eq!(order, [("c", "-"), ("a", "-"), ("b", "kept")], "{report:?}");
+    assert_eq!(host.call("vm.get", json!({ "name": "pend" }))["pending_restart"], false);
+}
+
+/// Waits for the guest to report a hot-plugged disk with serial `serial`.
+fn wait_added(host: &TestHost, name: &str, serial: &str) -> bool {
+    let deadline = std::time::Instant::now() + BOOT;
+    let needle = format!("serial={serial}");
+    while std::time::Instant::now() < deadline {
+        if host.serial(name).lines().any(|l| l.contains("VMHOST-DISK-ADDED ") && l.trim_end().ends_with(&needle)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
 }

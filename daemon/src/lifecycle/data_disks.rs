@@ -108,48 +108,54 @@ impl Manager {
     /// 4001 step `data_disk` when a disk cannot be made, moved or grown (what was made before
     /// stays; the caller decides whether to undo it).
     pub(super) async fn ensure_data_disks(&self, spec: &VmSpec, track: bool) -> Result<(), ApiError> {
-        let name = spec.name.as_str();
+        for disk in &spec.disks {
+            self.ensure_data_disk(&spec.name, disk, track).await?;
+        }
+        Ok(())
+    }
+
+    /// [`Manager::ensure_data_disks`] for one disk of VM `name` (a hot-plug makes its disk
+    /// alone).
+    ///
+    /// # Errors
+    /// As [`Manager::ensure_data_disks`].
+    pub(super) async fn ensure_data_disk(&self, name: &str, disk: &DataDiskSpec, track: bool) -> Result<(), ApiError> {
         let paths = self.paths(name);
-        if spec.disks.is_empty() {
+        private_dir(&paths.disk_dir)?;
+        let file = paths.data_disk(disk);
+        if file.exists() {
             return Ok(());
         }
-        private_dir(&paths.disk_dir)?;
-        for disk in &spec.disks {
-            let file = paths.data_disk(disk);
-            if file.exists() {
-                continue;
-            }
-            let kept = paths.kept_disk(disk);
-            if kept.exists() {
-                if track {
-                    let d = disk.name.clone();
-                    self.update(name, "taking back a kept disk", |r| r.reclaimed_disks.push(d))?;
-                }
-                move_disk(&kept, &file)?;
-                tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
-                self.crashpoint("data_disk:reclaimed");
-                crate::disk::data::grow(&self.disk_tool(), &file, disk)
-                    .await
-                    .map_err(|e| failed(format!("cannot grow data disk {:?}: {e}", disk.name)))?;
-                continue;
-            }
+        let kept = paths.kept_disk(disk);
+        if kept.exists() {
             if track {
                 let d = disk.name.clone();
-                self.update(name, "making a data disk", |r| r.new_disks.push(d))?;
+                self.update(name, "taking back a kept disk", |r| r.reclaimed_disks.push(d))?;
             }
-            let partial = paths.partial_data_disk(disk);
-            remove_file(&partial)?;
-            crate::disk::data::create(&self.disk_tool(), &partial, disk).await.map_err(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                failed(format!("cannot make data disk {:?}: {e}", disk.name))
-                    .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
-            })?;
-            std::fs::rename(&partial, &file).map_err(|e| {
-                let _ = std::fs::remove_file(&partial);
-                failed(format!("cannot move data disk {:?} into place: {e}", disk.name))
-            })?;
-            self.crashpoint("data_disk:made");
+            move_disk(&kept, &file)?;
+            tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
+            self.crashpoint("data_disk:reclaimed");
+            crate::disk::data::grow(&self.disk_tool(), &file, disk)
+                .await
+                .map_err(|e| failed(format!("cannot grow data disk {:?}: {e}", disk.name)))?;
+            return Ok(());
         }
+        if track {
+            let d = disk.name.clone();
+            self.update(name, "making a data disk", |r| r.new_disks.push(d))?;
+        }
+        let partial = paths.partial_data_disk(disk);
+        remove_file(&partial)?;
+        crate::disk::data::create(&self.disk_tool(), &partial, disk).await.map_err(|e| {
+            let tail = e.stderr_tail().unwrap_or_default().to_string();
+            failed(format!("cannot make data disk {:?}: {e}", disk.name))
+                .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
+        })?;
+        std::fs::rename(&partial, &file).map_err(|e| {
+            let _ = std::fs::remove_file(&partial);
+            failed(format!("cannot move data disk {:?} into place: {e}", disk.name))
+        })?;
+        self.crashpoint("data_disk:made");
         Ok(())
     }
 
@@ -174,9 +180,15 @@ impl Manager {
     /// took back to `kept-disks`, as the record names them; disks it found in place (a
     /// replace keeps them) are not touched. Failures are logged: an undo goes as far as it can.
     pub(super) fn undo_data_disks(&self, name: &str) {
+        self.undo_data_disks_except(name, &std::collections::BTreeSet::new());
+    }
+
+    /// [`Manager::undo_data_disks`], except for the disks named in `attached` (a running QEMU
+    /// has them: they are the VM's now).
+    pub(super) fn undo_data_disks_except(&self, name: &str, attached: &std::collections::BTreeSet<String>) {
         let Ok(rec) = self.record(name) else { return };
         let paths = self.paths(name);
-        let by_name = |n: &String| rec.spec.disks.iter().find(|d| &d.name == n);
+        let by_name = |n: &String| rec.spec.disks.iter().find(|d| &d.name == n && !attached.contains(n.as_str()));
         for disk in rec.new_disks.iter().filter_map(by_name) {
             for file in [paths.data_disk(disk), paths.partial_data_disk(disk)] {
                 if let Err(e) = remove_file(&file) {
@@ -247,7 +259,7 @@ impl Manager {
     }
 
     /// Keeps (moves) or deletes each of `disks` of VM `name`; returns the kept paths.
-    fn let_go(&self, name: &str, disks: &[&DataDiskSpec]) -> Result<Vec<PathBuf>, ApiError> {
+    pub(super) fn let_go(&self, name: &str, disks: &[&DataDiskSpec]) -> Result<Vec<PathBuf>, ApiError> {
         let paths = self.paths(name);
         let mut kept = Vec::new();
         for disk in disks {

@@ -22,6 +22,7 @@ mod agent;
 mod autostart;
 mod data_disks;
 mod exits;
+mod hotplug;
 mod launch;
 mod ops;
 mod reconcile;

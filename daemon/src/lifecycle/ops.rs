@@ -437,11 +437,15 @@ impl Manager {
         let fields = match crate::plan::classify(&current.spec, &spec)? {
             Change::None => {
                 // A change recorded with `restart: false` (or just before a crash) is applied now.
-                let pending = current.running_spec.as_ref().filter(|_| restart && current.status == VmStatus::Running);
+                // Disk steps alone (a hot-plug cut short) are done live whatever `restart` says.
+                let pending = current.running_spec.as_ref().filter(|running| {
+                    current.status == VmStatus::Running && (restart || !crate::plan::restart_needed(running, &spec))
+                });
                 return match pending {
                     Some(running) => {
                         let fields = crate::plan::spec_drift(running, &spec);
-                        self.reconfigure(vm, fields, true, timeout_s).await
+                        let restart = restart && crate::plan::restart_needed(running, &spec);
+                        self.reconfigure(vm, fields, restart, timeout_s).await
                     }
                     None => self.converge_unchanged(&current, spec, timeout_s).await,
                 };

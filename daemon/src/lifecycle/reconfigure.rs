@@ -15,8 +15,10 @@
 //!    - not running: grow the disk offline ([`crate::disk::grow_overlay`]); start it if it is desired
 //!      running;
 //!    - running and now desired stopped: stop it (ACPI, `timeout_s`, kill), grow offline;
-//!    - running, only larger disks (boot or data): grow them live (QMP `block_resize`), no restart;
-//!    - running, `restart: false`: grow live if needed; the next start applies the rest;
+//!    - running, only disk changes ([`crate::plan::live_disk_changes`]): larger disks grow live
+//!      (QMP `block_resize`), dropped ones are unplugged and new ones hot-plugged
+//!      ([`super::hotplug`]), no restart;
+//!    - running, `restart: false`: the same live disk steps; the next start applies the rest;
 //!    - running, restart: stop (ACPI, `timeout_s`, kill), grow offline, start with the new
 //!      spec. If that start fails, the old spec (with the grown disk size) is recorded again
 //!      and started, and the error says so.
@@ -105,21 +107,25 @@ impl Manager {
         let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
         if !restart {
             // The running QEMU keeps its spec; pending is what differs from that, not from the
-            // last recorded one (a disk-only change leaves an earlier change pending).
-            let pending = crate::plan::restart_needed(&running, &vm.spec);
+            // last recorded one (a disk-only change leaves an earlier change pending). Disks
+            // change live (grow, unplug, hot-plug), each step recorded as QEMU takes it.
+            let pending = super::hotplug::still_pending(&running, &vm.spec);
             self.swap_in_place(name, &vm.spec, pending.then_some(running.clone()))?;
             self.crashpoint("reconfigure:recorded");
-            // Only what the running QEMU has grows live: a disk it does not have yet comes with
-            // the restart.
-            let grown = crate::plan::grown_data_disks(&running, &vm.spec);
+            let release = Duration::from_secs(timeout_s);
             let live = async {
                 if let Some(gib) = grow_to {
                     self.grow_live(name, gib).await?;
                 }
-                self.grow_data_disks_live(name, &grown).await
+                self.change_disks_live(name, &running, &vm.spec, release).await
             };
             if let Err(e) = live.await {
-                self.swap_in_place(name, &old.spec, old.running_spec.clone())?;
+                // Nothing changed in QEMU: the old record again. Else the record says what QEMU
+                // has, and the rest stays pending.
+                let now = self.record(name)?;
+                if now.running_spec.as_ref().unwrap_or(&now.spec).disks == running.disks {
+                    self.swap_in_place(name, &old.spec, old.running_spec.clone())?;
+                }
                 return Err(e);
             }
             return Ok(());
@@ -237,40 +243,6 @@ impl Manager {
             ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB while running: {e}"))
                 .details(json!({ "step": "disk_grow" }))
         })
-    }
-}
-
-impl Manager {
-    /// Grows data disks of a running VM over QMP (`block_resize` of `data-NAME`); the guest
-    /// sees each new size at once. A preallocated raw disk then gets its new blocks reserved.
-    async fn grow_data_disks_live(
-        &self,
-        name: &str,
-        grown: &[(&crate::api::DataDiskSpec, u64)],
-    ) -> Result<(), ApiError> {
-        if grown.is_empty() {
-            return Ok(());
-        }
-        let paths = self.paths(name);
-        let failed = |disk: &str, e: String| {
-            ApiError::new(Code::ProvisioningFailed, format!("cannot grow data disk {disk:?} while running: {e}"))
-                .details(json!({ "step": "data_disk", "disk": disk }))
-        };
-        let mut q = crate::qemu::qmp::Qmp::connect(&paths.qmp, RESIZE_TIMEOUT)
-            .await
-            .map_err(|e| failed(&grown[0].0.name, e.to_string()))?;
-        for (disk, old_gib) in grown {
-            let drive = crate::qemu::argv::data_drive(&disk.name);
-            q.block_resize(&drive, disk.size_gib.saturating_mul(1 << 30))
-                .await
-                .map_err(|e| failed(&disk.name, e.to_string()))?;
-            if disk.preallocate && disk.format == crate::api::DiskFormat::Raw {
-                crate::disk::data::preallocate_tail(&paths.data_disk(disk), old_gib.saturating_mul(1 << 30))
-                    .await
-                    .map_err(|e| failed(&disk.name, e.to_string()))?;
-            }
-        }
-        Ok(())
     }
 }
 

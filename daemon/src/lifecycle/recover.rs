@@ -72,10 +72,16 @@ impl Manager {
                 // Re-adopt: QMP must answer, but a VM whose monitor is wedged is still running
                 // and is not killed for it.
                 match Qmp::connect(&paths.qmp, Duration::from_secs(5)).await {
-                    Ok(mut q) => match q.query_status().await {
-                        Ok(s) => tracing::info!(vm = name, pid = id.pid, status = %s, "re-adopted running VM"),
-                        Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP query failed"),
-                    },
+                    Ok(mut q) => {
+                        match q.query_status().await {
+                            Ok(s) => tracing::info!(vm = name, pid = id.pid, status = %s, "re-adopted running VM"),
+                            Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP query failed"),
+                        }
+                        // A disk change cut short: the record takes what QEMU has.
+                        if let Err(e) = self.settle_hotplug(name, &mut q).await {
+                            tracing::warn!(vm = name, error = %e, "re-adopted VM; its data disks were not checked");
+                        }
+                    }
                     Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP unreachable"),
                 }
                 let started_at = rec.started_at.clone();

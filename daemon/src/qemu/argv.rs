@@ -267,6 +267,12 @@ pub fn build_argv(
         ]);
         push(&["-device", &format!("virtio-blk-pci,drive={DISK_DRIVE},id=boot-disk")]);
     }
+    // On q35 each data disk sits behind its own root port, so it can be unplugged, and spare
+    // ports take hot-plugged ones (qemu/hotplug.rs).
+    let ports = crate::qemu::hotplug::root_port_args(&config.qemu.machine, spec.disks.len());
+    for port in &ports {
+        push(&["-device", port]);
+    }
     for (i, disk) in spec.disks.iter().enumerate() {
         let which = PassedFd::DataDisk(i);
         push(&["-add-fd", &fdset(which, &paths.data_disk(disk))]);
@@ -287,7 +293,11 @@ pub fn build_argv(
         // resize finds its own lock in the way ("Failed to get \"write\" lock"). The daemon
         // hands each disk to one QEMU only. The name is the serial: 1-20 of [a-z0-9-]
         // (validate.rs), within virtio-blk's 20 bytes.
-        push(&["-device", &format!("virtio-blk-pci,drive={0},id={0},serial={1}", data_drive(&disk.name), disk.name)]);
+        let bus = if ports.is_empty() { String::new() } else { format!(",bus={}", crate::qemu::hotplug::port_id(i)) };
+        push(&[
+            "-device",
+            &format!("virtio-blk-pci,drive={0},id={0},serial={1}{bus}", data_drive(&disk.name), disk.name),
+        ]);
     }
     match &vm.boot {
         BootSource::Image { .. } => {
@@ -479,11 +489,18 @@ mod tests {
             devices,
             [
                 "virtio-blk-pci,drive=virtio0,id=boot-disk",
-                "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm",
-                "virtio-blk-pci,drive=data-logs,id=data-logs,serial=logs",
+                "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm,bus=hp0",
+                "virtio-blk-pci,drive=data-logs,id=data-logs,serial=logs,bus=hp1",
                 "virtio-blk-pci,drive=seed,id=seed"
             ]
         );
+        // Each data disk behind its own root port (so it can be unplugged), spare ones after,
+        // all defined before the disks that name them.
+        let ports: Vec<&str> =
+            value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("pcie-root-port")).collect();
+        assert_eq!(ports.len(), 2 + crate::qemu::hotplug::SPARE_PORTS);
+        let position = |needle: &str| argv.iter().position(|a| a.starts_with(needle)).unwrap();
+        assert!(position("pcie-root-port,id=hp1,") < position("virtio-blk-pci,drive=data-nsm"));
         let (nsm_fd, logs_fd) = (3 + layout.len() - 4, 3 + layout.len() - 2);
         let drives = value_after(&argv, "-drive");
         assert_eq!(

@@ -2,6 +2,7 @@
 
 pub mod argv;
 pub mod boot_files;
+pub mod hotplug;
 pub mod identity;
 pub mod kvm;
 pub mod launch;

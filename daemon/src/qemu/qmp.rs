@@ -247,6 +247,85 @@ impl Qmp {
         }
     }
 
+    /// Runs `command` like [`Qmp::execute`], handing QEMU `fd` with the command's bytes
+    /// (`SCM_RIGHTS`). QEMU keeps one received descriptor for the next command that takes one
+    /// (`add-fd`, `getfd`), so commands that take a descriptor are sent one at a time.
+    ///
+    /// # Errors
+    /// As [`Qmp::execute`].
+    pub async fn execute_with_fd(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<Value, QmpError> {
+        let timeout = self.timeout;
+        let call = async {
+            let id = self.send_with_fd(command, arguments, fd).await?;
+            self.wait_reply(id).await
+        };
+        match tokio::time::timeout(timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(QmpError::Timeout { what: format!("command {command:?}"), after: timeout }),
+        }
+    }
+
+    /// Adds `fd` to QEMU's fd set `fdset` (a new set when `None`) with `opaque` as its
+    /// description; returns the set's id. QEMU opens `/dev/fdset/ID` by picking a descriptor of
+    /// the set whose access mode matches.
+    ///
+    /// # Errors
+    /// As [`Qmp::execute`], and [`QmpError::Protocol`] if the reply has no `fdset-id`.
+    pub async fn add_fd(
+        &mut self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        fdset: Option<u64>,
+        opaque: &str,
+    ) -> Result<u64, QmpError> {
+        let mut args = serde_json::json!({ "opaque": opaque });
+        if let Some(id) = fdset {
+            args["fdset-id"] = Value::from(id);
+        }
+        let reply = self.execute_with_fd("add-fd", Some(args), fd).await?;
+        reply
+            .get("fdset-id")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| QmpError::Protocol(format!("add-fd without fdset-id: {}", excerpt(&reply))))
+    }
+
+    /// Waits up to `timeout` for an event `matches` accepts (kept events first); other events
+    /// are kept. Returns `None` when none came in time.
+    ///
+    /// # Errors
+    /// [`QmpError::Closed`] once QEMU is gone; [`QmpError::Io`] and [`QmpError::Protocol`] as
+    /// documented on the variants.
+    pub async fn wait_event(
+        &mut self,
+        matches: impl Fn(&Value) -> bool,
+        timeout: Duration,
+    ) -> Result<Option<Value>, QmpError> {
+        if let Some(i) = self.events.iter().position(&matches) {
+            return Ok(self.events.remove(i));
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let msg = match tokio::time::timeout_at(deadline, self.read_message()).await {
+                Ok(msg) => msg?,
+                Err(_) => return Ok(None),
+            };
+            if msg.get("event").is_none() {
+                continue; // a late reply to a command that timed out
+            }
+            if matches(&msg) {
+                return Ok(Some(msg));
+            }
+            if self.events.len() == MAX_EVENTS {
+                self.events.pop_front();
+            }
+            self.events.push_back(msg);
+        }
+    }
+
     /// Grows the block device `device` (the VM's disk is `virtio0`, see
     /// [`crate::qemu::argv`]) to `bytes` while the guest runs; the guest sees the new size.
     ///
@@ -320,6 +399,58 @@ impl Qmp {
         // If this future is dropped mid-write (timeout), half a command may be on the wire.
         self.broken = true;
         self.writer.write_all(&bytes).await.map_err(io_error)?;
+        self.broken = false;
+        Ok(id)
+    }
+
+    /// Writes one command with `fd` attached to its bytes and returns its id.
+    async fn send_with_fd(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<u64, QmpError> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        use std::os::fd::AsRawFd;
+        if self.broken {
+            return Err(QmpError::Protocol("connection out of step; reconnect".to_string()));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut msg = Map::new();
+        msg.insert("execute".to_string(), Value::from(command));
+        if let Some(arguments) = arguments {
+            msg.insert("arguments".to_string(), arguments);
+        }
+        msg.insert("id".to_string(), Value::from(id));
+        let mut bytes = serde_json::to_vec(&Value::Object(msg))
+            .map_err(|e| QmpError::Protocol(format!("cannot encode command: {e}")))?;
+        bytes.push(b'\n');
+        self.broken = true;
+        let raw = [fd.as_raw_fd()];
+        let stream: &UnixStream = self.writer.as_ref();
+        // The descriptor travels with the first bytes; the rest of the line follows as usual.
+        let sent = loop {
+            stream.writable().await.map_err(io_error)?;
+            let attempt = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                sendmsg::<()>(
+                    stream.as_raw_fd(),
+                    &[io::IoSlice::new(&bytes)],
+                    &[ControlMessage::ScmRights(&raw)],
+                    MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+                    None,
+                )
+                .map_err(io::Error::from)
+            });
+            match attempt {
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(io_error(e)),
+            }
+        };
+        if let Some(rest) = bytes.get(sent..).filter(|r| !r.is_empty()) {
+            self.writer.write_all(rest).await.map_err(io_error)?;
+        }
         self.broken = false;
         Ok(id)
     }
@@ -421,6 +552,9 @@ pub struct BlockStats {
     /// The drive's name (`virtio0`, ...); empty for a device without a legacy drive name.
     #[serde(default)]
     pub device: String,
+    /// The root node's name: a hot-plugged data disk has no drive name but node `data-NAME`.
+    #[serde(default, rename = "node-name")]
+    pub node_name: String,
     /// The counters.
     pub stats: BlockCounters,
 }

@@ -142,13 +142,18 @@ async fn read_running(
     }
 }
 
-/// The block devices the guest has (QEMU also lists nodes without a drive name: skipped).
+/// The block devices the guest has, by drive name, or node name for a hot-plugged data disk
+/// (QEMU also lists other nodes without a drive name: skipped).
 fn disk_stats(blocks: &[BlockStats]) -> Vec<DiskStats> {
     blocks
         .iter()
-        .filter(|b| !b.device.is_empty())
-        .map(|b| DiskStats {
-            device: b.device.clone(),
+        .filter_map(|b| match (b.device.as_str(), b.node_name.as_str()) {
+            ("", node) if node.starts_with("data-") => Some((node, b)),
+            ("", _) => None,
+            (device, _) => Some((device, b)),
+        })
+        .map(|(device, b)| DiskStats {
+            device: device.to_string(),
             read_bytes: b.stats.rd_bytes,
             write_bytes: b.stats.wr_bytes,
             read_ops: b.stats.rd_operations,
@@ -207,16 +212,19 @@ mod tests {
     }
 
     #[test]
-    fn only_drives_with_a_name_are_disks() {
+    fn only_drives_with_a_name_and_hot_plugged_data_disks_are_disks() {
         let counters = BlockCounters { rd_bytes: 1, wr_bytes: 2, rd_operations: 3, wr_operations: 4 };
-        let out = disk_stats(&[
-            BlockStats { device: "virtio0".into(), stats: counters },
-            BlockStats { device: String::new(), stats: counters },
-        ]);
-        assert_eq!(
-            out,
-            [DiskStats { device: "virtio0".into(), read_bytes: 1, write_bytes: 2, read_ops: 3, write_ops: 4 }]
-        );
+        let block =
+            |device: &str, node: &str| BlockStats { device: device.into(), node_name: node.into(), stats: counters };
+        let out = disk_stats(&[block("virtio0", "#block123"), block("", "#block456"), block("", "data-extra")]);
+        let disk = |device: &str| DiskStats {
+            device: device.into(),
+            read_bytes: 1,
+            write_bytes: 2,
+            read_ops: 3,
+            write_ops: 4,
+        };
+        assert_eq!(out, [disk("virtio0"), disk("data-extra")]);
     }
 
     #[tokio::test]

@@ -1,0 +1,189 @@
+//! Changing a running VM's data disks without a restart: grow, unplug, hot-plug.
+//!
+//! [`Manager::change_disks_live`] is the running-VM branch of a reconfigure whose disk change
+//! [`crate::plan::live_disk_changes`] can reach live. The record's `running_spec` says what the
+//! live QEMU has; it is written before the first step (the change is pending) and after every
+//! disk that changed in QEMU, so a crash at any point leaves a record that is right or one step
+//! behind, which [`Manager::settle_hotplug`] puts right from what QEMU shows. In order:
+//!
+//! 1. grow: `block_resize` of each larger disk (a preallocated raw disk then gets its new
+//!    blocks reserved);
+//! 2. unplug each dropped disk ([`crate::qemu::hotplug::detach`]: the guest must release it),
+//!    record that QEMU no longer has it, then delete it or keep it (`keep_on_destroy`);
+//! 3. hot-plug each new disk: make it (tracked in `new_disks`/`reclaimed_disks` like a create's,
+//!    so a crash before it is attached undoes it), attach it on descriptors
+//!    ([`crate::qemu::hotplug::attach`]), record that QEMU has it, end the tracking.
+//!
+//! A step that fails undoes itself (a disk made for a failed attach is deleted, one taken back
+//! is returned) and stops there: what was done before it stays done and recorded, and the rest
+//! of the change stays pending (`pending_restart`) until the next start or apply.
+
+use super::Manager;
+use crate::api::{ApiError, Code, DataDiskSpec, VmSpec};
+use crate::qemu::hotplug::{self, DiskFds, HotplugError};
+use crate::qemu::qmp::Qmp;
+use serde_json::json;
+use std::collections::BTreeSet;
+use std::os::unix::fs::OpenOptionsExt;
+use std::time::Duration;
+
+/// Bound on each QMP command of a live disk change (a resize or an attach).
+const QMP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Shortest wait for a guest to release an unplugged disk, whatever `timeout_s` says.
+const MIN_RELEASE: Duration = Duration::from_secs(10);
+
+fn failed(disk: &str, what: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(Code::ProvisioningFailed, format!("cannot {what} data disk {disk:?} while running: {e}"))
+        .details(json!({ "step": "data_disk", "disk": disk }))
+}
+
+/// Whether a QEMU running `running` still lacks part of `spec`: a restart, or a live disk step.
+pub(super) fn still_pending(running: &VmSpec, spec: &VmSpec) -> bool {
+    crate::plan::restart_needed(running, spec)
+        || crate::plan::live_disk_changes(running, spec).is_some_and(|c| !c.is_empty())
+}
+
+impl Manager {
+    /// Takes the running QEMU of VM `name` from `running`'s data disks to `desired`'s (see the
+    /// module doc). `release`: how long a guest may take to let go of an unplugged disk (at
+    /// least [`MIN_RELEASE`]).
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` naming the disk whose step failed; the record then says what QEMU
+    /// has.
+    pub(super) async fn change_disks_live(
+        &self,
+        name: &str,
+        running: &VmSpec,
+        desired: &VmSpec,
+        release: Duration,
+    ) -> Result<(), ApiError> {
+        let Some(changes) = crate::plan::live_disk_changes(running, desired) else { return Ok(()) };
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let paths = self.paths(name);
+        let first =
+            changes.grow.first().map(|d| d.0).or(changes.remove.first().copied()).or(changes.add.first().copied());
+        let first = first.map(|d| d.name.as_str()).unwrap_or_default();
+        let mut q = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| failed(first, "change", e))?;
+        q.set_timeout(QMP_TIMEOUT);
+
+        for (disk, old_gib) in &changes.grow {
+            let drive = crate::qemu::argv::data_drive(&disk.name);
+            // `device` finds a disk attached at start (a drive), `node-name` a hot-plugged one.
+            let args = json!({ "device": drive, "node-name": drive, "size": disk.size_gib.saturating_mul(1 << 30) });
+            q.execute("block_resize", Some(args)).await.map_err(|e| failed(&disk.name, "grow", e))?;
+            if disk.preallocate && disk.format == crate::api::DiskFormat::Raw {
+                crate::disk::data::preallocate_tail(&paths.data_disk(disk), old_gib.saturating_mul(1 << 30))
+                    .await
+                    .map_err(|e| failed(&disk.name, "grow", e))?;
+            }
+            self.record_running_disks(name, |disks| {
+                if let Some(d) = disks.iter_mut().find(|d| d.name == disk.name) {
+                    d.size_gib = disk.size_gib;
+                }
+            })?;
+        }
+
+        let release = release.max(MIN_RELEASE);
+        for disk in &changes.remove {
+            hotplug::detach(&mut q, &disk.name, release).await.map_err(|e| failed(&disk.name, "unplug", e))?;
+            self.crashpoint("hotplug:detached");
+            self.record_running_disks(name, |disks| disks.retain(|d| d.name != disk.name))?;
+            self.let_go(name, &[*disk])?;
+        }
+
+        let pcie = hotplug::is_pcie(&self.config.qemu.machine);
+        for disk in &changes.add {
+            if let Err(e) = self.plug(&mut q, name, disk, pcie).await {
+                self.undo_data_disks(name);
+                return Err(e);
+            }
+            self.crashpoint("hotplug:attached");
+            let order: Vec<&str> = desired.disks.iter().map(|d| d.name.as_str()).collect();
+            self.record_running_disks(name, |disks| {
+                disks.push((*disk).clone());
+                disks.sort_by_key(|d| order.iter().position(|n| *n == d.name));
+            })?;
+            self.end_disk_tracking(name)?;
+        }
+        Ok(())
+    }
+
+    /// Makes (or takes back) `disk` for VM `name`, tracked, and attaches it to QEMU.
+    async fn plug(&self, q: &mut Qmp, name: &str, disk: &DataDiskSpec, pcie: bool) -> Result<(), ApiError> {
+        self.ensure_data_disk(name, disk, true).await?;
+        let file = self.paths(name).data_disk(disk);
+        let open = |write: bool| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&file)
+                .map(std::os::fd::OwnedFd::from)
+                .map_err(|e| failed(&disk.name, "open", e))
+        };
+        let fds = DiskFds { rw: open(true)?, ro: open(false)? };
+        hotplug::attach(q, disk, &fds, pcie).await.map_err(|e| {
+            let mut err = failed(&disk.name, "hot-plug", &e);
+            if matches!(e, HotplugError::NoFreeSlot) {
+                err.message.push_str("; apply with a restart to attach it");
+            }
+            err
+        })
+    }
+
+    /// Changes the data disks recorded as what VM `name`'s QEMU has (`running_spec`, or the
+    /// spec when nothing is pending) with `change`; clears `running_spec` once nothing is
+    /// pending any more.
+    fn record_running_disks(&self, name: &str, change: impl FnOnce(&mut Vec<DataDiskSpec>)) -> Result<(), ApiError> {
+        self.update(name, "data disks changed while running", |r| {
+            let mut running = r.running_spec.clone().unwrap_or_else(|| r.spec.clone());
+            change(&mut running.disks);
+            r.running_spec = still_pending(&running, &r.spec).then_some(running);
+        })
+        .map(drop)
+    }
+
+    /// After a daemon restart, for a re-adopted VM: takes what QEMU behind `q` really has as
+    /// what the record says it runs. Removes block nodes and fd sets no device uses (a crash
+    /// mid-attach), undoes tracked disks that never got a device, and deletes or keeps the
+    /// file of a disk QEMU let go of that no spec lists any more (a crash mid-unplug).
+    ///
+    /// # Errors
+    /// 4001 when QEMU cannot be asked, or a file or the record cannot be changed.
+    pub(super) async fn settle_hotplug(&self, name: &str, q: &mut Qmp) -> Result<(), ApiError> {
+        let rec = self.record(name)?;
+        let asked = |e: HotplugError| failed("*", "settle", e);
+        let devices: BTreeSet<String> = hotplug::attached(q).await.map_err(asked)?;
+        hotplug::clear_half_attached(q, &devices).await.map_err(asked)?;
+        if !rec.new_disks.is_empty() || !rec.reclaimed_disks.is_empty() {
+            tracing::info!(vm = name, "undoing data disks of an interrupted hot-plug");
+            self.undo_data_disks_except(name, &devices);
+        }
+        let running = rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone());
+        let mut actual = running.clone();
+        actual.disks.retain(|d| devices.contains(&d.name));
+        for d in &rec.spec.disks {
+            if devices.contains(&d.name) && !actual.disks.iter().any(|a| a.name == d.name) {
+                actual.disks.push(d.clone());
+            }
+        }
+        if actual.disks == running.disks {
+            return Ok(());
+        }
+        tracing::info!(vm = name, "the data disks QEMU has differ from the record: recording QEMU's");
+        let gone: Vec<&DataDiskSpec> = running
+            .disks
+            .iter()
+            .filter(|d| !devices.contains(&d.name) && !rec.spec.disks.iter().any(|s| s.name == d.name))
+            .collect();
+        self.update(name, "data disks settled after a restart", |r| {
+            r.running_spec = still_pending(&actual, &r.spec).then_some(actual.clone());
+        })?;
+        self.let_go(name, &gone)?;
+        Ok(())
+    }
+}
