@@ -56,7 +56,8 @@ impl FsSpace {
     }
 }
 
-/// Every disk byte `spec` provisions at full size.
+/// Every disk byte `spec` provisions at full size, but an imported root disk's (`boot.disk`: its
+/// size is in the VM's record, not the spec).
 pub fn provisioned(spec: &VmSpec) -> u64 {
     new_provision(None, spec).bytes
 }

@@ -412,7 +412,7 @@ impl Manager {
             provisioned_bytes: t
                 .vms
                 .values()
-                .map(|r| crate::disk::space::provisioned(&r.spec) + Manager::root_disk_extra_bytes(r))
+                .map(|r| crate::disk::space::provisioned(&r.spec) + Manager::root_disk_bytes(r))
                 .sum(),
             overcommit: self.config.storage.overcommit_percent as f64 / 100.0,
         };

@@ -375,11 +375,12 @@ impl Manager {
         Ok(())
     }
 
-    /// Bytes of the root disk a `boot.disk` VM owns beyond what its spec's `disk_gib` says
-    /// (for `host.info`'s `provisioned_bytes`: the imported size when it is larger).
-    pub(super) fn root_disk_extra_bytes(rec: &VmRecord) -> u64 {
+    /// The full size of the root disk a `boot.disk` VM owns (for `host.info`'s
+    /// `provisioned_bytes`, which [`crate::disk::space::provisioned`] leaves it out of): its
+    /// `disk_gib`, or the size it was imported with when that is larger.
+    pub(super) fn root_disk_bytes(rec: &VmRecord) -> u64 {
         let declared = rec.spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
-        rec.root_disk.as_ref().map_or(0, |r| r.imported_bytes.saturating_sub(declared))
+        rec.root_disk.as_ref().map_or(0, |r| r.imported_bytes.max(declared))
     }
 }
 
@@ -418,8 +419,11 @@ mod tests {
         spec.boot.disk_gib = None;
         assert!(check_root_disk_size(&rec, &spec).is_ok());
         // host.info counts the imported size where the spec says less (or nothing).
-        assert_eq!(Manager::root_disk_extra_bytes(&rec), 20 * GIB + 1);
-        assert_eq!(Manager::root_disk_extra_bytes(&record(Some(30), 20 * GIB)), 0);
+        assert_eq!(Manager::root_disk_bytes(&rec), 20 * GIB + 1);
+        assert_eq!(Manager::root_disk_bytes(&record(Some(30), 20 * GIB)), 30 * GIB);
+        let mut failed = record(Some(30), 20 * GIB);
+        failed.root_disk = None;
+        assert_eq!(Manager::root_disk_bytes(&failed), 0, "a disk given back is not the VM's");
     }
 
     #[test]
