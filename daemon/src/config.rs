@@ -129,6 +129,10 @@ pub struct Paths {
     /// Directories a direct-kernel VM's `boot.kernel` and `boot.initrd` may be in; unset: the
     /// images directory and [`DEFAULT_BOOT_DIR`] (see [`Paths::boot_dirs`]).
     pub boot: Option<Vec<PathBuf>>,
+    /// The directory a spec's `boot.disk` names a file in (an existing disk moved in as a VM's
+    /// root disk); unset: `STATE/import` (see [`Paths::import_dir`]). Must be on the state
+    /// directory's file system: the disk is renamed, never copied.
+    pub import: Option<PathBuf>,
 }
 
 /// The boot directory besides the images directory when `paths.boot` is not set.
@@ -140,6 +144,12 @@ impl Paths {
     pub fn boot_dirs(&self) -> Vec<PathBuf> {
         self.boot.clone().unwrap_or_else(|| vec![self.images.clone(), DEFAULT_BOOT_DIR.into()])
     }
+
+    /// The directory `boot.disk` files are imported from: `paths.import`, or `STATE/import`
+    /// (on the state file system by default, so the move is a rename).
+    pub fn import_dir(&self) -> PathBuf {
+        self.import.clone().unwrap_or_else(|| self.state.join("import"))
+    }
 }
 
 impl Default for Paths {
@@ -150,6 +160,7 @@ impl Default for Paths {
             images: "/var/lib/vmhost/images".into(),
             socket: "/run/vmhost/vmhostd.sock".into(),
             boot: None,
+            import: None,
         }
     }
 }
@@ -495,6 +506,16 @@ impl Config {
         ] {
             if !p.is_absolute() {
                 return Err(key_err(key, format!("{} is not an absolute path", p.display())));
+            }
+        }
+        if let Some(dir) = &raw.paths.import {
+            // Lexical, like paths.boot: a spec's boot.disk is one component below it.
+            let text = dir.to_string_lossy();
+            if !dir.is_absolute() || text.split('/').any(|c| c == "." || c == "..") {
+                return Err(key_err(
+                    "paths.import",
+                    format!("{text:?} is not an absolute path without . or .. components"),
+                ));
             }
         }
         for (i, dir) in raw.paths.boot.iter().flatten().enumerate() {
@@ -919,6 +940,21 @@ reserved_memory_gib = 8
                 assert!(problem.contains("no user \"no-such-user-here\""), "{problem}");
             }
             other => panic!("expected a qemu.user error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_import_dir_defaults_to_the_state_dir_and_must_be_absolute() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(&format!("[paths]\nstate = \"/srv/vmhost\"\n{hw}")).unwrap();
+        assert_eq!(c.paths.import_dir(), PathBuf::from("/srv/vmhost/import"));
+        let c = parse(&format!("[paths]\nimport = \"/srv/vmhost/incoming\"\n{hw}")).unwrap();
+        assert_eq!(c.paths.import_dir(), PathBuf::from("/srv/vmhost/incoming"));
+        for bad in ["incoming", "/srv/../etc"] {
+            match parse(&format!("[paths]\nimport = \"{bad}\"\n{hw}")) {
+                Err(ConfigError::Key { key, .. }) => assert_eq!(key, "paths.import", "{bad}"),
+                other => panic!("{bad}: {other:?}"),
+            }
         }
     }
 

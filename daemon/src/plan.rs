@@ -164,6 +164,7 @@ pub fn classify(current: &VmSpec, desired: &VmSpec) -> Result<Change, ApiError> 
     if fields.is_empty() {
         return Ok(Change::None);
     }
+    check_boot_disk_change(current, desired, &fields)?;
     if fields.iter().any(|f| f == "boot.image") {
         return Ok(Change::Replace { fields });
     }
@@ -178,6 +179,37 @@ pub fn classify(current: &VmSpec, desired: &VmSpec) -> Result<Change, ApiError> 
     check_disk_changes(current, desired)?;
     let restart = restart_needed(current, desired);
     Ok(Change::Reconfigure { fields, restart })
+}
+
+/// An imported root disk (`boot.disk`) is the VM's only copy of its disk: it cannot be swapped
+/// for another file, an image or a kernel, nor the other way round, and a `disk_gib` it was
+/// grown to cannot be dropped (the next one could be smaller than the disk is).
+///
+/// # Errors
+/// 2002 on `spec.boot.disk` when `boot.disk` is added, removed or renamed (even with
+/// `replace`); 2001 on `spec.boot.disk_gib` when its `disk_gib` is removed.
+fn check_boot_disk_change(current: &VmSpec, desired: &VmSpec, fields: &[String]) -> Result<(), ApiError> {
+    if fields.iter().any(|f| f == "boot.disk") {
+        return Err(ApiError::new(
+            crate::api::Code::SpecDrift,
+            format!(
+                "VM {:?}: boot.disk changes ({:?} to {:?}); an imported root disk is the VM's own and \
+                 is never swapped, even with replace: destroy the VM (which deletes its disk) and create it again",
+                desired.name,
+                current.boot.disk.as_deref().unwrap_or("none"),
+                desired.boot.disk.as_deref().unwrap_or("none"),
+            ),
+        )
+        .field("spec.boot.disk")
+        .details(serde_json::json!({ "fields": fields })));
+    }
+    if let (Some(_), Some(old), None) = (&desired.boot.disk, current.boot.disk_gib, desired.boot.disk_gib) {
+        return Err(ApiError::invalid(
+            "spec.boot.disk_gib",
+            format!("the disk was grown to {old} GiB; keep disk_gib (at least {old}): a disk is never shrunk"),
+        ));
+    }
+    Ok(())
 }
 
 /// A data disk kept by name is never shrunk and never changes format in place (only a new name
@@ -677,6 +709,51 @@ mod tests {
         let mut k = spec("a");
         k.boot.cmdline = Some("console=ttyS0 quiet".into());
         assert!(matches!(classify(&spec("a"), &k).unwrap(), Change::Reconfigure { restart: true, .. }));
+    }
+
+    #[test]
+    fn an_imported_root_disk_grows_in_place_and_is_never_swapped() {
+        let mut a = spec("a");
+        a.boot = crate::api::BootSpec { disk: Some("old.qcow2".into()), ..Default::default() };
+        let mut grown = a.clone();
+        grown.boot.disk_gib = Some(40);
+        assert_eq!(
+            classify(&a, &grown).unwrap(),
+            Change::Reconfigure { fields: vec!["boot.disk_gib".into()], restart: false },
+            "a first disk_gib grows it live"
+        );
+        let mut more = grown.clone();
+        more.boot.disk_gib = Some(50);
+        assert_eq!(
+            classify(&grown, &more).unwrap(),
+            Change::Reconfigure { fields: vec!["boot.disk_gib".into()], restart: false }
+        );
+        let e = classify(&more, &grown).unwrap_err();
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.boot.disk_gib")), "shrunk");
+        let e = classify(&grown, &a).unwrap_err();
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.boot.disk_gib")), "disk_gib dropped");
+        // Another file, an image or a kernel instead, or an import on a VM that had none: 2002.
+        let mut other = a.clone();
+        other.boot.disk = Some("other.qcow2".into());
+        let image = image_spec("a", "base.qcow2", 10);
+        for (from, to) in [(&a, &other), (&a, &image), (&image, &a), (&spec("a"), &a), (&a, &spec("a"))] {
+            let e = classify(from, to).unwrap_err();
+            assert_eq!(
+                (e.code.as_i32(), e.field.as_deref()),
+                (2002, Some("spec.boot.disk")),
+                "{:?} -> {:?}",
+                from.boot,
+                to.boot
+            );
+            assert!(e.message.contains("destroy"), "{}", e.message);
+        }
+        // Other fields change in place as for any VM.
+        let mut cpu = a.clone();
+        cpu.cpu = 2;
+        assert_eq!(classify(&a, &cpu).unwrap(), Change::Reconfigure { fields: vec!["cpu".into()], restart: true });
+        // A reconcile reports the refusal instead of planning a replace.
+        let p = plan_reconcile(&config(), &[other], &cur(&[(a, VmStatus::Running)]), false, true);
+        assert_eq!(p[0].error.as_ref().unwrap()["data"]["field"], "spec.boot.disk");
     }
 
     #[test]

@@ -37,7 +37,19 @@ pub enum BootSource {
         /// Kernel command line ("" when absent).
         cmdline: String,
     },
+    /// An existing disk file from the import directory, moved in as the VM's own root disk
+    /// (no base, no overlay: [`crate::lifecycle`]'s `root_disk`).
+    Disk {
+        /// Its file name in `paths.import`.
+        file: String,
+        /// The size it is grown to, if larger than it is.
+        disk_gib: Option<u64>,
+    },
 }
+
+/// The file name (before `.FORMAT`) of an imported root disk in `STATE/disks/NAME/`, which a
+/// data disk of the same VM therefore cannot have.
+pub const ROOT_DISK_NAME: &str = "root";
 
 /// A spec that passed [`validate_spec`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -164,6 +176,14 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
         }
     }
     validate_disks(spec)?;
+    if matches!(boot, BootSource::Disk { .. }) {
+        if let Some(i) = spec.disks.iter().position(|d| d.name == ROOT_DISK_NAME) {
+            return Err(ApiError::invalid(
+                format!("spec.disks[{i}].name"),
+                format!("{ROOT_DISK_NAME:?} is the imported root disk's file name (boot.disk); name the data disk otherwise"),
+            ));
+        }
+    }
     crate::nic::validate_nics(spec, config)?;
     validate_guest_interfaces(spec)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
@@ -293,9 +313,12 @@ fn validate_guest_interfaces(spec: &VmSpec) -> Result<(), ApiError> {
 
 fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
     let b = &spec.boot;
+    if let Some(disk) = &b.disk {
+        return validate_boot_disk(b, disk);
+    }
     match (&b.image, &b.kernel) {
         (Some(_), Some(_)) => Err(ApiError::invalid("spec.boot", "give either boot.image or boot.kernel, not both")),
-        (None, None) => Err(ApiError::invalid("spec.boot", "boot needs either image (with disk_gib) or kernel")),
+        (None, None) => Err(ApiError::invalid("spec.boot", "boot needs image (with disk_gib), kernel or disk")),
         (Some(image), None) => {
             for (field, set) in [("spec.boot.initrd", b.initrd.is_some()), ("spec.boot.cmdline", b.cmdline.is_some())] {
                 if set {
@@ -333,6 +356,35 @@ fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
             Ok(BootSource::Kernel { kernel: kernel.clone(), initrd: b.initrd.clone(), cmdline })
         }
     }
+}
+
+/// `boot.disk`: a plain file name (as `boot.image`), alone (no image, kernel, initrd or
+/// command line), with an optional `disk_gib` in 1..=[`MAX_DISK_GIB`]. Whether the file exists,
+/// its format and its size are the lifecycle's checks (not pure).
+fn validate_boot_disk(b: &crate::api::BootSpec, disk: &str) -> Result<BootSource, ApiError> {
+    if b.image.is_some() || b.kernel.is_some() {
+        return Err(ApiError::invalid(
+            "spec.boot.disk",
+            "give one of boot.image, boot.kernel and boot.disk: boot.disk is the VM's whole root disk",
+        ));
+    }
+    for (field, set) in [("spec.boot.initrd", b.initrd.is_some()), ("spec.boot.cmdline", b.cmdline.is_some())] {
+        if set {
+            return Err(ApiError::invalid(field, "only valid with boot.kernel"));
+        }
+    }
+    if !is_plain_file_name(disk) {
+        return Err(ApiError::invalid(
+            "spec.boot.disk",
+            format!("{disk:?} must be a file name in the import directory (no path, no leading dot)"),
+        ));
+    }
+    if let Some(gib) = b.disk_gib {
+        if gib == 0 || gib > MAX_DISK_GIB {
+            return Err(ApiError::invalid("spec.boot.disk_gib", format!("must be 1..={MAX_DISK_GIB}")));
+        }
+    }
+    Ok(BootSource::Disk { file: disk.to_string(), disk_gib: b.disk_gib })
 }
 
 /// A single path component that cannot escape its directory or hide.
@@ -526,6 +578,54 @@ reserved_memory_gib = 4
             s.boot = BootSpec { image: Some(bad.into()), disk_gib: Some(1), ..BootSpec::default() };
             assert_eq!(err(&s), (2001, "spec.boot.image".into()), "{bad}");
         }
+    }
+
+    #[test]
+    fn boot_disks_are_plain_names_alone_with_an_optional_size() {
+        let disk = |name: &str| BootSpec { disk: Some(name.into()), ..BootSpec::default() };
+        let mut s = spec("a");
+        s.boot = disk("vm.qcow2");
+        assert_eq!(
+            validate_spec(&s, &config()).unwrap().boot,
+            BootSource::Disk { file: "vm.qcow2".into(), disk_gib: None }
+        );
+        s.boot.disk_gib = Some(40);
+        assert_eq!(
+            validate_spec(&s, &config()).unwrap().boot,
+            BootSource::Disk { file: "vm.qcow2".into(), disk_gib: Some(40) }
+        );
+        // Exclusive with the other boot sources, named on boot.disk.
+        let cases: [(BootSpec, &str); 6] = [
+            (BootSpec { image: Some("b.qcow2".into()), disk_gib: Some(1), ..disk("vm.qcow2") }, "spec.boot.disk"),
+            (BootSpec { kernel: Some("/boot/vmlinuz".into()), ..disk("vm.qcow2") }, "spec.boot.disk"),
+            (BootSpec { initrd: Some("/boot/initrd".into()), ..disk("vm.qcow2") }, "spec.boot.initrd"),
+            (BootSpec { cmdline: Some("quiet".into()), ..disk("vm.qcow2") }, "spec.boot.cmdline"),
+            (BootSpec { disk_gib: Some(0), ..disk("vm.qcow2") }, "spec.boot.disk_gib"),
+            (BootSpec { disk_gib: Some(MAX_DISK_GIB + 1), ..disk("vm.qcow2") }, "spec.boot.disk_gib"),
+        ];
+        for (boot, field) in cases {
+            s.boot = boot.clone();
+            assert_eq!(err(&s), (2001, field.into()), "{boot:?}");
+        }
+        // The same name rules as boot.image: one component inside the import directory.
+        for bad in ["../x", "/var/lib/libvirt/images/vm.qcow2", ".hidden", "a/b", "", "a b", "a,b", ".."] {
+            s.boot = disk(bad);
+            assert_eq!(err(&s), (2001, "spec.boot.disk".into()), "{bad}");
+        }
+        // A data disk cannot take the root disk's file name.
+        s.boot = disk("vm.qcow2");
+        s.disks = vec![crate::api::DataDiskSpec {
+            name: ROOT_DISK_NAME.into(),
+            size_gib: 1,
+            format: Default::default(),
+            preallocate: false,
+            cache: Default::default(),
+            aio: None,
+            keep_on_destroy: false,
+        }];
+        assert_eq!(err(&s), (2001, "spec.disks[0].name".into()));
+        s.boot = BootSpec { image: Some("b.qcow2".into()), disk_gib: Some(1), ..BootSpec::default() };
+        assert!(validate_spec(&s, &config()).is_ok(), "\"root\" is a fine data disk name otherwise");
     }
 
     #[test]

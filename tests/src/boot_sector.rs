@@ -29,6 +29,36 @@ pub const WRITE_LOOP: &[u8] = &[
     0x13, 0xEB, 0xF0,
 ];
 
+/// Code that writes `text` to the first serial port (COM1, I/O port 0x3F8) and halts: a guest
+/// whose console says which disk the BIOS booted.
+///
+/// ```text
+/// 31 C0     xor ax, ax
+/// 8E D8     mov ds, ax
+/// BE 15 7C  mov si, 0x7c15          ; the text, after the code
+/// BA F8 03  mov dx, 0x3f8
+/// AC        next: lodsb
+/// 84 C0     test al, al
+/// 74 03     jz done
+/// EE        out dx, al
+/// EB F8     jmp next
+/// F4        done: hlt
+/// EB FD     jmp done
+/// ```
+///
+/// # Panics
+/// When `text` holds a NUL byte or does not fit in the sector.
+pub fn serial_print(text: &str) -> Vec<u8> {
+    assert!(!text.contains('\0') && text.len() < 510 - 22, "{text:?}");
+    let mut code = vec![
+        0x31, 0xC0, 0x8E, 0xD8, 0xBE, 0x15, 0x7C, 0xBA, 0xF8, 0x03, 0xAC, 0x84, 0xC0, 0x74, 0x03, 0xEE, 0xEB, 0xF8,
+        0xF4, 0xEB, 0xFD,
+    ];
+    code.extend_from_slice(text.as_bytes());
+    code.push(0);
+    code
+}
+
 /// Writes a 1 MiB raw disk image at `path` whose boot sector runs `code`.
 ///
 /// # Panics

@@ -304,3 +304,47 @@ fn a_full_state_disk_refuses_clearly_and_keeps_old_records() {
     assert!(!names.iter().any(|n| n.contains("refused")), "no file of the refused VM: {names:?}");
     host.stop_daemon();
 }
+
+/// A create importing an existing disk (`boot.disk`) killed at each step from the move on: the
+/// restarted daemon gives the disk back to the import directory (same inode, its mode again) and
+/// records the VM failed, and a start imports it again; killed once the VM runs, the disk stays
+/// the VM's. Whatever the crash, the disk exists exactly once.
+#[test]
+fn a_daemon_killed_while_importing_a_disk_gives_it_back_or_keeps_it() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let extra = "[lifecycle]\nautostart = false\n".to_string();
+    let mut host = TestHost::start(HostOptions { extra, ..HostOptions::default() });
+    let source = host.state().join("import").join("old.qcow2");
+    let root = host.state().join("disks").join("imp").join("root.qcow2");
+    let spec = json!({"name": "imp", "cpu": 1, "memory_mib": 128, "boot": {"disk": "old.qcow2"}});
+    let fixture = || {
+        vmhost_tests::run_ok(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&source).arg("64M"));
+        std::fs::set_permissions(&source, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        std::fs::metadata(&source).expect("fixture").ino()
+    };
+    for step in ["root_disk:moved", "create:recorded", "create:disks", "launch:spawned", "launch:launched"] {
+        let ino = fixture();
+        crash_during(&mut host, step, "vm.create", json!({ "spec": spec }));
+        let v = host.call("vm.get", json!({ "name": "imp" }));
+        assert_eq!(v["status"], "failed", "{step}: {v}");
+        assert!(!root.exists(), "{step}: the disk is still in the VM's directory");
+        let meta = std::fs::metadata(&source).unwrap_or_else(|e| panic!("{step}: not given back: {e}"));
+        assert_eq!((meta.ino(), meta.mode() & 0o777), (ino, 0o640), "{step}: the same file, its mode again");
+        assert!(host.qemu_pids().is_empty(), "{step}: no QEMU of an undone create");
+        // A start of the failed VM imports it again.
+        let v = host.call("vm.start", json!({ "name": "imp" }));
+        assert_eq!(v["vm"]["status"], "running", "{step}: {v}");
+        assert!(root.is_file() && !source.exists(), "{step}: imported again");
+        host.call("vm.destroy", json!({ "name": "imp" }));
+        assert!(!root.exists() && !source.exists(), "{step}: a destroy deletes it");
+    }
+    // Killed after the VM runs on it: the import is done, the disk is the VM's.
+    let ino = fixture();
+    crash_during(&mut host, "create:running", "vm.create", json!({ "spec": spec }));
+    let v = host.call("vm.get", json!({ "name": "imp" }));
+    assert_eq!(v["status"], "running", "re-adopted: {v}");
+    assert_eq!(std::fs::metadata(&root).expect("root disk").ino(), ino);
+    assert!(!source.exists());
+    host.call("vm.destroy", json!({ "name": "imp" }));
+    assert!(!root.exists() && !source.exists());
+}

@@ -384,3 +384,117 @@ fn wait_added(host: &TestHost, name: &str, serial: &str) -> bool {
     }
     false
 }
+
+/// `qemu-img info -U` of `path` (as root, from the host).
+fn image_info(path: &std::path::Path) -> Value {
+    let out = run_ok(Command::new("qemu-img").args(["info", "-U", "--output=json"]).arg(path));
+    serde_json::from_str(&out).unwrap()
+}
+
+/// A disk made elsewhere (as libvirt's would be): a qcow2 whose boot sector prints `marker` on
+/// the serial console, at `path`, mode 0644.
+fn bootable_qcow2(host: &TestHost, path: &std::path::Path, marker: &str) {
+    let raw = host.dir.path().join("fixture.raw");
+    vmhost_tests::boot_sector::write_image(&raw, &vmhost_tests::boot_sector::serial_print(marker));
+    run_ok(Command::new("qemu-img").args(["convert", "-q", "-f", "raw", "-O", "qcow2"]).arg(&raw).arg(path));
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+}
+
+fn import_spec(name: &str, file: &str, disk_gib: Option<u64>) -> Value {
+    let mut boot = json!({ "disk": file });
+    if let Some(g) = disk_gib {
+        boot["disk_gib"] = json!(g);
+    }
+    json!({"name": name, "cpu": 1, "memory_mib": 128, "boot": boot})
+}
+
+#[test]
+fn an_existing_disk_is_imported_as_the_root_disk_and_goes_with_the_vm() {
+    let host = host();
+    let import = host.state().join("import");
+    assert!(import.is_dir(), "vmhostd makes the default import directory");
+    let disk = import.join("old-vm.qcow2");
+    bootable_qcow2(&host, &disk, "VMHOST-ROOT-DISK-BOOTED");
+    let ino = std::fs::metadata(&disk).unwrap().ino();
+
+    // Refused before anything is recorded or made: a missing file, a qcow2 over a backing
+    // file (left exactly as it was), a symlink.
+    let overlay = import.join("overlay.qcow2");
+    run_ok(
+        Command::new("qemu-img").args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"]).arg(&disk).arg(&overlay),
+    );
+    let before = (std::fs::read(&overlay).unwrap(), std::fs::metadata(&overlay).unwrap().modified().unwrap());
+    std::os::unix::fs::symlink(&disk, import.join("link.qcow2")).unwrap();
+    for (file, needle) in
+        [("missing.qcow2", "no file"), ("overlay.qcow2", "flatten it first"), ("link.qcow2", "symbolic link")]
+    {
+        let (code, e) = host.call_err("vm.create", json!({ "spec": import_spec("moved", file, None) }));
+        assert_eq!((code, e.field.as_deref()), (2001, Some("spec.boot.disk")), "{file}: {e:?}");
+        assert!(e.message.contains(needle), "{file}: {}", e.message);
+        assert_eq!(host.call_err("vm.get", json!({ "name": "moved" })).0, 4040, "{file}: no record");
+        assert!(!host.state().join("disks").join("moved").exists(), "{file}: nothing made");
+    }
+    assert_eq!(
+        (std::fs::read(&overlay).unwrap(), std::fs::metadata(&overlay).unwrap().modified().unwrap()),
+        before,
+        "the refused overlay is untouched"
+    );
+    assert!(disk.is_file());
+    // A disk_gib below the disk's size (1 MiB is not; a 2 GiB disk is bigger than 1 GiB).
+    let big = import.join("big.qcow2");
+    run_ok(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&big).arg("2G"));
+    let (code, e) = host.call_err("vm.create", json!({ "spec": import_spec("moved", "big.qcow2", Some(1)) }));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("spec.boot.disk_gib")), "{e:?}");
+    assert!(big.is_file());
+
+    // Imported: moved (same inode) into the VM's disk directory, private, grown to 1 GiB, and
+    // the BIOS boots it as the VM's boot disk.
+    let v = host.call("vm.create", json!({ "spec": import_spec("moved", "old-vm.qcow2", Some(1)) }));
+    assert_eq!(v["vm"]["status"], "running", "{v}");
+    assert!(host.wait_serial("moved", "VMHOST-ROOT-DISK-BOOTED", BOOT), "{}", host.serial("moved"));
+    assert!(!disk.exists(), "no longer in the import directory");
+    let root = data_disk(&host, "moved", "root.qcow2");
+    let meta = std::fs::metadata(&root).unwrap();
+    assert_eq!((meta.ino(), meta.uid(), meta.permissions().mode() & 0o777), (ino, 0, 0o600));
+    let dir_mode = std::fs::metadata(root.parent().unwrap()).unwrap().permissions().mode() & 0o777;
+    assert_eq!(dir_mode, 0o700);
+    assert_eq!(image_info(&root)["virtual-size"], 1u64 << 30);
+    let pid = v["vm"]["pid"].as_i64().unwrap();
+    let argv = vmhost_tests::argv_of(pid);
+    let devices: Vec<&String> = argv.iter().filter(|a| a.starts_with("virtio-blk-pci")).collect();
+    assert_eq!(devices, ["virtio-blk-pci,drive=virtio0,id=boot-disk"], "the boot disk and no seed");
+    let drive = vmhost_tests::value_after(&argv, "-drive");
+    assert!(drive.contains(",id=virtio0,format=qcow2,") && !drive.contains("backing"), "{drive}");
+    assert!(!argv.iter().any(|a| a == "-kernel"));
+
+    // disk_gib grows it live: same QEMU, the file's virtual size follows.
+    let v = host.call("vm.apply", json!({ "spec": import_spec("moved", "old-vm.qcow2", Some(2)) }));
+    assert_eq!(v["vm"]["pid"], pid, "grown live: {v}");
+    assert_eq!(image_info(&root)["virtual-size"], 2u64 << 30);
+    // Another file is never swapped in; a smaller size is refused.
+    let (code, e) =
+        host.call_err("vm.apply", json!({ "spec": import_spec("moved", "big.qcow2", Some(2)), "replace": true }));
+    assert_eq!((code, e.field.as_deref()), (2002, Some("spec.boot.disk")), "{e:?}");
+    let (code, e) = host.call_err("vm.apply", json!({ "spec": import_spec("moved", "old-vm.qcow2", Some(1)) }));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("spec.boot.disk_gib")), "{e:?}");
+    assert!(big.is_file(), "the other file stays where it is");
+
+    // Stop and start keep it (the guest boots from it again); host.info counts it.
+    host.call("vm.stop", json!({ "name": "moved", "timeout_s": 1 }));
+    host.call("vm.start", json!({ "name": "moved" }));
+    let booted = || host.serial("moved").matches("VMHOST-ROOT-DISK-BOOTED").count();
+    let deadline = std::time::Instant::now() + BOOT;
+    while booted() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no second boot: {}", host.serial("moved"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(std::fs::metadata(&root).unwrap().ino(), ino);
+    let info = host.call("host.info", json!({}));
+    assert_eq!(info["storage"]["provisioned_bytes"], 2u64 << 30, "{info}");
+
+    // Destroy deletes it: the operator asked to destroy the VM.
+    host.call("vm.destroy", json!({ "name": "moved" }));
+    assert!(!root.exists());
+    assert!(!host.state().join("disks").join("moved").exists());
+    assert!(!disk.exists(), "not given back either");
+}

@@ -235,18 +235,22 @@ impl std::fmt::Display for HardwareClass {
     }
 }
 
-/// Boot source as sent on the wire: either `{image, disk_gib}` or `{kernel, initrd?, cmdline?}`.
-/// Kept as one struct of options so a wrong mix gets a precise 2001 naming the field, instead of
-/// serde's "did not match any variant".
+/// Boot source as sent on the wire: `{image, disk_gib}`, `{kernel, initrd?, cmdline?}` or
+/// `{disk, disk_gib?}`. Kept as one struct of options so a wrong mix gets a precise 2001 naming
+/// the field, instead of serde's "did not match any variant".
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BootSpec {
     /// A base image file name inside the image dir.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
-    /// Size of the VM's overlay disk in GiB.
+    /// Size of the VM's overlay disk in GiB; with `disk`, the size the imported disk grows to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_gib: Option<u64>,
+    /// An existing qcow2 or raw file in `paths.import` that becomes the VM's own root disk
+    /// (moved into the state directory, docs/storage.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<String>,
     /// Absolute path of a kernel for direct boot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel: Option<PathBuf>,

@@ -7,6 +7,7 @@
 //! may be inherited instead of bound (`rpc::activation`), and readiness is notified.
 
 use clap::Parser;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -73,6 +74,12 @@ fn main() -> ExitCode {
             eprintln!("vmhostd: refusing to start: {e}");
             return ExitCode::FAILURE;
         }
+    }
+    // The import directory (boot.disk) exists before the sandbox, whose Landlock rule needs an
+    // existing path; private when vmhostd makes it. One that exists is left as it is.
+    let import = config.paths.import_dir();
+    if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&import) {
+        tracing::warn!(dir = %import.display(), error = %e, "cannot create the import directory");
     }
     // Before the sandbox, which takes away reading other users' /proc/PID/exe: the executables
     // of the QEMUs that outlived the previous daemon, so that only real ones are re-adopted

@@ -21,6 +21,7 @@
 //! operation is bounded by [`TOOL_TIMEOUT`]; failures carry QEMU's reason and its stderr tail.
 
 pub mod data;
+pub mod import;
 pub mod offline_qemu;
 pub mod space;
 

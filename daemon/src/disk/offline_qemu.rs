@@ -167,14 +167,24 @@ impl Session {
     /// [`DiskError::Tool`] if QMP fails; [`DiskError::Output`] if the drive or its fields are
     /// missing from the answer.
     pub async fn probe(&mut self, i: usize) -> Result<BaseInfo, DiskError> {
+        image_info(&self.probe_image(i).await?)
+    }
+
+    /// QEMU's whole `ImageInfo` of probe input `i` (format, size, backing file name,
+    /// format-specific data), from `query-block`.
+    ///
+    /// # Errors
+    /// [`DiskError::Tool`] if QMP fails; [`DiskError::Output`] if the drive is missing from the
+    /// answer.
+    pub async fn probe_image(&mut self, i: usize) -> Result<Value, DiskError> {
         let blocks = self.call("query-block", None).await?;
         let id = format!("probe{i}");
-        let image = blocks
+        blocks
             .as_array()
             .and_then(|all| all.iter().find(|b| b.get("device").and_then(Value::as_str) == Some(id.as_str())))
             .and_then(|b| b.pointer("/inserted/image"))
-            .ok_or_else(|| DiskError::Output(format!("query-block has no image for {id}")))?;
-        image_info(image)
+            .cloned()
+            .ok_or_else(|| DiskError::Output(format!("query-block has no image for {id}")))
     }
 
     /// Writes a qcow2 header of `bytes` virtual size into image input `i` (an empty file),
@@ -321,7 +331,7 @@ impl Session {
 }
 
 /// `format` and `virtual-size` of a QMP `ImageInfo`.
-fn image_info(image: &Value) -> Result<BaseInfo, DiskError> {
+pub(crate) fn image_info(image: &Value) -> Result<BaseInfo, DiskError> {
     let format = image
         .get("format")
         .and_then(Value::as_str)

@@ -56,18 +56,26 @@ impl FsSpace {
     }
 }
 
-/// Every disk byte `spec` provisions at full size.
+/// Every disk byte `spec` provisions at full size, but an imported root disk's (`boot.disk`: its
+/// size is in the VM's record, not the spec).
 pub fn provisioned(spec: &VmSpec) -> u64 {
     new_provision(None, spec).bytes
 }
 
 /// What turning `old` (none for a create) into `new` adds: a larger or new overlay, larger or
 /// new data disks. Shrinking or dropping frees nothing here (a dropped disk may be kept).
+///
+/// An imported root disk (`boot.disk`) is on the file system already: a create counts none of
+/// it here (what it grows by is admitted at import, once its size is known), a change what its
+/// `disk_gib` grows by (all of a first `disk_gib`: the spec does not know the file's size).
 pub fn new_provision(old: Option<&VmSpec>, new: &VmSpec) -> Provision {
     let gib = |g: u64| g.saturating_mul(GIB);
     let old_overlay = old.and_then(|o| o.boot.disk_gib).unwrap_or(0);
-    let mut p =
-        Provision { bytes: gib(new.boot.disk_gib.unwrap_or(0).saturating_sub(old_overlay)), ..Provision::default() };
+    let boot = match old {
+        None if new.boot.disk.is_some() => 0,
+        _ => gib(new.boot.disk_gib.unwrap_or(0).saturating_sub(old_overlay)),
+    };
+    let mut p = Provision { bytes: boot, ..Provision::default() };
     for disk in &new.disks {
         let before = old
             .and_then(|o| o.disks.iter().find(|d| d.name == disk.name && d.format == disk.format))
@@ -159,6 +167,16 @@ mod tests {
         let dropped = spec(Some(10), &[("nsm", 100, true)]);
         assert_eq!(new_provision(Some(&a), &dropped), Provision::default());
         assert_eq!(new_provision(Some(&a), &a), Provision::default());
+    }
+
+    #[test]
+    fn an_imported_root_disk_costs_nothing_at_create_and_its_growth_after() {
+        let mut a = spec(None, &[("nsm", 10, false)]);
+        a.boot = BootSpec { disk: Some("old.qcow2".into()), disk_gib: Some(40), ..BootSpec::default() };
+        assert_eq!(new_provision(None, &a), Provision { bytes: 10 * GIB, preallocated: 0, data_disks: true });
+        let mut grown = a.clone();
+        grown.boot.disk_gib = Some(50);
+        assert_eq!(new_provision(Some(&a), &grown), Provision { bytes: 10 * GIB, ..Provision::default() });
     }
 
     #[test]

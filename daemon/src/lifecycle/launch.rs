@@ -80,6 +80,9 @@ impl Manager {
                     boot_file(&dirs, "spec.boot.initrd", i, false).await?;
                 }
             }
+            // The file is in the import directory only until the create moves it: a create
+            // checks it ([`Manager::inspect_import`]), later operations use the moved file.
+            BootSource::Disk { .. } => {}
         }
         Ok(())
     }
@@ -299,8 +302,9 @@ impl Manager {
     /// serial console sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
     /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
-    /// initrd (copied here when this file version has no copy yet), and the data disks
-    /// (read-write and read-only). Also returns the base image's format.
+    /// initrd (copied here when this file version has no copy yet), for a `boot.disk` VM its
+    /// root disk (read-write and read-only), and the data disks (read-write and read-only).
+    /// Also returns the base image's format (a `boot.disk` VM: its root disk's).
     ///
     /// # Errors
     /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound; 2001 naming
@@ -329,7 +333,19 @@ impl Manager {
         let mut base_format = String::new();
         let base = match &vm.boot {
             BootSource::Image { image, .. } => Some(self.config.paths.images.join(image)),
-            BootSource::Kernel { .. } => None,
+            BootSource::Kernel { .. } | BootSource::Disk { .. } => None,
+        };
+        // A boot.disk VM's root disk, in the format recorded at import (never probed again).
+        let root = match &vm.boot {
+            BootSource::Disk { .. } => {
+                let format =
+                    self.record(&vm.spec.name)?.root_disk.map(|r| r.format).ok_or_else(|| {
+                        provisioning("qemu_files", "the record names no imported root disk".to_string())
+                    })?;
+                base_format = format.as_str().to_string();
+                Some(paths.root_disk(format))
+            }
+            _ => None,
         };
         for which in passed_fds(vm, vm.spec.nics.len()) {
             let fd = match which {
@@ -377,6 +393,19 @@ impl Manager {
                 PassedFd::DataDiskRo(i) => {
                     let Some(disk) = vm.spec.disks.get(i) else { continue };
                     read_only(&paths.data_disk(disk))?
+                }
+                PassedFd::RootDisk => {
+                    let Some(root) = &root else { continue };
+                    OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .open(root)
+                        .map(OwnedFd::from)
+                        .map_err(|e| failed(root, e))?
+                }
+                PassedFd::RootDiskRo => {
+                    let Some(root) = &root else { continue };
+                    read_only(root)?
                 }
                 PassedFd::Kernel | PassedFd::Initrd => {
                     let BootSource::Kernel { kernel, initrd, .. } = &vm.boot else { continue };

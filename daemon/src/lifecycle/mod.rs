@@ -6,7 +6,8 @@
 //! 1. validate (pure, [`crate::validate`]), then check files the spec names;
 //! 2. take the VM's busy flag ([`OpGuard`]; a second operation gets 4090) and, for a new VM,
 //!    admit it under the allocation lock ([`crate::capacity`]) and write its record (intent);
-//! 3. touch the host in dependency order: overlay disk ([`crate::disk`]), data disks
+//! 3. touch the host in dependency order: overlay disk ([`crate::disk`]) or imported root disk
+//!    ([`root_disk`]), data disks
 //!    ([`data_disks`]), run dir, QEMU ([`crate::qemu`]), with the record saved before each step
 //!    that creates something;
 //! 4. on failure undo the completed steps in reverse and record `failed` with the error.
@@ -28,6 +29,7 @@ mod ops;
 mod reconcile;
 mod reconfigure;
 mod recover;
+mod root_disk;
 mod shutdown;
 mod stats;
 mod vfio;
@@ -408,7 +410,11 @@ impl Manager {
         let storage = crate::api::StorageInfo {
             total_bytes: space.map_or(0, |s| s.total),
             free_bytes: space.map_or(0, |s| s.free),
-            provisioned_bytes: t.vms.values().map(|r| crate::disk::space::provisioned(&r.spec)).sum(),
+            provisioned_bytes: t
+                .vms
+                .values()
+                .map(|r| crate::disk::space::provisioned(&r.spec) + Manager::root_disk_bytes(r))
+                .sum(),
             overcommit: self.config.storage.overcommit_percent as f64 / 100.0,
         };
         let held: Vec<Holding<'_>> =

@@ -28,7 +28,12 @@ impl Manager {
         async move {
             let vm = validate_spec(&spec, &self.config)?;
             self.check_boot_files(&vm).await?;
-            self.admit_disk_space(None, &vm.spec)?;
+            // A boot.disk file is checked (and its growth admitted) before anything is recorded.
+            let import = self.inspect_import(&vm).await?;
+            match &import {
+                Some(import) => self.admit_import(&vm.spec, import)?,
+                None => self.admit_disk_space(None, &vm.spec)?,
+            }
             if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
                 // Capacity and conflicts first (what the records say), then what the kernel says
                 // about the devices; both before anything is recorded. reserve_new admits again
@@ -40,6 +45,13 @@ impl Manager {
             if let Err(e) = self.clear_orphan_disks(&vm.spec.name) {
                 self.mark_failed(&vm.spec.name, &e, true);
                 return Err(e);
+            }
+            if let Some(import) = import {
+                if let Err(e) = self.import_root_disk(&vm.spec, import).await {
+                    self.undo_root_disk(&vm.spec.name);
+                    self.mark_failed(&vm.spec.name, &e, true);
+                    return Err(e);
+                }
             }
             self.create_held(&guard, &vm).await?;
             Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
@@ -78,6 +90,7 @@ impl Manager {
         self.crashpoint("create:overlay");
         if let Err(e) = self.ensure_data_disks(&vm.spec, true).await {
             self.undo_data_disks(name);
+            self.undo_root_disk(name);
             self.undo_overlay(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
             self.mark_failed(name, &e, true);
             return Err(e);
@@ -85,16 +98,19 @@ impl Manager {
         self.crashpoint("create:disks");
         if vm.spec.state == DesiredState::Stopped {
             self.update(name, "created stopped", |r| r.status = VmStatus::Stopped)?;
+            self.end_root_disk_import(name)?;
             return self.end_disk_tracking(name);
         }
         match self.launch_qemu(vm, VmStatus::Creating).await {
             Ok(id) => {
                 self.mark_running(name, id, "vm.create")?;
                 self.crashpoint("create:running");
+                self.end_root_disk_import(name)?;
                 self.end_disk_tracking(name)
             }
             Err(e) => {
                 self.undo_data_disks(name);
+                self.undo_root_disk(name);
                 self.undo_overlay(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
                 self.mark_failed(name, &e, true);
                 Err(e)
@@ -188,12 +204,19 @@ impl Manager {
                 return Err(e);
             }
         };
+        // A boot.disk VM whose failed create gave its disk back imports it again.
+        if let Err(e) = self.ensure_root_disk(&vm).await {
+            self.undo_root_disk(name);
+            self.mark_failed(name, &e, reserved_here);
+            return Err(e);
+        }
         // A disk added while the VM was stopped is made now; one a change dropped goes only
         // once the new spec runs (a failed restart rolls back to the spec that still has it).
         if let Err(e) = self.ensure_data_disks(&vm.spec, false).await {
             if reserved_here {
                 self.undo_overlay(name, made_overlay);
             }
+            self.undo_root_disk(name);
             self.mark_failed(name, &e, reserved_here);
             return Err(e);
         }
@@ -201,6 +224,7 @@ impl Manager {
         match self.launch_qemu(&vm, VmStatus::Starting).await {
             Ok(id) => {
                 self.mark_running(name, id, reason)?;
+                self.end_root_disk_import(name)?;
                 if let Some(previous) = pending_from {
                     if let Err(e) = self.retire_data_disks(&previous, &vm.spec) {
                         tracing::error!(vm = name, error = %e.message, "a dropped data disk stays in place");
@@ -212,6 +236,7 @@ impl Manager {
                 if reserved_here {
                     self.undo_overlay(name, made_overlay);
                 }
+                self.undo_root_disk(name);
                 self.mark_failed(name, &e, reserved_here);
                 Err(e)
             }
@@ -367,6 +392,12 @@ impl Manager {
         self.teardown(name).await?;
         self.crashpoint("destroy:torn-down");
         let spec = self.record(name)?.spec;
+        // The operator asked to destroy the VM: its imported root disk goes with it
+        // (keep_on_destroy is a data disk's option only).
+        if let Err(e) = self.dispose_root_disk(name) {
+            self.mark_failed(name, &e, false);
+            return Err(e);
+        }
         let kept = match self.dispose_data_disks(&spec) {
             Ok(kept) => kept,
             Err(e) => {
@@ -434,6 +465,7 @@ impl Manager {
         check_stop_timeout(&StopParams { name: spec.name.clone(), timeout_s, force: false })?;
         let vm = validate_spec(&spec, &self.config)?;
         let Ok(current) = self.record(&spec.name) else { return self.create(spec).await };
+        super::root_disk::check_root_disk_size(&current, &spec)?;
         let fields = match crate::plan::classify(&current.spec, &spec)? {
             Change::None => {
                 // A change recorded with `restart: false` (or just before a crash) is applied now.

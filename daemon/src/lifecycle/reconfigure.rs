@@ -219,6 +219,9 @@ impl Manager {
     async fn grow_offline(&self, spec: &VmSpec, gib: Option<u64>) -> Result<(), ApiError> {
         self.grow_data_disks(spec).await?;
         let Some(gib) = gib else { return Ok(()) };
+        if spec.boot.disk.is_some() {
+            return self.grow_root_disk(spec, gib).await;
+        }
         let overlay = self.paths(&spec.name).overlay;
         if !overlay.exists() {
             return Ok(());
@@ -246,10 +249,12 @@ impl Manager {
     }
 }
 
-/// The new disk size when `desired` grows an image-booted VM's disk.
+/// The new disk size when `desired` grows an image-booted VM's disk, or an imported root
+/// disk (which may get its first `disk_gib`; `vm.apply` checked it is not below the disk's size).
 fn grown_disk(current: &VmSpec, desired: &VmSpec) -> Option<u64> {
     match (current.boot.disk_gib, desired.boot.disk_gib) {
         (Some(old), Some(new)) if new > old => Some(new),
+        (None, Some(new)) if desired.boot.disk.is_some() => Some(new),
         _ => None,
     }
 }

@@ -86,6 +86,8 @@ impl Manager {
                 }
                 let started_at = rec.started_at.clone();
                 self.mark_running(name, id, "re-adopted after daemon restart")?;
+                // It runs on its imported disk: the import is done.
+                self.end_root_disk_import(name)?;
                 if started_at.is_some() {
                     self.update(name, "re-adopted", |r| r.started_at = started_at)?;
                 }
@@ -113,6 +115,12 @@ impl Manager {
             let _ = std::fs::remove_file(&paths.seed);
             self.undo_data_disks(name);
         }
+        match status {
+            // A create or start interrupted while it imported a root disk gives it back.
+            VmStatus::Creating | VmStatus::Starting => self.undo_root_disk(name),
+            // It ran on it: the import is done.
+            _ => self.end_root_disk_import(name)?,
+        }
         let record_error = to != VmStatus::Stopped;
         self.update(name, why, |r| {
             r.status = to;
@@ -138,6 +146,7 @@ impl Manager {
         let _ = std::fs::remove_file(&paths.serial_log);
         let _ = std::fs::remove_file(&paths.qemu_log);
         let spec = self.record(name)?.spec;
+        self.dispose_root_disk(name)?;
         self.dispose_data_disks(&spec)?;
         self.forget(name, "destroyed (completed after restart)")
     }

@@ -101,6 +101,11 @@ impl VmPaths {
         self.disk_dir.join(format!("{}.partial", disk.file_name()))
     }
 
+    /// The root disk a `boot.disk` import moved in: `STATE/disks/NAME/root.FORMAT`.
+    pub fn root_disk(&self, format: crate::api::DiskFormat) -> PathBuf {
+        self.disk_dir.join(format!("{}.{}", crate::validate::ROOT_DISK_NAME, format.as_str()))
+    }
+
     /// Where a destroy keeps data disk `disk`: `STATE/kept-disks/NAME/DISK.FORMAT`.
     pub fn kept_disk(&self, disk: &crate::api::DataDiskSpec) -> PathBuf {
         self.kept_dir.join(disk.file_name())
@@ -152,6 +157,10 @@ pub enum PassedFd {
     /// Data disk `i`, read-only, in the same fd set: QEMU opens it read-only first, like the
     /// overlay.
     DataDiskRo(usize),
+    /// An imported root disk (`boot.disk`), read-write: the boot disk in place of an overlay.
+    RootDisk,
+    /// The imported root disk, read-only, in the same fd set.
+    RootDiskRo,
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -166,6 +175,7 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
             fds.push(PassedFd::Kernel);
             fds.extend(initrd.as_ref().map(|_| PassedFd::Initrd));
         }
+        BootSource::Disk { .. } => fds.extend([PassedFd::RootDisk, PassedFd::RootDiskRo]),
     }
     fds.extend([PassedFd::QmpEvents, PassedFd::Console, PassedFd::QmpStats]);
     fds.extend((0..vm.spec.disks.len()).flat_map(|i| [PassedFd::DataDisk(i), PassedFd::DataDiskRo(i)]));
@@ -185,7 +195,9 @@ pub fn escape_opt(p: &Path) -> String {
 /// as [`passed_fds`] lists them (see [`crate::qemu::launch::LaunchRequest::fds`]); NIC `i` gets
 /// the MAC from `nics[i]`; a direct-kernel VM also gets the guest addresses as `ip=`
 /// parameters. `base_format` is the format of an image-booted VM's base image ([`crate::disk::base_info`]),
-/// needed because QEMU is given the base as a descriptor rather than the path in the overlay.
+/// needed because QEMU is given the base as a descriptor rather than the path in the overlay;
+/// for a `boot.disk` VM it is its root disk's recorded format (`qcow2` or `raw`), pinned so that
+/// QEMU never probes a disk a guest writes.
 pub fn build_argv(
     vm: &ValidSpec,
     config: &Config,
@@ -267,6 +279,23 @@ pub fn build_argv(
         ]);
         push(&["-device", &format!("virtio-blk-pci,drive={DISK_DRIVE},id=boot-disk")]);
     }
+    if let BootSource::Disk { .. } = &vm.boot {
+        // The same drive and device names as an overlay, so a live grow (`block_resize` of
+        // virtio0) and the guest's vda are the same; no backing file (an import with one was
+        // refused).
+        let format = if base_format == "raw" { crate::api::DiskFormat::Raw } else { crate::api::DiskFormat::Qcow2 };
+        push(&["-add-fd", &fdset(PassedFd::RootDisk, &paths.root_disk(format))]);
+        push(&["-add-fd", &format!("fd={},set={}", fd(PassedFd::RootDiskRo), fd(PassedFd::RootDisk))]);
+        push(&[
+            "-drive",
+            &format!(
+                "file=/dev/fdset/{},if=none,id={DISK_DRIVE},format={},discard=unmap",
+                fd(PassedFd::RootDisk),
+                format.as_str()
+            ),
+        ]);
+        push(&["-device", &format!("virtio-blk-pci,drive={DISK_DRIVE},id=boot-disk")]);
+    }
     // On q35 each data disk sits behind its own root port, so it can be unplugged, and spare
     // ports take hot-plugged ones (qemu/hotplug.rs).
     let ports = crate::qemu::hotplug::root_port_args(&config.qemu.machine, spec.disks.len());
@@ -321,6 +350,9 @@ pub fn build_argv(
                 push(&["-append", &line]);
             }
         }
+        // An imported disk brings its own configuration: no cloud-init seed (a new instance
+        // would make its cloud-init run again), no kernel.
+        BootSource::Disk { .. } => {}
     }
     a.into_iter().map(OsString::from).collect()
 }
@@ -514,6 +546,52 @@ mod tests {
         );
         assert!(value_after(&argv, "-add-fd")
             .contains(&format!("fd={nsm_fd},set={nsm_fd},opaque=/var/lib/vmhost/disks/vm-3/nsm.raw").as_str()));
+    }
+
+    #[test]
+    fn an_imported_root_disk_is_the_boot_disk_with_its_format_pinned_and_no_seed() {
+        let c = config();
+        let mut s = spec("vm-4");
+        s.boot = BootSpec { disk: Some("old-vm.qcow2".into()), ..BootSpec::default() };
+        let v = validate_spec(&s, &c).unwrap();
+        assert_eq!(
+            passed_fds(&v, 0),
+            [
+                PassedFd::Qmp,
+                PassedFd::Agent,
+                PassedFd::SerialLog,
+                PassedFd::RootDisk,
+                PassedFd::RootDiskRo,
+                PassedFd::QmpEvents,
+                PassedFd::Console,
+                PassedFd::QmpStats
+            ]
+        );
+        let p = VmPaths::for_vm(&c, "vm-4");
+        for (format, path) in
+            [("qcow2", "/var/lib/vmhost/disks/vm-4/root.qcow2"), ("raw", "/var/lib/vmhost/disks/vm-4/root.raw")]
+        {
+            let argv: Vec<String> =
+                build_argv(&v, &c, &p, &[], format).into_iter().map(|o| o.into_string().unwrap()).collect();
+            assert_eq!(
+                value_after(&argv, "-add-fd")[1..],
+                [format!("fd=6,set=6,opaque={path}"), "fd=7,set=6".to_string()]
+            );
+            assert_eq!(
+                value_after(&argv, "-drive"),
+                [format!("file=/dev/fdset/6,if=none,id=virtio0,format={format},discard=unmap")]
+            );
+            let devices: Vec<&str> =
+                value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("virtio-blk")).collect();
+            assert_eq!(devices, ["virtio-blk-pci,drive=virtio0,id=boot-disk"], "no seed");
+            assert!(!argv.contains(&"-kernel".to_string()));
+        }
+        // Anything but raw is qcow2: a format text can never reach the option list.
+        let argv: Vec<String> = build_argv(&v, &c, &p, &[], "raw,file.filename=/etc/shadow")
+            .into_iter()
+            .map(|o| o.into_string().unwrap())
+            .collect();
+        assert_eq!(value_after(&argv, "-drive"), ["file=/dev/fdset/6,if=none,id=virtio0,format=qcow2,discard=unmap"]);
     }
 
     #[test]

@@ -106,6 +106,13 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
         rule(&p.state, Access::ReadWrite, "VM records, overlays, seeds, serial logs, the lock file"),
         rule(&p.run, Access::ReadWrite, "per-VM QMP and agent sockets, pid files"),
         rule(&p.images, Access::Read, "base images (probed, never written)"),
+        // Every right, as the state directory has: a rename between two directories is only
+        // allowed when the file gains no access right by it (Landlock's REFER rule).
+        rule(
+            p.import_dir(),
+            Access::ReadWrite,
+            "disks imported by boot.disk, renamed into and back out of the state directory",
+        ),
     ];
     if let Some(dir) = p.socket.parent() {
         v.push(rule(dir, Access::Socket, "the API socket (created at start, removed at exit)"));
@@ -323,6 +330,7 @@ mod tests {
         assert_eq!(find(&c.paths.state.to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find(&c.paths.run.to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find(&c.paths.images.to_string_lossy()), Some(Access::Read));
+        assert_eq!(find(&c.paths.import_dir().to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find("/dev/net/tun"), Some(Access::Device));
         assert_eq!(find("/etc/vmhost"), Some(Access::Read));
         assert_eq!(find("/dev/kvm"), None, "the daemon never opens /dev/kvm");

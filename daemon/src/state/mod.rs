@@ -72,6 +72,28 @@ pub struct VmRecord {
     /// moved): undoing the create moves exactly these back. Cleared when the create ends.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reclaimed_disks: Vec<String>,
+    /// The root disk a `boot.disk` import moved in, named before the move.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root_disk: Option<RootDisk>,
+}
+
+/// A `boot.disk` VM's root disk: `STATE/disks/NAME/root.FORMAT`, moved in from the import
+/// directory (docs/storage.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RootDisk {
+    /// Its format, as probed at import and pinned from then on.
+    pub format: crate::api::DiskFormat,
+    /// Its virtual size when it was imported, in bytes (a later `disk_gib` may not be below).
+    pub imported_bytes: u64,
+    /// Where it came from (`paths.import/FILE`): an undone import moves it back there.
+    pub source: PathBuf,
+    /// Its permission bits there, given back when it goes back.
+    pub source_mode: u32,
+    /// Set before the move, cleared when the operation that imported it has succeeded: while
+    /// set, undoing that operation (or a restart settling it) moves the file back to `source`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub importing: bool,
 }
 
 impl VmRecord {
@@ -97,6 +119,7 @@ impl VmRecord {
             last_exit: None,
             new_disks: Vec::new(),
             reclaimed_disks: Vec::new(),
+            root_disk: None,
         }
     }
 

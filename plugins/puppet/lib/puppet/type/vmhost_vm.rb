@@ -232,7 +232,9 @@ Puppet::Type.newtype(:vmhost_vm) do
     desc <<~DOC
       How the VM boots (spec `boot`), a hash: `{ 'image' => 'base.qcow2', 'disk_gib' => 4 }`
       or `{ 'kernel' => '/path/vmlinuz', 'initrd' => '/path/initrd', 'cmdline' => '...' }`
-      (the kernel and initrd in one of the host's boot directories, vmhostd's `paths.boot`).
+      (the kernel and initrd in one of the host's boot directories, vmhostd's `paths.boot`),
+      or `{ 'disk' => 'old-vm.qcow2', 'disk_gib' => 40 }` to import an existing disk from the
+      host's `paths.import` as the VM's own root disk (docs/storage.md; never changed later).
       Compared as a whole. Required to create a VM.
     DOC
     extend shape
