@@ -348,3 +348,47 @@ fn a_daemon_killed_while_importing_a_disk_gives_it_back_or_keeps_it() {
     host.call("vm.destroy", json!({ "name": "imp" }));
     assert!(!root.exists() && !source.exists());
 }
+
+/// A live disk change killed at each of its steps: a disk made for a hot-plug but not attached
+/// yet, one attached but not recorded, one the guest released but not recorded. The restarted
+/// daemon re-adopts the same QEMU and takes what QEMU has as the truth: the unattached disk is
+/// deleted (nothing half-attached stays in QEMU, the change stays pending), the attached one is
+/// the VM's, the released one's file is gone. Applying the spec again converges live, same QEMU.
+#[test]
+fn a_daemon_killed_during_a_hot_plug_or_unplug_settles_from_what_qemu_has() {
+    let extra = "[lifecycle]\nautostart = false\n".to_string();
+    let mut host = TestHost::start(HostOptions { netns: true, extra, ..HostOptions::default() });
+    let spec = |disks: Value| {
+        let mut s = host.kernel_spec("hot");
+        s["disks"] = disks;
+        s
+    };
+    let one = spec(json!([{"name": "a", "size_gib": 1}]));
+    let two = spec(json!([{"name": "a", "size_gib": 1}, {"name": "b", "size_gib": 1}]));
+    let b = host.state().join("disks").join("hot").join("b.qcow2");
+    let pid_of = |host: &TestHost| host.call("vm.get", json!({ "name": "hot" }))["pid"].clone();
+    for (step, pending_after, b_after) in [("data_disk:made", true, false), ("hotplug:attached", false, true)] {
+        host.call("vm.create", json!({ "spec": one }));
+        let pid = pid_of(&host);
+        crash_during(&mut host, step, "vm.apply", json!({ "spec": two, "timeout_s": 5 }));
+        assert_consistent(&host, step);
+        let v = host.call("vm.get", json!({ "name": "hot" }));
+        assert_eq!((&v["status"], &v["pid"]), (&json!("running"), &pid), "{step}: the same QEMU re-adopted: {v}");
+        assert_eq!(v["pending_restart"], pending_after, "{step}: {v}");
+        assert_eq!(b.exists(), b_after, "{step}: b made but not attached is deleted; attached, it stays");
+        let v = host.call("vm.apply", json!({ "spec": two, "timeout_s": 5 }));
+        assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(false)), "{step}: live: {v}");
+        assert!(b.is_file(), "{step}");
+        host.call("vm.destroy", json!({ "name": "hot" }));
+    }
+    // Unplugged (the guest let go) but not recorded: the file goes after the restart.
+    host.call("vm.create", json!({ "spec": two }));
+    assert!(host.wait_serial("hot", "VMHOST-GUEST-READY", Duration::from_secs(120)), "{}", host.serial("hot"));
+    let pid = pid_of(&host);
+    crash_during(&mut host, "hotplug:detached", "vm.apply", json!({ "spec": one, "timeout_s": 5 }));
+    assert_consistent(&host, "hotplug:detached");
+    let v = host.call("vm.get", json!({ "name": "hot" }));
+    assert_eq!((&v["pid"], &v["pending_restart"]), (&pid, &json!(false)), "{v}");
+    assert!(!b.exists(), "the released disk's file is deleted");
+    host.call("vm.destroy", json!({ "name": "hot" }));
+}
