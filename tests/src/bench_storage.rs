@@ -1,7 +1,8 @@
 //! vmhost-bench's data disk figures (docs/performance.md, docs/storage.md): `vm.create` of a
 //! direct-kernel VM (to QEMU running) with 0, 1 and 4 data disks of 1 GiB (sparse qcow2, sparse
-//! raw, preallocated raw), and growing a running VM's data disk (`vm.apply`, QMP
-//! `block_resize`). Prints figures; asserts nothing about time.
+//! raw, preallocated raw), growing a running VM's data disk (`vm.apply`, QMP `block_resize`),
+//! and a hot-plug round trip (a disk added to a running VM, then removed: `vm.apply` each, the
+//! unplug waiting for the guest to release it). Prints figures; asserts nothing about time.
 
 use crate::{HostOptions, TestHost};
 use serde_json::{json, Value};
@@ -72,4 +73,30 @@ pub fn storage(rounds: usize) {
         println!();
         println!("Live grow of a running VM's {format} data disk by 1 GiB (vm.apply, QMP block_resize): median {} ms of {rounds}", ms(median(took)));
     }
+
+    // Hot-plug round trip: the guest must be up to release an unplugged disk.
+    let mut spec = host.kernel_spec("plug");
+    spec["disks"] = disks(1, "qcow2", false);
+    host.call("vm.create", json!({ "spec": spec }));
+    assert!(host.wait_serial("plug", "VMHOST-GUEST-READY", Duration::from_secs(120)), "{}", host.serial("plug"));
+    let (mut plugged, mut unplugged) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        spec["disks"] = disks(2, "qcow2", false);
+        let t = Instant::now();
+        let r = host.call("vm.apply", json!({ "spec": spec }));
+        plugged.push(t.elapsed());
+        assert_eq!(r["vm"]["pending_restart"], false, "hot-plugged: {r}");
+        spec["disks"] = disks(1, "qcow2", false);
+        let t = Instant::now();
+        let r = host.call("vm.apply", json!({ "spec": spec }));
+        unplugged.push(t.elapsed());
+        assert_eq!(r["vm"]["pending_restart"], false, "unplugged: {r}");
+    }
+    host.call("vm.destroy", json!({ "name": "plug" }));
+    println!();
+    println!(
+        "Hot-plug round trip of a 1 GiB qcow2 data disk on a running VM (vm.apply): add (make, add-fd, blockdev-add, device_add) median {} ms, remove (device_del until the guest releases it, delete) median {} ms, of {rounds}",
+        ms(median(plugged)),
+        ms(median(unplugged))
+    );
 }

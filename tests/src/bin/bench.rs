@@ -15,7 +15,7 @@
 //! ACPI power-off and start) and autostart of `--autostart-vms` VMs after a simulated host
 //! reboot, at the default `start_concurrency` and at 4. Then metrics
 //! ([`vmhost_tests::bench_stats`]): `vm.stats` latency with `--stats-vms` running VMs. Last,
-//! data disks ([`vmhost_tests::bench_storage`]): create with 0, 1, 4 data disks, live grow.
+//! data disks ([`vmhost_tests::bench_storage`]): create with 0, 1, 4 data disks, live grow, hot-plug round trip.
 //! Usage: `vmhost-bench [--vms N] [--get-calls N] [--list-calls N] [--nic-rounds N] [--boot-rounds N]
 //! [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR] [--check-rounds N]
 //! [--reconfigure-rounds N] [--autostart-vms N] [--stats-vms N] [--stats-calls N] [--storage-rounds N]`; 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test guest's `vmlinuz` and `initramfs.cpio.gz`
