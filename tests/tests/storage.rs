@@ -233,24 +233,37 @@ fn a_failed_create_returns_the_disks_it_took_back_and_deletes_the_ones_it_made()
 #[test]
 fn a_replace_makes_a_new_boot_disk_and_keeps_every_data_disk() {
     let host = host();
-    for image in ["base.qcow2", "other.qcow2"] {
-        run_ok(
-            Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(host.images().join(image)).arg("64M"),
-        );
+    // Two base images without an OS: a boot sector that prints which image it is, then the
+    // first sector of every other disk the BIOS sees (the data disk among them).
+    for image in ["base", "other"] {
+        let code = vmhost_tests::boot_sector::print_disks(&format!("VMHOST-IMAGE {image}"));
+        vmhost_tests::boot_sector::write_image(&host.images().join(format!("{image}.img")), &code);
     }
-    // The test images have no OS: the disks are checked from the host, the VM killed on stop.
     let spec = |image: &str| {
         json!({"name": "img", "cpu": 1, "memory_mib": 128, "boot": {"image": image, "disk_gib": 1},
                "disks": [{"name": "nsm", "size_gib": 1, "format": "raw"}]})
     };
-    let mut stopped = spec("base.qcow2");
+    let mut stopped = spec("base.img");
     stopped["state"] = json!("stopped");
     host.call("vm.create", json!({ "spec": stopped }));
     let nsm = data_disk(&host, "img", "nsm.raw");
-    std::fs::write(&nsm, b"kept across a replace").unwrap();
+    std::fs::write(&nsm, b"VMHOST-NSM kept across a replace").unwrap();
     std::fs::OpenOptions::new().write(true).open(&nsm).unwrap().set_len(1 << 30).unwrap();
     let ino = std::fs::metadata(&nsm).unwrap().ino();
     host.call("vm.start", json!({ "name": "img" }));
+    let booted = |image: &str| {
+        let after = format!("VMHOST-IMAGE {image}");
+        let deadline = std::time::Instant::now() + BOOT;
+        while std::time::Instant::now() < deadline {
+            let log = host.serial("img");
+            if log.split(&after).nth(1).is_some_and(|rest| rest.contains("VMHOST-NSM kept across a replace")) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        false
+    };
+    assert!(booted("base"), "the guest reads the data disk: {}", host.serial("img"));
     let pid = host.call("vm.get", json!({ "name": "img" }))["pid"].as_i64().unwrap();
     let argv = vmhost_tests::argv_of(pid);
     let devices: Vec<&String> = argv.iter().filter(|a| a.starts_with("virtio-blk-pci")).collect();
@@ -258,21 +271,22 @@ fn a_replace_makes_a_new_boot_disk_and_keeps_every_data_disk() {
         devices,
         [
             "virtio-blk-pci,drive=virtio0,id=boot-disk",
-            "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm",
+            "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm,bus=hp0",
             "virtio-blk-pci,drive=seed,id=seed"
         ],
-        "boot disk, then data disks, then the seed"
+        "boot disk, then data disks (each behind its root port), then the seed"
     );
     let overlay = host.state().join("disks").join("img.qcow2");
 
-    let v = host.call("vm.apply", json!({ "spec": spec("other.qcow2"), "replace": true, "timeout_s": 1 }));
+    let v = host.call("vm.apply", json!({ "spec": spec("other.img"), "replace": true, "timeout_s": 1 }));
     assert_eq!(v["vm"]["status"], "running", "{v}");
+    // The new boot disk runs, and the guest reads the same data disk's bytes.
+    assert!(booted("other"), "after the replace: {}", host.serial("img"));
     // (An inode number can be reused at once: the new overlay is told by the base it records.)
     let info = run_ok(Command::new("qemu-img").args(["info", "-U", "--output=json"]).arg(&overlay));
     let backing = serde_json::from_str::<Value>(&info).unwrap()["backing-filename"].clone();
-    assert_eq!(backing, json!(host.images().join("other.qcow2")), "a new boot disk on the new base");
+    assert_eq!(backing, json!(host.images().join("other.img")), "a new boot disk on the new base");
     assert_eq!(std::fs::metadata(&nsm).unwrap().ino(), ino, "the same data disk");
-    assert!(std::fs::read(&nsm).unwrap().starts_with(b"kept across a replace"));
     host.call("vm.destroy", json!({ "name": "img" }));
     assert!(!nsm.exists());
 }
