@@ -376,13 +376,26 @@ fn disks_come_and_go_while_running_and_a_restart_puts_them_in_order() {
     assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(true)), "{v}");
     assert!(wait_added(&host, "pend", "b") && wait_added(&host, "pend", "c"), "{}", host.serial("pend"));
     assert!(!kept.exists(), "taken back");
-    assert!(data_disk(&host, "pend", "c.qcow2").is_file());
+    let c = data_disk(&host, "pend", "c.qcow2");
+    assert!(c.is_file());
+
+    // c goes again while b, also hot-plugged, stays: only c's node and descriptors are removed.
+    let removals = host.serial("pend").matches("VMHOST-DISK-REMOVED").count();
+    more["disks"] = json!([{"name": "a", "size_gib": 1}, {"name": "b", "size_gib": 1, "keep_on_destroy": true}]);
+    let v = host.call("vm.apply", json!({ "spec": more, "restart": false }));
+    assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(true)), "{v}");
+    let deadline = std::time::Instant::now() + BOOT;
+    while host.serial("pend").matches("VMHOST-DISK-REMOVED").count() == removals {
+        assert!(std::time::Instant::now() < deadline, "{}", host.serial("pend"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(!c.exists(), "an unplugged disk without keep_on_destroy is deleted");
 
     // The restart applies the rest and the spec's order; b still holds what the guest wrote.
     host.call("vm.restart", json!({ "name": "pend", "timeout_s": 5 }));
     let report = disk_report(&host, "pend", 2);
     let order: Vec<(&str, &str)> = report.iter().map(|r| (r.1.as_str(), r.3.as_str())).collect();
-    assert_eq!(order, [("c", "-"), ("a", "-"), ("b", "kept")], "{report:?}");
+    assert_eq!(order, [("a", "-"), ("b", "kept")], "{report:?}");
     assert_eq!(host.call("vm.get", json!({ "name": "pend" }))["pending_restart"], false);
 }
 

@@ -206,7 +206,7 @@ pub async fn detach(q: &mut Qmp, name: &str, release: Duration) -> Result<(), Ho
     if q.wait_event(deleted, release).await.map_err(step("device_del"))?.is_none() {
         return Err(HotplugError::NotReleased(release));
     }
-    clear_half_attached(q, &BTreeSet::new()).await
+    remove_nodes(q, |disk| disk == name).await
 }
 
 /// The data disks (by name) that have a device in the QEMU behind `q`.
@@ -231,15 +231,20 @@ pub async fn attached(q: &mut Qmp) -> Result<BTreeSet<String>, HotplugError> {
 /// # Errors
 /// The QMP error of a query or a removal.
 pub async fn clear_half_attached(q: &mut Qmp, devices: &BTreeSet<String>) -> Result<(), HotplugError> {
+    remove_nodes(q, |disk| !devices.contains(disk)).await
+}
+
+/// Removes the hot-plug block nodes and fd sets of the data disks `orphan` names (a disk
+/// attached at start has a drive QEMU removes with its device, and no such node or set).
+async fn remove_nodes(q: &mut Qmp, orphan: impl Fn(&str) -> bool) -> Result<(), HotplugError> {
     let nodes = q.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await;
     let nodes = nodes.map_err(step("query-named-block-nodes"))?;
-    let orphan = |disk: &str| !devices.contains(disk);
     let node_names: BTreeSet<String> = nodes
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|n| n.get("node-name").and_then(Value::as_str))
-        .filter(|n| n.strip_prefix("data-").is_some_and(orphan))
+        .filter(|n| n.strip_prefix("data-").is_some_and(&orphan))
         .map(str::to_string)
         .collect();
     for node in node_names {
@@ -248,7 +253,7 @@ pub async fn clear_half_attached(q: &mut Qmp, devices: &BTreeSet<String>) -> Res
     let sets = q.execute("query-fdsets", None).await.map_err(step("query-fdsets"))?;
     for set in sets.as_array().into_iter().flatten() {
         let hot = set.get("fds").and_then(Value::as_array).into_iter().flatten().any(|fd| {
-            fd.get("opaque").and_then(Value::as_str).and_then(|o| o.strip_prefix("hotplug:data-")).is_some_and(orphan)
+            fd.get("opaque").and_then(Value::as_str).and_then(|o| o.strip_prefix("hotplug:data-")).is_some_and(&orphan)
         });
         if let (true, Some(id)) = (hot, set.get("fdset-id").and_then(Value::as_u64)) {
             q.execute("remove-fd", Some(json!({ "fdset-id": id }))).await.map_err(step("remove-fd"))?;
