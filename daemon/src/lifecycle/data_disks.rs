@@ -70,7 +70,14 @@ impl Manager {
     /// # Errors
     /// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
     pub(super) fn admit_disk_space(&self, old: Option<&VmSpec>, new: &VmSpec) -> Result<(), ApiError> {
-        let request = crate::disk::space::new_provision(old, new);
+        self.admit_provision(crate::disk::space::new_provision(old, new))
+    }
+
+    /// Admits `request` (new provisioned bytes) against the state file system's free space.
+    ///
+    /// # Errors
+    /// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
+    pub(super) fn admit_provision(&self, request: crate::disk::space::Provision) -> Result<(), ApiError> {
         if request.bytes == 0 {
             return Ok(());
         }

@@ -203,13 +203,7 @@ impl Manager {
         let mut request = crate::disk::space::new_provision(None, spec);
         let wanted = spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
         request.bytes = request.bytes.saturating_add(wanted.saturating_sub(import.virtual_size));
-        if request.bytes == 0 {
-            return Ok(());
-        }
-        let state = &self.config.paths.state;
-        let space = crate::disk::space::FsSpace::of(state)
-            .map_err(|e| failed(format!("cannot read the free space of {}: {e}", state.display())))?;
-        crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)
+        self.admit_provision(request)
     }
 
     /// Moves `import` in as VM `spec.name`'s root disk: recorded first (`root_disk`,

@@ -378,6 +378,16 @@ impl Qmp {
 
     /// Writes one command and returns its id.
     async fn send(&mut self, command: &str, arguments: Option<Value>) -> Result<u64, QmpError> {
+        let (id, bytes) = self.encode(command, arguments)?;
+        // If this future is dropped mid-write (timeout), half a command may be on the wire.
+        self.broken = true;
+        self.writer.write_all(&bytes).await.map_err(io_error)?;
+        self.broken = false;
+        Ok(id)
+    }
+
+    /// The next command's id and its line, unless the connection is out of step.
+    fn encode(&mut self, command: &str, arguments: Option<Value>) -> Result<(u64, Vec<u8>), QmpError> {
         if self.broken {
             return Err(QmpError::Protocol(
                 "connection out of step after an interrupted write or an overlong line; \
@@ -396,11 +406,7 @@ impl Qmp {
         let mut bytes = serde_json::to_vec(&Value::Object(msg))
             .map_err(|e| QmpError::Protocol(format!("cannot encode command: {e}")))?;
         bytes.push(b'\n');
-        // If this future is dropped mid-write (timeout), half a command may be on the wire.
-        self.broken = true;
-        self.writer.write_all(&bytes).await.map_err(io_error)?;
-        self.broken = false;
-        Ok(id)
+        Ok((id, bytes))
     }
 
     /// Writes one command with `fd` attached to its bytes and returns its id.
@@ -412,20 +418,7 @@ impl Qmp {
     ) -> Result<u64, QmpError> {
         use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
         use std::os::fd::AsRawFd;
-        if self.broken {
-            return Err(QmpError::Protocol("connection out of step; reconnect".to_string()));
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        let mut msg = Map::new();
-        msg.insert("execute".to_string(), Value::from(command));
-        if let Some(arguments) = arguments {
-            msg.insert("arguments".to_string(), arguments);
-        }
-        msg.insert("id".to_string(), Value::from(id));
-        let mut bytes = serde_json::to_vec(&Value::Object(msg))
-            .map_err(|e| QmpError::Protocol(format!("cannot encode command: {e}")))?;
-        bytes.push(b'\n');
+        let (id, bytes) = self.encode(command, arguments)?;
         self.broken = true;
         let raw = [fd.as_raw_fd()];
         let stream: &UnixStream = self.writer.as_ref();
