@@ -525,3 +525,24 @@ fn an_existing_disk_is_imported_as_the_root_disk_and_goes_with_the_vm() {
     assert!(!host.state().join("disks").join("moved").exists());
     assert!(!disk.exists(), "not given back either");
 }
+
+/// More new disks than spare root ports: QEMU cannot take them live, so the change waits for
+/// the next start with `restart: false`, and restarts the VM with `restart: true`; nothing is
+/// made or attached half-way.
+#[test]
+fn more_new_disks_than_spare_ports_wait_for_a_restart_or_take_one() {
+    let host = host();
+    host.call("vm.create", json!({ "spec": disk_spec(&host, "many", json!([]), "") }));
+    assert!(disk_report(&host, "many", 1).is_empty());
+    let pid = host.call("vm.get", json!({ "name": "many" }))["pid"].clone();
+    let five = json!((0..5).map(|i| json!({"name": format!("d{i}"), "size_gib": 1})).collect::<Vec<_>>());
+    let spec = disk_spec(&host, "many", five, "");
+    let v = host.call("vm.apply", json!({ "spec": spec, "restart": false, "timeout_s": 5 }));
+    assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(true)), "{v}");
+    assert!(!host.state().join("disks").join("many").exists(), "nothing made for a change that waits");
+    let v = host.call("vm.apply", json!({ "spec": spec, "timeout_s": 5 }));
+    assert_ne!(v["vm"]["pid"], pid, "restarted: {v}");
+    assert_eq!(v["vm"]["pending_restart"], false, "{v}");
+    let report = disk_report(&host, "many", 2);
+    assert_eq!(report.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["d0", "d1", "d2", "d3", "d4"], "{report:?}");
+}

@@ -33,6 +33,14 @@ const QMP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Shortest wait for a guest to release an unplugged disk, whatever `timeout_s` says.
 const MIN_RELEASE: Duration = Duration::from_secs(10);
 
+/// How a failed attach left QEMU.
+enum HotplugOutcome {
+    /// QEMU refused a step: nothing of the disk is in it.
+    Refused,
+    /// No answer: QEMU may have the disk.
+    Unknown,
+}
+
 fn failed(disk: &str, what: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(Code::ProvisioningFailed, format!("cannot {what} data disk {disk:?} while running: {e}"))
         .details(json!({ "step": "data_disk", "disk": disk }))
@@ -44,10 +52,44 @@ pub(super) fn still_pending(running: &VmSpec, spec: &VmSpec) -> bool {
         || crate::plan::live_disk_changes(running, spec).is_some_and(|c| !c.is_empty())
 }
 
+/// A live disk change that failed: `touched` when QEMU may have changed (a step completed, or
+/// an unplug or attach was asked for and not confirmed either way), so the new spec stays
+/// recorded with what QEMU has; otherwise nothing changed and the old record can come back.
+pub(super) struct LiveFailure {
+    /// The error to report.
+    pub error: ApiError,
+    /// QEMU may have changed.
+    pub touched: bool,
+}
+
 impl Manager {
+    /// Whether the running QEMU of VM `name` can take `running`'s data disks to `desired`'s
+    /// live: the change is one [`crate::plan::live_disk_changes`] allows, there are enough free
+    /// root ports for the new disks, and each dropped disk sits behind a root port (a VM
+    /// started before disks had ports has them where they cannot be unplugged). No disk change
+    /// at all is live.
+    ///
+    /// # Errors
+    /// 4001 when QEMU cannot be asked.
+    pub(super) async fn disks_live_capable(
+        &self,
+        name: &str,
+        running: &VmSpec,
+        desired: &VmSpec,
+    ) -> Result<bool, ApiError> {
+        let Some(changes) = crate::plan::live_disk_changes(running, desired) else { return Ok(false) };
+        if changes.add.is_empty() && changes.remove.is_empty() {
+            return Ok(true);
+        }
+        let mut q = Qmp::connect(&self.paths(name).qmp, QMP_TIMEOUT).await.map_err(|e| failed("*", "change", e))?;
+        let remove: Vec<&str> = changes.remove.iter().map(|d| d.name.as_str()).collect();
+        let pcie = hotplug::is_pcie(&self.config.qemu.machine);
+        hotplug::can_change(&mut q, pcie, changes.add.len(), &remove).await.map_err(|e| failed("*", "change", e))
+    }
+
     /// Takes the running QEMU of VM `name` from `running`'s data disks to `desired`'s (see the
     /// module doc). `release`: how long a guest may take to let go of an unplugged disk (at
-    /// least [`MIN_RELEASE`]).
+    /// least [`MIN_RELEASE`]). The caller checked [`Manager::disks_live_capable`].
     ///
     /// # Errors
     /// 4001 step `data_disk` naming the disk whose step failed; the record then says what QEMU
@@ -58,7 +100,8 @@ impl Manager {
         running: &VmSpec,
         desired: &VmSpec,
         release: Duration,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), LiveFailure> {
+        let untouched = |error: ApiError| LiveFailure { error, touched: false };
         let Some(changes) = crate::plan::live_disk_changes(running, desired) else { return Ok(()) };
         if changes.is_empty() {
             return Ok(());
@@ -67,54 +110,85 @@ impl Manager {
         let first =
             changes.grow.first().map(|d| d.0).or(changes.remove.first().copied()).or(changes.add.first().copied());
         let first = first.map(|d| d.name.as_str()).unwrap_or_default();
-        let mut q = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| failed(first, "change", e))?;
+        let mut q = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| untouched(failed(first, "change", e)))?;
         q.set_timeout(QMP_TIMEOUT);
+        let mut touched = false;
+        let fail = |touched: bool| move |error: ApiError| LiveFailure { error, touched };
 
         for (disk, old_gib) in &changes.grow {
             let drive = crate::qemu::argv::data_drive(&disk.name);
             // `device` finds a disk attached at start (a drive), `node-name` a hot-plugged one.
             let args = json!({ "device": drive, "node-name": drive, "size": disk.size_gib.saturating_mul(1 << 30) });
-            q.execute("block_resize", Some(args)).await.map_err(|e| failed(&disk.name, "grow", e))?;
-            if disk.preallocate && disk.format == crate::api::DiskFormat::Raw {
-                crate::disk::data::preallocate_tail(&paths.data_disk(disk), old_gib.saturating_mul(1 << 30))
-                    .await
-                    .map_err(|e| failed(&disk.name, "grow", e))?;
-            }
+            q.execute("block_resize", Some(args)).await.map_err(|e| fail(touched)(failed(&disk.name, "grow", e)))?;
+            touched = true;
             self.record_running_disks(name, |disks| {
                 if let Some(d) = disks.iter_mut().find(|d| d.name == disk.name) {
                     d.size_gib = disk.size_gib;
                 }
-            })?;
+            })
+            .map_err(fail(true))?;
+            if disk.preallocate && disk.format == crate::api::DiskFormat::Raw {
+                crate::disk::data::preallocate_tail(&paths.data_disk(disk), old_gib.saturating_mul(1 << 30))
+                    .await
+                    .map_err(|e| fail(true)(failed(&disk.name, "grow", e)))?;
+            }
         }
 
         let release = release.max(MIN_RELEASE);
         for disk in &changes.remove {
-            hotplug::detach(&mut q, &disk.name, release).await.map_err(|e| failed(&disk.name, "unplug", e))?;
+            let file = paths.data_disk(disk).to_string_lossy().into_owned();
+            // Once device_del is sent the guest may let go at any time: touched either way.
+            hotplug::detach(&mut q, &disk.name, &file, release)
+                .await
+                .map_err(|e| fail(true)(failed(&disk.name, "unplug", e)))?;
+            touched = true;
             self.crashpoint("hotplug:detached");
-            self.record_running_disks(name, |disks| disks.retain(|d| d.name != disk.name))?;
-            self.let_go(name, &[*disk])?;
+            // The file first: a crash before the record is written leaves a record that says
+            // QEMU has the disk, which a restart corrects and then finds no file to retire.
+            self.let_go(name, &[*disk]).map_err(fail(true))?;
+            self.record_running_disks(name, |disks| disks.retain(|d| d.name != disk.name)).map_err(fail(true))?;
         }
 
         let pcie = hotplug::is_pcie(&self.config.qemu.machine);
         for disk in &changes.add {
-            if let Err(e) = self.plug(&mut q, name, disk, pcie).await {
-                self.undo_data_disks(name);
-                return Err(e);
+            match self.plug(&mut q, name, disk, pcie).await {
+                Ok(()) => {}
+                Err((error, HotplugOutcome::Refused)) => {
+                    self.undo_data_disks(name);
+                    return Err(fail(touched)(error));
+                }
+                // QEMU may have it: the disk stays tracked, and the next apply or a restart
+                // finds out (a disk QEMU has is never deleted).
+                Err((error, HotplugOutcome::Unknown)) => return Err(fail(true)(error)),
             }
+            touched = true;
             self.crashpoint("hotplug:attached");
             let order: Vec<&str> = desired.disks.iter().map(|d| d.name.as_str()).collect();
             self.record_running_disks(name, |disks| {
                 disks.push((*disk).clone());
                 disks.sort_by_key(|d| order.iter().position(|n| *n == d.name));
-            })?;
-            self.end_disk_tracking(name)?;
+            })
+            .map_err(fail(true))?;
+            self.end_disk_tracking(name).map_err(fail(true))?;
         }
         Ok(())
     }
 
-    /// Makes (or takes back) `disk` for VM `name`, tracked, and attaches it to QEMU.
-    async fn plug(&self, q: &mut Qmp, name: &str, disk: &DataDiskSpec, pcie: bool) -> Result<(), ApiError> {
-        self.ensure_data_disk(name, disk, true).await?;
+    /// Makes (or takes back) `disk` for VM `name`, tracked, and attaches it to QEMU, unless
+    /// QEMU has it already (an attach whose answer was lost).
+    async fn plug(
+        &self,
+        q: &mut Qmp,
+        name: &str,
+        disk: &DataDiskSpec,
+        pcie: bool,
+    ) -> Result<(), (ApiError, HotplugOutcome)> {
+        let refused = |e: ApiError| (e, HotplugOutcome::Refused);
+        let present = hotplug::attached(q).await.map_err(|e| refused(failed(&disk.name, "hot-plug", e)))?;
+        if present.contains(&disk.name) {
+            return Ok(());
+        }
+        self.ensure_data_disk(name, disk, true).await.map_err(refused)?;
         let file = self.paths(name).data_disk(disk);
         let open = |write: bool| {
             std::fs::OpenOptions::new()
@@ -123,15 +197,13 @@ impl Manager {
                 .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
                 .open(&file)
                 .map(std::os::fd::OwnedFd::from)
-                .map_err(|e| failed(&disk.name, "open", e))
+                .map_err(|e| refused(failed(&disk.name, "open", e)))
         };
         let fds = DiskFds { rw: open(true)?, ro: open(false)? };
         hotplug::attach(q, disk, &fds, pcie).await.map_err(|e| {
-            let mut err = failed(&disk.name, "hot-plug", &e);
-            if matches!(e, HotplugError::NoFreeSlot) {
-                err.message.push_str("; apply with a restart to attach it");
-            }
-            err
+            let outcome =
+                if matches!(e, HotplugError::Uncertain(_)) { HotplugOutcome::Unknown } else { HotplugOutcome::Refused };
+            (failed(&disk.name, "hot-plug", &e), outcome)
         })
     }
 

@@ -476,14 +476,14 @@ impl Manager {
                 return match pending {
                     Some(running) => {
                         let fields = crate::plan::spec_drift(running, &spec);
-                        let restart = restart && crate::plan::restart_needed(running, &spec);
-                        self.reconfigure(vm, fields, restart, timeout_s).await
+                        let needed = restart && crate::plan::restart_needed(running, &spec);
+                        self.reconfigure(vm, fields, needed, restart, timeout_s).await
                     }
                     None => self.converge_unchanged(&current, spec, timeout_s).await,
                 };
             }
             Change::Reconfigure { fields, restart: needs_restart } => {
-                return self.reconfigure(vm, fields, needs_restart && restart, timeout_s).await;
+                return self.reconfigure(vm, fields, needs_restart && restart, restart, timeout_s).await;
             }
             Change::Replace { fields } => fields,
         };

@@ -39,8 +39,9 @@ const RESIZE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Manager {
     /// Changes VM `vm.spec.name` in place to `vm` (`fields` differ; `restart`: a running VM
-    /// restarts for it, else the change waits for its next start unless it is only a larger
-    /// disk). See the module doc for the order.
+    /// restarts for it, else the change waits for its next start except disk changes, which
+    /// are live; `allow_restart`: the caller's `restart`, which lets a disk change this QEMU
+    /// cannot take live restart it instead). See the module doc for the order.
     ///
     /// # Errors
     /// 2001 (files), 3002/3003/3004/3005 (admission, devices) with nothing changed; 4090 when
@@ -50,6 +51,7 @@ impl Manager {
         vm: ValidSpec,
         fields: Vec<String>,
         restart: bool,
+        allow_restart: bool,
         timeout_s: u64,
     ) -> Result<Mutation, ApiError> {
         let name = vm.spec.name.clone();
@@ -57,7 +59,7 @@ impl Manager {
         async move {
             self.check_boot_files(&vm).await?;
             let (guard, _) = self.begin(&name)?;
-            self.reconfigure_held(&guard, &vm, restart, timeout_s).await?;
+            self.reconfigure_held(&guard, &vm, restart, allow_restart, timeout_s).await?;
             Ok(Mutation::new(true, Some(self.get(&name)?)))
         }
         .instrument(span)
@@ -69,6 +71,7 @@ impl Manager {
         g: &OpGuard,
         vm: &ValidSpec,
         restart: bool,
+        allow_restart: bool,
         timeout_s: u64,
     ) -> Result<(), ApiError> {
         let name = vm.spec.name.as_str();
@@ -105,7 +108,15 @@ impl Manager {
         }
         // What the live QEMU runs: the recorded spec, or an older one a change is pending over.
         let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
-        if !restart {
+        let live_disks = !restart && self.disks_live_capable(name, &running, &vm.spec).await?;
+        if !restart && !live_disks && !allow_restart {
+            // A disk change this QEMU cannot take live (no free root port, a disk on a bus
+            // that cannot unplug) and no restart allowed: it waits for the next start.
+            self.swap_in_place(name, &vm.spec, Some(running.clone()))?;
+            self.crashpoint("reconfigure:recorded");
+            return Ok(());
+        }
+        if live_disks {
             // The running QEMU keeps its spec; pending is what differs from that, not from the
             // last recorded one (a disk-only change leaves an earlier change pending). Disks
             // change live (grow, unplug, hot-plug), each step recorded as QEMU takes it.
@@ -115,18 +126,22 @@ impl Manager {
             let release = Duration::from_secs(timeout_s);
             let live = async {
                 if let Some(gib) = grow_to {
-                    self.grow_live(name, gib).await?;
+                    self.grow_live(name, gib)
+                        .await
+                        .map_err(|error| super::hotplug::LiveFailure { error, touched: false })?;
                 }
-                self.change_disks_live(name, &running, &vm.spec, release).await
+                self.change_disks_live(name, &running, &vm.spec, release).await.map_err(|mut f| {
+                    f.touched |= grow_to.is_some();
+                    f
+                })
             };
-            if let Err(e) = live.await {
-                // Nothing changed in QEMU: the old record again. Else the record says what QEMU
-                // has, and the rest stays pending.
-                let now = self.record(name)?;
-                if now.running_spec.as_ref().unwrap_or(&now.spec).disks == running.disks {
+            if let Err(f) = live.await {
+                // Nothing changed in QEMU: the old record again. Else the record says what
+                // QEMU has, and the rest stays pending.
+                if !f.touched {
                     self.swap_in_place(name, &old.spec, old.running_spec.clone())?;
                 }
-                return Err(e);
+                return Err(f.error);
             }
             return Ok(());
         }

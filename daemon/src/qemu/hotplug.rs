@@ -130,9 +130,12 @@ pub enum HotplugError {
     /// Every spare root port holds a device (or the VM was started without them).
     #[error("no free hot-plug slot (a VM has {SPARE_PORTS}; a restart attaches the disk instead)")]
     NoFreeSlot,
-    /// The guest did not release the device in time; it stays attached.
+    /// The guest did not release the device in time; it stays attached until it does.
     #[error("the guest did not release the disk within {0:?}")]
     NotReleased(Duration),
+    /// `device_add` got no answer (a timeout or a lost connection): QEMU may have the device.
+    #[error("device_add: no answer ({0}); QEMU may have attached the disk")]
+    Uncertain(QmpError),
     /// A QMP step failed.
     #[error("{step}: {source}")]
     Qmp {
@@ -176,37 +179,84 @@ pub async fn attach(q: &mut Qmp, disk: &DataDiskSpec, fds: &DiskFds, pcie: bool)
     let result = async {
         q.add_fd(fds.ro.as_fd(), Some(set), &opaque).await.map_err(step("add-fd"))?;
         q.execute("blockdev-add", Some(blockdev_args(disk, set))).await.map_err(step("blockdev-add"))?;
-        if let Err(e) = q.execute("device_add", Some(device_args(disk, bus.as_deref()))).await {
-            let _ = q.execute("blockdev-del", Some(json!({ "node-name": node }))).await;
-            return Err(step("device_add")(e));
+        match q.execute("device_add", Some(device_args(disk, bus.as_deref()))).await {
+            Ok(_) => Ok(()),
+            // Refused: nothing of the device exists; the node goes with the fd set below.
+            Err(e @ QmpError::Command { .. }) => {
+                let _ = q.execute("blockdev-del", Some(json!({ "node-name": node }))).await;
+                Err(step("device_add")(e))
+            }
+            Err(e) => Err(HotplugError::Uncertain(e)),
         }
-        Ok(())
     }
     .await;
-    if result.is_err() {
+    if matches!(result, Err(HotplugError::Qmp { .. })) {
         let _ = q.execute("remove-fd", Some(json!({ "fdset-id": set }))).await;
     }
     result
 }
 
-/// Unplugs data disk `name` from the running QEMU behind `q`: `device_del`, waits up to
-/// `release` for the guest to let go (`DEVICE_DELETED`), then removes its block node and fd
-/// set. A disk attached at start has a drive rather than a node and an fd set QEMU keeps;
-/// only a hot-plugged one's are removed.
+/// Unplugs data disk `name` from the running QEMU behind `q`: `device_del` (a device already
+/// gone counts as released: an earlier unplug the guest finished late), waits up to `release`
+/// for the guest to let go (`DEVICE_DELETED`), then removes its block node (a hot-plugged
+/// disk's; a drive attached at start goes with its device) and its fd set: the hot-plug one, or
+/// the start's, whose description is the disk's path `file` (so QEMU keeps no descriptor on a
+/// file about to be deleted). Failures of that cleanup are logged: the device is gone.
 ///
 /// # Errors
-/// [`HotplugError::NotReleased`] (the device stays), or a QMP error.
-pub async fn detach(q: &mut Qmp, name: &str, release: Duration) -> Result<(), HotplugError> {
+/// [`HotplugError::NotReleased`] (the device stays until the guest lets go), or a QMP error
+/// of `device_del`.
+pub async fn detach(q: &mut Qmp, name: &str, file: &str, release: Duration) -> Result<(), HotplugError> {
     let id = data_drive(name);
-    q.execute("device_del", Some(json!({ "id": id }))).await.map_err(step("device_del"))?;
-    let deleted = |e: &Value| {
-        e.get("event").and_then(Value::as_str) == Some("DEVICE_DELETED")
-            && e.pointer("/data/device").and_then(Value::as_str) == Some(id.as_str())
-    };
-    if q.wait_event(deleted, release).await.map_err(step("device_del"))?.is_none() {
-        return Err(HotplugError::NotReleased(release));
+    match q.execute("device_del", Some(json!({ "id": id }))).await {
+        Ok(_) => {
+            let deleted = |e: &Value| {
+                e.get("event").and_then(Value::as_str) == Some("DEVICE_DELETED")
+                    && e.pointer("/data/device").and_then(Value::as_str) == Some(id.as_str())
+            };
+            if q.wait_event(deleted, release).await.map_err(step("device_del"))?.is_none() {
+                return Err(HotplugError::NotReleased(release));
+            }
+        }
+        Err(QmpError::Command { class, .. }) if class == "DeviceNotFound" => {}
+        Err(e) => return Err(step("device_del")(e)),
     }
-    remove_nodes(q, |disk| disk == name).await
+    if let Err(e) = remove_nodes(q, |disk| disk == name, Some(file)).await {
+        tracing::warn!(disk = name, error = %e, "unplugged; its node or descriptors stay in QEMU until it exits");
+    }
+    Ok(())
+}
+
+/// How much of a live disk change the QEMU behind `q` can take: free root ports (any number on
+/// a machine without PCIe), and whether each of `remove` sits where it can be unplugged (behind
+/// a root port; a VM started before disks had ports has them on the root complex).
+///
+/// # Errors
+/// The QMP error of `query-pci`.
+pub async fn can_change(q: &mut Qmp, pcie: bool, add: usize, remove: &[&str]) -> Result<bool, HotplugError> {
+    if !pcie {
+        return Ok(true);
+    }
+    let pci = q.execute("query-pci", None).await.map_err(step("query-pci"))?;
+    let ports: Vec<&Value> = pci
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|bus| bus.get("devices").and_then(Value::as_array).into_iter().flatten())
+        .filter(|d| d.get("qdev_id").and_then(Value::as_str).is_some_and(|id| id.starts_with("hp")))
+        .collect();
+    let behind_port = |id: &str| {
+        ports.iter().any(|p| {
+            p.pointer("/pci_bridge/devices")
+                .and_then(Value::as_array)
+                .is_some_and(|d| d.iter().any(|d| d.get("qdev_id").and_then(Value::as_str) == Some(id)))
+        })
+    };
+    let free = ports
+        .iter()
+        .filter(|p| p.pointer("/pci_bridge/devices").and_then(Value::as_array).is_none_or(|d| d.is_empty()))
+        .count();
+    Ok(free >= add && remove.iter().all(|d| behind_port(&data_drive(d))))
 }
 
 /// The data disks (by name) that have a device in the QEMU behind `q`.
@@ -231,12 +281,12 @@ pub async fn attached(q: &mut Qmp) -> Result<BTreeSet<String>, HotplugError> {
 /// # Errors
 /// The QMP error of a query or a removal.
 pub async fn clear_half_attached(q: &mut Qmp, devices: &BTreeSet<String>) -> Result<(), HotplugError> {
-    remove_nodes(q, |disk| !devices.contains(disk)).await
+    remove_nodes(q, |disk| !devices.contains(disk), None).await
 }
 
-/// Removes the hot-plug block nodes and fd sets of the data disks `orphan` names (a disk
-/// attached at start has a drive QEMU removes with its device, and no such node or set).
-async fn remove_nodes(q: &mut Qmp, orphan: impl Fn(&str) -> bool) -> Result<(), HotplugError> {
+/// Removes the hot-plug block nodes and fd sets of the data disks `orphan` names, and the fd
+/// set described `file` (a disk attached at start: its drive went with its device).
+async fn remove_nodes(q: &mut Qmp, orphan: impl Fn(&str) -> bool, file: Option<&str>) -> Result<(), HotplugError> {
     let nodes = q.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await;
     let nodes = nodes.map_err(step("query-named-block-nodes"))?;
     let node_names: BTreeSet<String> = nodes
@@ -253,7 +303,9 @@ async fn remove_nodes(q: &mut Qmp, orphan: impl Fn(&str) -> bool) -> Result<(), 
     let sets = q.execute("query-fdsets", None).await.map_err(step("query-fdsets"))?;
     for set in sets.as_array().into_iter().flatten() {
         let hot = set.get("fds").and_then(Value::as_array).into_iter().flatten().any(|fd| {
-            fd.get("opaque").and_then(Value::as_str).and_then(|o| o.strip_prefix("hotplug:data-")).is_some_and(&orphan)
+            let opaque = fd.get("opaque").and_then(Value::as_str);
+            opaque.and_then(|o| o.strip_prefix("hotplug:data-")).is_some_and(&orphan)
+                || (opaque.is_some() && opaque == file)
         });
         if let (true, Some(id)) = (hot, set.get("fdset-id").and_then(Value::as_u64)) {
             q.execute("remove-fd", Some(json!({ "fdset-id": id }))).await.map_err(step("remove-fd"))?;
