@@ -159,30 +159,32 @@ if grep -qw vmhost.disks /proc/cmdline; then
         case $mark in VMHOSTMARK:*) mark=${mark#VMHOSTMARK:} ;; *) mark=- ;; esac
         echo "VMHOST-DISK ${dev##*/} serial=$(cat "$dev/serial" 2>/dev/null) sectors=$(cat "$dev/size") mark=$mark"
     done
-    echo "VMHOST-DISKS-DONE"
     # Then a watch: every change of the disks (a live grow, a hot-plug, an unplug) is reported
     # as it happens: VMHOST-DISK-SIZES with every disk's size, and VMHOST-DISK-ADDED <dev>
-    # serial=<serial> or VMHOST-DISK-REMOVED <dev> for a disk that came or went. Through the
-    # kernel's log (level 2, shown despite `quiet`): the console writes it by polling the UART,
-    # whereas a tty write waits for the UART's interrupt, which under TCG was seen to stop
-    # coming after a PCI hot-plug, leaving the report stuck in the guest.
+    # serial=<serial> or VMHOST-DISK-REMOVED <dev> for a disk that came or went. A disk is known
+    # by its name and its PCI path (another slot for a hot-plugged disk), so an unplug and a
+    # hot-plug between two looks that reuse a name are both seen. What it compares against is
+    # taken before VMHOST-DISKS-DONE: a test acts on the disks as soon as it reads that line.
+    disk_ids() {
+        for dev in /sys/block/vd*; do
+            [ -e "$dev" ] && printf ' %s@%s' "${dev##*/}" "$(readlink -f "$dev" | tr ' ' _)"
+        done
+    }
+    disk_sizes() {
+        for dev in /sys/block/vd*; do
+            [ -e "$dev" ] && printf ' %s=%s' "${dev##*/}" "$(cat "$dev/size")"
+        done
+    }
+    known=" $(disk_ids) " sizes=$(disk_sizes)
+    echo "VMHOST-DISKS-DONE"
     (
+        # Through the kernel's log (level 2, shown despite `quiet`): each report is one record,
+        # never split by other console output.
         exec >/dev/kmsg
         say() { printf '<2>%s\n' "$*"; }
-        # A disk is known by its name and its PCI path (another slot for a hot-plugged disk),
-        # so an unplug and a hot-plug between two looks that reuse a name are both seen.
-        disks() {
-            for dev in /sys/block/vd*; do
-                [ -e "$dev" ] && printf ' %s@%s' "${dev##*/}" "$(readlink -f "$dev" | tr ' ' _)"
-            done
-        }
-        sizes= known=" $(disks) "
         while true; do
-            now=
-            for dev in /sys/block/vd*; do
-                [ -e "$dev" ] && now="$now ${dev##*/}=$(cat "$dev/size")"
-            done
-            ids=" $(disks) "
+            now=$(disk_sizes)
+            ids=" $(disk_ids) "
             if [ "$ids" != "$known" ]; then
                 for id in $known; do
                     case $ids in *" $id "*) ;; *) say "VMHOST-DISK-REMOVED ${id%@*}" ;; esac
@@ -195,7 +197,7 @@ if grep -qw vmhost.disks /proc/cmdline; then
                 done
                 known=$ids
             fi
-            if [ -n "$sizes" ] && [ "$now" != "$sizes" ]; then
+            if [ "$now" != "$sizes" ]; then
                 say "VMHOST-DISK-SIZES$now"
             fi
             sizes=$now
