@@ -141,19 +141,6 @@ pub fn live_disk_changes<'a>(current: &'a VmSpec, desired: &'a VmSpec) -> Option
     Some(changes)
 }
 
-/// The data disks `desired` makes larger than in `current` (same name and format), with their
-/// old sizes in GiB.
-pub fn grown_data_disks<'a>(current: &VmSpec, desired: &'a VmSpec) -> Vec<(&'a DataDiskSpec, u64)> {
-    desired
-        .disks
-        .iter()
-        .filter_map(|d| {
-            let old = current.disks.iter().find(|o| o.name == d.name && o.format == d.format)?;
-            (d.size_gib > old.size_gib).then_some((d, old.size_gib))
-        })
-        .collect()
-}
-
 /// Classifies the change from `current` to `desired` (both valid specs of the same VM).
 ///
 /// # Errors
@@ -611,7 +598,12 @@ mod tests {
         };
         assert!(!restarts(classify(&one, &grown).unwrap()), "a larger disk grows live");
         assert_eq!(
-            grown_data_disks(&one, &grown).iter().map(|(d, old)| (d.name.as_str(), *old)).collect::<Vec<_>>(),
+            live_disk_changes(&one, &grown)
+                .unwrap()
+                .grow
+                .iter()
+                .map(|(d, old)| (d.name.as_str(), *old))
+                .collect::<Vec<_>>(),
             [("nsm", 2)]
         );
         let added = with(vec![disk("nsm", 2, DiskFormat::Raw), disk("logs", 1, DiskFormat::Qcow2)]);

@@ -63,13 +63,7 @@ mod tests {
 
     const QEMU_IMG: &str = "/usr/bin/qemu-img";
 
-    fn tool() -> Tool {
-        let root = nix::unistd::Uid::effective().is_root();
-        Tool {
-            binary: "/usr/bin/qemu-system-x86_64".into(),
-            user: root.then_some(crate::config::UserIds { uid: 65534, gid: 65534 }),
-        }
-    }
+    use crate::disk::tests::tool;
 
     /// Runs `qemu-img ARGS...` (as root, fixtures only) and makes `file` root-only.
     fn qemu_img(args: &[&std::ffi::OsStr], file: &Path) {

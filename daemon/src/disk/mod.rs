@@ -259,7 +259,7 @@ impl Drop for RemoveOnDrop<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::Value;
     use std::hash::{DefaultHasher, Hash, Hasher};
@@ -269,7 +269,7 @@ mod tests {
 
     /// QEMU as `nobody` when the tests run as root (they do in CI): the files below are root's,
     /// mode 0600, in a 0700 directory, so only the descriptors give it access.
-    fn tool() -> Tool {
+    pub(crate) fn tool() -> Tool {
         let root = nix::unistd::Uid::effective().is_root();
         Tool {
             binary: "/usr/bin/qemu-system-x86_64".into(),

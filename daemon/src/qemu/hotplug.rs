@@ -103,25 +103,31 @@ pub fn device_args(disk: &DataDiskSpec, bus: Option<&str>) -> Value {
     args
 }
 
+/// The root ports (`hpN`) in `query-pci`'s answer, each with the `qdev_id`s of the devices
+/// behind it.
+fn root_ports(query_pci: &Value) -> Vec<(&str, Vec<&str>)> {
+    query_pci
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|bus| bus.get("devices").and_then(Value::as_array).into_iter().flatten())
+        .filter_map(|dev| {
+            let id = dev.get("qdev_id").and_then(Value::as_str).filter(|id| id.starts_with("hp"))?;
+            let behind = dev.pointer("/pci_bridge/devices").and_then(Value::as_array).into_iter().flatten();
+            Some((id, behind.filter_map(|d| d.get("qdev_id").and_then(Value::as_str)).collect()))
+        })
+        .collect()
+}
+
 /// The highest-numbered root port without a device, from `query-pci`'s answer: the spare ones
 /// first, and a port a disk was just unplugged from last (a Linux guest was seen to hang when
 /// a new device came into the slot it was still tearing down).
 pub fn free_port(query_pci: &Value) -> Option<String> {
-    let buses = query_pci.as_array()?;
-    let mut free = Vec::new();
-    for bus in buses {
-        for dev in bus.get("devices").and_then(Value::as_array).into_iter().flatten() {
-            let Some(id) = dev.get("qdev_id").and_then(Value::as_str) else { continue };
-            if !id.starts_with("hp") {
-                continue;
-            }
-            let empty = dev.pointer("/pci_bridge/devices").and_then(Value::as_array).is_none_or(|d| d.is_empty());
-            if empty {
-                free.push(id.to_string());
-            }
-        }
-    }
-    free.into_iter().max_by_key(|id| id[2..].parse::<usize>().unwrap_or(0))
+    root_ports(query_pci)
+        .into_iter()
+        .filter(|(_, behind)| behind.is_empty())
+        .max_by_key(|(id, _)| id[2..].parse::<usize>().unwrap_or(0))
+        .map(|(id, _)| id.to_string())
 }
 
 /// Why a disk could not be attached or detached.
@@ -238,24 +244,9 @@ pub async fn can_change(q: &mut Qmp, pcie: bool, add: usize, remove: &[&str]) ->
         return Ok(true);
     }
     let pci = q.execute("query-pci", None).await.map_err(step("query-pci"))?;
-    let ports: Vec<&Value> = pci
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|bus| bus.get("devices").and_then(Value::as_array).into_iter().flatten())
-        .filter(|d| d.get("qdev_id").and_then(Value::as_str).is_some_and(|id| id.starts_with("hp")))
-        .collect();
-    let behind_port = |id: &str| {
-        ports.iter().any(|p| {
-            p.pointer("/pci_bridge/devices")
-                .and_then(Value::as_array)
-                .is_some_and(|d| d.iter().any(|d| d.get("qdev_id").and_then(Value::as_str) == Some(id)))
-        })
-    };
-    let free = ports
-        .iter()
-        .filter(|p| p.pointer("/pci_bridge/devices").and_then(Value::as_array).is_none_or(|d| d.is_empty()))
-        .count();
+    let ports = root_ports(&pci);
+    let free = ports.iter().filter(|(_, behind)| behind.is_empty()).count();
+    let behind_port = |id: &str| ports.iter().any(|(_, behind)| behind.contains(&id));
     Ok(free >= add && remove.iter().all(|d| behind_port(&data_drive(d))))
 }
 
