@@ -12,7 +12,8 @@ unless ``restart: False``); only a new ``boot.image`` needs ``replace: True``, w
 a new disk and deletes the old one.
 
 It needs the ``vmhost`` execution module (same extension, or ``salt://_modules/vmhost.py``) and
-nothing but the Python standard library.
+nothing but the Python standard library (``hardware_from_so`` also reads YAML with PyYAML, which
+Salt itself requires).
 
 .. code-block:: yaml
 
@@ -27,6 +28,12 @@ nothing but the Python standard library.
 A kernel and initrd must be in one of the host's boot directories (vmhostd's ``paths.boot``;
 here ``/srv/guest`` would be one), or vmhostd refuses the spec with 2001.
 """
+
+import difflib
+import os
+import re
+import subprocess
+import tempfile
 
 from salt.exceptions import CommandExecutionError
 
@@ -341,4 +348,413 @@ def absent(name):
         return ret
     ret["changes"] = {"old": _summary(current), "new": None}
     ret["comment"] = f"VM {name} destroyed"
+    return ret
+
+
+# --- vmhost.hardware_from_so: the [hardware] section of vmhostd.toml from Security Onion ---
+
+DEFAULT_CONFIG = "/etc/vmhost/vmhostd.toml"
+# Where Security Onion installs its default Salt tree (salt/hypervisor/defaults.yaml in its source).
+DEFAULT_SO_DEFAULTS = "/opt/so/saltstack/default/salt/hypervisor/defaults.yaml"
+# Where the vmhostd package installs the daemon (packaging/build-debs.sh).
+DEFAULT_VMHOSTD = "/usr/sbin/vmhostd"
+# The host's own reservation Security Onion keeps outside its hypervisor engine.
+DEFAULT_RESERVED_CPU = 8
+DEFAULT_RESERVED_MEMORY_GIB = 16
+HW_CLASSES = ("disk", "copper", "sfp")
+_SO_PCI = re.compile(r"pci_([0-9a-fA-F]{4})_([0-9a-fA-F]{2})_([0-9a-fA-F]{2})_([0-7])")
+_PLAIN_PCI = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
+_KEY = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
+_HEADER = re.compile(r"\s*(\[\[?)\s*(" + _KEY + r"(?:\s*\.\s*" + _KEY + r")*)\s*\]\]?\s*(?:#.*)?")
+_ALLOW_RAW_PCI = re.compile(r"\s*allow_raw_pci\s*=\s*(true|false)\s*(?:#.*)?")
+
+
+class _Refused(Exception):
+    """A reason not to write, for the comment."""
+
+
+def _header(line):
+    """The dotted key of a table header line (``[hardware.sfp]`` → ``["hardware", "sfp"]``), or None."""
+    m = _HEADER.fullmatch(line.rstrip("\r\n"))
+    if not m:
+        return None
+    if m.group(1) == "[[" and not line.rstrip().endswith("]]"):
+        return None
+    parts = re.findall(_KEY, m.group(2))
+    return [p[1:-1] if p[:1] in ('"', "'") else p for p in parts]
+
+
+def _open_multiline(line, delim):
+    """The multi-line string delimiter (``\"\"\"`` or ``'''``) still open at the end of ``line``,
+    given the one open at its start. Enough TOML to not take a line inside such a string for a
+    table header."""
+    i, n = 0, len(line)
+    while i < n:
+        if delim:
+            j = line.find(delim, i)
+            if j < 0:
+                return delim
+            i = j + 3
+            while i < n and line[i] == delim[0]:
+                i += 1
+            delim = None
+            continue
+        c = line[i]
+        if c == "#":
+            return None
+        if line.startswith('"""', i) or line.startswith("'''", i):
+            delim, i = line[i : i + 3], i + 3
+        elif c == '"':
+            i += 1
+            while i < n and line[i] != '"':
+                i += 2 if line[i] == "\\" else 1
+            i += 1
+        elif c == "'":
+            j = line.find("'", i + 1)
+            i = j + 1 if j >= 0 else n
+        else:
+            i += 1
+    return delim
+
+
+def _segments(text):
+    """The file cut at its table headers: ``[(is_hardware, lines)]``; the lines before the first
+    header are one segment that is not hardware. Consecutive hardware tables are one segment."""
+    segments = [(False, [])]
+    delim = None
+    for line in text.splitlines(keepends=True):
+        parts = None if delim else _header(line)
+        delim = _open_multiline(line, delim)
+        if parts is not None:
+            is_hw = parts[0] == "hardware"
+            if is_hw != segments[-1][0]:
+                segments.append((is_hw, []))
+        segments[-1][1].append(line)
+    return segments
+
+
+def _trailing_comments(lines):
+    """Splits a hardware segment into its tables and the blank and comment lines that end it;
+    those describe what follows (the next table, or commented-out examples) and are kept."""
+    cut = len(lines)
+    while cut > 1 and lines[cut - 1].strip()[:1] in ("", "#"):
+        cut -= 1
+    return lines[:cut], lines[cut:]
+
+
+def _allow_raw_pci(text):
+    """``allow_raw_pci`` as the file's ``[hardware]`` table sets it (True/False), or None."""
+    value = None
+    for is_hw, lines in _segments(text):
+        if not is_hw:
+            continue
+        in_table = False
+        for line in lines:
+            parts = _header(line)
+            if parts is not None:
+                in_table = parts == ["hardware"]
+                continue
+            m = _ALLOW_RAW_PCI.fullmatch(line.rstrip("\r\n"))
+            if in_table and m:
+                value = m.group(1) == "true"
+    return value
+
+
+def _splice(text, section):
+    """``text`` with its ``[hardware]`` and ``[hardware.*]`` tables replaced by ``section``
+    (appended when there are none); every other byte stays as it was."""
+    out, placed = [], False
+    for is_hw, lines in _segments(text):
+        if not is_hw:
+            out.extend(lines)
+            continue
+        _, kept = _trailing_comments(lines)
+        if not placed:
+            out.append(section)
+            placed = True
+        out.extend(kept)
+    result = "".join(out)
+    if not placed:
+        if result and not result.endswith("\n"):
+            result += "\n"
+        result += ("\n" if result else "") + section
+    return result
+
+
+def _index(value, key):
+    """A model index: a non-negative integer, or a string of digits (SO writes both)."""
+    if isinstance(value, bool):
+        raise _Refused(f"{key}: index {value!r} is not a non-negative integer")
+    if isinstance(value, int) and 0 <= value <= 0xFFFFFFFF:
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and value.strip().isascii():
+        number = int(value.strip())
+        if number <= 0xFFFFFFFF:
+            return number
+    raise _Refused(f"{key}: index {value!r} is not a non-negative integer")
+
+
+def _pci(value, key):
+    """``pci_0000_c7_00_0`` (or ``0000:c7:00.0``) as ``0000:c7:00.0``."""
+    text = value.strip() if isinstance(value, str) else ""
+    m = _SO_PCI.fullmatch(text) or _PLAIN_PCI.fullmatch(text)
+    if not m or int(m.group(3), 16) > 0x1F:
+        raise _Refused(f"{key}: {value!r} is not a PCI address of the form pci_DDDD_BB_SS_F")
+    domain, bus, slot, function = (g.lower() for g in m.groups())
+    return f"{domain}:{bus}:{slot}.{function}"
+
+
+def _count(value, key, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _Refused(f"{key}: {value!r} is not an integer of at least {minimum}")
+    return value
+
+
+def _so_model(defaults, model):
+    """The model's hardware from SO's defaults.yaml: ``{cpu, memory_gib, disk, copper, sfp}``,
+    each class ``{index: address}`` (empty when absent or null)."""
+    import yaml  # PyYAML: a dependency of Salt itself
+
+    try:
+        with open(defaults, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise _Refused(f"cannot read {defaults}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise _Refused(f"{defaults} is not valid YAML: {exc}") from None
+    models = None
+    if isinstance(data, dict) and isinstance(data.get("hypervisor"), dict):
+        models = data["hypervisor"].get("model")
+    if not isinstance(models, dict):
+        raise _Refused(f"{defaults} has no hypervisor.model mapping")
+    found = {str(k): v for k, v in models.items()}
+    if model not in found:
+        available = ", ".join(sorted(found)) or "none"
+        raise _Refused(f"model {model!r} is not in {defaults} (models there: {available})")
+    base = f"hypervisor.model.{model}.hardware"
+    hw = found[model].get("hardware") if isinstance(found[model], dict) else None
+    if not isinstance(hw, dict):
+        raise _Refused(f"{defaults}: {base} is missing or not a mapping")
+    out = {
+        "cpu": _count(hw.get("cpu"), f"{base}.cpu", 1),
+        "memory_gib": _count(hw.get("memory"), f"{base}.memory", 1),
+    }
+    for cls in HW_CLASSES:
+        table = hw.get(cls)
+        if table is None:
+            out[cls] = {}
+            continue
+        if not isinstance(table, dict):
+            raise _Refused(f"{base}.{cls}: not a mapping of index to PCI address (or null)")
+        devices = {}
+        for raw, address in table.items():
+            index = _index(raw, f"{base}.{cls}.{raw}")
+            if index in devices:
+                raise _Refused(f"{base}.{cls}: index {index} is given twice")
+            devices[index] = _pci(address, f"{base}.{cls}.{raw}")
+        out[cls] = devices
+    return out
+
+
+def _render(hw, model, reserved_cpu, reserved_memory_gib, allow_raw_pci):
+    """The ``[hardware]`` section, ending with a newline."""
+    shown = re.sub(r"[^\x20-\x7e]", "?", model)
+    lines = [
+        "[hardware]",
+        f"# Written by Salt (vmhost.hardware_from_so) from Security Onion model {shown}; the",
+        "# [hardware] tables are replaced at its next run.",
+        f"cpu = {hw['cpu']}",
+        f"memory_gib = {hw['memory_gib']}",
+        f"reserved_cpu = {reserved_cpu}",
+        f"reserved_memory_gib = {reserved_memory_gib}",
+    ]
+    if allow_raw_pci is not None:
+        lines.append(f"allow_raw_pci = {'true' if allow_raw_pci else 'false'}")
+    for cls in HW_CLASSES:
+        if hw[cls]:
+            lines += ["", f"[hardware.{cls}]"]
+            lines += [f'{index} = "{hw[cls][index]}"' for index in sorted(hw[cls])]
+    return "\n".join(lines) + "\n"
+
+
+def _check_config(vmhostd, path, shown_as):
+    """Runs ``vmhostd --config PATH --check-config``; raises with the daemon's message if it
+    refuses (the candidate's temporary name replaced by ``shown_as``)."""
+    try:
+        proc = subprocess.run(
+            [vmhostd, "--config", path, "--check-config"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise _Refused(f"cannot run {vmhostd} --check-config: {exc}") from None
+    if proc.returncode != 0:
+        message = (proc.stderr.strip() or proc.stdout.strip() or f"exit code {proc.returncode}").replace(path, shown_as)
+        raise _Refused(f"vmhostd refuses the new config (file left as it was): {message}")
+
+
+def _write_candidate(directory, text, st, keep_owner=True):
+    """A temporary file in ``directory`` holding ``text``, with ``st``'s mode (and owner, with
+    ``keep_owner``), flushed to disk. Returns its path."""
+    fd, tmp = tempfile.mkstemp(prefix=".vmhostd.toml.", suffix=".salt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(text.encode("utf-8"))
+            fh.flush()
+            os.fchmod(fh.fileno(), st.st_mode & 0o7777)
+            own = os.fstat(fh.fileno())
+            if keep_owner and (own.st_uid, own.st_gid) != (st.st_uid, st.st_gid):
+                os.fchown(fh.fileno(), st.st_uid, st.st_gid)
+            os.fsync(fh.fileno())
+    except OSError:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _replace(path, tmp):
+    """Renames ``tmp`` over ``path`` and makes the rename durable."""
+    os.rename(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _check_restart_cmd(restart_cmd):
+    if restart_cmd is None:
+        return
+    argv = restart_cmd if isinstance(restart_cmd, (list, tuple)) else []
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise _Refused("restart_cmd must be a non-empty list of strings (an argv, run without a shell)")
+
+
+def _restart_vmhostd(service, restart_cmd):
+    """Restarts vmhostd; returns a description, raises with the reason when it fails."""
+    if restart_cmd is not None:
+        try:
+            proc = subprocess.run(
+                list(restart_cmd), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise _Refused(f"restart command {list(restart_cmd)} failed: {exc}") from None
+        if proc.returncode != 0:
+            detail = proc.stderr.strip() or proc.stdout.strip()
+            raise _Refused(f"restart command {list(restart_cmd)} exited with {proc.returncode}: {detail}")
+        return f"restarted with {' '.join(restart_cmd)}"
+    if not __salt__["service.restart"](service):
+        raise _Refused(f"service.restart {service} failed")
+    return f"service {service} restarted"
+
+
+def hardware_from_so(
+    name=DEFAULT_CONFIG,
+    defaults=DEFAULT_SO_DEFAULTS,
+    model=None,
+    reserved_cpu=DEFAULT_RESERVED_CPU,
+    reserved_memory_gib=DEFAULT_RESERVED_MEMORY_GIB,
+    allow_raw_pci=None,
+    restart=True,
+    service="vmhostd",
+    restart_cmd=None,
+    vmhostd=DEFAULT_VMHOSTD,
+):
+    """
+    The ``[hardware]`` section of vmhostd's config is Security Onion's hardware model.
+
+    name
+        vmhostd's config file (default ``/etc/vmhost/vmhostd.toml``); it must exist.
+    defaults
+        SO's ``defaults.yaml`` (default
+        ``/opt/so/saltstack/default/salt/hypervisor/defaults.yaml``), read with
+        ``yaml.safe_load``: ``hypervisor.model.<MODEL>.hardware.{cpu, memory, disk, copper, sfp}``.
+    model
+        the model's name; default the minion's ``sosmodel`` grain.
+    reserved_cpu, reserved_memory_gib
+        the host's own share, never given to VMs (default 8 and 16, SO's reservation).
+    allow_raw_pci
+        None (default) keeps the file's ``allow_raw_pci``; True or False writes it.
+    restart
+        restart vmhostd when the file changed (default True; running VMs keep running, the new
+        vmhostd re-adopts them).
+    service
+        the service ``service.restart`` restarts (default ``vmhostd``).
+    restart_cmd
+        an argv list run without a shell instead of ``service.restart``.
+    vmhostd
+        the daemon binary whose ``--check-config`` validates the new file before it is written
+        (default ``/usr/sbin/vmhostd``).
+
+    Only the ``[hardware]`` and ``[hardware.*]`` tables are replaced; every other byte of the
+    file stays as it was. The file is replaced atomically, keeping its mode and owner.
+    """
+    ret = _ret(name)
+    try:
+        restart = _flag(restart, "restart")
+        if allow_raw_pci is not None:
+            allow_raw_pci = _flag(allow_raw_pci, "allow_raw_pci")
+        if model is None:
+            model = __grains__.get("sosmodel")
+        if model in (None, ""):
+            raise _Refused("no model: the minion has no sosmodel grain and no model was given")
+        model = str(model)
+        reserved_cpu = _count(reserved_cpu, "reserved_cpu", 0)
+        reserved_memory_gib = _count(reserved_memory_gib, "reserved_memory_gib", 0)
+        _check_restart_cmd(restart_cmd)
+        if not os.path.isabs(name):
+            raise _Refused(f"{name} is not an absolute path")
+        try:
+            st = os.stat(name)
+            with open(name, "rb") as fh:
+                raw = fh.read()
+        except OSError as exc:
+            raise _Refused(f"cannot read {name}: {exc.strerror or exc}") from None
+        try:
+            old = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Refused(f"{name} is not UTF-8") from None
+        hw = _so_model(defaults, model)
+        if allow_raw_pci is None:
+            allow_raw_pci = _allow_raw_pci(old)
+        new = _splice(old, _render(hw, model, reserved_cpu, reserved_memory_gib, allow_raw_pci))
+        if new == old:
+            ret["comment"] = f"{name}: [hardware] is already Security Onion model {model}"
+            return ret
+        diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), name, name))
+        ret["changes"] = {"model": model, "diff": diff}
+        if __opts__.get("test"):
+            with tempfile.TemporaryDirectory(prefix="vmhost-hw-") as scratch:
+                _check_config(vmhostd, _write_candidate(scratch, new, st, keep_owner=False), name)
+            ret["result"] = None
+            how = "and vmhostd restarted" if restart else "(no restart: restart is False)"
+            ret["comment"] = f"{name}: [hardware] would be set to Security Onion model {model} {how}"
+            return ret
+        tmp = _write_candidate(os.path.dirname(name), new, st)
+        try:
+            _check_config(vmhostd, tmp, name)
+            _replace(name, tmp)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    except (_Refused, CommandExecutionError, OSError) as exc:
+        ret["result"] = False
+        ret["changes"] = {}
+        ret["comment"] = str(exc)
+        return ret
+    ret["comment"] = f"{name}: [hardware] set to Security Onion model {model}"
+    if not restart:
+        ret["comment"] += "; vmhostd not restarted (restart is False): it reads the file at its next start"
+        return ret
+    try:
+        ret["changes"]["restart"] = _restart_vmhostd(service, restart_cmd)
+    except (_Refused, CommandExecutionError) as exc:
+        ret["result"] = False
+        ret["comment"] += f"; but vmhostd was not restarted: {exc}"
+        return ret
+    ret["comment"] += f"; {ret['changes']['restart']}"
     return ret
