@@ -1,6 +1,11 @@
 """The vmhost states, wired to the real execution module, against a scripted fake vmhostd."""
 
 import copy
+import os
+import shutil
+import stat
+import sys
+import tempfile
 import unittest
 
 from vmhost_fakes import Fail, ScriptedVmhostd, config_get, error, load
@@ -452,6 +457,372 @@ class RealRun(StateTest):
         ret = self.state.absent("web")
         self.assertIs(ret["result"], False)
         self.assertEqual(ret["comment"], 'vmhostd error 4090 (name): another operation on VM "web" is in progress')
+
+
+SO_DEFAULTS = """\
+hypervisor:
+  model:
+    SOSSNNV:
+      hardware:
+        cpu: 128
+        memory: 256
+        disk:
+          1: pci_0000_c7_00_0
+          2: pci_0000_c8_00_0
+          3: pci_0000_c9_00_0
+          4: pci_0000_ca_00_0
+        copper:
+        sfp:
+          1: pci_0000_41_00_0
+          2: pci_0000_41_00_1
+          3: pci_0000_42_00_0
+          4: pci_0000_42_00_1
+    SOS1000:
+      hardware:
+        cpu: 16
+        memory: 64
+        disk: null
+        copper:
+          '1': pci_0000_02_00_0
+          2: pci_0000_02_00_1
+        sfp:
+          '10': pci_0000_03_00_1
+          5: pci_0000_03_00_0
+          '6': pci_0000_0A_1F_7
+"""
+
+# A config with something before, between and after the hardware tables; a multi-line string
+# holding a line that looks like a header; comments that end the hardware tables.
+CONFIG = """\
+sandbox = "best-effort"   # top level
+[paths]
+state = "/var/lib/vmhost"
+[qemu]
+cpu_model = \'\'\'
+[hardware]
+\'\'\'
+
+[hardware]
+# old comment
+cpu = 4
+memory_gib = 8
+allow_raw_pci = true
+[hardware.copper]
+1 = "0000:c8:00.0"
+
+# Networks:
+[networks.lan]
+bridge = "br-lan"
+
+[hardware.sfp]   # a stray table after networks
+9 = "0000:ca:00.0"
+# commented = "kept"
+[logs]
+max_bytes = 262144
+"""
+
+SOSSNNV_SECTION = """\
+[hardware]
+# Written by Salt (vmhost.hardware_from_so) from Security Onion model SOSSNNV; the
+# [hardware] tables are replaced at its next run.
+cpu = 128
+memory_gib = 256
+reserved_cpu = 8
+reserved_memory_gib = 16
+allow_raw_pci = true
+
+[hardware.disk]
+1 = "0000:c7:00.0"
+2 = "0000:c8:00.0"
+3 = "0000:c9:00.0"
+4 = "0000:ca:00.0"
+
+[hardware.sfp]
+1 = "0000:41:00.0"
+2 = "0000:41:00.1"
+3 = "0000:42:00.0"
+4 = "0000:42:00.1"
+"""
+
+# CONFIG with its hardware tables replaced: the blank and comment lines that ended them stay.
+CONFIG_SOSSNNV = (
+    CONFIG.split("[hardware]\n# old")[0]
+    + SOSSNNV_SECTION
+    + '\n# Networks:\n[networks.lan]\nbridge = "br-lan"\n\n# commented = "kept"\n[logs]\nmax_bytes = 262144\n'
+)
+
+# A stand-in for `vmhostd --config PATH --check-config`: records its argv and the file it was
+# shown; refuses when the REFUSE file exists, naming the file as vmhostd does.
+FAKE_VMHOSTD = """\
+import os, sys
+here = os.path.dirname(os.path.abspath(sys.argv[0]))
+path = sys.argv[2]
+with open(os.path.join(here, "checks.log"), "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\\n")
+with open(os.path.join(here, "checked.toml"), "w") as copy, open(path) as f:
+    copy.write(f.read())
+if os.path.exists(os.path.join(here, "REFUSE")):
+    print(f"vmhostd: refusing to start: {path}: key `hardware.reserved_cpu`: 8 leaves no CPU for VMs", file=sys.stderr)
+    sys.exit(2)
+print(f"{path}: OK")
+"""
+
+
+class HardwareFromSo(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="vmhhw")
+        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+        self.etc = os.path.join(self.dir, "etc")
+        self.tools = os.path.join(self.dir, "tools")
+        os.mkdir(self.etc)
+        os.mkdir(self.tools)
+        self.config = os.path.join(self.etc, "vmhostd.toml")
+        self.write(self.config, CONFIG)
+        os.chmod(self.config, 0o640)
+        self.defaults = os.path.join(self.dir, "defaults.yaml")
+        self.write(self.defaults, SO_DEFAULTS)
+        self.vmhostd = os.path.join(self.tools, "vmhostd")
+        self.write(self.vmhostd, f"#!{sys.executable}\n" + FAKE_VMHOSTD)
+        os.chmod(self.vmhostd, 0o755)
+        self.restarts = []
+        self.grains = {"sosmodel": "SOSSNNV"}
+        self.load(test=False)
+
+    def load(self, test):
+        salt = {"service.restart": lambda name: self.restarts.append(name) or True}
+        self.state = load("states", {"__salt__": salt, "__opts__": {"test": test}, "__grains__": self.grains})
+
+    def write(self, path, text):
+        with open(path, "w") as f:
+            f.write(text)
+
+    def read(self, path):
+        with open(path) as f:
+            return f.read()
+
+    def apply(self, **kwargs):
+        args = {"name": self.config, "defaults": self.defaults, "vmhostd": self.vmhostd}
+        args.update(kwargs)
+        return self.state.hardware_from_so(**args)
+
+    def checks(self):
+        path = os.path.join(self.tools, "checks.log")
+        return self.read(path).splitlines() if os.path.exists(path) else []
+
+    def assertUntouched(self, ino=None):
+        self.assertEqual(self.read(self.config), CONFIG)
+        if ino is not None:
+            self.assertEqual(os.stat(self.config).st_ino, ino)
+        self.assertEqual(os.listdir(self.etc), ["vmhostd.toml"], "no temporary file left")
+
+    def test_replaces_only_the_hardware_tables_checks_and_restarts_once(self):
+        before = os.stat(self.config)
+        ret = self.apply(restart_cmd=None)
+        self.assertIs(ret["result"], True, ret)
+        self.assertEqual(self.read(self.config), CONFIG_SOSSNNV)
+        self.assertEqual(
+            ret["comment"],
+            f"{self.config}: [hardware] set to Security Onion model SOSSNNV; service vmhostd restarted",
+        )
+        self.assertEqual(ret["changes"]["model"], "SOSSNNV")
+        self.assertIn("+cpu = 128\n", ret["changes"]["diff"])
+        self.assertIn('-9 = "0000:ca:00.0"\n', ret["changes"]["diff"])
+        self.assertEqual(self.restarts, ["vmhostd"])
+        # Checked before the rename: a candidate in the same directory, with the new text.
+        [check] = self.checks()
+        flag, candidate, last = check.split(" ")
+        self.assertEqual((flag, last, os.path.dirname(candidate)), ("--config", "--check-config", self.etc))
+        self.assertNotEqual(candidate, self.config)
+        self.assertEqual(self.read(os.path.join(self.tools, "checked.toml")), CONFIG_SOSSNNV)
+        # Replaced by a rename (a new inode), mode and owner kept, nothing left behind.
+        after = os.stat(self.config)
+        self.assertNotEqual(after.st_ino, before.st_ino)
+        self.assertEqual(stat.S_IMODE(after.st_mode), 0o640)
+        self.assertEqual((after.st_uid, after.st_gid), (before.st_uid, before.st_gid))
+        self.assertEqual(os.listdir(self.etc), ["vmhostd.toml"])
+
+        # The same inputs again: nothing to do, no check, no restart.
+        ret = self.apply()
+        self.assertEqual(
+            ret,
+            {
+                "name": self.config,
+                "result": True,
+                "changes": {},
+                "comment": f"{self.config}: [hardware] is already Security Onion model SOSSNNV",
+            },
+        )
+        self.assertEqual(self.restarts, ["vmhostd"])
+        self.assertEqual(len(self.checks()), 1)
+        self.assertEqual(os.stat(self.config).st_ino, after.st_ino)
+
+    def test_null_classes_string_indices_numeric_order_and_the_reservation(self):
+        self.grains["sosmodel"] = "SOS1000"
+        ret = self.apply(reserved_cpu=2, reserved_memory_gib=4, allow_raw_pci=False, restart=False)
+        self.assertIs(ret["result"], True, ret)
+        self.assertIn("vmhostd not restarted (restart is False)", ret["comment"])
+        self.assertEqual(self.restarts, [])
+        text = self.read(self.config)
+        section = text[text.index("[hardware]\n# Written") : text.index("\n# Networks:")]
+        self.assertEqual(
+            section,
+            "[hardware]\n"
+            "# Written by Salt (vmhost.hardware_from_so) from Security Onion model SOS1000; the\n"
+            "# [hardware] tables are replaced at its next run.\n"
+            "cpu = 16\nmemory_gib = 64\nreserved_cpu = 2\nreserved_memory_gib = 4\nallow_raw_pci = false\n\n"
+            '[hardware.copper]\n1 = "0000:02:00.0"\n2 = "0000:02:00.1"\n\n'
+            '[hardware.sfp]\n5 = "0000:03:00.0"\n6 = "0000:0a:1f.7"\n10 = "0000:03:00.1"\n',
+        )
+        self.assertNotIn("[hardware.disk]", text)
+
+    def test_model_argument_overrides_the_grain_and_no_grain_fails(self):
+        ret = self.apply(model="SOS1000", restart=False)
+        self.assertIn("model SOS1000", ret["comment"])
+        self.grains.clear()
+        self.write(self.config, CONFIG)
+        ret = self.apply()
+        self.assertEqual((ret["result"], ret["changes"]), (False, {}))
+        self.assertEqual(ret["comment"], "no model: the minion has no sosmodel grain and no model was given")
+        self.assertUntouched()
+
+    def test_unknown_model_names_it_and_the_models_available(self):
+        ino = os.stat(self.config).st_ino
+        self.grains["sosmodel"] = "SOSNOPE"
+        ret = self.apply()
+        self.assertEqual((ret["result"], ret["changes"]), (False, {}))
+        self.assertEqual(ret["comment"], f"model 'SOSNOPE' is not in {self.defaults} (models there: SOS1000, SOSSNNV)")
+        self.assertUntouched(ino)
+        self.assertEqual((self.checks(), self.restarts), ([], []))
+
+    def test_bad_pci_address_or_index_names_the_key(self):
+        cases = [
+            ("pci_0000_41_00_0", "pci_0000_41_0_0", "hypervisor.model.SOSSNNV.hardware.sfp.1: 'pci_0000_41_0_0'"),
+            ("pci_0000_41_00_0", "pci_0000_41_20_0", "hypervisor.model.SOSSNNV.hardware.sfp.1: 'pci_0000_41_20_0'"),
+            ("pci_0000_c7_00_0", "pci_0000_c7_00_8", "hypervisor.model.SOSSNNV.hardware.disk.1: 'pci_0000_c7_00_8'"),
+            ("1: pci_0000_41_00_0", "x1: pci_0000_41_00_0", "hypervisor.model.SOSSNNV.hardware.sfp.x1: index 'x1'"),
+            ("1: pci_0000_41_00_0", "-1: pci_0000_41_00_0", "hypervisor.model.SOSSNNV.hardware.sfp.-1: index -1"),
+            ("cpu: 128", "cpu: many", "hypervisor.model.SOSSNNV.hardware.cpu: 'many' is not an integer"),
+            ("memory: 256", "memory: 0", "hypervisor.model.SOSSNNV.hardware.memory: 0 is not an integer"),
+        ]
+        for old, new, expected in cases:
+            with self.subTest(new=new):
+                self.write(self.defaults, SO_DEFAULTS.replace(old, new, 1))
+                ret = self.apply()
+                self.assertIs(ret["result"], False, ret)
+                self.assertTrue(ret["comment"].startswith(expected), ret["comment"])
+                self.assertUntouched()
+        self.assertEqual((self.checks(), self.restarts), ([], []))
+
+    def test_an_index_given_twice_fails(self):
+        self.write(self.defaults, SO_DEFAULTS.replace("'6': pci_0000_0A", "'5': pci_0000_0A"))
+        ret = self.apply(model="SOS1000")
+        self.assertEqual(ret["comment"], "hypervisor.model.SOS1000.hardware.sfp: index 5 is given twice")
+        self.assertUntouched()
+
+    def test_unreadable_or_invalid_defaults(self):
+        ret = self.apply(defaults=os.path.join(self.dir, "missing.yaml"))
+        self.assertIs(ret["result"], False)
+        self.assertIn("missing.yaml: No such file or directory", ret["comment"])
+        self.write(self.defaults, "hypervisor: [1, 2]\n")
+        self.assertIn("has no hypervisor.model mapping", self.apply()["comment"])
+        self.write(self.defaults, "hypervisor: {model: {SOSSNNV: x}}\n")
+        self.assertIn("hypervisor.model.SOSSNNV.hardware is missing", self.apply()["comment"])
+        self.write(self.defaults, "a: !!python/object/apply:os.system ['true']\n")
+        self.assertIn("is not valid YAML", self.apply()["comment"])
+        self.assertUntouched()
+
+    def test_refused_by_vmhostd_leaves_the_file_and_does_not_restart(self):
+        ino = os.stat(self.config).st_ino
+        self.write(os.path.join(self.tools, "REFUSE"), "")
+        ret = self.apply()
+        self.assertEqual((ret["result"], ret["changes"]), (False, {}))
+        self.assertEqual(
+            ret["comment"],
+            "vmhostd refuses the new config (file left as it was): vmhostd: refusing to start: "
+            f"{self.config}: key `hardware.reserved_cpu`: 8 leaves no CPU for VMs",
+        )
+        self.assertUntouched(ino)
+        self.assertEqual(self.restarts, [])
+        ret = self.apply(vmhostd=os.path.join(self.tools, "absent"))
+        self.assertIs(ret["result"], False)
+        self.assertIn("cannot run", ret["comment"])
+        self.assertUntouched(ino)
+
+    def test_test_mode_shows_the_diff_and_writes_nothing(self):
+        ino = os.stat(self.config).st_ino
+        self.load(test=True)
+        ret = self.apply()
+        self.assertIsNone(ret["result"], ret)
+        self.assertEqual(
+            ret["comment"],
+            f"{self.config}: [hardware] would be set to Security Onion model SOSSNNV and vmhostd restarted",
+        )
+        self.assertEqual(ret["changes"]["model"], "SOSSNNV")
+        self.assertIn("+memory_gib = 256\n", ret["changes"]["diff"])
+        self.assertTrue(ret["changes"]["diff"].startswith(f"--- {self.config}\n+++ {self.config}\n"))
+        self.assertUntouched(ino)
+        self.assertEqual(self.restarts, [])
+        # The prediction is checked by vmhostd too, on a copy outside the config's directory.
+        [check] = self.checks()
+        self.assertNotEqual(os.path.dirname(check.split(" ")[1]), self.etc)
+        self.write(os.path.join(self.tools, "REFUSE"), "")
+        ret = self.apply()
+        self.assertIs(ret["result"], False)
+        self.assertIn("vmhostd refuses the new config", ret["comment"])
+        # Unchanged: True under test=True as well.
+        self.load(test=False)
+        os.unlink(os.path.join(self.tools, "REFUSE"))
+        self.apply(restart=False)
+        self.load(test=True)
+        ret = self.apply()
+        self.assertEqual((ret["result"], ret["changes"]), (True, {}))
+
+    def test_restart_cmd_is_an_argv_run_without_a_shell(self):
+        count = os.path.join(self.dir, "restarted")
+        script = os.path.join(self.tools, "restart")
+        self.write(script, f'#!/bin/sh\necho "$1" >> {count}\n')
+        os.chmod(script, 0o755)
+        ret = self.apply(restart_cmd=[script, "a b; touch /tmp/x"])
+        self.assertIs(ret["result"], True, ret)
+        self.assertEqual(ret["changes"]["restart"], f"restarted with {script} a b; touch /tmp/x")
+        self.assertEqual(self.read(count), "a b; touch /tmp/x\n")
+        self.assertEqual(self.restarts, [], "service.restart is not used")
+        # A failing restart command: the file is written, the state fails saying so.
+        self.write(script, "#!/bin/sh\necho cannot >&2\nexit 3\n")
+        ret = self.apply(model="SOS1000", restart_cmd=[script])
+        self.assertIs(ret["result"], False)
+        self.assertIn("model SOS1000; but vmhostd was not restarted: restart command", ret["comment"])
+        self.assertIn("exited with 3: cannot", ret["comment"])
+        self.assertIn("model", ret["changes"])
+        # A string is refused before anything is written.
+        self.write(self.config, CONFIG)
+        ret = self.apply(restart_cmd="systemctl restart vmhostd")
+        self.assertIs(ret["result"], False)
+        self.assertIn("restart_cmd must be a non-empty list", ret["comment"])
+        self.assertUntouched()
+
+    def test_a_failed_service_restart_fails_the_state(self):
+        self.state.__salt__["service.restart"] = lambda name: False
+        ret = self.apply()
+        self.assertIs(ret["result"], False)
+        self.assertTrue(ret["comment"].endswith("; but vmhostd was not restarted: service.restart vmhostd failed"))
+        self.assertEqual(self.read(self.config), CONFIG_SOSSNNV)
+
+    def test_a_file_without_hardware_gets_the_section_appended(self):
+        self.write(self.config, '[paths]\nstate = "/x"')
+        ret = self.apply(restart=False)
+        self.assertIs(ret["result"], True, ret)
+        self.assertEqual(
+            self.read(self.config),
+            '[paths]\nstate = "/x"\n\n' + SOSSNNV_SECTION.replace("allow_raw_pci = true\n", ""),
+        )
+
+    def test_a_missing_config_fails(self):
+        os.unlink(self.config)
+        ret = self.apply()
+        self.assertIs(ret["result"], False)
+        self.assertEqual(ret["comment"], f"cannot read {self.config}: No such file or directory")
+        self.assertEqual(os.listdir(self.etc), [])
 
 
 class Virtual(unittest.TestCase):
