@@ -455,3 +455,169 @@ fn installed_extension_provides_modules_states_and_engines_through_entry_points(
     assert_eq!(minion.apply("extgone", false)["result"], true);
     assert_eq!(get_err(&host, "ext"), 4040);
 }
+
+/// Security Onion's `defaults.yaml` format (`hypervisor.model.<MODEL>.hardware`): two models, a
+/// null class, string indices, indices running across classes.
+const SO_DEFAULTS: &str = "\
+hypervisor:
+  model:
+    SOSTEST:
+      hardware:
+        cpu: 16
+        memory: 32
+        disk:
+          1: pci_0000_c7_00_0
+        copper: null
+        sfp:
+          '6': pci_0000_41_00_1
+          5: pci_0000_41_00_0
+    SOSOTHER:
+      hardware:
+        cpu: 64
+        memory: 128
+        disk:
+        copper:
+          1: pci_0000_02_00_0
+        sfp:
+";
+
+/// What `vmhost.hardware_from_so` writes for SOSTEST with `reserved_cpu: 2`, `reserved_memory_gib: 4`.
+const SOSTEST_SECTION: &str = "\
+[hardware]
+# Written by Salt (vmhost.hardware_from_so) from Security Onion model SOSTEST; the
+# [hardware] tables are replaced at its next run.
+cpu = 16
+memory_gib = 32
+reserved_cpu = 2
+reserved_memory_gib = 4
+
+[hardware.disk]
+1 = \"0000:c7:00.0\"
+
+[hardware.sfp]
+5 = \"0000:41:00.0\"
+6 = \"0000:41:00.1\"
+";
+
+/// `vmhost.hardware_from_so` with real `salt-call`, a real `vmhostd --check-config` and a real
+/// vmhostd: the `[hardware]` tables of the host's config become the model the minion's
+/// `sosmodel` grain names in SO's `defaults.yaml`, every other byte of the file stays, vmhostd is
+/// restarted once (by a `restart_cmd` that SIGTERMs the test's vmhostd; the harness, which owns
+/// the process, starts it again) and then reports the model while a VM started before keeps its
+/// QEMU. A second run changes nothing and restarts nothing; an unknown model fails and leaves the
+/// file as it was.
+#[test]
+fn hardware_from_so_rewrites_only_the_hardware_tables_and_restarts_once() {
+    let tail = "\n# after the hardware tables\n[logs]\nmax_bytes = 262144\n";
+    let mut host = TestHost::start(HostOptions {
+        extra: format!("[hardware.copper]\n1 = \"0000:c8:00.0\"\n{tail}"),
+        ..HostOptions::default()
+    });
+    let before = fs::read_to_string(&host.config).expect("read config");
+    let (head, _) = before.split_once("[hardware]\n").expect("the harness writes [hardware]");
+    // From the blank line that ends the hardware tables to the end of the file (the harness
+    // adds a newline after `extra`).
+    let rest = &before[before.find(tail).expect("the tail")..];
+    host.call("vm.create", json!({ "spec": host.kernel_spec("keep") }));
+    let vm_pid = host.wait_status("keep", "running", std::time::Duration::from_secs(30))["pid"].clone();
+
+    let minion = Minion::new(&host, Loading::Sync);
+    let d = minion.dir.path();
+    let conf = d.join("minion");
+    let mut text = fs::read_to_string(&conf).expect("minion config");
+    text.push_str("grains:\n  sosmodel: SOSTEST\n");
+    fs::write(&conf, &text).expect("grains");
+    minion.call(&["saltutil.sync_all"]);
+    let defaults = d.join("defaults.yaml");
+    fs::write(&defaults, SO_DEFAULTS).expect("defaults.yaml");
+    // The restart command: counts its runs, SIGTERMs this host's vmhostd and waits until it has
+    // exited (a zombie until the harness reaps it).
+    let count = d.join("restarts");
+    let script = d.join("restart-vmhostd");
+    let pid = host.daemon_pid().expect("daemon pid");
+    fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho run >> {count}\nkill -TERM {pid}\ni=0\nwhile [ $i -lt 300 ]; do\n  \
+             s=$(cut -d' ' -f3 /proc/{pid}/stat 2>/dev/null)\n  if [ -z \"$s\" ] || [ \"$s\" = Z ]; then exit 0; fi\n  \
+             sleep 0.1; i=$((i+1))\ndone\necho vmhostd did not exit >&2\nexit 1\n",
+            count = count.display()
+        ),
+    )
+    .expect("write script");
+    fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let restarts = || fs::read_to_string(&count).map(|t| t.lines().count()).unwrap_or(0);
+    let config = host.config.display().to_string();
+    let mut args = Map::new();
+    args.insert("defaults".into(), json!(defaults));
+    args.insert("reserved_cpu".into(), json!(2));
+    args.insert("reserved_memory_gib".into(), json!(4));
+    args.insert("restart_cmd".into(), json!([script]));
+    args.insert("vmhostd".into(), json!(vmhost_tests::bin("vmhostd")));
+    minion.sls("hw", &config, "vmhost.hardware_from_so", &args);
+
+    // test=True: the diff, nothing written, no restart.
+    let r = minion.apply("hw", true);
+    assert_eq!(r["result"], Value::Null, "{r}");
+    assert!(r["changes"]["diff"].as_str().unwrap_or("").contains("\n+cpu = 16\n"), "{r}");
+    assert_eq!(fs::read_to_string(&host.config).expect("config"), before, "test=True writes nothing");
+    assert_eq!(restarts(), 0);
+
+    // The real run: the hardware tables replaced, the rest byte for byte, one restart.
+    let r = minion.apply("hw", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!(r["changes"]["model"], "SOSTEST", "{r}");
+    assert_eq!(
+        comment(&r),
+        format!("{config}: [hardware] set to Security Onion model SOSTEST; restarted with {}", script.display())
+    );
+    let after = fs::read_to_string(&host.config).expect("config");
+    assert_eq!(after, format!("{head}{SOSTEST_SECTION}{rest}"));
+    assert_eq!(restarts(), 1, "restarted once");
+    assert!(!alive(pid as i32), "the restart command stopped vmhostd");
+    run_ok(Command::new(vmhost_tests::bin("vmhostd")).arg("--config").arg(&host.config).arg("--check-config"));
+    assert!(host.stop_daemon().success(), "vmhostd exited cleanly on the restart command's SIGTERM");
+    host.spawn_daemon();
+    let info = host.call("host.info", json!({}));
+    assert_eq!((&info["cpu"]["total"], &info["cpu"]["reserved"]), (&json!(16), &json!(2)), "{info}");
+    assert_eq!((&info["memory_mib"]["total"], &info["memory_mib"]["reserved"]), (&json!(32768), &json!(4096)));
+    let model: Vec<(Value, Value, Value)> = info["hardware"]
+        .as_array()
+        .expect("hardware")
+        .iter()
+        .map(|h| (h["class"].clone(), h["index"].clone(), h["pci"].clone()))
+        .collect();
+    assert_eq!(
+        model,
+        vec![
+            (json!("disk"), json!(1), json!("0000:c7:00.0")),
+            (json!("sfp"), json!(5), json!("0000:41:00.0")),
+            (json!("sfp"), json!(6), json!("0000:41:00.1")),
+        ]
+    );
+    let vm = host.call("vm.get", json!({ "name": "keep" }));
+    assert_eq!((&vm["status"], &vm["pid"]), (&json!("running"), &vm_pid), "the VM kept its QEMU: {vm}");
+    assert!(alive(vm_pid.as_i64().expect("pid") as i32));
+
+    // The same inputs again: no changes, no restart.
+    let daemon = host.daemon_pid();
+    let r = minion.apply("hw", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "{r}");
+    assert_eq!(comment(&r), format!("{config}: [hardware] is already Security Onion model SOSTEST"));
+    assert_eq!(fs::read_to_string(&host.config).expect("config"), after);
+    assert_eq!((restarts(), host.daemon_pid()), (1, daemon));
+    assert!(alive(daemon.expect("pid") as i32));
+
+    // A model defaults.yaml does not have: fails naming it and the models there; file as it was.
+    fs::write(&conf, text.replace("sosmodel: SOSTEST", "sosmodel: SOSNOPE")).expect("grains");
+    for test in [true, false] {
+        let r = minion.apply("hw", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "{r}");
+        assert_eq!(
+            comment(&r),
+            format!("model 'SOSNOPE' is not in {} (models there: SOSOTHER, SOSTEST)", defaults.display())
+        );
+    }
+    assert_eq!(fs::read_to_string(&host.config).expect("config"), after);
+    assert_eq!(restarts(), 1);
+}
