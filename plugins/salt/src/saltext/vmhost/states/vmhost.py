@@ -667,7 +667,8 @@ def hardware_from_so(
     The ``[hardware]`` section of vmhostd's config is Security Onion's hardware model.
 
     name
-        vmhostd's config file (default ``/etc/vmhost/vmhostd.toml``); it must exist.
+        vmhostd's config file, an absolute path (the package's is ``/etc/vmhost/vmhostd.toml``;
+        Salt passes the state's ID when ``name`` is not given); it must exist.
     defaults
         SO's ``defaults.yaml`` (default
         ``/opt/so/saltstack/default/salt/hypervisor/defaults.yaml``), read with
