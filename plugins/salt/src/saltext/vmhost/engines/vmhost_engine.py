@@ -1232,7 +1232,6 @@ class Engine:
         if held:
             all_ok = False
             specs = [s for s in specs if s["name"] not in held]
-            protected = protected | set(held.values())
             for new, old in sorted(held.items()):
                 log.warning("vmhost_engine: %s: VM %s is not renamed to %s: %s", minion, old, new, MIGRATE_HINT)
                 self._fire(minion, old, "migration_needed", {"file": path, "vm_name": new, "hint": MIGRATE_HINT})
@@ -1240,12 +1239,14 @@ class Engine:
         if self.config.get("so_compat") and not dry:
             so = SoFiles(self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
         try:
-            return self._reconcile(hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok)
+            return self._reconcile(
+                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, set(held.values())
+            )
         finally:
             if so is not None:
                 so.__exit__(None, None, None)
 
-    def _reconcile(self, hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok):
+    def _reconcile(self, hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held):
         prune = self.config["prune"]
         dry = self.config["dry_run"]
         now = self.clock()
@@ -1307,7 +1308,8 @@ class Engine:
         on_host_extra = {p["vm"] for p in plan if p["vm"] not in desired}
         destroyed = {r["vm"] for r in results if r["action"] == "destroy" and r["ok"]}
         if prune == "managed":
-            doomed = sorted((managed & on_host_extra) - protected)
+            # held: old names (<hostname>-<role>) of VMs whose new name is in the file.
+            doomed = sorted((managed & on_host_extra) - protected - held)
             if doomed and not complete:
                 log.error(
                     "vmhost_engine: %s: not pruning %s: a bad entry in %s has no usable name",
