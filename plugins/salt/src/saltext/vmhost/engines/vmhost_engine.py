@@ -10,6 +10,12 @@ An edited entry is changed in place by vmhostd, keeping the VM's disk (plan acti
 ``reconfigure``). The engine never replaces a VM: an entry whose boot image changed gets the
 daemon's 2002, is reported as ``reconcile_failed`` and its VM is left alone.
 
+A drop-in for Security Onion's virtual_node_manager: VMs named ``<hostname>_<role>``, the file
+``<hypervisor>VMs`` driving the one accepted minion ``minion_id`` names (default
+``{hypervisor}_*``), SO's tracking/.error/.status files and ``soc/dyanno/hypervisor/<status>``
+events with ``so_compat``, an optional cloud-init ``bootstrap`` per VM, and hypervisors
+reconciled concurrently (``parallel`` worker threads, one LocalClient each).
+
 Master config::
 
     engines:
