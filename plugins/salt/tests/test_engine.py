@@ -53,7 +53,7 @@ class MappingTest(unittest.TestCase):
         self.assertEqual(
             spec,
             {
-                "name": "sensor1-sensor",
+                "name": "sensor1_sensor",
                 "role": "sensor",
                 "cpu": 4,
                 "memory_mib": 8192,
@@ -89,7 +89,7 @@ class MappingTest(unittest.TestCase):
             "nsm_size": 500,
         }
         spec = eng.map_entry(entry, config())
-        self.assertEqual(spec["name"], "search1-searchnode")
+        self.assertEqual(spec["name"], "search1_searchnode")
         self.assertEqual(spec["nics"], [{"network": "br0", "ipv4": {"mode": "dhcp"}}])
         self.assertEqual(spec["cpu"], 2)
         self.assertEqual(spec["memory_mib"], 16384)
@@ -172,10 +172,10 @@ class MappingTest(unittest.TestCase):
             dict(STATIC, hostname="SENSOR1"),
         ]
         specs, errors, protected, complete = eng.map_file(json.dumps(entries), config(), "/d/hv1VMs")
-        self.assertEqual([s["name"] for s in specs], ["sensor1-sensor", "search1-searchnode"])
+        self.assertEqual([s["name"] for s in specs], ["sensor1_sensor", "search1_searchnode"])
         self.assertEqual([(e.index, e.field) for e in errors], [(1, "cpu"), (2, "hostname"), (4, "hostname")])
         self.assertIn("already defined by entry 0", str(errors[2]))
-        self.assertEqual(protected, {"sensor2-sensor", "sensor1-sensor"})
+        self.assertEqual(protected, {"sensor2_sensor", "sensor1_sensor"})
         self.assertFalse(complete)
         specs, errors, protected, complete = eng.map_file(json.dumps(entries[:2]), config(), "f")
         self.assertTrue(complete)
@@ -206,7 +206,7 @@ class MappingTest(unittest.TestCase):
 
 class TagTest(unittest.TestCase):
     def test_tags(self):
-        self.assertEqual(eng.build_tag("hv1", "sensor1-sensor", "reconciled"), "vmhost/hv1/sensor1-sensor/reconciled")
+        self.assertEqual(eng.build_tag("hv1", "sensor1_sensor", "reconciled"), "vmhost/hv1/sensor1_sensor/reconciled")
         self.assertEqual(eng.build_tag("hv.example.com", "_hypervisor", "x"), "vmhost/hv.example.com/_hypervisor/x")
         self.assertEqual(eng.build_tag("a/b", "..", ""), "vmhost/a_b/_/_")
         self.assertEqual(eng.build_tag("h", "x" * 100, "s"), "vmhost/h/" + "x" * 64 + "/s")
@@ -329,12 +329,22 @@ class EngineTest(unittest.TestCase):
         self.events = []
         self.hosts = {"hv1": FakeHost(), "hv2": FakeHost({"manual"})}
         self.client = FakeClient(self.hosts)
+        # Accepted minion keys; "down" is accepted but never answers.
+        self.accepted = ["hv1", "hv2", "down", "boom", "liar", "bad"]
 
     def engine(self, **over):
+        over.setdefault("minion_id", "{hypervisor}")
         cfg = config(vms_dir=self.dir, interval=300, retry=60, **over)
-        return eng.Engine(
-            cfg, self.client, lambda data, tag: self.events.append((tag, data)), self.cache, lambda: self.now
+        engine = eng.Engine(
+            cfg,
+            self.client,
+            lambda data, tag: self.events.append((tag, data)),
+            self.cache,
+            lambda: self.now,
+            accepted=lambda: self.accepted,
         )
+        self.addCleanup(engine.close)
+        return engine
 
     def write(self, hyp, entries, mtime=None):
         path = os.path.join(self.dir, f"{hyp}VMs")
@@ -353,14 +363,14 @@ class EngineTest(unittest.TestCase):
         self.write("hv2", [entry("c")])
         out = self.engine().run_once()
         self.assertEqual(out, {"hv1": "ok", "hv2": "ok"})
-        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-searchnode"})
-        self.assertEqual(self.hosts["hv2"].vms, {"c-sensor", "manual"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor", "b_searchnode"})
+        self.assertEqual(self.hosts["hv2"].vms, {"c_sensor", "manual"})
         tags = self.tags()
         for tag in (
-            "vmhost/hv1/a-sensor/reconciled",
-            "vmhost/hv1/b-searchnode/reconciled",
+            "vmhost/hv1/a_sensor/reconciled",
+            "vmhost/hv1/b_searchnode/reconciled",
             "vmhost/hv1/_hypervisor/reconciled",
-            "vmhost/hv2/c-sensor/reconciled",
+            "vmhost/hv2/c_sensor/reconciled",
         ):
             self.assertIn(tag, tags)
         # The unmanaged VM on hv2 is neither touched nor reported.
@@ -368,7 +378,7 @@ class EngineTest(unittest.TestCase):
         call = self.client.calls[0]
         self.assertEqual(call[1], "vmhost.reconcile")
         self.assertFalse(call[2]["prune"])
-        self.assertEqual([s["name"] for s in call[2]["vms"]], ["a-sensor", "b-searchnode"])
+        self.assertEqual([s["name"] for s in call[2]["vms"]], ["a_sensor", "b_searchnode"])
 
     def test_change_detection_interval_and_retry(self):
         self.write("hv1", [entry("a")])
@@ -411,8 +421,8 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(
             out, {"bad": "failed", "boom": "failed", "down": "failed", "hv1": "ok", "hv2": "ok", "liar": "failed"}
         )
-        self.assertEqual(self.hosts["hv1"].vms, {"b-sensor"})
-        self.assertEqual(self.hosts["hv2"].vms, {"e-sensor", "manual"})
+        self.assertEqual(self.hosts["hv1"].vms, {"b_sensor"})
+        self.assertEqual(self.hosts["hv2"].vms, {"e_sensor", "manual"})
         failed = {t: d for t, d in self.events if t.endswith("/_hypervisor/reconcile_failed")}
         self.assertEqual(
             sorted(failed),
@@ -428,25 +438,25 @@ class EngineTest(unittest.TestCase):
         self.write("hv1", [entry("a"), entry("b", cpu="many"), entry("c", sfp=["x"])])
         out = self.engine().run_once()
         self.assertEqual(out, {"hv1": "partial"})
-        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor"})
         invalid = {t: d for t, d in self.events if t.endswith("/invalid")}
-        self.assertEqual(sorted(invalid), ["vmhost/hv1/b-sensor/invalid", "vmhost/hv1/c-sensor/invalid"])
-        self.assertEqual(invalid["vmhost/hv1/c-sensor/invalid"]["field"], "sfp[0]")
-        self.assertIn("hv1VMs", invalid["vmhost/hv1/b-sensor/invalid"]["error"])
+        self.assertEqual(sorted(invalid), ["vmhost/hv1/b_sensor/invalid", "vmhost/hv1/c_sensor/invalid"])
+        self.assertEqual(invalid["vmhost/hv1/c_sensor/invalid"]["field"], "sfp[0]")
+        self.assertIn("hv1VMs", invalid["vmhost/hv1/b_sensor/invalid"]["error"])
 
     def test_prune_destroys_only_managed_vms(self):
         self.write("hv2", [entry("a"), entry("b")])
         engine = self.engine()
         engine.run_once()
-        self.assertEqual(self.hosts["hv2"].vms, {"a-sensor", "b-sensor", "manual"})
+        self.assertEqual(self.hosts["hv2"].vms, {"a_sensor", "b_sensor", "manual"})
         self.write("hv2", [entry("a")])
         self.events.clear()
         self.assertEqual(engine.run_once(), {"hv2": "ok"})
-        self.assertEqual(self.hosts["hv2"].vms, {"a-sensor", "manual"})
-        self.assertIn(("hv2", "vmhost.destroy", {"name": "b-sensor"}), self.client.calls)
-        self.assertIn("vmhost/hv2/b-sensor/reconciled", self.tags())
+        self.assertEqual(self.hosts["hv2"].vms, {"a_sensor", "manual"})
+        self.assertIn(("hv2", "vmhost.destroy", {"name": "b_sensor"}), self.client.calls)
+        self.assertIn("vmhost/hv2/b_sensor/reconciled", self.tags())
         with open(os.path.join(self.cache, "state.json")) as f:
-            self.assertEqual(json.load(f)["hv2"]["managed"], ["a-sensor"])
+            self.assertEqual(json.load(f)["hv2"]["managed"], ["a_sensor"])
         # An empty file empties the host of managed VMs, never of others.
         self.write("hv2", [])
         engine.run_once()
@@ -458,11 +468,11 @@ class EngineTest(unittest.TestCase):
         engine.run_once()
         self.write("hv1", [entry("a"), entry("b", memory="lots")])
         self.assertEqual(engine.run_once(), {"hv1": "partial"})
-        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-sensor"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor", "b_sensor"})
         # A bad entry without a usable name stops all destroys on that host.
         self.write("hv1", [entry("Bad_One")])
         self.assertEqual(engine.run_once(), {"hv1": "partial"})
-        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-sensor"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor", "b_sensor"})
         self.assertFalse([c for c in self.client.calls if c[1] == "vmhost.destroy"])
         # Fixed: both go.
         self.write("hv1", [])
@@ -478,31 +488,31 @@ class EngineTest(unittest.TestCase):
 
         def reconcile_then_vanish(**kw):
             ret = real(**kw)
-            self.hosts["hv1"].vms.discard("b-sensor")  # destroyed by hand meanwhile
+            self.hosts["hv1"].vms.discard("b_sensor")  # destroyed by hand meanwhile
             return ret
 
         self.hosts["hv1"].reconcile = reconcile_then_vanish
         self.write("hv1", [entry("a")])
         self.assertEqual(engine.run_once(), {"hv1": "ok"})
         with open(os.path.join(self.cache, "state.json")) as f:
-            self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor"])
+            self.assertEqual(json.load(f)["hv1"]["managed"], ["a_sensor"])
 
     def test_prune_all_and_off(self):
         self.write("hv2", [entry("a")])
         self.engine(prune="all").run_once()
         self.assertTrue(self.client.calls[-1][2]["prune"])
-        self.assertEqual(self.hosts["hv2"].vms, {"a-sensor"})
+        self.assertEqual(self.hosts["hv2"].vms, {"a_sensor"})
         self.write("hv2", [])
         self.engine(prune="off").run_once()
-        self.assertEqual(self.hosts["hv2"].vms, {"a-sensor"})
+        self.assertEqual(self.hosts["hv2"].vms, {"a_sensor"})
         self.assertFalse([c for c in self.client.calls if c[1] == "vmhost.destroy"])
 
     def test_failed_vm_is_reported_and_retried(self):
-        self.hosts["hv1"].fail_create.add("b-sensor")
+        self.hosts["hv1"].fail_create.add("b_sensor")
         self.write("hv1", [entry("a"), entry("b")])
         engine = self.engine()
         self.assertEqual(engine.run_once(), {"hv1": "partial"})
-        failed = [(t, d) for t, d in self.events if t == "vmhost/hv1/b-sensor/reconcile_failed"]
+        failed = [(t, d) for t, d in self.events if t == "vmhost/hv1/b_sensor/reconcile_failed"]
         self.assertEqual(len(failed), 1)
         self.assertEqual(failed[0][1]["error"]["code"], 4001)
         self.assertEqual(failed[0][1]["action"], "create")
@@ -511,7 +521,7 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(engine.run_once(), {"hv1": "skipped"})
         self.now += 61
         self.assertEqual(engine.run_once(), {"hv1": "ok"})
-        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-sensor"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor", "b_sensor"})
 
     def test_an_edited_entry_is_reconfigured_and_never_replaced(self):
         self.write("hv1", [entry("a"), entry("b", "searchnode")])
@@ -521,7 +531,7 @@ class EngineTest(unittest.TestCase):
         # More memory for a: changed in place, reported with its fields and restart.
         self.write("hv1", [entry("a", memory=2), entry("b", "searchnode")])
         self.assertEqual(engine.run_once(), {"hv1": "ok"})
-        done = [d for t, d in self.events if t == "vmhost/hv1/a-sensor/reconciled"]
+        done = [d for t, d in self.events if t == "vmhost/hv1/a_sensor/reconciled"]
         self.assertEqual(len(done), 1, self.events)
         self.assertEqual(
             {k: done[0][k] for k in ("action", "ok", "changed", "error", "fields", "restart")},
@@ -534,8 +544,8 @@ class EngineTest(unittest.TestCase):
                 "restart": True,
             },
         )
-        self.assertEqual(self.hosts["hv1"].specs["a-sensor"]["memory_mib"], 2048)
-        self.assertFalse([t for t, _ in self.events if "b-searchnode" in t], "b is unchanged: no event")
+        self.assertEqual(self.hosts["hv1"].specs["a_sensor"]["memory_mib"], 2048)
+        self.assertFalse([t for t, _ in self.events if "b_searchnode" in t], "b is unchanged: no event")
         # Never replace: the engine leaves it out of every call (the daemon's default is false).
         for _, fun, kwarg in self.client.calls:
             if fun == "vmhost.reconcile":
@@ -547,7 +557,7 @@ class EngineTest(unittest.TestCase):
         new_image = {"default": {"image": "so-new.qcow2", "disk_gib": 100}, "roles": {"sensor": KERNEL}}
         engine = self.engine(boot=new_image)
         self.assertEqual(engine.run_once(), {"hv1": "partial"})
-        failed = [d for t, d in self.events if t == "vmhost/hv1/b-searchnode/reconcile_failed"]
+        failed = [d for t, d in self.events if t == "vmhost/hv1/b_searchnode/reconcile_failed"]
         self.assertEqual(len(failed), 1, self.events)
         self.assertEqual(failed[0]["action"], "replace")
         self.assertEqual(failed[0]["ok"], False)
@@ -557,16 +567,16 @@ class EngineTest(unittest.TestCase):
             (2002, "spec.boot.image", "spec_drift"),
         )
         self.assertIn("never replaces a VM", failed[0]["hint"])
-        self.assertEqual(self.hosts["hv1"].specs["b-searchnode"]["boot"], IMAGE, "b left alone")
-        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "b-searchnode"})
+        self.assertEqual(self.hosts["hv1"].specs["b_searchnode"]["boot"], IMAGE, "b left alone")
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor", "b_searchnode"})
         summary = [d for t, d in self.events if t == "vmhost/hv1/_hypervisor/reconcile_failed"]
         self.assertEqual((summary[0]["failed"], summary[0]["ok"]), (1, False))
         with open(os.path.join(self.cache, "state.json")) as f:
-            self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor", "b-searchnode"])
+            self.assertEqual(json.load(f)["hv1"]["managed"], ["a_sensor", "b_searchnode"])
         # Retried after `retry`, and still never replaced.
         self.now += 61
         self.assertEqual(engine.run_once(), {"hv1": "partial"})
-        self.assertEqual(self.hosts["hv1"].specs["b-searchnode"]["boot"], IMAGE)
+        self.assertEqual(self.hosts["hv1"].specs["b_searchnode"]["boot"], IMAGE)
 
     def test_plan_details_of_a_lying_minion_are_dropped(self):
         self.assertEqual(eng._plan_details({"fields": ["cpu", 3], "restart": "yes"}), {})

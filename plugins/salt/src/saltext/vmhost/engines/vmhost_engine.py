@@ -10,6 +10,12 @@ An edited entry is changed in place by vmhostd, keeping the VM's disk (plan acti
 ``reconfigure``). The engine never replaces a VM: an entry whose boot image changed gets the
 daemon's 2002, is reported as ``reconcile_failed`` and its VM is left alone.
 
+A drop-in for Security Onion's virtual_node_manager: VMs named ``<hostname>_<role>``, the file
+``<hypervisor>VMs`` driving the one accepted minion ``minion_id`` names (default
+``{hypervisor}_*``), SO's tracking/.error/.status files and ``soc/dyanno/hypervisor/<status>``
+events with ``so_compat``, an optional cloud-init ``bootstrap`` per VM, and hypervisors
+reconciled concurrently (``parallel`` worker threads, one LocalClient each).
+
 Master config::
 
     engines:
@@ -22,7 +28,9 @@ Master config::
               sensor: {image: so-sensor.qcow2, disk_gib: 300}
 """
 
+import concurrent.futures
 import errno
+import fnmatch
 import hashlib
 import ipaddress
 import json
@@ -30,19 +38,24 @@ import logging
 import os
 import re
 import stat
+import string
+import threading
 import time
+from datetime import datetime, timezone
 
 log = logging.getLogger(__name__)
 
 TAG_PREFIX = "vmhost"
-# Pseudo VM name for events about a whole hypervisor. VM names never contain "_".
+# Pseudo VM names for events about a whole hypervisor (and bad entries, "_entryN"). VM names
+# never start with "_", so they cannot collide.
 HYPERVISOR_TAG = "_hypervisor"
 SO_ROLES = ("searchnode", "sensor", "receiver", "idh", "heavynode", "fleet")
 HARDWARE_CLASSES = ("disk", "copper", "sfp")
 PRUNE_MODES = ("managed", "all", "off")
 # Largest definition file read; anything bigger is refused as a bad file.
 MAX_FILE_BYTES = 1024 * 1024
-VM_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# vmhostd's VM name rule: 1-63 characters, first [a-z0-9], then [a-z0-9_-].
+VM_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 HOSTNAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 DOMAIN_RE = re.compile(
     r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
@@ -59,6 +72,39 @@ REPLACE_HINT = (
     "by hand (salt HYPERVISOR vmhost.destroy NAME) to have it created again from the new image"
 )
 STATE_FILE = "state.json"
+MIGRATE_HINT = (
+    "this VM was made by an earlier vmhost_engine, which named VMs <hostname>-<role>; the engine "
+    "now names them <hostname>_<role> as Security Onion does. It neither destroys the old VM nor "
+    "creates the new name while the old one is managed: migrate by hand (see docs/salt-engine.md, "
+    "upgrade notes), e.g. destroy the old VM (salt HYPERVISOR vmhost.destroy OLD, which deletes its "
+    "disk) and the engine creates the new name at its next run"
+)
+# Characters that make a minion_id template a glob; without them it is one exact minion id.
+GLOB_CHARS = frozenset("*?[")
+# What the daemon accepts as a spec's user_data.
+MAX_USER_DATA = 64 * 1024
+BOOTSTRAP_KEYS = ("vm_name", "hypervisor", "master", "hostname", "role")
+
+# Security Onion compatibility (so_compat): its files under <vms_dir>/<hypervisor>/ and its
+# status events. See docs/salt-engine.md#security-onions-files-and-status-events.
+SO_VMS_DIR = "/opt/so/saltstack/local/salt/hypervisor/hosts"
+SO_OWNER = "socore"
+SO_EVENT_PREFIX = "soc/dyanno/hypervisor/"
+SO_PROCESSING = "Processing"
+SO_CREATED = "Created Instance"
+SO_HARDWARE = "Hardware Configuration"
+SO_HARDWARE_FAILED = "Hardware Configuration Failed"
+SO_DISK_FULL = "Hypervisor NSM Disk Full"
+SO_DESTROYED = "Destroyed Instance"
+# SO's error codes in <vm>.error: 3 hardware validation, 4 provisioning failed.
+SO_HARDWARE_CODE = 3
+SO_PROVISION_CODE = 4
+# SO drops these from the config it copies into a .error file (a failed VM claims no resources).
+SO_ERROR_DROPPED = ("cpu", "memory", "sfp", "copper")
+# A "Destroyed Instance" .status file is deleted after this many seconds (SO: 48 hours).
+SO_DESTROYED_KEEP = 48 * 3600
+# Spec fields whose change in place SO calls "Hardware Configuration".
+HARDWARE_FIELDS = ("cpu", "memory_mib", "hardware", "pci", "disks")
 
 __virtualname__ = "vmhost_engine"
 
@@ -133,8 +179,39 @@ def _positive(kwargs, key, default):
     return value
 
 
-def parse_config(kwargs):
-    """Checks and normalises the engine's config (the keyword arguments of ``start``)."""
+class _Strict(dict):
+    """The values of a template: a placeholder without a value is an error, never empty."""
+
+    def __missing__(self, key):
+        raise KeyError(key)
+
+
+def render(template, values):
+    """``template.format_map`` over exactly ``values``."""
+    return template.format_map(_Strict(values))
+
+
+def _check_template(template, allowed, key):
+    """Validates a ``str.format`` template once: only the named placeholders in ``allowed``, no
+    positional ``{}``, no attribute or index access; literal braces are written ``{{`` ``}}``."""
+    if not isinstance(template, str) or not template:
+        raise ConfigError(f"{key} must be a non-empty string")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        for field in fields:
+            if field not in allowed:
+                raise ConfigError(
+                    f"{key}: unknown placeholder {{{field}}} (known: {', '.join(allowed)}; "
+                    "write {{ and }} for a literal brace)"
+                )
+        render(template, {k: "x" for k in allowed})
+    except (ValueError, KeyError, IndexError) as exc:
+        raise ConfigError(f"{key}: not a valid template ({exc}); write {{{{ and }}}} for a literal brace") from None
+
+
+def parse_config(kwargs, default_master=None):
+    """Checks and normalises the engine's config (the keyword arguments of ``start``).
+    ``default_master`` is the value of ``master`` when the config has none."""
     known = {
         "vms_dir",
         "suffix",
@@ -146,6 +223,12 @@ def parse_config(kwargs):
         "timeout",
         "prune",
         "dry_run",
+        "minion_id",
+        "so_compat",
+        "file_owner",
+        "bootstrap",
+        "master",
+        "parallel",
     }
     unknown = set(kwargs) - known
     if unknown:
@@ -178,6 +261,27 @@ def parse_config(kwargs):
         prune = "off"
     if prune not in PRUNE_MODES:
         raise ConfigError(f"prune must be one of {', '.join(PRUNE_MODES)}")
+    minion_id = kwargs.get("minion_id", "{hypervisor}_*")
+    _check_template(minion_id, ("hypervisor",), "minion_id")
+    so_compat = kwargs.get("so_compat", os.path.normpath(vms_dir) == SO_VMS_DIR)
+    if not isinstance(so_compat, bool):
+        raise ConfigError("so_compat must be true or false")
+    file_owner = kwargs.get("file_owner")
+    if file_owner is not None and (
+        not isinstance(file_owner, str) or not re.fullmatch(r"[A-Za-z0-9._-]+:[A-Za-z0-9._-]+", file_owner)
+    ):
+        raise ConfigError('file_owner must be "user:group"')
+    bootstrap = kwargs.get("bootstrap")
+    if bootstrap is not None:
+        _check_template(bootstrap, BOOTSTRAP_KEYS, "bootstrap")
+    master = kwargs.get("master", default_master)
+    if master is not None and (not isinstance(master, str) or not master.strip()):
+        raise ConfigError("master must be a host name or address")
+    if bootstrap is not None and master is None:
+        raise ConfigError("bootstrap needs master (the address the guests' salt-minion connects to)")
+    parallel = kwargs.get("parallel", 8)
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 64:
+        raise ConfigError("parallel must be an integer from 1 to 64")
     return {
         "vms_dir": vms_dir,
         "suffix": suffix,
@@ -189,7 +293,42 @@ def parse_config(kwargs):
         "timeout": _positive(kwargs, "timeout", 960),
         "prune": prune,
         "dry_run": bool(kwargs.get("dry_run", False)),
+        "minion_id": minion_id,
+        "so_compat": so_compat,
+        "file_owner": file_owner,
+        "bootstrap": bootstrap,
+        "master": master.strip() if master else None,
+        "parallel": parallel,
     }
+
+
+def file_owner_ids(config, getpwnam=None, getgrnam=None):
+    """``(uid, gid)`` for the files written under ``vms_dir``: ``socore`` (user, and its group,
+    else the user's primary group) when that user exists, else the config's ``file_owner``,
+    else None (files keep the engine's user). Raises ConfigError for an unknown file_owner."""
+    import grp  # pylint: disable=import-outside-toplevel
+    import pwd  # pylint: disable=import-outside-toplevel
+
+    getpwnam = getpwnam or pwd.getpwnam
+    getgrnam = getgrnam or grp.getgrnam
+    try:
+        user = getpwnam(SO_OWNER)
+    except KeyError:
+        user = None
+    if user is not None:
+        try:
+            return user.pw_uid, getgrnam(SO_OWNER).gr_gid
+        except KeyError:
+            return user.pw_uid, user.pw_gid
+    if not config.get("file_owner"):
+        return None
+    uname, gname = config["file_owner"].split(":")
+    try:
+        uid = int(uname) if uname.isdigit() else getpwnam(uname).pw_uid
+        gid = int(gname) if gname.isdigit() else getgrnam(gname).gr_gid
+    except KeyError as exc:
+        raise ConfigError(f"file_owner {config['file_owner']}: no such user or group {exc}") from None
+    return uid, gid
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,17 +371,27 @@ def _blank(value):
 
 
 def vm_name(entry):
-    """The vmhostd VM name of an entry, ``<hostname>-<role>`` (SO's ``<hostname>_<role>``,
-    with ``-`` because vmhostd names allow no ``_``), or None when it cannot be derived."""
+    """The vmhostd VM name of an entry, ``<hostname>_<role>`` as Security Onion names it
+    (hostname lower-cased), or None when it cannot be derived. A hostname has no ``_``, so the
+    name splits back at its last ``_``."""
     if not isinstance(entry, dict):
         return None
     host, role = entry.get("hostname"), entry.get("role")
     if not isinstance(host, str) or not isinstance(role, str):
         return None
-    name = f"{host.strip().lower()}-{role}"
+    name = f"{host.strip().lower()}_{role}"
     if not HOSTNAME_RE.match(host.strip().lower()) or role not in SO_ROLES:
         return None
     return name if VM_NAME_RE.match(name) else None
+
+
+def old_vm_name(name):
+    """The name an earlier vmhost_engine gave the VM now named ``name`` (``<hostname>-<role>``
+    for ``<hostname>_<role>``), or None when ``name`` is not of that form."""
+    host, sep, role = name.rpartition("_")
+    if not sep or role not in SO_ROLES or not HOSTNAME_RE.match(host):
+        return None
+    return f"{host}-{role}"
 
 
 def _ipv4(entry, network):
@@ -319,10 +468,11 @@ def _indices(entry, cls):
     return out
 
 
-def map_entry(entry, config, source="<file>", index=0):
+def map_entry(entry, config, source="<file>", index=0, hypervisor=""):
     """Maps one Security Onion VM entry onto a vmhostd VM spec.
 
-    ``config`` is the result of :func:`parse_config` (only ``network`` and ``boot`` are used).
+    ``config`` is the result of :func:`parse_config` (``network``, ``boot``, ``bootstrap`` and
+    ``master`` are used); ``hypervisor`` (the file's prefix) goes into the bootstrap text.
     Raises :class:`EntryError` naming the file, entry and field for anything unusable.
     """
     name = vm_name(entry)
@@ -390,19 +540,35 @@ def map_entry(entry, config, source="<file>", index=0):
                 {"name": "nsm", "size_gib": nsm, "format": "raw", "preallocate": True, "cache": "none", "aio": "native"}
             ]
         spec["nics"] = [_ipv4(entry, config["network"])]
+        if config.get("bootstrap"):
+            text = render(
+                config["bootstrap"],
+                {
+                    "vm_name": name,
+                    "hypervisor": hypervisor,
+                    "master": config["master"],
+                    "hostname": host.strip().lower(),
+                    "role": role,
+                },
+            )
+            size = len(text.encode("utf-8"))
+            if size > MAX_USER_DATA:
+                raise _Bad("user_data", f"the rendered bootstrap is {size} bytes, above {MAX_USER_DATA}")
+            spec["user_data"] = text
     except _Bad as exc:
         field, message = exc.args
         raise EntryError(source, index, field, message, name) from None
     return spec
 
 
-def map_file(text, config, source="<file>"):
+def map_file(text, config, source="<file>", hypervisor="", raw=None):
     """Maps a whole ``<hypervisor>VMs`` file.
 
     Returns ``(specs, errors, protected, complete)``: the specs of the good entries in file
     order, an :class:`EntryError` per bad entry, the VM names of bad entries whose name could
     still be derived (they must not be pruned), and whether every bad entry had such a name.
     A file that is not a JSON array raises :class:`EntryError` (index ``None``, field ``file``).
+    ``raw``, when a dict, receives ``{name: entry}`` of the good entries, as in the file.
     """
     try:
         data = json.loads(text)
@@ -413,7 +579,7 @@ def map_file(text, config, source="<file>"):
     specs, errors, protected, complete, seen = [], [], set(), True, {}
     for index, entry in enumerate(data):
         try:
-            spec = map_entry(entry, config, source, index)
+            spec = map_entry(entry, config, source, index, hypervisor)
             if spec["name"] in seen:
                 raise EntryError(
                     source,
@@ -431,6 +597,8 @@ def map_file(text, config, source="<file>"):
             continue
         seen[spec["name"]] = index
         specs.append(spec)
+        if raw is not None:
+            raw[spec["name"]] = entry
     return specs, errors, protected, complete
 
 
@@ -498,27 +666,273 @@ def _short_error(error):
 # ---------------------------------------------------------------------------------------------
 
 
-def content_digest(content, config):
-    """sha256 over the file's bytes and the parts of the config that shape the specs."""
+def content_digest(content, config, minion=None):
+    """sha256 over the file's bytes, the parts of the config that shape the specs or what is
+    written (the bootstrap text included) and the minion id the file resolved to."""
     h = hashlib.sha256()
     h.update(content)
     h.update(b"\0")
-    relevant = {k: config[k] for k in ("network", "boot", "prune", "dry_run")}
+    relevant = {k: config.get(k) for k in ("network", "boot", "prune", "dry_run", "bootstrap", "master", "so_compat")}
+    relevant["minion"] = minion
     h.update(json.dumps(relevant, sort_keys=True).encode())
     return h.hexdigest()
 
 
-class Engine:
-    """One engine instance. ``client`` has LocalClient's ``cmd``; ``fire(data, tag)`` puts an
-    event on the master bus; ``cachedir`` is the engine's own directory (state file only)."""
+class TargetError(HypervisorFailure):
+    """A file's hypervisor did not resolve to exactly one accepted minion id."""
 
-    def __init__(self, config, client, fire, cachedir, clock=time.time):
+    def __init__(self, message, matches):
+        super().__init__(message)
+        self.matches = matches
+
+
+def accepted_minions(pki_dir):
+    """The ids of the master's accepted minion keys: the file names in ``<pki_dir>/minions``."""
+    return [n for n in os.listdir(os.path.join(pki_dir, "minions")) if not n.startswith(".")]
+
+
+def resolve_minion(template, hypervisor, accepted):
+    """The one accepted minion id ``template`` (``{hypervisor}`` filled in) names: a glob
+    (``*``, ``?``, ``[``) matched with fnmatch, else an exact id. Raises :class:`TargetError`
+    when none or several match."""
+    pattern = render(template, {"hypervisor": hypervisor})
+    keys = sorted(set(accepted))
+    if not GLOB_CHARS & set(pattern):
+        if pattern in keys:
+            return pattern
+        raise TargetError(f"minion_id {pattern!r}: no accepted minion key has that id", [])
+    matches = [k for k in keys if fnmatch.fnmatchcase(k, pattern)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise TargetError(f"minion_id {pattern!r}: no accepted minion key matches", [])
+    raise TargetError(
+        f"minion_id {pattern!r} matches {len(matches)} accepted minions ({', '.join(matches[:20])}); "
+        "it must name exactly one: narrow minion_id",
+        matches[:64],
+    )
+
+
+def _utc_stamp(now):
+    """Salt's event ``_stamp`` form (UTC, no offset), which SO's status files carry."""
+    return datetime.fromtimestamp(now, timezone.utc).replace(tzinfo=None).isoformat()
+
+
+def _parse_stamp(text):
+    """Seconds since the epoch of an ISO 8601 timestamp (no offset = UTC, as Salt stamps), or
+    None."""
+    if not isinstance(text, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+class SoFiles:
+    """Security Onion's files of one hypervisor, in ``<vms_dir>/<hypervisor>/``: the tracking file
+    ``<vm>``, ``<vm>.error`` and ``<vm>.status``. Everything goes through a descriptor of that
+    directory opened with O_NOFOLLOW (a symlinked directory is refused), names are VM names
+    the engine derived itself, every write is atomic (temp file in the same directory, fsync,
+    rename, fsync of the directory) and never follows a link; files and directory are given
+    ``owner`` (uid, gid) when the engine runs as root."""
+
+    def __init__(self, base, hypervisor, owner=None, euid=os.geteuid):
+        self.path = os.path.join(base, hypervisor)
+        self.owner = owner
+        self.euid = euid
+        self.fd = None
+
+    def __enter__(self):
+        try:
+            os.mkdir(self.path, 0o755)
+        except FileExistsError:
+            pass
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise HypervisorFailure(
+                    f"{self.path} is a symbolic link or not a directory: refused (Security Onion files "
+                    "are written only into a real directory)"
+                ) from None
+            raise HypervisorFailure(f"cannot open {self.path}: {exc}") from None
+        try:
+            self._chown(self.fd)
+        except OSError as exc:
+            log.error("vmhost_engine: cannot chown %s: %s", self.path, exc)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def _chown(self, fd):
+        if self.owner is None or self.euid() != 0:
+            return
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid) != tuple(self.owner):
+            os.fchown(fd, *self.owner)
+
+    def exists(self, name):
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def read(self, name):
+        """``(parsed JSON, stat)`` of a regular file, or ``(None, stat or None)``."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError:
+            return None, None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+                return None, st
+            data = f.read(MAX_FILE_BYTES + 1)
+        try:
+            return json.loads(data), st
+        except ValueError:
+            return None, st
+
+    def write(self, name, obj, mode=0o644):
+        """Replaces ``name`` with ``obj`` as JSON (indent 2), atomically and durably."""
+        data = json.dumps(obj, indent=2).encode("utf-8")
+        tmp = f".{name}.vmhost-tmp"
+        try:
+            os.unlink(tmp, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fchmod(f.fileno(), mode)
+                self._chown(f.fileno())
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=self.fd)
+            except OSError:
+                pass
+            raise
+        os.fsync(self.fd)
+
+    def remove(self, name):
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            return
+        os.fsync(self.fd)
+
+    def names(self):
+        return [n for n in os.listdir(self.fd) if not n.startswith(".")]
+
+    # -- SO's formats --------------------------------------------------------------------------
+
+    def track(self, vm, entry):
+        """The tracking file ``<vm>``: ``{"config": entry}``; rewritten only when it differs."""
+        obj = {"config": entry}
+        current, _ = self.read(vm)
+        if current != obj:
+            self.write(vm, obj)
+
+    def error(self, vm, entry, code, message, now):
+        config = {k: v for k, v in entry.items() if k not in SO_ERROR_DROPPED}
+        obj = {
+            "config": config,
+            "status": "error",
+            "timestamp": datetime.fromtimestamp(now).isoformat(),
+            "error_details": {"code": code, "message": message},
+        }
+        self.write(f"{vm}.error", obj)
+
+    def status(self, vm, status, now):
+        self.write(f"{vm}.status", {"status": status, "timestamp": _utc_stamp(now)}, mode=0o600)
+
+    def expire_destroyed(self, now):
+        """Deletes ``*.status`` files saying ``Destroyed Instance`` whose timestamp (else mtime)
+        is more than 48 hours old. Returns the VM names whose file went."""
+        gone = []
+        for fname in self.names():
+            if not fname.endswith(".status"):
+                continue
+            obj, st = self.read(fname)
+            if not isinstance(obj, dict) or obj.get("status") != SO_DESTROYED:
+                continue
+            when = _parse_stamp(obj.get("timestamp"))
+            if when is None:
+                when = st.st_mtime
+            if now - when > SO_DESTROYED_KEEP:
+                self.remove(fname)
+                gone.append(fname[: -len(".status")])
+        return gone
+
+
+def _is_hardware_change(fields):
+    return any(re.split(r"[.\[]", f, maxsplit=1)[0] in HARDWARE_FIELDS for f in fields or [])
+
+
+def _so_error(error):
+    """``(SO code, message, SO failure status or None)`` for a daemon error of one VM: the
+    3xxx codes (the host lacks it, capacity, device conflicts, IOMMU group, host use) are SO's
+    hardware validation failure (3), anything else a failed provisioning (4)."""
+    code = _error_code(error)
+    message = error.get("message") if isinstance(error, dict) else error
+    message = str(message or "unknown error")[:1000]
+    if isinstance(code, int) and 3000 <= code < 4000:
+        data = error.get("data") if isinstance(error.get("data"), dict) else {}
+        details = data.get("details") if isinstance(data.get("details"), dict) else {}
+        field = data.get("field") if isinstance(data.get("field"), str) else ""
+        full = code == 3002 and details.get("resource") == "disk_gib" and field.startswith("spec.disks")
+        return SO_HARDWARE_CODE, f"Hardware validation failure: {message}", SO_DISK_FULL if full else SO_HARDWARE_FAILED
+    prefix = f"vmhostd error {code}: " if code is not None else ""
+    return SO_PROVISION_CODE, f"{prefix}{message}", None
+
+
+class Engine:
+    """One engine instance. ``client`` has LocalClient's ``cmd``, or is a factory making one
+    (then every worker thread makes its own: a LocalClient is not shared between threads);
+    ``fire(data, tag)`` puts an event on the master bus; ``cachedir`` is the engine's own
+    directory (state file); ``accepted()`` lists the accepted minion ids; ``owner`` is the
+    (uid, gid) of the Security Onion files; ``clock`` and ``euid`` are injectable for tests."""
+
+    def __init__(self, config, client, fire, cachedir, clock=time.time, accepted=None, owner=None, euid=os.geteuid):
         self.config = config
-        self.client = client
+        if hasattr(client, "cmd"):
+            self.client, self._factory = client, None
+        else:
+            self.client, self._factory = None, client
+        self._local = threading.local()
         self.fire_event = fire
         self.cachedir = cachedir
         self.clock = clock
+        self.accepted = accepted or (lambda: [])
+        self.owner = owner
+        self.euid = euid
+        # Guards self.state and the state file; the bus gets one event at a time.
+        self.lock = threading.RLock()
+        self.fire_lock = threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.get("parallel", 8), thread_name_prefix="vmhost_engine"
+        )
+        self.inflight = {}
         self.state = self._load_state()
+
+    def _client(self):
+        if self._factory is None:
+            return self.client
+        if getattr(self._local, "client", None) is None:
+            self._local.client = self._factory()
+        return self._local.client
 
     # -- state --------------------------------------------------------------------------------
 
@@ -552,7 +966,7 @@ class Engine:
         """Writes the state so that a crash or power loss leaves the old file or the new one,
         never a torn or empty one: a temp file written and fsynced, renamed over the state
         file, then the directory fsynced so the rename itself is on disk. The temp file is
-        removed when any step fails (the old state stays)."""
+        removed when any step fails (the old state stays). Callers hold ``self.lock``."""
         os.makedirs(self.cachedir, mode=0o700, exist_ok=True)
         path = self._state_path()
         tmp = path + ".tmp"
@@ -576,12 +990,23 @@ class Engine:
         finally:
             os.close(dfd)
 
+    def _save(self):
+        with self.lock:
+            try:
+                self._save_state()
+            except OSError as exc:
+                log.error("vmhost_engine: cannot write %s: %s", self._state_path(), exc)
+
+    def _send(self, tag, data):
+        try:
+            with self.fire_lock:
+                self.fire_event(data, tag)
+        except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
+            log.error("vmhost_engine: cannot fire %s: %s", tag, exc)
+
     def _fire(self, hypervisor, vm, status, data):
         body = dict(data, hypervisor=hypervisor, vm=vm, status=status, source="vmhost_engine")
-        try:
-            self.fire_event(body, build_tag(hypervisor, vm, status))
-        except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
-            log.error("vmhost_engine: cannot fire event for %s/%s: %s", hypervisor, vm, exc)
+        self._send(build_tag(hypervisor, vm, status), body)
 
     # -- scanning -----------------------------------------------------------------------------
 
@@ -599,7 +1024,7 @@ class Engine:
                 continue
             hyp = fname[: -len(suffix)]
             if not hyp or tag_part(hyp) != hyp:
-                log.warning("vmhost_engine: ignoring %s: not <minion id>%s", fname, suffix)
+                log.warning("vmhost_engine: ignoring %s: not <hypervisor>%s", fname, suffix)
                 continue
             out[hyp] = os.path.join(self.config["vms_dir"], fname)
         return out
@@ -630,72 +1055,168 @@ class Engine:
     def due(self, hypervisor, digest, now):
         """Whether a hypervisor needs a run: its content changed since the last successful
         run (retried every ``retry`` s while it keeps failing), or ``interval`` passed."""
-        rec = self.state.get(hypervisor) or {}
-        if rec.get("applied") != digest:
-            if rec.get("attempted") != digest:
-                return True
-            return now - rec.get("last_attempt", 0) >= self.config["retry"]
-        return now - rec.get("last_success", 0) >= self.config["interval"]
+        with self.lock:
+            rec = self.state.get(hypervisor) or {}
+            if rec.get("applied") != digest:
+                if rec.get("attempted") != digest:
+                    return True
+                return now - rec.get("last_attempt", 0) >= self.config["retry"]
+            return now - rec.get("last_success", 0) >= self.config["interval"]
 
-    def run_once(self):
-        """One pass over every definition file. Returns ``{hypervisor: outcome}`` with outcome
-        ``skipped``, ``ok``, ``partial`` (some entries bad or failed) or ``failed``."""
+    def resolve(self, hyp):
+        """The accepted minion id of a file's hypervisor (``minion_id`` template)."""
+        try:
+            keys = list(self.accepted())
+        except OSError as exc:
+            raise TargetError(f"cannot list the accepted minion keys: {exc}", []) from None
+        return resolve_minion(self.config["minion_id"], hyp, keys)
+
+    # -- passes -------------------------------------------------------------------------------
+
+    def run_once(self, wait=True):
+        """One pass over every definition file: each due hypervisor not already in flight is
+        submitted to the worker pool (at most ``parallel`` at once). With ``wait`` the pass
+        waits for every run in flight; without, it collects only the runs that have finished, so
+        a minion that does not answer delays only its own hypervisor. Returns
+        ``{hypervisor: outcome}`` with outcome ``skipped``, ``ok``, ``partial`` (some entries bad
+        or failed), ``failed`` or ``running`` (still in flight)."""
         outcomes = {}
+        self._collect(outcomes)
         for hyp, path in self.scan().items():
+            if hyp in self.inflight:
+                outcomes[hyp] = "running"
+                continue
             now = self.clock()
             try:
-                outcomes[hyp] = self._maybe_run(hyp, path, now)
+                job = self._prepare(hyp, path, now)
             except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
                 # One hypervisor's failure never stops the others.
-                log.error("vmhost_engine: %s: %s", hyp, exc)
-                rec = self.state.setdefault(hyp, {"managed": []})
-                rec["last_attempt"] = now
-                rec["last_error"] = str(exc)[:2000]
-                self._fire(hyp, HYPERVISOR_TAG, "reconcile_failed", {"file": path, "error": str(exc)[:2000]})
+                self._failed(getattr(exc, "minion", None) or hyp, hyp, path, now, exc)
                 outcomes[hyp] = "failed"
-            try:
-                self._save_state()
-            except OSError as exc:
-                log.error("vmhost_engine: cannot write %s: %s", self._state_path(), exc)
+                self._save()
+                continue
+            if job is None:
+                outcomes[hyp] = "skipped"
+                continue
+            self.inflight[hyp] = self.pool.submit(self._run_job, *job)
+        if wait:
+            concurrent.futures.wait(list(self.inflight.values()))
+        self._collect(outcomes)
+        for hyp in self.inflight:
+            outcomes[hyp] = "running"
         return outcomes
 
-    def _maybe_run(self, hyp, path, now):
+    def _collect(self, outcomes):
+        for hyp, future in list(self.inflight.items()):
+            if future.done():
+                del self.inflight[hyp]
+                outcomes[hyp] = future.result()
+
+    def close(self):
+        """Waits for the runs in flight and stops the worker threads."""
+        self.pool.shutdown(wait=True)
+
+    def _failed(self, tag_hyp, hyp, path, now, exc):
+        log.error("vmhost_engine: %s: %s", hyp, exc)
+        with self.lock:
+            rec = self.state.setdefault(hyp, {"managed": []})
+            rec["last_attempt"] = now
+            rec["last_error"] = str(exc)[:2000]
+        data = {"file": path, "error": str(exc)[:2000]}
+        if isinstance(exc, TargetError):
+            data["matches"] = exc.matches
+        self._fire(tag_hyp, HYPERVISOR_TAG, "reconcile_failed", data)
+
+    def _prepare(self, hyp, path, now):
+        """Reads and hashes a file, resolves its minion; ``(hyp, path, content, digest, now,
+        minion)`` when the hypervisor is due, else None. Raises when the file cannot be read or
+        (once due) when its minion does not resolve."""
         # Files are small: hash the content at every poll instead of trusting mtime, which
         # misses an edit within the file system's timestamp granularity.
         try:
             _, content = self._read(path)
         except OSError as exc:
             raise HypervisorFailure(f"cannot read {path}: {exc}") from None
-        digest = content_digest(content, self.config)
+        try:
+            minion, target_error = self.resolve(hyp), None
+        except TargetError as exc:
+            minion, target_error = None, exc
+        digest = content_digest(content, self.config, minion)
         if not self.due(hyp, digest, now):
-            return "skipped"
-        rec = self.state.setdefault(hyp, {"managed": []})
-        rec["attempted"] = digest
-        rec["last_attempt"] = now
-        ok = self.reconcile(hyp, path, content)
-        if ok:
-            rec["applied"] = digest
-            rec["last_success"] = now
-            rec.pop("last_error", None)
-            return "ok"
-        return "partial"
+            return None
+        with self.lock:
+            rec = self.state.setdefault(hyp, {"managed": []})
+            rec["attempted"] = digest
+            rec["last_attempt"] = now
+        if target_error is not None:
+            raise target_error
+        return hyp, path, content, digest, now, minion
 
-    def reconcile(self, hyp, path, content):
-        """Maps the file and drives one hypervisor. True when everything succeeded."""
-        rec = self.state.setdefault(hyp, {"managed": []})
+    def _run_job(self, hyp, path, content, digest, now, minion):
+        """A worker thread's run of one hypervisor; returns its outcome, never raises."""
+        try:
+            ok = self.reconcile(hyp, path, content, minion)
+            with self.lock:
+                rec = self.state.setdefault(hyp, {"managed": []})
+                if ok:
+                    rec["applied"] = digest
+                    rec["last_success"] = now
+                    rec.pop("last_error", None)
+            outcome = "ok" if ok else "partial"
+        except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
+            self._failed(minion, hyp, path, now, exc)
+            outcome = "failed"
+        self._save()
+        return outcome
+
+    # -- Security Onion's files and events ------------------------------------------------------
+
+    def _so_event(self, hyp, vm, status):
+        """SO's status event: tag ``soc/dyanno/hypervisor/<status lower-cased>`` (spaces kept,
+        as SO's own emitter does), data exactly ``{vm_name, hypervisor, status}``."""
+        self._send(SO_EVENT_PREFIX + status.lower(), {"vm_name": vm, "hypervisor": hyp, "status": status})
+
+    def _so_do(self, what, fn, *args):
+        """Runs one SO file operation; a failure is logged and reported as False."""
+        try:
+            fn(*args)
+            return True
+        except OSError as exc:
+            log.error("vmhost_engine: %s: %s", what, exc)
+            return False
+
+    def _so_status(self, so, hyp, vm, status, now):
+        ok = self._so_do(f"{so.path}/{vm}.status", so.status, vm, status, now)
+        self._so_event(hyp, vm, status)
+        return ok
+
+    def _so_destroyed(self, so, hyp, vm, now):
+        ok = self._so_do(f"{so.path}/{vm}", so.remove, vm)
+        ok = self._so_do(f"{so.path}/{vm}.error", so.remove, f"{vm}.error") and ok
+        return self._so_status(so, hyp, vm, SO_DESTROYED, now) and ok
+
+    # -- one hypervisor -------------------------------------------------------------------------
+
+    def reconcile(self, hyp, path, content, minion=None):
+        """Maps the file and drives one hypervisor (``minion``, the file's prefix ``hyp`` by
+        default). True when everything succeeded."""
+        minion = minion or hyp
+        with self.lock:
+            managed = set((self.state.get(hyp) or {}).get("managed", []))
         try:
             text = content.decode("utf-8")
         except UnicodeDecodeError:
             raise HypervisorFailure(f"{path}: not UTF-8") from None
+        raw = {}
         try:
-            specs, errors, protected, complete = map_file(text, self.config, path)
+            specs, errors, protected, complete = map_file(text, self.config, path, hyp, raw)
         except EntryError as exc:
-            self._fire(hyp, HYPERVISOR_TAG, "invalid", {"file": path, "field": exc.field, "error": str(exc)})
+            self._fire(minion, HYPERVISOR_TAG, "invalid", {"file": path, "field": exc.field, "error": str(exc)})
             raise HypervisorFailure(str(exc)) from None
         for err in errors:
             log.error("vmhost_engine: %s", err)
             self._fire(
-                hyp,
+                minion,
                 err.name or f"_entry{err.index}",
                 "invalid",
                 {
@@ -705,14 +1226,54 @@ class Engine:
                     "error": str(err),
                 },
             )
+        dry = self.config["dry_run"]
+        all_ok = not errors
+        # Names of an earlier engine (<hostname>-<role>): such a VM is neither destroyed nor
+        # doubled by its new name while it is managed; the operator migrates it by hand.
+        held = {}
+        for spec in specs:
+            old = old_vm_name(spec["name"])
+            if old and old in managed:
+                held[spec["name"]] = old
+        if held:
+            all_ok = False
+            specs = [s for s in specs if s["name"] not in held]
+            for new, old in sorted(held.items()):
+                log.warning("vmhost_engine: %s: VM %s is not renamed to %s: %s", minion, old, new, MIGRATE_HINT)
+                self._fire(minion, old, "migration_needed", {"file": path, "vm_name": new, "hint": MIGRATE_HINT})
+        so = None
+        if self.config.get("so_compat") and not dry:
+            so = SoFiles(self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
+        try:
+            return self._reconcile(
+                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, set(held.values())
+            )
+        finally:
+            if so is not None:
+                so.__exit__(None, None, None)
+
+    def _reconcile(self, hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held):
         prune = self.config["prune"]
         dry = self.config["dry_run"]
+        now = self.clock()
+        processing = set()
+        if so is not None:
+            # SO's order: a new VM is announced (Processing), its tracking file written before
+            # it is provisioned.
+            for spec in specs:
+                name = spec["name"]
+                if name not in managed and not so.exists(name):
+                    processing.add(name)
+                if not self._so_do(f"{so.path}/{name}", so.track, name, raw[name]):
+                    all_ok = False
+            for name in sorted(processing):
+                all_ok = self._so_status(so, hyp, name, SO_PROCESSING, now) and all_ok
         # Never with replace: an edited entry is changed in place (its disk kept), and an entry
         # whose boot image changed gets the daemon's 2002 and is left alone (see REPLACE_HINT).
         # replace is left out rather than sent as false: the daemon's default, and a minion with
         # an older execution module still accepts the call.
         ret = self._call(
-            hyp,
+            minion,
             "vmhost.reconcile",
             {
                 "vms": specs,
@@ -722,13 +1283,14 @@ class Engine:
         )
         plan, results = check_reconcile_return(ret)
         desired = {s["name"] for s in specs}
-        managed = set(rec.get("managed", []))
-        all_ok = not errors and bool(ret.get("ok", False))
+        all_ok = all_ok and bool(ret.get("ok", False))
         planned = {p["vm"]: p for p in plan}
         for res in results:
             name = res["vm"]
             if name not in desired and res["action"] != "destroy":
                 continue
+            if so is not None:
+                all_ok = self._so_result(so, hyp, res, planned.get(name, {}), raw, processing, now) and all_ok
             if res["ok"] and not res.get("changed"):
                 continue
             status = "reconciled" if res["ok"] else "reconcile_failed"
@@ -743,8 +1305,8 @@ class Engine:
             if not res["ok"] and _error_code(res.get("error")) == SPEC_DRIFT:
                 # A new boot.image: the daemon left the VM alone because replace was not given.
                 data["hint"] = REPLACE_HINT
-                log.warning("vmhost_engine: %s: VM %s not replaced: %s", hyp, name, REPLACE_HINT)
-            self._fire(hyp, name, status, data)
+                log.warning("vmhost_engine: %s: VM %s not replaced: %s", minion, name, REPLACE_HINT)
+            self._fire(minion, name, status, data)
         if not results and dry:
             for item in plan:
                 if item["vm"] in desired and item.get("error"):
@@ -752,11 +1314,12 @@ class Engine:
         on_host_extra = {p["vm"] for p in plan if p["vm"] not in desired}
         destroyed = {r["vm"] for r in results if r["action"] == "destroy" and r["ok"]}
         if prune == "managed":
-            doomed = sorted((managed & on_host_extra) - protected)
+            # held: old names (<hostname>-<role>) of VMs whose new name is in the file.
+            doomed = sorted((managed & on_host_extra) - protected - held)
             if doomed and not complete:
                 log.error(
                     "vmhost_engine: %s: not pruning %s: a bad entry in %s has no usable name",
-                    hyp,
+                    minion,
                     ", ".join(doomed),
                     path,
                 )
@@ -765,19 +1328,21 @@ class Engine:
             for name in doomed:
                 if dry:
                     self._fire(
-                        hyp, name, "reconciled", {"action": "destroy", "ok": True, "changed": False, "dry_run": True}
+                        minion, name, "reconciled", {"action": "destroy", "ok": True, "changed": False, "dry_run": True}
                     )
                     continue
                 try:
-                    self._call(hyp, "vmhost.destroy", {"name": name})
+                    self._call(minion, "vmhost.destroy", {"name": name})
                 except HypervisorFailure as exc:
                     if "vmhostd error 4040" in str(exc):
                         # Gone already (destroyed by hand meanwhile): what we wanted.
                         destroyed.add(name)
+                        if so is not None:
+                            all_ok = self._so_destroyed(so, hyp, name, now) and all_ok
                         continue
                     all_ok = False
                     self._fire(
-                        hyp,
+                        minion,
                         name,
                         "reconcile_failed",
                         {
@@ -790,8 +1355,10 @@ class Engine:
                     )
                     continue
                 destroyed.add(name)
+                if so is not None:
+                    all_ok = self._so_destroyed(so, hyp, name, now) and all_ok
                 self._fire(
-                    hyp,
+                    minion,
                     name,
                     "reconciled",
                     {
@@ -805,7 +1372,11 @@ class Engine:
         if not dry:
             # A VM stays managed until it is seen gone; bad entries keep their VMs managed.
             keep = (managed & (on_host_extra | protected)) - destroyed
-            rec["managed"] = sorted(desired | keep)
+            with self.lock:
+                rec = self.state.setdefault(hyp, {"managed": []})
+                rec["managed"] = sorted(desired | keep)
+        if so is not None:
+            all_ok = self._so_tidy(so, desired | protected | on_host_extra, complete, now) and all_ok
         summary = {
             "file": path,
             "ok": all_ok,
@@ -816,13 +1387,56 @@ class Engine:
             "changed": sum(1 for r in results if r.get("changed")),
             "destroyed": sorted(destroyed),
         }
-        self._fire(hyp, HYPERVISOR_TAG, "reconciled" if all_ok else "reconcile_failed", summary)
-        log.info("vmhost_engine: %s: %s", hyp, summary)
+        self._fire(minion, HYPERVISOR_TAG, "reconciled" if all_ok else "reconcile_failed", summary)
+        log.info("vmhost_engine: %s: %s", minion, summary)
         return all_ok
+
+    def _so_result(self, so, hyp, res, plan_item, raw, processing, now):
+        """SO's files and events for one VM's reconcile result. False when a file could not be
+        written."""
+        name, action = res["vm"], res["action"]
+        if action == "destroy":
+            return self._so_destroyed(so, hyp, name, now) if res["ok"] else True
+        ok = True
+        if res["ok"]:
+            ok = self._so_do(f"{so.path}/{name}.error", so.remove, f"{name}.error")
+            if (action == "create" and res.get("changed")) or name in processing:
+                ok = self._so_status(so, hyp, name, SO_CREATED, now) and ok
+            elif action == "reconfigure" and res.get("changed") and _is_hardware_change(plan_item.get("fields")):
+                ok = self._so_status(so, hyp, name, SO_HARDWARE, now) and ok
+            return ok
+        code, message, failure = _so_error(res.get("error"))
+        ok = self._so_do(f"{so.path}/{name}.error", so.error, name, raw.get(name) or {}, code, message, now)
+        if action == "create":
+            # Nothing was made: like SO after a failed provisioning, no tracking file stays.
+            ok = self._so_do(f"{so.path}/{name}", so.remove, name) and ok
+        if failure is not None:
+            ok = self._so_status(so, hyp, name, failure, now) and ok
+        return ok
+
+    def _so_tidy(self, so, known, complete, now):
+        """As SO does: the ``.error`` and ``.status`` of a VM that failed, never existed and is no
+        longer in the file go; ``Destroyed Instance`` status files expire after 48 hours."""
+        ok = True
+        try:
+            names = set(so.names())
+        except OSError as exc:
+            log.error("vmhost_engine: cannot list %s: %s", so.path, exc)
+            return False
+        if complete:
+            for fname in sorted(names):
+                if not fname.endswith(".error"):
+                    continue
+                vm = fname[: -len(".error")]
+                if vm in known or vm in names:
+                    continue
+                ok = self._so_do(f"{so.path}/{fname}", so.remove, fname) and ok
+                ok = self._so_do(f"{so.path}/{vm}.status", so.remove, f"{vm}.status") and ok
+        return self._so_do(f"{so.path} (expiry)", so.expire_destroyed, now) and ok
 
     def _call(self, hyp, fun, kwarg):
         try:
-            ret = self.client.cmd(
+            ret = self._client().cmd(
                 [hyp],
                 fun,
                 kwarg=kwarg,
@@ -835,7 +1449,7 @@ class Engine:
         if not isinstance(ret, dict) or hyp not in ret:
             raise HypervisorFailure(
                 f"minion {hyp} did not answer {fun} within {self.config['timeout']} s "
-                "(down, key not accepted, or no such minion)"
+                "(down, or its salt-minion not running)"
             )
         answer = ret[hyp]
         if isinstance(answer, dict) and "ret" in answer:
@@ -847,6 +1461,14 @@ class Engine:
         return body
 
 
+def _default_master(opts):
+    """The address guests use to reach the master when the config has no ``master``: the
+    master host's fully qualified name."""
+    import socket  # pylint: disable=import-outside-toplevel
+
+    return socket.getfqdn() or opts.get("id")
+
+
 def start(**kwargs):
     """Engine entry point (salt calls it in its own process on the master)."""
     import salt.client  # pylint: disable=import-outside-toplevel
@@ -854,7 +1476,8 @@ def start(**kwargs):
 
     opts = __opts__  # noqa: F821  pylint: disable=undefined-variable
     try:
-        config = parse_config(kwargs)
+        config = parse_config(kwargs, default_master=_default_master(opts))
+        owner = file_owner_ids(config) if config["so_compat"] else None
     except ConfigError as exc:
         # Returning would make salt's process manager restart the engine at once, forever:
         # stay idle instead and repeat the complaint now and then.
@@ -862,13 +1485,26 @@ def start(**kwargs):
             log.error("vmhost_engine: bad configuration, engine idle until fixed: %s", exc)
             time.sleep(3600)
     cachedir = os.path.join(opts["cachedir"], "vmhost_engine")
-    client = salt.client.LocalClient(mopts=opts)
     bus = salt.utils.event.get_master_event(opts, opts["sock_dir"], listen=False)
-    engine = Engine(config, client, bus.fire_event, cachedir)
-    log.info("vmhost_engine: watching %s every %s s", config["vms_dir"], config["poll"])
+    engine = Engine(
+        config,
+        lambda: salt.client.LocalClient(mopts=opts),
+        bus.fire_event,
+        cachedir,
+        accepted=lambda: accepted_minions(opts["pki_dir"]),
+        owner=owner,
+    )
+    log.info(
+        "vmhost_engine: watching %s every %s s, %s hypervisors at once",
+        config["vms_dir"],
+        config["poll"],
+        config["parallel"],
+    )
     while True:
         try:
-            engine.run_once()
+            for hyp, outcome in engine.run_once(wait=False).items():
+                if outcome not in ("skipped", "running"):
+                    log.debug("vmhost_engine: %s: %s", hyp, outcome)
         except Exception:  # pylint: disable=broad-except
             log.exception("vmhost_engine: pass failed")
         time.sleep(config["poll"])

@@ -28,7 +28,8 @@ DEFAULT_SOCKET = "/run/vmhost/vmhostd.sock"
 # Longest line read from the daemon (its own limit for a line is 1 MiB; events are tiny).
 MAX_LINE = 1024 * 1024
 TAG_PART_RE = re.compile(r"[^A-Za-z0-9._-]")
-VM_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# vmhostd's VM name rule: 1-63 characters, first [a-z0-9], then [a-z0-9_-].
+VM_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 STATUS_RE = re.compile(r"^[a-z_]{1,32}$")
 
 __virtualname__ = "vmhost_events"
