@@ -296,7 +296,9 @@ pub fn allocate(
 }
 
 /// Kernel `ip=` parameters (dracut/klibc syntax) for a direct-kernel VM: one per NIC with IPv4
-/// configuration, naming the guest interfaces `eth0`, `eth1`, ... in NIC order.
+/// configuration, naming the guest interfaces `eth0`, `eth1`, ... in NIC order. The hostname
+/// field is the VM name with `_` as `-` ([`crate::validate::hostname_of`]): a hostname cannot
+/// hold `_`.
 pub fn kernel_ip_params(spec: &VmSpec) -> Vec<String> {
     let mut out = Vec::new();
     for (i, nic) in spec.nics.iter().enumerate() {
@@ -308,7 +310,8 @@ pub fn kernel_ip_params(spec: &VmSpec) -> Vec<String> {
                 let gw = gateway.clone().unwrap_or_default();
                 let dns0 = dns.first().cloned().unwrap_or_default();
                 let dns1 = dns.get(1).cloned().unwrap_or_default();
-                out.push(format!("ip={}::{gw}:{}:{}:{dev}:off:{dns0}:{dns1}", a.addr, a.mask(), spec.name));
+                let host = crate::validate::hostname_of(&spec.name);
+                out.push(format!("ip={}::{gw}:{}:{host}:{dev}:off:{dns0}:{dns1}", a.addr, a.mask()));
             }
             None => {}
         }
@@ -521,5 +524,33 @@ vlan_filtering = true
                 "vmhost.dns_search=example.org".to_string()
             ]
         );
+    }
+
+    #[test]
+    fn ip_hostnames_have_no_underscore() {
+        let mut s = with(vec![nic("lan", Some("10.0.0.5/24"))]);
+        s.name = "sensor1_sensor".into();
+        assert_eq!(kernel_ip_params(&s)[0], "ip=10.0.0.5::10.0.0.1:255.255.255.0:sensor1-sensor:eth0:off:10.0.0.1:");
+    }
+
+    /// Tap names are a hash of the VM name, not the name: a 63-byte name with underscores and
+    /// the most NICs still gives kernel-valid names (at most 15 bytes, no `_` needed).
+    #[test]
+    fn tap_names_of_long_underscored_names_fit_ifnamsiz() {
+        let c = config();
+        let mut s = with((0..MAX_NICS).map(|_| nic("open", None)).collect());
+        s.name = format!("sensor1_{}", "x_".repeat(27));
+        assert_eq!(s.name.len(), 62);
+        assert!(crate::validate::is_valid_name(&s.name));
+        let a = allocate(&s, &c, &[], &[]).unwrap();
+        assert_eq!(a.len(), MAX_NICS);
+        for x in &a {
+            assert!(x.tap.len() <= crate::net::MAX_LINK_NAME, "{}", x.tap);
+            assert!(x.tap.starts_with(TAP_PREFIX), "{}", x.tap);
+            assert!(x.tap.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()), "{}", x.tap);
+        }
+        let mut other = s.clone();
+        other.name = format!("sensor1-{}", "x-".repeat(27));
+        assert_ne!(allocate(&other, &c, &[], &[]).unwrap()[0].tap, a[0].tap, "`_` and `-` give different taps");
     }
 }

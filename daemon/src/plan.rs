@@ -77,8 +77,10 @@ pub enum Change {
 }
 
 /// The fields whose change needs no restart: a disk grows live, the restart policy is the
-/// daemon's own business.
-const LIVE_FIELDS: [&str; 2] = ["boot.disk_gib", "restart_policy"];
+/// daemon's own business, and cloud-init reads user-data at a first boot only, so a running
+/// guest has nothing to take from a new one (the seed is written from the recorded spec at the
+/// next start, like the rest of it).
+const LIVE_FIELDS: [&str; 3] = ["boot.disk_gib", "restart_policy", "user_data"];
 
 /// Whether a running VM must restart for a change of `fields`.
 pub fn needs_restart(fields: &[String]) -> bool {
@@ -400,6 +402,28 @@ mod tests {
         b = a.clone();
         b.role = Some("sensor".into());
         assert_eq!(spec_drift(&a, &b), vec!["role"]);
+    }
+
+    #[test]
+    fn a_user_data_change_alone_needs_no_restart() {
+        let a = spec("sensor1_sensor");
+        let mut b = a.clone();
+        b.user_data = Some("#cloud-config\n".into());
+        assert_eq!(classify(&a, &b).unwrap(), Change::Reconfigure { fields: vec!["user_data".into()], restart: false });
+        let mut c = b.clone();
+        c.user_data = Some("#cloud-config\nruncmd: []\n".into());
+        assert_eq!(classify(&b, &c).unwrap(), Change::Reconfigure { fields: vec!["user_data".into()], restart: false });
+        assert_eq!(classify(&c, &a).unwrap(), Change::Reconfigure { fields: vec!["user_data".into()], restart: false });
+        assert!(!restart_needed(&a, &b));
+        // With another field that needs one, it restarts.
+        c.memory_mib += 1;
+        assert_eq!(
+            classify(&a, &c).unwrap(),
+            Change::Reconfigure { fields: vec!["memory_mib".into(), "user_data".into()], restart: true }
+        );
+        // A reconcile plans it without a restart for a running VM.
+        let p = plan_reconcile(&config(), &[b], &cur(&[(a, VmStatus::Running)]), false, false);
+        assert_eq!((p[0].action, p[0].restart, p[0].error.clone()), (PlanAction::Reconfigure, Some(false), None));
     }
 
     #[test]

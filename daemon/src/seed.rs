@@ -4,21 +4,41 @@
 //! `user-data`, `network-config` version 2 with each NIC matched by its MAC). [`write_seed`]
 //! puts them on a small FAT volume labelled `CIDATA` (what cloud-init's NoCloud source looks
 //! for), written to a temp file and renamed into place. The lifecycle rebuilds the seed at every
-//! start, so it always matches the current spec, and attaches it read-only.
+//! start, so it always matches the current spec, and attaches it read-only. [`has_seed`] says
+//! which VMs get one: image-booted VMs, and direct-kernel VMs with `user_data`.
+//!
+//! `user-data` is the spec's `user_data` verbatim when it is set, else a generated
+//! `#cloud-config` setting the hostname. The hostname (`local-hostname`, `hostname`) is the
+//! VM name with `_` as `-` ([`crate::validate::hostname_of`]).
 //!
 //! The network config is emitted as JSON, which is valid YAML: every value in it comes from a
 //! validated spec, and serde_json does the quoting, so no guest-visible text is hand-escaped.
 
 use crate::api::{Ipv4Spec, VmSpec};
 use crate::nic::NicAlloc;
+use crate::validate::{hostname_of, BootSource, ValidSpec};
 use serde_json::{json, Map, Value};
 use std::fs::OpenOptions;
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// Size of the seed volume: small, but above FAT12's minimum.
+/// Size of the seed volume: small, but above FAT12's minimum, and room for the largest
+/// `user_data` ([`crate::validate::MAX_USER_DATA`], 64 KiB) many times over beside the other
+/// two files (a generated network config of 8 NICs is a few KiB).
 const SEED_BYTES: u64 = 1024 * 1024;
+
+/// Whether VM `vm` gets a seed: an image-booted VM always (its hostname and network come from
+/// it); a direct-kernel VM only with `user_data` (its network comes from `ip=`, and a guest that
+/// did not ask for a seed gets no extra disk); an imported disk never (a new instance would make
+/// its cloud-init run again).
+pub fn has_seed(vm: &ValidSpec) -> bool {
+    match vm.boot {
+        BootSource::Image { .. } => true,
+        BootSource::Kernel { .. } => vm.spec.user_data.is_some(),
+        BootSource::Disk { .. } => false,
+    }
+}
 
 /// The files of a seed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,12 +52,17 @@ pub struct SeedFiles {
 }
 
 /// Renders the seed of `spec`. The instance id changes with the spec, so cloud-init applies
-/// a changed network config on the next boot.
+/// a changed network config on the next boot; `user_data` is left out of it, so a new
+/// user-data alone does not make cloud-init see a new instance and run its first-boot modules
+/// again (user-data is for the first boot; a changed one only reaches a VM booting for the
+/// first time, or one whose other spec fields changed too).
 pub fn render(spec: &VmSpec, allocs: &[NicAlloc]) -> SeedFiles {
-    let spec_text = serde_json::to_string(spec).unwrap_or_default();
+    let without_user_data = VmSpec { user_data: None, ..spec.clone() };
+    let spec_text = serde_json::to_string(&without_user_data).unwrap_or_default();
     let digest =
         spec_text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
-    let meta = json!({ "instance-id": format!("vmhost-{}-{digest:016x}", spec.name), "local-hostname": spec.name });
+    let hostname = hostname_of(&spec.name);
+    let meta = json!({ "instance-id": format!("vmhost-{}-{digest:016x}", spec.name), "local-hostname": hostname });
     let mut ethernets = Map::new();
     for (i, (nic, alloc)) in spec.nics.iter().zip(allocs).enumerate() {
         let mut e = Map::new();
@@ -66,7 +91,10 @@ pub fn render(spec: &VmSpec, allocs: &[NicAlloc]) -> SeedFiles {
     let network = json!({ "version": 2, "ethernets": ethernets });
     SeedFiles {
         meta_data: format!("{}\n", meta),
-        user_data: format!("#cloud-config\n{}\n", json!({ "hostname": spec.name, "preserve_hostname": false })),
+        user_data: match &spec.user_data {
+            Some(text) => text.clone(),
+            None => format!("#cloud-config\n{}\n", json!({ "hostname": hostname, "preserve_hostname": false })),
+        },
         network_config: format!("{}\n", serde_json::to_string_pretty(&network).unwrap_or_default()),
     }
 }
@@ -164,6 +192,74 @@ mod tests {
         let b = render(&changed, &allocs());
         assert_ne!(a.meta_data, b.meta_data);
         assert_eq!(a, render(&spec(), &allocs()), "deterministic");
+    }
+
+    #[test]
+    fn hostnames_map_underscores_to_hyphens() {
+        let mut s = spec();
+        s.name = "sensor1_sensor".into();
+        let files = render(&s, &allocs());
+        let meta: Value = serde_json::from_str(&files.meta_data).unwrap();
+        assert_eq!(meta["local-hostname"], "sensor1-sensor");
+        // The instance id keeps the VM's own name (it is no hostname).
+        assert!(meta["instance-id"].as_str().unwrap().starts_with("vmhost-sensor1_sensor-"), "{meta}");
+        let user: Value = serde_json::from_str(files.user_data.strip_prefix("#cloud-config\n").unwrap()).unwrap();
+        assert_eq!(user["hostname"], "sensor1-sensor");
+    }
+
+    #[test]
+    fn user_data_is_written_verbatim_and_leaves_the_instance_id_alone() {
+        let plain = render(&spec(), &allocs());
+        let mut s = spec();
+        let text = "#cloud-config\nruncmd:\n  - [sh, -c, 'echo {\"a\": 1} > /x']\nno newline at the end";
+        s.user_data = Some(text.into());
+        let with = render(&s, &allocs());
+        assert_eq!(with.user_data, text);
+        // meta-data (instance id, hostname) and network-config are as without user_data: a new
+        // user-data alone does not make cloud-init see a new instance.
+        assert_eq!((&with.meta_data, &with.network_config), (&plain.meta_data, &plain.network_config));
+        s.user_data = Some("#cloud-config\n{}\n".into());
+        assert_eq!(render(&s, &allocs()).meta_data, plain.meta_data);
+        // An empty user_data is an empty file, not the generated one.
+        s.user_data = Some(String::new());
+        assert_eq!(render(&s, &allocs()).user_data, "");
+    }
+
+    #[test]
+    fn kernel_vms_get_a_seed_only_with_user_data() {
+        let c = crate::validate::tests::config();
+        let mut s = crate::validate::tests::spec("k");
+        let valid = |s: &VmSpec| crate::validate::validate_spec(s, &c).unwrap();
+        assert!(!has_seed(&valid(&s)));
+        s.user_data = Some("#cloud-config\n".into());
+        assert!(has_seed(&valid(&s)));
+        s.user_data = None;
+        s.boot = crate::api::BootSpec { image: Some("b.qcow2".into()), disk_gib: Some(1), ..Default::default() };
+        assert!(has_seed(&valid(&s)));
+        s.boot = crate::api::BootSpec { disk: Some("old.qcow2".into()), ..Default::default() };
+        s.user_data = Some("#cloud-config\n".into());
+        assert!(!has_seed(&valid(&s)), "an imported disk never gets a seed");
+    }
+
+    #[test]
+    fn the_largest_user_data_fits_the_seed_volume() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("seed.img");
+        let mut s = spec();
+        let line = "# 0123456789 abcdefghijklmnopqrstuvwxyz {\"'}\n";
+        let mut text = "#cloud-config\n".to_string();
+        while text.len() + line.len() <= crate::validate::MAX_USER_DATA {
+            text.push_str(line);
+        }
+        text.push_str(&"x".repeat(crate::validate::MAX_USER_DATA - text.len()));
+        assert_eq!(text.len(), crate::validate::MAX_USER_DATA);
+        s.user_data = Some(text.clone());
+        let files = render(&s, &allocs());
+        write_seed(&path, &files).unwrap();
+        let fs = fatfs::FileSystem::new(std::fs::File::open(&path).unwrap(), fatfs::FsOptions::new()).unwrap();
+        let mut read = String::new();
+        fs.root_dir().open_file("user-data").unwrap().read_to_string(&mut read).unwrap();
+        assert_eq!(read, text);
     }
 
     #[test]

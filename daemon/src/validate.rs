@@ -17,6 +17,9 @@ pub const MIN_MEMORY_MIB: u64 = 32;
 pub const MAX_DISK_GIB: u64 = 65536;
 /// Longest kernel command line accepted (x86 COMMAND_LINE_SIZE is 2048).
 pub const MAX_CMDLINE: usize = 2048;
+/// Largest `user_data`, bytes: far above any cloud-config a VM needs, small enough that a
+/// record, a request and the 1 MiB seed volume ([`crate::seed`]) always hold it.
+pub const MAX_USER_DATA: usize = 64 * 1024;
 
 /// How a validated VM boots.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,13 +63,25 @@ pub struct ValidSpec {
     pub boot: BootSource,
 }
 
-/// True when `name` matches `^[a-z0-9][a-z0-9-]{0,62}$`.
+/// The VM name rule, as shown in errors.
+pub const NAME_RULE: &str = "^[a-z0-9][a-z0-9_-]{0,62}$";
+
+/// True when `name` matches [`NAME_RULE`]. `_` is allowed because Security Onion names its
+/// VMs `<hostname>_<role>`; a name is never a hostname as it is (see [`hostname_of`]).
 pub fn is_valid_name(name: &str) -> bool {
     let b = name.as_bytes();
     !b.is_empty()
         && b.len() <= 63
         && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'_')
+}
+
+/// The guest hostname of VM `name`: `_` becomes `-`, since a hostname label is letters, digits
+/// and hyphens only (RFC 1123) and cloud-init, klibc and most resolvers refuse an underscore.
+/// A valid name has 1-63 bytes and starts with a letter or digit, so the result is a valid
+/// label unless it ends with `-`, which RFC 1123 also forbids but every Linux guest accepts.
+pub fn hostname_of(name: &str) -> String {
+    name.replace('_', "-")
 }
 
 /// True when `name` is a data disk name: 1-20 of `[a-z0-9-]`.
@@ -119,11 +134,9 @@ fn validate_disks(spec: &VmSpec) -> Result<(), ApiError> {
 /// names the field (`spec.hardware.sfp[1]`).
 pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiError> {
     if !is_valid_name(&spec.name) {
-        return Err(ApiError::invalid(
-            "spec.name",
-            format!("name {:?} must match ^[a-z0-9][a-z0-9-]{{0,62}}$", spec.name),
-        ));
+        return Err(ApiError::invalid("spec.name", format!("name {:?} must match {NAME_RULE}", spec.name)));
     }
+    validate_user_data(spec)?;
     if let Some(role) = &spec.role {
         let ok = !role.is_empty()
             && role.len() <= 64
@@ -187,6 +200,22 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
     crate::nic::validate_nics(spec, config)?;
     validate_guest_interfaces(spec)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
+}
+
+/// `user_data`: at most [`MAX_USER_DATA`] bytes, no NUL (it is a text file on the seed, and a
+/// NUL would end it early for many readers).
+fn validate_user_data(spec: &VmSpec) -> Result<(), ApiError> {
+    let Some(text) = &spec.user_data else { return Ok(()) };
+    if text.len() > MAX_USER_DATA {
+        return Err(ApiError::invalid(
+            "spec.user_data",
+            format!("user_data is {} bytes; at most {MAX_USER_DATA} are allowed", text.len()),
+        ));
+    }
+    if text.contains('\0') {
+        return Err(ApiError::invalid("spec.user_data", "user_data contains a NUL byte"));
+    }
+    Ok(())
 }
 
 fn validate_raw_pci(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
@@ -474,6 +503,7 @@ reserved_memory_gib = 4
             nics: Vec::new(),
             guest_interfaces: Vec::new(),
             restart_policy: Default::default(),
+            user_data: None,
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),
@@ -515,13 +545,57 @@ reserved_memory_gib = 4
 
     #[test]
     fn names() {
-        for good in ["a", "0", "vm-1", &"a".repeat(63)] {
+        // Security Onion's `<hostname>_<role>` names are valid.
+        for good in
+            ["a", "0", "vm-1", "sensor1_sensor", "a_", "0_b-c", &"a".repeat(63), &format!("a{}", "_".repeat(62))]
+        {
             assert!(is_valid_name(good), "{good}");
+            assert!(validate_spec(&spec(good), &config()).is_ok(), "{good}");
         }
-        for bad in ["", "-a", "A", "a_b", "a.b", "é", &"a".repeat(64), "a b"] {
-            assert!(!is_valid_name(bad), "{bad}");
-            assert_eq!(err(&spec(bad)), (2001, "spec.name".into()));
+        for bad in
+            ["", "-a", "_x", "_", "A", "Sensor", "sensor1_Sensor", "a.b", "é", &"a".repeat(64), "a b", "a/b", "a\0"]
+        {
+            assert!(!is_valid_name(bad), "{bad:?}");
+            let e = validate_spec(&spec(bad), &config()).unwrap_err();
+            assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.name")), "{bad:?}");
+            assert!(e.message.contains("[a-z0-9_-]"), "{}", e.message);
         }
+    }
+
+    #[test]
+    fn hostnames_have_no_underscore() {
+        assert_eq!(hostname_of("sensor1_sensor"), "sensor1-sensor");
+        assert_eq!(hostname_of("a_b_c"), "a-b-c");
+        assert_eq!(hostname_of("web-1"), "web-1");
+    }
+
+    #[test]
+    fn user_data_is_at_most_64_kib_without_nul() {
+        let mut s = spec("a");
+        s.user_data = Some("#cloud-config\n".into());
+        assert!(validate_spec(&s, &config()).is_ok());
+        s.user_data = Some(String::new());
+        assert!(validate_spec(&s, &config()).is_ok(), "empty is allowed (an empty user-data file)");
+        s.user_data = Some("x".repeat(MAX_USER_DATA));
+        assert_eq!(MAX_USER_DATA, 65536);
+        assert!(validate_spec(&s, &config()).is_ok());
+        s.user_data = Some("x".repeat(MAX_USER_DATA + 1));
+        assert_eq!(err(&s), (2001, "spec.user_data".into()));
+        // Bytes, not characters: 32768 two-byte characters are 65536 bytes.
+        s.user_data = Some("é".repeat(MAX_USER_DATA / 2));
+        assert!(validate_spec(&s, &config()).is_ok());
+        s.user_data = Some(format!("{}x", "é".repeat(MAX_USER_DATA / 2)));
+        assert_eq!(err(&s), (2001, "spec.user_data".into()));
+        s.user_data = Some("#cloud-config\n\0runcmd: []\n".into());
+        assert_eq!(err(&s), (2001, "spec.user_data".into()));
+        // Also with an image boot, and not serialized when absent.
+        s.user_data = None;
+        assert!(!serde_json::to_string(&s).unwrap().contains("user_data"));
+        let parsed: VmSpec = serde_json::from_value(serde_json::json!({
+            "name": "a", "cpu": 1, "memory_mib": 256, "boot": {"kernel": "/boot/vmlinuz"}, "user_data": "x"
+        }))
+        .unwrap();
+        assert_eq!(parsed.user_data.as_deref(), Some("x"));
     }
 
     #[test]

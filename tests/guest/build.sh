@@ -37,8 +37,10 @@ set -euo pipefail
 # network tests (the host kernel here lacks VLANs, VLAN filtering and dummy links).
 # vfio_pci, vfio_iommu_type1: same, for the VFIO lab.
 # button, evdev: ACPI power button -> input event, so busybox acpid can power off.
+# vfat (with fat), nls_*: mounting a cloud-init seed (init.sh prints its user-data); the
+# kernel's FAT defaults are codepage 437 and iocharset ascii (utf8 on), hence cp437 and ascii.
 DEFAULT_MODULES="virtio_pci virtio_console virtio_net virtio_blk 8021q bridge tun dummy
-vfio_pci vfio_iommu_type1 button evdev"
+vfio_pci vfio_iommu_type1 button evdev vfat nls_cp437 nls_ascii nls_iso8859-1 nls_utf8"
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SELF="$HERE/$(basename "${BASH_SOURCE[0]}")"

@@ -8,6 +8,7 @@
 #   VMHOST-GUEST-SELF-POWEROFF                             powering off on its own (vmhost.poweroff)
 # With vmhost.shell on the kernel command line, an interactive shell runs on ttyS0.
 #   VMHOST-WROTE <serial> <word>, VMHOST-DISK ...         vmhost.writemark, vmhost.disks (below)
+#   VMHOST-USERDATA-BEGIN <dev>                            a cloud-init seed's user-data (below)
 #
 # ACPI shutdown: busybox acpid watches the power button (ACPI "button" driver ->
 # evdev input device) and runs /etc/acpi/PWRF/00000080, which does `poweroff -f`.
@@ -118,6 +119,52 @@ if grep -qw vmhost.poweroff /proc/cmdline; then
     echo "VMHOST-GUEST-SELF-POWEROFF"
     poweroff -f
 fi
+
+# cloud-init seeds: each virtio disk whose FAT volume label is CIDATA (the NoCloud seed vmhostd
+# attaches to an image-booted VM, or a direct-kernel VM with user_data) is mounted read-only and
+# its user-data printed, every line behind a prefix so that no line of it can pass for a marker:
+#   VMHOST-USERDATA-BEGIN <dev>
+#   VMHOST-USERDATA| <line>                                  one per line of the file, as it is
+#   VMHOST-USERDATA-END <dev> bytes=<size> newline=yes|no    newline: the file ends with one
+# (VMHOST-USERDATA-NONE <dev> when the volume has no user-data, -NOMOUNT when it cannot be
+# mounted). The label is read from the boot sector (FAT12/16 at byte 43, FAT32 at 71) rather than
+# by mounting, so no other disk (the storage tests' data disks) is ever mounted; the FAT modules
+# are loaded only when a seed is there.
+fat_label() {
+    for offset in 43 71; do
+        dd if="$1" bs=1 skip=$offset count=11 2>/dev/null | tr -d ' ' | tr a-z A-Z
+        echo
+    done
+}
+print_user_data() {
+    file=$1
+    while IFS= read -r line || [ -n "$line" ]; do
+        printf 'VMHOST-USERDATA| %s\n' "$line"
+    done <"$file"
+    newline=no
+    [ "$(tail -c 1 "$file" | wc -l)" = 1 ] && newline=yes
+    echo "VMHOST-USERDATA-END $2 bytes=$(wc -c <"$file") newline=$newline"
+}
+for dev in /sys/block/vd*; do
+    [ -e "$dev" ] || continue
+    dev=${dev##*/}
+    fat_label "/dev/$dev" | grep -qx CIDATA || continue
+    for m in fat vfat nls_cp437 nls_ascii nls_iso8859-1 nls_utf8; do
+        modprobe -q "$m" 2>/dev/null
+    done
+    mkdir -p "/run/seed-$dev"
+    if ! mount -t vfat -o ro "/dev/$dev" "/run/seed-$dev"; then
+        echo "VMHOST-USERDATA-NOMOUNT $dev"
+        continue
+    fi
+    if [ -f "/run/seed-$dev/user-data" ]; then
+        echo "VMHOST-USERDATA-BEGIN $dev"
+        print_user_data "/run/seed-$dev/user-data" "$dev"
+    else
+        echo "VMHOST-USERDATA-NONE $dev"
+    fi
+    umount "/run/seed-$dev"
+done
 
 # Test hook: vmhost.ping=A,B,... pings each address (up to 60 tries, the peers
 # may still be booting) and reports VMHOST-PING <addr> ok|fail on the console.

@@ -104,7 +104,7 @@ impl RestartPolicy {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VmSpec {
-    /// `^[a-z0-9][a-z0-9-]{0,62}$`.
+    /// `^[a-z0-9][a-z0-9_-]{0,62}$` (the guest's hostname is the name with `_` as `-`).
     pub name: String,
     /// Free-form role label (Security Onion: sensor, searchnode, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -138,6 +138,11 @@ pub struct VmSpec {
     /// What happens when QEMU ends without vmhostd asking; changed without a restart.
     #[serde(default, skip_serializing_if = "RestartPolicy::is_default")]
     pub restart_policy: RestartPolicy,
+    /// cloud-init user-data, at most 64 KiB, no NUL: the seed's `user-data` file as it is, in
+    /// place of the generated `#cloud-config`. A direct-kernel VM with it gets a seed too.
+    /// Changed without a restart (read at the guest's first boot; the next start writes it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_data: Option<String>,
 }
 
 /// One NIC of a VM: a tap on a configured network.

@@ -211,12 +211,15 @@ impl Manager {
             self.clean_run_dir(&paths);
             return Err(e);
         }
-        if matches!(vm.boot, BootSource::Image { .. }) {
+        if crate::seed::has_seed(vm) {
             let files = crate::seed::render(&vm.spec, &allocs);
             if let Err(e) = crate::seed::write_seed(&paths.seed, &files) {
                 self.clean_run_dir(&paths);
                 return Err(provisioning("seed", format!("cannot write the cloud-init seed: {e}")));
             }
+        } else {
+            // A kernel VM whose user_data was dropped: its old seed (and the text in it) goes.
+            let _ = std::fs::remove_file(&paths.seed);
         }
         // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
         // failure below removes the taps: they are not persistent.
@@ -302,7 +305,8 @@ impl Manager {
     /// serial console sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
     /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
-    /// initrd (copied here when this file version has no copy yet), for a `boot.disk` VM its
+    /// initrd (copied here when this file version has no copy yet) and, with `user_data`, the
+    /// seed, for a `boot.disk` VM its
     /// root disk (read-write and read-only), and the data disks (read-write and read-only).
     /// Also returns the base image's format (a `boot.disk` VM: its root disk's).
     ///

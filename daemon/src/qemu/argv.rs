@@ -62,7 +62,8 @@ pub struct VmPaths {
     pub qemu_log: PathBuf,
     /// qcow2 overlay for image-booted VMs.
     pub overlay: PathBuf,
-    /// cloud-init NoCloud seed for image-booted VMs, rebuilt at every start.
+    /// cloud-init NoCloud seed for image-booted VMs and direct-kernel VMs with `user_data`
+    /// ([`crate::seed::has_seed`]), rebuilt at every start.
     pub seed: PathBuf,
     /// `STATE/disks/NAME`: the VM's data disks ([`VmPaths::data_disk`]).
     pub disk_dir: PathBuf,
@@ -137,7 +138,7 @@ pub enum PassedFd {
     OverlayRo,
     /// The base image behind the overlay, read-only.
     Base,
-    /// The cloud-init seed, read-only.
+    /// The cloud-init seed, read-only (image boot, or a direct-kernel VM with `user_data`).
     Seed,
     /// The sealed copy of a direct-kernel VM's kernel.
     Kernel,
@@ -179,6 +180,11 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
     }
     fds.extend([PassedFd::QmpEvents, PassedFd::Console, PassedFd::QmpStats]);
     fds.extend((0..vm.spec.disks.len()).flat_map(|i| [PassedFd::DataDisk(i), PassedFd::DataDiskRo(i)]));
+    // A direct-kernel VM's seed (with `user_data`) comes last, so every other descriptor keeps
+    // the number it has without one.
+    if matches!(vm.boot, BootSource::Kernel { .. }) && crate::seed::has_seed(vm) {
+        fds.push(PassedFd::Seed);
+    }
     fds
 }
 
@@ -328,15 +334,15 @@ pub fn build_argv(
             &format!("virtio-blk-pci,drive={0},id={0},serial={1}{bus}", data_drive(&disk.name), disk.name),
         ]);
     }
+    // The seed, read-only, after the data disks (a kernel VM has no boot disk: its data disks
+    // stay vda, vdb, ... and the seed is the last virtio disk).
+    if crate::seed::has_seed(vm) {
+        push(&["-add-fd", &fdset(PassedFd::Seed, &paths.seed)]);
+        push(&["-drive", &format!("file=/dev/fdset/{},if=none,id=seed,format=raw,readonly=on", fd(PassedFd::Seed))]);
+        push(&["-device", "virtio-blk-pci,drive=seed,id=seed"]);
+    }
     match &vm.boot {
-        BootSource::Image { .. } => {
-            push(&["-add-fd", &fdset(PassedFd::Seed, &paths.seed)]);
-            push(&[
-                "-drive",
-                &format!("file=/dev/fdset/{},if=none,id=seed,format=raw,readonly=on", fd(PassedFd::Seed)),
-            ]);
-            push(&["-device", "virtio-blk-pci,drive=seed,id=seed"]);
-        }
+        BootSource::Image { .. } => {}
         BootSource::Kernel { initrd, cmdline, .. } => {
             push(&["-kernel", &proc_path(fd(PassedFd::Kernel))]);
             if initrd.is_some() {
@@ -445,6 +451,66 @@ mod tests {
         assert!(!argv.contains(&"-drive".to_string()));
         let marker = VmPaths::for_vm(&c, "vm-1").cmdline_marker();
         assert_eq!(argv.iter().filter(|a| a.contains(&marker)).count(), 1);
+    }
+
+    #[test]
+    fn kernel_vms_with_user_data_get_the_seed_as_their_last_disk() {
+        use crate::api::{DataDiskSpec, DiskCache, DiskFormat};
+        let c = config();
+        let mut s = spec("sensor1_sensor");
+        s.user_data = Some("#cloud-config\n".into());
+        let v = validate_spec(&s, &c).unwrap();
+        // The seed after everything else: the other descriptors keep their numbers.
+        assert_eq!(
+            passed_fds(&v, 0),
+            [
+                PassedFd::Qmp,
+                PassedFd::Agent,
+                PassedFd::SerialLog,
+                PassedFd::Kernel,
+                PassedFd::QmpEvents,
+                PassedFd::Console,
+                PassedFd::QmpStats,
+                PassedFd::Seed
+            ]
+        );
+        let argv = argv_of(&s, &c);
+        assert_eq!(
+            value_after(&argv, "-add-fd"),
+            [
+                "fd=5,set=5,opaque=/var/lib/vmhost/logs/sensor1_sensor.serial.log",
+                "fd=10,set=10,opaque=/var/lib/vmhost/seeds/sensor1_sensor.img"
+            ]
+        );
+        // Read-only, as a descriptor: QEMU never opens the path.
+        assert_eq!(value_after(&argv, "-drive"), ["file=/dev/fdset/10,if=none,id=seed,format=raw,readonly=on"]);
+        assert_eq!(value_after(&argv, "-device").last(), Some(&"virtio-blk-pci,drive=seed,id=seed"));
+        assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/6"]);
+        assert_eq!(value_after(&argv, "-name"), ["guest=sensor1_sensor,debug-threads=on"]);
+        // With data disks: they stay vda, vdb, ...; the seed is the last disk and descriptor.
+        s.disks = vec![DataDiskSpec {
+            name: "nsm".into(),
+            size_gib: 1,
+            format: DiskFormat::Raw,
+            preallocate: false,
+            cache: DiskCache::None,
+            aio: None,
+            keep_on_destroy: false,
+        }];
+        let v = validate_spec(&s, &c).unwrap();
+        assert_eq!(passed_fds(&v, 0)[7..], [PassedFd::DataDisk(0), PassedFd::DataDiskRo(0), PassedFd::Seed]);
+        let argv = argv_of(&s, &c);
+        let disks: Vec<&str> =
+            value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("virtio-blk")).collect();
+        assert_eq!(
+            disks,
+            ["virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm,bus=hp0", "virtio-blk-pci,drive=seed,id=seed"]
+        );
+        assert_eq!(value_after(&argv, "-drive")[1], "file=/dev/fdset/12,if=none,id=seed,format=raw,readonly=on");
+        // Without user_data: no seed, as before (kernel_boot_argv checks the rest).
+        s.user_data = None;
+        let argv = argv_of(&s, &c);
+        assert!(!argv.iter().any(|a| a.contains("seed")), "{argv:?}");
     }
 
     #[test]
