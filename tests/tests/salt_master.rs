@@ -1,12 +1,18 @@
 //! The Salt master engine end to end: a real salt-master running `vmhost_engine`, two real
-//! salt-minions running `vmhost_events`, each minion pointed at its own real vmhostd (TCG QEMU,
-//! own network namespace), all on loopback in temp dirs. The engine reads two Security Onion
-//! `<hypervisor>VMs` files and converges both hosts; removing an entry destroys that VM on the
-//! right host only and never a VM the engine did not create; daemon events and the engine's
-//! results reach the master's event bus under `vmhost/<hypervisor>/<vm>/<status>`. An edited
-//! entry is reconfigured in place (same disk inode, a new QEMU with the new memory); an entry
-//! whose VM has another image is reported `reconcile_failed` with the daemon's 2002 and its VM
-//! left alone: the engine never replaces.
+//! salt-minions named as Security Onion names hypervisors (`hv1_hypervisor`, `hv2_hypervisor`)
+//! running `vmhost_events`, each pointed at its own real vmhostd (TCG QEMU, own network
+//! namespace), and a third hypervisor whose key is accepted but whose minion is down, all on
+//! loopback in temp dirs. The engine reads Security Onion `<hypervisor>VMs` files, finds each
+//! file's minion by the glob `<hypervisor>_*` and converges both hosts in parallel (the down one
+//! fails alone, later than the others finish); VMs are named as SO names them
+//! (`sensor1_sensor`); SO's tracking, `.error` and `.status` files and `soc/dyanno/hypervisor/...`
+//! events appear, a hardware refusal leaves an `.error` with code 3 until the entry is fixed;
+//! each VM gets the bootstrap user-data and its guest prints it from the cloud-init seed.
+//! Removing an entry destroys that VM on the right host only and never a VM the engine did not
+//! create; daemon events and the engine's results reach the master's event bus under
+//! `vmhost/<minion id>/<vm>/<status>`. An edited entry is reconfigured in place (same disk
+//! inode, a new QEMU with the new memory); an entry whose VM has another image is reported
+//! `reconcile_failed` with the daemon's 2002 and its VM left alone: the engine never replaces.
 //!
 //! Needs `tests/setup.sh` (target/salt-venv with salt 3007) and `cargo build --workspace --bins`.
 
@@ -108,7 +114,9 @@ impl Salt {
         self.dir.path().join(rel)
     }
 
-    fn start(hosts: &[(&str, &TestHost)]) -> Salt {
+    /// A master and one running minion per `hosts` entry (`(minion id, its vmhostd)`); `down`
+    /// names minions whose keys the master has accepted but that never run.
+    fn start(hosts: &[(&str, &TestHost)], down: &[&str]) -> Salt {
         let dir = tempfile::Builder::new().prefix("slt").tempdir_in("/tmp").expect("tempdir");
         let d = dir.path().to_path_buf();
         let (publish, ret) = (free_port(), free_port());
@@ -139,7 +147,16 @@ engines:
       poll: 1
       retry: 3
       interval: 600
-      timeout: 90
+      timeout: 60
+      so_compat: true
+      master: salt.so.test
+      bootstrap: |
+        #cloud-config
+        salt_minion:
+          conf:
+            id: {{vm_name}}
+            master: {{master}}
+            grains: {{{{hypervisor: {{hypervisor}}, role: {{role}}}}}}
       boot:
         default:
           kernel: {kernel}
@@ -155,6 +172,20 @@ engines:
             initrd = g.initrd.display(),
         );
         fs::write(d.join("master/conf/master"), master).expect("master config");
+        // Accepted keys of minions that never connect: a hypervisor that is down.
+        fs::create_dir_all(d.join("master/pki/minions")).expect("pki dir");
+        fs::create_dir_all(d.join("keys")).expect("keys dir");
+        for id in down {
+            run_ok(
+                Command::new(venv("salt-key"))
+                    .arg("-c")
+                    .arg(d.join("master/conf"))
+                    .arg(format!("--gen-keys={id}"))
+                    .arg(format!("--gen-keys-dir={}", d.join("keys").display())),
+            );
+            fs::rename(d.join("keys").join(format!("{id}.pub")), d.join("master/pki/minions").join(id))
+                .expect("accept key");
+        }
         fs::write(d.join("listen.py"), LISTENER).expect("listener");
         let mut procs = Vec::new();
         let mlog = d.join("master.out");
@@ -245,6 +276,19 @@ engines:
         }
     }
 
+    /// Waits until `get` gives something other than null.
+    fn wait_for_value(&self, what: &str, get: impl Fn() -> Value) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let v = get();
+            if !v.is_null() {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}\n{}", self.logs());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     fn tag_event(&self, tag: &str) -> Value {
         self.wait_event(tag, |e| e["tag"] == tag)
     }
@@ -258,7 +302,7 @@ engines:
 
     fn logs(&self) -> String {
         let mut out = String::new();
-        for f in ["master/master.log", "hv1/minion.log", "hv2/minion.log"] {
+        for f in ["master/master.log", "hv1_hypervisor/minion.log", "hv2_hypervisor/minion.log"] {
             let text = read(&self.path(f));
             let tail: Vec<&str> = text.lines().rev().take(40).collect();
             out += &format!("--- {f} (tail)\n{}\n", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
@@ -359,7 +403,7 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     hv2.call("vm.create", json!({ "spec": hv2.kernel_spec("manual") }));
 
     let t0 = Instant::now();
-    let salt = Salt::start(&[("hv1", &hv1), ("hv2", &hv2)]);
+    let salt = Salt::start(&[("hv1_hypervisor", &hv1), ("hv2_hypervisor", &hv2)], &["hv0_hypervisor"]);
     eprintln!("salt up after {:?}", t0.elapsed());
 
     let sensor1 = so_entry(
@@ -377,17 +421,22 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     let sensor2 =
         so_entry("sensor2", "sensor", json!({"network_mode": "static4", "ip4": "10.0.0.21/24", "gw4": "10.0.0.1"}));
     let broken = so_entry("broken", "sensor", json!({"network_mode": "dhcp4", "cpu": "lots"}));
-    salt.write_vms("hv1", json!([sensor1, search1]));
+    // More CPUs than the host has: refused for hardware (SO's code 3) until fixed.
+    let big1 = so_entry("big1", "idh", json!({"network_mode": "dhcp4", "cpu": 64}));
+    // hv0's minion is down (key accepted, never answers): it sorts first, so a serial engine
+    // would make every other hypervisor wait for its timeout.
+    salt.write_vms("hv0", json!([so_entry("down1", "idh", json!({"network_mode": "dhcp4"}))]));
+    salt.write_vms("hv1", json!([sensor1, search1, big1]));
     salt.write_vms("hv2", json!([sensor2, broken]));
-    // A file for a minion that does not exist fails alone.
-    salt.write_vms("hv3", json!([so_entry("x", "idh", json!({"network_mode": "dhcp4"}))]));
+    // A file whose hypervisor has no accepted minion key fails alone.
+    salt.write_vms("hv9", json!([so_entry("x", "idh", json!({"network_mode": "dhcp4"}))]));
 
-    wait_vms(&hv1, &["search1-searchnode", "sensor1-sensor"], &salt);
-    wait_vms(&hv2, &["manual", "sensor2-sensor"], &salt);
+    wait_vms(&hv1, &["search1_searchnode", "sensor1_sensor"], &salt);
+    wait_vms(&hv2, &["manual", "sensor2_sensor"], &salt);
     eprintln!("both hosts converged after {:?}", t0.elapsed());
 
     // The SO entry became the spec the mapping promises.
-    let s1 = hv1.call("vm.get", json!({"name": "sensor1-sensor"}));
+    let s1 = hv1.call("vm.get", json!({"name": "sensor1_sensor"}));
     assert_eq!(s1["spec"]["role"], "sensor");
     assert_eq!(s1["spec"]["cpu"], 1);
     assert_eq!(s1["spec"]["memory_mib"], 1024);
@@ -397,7 +446,7 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
                 "dns": ["10.0.0.1", "10.0.0.2"], "search": ["so.test"]}}])
     );
     assert_eq!(s1["spec"]["boot"]["kernel"], json!(guest().kernel));
-    let q1 = hv1.call("vm.get", json!({"name": "search1-searchnode"}));
+    let q1 = hv1.call("vm.get", json!({"name": "search1_searchnode"}));
     assert_eq!(q1["spec"]["nics"], json!([{"network": "lan", "ipv4": {"mode": "dhcp"}}]));
     // nsm_size is SO's NSM volume: a raw, preallocated data disk of its own.
     assert_eq!(
@@ -405,12 +454,16 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
         json!([{"name": "nsm", "size_gib": 1, "format": "raw", "preallocate": true, "aio": "native"}]),
         "(defaults such as cache none are left out of the echo)"
     );
-    let nsm = hv1.state().join("disks").join("search1-searchnode").join("nsm.raw");
+    let nsm = hv1.state().join("disks").join("search1_searchnode").join("nsm.raw");
     assert!(std::fs::metadata(&nsm).is_ok_and(|m| m.len() == 1 << 30), "{}", nsm.display());
 
     // Events on the master bus: the daemon's, forwarded by each minion's vmhost_events (the
     // master stamps the authenticated minion id), and the engine's per-VM results.
-    for (hyp, vm) in [("hv1", "sensor1-sensor"), ("hv1", "search1-searchnode"), ("hv2", "sensor2-sensor")] {
+    for (hyp, vm) in [
+        ("hv1_hypervisor", "sensor1_sensor"),
+        ("hv1_hypervisor", "search1_searchnode"),
+        ("hv2_hypervisor", "sensor2_sensor"),
+    ] {
         let e = salt.tag_event(&format!("vmhost/{hyp}/{vm}/running"));
         assert_eq!(e["data"]["id"], hyp, "{e}");
         assert_eq!(e["data"]["data"]["source"], "vmhostd", "{e}");
@@ -419,39 +472,104 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
         assert_eq!(e["data"]["action"], "create", "{e}");
         assert_eq!(e["data"]["source"], "vmhost_engine", "{e}");
     }
-    let bad = salt.tag_event("vmhost/hv2/broken-sensor/invalid");
+    let bad = salt.tag_event("vmhost/hv2_hypervisor/broken_sensor/invalid");
     assert_eq!(bad["data"]["field"], "cpu", "{bad}");
     assert!(bad["data"]["error"].as_str().unwrap_or_default().contains("hv2VMs"), "{bad}");
-    let hv3 = salt.tag_event("vmhost/hv3/_hypervisor/reconcile_failed");
-    assert!(hv3["data"]["error"].as_str().unwrap_or_default().contains("did not answer"), "{hv3}");
-    salt.tag_event("vmhost/hv1/_hypervisor/reconciled");
+    let hv9 = salt.tag_event("vmhost/hv9/_hypervisor/reconcile_failed");
+    assert!(hv9["data"]["error"].as_str().unwrap_or_default().contains("no accepted minion key matches"), "{hv9}");
+
+    // Security Onion's files under vms/<hypervisor>/ and its status events.
+    let so = |hyp: &str, file: &str| -> Value {
+        serde_json::from_str(&read(&salt.vms.join(hyp).join(file))).unwrap_or(Value::Null)
+    };
+    assert_eq!(so("hv1", "sensor1_sensor"), json!({ "config": sensor1 }), "tracking file");
+    assert_eq!(so("hv2", "sensor2_sensor"), json!({ "config": sensor2 }), "tracking file");
+    let status = so("hv1", "sensor1_sensor.status");
+    assert_eq!(status["status"], "Created Instance", "{status}");
+    let keys: Vec<&String> = status.as_object().expect("status object").keys().collect();
+    assert_eq!(keys, ["status", "timestamp"], "{status}");
+    for (step, tag) in [("Processing", "processing"), ("Created Instance", "created instance")] {
+        let tag = format!("soc/dyanno/hypervisor/{tag}");
+        let e = salt.wait_event(&tag, |e| e["tag"] == tag.as_str() && e["data"]["vm_name"] == "sensor1_sensor");
+        let mut data = e["data"].clone();
+        data.as_object_mut().expect("object").remove("_stamp");
+        assert_eq!(data, json!({"vm_name": "sensor1_sensor", "hypervisor": "hv1", "status": step}), "{e}");
+    }
+    // A hardware refusal leaves SO's .error file with code 3.
+    let err = salt.wait_for_value("big1's .error file", || so("hv1", "big1_idh.error"));
+    assert_eq!(err["status"], "error", "{err}");
+    assert_eq!(err["error_details"]["code"], 3, "{err}");
+    let message = err["error_details"]["message"].as_str().unwrap_or_default();
+    assert!(message.starts_with("Hardware validation failure: "), "{err}");
+    assert_eq!(err["config"]["hostname"], "big1", "{err}");
+    assert!(err["timestamp"].is_string(), "{err}");
+    salt.wait_event("big1's SO status", |e| {
+        e["tag"] == "soc/dyanno/hypervisor/hardware configuration failed" && e["data"]["vm_name"] == "big1_idh"
+    });
+
+    // The bootstrap: each VM's user_data makes its salt-minion join as the VM's name, and the
+    // guest finds it in its cloud-init seed.
+    let s1 = hv1.call("vm.get", json!({"name": "sensor1_sensor"}));
+    let user_data = s1["spec"]["user_data"].as_str().expect("user_data").to_string();
+    assert!(user_data.contains("id: sensor1_sensor\n") && user_data.contains("master: salt.so.test\n"), "{user_data}");
+    assert!(user_data.contains("{hypervisor: hv1, role: sensor}"), "{user_data}");
+    assert!(hv1.wait_serial("sensor1_sensor", "VMHOST-USERDATA-END", WAIT), "{}", hv1.serial("sensor1_sensor"));
+    assert!(hv1.serial("sensor1_sensor").contains("    id: sensor1_sensor"), "{}", hv1.serial("sensor1_sensor"));
+
+    // The down hypervisor failed alone, and later: hv1's VMs were reconciled before it timed out.
+    let hv0 = salt.tag_event("vmhost/hv0_hypervisor/_hypervisor/reconcile_failed");
+    assert!(hv0["data"]["error"].as_str().unwrap_or_default().contains("did not answer"), "{hv0}");
+    let events = salt.events();
+    let at = |tag: &str| events.iter().position(|e| e["tag"] == tag).unwrap_or(usize::MAX);
+    assert!(
+        at("vmhost/hv1_hypervisor/sensor1_sensor/reconciled")
+            < at("vmhost/hv0_hypervisor/_hypervisor/reconcile_failed"),
+        "hv1 waited for the down hv0"
+    );
+
+    // Fixed: the VM is made and its .error file is gone.
+    let big1_fixed = so_entry("big1", "idh", json!({"network_mode": "dhcp4"}));
+    salt.write_vms("hv1", json!([sensor1, search1, big1_fixed]));
+    wait_vms(&hv1, &["big1_idh", "search1_searchnode", "sensor1_sensor"], &salt);
+    salt.tag_event("vmhost/hv1_hypervisor/_hypervisor/reconciled");
+    assert!(!salt.vms.join("hv1/big1_idh.error").exists(), "the .error file is removed once the VM succeeded");
+    assert_eq!(so("hv1", "big1_idh"), json!({ "config": big1_fixed }));
+    assert_eq!(so("hv1", "big1_idh.status")["status"], "Created Instance");
     // The engine's only write: its cache dir.
     let state: Value =
         serde_json::from_str(&read(&salt.path("master/cache/vmhost_engine/state.json"))).expect("engine state");
-    assert_eq!(state["hv1"]["managed"], json!(["search1-searchnode", "sensor1-sensor"]));
-    assert_eq!(state["hv2"]["managed"], json!(["sensor2-sensor"]));
+    assert_eq!(state["hv1"]["managed"], json!(["search1_searchnode", "sensor1_sensor"]));
+    assert_eq!(state["hv2"]["managed"], json!(["sensor2_sensor"]));
 
     // Removing an entry from hv1's file destroys that VM on hv1 only.
     let before1 = vms(&hv1);
     let before2 = vms(&hv2);
     salt.write_vms("hv1", json!([sensor1]));
-    wait_vms(&hv1, &["sensor1-sensor"], &salt);
-    let e = salt.tag_event("vmhost/hv1/search1-searchnode/destroyed");
-    assert_eq!(e["data"]["id"], "hv1", "{e}");
+    wait_vms(&hv1, &["sensor1_sensor"], &salt);
+    let e = salt.tag_event("vmhost/hv1_hypervisor/search1_searchnode/destroyed");
+    assert_eq!(e["data"]["id"], "hv1_hypervisor", "{e}");
     salt.wait_event("the engine's destroy result", |e| {
-        e["tag"] == "vmhost/hv1/search1-searchnode/reconciled" && e["data"]["action"] == "destroy"
+        e["tag"] == "vmhost/hv1_hypervisor/search1_searchnode/reconciled" && e["data"]["action"] == "destroy"
     });
-    let s1_before = before1.iter().find(|v| v.0 == "sensor1-sensor").cloned();
+    salt.wait_event("SO's destroyed status", |e| {
+        e["tag"] == "soc/dyanno/hypervisor/destroyed instance" && e["data"]["vm_name"] == "search1_searchnode"
+    });
+    assert!(!salt.vms.join("hv1/search1_searchnode").exists(), "tracking file removed with the VM");
+    assert_eq!(so("hv1", "search1_searchnode.status")["status"], "Destroyed Instance");
+    let s1_before = before1.iter().find(|v| v.0 == "sensor1_sensor").cloned();
     assert_eq!(vms(&hv1).first().cloned(), s1_before, "sensor1 untouched");
     assert_eq!(vms(&hv2), before2, "hv2 untouched");
 
     // Removing hv2's last good entry destroys sensor2 but never the VM made by hand.
     salt.write_vms("hv2", json!([broken]));
     wait_vms(&hv2, &["manual"], &salt);
-    salt.tag_event("vmhost/hv2/sensor2-sensor/destroyed");
+    salt.tag_event("vmhost/hv2_hypervisor/sensor2_sensor/destroyed");
     assert_eq!(vms(&hv2)[0], before2.iter().find(|v| v.0 == "manual").cloned().expect("manual"));
     assert_eq!(vms(&hv1).first().cloned(), s1_before, "hv1 untouched");
-    assert!(!salt.events().iter().any(|e| e["tag"].as_str().unwrap_or_default().starts_with("vmhost/hv2/manual/")));
+    assert!(!salt
+        .events()
+        .iter()
+        .any(|e| e["tag"].as_str().unwrap_or_default().starts_with("vmhost/hv2_hypervisor/manual/")));
     eprintln!("prunes done after {:?}", t0.elapsed());
 
     // An edited entry is changed in place and keeps its disk. img1 is a heavynode, which the
@@ -459,23 +577,23 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     // ACPI, so its restart waits for the 30 s power-off timeout host.reconcile uses).
     let img1 = so_entry("img1", "heavynode", json!({"network_mode": "dhcp4"}));
     salt.write_vms("hv1", json!([sensor1, img1]));
-    wait_vms(&hv1, &["img1-heavynode", "sensor1-sensor"], &salt);
+    wait_vms(&hv1, &["img1_heavynode", "sensor1_sensor"], &salt);
     salt.wait_event("img1's create", |e| {
-        e["tag"] == "vmhost/hv1/img1-heavynode/reconciled" && e["data"]["action"] == "create"
+        e["tag"] == "vmhost/hv1_hypervisor/img1_heavynode/reconciled" && e["data"]["action"] == "create"
     });
-    let ino = vmhost_tests::overlay_ino(&hv1, "img1-heavynode");
-    let before = hv1.call("vm.get", json!({"name": "img1-heavynode"}));
+    let ino = vmhost_tests::overlay_ino(&hv1, "img1_heavynode");
+    let before = hv1.call("vm.get", json!({"name": "img1_heavynode"}));
     let img1_pid = before["pid"].as_i64().expect("pid");
     assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(img1_pid), "-m"), "1024");
-    let s1_pid = hv1.call("vm.get", json!({"name": "sensor1-sensor"}))["pid"].clone();
+    let s1_pid = hv1.call("vm.get", json!({"name": "sensor1_sensor"}))["pid"].clone();
 
     // The engine never replaces: a VM whose image differs from what its entry maps to gets the
     // daemon's 2002 and is left alone. A VM made by hand on hv2 with another image, then claimed
     // by an entry, meets the same plan entry as a change of the engine's boot image would.
-    let img2_spec = json!({"name": "img2-heavynode", "role": "heavynode", "cpu": 1, "memory_mib": 1024,
+    let img2_spec = json!({"name": "img2_heavynode", "role": "heavynode", "cpu": 1, "memory_mib": 1024,
         "boot": {"image": "other.qcow2", "disk_gib": 1}, "nics": [{"network": "lan", "ipv4": {"mode": "dhcp"}}]});
     hv2.call("vm.create", json!({ "spec": img2_spec }));
-    let img2_before = hv2.call("vm.get", json!({"name": "img2-heavynode"}));
+    let img2_before = hv2.call("vm.get", json!({"name": "img2_heavynode"}));
     let manual_before = vms(&hv2).into_iter().find(|v| v.0 == "manual");
 
     let mut img1_more = img1.clone();
@@ -484,21 +602,21 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     salt.write_vms("hv1", json!([sensor1, img1_more]));
     salt.write_vms("hv2", json!([broken, so_entry("img2", "heavynode", json!({"network_mode": "dhcp4"}))]));
     let e = salt.wait_event("img1's reconfigure", |e| {
-        e["tag"] == "vmhost/hv1/img1-heavynode/reconciled" && e["data"]["action"] == "reconfigure"
+        e["tag"] == "vmhost/hv1_hypervisor/img1_heavynode/reconciled" && e["data"]["action"] == "reconfigure"
     });
     eprintln!("img1 reconfigured after {:?}", t1.elapsed());
     assert_eq!((&e["data"]["ok"], &e["data"]["changed"]), (&json!(true), &json!(true)), "{e}");
     assert_eq!((&e["data"]["fields"], &e["data"]["restart"]), (&json!(["memory_mib"]), &json!(true)), "{e}");
-    let after = hv1.call("vm.get", json!({"name": "img1-heavynode"}));
+    let after = hv1.call("vm.get", json!({"name": "img1_heavynode"}));
     assert_eq!((&after["status"], &after["spec"]["memory_mib"]), (&json!("running"), &json!(2048)), "{after}");
     let new_pid = after["pid"].as_i64().expect("pid");
     assert_ne!(new_pid, img1_pid, "restarted for the change");
     assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(new_pid), "-m"), "2048");
-    assert_eq!(vmhost_tests::overlay_ino(&hv1, "img1-heavynode"), ino, "the disk is kept");
+    assert_eq!(vmhost_tests::overlay_ino(&hv1, "img1_heavynode"), ino, "the disk is kept");
     assert_eq!(after["created_at"], before["created_at"], "not recreated");
-    assert_eq!(hv1.call("vm.get", json!({"name": "sensor1-sensor"}))["pid"], s1_pid, "sensor1 untouched");
+    assert_eq!(hv1.call("vm.get", json!({"name": "sensor1_sensor"}))["pid"], s1_pid, "sensor1 untouched");
 
-    let f = salt.tag_event("vmhost/hv2/img2-heavynode/reconcile_failed");
+    let f = salt.tag_event("vmhost/hv2_hypervisor/img2_heavynode/reconcile_failed");
     assert_eq!((&f["data"]["action"], &f["data"]["ok"]), (&json!("replace"), &json!(false)), "{f}");
     assert_eq!(
         (&f["data"]["error"]["code"], &f["data"]["error"]["field"]),
@@ -507,7 +625,7 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     );
     assert_eq!(f["data"]["fields"], json!(["boot.image"]), "{f}");
     assert!(f["data"]["hint"].as_str().unwrap_or_default().contains("never replaces"), "{f}");
-    let img2_after = hv2.call("vm.get", json!({"name": "img2-heavynode"}));
+    let img2_after = hv2.call("vm.get", json!({"name": "img2_heavynode"}));
     assert_eq!(
         (&img2_after["pid"], &img2_after["spec"], &img2_after["created_at"]),
         (&img2_before["pid"], &img2_before["spec"], &img2_before["created_at"]),
