@@ -73,6 +73,8 @@ fn a_kernel_vm_named_with_an_underscore_reads_its_user_data_from_the_seed() {
     let name = "sensor1_sensor";
     let mut spec = host.kernel_spec(name);
     spec["user_data"] = json!(USER_DATA);
+    // A data disk too: it must stay the guest's first disk (vda), the seed coming after it.
+    spec["disks"] = json!([{"name": "nsm", "size_gib": 1}]);
     let created = host.call("vm.create", json!({ "spec": spec }));
     assert_eq!(created["vm"]["status"], "running", "{created}");
     assert_eq!(created["vm"]["spec"]["user_data"], USER_DATA);
@@ -80,6 +82,7 @@ fn a_kernel_vm_named_with_an_underscore_reads_its_user_data_from_the_seed() {
 
     let (text, end) = wait_block(&host, name, 1);
     assert_eq!(text, USER_DATA, "the guest read another user-data ({end})");
+    assert!(end.starts_with("VMHOST-USERDATA-END vdb "), "the seed is the disk after the data disk: {end}");
     assert!(end.contains(&format!(" bytes={} ", USER_DATA.len())), "{end}");
     assert!(host.state().join("seeds/sensor1_sensor.img").exists());
     // QEMU got the seed as a read-only fd set, never its path.

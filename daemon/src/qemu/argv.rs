@@ -268,6 +268,7 @@ pub fn build_argv(
     }
     // Disks as explicit devices in guest order: the boot disk, the data disks in spec order,
     // the seed last (cloud-init finds it by its label), so the data disks are vdb, vdc, ...
+    // (vda, vdb, ... for a kernel VM).
     if let BootSource::Image { image, .. } = &vm.boot {
         let base = config.paths.images.join(image);
         push(&["-add-fd", &fdset(PassedFd::OverlayRw, &paths.overlay)]);
@@ -334,12 +335,22 @@ pub fn build_argv(
             &format!("virtio-blk-pci,drive={0},id={0},serial={1}{bus}", data_drive(&disk.name), disk.name),
         ]);
     }
-    // The seed, read-only, after the data disks (a kernel VM has no boot disk: its data disks
-    // stay vda, vdb, ... and the seed is the last virtio disk).
+    // The seed, read-only, the last disk the guest finds (a kernel VM has no boot disk: its
+    // data disks stay vda, vdb, ...): on q35 behind a root port of its own after the data disks'
+    // (see seed_port_arg), on pc last in slot order.
     if crate::seed::has_seed(vm) {
         push(&["-add-fd", &fdset(PassedFd::Seed, &paths.seed)]);
         push(&["-drive", &format!("file=/dev/fdset/{},if=none,id=seed,format=raw,readonly=on", fd(PassedFd::Seed))]);
-        push(&["-device", "virtio-blk-pci,drive=seed,id=seed"]);
+        match crate::qemu::hotplug::seed_port_arg(&config.qemu.machine) {
+            Some(port) => {
+                push(&["-device", &port]);
+                push(&[
+                    "-device",
+                    &format!("virtio-blk-pci,drive=seed,id=seed,bus={}", crate::qemu::hotplug::SEED_PORT),
+                ]);
+            }
+            None => push(&["-device", "virtio-blk-pci,drive=seed,id=seed"]),
+        }
     }
     match &vm.boot {
         BootSource::Image { .. } => {}
@@ -484,7 +495,12 @@ mod tests {
         );
         // Read-only, as a descriptor: QEMU never opens the path.
         assert_eq!(value_after(&argv, "-drive"), ["file=/dev/fdset/10,if=none,id=seed,format=raw,readonly=on"]);
-        assert_eq!(value_after(&argv, "-device").last(), Some(&"virtio-blk-pci,drive=seed,id=seed"));
+        // Behind its own root port after the data disks' ports, so the guest finds it last.
+        let devices = value_after(&argv, "-device");
+        assert_eq!(devices.last(), Some(&"virtio-blk-pci,drive=seed,id=seed,bus=seedport"));
+        assert_eq!(devices[devices.len() - 2], "pcie-root-port,id=seedport,bus=pcie.0,chassis=64,addr=0x1e.0x0");
+        let last_hp = devices.iter().rposition(|d| d.starts_with("pcie-root-port,id=hp")).unwrap();
+        assert!(last_hp < devices.len() - 2, "{devices:?}");
         assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/6"]);
         assert_eq!(value_after(&argv, "-name"), ["guest=sensor1_sensor,debug-threads=on"]);
         // With data disks: they stay vda, vdb, ...; the seed is the last disk and descriptor.
@@ -504,7 +520,10 @@ mod tests {
             value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("virtio-blk")).collect();
         assert_eq!(
             disks,
-            ["virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm,bus=hp0", "virtio-blk-pci,drive=seed,id=seed"]
+            [
+                "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm,bus=hp0",
+                "virtio-blk-pci,drive=seed,id=seed,bus=seedport"
+            ]
         );
         assert_eq!(value_after(&argv, "-drive")[1], "file=/dev/fdset/12,if=none,id=seed,format=raw,readonly=on");
         // Without user_data: no seed, as before (kernel_boot_argv checks the rest).
@@ -589,13 +608,13 @@ mod tests {
                 "virtio-blk-pci,drive=virtio0,id=boot-disk",
                 "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm,bus=hp0",
                 "virtio-blk-pci,drive=data-logs,id=data-logs,serial=logs,bus=hp1",
-                "virtio-blk-pci,drive=seed,id=seed"
+                "virtio-blk-pci,drive=seed,id=seed,bus=seedport"
             ]
         );
         // Each data disk behind its own root port (so it can be unplugged), spare ones after,
         // all defined before the disks that name them.
         let ports: Vec<&str> =
-            value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("pcie-root-port")).collect();
+            value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("pcie-root-port,id=hp")).collect();
         assert_eq!(ports.len(), 2 + crate::qemu::hotplug::SPARE_PORTS);
         let position = |needle: &str| argv.iter().position(|a| a.starts_with(needle)).unwrap();
         assert!(position("pcie-root-port,id=hp1,") < position("virtio-blk-pci,drive=data-nsm"));

@@ -67,6 +67,18 @@ pub fn root_port_args(machine: &str, disks: usize) -> Vec<String> {
         .collect()
 }
 
+/// QEMU id of the root port the cloud-init seed sits behind on a PCIe machine.
+pub const SEED_PORT: &str = "seedport";
+
+/// The `-device` value of the seed's own root port on a PCIe machine (none on `pc`), at slot
+/// 0x1e, after every data disk port: Linux binds the drivers of the root bus's devices first
+/// (the boot disk: vda) and then those behind each bridge in slot order, so the data disks are
+/// the next disks and the seed the last one. On the root bus itself the seed would come before
+/// every data disk. Its id does not start with `hp`: it never takes a hot-plugged disk.
+pub fn seed_port_arg(machine: &str) -> Option<String> {
+    is_pcie(machine).then(|| format!("pcie-root-port,id={SEED_PORT},bus=pcie.0,chassis=64,addr=0x1e.0x0"))
+}
+
 /// The description of a hot-plugged disk's descriptors in QEMU's fd set table.
 pub fn fdset_opaque(disk: &str) -> String {
     format!("hotplug:{}", data_drive(disk))
