@@ -817,6 +817,36 @@ class HardwareFromSo(unittest.TestCase):
             '[paths]\nstate = "/x"\n\n' + SOSSNNV_SECTION.replace("allow_raw_pci = true\n", ""),
         )
 
+    def test_an_array_of_tables_with_a_comment_and_lines_inside_arrays_are_kept(self):
+        # `[[x]] # c` is a header (not part of the [hardware] table before it), and lines inside
+        # a multi-line array (`  [1]`, `  ["hardware"]`) are never headers.
+        rest = (
+            "[[bridges]] # the LAN\n"
+            'name = "br0"\n'
+            "matrix = [\n"
+            "  [1],\n"
+            '  ["hardware"], # ] not closing\n'
+            "  [\n"
+            "[hardware]\n"
+            "  ],\n"
+            "]\n"
+            "[logs]\n"
+            "max_bytes = 1\n"
+        )
+        self.write(self.config, "[hardware]\ncpu = 4\n" + rest)
+        ret = self.apply(restart=False)
+        self.assertIs(ret["result"], True, ret)
+        self.assertEqual(self.read(self.config), SOSSNNV_SECTION.replace("allow_raw_pci = true\n", "") + rest)
+        # A multi-line array inside [hardware] does not end it, and `allow_raw_pci` inside a
+        # multi-line string is not the key.
+        self.write(
+            self.config,
+            '[hardware]\nallow_raw_pci = false\nx = [\n  [1]\n]\ny = """\nallow_raw_pci = true\n"""\n' + rest,
+        )
+        ret = self.apply(restart=False)
+        self.assertIs(ret["result"], True, ret)
+        self.assertEqual(self.read(self.config), SOSSNNV_SECTION.replace("= true", "= false") + rest)
+
     def test_a_missing_config_fails(self):
         os.unlink(self.config)
         ret = self.apply()

@@ -365,7 +365,9 @@ HW_CLASSES = ("disk", "copper", "sfp")
 _SO_PCI = re.compile(r"pci_([0-9a-fA-F]{4})_([0-9a-fA-F]{2})_([0-9a-fA-F]{2})_([0-7])")
 _PLAIN_PCI = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
 _KEY = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
-_HEADER = re.compile(r"\s*(\[\[?)\s*(" + _KEY + r"(?:\s*\.\s*" + _KEY + r")*)\s*\]\]?\s*(?:#.*)?")
+# A header, its brackets captured: `[[x]]` and `[x]` with an optional comment after them (keys
+# are matched as TOML keys, so a `#` or `]` inside a quoted key does not end them).
+_HEADER = re.compile(r"\s*(\[\[?)\s*(" + _KEY + r"(?:\s*\.\s*" + _KEY + r")*)\s*(\]\]?)\s*(?:#.*)?")
 _ALLOW_RAW_PCI = re.compile(r"\s*allow_raw_pci\s*=\s*(true|false)\s*(?:#.*)?")
 
 
@@ -376,24 +378,23 @@ class _Refused(Exception):
 def _header(line):
     """The dotted key of a table header line (``[hardware.sfp]`` → ``["hardware", "sfp"]``), or None."""
     m = _HEADER.fullmatch(line.rstrip("\r\n"))
-    if not m:
-        return None
-    if m.group(1) == "[[" and not line.rstrip().endswith("]]"):
+    if not m or len(m.group(1)) != len(m.group(3)):
         return None
     parts = re.findall(_KEY, m.group(2))
     return [p[1:-1] if p[:1] in ('"', "'") else p for p in parts]
 
 
-def _open_multiline(line, delim):
-    """The multi-line string delimiter (``\"\"\"`` or ``'''``) still open at the end of ``line``,
-    given the one open at its start. Enough TOML to not take a line inside such a string for a
-    table header."""
+def _scan(line, delim, depth):
+    """``(delim, depth)`` at the end of ``line`` given those at its start: the multi-line string
+    delimiter (``\"\"\"`` or ``'''``) still open, and how many ``[`` of a value (a multi-line
+    array) are still open, counted outside strings and comments. Enough TOML to not take a line
+    inside such a string or array for a table header."""
     i, n = 0, len(line)
     while i < n:
         if delim:
             j = line.find(delim, i)
             if j < 0:
-                return delim
+                return delim, depth
             i = j + 3
             while i < n and line[i] == delim[0]:
                 i += 1
@@ -401,7 +402,7 @@ def _open_multiline(line, delim):
             continue
         c = line[i]
         if c == "#":
-            return None
+            break
         if line.startswith('"""', i) or line.startswith("'''", i):
             delim, i = line[i : i + 3], i + 3
         elif c == '"':
@@ -413,18 +414,30 @@ def _open_multiline(line, delim):
             j = line.find("'", i + 1)
             i = j + 1 if j >= 0 else n
         else:
+            if c == "[":
+                depth += 1
+            elif c == "]":
+                depth = max(0, depth - 1)
             i += 1
-    return delim
+    return delim, depth
+
+
+def _lines(text):
+    """The file's lines as ``(line, header, inside)``: ``header`` the dotted key of a table
+    header (or None); ``inside`` True for a line that starts inside a multi-line string or
+    array, which is never a header nor a key of its own."""
+    delim, depth = None, 0
+    for line in text.splitlines(keepends=True):
+        inside = bool(delim) or depth > 0
+        yield line, None if inside else _header(line), inside
+        delim, depth = _scan(line, delim, depth)
 
 
 def _segments(text):
     """The file cut at its table headers: ``[(is_hardware, lines)]``; the lines before the first
     header are one segment that is not hardware. Consecutive hardware tables are one segment."""
     segments = [(False, [])]
-    delim = None
-    for line in text.splitlines(keepends=True):
-        parts = None if delim else _header(line)
-        delim = _open_multiline(line, delim)
+    for line, parts, _ in _lines(text):
         if parts is not None:
             is_hw = parts[0] == "hardware"
             if is_hw != segments[-1][0]:
@@ -444,19 +457,14 @@ def _trailing_comments(lines):
 
 def _allow_raw_pci(text):
     """``allow_raw_pci`` as the file's ``[hardware]`` table sets it (True/False), or None."""
-    value = None
-    for is_hw, lines in _segments(text):
-        if not is_hw:
+    value, in_table = None, False
+    for line, parts, inside in _lines(text):
+        if parts is not None:
+            in_table = parts == ["hardware"]
             continue
-        in_table = False
-        for line in lines:
-            parts = _header(line)
-            if parts is not None:
-                in_table = parts == ["hardware"]
-                continue
-            m = _ALLOW_RAW_PCI.fullmatch(line.rstrip("\r\n"))
-            if in_table and m:
-                value = m.group(1) == "true"
+        m = _ALLOW_RAW_PCI.fullmatch(line.rstrip("\r\n"))
+        if in_table and not inside and m:
+            value = m.group(1) == "true"
     return value
 
 
