@@ -847,6 +847,24 @@ class HardwareFromSo(unittest.TestCase):
         self.assertIs(ret["result"], True, ret)
         self.assertEqual(self.read(self.config), SOSSNNV_SECTION.replace("= true", "= false") + rest)
 
+    def test_a_symlinked_config_is_refused_and_nothing_written(self):
+        # A rename would replace the link with a regular file and leave its target stale.
+        link = os.path.join(self.dir, "link.toml")
+        os.symlink(self.config, link)
+        for test in (False, True):
+            with self.subTest(test=test):
+                self.load(test=test)
+                ret = self.apply(name=link)
+                self.assertEqual((ret["result"], ret["changes"]), (False, {}))
+                self.assertEqual(
+                    ret["comment"],
+                    f"{link} is a symbolic link (to {self.config}); refusing to replace it: "
+                    "give the file's real path as name",
+                )
+                self.assertTrue(os.path.islink(link))
+                self.assertUntouched()
+                self.assertEqual((self.checks(), self.restarts), ([], []))
+
     def test_a_missing_config_fails(self):
         os.unlink(self.config)
         ret = self.apply()

@@ -659,6 +659,23 @@ def _restart_vmhostd(service, restart_cmd):
     return f"service {service} restarted"
 
 
+def _read_config(name):
+    """``(stat, bytes)`` of the config file. A symbolic link is refused: the rename that replaces
+    the file would replace the link with a regular file and leave its target as it was."""
+    try:
+        if os.path.islink(name):
+            raise _Refused(
+                f"{name} is a symbolic link (to {os.readlink(name)}); refusing to replace it: "
+                "give the file's real path as name"
+            )
+        # O_NOFOLLOW: a link that appears after the check is refused too (ELOOP).
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            return os.fstat(fh.fileno()), fh.read()
+    except OSError as exc:
+        raise _Refused(f"cannot read {name}: {exc.strerror or exc}") from None
+
+
 def hardware_from_so(
     name=DEFAULT_CONFIG,
     defaults=DEFAULT_SO_DEFAULTS,
@@ -716,12 +733,7 @@ def hardware_from_so(
         _check_restart_cmd(restart_cmd)
         if not os.path.isabs(name):
             raise _Refused(f"{name} is not an absolute path")
-        try:
-            st = os.stat(name)
-            with open(name, "rb") as fh:
-                raw = fh.read()
-        except OSError as exc:
-            raise _Refused(f"cannot read {name}: {exc.strerror or exc}") from None
+        st, raw = _read_config(name)
         try:
             old = raw.decode("utf-8")
         except UnicodeDecodeError:
