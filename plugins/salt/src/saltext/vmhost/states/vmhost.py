@@ -29,6 +29,7 @@ A kernel and initrd must be in one of the host's boot directories (vmhostd's ``p
 here ``/srv/guest`` would be one), or vmhostd refuses the spec with 2001.
 """
 
+import contextlib
 import difflib
 import os
 import re
@@ -623,14 +624,46 @@ def _write_candidate(directory, text, st, keep_owner=True):
     return tmp
 
 
-def _replace(path, tmp):
-    """Renames ``tmp`` over ``path`` and makes the rename durable."""
-    os.rename(tmp, path)
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+def _fsync_dir(directory):
+    dfd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _replace(path, tmp):
+    """Renames ``tmp`` over ``path`` and makes the rename durable."""
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _marker(name):
+    """The file that records a restart of vmhostd still owed for a write of ``name``:
+    ``.<basename>.vmhost-restart-pending`` next to it."""
+    directory, base = os.path.split(name)
+    return os.path.join(directory, f".{base}.vmhost-restart-pending")
+
+
+def _set_marker(marker, name):
+    """Writes the restart marker atomically and durably (a temporary file renamed into place)."""
+    directory, base = os.path.split(marker)
+    fd, tmp = tempfile.mkstemp(prefix=f"{base}.", suffix=".salt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(f"vmhost.hardware_from_so wrote {name}; vmhostd has not been restarted since\n".encode())
+            fh.flush()
+            os.fsync(fh.fileno())
+        _replace(marker, tmp)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _clear_marker(marker):
+    os.unlink(marker)
+    _fsync_dir(os.path.dirname(marker))
 
 
 def _check_restart_cmd(restart_cmd):
@@ -706,7 +739,10 @@ def hardware_from_so(
         None (default) keeps the file's ``allow_raw_pci``; True or False writes it.
     restart
         restart vmhostd when the file changed (default True; running VMs keep running, the new
-        vmhostd re-adopts them).
+        vmhostd re-adopts them). The restart owed is recorded first in
+        ``.<basename>.vmhost-restart-pending`` next to the file and removed once it succeeded; a
+        later run that finds the file as wanted and that marker restarts vmhostd (``test=True``
+        reports it; ``restart=False`` leaves it pending).
     service
         the service ``service.restart`` restarts (default ``vmhostd``).
     restart_cmd
@@ -716,7 +752,8 @@ def hardware_from_so(
         (default ``/usr/sbin/vmhostd``).
 
     Only the ``[hardware]`` and ``[hardware.*]`` tables are replaced; every other byte of the
-    file stays as it was. The file is replaced atomically, keeping its mode and owner.
+    file stays as it was. The file is replaced atomically, keeping its mode and owner; a
+    symbolic link as ``name`` is refused.
     """
     ret = _ret(name)
     try:
@@ -742,9 +779,24 @@ def hardware_from_so(
         if allow_raw_pci is None:
             allow_raw_pci = _allow_raw_pci(old)
         new = _splice(old, _render(hw, model, reserved_cpu, reserved_memory_gib, allow_raw_pci))
+        marker = _marker(name)
+        pending = os.path.lexists(marker)
         if new == old:
             ret["comment"] = f"{name}: [hardware] is already Security Onion model {model}"
-            return ret
+            if not pending:
+                return ret
+            # An earlier run wrote the file but did not restart vmhostd: it still runs the old
+            # [hardware] until it is restarted.
+            ret["comment"] += f", but vmhostd has not been restarted since it was written ({marker})"
+            if not restart:
+                ret["comment"] += "; not restarted (restart is False)"
+                return ret
+            if __opts__.get("test"):
+                ret["result"] = None
+                ret["changes"] = {"restart": "pending"}
+                ret["comment"] += "; vmhostd would be restarted"
+                return ret
+            return _restart_and_clear(ret, service, restart_cmd, marker)
         diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), name, name))
         ret["changes"] = {"model": model, "diff": diff}
         if __opts__.get("test"):
@@ -757,10 +809,17 @@ def hardware_from_so(
         tmp = _write_candidate(os.path.dirname(name), new, st)
         try:
             _check_config(vmhostd, tmp, name)
+            if restart:
+                # Recorded before the rename: if the restart fails (or this process dies), the
+                # next run finds the file as wanted and the marker, and restarts then.
+                _set_marker(marker, name)
             _replace(name, tmp)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+            if restart and not pending:
+                with contextlib.suppress(OSError):
+                    os.unlink(marker)
             raise
     except (_Refused, CommandExecutionError, OSError) as exc:
         ret["result"] = False
@@ -771,11 +830,24 @@ def hardware_from_so(
     if not restart:
         ret["comment"] += "; vmhostd not restarted (restart is False): it reads the file at its next start"
         return ret
+    return _restart_and_clear(ret, service, restart_cmd, marker)
+
+
+def _restart_and_clear(ret, service, restart_cmd, marker):
+    """Restarts vmhostd, then removes the restart marker; a failure leaves the marker, so the
+    next run restarts again."""
     try:
         ret["changes"]["restart"] = _restart_vmhostd(service, restart_cmd)
     except (_Refused, CommandExecutionError) as exc:
         ret["result"] = False
-        ret["comment"] += f"; but vmhostd was not restarted: {exc}"
+        ret["comment"] += f"; but vmhostd was not restarted: {exc} (still pending: the next run restarts it)"
         return ret
     ret["comment"] += f"; {ret['changes']['restart']}"
+    try:
+        _clear_marker(marker)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        ret["result"] = False
+        ret["comment"] += f"; but {marker} could not be removed ({exc.strerror or exc}): the next run restarts again"
     return ret
