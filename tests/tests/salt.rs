@@ -574,6 +574,9 @@ fn hardware_from_so_rewrites_only_the_hardware_tables_and_restarts_once() {
     let after = fs::read_to_string(&host.config).expect("config");
     assert_eq!(after, format!("{head}{SOSTEST_SECTION}{rest}"));
     assert_eq!(restarts(), 1, "restarted once");
+    let name = host.config.file_name().expect("name").to_string_lossy().into_owned();
+    let marker = host.config.with_file_name(format!(".{name}.vmhost-restart-pending"));
+    assert!(!marker.exists(), "the pending-restart marker is removed once the restart succeeded");
     assert!(!alive(pid as i32), "the restart command stopped vmhostd");
     run_ok(Command::new(vmhost_tests::bin("vmhostd")).arg("--config").arg(&host.config).arg("--check-config"));
     assert!(host.stop_daemon().success(), "vmhostd exited cleanly on the restart command's SIGTERM");

@@ -794,6 +794,7 @@ class HardwareFromSo(unittest.TestCase):
         self.assertIn("model SOS1000; but vmhostd was not restarted: restart command", ret["comment"])
         self.assertIn("exited with 3: cannot", ret["comment"])
         self.assertIn("model", ret["changes"])
+        os.unlink(os.path.join(self.etc, ".vmhostd.toml.vmhost-restart-pending"))
         # A string is refused before anything is written.
         self.write(self.config, CONFIG)
         ret = self.apply(restart_cmd="systemctl restart vmhostd")
@@ -801,12 +802,75 @@ class HardwareFromSo(unittest.TestCase):
         self.assertIn("restart_cmd must be a non-empty list", ret["comment"])
         self.assertUntouched()
 
-    def test_a_failed_service_restart_fails_the_state(self):
-        self.state.__salt__["service.restart"] = lambda name: False
+    def test_a_failed_restart_stays_pending_and_the_next_run_restarts(self):
+        marker = os.path.join(self.etc, ".vmhostd.toml.vmhost-restart-pending")
+        seen = []
+
+        def restart(name):
+            # The marker is in place, and the file written, when the restart runs.
+            seen.append((os.path.exists(marker), self.read(self.config) == CONFIG_SOSSNNV))
+            return ok
+
+        self.state.__salt__["service.restart"] = restart
+        ok = False
         ret = self.apply()
         self.assertIs(ret["result"], False)
-        self.assertTrue(ret["comment"].endswith("; but vmhostd was not restarted: service.restart vmhostd failed"))
+        self.assertTrue(
+            ret["comment"].endswith(
+                "; but vmhostd was not restarted: service.restart vmhostd failed"
+                " (still pending: the next run restarts it)"
+            ),
+            ret["comment"],
+        )
         self.assertEqual(self.read(self.config), CONFIG_SOSSNNV)
+        self.assertEqual(seen, [(True, True)])
+        self.assertEqual(sorted(os.listdir(self.etc)), [os.path.basename(marker), "vmhostd.toml"])
+        pending = (
+            f"{self.config}: [hardware] is already Security Onion model SOSSNNV, "
+            f"but vmhostd has not been restarted since it was written ({marker})"
+        )
+        # The file already matches: restart=False and test=True leave the restart pending.
+        ret = self.apply(restart=False)
+        self.assertEqual(
+            (ret["result"], ret["changes"], ret["comment"]), (True, {}, pending + "; not restarted (restart is False)")
+        )
+        self.load(test=True)
+        self.state.__salt__["service.restart"] = restart
+        ret = self.apply()
+        self.assertEqual(
+            (ret["result"], ret["changes"], ret["comment"]),
+            (None, {"restart": "pending"}, pending + "; vmhostd would be restarted"),
+        )
+        self.assertEqual((len(seen), os.path.exists(marker)), (1, True))
+        # Still failing: still pending.
+        self.load(test=False)
+        self.state.__salt__["service.restart"] = restart
+        ret = self.apply()
+        self.assertIs(ret["result"], False)
+        self.assertTrue(ret["comment"].startswith(pending + "; but vmhostd was not restarted"), ret["comment"])
+        self.assertTrue(os.path.exists(marker))
+        # The restart works: done once, no check, the marker removed; then nothing to do.
+        ok = True
+        ret = self.apply()
+        self.assertEqual(
+            (ret["result"], ret["changes"], ret["comment"]),
+            (True, {"restart": "service vmhostd restarted"}, pending + "; service vmhostd restarted"),
+        )
+        self.assertEqual(len(seen), 3)
+        self.assertEqual(os.listdir(self.etc), ["vmhostd.toml"])
+        self.assertEqual(len(self.checks()), 1)
+        ret = self.apply()
+        self.assertEqual((ret["result"], ret["changes"]), (True, {}))
+        self.assertEqual(len(seen), 3)
+
+    def test_no_marker_without_a_restart_or_when_the_write_fails(self):
+        ret = self.apply(restart=False)
+        self.assertIs(ret["result"], True, ret)
+        self.assertEqual(os.listdir(self.etc), ["vmhostd.toml"])
+        self.write(self.config, CONFIG)
+        self.write(os.path.join(self.tools, "REFUSE"), "")
+        self.assertIs(self.apply()["result"], False)
+        self.assertUntouched()
 
     def test_a_file_without_hardware_gets_the_section_appended(self):
         self.write(self.config, '[paths]\nstate = "/x"')
@@ -816,6 +880,54 @@ class HardwareFromSo(unittest.TestCase):
             self.read(self.config),
             '[paths]\nstate = "/x"\n\n' + SOSSNNV_SECTION.replace("allow_raw_pci = true\n", ""),
         )
+
+    def test_an_array_of_tables_with_a_comment_and_lines_inside_arrays_are_kept(self):
+        # `[[x]] # c` is a header (not part of the [hardware] table before it), and lines inside
+        # a multi-line array (`  [1]`, `  ["hardware"]`) are never headers.
+        rest = (
+            "[[bridges]] # the LAN\n"
+            'name = "br0"\n'
+            "matrix = [\n"
+            "  [1],\n"
+            '  ["hardware"], # ] not closing\n'
+            "  [\n"
+            "[hardware]\n"
+            "  ],\n"
+            "]\n"
+            "[logs]\n"
+            "max_bytes = 1\n"
+        )
+        self.write(self.config, "[hardware]\ncpu = 4\n" + rest)
+        ret = self.apply(restart=False)
+        self.assertIs(ret["result"], True, ret)
+        self.assertEqual(self.read(self.config), SOSSNNV_SECTION.replace("allow_raw_pci = true\n", "") + rest)
+        # A multi-line array inside [hardware] does not end it, and `allow_raw_pci` inside a
+        # multi-line string is not the key.
+        self.write(
+            self.config,
+            '[hardware]\nallow_raw_pci = false\nx = [\n  [1]\n]\ny = """\nallow_raw_pci = true\n"""\n' + rest,
+        )
+        ret = self.apply(restart=False)
+        self.assertIs(ret["result"], True, ret)
+        self.assertEqual(self.read(self.config), SOSSNNV_SECTION.replace("= true", "= false") + rest)
+
+    def test_a_symlinked_config_is_refused_and_nothing_written(self):
+        # A rename would replace the link with a regular file and leave its target stale.
+        link = os.path.join(self.dir, "link.toml")
+        os.symlink(self.config, link)
+        for test in (False, True):
+            with self.subTest(test=test):
+                self.load(test=test)
+                ret = self.apply(name=link)
+                self.assertEqual((ret["result"], ret["changes"]), (False, {}))
+                self.assertEqual(
+                    ret["comment"],
+                    f"{link} is a symbolic link (to {self.config}); refusing to replace it: "
+                    "give the file's real path as name",
+                )
+                self.assertTrue(os.path.islink(link))
+                self.assertUntouched()
+                self.assertEqual((self.checks(), self.restarts), ([], []))
 
     def test_a_missing_config_fails(self):
         os.unlink(self.config)

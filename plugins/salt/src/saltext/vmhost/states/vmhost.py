@@ -29,6 +29,7 @@ A kernel and initrd must be in one of the host's boot directories (vmhostd's ``p
 here ``/srv/guest`` would be one), or vmhostd refuses the spec with 2001.
 """
 
+import contextlib
 import difflib
 import os
 import re
@@ -365,7 +366,9 @@ HW_CLASSES = ("disk", "copper", "sfp")
 _SO_PCI = re.compile(r"pci_([0-9a-fA-F]{4})_([0-9a-fA-F]{2})_([0-9a-fA-F]{2})_([0-7])")
 _PLAIN_PCI = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
 _KEY = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
-_HEADER = re.compile(r"\s*(\[\[?)\s*(" + _KEY + r"(?:\s*\.\s*" + _KEY + r")*)\s*\]\]?\s*(?:#.*)?")
+# A header, its brackets captured: `[[x]]` and `[x]` with an optional comment after them (keys
+# are matched as TOML keys, so a `#` or `]` inside a quoted key does not end them).
+_HEADER = re.compile(r"\s*(\[\[?)\s*(" + _KEY + r"(?:\s*\.\s*" + _KEY + r")*)\s*(\]\]?)\s*(?:#.*)?")
 _ALLOW_RAW_PCI = re.compile(r"\s*allow_raw_pci\s*=\s*(true|false)\s*(?:#.*)?")
 
 
@@ -376,24 +379,23 @@ class _Refused(Exception):
 def _header(line):
     """The dotted key of a table header line (``[hardware.sfp]`` → ``["hardware", "sfp"]``), or None."""
     m = _HEADER.fullmatch(line.rstrip("\r\n"))
-    if not m:
-        return None
-    if m.group(1) == "[[" and not line.rstrip().endswith("]]"):
+    if not m or len(m.group(1)) != len(m.group(3)):
         return None
     parts = re.findall(_KEY, m.group(2))
     return [p[1:-1] if p[:1] in ('"', "'") else p for p in parts]
 
 
-def _open_multiline(line, delim):
-    """The multi-line string delimiter (``\"\"\"`` or ``'''``) still open at the end of ``line``,
-    given the one open at its start. Enough TOML to not take a line inside such a string for a
-    table header."""
+def _scan(line, delim, depth):
+    """``(delim, depth)`` at the end of ``line`` given those at its start: the multi-line string
+    delimiter (``\"\"\"`` or ``'''``) still open, and how many ``[`` of a value (a multi-line
+    array) are still open, counted outside strings and comments. Enough TOML to not take a line
+    inside such a string or array for a table header."""
     i, n = 0, len(line)
     while i < n:
         if delim:
             j = line.find(delim, i)
             if j < 0:
-                return delim
+                return delim, depth
             i = j + 3
             while i < n and line[i] == delim[0]:
                 i += 1
@@ -401,7 +403,7 @@ def _open_multiline(line, delim):
             continue
         c = line[i]
         if c == "#":
-            return None
+            break
         if line.startswith('"""', i) or line.startswith("'''", i):
             delim, i = line[i : i + 3], i + 3
         elif c == '"':
@@ -413,18 +415,30 @@ def _open_multiline(line, delim):
             j = line.find("'", i + 1)
             i = j + 1 if j >= 0 else n
         else:
+            if c == "[":
+                depth += 1
+            elif c == "]":
+                depth = max(0, depth - 1)
             i += 1
-    return delim
+    return delim, depth
+
+
+def _lines(text):
+    """The file's lines as ``(line, header, inside)``: ``header`` the dotted key of a table
+    header (or None); ``inside`` True for a line that starts inside a multi-line string or
+    array, which is never a header nor a key of its own."""
+    delim, depth = None, 0
+    for line in text.splitlines(keepends=True):
+        inside = bool(delim) or depth > 0
+        yield line, None if inside else _header(line), inside
+        delim, depth = _scan(line, delim, depth)
 
 
 def _segments(text):
     """The file cut at its table headers: ``[(is_hardware, lines)]``; the lines before the first
     header are one segment that is not hardware. Consecutive hardware tables are one segment."""
     segments = [(False, [])]
-    delim = None
-    for line in text.splitlines(keepends=True):
-        parts = None if delim else _header(line)
-        delim = _open_multiline(line, delim)
+    for line, parts, _ in _lines(text):
         if parts is not None:
             is_hw = parts[0] == "hardware"
             if is_hw != segments[-1][0]:
@@ -444,19 +458,14 @@ def _trailing_comments(lines):
 
 def _allow_raw_pci(text):
     """``allow_raw_pci`` as the file's ``[hardware]`` table sets it (True/False), or None."""
-    value = None
-    for is_hw, lines in _segments(text):
-        if not is_hw:
+    value, in_table = None, False
+    for line, parts, inside in _lines(text):
+        if parts is not None:
+            in_table = parts == ["hardware"]
             continue
-        in_table = False
-        for line in lines:
-            parts = _header(line)
-            if parts is not None:
-                in_table = parts == ["hardware"]
-                continue
-            m = _ALLOW_RAW_PCI.fullmatch(line.rstrip("\r\n"))
-            if in_table and m:
-                value = m.group(1) == "true"
+        m = _ALLOW_RAW_PCI.fullmatch(line.rstrip("\r\n"))
+        if in_table and not inside and m:
+            value = m.group(1) == "true"
     return value
 
 
@@ -615,14 +624,46 @@ def _write_candidate(directory, text, st, keep_owner=True):
     return tmp
 
 
-def _replace(path, tmp):
-    """Renames ``tmp`` over ``path`` and makes the rename durable."""
-    os.rename(tmp, path)
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+def _fsync_dir(directory):
+    dfd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _replace(path, tmp):
+    """Renames ``tmp`` over ``path`` and makes the rename durable."""
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _marker(name):
+    """The file that records a restart of vmhostd still owed for a write of ``name``:
+    ``.<basename>.vmhost-restart-pending`` next to it."""
+    directory, base = os.path.split(name)
+    return os.path.join(directory, f".{base}.vmhost-restart-pending")
+
+
+def _set_marker(marker, name):
+    """Writes the restart marker atomically and durably (a temporary file renamed into place)."""
+    directory, base = os.path.split(marker)
+    fd, tmp = tempfile.mkstemp(prefix=f"{base}.", suffix=".salt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(f"vmhost.hardware_from_so wrote {name}; vmhostd has not been restarted since\n".encode())
+            fh.flush()
+            os.fsync(fh.fileno())
+        _replace(marker, tmp)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _clear_marker(marker):
+    os.unlink(marker)
+    _fsync_dir(os.path.dirname(marker))
 
 
 def _check_restart_cmd(restart_cmd):
@@ -649,6 +690,23 @@ def _restart_vmhostd(service, restart_cmd):
     if not __salt__["service.restart"](service):
         raise _Refused(f"service.restart {service} failed")
     return f"service {service} restarted"
+
+
+def _read_config(name):
+    """``(stat, bytes)`` of the config file. A symbolic link is refused: the rename that replaces
+    the file would replace the link with a regular file and leave its target as it was."""
+    try:
+        if os.path.islink(name):
+            raise _Refused(
+                f"{name} is a symbolic link (to {os.readlink(name)}); refusing to replace it: "
+                "give the file's real path as name"
+            )
+        # O_NOFOLLOW: a link that appears after the check is refused too (ELOOP).
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            return os.fstat(fh.fileno()), fh.read()
+    except OSError as exc:
+        raise _Refused(f"cannot read {name}: {exc.strerror or exc}") from None
 
 
 def hardware_from_so(
@@ -681,7 +739,10 @@ def hardware_from_so(
         None (default) keeps the file's ``allow_raw_pci``; True or False writes it.
     restart
         restart vmhostd when the file changed (default True; running VMs keep running, the new
-        vmhostd re-adopts them).
+        vmhostd re-adopts them). The restart owed is recorded first in
+        ``.<basename>.vmhost-restart-pending`` next to the file and removed once it succeeded; a
+        later run that finds the file as wanted and that marker restarts vmhostd (``test=True``
+        reports it; ``restart=False`` leaves it pending).
     service
         the service ``service.restart`` restarts (default ``vmhostd``).
     restart_cmd
@@ -691,7 +752,8 @@ def hardware_from_so(
         (default ``/usr/sbin/vmhostd``).
 
     Only the ``[hardware]`` and ``[hardware.*]`` tables are replaced; every other byte of the
-    file stays as it was. The file is replaced atomically, keeping its mode and owner.
+    file stays as it was. The file is replaced atomically, keeping its mode and owner; a
+    symbolic link as ``name`` is refused.
     """
     ret = _ret(name)
     try:
@@ -708,12 +770,7 @@ def hardware_from_so(
         _check_restart_cmd(restart_cmd)
         if not os.path.isabs(name):
             raise _Refused(f"{name} is not an absolute path")
-        try:
-            st = os.stat(name)
-            with open(name, "rb") as fh:
-                raw = fh.read()
-        except OSError as exc:
-            raise _Refused(f"cannot read {name}: {exc.strerror or exc}") from None
+        st, raw = _read_config(name)
         try:
             old = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -722,9 +779,24 @@ def hardware_from_so(
         if allow_raw_pci is None:
             allow_raw_pci = _allow_raw_pci(old)
         new = _splice(old, _render(hw, model, reserved_cpu, reserved_memory_gib, allow_raw_pci))
+        marker = _marker(name)
+        pending = os.path.lexists(marker)
         if new == old:
             ret["comment"] = f"{name}: [hardware] is already Security Onion model {model}"
-            return ret
+            if not pending:
+                return ret
+            # An earlier run wrote the file but did not restart vmhostd: it still runs the old
+            # [hardware] until it is restarted.
+            ret["comment"] += f", but vmhostd has not been restarted since it was written ({marker})"
+            if not restart:
+                ret["comment"] += "; not restarted (restart is False)"
+                return ret
+            if __opts__.get("test"):
+                ret["result"] = None
+                ret["changes"] = {"restart": "pending"}
+                ret["comment"] += "; vmhostd would be restarted"
+                return ret
+            return _restart_and_clear(ret, service, restart_cmd, marker)
         diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), name, name))
         ret["changes"] = {"model": model, "diff": diff}
         if __opts__.get("test"):
@@ -737,10 +809,17 @@ def hardware_from_so(
         tmp = _write_candidate(os.path.dirname(name), new, st)
         try:
             _check_config(vmhostd, tmp, name)
+            if restart:
+                # Recorded before the rename: if the restart fails (or this process dies), the
+                # next run finds the file as wanted and the marker, and restarts then.
+                _set_marker(marker, name)
             _replace(name, tmp)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+            if restart and not pending:
+                with contextlib.suppress(OSError):
+                    os.unlink(marker)
             raise
     except (_Refused, CommandExecutionError, OSError) as exc:
         ret["result"] = False
@@ -751,11 +830,24 @@ def hardware_from_so(
     if not restart:
         ret["comment"] += "; vmhostd not restarted (restart is False): it reads the file at its next start"
         return ret
+    return _restart_and_clear(ret, service, restart_cmd, marker)
+
+
+def _restart_and_clear(ret, service, restart_cmd, marker):
+    """Restarts vmhostd, then removes the restart marker; a failure leaves the marker, so the
+    next run restarts again."""
     try:
         ret["changes"]["restart"] = _restart_vmhostd(service, restart_cmd)
     except (_Refused, CommandExecutionError) as exc:
         ret["result"] = False
-        ret["comment"] += f"; but vmhostd was not restarted: {exc}"
+        ret["comment"] += f"; but vmhostd was not restarted: {exc} (still pending: the next run restarts it)"
         return ret
     ret["comment"] += f"; {ret['changes']['restart']}"
+    try:
+        _clear_marker(marker)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        ret["result"] = False
+        ret["comment"] += f"; but {marker} could not be removed ({exc.strerror or exc}): the next run restarts again"
     return ret
