@@ -272,9 +272,9 @@ fn a_replace_makes_a_new_boot_disk_and_keeps_every_data_disk() {
         [
             "virtio-blk-pci,drive=virtio0,id=boot-disk",
             "virtio-blk-pci,drive=data-nsm,id=data-nsm,serial=nsm,bus=hp0",
-            "virtio-blk-pci,drive=seed,id=seed"
+            "virtio-blk-pci,drive=seed,id=seed,bus=seedport"
         ],
-        "boot disk, then data disks (each behind its root port), then the seed"
+        "boot disk, then data disks (each behind its root port), then the seed (behind its own port)"
     );
     let overlay = host.state().join("disks").join("img.qcow2");
 
