@@ -1446,19 +1446,31 @@ class Engine:
             )
         except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
             raise HypervisorFailure(f"{fun} on {hyp} could not be published: {exc}") from None
-        if not isinstance(ret, dict) or hyp not in ret:
+        answer = ret.get(hyp) if isinstance(ret, dict) else None
+        if _no_answer(answer):
             raise HypervisorFailure(
                 f"minion {hyp} did not answer {fun} within {self.config['timeout']} s "
-                "(down, or its salt-minion not running)"
+                "(down, key not accepted, or no such minion)"
             )
-        answer = ret[hyp]
-        if isinstance(answer, dict) and "ret" in answer:
-            retcode, body = answer.get("retcode", 0), answer["ret"]
-        else:
-            retcode, body = 0, answer
+        retcode, body = answer.get("retcode", 0), answer["ret"]
         if retcode not in (0, None) or (isinstance(body, str) and body.startswith("ERROR")):
             raise HypervisorFailure(f"{fun} failed on {hyp}: {str(body)[:1000]}")
         return body
+
+
+def _no_answer(answer):
+    """Whether a minion's entry in ``LocalClient.cmd(..., full_return=True)`` means it did not
+    answer. Salt 3007's forms: the id absent (nothing published, or no such minion), ``False``
+    (the id was targeted but returned nothing within the timeout: ``cmd`` fills those in),
+    ``{"out": "no_return", "ret": "Minion did not return. [No response]...", "retcode": 1}`` or
+    ``[Not connected]`` (``get_cli_event_returns`` for a minion reported missing), and, to be
+    safe, any other entry that is not a dict with ``ret`` (``{"failed": True}``, None)."""
+    if not isinstance(answer, dict) or "ret" not in answer or answer.get("failed") is True:
+        return True
+    if answer.get("out") == "no_return":
+        return True
+    body = answer["ret"]
+    return isinstance(body, str) and body.startswith("Minion did not return")
 
 
 def _default_master(opts):
