@@ -644,6 +644,35 @@ class MigrationTest(Base):
         with open(os.path.join(self.cache, "state.json")) as f:
             self.assertEqual(json.load(f)["hv1"]["managed"], ["a_sensor"])
 
+    def held_engine(self, managed, on_host, entries, **over):
+        os.makedirs(self.cache, exist_ok=True)
+        with open(os.path.join(self.cache, "state.json"), "w") as f:
+            json.dump({"hv1": {"managed": managed}}, f)
+        self.hosts["hv1"] = ErrHost(on_host)
+        self.client = FakeClient(self.hosts)
+        self.write("hv1", entries)
+        over.setdefault("so_compat", False)
+        return self.engine(**over)
+
+    def test_a_bad_entry_holds_its_old_named_vm_too(self):
+        engine = self.held_engine(["a-sensor"], {"a-sensor"}, [entry("a", cpu="many")])
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor"})
+        self.assertFalse([c for c in self.client.calls if c[1] == "vmhost.destroy"])
+        self.assertIn("vmhost/hv1/a-sensor/migration_needed", [t for t, _ in self.events])
+        with open(os.path.join(self.cache, "state.json")) as f:
+            self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor"])
+
+    def test_a_held_new_name_is_not_destroyed_either(self):
+        # Both forms managed and on the host: the new name is held back (not in the request),
+        # which must not make it an extra to prune.
+        engine = self.held_engine(["a-sensor", "a_sensor"], {"a-sensor", "a_sensor"}, [entry("a")])
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "a_sensor"})
+        self.assertFalse([c for c in self.client.calls if c[1] == "vmhost.destroy"])
+        with open(os.path.join(self.cache, "state.json")) as f:
+            self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor", "a_sensor"])
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -1229,24 +1229,27 @@ class Engine:
         dry = self.config["dry_run"]
         all_ok = not errors
         # Names of an earlier engine (<hostname>-<role>): such a VM is neither destroyed nor
-        # doubled by its new name while it is managed; the operator migrates it by hand.
+        # doubled by its new name while it is managed; the operator migrates it by hand. A bad
+        # entry's name (protected) holds its old-named VM too: the entry is not applied, and
+        # its VM must not be pruned for that.
         held = {}
-        for spec in specs:
-            old = old_vm_name(spec["name"])
+        for name in [s["name"] for s in specs] + sorted(protected):
+            old = old_vm_name(name)
             if old and old in managed:
-                held[spec["name"]] = old
+                held[name] = old
         if held:
             all_ok = False
             specs = [s for s in specs if s["name"] not in held]
             for new, old in sorted(held.items()):
                 log.warning("vmhost_engine: %s: VM %s is not renamed to %s: %s", minion, old, new, MIGRATE_HINT)
                 self._fire(minion, old, "migration_needed", {"file": path, "vm_name": new, "hint": MIGRATE_HINT})
+        held_names = set(held) | set(held.values())
         so = None
         if self.config.get("so_compat") and not dry:
             so = SoFiles(self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
         try:
             return self._reconcile(
-                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, set(held.values())
+                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held_names
             )
         finally:
             if so is not None:
@@ -1314,7 +1317,8 @@ class Engine:
         on_host_extra = {p["vm"] for p in plan if p["vm"] not in desired}
         destroyed = {r["vm"] for r in results if r["action"] == "destroy" and r["ok"]}
         if prune == "managed":
-            # held: old names (<hostname>-<role>) of VMs whose new name is in the file.
+            # held: old names (<hostname>-<role>) of VMs whose new name is in the file, and
+            # those new names (not created, and never destroyed while held).
             doomed = sorted((managed & on_host_extra) - protected - held)
             if doomed and not complete:
                 log.error(
