@@ -673,6 +673,31 @@ class MigrationTest(Base):
         with open(os.path.join(self.cache, "state.json")) as f:
             self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor", "a_sensor"])
 
+    def test_prune_all_never_destroys_an_old_named_vm_managed_or_not(self):
+        # Managed: held, and prune is not sent (the daemon would destroy it with its disk).
+        engine = self.held_engine(["a-sensor"], {"a-sensor", "x_sensor"}, [entry("a")], prune="all")
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "x_sensor"})
+        self.assertFalse(self.client.calls[-1][2]["prune"])
+        self.assertEqual(self.client.calls[-1][2]["vms"], [])
+        # Not managed (the cache lost): found by a dry run first, held the same way.
+        self.events.clear()
+        engine = self.held_engine([], {"a-sensor", "x_sensor"}, [entry("a"), entry("b")], prune="all")
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "x_sensor", "b_sensor"})
+        probe, call = [c[2] for c in self.client.calls if c[1] == "vmhost.reconcile"]
+        self.assertEqual((probe["dry_run"], probe["prune"]), (True, True))
+        self.assertEqual((call["dry_run"], call["prune"]), (False, False))
+        self.assertEqual([s["name"] for s in call["vms"]], ["b_sensor"])
+        self.assertIn("vmhost/hv1/a-sensor/migration_needed", [t for t, _ in self.events])
+        # No old-form VM on the host: the file is the whole truth again.
+        self.hosts["hv1"].vms.discard("a-sensor")
+        self.client.calls.clear()
+        self.now += 61
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor", "b_sensor"})
+        self.assertTrue(self.client.calls[-1][2]["prune"])
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -1237,6 +1237,7 @@ class Engine:
             old = old_vm_name(name)
             if old and old in managed:
                 held[name] = old
+        send_prune = self._prune_all(minion, specs, complete, errors, held)
         if held:
             all_ok = False
             specs = [s for s in specs if s["name"] not in held]
@@ -1249,13 +1250,34 @@ class Engine:
             so = SoFiles(self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
         try:
             return self._reconcile(
-                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held_names
+                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held_names, send_prune
             )
         finally:
             if so is not None:
                 so.__exit__(None, None, None)
 
-    def _reconcile(self, hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held):
+    def _prune_all(self, minion, specs, complete, errors, held):
+        """Whether to send ``prune: true`` (``prune: all``): only with no bad entry and nothing
+        held. The daemon then destroys every VM not in the request, so an old-form VM
+        (``<hostname>-<role>``) of a name in the file would go with its disk even when the
+        engine does not manage it: a dry run (``prune: true``) first lists the host's VMs, and
+        each such VM found is added to ``held`` (then ``prune: false`` is sent)."""
+        if self.config["prune"] != "all" or not complete or errors or held:
+            return False
+        olds = {old_vm_name(s["name"]): s["name"] for s in specs if old_vm_name(s["name"])}
+        if not olds:
+            return True
+        plan, _ = check_reconcile_return(
+            self._call(minion, "vmhost.reconcile", {"vms": specs, "prune": True, "dry_run": True})
+        )
+        for item in plan:
+            if item["vm"] in olds:
+                held[olds[item["vm"]]] = item["vm"]
+        return not held
+
+    def _reconcile(
+        self, hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held, send_prune
+    ):
         prune = self.config["prune"]
         dry = self.config["dry_run"]
         now = self.clock()
@@ -1280,7 +1302,7 @@ class Engine:
             "vmhost.reconcile",
             {
                 "vms": specs,
-                "prune": prune == "all" and complete and not errors,
+                "prune": send_prune,
                 "dry_run": dry,
             },
         )
