@@ -162,6 +162,25 @@ class TargetingTest(Base):
         self.assertEqual(engine.run_once(), {"hv1": "skipped", "hv2": "skipped", "hv3": "ok"})
         self.assertEqual(self.hosts["hv3_x"].vms, {"c_sensor"})
 
+    def test_two_files_resolving_to_one_minion_fail_both(self):
+        self.write("hv1", [so_entry("a")])
+        self.write("hv2", [so_entry("b")])
+        engine = self.engine(minion_id="hv1", so_compat=False)
+        self.assertEqual(engine.run_once(), {"hv1": "failed", "hv2": "failed"})
+        self.assertEqual(self.client.calls, [])
+        self.assertEqual(self.hosts["hv1"].vms, set())
+        failed = [d for t, d in self.events if t == "vmhost/hv1/_hypervisor/reconcile_failed"]
+        self.assertEqual(len(failed), 2)
+        for data in failed:
+            other = os.path.join(self.dir, "hv2VMs" if data["file"].endswith("hv1VMs") else "hv1VMs")
+            self.assertIn(f"and {other} resolve to the same minion hv1", data["error"])
+        # Retried after `retry`, not at every pass.
+        self.assertEqual(engine.run_once(), {"hv1": "skipped", "hv2": "skipped"})
+        # One file gone: the other runs.
+        os.unlink(os.path.join(self.dir, "hv2VMs"))
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor"})
+
     def test_minion_id_config(self):
         self.assertEqual(config()["minion_id"], "{hypervisor}_*")
         for bad in ("{host}_*", "{}", "{0}", "{hypervisor.upper}", "{hypervisor", "", 7):

@@ -666,14 +666,17 @@ def _short_error(error):
 # ---------------------------------------------------------------------------------------------
 
 
-def content_digest(content, config, minion=None):
+def content_digest(content, config, minion=None, shared=()):
     """sha256 over the file's bytes, the parts of the config that shape the specs or what is
-    written (the bootstrap text included) and the minion id the file resolved to."""
+    written (the bootstrap text included), the minion id the file resolved to and the other
+    files resolving to the same minion (none normally, then left out)."""
     h = hashlib.sha256()
     h.update(content)
     h.update(b"\0")
     relevant = {k: config.get(k) for k in ("network", "boot", "prune", "dry_run", "bootstrap", "master", "so_compat")}
     relevant["minion"] = minion
+    if shared:
+        relevant["shared"] = sorted(shared)
     h.update(json.dumps(relevant, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -1071,6 +1074,22 @@ class Engine:
             raise TargetError(f"cannot list the accepted minion keys: {exc}", []) from None
         return resolve_minion(self.config["minion_id"], hyp, keys)
 
+    def _resolve_all(self, files):
+        """``{hypervisor: (minion or None, TargetError or None)}`` for every file, from one
+        listing of the accepted keys."""
+        try:
+            keys = list(self.accepted())
+        except OSError as exc:
+            err = TargetError(f"cannot list the accepted minion keys: {exc}", [])
+            return {hyp: (None, err) for hyp in files}
+        out = {}
+        for hyp in files:
+            try:
+                out[hyp] = (resolve_minion(self.config["minion_id"], hyp, keys), None)
+            except TargetError as exc:
+                out[hyp] = (None, exc)
+        return out
+
     # -- passes -------------------------------------------------------------------------------
 
     def run_once(self, wait=True):
@@ -1082,13 +1101,23 @@ class Engine:
         or failed), ``failed`` or ``running`` (still in flight)."""
         outcomes = {}
         self._collect(outcomes)
-        for hyp, path in self.scan().items():
+        files = self.scan()
+        targets = self._resolve_all(files)
+        # Two files driving one minion would undo each other's VMs (with prune all, destroy
+        # them): neither is run while that lasts.
+        by_minion = {}
+        for hyp, (minion, _) in targets.items():
+            if minion is not None:
+                by_minion.setdefault(minion, []).append(files[hyp])
+        for hyp, path in files.items():
             if hyp in self.inflight:
                 outcomes[hyp] = "running"
                 continue
             now = self.clock()
+            minion = targets[hyp][0]
+            shared = [p for p in by_minion.get(minion, []) if p != path] if minion is not None else []
             try:
-                job = self._prepare(hyp, path, now)
+                job = self._prepare(hyp, path, now, targets[hyp], shared)
             except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
                 # One hypervisor's failure never stops the others.
                 self._failed(getattr(exc, "minion", None) or hyp, hyp, path, now, exc)
@@ -1127,21 +1156,24 @@ class Engine:
             data["matches"] = exc.matches
         self._fire(tag_hyp, HYPERVISOR_TAG, "reconcile_failed", data)
 
-    def _prepare(self, hyp, path, now):
-        """Reads and hashes a file, resolves its minion; ``(hyp, path, content, digest, now,
-        minion)`` when the hypervisor is due, else None. Raises when the file cannot be read or
-        (once due) when its minion does not resolve."""
+    def _prepare(self, hyp, path, now, target=None, shared=()):
+        """Reads and hashes a file, resolves its minion (or takes ``target``, ``(minion,
+        TargetError)``); ``(hyp, path, content, digest, now, minion)`` when the hypervisor is
+        due, else None. Raises when the file cannot be read or (once due) when its minion does
+        not resolve or other files (``shared``, their paths) resolve to the same minion."""
         # Files are small: hash the content at every poll instead of trusting mtime, which
         # misses an edit within the file system's timestamp granularity.
         try:
             _, content = self._read(path)
         except OSError as exc:
             raise HypervisorFailure(f"cannot read {path}: {exc}") from None
-        try:
-            minion, target_error = self.resolve(hyp), None
-        except TargetError as exc:
-            minion, target_error = None, exc
-        digest = content_digest(content, self.config, minion)
+        if target is None:
+            try:
+                target = self.resolve(hyp), None
+            except TargetError as exc:
+                target = None, exc
+        minion, target_error = target
+        digest = content_digest(content, self.config, minion, shared)
         if not self.due(hyp, digest, now):
             return None
         with self.lock:
@@ -1150,6 +1182,14 @@ class Engine:
             rec["last_attempt"] = now
         if target_error is not None:
             raise target_error
+        if shared:
+            exc = HypervisorFailure(
+                f"{path} and {', '.join(sorted(shared))} resolve to the same minion {minion}: none of "
+                "them is run (files driving one host would undo, or with prune all destroy, each "
+                "other's VMs); make minion_id name one minion per file, or merge the files"
+            )
+            exc.minion = minion
+            raise exc
         return hyp, path, content, digest, now, minion
 
     def _run_job(self, hyp, path, content, digest, now, minion):
