@@ -321,6 +321,37 @@ class SoFilesTest(Base):
         self.assertEqual(names, ["b_sensor", "b_sensor.status", "c_sensor", "c_sensor.status"])
         self.assertEqual(self.so_file("hv1", "b_sensor.status")["status"], "Created Instance")
 
+    def test_a_failed_change_of_an_existing_vm_keeps_its_tracking_file(self):
+        a = so_entry("a", sfp=["5"], copper=["1"])
+        self.write("hv1", [a])
+        engine = self.engine()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        seen = {}
+        real = self.hosts["hv1"].reconcile
+
+        def reconcile(**kw):
+            seen["tracking"] = self.so_file("hv1", "a_sensor")
+            return real(**kw)
+
+        self.hosts["hv1"].reconcile = reconcile
+        edited = dict(a, cpu=8, memory=16)
+        self.write("hv1", [edited])
+        self.hosts["hv1"].errors = {"a_sensor": daemon_error(3002, "not enough CPUs", "spec.cpu")}
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        # The VM still runs as before: its tracking file claims its old hardware, before and
+        # after the refused change; the .error keeps the whole entry that failed.
+        self.assertEqual(seen["tracking"], {"config": a})
+        self.assertEqual(self.so_file("hv1", "a_sensor"), {"config": a})
+        error = self.so_file("hv1", "a_sensor.error")
+        self.assertEqual(error["config"], edited)
+        self.assertEqual(error["error_details"]["code"], 3)
+        # Fixed: the tracking file takes the new entry once applied, the .error goes.
+        self.hosts["hv1"].errors = {}
+        self.now += 61
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.so_file("hv1", "a_sensor"), {"config": edited})
+        self.assertFalse(os.path.exists(self.so_path("hv1", "a_sensor.error")))
+
     def test_nsm_disk_full_is_sos_own_status(self):
         self.write("hv1", [so_entry("d", nsm_size=5000)])
         self.hosts["hv1"].errors = {

@@ -848,8 +848,9 @@ class SoFiles:
         if current != obj:
             self.write(vm, obj)
 
-    def error(self, vm, entry, code, message, now):
-        config = {k: v for k, v in entry.items() if k not in SO_ERROR_DROPPED}
+    def error(self, vm, entry, code, message, now, drop=True):
+        """``<vm>.error``; ``drop`` leaves out SO_ERROR_DROPPED (a failed create)."""
+        config = {k: v for k, v in entry.items() if not (drop and k in SO_ERROR_DROPPED)}
         obj = {
             "config": config,
             "status": "error",
@@ -1324,13 +1325,14 @@ class Engine:
         processing = set()
         if so is not None:
             # SO's order: a new VM is announced (Processing), its tracking file written before
-            # it is provisioned.
+            # it is provisioned. A VM that exists keeps its tracking file (what it runs) until
+            # its change succeeded (_so_result).
             for spec in specs:
                 name = spec["name"]
                 if name not in managed and not so.exists(name):
                     processing.add(name)
-                if not self._so_do(f"{so.path}/{name}", so.track, name, raw[name]):
-                    all_ok = False
+                    if not self._so_do(f"{so.path}/{name}", so.track, name, raw[name]):
+                        all_ok = False
             for name in sorted(processing):
                 all_ok = self._so_status(so, hyp, name, SO_PROCESSING, now) and all_ok
         # Never with replace: an edited entry is changed in place (its disk kept), and an entry
@@ -1465,14 +1467,27 @@ class Engine:
             return self._so_destroyed(so, hyp, name, now) if res["ok"] else True
         ok = True
         if res["ok"]:
-            ok = self._so_do(f"{so.path}/{name}.error", so.remove, f"{name}.error")
+            ok = self._so_do(f"{so.path}/{name}", so.track, name, raw[name])
+            ok = self._so_do(f"{so.path}/{name}.error", so.remove, f"{name}.error") and ok
             if (action == "create" and res.get("changed")) or name in processing:
                 ok = self._so_status(so, hyp, name, SO_CREATED, now) and ok
             elif action == "reconfigure" and res.get("changed") and _is_hardware_change(plan_item.get("fields")):
                 ok = self._so_status(so, hyp, name, SO_HARDWARE, now) and ok
             return ok
         code, message, failure = _so_error(res.get("error"))
-        ok = self._so_do(f"{so.path}/{name}.error", so.error, name, raw.get(name) or {}, code, message, now)
+        # SO drops cpu, memory, sfp and copper from a failed create's .error (nothing claims
+        # resources); a VM that exists still runs with its old hardware, which its tracking
+        # file (left as it was) claims, so its .error keeps the whole entry that failed.
+        ok = self._so_do(
+            f"{so.path}/{name}.error",
+            so.error,
+            name,
+            raw.get(name) or {},
+            code,
+            message,
+            now,
+            action == "create",
+        )
         if action == "create":
             # Nothing was made: like SO after a failed provisioning, no tracking file stays.
             ok = self._so_do(f"{so.path}/{name}", so.remove, name) and ok
