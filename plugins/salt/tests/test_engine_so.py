@@ -569,6 +569,19 @@ class BootstrapTest(Base):
         specs, errors, _, _ = eng.map_file(json.dumps([so_entry("a"), so_entry("bb")]), over, "f")
         self.assertEqual(([s["name"] for s in specs], [e.name for e in errors]), ([], ["a_sensor", "bb_sensor"]))
 
+    def test_a_request_over_the_daemons_line_limit_fails_the_hypervisor(self):
+        # 17 VMs with a bootstrap text just under 64 KiB each: every entry is good, but the one
+        # vmhost.reconcile request would be over 1 MiB.
+        big = "#cloud-config\n# " + "x" * (60 * 1024) + "\n# {vm_name}\n"
+        self.write("hv1", [so_entry(f"s{i}") for i in range(17)])
+        self.write("hv2", [so_entry(f"s{i}") for i in range(15)])
+        engine = self.engine(bootstrap=big, master="m")
+        self.assertEqual(engine.run_once(), {"hv1": "failed", "hv2": "ok"})
+        self.assertEqual([c[0] for c in self.client.calls], ["hv2"])
+        error = dict(self.events)["vmhost/hv1/_hypervisor/reconcile_failed"]["error"]
+        self.assertRegex(error, r"request for hv1 would be \d{7} bytes, above the 1044480 that fit")
+        self.assertFalse(os.path.exists(self.so_path("hv1", "s0_sensor")), "nothing written for hv1")
+
     def test_a_template_change_reruns(self):
         self.write("hv1", [so_entry("a")])
         self.assertEqual(self.engine(bootstrap=BOOT, master="m1", so_compat=False).run_once(), {"hv1": "ok"})

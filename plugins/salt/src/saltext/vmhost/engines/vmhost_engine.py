@@ -84,6 +84,11 @@ GLOB_CHARS = frozenset("*?[")
 # What the daemon accepts as a spec's user_data.
 MAX_USER_DATA = 64 * 1024
 BOOTSTRAP_KEYS = ("vm_name", "hypervisor", "master", "hostname", "role")
+# vmhostd reads a request line of at most 1 MiB; all of a hypervisor's specs go in one
+# vmhost.reconcile request, so their JSON (as the execution module sends it) must fit, with a
+# margin for the JSON-RPC envelope.
+MAX_REQUEST_LINE = 1024 * 1024
+REQUEST_MARGIN = 4 * 1024
 
 # Security Onion compatibility (so_compat): its files under <vms_dir>/<hypervisor>/ and its
 # status events. See docs/salt-engine.md#security-onions-files-and-status-events.
@@ -1278,6 +1283,15 @@ class Engine:
             old = old_vm_name(name)
             if old and old in managed:
                 held[name] = old
+        # The largest request of this run (held specs are left out later, prune is a bool).
+        size = len(json.dumps({"vms": specs, "prune": True, "dry_run": dry}).encode("utf-8"))
+        if size > MAX_REQUEST_LINE - REQUEST_MARGIN:
+            raise HypervisorFailure(
+                f"{path}: the vmhost.reconcile request for {minion} would be {size} bytes, above the "
+                f"{MAX_REQUEST_LINE - REQUEST_MARGIN} that fit vmhostd's {MAX_REQUEST_LINE}-byte request line "
+                f"({len(specs)} VMs; a long bootstrap text counts once per VM): nothing is applied on "
+                "this hypervisor; shorten the bootstrap text or split its VMs"
+            )
         send_prune = self._prune_all(minion, specs, complete, errors, held)
         if held:
             all_ok = False
