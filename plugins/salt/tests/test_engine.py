@@ -293,6 +293,8 @@ class FakeClient:
         self.calls = []
         self.raise_for = set()
         self.garbage_for = {}
+        # hyp -> what LocalClient.cmd gives for a targeted minion that did not return.
+        self.noanswer_for = {}
 
     def cmd(self, tgt, fun, kwarg=None, tgt_type="glob", timeout=None, full_return=False):
         assert tgt_type == "list" and full_return and len(tgt) == 1
@@ -300,6 +302,8 @@ class FakeClient:
         self.calls.append((hyp, fun, copy.deepcopy(kwarg)))
         if hyp in self.raise_for:
             raise OSError("publish socket gone")
+        if hyp in self.noanswer_for:
+            return {hyp: self.noanswer_for[hyp]}
         if hyp in self.garbage_for:
             return {hyp: {"ret": self.garbage_for[hyp], "retcode": 0}}
         host = self.hosts.get(hyp)
@@ -433,6 +437,37 @@ class EngineTest(unittest.TestCase):
         self.assertIn("could not be published", failed["vmhost/boom/_hypervisor/reconcile_failed"]["error"])
         self.assertIn("invalid VM", failed["vmhost/liar/_hypervisor/reconcile_failed"]["error"])
         self.assertIn("vmhost/bad/_hypervisor/invalid", [t for t, _ in self.events])
+
+    def test_every_salt_form_of_a_minion_that_did_not_answer(self):
+        # Salt 3007's LocalClient.cmd(full_return=True) for an accepted minion that is down:
+        # False (cmd fills in targeted ids without a return), a "no_return" entry from
+        # get_cli_event_returns, or the id missing altogether.
+        forms = {
+            "false": False,
+            "none": None,
+            "failed": {"failed": True},
+            "noresponse": {
+                "out": "no_return",
+                "ret": "Minion did not return. [No response]\nThe minions may not have all finished",
+                "retcode": 1,
+            },
+            "notconnected": {"out": "no_return", "ret": "Minion did not return. [Not connected]", "retcode": 1},
+        }
+        self.accepted = list(forms) + ["missing"]
+        for hyp, answer in forms.items():
+            self.client.noanswer_for[hyp] = answer
+            self.write(hyp, [entry("a")])
+        self.write("missing", [entry("a")])
+        out = self.engine().run_once()
+        self.assertEqual(out, {h: "failed" for h in self.accepted})
+        failed = {t.split("/")[1]: d["error"] for t, d in self.events if t.endswith("/_hypervisor/reconcile_failed")}
+        self.assertEqual(sorted(failed), sorted(self.accepted))
+        for hyp, error in failed.items():
+            self.assertEqual(
+                error,
+                f"minion {hyp} did not answer vmhost.reconcile within 960 s "
+                "(down, key not accepted, or no such minion)",
+            )
 
     def test_bad_entry_fires_invalid_and_others_apply(self):
         self.write("hv1", [entry("a"), entry("b", cpu="many"), entry("c", sfp=["x"])])

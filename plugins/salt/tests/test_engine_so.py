@@ -162,6 +162,25 @@ class TargetingTest(Base):
         self.assertEqual(engine.run_once(), {"hv1": "skipped", "hv2": "skipped", "hv3": "ok"})
         self.assertEqual(self.hosts["hv3_x"].vms, {"c_sensor"})
 
+    def test_two_files_resolving_to_one_minion_fail_both(self):
+        self.write("hv1", [so_entry("a")])
+        self.write("hv2", [so_entry("b")])
+        engine = self.engine(minion_id="hv1", so_compat=False)
+        self.assertEqual(engine.run_once(), {"hv1": "failed", "hv2": "failed"})
+        self.assertEqual(self.client.calls, [])
+        self.assertEqual(self.hosts["hv1"].vms, set())
+        failed = [d for t, d in self.events if t == "vmhost/hv1/_hypervisor/reconcile_failed"]
+        self.assertEqual(len(failed), 2)
+        for data in failed:
+            other = os.path.join(self.dir, "hv2VMs" if data["file"].endswith("hv1VMs") else "hv1VMs")
+            self.assertIn(f"and {other} resolve to the same minion hv1", data["error"])
+        # Retried after `retry`, not at every pass.
+        self.assertEqual(engine.run_once(), {"hv1": "skipped", "hv2": "skipped"})
+        # One file gone: the other runs.
+        os.unlink(os.path.join(self.dir, "hv2VMs"))
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor"})
+
     def test_minion_id_config(self):
         self.assertEqual(config()["minion_id"], "{hypervisor}_*")
         for bad in ("{host}_*", "{}", "{0}", "{hypervisor.upper}", "{hypervisor", "", 7):
@@ -301,6 +320,37 @@ class SoFilesTest(Base):
         names = sorted(os.listdir(os.path.join(self.dir, "hv1")))
         self.assertEqual(names, ["b_sensor", "b_sensor.status", "c_sensor", "c_sensor.status"])
         self.assertEqual(self.so_file("hv1", "b_sensor.status")["status"], "Created Instance")
+
+    def test_a_failed_change_of_an_existing_vm_keeps_its_tracking_file(self):
+        a = so_entry("a", sfp=["5"], copper=["1"])
+        self.write("hv1", [a])
+        engine = self.engine()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        seen = {}
+        real = self.hosts["hv1"].reconcile
+
+        def reconcile(**kw):
+            seen["tracking"] = self.so_file("hv1", "a_sensor")
+            return real(**kw)
+
+        self.hosts["hv1"].reconcile = reconcile
+        edited = dict(a, cpu=8, memory=16)
+        self.write("hv1", [edited])
+        self.hosts["hv1"].errors = {"a_sensor": daemon_error(3002, "not enough CPUs", "spec.cpu")}
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        # The VM still runs as before: its tracking file claims its old hardware, before and
+        # after the refused change; the .error keeps the whole entry that failed.
+        self.assertEqual(seen["tracking"], {"config": a})
+        self.assertEqual(self.so_file("hv1", "a_sensor"), {"config": a})
+        error = self.so_file("hv1", "a_sensor.error")
+        self.assertEqual(error["config"], edited)
+        self.assertEqual(error["error_details"]["code"], 3)
+        # Fixed: the tracking file takes the new entry once applied, the .error goes.
+        self.hosts["hv1"].errors = {}
+        self.now += 61
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.so_file("hv1", "a_sensor"), {"config": edited})
+        self.assertFalse(os.path.exists(self.so_path("hv1", "a_sensor.error")))
 
     def test_nsm_disk_full_is_sos_own_status(self):
         self.write("hv1", [so_entry("d", nsm_size=5000)])
@@ -519,6 +569,19 @@ class BootstrapTest(Base):
         specs, errors, _, _ = eng.map_file(json.dumps([so_entry("a"), so_entry("bb")]), over, "f")
         self.assertEqual(([s["name"] for s in specs], [e.name for e in errors]), ([], ["a_sensor", "bb_sensor"]))
 
+    def test_a_request_over_the_daemons_line_limit_fails_the_hypervisor(self):
+        # 17 VMs with a bootstrap text just under 64 KiB each: every entry is good, but the one
+        # vmhost.reconcile request would be over 1 MiB.
+        big = "#cloud-config\n# " + "x" * (60 * 1024) + "\n# {vm_name}\n"
+        self.write("hv1", [so_entry(f"s{i}") for i in range(17)])
+        self.write("hv2", [so_entry(f"s{i}") for i in range(15)])
+        engine = self.engine(bootstrap=big, master="m")
+        self.assertEqual(engine.run_once(), {"hv1": "failed", "hv2": "ok"})
+        self.assertEqual([c[0] for c in self.client.calls], ["hv2"])
+        error = dict(self.events)["vmhost/hv1/_hypervisor/reconcile_failed"]["error"]
+        self.assertRegex(error, r"request for hv1 would be \d{7} bytes, above the 1044480 that fit")
+        self.assertFalse(os.path.exists(self.so_path("hv1", "s0_sensor")), "nothing written for hv1")
+
     def test_a_template_change_reruns(self):
         self.write("hv1", [so_entry("a")])
         self.assertEqual(self.engine(bootstrap=BOOT, master="m1", so_compat=False).run_once(), {"hv1": "ok"})
@@ -643,6 +706,60 @@ class MigrationTest(Base):
         self.assertEqual(self.hosts["hv1"].vms, {"a_sensor"})
         with open(os.path.join(self.cache, "state.json")) as f:
             self.assertEqual(json.load(f)["hv1"]["managed"], ["a_sensor"])
+
+    def held_engine(self, managed, on_host, entries, **over):
+        os.makedirs(self.cache, exist_ok=True)
+        with open(os.path.join(self.cache, "state.json"), "w") as f:
+            json.dump({"hv1": {"managed": managed}}, f)
+        self.hosts["hv1"] = ErrHost(on_host)
+        self.client = FakeClient(self.hosts)
+        self.write("hv1", entries)
+        over.setdefault("so_compat", False)
+        return self.engine(**over)
+
+    def test_a_bad_entry_holds_its_old_named_vm_too(self):
+        engine = self.held_engine(["a-sensor"], {"a-sensor"}, [entry("a", cpu="many")])
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor"})
+        self.assertFalse([c for c in self.client.calls if c[1] == "vmhost.destroy"])
+        self.assertIn("vmhost/hv1/a-sensor/migration_needed", [t for t, _ in self.events])
+        with open(os.path.join(self.cache, "state.json")) as f:
+            self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor"])
+
+    def test_a_held_new_name_is_not_destroyed_either(self):
+        # Both forms managed and on the host: the new name is held back (not in the request),
+        # which must not make it an extra to prune.
+        engine = self.held_engine(["a-sensor", "a_sensor"], {"a-sensor", "a_sensor"}, [entry("a")])
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "a_sensor"})
+        self.assertFalse([c for c in self.client.calls if c[1] == "vmhost.destroy"])
+        with open(os.path.join(self.cache, "state.json")) as f:
+            self.assertEqual(json.load(f)["hv1"]["managed"], ["a-sensor", "a_sensor"])
+
+    def test_prune_all_never_destroys_an_old_named_vm_managed_or_not(self):
+        # Managed: held, and prune is not sent (the daemon would destroy it with its disk).
+        engine = self.held_engine(["a-sensor"], {"a-sensor", "x_sensor"}, [entry("a")], prune="all")
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "x_sensor"})
+        self.assertFalse(self.client.calls[-1][2]["prune"])
+        self.assertEqual(self.client.calls[-1][2]["vms"], [])
+        # Not managed (the cache lost): found by a dry run first, held the same way.
+        self.events.clear()
+        engine = self.held_engine([], {"a-sensor", "x_sensor"}, [entry("a"), entry("b")], prune="all")
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a-sensor", "x_sensor", "b_sensor"})
+        probe, call = [c[2] for c in self.client.calls if c[1] == "vmhost.reconcile"]
+        self.assertEqual((probe["dry_run"], probe["prune"]), (True, True))
+        self.assertEqual((call["dry_run"], call["prune"]), (False, False))
+        self.assertEqual([s["name"] for s in call["vms"]], ["b_sensor"])
+        self.assertIn("vmhost/hv1/a-sensor/migration_needed", [t for t, _ in self.events])
+        # No old-form VM on the host: the file is the whole truth again.
+        self.hosts["hv1"].vms.discard("a-sensor")
+        self.client.calls.clear()
+        self.now += 61
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.hosts["hv1"].vms, {"a_sensor", "b_sensor"})
+        self.assertTrue(self.client.calls[-1][2]["prune"])
 
 
 if __name__ == "__main__":

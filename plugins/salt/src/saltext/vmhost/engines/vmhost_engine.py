@@ -84,6 +84,11 @@ GLOB_CHARS = frozenset("*?[")
 # What the daemon accepts as a spec's user_data.
 MAX_USER_DATA = 64 * 1024
 BOOTSTRAP_KEYS = ("vm_name", "hypervisor", "master", "hostname", "role")
+# vmhostd reads a request line of at most 1 MiB; all of a hypervisor's specs go in one
+# vmhost.reconcile request, so their JSON (as the execution module sends it) must fit, with a
+# margin for the JSON-RPC envelope.
+MAX_REQUEST_LINE = 1024 * 1024
+REQUEST_MARGIN = 4 * 1024
 
 # Security Onion compatibility (so_compat): its files under <vms_dir>/<hypervisor>/ and its
 # status events. See docs/salt-engine.md#security-onions-files-and-status-events.
@@ -666,14 +671,17 @@ def _short_error(error):
 # ---------------------------------------------------------------------------------------------
 
 
-def content_digest(content, config, minion=None):
+def content_digest(content, config, minion=None, shared=()):
     """sha256 over the file's bytes, the parts of the config that shape the specs or what is
-    written (the bootstrap text included) and the minion id the file resolved to."""
+    written (the bootstrap text included), the minion id the file resolved to and the other
+    files resolving to the same minion (none normally, then left out)."""
     h = hashlib.sha256()
     h.update(content)
     h.update(b"\0")
     relevant = {k: config.get(k) for k in ("network", "boot", "prune", "dry_run", "bootstrap", "master", "so_compat")}
     relevant["minion"] = minion
+    if shared:
+        relevant["shared"] = sorted(shared)
     h.update(json.dumps(relevant, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -845,8 +853,9 @@ class SoFiles:
         if current != obj:
             self.write(vm, obj)
 
-    def error(self, vm, entry, code, message, now):
-        config = {k: v for k, v in entry.items() if k not in SO_ERROR_DROPPED}
+    def error(self, vm, entry, code, message, now, drop=True):
+        """``<vm>.error``; ``drop`` leaves out SO_ERROR_DROPPED (a failed create)."""
+        config = {k: v for k, v in entry.items() if not (drop and k in SO_ERROR_DROPPED)}
         obj = {
             "config": config,
             "status": "error",
@@ -1071,6 +1080,22 @@ class Engine:
             raise TargetError(f"cannot list the accepted minion keys: {exc}", []) from None
         return resolve_minion(self.config["minion_id"], hyp, keys)
 
+    def _resolve_all(self, files):
+        """``{hypervisor: (minion or None, TargetError or None)}`` for every file, from one
+        listing of the accepted keys."""
+        try:
+            keys = list(self.accepted())
+        except OSError as exc:
+            err = TargetError(f"cannot list the accepted minion keys: {exc}", [])
+            return {hyp: (None, err) for hyp in files}
+        out = {}
+        for hyp in files:
+            try:
+                out[hyp] = (resolve_minion(self.config["minion_id"], hyp, keys), None)
+            except TargetError as exc:
+                out[hyp] = (None, exc)
+        return out
+
     # -- passes -------------------------------------------------------------------------------
 
     def run_once(self, wait=True):
@@ -1082,13 +1107,23 @@ class Engine:
         or failed), ``failed`` or ``running`` (still in flight)."""
         outcomes = {}
         self._collect(outcomes)
-        for hyp, path in self.scan().items():
+        files = self.scan()
+        targets = self._resolve_all(files)
+        # Two files driving one minion would undo each other's VMs (with prune all, destroy
+        # them): neither is run while that lasts.
+        by_minion = {}
+        for hyp, (minion, _) in targets.items():
+            if minion is not None:
+                by_minion.setdefault(minion, []).append(files[hyp])
+        for hyp, path in files.items():
             if hyp in self.inflight:
                 outcomes[hyp] = "running"
                 continue
             now = self.clock()
+            minion = targets[hyp][0]
+            shared = [p for p in by_minion.get(minion, []) if p != path] if minion is not None else []
             try:
-                job = self._prepare(hyp, path, now)
+                job = self._prepare(hyp, path, now, targets[hyp], shared)
             except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
                 # One hypervisor's failure never stops the others.
                 self._failed(getattr(exc, "minion", None) or hyp, hyp, path, now, exc)
@@ -1127,21 +1162,24 @@ class Engine:
             data["matches"] = exc.matches
         self._fire(tag_hyp, HYPERVISOR_TAG, "reconcile_failed", data)
 
-    def _prepare(self, hyp, path, now):
-        """Reads and hashes a file, resolves its minion; ``(hyp, path, content, digest, now,
-        minion)`` when the hypervisor is due, else None. Raises when the file cannot be read or
-        (once due) when its minion does not resolve."""
+    def _prepare(self, hyp, path, now, target=None, shared=()):
+        """Reads and hashes a file, resolves its minion (or takes ``target``, ``(minion,
+        TargetError)``); ``(hyp, path, content, digest, now, minion)`` when the hypervisor is
+        due, else None. Raises when the file cannot be read or (once due) when its minion does
+        not resolve or other files (``shared``, their paths) resolve to the same minion."""
         # Files are small: hash the content at every poll instead of trusting mtime, which
         # misses an edit within the file system's timestamp granularity.
         try:
             _, content = self._read(path)
         except OSError as exc:
             raise HypervisorFailure(f"cannot read {path}: {exc}") from None
-        try:
-            minion, target_error = self.resolve(hyp), None
-        except TargetError as exc:
-            minion, target_error = None, exc
-        digest = content_digest(content, self.config, minion)
+        if target is None:
+            try:
+                target = self.resolve(hyp), None
+            except TargetError as exc:
+                target = None, exc
+        minion, target_error = target
+        digest = content_digest(content, self.config, minion, shared)
         if not self.due(hyp, digest, now):
             return None
         with self.lock:
@@ -1150,6 +1188,14 @@ class Engine:
             rec["last_attempt"] = now
         if target_error is not None:
             raise target_error
+        if shared:
+            exc = HypervisorFailure(
+                f"{path} and {', '.join(sorted(shared))} resolve to the same minion {minion}: none of "
+                "them is run (files driving one host would undo, or with prune all destroy, each "
+                "other's VMs); make minion_id name one minion per file, or merge the files"
+            )
+            exc.minion = minion
+            raise exc
         return hyp, path, content, digest, now, minion
 
     def _run_job(self, hyp, path, content, digest, now, minion):
@@ -1229,43 +1275,78 @@ class Engine:
         dry = self.config["dry_run"]
         all_ok = not errors
         # Names of an earlier engine (<hostname>-<role>): such a VM is neither destroyed nor
-        # doubled by its new name while it is managed; the operator migrates it by hand.
+        # doubled by its new name while it is managed; the operator migrates it by hand. A bad
+        # entry's name (protected) holds its old-named VM too: the entry is not applied, and
+        # its VM must not be pruned for that.
         held = {}
-        for spec in specs:
-            old = old_vm_name(spec["name"])
+        for name in [s["name"] for s in specs] + sorted(protected):
+            old = old_vm_name(name)
             if old and old in managed:
-                held[spec["name"]] = old
+                held[name] = old
+        # The largest request of this run (held specs are left out later, prune is a bool).
+        size = len(json.dumps({"vms": specs, "prune": True, "dry_run": dry}).encode("utf-8"))
+        if size > MAX_REQUEST_LINE - REQUEST_MARGIN:
+            raise HypervisorFailure(
+                f"{path}: the vmhost.reconcile request for {minion} would be {size} bytes, above the "
+                f"{MAX_REQUEST_LINE - REQUEST_MARGIN} that fit vmhostd's {MAX_REQUEST_LINE}-byte request line "
+                f"({len(specs)} VMs; a long bootstrap text counts once per VM): nothing is applied on "
+                "this hypervisor; shorten the bootstrap text or split its VMs"
+            )
+        send_prune = self._prune_all(minion, specs, complete, errors, held)
         if held:
             all_ok = False
             specs = [s for s in specs if s["name"] not in held]
             for new, old in sorted(held.items()):
                 log.warning("vmhost_engine: %s: VM %s is not renamed to %s: %s", minion, old, new, MIGRATE_HINT)
                 self._fire(minion, old, "migration_needed", {"file": path, "vm_name": new, "hint": MIGRATE_HINT})
+        held_names = set(held) | set(held.values())
         so = None
         if self.config.get("so_compat") and not dry:
             so = SoFiles(self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
         try:
             return self._reconcile(
-                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, set(held.values())
+                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held_names, send_prune
             )
         finally:
             if so is not None:
                 so.__exit__(None, None, None)
 
-    def _reconcile(self, hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held):
+    def _prune_all(self, minion, specs, complete, errors, held):
+        """Whether to send ``prune: true`` (``prune: all``): only with no bad entry and nothing
+        held. The daemon then destroys every VM not in the request, so an old-form VM
+        (``<hostname>-<role>``) of a name in the file would go with its disk even when the
+        engine does not manage it: a dry run (``prune: true``) first lists the host's VMs, and
+        each such VM found is added to ``held`` (then ``prune: false`` is sent)."""
+        if self.config["prune"] != "all" or not complete or errors or held:
+            return False
+        olds = {old_vm_name(s["name"]): s["name"] for s in specs if old_vm_name(s["name"])}
+        if not olds:
+            return True
+        plan, _ = check_reconcile_return(
+            self._call(minion, "vmhost.reconcile", {"vms": specs, "prune": True, "dry_run": True})
+        )
+        for item in plan:
+            if item["vm"] in olds:
+                held[olds[item["vm"]]] = item["vm"]
+        return not held
+
+    def _reconcile(
+        self, hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held, send_prune
+    ):
         prune = self.config["prune"]
         dry = self.config["dry_run"]
         now = self.clock()
         processing = set()
         if so is not None:
             # SO's order: a new VM is announced (Processing), its tracking file written before
-            # it is provisioned.
+            # it is provisioned. A VM that exists keeps its tracking file (what it runs) until
+            # its change succeeded (_so_result).
             for spec in specs:
                 name = spec["name"]
                 if name not in managed and not so.exists(name):
                     processing.add(name)
-                if not self._so_do(f"{so.path}/{name}", so.track, name, raw[name]):
-                    all_ok = False
+                    if not self._so_do(f"{so.path}/{name}", so.track, name, raw[name]):
+                        all_ok = False
             for name in sorted(processing):
                 all_ok = self._so_status(so, hyp, name, SO_PROCESSING, now) and all_ok
         # Never with replace: an edited entry is changed in place (its disk kept), and an entry
@@ -1277,7 +1358,7 @@ class Engine:
             "vmhost.reconcile",
             {
                 "vms": specs,
-                "prune": prune == "all" and complete and not errors,
+                "prune": send_prune,
                 "dry_run": dry,
             },
         )
@@ -1314,7 +1395,8 @@ class Engine:
         on_host_extra = {p["vm"] for p in plan if p["vm"] not in desired}
         destroyed = {r["vm"] for r in results if r["action"] == "destroy" and r["ok"]}
         if prune == "managed":
-            # held: old names (<hostname>-<role>) of VMs whose new name is in the file.
+            # held: old names (<hostname>-<role>) of VMs whose new name is in the file, and
+            # those new names (not created, and never destroyed while held).
             doomed = sorted((managed & on_host_extra) - protected - held)
             if doomed and not complete:
                 log.error(
@@ -1399,14 +1481,27 @@ class Engine:
             return self._so_destroyed(so, hyp, name, now) if res["ok"] else True
         ok = True
         if res["ok"]:
-            ok = self._so_do(f"{so.path}/{name}.error", so.remove, f"{name}.error")
+            ok = self._so_do(f"{so.path}/{name}", so.track, name, raw[name])
+            ok = self._so_do(f"{so.path}/{name}.error", so.remove, f"{name}.error") and ok
             if (action == "create" and res.get("changed")) or name in processing:
                 ok = self._so_status(so, hyp, name, SO_CREATED, now) and ok
             elif action == "reconfigure" and res.get("changed") and _is_hardware_change(plan_item.get("fields")):
                 ok = self._so_status(so, hyp, name, SO_HARDWARE, now) and ok
             return ok
         code, message, failure = _so_error(res.get("error"))
-        ok = self._so_do(f"{so.path}/{name}.error", so.error, name, raw.get(name) or {}, code, message, now)
+        # SO drops cpu, memory, sfp and copper from a failed create's .error (nothing claims
+        # resources); a VM that exists still runs with its old hardware, which its tracking
+        # file (left as it was) claims, so its .error keeps the whole entry that failed.
+        ok = self._so_do(
+            f"{so.path}/{name}.error",
+            so.error,
+            name,
+            raw.get(name) or {},
+            code,
+            message,
+            now,
+            action == "create",
+        )
         if action == "create":
             # Nothing was made: like SO after a failed provisioning, no tracking file stays.
             ok = self._so_do(f"{so.path}/{name}", so.remove, name) and ok
@@ -1446,19 +1541,31 @@ class Engine:
             )
         except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
             raise HypervisorFailure(f"{fun} on {hyp} could not be published: {exc}") from None
-        if not isinstance(ret, dict) or hyp not in ret:
+        answer = ret.get(hyp) if isinstance(ret, dict) else None
+        if _no_answer(answer):
             raise HypervisorFailure(
                 f"minion {hyp} did not answer {fun} within {self.config['timeout']} s "
-                "(down, or its salt-minion not running)"
+                "(down, key not accepted, or no such minion)"
             )
-        answer = ret[hyp]
-        if isinstance(answer, dict) and "ret" in answer:
-            retcode, body = answer.get("retcode", 0), answer["ret"]
-        else:
-            retcode, body = 0, answer
+        retcode, body = answer.get("retcode", 0), answer["ret"]
         if retcode not in (0, None) or (isinstance(body, str) and body.startswith("ERROR")):
             raise HypervisorFailure(f"{fun} failed on {hyp}: {str(body)[:1000]}")
         return body
+
+
+def _no_answer(answer):
+    """Whether a minion's entry in ``LocalClient.cmd(..., full_return=True)`` means it did not
+    answer. Salt 3007's forms: the id absent (nothing published, or no such minion), ``False``
+    (the id was targeted but returned nothing within the timeout: ``cmd`` fills those in),
+    ``{"out": "no_return", "ret": "Minion did not return. [No response]...", "retcode": 1}`` or
+    ``[Not connected]`` (``get_cli_event_returns`` for a minion reported missing), and, to be
+    safe, any other entry that is not a dict with ``ret`` (``{"failed": True}``, None)."""
+    if not isinstance(answer, dict) or "ret" not in answer or answer.get("failed") is True:
+        return True
+    if answer.get("out") == "no_return":
+        return True
+    body = answer["ret"]
+    return isinstance(body, str) and body.startswith("Minion did not return")
 
 
 def _default_master(opts):
