@@ -430,18 +430,7 @@ mod tests {
         );
         s.boot.initrd = None;
         let v = validate_spec(&s, &c).unwrap();
-        assert_eq!(
-            passed_fds(&v, 0),
-            [
-                PassedFd::Qmp,
-                PassedFd::Agent,
-                PassedFd::SerialLog,
-                PassedFd::Kernel,
-                PassedFd::QmpEvents,
-                PassedFd::Console,
-                PassedFd::QmpStats
-            ]
-        );
+        assert_eq!(passed_fds(&v, 0), KERNEL_ONLY_FDS);
         assert!(!argv_of(&s, &c).contains(&"-initrd".to_string()));
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0"]);
         // In the foreground (the spawner holds it), under QEMU's own seccomp filter.
@@ -464,6 +453,17 @@ mod tests {
         assert_eq!(argv.iter().filter(|a| a.contains(&marker)).count(), 1);
     }
 
+    /// What a direct-kernel VM without an initrd, disks or NICs is handed, in order.
+    const KERNEL_ONLY_FDS: [PassedFd; 7] = [
+        PassedFd::Qmp,
+        PassedFd::Agent,
+        PassedFd::SerialLog,
+        PassedFd::Kernel,
+        PassedFd::QmpEvents,
+        PassedFd::Console,
+        PassedFd::QmpStats,
+    ];
+
     #[test]
     fn kernel_vms_with_user_data_get_the_seed_as_their_last_disk() {
         use crate::api::{DataDiskSpec, DiskCache, DiskFormat};
@@ -472,19 +472,7 @@ mod tests {
         s.user_data = Some("#cloud-config\n".into());
         let v = validate_spec(&s, &c).unwrap();
         // The seed after everything else: the other descriptors keep their numbers.
-        assert_eq!(
-            passed_fds(&v, 0),
-            [
-                PassedFd::Qmp,
-                PassedFd::Agent,
-                PassedFd::SerialLog,
-                PassedFd::Kernel,
-                PassedFd::QmpEvents,
-                PassedFd::Console,
-                PassedFd::QmpStats,
-                PassedFd::Seed
-            ]
-        );
+        assert_eq!(passed_fds(&v, 0), [KERNEL_ONLY_FDS.as_slice(), &[PassedFd::Seed]].concat());
         let argv = argv_of(&s, &c);
         assert_eq!(
             value_after(&argv, "-add-fd"),
