@@ -483,6 +483,8 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
         serde_json::from_str(&read(&salt.vms.join(hyp).join(file))).unwrap_or(Value::Null)
     };
     assert_eq!(so("hv1", "sensor1_sensor"), json!({ "config": sensor1 }), "tracking file");
+    // SO writes JSON with an indent of 2.
+    assert!(read(&salt.vms.join("hv1/sensor1_sensor")).starts_with("{\n  \"config\": {\n    \""), "indent 2");
     assert_eq!(so("hv2", "sensor2_sensor"), json!({ "config": sensor2 }), "tracking file");
     let status = so("hv1", "sensor1_sensor.status");
     assert_eq!(status["status"], "Created Instance", "{status}");
@@ -538,7 +540,7 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     // The engine's only write: its cache dir.
     let state: Value =
         serde_json::from_str(&read(&salt.path("master/cache/vmhost_engine/state.json"))).expect("engine state");
-    assert_eq!(state["hv1"]["managed"], json!(["search1_searchnode", "sensor1_sensor"]));
+    assert_eq!(state["hv1"]["managed"], json!(["big1_idh", "search1_searchnode", "sensor1_sensor"]));
     assert_eq!(state["hv2"]["managed"], json!(["sensor2_sensor"]));
 
     // Removing an entry from hv1's file destroys that VM on hv1 only.
@@ -623,7 +625,8 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
         (&json!(2002), &json!("spec.boot.image")),
         "{f}"
     );
-    assert_eq!(f["data"]["fields"], json!(["boot.image"]), "{f}");
+    // The hand-made VM has no user_data; the engine gives every VM its bootstrap.
+    assert_eq!(f["data"]["fields"], json!(["boot.image", "user_data"]), "{f}");
     assert!(f["data"]["hint"].as_str().unwrap_or_default().contains("never replaces"), "{f}");
     let img2_after = hv2.call("vm.get", json!({"name": "img2_heavynode"}));
     assert_eq!(
