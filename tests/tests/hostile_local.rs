@@ -88,6 +88,31 @@ fn fakes(host: &TestHost, name: &str, with_qemu: bool) -> Vec<Fake> {
     v
 }
 
+/// Field 22 of /proc/PID/stat: when `pid` started, in clock ticks since boot.
+fn start_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    rest.split_whitespace().nth(19).unwrap().parse().unwrap()
+}
+
+/// Waits until the clock has ticked past the start of every fake, so that any process
+/// started from now on (the daemon's spawner) has a strictly later start time.
+fn wait_past_start_of(fakes: &[Fake]) {
+    let last = fakes.iter().map(|f| start_ticks(f.pid())).max().unwrap_or(0);
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).unwrap().unwrap() as f64;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let uptime = std::fs::read_to_string("/proc/uptime").unwrap();
+        let secs: f64 = uptime.split_whitespace().next().unwrap().parse().unwrap();
+        if (secs * hz) as u64 > last + 1 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the clock did not pass tick {last}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// The executable of `pid` (root reads any).
 fn exe(pid: i32) -> String {
     std::fs::read_link(format!("/proc/{pid}/exe")).map(|p| p.display().to_string()).unwrap_or_default()
@@ -185,6 +210,9 @@ fn recovery_does_not_adopt_a_fake_and_still_adopts_the_real_qemu() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let fakes = fakes(&host, "gone", false);
+    // The daemon takes a process that started in the same clock tick as its spawner for one
+    // started after it (judged by its parent); the fakes must be judged by their executable.
+    wait_past_start_of(&fakes);
     // As under the packaged unit: no CAP_SYS_PTRACE, so QEMU's executable is read as qemu.user.
     host.without_ptrace = true;
     host.spawn_daemon();
