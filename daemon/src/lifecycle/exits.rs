@@ -20,6 +20,7 @@
 //! 10 minutes of uptime reset the count. A restart that fails to start leaves the VM `failed`
 //! (no retry loop).
 
+use super::teardown::Devices;
 use super::Manager;
 use crate::api::{Code, RestartPolicy, VmStatus};
 use crate::process::{self, ProcessIdentity};
@@ -111,7 +112,14 @@ impl Manager {
         tokio::spawn(async move {
             if let Err(e) = process::wait_exit_of(&id).await {
                 tracing::warn!(vm = %name, pid = id.pid, error = %e, "cannot watch QEMU; relying on reads");
+                if let Some(mgr) = mgr.upgrade() {
+                    mgr.registry.mark_unwatched(&name);
+                }
                 return;
+            }
+            // Readers see the VM dead from now on, while the cause is still being learnt.
+            if let Some(mgr) = mgr.upgrade() {
+                mgr.registry.mark_exited(&name, &id);
             }
             let cause = match tokio::time::timeout(EVENT_WAIT, listener).await {
                 Ok(Ok(Some(true))) => ExitCause::GuestPowerOff,
@@ -204,10 +212,7 @@ impl Manager {
             match result {
                 Ok(Some(_)) => {
                     tracing::info!(vm = name, cause = ?cause, verdict = ?decided, "QEMU ended without vmhostd asking");
-                    self.clean_run_dir(&self.paths(name));
-                    self.net.detach_nics(name).await;
-                    self.agents.stop(name);
-                    if let Err(e) = self.release_passthrough(name).await {
+                    if let Err(e) = self.release_host_side(name, Devices::Release).await {
                         tracing::error!(vm = name, error = %e, "passthrough devices of an ended VM not restored");
                     }
                     if let Verdict::Restart(after) = decided {

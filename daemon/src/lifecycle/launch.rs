@@ -3,9 +3,10 @@
 //! Order on the way up: boot files checked, overlay ([`Manager::ensure_overlay`]), data disks
 //! ([`super::data_disks`]), run dir,
 //! QEMU launched and its identity recorded at once, QMP verified ([`Manager::launch_qemu`]).
-//! Teardown ([`Manager::kill_process`], [`Manager::clean_run_dir`]) is what rollback, stop and
+//! Teardown ([`Manager::kill_process`], then [`super::teardown`]) is what rollback, stop and
 //! destroy share.
 
+use super::teardown::Devices;
 use super::{last_error, Manager};
 use crate::api::{ApiError, Code, VmStatus};
 use crate::process::{self, ProcessIdentity};
@@ -113,28 +114,50 @@ impl Manager {
         Ok(true)
     }
 
-    /// The live QEMU of this VM, if any: the recorded identity, or else a process with the VM's
-    /// cmdline marker (QEMU may have started just before a crash, before its identity was
-    /// recorded).
+    /// The live QEMU of VM `name`, if any: the recorded identity while it still runs. Only for a
+    /// VM that recovery has not settled (a QEMU may have started just before a crash, before its
+    /// identity was recorded) is /proc searched for its marker: after a settled recovery, every
+    /// QEMU of a VM is recorded, so the search would only cost a /proc scan per call.
     ///
     /// # Errors
     /// 4001 when /proc cannot be read (e.g. out of file descriptors): whether QEMU runs is then
     /// unknown, and acting as if it did not could start the VM twice.
     pub(super) fn find_live(
         &self,
-        paths: &VmPaths,
+        name: &str,
         recorded: Option<&ProcessIdentity>,
     ) -> Result<Option<ProcessIdentity>, ApiError> {
-        let unknown = |e: std::io::Error| {
-            provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
-        };
-        let check = self.qemu_check(paths).map_err(unknown)?;
+        if self.lock().unsettled.contains(name) {
+            return self.find_live_anywhere(&self.paths(name), recorded, None);
+        }
+        let Some(id) = recorded else { return Ok(None) };
+        let check = self.qemu_check(&self.paths(name)).map_err(unknown_liveness)?;
+        Ok(identity::verify(id, &check).map_err(unknown_liveness)?.is_ok().then(|| id.clone()))
+    }
+
+    /// The live QEMU of this VM, if any: the recorded identity, or else a process with the VM's
+    /// cmdline marker, found in `index` (recovery's one scan) or by a scan of /proc. For the
+    /// moments a QEMU may run unrecorded: recovery, and just before or after a launch.
+    ///
+    /// # Errors
+    /// As [`Manager::find_live`].
+    pub(super) fn find_live_anywhere(
+        &self,
+        paths: &VmPaths,
+        recorded: Option<&ProcessIdentity>,
+        index: Option<&identity::MarkerIndex>,
+    ) -> Result<Option<ProcessIdentity>, ApiError> {
+        let check = self.qemu_check(paths).map_err(unknown_liveness)?;
         if let Some(id) = recorded {
-            if identity::verify(id, &check).map_err(unknown)?.is_ok() {
+            if identity::verify(id, &check).map_err(unknown_liveness)?.is_ok() {
                 return Ok(Some(id.clone()));
             }
         }
-        identity::find(&check).map_err(unknown)
+        match index {
+            Some(index) => index.find(&check),
+            None => identity::find(&check),
+        }
+        .map_err(unknown_liveness)
     }
 
     /// What this VM's QEMU must be ([`identity`]): its marker, `qemu.user`'s uid (the daemon's
@@ -162,7 +185,7 @@ impl Manager {
     ) -> Result<ProcessIdentity, ApiError> {
         let name = vm.spec.name.clone();
         let paths = self.paths(&name);
-        if let Some(id) = self.find_live(&paths, None)? {
+        if let Some(id) = self.find_live_anywhere(&paths, None, None)? {
             // Never start a VM twice: a QEMU of this VM is already up (e.g. launched just before a
             // daemon crash); adopt it.
             tracing::warn!(vm = %name, pid = id.pid, "found a live QEMU for this VM; adopting it");
@@ -192,7 +215,7 @@ impl Manager {
             Err(e) => {
                 // Devices go back only when no QEMU of this VM can still be holding them.
                 let recorded = self.record(&name).ok().and_then(|r| r.process);
-                if matches!(self.find_live(&paths, recorded.as_ref()), Ok(None)) {
+                if matches!(self.find_live_anywhere(&paths, recorded.as_ref(), None), Ok(None)) {
                     if let Err(rel) = self.release_passthrough(&name).await {
                         tracing::error!(vm = %name, error = %rel, "rollback: passthrough devices not restored");
                     }
@@ -213,7 +236,8 @@ impl Manager {
         }
         if crate::seed::has_seed(vm) {
             let files = crate::seed::render(&vm.spec, &allocs);
-            if let Err(e) = crate::seed::write_seed(&paths.seed, &files) {
+            // Built and fsynced off the runtime worker: 20 launches at once must not stall it.
+            if let Err(e) = super::blocking(|| crate::seed::write_seed(&paths.seed, &files)) {
                 self.clean_run_dir(&paths);
                 return Err(provisioning("seed", format!("cannot write the cloud-init seed: {e}")));
             }
@@ -226,7 +250,7 @@ impl Manager {
         let fds = match self.net.attach_nics(&self.config, &name, &vm.spec.nics, &allocs).await {
             Ok(fds) => fds,
             Err(e) => {
-                self.undo_start_steps(&name, &paths).await;
+                let _ = self.release_host_side(&name, Devices::Keep).await;
                 return Err(e);
             }
         };
@@ -234,7 +258,7 @@ impl Manager {
         let opened = match self.open_passed_fds(vm, &paths, fds).await {
             Ok(opened) => opened,
             Err(e) => {
-                self.undo_start_steps(&name, &paths).await;
+                let _ = self.release_host_side(&name, Devices::Keep).await;
                 return Err(e);
             }
         };
@@ -259,7 +283,7 @@ impl Manager {
                 id
             }
             Err(e) => {
-                self.undo_start_steps(&name, &paths).await;
+                let _ = self.release_host_side(&name, Devices::Keep).await;
                 let tail = e.stderr_tail().unwrap_or_default().to_string();
                 return Err(ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
                     .details(json!({"step": "qemu", "stderr": tail})));
@@ -286,19 +310,11 @@ impl Manager {
                 };
                 // On a failed kill the record keeps the process, so nothing treats the VM as stopped.
                 self.kill_process(&name, &id).await?;
-                self.undo_start_steps(&name, &paths).await;
+                let _ = self.release_host_side(&name, Devices::Keep).await;
                 let _ = self.update(&name, "launch failed", |r| r.process = None);
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
             }
         }
-    }
-
-    /// Undoes what [`Manager::start_process`] set up around QEMU once no QEMU of the VM holds
-    /// it: the taps, the agent session and the run dir with its sockets.
-    async fn undo_start_steps(&self, name: &str, paths: &VmPaths) {
-        self.net.detach_nics(name).await;
-        self.agents.stop(name);
-        self.clean_run_dir(paths);
     }
 
     /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP, agent and
@@ -504,4 +520,8 @@ impl Manager {
             tracing::error!(vm = name, error = %save, "cannot record the failure");
         }
     }
+}
+
+fn unknown_liveness(e: std::io::Error) -> ApiError {
+    provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
 }

@@ -1,11 +1,12 @@
 //! The lifecycle manager: the only code that coordinates several host resources.
 //!
-//! It owns the in-memory table of VM records and the per-VM busy flags. Every mutating
-//! operation follows the same order:
+//! It owns the VM records ([`registry`]: the table, each VM's record file, the views readers
+//! are served) and the per-VM busy flags. Every mutating operation follows the same order:
 //!
 //! 1. validate (pure, [`crate::validate`]), then check files the spec names;
 //! 2. take the VM's busy flag ([`OpGuard`]; a second operation gets 4090) and, for a new VM,
-//!    admit it under the allocation lock ([`crate::capacity`]) and write its record (intent);
+//!    admit it under the table lock ([`crate::capacity`]) and write its record (intent; the
+//!    table lock is not held for the write, see [`registry`]);
 //! 3. touch the host in dependency order: overlay disk ([`crate::disk`]) or imported root disk
 //!    ([`root_disk`]), data disks
 //!    ([`data_disks`]), run dir, QEMU ([`crate::qemu`]), with the record saved before each step
@@ -17,7 +18,8 @@
 //! (data disks made, grown, kept, taken back), [`recover`]
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
-//! `host.stats`).
+//! `host.stats`), [`teardown`] (what every path that ends a QEMU gives back, in one order),
+//! [`registry`] (records, their files and the views readers are served).
 
 mod agent;
 mod autostart;
@@ -29,9 +31,11 @@ mod ops;
 mod reconcile;
 mod reconfigure;
 mod recover;
+mod registry;
 mod root_disk;
 mod shutdown;
 mod stats;
+mod teardown;
 mod vfio;
 
 use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION};
@@ -42,25 +46,22 @@ use crate::net::host::{HostNet, NetworkState};
 use crate::nic::{NicAlloc, NicHolding};
 use crate::qemu::argv::VmPaths;
 use crate::state::{BrokenRecord, Store, VmRecord};
+use registry::{Change, Registry, Table};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+pub(crate) use registry::blocking;
+pub use registry::{RawView, RawViews};
 
 /// Daemon version reported by `host.info`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
-#[derive(Debug, Default)]
-struct Table {
-    vms: BTreeMap<String, VmRecord>,
-    busy: HashSet<String>,
-    broken: BTreeMap<String, BrokenRecord>,
-}
-
 /// Owns every VM of this host.
 pub struct Manager {
     config: Arc<Config>,
-    store: Store,
     events: EventBus,
-    table: Mutex<Table>,
+    /// Every VM's record and view ([`registry`]).
+    registry: Registry,
     /// Held for the daemon's life: a second vmhostd on the same state dir must not touch it.
     _state_lock: nix::fcntl::Flock<std::fs::File>,
     /// Host networking (bridges, taps), the owner of every link vmhostd makes.
@@ -130,17 +131,12 @@ impl Manager {
         for b in &broken {
             tracing::error!(path = %b.path.display(), error = %b.error, "unreadable VM record left in place");
         }
-        let table = Table {
-            vms: records.into_iter().map(|r| (r.spec.name.clone(), r)).collect(),
-            busy: HashSet::new(),
-            broken: broken.into_iter().map(|b| (b.name.clone(), b)).collect(),
-        };
+        let registry = Registry::new(Arc::clone(&config), store, events.clone(), records, broken);
         let net = HostNet::connect().map_err(|e| format!("cannot open netlink: {e}"))?;
         let mgr = Arc::new(Manager {
             config,
-            store,
             events,
-            table: Mutex::new(table),
+            registry,
             _state_lock: state_lock,
             net,
             net_states: Mutex::new(BTreeMap::new()),
@@ -186,10 +182,9 @@ impl Manager {
         &self.events
     }
 
+    /// The in-memory table ([`registry`]): never hold it across I/O.
     fn lock(&self) -> MutexGuard<'_, Table> {
-        // A panic while holding the lock cannot leave the table half-updated (every update is a
-        // single insert), so a poisoned lock is still usable.
-        self.table.lock().unwrap_or_else(|p| p.into_inner())
+        self.registry.table()
     }
 
     fn paths(&self, name: &str) -> VmPaths {
@@ -213,29 +208,36 @@ impl Manager {
 
     /// Admits `spec` as a new VM: capacity, conflicts, record written, busy flag taken.
     fn reserve_new(self: &Arc<Self>, spec: &VmSpec) -> Result<OpGuard, ApiError> {
-        let mut t = self.lock();
-        if t.vms.contains_key(&spec.name) {
-            return Err(ApiError::invalid("spec.name", format!("a VM named {:?} already exists", spec.name)));
+        let name = &spec.name;
+        let took_busy = std::cell::Cell::new(false);
+        let reserved = self.registry.write(name, "vm.create", |t| {
+            if t.vms.contains_key(name) {
+                return Err(ApiError::invalid("spec.name", format!("a VM named {name:?} already exists")));
+            }
+            if let Some(b) = t.broken.get(name) {
+                return Err(ApiError::internal(format!(
+                    "the record {} of a VM with this name is unreadable ({}); repair or remove it first",
+                    b.path.display(),
+                    b.error
+                )));
+            }
+            if t.busy.contains(name) {
+                return Err(busy(name));
+            }
+            let mut rec = VmRecord::new(spec.clone());
+            rec.nics = self.admit_locked(t, spec, &[])?;
+            t.busy.insert(name.clone());
+            took_busy.set(true);
+            Ok((Change::Put(Box::new(rec)), ()))
+        });
+        if let Err(e) = reserved {
+            // Admitted, but the record could not be written: the flag is ours to give back.
+            if took_busy.get() {
+                self.lock().busy.remove(name);
+            }
+            return Err(e);
         }
-        if let Some(b) = t.broken.get(&spec.name) {
-            return Err(ApiError::internal(format!(
-                "the record {} of a VM with this name is unreadable ({}); repair or remove it first",
-                b.path.display(),
-                b.error
-            )));
-        }
-        if t.busy.contains(&spec.name) {
-            return Err(busy(&spec.name));
-        }
-        let allocs = self.admit_locked(&t, spec, &[])?;
-        let mut rec = VmRecord::new(spec.clone());
-        rec.nics = allocs;
-        self.store.save(&mut rec).map_err(|e| state_write_error(&spec.name, &e))?;
-        t.vms.insert(spec.name.clone(), rec);
-        t.busy.insert(spec.name.clone());
-        drop(t);
-        self.events.emit(&spec.name, None, Some(VmStatus::Creating), "vm.create");
-        Ok(OpGuard { mgr: self.clone(), name: spec.name.clone() })
+        Ok(OpGuard { mgr: self.clone(), name: name.clone() })
     }
 
     /// Capacity, hardware and NIC admission of `spec` against every other VM that holds
@@ -270,14 +272,14 @@ impl Manager {
     /// Re-reserves the resources of an existing VM whose reservation was released (a failed
     /// create): admission and the record write happen under one lock, like a create.
     fn reserve_existing(&self, name: &str) -> Result<(), ApiError> {
-        let mut t = self.lock();
-        let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
-        let mut rec = old.clone();
-        rec.spec.state = crate::api::DesiredState::Running;
-        rec.nics = self.admit_locked(&t, &rec.spec, &old.nics)?;
-        rec.reserved = true;
-        self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
-        t.vms.insert(name.to_string(), rec);
+        self.registry.write(name, "reserved again", |t| {
+            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+            let mut rec = old.clone();
+            rec.spec.state = crate::api::DesiredState::Running;
+            rec.nics = self.admit_locked(t, &rec.spec, &old.nics)?;
+            rec.reserved = true;
+            Ok((Change::Put(Box::new(rec)), ()))
+        })?;
         Ok(())
     }
 
@@ -286,18 +288,15 @@ impl Manager {
     /// process and overlay so the caller can tear them down. After a crash, recovery undoes the
     /// interrupted create; the new spec stays recorded as `failed`.
     fn swap_spec(&self, name: &str, spec: &VmSpec) -> Result<VmRecord, ApiError> {
-        let mut t = self.lock();
-        let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
-        let allocs = self.admit_locked(&t, spec, &[])?;
-        let mut rec = VmRecord::new(spec.clone());
-        rec.nics = allocs;
-        rec.process = old.process.clone();
-        rec.overlay = old.overlay.clone();
-        rec.vfio = old.vfio.clone();
-        self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
-        t.vms.insert(name.to_string(), rec);
-        drop(t);
-        self.events.emit(name, Some(old.status), Some(VmStatus::Creating), "vm.apply replace");
+        let (old, _) = self.registry.write(name, "vm.apply replace", |t| {
+            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+            let mut rec = VmRecord::new(spec.clone());
+            rec.nics = self.admit_locked(t, spec, &[])?;
+            rec.process = old.process.clone();
+            rec.overlay = old.overlay.clone();
+            rec.vfio = old.vfio.clone();
+            Ok((Change::Put(Box::new(rec)), old))
+        })?;
         Ok(old)
     }
 
@@ -311,20 +310,16 @@ impl Manager {
         condition: impl FnOnce(&VmRecord, bool) -> bool,
         change: impl FnOnce(&mut VmRecord),
     ) -> Result<Option<VmRecord>, ApiError> {
-        let mut t = self.lock();
-        let Some(old) = t.vms.get(name).cloned() else { return Ok(None) };
-        if !condition(&old, t.busy.contains(name)) {
-            return Ok(None);
-        }
-        let mut rec = old.clone();
-        change(&mut rec);
-        self.store.save(&mut rec).map_err(|e| state_write_error(name, &e))?;
-        t.vms.insert(name.to_string(), rec.clone());
-        drop(t);
-        if old.status != rec.status {
-            self.events.emit(name, Some(old.status), Some(rec.status), reason);
-        }
-        Ok(Some(rec))
+        let (_, new) = self.registry.write(name, reason, |t| {
+            let Some(old) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
+            if !condition(old, t.busy.contains(name)) {
+                return Ok((Change::Keep, ()));
+            }
+            let mut rec = old.clone();
+            change(&mut rec);
+            Ok((Change::Put(Box::new(rec)), ()))
+        })?;
+        Ok(new)
     }
 
     /// Applies `change` to the record of `name`, saves it, and emits an event when the status
@@ -340,11 +335,7 @@ impl Manager {
 
     /// Deletes the record of `name` for good.
     fn forget(&self, name: &str, reason: &str) -> Result<(), ApiError> {
-        let mut t = self.lock();
-        self.store.remove(name).map_err(|e| state_write_error(name, &e))?;
-        let old = t.vms.remove(name);
-        drop(t);
-        self.events.emit(name, old.map(|r| r.status), None, reason);
+        self.registry.write(name, reason, |_| Ok((Change::Remove, ())))?;
         Ok(())
     }
 
@@ -352,45 +343,32 @@ impl Manager {
         self.lock().vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))
     }
 
-    /// The view of one VM, with `running` checked against /proc at read time.
-    fn view(&self, rec: &VmRecord) -> VmView {
-        let paths = self.paths(rec.name());
-        let mut status = rec.status;
-        let mut pid = rec.process.as_ref().map(|p| p.pid);
-        if status == VmStatus::Running {
+    /// A committed view with its live parts current: the agent's session, and for a VM whose
+    /// exit is not watched, whether its QEMU is still in /proc.
+    fn serve(&self, cached: Arc<registry::CachedView>) -> Arc<registry::CachedView> {
+        let name = cached.view.name.as_str();
+        let agent = self.agents.status(name);
+        let alive = cached.view.status != VmStatus::Running || !self.registry.is_unwatched(name) || {
             // An unreadable /proc is not proof of death: keep what the record says.
-            let alive = rec.process.as_ref().is_some_and(|p| match self.qemu_check(&paths) {
+            cached.process.as_ref().is_some_and(|p| match self.qemu_check(&self.paths(name)) {
                 Ok(check) => crate::qemu::identity::verify(p, &check).map_or(true, |v| v.is_ok()),
                 Err(_) => true,
-            });
-            if !alive {
-                status = VmStatus::Dead;
-                pid = None;
-            }
+            })
+        };
+        if alive && agent == cached.view.agent {
+            return cached;
         }
-        VmView {
-            name: rec.spec.name.clone(),
-            spec: rec.spec.clone(),
-            desired_state: rec.spec.state,
-            status,
-            pid,
-            created_at: rec.created_at.clone(),
-            updated_at: rec.updated_at.clone(),
-            started_at: rec.started_at.clone(),
-            last_error: rec.last_error.clone(),
-            serial_log: paths.serial_log,
-            nics: rec.nics.iter().map(|n| crate::api::NicView { mac: n.mac.clone(), tap: n.tap.clone() }).collect(),
-            agent: self.agents.status(rec.name()),
-            pending_restart: rec.running_spec.is_some() && matches!(status, VmStatus::Running | VmStatus::Stopping),
-            restarts: rec.restarts,
-            last_exit: rec.last_exit.clone(),
-        }
+        self.registry.refresh(name, &cached, agent, alive)
     }
 
     /// `vm.list`: every VM, by name.
     pub fn list(&self) -> Vec<VmView> {
-        let recs: Vec<VmRecord> = self.lock().vms.values().cloned().collect();
-        recs.iter().map(|r| self.view(r)).collect()
+        self.registry.views().into_iter().map(|c| self.serve(c).view.clone()).collect()
+    }
+
+    /// `vm.list` as served: every VM's view, by name, as JSON made when its record changed.
+    pub fn list_json(&self) -> RawViews {
+        RawViews(self.registry.views().into_iter().map(|c| Arc::clone(&self.serve(c).json)).collect())
     }
 
     /// `vm.get`.
@@ -398,29 +376,34 @@ impl Manager {
     /// # Errors
     /// 4040 when there is no such VM.
     pub fn get(&self, name: &str) -> Result<VmView, ApiError> {
-        let rec = self.record(name)?;
-        Ok(self.view(&rec))
+        let cached = self.registry.view(name).ok_or_else(|| ApiError::not_found(name))?;
+        Ok(self.serve(cached).view.clone())
+    }
+
+    /// `vm.get` as served (see [`Manager::list_json`]).
+    ///
+    /// # Errors
+    /// 4040 when there is no such VM.
+    pub fn get_json(&self, name: &str) -> Result<RawView, ApiError> {
+        let cached = self.registry.view(name).ok_or_else(|| ApiError::not_found(name))?;
+        Ok(RawView(Arc::clone(&self.serve(cached).json)))
     }
 
     /// `host.info`.
     pub fn host_info(&self) -> HostInfo {
         let kept_disks = self.kept_disks();
         let space = crate::disk::space::FsSpace::of(&self.config.paths.state).ok();
-        let t = self.lock();
-        let storage = crate::api::StorageInfo {
-            total_bytes: space.map_or(0, |s| s.total),
-            free_bytes: space.map_or(0, |s| s.free),
-            provisioned_bytes: t
-                .vms
-                .values()
-                .map(|r| crate::disk::space::provisioned(&r.spec) + Manager::root_disk_bytes(r))
-                .sum(),
-            overcommit: self.config.storage.overcommit_percent as f64 / 100.0,
+        // What the records hold, under the table lock (in-memory only) ...
+        let (provisioned_bytes, cpu, memory_mib, mut hardware, vm_count, networks) = {
+            let t = self.lock();
+            let provisioned: u64 =
+                t.vms.values().map(|r| crate::disk::space::provisioned(&r.spec) + Manager::root_disk_bytes(r)).sum();
+            let held: Vec<Holding<'_>> =
+                t.vms.values().filter(|r| r.reserved).map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
+            let (cpu, memory_mib, hardware) = capacity::usage(&self.config.hardware, &held);
+            (provisioned, cpu, memory_mib, hardware, t.vms.len(), self.network_info(&t))
         };
-        let held: Vec<Holding<'_>> =
-            t.vms.values().filter(|r| r.reserved).map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
-        let (cpu, memory_mib, mut hardware) = capacity::usage(&self.config.hardware, &held);
-        // What the kernel says about each device right now (sysfs reads, no writes).
+        // ... then what the kernel says about each device right now (sysfs reads, no writes).
         for item in &mut hardware {
             if let Ok(addr) = crate::hardware::PciAddress::parse(&item.pci) {
                 item.present = self.pci.exists(addr);
@@ -428,6 +411,12 @@ impl Manager {
                 item.iommu_group = self.pci.iommu_group(addr).ok().flatten();
             }
         }
+        let storage = crate::api::StorageInfo {
+            total_bytes: space.map_or(0, |s| s.total),
+            free_bytes: space.map_or(0, |s| s.free),
+            provisioned_bytes,
+            overcommit: self.config.storage.overcommit_percent as f64 / 100.0,
+        };
         HostInfo {
             version: VERSION.to_string(),
             api_version: API_VERSION,
@@ -435,8 +424,8 @@ impl Manager {
             cpu,
             memory_mib,
             hardware,
-            vm_count: t.vms.len(),
-            networks: self.network_info(&t),
+            vm_count,
+            networks,
             kept_disks,
             storage,
         }

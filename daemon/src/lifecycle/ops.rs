@@ -5,6 +5,7 @@
 //! steps without letting another operation in between.
 
 use super::launch::partial_overlay;
+use super::teardown::Devices;
 use super::{Manager, OpGuard};
 use crate::api::{ApiError, ApplyParams, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
 use crate::plan::Change;
@@ -176,9 +177,8 @@ impl Manager {
     /// The steps of a start with the busy flag held; `reason` is the events' reason.
     pub(super) async fn start_held(self: &Arc<Self>, _g: &OpGuard, name: &str, reason: &str) -> Result<bool, ApiError> {
         let rec = self.record(name)?;
-        let paths = self.paths(name);
         let state_changed = rec.spec.state != DesiredState::Running;
-        if let Some(id) = self.find_live(&paths, rec.process.as_ref())? {
+        if let Some(id) = self.find_live(name, rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
                 self.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
                 self.mark_running(name, id, "already running")?;
@@ -263,13 +263,9 @@ impl Manager {
     async fn stop_held(self: &Arc<Self>, _g: &OpGuard, p: &StopParams) -> Result<bool, ApiError> {
         let name = p.name.as_str();
         let rec = self.record(name)?;
-        let paths = self.paths(name);
         let state_changed = rec.spec.state != DesiredState::Stopped;
-        let Some(id) = self.find_live(&paths, rec.process.as_ref())? else {
-            self.clean_run_dir(&paths);
-            self.net.detach_nics(name).await;
-            self.agents.stop(name);
-            self.release_passthrough(name).await?;
+        let Some(id) = self.find_live(name, rec.process.as_ref())? else {
+            self.release_host_side(name, Devices::Release).await?;
             let status_changed = matches!(
                 rec.status,
                 VmStatus::Running | VmStatus::Starting | VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed
@@ -337,15 +333,12 @@ impl Manager {
         if !exited {
             self.kill_process(name, id).await?;
         }
-        self.clean_run_dir(&paths);
-        self.net.detach_nics(name).await;
-        self.agents.stop(name);
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
         self.update(name, reason, |r| {
             r.status = VmStatus::Stopped;
             r.process = None;
         })?;
-        self.release_passthrough(name).await
+        self.release_host_side(name, Devices::Release).await
     }
 
     /// `vm.restart`: a stop (same params as `vm.stop`) followed by a start, as one operation.
@@ -415,17 +408,14 @@ impl Manager {
     async fn teardown(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         let rec = self.record(name)?;
         let paths = self.paths(name);
-        if let Some(id) = self.find_live(&paths, rec.process.as_ref())? {
+        if let Some(id) = self.find_live(name, rec.process.as_ref())? {
             if let Err(e) = self.kill_process(name, &id).await {
                 self.mark_failed(name, &e, false);
                 return Err(e);
             }
         }
         self.crashpoint("teardown:killed");
-        self.clean_run_dir(&paths);
-        self.net.detach_nics(name).await;
-        self.agents.stop(name);
-        if let Err(e) = self.release_passthrough(name).await {
+        if let Err(e) = self.release_host_side(name, Devices::Release).await {
             self.mark_failed(name, &e, false);
             return Err(e);
         }
@@ -534,11 +524,11 @@ impl Manager {
             let (_guard, _) = self.begin(&spec.name)?;
             let wanted = spec.guest_interfaces.clone();
             self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
-            if self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some() {
+            if self.find_live(&spec.name, current.process.as_ref())?.is_some() {
                 self.apply_guest_interfaces(&spec.name).await?;
             }
         }
-        let up = self.find_live(&self.paths(&spec.name), current.process.as_ref())?.is_some();
+        let up = self.find_live(&spec.name, current.process.as_ref())?.is_some();
         let converge = match spec.state {
             DesiredState::Running => !up,
             DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,

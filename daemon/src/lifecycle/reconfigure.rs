@@ -77,7 +77,7 @@ impl Manager {
         let name = vm.spec.name.as_str();
         let old = self.record(name)?;
         self.admit_disk_space(Some(&old.spec), &vm.spec)?;
-        let live = self.find_live(&self.paths(name), old.process.as_ref())?;
+        let live = self.find_live(name, old.process.as_ref())?;
         if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
             // Capacity and conflicts first, then the kernel's view of the devices; the record
             // swap below admits again under the lock.
@@ -207,15 +207,15 @@ impl Manager {
     /// # Errors
     /// 3002/3003 from admission (nothing written), or the record cannot be written.
     fn swap_in_place(&self, name: &str, spec: &VmSpec, running: Option<VmSpec>) -> Result<(), ApiError> {
-        let mut t = self.lock();
-        let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
-        let mut rec = old.clone();
-        rec.nics = self.admit_locked(&t, spec, &old.nics)?;
-        rec.spec = spec.clone();
-        rec.running_spec = running;
-        rec.reserved = rec.reserved || spec.state == DesiredState::Running;
-        self.store.save(&mut rec).map_err(|e| super::state_write_error(name, &e))?;
-        t.vms.insert(name.to_string(), rec);
+        self.registry.write(name, "vm.apply in place", |t| {
+            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+            let mut rec = old.clone();
+            rec.nics = self.admit_locked(t, spec, &old.nics)?;
+            rec.spec = spec.clone();
+            rec.running_spec = running;
+            rec.reserved = rec.reserved || spec.state == DesiredState::Running;
+            Ok((super::registry::Change::Put(Box::new(rec)), ()))
+        })?;
         Ok(())
     }
 

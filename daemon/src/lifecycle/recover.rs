@@ -4,31 +4,64 @@
 //! [`Manager::recover_all`] runs once from `Manager::open`, before the socket is served. What
 //! a record says is checked against /proc (pid, start time, command line, user and executable,
 //! see [`crate::qemu::identity`]); the kernel's view wins.
+//!
+//! Order: one scan of /proc finds the processes carrying any VM's marker
+//! ([`identity::MarkerIndex`]); then up to [`RECOVER_AT_ONCE`] VMs are settled at once, each
+//! against that index (a recorded QEMU that still runs is verified directly). A VM settled
+//! without error leaves the registry's `unsettled` set: from then on only a launch searches /proc
+//! for its QEMU.
 
+use super::teardown::Devices;
 use super::Manager;
 use crate::api::{ApiError, Code, VmStatus};
 use crate::qemu::argv::VmPaths;
+use crate::qemu::identity;
 use crate::qemu::qmp::Qmp;
+use futures_util::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// How many VMs recovery settles at once: each may wait for its QMP monitor (up to 5 s) or
+/// give devices back.
+const RECOVER_AT_ONCE: usize = 16;
 
 impl Manager {
     pub(super) async fn recover_all(self: &Arc<Self>) {
         let names: Vec<String> = self.lock().vms.keys().cloned().collect();
-        for name in names {
-            if let Err(e) = self.recover(&name).await {
-                tracing::error!(vm = %name, error = %e, "cannot settle the VM's record");
+        // One pass over /proc for every VM's marker. Unreadable, nothing can be settled: each
+        // record stays as it is (and unsettled, so later operations search /proc themselves).
+        let markers: Vec<std::ffi::OsString> =
+            names.iter().map(|n| std::ffi::OsString::from(self.paths(n).cmdline_marker())).collect();
+        let index = match crate::lifecycle::blocking(|| identity::MarkerIndex::scan(&markers)) {
+            Ok(index) => index,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read /proc: no VM record is settled");
+                return;
             }
-        }
+        };
+        let index = &index;
+        futures_util::stream::iter(names)
+            .for_each_concurrent(RECOVER_AT_ONCE, |name| async move {
+                match self.recover(&name, index).await {
+                    Ok(()) => {
+                        self.lock().unsettled.remove(&name);
+                    }
+                    Err(e) => tracing::error!(vm = %name, error = %e, "cannot settle the VM's record"),
+                }
+            })
+            .await;
     }
 
-    async fn recover(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
-        self.settle(name).await?;
+    async fn recover(self: &Arc<Self>, name: &str, index: &identity::MarkerIndex) -> Result<(), ApiError> {
+        self.settle(name, index).await?;
         // Devices of a VM without a live QEMU go back to their host drivers.
         let rec = self.record(name);
         if let Ok(rec) = rec {
-            let live = self.find_live(&self.paths(name), rec.process.as_ref())?;
-            if live.is_none() && !rec.vfio.is_empty() {
+            if rec.vfio.is_empty() {
+                return Ok(());
+            }
+            let live = self.find_live_anywhere(&self.paths(name), rec.process.as_ref(), Some(index))?;
+            if live.is_none() {
                 tracing::info!(
                     vm = name,
                     devices = rec.vfio.len(),
@@ -40,12 +73,12 @@ impl Manager {
         Ok(())
     }
 
-    async fn settle(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
+    async fn settle(self: &Arc<Self>, name: &str, index: &identity::MarkerIndex) -> Result<(), ApiError> {
         let rec = self.record(name)?;
         let paths = self.paths(name);
         // If /proc cannot be read the record is left exactly as it is: guessing could start a
         // VM twice or delete a live VM's sockets.
-        let live = self.find_live(&paths, rec.process.as_ref())?;
+        let live = self.find_live_anywhere(&paths, rec.process.as_ref(), Some(index))?;
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
@@ -138,9 +171,8 @@ impl Manager {
     }
 
     async fn finish_destroy(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
-        self.release_passthrough(name).await?;
+        self.release_host_side(name, Devices::Release).await?;
         let paths = self.paths(name);
-        self.clean_run_dir(&paths);
         let _ = crate::disk::remove_overlay(&paths.overlay);
         let _ = std::fs::remove_file(&paths.seed);
         let _ = std::fs::remove_file(&paths.serial_log);
@@ -159,7 +191,7 @@ mod tests {
     use crate::pci::fake::{addr, FakeDevice, FakeSysfs};
     use crate::process::ProcessIdentity;
     use crate::state::{Store, VmRecord};
-    use std::collections::{BTreeMap, HashSet};
+    use std::collections::BTreeMap;
     use std::os::unix::process::CommandExt;
     use std::sync::Mutex;
 
@@ -214,15 +246,11 @@ mod tests {
 
         let config = Arc::new(config);
         let (records, _) = store.load_all().unwrap();
+        let events = crate::events::EventBus::default();
         let mgr = Arc::new(Manager {
             config: config.clone(),
-            store,
-            events: crate::events::EventBus::default(),
-            table: Mutex::new(super::super::Table {
-                vms: records.into_iter().map(|r| (r.spec.name.clone(), r)).collect(),
-                busy: HashSet::new(),
-                broken: BTreeMap::new(),
-            }),
+            registry: super::super::Registry::new(config.clone(), store, events.clone(), records, Vec::new()),
+            events,
             _state_lock: super::super::lock_state_dir(&config.paths.state).unwrap(),
             net: crate::net::host::HostNet::connect().unwrap(),
             net_states: Mutex::new(BTreeMap::new()),

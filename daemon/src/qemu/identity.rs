@@ -424,36 +424,139 @@ pub fn find_in(proc_root: &Path, known: &Remembered, check: &QemuCheck) -> io::R
     for entry in std::fs::read_dir(proc_root)? {
         let entry = entry?;
         let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        // Processes hidden from us (hidepid) cannot be a QEMU we started: skip them.
-        let skip = |e: &io::Error| is_gone(e) || e.kind() == io::ErrorKind::PermissionDenied;
-        let dir = match open_pid_dir(proc_root, pid) {
-            Ok(d) => d,
-            Err(e) if skip(&e) => continue,
-            Err(e) => return Err(e),
-        };
         // The command line first: most processes are not about this VM at all.
-        match read_at(&dir, "cmdline") {
-            Ok(args) if split_cmdline(&args).iter().any(|a| contains_bytes(a.as_bytes(), check.marker.as_bytes())) => {}
-            Ok(_) => continue,
-            Err(e) if skip(&e) => continue,
-            Err(e) => return Err(e),
-        }
-        let facts = match read_facts(proc_root, &dir, pid, &check.marker, known) {
-            Ok(Some(f)) => f,
-            Ok(None) => continue,
-            Err(e) if skip(&e) => continue,
-            Err(e) => return Err(e),
-        };
-        match judge(&facts, check, &binary) {
-            Ok(()) => return Ok(Some(ProcessIdentity { pid, start_ticks: facts.start_ticks })),
-            Err(NotQemu::Dead) => {}
-            Err(why) => {
-                tracing::warn!(pid, marker = %check.marker.to_string_lossy(), reason = %why,
-                    "ignoring a process that carries a VM's marker but is not its QEMU");
-            }
+        let carries =
+            |args: &[u8]| split_cmdline(args).iter().any(|a| contains_bytes(a.as_bytes(), check.marker.as_bytes()));
+        if let Some(id) = judge_pid(proc_root, pid, carries, known, check, &binary)? {
+            return Ok(Some(id));
         }
     }
     Ok(None)
+}
+
+/// Judges process `pid` if its command line passes `carries`: its identity when it is the QEMU
+/// `check` asks for, `None` when it is not (a warning says why), has gone or is hidden.
+fn judge_pid(
+    proc_root: &Path,
+    pid: i32,
+    carries: impl FnOnce(&[u8]) -> bool,
+    known: &Remembered,
+    check: &QemuCheck,
+    binary: &Binary,
+) -> io::Result<Option<ProcessIdentity>> {
+    // Processes hidden from us (hidepid) cannot be a QEMU we started: skip them.
+    let skip = |e: &io::Error| is_gone(e) || e.kind() == io::ErrorKind::PermissionDenied;
+    let dir = match open_pid_dir(proc_root, pid) {
+        Ok(d) => d,
+        Err(e) if skip(&e) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    match read_at(&dir, "cmdline") {
+        Ok(args) if carries(&args) => {}
+        Ok(_) => return Ok(None),
+        Err(e) if skip(&e) => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let facts = match read_facts(proc_root, &dir, pid, &check.marker, known) {
+        Ok(Some(f)) => f,
+        Ok(None) => return Ok(None),
+        Err(e) if skip(&e) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    match judge(&facts, check, binary) {
+        Ok(()) => Ok(Some(ProcessIdentity { pid, start_ticks: facts.start_ticks })),
+        Err(NotQemu::Dead) => Ok(None),
+        Err(why) => {
+            tracing::warn!(pid, marker = %check.marker.to_string_lossy(), reason = %why,
+                "ignoring a process that carries a VM's marker but is not its QEMU");
+            Ok(None)
+        }
+    }
+}
+
+/// The processes whose command line carries each of a set of markers, from one pass over
+/// /proc: how recovery looks for every VM's QEMU at once instead of scanning /proc per VM.
+/// A process found here is only a candidate: [`MarkerIndex::find`] judges it as [`find`] does.
+#[derive(Debug, Default)]
+pub struct MarkerIndex {
+    by_marker: HashMap<OsString, Vec<i32>>,
+}
+
+impl MarkerIndex {
+    /// Scans /proc once for `markers`.
+    ///
+    /// # Errors
+    /// /proc could not be listed, or a command line could not be read for a reason other than
+    /// the process being gone or hidden.
+    pub fn scan(markers: &[OsString]) -> io::Result<MarkerIndex> {
+        MarkerIndex::scan_in(Path::new(process::PROC_ROOT), markers)
+    }
+
+    /// [`MarkerIndex::scan`] under `proc_root`.
+    ///
+    /// # Errors
+    /// As [`MarkerIndex::scan`].
+    pub fn scan_in(proc_root: &Path, markers: &[OsString]) -> io::Result<MarkerIndex> {
+        let mut index = MarkerIndex::default();
+        let wanted: Vec<&[u8]> = markers.iter().filter(|m| !m.is_empty()).map(|m| m.as_bytes()).collect();
+        if wanted.is_empty() {
+            return Ok(index);
+        }
+        // Every occurrence of every marker in one pass over each argument, overlaps included, as
+        // `find`'s substring test would see them.
+        let matcher = aho_corasick::AhoCorasick::new(&wanted).map_err(io::Error::other)?;
+        for entry in std::fs::read_dir(proc_root)? {
+            let entry = entry?;
+            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+            let args = match std::fs::read(proc_root.join(pid.to_string()).join("cmdline")) {
+                Ok(a) => a,
+                Err(e) if is_gone(&e) || e.kind() == io::ErrorKind::PermissionDenied => continue,
+                Err(e) => return Err(e),
+            };
+            let mut hits: Vec<usize> = split_cmdline(&args)
+                .iter()
+                .flat_map(|a| matcher.find_overlapping_iter(a.as_bytes()).map(|m| m.pattern().as_usize()))
+                .collect();
+            hits.sort_unstable();
+            hits.dedup();
+            for hit in hits {
+                let marker = OsStr::from_bytes(wanted[hit]).to_os_string();
+                index.by_marker.entry(marker).or_default().push(pid);
+            }
+        }
+        Ok(index)
+    }
+
+    /// The live QEMU `check` asks for among the processes that carried its marker at the scan.
+    ///
+    /// # Errors
+    /// As [`find`].
+    pub fn find(&self, check: &QemuCheck) -> io::Result<Option<ProcessIdentity>> {
+        self.find_in(Path::new(process::PROC_ROOT), remembered(), check)
+    }
+
+    /// [`MarkerIndex::find`] with an explicit proc root and remembered executables.
+    ///
+    /// # Errors
+    /// As [`find`].
+    pub fn find_in(
+        &self,
+        proc_root: &Path,
+        known: &Remembered,
+        check: &QemuCheck,
+    ) -> io::Result<Option<ProcessIdentity>> {
+        let Some(pids) = self.by_marker.get(&check.marker) else { return Ok(None) };
+        let binary = Binary::of(&check.binary);
+        for &pid in pids {
+            // Judged on what /proc says now: it may have exited or exec'd since the scan.
+            let carries =
+                |args: &[u8]| split_cmdline(args).iter().any(|a| contains_bytes(a.as_bytes(), check.marker.as_bytes()));
+            if let Some(id) = judge_pid(proc_root, pid, carries, known, check, &binary)? {
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
+    }
 }
 
 /// The live QEMU that `check` asks for, found by its marker: how the daemon finds a VM's QEMU
@@ -688,6 +791,28 @@ pub(crate) mod tests {
         assert_eq!(find("z"), None);
         assert_eq!(find_in(p, &known, &QemuCheck { marker: OsString::new(), ..c("a") }).unwrap(), None);
         assert!(find_in(&p.join("absent"), &known, &c("a")).is_err());
+
+        // One scan for every VM finds what a scan per VM finds.
+        let g = b"qemu\0-x\0opaque=/s/logs/g.serial.log,opaque=/s/logs/h.serial.log\0".to_vec();
+        add(p, &Fake { pid: 47, ppid: 500, start: 1600, state: 'S', uid: 990, cmdline: &g, exe: Some(&bin) });
+        let names = ["a", "b", "c", "d", "e", "f", "g", "h", "z"];
+        let markers: Vec<OsString> = names.iter().map(|n| c(n).marker).chain([OsString::new()]).collect();
+        let index = MarkerIndex::scan_in(p, &markers).unwrap();
+        for name in names {
+            let scanned = index.find_in(p, &known, &c(name)).unwrap().map(|id| id.pid);
+            assert_eq!(scanned, find(name), "{name}");
+        }
+        assert_eq!(index.find_in(p, &known, &c("g")).unwrap().map(|id| id.pid), Some(47));
+        assert_eq!(index.find_in(p, &known, &c("h")).unwrap().map(|id| id.pid), Some(47), "overlapping markers");
+        let mut a_pids = index.by_marker[&c("a").marker].clone();
+        a_pids.sort_unstable();
+        assert_eq!(a_pids, [40, 41]);
+        assert!(!index.by_marker.contains_key(&c("z").marker));
+        // A process that exits after the scan is not found.
+        std::fs::remove_dir_all(p.join("47")).unwrap();
+        assert_eq!(index.find_in(p, &known, &c("g")).unwrap(), None);
+        assert!(MarkerIndex::scan_in(&p.join("absent"), &markers).is_err());
+        assert!(MarkerIndex::scan_in(&p.join("absent"), &[]).unwrap().by_marker.is_empty());
 
         let id = |pid, start_ticks| ProcessIdentity { pid, start_ticks };
         assert_eq!(verify_in(p, &known, &id(41, 1300), &c("a")).unwrap(), Ok(()));

@@ -78,7 +78,11 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
     // One host check at a time: it starts processes, and concurrent callers share its report.
     let host_check = Arc::new(SingleFlight::default());
     m.register_method("host.info", |params, mgr, _| {
-        call(parse_params::<serde_json::Map<String, serde_json::Value>>(&params).map(|_| mgr.host_info()))
+        // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
+        call(
+            parse_params::<serde_json::Map<String, serde_json::Value>>(&params)
+                .map(|_| crate::lifecycle::blocking(|| mgr.host_info())),
+        )
     })?;
     m.register_async_method("host.check", move |_params, mgr, _| {
         let host_check = Arc::clone(&host_check);
@@ -109,9 +113,9 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
     m.register_method("host.purge_kept_disks", |params, mgr, _| {
         call(parse_params::<crate::api::disks::PurgeKeptDisksParams>(&params).and_then(|p| mgr.purge_kept_disks(&p.vm)))
     })?;
-    m.register_method("vm.list", |_params, mgr, _| call(Ok::<_, ApiError>(mgr.list())))?;
+    m.register_method("vm.list", |_params, mgr, _| call(Ok::<_, ApiError>(mgr.list_json())))?;
     m.register_method("vm.get", |params, mgr, _| {
-        call(parse_params::<NameParams>(&params).and_then(|p| mgr.get(&p.name)))
+        call(parse_params::<NameParams>(&params).and_then(|p| mgr.get_json(&p.name)))
     })?;
     m.register_async_method("vm.create", |params, mgr, _| async move {
         match parse_params::<CreateParams>(&params) {

@@ -1,0 +1,562 @@
+//! The registry: every VM record, in memory and on disk, and the views readers are served.
+//!
+//! It exists so that reads never wait for a disk and a slow record write of one VM never holds
+//! up another VM. Two kinds of lock, always taken in this order:
+//!
+//! 1. a VM's **slot** (one mutex per name): held by [`Registry::write`] from the moment it reads
+//!    the VM's record until the new one is on disk and committed, so writes of one VM reach the
+//!    file in the order they were decided;
+//! 2. the **table** (one mutex): in-memory work only, never held across I/O.
+//!
+//! A write decides its change under the table lock (a condition, an admission against every
+//! other VM's holdings) and puts the new record in the table at once, so the next admission
+//! counts it; the file is written with only the slot held; a failed write puts the old record
+//! back before the slot is released. Readers are served from [`CachedView`]s, rebuilt when a
+//! write commits, so they only ever see records that are on disk.
+//!
+//! A view's liveness comes from the exit watcher ([`Registry::mark_exited`]), not from /proc:
+//! only a VM whose process could not be watched is checked in /proc at read time.
+
+use crate::api::{ApiError, VmStatus, VmView};
+use crate::config::Config;
+use crate::events::EventBus;
+use crate::process::ProcessIdentity;
+use crate::qemu::argv::VmPaths;
+use crate::state::{BrokenRecord, Store, VmRecord};
+use serde::ser::{Serialize, SerializeSeq, Serializer};
+use serde_json::value::RawValue;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The in-memory records: what the lifecycle reads and admits against.
+#[derive(Debug, Default)]
+pub(super) struct Table {
+    /// Every VM's record (a write's new record from the moment it is decided).
+    pub vms: BTreeMap<String, VmRecord>,
+    /// VMs an operation holds ([`super::OpGuard`]).
+    pub busy: HashSet<String>,
+    /// Record files that could not be read at start.
+    pub broken: BTreeMap<String, BrokenRecord>,
+    /// The committed views, by name.
+    views: BTreeMap<String, Arc<CachedView>>,
+    /// The QEMU each VM's exit watcher saw end, until a new record replaces that process.
+    exited: HashMap<String, ProcessIdentity>,
+    /// VMs whose QEMU could not be watched: their liveness is read from /proc.
+    unwatched: HashSet<String>,
+    /// VMs recovery has not settled yet (all of them at start): only these can have a QEMU
+    /// whose identity is not recorded ([`super::Manager::find_live`]).
+    pub unsettled: HashSet<String>,
+}
+
+/// What a write does to a VM's record.
+pub(super) enum Change {
+    /// Nothing (a condition did not hold).
+    Keep,
+    /// This record replaces (or creates) the VM's.
+    Put(Box<VmRecord>),
+    /// The record is deleted.
+    Remove,
+}
+
+/// One VM's view as last committed, and its JSON with the live parts it was made with.
+#[derive(Debug)]
+pub(super) struct CachedView {
+    /// The view as the record says (agent status and liveness as of `json`).
+    pub view: VmView,
+    /// The recorded QEMU, to match the exit watcher's report against.
+    pub process: Option<ProcessIdentity>,
+    /// `view` serialized.
+    pub json: Arc<RawValue>,
+}
+
+/// A list of views serialized as one JSON array without re-serializing any of them.
+#[derive(Clone)]
+pub struct RawViews(pub Vec<Arc<RawValue>>);
+
+impl Serialize for RawViews {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.0.len()))?;
+        for v in &self.0 {
+            seq.serialize_element(&**v)?;
+        }
+        seq.end()
+    }
+}
+
+/// One view as JSON, served as it was made.
+#[derive(Clone)]
+pub struct RawView(pub Arc<RawValue>);
+
+impl Serialize for RawView {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+/// Records, slots and views (see the module doc).
+pub(super) struct Registry {
+    config: Arc<Config>,
+    store: Store,
+    events: EventBus,
+    table: Mutex<Table>,
+    slots: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+}
+
+/// Runs `f`, which blocks (a file write, a mutex held across one), without stalling the other
+/// tasks of a runtime worker: they move to another worker meanwhile.
+pub(crate) fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        // A current-thread runtime (unit tests) or none: nothing else to move away.
+        _ => f(),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every change under these locks is a single insert or remove: a panic cannot leave them
+    // half-updated, so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Registry {
+    /// The registry over `records` (loaded by the caller from `store`).
+    pub fn new(
+        config: Arc<Config>,
+        store: Store,
+        events: EventBus,
+        records: Vec<VmRecord>,
+        broken: Vec<BrokenRecord>,
+    ) -> Registry {
+        let reg = Registry { config, store, events, table: Mutex::new(Table::default()), slots: Mutex::default() };
+        {
+            let mut t = reg.table();
+            for rec in records {
+                let name = rec.spec.name.clone();
+                let cached = reg.render(&rec, &t, Default::default());
+                t.views.insert(name.clone(), Arc::new(cached));
+                t.unsettled.insert(name.clone());
+                t.vms.insert(name, rec);
+            }
+            t.broken = broken.into_iter().map(|b| (b.name.clone(), b)).collect();
+        }
+        reg
+    }
+
+    /// The table, for in-memory reads and decisions. Never hold it across I/O.
+    pub fn table(&self) -> MutexGuard<'_, Table> {
+        lock(&self.table)
+    }
+
+    fn slot(&self, name: &str) -> Arc<Mutex<()>> {
+        Arc::clone(lock(&self.slots).entry(name.to_string()).or_default())
+    }
+
+    /// Changes VM `name`'s record: `decide` sees the table (the current record, the busy flags,
+    /// every other VM for admission) and returns the change and a value for the caller; the
+    /// new record is written to disk, then committed to the views, and an event is emitted
+    /// when the status changed (with `reason`). Returns the value and the new record.
+    ///
+    /// # Errors
+    /// What `decide` refuses with (nothing changed), or a record write error (the old record
+    /// is back in the table).
+    pub fn write<T>(
+        &self,
+        name: &str,
+        reason: &str,
+        decide: impl FnOnce(&mut Table) -> Result<(Change, T), ApiError>,
+    ) -> Result<(T, Option<VmRecord>), ApiError> {
+        let slot = self.slot(name);
+        let result = blocking(|| {
+            let _slot = lock(&slot);
+            let (old, new, value) = {
+                let mut t = self.table();
+                let (change, value) = decide(&mut t)?;
+                match change {
+                    Change::Keep => return Ok((value, None, None, false)),
+                    Change::Put(rec) => (t.vms.insert(name.to_string(), (*rec).clone()), Some(*rec), value),
+                    Change::Remove => (t.vms.remove(name), None, value),
+                }
+            };
+            let written = match new {
+                Some(mut rec) => self.store.save(&mut rec).map(|()| Some(rec)),
+                None => self.store.remove(name).map(|()| None),
+            };
+            let mut t = self.table();
+            match written {
+                Ok(new) => {
+                    match &new {
+                        Some(rec) => {
+                            t.vms.insert(name.to_string(), rec.clone());
+                            if t.exited.get(name).is_some_and(|id| rec.process.as_ref() != Some(id)) {
+                                t.exited.remove(name);
+                            }
+                            let agent = t.views.get(name).map(|v| v.view.agent.clone()).unwrap_or_default();
+                            let cached = self.render(rec, &t, agent);
+                            t.views.insert(name.to_string(), Arc::new(cached));
+                        }
+                        None => {
+                            t.views.remove(name);
+                            t.exited.remove(name);
+                            t.unwatched.remove(name);
+                        }
+                    }
+                    let from = old.as_ref().map(|r| r.status);
+                    let to = new.as_ref().map(|r| r.status);
+                    Ok((value, new, from, from != to))
+                }
+                Err(e) => {
+                    match old {
+                        Some(rec) => t.vms.insert(name.to_string(), rec),
+                        None => t.vms.remove(name),
+                    };
+                    Err(super::state_write_error(name, &e))
+                }
+            }
+        });
+        let (value, new, from, changed) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.forget_slot(name, slot);
+                return Err(e);
+            }
+        };
+        if changed {
+            self.events.emit(name, from, new.as_ref().map(|r| r.status), reason);
+        }
+        if new.is_none() {
+            self.forget_slot(name, slot);
+        }
+        Ok((value, new))
+    }
+
+    /// Drops the slot of a VM that has no record, unless another writer holds or waits for it.
+    fn forget_slot(&self, name: &str, slot: Arc<Mutex<()>>) {
+        let mut slots = lock(&self.slots);
+        // Ours and the map's: nobody else can be waiting on it.
+        if Arc::strong_count(&slot) == 2 && !self.table().vms.contains_key(name) {
+            slots.remove(name);
+        }
+    }
+
+    /// The view of `rec` as recorded, with `agent` and the liveness the table knows.
+    fn render(&self, rec: &VmRecord, t: &Table, agent: crate::agent::supervisor::AgentStatus) -> CachedView {
+        let name = rec.name();
+        let paths = VmPaths::for_vm(&self.config, name);
+        let dead =
+            rec.status == VmStatus::Running && t.exited.get(name).is_some_and(|id| rec.process.as_ref() == Some(id));
+        let status = if dead { VmStatus::Dead } else { rec.status };
+        let view = VmView {
+            name: rec.spec.name.clone(),
+            spec: rec.spec.clone(),
+            desired_state: rec.spec.state,
+            status,
+            pid: if dead { None } else { rec.process.as_ref().map(|p| p.pid) },
+            created_at: rec.created_at.clone(),
+            updated_at: rec.updated_at.clone(),
+            started_at: rec.started_at.clone(),
+            last_error: rec.last_error.clone(),
+            serial_log: paths.serial_log,
+            nics: rec.nics.iter().map(|n| crate::api::NicView { mac: n.mac.clone(), tap: n.tap.clone() }).collect(),
+            agent,
+            pending_restart: rec.running_spec.is_some() && matches!(status, VmStatus::Running | VmStatus::Stopping),
+            restarts: rec.restarts,
+            last_exit: rec.last_exit.clone(),
+        };
+        let json = raw(&view);
+        CachedView { view, process: rec.process.clone(), json }
+    }
+
+    /// The committed views, by name.
+    pub fn views(&self) -> Vec<Arc<CachedView>> {
+        self.table().views.values().cloned().collect()
+    }
+
+    /// The committed view of `name`.
+    pub fn view(&self, name: &str) -> Option<Arc<CachedView>> {
+        self.table().views.get(name).cloned()
+    }
+
+    /// Whether `name`'s liveness must be read from /proc (its exit is not watched).
+    pub fn is_unwatched(&self, name: &str) -> bool {
+        self.table().unwatched.contains(name)
+    }
+
+    /// Replaces `old` (still `name`'s current view) by the same view with `agent` and `alive`.
+    /// Returns the view to serve.
+    pub fn refresh(
+        &self,
+        name: &str,
+        old: &Arc<CachedView>,
+        agent: crate::agent::supervisor::AgentStatus,
+        alive: bool,
+    ) -> Arc<CachedView> {
+        let mut view = old.view.clone();
+        view.agent = agent;
+        if !alive && view.status == VmStatus::Running {
+            view.status = VmStatus::Dead;
+            view.pid = None;
+            view.pending_restart = false;
+        }
+        let json = raw(&view);
+        let fresh = Arc::new(CachedView { view, process: old.process.clone(), json });
+        let mut t = self.table();
+        // A write committed meanwhile made a newer view: leave it.
+        if t.views.get(name).is_some_and(|v| Arc::ptr_eq(v, old)) {
+            t.views.insert(name.to_string(), Arc::clone(&fresh));
+        }
+        fresh
+    }
+
+    /// The exit watcher saw `id`, `name`'s QEMU, end: reads show the VM `dead` from now on,
+    /// before the lifecycle has settled it.
+    pub fn mark_exited(&self, name: &str, id: &ProcessIdentity) {
+        let mut t = self.table();
+        let Some(cached) = t.views.get(name).cloned() else { return };
+        if cached.process.as_ref() != Some(id) {
+            return;
+        }
+        t.exited.insert(name.to_string(), id.clone());
+        let Some(rec) = t.vms.get(name).cloned() else { return };
+        let fresh = self.render(&rec, &t, cached.view.agent.clone());
+        t.views.insert(name.to_string(), Arc::new(fresh));
+    }
+
+    /// `name`'s QEMU cannot be watched: reads check /proc for it.
+    pub fn mark_unwatched(&self, name: &str) {
+        self.table().unwatched.insert(name.to_string());
+    }
+}
+
+/// A view (or anything serializable) as raw JSON.
+fn raw<T: Serialize>(value: &T) -> Arc<RawValue> {
+    let text = serde_json::to_string(value).unwrap_or_else(|e| {
+        // Views hold only strings, numbers and plain structs: this does not happen.
+        tracing::error!(error = %e, "cannot serialize a view");
+        "null".to_string()
+    });
+    Arc::from(RawValue::from_string(text).unwrap_or_else(|_| null()))
+}
+
+fn null() -> Box<RawValue> {
+    RawValue::NULL.to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::Code;
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        vms_dir: std::path::PathBuf,
+        reg: Registry,
+        events: tokio::sync::broadcast::Receiver<crate::api::Event>,
+    }
+
+    fn fixture(records: &[(&str, VmStatus)]) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = crate::validate::tests::config();
+        config.paths.state = dir.path().join("state");
+        crate::state::dirs::prepare(&config.paths.state).unwrap();
+        let store = Store::open(&config.paths.state).unwrap();
+        let recs: Vec<VmRecord> = records
+            .iter()
+            .map(|(name, status)| {
+                let mut r = VmRecord::new(crate::validate::tests::spec(name));
+                r.status = *status;
+                store.save(&mut r).unwrap();
+                r
+            })
+            .collect();
+        let events = EventBus::default();
+        let rx = events.subscribe();
+        let reg = Registry::new(Arc::new(config.clone()), store, events, recs, Vec::new());
+        Fixture { vms_dir: config.paths.state.join("vms"), _dir: dir, reg, events: rx }
+    }
+
+    fn on_disk(f: &Fixture, name: &str) -> Option<VmRecord> {
+        let bytes = std::fs::read(f.vms_dir.join(format!("{name}.json"))).ok()?;
+        Some(serde_json::from_slice(&bytes).unwrap())
+    }
+
+    fn put(status: VmStatus) -> impl FnOnce(&mut Table) -> Result<(Change, ()), ApiError> {
+        move |t| {
+            let mut rec = t.vms.get("a").cloned().unwrap_or_else(|| VmRecord::new(crate::validate::tests::spec("a")));
+            rec.status = status;
+            Ok((Change::Put(Box::new(rec)), ()))
+        }
+    }
+
+    fn served(view: &CachedView) -> serde_json::Value {
+        serde_json::from_str(view.json.get()).unwrap()
+    }
+
+    #[test]
+    fn a_put_is_on_disk_in_the_table_and_in_the_view_with_one_event() {
+        let mut f = fixture(&[("a", VmStatus::Stopped)]);
+        let (_, new) = f.reg.write("a", "started", put(VmStatus::Running)).unwrap();
+        assert_eq!(new.as_ref().map(|r| r.status), Some(VmStatus::Running));
+        assert_eq!(on_disk(&f, "a").map(|r| r.status), Some(VmStatus::Running));
+        assert_eq!(f.reg.table().vms["a"].status, VmStatus::Running);
+        let view = f.reg.view("a").unwrap();
+        assert_eq!(view.view.status, VmStatus::Running);
+        assert_eq!(served(&view)["status"], "running");
+        // The view shows the record as written (its updated_at too).
+        assert_eq!(view.view.updated_at, on_disk(&f, "a").unwrap().updated_at);
+        let e = f.events.try_recv().unwrap();
+        assert_eq!((e.from, e.to, e.reason.as_str()), (Some(VmStatus::Stopped), Some(VmStatus::Running), "started"));
+        // A write that keeps the status emits nothing.
+        f.reg.write("a", "again", put(VmStatus::Running)).unwrap();
+        assert!(f.events.try_recv().is_err());
+    }
+
+    #[test]
+    fn keep_changes_nothing_and_remove_deletes_everywhere() {
+        let mut f = fixture(&[("a", VmStatus::Stopped)]);
+        let before = std::fs::read(f.vms_dir.join("a.json")).unwrap();
+        let (value, new) = f.reg.write("a", "x", |_| Ok((Change::Keep, 7))).unwrap();
+        assert_eq!((value, new), (7, None));
+        assert_eq!(std::fs::read(f.vms_dir.join("a.json")).unwrap(), before);
+        assert!(f.events.try_recv().is_err());
+
+        f.reg.write("a", "destroyed", |_| Ok((Change::Remove, ()))).unwrap();
+        assert!(on_disk(&f, "a").is_none());
+        assert!(!f.reg.table().vms.contains_key("a"));
+        assert!(f.reg.view("a").is_none());
+        assert!(f.reg.views().is_empty());
+        let e = f.events.try_recv().unwrap();
+        assert_eq!((e.from, e.to), (Some(VmStatus::Stopped), None));
+        // The slot of a VM without a record is gone too.
+        assert!(!lock(&f.reg.slots).contains_key("a"));
+    }
+
+    #[test]
+    fn a_refusal_changes_nothing() {
+        let mut f = fixture(&[("a", VmStatus::Stopped)]);
+        let err = f.reg.write("a", "x", |_| Err::<(Change, ()), _>(ApiError::invalid("spec.cpu", "no"))).unwrap_err();
+        assert_eq!(err.code, Code::InvalidSpec);
+        assert_eq!(f.reg.table().vms["a"].status, VmStatus::Stopped);
+        assert_eq!(on_disk(&f, "a").unwrap().status, VmStatus::Stopped);
+        assert!(f.events.try_recv().is_err());
+    }
+
+    #[test]
+    fn a_failed_write_puts_the_old_record_back_and_the_view_never_saw_the_new_one() {
+        let mut f = fixture(&[("a", VmStatus::Stopped)]);
+        // The records directory replaced by a file: the temp file cannot be made.
+        std::fs::remove_dir_all(&f.vms_dir).unwrap();
+        std::fs::write(&f.vms_dir, b"").unwrap();
+        let err = f.reg.write("a", "x", put(VmStatus::Running)).unwrap_err();
+        assert_eq!(err.code, Code::ProvisioningFailed);
+        assert_eq!(err.details["step"], "state");
+        assert_eq!(f.reg.table().vms["a"].status, VmStatus::Stopped);
+        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Stopped);
+        assert!(f.events.try_recv().is_err());
+        // A new VM whose record cannot be written is not in the table afterwards.
+        let err = f
+            .reg
+            .write("b", "x", |_| Ok((Change::Put(Box::new(VmRecord::new(crate::validate::tests::spec("b")))), ())));
+        assert!(err.is_err());
+        assert!(!f.reg.table().vms.contains_key("b"));
+        assert!(f.reg.view("b").is_none());
+    }
+
+    #[test]
+    fn a_held_slot_holds_up_only_its_own_vm() {
+        let f = Arc::new(fixture(&[("a", VmStatus::Stopped), ("b", VmStatus::Stopped)]));
+        // A writer of A in the middle of its file write holds A's slot: played by holding it here.
+        let slot = f.reg.slot("a");
+        let held = lock(&slot);
+        let (decided_tx, decided_rx) = std::sync::mpsc::channel();
+        let writer = {
+            let f = Arc::clone(&f);
+            std::thread::spawn(move || {
+                f.reg
+                    .write("a", "x", |t| {
+                        decided_tx.send(()).unwrap();
+                        put(VmStatus::Running)(t)
+                    })
+                    .unwrap();
+            })
+        };
+        // Meanwhile B is written and every view is readable.
+        f.reg
+            .write("b", "x", |t| {
+                let mut r = t.vms["b"].clone();
+                r.status = VmStatus::Running;
+                Ok((Change::Put(Box::new(r)), ()))
+            })
+            .unwrap();
+        assert_eq!(f.reg.view("b").unwrap().view.status, VmStatus::Running);
+        assert_eq!(f.reg.views().len(), 2);
+        // The second writer of A decides only once the first is done.
+        assert!(decided_rx.try_recv().is_err(), "A's second writer decided while its slot was held");
+        drop(held);
+        writer.join().unwrap();
+        decided_rx.recv().unwrap();
+        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Running);
+    }
+
+    #[test]
+    fn the_exit_watcher_makes_the_view_dead_until_a_new_process_is_recorded() {
+        let f = fixture(&[("a", VmStatus::Stopped)]);
+        let id = ProcessIdentity { pid: 42, start_ticks: 7 };
+        let running = |id: ProcessIdentity| {
+            move |t: &mut Table| {
+                let mut r = t.vms["a"].clone();
+                r.status = VmStatus::Running;
+                r.process = Some(id);
+                Ok((Change::Put(Box::new(r)), ()))
+            }
+        };
+        f.reg.write("a", "x", running(id.clone())).unwrap();
+        assert_eq!(served(&f.reg.view("a").unwrap())["pid"], 42);
+        // Another process's exit (an older QEMU) is not this one's.
+        f.reg.mark_exited("a", &ProcessIdentity { pid: 42, start_ticks: 6 });
+        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Running);
+        f.reg.mark_exited("a", &id);
+        let v = f.reg.view("a").unwrap();
+        assert_eq!((v.view.status, v.view.pid), (VmStatus::Dead, None));
+        assert_eq!(served(&v)["status"], "dead");
+        // The record itself is the lifecycle's to settle: untouched.
+        assert_eq!(f.reg.table().vms["a"].status, VmStatus::Running);
+        // A record write that keeps the process keeps it dead; a new process is alive.
+        f.reg.write("a", "x", running(id.clone())).unwrap();
+        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Dead);
+        f.reg.write("a", "x", running(ProcessIdentity { pid: 43, start_ticks: 9 })).unwrap();
+        let v = f.reg.view("a").unwrap();
+        assert_eq!((v.view.status, v.view.pid), (VmStatus::Running, Some(43)));
+        assert!(f.reg.table().exited.is_empty());
+    }
+
+    #[test]
+    fn a_refresh_never_replaces_a_newer_commit() {
+        let f = fixture(&[("a", VmStatus::Running)]);
+        let old = f.reg.view("a").unwrap();
+        let agent =
+            crate::agent::supervisor::AgentStatus { connected: true, version: Some("1".into()), last_seen: None };
+        let fresh = f.reg.refresh("a", &old, agent.clone(), true);
+        assert_eq!(served(&fresh)["agent"]["connected"], true);
+        assert!(Arc::ptr_eq(&f.reg.view("a").unwrap(), &fresh));
+        // Not alive: served dead.
+        let dead = f.reg.refresh("a", &fresh, agent.clone(), false);
+        assert_eq!(served(&dead)["status"], "dead");
+        // A commit in between wins over a refresh made from the view before it.
+        let before = f.reg.view("a").unwrap();
+        f.reg.write("a", "x", put(VmStatus::Stopped)).unwrap();
+        f.reg.refresh("a", &before, Default::default(), true);
+        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Stopped);
+        // The agent status survives a commit.
+        assert_eq!(f.reg.view("a").unwrap().view.agent, agent);
+    }
+
+    #[test]
+    fn raw_views_serialize_as_one_array() {
+        let f = fixture(&[("a", VmStatus::Stopped), ("b", VmStatus::Running)]);
+        let views = RawViews(f.reg.views().iter().map(|v| Arc::clone(&v.json)).collect());
+        let v: serde_json::Value = serde_json::to_value(&views).unwrap();
+        let names: Vec<&str> = v.as_array().unwrap().iter().map(|x| x["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(v[1]["status"], "running");
+    }
+}

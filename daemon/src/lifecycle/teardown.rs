@@ -1,0 +1,43 @@
+//! Giving back what a VM holds on the host around its QEMU, written once.
+//!
+//! Every path that ends a VM's QEMU (stop, destroy, replace, an exit vmhostd did not ask for,
+//! a launch that failed, recovery finishing a destroy) calls [`Manager::release_host_side`]
+//! once no QEMU of the VM can run any more (killed, or seen gone), in this order:
+//!
+//! 1. the run dir with its sockets (a client of a dead QEMU's socket is refused, not queued);
+//! 2. the taps (network owner, [`crate::net`]);
+//! 3. the guest agent session;
+//! 4. the passthrough devices back to their host drivers ([`super::vfio`]), last: it needs
+//!    QEMU gone, and it is the only step that can fail.
+//!
+//! A launch that failed keeps the devices ([`Devices::Keep`]): it gives them back itself, only
+//! once it knows no QEMU of the VM holds them.
+
+use super::Manager;
+use crate::api::ApiError;
+
+/// Whether [`Manager::release_host_side`] gives the passthrough devices back too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Devices {
+    /// Back to their original drivers.
+    Release,
+    /// Left bound to vfio-pci (the caller decides).
+    Keep,
+}
+
+impl Manager {
+    /// Releases VM `name`'s run dir, taps, agent session and (with [`Devices::Release`]) its
+    /// passthrough devices, in that order. Call only once no QEMU of the VM runs.
+    ///
+    /// # Errors
+    /// A device could not be given back to its driver (the record keeps it, for a retry).
+    pub(super) async fn release_host_side(&self, name: &str, devices: Devices) -> Result<(), ApiError> {
+        self.clean_run_dir(&self.paths(name));
+        self.net.detach_nics(name).await;
+        self.agents.stop(name);
+        match devices {
+            Devices::Release => self.release_passthrough(name).await,
+            Devices::Keep => Ok(()),
+        }
+    }
+}
