@@ -5,7 +5,8 @@
 //! A stalled or flooding guest only ever holds its own VM's session, and every wait is bounded,
 //! so it cannot block the daemon or other VMs.
 
-use super::conn::{AgentConn, AgentError};
+use super::conn::AgentConn;
+use super::error::AgentError;
 use crate::api::{ApiError, Code};
 use crate::guest_text::GuestText;
 use serde::de::DeserializeOwned;
