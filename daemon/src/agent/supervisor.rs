@@ -7,10 +7,9 @@
 
 use super::conn::AgentConn;
 use super::error::AgentError;
-use crate::api::{ApiError, Code};
+use crate::api::{AgentStatus, ApiError, Code};
 use crate::guest_text::GuestText;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -27,17 +26,6 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 const PING_EVERY: Duration = Duration::from_secs(5);
 /// How long to wait between connection attempts.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
-
-/// The agent's state as `vm.get` shows it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AgentStatus {
-    /// A synchronised session is open.
-    pub connected: bool,
-    /// The agent's version, from `hello`.
-    pub version: Option<String>,
-    /// RFC 3339 time of the last answer.
-    pub last_seen: Option<String>,
-}
 
 /// What a (re)connection means for the VM, for the lifecycle to act on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
