@@ -114,6 +114,12 @@ impl SeccompMode {
     }
 }
 
+/// Longest `paths.run` for which every VM socket path fits in `sun_path` (107 bytes + NUL):
+/// `RUN/` + 63-byte name + `/agent`, the longest socket of the layout in
+/// [`crate::qemu::argv::VmPaths`]. A limit on a config value, so it is checked (and kept) here; the
+/// layout's test `socket_paths_fit_sun_path` holds the two together.
+pub const MAX_RUN_DIR_LEN: usize = 107 - 1 - 63 - 6;
+
 /// `[paths]`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -533,12 +539,12 @@ impl Config {
             return Err(key_err("paths.socket", format!("is {socket_len} bytes; a Unix socket path has at most 107")));
         }
         let run_len = raw.paths.run.as_os_str().len();
-        if run_len > crate::qemu::argv::MAX_RUN_DIR_LEN {
+        if run_len > MAX_RUN_DIR_LEN {
             return Err(key_err(
                 "paths.run",
                 format!(
                     "is {run_len} bytes; at most {} so every VM socket path fits a Unix socket address",
-                    crate::qemu::argv::MAX_RUN_DIR_LEN
+                    MAX_RUN_DIR_LEN
                 ),
             ));
         }

@@ -2,9 +2,9 @@
 //!
 //! Order: [`AgentConn::connect`] (connect, resync, `hello`), then [`AgentConn::call`] as often as
 //! needed; drop it on any error and connect again. The guest is hostile: every line is at most
-//! [`MAX_FRAME`] bytes (a longer one ends the session), every wait is bounded, and replies are
-//! parsed into closed types, and at most [`super::frame::MAX_SKIPPED_BYTES`] of unrelated lines
-//! are read while waiting for one reply.
+//! [`super::frame::MAX_FRAME`] bytes (a longer one ends the session), every wait is bounded,
+//! replies are parsed into closed types, and at most [`super::frame::MAX_SKIPPED_BYTES`] of
+//! unrelated lines are read while waiting for one reply.
 //!
 //! Resync: the byte stream survives host disconnects, so it may hold a partial line or stale
 //! replies from an earlier session. A session starts with a bare `\n` (ends whatever partial line
@@ -13,8 +13,8 @@
 //! skipped, so nothing stale can be taken for an answer. Framing and reply matching are the pure
 //! functions of [`super::frame`].
 
+use super::error::AgentError;
 use super::frame::{match_reply, LineReader, SkipBudget};
-use crate::guest_text::GuestText;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -22,39 +22,6 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use vmhost_agent_protocol::{Hello, SyncParams, SyncReply, PROTOCOL_VERSION};
-
-/// Longest line accepted from the guest, in bytes.
-pub const MAX_FRAME: usize = 64 * 1024;
-
-/// Why a session failed.
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    /// The chardev socket cannot be reached (VM not running).
-    #[error("cannot connect to the agent socket: {0}")]
-    Connect(std::io::Error),
-    /// The guest did not answer in time.
-    #[error("the guest agent did not answer within {0:?}")]
-    Timeout(Duration),
-    /// The session broke (EOF, I/O error).
-    #[error("agent session closed: {0}")]
-    Closed(String),
-    /// The guest sent something that is not a valid reply (oversize, not UTF-8, not JSON, wrong
-    /// shape); the session is dropped. The text may quote the guest (serde names what it found):
-    /// it displays escaped and capped.
-    #[error("invalid reply from the guest agent: {}", GuestText(.0))]
-    Protocol(String),
-    /// The agent answered with a JSON-RPC error; its message is the guest's and displays escaped
-    /// and capped.
-    #[error("the guest agent refused: {} (code {code})", GuestText(.message))]
-    Remote {
-        /// The agent's code.
-        code: i64,
-        /// Its message.
-        message: String,
-        /// Its data.
-        data: Value,
-    },
-}
 
 /// An open, synchronised session.
 #[derive(Debug)]
@@ -145,7 +112,7 @@ impl AgentConn {
         }
     }
 
-    /// One line without its newline; more than [`MAX_FRAME`] bytes ends the session.
+    /// One line without its newline; more than [`super::frame::MAX_FRAME`] bytes ends the session.
     async fn read_line(&mut self) -> Result<Vec<u8>, AgentError> {
         loop {
             if let Some(line) = self.reader.next_line()? {

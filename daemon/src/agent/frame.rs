@@ -8,9 +8,12 @@
 //! every line that is not the awaited reply goes through [`SkipBudget::skip`], which ends the wait
 //! once a guest made the daemon read and parse [`MAX_SKIPPED_BYTES`] of unrelated lines.
 
-use super::conn::{AgentError, MAX_FRAME};
+use super::error::AgentError;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+
+/// Longest line accepted from the guest, in bytes.
+pub const MAX_FRAME: usize = 64 * 1024;
 
 /// Longest error message kept from the guest, in characters.
 pub const MAX_REMOTE_MESSAGE: usize = 512;

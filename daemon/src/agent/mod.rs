@@ -2,10 +2,11 @@
 //!
 //! The closed protocol types are the `vmhost_agent_protocol` crate's, shared with the agent;
 //! [`frame`] holds the pure framing and reply matching,
-//! [`conn`] one synchronised session, and
+//! [`conn`] one synchronised session, [`error`] the error both of them report, and
 //! [`supervisor`] keeps one session per running VM alive (reconnecting after guest reboots and
 //! daemon restarts) and serves the `vm.guest_*` and `vm.check` calls through it.
 
 pub mod conn;
+pub mod error;
 pub mod frame;
 pub mod supervisor;

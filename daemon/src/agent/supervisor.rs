@@ -1,15 +1,21 @@
 //! One agent session per running VM, kept alive in the background and shared by RPC calls.
 //!
 //! Order: [`AgentHub::start`] when a VM runs (a task connects, pings and reconnects until
-//! [`AgentHub::stop`]); [`AgentHub::call`] from RPC methods; [`AgentHub::status`] for `vm.get`.
+//! [`AgentHub::stop`]); [`AgentHub::guest_booted`] when the guest resets; [`AgentHub::call`] from
+//! RPC methods; [`AgentHub::status`] for `vm.get`.
 //! A stalled or flooding guest only ever holds its own VM's session, and every wait is bounded,
 //! so it cannot block the daemon or other VMs.
+//!
+//! Reconnecting backs off ([`retry_delay`]): a host full of guests without an agent would
+//! otherwise make an attempt per VM every second, each holding a connection for up to
+//! [`CONNECT_TIMEOUT`]. The delay starts again from the shortest when the guest boots (a new
+//! QEMU, a reset) and after every session, because that is when an agent is about to answer.
 
-use super::conn::{AgentConn, AgentError};
-use crate::api::{ApiError, Code};
+use super::conn::AgentConn;
+use super::error::AgentError;
+use crate::api::{AgentStatus, ApiError, Code};
 use crate::guest_text::GuestText;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -24,18 +30,19 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a connected agent is pinged (`agent.info`).
 const PING_EVERY: Duration = Duration::from_secs(5);
-/// How long to wait between connection attempts.
-const RETRY_EVERY: Duration = Duration::from_secs(1);
+/// The wait after the first failed connection attempt; it doubles with each further failure.
+const RETRY_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between connection attempts: about how late an agent that starts long after
+/// its guest booted (installed or restarted by hand) is noticed at worst.
+const RETRY_MAX: Duration = Duration::from_secs(60);
 
-/// The agent's state as `vm.get` shows it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AgentStatus {
-    /// A synchronised session is open.
-    pub connected: bool,
-    /// The agent's version, from `hello`.
-    pub version: Option<String>,
-    /// RFC 3339 time of the last answer.
-    pub last_seen: Option<String>,
+/// The wait before the next connection attempt after `failures` attempts in a row failed since
+/// the guest booted or the last session: [`RETRY_FIRST`] doubled per failure after the first,
+/// at most [`RETRY_MAX`]. `0` (nothing failed yet) waits as long as `1`.
+fn retry_delay(failures: u32) -> Duration {
+    // The cap is reached long before 31 doublings; bounding them keeps the shift in range.
+    let doublings = failures.saturating_sub(1).min(31);
+    RETRY_FIRST.saturating_mul(1 << doublings).min(RETRY_MAX)
 }
 
 /// What a (re)connection means for the VM, for the lifecycle to act on.
@@ -52,6 +59,31 @@ struct VmAgent {
     conn: AsyncMutex<Option<AgentConn>>,
     status: Mutex<AgentStatus>,
     stop: tokio::sync::watch::Sender<bool>,
+    /// Failed connection attempts in a row, for [`retry_delay`]; zeroed by a boot or a session.
+    failures: Mutex<u32>,
+    /// Ends the task's current wait (a boot: try at once). A permit given while the task is busy
+    /// connecting ends its next wait, so a boot is never missed.
+    wake: tokio::sync::Notify,
+}
+
+impl VmAgent {
+    /// Counts one more failed attempt and returns the wait before the next.
+    fn failed(&self) -> Duration {
+        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        *failures = failures.saturating_add(1);
+        retry_delay(*failures)
+    }
+
+    /// The next failure waits [`RETRY_FIRST`] again.
+    fn reset_backoff(&self) {
+        *self.failures.lock().unwrap_or_else(|p| p.into_inner()) = 0;
+    }
+
+    /// The guest booted: reset the backoff and end the current wait.
+    fn booted(&self) {
+        self.reset_backoff();
+        self.wake.notify_one();
+    }
 }
 
 /// All agent sessions.
@@ -77,18 +109,27 @@ impl AgentHub {
     }
 
     /// Starts keeping a session with `vm`'s agent at `socket`; `on_event` runs after each
-    /// (re)connection. Does nothing if one is already kept.
+    /// (re)connection. If one is already kept, the VM was (re)started under it: as
+    /// [`AgentHub::guest_booted`].
     pub fn start<F, Fut>(self: &Arc<Self>, vm: &str, socket: PathBuf, on_event: F)
     where
         F: Fn(SessionEvent) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = ()> + Send,
     {
         let mut vms = self.vms.lock().unwrap_or_else(|p| p.into_inner());
-        if vms.contains_key(vm) {
+        if let Some(kept) = vms.get(vm) {
+            kept.booted();
             return;
         }
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let agent = Arc::new(VmAgent { socket, conn: AsyncMutex::new(None), status: Mutex::default(), stop });
+        let agent = Arc::new(VmAgent {
+            socket,
+            conn: AsyncMutex::new(None),
+            status: Mutex::default(),
+            stop,
+            failures: Mutex::new(0),
+            wake: tokio::sync::Notify::new(),
+        });
         vms.insert(vm.to_string(), agent.clone());
         let name = vm.to_string();
         tokio::spawn(async move {
@@ -98,10 +139,15 @@ impl AgentHub {
                 if let Some(event) = event {
                     on_event(event).await;
                 }
-                let pause =
-                    if agent.status.lock().map(|s| s.connected).unwrap_or(false) { PING_EVERY } else { RETRY_EVERY };
+                let connected = agent.status.lock().map(|s| s.connected).unwrap_or(false);
+                // A session that a call dropped right after it opened still counts as one.
+                if connected || event == Some(SessionEvent::Connected) {
+                    agent.reset_backoff();
+                }
+                let pause = if connected { PING_EVERY } else { agent.failed() };
                 tokio::select! {
                     _ = tokio::time::sleep(pause) => {}
+                    _ = agent.wake.notified() => {}
                     _ = stopped.changed() => break,
                 }
                 if *stopped.borrow() {
@@ -115,6 +161,16 @@ impl AgentHub {
     pub fn stop(&self, vm: &str) {
         if let Some(a) = self.vms.lock().unwrap_or_else(|p| p.into_inner()).remove(vm) {
             let _ = a.stop.send(true);
+        }
+    }
+
+    /// Tells the session of `vm` that its guest booted again (a reset or reboot QEMU reported):
+    /// the agent is about to come up, so the task tries at once (a connected one pings at once,
+    /// noticing a lost session sooner) and the backoff starts again from [`RETRY_FIRST`].
+    /// Does nothing when no session is kept for `vm`.
+    pub fn guest_booted(&self, vm: &str) {
+        if let Some(agent) = self.get(vm) {
+            agent.booted();
         }
     }
 
@@ -262,5 +318,132 @@ mod tests {
         assert!(!b.rebooted(&info("a", 3)), "an uptime alone never means a reboot");
         assert!(b.rebooted(&info("b", 30)), "a new boot that reached the same uptime");
         assert!(b.rebooted(&info("b", 3)));
+    }
+
+    #[test]
+    fn retries_start_at_one_second_and_double() {
+        let secs: Vec<u64> = (1..=6).map(|n| retry_delay(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 32]);
+        assert_eq!(retry_delay(0), RETRY_FIRST, "nothing failed yet waits as long as one failure");
+    }
+
+    #[test]
+    fn retries_are_capped_at_a_minute_however_many_failures() {
+        assert_eq!(retry_delay(7), RETRY_MAX, "64 s would pass the cap");
+        for n in [8, 31, 32, 33, 64, 1000, u32::MAX - 1, u32::MAX] {
+            assert_eq!(retry_delay(n), RETRY_MAX, "{n} failures");
+        }
+        let mut prev = Duration::ZERO;
+        for n in 0..=100 {
+            let d = retry_delay(n);
+            assert!(d >= prev && d <= RETRY_MAX, "{n} failures: {d:?} after {prev:?}");
+            prev = d;
+        }
+    }
+
+    fn vm_agent() -> VmAgent {
+        VmAgent {
+            socket: PathBuf::new(),
+            conn: AsyncMutex::new(None),
+            status: Mutex::default(),
+            stop: tokio::sync::watch::channel(false).0,
+            failures: Mutex::new(0),
+            wake: tokio::sync::Notify::new(),
+        }
+    }
+
+    #[test]
+    fn a_reset_starts_the_schedule_again() {
+        let a = vm_agent();
+        let first: Vec<u64> = (0..8).map(|_| a.failed().as_secs()).collect();
+        assert_eq!(first, [1, 2, 4, 8, 16, 32, 60, 60]);
+        a.reset_backoff();
+        assert_eq!(a.failed(), RETRY_FIRST);
+        assert_eq!(a.failed(), 2 * RETRY_FIRST);
+        a.booted();
+        assert_eq!(a.failed(), RETRY_FIRST);
+    }
+
+    fn failures_of(hub: &AgentHub, vm: &str) -> u32 {
+        *hub.get(vm).unwrap().failures.lock().unwrap()
+    }
+
+    /// Waits (in paused time) until `secs` after `t0`.
+    async fn at(t0: tokio::time::Instant, secs: f64) {
+        tokio::time::sleep_until(t0 + Duration::from_secs_f64(secs)).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_absent_agent_is_tried_ever_more_rarely_and_at_once_after_a_boot() {
+        let d = tempfile::tempdir().unwrap();
+        let hub = Arc::new(AgentHub::default());
+        let t0 = tokio::time::Instant::now();
+        // No socket: every attempt fails at once, so attempts are at 0, 1, 3, 7, 15, 31, 63, 123,
+        // 183, 243 s (each failure's wait after it).
+        hub.start("vm", d.path().join("absent"), |_| async {});
+        for (t, attempts) in [(0.5, 1), (1.5, 2), (2.5, 2), (3.5, 3), (6.5, 3), (7.5, 4), (62.5, 6), (63.5, 7)] {
+            at(t0, t).await;
+            assert_eq!(failures_of(&hub, "vm"), attempts, "at {t} s");
+        }
+        at(t0, 200.0).await;
+        assert_eq!(failures_of(&hub, "vm"), 9, "one attempt a minute at most, not 200");
+
+        // The guest reset (the next attempt was due at 243 s): at once, then 1 s later.
+        hub.guest_booted("vm");
+        at(t0, 200.1).await;
+        assert_eq!(failures_of(&hub, "vm"), 1);
+        at(t0, 201.5).await;
+        assert_eq!(failures_of(&hub, "vm"), 2);
+
+        // A new QEMU under the kept session (start again) does the same.
+        at(t0, 230.0).await;
+        assert_eq!(failures_of(&hub, "vm"), 5, "attempts at 200, 201, 203, 207, 215 s");
+        hub.start("vm", d.path().join("absent"), |_| async {});
+        at(t0, 230.1).await;
+        assert_eq!(failures_of(&hub, "vm"), 1);
+
+        // Booting a VM without a session, or after stop, does nothing.
+        hub.guest_booted("other");
+        assert!(hub.get("other").is_none());
+        hub.stop("vm");
+        hub.guest_booted("vm");
+        assert!(hub.get("vm").is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_resets_the_backoff() {
+        let d = tempfile::tempdir().unwrap();
+        let socket = d.path().join("agent");
+        let hub = Arc::new(AgentHub::default());
+        let t0 = tokio::time::Instant::now();
+        hub.start("vm", socket.clone(), |_| async {});
+        at(t0, 7.5).await;
+        assert_eq!(failures_of(&hub, "vm"), 4, "attempts at 0, 1, 3, 7 s");
+        // The agent comes up before the attempt at 15 s; after the session the count is zero.
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        tokio::spawn(serve_agent(listener));
+        at(t0, 16.0).await;
+        assert!(hub.status("vm").connected);
+        assert_eq!(failures_of(&hub, "vm"), 0);
+        hub.stop("vm");
+    }
+
+    /// A minimal agent: answers sync, hello and agent.info for one session.
+    async fn serve_agent(listener: tokio::net::UnixListener) {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let (s, _) = listener.accept().await.unwrap();
+        let (r, mut w) = s.into_split();
+        let mut lines = BufReader::new(r).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            let Ok(v) = serde_json::from_str::<Value>(&line) else { continue };
+            let result = match v["method"].as_str() {
+                Some("sync") => json!({"nonce": v["params"]["nonce"]}),
+                Some("hello") => json!({"agent_version": "t", "protocol_version": 1, "capabilities": []}),
+                Some("agent.info") => serde_json::to_value(info("b", 1)).unwrap(),
+                _ => continue,
+            };
+            let reply = json!({"jsonrpc": "2.0", "id": v["id"], "result": result});
+            w.write_all(format!("{reply}\n").as_bytes()).await.unwrap();
+        }
     }
 }

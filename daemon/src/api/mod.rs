@@ -349,7 +349,7 @@ pub struct VmView {
     pub nics: Vec<NicView>,
     /// The guest agent's session.
     #[serde(default)]
-    pub agent: crate::agent::supervisor::AgentStatus,
+    pub agent: AgentStatus,
     /// The VM runs an older spec than `spec` (changed with `restart: false`); its next start
     /// applies `spec`.
     #[serde(default)]
@@ -370,6 +370,18 @@ pub struct NicView {
     pub mac: String,
     /// Host tap name.
     pub tap: String,
+}
+
+/// The guest agent's session as `vm.get` shows it; the daemon's agent supervisor keeps it up to
+/// date.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentStatus {
+    /// A synchronised session is open.
+    pub connected: bool,
+    /// The agent's version, from `hello`.
+    pub version: Option<String>,
+    /// RFC 3339 time of the last answer.
+    pub last_seen: Option<String>,
 }
 
 /// Result of every mutating VM call.

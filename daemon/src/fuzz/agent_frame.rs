@@ -7,8 +7,8 @@
 //! [`MAX_FRAME`] is ever handed on, framing fails only as a protocol error, and an error message kept from the guest is cut to
 //! [`MAX_REMOTE_MESSAGE`] characters. No production code calls it.
 
-use crate::agent::conn::{AgentError, MAX_FRAME};
-use crate::agent::frame::{match_reply, LineReader, MAX_REMOTE_MESSAGE};
+use crate::agent::error::AgentError;
+use crate::agent::frame::{match_reply, LineReader, MAX_FRAME, MAX_REMOTE_MESSAGE};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use vmhost_agent_protocol::{AgentInfo, ApplyReport, CheckReport, Hello, NetState, SyncReply};

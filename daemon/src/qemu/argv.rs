@@ -33,10 +33,6 @@ pub fn data_drive(name: &str) -> String {
 /// virtio-serial port name the guest agent looks for.
 pub const AGENT_PORT_NAME: &str = "org.vmhost.agent.0";
 
-/// Longest `paths.run` for which every VM socket path fits in `sun_path` (107 bytes + NUL):
-/// `RUN/` + 63-byte name + `/agent`.
-pub const MAX_RUN_DIR_LEN: usize = 107 - 1 - 63 - 6;
-
 /// Where one VM's files live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmPaths {
@@ -52,8 +48,8 @@ pub struct VmPaths {
     /// Guest agent chardev socket.
     pub agent: PathBuf,
     /// The serial console's socket (`con`, short: every socket path must fit `sun_path` for a
-    /// [`MAX_RUN_DIR_LEN`] run dir); the daemon connects to it while clients are attached
-    /// ([`crate::console`]).
+    /// [`crate::config::MAX_RUN_DIR_LEN`] run dir); the daemon connects to it while clients are
+    /// attached ([`crate::console`]).
     pub console: PathBuf,
     /// Serial console log, kept across restarts until destroy.
     pub serial_log: PathBuf,
@@ -763,7 +759,7 @@ mod tests {
     #[test]
     fn socket_paths_fit_sun_path() {
         let mut c = config();
-        c.paths.run = PathBuf::from("/").join("r".repeat(MAX_RUN_DIR_LEN - 1));
+        c.paths.run = PathBuf::from("/").join("r".repeat(crate::config::MAX_RUN_DIR_LEN - 1));
         let p = VmPaths::for_vm(&c, &"n".repeat(63));
         assert_eq!(p.agent.as_os_str().len(), 107);
         assert!(p.qmp.as_os_str().len() <= 107);
