@@ -132,12 +132,14 @@ impl Manager {
         });
     }
 
-    /// Listens on the VM's event monitor until QEMU closes it. The task's result: whether the
+    /// Listens on the VM's event monitor until QEMU closes it, telling the agent hub of every
+    /// guest reset. The task's result: whether the
     /// last `SHUTDOWN` event said the guest asked (`None`: no such event, or no monitor, as for
     /// a VM started before it existed).
     fn listen_for_shutdown(&self, name: &str) -> tokio::task::JoinHandle<Option<bool>> {
         let socket = self.paths(name).qmp_events;
         let name = name.to_string();
+        let agents = Arc::clone(&self.agents);
         tokio::spawn(async move {
             let mut qmp = match crate::qemu::qmp::Qmp::connect(&socket, Duration::from_secs(10)).await {
                 Ok(q) => q,
@@ -153,6 +155,10 @@ impl Manager {
                     // the guest asked for counts.
                     guest = Some(event["data"]["guest"] == true && event["data"]["reason"] == "guest-shutdown");
                     tracing::info!(vm = %name, data = %event["data"], "QEMU reports a shutdown");
+                } else if event["event"] == "RESET" {
+                    // The guest boots again: its agent is worth trying at once, not after the
+                    // backoff the absent agent had reached.
+                    agents.guest_booted(&name);
                 }
             }
             guest

@@ -239,7 +239,7 @@ impl Registry {
     }
 
     /// The view of `rec` as recorded, with `agent` and the liveness the table knows.
-    fn render(&self, rec: &VmRecord, t: &Table, agent: crate::agent::supervisor::AgentStatus) -> CachedView {
+    fn render(&self, rec: &VmRecord, t: &Table, agent: crate::api::AgentStatus) -> CachedView {
         let name = rec.name();
         let paths = VmPaths::for_vm(&self.config, name);
         let dead =
@@ -287,7 +287,7 @@ impl Registry {
         &self,
         name: &str,
         old: &Arc<CachedView>,
-        agent: crate::agent::supervisor::AgentStatus,
+        agent: crate::api::AgentStatus,
         alive: bool,
     ) -> Arc<CachedView> {
         let mut view = old.view.clone();
@@ -533,8 +533,7 @@ mod tests {
     fn a_refresh_never_replaces_a_newer_commit() {
         let f = fixture(&[("a", VmStatus::Running)]);
         let old = f.reg.view("a").unwrap();
-        let agent =
-            crate::agent::supervisor::AgentStatus { connected: true, version: Some("1".into()), last_seen: None };
+        let agent = crate::api::AgentStatus { connected: true, version: Some("1".into()), last_seen: None };
         let fresh = f.reg.refresh("a", &old, agent.clone(), true);
         assert_eq!(served(&fresh)["agent"]["connected"], true);
         assert!(Arc::ptr_eq(&f.reg.view("a").unwrap(), &fresh));
