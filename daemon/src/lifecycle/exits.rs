@@ -133,23 +133,28 @@ impl Manager {
     }
 
     /// Listens on the VM's event monitor until QEMU closes it, telling the agent hub of every
-    /// guest reset. The task's result: whether the
+    /// guest reset, and keeps it as the VM's QMP session ([`crate::qemu::session`]) meanwhile.
+    /// The task's result: whether the
     /// last `SHUTDOWN` event said the guest asked (`None`: no such event, or no monitor, as for
     /// a VM started before it existed).
     fn listen_for_shutdown(&self, name: &str) -> tokio::task::JoinHandle<Option<bool>> {
         let socket = self.paths(name).qmp_events;
         let name = name.to_string();
         let agents = Arc::clone(&self.agents);
+        let sessions = Arc::clone(&self.qmp_sessions);
         tokio::spawn(async move {
-            let mut qmp = match crate::qemu::qmp::Qmp::connect(&socket, Duration::from_secs(10)).await {
+            let qmp = match crate::qemu::qmp::Qmp::connect(&socket, Duration::from_secs(10)).await {
                 Ok(q) => q,
                 Err(e) => {
                     tracing::debug!(vm = %name, error = %e, "no event monitor; exits count as failures");
                     return None;
                 }
             };
+            // The VM's one kept session: operations borrow it for their commands meanwhile.
+            let session = crate::qemu::session::Session::new(qmp);
+            sessions.insert(&name, &session);
             let mut guest = None;
-            while let Ok(event) = qmp.next_event().await {
+            while let Ok(event) = session.next_event().await {
                 if event["event"] == "SHUTDOWN" {
                     // guest: true also comes with a guest panic ("guest-panic"): only a power-off
                     // the guest asked for counts.
@@ -161,6 +166,7 @@ impl Manager {
                     agents.guest_booted(&name);
                 }
             }
+            sessions.remove(&name, &session);
             guest
         })
     }

@@ -81,7 +81,7 @@ impl Manager {
         if changes.add.is_empty() && changes.remove.is_empty() {
             return Ok(true);
         }
-        let mut q = Qmp::connect(&self.paths(name).qmp, QMP_TIMEOUT).await.map_err(|e| failed("*", "change", e))?;
+        let mut q = self.qmp(name, QMP_TIMEOUT).await.map_err(|e| failed("*", "change", e))?;
         let remove: Vec<&str> = changes.remove.iter().map(|d| d.name.as_str()).collect();
         let pcie = hotplug::is_pcie(&self.config.qemu.machine);
         hotplug::can_change(&mut q, pcie, changes.add.len(), &remove).await.map_err(|e| failed("*", "change", e))
@@ -110,7 +110,7 @@ impl Manager {
         let first =
             changes.grow.first().map(|d| d.0).or(changes.remove.first().copied()).or(changes.add.first().copied());
         let first = first.map(|d| d.name.as_str()).unwrap_or_default();
-        let mut q = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| untouched(failed(first, "change", e)))?;
+        let mut q = self.qmp(name, QMP_TIMEOUT).await.map_err(|e| untouched(failed(first, "change", e)))?;
         q.set_timeout(QMP_TIMEOUT);
         let mut touched = false;
         let fail = |touched: bool| move |error: ApiError| LiveFailure { error, touched };

@@ -74,6 +74,8 @@ pub struct Manager {
     agents: Arc<crate::agent::supervisor::AgentHub>,
     /// `vm.stats`' connections to each running QEMU's stats monitor.
     stats_monitors: crate::stats::sampler::Samplers,
+    /// Each running QEMU's kept QMP session (its event monitor), lent to operations.
+    qmp_sessions: Arc<crate::qemu::session::Sessions>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -143,6 +145,7 @@ impl Manager {
             pci: Arc::new(crate::pci::Pci::real()),
             agents: Arc::default(),
             stats_monitors: Default::default(),
+            qmp_sessions: Arc::default(),
         });
         mgr.recover_all().await;
         mgr.refresh_networks().await;
@@ -189,6 +192,19 @@ impl Manager {
 
     fn paths(&self, name: &str) -> VmPaths {
         VmPaths::for_vm(&self.config, name)
+    }
+
+    /// A QMP connection to VM `name`'s QEMU for one operation: its kept session, or else a
+    /// connection of its own made within `timeout` ([`crate::qemu::session`]).
+    ///
+    /// # Errors
+    /// No connection could be made.
+    async fn qmp(
+        &self,
+        name: &str,
+        timeout: std::time::Duration,
+    ) -> Result<crate::qemu::session::Monitor, crate::qemu::qmp::QmpError> {
+        self.qmp_sessions.connect(name, &self.paths(name).qmp, timeout).await
     }
 
     /// The QEMU that works on image files: `qemu.binary` as `qemu.user` ([`crate::disk`]).

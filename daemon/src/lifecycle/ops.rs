@@ -310,11 +310,10 @@ impl Manager {
                 r.spec.state = state;
             }
         })?;
-        let paths = self.paths(name);
         let mut exited = false;
         if !force {
             let asked = async {
-                let mut qmp = crate::qemu::qmp::Qmp::connect(&paths.qmp, Duration::from_secs(5)).await?;
+                let mut qmp = self.qmp(name, Duration::from_secs(5)).await?;
                 qmp.system_powerdown().await
             }
             .await;

@@ -251,9 +251,8 @@ impl Manager {
 
     /// Grows a running VM's disk to `gib` over QMP; the guest sees the new size at once.
     async fn grow_live(&self, name: &str, gib: u64) -> Result<(), ApiError> {
-        let qmp = self.paths(name).qmp;
         let grown = async {
-            let mut q = crate::qemu::qmp::Qmp::connect(&qmp, RESIZE_TIMEOUT).await?;
+            let mut q = self.qmp(name, RESIZE_TIMEOUT).await?;
             q.block_resize(DISK_DRIVE, gib.saturating_mul(1 << 30)).await
         }
         .await;

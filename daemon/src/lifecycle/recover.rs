@@ -257,6 +257,7 @@ mod tests {
             pci: Arc::new(crate::pci::Pci::new(Box::new(Arc::clone(&sysfs)))),
             agents: Arc::default(),
             stats_monitors: Default::default(),
+            qmp_sessions: Arc::default(),
         });
         mgr.recover_all().await;
 

@@ -7,3 +7,4 @@ pub mod identity;
 pub mod kvm;
 pub mod launch;
 pub mod qmp;
+pub mod session;

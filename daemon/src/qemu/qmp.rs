@@ -171,6 +171,12 @@ impl Qmp {
         &self.greeting
     }
 
+    /// Whether the stream is out of step (a write cut short, an overlong line): every call on
+    /// this connection fails from now on.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
     /// The bound on each call.
     pub fn timeout(&self) -> Duration {
         self.timeout
