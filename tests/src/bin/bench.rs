@@ -876,9 +876,15 @@ fn parallel_bench(parallel: usize, rounds: usize, goals: &mut Vec<Goal>) {
     create(&mut c, "par-warm");
     host.call("vm.destroy", json!({ "name": "par-warm" }));
     let (mut alone, mut totals, mut each) = (Vec::new(), Vec::new(), Vec::new());
+    // CPU (ms) of vmhostd and its spawner during the creates, and of the QEMUs until the last
+    // create answered: one alone, and all of a parallel round.
+    let (mut cpu_one, mut cpu_all) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
+        let d0 = ticks_ms(&daemon_procs(&host));
         alone.push(create(&mut c, "par-one"));
+        cpu_one.push((ticks_ms(&daemon_procs(&host)) - d0, ticks_ms(&host.qemu_pids())));
         host.call("vm.destroy", json!({ "name": "par-one" }));
+        let d0 = ticks_ms(&daemon_procs(&host));
         let names: Vec<String> = (0..parallel).map(|i| format!("par-{i:02}")).collect();
         let barrier = std::sync::Barrier::new(parallel + 1);
         let (total, took) = std::thread::scope(|s| {
@@ -901,6 +907,7 @@ fn parallel_bench(parallel: usize, rounds: usize, goals: &mut Vec<Goal>) {
             let last = ends.iter().map(|e| e.1).max().unwrap_or(t0);
             (last.saturating_duration_since(t0), ends.into_iter().map(|e| e.0).collect::<Vec<_>>())
         });
+        cpu_all.push((ticks_ms(&daemon_procs(&host)) - d0, ticks_ms(&host.qemu_pids())));
         totals.push(total);
         each.extend(took);
         for name in &names {
@@ -920,6 +927,16 @@ fn parallel_bench(parallel: usize, rounds: usize, goals: &mut Vec<Goal>) {
         ms(percentile(&each, 0.5)),
         ms(each.last().copied().unwrap_or_default())
     );
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let fmt_cpu = |v: &[(f64, f64)]| v.iter().map(|(d, q)| format!("{d:.0} + {q:.0}")).collect::<Vec<_>>().join(", ");
+    println!(
+        "CPU used (ms, vmhostd and its spawner during the creates + the QEMUs until the last create answered, their \
+         guests already booting): one alone {}; {parallel} in parallel {}; on {cpus} CPUs the parallel CPU alone is \
+         at least {} ms of wall",
+        fmt_cpu(&cpu_one),
+        fmt_cpu(&cpu_all),
+        cpu_all.iter().map(|(d, q)| format!("{:.0}", (d + q) / cpus as f64)).collect::<Vec<_>>().join(", ")
+    );
     goal(
         goals,
         format!("{parallel} `vm.create` in parallel (kernel boot, 64 MiB) total vs one alone, medians of {rounds}"),
@@ -927,6 +944,26 @@ fn parallel_bench(parallel: usize, rounds: usize, goals: &mut Vec<Goal>) {
         format!("{ratio:.1}x ({:.0} ms vs {:.0} ms)", ms(total), ms(one)),
         ratio <= 3.0,
     );
+}
+
+/// vmhostd and its non-QEMU children (its spawner).
+fn daemon_procs(host: &TestHost) -> Vec<i32> {
+    let daemon = host.daemon_pid().expect("daemon pid") as i32;
+    let qemus = host.qemu_pids();
+    let mut procs = vec![daemon];
+    procs.extend(vmhost_tests::children_of(daemon).into_iter().filter(|p| !qemus.contains(p)));
+    procs
+}
+
+/// Clock ticks per second of /proc's CPU times.
+fn clock_hz() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64
+}
+
+/// User + system CPU used so far by processes `pids` together, in ms.
+fn ticks_ms(pids: &[i32]) -> f64 {
+    pids.iter().map(|p| cpu_ticks(*p).0).sum::<u64>() as f64 * 1000.0 / clock_hz()
 }
 
 /// User + system CPU ticks used so far by process `pid` (all its threads), and its name.
@@ -962,11 +999,9 @@ fn idle_bench(vms: usize, secs: u64, settle: u64, goals: &mut Vec<Goal>) {
     drop(c);
     let started = t.elapsed();
     std::thread::sleep(Duration::from_secs(settle));
-    let daemon = host.daemon_pid().expect("daemon pid") as i32;
     let qemus = host.qemu_pids();
     assert_eq!(qemus.len(), vms, "every idle VM should run its QEMU");
-    let mut procs = vec![daemon];
-    procs.extend(vmhost_tests::children_of(daemon).into_iter().filter(|p| !qemus.contains(p)));
+    let procs = daemon_procs(&host);
     let before: Vec<(u64, String)> = procs.iter().map(|p| cpu_ticks(*p)).collect();
     let qemu_before: u64 = qemus.iter().map(|p| cpu_ticks(*p).0).sum();
     let t0 = Instant::now();
@@ -975,8 +1010,7 @@ fn idle_bench(vms: usize, secs: u64, settle: u64, goals: &mut Vec<Goal>) {
     let after: Vec<(u64, String)> = procs.iter().map(|p| cpu_ticks(*p)).collect();
     let qemu_after: u64 = qemus.iter().map(|p| cpu_ticks(*p).0).sum();
     assert!(procs.iter().all(|p| vmhost_tests::alive(*p)), "a daemon process ended during the window");
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let hz = clock_hz();
     let pct = |ticks: u64| ticks as f64 / hz / window * 100.0;
     let parts: Vec<String> = procs
         .iter()
