@@ -41,6 +41,7 @@ impl Manager {
             .map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status, pending_restart: v.pending_restart }))
             .collect();
         let mut plan = plan_reconcile(&self.config, &p.vms, &current, p.prune, p.replace);
+        let specs: BTreeMap<&str, &VmSpec> = p.vms.iter().map(|s| (s.name.as_str(), s)).collect();
         // The plan is pure; the files a spec names are checked here, so a dry run also shows a
         // missing image or kernel.
         for entry in plan.iter_mut().filter(|e| e.error.is_none()) {
@@ -50,7 +51,7 @@ impl Manager {
             ) {
                 continue;
             }
-            let Some(spec) = p.vms.iter().find(|s| s.name == entry.vm) else { continue };
+            let Some(spec) = specs.get(entry.vm.as_str()) else { continue };
             if let Ok(vm) = crate::validate::validate_spec(spec, &self.config) {
                 if let Err(e) = self.check_boot_files(&vm).await {
                     entry.error = Some(e.to_json());
@@ -61,7 +62,6 @@ impl Manager {
             let ok = plan.iter().all(|e| e.error.is_none());
             return ReconcileReport { dry_run: true, plan, results: Vec::new(), ok };
         }
-        let specs: BTreeMap<&str, &VmSpec> = p.vms.iter().map(|s| (s.name.as_str(), s)).collect();
         let mut indexed: Vec<(usize, &PlanEntry)> = plan.iter().enumerate().collect();
         indexed.sort_by_key(|(i, e)| (order(e.action), *i));
         let mut results: Vec<(usize, ReconcileResult)> = Vec::new();
