@@ -6,7 +6,7 @@
 //! Teardown ([`Manager::kill_process`], then [`super::teardown`]) is what rollback, stop and
 //! destroy share.
 
-use super::teardown::Devices;
+use super::undo::{Step, Undo};
 use super::{last_error, Manager};
 use crate::api::{ApiError, Code, VmStatus};
 use crate::process::{self, ProcessIdentity};
@@ -182,6 +182,7 @@ impl Manager {
         self: &Arc<Self>,
         vm: &ValidSpec,
         during: VmStatus,
+        undo: &mut Undo,
     ) -> Result<ProcessIdentity, ApiError> {
         let name = vm.spec.name.clone();
         let paths = self.paths(&name);
@@ -198,6 +199,7 @@ impl Manager {
             .mode(0o700)
             .create(&paths.run_dir)
             .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
+        undo.push(Step::HostSide);
         self.update(&name, "launching QEMU", |r| {
             r.status = during;
             r.last_error = None;
@@ -205,63 +207,38 @@ impl Manager {
             r.running_spec = None;
         })?;
         self.crashpoint("launch:recorded");
-        if let Err(e) = self.bind_passthrough(&vm.spec).await {
-            self.clean_run_dir(&paths);
-            return Err(e);
-        }
+        // A failed bind restores what it changed itself.
+        self.bind_passthrough(&vm.spec).await?;
+        undo.push(Step::Devices);
         self.crashpoint("launch:bound");
-        match self.start_process(vm, &paths).await {
-            Ok(id) => Ok(id),
-            Err(e) => {
-                // Devices go back only when no QEMU of this VM can still be holding them.
-                let recorded = self.record(&name).ok().and_then(|r| r.process);
-                if matches!(self.find_live_anywhere(&paths, recorded.as_ref(), None), Ok(None)) {
-                    if let Err(rel) = self.release_passthrough(&name).await {
-                        tracing::error!(vm = %name, error = %rel, "rollback: passthrough devices not restored");
-                    }
-                }
-                Err(e)
-            }
-        }
+        self.start_process(vm, &paths, undo).await
     }
 
     /// Seed, taps, QEMU, QMP check: the steps after the devices are bound.
-    async fn start_process(self: &Arc<Self>, vm: &ValidSpec, paths: &VmPaths) -> Result<ProcessIdentity, ApiError> {
+    async fn start_process(
+        self: &Arc<Self>,
+        vm: &ValidSpec,
+        paths: &VmPaths,
+        undo: &mut Undo,
+    ) -> Result<ProcessIdentity, ApiError> {
         let name = vm.spec.name.clone();
         let paths = paths.clone();
         let allocs = self.record(&name)?.nics;
-        if let Err(e) = self.hand_vfio_groups_to_qemu(&name).await {
-            self.clean_run_dir(&paths);
-            return Err(e);
-        }
+        self.hand_vfio_groups_to_qemu(&name).await?;
         if crate::seed::has_seed(vm) {
             let files = crate::seed::render(&vm.spec, &allocs);
             // Built and fsynced off the runtime worker: 20 launches at once must not stall it.
-            if let Err(e) = super::blocking(|| crate::seed::write_seed(&paths.seed, &files)) {
-                self.clean_run_dir(&paths);
-                return Err(provisioning("seed", format!("cannot write the cloud-init seed: {e}")));
-            }
+            super::blocking(|| crate::seed::write_seed(&paths.seed, &files))
+                .map_err(|e| provisioning("seed", format!("cannot write the cloud-init seed: {e}")))?;
         } else {
             // A kernel VM whose user_data was dropped: its old seed (and the text in it) goes.
             let _ = std::fs::remove_file(&paths.seed);
         }
         // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
         // failure below removes the taps: they are not persistent.
-        let fds = match self.net.attach_nics(&self.config, &name, &vm.spec.nics, &allocs).await {
-            Ok(fds) => fds,
-            Err(e) => {
-                let _ = self.release_host_side(&name, Devices::Keep).await;
-                return Err(e);
-            }
-        };
+        let fds = self.net.attach_nics(&self.config, &name, &vm.spec.nics, &allocs).await?;
         self.crashpoint("launch:taps");
-        let opened = match self.open_passed_fds(vm, &paths, fds).await {
-            Ok(opened) => opened,
-            Err(e) => {
-                let _ = self.release_host_side(&name, Devices::Keep).await;
-                return Err(e);
-            }
-        };
+        let opened = self.open_passed_fds(vm, &paths, fds).await?;
         let request = LaunchRequest {
             binary: self.config.qemu.binary.clone(),
             argv: build_argv(vm, &self.config, &paths, &allocs, &opened.base_format),
@@ -277,24 +254,15 @@ impl Manager {
         // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client
         // of a dead QEMU's sockets is refused rather than queued.
         drop(request);
-        let id = match launched {
-            Ok(id) => {
-                self.crashpoint("launch:spawned");
-                id
-            }
-            Err(e) => {
-                let _ = self.release_host_side(&name, Devices::Keep).await;
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                return Err(ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
-                    .details(json!({"step": "qemu", "stderr": tail})));
-            }
-        };
-        if let Err(e) = self.update(&name, "launched", |r| r.process = Some(id.clone())) {
-            if self.kill_process(&name, &id).await.is_ok() {
-                self.clean_run_dir(&paths);
-            }
-            return Err(e);
-        }
+        let id = launched.map_err(|e| {
+            let tail = e.stderr_tail().unwrap_or_default().to_string();
+            ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
+                .details(json!({"step": "qemu", "stderr": tail}))
+        })?;
+        // Killed on failure from here on, also when its identity cannot be recorded.
+        undo.push(Step::Process(id.clone()));
+        self.crashpoint("launch:spawned");
+        self.update(&name, "launched", |r| r.process = Some(id.clone()))?;
         self.crashpoint("launch:launched");
         let verified = async {
             let mut qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| e.to_string())?;
@@ -308,10 +276,6 @@ impl Manager {
                     Ok(s) => format!("QEMU reports status {s:?}"),
                     Err(e) => format!("QMP check failed: {e}"),
                 };
-                // On a failed kill the record keeps the process, so nothing treats the VM as stopped.
-                self.kill_process(&name, &id).await?;
-                let _ = self.release_host_side(&name, Devices::Keep).await;
-                let _ = self.update(&name, "launch failed", |r| r.process = None);
                 Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
             }
         }

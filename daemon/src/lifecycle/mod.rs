@@ -11,7 +11,7 @@
 //!    ([`root_disk`]), data disks
 //!    ([`data_disks`]), run dir, QEMU ([`crate::qemu`]), with the record saved before each step
 //!    that creates something;
-//! 4. on failure undo the completed steps in reverse and record `failed` with the error.
+//! 4. on failure undo the completed steps in reverse ([`undo`]) and record `failed` with the error.
 //!
 //! Submodules: [`ops`] (create/start/stop/destroy/apply), [`reconfigure`] (`vm.apply` of a
 //! changed VM, in place, disks kept), [`launch`] (QEMU start and teardown steps), [`data_disks`]
@@ -19,6 +19,7 @@
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
 //! `host.stats`), [`teardown`] (what every path that ends a QEMU gives back, in one order),
+//! [`undo`] (the undo stack a create or start pushes its steps onto, unwound on failure),
 //! [`registry`] (records, their files and the views readers are served).
 
 mod agent;
@@ -36,6 +37,7 @@ mod root_disk;
 mod shutdown;
 mod stats;
 mod teardown;
+mod undo;
 mod vfio;
 
 use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION};

@@ -6,6 +6,7 @@
 
 use super::launch::partial_overlay;
 use super::teardown::Devices;
+use super::undo::{Step, Undo};
 use super::{Manager, OpGuard};
 use crate::api::{ApiError, ApplyParams, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
 use crate::plan::Change;
@@ -88,13 +89,16 @@ impl Manager {
                 return Err(e);
             }
         };
+        let mut undo = Undo::new(true);
+        if made_overlay || matches!(vm.boot, BootSource::Image { .. }) {
+            undo.push(Step::Overlay);
+        }
+        // Both record what they take as they go: on the stack before they run.
+        undo.push(Step::RootDisk);
+        undo.push(Step::DataDisks);
         self.crashpoint("create:overlay");
         if let Err(e) = self.ensure_data_disks(&vm.spec, true).await {
-            self.undo_data_disks(name);
-            self.undo_root_disk(name);
-            self.undo_overlay(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
-            self.mark_failed(name, &e, true);
-            return Err(e);
+            return Err(self.unwind(name, undo, e).await);
         }
         self.crashpoint("create:disks");
         if vm.spec.state == DesiredState::Stopped {
@@ -102,28 +106,19 @@ impl Manager {
             self.end_root_disk_import(name)?;
             return self.end_disk_tracking(name);
         }
-        match self.launch_qemu(vm, VmStatus::Creating).await {
+        match self.launch_qemu(vm, VmStatus::Creating, &mut undo).await {
             Ok(id) => {
                 self.mark_running(name, id, "vm.create")?;
                 self.crashpoint("create:running");
                 self.end_root_disk_import(name)?;
                 self.end_disk_tracking(name)
             }
-            Err(e) => {
-                self.undo_data_disks(name);
-                self.undo_root_disk(name);
-                self.undo_overlay(name, made_overlay || matches!(vm.boot, BootSource::Image { .. }));
-                self.mark_failed(name, &e, true);
-                Err(e)
-            }
+            Err(e) => Err(self.unwind(name, undo, e).await),
         }
     }
 
-    /// Removes the VM's overlay (and seed) as part of a rollback.
-    fn undo_overlay(&self, name: &str, remove: bool) {
-        if !remove {
-            return;
-        }
+    /// Removes the VM's overlay (and seed) as part of a rollback ([`Step::Overlay`]).
+    pub(super) fn undo_overlay(&self, name: &str) {
         let _ = std::fs::remove_file(self.paths(name).seed);
         let overlay = self.paths(name).overlay;
         if let Err(e) = crate::disk::remove_overlay(&overlay) {
@@ -204,24 +199,22 @@ impl Manager {
                 return Err(e);
             }
         };
+        let mut undo = Undo::new(reserved_here);
+        if reserved_here && made_overlay {
+            undo.push(Step::Overlay);
+        }
         // A boot.disk VM whose failed create gave its disk back imports it again.
+        undo.push(Step::RootDisk);
         if let Err(e) = self.ensure_root_disk(&vm).await {
-            self.undo_root_disk(name);
-            self.mark_failed(name, &e, reserved_here);
-            return Err(e);
+            return Err(self.unwind(name, undo, e).await);
         }
         // A disk added while the VM was stopped is made now; one a change dropped goes only
         // once the new spec runs (a failed restart rolls back to the spec that still has it).
         if let Err(e) = self.ensure_data_disks(&vm.spec, false).await {
-            if reserved_here {
-                self.undo_overlay(name, made_overlay);
-            }
-            self.undo_root_disk(name);
-            self.mark_failed(name, &e, reserved_here);
-            return Err(e);
+            return Err(self.unwind(name, undo, e).await);
         }
         let pending_from = rec.running_spec.clone();
-        match self.launch_qemu(&vm, VmStatus::Starting).await {
+        match self.launch_qemu(&vm, VmStatus::Starting, &mut undo).await {
             Ok(id) => {
                 self.mark_running(name, id, reason)?;
                 self.end_root_disk_import(name)?;
@@ -232,14 +225,7 @@ impl Manager {
                 }
                 Ok(true)
             }
-            Err(e) => {
-                if reserved_here {
-                    self.undo_overlay(name, made_overlay);
-                }
-                self.undo_root_disk(name);
-                self.mark_failed(name, &e, reserved_here);
-                Err(e)
-            }
+            Err(e) => Err(self.unwind(name, undo, e).await),
         }
     }
 
