@@ -213,6 +213,10 @@ pub fn allocate(
     others: &[NicHolding<'_>],
     previous: &[NicAlloc],
 ) -> Result<Vec<NicAlloc>, ApiError> {
+    // Nothing to allocate or conflict with (reconcile calls this for each of 1000 VMs).
+    if spec.nics.is_empty() {
+        return Ok(Vec::new());
+    }
     let others: Vec<&NicHolding<'_>> = others.iter().filter(|o| o.vm != spec.name).collect();
     let mut taken_macs: HashSet<[u8; 6]> = HashSet::new();
     let mut taken_stems: HashSet<String> = HashSet::new();

@@ -13,7 +13,7 @@ use crate::config::Config;
 use crate::nic::{NicAlloc, NicHolding};
 use crate::validate::validate_spec;
 use serde_json::Value;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// The 2002 of a `boot.image` change without `replace: true`: the VM is left as it is.
 pub fn replace_needed(name: &str, fields: &[String]) -> ApiError {
@@ -348,26 +348,30 @@ pub fn plan_reconcile(
     let kept: Vec<&VmSpec> =
         current.iter().filter(|(n, _)| !seen.contains(*n) && !prune).map(|(_, c)| &c.spec).collect();
     let desired_by_name: BTreeMap<&str, &VmSpec> = desired.iter().map(|s| (s.name.as_str(), s)).collect();
-    let mut admitted: Vec<&VmSpec> = kept;
-    // The MACs each admitted spec declares, made once per spec (not once per entry admitted
-    // after it: with 1000 VMs that was a million small vectors).
-    let mut fixed: Vec<Vec<NicAlloc>> = admitted.iter().map(|s| declared_macs(s)).collect();
+    // The MACs each spec declares, made once (not once per entry admitted after it); by the
+    // spec's address, as a name may be listed twice.
+    let key = |s: &VmSpec| std::ptr::from_ref(s) as usize;
+    let fixed: HashMap<usize, Vec<NicAlloc>> =
+        kept.iter().copied().chain(desired.iter()).map(|s| (key(s), declared_macs(s))).collect();
+    let no_macs = Vec::new();
+    let macs = |s: &VmSpec| fixed.get(&key(s)).unwrap_or(&no_macs);
+    // What the simulated host holds, grown as entries are admitted.
+    let mut holdings: Vec<Holding<'_>> = kept.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
+    let mut nic_holdings: Vec<NicHolding<'_>> =
+        kept.iter().map(|s| NicHolding { vm: &s.name, spec: s, allocs: macs(s) }).collect();
     for pass_changes in [false, true] {
         for entry in entries.iter_mut() {
             let changes = matches!(entry.action, PlanAction::Create | PlanAction::Replace | PlanAction::Reconfigure);
             if changes != pass_changes || entry.error.is_some() || entry.action == PlanAction::Destroy {
                 continue;
             }
-            let Some(spec) = desired_by_name.get(entry.vm.as_str()) else { continue };
-            let holdings: Vec<Holding<'_>> = admitted.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
-            let nic_holdings: Vec<NicHolding<'_>> =
-                admitted.iter().zip(&fixed).map(|(s, a)| NicHolding { vm: &s.name, spec: s, allocs: a }).collect();
+            let Some(spec) = desired_by_name.get(entry.vm.as_str()).copied() else { continue };
             let verdict = admit(&config.hardware, &holdings, spec)
                 .and_then(|()| crate::nic::allocate(spec, config, &nic_holdings, &[]).map(|_| ()));
             match verdict {
                 Ok(()) => {
-                    admitted.push(spec);
-                    fixed.push(declared_macs(spec));
+                    holdings.push(Holding { name: &spec.name, spec });
+                    nic_holdings.push(NicHolding { vm: &spec.name, spec, allocs: macs(spec) });
                 }
                 Err(e) => entry.error = Some(e.to_json()),
             }

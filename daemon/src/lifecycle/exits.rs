@@ -11,8 +11,9 @@
 //!    10 minutes ([`failures_after`]): `stopped` (a guest power-off under `on-failure` or
 //!    `never`; the desired state becomes `stopped`), `dead` (`never`), a restart after a backoff
 //!    of 1 s doubling to 60 s, or `failed` at the 5th failure within 10 minutes;
-//! 3. the verdict is recorded (status, `last_exit`, the failure times) before anything else, then
-//!    the VM's taps, agent session, run dir and devices go;
+//! 3. the verdict is recorded (status, `last_exit`, the failure times) before anything else,
+//!    taking the VM's busy flag in the same step; then the VM's run dir, taps, agent session and
+//!    devices go ([`super::teardown`]) and the flag is released;
 //! 4. a restart sleeps the backoff and starts the VM through the ordinary start steps (reason
 //!    `restart policy`), only if it is still `dead` and desired running and nobody else is working
 //!    on it. A daemon killed meanwhile leaves a `dead` VM desired running, which autostart starts.
@@ -20,8 +21,9 @@
 //! 10 minutes of uptime reset the count. A restart that fails to start leaves the VM `failed`
 //! (no retry loop).
 
+use super::registry::Change;
 use super::teardown::Devices;
-use super::Manager;
+use super::{Manager, OpGuard};
 use crate::api::{Code, RestartPolicy, VmStatus};
 use crate::process::{self, ProcessIdentity};
 use std::sync::Arc;
@@ -178,14 +180,19 @@ impl Manager {
             let mut was_busy = false;
             let mut decided = Verdict::Dead;
             let now = unix_now();
-            let result = self.update_if(
-                name,
-                "QEMU exited",
-                |rec, busy| {
+            // The record and the VM's busy flag in one step: the cleanup below must not take
+            // the run dir, taps or devices of a start that begins meanwhile.
+            let took_busy = std::cell::Cell::new(false);
+            let result = self
+                .registry
+                .write(name, "QEMU exited", |t| {
+                    let busy = t.busy.contains(name);
                     was_busy = busy;
-                    !busy && rec.status == VmStatus::Running && rec.process.as_ref() == Some(id)
-                },
-                |r| {
+                    let Some(rec) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
+                    if busy || rec.status != VmStatus::Running || rec.process.as_ref() != Some(id) {
+                        return Ok((Change::Keep, ()));
+                    }
+                    let mut r = rec.clone();
                     let failures = match cause {
                         ExitCause::GuestPowerOff => r.failures.clone(),
                         ExitCause::Failure(_) => {
@@ -219,14 +226,19 @@ impl Manager {
                         };
                         r.last_error = Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message });
                     }
-                },
-            );
+                    t.busy.insert(name.to_string());
+                    took_busy.set(true);
+                    Ok((Change::Put(Box::new(r)), ()))
+                })
+                .map(|(_, new)| new);
+            let guard = took_busy.get().then(|| OpGuard { mgr: Arc::clone(self), name: name.to_string() });
             match result {
                 Ok(Some(_)) => {
                     tracing::info!(vm = name, cause = ?cause, verdict = ?decided, "QEMU ended without vmhostd asking");
                     if let Err(e) = self.release_host_side(name, Devices::Release).await {
                         tracing::error!(vm = name, error = %e, "passthrough devices of an ended VM not restored");
                     }
+                    drop(guard);
                     if let Verdict::Restart(after) = decided {
                         self.restart_later(name, after);
                     }
