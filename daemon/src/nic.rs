@@ -199,36 +199,16 @@ fn tap_stem(vm: &str, attempt: u32) -> String {
     format!("{TAP_PREFIX}{:08x}", h as u32)
 }
 
-/// Checks `spec`'s NICs against other VMs and allocates each NIC's MAC and tap name.
-///
-/// `previous` are the allocations the VM already has (kept when still valid, so a restart or a
-/// re-reservation changes nothing).
+/// The conflicts of `spec`'s NICs with other VMs' and the networks' own addresses, without
+/// allocating anything: what [`allocate`] refuses, for a plan that only needs the verdict.
 ///
 /// # Errors
-/// 3003 listing every conflict (a MAC or a static address held by another VM, or the network's
-/// own host address).
-pub fn allocate(
-    spec: &VmSpec,
-    config: &Config,
-    others: &[NicHolding<'_>],
-    previous: &[NicAlloc],
-) -> Result<Vec<NicAlloc>, ApiError> {
-    // Nothing to allocate or conflict with (reconcile calls this for each of 1000 VMs).
+/// As [`allocate`].
+pub fn check_conflicts(spec: &VmSpec, config: &Config, others: &[NicHolding<'_>]) -> Result<(), ApiError> {
     if spec.nics.is_empty() {
-        return Ok(Vec::new());
+        return Ok(());
     }
     let others: Vec<&NicHolding<'_>> = others.iter().filter(|o| o.vm != spec.name).collect();
-    let mut taken_macs: HashSet<[u8; 6]> = HashSet::new();
-    let mut taken_stems: HashSet<String> = HashSet::new();
-    for o in &others {
-        for a in o.allocs {
-            if let Ok(m) = parse_mac(&a.mac) {
-                taken_macs.insert(m);
-            }
-            taken_stems.insert(a.tap.chars().take(TAP_PREFIX.len() + 8).collect());
-        }
-    }
-
     let mut conflicts = Vec::new();
     let mut first_field = None;
     for (i, nic) in spec.nics.iter().enumerate() {
@@ -269,6 +249,39 @@ pub fn allocate(
         let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": conflicts }));
         e.field = first_field;
         return Err(e);
+    }
+    Ok(())
+}
+
+/// Checks `spec`'s NICs against other VMs and allocates each NIC's MAC and tap name.
+///
+/// `previous` are the allocations the VM already has (kept when still valid, so a restart or a
+/// re-reservation changes nothing).
+///
+/// # Errors
+/// 3003 listing every conflict (a MAC or a static address held by another VM, or the network's
+/// own host address).
+pub fn allocate(
+    spec: &VmSpec,
+    config: &Config,
+    others: &[NicHolding<'_>],
+    previous: &[NicAlloc],
+) -> Result<Vec<NicAlloc>, ApiError> {
+    check_conflicts(spec, config, others)?;
+    // Nothing to allocate (reconcile calls this for each of 1000 VMs).
+    if spec.nics.is_empty() {
+        return Ok(Vec::new());
+    }
+    let others: Vec<&NicHolding<'_>> = others.iter().filter(|o| o.vm != spec.name).collect();
+    let mut taken_macs: HashSet<[u8; 6]> = HashSet::new();
+    let mut taken_stems: HashSet<String> = HashSet::new();
+    for o in &others {
+        for a in o.allocs {
+            if let Ok(m) = parse_mac(&a.mac) {
+                taken_macs.insert(m);
+            }
+            taken_stems.insert(a.tap.chars().take(TAP_PREFIX.len() + 8).collect());
+        }
     }
 
     // Tap names: one stem per VM, the NIC index appended. Keep the previous stem if it is free.

@@ -367,7 +367,7 @@ pub fn plan_reconcile(
             }
             let Some(spec) = desired_by_name.get(entry.vm.as_str()).copied() else { continue };
             let verdict = admit(&config.hardware, &holdings, spec)
-                .and_then(|()| crate::nic::allocate(spec, config, &nic_holdings, &[]).map(|_| ()));
+                .and_then(|()| crate::nic::check_conflicts(spec, config, &nic_holdings));
             match verdict {
                 Ok(()) => {
                     holdings.push(Holding { name: &spec.name, spec });
