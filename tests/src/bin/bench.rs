@@ -934,6 +934,16 @@ fn adopt_bench(host: &mut TestHost, vms: usize, running: usize, rounds: usize, g
     }
 }
 
+/// A host whose hardware model fits `vms` VMs of 1 CPU and `mib` MiB each, with `spare` CPUs
+/// and GiB beyond them.
+fn host_for(vms: usize, mib: u64, spare: u32) -> TestHost {
+    TestHost::start(HostOptions {
+        cpu: u32::try_from(vms).unwrap_or(u32::MAX).saturating_add(spare),
+        memory_gib: (vms as u64 * mib / 1024) + u64::from(spare),
+        ..HostOptions::default()
+    })
+}
+
 /// `parallel` `vm.create`s at once (kernel boot, 64 MiB; each on its own connection, released
 /// together) against one alone, `rounds` alternating rounds after a warm-up; the parallel
 /// total is from the release to the last answer.
@@ -941,11 +951,7 @@ fn parallel_bench(parallel: usize, rounds: usize, goals: &mut Vec<Goal>) {
     if parallel == 0 || rounds == 0 {
         return;
     }
-    let host = TestHost::start(HostOptions {
-        cpu: u32::try_from(parallel).unwrap_or(u32::MAX).saturating_add(4),
-        memory_gib: (parallel as u64 * 64 / 1024) + 4,
-        ..HostOptions::default()
-    });
+    let host = host_for(parallel, 64, 4);
     let create = |c: &mut Client, name: &str| {
         let t = Instant::now();
         let r: Value = c.call("vm.create", json!({ "spec": small_kernel_spec(&host, name) })).expect("vm.create");
@@ -1064,11 +1070,7 @@ fn idle_bench(vms: usize, secs: u64, settle: u64, goals: &mut Vec<Goal>) {
     if vms == 0 || secs == 0 {
         return;
     }
-    let host = TestHost::start(HostOptions {
-        cpu: u32::try_from(vms).unwrap_or(u32::MAX).saturating_add(2),
-        memory_gib: (vms as u64 * 32 / 1024) + 2,
-        ..HostOptions::default()
-    });
+    let host = host_for(vms, 32, 2);
     halt_image(&host);
     let t = Instant::now();
     let mut c = host.client();
