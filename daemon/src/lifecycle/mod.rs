@@ -364,16 +364,16 @@ impl Manager {
     /// A committed view with its live parts current: the agent's session, and for a VM whose
     /// exit is not watched, whether its QEMU is still in /proc.
     fn serve(&self, cached: Arc<registry::CachedView>) -> Arc<registry::CachedView> {
-        let name = cached.view.name.as_str();
+        let name = cached.name.as_str();
         let agent = self.agents.status(name);
-        let alive = cached.view.status != VmStatus::Running || !self.registry.is_unwatched(name) || {
+        let alive = cached.status != VmStatus::Running || !self.registry.is_unwatched(name) || {
             // An unreadable /proc is not proof of death: keep what the record says.
             cached.process.as_ref().is_some_and(|p| match self.qemu_check(&self.paths(name)) {
                 Ok(check) => crate::qemu::identity::verify(p, &check).map_or(true, |v| v.is_ok()),
                 Err(_) => true,
             })
         };
-        if alive && agent == cached.view.agent {
+        if alive && agent == cached.agent {
             return cached;
         }
         self.registry.refresh(name, &cached, agent, alive)
@@ -381,7 +381,26 @@ impl Manager {
 
     /// `vm.list`: every VM, by name.
     pub fn list(&self) -> Vec<VmView> {
-        self.registry.views().into_iter().map(|c| self.serve(c).view.clone()).collect()
+        self.registry.views().into_iter().filter_map(|c| self.serve(c).view().ok()).collect()
+    }
+
+    /// What a reconcile plans against: each VM's spec, and its status as readers see it.
+    fn current_vms(&self) -> BTreeMap<String, crate::plan::CurrentVm> {
+        let views: Vec<_> = self.registry.views().into_iter().map(|c| self.serve(c)).collect();
+        let t = self.lock();
+        views
+            .iter()
+            .filter_map(|v| {
+                let rec = t.vms.get(&v.name)?;
+                let live = matches!(v.status, VmStatus::Running | VmStatus::Stopping);
+                let current = crate::plan::CurrentVm {
+                    spec: rec.spec.clone(),
+                    status: v.status,
+                    pending_restart: rec.running_spec.is_some() && live,
+                };
+                Some((v.name.clone(), current))
+            })
+            .collect()
     }
 
     /// `vm.list` as served: every VM's view, by name, as JSON made when its record changed.
@@ -395,7 +414,7 @@ impl Manager {
     /// 4040 when there is no such VM.
     pub fn get(&self, name: &str) -> Result<VmView, ApiError> {
         let cached = self.registry.view(name).ok_or_else(|| ApiError::not_found(name))?;
-        Ok(self.serve(cached).view.clone())
+        self.serve(cached).view()
     }
 
     /// `vm.get` as served (see [`Manager::list_json`]).

@@ -35,11 +35,7 @@ impl Manager {
     }
 
     async fn plan_and_run(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
-        let current: BTreeMap<String, CurrentVm> = self
-            .list()
-            .into_iter()
-            .map(|v| (v.name.clone(), CurrentVm { spec: v.spec, status: v.status, pending_restart: v.pending_restart }))
-            .collect();
+        let current: BTreeMap<String, CurrentVm> = self.current_vms();
         let mut plan = plan_reconcile(&self.config, &p.vms, &current, p.prune, p.replace);
         let specs: BTreeMap<&str, &VmSpec> = p.vms.iter().map(|s| (s.name.as_str(), s)).collect();
         // The plan is pure; the files a spec names are checked here, so a dry run also shows a

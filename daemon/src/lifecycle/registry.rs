@@ -58,15 +58,37 @@ pub(super) enum Change {
     Remove,
 }
 
-/// One VM's view as last committed, and its JSON with the live parts it was made with.
+/// One VM's view as last committed: its JSON, and the few fields reads decide on (the view
+/// itself is not kept beside its JSON: with 1000 VMs that doubled the memory views take).
 #[derive(Debug)]
 pub(super) struct CachedView {
-    /// The view as the record says (agent status and liveness as of `json`).
-    pub view: VmView,
+    /// The VM's name.
+    pub name: String,
+    /// The status `json` shows (the exit watcher's verdict applied).
+    pub status: VmStatus,
+    /// The agent status `json` shows.
+    pub agent: crate::api::AgentStatus,
     /// The recorded QEMU, to match the exit watcher's report against.
     pub process: Option<ProcessIdentity>,
-    /// `view` serialized.
+    /// The view, serialized.
     pub json: Arc<RawValue>,
+}
+
+impl CachedView {
+    fn of(view: VmView, process: Option<ProcessIdentity>) -> CachedView {
+        let json = raw(&view);
+        CachedView { name: view.name, status: view.status, agent: view.agent, process, json }
+    }
+
+    /// The view as a value, read back from its JSON (for the daemon's own callers; clients get
+    /// the JSON).
+    ///
+    /// # Errors
+    /// Only if the JSON this registry made does not parse back (a bug), as 5000.
+    pub fn view(&self) -> Result<VmView, ApiError> {
+        serde_json::from_str(self.json.get())
+            .map_err(|e| ApiError::internal(format!("the view of VM {:?} does not read back: {e}", self.name)))
+    }
 }
 
 /// A list of views serialized as one JSON array without re-serializing any of them.
@@ -190,7 +212,7 @@ impl Registry {
                             if t.exited.get(name).is_some_and(|id| rec.process.as_ref() != Some(id)) {
                                 t.exited.remove(name);
                             }
-                            let agent = t.views.get(name).map(|v| v.view.agent.clone()).unwrap_or_default();
+                            let agent = t.views.get(name).map(|v| v.agent.clone()).unwrap_or_default();
                             let cached = self.render(rec, &t, agent);
                             t.views.insert(name.to_string(), Arc::new(cached));
                         }
@@ -262,8 +284,7 @@ impl Registry {
             restarts: rec.restarts,
             last_exit: rec.last_exit.clone(),
         };
-        let json = raw(&view);
-        CachedView { view, process: rec.process.clone(), json }
+        CachedView::of(view, rec.process.clone())
     }
 
     /// The committed views, by name.
@@ -290,15 +311,14 @@ impl Registry {
         agent: crate::api::AgentStatus,
         alive: bool,
     ) -> Arc<CachedView> {
-        let mut view = old.view.clone();
+        let Ok(mut view) = old.view() else { return Arc::clone(old) };
         view.agent = agent;
         if !alive && view.status == VmStatus::Running {
             view.status = VmStatus::Dead;
             view.pid = None;
             view.pending_restart = false;
         }
-        let json = raw(&view);
-        let fresh = Arc::new(CachedView { view, process: old.process.clone(), json });
+        let fresh = Arc::new(CachedView::of(view, old.process.clone()));
         let mut t = self.table();
         // A write committed meanwhile made a newer view: leave it.
         if t.views.get(name).is_some_and(|v| Arc::ptr_eq(v, old)) {
@@ -317,7 +337,7 @@ impl Registry {
         }
         t.exited.insert(name.to_string(), id.clone());
         let Some(rec) = t.vms.get(name).cloned() else { return };
-        let fresh = self.render(&rec, &t, cached.view.agent.clone());
+        let fresh = self.render(&rec, &t, cached.agent.clone());
         t.views.insert(name.to_string(), Arc::new(fresh));
     }
 
@@ -399,10 +419,10 @@ mod tests {
         assert_eq!(on_disk(&f, "a").map(|r| r.status), Some(VmStatus::Running));
         assert_eq!(f.reg.table().vms["a"].status, VmStatus::Running);
         let view = f.reg.view("a").unwrap();
-        assert_eq!(view.view.status, VmStatus::Running);
+        assert_eq!(view.status, VmStatus::Running);
         assert_eq!(served(&view)["status"], "running");
         // The view shows the record as written (its updated_at too).
-        assert_eq!(view.view.updated_at, on_disk(&f, "a").unwrap().updated_at);
+        assert_eq!(view.view().unwrap().updated_at, on_disk(&f, "a").unwrap().updated_at);
         let e = f.events.try_recv().unwrap();
         assert_eq!((e.from, e.to, e.reason.as_str()), (Some(VmStatus::Stopped), Some(VmStatus::Running), "started"));
         // A write that keeps the status emits nothing.
@@ -450,7 +470,7 @@ mod tests {
         assert_eq!(err.code, Code::ProvisioningFailed);
         assert_eq!(err.details["step"], "state");
         assert_eq!(f.reg.table().vms["a"].status, VmStatus::Stopped);
-        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Stopped);
+        assert_eq!(f.reg.view("a").unwrap().status, VmStatus::Stopped);
         assert!(f.events.try_recv().is_err());
         // A new VM whose record cannot be written is not in the table afterwards.
         let err = f
@@ -487,14 +507,14 @@ mod tests {
                 Ok((Change::Put(Box::new(r)), ()))
             })
             .unwrap();
-        assert_eq!(f.reg.view("b").unwrap().view.status, VmStatus::Running);
+        assert_eq!(f.reg.view("b").unwrap().status, VmStatus::Running);
         assert_eq!(f.reg.views().len(), 2);
         // The second writer of A decides only once the first is done.
         assert!(decided_rx.try_recv().is_err(), "A's second writer decided while its slot was held");
         drop(held);
         writer.join().unwrap();
         decided_rx.recv().unwrap();
-        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Running);
+        assert_eq!(f.reg.view("a").unwrap().status, VmStatus::Running);
     }
 
     #[test]
@@ -513,19 +533,19 @@ mod tests {
         assert_eq!(served(&f.reg.view("a").unwrap())["pid"], 42);
         // Another process's exit (an older QEMU) is not this one's.
         f.reg.mark_exited("a", &ProcessIdentity { pid: 42, start_ticks: 6 });
-        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Running);
+        assert_eq!(f.reg.view("a").unwrap().status, VmStatus::Running);
         f.reg.mark_exited("a", &id);
         let v = f.reg.view("a").unwrap();
-        assert_eq!((v.view.status, v.view.pid), (VmStatus::Dead, None));
+        assert_eq!((v.status, v.view().unwrap().pid), (VmStatus::Dead, None));
         assert_eq!(served(&v)["status"], "dead");
         // The record itself is the lifecycle's to settle: untouched.
         assert_eq!(f.reg.table().vms["a"].status, VmStatus::Running);
         // A record write that keeps the process keeps it dead; a new process is alive.
         f.reg.write("a", "x", running(id.clone())).unwrap();
-        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Dead);
+        assert_eq!(f.reg.view("a").unwrap().status, VmStatus::Dead);
         f.reg.write("a", "x", running(ProcessIdentity { pid: 43, start_ticks: 9 })).unwrap();
         let v = f.reg.view("a").unwrap();
-        assert_eq!((v.view.status, v.view.pid), (VmStatus::Running, Some(43)));
+        assert_eq!((v.status, v.view().unwrap().pid), (VmStatus::Running, Some(43)));
         assert!(f.reg.table().exited.is_empty());
     }
 
@@ -544,9 +564,9 @@ mod tests {
         let before = f.reg.view("a").unwrap();
         f.reg.write("a", "x", put(VmStatus::Stopped)).unwrap();
         f.reg.refresh("a", &before, Default::default(), true);
-        assert_eq!(f.reg.view("a").unwrap().view.status, VmStatus::Stopped);
+        assert_eq!(f.reg.view("a").unwrap().status, VmStatus::Stopped);
         // The agent status survives a commit.
-        assert_eq!(f.reg.view("a").unwrap().view.agent, agent);
+        assert_eq!(f.reg.view("a").unwrap().agent, agent);
     }
 
     #[test]
