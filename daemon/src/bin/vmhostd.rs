@@ -163,12 +163,15 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     };
     let policy = Arc::new(AccessPolicy::from_group_names(&config.access.admin_group, &config.access.readonly_group));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Installed here, before anything is served: a task that installs them could run after the
+    // first request was answered, and a SIGTERM in between would kill the daemon outright
+    // (seen under socket activation, where the first connection is already waiting).
+    use tokio::signal::unix::{signal, SignalKind};
+    let (term, int) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()));
+    let (Ok(mut term), Ok(mut int)) = (term, int) else {
+        return Err("cannot install the SIGTERM and SIGINT handlers".to_string());
+    };
     tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-            tracing::error!("cannot install signal handlers");
-            return;
-        };
         tokio::select! {
             _ = term.recv() => {},
             _ = int.recv() => {},
