@@ -23,7 +23,7 @@
 
 use super::registry::Change;
 use super::teardown::Devices;
-use super::{Manager, OpGuard};
+use super::Manager;
 use crate::api::{Code, RestartPolicy, VmStatus};
 use crate::process::{self, ProcessIdentity};
 use std::sync::Arc;
@@ -182,58 +182,49 @@ impl Manager {
             let now = unix_now();
             // The record and the VM's busy flag in one step: the cleanup below must not take
             // the run dir, taps or devices of a start that begins meanwhile.
-            let took_busy = std::cell::Cell::new(false);
-            let result = self
-                .registry
-                .write(name, "QEMU exited", |t| {
-                    let busy = t.busy.contains(name);
-                    was_busy = busy;
-                    let Some(rec) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
-                    if busy || rec.status != VmStatus::Running || rec.process.as_ref() != Some(id) {
-                        return Ok((Change::Keep, ()));
+            let result = self.write_and_hold(name, "QEMU exited", |t| {
+                let busy = t.busy.contains(name);
+                was_busy = busy;
+                let Some(rec) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
+                if busy || rec.status != VmStatus::Running || rec.process.as_ref() != Some(id) {
+                    return Ok((Change::Keep, ()));
+                }
+                let mut r = rec.clone();
+                let failures = match cause {
+                    ExitCause::GuestPowerOff => r.failures.clone(),
+                    ExitCause::Failure(_) => failures_after(&r.failures, unix_time_of(r.started_at.as_deref()), now),
+                };
+                decided = verdict(r.spec.restart_policy, &cause, failures.len());
+                r.failures = failures;
+                r.process = None;
+                r.last_exit = Some(match &cause {
+                    ExitCause::GuestPowerOff => "guest powered off".to_string(),
+                    ExitCause::Failure(why) => why.clone(),
+                });
+                match decided {
+                    Verdict::Stopped => {
+                        r.status = VmStatus::Stopped;
+                        r.spec.state = crate::api::DesiredState::Stopped;
                     }
-                    let mut r = rec.clone();
-                    let failures = match cause {
-                        ExitCause::GuestPowerOff => r.failures.clone(),
-                        ExitCause::Failure(_) => {
-                            failures_after(&r.failures, unix_time_of(r.started_at.as_deref()), now)
-                        }
+                    Verdict::Dead | Verdict::Restart(_) => {
+                        r.status = VmStatus::Dead;
+                    }
+                    Verdict::GiveUp => r.status = VmStatus::Failed,
+                }
+                if let ExitCause::Failure(why) = &cause {
+                    let message = match decided {
+                        Verdict::GiveUp => format!(
+                            "{why}; {MAX_FAILURES} failures within {} minutes: not restarted again",
+                            FAILURE_WINDOW_S / 60
+                        ),
+                        _ => why.clone(),
                     };
-                    decided = verdict(r.spec.restart_policy, &cause, failures.len());
-                    r.failures = failures;
-                    r.process = None;
-                    r.last_exit = Some(match &cause {
-                        ExitCause::GuestPowerOff => "guest powered off".to_string(),
-                        ExitCause::Failure(why) => why.clone(),
-                    });
-                    match decided {
-                        Verdict::Stopped => {
-                            r.status = VmStatus::Stopped;
-                            r.spec.state = crate::api::DesiredState::Stopped;
-                        }
-                        Verdict::Dead | Verdict::Restart(_) => {
-                            r.status = VmStatus::Dead;
-                        }
-                        Verdict::GiveUp => r.status = VmStatus::Failed,
-                    }
-                    if let ExitCause::Failure(why) = &cause {
-                        let message = match decided {
-                            Verdict::GiveUp => format!(
-                                "{why}; {MAX_FAILURES} failures within {} minutes: not restarted again",
-                                FAILURE_WINDOW_S / 60
-                            ),
-                            _ => why.clone(),
-                        };
-                        r.last_error = Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message });
-                    }
-                    t.busy.insert(name.to_string());
-                    took_busy.set(true);
-                    Ok((Change::Put(Box::new(r)), ()))
-                })
-                .map(|(_, new)| new);
-            let guard = took_busy.get().then(|| OpGuard { mgr: Arc::clone(self), name: name.to_string() });
+                    r.last_error = Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message });
+                }
+                Ok((Change::Put(Box::new(r)), ()))
+            });
             match result {
-                Ok(Some(_)) => {
+                Ok((Some(guard), ())) => {
                     tracing::info!(vm = name, cause = ?cause, verdict = ?decided, "QEMU ended without vmhostd asking");
                     if let Err(e) = self.release_host_side(name, Devices::Release).await {
                         tracing::error!(vm = name, error = %e, "passthrough devices of an ended VM not restored");
@@ -244,8 +235,8 @@ impl Manager {
                     }
                     return;
                 }
-                Ok(None) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,
-                Ok(None) => return, // stopped, restarted or destroyed by an operation
+                Ok((None, ())) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,
+                Ok((None, ())) => return, // stopped, restarted or destroyed by an operation
                 Err(e) => {
                     tracing::error!(vm = name, error = %e, "cannot record the VM's exit");
                     return;

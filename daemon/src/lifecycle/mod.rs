@@ -227,8 +227,7 @@ impl Manager {
     /// Admits `spec` as a new VM: capacity, conflicts, record written, busy flag taken.
     fn reserve_new(self: &Arc<Self>, spec: &VmSpec) -> Result<OpGuard, ApiError> {
         let name = &spec.name;
-        let took_busy = std::cell::Cell::new(false);
-        let reserved = self.registry.write(name, "vm.create", |t| {
+        let (guard, ()) = self.write_and_hold(name, "vm.create", |t| {
             if t.vms.contains_key(name) {
                 return Err(ApiError::invalid("spec.name", format!("a VM named {name:?} already exists")));
             }
@@ -244,18 +243,36 @@ impl Manager {
             }
             let mut rec = VmRecord::new(spec.clone());
             rec.nics = self.admit_locked(t, spec, &[])?;
-            t.busy.insert(name.clone());
-            took_busy.set(true);
             Ok((Change::Put(Box::new(rec)), ()))
-        });
-        if let Err(e) = reserved {
-            // Admitted, but the record could not be written: the flag is ours to give back.
-            if took_busy.get() {
-                self.lock().busy.remove(name);
+        })?;
+        guard.ok_or_else(|| ApiError::internal(format!("the record of VM {name:?} was written without its busy flag")))
+    }
+
+    /// [`Registry::write`] that also takes VM `name`'s busy flag, in the same step, when `decide`
+    /// puts a record (`decide` checks the flag is free): for what no operation may interleave
+    /// with, a create's reservation and an exit's record with its cleanup. The returned guard
+    /// holds the flag (`None` when nothing was put); a failed write gives it back.
+    ///
+    /// # Errors
+    /// As [`Registry::write`].
+    fn write_and_hold<T>(
+        self: &Arc<Self>,
+        name: &str,
+        reason: &str,
+        decide: impl FnOnce(&mut Table) -> Result<(Change, T), ApiError>,
+    ) -> Result<(Option<OpGuard>, T), ApiError> {
+        let took = std::cell::Cell::new(false);
+        let written = self.registry.write(name, reason, |t| {
+            let (change, value) = decide(t)?;
+            if matches!(change, Change::Put(_)) {
+                t.busy.insert(name.to_string());
+                took.set(true);
             }
-            return Err(e);
-        }
-        Ok(OpGuard { mgr: self.clone(), name: name.clone() })
+            Ok((change, value))
+        });
+        // Dropped on an error: the flag goes back.
+        let guard = took.get().then(|| OpGuard { mgr: Arc::clone(self), name: name.to_string() });
+        written.map(|(value, _)| (guard, value))
     }
 
     /// Capacity, hardware and NIC admission of `spec` against every other VM that holds
