@@ -409,11 +409,10 @@ impl Manager {
             .iter()
             .filter_map(|v| {
                 let rec = t.vms.get(&v.name)?;
-                let live = matches!(v.status, VmStatus::Running | VmStatus::Stopping);
                 let current = crate::plan::CurrentVm {
                     spec: rec.spec.clone(),
                     status: v.status,
-                    pending_restart: rec.running_spec.is_some() && live,
+                    pending_restart: v.pending_restart,
                 };
                 Some((v.name.clone(), current))
             })

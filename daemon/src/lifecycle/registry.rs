@@ -68,6 +68,8 @@ pub(super) struct CachedView {
     pub status: VmStatus,
     /// The agent status `json` shows.
     pub agent: crate::api::AgentStatus,
+    /// Whether `json` shows the VM running an older spec than its record's.
+    pub pending_restart: bool,
     /// The recorded QEMU, to match the exit watcher's report against.
     pub process: Option<ProcessIdentity>,
     /// The view, serialized.
@@ -75,9 +77,17 @@ pub(super) struct CachedView {
 }
 
 impl CachedView {
+    /// `view` shown dead: its QEMU has ended though the record still says running.
+    fn dead(view: &mut VmView) {
+        view.status = VmStatus::Dead;
+        view.pid = None;
+        view.pending_restart = false;
+    }
+
     fn of(view: VmView, process: Option<ProcessIdentity>) -> CachedView {
         let json = raw(&view);
-        CachedView { name: view.name, status: view.status, agent: view.agent, process, json }
+        let pending_restart = view.pending_restart;
+        CachedView { name: view.name, status: view.status, agent: view.agent, pending_restart, process, json }
     }
 
     /// The view as a value, read back from its JSON (for the daemon's own callers; clients get
@@ -264,15 +274,12 @@ impl Registry {
     fn render(&self, rec: &VmRecord, t: &Table, agent: crate::api::AgentStatus) -> CachedView {
         let name = rec.name();
         let paths = VmPaths::for_vm(&self.config, name);
-        let dead =
-            rec.status == VmStatus::Running && t.exited.get(name).is_some_and(|id| rec.process.as_ref() == Some(id));
-        let status = if dead { VmStatus::Dead } else { rec.status };
-        let view = VmView {
+        let mut view = VmView {
             name: rec.spec.name.clone(),
             spec: rec.spec.clone(),
             desired_state: rec.spec.state,
-            status,
-            pid: if dead { None } else { rec.process.as_ref().map(|p| p.pid) },
+            status: rec.status,
+            pid: rec.process.as_ref().map(|p| p.pid),
             created_at: rec.created_at.clone(),
             updated_at: rec.updated_at.clone(),
             started_at: rec.started_at.clone(),
@@ -280,10 +287,13 @@ impl Registry {
             serial_log: paths.serial_log,
             nics: rec.nics.iter().map(|n| crate::api::NicView { mac: n.mac.clone(), tap: n.tap.clone() }).collect(),
             agent,
-            pending_restart: rec.running_spec.is_some() && matches!(status, VmStatus::Running | VmStatus::Stopping),
+            pending_restart: rec.running_spec.is_some() && matches!(rec.status, VmStatus::Running | VmStatus::Stopping),
             restarts: rec.restarts,
             last_exit: rec.last_exit.clone(),
         };
+        if rec.status == VmStatus::Running && t.exited.get(name).is_some_and(|id| rec.process.as_ref() == Some(id)) {
+            CachedView::dead(&mut view);
+        }
         CachedView::of(view, rec.process.clone())
     }
 
@@ -314,9 +324,7 @@ impl Registry {
         let Ok(mut view) = old.view() else { return Arc::clone(old) };
         view.agent = agent;
         if !alive && view.status == VmStatus::Running {
-            view.status = VmStatus::Dead;
-            view.pid = None;
-            view.pending_restart = false;
+            CachedView::dead(&mut view);
         }
         let fresh = Arc::new(CachedView::of(view, old.process.clone()));
         let mut t = self.table();

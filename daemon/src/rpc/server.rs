@@ -1185,13 +1185,7 @@ fn response_line(id: &RawValue, answer: &RawValue) -> String {
     // A success is re-addressed by splicing: parsing a 450 KB `vm.list` again only to copy it
     // cost more than making it. Anything else takes the parse below.
     if let Some(result) = answer.get().strip_prefix(SUCCESS_FOR_ID_0).and_then(|r| r.strip_suffix('}')) {
-        let mut line = String::with_capacity(result.len() + id.get().len() + 40);
-        line.push_str(r#"{"jsonrpc":"2.0","id":"#);
-        line.push_str(id.get());
-        line.push_str(r#","result":"#);
-        line.push_str(result);
-        line.push('}');
-        return line;
+        return success_line(id, result.len(), |line| line.push_str(result));
     }
     match serde_json::from_str::<Answer<'_>>(answer.get()) {
         Ok(Answer { error: Some(error), .. }) => {
