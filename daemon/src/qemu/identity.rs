@@ -333,7 +333,7 @@ fn read_facts(
     let Some(args) = gone_is_none(read_at(dir, "cmdline"))? else { return Ok(None) };
     let Some(status) = gone_is_none(read_at(dir, "status"))? else { return Ok(None) };
     let (ruid, euid) = parse_uids(&status)?;
-    let has_marker = split_cmdline(&args).iter().any(|a| contains_bytes(a.as_bytes(), marker.as_bytes()));
+    let has_marker = carries_marker(&args, marker);
     let exe = match read_executable(dir)? {
         Some(exe) => Some(exe),
         None => known.get(&(pid, stat.start_ticks)).cloned(),
@@ -361,6 +361,11 @@ fn gone_is_none<T>(r: io::Result<T>) -> io::Result<Option<T>> {
         Err(e) if is_gone(&e) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// Whether one of the arguments in `cmdline` (a /proc/PID/cmdline) contains `marker`.
+fn carries_marker(cmdline: &[u8], marker: &OsStr) -> bool {
+    split_cmdline(cmdline).iter().any(|a| contains_bytes(a.as_bytes(), marker.as_bytes()))
 }
 
 /// True when `haystack` contains `needle` as a byte string.
@@ -424,22 +429,18 @@ pub fn find_in(proc_root: &Path, known: &Remembered, check: &QemuCheck) -> io::R
     for entry in std::fs::read_dir(proc_root)? {
         let entry = entry?;
         let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        // The command line first: most processes are not about this VM at all.
-        let carries =
-            |args: &[u8]| split_cmdline(args).iter().any(|a| contains_bytes(a.as_bytes(), check.marker.as_bytes()));
-        if let Some(id) = judge_pid(proc_root, pid, carries, known, check, &binary)? {
+        if let Some(id) = judge_pid(proc_root, pid, known, check, &binary)? {
             return Ok(Some(id));
         }
     }
     Ok(None)
 }
 
-/// Judges process `pid` if its command line passes `carries`: its identity when it is the QEMU
-/// `check` asks for, `None` when it is not (a warning says why), has gone or is hidden.
+/// Judges process `pid` if its command line carries `check`'s marker: its identity when it is
+/// the QEMU `check` asks for, `None` when it is not (a warning says why), has gone or is hidden.
 fn judge_pid(
     proc_root: &Path,
     pid: i32,
-    carries: impl FnOnce(&[u8]) -> bool,
     known: &Remembered,
     check: &QemuCheck,
     binary: &Binary,
@@ -451,8 +452,9 @@ fn judge_pid(
         Err(e) if skip(&e) => return Ok(None),
         Err(e) => return Err(e),
     };
+    // The command line first: most processes are not about this VM at all.
     match read_at(&dir, "cmdline") {
-        Ok(args) if carries(&args) => {}
+        Ok(args) if carries_marker(&args, &check.marker) => {}
         Ok(_) => return Ok(None),
         Err(e) if skip(&e) => return Ok(None),
         Err(e) => return Err(e),
@@ -549,9 +551,7 @@ impl MarkerIndex {
         let binary = Binary::of(&check.binary);
         for &pid in pids {
             // Judged on what /proc says now: it may have exited or exec'd since the scan.
-            let carries =
-                |args: &[u8]| split_cmdline(args).iter().any(|a| contains_bytes(a.as_bytes(), check.marker.as_bytes()));
-            if let Some(id) = judge_pid(proc_root, pid, carries, known, check, &binary)? {
+            if let Some(id) = judge_pid(proc_root, pid, known, check, &binary)? {
                 return Ok(Some(id));
             }
         }
