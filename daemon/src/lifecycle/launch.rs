@@ -127,17 +127,13 @@ impl Manager {
         name: &str,
         recorded: Option<&ProcessIdentity>,
     ) -> Result<Option<ProcessIdentity>, ApiError> {
-        if self.lock().unsettled.contains(name) {
-            return self.find_live_anywhere(&self.paths(name), recorded, None);
-        }
-        let Some(id) = recorded else { return Ok(None) };
-        let check = self.qemu_check(&self.paths(name)).map_err(unknown_liveness)?;
-        Ok(identity::verify(id, &check).map_err(unknown_liveness)?.is_ok().then(|| id.clone()))
+        let search = if self.lock().unsettled.contains(name) { Search::Proc } else { Search::None };
+        self.find_live_anywhere(&self.paths(name), recorded, search)
     }
 
     /// The live QEMU of this VM, if any: the recorded identity, or else a process with the VM's
-    /// cmdline marker, found in `index` (recovery's one scan) or by a scan of /proc. For the
-    /// moments a QEMU may run unrecorded: recovery, and just before or after a launch.
+    /// cmdline marker, found as `search` says: in recovery's one scan, by a scan of /proc (for
+    /// the moments a QEMU may run unrecorded: recovery, just before or after a launch), or not.
     ///
     /// # Errors
     /// As [`Manager::find_live`].
@@ -145,17 +141,21 @@ impl Manager {
         &self,
         paths: &VmPaths,
         recorded: Option<&ProcessIdentity>,
-        index: Option<&identity::MarkerIndex>,
+        search: Search<'_>,
     ) -> Result<Option<ProcessIdentity>, ApiError> {
+        if recorded.is_none() && matches!(search, Search::None) {
+            return Ok(None);
+        }
         let check = self.qemu_check(paths).map_err(unknown_liveness)?;
         if let Some(id) = recorded {
             if identity::verify(id, &check).map_err(unknown_liveness)?.is_ok() {
                 return Ok(Some(id.clone()));
             }
         }
-        match index {
-            Some(index) => index.find(&check),
-            None => identity::find(&check),
+        match search {
+            Search::None => Ok(None),
+            Search::Index(index) => index.find(&check),
+            Search::Proc => identity::find(&check),
         }
         .map_err(unknown_liveness)
     }
@@ -186,7 +186,7 @@ impl Manager {
     ) -> Result<ProcessIdentity, ApiError> {
         let name = vm.spec.name.clone();
         let paths = self.paths(&name);
-        if let Some(id) = self.find_live_anywhere(&paths, None, None)? {
+        if let Some(id) = self.find_live_anywhere(&paths, None, Search::Proc)? {
             // Never start a VM twice: a QEMU of this VM is already up (e.g. launched just before a
             // daemon crash); adopt it.
             tracing::warn!(vm = %name, pid = id.pid, "found a live QEMU for this VM; adopting it");
@@ -488,4 +488,15 @@ impl Manager {
 
 fn unknown_liveness(e: std::io::Error) -> ApiError {
     provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
+}
+
+/// Where [`Manager::find_live_anywhere`] looks for a QEMU of the VM that is not the recorded one.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Search<'a> {
+    /// Nowhere: only the recorded process counts.
+    None,
+    /// Among the processes recovery's one scan of /proc found carrying the VM's marker.
+    Index(&'a identity::MarkerIndex),
+    /// In a scan of /proc now.
+    Proc,
 }

@@ -11,6 +11,7 @@
 //! without error leaves the registry's `unsettled` set: from then on only a launch searches /proc
 //! for its QEMU.
 
+use super::launch::Search;
 use super::teardown::Devices;
 use super::Manager;
 use crate::api::{ApiError, Code, VmStatus};
@@ -60,7 +61,7 @@ impl Manager {
             if rec.vfio.is_empty() {
                 return Ok(());
             }
-            let live = self.find_live_anywhere(&self.paths(name), rec.process.as_ref(), Some(index))?;
+            let live = self.find_live_anywhere(&self.paths(name), rec.process.as_ref(), Search::Index(index))?;
             if live.is_none() {
                 tracing::info!(
                     vm = name,
@@ -78,7 +79,7 @@ impl Manager {
         let paths = self.paths(name);
         // If /proc cannot be read the record is left exactly as it is: guessing could start a
         // VM twice or delete a live VM's sockets.
-        let live = self.find_live_anywhere(&paths, rec.process.as_ref(), Some(index))?;
+        let live = self.find_live_anywhere(&paths, rec.process.as_ref(), Search::Index(index))?;
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
