@@ -19,6 +19,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Mutex as AsyncMutex;
@@ -58,6 +59,8 @@ struct VmAgent {
     socket: PathBuf,
     conn: AsyncMutex<Option<AgentConn>>,
     status: Mutex<AgentStatus>,
+    /// The hub's count of status changes ([`AgentHub::changes`]).
+    changes: Arc<AtomicU64>,
     stop: tokio::sync::watch::Sender<bool>,
     /// Failed connection attempts in a row, for [`retry_delay`]; zeroed by a boot or a session.
     failures: Mutex<u32>,
@@ -67,6 +70,13 @@ struct VmAgent {
 }
 
 impl VmAgent {
+    /// Changes the status readers see, then counts the change: a reader that read the count
+    /// before this change reads a new count next time, and checks the status again.
+    fn update_status(&self, change: impl FnOnce(&mut AgentStatus)) {
+        change(&mut self.status.lock().unwrap_or_else(|p| p.into_inner()));
+        self.changes.fetch_add(1, Ordering::Release);
+    }
+
     /// Counts one more failed attempt and returns the wait before the next.
     fn failed(&self) -> Duration {
         let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
@@ -90,6 +100,8 @@ impl VmAgent {
 #[derive(Default)]
 pub struct AgentHub {
     vms: Mutex<HashMap<String, Arc<VmAgent>>>,
+    /// Status changes so far, of any VM's agent (sessions kept or stopped included).
+    changes: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for AgentHub {
@@ -126,6 +138,7 @@ impl AgentHub {
             socket,
             conn: AsyncMutex::new(None),
             status: Mutex::default(),
+            changes: Arc::clone(&self.changes),
             stop,
             failures: Mutex::new(0),
             wake: tokio::sync::Notify::new(),
@@ -161,7 +174,14 @@ impl AgentHub {
     pub fn stop(&self, vm: &str) {
         if let Some(a) = self.vms.lock().unwrap_or_else(|p| p.into_inner()).remove(vm) {
             let _ = a.stop.send(true);
+            self.changes.fetch_add(1, Ordering::Release);
         }
+    }
+
+    /// How many times any VM's agent status changed: while it stays the same, so does every
+    /// [`AgentHub::status`].
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
     }
 
     /// Tells the session of `vm` that its guest booted again (a reset or reboot QEMU reported):
@@ -193,9 +213,7 @@ impl AgentHub {
         let Some(conn) = guard.as_mut() else { return Err(not_connected(vm, "no session yet")) };
         match conn.call(method, params, CALL_TIMEOUT).await {
             Ok(v) => {
-                if let Ok(mut s) = agent.status.lock() {
-                    s.last_seen = Some(crate::api::now_rfc3339());
-                }
+                agent.update_status(|s| s.last_seen = Some(crate::api::now_rfc3339()));
                 Ok(v)
             }
             Err(AgentError::Remote { code, message, data }) => {
@@ -208,9 +226,7 @@ impl AgentHub {
             Err(e) => {
                 tracing::warn!(vm, error = %e, "dropping the agent session");
                 *guard = None;
-                if let Ok(mut s) = agent.status.lock() {
-                    s.connected = false;
-                }
+                agent.update_status(|s| s.connected = false);
                 match e {
                     AgentError::Timeout(t) => Err(ApiError::new(
                         Code::AgentTimeout,
@@ -258,13 +274,13 @@ async fn keep(agent: &VmAgent, vm: &str, last_boot: &mut Option<Baseline>) -> Op
                     }
                 };
                 tracing::info!(vm, version = %GuestText(&conn.hello.agent_version), "guest agent connected");
-                if let Ok(mut s) = agent.status.lock() {
+                agent.update_status(|s| {
                     *s = AgentStatus {
                         connected: true,
                         version: Some(conn.hello.agent_version.clone()),
                         last_seen: Some(crate::api::now_rfc3339()),
-                    };
-                }
+                    }
+                });
                 *guard = Some(conn);
                 return Some(SessionEvent::Connected);
             }
@@ -277,9 +293,7 @@ async fn keep(agent: &VmAgent, vm: &str, last_boot: &mut Option<Baseline>) -> Op
     let conn = guard.as_mut()?;
     match conn.call::<AgentInfo>("agent.info", json!({}), CONNECT_TIMEOUT).await {
         Ok(info) => {
-            if let Ok(mut s) = agent.status.lock() {
-                s.last_seen = Some(crate::api::now_rfc3339());
-            }
+            agent.update_status(|s| s.last_seen = Some(crate::api::now_rfc3339()));
             let rebooted = last_boot.as_ref().is_some_and(|b| b.rebooted(&info));
             tracing::debug!(vm, uptime = info.uptime_s, rebooted, "agent ping");
             *last_boot = Some(Baseline::of(&info));
@@ -288,9 +302,7 @@ async fn keep(agent: &VmAgent, vm: &str, last_boot: &mut Option<Baseline>) -> Op
         Err(e) => {
             tracing::info!(vm, error = %e, "guest agent session lost; reconnecting");
             *guard = None;
-            if let Ok(mut s) = agent.status.lock() {
-                s.connected = false;
-            }
+            agent.update_status(|s| s.connected = false);
             None
         }
     }
@@ -346,10 +358,29 @@ mod tests {
             socket: PathBuf::new(),
             conn: AsyncMutex::new(None),
             status: Mutex::default(),
+            changes: Arc::default(),
             stop: tokio::sync::watch::channel(false).0,
             failures: Mutex::new(0),
             wake: tokio::sync::Notify::new(),
         }
+    }
+
+    #[test]
+    fn every_status_change_is_counted_after_it_is_made() {
+        let hub = AgentHub::default();
+        let mut a = vm_agent();
+        a.changes = Arc::clone(&hub.changes);
+        let before = hub.changes();
+        a.update_status(|s| s.connected = true);
+        assert_eq!(hub.changes(), before + 1);
+        assert!(a.status.lock().unwrap().connected);
+        a.update_status(|s| s.last_seen = Some("now".into()));
+        assert_eq!(hub.changes(), before + 2);
+        // A session no longer kept reads as the default status: a change too.
+        hub.vms.lock().unwrap().insert("vm".into(), Arc::new(a));
+        assert!(hub.status("vm").connected);
+        hub.stop("vm");
+        assert_eq!((hub.changes(), hub.status("vm")), (before + 3, AgentStatus::default()));
     }
 
     #[test]

@@ -53,7 +53,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub(crate) use registry::blocking;
-pub use registry::{RawView, RawViews};
+pub use registry::RawView;
 
 /// Daemon version reported by `host.info`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -420,8 +420,17 @@ impl Manager {
     }
 
     /// `vm.list` as served: every VM's view, by name, as JSON made when its record changed.
-    pub fn list_json(&self) -> RawViews {
-        RawViews(self.registry.views().into_iter().map(|c| Arc::clone(&self.serve(c).json)).collect())
+    pub fn list_json(&self) -> RawView {
+        // The live parts of every view are brought current (which changes the list only when
+        // one of them changed), unless nothing they depend on changed since the last list.
+        let agents = self.agents.changes();
+        if let Some(list) = self.registry.checked_list(agents) {
+            return RawView(list);
+        }
+        for cached in self.registry.views() {
+            self.serve(cached);
+        }
+        RawView(self.registry.mark_list_checked(agents))
     }
 
     /// `vm.get`.

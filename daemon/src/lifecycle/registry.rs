@@ -23,7 +23,7 @@ use crate::events::EventBus;
 use crate::process::ProcessIdentity;
 use crate::qemu::argv::VmPaths;
 use crate::state::{BrokenRecord, Store, VmRecord};
-use serde::ser::{Serialize, SerializeSeq, Serializer};
+use serde::ser::{Serialize, Serializer};
 use serde_json::value::RawValue;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,8 +37,8 @@ pub(super) struct Table {
     pub busy: HashSet<String>,
     /// Record files that could not be read at start.
     pub broken: BTreeMap<String, BrokenRecord>,
-    /// The committed views, by name.
-    views: BTreeMap<String, Arc<CachedView>>,
+    /// The committed views.
+    views: Views,
     /// The QEMU each VM's exit watcher saw end, until a new record replaces that process.
     exited: HashMap<String, ProcessIdentity>,
     /// VMs whose QEMU could not be watched: their liveness is read from /proc.
@@ -46,6 +46,59 @@ pub(super) struct Table {
     /// VMs recovery has not settled yet (all of them at start): only these can have a QEMU
     /// whose identity is not recorded ([`super::Manager::find_live`]).
     pub unsettled: HashSet<String>,
+}
+
+/// The committed views by name, and the `vm.list` answer made of them.
+#[derive(Debug, Default)]
+struct Views {
+    by_name: BTreeMap<String, Arc<CachedView>>,
+    /// Every view as one JSON array, made at the first list after a change and then served to
+    /// every lister as it is: 1000 views are 450 KB, too much to copy per call.
+    list: Option<List>,
+}
+
+/// The list answer, and what its live parts were last checked against.
+#[derive(Debug)]
+struct List {
+    json: Arc<RawValue>,
+    /// The agent hub's change count when every view in it was last checked against the hub
+    /// ([`Registry::checked_list`]); `None` until then.
+    checked: Option<u64>,
+}
+
+impl Views {
+    fn get(&self, name: &str) -> Option<&Arc<CachedView>> {
+        self.by_name.get(name)
+    }
+
+    fn put(&mut self, name: String, view: Arc<CachedView>) {
+        self.by_name.insert(name, view);
+        self.list = None;
+    }
+
+    fn remove(&mut self, name: &str) {
+        if self.by_name.remove(name).is_some() {
+            self.list = None;
+        }
+    }
+
+    /// The list answer as of now.
+    fn list(&mut self) -> &mut List {
+        let by_name = &self.by_name;
+        self.list.get_or_insert_with(|| {
+            let mut text = String::with_capacity(by_name.values().map(|v| v.json.get().len() + 1).sum::<usize>() + 2);
+            text.push('[');
+            for (i, view) in by_name.values().enumerate() {
+                if i > 0 {
+                    text.push(',');
+                }
+                text.push_str(view.json.get());
+            }
+            text.push(']');
+            // Made of views that are each valid JSON: an array of them is too.
+            List { json: Arc::from(RawValue::from_string(text).unwrap_or_else(|_| null())), checked: None }
+        })
+    }
 }
 
 /// What a write does to a VM's record.
@@ -101,21 +154,7 @@ impl CachedView {
     }
 }
 
-/// A list of views serialized as one JSON array without re-serializing any of them.
-#[derive(Clone)]
-pub struct RawViews(pub Vec<Arc<RawValue>>);
-
-impl Serialize for RawViews {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.0.len()))?;
-        for v in &self.0 {
-            seq.serialize_element(&**v)?;
-        }
-        seq.end()
-    }
-}
-
-/// One view as JSON, served as it was made.
+/// A view, or the list of them, as JSON: served as it was made.
 #[derive(Clone)]
 pub struct RawView(pub Arc<RawValue>);
 
@@ -165,7 +204,7 @@ impl Registry {
             for rec in records {
                 let name = rec.spec.name.clone();
                 let cached = reg.render(&rec, &t, Default::default());
-                t.views.insert(name.clone(), Arc::new(cached));
+                t.views.put(name.clone(), Arc::new(cached));
                 t.unsettled.insert(name.clone());
                 t.vms.insert(name, rec);
             }
@@ -224,7 +263,7 @@ impl Registry {
                             }
                             let agent = t.views.get(name).map(|v| v.agent.clone()).unwrap_or_default();
                             let cached = self.render(rec, &t, agent);
-                            t.views.insert(name.to_string(), Arc::new(cached));
+                            t.views.put(name.to_string(), Arc::new(cached));
                         }
                         None => {
                             t.views.remove(name);
@@ -299,7 +338,26 @@ impl Registry {
 
     /// The committed views, by name.
     pub fn views(&self) -> Vec<Arc<CachedView>> {
-        self.table().views.values().cloned().collect()
+        self.table().views.by_name.values().cloned().collect()
+    }
+
+    /// The list, if no view changed since it was marked checked at agent change count
+    /// `agents` ([`Registry::mark_list_checked`]) and no VM's liveness must be read from /proc:
+    /// its live parts are then still current.
+    pub fn checked_list(&self, agents: u64) -> Option<Arc<RawValue>> {
+        let t = self.table();
+        let list = t.views.list.as_ref()?;
+        (list.checked == Some(agents) && t.unwatched.is_empty()).then(|| Arc::clone(&list.json))
+    }
+
+    /// Every committed view as one JSON array, by name (the same text until a view changes),
+    /// marked as checked at agent change count `agents`: the caller brought every view's live
+    /// parts current after reading that count.
+    pub fn mark_list_checked(&self, agents: u64) -> Arc<RawValue> {
+        let mut t = self.table();
+        let list = t.views.list();
+        list.checked = Some(agents);
+        Arc::clone(&list.json)
     }
 
     /// The committed view of `name`.
@@ -330,7 +388,7 @@ impl Registry {
         let mut t = self.table();
         // A write committed meanwhile made a newer view: leave it.
         if t.views.get(name).is_some_and(|v| Arc::ptr_eq(v, old)) {
-            t.views.insert(name.to_string(), Arc::clone(&fresh));
+            t.views.put(name.to_string(), Arc::clone(&fresh));
         }
         fresh
     }
@@ -346,7 +404,7 @@ impl Registry {
         t.exited.insert(name.to_string(), id.clone());
         let Some(rec) = t.vms.get(name).cloned() else { return };
         let fresh = self.render(&rec, &t, cached.agent.clone());
-        t.views.insert(name.to_string(), Arc::new(fresh));
+        t.views.put(name.to_string(), Arc::new(fresh));
     }
 
     /// `name`'s QEMU cannot be watched: reads check /proc for it.
@@ -412,6 +470,16 @@ mod tests {
             let mut rec = t.vms.get("a").cloned().unwrap_or_else(|| VmRecord::new(crate::validate::tests::spec("a")));
             rec.status = status;
             Ok((Change::Put(Box::new(rec)), ()))
+        }
+    }
+
+    /// A write that records `name` running `id`.
+    fn running(name: &str, id: ProcessIdentity) -> impl FnOnce(&mut Table) -> Result<(Change, ()), ApiError> + '_ {
+        move |t| {
+            let mut r = t.vms[name].clone();
+            r.status = VmStatus::Running;
+            r.process = Some(id);
+            Ok((Change::Put(Box::new(r)), ()))
         }
     }
 
@@ -529,15 +597,7 @@ mod tests {
     fn the_exit_watcher_makes_the_view_dead_until_a_new_process_is_recorded() {
         let f = fixture(&[("a", VmStatus::Stopped)]);
         let id = ProcessIdentity { pid: 42, start_ticks: 7 };
-        let running = |id: ProcessIdentity| {
-            move |t: &mut Table| {
-                let mut r = t.vms["a"].clone();
-                r.status = VmStatus::Running;
-                r.process = Some(id);
-                Ok((Change::Put(Box::new(r)), ()))
-            }
-        };
-        f.reg.write("a", "x", running(id.clone())).unwrap();
+        f.reg.write("a", "x", running("a", id.clone())).unwrap();
         assert_eq!(served(&f.reg.view("a").unwrap())["pid"], 42);
         // Another process's exit (an older QEMU) is not this one's.
         f.reg.mark_exited("a", &ProcessIdentity { pid: 42, start_ticks: 6 });
@@ -549,9 +609,9 @@ mod tests {
         // The record itself is the lifecycle's to settle: untouched.
         assert_eq!(f.reg.table().vms["a"].status, VmStatus::Running);
         // A record write that keeps the process keeps it dead; a new process is alive.
-        f.reg.write("a", "x", running(id.clone())).unwrap();
+        f.reg.write("a", "x", running("a", id.clone())).unwrap();
         assert_eq!(f.reg.view("a").unwrap().status, VmStatus::Dead);
-        f.reg.write("a", "x", running(ProcessIdentity { pid: 43, start_ticks: 9 })).unwrap();
+        f.reg.write("a", "x", running("a", ProcessIdentity { pid: 43, start_ticks: 9 })).unwrap();
         let v = f.reg.view("a").unwrap();
         assert_eq!((v.status, v.view().unwrap().pid), (VmStatus::Running, Some(43)));
         assert!(f.reg.table().exited.is_empty());
@@ -578,12 +638,44 @@ mod tests {
     }
 
     #[test]
-    fn raw_views_serialize_as_one_array() {
+    fn the_list_is_one_array_made_once_per_change() {
         let f = fixture(&[("a", VmStatus::Stopped), ("b", VmStatus::Running)]);
-        let views = RawViews(f.reg.views().iter().map(|v| Arc::clone(&v.json)).collect());
-        let v: serde_json::Value = serde_json::to_value(&views).unwrap();
-        let names: Vec<&str> = v.as_array().unwrap().iter().map(|x| x["name"].as_str().unwrap()).collect();
-        assert_eq!(names, ["a", "b"]);
-        assert_eq!(v[1]["status"], "running");
+        let names = |list: &RawValue| -> Vec<String> {
+            let v: serde_json::Value = serde_json::from_str(list.get()).unwrap();
+            v.as_array().unwrap().iter().map(|x| x["name"].as_str().unwrap().to_string()).collect()
+        };
+        assert!(f.reg.checked_list(0).is_none(), "never checked");
+        let first = f.reg.mark_list_checked(0);
+        assert_eq!(names(&first), ["a", "b"]);
+        assert_eq!(serde_json::from_str::<serde_json::Value>(first.get()).unwrap()[1]["status"], "running");
+        // Nothing changed: the same text is served, checked as long as the agents did not change.
+        assert!(Arc::ptr_eq(&first, &f.reg.checked_list(0).unwrap()));
+        assert!(f.reg.checked_list(1).is_none(), "an agent status changed since");
+        assert!(Arc::ptr_eq(&first, &f.reg.mark_list_checked(1)));
+        // Each kind of view change makes a new list, unchecked: a commit, a removal, a
+        // refresh, an exit.
+        let c = VmRecord::new(crate::validate::tests::spec("c"));
+        f.reg.write("c", "x", |_| Ok((Change::Put(Box::new(c)), ()))).unwrap();
+        assert!(f.reg.checked_list(1).is_none());
+        assert_eq!(names(&f.reg.mark_list_checked(1)), ["a", "b", "c"]);
+        f.reg.write("c", "x", |_| Ok((Change::Remove, ()))).unwrap();
+        assert!(f.reg.checked_list(1).is_none());
+        assert_eq!(names(&f.reg.mark_list_checked(1)), ["a", "b"]);
+        let old = f.reg.view("a").unwrap();
+        let agent = crate::api::AgentStatus { connected: true, version: Some("1".into()), last_seen: None };
+        f.reg.refresh("a", &old, agent, true);
+        assert!(f.reg.checked_list(1).is_none());
+        let refreshed: serde_json::Value = serde_json::from_str(f.reg.mark_list_checked(1).get()).unwrap();
+        assert_eq!(refreshed[0]["agent"]["connected"], true);
+        let id = ProcessIdentity { pid: 42, start_ticks: 7 };
+        f.reg.write("b", "x", running("b", id.clone())).unwrap();
+        f.reg.mark_list_checked(1);
+        f.reg.mark_exited("b", &id);
+        assert!(f.reg.checked_list(1).is_none(), "an exit changes the list");
+        let exited: serde_json::Value = serde_json::from_str(f.reg.mark_list_checked(1).get()).unwrap();
+        assert_eq!(exited[1]["status"], "dead");
+        // A VM whose liveness comes from /proc: every list checks it again.
+        f.reg.mark_unwatched("b");
+        assert!(f.reg.checked_list(1).is_none());
     }
 }
