@@ -1,9 +1,11 @@
 //! Capacity and hardware-conflict rules: may this VM be added to what the host already carries?
 //!
 //! Pure functions of (host config, current holdings, request). The lifecycle calls [`admit`]
-//! under its allocation lock right before writing the record, and reconcile's dry run calls it
-//! repeatedly on a simulated set, so a plan sees exactly the refusals a real run would get.
-//! Conflicts (3003) are reported before capacity (3002) because they name what to fix.
+//! under its allocation lock right before writing the record; reconcile's dry run admits entry
+//! after entry into a simulated host with the same two checks, [`check_devices`] then
+//! [`check_room`] (keeping a running [`Used`] total instead of summing every holder per entry),
+//! so a plan sees exactly the refusals a real run would get. Conflicts (3003) are reported
+//! before capacity (3002) because they name what to fix.
 
 use crate::api::{ApiError, Code, HardwareItem, ResourceUsage, VmSpec};
 use crate::config::Hardware;
@@ -21,19 +23,57 @@ pub struct Holding<'a> {
     pub spec: &'a VmSpec,
 }
 
-/// Checks that `request` fits next to `held` (which must not contain `request` itself).
+/// CPUs and memory that VMs hold, summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Used {
+    /// vCPUs.
+    pub cpu: u64,
+    /// MiB of memory.
+    pub memory_mib: u64,
+}
+
+impl Used {
+    /// What `holdings` hold together.
+    pub fn of<'a>(holdings: impl IntoIterator<Item = &'a Holding<'a>>) -> Used {
+        let mut used = Used::default();
+        for h in holdings {
+            used.add(h.spec);
+        }
+        used
+    }
+
+    /// Counts `spec` in.
+    pub fn add(&mut self, spec: &VmSpec) {
+        self.cpu += u64::from(spec.cpu);
+        self.memory_mib += spec.memory_mib;
+    }
+}
+
+/// Checks that `request` fits next to `held` (entries named like `request` are not counted:
+/// they are the VM's own).
 ///
 /// # Errors
 /// 3003 listing every hardware conflict `{class, index, holder}`; else 3002 naming the exhausted
 /// resource with the numbers.
 pub fn admit(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> Result<(), ApiError> {
+    check_devices(hw, held, request)?;
+    check_room(hw, Used::of(held.iter().filter(|h| h.name != request.name)), request)
+}
+
+/// Checks that no device `request` names is held by another VM in `held`.
+///
+/// # Errors
+/// 3003 listing every hardware conflict `{class, index, holder}`.
+pub fn check_devices(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> Result<(), ApiError> {
+    // A request for no device cannot conflict: skip reading every holder's devices (reconcile
+    // admits 1000 VMs one after another against all the others).
+    if request.hardware.is_empty() && request.pci.is_empty() {
+        return Ok(());
+    }
     // Devices are compared by PCI address, so a device named by index in one spec and by raw
     // address in another is still one device.
     let mut by_address: BTreeMap<PciAddress, &str> = BTreeMap::new();
-    // A request for no device cannot conflict: skip reading every holder's devices (reconcile
-    // admits 1000 VMs one after another against all the others).
-    let wants_devices = !request.hardware.is_empty() || !request.pci.is_empty();
-    for h in held.iter().filter(|h| wants_devices && h.name != request.name) {
+    for h in held.iter().filter(|h| h.name != request.name) {
         for addr in requested_devices(h.spec, hw) {
             by_address.insert(addr, h.name);
         }
@@ -59,21 +99,26 @@ pub fn admit(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> Result<()
             conflicts.push((format!("PCI device {addr}"), json!({"pci": addr.to_string(), "holder": holder})));
         }
     }
-    if !conflicts.is_empty() {
-        let message = conflicts
-            .iter()
-            .map(|(what, c)| format!("{what} in use by {}", c["holder"].as_str().unwrap_or("?")))
-            .collect::<Vec<_>>()
-            .join("; ");
-        let list: Vec<_> = conflicts.into_iter().map(|(_, c)| c).collect();
-        let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": list }));
-        e.field = first_field;
-        return Err(e);
+    if conflicts.is_empty() {
+        return Ok(());
     }
+    let message = conflicts
+        .iter()
+        .map(|(what, c)| format!("{what} in use by {}", c["holder"].as_str().unwrap_or("?")))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let list: Vec<_> = conflicts.into_iter().map(|(_, c)| c).collect();
+    let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": list }));
+    e.field = first_field;
+    Err(e)
+}
 
-    let others = held.iter().filter(|h| h.name != request.name);
-    let (cpu_used, mem_used) =
-        others.fold((0u64, 0u64), |(c, m), h| (c + u64::from(h.spec.cpu), m + h.spec.memory_mib));
+/// Checks that `request`'s CPUs and memory fit next to what other VMs hold (`used`).
+///
+/// # Errors
+/// 3002 naming the exhausted resource with the numbers.
+pub fn check_room(hw: &Hardware, used: Used, request: &VmSpec) -> Result<(), ApiError> {
+    let (cpu_used, mem_used) = (used.cpu, used.memory_mib);
     let cpu_free = u64::from(hw.cpu - hw.reserved_cpu).saturating_sub(cpu_used);
     let mem_free = (hw.memory_mib - hw.reserved_memory_mib).saturating_sub(mem_used);
     if u64::from(request.cpu) > cpu_free {
@@ -103,8 +148,7 @@ pub fn admit(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> Result<()
 
 /// CPU and memory usage, and every model index with its holder, for `host.info`.
 pub fn usage(hw: &Hardware, held: &[Holding<'_>]) -> (ResourceUsage, ResourceUsage, Vec<HardwareItem>) {
-    let cpu_alloc: u64 = held.iter().map(|h| u64::from(h.spec.cpu)).sum();
-    let mem_alloc: u64 = held.iter().map(|h| h.spec.memory_mib).sum();
+    let Used { cpu: cpu_alloc, memory_mib: mem_alloc } = Used::of(held);
     let cpu = ResourceUsage {
         total: u64::from(hw.cpu),
         reserved: u64::from(hw.reserved_cpu),

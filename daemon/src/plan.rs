@@ -8,7 +8,7 @@
 //! reconfigure or replace, in request order. All are pure; the lifecycle executes the plan.
 
 use crate::api::{ApiError, DataDiskSpec, PlanAction, PlanEntry, VmSpec, VmStatus};
-use crate::capacity::{admit, Holding};
+use crate::capacity::{check_devices, check_room, Holding, Used};
 use crate::config::Config;
 use crate::nic::{NicAlloc, NicHolding};
 use crate::validate::validate_spec;
@@ -43,6 +43,10 @@ pub struct CurrentVm {
 /// Dotted paths of the fields that differ between two specs, ignoring `state` (a state change is
 /// a start or stop, not drift) and `guest_interfaces` (applied live by the guest agent).
 pub fn spec_drift(current: &VmSpec, desired: &VmSpec) -> Vec<String> {
+    // Most specs of a reconcile are unchanged: say so without building two JSON trees.
+    if same_but_convergent(current, desired) {
+        return Vec::new();
+    }
     let mut a = serde_json::to_value(current).unwrap_or(Value::Null);
     let mut b = serde_json::to_value(desired).unwrap_or(Value::Null);
     for v in [&mut a, &mut b] {
@@ -54,6 +58,37 @@ pub fn spec_drift(current: &VmSpec, desired: &VmSpec) -> Vec<String> {
     let mut out = Vec::new();
     diff_values("", &a, &b, &mut out);
     out
+}
+
+/// True when `a` and `b` differ at most in what converges without a change (`state`,
+/// `guest_interfaces`). Every field is named, so a new one cannot be forgotten here.
+fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
+    let VmSpec {
+        name,
+        role,
+        cpu,
+        memory_mib,
+        state: _,
+        hardware,
+        pci,
+        boot,
+        disks,
+        nics,
+        guest_interfaces: _,
+        restart_policy,
+        user_data,
+    } = a;
+    *name == b.name
+        && *role == b.role
+        && *cpu == b.cpu
+        && *memory_mib == b.memory_mib
+        && *hardware == b.hardware
+        && *pci == b.pci
+        && *boot == b.boot
+        && *disks == b.disks
+        && *nics == b.nics
+        && *restart_policy == b.restart_policy
+        && *user_data == b.user_data
 }
 
 /// What turning a VM's `current` spec into `desired` takes.
@@ -357,6 +392,7 @@ pub fn plan_reconcile(
     let macs = |s: &VmSpec| fixed.get(&key(s)).unwrap_or(&no_macs);
     // What the simulated host holds, grown as entries are admitted.
     let mut holdings: Vec<Holding<'_>> = kept.iter().map(|s| Holding { name: &s.name, spec: s }).collect();
+    let mut used = Used::of(&holdings);
     let mut nic_holdings: Vec<NicHolding<'_>> =
         kept.iter().map(|s| NicHolding { vm: &s.name, spec: s, allocs: macs(s) }).collect();
     for pass_changes in [false, true] {
@@ -366,10 +402,14 @@ pub fn plan_reconcile(
                 continue;
             }
             let Some(spec) = desired_by_name.get(entry.vm.as_str()).copied() else { continue };
-            let verdict = admit(&config.hardware, &holdings, spec)
+            // Names are unique in the simulated host (a name listed twice is refused above), so
+            // nothing held is the entry's own.
+            let verdict = check_devices(&config.hardware, &holdings, spec)
+                .and_then(|()| check_room(&config.hardware, used, spec))
                 .and_then(|()| crate::nic::check_conflicts(spec, config, &nic_holdings));
             match verdict {
                 Ok(()) => {
+                    used.add(spec);
                     holdings.push(Holding { name: &spec.name, spec });
                     nic_holdings.push(NicHolding { vm: &spec.name, spec, allocs: macs(spec) });
                 }
@@ -411,6 +451,53 @@ mod tests {
         b = a.clone();
         b.role = Some("sensor".into());
         assert_eq!(spec_drift(&a, &b), vec!["role"]);
+    }
+
+    #[test]
+    fn the_equal_spec_shortcut_agrees_with_the_field_diff_for_every_field() {
+        let a = spec("a");
+        type Edit = fn(&mut VmSpec);
+        let change: Vec<(&str, Edit)> = vec![
+            ("name", |s| s.name = "b".into()),
+            ("role", |s| s.role = Some("sensor".into())),
+            ("cpu", |s| s.cpu += 1),
+            ("memory_mib", |s| s.memory_mib += 1),
+            ("hardware", |s| s.hardware.sfp = vec![5]),
+            ("pci", |s| s.pci = vec!["0000:00:05.0".into()]),
+            ("boot.cmdline", |s| s.boot.cmdline = Some("quiet".into())),
+            ("disks", |s| {
+                s.disks = vec![crate::api::DataDiskSpec {
+                    name: "d".into(),
+                    size_gib: 1,
+                    format: crate::api::DiskFormat::Raw,
+                    preallocate: false,
+                    cache: crate::api::DiskCache::None,
+                    aio: None,
+                    keep_on_destroy: false,
+                }]
+            }),
+            ("nics", |s| {
+                s.nics = vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }]
+            }),
+            ("restart_policy", |s| s.restart_policy = crate::api::RestartPolicy::Never),
+            ("user_data", |s| s.user_data = Some("#cloud-config\n".into())),
+        ];
+        for (field, make) in change {
+            let mut b = a.clone();
+            make(&mut b);
+            assert!(!same_but_convergent(&a, &b), "{field} changed but the shortcut saw none");
+            assert!(spec_drift(&a, &b).iter().any(|f| f.starts_with(field)), "{field}: {:?}", spec_drift(&a, &b));
+        }
+        let mut b = a.clone();
+        b.state = DesiredState::Stopped;
+        b.guest_interfaces = vec![vmhost_agent_protocol::DesiredInterface {
+            name: "eth0".into(),
+            link: None,
+            vlan_id: None,
+            address: "10.0.0.2/24".into(),
+        }];
+        assert!(same_but_convergent(&a, &b));
+        assert!(spec_drift(&a, &b).is_empty());
     }
 
     #[test]
