@@ -191,7 +191,8 @@ pub async fn create_overlay(tool: &Tool, base: &Path, overlay: &Path, size_gib: 
 /// # Errors
 /// [`DiskError::Io`] if it exists but cannot be removed (e.g. it is a directory, or permissions).
 pub fn remove_overlay(overlay: &Path) -> Result<bool, DiskError> {
-    match std::fs::remove_file(overlay) {
+    // A large overlay takes a while to unlink.
+    match crate::blocking::run(|| std::fs::remove_file(overlay)) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(source) => Err(DiskError::Io { path: overlay.to_path_buf(), source }),

@@ -33,21 +33,23 @@ fn failed(message: String) -> ApiError {
 
 /// Creates `dir` (mode 0700) unless it exists.
 fn private_dir(dir: &Path) -> Result<(), ApiError> {
-    crate::state::dirs::private_dir(dir).map(drop).map_err(|e| failed(format!("cannot create {}: {e}", dir.display())))
+    crate::blocking::run(|| crate::state::dirs::private_dir(dir))
+        .map(drop)
+        .map_err(|e| failed(format!("cannot create {}: {e}", dir.display())))
 }
 
 /// Removes `dir` if it is empty; anything else in it stays (and is logged).
 fn remove_if_empty(dir: &Path) {
-    match std::fs::remove_dir(dir) {
+    match crate::blocking::run(|| std::fs::remove_dir(dir)) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "left a data disk directory in place"),
     }
 }
 
-/// Removes `path`; absent is fine.
+/// Removes `path`; absent is fine. (A disk of many gigabytes takes a while to unlink.)
 fn remove_file(path: &Path) -> Result<(), ApiError> {
-    match std::fs::remove_file(path) {
+    match crate::blocking::run(|| std::fs::remove_file(path)) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(failed(format!("cannot delete {}: {e}", path.display()))),
@@ -59,7 +61,8 @@ fn move_disk(from: &Path, to: &Path) -> Result<(), ApiError> {
     if let Some(dir) = to.parent() {
         private_dir(dir)?;
     }
-    std::fs::rename(from, to).map_err(|e| failed(format!("cannot move {} to {}: {e}", from.display(), to.display())))
+    crate::blocking::run(|| std::fs::rename(from, to))
+        .map_err(|e| failed(format!("cannot move {} to {}: {e}", from.display(), to.display())))
 }
 
 impl Manager {
@@ -95,8 +98,10 @@ impl Manager {
     /// 4001 step `data_disk` when one cannot be deleted.
     pub(super) fn clear_orphan_disks(&self, name: &str) -> Result<(), ApiError> {
         let dir = self.paths(name).disk_dir;
-        let Ok(entries) = std::fs::read_dir(&dir) else { return Ok(()) };
-        for entry in entries.flatten() {
+        let Ok(entries) = crate::blocking::run(|| std::fs::read_dir(&dir)?.collect::<Result<Vec<_>, _>>()) else {
+            return Ok(());
+        };
+        for entry in entries {
             let path = entry.path();
             tracing::warn!(vm = name, path = %path.display(), "removing an orphaned data disk");
             remove_file(&path)?;
@@ -158,8 +163,8 @@ impl Manager {
             failed(format!("cannot make data disk {:?}: {e}", disk.name))
                 .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
         })?;
-        std::fs::rename(&partial, &file).map_err(|e| {
-            let _ = std::fs::remove_file(&partial);
+        crate::blocking::run(|| std::fs::rename(&partial, &file)).map_err(|e| {
+            let _ = remove_file(&partial);
             failed(format!("cannot move data disk {:?} into place: {e}", disk.name))
         })?;
         self.crashpoint("data_disk:made");
@@ -333,7 +338,7 @@ impl Manager {
             return Err(super::busy(vm));
         }
         let dir = VmPaths::for_vm(&self.config, vm).kept_dir;
-        let entries = match std::fs::read_dir(&dir) {
+        let entries = match crate::blocking::run(|| std::fs::read_dir(&dir)?.collect::<Result<Vec<_>, _>>()) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(ApiError::new(Code::NotFound, format!("no kept disks for VM {vm:?}")).field("vm"));
@@ -341,7 +346,7 @@ impl Manager {
             Err(e) => return Err(failed(format!("cannot read {}: {e}", dir.display()))),
         };
         let mut deleted = Vec::new();
-        for entry in entries.flatten() {
+        for entry in entries {
             let path = entry.path();
             if let Err(e) = remove_file(&path) {
                 return Err(failed(format!("{} (deleted before: {deleted:?})", e.message)));

@@ -191,13 +191,15 @@ impl Manager {
         self.ensure_data_disk(name, disk, true).await.map_err(refused)?;
         let file = self.paths(name).data_disk(disk);
         let open = |write: bool| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(write)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(&file)
-                .map(std::os::fd::OwnedFd::from)
-                .map_err(|e| refused(failed(&disk.name, "open", e)))
+            crate::blocking::run(|| {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(write)
+                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                    .open(&file)
+            })
+            .map(std::os::fd::OwnedFd::from)
+            .map_err(|e| refused(failed(&disk.name, "open", e)))
         };
         let fds = DiskFds { rw: open(true)?, ro: open(false)? };
         hotplug::attach(q, disk, &fds, pcie).await.map_err(|e| {

@@ -94,7 +94,7 @@ impl Manager {
     pub(super) async fn ensure_overlay(&self, vm: &ValidSpec) -> Result<bool, ApiError> {
         let BootSource::Image { image, disk_gib } = &vm.boot else { return Ok(false) };
         let paths = self.paths(&vm.spec.name);
-        if paths.overlay.exists() {
+        if crate::blocking::run(|| paths.overlay.exists()) {
             return Ok(false);
         }
         let overlay = paths.overlay.clone();
@@ -107,7 +107,7 @@ impl Manager {
             ApiError::new(Code::ProvisioningFailed, format!("cannot create the overlay disk: {e}"))
                 .details(json!({ "step": "disk", "stderr": tail }))
         })?;
-        std::fs::rename(&partial, &paths.overlay).map_err(|e| {
+        crate::blocking::run(|| std::fs::rename(&partial, &paths.overlay)).map_err(|e| {
             let _ = crate::disk::remove_overlay(&partial);
             provisioning("disk", format!("cannot move the overlay into place: {e}"))
         })?;
@@ -155,7 +155,8 @@ impl Manager {
         match search {
             Search::None => Ok(None),
             Search::Index(index) => index.find(&check),
-            Search::Proc => identity::find(&check),
+            // Every process's command line: a scan of all of /proc.
+            Search::Proc => crate::blocking::run(|| identity::find(&check)),
         }
         .map_err(unknown_liveness)
     }
@@ -194,10 +195,7 @@ impl Manager {
             return Ok(id);
         }
         self.clean_run_dir(&paths);
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&paths.run_dir)
+        crate::blocking::run(|| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&paths.run_dir))
             .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
         undo.push(Step::HostSide);
         self.update(&name, "launching QEMU", |r| {
@@ -228,11 +226,11 @@ impl Manager {
         if crate::seed::has_seed(vm) {
             let files = crate::seed::render(&vm.spec, &allocs);
             // Built and fsynced off the runtime worker: 20 launches at once must not stall it.
-            super::blocking(|| crate::seed::write_seed(&paths.seed, &files))
+            crate::blocking::run(|| crate::seed::write_seed(&paths.seed, &files))
                 .map_err(|e| provisioning("seed", format!("cannot write the cloud-init seed: {e}")))?;
         } else {
             // A kernel VM whose user_data was dropped: its old seed (and the text in it) goes.
-            let _ = std::fs::remove_file(&paths.seed);
+            let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
         }
         // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
         // failure below removes the taps: they are not persistent.
@@ -306,11 +304,20 @@ impl Manager {
             provisioning("qemu_files", format!("cannot open {} for QEMU: {e}", what.display()))
         };
         let listen = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
-            let _ = std::fs::remove_file(path);
-            std::os::unix::net::UnixListener::bind(path).map(OwnedFd::from).map_err(|e| failed(path, e))
+            crate::blocking::run(|| {
+                let _ = std::fs::remove_file(path);
+                std::os::unix::net::UnixListener::bind(path)
+            })
+            .map(OwnedFd::from)
+            .map_err(|e| failed(path, e))
         };
         let read_only = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
-            std::fs::File::open(path).map(OwnedFd::from).map_err(|e| failed(path, e))
+            crate::blocking::run(|| std::fs::File::open(path)).map(OwnedFd::from).map_err(|e| failed(path, e))
+        };
+        let read_write = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
+            crate::blocking::run(|| OpenOptions::new().read(true).write(true).open(path))
+                .map(OwnedFd::from)
+                .map_err(|e| failed(path, e))
         };
         let mut taps = taps.into_iter();
         let mut fds = Vec::new();
@@ -338,22 +345,15 @@ impl Manager {
                 PassedFd::QmpEvents => listen(&paths.qmp_events)?,
                 PassedFd::Console => listen(&paths.console)?,
                 PassedFd::QmpStats => listen(&paths.qmp_stats)?,
-                PassedFd::SerialLog => OpenOptions::new()
-                    .append(true)
-                    .create(true)
-                    .mode(0o600)
-                    .open(&paths.serial_log)
-                    .map(OwnedFd::from)
-                    .map_err(|e| failed(&paths.serial_log, e))?,
+                PassedFd::SerialLog => crate::blocking::run(|| {
+                    OpenOptions::new().append(true).create(true).mode(0o600).open(&paths.serial_log)
+                })
+                .map(OwnedFd::from)
+                .map_err(|e| failed(&paths.serial_log, e))?,
                 PassedFd::Tap(i) => {
                     taps.next().ok_or_else(|| provisioning("qemu_files", format!("no tap for NIC {i}")))?
                 }
-                PassedFd::OverlayRw => OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(&paths.overlay)
-                    .map(OwnedFd::from)
-                    .map_err(|e| failed(&paths.overlay, e))?,
+                PassedFd::OverlayRw => read_write(&paths.overlay)?,
                 PassedFd::OverlayRo => read_only(&paths.overlay)?,
                 PassedFd::Base => {
                     let Some(base) = &base else { continue };
@@ -366,13 +366,7 @@ impl Manager {
                 PassedFd::Seed => read_only(&paths.seed)?,
                 PassedFd::DataDisk(i) => {
                     let Some(disk) = vm.spec.disks.get(i) else { continue };
-                    let file = paths.data_disk(disk);
-                    OpenOptions::new()
-                        .read(true)
-                        .write(true)
-                        .open(&file)
-                        .map(OwnedFd::from)
-                        .map_err(|e| failed(&file, e))?
+                    read_write(&paths.data_disk(disk))?
                 }
                 PassedFd::DataDiskRo(i) => {
                     let Some(disk) = vm.spec.disks.get(i) else { continue };
@@ -380,12 +374,7 @@ impl Manager {
                 }
                 PassedFd::RootDisk => {
                     let Some(root) = &root else { continue };
-                    OpenOptions::new()
-                        .read(true)
-                        .write(true)
-                        .open(root)
-                        .map(OwnedFd::from)
-                        .map_err(|e| failed(root, e))?
+                    read_write(root)?
                 }
                 PassedFd::RootDiskRo => {
                     let Some(root) = &root else { continue };
@@ -443,7 +432,7 @@ impl Manager {
 
     /// Removes the VM's run dir (sockets, pid file). Errors are logged: nothing depends on it.
     pub(super) fn clean_run_dir(&self, paths: &VmPaths) {
-        match std::fs::remove_dir_all(&paths.run_dir) {
+        match crate::blocking::run(|| std::fs::remove_dir_all(&paths.run_dir)) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => tracing::warn!(dir = %paths.run_dir.display(), error = %e, "cannot remove run dir"),

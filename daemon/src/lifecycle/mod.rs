@@ -52,7 +52,6 @@ use registry::{Change, Registry, Table};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub(crate) use registry::blocking;
 pub use registry::RawView;
 
 /// Daemon version reported by `host.info`.

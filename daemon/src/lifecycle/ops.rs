@@ -119,7 +119,7 @@ impl Manager {
 
     /// Removes the VM's overlay (and seed) as part of a rollback ([`Step::Overlay`]).
     pub(super) fn undo_overlay(&self, name: &str) {
-        let _ = std::fs::remove_file(self.paths(name).seed);
+        let _ = crate::blocking::run(|| std::fs::remove_file(self.paths(name).seed));
         let overlay = self.paths(name).overlay;
         if let Err(e) = crate::disk::remove_overlay(&overlay) {
             tracing::error!(vm = name, error = %e, "rollback: cannot remove the overlay");
@@ -392,7 +392,6 @@ impl Manager {
     /// data disks stay (a destroy disposes of them next, a replace keeps them).
     async fn teardown(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         let rec = self.record(name)?;
-        let paths = self.paths(name);
         if let Some(id) = self.find_live(name, rec.process.as_ref())? {
             if let Err(e) = self.kill_process(name, &id).await {
                 self.mark_failed(name, &e, false);
@@ -404,20 +403,9 @@ impl Manager {
             self.mark_failed(name, &e, false);
             return Err(e);
         }
-        let _ = std::fs::remove_file(&paths.seed);
-        for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
-            if let Err(e) = crate::disk::remove_overlay(&overlay) {
-                let err = ApiError::new(Code::ProvisioningFailed, format!("cannot remove the overlay: {e}"));
-                self.mark_failed(name, &err, false);
-                return Err(err);
-            }
-        }
-        for log in [&paths.serial_log, &paths.qemu_log] {
-            match std::fs::remove_file(log) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => tracing::warn!(vm = name, log = %log.display(), error = %e, "cannot remove a log"),
-            }
+        if let Err(err) = self.remove_run_files(name) {
+            self.mark_failed(name, &err, false);
+            return Err(err);
         }
         self.update(name, "torn down", |r| {
             r.process = None;

@@ -33,7 +33,7 @@ impl Manager {
         // record stays as it is (and unsettled, so later operations search /proc themselves).
         let markers: Vec<std::ffi::OsString> =
             names.iter().map(|n| std::ffi::OsString::from(self.paths(n).cmdline_marker())).collect();
-        let index = match crate::lifecycle::blocking(|| identity::MarkerIndex::scan(&markers)) {
+        let index = match crate::blocking::run(|| identity::MarkerIndex::scan(&markers)) {
             Ok(index) => index,
             Err(e) => {
                 tracing::error!(error = %e, "cannot read /proc: no VM record is settled");
@@ -146,7 +146,7 @@ impl Manager {
         let Some((to, why, undo_create)) = settle else { return Ok(()) };
         if undo_create {
             let _ = crate::disk::remove_overlay(&paths.overlay);
-            let _ = std::fs::remove_file(&paths.seed);
+            let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
             self.undo_data_disks(name);
         }
         match status {
@@ -173,11 +173,7 @@ impl Manager {
 
     async fn finish_destroy(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         self.release_host_side(name, Devices::Release).await?;
-        let paths = self.paths(name);
-        let _ = crate::disk::remove_overlay(&paths.overlay);
-        let _ = std::fs::remove_file(&paths.seed);
-        let _ = std::fs::remove_file(&paths.serial_log);
-        let _ = std::fs::remove_file(&paths.qemu_log);
+        self.remove_run_files(name)?;
         let spec = self.record(name)?.spec;
         self.dispose_root_disk(name)?;
         self.dispose_data_disks(&spec)?;

@@ -173,16 +173,6 @@ pub(super) struct Registry {
     slots: Mutex<HashMap<String, Arc<Mutex<()>>>>,
 }
 
-/// Runs `f`, which blocks (a file write, a mutex held across one), without stalling the other
-/// tasks of a runtime worker: they move to another worker meanwhile.
-pub(crate) fn blocking<R>(f: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
-        // A current-thread runtime (unit tests) or none: nothing else to move away.
-        _ => f(),
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every change under these locks is a single insert or remove: a panic cannot leave them
     // half-updated, so a poisoned lock is still usable.
@@ -237,7 +227,7 @@ impl Registry {
         decide: impl FnOnce(&mut Table) -> Result<(Change, T), ApiError>,
     ) -> Result<(T, Option<VmRecord>), ApiError> {
         let slot = self.slot(name);
-        let result = blocking(|| {
+        let result = crate::blocking::run(|| {
             let _slot = lock(&slot);
             let (old, new, value) = {
                 let mut t = self.table();

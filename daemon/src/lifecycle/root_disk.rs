@@ -59,13 +59,16 @@ fn refused(message: String) -> ApiError {
 /// Opens `path` read-only without following a symlink in its last component and without
 /// blocking on a FIFO (which is refused next as not a regular file).
 fn open_no_follow(path: &Path) -> std::io::Result<File> {
-    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)
+    crate::blocking::run(|| {
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)
+    })
 }
 
 /// Renames `from` to `to` unless `to` exists (`RENAME_NOREPLACE`: no disk is ever overwritten).
 fn rename_no_replace(from: &Path, to: &Path) -> std::io::Result<()> {
     use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
-    renameat2(AT_FDCWD, from, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE).map_err(std::io::Error::from)
+    crate::blocking::run(|| renameat2(AT_FDCWD, from, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE))
+        .map_err(std::io::Error::from)
 }
 
 /// 2001 on `spec.boot.disk_gib` when `spec` asks for a root disk smaller than `bytes`.
@@ -344,7 +347,7 @@ impl Manager {
         if root.importing {
             self.give_back(&file, &root)?;
         } else {
-            match std::fs::remove_file(&file) {
+            match crate::blocking::run(|| std::fs::remove_file(&file)) {
                 Ok(()) => tracing::info!(vm = name, path = %file.display(), "deleted the root disk"),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(failed(format!("cannot delete {}: {e}", file.display()))),
@@ -380,7 +383,7 @@ impl Manager {
 
 /// Removes `dir` if it is empty.
 fn remove_if_empty(dir: &Path) {
-    let _ = std::fs::remove_dir(dir);
+    let _ = crate::blocking::run(|| std::fs::remove_dir(dir));
 }
 
 #[cfg(test)]

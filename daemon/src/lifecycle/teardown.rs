@@ -12,9 +12,13 @@
 //!
 //! A launch that failed keeps the devices ([`Devices::Keep`]): it gives them back itself, only
 //! once it knows no QEMU of the VM holds them.
+//!
+//! A teardown that ends the VM's disk too (destroy, replace, recovery finishing a destroy) then
+//! calls [`Manager::remove_run_files`].
 
+use super::launch::partial_overlay;
 use super::Manager;
-use crate::api::ApiError;
+use crate::api::{ApiError, Code};
 
 /// Whether [`Manager::release_host_side`] gives the passthrough devices back too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,5 +43,28 @@ impl Manager {
             Devices::Release => self.release_passthrough(name).await,
             Devices::Keep => Ok(()),
         }
+    }
+
+    /// Removes the files VM `name`'s QEMU ran on or wrote beside the record: the overlay (and
+    /// a half-made one), the seed, the serial and QEMU logs. The disks the VM owns (root, data)
+    /// stay: a destroy disposes of them next, a replace keeps them. Call only once no QEMU of
+    /// the VM runs.
+    ///
+    /// # Errors
+    /// 4001 when an overlay cannot be removed (a seed or log that cannot is only logged).
+    pub(super) fn remove_run_files(&self, name: &str) -> Result<(), ApiError> {
+        let paths = self.paths(name);
+        for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
+            crate::disk::remove_overlay(&overlay)
+                .map_err(|e| ApiError::new(Code::ProvisioningFailed, format!("cannot remove the overlay: {e}")))?;
+        }
+        for file in [&paths.seed, &paths.serial_log, &paths.qemu_log] {
+            match crate::blocking::run(|| std::fs::remove_file(file)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(vm = name, file = %file.display(), error = %e, "cannot remove a file"),
+            }
+        }
+        Ok(())
     }
 }

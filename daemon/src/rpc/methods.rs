@@ -81,7 +81,7 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
         // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
         call(
             parse_params::<serde_json::Map<String, serde_json::Value>>(&params)
-                .map(|_| crate::lifecycle::blocking(|| mgr.host_info())),
+                .map(|_| crate::blocking::run(|| mgr.host_info())),
         )
     })?;
     m.register_async_method("host.check", move |_params, mgr, _| {
