@@ -2,18 +2,17 @@
 //!
 //! Order on the way up: boot files checked, overlay ([`Manager::ensure_overlay`]), data disks
 //! ([`super::data_disks`]), run dir,
-//! QEMU launched and its identity recorded at once, QMP verified ([`Manager::launch_qemu`]).
-//! Teardown ([`Manager::kill_process`], then [`super::teardown`]) is what rollback, stop and
-//! destroy share.
+//! QEMU launched and its identity recorded at once, QMP verified ([`Manager::launch_qemu`]; the
+//! process itself is [`super::processes`]'s). Teardown (`Processes::kill`, then
+//! [`super::teardown`]) is what rollback, stop and destroy share.
 
+use super::processes::Search;
 use super::undo::{Step, Undo};
-use super::{last_error, Manager};
+use super::{last_error, provisioning, Manager};
 use crate::api::{ApiError, Code, VmStatus};
-use crate::process::{self, ProcessIdentity};
+use crate::process::ProcessIdentity;
 use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
-use crate::qemu::identity::{self, QemuCheck};
-use crate::qemu::launch::{launch, LaunchRequest};
-use crate::qemu::qmp::Qmp;
+use crate::qemu::launch::LaunchRequest;
 use crate::validate::{BootSource, ValidSpec};
 use serde_json::json;
 use std::os::unix::fs::DirBuilderExt;
@@ -31,15 +30,6 @@ struct PassedFds {
     fds: Vec<std::os::fd::OwnedFd>,
     /// The base image's format ([`crate::disk::base_info`]), empty for a direct-kernel VM.
     base_format: String,
-}
-
-/// How long QMP may take to answer right after launch.
-const QMP_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a SIGKILLed QEMU may take to exit.
-const KILL_WAIT: Duration = Duration::from_secs(10);
-
-fn provisioning(step: &str, message: String) -> ApiError {
-    ApiError::new(Code::ProvisioningFailed, message).details(json!({ "step": step }))
 }
 
 /// Opens (with `copy`: copies, see [`crate::qemu::boot_files`]) the kernel or initrd that spec
@@ -128,51 +118,7 @@ impl Manager {
         recorded: Option<&ProcessIdentity>,
     ) -> Result<Option<ProcessIdentity>, ApiError> {
         let search = if self.lock().unsettled.contains(name) { Search::Proc } else { Search::None };
-        self.find_live_anywhere(&self.paths(name), recorded, search)
-    }
-
-    /// The live QEMU of this VM, if any: the recorded identity, or else a process with the VM's
-    /// cmdline marker, found as `search` says: in recovery's one scan, by a scan of /proc (for
-    /// the moments a QEMU may run unrecorded: recovery, just before or after a launch), or not.
-    ///
-    /// # Errors
-    /// As [`Manager::find_live`].
-    pub(super) fn find_live_anywhere(
-        &self,
-        paths: &VmPaths,
-        recorded: Option<&ProcessIdentity>,
-        search: Search<'_>,
-    ) -> Result<Option<ProcessIdentity>, ApiError> {
-        if recorded.is_none() && matches!(search, Search::None) {
-            return Ok(None);
-        }
-        let check = self.qemu_check(paths).map_err(unknown_liveness)?;
-        if let Some(id) = recorded {
-            if identity::verify(id, &check).map_err(unknown_liveness)?.is_ok() {
-                return Ok(Some(id.clone()));
-            }
-        }
-        match search {
-            Search::None => Ok(None),
-            Search::Index(index) => index.find(&check),
-            // Every process's command line: a scan of all of /proc.
-            Search::Proc => crate::blocking::run(|| identity::find(&check)),
-        }
-        .map_err(unknown_liveness)
-    }
-
-    /// What this VM's QEMU must be ([`identity`]): its marker, `qemu.user`'s uid (the daemon's
-    /// own when QEMU runs as root), `qemu.binary`, and the process that starts QEMUs now.
-    ///
-    /// # Errors
-    /// The spawner cannot be read in /proc.
-    pub(super) fn qemu_check(&self, paths: &VmPaths) -> std::io::Result<QemuCheck> {
-        Ok(QemuCheck {
-            marker: paths.cmdline_marker().into(),
-            uid: self.config.qemu_user.map_or_else(|| nix::unistd::geteuid().as_raw(), |u| u.uid),
-            binary: self.config.qemu.binary.clone(),
-            spawner: identity::spawner()?,
-        })
+        self.processes.find(&self.paths(name), recorded, search)
     }
 
     /// Launches QEMU for `vm`, records its identity, and checks over QMP that it runs.
@@ -187,7 +133,7 @@ impl Manager {
     ) -> Result<ProcessIdentity, ApiError> {
         let name = vm.spec.name.clone();
         let paths = self.paths(&name);
-        if let Some(id) = self.find_live_anywhere(&paths, None, Search::Proc)? {
+        if let Some(id) = self.processes.find(&paths, None, Search::Proc)? {
             // Never start a VM twice: a QEMU of this VM is already up (e.g. launched just before a
             // daemon crash); adopt it.
             tracing::warn!(vm = %name, pid = id.pid, "found a live QEMU for this VM; adopting it");
@@ -248,35 +194,18 @@ impl Manager {
             user: self.config.qemu_user,
             kvm: self.config.qemu.accel == crate::config::Accel::Kvm,
         };
-        let launched = launch(&request).await;
+        let launched = self.processes.spawn(&request).await;
         // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client
         // of a dead QEMU's sockets is refused rather than queued.
         drop(request);
-        let id = launched.map_err(|e| {
-            let tail = e.stderr_tail().unwrap_or_default().to_string();
-            ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
-                .details(json!({"step": "qemu", "stderr": tail}))
-        })?;
+        let id = launched?;
         // Killed on failure from here on, also when its identity cannot be recorded.
         undo.push(Step::Process(id.clone()));
         self.crashpoint("launch:spawned");
         self.update(&name, "launched", |r| r.process = Some(id.clone()))?;
         self.crashpoint("launch:launched");
-        let verified = async {
-            let mut qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| e.to_string())?;
-            qmp.query_status().await.map_err(|e| e.to_string())
-        }
-        .await;
-        match verified {
-            Ok(status) if status == "running" => Ok(id),
-            other => {
-                let why = match other {
-                    Ok(s) => format!("QEMU reports status {s:?}"),
-                    Err(e) => format!("QMP check failed: {e}"),
-                };
-                Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
-            }
-        }
+        self.processes.verify_running(&paths).await?;
+        Ok(id)
     }
 
     /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP, agent and
@@ -396,40 +325,6 @@ impl Manager {
         Ok(PassedFds { fds, base_format })
     }
 
-    /// SIGKILLs a VM process, only if it still is this VM's QEMU (never a reused pid), and waits
-    /// (bounded) for it to exit.
-    ///
-    /// # Errors
-    /// 4001 when the process may still run afterwards: the caller must then keep the record's
-    /// process and run dir, or the VM could later be started a second time.
-    pub(super) async fn kill_process(&self, name: &str, id: &ProcessIdentity) -> Result<(), ApiError> {
-        let sig = nix::sys::signal::Signal::SIGKILL;
-        let check = self.qemu_check(&self.paths(name));
-        match &check {
-            Ok(check) => {
-                if let Err(e) = identity::signal_if_qemu(id, check, sig) {
-                    tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU");
-                }
-            }
-            Err(e) => tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU"),
-        }
-        match tokio::time::timeout(KILL_WAIT, process::wait_exit_of(id)).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) if check.as_ref().is_ok_and(|c| !identity::is_qemu(id, c)) => {
-                tracing::debug!(vm = name, error = %e, "exit watch failed but the process is gone");
-                Ok(())
-            }
-            outcome => {
-                let why = match outcome {
-                    Ok(Err(e)) => format!("cannot watch it exit: {e}"),
-                    _ => format!("it did not exit within {KILL_WAIT:?} of SIGKILL"),
-                };
-                tracing::error!(vm = name, pid = id.pid, "QEMU may still run: {why}");
-                Err(provisioning("kill", format!("QEMU (pid {}) may still run: {why}", id.pid)))
-            }
-        }
-    }
-
     /// Removes the VM's run dir (sockets, pid file). Errors are logged: nothing depends on it.
     pub(super) fn clean_run_dir(&self, paths: &VmPaths) {
         match crate::blocking::run(|| std::fs::remove_dir_all(&paths.run_dir)) {
@@ -473,19 +368,4 @@ impl Manager {
             tracing::error!(vm = name, error = %save, "cannot record the failure");
         }
     }
-}
-
-fn unknown_liveness(e: std::io::Error) -> ApiError {
-    provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
-}
-
-/// Where [`Manager::find_live_anywhere`] looks for a QEMU of the VM that is not the recorded one.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Search<'a> {
-    /// Nowhere: only the recorded process counts.
-    None,
-    /// Among the processes recovery's one scan of /proc found carrying the VM's marker.
-    Index(&'a identity::MarkerIndex),
-    /// In a scan of /proc now.
-    Proc,
 }

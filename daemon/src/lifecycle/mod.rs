@@ -20,7 +20,8 @@
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
 //! `host.stats`), [`teardown`] (what every path that ends a QEMU gives back, in one order),
 //! [`undo`] (the undo stack a create or start pushes its steps onto, unwound on failure),
-//! [`registry`] (records, their files and the views readers are served).
+//! [`registry`] (records, their files and the views readers are served), [`processes`] (the
+//! QEMU processes: started, found, checked, killed).
 
 mod agent;
 mod autostart;
@@ -29,6 +30,7 @@ mod exits;
 mod hotplug;
 mod launch;
 mod ops;
+mod processes;
 mod reconcile;
 mod reconfigure;
 mod recover;
@@ -71,6 +73,8 @@ pub struct Manager {
     net_states: Mutex<BTreeMap<String, NetworkState>>,
     /// PCI devices through sysfs, the owner of vfio-pci bindings.
     pci: Arc<crate::pci::Pci>,
+    /// The VMs' QEMU processes: started, found, checked and killed ([`processes`]).
+    processes: processes::Processes,
     /// Guest agent sessions, one per running VM.
     agents: Arc<crate::agent::supervisor::AgentHub>,
     /// `vm.stats`' connections to each running QEMU's stats monitor.
@@ -136,6 +140,7 @@ impl Manager {
         }
         let registry = Registry::new(Arc::clone(&config), store, events.clone(), records, broken);
         let net = HostNet::connect().map_err(|e| format!("cannot open netlink: {e}"))?;
+        let processes = processes::Processes::new(Arc::clone(&config));
         let mgr = Arc::new(Manager {
             config,
             events,
@@ -144,6 +149,7 @@ impl Manager {
             net,
             net_states: Mutex::new(BTreeMap::new()),
             pci: Arc::new(crate::pci::Pci::real()),
+            processes,
             agents: Arc::default(),
             stats_monitors: Default::default(),
             qmp_sessions: Arc::default(),
@@ -384,7 +390,7 @@ impl Manager {
         let agent = self.agents.status(name);
         let alive = cached.status != VmStatus::Running || !self.registry.is_unwatched(name) || {
             // An unreadable /proc is not proof of death: keep what the record says.
-            cached.process.as_ref().is_some_and(|p| match self.qemu_check(&self.paths(name)) {
+            cached.process.as_ref().is_some_and(|p| match self.processes.check(&self.paths(name)) {
                 Ok(check) => crate::qemu::identity::verify(p, &check).map_or(true, |v| v.is_ok()),
                 Err(_) => true,
             })
@@ -538,6 +544,11 @@ impl Manager {
     pub fn broken_records(&self) -> Vec<BrokenRecord> {
         self.lock().broken.values().cloned().collect()
     }
+}
+
+/// 4001 naming the `step` that failed.
+fn provisioning(step: &str, message: String) -> ApiError {
+    ApiError::new(Code::ProvisioningFailed, message).details(serde_json::json!({ "step": step }))
 }
 
 fn busy(name: &str) -> ApiError {

@@ -316,7 +316,7 @@ impl Manager {
             }
         }
         if !exited {
-            self.kill_process(name, id).await?;
+            self.processes.kill(name, id).await?;
         }
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
         self.update(name, reason, |r| {
@@ -393,7 +393,7 @@ impl Manager {
     async fn teardown(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         let rec = self.record(name)?;
         if let Some(id) = self.find_live(name, rec.process.as_ref())? {
-            if let Err(e) = self.kill_process(name, &id).await {
+            if let Err(e) = self.processes.kill(name, &id).await {
                 self.mark_failed(name, &e, false);
                 return Err(e);
             }

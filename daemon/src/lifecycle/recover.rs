@@ -11,7 +11,7 @@
 //! without error leaves the registry's `unsettled` set: from then on only a launch searches /proc
 //! for its QEMU.
 
-use super::launch::Search;
+use super::processes::Search;
 use super::teardown::Devices;
 use super::Manager;
 use crate::api::{ApiError, Code, VmStatus};
@@ -61,7 +61,7 @@ impl Manager {
             if rec.vfio.is_empty() {
                 return Ok(());
             }
-            let live = self.find_live_anywhere(&self.paths(name), rec.process.as_ref(), Search::Index(index))?;
+            let live = self.processes.find(&self.paths(name), rec.process.as_ref(), Search::Index(index))?;
             if live.is_none() {
                 tracing::info!(
                     vm = name,
@@ -79,16 +79,16 @@ impl Manager {
         let paths = self.paths(name);
         // If /proc cannot be read the record is left exactly as it is: guessing could start a
         // VM twice or delete a live VM's sockets.
-        let live = self.find_live_anywhere(&paths, rec.process.as_ref(), Search::Index(index))?;
+        let live = self.processes.find(&paths, rec.process.as_ref(), Search::Index(index))?;
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
-                self.kill_process(name, &id).await?;
+                self.processes.kill(name, &id).await?;
                 self.finish_destroy(name).await
             }
             (Some(id), VmStatus::Stopping) => {
                 tracing::info!(vm = name, "finishing an interrupted stop");
-                self.kill_process(name, &id).await?;
+                self.processes.kill(name, &id).await?;
                 self.clean_run_dir(&paths);
                 self.update(name, "stop completed after vmhostd restart", |r| {
                     r.status = VmStatus::Stopped;
@@ -99,7 +99,7 @@ impl Manager {
             (Some(id), VmStatus::Creating) => {
                 // The create never reached `running`: undo it rather than adopt a half-made VM.
                 tracing::info!(vm = name, "undoing an interrupted create");
-                self.kill_process(name, &id).await?;
+                self.processes.kill(name, &id).await?;
                 self.settle_without_process(name, &paths, VmStatus::Creating)
             }
             (Some(id), _) => {
@@ -252,6 +252,7 @@ mod tests {
             net: crate::net::host::HostNet::connect().unwrap(),
             net_states: Mutex::new(BTreeMap::new()),
             pci: Arc::new(crate::pci::Pci::new(Box::new(Arc::clone(&sysfs)))),
+            processes: super::super::processes::Processes::new(config.clone()),
             agents: Arc::default(),
             stats_monitors: Default::default(),
             qmp_sessions: Arc::default(),

@@ -14,7 +14,7 @@
 //! unwind stops there and the record keeps the process, so nothing a live QEMU holds (its
 //! disks, devices, taps) is taken from under it.
 
-use super::launch::Search;
+use super::processes::Search;
 use super::teardown::Devices;
 use super::Manager;
 use crate::api::{ApiError, VmStatus};
@@ -68,7 +68,7 @@ impl Manager {
         for step in undo.steps.into_iter().rev() {
             match step {
                 Step::Process(id) => {
-                    if let Err(kill) = self.kill_process(name, &id).await {
+                    if let Err(kill) = self.processes.kill(name, &id).await {
                         self.mark_failed_keeping_process(name, &kill);
                         return kill;
                     }
@@ -79,7 +79,7 @@ impl Manager {
                 Step::Devices => {
                     // Only when no QEMU of this VM can still hold them.
                     let recorded = self.record(name).ok().and_then(|r| r.process);
-                    if matches!(self.find_live_anywhere(&self.paths(name), recorded.as_ref(), Search::Proc), Ok(None)) {
+                    if matches!(self.processes.find(&self.paths(name), recorded.as_ref(), Search::Proc), Ok(None)) {
                         if let Err(e) = self.release_passthrough(name).await {
                             tracing::error!(vm = name, error = %e, "rollback: passthrough devices not restored");
                         }

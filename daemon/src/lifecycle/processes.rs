@@ -1,0 +1,166 @@
+//! The QEMU processes of this host's VMs: the one owner of starting, finding, checking and
+//! killing them.
+//!
+//! A VM's QEMU is known by its [`ProcessIdentity`] (pid and start time) and recognised by what
+//! [`identity`] checks (its marker, user, executable, parent). Everything here works from a
+//! VM's paths and recorded identity and touches no record: the lifecycle decides what to record
+//! around each call.
+//!
+//! Order for one QEMU: [`Processes::find`] (never start a VM twice), [`Processes::spawn`],
+//! [`Processes::verify_running`], and at the end [`Processes::kill`].
+
+use super::provisioning;
+use crate::api::{ApiError, Code};
+use crate::config::Config;
+use crate::process::{self, ProcessIdentity};
+use crate::qemu::argv::VmPaths;
+use crate::qemu::identity::{self, QemuCheck};
+use crate::qemu::launch::{launch, LaunchRequest};
+use crate::qemu::qmp::Qmp;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long QMP may take to answer right after launch.
+const QMP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a SIGKILLed QEMU may take to exit.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// Where [`Processes::find`] looks for a QEMU of the VM that is not the recorded one.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Search<'a> {
+    /// Nowhere: only the recorded process counts.
+    None,
+    /// Among the processes recovery's one scan of /proc found carrying the VM's marker.
+    Index(&'a identity::MarkerIndex),
+    /// In a scan of /proc now.
+    Proc,
+}
+
+/// Starts, finds, checks and kills the VMs' QEMUs (see the module doc).
+#[derive(Debug)]
+pub(super) struct Processes {
+    config: Arc<Config>,
+}
+
+impl Processes {
+    pub fn new(config: Arc<Config>) -> Processes {
+        Processes { config }
+    }
+
+    /// What this VM's QEMU must be ([`identity`]): its marker, `qemu.user`'s uid (the daemon's
+    /// own when QEMU runs as root), `qemu.binary`, and the process that starts QEMUs now.
+    ///
+    /// # Errors
+    /// The spawner cannot be read in /proc.
+    pub fn check(&self, paths: &VmPaths) -> std::io::Result<QemuCheck> {
+        Ok(QemuCheck {
+            marker: paths.cmdline_marker().into(),
+            uid: self.config.qemu_user.map_or_else(|| nix::unistd::geteuid().as_raw(), |u| u.uid),
+            binary: self.config.qemu.binary.clone(),
+            spawner: identity::spawner()?,
+        })
+    }
+
+    /// The live QEMU of the VM at `paths`, if any: the `recorded` identity while it still runs,
+    /// or else a process with the VM's marker, found as `search` says: in recovery's one scan,
+    /// by a scan of /proc (for the moments a QEMU may run unrecorded: recovery, just before or
+    /// after a launch), or not at all.
+    ///
+    /// # Errors
+    /// 4001 when /proc cannot be read (e.g. out of file descriptors): whether QEMU runs is then
+    /// unknown, and acting as if it did not could start the VM twice.
+    pub fn find(
+        &self,
+        paths: &VmPaths,
+        recorded: Option<&ProcessIdentity>,
+        search: Search<'_>,
+    ) -> Result<Option<ProcessIdentity>, ApiError> {
+        if recorded.is_none() && matches!(search, Search::None) {
+            return Ok(None);
+        }
+        let check = self.check(paths).map_err(unknown_liveness)?;
+        if let Some(id) = recorded {
+            if identity::verify(id, &check).map_err(unknown_liveness)?.is_ok() {
+                return Ok(Some(id.clone()));
+            }
+        }
+        match search {
+            Search::None => Ok(None),
+            Search::Index(index) => index.find(&check),
+            // Every process's command line: a scan of all of /proc.
+            Search::Proc => crate::blocking::run(|| identity::find(&check)),
+        }
+        .map_err(unknown_liveness)
+    }
+
+    /// Starts QEMU as `request` says and returns its identity once it runs (daemonized, its
+    /// QMP socket up). Dropping `request` afterwards closes our copies of the descriptors it
+    /// handed over.
+    ///
+    /// # Errors
+    /// 4001 step `qemu` with the tail of QEMU's log.
+    pub async fn spawn(&self, request: &LaunchRequest) -> Result<ProcessIdentity, ApiError> {
+        launch(request).await.map_err(|e| {
+            let tail = e.stderr_tail().unwrap_or_default().to_string();
+            ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
+                .details(json!({"step": "qemu", "stderr": tail}))
+        })
+    }
+
+    /// Checks over QMP that the QEMU at `paths` runs its guest.
+    ///
+    /// # Errors
+    /// 4001 step `qemu_verify` when QMP does not answer or reports another status.
+    pub async fn verify_running(&self, paths: &VmPaths) -> Result<(), ApiError> {
+        let verified = async {
+            let mut qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| e.to_string())?;
+            qmp.query_status().await.map_err(|e| e.to_string())
+        }
+        .await;
+        let why = match verified {
+            Ok(status) if status == "running" => return Ok(()),
+            Ok(s) => format!("QEMU reports status {s:?}"),
+            Err(e) => format!("QMP check failed: {e}"),
+        };
+        Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
+    }
+
+    /// Sends SIGKILL to VM `name`'s QEMU `id` (only if it still is that QEMU) and waits
+    /// (bounded) for it to exit.
+    ///
+    /// # Errors
+    /// 4001 when the process may still run afterwards: the caller must then keep the record's
+    /// process and run dir, or the VM could later be started a second time.
+    pub async fn kill(&self, name: &str, id: &ProcessIdentity) -> Result<(), ApiError> {
+        let sig = nix::sys::signal::Signal::SIGKILL;
+        let check = self.check(&VmPaths::for_vm(&self.config, name));
+        match &check {
+            Ok(check) => {
+                if let Err(e) = identity::signal_if_qemu(id, check, sig) {
+                    tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU");
+                }
+            }
+            Err(e) => tracing::warn!(vm = name, pid = id.pid, error = %e, "cannot signal QEMU"),
+        }
+        match tokio::time::timeout(KILL_WAIT, process::wait_exit_of(id)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) if check.as_ref().is_ok_and(|c| !identity::is_qemu(id, c)) => {
+                tracing::debug!(vm = name, error = %e, "exit watch failed but the process is gone");
+                Ok(())
+            }
+            outcome => {
+                let why = match outcome {
+                    Ok(Err(e)) => format!("cannot watch it exit: {e}"),
+                    _ => format!("it did not exit within {KILL_WAIT:?} of SIGKILL"),
+                };
+                tracing::error!(vm = name, pid = id.pid, "QEMU may still run: {why}");
+                Err(provisioning("kill", format!("QEMU (pid {}) may still run: {why}", id.pid)))
+            }
+        }
+    }
+}
+
+fn unknown_liveness(e: std::io::Error) -> ApiError {
+    provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
+}
