@@ -5,11 +5,11 @@
 //! a record says is checked against /proc (pid, start time, command line, user and executable,
 //! see [`crate::qemu::identity`]); the kernel's view wins.
 //!
-//! Order: one scan of /proc finds the processes carrying any VM's marker
-//! ([`identity::MarkerIndex`]); then up to [`RECOVER_AT_ONCE`] VMs are settled at once, each
-//! against that index (a recorded QEMU that still runs is verified directly). A VM settled
-//! without error leaves the registry's `unsettled` set: from then on only a launch searches /proc
-//! for its QEMU.
+//! Order: [`Recovery::scan`] reads /proc once for the processes carrying any VM's marker
+//! ([`identity::MarkerIndex`]); then [`Recovery::run`] settles up to [`RECOVER_AT_ONCE`] VMs at
+//! once, each against that index (a recorded QEMU that still runs is verified directly). A VM
+//! settled without error leaves the registry's `unsettled` set: from then on only a launch
+//! searches /proc for its QEMU.
 
 use super::processes::Search;
 use super::teardown::Devices;
@@ -27,25 +27,44 @@ use std::time::Duration;
 const RECOVER_AT_ONCE: usize = 16;
 
 impl Manager {
+    /// Settles every record against what runs (see the module doc).
     pub(super) async fn recover_all(self: &Arc<Self>) {
-        let names: Vec<String> = self.lock().vms.keys().cloned().collect();
-        // One pass over /proc for every VM's marker. Unreadable, nothing can be settled: each
-        // record stays as it is (and unsettled, so later operations search /proc themselves).
+        if let Some(recovery) = Recovery::scan(self) {
+            recovery.run().await;
+        }
+    }
+}
+
+/// One recovery: the daemon's manager and the one /proc index every VM is settled against.
+struct Recovery<'m> {
+    mgr: &'m Arc<Manager>,
+    index: identity::MarkerIndex,
+}
+
+impl<'m> Recovery<'m> {
+    /// Scans /proc once for every recorded VM's marker. `None` when /proc cannot be read:
+    /// nothing can be settled then, so each record stays as it is (and unsettled, so later
+    /// operations search /proc themselves).
+    fn scan(mgr: &'m Arc<Manager>) -> Option<Recovery<'m>> {
         let markers: Vec<std::ffi::OsString> =
-            names.iter().map(|n| std::ffi::OsString::from(self.paths(n).cmdline_marker())).collect();
-        let index = match crate::blocking::run(|| identity::MarkerIndex::scan(&markers)) {
-            Ok(index) => index,
+            mgr.lock().vms.keys().map(|n| std::ffi::OsString::from(mgr.paths(n).cmdline_marker())).collect();
+        match crate::blocking::run(|| identity::MarkerIndex::scan(&markers)) {
+            Ok(index) => Some(Recovery { mgr, index }),
             Err(e) => {
                 tracing::error!(error = %e, "cannot read /proc: no VM record is settled");
-                return;
+                None
             }
-        };
-        let index = &index;
+        }
+    }
+
+    /// Settles every VM, [`RECOVER_AT_ONCE`] at a time.
+    async fn run(&self) {
+        let names: Vec<String> = self.mgr.lock().vms.keys().cloned().collect();
         futures_util::stream::iter(names)
             .for_each_concurrent(RECOVER_AT_ONCE, |name| async move {
-                match self.recover(&name, index).await {
+                match self.recover(&name).await {
                     Ok(()) => {
-                        self.lock().unsettled.remove(&name);
+                        self.mgr.lock().unsettled.remove(&name);
                     }
                     Err(e) => tracing::error!(vm = %name, error = %e, "cannot settle the VM's record"),
                 }
@@ -53,44 +72,55 @@ impl Manager {
             .await;
     }
 
-    async fn recover(self: &Arc<Self>, name: &str, index: &identity::MarkerIndex) -> Result<(), ApiError> {
-        self.settle(name, index).await?;
+    /// Where recovery looks for a VM's unrecorded QEMU: its one scan.
+    fn search(&self) -> Search<'_> {
+        Search::Index(&self.index)
+    }
+
+    /// Settles VM `name`, then gives its passthrough devices back if no QEMU of it runs.
+    async fn recover(&self, name: &str) -> Result<(), ApiError> {
+        let mgr = self.mgr;
+        self.settle(name).await?;
         // Devices of a VM without a live QEMU go back to their host drivers.
-        let rec = self.record(name);
+        let rec = mgr.record(name);
         if let Ok(rec) = rec {
             if rec.vfio.is_empty() {
                 return Ok(());
             }
-            let live = self.processes.find(&self.paths(name), rec.process.as_ref(), Search::Index(index))?;
+            let live = mgr.processes.find(&mgr.paths(name), rec.process.as_ref(), self.search())?;
             if live.is_none() {
                 tracing::info!(
                     vm = name,
                     devices = rec.vfio.len(),
                     "restoring passthrough devices of a VM that is not running"
                 );
-                self.release_passthrough(name).await?;
+                mgr.release_passthrough(name).await?;
             }
         }
         Ok(())
     }
 
-    async fn settle(self: &Arc<Self>, name: &str, index: &identity::MarkerIndex) -> Result<(), ApiError> {
-        let rec = self.record(name)?;
-        let paths = self.paths(name);
+    /// Brings VM `name`'s record in line with what runs: a live QEMU is re-adopted (or killed
+    /// when the record says it was being stopped, destroyed or created), a gone one settles
+    /// the record.
+    async fn settle(&self, name: &str) -> Result<(), ApiError> {
+        let mgr = self.mgr;
+        let rec = mgr.record(name)?;
+        let paths = mgr.paths(name);
         // If /proc cannot be read the record is left exactly as it is: guessing could start a
         // VM twice or delete a live VM's sockets.
-        let live = self.processes.find(&paths, rec.process.as_ref(), Search::Index(index))?;
+        let live = mgr.processes.find(&paths, rec.process.as_ref(), self.search())?;
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
-                self.processes.kill(name, &id).await?;
+                mgr.processes.kill(name, &id).await?;
                 self.finish_destroy(name).await
             }
             (Some(id), VmStatus::Stopping) => {
                 tracing::info!(vm = name, "finishing an interrupted stop");
-                self.processes.kill(name, &id).await?;
-                self.clean_run_dir(&paths);
-                self.update(name, "stop completed after vmhostd restart", |r| {
+                mgr.processes.kill(name, &id).await?;
+                mgr.clean_run_dir(&paths);
+                mgr.update(name, "stop completed after vmhostd restart", |r| {
                     r.status = VmStatus::Stopped;
                     r.process = None;
                 })?;
@@ -99,7 +129,7 @@ impl Manager {
             (Some(id), VmStatus::Creating) => {
                 // The create never reached `running`: undo it rather than adopt a half-made VM.
                 tracing::info!(vm = name, "undoing an interrupted create");
-                self.processes.kill(name, &id).await?;
+                mgr.processes.kill(name, &id).await?;
                 self.settle_without_process(name, &paths, VmStatus::Creating)
             }
             (Some(id), _) => {
@@ -112,18 +142,18 @@ impl Manager {
                             Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP query failed"),
                         }
                         // A disk change cut short: the record takes what QEMU has.
-                        if let Err(e) = self.settle_hotplug(name, &mut q).await {
+                        if let Err(e) = mgr.settle_hotplug(name, &mut q).await {
                             tracing::warn!(vm = name, error = %e, "re-adopted VM; its data disks were not checked");
                         }
                     }
                     Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP unreachable"),
                 }
                 let started_at = rec.started_at.clone();
-                self.mark_running(name, id, "re-adopted after daemon restart")?;
+                mgr.mark_running(name, id, "re-adopted after daemon restart")?;
                 // It runs on its imported disk: the import is done.
-                self.end_root_disk_import(name)?;
+                mgr.end_root_disk_import(name)?;
                 if started_at.is_some() {
-                    self.update(name, "re-adopted", |r| r.started_at = started_at)?;
+                    mgr.update(name, "re-adopted", |r| r.started_at = started_at)?;
                 }
                 Ok(())
             }
@@ -134,7 +164,8 @@ impl Manager {
 
     /// Settles a record whose QEMU is gone.
     fn settle_without_process(&self, name: &str, paths: &VmPaths, status: VmStatus) -> Result<(), ApiError> {
-        self.clean_run_dir(paths);
+        let mgr = self.mgr;
+        mgr.clean_run_dir(paths);
         let _ = crate::disk::remove_overlay(&super::launch::partial_overlay(paths));
         let settle = match status {
             VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
@@ -147,16 +178,16 @@ impl Manager {
         if undo_create {
             let _ = crate::disk::remove_overlay(&paths.overlay);
             let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
-            self.undo_data_disks(name);
+            mgr.undo_data_disks(name);
         }
         match status {
             // A create or start interrupted while it imported a root disk gives it back.
-            VmStatus::Creating | VmStatus::Starting => self.undo_root_disk(name),
+            VmStatus::Creating | VmStatus::Starting => mgr.undo_root_disk(name),
             // It ran on it: the import is done.
-            _ => self.end_root_disk_import(name)?,
+            _ => mgr.end_root_disk_import(name)?,
         }
         let record_error = to != VmStatus::Stopped;
-        self.update(name, why, |r| {
+        mgr.update(name, why, |r| {
             r.status = to;
             r.process = None;
             if undo_create {
@@ -171,13 +202,15 @@ impl Manager {
         Ok(())
     }
 
-    async fn finish_destroy(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
-        self.release_host_side(name, Devices::Release).await?;
-        self.remove_run_files(name)?;
-        let spec = self.record(name)?.spec;
-        self.dispose_root_disk(name)?;
-        self.dispose_data_disks(&spec)?;
-        self.forget(name, "destroyed (completed after restart)")
+    /// Completes a destroy a restart interrupted, as `vm.destroy` would have.
+    async fn finish_destroy(&self, name: &str) -> Result<(), ApiError> {
+        let mgr = self.mgr;
+        mgr.release_host_side(name, Devices::Release).await?;
+        mgr.remove_run_files(name)?;
+        let spec = mgr.record(name)?.spec;
+        mgr.dispose_root_disk(name)?;
+        mgr.dispose_data_disks(&spec)?;
+        mgr.forget(name, "destroyed (completed after restart)")
     }
 }
 
