@@ -193,6 +193,12 @@ pub struct QemuConfig {
     /// QEMU's own seccomp filter: `-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,
     /// resourcecontrol=deny`.
     pub sandbox: bool,
+    /// The sha256 `binary` must have (64 hex digits, lower case once loaded): checked at start
+    /// and before every launch ([`crate::qemu::integrity`]); `None` runs it unverified.
+    pub sha256: Option<String>,
+    /// The sha256 `img_binary` must have: checked at start and by `host.check` only, since
+    /// qemu-img is never run.
+    pub img_sha256: Option<String>,
 }
 
 /// A user and group to run a program as: `qemu.user`, resolved when the config is loaded.
@@ -218,6 +224,8 @@ impl Default for QemuConfig {
             launch_timeout_s: 30,
             user: DEFAULT_QEMU_USER.into(),
             sandbox: true,
+            sha256: None,
+            img_sha256: None,
         }
     }
 }
@@ -496,7 +504,7 @@ impl Config {
         let fname = file.display().to_string();
         let value: toml::Value = toml::from_str(text)
             .map_err(|e| ConfigError::Syntax { file: fname.clone(), message: e.to_string().trim().to_string() })?;
-        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+        let mut raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
             ConfigError::Key { file: fname.clone(), key, problem: e.into_inner().to_string() }
         })?;
@@ -564,6 +572,14 @@ impl Config {
             && raw.qemu.user.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-_".contains(c));
         if !user_ok {
             return Err(key_err("qemu.user", format!("{:?} is not a user name", raw.qemu.user)));
+        }
+        for (key, value) in [("qemu.sha256", &mut raw.qemu.sha256), ("qemu.img_sha256", &mut raw.qemu.img_sha256)] {
+            if let Some(text) = value {
+                if text.len() != 64 || !text.chars().all(|c| c.is_ascii_hexdigit()) {
+                    return Err(key_err(key, format!("{text:?} is not a sha256 (64 hex digits)")));
+                }
+                *text = text.to_ascii_lowercase();
+            }
         }
         let overcommit = raw.storage.overcommit;
         if !(0.1..=100.0).contains(&overcommit) {

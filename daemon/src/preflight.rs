@@ -185,7 +185,12 @@ fn networks(states: &[NetworkState]) -> Vec<CheckItem> {
 }
 
 /// Runs every preflight check; `networks` is what the network owner found at its last check.
-pub async fn check(config: &Config, broken: &[BrokenRecord], network_states: &[NetworkState]) -> HostCheck {
+pub async fn check(
+    config: &Config,
+    broken: &[BrokenRecord],
+    network_states: &[NetworkState],
+    integrity: &crate::qemu::integrity::Integrity,
+) -> HostCheck {
     let mut items = vec![
         binary_version("qemu", &config.qemu.binary).await,
         accelerator(config).await,
@@ -195,6 +200,7 @@ pub async fn check(config: &Config, broken: &[BrokenRecord], network_states: &[N
         hardware(config),
         records(broken),
     ];
+    items.extend(integrity.items(config));
     items.extend(networks(network_states));
     items.extend(vfio(config).await);
     items.extend(crate::sandbox::report::items(config, &crate::sandbox::state()));
@@ -215,7 +221,7 @@ mod tests {
         c.paths.state = d.path().to_path_buf();
         c.paths.run = d.path().join("absent");
         c.paths.images = d.path().join("absent-images");
-        let r = check(&c, &[], &[]).await;
+        let r = check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c)).await;
         assert!(!r.ok);
         let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
         assert_eq!(status("qemu"), CheckStatus::Missing);
@@ -228,7 +234,7 @@ mod tests {
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "the probe file is removed");
         let broken = [BrokenRecord { path: "/x/a.json".into(), name: "a".into(), error: "bad".into() }];
         let nets = [NetworkState { name: "lan".into(), ready: false, detail: "bridge br0 does not exist".into() }];
-        let r = check(&c, &broken, &nets).await;
+        let r = check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c)).await;
         assert_eq!(r.items.iter().find(|i| i.name == "network.lan").unwrap().status, CheckStatus::Error);
         assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
     }

@@ -196,6 +196,8 @@ pub struct HostOptions {
     pub accel: String,
     /// `qemu.cpu_model`, empty for the default.
     pub cpu_model: String,
+    /// Extra lines of the `[qemu]` table (e.g. `binary = "..."`).
+    pub qemu_extra: String,
     /// Boot directories (`paths.boot`) besides the host's images dir and the test guest's
     /// `target/guest`, for tests that boot kernels from elsewhere.
     pub boot_dirs: Vec<PathBuf>,
@@ -215,6 +217,7 @@ impl Default for HostOptions {
             env: Vec::new(),
             accel: "tcg".into(),
             cpu_model: String::new(),
+            qemu_extra: String::new(),
             boot_dirs: Vec::new(),
         }
     }
@@ -244,6 +247,7 @@ accel = "{accel}"
 cpu_model = "{cpu_model}"
 machine = "{machine}"
 user = "{qemu_user}"
+{qemu_extra}
 [access]
 admin_group = "vmhost-test-admin"
 readonly_group = "{ro}"
@@ -265,6 +269,7 @@ reserved_memory_gib = 1
             accel = opts.accel,
             cpu_model = opts.cpu_model,
             qemu_user = QEMU_USER,
+            qemu_extra = opts.qemu_extra,
             ro = opts.readonly_group,
             cpu = opts.cpu,
             mem = opts.memory_gib,

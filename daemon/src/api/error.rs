@@ -49,6 +49,9 @@ pub enum Code {
     InUseByHost,
     /// QEMU or another host step failed.
     ProvisioningFailed,
+    /// A binary vmhostd would run does not have the sha256 the config pins (`qemu.sha256`);
+    /// `details: {path, expected, found}`. Nothing was started.
+    BinaryMismatch,
     /// No VM with that name.
     NotFound,
     /// Another operation on this VM is in progress.
@@ -83,6 +86,7 @@ impl Code {
             Code::GroupNotViable => 3004,
             Code::InUseByHost => 3005,
             Code::ProvisioningFailed => 4001,
+            Code::BinaryMismatch => 4002,
             Code::NotFound => 4040,
             Code::Busy => 4090,
             Code::AgentNotConnected => 5001,
@@ -111,6 +115,7 @@ impl Code {
             Code::GroupNotViable => "group_not_viable",
             Code::InUseByHost => "in_use_by_host",
             Code::ProvisioningFailed => "provisioning_failed",
+            Code::BinaryMismatch => "binary_mismatch",
             Code::NotFound => "not_found",
             Code::Busy => "busy",
             Code::AgentNotConnected => "agent_not_connected",
@@ -126,7 +131,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 22] = [
+pub const ALL_CODES: [Code; 23] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -144,6 +149,7 @@ pub const ALL_CODES: [Code; 22] = [
     Code::GroupNotViable,
     Code::InUseByHost,
     Code::ProvisioningFailed,
+    Code::BinaryMismatch,
     Code::NotFound,
     Code::Busy,
     Code::AgentNotConnected,

@@ -51,9 +51,12 @@ async fn boot_file(
 }
 
 impl Manager {
-    /// Checks that the files a validated spec names exist and, for a kernel and initrd, that
-    /// vmhostd can open them (2001 otherwise). Nothing is read yet: the launch copies them.
-    pub(super) async fn check_boot_files(&self, vm: &ValidSpec) -> Result<(), ApiError> {
+    /// Checks the files a launch of `vm` needs before anything is made: the QEMU binary is the
+    /// one `qemu.sha256` pins (4002 otherwise; QEMU also works the VM's image files), and the
+    /// files the spec names exist and, for a kernel and initrd, vmhostd can open them (2001
+    /// otherwise). Nothing is read yet: the launch copies them.
+    pub(super) async fn check_launch_files(&self, vm: &ValidSpec) -> Result<(), ApiError> {
+        self.processes.integrity().verify_qemu()?;
         match &vm.boot {
             BootSource::Image { image, .. } => {
                 let p = self.config.paths.images.join(image);

@@ -154,6 +154,7 @@ impl Manager {
             stats_monitors: Default::default(),
             qmp_sessions: Arc::default(),
         });
+        mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;
         mgr.refresh_networks().await;
         let live: HashSet<String> =
@@ -180,6 +181,11 @@ impl Manager {
     /// The host networking owner.
     pub fn host_net(&self) -> &HostNet {
         &self.net
+    }
+
+    /// The QEMU binary's pinned sha256 and what it is now ([`crate::qemu::integrity`]).
+    pub fn binary_integrity(&self) -> &crate::qemu::integrity::Integrity {
+        self.processes.integrity()
     }
 
     /// The config the manager runs with.

@@ -29,7 +29,7 @@ impl Manager {
         let span = tracing::info_span!("vm.create", vm = %spec.name);
         async move {
             let vm = validate_spec(&spec, &self.config)?;
-            self.check_boot_files(&vm).await?;
+            self.check_launch_files(&vm).await?;
             // A boot.disk file is checked (and its growth admitted) before anything is recorded.
             let import = self.inspect_import(&vm).await?;
             match &import {
@@ -184,7 +184,7 @@ impl Manager {
         let mut spec = rec.spec.clone();
         spec.state = DesiredState::Running;
         let vm = validate_spec(&spec, &self.config)?;
-        self.check_boot_files(&vm).await?;
+        self.check_launch_files(&vm).await?;
         self.check_passthrough(&vm.spec).await?;
         let reserved_here = !rec.reserved;
         if reserved_here {
@@ -453,7 +453,7 @@ impl Manager {
         if !replace {
             return Err(crate::plan::replace_needed(&spec.name, &fields));
         }
-        self.check_boot_files(&vm).await?;
+        self.check_launch_files(&vm).await?;
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
         async move {
             let (guard, current) = self.begin(&spec.name)?;

@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::process::{self, ProcessIdentity};
 use crate::qemu::argv::VmPaths;
 use crate::qemu::identity::{self, QemuCheck};
+use crate::qemu::integrity::Integrity;
 use crate::qemu::launch::{launch, LaunchRequest};
 use crate::qemu::qmp::Qmp;
 use serde_json::json;
@@ -41,11 +42,19 @@ pub(super) enum Search<'a> {
 #[derive(Debug)]
 pub(super) struct Processes {
     config: Arc<Config>,
+    /// The binary's pinned sha256 (`qemu.sha256`), checked before each spawn.
+    integrity: Integrity,
 }
 
 impl Processes {
     pub fn new(config: Arc<Config>) -> Processes {
-        Processes { config }
+        let integrity = Integrity::of(&config);
+        Processes { config, integrity }
+    }
+
+    /// What the config pins the QEMU binary to, and what it is now.
+    pub fn integrity(&self) -> &Integrity {
+        &self.integrity
     }
 
     /// What this VM's QEMU must be ([`identity`]): its marker, `qemu.user`'s uid (the daemon's
@@ -99,8 +108,11 @@ impl Processes {
     /// handed over.
     ///
     /// # Errors
-    /// 4001 step `qemu` with the tail of QEMU's log.
+    /// 4002 when the binary is not the one `qemu.sha256` pins; 4001 step `qemu` with the tail
+    /// of QEMU's log.
     pub async fn spawn(&self, request: &LaunchRequest) -> Result<ProcessIdentity, ApiError> {
+        // Checked here too, not only when the operation began: the last moment before the exec.
+        self.integrity.verify_qemu()?;
         launch(request).await.map_err(|e| {
             let tail = e.stderr_tail().unwrap_or_default().to_string();
             ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))

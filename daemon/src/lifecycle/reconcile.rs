@@ -49,7 +49,7 @@ impl Manager {
             }
             let Some(spec) = specs.get(entry.vm.as_str()) else { continue };
             if let Ok(vm) = crate::validate::validate_spec(spec, &self.config) {
-                if let Err(e) = self.check_boot_files(&vm).await {
+                if let Err(e) = self.check_launch_files(&vm).await {
                     entry.error = Some(e.to_json());
                 }
             }

@@ -57,7 +57,7 @@ impl Manager {
         let name = vm.spec.name.clone();
         let span = tracing::info_span!("vm.reconfigure", vm = %name, fields = %fields.join(","));
         async move {
-            self.check_boot_files(&vm).await?;
+            self.check_launch_files(&vm).await?;
             let (guard, _) = self.begin(&name)?;
             self.reconfigure_held(&guard, &vm, restart, allow_restart, timeout_s).await?;
             Ok(Mutation::new(true, Some(self.get(&name)?)))

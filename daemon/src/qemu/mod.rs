@@ -4,6 +4,7 @@ pub mod argv;
 pub mod boot_files;
 pub mod hotplug;
 pub mod identity;
+pub mod integrity;
 pub mod kvm;
 pub mod launch;
 pub mod qmp;

@@ -117,6 +117,21 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
     if let Some(dir) = p.socket.parent() {
         v.push(rule(dir, Access::Socket, "the API socket (created at start, removed at exit)"));
     }
+    // A pinned binary's directory, not the file: a rule holds the inode it was made for, and an
+    // upgrade renames a new binary into place.
+    let pinned = [
+        (config.qemu.sha256.is_some(), &config.qemu.binary, "qemu.sha256: the binary is hashed before launches"),
+        (
+            config.qemu.img_sha256.is_some(),
+            &config.qemu.img_binary,
+            "qemu.img_sha256: the binary is hashed for host.check",
+        ),
+    ];
+    for (on, binary, why) in pinned {
+        if let Some(dir) = binary.parent().filter(|_| on) {
+            v.push(rule(dir, Access::Read, why));
+        }
+    }
     v.extend([
         rule("/etc/vmhost", Access::Read, "configuration"),
         rule("/etc/group", Access::Read, "access groups (getgrnam, getgrgid)"),

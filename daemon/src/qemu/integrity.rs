@@ -1,0 +1,268 @@
+//! Binary integrity: the QEMU vmhostd launches is the one the operator pinned by its sha256
+//! (`qemu.sha256`), as the uvm lifecycle manager checks its hypervisor against a manifest.
+//!
+//! Order of use: [`Integrity::of`] once from the config; [`Integrity::log_at_start`] when the
+//! daemon starts (a mismatch is logged, the daemon still starts so it can keep managing the
+//! VMs that run); [`Integrity::verify_qemu`] before every launch of the QEMU binary (a VM, or
+//! QEMU working on an image file), which refuses with 4002 on a mismatch; [`Integrity::items`]
+//! for `host.check`.
+//!
+//! Hashing a 20 MB binary takes tens of milliseconds, so a verdict is kept with the file's
+//! identity and times (device, inode, size, mtime, ctime; the ctime cannot be set back by
+//! anyone) and the file is hashed again only when one of them changed. The file is opened
+//! once per check and both stat and hash read that descriptor. Limit: the spawner starts the
+//! binary by path after the check, so a binary swapped in between is caught at the next
+//! launch, not this one; the binary's directory is root's.
+
+use crate::api::{ApiError, CheckItem, CheckStatus, Code};
+use crate::config::Config;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// What a check of a pinned binary found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Its sha256 is the pinned one.
+    Match,
+    /// Its sha256 is another (`found`).
+    Mismatch {
+        /// The sha256 the file has, hex.
+        found: String,
+    },
+    /// It cannot be opened or read.
+    Unreadable(String),
+}
+
+/// The identity and times a verdict was made for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+/// One binary and the sha256 it must have.
+#[derive(Debug)]
+pub struct Pinned {
+    /// The config key that pins it (`qemu.sha256`).
+    key: &'static str,
+    path: PathBuf,
+    expected: String,
+    last: Mutex<Option<(Stamp, Verdict)>>,
+}
+
+impl Pinned {
+    /// `path` pinned to `expected` (hex, lower case) by config key `key`.
+    pub fn new(key: &'static str, path: &Path, expected: &str) -> Pinned {
+        Pinned { key, path: path.to_path_buf(), expected: expected.to_ascii_lowercase(), last: Mutex::new(None) }
+    }
+
+    /// Checks the file now: hashed again only when it is not the file last hashed.
+    pub fn check(&self) -> Verdict {
+        crate::blocking::run(|| {
+            let mut file = match std::fs::File::open(&self.path) {
+                Ok(f) => f,
+                Err(e) => return Verdict::Unreadable(e.to_string()),
+            };
+            let stamp = match file.metadata() {
+                Ok(m) => Stamp {
+                    dev: m.dev(),
+                    ino: m.ino(),
+                    size: m.size(),
+                    mtime: (m.mtime(), m.mtime_nsec()),
+                    ctime: (m.ctime(), m.ctime_nsec()),
+                },
+                Err(e) => return Verdict::Unreadable(e.to_string()),
+            };
+            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((seen, verdict)) = last.as_ref() {
+                if *seen == stamp {
+                    return verdict.clone();
+                }
+            }
+            let verdict = match sha256_of(&mut file) {
+                Ok(found) if found == self.expected => Verdict::Match,
+                Ok(found) => Verdict::Mismatch { found },
+                Err(e) => Verdict::Unreadable(e.to_string()),
+            };
+            *last = Some((stamp, verdict.clone()));
+            verdict
+        })
+    }
+
+    /// The error a launch gets for `verdict` (`None` when it matches).
+    fn refusal(&self, verdict: &Verdict) -> Option<ApiError> {
+        let (found, why) = match verdict {
+            Verdict::Match => return None,
+            Verdict::Mismatch { found } => (json!(found), format!("its sha256 is {found}")),
+            Verdict::Unreadable(e) => (json!(null), format!("it cannot be read to check it ({e})")),
+        };
+        Some(
+            ApiError::new(
+                Code::BinaryMismatch,
+                format!(
+                    "{} is not the binary {} pins ({}): {why}; nothing was started",
+                    self.path.display(),
+                    self.key,
+                    self.expected
+                ),
+            )
+            .field(self.key)
+            .details(json!({"path": self.path, "expected": self.expected, "found": found})),
+        )
+    }
+
+    /// `host.check`'s item for this binary.
+    fn item(&self) -> CheckItem {
+        let (status, detail) = match self.check() {
+            Verdict::Match => (CheckStatus::Ok, format!("{}: sha256 {} as pinned", self.path.display(), self.expected)),
+            Verdict::Mismatch { found } => (
+                CheckStatus::Error,
+                format!("{}: sha256 {found}, but {} pins {}", self.path.display(), self.key, self.expected),
+            ),
+            Verdict::Unreadable(e) => (CheckStatus::Missing, format!("{}: cannot be read ({e})", self.path.display())),
+        };
+        CheckItem { name: self.key.to_string(), status, detail }
+    }
+}
+
+/// The pinned binaries of a config.
+#[derive(Debug)]
+pub struct Integrity {
+    qemu: Option<Pinned>,
+    img: Option<Pinned>,
+}
+
+impl Integrity {
+    /// The binaries `config` pins (none when neither `qemu.sha256` nor `qemu.img_sha256` is set).
+    pub fn of(config: &Config) -> Integrity {
+        let q = &config.qemu;
+        Integrity {
+            qemu: q.sha256.as_deref().map(|h| Pinned::new("qemu.sha256", &q.binary, h)),
+            img: q.img_sha256.as_deref().map(|h| Pinned::new("qemu.img_sha256", &q.img_binary, h)),
+        }
+    }
+
+    /// Checks every pinned binary and logs what does not match.
+    pub fn log_at_start(&self) {
+        for pinned in self.qemu.iter().chain(&self.img) {
+            match pinned.check() {
+                Verdict::Match => tracing::info!(binary = %pinned.path.display(), "binary matches its sha256"),
+                other => {
+                    let err = pinned.refusal(&other).map(|e| e.message).unwrap_or_default();
+                    tracing::error!(key = pinned.key, "{err}: launches will be refused");
+                }
+            }
+        }
+    }
+
+    /// Checks the QEMU binary before it is launched.
+    ///
+    /// # Errors
+    /// 4002 on `qemu.sha256` when the binary's sha256 is not the pinned one or it cannot be
+    /// read (`details`: path, expected, found).
+    pub fn verify_qemu(&self) -> Result<(), ApiError> {
+        match &self.qemu {
+            None => Ok(()),
+            Some(pinned) => pinned.refusal(&pinned.check()).map_or(Ok(()), Err),
+        }
+    }
+
+    /// `host.check`'s items: one per pinned binary, or one saying QEMU runs unverified.
+    pub fn items(&self, config: &Config) -> Vec<CheckItem> {
+        let mut items: Vec<CheckItem> = self.qemu.iter().chain(&self.img).map(Pinned::item).collect();
+        if self.qemu.is_none() {
+            items.insert(
+                0,
+                CheckItem {
+                    name: "qemu.sha256".into(),
+                    status: CheckStatus::Ok,
+                    detail: format!("not set: {} runs unverified", config.qemu.binary.display()),
+                },
+            );
+        }
+        items
+    }
+}
+
+/// The sha256 of what `file` holds from its current position, hex.
+fn sha256_of(file: &mut impl Read) -> std::io::Result<String> {
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match file.read(&mut buf)? {
+            0 => break,
+            n => hasher.update(&buf[..n]),
+        }
+    }
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// sha256 of "abc" (FIPS 180-2's example).
+    const ABC: &str = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+
+    #[test]
+    fn hashes_as_fips_180_says() {
+        assert_eq!(sha256_of(&mut &b"abc"[..]).unwrap(), ABC);
+    }
+
+    #[test]
+    fn a_changed_file_is_hashed_again_and_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("qemu");
+        std::fs::write(&path, b"abc").unwrap();
+        let pinned = Pinned::new("qemu.sha256", &path, &ABC.to_ascii_uppercase());
+        assert_eq!(pinned.check(), Verdict::Match);
+        assert!(pinned.refusal(&Verdict::Match).is_none());
+        // Same size, new content: the times (and ctime) changed, so it is hashed again.
+        std::fs::write(&path, b"abd").unwrap();
+        let verdict = pinned.check();
+        let Verdict::Mismatch { found } = &verdict else { panic!("{verdict:?}") };
+        assert_ne!(found, ABC);
+        let err = pinned.refusal(&verdict).unwrap();
+        assert_eq!((err.code, err.field.as_deref()), (Code::BinaryMismatch, Some("qemu.sha256")));
+        assert_eq!(err.details["found"], json!(found));
+        assert!(err.message.contains(&path.display().to_string()), "{}", err.message);
+        // A file swapped in under the same name is another inode.
+        let other = dir.path().join("new");
+        std::fs::write(&other, b"abc").unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        assert_eq!(pinned.check(), Verdict::Match);
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(pinned.check(), Verdict::Unreadable(_)));
+    }
+
+    #[test]
+    fn an_unchanged_file_keeps_its_verdict_without_being_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("qemu");
+        std::fs::write(&path, b"abc").unwrap();
+        let pinned = Pinned::new("qemu.sha256", &path, ABC);
+        assert_eq!(pinned.check(), Verdict::Match);
+        // A verdict planted for the file's current stamp is what the next check returns: the
+        // file was not hashed again.
+        let stamp = pinned.last.lock().unwrap().as_ref().map(|(s, _)| *s).unwrap();
+        *pinned.last.lock().unwrap() = Some((stamp, Verdict::Mismatch { found: "planted".into() }));
+        assert_eq!(pinned.check(), Verdict::Mismatch { found: "planted".into() });
+    }
+
+    #[test]
+    fn without_a_pin_launches_are_not_checked_and_host_check_says_so() {
+        let config = crate::validate::tests::config();
+        let integrity = Integrity::of(&config);
+        assert!(integrity.verify_qemu().is_ok());
+        let items = integrity.items(&config);
+        assert_eq!(items.len(), 1);
+        assert!(items[0].detail.contains("unverified"), "{:?}", items[0]);
+    }
+}

@@ -1,0 +1,97 @@
+//! Binary integrity (docs/images.md, `qemu.sha256`): vmhostd launches only the QEMU binary whose
+//! sha256 the config pins. The test runs a copy of the host's QEMU as `qemu.binary`, pinned to
+//! its sha256: a VM boots; another binary (the copy with a byte appended) is then renamed into
+//! its place, and the next create is refused with 4002 naming `qemu.sha256` before anything is made, while
+//! `host.check` reports the mismatch. A pin that never matched refuses the first create too.
+
+use serde_json::{json, Value};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+use vmhost_tests::{HostOptions, TestHost};
+
+const QEMU: &str = "/usr/bin/qemu-system-x86_64";
+
+fn sha256(path: &Path) -> String {
+    let out = Command::new("sha256sum").arg(path).output().expect("sha256sum");
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap_or_default().to_string()
+}
+
+/// A directory QEMU's user can enter (the default temp dir mode is 0700).
+fn open_dir() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new().prefix("vmh-bin").tempdir_in("/tmp").expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    dir
+}
+
+fn host_with(binary: &Path, pin: &str) -> TestHost {
+    TestHost::start(HostOptions {
+        qemu_extra: format!("binary = \"{}\"\nsha256 = \"{pin}\"\n", binary.display()),
+        ..HostOptions::default()
+    })
+}
+
+fn check_item(host: &TestHost) -> Value {
+    let report = host.call("host.check", json!({}));
+    let items = report["items"].as_array().cloned().unwrap_or_default();
+    items.into_iter().find(|i| i["name"] == "qemu.sha256").unwrap_or(Value::Null)
+}
+
+#[test]
+fn only_the_pinned_binary_is_launched_and_a_changed_one_is_refused() {
+    // QEMU finds its modules and firmware relative to its executable (../lib, ../share): the
+    // copy gets the host's through links.
+    let dir = open_dir();
+    std::fs::create_dir(dir.path().join("bin")).expect("bin dir");
+    std::os::unix::fs::symlink("/usr/lib", dir.path().join("lib")).expect("lib link");
+    std::os::unix::fs::symlink("/usr/share", dir.path().join("share")).expect("share link");
+    let copy = dir.path().join("bin/qemu-system-x86_64");
+    std::fs::copy(QEMU, &copy).expect("copy QEMU");
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let pin = sha256(&copy);
+    let host = host_with(&copy, &pin);
+
+    assert_eq!(check_item(&host)["status"], "ok", "{}", check_item(&host));
+    host.call("vm.create", json!({"spec": host.kernel_spec("pinned")}));
+    assert_eq!(host.call("vm.get", json!({"name": "pinned"}))["status"], "running");
+    assert!(host.wait_serial("pinned", "VMHOST-GUEST-READY", Duration::from_secs(120)), "{}", host.serial("pinned"));
+
+    // Another binary renamed into its place, as a package upgrade does (a running executable
+    // cannot be written): hashed again, refused before anything is made.
+    let changed = dir.path().join("bin/qemu.new");
+    std::fs::copy(&copy, &changed).expect("copy");
+    let mut file = std::fs::OpenOptions::new().append(true).open(&changed).expect("open the new binary");
+    std::io::Write::write_all(&mut file, b"\0").expect("append");
+    drop(file);
+    std::fs::rename(&changed, &copy).expect("rename into place");
+    let found = sha256(&copy);
+    let (code, err) = host.call_err("vm.create", json!({"spec": host.kernel_spec("refused")}));
+    assert_eq!(code, 4002, "{err:?}");
+    assert_eq!(err.field.as_deref(), Some("qemu.sha256"));
+    assert_eq!(err.details["expected"], pin.as_str());
+    assert_eq!(err.details["found"], found.as_str());
+    assert_eq!(err.details["path"], copy.display().to_string());
+    assert_eq!(host.call_err("vm.get", json!({"name": "refused"})).0, 4040, "a record was made");
+    assert!(!host.state().join("logs").join("refused.serial.log").exists());
+    let item = check_item(&host);
+    assert_eq!(item["status"], "error", "{item}");
+    assert!(item["detail"].as_str().unwrap_or("").contains(&found), "{item}");
+    // A start of the stopped VM is refused as well; the running one is left alone.
+    host.call("vm.stop", json!({"name": "pinned"}));
+    assert_eq!(host.call_err("vm.start", json!({"name": "pinned"})).0, 4002);
+    assert_eq!(host.call("vm.get", json!({"name": "pinned"}))["status"], "stopped");
+}
+
+#[test]
+fn a_pin_that_never_matched_refuses_the_first_create() {
+    let wrong = "0".repeat(64);
+    let host = host_with(Path::new(QEMU), &wrong);
+    let (code, err) = host.call_err("vm.create", json!({"spec": host.kernel_spec("never")}));
+    assert_eq!(code, 4002, "{err:?}");
+    assert_eq!(err.details["found"], sha256(Path::new(QEMU)).as_str());
+    assert_eq!(host.call("vm.list", json!({})), json!([]));
+    assert!(host.qemu_pids().is_empty(), "a QEMU runs");
+    assert_eq!(check_item(&host)["status"], "error");
+}
