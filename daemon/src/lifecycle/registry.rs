@@ -16,6 +16,13 @@
 //!
 //! A view's liveness comes from the exit watcher ([`Registry::mark_exited`]), not from /proc:
 //! only a VM whose process could not be watched is checked in /proc at read time.
+//!
+//! `vm.list` is one JSON array of every view, made at the first list after any view changed
+//! and then served as it is. Its live parts (the agent status each view shows) are brought
+//! current by the reader ([`Registry::refresh`]) and the list is then marked checked at the
+//! agent hub's change count ([`Registry::mark_list_checked`]); while that count and every view
+//! stay the same, [`Registry::checked_list`] serves it without looking at a view. A VM whose
+//! QEMU cannot be watched turns that off: its liveness is read from /proc at every list.
 
 use crate::api::{ApiError, VmStatus, VmView};
 use crate::config::Config;
@@ -86,17 +93,13 @@ impl Views {
     fn list(&mut self) -> &mut List {
         let by_name = &self.by_name;
         self.list.get_or_insert_with(|| {
-            let mut text = String::with_capacity(by_name.values().map(|v| v.json.get().len() + 1).sum::<usize>() + 2);
-            text.push('[');
-            for (i, view) in by_name.values().enumerate() {
-                if i > 0 {
-                    text.push(',');
-                }
-                text.push_str(view.json.get());
-            }
-            text.push(']');
-            // Made of views that are each valid JSON: an array of them is too.
-            List { json: Arc::from(RawValue::from_string(text).unwrap_or_else(|_| null())), checked: None }
+            let views: Vec<&RawValue> = by_name.values().map(|v| &*v.json).collect();
+            // Serialized without parsing the 450 KB again (each view is valid JSON already).
+            let json = serde_json::value::to_raw_value(&views).unwrap_or_else(|e| {
+                tracing::error!(error = %e, "cannot serialize the list of views");
+                null()
+            });
+            List { json: Arc::from(json), checked: None }
         })
     }
 }
@@ -248,6 +251,11 @@ impl Registry {
                     match &new {
                         Some(rec) => {
                             t.vms.insert(name.to_string(), rec.clone());
+                            // Another process (or none): whether it can be watched is for its
+                            // own watcher to say.
+                            if t.views.get(name).is_some_and(|v| v.process != rec.process) {
+                                t.unwatched.remove(name);
+                            }
                             if t.exited.get(name).is_some_and(|id| rec.process.as_ref() != Some(id)) {
                                 t.exited.remove(name);
                             }
@@ -360,8 +368,14 @@ impl Registry {
         self.table().unwatched.contains(name)
     }
 
-    /// Replaces `old` (still `name`'s current view) by the same view with `agent` and `alive`.
-    /// Returns the view to serve.
+    /// Brings `name`'s current view up to `agent` (the agent's status now) and `alive` (what
+    /// /proc says of `old`'s process): `old` is the view the caller checked. Returns the view to
+    /// serve.
+    ///
+    /// A write may have committed a newer view since `old` was read (it carries the agent
+    /// status of the view before it): `agent` is applied to that one too, or a list checked
+    /// at this agent count would keep the stale status until the next agent change; `alive`
+    /// only while it records the same process.
     pub fn refresh(
         &self,
         name: &str,
@@ -369,17 +383,20 @@ impl Registry {
         agent: crate::api::AgentStatus,
         alive: bool,
     ) -> Arc<CachedView> {
-        let Ok(mut view) = old.view() else { return Arc::clone(old) };
+        let mut t = self.table();
+        let Some(current) = t.views.get(name).cloned() else { return Arc::clone(old) };
+        let dies = !alive && current.status == VmStatus::Running && current.process == old.process;
+        if current.agent == agent && !dies {
+            return current;
+        }
+        // One view's JSON read back and written again: in memory, microseconds.
+        let Ok(mut view) = current.view() else { return current };
         view.agent = agent;
-        if !alive && view.status == VmStatus::Running {
+        if dies {
             CachedView::dead(&mut view);
         }
-        let fresh = Arc::new(CachedView::of(view, old.process.clone()));
-        let mut t = self.table();
-        // A write committed meanwhile made a newer view: leave it.
-        if t.views.get(name).is_some_and(|v| Arc::ptr_eq(v, old)) {
-            t.views.put(name.to_string(), Arc::clone(&fresh));
-        }
+        let fresh = Arc::new(CachedView::of(view, current.process.clone()));
+        t.views.put(name.to_string(), Arc::clone(&fresh));
         fresh
     }
 
@@ -608,7 +625,7 @@ mod tests {
     }
 
     #[test]
-    fn a_refresh_never_replaces_a_newer_commit() {
+    fn a_refresh_keeps_a_newer_commit_and_applies_the_agent_status_to_it() {
         let f = fixture(&[("a", VmStatus::Running)]);
         let old = f.reg.view("a").unwrap();
         let agent = crate::api::AgentStatus { connected: true, version: Some("1".into()), last_seen: None };
@@ -618,13 +635,17 @@ mod tests {
         // Not alive: served dead.
         let dead = f.reg.refresh("a", &fresh, agent.clone(), false);
         assert_eq!(served(&dead)["status"], "dead");
-        // A commit in between wins over a refresh made from the view before it.
+        // The agent status survives a commit.
         let before = f.reg.view("a").unwrap();
         f.reg.write("a", "x", put(VmStatus::Stopped)).unwrap();
-        f.reg.refresh("a", &before, Default::default(), true);
-        assert_eq!(f.reg.view("a").unwrap().status, VmStatus::Stopped);
-        // The agent status survives a commit.
         assert_eq!(f.reg.view("a").unwrap().agent, agent);
+        // A refresh checked against the view before that commit keeps the commit (its status)
+        // and still applies the agent status read now: else a list checked at this agent count
+        // would show the stale one until the next agent change.
+        let now = crate::api::AgentStatus { connected: false, version: Some("1".into()), last_seen: None };
+        f.reg.refresh("a", &before, now.clone(), false);
+        let v = f.reg.view("a").unwrap();
+        assert_eq!((v.status, &v.agent), (VmStatus::Stopped, &now));
     }
 
     #[test]
@@ -664,8 +685,13 @@ mod tests {
         assert!(f.reg.checked_list(1).is_none(), "an exit changes the list");
         let exited: serde_json::Value = serde_json::from_str(f.reg.mark_list_checked(1).get()).unwrap();
         assert_eq!(exited[1]["status"], "dead");
-        // A VM whose liveness comes from /proc: every list checks it again.
+        // A VM whose liveness comes from /proc: every list checks it again ...
         f.reg.mark_unwatched("b");
+        f.reg.mark_list_checked(1);
         assert!(f.reg.checked_list(1).is_none());
+        // ... until another process is recorded for it.
+        f.reg.write("b", "x", running("b", ProcessIdentity { pid: 43, start_ticks: 8 })).unwrap();
+        f.reg.mark_list_checked(1);
+        assert!(f.reg.checked_list(1).is_some());
     }
 }
