@@ -98,7 +98,9 @@ impl Manager {
     /// 4001 step `data_disk` when one cannot be deleted.
     pub(super) fn clear_orphan_disks(&self, name: &str) -> Result<(), ApiError> {
         let dir = self.paths(name).disk_dir;
-        let Ok(entries) = crate::blocking::run(|| std::fs::read_dir(&dir)?.collect::<Result<Vec<_>, _>>()) else {
+        // An entry that cannot be read is skipped, as before: the rest are still cleared.
+        let Ok(entries) = crate::blocking::run(|| std::fs::read_dir(&dir).map(|rd| rd.flatten().collect::<Vec<_>>()))
+        else {
             return Ok(());
         };
         for entry in entries {
@@ -338,7 +340,8 @@ impl Manager {
             return Err(super::busy(vm));
         }
         let dir = VmPaths::for_vm(&self.config, vm).kept_dir;
-        let entries = match crate::blocking::run(|| std::fs::read_dir(&dir)?.collect::<Result<Vec<_>, _>>()) {
+        let entries = match crate::blocking::run(|| std::fs::read_dir(&dir).map(|rd| rd.flatten().collect::<Vec<_>>()))
+        {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(ApiError::new(Code::NotFound, format!("no kept disks for VM {vm:?}")).field("vm"));
