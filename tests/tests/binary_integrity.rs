@@ -78,7 +78,7 @@ fn only_the_pinned_binary_is_launched_and_a_changed_one_is_refused() {
     let item = check_item(&host);
     assert_eq!(item["status"], "error", "{item}");
     assert!(item["detail"].as_str().unwrap_or("").contains(&found), "{item}");
-    // A start of the stopped VM is refused as well; the running one is left alone.
+    // The running VM stops as usual; starting it again is refused as well.
     host.call("vm.stop", json!({"name": "pinned"}));
     assert_eq!(host.call_err("vm.start", json!({"name": "pinned"})).0, 4002);
     assert_eq!(host.call("vm.get", json!({"name": "pinned"}))["status"], "stopped");

@@ -52,9 +52,13 @@ async fn boot_file(
 
 impl Manager {
     /// Checks the files a launch of `vm` needs before anything is made: the QEMU binary is the
-    /// one `qemu.sha256` pins (4002 otherwise; QEMU also works the VM's image files), and the
-    /// files the spec names exist and, for a kernel and initrd, vmhostd can open them (2001
-    /// otherwise). Nothing is read yet: the launch copies them.
+    /// one `qemu.sha256` pins (QEMU also works the VM's image files), and the files the spec
+    /// names exist and, for a kernel and initrd, vmhostd can open them. Nothing is read yet:
+    /// the launch copies them.
+    ///
+    /// # Errors
+    /// 4002 on `qemu.sha256` for another binary; 2001 naming the field of a missing or
+    /// unreadable file.
     pub(super) async fn check_launch_files(&self, vm: &ValidSpec) -> Result<(), ApiError> {
         self.processes.integrity().verify_qemu()?;
         match &vm.boot {

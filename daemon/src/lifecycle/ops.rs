@@ -23,8 +23,9 @@ impl Manager {
     /// `vm.create`: defines the VM and, unless `spec.state` is `stopped`, starts it.
     ///
     /// # Errors
-    /// 2001/3001 invalid spec, 3002/3003 refused by capacity or conflicts (nothing changed),
-    /// 4001 when a host step fails (everything undone, the record says `failed`).
+    /// 2001/3001 invalid spec, 3002/3003 refused by capacity or conflicts, 4002 when the QEMU
+    /// binary is not the pinned one (nothing changed for any of these), 4001 when a host step
+    /// fails (everything undone, the record says `failed`).
     pub async fn create(self: &Arc<Self>, spec: VmSpec) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.create", vm = %spec.name);
         async move {
@@ -130,7 +131,8 @@ impl Manager {
     /// `vm.start`.
     ///
     /// # Errors
-    /// 4040, 4090, 3002/3003 when a VM whose reservation was released no longer fits, 4001.
+    /// 4040, 4090, 3002/3003 when a VM whose reservation was released no longer fits, 4002
+    /// when the QEMU binary is not the pinned one, 4001.
     pub async fn start(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.start", vm = %name);
         async move {

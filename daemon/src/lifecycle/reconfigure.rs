@@ -44,7 +44,9 @@ impl Manager {
     /// cannot take live restart it instead). See the module doc for the order.
     ///
     /// # Errors
-    /// 2001 (files), 3002/3003/3004/3005 (admission, devices) with nothing changed; 4090 when
+    /// 2001 (files), 4002 (the QEMU binary is not the pinned one; checked for every change,
+    /// also one that starts nothing), 3002/3003/3004/3005 (admission, devices) with nothing
+    /// changed; 4090 when
     /// the VM is busy; 4001 when a host step fails, after the rollback described above.
     pub(super) async fn reconfigure(
         self: &Arc<Self>,

@@ -127,8 +127,16 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
             "qemu.img_sha256: the binary is hashed for host.check",
         ),
     ];
-    for (on, binary, why) in pinned {
-        if let Some(dir) = binary.parent().filter(|_| on) {
+    for (_, binary, why) in pinned.into_iter().filter(|(on, _, _)| *on) {
+        // Opening the path follows a link, and Landlock checks where it leads: both directories.
+        let resolved = std::fs::canonicalize(binary).ok();
+        let mut dirs: Vec<PathBuf> = binary.parent().into_iter().map(Path::to_path_buf).collect();
+        if let Some(dir) = resolved.as_deref().and_then(Path::parent) {
+            if !dirs.iter().any(|d| d == dir) {
+                dirs.push(dir.to_path_buf());
+            }
+        }
+        for dir in dirs {
             v.push(rule(dir, Access::Read, why));
         }
     }
