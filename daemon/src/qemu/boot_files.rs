@@ -239,9 +239,10 @@ pub fn sealed_copy(mut file: File, path: &Path, name: &str) -> io::Result<OwnedF
 /// How many sealed copies [`CopyCache`] keeps for reuse.
 pub const CACHED_COPIES: usize = 8;
 
-/// What identifies one version of a file: if any of it changed, the content may have.
+/// What identifies one version of a file: if any of it changed, the content may have (also
+/// what [`super::integrity`] keeps a binary's verdict with).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Version {
+pub(crate) struct Version {
     dev: u64,
     ino: u64,
     size: u64,
@@ -250,7 +251,8 @@ struct Version {
 }
 
 impl Version {
-    fn of(meta: &std::fs::Metadata) -> Version {
+    /// The version `meta` describes.
+    pub(crate) fn of(meta: &std::fs::Metadata) -> Version {
         use std::os::unix::fs::MetadataExt;
         Version {
             dev: meta.dev(),

@@ -14,12 +14,12 @@
 //! binary by path after the check, so a binary swapped in between is caught at the next
 //! launch, not this one; the binary's directory is root's.
 
+use super::boot_files::Version;
 use crate::api::{ApiError, CheckItem, CheckStatus, Code};
 use crate::config::Config;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -37,16 +37,6 @@ pub enum Verdict {
     Unreadable(String),
 }
 
-/// The identity and times a verdict was made for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
 /// One binary and the sha256 it must have.
 #[derive(Debug)]
 pub struct Pinned {
@@ -54,7 +44,7 @@ pub struct Pinned {
     key: &'static str,
     path: PathBuf,
     expected: String,
-    last: Mutex<Option<(Stamp, Verdict)>>,
+    last: Mutex<Option<(Version, Verdict)>>,
 }
 
 impl Pinned {
@@ -71,13 +61,7 @@ impl Pinned {
                 Err(e) => return Verdict::Unreadable(e.to_string()),
             };
             let stamp = match file.metadata() {
-                Ok(m) => Stamp {
-                    dev: m.dev(),
-                    ino: m.ino(),
-                    size: m.size(),
-                    mtime: (m.mtime(), m.mtime_nsec()),
-                    ctime: (m.ctime(), m.ctime_nsec()),
-                },
+                Ok(m) => Version::of(&m),
                 Err(e) => return Verdict::Unreadable(e.to_string()),
             };
             let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
