@@ -28,7 +28,7 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 
 fn failed(message: String) -> ApiError {
-    ApiError::new(Code::ProvisioningFailed, message).details(json!({ "step": "data_disk" }))
+    super::provisioning("data_disk", message)
 }
 
 /// Creates `dir` (mode 0700) unless it exists.

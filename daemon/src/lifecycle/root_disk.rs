@@ -49,7 +49,7 @@ pub(super) struct Import {
 }
 
 fn failed(message: String) -> ApiError {
-    ApiError::new(Code::ProvisioningFailed, message).details(json!({ "step": "root_disk" }))
+    super::provisioning("root_disk", message)
 }
 
 fn refused(message: String) -> ApiError {
