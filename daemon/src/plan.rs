@@ -433,6 +433,19 @@ mod tests {
             .collect()
     }
 
+    /// A data disk of the plan tests: no preallocation, no cache, not kept.
+    fn disk(name: &str, size_gib: u64, format: crate::api::DiskFormat) -> crate::api::DataDiskSpec {
+        crate::api::DataDiskSpec {
+            name: name.into(),
+            size_gib,
+            format,
+            preallocate: false,
+            cache: crate::api::DiskCache::None,
+            aio: None,
+            keep_on_destroy: false,
+        }
+    }
+
     fn actions(p: &[PlanEntry]) -> Vec<(String, PlanAction, Option<i64>)> {
         p.iter().map(|e| (e.vm.clone(), e.action, e.error.as_ref().and_then(|v| v["code"].as_i64()))).collect()
     }
@@ -465,17 +478,7 @@ mod tests {
             ("hardware", |s| s.hardware.sfp = vec![5]),
             ("pci", |s| s.pci = vec!["0000:00:05.0".into()]),
             ("boot.cmdline", |s| s.boot.cmdline = Some("quiet".into())),
-            ("disks", |s| {
-                s.disks = vec![crate::api::DataDiskSpec {
-                    name: "d".into(),
-                    size_gib: 1,
-                    format: crate::api::DiskFormat::Raw,
-                    preallocate: false,
-                    cache: crate::api::DiskCache::None,
-                    aio: None,
-                    keep_on_destroy: false,
-                }]
-            }),
+            ("disks", |s| s.disks = vec![disk("d", 1, crate::api::DiskFormat::Raw)]),
             ("nics", |s| {
                 s.nics = vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }]
             }),
@@ -696,15 +699,6 @@ mod tests {
     #[test]
     fn data_disks_grow_and_come_and_go_but_never_shrink_or_change_format() {
         use crate::api::{DataDiskSpec, DiskCache, DiskFormat};
-        let disk = |name: &str, size_gib, format| DataDiskSpec {
-            name: name.into(),
-            size_gib,
-            format,
-            preallocate: false,
-            cache: DiskCache::None,
-            aio: None,
-            keep_on_destroy: false,
-        };
         let with = |disks: Vec<DataDiskSpec>| {
             let mut s = spec("v");
             s.disks = disks;
