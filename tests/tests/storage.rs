@@ -326,11 +326,25 @@ fn disks_larger_than_the_free_space_are_refused_before_anything_is_made() {
     assert_eq!(host.call_err("vm.get", json!({ "name": "huge" })).0, 4040);
     assert!(!host.state().join("disks").join("huge").exists(), "nothing made");
 
-    // Preallocated disks keep a 10 % margin: 95 % of the free space is refused, sparse it fits.
-    let most = free * 95 / 100 / (1 << 30);
+    // Preallocated disks keep a 10 % margin whatever the overcommit: 95 % of the free space (in
+    // whole GiB, rounded up so it stays above 90 % however the free space moves meanwhile) is
+    // refused on a host whose overcommit would let it in sparse.
+    let roomy = TestHost::start(HostOptions {
+        memory_gib: 4,
+        extra: "[storage]\novercommit = 10.0\n".into(),
+        ..HostOptions::default()
+    });
+    let free = roomy.call("host.info", json!({}))["storage"]["free_bytes"].as_u64().unwrap();
+    let most = (free * 95 / 100).div_ceil(1 << 30);
     let preallocated = json!([{"name": "nsm", "size_gib": most, "format": "raw", "preallocate": true}]);
-    let (code, e) = host.call_err("vm.create", json!({ "spec": disk_spec(&host, "pre", preallocated, "") }));
-    assert_eq!(code, 3002, "{e:?}");
+    let (code, e) = roomy.call_err("vm.create", json!({ "spec": disk_spec(&roomy, "pre", preallocated.clone(), "") }));
+    assert_eq!((code, e.field.as_deref()), (3002, Some("spec.disks")), "{e:?}");
+    assert!(e.message.contains("less than 10 % free"), "refused for the margin: {e:?}");
+    let mut sparse = preallocated;
+    sparse[0]["preallocate"] = json!(false);
+    let mut spec = disk_spec(&roomy, "pre", sparse, "");
+    spec["state"] = json!("stopped");
+    roomy.call("vm.create", json!({ "spec": spec }));
 
     // Growing a VM's disk past the free space: refused, the VM as it was.
     let mut spec = disk_spec(&host, "small", json!([{"name": "nsm", "size_gib": 1}]), "");
