@@ -277,6 +277,23 @@ impl Default for LogsConfig {
     }
 }
 
+/// `[images]`: how `image.import` fetches a URL (docs/images.md).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ImagesConfig {
+    /// The curl binary that downloads an image, run by the spawner as `qemu.user` into a pipe.
+    pub curl: PathBuf,
+    /// The TCP ports a download may connect to (Landlock allows the spawner only these, and
+    /// only curl; QEMU connects to none).
+    pub download_ports: Vec<u16>,
+}
+
+impl Default for ImagesConfig {
+    fn default() -> Self {
+        ImagesConfig { curl: PathBuf::from("/usr/bin/curl"), download_ports: vec![80, 443] }
+    }
+}
+
 /// `[storage]` as written: `overcommit` is a ratio.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -384,6 +401,8 @@ struct RawConfig {
     logs: LogsConfig,
     #[serde(default)]
     storage: RawStorage,
+    #[serde(default)]
+    images: ImagesConfig,
     hardware: RawHardware,
     #[serde(default)]
     networks: BTreeMap<String, RawNetwork>,
@@ -462,6 +481,8 @@ pub struct Config {
     pub logs: LogsConfig,
     /// `[storage]`.
     pub storage: StorageConfig,
+    /// `[images]`.
+    pub images: ImagesConfig,
     /// Socket mode parsed from `access.socket_mode`.
     pub socket_mode: u32,
     /// `[hardware]`.
@@ -521,6 +542,12 @@ impl Config {
             if !p.is_absolute() {
                 return Err(key_err(key, format!("{} is not an absolute path", p.display())));
             }
+        }
+        if !raw.images.curl.is_absolute() {
+            return Err(key_err("images.curl", format!("{} is not an absolute path", raw.images.curl.display())));
+        }
+        if raw.images.download_ports.contains(&0) {
+            return Err(key_err("images.download_ports", "0 is not a port".to_string()));
         }
         if let Some(dir) = &raw.paths.import {
             // Lexical, like paths.boot: a spec's boot.disk is one component below it.
@@ -728,6 +755,7 @@ impl Config {
             lifecycle: raw.lifecycle,
             logs: raw.logs,
             storage,
+            images: raw.images,
             socket_mode,
             hardware: Hardware {
                 cpu: h.cpu,
@@ -963,6 +991,23 @@ reserved_memory_gib = 8
             }
             other => panic!("expected a qemu.user error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn images_fetch_with_curl_on_the_web_ports_unless_configured() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(hw).unwrap();
+        assert_eq!(
+            (c.images.curl.as_path(), c.images.download_ports.as_slice()),
+            (Path::new("/usr/bin/curl"), &[80u16, 443][..])
+        );
+        let c = parse(&format!("[images]\ncurl = \"/opt/curl\"\ndownload_ports = [8080]\n{hw}")).unwrap();
+        assert_eq!(
+            (c.images.curl.as_path(), c.images.download_ports.as_slice()),
+            (Path::new("/opt/curl"), &[8080u16][..])
+        );
+        assert_eq!(key_error(&format!("[images]\ncurl = \"curl\"\n{hw}")).0, "images.curl");
+        assert_eq!(key_error(&format!("[images]\ndownload_ports = [0]\n{hw}")).0, "images.download_ports");
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod fuzz;
 pub mod guest_text;
 pub mod hardware;
 pub mod host_usage;
+pub mod images;
 pub mod ipv4;
 pub mod lifecycle;
 pub mod logcap;

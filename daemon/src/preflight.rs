@@ -190,6 +190,7 @@ pub async fn check(
     broken: &[BrokenRecord],
     network_states: &[NetworkState],
     integrity: &crate::qemu::integrity::Integrity,
+    images: CheckItem,
 ) -> HostCheck {
     let mut items = vec![
         binary_version("qemu", &config.qemu.binary).await,
@@ -201,6 +202,7 @@ pub async fn check(
         records(broken),
     ];
     items.extend(integrity.items(config));
+    items.push(images);
     items.extend(networks(network_states));
     items.extend(vfio(config).await);
     items.extend(crate::sandbox::report::items(config, &crate::sandbox::state()));
@@ -213,6 +215,10 @@ mod tests {
     use super::*;
     use crate::validate::tests::config;
 
+    fn images_item() -> CheckItem {
+        item("images", CheckStatus::Ok, "0 recorded images match their sha256")
+    }
+
     #[tokio::test]
     async fn reports_missing_binaries_and_dirs() {
         let d = tempfile::tempdir().unwrap();
@@ -221,7 +227,7 @@ mod tests {
         c.paths.state = d.path().to_path_buf();
         c.paths.run = d.path().join("absent");
         c.paths.images = d.path().join("absent-images");
-        let r = check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c)).await;
+        let r = check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item()).await;
         assert!(!r.ok);
         let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
         assert_eq!(status("qemu"), CheckStatus::Missing);
@@ -234,7 +240,7 @@ mod tests {
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "the probe file is removed");
         let broken = [BrokenRecord { path: "/x/a.json".into(), name: "a".into(), error: "bad".into() }];
         let nets = [NetworkState { name: "lan".into(), ready: false, detail: "bridge br0 does not exist".into() }];
-        let r = check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c)).await;
+        let r = check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item()).await;
         assert_eq!(r.items.iter().find(|i| i.name == "network.lan").unwrap().status, CheckStatus::Error);
         assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
     }

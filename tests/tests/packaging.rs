@@ -242,7 +242,7 @@ fn debs_install_verify_serve_and_purge_cleanly() {
         "ProtectHome=yes",
         "PrivateTmp=yes",
         "NoNewPrivileges=yes",
-        "RestrictAddressFamilies=AF_UNIX AF_NETLINK",
+        "RestrictAddressFamilies=AF_UNIX AF_NETLINK AF_INET AF_INET6",
         "SystemCallFilter=@system-service",
         "RuntimeDirectoryPreserve=yes",
         "Type=notify",

@@ -35,6 +35,9 @@ pub enum Code {
     InvalidSpec,
     /// `vm.apply` found an existing VM whose spec differs.
     SpecDrift,
+    /// A file does not have the sha256 the request names (`image.import`); `details:
+    /// {expected, found, bytes}`. Nothing was kept.
+    ChecksumMismatch,
     /// The request names hardware or sizes the host model does not have.
     NotInModel,
     /// Existing VMs plus the request exceed the host's allocatable capacity.
@@ -63,6 +66,11 @@ pub enum Code {
     /// `vm.console`: the VM has no serial console to attach to now (it is not running, or its
     /// QEMU was started by a vmhostd without console sockets).
     ConsoleUnavailable,
+    /// `image.delete`: VMs boot from the image (`details.vms`); it goes when they do.
+    ImageInUse,
+    /// `image.import`: an image of that name with another sha256 is there; `details.sha256`
+    /// is its recorded (or computed) sha256. Delete it first.
+    ImageExists,
 }
 
 impl Code {
@@ -80,6 +88,7 @@ impl Code {
             Code::RateLimited => 1004,
             Code::InvalidSpec => 2001,
             Code::SpecDrift => 2002,
+            Code::ChecksumMismatch => 2003,
             Code::NotInModel => 3001,
             Code::CapacityExceeded => 3002,
             Code::HardwareInUse => 3003,
@@ -92,6 +101,8 @@ impl Code {
             Code::AgentNotConnected => 5001,
             Code::AgentTimeout => 5002,
             Code::ConsoleUnavailable => 4091,
+            Code::ImageInUse => 4092,
+            Code::ImageExists => 4093,
         }
     }
 
@@ -109,6 +120,7 @@ impl Code {
             Code::RateLimited => "rate_limited",
             Code::InvalidSpec => "invalid_spec",
             Code::SpecDrift => "spec_drift",
+            Code::ChecksumMismatch => "checksum_mismatch",
             Code::NotInModel => "not_in_model",
             Code::CapacityExceeded => "capacity_exceeded",
             Code::HardwareInUse => "hardware_in_use",
@@ -121,6 +133,8 @@ impl Code {
             Code::AgentNotConnected => "agent_not_connected",
             Code::AgentTimeout => "agent_timeout",
             Code::ConsoleUnavailable => "console_unavailable",
+            Code::ImageInUse => "image_in_use",
+            Code::ImageExists => "image_exists",
         }
     }
 
@@ -131,7 +145,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 23] = [
+pub const ALL_CODES: [Code; 26] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -143,6 +157,7 @@ pub const ALL_CODES: [Code; 23] = [
     Code::RateLimited,
     Code::InvalidSpec,
     Code::SpecDrift,
+    Code::ChecksumMismatch,
     Code::NotInModel,
     Code::CapacityExceeded,
     Code::HardwareInUse,
@@ -155,6 +170,8 @@ pub const ALL_CODES: [Code; 23] = [
     Code::AgentNotConnected,
     Code::AgentTimeout,
     Code::ConsoleUnavailable,
+    Code::ImageInUse,
+    Code::ImageExists,
 ];
 
 /// `error.data` of every vmhost error.

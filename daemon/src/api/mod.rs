@@ -7,6 +7,7 @@
 
 pub mod disks;
 pub mod error;
+pub mod images;
 pub mod stats;
 
 use serde::{Deserialize, Serialize};
@@ -33,6 +34,7 @@ pub const READ_METHODS: &[&str] = &[
     "host.stats",
     "events.subscribe",
     "events.unsubscribe",
+    "image.list",
 ];
 
 /// Every method of API v1, in documentation order.
@@ -58,6 +60,9 @@ pub const ALL_METHODS: &[&str] = &[
     "host.stats",
     "events.subscribe",
     "events.unsubscribe",
+    "image.import",
+    "image.list",
+    "image.delete",
 ];
 
 /// Name of the JSON-RPC notification carrying an [`Event`].

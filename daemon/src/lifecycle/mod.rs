@@ -18,7 +18,7 @@
 //! (data disks made, grown, kept, taken back), [`recover`]
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
-//! `host.stats`), [`teardown`] (what every path that ends a QEMU gives back, in one order),
+//! `host.stats`), [`images`] (the image store with the VMs that use each image), [`teardown`] (what every path that ends a QEMU gives back, in one order),
 //! [`undo`] (the undo stack a create or start pushes its steps onto, unwound on failure),
 //! [`registry`] (records, their files and the views readers are served), [`processes`] (the
 //! QEMU processes: started, found, checked, killed).
@@ -28,6 +28,7 @@ mod autostart;
 mod data_disks;
 mod exits;
 mod hotplug;
+mod images;
 mod launch;
 mod ops;
 mod processes;
@@ -81,7 +82,14 @@ pub struct Manager {
     stats_monitors: crate::stats::sampler::Samplers,
     /// Each running QEMU's kept QMP session (its event monitor), lent to operations.
     qmp_sessions: Arc<crate::qemu::session::Sessions>,
+    /// The image files and their recorded sha256s ([`images`]).
+    images: crate::images::Store,
+    /// What QEMU read of images without a record, by name, with the file version it read.
+    image_probes: Mutex<ImageProbes>,
 }
+
+/// Format and virtual size of unrecorded images, by name, with the file version read.
+type ImageProbes = std::collections::HashMap<String, (crate::qemu::boot_files::Version, (Option<String>, Option<u64>))>;
 
 impl std::fmt::Debug for Manager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -141,6 +149,7 @@ impl Manager {
         let registry = Registry::new(Arc::clone(&config), store, events.clone(), records, broken);
         let net = HostNet::connect().map_err(|e| format!("cannot open netlink: {e}"))?;
         let processes = processes::Processes::new(Arc::clone(&config));
+        let images = crate::images::Store::open(&config)?;
         let mgr = Arc::new(Manager {
             config,
             events,
@@ -153,6 +162,8 @@ impl Manager {
             agents: Arc::default(),
             stats_monitors: Default::default(),
             qmp_sessions: Arc::default(),
+            images,
+            image_probes: Mutex::default(),
         });
         mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;
@@ -289,6 +300,7 @@ impl Manager {
     /// Capacity, hardware and NIC admission of `spec` against every other VM that holds
     /// resources; returns its NIC allocations (keeping `previous` where still free).
     fn admit_locked(&self, t: &Table, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
+        Self::check_image_staying(t, spec)?;
         let held: Vec<&VmRecord> = t.vms.values().filter(|r| r.reserved && r.spec.name != spec.name).collect();
         // A VM changed without a restart holds what its live QEMU was started with too (also
         // while it is being stopped for the restart): devices, CPUs, memory and addresses.

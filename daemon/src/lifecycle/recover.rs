@@ -289,6 +289,8 @@ mod tests {
             agents: Arc::default(),
             stats_monitors: Default::default(),
             qmp_sessions: Arc::default(),
+            images: crate::images::Store::open(&config).unwrap(),
+            image_probes: Mutex::default(),
         });
         mgr.recover_all().await;
 

@@ -44,6 +44,8 @@ pub(super) struct Table {
     pub busy: HashSet<String>,
     /// Record files that could not be read at start.
     pub broken: BTreeMap<String, BrokenRecord>,
+    /// Images being deleted: no VM is admitted with one as its boot image meanwhile.
+    pub images_going: HashSet<String>,
     /// The committed views.
     views: Views,
     /// The QEMU each VM's exit watcher saw end, until a new record replaces that process.

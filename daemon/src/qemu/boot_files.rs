@@ -241,7 +241,7 @@ pub const CACHED_COPIES: usize = 8;
 
 /// What identifies one version of a file: if any of it changed, the content may have (also
 /// what [`super::integrity`] keeps a binary's verdict with).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Version {
     dev: u64,
     ino: u64,

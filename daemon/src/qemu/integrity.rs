@@ -176,16 +176,25 @@ impl Integrity {
 }
 
 /// The sha256 of what `file` holds from its current position, hex.
-fn sha256_of(file: &mut impl Read) -> std::io::Result<String> {
+/// The sha256 of what `file` reads to its end, lower-case hex.
+///
+/// # Errors
+/// A read error.
+pub(crate) fn sha256_of(file: &mut impl Read) -> std::io::Result<String> {
     let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 16];
+    let mut buf = vec![0u8; 1 << 20];
     loop {
         match file.read(&mut buf)? {
             0 => break,
             n => hasher.update(&buf[..n]),
         }
     }
-    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex(&hasher.finalize()))
+}
+
+/// `digest` as lower-case hex.
+pub(crate) fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

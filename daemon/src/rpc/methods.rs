@@ -91,8 +91,15 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
                 .run(|| async move {
                     tracing::debug!("host check running");
                     let networks = mgr.host_net().probe_networks(mgr.config()).await;
-                    crate::preflight::check(mgr.config(), &mgr.broken_records(), &networks, mgr.binary_integrity())
-                        .await
+                    let images = crate::blocking::run(|| mgr.image_check());
+                    crate::preflight::check(
+                        mgr.config(),
+                        &mgr.broken_records(),
+                        &networks,
+                        mgr.binary_integrity(),
+                        images,
+                    )
+                    .await
                 })
                 .await;
             call(report.ok_or_else(|| ApiError::internal("the host check failed unexpectedly")))
@@ -189,6 +196,24 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
     m.register_async_method("host.stats", |params, mgr, _| async move {
         match parse_params::<serde_json::Map<String, serde_json::Value>>(&params) {
             Ok(_) => call(Ok::<_, ApiError>(mgr.host_stats().await)),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("image.import", |params, mgr, _| async move {
+        match parse_params::<crate::api::images::ImportParams>(&params) {
+            Ok(p) => call(mgr.image_import(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("image.list", |params, mgr, _| async move {
+        match parse_params::<serde_json::Map<String, serde_json::Value>>(&params) {
+            Ok(_) => call(mgr.image_list().await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("image.delete", |params, mgr, _| async move {
+        match parse_params::<crate::api::images::ImageNameParams>(&params) {
+            Ok(p) => call(mgr.image_delete(&p.name).await),
             Err(e) => call(Err(e)),
         }
     })?;

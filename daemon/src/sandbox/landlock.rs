@@ -28,7 +28,7 @@
 use crate::config::Config;
 use landlock::Access as _;
 use landlock::{
-    AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath, PathFd, Ruleset, RulesetAttr,
+    AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, NetPort, PathBeneath, PathFd, Ruleset, RulesetAttr,
     RulesetCreatedAttr, RulesetStatus, ABI,
 };
 use std::path::{Path, PathBuf};
@@ -105,7 +105,11 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
     let mut v = vec![
         rule(&p.state, Access::ReadWrite, "VM records, overlays, seeds, serial logs, the lock file"),
         rule(&p.run, Access::ReadWrite, "per-VM QMP and agent sockets, pid files"),
-        rule(&p.images, Access::Read, "base images (probed, never written)"),
+        rule(
+            &p.images,
+            Access::ReadWrite,
+            "base images: probed; image.import adds one whole, image.delete removes one",
+        ),
         // Every right, as the state directory has: a rename between two directories is only
         // allowed when the file gains no access right by it (Landlock's REFER rule).
         rule(
@@ -307,13 +311,19 @@ pub fn kernel_abi() -> i32 {
 /// # Errors
 /// [`LandlockError`] when the ruleset cannot be built or applied; a kernel without Landlock is
 /// not an error but an [`Outcome`] with status `not enforced`.
-pub fn apply(rules: &[Rule]) -> Result<Outcome, LandlockError> {
+///
+/// `connect_ports` are the TCP ports the process may connect to (none for the daemon; the
+/// spawner's are for curl alone, see [`tcp_denial`]).
+pub fn apply(rules: &[Rule], connect_ports: &[u16]) -> Result<Outcome, LandlockError> {
     let abi = TARGET_ABI;
     let mut created = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)
         .handle_access(AccessFs::from_all(abi))?
         .handle_access(AccessNet::from_all(abi))?
         .create()?;
+    for port in connect_ports {
+        created = created.add_rule(NetPort::new(*port, AccessNet::ConnectTcp))?;
+    }
     let mut skipped = Vec::new();
     let mut added = 0;
     for r in rules {
@@ -337,6 +347,19 @@ pub fn apply(rules: &[Rule]) -> Result<Outcome, LandlockError> {
     Ok(Outcome { kernel_abi: kernel_abi(), status, rules: added, skipped })
 }
 
+/// A ruleset that handles TCP bind and connect and allows neither: the spawner makes it at
+/// start and every program it runs but curl restricts itself to it before exec (a second
+/// Landlock layer), so QEMU cannot use the ports the spawner's own domain opens for
+/// downloads. `None` where the kernel has no Landlock network rights (ABI < 4): then no
+/// process of the spawner is limited in TCP anyway.
+pub fn tcp_denial() -> Option<std::os::fd::OwnedFd> {
+    if kernel_abi() < 4 {
+        return None;
+    }
+    let created = Ruleset::default().handle_access(AccessNet::from_all(TARGET_ABI)).ok()?.create().ok()?;
+    created.into()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -352,7 +375,7 @@ mod tests {
         let find = |p: &str| r.iter().find(|x| x.path == Path::new(p)).map(|x| x.access);
         assert_eq!(find(&c.paths.state.to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find(&c.paths.run.to_string_lossy()), Some(Access::ReadWrite));
-        assert_eq!(find(&c.paths.images.to_string_lossy()), Some(Access::Read));
+        assert_eq!(find(&c.paths.images.to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find(&c.paths.import_dir().to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find("/dev/net/tun"), Some(Access::Device));
         assert_eq!(find("/etc/vmhost"), Some(Access::Read));
@@ -449,7 +472,7 @@ mod tests {
         // The daemon's rules, with the fake tree readable as /sys is.
         let mut rules = daemon_rules(&c, &files);
         rules.push(rule(&root, Access::Read, "the fake sysfs"));
-        assert!(apply(&rules).unwrap().enforced());
+        assert!(apply(&rules, &[]).unwrap().enforced());
         let write = |p: PathBuf| std::fs::OpenOptions::new().write(true).open(&p).map(|_| ()).map_err(|e| e.kind());
         assert_eq!(write(nic.join("driver_override")), Ok(()));
         assert_eq!(write(root.join("bus/pci/drivers/e1000e/bind")), Ok(()));

@@ -197,7 +197,7 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
         Vec::new()
     };
     let rules = landlock::daemon_rules(config, &pci_files);
-    match landlock::apply(&rules) {
+    match landlock::apply(&rules, &[]) {
         Ok(outcome) if outcome.enforced() => st.landlock = Some(Ok(outcome)),
         Ok(outcome) => {
             let reason = format!("the kernel has no Landlock (ABI {})", outcome.kernel_abi);
@@ -308,7 +308,7 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_DAC_READ_SEARCH);
     // Likewise, only while a VFIO group node changes group.
     let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_CHOWN);
-    match landlock::apply(&landlock::spawner_rules(config)) {
+    match landlock::apply(&landlock::spawner_rules(config), &config.images.download_ports) {
         Ok(o) => {
             report.landlock_enforced = o.enforced();
             report.landlock = format!("{} (kernel ABI {}, {} rules)", o.status, o.kernel_abi, o.rules);
@@ -330,10 +330,15 @@ pub fn allowlist(config: &Config) -> spawn::Allowlist {
     spawn::Allowlist {
         programs: vec![config.qemu.binary.clone()],
         modprobe: passthrough,
-        run_as: config.qemu_user.map(|u| vec![(config.qemu.binary.clone(), u)]).unwrap_or_default(),
+        // QEMU first: the /dev/kvm probe runs as the first entry's user.
+        run_as: config
+            .qemu_user
+            .map(|u| vec![(config.qemu.binary.clone(), u), (config.images.curl.clone(), u)])
+            .unwrap_or_default(),
         kvm: config.qemu.accel == crate::config::Accel::Kvm,
         vfio_nodes: passthrough,
         boot_dirs: config.paths.boot_dirs(),
+        fetch: Some(config.images.curl.clone()),
     }
 }
 
@@ -352,5 +357,10 @@ mod tests {
         }
         assert!(allow.permits(&c.qemu.binary, &["-version".into()]));
         assert_eq!(allow.user_for(&c.qemu.binary), c.qemu_user);
+        // curl fetches images, as QEMU's user, with the arguments the daemon makes only.
+        let args = crate::images::download::curl_args("https://example.org/i.qcow2", std::time::Duration::from_secs(9));
+        assert!(allow.permits(&c.images.curl, &args));
+        assert!(!allow.permits(&c.images.curl, &["-o".into(), "/etc/passwd".into(), "http://x/".into()]));
+        assert_eq!(allow.user_for(&c.images.curl), c.qemu_user);
     }
 }

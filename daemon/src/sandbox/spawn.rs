@@ -851,6 +851,9 @@ pub struct Allowlist {
     /// `paths.boot`: the only directories a kernel or initrd is opened beneath
     /// ([`crate::qemu::boot_files::open_under`]), whatever path the daemon asks for.
     pub boot_dirs: Vec<PathBuf>,
+    /// `images.curl`: may run with the arguments [`crate::images::download::curl_args`]
+    /// makes, and is the only program that may connect to a TCP port.
+    pub fetch: Option<PathBuf>,
 }
 
 impl Allowlist {
@@ -863,6 +866,9 @@ impl Allowlist {
     pub fn permits(&self, program: &Path, args: &[String]) -> bool {
         if MODPROBE.iter().any(|m| Path::new(m) == program) {
             return self.modprobe && args == ["vfio-pci"];
+        }
+        if self.fetch.as_deref() == Some(program) {
+            return crate::images::download::permits(args);
         }
         self.programs.iter().any(|p| p == program)
     }
@@ -912,6 +918,7 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
 /// The spawner's loop: serve requests on `control` until the daemon closes it, then exit.
 /// Runs in the forked spawner process, which is single-threaded.
 pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: bool) -> ! {
+    let no_tcp = super::landlock::tcp_denial();
     let mut running: Vec<Running> = Vec::new();
     let mut copies = crate::qemu::boot_files::CopyCache::default();
     loop {
@@ -971,7 +978,7 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
             }
         };
         match req {
-            Request::Run(run) => match start(run, fds, allow, ambient_sys_module) {
+            Request::Run(run) => match start(run, fds, allow, ambient_sys_module, no_tcp.as_ref()) {
                 Ok(child) => {
                     let pidfd = pidfd_open(child.id());
                     let pid = i32::try_from(child.id()).unwrap_or(0);
@@ -1036,6 +1043,7 @@ fn start(
     fds: Vec<OwnedFd>,
     allow: &Allowlist,
     ambient_sys_module: bool,
+    no_tcp: Option<&OwnedFd>,
 ) -> io::Result<std::process::Child> {
     let program = PathBuf::from(&req.program);
     if !allow.permits(&program, &req.args) {
@@ -1044,7 +1052,9 @@ fn start(
             format!("the spawner does not run {} with these arguments (not on its allowlist)", program.display()),
         ));
     }
-    launch(req, fds, allow, ambient_sys_module)
+    // Only curl keeps the TCP ports the spawner's domain allows.
+    let no_tcp = no_tcp.filter(|_| allow.fetch.as_deref() != Some(program.as_path())).map(AsRawFd::as_raw_fd);
+    launch(req, fds, allow, ambient_sys_module, no_tcp)
 }
 
 /// Starts an allowed request: its descriptors in place, its session, limits and user.
@@ -1053,6 +1063,7 @@ fn launch(
     mut fds: Vec<OwnedFd>,
     allow: &Allowlist,
     ambient_sys_module: bool,
+    no_tcp: Option<RawFd>,
 ) -> io::Result<std::process::Child> {
     let want = usize::from(req.stdout) + usize::from(req.stderr) + req.nfds;
     if fds.len() != want || req.nfds > MAX_PASSED_FDS {
@@ -1069,10 +1080,16 @@ fn launch(
     let setup = ChildSetup::new(req.memlock, allow.user_for(&program), allow.kvm);
     let raise_module = ambient_sys_module && MODPROBE.iter().any(|m| Path::new(m) == program);
     // SAFETY: only async-signal-safe calls (setsid, setrlimit, setgroups, setgid, setuid, umask,
-    // prctl, fcntl, dup2), no allocation.
+    // prctl, landlock_restrict_self, fcntl, dup2), no allocation.
     unsafe {
         command.pre_exec(move || {
             setup.apply()?;
+            if let Some(ruleset) = no_tcp {
+                // no_new_privs is set (the spawner's own Landlock domain needed it).
+                if libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             if raise_module {
                 // modprobe gets CAP_SYS_MODULE as an ambient capability; nothing else gets any.
                 let cap = libc::c_ulong::from(super::caps::CAP_SYS_MODULE);
@@ -1101,6 +1118,7 @@ mod tests {
             kvm: false,
             vfio_nodes: false,
             boot_dirs: vec![],
+            fetch: None,
         };
         assert!(a.permits(Path::new("/usr/bin/qemu-system-x86_64"), &["-version".into()]));
         assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
@@ -1247,6 +1265,7 @@ mod tests {
             kvm: false,
             vfio_nodes: false,
             boot_dirs: vec![],
+            fetch: None,
         };
         let req = RunRequest {
             program: "/bin/sleep".into(),
@@ -1256,7 +1275,7 @@ mod tests {
             nfds: 0,
             memlock: None,
         };
-        let mut child = start(req, Vec::new(), &allow, false).unwrap();
+        let mut child = start(req, Vec::new(), &allow, false, None).unwrap();
         let pid = i32::try_from(child.id()).unwrap();
         assert_eq!(pgrp_and_session(&pid.to_string()), (pid, pid), "its own process group and session");
         assert_ne!(pgrp_and_session("self"), (pid, pid));

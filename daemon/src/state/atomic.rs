@@ -38,20 +38,20 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// Removes `path` and makes the removal durable. Absent is fine.
+/// Removes `path` and makes the removal durable. Absent is fine. Returns whether it was there.
 ///
 /// # Errors
 /// I/O errors other than "not found".
-pub fn remove_durable(path: &Path) -> io::Result<()> {
+pub fn remove_durable(path: &Path) -> io::Result<bool> {
     match fs::remove_file(path) {
         Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e),
     }
     if let Some(dir) = path.parent() {
         File::open(dir)?.sync_all()?;
     }
-    Ok(())
+    Ok(true)
 }
 
 #[cfg(test)]

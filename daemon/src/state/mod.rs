@@ -203,7 +203,7 @@ impl Store {
     /// # Errors
     /// I/O errors other than "absent".
     pub fn remove(&self, name: &str) -> io::Result<()> {
-        atomic::remove_durable(&self.path(name))
+        atomic::remove_durable(&self.path(name)).map(|_| ())
     }
 }
 

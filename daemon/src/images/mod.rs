@@ -1,0 +1,329 @@
+//! The image store: the owner of the files in `paths.images` and of the sha256 each was
+//! imported with (docs/images.md).
+//!
+//! VMs boot from an image through a qcow2 overlay that names it, so an image must never change
+//! under a VM: it is only ever added whole (a hidden temp file in the same directory, hashed as
+//! it is written, fsynced, renamed into place without replacing anything, the directory
+//! fsynced) and removed whole. Images put there by hand have no record and still work.
+//!
+//! Order of use: [`Store::open`] once at start (it removes temp files a crash left); per
+//! import: [`check_import`] (pure), [`Store::begin`] (one operation per name), [`Store::temp`],
+//! fill it ([`copy`] or [`download`]), [`Temp::place`], then [`Store::put`] the record; per
+//! delete: [`Store::begin`], [`Store::remove`]. [`Store::verify`] for `host.check`.
+//!
+//! The records are one file, `STATE/images.json` (not in `paths.images`: that is
+//! `STATE/images` by default, and every file there is an image), written atomically. A crash
+//! between the rename and the record leaves an image without a record, as if put there by
+//! hand; importing it again with its sha256 records it.
+
+pub mod download;
+mod records;
+mod temp;
+
+use crate::api::{ApiError, Code};
+use crate::config::Config;
+use crate::qemu::boot_files::Version;
+pub use records::ImageRecord;
+use serde_json::json;
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+pub use temp::{copy, Temp};
+
+/// Default longest download (`image.import` `timeout_s`).
+pub const DEFAULT_DOWNLOAD_TIMEOUT_S: u64 = 3600;
+
+/// Longest URL accepted.
+pub const MAX_URL: usize = 2048;
+
+/// Where an import copies from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// The file is in `paths.images` already (put there by hand): check and record it.
+    InPlace,
+    /// A file in `paths.import`.
+    File(PathBuf),
+    /// An `http(s)` URL, fetched by curl as `qemu.user` ([`download`]).
+    Url(String),
+}
+
+/// A checked `image.import` request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportRequest {
+    /// File name in `paths.images`.
+    pub name: String,
+    /// Expected sha256, lower-case hex.
+    pub sha256: String,
+    /// Where from.
+    pub source: Source,
+    /// Longest download.
+    pub timeout: std::time::Duration,
+}
+
+/// Checks an `image.import` request against the config: nothing is touched.
+///
+/// # Errors
+/// 2001 naming `name` (not a plain file name), `sha256` (not 64 hex digits), `source` (a URL
+/// that is not http(s) or has spaces or control characters, a path outside `paths.import`,
+/// a URL without the `[images] curl` program) or `timeout_s` (0).
+pub fn check_import(
+    config: &Config,
+    name: &str,
+    sha256: &str,
+    source: Option<&str>,
+    timeout_s: Option<u64>,
+) -> Result<ImportRequest, ApiError> {
+    if !is_image_name(name) {
+        return Err(ApiError::invalid(
+            "name",
+            format!("{name:?} is not a plain file name (1-255 of A-Z a-z 0-9 . _ - +, not starting with a dot)"),
+        ));
+    }
+    if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ApiError::invalid("sha256", "the sha256 must be 64 hex digits"));
+    }
+    let timeout_s = timeout_s.unwrap_or(DEFAULT_DOWNLOAD_TIMEOUT_S);
+    if timeout_s == 0 {
+        return Err(ApiError::invalid("timeout_s", "the timeout must be at least 1 second"));
+    }
+    let source = match source {
+        None => Source::InPlace,
+        Some(s) if s.starts_with("http://") || s.starts_with("https://") => {
+            if s.len() > MAX_URL || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(ApiError::invalid(
+                    "source",
+                    format!("a URL of at most {MAX_URL} characters without spaces or control characters"),
+                ));
+            }
+            Source::Url(s.to_string())
+        }
+        Some(s) if s.contains("://") => {
+            return Err(ApiError::invalid("source", "only http:// and https:// URLs are fetched"));
+        }
+        Some(s) => Source::File(import_path(config, s)?),
+    };
+    Ok(ImportRequest {
+        name: name.to_string(),
+        sha256: sha256.to_ascii_lowercase(),
+        source,
+        timeout: std::time::Duration::from_secs(timeout_s),
+    })
+}
+
+/// `source` as a path in `paths.import`: a plain file name there, or an absolute path whose
+/// parent is that directory (lexically; the open does not follow a symlink).
+fn import_path(config: &Config, source: &str) -> Result<PathBuf, ApiError> {
+    let dir = config.paths.import_dir();
+    let path = Path::new(source);
+    let file = if path.is_absolute() {
+        path.parent().filter(|p| *p == dir).and(path.file_name()).and_then(|f| f.to_str())
+    } else {
+        Some(source)
+    };
+    match file {
+        Some(f) if is_image_name(f) => Ok(dir.join(f)),
+        _ => Err(ApiError::invalid(
+            "source",
+            format!(
+                "{source:?} is neither an http(s) URL nor a file in the import directory {} \
+                 (its name, or its absolute path)",
+                dir.display()
+            ),
+        )),
+    }
+}
+
+/// A name an image may have: what `boot.image` accepts ([`crate::validate`]).
+pub fn is_image_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && !name.starts_with('.')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-+".contains(c))
+}
+
+/// What [`Store::verify`] found for one recorded image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Its content has the recorded sha256.
+    Match,
+    /// Its content has another sha256 (`found`).
+    Mismatch {
+        /// The sha256 it has now.
+        found: String,
+    },
+    /// It is gone or cannot be read.
+    Unreadable(String),
+}
+
+/// The image store of one `paths.images`.
+#[derive(Debug)]
+pub struct Store {
+    dir: PathBuf,
+    records: records::RecordFile,
+    /// Names an import or delete is working on.
+    busy: Arc<Mutex<HashSet<String>>>,
+}
+
+/// Holds one name of the store for one operation (see [`Store::begin`]).
+#[derive(Debug)]
+pub struct NameGuard {
+    busy: Arc<Mutex<HashSet<String>>>,
+    name: String,
+}
+
+impl Drop for NameGuard {
+    fn drop(&mut self) {
+        self.busy.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.name);
+    }
+}
+
+impl Store {
+    /// The store of `config.paths.images`, its records read from `STATE/images.json`, and the
+    /// temp files an interrupted import left removed.
+    ///
+    /// # Errors
+    /// The records file exists but cannot be read or parsed.
+    pub fn open(config: &Config) -> Result<Store, String> {
+        let dir = config.paths.images.clone();
+        let records = records::RecordFile::open(config.paths.state.join("images.json"))?;
+        for leftover in temp::leftovers(&dir) {
+            match std::fs::remove_file(&leftover) {
+                Ok(()) => tracing::info!(path = %leftover.display(), "removed an interrupted image import"),
+                Err(e) => {
+                    tracing::warn!(path = %leftover.display(), error = %e, "cannot remove an interrupted image import")
+                }
+            }
+        }
+        Ok(Store { dir, records, busy: Arc::default() })
+    }
+
+    /// The path of image `name`.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Takes `name` for one import or delete.
+    ///
+    /// # Errors
+    /// 4090 when another import or delete of that name is in progress.
+    pub fn begin(&self, name: &str) -> Result<NameGuard, ApiError> {
+        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        if !busy.insert(name.to_string()) {
+            return Err(ApiError::new(
+                Code::Busy,
+                format!("another import or delete of image {name:?} is in progress"),
+            )
+            .field("name"));
+        }
+        Ok(NameGuard { busy: Arc::clone(&self.busy), name: name.to_string() })
+    }
+
+    /// The record of `name`.
+    pub fn record(&self, name: &str) -> Option<ImageRecord> {
+        self.records.get(name)
+    }
+
+    /// Every record.
+    pub fn records(&self) -> BTreeMap<String, ImageRecord> {
+        self.records.all()
+    }
+
+    /// Records `name` (the guard shows the caller holds it).
+    ///
+    /// # Errors
+    /// The records file cannot be written (the previous records stay).
+    pub fn put(&self, _held: &NameGuard, name: &str, record: ImageRecord) -> std::io::Result<()> {
+        self.records.put(name, Some(record))
+    }
+
+    /// A new hidden temp file for image `name`, removed when dropped unless placed.
+    ///
+    /// # Errors
+    /// It cannot be created.
+    pub fn temp(&self, _held: &NameGuard, name: &str) -> std::io::Result<Temp> {
+        Temp::create(&self.dir, name)
+    }
+
+    /// Removes image `name` and its record. Returns whether there was either.
+    ///
+    /// # Errors
+    /// The file cannot be removed (the record stays), or the records cannot be written.
+    pub fn remove(&self, _held: &NameGuard, name: &str) -> std::io::Result<bool> {
+        let file = crate::blocking::run(|| crate::state::atomic::remove_durable(&self.path(name)))?;
+        let recorded = self.records.get(name).is_some();
+        if recorded {
+            self.records.put(name, None)?;
+        }
+        Ok(file || recorded)
+    }
+
+    /// The image files: regular files of the directory not starting with a dot, by name.
+    ///
+    /// # Errors
+    /// The directory cannot be read.
+    pub fn files(&self) -> std::io::Result<BTreeMap<String, std::fs::Metadata>> {
+        crate::blocking::run(|| {
+            let mut out = BTreeMap::new();
+            let entries = match std::fs::read_dir(&self.dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+                Err(e) => return Err(e),
+            };
+            for entry in entries {
+                let entry = entry?;
+                let Ok(name) = entry.file_name().into_string() else { continue };
+                if name.starts_with('.') {
+                    continue;
+                }
+                // Not followed: a symlink is not an image the store manages.
+                let meta = entry.metadata()?;
+                if meta.file_type().is_file() {
+                    out.insert(name, meta);
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// Checks recorded image `name` against its record: a file whose identity and times are
+    /// those recorded at import (or at the last check) is not read again.
+    pub fn verify(&self, name: &str) -> Option<Verdict> {
+        let record = self.records.get(name)?;
+        let path = self.path(name);
+        Some(crate::blocking::run(|| {
+            let mut file = match std::fs::File::open(&path) {
+                Ok(f) => f,
+                Err(e) => return Verdict::Unreadable(e.to_string()),
+            };
+            let version = match file.metadata() {
+                Ok(m) => Version::of(&m),
+                Err(e) => return Verdict::Unreadable(e.to_string()),
+            };
+            if let Some(checked) = self.records.checked(name) {
+                if checked.0 == version {
+                    return checked.1;
+                }
+            }
+            let verdict = match crate::qemu::integrity::sha256_of(&mut file) {
+                Ok(found) if found == record.sha256 => Verdict::Match,
+                Ok(found) => Verdict::Mismatch { found },
+                Err(e) => Verdict::Unreadable(e.to_string()),
+            };
+            self.records.set_checked(name, version, verdict.clone());
+            verdict
+        }))
+    }
+}
+
+/// 2003: `what` does not have the sha256 `expected`.
+pub fn mismatch(what: &str, expected: &str, found: &str, bytes: u64) -> ApiError {
+    ApiError::new(
+        Code::ChecksumMismatch,
+        format!("{what} has sha256 {found}, not {expected} as asked; nothing was kept"),
+    )
+    .field("sha256")
+    .details(json!({ "expected": expected, "found": found, "bytes": bytes }))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,152 @@
+//! An image being imported: a hidden temp file next to the images, written and hashed in one
+//! pass, then renamed into place whole or removed.
+
+use sha2::{Digest, Sha256};
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What temp file names have after the image name.
+const MARK: &str = ".import-";
+
+/// Copy and hash block size.
+pub(super) const BLOCK: usize = 1 << 20;
+
+/// The temp files an interrupted import left in `dir`.
+pub(super) fn leftovers(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with('.') && n.contains(MARK)))
+        .map(|e| e.path())
+        .collect()
+}
+
+/// A temp file for one image, removed when dropped unless [`Temp::place`]d.
+#[derive(Debug)]
+pub struct Temp {
+    path: PathBuf,
+    file: File,
+    hasher: Sha256,
+    bytes: u64,
+    placed: bool,
+}
+
+impl Temp {
+    /// Creates `DIR/.NAME.import-PID-N` (mode 0600, never an existing file).
+    pub(super) fn create(dir: &Path, name: &str) -> io::Result<Temp> {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!(".{name}{MARK}{}-{n}", std::process::id()));
+        let file = crate::blocking::run(|| {
+            OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&path)
+        })?;
+        Ok(Temp { path, file, hasher: Sha256::new(), bytes: 0, placed: false })
+    }
+
+    /// Appends `data` and hashes it. A block of zeros is skipped over, not written, so a
+    /// sparse raw image stays sparse.
+    ///
+    /// # Errors
+    /// A write error (ENOSPC included).
+    pub fn write(&mut self, data: &[u8]) -> io::Result<()> {
+        self.hasher.update(data);
+        if data.iter().all(|b| *b == 0) {
+            self.file.seek(SeekFrom::Current(data.len() as i64))?;
+        } else {
+            self.file.write_all(data)?;
+        }
+        self.bytes += data.len() as u64;
+        Ok(())
+    }
+
+    /// Bytes written so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Ends the content (its length set where the last skipped zeros end), syncs it and
+    /// returns its sha256, lower-case hex.
+    ///
+    /// # Errors
+    /// The length cannot be set or the sync fails.
+    pub fn finish(&mut self) -> io::Result<String> {
+        crate::blocking::run(|| {
+            self.file.set_len(self.bytes)?;
+            self.file.sync_all()
+        })?;
+        Ok(crate::qemu::integrity::hex(&std::mem::take(&mut self.hasher).finalize()))
+    }
+
+    /// A read-only descriptor of the file (for QEMU to read its format).
+    ///
+    /// # Errors
+    /// It cannot be reopened.
+    pub fn reopen(&self) -> io::Result<File> {
+        crate::blocking::run(|| File::open(&self.path))
+    }
+
+    /// Renames the file to `to` (never replacing a file there) and syncs the directory.
+    /// Returns the placed file's metadata.
+    ///
+    /// # Errors
+    /// `AlreadyExists` when `to` exists; other rename errors. The temp file is then removed.
+    pub fn place(mut self, to: &Path) -> io::Result<std::fs::Metadata> {
+        use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
+        crate::blocking::run(|| {
+            renameat2(AT_FDCWD, &self.path, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE).map_err(io::Error::from)?;
+            self.placed = true;
+            if let Some(dir) = to.parent() {
+                File::open(dir)?.sync_all()?;
+            }
+            std::fs::symlink_metadata(to)
+        })
+    }
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        if !self.placed {
+            if let Err(e) = std::fs::remove_file(&self.path) {
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot remove an image import's temp file");
+            }
+        }
+    }
+}
+
+/// Copies the regular file at `source` (never through a symlink) into `temp`.
+///
+/// # Errors
+/// `source` cannot be opened or is not a regular file (`InvalidInput`), or a read or write error.
+pub fn copy(source: &Path, temp: &mut Temp) -> io::Result<()> {
+    crate::blocking::run(|| {
+        let mut file = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(source)?;
+        if !file.metadata()?.file_type().is_file() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
+        }
+        let mut buf = vec![0u8; BLOCK];
+        loop {
+            let n = read_full(&mut file, &mut buf)?;
+            if n == 0 {
+                return Ok(());
+            }
+            temp.write(&buf[..n])?;
+        }
+    })
+}
+
+/// Reads until `buf` is full or the end: whole blocks, so zero blocks are found as such.
+fn read_full(file: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}

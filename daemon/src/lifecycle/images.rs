@@ -1,0 +1,398 @@
+//! `image.import`, `image.list`, `image.delete`: the image store ([`crate::images`]) with what
+//! only the lifecycle knows, which VMs boot from an image.
+//!
+//! An import: check the request (nothing touched), take the name, and either record a file
+//! already there (hashed where it is) or copy it (a file in `paths.import`, or a URL through
+//! curl) into a temp file hashed as it is written; a wrong sha256 removes the temp file (2003);
+//! QEMU as `qemu.user` reads its format (an image naming a backing or data file is refused);
+//! it is renamed into place, never over a file, and recorded. A delete: the name taken, the
+//! image marked as going under the table lock in the same step that finds no VM using it (a
+//! create admitted after that is refused until it is gone), then file and record removed.
+
+use super::Manager;
+use crate::api::images::{DeleteResult, ImageView, ImportParams, ImportResult};
+use crate::api::{ApiError, Code};
+use crate::images::{ImageRecord, ImportRequest, NameGuard, Source};
+use crate::qemu::boot_files::Version;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+
+fn failed(message: String) -> ApiError {
+    super::provisioning("image_import", message)
+}
+
+/// Marks an image as going for as long as its delete runs.
+struct Going<'a> {
+    mgr: &'a Manager,
+    name: String,
+}
+
+impl Drop for Going<'_> {
+    fn drop(&mut self) {
+        self.mgr.lock().images_going.remove(&self.name);
+    }
+}
+
+impl Manager {
+    /// The VMs whose boot disk is an overlay over image `name`, by name.
+    fn image_users(t: &super::Table, name: &str) -> Vec<String> {
+        t.vms
+            .values()
+            .filter(|r| {
+                std::iter::once(&r.spec).chain(r.running_spec.as_ref()).any(|s| s.boot.image.as_deref() == Some(name))
+            })
+            .map(|r| r.spec.name.clone())
+            .collect()
+    }
+
+    /// 4090 on `spec.boot.image` when `spec` boots from an image being deleted (admission,
+    /// under the table lock).
+    pub(super) fn check_image_staying(t: &super::Table, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
+        match spec.boot.image.as_deref() {
+            Some(image) if t.images_going.contains(image) => {
+                Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted")).field("spec.boot.image"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// `image.list`: every image file, with its record and users.
+    ///
+    /// # Errors
+    /// 4001 when the directory cannot be read.
+    pub async fn image_list(&self) -> Result<Vec<ImageView>, ApiError> {
+        let files = self.images.files().map_err(|e| {
+            super::provisioning("image_list", format!("cannot read {}: {e}", self.config.paths.images.display()))
+        })?;
+        let records = self.images.records();
+        let mut out = Vec::with_capacity(files.len());
+        for (name, meta) in files {
+            let (format, virtual_size) = match records.get(&name) {
+                Some(r) => (Some(r.format.clone()), Some(r.virtual_size)),
+                None => self.probe_unrecorded(&name, &meta).await,
+            };
+            out.push(ImageView {
+                used_by: Vec::new(),
+                bytes: meta.len(),
+                format,
+                virtual_size,
+                sha256: records.get(&name).map(|r| r.sha256.clone()),
+                source: records.get(&name).and_then(|r| r.source.clone()),
+                imported_at: records.get(&name).map(|r| r.imported_at.clone()),
+                name,
+            });
+        }
+        let t = self.lock();
+        for view in &mut out {
+            view.used_by = Self::image_users(&t, &view.name);
+        }
+        Ok(out)
+    }
+
+    /// Format and virtual size of an image without a record: QEMU reads it (once per version
+    /// of the file); `None`s when it cannot.
+    async fn probe_unrecorded(&self, name: &str, meta: &std::fs::Metadata) -> (Option<String>, Option<u64>) {
+        let version = Version::of(meta);
+        if let Some((v, found)) = self.image_probes.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
+            if *v == version {
+                return found.clone();
+            }
+        }
+        let path = self.images.path(name);
+        let found = match crate::blocking::run(|| std::fs::File::open(&path)) {
+            Ok(f) => match crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(f)).await {
+                Ok(info) => (Some(info.format), Some(info.virtual_size)),
+                Err(e) => {
+                    tracing::debug!(image = name, error = %e, "QEMU cannot read an image");
+                    (None, None)
+                }
+            },
+            Err(_) => (None, None),
+        };
+        self.image_probes.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string(), (version, found.clone()));
+        found
+    }
+
+    /// `image.import` (module doc).
+    ///
+    /// # Errors
+    /// 2001 (a bad name, sha256, source or timeout; an image QEMU cannot read or that names a
+    /// backing or data file), 2003 (another sha256; nothing kept), 4093 (another image of that
+    /// name), 4040 (no source and no such image), 3002 (a local file larger than the free
+    /// space), 4090 (another import or delete of the name), 4001 (a download or file step).
+    pub async fn image_import(&self, p: ImportParams) -> Result<ImportResult, ApiError> {
+        let req = crate::images::check_import(&self.config, &p.name, &p.sha256, p.source.as_deref(), p.timeout_s)?;
+        let held = self.images.begin(&req.name)?;
+        let path = self.images.path(&req.name);
+        let there = crate::blocking::run(|| std::fs::symlink_metadata(&path)).ok();
+        if let Some(meta) = there {
+            return self.import_existing(&held, &req, &meta).await;
+        }
+        let source_text = match &req.source {
+            Source::InPlace => {
+                return Err(ApiError::new(
+                    Code::NotFound,
+                    format!(
+                        "no image {:?} in {}: give a source (a URL or a file in the import directory)",
+                        req.name,
+                        self.config.paths.images.display()
+                    ),
+                )
+                .field("source"));
+            }
+            Source::File(path) => path.display().to_string(),
+            Source::Url(url) => url.clone(),
+        };
+        let mut temp = self
+            .images
+            .temp(&held, &req.name)
+            .map_err(|e| failed(format!("cannot create a file in {}: {e}", self.config.paths.images.display())))?;
+        match &req.source {
+            Source::File(from) => {
+                self.admit_image_file(from)?;
+                crate::images::copy(from, &mut temp).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::InvalidInput => {
+                        ApiError::invalid("source", format!("cannot read {}: {e}", from.display()))
+                    }
+                    _ if e.raw_os_error() == Some(libc::ELOOP) => {
+                        ApiError::invalid("source", format!("{} is a symbolic link", from.display()))
+                    }
+                    _ => failed(format!("cannot copy {}: {e}", from.display())),
+                })?;
+            }
+            Source::Url(url) => {
+                crate::images::download::fetch(
+                    &self.config.images.curl,
+                    self.config.qemu_user,
+                    url,
+                    req.timeout,
+                    &mut temp,
+                )
+                .await?;
+            }
+            Source::InPlace => {}
+        }
+        let found = temp.finish().map_err(|e| failed(format!("cannot write the image: {e}")))?;
+        if found != req.sha256 {
+            return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()));
+        }
+        let file = temp.reopen().map_err(|e| failed(format!("cannot reopen the image: {e}")))?;
+        let (format, virtual_size) = self.inspect_image(file, &source_text).await?;
+        let bytes = temp.bytes();
+        let meta = temp.place(&path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                ApiError::new(Code::ImageExists, format!("an image {:?} appeared meanwhile", req.name)).field("name")
+            } else {
+                failed(format!("cannot move the image into place at {}: {e}", path.display()))
+            }
+        })?;
+        crate::crashpoint::hit(&self.config.paths.run, "image:placed");
+        let record = ImageRecord {
+            sha256: req.sha256.clone(),
+            bytes,
+            format,
+            virtual_size,
+            source: Some(source_text),
+            imported_at: crate::api::now_rfc3339(),
+            version: Version::of(&meta),
+        };
+        self.record_image(&held, &req.name, record.clone())?;
+        tracing::info!(image = %req.name, sha256 = %req.sha256, bytes, "image imported");
+        Ok(ImportResult { changed: true, image: self.view_of(&req.name, &record) })
+    }
+
+    /// An import of a name that has a file: the same sha256 is recorded (or was: no change),
+    /// another is refused; the file is never replaced.
+    async fn import_existing(
+        &self,
+        held: &NameGuard,
+        req: &ImportRequest,
+        meta: &std::fs::Metadata,
+    ) -> Result<ImportResult, ApiError> {
+        let path = self.images.path(&req.name);
+        if !meta.file_type().is_file() {
+            return Err(ApiError::invalid("name", format!("{} is not a regular file", path.display())));
+        }
+        let recorded = self.images.record(&req.name);
+        let exists = |sha256: &str| {
+            ApiError::new(
+                Code::ImageExists,
+                format!(
+                    "image {:?} is there with sha256 {sha256}, not {}: delete it first (VMs using it keep \
+                     overlays over it, so it is never replaced)",
+                    req.name, req.sha256
+                ),
+            )
+            .field("name")
+            .details(json!({ "sha256": sha256 }))
+        };
+        let verdict = match &recorded {
+            Some(r) if r.sha256 != req.sha256 => return Err(exists(&r.sha256)),
+            Some(_) => self.images.verify(&req.name),
+            None => None,
+        };
+        match (&recorded, verdict) {
+            (Some(r), Some(crate::images::Verdict::Match)) => {
+                return Ok(ImportResult { changed: false, image: self.view_of(&req.name, r) });
+            }
+            (Some(_), Some(crate::images::Verdict::Mismatch { found })) => {
+                return Err(
+                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len()).field("name")
+                );
+            }
+            _ => {}
+        }
+        // No record (put there by hand, or a crash before the record): hash it where it is.
+        let (found, version) = crate::blocking::run(|| {
+            let mut file = std::fs::File::open(&path)?;
+            let version = Version::of(&file.metadata()?);
+            crate::qemu::integrity::sha256_of(&mut file).map(|found| (found, version))
+        })
+        .map_err(|e| failed(format!("cannot read {}: {e}", path.display())))?;
+        if found != req.sha256 {
+            return Err(match req.source {
+                Source::InPlace => {
+                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len())
+                }
+                _ => exists(&found),
+            });
+        }
+        let file = crate::blocking::run(|| std::fs::File::open(&path))
+            .map_err(|e| failed(format!("cannot read {}: {e}", path.display())))?;
+        let (format, virtual_size) = self.inspect_image(file, &path.display().to_string()).await?;
+        let record = ImageRecord {
+            sha256: found,
+            bytes: meta.len(),
+            format,
+            virtual_size,
+            source: None,
+            imported_at: crate::api::now_rfc3339(),
+            version,
+        };
+        self.record_image(held, &req.name, record.clone())?;
+        tracing::info!(image = %req.name, sha256 = %req.sha256, "image recorded where it was");
+        Ok(ImportResult { changed: true, image: self.view_of(&req.name, &record) })
+    }
+
+    /// QEMU (as `qemu.user`, on a descriptor) reads the image's format and size.
+    ///
+    /// # Errors
+    /// 2001 on `source` when QEMU cannot read it as an image or it names a backing or data
+    /// file (an overlay over it would reach a file vmhostd does not manage).
+    async fn inspect_image(&self, file: std::fs::File, what: &str) -> Result<(String, u64), ApiError> {
+        let info = crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(file)).await.map_err(|e| match e {
+            crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
+                ApiError::invalid("source", format!("QEMU cannot read {what} as a disk image: {e}"))
+            }
+            other => failed(format!("cannot inspect {what}: {other}")),
+        })?;
+        if let Some(other) = info.backing.as_ref().or(info.data_file.as_ref()) {
+            return Err(ApiError::invalid(
+                "source",
+                format!("{what} names another file ({other:?}) as its backing or data file: flatten it first (qemu-img convert)"),
+            ));
+        }
+        Ok((info.format, info.virtual_size))
+    }
+
+    /// 3002 on `source` when the file at `from` is larger than the images' free space.
+    fn admit_image_file(&self, from: &std::path::Path) -> Result<(), ApiError> {
+        let Ok(meta) = crate::blocking::run(|| std::fs::metadata(from)) else { return Ok(()) };
+        let space = crate::disk::space::FsSpace::of(&self.config.paths.images).map_err(|e| {
+            failed(format!("cannot read the free space of {}: {e}", self.config.paths.images.display()))
+        })?;
+        if meta.len() > space.free {
+            return Err(ApiError::new(
+                Code::CapacityExceeded,
+                format!(
+                    "{} is {} bytes; {} has {} bytes free",
+                    from.display(),
+                    meta.len(),
+                    self.config.paths.images.display(),
+                    space.free
+                ),
+            )
+            .field("source")
+            .details(json!({ "resource": "image_bytes", "requested": meta.len(), "available": space.free })));
+        }
+        Ok(())
+    }
+
+    fn record_image(&self, held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), ApiError> {
+        self.images.put(held, name, record).map_err(|e| {
+            failed(format!("the image {name:?} is in place, but its record cannot be written ({e}); import it again"))
+        })
+    }
+
+    fn view_of(&self, name: &str, r: &ImageRecord) -> ImageView {
+        ImageView {
+            name: name.to_string(),
+            bytes: r.bytes,
+            format: Some(r.format.clone()),
+            virtual_size: Some(r.virtual_size),
+            sha256: Some(r.sha256.clone()),
+            source: r.source.clone(),
+            imported_at: Some(r.imported_at.clone()),
+            used_by: Self::image_users(&self.lock(), name),
+        }
+    }
+
+    /// `image.delete` (module doc).
+    ///
+    /// # Errors
+    /// 2001 (a bad name), 4092 (VMs use it; `details.vms`), 4090 (another import or delete
+    /// of it), 4001 (the file cannot be removed).
+    pub async fn image_delete(&self, name: &str) -> Result<DeleteResult, ApiError> {
+        if !crate::images::is_image_name(name) {
+            return Err(ApiError::invalid("name", format!("{name:?} is not an image name")));
+        }
+        let held = self.images.begin(name)?;
+        let _going = {
+            let mut t = self.lock();
+            let users = Self::image_users(&t, name);
+            if !users.is_empty() {
+                return Err(ApiError::new(
+                    Code::ImageInUse,
+                    format!(
+                        "image {name:?} is the base of VMs {users:?}: destroy them (or replace their boot image) first"
+                    ),
+                )
+                .field("name")
+                .details(json!({ "vms": users })));
+            }
+            t.images_going.insert(name.to_string());
+            Going { mgr: self, name: name.to_string() }
+        };
+        let changed = self
+            .images
+            .remove(&held, name)
+            .map_err(|e| super::provisioning("image_delete", format!("cannot delete image {name:?}: {e}")))?;
+        if changed {
+            tracing::info!(image = name, "image deleted");
+        }
+        Ok(DeleteResult { changed, name: name.to_string() })
+    }
+
+    /// What `host.check` says of the recorded images (`images` item).
+    pub fn image_check(&self) -> crate::api::CheckItem {
+        use crate::api::CheckStatus;
+        let records: BTreeMap<String, ImageRecord> = self.images.records();
+        let mut bad = Vec::new();
+        for name in records.keys() {
+            match self.images.verify(name) {
+                Some(crate::images::Verdict::Match) | None => {}
+                Some(crate::images::Verdict::Mismatch { found }) => {
+                    bad.push(format!("{name}: sha256 {found}, recorded {}", records[name].sha256))
+                }
+                Some(crate::images::Verdict::Unreadable(e)) => bad.push(format!("{name}: cannot be read ({e})")),
+            }
+        }
+        let (status, detail) = if bad.is_empty() {
+            (CheckStatus::Ok, format!("{} recorded images match their sha256", records.len()))
+        } else {
+            (CheckStatus::Error, bad.join("; "))
+        };
+        crate::api::CheckItem { name: "images".into(), status, detail }
+    }
+}
