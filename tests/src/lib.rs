@@ -600,3 +600,48 @@ pub fn overlay_ino(host: &TestHost, name: &str) -> u64 {
     use std::os::unix::fs::MetadataExt;
     fs::metadata(host.state().join("disks").join(format!("{name}.qcow2"))).expect("overlay").ino()
 }
+
+/// Serves `files` (URL path → body) over HTTP/1.0 on a loopback port until the test process
+/// ends; any other path is a 404. Returns the port. For `image.import` from a URL: the port
+/// goes into the daemon's `[images] download_ports` before it starts.
+pub fn serve_http(files: Vec<(String, Vec<u8>)>) -> u16 {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    let port = listener.local_addr().expect("local address").port();
+    let files: std::sync::Arc<Vec<(String, Vec<u8>)>> = std::sync::Arc::new(files);
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let files = std::sync::Arc::clone(&files);
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(&stream);
+                let mut request = String::new();
+                if reader.read_line(&mut request).is_err() {
+                    return;
+                }
+                // The headers, up to the empty line.
+                let mut line = String::new();
+                while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                    line.clear();
+                }
+                let path = request.split_whitespace().nth(1).unwrap_or("").to_string();
+                let mut out = &stream;
+                let _ = match files.iter().find(|(p, _)| *p == path) {
+                    Some((_, body)) => out
+                        .write_all(format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n", body.len()).as_bytes())
+                        .and_then(|()| out.write_all(body)),
+                    None => out.write_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n"),
+                };
+            });
+        }
+    });
+    port
+}
+
+/// The sha256 of `data`, lower-case hex (sha256sum).
+pub fn sha256_hex(data: &[u8]) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("data");
+    fs::write(&file, data).expect("write");
+    let out = run_ok(Command::new("sha256sum").arg(&file));
+    out.split_whitespace().next().unwrap_or_default().to_string()
+}
