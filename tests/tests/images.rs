@@ -124,6 +124,16 @@ fn an_image_put_there_by_hand_is_listed_then_recorded_where_it_is() {
     assert_eq!(listed(&host, "hand.raw").unwrap()["sha256"], sha.as_str());
     let (code, e) = host.call_err("image.import", json!({"name": "none.raw", "sha256": sha}));
     assert_eq!((code, e.field.as_deref()), (4040, Some("source")));
+
+    // vmhostctl: the same calls.
+    let out = host.ctl(&["image", "list"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.lines().any(|l| l.starts_with("hand.raw") && l.contains(&sha)), "{text}");
+    let out = host.ctl(&["image", "import", "hand.raw", &sha]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("hand.raw: unchanged"), "{out:?}");
+    let out = host.ctl(&["image", "delete", "hand.raw"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("hand.raw: deleted"), "{out:?}");
+    assert!(!host.images().join("hand.raw").exists());
 }
 
 #[test]

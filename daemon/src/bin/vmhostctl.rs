@@ -150,8 +150,31 @@ enum Cmd {
         #[arg(long)]
         iterations: Option<u64>,
     },
+    /// The image store: import (verified by sha256), list, delete.
+    #[command(subcommand)]
+    Image(ImageCmd),
     /// Call any method with JSON params.
     Call { method: String, params: Option<String> },
+}
+
+#[derive(Subcommand)]
+enum ImageCmd {
+    /// Copy an image into the images directory (from an http(s) URL or a file in the import
+    /// directory) and record it, refused unless it has SHA256; without --source, check and
+    /// record a file already there.
+    Import {
+        name: String,
+        sha256: String,
+        #[arg(long)]
+        source: Option<String>,
+        /// Seconds a download may take.
+        #[arg(long, default_value_t = 3600)]
+        timeout: u64,
+    },
+    /// Every image: size, format, sha256 (`-` when put there by hand) and the VMs using it.
+    List,
+    /// Delete an image no VM uses.
+    Delete { name: String },
 }
 
 fn main() -> ExitCode {
@@ -379,6 +402,49 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         Cmd::Console { .. } => {}
         Cmd::Stats { name, prometheus } => stats_cmd(cli, &mut c, name.as_deref(), *prometheus)?,
         Cmd::Top { interval, iterations } => top_cmd(&mut c, *interval, *iterations)?,
+        Cmd::Image(ImageCmd::Import { name, sha256, source, timeout }) => {
+            c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
+            let params = json!({ "name": name, "sha256": sha256, "source": source, "timeout_s": timeout });
+            let v: Value = c.call("image.import", params)?;
+            if cli.json {
+                out(&v);
+            } else {
+                let what = if v["changed"] == true { "imported" } else { "unchanged" };
+                say!("{name}: {what}, {} bytes, {}", v["image"]["bytes"], v["image"]["format"].as_str().unwrap_or("-"));
+            }
+        }
+        Cmd::Image(ImageCmd::List) => {
+            let v: Value = c.call("image.list", json!({}))?;
+            if cli.json {
+                out(&v);
+            } else {
+                let text = |x: &Value| x.as_str().map_or_else(|| "-".to_string(), str::to_string);
+                let rows = v
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|i| {
+                        let users: Vec<String> = i["used_by"].as_array().into_iter().flatten().map(text).collect();
+                        vec![
+                            text(&i["name"]),
+                            i["bytes"].to_string(),
+                            text(&i["format"]),
+                            text(&i["sha256"]),
+                            users.join(","),
+                        ]
+                    })
+                    .collect();
+                print_table(&["NAME", "BYTES", "FORMAT", "SHA256", "USED BY"], rows);
+            }
+        }
+        Cmd::Image(ImageCmd::Delete { name }) => {
+            let v: Value = c.call("image.delete", json!({ "name": name }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                say!("{name}: {}", if v["changed"] == true { "deleted" } else { "absent" });
+            }
+        }
         Cmd::Call { method, params } => {
             let p: Value = match params {
                 Some(t) => serde_json::from_str(t).map_err(|e| Failure::Usage(format!("params: invalid JSON: {e}")))?,
