@@ -392,3 +392,26 @@ fn a_daemon_killed_during_a_hot_plug_or_unplug_settles_from_what_qemu_has() {
     assert!(!b.exists(), "the released disk's file is deleted");
     host.call("vm.destroy", json!({ "name": "hot" }));
 }
+
+#[test]
+fn an_image_import_killed_before_or_after_its_rename_leaves_no_temp_file_and_no_half_image() {
+    let mut host = TestHost::start(HostOptions::default());
+    let data = vec![0x5au8; 3 * 1024 * 1024 + 17];
+    let sha = vmhost_tests::sha256_hex(&data);
+    std::fs::write(host.state().join("import").join("up.raw"), &data).unwrap();
+    let params = json!({"name": "base.raw", "sha256": sha, "source": "up.raw"});
+
+    // Hashed, not yet renamed: the temp file is all there is, and the restart removes it.
+    crash_during(&mut host, "image:hashed", "image.import", params.clone());
+    assert_eq!(files_in(&host.images()), Vec::<String>::new(), "no image and no temp file");
+    assert_eq!(host.call("image.list", json!({})), json!([]));
+
+    // Renamed, not yet recorded: a whole image without a record (as if put there by hand),
+    // which the same import then records where it is.
+    crash_during(&mut host, "image:placed", "image.import", params.clone());
+    assert_eq!(files_in(&host.images()), vec!["base.raw".to_string()]);
+    assert_eq!(std::fs::read(host.images().join("base.raw")).unwrap(), data, "whole");
+    assert_eq!(host.call("image.list", json!({}))[0]["sha256"], Value::Null);
+    let v = host.call("image.import", params);
+    assert_eq!((&v["changed"], &v["image"]["sha256"]), (&json!(true), &json!(sha)), "{v}");
+}

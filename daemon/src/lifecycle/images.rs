@@ -177,6 +177,7 @@ impl Manager {
         if found != req.sha256 {
             return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()));
         }
+        crate::crashpoint::hit(&self.config.paths.run, "image:hashed");
         let file = temp.reopen().map_err(|e| failed(format!("cannot reopen the image: {e}")))?;
         let (format, virtual_size) = self.inspect_image(file, &source_text).await?;
         let bytes = temp.bytes();
