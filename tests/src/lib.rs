@@ -560,6 +560,7 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
+pub mod bench_images;
 pub mod bench_lifecycle;
 pub mod bench_stats;
 pub mod bench_storage;
@@ -601,14 +602,14 @@ pub fn overlay_ino(host: &TestHost, name: &str) -> u64 {
     fs::metadata(host.state().join("disks").join(format!("{name}.qcow2"))).expect("overlay").ino()
 }
 
-/// Serves `files` (URL path → body) over HTTP/1.0 on a loopback port until the test process
-/// ends; any other path is a 404. Returns the port. For `image.import` from a URL: the port
-/// goes into the daemon's `[images] download_ports` before it starts.
-pub fn serve_http(files: Vec<(String, Vec<u8>)>) -> u16 {
+/// Serves `files` (URL path → file whose content is the body) over HTTP/1.0 on a loopback port
+/// until the test process ends; any other path is a 404. Returns the port. For `image.import`
+/// from a URL: the port goes into the daemon's `[images] download_ports` before it starts.
+pub fn serve_http(files: Vec<(String, PathBuf)>) -> u16 {
     use std::io::{BufRead, BufReader, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
     let port = listener.local_addr().expect("local address").port();
-    let files: std::sync::Arc<Vec<(String, Vec<u8>)>> = std::sync::Arc::new(files);
+    let files = std::sync::Arc::new(files);
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
             let files = std::sync::Arc::clone(&files);
@@ -625,10 +626,13 @@ pub fn serve_http(files: Vec<(String, Vec<u8>)>) -> u16 {
                 }
                 let path = request.split_whitespace().nth(1).unwrap_or("").to_string();
                 let mut out = &stream;
-                let _ = match files.iter().find(|(p, _)| *p == path) {
-                    Some((_, body)) => out
-                        .write_all(format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n", body.len()).as_bytes())
-                        .and_then(|()| out.write_all(body)),
+                let body = files.iter().find(|(p, _)| *p == path).and_then(|(_, f)| fs::File::open(f).ok());
+                let _ = match body {
+                    Some(mut file) => {
+                        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+                        out.write_all(format!("HTTP/1.0 200 OK\r\nContent-Length: {len}\r\n\r\n").as_bytes())
+                            .and_then(|()| std::io::copy(&mut file, &mut out).map(|_| ()))
+                    }
                     None => out.write_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n"),
                 };
             });
@@ -637,11 +641,16 @@ pub fn serve_http(files: Vec<(String, Vec<u8>)>) -> u16 {
     port
 }
 
+/// The sha256 of the file at `path`, lower-case hex (sha256sum).
+pub fn sha256_file(path: &Path) -> String {
+    let out = run_ok(Command::new("sha256sum").arg(path));
+    out.split_whitespace().next().unwrap_or_default().to_string()
+}
+
 /// The sha256 of `data`, lower-case hex (sha256sum).
 pub fn sha256_hex(data: &[u8]) -> String {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("data");
     fs::write(&file, data).expect("write");
-    let out = run_ok(Command::new("sha256sum").arg(&file));
-    out.split_whitespace().next().unwrap_or_default().to_string()
+    sha256_file(&file)
 }

@@ -37,11 +37,11 @@
 //! [--parallel N] [--parallel-rounds N] [--idle-vms N] [--idle-secs N] [--idle-settle N]
 //! [--nic-rounds N] [--boot-rounds N] [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR]
 //! [--check-rounds N] [--reconfigure-rounds N] [--autostart-vms N] [--stats-vms N] [--stats-calls N]
-//! [--storage-rounds N]`; 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test
+//! [--storage-rounds N] [--image-rounds N] [--image-mib N]`; 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test
 //! guest's `vmlinuz` and `initramfs.cpio.gz` from DIR instead of building it (the same files for
 //! two builds compared). Sections (`--only`, comma-separated; all without it): `read`,
 //! `reconcile`, `churn`, `restart`, `adopt`, `parallel`, `idle` (`scale` names these seven), `nic`,
-//! `boot`, `agent`, `reconfigure`, `autostart`, `stats`, `storage`. `--quick` is a smoke test:
+//! `boot`, `agent`, `reconfigure`, `autostart`, `stats`, `storage`, `images`. `--quick` is a smoke test:
 //! without `--only` it runs the scale sections only, at small defaults (200 records, 4 running,
 //! 4 parallel, 10 idle VMs over 10 s, one round each); options given explicitly still win.
 
@@ -577,7 +577,7 @@ fn read_bench(
 const SCALE_SECTIONS: [&str; 7] = ["read", "reconcile", "churn", "restart", "adopt", "parallel", "idle"];
 
 /// Every section `--only` accepts (and `scale` for all of [`SCALE_SECTIONS`]).
-const SECTIONS: [&str; 14] = [
+const SECTIONS: [&str; 15] = [
     "read",
     "reconcile",
     "churn",
@@ -592,6 +592,7 @@ const SECTIONS: [&str; 14] = [
     "autostart",
     "stats",
     "storage",
+    "images",
 ];
 
 /// True when the bare flag `name` is given.
@@ -1223,5 +1224,8 @@ fn main() {
     }
     if selected("storage") {
         vmhost_tests::bench_storage::storage(arg("--storage-rounds", 5));
+    }
+    if selected("images") {
+        vmhost_tests::bench_images::images(arg("--image-rounds", 3), arg("--image-mib", 1024));
     }
 }
