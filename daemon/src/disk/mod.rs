@@ -21,6 +21,7 @@
 //! operation is bounded by [`TOOL_TIMEOUT`]; failures carry QEMU's reason and its stderr tail.
 
 pub mod data;
+pub mod export;
 pub mod import;
 pub mod offline_qemu;
 pub mod space;
@@ -237,7 +238,17 @@ pub(crate) async fn bounded<T>(
     operation: &'static str,
     work: impl std::future::Future<Output = Result<T, DiskError>>,
 ) -> Result<T, DiskError> {
-    tokio::time::timeout(TOOL_TIMEOUT, work).await.map_err(|_| DiskError::Timeout { operation, after: TOOL_TIMEOUT })?
+    bounded_within(operation, TOOL_TIMEOUT, work).await
+}
+
+/// [`bounded`] by `within` plus [`TOOL_TIMEOUT`] (QEMU's start and exit) for work that copies
+/// a whole disk.
+pub(crate) async fn bounded_within<T>(
+    operation: &'static str,
+    within: Duration,
+    work: impl std::future::Future<Output = Result<T, DiskError>>,
+) -> Result<T, DiskError> {
+    tokio::time::timeout(within, work).await.map_err(|_| DiskError::Timeout { operation, after: within })?
 }
 
 /// Removes a half-made overlay unless disarmed.

@@ -15,7 +15,9 @@
 //! 1. [`Session::start`] starts `qemu.binary -machine none` with the monitor on one end of a
 //!    socket pair and one fd set per [`Input`]; a [`Input::Probe`] is also opened as a
 //!    read-only drive, which makes QEMU probe its format (with its backing file never opened);
-//! 2. any of [`Session::probe`], [`Session::create_qcow2`], [`Session::grow_qcow2`];
+//! 2. any of [`Session::probe`], [`Session::create_qcow2`], [`Session::grow_qcow2`], and
+//!    [`Session::add_chain`] then [`Session::backup`] (a disk and its backing layers copied
+//!    into one flat image);
 //! 3. [`Session::finish`] quits QEMU and waits for it. Dropping a session instead kills QEMU.
 //!
 //! No parameter of a session comes from a guest; image paths appear on QEMU's command line and in
@@ -60,6 +62,9 @@ pub enum Input {
     Probe(OwnedFd),
     /// An image opened read-write, opened by QEMU only when an operation asks for it.
     Image(OwnedFd),
+    /// A layer of a disk opened read-only, opened by QEMU only as part of a chain
+    /// ([`Session::add_chain`]).
+    Layer(OwnedFd),
 }
 
 /// A running offline QEMU with its monitor.
@@ -133,7 +138,7 @@ impl Session {
         let probes: Vec<bool> = inputs.iter().map(|i| matches!(i, Input::Probe(_))).collect();
         let mut fds = vec![OwnedFd::from(theirs)];
         fds.extend(inputs.into_iter().map(|i| match i {
-            Input::Probe(fd) | Input::Image(fd) => fd,
+            Input::Probe(fd) | Input::Image(fd) | Input::Layer(fd) => fd,
         }));
         let mut child = spawn::Command::new(&tool.binary)
             .args(argv(&probes))
@@ -240,6 +245,69 @@ impl Session {
         Ok(true)
     }
 
+    /// Opens the layer inputs `layers` (bottom first, each with its format) read-only as one
+    /// chain, each layer's backing the one below it whatever its header names (the bottom has
+    /// none); returns the top's node name. No backing path recorded in a header is opened.
+    ///
+    /// # Errors
+    /// [`DiskError::Tool`] if QEMU cannot open a layer in its format.
+    pub async fn add_chain(&mut self, layers: &[(usize, &str)]) -> Result<String, DiskError> {
+        let mut below: Option<String> = None;
+        for (i, format) in layers {
+            let file = format!("file{i}");
+            let add = json!({ "driver": "file", "node-name": file, "filename": format!("/dev/fdset/{}", fdset(*i)),
+                              "read-only": true });
+            self.call("blockdev-add", Some(add)).await?;
+            self.nodes.push(file.clone());
+            let node = format!("layer{i}");
+            let mut add = json!({ "driver": format, "node-name": node, "file": file, "read-only": true });
+            if *format == "qcow2" {
+                add["backing"] = below.as_ref().map_or(Value::Null, |b| json!(b));
+            }
+            self.call("blockdev-add", Some(add)).await?;
+            below = Some(node);
+        }
+        below.ok_or_else(|| DiskError::Output("a chain of no layer".to_string()))
+    }
+
+    /// Copies everything node `source` reads (its backing layers flattened in) into image input
+    /// `target`, an empty file: a qcow2 of `bytes` virtual size is made there first; a raw
+    /// `target` must already be `bytes` long. Zero blocks become holes (raw) or zero clusters
+    /// (qcow2). Waits up to `within` for the copy (a QEMU `blockdev-backup` job).
+    ///
+    /// # Errors
+    /// [`DiskError::Tool`] when QEMU refuses or the job fails; [`DiskError::Timeout`] after
+    /// `within`.
+    pub async fn backup(
+        &mut self,
+        source: &str,
+        target: usize,
+        format: &str,
+        bytes: u64,
+        within: Duration,
+    ) -> Result<(), DiskError> {
+        let file = if format == "qcow2" {
+            self.create_qcow2(target, bytes, None, false).await?;
+            self.file_node(target).await?
+        } else {
+            // Zeros written to a raw file become holes only when its own node may discard.
+            let file = format!("file{target}");
+            let add = json!({ "driver": "file", "node-name": file, "discard": "unmap",
+                              "filename": format!("/dev/fdset/{}", fdset(target)) });
+            self.call("blockdev-add", Some(add)).await?;
+            self.nodes.push(file.clone());
+            file
+        };
+        let node = format!("target{target}");
+        let add = json!({ "driver": format, "node-name": node, "file": file, "discard": "unmap",
+                          "detect-zeroes": "unmap" });
+        self.call("blockdev-add", Some(add)).await?;
+        let job = format!("backup{target}");
+        let args = json!({ "job-id": job, "device": source, "target": node, "sync": "full", "auto-dismiss": false });
+        self.call("blockdev-backup", Some(args)).await?;
+        self.wait_job_within(&job, within).await
+    }
+
     /// Quits QEMU and waits for it; anything added is closed and flushed by QEMU on the way.
     ///
     /// # Errors
@@ -278,6 +346,13 @@ impl Session {
 
     /// Waits for job `id` to conclude, then dismisses it; its error, if any, is the result.
     async fn wait_job(&mut self, id: &str) -> Result<(), DiskError> {
+        self.wait_job_within(id, CALL_TIMEOUT).await
+    }
+
+    /// [`Session::wait_job`] for a job that may run up to `within` (a copy of a large disk
+    /// sends no event while it runs).
+    async fn wait_job_within(&mut self, id: &str, within: Duration) -> Result<(), DiskError> {
+        let deadline = tokio::time::Instant::now() + within;
         loop {
             let jobs = self.call("query-jobs", None).await?;
             let job = jobs
@@ -296,11 +371,11 @@ impl Session {
             }
             // Each status change is an event: wait for the next one instead of polling.
             let event = self.qmp.next_event();
-            match tokio::time::timeout(CALL_TIMEOUT, event).await {
+            match tokio::time::timeout_at(deadline, event).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => return Err(self.fail(e).await),
                 Err(_) => {
-                    let e = QmpError::Timeout { what: format!("job {id}"), after: CALL_TIMEOUT };
+                    let e = QmpError::Timeout { what: format!("job {id}"), after: within };
                     return Err(self.fail(e).await);
                 }
             }
