@@ -139,6 +139,9 @@ pub struct Paths {
     /// root disk); unset: `STATE/import` (see [`Paths::import_dir`]). Must be on the state
     /// directory's file system: the disk is renamed, never copied.
     pub import: Option<PathBuf>,
+    /// Where `vm.export` writes backups and `vm.import` reads them; unset: `STATE/backups`
+    /// (see [`Paths::backups_dir`]).
+    pub backups: Option<PathBuf>,
 }
 
 /// The boot directory besides the images directory when `paths.boot` is not set.
@@ -156,6 +159,11 @@ impl Paths {
     pub fn import_dir(&self) -> PathBuf {
         self.import.clone().unwrap_or_else(|| self.state.join("import"))
     }
+
+    /// The directory of VM backups: `paths.backups`, or `STATE/backups`.
+    pub fn backups_dir(&self) -> PathBuf {
+        self.backups.clone().unwrap_or_else(|| self.state.join("backups"))
+    }
 }
 
 impl Default for Paths {
@@ -167,6 +175,7 @@ impl Default for Paths {
             socket: "/run/vmhost/vmhostd.sock".into(),
             boot: None,
             import: None,
+            backups: None,
         }
     }
 }
@@ -549,14 +558,12 @@ impl Config {
         if raw.images.download_ports.contains(&0) {
             return Err(key_err("images.download_ports", "0 is not a port".to_string()));
         }
-        if let Some(dir) = &raw.paths.import {
-            // Lexical, like paths.boot: a spec's boot.disk is one component below it.
+        for (key, dir) in [("paths.import", &raw.paths.import), ("paths.backups", &raw.paths.backups)] {
+            let Some(dir) = dir else { continue };
+            // Lexical, like paths.boot: a request names one component below it.
             let text = dir.to_string_lossy();
             if !dir.is_absolute() || text.split('/').any(|c| c == "." || c == "..") {
-                return Err(key_err(
-                    "paths.import",
-                    format!("{text:?} is not an absolute path without . or .. components"),
-                ));
+                return Err(key_err(key, format!("{text:?} is not an absolute path without . or .. components")));
             }
         }
         for (i, dir) in raw.paths.boot.iter().flatten().enumerate() {
@@ -1008,6 +1015,18 @@ reserved_memory_gib = 8
         );
         assert_eq!(key_error(&format!("[images]\ncurl = \"curl\"\n{hw}")).0, "images.curl");
         assert_eq!(key_error(&format!("[images]\ndownload_ports = [0]\n{hw}")).0, "images.download_ports");
+    }
+
+    #[test]
+    fn the_backups_dir_defaults_to_the_state_dir_and_must_be_absolute() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(&format!("[paths]\nstate = \"/srv/vmhost\"\n{hw}")).unwrap();
+        assert_eq!(c.paths.backups_dir(), PathBuf::from("/srv/vmhost/backups"));
+        let c = parse(&format!("[paths]\nbackups = \"/backup/vmhost\"\n{hw}")).unwrap();
+        assert_eq!(c.paths.backups_dir(), PathBuf::from("/backup/vmhost"));
+        for bad in ["backups", "/a/../b", "/a/./b"] {
+            assert_eq!(key_error(&format!("[paths]\nbackups = \"{bad}\"\n{hw}")).0, "paths.backups", "{bad}");
+        }
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod backup;
 pub mod blocking;
 pub mod capacity;
 pub mod client;

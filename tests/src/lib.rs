@@ -654,3 +654,45 @@ pub fn sha256_hex(data: &[u8]) -> String {
     fs::write(&file, data).expect("write");
     sha256_file(&file)
 }
+
+/// A direct-kernel guest reporting its disks (`vmhost.disks`), with `disks` and extra kernel
+/// arguments (`vmhost.writemark=SERIAL:WORD` writes WORD to that disk first).
+pub fn disk_spec(host: &TestHost, name: &str, disks: Value, extra_cmdline: &str) -> Value {
+    let mut spec = host.kernel_spec(name);
+    let cmdline = format!("{} vmhost.disks {extra_cmdline}", spec["boot"]["cmdline"].as_str().unwrap_or_default());
+    spec["boot"]["cmdline"] = serde_json::json!(cmdline.trim());
+    spec["disks"] = disks;
+    spec
+}
+
+/// Waits up to `timeout` for the guest's `boot`-th disk report (1-based) and returns its lines
+/// as `(dev, serial, sectors, mark)`.
+pub fn disk_report(host: &TestHost, name: &str, boot: usize, timeout: Duration) -> Vec<(String, String, u64, String)> {
+    let marker = "VMHOST-GUEST-READY";
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let log = host.serial(name);
+        let boots: Vec<&str> = log.split(marker).skip(1).collect();
+        // The guest prints its report after READY and ends it with VMHOST-DISKS-DONE.
+        if boots.len() >= boot {
+            let section = boots[boot - 1];
+            let lines: Vec<(String, String, u64, String)> = section
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("VMHOST-DISK "))
+                .filter_map(|l| {
+                    let mut parts = l.split_whitespace();
+                    let dev = parts.next()?.to_string();
+                    let serial = parts.next()?.strip_prefix("serial=")?.to_string();
+                    let sectors = parts.next()?.strip_prefix("sectors=")?.parse().ok()?;
+                    let mark = parts.next()?.strip_prefix("mark=")?.to_string();
+                    Some((dev, serial, sectors, mark))
+                })
+                .collect();
+            if section.contains("VMHOST-DISKS-DONE") {
+                return lines;
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "{name}: no disk report for boot {boot}; serial:\n{log}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

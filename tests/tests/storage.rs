@@ -11,22 +11,13 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
-use vmhost_tests::{run_ok, HostOptions, TestHost};
+use vmhost_tests::{disk_spec, run_ok, HostOptions, TestHost};
 
 const BOOT: Duration = Duration::from_secs(120);
 const GIB_SECTORS: u64 = (1 << 30) / 512;
 
 fn host() -> TestHost {
     TestHost::start(HostOptions { memory_gib: 4, ..HostOptions::default() })
-}
-
-/// A direct-kernel guest reporting its disks, with `disks` and extra kernel arguments.
-fn disk_spec(host: &TestHost, name: &str, disks: Value, extra_cmdline: &str) -> Value {
-    let mut spec = host.kernel_spec(name);
-    let cmdline = format!("{} vmhost.disks {extra_cmdline}", spec["boot"]["cmdline"].as_str().unwrap());
-    spec["boot"]["cmdline"] = json!(cmdline.trim());
-    spec["disks"] = disks;
-    spec
 }
 
 fn data_disk(host: &TestHost, vm: &str, file: &str) -> PathBuf {
@@ -37,36 +28,8 @@ fn kept_disk(host: &TestHost, vm: &str, file: &str) -> PathBuf {
     host.state().join("kept-disks").join(vm).join(file)
 }
 
-/// Waits for the guest's `boot`-th disk report (1-based) and returns its lines as
-/// `(dev, serial, sectors, mark)`.
 fn disk_report(host: &TestHost, name: &str, boot: usize) -> Vec<(String, String, u64, String)> {
-    let marker = "VMHOST-GUEST-READY";
-    let deadline = std::time::Instant::now() + BOOT;
-    loop {
-        let log = host.serial(name);
-        let boots: Vec<&str> = log.split(marker).skip(1).collect();
-        // The guest prints its report after READY and ends it with VMHOST-DISKS-DONE.
-        if boots.len() >= boot {
-            let section = boots[boot - 1];
-            let lines: Vec<(String, String, u64, String)> = section
-                .lines()
-                .filter_map(|l| l.trim().strip_prefix("VMHOST-DISK "))
-                .filter_map(|l| {
-                    let mut parts = l.split_whitespace();
-                    let dev = parts.next()?.to_string();
-                    let serial = parts.next()?.strip_prefix("serial=")?.to_string();
-                    let sectors = parts.next()?.strip_prefix("sectors=")?.parse().ok()?;
-                    let mark = parts.next()?.strip_prefix("mark=")?.to_string();
-                    Some((dev, serial, sectors, mark))
-                })
-                .collect();
-            if section.contains("VMHOST-DISKS-DONE") {
-                return lines;
-            }
-        }
-        assert!(std::time::Instant::now() < deadline, "{name}: no disk report for boot {boot}; serial:\n{log}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    vmhost_tests::disk_report(host, name, boot, BOOT)
 }
 
 fn apply(host: &TestHost, spec: &Value) -> Value {

@@ -5,6 +5,7 @@
 //! (name syntax, sizes, hardware) live in [`crate::validate`], not here: these types only fix the
 //! shape.
 
+pub mod backup;
 pub mod disks;
 pub mod error;
 pub mod images;
@@ -63,6 +64,8 @@ pub const ALL_METHODS: &[&str] = &[
     "image.import",
     "image.list",
     "image.delete",
+    "vm.export",
+    "vm.import",
 ];
 
 /// Name of the JSON-RPC notification carrying an [`Event`].

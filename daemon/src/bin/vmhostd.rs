@@ -77,9 +77,11 @@ fn main() -> ExitCode {
     }
     // The import directory (boot.disk) exists before the sandbox, whose Landlock rule needs an
     // existing path; private when vmhostd makes it. One that exists is left as it is.
-    let import = config.paths.import_dir();
-    if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&import) {
-        tracing::warn!(dir = %import.display(), error = %e, "cannot create the import directory");
+    // The backups directory likewise (vm.export, vm.import).
+    for dir in [config.paths.import_dir(), config.paths.backups_dir()] {
+        if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir) {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot create a directory vmhostd works in");
+        }
     }
     // Before the sandbox, which takes away reading other users' /proc/PID/exe: the executables
     // of the QEMUs that outlived the previous daemon, so that only real ones are re-adopted

@@ -58,6 +58,27 @@ pub async fn flatten(tool: &Tool, disks: Vec<FlatDisk>, within: Duration) -> Res
     .await
 }
 
+/// Writes an empty qcow2 of each size into each of `targets` (files of no length), in one QEMU
+/// without a guest: the targets of [`backup_live`].
+///
+/// # Errors
+/// QEMU's errors.
+pub async fn make_qcow2_targets(tool: &Tool, targets: Vec<(OwnedFd, u64)>) -> Result<(), DiskError> {
+    if targets.is_empty() {
+        return Ok(());
+    }
+    let sizes: Vec<u64> = targets.iter().map(|(_, b)| *b).collect();
+    let inputs = targets.into_iter().map(|(fd, _)| Input::Image(fd)).collect();
+    super::bounded("create", async {
+        let mut session = Session::start(tool, inputs, "create").await?;
+        for (i, bytes) in sizes.iter().enumerate() {
+            session.create_qcow2(i, *bytes, None, false).await?;
+        }
+        session.finish().await
+    })
+    .await
+}
+
 /// One disk of a running VM to copy.
 #[derive(Debug)]
 pub struct LiveDisk {

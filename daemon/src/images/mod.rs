@@ -141,6 +141,16 @@ pub fn is_image_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-+".contains(c))
 }
 
+/// Removes the [`Temp`] files an interrupted copy left in `dir`.
+pub fn remove_leftovers(dir: &Path) {
+    for leftover in temp::leftovers(dir) {
+        match std::fs::remove_file(&leftover) {
+            Ok(()) => tracing::info!(path = %leftover.display(), "removed an interrupted copy"),
+            Err(e) => tracing::warn!(path = %leftover.display(), error = %e, "cannot remove an interrupted copy"),
+        }
+    }
+}
+
 /// What [`Store::verify`] found for one recorded image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -186,14 +196,7 @@ impl Store {
     pub fn open(config: &Config) -> Result<Store, String> {
         let dir = config.paths.images.clone();
         let records = records::RecordFile::open(config.paths.state.join("images.json"))?;
-        for leftover in temp::leftovers(&dir) {
-            match std::fs::remove_file(&leftover) {
-                Ok(()) => tracing::info!(path = %leftover.display(), "removed an interrupted image import"),
-                Err(e) => {
-                    tracing::warn!(path = %leftover.display(), error = %e, "cannot remove an interrupted image import")
-                }
-            }
-        }
+        remove_leftovers(&dir);
         Ok(Store { dir, records, busy: Arc::default() })
     }
 

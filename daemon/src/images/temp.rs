@@ -36,7 +36,7 @@ pub struct Temp {
 
 impl Temp {
     /// Creates `DIR/.NAME.import-PID-N` (mode 0600, never an existing file).
-    pub(super) fn create(dir: &Path, name: &str) -> io::Result<Temp> {
+    pub(crate) fn create(dir: &Path, name: &str) -> io::Result<Temp> {
         static N: AtomicU64 = AtomicU64::new(0);
         let n = N.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!(".{name}{MARK}{}-{n}", std::process::id()));

@@ -18,13 +18,15 @@
 //! (data disks made, grown, kept, taken back), [`recover`]
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
-//! `host.stats`), [`images`] (the image store with the VMs that use each image), [`teardown`] (what every path that ends a QEMU gives back, in one order),
+//! `host.stats`), [`images`] (the image store with the VMs that use each image), [`backup`]
+//! (`vm.export`, `vm.import`), [`teardown`] (what every path that ends a QEMU gives back, in one order),
 //! [`undo`] (the undo stack a create or start pushes its steps onto, unwound on failure),
 //! [`registry`] (records, their files and the views readers are served), [`processes`] (the
 //! QEMU processes: started, found, checked, killed).
 
 mod agent;
 mod autostart;
+mod backup;
 mod data_disks;
 mod exits;
 mod hotplug;
@@ -84,6 +86,8 @@ pub struct Manager {
     qmp_sessions: Arc<crate::qemu::session::Sessions>,
     /// The image files and their recorded sha256s ([`images`]).
     images: crate::images::Store,
+    /// `paths.backups` ([`backup`]).
+    backups: crate::backup::Backups,
     /// What QEMU read of images without a record, by name, with the file version it read.
     image_probes: Mutex<ImageProbes>,
 }
@@ -150,6 +154,7 @@ impl Manager {
         let net = HostNet::connect().map_err(|e| format!("cannot open netlink: {e}"))?;
         let processes = processes::Processes::new(Arc::clone(&config));
         let images = crate::images::Store::open(&config)?;
+        let config_for_backups = Arc::clone(&config);
         let mgr = Arc::new(Manager {
             config,
             events,
@@ -164,6 +169,7 @@ impl Manager {
             qmp_sessions: Arc::default(),
             images,
             image_probes: Mutex::default(),
+            backups: crate::backup::Backups::open(&config_for_backups),
         });
         mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;

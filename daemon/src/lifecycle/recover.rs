@@ -291,6 +291,7 @@ mod tests {
             qmp_sessions: Arc::default(),
             images: crate::images::Store::open(&config).unwrap(),
             image_probes: Mutex::default(),
+            backups: crate::backup::Backups::open(&config),
         });
         mgr.recover_all().await;
 

@@ -217,6 +217,18 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             Err(e) => call(Err(e)),
         }
     })?;
+    m.register_async_method("vm.export", |params, mgr, _| async move {
+        match parse_params::<crate::api::backup::ExportParams>(&params) {
+            Ok(p) => call(mgr.export_vm(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.import", |params, mgr, _| async move {
+        match parse_params::<crate::api::backup::ImportVmParams>(&params) {
+            Ok(p) => call(mgr.import_vm(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
     m.register_subscription(
         "events.subscribe",
         EVENT_NOTIFICATION,

@@ -117,6 +117,7 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
             Access::ReadWrite,
             "disks imported by boot.disk, renamed into and back out of the state directory",
         ),
+        rule(p.backups_dir(), Access::ReadWrite, "backups vm.export writes and vm.import reads"),
     ];
     if let Some(dir) = p.socket.parent() {
         v.push(rule(dir, Access::Socket, "the API socket (created at start, removed at exit)"));
@@ -377,6 +378,7 @@ mod tests {
         assert_eq!(find(&c.paths.run.to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find(&c.paths.images.to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find(&c.paths.import_dir().to_string_lossy()), Some(Access::ReadWrite));
+        assert_eq!(find(&c.paths.backups_dir().to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find("/dev/net/tun"), Some(Access::Device));
         assert_eq!(find("/etc/vmhost"), Some(Access::Read));
         assert_eq!(find("/dev/kvm"), None, "the daemon never opens /dev/kvm");

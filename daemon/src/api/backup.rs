@@ -1,0 +1,94 @@
+//! `vm.export` and `vm.import`'s wire types (docs/backup.md).
+
+use super::disks::DiskFormat;
+use super::{DesiredState, VmSpec};
+use serde::{Deserialize, Serialize};
+
+/// Params of `vm.export`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportParams {
+    /// The VM.
+    pub name: String,
+    /// Longest the copy may take, in seconds (default 3600).
+    #[serde(default)]
+    pub timeout_s: Option<u64>,
+}
+
+/// Params of `vm.import`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImportVmParams {
+    /// The backup: a directory name in `paths.backups` (what `vm.export` returned).
+    pub backup: String,
+    /// The new VM's name (default: the exported VM's).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Its desired state (default: the exported spec's).
+    #[serde(default)]
+    pub state: Option<DesiredState>,
+}
+
+/// Which disk of a VM a backup file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskRole {
+    /// The boot disk (an image VM's overlay with its base flattened in, or a `boot.disk` VM's
+    /// root disk), as `root.qcow2`.
+    Root,
+    /// A data disk, as `NAME.FORMAT`.
+    Data,
+}
+
+/// One disk in a backup.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackupDisk {
+    /// Root or data.
+    pub role: DiskRole,
+    /// `root`, or the data disk's name.
+    pub name: String,
+    /// The file in the backup directory.
+    pub file: String,
+    /// Its format.
+    pub format: DiskFormat,
+    /// Size of the disk the guest sees, in bytes.
+    pub virtual_size: u64,
+    /// Size of the file in bytes.
+    pub bytes: u64,
+    /// The file's sha256, lower-case hex.
+    pub sha256: String,
+}
+
+/// `manifest.json` of a backup.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Always `vmhost-backup`.
+    pub format: String,
+    /// Layout version (1).
+    pub version: u32,
+    /// When it was written, RFC 3339 UTC.
+    pub created_at: String,
+    /// The vmhostd that wrote it.
+    pub vmhost_version: String,
+    /// The VM's name.
+    pub vm: String,
+    /// The VM's spec as recorded.
+    pub spec: VmSpec,
+    /// Copied while the guest ran (crash-consistent: every disk as at one instant).
+    pub live: bool,
+    /// The disks, root first then data disks in spec order.
+    pub disks: Vec<BackupDisk>,
+}
+
+/// Result of `vm.export`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExportResult {
+    /// The backup's directory name in `paths.backups`: what `vm.import` takes.
+    pub backup: String,
+    /// Its path.
+    pub path: std::path::PathBuf,
+    /// What it holds.
+    pub manifest: Manifest,
+}

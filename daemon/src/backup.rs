@@ -1,0 +1,326 @@
+//! The owner of `paths.backups`: one directory per backup, made whole or not at all
+//! (docs/backup.md).
+//!
+//! A backup is written into a hidden `.VM-TIME.partial` directory (mode 0700) and renamed to
+//! `VM-TIME` only once every disk is in it, fsynced, and its `manifest.json` and `SHA256SUMS`
+//! are written; a crash leaves a `.partial` directory, removed at the next start. Reading one
+//! back trusts nothing in it: the manifest is bounded and of closed types, its file names must
+//! be the ones its disks would have, and every file is checked against its sha256 as it is
+//! copied out ([`crate::lifecycle`] `vm.import`).
+//!
+//! Order of use: [`Backups::open`] at start; per export [`Backups::begin`], files written into
+//! [`Partial::dir`], [`Partial::finish`]; per import [`Backups::read`].
+
+use crate::api::backup::{BackupDisk, DiskRole, Manifest};
+use crate::api::{ApiError, Code};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// `Manifest::format` of every backup.
+pub const FORMAT: &str = "vmhost-backup";
+
+/// Largest `manifest.json` read.
+const MAX_MANIFEST: u64 = 1 << 20;
+
+/// The backups directory.
+#[derive(Debug)]
+pub struct Backups {
+    dir: PathBuf,
+}
+
+/// A backup being written; removed when dropped unless finished.
+#[derive(Debug)]
+pub struct Partial {
+    dir: PathBuf,
+    name: String,
+    done: bool,
+}
+
+/// The file a disk of a backup has: `root.qcow2`, or `NAME.FORMAT`.
+pub fn file_of(disk: &BackupDisk) -> String {
+    match disk.role {
+        DiskRole::Root => "root.qcow2".to_string(),
+        DiskRole::Data => format!("{}.{}", disk.name, disk.format.as_str()),
+    }
+}
+
+impl Backups {
+    /// The backups of `config`, with the partial backups a crash left removed.
+    pub fn open(config: &crate::config::Config) -> Backups {
+        let dir = config.paths.backups_dir();
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') && name.ends_with(".partial") {
+                    match std::fs::remove_dir_all(e.path()) {
+                        Ok(()) => tracing::info!(dir = %e.path().display(), "removed an interrupted export"),
+                        Err(err) => {
+                            tracing::warn!(dir = %e.path().display(), error = %err, "cannot remove an interrupted export")
+                        }
+                    }
+                }
+            }
+        }
+        // vm.import copies disks out through temp files in the import directory.
+        crate::images::remove_leftovers(&config.paths.import_dir());
+        Backups { dir }
+    }
+
+    /// Starts a backup of VM `vm` named after it and the time (`VM-20261204T135959Z`, with
+    /// `-2`, `-3`, ... when taken).
+    ///
+    /// # Errors
+    /// 4001 `step: export` when the directory cannot be made.
+    pub fn begin(&self, vm: &str) -> Result<Partial, ApiError> {
+        let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string().replace([':', '-'], "");
+        crate::blocking::run(|| {
+            for n in 1..1000 {
+                let name = if n == 1 { format!("{vm}-{stamp}") } else { format!("{vm}-{stamp}-{n}") };
+                if self.dir.join(&name).exists() {
+                    continue;
+                }
+                let dir = self.dir.join(format!(".{name}.partial"));
+                use std::os::unix::fs::DirBuilderExt;
+                match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                    Ok(()) => return Ok(Partial { dir, name, done: false }),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                    Err(e) => return Err(export_failed(format!("cannot create {}: {e}", dir.display()))),
+                }
+            }
+            Err(export_failed(format!("no free backup name for {vm} in {}", self.dir.display())))
+        })
+    }
+
+    /// The directory of backup `backup` and its manifest.
+    ///
+    /// # Errors
+    /// 2001 on `backup` (not a plain name), 4040 (no such backup), 2001 on `backup` for a
+    /// manifest that cannot be read, is not a vmhost backup of version 1, or names files its
+    /// disks would not have.
+    pub fn read(&self, backup: &str) -> Result<(PathBuf, Manifest), ApiError> {
+        if !crate::images::is_image_name(backup) {
+            return Err(ApiError::invalid("backup", format!("{backup:?} is not a backup's directory name")));
+        }
+        let dir = self.dir.join(backup);
+        let path = dir.join("manifest.json");
+        let bytes = crate::blocking::run(|| {
+            use std::io::Read;
+            use std::os::unix::fs::OpenOptionsExt;
+            let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path)?;
+            let mut bytes = Vec::new();
+            f.take(MAX_MANIFEST + 1).read_to_end(&mut bytes)?;
+            Ok::<_, std::io::Error>(bytes)
+        })
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => ApiError::new(
+                Code::NotFound,
+                format!("no backup {backup:?} in {} (no manifest.json)", self.dir.display()),
+            )
+            .field("backup"),
+            _ => ApiError::invalid("backup", format!("cannot read {}: {e}", path.display())),
+        })?;
+        if bytes.len() as u64 > MAX_MANIFEST {
+            return Err(ApiError::invalid("backup", format!("{} is larger than {MAX_MANIFEST} bytes", path.display())));
+        }
+        let manifest: Manifest = serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::invalid("backup", format!("{} is not a backup manifest: {e}", path.display())))?;
+        check(&manifest).map_err(|why| ApiError::invalid("backup", format!("{}: {why}", path.display())))?;
+        Ok((dir, manifest))
+    }
+}
+
+/// What a manifest must hold to be read: the format and version, one root disk at most, the
+/// spec's data disks each once, file names as [`file_of`] gives them, hex sha256s.
+fn check(m: &Manifest) -> Result<(), String> {
+    if m.format != FORMAT || m.version != 1 {
+        return Err(format!("format {:?} version {}, not {FORMAT:?} version 1", m.format, m.version));
+    }
+    let roots = m.disks.iter().filter(|d| d.role == DiskRole::Root).count();
+    if roots > 1 {
+        return Err("more than one root disk".into());
+    }
+    let mut data: Vec<(&str, &str)> =
+        m.disks.iter().filter(|d| d.role == DiskRole::Data).map(|d| (d.name.as_str(), d.format.as_str())).collect();
+    let mut declared: Vec<(&str, &str)> = m.spec.disks.iter().map(|d| (d.name.as_str(), d.format.as_str())).collect();
+    data.sort();
+    declared.sort();
+    if data != declared {
+        return Err("its data disks are not the spec's".into());
+    }
+    for d in &m.disks {
+        if d.file != file_of(d) {
+            return Err(format!("disk {:?} is in {:?}, not {:?}", d.name, d.file, file_of(d)));
+        }
+        if d.role == DiskRole::Root && (d.name != "root" || d.format != crate::api::disks::DiskFormat::Qcow2) {
+            return Err("the root disk is `root`, a qcow2".into());
+        }
+        if d.sha256.len() != 64 || !d.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!("disk {:?} has no sha256", d.name));
+        }
+    }
+    Ok(())
+}
+
+fn export_failed(message: String) -> ApiError {
+    ApiError::new(Code::ProvisioningFailed, message).details(serde_json::json!({ "step": "export" }))
+}
+
+impl Partial {
+    /// The directory files are written into.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writes `manifest.json` and `SHA256SUMS` (`sha256sum -c` reads it), fsyncs the files and
+    /// the directory, and renames it to its final name; returns that path.
+    ///
+    /// # Errors
+    /// 4001 `step: export`; the partial directory is removed.
+    pub fn finish(mut self, manifest: &Manifest) -> Result<PathBuf, ApiError> {
+        let json = serde_json::to_vec_pretty(manifest).map_err(|e| export_failed(e.to_string()))?;
+        let sums: String = manifest.disks.iter().map(|d| format!("{}  {}\n", d.sha256, d.file)).collect();
+        let final_dir = self.dir.with_file_name(&self.name);
+        crate::blocking::run(|| {
+            for d in &manifest.disks {
+                std::fs::File::open(self.dir.join(&d.file))?.sync_all()?;
+            }
+            write_synced(&self.dir.join("SHA256SUMS"), sums.as_bytes())?;
+            write_synced(&self.dir.join("manifest.json"), &json)?;
+            std::fs::File::open(&self.dir)?.sync_all()?;
+            std::fs::rename(&self.dir, &final_dir)?;
+            if let Some(parent) = final_dir.parent() {
+                std::fs::File::open(parent)?.sync_all()?;
+            }
+            Ok::<_, std::io::Error>(())
+        })
+        .map_err(|e| export_failed(format!("cannot finish the backup in {}: {e}", self.dir.display())))?;
+        self.done = true;
+        Ok(final_dir)
+    }
+
+    /// The backup's directory name once finished.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(data)?;
+    f.sync_all()
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove an unfinished backup");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::disks::DiskFormat;
+
+    fn manifest() -> Manifest {
+        let mut spec = crate::validate::tests::spec("v");
+        spec.disks = vec![crate::api::disks::DataDiskSpec {
+            name: "nsm".into(),
+            size_gib: 1,
+            format: DiskFormat::Raw,
+            preallocate: false,
+            cache: Default::default(),
+            aio: None,
+            keep_on_destroy: false,
+        }];
+        let disk = |role, name: &str, format| {
+            let mut d = BackupDisk {
+                role,
+                name: name.into(),
+                file: String::new(),
+                format,
+                virtual_size: 1 << 30,
+                bytes: 5,
+                sha256: "a".repeat(64),
+            };
+            d.file = file_of(&d);
+            d
+        };
+        Manifest {
+            format: FORMAT.into(),
+            version: 1,
+            created_at: "2026-12-04T00:00:00Z".into(),
+            vmhost_version: "0".into(),
+            vm: "v".into(),
+            spec,
+            live: false,
+            disks: vec![disk(DiskRole::Root, "root", DiskFormat::Qcow2), disk(DiskRole::Data, "nsm", DiskFormat::Raw)],
+        }
+    }
+
+    #[test]
+    fn a_manifest_is_read_only_when_its_files_are_the_ones_its_disks_have() {
+        assert_eq!(check(&manifest()), Ok(()));
+        let mut m = manifest();
+        m.disks[1].file = "../../etc/shadow".into();
+        assert!(check(&m).unwrap_err().contains("not \"nsm.raw\""));
+        let mut m = manifest();
+        m.disks[0].file = "root.raw".into();
+        m.disks[0].format = DiskFormat::Raw;
+        assert!(check(&m).is_err(), "the root is a qcow2");
+        let mut m = manifest();
+        m.disks.pop();
+        assert!(check(&m).unwrap_err().contains("not the spec's"));
+        let mut m = manifest();
+        m.disks.push(m.disks[0].clone());
+        assert!(check(&m).is_err(), "one root");
+        let mut m = manifest();
+        m.version = 2;
+        assert!(check(&m).is_err());
+        let mut m = manifest();
+        m.disks[1].sha256 = "zz".into();
+        assert!(check(&m).is_err());
+    }
+
+    #[test]
+    fn a_backup_is_in_place_whole_or_not_at_all() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = crate::validate::tests::config();
+        c.paths.state = d.path().to_path_buf();
+        std::fs::create_dir_all(c.paths.backups_dir()).unwrap();
+        let backups = Backups::open(&c);
+        let dropped = backups.begin("v").unwrap();
+        let partial_dir = dropped.dir().to_path_buf();
+        assert!(partial_dir.is_dir());
+        drop(dropped);
+        assert!(!partial_dir.exists(), "an unfinished backup goes");
+
+        let mut m = manifest();
+        let p = backups.begin("v").unwrap();
+        for disk in &mut m.disks {
+            std::fs::write(p.dir().join(&disk.file), b"disk!").unwrap();
+            disk.sha256 = crate::qemu::integrity::sha256_of(&mut &b"disk!"[..]).unwrap();
+        }
+        let name = p.name().to_string();
+        let dir = p.finish(&m).unwrap();
+        assert_eq!(dir, c.paths.backups_dir().join(&name));
+        let sums = std::fs::read_to_string(dir.join("SHA256SUMS")).unwrap();
+        assert!(sums.contains(&format!("{}  nsm.raw\n", m.disks[1].sha256)), "{sums}");
+        let (read_dir, read) = backups.read(&name).unwrap();
+        assert_eq!((read_dir, read), (dir.clone(), m));
+        assert_eq!(backups.read("none").unwrap_err().code, Code::NotFound);
+        assert_eq!(backups.read("../x").unwrap_err().field.as_deref(), Some("backup"));
+
+        // A crash's leftover is removed at the next open.
+        let left = backups.begin("v").unwrap();
+        let left_dir = left.dir().to_path_buf();
+        std::mem::forget(left);
+        Backups::open(&c);
+        assert!(!left_dir.exists());
+        assert!(dir.is_dir(), "finished backups stay");
+    }
+}
