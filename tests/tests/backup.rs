@@ -74,6 +74,13 @@ fn a_running_vm_exported_on_one_vmhostd_is_imported_on_another_with_its_data() {
     let v = b.call("vm.import", json!({ "backup": backup, "name": "db2", "state": "stopped" }));
     assert_eq!(v["vm"]["status"], "stopped", "{v}");
     assert_eq!(b.call_err("vm.import", json!({ "backup": "none" })).0, 4040);
+
+    // vmhostctl: the same calls.
+    let out = b.ctl(&["import", &backup, "--name", "db3", "--stopped"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("db3: changed, stopped"), "{out:?}");
+    let out = b.ctl(&["export", "db3"]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success() && text.starts_with("db3: exported to "), "{out:?}");
 }
 
 #[test]

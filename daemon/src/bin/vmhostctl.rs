@@ -150,6 +150,24 @@ enum Cmd {
         #[arg(long)]
         iterations: Option<u64>,
     },
+    /// Write a VM's spec and disks to a new directory in paths.backups (a running VM is copied
+    /// live, all disks at one instant).
+    Export {
+        name: String,
+        /// Seconds the copy may take.
+        #[arg(long, default_value_t = 3600)]
+        timeout: u64,
+    },
+    /// Make a VM from a backup in paths.backups (by its directory name).
+    Import {
+        backup: String,
+        /// The new VM's name (default: the exported one's).
+        #[arg(long)]
+        name: Option<String>,
+        /// Define it stopped (default: the state its spec had).
+        #[arg(long)]
+        stopped: bool,
+    },
     /// The image store: import (verified by sha256), list, delete.
     #[command(subcommand)]
     Image(ImageCmd),
@@ -402,6 +420,23 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         Cmd::Console { .. } => {}
         Cmd::Stats { name, prometheus } => stats_cmd(cli, &mut c, name.as_deref(), *prometheus)?,
         Cmd::Top { interval, iterations } => top_cmd(&mut c, *interval, *iterations)?,
+        Cmd::Export { name, timeout } => {
+            c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
+            let v: Value = c.call("vm.export", json!({ "name": name, "timeout_s": timeout }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                say!("{name}: exported to {}", v["path"].as_str().unwrap_or_default());
+            }
+        }
+        Cmd::Import { backup, name, stopped } => {
+            c.set_timeout(Duration::from_secs(3600))?;
+            let mut params = json!({ "backup": backup, "name": name });
+            if *stopped {
+                params["state"] = json!("stopped");
+            }
+            mutation(cli, &mut c, "vm.import", params)?
+        }
         Cmd::Image(ImageCmd::Import { name, sha256, source, timeout }) => {
             c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
             let params = json!({ "name": name, "sha256": sha256, "source": source, "timeout_s": timeout });
