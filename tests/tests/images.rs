@@ -35,7 +35,7 @@ fn images_item(host: &TestHost) -> Value {
 }
 
 /// A host whose downloads may connect to the port `files` are served on, and that port.
-fn host_serving(files: Vec<(String, Vec<u8>)>) -> (TestHost, u16) {
+fn host_serving(files: Vec<(String, std::path::PathBuf)>) -> (TestHost, u16) {
     let port = serve_http(files);
     let host = TestHost::start(HostOptions {
         extra: format!("[images]\ndownload_ports = [{port}]\n"),
@@ -138,11 +138,12 @@ fn an_image_put_there_by_hand_is_listed_then_recorded_where_it_is() {
 
 #[test]
 fn a_url_is_fetched_by_curl_and_checked_and_a_failed_fetch_leaves_nothing() {
-    let probe = TestHost::start(HostOptions::default());
-    let data = image_bytes(&probe, "VMHOST-DOWNLOADED");
-    drop(probe);
+    let served = tempfile::tempdir().unwrap();
+    let file = served.path().join("web.raw");
+    boot_sector::write_image(&file, &boot_sector::serial_print("VMHOST-DOWNLOADED"));
+    let data = std::fs::read(&file).unwrap();
     let sha = sha256_hex(&data);
-    let (host, port) = host_serving(vec![("/images/web.raw".into(), data.clone())]);
+    let (host, port) = host_serving(vec![("/images/web.raw".into(), file.clone())]);
     let url = format!("http://127.0.0.1:{port}/images/web.raw");
     let before = image_dir_entries(&host);
 
@@ -154,7 +155,7 @@ fn a_url_is_fetched_by_curl_and_checked_and_a_failed_fetch_leaves_nothing() {
     assert!(e.message.contains("404"), "curl's message: {e:?}");
     // The same server on a port the config does not list: Landlock lets curl connect to
     // `download_ports` only.
-    let other = serve_http(vec![("/images/web.raw".into(), data.clone())]);
+    let other = serve_http(vec![("/images/web.raw".into(), file.clone())]);
     let elsewhere = format!("http://127.0.0.1:{other}/images/web.raw");
     let (code, e) = host.call_err("image.import", json!({"name": "web.raw", "sha256": sha, "source": elsewhere}));
     assert_eq!((code, e.details["step"].as_str()), (4001, Some("download")), "{e:?}");
