@@ -396,6 +396,136 @@ fn a_memory_change_reconfigures_in_place_and_keeps_the_disk() {
     assert_ne!(after["pid"].as_i64(), Some(pid384));
 }
 
+/// Every entry of the images directory, hidden ones (an import's temp file) included.
+fn image_dir_entries(host: &TestHost) -> Vec<String> {
+    let mut v: Vec<String> =
+        fs::read_dir(host.images()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    v.sort();
+    v
+}
+
+fn listed_image(host: &TestHost, name: &str) -> Option<Value> {
+    host.call("image.list", json!({})).as_array().unwrap().iter().find(|i| i["name"] == name).cloned()
+}
+
+/// `vmhost.image_present` imports a file of the daemon's import directory once (test=True
+/// predicts it, a rerun is quiet), a wrong sha256 fails with the daemon's 2003 and leaves
+/// nothing, another sha256 for an image that is there is refused (4093) naming both, a file put
+/// there by hand is recorded where it is; `vmhost.image_absent` fails while a VM boots from the
+/// image (4092, naming it) and then deletes it.
+#[test]
+fn images_are_imported_once_predicted_refused_and_deleted() {
+    let host = TestHost::start(HostOptions::default());
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+    let fixture = host.dir.path().join("salt-image.fixture");
+    vmhost_tests::boot_sector::write_image(&fixture, &vmhost_tests::boot_sector::serial_print("VMHOST-SALT-IMAGE"));
+    let data = fs::read(&fixture).unwrap();
+    let sha = vmhost_tests::sha256_hex(&data);
+    fs::write(host.state().join("import").join("upload.raw"), &data).unwrap();
+    let before = image_dir_entries(&host);
+    let args = |sha256: &str| {
+        let mut m = Map::new();
+        m.insert("sha256".into(), json!(sha256));
+        m.insert("source".into(), json!("upload.raw"));
+        m
+    };
+    minion.sls("img", "base.raw", "vmhost.image_present", &args(&sha));
+
+    // test=True predicts the import and imports nothing.
+    let r = minion.apply("img", true);
+    assert_eq!(r["result"], Value::Null, "{r}");
+    assert_eq!(r["changes"]["new"], json!({"sha256": sha, "source": "upload.raw"}), "{r}");
+    assert_eq!(comment(&r), format!("image base.raw would be imported from upload.raw (sha256 {sha})"));
+    assert_eq!(image_dir_entries(&host), before, "test=True must not import");
+
+    // The import: the file is in the images directory, image.list shows the sha256.
+    let r = minion.apply("img", false);
+    assert_eq!(r["result"], true, "{r}");
+    assert_eq!((&r["changes"]["old"], &r["changes"]["new"]["sha256"]), (&Value::Null, &json!(sha)), "{r}");
+    assert_eq!((&r["changes"]["new"]["format"], &r["changes"]["new"]["bytes"]), (&json!("raw"), &json!(data.len())));
+    assert_eq!(fs::read(host.images().join("base.raw")).unwrap(), data);
+    assert_eq!(listed_image(&host, "base.raw").unwrap()["sha256"], sha.as_str());
+
+    // A rerun, and a rerun under test=True: nothing to do.
+    for test in [false, true] {
+        let r = minion.apply("img", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "test={test}: {r}");
+        assert_eq!(comment(&r), format!("image base.raw is present with sha256 {sha}"));
+    }
+    // The execution module lists it.
+    let listed = minion.call(&["vmhost.image_list"]);
+    let entry = listed.as_array().and_then(|a| a.iter().find(|i| i["name"] == "base.raw")).cloned();
+    assert_eq!(entry.map(|e| e["sha256"].clone()), Some(json!(sha)), "{listed}");
+
+    // A wrong sha256: the daemon's 2003 with what it found; nothing is kept.
+    let wrong = "0".repeat(64);
+    minion.sls("wrong", "other.raw", "vmhost.image_present", &args(&wrong));
+    let r = minion.apply("wrong", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "{r}");
+    assert!(comment(&r).starts_with("vmhostd error 2003 (sha256): "), "{r}");
+    assert!(comment(&r).contains(&format!("\"found\": \"{sha}\"")), "{r}");
+    assert!(listed_image(&host, "other.raw").is_none());
+    let mut expected = before.clone();
+    expected.push("base.raw".into());
+    assert_eq!(image_dir_entries(&host), expected, "no image and no temp file left");
+
+    // Another sha256 for base.raw: never replaced, predicted under test=True, naming both.
+    let other = "1".repeat(64);
+    minion.sls("clash", "base.raw", "vmhost.image_present", &args(&other));
+    let r = minion.apply("clash", true);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "{r}");
+    assert!(comment(&r).starts_with(&format!("image base.raw is there with sha256 {sha}, not {other}: ")), "{r}");
+    let r = minion.apply("clash", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "{r}");
+    assert!(comment(&r).starts_with("vmhostd error 4093 (name): "), "{r}");
+    assert!(comment(&r).contains(&sha) && comment(&r).contains(&other), "{r}");
+    assert_eq!(fs::read(host.images().join("base.raw")).unwrap(), data, "never replaced");
+
+    // A file put there by hand: listed without a sha256, recorded where it is.
+    fs::write(host.images().join("hand.raw"), &data).unwrap();
+    let mut hand = Map::new();
+    hand.insert("sha256".into(), json!(sha));
+    minion.sls("hand", "hand.raw", "vmhost.image_present", &hand);
+    let r = minion.apply("hand", true);
+    assert_eq!((&r["result"], &r["changes"]["old"]), (&Value::Null, &json!({"sha256": null})), "{r}");
+    assert_eq!(listed_image(&host, "hand.raw").unwrap()["sha256"], Value::Null, "test=True records nothing");
+    let r = minion.apply("hand", false);
+    assert_eq!((&r["result"], &r["changes"]["new"]["sha256"]), (&json!(true), &json!(sha)), "{r}");
+    assert_eq!(listed_image(&host, "hand.raw").unwrap()["sha256"], sha.as_str());
+    assert_eq!(minion.apply("hand", false)["changes"], json!({}), "second run");
+
+    // A VM boots from base.raw (created stopped: no QEMU needed): absent fails naming it.
+    let spec = json!({"name": "user", "cpu": 1, "memory_mib": 64, "state": "stopped",
+                      "boot": {"image": "base.raw", "disk_gib": 1}});
+    host.call("vm.create", json!({ "spec": spec }));
+    minion.sls("gone", "base.raw", "vmhost.image_absent", &Map::new());
+    let r = minion.apply("gone", true);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "{r}");
+    assert_eq!(comment(&r), "image base.raw is the base of VMs user: vmhostd would refuse to delete it (4092)");
+    let r = minion.apply("gone", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "{r}");
+    assert!(comment(&r).starts_with("image base.raw is the base of VMs user, not deleted: vmhostd error 4092"), "{r}");
+    assert!(host.images().join("base.raw").is_file());
+
+    // Once the VM is gone: predicted, deleted, then nothing to do.
+    host.call("vm.destroy", json!({"name": "user"}));
+    let r = minion.apply("gone", true);
+    assert_eq!((&r["result"], &r["changes"]["old"]["sha256"]), (&Value::Null, &json!(sha)), "{r}");
+    assert!(host.images().join("base.raw").is_file(), "test=True must not delete");
+    let r = minion.apply("gone", false);
+    assert_eq!(
+        (&r["result"], &r["changes"]["new"], &r["changes"]["old"]["sha256"]),
+        (&json!(true), &Value::Null, &json!(sha))
+    );
+    assert_eq!(comment(&r), "image base.raw deleted");
+    assert!(!host.images().join("base.raw").exists());
+    assert!(listed_image(&host, "base.raw").is_none());
+    let r = minion.apply("gone", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "{r}");
+    assert_eq!(comment(&r), "image base.raw is already absent");
+}
+
 #[test]
 fn installed_extension_provides_modules_states_and_engines_through_entry_points() {
     let host = TestHost::start(HostOptions::default());

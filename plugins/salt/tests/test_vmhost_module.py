@@ -10,6 +10,8 @@ import unittest
 from salt.exceptions import CommandExecutionError
 from vmhost_fakes import FakeVmhostd, answer, config_get, error, load, send
 
+SHA = "ab" * 32
+
 
 class ModuleTest(unittest.TestCase):
     def start(self, handler=None, on_accept=None, **options):
@@ -81,6 +83,21 @@ class Requests(ModuleTest):
                 "host.reconcile",
                 {"vms": [spec], "prune": False, "dry_run": True, "replace": True},
             ),
+            (self.mod.image_list, (), "image.list", {}),
+            (self.mod.image_delete, ("base.raw",), "image.delete", {"name": "base.raw"}),
+            (self.mod.image_import, ("base.raw", SHA), "image.import", {"name": "base.raw", "sha256": SHA}),
+            (
+                self.mod.image_import,
+                ("base.raw", SHA, "upload.raw", "60"),
+                "image.import",
+                {"name": "base.raw", "sha256": SHA, "source": "upload.raw", "timeout_s": 60},
+            ),
+            (
+                self.mod.image_import,
+                ("base.raw", SHA, "https://example.org/base.raw"),
+                "image.import",
+                {"name": "base.raw", "sha256": SHA, "source": "https://example.org/base.raw"},
+            ),
         ]
         for fn, args, method, params in cases:
             with self.subTest(method=method, args=args):
@@ -120,6 +137,8 @@ class Requests(ModuleTest):
             self.mod.apply({"name": "web"}, replace="maybe")
         with self.assertRaisesRegex(CommandExecutionError, "restart must be True or False"):
             self.mod.apply({"name": "web"}, restart=[])
+        with self.assertRaisesRegex(CommandExecutionError, "timeout_s must be an integer"):
+            self.mod.image_import("base.raw", SHA, "upload.raw", timeout_s="an hour")
         self.assertEqual(self.daemon.requests, [])
 
     def test_socket_path_falls_back_to_the_flat_option_and_the_default(self):
@@ -317,6 +336,37 @@ class TransportErrors(ModuleTest):
         self.assertEqual(self.mod.apply({"name": "web"}, timeout_s=1), {"changed": True, "vm": None})
         with self.assertRaisesRegex(CommandExecutionError, "did not answer vm.apply"):
             self.mod.apply({"name": "web"}, timeout_s=0)
+
+    def test_image_import_waits_longer_than_its_timeout_s(self):
+        def slow(request, conn):
+            time.sleep(0.8)
+            send(conn, answer(request, {"changed": True, "image": {"name": "base.raw"}}))
+
+        self.start(slow, timeout=0.5)
+        # A download may take up to timeout_s: it is added to the base wait.
+        self.assertEqual(self.mod.image_import("base.raw", SHA, "upload.raw", timeout_s=1)["changed"], True)
+        # Without timeout_s the daemon's default (3600 s) is added.
+        self.assertEqual(self.mod.image_import("base.raw", SHA, "upload.raw")["changed"], True)
+        with self.assertRaisesRegex(CommandExecutionError, "did not answer image.import within 0.5 s"):
+            self.mod.image_import("base.raw", SHA, "upload.raw", timeout_s=0)
+        # The other image calls are quick: the base wait only.
+        with self.assertRaisesRegex(CommandExecutionError, "did not answer image.delete within 0.5 s"):
+            self.mod.image_delete("base.raw")
+
+    def test_image_errors_carry_code_field_and_details(self):
+        err = error(
+            4093,
+            'image "base.raw" is there with sha256 ' + "cd" * 32 + ", not " + SHA + ": delete it first",
+            field="name",
+            details={"sha256": "cd" * 32},
+            kind="image_exists",
+        )
+        self.start(lambda request, conn: send(conn, answer(request, err=err)))
+        with self.assertRaises(CommandExecutionError) as ctx:
+            self.mod.image_import("base.raw", SHA, "upload.raw")
+        self.assertEqual((ctx.exception.code, ctx.exception.field), (4093, "name"))
+        self.assertEqual(ctx.exception.details, {"sha256": "cd" * 32})
+        self.assertTrue(str(ctx.exception).startswith("vmhostd error 4093 (name): "), str(ctx.exception))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ Configuration (minion config, grains or pillar, read with ``config.get``):
 ``vmhost:reconcile_timeout`` (or ``vmhost.reconcile_timeout``)
     seconds to wait for a ``reconcile`` that is not a dry run, default 900.
 
+``image_import`` waits ``vmhost:timeout`` plus its ``timeout_s`` (the daemon's default for a
+download, 3600, when it is not given).
+
 A daemon error raises ``CommandExecutionError`` (the subclass ``VmhostdError``, with ``code``,
 ``kind``, ``field`` and ``details``) whose message reads
 ``vmhostd error 2001 (spec.nics[0].ipv4.address): ...``.
@@ -36,6 +39,8 @@ __func_alias__ = {"list_": "list"}
 DEFAULT_SOCKET = "/run/vmhost/vmhostd.sock"
 DEFAULT_TIMEOUT = 120
 DEFAULT_RECONCILE_TIMEOUT = 900
+# vmhostd's own default for image.import's timeout_s (the longest a download may take).
+DEFAULT_IMPORT_TIMEOUT_S = 3600
 # Longest reply line accepted. The daemon's replies are far smaller; a longer line means
 # something other than vmhostd is on the socket, and reading it unbounded could exhaust memory.
 MAX_REPLY_BYTES = 16 * 1024 * 1024
@@ -354,3 +359,61 @@ def stats(name=None):
     CLI Example: ``salt '*' vmhost.stats`` or ``salt '*' vmhost.stats sensor1``
     """
     return _call("vm.stats", {} if name is None else {"name": name})
+
+
+def image_list():
+    """
+    Every image in vmhostd's images directory (``image.list``): ``name``, ``bytes``,
+    ``format``, ``virtual_size``, the ``sha256`` it was imported with (``None`` for a file put
+    there by hand, without a record), ``source``, ``imported_at`` and ``used_by`` (the VMs that
+    boot from it).
+
+    CLI Example: ``salt '*' vmhost.image_list``
+    """
+    return _call("image.list")
+
+
+def image_import(name, sha256, source=None, timeout_s=None):
+    """
+    Put an image into vmhostd's images directory, verified by its sha256 (``image.import``).
+
+    name
+        the image's file name there (what a VM's ``boot.image`` names).
+    sha256
+        the sha256 the image must have (64 hex digits). A copy with another one is refused with
+        2003 and nothing is kept.
+    source
+        an ``http://`` or ``https://`` URL, or a file in vmhostd's import directory
+        (``paths.import``: its name, or its absolute path there). Not given: the file is already
+        in the images directory (put there by hand) and is hashed and recorded where it is.
+    timeout_s
+        the longest a download may take, in seconds (the daemon's default: 3600). The call
+        waits that long on top of ``vmhost:timeout``.
+
+    Returns ``{changed, image}``; ``changed`` is False when the image is there with that sha256
+    already. An image of that name with another sha256 is never replaced (error 4093: delete it
+    first).
+
+    CLI Example: ``salt '*' vmhost.image_import base.qcow2 6a3f...e1 source=https://example.org/base.qcow2``
+    """
+    params = {"name": name, "sha256": sha256}
+    if source not in (None, ""):
+        params["source"] = source
+    wait = DEFAULT_IMPORT_TIMEOUT_S
+    if timeout_s not in (None, ""):
+        params["timeout_s"] = _timeout_s(timeout_s)
+        wait = max(params["timeout_s"], 0)
+    # A download (or the copy and hash of a large file) may take long: wait for the daemon's
+    # own limit on top of the usual answer time.
+    return _call("image.import", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + wait)
+
+
+def image_delete(name):
+    """
+    Delete an image from vmhostd's images directory, with its record (``image.delete``).
+    Returns ``{changed, name}`` (``changed`` False when there was no such image); error 4092
+    (``details.vms``) while VMs boot from it.
+
+    CLI Example: ``salt '*' vmhost.image_delete old-base.qcow2``
+    """
+    return _call("image.delete", {"name": name})

@@ -27,6 +27,16 @@ Salt itself requires).
 
 A kernel and initrd must be in one of the host's boot directories (vmhostd's ``paths.boot``;
 here ``/srv/guest`` would be one), or vmhostd refuses the spec with 2001.
+
+The images VMs boot from (``boot.image``) are declared the same way, verified by their sha256
+(``image.import``; ``source`` is a URL or a file in vmhostd's import directory):
+
+.. code-block:: yaml
+
+    debian-12.qcow2:
+      vmhost.image_present:
+        - sha256: 6a3f...e1
+        - source: https://cloud.debian.org/images/cloud/bookworm/latest/debian-12-genericcloud-amd64.qcow2
 """
 
 import contextlib
@@ -42,6 +52,7 @@ __virtualname__ = "vmhost"
 
 NOT_FOUND = 4040
 SPEC_DRIFT = 2002
+IMAGE_IN_USE = 4092
 # What a plan action means, for comments.
 _ACTION_TEXT = {
     "create": "created",
@@ -349,6 +360,145 @@ def absent(name):
         return ret
     ret["changes"] = {"old": _summary(current), "new": None}
     ret["comment"] = f"VM {name} destroyed"
+    return ret
+
+
+# --- vmhost.image_present / vmhost.image_absent: the images VMs boot from ---
+
+
+def _image(name):
+    """The image's entry of ``image.list``, or None when there is no such file."""
+    for image in __salt__["vmhost.image_list"]() or []:
+        if isinstance(image, dict) and image.get("name") == name:
+            return image
+    return None
+
+
+def _image_summary(image):
+    """What the changes show of an image: its sha256, size, format and source."""
+    if image is None:
+        return None
+    return {k: image.get(k) for k in ("sha256", "bytes", "format", "virtual_size", "source")}
+
+
+def image_present(name, sha256, source=None, timeout_s=None):
+    """
+    The image ``name`` is in vmhostd's images directory with this sha256 (``image.import``).
+
+    name
+        the image's file name there (what a VM's ``boot.image`` names).
+    sha256
+        its sha256, 64 hex digits. A copy with another one fails with vmhostd's 2003 and nothing
+        is kept.
+    source
+        where to copy it from when it is not there: an ``http://`` or ``https://`` URL, or a file
+        in vmhostd's import directory (``paths.import``: its name or its absolute path there).
+        Not given: the file must be in the images directory already (put there by hand); it is
+        hashed and recorded where it is. Never compared: an image that is there with its sha256
+        is as declared, wherever it came from.
+    timeout_s
+        the longest a download may take, in seconds (the daemon's default: 3600).
+
+    Changes only when vmhostd says it changed something. An image that is there with another
+    sha256 is never replaced (vmhostd refuses with 4093, since VMs hold overlays over it): the
+    state fails naming both; delete it first (``image_absent``) or import under a new name.
+    Under ``test=True`` the prediction comes from ``image.list``.
+    """
+    ret = _ret(name)
+    try:
+        if __opts__.get("test"):
+            return _image_predict(ret, name, sha256, source)
+        result = __salt__["vmhost.image_import"](name, sha256, source=source, timeout_s=timeout_s)
+    except CommandExecutionError as exc:
+        ret["result"] = False
+        ret["comment"] = str(exc)
+        return ret
+    image = result.get("image") or {}
+    if not result.get("changed"):
+        ret["comment"] = f"image {name} is present with sha256 {image.get('sha256')}"
+        return ret
+    if image.get("source") is None:
+        # Nothing was copied: a file that was there without a record was hashed and recorded.
+        ret["changes"] = {"old": {"sha256": None}, "new": _image_summary(image)}
+        ret["comment"] = f"image {name} (put there by hand) checked and recorded with sha256 {image.get('sha256')}"
+    else:
+        ret["changes"] = {"old": None, "new": _image_summary(image)}
+        ret["comment"] = f"image {name} imported from {image.get('source')} (sha256 {image.get('sha256')})"
+    return ret
+
+
+def _image_predict(ret, name, sha256, source):
+    """Fills ``ret`` for ``image_present`` under test=True from ``image.list``."""
+    want = str(sha256).lower()
+    current = _image(name)
+    if current is not None and current.get("sha256") is not None:
+        have = str(current["sha256"]).lower()
+        if have == want:
+            ret["comment"] = f"image {name} is present with sha256 {have}"
+            return ret
+        ret["result"] = False
+        ret["comment"] = (
+            f"image {name} is there with sha256 {have}, not {want}: vmhostd never replaces an image "
+            "(error 4093, VMs hold overlays over it); delete it first (vmhost.image_absent) or "
+            "import it under a new name"
+        )
+        return ret
+    ret["result"] = None
+    if current is not None:
+        ret["changes"] = {"old": {"sha256": None}, "new": {"sha256": want}}
+        ret["comment"] = (
+            f"image {name} is there without a sha256 record (put there by hand): it would be hashed "
+            f"where it is and recorded with sha256 {want} if it has that sha256"
+        )
+        return ret
+    if source in (None, ""):
+        ret["result"] = False
+        ret["comment"] = (
+            f"image {name} is not in vmhostd's images directory and no source is given: vmhostd would "
+            "refuse (error 4040 on source); give a source (a URL or a file in the import directory)"
+        )
+        return ret
+    ret["changes"] = {"old": None, "new": {"sha256": want, "source": source}}
+    ret["comment"] = f"image {name} would be imported from {source} (sha256 {want})"
+    return ret
+
+
+def image_absent(name):
+    """
+    No image ``name`` is in vmhostd's images directory (``image.delete``: the file and its
+    record are removed). vmhostd refuses while VMs boot from it (4092): the state fails naming
+    them. Under ``test=True`` the prediction comes from ``image.list`` (its ``used_by``).
+    """
+    ret = _ret(name)
+    try:
+        current = _image(name)
+        if __opts__.get("test"):
+            if current is None:
+                ret["comment"] = f"image {name} is already absent"
+            elif current.get("used_by"):
+                ret["result"] = False
+                ret["comment"] = (
+                    f"image {name} is the base of VMs {', '.join(current['used_by'])}: "
+                    "vmhostd would refuse to delete it (4092)"
+                )
+            else:
+                ret["result"] = None
+                ret["changes"] = {"old": _image_summary(current), "new": None}
+                ret["comment"] = f"image {name} would be deleted"
+            return ret
+        result = __salt__["vmhost.image_delete"](name)
+    except CommandExecutionError as exc:
+        ret["result"] = False
+        ret["comment"] = str(exc)
+        if getattr(exc, "code", None) == IMAGE_IN_USE:
+            vms = (getattr(exc, "details", None) or {}).get("vms") or []
+            ret["comment"] = f"image {name} is the base of VMs {', '.join(map(str, vms))}, not deleted: {exc}"
+        return ret
+    if not result.get("changed"):
+        ret["comment"] = f"image {name} is already absent"
+        return ret
+    ret["changes"] = {"old": _image_summary(current) or {"name": name}, "new": None}
+    ret["comment"] = f"image {name} deleted"
     return ret
 
 
