@@ -274,3 +274,131 @@ fn puppet_run_state_structured_attributes_and_errors() {
     assert_eq!(run.code & 4, 4, "{}", run.output);
     assert!(run.output.contains(&format!("cannot connect to vmhostd at {}", nowhere.display())), "{}", run.output);
 }
+
+/// Every entry of the images directory, hidden ones (an import's temp file) included.
+fn image_dir_entries(host: &TestHost) -> Vec<String> {
+    let mut v: Vec<String> =
+        fs::read_dir(host.images()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    v.sort();
+    v
+}
+
+fn listed_image(host: &TestHost, name: &str) -> Option<Value> {
+    host.call("image.list", json!({})).as_array().unwrap().iter().find(|i| i["name"] == name).cloned()
+}
+
+fn image(name: &str, ensure: &str, sha256: &str, extra: &str) -> String {
+    format!("vmhost_image {{ '{name}':\n  ensure => {ensure},\n  sha256 => '{sha256}',\n  {extra}\n}}\n")
+}
+
+/// `vmhost_image`: `--noop` predicts, the first run imports a file of the daemon's import
+/// directory (a `vmhost_vm` booting from it in the same manifest comes after it), a rerun has no
+/// change event, a wrong sha256 fails with the daemon's 2003 and leaves nothing, another sha256
+/// for an image that is there is refused (4093), a file put there by hand is recorded, and
+/// `ensure => absent` is refused while a VM boots from the image (4092) and then deletes it.
+#[test]
+fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
+    let host = TestHost::start(HostOptions::default());
+    let puppet = Puppet::new();
+    let sock = host.socket.clone();
+    let fixture = host.dir.path().join("puppet-image.fixture");
+    vmhost_tests::boot_sector::write_image(&fixture, &vmhost_tests::boot_sector::serial_print("VMHOST-PUPPET-IMAGE"));
+    let data = fs::read(&fixture).unwrap();
+    let sha = vmhost_tests::sha256_hex(&data);
+    fs::write(host.state().join("import").join("upload.raw"), &data).unwrap();
+    let before = image_dir_entries(&host);
+
+    // A VM declared before the image it boots from: autorequire imports the image first. The
+    // sha256 is written in upper case (compared in lower case).
+    let present = image("base.raw", "present", &sha.to_uppercase(), "source => 'upload.raw',");
+    let manifest = format!(
+        "vmhost_vm {{ 'user':\n  ensure => stopped,\n  cpu => 1,\n  memory => 64,\n  \
+         boot => {{ 'image' => 'base.raw', 'disk_gib' => 1 }},\n}}\n{present}"
+    );
+    let run = puppet.apply(&sock, &manifest, &["--noop"]);
+    assert_eq!(run.code, 0, "{}", run.output);
+    assert!(
+        run.output.contains("Vmhost_image[base.raw]/ensure: current_value 'absent', should be 'present' (noop)"),
+        "{}",
+        run.output
+    );
+    assert_eq!(image_dir_entries(&host), before, "--noop must not import");
+
+    let run = puppet.apply(&sock, &manifest, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("Vmhost_image[base.raw]/ensure: created"), "{}", run.output);
+    assert!(run.output.contains("Vmhost_vm[user]/ensure: created"), "{}", run.output);
+    assert!(
+        run.output.find("Vmhost_image[base.raw]/ensure: created") < run.output.find("Vmhost_vm[user]/ensure: created"),
+        "the image first:\n{}",
+        run.output
+    );
+    assert_eq!(fs::read(host.images().join("base.raw")).unwrap(), data);
+    let listed = listed_image(&host, "base.raw").unwrap();
+    assert_eq!((&listed["sha256"], &listed["used_by"]), (&json!(sha), &json!(["user"])), "{listed}");
+
+    // A rerun: exit code 0, no change event.
+    let run = puppet.apply(&sock, &manifest, &[]);
+    assert_eq!(run.code, 0, "rerun must change nothing:\n{}", run.output);
+    assert!(!run.output.contains("Vmhost_image[base.raw]/"), "{}", run.output);
+
+    // A wrong sha256: the daemon's 2003; no image and no temp file left.
+    let wrong = "0".repeat(64);
+    let run = puppet.apply(&sock, &image("other.raw", "present", &wrong, "source => 'upload.raw',"), &[]);
+    assert_eq!(run.code & 4, 4, "{}", run.output);
+    assert!(
+        run.output.contains("vmhostd refused image.import: error 2003 (checksum_mismatch) on field sha256: "),
+        "{}",
+        run.output
+    );
+    assert!(run.output.contains(&format!("\"found\":\"{sha}\"")), "{}", run.output);
+    let mut expected = before.clone();
+    expected.push("base.raw".into());
+    assert_eq!(image_dir_entries(&host), expected, "nothing left");
+    assert!(listed_image(&host, "other.raw").is_none());
+
+    // Another sha256 for base.raw: --noop shows the difference, a run fails with 4093.
+    let other = "1".repeat(64);
+    let clash = image("base.raw", "present", &other, "source => 'upload.raw',");
+    let run = puppet.apply(&sock, &clash, &["--noop"]);
+    assert!(run.output.contains(&format!("current_value '{sha}', should be '{other}' (noop)")), "{}", run.output);
+    let run = puppet.apply(&sock, &clash, &[]);
+    assert_eq!(run.code & 4, 4, "{}", run.output);
+    assert!(run.output.contains("error 4093 (image_exists) on field name: "), "{}", run.output);
+    assert!(run.output.contains("an image is never replaced (VMs hold overlays over it): delete it first"));
+    assert_eq!(fs::read(host.images().join("base.raw")).unwrap(), data, "never replaced");
+
+    // A file put there by hand is recorded where it is (no source), once.
+    fs::write(host.images().join("hand.raw"), &data).unwrap();
+    let hand = image("hand.raw", "present", &sha, "");
+    let run = puppet.apply(&sock, &hand, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(
+        run.output.contains(&format!("Vmhost_image[hand.raw]/sha256: recorded with sha256 {sha}")),
+        "{}",
+        run.output
+    );
+    assert_eq!(listed_image(&host, "hand.raw").unwrap()["sha256"], sha.as_str());
+    assert_eq!(puppet.apply(&sock, &hand, &[]).code, 0);
+
+    // ensure => absent: refused while the VM boots from it, naming the VM.
+    let absent = "vmhost_image { 'base.raw': ensure => absent }";
+    let run = puppet.apply(&sock, absent, &[]);
+    assert_eq!(run.code & 4, 4, "{}", run.output);
+    assert!(run.output.contains("error 4092 (image_in_use) on field name: "), "{}", run.output);
+    assert!(run.output.contains("the image is the base of VMs user: destroy them"), "{}", run.output);
+    assert!(host.images().join("base.raw").is_file());
+
+    // Without the VM: --noop predicts, a run deletes, a rerun has nothing to do.
+    host.call("vm.destroy", json!({"name": "user"}));
+    let run = puppet.apply(&sock, absent, &["--noop"]);
+    assert!(run.output.contains("current_value 'present', should be 'absent' (noop)"), "{}", run.output);
+    assert!(host.images().join("base.raw").is_file(), "--noop must not delete");
+    let run = puppet.apply(&sock, absent, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("Vmhost_image[base.raw]/ensure: removed"), "{}", run.output);
+    assert!(!host.images().join("base.raw").exists());
+    assert!(listed_image(&host, "base.raw").is_none());
+    let run = puppet.apply(&sock, absent, &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+}

@@ -155,6 +155,13 @@ Puppet::Type.newtype(:vmhost_vm) do
     munge { |value| Float(value) }
   end
 
+  # A VM booting from an image comes after the vmhost_image that puts it there.
+  autorequire(:vmhost_image) do
+    boot = self[:boot]
+    image = boot.is_a?(Hash) ? boot['image'] : nil
+    image.is_a?(String) ? [image] : []
+  end
+
   newproperty(:role) do
     desc 'A free label (spec `role`).'
 

@@ -67,6 +67,9 @@ module PuppetX
       # Read calls are quick; mutating ones can wait for a guest shutdown (30 s) plus QEMU start.
       DEFAULT_TIMEOUT = 30
       MUTATING_TIMEOUT = 300
+      # vmhostd's default for image.import's timeout_s (the longest a download may take): an
+      # import waits that long on top of MUTATING_TIMEOUT when no timeout_s is given.
+      DEFAULT_IMPORT_TIMEOUT_S = 3600
       CONNECT_TIMEOUT = 5
       # vm.list of many VMs is the largest reply; 16 MiB leaves room for thousands.
       MAX_REPLY_BYTES = 16 * 1024 * 1024
