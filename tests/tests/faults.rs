@@ -415,3 +415,23 @@ fn an_image_import_killed_before_or_after_its_rename_leaves_no_temp_file_and_no_
     let v = host.call("image.import", params);
     assert_eq!((&v["changed"], &v["image"]["sha256"]), (&json!(true), &json!(sha)), "{v}");
 }
+
+#[test]
+fn an_interrupted_revert_keeps_the_vm_from_starting_until_a_revert_completes() {
+    let mut host = TestHost::start(HostOptions::default());
+    let mut spec = host.kernel_spec("rv");
+    spec["state"] = json!("stopped");
+    spec["disks"] = json!([{"name": "nsm", "size_gib": 1, "format": "raw"}]);
+    host.call("vm.create", json!({ "spec": spec }));
+    host.call("vm.snapshot", json!({"name": "rv", "snapshot": "s"}));
+
+    crash_during(&mut host, "revert:recorded", "vm.revert", json!({"name": "rv", "snapshot": "s"}));
+    let (code, e) = host.call_err("vm.start", json!({"name": "rv"}));
+    assert_eq!(code, 4090, "{e:?}");
+    assert!(e.message.contains("interrupted"), "{e:?}");
+    assert!(host.qemu_pids().is_empty(), "nothing started");
+    host.call("vm.revert", json!({"name": "rv", "snapshot": "s"}));
+    assert_eq!(files_in(&host.state().join("disks").join("rv")), vec!["nsm.raw".to_string()], "no copy left");
+    let v = host.call("vm.start", json!({"name": "rv"}));
+    assert_eq!(v["vm"]["status"], "running", "{v}");
+}

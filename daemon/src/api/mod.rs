@@ -9,6 +9,7 @@ pub mod backup;
 pub mod disks;
 pub mod error;
 pub mod images;
+pub mod snapshots;
 pub mod stats;
 
 use serde::{Deserialize, Serialize};
@@ -36,6 +37,7 @@ pub const READ_METHODS: &[&str] = &[
     "events.subscribe",
     "events.unsubscribe",
     "image.list",
+    "vm.snapshots",
 ];
 
 /// Every method of API v1, in documentation order.
@@ -66,6 +68,10 @@ pub const ALL_METHODS: &[&str] = &[
     "image.delete",
     "vm.export",
     "vm.import",
+    "vm.snapshot",
+    "vm.snapshots",
+    "vm.revert",
+    "vm.snapshot_delete",
 ];
 
 /// Name of the JSON-RPC notification carrying an [`Event`].

@@ -58,25 +58,39 @@ pub async fn flatten(tool: &Tool, disks: Vec<FlatDisk>, within: Duration) -> Res
     .await
 }
 
-/// Writes an empty qcow2 of each size into each of `targets` (files of no length), in one QEMU
-/// without a guest: the targets of [`backup_live`].
+/// Writes an empty qcow2 of each size into each of `targets` (files of no length), recording
+/// the backing file given (absolute path and format; not opened), in one QEMU without a guest:
+/// the targets of [`backup_live`].
 ///
 /// # Errors
 /// QEMU's errors.
-pub async fn make_qcow2_targets(tool: &Tool, targets: Vec<(OwnedFd, u64)>) -> Result<(), DiskError> {
+pub async fn make_qcow2_targets(tool: &Tool, targets: Vec<QcowTarget>) -> Result<(), DiskError> {
     if targets.is_empty() {
         return Ok(());
     }
-    let sizes: Vec<u64> = targets.iter().map(|(_, b)| *b).collect();
-    let inputs = targets.into_iter().map(|(fd, _)| Input::Image(fd)).collect();
+    let rest: Vec<(u64, Option<(std::path::PathBuf, String)>)> =
+        targets.iter().map(|t| (t.bytes, t.backing.clone())).collect();
+    let inputs = targets.into_iter().map(|t| Input::Image(t.fd)).collect();
     super::bounded("create", async {
         let mut session = Session::start(tool, inputs, "create").await?;
-        for (i, bytes) in sizes.iter().enumerate() {
-            session.create_qcow2(i, *bytes, None, false).await?;
+        for (i, (bytes, backing)) in rest.iter().enumerate() {
+            let backing = backing.as_ref().map(|(p, f)| (p.as_path(), f.as_str()));
+            session.create_qcow2(i, *bytes, backing, false).await?;
         }
         session.finish().await
     })
     .await
+}
+
+/// An empty file to become a qcow2 for [`make_qcow2_targets`].
+#[derive(Debug)]
+pub struct QcowTarget {
+    /// The file, read-write.
+    pub fd: OwnedFd,
+    /// Its virtual size.
+    pub bytes: u64,
+    /// The backing file its header names (an overlay's copy names the overlay's base).
+    pub backing: Option<(std::path::PathBuf, String)>,
 }
 
 /// One disk of a running VM to copy.
@@ -88,6 +102,9 @@ pub struct LiveDisk {
     pub target: OwnedFd,
     /// `qcow2` or `raw`.
     pub format: &'static str,
+    /// `full` (everything the guest reads) or `top` (what the disk's own file holds, not its
+    /// backing: an overlay's copy, whose header names the same base).
+    pub sync: &'static str,
 }
 
 /// What a live copy failed at.
@@ -123,15 +140,15 @@ fn names(i: usize) -> (String, String) {
     (format!("vmhost-export{i}"), format!("vmhost-export-job{i}"))
 }
 
-/// The `transaction` that starts one full copy per disk at the same instant.
-pub fn transaction(devices: &[&str]) -> Value {
-    let actions: Vec<Value> = devices
+/// The `transaction` that starts one copy per disk (device, sync mode) at the same instant.
+pub fn transaction(disks: &[(&str, &str)]) -> Value {
+    let actions: Vec<Value> = disks
         .iter()
         .enumerate()
-        .map(|(i, device)| {
+        .map(|(i, (device, sync))| {
             let (node, job) = names(i);
             json!({ "type": "blockdev-backup",
-                    "data": { "job-id": job, "device": device, "target": node, "sync": "full" } })
+                    "data": { "job-id": job, "device": device, "target": node, "sync": sync } })
         })
         .collect();
     json!({ "actions": actions })
@@ -152,11 +169,15 @@ pub async fn backup_live(q: &mut Qmp, disks: &[LiveDisk], within: Duration) -> R
             let (node, _) = names(i);
             let set = q.add_fd(disk.target.as_fd(), None, &node).await.map_err(step("add-fd"))?;
             sets.push(set);
-            let add = json!({ "driver": disk.format, "node-name": node, "discard": "unmap", "detect-zeroes": "unmap",
+            let mut add = json!({ "driver": disk.format, "node-name": node, "discard": "unmap", "detect-zeroes": "unmap",
                               "file": { "driver": "file", "filename": format!("/dev/fdset/{set}"), "locking": "off" } });
+            if disk.format == "qcow2" {
+                // A backing file its header names is the source's, never opened here.
+                add["backing"] = Value::Null;
+            }
             q.execute("blockdev-add", Some(add)).await.map_err(step("blockdev-add"))?;
         }
-        let devices: Vec<&str> = disks.iter().map(|d| d.device.as_str()).collect();
+        let devices: Vec<(&str, &str)> = disks.iter().map(|d| (d.device.as_str(), d.sync)).collect();
         q.execute("transaction", Some(transaction(&devices))).await.map_err(step("transaction"))?;
         wait_jobs(q, disks, within).await
     }

@@ -151,6 +151,19 @@ pub fn remove_leftovers(dir: &Path) {
     }
 }
 
+/// Removes the [`Temp`] files an interrupted copy to `file` left beside it.
+pub fn remove_leftovers_of(file: &Path) {
+    let (Some(dir), Some(name)) = (file.parent(), file.file_name().and_then(|n| n.to_str())) else { return };
+    for leftover in temp::leftovers(dir) {
+        let ours = leftover.file_name().and_then(|n| n.to_str()).is_some_and(|n| temp::is_temp_of(n, name));
+        if ours {
+            if let Err(e) = std::fs::remove_file(&leftover) {
+                tracing::warn!(path = %leftover.display(), error = %e, "cannot remove an interrupted copy");
+            }
+        }
+    }
+}
+
 /// What [`Store::verify`] found for one recorded image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {

@@ -24,6 +24,11 @@ pub(super) fn leftovers(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Whether `file_name` is a temp file [`Temp::create`] made for `name`.
+pub(super) fn is_temp_of(file_name: &str, name: &str) -> bool {
+    file_name.strip_prefix('.').and_then(|r| r.strip_prefix(name)).is_some_and(|r| r.starts_with(MARK))
+}
+
 /// A temp file for one image, removed when dropped unless [`Temp::place`]d.
 #[derive(Debug)]
 pub struct Temp {
@@ -102,6 +107,23 @@ impl Temp {
                 File::open(dir)?.sync_all()?;
             }
             std::fs::symlink_metadata(to)
+        })
+    }
+}
+
+impl Temp {
+    /// Renames the file over `to` (replacing what is there: a revert) and syncs the directory.
+    ///
+    /// # Errors
+    /// Rename errors; the temp file is then removed.
+    pub fn replace(mut self, to: &Path) -> io::Result<()> {
+        crate::blocking::run(|| {
+            std::fs::rename(&self.path, to)?;
+            self.placed = true;
+            if let Some(dir) = to.parent() {
+                File::open(dir)?.sync_all()?;
+            }
+            Ok(())
         })
     }
 }

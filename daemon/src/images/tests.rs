@@ -146,3 +146,22 @@ fn a_broken_records_file_stops_the_open() {
     std::fs::write(c.paths.state.join("images.json"), b"{not json").unwrap();
     assert!(Store::open(&c).unwrap_err().contains("images.json"));
 }
+
+#[test]
+fn the_leftovers_of_one_file_are_its_own_temp_files_only() {
+    let d = tempfile::tempdir().unwrap();
+    for f in [
+        ".web.qcow2.import-1-0",
+        ".web.qcow2.import-2-5",
+        ".webx.qcow2.import-1-0",
+        ".db.qcow2.import-1-1",
+        "web.qcow2",
+    ] {
+        std::fs::write(d.path().join(f), b"").unwrap();
+    }
+    remove_leftovers_of(&d.path().join("web.qcow2"));
+    let mut left: Vec<String> =
+        std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    left.sort();
+    assert_eq!(left, [".db.qcow2.import-1-1", ".webx.qcow2.import-1-0", "web.qcow2"]);
+}

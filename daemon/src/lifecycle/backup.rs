@@ -218,9 +218,18 @@ impl Manager {
             let fd = create_target(target, if raw { source.entry.virtual_size } else { 0 })?;
             if !raw {
                 let copy = fd.try_clone().map_err(|e| failed(format!("cannot duplicate a descriptor: {e}")))?;
-                qcow2.push((copy, source.entry.virtual_size));
+                qcow2.push(crate::disk::export::QcowTarget {
+                    fd: copy,
+                    bytes: source.entry.virtual_size,
+                    backing: None,
+                });
             }
-            disks.push(LiveDisk { device: source.device.clone(), target: fd, format: source.entry.format.as_str() });
+            disks.push(LiveDisk {
+                device: source.device.clone(),
+                target: fd,
+                format: source.entry.format.as_str(),
+                sync: "full",
+            });
         }
         crate::disk::export::make_qcow2_targets(&self.disk_tool(), qcow2)
             .await

@@ -262,6 +262,8 @@ impl Manager {
     /// # Errors
     /// 4001 step `data_disk` when a disk cannot be moved or deleted.
     pub(super) fn dispose_data_disks(&self, spec: &VmSpec) -> Result<Vec<PathBuf>, ApiError> {
+        // Snapshots are copies of the VM's disks: they go with them.
+        self.dispose_snapshots(&spec.name)?;
         let all: Vec<&DataDiskSpec> = spec.disks.iter().collect();
         let kept = self.let_go(&spec.name, &all)?;
         let paths = self.paths(&spec.name);

@@ -19,7 +19,7 @@
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
 //! `host.stats`), [`images`] (the image store with the VMs that use each image), [`backup`]
-//! (`vm.export`, `vm.import`), [`teardown`] (what every path that ends a QEMU gives back, in one order),
+//! (`vm.export`, `vm.import`), [`snapshots`] (`vm.snapshot`, `vm.revert`, ...), [`teardown`] (what every path that ends a QEMU gives back, in one order),
 //! [`undo`] (the undo stack a create or start pushes its steps onto, unwound on failure),
 //! [`registry`] (records, their files and the views readers are served), [`processes`] (the
 //! QEMU processes: started, found, checked, killed).
@@ -40,6 +40,7 @@ mod recover;
 mod registry;
 mod root_disk;
 mod shutdown;
+mod snapshots;
 mod stats;
 mod teardown;
 mod undo;

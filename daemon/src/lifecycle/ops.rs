@@ -174,6 +174,7 @@ impl Manager {
     /// The steps of a start with the busy flag held; `reason` is the events' reason.
     pub(super) async fn start_held(self: &Arc<Self>, _g: &OpGuard, name: &str, reason: &str) -> Result<bool, ApiError> {
         let rec = self.record(name)?;
+        Self::check_not_reverting(&rec)?;
         let state_changed = rec.spec.state != DesiredState::Running;
         if let Some(id) = self.find_live(name, rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {

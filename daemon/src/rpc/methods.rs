@@ -229,6 +229,27 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
             Err(e) => call(Err(e)),
         }
     })?;
+    m.register_async_method("vm.snapshot", |params, mgr, _| async move {
+        match parse_params::<crate::api::snapshots::SnapshotParams>(&params) {
+            Ok(p) => call(mgr.snapshot(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_method("vm.snapshots", |params, mgr, _| {
+        call(parse_params::<NameParams>(&params).and_then(|p| crate::blocking::run(|| mgr.snapshots(&p.name))))
+    })?;
+    m.register_async_method("vm.revert", |params, mgr, _| async move {
+        match parse_params::<crate::api::snapshots::SnapshotParams>(&params) {
+            Ok(p) => call(mgr.revert(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
+    m.register_async_method("vm.snapshot_delete", |params, mgr, _| async move {
+        match parse_params::<crate::api::snapshots::SnapshotParams>(&params) {
+            Ok(p) => call(mgr.snapshot_delete(p).await),
+            Err(e) => call(Err(e)),
+        }
+    })?;
     m.register_subscription(
         "events.subscribe",
         EVENT_NOTIFICATION,

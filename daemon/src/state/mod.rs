@@ -75,6 +75,11 @@ pub struct VmRecord {
     /// The root disk a `boot.disk` import moved in, named before the move.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub root_disk: Option<RootDisk>,
+    /// A `vm.revert` to this snapshot began replacing the VM's disks and has not finished:
+    /// the disks may be part old, part reverted, so the VM is not started until a revert
+    /// completes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverting: Option<String>,
 }
 
 /// A `boot.disk` VM's root disk: `STATE/disks/NAME/root.FORMAT`, moved in from the import
@@ -120,6 +125,7 @@ impl VmRecord {
             new_disks: Vec::new(),
             reclaimed_disks: Vec::new(),
             root_disk: None,
+            reverting: None,
         }
     }
 

@@ -90,12 +90,12 @@ async fn a_layer_qemu_cannot_read_fails_the_copy() {
 
 #[test]
 fn one_transaction_starts_every_copy() {
-    let t = transaction(&["virtio0", "data-nsm"]);
+    let t = transaction(&[("virtio0", "top"), ("data-nsm", "full")]);
     assert_eq!(
         t,
         json!({"actions": [
             {"type": "blockdev-backup", "data": {"job-id": "vmhost-export-job0", "device": "virtio0",
-             "target": "vmhost-export0", "sync": "full"}},
+             "target": "vmhost-export0", "sync": "top"}},
             {"type": "blockdev-backup", "data": {"job-id": "vmhost-export-job1", "device": "data-nsm",
              "target": "vmhost-export1", "sync": "full"}}
         ]})
