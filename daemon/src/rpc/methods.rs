@@ -91,8 +91,15 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
                 .run(|| async move {
                     tracing::debug!("host check running");
                     let networks = mgr.host_net().probe_networks(mgr.config()).await;
-                    crate::preflight::check(mgr.config(), &mgr.broken_records(), &networks, mgr.binary_integrity())
-                        .await
+                    let uefi_vms = mgr.uefi_vms();
+                    crate::preflight::check(
+                        mgr.config(),
+                        &mgr.broken_records(),
+                        &networks,
+                        mgr.binary_integrity(),
+                        &uefi_vms,
+                    )
+                    .await
                 })
                 .await;
             call(report.ok_or_else(|| ApiError::internal("the host check failed unexpectedly")))
