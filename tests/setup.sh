@@ -6,11 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Every command the tests and the demo need, with the Debian package that provides it.
+# Every command the tests and the demo need, with the Debian package that provides it; an
+# absolute path is a file instead (OVMF: the UEFI test's firmware, vmhostd's [firmware] default).
 required=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static ip:iproute2
     strip:binutils cpio:cpio depmod:kmod socat:socat puppet:puppet rubocop:rubocop
     systemd-analyze:systemd systemd-socket-activate:systemd systemd-nspawn:systemd-container
-    adduser:adduser)
+    adduser:adduser /usr/share/OVMF/OVMF_CODE_4M.fd:ovmf /usr/share/OVMF/OVMF_VARS_4M.fd:ovmf)
 
 # Sets `missing_commands` to the required commands not found and `missing` to their packages
 # (each once). QEMU and qemu-utils are a pair: when either is needed both are installed in one
@@ -23,7 +24,11 @@ find_missing() {
     hash -r
     for pair in "${required[@]}"; do
         cmd=${pair%%:*} pkg=${pair#*:}
-        if command -v "$cmd" >/dev/null 2>&1 || [ -x "/bin/$cmd" ]; then continue; fi
+        if [[ $cmd == /* ]]; then
+            [ -f "$cmd" ] && continue
+        elif command -v "$cmd" >/dev/null 2>&1 || [ -x "/bin/$cmd" ]; then
+            continue
+        fi
         missing_commands+=("$cmd")
         [[ " ${missing[*]} " == *" $pkg "* ]] || missing+=("$pkg")
     done

@@ -239,6 +239,29 @@ impl Default for QemuConfig {
     }
 }
 
+/// `[firmware]`: the OVMF files a VM with `boot.firmware = "uefi"` runs (docs/images.md).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FirmwareConfig {
+    /// OVMF's code, handed to QEMU read-only as the first flash device (`pflash0`).
+    pub uefi_code: PathBuf,
+    /// The variables store template: each UEFI VM gets a copy of its own at its first start
+    /// ([`crate::qemu::argv::VmPaths::uefi_vars`]), the second flash device. Its size must
+    /// match `uefi_code`'s build (the 4M pair by default).
+    pub uefi_vars: PathBuf,
+}
+
+/// Debian's (package `ovmf`) OVMF build without Secure Boot, 4 MiB flash layout.
+pub const DEFAULT_UEFI_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
+/// The variables template that pairs with [`DEFAULT_UEFI_CODE`].
+pub const DEFAULT_UEFI_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+
+impl Default for FirmwareConfig {
+    fn default() -> Self {
+        FirmwareConfig { uefi_code: DEFAULT_UEFI_CODE.into(), uefi_vars: DEFAULT_UEFI_VARS.into() }
+    }
+}
+
 /// `[lifecycle]`: what vmhostd does with VMs on its own.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -403,6 +426,8 @@ struct RawConfig {
     #[serde(default)]
     qemu: QemuConfig,
     #[serde(default)]
+    firmware: FirmwareConfig,
+    #[serde(default)]
     access: Access,
     #[serde(default)]
     lifecycle: LifecycleConfig,
@@ -479,6 +504,8 @@ pub struct Config {
     pub paths: Paths,
     /// `[qemu]`.
     pub qemu: QemuConfig,
+    /// `[firmware]`.
+    pub firmware: FirmwareConfig,
     /// `qemu.user` resolved to ids by [`Config::load`]; `None` from [`Config::parse`] alone,
     /// and then QEMU runs as the daemon's user (unit tests).
     pub qemu_user: Option<UserIds>,
@@ -550,6 +577,16 @@ impl Config {
         ] {
             if !p.is_absolute() {
                 return Err(key_err(key, format!("{} is not an absolute path", p.display())));
+            }
+        }
+        for (key, p) in
+            [("firmware.uefi_code", &raw.firmware.uefi_code), ("firmware.uefi_vars", &raw.firmware.uefi_vars)]
+        {
+            // Lexical, like paths.boot: Landlock grants the directory the path names
+            // (docs/sandbox.md), which a `..` would make another one than it looks.
+            let text = p.to_string_lossy();
+            if !p.is_absolute() || text.split('/').any(|c| c == "." || c == "..") || p.file_name().is_none() {
+                return Err(key_err(key, format!("{text:?} is not an absolute file path without . or .. components")));
             }
         }
         if !raw.images.curl.is_absolute() {
@@ -757,6 +794,7 @@ impl Config {
             seccomp: raw.seccomp,
             paths: raw.paths,
             qemu: raw.qemu,
+            firmware: raw.firmware,
             qemu_user: None,
             access: raw.access,
             lifecycle: raw.lifecycle,
@@ -1057,6 +1095,33 @@ reserved_memory_gib = 8
             let (key, _) = key_error(&format!("[paths]\nboot = [\"/ok\", \"{bad}\"]\n{hw}"));
             assert_eq!(key, "paths.boot[1]", "{bad}");
         }
+    }
+
+    #[test]
+    fn uefi_firmware_files_default_to_debians_ovmf_and_must_be_absolute() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(hw).unwrap();
+        assert_eq!(c.firmware.uefi_code, PathBuf::from("/usr/share/OVMF/OVMF_CODE_4M.fd"));
+        assert_eq!(c.firmware.uefi_vars, PathBuf::from("/usr/share/OVMF/OVMF_VARS_4M.fd"));
+        let c =
+            parse(&format!("[firmware]\nuefi_code = \"/opt/edk2/code.fd\"\nuefi_vars = \"/opt/edk2/vars.fd\"\n{hw}"))
+                .unwrap();
+        assert_eq!(
+            (c.firmware.uefi_code.as_path(), c.firmware.uefi_vars.as_path()),
+            (Path::new("/opt/edk2/code.fd"), Path::new("/opt/edk2/vars.fd"))
+        );
+        for (key, bad) in [
+            ("uefi_code", "OVMF_CODE_4M.fd"),
+            ("uefi_vars", "/usr/share/OVMF/../x.fd"),
+            ("uefi_code", "/"),
+            ("uefi_vars", "/usr/./share/vars.fd"),
+        ] {
+            let (got, problem) = key_error(&format!("[firmware]\n{key} = \"{bad}\"\n{hw}"));
+            assert_eq!(got, format!("firmware.{key}"), "{bad}");
+            assert!(problem.contains("absolute"), "{problem}");
+        }
+        let (key, _) = key_error(&format!("[firmware]\nsecure_boot = true\n{hw}"));
+        assert_eq!(key, "firmware.secure_boot");
     }
 
     #[test]

@@ -478,6 +478,7 @@ mod tests {
             ("hardware", |s| s.hardware.sfp = vec![5]),
             ("pci", |s| s.pci = vec!["0000:00:05.0".into()]),
             ("boot.cmdline", |s| s.boot.cmdline = Some("quiet".into())),
+            ("boot.firmware", |s| s.boot.firmware = crate::api::Firmware::Uefi),
             ("disks", |s| s.disks = vec![disk("d", 1, crate::api::DiskFormat::Raw)]),
             ("nics", |s| {
                 s.nics = vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }]
@@ -815,6 +816,26 @@ mod tests {
         let mut k = spec("a");
         k.boot.cmdline = Some("console=ttyS0 quiet".into());
         assert!(matches!(classify(&spec("a"), &k).unwrap(), Change::Reconfigure { restart: true, .. }));
+    }
+
+    #[test]
+    fn a_firmware_change_restarts_the_vm_and_keeps_its_disk() {
+        use crate::api::Firmware;
+        for bios in [spec("a"), image_spec("a", "base.qcow2", 10)] {
+            let mut uefi = bios.clone();
+            uefi.boot.firmware = Firmware::Uefi;
+            let want = Change::Reconfigure { fields: vec!["boot.firmware".into()], restart: true };
+            assert_eq!(classify(&bios, &uefi).unwrap(), want);
+            assert_eq!(classify(&uefi, &bios).unwrap(), want, "and back");
+            assert!(restart_needed(&bios, &uefi));
+            // With a live change (a larger disk) it still restarts.
+            let mut grown = uefi.clone();
+            grown.boot.disk_gib = grown.boot.disk_gib.map(|g| g + 1);
+            assert!(matches!(classify(&bios, &grown).unwrap(), Change::Reconfigure { restart: true, .. }));
+            // A reconcile plans it as a restarting reconfigure of a running VM.
+            let p = plan_reconcile(&config(), &[uefi.clone()], &cur(&[(bios, VmStatus::Running)]), false, false);
+            assert_eq!((p[0].action, p[0].restart, p[0].error.clone()), (PlanAction::Reconfigure, Some(true), None));
+        }
     }
 
     #[test]

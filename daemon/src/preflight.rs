@@ -166,6 +166,43 @@ async fn vfio(config: &Config) -> Vec<CheckItem> {
     vec![iommu, driver, container]
 }
 
+/// The `[firmware]` files a UEFI VM needs, opened as a launch opens them. Without them only
+/// UEFI VMs cannot start: the item fails only when a VM (`uefi_vms`, by name) uses UEFI, and is
+/// otherwise `ok` with what is wrong and how to fix it.
+fn uefi_firmware(config: &Config, uefi_vms: &[String]) -> CheckItem {
+    const NAME: &str = "uefi_firmware";
+    let f = &config.firmware;
+    let e = match crate::qemu::firmware::check(f) {
+        Ok(p) => {
+            return item(
+                NAME,
+                CheckStatus::Ok,
+                format!(
+                    "{} ({} bytes) and {} ({} bytes) readable",
+                    f.uefi_code.display(),
+                    p.code_bytes,
+                    f.uefi_vars.display(),
+                    p.vars_bytes
+                ),
+            )
+        }
+        Err(e) => e,
+    };
+    if uefi_vms.is_empty() {
+        return item(NAME, CheckStatus::Ok, format!("needed only for boot.firmware uefi, which no VM uses: {e}"));
+    }
+    let status = match &e {
+        crate::qemu::firmware::FirmwareError::Missing { .. } => CheckStatus::Missing,
+        crate::qemu::firmware::FirmwareError::Unreadable { source, .. }
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            CheckStatus::Denied
+        }
+        _ => CheckStatus::Error,
+    };
+    item(NAME, status, format!("{e}; boot.firmware uefi is used by {}", uefi_vms.join(", ")))
+}
+
 fn records(broken: &[BrokenRecord]) -> CheckItem {
     if broken.is_empty() {
         return item("vm_records", CheckStatus::Ok, "all VM records readable");
@@ -184,13 +221,15 @@ fn networks(states: &[NetworkState]) -> Vec<CheckItem> {
         .collect()
 }
 
-/// Runs every preflight check; `networks` is what the network owner found at its last check.
+/// Runs every preflight check; `networks` is what the network owner found at its last check,
+/// `uefi_vms` the VMs whose spec asks for UEFI firmware.
 pub async fn check(
     config: &Config,
     broken: &[BrokenRecord],
     network_states: &[NetworkState],
     integrity: &crate::qemu::integrity::Integrity,
     images: CheckItem,
+    uefi_vms: &[String],
 ) -> HostCheck {
     let mut items = vec![
         binary_version("qemu", &config.qemu.binary).await,
@@ -203,6 +242,7 @@ pub async fn check(
     ];
     items.extend(integrity.items(config));
     items.push(images);
+    items.push(uefi_firmware(config, uefi_vms));
     items.extend(networks(network_states));
     items.extend(vfio(config).await);
     items.extend(crate::sandbox::report::items(config, &crate::sandbox::state()));
@@ -227,7 +267,7 @@ mod tests {
         c.paths.state = d.path().to_path_buf();
         c.paths.run = d.path().join("absent");
         c.paths.images = d.path().join("absent-images");
-        let r = check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item()).await;
+        let r = check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item(), &[]).await;
         assert!(!r.ok);
         let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
         assert_eq!(status("qemu"), CheckStatus::Missing);
@@ -240,8 +280,40 @@ mod tests {
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "the probe file is removed");
         let broken = [BrokenRecord { path: "/x/a.json".into(), name: "a".into(), error: "bad".into() }];
         let nets = [NetworkState { name: "lan".into(), ready: false, detail: "bridge br0 does not exist".into() }];
-        let r = check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item()).await;
+        let r = check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item(), &[]).await;
         assert_eq!(r.items.iter().find(|i| i.name == "network.lan").unwrap().status, CheckStatus::Error);
         assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
+    }
+
+    #[test]
+    fn uefi_firmware_fails_only_when_a_vm_uses_it() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = config();
+        c.firmware.uefi_code = d.path().join("CODE.fd");
+        c.firmware.uefi_vars = d.path().join("VARS.fd");
+        let it = uefi_firmware(&c, &[]);
+        assert_eq!(it.status, CheckStatus::Ok);
+        assert!(
+            it.detail.contains("needed only for boot.firmware uefi") && it.detail.contains("ovmf"),
+            "{}",
+            it.detail
+        );
+        let it = uefi_firmware(&c, &["efi1".into(), "efi2".into()]);
+        assert_eq!(it.status, CheckStatus::Missing);
+        assert!(
+            it.detail.contains("CODE.fd does not exist") && it.detail.ends_with("used by efi1, efi2"),
+            "{}",
+            it.detail
+        );
+        std::fs::write(&c.firmware.uefi_code, [0u8; 16]).unwrap();
+        std::fs::create_dir(&c.firmware.uefi_vars).unwrap();
+        assert_eq!(uefi_firmware(&c, &["efi1".into()]).status, CheckStatus::Error, "a directory is no firmware");
+        std::fs::remove_dir(&c.firmware.uefi_vars).unwrap();
+        std::fs::write(&c.firmware.uefi_vars, [0u8; 8]).unwrap();
+        for vms in [vec![], vec!["efi1".to_string()]] {
+            let it = uefi_firmware(&c, &vms);
+            assert_eq!(it.status, CheckStatus::Ok);
+            assert!(it.detail.contains("(16 bytes)") && it.detail.contains("(8 bytes) readable"), "{}", it.detail);
+        }
     }
 }

@@ -182,6 +182,7 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
     }
     validate_raw_pci(spec, config)?;
     let boot = validate_boot(spec)?;
+    validate_firmware(spec, config)?;
     if let BootSource::Kernel { kernel, initrd, .. } = &boot {
         check_boot_dir("spec.boot.kernel", kernel, config)?;
         if let Some(initrd) = initrd {
@@ -385,6 +386,29 @@ fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
             Ok(BootSource::Kernel { kernel: kernel.clone(), initrd: b.initrd.clone(), cmdline })
         }
     }
+}
+
+/// `boot.firmware`: any firmware goes with any boot source (OVMF starts a direct kernel
+/// through its EFI stub, and an image or imported disk through its boot loader). UEFI needs a
+/// machine type with flash devices for OVMF's code and variables (`pflash0`, `pflash1`): `pc`
+/// and `q35` and their versioned names, not `microvm` or `isapc`.
+fn validate_firmware(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
+    if spec.boot.firmware != crate::api::Firmware::Uefi || has_pflash(&config.qemu.machine) {
+        return Ok(());
+    }
+    Err(ApiError::invalid(
+        "spec.boot.firmware",
+        format!(
+            "uefi needs a pc or q35 machine type (flash devices for OVMF); this host's qemu.machine is {:?}",
+            config.qemu.machine
+        ),
+    ))
+}
+
+/// True for the machine types that have the `pflash0`/`pflash1` properties: `pc`, `q35` and
+/// the versioned `pc-i440fx-*` and `pc-q35-*`.
+pub fn has_pflash(machine: &str) -> bool {
+    machine == "pc" || machine == "q35" || machine.starts_with("pc-")
 }
 
 /// `boot.disk`: a plain file name (as `boot.image`), alone (no image, kernel, initrd or
@@ -700,6 +724,33 @@ reserved_memory_gib = 4
         assert_eq!(err(&s), (2001, "spec.disks[0].name".into()));
         s.boot = BootSpec { image: Some("b.qcow2".into()), disk_gib: Some(1), ..BootSpec::default() };
         assert!(validate_spec(&s, &config()).is_ok(), "\"root\" is a fine data disk name otherwise");
+    }
+
+    #[test]
+    fn uefi_goes_with_every_boot_source_on_pc_and_q35_only() {
+        use crate::api::Firmware;
+        let image = BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(4), ..BootSpec::default() };
+        let disk = BootSpec { disk: Some("old.qcow2".into()), ..BootSpec::default() };
+        let mut c = config();
+        for boot in [spec("a").boot, image, disk] {
+            let mut s = spec("a");
+            s.boot = BootSpec { firmware: Firmware::Uefi, ..boot };
+            for machine in ["q35", "pc", "pc-q35-7.2", "pc-i440fx-7.2"] {
+                c.qemu.machine = machine.into();
+                let v = validate_spec(&s, &c).unwrap();
+                assert_eq!(v.spec.boot.firmware, Firmware::Uefi, "{machine}");
+            }
+            for machine in ["microvm", "isapc", "none"] {
+                c.qemu.machine = machine.into();
+                let e = validate_spec(&s, &c).unwrap_err();
+                assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.boot.firmware")), "{machine}");
+                assert!(e.message.contains(machine), "{}", e.message);
+                // BIOS runs on any machine type.
+                s.boot.firmware = Firmware::Bios;
+                assert!(validate_spec(&s, &c).is_ok(), "{machine}");
+                s.boot.firmware = Firmware::Uefi;
+            }
+        }
     }
 
     #[test]

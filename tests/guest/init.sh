@@ -3,6 +3,7 @@
 # Boot the kernel with console=ttyS0 so that everything below reaches the serial log.
 #
 # Console protocol (tests match on these):
+#   VMHOST-FIRMWARE efi|bios                               once, just before READY: how it booted
 #   VMHOST-GUEST-READY <kernel-version> <uptime-seconds>   once, when the guest is up
 #   VMHOST-GUEST-POWEROFF                                  ACPI power button pressed
 #   VMHOST-GUEST-SELF-POWEROFF                             powering off on its own (vmhost.poweroff)
@@ -111,6 +112,9 @@ for arg in $(cat /proc/cmdline); do
     esac
 done
 
+# The kernel has /sys/firmware/efi only when UEFI firmware (OVMF) started it through its EFI
+# stub; under SeaBIOS it was loaded the legacy way (boot.firmware, docs/images.md).
+if [ -d /sys/firmware/efi ]; then echo "VMHOST-FIRMWARE efi"; else echo "VMHOST-FIRMWARE bios"; fi
 read -r uptime _ </proc/uptime
 echo "VMHOST-GUEST-READY $(uname -r) $uptime"
 # Test hook: vmhost.poweroff makes a guest that powers itself off once it is up (a guest-initiated

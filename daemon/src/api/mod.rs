@@ -279,6 +279,37 @@ pub struct BootSpec {
     /// Kernel command line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cmdline: Option<String>,
+    /// The firmware QEMU boots with, whatever the boot source: `bios` (SeaBIOS, the default)
+    /// or `uefi` (OVMF, with a variables store of the VM's own, docs/images.md). Left out when
+    /// `bios`, so specs and records from before it existed compare equal.
+    #[serde(default, skip_serializing_if = "Firmware::is_default")]
+    pub firmware: Firmware,
+}
+
+/// `boot.firmware`: what QEMU runs before the guest's boot loader or kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Firmware {
+    /// SeaBIOS, QEMU's built-in BIOS (the default).
+    #[default]
+    Bios,
+    /// OVMF (EDK II for QEMU) from the host's `[firmware]` files, without Secure Boot.
+    Uefi,
+}
+
+impl Firmware {
+    /// True for the default (`bios`), which specs and views leave out.
+    pub fn is_default(&self) -> bool {
+        *self == Firmware::Bios
+    }
+
+    /// `bios` or `uefi`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Firmware::Bios => "bios",
+            Firmware::Uefi => "uefi",
+        }
+    }
 }
 
 /// What the daemon observes a VM to be.
@@ -816,6 +847,29 @@ mod tests {
         assert!(s.hardware.is_empty());
         let back: VmSpec = serde_json::from_value(serde_json::to_value(&s).unwrap()).unwrap();
         assert_eq!(back, s);
+    }
+
+    #[test]
+    fn firmware_defaults_to_bios_and_is_left_out_then() {
+        let j = serde_json::json!({"name": "a", "cpu": 1, "memory_mib": 64, "boot": {"kernel": "/k"}});
+        let s: VmSpec = serde_json::from_value(j.clone()).unwrap();
+        assert_eq!(s.boot.firmware, Firmware::Bios);
+        // A spec (or record) from before the field existed serializes exactly as it did.
+        assert_eq!(serde_json::to_value(&s).unwrap()["boot"], j["boot"]);
+        let mut uefi = j.clone();
+        uefi["boot"]["firmware"] = "uefi".into();
+        let s: VmSpec = serde_json::from_value(uefi.clone()).unwrap();
+        assert_eq!(s.boot.firmware, Firmware::Uefi);
+        assert_eq!(serde_json::to_value(&s).unwrap()["boot"], uefi["boot"]);
+        // An explicit bios is the default, left out on the way back.
+        let mut bios = j.clone();
+        bios["boot"]["firmware"] = "bios".into();
+        let s: VmSpec = serde_json::from_value(bios).unwrap();
+        assert_eq!(serde_json::to_value(&s).unwrap()["boot"], j["boot"]);
+        let mut bad = j;
+        bad["boot"]["firmware"] = "efi".into();
+        let e = serde_json::from_value::<VmSpec>(bad).unwrap_err().to_string();
+        assert!(e.contains("bios") && e.contains("uefi"), "{e}");
     }
 
     #[test]

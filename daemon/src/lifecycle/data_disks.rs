@@ -91,8 +91,10 @@ impl Manager {
     }
 
     /// Deletes files in the VM's data disk directory that no record names (a VM of this name
-    /// is being created, so none can be its own): a new VM never inherits a stranger's disk.
-    /// Kept disks are elsewhere and are not touched.
+    /// is being created, so none can be its own): a new VM never inherits a stranger's disk,
+    /// nor a UEFI variables store ([`VmPaths::uefi_vars`]) with a stranger's boot entries, which
+    /// is therefore not exempt (its own is copied at its first start). Kept disks are elsewhere
+    /// and are not touched.
     ///
     /// # Errors
     /// 4001 step `data_disk` when one cannot be deleted.
@@ -105,7 +107,7 @@ impl Manager {
         };
         for entry in entries {
             let path = entry.path();
-            tracing::warn!(vm = name, path = %path.display(), "removing an orphaned data disk");
+            tracing::warn!(vm = name, path = %path.display(), "removing an orphaned file of the VM's disk directory");
             remove_file(&path)?;
         }
         remove_if_empty(&dir);

@@ -1,7 +1,7 @@
 //! The steps that bring one VM's QEMU up and take it down, each with its undo.
 //!
 //! Order on the way up: boot files checked, overlay ([`Manager::ensure_overlay`]), data disks
-//! ([`super::data_disks`]), run dir,
+//! ([`super::data_disks`]), run dir, a UEFI VM's variables store ([`Manager::ensure_uefi_vars`]),
 //! QEMU launched and its identity recorded at once, QMP verified ([`Manager::launch_qemu`]; the
 //! process itself is [`super::processes`]'s). Teardown (`Processes::kill`, then
 //! [`super::teardown`]) is what rollback, stop and destroy share.
@@ -9,7 +9,7 @@
 use super::processes::Search;
 use super::undo::{Step, Undo};
 use super::{last_error, provisioning, Manager};
-use crate::api::{ApiError, Code, VmStatus};
+use crate::api::{ApiError, Code, Firmware, VmStatus};
 use crate::process::ProcessIdentity;
 use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
 use crate::qemu::launch::LaunchRequest;
@@ -52,15 +52,23 @@ async fn boot_file(
 
 impl Manager {
     /// Checks the files a launch of `vm` needs before anything is made: the QEMU binary is the
-    /// one `qemu.sha256` pins (QEMU also works the VM's image files), and the files the spec
-    /// names exist and, for a kernel and initrd, vmhostd can open them. Nothing is read yet:
-    /// the launch copies them.
+    /// one `qemu.sha256` pins (QEMU also works the VM's image files), the files the spec
+    /// names exist and, for a kernel and initrd, vmhostd can open them, and for a UEFI VM
+    /// vmhostd can open the `[firmware]` files. Nothing is read yet: the launch copies them.
     ///
     /// # Errors
     /// 4002 on `qemu.sha256` for another binary; 2001 naming the field of a missing or
-    /// unreadable file.
+    /// unreadable file (`spec.boot.firmware` for the firmware, with `details.path`).
     pub(super) async fn check_launch_files(&self, vm: &ValidSpec) -> Result<(), ApiError> {
         self.processes.integrity().verify_qemu()?;
+        if vm.spec.boot.firmware == Firmware::Uefi {
+            // The host's files, but the spec's choice: refused like a missing image, before
+            // anything is made (a BIOS VM never needs them).
+            crate::blocking::run(|| crate::qemu::firmware::check(&self.config.firmware)).map_err(|e| {
+                ApiError::invalid("spec.boot.firmware", format!("boot.firmware uefi: {e}"))
+                    .details(json!({ "path": e.path(), "config": e.key() }))
+            })?;
+        }
         match &vm.boot {
             BootSource::Image { image, .. } => {
                 let p = self.config.paths.images.join(image);
@@ -109,6 +117,40 @@ impl Manager {
             provisioning("disk", format!("cannot move the overlay into place: {e}"))
         })?;
         Ok(true)
+    }
+
+    /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars`, unless it has
+    /// one: the store is the guest's (boot entries, settings) and outlives restarts, until the
+    /// destroy ([`Manager::remove_run_files`]). A BIOS VM keeps a store it had (going back to
+    /// UEFI finds its settings). Nothing is recorded: the path follows from the name, and every
+    /// path that forgets a record removes it first.
+    ///
+    /// # Errors
+    /// 4001 step `firmware` when the directory or the copy cannot be made (nothing is left).
+    pub(super) fn ensure_uefi_vars(&self, vm: &ValidSpec) -> Result<(), ApiError> {
+        if vm.spec.boot.firmware != Firmware::Uefi {
+            return Ok(());
+        }
+        let paths = self.paths(&vm.spec.name);
+        let vars = paths.uefi_vars();
+        crate::blocking::run(|| {
+            if vars.exists() {
+                return Ok(());
+            }
+            crate::state::dirs::private_dir(&paths.disk_dir)?;
+            crate::qemu::firmware::copy_vars(&self.config.firmware.uefi_vars, &vars, &paths.partial_uefi_vars())
+        })
+        .map_err(|e| {
+            provisioning(
+                "firmware",
+                format!(
+                    "cannot copy the UEFI variables store {} to {}: {e}",
+                    self.config.firmware.uefi_vars.display(),
+                    vars.display()
+                ),
+            )
+        })?;
+        Ok(())
     }
 
     /// The live QEMU of VM `name`, if any: the recorded identity while it still runs. Only for a
@@ -185,6 +227,7 @@ impl Manager {
             // A kernel VM whose user_data was dropped: its old seed (and the text in it) goes.
             let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
         }
+        self.ensure_uefi_vars(vm)?;
         // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
         // failure below removes the taps: they are not persistent.
         let fds = self.net.attach_nics(&self.config, &name, &vm.spec.nics, &allocs).await?;
@@ -221,7 +264,9 @@ impl Manager {
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
     /// initrd (copied here when this file version has no copy yet) and, with `user_data`, the
     /// seed, for a `boot.disk` VM its
-    /// root disk (read-write and read-only), and the data disks (read-write and read-only).
+    /// root disk (read-write and read-only), the data disks (read-write and read-only), and for
+    /// a UEFI VM the firmware code (read-only) and its variables store (read-write and
+    /// read-only).
     /// Also returns the base image's format (a `boot.disk` VM: its root disk's).
     ///
     /// # Errors
@@ -316,6 +361,9 @@ impl Manager {
                     let Some(root) = &root else { continue };
                     read_only(root)?
                 }
+                PassedFd::UefiCode => read_only(&self.config.firmware.uefi_code)?,
+                PassedFd::UefiVars => read_write(&paths.uefi_vars())?,
+                PassedFd::UefiVarsRo => read_only(&paths.uefi_vars())?,
                 PassedFd::Kernel | PassedFd::Initrd => {
                     let BootSource::Kernel { kernel, initrd, .. } = &vm.boot else { continue };
                     let (field, path) = match (which, initrd) {

@@ -565,6 +565,16 @@ impl Manager {
             .collect()
     }
 
+    /// The VMs whose spec asks for UEFI firmware, by name, for `host.check`.
+    pub fn uefi_vms(&self) -> Vec<String> {
+        let t = self.lock();
+        t.vms
+            .values()
+            .filter(|r| r.spec.boot.firmware == crate::api::Firmware::Uefi)
+            .map(|r| r.spec.name.clone())
+            .collect()
+    }
+
     /// Records that could not be loaded, for `host.check`.
     pub fn broken_records(&self) -> Vec<BrokenRecord> {
         self.lock().broken.values().cloned().collect()

@@ -46,17 +46,32 @@ impl Manager {
     }
 
     /// Removes the files VM `name`'s QEMU ran on or wrote beside the record: the overlay (and
-    /// a half-made one), the seed, the serial and QEMU logs. The disks the VM owns (root, data)
-    /// stay: a destroy disposes of them next, a replace keeps them. Call only once no QEMU of
-    /// the VM runs.
+    /// a half-made one), a UEFI VM's variables store (and a half-made copy), the seed, the
+    /// serial and QEMU logs. The disks the VM owns (root, data) stay: a destroy disposes of
+    /// them next, a replace keeps them. The variables store goes with the overlay: its boot
+    /// entries name the disk a replace discards, and a new VM of the name must not inherit
+    /// them. Call only once no QEMU of the VM runs.
     ///
     /// # Errors
-    /// 4001 when an overlay cannot be removed (a seed or log that cannot is only logged).
+    /// 4001 when an overlay or the variables store cannot be removed (a seed or log that
+    /// cannot is only logged).
     pub(super) fn remove_run_files(&self, name: &str) -> Result<(), ApiError> {
         let paths = self.paths(name);
         for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
             crate::disk::remove_overlay(&overlay)
                 .map_err(|e| ApiError::new(Code::ProvisioningFailed, format!("cannot remove the overlay: {e}")))?;
+        }
+        for vars in [paths.uefi_vars(), paths.partial_uefi_vars()] {
+            match crate::blocking::run(|| std::fs::remove_file(&vars)) {
+                Ok(()) => tracing::info!(vm = name, path = %vars.display(), "removed the UEFI variables store"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(ApiError::new(
+                        Code::ProvisioningFailed,
+                        format!("cannot remove the UEFI variables store {}: {e}", vars.display()),
+                    ))
+                }
+            }
         }
         for file in [&paths.seed, &paths.serial_log, &paths.qemu_log] {
             match crate::blocking::run(|| std::fs::remove_file(file)) {

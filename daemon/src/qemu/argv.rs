@@ -10,8 +10,11 @@
 //! are listening sockets the daemon bound (`-chardev socket,fd=N`); the serial log, the overlay, its base image
 //! and the seed are fd sets (`-add-fd`, `/dev/fdset/N`). A direct-kernel VM's kernel and initrd
 //! are sealed in-memory copies ([`crate::qemu::boot_files`]) that QEMU's loader, which takes
-//! only a path, opens as `/proc/self/fd/N`.
+//! only a path, opens as `/proc/self/fd/N`. A UEFI VM's firmware (OVMF's code and the VM's own
+//! variables store) is two more fd sets under `-blockdev` nodes the machine's flash devices
+//! name.
 
+use crate::api::Firmware;
 use crate::config::{Accel, Config};
 use crate::nic::{kernel_ip_params, NicAlloc};
 use crate::qemu::boot_files::proc_path;
@@ -29,6 +32,17 @@ pub const DISK_DRIVE: &str = "virtio0";
 pub fn data_drive(name: &str) -> String {
     format!("data-{name}")
 }
+
+/// The file name of a UEFI VM's variables store in its disk directory
+/// ([`VmPaths::uefi_vars`]); no disk there can have it, since their extension is their format
+/// (`qcow2` or `raw`).
+pub const UEFI_VARS_FILE: &str = "uefi-vars.fd";
+
+/// The `-blockdev` node QEMU's first flash device (`pflash0`) reads OVMF's code from.
+pub const UEFI_CODE_NODE: &str = "uefi-code";
+
+/// The `-blockdev` node of the second flash device (`pflash1`), the VM's variables store.
+pub const UEFI_VARS_NODE: &str = "uefi-vars";
 
 /// virtio-serial port name the guest agent looks for.
 pub const AGENT_PORT_NAME: &str = "org.vmhost.agent.0";
@@ -103,6 +117,18 @@ impl VmPaths {
         self.disk_dir.join(format!("{}.{}", crate::validate::ROOT_DISK_NAME, format.as_str()))
     }
 
+    /// A UEFI VM's own variables store (OVMF's NVRAM: boot entries, settings),
+    /// `STATE/disks/NAME/uefi-vars.fd`: kept with its disks, from the first start to the
+    /// destroy.
+    pub fn uefi_vars(&self) -> PathBuf {
+        self.disk_dir.join(UEFI_VARS_FILE)
+    }
+
+    /// Where [`VmPaths::uefi_vars`] is copied before it is renamed into place.
+    pub fn partial_uefi_vars(&self) -> PathBuf {
+        self.disk_dir.join(format!("{UEFI_VARS_FILE}.partial"))
+    }
+
     /// Where a destroy keeps data disk `disk`: `STATE/kept-disks/NAME/DISK.FORMAT`.
     pub fn kept_disk(&self, disk: &crate::api::DataDiskSpec) -> PathBuf {
         self.kept_dir.join(disk.file_name())
@@ -158,6 +184,15 @@ pub enum PassedFd {
     RootDisk,
     /// The imported root disk, read-only, in the same fd set.
     RootDiskRo,
+    /// A UEFI VM's firmware code (`firmware.uefi_code`), read-only. The three UEFI entries
+    /// come after every other, so a BIOS VM's descriptors keep their numbers.
+    UefiCode,
+    /// The VM's UEFI variables store ([`VmPaths::uefi_vars`]), read-write: the guest's
+    /// firmware writes it.
+    UefiVars,
+    /// The variables store, read-only, in the same fd set (QEMU may open it read-only first,
+    /// as an image).
+    UefiVarsRo,
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -180,6 +215,9 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
     // the number it has without one.
     if matches!(vm.boot, BootSource::Kernel { .. }) && crate::seed::has_seed(vm) {
         fds.push(PassedFd::Seed);
+    }
+    if vm.spec.boot.firmware == Firmware::Uefi {
+        fds.extend([PassedFd::UefiCode, PassedFd::UefiVars, PassedFd::UefiVarsRo]);
     }
     fds
 }
@@ -216,7 +254,14 @@ pub fn build_argv(
     let mut a: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
     push(&["-name", &format!("guest={},debug-threads=on", spec.name)]);
-    push(&["-machine", &config.qemu.machine]);
+    let uefi = spec.boot.firmware == Firmware::Uefi;
+    if uefi {
+        // The machine's two flash devices are the blockdev nodes made below (validate.rs
+        // allows uefi only on machine types that have them).
+        push(&["-machine", &format!("{},pflash0={UEFI_CODE_NODE},pflash1={UEFI_VARS_NODE}", config.qemu.machine)]);
+    } else {
+        push(&["-machine", &config.qemu.machine]);
+    }
     push(&["-accel", config.qemu.accel.as_str()]);
     match (config.qemu.cpu_model.as_str(), config.qemu.accel) {
         ("", Accel::Kvm) => push(&["-cpu", "host"]),
@@ -252,6 +297,37 @@ pub fn build_argv(
     push(&["-device", "virtio-serial-pci,id=vser0"]);
     push(&["-chardev", &format!("socket,id=agent0,fd={},server=on,wait=off", fd(PassedFd::Agent))]);
     push(&["-device", &format!("virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}")]);
+    if uefi {
+        // OVMF's code read-only and the VM's variables store read-write, each a `file` node
+        // over its fd set under a `raw` node, as libvirt does with paths. QEMU never sees
+        // either path: the code's is only the fd set's description.
+        push(&["-add-fd", &fdset(PassedFd::UefiCode, &config.firmware.uefi_code)]);
+        let code_file = format!("{UEFI_CODE_NODE}-file");
+        push(&[
+            "-blockdev",
+            &serde_json::json!({"driver": "file", "node-name": code_file,
+                "filename": format!("/dev/fdset/{}", fd(PassedFd::UefiCode)), "read-only": true})
+            .to_string(),
+        ]);
+        push(&[
+            "-blockdev",
+            &serde_json::json!({"driver": "raw", "node-name": UEFI_CODE_NODE, "file": code_file, "read-only": true})
+                .to_string(),
+        ]);
+        push(&["-add-fd", &fdset(PassedFd::UefiVars, &paths.uefi_vars())]);
+        push(&["-add-fd", &format!("fd={},set={}", fd(PassedFd::UefiVarsRo), fd(PassedFd::UefiVars))]);
+        let vars_file = format!("{UEFI_VARS_NODE}-file");
+        push(&[
+            "-blockdev",
+            &serde_json::json!({"driver": "file", "node-name": vars_file,
+                "filename": format!("/dev/fdset/{}", fd(PassedFd::UefiVars))})
+            .to_string(),
+        ]);
+        push(&[
+            "-blockdev",
+            &serde_json::json!({"driver": "raw", "node-name": UEFI_VARS_NODE, "file": vars_file}).to_string(),
+        ]);
+    }
     for (i, nic) in nics.iter().enumerate() {
         let fd = fd(PassedFd::Tap(i));
         push(&["-netdev", &format!("tap,id=net{i},fd={fd}")]);
@@ -661,6 +737,73 @@ mod tests {
             .map(|o| o.into_string().unwrap())
             .collect();
         assert_eq!(value_after(&argv, "-drive"), ["file=/dev/fdset/6,if=none,id=virtio0,format=qcow2,discard=unmap"]);
+    }
+
+    #[test]
+    fn uefi_adds_the_flash_devices_after_every_other_descriptor() {
+        use crate::api::Firmware;
+        let c = config();
+        let mut s = spec("efi");
+        s.boot.firmware = Firmware::Uefi;
+        let uefi = [PassedFd::UefiCode, PassedFd::UefiVars, PassedFd::UefiVarsRo];
+        let v = validate_spec(&s, &c).unwrap();
+        assert_eq!(passed_fds(&v, 0), [KERNEL_ONLY_FDS.as_slice(), &uefi].concat());
+        let argv = argv_of(&s, &c);
+        assert_eq!(value_after(&argv, "-machine"), ["q35,pflash0=uefi-code,pflash1=uefi-vars"]);
+        assert_eq!(
+            value_after(&argv, "-add-fd"),
+            [
+                "fd=5,set=5,opaque=/var/lib/vmhost/logs/efi.serial.log",
+                "fd=10,set=10,opaque=/usr/share/OVMF/OVMF_CODE_4M.fd",
+                "fd=11,set=11,opaque=/var/lib/vmhost/disks/efi/uefi-vars.fd",
+                "fd=12,set=11"
+            ]
+        );
+        let nodes: Vec<serde_json::Value> =
+            value_after(&argv, "-blockdev").iter().map(|b| serde_json::from_str(b).unwrap()).collect();
+        assert_eq!(
+            nodes,
+            [
+                serde_json::json!({"driver": "file", "node-name": "uefi-code-file", "filename": "/dev/fdset/10", "read-only": true}),
+                serde_json::json!({"driver": "raw", "node-name": "uefi-code", "file": "uefi-code-file", "read-only": true}),
+                serde_json::json!({"driver": "file", "node-name": "uefi-vars-file", "filename": "/dev/fdset/11"}),
+                serde_json::json!({"driver": "raw", "node-name": "uefi-vars", "file": "uefi-vars-file"}),
+            ]
+        );
+        // QEMU opens no firmware path: the code's is only an fd set's description.
+        for a in argv.iter().filter(|a| a.contains("/usr/share/OVMF") || a.contains("uefi-vars.fd")) {
+            assert!(a.starts_with("fd=") && a.contains(",opaque="), "{a}");
+        }
+        // Everything a BIOS VM has keeps its number: the kernel, the monitors, the console.
+        assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/6"]);
+        assert!(argv.iter().any(|a| a == "socket,id=qmpst,fd=9,server=on,wait=off"), "{argv:?}");
+        // With a seed (user_data) and data disks: after those too.
+        s.user_data = Some("#cloud-config\n".into());
+        let v = validate_spec(&s, &c).unwrap();
+        assert_eq!(passed_fds(&v, 0), [KERNEL_ONLY_FDS.as_slice(), &[PassedFd::Seed], &uefi].concat());
+        // An image VM: after its overlay, base, seed and monitors.
+        s.user_data = None;
+        s.boot = BootSpec {
+            image: Some("base.qcow2".into()),
+            disk_gib: Some(4),
+            firmware: Firmware::Uefi,
+            ..BootSpec::default()
+        };
+        let v = validate_spec(&s, &c).unwrap();
+        let layout = passed_fds(&v, 0);
+        assert_eq!(layout[..10], passed_fds(&validate_spec(&bios(&s), &c).unwrap(), 0)[..]);
+        assert_eq!(layout[10..], uefi);
+        // A BIOS VM's command line has none of it.
+        let argv = argv_of(&bios(&s), &c);
+        assert_eq!(value_after(&argv, "-machine"), ["q35"]);
+        assert!(!argv.iter().any(|a| a.contains("uefi") || a.contains("OVMF") || a == "-blockdev"), "{argv:?}");
+    }
+
+    /// `s` with the default firmware.
+    fn bios(s: &crate::api::VmSpec) -> crate::api::VmSpec {
+        let mut b = s.clone();
+        b.boot.firmware = crate::api::Firmware::Bios;
+        b
     }
 
     #[test]

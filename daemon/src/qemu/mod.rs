@@ -1,7 +1,8 @@
-//! QEMU processes: the argv for a VM, launching it, and talking QMP to it.
+//! QEMU processes: the argv for a VM, the files it is handed, launching it, and talking QMP to it.
 
 pub mod argv;
 pub mod boot_files;
+pub mod firmware;
 pub mod hotplug;
 pub mod identity;
 pub mod integrity;

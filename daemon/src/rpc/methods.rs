@@ -92,12 +92,14 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
                     tracing::debug!("host check running");
                     let networks = mgr.host_net().probe_networks(mgr.config()).await;
                     let images = crate::blocking::run(|| mgr.image_check());
+                    let uefi_vms = mgr.uefi_vms();
                     crate::preflight::check(
                         mgr.config(),
                         &mgr.broken_records(),
                         &networks,
                         mgr.binary_integrity(),
                         images,
+                        &uefi_vms,
                     )
                     .await
                 })

@@ -132,17 +132,22 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
             "qemu.img_sha256: the binary is hashed for host.check",
         ),
     ];
-    for (_, binary, why) in pinned.into_iter().filter(|(on, _, _)| *on) {
-        // Opening the path follows a link, and Landlock checks where it leads: both directories.
-        let resolved = std::fs::canonicalize(binary).ok();
-        let mut dirs: Vec<PathBuf> = binary.parent().into_iter().map(Path::to_path_buf).collect();
-        if let Some(dir) = resolved.as_deref().and_then(Path::parent) {
-            if !dirs.iter().any(|d| d == dir) {
-                dirs.push(dir.to_path_buf());
+    // The UEFI firmware files, always (any VM may ask for UEFI): directories too, since a
+    // package upgrade renames new files in. Skipped while OVMF is not installed; host.check
+    // then says to restart vmhostd after installing it.
+    let firmware = [
+        (true, &config.firmware.uefi_code, "firmware.uefi_code: OVMF's code, handed to UEFI VMs' QEMU"),
+        (
+            true,
+            &config.firmware.uefi_vars,
+            "firmware.uefi_vars: the template each UEFI VM's variables store is copied from",
+        ),
+    ];
+    for (_, file, why) in pinned.into_iter().chain(firmware).filter(|(on, _, _)| *on) {
+        for dir in dirs_of(file) {
+            if !v.iter().any(|r| r.path == dir && r.access == Access::Read) {
+                v.push(rule(dir, Access::Read, why));
             }
-        }
-        for dir in dirs {
-            v.push(rule(dir, Access::Read, why));
         }
     }
     v.extend([
@@ -172,6 +177,19 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
         }
     }
     v
+}
+
+/// The directory of `file` and, when it is a link, the directory it leads to: opening the path
+/// follows the link, and Landlock checks where it leads.
+fn dirs_of(file: &Path) -> Vec<PathBuf> {
+    let resolved = std::fs::canonicalize(file).ok();
+    let mut dirs: Vec<PathBuf> = file.parent().into_iter().map(Path::to_path_buf).collect();
+    if let Some(dir) = resolved.as_deref().and_then(Path::parent) {
+        if !dirs.iter().any(|d| d == dir) {
+            dirs.push(dir.to_path_buf());
+        }
+    }
+    dirs
 }
 
 /// The spawner's rules (QEMU and modprobe inherit them): read and execute everywhere,
@@ -383,6 +401,9 @@ mod tests {
         assert_eq!(find("/etc/vmhost"), Some(Access::Read));
         assert_eq!(find("/dev/kvm"), None, "the daemon never opens /dev/kvm");
         assert_eq!(find("/dev/vfio"), None, "no passthrough configured");
+        // The UEFI firmware's directory, read-only, whether or not a VM uses it yet.
+        assert_eq!(find("/usr/share/OVMF"), Some(Access::Read));
+        assert!(!r.iter().any(|x| x.path == Path::new("/usr/share") || x.path == Path::new("/usr")), "nothing broad");
         assert!(!r.iter().any(|x| x.path.starts_with("/sys/bus/pci") && x.access == Access::WriteFiles));
         assert!(!r.iter().any(|x| x.path == Path::new("/") || x.path == Path::new("/etc")), "nothing broad");
         c.hardware.allow_raw_pci = true;
@@ -395,6 +416,27 @@ mod tests {
         assert_eq!(find("/sys/devices/pci0000:00/0000:00:05.0/driver_override"), Some(Access::WriteFiles));
         assert_eq!(find("/sys/devices/pci0000:00/0000:00:05.0"), None, "not the device's directory");
         assert_eq!(find("/sys/bus/pci/drivers"), None, "not every driver's bind and unbind");
+    }
+
+    #[test]
+    fn the_configured_firmware_directories_are_readable_where_links_lead_too() {
+        let d = tempfile::tempdir().unwrap();
+        let (share, edk2) = (d.path().join("share"), d.path().join("edk2"));
+        std::fs::create_dir_all(&share).unwrap();
+        std::fs::create_dir_all(&edk2).unwrap();
+        std::fs::write(edk2.join("CODE.fd"), b"").unwrap();
+        std::os::unix::fs::symlink(edk2.join("CODE.fd"), share.join("CODE.fd")).unwrap();
+        let mut c = config();
+        c.firmware.uefi_code = share.join("CODE.fd");
+        c.firmware.uefi_vars = share.join("VARS.fd");
+        let r = daemon_rules(&c, &[]);
+        let reads: Vec<&Path> = r
+            .iter()
+            .filter(|x| x.access == Access::Read && x.why.starts_with("firmware."))
+            .map(|x| x.path.as_path())
+            .collect();
+        // Each directory once, the link's target's too; not the default /usr/share/OVMF.
+        assert_eq!(reads, [share.as_path(), edk2.as_path()]);
     }
 
     /// A fake sysfs tree: a modelled NIC on e1000e, a disk on nvme, vfio-pci loaded.

@@ -242,6 +242,8 @@ Puppet::Type.newtype(:vmhost_vm) do
       (the kernel and initrd in one of the host's boot directories, vmhostd's `paths.boot`),
       or `{ 'disk' => 'old-vm.qcow2', 'disk_gib' => 40 }` to import an existing disk from the
       host's `paths.import` as the VM's own root disk (docs/storage.md; never changed later).
+      Any of them may add `'firmware' => 'uefi'` (OVMF, docs/images.md); leave it out for BIOS,
+      the default, which vmhostd leaves out of the recorded spec.
       Compared as a whole. Required to create a VM.
     DOC
     extend shape
