@@ -60,6 +60,13 @@ fn a_guest_reads_its_first_marker_again_after_a_revert_of_a_live_snapshot() {
     // Listed, deleted, gone with the VM.
     host.call("vm.snapshot", json!({"name": "db", "snapshot": "s2"}));
     assert_eq!(names(&host.call("vm.snapshots", json!({"name": "db"}))), ["s1", "s2"]);
+    let out = host.ctl(&["snapshots", "db"]);
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(table.lines().any(|l| l.starts_with("s2 ")) && table.contains("true"), "{table}");
+    let out = host.ctl(&["snapshot", "db", "s3"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("db: snapshot s3 taken (live)"), "{out:?}");
+    let out = host.ctl(&["snapshot-delete", "db", "s3"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("db: snapshot s3 deleted"), "{out:?}");
     assert_eq!(host.call("vm.snapshot_delete", json!({"name": "db", "snapshot": "s1"}))["changed"], true);
     assert_eq!(host.call_err("vm.revert", json!({"name": "db", "snapshot": "s1"})).0, 4040);
     let dir = host.state().join("snapshots").join("db");

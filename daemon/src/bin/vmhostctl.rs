@@ -168,6 +168,20 @@ enum Cmd {
         #[arg(long)]
         stopped: bool,
     },
+    /// Copy a VM's disks into a snapshot kept with it (a running VM's all at one instant).
+    Snapshot {
+        name: String,
+        snapshot: String,
+        /// Seconds the copy may take.
+        #[arg(long, default_value_t = 3600)]
+        timeout: u64,
+    },
+    /// A VM's snapshots, oldest first.
+    Snapshots { name: String },
+    /// Put a stopped VM's disks back as they were in a snapshot.
+    Revert { name: String, snapshot: String },
+    /// Delete a snapshot of a VM.
+    SnapshotDelete { name: String, snapshot: String },
     /// The image store: import (verified by sha256), list, delete.
     #[command(subcommand)]
     Image(ImageCmd),
@@ -420,6 +434,47 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         Cmd::Console { .. } => {}
         Cmd::Stats { name, prometheus } => stats_cmd(cli, &mut c, name.as_deref(), *prometheus)?,
         Cmd::Top { interval, iterations } => top_cmd(&mut c, *interval, *iterations)?,
+        Cmd::Snapshot { name, snapshot, timeout } => {
+            c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
+            let v: Value =
+                c.call("vm.snapshot", json!({ "name": name, "snapshot": snapshot, "timeout_s": timeout }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                say!("{name}: snapshot {snapshot} taken{}", if v["live"] == true { " (live)" } else { "" });
+            }
+        }
+        Cmd::Snapshots { name } => {
+            let v: Value = c.call("vm.snapshots", json!({ "name": name }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                let text = |x: &Value| x.as_str().map_or_else(|| "-".to_string(), str::to_string);
+                let rows = v
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|s| {
+                        let bytes: u64 =
+                            s["disks"].as_array().into_iter().flatten().filter_map(|d| d["bytes"].as_u64()).sum();
+                        vec![text(&s["name"]), text(&s["created_at"]), s["live"].to_string(), bytes.to_string()]
+                    })
+                    .collect();
+                print_table(&["SNAPSHOT", "TAKEN", "LIVE", "BYTES"], rows);
+            }
+        }
+        Cmd::Revert { name, snapshot } => {
+            c.set_timeout(Duration::from_secs(3600))?;
+            mutation(cli, &mut c, "vm.revert", json!({ "name": name, "snapshot": snapshot }))?
+        }
+        Cmd::SnapshotDelete { name, snapshot } => {
+            let v: Value = c.call("vm.snapshot_delete", json!({ "name": name, "snapshot": snapshot }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                say!("{name}: snapshot {snapshot} {}", if v["changed"] == true { "deleted" } else { "absent" });
+            }
+        }
         Cmd::Export { name, timeout } => {
             c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
             let v: Value = c.call("vm.export", json!({ "name": name, "timeout_s": timeout }))?;
