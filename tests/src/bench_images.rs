@@ -2,7 +2,9 @@
 //! an image of `mib` MiB (incompressible, no zero blocks) from a file in the import directory
 //! and from an http URL on loopback (curl as `qemu.user` into the daemon's pipe), each to the
 //! image recorded; and the same file through `sha256sum` alone, the floor of any verified copy.
-//! Prints figures; asserts nothing about time.
+//! Then a running VM whose data disk holds `mib` MiB of written data: `vm.snapshot` (live, its
+//! QEMU copying), `vm.export` (live) and, stopped, `vm.revert`. Prints figures; asserts nothing
+//! about time.
 
 use crate::{serve_http, sha256_file, HostOptions, TestHost};
 use serde_json::json;
@@ -74,4 +76,50 @@ pub fn images(rounds: usize, mib: usize) {
         floor.as_secs_f64() * 1000.0,
         mib as f64 / floor.as_secs_f64()
     );
+    disk_copies(&host, &source, rounds, mib);
+}
+
+/// A running VM whose raw data disk holds `mib` MiB of data (the noise file, written into the
+/// disk before the start): snapshot, export (both live) and revert (stopped), each timed.
+fn disk_copies(host: &TestHost, noise: &std::path::Path, rounds: usize, mib: usize) {
+    let gib = (mib as u64).div_ceil(1024).max(1);
+    let mut spec = host.kernel_spec("full");
+    spec["state"] = json!("stopped");
+    spec["disks"] = json!([{"name": "data", "size_gib": gib, "format": "raw"}]);
+    host.call("vm.create", json!({ "spec": spec }));
+    let disk = host.state().join("disks").join("full").join("data.raw");
+    let mut file = std::fs::OpenOptions::new().write(true).open(&disk).expect("open the data disk");
+    std::io::copy(&mut std::fs::File::open(noise).expect("open the noise"), &mut file).expect("fill the disk");
+    drop(file);
+    host.call("vm.start", json!({"name": "full"}));
+    let (mut snap, mut export, mut revert) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..rounds {
+        let t = Instant::now();
+        let s = host.call("vm.snapshot", json!({"name": "full", "snapshot": format!("s{i}")}));
+        snap.push(t.elapsed());
+        assert_eq!(s["live"], true, "{s}");
+        let t = Instant::now();
+        let e = host.call("vm.export", json!({"name": "full"}));
+        export.push(t.elapsed());
+        let _ = std::fs::remove_dir_all(e["path"].as_str().unwrap_or_default());
+    }
+    host.call("vm.stop", json!({"name": "full", "force": true}));
+    for i in 0..rounds {
+        let t = Instant::now();
+        host.call("vm.revert", json!({"name": "full", "snapshot": format!("s{i}")}));
+        revert.push(t.elapsed());
+    }
+    host.call("vm.destroy", json!({"name": "full"}));
+    println!();
+    println!("A VM with {mib} MiB written on its raw data disk, median of {rounds}");
+    println!("| operation | ms | MiB/s |");
+    println!("|---|---:|---:|");
+    for (what, took) in [
+        ("vm.snapshot, running (QEMU copies, then sha256)", snap),
+        ("vm.export, running", export),
+        ("vm.revert, stopped (copy out, sha256, rename)", revert),
+    ] {
+        let d = median(took);
+        println!("| {what} | {:.0} | {:.0} |", d.as_secs_f64() * 1000.0, mib as f64 / d.as_secs_f64());
+    }
 }
