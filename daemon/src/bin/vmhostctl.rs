@@ -449,15 +449,10 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             if cli.json {
                 out(&v);
             } else {
-                let text = |x: &Value| x.as_str().map_or_else(|| "-".to_string(), str::to_string);
-                let rows = v
-                    .as_array()
-                    .into_iter()
-                    .flatten()
+                let rows = elements(&v)
                     .map(|s| {
-                        let bytes: u64 =
-                            s["disks"].as_array().into_iter().flatten().filter_map(|d| d["bytes"].as_u64()).sum();
-                        vec![text(&s["name"]), text(&s["created_at"]), s["live"].to_string(), bytes.to_string()]
+                        let bytes: u64 = elements(&s["disks"]).filter_map(|d| d["bytes"].as_u64()).sum();
+                        vec![cell(&s["name"]), cell(&s["created_at"]), s["live"].to_string(), bytes.to_string()]
                     })
                     .collect();
                 print_table(&["SNAPSHOT", "TAKEN", "LIVE", "BYTES"], rows);
@@ -508,18 +503,14 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             if cli.json {
                 out(&v);
             } else {
-                let text = |x: &Value| x.as_str().map_or_else(|| "-".to_string(), str::to_string);
-                let rows = v
-                    .as_array()
-                    .into_iter()
-                    .flatten()
+                let rows = elements(&v)
                     .map(|i| {
-                        let users: Vec<String> = i["used_by"].as_array().into_iter().flatten().map(text).collect();
+                        let users: Vec<String> = elements(&i["used_by"]).map(cell).collect();
                         vec![
-                            text(&i["name"]),
+                            cell(&i["name"]),
                             i["bytes"].to_string(),
-                            text(&i["format"]),
-                            text(&i["sha256"]),
+                            cell(&i["format"]),
+                            cell(&i["sha256"]),
                             users.join(","),
                         ]
                     })
@@ -583,6 +574,16 @@ fn mutation(cli: &Cli, c: &mut Client, method: &str, params: Value) -> Result<()
         say!("kept data disk {}", kept.display());
     }
     Ok(())
+}
+
+/// A JSON string as a table cell, `-` for anything else (null).
+fn cell(x: &Value) -> String {
+    x.as_str().map_or_else(|| "-".to_string(), str::to_string)
+}
+
+/// The elements of a JSON array (none for anything else).
+fn elements(v: &Value) -> impl Iterator<Item = &Value> {
+    v.as_array().into_iter().flatten()
 }
 
 fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {

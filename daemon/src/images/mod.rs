@@ -164,19 +164,8 @@ pub fn remove_leftovers_of(file: &Path) {
     }
 }
 
-/// What [`Store::verify`] found for one recorded image.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
-    /// Its content has the recorded sha256.
-    Match,
-    /// Its content has another sha256 (`found`).
-    Mismatch {
-        /// The sha256 it has now.
-        found: String,
-    },
-    /// It is gone or cannot be read.
-    Unreadable(String),
-}
+/// What [`Store::verify`] found for one recorded image: what a check of a pinned binary finds.
+pub use crate::qemu::integrity::Verdict;
 
 /// The image store of one `paths.images`.
 #[derive(Debug)]
