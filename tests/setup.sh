@@ -8,10 +8,12 @@ cd "$(dirname "$0")/.."
 
 # Every command the tests and the demo need, with the Debian package that provides it; an
 # absolute path is a file instead (OVMF: the UEFI test's firmware, vmhostd's [firmware] default).
+# curl: image.import from a URL (tests/tests/images.rs).
 required=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static ip:iproute2
     strip:binutils cpio:cpio depmod:kmod socat:socat puppet:puppet rubocop:rubocop
     systemd-analyze:systemd systemd-socket-activate:systemd systemd-nspawn:systemd-container
-    adduser:adduser /usr/share/OVMF/OVMF_CODE_4M.fd:ovmf /usr/share/OVMF/OVMF_VARS_4M.fd:ovmf)
+    adduser:adduser curl:curl sha256sum:coreutils /usr/share/OVMF/OVMF_CODE_4M.fd:ovmf
+    /usr/share/OVMF/OVMF_VARS_4M.fd:ovmf)
 
 # Sets `missing_commands` to the required commands not found and `missing` to their packages
 # (each once). QEMU and qemu-utils are a pair: when either is needed both are installed in one
