@@ -258,6 +258,7 @@ mod tests {
             vm: "v".into(),
             spec,
             live: false,
+            frozen: Vec::new(),
             disks: vec![disk(DiskRole::Root, "root", DiskFormat::Qcow2), disk(DiskRole::Data, "nsm", DiskFormat::Raw)],
         }
     }

@@ -55,6 +55,8 @@ pub(crate) struct NoParams {}
 pub struct Agent {
     /// File locations.
     pub paths: Paths,
+    /// The file systems `fs.freeze` froze.
+    freezer: crate::freeze::Freezer,
 }
 
 /// Serializes a reply value.
@@ -70,7 +72,7 @@ fn netlink() -> Result<Netlink, RpcError> {
 impl Agent {
     /// An agent using `paths`.
     pub fn new(paths: Paths) -> Agent {
-        Agent { paths }
+        Agent { paths, freezer: crate::freeze::Freezer::default() }
     }
 
     /// `net.state` as a typed value.
@@ -123,6 +125,20 @@ impl Methods for Agent {
                 }
                 to_value(&result?)
             }
+            "fs.freeze" => {
+                let p: vmhost_agent_protocol::FreezeParams = parse_params(params)?;
+                let table = std::fs::read_to_string(self.paths.proc_root.join("mounts"))
+                    .map_err(|e| RpcError::internal(format!("cannot read the mount table: {e}")))?;
+                let mounts = self.freezer.freeze(&table, p.timeout_s)?;
+                log(&format!("fs.freeze: froze {mounts:?}"));
+                to_value(&vmhost_agent_protocol::FreezeReport { mounts })
+            }
+            "fs.thaw" => {
+                parse_params::<NoParams>(params)?;
+                let mounts = self.freezer.thaw();
+                log(&format!("fs.thaw: thawed {mounts:?}"));
+                to_value(&vmhost_agent_protocol::FreezeReport { mounts })
+            }
             _ => Err(RpcError::new(METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
         }
     }
@@ -146,7 +162,10 @@ mod tests {
         assert_eq!(v, json!({"jsonrpc": "2.0", "id": "sync-n1", "result": {"nonce": "n1"}}));
         let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"hello"}"#);
         assert_eq!(v["result"]["protocol_version"], 1);
-        assert_eq!(v["result"]["capabilities"], json!(["agent.info", "net.state", "net.check", "net.apply"]));
+        assert_eq!(
+            v["result"]["capabilities"],
+            json!(["agent.info", "net.state", "net.check", "net.apply", "fs.freeze"])
+        );
         let v = call(r#"{"jsonrpc":"2.0","id":2,"method":"agent.info","params":{}}"#);
         assert!(v["result"]["rss_kib"].as_u64().unwrap_or(0) > 0, "{v}");
     }

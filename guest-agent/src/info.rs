@@ -12,7 +12,7 @@ pub use vmhost_agent_protocol::{AgentInfo, Hello, PROTOCOL_VERSION};
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The method groups `hello` announces.
-pub const CAPABILITIES: [&str; 4] = ["agent.info", "net.state", "net.check", "net.apply"];
+pub const CAPABILITIES: [&str; 5] = ["agent.info", "net.state", "net.check", "net.apply", "fs.freeze"];
 
 /// The `hello` reply.
 pub fn hello() -> Hello {

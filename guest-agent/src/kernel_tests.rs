@@ -327,3 +327,94 @@ fn probes_use_raw_or_datagram_sockets_and_stay_bounded() {
         assert!(start.elapsed() < Duration::from_millis(900), "{:?}", start.elapsed());
     });
 }
+
+/// A 64 MiB ext4 on a loop device mounted at a temp directory; unmounted when dropped.
+struct LoopFs {
+    dir: tempfile::TempDir,
+    mounted: bool,
+}
+
+impl LoopFs {
+    fn new() -> LoopFs {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let image = dir.path().join("fs.img");
+        std::fs::File::create(&image).and_then(|f| f.set_len(64 << 20)).expect("image");
+        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image));
+        std::fs::create_dir(dir.path().join("mnt")).expect("mount point");
+        run(Command::new("mount").args(["-o", "loop"]).arg(&image).arg(dir.path().join("mnt")));
+        LoopFs { dir, mounted: true }
+    }
+
+    fn mnt(&self) -> std::path::PathBuf {
+        self.dir.path().join("mnt")
+    }
+
+    /// The device the kernel mounted it from, from /proc/self/mounts.
+    fn device(&self) -> String {
+        let mnt = self.mnt();
+        let mounts = std::fs::read_to_string("/proc/self/mounts").expect("mounts");
+        mounts
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == mnt.to_str())
+            .and_then(|l| l.split_whitespace().next())
+            .expect("the loop mount")
+            .to_string()
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        if self.mounted {
+            let _ = Command::new("umount").arg(self.mnt()).status();
+        }
+    }
+}
+
+fn run(cmd: &mut Command) {
+    let out = cmd.output().expect("run");
+    assert!(out.status.success(), "{cmd:?}: {out:?}");
+}
+
+/// FIFREEZE on `mnt` now: `EBUSY` when it is frozen already (then nothing changed), `Ok` when it
+/// was not (and it is thawed again right away).
+fn frozen(mnt: &std::path::Path) -> bool {
+    use std::os::fd::AsRawFd;
+    let dir = std::fs::File::open(mnt).expect("open the mount point");
+    // SAFETY: plain ioctls on our own descriptor.
+    let r = unsafe { libc::ioctl(dir.as_raw_fd(), 0xC004_5877, 0) };
+    if r == 0 {
+        unsafe { libc::ioctl(dir.as_raw_fd(), 0xC004_5878, 0) };
+        return false;
+    }
+    std::io::Error::last_os_error().raw_os_error() == Some(libc::EBUSY)
+}
+
+#[test]
+fn fs_freeze_freezes_a_real_file_system_and_thaws_it_or_lets_the_watchdog() {
+    let fs = LoopFs::new();
+    let proc_root = tempfile::tempdir().expect("tempdir");
+    let table = format!("proc /proc proc rw 0 0\n{} {} ext4 rw,relatime 0 0\n", fs.device(), fs.mnt().display());
+    std::fs::write(proc_root.path().join("mounts"), table).expect("mounts");
+    let mut agent = Agent::new(Paths { proc_root: proc_root.path().to_path_buf(), ..Paths::default() });
+    let call = |agent: &mut Agent, line: &str| -> Value {
+        serde_json::from_str(handle_line(line.as_bytes(), agent).expect("a reply").trim_start()).expect("JSON")
+    };
+
+    let v = call(&mut agent, r#"{"jsonrpc":"2.0","id":1,"method":"fs.freeze","params":{"timeout_s":30}}"#);
+    assert_eq!(v["result"]["mounts"], json!([fs.mnt().display().to_string()]), "{v}");
+    assert!(frozen(&fs.mnt()), "FIFREEZE again is EBUSY: it is frozen");
+    let v = call(&mut agent, r#"{"jsonrpc":"2.0","id":2,"method":"fs.thaw","params":{}}"#);
+    assert_eq!(v["result"]["mounts"], json!([fs.mnt().display().to_string()]), "{v}");
+    assert!(!frozen(&fs.mnt()), "thawed");
+    std::fs::write(fs.mnt().join("after"), b"x").expect("writable again");
+
+    // No thaw: the watchdog thaws it after timeout_s.
+    call(&mut agent, r#"{"jsonrpc":"2.0","id":3,"method":"fs.freeze","params":{"timeout_s":1}}"#);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while frozen(&fs.mnt()) {
+        assert!(Instant::now() < deadline, "the watchdog did not thaw the file system");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let v = call(&mut agent, r#"{"jsonrpc":"2.0","id":4,"method":"fs.thaw","params":{}}"#);
+    assert_eq!(v["result"]["mounts"], json!([]), "nothing left to thaw: {v}");
+}

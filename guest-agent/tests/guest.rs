@@ -278,7 +278,7 @@ fn agent_in_the_test_guest() {
     // hello and agent.info.
     let hello = timed("hello", || host.ok("hello", json!({})));
     assert_eq!(hello["protocol_version"], 1);
-    assert_eq!(hello["capabilities"], json!(["agent.info", "net.state", "net.check", "net.apply"]));
+    assert_eq!(hello["capabilities"], json!(["agent.info", "net.state", "net.check", "net.apply", "fs.freeze"]));
     assert_eq!(hello["agent_version"], env!("CARGO_PKG_VERSION"));
     let info = host.ok("agent.info", json!(null));
     assert_eq!(info["hostname"], "g", "{info}");
@@ -287,6 +287,11 @@ fn agent_in_the_test_guest() {
     let rss = info["rss_kib"].as_u64().expect("rss_kib");
     eprintln!("budget: agent RSS after start-up {rss} KiB");
     assert!(rss > 0 && rss <= RSS_BUDGET_KIB, "RSS {rss} KiB, budget {RSS_BUDGET_KIB}");
+
+    // fs.freeze and fs.thaw: the test guest's root is its initramfs (no block device), so there
+    // is nothing to freeze; the kernel test freezes a real ext4 (src/kernel_tests.rs).
+    assert_eq!(host.ok("fs.freeze", json!({"timeout_s": 5})), json!({"mounts": []}));
+    assert_eq!(host.ok("fs.thaw", json!({})), json!({"mounts": []}));
 
     // net.state: what ip= configured.
     let state = timed("net.state", || host.ok("net.state", json!({})));

@@ -114,3 +114,33 @@ fn an_image_vms_overlay_is_put_back_and_a_tampered_snapshot_changes_nothing() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[test]
+fn the_guest_agent_freezes_the_guests_file_systems_around_a_live_copy() {
+    let host = host();
+    let g = vmhost_tests::agent_guest();
+    let spec = json!({"name": "ag", "cpu": 1, "memory_mib": 256,
+        "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": "console=ttyS0 panic=-1 quiet"},
+        "disks": [{"name": "nsm", "size_gib": 1, "format": "raw"}]});
+    host.call("vm.create", json!({ "spec": spec }));
+    let deadline = std::time::Instant::now() + BOOT;
+    while host.call("vm.get", json!({"name": "ag"}))["agent"]["connected"] != true {
+        assert!(std::time::Instant::now() < deadline, "no agent: {}", host.serial("ag"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let s = host.call("vm.snapshot", json!({"name": "ag", "snapshot": "quiet"}));
+    // The test guest's root is its initramfs: nothing on a block device to freeze (the agent's
+    // kernel test freezes a real ext4); the agent says what it did on the console.
+    assert_eq!((&s["live"], &s["frozen"]), (&json!(true), &json!([])), "{s}");
+    assert!(host.wait_serial("ag", "fs.thaw: thawed", BOOT), "{}", host.serial("ag"));
+    let log = host.serial("ag");
+    let (freeze, thaw) = (log.find("fs.freeze: froze").unwrap(), log.find("fs.thaw: thawed").unwrap());
+    assert!(freeze < thaw, "frozen, then thawed: {log}");
+    let e = host.call("vm.export", json!({"name": "ag"}));
+    assert_eq!(e["manifest"]["frozen"], json!([]), "{e}");
+    let deadline = std::time::Instant::now() + BOOT;
+    while host.serial("ag").matches("fs.thaw: thawed").count() < 2 {
+        assert!(std::time::Instant::now() < deadline, "the export froze and thawed too: {}", host.serial("ag"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -76,8 +76,11 @@ pub struct Manifest {
     pub vm: String,
     /// The VM's spec as recorded.
     pub spec: VmSpec,
-    /// Copied while the guest ran (crash-consistent: every disk as at one instant).
+    /// Copied while the guest ran (every disk as at one instant).
     pub live: bool,
+    /// The guest's file systems its agent froze for that instant (empty: crash-consistent).
+    #[serde(default)]
+    pub frozen: Vec<String>,
     /// The disks, root first then data disks in spec order.
     pub disks: Vec<BackupDisk>,
 }

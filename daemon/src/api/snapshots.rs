@@ -29,6 +29,9 @@ pub struct Snapshot {
     pub created_at: String,
     /// Taken while the guest ran (every disk as at one instant).
     pub live: bool,
+    /// The guest's file systems its agent froze for that instant (empty: crash-consistent).
+    #[serde(default)]
+    pub frozen: Vec<String>,
     /// The VM's spec then: a revert needs the same disks.
     pub spec: VmSpec,
     /// Each disk's copy: `root` (an image VM's overlay, whose header names the same base image,

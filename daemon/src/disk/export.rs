@@ -1,11 +1,12 @@
 //! Flat copies of a VM's disks, for `vm.export` (docs/backup.md): a disk and the layers below it
 //! (an overlay and its base image) copied into one image with no backing file, by QEMU's
 //! `blockdev-backup` job: without a guest ([`flatten`], a stopped VM) or in the VM's own QEMU
-//! while the guest runs ([`backup_live`]: one transaction, so every disk is copied as it was at
+//! while the guest runs ([`start_live`]: one transaction, so every disk is copied as it was at
 //! the same instant).
 //!
 //! Order of use: the caller makes each target file (empty; a raw one `virtual_size` long), then
-//! [`flatten`] or [`backup_live`], then [`seal`] each target (its sha256; a raw one made sparse
+//! [`flatten`], or [`start_live`] and [`finish_live`] (the guest's file systems may be frozen
+//! just around the first), then [`seal`] each target (its sha256; a raw one made sparse
 //! again: QEMU writes the zeros it copies as allocated zero ranges). The sources are only read.
 
 use super::offline_qemu::{Input, Session};
@@ -60,7 +61,7 @@ pub async fn flatten(tool: &Tool, disks: Vec<FlatDisk>, within: Duration) -> Res
 
 /// Writes an empty qcow2 of each size into each of `targets` (files of no length), recording
 /// the backing file given (absolute path and format; not opened), in one QEMU without a guest:
-/// the targets of [`backup_live`].
+/// the targets of [`start_live`].
 ///
 /// # Errors
 /// QEMU's errors.
@@ -154,21 +155,27 @@ pub fn transaction(disks: &[(&str, &str)]) -> Value {
     json!({ "actions": actions })
 }
 
-/// Copies `disks` of the running QEMU behind `q` into their targets: the targets are added as
-/// nodes over new fd sets, one transaction starts every copy at the same instant (QEMU copies a
-/// block before the guest overwrites it), the jobs are awaited (`BLOCK_JOB_COMPLETED`), then the
-/// targets' nodes and fd sets are removed (also after a failure; a job still running is
-/// cancelled first).
+/// Copies started by [`start_live`]: the fd sets to remove when they are done.
+#[derive(Debug)]
+#[must_use = "finish_live removes the copies' nodes and descriptors from QEMU"]
+pub struct Started {
+    sets: Vec<u64>,
+}
+
+/// Starts copying `disks` of the running QEMU behind `q` into their targets: the targets are
+/// added as nodes over new fd sets and one transaction starts every copy at the same instant
+/// (QEMU copies a block before the guest overwrites it, so the copies are of that instant).
+/// Then [`finish_live`], also after an error of this one.
 ///
 /// # Errors
-/// [`LiveError`].
-pub async fn backup_live(q: &mut Qmp, disks: &[LiveDisk], within: Duration) -> Result<(), LiveError> {
-    let mut sets = Vec::new();
+/// [`LiveError::Qmp`]; the `Started` to finish comes with it.
+pub async fn start_live(q: &mut Qmp, disks: &[LiveDisk]) -> (Started, Result<(), LiveError>) {
+    let mut started = Started { sets: Vec::new() };
     let result = async {
         for (i, disk) in disks.iter().enumerate() {
             let (node, _) = names(i);
             let set = q.add_fd(disk.target.as_fd(), None, &node).await.map_err(step("add-fd"))?;
-            sets.push(set);
+            started.sets.push(set);
             let mut add = json!({ "driver": disk.format, "node-name": node, "discard": "unmap", "detect-zeroes": "unmap",
                               "file": { "driver": "file", "filename": format!("/dev/fdset/{set}"), "locking": "off" } });
             if disk.format == "qcow2" {
@@ -179,18 +186,37 @@ pub async fn backup_live(q: &mut Qmp, disks: &[LiveDisk], within: Duration) -> R
         }
         let devices: Vec<(&str, &str)> = disks.iter().map(|d| (d.device.as_str(), d.sync)).collect();
         q.execute("transaction", Some(transaction(&devices))).await.map_err(step("transaction"))?;
-        wait_jobs(q, disks, within).await
+        Ok(())
     }
     .await;
+    (started, result)
+}
+
+/// Waits up to `within` for the copies [`start_live`] started (when `result`, its outcome, is
+/// Ok), then removes the targets' nodes and fd sets (a job still running is cancelled first).
+///
+/// # Errors
+/// `result`'s error, or [`LiveError`] of the wait.
+pub async fn finish_live(
+    q: &mut Qmp,
+    started: Started,
+    disks: &[LiveDisk],
+    result: Result<(), LiveError>,
+    within: Duration,
+) -> Result<(), LiveError> {
+    let result = match result {
+        Ok(()) => wait_jobs(q, disks, within).await,
+        Err(e) => Err(e),
+    };
     if result.is_err() {
         for i in 0..disks.len() {
             let _ = q.execute("block-job-cancel", Some(json!({ "device": names(i).1, "force": true }))).await;
         }
     }
-    for i in 0..sets.len() {
+    for i in 0..started.sets.len() {
         let _ = q.execute("blockdev-del", Some(json!({ "node-name": names(i).0 }))).await;
     }
-    for set in sets {
+    for set in started.sets {
         let _ = q.execute("remove-fd", Some(json!({ "fdset-id": set }))).await;
     }
     result

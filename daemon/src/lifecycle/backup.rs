@@ -3,8 +3,8 @@
 //!
 //! An export holds the VM's busy flag for its whole length (nothing changes its disks
 //! meanwhile). A stopped VM's disks are copied by QEMU without a guest ([`crate::disk::export`]);
-//! a running VM's by its own QEMU, every disk as it was at one instant (crash-consistent: what
-//! the guest had not flushed is not in it). The boot disk becomes a flat qcow2 (an image VM's
+//! a running VM's by its own QEMU, every disk as it was at one instant, with the guest's file
+//! systems frozen for that instant when its agent can ([`super::live_copy`]). The boot disk becomes a flat qcow2 (an image VM's
 //! base flattened in, so the backup needs no image); data disks keep their format. Each copy
 //! is hashed (a raw one made sparse again), then the manifest and `SHA256SUMS` are written and
 //! the directory renamed into place ([`crate::backup`]).
@@ -19,7 +19,7 @@ use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
 use crate::api::disks::DiskFormat;
 use crate::api::{ApiError, BootSpec, Code, Mutation, VmSpec, VmStatus};
-use crate::disk::export::{FlatDisk, LiveDisk};
+use crate::disk::export::FlatDisk;
 use serde_json::json;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -127,11 +127,12 @@ impl Manager {
         let mut sources = self.export_sources(&spec).await?;
         let partial = self.backups.begin(&p.name)?;
         let targets: Vec<PathBuf> = sources.iter().map(|s| partial.dir().join(&s.entry.file)).collect();
-        if live {
-            self.export_live(&p.name, &mut sources, &targets, within).await?;
+        let frozen = if live {
+            self.export_live(&p.name, &mut sources, &targets, within).await?
         } else {
             self.export_stopped(&mut sources, &targets, within).await?;
-        }
+            Vec::new()
+        };
         for (source, target) in sources.iter_mut().zip(&targets) {
             let raw = source.entry.format == DiskFormat::Raw;
             let (sha256, bytes) = crate::blocking::run(|| {
@@ -151,6 +152,7 @@ impl Manager {
             vm: p.name.clone(),
             spec,
             live,
+            frozen,
             disks: sources.into_iter().map(|s| s.entry).collect(),
         };
         let backup = partial.name().to_string();
@@ -191,52 +193,32 @@ impl Manager {
         })
     }
 
-    /// Copies a running VM's disks in its own QEMU, all at one instant.
+    /// Copies a running VM's disks in its own QEMU, all at one instant
+    /// ([`super::live_copy`]); returns the mount points the guest froze.
     async fn export_live(
         &self,
         name: &str,
         sources: &mut [Source],
         targets: &[PathBuf],
         within: Duration,
-    ) -> Result<(), ApiError> {
-        let mut q = self.qmp(name, Duration::from_secs(5)).await.map_err(|e| failed(format!("QMP: {e}")))?;
-        let blocks = q.execute("query-block", None).await.map_err(|e| failed(format!("query-block: {e}")))?;
-        for source in sources.iter_mut() {
-            let found = blocks.as_array().into_iter().flatten().find(|b| {
-                b.get("device").and_then(|d| d.as_str()) == Some(source.device.as_str())
-                    || b.pointer("/inserted/node-name").and_then(|d| d.as_str()) == Some(source.device.as_str())
-            });
-            source.entry.virtual_size = found
-                .and_then(|b| b.pointer("/inserted/image/virtual-size"))
-                .and_then(|v| v.as_u64())
-                .ok_or_else(|| failed(format!("QEMU has no disk {}", source.device)))?;
-        }
-        let mut qcow2 = Vec::new();
-        let mut disks = Vec::new();
-        for (source, target) in sources.iter().zip(targets) {
-            let raw = source.entry.format == DiskFormat::Raw;
-            let fd = create_target(target, if raw { source.entry.virtual_size } else { 0 })?;
-            if !raw {
-                let copy = fd.try_clone().map_err(|e| failed(format!("cannot duplicate a descriptor: {e}")))?;
-                qcow2.push(crate::disk::export::QcowTarget {
-                    fd: copy,
-                    bytes: source.entry.virtual_size,
-                    backing: None,
-                });
-            }
-            disks.push(LiveDisk {
-                device: source.device.clone(),
-                target: fd,
-                format: source.entry.format.as_str(),
+    ) -> Result<Vec<String>, ApiError> {
+        let mut live: Vec<super::live_copy::Target> = sources
+            .iter()
+            .zip(targets)
+            .map(|(s, path)| super::live_copy::Target {
+                device: s.device.clone(),
+                path: path.clone(),
+                format: s.entry.format.as_str(),
+                backing: None,
                 sync: "full",
-            });
+                virtual_size: 0,
+            })
+            .collect();
+        let frozen = self.copy_disks_live(name, &mut live, within, "export").await?;
+        for (s, t) in sources.iter_mut().zip(&live) {
+            s.entry.virtual_size = t.virtual_size;
         }
-        crate::disk::export::make_qcow2_targets(&self.disk_tool(), qcow2)
-            .await
-            .map_err(|e| failed(format!("cannot make the copies: {e}")))?;
-        crate::disk::export::backup_live(&mut q, &disks, within)
-            .await
-            .map_err(|e| failed(format!("cannot copy the running VM's disks: {e}")))
+        Ok(frozen)
     }
 
     /// `vm.import` (module doc).

@@ -32,6 +32,7 @@ mod exits;
 mod hotplug;
 mod images;
 mod launch;
+mod live_copy;
 mod ops;
 mod processes;
 mod reconcile;

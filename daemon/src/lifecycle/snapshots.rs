@@ -3,8 +3,9 @@
 //!
 //! A snapshot is a directory `STATE/snapshots/VM/NAME/` with one copy per disk and
 //! `snapshot.json` (the spec then, each copy's sha256). Of a running VM, the copies are made by
-//! its own QEMU, every disk as at one instant (one QMP transaction: crash-consistent); of a
-//! stopped VM, by reading the files. An image VM's boot disk is copied as an overlay (only what
+//! its own QEMU, every disk as at one instant (one QMP transaction), with the guest's file
+//! systems frozen for that instant when its agent can ([`super::live_copy`]); of a stopped VM,
+//! by reading the files. An image VM's boot disk is copied as an overlay (only what
 //! the VM wrote; its header names the same base image, which the image store keeps from
 //! changing while VMs use it); a `boot.disk` root disk and data disks whole (raw ones sparse).
 //! Like a backup, a snapshot is written into `.NAME.partial` and renamed once whole.
@@ -21,7 +22,6 @@ use crate::api::backup::{BackupDisk, DiskRole};
 use crate::api::disks::DiskFormat;
 use crate::api::snapshots::{Snapshot, SnapshotDeleted, SnapshotParams};
 use crate::api::{ApiError, Code, Mutation, VmSpec, VmStatus};
-use crate::disk::export::{LiveDisk, QcowTarget};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -159,8 +159,8 @@ impl Manager {
         })
         .map_err(|e| failed(format!("cannot create {}: {e}", partial.display())))?;
         let mut cleanup = RemoveDir(Some(partial.clone()));
-        if live {
-            self.snapshot_live(&p.name, &mut disks, &partial, within).await?;
+        let frozen = if live {
+            self.snapshot_live(&p.name, &mut disks, &partial, within).await?
         } else {
             for d in &mut disks {
                 let mut temp = crate::images::Temp::create(&partial, &d.entry.file)
@@ -170,7 +170,8 @@ impl Manager {
                 temp.finish().map_err(|e| failed(format!("cannot write a copy: {e}")))?;
                 temp.place(&partial.join(&d.entry.file)).map_err(|e| failed(format!("cannot place a copy: {e}")))?;
             }
-        }
+            Vec::new()
+        };
         for d in &mut disks {
             let target = partial.join(&d.entry.file);
             let raw = d.entry.format == DiskFormat::Raw;
@@ -188,6 +189,7 @@ impl Manager {
             name: p.snapshot.clone(),
             created_at: crate::api::now_rfc3339(),
             live,
+            frozen,
             spec,
             disks: disks.into_iter().map(|d| d.entry).collect(),
         };
@@ -203,51 +205,32 @@ impl Manager {
         Ok(snapshot)
     }
 
-    /// Copies a running VM's disks in its QEMU, all at one instant.
+    /// Copies a running VM's disks in its QEMU, all at one instant ([`super::live_copy`]);
+    /// returns the mount points the guest froze.
     async fn snapshot_live(
         &self,
         name: &str,
         disks: &mut [Disk],
         partial: &Path,
         within: Duration,
-    ) -> Result<(), ApiError> {
-        let mut q = self.qmp(name, Duration::from_secs(5)).await.map_err(|e| failed(format!("QMP: {e}")))?;
-        let blocks = q.execute("query-block", None).await.map_err(|e| failed(format!("query-block: {e}")))?;
-        let mut qcow2 = Vec::new();
-        let mut live = Vec::new();
-        for d in disks.iter_mut() {
-            let found = blocks.as_array().into_iter().flatten().find(|b| {
-                b.get("device").and_then(|v| v.as_str()) == Some(d.device.as_str())
-                    || b.pointer("/inserted/node-name").and_then(|v| v.as_str()) == Some(d.device.as_str())
-            });
-            d.entry.virtual_size = found
-                .and_then(|b| b.pointer("/inserted/image/virtual-size"))
-                .and_then(|v| v.as_u64())
-                .ok_or_else(|| failed(format!("QEMU has no disk {}", d.device)))?;
-            let raw = d.entry.format == DiskFormat::Raw;
-            let target = partial.join(&d.entry.file);
-            let fd = crate::blocking::run(|| {
-                use std::os::unix::fs::OpenOptionsExt;
-                let f =
-                    std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&target)?;
-                f.set_len(if raw { d.entry.virtual_size } else { 0 })?;
-                Ok::<_, std::io::Error>(std::os::fd::OwnedFd::from(f))
+    ) -> Result<Vec<String>, ApiError> {
+        let mut live: Vec<super::live_copy::Target> = disks
+            .iter()
+            .map(|d| super::live_copy::Target {
+                device: d.device.clone(),
+                path: partial.join(&d.entry.file),
+                format: d.entry.format.as_str(),
+                backing: d.base.clone(),
+                // An overlay's copy holds what the VM wrote; its header names the same base.
+                sync: if d.base.is_some() { "top" } else { "full" },
+                virtual_size: 0,
             })
-            .map_err(|e| failed(format!("cannot create {}: {e}", target.display())))?;
-            if !raw {
-                let copy = fd.try_clone().map_err(|e| failed(format!("cannot duplicate a descriptor: {e}")))?;
-                qcow2.push(QcowTarget { fd: copy, bytes: d.entry.virtual_size, backing: d.base.clone() });
-            }
-            // An overlay's copy holds what the VM wrote; its header names the same base.
-            let sync = if d.base.is_some() { "top" } else { "full" };
-            live.push(LiveDisk { device: d.device.clone(), target: fd, format: d.entry.format.as_str(), sync });
+            .collect();
+        let frozen = self.copy_disks_live(name, &mut live, within, "snapshot").await?;
+        for (d, t) in disks.iter_mut().zip(&live) {
+            d.entry.virtual_size = t.virtual_size;
         }
-        crate::disk::export::make_qcow2_targets(&self.disk_tool(), qcow2)
-            .await
-            .map_err(|e| failed(format!("cannot make the copies: {e}")))?;
-        crate::disk::export::backup_live(&mut q, &live, within)
-            .await
-            .map_err(|e| failed(format!("cannot copy the running VM's disks: {e}")))
+        Ok(frozen)
     }
 
     /// The VM's snapshots, oldest first.

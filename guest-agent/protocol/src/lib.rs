@@ -241,6 +241,23 @@ pub struct ApplyReport {
     pub deleted: Vec<String>,
 }
 
+/// Parameters of `fs.freeze`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FreezeParams {
+    /// The agent thaws by itself after this many seconds (1 to 60) if no `fs.thaw` came: a
+    /// host that froze the guest and went away never leaves it frozen.
+    pub timeout_s: u32,
+}
+
+/// The reply of `fs.freeze` and `fs.thaw`: the mount points frozen (or thawed), in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FreezeReport {
+    /// The mount points.
+    pub mounts: Vec<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
