@@ -1,16 +1,7 @@
 # frozen_string_literal: true
 
-require 'minitest/autorun'
-require 'fileutils'
-require 'tmpdir'
-require 'puppet'
-require_relative 'fake_vmhostd'
+require_relative 'puppet_run'
 
-$LOAD_PATH.unshift(File.expand_path('../lib', __dir__))
-PUPPET_DIR = Dir.mktmpdir('vmhpuppet')
-Minitest.after_run { FileUtils.remove_entry(PUPPET_DIR) }
-Puppet.initialize_settings(['--confdir', PUPPET_DIR, '--vardir', PUPPET_DIR, '--codedir', PUPPET_DIR,
-                            '--rundir', PUPPET_DIR, '--logdir', PUPPET_DIR])
 require 'puppet/type/vmhost_image'
 require 'puppet/provider/vmhost_image/vmhostd'
 require 'puppet/type/vmhost_vm'
@@ -90,36 +81,21 @@ end
 
 # vmhost_image in a real (in-process) Puppet catalog run against a fake daemon.
 class TestImage < Minitest::Test
+  include PuppetRun
   include FakeImageLogic
 
   def setup
     @images = {}
     @uploads = { 'upload.raw' => SHA }
-    @logs = []
-    Puppet::Util::Log.newdestination(Puppet::Test::LogCollector.new(@logs))
-    Puppet::Util::Log.level = :info
-    @fake = FakeVmhostd.new { |req| handle(req) }
-  end
-
-  def teardown
-    Puppet::Util::Log.close_all
-    @fake&.close
+    super
   end
 
   def apply_image(noop: false, **attrs)
-    catalog = Puppet::Resource::Catalog.new
-    res = Puppet::Type.type(:vmhost_image).new({ socket: @fake.path }.merge(attrs))
-    res[:noop] = true if noop
-    catalog.add_resource(res)
-    catalog.apply.report.resource_statuses.values.first
+    apply_resource(:vmhost_image, noop: noop, **attrs)
   end
 
   def base(**extra)
     { name: 'base.raw', sha256: SHA, source: 'upload.raw' }.merge(extra)
-  end
-
-  def logs_text
-    @logs.map(&:to_s).join("\n")
   end
 
   def test_present_imports_once_then_changes_nothing
@@ -240,14 +216,10 @@ class TestImage < Minitest::Test
   def test_instances_show_recorded_and_hand_placed_images
     put('base.raw', SHA, sha256: SHA, source: 'upload.raw')
     put('hand.raw', OTHER)
-    old = ENV.fetch('VMHOST_SOCKET', nil)
-    ENV['VMHOST_SOCKET'] = @fake.path
-    found = Puppet::Type.type(:vmhost_image).provider(:vmhostd).instances
+    found = with_default_socket { Puppet::Type.type(:vmhost_image).provider(:vmhostd).instances }
     assert_equal(%w[base.raw hand.raw], found.map(&:name))
     assert_equal [SHA, nil], found.map(&:sha256)
     assert(found.all?(&:exists?))
-  ensure
-    old.nil? ? ENV.delete('VMHOST_SOCKET') : ENV['VMHOST_SOCKET'] = old
   end
 
   def test_a_vm_booting_from_an_image_autorequires_it

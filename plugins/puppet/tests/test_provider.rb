@@ -1,16 +1,7 @@
 # frozen_string_literal: true
 
-require 'minitest/autorun'
-require 'fileutils'
-require 'tmpdir'
-require 'puppet'
-require_relative 'fake_vmhostd'
+require_relative 'puppet_run'
 
-$LOAD_PATH.unshift(File.expand_path('../lib', __dir__))
-PUPPET_DIR = Dir.mktmpdir('vmhpuppet')
-Minitest.after_run { FileUtils.remove_entry(PUPPET_DIR) }
-Puppet.initialize_settings(['--confdir', PUPPET_DIR, '--vardir', PUPPET_DIR, '--codedir', PUPPET_DIR,
-                            '--rundir', PUPPET_DIR, '--logdir', PUPPET_DIR])
 require 'puppet/type/vmhost_vm'
 require 'puppet/provider/vmhost_vm/vmhostd'
 
@@ -85,29 +76,18 @@ end
 # The type and provider in a real (in-process) Puppet catalog run against a fake daemon:
 # what is sent, how often, and what a rerun or noop does.
 class TestProvider < Minitest::Test
+  include PuppetRun
   include FakeVmLogic
 
   KERNEL_BOOT = { 'kernel' => '/srv/vmlinuz', 'initrd' => '/srv/initrd', 'cmdline' => 'console=ttyS0' }.freeze
 
   def setup
     @vms = {}
-    @logs = []
-    Puppet::Util::Log.newdestination(Puppet::Test::LogCollector.new(@logs))
-    Puppet::Util::Log.level = :info
-    @fake = FakeVmhostd.new { |req| handle(req) }
-  end
-
-  def teardown
-    Puppet::Util::Log.close_all
-    @fake&.close
+    super
   end
 
   def apply_vm(noop: false, **attrs)
-    catalog = Puppet::Resource::Catalog.new
-    res = Puppet::Type.type(:vmhost_vm).new({ socket: @fake.path }.merge(attrs))
-    res[:noop] = true if noop
-    catalog.add_resource(res)
-    catalog.apply.report.resource_statuses.values.first
+    apply_resource(:vmhost_vm, noop: noop, **attrs)
   end
 
   def web1(**extra)
@@ -187,10 +167,6 @@ class TestProvider < Minitest::Test
     assert_includes logs_text, 'replaced with a new disk (boot.image); the old disk overlay was deleted'
   end
 
-  def logs_text
-    @logs.map(&:to_s).join("\n")
-  end
-
   def test_undeclared_attributes_are_not_managed
     apply_vm(**web1(role: 'web'))
     @fake.request_list
@@ -268,14 +244,10 @@ class TestProvider < Minitest::Test
 
   def test_instances_read_the_default_socket
     apply_vm(**web1(role: 'web'))
-    old = ENV.fetch('VMHOST_SOCKET', nil)
-    ENV['VMHOST_SOCKET'] = @fake.path
-    found = Puppet::Type.type(:vmhost_vm).provider(:vmhostd).instances
+    found = with_default_socket { Puppet::Type.type(:vmhost_vm).provider(:vmhostd).instances }
     assert_equal ['web1'], found.map(&:name)
     assert_equal :running, found.first.current_ensure
     assert_equal 256, found.first.memory
     assert_equal 'web', found.first.role
-  ensure
-    old.nil? ? ENV.delete('VMHOST_SOCKET') : ENV['VMHOST_SOCKET'] = old
   end
 end

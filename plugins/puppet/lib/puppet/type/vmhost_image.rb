@@ -1,5 +1,7 @@
 # frozen_string_literal: true
 
+require_relative '../../puppet_x/vmhost/type_params'
+
 Puppet::Type.newtype(:vmhost_image) do
   @doc = <<~DOC
     An image in vmhostd's images directory (`paths.images`), the file VMs boot from
@@ -34,13 +36,9 @@ Puppet::Type.newtype(:vmhost_image) do
     defaultto :present
   end
 
-  newparam(:name, namevar: true) do
-    desc 'The image\'s file name in `paths.images` (what `boot`\'s `image` names; vmhostd checks its form).'
-
-    validate do |value|
-      raise ArgumentError, 'name must be a non-empty string' unless value.is_a?(String) && !value.empty?
-    end
-  end
+  PuppetX::Vmhost::TypeParams.name_param(
+    self, 'The image\'s file name in `paths.images` (what `boot`\'s `image` names; vmhostd checks its form).'
+  )
 
   newproperty(:sha256) do
     desc <<~DOC
@@ -96,14 +94,5 @@ Puppet::Type.newtype(:vmhost_image) do
     munge { |value| Integer(value.to_s, 10) }
   end
 
-  newparam(:socket) do
-    desc <<~DOC
-      vmhostd's API socket. Default: the environment variable `VMHOST_SOCKET` (as for
-      vmhostctl) when it is set and not empty, else `/run/vmhost/vmhostd.sock`.
-    DOC
-
-    validate do |value|
-      raise ArgumentError, 'socket must be an absolute path' unless value.is_a?(String) && value.start_with?('/')
-    end
-  end
+  PuppetX::Vmhost::TypeParams.socket_param(self)
 end

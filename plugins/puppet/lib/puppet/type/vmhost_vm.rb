@@ -2,6 +2,7 @@
 
 require 'puppet/parameter/boolean'
 require_relative '../../puppet_x/vmhost/spec'
+require_relative '../../puppet_x/vmhost/type_params'
 
 Puppet::Type.newtype(:vmhost_vm) do
   @doc = <<~DOC
@@ -82,24 +83,8 @@ Puppet::Type.newtype(:vmhost_vm) do
     end
   end
 
-  newparam(:name, namevar: true) do
-    desc 'The VM name (the spec\'s `name`; vmhostd checks its form).'
-
-    validate do |value|
-      raise ArgumentError, 'name must be a non-empty string' unless value.is_a?(String) && !value.empty?
-    end
-  end
-
-  newparam(:socket) do
-    desc <<~DOC
-      vmhostd's API socket. Default: the environment variable `VMHOST_SOCKET` (as for
-      vmhostctl) when it is set and not empty, else `/run/vmhost/vmhostd.sock`.
-    DOC
-
-    validate do |value|
-      raise ArgumentError, 'socket must be an absolute path' unless value.is_a?(String) && value.start_with?('/')
-    end
-  end
+  PuppetX::Vmhost::TypeParams.name_param(self, 'The VM name (the spec\'s `name`; vmhostd checks its form).')
+  PuppetX::Vmhost::TypeParams.socket_param(self)
 
   newparam(:replace, boolean: true, parent: Puppet::Parameter::Boolean) do
     desc <<~DOC

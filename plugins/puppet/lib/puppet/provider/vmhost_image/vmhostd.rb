@@ -1,6 +1,6 @@
 # frozen_string_literal: true
 
-require_relative '../../../puppet_x/vmhost/client'
+require_relative '../../../puppet_x/vmhost/provider'
 
 Puppet::Type.type(:vmhost_image).provide(:vmhostd) do
   desc <<~DOC
@@ -13,9 +13,12 @@ Puppet::Type.type(:vmhost_image).provide(:vmhostd) do
     sent in noop mode.
   DOC
 
+  # client, instances, prefetch (one image.list per socket), socket, send_call, puppet_error.
+  include PuppetX::Vmhost::Provider
+
   class << self
-    def client(socket, timeout = PuppetX::Vmhost::Client::DEFAULT_TIMEOUT)
-      PuppetX::Vmhost::Client.new(socket, timeout: timeout)
+    def list_method
+      'image.list'
     end
 
     # The provider's view of an image from vmhostd's image view.
@@ -23,36 +26,6 @@ Puppet::Type.type(:vmhost_image).provide(:vmhostd) do
       { name: view['name'], ensure: :present, sha256: view['sha256'], source: view['source'],
         used_by: Array(view['used_by']), socket: socket }
     end
-
-    # `puppet resource vmhost_image`: every image on the default socket.
-    def instances
-      socket = PuppetX::Vmhost.socket_path
-      Array(client(socket).call('image.list')).map { |view| new(hash_from_view(view, socket)) }
-    end
-
-    # One image.list per socket. A socket that cannot be read leaves its resources
-    # unprefetched; each of them then fails on its own with the connection error.
-    def prefetch(resources)
-      resources.values.group_by { |r| PuppetX::Vmhost.socket_path(r[:socket]) }.each do |socket, group|
-        begin
-          views = client(socket).call('image.list')
-        rescue PuppetX::Vmhost::Error => e
-          Puppet.debug("vmhost_image: prefetch from #{socket} failed: #{e.message}")
-          next
-        end
-        by_name = {}
-        Array(views).each { |v| by_name[v['name']] = v if v.is_a?(Hash) }
-        group.each do |res|
-          view = by_name[res[:name]]
-          res.provider = new(view ? hash_from_view(view, socket) : { name: res[:name], ensure: :absent })
-        end
-      end
-    end
-  end
-
-  def socket
-    explicit = resource ? resource[:socket] : @property_hash[:socket]
-    PuppetX::Vmhost.socket_path(explicit)
   end
 
   # The current state, read with image.list when prefetch did not provide it.
@@ -110,23 +83,18 @@ Puppet::Type.type(:vmhost_image).provide(:vmhostd) do
     timeout = PuppetX::Vmhost::Client::MUTATING_TIMEOUT
     # A download may take up to timeout_s (vmhostd's default when not given).
     timeout += (resource[:timeout_s] || PuppetX::Vmhost::Client::DEFAULT_IMPORT_TIMEOUT_S) if method == 'image.import'
-    self.class.client(socket, timeout).call(method, params)
-  rescue PuppetX::Vmhost::Error => e
-    raise puppet_error(e)
+    send_call(method, params, timeout)
   end
 
-  def puppet_error(err)
-    text = err.message.dup
-    if err.is_a?(PuppetX::Vmhost::DaemonError)
-      case err.code
-      when 4093
-        text << '; an image is never replaced (VMs hold overlays over it): delete it first ' \
-                '(ensure => absent) or import it under a new name'
-      when 4092
-        vms = err.details.is_a?(Hash) ? Array(err.details['vms']) : []
-        text << "; the image is the base of VMs #{vms.join(', ')}: destroy them (or change their boot image) first"
-      end
+  # What puppet_error adds to a refusal: how to get past it.
+  def refusal_detail(err)
+    case err.code
+    when 4093
+      '; an image is never replaced (VMs hold overlays over it): delete it first ' \
+      '(ensure => absent) or import it under a new name'
+    when 4092
+      vms = err.details.is_a?(Hash) ? Array(err.details['vms']) : []
+      "; the image is the base of VMs #{vms.join(', ')}: destroy them (or change their boot image) first"
     end
-    Puppet::Error.new(text)
   end
 end

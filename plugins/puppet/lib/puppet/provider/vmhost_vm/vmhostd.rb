@@ -1,6 +1,6 @@
 # frozen_string_literal: true
 
-require_relative '../../../puppet_x/vmhost/client'
+require_relative '../../../puppet_x/vmhost/provider'
 require_relative '../../../puppet_x/vmhost/spec'
 
 Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
@@ -13,9 +13,12 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
     `ensure => absent`. Nothing is sent in noop mode.
   DOC
 
+  # client, instances, prefetch (one vm.list per socket), socket, send_call, puppet_error.
+  include PuppetX::Vmhost::Provider
+
   class << self
-    def client(socket, timeout = PuppetX::Vmhost::Client::DEFAULT_TIMEOUT)
-      PuppetX::Vmhost::Client.new(socket, timeout: timeout)
+    def list_method
+      'vm.list'
     end
 
     # The provider's view of a VM from vmhostd's VM view.
@@ -33,42 +36,11 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
       end
       hash
     end
-
-    # `puppet resource vmhost_vm`: every VM on the default socket.
-    def instances
-      socket = PuppetX::Vmhost.socket_path
-      client(socket).call('vm.list').map { |view| new(hash_from_view(view, socket)) }
-    end
-
-    # One vm.list per socket. A socket that cannot be read leaves its resources
-    # unprefetched; each of them then fails on its own with the connection error.
-    def prefetch(resources)
-      resources.values.group_by { |r| PuppetX::Vmhost.socket_path(r[:socket]) }.each do |socket, group|
-        begin
-          views = client(socket).call('vm.list')
-        rescue PuppetX::Vmhost::Error => e
-          Puppet.debug("vmhost_vm: prefetch from #{socket} failed: #{e.message}")
-          next
-        end
-        by_name = {}
-        Array(views).each { |v| by_name[v['name']] = v if v.is_a?(Hash) }
-        group.each do |res|
-          view = by_name[res[:name]]
-          hash = view ? hash_from_view(view, socket) : { name: res[:name], ensure: :absent, socket: socket }
-          res.provider = new(hash)
-        end
-      end
-    end
   end
 
   def initialize(value = {})
     super
     @pending = {}
-  end
-
-  def socket
-    explicit = resource ? resource[:socket] : @property_hash[:socket]
-    PuppetX::Vmhost.socket_path(explicit)
   end
 
   # The current state, fetched with vm.get when prefetch did not provide it.
@@ -195,21 +167,19 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
     timeout = resource[:timeout] || PuppetX::Vmhost::Client::MUTATING_TIMEOUT
     # A restart for an in-place change waits for the guest's power-off first.
     timeout += restart_timeout if method == 'vm.apply'
-    self.class.client(socket, timeout).call(method, params)
-  rescue PuppetX::Vmhost::Error => e
-    raise puppet_error(e)
+    send_call(method, params, timeout)
   end
 
-  def puppet_error(err)
-    text = err.message.dup
-    if err.is_a?(PuppetX::Vmhost::DaemonError)
-      attr = PuppetX::Vmhost::Spec.attribute_for_field(err.field)
-      text << " (attribute #{attr})" if attr
-      if err.code == 2002 && resource[:replace] != true
-        text << '; a new boot image needs a new disk: set replace => true to let vmhostd recreate ' \
-                'the VM (this deletes its disk overlay)'
-      end
+  # What puppet_error adds to a refusal: the attribute of the offending field, and for a new
+  # boot image without replace, how to allow it.
+  def refusal_detail(err)
+    text = +''
+    attr = PuppetX::Vmhost::Spec.attribute_for_field(err.field)
+    text << " (attribute #{attr})" if attr
+    if err.code == 2002 && resource[:replace] != true
+      text << '; a new boot image needs a new disk: set replace => true to let vmhostd recreate ' \
+              'the VM (this deletes its disk overlay)'
     end
-    Puppet::Error.new(text)
+    text
   end
 end
