@@ -122,4 +122,13 @@ fn a_stopped_image_vm_comes_back_on_a_host_without_its_image_and_a_tampered_back
     let v: Value = b.call("vm.import", json!({ "backup": backup, "state": "running" }));
     assert_eq!(v["vm"]["spec"]["boot"], json!({"disk": "web-root.qcow2", "disk_gib": 1}), "{v}");
     assert!(b.wait_serial("web", "VMHOST-EXPORTED-ROOT", BOOT), "{}", b.serial("web"));
+
+    // A UEFI VM comes back a UEFI VM (its boot disk becomes boot.disk, its firmware stays).
+    let uefi = json!({"name": "efi", "cpu": 1, "memory_mib": 256, "state": "stopped",
+                      "boot": {"image": "base.raw", "disk_gib": 1, "firmware": "uefi"}});
+    a.call("vm.create", json!({ "spec": uefi }));
+    let backup = a.call("vm.export", json!({ "name": "efi" }))["backup"].as_str().unwrap().to_string();
+    copy_backup(&a, &b, &backup);
+    let v = b.call("vm.import", json!({ "backup": backup }));
+    assert_eq!(v["vm"]["spec"]["boot"], json!({"disk": "efi-root.qcow2", "disk_gib": 1, "firmware": "uefi"}), "{v}");
 }

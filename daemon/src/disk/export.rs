@@ -1,12 +1,12 @@
 //! Flat copies of a VM's disks, for `vm.export` (docs/backup.md): a disk and the layers below it
 //! (an overlay and its base image) copied into one image with no backing file, by QEMU's
 //! `blockdev-backup` job: without a guest ([`flatten`], a stopped VM) or in the VM's own QEMU
-//! while the guest runs ([`start_live`]: one transaction, so every disk is copied as it was at
+//! while the guest runs ([`trigger_live`]: one transaction, so every disk is copied as it was at
 //! the same instant).
 //!
 //! Order of use: the caller makes each target file (empty; a raw one `virtual_size` long), then
-//! [`flatten`], or [`start_live`] and [`finish_live`] (the guest's file systems may be frozen
-//! just around the first), then [`seal`] each target (its sha256; a raw one made sparse
+//! [`flatten`], or [`prepare_live`], [`trigger_live`] and [`finish_live`] (the guest's file
+//! systems may be frozen just around the trigger), then [`seal`] each target (its sha256; a raw one made sparse
 //! again: QEMU writes the zeros it copies as allocated zero ranges). The sources are only read.
 
 use super::offline_qemu::{Input, Session};
@@ -61,7 +61,7 @@ pub async fn flatten(tool: &Tool, disks: Vec<FlatDisk>, within: Duration) -> Res
 
 /// Writes an empty qcow2 of each size into each of `targets` (files of no length), recording
 /// the backing file given (absolute path and format; not opened), in one QEMU without a guest:
-/// the targets of [`start_live`].
+/// the targets of [`prepare_live`].
 ///
 /// # Errors
 /// QEMU's errors.
@@ -136,18 +136,20 @@ fn step(step: &'static str) -> impl Fn(QmpError) -> LiveError {
     move |source| LiveError::Qmp { step, source }
 }
 
-/// The node and job names of live target `i`.
-fn names(i: usize) -> (String, String) {
-    (format!("vmhost-export{i}"), format!("vmhost-export-job{i}"))
+/// The node and job names of live target `i` of copy `op` (unique per copy: a node a failed
+/// copy could not remove never blocks the next one).
+fn names(op: u64, i: usize) -> (String, String) {
+    (format!("vmhost-copy{op}-{i}"), format!("vmhost-copy{op}-job{i}"))
 }
 
-/// The `transaction` that starts one copy per disk (device, sync mode) at the same instant.
-pub fn transaction(disks: &[(&str, &str)]) -> Value {
+/// The `transaction` that starts one copy per disk (device, sync mode) of copy `op` at the same
+/// instant.
+pub fn transaction(op: u64, disks: &[(&str, &str)]) -> Value {
     let actions: Vec<Value> = disks
         .iter()
         .enumerate()
         .map(|(i, (device, sync))| {
-            let (node, job) = names(i);
+            let (node, job) = names(op, i);
             json!({ "type": "blockdev-backup",
                     "data": { "job-id": job, "device": device, "target": node, "sync": sync } })
         })
@@ -155,25 +157,28 @@ pub fn transaction(disks: &[(&str, &str)]) -> Value {
     json!({ "actions": actions })
 }
 
-/// Copies started by [`start_live`]: the fd sets to remove when they are done.
+/// A live copy's targets added to QEMU ([`prepare_live`]); [`finish_live`] removes them.
 #[derive(Debug)]
 #[must_use = "finish_live removes the copies' nodes and descriptors from QEMU"]
 pub struct Started {
+    op: u64,
     sets: Vec<u64>,
+    nodes: usize,
+    triggered: bool,
 }
 
-/// Starts copying `disks` of the running QEMU behind `q` into their targets: the targets are
-/// added as nodes over new fd sets and one transaction starts every copy at the same instant
-/// (QEMU copies a block before the guest overwrites it, so the copies are of that instant).
-/// Then [`finish_live`], also after an error of this one.
+/// Adds `disks`' targets to the running QEMU behind `q` as nodes over new fd sets (nothing is
+/// copied yet). Then [`trigger_live`] and, also after an error of either, [`finish_live`].
 ///
 /// # Errors
 /// [`LiveError::Qmp`]; the `Started` to finish comes with it.
-pub async fn start_live(q: &mut Qmp, disks: &[LiveDisk]) -> (Started, Result<(), LiveError>) {
-    let mut started = Started { sets: Vec::new() };
+pub async fn prepare_live(q: &mut Qmp, disks: &[LiveDisk]) -> (Started, Result<(), LiveError>) {
+    static OPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let op = OPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut started = Started { op, sets: Vec::new(), nodes: 0, triggered: false };
     let result = async {
         for (i, disk) in disks.iter().enumerate() {
-            let (node, _) = names(i);
+            let (node, _) = names(op, i);
             let set = q.add_fd(disk.target.as_fd(), None, &node).await.map_err(step("add-fd"))?;
             started.sets.push(set);
             let mut add = json!({ "driver": disk.format, "node-name": node, "discard": "unmap", "detect-zeroes": "unmap",
@@ -183,17 +188,30 @@ pub async fn start_live(q: &mut Qmp, disks: &[LiveDisk]) -> (Started, Result<(),
                 add["backing"] = Value::Null;
             }
             q.execute("blockdev-add", Some(add)).await.map_err(step("blockdev-add"))?;
+            started.nodes += 1;
         }
-        let devices: Vec<(&str, &str)> = disks.iter().map(|d| (d.device.as_str(), d.sync)).collect();
-        q.execute("transaction", Some(transaction(&devices))).await.map_err(step("transaction"))?;
         Ok(())
     }
     .await;
     (started, result)
 }
 
-/// Waits up to `within` for the copies [`start_live`] started (when `result`, its outcome, is
-/// Ok), then removes the targets' nodes and fd sets (a job still running is cancelled first).
+/// Starts every copy at the same instant with one transaction (QEMU copies a block before the
+/// guest overwrites it, so the copies are of that instant): the one step the guest's file
+/// systems are frozen for.
+///
+/// # Errors
+/// [`LiveError::Qmp`].
+pub async fn trigger_live(q: &mut Qmp, started: &mut Started, disks: &[LiveDisk]) -> Result<(), LiveError> {
+    let devices: Vec<(&str, &str)> = disks.iter().map(|d| (d.device.as_str(), d.sync)).collect();
+    q.execute("transaction", Some(transaction(started.op, &devices))).await.map_err(step("transaction"))?;
+    started.triggered = true;
+    Ok(())
+}
+
+/// Waits up to `within` for the copies (when `result`, the outcome so far, is Ok), then removes
+/// the targets' nodes and fd sets; after a failure the copies still running are cancelled and
+/// their end awaited first (a node a job holds cannot be removed).
 ///
 /// # Errors
 /// `result`'s error, or [`LiveError`] of the wait.
@@ -204,17 +222,34 @@ pub async fn finish_live(
     result: Result<(), LiveError>,
     within: Duration,
 ) -> Result<(), LiveError> {
+    let jobs: Vec<String> = (0..disks.len()).map(|i| names(started.op, i).1).collect();
     let result = match result {
-        Ok(()) => wait_jobs(q, disks, within).await,
-        Err(e) => Err(e),
+        Ok(()) if started.triggered => wait_jobs(q, &jobs, disks, within).await,
+        other => other,
     };
-    if result.is_err() {
-        for i in 0..disks.len() {
-            let _ = q.execute("block-job-cancel", Some(json!({ "device": names(i).1, "force": true }))).await;
+    if result.is_err() && started.triggered {
+        for job in &jobs {
+            let _ = q.execute("block-job-cancel", Some(json!({ "device": job, "force": true }))).await;
+        }
+        // Until none of ours is listed (cancelled jobs dismiss themselves), within a bound.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while tokio::time::Instant::now() < deadline {
+            let Ok(listed) = q.execute("query-jobs", None).await else { break };
+            let ours = listed
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|j| j.get("id").and_then(Value::as_str).is_some_and(|id| jobs.iter().any(|o| o == id)));
+            if !ours {
+                break;
+            }
+            let _ = q.wait_event(|e| e.get("event").is_some(), Duration::from_millis(500)).await;
         }
     }
-    for i in 0..started.sets.len() {
-        let _ = q.execute("blockdev-del", Some(json!({ "node-name": names(i).0 }))).await;
+    for i in 0..started.nodes {
+        if let Err(e) = q.execute("blockdev-del", Some(json!({ "node-name": names(started.op, i).0 }))).await {
+            tracing::warn!(error = %e, "a copy's node stays in QEMU until it exits");
+        }
     }
     for set in started.sets {
         let _ = q.execute("remove-fd", Some(json!({ "fdset-id": set }))).await;
@@ -222,21 +257,28 @@ pub async fn finish_live(
     result
 }
 
-/// Waits for every copy job's `BLOCK_JOB_COMPLETED`.
-async fn wait_jobs(q: &mut Qmp, disks: &[LiveDisk], within: Duration) -> Result<(), LiveError> {
+/// Waits for every job of `jobs` to complete (`BLOCK_JOB_COMPLETED`, in any order), within
+/// `within`; the first with an error fails the copy.
+async fn wait_jobs(q: &mut Qmp, jobs: &[String], disks: &[LiveDisk], within: Duration) -> Result<(), LiveError> {
     let deadline = tokio::time::Instant::now() + within;
-    for (i, disk) in disks.iter().enumerate() {
-        let (_, job) = names(i);
-        let done = |e: &Value| {
+    let mut done = vec![false; jobs.len()];
+    while done.iter().any(|d| !d) {
+        let ours = |e: &Value| {
             e.get("event").and_then(Value::as_str) == Some("BLOCK_JOB_COMPLETED")
-                && e.pointer("/data/device").and_then(Value::as_str) == Some(job.as_str())
+                && e.pointer("/data/device").and_then(Value::as_str).is_some_and(|id| jobs.iter().any(|j| j == id))
         };
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let event = q.wait_event(done, left).await.map_err(step("BLOCK_JOB_COMPLETED"))?;
+        let event = q.wait_event(ours, left).await.map_err(step("BLOCK_JOB_COMPLETED"))?;
         let Some(event) = event else { return Err(LiveError::Timeout(within)) };
+        let Some(i) =
+            event.pointer("/data/device").and_then(Value::as_str).and_then(|id| jobs.iter().position(|j| j == id))
+        else {
+            continue;
+        };
         if let Some(reason) = event.pointer("/data/error").and_then(Value::as_str) {
-            return Err(LiveError::Job { device: disk.device.clone(), reason: reason.to_string() });
+            return Err(LiveError::Job { device: disks[i].device.clone(), reason: reason.to_string() });
         }
+        done[i] = true;
     }
     Ok(())
 }

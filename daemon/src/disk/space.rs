@@ -56,6 +56,35 @@ impl FsSpace {
     }
 }
 
+/// Whether copies of `files` (the bytes they hold: their allocated blocks, not their holes) fit
+/// in `dir`'s file system with [`PREALLOCATE_PERCENT`] of its free space the most they may
+/// take (a snapshot, an export, a revert).
+///
+/// # Errors
+/// 3002 naming `field`, `resource: disk_bytes`; 4001 when the free space cannot be read.
+pub fn check_copy_room(dir: &Path, files: &[&Path], field: &str) -> Result<(), ApiError> {
+    use std::os::unix::fs::MetadataExt;
+    let needed: u64 =
+        files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.blocks().saturating_mul(512)).sum();
+    let space = FsSpace::of(dir).map_err(|e| {
+        ApiError::new(Code::ProvisioningFailed, format!("cannot read the free space of {}: {e}", dir.display()))
+    })?;
+    let allowed = (u128::from(space.free) * u128::from(PREALLOCATE_PERCENT) / 100) as u64;
+    if needed > allowed {
+        return Err(ApiError::new(
+            Code::CapacityExceeded,
+            format!(
+                "the copies need {needed} bytes; {} has {} free, of which at most {allowed} may be taken",
+                dir.display(),
+                space.free
+            ),
+        )
+        .field(field)
+        .details(json!({ "resource": "disk_bytes", "requested": needed, "available": allowed })));
+    }
+    Ok(())
+}
+
 /// Every disk byte `spec` provisions at full size, but an imported root disk's (`boot.disk`: its
 /// size is in the VM's record, not the spec).
 pub fn provisioned(spec: &VmSpec) -> u64 {

@@ -46,6 +46,8 @@ struct Inner {
 pub(super) struct RecordFile {
     path: PathBuf,
     inner: Mutex<Inner>,
+    /// Held by a writer across its file write (readers take only `inner`, never across I/O).
+    writer: Mutex<()>,
 }
 
 impl RecordFile {
@@ -60,7 +62,7 @@ impl RecordFile {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
         };
-        Ok(RecordFile { path, inner: Mutex::new(Inner { records, checked: HashMap::new() }) })
+        Ok(RecordFile { path, inner: Mutex::new(Inner { records, checked: HashMap::new() }), writer: Mutex::new(()) })
     }
 
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -78,17 +80,17 @@ impl RecordFile {
     /// Sets (`Some`) or removes (`None`) the record of `name` and writes the file atomically;
     /// on a write error the records stay as they were.
     pub(super) fn put(&self, name: &str, record: Option<ImageRecord>) -> std::io::Result<()> {
-        let mut inner = self.inner();
-        let mut records = inner.records.clone();
+        // One writer at a time, so two cannot lose each other's change; readers go on.
+        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut records = self.inner().records.clone();
         match record {
             Some(r) => records.insert(name.to_string(), r),
             None => records.remove(name),
         };
         let content = Content { version: 1, images: records };
         let bytes = serde_json::to_vec_pretty(&content).map_err(std::io::Error::other)?;
-        // Small, and writes of it are rare (an import or delete): under the lock, so two
-        // writers cannot lose each other's change.
         crate::blocking::run(|| crate::state::atomic::write_atomic(&self.path, &bytes))?;
+        let mut inner = self.inner();
         inner.records = content.images;
         inner.checked.remove(name);
         Ok(())

@@ -122,9 +122,13 @@ impl Manager {
         }
         let within = Duration::from_secs(timeout_s);
         let (_guard, rec) = self.begin(&p.name)?;
+        Self::check_not_reverting(&rec)?;
         let live = rec.status == VmStatus::Running;
         let spec = if live { rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone()) } else { rec.spec.clone() };
         let mut sources = self.export_sources(&spec).await?;
+        let files: Vec<&Path> = sources.iter().flat_map(|s| s.layers.iter().map(|(p, _)| p.as_path())).collect();
+        let backups = self.config.paths.backups_dir();
+        crate::blocking::run(|| crate::disk::space::check_copy_room(&backups, &files, "name"))?;
         let partial = self.backups.begin(&p.name)?;
         let targets: Vec<PathBuf> = sources.iter().map(|s| partial.dir().join(&s.entry.file)).collect();
         let frozen = if live {
@@ -238,7 +242,12 @@ impl Manager {
         }
         let root_file = format!("{}-root.qcow2", spec.name);
         if manifest.disks.iter().any(|d| d.role == DiskRole::Root) {
-            spec.boot = BootSpec { disk: Some(root_file.clone()), disk_gib: spec.boot.disk_gib, ..BootSpec::default() };
+            spec.boot = BootSpec {
+                disk: Some(root_file.clone()),
+                disk_gib: spec.boot.disk_gib,
+                firmware: spec.boot.firmware,
+                ..BootSpec::default()
+            };
         }
         crate::validate::validate_spec(&spec, &self.config)?;
         if self.lock().vms.contains_key(&spec.name) {
@@ -260,16 +269,31 @@ impl Manager {
                 format!("{} exists: a disk of this backup would go there; move it away first", taken.display()),
             ));
         }
+        let files: Vec<PathBuf> = manifest.disks.iter().map(|d| dir.join(&d.file)).collect();
+        let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+        crate::blocking::run(|| crate::disk::space::check_copy_room(&import_dir, &files, "backup"))?;
         let mut placed = Placed(Vec::new());
         for (disk, dest) in manifest.disks.iter().zip(&destinations) {
             self.copy_out(&dir, disk, dest, &spec.name).await?;
             placed.0.push(dest.clone());
         }
         let name = spec.name.clone();
+        let ours = spec.clone();
         let result = self.create(spec).await;
-        if result.is_ok() {
-            placed.0.clear();
-            tracing::info!(vm = %name, backup = %p.backup, "imported");
+        match &result {
+            Ok(_) => {
+                placed.0.clear();
+                tracing::info!(vm = %name, backup = %p.backup, "imported");
+            }
+            // A create that failed after recording the VM leaves it `failed`: an import that
+            // failed leaves nothing (the name was free), so it goes too (only this import's:
+            // its spec names this import's root disk).
+            Err(_) if self.lock().vms.get(&name).is_some_and(|r| r.status == VmStatus::Failed && r.spec == ours) => {
+                if let Err(e) = self.destroy(&name).await {
+                    tracing::warn!(vm = %name, error = %e, "cannot remove the VM of a failed import");
+                }
+            }
+            Err(_) => {}
         }
         result
     }

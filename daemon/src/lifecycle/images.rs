@@ -162,11 +162,17 @@ impl Manager {
                 })?;
             }
             Source::Url(url) => {
+                let space = crate::disk::space::FsSpace::of(&self.config.paths.images).map_err(|e| {
+                    failed(format!("cannot read the free space of {}: {e}", self.config.paths.images.display()))
+                })?;
+                // What fills the images directory fills the state directory by default: 10 % kept.
+                let max_bytes = space.free / 10 * 9;
                 crate::images::download::fetch(
                     &self.config.images.curl,
                     self.config.qemu_user,
                     url,
                     req.timeout,
+                    max_bytes,
                     &mut temp,
                 )
                 .await?;

@@ -5,7 +5,8 @@
 //! The order: QEMU's sizes of the disks (`query-block`); the empty targets made (0600, a raw one
 //! at its size, a qcow2 one's header by QEMU without a guest); the guest agent's `fs.freeze`
 //! (when a session is open; without one, or with an agent that cannot, the copy is
-//! crash-consistent); one QMP transaction starting every copy ([`crate::disk::export`]);
+//! crash-consistent), the targets having been added to QEMU before; one QMP transaction
+//! starting every copy ([`crate::disk::export`]);
 //! `fs.thaw` right after (QEMU keeps copying what the guest overwrites from then on, so the
 //! freeze lasts a few QMP round trips, not the copy); then the copies awaited.
 
@@ -86,10 +87,14 @@ impl Manager {
         crate::disk::export::make_qcow2_targets(&self.disk_tool(), qcow2)
             .await
             .map_err(|e| failed(step, format!("cannot make the copies: {e}")))?;
-        let frozen = self.freeze_guest(name).await;
-        let (started, result) = crate::disk::export::start_live(&mut q, &disks).await;
-        if frozen.is_some() {
-            self.thaw_guest(name).await;
+        let (mut started, mut result) = crate::disk::export::prepare_live(&mut q, &disks).await;
+        let mut frozen = None;
+        if result.is_ok() {
+            frozen = self.freeze_guest(name).await;
+            result = crate::disk::export::trigger_live(&mut q, &mut started, &disks).await;
+            if frozen.is_some() {
+                self.thaw_guest(name).await;
+            }
         }
         crate::disk::export::finish_live(&mut q, started, &disks, result, within)
             .await

@@ -175,6 +175,7 @@ impl Manager {
         });
         mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;
+        mgr.remove_partial_snapshots();
         mgr.refresh_networks().await;
         let live: HashSet<String> =
             mgr.lock().vms.values().filter(|r| r.status == VmStatus::Running).map(|r| r.spec.name.clone()).collect();
@@ -356,6 +357,8 @@ impl Manager {
     fn swap_spec(&self, name: &str, spec: &VmSpec) -> Result<VmRecord, ApiError> {
         let (old, _) = self.registry.write(name, "vm.apply replace", |t| {
             let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+            // A replace keeps the data disks, which may be part reverted.
+            Self::check_not_reverting(&old)?;
             let mut rec = VmRecord::new(spec.clone());
             rec.nics = self.admit_locked(t, spec, &[])?;
             rec.process = old.process.clone();

@@ -78,6 +78,9 @@ impl Manager {
     ) -> Result<(), ApiError> {
         let name = vm.spec.name.as_str();
         let old = self.record(name)?;
+        // Its disks may be part reverted: a change (a disk grown or dropped) would make the
+        // revert that must finish first impossible.
+        Self::check_not_reverting(&old)?;
         self.admit_disk_space(Some(&old.spec), &vm.spec)?;
         let live = self.find_live(name, old.process.as_ref())?;
         if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {

@@ -132,6 +132,7 @@ impl Manager {
         check_name(&p.snapshot)?;
         let within = timeout(p.timeout_s)?;
         let (_guard, rec) = self.begin(&p.name)?;
+        Self::check_not_reverting(&rec)?;
         let existing = self.list_snapshots(&p.name)?;
         if existing.iter().any(|s| s.name == p.snapshot) {
             return Err(ApiError::invalid(
@@ -148,6 +149,8 @@ impl Manager {
         let live = rec.status == VmStatus::Running;
         let spec = if live { rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone()) } else { rec.spec.clone() };
         let mut disks = self.snapshot_disks(&rec, &spec).await?;
+        let files: Vec<&Path> = disks.iter().map(|d| d.file.as_path()).collect();
+        crate::blocking::run(|| crate::disk::space::check_copy_room(&self.config.paths.state, &files, "snapshot"))?;
         let dir = self.snapshots_dir(&p.name);
         let partial = dir.join(format!(".{}.partial", p.snapshot));
         let done = dir.join(&p.snapshot);
@@ -288,7 +291,18 @@ impl Manager {
             ));
         }
         let disks = self.snapshot_disks(&rec, &rec.spec).await?;
+        let same_files = disks.len() == snapshot.disks.len()
+            && disks.iter().zip(&snapshot.disks).all(|(d, s)| d.entry.file == s.file && d.entry.format == s.format);
+        if !same_files {
+            return Err(ApiError::invalid(
+                "snapshot",
+                format!("snapshot {:?} does not hold the files of VM {:?}'s disks", p.snapshot, p.name),
+            ));
+        }
         let from = self.snapshots_dir(&p.name).join(&p.snapshot);
+        let copies: Vec<PathBuf> = snapshot.disks.iter().map(|s| from.join(&s.file)).collect();
+        let copies: Vec<&Path> = copies.iter().map(PathBuf::as_path).collect();
+        crate::blocking::run(|| crate::disk::space::check_copy_room(&self.config.paths.state, &copies, "snapshot"))?;
         // Copies an interrupted revert left beside the disks (named after the disk's file, so
         // another VM's revert in the same directory keeps its own).
         for d in &disks {
@@ -336,7 +350,17 @@ impl Manager {
     /// 2001 on `snapshot`, 4040, 4090, 4001.
     pub async fn snapshot_delete(self: &Arc<Self>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
         check_name(&p.snapshot)?;
-        let (_guard, _) = self.begin(&p.name)?;
+        let (_guard, rec) = self.begin(&p.name)?;
+        if rec.reverting.as_deref() == Some(p.snapshot.as_str()) {
+            return Err(ApiError::new(
+                Code::Busy,
+                format!(
+                    "a revert of VM {:?} to snapshot {:?} was interrupted: run it again before deleting it",
+                    p.name, p.snapshot
+                ),
+            )
+            .field("snapshot"));
+        }
         let dir = self.snapshots_dir(&p.name).join(&p.snapshot);
         let changed = crate::blocking::run(|| match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(true),
@@ -345,6 +369,26 @@ impl Manager {
         })
         .map_err(|e| failed(format!("cannot delete {}: {e}", dir.display())))?;
         Ok(SnapshotDeleted { changed, snapshot: p.snapshot })
+    }
+
+    /// Removes the `.NAME.partial` directories of snapshots a crash interrupted (at start).
+    pub(super) fn remove_partial_snapshots(&self) {
+        let root = self.config.paths.state.join("snapshots");
+        let Ok(vms) = std::fs::read_dir(&root) else { return };
+        for vm in vms.flatten() {
+            let Ok(entries) = std::fs::read_dir(vm.path()) else { continue };
+            for e in entries.flatten() {
+                let partial = e.file_name().to_str().is_some_and(|n| n.starts_with('.') && n.ends_with(".partial"));
+                if partial {
+                    match std::fs::remove_dir_all(e.path()) {
+                        Ok(()) => tracing::info!(dir = %e.path().display(), "removed an interrupted snapshot"),
+                        Err(err) => {
+                            tracing::warn!(dir = %e.path().display(), error = %err, "cannot remove an interrupted snapshot")
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Removes every snapshot of VM `name` (its destroy).

@@ -57,6 +57,8 @@ impl Manager {
     /// cannot is only logged).
     pub(super) fn remove_run_files(&self, name: &str) -> Result<(), ApiError> {
         let paths = self.paths(name);
+        // Copies an interrupted revert left beside the overlay.
+        crate::blocking::run(|| crate::images::remove_leftovers_of(&paths.overlay));
         for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
             crate::disk::remove_overlay(&overlay)
                 .map_err(|e| ApiError::new(Code::ProvisioningFailed, format!("cannot remove the overlay: {e}")))?;

@@ -358,7 +358,11 @@ mod tests {
         assert!(allow.permits(&c.qemu.binary, &["-version".into()]));
         assert_eq!(allow.user_for(&c.qemu.binary), c.qemu_user);
         // curl fetches images, as QEMU's user, with the arguments the daemon makes only.
-        let args = crate::images::download::curl_args("https://example.org/i.qcow2", std::time::Duration::from_secs(9));
+        let args = crate::images::download::curl_args(
+            "https://example.org/i.qcow2",
+            std::time::Duration::from_secs(9),
+            1 << 30,
+        );
         assert!(allow.permits(&c.images.curl, &args));
         assert!(!allow.permits(&c.images.curl, &["-o".into(), "/etc/passwd".into(), "http://x/".into()]));
         assert_eq!(allow.user_for(&c.images.curl), c.qemu_user);

@@ -1085,8 +1085,10 @@ fn launch(
         command.pre_exec(move || {
             setup.apply()?;
             if let Some(ruleset) = no_tcp {
-                // no_new_privs is set (the spawner's own Landlock domain needed it).
-                if libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) != 0 {
+                // Landlock needs no_new_privs; the spawner's own domain set it, unless that failed.
+                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                    || libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) != 0
+                {
                     return Err(io::Error::last_os_error());
                 }
             }

@@ -90,14 +90,14 @@ async fn a_layer_qemu_cannot_read_fails_the_copy() {
 
 #[test]
 fn one_transaction_starts_every_copy() {
-    let t = transaction(&[("virtio0", "top"), ("data-nsm", "full")]);
+    let t = transaction(7, &[("virtio0", "top"), ("data-nsm", "full")]);
     assert_eq!(
         t,
         json!({"actions": [
-            {"type": "blockdev-backup", "data": {"job-id": "vmhost-export-job0", "device": "virtio0",
-             "target": "vmhost-export0", "sync": "top"}},
-            {"type": "blockdev-backup", "data": {"job-id": "vmhost-export-job1", "device": "data-nsm",
-             "target": "vmhost-export1", "sync": "full"}}
+            {"type": "blockdev-backup", "data": {"job-id": "vmhost-copy7-job0", "device": "virtio0",
+             "target": "vmhost-copy7-0", "sync": "top"}},
+            {"type": "blockdev-backup", "data": {"job-id": "vmhost-copy7-job1", "device": "data-nsm",
+             "target": "vmhost-copy7-1", "sync": "full"}}
         ]})
     );
 }
