@@ -403,6 +403,20 @@ reserved_memory_gib = 1
         Command::new(bin("vmhostctl")).arg("--socket").arg(&self.socket).args(args).output().expect("run vmhostctl")
     }
 
+    /// Every entry of the images directory, hidden ones (an import's temp file) included, sorted.
+    pub fn image_dir_entries(&self) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(self.images())
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    /// Image `name` as `image.list` shows it.
+    pub fn listed_image(&self, name: &str) -> Option<Value> {
+        self.call("image.list", json!({})).as_array()?.iter().find(|i| i["name"] == name).cloned()
+    }
+
     /// State dir.
     pub fn state(&self) -> PathBuf {
         self.dir.path().join("state")

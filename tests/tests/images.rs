@@ -17,18 +17,6 @@ fn image_bytes(host: &TestHost, marker: &str) -> Vec<u8> {
     std::fs::read(&path).unwrap()
 }
 
-/// Every entry of the images directory, hidden ones (temp files) included.
-fn image_dir_entries(host: &TestHost) -> Vec<String> {
-    let mut v: Vec<String> =
-        std::fs::read_dir(host.images()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
-    v.sort();
-    v
-}
-
-fn listed(host: &TestHost, name: &str) -> Option<Value> {
-    host.call("image.list", json!({})).as_array().unwrap().iter().find(|i| i["name"] == name).cloned()
-}
-
 fn images_item(host: &TestHost) -> Value {
     let check = host.call("host.check", json!({}));
     check["items"].as_array().unwrap().iter().find(|i| i["name"] == "images").cloned().unwrap()
@@ -51,7 +39,7 @@ fn a_local_file_is_imported_verified_listed_and_deleted_only_when_unused() {
     let sha = sha256_hex(&data);
     let import = host.state().join("import");
     std::fs::write(import.join("upload.raw"), &data).unwrap();
-    let before = image_dir_entries(&host);
+    let before = host.image_dir_entries();
 
     // A wrong sha256: 2003 with what was found, and nothing left behind.
     let wrong = "0".repeat(64);
@@ -59,8 +47,8 @@ fn a_local_file_is_imported_verified_listed_and_deleted_only_when_unused() {
     assert_eq!((code, e.field.as_deref()), (2003, Some("sha256")), "{e:?}");
     assert_eq!(e.details["found"], sha.as_str());
     assert_eq!(e.details["bytes"], data.len());
-    assert_eq!(image_dir_entries(&host), before, "no image and no temp file left");
-    assert!(listed(&host, "base.raw").is_none());
+    assert_eq!(host.image_dir_entries(), before, "no image and no temp file left");
+    assert!(host.listed_image("base.raw").is_none());
 
     // The right one: copied (the source stays), recorded, listed.
     let v = host.call("image.import", json!({"name": "base.raw", "sha256": sha, "source": "upload.raw"}));
@@ -79,7 +67,7 @@ fn a_local_file_is_imported_verified_listed_and_deleted_only_when_unused() {
     let spec = json!({"name": "user", "cpu": 1, "memory_mib": 64, "boot": {"image": "base.raw", "disk_gib": 1}});
     host.call("vm.create", json!({ "spec": spec }));
     assert!(host.wait_serial("user", "VMHOST-IMPORTED-IMAGE", BOOT), "{}", host.serial("user"));
-    assert_eq!(listed(&host, "base.raw").unwrap()["used_by"], json!(["user"]));
+    assert_eq!(host.listed_image("base.raw").unwrap()["used_by"], json!(["user"]));
     let (code, e) = host.call_err("image.delete", json!({"name": "base.raw"}));
     assert_eq!((code, &e.details["vms"]), (4092, &json!(["user"])), "{e:?}");
     assert!(host.images().join("base.raw").is_file());
@@ -98,7 +86,7 @@ fn a_local_file_is_imported_verified_listed_and_deleted_only_when_unused() {
     let v = host.call("image.delete", json!({"name": "base.raw"}));
     assert_eq!(v["changed"], true);
     assert!(!host.images().join("base.raw").exists());
-    assert!(listed(&host, "base.raw").is_none());
+    assert!(host.listed_image("base.raw").is_none());
     assert_eq!(host.call("image.delete", json!({"name": "base.raw"}))["changed"], false);
     let spec = json!({"name": "late", "cpu": 1, "memory_mib": 64, "boot": {"image": "base.raw", "disk_gib": 1}});
     assert_eq!(host.call_err("vm.create", json!({ "spec": spec })).0, 2001, "the image is gone");
@@ -109,7 +97,7 @@ fn an_image_put_there_by_hand_is_listed_then_recorded_where_it_is() {
     let host = TestHost::start(HostOptions::default());
     let data = image_bytes(&host, "VMHOST-HAND-PLACED");
     std::fs::write(host.images().join("hand.raw"), &data).unwrap();
-    let v = listed(&host, "hand.raw").unwrap();
+    let v = host.listed_image("hand.raw").unwrap();
     assert_eq!((&v["sha256"], &v["format"], &v["bytes"]), (&Value::Null, &json!("raw"), &json!(data.len())), "{v}");
 
     let (code, _) = host.call_err("image.import", json!({"name": "hand.raw", "sha256": "a".repeat(64)}));
@@ -121,7 +109,7 @@ fn an_image_put_there_by_hand_is_listed_then_recorded_where_it_is() {
         (&v["changed"], &v["image"]["sha256"], &v["image"]["source"]),
         (&json!(true), &json!(sha), &Value::Null)
     );
-    assert_eq!(listed(&host, "hand.raw").unwrap()["sha256"], sha.as_str());
+    assert_eq!(host.listed_image("hand.raw").unwrap()["sha256"], sha.as_str());
     let (code, e) = host.call_err("image.import", json!({"name": "none.raw", "sha256": sha}));
     assert_eq!((code, e.field.as_deref()), (4040, Some("source")));
 
@@ -145,7 +133,7 @@ fn a_url_is_fetched_by_curl_and_checked_and_a_failed_fetch_leaves_nothing() {
     let sha = sha256_hex(&data);
     let (host, port) = host_serving(vec![("/images/web.raw".into(), file.clone())]);
     let url = format!("http://127.0.0.1:{port}/images/web.raw");
-    let before = image_dir_entries(&host);
+    let before = host.image_dir_entries();
 
     let (code, e) = host.call_err("image.import", json!({"name": "web.raw", "sha256": "f".repeat(64), "source": url}));
     assert_eq!((code, e.details["found"].as_str()), (2003, Some(sha.as_str())), "{e:?}");
@@ -160,7 +148,7 @@ fn a_url_is_fetched_by_curl_and_checked_and_a_failed_fetch_leaves_nothing() {
     let (code, e) = host.call_err("image.import", json!({"name": "web.raw", "sha256": sha, "source": elsewhere}));
     assert_eq!((code, e.details["step"].as_str()), (4001, Some("download")), "{e:?}");
     assert!(e.message.contains("connect"), "{e:?}");
-    assert_eq!(image_dir_entries(&host), before, "nothing left");
+    assert_eq!(host.image_dir_entries(), before, "nothing left");
 
     let v = host.call("image.import", json!({"name": "web.raw", "sha256": sha, "source": url}));
     assert_eq!((&v["changed"], &v["image"]["source"]), (&json!(true), &json!(url)), "{v}");

@@ -275,18 +275,6 @@ fn puppet_run_state_structured_attributes_and_errors() {
     assert!(run.output.contains(&format!("cannot connect to vmhostd at {}", nowhere.display())), "{}", run.output);
 }
 
-/// Every entry of the images directory, hidden ones (an import's temp file) included.
-fn image_dir_entries(host: &TestHost) -> Vec<String> {
-    let mut v: Vec<String> =
-        fs::read_dir(host.images()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
-    v.sort();
-    v
-}
-
-fn listed_image(host: &TestHost, name: &str) -> Option<Value> {
-    host.call("image.list", json!({})).as_array().unwrap().iter().find(|i| i["name"] == name).cloned()
-}
-
 fn image(name: &str, ensure: &str, sha256: &str, extra: &str) -> String {
     format!("vmhost_image {{ '{name}':\n  ensure => {ensure},\n  sha256 => '{sha256}',\n  {extra}\n}}\n")
 }
@@ -306,7 +294,7 @@ fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
     let data = fs::read(&fixture).unwrap();
     let sha = vmhost_tests::sha256_hex(&data);
     fs::write(host.state().join("import").join("upload.raw"), &data).unwrap();
-    let before = image_dir_entries(&host);
+    let before = host.image_dir_entries();
 
     // A VM declared before the image it boots from: autorequire imports the image first. The
     // sha256 is written in upper case (compared in lower case).
@@ -322,7 +310,7 @@ fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
         "{}",
         run.output
     );
-    assert_eq!(image_dir_entries(&host), before, "--noop must not import");
+    assert_eq!(host.image_dir_entries(), before, "--noop must not import");
 
     let run = puppet.apply(&sock, &manifest, &[]);
     assert_eq!(run.code, 2, "{}", run.output);
@@ -334,7 +322,7 @@ fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
         run.output
     );
     assert_eq!(fs::read(host.images().join("base.raw")).unwrap(), data);
-    let listed = listed_image(&host, "base.raw").unwrap();
+    let listed = host.listed_image("base.raw").unwrap();
     assert_eq!((&listed["sha256"], &listed["used_by"]), (&json!(sha), &json!(["user"])), "{listed}");
 
     // A rerun: exit code 0, no change event.
@@ -354,8 +342,8 @@ fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
     assert!(run.output.contains(&format!("\"found\":\"{sha}\"")), "{}", run.output);
     let mut expected = before.clone();
     expected.push("base.raw".into());
-    assert_eq!(image_dir_entries(&host), expected, "nothing left");
-    assert!(listed_image(&host, "other.raw").is_none());
+    assert_eq!(host.image_dir_entries(), expected, "nothing left");
+    assert!(host.listed_image("other.raw").is_none());
 
     // Another sha256 for base.raw: --noop shows the difference, a run fails with 4093.
     let other = "1".repeat(64);
@@ -378,7 +366,7 @@ fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
         "{}",
         run.output
     );
-    assert_eq!(listed_image(&host, "hand.raw").unwrap()["sha256"], sha.as_str());
+    assert_eq!(host.listed_image("hand.raw").unwrap()["sha256"], sha.as_str());
     assert_eq!(puppet.apply(&sock, &hand, &[]).code, 0);
 
     // ensure => absent: refused while the VM boots from it, naming the VM.
@@ -398,7 +386,7 @@ fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
     assert_eq!(run.code, 2, "{}", run.output);
     assert!(run.output.contains("Vmhost_image[base.raw]/ensure: removed"), "{}", run.output);
     assert!(!host.images().join("base.raw").exists());
-    assert!(listed_image(&host, "base.raw").is_none());
+    assert!(host.listed_image("base.raw").is_none());
     let run = puppet.apply(&sock, absent, &[]);
     assert_eq!(run.code, 0, "{}", run.output);
 }

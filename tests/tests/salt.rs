@@ -396,18 +396,6 @@ fn a_memory_change_reconfigures_in_place_and_keeps_the_disk() {
     assert_ne!(after["pid"].as_i64(), Some(pid384));
 }
 
-/// Every entry of the images directory, hidden ones (an import's temp file) included.
-fn image_dir_entries(host: &TestHost) -> Vec<String> {
-    let mut v: Vec<String> =
-        fs::read_dir(host.images()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
-    v.sort();
-    v
-}
-
-fn listed_image(host: &TestHost, name: &str) -> Option<Value> {
-    host.call("image.list", json!({})).as_array().unwrap().iter().find(|i| i["name"] == name).cloned()
-}
-
 /// `vmhost.image_present` imports a file of the daemon's import directory once (test=True
 /// predicts it, a rerun is quiet), a wrong sha256 fails with the daemon's 2003 and leaves
 /// nothing, another sha256 for an image that is there is refused (4093) naming both, a file put
@@ -423,7 +411,7 @@ fn images_are_imported_once_predicted_refused_and_deleted() {
     let data = fs::read(&fixture).unwrap();
     let sha = vmhost_tests::sha256_hex(&data);
     fs::write(host.state().join("import").join("upload.raw"), &data).unwrap();
-    let before = image_dir_entries(&host);
+    let before = host.image_dir_entries();
     let args = |sha256: &str| {
         let mut m = Map::new();
         m.insert("sha256".into(), json!(sha256));
@@ -437,7 +425,7 @@ fn images_are_imported_once_predicted_refused_and_deleted() {
     assert_eq!(r["result"], Value::Null, "{r}");
     assert_eq!(r["changes"]["new"], json!({"sha256": sha, "source": "upload.raw"}), "{r}");
     assert_eq!(comment(&r), format!("image base.raw would be imported from upload.raw (sha256 {sha})"));
-    assert_eq!(image_dir_entries(&host), before, "test=True must not import");
+    assert_eq!(host.image_dir_entries(), before, "test=True must not import");
 
     // The import: the file is in the images directory, image.list shows the sha256.
     let r = minion.apply("img", false);
@@ -445,7 +433,7 @@ fn images_are_imported_once_predicted_refused_and_deleted() {
     assert_eq!((&r["changes"]["old"], &r["changes"]["new"]["sha256"]), (&Value::Null, &json!(sha)), "{r}");
     assert_eq!((&r["changes"]["new"]["format"], &r["changes"]["new"]["bytes"]), (&json!("raw"), &json!(data.len())));
     assert_eq!(fs::read(host.images().join("base.raw")).unwrap(), data);
-    assert_eq!(listed_image(&host, "base.raw").unwrap()["sha256"], sha.as_str());
+    assert_eq!(host.listed_image("base.raw").unwrap()["sha256"], sha.as_str());
 
     // A rerun, and a rerun under test=True: nothing to do.
     for test in [false, true] {
@@ -465,10 +453,10 @@ fn images_are_imported_once_predicted_refused_and_deleted() {
     assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "{r}");
     assert!(comment(&r).starts_with("vmhostd error 2003 (sha256): "), "{r}");
     assert!(comment(&r).contains(&format!("\"found\": \"{sha}\"")), "{r}");
-    assert!(listed_image(&host, "other.raw").is_none());
+    assert!(host.listed_image("other.raw").is_none());
     let mut expected = before.clone();
     expected.push("base.raw".into());
-    assert_eq!(image_dir_entries(&host), expected, "no image and no temp file left");
+    assert_eq!(host.image_dir_entries(), expected, "no image and no temp file left");
 
     // Another sha256 for base.raw: never replaced, predicted under test=True, naming both.
     let other = "1".repeat(64);
@@ -489,10 +477,10 @@ fn images_are_imported_once_predicted_refused_and_deleted() {
     minion.sls("hand", "hand.raw", "vmhost.image_present", &hand);
     let r = minion.apply("hand", true);
     assert_eq!((&r["result"], &r["changes"]["old"]), (&Value::Null, &json!({"sha256": null})), "{r}");
-    assert_eq!(listed_image(&host, "hand.raw").unwrap()["sha256"], Value::Null, "test=True records nothing");
+    assert_eq!(host.listed_image("hand.raw").unwrap()["sha256"], Value::Null, "test=True records nothing");
     let r = minion.apply("hand", false);
     assert_eq!((&r["result"], &r["changes"]["new"]["sha256"]), (&json!(true), &json!(sha)), "{r}");
-    assert_eq!(listed_image(&host, "hand.raw").unwrap()["sha256"], sha.as_str());
+    assert_eq!(host.listed_image("hand.raw").unwrap()["sha256"], sha.as_str());
     assert_eq!(minion.apply("hand", false)["changes"], json!({}), "second run");
 
     // A VM boots from base.raw (created stopped: no QEMU needed): absent fails naming it.
@@ -520,7 +508,7 @@ fn images_are_imported_once_predicted_refused_and_deleted() {
     );
     assert_eq!(comment(&r), "image base.raw deleted");
     assert!(!host.images().join("base.raw").exists());
-    assert!(listed_image(&host, "base.raw").is_none());
+    assert!(host.listed_image("base.raw").is_none());
     let r = minion.apply("gone", false);
     assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "{r}");
     assert_eq!(comment(&r), "image base.raw is already absent");
