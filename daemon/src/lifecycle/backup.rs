@@ -15,10 +15,11 @@
 //! `vm.create` takes them, the boot disk as `boot.disk` (so an image VM comes back as a
 //! `boot.disk` VM). A create that fails removes the copies.
 
+use super::copies::{copy_checked, copy_timeout, create_target, seal_copies, CheckedFrom, VmDisk};
 use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
 use crate::api::disks::DiskFormat;
-use crate::api::{ApiError, BootSpec, Code, Mutation, VmSpec, VmStatus};
+use crate::api::{ApiError, BootSpec, Mutation, VmStatus};
 use crate::disk::export::FlatDisk;
 use serde_json::json;
 use std::os::fd::OwnedFd;
@@ -27,22 +28,18 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Default and largest `timeout_s` of an export.
-const DEFAULT_TIMEOUT_S: u64 = 3600;
-const MAX_TIMEOUT_S: u64 = 86_400;
-
 fn failed(message: String) -> ApiError {
     super::provisioning("export", message)
 }
 
-/// A disk to export: where it is now and what it becomes.
-struct Source {
-    entry: BackupDisk,
-    /// Its layers, bottom first, with their formats (a base image then the overlay, or one
-    /// file).
-    layers: Vec<(PathBuf, String)>,
-    /// The QEMU block device of a running VM.
-    device: String,
+/// A disk's layers, bottom first, with their formats: its base image then its file, or its
+/// file alone.
+fn layers(disk: &VmDisk) -> Vec<(&Path, &str)> {
+    disk.base
+        .iter()
+        .map(|(p, f)| (p.as_path(), f.as_str()))
+        .chain(std::iter::once((disk.file.as_path(), disk.format.as_str())))
+        .collect()
 }
 
 fn open_ro(path: &Path) -> Result<OwnedFd, ApiError> {
@@ -51,103 +48,39 @@ fn open_ro(path: &Path) -> Result<OwnedFd, ApiError> {
         .map_err(|e| failed(format!("cannot open {}: {e}", path.display())))
 }
 
-/// Creates the empty target `path` (0600, never an existing file), `len` long.
-fn create_target(path: &Path, len: u64) -> Result<OwnedFd, ApiError> {
-    crate::blocking::run(|| {
-        let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path)?;
-        f.set_len(len)?;
-        Ok::<_, std::io::Error>(f)
-    })
-    .map(OwnedFd::from)
-    .map_err(|e| failed(format!("cannot create {}: {e}", path.display())))
-}
-
 impl Manager {
-    /// The disks of `spec` to export, with their sources (sizes filled in later).
-    async fn export_sources(&self, spec: &VmSpec) -> Result<Vec<Source>, ApiError> {
-        let paths = self.paths(&spec.name);
-        let entry = |role, name: &str, format| {
-            let mut e = BackupDisk {
-                role,
-                name: name.to_string(),
-                file: String::new(),
-                format,
-                virtual_size: 0,
-                bytes: 0,
-                sha256: String::new(),
-            };
-            e.file = crate::backup::file_of(&e);
-            e
-        };
-        let mut out = Vec::new();
-        let boot_layers = if let Some(image) = &spec.boot.image {
-            let base = self.config.paths.images.join(image);
-            let format = crate::disk::base_format(&self.disk_tool(), &base)
-                .await
-                .map_err(|e| failed(format!("cannot read the base image {}: {e}", base.display())))?;
-            Some(vec![(base, format), (paths.overlay.clone(), "qcow2".to_string())])
-        } else if spec.boot.disk.is_some() {
-            let rec = self.record(&spec.name)?;
-            let root = rec.root_disk.ok_or_else(|| failed("the VM's record names no root disk".into()))?;
-            Some(vec![(paths.root_disk(root.format), root.format.as_str().to_string())])
-        } else {
-            None
-        };
-        if let Some(layers) = boot_layers {
-            out.push(Source {
-                entry: entry(DiskRole::Root, "root", DiskFormat::Qcow2),
-                layers,
-                device: "virtio0".into(),
-            });
-        }
-        for disk in &spec.disks {
-            out.push(Source {
-                entry: entry(DiskRole::Data, &disk.name, disk.format),
-                layers: vec![(paths.data_disk(disk), disk.format.as_str().to_string())],
-                device: crate::qemu::argv::data_drive(&disk.name),
-            });
-        }
-        Ok(out)
-    }
-
     /// `vm.export` (module doc).
     ///
     /// # Errors
-    /// 2001 on `timeout_s`, 4040, 4090 (another operation on the VM), 4001 `step: export`
-    /// (nothing is left in `paths.backups`).
+    /// 2001 on `timeout_s`, 4040, 4090 (another operation on the VM), 3002 on `name`, 4001
+    /// `step: export` (nothing is left in `paths.backups`).
     pub async fn export_vm(self: &Arc<Self>, p: ExportParams) -> Result<ExportResult, ApiError> {
-        let timeout_s = p.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
-        if timeout_s == 0 || timeout_s > MAX_TIMEOUT_S {
-            return Err(ApiError::invalid("timeout_s", format!("1-{MAX_TIMEOUT_S} seconds")));
-        }
-        let within = Duration::from_secs(timeout_s);
+        let within = copy_timeout(p.timeout_s)?;
         let (_guard, rec) = self.begin(&p.name)?;
         Self::check_not_reverting(&rec)?;
-        let live = rec.status == VmStatus::Running;
-        let spec = if live { rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone()) } else { rec.spec.clone() };
-        let mut sources = self.export_sources(&spec).await?;
-        let files: Vec<&Path> = sources.iter().flat_map(|s| s.layers.iter().map(|(p, _)| p.as_path())).collect();
+        let (live, spec, disks) = self.copy_sources(&rec, "export").await?;
+        // The boot disk becomes one flat qcow2; data disks keep their format.
+        let mut entries: Vec<BackupDisk> = disks
+            .iter()
+            .map(|d| {
+                let format = if d.role == DiskRole::Root { DiskFormat::Qcow2 } else { d.format };
+                let mut e = d.entry(String::new(), format);
+                e.file = crate::backup::file_of(&e);
+                e
+            })
+            .collect();
+        let files: Vec<&Path> = disks.iter().flat_map(|d| layers(d).into_iter().map(|(p, _)| p)).collect();
         let backups = self.config.paths.backups_dir();
         crate::blocking::run(|| crate::disk::space::check_copy_room(&backups, &files, "name"))?;
         let partial = self.backups.begin(&p.name)?;
-        let targets: Vec<PathBuf> = sources.iter().map(|s| partial.dir().join(&s.entry.file)).collect();
+        let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
         let frozen = if live {
-            self.export_live(&p.name, &mut sources, &targets, within).await?
+            self.export_live(&p.name, &disks, &mut entries, &targets, within).await?
         } else {
-            self.export_stopped(&mut sources, &targets, within).await?;
+            self.export_stopped(&disks, &mut entries, &targets, within).await?;
             Vec::new()
         };
-        for (source, target) in sources.iter_mut().zip(&targets) {
-            let raw = source.entry.format == DiskFormat::Raw;
-            let (sha256, bytes) = crate::blocking::run(|| {
-                let f = std::fs::OpenOptions::new().read(true).write(true).open(target)?;
-                let sha = crate::disk::export::seal(&f, raw)?;
-                Ok::<_, std::io::Error>((sha, f.metadata()?.len()))
-            })
-            .map_err(|e| failed(format!("cannot read back {}: {e}", target.display())))?;
-            source.entry.sha256 = sha256;
-            source.entry.bytes = bytes;
-        }
+        seal_copies(partial.dir(), &mut entries, "export")?;
         let manifest = Manifest {
             format: crate::backup::FORMAT.into(),
             version: 1,
@@ -157,7 +90,7 @@ impl Manager {
             spec,
             live,
             frozen,
-            disks: sources.into_iter().map(|s| s.entry).collect(),
+            disks: entries,
         };
         let backup = partial.name().to_string();
         let path = partial.finish(&manifest)?;
@@ -165,33 +98,33 @@ impl Manager {
         Ok(ExportResult { backup, path, manifest })
     }
 
-    /// Copies a stopped VM's disks with QEMU without a guest.
+    /// Copies a stopped VM's disks with QEMU without a guest, flattening each disk's layers.
     async fn export_stopped(
         &self,
-        sources: &mut [Source],
+        disks: &[VmDisk],
+        entries: &mut [BackupDisk],
         targets: &[PathBuf],
         within: Duration,
     ) -> Result<(), ApiError> {
-        let mut disks = Vec::new();
-        for (source, target) in sources.iter_mut().zip(targets) {
-            let (top, _) = source.layers.last().ok_or_else(|| failed("a disk without a file".into()))?;
-            let info = crate::disk::import::inspect(&self.disk_tool(), open_ro(top)?)
+        let mut flat = Vec::new();
+        for ((disk, entry), target) in disks.iter().zip(entries.iter_mut()).zip(targets) {
+            let info = crate::disk::import::inspect(&self.disk_tool(), open_ro(&disk.file)?)
                 .await
-                .map_err(|e| failed(format!("cannot read {}: {e}", top.display())))?;
-            source.entry.virtual_size = info.virtual_size;
-            let len = if source.entry.format == DiskFormat::Raw { info.virtual_size } else { 0 };
-            let mut layers = Vec::new();
-            for (path, format) in &source.layers {
-                layers.push((open_ro(path)?, format.clone()));
+                .map_err(|e| failed(format!("cannot read {}: {e}", disk.file.display())))?;
+            entry.virtual_size = info.virtual_size;
+            let len = if entry.format == DiskFormat::Raw { info.virtual_size } else { 0 };
+            let mut opened = Vec::new();
+            for (path, format) in layers(disk) {
+                opened.push((open_ro(path)?, format.to_string()));
             }
-            disks.push(FlatDisk {
-                layers,
-                target: create_target(target, len)?,
-                format: source.entry.format.as_str(),
+            flat.push(FlatDisk {
+                layers: opened,
+                target: create_target(target, len, "export")?,
+                format: entry.format.as_str(),
                 virtual_size: info.virtual_size,
             });
         }
-        crate::disk::export::flatten(&self.disk_tool(), disks, within).await.map_err(|e| {
+        crate::disk::export::flatten(&self.disk_tool(), flat, within).await.map_err(|e| {
             let tail = e.stderr_tail().unwrap_or_default().to_string();
             failed(format!("cannot copy the disks: {e}")).details(json!({ "step": "export", "stderr": tail }))
         })
@@ -202,25 +135,27 @@ impl Manager {
     async fn export_live(
         &self,
         name: &str,
-        sources: &mut [Source],
+        disks: &[VmDisk],
+        entries: &mut [BackupDisk],
         targets: &[PathBuf],
         within: Duration,
     ) -> Result<Vec<String>, ApiError> {
-        let mut live: Vec<super::live_copy::Target> = sources
+        let mut live: Vec<super::live_copy::Target> = disks
             .iter()
+            .zip(entries.iter())
             .zip(targets)
-            .map(|(s, path)| super::live_copy::Target {
-                device: s.device.clone(),
+            .map(|((d, e), path)| super::live_copy::Target {
+                device: d.device.clone(),
                 path: path.clone(),
-                format: s.entry.format.as_str(),
+                format: e.format.as_str(),
                 backing: None,
                 sync: "full",
                 virtual_size: 0,
             })
             .collect();
         let frozen = self.copy_disks_live(name, &mut live, within, "export").await?;
-        for (s, t) in sources.iter_mut().zip(&live) {
-            s.entry.virtual_size = t.virtual_size;
+        for (e, t) in entries.iter_mut().zip(&live) {
+            e.virtual_size = t.virtual_size;
         }
         Ok(frozen)
     }
@@ -274,7 +209,7 @@ impl Manager {
         crate::blocking::run(|| crate::disk::space::check_copy_room(&import_dir, &files, "backup"))?;
         let mut placed = Placed(Vec::new());
         for (disk, dest) in manifest.disks.iter().zip(&destinations) {
-            self.copy_out(&dir, disk, dest, &spec.name).await?;
+            self.copy_out(&dir, disk, dest, &spec.name)?;
             placed.0.push(dest.clone());
         }
         let name = spec.name.clone();
@@ -298,31 +233,18 @@ impl Manager {
         result
     }
 
-    /// Copies backup file `disk` from `dir` to `dest` through a temp file beside it, checking
-    /// its sha256.
-    async fn copy_out(&self, dir: &Path, disk: &BackupDisk, dest: &Path, vm: &str) -> Result<(), ApiError> {
-        let import_dir = self.config.paths.import_dir();
-        let copy_failed = |e: std::io::Error| {
-            super::provisioning("import", format!("cannot copy {} out of the backup: {e}", disk.file))
+    /// Copies backup file `disk` from `dir` to `dest` through a temp file in the import
+    /// directory (the state file system), checking its sha256.
+    fn copy_out(&self, dir: &Path, disk: &BackupDisk, dest: &Path, vm: &str) -> Result<(), ApiError> {
+        let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
+        let temp = copy_checked(&from, disk, &self.config.paths.import_dir(), &format!("{vm}-{}", disk.file))?;
+        let failed = |e: std::io::Error| {
+            super::provisioning("import", format!("cannot place {} from the backup: {e}", disk.file))
         };
-        let mut temp = crate::images::Temp::create(&import_dir, &format!("{vm}-{}", disk.file)).map_err(copy_failed)?;
-        crate::images::copy(&dir.join(&disk.file), &mut temp).map_err(copy_failed)?;
-        let found = temp.finish().map_err(copy_failed)?;
-        if found != disk.sha256 {
-            return Err(ApiError::new(
-                Code::ChecksumMismatch,
-                format!(
-                    "{} in the backup has sha256 {found}, not {} as its manifest says; nothing was imported",
-                    disk.file, disk.sha256
-                ),
-            )
-            .field("backup")
-            .details(json!({ "file": disk.file, "expected": disk.sha256, "found": found, "bytes": temp.bytes() })));
-        }
         if let Some(parent) = dest.parent() {
-            crate::blocking::run(|| crate::state::dirs::private_dir(parent)).map_err(copy_failed)?;
+            crate::blocking::run(|| crate::state::dirs::private_dir(parent)).map_err(failed)?;
         }
-        temp.place(dest).map_err(copy_failed)?;
+        temp.place(dest).map_err(failed)?;
         Ok(())
     }
 }

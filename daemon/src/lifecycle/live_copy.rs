@@ -14,7 +14,6 @@ use super::Manager;
 use crate::api::ApiError;
 use crate::disk::export::{LiveDisk, QcowTarget};
 use serde_json::json;
-use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -69,15 +68,7 @@ impl Manager {
                 .and_then(|v| v.as_u64())
                 .ok_or_else(|| failed(step, format!("QEMU has no disk {}", t.device)))?;
             let raw = t.format == "raw";
-            let len = if raw { t.virtual_size } else { 0 };
-            let fd = crate::blocking::run(|| {
-                use std::os::unix::fs::OpenOptionsExt;
-                let f =
-                    std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&t.path)?;
-                f.set_len(len)?;
-                Ok::<_, std::io::Error>(OwnedFd::from(f))
-            })
-            .map_err(|e| failed(step, format!("cannot create {}: {e}", t.path.display())))?;
+            let fd = super::copies::create_target(&t.path, if raw { t.virtual_size } else { 0 }, step)?;
             if !raw {
                 let copy = fd.try_clone().map_err(|e| failed(step, format!("cannot duplicate a descriptor: {e}")))?;
                 qcow2.push(QcowTarget { fd: copy, bytes: t.virtual_size, backing: t.backing.clone() });

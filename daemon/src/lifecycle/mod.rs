@@ -19,7 +19,7 @@
 //! (re-adoption at daemon start), [`exits`] (exit watching, the restart policy), [`autostart`] (VMs desired running, started at
 //! daemon start), [`shutdown`] (`host.shutdown_vms`), [`reconcile`] (`host.reconcile`), [`stats`] (`vm.stats`,
 //! `host.stats`), [`images`] (the image store with the VMs that use each image), [`backup`]
-//! (`vm.export`, `vm.import`), [`snapshots`] (`vm.snapshot`, `vm.revert`, ...), [`teardown`] (what every path that ends a QEMU gives back, in one order),
+//! (`vm.export`, `vm.import`), [`copies`] (what snapshots and backups share), [`snapshots`] (`vm.snapshot`, `vm.revert`, ...), [`teardown`] (what every path that ends a QEMU gives back, in one order),
 //! [`undo`] (the undo stack a create or start pushes its steps onto, unwound on failure),
 //! [`registry`] (records, their files and the views readers are served), [`processes`] (the
 //! QEMU processes: started, found, checked, killed).
@@ -27,6 +27,7 @@
 mod agent;
 mod autostart;
 mod backup;
+mod copies;
 mod data_disks;
 mod exits;
 mod hotplug;

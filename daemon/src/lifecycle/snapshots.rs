@@ -17,12 +17,12 @@
 //! written; nothing outside the VM is touched. Newer snapshots stay. A destroy removes the
 //! VM's snapshots with its disks.
 
+use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk};
 use super::Manager;
-use crate::api::backup::{BackupDisk, DiskRole};
+use crate::api::backup::BackupDisk;
 use crate::api::disks::DiskFormat;
 use crate::api::snapshots::{Snapshot, SnapshotDeleted, SnapshotParams};
 use crate::api::{ApiError, Code, Mutation, VmSpec, VmStatus};
-use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,20 +48,10 @@ fn check_name(name: &str) -> Result<(), ApiError> {
     }
 }
 
-fn timeout(timeout_s: Option<u64>) -> Result<Duration, ApiError> {
-    match timeout_s.unwrap_or(3600) {
-        s @ 1..=86_400 => Ok(Duration::from_secs(s)),
-        _ => Err(ApiError::invalid("timeout_s", "1-86400 seconds")),
-    }
-}
-
-/// One disk of the VM: its file, its copy's entry, and the QEMU device.
-struct Disk {
-    entry: BackupDisk,
-    file: PathBuf,
-    /// Its base image, for an image VM's overlay.
-    base: Option<(PathBuf, String)>,
-    device: String,
+/// A disk's copy in a snapshot: `root.FORMAT` or `NAME.FORMAT`, in the disk's own format (an
+/// image VM's overlay copied as an overlay).
+fn snapshot_entry(disk: &VmDisk) -> BackupDisk {
+    disk.entry(format!("{}.{}", disk.name, disk.format.as_str()), disk.format)
 }
 
 /// What must be equal for a revert: each disk's name, format and size, and the boot source.
@@ -78,51 +68,6 @@ impl Manager {
         self.config.paths.state.join("snapshots").join(name)
     }
 
-    /// The VM's disks as files and devices (its copies' entries without sizes or sums).
-    async fn snapshot_disks(&self, rec: &crate::state::VmRecord, spec: &VmSpec) -> Result<Vec<Disk>, ApiError> {
-        let paths = self.paths(&spec.name);
-        let entry = |role, name: &str, file: &str, format| BackupDisk {
-            role,
-            name: name.to_string(),
-            file: file.to_string(),
-            format,
-            virtual_size: 0,
-            bytes: 0,
-            sha256: String::new(),
-        };
-        let mut out = Vec::new();
-        if let Some(image) = &spec.boot.image {
-            let base = self.config.paths.images.join(image);
-            let format = crate::disk::base_format(&self.disk_tool(), &base)
-                .await
-                .map_err(|e| failed(format!("cannot read the base image {}: {e}", base.display())))?;
-            out.push(Disk {
-                entry: entry(DiskRole::Root, "root", "root.qcow2", DiskFormat::Qcow2),
-                file: paths.overlay.clone(),
-                base: Some((base, format)),
-                device: "virtio0".into(),
-            });
-        } else if spec.boot.disk.is_some() {
-            let root = rec.root_disk.as_ref().ok_or_else(|| failed("the VM's record names no root disk".into()))?;
-            let file = format!("root.{}", root.format.as_str());
-            out.push(Disk {
-                entry: entry(DiskRole::Root, "root", &file, root.format),
-                file: paths.root_disk(root.format),
-                base: None,
-                device: "virtio0".into(),
-            });
-        }
-        for d in &spec.disks {
-            out.push(Disk {
-                entry: entry(DiskRole::Data, &d.name, &d.file_name(), d.format),
-                file: paths.data_disk(d),
-                base: None,
-                device: crate::qemu::argv::data_drive(&d.name),
-            });
-        }
-        Ok(out)
-    }
-
     /// `vm.snapshot` (module doc).
     ///
     /// # Errors
@@ -130,7 +75,7 @@ impl Manager {
     /// 4040, 4090, 4001 `step: snapshot` (nothing is kept).
     pub async fn snapshot(self: &Arc<Self>, p: SnapshotParams) -> Result<Snapshot, ApiError> {
         check_name(&p.snapshot)?;
-        let within = timeout(p.timeout_s)?;
+        let within = copy_timeout(p.timeout_s)?;
         let (_guard, rec) = self.begin(&p.name)?;
         Self::check_not_reverting(&rec)?;
         let existing = self.list_snapshots(&p.name)?;
@@ -146,9 +91,8 @@ impl Manager {
                 format!("VM {:?} has {MAX_SNAPSHOTS} snapshots: delete one", p.name),
             ));
         }
-        let live = rec.status == VmStatus::Running;
-        let spec = if live { rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone()) } else { rec.spec.clone() };
-        let mut disks = self.snapshot_disks(&rec, &spec).await?;
+        let (live, spec, disks) = self.copy_sources(&rec, "snapshot").await?;
+        let mut entries: Vec<BackupDisk> = disks.iter().map(snapshot_entry).collect();
         let files: Vec<&Path> = disks.iter().map(|d| d.file.as_path()).collect();
         crate::blocking::run(|| crate::disk::space::check_copy_room(&self.config.paths.state, &files, "snapshot"))?;
         let dir = self.snapshots_dir(&p.name);
@@ -163,38 +107,26 @@ impl Manager {
         .map_err(|e| failed(format!("cannot create {}: {e}", partial.display())))?;
         let mut cleanup = RemoveDir(Some(partial.clone()));
         let frozen = if live {
-            self.snapshot_live(&p.name, &mut disks, &partial, within).await?
+            self.snapshot_live(&p.name, &disks, &mut entries, &partial, within).await?
         } else {
-            for d in &mut disks {
-                let mut temp = crate::images::Temp::create(&partial, &d.entry.file)
+            for (d, e) in disks.iter().zip(&entries) {
+                let mut temp = crate::images::Temp::create(&partial, &e.file)
                     .map_err(|e| failed(format!("cannot create a copy in {}: {e}", partial.display())))?;
                 crate::images::copy(&d.file, &mut temp)
                     .map_err(|e| failed(format!("cannot copy {}: {e}", d.file.display())))?;
                 temp.finish().map_err(|e| failed(format!("cannot write a copy: {e}")))?;
-                temp.place(&partial.join(&d.entry.file)).map_err(|e| failed(format!("cannot place a copy: {e}")))?;
+                temp.place(&partial.join(&e.file)).map_err(|e| failed(format!("cannot place a copy: {e}")))?;
             }
             Vec::new()
         };
-        for d in &mut disks {
-            let target = partial.join(&d.entry.file);
-            let raw = d.entry.format == DiskFormat::Raw;
-            let (sha, bytes) = crate::blocking::run(|| {
-                let f = std::fs::OpenOptions::new().read(true).write(true).open(&target)?;
-                let sha = crate::disk::export::seal(&f, raw)?;
-                f.sync_all()?;
-                Ok::<_, std::io::Error>((sha, f.metadata()?.len()))
-            })
-            .map_err(|e| failed(format!("cannot read back {}: {e}", target.display())))?;
-            d.entry.sha256 = sha;
-            d.entry.bytes = bytes;
-        }
+        seal_copies(&partial, &mut entries, "snapshot")?;
         let snapshot = Snapshot {
             name: p.snapshot.clone(),
             created_at: crate::api::now_rfc3339(),
             live,
             frozen,
             spec,
-            disks: disks.into_iter().map(|d| d.entry).collect(),
+            disks: entries,
         };
         let json = serde_json::to_vec_pretty(&snapshot).map_err(|e| failed(e.to_string()))?;
         crate::blocking::run(|| {
@@ -213,16 +145,18 @@ impl Manager {
     async fn snapshot_live(
         &self,
         name: &str,
-        disks: &mut [Disk],
+        disks: &[VmDisk],
+        entries: &mut [BackupDisk],
         partial: &Path,
         within: Duration,
     ) -> Result<Vec<String>, ApiError> {
         let mut live: Vec<super::live_copy::Target> = disks
             .iter()
-            .map(|d| super::live_copy::Target {
+            .zip(entries.iter())
+            .map(|(d, e)| super::live_copy::Target {
                 device: d.device.clone(),
-                path: partial.join(&d.entry.file),
-                format: d.entry.format.as_str(),
+                path: partial.join(&e.file),
+                format: e.format.as_str(),
                 backing: d.base.clone(),
                 // An overlay's copy holds what the VM wrote; its header names the same base.
                 sync: if d.base.is_some() { "top" } else { "full" },
@@ -230,8 +164,8 @@ impl Manager {
             })
             .collect();
         let frozen = self.copy_disks_live(name, &mut live, within, "snapshot").await?;
-        for (d, t) in disks.iter_mut().zip(&live) {
-            d.entry.virtual_size = t.virtual_size;
+        for (e, t) in entries.iter_mut().zip(&live) {
+            e.virtual_size = t.virtual_size;
         }
         Ok(frozen)
     }
@@ -290,9 +224,13 @@ impl Manager {
                 ),
             ));
         }
-        let disks = self.snapshot_disks(&rec, &rec.spec).await?;
+        let (_, _, disks) = self.copy_sources(&rec, "snapshot").await?;
         let same_files = disks.len() == snapshot.disks.len()
-            && disks.iter().zip(&snapshot.disks).all(|(d, s)| d.entry.file == s.file && d.entry.format == s.format);
+            && disks
+                .iter()
+                .map(snapshot_entry)
+                .zip(&snapshot.disks)
+                .all(|(d, s)| d.file == s.file && d.format == s.format);
         if !same_files {
             return Err(ApiError::invalid(
                 "snapshot",
@@ -309,29 +247,14 @@ impl Manager {
             crate::blocking::run(|| crate::images::remove_leftovers_of(&d.file));
         }
         // Copied out first, next to each file (the same file system: the rename is atomic).
+        let place = format!("of snapshot {:?}", p.snapshot);
+        let checked =
+            CheckedFrom { dir: &from, field: "snapshot", place: &place, undone: "reverted", step: "snapshot" };
         let mut copies = Vec::new();
         for (disk, saved) in disks.iter().zip(&snapshot.disks) {
             let dir = disk.file.parent().ok_or_else(|| failed("a disk without a directory".into()))?;
             let own = disk.file.file_name().and_then(|n| n.to_str()).unwrap_or(&saved.file);
-            let mut temp = crate::images::Temp::create(dir, own)
-                .map_err(|e| failed(format!("cannot create a copy in {}: {e}", dir.display())))?;
-            crate::images::copy(&from.join(&saved.file), &mut temp)
-                .map_err(|e| failed(format!("cannot copy {} out of the snapshot: {e}", saved.file)))?;
-            let found = temp.finish().map_err(|e| failed(format!("cannot write a copy: {e}")))?;
-            if found != saved.sha256 {
-                return Err(ApiError::new(
-                    Code::ChecksumMismatch,
-                    format!(
-                        "{} of snapshot {:?} has sha256 {found}, not {}; nothing was reverted",
-                        saved.file, p.snapshot, saved.sha256
-                    ),
-                )
-                .field("snapshot")
-                .details(
-                    json!({ "file": saved.file, "expected": saved.sha256, "found": found, "bytes": temp.bytes() }),
-                ));
-            }
-            copies.push((temp, disk.file.clone()));
+            copies.push((copy_checked(&checked, saved, dir, own)?, disk.file.clone()));
         }
         let snap = p.snapshot.clone();
         self.update(&p.name, "vm.revert", |r| r.reverting = Some(snap))?;
@@ -447,15 +370,7 @@ mod tests {
     #[test]
     fn a_revert_needs_the_same_disks_but_not_the_same_kernel_arguments() {
         let mut spec = crate::validate::tests::spec("v");
-        spec.disks = vec![crate::api::disks::DataDiskSpec {
-            name: "nsm".into(),
-            size_gib: 2,
-            format: DiskFormat::Raw,
-            preallocate: false,
-            cache: Default::default(),
-            aio: None,
-            keep_on_destroy: false,
-        }];
+        spec.disks = vec![crate::validate::tests::data_disk("nsm", 2, DiskFormat::Raw)];
         let mut other = spec.clone();
         other.boot.cmdline = Some("quiet".into());
         other.memory_mib += 64;

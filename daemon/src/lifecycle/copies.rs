@@ -1,0 +1,193 @@
+//! Copies of a VM's disks, what snapshots ([`super::snapshots`]) and backups
+//! ([`super::backup`]) share: which files a VM's disks are and what a copy of them reads
+//! ([`Manager::copy_sources`]), the empty targets ([`create_target`]), each copy's sha256 once
+//! made ([`seal_copies`]), and a copy taken back out, checked against its sha256
+//! ([`copy_checked`]).
+
+use super::Manager;
+use crate::api::backup::{BackupDisk, DiskRole};
+use crate::api::disks::DiskFormat;
+use crate::api::{ApiError, Code, VmSpec, VmStatus};
+use crate::state::VmRecord;
+use serde_json::json;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Default and largest `timeout_s` of a copy.
+const DEFAULT_TIMEOUT_S: u64 = 3600;
+const MAX_TIMEOUT_S: u64 = 86_400;
+
+/// One disk of a VM as a copy reads it.
+#[derive(Debug)]
+pub(super) struct VmDisk {
+    /// Boot disk or data disk.
+    pub role: DiskRole,
+    /// `root`, or the data disk's name.
+    pub name: String,
+    /// The format of its file.
+    pub format: DiskFormat,
+    /// Its file: an image VM's overlay, a `boot.disk` root disk, a data disk.
+    pub file: PathBuf,
+    /// The overlay's base image and its format.
+    pub base: Option<(PathBuf, String)>,
+    /// The QEMU block device (or node) of a running VM.
+    pub device: String,
+}
+
+impl VmDisk {
+    /// The entry of its copy named `file`, in `format` (sizes and sum filled in later).
+    pub(super) fn entry(&self, file: String, format: DiskFormat) -> BackupDisk {
+        BackupDisk {
+            role: self.role,
+            name: self.name.clone(),
+            file,
+            format,
+            virtual_size: 0,
+            bytes: 0,
+            sha256: String::new(),
+        }
+    }
+}
+
+/// The `timeout_s` of a copy (default 3600).
+///
+/// # Errors
+/// 2001 on `timeout_s` outside 1-86400.
+pub(super) fn copy_timeout(timeout_s: Option<u64>) -> Result<Duration, ApiError> {
+    match timeout_s.unwrap_or(DEFAULT_TIMEOUT_S) {
+        s @ 1..=MAX_TIMEOUT_S => Ok(Duration::from_secs(s)),
+        _ => Err(ApiError::invalid("timeout_s", format!("1-{MAX_TIMEOUT_S} seconds"))),
+    }
+}
+
+/// Creates the empty target `path` (0600, never an existing file), `len` long.
+///
+/// # Errors
+/// 4001 with `step`.
+pub(super) fn create_target(path: &Path, len: u64, step: &str) -> Result<OwnedFd, ApiError> {
+    crate::blocking::run(|| {
+        let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path)?;
+        f.set_len(len)?;
+        Ok::<_, std::io::Error>(f)
+    })
+    .map(OwnedFd::from)
+    .map_err(|e| super::provisioning(step, format!("cannot create {}: {e}", path.display())))
+}
+
+/// Reads each copy of `entries` in `dir` back once: its sha256 and size into its entry, a raw
+/// one's zero MiBs punched into holes ([`crate::disk::export::seal`]), synced.
+///
+/// # Errors
+/// 4001 with `step`.
+pub(super) fn seal_copies(dir: &Path, entries: &mut [BackupDisk], step: &str) -> Result<(), ApiError> {
+    for entry in entries {
+        let target = dir.join(&entry.file);
+        let raw = entry.format == DiskFormat::Raw;
+        let (sha256, bytes) = crate::blocking::run(|| {
+            let f = std::fs::OpenOptions::new().read(true).write(true).open(&target)?;
+            let sha = crate::disk::export::seal(&f, raw)?;
+            f.sync_all()?;
+            Ok::<_, std::io::Error>((sha, f.metadata()?.len()))
+        })
+        .map_err(|e| super::provisioning(step, format!("cannot read back {}: {e}", target.display())))?;
+        entry.sha256 = sha256;
+        entry.bytes = bytes;
+    }
+    Ok(())
+}
+
+/// Where a copy is taken back out of: its directory, the request field that named it, how an
+/// error says where it is (`in the backup`) and what did not happen (`imported`).
+pub(super) struct CheckedFrom<'a> {
+    pub dir: &'a Path,
+    pub field: &'a str,
+    pub place: &'a str,
+    pub undone: &'a str,
+    pub step: &'a str,
+}
+
+/// Copies `disk` out of `from` into a temp file in `temp_dir` named after `temp_name`, hashed as
+/// it is written; returns it, to be placed or renamed over a disk.
+///
+/// # Errors
+/// 2003 on `from.field` when the copy is not the sha256 `disk` recorded (`details: {file,
+/// expected, found, bytes}`; the temp file is removed); 4001 with `from.step`.
+pub(super) fn copy_checked(
+    from: &CheckedFrom<'_>,
+    disk: &BackupDisk,
+    temp_dir: &Path,
+    temp_name: &str,
+) -> Result<crate::images::Temp, ApiError> {
+    let failed =
+        |e: std::io::Error| super::provisioning(from.step, format!("cannot copy {} {}: {e}", disk.file, from.place));
+    let mut temp = crate::images::Temp::create(temp_dir, temp_name).map_err(failed)?;
+    crate::images::copy(&from.dir.join(&disk.file), &mut temp).map_err(failed)?;
+    let found = temp.finish().map_err(failed)?;
+    if found != disk.sha256 {
+        return Err(ApiError::new(
+            Code::ChecksumMismatch,
+            format!(
+                "{} {} has sha256 {found}, not {} as recorded; nothing was {}",
+                disk.file, from.place, disk.sha256, from.undone
+            ),
+        )
+        .field(from.field)
+        .details(json!({ "file": disk.file, "expected": disk.sha256, "found": found, "bytes": temp.bytes() })));
+    }
+    Ok(temp)
+}
+
+impl Manager {
+    /// What a copy of VM `rec` reads: whether it runs (then its QEMU copies, and the disks are
+    /// those of the spec it runs with), that spec, and each disk: the boot disk (an image VM's
+    /// overlay over its base, or a `boot.disk` root disk; none for a direct-kernel VM), then the
+    /// data disks in spec order.
+    ///
+    /// # Errors
+    /// 4001 with `step` when the base image's format cannot be read or the record names no
+    /// root disk.
+    pub(super) async fn copy_sources(
+        &self,
+        rec: &VmRecord,
+        step: &str,
+    ) -> Result<(bool, VmSpec, Vec<VmDisk>), ApiError> {
+        let live = rec.status == VmStatus::Running;
+        let spec = if live { rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone()) } else { rec.spec.clone() };
+        let paths = self.paths(&spec.name);
+        let root = |format, file, base| VmDisk {
+            role: DiskRole::Root,
+            name: "root".into(),
+            format,
+            file,
+            base,
+            device: "virtio0".into(),
+        };
+        let mut out = Vec::new();
+        if let Some(image) = &spec.boot.image {
+            let base = self.config.paths.images.join(image);
+            let format = crate::disk::base_format(&self.disk_tool(), &base).await.map_err(|e| {
+                super::provisioning(step, format!("cannot read the base image {}: {e}", base.display()))
+            })?;
+            out.push(root(DiskFormat::Qcow2, paths.overlay.clone(), Some((base, format))));
+        } else if spec.boot.disk.is_some() {
+            let disk = rec
+                .root_disk
+                .as_ref()
+                .ok_or_else(|| super::provisioning(step, "the VM's record names no root disk".into()))?;
+            out.push(root(disk.format, paths.root_disk(disk.format), None));
+        }
+        for d in &spec.disks {
+            out.push(VmDisk {
+                role: DiskRole::Data,
+                name: d.name.clone(),
+                format: d.format,
+                file: paths.data_disk(d),
+                base: None,
+                device: crate::qemu::argv::data_drive(&d.name),
+            });
+        }
+        Ok((live, spec, out))
+    }
+}
