@@ -228,15 +228,7 @@ mod tests {
 
     fn manifest() -> Manifest {
         let mut spec = crate::validate::tests::spec("v");
-        spec.disks = vec![crate::api::disks::DataDiskSpec {
-            name: "nsm".into(),
-            size_gib: 1,
-            format: DiskFormat::Raw,
-            preallocate: false,
-            cache: Default::default(),
-            aio: None,
-            keep_on_destroy: false,
-        }];
+        spec.disks = vec![crate::validate::tests::data_disk("nsm", 1, DiskFormat::Raw)];
         let disk = |role, name: &str, format| {
             let mut d = BackupDisk {
                 role,

@@ -433,18 +433,7 @@ mod tests {
             .collect()
     }
 
-    /// A data disk of the plan tests: no preallocation, no cache, not kept.
-    fn disk(name: &str, size_gib: u64, format: crate::api::DiskFormat) -> crate::api::DataDiskSpec {
-        crate::api::DataDiskSpec {
-            name: name.into(),
-            size_gib,
-            format,
-            preallocate: false,
-            cache: crate::api::DiskCache::None,
-            aio: None,
-            keep_on_destroy: false,
-        }
-    }
+    use crate::validate::tests::data_disk as disk;
 
     fn actions(p: &[PlanEntry]) -> Vec<(String, PlanAction, Option<i64>)> {
         p.iter().map(|e| (e.vm.clone(), e.action, e.error.as_ref().and_then(|v| v["code"].as_i64()))).collect()

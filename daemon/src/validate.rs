@@ -441,7 +441,7 @@ fn validate_boot_disk(b: &crate::api::BootSpec, disk: &str) -> Result<BootSource
 }
 
 /// A single path component that cannot escape its directory or hide.
-fn is_plain_file_name(name: &str) -> bool {
+pub(crate) fn is_plain_file_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 255
         && !name.starts_with('.')
@@ -512,6 +512,19 @@ reserved_memory_gib = 4
             Path::new("test.toml"),
         )
         .unwrap()
+    }
+
+    /// A data disk of the unit tests: no preallocation, no cache, not kept.
+    pub(crate) fn data_disk(name: &str, size_gib: u64, format: crate::api::DiskFormat) -> crate::api::DataDiskSpec {
+        crate::api::DataDiskSpec {
+            name: name.into(),
+            size_gib,
+            format,
+            preallocate: false,
+            cache: crate::api::DiskCache::None,
+            aio: None,
+            keep_on_destroy: false,
+        }
     }
 
     pub(crate) fn spec(name: &str) -> VmSpec {

@@ -292,22 +292,13 @@ async fn wait_jobs(q: &mut Qmp, jobs: &[String], disks: &[LiveDisk], within: Dur
 pub fn seal(file: &std::fs::File, punch: bool) -> std::io::Result<String> {
     use nix::fcntl::{fallocate, FallocateFlags};
     use sha2::Digest;
-    use std::io::Read;
     let mut hasher = sha2::Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut offset: i64 = 0;
     let mut reader = file;
     let mut can_punch = punch;
     loop {
-        let mut n = 0;
-        while n < buf.len() {
-            match reader.read(&mut buf[n..]) {
-                Ok(0) => break,
-                Ok(k) => n += k,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
+        let n = crate::images::read_full(&mut reader, &mut buf)?;
         if n == 0 {
             break;
         }

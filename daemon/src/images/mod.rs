@@ -28,6 +28,7 @@ use serde_json::json;
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+pub(crate) use temp::read_full;
 pub use temp::{copy, Temp};
 
 /// Default longest download (`image.import` `timeout_s`).
@@ -135,10 +136,7 @@ fn import_path(config: &Config, source: &str) -> Result<PathBuf, ApiError> {
 
 /// A name an image may have: what `boot.image` accepts ([`crate::validate`]).
 pub fn is_image_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 255
-        && !name.starts_with('.')
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-+".contains(c))
+    crate::validate::is_plain_file_name(name)
 }
 
 /// Removes the [`Temp`] files an interrupted copy left in `dir`.
@@ -309,11 +307,7 @@ impl Store {
                     return checked.1;
                 }
             }
-            let verdict = match crate::qemu::integrity::sha256_of(&mut file) {
-                Ok(found) if found == record.sha256 => Verdict::Match,
-                Ok(found) => Verdict::Mismatch { found },
-                Err(e) => Verdict::Unreadable(e.to_string()),
-            };
+            let verdict = Verdict::of(&mut file, &record.sha256);
             self.records.set_checked(name, version, verdict.clone());
             verdict
         }))

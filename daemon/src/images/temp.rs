@@ -98,27 +98,26 @@ impl Temp {
     ///
     /// # Errors
     /// `AlreadyExists` when `to` exists; other rename errors. The temp file is then removed.
-    pub fn place(mut self, to: &Path) -> io::Result<std::fs::Metadata> {
-        use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
-        crate::blocking::run(|| {
-            renameat2(AT_FDCWD, &self.path, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE).map_err(io::Error::from)?;
-            self.placed = true;
-            if let Some(dir) = to.parent() {
-                File::open(dir)?.sync_all()?;
-            }
-            std::fs::symlink_metadata(to)
-        })
+    pub fn place(self, to: &Path) -> io::Result<std::fs::Metadata> {
+        self.rename_to(to, false)?;
+        crate::blocking::run(|| std::fs::symlink_metadata(to))
     }
-}
 
-impl Temp {
     /// Renames the file over `to` (replacing what is there: a revert) and syncs the directory.
     ///
     /// # Errors
     /// Rename errors; the temp file is then removed.
-    pub fn replace(mut self, to: &Path) -> io::Result<()> {
+    pub fn replace(self, to: &Path) -> io::Result<()> {
+        self.rename_to(to, true)
+    }
+
+    /// Renames the file to `to`, over a file there only with `replace`, then syncs the
+    /// directory so the rename is durable.
+    fn rename_to(mut self, to: &Path, replace: bool) -> io::Result<()> {
+        use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
+        let flags = if replace { RenameFlags::empty() } else { RenameFlags::RENAME_NOREPLACE };
         crate::blocking::run(|| {
-            std::fs::rename(&self.path, to)?;
+            renameat2(AT_FDCWD, &self.path, AT_FDCWD, to, flags).map_err(io::Error::from)?;
             self.placed = true;
             if let Some(dir) = to.parent() {
                 File::open(dir)?.sync_all()?;
@@ -132,7 +131,7 @@ impl Drop for Temp {
     fn drop(&mut self) {
         if !self.placed {
             if let Err(e) = std::fs::remove_file(&self.path) {
-                tracing::warn!(path = %self.path.display(), error = %e, "cannot remove an image import's temp file");
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot remove an unfinished copy's temp file");
             }
         }
     }
@@ -160,7 +159,7 @@ pub fn copy(source: &Path, temp: &mut Temp) -> io::Result<()> {
 }
 
 /// Reads until `buf` is full or the end: whole blocks, so zero blocks are found as such.
-fn read_full(file: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+pub(crate) fn read_full(file: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
     let mut n = 0;
     while n < buf.len() {
         match file.read(&mut buf[n..]) {

@@ -37,6 +37,17 @@ pub enum Verdict {
     Unreadable(String),
 }
 
+impl Verdict {
+    /// What hashing `file` to its end finds against `expected` (lower-case hex).
+    pub fn of(file: &mut impl Read, expected: &str) -> Verdict {
+        match sha256_of(file) {
+            Ok(found) if found == expected => Verdict::Match,
+            Ok(found) => Verdict::Mismatch { found },
+            Err(e) => Verdict::Unreadable(e.to_string()),
+        }
+    }
+}
+
 /// One binary and the sha256 it must have.
 #[derive(Debug)]
 pub struct Pinned {
@@ -70,11 +81,7 @@ impl Pinned {
                     return verdict.clone();
                 }
             }
-            let verdict = match sha256_of(&mut file) {
-                Ok(found) if found == self.expected => Verdict::Match,
-                Ok(found) => Verdict::Mismatch { found },
-                Err(e) => Verdict::Unreadable(e.to_string()),
-            };
+            let verdict = Verdict::of(&mut file, &self.expected);
             *last = Some((stamp, verdict.clone()));
             verdict
         })
