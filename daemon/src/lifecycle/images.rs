@@ -381,7 +381,8 @@ impl Manager {
         Ok(DeleteResult { changed, name: name.to_string() })
     }
 
-    /// What `host.check` says of the recorded images (`images` item).
+    /// What `host.check` says of the recorded images (`images` item); each check does its file
+    /// I/O off the runtime workers ([`crate::images::Store::verify`]).
     pub fn image_check(&self) -> crate::api::CheckItem {
         use crate::api::CheckStatus;
         let records: BTreeMap<String, ImageRecord> = self.images.records();

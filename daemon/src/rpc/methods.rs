@@ -91,7 +91,7 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
                 .run(|| async move {
                     tracing::debug!("host check running");
                     let networks = mgr.host_net().probe_networks(mgr.config()).await;
-                    let images = crate::blocking::run(|| mgr.image_check());
+                    let images = mgr.image_check();
                     let uefi_vms = mgr.uefi_vms();
                     crate::preflight::check(
                         mgr.config(),
