@@ -3,7 +3,7 @@
 # This is the README's test command; .ci/run runs it on a clean machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tests/setup.sh
+tests/setup.sh --real-guests
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
 # The plugins: lint and unit tests against a fake socket server (their end-to-end tests against

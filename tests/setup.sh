@@ -2,18 +2,23 @@
 # Installs what vmhost's tests and demo need on a fresh Debian 12 machine, then builds the test
 # guest (Debian's cloud kernel + busybox initramfs) into target/guest, and the plugins' tools:
 # Puppet 7 and rubocop from Debian, Salt 3007 and ruff from PyPI in a venv (target/salt-venv).
+# With --real-guests (tests/run.sh) also the Debian packages (target/deb) and the real Debian 12
+# and 13 guest images with the agent package installed (target/real-guests, docs/guests.md).
 # Idempotent and quick when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Every command the tests and the demo need, with the Debian package that provides it; an
 # absolute path is a file instead (OVMF: the UEFI test's firmware, vmhostd's [firmware] default).
-# curl: image.import from a URL (tests/tests/images.rs).
+# curl: image.import from a URL (tests/tests/images.rs). debootstrap, dosfstools, mtools, fdisk:
+# the real guest images (tests/guest/build-real-guest.sh); openssh-client: logging in to them.
 required=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static ip:iproute2
     strip:binutils cpio:cpio depmod:kmod socat:socat puppet:puppet rubocop:rubocop
     systemd-analyze:systemd systemd-socket-activate:systemd systemd-nspawn:systemd-container
     adduser:adduser curl:curl sha256sum:coreutils /usr/share/OVMF/OVMF_CODE_4M.fd:ovmf
-    /usr/share/OVMF/OVMF_VARS_4M.fd:ovmf)
+    /usr/share/OVMF/OVMF_VARS_4M.fd:ovmf
+    debootstrap:debootstrap mkfs.fat:dosfstools mcopy:mtools sfdisk:fdisk mkfs.ext4:e2fsprogs
+    ssh:openssh-client ssh-keygen:openssh-client)
 
 # Sets `missing_commands` to the required commands not found and `missing` to their packages
 # (each once). QEMU and qemu-utils are a pair: when either is needed both are installed in one
@@ -110,3 +115,11 @@ if ! target/salt-venv/bin/python -c "import prometheus_client.parser" 2>/dev/nul
     target/salt-venv/bin/python -m pip install -q --disable-pip-version-check "prometheus_client==0.21.1"
 fi
 tests/guest/build.sh target/guest
+if [ "${1:-}" = --real-guests ]; then
+    # The agent package the images install, then the images (each cached: its tree is rebuilt
+    # only when its package list or recipe changes, its disk when the agent package changes).
+    agent_deb=$(packaging/build-debs.sh target/deb | grep '/vmhost-agent_.*\.deb$')
+    for dist in bookworm trixie; do
+        tests/guest/build-real-guest.sh "$dist" target/real-guests "$agent_deb"
+    done
+fi
