@@ -99,9 +99,10 @@ build_tree() {
     if [ "$dist" = bookworm ]; then
         log "salt-minion 3007 from PyPI into /opt/saltstack/salt"
         in_tree "$tmp" python3 -m venv /opt/saltstack/salt
-        # The host's CA bundle: this machine may reach PyPI through a proxy with its own CA.
+        # The host's CA bundle: this machine may reach PyPI through a proxy with its own CA (the
+        # variable, not --cert: pip's build-isolation subprocesses read it too).
         cp /etc/ssl/certs/ca-certificates.crt "$tmp/tmp/host-ca.crt"
-        in_tree "$tmp" /opt/saltstack/salt/bin/pip install -q --disable-pip-version-check --cert /tmp/host-ca.crt \
+        in_tree "$tmp" PIP_CERT=/tmp/host-ca.crt /opt/saltstack/salt/bin/pip install -q --disable-pip-version-check \
             "salt==3007.*" >"$outdir/.$dist-pip.log" 2>&1 || { tail -n 30 "$outdir/.$dist-pip.log" >&2; die "pip install salt failed"; }
         rm -f "$tmp/tmp/host-ca.crt"
         # A package named salt-minion owning the unit and the command, as Salt's own packages
