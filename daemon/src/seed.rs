@@ -1,32 +1,51 @@
 //! cloud-init NoCloud seeds: how a disk-image VM learns its hostname and network.
 //!
-//! [`render`] is pure: spec and NIC allocations in, the three seed files out (`meta-data`,
-//! `user-data`, `network-config` version 2 with each NIC matched by its MAC). [`write_seed`]
-//! puts them on a small FAT volume labelled `CIDATA` (what cloud-init's NoCloud source looks
-//! for), written to a temp file and renamed into place. The lifecycle rebuilds the seed at every
-//! start, so it always matches the current spec, and attaches it read-only. [`has_seed`] says
-//! which VMs get one: image-booted VMs, and direct-kernel VMs with `user_data`.
+//! [`render`] is pure: spec, NIC allocations and instance id in, the four seed files out
+//! (`meta-data`, `user-data`, `vendor-data`, `network-config` version 2 with each NIC matched by
+//! its MAC). [`write_seed`] puts them on a small FAT volume labelled `CIDATA` (what cloud-init's
+//! NoCloud source looks for), written to a temp file and renamed into place. The lifecycle
+//! rebuilds the seed at every start, so it always matches the current spec, and attaches it
+//! read-only. [`has_seed`] says which VMs get one: image-booted VMs, and direct-kernel VMs with
+//! `user_data`.
+//!
+//! The instance id is not derived from the spec: it is recorded with the VM
+//! ([`new_instance_id`] when its root disk is made, by a create or a replace) and stays the same
+//! through every other change, so cloud-init runs its per-instance modules (user-data's
+//! `runcmd`, SSH host keys, ...) once per root disk. A changed network still reaches the guest:
+//! `vendor-data` ([`VENDOR_DATA`]) asks cloud-init to apply the network config at every boot,
+//! not only a new instance's. [`legacy_instance_id`] is the id vmhost used to derive from the
+//! spec, given once to VMs recorded before ids were.
 //!
 //! `user-data` is the spec's `user_data` verbatim when it is set, else a generated
 //! `#cloud-config` setting the hostname. The hostname (`local-hostname`, `hostname`) is the
 //! VM name with `_` as `-` ([`crate::validate::hostname_of`]).
 //!
-//! The network config is emitted as JSON, which is valid YAML: every value in it comes from a
-//! validated spec, and serde_json does the quoting, so no guest-visible text is hand-escaped.
+//! The network config is the form every cloud-init from 22.4 (Debian 12) on parses and every
+//! renderer writes (ENI for ifupdown, netplan, systemd-networkd, NetworkManager): the default
+//! route as `to: 0.0.0.0/0` (22.4 refuses `to: default` and then drops the whole config), DNS
+//! servers and search domains as `nameservers` of the NIC. It is emitted as JSON, which is
+//! valid YAML: every value in it comes from a validated spec, and serde_json does the quoting,
+//! so no guest-visible text is hand-escaped.
 
-use crate::api::{Ipv4Spec, VmSpec};
+use crate::api::{DesiredState, Ipv4Spec, VmSpec};
 use crate::nic::NicAlloc;
 use crate::validate::{hostname_of, BootSource, ValidSpec};
 use serde_json::{json, Map, Value};
 use std::fs::OpenOptions;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 /// Size of the seed volume: small, but above FAT12's minimum, and room for the largest
 /// `user_data` ([`crate::validate::MAX_USER_DATA`], 64 KiB) many times over beside the other
-/// two files (a generated network config of 8 NICs is a few KiB).
+/// files (a generated network config of 8 NICs is a few KiB).
 const SEED_BYTES: u64 = 1024 * 1024;
+
+/// The seed's `vendor-data`: cloud-init applies the network config at every boot, not only at
+/// a new instance's first (its default), so a changed NIC reaches a guest whose instance id
+/// stays. cloud-init merges user-data over vendor-data: a `user_data` with its own `updates`
+/// wins (and one with `vendor_data: {enabled: false}` turns this off).
+pub const VENDOR_DATA: &str = "#cloud-config\nupdates:\n  network:\n    when: [boot-new-instance, boot]\n";
 
 /// Whether VM `vm` gets a seed: an image-booted VM always (its hostname and network come from
 /// it); a direct-kernel VM only with `user_data` (its network comes from `ip=`, and a guest that
@@ -40,29 +59,50 @@ pub fn has_seed(vm: &ValidSpec) -> bool {
     }
 }
 
+/// [`has_seed`] of a recorded (so validated) spec, which names exactly one boot source: what
+/// views use to show the instance id only of VMs with a seed.
+pub fn spec_has_seed(spec: &VmSpec) -> bool {
+    if spec.boot.image.is_some() {
+        true
+    } else {
+        spec.boot.kernel.is_some() && spec.user_data.is_some()
+    }
+}
+
 /// The files of a seed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeedFiles {
     /// `meta-data`: instance id and hostname.
     pub meta_data: String,
-    /// `user-data`: a cloud-config document.
+    /// `user-data`: the spec's `user_data`, else a cloud-config setting the hostname.
     pub user_data: String,
+    /// `vendor-data`: [`VENDOR_DATA`].
+    pub vendor_data: String,
     /// `network-config`: version 2, NICs matched by MAC.
     pub network_config: String,
 }
 
-/// Renders the seed of `spec`. The instance id changes with the spec, so cloud-init applies
-/// a changed network config on the next boot; `user_data` is left out of it, so a new
-/// user-data alone does not make cloud-init see a new instance and run its first-boot modules
-/// again (user-data is for the first boot; a changed one only reaches a VM booting for the
-/// first time, or one whose other spec fields changed too).
-pub fn render(spec: &VmSpec, allocs: &[NicAlloc]) -> SeedFiles {
-    let without_user_data = VmSpec { user_data: None, ..spec.clone() };
-    let spec_text = serde_json::to_string(&without_user_data).unwrap_or_default();
-    let digest =
-        spec_text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+/// Renders the seed of `spec`, whose NICs got `allocs` (their MACs, in spec order), for the
+/// instance `instance_id` (the VM record's: [`new_instance_id`], or [`legacy_instance_id`] for
+/// a VM recorded before ids were). Pure: the same arguments give the same files.
+pub fn render(spec: &VmSpec, allocs: &[NicAlloc], instance_id: &str) -> SeedFiles {
     let hostname = hostname_of(&spec.name);
-    let meta = json!({ "instance-id": format!("vmhost-{}-{digest:016x}", spec.name), "local-hostname": hostname });
+    let meta = json!({ "instance-id": instance_id, "local-hostname": hostname });
+    SeedFiles {
+        meta_data: format!("{}\n", meta),
+        user_data: match &spec.user_data {
+            Some(text) => text.clone(),
+            None => format!("#cloud-config\n{}\n", json!({ "hostname": hostname, "preserve_hostname": false })),
+        },
+        vendor_data: VENDOR_DATA.to_string(),
+        network_config: network_config(spec, allocs),
+    }
+}
+
+/// The `network-config` (version 2) of `spec`'s NICs: each matched by its MAC and named
+/// `eth<i>`; a static address with its gateway as a `0.0.0.0/0` route and its DNS servers and
+/// search domains as `nameservers` (each list only when not empty); DHCP; or no address.
+fn network_config(spec: &VmSpec, allocs: &[NicAlloc]) -> String {
     let mut ethernets = Map::new();
     for (i, (nic, alloc)) in spec.nics.iter().zip(allocs).enumerate() {
         let mut e = Map::new();
@@ -76,10 +116,17 @@ pub fn render(spec: &VmSpec, allocs: &[NicAlloc]) -> SeedFiles {
                 e.insert("dhcp4".into(), json!(false));
                 e.insert("addresses".into(), json!([address]));
                 if let Some(g) = gateway {
-                    e.insert("routes".into(), json!([{ "to": "default", "via": g }]));
+                    e.insert("routes".into(), json!([{ "to": "0.0.0.0/0", "via": g }]));
                 }
-                if !dns.is_empty() || !search.is_empty() {
-                    e.insert("nameservers".into(), json!({ "addresses": dns, "search": search }));
+                let mut ns = Map::new();
+                if !dns.is_empty() {
+                    ns.insert("addresses".into(), json!(dns));
+                }
+                if !search.is_empty() {
+                    ns.insert("search".into(), json!(search));
+                }
+                if !ns.is_empty() {
+                    e.insert("nameservers".into(), Value::Object(ns));
                 }
             }
             None => {
@@ -89,14 +136,59 @@ pub fn render(spec: &VmSpec, allocs: &[NicAlloc]) -> SeedFiles {
         ethernets.insert(format!("eth{i}"), Value::Object(e));
     }
     let network = json!({ "version": 2, "ethernets": ethernets });
-    SeedFiles {
-        meta_data: format!("{}\n", meta),
-        user_data: match &spec.user_data {
-            Some(text) => text.clone(),
-            None => format!("#cloud-config\n{}\n", json!({ "hostname": hostname, "preserve_hostname": false })),
-        },
-        network_config: format!("{}\n", serde_json::to_string_pretty(&network).unwrap_or_default()),
-    }
+    format!("{}\n", serde_json::to_string_pretty(&network).unwrap_or_default())
+}
+
+/// A new instance id for VM `name`: `vmhost-NAME-` and 128 random bits in hex (from
+/// `/dev/urandom`), made when the VM gets a new root disk.
+///
+/// # Errors
+/// `/dev/urandom` cannot be read.
+pub fn new_instance_id(name: &str) -> io::Result<String> {
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    Ok(format!("vmhost-{name}-{hex}"))
+}
+
+/// The instance id vmhost derived from the spec before it recorded one (`vmhost-NAME-` and a
+/// 64-bit FNV-1a digest of the spec without `user_data`, as serialized JSON): a VM recorded by
+/// such a version keeps the id its guest last booted with.
+pub fn legacy_instance_id(spec: &VmSpec) -> String {
+    let without_user_data = VmSpec { user_data: None, ..spec.clone() };
+    let spec_text = serde_json::to_string(&without_user_data).unwrap_or_default();
+    let digest =
+        spec_text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    format!("vmhost-{}-{digest:016x}", spec.name)
+}
+
+/// The instance id a VM recorded before ids were gets, once: the one in its seed volume at
+/// `seed` (the seed its guest was last started with, rebuilt at every start) when that holds a
+/// `vmhost-NAME-HEX` id; else [`legacy_instance_id`] of `booted`, the spec its guest last booted
+/// (as launched: desired state running).
+pub fn adopted_instance_id(seed: &Path, booted: &VmSpec) -> String {
+    let prefix = format!("vmhost-{}-", booted.name);
+    let from_seed = read_seed_file(seed, "meta-data")
+        .ok()
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+        .and_then(|meta| meta.get("instance-id").and_then(Value::as_str).map(str::to_string))
+        .filter(|id| {
+            id.strip_prefix(&prefix)
+                .is_some_and(|hex| !hex.is_empty() && hex.len() <= 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+        });
+    from_seed.unwrap_or_else(|| legacy_instance_id(&VmSpec { state: DesiredState::Running, ..booted.clone() }))
+}
+
+/// The text of file `name` on the seed volume at `path` (at most [`SEED_BYTES`]).
+///
+/// # Errors
+/// The volume or the file cannot be read, or the file is not UTF-8.
+pub fn read_seed_file(path: &Path, name: &str) -> io::Result<String> {
+    let file = std::fs::File::open(path)?;
+    let fs = fatfs::FileSystem::new(file, fatfs::FsOptions::new())?;
+    let mut text = String::new();
+    fs.root_dir().open_file(name)?.take(SEED_BYTES).read_to_string(&mut text)?;
+    Ok(text)
 }
 
 /// Writes `files` as a FAT volume labelled CIDATA at `path` (temp file, then rename).
@@ -117,6 +209,7 @@ pub fn write_seed(path: &Path, files: &SeedFiles) -> io::Result<()> {
                 for (name, text) in [
                     ("meta-data", &files.meta_data),
                     ("user-data", &files.user_data),
+                    ("vendor-data", &files.vendor_data),
                     ("network-config", &files.network_config),
                 ] {
                     let mut f = root.create_file(name)?;
@@ -140,89 +233,275 @@ pub fn write_seed(path: &Path, files: &SeedFiles) -> io::Result<()> {
 mod tests {
     use super::*;
     use crate::api::NicSpec;
-    use std::io::Read;
+
+    const ID: &str = "vmhost-web1-0123456789abcdef0123456789abcdef";
+
+    fn static_nic(gateway: Option<&str>, dns: &[&str], search: &[&str]) -> NicSpec {
+        NicSpec {
+            network: "lan".into(),
+            vlan: None,
+            mac: None,
+            ipv4: Some(Ipv4Spec::Static {
+                address: "10.0.0.5/24".into(),
+                gateway: gateway.map(str::to_string),
+                dns: dns.iter().map(|s| s.to_string()).collect(),
+                search: search.iter().map(|s| s.to_string()).collect(),
+            }),
+        }
+    }
 
     fn spec() -> VmSpec {
         let mut s = crate::validate::tests::spec("web1");
         s.nics = vec![
-            NicSpec {
-                network: "lan".into(),
-                vlan: None,
-                mac: None,
-                ipv4: Some(Ipv4Spec::Static {
-                    address: "10.0.0.5/24".into(),
-                    gateway: Some("10.0.0.1".into()),
-                    dns: vec!["10.0.0.1".into()],
-                    search: vec!["example.org".into()],
-                }),
-            },
+            static_nic(Some("10.0.0.1"), &["10.0.0.1"], &["example.org"]),
             NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) },
         ];
         s
     }
 
+    fn alloc(i: usize) -> NicAlloc {
+        NicAlloc { mac: format!("02:00:00:00:00:{:02x}", i + 1), tap: format!("vmh0n{i}") }
+    }
+
     fn allocs() -> Vec<NicAlloc> {
-        vec![
-            NicAlloc { mac: "02:00:00:00:00:01".into(), tap: "vmh0n0".into() },
-            NicAlloc { mac: "02:00:00:00:00:02".into(), tap: "vmh0n1".into() },
-        ]
+        (0..2).map(alloc).collect()
+    }
+
+    /// The `ethernets` of the network config of `spec` (with `allocs` for its NICs).
+    fn ethernets(spec: &VmSpec) -> Map<String, Value> {
+        let allocs: Vec<NicAlloc> = (0..spec.nics.len()).map(alloc).collect();
+        let net: Value = serde_json::from_str(&render(spec, &allocs, ID).network_config).unwrap();
+        assert_eq!(net.as_object().unwrap().len(), 2, "version and ethernets only: {net}");
+        assert_eq!(net["version"], 2);
+        net["ethernets"].as_object().unwrap().clone()
+    }
+
+    fn one_nic(nic: NicSpec) -> Value {
+        let mut s = spec();
+        s.nics = vec![nic];
+        let e = ethernets(&s);
+        assert_eq!(e.len(), 1);
+        e["eth0"].clone()
     }
 
     #[test]
-    fn network_config_matches_nics_by_mac() {
-        let files = render(&spec(), &allocs());
-        let net: Value = serde_json::from_str(&files.network_config).unwrap();
-        assert_eq!(net["version"], 2);
-        let e0 = &net["ethernets"]["eth0"];
-        assert_eq!(e0["match"]["macaddress"], "02:00:00:00:00:01");
-        assert_eq!(e0["addresses"], json!(["10.0.0.5/24"]));
-        assert_eq!(e0["routes"], json!([{"to": "default", "via": "10.0.0.1"}]));
-        assert_eq!(e0["nameservers"], json!({"addresses": ["10.0.0.1"], "search": ["example.org"]}));
-        assert_eq!(net["ethernets"]["eth1"]["dhcp4"], true);
+    fn a_static_nic_with_gateway_dns_and_search() {
+        let e0 = one_nic(static_nic(Some("10.0.0.1"), &["10.0.0.1", "10.0.0.2"], &["example.org", "lab.example"]));
+        assert_eq!(
+            e0,
+            json!({
+                "match": {"macaddress": "02:00:00:00:00:01"},
+                "set-name": "eth0",
+                "dhcp4": false,
+                "addresses": ["10.0.0.5/24"],
+                // Not `to: default`: cloud-init 22.4 (Debian 12) refuses it and drops the
+                // whole network config.
+                "routes": [{"to": "0.0.0.0/0", "via": "10.0.0.1"}],
+                "nameservers": {"addresses": ["10.0.0.1", "10.0.0.2"], "search": ["example.org", "lab.example"]},
+            })
+        );
+    }
+
+    #[test]
+    fn a_static_nic_without_gateway_has_no_route() {
+        let e0 = one_nic(static_nic(None, &["10.0.0.1"], &[]));
+        assert_eq!(
+            e0,
+            json!({
+                "match": {"macaddress": "02:00:00:00:00:01"},
+                "set-name": "eth0",
+                "dhcp4": false,
+                "addresses": ["10.0.0.5/24"],
+                "nameservers": {"addresses": ["10.0.0.1"]},
+            })
+        );
+    }
+
+    #[test]
+    fn nameservers_hold_only_what_is_declared() {
+        let e0 = one_nic(static_nic(Some("10.0.0.1"), &[], &[]));
+        assert!(e0.get("nameservers").is_none(), "no DNS, no search: no nameservers: {e0}");
+        assert_eq!(e0["routes"], json!([{"to": "0.0.0.0/0", "via": "10.0.0.1"}]));
+        let e0 = one_nic(static_nic(Some("10.0.0.1"), &[], &["example.org"]));
+        assert_eq!(e0["nameservers"], json!({"search": ["example.org"]}));
+        let e0 = one_nic(static_nic(Some("10.0.0.1"), &["192.0.2.53"], &[]));
+        assert_eq!(e0["nameservers"], json!({"addresses": ["192.0.2.53"]}));
+    }
+
+    #[test]
+    fn dhcp_and_unconfigured_nics() {
+        let e0 = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) });
+        assert_eq!(e0, json!({"match": {"macaddress": "02:00:00:00:00:01"}, "set-name": "eth0", "dhcp4": true}));
+        let e0 = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None });
+        assert_eq!(e0, json!({"match": {"macaddress": "02:00:00:00:00:01"}, "set-name": "eth0", "dhcp4": false}));
+    }
+
+    #[test]
+    fn several_nics_are_matched_by_mac_and_named_in_order() {
+        let mut s = spec();
+        s.nics = (0..8)
+            .map(|i| match i % 3 {
+                0 => static_nic(Some("10.0.0.1"), &["10.0.0.1"], &[]),
+                1 => NicSpec { network: "lan".into(), vlan: Some(7), mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) },
+                _ => NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None },
+            })
+            .collect();
+        let e = ethernets(&s);
+        assert_eq!(e.len(), 8);
+        for i in 0..8 {
+            let n = &e[&format!("eth{i}")];
+            assert_eq!(n["match"], json!({"macaddress": format!("02:00:00:00:00:{:02x}", i + 1)}), "{i}");
+            assert_eq!(n["set-name"], format!("eth{i}"));
+            assert_eq!(n["dhcp4"], i % 3 == 1, "{i}");
+            assert_eq!(n.get("addresses").is_some(), i % 3 == 0, "{i}");
+        }
+        // No NICs: an empty ethernets map, still a valid version 2 config.
+        s.nics.clear();
+        assert!(ethernets(&s).is_empty());
+    }
+
+    #[test]
+    fn meta_data_holds_the_given_instance_id_and_the_hostname() {
+        let files = render(&spec(), &allocs(), ID);
         let meta: Value = serde_json::from_str(&files.meta_data).unwrap();
-        assert_eq!(meta["local-hostname"], "web1");
+        assert_eq!(meta, json!({"instance-id": ID, "local-hostname": "web1"}));
         assert!(files.user_data.starts_with("#cloud-config\n"));
     }
 
     #[test]
-    fn instance_id_changes_with_the_spec() {
-        let a = render(&spec(), &allocs());
-        let mut changed = spec();
-        changed.memory_mib += 1;
-        let b = render(&changed, &allocs());
-        assert_ne!(a.meta_data, b.meta_data);
-        assert_eq!(a, render(&spec(), &allocs()), "deterministic");
+    fn vendor_data_re_reads_the_network_config_at_every_boot() {
+        let files = render(&spec(), &allocs(), ID);
+        assert_eq!(files.vendor_data, VENDOR_DATA);
+        assert_eq!(
+            files.vendor_data,
+            "#cloud-config\nupdates:\n  network:\n    when: [boot-new-instance, boot]\n",
+            "cloud-init's `updates` (stages.update_event_enabled): apply the network at a new instance and at every boot"
+        );
+        // The same whatever the spec: user-data stays the user's, vendor-data stays ours.
+        let mut s = spec();
+        s.user_data = Some("#cloud-config\nupdates: {network: {when: [boot-new-instance]}}\n".into());
+        let with = render(&s, &allocs(), ID);
+        assert_eq!(with.vendor_data, VENDOR_DATA);
+        assert_eq!(with.user_data, s.user_data.unwrap());
+    }
+
+    #[test]
+    fn the_instance_id_is_the_one_given_whatever_the_spec() {
+        let base = render(&spec(), &allocs(), ID);
+        let id = |s: &VmSpec, a: &[NicAlloc]| -> String {
+            let meta: Value = serde_json::from_str(&render(s, a, ID).meta_data).unwrap();
+            meta["instance-id"].as_str().unwrap().to_string()
+        };
+        let changes: Vec<fn(&mut VmSpec)> = vec![
+            |s| s.memory_mib += 1,
+            |s| s.cpu = 4,
+            |s| s.state = DesiredState::Stopped,
+            |s| s.role = Some("sensor".into()),
+            |s| s.nics[0] = static_nic(None, &[], &[]),
+            |s| s.nics.push(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }),
+            |s| s.nics.clear(),
+            |s| s.disks = vec![crate::validate::tests::data_disk("nsm", 2, crate::api::DiskFormat::Raw)],
+            |s| s.restart_policy = crate::api::RestartPolicy::Always,
+            |s| s.boot.cmdline = Some("console=ttyS0 quiet".into()),
+            |s| s.boot.firmware = crate::api::Firmware::Uefi,
+            |s| {
+                s.boot = crate::api::BootSpec { image: Some("b.qcow2".into()), disk_gib: Some(9), ..Default::default() }
+            },
+            |s| s.user_data = Some("#cloud-config\nruncmd: [true]\n".into()),
+            |s| s.user_data = Some(String::new()),
+        ];
+        for (i, change) in changes.iter().enumerate() {
+            let mut s = spec();
+            change(&mut s);
+            assert_eq!(id(&s, &allocs()), ID, "change {i}");
+            assert_eq!(render(&s, &allocs(), ID).meta_data, base.meta_data, "change {i}");
+        }
+        // Other MACs (a NIC taken by another VM meanwhile) neither.
+        let other: Vec<NicAlloc> = (5..7).map(alloc).collect();
+        assert_eq!(id(&spec(), &other), ID);
+        assert_eq!(base, render(&spec(), &allocs(), ID), "deterministic");
+    }
+
+    #[test]
+    fn new_instance_ids_are_128_random_bits_after_the_name() {
+        let a = new_instance_id("sensor1_sensor").unwrap();
+        let b = new_instance_id("sensor1_sensor").unwrap();
+        assert_ne!(a, b);
+        for id in [&a, &b] {
+            let hex = id.strip_prefix("vmhost-sensor1_sensor-").unwrap();
+            assert_eq!(hex.len(), 32, "{id}");
+            assert!(hex.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)), "{id}");
+        }
+    }
+
+    #[test]
+    fn the_legacy_id_is_the_old_digest_of_the_spec() {
+        // What vmhost's render wrote into meta-data before ids were recorded (computed by that
+        // code for these specs): an upgraded VM keeps it.
+        assert_eq!(legacy_instance_id(&spec()), "vmhost-web1-5d1e5f0897a5bd7d");
+        let mut k = crate::validate::tests::spec("sensor1_sensor");
+        k.user_data = Some("x".into());
+        assert_eq!(legacy_instance_id(&k), "vmhost-sensor1_sensor-6b4d1520cbede52a");
+        // user_data was left out of it; every other field was in.
+        k.user_data = Some("y".into());
+        assert_eq!(legacy_instance_id(&k), "vmhost-sensor1_sensor-6b4d1520cbede52a");
+        k.memory_mib += 1;
+        assert_ne!(legacy_instance_id(&k), "vmhost-sensor1_sensor-6b4d1520cbede52a");
+    }
+
+    #[test]
+    fn an_adopted_id_is_the_seed_s_else_the_legacy_digest_of_the_booted_spec() {
+        let d = tempfile::tempdir().unwrap();
+        let seed = d.path().join("web1.img");
+        // No seed: the digest of the spec as launched (desired state running).
+        let mut stopped = spec();
+        stopped.state = DesiredState::Stopped;
+        assert_eq!(adopted_instance_id(&seed, &stopped), "vmhost-web1-5d1e5f0897a5bd7d");
+        // A seed written by an older vmhost: its id, whatever the spec says now (a restart
+        // policy or guest interfaces changed live since, without a new seed).
+        let mut then = spec();
+        then.memory_mib = 1024;
+        let old = legacy_instance_id(&then);
+        write_seed(&seed, &render(&then, &allocs(), &old)).unwrap();
+        assert_eq!(adopted_instance_id(&seed, &spec()), old);
+        // A seed whose id is not this VM's vmhost id (hand-made, another VM's): the digest.
+        for bad in ["vmhost-web2-5d1e5f0897a5bd7d", "other", "vmhost-web1-", "vmhost-web1-xyz", "vmhost-web1-0/../x"] {
+            write_seed(&seed, &render(&then, &allocs(), bad)).unwrap();
+            assert_eq!(adopted_instance_id(&seed, &spec()), "vmhost-web1-5d1e5f0897a5bd7d", "{bad}");
+        }
+        // Not a FAT volume: the digest.
+        std::fs::write(&seed, b"junk").unwrap();
+        assert_eq!(adopted_instance_id(&seed, &spec()), "vmhost-web1-5d1e5f0897a5bd7d");
     }
 
     #[test]
     fn hostnames_map_underscores_to_hyphens() {
         let mut s = spec();
         s.name = "sensor1_sensor".into();
-        let files = render(&s, &allocs());
+        let files = render(&s, &allocs(), "vmhost-sensor1_sensor-00");
         let meta: Value = serde_json::from_str(&files.meta_data).unwrap();
         assert_eq!(meta["local-hostname"], "sensor1-sensor");
         // The instance id keeps the VM's own name (it is no hostname).
-        assert!(meta["instance-id"].as_str().unwrap().starts_with("vmhost-sensor1_sensor-"), "{meta}");
+        assert_eq!(meta["instance-id"], "vmhost-sensor1_sensor-00");
         let user: Value = serde_json::from_str(files.user_data.strip_prefix("#cloud-config\n").unwrap()).unwrap();
         assert_eq!(user["hostname"], "sensor1-sensor");
     }
 
     #[test]
-    fn user_data_is_written_verbatim_and_leaves_the_instance_id_alone() {
-        let plain = render(&spec(), &allocs());
+    fn user_data_is_written_verbatim_and_changes_no_other_file() {
+        let plain = render(&spec(), &allocs(), ID);
         let mut s = spec();
         let text = "#cloud-config\nruncmd:\n  - [sh, -c, 'echo {\"a\": 1} > /x']\nno newline at the end";
         s.user_data = Some(text.into());
-        let with = render(&s, &allocs());
+        let with = render(&s, &allocs(), ID);
         assert_eq!(with.user_data, text);
-        // meta-data (instance id, hostname) and network-config are as without user_data: a new
-        // user-data alone does not make cloud-init see a new instance.
-        assert_eq!((&with.meta_data, &with.network_config), (&plain.meta_data, &plain.network_config));
-        s.user_data = Some("#cloud-config\n{}\n".into());
-        assert_eq!(render(&s, &allocs()).meta_data, plain.meta_data);
+        assert_eq!(
+            (&with.meta_data, &with.vendor_data, &with.network_config),
+            (&plain.meta_data, &plain.vendor_data, &plain.network_config)
+        );
         // An empty user_data is an empty file, not the generated one.
         s.user_data = Some(String::new());
-        assert_eq!(render(&s, &allocs()).user_data, "");
+        assert_eq!(render(&s, &allocs(), ID).user_data, "");
     }
 
     #[test]
@@ -230,15 +509,24 @@ mod tests {
         let c = crate::validate::tests::config();
         let mut s = crate::validate::tests::spec("k");
         let valid = |s: &VmSpec| crate::validate::validate_spec(s, &c).unwrap();
-        assert!(!has_seed(&valid(&s)));
+        // spec_has_seed says the same of the spec.
+        let seeded = |s: &VmSpec| {
+            let v = has_seed(&valid(s));
+            assert_eq!(spec_has_seed(s), v, "{s:?}");
+            v
+        };
+        assert!(!seeded(&s));
         s.user_data = Some("#cloud-config\n".into());
-        assert!(has_seed(&valid(&s)));
+        assert!(seeded(&s));
         s.user_data = None;
         s.boot = crate::api::BootSpec { image: Some("b.qcow2".into()), disk_gib: Some(1), ..Default::default() };
-        assert!(has_seed(&valid(&s)));
-        s.boot = crate::api::BootSpec { disk: Some("old.qcow2".into()), ..Default::default() };
+        assert!(seeded(&s));
         s.user_data = Some("#cloud-config\n".into());
-        assert!(!has_seed(&valid(&s)), "an imported disk never gets a seed");
+        assert!(seeded(&s));
+        s.boot = crate::api::BootSpec { disk: Some("old.qcow2".into()), ..Default::default() };
+        assert!(!seeded(&s), "an imported disk never gets a seed");
+        s.user_data = None;
+        assert!(!seeded(&s));
     }
 
     #[test]
@@ -254,28 +542,34 @@ mod tests {
         text.push_str(&"x".repeat(crate::validate::MAX_USER_DATA - text.len()));
         assert_eq!(text.len(), crate::validate::MAX_USER_DATA);
         s.user_data = Some(text.clone());
-        let files = render(&s, &allocs());
+        s.nics = (0..8).map(|_| static_nic(Some("10.0.0.1"), &["10.0.0.1"; 3], &["example.org"; 6])).collect();
+        let allocs: Vec<NicAlloc> = (0..8).map(alloc).collect();
+        let files = render(&s, &allocs, ID);
         write_seed(&path, &files).unwrap();
-        let fs = fatfs::FileSystem::new(std::fs::File::open(&path).unwrap(), fatfs::FsOptions::new()).unwrap();
-        let mut read = String::new();
-        fs.root_dir().open_file("user-data").unwrap().read_to_string(&mut read).unwrap();
-        assert_eq!(read, text);
+        assert_eq!(read_seed_file(&path, "user-data").unwrap(), text);
+        assert_eq!(read_seed_file(&path, "network-config").unwrap(), files.network_config);
     }
 
     #[test]
     fn seed_volume_is_a_cidata_fat_with_the_files() {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("seed.img");
-        let files = render(&spec(), &allocs());
+        let files = render(&spec(), &allocs(), ID);
         write_seed(&path, &files).unwrap();
         write_seed(&path, &files).unwrap(); // rebuilding replaces it
         let file = std::fs::File::open(&path).unwrap();
         let fs = fatfs::FileSystem::new(file, fatfs::FsOptions::new()).unwrap();
         assert_eq!(fs.volume_label().trim(), "CIDATA");
-        for (name, want) in [("meta-data", &files.meta_data), ("network-config", &files.network_config)] {
-            let mut text = String::new();
-            fs.root_dir().open_file(name).unwrap().read_to_string(&mut text).unwrap();
-            assert_eq!(&text, want);
+        let mut names: Vec<String> = fs.root_dir().iter().map(|e| e.unwrap().file_name()).collect();
+        names.sort();
+        assert_eq!(names, ["meta-data", "network-config", "user-data", "vendor-data"]);
+        for (name, want) in [
+            ("meta-data", &files.meta_data),
+            ("user-data", &files.user_data),
+            ("vendor-data", &files.vendor_data),
+            ("network-config", &files.network_config),
+        ] {
+            assert_eq!(&read_seed_file(&path, name).unwrap(), want, "{name}");
         }
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temp file left");
     }

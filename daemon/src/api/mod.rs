@@ -406,6 +406,11 @@ pub struct VmView {
     /// 9`, ...), if it did.
     #[serde(default)]
     pub last_exit: Option<String>,
+    /// The cloud-init instance id of its seed (`meta-data`'s `instance-id`): made with each new
+    /// root disk (a create, a replace), the same through every other change. Absent for a VM
+    /// without a seed (a `boot.disk` VM, a direct-kernel VM without `user_data`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
 }
 
 /// A NIC's host-side identity.

@@ -648,6 +648,9 @@ fn print_vm(v: &VmView) {
     say!("memory_mib:  {}", v.spec.memory_mib);
     say!("created_at:  {}", v.created_at);
     say!("started_at:  {}", v.started_at.clone().unwrap_or_else(|| "-".into()));
+    if let Some(id) = &v.instance_id {
+        say!("instance_id: {id}");
+    }
     say!("serial_log:  {}", v.serial_log.display());
     if let Some(e) = &v.last_error {
         say!("last_error:  {} {}", e.code, e.message);

@@ -216,10 +216,16 @@ impl Manager {
     ) -> Result<ProcessIdentity, ApiError> {
         let name = vm.spec.name.clone();
         let paths = paths.clone();
-        let allocs = self.record(&name)?.nics;
+        let rec = self.record(&name)?;
+        let allocs = rec.nics;
         self.hand_vfio_groups_to_qemu(&name).await?;
         if crate::seed::has_seed(vm) {
-            let files = crate::seed::render(&vm.spec, &allocs);
+            // Every record has one (made at create and replace, adopted at start for older
+            // records); its absence is a daemon fault, never a reason to make a new instance.
+            let instance_id = rec.instance_id.ok_or_else(|| {
+                provisioning("seed", format!("the record of VM {name:?} has no cloud-init instance id"))
+            })?;
+            let files = crate::seed::render(&vm.spec, &allocs, &instance_id);
             // Built and fsynced off the runtime worker: 20 launches at once must not stall it.
             crate::blocking::run(|| crate::seed::write_seed(&paths.seed, &files))
                 .map_err(|e| provisioning("seed", format!("cannot write the cloud-init seed: {e}")))?;

@@ -148,11 +148,12 @@ impl Manager {
         let state_lock = lock_state_dir(&config.paths.state)?;
         let store = Store::open(&config.paths.state)
             .map_err(|e| format!("cannot open {}: {e}", config.paths.state.join("vms").display()))?;
-        let (records, broken) =
+        let (mut records, broken) =
             store.load_all().map_err(|e| format!("cannot read {}: {e}", config.paths.state.display()))?;
         for b in &broken {
             tracing::error!(path = %b.path.display(), error = %b.error, "unreadable VM record left in place");
         }
+        adopt_instance_ids(&config, &store, &mut records);
         let registry = Registry::new(Arc::clone(&config), store, events.clone(), records, broken);
         let net = HostNet::connect().map_err(|e| format!("cannot open netlink: {e}"))?;
         let processes = processes::Processes::new(Arc::clone(&config));
@@ -256,9 +257,11 @@ impl Manager {
         Ok((OpGuard { mgr: self.clone(), name: name.to_string() }, rec))
     }
 
-    /// Admits `spec` as a new VM: capacity, conflicts, record written, busy flag taken.
+    /// Admits `spec` as a new VM: capacity, conflicts, record written (with a new instance id:
+    /// a new root disk), busy flag taken.
     fn reserve_new(self: &Arc<Self>, spec: &VmSpec) -> Result<OpGuard, ApiError> {
         let name = &spec.name;
+        let instance_id = new_instance_id(name)?;
         let (guard, ()) = self.write_and_hold(name, "vm.create", |t| {
             if t.vms.contains_key(name) {
                 return Err(ApiError::invalid("spec.name", format!("a VM named {name:?} already exists")));
@@ -275,6 +278,7 @@ impl Manager {
             }
             let mut rec = VmRecord::new(spec.clone());
             rec.nics = self.admit_locked(t, spec, &[])?;
+            rec.instance_id = Some(instance_id);
             Ok((Change::Put(Box::new(rec)), ()))
         })?;
         guard.ok_or_else(|| ApiError::internal(format!("the record of VM {name:?} was written without its busy flag")))
@@ -354,8 +358,10 @@ impl Manager {
     /// Replaces the spec of VM `name` by `spec` in one step under the allocation lock: the new
     /// spec is admitted in place of the old, and the record (status `creating`) keeps the old
     /// process and overlay so the caller can tear them down. After a crash, recovery undoes the
-    /// interrupted create; the new spec stays recorded as `failed`.
+    /// interrupted create; the new spec stays recorded as `failed`. The new root disk is a new
+    /// cloud-init instance: the record gets a new instance id.
     fn swap_spec(&self, name: &str, spec: &VmSpec) -> Result<VmRecord, ApiError> {
+        let instance_id = new_instance_id(name)?;
         let (old, _) = self.registry.write(name, "vm.apply replace", |t| {
             let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
             // A replace keeps the data disks, which may be part reverted.
@@ -365,6 +371,7 @@ impl Manager {
             rec.process = old.process.clone();
             rec.overlay = old.overlay.clone();
             rec.vfio = old.vfio.clone();
+            rec.instance_id = Some(instance_id);
             Ok((Change::Put(Box::new(rec)), old))
         })?;
         Ok(old)
@@ -587,6 +594,37 @@ impl Manager {
 }
 
 /// 4001 naming the `step` that failed.
+/// A new cloud-init instance id for VM `name` ([`crate::seed::new_instance_id`]), made before
+/// its record is written.
+///
+/// # Errors
+/// 4001 with step `instance_id` when `/dev/urandom` cannot be read; nothing was changed.
+fn new_instance_id(name: &str) -> Result<String, ApiError> {
+    crate::blocking::run(|| crate::seed::new_instance_id(name))
+        .map_err(|e| provisioning("instance_id", format!("cannot make a cloud-init instance id (/dev/urandom): {e}")))
+}
+
+/// Gives each record written before instance ids were recorded the id its guest last booted
+/// with ([`VmRecord::adopt_instance_id`]) and saves it. A record that cannot be saved keeps the
+/// id in memory; its next write saves it, and until then a restart computes the same id again
+/// (nothing it is computed from can change without a write).
+fn adopt_instance_ids(config: &Config, store: &Store, records: &mut [VmRecord]) {
+    for rec in records.iter_mut() {
+        let seed = VmPaths::for_vm(config, rec.name()).seed;
+        if !rec.adopt_instance_id(&seed) {
+            continue;
+        }
+        let id = rec.instance_id.clone().unwrap_or_default();
+        match store.save(rec) {
+            Ok(()) => tracing::info!(vm = %rec.name(), instance_id = %id, "recorded the VM's cloud-init instance id"),
+            Err(e) => tracing::warn!(
+                vm = %rec.name(), instance_id = %id, error = %e,
+                "cannot record the VM's cloud-init instance id yet; its next record write will"
+            ),
+        }
+    }
+}
+
 fn provisioning(step: &str, message: String) -> ApiError {
     ApiError::new(Code::ProvisioningFailed, message).details(serde_json::json!({ "step": step }))
 }

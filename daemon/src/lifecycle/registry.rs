@@ -329,6 +329,7 @@ impl Registry {
             pending_restart: rec.running_spec.is_some() && matches!(rec.status, VmStatus::Running | VmStatus::Stopping),
             restarts: rec.restarts,
             last_exit: rec.last_exit.clone(),
+            instance_id: rec.instance_id.clone().filter(|_| crate::seed::spec_has_seed(&rec.spec)),
         };
         if rec.status == VmStatus::Running && t.exited.get(name).is_some_and(|id| rec.process.as_ref() == Some(id)) {
             CachedView::dead(&mut view);
@@ -513,6 +514,32 @@ mod tests {
         // A write that keeps the status emits nothing.
         f.reg.write("a", "again", put(VmStatus::Running)).unwrap();
         assert!(f.events.try_recv().is_err());
+    }
+
+    #[test]
+    fn the_view_shows_the_instance_id_of_a_vm_with_a_seed() {
+        let f = fixture(&[("a", VmStatus::Stopped)]);
+        let id = "vmhost-a-0123456789abcdef0123456789abcdef";
+        let with = |boot: Option<crate::api::BootSpec>, user_data: Option<&str>| {
+            f.reg
+                .write("a", "x", |t| {
+                    let mut rec = t.vms["a"].clone();
+                    rec.instance_id = Some(id.into());
+                    rec.spec.boot = boot.unwrap_or_else(|| crate::validate::tests::spec("a").boot);
+                    rec.spec.user_data = user_data.map(str::to_string);
+                    Ok((Change::Put(Box::new(rec)), ()))
+                })
+                .unwrap();
+            served(&f.reg.view("a").unwrap()).get("instance_id").cloned()
+        };
+        // A direct-kernel VM has a seed only with user_data; an image VM always; boot.disk never.
+        let id = Some(serde_json::json!(id));
+        assert_eq!(with(None, None), None);
+        assert_eq!(with(None, Some("#cloud-config\n")), id);
+        let image = crate::api::BootSpec { image: Some("b.qcow2".into()), disk_gib: Some(1), ..Default::default() };
+        assert_eq!(with(Some(image), None), id);
+        let disk = crate::api::BootSpec { disk: Some("old.qcow2".into()), ..Default::default() };
+        assert_eq!(with(Some(disk), Some("#cloud-config\n")), None);
     }
 
     #[test]

@@ -80,6 +80,11 @@ pub struct VmRecord {
     /// completes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reverting: Option<String>,
+    /// The cloud-init instance id its seed carries ([`crate::seed`]): made with each new root
+    /// disk (a create, a replace), kept through every other change. `None` only in a record
+    /// written before ids were recorded, until [`VmRecord::adopt_instance_id`] gives it one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
 }
 
 /// A `boot.disk` VM's root disk: `STATE/disks/NAME/root.FORMAT`, moved in from the import
@@ -126,7 +131,21 @@ impl VmRecord {
             reclaimed_disks: Vec::new(),
             root_disk: None,
             reverting: None,
+            instance_id: None,
         }
+    }
+
+    /// For a record written before instance ids were recorded: gives it, once, the id its
+    /// guest last booted with ([`crate::seed::adopted_instance_id`]: the one in its seed at
+    /// `seed`, else the digest of the spec it was last started with, `running_spec` if set),
+    /// so an upgrade does not make cloud-init see a new instance. Returns whether it set one.
+    pub fn adopt_instance_id(&mut self, seed: &Path) -> bool {
+        if self.instance_id.is_some() {
+            return false;
+        }
+        let booted = self.running_spec.as_ref().unwrap_or(&self.spec);
+        self.instance_id = Some(crate::seed::adopted_instance_id(seed, booted));
+        true
     }
 
     /// The VM's name.
@@ -250,5 +269,34 @@ mod tests {
         names.sort();
         assert_eq!(names, vec!["bad", "renamed"]);
         assert!(vms.join("bad.json").exists(), "a broken record is never deleted");
+    }
+
+    #[test]
+    fn a_record_without_instance_id_adopts_the_one_its_guest_last_booted_with() {
+        let d = tempfile::tempdir().unwrap();
+        let no_seed = d.path().join("none.img");
+        // As an older vmhost wrote it: no instance_id member.
+        let mut rec = VmRecord::new(spec("a"));
+        let text = serde_json::to_string(&rec).unwrap();
+        assert!(!text.contains("instance_id"), "{text}");
+        let mut old: VmRecord = serde_json::from_str(&text).unwrap();
+        assert_eq!(old.instance_id, None);
+        // Stopped since (desired state stopped): the digest of the spec as it was launched.
+        old.spec.state = crate::api::DesiredState::Stopped;
+        assert!(old.adopt_instance_id(&no_seed));
+        assert_eq!(old.instance_id.as_deref(), Some(crate::seed::legacy_instance_id(&spec("a")).as_str()));
+        assert!(!old.adopt_instance_id(&no_seed), "once");
+        // A change recorded without a restart: the running spec is what the guest booted.
+        let mut pending = rec.clone();
+        pending.spec.memory_mib = 4096;
+        pending.running_spec = Some(spec("a"));
+        assert!(pending.adopt_instance_id(&no_seed));
+        assert_eq!(pending.instance_id, Some(crate::seed::legacy_instance_id(&spec("a"))));
+        // A recorded id is kept as it is, and saved.
+        rec.instance_id = Some("vmhost-a-00ff".into());
+        assert!(!rec.adopt_instance_id(&no_seed));
+        let s = Store::open(d.path()).unwrap();
+        s.save(&mut rec).unwrap();
+        assert_eq!(s.load_all().unwrap().0[0].instance_id.as_deref(), Some("vmhost-a-00ff"));
     }
 }
