@@ -234,12 +234,15 @@ fn a_failed_launch_leaves_no_tap() {
 
 #[test]
 fn image_vms_get_a_cloud_init_seed_matching_their_nics() {
-    use std::io::Read;
-    let host = host_with(LAN);
-    let base = host.images().join("base.qcow2");
-    let st =
-        std::process::Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&base).arg("64M").status();
-    assert!(st.unwrap().success());
+    let mut host = host_with(LAN);
+    for image in ["base.qcow2", "base2.qcow2"] {
+        let st = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(host.images().join(image))
+            .arg("64M")
+            .status();
+        assert!(st.unwrap().success());
+    }
     let spec = json!({"name": "cloud", "cpu": 1, "memory_mib": 128,
         "boot": {"image": "base.qcow2", "disk_gib": 1},
         "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.8/24", "gateway": "10.0.0.1",
@@ -247,17 +250,22 @@ fn image_vms_get_a_cloud_init_seed_matching_their_nics() {
     let r = host.call("vm.create", json!({ "spec": spec }));
     let mac = r["vm"]["nics"][0]["mac"].as_str().unwrap().to_string();
     let seed = host.state().join("seeds/cloud.img");
-    let read = |name: &str| -> String {
-        let fs = fatfs::FileSystem::new(std::fs::File::open(&seed).unwrap(), fatfs::FsOptions::new()).unwrap();
-        assert_eq!(fs.volume_label().trim(), "CIDATA");
-        let mut text = String::new();
-        fs.root_dir().open_file(name).unwrap().read_to_string(&mut text).unwrap();
-        text
-    };
+    let read = |name: &str| -> String { read_seed(&seed, name) };
     let net: Value = serde_json::from_str(&read("network-config")).unwrap();
-    assert_eq!(net["ethernets"]["eth0"]["match"]["macaddress"], mac.as_str());
-    assert_eq!(net["ethernets"]["eth0"]["addresses"], json!(["10.0.0.8/24"]));
+    assert_eq!(
+        net["ethernets"]["eth0"],
+        json!({"match": {"macaddress": mac}, "set-name": "eth0", "dhcp4": false, "addresses": ["10.0.0.8/24"],
+               "routes": [{"to": "0.0.0.0/0", "via": "10.0.0.1"}],
+               "nameservers": {"addresses": ["10.0.0.1"], "search": ["lab.example"]}})
+    );
     assert!(read("meta-data").contains("\"local-hostname\":\"cloud\""));
+    // The network config is applied at every boot, not only a new instance's.
+    assert_eq!(read("vendor-data"), "#cloud-config\nupdates:\n  network:\n    when: [boot-new-instance, boot]\n");
+    // A new instance id: 128 random bits, shown in the view.
+    let id = instance_id(&seed);
+    let hex = id.strip_prefix("vmhost-cloud-").unwrap_or_else(|| panic!("{id}"));
+    assert!(hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+    assert_eq!(r["vm"]["instance_id"], id.as_str());
     // QEMU has it attached read-only: a read-only descriptor the daemon opened, and a read-only
     // drive on that fd set.
     let pid = r["vm"]["pid"].as_i64().unwrap();
@@ -280,15 +288,82 @@ fn image_vms_get_a_cloud_init_seed_matching_their_nics() {
     let flags = fdinfo.lines().find_map(|l| l.strip_prefix("flags:")).unwrap().trim();
     assert_eq!(u32::from_str_radix(flags, 8).unwrap() & 0o3, 0, "the seed is open read-only: {fdinfo}");
 
-    // A changed spec gives a new seed on the next start (new instance-id, new address).
-    let before = read("meta-data");
+    // A changed network and memory: changed in place, QEMU restarted with a new seed holding
+    // the new address, and the same instance id (cloud-init must not see a new instance: its
+    // per-instance modules would run again); vendor-data makes it apply the new network.
     let mut changed = host.call("vm.get", json!({ "name": "cloud" }))["spec"].clone();
     changed["nics"][0]["ipv4"]["address"] = json!("10.0.0.9/24");
-    host.call("vm.apply", json!({ "spec": changed, "replace": true }));
-    assert_ne!(read("meta-data"), before);
+    changed["memory_mib"] = json!(160);
+    let applied = host.call("vm.apply", json!({ "spec": changed, "timeout_s": 1 }));
+    assert_ne!(applied["vm"]["pid"], r["vm"]["pid"], "restarted: {applied}");
     assert!(read("network-config").contains("10.0.0.9/24"));
+    assert_eq!(instance_id(&seed), id, "vm.apply of a new network and memory_mib");
+    assert_eq!(applied["vm"]["instance_id"], id.as_str());
+    host.call("vm.restart", json!({ "name": "cloud", "force": true }));
+    assert_eq!(instance_id(&seed), id, "vm.restart");
+
+    // A daemon restart, then a start by the new daemon: the same id.
+    host.stop_daemon();
+    host.spawn_daemon();
+    assert_eq!(host.call("vm.get", json!({ "name": "cloud" }))["instance_id"], id.as_str());
+    host.call("vm.restart", json!({ "name": "cloud", "force": true }));
+    assert_eq!(instance_id(&seed), id, "a daemon restart");
+
+    // A revert to a snapshot puts the same root disk back: the same instance.
+    host.call("vm.snapshot", json!({ "name": "cloud", "snapshot": "s1" }));
+    host.call("vm.stop", json!({ "name": "cloud", "force": true }));
+    host.call("vm.revert", json!({ "name": "cloud", "snapshot": "s1" }));
+    host.call("vm.start", json!({ "name": "cloud" }));
+    assert_eq!(instance_id(&seed), id, "a revert");
+    host.call("vm.snapshot_delete", json!({ "name": "cloud", "snapshot": "s1" }));
+
+    // A record written by a vmhost before ids were recorded keeps the id its guest last booted
+    // with: the one in its seed, else the digest of its spec that vmhost used to derive.
+    let record = host.state().join("vms/cloud.json");
+    let drop_id = |host: &mut TestHost| {
+        host.stop_daemon();
+        let mut rec: Value = serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+        assert!(rec.as_object_mut().unwrap().remove("instance_id").is_some(), "{rec}");
+        std::fs::write(&record, serde_json::to_vec_pretty(&rec).unwrap()).unwrap();
+        host.spawn_daemon();
+        let rec: Value = serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+        (rec["instance_id"].as_str().expect("recorded at start").to_string(), rec["spec"].clone())
+    };
+    let (adopted, _) = drop_id(&mut host);
+    assert_eq!(adopted, id, "the id in the seed");
+    std::fs::remove_file(&seed).unwrap();
+    let (adopted, spec) = drop_id(&mut host);
+    let spec: vmhost::api::VmSpec = serde_json::from_value(spec).unwrap();
+    assert_eq!(adopted, vmhost::seed::legacy_instance_id(&spec), "no seed: the old digest");
+    assert_eq!(host.call("vm.get", json!({ "name": "cloud" }))["instance_id"], adopted.as_str());
+    host.call("vm.restart", json!({ "name": "cloud", "force": true }));
+    assert_eq!(instance_id(&seed), adopted);
+
+    // A replace with a new boot image makes a new root disk: a new instance.
+    let mut replaced = host.call("vm.get", json!({ "name": "cloud" }))["spec"].clone();
+    replaced["boot"]["image"] = json!("base2.qcow2");
+    let r = host.call("vm.apply", json!({ "spec": replaced, "replace": true }));
+    let new_id = instance_id(&seed);
+    assert!(new_id.starts_with("vmhost-cloud-") && new_id != id && new_id != adopted, "{new_id}");
+    assert_eq!(r["vm"]["instance_id"], new_id.as_str());
     host.call("vm.destroy", json!({ "name": "cloud" }));
     assert!(!seed.exists(), "destroy removes the seed");
+}
+
+/// File `name` of the seed volume at `seed` (a FAT volume labelled CIDATA).
+fn read_seed(seed: &std::path::Path, name: &str) -> String {
+    use std::io::Read;
+    let fs = fatfs::FileSystem::new(std::fs::File::open(seed).unwrap(), fatfs::FsOptions::new()).unwrap();
+    assert_eq!(fs.volume_label().trim(), "CIDATA");
+    let mut text = String::new();
+    fs.root_dir().open_file(name).unwrap().read_to_string(&mut text).unwrap();
+    text
+}
+
+/// The `instance-id` in the seed's meta-data.
+fn instance_id(seed: &std::path::Path) -> String {
+    let meta: Value = serde_json::from_str(&read_seed(seed, "meta-data")).unwrap();
+    meta["instance-id"].as_str().unwrap().to_string()
 }
 
 #[test]
