@@ -127,17 +127,26 @@ impl Methods for Agent {
             }
             "fs.freeze" => {
                 let p: vmhost_agent_protocol::FreezeParams = parse_params(params)?;
-                let table = std::fs::read_to_string(self.paths.proc_root.join("mounts"))
-                    .map_err(|e| RpcError::internal(format!("cannot read the mount table: {e}")))?;
-                let mounts = self.freezer.freeze(&table, p.timeout_s)?;
-                log(&format!("fs.freeze: froze {mounts:?}"));
-                to_value(&vmhost_agent_protocol::FreezeReport { mounts })
+                let done = std::fs::read_to_string(self.paths.proc_root.join("self/mountinfo"))
+                    .map_err(|e| RpcError::internal(format!("cannot read the mount table: {e}")))
+                    .and_then(|table| self.freezer.freeze(&table, p.timeout_s));
+                match &done {
+                    Ok(d) if d.skipped.is_empty() => log(&format!("fs.freeze: froze {:?}", d.mounts)),
+                    Ok(d) => log(&format!(
+                        "fs.freeze: froze {:?}; {} file system(s) skipped, left as they are",
+                        d.mounts,
+                        d.skipped.len()
+                    )),
+                    Err(e) => log(&format!("fs.freeze failed: {}", e.message)),
+                }
+                let done = done?;
+                to_value(&vmhost_agent_protocol::FreezeReport { mounts: done.mounts, skipped: Some(done.skipped) })
             }
             "fs.thaw" => {
                 parse_params::<NoParams>(params)?;
                 let mounts = self.freezer.thaw();
                 log(&format!("fs.thaw: thawed {mounts:?}"));
-                to_value(&vmhost_agent_protocol::FreezeReport { mounts })
+                to_value(&vmhost_agent_protocol::FreezeReport { mounts, skipped: None })
             }
             _ => Err(RpcError::new(METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
         }

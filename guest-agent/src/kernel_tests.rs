@@ -328,10 +328,11 @@ fn probes_use_raw_or_datagram_sockets_and_stay_bounded() {
     });
 }
 
-/// A 64 MiB ext4 on a loop device mounted at a temp directory; unmounted when dropped.
+/// A 64 MiB ext4 on a loop device mounted at a temp directory, and a read-only bind mount of it
+/// (what a systemd unit's `ProtectSystem=` makes of a writable file system); unmounted when
+/// dropped.
 struct LoopFs {
     dir: tempfile::TempDir,
-    mounted: bool,
 }
 
 impl LoopFs {
@@ -341,32 +342,37 @@ impl LoopFs {
         std::fs::File::create(&image).and_then(|f| f.set_len(64 << 20)).expect("image");
         run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image));
         std::fs::create_dir(dir.path().join("mnt")).expect("mount point");
+        std::fs::create_dir(dir.path().join("view")).expect("mount point");
         run(Command::new("mount").args(["-o", "loop"]).arg(&image).arg(dir.path().join("mnt")));
-        LoopFs { dir, mounted: true }
+        let fs = LoopFs { dir };
+        run(Command::new("mount").arg("--bind").arg(fs.mnt()).arg(fs.view()));
+        run(Command::new("mount").args(["-o", "remount,bind,ro"]).arg(fs.view()));
+        fs
     }
 
     fn mnt(&self) -> std::path::PathBuf {
         self.dir.path().join("mnt")
     }
 
-    /// The device the kernel mounted it from, from /proc/self/mounts.
-    fn device(&self) -> String {
-        let mnt = self.mnt();
-        let mounts = std::fs::read_to_string("/proc/self/mounts").expect("mounts");
-        mounts
+    fn view(&self) -> std::path::PathBuf {
+        self.dir.path().join("view")
+    }
+
+    /// The kernel's own `/proc/self/mountinfo` line of `point`.
+    fn mountinfo_line(point: &std::path::Path) -> String {
+        let table = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        table
             .lines()
-            .find(|l| l.split_whitespace().nth(1) == mnt.to_str())
-            .and_then(|l| l.split_whitespace().next())
-            .expect("the loop mount")
+            .find(|l| l.split_whitespace().nth(4) == point.to_str())
+            .unwrap_or_else(|| panic!("{} is not mounted:\n{table}", point.display()))
             .to_string()
     }
 }
 
 impl Drop for LoopFs {
     fn drop(&mut self) {
-        if self.mounted {
-            let _ = Command::new("umount").arg(self.mnt()).status();
-        }
+        let _ = Command::new("umount").arg(self.view()).status();
+        let _ = Command::new("umount").arg(self.mnt()).status();
     }
 }
 
@@ -389,32 +395,71 @@ fn frozen(mnt: &std::path::Path) -> bool {
     std::io::Error::last_os_error().raw_os_error() == Some(libc::EBUSY)
 }
 
+/// An agent whose `/proc/self/mountinfo` is `table` (only the test's own mounts: the agent must
+/// never freeze this machine's root).
+fn agent_with_mounts(proc_root: &tempfile::TempDir, table: &str) -> Agent {
+    std::fs::create_dir_all(proc_root.path().join("self")).expect("proc/self");
+    std::fs::write(proc_root.path().join("self/mountinfo"), table).expect("mountinfo");
+    Agent::new(Paths { proc_root: proc_root.path().to_path_buf(), ..Paths::default() })
+}
+
+fn rpc(agent: &mut Agent, line: &str) -> Value {
+    serde_json::from_str(handle_line(line.as_bytes(), agent).expect("a reply").trim_start()).expect("JSON")
+}
+
 #[test]
 fn fs_freeze_freezes_a_real_file_system_and_thaws_it_or_lets_the_watchdog() {
     let fs = LoopFs::new();
     let proc_root = tempfile::tempdir().expect("tempdir");
-    let table = format!("proc /proc proc rw 0 0\n{} {} ext4 rw,relatime 0 0\n", fs.device(), fs.mnt().display());
-    std::fs::write(proc_root.path().join("mounts"), table).expect("mounts");
-    let mut agent = Agent::new(Paths { proc_root: proc_root.path().to_path_buf(), ..Paths::default() });
-    let call = |agent: &mut Agent, line: &str| -> Value {
-        serde_json::from_str(handle_line(line.as_bytes(), agent).expect("a reply").trim_start()).expect("JSON")
-    };
+    let table = format!("22 1 0:21 / /proc rw,relatime - proc proc rw\n{}\n", LoopFs::mountinfo_line(&fs.mnt()));
+    let mut agent = agent_with_mounts(&proc_root, &table);
 
-    let v = call(&mut agent, r#"{"jsonrpc":"2.0","id":1,"method":"fs.freeze","params":{"timeout_s":30}}"#);
-    assert_eq!(v["result"]["mounts"], json!([fs.mnt().display().to_string()]), "{v}");
+    let v = rpc(&mut agent, r#"{"jsonrpc":"2.0","id":1,"method":"fs.freeze","params":{"timeout_s":30}}"#);
+    assert_eq!(v["result"], json!({"mounts": [fs.mnt().display().to_string()], "skipped": []}), "{v}");
     assert!(frozen(&fs.mnt()), "FIFREEZE again is EBUSY: it is frozen");
-    let v = call(&mut agent, r#"{"jsonrpc":"2.0","id":2,"method":"fs.thaw","params":{}}"#);
-    assert_eq!(v["result"]["mounts"], json!([fs.mnt().display().to_string()]), "{v}");
+    let v = rpc(&mut agent, r#"{"jsonrpc":"2.0","id":2,"method":"fs.thaw","params":{}}"#);
+    assert_eq!(v["result"], json!({"mounts": [fs.mnt().display().to_string()]}), "{v}");
     assert!(!frozen(&fs.mnt()), "thawed");
     std::fs::write(fs.mnt().join("after"), b"x").expect("writable again");
 
     // No thaw: the watchdog thaws it after timeout_s.
-    call(&mut agent, r#"{"jsonrpc":"2.0","id":3,"method":"fs.freeze","params":{"timeout_s":1}}"#);
+    rpc(&mut agent, r#"{"jsonrpc":"2.0","id":3,"method":"fs.freeze","params":{"timeout_s":1}}"#);
     let deadline = Instant::now() + Duration::from_secs(30);
     while frozen(&fs.mnt()) {
         assert!(Instant::now() < deadline, "the watchdog did not thaw the file system");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let v = call(&mut agent, r#"{"jsonrpc":"2.0","id":4,"method":"fs.thaw","params":{}}"#);
+    let v = rpc(&mut agent, r#"{"jsonrpc":"2.0","id":4,"method":"fs.thaw","params":{}}"#);
     assert_eq!(v["result"]["mounts"], json!([]), "nothing left to thaw: {v}");
+}
+
+/// What the Debian 12 guest showed: under `ProtectSystem=strict` the root is a read-only mount of
+/// a writable file system. The superblock decides: the read-only view is frozen (and the file
+/// system with it), and a file system the kernel cannot freeze is reported as skipped, with the
+/// others frozen.
+#[test]
+fn fs_freeze_freezes_through_a_read_only_view_and_reports_what_it_skipped() {
+    let fs = LoopFs::new();
+    let view = LoopFs::mountinfo_line(&fs.view());
+    let fields: Vec<&str> = view.split_whitespace().collect();
+    assert!(fields[5].split(',').any(|o| o == "ro"), "the view is a read-only mount: {view}");
+    assert_eq!(fields.last().map(|o| o.split(',').next()), Some(Some("rw")), "of a writable superblock: {view}");
+    // /proc, given a block device as its source, stands for a file system on a disk that the
+    // kernel cannot freeze (vfat, ...): the real FIFREEZE on it fails with EOPNOTSUPP.
+    let unfreezable = "23 1 0:21 / /proc rw,relatime - vfat /dev/vdz rw,fmask=0077";
+    let proc_root = tempfile::tempdir().expect("tempdir");
+    let mut agent = agent_with_mounts(&proc_root, &format!("{view}\n{unfreezable}\n"));
+
+    let v = rpc(&mut agent, r#"{"jsonrpc":"2.0","id":1,"method":"fs.freeze","params":{"timeout_s":30}}"#);
+    assert_eq!(v["result"]["mounts"], json!([fs.view().display().to_string()]), "{v}");
+    assert_eq!(
+        v["result"]["skipped"],
+        json!([{"mount": "/proc", "fstype": "vfat", "errno": libc::EOPNOTSUPP,
+                "error": std::io::Error::from_raw_os_error(libc::EOPNOTSUPP).to_string()}]),
+        "{v}"
+    );
+    assert!(frozen(&fs.mnt()), "the file system is frozen, through its read-only view");
+    let v = rpc(&mut agent, r#"{"jsonrpc":"2.0","id":2,"method":"fs.thaw","params":{}}"#);
+    assert_eq!(v["result"]["mounts"], json!([fs.view().display().to_string()]), "{v}");
+    assert!(!frozen(&fs.mnt()), "thawed");
 }

@@ -22,10 +22,46 @@ pub mod probe;
 pub mod protocol;
 pub mod state;
 
-/// Writes one line to stderr (the serial console in the test guest, the journal under systemd).
+/// Longest message [`log`] writes, in bytes: a line names guest paths and kernel messages, and
+/// the journal should get a line, not a page.
+pub const MAX_LOG_MESSAGE: usize = 1024;
+
+/// Writes one line to stderr (the serial console in the test guest, the journal under systemd),
+/// as [`one_line`] makes it.
 pub fn log(message: &str) {
-    eprintln!("vmhost-agent: {message}");
+    eprintln!("vmhost-agent: {}", one_line(message));
+}
+
+/// `message` as one bounded line: control characters escaped (a newline in a mount point cannot
+/// start a line of its own), cut at [`MAX_LOG_MESSAGE`] bytes on a character boundary, the cut
+/// marked by `...`.
+pub fn one_line(message: &str) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_LOG_MESSAGE));
+    for c in message.chars() {
+        let piece: String = if c.is_control() { c.escape_default().collect() } else { c.to_string() };
+        if out.len() + piece.len() > MAX_LOG_MESSAGE - 3 {
+            out.push_str("...");
+            break;
+        }
+        out.push_str(&piece);
+    }
+    out
 }
 
 #[cfg(test)]
 mod kernel_tests;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_lines_are_one_line_and_bounded() {
+        assert_eq!(one_line("cannot freeze /a\nb: x\u{1b}[2J"), "cannot freeze /a\\nb: x\\u{1b}[2J");
+        let long = "é".repeat(MAX_LOG_MESSAGE);
+        let cut = one_line(&long);
+        assert!(cut.len() <= MAX_LOG_MESSAGE && cut.ends_with("..."), "{}", cut.len());
+        assert!(cut.starts_with("éé"));
+        assert_eq!(one_line("fs.thaw: thawed [\"/\"]"), "fs.thaw: thawed [\"/\"]");
+    }
+}

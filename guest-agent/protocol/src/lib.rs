@@ -250,12 +250,33 @@ pub struct FreezeParams {
     pub timeout_s: u32,
 }
 
-/// The reply of `fs.freeze` and `fs.thaw`: the mount points frozen (or thawed), in order.
+/// The reply of `fs.freeze` and `fs.thaw`: the mount points frozen (or thawed), in order, and
+/// (`fs.freeze`) the writable block-device file systems left unfrozen.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FreezeReport {
     /// The mount points.
     pub mounts: Vec<String>,
+    /// `fs.freeze`: every writable file system on a block device the agent did not freeze (its
+    /// kernel cannot freeze that type: `EOPNOTSUPP`), so that "all frozen" (`[]`) is told from
+    /// "some skipped". Absent from `fs.thaw` and from agents that did not report it (a host must
+    /// then not take the freeze for complete).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<Vec<FreezeSkip>>,
+}
+
+/// A writable file system on a block device that `fs.freeze` left unfrozen.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FreezeSkip {
+    /// Its mount point.
+    pub mount: String,
+    /// Its type (`vfat`, ...).
+    pub fstype: String,
+    /// The errno `FIFREEZE` failed with (95, `EOPNOTSUPP`).
+    pub errno: i32,
+    /// The kernel's text for it (`Operation not supported (os error 95)`).
+    pub error: String,
 }
 
 #[cfg(test)]
@@ -305,5 +326,30 @@ mod tests {
         // Closed, both ways.
         assert!(serde_json::from_value::<CheckParams>(json!({"expected": {}, "x": 1})).is_err());
         assert!(serde_json::from_value::<SyncReply>(json!({"nonce": "n", "x": 1})).is_err());
+    }
+
+    #[test]
+    fn a_freeze_report_without_skipped_is_told_from_one_that_skipped_nothing() {
+        let old: FreezeReport = serde_json::from_value(json!({"mounts": ["/"]})).expect("parses");
+        assert_eq!(old.skipped, None, "an agent that does not say what it skipped");
+        let none: FreezeReport = serde_json::from_value(json!({"mounts": ["/"], "skipped": []})).expect("parses");
+        assert_eq!(none.skipped, Some(vec![]));
+        let skip = FreezeSkip {
+            mount: "/boot/efi".into(),
+            fstype: "vfat".into(),
+            errno: 95,
+            error: "Operation not supported (os error 95)".into(),
+        };
+        let report = FreezeReport { mounts: vec!["/".into()], skipped: Some(vec![skip]) };
+        let wire = serde_json::to_value(&report).expect("serializes");
+        assert_eq!(wire["skipped"][0]["errno"], 95);
+        assert_eq!(serde_json::from_value::<FreezeReport>(wire).expect("parses"), report);
+        // A thaw's report has no member for it.
+        let thaw = serde_json::to_value(FreezeReport { mounts: vec![], skipped: None }).expect("serializes");
+        assert_eq!(thaw, json!({"mounts": []}));
+        assert!(serde_json::from_value::<FreezeSkip>(
+            json!({"mount": "/", "fstype": "x", "errno": 1, "error": "e", "y": 1})
+        )
+        .is_err());
     }
 }
