@@ -18,7 +18,7 @@ use crate::log;
 use crate::netlink::Netlink;
 use crate::probe;
 use crate::protocol::{parse_params, Methods, RpcError, INVALID_SEMANTICS, METHOD_NOT_FOUND};
-use crate::state::{read_dns, Snapshot, RESOLV_CONF};
+use crate::state::{read_dns, Snapshot, RESOLVED_CONF, RESOLV_CONF};
 use vmhost_agent_protocol::{SyncParams, SyncReply};
 
 /// Longest nonce `sync` accepts, in bytes.
@@ -29,6 +29,9 @@ pub const MAX_NONCE: usize = 128;
 pub struct Paths {
     /// `resolv.conf` to report.
     pub resolv_conf: PathBuf,
+    /// systemd-resolved's list of upstream servers, reported instead when `resolv_conf` names
+    /// only resolved's local stub.
+    pub resolved_conf: PathBuf,
     /// Where `net.apply` saves its intent.
     pub intent: PathBuf,
     /// The proc file system.
@@ -39,6 +42,7 @@ impl Default for Paths {
     fn default() -> Paths {
         Paths {
             resolv_conf: PathBuf::from(RESOLV_CONF),
+            resolved_conf: PathBuf::from(RESOLVED_CONF),
             intent: PathBuf::from("/run/vmhost-agent/intent.json"),
             proc_root: PathBuf::from("/proc"),
         }
@@ -79,7 +83,7 @@ impl Agent {
     fn net_state(&self) -> Result<crate::state::NetState, RpcError> {
         let snapshot = Snapshot::take(&mut netlink()?)
             .map_err(|e| RpcError::internal(format!("cannot read the network state: {e}")))?;
-        Ok(snapshot.view(read_dns(&self.paths.resolv_conf)))
+        Ok(snapshot.view(read_dns(&self.paths.resolv_conf, &self.paths.resolved_conf)))
     }
 }
 
@@ -177,6 +181,14 @@ mod tests {
         );
         let v = call(r#"{"jsonrpc":"2.0","id":2,"method":"agent.info","params":{}}"#);
         assert!(v["result"]["rss_kib"].as_u64().unwrap_or(0) > 0, "{v}");
+    }
+
+    #[test]
+    fn the_default_paths_are_the_guests_own() {
+        let p = Paths::default();
+        assert_eq!(p.resolv_conf, PathBuf::from("/etc/resolv.conf"));
+        assert_eq!(p.resolved_conf, PathBuf::from("/run/systemd/resolve/resolv.conf"));
+        assert_eq!(p.proc_root, PathBuf::from("/proc"));
     }
 
     #[test]

@@ -104,7 +104,12 @@ pub fn requests(data: &[u8]) {
     // Nothing of the machine is read either: /proc of an instrumented process is slow to read
     // (smaps_rollup walks its sanitizer's shadow mappings) and says nothing about the parser.
     let nowhere = std::path::PathBuf::from("/nonexistent/vmhost-agent-fuzz");
-    let paths = Paths { resolv_conf: nowhere.join("resolv.conf"), intent: nowhere.join("intent"), proc_root: nowhere };
+    let paths = Paths {
+        resolv_conf: nowhere.join("resolv.conf"),
+        resolved_conf: nowhere.join("resolved.conf"),
+        intent: nowhere.join("intent"),
+        proc_root: nowhere,
+    };
     let mut methods = Offline { agent: Agent::new(paths), snapshot: fabricated_snapshot() };
     let mut buffer = LineBuffer::new();
     for chunk in rest.chunks(usize::from(step) + 1) {

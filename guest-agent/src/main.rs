@@ -16,11 +16,15 @@ use vmhost_agent::port::{find_port, Port, Server, PORT_NAME};
 const RETRY: Duration = Duration::from_secs(1);
 
 const USAGE: &str = "usage: vmhost-agent [--port PATH] [--name NAME] [--intent PATH] [--resolv-conf PATH]
-  --port PATH         serve on this device instead of looking the port up by name
-  --name NAME         virtio-serial port name (default org.vmhost.agent.0)
-  --intent PATH       where net.apply saves its intent (default /run/vmhost-agent/intent.json)
-  --resolv-conf PATH  resolver configuration to report (default /etc/resolv.conf)
-  --version           print the version and exit";
+                    [--resolved-conf PATH]
+  --port PATH           serve on this device instead of looking the port up by name
+  --name NAME           virtio-serial port name (default org.vmhost.agent.0)
+  --intent PATH         where net.apply saves its intent (default /run/vmhost-agent/intent.json)
+  --resolv-conf PATH    resolver configuration to report (default /etc/resolv.conf)
+  --resolved-conf PATH  systemd-resolved's upstream servers, reported when the resolver
+                        configuration names only its stub 127.0.0.53/54
+                        (default /run/systemd/resolve/resolv.conf)
+  --version             print the version and exit";
 
 /// Command-line settings.
 struct Options {
@@ -40,6 +44,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, (String, u8
             "--name" => options.name = value("--name")?,
             "--intent" => options.paths.intent = PathBuf::from(value("--intent")?),
             "--resolv-conf" => options.paths.resolv_conf = PathBuf::from(value("--resolv-conf")?),
+            "--resolved-conf" => options.paths.resolved_conf = PathBuf::from(value("--resolved-conf")?),
             "--version" => return Err((format!("vmhost-agent {}", vmhost_agent::info::AGENT_VERSION), 0)),
             "--help" | "-h" => return Err((USAGE.to_string(), 0)),
             other => return Err((format!("unknown argument {other:?}\n{USAGE}"), 2)),

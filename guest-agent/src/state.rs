@@ -2,7 +2,9 @@
 //! `net.check` and `net.apply` work from.
 //!
 //! Order of use: [`Snapshot::take`] reads links, IPv4 addresses and main-table routes through one
-//! netlink socket; [`read_dns`] reads `/etc/resolv.conf`; [`Snapshot::view`] turns both into the
+//! netlink socket; [`read_dns`] reads `/etc/resolv.conf` (or, when that names only
+//! systemd-resolved's local stub, resolved's own list of upstream servers); [`Snapshot::view`]
+//! turns both into the
 //! [`NetState`] the host sees. `net.check` evaluates its expectations against that same
 //! [`NetState`], so a check never sees anything the host could not see itself.
 
@@ -15,6 +17,13 @@ use crate::netlink::{Address, Link, Netlink, NetlinkError, Route};
 
 /// Where the resolver configuration is read from.
 pub const RESOLV_CONF: &str = "/etc/resolv.conf";
+
+/// Where systemd-resolved writes the servers and search domains it forwards to (its own
+/// `resolv.conf`, without the stub), read when [`RESOLV_CONF`] names only the stub.
+pub const RESOLVED_CONF: &str = "/run/systemd/resolve/resolv.conf";
+
+/// systemd-resolved's local stub listeners (`127.0.0.53`, and `127.0.0.54` in proxy mode).
+pub const RESOLVED_STUBS: [&str; 2] = ["127.0.0.53", "127.0.0.54"];
 
 /// The kernel's view of links, IPv4 addresses and main-table routes at one moment.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -106,10 +115,36 @@ pub fn parse_resolv_conf(text: &str) -> Dns {
     dns
 }
 
-/// Reads and parses the resolver configuration at `path`; a missing or unreadable file is an
-/// empty configuration (the resolver then has no servers either).
-pub fn read_dns(path: &Path) -> Dns {
-    std::fs::read(path).map(|bytes| parse_resolv_conf(&String::from_utf8_lossy(&bytes))).unwrap_or_default()
+/// Reads and parses one resolver configuration file; `None` when it cannot be read.
+fn read_resolv_conf(path: &Path) -> Option<Dns> {
+    std::fs::read(path).ok().map(|bytes| parse_resolv_conf(&String::from_utf8_lossy(&bytes)))
+}
+
+/// True when `dns` has servers and every one is a systemd-resolved stub ([`RESOLVED_STUBS`]):
+/// the guest's real servers are then resolved's upstreams, not these.
+pub fn names_only_the_stub(dns: &Dns) -> bool {
+    !dns.servers.is_empty() && dns.servers.iter().all(|s| RESOLVED_STUBS.contains(&s.as_str()))
+}
+
+/// The DNS configuration to report, from `/etc/resolv.conf`'s (`etc`) and systemd-resolved's
+/// (`resolved`, `None` when that file cannot be read): resolved's servers and search domains
+/// when `etc` names only the stub and resolved's file is there; otherwise `etc` unchanged.
+pub fn choose_dns(etc: Dns, resolved: Option<Dns>) -> Dns {
+    match resolved {
+        Some(upstream) if names_only_the_stub(&etc) => upstream,
+        _ => etc,
+    }
+}
+
+/// Reads the resolver configuration at `resolv_conf`, or, when it names only systemd-resolved's
+/// stub, the upstream one resolved writes at `resolved_conf` ([`choose_dns`]). A missing or
+/// unreadable `resolv_conf` is an empty configuration (the resolver then has no servers either).
+pub fn read_dns(resolv_conf: &Path, resolved_conf: &Path) -> Dns {
+    let etc = read_resolv_conf(resolv_conf).unwrap_or_default();
+    if !names_only_the_stub(&etc) {
+        return etc;
+    }
+    choose_dns(etc, read_resolv_conf(resolved_conf))
 }
 
 #[cfg(test)]
@@ -128,7 +163,66 @@ mod tests {
         // The last of search/domain wins.
         assert_eq!(parse_resolv_conf("search a.example b.example\ndomain c.example\n").search, ["c.example"]);
         assert_eq!(parse_resolv_conf(""), Dns::default());
-        assert_eq!(read_dns(Path::new("/nonexistent/resolv.conf")), Dns::default());
+        let none = Path::new("/nonexistent/resolv.conf");
+        assert_eq!(read_dns(none, none), Dns::default());
+    }
+
+    /// What systemd-resolved writes: the stub file /etc/resolv.conf links to, and its own.
+    const STUB: &str = "# This is /run/systemd/resolve/stub-resolv.conf managed by man:systemd-resolved(8).\n\
+                        nameserver 127.0.0.53\noptions edns0 trust-ad\nsearch lab.example\n";
+    const UPSTREAM: &str = "# This is /run/systemd/resolve/resolv.conf managed by man:systemd-resolved(8).\n\
+                            nameserver 10.0.2.3\nnameserver 10.0.2.4\nsearch lab.example corp.example\n";
+
+    fn dns(servers: &[&str], search: &[&str]) -> Dns {
+        Dns {
+            servers: servers.iter().map(|s| s.to_string()).collect(),
+            search: search.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn only_the_stub_means_resolveds_upstreams_are_the_servers() {
+        let etc = parse_resolv_conf(STUB);
+        assert!(names_only_the_stub(&etc));
+        assert!(names_only_the_stub(&dns(&["127.0.0.54"], &[])));
+        assert!(names_only_the_stub(&dns(&["127.0.0.53", "127.0.0.54"], &[])));
+        assert_eq!(
+            choose_dns(etc.clone(), Some(parse_resolv_conf(UPSTREAM))),
+            dns(&["10.0.2.3", "10.0.2.4"], &["lab.example", "corp.example"])
+        );
+        // resolved's file is not there (not running): what /etc/resolv.conf says.
+        assert_eq!(choose_dns(etc.clone(), None), etc);
+        // resolved with no upstream: that is the truth, no servers.
+        assert_eq!(choose_dns(etc, Some(Dns::default())), Dns::default());
+    }
+
+    #[test]
+    fn a_plain_resolv_conf_is_reported_as_it_is() {
+        let upstream = Some(parse_resolv_conf(UPSTREAM));
+        for etc in [
+            dns(&["10.0.2.3"], &["example.org"]),
+            dns(&["127.0.0.53", "10.0.2.9"], &[]),
+            dns(&["127.0.0.1"], &[]),
+            dns(&[], &["example.org"]),
+            Dns::default(),
+        ] {
+            assert!(!names_only_the_stub(&etc), "{etc:?}");
+            assert_eq!(choose_dns(etc.clone(), upstream.clone()), etc);
+        }
+    }
+
+    #[test]
+    fn read_dns_picks_the_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (etc, resolved) = (dir.path().join("resolv.conf"), dir.path().join("resolved.conf"));
+        std::fs::write(&resolved, UPSTREAM).expect("write");
+        std::fs::write(&etc, STUB).expect("write");
+        assert_eq!(read_dns(&etc, &resolved).servers, ["10.0.2.3", "10.0.2.4"]);
+        std::fs::write(&etc, "nameserver 192.0.2.1\n").expect("write");
+        assert_eq!(read_dns(&etc, &resolved).servers, ["192.0.2.1"]);
+        std::fs::write(&etc, STUB).expect("write");
+        std::fs::remove_file(&resolved).expect("remove");
+        assert_eq!(read_dns(&etc, &resolved), dns(&["127.0.0.53"], &["lab.example"]));
     }
 
     #[test]
