@@ -250,9 +250,24 @@ mod tests {
             vm: "v".into(),
             spec,
             live: false,
+            consistency: Some(crate::api::snapshots::Consistency::Stopped),
+            reason: None,
             frozen: Vec::new(),
+            skipped: Vec::new(),
             disks: vec![disk(DiskRole::Root, "root", DiskFormat::Qcow2), disk(DiskRole::Data, "nsm", DiskFormat::Raw)],
         }
+    }
+
+    #[test]
+    fn consistency_is_recorded_and_a_manifest_from_before_it_is_still_read() {
+        let mut json = serde_json::to_value(manifest()).expect("serializes");
+        assert_eq!(json["consistency"], "stopped");
+        assert!(json.get("reason").is_none() && json.get("skipped").is_none(), "{json}");
+        if let Some(m) = json.as_object_mut() {
+            m.remove("consistency");
+        }
+        let old: Manifest = serde_json::from_value(json).expect("parses");
+        assert_eq!(old.consistency, None);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `vm.export` and `vm.import`'s wire types (docs/backup.md).
 
 use super::disks::DiskFormat;
+use super::snapshots::{Consistency, FreezeSkip, Requirement};
 use super::{DesiredState, VmSpec};
 use serde::{Deserialize, Serialize};
 
@@ -13,6 +14,9 @@ pub struct ExportParams {
     /// Longest the copy may take, in seconds (default 3600).
     #[serde(default)]
     pub timeout_s: Option<u64>,
+    /// `frozen`: fail (4094) rather than copy a running VM crash-consistent.
+    #[serde(default)]
+    pub requires: Option<Requirement>,
 }
 
 /// Params of `vm.import`.
@@ -78,9 +82,19 @@ pub struct Manifest {
     pub spec: VmSpec,
     /// Copied while the guest ran (every disk as at one instant).
     pub live: bool,
-    /// The guest's file systems its agent froze for that instant (empty: crash-consistent).
+    /// `frozen`, `crash` or `stopped` ([`Consistency`]); absent in backups written before
+    /// vmhostd recorded it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<Consistency>,
+    /// With `crash`: why (no agent session, its freeze failed, a file system it skipped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The guest's file systems its agent froze for that instant (empty: not frozen).
     #[serde(default)]
     pub frozen: Vec<String>,
+    /// Writable file systems on block devices the guest's agent could not freeze.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<FreezeSkip>,
     /// The disks, root first then data disks in spec order.
     pub disks: Vec<BackupDisk>,
 }

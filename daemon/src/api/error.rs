@@ -71,6 +71,10 @@ pub enum Code {
     /// `image.import`: an image of that name with another sha256 is there; `details.sha256`
     /// is its recorded (or computed) sha256. Delete it first.
     ImageExists,
+    /// `vm.snapshot` or `vm.export` with `requires: "frozen"` of a running VM whose guest file
+    /// systems cannot all be frozen (no agent session, its freeze failed, a file system it
+    /// skipped); `details: {consistency, reason, frozen, skipped}`. Nothing was copied or kept.
+    NotFrozen,
 }
 
 impl Code {
@@ -103,6 +107,7 @@ impl Code {
             Code::ConsoleUnavailable => 4091,
             Code::ImageInUse => 4092,
             Code::ImageExists => 4093,
+            Code::NotFrozen => 4094,
         }
     }
 
@@ -135,6 +140,7 @@ impl Code {
             Code::ConsoleUnavailable => "console_unavailable",
             Code::ImageInUse => "image_in_use",
             Code::ImageExists => "image_exists",
+            Code::NotFrozen => "not_frozen",
         }
     }
 
@@ -145,7 +151,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 26] = [
+pub const ALL_CODES: [Code; 27] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -172,6 +178,7 @@ pub const ALL_CODES: [Code; 26] = [
     Code::ConsoleUnavailable,
     Code::ImageInUse,
     Code::ImageExists,
+    Code::NotFrozen,
 ];
 
 /// `error.data` of every vmhost error.
@@ -287,6 +294,13 @@ mod tests {
         // The serde name is the kind.
         assert_eq!(serde_json::to_value(Code::GroupNotViable).unwrap(), "group_not_viable");
         assert_eq!(serde_json::to_value(Code::InUseByHost).unwrap(), "in_use_by_host");
+    }
+
+    #[test]
+    fn not_frozen_is_4094() {
+        assert_eq!((Code::NotFrozen.as_i32(), Code::NotFrozen.kind()), (4094, "not_frozen"));
+        assert_eq!(serde_json::to_value(Code::NotFrozen).unwrap(), "not_frozen");
+        assert_eq!(Code::from_i32(4094), Some(Code::NotFrozen));
     }
 
     #[test]

@@ -157,6 +157,10 @@ enum Cmd {
         /// Seconds the copy may take.
         #[arg(long, default_value_t = 3600)]
         timeout: u64,
+        /// Fail (error 4094) rather than copy a running VM whose guest file systems cannot all
+        /// be frozen (no agent, a failed freeze, a file system it cannot freeze).
+        #[arg(long)]
+        require_frozen: bool,
     },
     /// Make a VM from a backup in paths.backups (by its directory name).
     Import {
@@ -175,6 +179,10 @@ enum Cmd {
         /// Seconds the copy may take.
         #[arg(long, default_value_t = 3600)]
         timeout: u64,
+        /// Fail (error 4094) rather than snapshot a running VM whose guest file systems cannot
+        /// all be frozen (no agent, a failed freeze, a file system it cannot freeze).
+        #[arg(long)]
+        require_frozen: bool,
     },
     /// A VM's snapshots, oldest first.
     Snapshots { name: String },
@@ -434,14 +442,17 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         Cmd::Console { .. } => {}
         Cmd::Stats { name, prometheus } => stats_cmd(cli, &mut c, name.as_deref(), *prometheus)?,
         Cmd::Top { interval, iterations } => top_cmd(&mut c, *interval, *iterations)?,
-        Cmd::Snapshot { name, snapshot, timeout } => {
+        Cmd::Snapshot { name, snapshot, timeout, require_frozen } => {
             c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
-            let v: Value =
-                c.call("vm.snapshot", json!({ "name": name, "snapshot": snapshot, "timeout_s": timeout }))?;
+            let mut params = json!({ "name": name, "snapshot": snapshot, "timeout_s": timeout });
+            if *require_frozen {
+                params["requires"] = json!("frozen");
+            }
+            let v: Value = c.call("vm.snapshot", params)?;
             if cli.json {
                 out(&v);
             } else {
-                say!("{name}: snapshot {snapshot} taken{}", if v["live"] == true { " (live)" } else { "" });
+                say!("{name}: snapshot {snapshot} taken ({})", copy_consistency(&v));
             }
         }
         Cmd::Snapshots { name } => {
@@ -452,10 +463,16 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 let rows = elements(&v)
                     .map(|s| {
                         let bytes: u64 = elements(&s["disks"]).filter_map(|d| d["bytes"].as_u64()).sum();
-                        vec![cell(&s["name"]), cell(&s["created_at"]), s["live"].to_string(), bytes.to_string()]
+                        vec![
+                            cell(&s["name"]),
+                            cell(&s["created_at"]),
+                            s["live"].to_string(),
+                            cell(&s["consistency"]),
+                            bytes.to_string(),
+                        ]
                     })
                     .collect();
-                print_table(&["SNAPSHOT", "TAKEN", "LIVE", "BYTES"], rows);
+                print_table(&["SNAPSHOT", "TAKEN", "LIVE", "CONSISTENCY", "BYTES"], rows);
             }
         }
         Cmd::Revert { name, snapshot } => {
@@ -470,13 +487,21 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 say!("{name}: snapshot {snapshot} {}", if v["changed"] == true { "deleted" } else { "absent" });
             }
         }
-        Cmd::Export { name, timeout } => {
+        Cmd::Export { name, timeout, require_frozen } => {
             c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
-            let v: Value = c.call("vm.export", json!({ "name": name, "timeout_s": timeout }))?;
+            let mut params = json!({ "name": name, "timeout_s": timeout });
+            if *require_frozen {
+                params["requires"] = json!("frozen");
+            }
+            let v: Value = c.call("vm.export", params)?;
             if cli.json {
                 out(&v);
             } else {
-                say!("{name}: exported to {}", v["path"].as_str().unwrap_or_default());
+                say!(
+                    "{name}: exported to {} ({})",
+                    v["path"].as_str().unwrap_or_default(),
+                    copy_consistency(&v["manifest"])
+                );
             }
         }
         Cmd::Import { backup, name, stopped } => {
@@ -584,6 +609,21 @@ fn cell(x: &Value) -> String {
 /// The elements of a JSON array (none for anything else).
 fn elements(v: &Value) -> impl Iterator<Item = &Value> {
     v.as_array().into_iter().flatten()
+}
+
+/// What a snapshot or a backup manifest says of its copy: `live, frozen: /, /nsm`, `live,
+/// crash-consistent: REASON`, `stopped`.
+fn copy_consistency(v: &Value) -> String {
+    let live = if v["live"] == true { "live" } else { "stopped" };
+    match v["consistency"].as_str() {
+        Some("frozen") => {
+            let mounts: Vec<&str> = elements(&v["frozen"]).filter_map(Value::as_str).collect();
+            format!("{live}, frozen: {}", mounts.join(", "))
+        }
+        Some("crash") => format!("{live}, crash-consistent: {}", v["reason"].as_str().unwrap_or("no reason given")),
+        Some("stopped") | None => live.to_string(),
+        Some(other) => format!("{live}, {other}"),
+    }
 }
 
 fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
@@ -825,6 +865,16 @@ mod tests {
         // Columns line up with the escaped text.
         assert_eq!(lines[2].find("dns"), lines[1].find("eth0"));
         assert_eq!(lines[2].find("10.0.0.1"), lines[1].find(r"\x1b"));
+    }
+
+    #[test]
+    fn a_copy_says_how_consistent_it_is() {
+        let frozen = json!({"live": true, "consistency": "frozen", "frozen": ["/", "/nsm"]});
+        assert_eq!(copy_consistency(&frozen), "live, frozen: /, /nsm");
+        let crash = json!({"live": true, "consistency": "crash", "reason": "no agent", "frozen": []});
+        assert_eq!(copy_consistency(&crash), "live, crash-consistent: no agent");
+        assert_eq!(copy_consistency(&json!({"live": false, "consistency": "stopped"})), "stopped");
+        assert_eq!(copy_consistency(&json!({"live": true, "frozen": []})), "live", "recorded before consistency was");
     }
 
     #[test]

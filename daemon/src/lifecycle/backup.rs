@@ -19,6 +19,7 @@ use super::copies::{copy_checked, copy_timeout, create_target, seal_copies, Chec
 use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
 use crate::api::disks::DiskFormat;
+use crate::api::snapshots::{CopyConsistency, Requirement};
 use crate::api::{ApiError, BootSpec, Mutation, VmStatus};
 use crate::disk::export::FlatDisk;
 use serde_json::json;
@@ -53,12 +54,14 @@ impl Manager {
     ///
     /// # Errors
     /// 2001 on `timeout_s`, 4040, 4090 (another operation on the VM), 3002 on `name`, 4001
-    /// `step: export` (nothing is left in `paths.backups`).
+    /// `step: export`, 4094 on `requires` (a running VM's guest file systems not all frozen);
+    /// nothing is left in `paths.backups`.
     pub async fn export_vm(self: &Arc<Self>, p: ExportParams) -> Result<ExportResult, ApiError> {
         let within = copy_timeout(p.timeout_s)?;
         let (_guard, rec) = self.begin(&p.name)?;
         Self::check_not_reverting(&rec)?;
         let (live, spec, disks) = self.copy_sources(&rec, "export").await?;
+        self.check_freezable(&p.name, live, p.requires, "export")?;
         // The boot disk becomes one flat qcow2; data disks keep their format.
         let mut entries: Vec<BackupDisk> = disks
             .iter()
@@ -74,11 +77,11 @@ impl Manager {
         crate::blocking::run(|| crate::disk::space::check_copy_room(&backups, &files, "name"))?;
         let partial = self.backups.begin(&p.name)?;
         let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
-        let frozen = if live {
-            self.export_live(&p.name, &disks, &mut entries, &targets, within).await?
+        let made = if live {
+            self.export_live(&p.name, &disks, &mut entries, &targets, within, p.requires).await?
         } else {
             self.export_stopped(&disks, &mut entries, &targets, within).await?;
-            Vec::new()
+            CopyConsistency::stopped()
         };
         seal_copies(partial.dir(), &mut entries, "export")?;
         let manifest = Manifest {
@@ -89,12 +92,15 @@ impl Manager {
             vm: p.name.clone(),
             spec,
             live,
-            frozen,
+            consistency: Some(made.consistency),
+            reason: made.reason,
+            frozen: made.frozen,
+            skipped: made.skipped,
             disks: entries,
         };
         let backup = partial.name().to_string();
         let path = partial.finish(&manifest)?;
-        tracing::info!(vm = %p.name, backup = %backup, live, "exported");
+        tracing::info!(vm = %p.name, backup = %backup, live, consistency = made.consistency.as_str(), "exported");
         Ok(ExportResult { backup, path, manifest })
     }
 
@@ -131,7 +137,7 @@ impl Manager {
     }
 
     /// Copies a running VM's disks in its own QEMU, all at one instant
-    /// ([`super::live_copy`]); returns the mount points the guest froze.
+    /// ([`super::live_copy`]); returns what the copy is.
     async fn export_live(
         &self,
         name: &str,
@@ -139,7 +145,8 @@ impl Manager {
         entries: &mut [BackupDisk],
         targets: &[PathBuf],
         within: Duration,
-    ) -> Result<Vec<String>, ApiError> {
+        requires: Option<Requirement>,
+    ) -> Result<CopyConsistency, ApiError> {
         let mut live: Vec<super::live_copy::Target> = disks
             .iter()
             .zip(entries.iter())
@@ -153,11 +160,11 @@ impl Manager {
                 virtual_size: 0,
             })
             .collect();
-        let frozen = self.copy_disks_live(name, &mut live, within, "export").await?;
+        let made = self.copy_disks_live(name, &mut live, within, requires, "export").await?;
         for (e, t) in entries.iter_mut().zip(&live) {
             e.virtual_size = t.virtual_size;
         }
-        Ok(frozen)
+        Ok(made)
     }
 
     /// `vm.import` (module doc).

@@ -1,24 +1,114 @@
 //! Copying a running VM's disks (a snapshot or an export, [`super::snapshots`],
 //! [`super::backup`]): every disk as it was at one instant, with the guest's file systems frozen
-//! for that instant when its agent can.
+//! for that instant when its agent can, and the copy saying which it is ([`CopyConsistency`]).
 //!
-//! The order: QEMU's sizes of the disks (`query-block`); the empty targets made (0600, a raw one
-//! at its size, a qcow2 one's header by QEMU without a guest); the guest agent's `fs.freeze`
-//! (when a session is open; without one, or with an agent that cannot, the copy is
-//! crash-consistent), the targets having been added to QEMU before; one QMP transaction
-//! starting every copy ([`crate::disk::export`]);
-//! `fs.thaw` right after (QEMU keeps copying what the guest overwrites from then on, so the
-//! freeze lasts a few QMP round trips, not the copy); then the copies awaited.
+//! The order: with `requires: "frozen"`, a VM without an agent session is refused
+//! ([`Manager::check_freezable`], before the caller makes anything); QEMU's sizes of the disks
+//! (`query-block`); the empty targets made (0600, a raw one at its size, a qcow2 one's header by
+//! QEMU without a guest) and added to QEMU; the guest agent's `fs.freeze` (when a session is
+//! open); what the copy will be ([`consistency_of`]): `frozen` only when the agent froze at least
+//! one file system and skipped none, `crash` with the reason otherwise, and with `requires:
+//! "frozen"` a `crash` copy stops here (thawed, the targets removed from QEMU, 4094: no copy was
+//! started); one QMP transaction starting every copy ([`crate::disk::export`]); `fs.thaw` right
+//! after, whenever a freeze was asked (QEMU keeps copying what the guest overwrites from then on,
+//! so the freeze lasts a few QMP round trips, not the copy); then the copies awaited.
 
 use super::Manager;
-use crate::api::ApiError;
+use crate::api::snapshots::{Consistency, CopyConsistency, Requirement};
+use crate::api::{ApiError, Code};
 use crate::disk::export::{LiveDisk, QcowTarget};
+use crate::guest_text::GuestText;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
+use vmhost_agent_protocol::FreezeReport;
 
 /// How long the agent keeps the file systems frozen at most if no thaw comes.
 const FREEZE_TIMEOUT_S: u32 = 10;
+
+/// Skipped file systems a reason names one by one; more are counted.
+const REASON_NAMES: usize = 4;
+
+/// What asking the guest agent to freeze came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Freeze {
+    /// No agent session (the message says why).
+    NoAgent(String),
+    /// `fs.freeze` failed: refused by the agent, no answer in time, an invalid answer.
+    Failed(String),
+    /// The agent's report.
+    Done(FreezeReport),
+}
+
+/// What a live copy made after `freeze` is (module doc).
+pub(super) fn consistency_of(freeze: &Freeze) -> CopyConsistency {
+    let crash = |reason: String| CopyConsistency {
+        consistency: Consistency::Crash,
+        reason: Some(reason),
+        frozen: Vec::new(),
+        skipped: Vec::new(),
+    };
+    match freeze {
+        Freeze::NoAgent(why) => crash(format!("the guest's file systems were not frozen: {why}")),
+        Freeze::Failed(why) => crash(format!("the guest agent's fs.freeze failed: {why}")),
+        Freeze::Done(report) => {
+            let frozen = report.mounts.clone();
+            let reason = match &report.skipped {
+                None => Some(
+                    "the guest agent does not report the file systems it could not freeze (a vmhost-agent older \
+                     than this vmhostd): update it"
+                        .to_string(),
+                ),
+                Some(skipped) if !skipped.is_empty() => {
+                    let mut named: Vec<String> = skipped
+                        .iter()
+                        .take(REASON_NAMES)
+                        .map(|s| format!("{} ({}: {})", GuestText(&s.mount), GuestText(&s.fstype), GuestText(&s.error)))
+                        .collect();
+                    if skipped.len() > REASON_NAMES {
+                        named.push(format!("{} more", skipped.len() - REASON_NAMES));
+                    }
+                    Some(format!(
+                        "the guest agent could not freeze {} writable file system(s), left as they were: {}",
+                        skipped.len(),
+                        named.join(", ")
+                    ))
+                }
+                Some(_) if frozen.is_empty() => Some(
+                    "the guest agent found no file system to freeze (none writable on a block device: the guest's \
+                     root is in memory, or its disks are not mounted)"
+                        .to_string(),
+                ),
+                Some(_) => None,
+            };
+            CopyConsistency {
+                consistency: if reason.is_some() { Consistency::Crash } else { Consistency::Frozen },
+                reason,
+                frozen,
+                skipped: report.skipped.clone().unwrap_or_default(),
+            }
+        }
+    }
+}
+
+/// 4094: `requires: "frozen"` and the copy of VM `name` would be `crash`; `step` is the
+/// operation (`snapshot`, `export`). Nothing was copied.
+pub(super) fn not_frozen(name: &str, step: &str, c: &CopyConsistency) -> ApiError {
+    let reason = c.reason.clone().unwrap_or_default();
+    ApiError::new(
+        Code::NotFrozen,
+        format!(
+            "VM {name:?}'s {step} would be crash-consistent and requires is \"frozen\": {reason}; nothing was copied"
+        ),
+    )
+    .field("requires")
+    .details(json!({
+        "consistency": c.consistency.as_str(),
+        "reason": reason,
+        "frozen": c.frozen,
+        "skipped": c.skipped,
+    }))
+}
 
 /// One disk of a running VM to copy.
 #[derive(Debug)]
@@ -42,18 +132,40 @@ fn failed(step: &str, message: String) -> ApiError {
 }
 
 impl Manager {
-    /// Copies VM `name`'s disks into `targets` (module doc); `step` names the operation in
-    /// errors. Returns the mount points the guest froze.
+    /// With `requires: "frozen"`, a running VM whose agent has no session cannot be copied
+    /// frozen: 4094 before anything is made. The freeze itself is checked again when it is done
+    /// ([`Manager::copy_disks_live`]).
     ///
     /// # Errors
-    /// 4001 with `step`.
+    /// 4094.
+    pub(super) fn check_freezable(
+        &self,
+        name: &str,
+        live: bool,
+        requires: Option<Requirement>,
+        step: &str,
+    ) -> Result<(), ApiError> {
+        if !live || requires.is_none() || self.agents.status(name).connected {
+            return Ok(());
+        }
+        let why = format!("the guest agent of VM {name:?} is not connected");
+        Err(not_frozen(name, step, &consistency_of(&Freeze::NoAgent(why))))
+    }
+
+    /// Copies VM `name`'s disks into `targets` (module doc); `step` names the operation in
+    /// errors. Returns what the copy is.
+    ///
+    /// # Errors
+    /// 4001 with `step`; 4094 when `requires` is `frozen` and the guest's file systems were not
+    /// all frozen (no copy was started; the caller removes the targets).
     pub(super) async fn copy_disks_live(
         &self,
         name: &str,
         targets: &mut [Target],
         within: Duration,
+        requires: Option<Requirement>,
         step: &str,
-    ) -> Result<Vec<String>, ApiError> {
+    ) -> Result<CopyConsistency, ApiError> {
         let mut q = self.qmp(name, Duration::from_secs(5)).await.map_err(|e| failed(step, format!("QMP: {e}")))?;
         let blocks = q.execute("query-block", None).await.map_err(|e| failed(step, format!("query-block: {e}")))?;
         let mut qcow2 = Vec::new();
@@ -79,41 +191,136 @@ impl Manager {
             .await
             .map_err(|e| failed(step, format!("cannot make the copies: {e}")))?;
         let (mut started, mut result) = crate::disk::export::prepare_live(&mut q, &disks).await;
-        let mut frozen = None;
+        let mut made = None;
         if result.is_ok() {
-            frozen = self.freeze_guest(name).await;
+            let freeze = self.freeze_guest(name).await;
+            let consistency = consistency_of(&freeze);
+            // Whatever the freeze answered (a timeout, an answer refused), something may be frozen.
+            let thaw = !matches!(freeze, Freeze::NoAgent(_));
+            if !consistency.meets(requires) {
+                if thaw {
+                    self.thaw_guest(name).await;
+                }
+                // Nothing was started: this only takes the targets out of QEMU again.
+                if let Err(e) = crate::disk::export::finish_live(&mut q, started, &disks, Ok(()), within).await {
+                    tracing::warn!(vm = name, error = %e, "removing the unused copies from QEMU failed");
+                }
+                tracing::warn!(vm = name, step, reason = ?consistency.reason, "refused: the copy would be crash-consistent");
+                return Err(not_frozen(name, step, &consistency));
+            }
             result = crate::disk::export::trigger_live(&mut q, &mut started, &disks).await;
-            if frozen.is_some() {
+            if thaw {
                 self.thaw_guest(name).await;
             }
+            made = Some(consistency);
         }
         crate::disk::export::finish_live(&mut q, started, &disks, result, within)
             .await
             .map_err(|e| failed(step, format!("cannot copy the running VM's disks: {e}")))?;
-        Ok(frozen.unwrap_or_default())
+        let made = made.ok_or_else(|| failed(step, "the copies were not started".to_string()))?;
+        match (&made.consistency, &made.reason) {
+            (Consistency::Crash, Some(reason)) => {
+                tracing::warn!(vm = name, step, %reason, "the copy of the running VM is crash-consistent");
+            }
+            _ => tracing::info!(vm = name, step, frozen = ?made.frozen, "the copy of the running VM is frozen"),
+        }
+        Ok(made)
     }
 
-    /// The guest agent's `fs.freeze`: the mount points frozen, `None` when it could not be
-    /// asked (no session, an agent without it) or failed (logged): the copy is then
-    /// crash-consistent.
-    async fn freeze_guest(&self, name: &str) -> Option<Vec<String>> {
+    /// The guest agent's `fs.freeze` ([`Freeze`]).
+    async fn freeze_guest(&self, name: &str) -> Freeze {
         let params = json!({ "timeout_s": FREEZE_TIMEOUT_S });
-        match self.agents.call::<vmhost_agent_protocol::FreezeReport>(name, "fs.freeze", params).await {
-            Ok(report) => {
-                tracing::info!(vm = name, mounts = ?report.mounts, "guest file systems frozen");
-                Some(report.mounts)
-            }
-            Err(e) => {
-                tracing::info!(vm = name, error = %e, "guest file systems not frozen: the copy is crash-consistent");
-                None
-            }
+        match self.agents.call::<FreezeReport>(name, "fs.freeze", params).await {
+            Ok(report) => Freeze::Done(report),
+            Err(e) if e.code == Code::AgentNotConnected => Freeze::NoAgent(e.message),
+            Err(e) => Freeze::Failed(e.message),
         }
     }
 
     /// The guest agent's `fs.thaw` (its own watchdog thaws anyway after the freeze's timeout).
     async fn thaw_guest(&self, name: &str) {
-        if let Err(e) = self.agents.call::<vmhost_agent_protocol::FreezeReport>(name, "fs.thaw", json!({})).await {
+        if let Err(e) = self.agents.call::<FreezeReport>(name, "fs.thaw", json!({})).await {
             tracing::warn!(vm = name, error = %e, "fs.thaw failed; the agent thaws by itself after its timeout");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmhost_agent_protocol::FreezeSkip;
+
+    fn done(mounts: &[&str], skipped: Option<Vec<FreezeSkip>>) -> Freeze {
+        Freeze::Done(FreezeReport { mounts: mounts.iter().map(|m| m.to_string()).collect(), skipped })
+    }
+
+    fn skip(mount: &str) -> FreezeSkip {
+        FreezeSkip {
+            mount: mount.into(),
+            fstype: "vfat".into(),
+            errno: 95,
+            error: "Operation not supported (os error 95)".into(),
+        }
+    }
+
+    #[test]
+    fn frozen_only_when_something_was_frozen_and_nothing_skipped() {
+        let c = consistency_of(&done(&["/", "/nsm"], Some(vec![])));
+        assert_eq!(
+            c,
+            CopyConsistency {
+                consistency: Consistency::Frozen,
+                reason: None,
+                frozen: vec!["/".into(), "/nsm".into()],
+                skipped: vec![]
+            }
+        );
+        assert!(c.meets(Some(Requirement::Frozen)));
+    }
+
+    #[test]
+    fn every_other_outcome_is_crash_with_its_reason() {
+        let no_agent = consistency_of(&Freeze::NoAgent("the guest agent of VM \"a\" is not connected".into()));
+        assert_eq!(no_agent.consistency, Consistency::Crash);
+        assert!(no_agent.reason.as_deref().is_some_and(|r| r.contains("not connected")), "{no_agent:?}");
+
+        let failed = consistency_of(&Freeze::Failed("the guest agent refused fs.freeze: cannot freeze /".into()));
+        assert!(failed.reason.as_deref().is_some_and(|r| r.contains("fs.freeze failed: the guest agent refused")));
+
+        let skipped = consistency_of(&done(&["/"], Some(vec![skip("/boot/efi")])));
+        assert_eq!((skipped.consistency, skipped.frozen.clone()), (Consistency::Crash, vec!["/".to_string()]));
+        assert_eq!(skipped.skipped, [skip("/boot/efi")]);
+        let reason = skipped.reason.clone().unwrap_or_default();
+        assert!(reason.contains("/boot/efi (vfat: Operation not supported (os error 95))"), "{reason}");
+        assert!(!skipped.meets(Some(Requirement::Frozen)));
+
+        let nothing = consistency_of(&done(&[], Some(vec![])));
+        assert!(nothing.reason.as_deref().is_some_and(|r| r.contains("no file system to freeze")), "{nothing:?}");
+        assert_eq!(nothing.consistency, Consistency::Crash);
+
+        let old_agent = consistency_of(&done(&["/"], None));
+        assert_eq!((old_agent.consistency, old_agent.frozen.len()), (Consistency::Crash, 1));
+        assert!(old_agent.reason.as_deref().is_some_and(|r| r.contains("does not report")));
+    }
+
+    #[test]
+    fn a_reason_stays_bounded_and_escaped_whatever_the_guest_reports() {
+        let many: Vec<FreezeSkip> = (0..500).map(|i| skip(&format!("/m{i}\n\x1b[2J{}", "x".repeat(4000)))).collect();
+        let c = consistency_of(&done(&["/"], Some(many)));
+        let reason = c.reason.unwrap_or_default();
+        assert!(reason.len() < 2000, "{}", reason.len());
+        assert!(reason.contains("496 more") && !reason.contains('\n') && !reason.contains('\x1b'), "{reason}");
+        assert_eq!(c.skipped.len(), 500, "the record keeps the agent's list");
+    }
+
+    #[test]
+    fn the_refusal_is_4094_on_requires_with_what_was_found() {
+        let c = consistency_of(&done(&["/"], Some(vec![skip("/boot/efi")])));
+        let e = not_frozen("db", "snapshot", &c);
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (4094, Some("requires")));
+        assert_eq!(e.details["consistency"], "crash");
+        assert_eq!(e.details["frozen"], json!(["/"]));
+        assert_eq!(e.details["skipped"][0]["mount"], "/boot/efi");
+        assert!(e.message.contains("nothing was copied"), "{}", e.message);
     }
 }

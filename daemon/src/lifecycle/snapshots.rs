@@ -21,7 +21,7 @@ use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk
 use super::Manager;
 use crate::api::backup::BackupDisk;
 use crate::api::disks::DiskFormat;
-use crate::api::snapshots::{Snapshot, SnapshotDeleted, SnapshotParams};
+use crate::api::snapshots::{CopyConsistency, Snapshot, SnapshotDeleted, SnapshotParams, TakeSnapshotParams};
 use crate::api::{ApiError, Code, Mutation, VmSpec, VmStatus};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -72,8 +72,9 @@ impl Manager {
     ///
     /// # Errors
     /// 2001 on `snapshot` (a bad or taken name, or [`MAX_SNAPSHOTS`] reached) or `timeout_s`,
-    /// 4040, 4090, 4001 `step: snapshot` (nothing is kept).
-    pub async fn snapshot(self: &Arc<Self>, p: SnapshotParams) -> Result<Snapshot, ApiError> {
+    /// 4040, 4090, 4001 `step: snapshot`, 4094 on `requires` (a running VM's guest file systems
+    /// not all frozen); nothing is kept.
+    pub async fn snapshot(self: &Arc<Self>, p: TakeSnapshotParams) -> Result<Snapshot, ApiError> {
         check_name(&p.snapshot)?;
         let within = copy_timeout(p.timeout_s)?;
         let (_guard, rec) = self.begin(&p.name)?;
@@ -92,6 +93,7 @@ impl Manager {
             ));
         }
         let (live, spec, disks) = self.copy_sources(&rec, "snapshot").await?;
+        self.check_freezable(&p.name, live, p.requires, "snapshot")?;
         let mut entries: Vec<BackupDisk> = disks.iter().map(snapshot_entry).collect();
         let files: Vec<&Path> = disks.iter().map(|d| d.file.as_path()).collect();
         crate::blocking::run(|| crate::disk::space::check_copy_room(&self.config.paths.state, &files, "snapshot"))?;
@@ -106,8 +108,8 @@ impl Manager {
         })
         .map_err(|e| failed(format!("cannot create {}: {e}", partial.display())))?;
         let mut cleanup = RemoveDir(Some(partial.clone()));
-        let frozen = if live {
-            self.snapshot_live(&p.name, &disks, &mut entries, &partial, within).await?
+        let made = if live {
+            self.snapshot_live(&p.name, &disks, &mut entries, &partial, within, p.requires).await?
         } else {
             for (d, e) in disks.iter().zip(&entries) {
                 let mut temp = crate::images::Temp::create(&partial, &e.file)
@@ -117,14 +119,17 @@ impl Manager {
                 temp.finish().map_err(|e| failed(format!("cannot write a copy: {e}")))?;
                 temp.place(&partial.join(&e.file)).map_err(|e| failed(format!("cannot place a copy: {e}")))?;
             }
-            Vec::new()
+            CopyConsistency::stopped()
         };
         seal_copies(&partial, &mut entries, "snapshot")?;
         let snapshot = Snapshot {
             name: p.snapshot.clone(),
             created_at: crate::api::now_rfc3339(),
             live,
-            frozen,
+            consistency: Some(made.consistency),
+            reason: made.reason,
+            frozen: made.frozen,
+            skipped: made.skipped,
             spec,
             disks: entries,
         };
@@ -136,12 +141,13 @@ impl Manager {
         })
         .map_err(|e| failed(format!("cannot finish the snapshot in {}: {e}", partial.display())))?;
         cleanup.0 = None;
-        tracing::info!(vm = %p.name, snapshot = %p.snapshot, live, "snapshot taken");
+        let consistency = snapshot.consistency.map_or("-", |c| c.as_str());
+        tracing::info!(vm = %p.name, snapshot = %p.snapshot, live, consistency, "snapshot taken");
         Ok(snapshot)
     }
 
     /// Copies a running VM's disks in its QEMU, all at one instant ([`super::live_copy`]);
-    /// returns the mount points the guest froze.
+    /// returns what the copy is.
     async fn snapshot_live(
         &self,
         name: &str,
@@ -149,7 +155,8 @@ impl Manager {
         entries: &mut [BackupDisk],
         partial: &Path,
         within: Duration,
-    ) -> Result<Vec<String>, ApiError> {
+        requires: Option<crate::api::snapshots::Requirement>,
+    ) -> Result<CopyConsistency, ApiError> {
         let mut live: Vec<super::live_copy::Target> = disks
             .iter()
             .zip(entries.iter())
@@ -163,11 +170,11 @@ impl Manager {
                 virtual_size: 0,
             })
             .collect();
-        let frozen = self.copy_disks_live(name, &mut live, within, "snapshot").await?;
+        let made = self.copy_disks_live(name, &mut live, within, requires, "snapshot").await?;
         for (e, t) in entries.iter_mut().zip(&live) {
             e.virtual_size = t.virtual_size;
         }
-        Ok(frozen)
+        Ok(made)
     }
 
     /// The VM's snapshots, oldest first.

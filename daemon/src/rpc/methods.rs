@@ -232,7 +232,7 @@ pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee
         }
     })?;
     m.register_async_method("vm.snapshot", |params, mgr, _| async move {
-        match parse_params::<crate::api::snapshots::SnapshotParams>(&params) {
+        match parse_params::<crate::api::snapshots::TakeSnapshotParams>(&params) {
             Ok(p) => call(mgr.snapshot(p).await),
             Err(e) => call(Err(e)),
         }
