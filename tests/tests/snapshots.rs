@@ -2,12 +2,15 @@
 //! marker overwritten, the VM stopped and reverted: the guest reads the first marker again; an
 //! image VM's overlay snapshotted while stopped, overwritten so it no longer boots, reverted and
 //! booting again; a tampered snapshot refused with the VM's disks untouched; a destroy removes
-//! the snapshots.
+//! the snapshots. Consistency: a guest without an agent is snapshotted `crash` (and refused with
+//! 4094 under `requires: "frozen"`, nothing left), one whose agent has nothing to freeze or
+//! skips a vfat it cannot freeze too, one with only an ext4 mounted `frozen`; exports the same.
 
 use serde_json::{json, Value};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
-use vmhost_tests::{boot_sector, disk_report, disk_spec, run_ok, HostOptions, TestHost};
+use vmhost_tests::{boot_sector, disk_report, disk_spec, run_ok, workspace, Guest, HostOptions, TestHost};
 
 const BOOT: Duration = Duration::from_secs(120);
 
@@ -23,6 +26,80 @@ fn names(list: &Value) -> Vec<&str> {
     list.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect()
 }
 
+/// Every entry of a directory, hidden ones (a `.NAME.partial`) included, sorted; none when it
+/// does not exist.
+fn entries(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// `vm.snapshot` and `vm.export` of `vm` with `requires: "frozen"` are refused with 4094 on
+/// `requires`, and leave no snapshot, no snapshot directory entry and no backup. Returns the
+/// snapshot's refusal.
+fn refused_when_frozen_is_required(host: &TestHost, vm: &str) -> vmhost::api::ApiError {
+    let snapshots_before = entries(&host.state().join("snapshots").join(vm));
+    let backups_before = entries(&host.state().join("backups"));
+    let (code, e) = host.call_err("vm.snapshot", json!({"name": vm, "snapshot": "must-freeze", "requires": "frozen"}));
+    assert_eq!((code, e.field.as_deref()), (4094, Some("requires")), "{e:?}");
+    assert_eq!(e.details["consistency"], "crash", "{e:?}");
+    assert!(e.details["reason"].as_str().is_some_and(|r| !r.is_empty()), "{e:?}");
+    assert!(!names(&host.call("vm.snapshots", json!({"name": vm}))).contains(&"must-freeze"));
+    assert_eq!(entries(&host.state().join("snapshots").join(vm)), snapshots_before, "nothing left behind");
+    let (code, ee) = host.call_err("vm.export", json!({"name": vm, "requires": "frozen"}));
+    assert_eq!((code, ee.field.as_deref()), (4094, Some("requires")), "{ee:?}");
+    assert_eq!(entries(&host.state().join("backups")), backups_before, "no backup, no partial one");
+    e
+}
+
+/// The agent guest whose "agent" is tests/snapshots/mount-then-agent.sh: it mounts the data
+/// disks `vmhost.fs=SERIAL:TYPE:DIR` names, then runs the real agent (built once per process).
+fn mounting_agent_guest() -> Guest {
+    static GUEST: std::sync::OnceLock<Guest> = std::sync::OnceLock::new();
+    GUEST
+        .get_or_init(|| {
+            let base = vmhost_tests::agent_guest();
+            let root = workspace();
+            let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+            let agent = target.join("guest-agent/vmhost-agent");
+            let script = root.join("tests/snapshots/mount-then-agent.sh");
+            let initramfs = "initramfs-mount-agent.cpio.gz";
+            let st = Command::new(root.join("tests/guest/build.sh"))
+                .env(
+                    "EXTRA_FILES",
+                    format!("{}:/bin/vmhost-agent-real {}:/bin/vmhost-agent", agent.display(), script.display()),
+                )
+                .env("INITRAMFS_NAME", initramfs)
+                .arg(root.join("target/guest"))
+                .status()
+                .expect("run tests/guest/build.sh");
+            assert!(st.success(), "tests/guest/build.sh: {st}");
+            Guest { kernel: base.kernel, initrd: root.join("target/guest").join(initramfs) }
+        })
+        .clone()
+}
+
+/// Creates VM `name` on the mounting agent guest with `disks` and `cmdline` (its `vmhost.fs=`
+/// words) and waits for its mounts (`mounts` of them) and its agent.
+fn mounting_vm(host: &TestHost, name: &str, disks: Value, cmdline: &str, mounts: usize) {
+    let g = mounting_agent_guest();
+    let spec = json!({"name": name, "cpu": 1, "memory_mib": 256,
+        "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": format!("console=ttyS0 panic=-1 quiet {cmdline}")},
+        "disks": disks});
+    host.call("vm.create", json!({ "spec": spec }));
+    let deadline = std::time::Instant::now() + BOOT;
+    while host.serial(name).matches("VMHOST-MOUNTED ").count() < mounts
+        || host.call("vm.get", json!({"name": name}))["agent"]["connected"] != true
+    {
+        let log = host.serial(name);
+        assert!(!log.contains("VMHOST-MOUNT-FAILED"), "{log}");
+        assert!(std::time::Instant::now() < deadline, "no mounts or no agent: {log}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
 fn a_guest_reads_its_first_marker_again_after_a_revert_of_a_live_snapshot() {
     let host = host();
@@ -30,8 +107,13 @@ fn a_guest_reads_its_first_marker_again_after_a_revert_of_a_live_snapshot() {
     host.call("vm.create", json!({ "spec": disk_spec(&host, "db", disks.clone(), "vmhost.writemark=nsm:first") }));
     assert_eq!(marks(&host, "db", 1), ["nsm=first", "logs=-"]);
 
+    // This guest runs no agent: crash-consistent, and it says so; required frozen, refused.
+    let e = refused_when_frozen_is_required(&host, "db");
+    assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("not connected")), "{e:?}");
     let s = host.call("vm.snapshot", json!({"name": "db", "snapshot": "s1"}));
     assert_eq!((&s["live"], &s["name"]), (&json!(true), &json!("s1")), "{s}");
+    assert_eq!((&s["consistency"], &s["frozen"]), (&json!("crash"), &json!([])), "{s}");
+    assert!(s["reason"].as_str().is_some_and(|r| r.contains("not connected")), "{s}");
     let files: Vec<&str> = s["disks"].as_array().unwrap().iter().map(|d| d["file"].as_str().unwrap()).collect();
     assert_eq!(files, ["nsm.raw", "logs.qcow2"]);
     let (code, e) = host.call_err("vm.snapshot", json!({"name": "db", "snapshot": "s1"}));
@@ -63,8 +145,14 @@ fn a_guest_reads_its_first_marker_again_after_a_revert_of_a_live_snapshot() {
     let out = host.ctl(&["snapshots", "db"]);
     let table = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(table.lines().any(|l| l.starts_with("s2 ")) && table.contains("true"), "{table}");
+    assert_eq!(host.call("vm.snapshots", json!({"name": "db"}))[0]["consistency"], "crash");
     let out = host.ctl(&["snapshot", "db", "s3"]);
-    assert!(String::from_utf8_lossy(&out.stdout).contains("db: snapshot s3 taken (live)"), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("db: snapshot s3 taken (live, crash-consistent: "),
+        "{out:?}"
+    );
+    let out = host.ctl(&["snapshot", "db", "s4", "--require-frozen"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("4094"), "{out:?}");
     let out = host.ctl(&["snapshot-delete", "db", "s3"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("db: snapshot s3 deleted"), "{out:?}");
     assert_eq!(host.call("vm.snapshot_delete", json!({"name": "db", "snapshot": "s1"}))["changed"], true);
@@ -83,8 +171,10 @@ fn an_image_vms_overlay_is_put_back_and_a_tampered_snapshot_changes_nothing() {
     host.call("vm.create", json!({ "spec": spec }));
     assert!(host.wait_serial("web", "VMHOST-SNAP-BOOT", BOOT), "{}", host.serial("web"));
     host.call("vm.stop", json!({"name": "web", "force": true}));
-    let s = host.call("vm.snapshot", json!({"name": "web", "snapshot": "good"}));
+    // Stopped: nothing writes its disks; requires frozen is met.
+    let s = host.call("vm.snapshot", json!({"name": "web", "snapshot": "good", "requires": "frozen"}));
     assert_eq!((&s["live"], &s["disks"][0]["file"]), (&json!(false), &json!("root.qcow2")), "{s}");
+    assert_eq!((&s["consistency"], s.get("reason")), (&json!("stopped"), None), "{s}");
 
     // The VM's disk changes (its boot sector zeroed in the overlay): it no longer boots.
     let overlay = host.state().join("disks").join("web.qcow2");
@@ -129,18 +219,82 @@ fn the_guest_agent_freezes_the_guests_file_systems_around_a_live_copy() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let s = host.call("vm.snapshot", json!({"name": "ag", "snapshot": "quiet"}));
-    // The test guest's root is its initramfs: nothing on a block device to freeze (the agent's
-    // kernel test freezes a real ext4); the agent says what it did on the console.
-    assert_eq!((&s["live"], &s["frozen"]), (&json!(true), &json!([])), "{s}");
+    // The test guest's root is its initramfs: nothing on a block device to freeze. The agent
+    // answered, froze nothing: crash-consistent, and it says why.
+    assert_eq!((&s["live"], &s["frozen"], &s["consistency"]), (&json!(true), &json!([]), &json!("crash")), "{s}");
+    assert!(s["reason"].as_str().is_some_and(|r| r.contains("no file system to freeze")), "{s}");
     assert!(host.wait_serial("ag", "fs.thaw: thawed", BOOT), "{}", host.serial("ag"));
     let log = host.serial("ag");
     let (freeze, thaw) = (log.find("fs.freeze: froze").unwrap(), log.find("fs.thaw: thawed").unwrap());
     assert!(freeze < thaw, "frozen, then thawed: {log}");
     let e = host.call("vm.export", json!({"name": "ag"}));
-    assert_eq!(e["manifest"]["frozen"], json!([]), "{e}");
+    assert_eq!((&e["manifest"]["frozen"], &e["manifest"]["consistency"]), (&json!([]), &json!("crash")), "{e}");
     let deadline = std::time::Instant::now() + BOOT;
     while host.serial("ag").matches("fs.thaw: thawed").count() < 2 {
         assert!(std::time::Instant::now() < deadline, "the export froze and thawed too: {}", host.serial("ag"));
         std::thread::sleep(Duration::from_millis(200));
     }
+    // Required frozen: refused after the freeze found nothing, the guest thawed again.
+    let e = refused_when_frozen_is_required(&host, "ag");
+    assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("no file system to freeze")), "{e:?}");
+    let deadline = std::time::Instant::now() + BOOT;
+    while host.serial("ag").matches("fs.thaw: thawed").count() < 4 {
+        assert!(std::time::Instant::now() < deadline, "each refusal thawed: {}", host.serial("ag"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_file_system_the_agent_cannot_freeze_makes_the_copy_crash_and_an_ext4_alone_is_frozen() {
+    let host = host();
+    // An ext4 the agent freezes and a vfat (a UEFI guest's /boot/efi) it cannot.
+    let disks =
+        json!([{"name": "data", "size_gib": 1, "format": "raw"}, {"name": "efi", "size_gib": 1, "format": "raw"}]);
+    mounting_vm(&host, "mixed", disks, "vmhost.fs=data:ext4:/data vmhost.fs=efi:vfat:/efi", 2);
+    let e = refused_when_frozen_is_required(&host, "mixed");
+    assert_eq!(e.details["frozen"], json!(["/data"]), "{e:?}");
+    assert_eq!(
+        (&e.details["skipped"][0]["mount"], &e.details["skipped"][0]["fstype"], &e.details["skipped"][0]["errno"]),
+        (&json!("/efi"), &json!("vfat"), &json!(95)),
+        "{e:?}"
+    );
+    let s = host.call("vm.snapshot", json!({"name": "mixed", "snapshot": "partly"}));
+    assert_eq!((&s["consistency"], &s["frozen"]), (&json!("crash"), &json!(["/data"])), "{s}");
+    assert!(s["reason"].as_str().is_some_and(|r| r.contains("/efi (vfat: ")), "{s}");
+    assert_eq!(s["skipped"][0]["mount"], "/efi", "{s}");
+    let listed = host.call("vm.snapshots", json!({"name": "mixed"}));
+    assert_eq!((&listed[0]["consistency"], &listed[0]["skipped"][0]["mount"]), (&json!("crash"), &json!("/efi")));
+    // The guest's journal (here its console) says what was skipped, and everything was thawed.
+    assert!(host.wait_serial("mixed", "fs.freeze: skipped /efi (vfat)", BOOT), "{}", host.serial("mixed"));
+    let deadline = std::time::Instant::now() + BOOT;
+    while host.serial("mixed").matches("fs.thaw: thawed [\"/data\"]").count() < 3 {
+        assert!(std::time::Instant::now() < deadline, "every freeze thawed: {}", host.serial("mixed"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    host.call("vm.destroy", json!({"name": "mixed"}));
+
+    // Only the ext4: every file system frozen.
+    mounting_vm(
+        &host,
+        "clean",
+        json!([{"name": "data", "size_gib": 1, "format": "raw"}]),
+        "vmhost.fs=data:ext4:/data",
+        1,
+    );
+    let s = host.call("vm.snapshot", json!({"name": "clean", "snapshot": "frozen", "requires": "frozen"}));
+    assert_eq!((&s["consistency"], &s["frozen"], s.get("reason")), (&json!("frozen"), &json!(["/data"]), None), "{s}");
+    assert_eq!(host.call("vm.snapshots", json!({"name": "clean"}))[0]["consistency"], "frozen");
+    let out = host.ctl(&["snapshot", "clean", "again", "--require-frozen"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("clean: snapshot again taken (live, frozen: /data)"),
+        "{out:?}"
+    );
+    let out = host.ctl(&["export", "clean", "--require-frozen"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("(live, frozen: /data)"), "{out:?}");
+    let backup = entries(&host.state().join("backups")).into_iter().find(|b| b.starts_with("clean-")).unwrap();
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(host.state().join("backups").join(backup).join("manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!((&manifest["consistency"], &manifest["frozen"]), (&json!("frozen"), &json!(["/data"])), "{manifest}");
 }
