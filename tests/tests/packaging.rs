@@ -263,6 +263,10 @@ fn debs_install_verify_serve_and_purge_cleanly() {
         .unwrap_or_else(|| panic!("no exposure level in:\n{security}"));
     println!("systemd-analyze security: vmhostd.service exposure {exposure}");
     assert!(exposure <= MAX_EXPOSURE, "exposure {exposure} > {MAX_EXPOSURE}:\n{security}");
+    // The guest unit is shipped as it is in the tree (guest-agent/src/freeze.rs tests that one
+    // lets the agent freeze: CAP_SYS_ADMIN, the guest's real mounts).
+    let agent_unit = fs::read(Path::new(UNIT_DIR).join("vmhost-agent.service")).expect("agent unit");
+    assert_eq!(agent_unit, fs::read(workspace().join("guest-agent/vmhost-agent.service")).expect("unit in the tree"));
     let socket_unit = fs::read_to_string(Path::new(UNIT_DIR).join("vmhostd.socket")).expect("socket unit");
     assert!(socket_unit.lines().any(|l| l == format!("ListenStream={SOCKET}")), "socket unit and config disagree");
 
