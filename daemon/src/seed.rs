@@ -102,7 +102,23 @@ pub fn render(spec: &VmSpec, allocs: &[NicAlloc], instance_id: &str) -> SeedFile
 /// The `network-config` (version 2) of `spec`'s NICs: each matched by its MAC and named
 /// `eth<i>`; a static address with its gateway as a `0.0.0.0/0` route and its DNS servers and
 /// search domains as `nameservers` (each list only when not empty); DHCP; or no address.
+///
+/// Search domains go only beside DNS servers: cloud-init 22.4 (Debian 12) refuses a
+/// `nameservers` with `search` and no `addresses` and then drops the whole network config. The
+/// guest's resolver has one search list whatever NIC it came with, so the search domains of a
+/// static NIC without servers are written with the first NIC that has servers; when no NIC has
+/// any, they are left out (docs/guests.md, limits).
 fn network_config(spec: &VmSpec, allocs: &[NicAlloc]) -> String {
+    let with_servers =
+        spec.nics.iter().position(|n| matches!(&n.ipv4, Some(Ipv4Spec::Static { dns, .. }) if !dns.is_empty()));
+    let mut homeless: Vec<&String> = Vec::new();
+    for nic in &spec.nics {
+        if let Some(Ipv4Spec::Static { dns, search, .. }) = &nic.ipv4 {
+            if dns.is_empty() {
+                homeless.extend(search.iter());
+            }
+        }
+    }
     let mut ethernets = Map::new();
     for (i, (nic, alloc)) in spec.nics.iter().zip(allocs).enumerate() {
         let mut e = Map::new();
@@ -121,9 +137,17 @@ fn network_config(spec: &VmSpec, allocs: &[NicAlloc]) -> String {
                 let mut ns = Map::new();
                 if !dns.is_empty() {
                     ns.insert("addresses".into(), json!(dns));
-                }
-                if !search.is_empty() {
-                    ns.insert("search".into(), json!(search));
+                    let mut domains: Vec<&String> = search.iter().collect();
+                    if with_servers == Some(i) {
+                        for d in &homeless {
+                            if !domains.contains(d) {
+                                domains.push(d);
+                            }
+                        }
+                    }
+                    if !domains.is_empty() {
+                        ns.insert("search".into(), json!(domains));
+                    }
                 }
                 if !ns.is_empty() {
                     e.insert("nameservers".into(), Value::Object(ns));
@@ -322,10 +346,32 @@ mod tests {
         let e0 = one_nic(static_nic(Some("10.0.0.1"), &[], &[]));
         assert!(e0.get("nameservers").is_none(), "no DNS, no search: no nameservers: {e0}");
         assert_eq!(e0["routes"], json!([{"to": "0.0.0.0/0", "via": "10.0.0.1"}]));
+        // Search domains without any server in the VM: cloud-init 22.4 refuses a search list
+        // without servers (and drops the whole config), so they are left out.
         let e0 = one_nic(static_nic(Some("10.0.0.1"), &[], &["example.org"]));
-        assert_eq!(e0["nameservers"], json!({"search": ["example.org"]}));
+        assert!(e0.get("nameservers").is_none(), "{e0}");
         let e0 = one_nic(static_nic(Some("10.0.0.1"), &["192.0.2.53"], &[]));
         assert_eq!(e0["nameservers"], json!({"addresses": ["192.0.2.53"]}));
+    }
+
+    #[test]
+    fn search_domains_of_a_nic_without_servers_go_with_the_first_nic_that_has_servers() {
+        let mut s = spec();
+        s.nics = vec![
+            static_nic(None, &[], &["a.example", "shared.example"]),
+            NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) },
+            static_nic(Some("10.0.0.1"), &["10.0.0.53"], &["shared.example", "c.example"]),
+            static_nic(None, &["10.0.0.54"], &[]),
+            static_nic(None, &[], &["e.example"]),
+        ];
+        let e = ethernets(&s);
+        assert!(e["eth0"].get("nameservers").is_none(), "{e:?}");
+        assert_eq!(
+            e["eth2"]["nameservers"],
+            json!({"addresses": ["10.0.0.53"], "search": ["shared.example", "c.example", "a.example", "e.example"]})
+        );
+        assert_eq!(e["eth3"]["nameservers"], json!({"addresses": ["10.0.0.54"]}));
+        assert!(e["eth4"].get("nameservers").is_none(), "{e:?}");
     }
 
     #[test]
