@@ -1,7 +1,7 @@
 //! cloud-init NoCloud seeds: how a disk-image VM learns its hostname and network.
 //!
 //! [`render`] is pure: spec, NIC allocations and instance id in, the four seed files out
-//! (`meta-data`, `user-data`, `vendor-data`, `network-config` version 2 with each NIC matched by
+//! (`meta-data`, `user-data`, `vendor-data`, `network-config` version 1 with each NIC matched by
 //! its MAC). [`write_seed`] puts them on a small FAT volume labelled `CIDATA` (what cloud-init's
 //! NoCloud source looks for), written to a temp file and renamed into place. The lifecycle
 //! rebuilds the seed at every start, so it always matches the current spec, and attaches it
@@ -20,10 +20,9 @@
 //! `#cloud-config` setting the hostname. The hostname (`local-hostname`, `hostname`) is the
 //! VM name with `_` as `-` ([`crate::validate::hostname_of`]).
 //!
-//! The network config is the form every cloud-init from 22.4 (Debian 12) on parses and every
-//! renderer writes (ENI for ifupdown, netplan, systemd-networkd, NetworkManager): the default
-//! route as `to: 0.0.0.0/0` (22.4 refuses `to: default` and then drops the whole config), DNS
-//! servers and search domains as `nameservers` of the NIC. It is emitted as JSON, which is
+//! The network config is cloud-init's version 1, which every cloud-init from 22.4 (Debian 12)
+//! on turns into each renderer's own form (ENI for ifupdown, netplan, systemd-networkd,
+//! NetworkManager): see [`network_config`] for why not version 2. It is emitted as JSON, which is
 //! valid YAML: every value in it comes from a validated spec, and serde_json does the quoting,
 //! so no guest-visible text is hand-escaped.
 
@@ -78,7 +77,7 @@ pub struct SeedFiles {
     pub user_data: String,
     /// `vendor-data`: [`VENDOR_DATA`].
     pub vendor_data: String,
-    /// `network-config`: version 2, NICs matched by MAC.
+    /// `network-config`: version 1, NICs matched by MAC.
     pub network_config: String,
 }
 
@@ -99,67 +98,50 @@ pub fn render(spec: &VmSpec, allocs: &[NicAlloc], instance_id: &str) -> SeedFile
     }
 }
 
-/// The `network-config` (version 2) of `spec`'s NICs: each matched by its MAC and named
-/// `eth<i>`; a static address with its gateway as a `0.0.0.0/0` route and its DNS servers and
-/// search domains as `nameservers` (each list only when not empty); DHCP; or no address.
+/// The `network-config` of `spec`'s NICs, in cloud-init's network config **version 1**: one
+/// `physical` entry per NIC, named `eth<i>` and matched by its MAC, with one subnet: `static`
+/// (address, gateway, `dns_nameservers`, `dns_search`, each only when declared), `dhcp4`, or
+/// `manual` with `control: auto` (a NIC without an address is brought up, as `vm.check`
+/// expects).
 ///
-/// Search domains go only beside DNS servers: cloud-init 22.4 (Debian 12) refuses a
-/// `nameservers` with `search` and no `addresses` and then drops the whole network config. The
-/// guest's resolver has one search list whatever NIC it came with, so the search domains of a
-/// static NIC without servers are written with the first NIC that has servers; when no NIC has
-/// any, they are left out (docs/guests.md, limits).
+/// Why version 1 and not 2: cloud-init itself turns version 1 into each renderer's own form
+/// (ifupdown's `gateway` line, netplan's default route, networkd's `[Route]`), so every version
+/// from 22.4 gets it right. Version 2 is passed to netplan almost verbatim but translated by
+/// cloud-init for the others, and 22.4 (Debian 12) drops the whole config over `to: default`,
+/// over a `nameservers` with `search` and no `addresses`, renders a default route as
+/// `post-up route add` (net-tools, absent from most images) and writes a stray `dns` option
+/// into the interface stanza. `tests/tests/real_guests.rs` renders every form with the real
+/// cloud-init of Debian 12 and 13.
 fn network_config(spec: &VmSpec, allocs: &[NicAlloc]) -> String {
-    let with_servers =
-        spec.nics.iter().position(|n| matches!(&n.ipv4, Some(Ipv4Spec::Static { dns, .. }) if !dns.is_empty()));
-    let mut homeless: Vec<&String> = Vec::new();
-    for nic in &spec.nics {
-        if let Some(Ipv4Spec::Static { dns, search, .. }) = &nic.ipv4 {
-            if dns.is_empty() {
-                homeless.extend(search.iter());
-            }
-        }
-    }
-    let mut ethernets = Map::new();
-    for (i, (nic, alloc)) in spec.nics.iter().zip(allocs).enumerate() {
-        let mut e = Map::new();
-        e.insert("match".into(), json!({ "macaddress": alloc.mac }));
-        e.insert("set-name".into(), json!(format!("eth{i}")));
-        match &nic.ipv4 {
-            Some(Ipv4Spec::Dhcp {}) => {
-                e.insert("dhcp4".into(), json!(true));
-            }
-            Some(Ipv4Spec::Static { address, gateway, dns, search }) => {
-                e.insert("dhcp4".into(), json!(false));
-                e.insert("addresses".into(), json!([address]));
-                if let Some(g) = gateway {
-                    e.insert("routes".into(), json!([{ "to": "0.0.0.0/0", "via": g }]));
-                }
-                let mut ns = Map::new();
-                if !dns.is_empty() {
-                    ns.insert("addresses".into(), json!(dns));
-                    let mut domains: Vec<&String> = search.iter().collect();
-                    if with_servers == Some(i) {
-                        for d in &homeless {
-                            if !domains.contains(d) {
-                                domains.push(d);
-                            }
-                        }
+    let config: Vec<Value> = spec
+        .nics
+        .iter()
+        .zip(allocs)
+        .enumerate()
+        .map(|(i, (nic, alloc))| {
+            let subnet = match &nic.ipv4 {
+                Some(Ipv4Spec::Static { address, gateway, dns, search }) => {
+                    let mut sub = Map::new();
+                    sub.insert("type".into(), json!("static"));
+                    sub.insert("address".into(), json!(address));
+                    if let Some(g) = gateway {
+                        sub.insert("gateway".into(), json!(g));
                     }
-                    if !domains.is_empty() {
-                        ns.insert("search".into(), json!(domains));
+                    if !dns.is_empty() {
+                        sub.insert("dns_nameservers".into(), json!(dns));
                     }
+                    if !search.is_empty() {
+                        sub.insert("dns_search".into(), json!(search));
+                    }
+                    Value::Object(sub)
                 }
-                if !ns.is_empty() {
-                    e.insert("nameservers".into(), Value::Object(ns));
-                }
-            }
-            None => {
-                e.insert("dhcp4".into(), json!(false));
-            }
-        }
-        ethernets.insert(format!("eth{i}"), Value::Object(e));
-    }
-    let network = json!({ "version": 2, "ethernets": ethernets });
+                Some(Ipv4Spec::Dhcp {}) => json!({ "type": "dhcp4" }),
+                None => json!({ "type": "manual", "control": "auto" }),
+            };
+            json!({ "type": "physical", "name": format!("eth{i}"), "mac_address": alloc.mac, "subnets": [subnet] })
+        })
+        .collect();
+    let network = json!({ "version": 1, "config": config });
     format!("{}\n", serde_json::to_string_pretty(&network).unwrap_or_default())
 }
 
@@ -291,95 +273,74 @@ mod tests {
         (0..2).map(alloc).collect()
     }
 
-    /// The `ethernets` of the network config of `spec` (with `allocs` for its NICs).
-    fn ethernets(spec: &VmSpec) -> Map<String, Value> {
+    /// The `config` entries of the network config of `spec` (with `allocs` for its NICs).
+    fn entries(spec: &VmSpec) -> Vec<Value> {
         let allocs: Vec<NicAlloc> = (0..spec.nics.len()).map(alloc).collect();
         let net: Value = serde_json::from_str(&render(spec, &allocs, ID).network_config).unwrap();
-        assert_eq!(net.as_object().unwrap().len(), 2, "version and ethernets only: {net}");
-        assert_eq!(net["version"], 2);
-        net["ethernets"].as_object().unwrap().clone()
+        assert_eq!(net.as_object().unwrap().len(), 2, "version and config only: {net}");
+        assert_eq!(net["version"], 1);
+        net["config"].as_array().unwrap().clone()
     }
 
+    /// The one subnet of the network config of a VM with the one NIC `nic`, checking the entry
+    /// around it.
     fn one_nic(nic: NicSpec) -> Value {
         let mut s = spec();
         s.nics = vec![nic];
-        let e = ethernets(&s);
+        let e = entries(&s);
         assert_eq!(e.len(), 1);
-        e["eth0"].clone()
+        let subnets = e[0]["subnets"].as_array().unwrap();
+        assert_eq!(subnets.len(), 1, "{e:?}");
+        let mut entry = e[0].clone();
+        entry.as_object_mut().unwrap().remove("subnets");
+        assert_eq!(entry, json!({"type": "physical", "name": "eth0", "mac_address": "02:00:00:00:00:01"}));
+        subnets[0].clone()
     }
 
     #[test]
     fn a_static_nic_with_gateway_dns_and_search() {
-        let e0 = one_nic(static_nic(Some("10.0.0.1"), &["10.0.0.1", "10.0.0.2"], &["example.org", "lab.example"]));
+        let sub = one_nic(static_nic(Some("10.0.0.1"), &["10.0.0.1", "10.0.0.2"], &["example.org", "lab.example"]));
         assert_eq!(
-            e0,
+            sub,
             json!({
-                "match": {"macaddress": "02:00:00:00:00:01"},
-                "set-name": "eth0",
-                "dhcp4": false,
-                "addresses": ["10.0.0.5/24"],
-                // Not `to: default`: cloud-init 22.4 (Debian 12) refuses it and drops the
-                // whole network config.
-                "routes": [{"to": "0.0.0.0/0", "via": "10.0.0.1"}],
-                "nameservers": {"addresses": ["10.0.0.1", "10.0.0.2"], "search": ["example.org", "lab.example"]},
+                "type": "static",
+                "address": "10.0.0.5/24",
+                // A subnet's gateway: cloud-init writes each renderer's own default route
+                // (ifupdown's `gateway` line, not `post-up route add`, which needs net-tools).
+                "gateway": "10.0.0.1",
+                "dns_nameservers": ["10.0.0.1", "10.0.0.2"],
+                "dns_search": ["example.org", "lab.example"],
             })
         );
     }
 
     #[test]
     fn a_static_nic_without_gateway_has_no_route() {
-        let e0 = one_nic(static_nic(None, &["10.0.0.1"], &[]));
-        assert_eq!(
-            e0,
-            json!({
-                "match": {"macaddress": "02:00:00:00:00:01"},
-                "set-name": "eth0",
-                "dhcp4": false,
-                "addresses": ["10.0.0.5/24"],
-                "nameservers": {"addresses": ["10.0.0.1"]},
-            })
-        );
+        let sub = one_nic(static_nic(None, &["10.0.0.1"], &[]));
+        assert_eq!(sub, json!({"type": "static", "address": "10.0.0.5/24", "dns_nameservers": ["10.0.0.1"]}));
     }
 
     #[test]
-    fn nameservers_hold_only_what_is_declared() {
-        let e0 = one_nic(static_nic(Some("10.0.0.1"), &[], &[]));
-        assert!(e0.get("nameservers").is_none(), "no DNS, no search: no nameservers: {e0}");
-        assert_eq!(e0["routes"], json!([{"to": "0.0.0.0/0", "via": "10.0.0.1"}]));
-        // Search domains without any server in the VM: cloud-init 22.4 refuses a search list
-        // without servers (and drops the whole config), so they are left out.
-        let e0 = one_nic(static_nic(Some("10.0.0.1"), &[], &["example.org"]));
-        assert!(e0.get("nameservers").is_none(), "{e0}");
-        let e0 = one_nic(static_nic(Some("10.0.0.1"), &["192.0.2.53"], &[]));
-        assert_eq!(e0["nameservers"], json!({"addresses": ["192.0.2.53"]}));
-    }
-
-    #[test]
-    fn search_domains_of_a_nic_without_servers_go_with_the_first_nic_that_has_servers() {
-        let mut s = spec();
-        s.nics = vec![
-            static_nic(None, &[], &["a.example", "shared.example"]),
-            NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) },
-            static_nic(Some("10.0.0.1"), &["10.0.0.53"], &["shared.example", "c.example"]),
-            static_nic(None, &["10.0.0.54"], &[]),
-            static_nic(None, &[], &["e.example"]),
-        ];
-        let e = ethernets(&s);
-        assert!(e["eth0"].get("nameservers").is_none(), "{e:?}");
-        assert_eq!(
-            e["eth2"]["nameservers"],
-            json!({"addresses": ["10.0.0.53"], "search": ["shared.example", "c.example", "a.example", "e.example"]})
-        );
-        assert_eq!(e["eth3"]["nameservers"], json!({"addresses": ["10.0.0.54"]}));
-        assert!(e["eth4"].get("nameservers").is_none(), "{e:?}");
+    fn dns_lists_hold_only_what_is_declared() {
+        let sub = one_nic(static_nic(Some("10.0.0.1"), &[], &[]));
+        assert_eq!(sub, json!({"type": "static", "address": "10.0.0.5/24", "gateway": "10.0.0.1"}));
+        // Search domains without servers are kept (version 1 takes them; version 2 made 22.4
+        // drop everything).
+        let sub = one_nic(static_nic(Some("10.0.0.1"), &[], &["example.org"]));
+        assert_eq!(sub["dns_search"], json!(["example.org"]));
+        assert!(sub.get("dns_nameservers").is_none(), "{sub}");
+        let sub = one_nic(static_nic(Some("10.0.0.1"), &["192.0.2.53"], &[]));
+        assert_eq!(sub["dns_nameservers"], json!(["192.0.2.53"]));
+        assert!(sub.get("dns_search").is_none(), "{sub}");
     }
 
     #[test]
     fn dhcp_and_unconfigured_nics() {
-        let e0 = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) });
-        assert_eq!(e0, json!({"match": {"macaddress": "02:00:00:00:00:01"}, "set-name": "eth0", "dhcp4": true}));
-        let e0 = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None });
-        assert_eq!(e0, json!({"match": {"macaddress": "02:00:00:00:00:01"}, "set-name": "eth0", "dhcp4": false}));
+        let sub = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) });
+        assert_eq!(sub, json!({"type": "dhcp4"}));
+        // Brought up without an address (vm.check expects every NIC up).
+        let sub = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None });
+        assert_eq!(sub, json!({"type": "manual", "control": "auto"}));
     }
 
     #[test]
@@ -392,18 +353,18 @@ mod tests {
                 _ => NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None },
             })
             .collect();
-        let e = ethernets(&s);
+        let e = entries(&s);
         assert_eq!(e.len(), 8);
-        for i in 0..8 {
-            let n = &e[&format!("eth{i}")];
-            assert_eq!(n["match"], json!({"macaddress": format!("02:00:00:00:00:{:02x}", i + 1)}), "{i}");
-            assert_eq!(n["set-name"], format!("eth{i}"));
-            assert_eq!(n["dhcp4"], i % 3 == 1, "{i}");
-            assert_eq!(n.get("addresses").is_some(), i % 3 == 0, "{i}");
+        for (i, n) in e.iter().enumerate() {
+            assert_eq!(n["type"], "physical");
+            assert_eq!(n["name"], format!("eth{i}"));
+            assert_eq!(n["mac_address"], format!("02:00:00:00:00:{:02x}", i + 1), "{i}");
+            let kind = ["static", "dhcp4", "manual"][i % 3];
+            assert_eq!(n["subnets"][0]["type"], kind, "{i}");
         }
-        // No NICs: an empty ethernets map, still a valid version 2 config.
+        // No NICs: an empty config list, still a valid version 1 config.
         s.nics.clear();
-        assert!(ethernets(&s).is_empty());
+        assert!(entries(&s).is_empty());
     }
 
     #[test]

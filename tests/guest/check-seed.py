@@ -11,8 +11,9 @@ expect.json: {"present": [strings each renderer's output must contain]}. What is
   (cloud-init 23.4 and later);
 - network-config is parsed into cloud-init's network state and rendered by each renderer the
   distributions use (ENI for ifupdown, netplan, systemd-networkd, NetworkManager) into a
-  scratch target; every expected string must be in what each one wrote, and no warning may be
-  logged on the way (cloud-init drops what it cannot parse with a warning, not an error).
+  scratch target; every expected string must be in what each one wrote, no warning may be
+  logged on the way (cloud-init drops what it cannot parse with a warning, not an error), and
+  every command an ifupdown hook line runs must exist in the tree.
 
 Prints one line per check and "seed ok" at the end; exits 1 on the first failure.
 """
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -150,6 +152,11 @@ def main():
             out = written(target)
             if not out:
                 fail(f"{name} wrote nothing")
+            # ifupdown runs an interface's hook commands; one the image lacks (cloud-init 22.4
+            # renders some routes as `post-up route add`, from net-tools) fails silently there.
+            for hook in re.findall(r"^\s*(?:pre-up|up|post-up|down|pre-down|post-down)\s+(\S+)", out, re.M):
+                if not shutil.which(hook, path="/usr/sbin:/usr/bin:/sbin:/bin"):
+                    fail(f"{name}: the hook command {hook!r} is not in this guest:\n{out}")
             for want in expect["present"]:
                 if not re.search(re.escape(want) + r"(?![0-9A-Za-z])", out):
                     fail(f"{name}: {want!r} is not in what it wrote:\n{out}")

@@ -253,10 +253,10 @@ fn image_vms_get_a_cloud_init_seed_matching_their_nics() {
     let read = |name: &str| -> String { read_seed(&seed, name) };
     let net: Value = serde_json::from_str(&read("network-config")).unwrap();
     assert_eq!(
-        net["ethernets"]["eth0"],
-        json!({"match": {"macaddress": mac}, "set-name": "eth0", "dhcp4": false, "addresses": ["10.0.0.8/24"],
-               "routes": [{"to": "0.0.0.0/0", "via": "10.0.0.1"}],
-               "nameservers": {"addresses": ["10.0.0.1"], "search": ["lab.example"]}})
+        net,
+        json!({"version": 1, "config": [{"type": "physical", "name": "eth0", "mac_address": mac,
+               "subnets": [{"type": "static", "address": "10.0.0.8/24", "gateway": "10.0.0.1",
+                            "dns_nameservers": ["10.0.0.1"], "dns_search": ["lab.example"]}]}]})
     );
     assert!(read("meta-data").contains("\"local-hostname\":\"cloud\""));
     // The network config is applied at every boot, not only a new instance's.

@@ -474,7 +474,7 @@ fn seed_cases() -> Vec<SeedCase> {
                 json!({"mode": "static", "address": "10.3.0.5/24", "gateway": "10.3.0.1", "search": ["lost.test"]}),
             ],
             user_data: None,
-            present: vec!["10.3.0.5/24", "10.3.0.1", "eth0"],
+            present: vec!["10.3.0.5/24", "10.3.0.1", "lost.test", "eth0"],
         },
         SeedCase { what: "DHCP", ipv4: vec![json!({"mode": "dhcp"})], user_data: None, present: vec!["eth0"] },
         SeedCase { what: "a NIC without an address", ipv4: vec![Value::Null], user_data: None, present: vec!["eth0"] },
