@@ -39,7 +39,7 @@ SELF="$HERE/$(basename "${BASH_SOURCE[0]}")"
 [ -f "$agent_deb" ] || die "no agent package at $agent_deb"
 agent_deb=$(cd "$(dirname "$agent_deb")" && pwd)/$(basename "$agent_deb")
 
-common="systemd systemd-sysv udev dbus linux-image-cloud-amd64 initramfs-tools cloud-init
+common="systemd systemd-sysv udev dbus linux-image-cloud-amd64 initramfs-tools cloud-init locales
 openssh-server cloud-guest-utils e2fsprogs fdisk grub-pc-bin grub-efi-amd64-bin grub-common
 iproute2 iputils-ping sudo ca-certificates util-linux"
 case $dist in
@@ -87,6 +87,11 @@ build_tree() {
     # python3-cryptography needs python3-cffi-backend-api-*), apt inside the tree does.
     debootstrap --variant=minbase "$dist" "$tmp" "$mirror" >"$outdir/.$dist-debootstrap.log" 2>&1 ||
         { tail -n 30 "$outdir/.$dist-debootstrap.log" >&2; die "debootstrap $dist failed"; }
+    # Before the kernel's package: initramfs-tools puts fsck into the initramfs for the root
+    # file system fstab names (the disk's root is made with this label).
+    echo "LABEL=root / ext4 errors=remount-ro 0 1" >"$tmp/etc/fstab"
+    # cloud-init's locale module sets en_US.UTF-8, which must exist (as in Debian's images).
+    echo "en_US.UTF-8 UTF-8" >"$tmp/etc/locale.gen"
     printf '#!/bin/sh\nexit 101\n' >"$tmp/usr/sbin/policy-rc.d"
     chmod 0755 "$tmp/usr/sbin/policy-rc.d"
     cp /etc/resolv.conf "$tmp/etc/resolv.conf"
@@ -147,7 +152,9 @@ EOF
     : >"$tmp/etc/machine-id"
     rm -f "$tmp/var/lib/dbus/machine-id"
     if [ "$dist" = bookworm ]; then
-        rm -f "$tmp/etc/resolv.conf"
+        # resolvconf kept the host's resolv.conf (copied in for apt) as its "original" part.
+        rm -f "$tmp/etc/resolvconf/resolv.conf.d/original" "$tmp/etc/resolvconf/resolv.conf.d/tail"
+        ln -sf ../run/resolvconf/resolv.conf "$tmp/etc/resolv.conf"
         # ifupdown: cloud-init writes interfaces.d/50-cloud-init.
         printf 'auto lo\niface lo inet loopback\n\nsource /etc/network/interfaces.d/*\n' >"$tmp/etc/network/interfaces"
     else
@@ -183,9 +190,6 @@ rm -f "$tree/tmp/vmhost-agent.deb"
 kver=$(basename "$(ls -d "$tree"/lib/modules/*/ | sort -V | tail -n 1)")
 [ -f "$tree/boot/vmlinuz-$kver" ] && [ -f "$tree/boot/initrd.img-$kver" ] || die "no kernel or initrd for $kver in the tree"
 root_uuid=$(cat /proc/sys/kernel/random/uuid)
-cat >"$tree/etc/fstab" <<EOF
-UUID=$root_uuid / ext4 errors=remount-ro 0 1
-EOF
 # GRUB reads this file for both firmwares; its embedded early config finds the root by UUID.
 mkdir -p "$tree/boot/grub"
 cat >"$tree/boot/grub/grub.cfg" <<EOF

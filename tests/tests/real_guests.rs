@@ -146,6 +146,14 @@ impl Ssh {
         }
     }
 
+    /// Waits until cloud-init has finished this boot (its final stage runs `runcmd` after sshd
+    /// is up) and checks that it did not end in an error.
+    fn wait_cloud_init(&self) {
+        let out = self.command("sudo cloud-init status --wait --long").output().expect("run ssh");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("status: done"), "cloud-init did not finish cleanly:\n{text}");
+    }
+
     /// The guest's SSH host keys as the network sees them (sorted `type key` lines).
     fn host_keys(&self) -> Vec<String> {
         let out =
@@ -286,6 +294,7 @@ fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
     let check = wait_check_ok(&host, &name, BOOT);
     eprintln!("{dist}: vm.check ok {:.0} s after vm.create: {check}", started.elapsed().as_secs_f64());
     ssh.wait(BOOT);
+    ssh.wait_cloud_init();
     let route = ssh.run("ip -4 route show default");
     assert!(route.contains("via 10.0.0.1"), "{route}");
     let addr = ssh.run("ip -4 -o addr show");
@@ -343,6 +352,7 @@ fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
     wait_check_ok(&host, &name, BOOT);
     assert_ne!(boot_id(&host, &name), before, "the VM was restarted");
     ssh.wait(BOOT);
+    ssh.wait_cloud_init();
     assert_eq!(ssh.run("cat /var/lib/cloud/data/instance-id"), instance, "the instance id is kept");
     let mem_kib: u64 = ssh.run("awk '/MemTotal/ {print $2}' /proc/meminfo").trim().parse().expect("MemTotal");
     assert!(mem_kib > 1100 * 1024, "the new memory size: {mem_kib} KiB");
@@ -369,6 +379,7 @@ fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
 
     // 6. vm.stop is a clean ACPI power-off: the guest's systemd powers off, QEMU is not killed.
     ssh.wait(BOOT);
+    ssh.wait_cloud_init();
     let stopped = call(&host, "vm.stop", json!({"name": name, "timeout_s": 300}));
     assert_eq!(stopped["vm"]["status"], "stopped", "{stopped}");
     let console = host.serial(&name);
@@ -383,6 +394,7 @@ fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
     call(&host, "vm.start", json!({ "name": name }));
     wait_check_ok(&host, &name, BOOT);
     ssh.wait(BOOT);
+    ssh.wait_cloud_init();
     assert_eq!(journal_replays(&ssh), Vec::<String>::new(), "the reverted root replayed its journal");
     assert_eq!(ssh.run("cat /var/lib/cloud/data/instance-id"), instance);
     assert_eq!(ssh.run("cat /var/lib/vmhost-test-runcmd").lines().count(), 1);
@@ -400,6 +412,7 @@ fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
     wait_check_ok(&host, &efi, BOOT);
     let efi_ssh = Ssh { netns: netns.clone(), key, address: "10.0.0.99".into() };
     efi_ssh.wait(BOOT);
+    efi_ssh.wait_cloud_init();
     assert_eq!(efi_ssh.run("test -d /sys/firmware/efi && echo uefi").trim(), "uefi");
     call(&host, "vm.destroy", json!({ "name": efi }));
     call(&host, "vm.destroy", json!({ "name": name }));
