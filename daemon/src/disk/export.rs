@@ -130,6 +130,9 @@ pub enum LiveError {
     /// The jobs did not end in time (they were cancelled).
     #[error("the copy did not finish within {0:?}")]
     Timeout(Duration),
+    /// The caller gave the copy up after it started (its jobs are cancelled); why.
+    #[error("the copy was given up: {0}")]
+    Abandoned(&'static str),
 }
 
 fn step(step: &'static str) -> impl Fn(QmpError) -> LiveError {

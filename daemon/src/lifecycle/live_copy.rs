@@ -11,13 +11,16 @@
 //! "frozen"` a `crash` copy stops here (thawed, the targets removed from QEMU, 4094: no copy was
 //! started); one QMP transaction starting every copy ([`crate::disk::export`]); `fs.thaw` right
 //! after, whenever a freeze was asked (QEMU keeps copying what the guest overwrites from then on,
-//! so the freeze lasts a few QMP round trips, not the copy); then the copies awaited.
+//! so the freeze lasts a few QMP round trips, not the copy); a `frozen` copy whose transaction
+//! answered [`FREEZE_TIMEOUT_S`] or more after the freeze was asked is `crash` (the agent's
+//! watchdog may have thawed first: [`frozen_until_started`]), and under `requires: "frozen"` its
+//! started jobs are cancelled (4094, nothing kept); then the copies awaited.
 
 use super::Manager;
 use crate::api::snapshots::{Consistency, CopyConsistency, Requirement};
 use crate::api::{ApiError, Code};
 use crate::disk::export::{LiveDisk, QcowTarget};
-use crate::guest_text::GuestText;
+use crate::guest_text::{GuestList, GuestText};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -88,6 +91,36 @@ pub(super) fn consistency_of(freeze: &Freeze) -> CopyConsistency {
                 skipped: report.skipped.clone().unwrap_or_default(),
             }
         }
+    }
+}
+
+/// What a live copy whose freeze came to `c` is, given that the transaction starting the copies
+/// answered `held` after the freeze was asked: the agent thaws by itself [`FREEZE_TIMEOUT_S`]
+/// after its answer, so a `frozen` copy started that late or later may be of thawed file
+/// systems, and is `crash` with why (the mounts it froze are still listed).
+pub(super) fn frozen_until_started(c: CopyConsistency, held: Duration) -> CopyConsistency {
+    let limit = Duration::from_secs(u64::from(FREEZE_TIMEOUT_S));
+    if c.consistency != Consistency::Frozen || held < limit {
+        return c;
+    }
+    CopyConsistency {
+        consistency: Consistency::Crash,
+        reason: Some(format!(
+            "the copies started {:.1} s after the guest agent was asked to freeze, not within its {FREEZE_TIMEOUT_S} s \
+             freeze timeout: the guest may have thawed by then",
+            held.as_secs_f64()
+        )),
+        ..c
+    }
+}
+
+/// Mount points a guest reported, for a log line: at most [`REASON_NAMES`] of them, each
+/// escaped and cut ([`GuestText`]), and how many more there are.
+fn logged_mounts(mounts: &[String]) -> String {
+    let shown = GuestList(&mounts[..mounts.len().min(REASON_NAMES)]).to_string();
+    match mounts.len().saturating_sub(REASON_NAMES) {
+        0 => shown,
+        more => format!("{shown} and {more} more"),
     }
 }
 
@@ -193,6 +226,8 @@ impl Manager {
         let (mut started, mut result) = crate::disk::export::prepare_live(&mut q, &disks).await;
         let mut made = None;
         if result.is_ok() {
+            // The agent's watchdog runs from its answer, so timing from the request is on the safe side.
+            let asked = tokio::time::Instant::now();
             let freeze = self.freeze_guest(name).await;
             let consistency = consistency_of(&freeze);
             // Whatever the freeze answered (a timeout, an answer refused), something may be frozen.
@@ -209,8 +244,19 @@ impl Manager {
                 return Err(not_frozen(name, step, &consistency));
             }
             result = crate::disk::export::trigger_live(&mut q, &mut started, &disks).await;
+            let held = asked.elapsed();
             if thaw {
                 self.thaw_guest(name).await;
+            }
+            let consistency = frozen_until_started(consistency, held);
+            if result.is_ok() && !consistency.meets(requires) {
+                // The copies started after the agent may have thawed: cancelled, nothing kept.
+                let cancel = Err(crate::disk::export::LiveError::Abandoned("the copy would be crash-consistent"));
+                if let Err(e) = crate::disk::export::finish_live(&mut q, started, &disks, cancel, within).await {
+                    tracing::info!(vm = name, step, outcome = %e, "the started copies were cancelled");
+                }
+                tracing::warn!(vm = name, step, reason = ?consistency.reason, "refused: the copy would be crash-consistent");
+                return Err(not_frozen(name, step, &consistency));
             }
             made = Some(consistency);
         }
@@ -222,7 +268,13 @@ impl Manager {
             (Consistency::Crash, Some(reason)) => {
                 tracing::warn!(vm = name, step, %reason, "the copy of the running VM is crash-consistent");
             }
-            _ => tracing::info!(vm = name, step, frozen = ?made.frozen, "the copy of the running VM is frozen"),
+            _ => tracing::info!(
+                vm = name,
+                step,
+                frozen = made.frozen.len(),
+                mounts = %logged_mounts(&made.frozen),
+                "the copy of the running VM is frozen"
+            ),
         }
         Ok(made)
     }
@@ -311,6 +363,35 @@ mod tests {
         assert!(reason.len() < 2000, "{}", reason.len());
         assert!(reason.contains("496 more") && !reason.contains('\n') && !reason.contains('\x1b'), "{reason}");
         assert_eq!(c.skipped.len(), 500, "the record keeps the agent's list");
+    }
+
+    #[test]
+    fn a_frozen_copy_started_at_or_after_the_freeze_timeout_is_crash() {
+        let frozen = consistency_of(&done(&["/", "/nsm"], Some(vec![])));
+        let limit = Duration::from_secs(u64::from(FREEZE_TIMEOUT_S));
+        assert_eq!(frozen_until_started(frozen.clone(), Duration::from_millis(40)), frozen);
+        assert_eq!(frozen_until_started(frozen.clone(), limit - Duration::from_millis(1)), frozen);
+        for held in [limit, limit + Duration::from_secs(5)] {
+            let late = frozen_until_started(frozen.clone(), held);
+            assert_eq!(late.consistency, Consistency::Crash, "{held:?}");
+            let reason = late.reason.clone().unwrap_or_default();
+            assert!(reason.contains("freeze timeout") && reason.contains("may have thawed"), "{reason}");
+            assert_eq!(late.frozen, frozen.frozen, "what the agent froze is still said");
+            assert!(!late.meets(Some(Requirement::Frozen)));
+        }
+        // A crash copy keeps its own reason.
+        let crash = consistency_of(&Freeze::NoAgent("not connected".into()));
+        assert_eq!(frozen_until_started(crash.clone(), limit * 3), crash);
+    }
+
+    #[test]
+    fn frozen_mounts_are_logged_counted_bounded_and_escaped() {
+        let few = vec!["/".to_string(), "/nsm".to_string()];
+        assert_eq!(logged_mounts(&few), "[/, /nsm]");
+        let many: Vec<String> = (0..5000).map(|i| format!("/m{i}\n\x1b[2J{}", "x".repeat(4000))).collect();
+        let line = logged_mounts(&many);
+        assert!(line.len() < 2 * REASON_NAMES * crate::guest_text::MAX_LOGGED_CHARS, "{}", line.len());
+        assert!(line.ends_with(" and 4996 more") && !line.contains('\n') && !line.contains('\x1b'), "{line}");
     }
 
     #[test]
