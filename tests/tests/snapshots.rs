@@ -5,6 +5,8 @@
 //! the snapshots. Consistency: a guest without an agent is snapshotted `crash` (and refused with
 //! 4094 under `requires: "frozen"`, nothing left), one whose agent has nothing to freeze or
 //! skips a vfat it cannot freeze too, one with only an ext4 mounted `frozen`; exports the same.
+//! A revert to a snapshot taken before two replaces (image A, B, A again) puts back the
+//! cloud-init instance id of the root disk it restores.
 
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -170,11 +172,13 @@ fn an_image_vms_overlay_is_put_back_and_a_tampered_snapshot_changes_nothing() {
     let spec = json!({"name": "web", "cpu": 1, "memory_mib": 64, "boot": {"image": "base.raw", "disk_gib": 1}});
     host.call("vm.create", json!({ "spec": spec }));
     assert!(host.wait_serial("web", "VMHOST-SNAP-BOOT", BOOT), "{}", host.serial("web"));
+    let first_id = instance_id(&host, "web");
     host.call("vm.stop", json!({"name": "web", "force": true}));
     // Stopped: nothing writes its disks; requires frozen is met.
     let s = host.call("vm.snapshot", json!({"name": "web", "snapshot": "good", "requires": "frozen"}));
     assert_eq!((&s["live"], &s["disks"][0]["file"]), (&json!(false), &json!("root.qcow2")), "{s}");
     assert_eq!((&s["consistency"], s.get("reason")), (&json!("stopped"), None), "{s}");
+    assert_eq!(s["instance_id"], first_id.as_str(), "{s}");
 
     // The VM's disk changes (its boot sector zeroed in the overlay): it no longer boots.
     let overlay = host.state().join("disks").join("web.qcow2");
@@ -203,6 +207,40 @@ fn an_image_vms_overlay_is_put_back_and_a_tampered_snapshot_changes_nothing() {
         assert!(std::time::Instant::now() < deadline, "no boot after the revert: {}", host.serial("web"));
         std::thread::sleep(Duration::from_millis(200));
     }
+    assert_eq!(instance_id(&host, "web"), first_id, "a revert of the same root disk keeps the instance");
+
+    // Replaced by another image and back (each a new root disk, a new instance id), then
+    // reverted to the snapshot of the first root disk: the instance id its guest booted with
+    // comes back with it (else cloud-init would see a new instance and run its first boot again).
+    boot_sector::write_image(&host.images().join("base2.raw"), &boot_sector::serial_print("VMHOST-SNAP-BOOT2"));
+    let mut ids = vec![first_id.clone()];
+    for image in ["base2.raw", "base.raw"] {
+        let mut replaced = host.call("vm.get", json!({"name": "web"}))["spec"].clone();
+        replaced["boot"]["image"] = json!(image);
+        host.call("vm.apply", json!({"spec": replaced, "replace": true}));
+        let id = instance_id(&host, "web");
+        assert!(!ids.contains(&id), "{image}: a new instance {id} after {ids:?}");
+        ids.push(id);
+    }
+    host.call("vm.stop", json!({"name": "web", "force": true}));
+    let v = host.call("vm.revert", json!({"name": "web", "snapshot": "good"}));
+    assert_eq!(v["vm"]["instance_id"], first_id.as_str(), "{v}");
+    assert_eq!(host.call("vm.get", json!({"name": "web"}))["instance_id"], first_id.as_str());
+    host.call("vm.start", json!({"name": "web"}));
+    assert_eq!(instance_id(&host, "web"), first_id, "the seed carries the snapshot's instance id");
+}
+
+/// The instance id in VM `name`'s cloud-init seed (its meta-data), checked against its view.
+fn instance_id(host: &TestHost, name: &str) -> String {
+    use std::io::Read;
+    let seed = host.state().join("seeds").join(format!("{name}.img"));
+    let fs = fatfs::FileSystem::new(std::fs::File::open(&seed).unwrap(), fatfs::FsOptions::new()).unwrap();
+    let mut text = String::new();
+    fs.root_dir().open_file("meta-data").unwrap().read_to_string(&mut text).unwrap();
+    let meta: Value = serde_json::from_str(&text).unwrap();
+    let id = meta["instance-id"].as_str().unwrap().to_string();
+    assert_eq!(host.call("vm.get", json!({"name": name}))["instance_id"], id.as_str(), "the view shows the seed's");
+    id
 }
 
 #[test]

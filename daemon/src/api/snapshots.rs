@@ -124,6 +124,11 @@ pub struct Snapshot {
     /// Writable file systems on block devices the guest's agent could not freeze.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<FreezeSkip>,
+    /// The VM's cloud-init instance id then (the one its root disk's guest booted with): a
+    /// revert puts it back with the disks. Absent in snapshots taken before vmhostd recorded it
+    /// (a revert to one keeps the VM's current id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
     /// The VM's spec then: a revert needs the same disks.
     pub spec: VmSpec,
     /// Each disk's copy: `root` (an image VM's overlay, whose header names the same base image,

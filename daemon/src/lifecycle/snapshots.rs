@@ -2,7 +2,7 @@
 //! a VM's disks kept with it, and the VM's disks put back as they were.
 //!
 //! A snapshot is a directory `STATE/snapshots/VM/NAME/` with one copy per disk and
-//! `snapshot.json` (the spec then, each copy's sha256). Of a running VM, the copies are made by
+//! `snapshot.json` (the spec and the cloud-init instance id then, each copy's sha256). Of a running VM, the copies are made by
 //! its own QEMU, every disk as at one instant (one QMP transaction), with the guest's file
 //! systems frozen for that instant when its agent can ([`super::live_copy`]); of a stopped VM,
 //! by reading the files. An image VM's boot disk is copied as an overlay (only what
@@ -13,7 +13,10 @@
 //! A revert (stopped VM only) first checks the snapshot was of the same disks (names, formats,
 //! sizes: 2001 otherwise), records the intent (`reverting`: no start until a revert completes),
 //! copies every disk out of the snapshot next to the VM's own file checking its sha256, then
-//! renames each over the VM's file and clears the intent. Only the VM's own disk files are
+//! renames each over the VM's file and clears the intent, in the same record update putting
+//! back the cloud-init instance id the snapshot recorded (a snapshot survives a replace: image
+//! A, B, then A again passes the disk check with a root disk of the first instance). Only the
+//! VM's own disk files are
 //! written; nothing outside the VM is touched. Newer snapshots stay. A destroy removes the
 //! VM's snapshots with its disks.
 
@@ -23,6 +26,7 @@ use crate::api::backup::BackupDisk;
 use crate::api::disks::DiskFormat;
 use crate::api::snapshots::{CopyConsistency, Snapshot, SnapshotDeleted, SnapshotParams, TakeSnapshotParams};
 use crate::api::{ApiError, Code, Mutation, VmSpec, VmStatus};
+use crate::state::VmRecord;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +56,17 @@ fn check_name(name: &str) -> Result<(), ApiError> {
 /// image VM's overlay copied as an overlay).
 fn snapshot_entry(disk: &VmDisk) -> BackupDisk {
     disk.entry(format!("{}.{}", disk.name, disk.format.as_str()), disk.format)
+}
+
+/// The record of a VM whose disks were just put back as they were in `snapshot`: no revert
+/// pending; the instance id the snapshot recorded (the root disk's guest booted with it: a
+/// snapshot of an earlier root disk, taken before a replace, must not boot as a new instance),
+/// the current one when it recorded none.
+fn complete_revert(r: &mut VmRecord, snapshot: &Snapshot) {
+    r.reverting = None;
+    if let Some(id) = &snapshot.instance_id {
+        r.instance_id = Some(id.clone());
+    }
 }
 
 /// What must be equal for a revert: each disk's name, format and size, and the boot source.
@@ -130,6 +145,7 @@ impl Manager {
             reason: made.reason,
             frozen: made.frozen,
             skipped: made.skipped,
+            instance_id: rec.instance_id.clone(),
             spec,
             disks: entries,
         };
@@ -269,7 +285,8 @@ impl Manager {
         for (temp, file) in copies {
             temp.replace(&file).map_err(|e| failed(format!("cannot put {} back: {e}", file.display())))?;
         }
-        self.update(&p.name, "vm.revert", |r| r.reverting = None)?;
+        // The disks and the instance id their guest booted with go back together.
+        self.update(&p.name, "vm.revert", |r| complete_revert(r, &snapshot))?;
         tracing::info!(vm = %p.name, snapshot = %p.snapshot, "reverted");
         Ok(Mutation::new(true, Some(self.get(&p.name)?)))
     }
@@ -372,6 +389,42 @@ mod tests {
         for bad in ["", ".x", "a/b", "a b", &"x".repeat(65), "..", "ü"] {
             assert!(!is_snapshot_name(bad), "{bad:?}");
         }
+    }
+
+    use crate::api::snapshots::Consistency;
+
+    fn snapshot(instance_id: Option<&str>, consistency: Option<Consistency>) -> Snapshot {
+        Snapshot {
+            name: "s1".into(),
+            created_at: "2026-12-04T14:22:31Z".into(),
+            live: false,
+            consistency,
+            reason: None,
+            frozen: Vec::new(),
+            skipped: Vec::new(),
+            instance_id: instance_id.map(str::to_string),
+            spec: crate::validate::tests::spec("v"),
+            disks: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_revert_puts_back_the_instance_id_the_snapshots_root_disk_booted_with() {
+        // Taken under instance X; a replace (A -> B) and another (B -> A) made Z since.
+        let mut rec = VmRecord::new(crate::validate::tests::spec("v"));
+        rec.instance_id = Some("vmhost-v-z".into());
+        rec.reverting = Some("s1".into());
+        complete_revert(&mut rec, &snapshot(Some("vmhost-v-x"), Some(Consistency::Stopped)));
+        assert_eq!((rec.instance_id.as_deref(), rec.reverting.as_deref()), (Some("vmhost-v-x"), None));
+        // A snapshot from before vmhostd recorded the id keeps the current one.
+        complete_revert(&mut rec, &snapshot(None, Some(Consistency::Frozen)));
+        assert_eq!(rec.instance_id.as_deref(), Some("vmhost-v-x"));
+        // Snapshot JSON without the member still reads; with it, it reads back.
+        let mut old = serde_json::to_value(snapshot(None, None)).unwrap_or_default();
+        assert!(old.get("instance_id").is_none(), "{old}");
+        old["instance_id"] = serde_json::json!("vmhost-v-x");
+        let read: Snapshot = serde_json::from_value(old).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(read.instance_id.as_deref(), Some("vmhost-v-x"));
     }
 
     #[test]
