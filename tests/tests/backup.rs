@@ -1,7 +1,9 @@
 //! `vm.export` and `vm.import` (docs/backup.md) between two real vmhostds: a running VM's data
 //! disk (raw) exported live and imported on another daemon, whose guest reads the marker the
 //! first one wrote; a stopped image VM exported with its base flattened in and booted on a host
-//! that lacks the image; a tampered backup refused with nothing left.
+//! that lacks the image; a tampered backup refused with nothing left. A VM stopped by killing
+//! its QEMU (and a VM imported stopped from such a backup) exports `crash` and is refused under
+//! `requires: "frozen"`; one never started exports `stopped`.
 
 use serde_json::{json, Value};
 use std::path::Path;
@@ -91,9 +93,21 @@ fn a_stopped_image_vm_comes_back_on_a_host_without_its_image_and_a_tampered_back
     a.call("vm.create", json!({ "spec": spec }));
     assert!(a.wait_serial("web", "VMHOST-EXPORTED-ROOT", BOOT), "{}", a.serial("web"));
     a.call("vm.stop", json!({ "name": "web", "force": true }));
+    // Stopped by killing its QEMU: the copy is crash-consistent and says why; with requires
+    // frozen it is refused before anything is made.
+    let (code, e) = a.call_err("vm.export", json!({ "name": "web", "requires": "frozen" }));
+    assert_eq!(
+        (code, e.field.as_deref(), &e.details["consistency"]),
+        (4094, Some("requires"), &json!("crash")),
+        "{e:?}"
+    );
+    assert_eq!(entries(&a.state().join("backups")), Vec::<String>::new(), "nothing left");
     let export = a.call("vm.export", json!({ "name": "web" }));
     assert_eq!(export["manifest"]["live"], false);
     assert_eq!(export["manifest"]["disks"][0]["file"], "root.qcow2");
+    assert_eq!(export["manifest"]["consistency"], "crash", "{export}");
+    let reason = export["manifest"]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("vm.stop had to kill the VM's QEMU"), "{export}");
     let backup = export["backup"].as_str().unwrap().to_string();
 
     // A backup one byte of which changed: refused, and nothing is left on the host.
@@ -122,13 +136,23 @@ fn a_stopped_image_vm_comes_back_on_a_host_without_its_image_and_a_tampered_back
     let v: Value = b.call("vm.import", json!({ "backup": backup, "state": "running" }));
     assert_eq!(v["vm"]["spec"]["boot"], json!({"disk": "web-root.qcow2", "disk_gib": 1}), "{v}");
     assert!(b.wait_serial("web", "VMHOST-EXPORTED-ROOT", BOOT), "{}", b.serial("web"));
+    // Imported stopped from that crash-consistent backup: its disks are still as the kill left them.
+    b.call("vm.import", json!({ "backup": backup, "name": "web2", "state": "stopped" }));
+    let (code, e) = b.call_err("vm.export", json!({ "name": "web2", "requires": "frozen" }));
+    assert_eq!(code, 4094, "{e:?}");
+    assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("which is crash-consistent")), "{e:?}");
 
     // A UEFI VM comes back a UEFI VM (its boot disk becomes boot.disk, its firmware stays).
     let uefi = json!({"name": "efi", "cpu": 1, "memory_mib": 256, "state": "stopped",
                       "boot": {"image": "base.raw", "disk_gib": 1, "firmware": "uefi"}});
     a.call("vm.create", json!({ "spec": uefi }));
-    let backup = a.call("vm.export", json!({ "name": "efi" }))["backup"].as_str().unwrap().to_string();
+    // Never started: nothing wrote its disks, so it meets requires frozen.
+    let export = a.call("vm.export", json!({ "name": "efi", "requires": "frozen" }));
+    assert_eq!(export["manifest"]["consistency"], "stopped", "{export}");
+    let backup = export["backup"].as_str().unwrap().to_string();
     copy_backup(&a, &b, &backup);
     let v = b.call("vm.import", json!({ "backup": backup }));
     assert_eq!(v["vm"]["spec"]["boot"], json!({"disk": "efi-root.qcow2", "disk_gib": 1, "firmware": "uefi"}), "{v}");
+    let export = b.call("vm.export", json!({ "name": "efi", "requires": "frozen" }));
+    assert_eq!(export["manifest"]["consistency"], "stopped", "a stopped backup's import is clean: {export}");
 }

@@ -5,8 +5,10 @@
 //! the snapshots. Consistency: a guest without an agent is snapshotted `crash` (and refused with
 //! 4094 under `requires: "frozen"`, nothing left), one whose agent has nothing to freeze or
 //! skips a vfat it cannot freeze too, one with only an ext4 mounted `frozen`; exports the same.
-//! A revert to a snapshot taken before two replaces (image A, B, A again) puts back the
-//! cloud-init instance id of the root disk it restores.
+//! A stopped VM's copy is `stopped` only after a clean power-off: killed by `vm.stop`, or its
+//! QEMU killed (`dead`), it is `crash` and refused under `requires: "frozen"`, as it is after a
+//! revert to a crash snapshot. A revert to a snapshot taken before two replaces (image A, B, A
+//! again) puts back the cloud-init instance id of the root disk it restores.
 
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -174,10 +176,14 @@ fn an_image_vms_overlay_is_put_back_and_a_tampered_snapshot_changes_nothing() {
     assert!(host.wait_serial("web", "VMHOST-SNAP-BOOT", BOOT), "{}", host.serial("web"));
     let first_id = instance_id(&host, "web");
     host.call("vm.stop", json!({"name": "web", "force": true}));
-    // Stopped: nothing writes its disks; requires frozen is met.
-    let s = host.call("vm.snapshot", json!({"name": "web", "snapshot": "good", "requires": "frozen"}));
+    // Stopped, but by killing its QEMU: its disks are as a power cut left them, and a copy says
+    // so; requires frozen is refused, nothing made.
+    let e = refused_when_frozen_is_required(&host, "web");
+    assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("vm.stop had to kill")), "{e:?}");
+    let s = host.call("vm.snapshot", json!({"name": "web", "snapshot": "good"}));
     assert_eq!((&s["live"], &s["disks"][0]["file"]), (&json!(false), &json!("root.qcow2")), "{s}");
-    assert_eq!((&s["consistency"], s.get("reason")), (&json!("stopped"), None), "{s}");
+    assert_eq!(&s["consistency"], &json!("crash"), "{s}");
+    assert!(s["reason"].as_str().is_some_and(|r| r.contains("vm.stop had to kill the VM's QEMU")), "{s}");
     assert_eq!(s["instance_id"], first_id.as_str(), "{s}");
 
     // The VM's disk changes (its boot sector zeroed in the overlay): it no longer boots.
@@ -241,6 +247,53 @@ fn instance_id(host: &TestHost, name: &str) -> String {
     let id = meta["instance-id"].as_str().unwrap().to_string();
     assert_eq!(host.call("vm.get", json!({"name": name}))["instance_id"], id.as_str(), "the view shows the seed's");
     id
+}
+
+#[test]
+fn a_copy_of_a_stopped_vm_is_stopped_only_after_a_clean_power_off() {
+    let host = host();
+    let disks = json!([{"name": "nsm", "size_gib": 1, "format": "raw"}]);
+    let mut spec = disk_spec(&host, "pc", disks, "");
+    spec["restart_policy"] = json!("never");
+    host.call("vm.create", json!({ "spec": spec }));
+    assert!(host.wait_serial("pc", "VMHOST-GUEST-READY", BOOT), "{}", host.serial("pc"));
+
+    // Its QEMU killed (a crash, an OOM kill): dead, and a copy is crash-consistent.
+    let pid = host.call("vm.get", json!({"name": "pc"}))["pid"].as_i64().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    host.wait_status("pc", "dead", Duration::from_secs(30));
+    let e = refused_when_frozen_is_required(&host, "pc");
+    assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("ended without a clean power-off")), "{e:?}");
+    let s = host.call("vm.snapshot", json!({"name": "pc", "snapshot": "dead"}));
+    assert_eq!((&s["live"], &s["consistency"]), (&json!(false), &json!("crash")), "{s}");
+    assert!(s["reason"].as_str().is_some_and(|r| r.contains("ended without a clean power-off")), "{s}");
+    // Stopped now, but nothing cleaned the disks since.
+    host.call("vm.stop", json!({"name": "pc"}));
+    assert_eq!(host.call("vm.get", json!({"name": "pc"}))["status"], "stopped");
+    let e = refused_when_frozen_is_required(&host, "pc");
+    assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("ended without a clean power-off")), "{e:?}");
+
+    // Started again and powered off cleanly (the guest answers the ACPI power button): stopped.
+    host.call("vm.start", json!({"name": "pc"}));
+    let deadline = std::time::Instant::now() + BOOT;
+    while host.serial("pc").matches("VMHOST-GUEST-READY").count() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no second boot: {}", host.serial("pc"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    host.call("vm.stop", json!({"name": "pc", "timeout_s": 60}));
+    assert!(host.serial("pc").contains("VMHOST-GUEST-POWEROFF"), "{}", host.serial("pc"));
+    let s = host.call("vm.snapshot", json!({"name": "pc", "snapshot": "clean", "requires": "frozen"}));
+    assert_eq!((&s["consistency"], s.get("reason")), (&json!("stopped"), None), "{s}");
+    let x = host.call("vm.export", json!({"name": "pc", "requires": "frozen"}));
+    assert_eq!(x["manifest"]["consistency"], "stopped", "{x}");
+
+    // Reverted to the crash snapshot: the disks are that crash-consistent copy again.
+    host.call("vm.revert", json!({"name": "pc", "snapshot": "dead"}));
+    let e = refused_when_frozen_is_required(&host, "pc");
+    assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("which is crash-consistent")), "{e:?}");
+    host.call("vm.revert", json!({"name": "pc", "snapshot": "clean"}));
+    let s = host.call("vm.snapshot", json!({"name": "pc", "snapshot": "clean2", "requires": "frozen"}));
+    assert_eq!(s["consistency"], "stopped", "{s}");
 }
 
 #[test]

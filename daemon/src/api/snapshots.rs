@@ -36,9 +36,10 @@ pub struct TakeSnapshotParams {
     pub requires: Option<Requirement>,
 }
 
-/// What a copy of a VM's disks (`vm.snapshot`, `vm.export`) must be: with `frozen`, a running
-/// VM's copy whose guest file systems cannot all be frozen is refused (4094) before anything is
-/// copied. A stopped VM's copy meets it (nothing writes its disks).
+/// What a copy of a VM's disks (`vm.snapshot`, `vm.export`) must be: with `frozen`, a copy that
+/// would be `crash` (a running VM's whose guest file systems cannot all be frozen for the
+/// instant it starts, a stopped VM's whose disks were not left by a clean power-off) is refused
+/// (4094) and nothing is kept. A cleanly stopped VM's copy meets it (nothing writes its disks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Requirement {
@@ -53,11 +54,12 @@ pub enum Consistency {
     /// A running VM's, with every writable file system on a block device of the guest frozen by
     /// its agent for the instant the copy started: what a clean unmount would leave.
     Frozen,
-    /// A running VM's without that (`reason` says why): what a power cut would leave; the
-    /// guest's file systems replay their journals (or need a check) when it boots from it.
+    /// A running VM's without that, or a stopped VM's whose disks were not left by a clean
+    /// power-off (its QEMU killed or crashed; `reason` says why): what a power cut would leave;
+    /// the guest's file systems replay their journals (or need a check) when it boots from it.
     Crash,
-    /// A stopped VM's: the disks as the VM left them, nothing writing them meanwhile (clean
-    /// after a guest shutdown; as after a power cut when its QEMU was killed).
+    /// A stopped VM's whose disks were left by a clean power-off (or never written by a guest),
+    /// nothing writing them meanwhile.
     Stopped,
 }
 
@@ -86,12 +88,13 @@ pub struct CopyConsistency {
 }
 
 impl CopyConsistency {
-    /// A stopped VM's copy.
+    /// A cleanly stopped VM's copy.
     pub fn stopped() -> CopyConsistency {
         CopyConsistency { consistency: Consistency::Stopped, reason: None, frozen: Vec::new(), skipped: Vec::new() }
     }
 
-    /// True when it meets `requires` (none, or `frozen` with a frozen or stopped copy).
+    /// True when it meets `requires` (none, or `frozen` with a frozen or stopped copy: not
+    /// crash).
     pub fn meets(&self, requires: Option<Requirement>) -> bool {
         match requires {
             None => true,
@@ -115,7 +118,8 @@ pub struct Snapshot {
     /// vmhostd recorded it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consistency: Option<Consistency>,
-    /// With `crash`: why (no agent session, its freeze failed, a file system it skipped).
+    /// With `crash`: why (no agent session, its freeze failed, a file system it skipped, the
+    /// copies started after the freeze timed out, a stopped VM's QEMU killed or crashed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// The guest's file systems its agent froze for that instant (empty: not frozen).

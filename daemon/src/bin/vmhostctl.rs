@@ -874,6 +874,8 @@ mod tests {
         let crash = json!({"live": true, "consistency": "crash", "reason": "no agent", "frozen": []});
         assert_eq!(copy_consistency(&crash), "live, crash-consistent: no agent");
         assert_eq!(copy_consistency(&json!({"live": false, "consistency": "stopped"})), "stopped");
+        let killed = json!({"live": false, "consistency": "crash", "reason": "vm.stop had to kill the VM's QEMU"});
+        assert_eq!(copy_consistency(&killed), "stopped, crash-consistent: vm.stop had to kill the VM's QEMU");
         assert_eq!(copy_consistency(&json!({"live": true, "frozen": []})), "live", "recorded before consistency was");
     }
 

@@ -19,7 +19,7 @@ use super::copies::{copy_checked, copy_timeout, create_target, seal_copies, Chec
 use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
 use crate::api::disks::DiskFormat;
-use crate::api::snapshots::{CopyConsistency, Requirement};
+use crate::api::snapshots::{Consistency, CopyConsistency, Requirement};
 use crate::api::{ApiError, BootSpec, Mutation, VmStatus};
 use crate::disk::export::FlatDisk;
 use serde_json::json;
@@ -49,6 +49,20 @@ fn open_ro(path: &Path) -> Result<OwnedFd, ApiError> {
         .map_err(|e| failed(format!("cannot open {}: {e}", path.display())))
 }
 
+/// [`crate::state::VmRecord::unclean_end`] of a VM imported from `backup` with `manifest`: none
+/// when its copy was `frozen` or `stopped`.
+fn imported_unclean(backup: &str, manifest: &Manifest) -> Option<String> {
+    match manifest.consistency {
+        Some(Consistency::Frozen | Consistency::Stopped) => None,
+        Some(Consistency::Crash) => {
+            Some(format!("the VM's disks were imported from backup {backup:?}, which is crash-consistent"))
+        }
+        None => {
+            Some(format!("the VM's disks were imported from backup {backup:?}, which does not record its consistency"))
+        }
+    }
+}
+
 impl Manager {
     /// `vm.export` (module doc).
     ///
@@ -61,7 +75,7 @@ impl Manager {
         let (_guard, rec) = self.begin(&p.name)?;
         Self::check_not_reverting(&rec)?;
         let (live, spec, disks) = self.copy_sources(&rec, "export").await?;
-        self.check_freezable(&p.name, live, p.requires, "export")?;
+        let stopped = self.check_requires(&rec, live, p.requires, "export")?;
         // The boot disk becomes one flat qcow2; data disks keep their format.
         let mut entries: Vec<BackupDisk> = disks
             .iter()
@@ -77,11 +91,11 @@ impl Manager {
         crate::blocking::run(|| crate::disk::space::check_copy_room(&backups, &files, "name"))?;
         let partial = self.backups.begin(&p.name)?;
         let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
-        let made = if live {
-            self.export_live(&p.name, &disks, &mut entries, &targets, within, p.requires).await?
-        } else {
+        let made = if let Some(stopped) = stopped {
             self.export_stopped(&disks, &mut entries, &targets, within).await?;
-            CopyConsistency::stopped()
+            stopped
+        } else {
+            self.export_live(&p.name, &disks, &mut entries, &targets, within, p.requires).await?
         };
         seal_copies(partial.dir(), &mut entries, "export")?;
         let manifest = Manifest {
@@ -225,6 +239,18 @@ impl Manager {
         match &result {
             Ok(_) => {
                 placed.0.clear();
+                if let Some(why) = imported_unclean(&p.backup, &manifest) {
+                    // Its disks are the backup's: a copy of it stopped is no better than they are.
+                    let marked = self.update_if(
+                        &name,
+                        "imported",
+                        |r, busy| !busy && r.unclean_end.is_none(),
+                        |r| r.unclean_end = Some(why),
+                    );
+                    if let Err(e) = marked {
+                        tracing::warn!(vm = %name, error = %e, "cannot record that the imported disks are crash-consistent");
+                    }
+                }
                 tracing::info!(vm = %name, backup = %p.backup, "imported");
             }
             // A create that failed after recording the VM leaves it `failed`: an import that

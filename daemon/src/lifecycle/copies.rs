@@ -7,6 +7,7 @@
 use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole};
 use crate::api::disks::DiskFormat;
+use crate::api::snapshots::{Consistency, CopyConsistency};
 use crate::api::{ApiError, Code, VmSpec, VmStatus};
 use crate::state::VmRecord;
 use serde_json::json;
@@ -59,6 +60,34 @@ pub(super) fn copy_timeout(timeout_s: Option<u64>) -> Result<Duration, ApiError>
     match timeout_s.unwrap_or(DEFAULT_TIMEOUT_S) {
         s @ 1..=MAX_TIMEOUT_S => Ok(Duration::from_secs(s)),
         _ => Err(ApiError::invalid("timeout_s", format!("1-{MAX_TIMEOUT_S} seconds"))),
+    }
+}
+
+/// What a copy of stopped VM `rec` is: `stopped` when its disks were left by a clean power-off
+/// (nothing writes them meanwhile), otherwise `crash` with why: the cause its record keeps
+/// ([`VmRecord::unclean_end`]: a stop or replace that had to kill QEMU, a QEMU that crashed or
+/// was killed, a revert to a crash-consistent snapshot), or for a VM `dead` or `failed` without
+/// one (a record from before vmhostd kept it) its status.
+pub(super) fn stopped_copy(rec: &VmRecord) -> CopyConsistency {
+    let reason = match (&rec.unclean_end, rec.status) {
+        (Some(why), _) => Some(why.clone()),
+        (None, VmStatus::Dead) => Some(match &rec.last_exit {
+            Some(exit) => format!("the VM's QEMU ended without vmhostd stopping it ({exit}): the VM is dead"),
+            None => "the VM's QEMU ended without vmhostd stopping it: the VM is dead".to_string(),
+        }),
+        (None, VmStatus::Failed) => {
+            Some("the VM is failed: vmhostd cannot tell that its disks were left by a clean power-off".to_string())
+        }
+        (None, _) => None,
+    };
+    match reason {
+        None => CopyConsistency::stopped(),
+        Some(reason) => CopyConsistency {
+            consistency: Consistency::Crash,
+            reason: Some(reason),
+            frozen: Vec::new(),
+            skipped: Vec::new(),
+        },
     }
 }
 
@@ -189,5 +218,64 @@ impl Manager {
             });
         }
         Ok((live, spec, out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::snapshots::Requirement;
+
+    fn stopped_vm(status: VmStatus, unclean_end: Option<&str>) -> VmRecord {
+        let mut rec = VmRecord::new(crate::validate::tests::spec("v"));
+        rec.status = status;
+        rec.unclean_end = unclean_end.map(str::to_string);
+        rec
+    }
+
+    #[test]
+    fn a_stopped_copy_is_stopped_only_after_a_clean_power_off() {
+        // Never started, or powered off cleanly: nothing wrote the disks since they were clean.
+        let clean = stopped_copy(&stopped_vm(VmStatus::Stopped, None));
+        assert_eq!(clean, CopyConsistency::stopped());
+        assert!(clean.meets(Some(Requirement::Frozen)));
+
+        // A vm.stop that had to kill QEMU: as a power cut left them.
+        let why = crate::lifecycle::ops::killed_by("vm.stop", "asked to force it");
+        let killed = stopped_copy(&stopped_vm(VmStatus::Stopped, Some(&why)));
+        assert_eq!((killed.consistency, killed.reason.as_deref()), (Consistency::Crash, Some(why.as_str())));
+        assert!(!killed.meets(Some(Requirement::Frozen)));
+
+        // Killed with restart_policy never: dead, with the cause the exit recorded.
+        let cause = super::super::exits::unclean_end_after(&super::super::exits::ExitCause::Failure(
+            "QEMU exited unexpectedly (crashed or killed)".into(),
+        ));
+        let dead = stopped_copy(&stopped_vm(VmStatus::Dead, cause.as_deref()));
+        assert_eq!(dead.consistency, Consistency::Crash);
+        let reason = dead.reason.clone().unwrap_or_default();
+        assert!(reason.contains("ended without a clean power-off") && reason.contains("crashed or killed"), "{reason}");
+        assert!(!dead.meets(Some(Requirement::Frozen)));
+
+        // A record from before the cause was kept: dead or failed is crash all the same.
+        let mut old = stopped_vm(VmStatus::Dead, None);
+        old.last_exit = Some("QEMU exited unexpectedly (crashed or killed)".into());
+        let c = stopped_copy(&old);
+        assert!(c.reason.as_deref().is_some_and(|r| r.contains("crashed or killed")), "{c:?}");
+        let c = stopped_copy(&stopped_vm(VmStatus::Failed, None));
+        assert_eq!(c.consistency, Consistency::Crash);
+        assert!(!c.meets(Some(Requirement::Frozen)));
+    }
+
+    #[test]
+    fn a_qemu_started_marks_the_disks_until_it_ends_and_keeps_an_earlier_cause() {
+        let mut rec = stopped_vm(VmStatus::Stopped, None);
+        rec.qemu_started();
+        assert_eq!(rec.unclean_end.as_deref(), Some(crate::state::QEMU_RUNNING));
+        rec.unclean_end = Some("killed".into());
+        rec.qemu_started();
+        assert_eq!(rec.unclean_end.as_deref(), Some("killed"), "the disks still carry the kill");
+        // Older records read without it; the field is left out while clean.
+        let text = serde_json::to_string(&stopped_vm(VmStatus::Stopped, None)).unwrap_or_default();
+        assert!(!text.contains("unclean_end"), "{text}");
     }
 }

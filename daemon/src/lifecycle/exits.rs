@@ -51,6 +51,15 @@ pub enum ExitCause {
     Failure(String),
 }
 
+/// The VM's [`crate::state::VmRecord::unclean_end`] after its QEMU ended by `cause`: none after
+/// the guest's own power-off, the cause otherwise.
+pub(super) fn unclean_end_after(cause: &ExitCause) -> Option<String> {
+    match cause {
+        ExitCause::GuestPowerOff => None,
+        ExitCause::Failure(why) => Some(format!("the VM's QEMU ended without a clean power-off ({why})")),
+    }
+}
+
 /// What happens to a VM whose QEMU ended without vmhostd asking.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -201,6 +210,7 @@ impl Manager {
                     ExitCause::GuestPowerOff => "guest powered off".to_string(),
                     ExitCause::Failure(why) => why.clone(),
                 });
+                r.unclean_end = unclean_end_after(&cause);
                 match decided {
                     Verdict::Stopped => {
                         r.status = VmStatus::Stopped;

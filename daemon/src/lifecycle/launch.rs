@@ -186,7 +186,10 @@ impl Manager {
             // Never start a VM twice: a QEMU of this VM is already up (e.g. launched just before a
             // daemon crash); adopt it.
             tracing::warn!(vm = %name, pid = id.pid, "found a live QEMU for this VM; adopting it");
-            self.update(&name, "adopted", |r| r.process = Some(id.clone()))?;
+            self.update(&name, "adopted", |r| {
+                r.process = Some(id.clone());
+                r.qemu_started();
+            })?;
             return Ok(id);
         }
         self.clean_run_dir(&paths);
@@ -258,7 +261,11 @@ impl Manager {
         // Killed on failure from here on, also when its identity cannot be recorded.
         undo.push(Step::Process(id.clone()));
         self.crashpoint("launch:spawned");
-        self.update(&name, "launched", |r| r.process = Some(id.clone()))?;
+        // From here its disks are not known to be clean until it powers off cleanly.
+        self.update(&name, "launched", |r| {
+            r.process = Some(id.clone());
+            r.qemu_started();
+        })?;
         self.crashpoint("launch:launched");
         self.processes.verify_running(&paths).await?;
         Ok(id)
@@ -409,6 +416,7 @@ impl Manager {
             r.process = Some(pid);
             r.started_at = Some(now);
             r.last_error = None;
+            r.qemu_started();
         })?;
         self.watch(name, id);
         self.watch_agent(name);

@@ -15,12 +15,15 @@
 //! answered [`FREEZE_TIMEOUT_S`] or more after the freeze was asked is `crash` (the agent's
 //! watchdog may have thawed first: [`frozen_until_started`]), and under `requires: "frozen"` its
 //! started jobs are cancelled (4094, nothing kept); then the copies awaited.
+//!
+//! A stopped VM's copy is known before anything is made ([`Manager::check_requires`]).
 
 use super::Manager;
 use crate::api::snapshots::{Consistency, CopyConsistency, Requirement};
 use crate::api::{ApiError, Code};
 use crate::disk::export::{LiveDisk, QcowTarget};
 use crate::guest_text::{GuestList, GuestText};
+use crate::state::VmRecord;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -165,21 +168,32 @@ fn failed(step: &str, message: String) -> ApiError {
 }
 
 impl Manager {
-    /// With `requires: "frozen"`, a running VM whose agent has no session cannot be copied
-    /// frozen: 4094 before anything is made. The freeze itself is checked again when it is done
-    /// ([`Manager::copy_disks_live`]).
+    /// What can be known of a copy of VM `rec` before anything is made, checked against
+    /// `requires`: a stopped VM's copy is what [`super::copies::stopped_copy`] says (returned);
+    /// a running VM's is known only once the freeze answered ([`Manager::copy_disks_live`]),
+    /// but without an agent session it cannot be frozen.
     ///
     /// # Errors
-    /// 4094.
-    pub(super) fn check_freezable(
+    /// 4094 when `requires` is `frozen` and the copy would be `crash`: a stopped VM whose disks
+    /// were not left by a clean power-off, a running VM whose agent has no session.
+    pub(super) fn check_requires(
         &self,
-        name: &str,
+        rec: &VmRecord,
         live: bool,
         requires: Option<Requirement>,
         step: &str,
-    ) -> Result<(), ApiError> {
-        if !live || requires.is_none() || self.agents.status(name).connected {
-            return Ok(());
+    ) -> Result<Option<CopyConsistency>, ApiError> {
+        let name = rec.name();
+        if !live {
+            let made = super::copies::stopped_copy(rec);
+            if !made.meets(requires) {
+                tracing::warn!(vm = name, step, reason = ?made.reason, "refused: the copy would be crash-consistent");
+                return Err(not_frozen(name, step, &made));
+            }
+            return Ok(Some(made));
+        }
+        if requires.is_none() || self.agents.status(name).connected {
+            return Ok(None);
         }
         let why = format!("the guest agent of VM {name:?} is not connected");
         Err(not_frozen(name, step, &consistency_of(&Freeze::NoAgent(why))))

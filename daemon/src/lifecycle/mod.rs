@@ -372,6 +372,8 @@ impl Manager {
             rec.overlay = old.overlay.clone();
             rec.vfio = old.vfio.clone();
             rec.instance_id = Some(instance_id);
+            // The data disks stay, as the old QEMU left them.
+            rec.unclean_end = old.unclean_end.clone();
             Ok((Change::Put(Box::new(rec)), old))
         })?;
         Ok(old)

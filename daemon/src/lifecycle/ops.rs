@@ -300,6 +300,8 @@ impl Manager {
             }
         })?;
         let mut exited = false;
+        // Why QEMU is killed, when it is.
+        let mut killed = "asked to force it".to_string();
         if !force {
             let asked = async {
                 let mut qmp = self.qmp(name, Duration::from_secs(5)).await?;
@@ -313,18 +315,26 @@ impl Manager {
                     exited = matches!(tokio::time::timeout(wait, process::wait_exit_of(id)).await, Ok(Ok(())));
                     if !exited {
                         tracing::warn!(vm = name, "guest did not power off within {wait:?}; killing QEMU");
+                        killed = format!("the guest did not power off within {timeout_s} s");
                     }
                 }
-                Err(e) => tracing::warn!(vm = name, error = %e, "ACPI powerdown failed; killing QEMU"),
+                Err(e) => {
+                    tracing::warn!(vm = name, error = %e, "ACPI powerdown failed; killing QEMU");
+                    killed = "the ACPI power-down request failed".to_string();
+                }
             }
         }
         if !exited {
             self.processes.kill(name, id).await?;
         }
+        let by = reason.strip_suffix(": stopping").unwrap_or(reason);
+        let unclean = (!exited).then(|| killed_by(by, &killed));
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
         self.update(name, reason, |r| {
             r.status = VmStatus::Stopped;
             r.process = None;
+            // A clean power-off leaves clean disks; a kill leaves them as a power cut would.
+            r.unclean_end = unclean;
         })?;
         self.release_host_side(name, Devices::Release).await
     }
@@ -395,8 +405,9 @@ impl Manager {
     /// data disks stay (a destroy disposes of them next, a replace keeps them).
     async fn teardown(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
         let rec = self.record(name)?;
-        if let Some(id) = self.find_live(name, rec.process.as_ref())? {
-            if let Err(e) = self.processes.kill(name, &id).await {
+        let live = self.find_live(name, rec.process.as_ref())?;
+        if let Some(id) = &live {
+            if let Err(e) = self.processes.kill(name, id).await {
                 self.mark_failed(name, &e, false);
                 return Err(e);
             }
@@ -411,6 +422,10 @@ impl Manager {
             return Err(err);
         }
         self.update(name, "torn down", |r| {
+            if live.is_some() {
+                // A replace keeps the data disks it wrote.
+                r.unclean_end = Some(killed_by("a replace", "it tears the VM down without a power-off"));
+            }
             r.process = None;
             r.overlay = None;
         })?;
@@ -517,6 +532,12 @@ impl Manager {
             }
         }
     }
+}
+
+/// [`crate::state::VmRecord::unclean_end`] after `operation` (`vm.stop`, `host shutdown`, ...)
+/// had to kill the VM's QEMU, `why`.
+pub(super) fn killed_by(operation: &str, why: &str) -> String {
+    format!("{operation} had to kill the VM's QEMU ({why}): its disks are as a power cut leaves them")
 }
 
 fn check_stop_timeout(p: &StopParams) -> Result<(), ApiError> {

@@ -123,6 +123,8 @@ impl<'m> Recovery<'m> {
                 mgr.update(name, "stop completed after vmhostd restart", |r| {
                     r.status = VmStatus::Stopped;
                     r.process = None;
+                    r.unclean_end =
+                        Some(super::ops::killed_by("a stop interrupted by a vmhostd restart", "finished after it"));
                 })?;
                 Ok(())
             }
@@ -197,6 +199,9 @@ impl<'m> Recovery<'m> {
             if record_error {
                 r.last_error =
                     Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message: why.to_string() });
+            }
+            if status == VmStatus::Running {
+                r.unclean_end = Some(format!("the VM's QEMU ended without a clean power-off vmhostd saw ({why})"));
             }
         })?;
         Ok(())

@@ -15,8 +15,8 @@
 //! copies every disk out of the snapshot next to the VM's own file checking its sha256, then
 //! renames each over the VM's file and clears the intent, in the same record update putting
 //! back the cloud-init instance id the snapshot recorded (a snapshot survives a replace: image
-//! A, B, then A again passes the disk check with a root disk of the first instance). Only the
-//! VM's own disk files are
+//! A, B, then A again passes the disk check with a root disk of the first instance) and whether
+//! the disks are clean ([`crate::state::VmRecord::unclean_end`]). Only the VM's own disk files are
 //! written; nothing outside the VM is touched. Newer snapshots stay. A destroy removes the
 //! VM's snapshots with its disks.
 
@@ -24,7 +24,9 @@ use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk
 use super::Manager;
 use crate::api::backup::BackupDisk;
 use crate::api::disks::DiskFormat;
-use crate::api::snapshots::{CopyConsistency, Snapshot, SnapshotDeleted, SnapshotParams, TakeSnapshotParams};
+use crate::api::snapshots::{
+    Consistency, CopyConsistency, Snapshot, SnapshotDeleted, SnapshotParams, TakeSnapshotParams,
+};
 use crate::api::{ApiError, Code, Mutation, VmSpec, VmStatus};
 use crate::state::VmRecord;
 use std::path::{Path, PathBuf};
@@ -61,12 +63,23 @@ fn snapshot_entry(disk: &VmDisk) -> BackupDisk {
 /// The record of a VM whose disks were just put back as they were in `snapshot`: no revert
 /// pending; the instance id the snapshot recorded (the root disk's guest booted with it: a
 /// snapshot of an earlier root disk, taken before a replace, must not boot as a new instance),
-/// the current one when it recorded none.
+/// the current one when it recorded none; the disks clean only when the snapshot's copy was
+/// (`frozen` or `stopped`).
 fn complete_revert(r: &mut VmRecord, snapshot: &Snapshot) {
     r.reverting = None;
     if let Some(id) = &snapshot.instance_id {
         r.instance_id = Some(id.clone());
     }
+    r.unclean_end = match snapshot.consistency {
+        Some(Consistency::Frozen | Consistency::Stopped) => None,
+        Some(Consistency::Crash) => {
+            Some(format!("the VM's disks were reverted to snapshot {:?}, which is crash-consistent", snapshot.name))
+        }
+        None => Some(format!(
+            "the VM's disks were reverted to snapshot {:?}, which does not record its consistency",
+            snapshot.name
+        )),
+    };
 }
 
 /// What must be equal for a revert: each disk's name, format and size, and the boot source.
@@ -108,7 +121,7 @@ impl Manager {
             ));
         }
         let (live, spec, disks) = self.copy_sources(&rec, "snapshot").await?;
-        self.check_freezable(&p.name, live, p.requires, "snapshot")?;
+        let stopped = self.check_requires(&rec, live, p.requires, "snapshot")?;
         let mut entries: Vec<BackupDisk> = disks.iter().map(snapshot_entry).collect();
         let files: Vec<&Path> = disks.iter().map(|d| d.file.as_path()).collect();
         crate::blocking::run(|| crate::disk::space::check_copy_room(&self.config.paths.state, &files, "snapshot"))?;
@@ -123,9 +136,7 @@ impl Manager {
         })
         .map_err(|e| failed(format!("cannot create {}: {e}", partial.display())))?;
         let mut cleanup = RemoveDir(Some(partial.clone()));
-        let made = if live {
-            self.snapshot_live(&p.name, &disks, &mut entries, &partial, within, p.requires).await?
-        } else {
+        let made = if let Some(stopped) = stopped {
             for (d, e) in disks.iter().zip(&entries) {
                 let mut temp = crate::images::Temp::create(&partial, &e.file)
                     .map_err(|e| failed(format!("cannot create a copy in {}: {e}", partial.display())))?;
@@ -134,7 +145,9 @@ impl Manager {
                 temp.finish().map_err(|e| failed(format!("cannot write a copy: {e}")))?;
                 temp.place(&partial.join(&e.file)).map_err(|e| failed(format!("cannot place a copy: {e}")))?;
             }
-            CopyConsistency::stopped()
+            stopped
+        } else {
+            self.snapshot_live(&p.name, &disks, &mut entries, &partial, within, p.requires).await?
         };
         seal_copies(&partial, &mut entries, "snapshot")?;
         let snapshot = Snapshot {
@@ -391,8 +404,6 @@ mod tests {
         }
     }
 
-    use crate::api::snapshots::Consistency;
-
     fn snapshot(instance_id: Option<&str>, consistency: Option<Consistency>) -> Snapshot {
         Snapshot {
             name: "s1".into(),
@@ -416,6 +427,7 @@ mod tests {
         rec.reverting = Some("s1".into());
         complete_revert(&mut rec, &snapshot(Some("vmhost-v-x"), Some(Consistency::Stopped)));
         assert_eq!((rec.instance_id.as_deref(), rec.reverting.as_deref()), (Some("vmhost-v-x"), None));
+        assert_eq!(rec.unclean_end, None, "a stopped copy is clean");
         // A snapshot from before vmhostd recorded the id keeps the current one.
         complete_revert(&mut rec, &snapshot(None, Some(Consistency::Frozen)));
         assert_eq!(rec.instance_id.as_deref(), Some("vmhost-v-x"));
@@ -425,6 +437,17 @@ mod tests {
         old["instance_id"] = serde_json::json!("vmhost-v-x");
         let read: Snapshot = serde_json::from_value(old).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(read.instance_id.as_deref(), Some("vmhost-v-x"));
+    }
+
+    #[test]
+    fn a_revert_to_a_crash_copy_leaves_the_disks_unclean() {
+        let mut rec = VmRecord::new(crate::validate::tests::spec("v"));
+        complete_revert(&mut rec, &snapshot(None, Some(Consistency::Crash)));
+        assert!(rec.unclean_end.as_deref().is_some_and(|r| r.contains("crash-consistent")), "{rec:?}");
+        complete_revert(&mut rec, &snapshot(None, None));
+        assert!(rec.unclean_end.as_deref().is_some_and(|r| r.contains("does not record")), "{rec:?}");
+        complete_revert(&mut rec, &snapshot(None, Some(Consistency::Frozen)));
+        assert_eq!(rec.unclean_end, None);
     }
 
     #[test]

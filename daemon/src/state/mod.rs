@@ -19,6 +19,9 @@ use std::path::{Path, PathBuf};
 /// Version of the record format, bumped on incompatible change.
 pub const RECORD_VERSION: u32 = 1;
 
+/// [`VmRecord::unclean_end`] while a QEMU runs, and after it ended in a way vmhostd did not see.
+pub const QEMU_RUNNING: &str = "the VM's QEMU was started and vmhostd did not see it end with a clean power-off";
+
 /// What the daemon remembers about one VM.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -85,6 +88,14 @@ pub struct VmRecord {
     /// written before ids were recorded, until [`VmRecord::adopt_instance_id`] gives it one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<String>,
+    /// Why the VM's disks may be as a power cut leaves them, when they may: set when a QEMU of
+    /// the VM starts ([`VmRecord::qemu_started`]), replaced by the cause when it ends any way but
+    /// a clean power-off (killed by a stop or a replace, crashed, ended while vmhostd was not
+    /// running), cleared by a clean power-off (the guest's own, or the one a stop asked for) and
+    /// by a revert to a snapshot that is not crash-consistent. While set, a copy of the stopped
+    /// VM is `crash` with this as its reason, not `stopped`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unclean_end: Option<String>,
 }
 
 /// A `boot.disk` VM's root disk: `STATE/disks/NAME/root.FORMAT`, moved in from the import
@@ -132,6 +143,16 @@ impl VmRecord {
             root_disk: None,
             reverting: None,
             instance_id: None,
+            unclean_end: None,
+        }
+    }
+
+    /// A QEMU of the VM was started: from now until it ends with a clean power-off its disks
+    /// are not known to be clean ([`VmRecord::unclean_end`]); a cause already recorded (an
+    /// earlier unclean end the disks still carry) is kept.
+    pub fn qemu_started(&mut self) {
+        if self.unclean_end.is_none() {
+            self.unclean_end = Some(QEMU_RUNNING.to_string());
         }
     }
 
