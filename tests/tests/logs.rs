@@ -26,7 +26,9 @@ fn newest_line(host: &TestHost, name: &str) -> u64 {
     let text = host.serial(name);
     text.lines()
         .rev()
-        .filter_map(|l| l.strip_prefix("FLOOD ")?.split(' ').next()?.parse().ok())
+        // Only whole numbers: a line cut by the kill of QEMU ("FLOOD 0000935" of 00009351)
+        // would read as a far older line.
+        .filter_map(|l| l.strip_prefix("FLOOD ")?.split(' ').next().filter(|n| n.len() == 8)?.parse().ok())
         .find(|n: &u64| *n > 0)
         .unwrap_or(0)
 }
