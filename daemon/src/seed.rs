@@ -28,7 +28,7 @@
 
 use crate::api::{DesiredState, Ipv4Spec, VmSpec};
 use crate::nic::NicAlloc;
-use crate::validate::{hostname_of, BootSource, ValidSpec};
+use crate::validate::{hostname_of, ValidSpec};
 use serde_json::{json, Map, Value};
 use std::fs::OpenOptions;
 use std::io::{self, Read, Write};
@@ -51,15 +51,11 @@ pub const VENDOR_DATA: &str = "#cloud-config\nupdates:\n  network:\n    when: [b
 /// did not ask for a seed gets no extra disk); an imported disk never (a new instance would make
 /// its cloud-init run again).
 pub fn has_seed(vm: &ValidSpec) -> bool {
-    match vm.boot {
-        BootSource::Image { .. } => true,
-        BootSource::Kernel { .. } => vm.spec.user_data.is_some(),
-        BootSource::Disk { .. } => false,
-    }
+    spec_has_seed(&vm.spec)
 }
 
-/// [`has_seed`] of a recorded (so validated) spec, which names exactly one boot source: what
-/// views use to show the instance id only of VMs with a seed.
+/// [`has_seed`] of a validated or recorded spec, which names exactly one boot source (`image`,
+/// `kernel` or `disk`): also what views use to show the instance id only of VMs with a seed.
 pub fn spec_has_seed(spec: &VmSpec) -> bool {
     if spec.boot.image.is_some() {
         true

@@ -4,8 +4,7 @@
 //! Order of use: [`Snapshot::take`] reads links, IPv4 addresses and main-table routes through one
 //! netlink socket; [`read_dns`] reads `/etc/resolv.conf` (or, when that names only
 //! systemd-resolved's local stub, resolved's own list of upstream servers); [`Snapshot::view`]
-//! turns both into the
-//! [`NetState`] the host sees. `net.check` evaluates its expectations against that same
+//! turns both into the [`NetState`] the host sees. `net.check` evaluates its expectations against that same
 //! [`NetState`], so a check never sees anything the host could not see itself.
 
 use std::path::Path;

@@ -93,6 +93,16 @@ impl CopyConsistency {
         CopyConsistency { consistency: Consistency::Stopped, reason: None, frozen: Vec::new(), skipped: Vec::new() }
     }
 
+    /// A crash-consistent copy, `reason` why; nothing frozen or skipped.
+    pub fn crash(reason: String) -> CopyConsistency {
+        CopyConsistency {
+            consistency: Consistency::Crash,
+            reason: Some(reason),
+            frozen: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+
     /// True when it meets `requires` (none, or `frozen` with a frozen or stopped copy: not
     /// crash).
     pub fn meets(&self, requires: Option<Requirement>) -> bool {

@@ -19,7 +19,7 @@ use super::copies::{copy_checked, copy_timeout, create_target, seal_copies, Chec
 use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
 use crate::api::disks::DiskFormat;
-use crate::api::snapshots::{Consistency, CopyConsistency, Requirement};
+use crate::api::snapshots::{CopyConsistency, Requirement};
 use crate::api::{ApiError, BootSpec, Mutation, VmStatus};
 use crate::disk::export::FlatDisk;
 use serde_json::json;
@@ -52,15 +52,7 @@ fn open_ro(path: &Path) -> Result<OwnedFd, ApiError> {
 /// [`crate::state::VmRecord::unclean_end`] of a VM imported from `backup` with `manifest`: none
 /// when its copy was `frozen` or `stopped`.
 fn imported_unclean(backup: &str, manifest: &Manifest) -> Option<String> {
-    match manifest.consistency {
-        Some(Consistency::Frozen | Consistency::Stopped) => None,
-        Some(Consistency::Crash) => {
-            Some(format!("the VM's disks were imported from backup {backup:?}, which is crash-consistent"))
-        }
-        None => {
-            Some(format!("the VM's disks were imported from backup {backup:?}, which does not record its consistency"))
-        }
-    }
+    super::copies::restored_unclean(&format!("imported from backup {backup:?}"), manifest.consistency)
 }
 
 impl Manager {

@@ -80,14 +80,17 @@ pub(super) fn stopped_copy(rec: &VmRecord) -> CopyConsistency {
         }
         (None, _) => None,
     };
-    match reason {
-        None => CopyConsistency::stopped(),
-        Some(reason) => CopyConsistency {
-            consistency: Consistency::Crash,
-            reason: Some(reason),
-            frozen: Vec::new(),
-            skipped: Vec::new(),
-        },
+    reason.map_or_else(CopyConsistency::stopped, CopyConsistency::crash)
+}
+
+/// [`VmRecord::unclean_end`] of a VM whose disks were just put back from a copy, `from` (e.g.
+/// `reverted to snapshot "s1"`), that was `consistency` when made: none when it was `frozen` or
+/// `stopped`, else why its disks may be as a power cut leaves them.
+pub(super) fn restored_unclean(from: &str, consistency: Option<Consistency>) -> Option<String> {
+    match consistency {
+        Some(Consistency::Frozen | Consistency::Stopped) => None,
+        Some(Consistency::Crash) => Some(format!("the VM's disks were {from}, which is crash-consistent")),
+        None => Some(format!("the VM's disks were {from}, which does not record its consistency")),
     }
 }
 

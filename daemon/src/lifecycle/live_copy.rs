@@ -48,12 +48,7 @@ pub(super) enum Freeze {
 
 /// What a live copy made after `freeze` is (module doc).
 pub(super) fn consistency_of(freeze: &Freeze) -> CopyConsistency {
-    let crash = |reason: String| CopyConsistency {
-        consistency: Consistency::Crash,
-        reason: Some(reason),
-        frozen: Vec::new(),
-        skipped: Vec::new(),
-    };
+    let crash = CopyConsistency::crash;
     match freeze {
         Freeze::NoAgent(why) => crash(format!("the guest's file systems were not frozen: {why}")),
         Freeze::Failed(why) => crash(format!("the guest agent's fs.freeze failed: {why}")),

@@ -595,7 +595,6 @@ impl Manager {
     }
 }
 
-/// 4001 naming the `step` that failed.
 /// A new cloud-init instance id for VM `name` ([`crate::seed::new_instance_id`]), made before
 /// its record is written.
 ///
@@ -627,6 +626,7 @@ fn adopt_instance_ids(config: &Config, store: &Store, records: &mut [VmRecord]) 
     }
 }
 
+/// 4001 naming the `step` that failed.
 fn provisioning(step: &str, message: String) -> ApiError {
     ApiError::new(Code::ProvisioningFailed, message).details(serde_json::json!({ "step": step }))
 }

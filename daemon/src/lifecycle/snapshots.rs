@@ -2,8 +2,9 @@
 //! a VM's disks kept with it, and the VM's disks put back as they were.
 //!
 //! A snapshot is a directory `STATE/snapshots/VM/NAME/` with one copy per disk and
-//! `snapshot.json` (the spec and the cloud-init instance id then, each copy's sha256). Of a running VM, the copies are made by
-//! its own QEMU, every disk as at one instant (one QMP transaction), with the guest's file
+//! `snapshot.json` (the spec and the cloud-init instance id then, each copy's sha256). Of a
+//! running VM, the copies are made by its own QEMU, every disk as at one instant (one QMP
+//! transaction), with the guest's file
 //! systems frozen for that instant when its agent can ([`super::live_copy`]); of a stopped VM,
 //! by reading the files. An image VM's boot disk is copied as an overlay (only what
 //! the VM wrote; its header names the same base image, which the image store keeps from
@@ -16,17 +17,15 @@
 //! renames each over the VM's file and clears the intent, in the same record update putting
 //! back the cloud-init instance id the snapshot recorded (a snapshot survives a replace: image
 //! A, B, then A again passes the disk check with a root disk of the first instance) and whether
-//! the disks are clean ([`crate::state::VmRecord::unclean_end`]). Only the VM's own disk files are
-//! written; nothing outside the VM is touched. Newer snapshots stay. A destroy removes the
+//! the disks are clean ([`crate::state::VmRecord::unclean_end`]). Only the VM's own disk files
+//! are written; nothing outside the VM is touched. Newer snapshots stay. A destroy removes the
 //! VM's snapshots with its disks.
 
 use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk};
 use super::Manager;
 use crate::api::backup::BackupDisk;
 use crate::api::disks::DiskFormat;
-use crate::api::snapshots::{
-    Consistency, CopyConsistency, Snapshot, SnapshotDeleted, SnapshotParams, TakeSnapshotParams,
-};
+use crate::api::snapshots::{CopyConsistency, Snapshot, SnapshotDeleted, SnapshotParams, TakeSnapshotParams};
 use crate::api::{ApiError, Code, Mutation, VmSpec, VmStatus};
 use crate::state::VmRecord;
 use std::path::{Path, PathBuf};
@@ -70,16 +69,8 @@ fn complete_revert(r: &mut VmRecord, snapshot: &Snapshot) {
     if let Some(id) = &snapshot.instance_id {
         r.instance_id = Some(id.clone());
     }
-    r.unclean_end = match snapshot.consistency {
-        Some(Consistency::Frozen | Consistency::Stopped) => None,
-        Some(Consistency::Crash) => {
-            Some(format!("the VM's disks were reverted to snapshot {:?}, which is crash-consistent", snapshot.name))
-        }
-        None => Some(format!(
-            "the VM's disks were reverted to snapshot {:?}, which does not record its consistency",
-            snapshot.name
-        )),
-    };
+    r.unclean_end =
+        super::copies::restored_unclean(&format!("reverted to snapshot {:?}", snapshot.name), snapshot.consistency);
 }
 
 /// What must be equal for a revert: each disk's name, format and size, and the boot source.
@@ -393,6 +384,7 @@ impl Drop for RemoveDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::snapshots::Consistency;
 
     #[test]
     fn snapshot_names_are_plain() {
