@@ -11,7 +11,8 @@
 //! 3. set no_new_privs (needed for Landlock and seccomp without CAP_SYS_ADMIN, and no execve
 //!    can gain privileges afterwards);
 //! 4. [`spawn`]: fork the spawner, which confines itself ([`caps::spawner_caps`],
-//!    [`landlock::spawner_rules`], no seccomp) and then only starts the allowlisted programs;
+//!    [`landlock::spawner_rules`], no seccomp of its own) and then only starts the allowlisted
+//!    programs, each but the image download under [`child_seccomp`] (no IP socket);
 //! 5. [`caps`]: the daemon drops to CAP_NET_ADMIN and CAP_KILL (all five sets, securebits
 //!    locked); VFIO group nodes are handed to QEMU by the spawner ([`spawn::vfio_node`]);
 //! 6. [`landlock`]: the daemon's file rules ([`landlock::daemon_rules`]), no TCP;
@@ -24,6 +25,7 @@
 //! the sandbox is on: the daemon's filter has no execve.
 
 pub mod caps;
+pub mod child_seccomp;
 pub mod env;
 pub mod landlock;
 #[cfg(debug_assertions)]

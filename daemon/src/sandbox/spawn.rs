@@ -5,7 +5,9 @@
 //! the sandbox is on, [`super::enter`] forks a **spawner** before it confines the daemon. The
 //! spawner is a small single-threaded process with its own, different confinement (its own
 //! capabilities, see [`super::caps`], and its own Landlock domain, see [`super::landlock`]; no
-//! seccomp filter, so QEMU is not bound to the daemon's syscall table). It does one thing: on a
+//! seccomp filter, so QEMU is not bound to the daemon's syscall table). Every program it starts
+//! but the image download gets a small filter of its own, [`super::child_seccomp`]: no IP
+//! socket, whatever the kernel's Landlock and the unit's address families allow. It does one thing: on a
 //! request over a `SOCK_SEQPACKET` socket pair it starts one of the programs it was configured to
 //! allow, with the descriptors the daemon sent along (`SCM_RIGHTS`), and reports the pid (with a
 //! pidfd) and later the exit status on a per-request reply socket.
@@ -862,6 +864,12 @@ impl Allowlist {
         self.run_as.iter().find(|(p, _)| p == program).map(|(_, u)| *u)
     }
 
+    /// Whether `program` is the image download (`images.curl`): the one program that keeps IP
+    /// sockets and the spawner's TCP ports ([`super::child_seccomp`]).
+    pub fn is_download(&self, program: &Path) -> bool {
+        self.fetch.as_deref() == Some(program)
+    }
+
     /// Whether `program ARGS` may run (a `run` request).
     pub fn permits(&self, program: &Path, args: &[String]) -> bool {
         if MODPROBE.iter().any(|m| Path::new(m) == program) {
@@ -919,6 +927,7 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
 /// Runs in the forked spawner process, which is single-threaded.
 pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: bool) -> ! {
     let no_tcp = super::landlock::tcp_denial();
+    let no_ip = super::child_seccomp::program();
     let mut running: Vec<Running> = Vec::new();
     let mut copies = crate::qemu::boot_files::CopyCache::default();
     loop {
@@ -978,7 +987,7 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
             }
         };
         match req {
-            Request::Run(run) => match start(run, fds, allow, ambient_sys_module, no_tcp.as_ref()) {
+            Request::Run(run) => match start(run, fds, allow, ambient_sys_module, no_tcp.as_ref(), &no_ip) {
                 Ok(child) => {
                     let pidfd = pidfd_open(child.id());
                     let pid = i32::try_from(child.id()).unwrap_or(0);
@@ -1037,13 +1046,16 @@ fn serve_boot_file(
     }
 }
 
-/// Checks and starts one request in the spawner.
+/// Checks and starts one request in the spawner. `no_tcp` is the Landlock ruleset without TCP
+/// ([`super::landlock::tcp_denial`]), `no_ip` the seccomp program without IP sockets
+/// ([`super::child_seccomp`]): every program gets both but the image download (curl).
 fn start(
     req: RunRequest,
     fds: Vec<OwnedFd>,
     allow: &Allowlist,
     ambient_sys_module: bool,
     no_tcp: Option<&OwnedFd>,
+    no_ip: &[super::child_seccomp::Instruction],
 ) -> io::Result<std::process::Child> {
     let program = PathBuf::from(&req.program);
     if !allow.permits(&program, &req.args) {
@@ -1052,18 +1064,22 @@ fn start(
             format!("the spawner does not run {} with these arguments (not on its allowlist)", program.display()),
         ));
     }
-    // Only curl keeps the TCP ports the spawner's domain allows.
-    let no_tcp = no_tcp.filter(|_| allow.fetch.as_deref() != Some(program.as_path())).map(AsRawFd::as_raw_fd);
-    launch(req, fds, allow, ambient_sys_module, no_tcp)
+    // Only curl keeps the TCP ports the spawner's domain allows, and IP sockets at all.
+    let download = allow.is_download(&program);
+    let no_tcp = no_tcp.filter(|_| !download).map(AsRawFd::as_raw_fd);
+    let no_ip = (!download).then(|| no_ip.to_vec());
+    launch(req, fds, allow, ambient_sys_module, no_tcp, no_ip)
 }
 
-/// Starts an allowed request: its descriptors in place, its session, limits and user.
+/// Starts an allowed request: its descriptors in place, its session, limits and user, then
+/// `no_ip` (the child seccomp filter, last: nothing after it but the exec).
 fn launch(
     req: RunRequest,
     mut fds: Vec<OwnedFd>,
     allow: &Allowlist,
     ambient_sys_module: bool,
     no_tcp: Option<RawFd>,
+    no_ip: Option<Vec<super::child_seccomp::Instruction>>,
 ) -> io::Result<std::process::Child> {
     let want = usize::from(req.stdout) + usize::from(req.stderr) + req.nfds;
     if fds.len() != want || req.nfds > MAX_PASSED_FDS {
@@ -1080,7 +1096,8 @@ fn launch(
     let setup = ChildSetup::new(req.memlock, allow.user_for(&program), allow.kvm);
     let raise_module = ambient_sys_module && MODPROBE.iter().any(|m| Path::new(m) == program);
     // SAFETY: only async-signal-safe calls (setsid, setrlimit, setgroups, setgid, setuid, umask,
-    // prctl, landlock_restrict_self, fcntl, dup2), no allocation.
+    // prctl, landlock_restrict_self, fcntl, dup2, seccomp), no allocation: the filter's program
+    // was built before the fork.
     unsafe {
         command.pre_exec(move || {
             setup.apply()?;
@@ -1099,7 +1116,11 @@ fn launch(
                     return Err(io::Error::last_os_error());
                 }
             }
-            place_fds(&raw)
+            place_fds(&raw)?;
+            match &no_ip {
+                Some(program) => super::child_seccomp::install(program),
+                None => Ok(()),
+            }
         });
     }
     let child = command.spawn();
@@ -1277,10 +1298,56 @@ mod tests {
             nfds: 0,
             memlock: None,
         };
-        let mut child = start(req, Vec::new(), &allow, false, None).unwrap();
+        let no_ip = crate::sandbox::child_seccomp::program();
+        let mut child = start(req, Vec::new(), &allow, false, None, &no_ip).unwrap();
         let pid = i32::try_from(child.id()).unwrap();
         assert_eq!(pgrp_and_session(&pid.to_string()), (pid, pid), "its own process group and session");
         assert_ne!(pgrp_and_session("self"), (pid, pid));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// The `Seccomp:` line of /proc/PID/status (0 none, 2 a filter).
+    fn seccomp_mode(pid: u32) -> String {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status.lines().find_map(|l| l.strip_prefix("Seccomp:")).map(|v| v.trim().to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn every_spawner_child_but_the_download_runs_under_the_no_ip_filter() {
+        let sleep = |allow: &Allowlist, args: Vec<String>| {
+            let req =
+                RunRequest { program: "/bin/sleep".into(), args, stdout: false, stderr: false, nfds: 0, memlock: None };
+            start(req, Vec::new(), allow, false, None, &crate::sandbox::child_seccomp::program()).unwrap()
+        };
+        let allow = Allowlist {
+            programs: vec!["/bin/sleep".into()],
+            modprobe: false,
+            run_as: vec![],
+            kvm: false,
+            vfio_nodes: false,
+            boot_dirs: vec![],
+            fetch: None,
+        };
+        assert_eq!(seccomp_mode(std::process::id()), "0", "the test process itself has no filter");
+        let mut child = sleep(&allow, vec!["30".into()]);
+        assert_eq!(seccomp_mode(child.id()), "2", "a program gets the filter");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // The download: curl is recognised by its path, and started without the filter.
+        let curl = Allowlist { programs: vec![], fetch: Some("/usr/bin/curl".into()), ..allow.clone() };
+        assert!(curl.is_download(Path::new("/usr/bin/curl")));
+        assert!(!curl.is_download(Path::new("/bin/sleep")) && !allow.is_download(Path::new("/usr/bin/curl")));
+        let req = RunRequest {
+            program: "/bin/sleep".into(),
+            args: vec!["30".into()],
+            stdout: false,
+            stderr: false,
+            nfds: 0,
+            memlock: None,
+        };
+        let mut child = launch(req, Vec::new(), &allow, false, None, None).unwrap();
+        assert_eq!(seccomp_mode(child.id()), "0", "the download keeps its IP sockets");
         child.kill().unwrap();
         child.wait().unwrap();
     }
