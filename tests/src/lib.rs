@@ -599,6 +599,37 @@ pub fn plain_log(text: &str) -> String {
     out
 }
 
+/// Sends `commands` (whole QMP command objects) on a VM's monitor socket `sock` (`run/NAME/qmp`)
+/// after the greeting and `qmp_capabilities`, and returns the answer to each (`{"return": ...}`
+/// or `{"error": ...}`; events are skipped). vmhostd keeps no QMP session between operations, so
+/// the monitor is free while no operation runs on the VM.
+pub fn qmp_commands(sock: &Path, commands: &[Value]) -> Vec<Value> {
+    use std::io::{BufRead, BufReader, Write};
+    let s = std::os::unix::net::UnixStream::connect(sock).expect("connect to the QMP socket");
+    s.set_read_timeout(Some(Duration::from_secs(30))).expect("read timeout");
+    let mut w = s.try_clone().expect("clone the QMP socket");
+    let mut lines = BufReader::new(s).lines();
+    let mut answer = || -> Value {
+        loop {
+            let line = lines.next().expect("QMP closed").expect("read QMP");
+            let v: Value = serde_json::from_str(&line).expect("QMP sends JSON");
+            if v.get("event").is_none() {
+                return v;
+            }
+        }
+    };
+    assert!(answer().get("QMP").is_some(), "the QMP greeting");
+    writeln!(w, "{}", json!({"execute": "qmp_capabilities"})).expect("write QMP");
+    assert!(answer().get("return").is_some(), "qmp_capabilities");
+    commands
+        .iter()
+        .map(|c| {
+            writeln!(w, "{c}").expect("write QMP");
+            answer()
+        })
+        .collect()
+}
+
 /// The command line of process `pid` (a VM's QEMU), one string per argument.
 pub fn argv_of(pid: i64) -> Vec<String> {
     let raw = fs::read(format!("/proc/{pid}/cmdline")).expect("QEMU's command line");

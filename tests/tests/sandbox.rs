@@ -299,3 +299,54 @@ fn require_refuses_a_kernel_without_landlock_and_best_effort_reports_it() {
     assert_eq!(item(&items, "capabilities")["status"], "ok");
     host.env.clear();
 }
+
+/// QEMU cannot open an IP socket (docs/sandbox.md, "No IP socket for QEMU"): the spawner starts
+/// it under a seccomp filter that refuses every socket family but AF_UNIX, so QMP `chardev-add`
+/// of a UDP backend (which needs no listener and no TCP rule: it worked before the filter) and of
+/// a TCP client socket fail with EAFNOSUPPORT, on any kernel. A Unix socket backend still
+/// connects, so the filter refuses IP, not sockets; and the VM still boots.
+#[test]
+fn qemu_cannot_open_an_ip_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    let host = TestHost::start(HostOptions::default());
+    // A TCP listener of our own, so a connect would succeed if QEMU could make the socket (port 9
+    // would be refused by nobody listening, and prove nothing).
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = tcp.local_addr().unwrap().port().to_string();
+    // A Unix listener QEMU's user may connect to.
+    let dir = tempfile::Builder::new().prefix("vmh-peer").tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let peer = dir.path().join("peer.sock");
+    let unix = std::os::unix::net::UnixListener::bind(&peer).unwrap();
+    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o777)).unwrap();
+    unix.set_nonblocking(true).unwrap();
+
+    host.call("vm.create", json!({ "spec": host.kernel_spec("noip") }));
+    let qemu = *host.qemu_pids().first().expect("a QEMU");
+    let add = |id: &str, backend: Value| json!({"execute": "chardev-add", "arguments": {"id": id, "backend": backend}});
+    let inet = |host: &str, port: &str| json!({"type": "inet", "data": {"host": host, "port": port}});
+    let answers = vmhost_tests::qmp_commands(
+        &host.run().join("noip").join("qmp"),
+        &[
+            add("udp", json!({"type": "udp", "data": {"remote": inet("127.0.0.1", "9")}})),
+            add("udp6", json!({"type": "udp", "data": {"remote": inet("::1", "9")}})),
+            add("tcp", json!({"type": "socket", "data": {"addr": inet("127.0.0.1", &port), "server": false}})),
+            add("unix", json!({"type": "socket", "data": {"addr": {"type": "unix", "data": {"path": peer}}, "server": false}})),
+        ],
+    );
+    for (answer, what) in answers.iter().zip(["udp", "udp6", "tcp"]) {
+        let desc = answer["error"]["desc"].as_str().unwrap_or_default();
+        // EAFNOSUPPORT is the filter's answer (Landlock's would be EACCES, and only for TCP).
+        assert!(desc.contains("Address family not supported"), "{what}: {answer}");
+    }
+    assert_eq!(answers[3], json!({"return": {}}), "a Unix socket backend still works");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while unix.accept().is_err() {
+        assert!(std::time::Instant::now() < deadline, "QEMU did not connect to the Unix listener");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tcp.set_nonblocking(true).unwrap();
+    assert!(tcp.accept().is_err(), "QEMU connected over TCP");
+    assert_eq!(host.qemu_pids(), vec![qemu], "the same QEMU runs on");
+    assert!(host.wait_serial("noip", vmhost_tests::GUEST_READY, Duration::from_secs(120)), "{}", host.serial("noip"));
+}
