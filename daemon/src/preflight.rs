@@ -1,6 +1,7 @@
 //! `host.check`: can this host run VMs as configured? One item per prerequisite.
 //!
-//! Everything is probed, nothing is changed: binaries are run with `--version`, directories are
+//! Everything is probed, nothing is changed: binaries are run with `--version` (QEMU only when it
+//! is the binary `qemu.sha256` pins, [`crate::qemu::integrity`]), directories are
 //! tested with a probe file that is removed again, the accelerator is opened. The order of
 //! [`check`]'s items is stable so operators and plugins can diff reports.
 
@@ -20,9 +21,14 @@ fn item(name: &str, status: CheckStatus, detail: impl Into<String>) -> CheckItem
 /// working binary into a failed item.
 const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
 
-async fn binary_version(name: &str, binary: &Path) -> CheckItem {
+/// `binary --version`, unless `pinned` (the binary's pin check) refused it: a binary that is not
+/// the pinned one is not run, not even for its version.
+async fn binary_version(name: &str, binary: &Path, pinned: Result<(), crate::api::ApiError>) -> CheckItem {
     if !binary.exists() {
         return item(name, CheckStatus::Missing, format!("{} not found (Debian: qemu-system-x86)", binary.display()));
+    }
+    if let Err(refused) = pinned {
+        return item(name, CheckStatus::Error, format!("--version not run: {}", refused.message));
     }
     let run = crate::sandbox::spawn::Command::version_probe(binary).output();
     match tokio::time::timeout(VERSION_TIMEOUT, run).await {
@@ -232,7 +238,7 @@ pub async fn check(
     uefi_vms: &[String],
 ) -> HostCheck {
     let mut items = vec![
-        binary_version("qemu", &config.qemu.binary).await,
+        binary_version("qemu", &config.qemu.binary, integrity.verify_qemu()).await,
         accelerator(config).await,
         writable_dir("state_dir", &config.paths.state),
         writable_dir("run_dir", &config.paths.run),

@@ -331,7 +331,10 @@ fn qemu_cannot_open_an_ip_socket() {
             add("udp", json!({"type": "udp", "data": {"remote": inet("127.0.0.1", "9")}})),
             add("udp6", json!({"type": "udp", "data": {"remote": inet("::1", "9")}})),
             add("tcp", json!({"type": "socket", "data": {"addr": inet("127.0.0.1", &port), "server": false}})),
-            add("unix", json!({"type": "socket", "data": {"addr": {"type": "unix", "data": {"path": peer}}, "server": false}})),
+            add(
+                "unix",
+                json!({"type": "socket", "data": {"addr": {"type": "unix", "data": {"path": peer}}, "server": false}}),
+            ),
         ],
     );
     for (answer, what) in answers.iter().zip(["udp", "udp6", "tcp"]) {

@@ -137,6 +137,7 @@ mod tests {
         Tool {
             binary: "/usr/bin/qemu-system-x86_64".into(),
             user: root.then_some(crate::config::UserIds { uid: 65534, gid: 65534 }),
+            pin: None,
         }
     }
 

@@ -77,6 +77,9 @@ pub enum DiskError {
         /// The last bytes of its stderr (lossy UTF-8).
         stderr_tail: String,
     },
+    /// The QEMU binary is not the one `qemu.sha256` pins: nothing ran (the 4002 refusal).
+    #[error("{}", .0.message)]
+    Pinned(Box<crate::api::ApiError>),
     /// The operation did not finish within [`TOOL_TIMEOUT`]; QEMU was killed.
     #[error("QEMU did not {operation} the image within {after:?}")]
     Timeout {
@@ -100,6 +103,15 @@ pub enum DiskError {
 }
 
 impl DiskError {
+    /// The refusal of a binary that is not the pinned one (4002) as it is, anything else as
+    /// `other` maps it: each caller has its own code for QEMU's failures, a pin has one.
+    pub fn or_api(self, other: impl FnOnce(DiskError) -> crate::api::ApiError) -> crate::api::ApiError {
+        match self {
+            DiskError::Pinned(refusal) => *refusal,
+            e => other(e),
+        }
+    }
+
     /// QEMU's stderr tail, for [`DiskError::Tool`] (the most precise reason a user can read).
     pub fn stderr_tail(&self) -> Option<&str> {
         match self {
@@ -286,6 +298,7 @@ pub(crate) mod tests {
         Tool {
             binary: "/usr/bin/qemu-system-x86_64".into(),
             user: root.then_some(crate::config::UserIds { uid: 65534, gid: 65534 }),
+            pin: None,
         }
     }
 
@@ -504,7 +517,7 @@ pub(crate) mod tests {
     async fn missing_qemu_is_a_spawn_error() {
         let (dir, raw, _) = bases();
         let ov = dir.path().join("vm.qcow2");
-        let tool = Tool { binary: "/nonexistent/qemu-system-x86_64".into(), user: None };
+        let tool = Tool { binary: "/nonexistent/qemu-system-x86_64".into(), user: None, pin: None };
         match create_overlay(&tool, &raw, &ov, 1).await {
             Err(DiskError::Spawn { source, .. }) => {
                 assert_eq!(source.kind(), io::ErrorKind::NotFound)

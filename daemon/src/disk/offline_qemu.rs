@@ -52,6 +52,23 @@ pub struct Tool {
     /// `qemu.user`; `None` runs as the daemon's user (no sandbox, tests). Through the spawner
     /// the spawner decides: it runs the QEMU binary as `qemu.user` whatever is asked.
     pub user: Option<UserIds>,
+    /// `qemu.sha256`'s pin of `binary` ([`crate::qemu::integrity`]), checked before every run
+    /// ([`Session::start`]); `None` without a pin.
+    pub pin: Option<Arc<crate::qemu::integrity::Pinned>>,
+}
+
+impl Tool {
+    /// Checks the binary against its pin: before every run of it, so a binary that is not the
+    /// pinned one never works on an image file.
+    ///
+    /// # Errors
+    /// [`DiskError::Pinned`] with the 4002 refusal.
+    pub fn verify(&self) -> Result<(), DiskError> {
+        match &self.pin {
+            Some(pin) => pin.verify().map_err(|e| DiskError::Pinned(Box::new(e))),
+            None => Ok(()),
+        }
+    }
 }
 
 /// One file handed to the session, in the order given to [`Session::start`]: input `i` is fd set
@@ -128,9 +145,12 @@ impl Session {
     /// Starts QEMU on `inputs` for `operation` and negotiates its monitor.
     ///
     /// # Errors
+    /// [`DiskError::Pinned`] when the binary is not the one `qemu.sha256` pins (nothing ran);
     /// [`DiskError::Spawn`] if QEMU cannot be started; [`DiskError::Tool`] with QEMU's stderr
     /// when it exits before greeting (e.g. a probed file is not a readable image).
     pub async fn start(tool: &Tool, inputs: Vec<Input>, operation: &'static str) -> Result<Session, DiskError> {
+        // Every run without a guest begins here: the pin is checked last before the exec.
+        tool.verify()?;
         let spawn_error = |source| DiskError::Spawn { program: tool.binary.clone(), source };
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
         ours.set_nonblocking(true).map_err(spawn_error)?;
@@ -459,7 +479,7 @@ mod tests {
         std::fs::write(&base, vec![7u8; 1 << 20]).unwrap();
         std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o600)).unwrap();
         let nobody = UserIds { uid: 65534, gid: 65534 };
-        let tool = Tool { binary: "/usr/bin/qemu-system-x86_64".into(), user: Some(nobody) };
+        let tool = Tool { binary: "/usr/bin/qemu-system-x86_64".into(), user: Some(nobody), pin: None };
         let fd = OwnedFd::from(std::fs::File::open(&base).unwrap());
         let mut session = Session::start(&tool, vec![Input::Probe(fd)], "probe").await.unwrap();
         assert_eq!(uids(session.child.pid), (65534, 65534));
@@ -485,5 +505,36 @@ mod tests {
         assert!(joined.ends_with("-add-fd fd=5,set=5"), "{joined}");
         assert!(joined.contains("spawn=deny"), "{joined}");
         assert!(!joined.contains("format="), "a probe pins no format: {joined}");
+    }
+
+    /// A binary that is not the pinned one never runs: [`Session::start`] refuses with the 4002
+    /// before the exec. The "QEMU" is a script that leaves a mark when it runs; with its own
+    /// sha256 pinned it does run (the mark proves the check, not the script, stopped it).
+    #[tokio::test]
+    async fn a_binary_that_is_not_the_pinned_one_never_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let mark = dir.path().join("ran");
+        let binary = dir.path().join("qemu");
+        std::fs::write(&binary, format!("#!/bin/sh\ntouch {}\n", mark.display())).unwrap();
+        std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let sha = crate::qemu::integrity::sha256_of(&mut std::fs::File::open(&binary).unwrap()).unwrap();
+        let tool = |pin: &str| Tool {
+            binary: binary.clone(),
+            user: None,
+            pin: Some(std::sync::Arc::new(crate::qemu::integrity::Pinned::new("qemu.sha256", &binary, pin))),
+        };
+        let input = || Input::Probe(OwnedFd::from(std::fs::File::open("/dev/null").unwrap()));
+        match Session::start(&tool(&"0".repeat(64)), vec![input()], "probe").await {
+            Err(DiskError::Pinned(e)) => {
+                assert_eq!((e.code, e.field.as_deref()), (crate::api::Code::BinaryMismatch, Some("qemu.sha256")));
+                assert_eq!(e.details["found"], sha.as_str());
+            }
+            Err(other) => panic!("{other:?}"),
+            Ok(_) => panic!("started"),
+        }
+        assert!(!mark.exists(), "the binary ran");
+        // The pinned binary runs (and, not being QEMU, fails to greet).
+        assert!(Session::start(&tool(&sha), vec![input()], "probe").await.is_err());
+        assert!(mark.exists(), "the pinned binary did not run: the test proves nothing");
     }
 }

@@ -122,7 +122,7 @@ impl Manager {
         for ((disk, entry), target) in disks.iter().zip(entries.iter_mut()).zip(targets) {
             let info = crate::disk::import::inspect(&self.disk_tool(), open_ro(&disk.file)?)
                 .await
-                .map_err(|e| failed(format!("cannot read {}: {e}", disk.file.display())))?;
+                .map_err(|e| e.or_api(|e| failed(format!("cannot read {}: {e}", disk.file.display()))))?;
             entry.virtual_size = info.virtual_size;
             let len = if entry.format == DiskFormat::Raw { info.virtual_size } else { 0 };
             let mut opened = Vec::new();
@@ -137,8 +137,10 @@ impl Manager {
             });
         }
         crate::disk::export::flatten(&self.disk_tool(), flat, within).await.map_err(|e| {
-            let tail = e.stderr_tail().unwrap_or_default().to_string();
-            failed(format!("cannot copy the disks: {e}")).details(json!({ "step": "export", "stderr": tail }))
+            e.or_api(|e| {
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                failed(format!("cannot copy the disks: {e}")).details(json!({ "step": "export", "stderr": tail }))
+            })
         })
     }
 

@@ -200,7 +200,7 @@ impl Manager {
         if let Some(image) = &spec.boot.image {
             let base = self.config.paths.images.join(image);
             let format = crate::disk::base_format(&self.disk_tool(), &base).await.map_err(|e| {
-                super::provisioning(step, format!("cannot read the base image {}: {e}", base.display()))
+                e.or_api(|e| super::provisioning(step, format!("cannot read the base image {}: {e}", base.display())))
             })?;
             out.push(root(DiskFormat::Qcow2, paths.overlay.clone(), Some((base, format))));
         } else if spec.boot.disk.is_some() {

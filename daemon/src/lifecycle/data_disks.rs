@@ -153,7 +153,7 @@ impl Manager {
             self.crashpoint("data_disk:reclaimed");
             crate::disk::data::grow(&self.disk_tool(), &file, disk)
                 .await
-                .map_err(|e| failed(format!("cannot grow data disk {:?}: {e}", disk.name)))?;
+                .map_err(|e| e.or_api(|e| failed(format!("cannot grow data disk {:?}: {e}", disk.name))))?;
             return Ok(());
         }
         if track {
@@ -163,9 +163,11 @@ impl Manager {
         let partial = paths.partial_data_disk(disk);
         remove_file(&partial)?;
         crate::disk::data::create(&self.disk_tool(), &partial, disk).await.map_err(|e| {
-            let tail = e.stderr_tail().unwrap_or_default().to_string();
-            failed(format!("cannot make data disk {:?}: {e}", disk.name))
-                .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
+            e.or_api(|e| {
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                failed(format!("cannot make data disk {:?}: {e}", disk.name))
+                    .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
+            })
         })?;
         crate::blocking::run(|| std::fs::rename(&partial, &file)).map_err(|e| {
             let _ = remove_file(&partial);
@@ -238,9 +240,11 @@ impl Manager {
                 continue; // made at the next start
             }
             crate::disk::data::grow(&self.disk_tool(), &file, disk).await.map_err(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                failed(format!("cannot grow data disk {:?} to {} GiB: {e}", disk.name, disk.size_gib))
-                    .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
+                e.or_api(|e| {
+                    let tail = e.stderr_tail().unwrap_or_default().to_string();
+                    failed(format!("cannot grow data disk {:?} to {} GiB: {e}", disk.name, disk.size_gib))
+                        .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
+                })
             })?;
         }
         Ok(())

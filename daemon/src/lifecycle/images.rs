@@ -60,7 +60,8 @@ impl Manager {
     /// `image.list`: every image file, with its record and users.
     ///
     /// # Errors
-    /// 4001 when the directory cannot be read.
+    /// 4001 when the directory cannot be read; 4002 on `qemu.sha256` when a file without a record
+    /// must be read by QEMU and the binary is not the pinned one.
     pub async fn image_list(&self) -> Result<Vec<ImageView>, ApiError> {
         let files = self.images.files().map_err(|e| {
             super::provisioning("image_list", format!("cannot read {}: {e}", self.config.paths.images.display()))
@@ -70,7 +71,7 @@ impl Manager {
         for (name, meta) in files {
             let (format, virtual_size) = match records.get(&name) {
                 Some(r) => (Some(r.format.clone()), Some(r.virtual_size)),
-                None => self.probe_unrecorded(&name, &meta).await,
+                None => self.probe_unrecorded(&name, &meta).await?,
             };
             out.push(ImageView {
                 used_by: Vec::new(),
@@ -92,17 +93,25 @@ impl Manager {
 
     /// Format and virtual size of an image without a record: QEMU reads it (once per version
     /// of the file); `None`s when it cannot.
-    async fn probe_unrecorded(&self, name: &str, meta: &std::fs::Metadata) -> (Option<String>, Option<u64>) {
+    ///
+    /// # Errors
+    /// 4002 when the QEMU binary is not the pinned one (nothing ran, nothing is remembered).
+    async fn probe_unrecorded(
+        &self,
+        name: &str,
+        meta: &std::fs::Metadata,
+    ) -> Result<(Option<String>, Option<u64>), ApiError> {
         let version = Version::of(meta);
         if let Some((v, found)) = self.image_probes.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
             if *v == version {
-                return found.clone();
+                return Ok(found.clone());
             }
         }
         let path = self.images.path(name);
         let found = match crate::blocking::run(|| std::fs::File::open(&path)) {
             Ok(f) => match crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(f)).await {
                 Ok(info) => (Some(info.format), Some(info.virtual_size)),
+                Err(crate::disk::DiskError::Pinned(refusal)) => return Err(*refusal),
                 Err(e) => {
                     tracing::debug!(image = name, error = %e, "QEMU cannot read an image");
                     (None, None)
@@ -111,7 +120,7 @@ impl Manager {
             Err(_) => (None, None),
         };
         self.image_probes.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string(), (version, found.clone()));
-        found
+        Ok(found)
     }
 
     /// `image.import` (module doc).
@@ -288,11 +297,13 @@ impl Manager {
     /// 2001 on `source` when QEMU cannot read it as an image or it names a backing or data
     /// file (an overlay over it would reach a file vmhostd does not manage).
     async fn inspect_image(&self, file: std::fs::File, what: &str) -> Result<(String, u64), ApiError> {
-        let info = crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(file)).await.map_err(|e| match e {
-            crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
-                ApiError::invalid("source", format!("QEMU cannot read {what} as a disk image: {e}"))
-            }
-            other => failed(format!("cannot inspect {what}: {other}")),
+        let info = crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(file)).await.map_err(|e| {
+            e.or_api(|e| match e {
+                crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
+                    ApiError::invalid("source", format!("QEMU cannot read {what} as a disk image: {e}"))
+                }
+                other => failed(format!("cannot inspect {what}: {other}")),
+            })
         })?;
         if let Some(other) = info.backing.as_ref().or(info.data_file.as_ref()) {
             return Err(ApiError::invalid(

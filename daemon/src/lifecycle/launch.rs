@@ -108,9 +108,11 @@ impl Manager {
         let partial = partial_overlay(&paths);
         let _ = crate::disk::remove_overlay(&partial);
         crate::disk::create_overlay(&self.disk_tool(), &base, &partial, *disk_gib).await.map_err(|e| {
-            let tail = e.stderr_tail().unwrap_or_default().to_string();
-            ApiError::new(Code::ProvisioningFailed, format!("cannot create the overlay disk: {e}"))
-                .details(json!({ "step": "disk", "stderr": tail }))
+            e.or_api(|e| {
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                ApiError::new(Code::ProvisioningFailed, format!("cannot create the overlay disk: {e}"))
+                    .details(json!({ "step": "disk", "stderr": tail }))
+            })
         })?;
         crate::blocking::run(|| std::fs::rename(&partial, &paths.overlay)).map_err(|e| {
             let _ = crate::disk::remove_overlay(&partial);
@@ -351,9 +353,9 @@ impl Manager {
                 PassedFd::OverlayRo => read_only(&paths.overlay)?,
                 PassedFd::Base => {
                     let Some(base) = &base else { continue };
-                    let info = crate::disk::base_info(&self.disk_tool(), base)
-                        .await
-                        .map_err(|e| provisioning("qemu_files", format!("cannot read the base image: {e}")))?;
+                    let info = crate::disk::base_info(&self.disk_tool(), base).await.map_err(|e| {
+                        e.or_api(|e| provisioning("qemu_files", format!("cannot read the base image: {e}")))
+                    })?;
                     base_format = info.format;
                     read_only(base)?
                 }

@@ -231,7 +231,7 @@ impl Manager {
         }
         crate::disk::export::make_qcow2_targets(&self.disk_tool(), qcow2)
             .await
-            .map_err(|e| failed(step, format!("cannot make the copies: {e}")))?;
+            .map_err(|e| e.or_api(|e| failed(step, format!("cannot make the copies: {e}"))))?;
         let (mut started, mut result) = crate::disk::export::prepare_live(&mut q, &disks).await;
         let mut made = None;
         if result.is_ok() {

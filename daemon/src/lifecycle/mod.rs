@@ -242,9 +242,15 @@ impl Manager {
         self.qmp_sessions.connect(name, &self.paths(name).qmp, timeout).await
     }
 
-    /// The QEMU that works on image files: `qemu.binary` as `qemu.user` ([`crate::disk`]).
+    /// The QEMU that works on image files: `qemu.binary` as `qemu.user` ([`crate::disk`]), with
+    /// its `qemu.sha256` pin, checked before each of its runs (4002: map errors with
+    /// [`crate::disk::DiskError::or_api`]).
     fn disk_tool(&self) -> crate::disk::Tool {
-        crate::disk::Tool { binary: self.config.qemu.binary.clone(), user: self.config.qemu_user }
+        crate::disk::Tool {
+            binary: self.config.qemu.binary.clone(),
+            user: self.config.qemu_user,
+            pin: self.processes.integrity().qemu_pin(),
+        }
     }
 
     /// Takes the busy flag of an existing VM.

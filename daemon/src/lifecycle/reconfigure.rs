@@ -247,9 +247,11 @@ impl Manager {
             return Ok(());
         }
         crate::disk::grow_overlay(&self.disk_tool(), &overlay, gib).await.map_err(|e| {
-            let tail = e.stderr_tail().unwrap_or_default().to_string();
-            ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
-                .details(json!({ "step": "disk_grow", "stderr": tail }))
+            e.or_api(|e| {
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
+                    .details(json!({ "step": "disk_grow", "stderr": tail }))
+            })
         })?;
         Ok(())
     }

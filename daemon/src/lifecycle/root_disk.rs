@@ -158,13 +158,15 @@ impl Manager {
         }
         let fd =
             opened.try_clone().map(OwnedFd::from).map_err(|e| failed(format!("cannot duplicate a descriptor: {e}")))?;
-        let info = crate::disk::import::inspect(&self.disk_tool(), fd).await.map_err(|e| match e {
-            crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                refused(format!("QEMU cannot read {} as a disk image: {e}", source.display()))
-                    .details(json!({ "stderr": tail }))
-            }
-            other => failed(format!("cannot inspect {}: {other}", source.display())),
+        let info = crate::disk::import::inspect(&self.disk_tool(), fd).await.map_err(|e| {
+            e.or_api(|e| match e {
+                crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
+                    let tail = e.stderr_tail().unwrap_or_default().to_string();
+                    refused(format!("QEMU cannot read {} as a disk image: {e}", source.display()))
+                        .details(json!({ "stderr": tail }))
+                }
+                other => failed(format!("cannot inspect {}: {other}", source.display())),
+            })
         })?;
         let format = match info.format.as_str() {
             "qcow2" => DiskFormat::Qcow2,
@@ -254,9 +256,11 @@ impl Manager {
             .map_err(|e| failed(format!("cannot make {} private: {e}", target.display())))?;
         if let Some(gib) = spec.boot.disk_gib {
             crate::disk::data::grow(&self.disk_tool(), &target, &as_disk(import.format, gib)).await.map_err(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                failed(format!("cannot grow the imported disk to {gib} GiB: {e}"))
-                    .details(json!({ "step": "root_disk", "stderr": tail }))
+                e.or_api(|e| {
+                    let tail = e.stderr_tail().unwrap_or_default().to_string();
+                    failed(format!("cannot grow the imported disk to {gib} GiB: {e}"))
+                        .details(json!({ "step": "root_disk", "stderr": tail }))
+                })
             })?;
         }
         Ok(())
@@ -365,9 +369,11 @@ impl Manager {
         let Some(root) = self.record(&spec.name)?.root_disk else { return Ok(()) };
         let file = self.paths(&spec.name).root_disk(root.format);
         crate::disk::data::grow(&self.disk_tool(), &file, &as_disk(root.format, gib)).await.map_err(|e| {
-            let tail = e.stderr_tail().unwrap_or_default().to_string();
-            ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
-                .details(json!({ "step": "disk_grow", "stderr": tail }))
+            e.or_api(|e| {
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
+                    .details(json!({ "step": "disk_grow", "stderr": tail }))
+            })
         })?;
         Ok(())
     }

@@ -3,9 +3,16 @@
 //!
 //! Order of use: [`Integrity::of`] once from the config; [`Integrity::log_at_start`] when the
 //! daemon starts (a mismatch is logged, the daemon still starts so it can keep managing the
-//! VMs that run); [`Integrity::verify_qemu`] before every launch of the QEMU binary (a VM, or
-//! QEMU working on an image file), which refuses with 4002 on a mismatch; [`Integrity::items`]
-//! for `host.check`.
+//! VMs that run); [`Pinned::verify`] before every run of the QEMU binary, which refuses with
+//! 4002 on a mismatch: a VM's launch ([`Integrity::verify_qemu`]), every run without a guest that
+//! inspects, creates, grows or copies an image file (the [`Integrity::qemu_pin`] that
+//! [`crate::disk::Tool`] carries, checked by [`crate::disk::offline_qemu::Session::start`], the one
+//! place such a run begins), and `host.check`'s `--version` probe (not run on a mismatch);
+//! [`Integrity::items`] for `host.check`.
+//!
+//! `qemu.img_sha256` pins `qemu.img_binary` (qemu-img) for `host.check` and the start's log only:
+//! vmhostd never runs qemu-img (the spawner refuses it; image files are QEMU's work, see
+//! [`crate::disk::offline_qemu`]), so there is no run to refuse.
 //!
 //! Hashing a 20 MB binary takes tens of milliseconds, so a verdict is kept with the file's
 //! identity and times (device, inode, size, mtime, ctime; the ctime cannot be set back by
@@ -21,7 +28,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// What a check of a pinned binary found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,6 +94,15 @@ impl Pinned {
         })
     }
 
+    /// Checks the binary before a run of it: the one check every run goes through.
+    ///
+    /// # Errors
+    /// 4002 on the pin's key when the binary's sha256 is not the pinned one or it cannot be read
+    /// (`details`: path, expected, found).
+    pub fn verify(&self) -> Result<(), ApiError> {
+        self.refusal(&self.check()).map_or(Ok(()), Err)
+    }
+
     /// The error a launch gets for `verdict` (`None` when it matches).
     fn refusal(&self, verdict: &Verdict) -> Option<ApiError> {
         let (found, why) = match verdict {
@@ -126,7 +142,8 @@ impl Pinned {
 /// The pinned binaries of a config.
 #[derive(Debug)]
 pub struct Integrity {
-    qemu: Option<Pinned>,
+    /// Shared with every [`crate::disk::Tool`], so offline runs and launches keep one verdict.
+    qemu: Option<Arc<Pinned>>,
     img: Option<Pinned>,
 }
 
@@ -135,14 +152,14 @@ impl Integrity {
     pub fn of(config: &Config) -> Integrity {
         let q = &config.qemu;
         Integrity {
-            qemu: q.sha256.as_deref().map(|h| Pinned::new("qemu.sha256", &q.binary, h)),
+            qemu: q.sha256.as_deref().map(|h| Arc::new(Pinned::new("qemu.sha256", &q.binary, h))),
             img: q.img_sha256.as_deref().map(|h| Pinned::new("qemu.img_sha256", &q.img_binary, h)),
         }
     }
 
     /// Checks every pinned binary and logs what does not match.
     pub fn log_at_start(&self) {
-        for pinned in self.qemu.iter().chain(&self.img) {
+        for pinned in self.qemu.iter().map(|p| &**p).chain(&self.img) {
             match pinned.check() {
                 Verdict::Match => tracing::info!(binary = %pinned.path.display(), "binary matches its sha256"),
                 other => {
@@ -159,15 +176,17 @@ impl Integrity {
     /// 4002 on `qemu.sha256` when the binary's sha256 is not the pinned one or it cannot be
     /// read (`details`: path, expected, found).
     pub fn verify_qemu(&self) -> Result<(), ApiError> {
-        match &self.qemu {
-            None => Ok(()),
-            Some(pinned) => pinned.refusal(&pinned.check()).map_or(Ok(()), Err),
-        }
+        self.qemu.as_deref().map_or(Ok(()), Pinned::verify)
+    }
+
+    /// The QEMU binary's pin (`None` without `qemu.sha256`), for the runs without a guest.
+    pub fn qemu_pin(&self) -> Option<Arc<Pinned>> {
+        self.qemu.clone()
     }
 
     /// `host.check`'s items: one per pinned binary, or one saying QEMU runs unverified.
     pub fn items(&self, config: &Config) -> Vec<CheckItem> {
-        let mut items: Vec<CheckItem> = self.qemu.iter().chain(&self.img).map(Pinned::item).collect();
+        let mut items: Vec<CheckItem> = self.qemu.iter().map(|p| &**p).chain(&self.img).map(Pinned::item).collect();
         if self.qemu.is_none() {
             items.insert(
                 0,
