@@ -73,6 +73,51 @@ check qemu-in-the-service-cgroup grep -q vmhostd.service "/proc/$pid/cgroup"
 check guest-boots wait_for 120 grep -q VMHOST-GUEST-READY /var/lib/vmhost/logs/sd.serial.log
 check tap-on-the-bridge sh -c 'ip -o link show master br-sd | grep -q "alias vmhost:vm=sd"'
 check qemu-holds-the-tap sh -c "ls -l /proc/$pid/fd | grep -q /dev/net/tun"
+# The unit allows AF_INET and AF_INET6 (curl downloads images from inside it), yet QEMU cannot
+# open an IP socket: the spawner starts it under a seccomp filter that refuses every family but
+# AF_UNIX (docs/sandbox.md). QMP chardev-add of a UDP and of a TCP client backend fail with
+# EAFNOSUPPORT; a Unix socket backend still connects (the filter refuses IP, not sockets).
+cat >/proof/qmp.py <<'EOF'
+import json, os, socket, sys
+kind = sys.argv[1]
+peer = "/proof/peer.sock"
+inet = {"type": "inet", "data": {"host": "127.0.0.1", "port": "9"}}
+backend = {
+    "udp": {"type": "udp", "data": {"remote": inet}},
+    "tcp": {"type": "socket", "data": {"addr": inet, "server": False}},
+    "unix": {"type": "socket", "data": {"addr": {"type": "unix", "data": {"path": peer}}, "server": False}},
+}[kind]
+if kind == "unix":
+    if os.path.exists(peer):
+        os.unlink(peer)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(peer)
+    os.chmod(peer, 0o777)
+    listener.listen(1)
+    listener.settimeout(10)
+qmp = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+qmp.settimeout(30)
+qmp.connect("/run/vmhost/sd/qmp")
+lines = qmp.makefile("rw")
+def answer():
+    while True:
+        v = json.loads(lines.readline())
+        if "event" not in v:
+            return v
+answer()
+for cmd in [{"execute": "qmp_capabilities"}, {"execute": "chardev-add", "arguments": {"id": kind, "backend": backend}}]:
+    lines.write(json.dumps(cmd) + "\n")
+    lines.flush()
+    got = answer()
+print(json.dumps(got))
+if kind == "unix":
+    listener.accept()
+    sys.exit(0 if got == {"return": {}} else 1)
+sys.exit(0 if "Address family not supported" in got.get("error", {}).get("desc", "") else 1)
+EOF
+check qemu-no-udp-socket python3 /proof/qmp.py udp
+check qemu-no-tcp-socket python3 /proof/qmp.py tcp
+check qemu-unix-socket-works python3 /proof/qmp.py unix
 
 # KillMode=process: a restart of the service leaves the VM running; the new daemon adopts it.
 check restart-keeps-the-vm systemctl restart vmhostd.service

@@ -5,7 +5,9 @@
 //! dpkg (postinst starts `vmhostd.socket` and the service), with the service stopped a first
 //! `vmhostctl` call activates it again through the socket,
 //! a VM with a NIC boots with QEMU as `vmhost-qemu` inside the service's cgroup and a tap on a
-//! bridge vmhostd made (the container has its own network namespace), `systemctl restart
+//! bridge vmhostd made (the container has its own network namespace), QEMU cannot open a UDP
+//! or TCP socket though the unit allows IP for curl (QMP `chardev-add`; a Unix one still
+//! connects), `systemctl restart
 //! vmhostd` keeps it running (KillMode=process) and the new daemon adopts it, then destroy,
 //! stop, purge. The script's CHECK lines are read back from the overlay's upper layer.
 
@@ -17,7 +19,7 @@ use std::time::{Duration, Instant};
 use vmhost_tests::{build_debs, guest, run_ok, workspace};
 
 /// Every check proof.sh makes, in order.
-const CHECKS: [&str; 33] = [
+const CHECKS: [&str; 36] = [
     "dpkg-install",
     "socket-listening",
     "postinst-started-the-service",
@@ -34,6 +36,9 @@ const CHECKS: [&str; 33] = [
     "guest-boots",
     "tap-on-the-bridge",
     "qemu-holds-the-tap",
+    "qemu-no-udp-socket",
+    "qemu-no-tcp-socket",
+    "qemu-unix-socket-works",
     "restart-keeps-the-vm",
     "qemu-survived",
     "vm-adopted",
