@@ -855,6 +855,44 @@ reserved_memory_gib = 8
         Config::parse(t, Path::new("/etc/vmhost/vmhostd.toml"))
     }
 
+    /// docs/config.md's table of example errors shows what the daemon prints: each of these
+    /// configs' error, after `FILE: `, is in the table verbatim (the "unknown section" row once
+    /// listed seven of the twelve sections).
+    #[test]
+    fn config_md_example_errors_are_the_real_ones() {
+        let doc = include_str!("../../docs/config.md");
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let cases = [
+            "[hardwre]\n".to_string(),
+            format!("{hw}colour = 1\n"),
+            format!("sandbox = \"on\"\n{hw}"),
+            format!("seccomp = \"kill\"\n{hw}"),
+            format!("[qemu]\naccel = \"hvf\"\n{hw}"),
+            "[hardware]\ncpu = \"four\"\nmemory_gib = 8\n".to_string(),
+            "[hardware]\ncpu = -1\nmemory_gib = 8\n".to_string(),
+            "[hardware]\ncpu = 0\nmemory_gib = 8\n".to_string(),
+            "[hardware]\ncpu = 4\n".to_string(),
+            "[hardware]\ncpu = 4\nmemory_gib = 8\nreserved_memory_gib = 8\n".to_string(),
+            format!("[paths]\nstate = \"var/lib/vmhost\"\n{hw}"),
+            format!("[access]\nsocket_mode = \"0999\"\n{hw}"),
+            format!("[access]\nsocket_mode = 660\n{hw}"),
+            format!("[qemu]\nlaunch_timeout_s = 0\n{hw}"),
+            format!("{hw}[hardware.sfp]\nfive = \"0000:ca:00.0\"\n"),
+            format!("{hw}[hardware.sfp]\n5 = \"ca:00\"\n"),
+            format!("{hw}[networks.lan]\nsubnet = \"10.0.0.0/24\"\n"),
+            format!("{hw}[networks.LAN]\nbridge = \"br0\"\n"),
+        ];
+        for config in cases {
+            let error = parse(&config).expect_err(&config).to_string();
+            let shown = error.lines().next().unwrap_or_default();
+            let shown = shown.strip_prefix("/etc/vmhost/vmhostd.toml: ").unwrap_or(shown);
+            // Markdown needs a space between a code span's last backtick and the closing ``.
+            let pad = if shown.ends_with('`') { " " } else { "" };
+            let cell = format!("``{shown}{pad}``");
+            assert!(doc.contains(&cell), "docs/config.md lacks the error of {config:?}: {cell}");
+        }
+    }
+
     fn key_error(t: &str) -> (String, String) {
         match parse(t) {
             Err(ConfigError::Key { key, problem, .. }) => (key, problem),
