@@ -417,10 +417,14 @@ mod tests {
         for bad in ["", "10.1.0.0/", "10.1.0.1/16", "10.0.0.0/33", "fd00::/129", "x/8", "10.0.0.0/+8", "10.0.0.0/08a"] {
             assert!(Network::parse(bad).is_err(), "{bad}");
         }
-        let parse = |s: &str| toml::from_str::<std::collections::BTreeMap<String, AllowPrivate>>(s).map(|m| m["a"].clone());
+        let parse =
+            |s: &str| toml::from_str::<std::collections::BTreeMap<String, AllowPrivate>>(s).map(|m| m["a"].clone());
         assert_eq!(parse("a = false").unwrap(), AllowPrivate::No);
         assert_eq!(parse("a = true").unwrap(), AllowPrivate::All);
-        assert_eq!(parse("a = [\"10.0.0.0/8\"]").unwrap(), AllowPrivate::Networks(vec![Network::parse("10.0.0.0/8").unwrap()]));
+        assert_eq!(
+            parse("a = [\"10.0.0.0/8\"]").unwrap(),
+            AllowPrivate::Networks(vec![Network::parse("10.0.0.0/8").unwrap()])
+        );
         assert!(parse("a = [\"10.0.0.1/8\"]").is_err());
         assert!(parse("a = 1").is_err());
     }

@@ -148,7 +148,9 @@ fn config_permitted(config: &str) -> bool {
 /// An address as [`curl_config`] writes it (IPv6 in brackets).
 fn pinned_addr(a: &str) -> bool {
     a.parse::<std::net::Ipv4Addr>().is_ok()
-        || a.strip_prefix('[').and_then(|r| r.strip_suffix(']')).is_some_and(|v6| v6.parse::<std::net::Ipv6Addr>().is_ok())
+        || a.strip_prefix('[')
+            .and_then(|r| r.strip_suffix(']'))
+            .is_some_and(|v6| v6.parse::<std::net::Ipv6Addr>().is_ok())
 }
 
 /// Name resolution, the one thing of a download's check that is not pure.
@@ -281,13 +283,13 @@ pub async fn fetch<R: Resolve>(
             Outcome::Body => return Ok(()),
             Outcome::Redirect(next) => {
                 if redirects == MAX_REDIRECTS {
-                    return Err(failed(format!(
-                        "{}: more than {MAX_REDIRECTS} redirects",
-                        hop.url.redacted()
-                    )));
+                    return Err(failed(format!("{}: more than {MAX_REDIRECTS} redirects", hop.url.redacted())));
                 }
                 let url = source_url::parse(&next).map_err(|e| {
-                    ApiError::invalid("source", format!("{} redirects to a URL that is not fetched: {e}", hop.url.redacted()))
+                    ApiError::invalid(
+                        "source",
+                        format!("{} redirects to a URL that is not fetched: {e}", hop.url.redacted()),
+                    )
                 })?;
                 tracing::debug!(from = %hop.url.redacted(), to = %url.redacted(), "download redirected");
                 hop = check_hop(url, policy, resolver, Some(&hop.url)).await?;
@@ -479,13 +481,18 @@ mod tests {
         let url = |s: &str| source_url::parse(s).unwrap();
         let h = check_hop(url("https://images.example.com/i?t=s3cr3t"), &AllowPrivate::No, &dns, None).await.unwrap();
         assert_eq!(h.addr, "93.184.216.34".parse::<IpAddr>().unwrap());
-        let e = check_hop(url("https://internal.example.com/i?t=s3cr3t"), &AllowPrivate::No, &dns, None).await.unwrap_err();
+        let e =
+            check_hop(url("https://internal.example.com/i?t=s3cr3t"), &AllowPrivate::No, &dns, None).await.unwrap_err();
         assert_eq!((e.code, e.field.as_deref()), (crate::api::Code::InvalidSpec, Some("source")));
         assert!(e.message.contains("10.1.2.3") && e.message.contains("private"), "{}", e.message);
         assert!(!e.message.contains("s3cr3t"), "{}", e.message);
         let from = url("https://images.example.com/i?t=s3cr3t");
         let e = check_hop(url("http://127.0.0.1:8080/x?k=v"), &AllowPrivate::No, &dns, Some(&from)).await.unwrap_err();
-        assert!(e.message.contains("redirects to http://127.0.0.1:8080/x?REDACTED") && e.message.contains("loopback"), "{}", e.message);
+        assert!(
+            e.message.contains("redirects to http://127.0.0.1:8080/x?REDACTED") && e.message.contains("loopback"),
+            "{}",
+            e.message
+        );
         let e = check_hop(url("https://nowhere.example.com/"), &AllowPrivate::No, &dns, None).await.unwrap_err();
         assert_eq!((e.code, e.details["step"].as_str()), (crate::api::Code::ProvisioningFailed, Some("download")));
         let ok = check_hop(url("https://internal.example.com/i"), &AllowPrivate::All, &dns, None).await.unwrap();

@@ -151,7 +151,9 @@ fn name_host(name: &str) -> Result<Host, UrlError> {
     // curl, browsers and inet_aton read `2130706433`, `0x7f.1` or `127.1` as IPv4 addresses:
     // a name is never numeric in its last label, so no reader takes it for an address.
     let last = labels.last().copied().unwrap_or_default().to_ascii_lowercase();
-    if last.bytes().all(|b| b.is_ascii_digit()) || (last.starts_with("0x") && last[2..].bytes().all(|b| b.is_ascii_hexdigit())) {
+    if last.bytes().all(|b| b.is_ascii_digit())
+        || (last.starts_with("0x") && last[2..].bytes().all(|b| b.is_ascii_hexdigit()))
+    {
         return Err(UrlError::Invalid("an IPv4 address in dotted-quad form (a.b.c.d) only"));
     }
     Ok(Host::Name(name.to_ascii_lowercase()))
@@ -283,12 +285,18 @@ mod tests {
         assert_eq!(u.redacted(), "https://images.example.com:8443/a/b.qcow2?REDACTED");
         assert_eq!(u.scrub("curl: (22) for /a/b.qcow2?token=s3cr3t&x=1"), "curl: (22) for /a/b.qcow2?REDACTED");
         let plain = parse("http://example.org").unwrap();
-        assert_eq!((plain.port(), plain.for_curl(), plain.redacted()), (80, "http://example.org/".into(), "http://example.org/".into()));
+        assert_eq!(
+            (plain.port(), plain.for_curl(), plain.redacted()),
+            (80, "http://example.org/".into(), "http://example.org/".into())
+        );
         assert_eq!(parse("https://x.org/?").unwrap().redacted(), "https://x.org/", "an empty query hides nothing");
         let v4 = parse("http://127.0.0.1:8080/i?a").unwrap();
         assert_eq!((v4.host(), v4.port()), (&Host::Ip("127.0.0.1".parse().unwrap()), 8080));
         let v6 = parse("http://[::1]/i").unwrap();
-        assert_eq!((v6.host(), v6.port(), v6.for_curl()), (&Host::Ip("::1".parse().unwrap()), 80, "http://[::1]/i".into()));
+        assert_eq!(
+            (v6.host(), v6.port(), v6.for_curl()),
+            (&Host::Ip("::1".parse().unwrap()), 80, "http://[::1]/i".into())
+        );
         assert_eq!(parse("https://a.b/c#x?y").unwrap().for_curl(), "https://a.b/c", "a ? after # is the fragment's");
     }
 

@@ -53,7 +53,9 @@ impl Manager {
         for image in &t.images_going {
             if boots_from(&spec.boot, dir, image) {
                 let one = |p: &Option<std::path::PathBuf>| {
-                    p.as_deref().is_some_and(|p| boots_from(&crate::api::BootSpec { kernel: Some(p.into()), ..Default::default() }, dir, image))
+                    p.as_deref().is_some_and(|p| {
+                        boots_from(&crate::api::BootSpec { kernel: Some(p.into()), ..Default::default() }, dir, image)
+                    })
                 };
                 let field = if spec.boot.image.as_deref() == Some(image.as_str()) {
                     "spec.boot.image"
@@ -444,7 +446,9 @@ pub(crate) fn boots_from(boot: &crate::api::BootSpec, images_dir: &std::path::Pa
     let in_dir = |p: &std::path::Path| {
         p.file_name().and_then(|f| f.to_str()) == Some(name) && p.parent().is_some_and(|d| d == images_dir)
     };
-    boot.image.as_deref() == Some(name) || boot.kernel.as_deref().is_some_and(in_dir) || boot.initrd.as_deref().is_some_and(in_dir)
+    boot.image.as_deref() == Some(name)
+        || boot.kernel.as_deref().is_some_and(in_dir)
+        || boot.initrd.as_deref().is_some_and(in_dir)
 }
 
 #[cfg(test)]
@@ -473,6 +477,10 @@ mod tests {
         assert!(!boots_from(&kernel("/boot/vmlinuz", None), dir, "vmlinuz"), "another directory's file");
         assert!(!boots_from(&kernel("/var/lib/vmhost/images/sub/vmlinuz", None), dir, "vmlinuz"), "not an image");
         assert!(!boots_from(&kernel("/var/lib/vmhost/images", None), Path::new("/var/lib/vmhost"), "vmlinuz"));
-        assert!(boots_from(&kernel("/var/lib/vmhost/images/vmlinuz", None), Path::new("/var/lib/vmhost/images/"), "vmlinuz"));
+        assert!(boots_from(
+            &kernel("/var/lib/vmhost/images/vmlinuz", None),
+            Path::new("/var/lib/vmhost/images/"),
+            "vmlinuz"
+        ));
     }
 }
