@@ -17,7 +17,8 @@
 //!
 //! The spawner only runs programs on its allowlist (the configured `qemu.binary`, and `modprobe
 //! vfio-pci` when passthrough is configured), with an empty environment except `PATH`, stdin on
-//! `/dev/null`. The QEMU binary always runs as `qemu.user`, whether it boots a VM or works on
+//! `/dev/null` (curl alone gets its config there: [`Command::stdin_data`], checked with its
+//! arguments). The QEMU binary always runs as `qemu.user`, whether it boots a VM or works on
 //! an image file without a guest ([`crate::disk::offline_qemu`]). It also opens boot files, probes `/dev/kvm` as QEMU's user, and hands VFIO group nodes to
 //! QEMU's group and back ([`vfio_node`]).
 //!
