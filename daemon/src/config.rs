@@ -318,11 +318,19 @@ pub struct ImagesConfig {
     /// The TCP ports a download may connect to (Landlock allows the spawner only these, and
     /// only curl; QEMU connects to none).
     pub download_ports: Vec<u16>,
+    /// Which non-public addresses (loopback, private, link-local, ...) a URL import may reach:
+    /// none by default, all with `true`, or a list of networks
+    /// ([`crate::images::address::AllowPrivate`]).
+    pub allow_private: crate::images::address::AllowPrivate,
 }
 
 impl Default for ImagesConfig {
     fn default() -> Self {
-        ImagesConfig { curl: PathBuf::from("/usr/bin/curl"), download_ports: vec![80, 443] }
+        ImagesConfig {
+            curl: PathBuf::from("/usr/bin/curl"),
+            download_ports: vec![80, 443],
+            allow_private: crate::images::address::AllowPrivate::No,
+        }
     }
 }
 
@@ -1091,6 +1099,15 @@ reserved_memory_gib = 8
         );
         assert_eq!(key_error(&format!("[images]\ncurl = \"curl\"\n{hw}")).0, "images.curl");
         assert_eq!(key_error(&format!("[images]\ndownload_ports = [0]\n{hw}")).0, "images.download_ports");
+        use crate::images::address::{AllowPrivate, Network};
+        assert_eq!(c.images.allow_private, AllowPrivate::No, "public addresses only by default");
+        let c = parse(&format!("[images]\nallow_private = true\n{hw}")).unwrap();
+        assert_eq!(c.images.allow_private, AllowPrivate::All);
+        let c = parse(&format!("[images]\nallow_private = [\"10.1.0.0/16\", \"fd00::/8\"]\n{hw}")).unwrap();
+        let nets = vec![Network::parse("10.1.0.0/16").unwrap(), Network::parse("fd00::/8").unwrap()];
+        assert_eq!(c.images.allow_private, AllowPrivate::Networks(nets));
+        assert!(parse(&format!("[images]\nallow_private = [\"10.1.0.1/16\"]\n{hw}")).is_err());
+        assert!(parse(&format!("[images]\nallow_private = \"yes\"\n{hw}")).is_err());
     }
 
     #[test]

@@ -67,6 +67,18 @@ impl Temp {
         Ok(())
     }
 
+    /// Empties the file and its hash: what was written (a redirect's body) is not the image.
+    ///
+    /// # Errors
+    /// The file cannot be truncated.
+    pub fn reset(&mut self) -> io::Result<()> {
+        self.file.set_len(0)?;
+        self.file.seek(SeekFrom::Start(0))?;
+        self.hasher = Sha256::new();
+        self.bytes = 0;
+        Ok(())
+    }
+
     /// Bytes written so far.
     pub fn bytes(&self) -> u64 {
         self.bytes

@@ -35,26 +35,39 @@ impl Drop for Going<'_> {
 }
 
 impl Manager {
-    /// The VMs whose boot disk is an overlay over image `name`, by name.
-    fn image_users(t: &super::Table, name: &str) -> Vec<String> {
+    /// The VMs that boot from image `name` ([`boots_from`]) by their spec or running spec,
+    /// by name.
+    fn image_users(&self, t: &super::Table, name: &str) -> Vec<String> {
+        let dir = &self.config.paths.images;
         t.vms
             .values()
-            .filter(|r| {
-                std::iter::once(&r.spec).chain(r.running_spec.as_ref()).any(|s| s.boot.image.as_deref() == Some(name))
-            })
+            .filter(|r| std::iter::once(&r.spec).chain(r.running_spec.as_ref()).any(|s| boots_from(&s.boot, dir, name)))
             .map(|r| r.spec.name.clone())
             .collect()
     }
 
-    /// 4090 on `spec.boot.image` when `spec` boots from an image being deleted (admission,
-    /// under the table lock).
-    pub(super) fn check_image_staying(t: &super::Table, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
-        match spec.boot.image.as_deref() {
-            Some(image) if t.images_going.contains(image) => {
-                Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted")).field("spec.boot.image"))
+    /// 4090 on `spec.boot.image` (or `.kernel`, `.initrd`) when `spec` boots from an image
+    /// being deleted (admission, under the table lock).
+    pub(super) fn check_image_staying(&self, t: &super::Table, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
+        let dir = &self.config.paths.images;
+        for image in &t.images_going {
+            if boots_from(&spec.boot, dir, image) {
+                let one = |p: &Option<std::path::PathBuf>| {
+                    p.as_deref().is_some_and(|p| {
+                        boots_from(&crate::api::BootSpec { kernel: Some(p.into()), ..Default::default() }, dir, image)
+                    })
+                };
+                let field = if spec.boot.image.as_deref() == Some(image.as_str()) {
+                    "spec.boot.image"
+                } else if one(&spec.boot.kernel) {
+                    "spec.boot.kernel"
+                } else {
+                    "spec.boot.initrd"
+                };
+                return Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted")).field(field));
             }
-            _ => Ok(()),
         }
+        Ok(())
     }
 
     /// `image.list`: every image file, with its record and users.
@@ -78,14 +91,14 @@ impl Manager {
                 format,
                 virtual_size,
                 sha256: records.get(&name).map(|r| r.sha256.clone()),
-                source: records.get(&name).and_then(|r| r.source.clone()),
+                source: records.get(&name).and_then(|r| r.source.as_deref().map(crate::images::url::redact_text)),
                 imported_at: records.get(&name).map(|r| r.imported_at.clone()),
                 name,
             });
         }
         let t = self.lock();
         for view in &mut out {
-            view.used_by = Self::image_users(&t, &view.name);
+            view.used_by = self.image_users(&t, &view.name);
         }
         Ok(out)
     }
@@ -142,7 +155,21 @@ impl Manager {
                 .field("source"));
             }
             Source::File(path) => path.display().to_string(),
-            Source::Url(url) => url.clone(),
+            // Never the query string: a signed URL's token is a secret (download module doc).
+            Source::Url(url) => url.redacted(),
+        };
+        // Where a URL leads is checked before anything is made or fetched.
+        let first_hop = match &req.source {
+            Source::Url(url) => Some(
+                crate::images::download::check_hop(
+                    url.clone(),
+                    &self.config.images.allow_private,
+                    &crate::images::download::SystemResolver,
+                    None,
+                )
+                .await?,
+            ),
+            _ => None,
         };
         let mut temp = self
             .images
@@ -161,7 +188,10 @@ impl Manager {
                     _ => failed(format!("cannot copy {}: {e}", from.display())),
                 })?;
             }
-            Source::Url(url) => {
+            Source::Url(_) => {
+                let Some(first_hop) = first_hop else {
+                    return Err(failed("a URL import without its checked address".into()));
+                };
                 let space = crate::disk::space::FsSpace::of(&self.config.paths.images).map_err(|e| {
                     failed(format!("cannot read the free space of {}: {e}", self.config.paths.images.display()))
                 })?;
@@ -170,7 +200,9 @@ impl Manager {
                 crate::images::download::fetch(
                     &self.config.images.curl,
                     self.config.qemu_user,
-                    url,
+                    first_hop,
+                    &self.config.images.allow_private,
+                    &crate::images::download::SystemResolver,
                     req.timeout,
                     max_bytes,
                     &mut temp,
@@ -339,9 +371,9 @@ impl Manager {
             format: Some(r.format.clone()),
             virtual_size: Some(r.virtual_size),
             sha256: Some(r.sha256.clone()),
-            source: r.source.clone(),
+            source: r.source.as_deref().map(crate::images::url::redact_text),
             imported_at: Some(r.imported_at.clone()),
-            used_by: Self::image_users(&self.lock(), name),
+            used_by: self.image_users(&self.lock(), name),
         }
     }
 
@@ -357,12 +389,13 @@ impl Manager {
         let held = self.images.begin(name)?;
         let _going = {
             let mut t = self.lock();
-            let users = Self::image_users(&t, name);
+            let users = self.image_users(&t, name);
             if !users.is_empty() {
                 return Err(ApiError::new(
                     Code::ImageInUse,
                     format!(
-                        "image {name:?} is the base of VMs {users:?}: destroy them (or replace their boot image) first"
+                        "image {name:?} is the base image, kernel or initrd of VMs {users:?}: destroy them (or \
+                         change what they boot from) first"
                     ),
                 )
                 .field("name")
@@ -402,5 +435,52 @@ impl Manager {
             (CheckStatus::Error, bad.join("; "))
         };
         crate::api::CheckItem { name: "images".into(), status, detail }
+    }
+}
+
+/// Whether a VM booting with `boot` uses image `name` of `images_dir`: as its base image
+/// (`boot.image`), or as its kernel or initrd (`boot.kernel`, `boot.initrd` naming a file of
+/// the images directory: the image store's files are boot files when `paths.boot` includes
+/// it, as it does by default). Lexical, as the boot-directory rule is ([`crate::qemu::boot_files::boot_dir_of`]).
+pub(crate) fn boots_from(boot: &crate::api::BootSpec, images_dir: &std::path::Path, name: &str) -> bool {
+    let in_dir = |p: &std::path::Path| {
+        p.file_name().and_then(|f| f.to_str()) == Some(name) && p.parent().is_some_and(|d| d == images_dir)
+    };
+    boot.image.as_deref() == Some(name)
+        || boot.kernel.as_deref().is_some_and(in_dir)
+        || boot.initrd.as_deref().is_some_and(in_dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::boots_from;
+    use crate::api::BootSpec;
+    use std::path::Path;
+
+    #[test]
+    fn an_image_is_used_as_a_base_image_kernel_or_initrd() {
+        let dir = Path::new("/var/lib/vmhost/images");
+        let image = BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(4), ..BootSpec::default() };
+        assert!(boots_from(&image, dir, "base.qcow2"));
+        assert!(!boots_from(&image, dir, "other.qcow2"));
+        let kernel = |k: &str, i: Option<&str>| BootSpec {
+            kernel: Some(k.into()),
+            initrd: i.map(Into::into),
+            ..BootSpec::default()
+        };
+        let k = kernel("/var/lib/vmhost/images/vmlinuz", Some("/var/lib/vmhost/images/initrd.img"));
+        assert!(boots_from(&k, dir, "vmlinuz"));
+        assert!(boots_from(&k, dir, "initrd.img"));
+        assert!(!boots_from(&k, dir, "base.qcow2"));
+        assert!(boots_from(&kernel("/var/lib/vmhost/images//vmlinuz", None), dir, "vmlinuz"), "however it is spelled");
+        assert!(boots_from(&kernel("/boot/vmlinuz", Some("/var/lib/vmhost/images/initrd.img")), dir, "initrd.img"));
+        assert!(!boots_from(&kernel("/boot/vmlinuz", None), dir, "vmlinuz"), "another directory's file");
+        assert!(!boots_from(&kernel("/var/lib/vmhost/images/sub/vmlinuz", None), dir, "vmlinuz"), "not an image");
+        assert!(!boots_from(&kernel("/var/lib/vmhost/images", None), Path::new("/var/lib/vmhost"), "vmlinuz"));
+        assert!(boots_from(
+            &kernel("/var/lib/vmhost/images/vmlinuz", None),
+            Path::new("/var/lib/vmhost/images/"),
+            "vmlinuz"
+        ));
     }
 }

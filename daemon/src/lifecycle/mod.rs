@@ -314,7 +314,7 @@ impl Manager {
     /// Capacity, hardware and NIC admission of `spec` against every other VM that holds
     /// resources; returns its NIC allocations (keeping `previous` where still free).
     fn admit_locked(&self, t: &Table, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
-        Self::check_image_staying(t, spec)?;
+        self.check_image_staying(t, spec)?;
         let held: Vec<&VmRecord> = t.vms.values().filter(|r| r.reserved && r.spec.name != spec.name).collect();
         // A VM changed without a restart holds what its live QEMU was started with too (also
         // while it is being stopped for the restart): devices, CPUs, memory and addresses.
