@@ -93,6 +93,8 @@ pub struct Manager {
     backups: crate::backup::Backups,
     /// What QEMU read of images without a record, by name, with the file version it read.
     image_probes: Mutex<ImageProbes>,
+    /// Disk space held by running imports, snapshots and exports ([`crate::disk::reserve`]).
+    reservations: crate::disk::reserve::Ledger,
 }
 
 /// Format and virtual size of unrecorded images, by name, with the file version read.
@@ -173,6 +175,7 @@ impl Manager {
             qmp_sessions: Arc::default(),
             images,
             image_probes: Mutex::default(),
+            reservations: crate::disk::reserve::Ledger::default(),
             backups: crate::backup::Backups::open(&config_for_backups),
         });
         mgr.processes.integrity().log_at_start();
