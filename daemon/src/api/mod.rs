@@ -895,12 +895,8 @@ mod tests {
         let start = doc.find("Read methods (`api::READ_METHODS`):").expect("api.md has the read methods paragraph");
         let paragraph = &doc[start..];
         let paragraph = &paragraph[..paragraph.find("Everything else").expect("the paragraph ends")];
-        let named: std::collections::BTreeSet<&str> = paragraph
-            .split('`')
-            .skip(1)
-            .step_by(2)
-            .filter(|word| ALL_METHODS.contains(word))
-            .collect();
+        let named: std::collections::BTreeSet<&str> =
+            paragraph.split('`').skip(1).step_by(2).filter(|word| ALL_METHODS.contains(word)).collect();
         let code: std::collections::BTreeSet<&str> = READ_METHODS.iter().copied().collect();
         assert_eq!(named, code, "docs/api.md's read methods differ from api::READ_METHODS");
     }

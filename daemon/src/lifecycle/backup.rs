@@ -80,7 +80,7 @@ impl Manager {
             .collect();
         let files: Vec<&Path> = disks.iter().flat_map(|d| layers(d).into_iter().map(|(p, _)| p)).collect();
         let backups = self.config.paths.backups_dir();
-        crate::blocking::run(|| crate::disk::space::check_copy_room(&backups, &files, "name"))?;
+        let _room = crate::disk::space::reserve_copy_room(&self.reservations, &backups, &files, "name")?;
         let partial = self.backups.begin(&p.name)?;
         let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
         let made = if let Some(stopped) = stopped {
@@ -219,12 +219,14 @@ impl Manager {
         }
         let files: Vec<PathBuf> = manifest.disks.iter().map(|d| dir.join(&d.file)).collect();
         let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
-        crate::blocking::run(|| crate::disk::space::check_copy_room(&import_dir, &files, "backup"))?;
+        let room = crate::disk::space::reserve_copy_room(&self.reservations, &import_dir, &files, "backup")?;
         let mut placed = Placed(Vec::new());
         for (disk, dest) in manifest.disks.iter().zip(&destinations) {
             self.copy_out(&dir, disk, dest, &spec.name)?;
             placed.0.push(dest.clone());
         }
+        // The copies are on the file system now: the create's own admission sees them there.
+        drop(room);
         let name = spec.name.clone();
         let ours = spec.clone();
         let result = self.create(spec).await;

@@ -18,6 +18,10 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 
+/// What fills the images directory fills the state directory by default: an import (a copy or
+/// a download) may take at most this share of its free space, 10 % kept.
+const PERCENT: u64 = crate::disk::space::PREALLOCATE_PERCENT;
+
 fn failed(message: String) -> ApiError {
     super::provisioning("image_import", message)
 }
@@ -132,8 +136,10 @@ impl Manager {
     /// # Errors
     /// 2001 (a bad name, sha256, source or timeout; an image QEMU cannot read or that names a
     /// backing or data file), 2003 (another sha256; nothing kept), 4093 (another image of that
-    /// name), 4040 (no source and no such image), 3002 (a local file larger than the free
-    /// space), 4090 (another import or delete of the name), 4001 (a download or file step).
+    /// name), 4040 (no source and no such image), 3002 on `source` (a local file or a download
+    /// larger than 90 % of the images directory's free space less what other imports,
+    /// snapshots and exports hold there), 4090 (another import or delete of the name), 4001
+    /// (a download or file step).
     pub async fn image_import(&self, p: ImportParams) -> Result<ImportResult, ApiError> {
         let req = crate::images::check_import(&self.config, &p.name, &p.sha256, p.source.as_deref(), p.timeout_s)?;
         let held = self.images.begin(&req.name)?;
@@ -171,13 +177,21 @@ impl Manager {
             ),
             _ => None,
         };
+        // The room it will take, reserved before a byte is written ([`crate::disk::reserve`]).
+        let room = match &req.source {
+            Source::File(from) => self.reserve_image_file(from)?,
+            _ => self.reservations.reserve_rest(&self.config.paths.images, PERCENT).map_err(|e| {
+                crate::disk::space::refusal(e, &self.config.paths.images, "the download", "source", "image_bytes")
+            })?,
+        };
+        let max_bytes = room.bytes();
         let mut temp = self
             .images
             .temp(&held, &req.name)
             .map_err(|e| failed(format!("cannot create a file in {}: {e}", self.config.paths.images.display())))?;
+        temp.hold(room);
         match &req.source {
             Source::File(from) => {
-                self.admit_image_file(from)?;
                 crate::images::copy(from, &mut temp).map_err(|e| match e.kind() {
                     std::io::ErrorKind::NotFound | std::io::ErrorKind::InvalidInput => {
                         ApiError::invalid("source", format!("cannot read {}: {e}", from.display()))
@@ -192,11 +206,6 @@ impl Manager {
                 let Some(first_hop) = first_hop else {
                     return Err(failed("a URL import without its checked address".into()));
                 };
-                let space = crate::disk::space::FsSpace::of(&self.config.paths.images).map_err(|e| {
-                    failed(format!("cannot read the free space of {}: {e}", self.config.paths.images.display()))
-                })?;
-                // What fills the images directory fills the state directory by default: 10 % kept.
-                let max_bytes = space.free / 10 * 9;
                 crate::images::download::fetch(
                     &self.config.images.curl,
                     self.config.qemu_user,
@@ -335,27 +344,19 @@ impl Manager {
         Ok((info.format, info.virtual_size))
     }
 
-    /// 3002 on `source` when the file at `from` is larger than the images' free space.
-    fn admit_image_file(&self, from: &std::path::Path) -> Result<(), ApiError> {
-        let Ok(meta) = crate::blocking::run(|| std::fs::metadata(from)) else { return Ok(()) };
-        let space = crate::disk::space::FsSpace::of(&self.config.paths.images).map_err(|e| {
-            failed(format!("cannot read the free space of {}: {e}", self.config.paths.images.display()))
-        })?;
-        if meta.len() > space.free {
-            return Err(ApiError::new(
-                Code::CapacityExceeded,
-                format!(
-                    "{} is {} bytes; {} has {} bytes free",
-                    from.display(),
-                    meta.len(),
-                    self.config.paths.images.display(),
-                    space.free
-                ),
-            )
-            .field("source")
-            .details(json!({ "resource": "image_bytes", "requested": meta.len(), "available": space.free })));
-        }
-        Ok(())
+    /// Reserves room for a copy of the file at `from` in the images directory: its size, with
+    /// [`PERCENT`] of the free space the most it may take next to what other operations hold
+    /// there, the margin a download keeps. An unreadable file reserves nothing (its copy then
+    /// fails with the reason).
+    ///
+    /// # Errors
+    /// 3002 on `source` (`resource: image_bytes`); 4001 when the free space cannot be read.
+    fn reserve_image_file(&self, from: &std::path::Path) -> Result<crate::disk::reserve::Reservation, ApiError> {
+        let len = crate::blocking::run(|| std::fs::metadata(from)).map_or(0, |m| m.len());
+        let images = &self.config.paths.images;
+        self.reservations
+            .reserve(images, len, PERCENT)
+            .map_err(|e| crate::disk::space::refusal(e, images, &from.display().to_string(), "source", "image_bytes"))
     }
 
     fn record_image(&self, held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), ApiError> {
