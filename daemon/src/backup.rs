@@ -371,6 +371,70 @@ mod tests {
     }
 
     #[test]
+    fn a_manifest_without_a_root_disk_cannot_take_a_staged_disk_or_an_image() {
+        let mut m = manifest();
+        m.disks.remove(0);
+        m.spec.boot = crate::api::BootSpec { kernel: Some("/boot/vmlinuz".into()), ..Default::default() };
+        let json = serde_json::to_vec(&m).unwrap();
+        assert_eq!(parse_manifest(&json), Ok(m.clone()), "a kernel VM has no root disk");
+        for boot in [
+            crate::api::BootSpec { disk: Some("other-root.qcow2".into()), ..Default::default() },
+            crate::api::BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(1), ..Default::default() },
+        ] {
+            let mut m = m.clone();
+            m.spec.boot = boot;
+            let (code, why) = parse_manifest(&serde_json::to_vec(&m).unwrap()).unwrap_err();
+            assert_eq!(code, Code::ChecksumMismatch, "{why}");
+            assert!(why.contains("has no root disk"), "{why}");
+        }
+        // With its root disk, the import names boot.disk itself.
+        let mut m = manifest();
+        m.spec.boot = crate::api::BootSpec { disk: Some("other-root.qcow2".into()), ..Default::default() };
+        assert!(parse_manifest(&serde_json::to_vec(&m).unwrap()).is_ok());
+        assert_eq!(parse_manifest(&vec![b' '; MAX_MANIFEST as usize + 1]).unwrap_err().0, Code::InvalidSpec);
+        assert_eq!(parse_manifest(b"{}").unwrap_err().0, Code::InvalidSpec);
+    }
+
+    /// A backups directory with backup `v-1` whose `manifest.json` is made by `make`.
+    fn backups_with(make: impl FnOnce(&Path)) -> (tempfile::TempDir, Backups) {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = crate::validate::tests::config();
+        c.paths.state = d.path().to_path_buf();
+        let dir = c.paths.backups_dir().join("v-1");
+        std::fs::create_dir_all(&dir).unwrap();
+        make(&dir.join("manifest.json"));
+        let backups = Backups::open(&c);
+        (d, backups)
+    }
+
+    #[test]
+    fn a_manifest_that_is_a_fifo_is_refused_at_once() {
+        let (_d, backups) = backups_with(|p| nix::unistd::mkfifo(p, nix::sys::stat::Mode::S_IRWXU).unwrap());
+        // A plain open would wait for a writer forever: the call runs in a thread and must end.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(backups.read("v-1")).unwrap());
+        let e = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("no hang on a FIFO").unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::ChecksumMismatch, Some("backup")), "{e:?}");
+        assert!(e.message.contains("a FIFO, not a regular file"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_manifest_that_is_a_symlink_or_a_directory_is_refused() {
+        let real = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(real.path(), serde_json::to_vec(&manifest()).unwrap()).unwrap();
+        let target = real.path().to_path_buf();
+        let (_d, backups) = backups_with(|p| std::os::unix::fs::symlink(&target, p).unwrap());
+        let e = backups.read("v-1").unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::ChecksumMismatch, Some("backup")), "{e:?}");
+        assert!(e.message.contains("a symbolic link"), "{}", e.message);
+        let (_d, backups) = backups_with(|p| std::fs::create_dir(p).unwrap());
+        assert_eq!(backups.read("v-1").unwrap_err().code, Code::ChecksumMismatch);
+        // The same manifest as a file is read.
+        let (_d, backups) = backups_with(|p| std::fs::copy(&target, p).map(drop).unwrap());
+        assert_eq!(backups.read("v-1").unwrap().1, manifest());
+    }
+
+    #[test]
     fn a_backup_is_in_place_whole_or_not_at_all() {
         let d = tempfile::tempdir().unwrap();
         let mut c = crate::validate::tests::config();
