@@ -220,9 +220,18 @@ fn a_backup_is_untrusted_input_and_a_refused_one_changes_nothing() {
     // A data disk whose header names a host file as its backing file: 2003, nothing made.
     let backed = work.path().join("backed.qcow2");
     qcow2(&backed, "1G", Some(&secret));
-    forge_backup(&host, "backed-1", disk_spec(&host, "bk", logs.clone(), ""), &[("data", "logs", "qcow2", &backed, None)]);
+    forge_backup(
+        &host,
+        "backed-1",
+        disk_spec(&host, "bk", logs.clone(), ""),
+        &[("data", "logs", "qcow2", &backed, None)],
+    );
     let (code, e) = host.call_err("vm.import", json!({ "backup": "backed-1" }));
-    assert_eq!((code, e.field.as_deref(), e.details["file"].as_str()), (2003, Some("backup"), Some("logs.qcow2")), "{e:?}");
+    assert_eq!(
+        (code, e.field.as_deref(), e.details["file"].as_str()),
+        (2003, Some("backup"), Some("logs.qcow2")),
+        "{e:?}"
+    );
     assert!(e.message.contains(&format!("backing file {:?}", secret.display().to_string())), "{}", e.message);
     assert_eq!(host.call_err("vm.get", json!({ "name": "bk" })).0, 4040);
     assert!(!host.state().join("kept-disks").join("bk").exists(), "its kept-disks directory goes too");
@@ -243,7 +252,12 @@ fn a_backup_is_untrusted_input_and_a_refused_one_changes_nothing() {
     // Declared qcow2, a raw file: 2003.
     let plain = work.path().join("plain.raw");
     std::fs::write(&plain, vec![0u8; 1 << 20]).unwrap();
-    forge_backup(&host, "fake-1", disk_spec(&host, "fake", logs.clone(), ""), &[("data", "logs", "qcow2", &plain, None)]);
+    forge_backup(
+        &host,
+        "fake-1",
+        disk_spec(&host, "fake", logs.clone(), ""),
+        &[("data", "logs", "qcow2", &plain, None)],
+    );
     assert_eq!(host.call_err("vm.import", json!({ "backup": "fake-1" })).0, 2003);
 
     // A failed import with a root disk, the import directory empty before: its copy goes, the
@@ -269,7 +283,8 @@ fn a_backup_is_untrusted_input_and_a_refused_one_changes_nothing() {
     // Without a root disk, a spec naming a disk staged for another VM: 2003, the disk stays.
     let staged = import.join("staged.qcow2");
     qcow2(&staged, "1M", None);
-    let thief = json!({"name": "thief", "cpu": 1, "memory_mib": 64, "state": "stopped", "boot": {"disk": "staged.qcow2"}});
+    let thief =
+        json!({"name": "thief", "cpu": 1, "memory_mib": 64, "state": "stopped", "boot": {"disk": "staged.qcow2"}});
     forge_backup(&host, "thief-1", thief, &[]);
     let (code, e) = host.call_err("vm.import", json!({ "backup": "thief-1" }));
     assert_eq!((code, e.field.as_deref()), (2003, Some("backup")), "{e:?}");

@@ -32,12 +32,17 @@ pub fn manifest_bytes(data: &[u8]) {
     let roots = manifest.disks.iter().filter(|d| d.role == DiskRole::Root).count();
     assert!(roots <= 1, "at most one root disk");
     if roots == 0 {
-        assert!(manifest.spec.boot.disk.is_none() && manifest.spec.boot.image.is_none(), "a root-less VM boots no disk");
+        assert!(
+            manifest.spec.boot.disk.is_none() && manifest.spec.boot.image.is_none(),
+            "a root-less VM boots no disk"
+        );
     }
     let data_disks = manifest.disks.iter().filter(|d| d.role == DiskRole::Data).count();
     assert_eq!(data_disks, manifest.spec.disks.len(), "the spec's data disks, each once");
-    let written = serde_json::to_vec_pretty(&manifest).unwrap_or_else(|e| panic!("an accepted manifest serializes: {e}"));
-    let again = parse_manifest(&written).unwrap_or_else(|(c, e)| panic!("accepted once, refused written back: {c:?} {e}"));
+    let written =
+        serde_json::to_vec_pretty(&manifest).unwrap_or_else(|e| panic!("an accepted manifest serializes: {e}"));
+    let again =
+        parse_manifest(&written).unwrap_or_else(|(c, e)| panic!("accepted once, refused written back: {c:?} {e}"));
     assert_eq!(again, manifest);
 }
 
