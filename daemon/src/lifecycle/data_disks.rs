@@ -153,6 +153,13 @@ impl Manager {
             }
             move_disk(&kept, &file)?;
             tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
+            // The last one taken back leaves no empty `kept-disks/NAME/` (an undo makes it
+            // again); others kept there keep it.
+            if let Err(e) = crate::blocking::run(|| std::fs::remove_dir(&paths.kept_dir)) {
+                if e.raw_os_error() != Some(libc::ENOTEMPTY) {
+                    tracing::warn!(dir = %paths.kept_dir.display(), error = %e, "left an empty kept-disks directory");
+                }
+            }
             self.crashpoint("data_disk:reclaimed");
             crate::disk::data::grow(&self.disk_tool(), &file, disk)
                 .await
