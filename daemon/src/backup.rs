@@ -93,40 +93,99 @@ impl Backups {
 
     /// The directory of backup `backup` and its manifest.
     ///
+    /// `manifest.json` is opened without following a symbolic link and without blocking (a
+    /// FIFO would otherwise hang the call until something wrote to it), and must be a regular
+    /// file, checked on the descriptor opened.
+    ///
     /// # Errors
     /// 2001 on `backup` (not a plain name), 4040 (no such backup), 2001 on `backup` for a
-    /// manifest that cannot be read, is not a vmhost backup of version 1, or names files its
-    /// disks would not have.
+    /// manifest that cannot be read or is not a vmhost backup of version 1, 2003 on `backup`
+    /// for a `manifest.json` that is not a regular file (a symbolic link, a FIFO, a directory)
+    /// or whose content would take what is not the backup's ([`parse_manifest`]).
     pub fn read(&self, backup: &str) -> Result<(PathBuf, Manifest), ApiError> {
         if !crate::images::is_image_name(backup) {
             return Err(ApiError::invalid("backup", format!("{backup:?} is not a backup's directory name")));
         }
         let dir = self.dir.join(backup);
         let path = dir.join("manifest.json");
-        let bytes = crate::blocking::run(|| {
-            use std::io::Read;
-            use std::os::unix::fs::OpenOptionsExt;
-            let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path)?;
-            let mut bytes = Vec::new();
-            f.take(MAX_MANIFEST + 1).read_to_end(&mut bytes)?;
-            Ok::<_, std::io::Error>(bytes)
-        })
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ApiError::new(
-                Code::NotFound,
-                format!("no backup {backup:?} in {} (no manifest.json)", self.dir.display()),
-            )
-            .field("backup"),
-            _ => ApiError::invalid("backup", format!("cannot read {}: {e}", path.display())),
+        let not_a_file = |what: &str| {
+            ApiError::new(Code::ChecksumMismatch, format!("{} is {what}, not a regular file", path.display()))
+                .field("backup")
+                .details(serde_json::json!({ "file": "manifest.json" }))
+        };
+        let read = crate::blocking::run(|| read_manifest_file(&path));
+        let bytes = match read {
+            Ok(ManifestFile::Bytes(bytes)) => bytes,
+            Ok(ManifestFile::NotRegular(what)) => return Err(not_a_file(what)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ApiError::new(
+                    Code::NotFound,
+                    format!("no backup {backup:?} in {} (no manifest.json)", self.dir.display()),
+                )
+                .field("backup"))
+            }
+            // O_NOFOLLOW on a symbolic link.
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(not_a_file("a symbolic link")),
+            Err(e) => return Err(ApiError::invalid("backup", format!("cannot read {}: {e}", path.display()))),
+        };
+        let manifest = parse_manifest(&bytes).map_err(|(code, why)| {
+            ApiError::new(code, format!("{}: {why}", path.display()))
+                .field("backup")
+                .details(serde_json::json!({ "file": "manifest.json" }))
         })?;
-        if bytes.len() as u64 > MAX_MANIFEST {
-            return Err(ApiError::invalid("backup", format!("{} is larger than {MAX_MANIFEST} bytes", path.display())));
-        }
-        let manifest: Manifest = serde_json::from_slice(&bytes)
-            .map_err(|e| ApiError::invalid("backup", format!("{} is not a backup manifest: {e}", path.display())))?;
-        check(&manifest).map_err(|why| ApiError::invalid("backup", format!("{}: {why}", path.display())))?;
         Ok((dir, manifest))
     }
+}
+
+/// What opening `manifest.json` found.
+enum ManifestFile {
+    /// A regular file's first [`MAX_MANIFEST`] + 1 bytes.
+    Bytes(Vec<u8>),
+    /// Something else, named.
+    NotRegular(&'static str),
+}
+
+/// Opens `path` with `O_NOFOLLOW | O_NONBLOCK` (a symbolic link is `ELOOP`, a FIFO opens at
+/// once) and reads it if the descriptor is a regular file's.
+fn read_manifest_file(path: &Path) -> std::io::Result<ManifestFile> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)?;
+    let kind = f.metadata()?.file_type();
+    if !kind.is_file() {
+        use std::os::unix::fs::FileTypeExt;
+        let what = if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_dir() {
+            "a directory"
+        } else if kind.is_socket() {
+            "a socket"
+        } else {
+            "a device"
+        };
+        return Ok(ManifestFile::NotRegular(what));
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_MANIFEST + 1).read_to_end(&mut bytes)?;
+    Ok(ManifestFile::Bytes(bytes))
+}
+
+/// `manifest.json`'s bytes as a manifest vmhost imports: at most [`MAX_MANIFEST`] bytes of
+/// the closed [`Manifest`], checked ([`check`]). Pure: the fuzz target `manifest` drives it.
+///
+/// # Errors
+/// The code and why: [`Code::InvalidSpec`] (2001) for what is not a vmhost backup manifest of
+/// version 1 or is inconsistent in itself, [`Code::ChecksumMismatch`] (2003) for a manifest
+/// whose content would take a file that is not the backup's.
+pub fn parse_manifest(bytes: &[u8]) -> Result<Manifest, (Code, String)> {
+    if bytes.len() as u64 > MAX_MANIFEST {
+        return Err((Code::InvalidSpec, format!("larger than {MAX_MANIFEST} bytes")));
+    }
+    let manifest: Manifest =
+        serde_json::from_slice(bytes).map_err(|e| (Code::InvalidSpec, format!("not a backup manifest: {e}")))?;
+    check(&manifest).map_err(|why| (Code::InvalidSpec, why))?;
+    check_takes_only_its_own(&manifest).map_err(|why| (Code::ChecksumMismatch, why))?;
+    Ok(manifest)
 }
 
 /// What a manifest must hold to be read: the format and version, one root disk at most, the
@@ -157,6 +216,23 @@ fn check(m: &Manifest) -> Result<(), String> {
         if d.sha256.len() != 64 || !d.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(format!("disk {:?} has no sha256", d.name));
         }
+    }
+    Ok(())
+}
+
+/// A backup's VM boots from what the backup holds: its root disk (which the import names
+/// `boot.disk` itself), or a kernel. A manifest without a root disk whose spec names
+/// `boot.disk` or `boot.image` would have the import take a disk staged in `paths.import` for
+/// another VM, or an image of this host, that no backup checksum covers.
+fn check_takes_only_its_own(m: &Manifest) -> Result<(), String> {
+    if m.disks.iter().any(|d| d.role == DiskRole::Root) {
+        return Ok(());
+    }
+    if let Some(disk) = &m.spec.boot.disk {
+        return Err(format!("the backup has no root disk, but its spec boots from boot.disk {disk:?}"));
+    }
+    if let Some(image) = &m.spec.boot.image {
+        return Err(format!("the backup has no root disk, but its spec boots from boot.image {image:?}"));
     }
     Ok(())
 }
@@ -292,6 +368,70 @@ mod tests {
         let mut m = manifest();
         m.disks[1].sha256 = "zz".into();
         assert!(check(&m).is_err());
+    }
+
+    #[test]
+    fn a_manifest_without_a_root_disk_cannot_take_a_staged_disk_or_an_image() {
+        let mut m = manifest();
+        m.disks.remove(0);
+        m.spec.boot = crate::api::BootSpec { kernel: Some("/boot/vmlinuz".into()), ..Default::default() };
+        let json = serde_json::to_vec(&m).unwrap();
+        assert_eq!(parse_manifest(&json), Ok(m.clone()), "a kernel VM has no root disk");
+        for boot in [
+            crate::api::BootSpec { disk: Some("other-root.qcow2".into()), ..Default::default() },
+            crate::api::BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(1), ..Default::default() },
+        ] {
+            let mut m = m.clone();
+            m.spec.boot = boot;
+            let (code, why) = parse_manifest(&serde_json::to_vec(&m).unwrap()).unwrap_err();
+            assert_eq!(code, Code::ChecksumMismatch, "{why}");
+            assert!(why.contains("has no root disk"), "{why}");
+        }
+        // With its root disk, the import names boot.disk itself.
+        let mut m = manifest();
+        m.spec.boot = crate::api::BootSpec { disk: Some("other-root.qcow2".into()), ..Default::default() };
+        assert!(parse_manifest(&serde_json::to_vec(&m).unwrap()).is_ok());
+        assert_eq!(parse_manifest(&vec![b' '; MAX_MANIFEST as usize + 1]).unwrap_err().0, Code::InvalidSpec);
+        assert_eq!(parse_manifest(b"{}").unwrap_err().0, Code::InvalidSpec);
+    }
+
+    /// A backups directory with backup `v-1` whose `manifest.json` is made by `make`.
+    fn backups_with(make: impl FnOnce(&Path)) -> (tempfile::TempDir, Backups) {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = crate::validate::tests::config();
+        c.paths.state = d.path().to_path_buf();
+        let dir = c.paths.backups_dir().join("v-1");
+        std::fs::create_dir_all(&dir).unwrap();
+        make(&dir.join("manifest.json"));
+        let backups = Backups::open(&c);
+        (d, backups)
+    }
+
+    #[test]
+    fn a_manifest_that_is_a_fifo_is_refused_at_once() {
+        let (_d, backups) = backups_with(|p| nix::unistd::mkfifo(p, nix::sys::stat::Mode::S_IRWXU).unwrap());
+        // A plain open would wait for a writer forever: the call runs in a thread and must end.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(backups.read("v-1")).unwrap());
+        let e = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("no hang on a FIFO").unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::ChecksumMismatch, Some("backup")), "{e:?}");
+        assert!(e.message.contains("a FIFO, not a regular file"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_manifest_that_is_a_symlink_or_a_directory_is_refused() {
+        let real = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(real.path(), serde_json::to_vec(&manifest()).unwrap()).unwrap();
+        let target = real.path().to_path_buf();
+        let (_d, backups) = backups_with(|p| std::os::unix::fs::symlink(&target, p).unwrap());
+        let e = backups.read("v-1").unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::ChecksumMismatch, Some("backup")), "{e:?}");
+        assert!(e.message.contains("a symbolic link"), "{}", e.message);
+        let (_d, backups) = backups_with(|p| std::fs::create_dir(p).unwrap());
+        assert_eq!(backups.read("v-1").unwrap_err().code, Code::ChecksumMismatch);
+        // The same manifest as a file is read.
+        let (_d, backups) = backups_with(|p| std::fs::copy(&target, p).map(drop).unwrap());
+        assert_eq!(backups.read("v-1").unwrap().1, manifest());
     }
 
     #[test]

@@ -14,7 +14,8 @@ use crate::validate::requested_devices;
 use serde_json::json;
 use std::collections::BTreeMap;
 
-/// What one VM holds on the host.
+/// What one VM holds on the host. A VM may hold by two specs at once (a change waiting for a
+/// restart: the spec its QEMU runs and the recorded one), as two holdings of the same name.
 #[derive(Debug, Clone, Copy)]
 pub struct Holding<'a> {
     /// VM name.
@@ -33,13 +34,20 @@ pub struct Used {
 }
 
 impl Used {
-    /// What `holdings` hold together.
+    /// What `holdings` hold together. Holdings of the same VM (its running spec and a pending
+    /// change) count once, each resource at the larger of them: the running QEMU has one,
+    /// the restart will need the other, never both at once.
     pub fn of<'a>(holdings: impl IntoIterator<Item = &'a Holding<'a>>) -> Used {
-        let mut used = Used::default();
+        let mut by_vm: BTreeMap<&str, Used> = BTreeMap::new();
         for h in holdings {
-            used.add(h.spec);
+            let vm = by_vm.entry(h.name).or_default();
+            vm.cpu = vm.cpu.max(u64::from(h.spec.cpu));
+            vm.memory_mib = vm.memory_mib.max(h.spec.memory_mib);
         }
-        used
+        by_vm.values().fold(Used::default(), |sum, vm| Used {
+            cpu: sum.cpu.saturating_add(vm.cpu),
+            memory_mib: sum.memory_mib.saturating_add(vm.memory_mib),
+        })
     }
 
     /// Counts `spec` in.
@@ -269,6 +277,47 @@ mod tests {
         let mut c = spec("c");
         c.hardware.sfp = vec![5];
         assert_eq!(admit(&hw, &hold(&held), &c).unwrap_err().details["conflicts"][0]["holder"], "b");
+    }
+
+    #[test]
+    fn a_pending_change_holds_the_larger_of_the_two_specs_not_their_sum() {
+        // 6 CPUs and 12288 MiB to hand out.
+        let hw = config().hardware;
+        let with = |name: &str, cpu: u32, memory_mib: u64| {
+            let mut s = spec(name);
+            s.cpu = cpu;
+            s.memory_mib = memory_mib;
+            s
+        };
+        let pair = |running: &VmSpec, pending: &VmSpec| -> Used {
+            Used::of(&[Holding { name: "a", spec: running }, Holding { name: "a", spec: pending }])
+        };
+        let running = with("a", 2, 2048);
+        assert_eq!(pair(&running, &running), Used { cpu: 2, memory_mib: 2048 }, "the same spec twice holds it once");
+        assert_eq!(pair(&running, &with("a", 4, 1024)), Used { cpu: 4, memory_mib: 2048 });
+        assert_eq!(pair(&running, &with("a", 1, 4096)), Used { cpu: 2, memory_mib: 4096 });
+        assert_eq!(pair(&with("a", 4, 4096), &running), Used { cpu: 4, memory_mib: 4096 }, "either order");
+        // Another VM counts in full next to it.
+        let other = with("b", 1, 512);
+        let held = [running.clone(), with("a", 3, 1024), other.clone()];
+        let holdings: Vec<Holding<'_>> = held
+            .iter()
+            .map(|s| Holding { name: "a", spec: s })
+            .take(2)
+            .chain(std::iter::once(Holding { name: "b", spec: &other }))
+            .collect();
+        assert_eq!(Used::of(&holdings), Used { cpu: 4, memory_mib: 2560 });
+        // Admission: a (2 running, 3 pending) and b (1) leave 2 CPUs, not 0.
+        assert!(admit(&hw, &holdings, &with("c", 2, 1024)).is_ok());
+        let e = admit(&hw, &holdings, &with("c", 3, 1024)).unwrap_err();
+        assert_eq!((e.field.as_deref(), e.details["available"].as_u64()), (Some("spec.cpu"), Some(2)));
+        let e = admit(&hw, &holdings, &with("c", 1, 12288 - 2560 + 1)).unwrap_err();
+        assert_eq!(
+            (e.field.as_deref(), e.details["available"].as_u64()),
+            (Some("spec.memory_mib"), Some(12288 - 2560))
+        );
+        // The VM itself changed again: its own holdings are not counted against it.
+        assert!(admit(&hw, &holdings, &with("a", 5, 1024)).is_ok());
     }
 
     #[test]

@@ -318,11 +318,19 @@ pub struct ImagesConfig {
     /// The TCP ports a download may connect to (Landlock allows the spawner only these, and
     /// only curl; QEMU connects to none).
     pub download_ports: Vec<u16>,
+    /// Which non-public addresses (loopback, private, link-local, ...) a URL import may reach:
+    /// none by default, all with `true`, or a list of networks
+    /// ([`crate::images::address::AllowPrivate`]).
+    pub allow_private: crate::images::address::AllowPrivate,
 }
 
 impl Default for ImagesConfig {
     fn default() -> Self {
-        ImagesConfig { curl: PathBuf::from("/usr/bin/curl"), download_ports: vec![80, 443] }
+        ImagesConfig {
+            curl: PathBuf::from("/usr/bin/curl"),
+            download_ports: vec![80, 443],
+            allow_private: crate::images::address::AllowPrivate::No,
+        }
     }
 }
 
@@ -855,6 +863,44 @@ reserved_memory_gib = 8
         Config::parse(t, Path::new("/etc/vmhost/vmhostd.toml"))
     }
 
+    /// docs/config.md's table of example errors shows what the daemon prints: each of these
+    /// configs' error, after `FILE: `, is in the table verbatim (the "unknown section" row once
+    /// listed seven of the twelve sections).
+    #[test]
+    fn config_md_example_errors_are_the_real_ones() {
+        let doc = include_str!("../../docs/config.md");
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let cases = [
+            "[hardwre]\n".to_string(),
+            format!("{hw}colour = 1\n"),
+            format!("sandbox = \"on\"\n{hw}"),
+            format!("seccomp = \"kill\"\n{hw}"),
+            format!("[qemu]\naccel = \"hvf\"\n{hw}"),
+            "[hardware]\ncpu = \"four\"\nmemory_gib = 8\n".to_string(),
+            "[hardware]\ncpu = -1\nmemory_gib = 8\n".to_string(),
+            "[hardware]\ncpu = 0\nmemory_gib = 8\n".to_string(),
+            "[hardware]\ncpu = 4\n".to_string(),
+            "[hardware]\ncpu = 4\nmemory_gib = 8\nreserved_memory_gib = 8\n".to_string(),
+            format!("[paths]\nstate = \"var/lib/vmhost\"\n{hw}"),
+            format!("[access]\nsocket_mode = \"0999\"\n{hw}"),
+            format!("[access]\nsocket_mode = 660\n{hw}"),
+            format!("[qemu]\nlaunch_timeout_s = 0\n{hw}"),
+            format!("{hw}[hardware.sfp]\nfive = \"0000:ca:00.0\"\n"),
+            format!("{hw}[hardware.sfp]\n5 = \"ca:00\"\n"),
+            format!("{hw}[networks.lan]\nsubnet = \"10.0.0.0/24\"\n"),
+            format!("{hw}[networks.LAN]\nbridge = \"br0\"\n"),
+        ];
+        for config in cases {
+            let error = parse(&config).expect_err(&config).to_string();
+            let shown = error.lines().next().unwrap_or_default();
+            let shown = shown.strip_prefix("/etc/vmhost/vmhostd.toml: ").unwrap_or(shown);
+            // Markdown needs a space between a code span's last backtick and the closing ``.
+            let pad = if shown.ends_with('`') { " " } else { "" };
+            let cell = format!("``{shown}{pad}``");
+            assert!(doc.contains(&cell), "docs/config.md lacks the error of {config:?}: {cell}");
+        }
+    }
+
     fn key_error(t: &str) -> (String, String) {
         match parse(t) {
             Err(ConfigError::Key { key, problem, .. }) => (key, problem),
@@ -1053,6 +1099,15 @@ reserved_memory_gib = 8
         );
         assert_eq!(key_error(&format!("[images]\ncurl = \"curl\"\n{hw}")).0, "images.curl");
         assert_eq!(key_error(&format!("[images]\ndownload_ports = [0]\n{hw}")).0, "images.download_ports");
+        use crate::images::address::{AllowPrivate, Network};
+        assert_eq!(c.images.allow_private, AllowPrivate::No, "public addresses only by default");
+        let c = parse(&format!("[images]\nallow_private = true\n{hw}")).unwrap();
+        assert_eq!(c.images.allow_private, AllowPrivate::All);
+        let c = parse(&format!("[images]\nallow_private = [\"10.1.0.0/16\", \"fd00::/8\"]\n{hw}")).unwrap();
+        let nets = vec![Network::parse("10.1.0.0/16").unwrap(), Network::parse("fd00::/8").unwrap()];
+        assert_eq!(c.images.allow_private, AllowPrivate::Networks(nets));
+        assert!(parse(&format!("[images]\nallow_private = [\"10.1.0.1/16\"]\n{hw}")).is_err());
+        assert!(parse(&format!("[images]\nallow_private = \"yes\"\n{hw}")).is_err());
     }
 
     #[test]

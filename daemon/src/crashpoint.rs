@@ -31,3 +31,56 @@ pub fn hit(run: &Path, step: &str) {
 #[cfg(not(debug_assertions))]
 #[inline(always)]
 pub fn hit(_run: &Path, _step: &str) {}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    /// The step names the code passes to a crash point: the string literal after
+    /// `crashpoint("` or after `hit(&...run, "` in every source file; the numbered ones
+    /// (`vfio:bound:N`) by their prefix.
+    fn steps_in(dir: &Path, out: &mut BTreeSet<String>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                steps_in(&path, out);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for marker in ["crashpoint(\"", "paths.run, \"", "numbered_crashpoint(self.config.paths.run.clone(), \""] {
+                for piece in text.split(marker).skip(1) {
+                    let step = &piece[..piece.find('"').unwrap()];
+                    let name = |c: char| c.is_ascii_lowercase() || "_:-".contains(c);
+                    if step.contains(':') && step.chars().all(name) {
+                        out.insert(step.to_string());
+                    }
+                }
+            }
+        }
+    }
+
+    /// docs/lifecycle.md's crash point table, the one list operators and test writers read,
+    /// names every crash point the code has and no other.
+    #[test]
+    fn lifecycle_md_lists_every_crash_point() {
+        let mut code = BTreeSet::new();
+        steps_in(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut code);
+        let code: BTreeSet<String> =
+            code.into_iter().map(|s| if s.starts_with("vfio:") { format!("{s}:N") } else { s }).collect();
+        let doc = include_str!("../../docs/lifecycle.md");
+        let start = doc.find("## Crash points (tests only)").unwrap();
+        let section = &doc[start..];
+        let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+        let listed: BTreeSet<String> = section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split('`').next())
+            .map(str::to_string)
+            .collect();
+        assert_eq!(listed, code, "docs/lifecycle.md's crash point table differs from the code's crash points");
+    }
+}

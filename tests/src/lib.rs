@@ -167,6 +167,8 @@ pub struct TestHost {
     /// Start the daemon without `CAP_SYS_PTRACE` in its bounding set, as the packaged unit
     /// does (the tests otherwise run it as root with every capability).
     pub without_ptrace: bool,
+    /// A file the daemon sees as `/etc/hosts` (bound over it in a mount namespace of its own).
+    pub hosts: Option<PathBuf>,
     daemon: Option<Child>,
 }
 
@@ -201,6 +203,9 @@ pub struct HostOptions {
     /// Boot directories (`paths.boot`) besides the host's images dir and the test guest's
     /// `target/guest`, for tests that boot kernels from elsewhere.
     pub boot_dirs: Vec<PathBuf>,
+    /// The daemon's `/etc/hosts`: these lines, bound over the host's file in a mount namespace
+    /// of the daemon's own (its resolver, the test's names), when not `None`.
+    pub hosts: Option<String>,
 }
 
 impl Default for HostOptions {
@@ -219,6 +224,7 @@ impl Default for HostOptions {
             cpu_model: String::new(),
             qemu_extra: String::new(),
             boot_dirs: Vec::new(),
+            hosts: None,
         }
     }
 }
@@ -282,7 +288,14 @@ reserved_memory_gib = 1
             assert!(st.success(), "ip netns add {name} failed");
             name
         });
-        let mut host = TestHost { dir, config, socket, netns, env: opts.env, without_ptrace: false, daemon: None };
+        let hosts = opts.hosts.map(|lines| {
+            let file = d.join("hosts");
+            fs::write(&file, lines).expect("write hosts file");
+            fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).expect("chmod hosts file");
+            file
+        });
+        let mut host =
+            TestHost { dir, config, socket, netns, env: opts.env, without_ptrace: false, hosts, daemon: None };
         host.spawn_daemon();
         host
     }
@@ -331,6 +344,24 @@ reserved_memory_gib = 1
             unsafe {
                 std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
                     nix::sched::setns(&nsfile, nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+                });
+            }
+        }
+        if let Some(hosts) = &self.hosts {
+            let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("a path without NUL");
+            let (source, target, root) = (c(hosts), c(Path::new("/etc/hosts")), c(Path::new("/")));
+            // SAFETY: unshare and mount are async-signal-safe; the strings were made before the fork.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    let none = std::ptr::null();
+                    if libc::unshare(libc::CLONE_NEWNS) != 0
+                        || libc::mount(none, root.as_ptr(), none, libc::MS_REC | libc::MS_PRIVATE, std::ptr::null())
+                            != 0
+                        || libc::mount(source.as_ptr(), target.as_ptr(), none, libc::MS_BIND, std::ptr::null()) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
                 });
             }
         }
@@ -651,13 +682,50 @@ pub fn overlay_ino(host: &TestHost, name: &str) -> u64 {
 /// until the test process ends; any other path is a 404. Returns the port. For `image.import`
 /// from a URL: the port goes into the daemon's `[images] download_ports` before it starts.
 pub fn serve_http(files: Vec<(String, PathBuf)>) -> u16 {
+    serve_routes("127.0.0.1", files.into_iter().map(|(p, f)| (p, Reply::File(f))).collect()).port
+}
+
+/// What [`serve_routes`] answers on a path.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// 200 with the file's content.
+    File(PathBuf),
+    /// 302 to this `Location`.
+    Redirect(String),
+    /// 200 with the file's content, of which only the first half until the flag is set.
+    Held(PathBuf, std::sync::Arc<std::sync::atomic::AtomicBool>),
+}
+
+/// A server of [`serve_routes`].
+#[derive(Debug, Clone)]
+pub struct Served {
+    /// Its port.
+    pub port: u16,
+    /// Every request target it got (path and query), in order.
+    pub requests: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Served {
+    /// The request targets so far.
+    pub fn requests(&self) -> Vec<String> {
+        self.requests.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+}
+
+/// Serves `routes` (URL path without the query → reply) over HTTP/1.0 on `addr` (a loopback
+/// address: 127.0.0.1, 127.0.0.2, ...) on a new port until the test process ends; any other
+/// path is a 404.
+pub fn serve_routes(addr: &str, routes: Vec<(String, Reply)>) -> Served {
     use std::io::{BufRead, BufReader, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    let listener = std::net::TcpListener::bind((addr, 0)).expect("bind a loopback port");
     let port = listener.local_addr().expect("local address").port();
-    let files = std::sync::Arc::new(files);
+    let files = std::sync::Arc::new(routes);
+    let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = std::sync::Arc::clone(&requests);
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
             let files = std::sync::Arc::clone(&files);
+            let log = std::sync::Arc::clone(&log);
             std::thread::spawn(move || {
                 let mut reader = BufReader::new(&stream);
                 let mut request = String::new();
@@ -669,21 +737,37 @@ pub fn serve_http(files: Vec<(String, PathBuf)>) -> u16 {
                 while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
                     line.clear();
                 }
-                let path = request.split_whitespace().nth(1).unwrap_or("").to_string();
+                let target = request.split_whitespace().nth(1).unwrap_or("").to_string();
+                if let Ok(mut l) = log.lock() {
+                    l.push(target.clone());
+                }
+                let path = target.split('?').next().unwrap_or("");
                 let mut out = &stream;
-                let body = files.iter().find(|(p, _)| *p == path).and_then(|(_, f)| fs::File::open(f).ok());
-                let _ = match body {
-                    Some(mut file) => {
-                        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-                        out.write_all(format!("HTTP/1.0 200 OK\r\nContent-Length: {len}\r\n\r\n").as_bytes())
-                            .and_then(|()| std::io::copy(&mut file, &mut out).map(|_| ()))
-                    }
+                let send =
+                    |out: &mut &std::net::TcpStream, file: &Path, held: Option<&std::sync::atomic::AtomicBool>| {
+                        let data = fs::read(file)?;
+                        out.write_all(format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n", data.len()).as_bytes())?;
+                        let half = if held.is_some() { data.len() / 2 } else { data.len() };
+                        out.write_all(&data[..half])?;
+                        out.flush()?;
+                        // Waiting for the test's go, not for time: the flag is set once it looked.
+                        while held.is_some_and(|h| !h.load(std::sync::atomic::Ordering::SeqCst)) {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        out.write_all(&data[half..])
+                    };
+                let _ = match files.iter().find(|(p, _)| p == path).map(|(_, r)| r) {
+                    Some(Reply::File(f)) => send(&mut out, f, None),
+                    Some(Reply::Held(f, flag)) => send(&mut out, f, Some(flag)),
+                    Some(Reply::Redirect(to)) => out.write_all(
+                        format!("HTTP/1.0 302 Found\r\nLocation: {to}\r\nContent-Length: 5\r\n\r\nmoved").as_bytes(),
+                    ),
                     None => out.write_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n"),
                 };
             });
         }
     });
-    port
+    Served { port, requests }
 }
 
 /// The sha256 of the file at `path`, lower-case hex (sha256sum).

@@ -2,11 +2,15 @@
 //! an http URL served on loopback (curl run by the spawner as QEMU's user, the only program
 //! Landlock lets connect, to the configured port), and of a file put in the images directory
 //! by hand; a wrong sha256 leaves nothing; `image.list` shows each image with its users;
-//! `image.delete` is refused while a VM boots from it; `host.check` notices a recorded image
-//! that changed.
+//! `image.delete` is refused while a VM boots from it (as its base image, or its kernel);
+//! `host.check` notices a recorded image that changed. A URL import reaches no address the
+//! host alone can reach unless `[images] allow_private` says so, also through a name or a
+//! redirect, and a URL's query string and user information stay out of argv, records and logs.
 
 use serde_json::{json, Value};
-use vmhost_tests::{boot_sector, serve_http, sha256_hex, HostOptions, TestHost};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use vmhost_tests::{boot_sector, serve_http, serve_routes, sha256_hex, HostOptions, Reply, TestHost};
 
 const BOOT: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -22,11 +26,12 @@ fn images_item(host: &TestHost) -> Value {
     check["items"].as_array().unwrap().iter().find(|i| i["name"] == "images").cloned().unwrap()
 }
 
-/// A host whose downloads may connect to the port `files` are served on, and that port.
+/// A host whose downloads may connect to the port `files` are served on (on loopback: with
+/// `allow_private`), and that port.
 fn host_serving(files: Vec<(String, std::path::PathBuf)>) -> (TestHost, u16) {
     let port = serve_http(files);
     let host = TestHost::start(HostOptions {
-        extra: format!("[images]\ndownload_ports = [{port}]\n"),
+        extra: format!("[images]\ndownload_ports = [{port}]\nallow_private = true\n"),
         ..HostOptions::default()
     });
     (host, port)
@@ -156,4 +161,167 @@ fn a_url_is_fetched_by_curl_and_checked_and_a_failed_fetch_leaves_nothing() {
     let spec = json!({"name": "web", "cpu": 1, "memory_mib": 64, "boot": {"image": "web.raw", "disk_gib": 1}});
     host.call("vm.create", json!({ "spec": spec }));
     assert!(host.wait_serial("web", "VMHOST-DOWNLOADED", BOOT), "{}", host.serial("web"));
+}
+
+/// The raw test image served by these tests, and its sha256.
+fn served_image(dir: &std::path::Path, marker: &str) -> (std::path::PathBuf, Vec<u8>, String) {
+    let file = dir.join(format!("{marker}.raw"));
+    boot_sector::write_image(&file, &boot_sector::serial_print(marker));
+    let data = std::fs::read(&file).unwrap();
+    let sha = sha256_hex(&data);
+    (file, data, sha)
+}
+
+/// The daemon's /etc/hosts in these tests: public-looking names for loopback addresses.
+const HOSTS: &str = "127.0.0.1 localhost\n127.0.0.1 images.example.test\n127.0.0.2 internal.example.test\n";
+
+#[test]
+fn a_url_import_reaches_no_private_address_by_default_not_even_through_a_name() {
+    let served = tempfile::tempdir().unwrap();
+    let (file, _, sha) = served_image(served.path(), "VMHOST-PRIVATE");
+    let server = serve_routes("127.0.0.1", vec![("/web.raw".into(), Reply::File(file))]);
+    let port = server.port;
+    let host = TestHost::start(HostOptions {
+        extra: format!("[images]\ndownload_ports = [{port}]\n"),
+        hosts: Some(HOSTS.into()),
+        ..HostOptions::default()
+    });
+    let before = host.image_dir_entries();
+    for (url, addr) in [
+        (format!("http://127.0.0.1:{port}/web.raw"), "127.0.0.1"),
+        // A public-looking name the daemon's resolver maps to loopback (its /etc/hosts).
+        (format!("http://images.example.test:{port}/web.raw"), "127.0.0.1"),
+        (format!("http://[::1]:{port}/web.raw"), "::1"),
+        (format!("http://[::ffff:127.0.0.1]:{port}/web.raw"), "127.0.0.1"),
+        (format!("http://169.254.169.254:{port}/latest/meta-data"), "169.254.169.254"),
+    ] {
+        let (code, e) = host.call_err("image.import", json!({"name": "web.raw", "sha256": sha, "source": url}));
+        assert_eq!((code, e.field.as_deref()), (2001, Some("source")), "{url}: {e:?}");
+        assert!(e.message.contains(addr), "{url}: names the address: {e:?}");
+        assert!(e.message.contains("allow_private"), "{url}: {e:?}");
+    }
+    assert_eq!(server.requests(), Vec::<String>::new(), "nothing was fetched");
+    assert_eq!(host.image_dir_entries(), before, "no image and no temp file");
+}
+
+#[test]
+fn allowed_networks_are_reached_redirects_are_checked_and_url_secrets_stay_secret() {
+    let served = tempfile::tempdir().unwrap();
+    let (file, data, sha) = served_image(served.path(), "VMHOST-SECRET-URL");
+    let release = Arc::new(AtomicBool::new(false));
+    let inside = serve_routes("127.0.0.2", vec![("/web.raw".into(), Reply::File(file.clone()))]);
+    let server = serve_routes(
+        "127.0.0.1",
+        vec![
+            ("/web.raw".into(), Reply::File(file.clone())),
+            ("/slow.raw".into(), Reply::Held(file.clone(), Arc::clone(&release))),
+            ("/hop".into(), Reply::Redirect("/web.raw?token=secret123".into())),
+            (
+                "/inside".into(),
+                Reply::Redirect(format!("http://internal.example.test:{}/web.raw?token=secret123", inside.port)),
+            ),
+            ("/ftp".into(), Reply::Redirect("ftp://images.example.test/web.raw".into())),
+        ],
+    );
+    let port = server.port;
+    // 127.0.0.1 only: 127.0.0.2, loopback too, stays refused.
+    let host = TestHost::start(HostOptions {
+        extra: format!("[images]\ndownload_ports = [{port}, {}]\nallow_private = [\"127.0.0.1/32\"]\n", inside.port),
+        hosts: Some(HOSTS.into()),
+        ..HostOptions::default()
+    });
+    let base = format!("http://images.example.test:{port}");
+    let before = host.image_dir_entries();
+
+    // User information is refused before anything happens.
+    let with_user = format!("http://user:pw@images.example.test:{port}/web.raw");
+    let (code, e) = host.call_err("image.import", json!({"name": "a.raw", "sha256": sha, "source": with_user}));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("source")), "{e:?}");
+    // A redirect to a name of 127.0.0.2 is checked as the first URL was: refused, not fetched.
+    let (code, e) = host.call_err(
+        "image.import",
+        json!({"name": "a.raw", "sha256": sha, "source": format!("{base}/inside?token=secret123")}),
+    );
+    assert_eq!((code, e.field.as_deref()), (2001, Some("source")), "{e:?}");
+    assert!(e.message.contains("internal.example.test") && e.message.contains("127.0.0.2"), "{e:?}");
+    assert_eq!(inside.requests(), Vec::<String>::new(), "the refused redirect was not followed");
+    let (code, e) =
+        host.call_err("image.import", json!({"name": "a.raw", "sha256": sha, "source": format!("{base}/ftp")}));
+    assert_eq!((code, e.field.as_deref()), (2001, Some("source")), "only http(s) after a redirect: {e:?}");
+    // A failed download says so without the token.
+    let (code, e) = host.call_err(
+        "image.import",
+        json!({"name": "a.raw", "sha256": sha, "source": format!("{base}/missing.raw?token=secret123")}),
+    );
+    assert_eq!((code, e.details["step"].as_str()), (4001, Some("download")), "{e:?}");
+    assert!(e.message.contains("404") && e.message.contains("?REDACTED"), "{e:?}");
+    assert!(!format!("{e:?}").contains("secret123"), "{e:?}");
+    let (code, e) = host.call_err(
+        "image.import",
+        json!({"name": "a.raw", "sha256": "0".repeat(64), "source": format!("{base}/web.raw?token=secret123")}),
+    );
+    assert_eq!(code, 2003, "{e:?}");
+    assert!(!format!("{e:?}").contains("secret123"), "{e:?}");
+    assert_eq!(host.image_dir_entries(), before, "nothing left by the refusals and failures");
+
+    // An allowed redirect (on the allowed address) is followed: the image arrives whole.
+    let v = host.call("image.import", json!({"name": "hop.raw", "sha256": sha, "source": format!("{base}/hop")}));
+    assert_eq!(v["changed"], true, "{v}");
+    assert_eq!(std::fs::read(host.images().join("hop.raw")).unwrap(), data);
+    assert!(server.requests().contains(&"/web.raw?token=secret123".to_string()), "{:?}", server.requests());
+
+    // While curl runs, no process shows the URL's token (or the URL) in its command line.
+    let url = format!("{base}/slow.raw?token=secret123");
+    let socket = host.socket.clone();
+    let call = std::thread::spawn(move || {
+        let mut c = vmhost::client::Client::connect(&socket).unwrap();
+        c.call::<Value>("image.import", json!({"name": "slow.raw", "sha256": sha, "source": url}))
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !server.requests().iter().any(|r| r.starts_with("/slow.raw")) {
+        assert!(std::time::Instant::now() < deadline, "curl never asked for /slow.raw");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mut curls = 0;
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let text = String::from_utf8_lossy(&raw).replace('\0', " ");
+        assert!(!text.contains("secret123") && !text.contains("images.example.test"), "{text}");
+        if text.contains("curl") && text.contains(" -K - ") {
+            curls += 1;
+        }
+    }
+    assert!(curls >= 1, "a curl with its config on stdin was running while we looked");
+    release.store(true, Ordering::SeqCst);
+    let v = call.join().unwrap().expect("the held download completes");
+    assert_eq!(v["image"]["source"], format!("{base}/slow.raw?REDACTED"), "{v}");
+
+    // Recorded, listed and logged without the token.
+    for name in ["hop.raw", "slow.raw"] {
+        let listed = host.listed_image(name).unwrap();
+        assert!(!listed.to_string().contains("secret123"), "{listed}");
+    }
+    assert_eq!(host.listed_image("slow.raw").unwrap()["source"], format!("{base}/slow.raw?REDACTED"));
+    let records = std::fs::read_to_string(host.state().join("images.json")).unwrap();
+    assert!(!records.contains("secret123"), "{records}");
+    let log = host.daemon_log();
+    assert!(log.contains("image imported"), "the log is the daemon's");
+    assert!(!log.contains("secret123"), "the daemon log holds the token");
+}
+
+#[test]
+fn an_image_that_is_a_vms_kernel_is_in_use() {
+    let host = TestHost::start(HostOptions::default());
+    let guest = vmhost_tests::guest();
+    std::fs::copy(&guest.kernel, host.images().join("vmlinuz")).unwrap();
+    let mut spec = host.kernel_spec("direct");
+    spec["boot"]["kernel"] = json!(host.images().join("vmlinuz"));
+    spec["state"] = json!("stopped");
+    host.call("vm.create", json!({ "spec": spec }));
+    assert_eq!(host.listed_image("vmlinuz").unwrap()["used_by"], json!(["direct"]));
+    let (code, e) = host.call_err("image.delete", json!({"name": "vmlinuz"}));
+    assert_eq!((code, &e.details["vms"]), (4092, &json!(["direct"])), "{e:?}");
+    assert!(host.images().join("vmlinuz").is_file());
+    host.call("vm.destroy", json!({"name": "direct"}));
+    assert_eq!(host.call("image.delete", json!({"name": "vmlinuz"}))["changed"], true);
 }

@@ -236,3 +236,25 @@ fn a_pending_change_stays_pending_through_a_disk_only_change() {
     assert_eq!(vmhost_tests::value_after(&vmhost_tests::argv_of(new_pid), "-m"), "256");
     assert_marker(&host, "later");
 }
+
+#[test]
+fn a_pending_change_holds_the_larger_of_the_two_specs_not_their_sum() {
+    // 4 CPUs, 1 reserved: 3 to hand out.
+    let host = host(4, "");
+    create_with_marker(&host, &spec("grow"));
+    let mut more = spec("grow");
+    more["cpu"] = json!(2);
+    more["memory_mib"] = json!(256);
+    let r = host.call("vm.apply", json!({ "spec": more, "restart": false }));
+    assert_eq!(r["vm"]["pending_restart"], true, "{r}");
+    // Its QEMU runs with 1 CPU and 128 MiB, the restart will need 2 and 256: it holds 2 and 256,
+    // never 3 and 384.
+    let info = host.call("host.info", json!({}));
+    assert_eq!((&info["cpu"]["allocated"], &info["memory_mib"]["allocated"]), (&json!(2), &json!(256)), "{info}");
+    let mut two = spec("other");
+    two["cpu"] = json!(2);
+    let (code, e) = host.call_err("vm.create", json!({ "spec": two }));
+    assert_eq!((code, e.field.as_deref(), e.details["available"].as_u64()), (3002, Some("spec.cpu"), Some(1)), "{e:?}");
+    let r = host.call("vm.create", json!({ "spec": spec("other") }));
+    assert_eq!(r["vm"]["spec"]["cpu"], 1, "the CPU left is there to take: {r}");
+}

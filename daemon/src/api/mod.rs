@@ -885,4 +885,19 @@ mod tests {
         assert!(!is_read_method("vm.create"));
         assert!(is_read_method("vm.list"));
     }
+
+    /// docs/api.md's paragraph "Read methods (`api::READ_METHODS`): ..." names exactly the
+    /// methods of [`READ_METHODS`]: the list operators read their access rules from cannot
+    /// drift from the code again (it once left out `image.list` and `vm.snapshots`).
+    #[test]
+    fn api_md_lists_exactly_the_read_methods() {
+        let doc = include_str!("../../../docs/api.md");
+        let start = doc.find("Read methods (`api::READ_METHODS`):").expect("api.md has the read methods paragraph");
+        let paragraph = &doc[start..];
+        let paragraph = &paragraph[..paragraph.find("Everything else").expect("the paragraph ends")];
+        let named: std::collections::BTreeSet<&str> =
+            paragraph.split('`').skip(1).step_by(2).filter(|word| ALL_METHODS.contains(word)).collect();
+        let code: std::collections::BTreeSet<&str> = READ_METHODS.iter().copied().collect();
+        assert_eq!(named, code, "docs/api.md's read methods differ from api::READ_METHODS");
+    }
 }

@@ -24,6 +24,7 @@ pub mod data;
 pub mod export;
 pub mod import;
 pub mod offline_qemu;
+pub mod reserve;
 pub mod space;
 
 use std::fs::{File, OpenOptions};

@@ -10,14 +10,17 @@
 //!    the overcommit ratio, and the preallocated ones against the free space less a 10 % margin
 //!    (as Security Onion keeps for its preallocated NSM volumes), whatever the ratio.
 //!
-//! The check is not a reservation: two creates at once may each see the same free space, and
-//! anything else writing to the file system changes it. A write that finds it full still fails
-//! cleanly (4001), and the create is undone.
+//! A create's check is not a reservation (its sparse disks fill up over months, not now), but it
+//! counts what running imports, snapshots and exports hold ([`super::reserve`]): those reserve
+//! what they will write ([`reserve_copy_room`]), so two of them at once cannot both be admitted
+//! against the same free space. Anything else writing to the file system still changes it; a
+//! write that finds it full fails cleanly (4001), and the operation is undone.
 
 use std::path::Path;
 
 use serde_json::json;
 
+use super::reserve::{Ledger, Reservation, Shortfall};
 use super::GIB;
 use crate::api::{ApiError, Code, VmSpec};
 
@@ -56,33 +59,49 @@ impl FsSpace {
     }
 }
 
-/// Whether copies of `files` (the bytes they hold: their allocated blocks, not their holes) fit
-/// in `dir`'s file system with [`PREALLOCATE_PERCENT`] of its free space the most they may
-/// take (a snapshot, an export, a revert).
+/// Reserves room for copies of `files` (the bytes they hold: their allocated blocks, not their
+/// holes) in `dir`'s file system, with [`PREALLOCATE_PERCENT`] of its free space the most
+/// they may take together with what other operations hold there ([`super::reserve`]): a
+/// snapshot, an export, a revert, the disks of a backup imported. The copies are made while
+/// the returned reservation lives.
 ///
 /// # Errors
 /// 3002 naming `field`, `resource: disk_bytes`; 4001 when the free space cannot be read.
-pub fn check_copy_room(dir: &Path, files: &[&Path], field: &str) -> Result<(), ApiError> {
+pub fn reserve_copy_room(ledger: &Ledger, dir: &Path, files: &[&Path], field: &str) -> Result<Reservation, ApiError> {
     use std::os::unix::fs::MetadataExt;
     let needed: u64 =
         files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.blocks().saturating_mul(512)).sum();
-    let space = FsSpace::of(dir).map_err(|e| {
-        ApiError::new(Code::ProvisioningFailed, format!("cannot read the free space of {}: {e}", dir.display()))
-    })?;
-    let allowed = (u128::from(space.free) * u128::from(PREALLOCATE_PERCENT) / 100) as u64;
-    if needed > allowed {
-        return Err(ApiError::new(
+    ledger.reserve(dir, needed, PREALLOCATE_PERCENT).map_err(|e| refusal(e, dir, "the copies", field, "disk_bytes"))
+}
+
+/// The error of a reservation `what` could not get in `dir`: 3002 naming `field` with
+/// `resource`, the bytes requested and available and what others hold (`reserved`), or 4001
+/// when the free space could not be read.
+pub fn refusal(short: Shortfall, dir: &Path, what: &str, field: &str, resource: &str) -> ApiError {
+    match short {
+        Shortfall::Io(e) => {
+            ApiError::new(Code::ProvisioningFailed, format!("cannot read the free space of {}: {e}", dir.display()))
+        }
+        Shortfall::Refused(r) => ApiError::new(
             Code::CapacityExceeded,
             format!(
-                "the copies need {needed} bytes; {} has {} free, of which at most {allowed} may be taken",
+                "{what} would take {} bytes; {} has {} free, of which at most {} may be taken ({} held by \
+                 other imports, snapshots and exports)",
+                r.requested,
                 dir.display(),
-                space.free
+                r.free,
+                r.available,
+                r.reserved
             ),
         )
         .field(field)
-        .details(json!({ "resource": "disk_bytes", "requested": needed, "available": allowed })));
+        .details(json!({
+            "resource": resource,
+            "requested": r.requested,
+            "available": r.available,
+            "reserved": r.reserved,
+        })),
     }
-    Ok(())
 }
 
 /// Every disk byte `spec` provisions at full size, but an imported root disk's (`boot.disk`: its

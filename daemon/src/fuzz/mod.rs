@@ -6,6 +6,7 @@
 
 pub mod agent_frame;
 pub mod config;
+pub mod manifest;
 pub mod request;
 pub mod spec;
 

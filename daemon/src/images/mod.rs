@@ -16,9 +16,11 @@
 //! between the rename and the record leaves an image without a record, as if put there by
 //! hand; importing it again with its sha256 records it.
 
+pub mod address;
 pub mod download;
 mod records;
 mod temp;
+pub mod url;
 
 use crate::api::{ApiError, Code};
 use crate::config::Config;
@@ -34,8 +36,7 @@ pub use temp::{copy, Temp};
 /// Default longest download (`image.import` `timeout_s`).
 pub const DEFAULT_DOWNLOAD_TIMEOUT_S: u64 = 3600;
 
-/// Longest URL accepted.
-pub const MAX_URL: usize = 2048;
+pub use url::MAX_URL;
 
 /// Where an import copies from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,7 +46,7 @@ pub enum Source {
     /// A file in `paths.import`.
     File(PathBuf),
     /// An `http(s)` URL, fetched by curl as `qemu.user` ([`download`]).
-    Url(String),
+    Url(url::SourceUrl),
 }
 
 /// A checked `image.import` request.
@@ -65,8 +66,8 @@ pub struct ImportRequest {
 ///
 /// # Errors
 /// 2001 naming `name` (not a plain file name), `sha256` (not 64 hex digits), `source` (a URL
-/// that is not http(s) or has spaces or control characters, a path outside `paths.import`,
-/// a URL without the `[images] curl` program) or `timeout_s` (0).
+/// [`url::parse`] refuses: not http(s), user information, spaces, quotes, control or
+/// non-ASCII characters, an ambiguous host; a path outside `paths.import`) or `timeout_s` (0).
 pub fn check_import(
     config: &Config,
     name: &str,
@@ -90,13 +91,7 @@ pub fn check_import(
     let source = match source {
         None => Source::InPlace,
         Some(s) if s.starts_with("http://") || s.starts_with("https://") => {
-            if s.len() > MAX_URL || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
-                return Err(ApiError::invalid(
-                    "source",
-                    format!("a URL of at most {MAX_URL} characters without spaces or control characters"),
-                ));
-            }
-            Source::Url(s.to_string())
+            Source::Url(url::parse(s).map_err(|e| ApiError::invalid("source", e.to_string()))?)
         }
         Some(s) if s.contains("://") => {
             return Err(ApiError::invalid("source", "only http:// and https:// URLs are fetched"));

@@ -37,6 +37,8 @@ pub struct Temp {
     hasher: Sha256,
     bytes: u64,
     placed: bool,
+    /// The disk space held for it, told what is written ([`crate::disk::reserve`]).
+    room: Option<crate::disk::reserve::Reservation>,
 }
 
 impl Temp {
@@ -48,7 +50,12 @@ impl Temp {
         let file = crate::blocking::run(|| {
             OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&path)
         })?;
-        Ok(Temp { path, file, hasher: Sha256::new(), bytes: 0, placed: false })
+        Ok(Temp { path, file, hasher: Sha256::new(), bytes: 0, placed: false, room: None })
+    }
+
+    /// Holds `room` for as long as the file is unplaced, telling it each block written.
+    pub fn hold(&mut self, room: crate::disk::reserve::Reservation) {
+        self.room = Some(room);
     }
 
     /// Appends `data` and hashes it. A block of zeros is skipped over, not written, so a
@@ -62,8 +69,23 @@ impl Temp {
             self.file.seek(SeekFrom::Current(data.len() as i64))?;
         } else {
             self.file.write_all(data)?;
+            if let Some(room) = &self.room {
+                room.wrote(data.len() as u64);
+            }
         }
         self.bytes += data.len() as u64;
+        Ok(())
+    }
+
+    /// Empties the file and its hash: what was written (a redirect's body) is not the image.
+    ///
+    /// # Errors
+    /// The file cannot be truncated.
+    pub fn reset(&mut self) -> io::Result<()> {
+        self.file.set_len(0)?;
+        self.file.seek(SeekFrom::Start(0))?;
+        self.hasher = Sha256::new();
+        self.bytes = 0;
         Ok(())
     }
 

@@ -38,7 +38,10 @@ fn an_import_request_is_checked_before_anything_is_touched() {
     let upper = "AB".repeat(32);
     let r = check_import(&c, "i.qcow2", &upper, Some("https://example.org/i.qcow2"), None).unwrap();
     assert_eq!(r.sha256, good, "hex is kept in lower case");
-    assert_eq!(r.source, Source::Url("https://example.org/i.qcow2".into()));
+    assert_eq!(r.source, Source::Url(url::parse("https://example.org/i.qcow2").unwrap()));
+    let e = check_import(&c, "i.qcow2", &good, Some("https://user:pw@example.org/i"), None).unwrap_err();
+    assert_eq!((e.code, e.field.as_deref()), (Code::InvalidSpec, Some("source")), "user info is refused");
+    assert!(!e.message.contains("pw@"), "{}", e.message);
     assert_eq!(r.timeout, std::time::Duration::from_secs(DEFAULT_DOWNLOAD_TIMEOUT_S));
     let dir = c.paths.import_dir();
     let by_name = check_import(&c, "i.qcow2", &good, Some("up.qcow2"), Some(5)).unwrap();

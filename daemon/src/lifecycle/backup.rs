@@ -80,7 +80,7 @@ impl Manager {
             .collect();
         let files: Vec<&Path> = disks.iter().flat_map(|d| layers(d).into_iter().map(|(p, _)| p)).collect();
         let backups = self.config.paths.backups_dir();
-        crate::blocking::run(|| crate::disk::space::check_copy_room(&backups, &files, "name"))?;
+        let _room = crate::disk::space::reserve_copy_room(&self.reservations, &backups, &files, "name")?;
         let partial = self.backups.begin(&p.name)?;
         let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
         let made = if let Some(stopped) = stopped {
@@ -221,18 +221,23 @@ impl Manager {
         }
         let files: Vec<PathBuf> = manifest.disks.iter().map(|d| dir.join(&d.file)).collect();
         let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
-        crate::blocking::run(|| crate::disk::space::check_copy_room(&import_dir, &files, "backup"))?;
-        let mut placed = Placed(Vec::new());
+        let room = crate::disk::space::reserve_copy_room(&self.reservations, &import_dir, &files, "backup")?;
+        let mut placed = Placed { files: Vec::new(), dirs: Vec::new() };
         for (disk, dest) in manifest.disks.iter().zip(&destinations) {
-            self.copy_out(&dir, disk, dest, &spec.name)?;
-            placed.0.push(dest.clone());
+            self.copy_out(&dir, disk, dest, &spec.name, &mut placed)?;
+            self.inspect_copy(disk, dest, &spec).await?;
         }
+        // The copies are on the file system now: the create's own admission sees them there.
+        drop(room);
         let name = spec.name.clone();
         let ours = spec.clone();
         let result = self.create(spec).await;
         match &result {
             Ok(_) => {
-                placed.0.clear();
+                // The create took them, and the kept-disks directory with its last disk
+                // ([`Manager::ensure_data_disk`]).
+                placed.files.clear();
+                placed.dirs.clear();
                 if let Some(why) = imported_unclean(&p.backup, &manifest) {
                     // Its disks are the backup's: a copy of it stopped is no better than they are.
                     let marked = self.update_if(
@@ -261,27 +266,120 @@ impl Manager {
     }
 
     /// Copies backup file `disk` from `dir` to `dest` through a temp file in the import
-    /// directory (the state file system), checking its sha256.
-    fn copy_out(&self, dir: &Path, disk: &BackupDisk, dest: &Path, vm: &str) -> Result<(), ApiError> {
+    /// directory (the state file system), checking its sha256; `dest` and a directory made for
+    /// it are named in `placed` as soon as they exist.
+    fn copy_out(
+        &self,
+        dir: &Path,
+        disk: &BackupDisk,
+        dest: &Path,
+        vm: &str,
+        placed: &mut Placed,
+    ) -> Result<(), ApiError> {
         let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
         let temp = copy_checked(&from, disk, &self.config.paths.import_dir(), &format!("{vm}-{}", disk.file))?;
         let failed = |e: std::io::Error| {
             super::provisioning("import", format!("cannot place {} from the backup: {e}", disk.file))
         };
         if let Some(parent) = dest.parent() {
-            crate::blocking::run(|| crate::state::dirs::private_dir(parent)).map_err(failed)?;
+            if !placed.dirs.iter().any(|d| d == parent)
+                && !crate::blocking::run(|| parent.try_exists()).map_err(failed)?
+            {
+                crate::blocking::run(|| crate::state::dirs::private_dir(parent)).map_err(failed)?;
+                placed.dirs.push(parent.to_path_buf());
+            }
         }
         temp.place(dest).map_err(failed)?;
+        placed.files.push(dest.to_path_buf());
         Ok(())
+    }
+
+    /// Inspects the copy at `dest` of backup disk `disk` as a `boot.disk` is inspected (QEMU as
+    /// `qemu.user` on a read-only descriptor): it must be the format the manifest declares,
+    /// name no backing file and no external data file, and be no larger than `spec` says. A raw
+    /// disk is not probed: its bytes are the guest's (a guest may well have written a qcow2
+    /// header into it) and QEMU is always told it is raw; its length is its size.
+    ///
+    /// # Errors
+    /// 2003 on `backup` naming the file; 4001 `step: import` when it cannot be read.
+    async fn inspect_copy(&self, disk: &BackupDisk, dest: &Path, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
+        let limit_gib = match disk.role {
+            DiskRole::Root => spec.boot.disk_gib,
+            DiskRole::Data => spec.disks.iter().find(|d| d.name == disk.name).map(|d| d.size_gib),
+        };
+        let cannot =
+            |e: String| super::provisioning("import", format!("cannot inspect {} from the backup: {e}", disk.file));
+        let fd =
+            crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(dest))
+                .map(OwnedFd::from)
+                .map_err(|e| cannot(e.to_string()))?;
+        let found = if disk.format == DiskFormat::Raw {
+            let len = std::fs::File::from(fd).metadata().map_err(|e| cannot(e.to_string()))?.len();
+            crate::disk::import::ImportInfo { format: "raw".into(), virtual_size: len, backing: None, data_file: None }
+        } else {
+            crate::disk::import::inspect(&self.disk_tool(), fd).await.map_err(|e| {
+                e.or_api(|e| match e {
+                    crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
+                        refused_copy(disk, format!("QEMU cannot read it as a disk image: {e}"))
+                    }
+                    other => cannot(other.to_string()),
+                })
+            })?
+        };
+        match check_copy(disk.format, limit_gib, &found) {
+            Ok(()) => Ok(()),
+            Err(why) => Err(refused_copy(disk, why)),
+        }
     }
 }
 
-/// Copies an import made, removed unless the create took them (cleared).
-struct Placed(Vec<PathBuf>);
+/// 2003 on `backup` for backup file `disk`, whose content is not what an import may take.
+fn refused_copy(disk: &BackupDisk, why: String) -> ApiError {
+    ApiError::new(
+        crate::api::Code::ChecksumMismatch,
+        format!("{} in the backup: {why}; nothing was imported", disk.file),
+    )
+    .field("backup")
+    .details(json!({ "file": disk.file }))
+}
+
+/// What a disk copied out of a backup must be ([`Manager::inspect_copy`]): the `declared`
+/// format, no backing file (QEMU would open the host file its header names), no external data
+/// file (the same), and no larger than `limit_gib` (the spec's size) when the spec has one.
+fn check_copy(
+    declared: DiskFormat,
+    limit_gib: Option<u64>,
+    found: &crate::disk::import::ImportInfo,
+) -> Result<(), String> {
+    if found.format != declared.as_str() {
+        return Err(format!("it is a {:?} image, not a {} as the manifest declares", found.format, declared.as_str()));
+    }
+    if let Some(backing) = &found.backing {
+        return Err(format!("its header names the backing file {backing:?}"));
+    }
+    if let Some(data) = &found.data_file {
+        return Err(format!("its header names the external data file {data:?}"));
+    }
+    if let Some(gib) = limit_gib {
+        let limit = gib.saturating_mul(1 << 30);
+        if found.virtual_size > limit {
+            return Err(format!("its virtual size {} bytes is larger than the spec's {gib} GiB", found.virtual_size));
+        }
+    }
+    Ok(())
+}
+
+/// What an import made, removed unless the create took it: the disk copies (`files`, cleared
+/// once the create took them) and the directories made for them (`dirs`: a VM's kept-disks
+/// directory; never one that was there before, such as `paths.import`), removed when empty.
+struct Placed {
+    files: Vec<PathBuf>,
+    dirs: Vec<PathBuf>,
+}
 
 impl Drop for Placed {
     fn drop(&mut self) {
-        for path in &self.0 {
+        for path in &self.files {
             match std::fs::remove_file(path) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -289,10 +387,43 @@ impl Drop for Placed {
                     tracing::warn!(path = %path.display(), error = %e, "cannot remove a disk copied for an import")
                 }
             }
-            if let Some(parent) = path.parent() {
-                // The kept-disks directory made for it; anything else there stays.
-                let _ = std::fs::remove_dir(parent);
+        }
+        for dir in &self.dirs {
+            // Anything else in it stays.
+            match std::fs::remove_dir(dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "left a directory an import made"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::disk::import::ImportInfo;
+
+    fn info(format: &str, virtual_size: u64) -> ImportInfo {
+        ImportInfo { format: format.into(), virtual_size, backing: None, data_file: None }
+    }
+
+    #[test]
+    fn a_copied_disk_is_its_declared_format_alone_and_no_larger_than_the_spec() {
+        assert_eq!(check_copy(DiskFormat::Qcow2, Some(1), &info("qcow2", 1 << 30)), Ok(()));
+        assert_eq!(check_copy(DiskFormat::Qcow2, None, &info("qcow2", 5 << 30)), Ok(()), "no size in the spec");
+        assert_eq!(check_copy(DiskFormat::Raw, Some(2), &info("raw", 1 << 20)), Ok(()), "smaller grows later");
+        let e = check_copy(DiskFormat::Qcow2, Some(1), &info("vmdk", 1 << 30)).unwrap_err();
+        assert!(e.contains("\"vmdk\" image, not a qcow2"), "{e}");
+        let e = check_copy(DiskFormat::Qcow2, Some(1), &info("qcow2", (1 << 30) + 1)).unwrap_err();
+        assert!(e.contains("larger than the spec's 1 GiB"), "{e}");
+        let e = check_copy(DiskFormat::Raw, Some(1), &info("raw", 2 << 30)).unwrap_err();
+        assert!(e.contains("larger"), "{e}");
+        let mut backed = info("qcow2", 1 << 20);
+        backed.backing = Some("/etc/vmhost/vmhostd.toml".into());
+        assert!(check_copy(DiskFormat::Qcow2, Some(1), &backed).unwrap_err().contains("/etc/vmhost/vmhostd.toml"));
+        let mut data = info("qcow2", 1 << 20);
+        data.data_file = Some("/dev/sda".into());
+        assert!(check_copy(DiskFormat::Qcow2, Some(1), &data).unwrap_err().contains("external data file"));
     }
 }

@@ -76,7 +76,8 @@ impl Manager {
         self.admit_provision(crate::disk::space::new_provision(old, new))
     }
 
-    /// Admits `request` (new provisioned bytes) against the state file system's free space.
+    /// Admits `request` (new provisioned bytes) against the state file system's free space,
+    /// less what running imports, snapshots and exports hold there ([`crate::disk::reserve`]).
     ///
     /// # Errors
     /// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
@@ -85,7 +86,9 @@ impl Manager {
             return Ok(());
         }
         let state = &self.config.paths.state;
-        let space = crate::disk::space::FsSpace::of(state)
+        let space = self
+            .reservations
+            .space_left(state)
             .map_err(|e| failed(format!("cannot read the free space of {}: {e}", state.display())))?;
         crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)
     }
@@ -150,6 +153,13 @@ impl Manager {
             }
             move_disk(&kept, &file)?;
             tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
+            // The last one taken back leaves no empty `kept-disks/NAME/` (an undo makes it
+            // again); others kept there keep it.
+            if let Err(e) = crate::blocking::run(|| std::fs::remove_dir(&paths.kept_dir)) {
+                if e.raw_os_error() != Some(libc::ENOTEMPTY) {
+                    tracing::warn!(dir = %paths.kept_dir.display(), error = %e, "left an empty kept-disks directory");
+                }
+            }
             self.crashpoint("data_disk:reclaimed");
             crate::disk::data::grow(&self.disk_tool(), &file, disk)
                 .await

@@ -18,6 +18,10 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 
+/// What fills the images directory fills the state directory by default: an import (a copy or
+/// a download) may take at most this share of its free space, 10 % kept.
+const PERCENT: u64 = crate::disk::space::PREALLOCATE_PERCENT;
+
 fn failed(message: String) -> ApiError {
     super::provisioning("image_import", message)
 }
@@ -35,26 +39,39 @@ impl Drop for Going<'_> {
 }
 
 impl Manager {
-    /// The VMs whose boot disk is an overlay over image `name`, by name.
-    fn image_users(t: &super::Table, name: &str) -> Vec<String> {
+    /// The VMs that boot from image `name` ([`boots_from`]) by their spec or running spec,
+    /// by name.
+    fn image_users(&self, t: &super::Table, name: &str) -> Vec<String> {
+        let dir = &self.config.paths.images;
         t.vms
             .values()
-            .filter(|r| {
-                std::iter::once(&r.spec).chain(r.running_spec.as_ref()).any(|s| s.boot.image.as_deref() == Some(name))
-            })
+            .filter(|r| std::iter::once(&r.spec).chain(r.running_spec.as_ref()).any(|s| boots_from(&s.boot, dir, name)))
             .map(|r| r.spec.name.clone())
             .collect()
     }
 
-    /// 4090 on `spec.boot.image` when `spec` boots from an image being deleted (admission,
-    /// under the table lock).
-    pub(super) fn check_image_staying(t: &super::Table, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
-        match spec.boot.image.as_deref() {
-            Some(image) if t.images_going.contains(image) => {
-                Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted")).field("spec.boot.image"))
+    /// 4090 on `spec.boot.image` (or `.kernel`, `.initrd`) when `spec` boots from an image
+    /// being deleted (admission, under the table lock).
+    pub(super) fn check_image_staying(&self, t: &super::Table, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
+        let dir = &self.config.paths.images;
+        for image in &t.images_going {
+            if boots_from(&spec.boot, dir, image) {
+                let one = |p: &Option<std::path::PathBuf>| {
+                    p.as_deref().is_some_and(|p| {
+                        boots_from(&crate::api::BootSpec { kernel: Some(p.into()), ..Default::default() }, dir, image)
+                    })
+                };
+                let field = if spec.boot.image.as_deref() == Some(image.as_str()) {
+                    "spec.boot.image"
+                } else if one(&spec.boot.kernel) {
+                    "spec.boot.kernel"
+                } else {
+                    "spec.boot.initrd"
+                };
+                return Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted")).field(field));
             }
-            _ => Ok(()),
         }
+        Ok(())
     }
 
     /// `image.list`: every image file, with its record and users.
@@ -79,14 +96,14 @@ impl Manager {
                 format,
                 virtual_size,
                 sha256: records.get(&name).map(|r| r.sha256.clone()),
-                source: records.get(&name).and_then(|r| r.source.clone()),
+                source: records.get(&name).and_then(|r| r.source.as_deref().map(crate::images::url::redact_text)),
                 imported_at: records.get(&name).map(|r| r.imported_at.clone()),
                 name,
             });
         }
         let t = self.lock();
         for view in &mut out {
-            view.used_by = Self::image_users(&t, &view.name);
+            view.used_by = self.image_users(&t, &view.name);
         }
         Ok(out)
     }
@@ -128,8 +145,10 @@ impl Manager {
     /// # Errors
     /// 2001 (a bad name, sha256, source or timeout; an image QEMU cannot read or that names a
     /// backing or data file), 2003 (another sha256; nothing kept), 4093 (another image of that
-    /// name), 4040 (no source and no such image), 3002 (a local file larger than the free
-    /// space), 4090 (another import or delete of the name), 4001 (a download or file step).
+    /// name), 4040 (no source and no such image), 3002 on `source` (a local file or a download
+    /// larger than 90 % of the images directory's free space less what other imports,
+    /// snapshots and exports hold there), 4090 (another import or delete of the name), 4001
+    /// (a download or file step).
     pub async fn image_import(&self, p: ImportParams) -> Result<ImportResult, ApiError> {
         let req = crate::images::check_import(&self.config, &p.name, &p.sha256, p.source.as_deref(), p.timeout_s)?;
         let held = self.images.begin(&req.name)?;
@@ -151,15 +170,37 @@ impl Manager {
                 .field("source"));
             }
             Source::File(path) => path.display().to_string(),
-            Source::Url(url) => url.clone(),
+            // Never the query string: a signed URL's token is a secret (download module doc).
+            Source::Url(url) => url.redacted(),
         };
+        // Where a URL leads is checked before anything is made or fetched.
+        let first_hop = match &req.source {
+            Source::Url(url) => Some(
+                crate::images::download::check_hop(
+                    url.clone(),
+                    &self.config.images.allow_private,
+                    &crate::images::download::SystemResolver,
+                    None,
+                )
+                .await?,
+            ),
+            _ => None,
+        };
+        // The room it will take, reserved before a byte is written ([`crate::disk::reserve`]).
+        let room = match &req.source {
+            Source::File(from) => self.reserve_image_file(from)?,
+            _ => self.reservations.reserve_rest(&self.config.paths.images, PERCENT).map_err(|e| {
+                crate::disk::space::refusal(e, &self.config.paths.images, "the download", "source", "image_bytes")
+            })?,
+        };
+        let max_bytes = room.bytes();
         let mut temp = self
             .images
             .temp(&held, &req.name)
             .map_err(|e| failed(format!("cannot create a file in {}: {e}", self.config.paths.images.display())))?;
+        temp.hold(room);
         match &req.source {
             Source::File(from) => {
-                self.admit_image_file(from)?;
                 crate::images::copy(from, &mut temp).map_err(|e| match e.kind() {
                     std::io::ErrorKind::NotFound | std::io::ErrorKind::InvalidInput => {
                         ApiError::invalid("source", format!("cannot read {}: {e}", from.display()))
@@ -170,16 +211,16 @@ impl Manager {
                     _ => failed(format!("cannot copy {}: {e}", from.display())),
                 })?;
             }
-            Source::Url(url) => {
-                let space = crate::disk::space::FsSpace::of(&self.config.paths.images).map_err(|e| {
-                    failed(format!("cannot read the free space of {}: {e}", self.config.paths.images.display()))
-                })?;
-                // What fills the images directory fills the state directory by default: 10 % kept.
-                let max_bytes = space.free / 10 * 9;
+            Source::Url(_) => {
+                let Some(first_hop) = first_hop else {
+                    return Err(failed("a URL import without its checked address".into()));
+                };
                 crate::images::download::fetch(
                     &self.config.images.curl,
                     self.config.qemu_user,
-                    url,
+                    first_hop,
+                    &self.config.images.allow_private,
+                    &crate::images::download::SystemResolver,
                     req.timeout,
                     max_bytes,
                     &mut temp,
@@ -314,27 +355,19 @@ impl Manager {
         Ok((info.format, info.virtual_size))
     }
 
-    /// 3002 on `source` when the file at `from` is larger than the images' free space.
-    fn admit_image_file(&self, from: &std::path::Path) -> Result<(), ApiError> {
-        let Ok(meta) = crate::blocking::run(|| std::fs::metadata(from)) else { return Ok(()) };
-        let space = crate::disk::space::FsSpace::of(&self.config.paths.images).map_err(|e| {
-            failed(format!("cannot read the free space of {}: {e}", self.config.paths.images.display()))
-        })?;
-        if meta.len() > space.free {
-            return Err(ApiError::new(
-                Code::CapacityExceeded,
-                format!(
-                    "{} is {} bytes; {} has {} bytes free",
-                    from.display(),
-                    meta.len(),
-                    self.config.paths.images.display(),
-                    space.free
-                ),
-            )
-            .field("source")
-            .details(json!({ "resource": "image_bytes", "requested": meta.len(), "available": space.free })));
-        }
-        Ok(())
+    /// Reserves room for a copy of the file at `from` in the images directory: its size, with
+    /// [`PERCENT`] of the free space the most it may take next to what other operations hold
+    /// there, the margin a download keeps. An unreadable file reserves nothing (its copy then
+    /// fails with the reason).
+    ///
+    /// # Errors
+    /// 3002 on `source` (`resource: image_bytes`); 4001 when the free space cannot be read.
+    fn reserve_image_file(&self, from: &std::path::Path) -> Result<crate::disk::reserve::Reservation, ApiError> {
+        let len = crate::blocking::run(|| std::fs::metadata(from)).map_or(0, |m| m.len());
+        let images = &self.config.paths.images;
+        self.reservations
+            .reserve(images, len, PERCENT)
+            .map_err(|e| crate::disk::space::refusal(e, images, &from.display().to_string(), "source", "image_bytes"))
     }
 
     fn record_image(&self, held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), ApiError> {
@@ -350,9 +383,9 @@ impl Manager {
             format: Some(r.format.clone()),
             virtual_size: Some(r.virtual_size),
             sha256: Some(r.sha256.clone()),
-            source: r.source.clone(),
+            source: r.source.as_deref().map(crate::images::url::redact_text),
             imported_at: Some(r.imported_at.clone()),
-            used_by: Self::image_users(&self.lock(), name),
+            used_by: self.image_users(&self.lock(), name),
         }
     }
 
@@ -368,12 +401,13 @@ impl Manager {
         let held = self.images.begin(name)?;
         let _going = {
             let mut t = self.lock();
-            let users = Self::image_users(&t, name);
+            let users = self.image_users(&t, name);
             if !users.is_empty() {
                 return Err(ApiError::new(
                     Code::ImageInUse,
                     format!(
-                        "image {name:?} is the base of VMs {users:?}: destroy them (or replace their boot image) first"
+                        "image {name:?} is the base image, kernel or initrd of VMs {users:?}: destroy them (or \
+                         change what they boot from) first"
                     ),
                 )
                 .field("name")
@@ -413,5 +447,52 @@ impl Manager {
             (CheckStatus::Error, bad.join("; "))
         };
         crate::api::CheckItem { name: "images".into(), status, detail }
+    }
+}
+
+/// Whether a VM booting with `boot` uses image `name` of `images_dir`: as its base image
+/// (`boot.image`), or as its kernel or initrd (`boot.kernel`, `boot.initrd` naming a file of
+/// the images directory: the image store's files are boot files when `paths.boot` includes
+/// it, as it does by default). Lexical, as the boot-directory rule is ([`crate::qemu::boot_files::boot_dir_of`]).
+pub(crate) fn boots_from(boot: &crate::api::BootSpec, images_dir: &std::path::Path, name: &str) -> bool {
+    let in_dir = |p: &std::path::Path| {
+        p.file_name().and_then(|f| f.to_str()) == Some(name) && p.parent().is_some_and(|d| d == images_dir)
+    };
+    boot.image.as_deref() == Some(name)
+        || boot.kernel.as_deref().is_some_and(in_dir)
+        || boot.initrd.as_deref().is_some_and(in_dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::boots_from;
+    use crate::api::BootSpec;
+    use std::path::Path;
+
+    #[test]
+    fn an_image_is_used_as_a_base_image_kernel_or_initrd() {
+        let dir = Path::new("/var/lib/vmhost/images");
+        let image = BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(4), ..BootSpec::default() };
+        assert!(boots_from(&image, dir, "base.qcow2"));
+        assert!(!boots_from(&image, dir, "other.qcow2"));
+        let kernel = |k: &str, i: Option<&str>| BootSpec {
+            kernel: Some(k.into()),
+            initrd: i.map(Into::into),
+            ..BootSpec::default()
+        };
+        let k = kernel("/var/lib/vmhost/images/vmlinuz", Some("/var/lib/vmhost/images/initrd.img"));
+        assert!(boots_from(&k, dir, "vmlinuz"));
+        assert!(boots_from(&k, dir, "initrd.img"));
+        assert!(!boots_from(&k, dir, "base.qcow2"));
+        assert!(boots_from(&kernel("/var/lib/vmhost/images//vmlinuz", None), dir, "vmlinuz"), "however it is spelled");
+        assert!(boots_from(&kernel("/boot/vmlinuz", Some("/var/lib/vmhost/images/initrd.img")), dir, "initrd.img"));
+        assert!(!boots_from(&kernel("/boot/vmlinuz", None), dir, "vmlinuz"), "another directory's file");
+        assert!(!boots_from(&kernel("/var/lib/vmhost/images/sub/vmlinuz", None), dir, "vmlinuz"), "not an image");
+        assert!(!boots_from(&kernel("/var/lib/vmhost/images", None), Path::new("/var/lib/vmhost"), "vmlinuz"));
+        assert!(boots_from(
+            &kernel("/var/lib/vmhost/images/vmlinuz", None),
+            Path::new("/var/lib/vmhost/images/"),
+            "vmlinuz"
+        ));
     }
 }

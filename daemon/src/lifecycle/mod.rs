@@ -93,6 +93,8 @@ pub struct Manager {
     backups: crate::backup::Backups,
     /// What QEMU read of images without a record, by name, with the file version it read.
     image_probes: Mutex<ImageProbes>,
+    /// Disk space held by running imports, snapshots and exports ([`crate::disk::reserve`]).
+    reservations: crate::disk::reserve::Ledger,
 }
 
 /// Format and virtual size of unrecorded images, by name, with the file version read.
@@ -173,6 +175,7 @@ impl Manager {
             qmp_sessions: Arc::default(),
             images,
             image_probes: Mutex::default(),
+            reservations: crate::disk::reserve::Ledger::default(),
             backups: crate::backup::Backups::open(&config_for_backups),
         });
         mgr.processes.integrity().log_at_start();
@@ -317,17 +320,21 @@ impl Manager {
         written.map(|(value, _)| (guard, value))
     }
 
+    /// The specs VM `r` holds by: its own and, while its QEMU runs another (a change waiting
+    /// for a restart, also while it is stopped for it), that one: devices, CPUs, memory and
+    /// addresses of both (CPUs and memory counted at the larger of the two, [`capacity::Used`]).
+    fn holding_specs(r: &VmRecord) -> Vec<&VmSpec> {
+        let live = matches!(r.status, VmStatus::Running | VmStatus::Stopping);
+        std::iter::once(&r.spec).chain(r.running_spec.as_ref().filter(|_| live)).collect()
+    }
+
     /// Capacity, hardware and NIC admission of `spec` against every other VM that holds
     /// resources; returns its NIC allocations (keeping `previous` where still free).
     fn admit_locked(&self, t: &Table, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
-        Self::check_image_staying(t, spec)?;
+        self.check_image_staying(t, spec)?;
         let held: Vec<&VmRecord> = t.vms.values().filter(|r| r.reserved && r.spec.name != spec.name).collect();
-        // A VM changed without a restart holds what its live QEMU was started with too (also
-        // while it is being stopped for the restart): devices, CPUs, memory and addresses.
-        fn specs(r: &VmRecord) -> Vec<&VmSpec> {
-            let live = matches!(r.status, VmStatus::Running | VmStatus::Stopping);
-            std::iter::once(&r.spec).chain(r.running_spec.as_ref().filter(|_| live)).collect()
-        }
+        // A VM changed without a restart holds what its live QEMU was started with too.
+        let specs = Self::holding_specs;
         let holdings: Vec<Holding<'_>> =
             held.iter().flat_map(|r| specs(r).into_iter().map(|spec| Holding { name: &r.spec.name, spec })).collect();
         capacity::admit(&self.config.hardware, &holdings, spec)?;
@@ -510,8 +517,12 @@ impl Manager {
             let t = self.lock();
             let provisioned: u64 =
                 t.vms.values().map(|r| crate::disk::space::provisioned(&r.spec) + Manager::root_disk_bytes(r)).sum();
-            let held: Vec<Holding<'_>> =
-                t.vms.values().filter(|r| r.reserved).map(|r| Holding { name: &r.spec.name, spec: &r.spec }).collect();
+            let held: Vec<Holding<'_>> = t
+                .vms
+                .values()
+                .filter(|r| r.reserved)
+                .flat_map(|r| Self::holding_specs(r).into_iter().map(|spec| Holding { name: &r.spec.name, spec }))
+                .collect();
             let (cpu, memory_mib, hardware) = capacity::usage(&self.config.hardware, &held);
             (provisioned, cpu, memory_mib, hardware, t.vms.len(), self.network_info(&t))
         };

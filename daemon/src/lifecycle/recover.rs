@@ -296,6 +296,7 @@ mod tests {
             qmp_sessions: Arc::default(),
             images: crate::images::Store::open(&config).unwrap(),
             image_probes: Mutex::default(),
+            reservations: crate::disk::reserve::Ledger::default(),
             backups: crate::backup::Backups::open(&config),
         });
         mgr.recover_all().await;

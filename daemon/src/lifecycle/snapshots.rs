@@ -115,7 +115,8 @@ impl Manager {
         let stopped = self.check_requires(&rec, live, p.requires, "snapshot")?;
         let mut entries: Vec<BackupDisk> = disks.iter().map(snapshot_entry).collect();
         let files: Vec<&Path> = disks.iter().map(|d| d.file.as_path()).collect();
-        crate::blocking::run(|| crate::disk::space::check_copy_room(&self.config.paths.state, &files, "snapshot"))?;
+        let _room =
+            crate::disk::space::reserve_copy_room(&self.reservations, &self.config.paths.state, &files, "snapshot")?;
         let dir = self.snapshots_dir(&p.name);
         let partial = dir.join(format!(".{}.partial", p.snapshot));
         let done = dir.join(&p.snapshot);
@@ -267,7 +268,8 @@ impl Manager {
         let from = self.snapshots_dir(&p.name).join(&p.snapshot);
         let copies: Vec<PathBuf> = snapshot.disks.iter().map(|s| from.join(&s.file)).collect();
         let copies: Vec<&Path> = copies.iter().map(PathBuf::as_path).collect();
-        crate::blocking::run(|| crate::disk::space::check_copy_room(&self.config.paths.state, &copies, "snapshot"))?;
+        let _room =
+            crate::disk::space::reserve_copy_room(&self.reservations, &self.config.paths.state, &copies, "snapshot")?;
         // Copies an interrupted revert left beside the disks (named after the disk's file, so
         // another VM's revert in the same directory keeps its own).
         for d in &disks {

@@ -385,18 +385,11 @@ pub fn build_argv(
         let which = PassedFd::DataDisk(i);
         push(&["-add-fd", &fdset(which, &paths.data_disk(disk))]);
         push(&["-add-fd", &format!("fd={},set={}", fd(PassedFd::DataDiskRo(i)), fd(which))]);
-        push(&[
-            "-drive",
-            &format!(
-                "file=/dev/fdset/{},if=none,id={},format={},cache={},aio={},discard=unmap,file.locking=off",
-                fd(which),
-                data_drive(&disk.name),
-                disk.format.as_str(),
-                disk.cache.as_str(),
-                disk.effective_aio().as_str()
-            ),
-        ]);
-        // No image locking: QEMU takes OFD locks through the descriptors it dups from the fd set,
+        // A block node as hot-plug adds one (qemu/hotplug.rs), named as the drive was: with
+        // `backing: null`, so no qcow2 header can make QEMU open a host file as its backing.
+        let node = crate::qemu::hotplug::blockdev_args(disk, u64::try_from(fd(which)).unwrap_or_default());
+        push(&["-blockdev", &node.to_string()]);
+        // No image locking (`locking: off`): QEMU takes OFD locks through the descriptors it dups from the fd set,
         // and the set keeps the first (read-only) description and its locks alive, so a later
         // resize finds its own lock in the way ("Failed to get \"write\" lock"). The daemon
         // hands each disk to one QEMU only. The name is the serial: 1-20 of [a-z0-9-]
@@ -585,7 +578,7 @@ mod tests {
                 "virtio-blk-pci,drive=seed,id=seed,bus=seedport"
             ]
         );
-        assert_eq!(value_after(&argv, "-drive")[1], "file=/dev/fdset/12,if=none,id=seed,format=raw,readonly=on");
+        assert_eq!(value_after(&argv, "-drive"), ["file=/dev/fdset/12,if=none,id=seed,format=raw,readonly=on"]);
         // Without user_data: no seed, as before (kernel_boot_argv checks the rest).
         s.user_data = None;
         let argv = argv_of(&s, &c);
@@ -679,16 +672,28 @@ mod tests {
         let position = |needle: &str| argv.iter().position(|a| a.starts_with(needle)).unwrap();
         assert!(position("pcie-root-port,id=hp1,") < position("virtio-blk-pci,drive=data-nsm"));
         let (nsm_fd, logs_fd) = (3 + layout.len() - 4, 3 + layout.len() - 2);
-        let drives = value_after(&argv, "-drive");
+        // Block nodes as hot-plug adds them: a qcow2 with `backing: null`.
+        assert_eq!(value_after(&argv, "-drive").len(), 2, "the boot disk and the seed only");
+        let nodes: Vec<serde_json::Value> =
+            value_after(&argv, "-blockdev").iter().map(|b| serde_json::from_str(b).unwrap()).collect();
         assert_eq!(
-            &drives[1..3],
+            nodes,
             [
-                format!("file=/dev/fdset/{nsm_fd},if=none,id=data-nsm,format=raw,cache=none,aio=native,discard=unmap,file.locking=off"),
-                format!(
-                    "file=/dev/fdset/{logs_fd},if=none,id=data-logs,format=qcow2,cache=writeback,aio=threads,discard=unmap,file.locking=off"
-                ),
+                crate::qemu::hotplug::blockdev_args(&s.disks[0], nsm_fd as u64),
+                crate::qemu::hotplug::blockdev_args(&s.disks[1], logs_fd as u64),
             ]
         );
+        assert_eq!(
+            nodes[0],
+            serde_json::json!({"driver": "raw", "node-name": "data-nsm", "discard": "unmap",
+                "cache": {"direct": true, "no-flush": false},
+                "file": {"driver": "file", "filename": format!("/dev/fdset/{nsm_fd}"), "aio": "native",
+                         "locking": "off", "discard": "unmap", "cache": {"direct": true, "no-flush": false}}})
+        );
+        assert_eq!(nodes[1]["backing"], serde_json::Value::Null);
+        assert!(nodes[1].as_object().unwrap().contains_key("backing"));
+        assert_eq!((nodes[1]["driver"].as_str(), nodes[1]["node-name"].as_str()), (Some("qcow2"), Some("data-logs")));
+        assert_eq!(nodes[1]["file"]["filename"], format!("/dev/fdset/{logs_fd}"));
         assert!(value_after(&argv, "-add-fd")
             .contains(&format!("fd={nsm_fd},set={nsm_fd},opaque=/var/lib/vmhost/disks/vm-3/nsm.raw").as_str()));
     }

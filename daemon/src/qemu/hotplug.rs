@@ -84,12 +84,14 @@ pub fn fdset_opaque(disk: &str) -> String {
     format!("hotplug:{}", data_drive(disk))
 }
 
-/// `blockdev-add` arguments for `disk` on fd set `fdset`, with the options its `-drive` would
-/// have (format, cache, aio, discard, no image locking: see argv.rs).
+/// The block node of data disk `disk` on fd set `fdset`, as `blockdev-add` (hot-plug) and
+/// `-blockdev` (argv.rs, at start) take it: format, cache, aio, discard, no image locking, and
+/// for a qcow2 `backing: null`: QEMU opens no backing file whatever the image's header names
+/// (a data disk never has one; a header that names `/etc/...` must not make QEMU open it).
 pub fn blockdev_args(disk: &DataDiskSpec, fdset: u64) -> Value {
     let direct = disk.cache == crate::api::DiskCache::None;
     let cache = json!({ "direct": direct, "no-flush": false });
-    json!({
+    let mut node = json!({
         "driver": disk.format.as_str(),
         "node-name": data_drive(&disk.name),
         "discard": "unmap",
@@ -102,7 +104,11 @@ pub fn blockdev_args(disk: &DataDiskSpec, fdset: u64) -> Value {
             "discard": "unmap",
             "cache": cache,
         },
-    })
+    });
+    if disk.format == crate::api::DiskFormat::Qcow2 {
+        node["backing"] = Value::Null;
+    }
+    node
 }
 
 /// `device_add` arguments for `disk` on bus `bus` (a root port), or QEMU's choice.
@@ -360,6 +366,9 @@ mod tests {
         let qcow = blockdev_args(&disk("logs", DiskFormat::Qcow2, DiskCache::Writeback), 3);
         assert_eq!((qcow["driver"].as_str(), qcow["file"]["aio"].as_str()), (Some("qcow2"), Some("threads")));
         assert_eq!(qcow["file"]["cache"]["direct"], false);
+        // No qcow2 header can name a backing file QEMU opens; a raw node has no such option.
+        assert_eq!(qcow.get("backing"), Some(&Value::Null));
+        assert_eq!(raw.get("backing"), None);
         let dev = device_args(&disk("nsm", DiskFormat::Raw, DiskCache::None), Some("hp1"));
         assert_eq!(
             dev,

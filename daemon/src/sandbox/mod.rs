@@ -355,18 +355,16 @@ mod tests {
         let allow = allowlist(&c);
         let img = std::path::Path::new("/usr/bin/qemu-img");
         for args in [vec!["info".to_string(), "/etc/shadow".into()], vec!["--version".into()], vec![]] {
-            assert!(!allow.permits(img, &args), "{args:?}");
+            assert!(!allow.permits(img, &args, None), "{args:?}");
         }
-        assert!(allow.permits(&c.qemu.binary, &["-version".into()]));
+        assert!(allow.permits(&c.qemu.binary, &["-version".into()], None));
         assert_eq!(allow.user_for(&c.qemu.binary), c.qemu_user);
-        // curl fetches images, as QEMU's user, with the arguments the daemon makes only.
-        let args = crate::images::download::curl_args(
-            "https://example.org/i.qcow2",
-            std::time::Duration::from_secs(9),
-            1 << 30,
-        );
-        assert!(allow.permits(&c.images.curl, &args));
-        assert!(!allow.permits(&c.images.curl, &["-o".into(), "/etc/passwd".into(), "http://x/".into()]));
+        // curl fetches images, as QEMU's user, with the arguments and config the daemon makes only.
+        let args = crate::images::download::curl_args(std::time::Duration::from_secs(9), 1 << 30);
+        let config = "url = \"https://example.org/i.qcow2\"\nconnect-to = \"::93.184.216.34:443\"\n";
+        assert!(allow.permits(&c.images.curl, &args, Some(config)));
+        assert!(!allow.permits(&c.images.curl, &args, None));
+        assert!(!allow.permits(&c.images.curl, &["-o".into(), "/etc/passwd".into(), "http://x/".into()], None));
         assert_eq!(allow.user_for(&c.images.curl), c.qemu_user);
     }
 }

@@ -19,7 +19,8 @@
 //!
 //! The spawner only runs programs on its allowlist (the configured `qemu.binary`, and `modprobe
 //! vfio-pci` when passthrough is configured), with an empty environment except `PATH`, stdin on
-//! `/dev/null`. The QEMU binary always runs as `qemu.user`, whether it boots a VM or works on
+//! `/dev/null` (curl alone gets its config there: [`Command::stdin_data`], checked with its
+//! arguments). The QEMU binary always runs as `qemu.user`, whether it boots a VM or works on
 //! an image file without a guest ([`crate::disk::offline_qemu`]). It also opens boot files, probes `/dev/kvm` as QEMU's user, and hands VFIO group nodes to
 //! QEMU's group and back ([`vfio_node`]).
 //!
@@ -68,6 +69,10 @@ pub const MAX_PASSED_FDS: usize = 64;
 /// Largest request the spawner reads (argv as JSON).
 const MAX_REQUEST: usize = 256 * 1024;
 
+/// Most bytes of [`Command::stdin_data`]: what a pipe always holds (one page, even for a user
+/// over the kernel's pipe-buffer limits), so writing it never blocks.
+pub const MAX_STDIN: usize = 4096;
+
 /// `PATH` of every program the spawner starts.
 const CHILD_PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -99,6 +104,7 @@ pub(crate) struct Control {
 pub struct Command {
     program: PathBuf,
     args: Vec<OsString>,
+    stdin: Option<String>,
     stdout: bool,
     stderr: bool,
     stderr_file: Option<OwnedFd>,
@@ -119,6 +125,7 @@ impl Command {
         Command {
             program: program.into(),
             args: Vec::new(),
+            stdin: None,
             stdout: false,
             stderr: false,
             stderr_file: None,
@@ -136,6 +143,14 @@ impl Command {
         S: Into<OsString>,
     {
         self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Gives the program `data` on stdin (at most [`MAX_STDIN`] bytes), then end-of-file: for
+    /// what must not be in argv, where every process can read it (a URL's token to curl).
+    /// Through the spawner the data travels in the request, so the spawner's allowlist sees it.
+    pub fn stdin_data(mut self, data: String) -> Command {
+        self.stdin = Some(data);
         self
     }
 
@@ -461,10 +476,33 @@ fn set_memlock(bytes: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// A pipe already holding `data` and closed for writing: the read end, for a child's stdin.
+/// Non-blocking writes of at most [`MAX_STDIN`] bytes into a new pipe: never a wait.
+fn stdin_pipe(data: &str) -> io::Result<OwnedFd> {
+    if data.len() > MAX_STDIN {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("more than {MAX_STDIN} bytes for stdin")));
+    }
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)?;
+    let mut file = std::fs::File::from(w);
+    io::Write::write_all(&mut file, data.as_bytes())?;
+    drop(file);
+    // The child reads it blocking, as any stdin.
+    nix::fcntl::fcntl(&r, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()))?;
+    Ok(r)
+}
+
+/// The child's stdin: `data` in a pipe, or `/dev/null`.
+fn stdin_of(data: Option<&str>) -> io::Result<Stdio> {
+    Ok(match data {
+        Some(d) => Stdio::from(stdin_pipe(d)?),
+        None => Stdio::null(),
+    })
+}
+
 fn spawn_local(cmd: Command) -> io::Result<Child> {
     let mut command = tokio::process::Command::new(&cmd.program);
     let piped = |on: bool| if on { Stdio::piped() } else { Stdio::null() };
-    command.args(&cmd.args).stdin(Stdio::null()).stdout(piped(cmd.stdout)).stderr(piped(cmd.stderr));
+    command.args(&cmd.args).stdin(stdin_of(cmd.stdin.as_deref())?).stdout(piped(cmd.stdout)).stderr(piped(cmd.stderr));
     if let Some(file) = cmd.stderr_file {
         command.stderr(Stdio::from(file));
     }
@@ -583,6 +621,9 @@ pub async fn vfio_node(group: u32, gid: u32, mode: u32) -> io::Result<NodeAccess
 struct RunRequest {
     program: String,
     args: Vec<String>,
+    /// What the program reads on stdin ([`Command::stdin_data`]); `/dev/null` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    stdin: Option<String>,
     stdout: bool,
     stderr: bool,
     nfds: usize,
@@ -756,6 +797,7 @@ async fn spawn_remote(control: &Control, cmd: Command) -> io::Result<Child> {
     let req = Request::Run(RunRequest {
         program: utf8("program", cmd.program.as_os_str())?,
         args: cmd.args.iter().map(|a| utf8("argument", a)).collect::<io::Result<_>>()?,
+        stdin: cmd.stdin,
         stdout: cmd.stdout,
         stderr: cmd.stderr || cmd.stderr_file.is_some(),
         nfds: cmd.fds.len(),
@@ -853,8 +895,9 @@ pub struct Allowlist {
     /// `paths.boot`: the only directories a kernel or initrd is opened beneath
     /// ([`crate::qemu::boot_files::open_under`]), whatever path the daemon asks for.
     pub boot_dirs: Vec<PathBuf>,
-    /// `images.curl`: may run with the arguments [`crate::images::download::curl_args`]
-    /// makes, and is the only program that may connect to a TCP port.
+    /// `images.curl`: may run with the arguments and the config on stdin that
+    /// [`crate::images::download`] makes, and is the only program that may connect to a TCP
+    /// port.
     pub fetch: Option<PathBuf>,
 }
 
@@ -870,15 +913,16 @@ impl Allowlist {
         self.fetch.as_deref() == Some(program)
     }
 
-    /// Whether `program ARGS` may run (a `run` request).
-    pub fn permits(&self, program: &Path, args: &[String]) -> bool {
+    /// Whether `program ARGS` may run (a `run` request) with `stdin` (none: `/dev/null`); only
+    /// curl reads anything on stdin.
+    pub fn permits(&self, program: &Path, args: &[String], stdin: Option<&str>) -> bool {
         if MODPROBE.iter().any(|m| Path::new(m) == program) {
-            return self.modprobe && args == ["vfio-pci"];
+            return stdin.is_none() && self.modprobe && args == ["vfio-pci"];
         }
         if self.fetch.as_deref() == Some(program) {
-            return crate::images::download::permits(args);
+            return crate::images::download::permits(args, stdin);
         }
-        self.programs.iter().any(|p| p == program)
+        stdin.is_none() && self.programs.iter().any(|p| p == program)
     }
 }
 
@@ -1058,7 +1102,7 @@ fn start(
     no_ip: &[super::child_seccomp::Instruction],
 ) -> io::Result<std::process::Child> {
     let program = PathBuf::from(&req.program);
-    if !allow.permits(&program, &req.args) {
+    if !allow.permits(&program, &req.args, req.stdin.as_deref()) {
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!("the spawner does not run {} with these arguments (not on its allowlist)", program.display()),
@@ -1089,7 +1133,7 @@ fn launch(
     let passed = fds.split_off(usize::from(req.stdout) + usize::from(req.stderr));
     let mut stdio = fds.into_iter();
     let mut command = std::process::Command::new(&program);
-    command.args(&req.args).env_clear().env("PATH", CHILD_PATH).stdin(Stdio::null());
+    command.args(&req.args).env_clear().env("PATH", CHILD_PATH).stdin(stdin_of(req.stdin.as_deref())?);
     command.stdout(if req.stdout { stdio.next().map_or_else(Stdio::null, Stdio::from) } else { Stdio::null() });
     command.stderr(if req.stderr { stdio.next().map_or_else(Stdio::null, Stdio::from) } else { Stdio::null() });
     let raw: Vec<RawFd> = passed.iter().map(AsRawFd::as_raw_fd).collect();
@@ -1143,16 +1187,19 @@ mod tests {
             boot_dirs: vec![],
             fetch: None,
         };
-        assert!(a.permits(Path::new("/usr/bin/qemu-system-x86_64"), &["-version".into()]));
-        assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[]));
-        assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()]));
-        assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()]));
-        assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()]));
-        assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()]));
+        assert!(a.permits(Path::new("/usr/bin/qemu-system-x86_64"), &["-version".into()], None));
+        assert!(!a.permits(Path::new("/usr/bin/qemu-img2"), &[], None));
+        assert!(!a.permits(Path::new("/bin/sh"), &["-c".into(), "id".into()], None));
+        assert!(a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()], None));
+        assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["evil".into()], None));
+        assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["-r".into(), "vfio-pci".into()], None));
         let no_pci = Allowlist { modprobe: false, ..a.clone() };
-        assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()]));
+        assert!(!no_pci.permits(Path::new("/sbin/modprobe"), &["vfio-pci".into()], None));
         // qemu-img is not a program the daemon needs (image work is QEMU's, as qemu.user).
-        assert!(!a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()]));
+        assert!(!a.permits(Path::new("/usr/bin/qemu-img"), &["info".into()], None));
+        // Only curl reads a config on stdin.
+        assert!(!a.permits(Path::new("/usr/bin/qemu-system-x86_64"), &["-version".into()], Some("x")));
+        assert!(!a.permits(Path::new("/usr/sbin/modprobe"), &["vfio-pci".into()], Some("")));
     }
 
     #[test]
@@ -1293,6 +1340,7 @@ mod tests {
         let req = RunRequest {
             program: "/bin/sleep".into(),
             args: vec!["30".into()],
+            stdin: None,
             stdout: false,
             stderr: false,
             nfds: 0,
@@ -1316,8 +1364,15 @@ mod tests {
     #[test]
     fn every_spawner_child_but_the_download_runs_under_the_no_ip_filter() {
         let sleep = |allow: &Allowlist, args: Vec<String>| {
-            let req =
-                RunRequest { program: "/bin/sleep".into(), args, stdout: false, stderr: false, nfds: 0, memlock: None };
+            let req = RunRequest {
+                program: "/bin/sleep".into(),
+                args,
+                stdout: false,
+                stderr: false,
+                nfds: 0,
+                memlock: None,
+                stdin: None,
+            };
             start(req, Vec::new(), allow, false, None, &crate::sandbox::child_seccomp::program()).unwrap()
         };
         let allow = Allowlist {
@@ -1345,6 +1400,7 @@ mod tests {
             stderr: false,
             nfds: 0,
             memlock: None,
+            stdin: None,
         };
         let mut child = launch(req, Vec::new(), &allow, false, None, None).unwrap();
         assert_eq!(seccomp_mode(child.id()), "0", "the download keeps its IP sockets");

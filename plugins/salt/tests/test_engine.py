@@ -199,6 +199,8 @@ class MappingTest(unittest.TestCase):
             {"vms_dir": "/d", "network": "br0", "boot": {"default": IMAGE}, "prune": "some"},
             {"vms_dir": "/d", "network": "br0", "boot": {"default": IMAGE}, "interval": 0},
             {"vms_dir": "/d", "network": "br0", "boot": {"default": IMAGE}, "colour": 1},
+            {"vms_dir": "/d/../etc", "network": "br0", "boot": {"default": IMAGE}},
+            {"vms_dir": "/d/./x", "network": "br0", "boot": {"default": IMAGE}},
         ):
             with self.subTest(raw=raw), self.assertRaises(eng.ConfigError):
                 eng.parse_config(raw)
@@ -651,6 +653,39 @@ class EngineTest(unittest.TestCase):
         failed = {t: d for t, d in self.events if t.endswith("/_hypervisor/reconcile_failed")}
         self.assertIn("is a symbolic link: refused", failed["vmhost/hv2/_hypervisor/reconcile_failed"]["error"])
         self.assertTrue(any("symbolic link" in m for m in logged.output), logged.output)
+
+    def test_a_symlink_anywhere_in_vms_dir_is_refused(self):
+        # vms_dir's parent is a link to a directory holding a definition file: nothing is read.
+        real = os.path.join(self.tmp.name, "real")
+        os.makedirs(os.path.join(real, "vms"))
+        with open(os.path.join(real, "vms", "hv1VMs"), "w") as f:
+            json.dump([entry("stolen")], f)
+        os.symlink(real, os.path.join(self.tmp.name, "link"))
+        self.dir = os.path.join(self.tmp.name, "link", "vms")
+        with self.assertLogs(eng.log, "ERROR") as logged:
+            self.assertEqual(self.engine().run_once(), {})
+        self.assertEqual(self.client.calls, [], "nothing was read through the link")
+        self.assertTrue(any("cannot list" in m for m in logged.output), logged.output)
+
+    def test_vms_dir_is_opened_once_and_a_later_swap_changes_nothing(self):
+        self.write("hv1", [entry("a")])
+        engine = self.engine()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        # The directory moves away and a link to another directory takes its name: the engine
+        # goes on with the directory it opened, and never reads through the link.
+        moved = os.path.join(self.tmp.name, "moved")
+        os.rename(self.dir, moved)
+        other = os.path.join(self.tmp.name, "other")
+        os.mkdir(other)
+        with open(os.path.join(other, "hv2VMs"), "w") as f:
+            json.dump([entry("stolen")], f)
+        os.symlink(other, self.dir)
+        with open(os.path.join(moved, "hv1VMs"), "w") as f:
+            json.dump([entry("a"), entry("b")], f)
+        self.now += 1
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertIn("b_sensor", self.hosts["hv1"].vms)
+        self.assertNotIn("stolen_sensor", self.hosts["hv2"].vms)
 
     def test_a_fifo_is_refused_without_blocking(self):
         os.mkfifo(os.path.join(self.dir, "hv2VMs"))

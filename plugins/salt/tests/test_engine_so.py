@@ -484,6 +484,28 @@ class SoFilesTest(Base):
             self.engine(owner=(4242, 4343), euid=lambda: 1000).run_once()
         self.assertEqual(chowned, [], "only root changes owners")
 
+    def test_a_directory_it_did_not_make_keeps_its_owner(self):
+        os.mkdir(os.path.join(self.dir, "hv1"))
+        self.write("hv1", [so_entry("a")])
+        dir_fd = []
+        real_open = eng.os.open
+
+        def opened(path, flags, *args, **kw):
+            fd = real_open(path, flags, *args, **kw)
+            if path == "hv1" and flags & os.O_DIRECTORY:
+                dir_fd.append(fd)
+            return fd
+
+        chowned = []
+        with (
+            mock.patch.object(eng.os, "open", opened),
+            mock.patch.object(eng.os, "fchown", lambda fd, uid, gid: chowned.append(fd)),
+        ):
+            self.engine(owner=(4242, 4343), euid=lambda: 0).run_once()
+        self.assertEqual(len(dir_fd), 1, dir_fd)
+        self.assertTrue(chowned, "the files it wrote are given away")
+        self.assertNotIn(dir_fd[0], chowned, "a directory that was there is not")
+
     @unittest.skipUnless(os.geteuid() == 0, "needs root to give files away")
     def test_ownership_for_real(self):
         self.write("hv1", [so_entry("a")])

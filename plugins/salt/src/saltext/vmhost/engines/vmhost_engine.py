@@ -241,6 +241,8 @@ def parse_config(kwargs, default_master=None):
     vms_dir = kwargs.get("vms_dir")
     if not isinstance(vms_dir, str) or not os.path.isabs(vms_dir):
         raise ConfigError("vms_dir must be an absolute directory path")
+    if any(part in (".", "..") for part in vms_dir.split("/")):
+        raise ConfigError("vms_dir must not contain . or .. components (it is opened without following links)")
     suffix = kwargs.get("suffix", "VMs")
     if not isinstance(suffix, str) or not suffix:
         raise ConfigError("suffix must be a non-empty string")
@@ -740,27 +742,57 @@ def _parse_stamp(text):
     return moment.timestamp()
 
 
+def open_dir_nofollow(path):
+    """A descriptor of the directory ``path`` (absolute), opened one component at a time from
+    ``/`` with O_NOFOLLOW: a symbolic link anywhere in the path is refused (ELOOP or ENOTDIR),
+    not only in its last component, so nobody who can write a parent directory can swap in a
+    link that makes the engine read or write elsewhere. ``.`` and ``..`` components are refused
+    (EINVAL): each would name a directory the walk did not check."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", flags)
+    try:
+        for part in path.split("/"):
+            if not part:
+                continue
+            if part in (".", ".."):
+                raise OSError(errno.EINVAL, f"{path}: . and .. components are refused")
+            child = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class SoFiles:
     """Security Onion's files of one hypervisor, in ``<vms_dir>/<hypervisor>/``: the tracking file
     ``<vm>``, ``<vm>.error`` and ``<vm>.status``. Everything goes through a descriptor of that
     directory opened with O_NOFOLLOW (a symlinked directory is refused), names are VM names
     the engine derived itself, every write is atomic (temp file in the same directory, fsync,
-    rename, fsync of the directory) and never follows a link; files and directory are given
-    ``owner`` (uid, gid) when the engine runs as root."""
+    rename, fsync of the directory) and never follows a link; the files it writes, and the
+    directory when it made it, are given ``owner`` (uid, gid) when the engine runs as root. The
+    directory is opened relative to ``base_fd``, the engine's one descriptor of ``vms_dir``."""
 
-    def __init__(self, base, hypervisor, owner=None, euid=os.geteuid):
+    def __init__(self, base_fd, base, hypervisor, owner=None, euid=os.geteuid):
+        self.base_fd = base_fd
+        self.name = hypervisor
         self.path = os.path.join(base, hypervisor)
         self.owner = owner
         self.euid = euid
         self.fd = None
 
     def __enter__(self):
+        created = False
         try:
-            os.mkdir(self.path, 0o755)
+            os.mkdir(self.name, 0o755, dir_fd=self.base_fd)
+            created = True
         except FileExistsError:
             pass
         try:
-            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self.fd = os.open(
+                self.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.base_fd
+            )
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise HypervisorFailure(
@@ -768,10 +800,13 @@ class SoFiles:
                     "are written only into a real directory)"
                 ) from None
             raise HypervisorFailure(f"cannot open {self.path}: {exc}") from None
-        try:
-            self._chown(self.fd)
-        except OSError as exc:
-            log.error("vmhost_engine: cannot chown %s: %s", self.path, exc)
+        # Only a directory the engine just made is given away: chowning one that was there
+        # would hand whatever it is (someone else's directory) to the files' owner.
+        if created:
+            try:
+                self._chown(self.fd)
+            except OSError as exc:
+                log.error("vmhost_engine: cannot chown %s: %s", self.path, exc)
         return self
 
     def __exit__(self, *exc):
@@ -935,6 +970,16 @@ class Engine:
         )
         self.inflight = {}
         self.state = self._load_state()
+        # vms_dir, opened once (open_dir_nofollow) and used relative to from then on.
+        self._vms_fd = None
+
+    def vms_fd(self):
+        """The engine's descriptor of ``vms_dir``, opened at the first pass that finds it (the
+        directory may appear after the engine starts) and kept: every later read and write is
+        relative to it, so a link swapped into the path later changes nothing."""
+        if self._vms_fd is None:
+            self._vms_fd = open_dir_nofollow(self.config["vms_dir"])
+        return self._vms_fd
 
     def _client(self):
         if self._factory is None:
@@ -1023,7 +1068,7 @@ class Engine:
         """Definition files in ``vms_dir``: ``{hypervisor: path}``."""
         suffix = self.config["suffix"]
         try:
-            names = os.listdir(self.config["vms_dir"])
+            names = os.listdir(self.vms_fd())
         except OSError as exc:
             log.error("vmhost_engine: cannot list %s: %s", self.config["vms_dir"], exc)
             return {}
@@ -1039,11 +1084,16 @@ class Engine:
         return out
 
     def _read(self, path):
-        """Opens ``path`` without following a symbolic link (O_NOFOLLOW; O_NONBLOCK so that a
-        FIFO cannot stall the engine) and checks what was opened (fstat), not what a path
+        """Opens the file ``path`` of ``vms_dir`` by its name, relative to the engine's
+        descriptor of ``vms_dir``, without following a symbolic link (O_NOFOLLOW; O_NONBLOCK so
+        that a FIFO cannot stall the engine) and checks what was opened (fstat), not what a path
         named a moment before: a link swapped in cannot make the engine read another file."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(
+                os.path.basename(path),
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                dir_fd=self.vms_fd(),
+            )
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise HypervisorFailure(
@@ -1150,6 +1200,9 @@ class Engine:
     def close(self):
         """Waits for the runs in flight and stops the worker threads."""
         self.pool.shutdown(wait=True)
+        if self._vms_fd is not None:
+            os.close(self._vms_fd)
+            self._vms_fd = None
 
     def _failed(self, tag_hyp, hyp, path, now, exc):
         log.error("vmhost_engine: %s: %s", hyp, exc)
@@ -1302,7 +1355,7 @@ class Engine:
         held_names = set(held) | set(held.values())
         so = None
         if self.config.get("so_compat") and not dry:
-            so = SoFiles(self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
+            so = SoFiles(self.vms_fd(), self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
         try:
             return self._reconcile(
                 hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held_names, send_prune

@@ -1,0 +1,57 @@
+//! A backup's `manifest.json` as the cargo fuzz target `manifest` drives it: arbitrary bytes as
+//! the manifest `vm.import` reads from a backup directory (docs/backup.md: a backup is untrusted
+//! input, all of it).
+//!
+//! [`manifest_bytes`] runs [`crate::backup::parse_manifest`], the same pure parse and checks the
+//! import runs before it copies anything, and panics when a promise breaks: a refusal is 2001 or
+//! 2003 (never a panic, never another code); an accepted manifest names only the files its
+//! disks have (`root.qcow2`, `NAME.FORMAT`: no path), at most one root disk, exactly the spec's
+//! data disks, and without a root disk no `boot.disk` or `boot.image`; and it is accepted again
+//! as the same value once written back (an export writes what an import reads).
+
+use crate::api::backup::DiskRole;
+use crate::api::Code;
+use crate::backup::{file_of, parse_manifest};
+
+/// Parses `data` as a backup's `manifest.json`.
+///
+/// # Panics
+/// When a promise of the module documentation breaks: that is a bug the fuzzer found.
+pub fn manifest_bytes(data: &[u8]) {
+    let manifest = match parse_manifest(data) {
+        Ok(m) => m,
+        Err((code, why)) => {
+            assert!(matches!(code, Code::InvalidSpec | Code::ChecksumMismatch), "refused with {code:?}: {why}");
+            return;
+        }
+    };
+    for d in &manifest.disks {
+        assert_eq!(d.file, file_of(d), "a file name is the one its disk has");
+        assert!(!d.file.contains('/') && !d.file.starts_with('.'), "a file name is no path: {:?}", d.file);
+    }
+    let roots = manifest.disks.iter().filter(|d| d.role == DiskRole::Root).count();
+    assert!(roots <= 1, "at most one root disk");
+    if roots == 0 {
+        assert!(
+            manifest.spec.boot.disk.is_none() && manifest.spec.boot.image.is_none(),
+            "a root-less VM boots no disk"
+        );
+    }
+    let data_disks = manifest.disks.iter().filter(|d| d.role == DiskRole::Data).count();
+    assert_eq!(data_disks, manifest.spec.disks.len(), "the spec's data disks, each once");
+    let written =
+        serde_json::to_vec_pretty(&manifest).unwrap_or_else(|e| panic!("an accepted manifest serializes: {e}"));
+    let again =
+        parse_manifest(&written).unwrap_or_else(|(c, e)| panic!("accepted once, refused written back: {c:?} {e}"));
+    assert_eq!(again, manifest);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fuzz_corpus_and_past_crashes_replay_cleanly() {
+        assert!(crate::fuzz::replay("manifest", manifest_bytes) >= 5, "the seed corpus is committed");
+    }
+}
