@@ -15,8 +15,9 @@
 //!
 //! Besides, the ways a program could get an IP socket without `socket`:
 //! - `io_uring_setup` is `ENOSYS`: an io_uring can create sockets (`IORING_OP_SOCKET`) without
-//!   the syscall the filter reads. QEMU falls back to epoll and thread-pool I/O, as on a kernel
-//!   without io_uring.
+//!   the syscall the filter reads, and QEMU 7.2 sets one up for its event loop at start. Refused,
+//!   QEMU polls with ppoll/epoll, as on a kernel without io_uring (VM disks never use
+//!   `aio=io_uring`).
 //! - `pidfd_getfd`, `ptrace`, `process_vm_readv` and `process_vm_writev` are `EPERM`: curl runs
 //!   as the same user as QEMU, and these would let QEMU take curl's socket or its memory.
 //! - x32 system calls (numbers with bit 30 set) are `ENOSYS`, and calls of a foreign
