@@ -6,7 +6,7 @@
 
 use serde_json::{json, Value};
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 use vmhost_tests::{HostOptions, TestHost};
@@ -39,10 +39,9 @@ fn check_item(host: &TestHost) -> Value {
     items.into_iter().find(|i| i["name"] == "qemu.sha256").unwrap_or(Value::Null)
 }
 
-#[test]
-fn only_the_pinned_binary_is_launched_and_a_changed_one_is_refused() {
-    // QEMU finds its modules and firmware relative to its executable (../lib, ../share): the
-    // copy gets the host's through links.
+/// A copy of the host's QEMU in `DIR/bin/`, 0755. QEMU finds its modules and firmware
+/// relative to its executable (../lib, ../share): the copy gets the host's through links.
+fn qemu_copy() -> (tempfile::TempDir, PathBuf) {
     let dir = open_dir();
     std::fs::create_dir(dir.path().join("bin")).expect("bin dir");
     std::os::unix::fs::symlink("/usr/lib", dir.path().join("lib")).expect("lib link");
@@ -50,6 +49,12 @@ fn only_the_pinned_binary_is_launched_and_a_changed_one_is_refused() {
     let copy = dir.path().join("bin/qemu-system-x86_64");
     std::fs::copy(QEMU, &copy).expect("copy QEMU");
     std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    (dir, copy)
+}
+
+#[test]
+fn only_the_pinned_binary_is_launched_and_a_changed_one_is_refused() {
+    let (dir, copy) = qemu_copy();
     let pin = sha256(&copy);
     let host = host_with(&copy, &pin);
 
@@ -108,13 +113,7 @@ fn runs(record: &Path) -> usize {
 /// its own sha256 after a restart it runs (the record proves it would have shown a run).
 #[test]
 fn offline_qemu_runs_are_refused_with_a_changed_binary_and_none_runs() {
-    let dir = open_dir();
-    std::fs::create_dir(dir.path().join("bin")).expect("bin dir");
-    std::os::unix::fs::symlink("/usr/lib", dir.path().join("lib")).expect("lib link");
-    std::os::unix::fs::symlink("/usr/share", dir.path().join("share")).expect("share link");
-    let copy = dir.path().join("bin/qemu-system-x86_64");
-    std::fs::copy(QEMU, &copy).expect("copy QEMU");
-    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let (dir, copy) = qemu_copy();
     let pin = sha256(&copy);
     let mut host = host_with(&copy, &pin);
 

@@ -1325,10 +1325,9 @@ mod tests {
         child.wait().await.unwrap();
     }
 
-    #[test]
-    fn spawner_children_get_their_own_session_and_group() {
-        // The spawner's `start`, called in this process (no spawner fork needed to check it).
-        let allow = Allowlist {
+    /// An allowlist of `/bin/sleep` alone.
+    fn sleep_only() -> Allowlist {
+        Allowlist {
             programs: vec!["/bin/sleep".into()],
             modprobe: false,
             run_as: vec![],
@@ -1336,7 +1335,13 @@ mod tests {
             vfio_nodes: false,
             boot_dirs: vec![],
             fetch: None,
-        };
+        }
+    }
+
+    #[test]
+    fn spawner_children_get_their_own_session_and_group() {
+        // The spawner's `start`, called in this process (no spawner fork needed to check it).
+        let allow = sleep_only();
         let req = RunRequest {
             program: "/bin/sleep".into(),
             args: vec!["30".into()],
@@ -1375,15 +1380,7 @@ mod tests {
             };
             start(req, Vec::new(), allow, false, None, &crate::sandbox::child_seccomp::program()).unwrap()
         };
-        let allow = Allowlist {
-            programs: vec!["/bin/sleep".into()],
-            modprobe: false,
-            run_as: vec![],
-            kvm: false,
-            vfio_nodes: false,
-            boot_dirs: vec![],
-            fetch: None,
-        };
+        let allow = sleep_only();
         assert_eq!(seccomp_mode(std::process::id()), "0", "the test process itself has no filter");
         let mut child = sleep(&allow, vec!["30".into()]);
         assert_eq!(seccomp_mode(child.id()), "2", "a program gets the filter");
