@@ -3,7 +3,7 @@
 //!
 //! Why it exists: the packaged unit allows `AF_INET AF_INET6` for every process in it, because
 //! curl fetches images for `image.import` from inside it; systemd's `RestrictAddressFamilies=`
-//! cannot tell curl from QEMU. Landlock's TCP rule ([`super::landlock::tcp_denial`]) keeps QEMU
+//! cannot tell curl from QEMU. Landlock's TCP rule ([`super::landlock::child_domain`]) keeps QEMU
 //! from connecting over TCP only where the kernel has Landlock's network rights (6.7 and later;
 //! not Debian 12's 6.1), and no Landlock version covers UDP. So a QEMU that a guest took over
 //! could reach the network on any kernel (QMP `chardev-add` of a `udp` backend simply worked).

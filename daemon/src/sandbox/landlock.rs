@@ -336,7 +336,7 @@ pub fn kernel_abi() -> i32 {
 /// not an error but an [`Outcome`] with status `not enforced`.
 ///
 /// `connect_ports` are the TCP ports the process may connect to (none for the daemon; the
-/// spawner's are for curl alone, see [`tcp_denial`]).
+/// spawner's are for curl alone, see [`child_domain`]).
 pub fn apply(rules: &[Rule], connect_ports: &[u16]) -> Result<Outcome, LandlockError> {
     let abi = TARGET_ABI;
     let mut created = Ruleset::default()
@@ -370,22 +370,78 @@ pub fn apply(rules: &[Rule], connect_ports: &[u16]) -> Result<Outcome, LandlockE
     Ok(Outcome { kernel_abi: kernel_abi(), status, rules: added, skipped })
 }
 
-/// A ruleset that handles TCP bind and connect and allows neither: the spawner makes it at
-/// start and every program it runs but curl restricts itself to it before exec (a second
-/// Landlock layer), so QEMU cannot use the ports the spawner's own domain opens for
-/// downloads. `None` where the kernel has no Landlock network rights (ABI < 4): then no
-/// process of the spawner is limited in TCP anyway.
-pub fn tcp_denial() -> Option<std::os::fd::OwnedFd> {
-    if kernel_abi() < 4 {
+/// The Landlock layer every program the spawner runs but curl enters before exec: a ruleset
+/// that handles TCP bind and connect and allows neither (where the kernel has network rights,
+/// ABI 4), and making block device nodes, which no such program does. The spawner makes it at
+/// start.
+///
+/// Two reasons for a layer of their own. QEMU cannot use the ports the spawner's own domain opens
+/// for downloads. And a process in a nested domain cannot ptrace, or open the `/proc/PID/mem`
+/// of, a process of the domain above it: curl runs as `qemu.user` too, in the spawner's domain,
+/// so a QEMU taken over by its guest cannot write into a download's memory and use its sockets,
+/// on any kernel with Landlock (the block-node right is there so that the layer exists where
+/// TCP rights do not, as on Debian 12's 6.1). `None` without Landlock.
+pub fn child_domain() -> Option<std::os::fd::OwnedFd> {
+    child_ruleset(kernel_abi())
+}
+
+/// [`child_domain`]'s ruleset as a kernel of Landlock ABI `abi` gets it.
+fn child_ruleset(abi: i32) -> Option<std::os::fd::OwnedFd> {
+    if abi < 1 {
         return None;
     }
-    let created = Ruleset::default().handle_access(AccessNet::from_all(TARGET_ABI)).ok()?.create().ok()?;
-    created.into()
+    let mut ruleset = Ruleset::default().handle_access(AccessFs::MakeBlock).ok()?;
+    if abi >= 4 {
+        ruleset = ruleset.handle_access(AccessNet::from_all(TARGET_ABI)).ok()?;
+    }
+    ruleset.create().ok()?.into()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A program in [`child_domain`] cannot open the `/proc/PID/mem` (ptrace's attach check) of a
+    /// process outside it, as curl is, neither with the layer this kernel gets nor with the one
+    /// a kernel without Landlock's network rights gets (ABI 1-3: the block-node right alone);
+    /// the control, the same command without the layer, can (the test runs as root).
+    #[test]
+    fn a_program_in_the_child_domain_cannot_reach_into_a_process_above_it() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        if kernel_abi() < 1 {
+            assert!(child_domain().is_none());
+            return;
+        }
+        let (Some(this_kernel), Some(without_net)) = (child_domain(), child_ruleset(1)) else {
+            panic!("a kernel with Landlock makes the layer");
+        };
+        let mut above = std::process::Command::new("/bin/sleep").arg("30").spawn().unwrap();
+        let peek = |nested: Option<i32>| {
+            let mut cmd = std::process::Command::new("/bin/sh");
+            cmd.args(["-c", &format!("exec 3</proc/{}/mem", above.id())]);
+            cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+            if let Some(ruleset) = nested {
+                // SAFETY: prctl and landlock_restrict_self only, between fork and exec.
+                unsafe {
+                    cmd.pre_exec(move || {
+                        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                            || libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) != 0
+                        {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+            }
+            cmd.status().unwrap().success()
+        };
+        assert!(peek(None), "without the layer the same command reads it");
+        assert!(!peek(Some(this_kernel.as_raw_fd())), "a program in the layer cannot reach a process above it");
+        assert!(!peek(Some(without_net.as_raw_fd())), "nor on a kernel without network rights");
+        above.kill().unwrap();
+        above.wait().unwrap();
+    }
     use crate::config::Accel;
     use crate::validate::tests::config;
 

@@ -970,7 +970,7 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
 /// The spawner's loop: serve requests on `control` until the daemon closes it, then exit.
 /// Runs in the forked spawner process, which is single-threaded.
 pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: bool) -> ! {
-    let no_tcp = super::landlock::tcp_denial();
+    let nested = super::landlock::child_domain();
     let no_ip = super::child_seccomp::program();
     let mut running: Vec<Running> = Vec::new();
     let mut copies = crate::qemu::boot_files::CopyCache::default();
@@ -1031,7 +1031,7 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
             }
         };
         match req {
-            Request::Run(run) => match start(run, fds, allow, ambient_sys_module, no_tcp.as_ref(), &no_ip) {
+            Request::Run(run) => match start(run, fds, allow, ambient_sys_module, nested.as_ref(), &no_ip) {
                 Ok(child) => {
                     let pidfd = pidfd_open(child.id());
                     let pid = i32::try_from(child.id()).unwrap_or(0);
@@ -1090,15 +1090,15 @@ fn serve_boot_file(
     }
 }
 
-/// Checks and starts one request in the spawner. `no_tcp` is the Landlock ruleset without TCP
-/// ([`super::landlock::tcp_denial`]), `no_ip` the seccomp program without IP sockets
+/// Checks and starts one request in the spawner. `nested` is the Landlock layer of every program but curl (no TCP, no reach into curl)
+/// ([`super::landlock::child_domain`]), `no_ip` the seccomp program without IP sockets
 /// ([`super::child_seccomp`]): every program gets both but the image download (curl).
 fn start(
     req: RunRequest,
     fds: Vec<OwnedFd>,
     allow: &Allowlist,
     ambient_sys_module: bool,
-    no_tcp: Option<&OwnedFd>,
+    nested: Option<&OwnedFd>,
     no_ip: &[super::child_seccomp::Instruction],
 ) -> io::Result<std::process::Child> {
     let program = PathBuf::from(&req.program);
@@ -1110,9 +1110,9 @@ fn start(
     }
     // Only curl keeps the TCP ports the spawner's domain allows, and IP sockets at all.
     let download = allow.is_download(&program);
-    let no_tcp = no_tcp.filter(|_| !download).map(AsRawFd::as_raw_fd);
+    let nested = nested.filter(|_| !download).map(AsRawFd::as_raw_fd);
     let no_ip = (!download).then(|| no_ip.to_vec());
-    launch(req, fds, allow, ambient_sys_module, no_tcp, no_ip)
+    launch(req, fds, allow, ambient_sys_module, nested, no_ip)
 }
 
 /// Starts an allowed request: its descriptors in place, its session, limits and user, then
@@ -1122,7 +1122,7 @@ fn launch(
     mut fds: Vec<OwnedFd>,
     allow: &Allowlist,
     ambient_sys_module: bool,
-    no_tcp: Option<RawFd>,
+    nested: Option<RawFd>,
     no_ip: Option<Vec<super::child_seccomp::Instruction>>,
 ) -> io::Result<std::process::Child> {
     let want = usize::from(req.stdout) + usize::from(req.stderr) + req.nfds;
@@ -1145,7 +1145,7 @@ fn launch(
     unsafe {
         command.pre_exec(move || {
             setup.apply()?;
-            if let Some(ruleset) = no_tcp {
+            if let Some(ruleset) = nested {
                 // Landlock needs no_new_privs; the spawner's own domain set it, unless that failed.
                 if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
                     || libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) != 0
