@@ -119,6 +119,14 @@ impl Book {
         }
     }
 
+    /// Counts `bytes` of what reservation `id` wrote as gone again (a file emptied to start
+    /// over): it holds them once more.
+    pub fn freed(&mut self, fs: FsId, id: u64, bytes: u64) {
+        if let Some(h) = self.held.get_mut(&(fs, id)) {
+            h.written = h.written.saturating_sub(bytes);
+        }
+    }
+
     /// Ends reservation `id`.
     pub fn release(&mut self, fs: FsId, id: u64) {
         self.held.remove(&(fs, id));
@@ -220,6 +228,11 @@ impl Reservation {
     pub fn wrote(&self, bytes: u64) {
         self.book.lock().unwrap_or_else(|p| p.into_inner()).wrote(self.fs, self.id, bytes);
     }
+
+    /// Counts `bytes` this operation wrote as removed again: it holds them once more.
+    pub fn freed(&self, bytes: u64) {
+        self.book.lock().unwrap_or_else(|p| p.into_inner()).freed(self.fs, self.id, bytes);
+    }
 }
 
 impl Drop for Reservation {
@@ -280,6 +293,20 @@ mod tests {
     }
 
     #[test]
+    fn what_was_written_and_removed_is_held_again() {
+        // A redirect's body written, then the file emptied for the image: the reservation
+        // holds all of it again (else a server could spend it on a body thrown away).
+        let mut b = Book::default();
+        let id = b.take(1, 50 * MIB, 100 * MIB, 90).unwrap();
+        b.wrote(1, id, 40 * MIB);
+        assert_eq!(b.reserved(1), 10 * MIB);
+        b.freed(1, id, 40 * MIB);
+        assert_eq!(b.reserved(1), 50 * MIB);
+        b.freed(1, id, MIB);
+        assert_eq!(b.reserved(1), 50 * MIB, "never more than was reserved");
+    }
+
+    #[test]
     fn the_rest_is_all_that_is_available_and_nothing_is_refused() {
         let mut b = Book::default();
         let (id, bytes) = b.take_rest(1, 100 * MIB, 90).unwrap();
@@ -305,6 +332,23 @@ mod tests {
         assert_eq!(b.available(1, 10, 90), 0, "more held than free: none available, not negative");
         assert_eq!(b.available(1, 0, 90), 0);
         assert!(!b.is_empty() && b.len() == 2);
+    }
+
+    #[test]
+    fn a_temp_file_emptied_for_a_redirect_holds_its_room_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::default();
+        let r = ledger.reserve(dir.path(), MIB, 100).unwrap();
+        let fs = r.fs;
+        let mut temp = crate::images::Temp::create(dir.path(), "img").unwrap();
+        temp.hold(r);
+        temp.write(&[7u8; 4096]).unwrap();
+        temp.write(&[0u8; 4096]).unwrap();
+        assert_eq!(ledger.lock().reserved(fs), MIB - 4096, "zeros are skipped, not written");
+        temp.reset().unwrap();
+        assert_eq!(ledger.lock().reserved(fs), MIB, "the redirect's body is gone: all of it held again");
+        temp.write(&[7u8; 4096]).unwrap();
+        assert_eq!(ledger.lock().reserved(fs), MIB - 4096);
     }
 
     #[test]

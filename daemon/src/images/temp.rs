@@ -36,6 +36,9 @@ pub struct Temp {
     file: File,
     hasher: Sha256,
     bytes: u64,
+    /// Bytes actually written to disk (blocks of zeros are skipped over): what the reservation
+    /// was told.
+    on_disk: u64,
     placed: bool,
     /// The disk space held for it, told what is written ([`crate::disk::reserve`]).
     room: Option<crate::disk::reserve::Reservation>,
@@ -50,7 +53,7 @@ impl Temp {
         let file = crate::blocking::run(|| {
             OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&path)
         })?;
-        Ok(Temp { path, file, hasher: Sha256::new(), bytes: 0, placed: false, room: None })
+        Ok(Temp { path, file, hasher: Sha256::new(), bytes: 0, on_disk: 0, placed: false, room: None })
     }
 
     /// Holds `room` for as long as the file is unplaced, telling it each block written.
@@ -69,6 +72,7 @@ impl Temp {
             self.file.seek(SeekFrom::Current(data.len() as i64))?;
         } else {
             self.file.write_all(data)?;
+            self.on_disk += data.len() as u64;
             if let Some(room) = &self.room {
                 room.wrote(data.len() as u64);
             }
@@ -78,6 +82,8 @@ impl Temp {
     }
 
     /// Empties the file and its hash: what was written (a redirect's body) is not the image.
+    /// The reservation holds those bytes again: the space they took is free, and the image
+    /// still has to fit in what was reserved.
     ///
     /// # Errors
     /// The file cannot be truncated.
@@ -86,6 +92,10 @@ impl Temp {
         self.file.seek(SeekFrom::Start(0))?;
         self.hasher = Sha256::new();
         self.bytes = 0;
+        if let Some(room) = &self.room {
+            room.freed(self.on_disk);
+        }
+        self.on_disk = 0;
         Ok(())
     }
 
