@@ -502,6 +502,10 @@ fn stdin_of(data: Option<&str>) -> io::Result<Stdio> {
 fn spawn_local(cmd: Command) -> io::Result<Child> {
     let mut command = tokio::process::Command::new(&cmd.program);
     let piped = |on: bool| if on { Stdio::piped() } else { Stdio::null() };
+    // The same empty environment as the spawner gives: nothing of the daemon's reaches a child
+    // (an `https_proxy` would send curl's pinned download through a proxy that resolves the
+    // name itself).
+    command.env_clear().env("PATH", CHILD_PATH);
     command.args(&cmd.args).stdin(stdin_of(cmd.stdin.as_deref())?).stdout(piped(cmd.stdout)).stderr(piped(cmd.stderr));
     if let Some(file) = cmd.stderr_file {
         command.stderr(Stdio::from(file));
