@@ -687,6 +687,17 @@ class EngineTest(unittest.TestCase):
         self.assertIn("b_sensor", self.hosts["hv1"].vms)
         self.assertNotIn("stolen_sensor", self.hosts["hv2"].vms)
 
+    def test_a_vms_dir_removed_and_made_again_is_opened_again(self):
+        self.write("hv1", [entry("a")])
+        engine = self.engine()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        os.unlink(os.path.join(self.dir, "hv1VMs"))
+        os.rmdir(self.dir)
+        os.mkdir(self.dir)
+        self.write("hv2", [entry("c")])
+        self.assertEqual(engine.run_once(), {"hv2": "ok"})
+        self.assertIn("c_sensor", self.hosts["hv2"].vms)
+
     def test_a_fifo_is_refused_without_blocking(self):
         os.mkfifo(os.path.join(self.dir, "hv2VMs"))
         self.write("hv1", [entry("a")])

@@ -976,7 +976,12 @@ class Engine:
     def vms_fd(self):
         """The engine's descriptor of ``vms_dir``, opened at the first pass that finds it (the
         directory may appear after the engine starts) and kept: every later read and write is
-        relative to it, so a link swapped into the path later changes nothing."""
+        relative to it, so a link swapped into the path later changes nothing. A directory
+        that was removed (no links left) is opened again by path, with the same checks: a
+        ``vms_dir`` deleted and made anew is followed, not listed as empty forever."""
+        if self._vms_fd is not None and os.fstat(self._vms_fd).st_nlink == 0:
+            os.close(self._vms_fd)
+            self._vms_fd = None
         if self._vms_fd is None:
             self._vms_fd = open_dir_nofollow(self.config["vms_dir"])
         return self._vms_fd
