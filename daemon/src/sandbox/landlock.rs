@@ -401,14 +401,34 @@ fn child_ruleset(abi: i32) -> Option<std::os::fd::OwnedFd> {
 mod tests {
     use super::*;
 
+    /// `cmd` entering Landlock layer `ruleset` between fork and exec, as the spawner does.
+    fn in_layer(cmd: &mut std::process::Command, ruleset: Option<i32>) -> &mut std::process::Command {
+        use std::os::unix::process::CommandExt;
+        if let Some(ruleset) = ruleset {
+            // SAFETY: prctl and landlock_restrict_self only, between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                        || libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        cmd
+    }
+
     /// A program in [`child_domain`] cannot open the `/proc/PID/mem` (ptrace's attach check) of a
-    /// process outside it, as curl is, neither with the layer this kernel gets nor with the one
-    /// a kernel without Landlock's network rights gets (ABI 1-3: the block-node right alone);
-    /// the control, the same command without the layer, can (the test runs as root).
+    /// process outside it, as curl is, nor of another program in a layer of its own (each
+    /// `landlock_restrict_self` makes a sibling domain: one QEMU and another), neither with the
+    /// layer this kernel gets nor with the one a kernel without Landlock's network rights gets
+    /// (ABI 1-3: the block-node right alone); the control, the same command without the layer,
+    /// can (the test runs as root).
     #[test]
     fn a_program_in_the_child_domain_cannot_reach_into_a_process_above_it() {
         use std::os::fd::AsRawFd;
-        use std::os::unix::process::CommandExt;
         if kernel_abi() < 1 {
             assert!(child_domain().is_none());
             return;
@@ -416,31 +436,25 @@ mod tests {
         let (Some(this_kernel), Some(without_net)) = (child_domain(), child_ruleset(1)) else {
             panic!("a kernel with Landlock makes the layer");
         };
-        let mut above = std::process::Command::new("/bin/sleep").arg("30").spawn().unwrap();
-        let peek = |nested: Option<i32>| {
+        let sleep =
+            |layer: Option<i32>| in_layer(std::process::Command::new("/bin/sleep").arg("30"), layer).spawn().unwrap();
+        let peek = |target: &std::process::Child, layer: Option<i32>| {
             let mut cmd = std::process::Command::new("/bin/sh");
-            cmd.args(["-c", &format!("exec 3</proc/{}/mem", above.id())]);
+            cmd.args(["-c", &format!("exec 3</proc/{}/mem", target.id())]);
             cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
-            if let Some(ruleset) = nested {
-                // SAFETY: prctl and landlock_restrict_self only, between fork and exec.
-                unsafe {
-                    cmd.pre_exec(move || {
-                        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-                            || libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) != 0
-                        {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                        Ok(())
-                    });
-                }
-            }
-            cmd.status().unwrap().success()
+            in_layer(&mut cmd, layer).status().unwrap().success()
         };
-        assert!(peek(None), "without the layer the same command reads it");
-        assert!(!peek(Some(this_kernel.as_raw_fd())), "a program in the layer cannot reach a process above it");
-        assert!(!peek(Some(without_net.as_raw_fd())), "nor on a kernel without network rights");
-        above.kill().unwrap();
-        above.wait().unwrap();
+        let above = sleep(None);
+        assert!(peek(&above, None), "without the layer the same command reads it");
+        assert!(!peek(&above, Some(this_kernel.as_raw_fd())), "a program in the layer cannot reach a process above it");
+        assert!(!peek(&above, Some(without_net.as_raw_fd())), "nor on a kernel without network rights");
+        let sibling = sleep(Some(without_net.as_raw_fd()));
+        assert!(peek(&sibling, None), "the unrestricted control reaches into a layer");
+        assert!(!peek(&sibling, Some(without_net.as_raw_fd())), "one program's layer cannot reach another's");
+        for mut child in [above, sibling] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
     }
     use crate::config::Accel;
     use crate::validate::tests::config;
