@@ -270,6 +270,25 @@ fn allowed_networks_are_reached_redirects_are_checked_and_url_secrets_stay_secre
     assert_eq!(std::fs::read(host.images().join("hop.raw")).unwrap(), data);
     assert!(server.requests().contains(&"/web.raw?token=secret123".to_string()), "{:?}", server.requests());
 
+    // vmhostctl takes the URL on stdin (`--source -`), so its own argv holds no token either.
+    let mut ctl = std::process::Command::new(vmhost_tests::bin("vmhostctl"))
+        .arg("--socket")
+        .arg(&host.socket)
+        .args(["image", "import", "cli.raw", &sha, "--source", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = ctl.stdin.take().unwrap();
+        writeln!(stdin, "{base}/web.raw?token=secret123").unwrap();
+    }
+    let out = ctl.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(host.images().join("cli.raw")).unwrap(), data);
+
     // While curl runs, no process shows the URL's token (or the URL) in its command line.
     let url = format!("{base}/slow.raw?token=secret123");
     let socket = host.socket.clone();
@@ -297,7 +316,7 @@ fn allowed_networks_are_reached_redirects_are_checked_and_url_secrets_stay_secre
     assert_eq!(v["image"]["source"], format!("{base}/slow.raw?REDACTED"), "{v}");
 
     // Recorded, listed and logged without the token.
-    for name in ["hop.raw", "slow.raw"] {
+    for name in ["hop.raw", "cli.raw", "slow.raw"] {
         let listed = host.listed_image(name).unwrap();
         assert!(!listed.to_string().contains("secret123"), "{listed}");
     }

@@ -205,6 +205,8 @@ enum ImageCmd {
     Import {
         name: String,
         sha256: String,
+        /// The URL or file name; `-` reads it from the first line of standard input, so that a
+        /// signed URL's token is not in this command's argv for every local user's `ps`.
         #[arg(long)]
         source: Option<String>,
         /// Seconds a download may take.
@@ -269,6 +271,17 @@ impl From<ClientError> for Failure {
             other => Failure::Connect(other.to_string()),
         }
     }
+}
+
+/// `image import --source -`: the first line of standard input, without its line end.
+fn source_from_stdin() -> Result<String, Failure> {
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).map_err(|e| Failure::Usage(format!("stdin: {e}")))?;
+    let source = line.trim_end_matches(['\r', '\n']);
+    if source.is_empty() {
+        return Err(Failure::Usage("--source -: standard input has no source on its first line".into()));
+    }
+    Ok(source.to_string())
 }
 
 fn read_json(file: &PathBuf) -> Result<Value, Failure> {
@@ -513,6 +526,10 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             mutation(cli, &mut c, "vm.import", params)?
         }
         Cmd::Image(ImageCmd::Import { name, sha256, source, timeout }) => {
+            let source = match source.as_deref() {
+                Some("-") => Some(source_from_stdin()?),
+                _ => source.clone(),
+            };
             c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
             let params = json!({ "name": name, "sha256": sha256, "source": source, "timeout_s": timeout });
             let v: Value = c.call("image.import", params)?;
