@@ -6,8 +6,12 @@
 //! every known method into its closed type ([`parse_params`]), as the method table does. It
 //! panics when a promise breaks: a refused line is -32700, -32600 or 1003 (an over-long batch), an accepted request has a
 //! string/number/null id and array/object params, an invalid one is answered with a valid id or
-//! `null`, and a params refusal is -32602 naming a field.
+//! `null`, and a params refusal is -32602 naming a field. `image.import`'s params also go through
+//! the pure check of the request ([`crate::images::check_import`], the strict URL parser
+//! included): a refusal is 2001 naming one of its fields, and an accepted URL's redacted form
+//! keeps nothing after a `?` but the redaction mark.
 
+use crate::api::images::ImportParams;
 use crate::api::{ApplyParams, Code, ConsoleParams, CreateParams, NameParams, ReconcileParams, StopParams};
 use crate::rpc::methods::parse_params;
 use crate::rpc::request::{classify, is_valid_id, Line, Request};
@@ -64,7 +68,35 @@ fn typed_params(method: &str, params: &Params<'_>) {
         "vm.get" | "vm.start" | "vm.destroy" | "vm.guest_info" | "vm.guest_network" | "vm.check" => {
             check::<NameParams>(params)
         }
+        "image.import" => {
+            check::<ImportParams>(params);
+            if let Ok(p) = parse_params::<ImportParams>(params) {
+                image_import(&p);
+            }
+        }
         _ => {}
+    }
+}
+
+/// The host `image.import` is checked against: the defaults.
+const HOST: &str = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+
+fn image_import(p: &ImportParams) {
+    let config = crate::config::Config::parse(HOST, std::path::Path::new("fuzz-host.toml"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    match crate::images::check_import(&config, &p.name, &p.sha256, p.source.as_deref(), p.timeout_s) {
+        Err(e) => {
+            assert_eq!(e.code, Code::InvalidSpec, "{e:?}");
+            let field = e.field.as_deref().unwrap_or_default();
+            assert!(["name", "sha256", "source", "timeout_s"].contains(&field), "{e:?}");
+        }
+        Ok(req) => {
+            if let crate::images::Source::Url(url) = &req.source {
+                let shown = url.redacted();
+                let after = shown.split_once('?').map(|(_, q)| q);
+                assert!(after.is_none_or(|q| q == crate::images::url::REDACTED), "{shown}");
+            }
+        }
     }
 }
 
