@@ -82,8 +82,8 @@ fn typed_params(method: &str, params: &Params<'_>) {
 const HOST: &str = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
 
 fn image_import(p: &ImportParams) {
-    let config = crate::config::Config::parse(HOST, std::path::Path::new("fuzz-host.toml"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let config =
+        crate::config::Config::parse(HOST, std::path::Path::new("fuzz-host.toml")).unwrap_or_else(|e| panic!("{e}"));
     match crate::images::check_import(&config, &p.name, &p.sha256, p.source.as_deref(), p.timeout_s) {
         Err(e) => {
             assert_eq!(e.code, Code::InvalidSpec, "{e:?}");
