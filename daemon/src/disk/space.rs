@@ -69,8 +69,11 @@ impl FsSpace {
 /// 3002 naming `field`, `resource: disk_bytes`; 4001 when the free space cannot be read.
 pub fn reserve_copy_room(ledger: &Ledger, dir: &Path, files: &[&Path], field: &str) -> Result<Reservation, ApiError> {
     use std::os::unix::fs::MetadataExt;
-    let needed: u64 =
-        files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.blocks().saturating_mul(512)).sum();
+    // stat of each file, off the runtime's worker as the check it replaced ran (the ledger's
+    // free-space read is too).
+    let needed: u64 = crate::blocking::run(|| {
+        files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.blocks().saturating_mul(512)).sum()
+    });
     ledger.reserve(dir, needed, PREALLOCATE_PERCENT).map_err(|e| refusal(e, dir, "the copies", field, "disk_bytes"))
 }
 

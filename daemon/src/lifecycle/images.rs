@@ -55,20 +55,9 @@ impl Manager {
     pub(super) fn check_image_staying(&self, t: &super::Table, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
         let dir = &self.config.paths.images;
         for image in &t.images_going {
-            if boots_from(&spec.boot, dir, image) {
-                let one = |p: &Option<std::path::PathBuf>| {
-                    p.as_deref().is_some_and(|p| {
-                        boots_from(&crate::api::BootSpec { kernel: Some(p.into()), ..Default::default() }, dir, image)
-                    })
-                };
-                let field = if spec.boot.image.as_deref() == Some(image.as_str()) {
-                    "spec.boot.image"
-                } else if one(&spec.boot.kernel) {
-                    "spec.boot.kernel"
-                } else {
-                    "spec.boot.initrd"
-                };
-                return Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted")).field(field));
+            if let Some(field) = boot_field_using(&spec.boot, dir, image) {
+                return Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted"))
+                    .field(format!("spec.boot.{field}")));
             }
         }
         Ok(())
@@ -455,12 +444,24 @@ impl Manager {
 /// the images directory: the image store's files are boot files when `paths.boot` includes
 /// it, as it does by default). Lexical, as the boot-directory rule is ([`crate::qemu::boot_files::boot_dir_of`]).
 pub(crate) fn boots_from(boot: &crate::api::BootSpec, images_dir: &std::path::Path, name: &str) -> bool {
+    boot_field_using(boot, images_dir, name).is_some()
+}
+
+/// The first of `boot`'s fields ([`boots_from`]) that uses image `name`: `image`, `kernel` or
+/// `initrd`.
+fn boot_field_using(boot: &crate::api::BootSpec, images_dir: &std::path::Path, name: &str) -> Option<&'static str> {
     let in_dir = |p: &std::path::Path| {
         p.file_name().and_then(|f| f.to_str()) == Some(name) && p.parent().is_some_and(|d| d == images_dir)
     };
-    boot.image.as_deref() == Some(name)
-        || boot.kernel.as_deref().is_some_and(in_dir)
-        || boot.initrd.as_deref().is_some_and(in_dir)
+    if boot.image.as_deref() == Some(name) {
+        Some("image")
+    } else if boot.kernel.as_deref().is_some_and(in_dir) {
+        Some("kernel")
+    } else if boot.initrd.as_deref().is_some_and(in_dir) {
+        Some("initrd")
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
