@@ -267,6 +267,9 @@ impl Store {
 }
 
 #[cfg(test)]
+mod compat;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::validate::tests::spec;
