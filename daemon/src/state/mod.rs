@@ -52,7 +52,9 @@ pub struct VmRecord {
     #[serde(default)]
     pub nics: Vec<NicAlloc>,
     /// PCI functions moved to vfio-pci for this VM, with their original drivers; written before
-    /// the first sysfs change and cleared once they are given back.
+    /// the first sysfs change and cleared once they are given back. Not an operation's log:
+    /// held for as long as the devices are bound (the whole run of the VM's QEMU), read by
+    /// admission (conflicts), the sandbox and recovery (given back when no QEMU runs).
     #[serde(default)]
     pub vfio: Vec<crate::pci::bind::Binding>,
     /// The spec the running QEMU was started with, when `spec` was changed since without a
@@ -69,20 +71,24 @@ pub struct VmRecord {
     /// Why QEMU last ended without vmhostd asking.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_exit: Option<String>,
-    /// Data disks the create in progress made (named before each is made): undoing the create
-    /// deletes exactly these. Cleared when the create ends.
+    /// Data disks the create or hot-plug in progress made (named before each is made): undoing
+    /// it deletes exactly these. Cleared when the operation ends; also left behind when
+    /// recovery finds the QEMU of a hot-plug cut short gone (the record then says `dead`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub new_disks: Vec<String>,
-    /// Data disks the create in progress took back from `kept-disks` (named before each is
-    /// moved): undoing the create moves exactly these back. Cleared when the create ends.
+    /// Data disks the create or hot-plug in progress took back from `kept-disks` (named before
+    /// each is moved): undoing it moves exactly these back. Cleared as `new_disks` is.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reclaimed_disks: Vec<String>,
-    /// The root disk a `boot.disk` import moved in, named before the move.
+    /// The root disk a `boot.disk` import moved in, named before the move; kept for the VM's
+    /// life. Only its `importing` is an operation's log (a create, or a start importing it
+    /// again after a failed create gave it back).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub root_disk: Option<RootDisk>,
     /// A `vm.revert` to this snapshot began replacing the VM's disks and has not finished:
-    /// the disks may be part old, part reverted, so the VM is not started until a revert
-    /// completes.
+    /// the disks may be part old, part reverted, so the VM is not started (nor replaced, nor
+    /// that snapshot deleted) until a revert completes. Outlives a crash at rest: recovery
+    /// does not finish it, the operator's next revert does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reverting: Option<String>,
     /// The cloud-init instance id its seed carries ([`crate::seed`]): made with each new root
