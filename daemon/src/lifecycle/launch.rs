@@ -198,8 +198,7 @@ impl Manager {
         crate::blocking::run(|| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&paths.run_dir))
             .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
         undo.push(Step::HostSide);
-        self.update(&name, "launching QEMU", |r| {
-            r.status = during;
+        self.update_status(&name, "launching QEMU", during, |r| {
             r.last_error = None;
             // The new QEMU runs the recorded spec: nothing is pending any more.
             r.running_spec = None;
@@ -413,8 +412,7 @@ impl Manager {
     ) -> Result<(), ApiError> {
         let now = crate::api::now_rfc3339();
         let pid = id.clone();
-        self.update(name, reason, |r| {
-            r.status = VmStatus::Running;
+        self.update_status(name, reason, VmStatus::Running, |r| {
             r.process = Some(pid);
             r.started_at = Some(now);
             r.last_error = None;
@@ -428,8 +426,7 @@ impl Manager {
     /// Records a failed operation on `name`.
     pub(super) fn mark_failed(&self, name: &str, e: &ApiError, release: bool) {
         let le = last_error(e);
-        if let Err(save) = self.update(name, "failed", |r| {
-            r.status = VmStatus::Failed;
+        if let Err(save) = self.update_status(name, "failed", VmStatus::Failed, |r| {
             r.process = None;
             r.last_error = Some(le);
             if release {

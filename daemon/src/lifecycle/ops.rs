@@ -103,7 +103,7 @@ impl Manager {
         }
         self.crashpoint("create:disks");
         if vm.spec.state == DesiredState::Stopped {
-            self.update(name, "created stopped", |r| r.status = VmStatus::Stopped)?;
+            self.update_status(name, "created stopped", VmStatus::Stopped, |_| {})?;
             self.end_root_disk_import(name)?;
             return self.end_disk_tracking(name);
         }
@@ -260,12 +260,10 @@ impl Manager {
                 VmStatus::Running | VmStatus::Starting | VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed
             );
             if state_changed || status_changed {
-                self.update(name, "vm.stop", |r| {
+                let to = if status_changed { VmStatus::Stopped } else { rec.status };
+                self.update_status(name, "vm.stop", to, |r| {
                     r.spec.state = DesiredState::Stopped;
                     r.process = None;
-                    if status_changed {
-                        r.status = VmStatus::Stopped;
-                    }
                 })?;
                 return Ok(true);
             }
@@ -293,8 +291,7 @@ impl Manager {
         timeout_s: u64,
         force: bool,
     ) -> Result<(), ApiError> {
-        self.update(name, reason, |r| {
-            r.status = VmStatus::Stopping;
+        self.update_status(name, reason, VmStatus::Stopping, |r| {
             if let Some(state) = desired {
                 r.spec.state = state;
             }
@@ -330,8 +327,7 @@ impl Manager {
         let by = reason.strip_suffix(": stopping").unwrap_or(reason);
         let unclean = (!exited).then(|| killed_by(by, &killed));
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
-        self.update(name, reason, |r| {
-            r.status = VmStatus::Stopped;
+        self.update_status(name, reason, VmStatus::Stopped, |r| {
             r.process = None;
             // A clean power-off leaves clean disks; a kill leaves them as a power cut would.
             r.unclean_end = unclean;
@@ -375,8 +371,7 @@ impl Manager {
     async fn destroy_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<Vec<std::path::PathBuf>, ApiError> {
         // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
         // the restart policy) starts a VM the operator asked to destroy.
-        self.update(name, "vm.destroy", |r| {
-            r.status = VmStatus::Destroying;
+        self.update_status(name, "vm.destroy", VmStatus::Destroying, |r| {
             r.spec.state = DesiredState::Stopped;
         })?;
         self.crashpoint("destroy:recorded");
