@@ -23,6 +23,8 @@ pub mod hardware;
 pub mod host_usage;
 pub mod images;
 pub mod ipv4;
+#[cfg(test)]
+mod layers;
 pub mod lifecycle;
 pub mod logcap;
 pub mod net;

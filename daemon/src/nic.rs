@@ -312,9 +312,19 @@ pub fn allocate(
     Ok(out)
 }
 
+/// The guest hostname of VM `name`: `_` becomes `-`, since a hostname label is letters, digits
+/// and hyphens only (RFC 1123) and cloud-init, klibc and most resolvers refuse an underscore.
+/// A valid name ([`crate::validate::is_valid_name`]) has 1-63 bytes and starts with a letter
+/// or digit, so the result is a valid label unless it ends with `-`, which RFC 1123 also
+/// forbids but every Linux guest accepts. Here, with the `ip=` host name it makes, rather
+/// than in [`crate::validate`], which calls into this module to check NICs.
+pub fn hostname_of(name: &str) -> String {
+    name.replace('_', "-")
+}
+
 /// Kernel `ip=` parameters (dracut/klibc syntax) for a direct-kernel VM: one per NIC with IPv4
 /// configuration, naming the guest interfaces `eth0`, `eth1`, ... in NIC order. The hostname
-/// field is the VM name with `_` as `-` ([`crate::validate::hostname_of`]): a hostname cannot
+/// field is the VM name with `_` as `-` ([`hostname_of`]): a hostname cannot
 /// hold `_`.
 pub fn kernel_ip_params(spec: &VmSpec) -> Vec<String> {
     let mut out = Vec::new();
@@ -327,7 +337,7 @@ pub fn kernel_ip_params(spec: &VmSpec) -> Vec<String> {
                 let gw = gateway.clone().unwrap_or_default();
                 let dns0 = dns.first().cloned().unwrap_or_default();
                 let dns1 = dns.get(1).cloned().unwrap_or_default();
-                let host = crate::validate::hostname_of(&spec.name);
+                let host = hostname_of(&spec.name);
                 out.push(format!("ip={}::{gw}:{}:{host}:{dev}:off:{dns0}:{dns1}", a.addr, a.mask()));
             }
             None => {}

@@ -8,6 +8,7 @@
 use crate::api::{ApiError, Code, VmSpec};
 use crate::config::Config;
 use crate::hardware::PciAddress;
+pub use crate::nic::hostname_of;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
@@ -74,14 +75,6 @@ pub fn is_valid_name(name: &str) -> bool {
         && b.len() <= 63
         && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
         && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'_')
-}
-
-/// The guest hostname of VM `name`: `_` becomes `-`, since a hostname label is letters, digits
-/// and hyphens only (RFC 1123) and cloud-init, klibc and most resolvers refuse an underscore.
-/// A valid name has 1-63 bytes and starts with a letter or digit, so the result is a valid
-/// label unless it ends with `-`, which RFC 1123 also forbids but every Linux guest accepts.
-pub fn hostname_of(name: &str) -> String {
-    name.replace('_', "-")
 }
 
 /// True when `name` is a data disk name: 1-20 of `[a-z0-9-]`.

@@ -1,6 +1,6 @@
 //! `vm.export` and `vm.import`'s wire types (docs/backup.md).
 
-use super::disks::DiskFormat;
+pub use super::disks::{BackupDisk, DiskRole};
 use super::snapshots::{Consistency, FreezeSkip, Requirement};
 use super::{DesiredState, VmSpec};
 use serde::{Deserialize, Serialize};
@@ -31,37 +31,6 @@ pub struct ImportVmParams {
     /// Its desired state (default: the exported spec's).
     #[serde(default)]
     pub state: Option<DesiredState>,
-}
-
-/// Which disk of a VM a backup file is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DiskRole {
-    /// The boot disk (an image VM's overlay with its base flattened in, or a `boot.disk` VM's
-    /// root disk), as `root.qcow2`.
-    Root,
-    /// A data disk, as `NAME.FORMAT`.
-    Data,
-}
-
-/// One disk in a backup.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BackupDisk {
-    /// Root or data.
-    pub role: DiskRole,
-    /// `root`, or the data disk's name.
-    pub name: String,
-    /// The file in the backup directory.
-    pub file: String,
-    /// Its format.
-    pub format: DiskFormat,
-    /// Size of the disk the guest sees, in bytes.
-    pub virtual_size: u64,
-    /// Size of the file in bytes.
-    pub bytes: u64,
-    /// The file's sha256, lower-case hex.
-    pub sha256: String,
 }
 
 /// `manifest.json` of a backup.

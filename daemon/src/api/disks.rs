@@ -159,3 +159,35 @@ pub struct PurgeReport {
     /// The files deleted.
     pub deleted: Vec<PathBuf>,
 }
+
+/// Which disk of a VM a backup file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskRole {
+    /// The boot disk (an image VM's overlay with its base flattened in, or a `boot.disk` VM's
+    /// root disk), as `root.qcow2`.
+    Root,
+    /// A data disk, as `NAME.FORMAT`.
+    Data,
+}
+
+/// One disk in a backup or a snapshot. Here, below both, since `vm.export`'s manifest
+/// ([`super::backup`]) and a snapshot's entry ([`super::snapshots`]) share it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackupDisk {
+    /// Root or data.
+    pub role: DiskRole,
+    /// `root`, or the data disk's name.
+    pub name: String,
+    /// The file in the backup directory.
+    pub file: String,
+    /// Its format.
+    pub format: DiskFormat,
+    /// Size of the disk the guest sees, in bytes.
+    pub virtual_size: u64,
+    /// Size of the file in bytes.
+    pub bytes: u64,
+    /// The file's sha256, lower-case hex.
+    pub sha256: String,
+}

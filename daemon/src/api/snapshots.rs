@@ -1,7 +1,7 @@
 //! `vm.snapshot`, `vm.snapshots`, `vm.revert`, `vm.snapshot_delete`'s wire types
 //! (docs/snapshots.md).
 
-use super::backup::BackupDisk;
+use super::disks::BackupDisk;
 use super::VmSpec;
 use serde::{Deserialize, Serialize};
 

@@ -22,7 +22,28 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::space::FsSpace;
+/// A file system's size and free space, as `statvfs` reads them. Here rather than in
+/// [`super::space`], which builds on the ledger: the ledger needs the read, not the admission
+/// rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsSpace {
+    /// Its size in bytes.
+    pub total: u64,
+    /// Bytes an unprivileged writer may still use (`f_bavail`).
+    pub free: u64,
+}
+
+impl FsSpace {
+    /// The file system holding `path`.
+    ///
+    /// # Errors
+    /// `statvfs` failed.
+    pub fn of(path: &Path) -> std::io::Result<FsSpace> {
+        let st = nix::sys::statvfs::statvfs(path)?;
+        let frsize = st.fragment_size();
+        Ok(FsSpace { total: st.blocks().saturating_mul(frsize), free: st.blocks_available().saturating_mul(frsize) })
+    }
+}
 
 /// A file system, by device number.
 pub type FsId = u64;

@@ -20,6 +20,7 @@ use std::path::Path;
 
 use serde_json::json;
 
+pub use super::reserve::FsSpace;
 use super::reserve::{Ledger, Reservation, Shortfall};
 use super::GIB;
 use crate::api::{ApiError, Code, VmSpec};
@@ -36,27 +37,6 @@ pub struct Provision {
     pub preallocated: u64,
     /// Whether data disks are part of it (for the field an error names).
     pub data_disks: bool,
-}
-
-/// The state file system's size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FsSpace {
-    /// Its size in bytes.
-    pub total: u64,
-    /// Bytes an unprivileged writer may still use (`f_bavail`).
-    pub free: u64,
-}
-
-impl FsSpace {
-    /// The file system holding `path`.
-    ///
-    /// # Errors
-    /// `statvfs` failed.
-    pub fn of(path: &Path) -> std::io::Result<FsSpace> {
-        let st = nix::sys::statvfs::statvfs(path)?;
-        let frsize = st.fragment_size();
-        Ok(FsSpace { total: st.blocks().saturating_mul(frsize), free: st.blocks_available().saturating_mul(frsize) })
-    }
 }
 
 /// Reserves room for copies of `files` (the bytes they hold: their allocated blocks, not their

@@ -18,6 +18,7 @@ use crate::api::Firmware;
 use crate::config::{Accel, Config};
 use crate::nic::{kernel_ip_params, NicAlloc};
 use crate::qemu::boot_files::proc_path;
+pub use crate::qemu::hotplug::data_drive;
 use crate::qemu::launch::FIRST_PASSED_FD;
 use crate::validate::{BootSource, ValidSpec};
 use std::ffi::OsString;
@@ -27,11 +28,6 @@ use std::path::{Path, PathBuf};
 /// live. It is the name QEMU gave the first `if=virtio` drive, which VMs started before the
 /// disks were explicit devices still have.
 pub const DISK_DRIVE: &str = "virtio0";
-
-/// QEMU's drive and device id of data disk `name` (`data-NAME`).
-pub fn data_drive(name: &str) -> String {
-    format!("data-{name}")
-}
 
 /// The file name of a UEFI VM's variables store in its disk directory
 /// ([`VmPaths::uefi_vars`]); no disk there can have it, since their extension is their format

@@ -19,12 +19,17 @@
 //! `data-NAME` is a valid QEMU id and node name.
 
 use crate::api::DataDiskSpec;
-use crate::qemu::argv::data_drive;
 use crate::qemu::qmp::{Qmp, QmpError};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::os::fd::AsFd;
 use std::time::Duration;
+
+/// QEMU's drive and device id of data disk `name` (`data-NAME`): on the command line
+/// ([`super::argv`]) and when hot-plugged alike.
+pub fn data_drive(name: &str) -> String {
+    format!("data-{name}")
+}
 
 /// Spare PCIe root ports a q35 VM starts with, each able to take one hot-plugged disk.
 pub const SPARE_PORTS: usize = 4;
