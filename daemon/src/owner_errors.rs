@@ -19,6 +19,8 @@ use serde_json::{json, Value};
 
 use crate::api::{ApiError, Code};
 use crate::net::host::AttachError;
+use crate::pci::bind::{BindError, StepFailure};
+use crate::pci::check::{CheckError, HostUseKind};
 
 /// An error with `code`, the owner's text as the message and `field` when there is one.
 fn api(code: Code, e: &impl std::fmt::Display, field: Option<&str>) -> ApiError {
@@ -39,12 +41,101 @@ impl From<AttachError> for ApiError {
     }
 }
 
+impl From<CheckError> for ApiError {
+    /// 2001 with `details.problems`, 3003 with `details.conflicts`, 3005 with `details.in_use`,
+    /// 3004 with `details.blocking` (and `details.no_iommu_group`); `field` is the first
+    /// offending request's.
+    fn from(e: CheckError) -> ApiError {
+        let (code, details) = match &e {
+            CheckError::Shape(problems) => {
+                let list: Vec<Value> = problems
+                    .iter()
+                    .map(|p| json!({"address": p.address.to_string(), "field": p.field, "problem": p.problem}))
+                    .collect();
+                (Code::InvalidSpec, json!({ "problems": list }))
+            }
+            CheckError::Held(conflicts) => {
+                let list: Vec<Value> =
+                    conflicts.iter().map(|c| json!({"address": c.address.to_string(), "holder": c.holder})).collect();
+                (Code::HardwareInUse, json!({ "conflicts": list }))
+            }
+            CheckError::InUseByHost(uses) => {
+                let list: Vec<Value> = uses
+                    .iter()
+                    .map(|u| {
+                        let address = u.address.to_string();
+                        match &u.kind {
+                            HostUseKind::Mounted(dev) => {
+                                json!({"address": address, "block_device": dev, "reason": u.kind.reason()})
+                            }
+                            HostUseKind::Address(i) | HostUseKind::DefaultRoute(i) | HostUseKind::Enslaved(i) => {
+                                json!({"address": address, "interface": i, "reason": u.kind.reason()})
+                            }
+                        }
+                    })
+                    .collect();
+                (Code::InUseByHost, json!({ "in_use": list }))
+            }
+            CheckError::NoIommuGroup(requested) => {
+                let list: Vec<String> = requested.iter().map(|r| r.address.to_string()).collect();
+                (Code::GroupNotViable, json!({"no_iommu_group": list, "blocking": []}))
+            }
+            CheckError::GroupNotViable(groups) => {
+                let list: Vec<Value> = groups
+                    .iter()
+                    .flat_map(|g| {
+                        g.blocking.iter().map(move |m| {
+                            json!({
+                                "address": m.address.to_string(),
+                                "driver": m.driver,
+                                "group": g.group,
+                                "holder": m.holder,
+                            })
+                        })
+                    })
+                    .collect();
+                (Code::GroupNotViable, json!({ "blocking": list }))
+            }
+        };
+        api(code, &e, e.field()).details(details)
+    }
+}
+
+fn step_failure(f: &StepFailure) -> Value {
+    json!({"address": f.address.to_string(), "step": f.step, "reason": f.reason})
+}
+
+impl From<&BindError> for ApiError {
+    /// 4001 (a host step failed), with the failures in `details.failures` (and
+    /// `details.restored`, `details.restore_failures` after a failed bind).
+    fn from(e: &BindError) -> ApiError {
+        let details = match e {
+            BindError::NoVfioPci => json!({"failures": []}),
+            BindError::Bind { failure, restored, restore_failures } => json!({
+                "failures": [step_failure(failure)],
+                "restored": restored.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "restore_failures": restore_failures.iter().map(step_failure).collect::<Vec<_>>(),
+            }),
+            BindError::Release { failures } => {
+                json!({"failures": failures.iter().map(step_failure).collect::<Vec<_>>()})
+            }
+        };
+        api(Code::ProvisioningFailed, e, None).details(details)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::error::ALL_CODES;
+    use crate::hardware::PciAddress;
     use crate::net::NetError;
+    use crate::pci::check::{BlockedGroup, Blocker, HeldConflict, HostUse, Requested, ShapeProblem};
     use std::collections::BTreeSet;
+
+    fn pci(text: &str) -> PciAddress {
+        PciAddress::parse(text).unwrap()
+    }
 
     /// One owner error through the mapping, with the code and field it must give.
     struct Case {
@@ -60,6 +151,7 @@ mod tests {
 
     /// Every variant of every owner error, mapped.
     fn cases() -> Vec<Case> {
+        let a = pci("0000:00:05.0");
         vec![
             case(
                 "net: NIC on an unknown network",
@@ -73,6 +165,50 @@ mod tests {
                 Code::ProvisioningFailed,
                 Some("spec.nics[0]"),
             ),
+            case(
+                "pci: absent device",
+                CheckError::Shape(vec![ShapeProblem { address: a, field: "spec.pci[0]".into(), problem: "x".into() }]),
+                Code::InvalidSpec,
+                Some("spec.pci[0]"),
+            ),
+            case(
+                "pci: held by another VM",
+                CheckError::Held(vec![HeldConflict {
+                    address: a,
+                    field: "spec.hardware.sfp[0]".into(),
+                    holder: "b".into(),
+                }]),
+                Code::HardwareInUse,
+                Some("spec.hardware.sfp[0]"),
+            ),
+            case(
+                "pci: used by the host",
+                CheckError::InUseByHost(vec![HostUse {
+                    address: a,
+                    field: "spec.pci[1]".into(),
+                    kind: HostUseKind::Mounted("sda1".into()),
+                }]),
+                Code::InUseByHost,
+                Some("spec.pci[1]"),
+            ),
+            case(
+                "pci: no IOMMU group",
+                CheckError::NoIommuGroup(vec![Requested::new(a, "spec.pci[0]")]),
+                Code::GroupNotViable,
+                Some("spec.pci[0]"),
+            ),
+            case(
+                "pci: group not viable",
+                CheckError::GroupNotViable(vec![BlockedGroup {
+                    group: 3,
+                    address: a,
+                    field: "spec.pci[0]".into(),
+                    blocking: vec![Blocker { address: pci("0000:00:05.1"), driver: Some("ahci".into()), holder: None }],
+                }]),
+                Code::GroupNotViable,
+                Some("spec.pci[0]"),
+            ),
+            case("pci: vfio-pci missing", &BindError::NoVfioPci, Code::ProvisioningFailed, None),
         ]
     }
 
@@ -80,8 +216,6 @@ mod tests {
     /// there).
     const PRODUCED_ELSEWHERE: &[(Code, &str)] = &[
         (Code::BinaryMismatch, "qemu::integrity (pinned binaries)"),
-        (Code::GroupNotViable, "pci::check (passthrough host checks)"),
-        (Code::InUseByHost, "pci::check (passthrough host checks)"),
         (Code::ParseError, "rpc::request (the line)"),
         (Code::InvalidRequest, "rpc::request (the envelope)"),
         (Code::MethodNotFound, "rpc::methods (the method table)"),
