@@ -18,6 +18,8 @@
 use serde_json::{json, Value};
 
 use crate::api::{ApiError, Code};
+use crate::images::download::DownloadError;
+use crate::images::ImageError;
 use crate::net::host::AttachError;
 use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
@@ -124,11 +126,63 @@ impl From<&BindError> for ApiError {
     }
 }
 
+impl From<ImageError> for ApiError {
+    /// 2001 on the request field at fault, 4090 on `name`, 2003 on `sha256` (`name` for a
+    /// recorded image that changed) with `details: {expected, found, bytes}`.
+    fn from(e: ImageError) -> ApiError {
+        match &e {
+            ImageError::NotAName(_) => api(Code::InvalidSpec, &e, Some("name")),
+            ImageError::BadSha256 => api(Code::InvalidSpec, &e, Some("sha256")),
+            ImageError::ZeroTimeout => api(Code::InvalidSpec, &e, Some("timeout_s")),
+            ImageError::BadUrl(_) | ImageError::NotFetched | ImageError::NotImportable { .. } => {
+                api(Code::InvalidSpec, &e, Some("source"))
+            }
+            ImageError::Busy(_) => api(Code::Busy, &e, Some("name")),
+            ImageError::Mismatch { expected, found, bytes, .. } => api(Code::ChecksumMismatch, &e, Some("sha256"))
+                .details(json!({ "expected": expected, "found": found, "bytes": bytes })),
+            ImageError::Changed { expected, found, bytes, .. } => api(Code::ChecksumMismatch, &e, Some("name"))
+                .details(json!({ "expected": expected, "found": found, "bytes": bytes })),
+        }
+    }
+}
+
+impl From<DownloadError> for ApiError {
+    /// Always on `source`: 2001 for a URL or address that is not fetched (`details: {address,
+    /// host}` for an address), 3002 for a body too large (`details: {resource, available}`),
+    /// else 4001 with `details.step` `download`.
+    fn from(e: DownloadError) -> ApiError {
+        let source = Some("source");
+        match &e {
+            DownloadError::Refused { host, addr, .. } => {
+                api(Code::InvalidSpec, &e, source).details(json!({ "address": addr.to_string(), "host": host }))
+            }
+            DownloadError::RedirectNotFetched { .. } | DownloadError::NotForCurl => api(Code::InvalidSpec, &e, source),
+            DownloadError::TooLarge { max_bytes, .. } => api(Code::CapacityExceeded, &e, source)
+                .details(json!({ "resource": "image_bytes", "available": max_bytes })),
+            DownloadError::Resolve { .. }
+            | DownloadError::NoAddress { .. }
+            | DownloadError::TimedOut(_)
+            | DownloadError::TooManyRedirects(_)
+            | DownloadError::Write(_)
+            | DownloadError::Spawn { .. }
+            | DownloadError::NoPipes
+            | DownloadError::Wait(_)
+            | DownloadError::Curl { .. }
+            | DownloadError::Status { .. }
+            | DownloadError::NoStatus { .. } => {
+                api(Code::ProvisioningFailed, &e, source).details(json!({ "step": "download" }))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::error::ALL_CODES;
     use crate::hardware::PciAddress;
+    use crate::images::address::Class;
+    use crate::images::url::UrlError;
     use crate::net::NetError;
     use crate::pci::check::{BlockedGroup, Blocker, HeldConflict, HostUse, Requested, ShapeProblem};
     use std::collections::BTreeSet;
@@ -209,6 +263,58 @@ mod tests {
                 Some("spec.pci[0]"),
             ),
             case("pci: vfio-pci missing", &BindError::NoVfioPci, Code::ProvisioningFailed, None),
+            case("images: name", ImageError::NotAName("a/b".into()), Code::InvalidSpec, Some("name")),
+            case("images: sha256", ImageError::BadSha256, Code::InvalidSpec, Some("sha256")),
+            case("images: timeout", ImageError::ZeroTimeout, Code::InvalidSpec, Some("timeout_s")),
+            case("images: URL", ImageError::BadUrl(UrlError::UserInfo), Code::InvalidSpec, Some("source")),
+            case("images: scheme", ImageError::NotFetched, Code::InvalidSpec, Some("source")),
+            case(
+                "images: path",
+                ImageError::NotImportable { given: "/etc/shadow".into(), dir: "/x".into() },
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case("images: busy", ImageError::Busy("a.raw".into()), Code::Busy, Some("name")),
+            case("images: mismatch", crate::images::mismatch("a", "b", "c", 1), Code::ChecksumMismatch, Some("sha256")),
+            case("images: changed", crate::images::changed("a", "b", "c", 1), Code::ChecksumMismatch, Some("name")),
+            case(
+                "download: refused address",
+                DownloadError::Refused {
+                    what: "u".into(),
+                    host: "h".into(),
+                    addr: "10.0.0.1".parse().unwrap(),
+                    class: Class::Private,
+                },
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case(
+                "download: redirect",
+                DownloadError::RedirectNotFetched { from: "u".into(), source: UrlError::UserInfo },
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case("download: curl config", DownloadError::NotForCurl, Code::InvalidSpec, Some("source")),
+            case(
+                "download: too large",
+                DownloadError::TooLarge { shown: "u".into(), max_bytes: 1 },
+                Code::CapacityExceeded,
+                Some("source"),
+            ),
+            case("download: timeout", DownloadError::TimedOut(3), Code::ProvisioningFailed, Some("source")),
+            case(
+                "download: redirects",
+                DownloadError::TooManyRedirects(None),
+                Code::ProvisioningFailed,
+                Some("source"),
+            ),
+            case("download: pipes", DownloadError::NoPipes, Code::ProvisioningFailed, Some("source")),
+            case(
+                "download: status",
+                DownloadError::Status { shown: "u".into(), code: 404 },
+                Code::ProvisioningFailed,
+                Some("source"),
+            ),
         ]
     }
 

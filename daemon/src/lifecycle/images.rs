@@ -220,7 +220,7 @@ impl Manager {
         }
         let found = temp.finish().map_err(|e| failed(format!("cannot write the image: {e}")))?;
         if found != req.sha256 {
-            return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()));
+            return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()).into());
         }
         crate::crashpoint::hit(&self.config.paths.run, "image:hashed");
         let file = temp.reopen().map_err(|e| failed(format!("cannot reopen the image: {e}")))?;
@@ -283,9 +283,7 @@ impl Manager {
                 return Ok(ImportResult { changed: false, image: self.view_of(&req.name, r) });
             }
             (Some(_), Some(crate::images::Verdict::Mismatch { found })) => {
-                return Err(
-                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len()).field("name")
-                );
+                return Err(crate::images::changed(&path.display().to_string(), &req.sha256, &found, meta.len()).into());
             }
             _ => {}
         }
@@ -299,7 +297,7 @@ impl Manager {
         if found != req.sha256 {
             return Err(match req.source {
                 Source::InPlace => {
-                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len())
+                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len()).into()
                 }
                 _ => exists(&found),
             });
