@@ -18,6 +18,7 @@
 use serde_json::{json, Value};
 
 use crate::api::{ApiError, Code};
+use crate::disk::space::SpaceError;
 use crate::images::download::DownloadError;
 use crate::images::ImageError;
 use crate::net::host::AttachError;
@@ -176,10 +177,38 @@ impl From<DownloadError> for ApiError {
     }
 }
 
+impl From<SpaceError> for ApiError {
+    /// 4001 when the free space cannot be read; 3002 on the field the room is for, with
+    /// `details: {resource, requested, available, ...}`.
+    fn from(e: SpaceError) -> ApiError {
+        match &e {
+            SpaceError::Unreadable { .. } => api(Code::ProvisioningFailed, &e, None),
+            SpaceError::NoRoom { field, resource, refused, .. } => api(Code::CapacityExceeded, &e, Some(field))
+                .details(json!({
+                    "resource": resource,
+                    "requested": refused.requested,
+                    "available": refused.available,
+                    "reserved": refused.reserved,
+                })),
+            SpaceError::Disks { requested_gib, available_gib, free_bytes, total_bytes, data_disks, .. } => {
+                let field = if *data_disks { "spec.disks" } else { "spec.boot.disk_gib" };
+                api(Code::CapacityExceeded, &e, Some(field)).details(json!({
+                    "resource": "disk_gib",
+                    "requested": requested_gib,
+                    "available": available_gib,
+                    "free_bytes": free_bytes,
+                    "total_bytes": total_bytes,
+                }))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::error::ALL_CODES;
+    use crate::disk::reserve::Refused;
     use crate::hardware::PciAddress;
     use crate::images::address::Class;
     use crate::images::url::UrlError;
@@ -314,6 +343,37 @@ mod tests {
                 DownloadError::Status { shown: "u".into(), code: 404 },
                 Code::ProvisioningFailed,
                 Some("source"),
+            ),
+            case(
+                "disk space: unreadable",
+                SpaceError::Unreadable { dir: "/s".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "disk space: a copy's room",
+                SpaceError::NoRoom {
+                    what: "the copies".into(),
+                    dir: "/s".into(),
+                    field: "snapshot".into(),
+                    resource: "disk_bytes",
+                    refused: Refused { requested: 2, available: 1, free: 1, reserved: 0 },
+                },
+                Code::CapacityExceeded,
+                Some("snapshot"),
+            ),
+            case(
+                "disk space: new data disks",
+                SpaceError::Disks {
+                    requested_gib: 2,
+                    available_gib: 1,
+                    why: "do not fit",
+                    free_bytes: 1,
+                    total_bytes: 1,
+                    data_disks: true,
+                },
+                Code::CapacityExceeded,
+                Some("spec.disks"),
             ),
         ]
     }

@@ -352,9 +352,9 @@ impl Manager {
     fn reserve_image_file(&self, from: &std::path::Path) -> Result<crate::disk::reserve::Reservation, ApiError> {
         let len = crate::blocking::run(|| std::fs::metadata(from)).map_or(0, |m| m.len());
         let images = &self.config.paths.images;
-        self.reservations
-            .reserve(images, len, PERCENT)
-            .map_err(|e| crate::disk::space::refusal(e, images, &from.display().to_string(), "source", "image_bytes"))
+        self.reservations.reserve(images, len, PERCENT).map_err(|e| {
+            crate::disk::space::refusal(e, images, &from.display().to_string(), "source", "image_bytes").into()
+        })
     }
 
     fn record_image(&self, held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), ApiError> {
