@@ -24,6 +24,7 @@ use crate::images::ImageError;
 use crate::net::host::AttachError;
 use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
+use crate::qemu::integrity::PinError;
 
 /// An error with `code`, the owner's text as the message and `field` when there is one.
 fn api(code: Code, e: &impl std::fmt::Display, field: Option<&str>) -> ApiError {
@@ -204,6 +205,18 @@ impl From<SpaceError> for ApiError {
     }
 }
 
+impl From<PinError> for ApiError {
+    /// 4002 on the pin's key (`qemu.sha256`), `details: {path, expected, found}` (`found` null
+    /// when the binary cannot be read).
+    fn from(e: PinError) -> ApiError {
+        api(Code::BinaryMismatch, &e, Some(e.key)).details(json!({
+            "path": e.path,
+            "expected": e.expected,
+            "found": e.found(),
+        }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +227,7 @@ mod tests {
     use crate::images::url::UrlError;
     use crate::net::NetError;
     use crate::pci::check::{BlockedGroup, Blocker, HeldConflict, HostUse, Requested, ShapeProblem};
+    use crate::qemu::integrity::Verdict;
     use std::collections::BTreeSet;
 
     fn pci(text: &str) -> PciAddress {
@@ -375,13 +389,23 @@ mod tests {
                 Code::CapacityExceeded,
                 Some("spec.disks"),
             ),
+            case(
+                "integrity: another binary",
+                PinError {
+                    key: "qemu.sha256",
+                    path: "/usr/bin/qemu".into(),
+                    expected: "a".into(),
+                    verdict: Verdict::Mismatch { found: "b".into() },
+                },
+                Code::BinaryMismatch,
+                Some("qemu.sha256"),
+            ),
         ]
     }
 
     /// Codes no owner produces, and where they come from instead (each has its own tests
     /// there).
     const PRODUCED_ELSEWHERE: &[(Code, &str)] = &[
-        (Code::BinaryMismatch, "qemu::integrity (pinned binaries)"),
         (Code::ParseError, "rpc::request (the line)"),
         (Code::InvalidRequest, "rpc::request (the envelope)"),
         (Code::MethodNotFound, "rpc::methods (the method table)"),

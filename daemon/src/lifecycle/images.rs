@@ -117,7 +117,7 @@ impl Manager {
         let found = match crate::blocking::run(|| std::fs::File::open(&path)) {
             Ok(f) => match crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(f)).await {
                 Ok(info) => (Some(info.format), Some(info.virtual_size)),
-                Err(crate::disk::DiskError::Pinned(refusal)) => return Err(*refusal),
+                Err(crate::disk::DiskError::Pinned(refusal)) => return Err(refusal.into()),
                 Err(e) => {
                     tracing::debug!(image = name, error = %e, "QEMU cannot read an image");
                     (None, None)
