@@ -18,6 +18,7 @@
 use serde_json::{json, Value};
 
 use crate::api::{ApiError, Code};
+use crate::backup::{BackupError, ManifestError};
 use crate::disk::space::SpaceError;
 use crate::images::download::DownloadError;
 use crate::images::ImageError;
@@ -217,6 +218,33 @@ impl From<PinError> for ApiError {
     }
 }
 
+impl From<BackupError> for ApiError {
+    /// On `backup`: 2001 for a name or a manifest that is not a backup's, 4040 for none, 2003
+    /// (`details.file`) for a `manifest.json` that is not a regular file or would take what is
+    /// not the backup's; 4001 with `details.step` `export` when a backup cannot be written.
+    fn from(e: BackupError) -> ApiError {
+        let backup = Some("backup");
+        let manifest = json!({ "file": "manifest.json" });
+        match &e {
+            BackupError::NotAName(_) | BackupError::Unreadable { .. } => api(Code::InvalidSpec, &e, backup),
+            BackupError::NoSuchBackup { .. } => api(Code::NotFound, &e, backup),
+            BackupError::NotAFile { .. } => api(Code::ChecksumMismatch, &e, backup).details(manifest),
+            BackupError::Manifest { source: ManifestError::Invalid(_), .. } => {
+                api(Code::InvalidSpec, &e, backup).details(manifest)
+            }
+            BackupError::Manifest { source: ManifestError::TakesOthers(_), .. } => {
+                api(Code::ChecksumMismatch, &e, backup).details(manifest)
+            }
+            BackupError::Create { .. }
+            | BackupError::NoFreeName { .. }
+            | BackupError::Encode(_)
+            | BackupError::Finish { .. } => {
+                api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "export" }))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,6 +427,43 @@ mod tests {
                 },
                 Code::BinaryMismatch,
                 Some("qemu.sha256"),
+            ),
+            case("backup: name", BackupError::NotAName("../x".into()), Code::InvalidSpec, Some("backup")),
+            case(
+                "backup: none",
+                BackupError::NoSuchBackup { backup: "b".into(), dir: "/d".into() },
+                Code::NotFound,
+                Some("backup"),
+            ),
+            case(
+                "backup: manifest not a file",
+                BackupError::NotAFile { path: "/m".into(), what: "a FIFO" },
+                Code::ChecksumMismatch,
+                Some("backup"),
+            ),
+            case(
+                "backup: unreadable manifest",
+                BackupError::Unreadable { path: "/m".into(), source: std::io::Error::other("x") },
+                Code::InvalidSpec,
+                Some("backup"),
+            ),
+            case(
+                "backup: not a manifest",
+                BackupError::Manifest { path: "/m".into(), source: ManifestError::Invalid("x".into()) },
+                Code::InvalidSpec,
+                Some("backup"),
+            ),
+            case(
+                "backup: a manifest taking others' files",
+                BackupError::Manifest { path: "/m".into(), source: ManifestError::TakesOthers("x".into()) },
+                Code::ChecksumMismatch,
+                Some("backup"),
+            ),
+            case(
+                "backup: export",
+                BackupError::NoFreeName { vm: "v".into(), dir: "/d".into() },
+                Code::ProvisioningFailed,
+                None,
             ),
         ]
     }
