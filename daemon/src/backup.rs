@@ -12,7 +12,6 @@
 //! [`Partial::dir`], [`Partial::finish`]; per import [`Backups::read`].
 
 use crate::api::backup::{BackupDisk, DiskRole, Manifest};
-use crate::api::{ApiError, Code};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -21,6 +20,91 @@ pub const FORMAT: &str = "vmhost-backup";
 
 /// Largest `manifest.json` read.
 const MAX_MANIFEST: u64 = 1 << 20;
+
+/// Why a backup cannot be written or read. The API codes are given at the boundary
+/// (`crate::owner_errors`); the texts here are the messages users read.
+#[derive(Debug, thiserror::Error)]
+pub enum BackupError {
+    /// The name asked for is not a backup's directory name.
+    #[error("{0:?} is not a backup's directory name")]
+    NotAName(String),
+    /// No such backup.
+    #[error("no backup {backup:?} in {} (no manifest.json)", .dir.display())]
+    NoSuchBackup {
+        /// The name asked for.
+        backup: String,
+        /// The backups directory.
+        dir: PathBuf,
+    },
+    /// `manifest.json` is not a regular file (a symbolic link, a FIFO, a directory, ...).
+    #[error("{} is {what}, not a regular file", .path.display())]
+    NotAFile {
+        /// The manifest's path.
+        path: PathBuf,
+        /// What it is instead.
+        what: &'static str,
+    },
+    /// `manifest.json` cannot be read.
+    #[error("cannot read {}: {source}", .path.display())]
+    Unreadable {
+        /// The manifest's path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `manifest.json` is not a manifest vmhost imports.
+    #[error("{}: {source}", .path.display())]
+    Manifest {
+        /// The manifest's path.
+        path: PathBuf,
+        /// What is wrong with it.
+        #[source]
+        source: ManifestError,
+    },
+    /// The partial directory of a new backup cannot be made.
+    #[error("cannot create {}: {source}", .dir.display())]
+    Create {
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Every name a backup of the VM could have this second is taken.
+    #[error("no free backup name for {vm} in {}", .dir.display())]
+    NoFreeName {
+        /// The VM.
+        vm: String,
+        /// The backups directory.
+        dir: PathBuf,
+    },
+    /// The manifest cannot be encoded.
+    #[error("{0}")]
+    Encode(#[source] serde_json::Error),
+    /// The files cannot be synced or the directory renamed into place; the partial directory
+    /// is removed.
+    #[error("cannot finish the backup in {}: {source}", .dir.display())]
+    Finish {
+        /// The partial directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Why a manifest's bytes are not a manifest vmhost imports ([`parse_manifest`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// Not a vmhost backup manifest of version 1, or inconsistent in itself.
+    #[error("{0}")]
+    Invalid(String),
+    /// Its content would take a file that is not the backup's (a disk staged for another VM,
+    /// an image of this host).
+    #[error("{0}")]
+    TakesOthers(String),
+}
 
 /// The backups directory.
 #[derive(Debug)]
@@ -70,8 +154,9 @@ impl Backups {
     /// `-2`, `-3`, ... when taken).
     ///
     /// # Errors
-    /// 4001 `step: export` when the directory cannot be made.
-    pub fn begin(&self, vm: &str) -> Result<Partial, ApiError> {
+    /// [`BackupError::Create`] or [`BackupError::NoFreeName`] (4001 `step: export`) when the
+    /// directory cannot be made.
+    pub fn begin(&self, vm: &str) -> Result<Partial, BackupError> {
         let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string().replace([':', '-'], "");
         crate::blocking::run(|| {
             for n in 1..1000 {
@@ -84,10 +169,10 @@ impl Backups {
                 match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
                     Ok(()) => return Ok(Partial { dir, name, done: false }),
                     Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                    Err(e) => return Err(export_failed(format!("cannot create {}: {e}", dir.display()))),
+                    Err(source) => return Err(BackupError::Create { dir, source }),
                 }
             }
-            Err(export_failed(format!("no free backup name for {vm} in {}", self.dir.display())))
+            Err(BackupError::NoFreeName { vm: vm.to_string(), dir: self.dir.clone() })
         })
     }
 
@@ -98,41 +183,35 @@ impl Backups {
     /// file, checked on the descriptor opened.
     ///
     /// # Errors
-    /// 2001 on `backup` (not a plain name), 4040 (no such backup), 2001 on `backup` for a
-    /// manifest that cannot be read or is not a vmhost backup of version 1, 2003 on `backup`
-    /// for a `manifest.json` that is not a regular file (a symbolic link, a FIFO, a directory)
-    /// or whose content would take what is not the backup's ([`parse_manifest`]).
-    pub fn read(&self, backup: &str) -> Result<(PathBuf, Manifest), ApiError> {
+    /// [`BackupError::NotAName`] (2001 on `backup`), [`BackupError::NoSuchBackup`] (4040),
+    /// [`BackupError::Unreadable`] (2001) for a manifest that cannot be read,
+    /// [`BackupError::NotAFile`] (2003) for a `manifest.json` that is not a regular file (a
+    /// symbolic link, a FIFO, a directory), [`BackupError::Manifest`] for one that is not a
+    /// vmhost backup of version 1 (2001) or whose content would take what is not the backup's
+    /// (2003, [`parse_manifest`]).
+    pub fn read(&self, backup: &str) -> Result<(PathBuf, Manifest), BackupError> {
         if !crate::images::is_image_name(backup) {
-            return Err(ApiError::invalid("backup", format!("{backup:?} is not a backup's directory name")));
+            return Err(BackupError::NotAName(backup.to_string()));
         }
         let dir = self.dir.join(backup);
         let path = dir.join("manifest.json");
-        let not_a_file = |what: &str| {
-            ApiError::new(Code::ChecksumMismatch, format!("{} is {what}, not a regular file", path.display()))
-                .field("backup")
-                .details(serde_json::json!({ "file": "manifest.json" }))
-        };
         let read = crate::blocking::run(|| read_manifest_file(&path));
         let bytes = match read {
             Ok(ManifestFile::Bytes(bytes)) => bytes,
-            Ok(ManifestFile::NotRegular(what)) => return Err(not_a_file(what)),
+            Ok(ManifestFile::NotRegular(what)) => return Err(BackupError::NotAFile { path, what }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(ApiError::new(
-                    Code::NotFound,
-                    format!("no backup {backup:?} in {} (no manifest.json)", self.dir.display()),
-                )
-                .field("backup"))
+                return Err(BackupError::NoSuchBackup { backup: backup.to_string(), dir: self.dir.clone() })
             }
             // O_NOFOLLOW on a symbolic link.
-            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(not_a_file("a symbolic link")),
-            Err(e) => return Err(ApiError::invalid("backup", format!("cannot read {}: {e}", path.display()))),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(BackupError::NotAFile { path, what: "a symbolic link" })
+            }
+            Err(source) => return Err(BackupError::Unreadable { path, source }),
         };
-        let manifest = parse_manifest(&bytes).map_err(|(code, why)| {
-            ApiError::new(code, format!("{}: {why}", path.display()))
-                .field("backup")
-                .details(serde_json::json!({ "file": "manifest.json" }))
-        })?;
+        let manifest = match parse_manifest(&bytes) {
+            Ok(m) => m,
+            Err(source) => return Err(BackupError::Manifest { path, source }),
+        };
         Ok((dir, manifest))
     }
 }
@@ -174,17 +253,17 @@ fn read_manifest_file(path: &Path) -> std::io::Result<ManifestFile> {
 /// the closed [`Manifest`], checked ([`check`]). Pure: the fuzz target `manifest` drives it.
 ///
 /// # Errors
-/// The code and why: [`Code::InvalidSpec`] (2001) for what is not a vmhost backup manifest of
-/// version 1 or is inconsistent in itself, [`Code::ChecksumMismatch`] (2003) for a manifest
-/// whose content would take a file that is not the backup's.
-pub fn parse_manifest(bytes: &[u8]) -> Result<Manifest, (Code, String)> {
+/// [`ManifestError::Invalid`] (2001) for what is not a vmhost backup manifest of version 1 or
+/// is inconsistent in itself, [`ManifestError::TakesOthers`] (2003) for a manifest whose
+/// content would take a file that is not the backup's.
+pub fn parse_manifest(bytes: &[u8]) -> Result<Manifest, ManifestError> {
     if bytes.len() as u64 > MAX_MANIFEST {
-        return Err((Code::InvalidSpec, format!("larger than {MAX_MANIFEST} bytes")));
+        return Err(ManifestError::Invalid(format!("larger than {MAX_MANIFEST} bytes")));
     }
     let manifest: Manifest =
-        serde_json::from_slice(bytes).map_err(|e| (Code::InvalidSpec, format!("not a backup manifest: {e}")))?;
-    check(&manifest).map_err(|why| (Code::InvalidSpec, why))?;
-    check_takes_only_its_own(&manifest).map_err(|why| (Code::ChecksumMismatch, why))?;
+        serde_json::from_slice(bytes).map_err(|e| ManifestError::Invalid(format!("not a backup manifest: {e}")))?;
+    check(&manifest).map_err(ManifestError::Invalid)?;
+    check_takes_only_its_own(&manifest).map_err(ManifestError::TakesOthers)?;
     Ok(manifest)
 }
 
@@ -237,10 +316,6 @@ fn check_takes_only_its_own(m: &Manifest) -> Result<(), String> {
     Ok(())
 }
 
-fn export_failed(message: String) -> ApiError {
-    ApiError::new(Code::ProvisioningFailed, message).details(serde_json::json!({ "step": "export" }))
-}
-
 impl Partial {
     /// The directory files are written into.
     pub fn dir(&self) -> &Path {
@@ -251,9 +326,10 @@ impl Partial {
     /// the directory, and renames it to its final name; returns that path.
     ///
     /// # Errors
-    /// 4001 `step: export`; the partial directory is removed.
-    pub fn finish(mut self, manifest: &Manifest) -> Result<PathBuf, ApiError> {
-        let json = serde_json::to_vec_pretty(manifest).map_err(|e| export_failed(e.to_string()))?;
+    /// [`BackupError::Encode`] or [`BackupError::Finish`] (4001 `step: export`); the partial
+    /// directory is removed.
+    pub fn finish(mut self, manifest: &Manifest) -> Result<PathBuf, BackupError> {
+        let json = serde_json::to_vec_pretty(manifest).map_err(BackupError::Encode)?;
         let sums: String = manifest.disks.iter().map(|d| format!("{}  {}\n", d.sha256, d.file)).collect();
         let final_dir = self.dir.with_file_name(&self.name);
         crate::blocking::run(|| {
@@ -269,7 +345,7 @@ impl Partial {
             }
             Ok::<_, std::io::Error>(())
         })
-        .map_err(|e| export_failed(format!("cannot finish the backup in {}: {e}", self.dir.display())))?;
+        .map_err(|source| BackupError::Finish { dir: self.dir.clone(), source })?;
         self.done = true;
         Ok(final_dir)
     }
@@ -301,6 +377,7 @@ impl Drop for Partial {
 mod tests {
     use super::*;
     use crate::api::disks::DiskFormat;
+    use crate::api::{ApiError, Code};
 
     fn manifest() -> Manifest {
         let mut spec = crate::validate::tests::spec("v");
@@ -383,16 +460,20 @@ mod tests {
         ] {
             let mut m = m.clone();
             m.spec.boot = boot;
-            let (code, why) = parse_manifest(&serde_json::to_vec(&m).unwrap()).unwrap_err();
-            assert_eq!(code, Code::ChecksumMismatch, "{why}");
-            assert!(why.contains("has no root disk"), "{why}");
+            let e = parse_manifest(&serde_json::to_vec(&m).unwrap()).unwrap_err();
+            assert!(matches!(e, ManifestError::TakesOthers(_)), "{e}");
+            assert_eq!(
+                ApiError::from(BackupError::Manifest { path: "m".into(), source: e.clone() }).code,
+                Code::ChecksumMismatch
+            );
+            assert!(e.to_string().contains("has no root disk"), "{e}");
         }
         // With its root disk, the import names boot.disk itself.
         let mut m = manifest();
         m.spec.boot = crate::api::BootSpec { disk: Some("other-root.qcow2".into()), ..Default::default() };
         assert!(parse_manifest(&serde_json::to_vec(&m).unwrap()).is_ok());
-        assert_eq!(parse_manifest(&vec![b' '; MAX_MANIFEST as usize + 1]).unwrap_err().0, Code::InvalidSpec);
-        assert_eq!(parse_manifest(b"{}").unwrap_err().0, Code::InvalidSpec);
+        assert!(matches!(parse_manifest(&vec![b' '; MAX_MANIFEST as usize + 1]), Err(ManifestError::Invalid(_))));
+        assert!(matches!(parse_manifest(b"{}"), Err(ManifestError::Invalid(_))));
     }
 
     /// A backups directory with backup `v-1` whose `manifest.json` is made by `make`.
@@ -413,7 +494,9 @@ mod tests {
         // A plain open would wait for a writer forever: the call runs in a thread and must end.
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || tx.send(backups.read("v-1")).unwrap());
-        let e = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("no hang on a FIFO").unwrap_err();
+        let e = ApiError::from(
+            rx.recv_timeout(std::time::Duration::from_secs(10)).expect("no hang on a FIFO").unwrap_err(),
+        );
         assert_eq!((e.code, e.field.as_deref()), (Code::ChecksumMismatch, Some("backup")), "{e:?}");
         assert!(e.message.contains("a FIFO, not a regular file"), "{}", e.message);
     }
@@ -424,11 +507,11 @@ mod tests {
         std::fs::write(real.path(), serde_json::to_vec(&manifest()).unwrap()).unwrap();
         let target = real.path().to_path_buf();
         let (_d, backups) = backups_with(|p| std::os::unix::fs::symlink(&target, p).unwrap());
-        let e = backups.read("v-1").unwrap_err();
+        let e = ApiError::from(backups.read("v-1").unwrap_err());
         assert_eq!((e.code, e.field.as_deref()), (Code::ChecksumMismatch, Some("backup")), "{e:?}");
         assert!(e.message.contains("a symbolic link"), "{}", e.message);
         let (_d, backups) = backups_with(|p| std::fs::create_dir(p).unwrap());
-        assert_eq!(backups.read("v-1").unwrap_err().code, Code::ChecksumMismatch);
+        assert_eq!(ApiError::from(backups.read("v-1").unwrap_err()).code, Code::ChecksumMismatch);
         // The same manifest as a file is read.
         let (_d, backups) = backups_with(|p| std::fs::copy(&target, p).map(drop).unwrap());
         assert_eq!(backups.read("v-1").unwrap().1, manifest());
@@ -460,8 +543,8 @@ mod tests {
         assert!(sums.contains(&format!("{}  nsm.raw\n", m.disks[1].sha256)), "{sums}");
         let (read_dir, read) = backups.read(&name).unwrap();
         assert_eq!((read_dir, read), (dir.clone(), m));
-        assert_eq!(backups.read("none").unwrap_err().code, Code::NotFound);
-        assert_eq!(backups.read("../x").unwrap_err().field.as_deref(), Some("backup"));
+        assert_eq!(ApiError::from(backups.read("none").unwrap_err()).code, Code::NotFound);
+        assert_eq!(ApiError::from(backups.read("../x").unwrap_err()).field.as_deref(), Some("backup"));
 
         // A crash's leftover is removed at the next open.
         let left = backups.begin("v").unwrap();

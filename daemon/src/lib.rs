@@ -29,6 +29,7 @@ pub mod lifecycle;
 pub mod logcap;
 pub mod net;
 pub mod nic;
+pub mod owner_errors;
 pub mod pci;
 pub mod plan;
 pub mod preflight;

@@ -23,12 +23,12 @@ const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// `binary --version`, unless `pinned` (the binary's pin check) refused it: a binary that is not
 /// the pinned one is not run, not even for its version.
-async fn binary_version(name: &str, binary: &Path, pinned: Result<(), crate::api::ApiError>) -> CheckItem {
+async fn binary_version(name: &str, binary: &Path, pinned: Result<(), crate::qemu::integrity::PinError>) -> CheckItem {
     if !binary.exists() {
         return item(name, CheckStatus::Missing, format!("{} not found (Debian: qemu-system-x86)", binary.display()));
     }
     if let Err(refused) = pinned {
-        return item(name, CheckStatus::Error, format!("--version not run: {}", refused.message));
+        return item(name, CheckStatus::Error, format!("--version not run: {refused}"));
     }
     let run = crate::sandbox::spawn::Command::version_probe(binary).output();
     match tokio::time::timeout(VERSION_TIMEOUT, run).await {

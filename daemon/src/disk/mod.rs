@@ -79,8 +79,8 @@ pub enum DiskError {
         stderr_tail: String,
     },
     /// The QEMU binary is not the one `qemu.sha256` pins: nothing ran (the 4002 refusal).
-    #[error("{}", .0.message)]
-    Pinned(Box<crate::api::ApiError>),
+    #[error("{0}")]
+    Pinned(#[source] crate::qemu::integrity::PinError),
     /// The operation did not finish within [`TOOL_TIMEOUT`]; QEMU was killed.
     #[error("QEMU did not {operation} the image within {after:?}")]
     Timeout {
@@ -108,7 +108,7 @@ impl DiskError {
     /// `other` maps it: each caller has its own code for QEMU's failures, a pin has one.
     pub fn or_api(self, other: impl FnOnce(DiskError) -> crate::api::ApiError) -> crate::api::ApiError {
         match self {
-            DiskError::Pinned(refusal) => *refusal,
+            DiskError::Pinned(refusal) => refusal.into(),
             e => other(e),
         }
     }

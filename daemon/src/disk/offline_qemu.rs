@@ -65,7 +65,7 @@ impl Tool {
     /// [`DiskError::Pinned`] with the 4002 refusal.
     pub fn verify(&self) -> Result<(), DiskError> {
         match &self.pin {
-            Some(pin) => pin.verify().map_err(|e| DiskError::Pinned(Box::new(e))),
+            Some(pin) => pin.verify().map_err(DiskError::Pinned),
             None => Ok(()),
         }
     }
@@ -526,6 +526,7 @@ mod tests {
         let input = || Input::Probe(OwnedFd::from(std::fs::File::open("/dev/null").unwrap()));
         match Session::start(&tool(&"0".repeat(64)), vec![input()], "probe").await {
             Err(DiskError::Pinned(e)) => {
+                let e = crate::api::ApiError::from(e);
                 assert_eq!((e.code, e.field.as_deref()), (crate::api::Code::BinaryMismatch, Some("qemu.sha256")));
                 assert_eq!(e.details["found"], sha.as_str());
             }

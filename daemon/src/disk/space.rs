@@ -16,14 +16,66 @@
 //! against the same free space. Anything else writing to the file system still changes it; a
 //! write that finds it full fails cleanly (4001), and the operation is undone.
 
-use std::path::Path;
-
-use serde_json::json;
+use std::path::{Path, PathBuf};
 
 pub use super::reserve::FsSpace;
-use super::reserve::{Ledger, Reservation, Shortfall};
+use super::reserve::{Ledger, Refused, Reservation, Shortfall};
 use super::GIB;
-use crate::api::{ApiError, Code, VmSpec};
+use crate::api::VmSpec;
+
+/// Why new bytes may not go on a file system. The API codes are given at the boundary
+/// (`crate::owner_errors`): 4001 for [`SpaceError::Unreadable`], 3002 for the others.
+#[derive(Debug, thiserror::Error)]
+pub enum SpaceError {
+    /// The free space of `dir` could not be read.
+    #[error("cannot read the free space of {}: {source}", .dir.display())]
+    Unreadable {
+        /// The directory asked about.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A reservation for `what` does not fit in `dir`'s file system.
+    #[error(
+        "{what} would take {} bytes; {} has {} free, of which at most {} may be taken ({} held by \
+         other imports, snapshots and exports)",
+        .refused.requested,
+        .dir.display(),
+        .refused.free,
+        .refused.available,
+        .refused.reserved
+    )]
+    NoRoom {
+        /// What wanted the room (`the copies`, `the download`, a file name).
+        what: String,
+        /// The directory.
+        dir: PathBuf,
+        /// The request field the room is for.
+        field: String,
+        /// The resource as `details.resource` names it (`disk_bytes`, `image_bytes`).
+        resource: &'static str,
+        /// The ledger's answer.
+        refused: Refused,
+    },
+    /// New disks do not fit on the state file system.
+    #[error("{requested_gib} GiB of new disks {why}: {available_gib} GiB available on the state file system")]
+    Disks {
+        /// GiB asked for (rounded up).
+        requested_gib: u64,
+        /// GiB they may take (rounded down).
+        available_gib: u64,
+        /// Which rule refused them.
+        why: &'static str,
+        /// The file system's free bytes.
+        free_bytes: u64,
+        /// Its size in bytes.
+        total_bytes: u64,
+        /// Whether data disks are part of the request (then `spec.disks` is at fault, else
+        /// `spec.boot.disk_gib`).
+        data_disks: bool,
+    },
+}
 
 /// Share of the free space preallocated disks may take, in percent.
 pub const PREALLOCATE_PERCENT: u64 = 90;
@@ -46,8 +98,9 @@ pub struct Provision {
 /// the returned reservation lives.
 ///
 /// # Errors
-/// 3002 naming `field`, `resource: disk_bytes`; 4001 when the free space cannot be read.
-pub fn reserve_copy_room(ledger: &Ledger, dir: &Path, files: &[&Path], field: &str) -> Result<Reservation, ApiError> {
+/// [`SpaceError::NoRoom`] naming `field`, `resource: disk_bytes`; [`SpaceError::Unreadable`]
+/// when the free space cannot be read.
+pub fn reserve_copy_room(ledger: &Ledger, dir: &Path, files: &[&Path], field: &str) -> Result<Reservation, SpaceError> {
     use std::os::unix::fs::MetadataExt;
     // stat of each file, off the runtime's worker as the check it replaced ran (the ledger's
     // free-space read is too).
@@ -57,33 +110,18 @@ pub fn reserve_copy_room(ledger: &Ledger, dir: &Path, files: &[&Path], field: &s
     ledger.reserve(dir, needed, PREALLOCATE_PERCENT).map_err(|e| refusal(e, dir, "the copies", field, "disk_bytes"))
 }
 
-/// The error of a reservation `what` could not get in `dir`: 3002 naming `field` with
-/// `resource`, the bytes requested and available and what others hold (`reserved`), or 4001
-/// when the free space could not be read.
-pub fn refusal(short: Shortfall, dir: &Path, what: &str, field: &str, resource: &str) -> ApiError {
+/// The error of a reservation `what` could not get in `dir`: [`SpaceError::NoRoom`] naming
+/// `field` with `resource`, or [`SpaceError::Unreadable`] when the free space could not be read.
+pub fn refusal(short: Shortfall, dir: &Path, what: &str, field: &str, resource: &'static str) -> SpaceError {
     match short {
-        Shortfall::Io(e) => {
-            ApiError::new(Code::ProvisioningFailed, format!("cannot read the free space of {}: {e}", dir.display()))
-        }
-        Shortfall::Refused(r) => ApiError::new(
-            Code::CapacityExceeded,
-            format!(
-                "{what} would take {} bytes; {} has {} free, of which at most {} may be taken ({} held by \
-                 other imports, snapshots and exports)",
-                r.requested,
-                dir.display(),
-                r.free,
-                r.available,
-                r.reserved
-            ),
-        )
-        .field(field)
-        .details(json!({
-            "resource": resource,
-            "requested": r.requested,
-            "available": r.available,
-            "reserved": r.reserved,
-        })),
+        Shortfall::Io(source) => SpaceError::Unreadable { dir: dir.to_path_buf(), source },
+        Shortfall::Refused(refused) => SpaceError::NoRoom {
+            what: what.to_string(),
+            dir: dir.to_path_buf(),
+            field: field.to_string(),
+            resource,
+            refused,
+        },
     }
 }
 
@@ -127,25 +165,19 @@ pub fn new_provision(old: Option<&VmSpec>, new: &VmSpec) -> Provision {
 /// Whether `request` fits in `space` with `overcommit_percent`.
 ///
 /// # Errors
-/// 3002 with `resource: "disk_gib"`, the requested and available GiB, naming `spec.disks` (or
-/// `spec.boot.disk_gib` when only the overlay grows).
-pub fn admit(request: Provision, space: FsSpace, overcommit_percent: u64) -> Result<(), ApiError> {
+/// [`SpaceError::Disks`] (3002, `resource: "disk_gib"`) with the requested and available GiB,
+/// naming `spec.disks` (or `spec.boot.disk_gib` when only the overlay grows).
+pub fn admit(request: Provision, space: FsSpace, overcommit_percent: u64) -> Result<(), SpaceError> {
     let share = |percent: u64| (u128::from(space.free) * u128::from(percent) / 100).min(u128::from(u64::MAX)) as u64;
-    let field = if request.data_disks { "spec.disks" } else { "spec.boot.disk_gib" };
-    let refuse = |requested: u64, available: u64, why: &str| {
-        let (req_gib, avail_gib) = (requested.div_ceil(GIB), available / GIB);
-        Err(ApiError::new(
-            Code::CapacityExceeded,
-            format!("{req_gib} GiB of new disks {why}: {avail_gib} GiB available on the state file system"),
-        )
-        .field(field)
-        .details(json!({
-            "resource": "disk_gib",
-            "requested": req_gib,
-            "available": avail_gib,
-            "free_bytes": space.free,
-            "total_bytes": space.total,
-        })))
+    let refuse = |requested: u64, available: u64, why: &'static str| {
+        Err(SpaceError::Disks {
+            requested_gib: requested.div_ceil(GIB),
+            available_gib: available / GIB,
+            why,
+            free_bytes: space.free,
+            total_bytes: space.total,
+            data_disks: request.data_disks,
+        })
     };
     let allowed = share(overcommit_percent);
     if request.bytes > allowed {
@@ -161,7 +193,12 @@ pub fn admit(request: Provision, space: FsSpace, overcommit_percent: u64) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{BootSpec, DataDiskSpec, DiskCache, DiskFormat};
+    use crate::api::{ApiError, BootSpec, Code, DataDiskSpec, DiskCache, DiskFormat};
+
+    /// Admission as a client sees it: through the boundary's mapping.
+    fn admit(request: Provision, space: FsSpace, overcommit_percent: u64) -> Result<(), ApiError> {
+        super::admit(request, space, overcommit_percent).map_err(ApiError::from)
+    }
 
     fn spec(overlay: Option<u64>, disks: &[(&str, u64, bool)]) -> VmSpec {
         let mut s = crate::validate::tests::spec("v");

@@ -86,6 +86,7 @@ fn image_import(p: &ImportParams) {
         crate::config::Config::parse(HOST, std::path::Path::new("fuzz-host.toml")).unwrap_or_else(|e| panic!("{e}"));
     match crate::images::check_import(&config, &p.name, &p.sha256, p.source.as_deref(), p.timeout_s) {
         Err(e) => {
+            let e = crate::api::ApiError::from(e);
             assert_eq!(e.code, Code::InvalidSpec, "{e:?}");
             let field = e.field.as_deref().unwrap_or_default();
             assert!(["name", "sha256", "source", "timeout_s"].contains(&field), "{e:?}");

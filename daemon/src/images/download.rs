@@ -25,14 +25,124 @@
 use super::address::{self, AllowPrivate};
 use super::url::{self as source_url, Host, SourceUrl};
 use super::Temp;
-use crate::api::ApiError;
 use crate::sandbox::spawn::Command;
-use serde_json::json;
 use std::future::Future;
 use std::net::IpAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
+
+/// Why a download failed. The API codes are given at the boundary (`crate::owner_errors`):
+/// 2001 on `source` for a URL or address that is not fetched, 3002 for a body too large, 4001
+/// step `download` for the rest; the texts here are the messages users read, and never hold a
+/// URL's query string.
+#[derive(Debug, thiserror::Error)]
+pub enum DownloadError {
+    /// The URL's host name does not resolve.
+    #[error("{what}: cannot resolve {name}: {source}")]
+    Resolve {
+        /// The URL (and the one that redirected to it), redacted.
+        what: String,
+        /// The host name.
+        name: String,
+        /// The resolver's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The host name resolves to no address.
+    #[error("{what}: {host} has no address")]
+    NoAddress {
+        /// The URL, redacted.
+        what: String,
+        /// The host.
+        host: String,
+    },
+    /// The host's address is one `[images] allow_private` refuses; nothing was fetched from it.
+    #[error(
+        "{what}: {host} is {addr}, {}; a download may not reach it ([images] allow_private); nothing was fetched",
+        .class.why()
+    )]
+    Refused {
+        /// The URL, redacted.
+        what: String,
+        /// The host.
+        host: String,
+        /// The refused address.
+        addr: IpAddr,
+        /// Why it is refused.
+        class: address::Class,
+    },
+    /// A redirect leads to a URL that is not fetched.
+    #[error("{from} redirects to a URL that is not fetched: {source}")]
+    RedirectNotFetched {
+        /// The redirecting URL, redacted.
+        from: String,
+        /// Why the new URL is refused.
+        #[source]
+        source: source_url::UrlError,
+    },
+    /// The URL cannot be written into curl's config.
+    #[error("the URL cannot be passed to curl")]
+    NotForCurl,
+    /// The body is larger than the images directory can take.
+    #[error("the image at {shown} is larger than the {max_bytes} bytes the images directory can take")]
+    TooLarge {
+        /// The URL, redacted.
+        shown: String,
+        /// The most it could take.
+        max_bytes: u64,
+    },
+    /// The download ran out of time.
+    #[error("the download took longer than {0} s")]
+    TimedOut(u64),
+    /// More than [`MAX_REDIRECTS`] redirects (the last URL, redacted, when known).
+    #[error("{}more than {MAX_REDIRECTS} redirects", .0.as_ref().map(|u| format!("{u}: ")).unwrap_or_default())]
+    TooManyRedirects(Option<String>),
+    /// The temp file cannot be written.
+    #[error("cannot write the downloaded image: {0}")]
+    Write(#[source] std::io::Error),
+    /// curl cannot be started.
+    #[error("cannot run {} to fetch the image: {source} (install curl)", .curl.display())]
+    Spawn {
+        /// The curl binary.
+        curl: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// curl started without the pipes it was asked for.
+    #[error("curl started without its pipes")]
+    NoPipes,
+    /// Waiting for curl failed.
+    #[error("cannot wait for curl: {0}")]
+    Wait(#[source] std::io::Error),
+    /// curl failed (an HTTP error, no connection).
+    #[error("curl could not fetch {shown}: {message} ({status})")]
+    Curl {
+        /// The URL, redacted.
+        shown: String,
+        /// curl's message, redacted.
+        message: String,
+        /// curl's exit status.
+        status: std::process::ExitStatus,
+    },
+    /// The server answered neither a body nor a redirect.
+    #[error("{shown} answered HTTP {code}, neither an image nor a redirect")]
+    Status {
+        /// The URL, redacted.
+        shown: String,
+        /// The HTTP status.
+        code: u16,
+    },
+    /// curl's report has no HTTP status.
+    #[error("curl reported no HTTP status for {shown}: {message}")]
+    NoStatus {
+        /// The URL, redacted.
+        shown: String,
+        /// curl's message, redacted.
+        message: String,
+    },
+}
 
 /// Most redirects followed (each checked as the first URL was).
 pub const MAX_REDIRECTS: usize = 5;
@@ -185,42 +295,31 @@ pub fn pin(addrs: &[IpAddr], policy: &AllowPrivate) -> Result<Option<IpAddr>, (I
 /// Resolves and checks `url` (reached by a redirect from `from`, when given).
 ///
 /// # Errors
-/// 2001 on `source` naming the address and why when an address is refused; 4001 step
-/// `download` when the name does not resolve.
+/// [`DownloadError::Refused`] naming the address and why when an address is refused;
+/// [`DownloadError::Resolve`] or [`DownloadError::NoAddress`] when the name does not resolve.
 pub async fn check_hop<R: Resolve>(
     url: SourceUrl,
     policy: &AllowPrivate,
     resolver: &R,
     from: Option<&SourceUrl>,
-) -> Result<Hop, ApiError> {
+) -> Result<Hop, DownloadError> {
     let what = match from {
         Some(f) => format!("{} redirects to {}", f.redacted(), url.redacted()),
         None => url.redacted(),
     };
     let addrs = match url.host() {
         Host::Ip(ip) => vec![*ip],
-        Host::Name(name) => resolver
-            .lookup(name, url.port())
-            .await
-            .map_err(|e| failed(format!("{what}: cannot resolve {name}: {e}")))?,
+        Host::Name(name) => resolver.lookup(name, url.port()).await.map_err(|source| DownloadError::Resolve {
+            what: what.clone(),
+            name: name.clone(),
+            source,
+        })?,
     };
     match pin(&addrs, policy) {
         Ok(Some(addr)) => Ok(Hop { url, addr }),
-        Ok(None) => Err(failed(format!("{what}: {} has no address", url.host_text()))),
-        Err((addr, class)) => Err(ApiError::invalid(
-            "source",
-            format!(
-                "{what}: {} is {addr}, {}; a download may not reach it ([images] allow_private); nothing was fetched",
-                url.host_text(),
-                class.why()
-            ),
-        )
-        .details(json!({ "address": addr.to_string(), "host": url.host_text() }))),
+        Ok(None) => Err(DownloadError::NoAddress { what, host: url.host_text() }),
+        Err((addr, class)) => Err(DownloadError::Refused { what, host: url.host_text(), addr, class }),
     }
-}
-
-fn failed(message: String) -> ApiError {
-    ApiError::new(crate::api::Code::ProvisioningFailed, message).field("source").details(json!({ "step": "download" }))
 }
 
 /// What one curl run got.
@@ -254,11 +353,12 @@ fn split_report(stderr: &str) -> (String, Option<(u16, String)>) {
 /// by [`check_hop`] under `policy` before it is fetched.
 ///
 /// # Errors
-/// 2001 on `source` when a redirect leads to a URL that is not fetched (another scheme, user
-/// information) or to an address `policy` refuses; 4001 step `download` with curl's message
-/// (the query string redacted) when it cannot be started, fails (an HTTP error, no
-/// connection), there are too many redirects, or it runs out of time, or when the temp file
-/// cannot be written; 3002 on `source` when the body is larger than `max_bytes`.
+/// [`DownloadError::RedirectNotFetched`] when a redirect leads to a URL that is not fetched
+/// (another scheme, user information), [`DownloadError::Refused`] to an address `policy`
+/// refuses (both 2001); [`DownloadError::TooLarge`] (3002) when the body is larger than
+/// `max_bytes`; the other variants (4001) with curl's message (the query string redacted) when
+/// it cannot be started, fails (an HTTP error, no connection), there are too many redirects,
+/// or it runs out of time, or when the temp file cannot be written.
 #[allow(clippy::too_many_arguments)]
 pub async fn fetch<R: Resolve>(
     curl: &Path,
@@ -269,34 +369,30 @@ pub async fn fetch<R: Resolve>(
     timeout: Duration,
     max_bytes: u64,
     temp: &mut Temp,
-) -> Result<(), ApiError> {
+) -> Result<(), DownloadError> {
     let deadline = Instant::now() + timeout;
     let mut hop = first;
     for redirects in 0..=MAX_REDIRECTS {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(failed(format!("the download took longer than {} s", timeout.as_secs())));
+            return Err(DownloadError::TimedOut(timeout.as_secs()));
         }
         // A redirect's body (the first hop's, say) is not the image.
-        crate::blocking::run(|| temp.reset()).map_err(|e| failed(format!("cannot write the downloaded image: {e}")))?;
+        crate::blocking::run(|| temp.reset()).map_err(DownloadError::Write)?;
         match run_curl(curl, user, &hop, left, max_bytes, temp).await? {
             Outcome::Body => return Ok(()),
             Outcome::Redirect(next) => {
                 if redirects == MAX_REDIRECTS {
-                    return Err(failed(format!("{}: more than {MAX_REDIRECTS} redirects", hop.url.redacted())));
+                    return Err(DownloadError::TooManyRedirects(Some(hop.url.redacted())));
                 }
-                let url = source_url::parse(&next).map_err(|e| {
-                    ApiError::invalid(
-                        "source",
-                        format!("{} redirects to a URL that is not fetched: {e}", hop.url.redacted()),
-                    )
-                })?;
+                let url = source_url::parse(&next)
+                    .map_err(|source| DownloadError::RedirectNotFetched { from: hop.url.redacted(), source })?;
                 tracing::debug!(from = %hop.url.redacted(), to = %url.redacted(), "download redirected");
                 hop = check_hop(url, policy, resolver, Some(&hop.url)).await?;
             }
         }
     }
-    Err(failed(format!("more than {MAX_REDIRECTS} redirects")))
+    Err(DownloadError::TooManyRedirects(None))
 }
 
 /// One curl run for `hop`: the body into `temp`, or the redirect it got.
@@ -307,17 +403,10 @@ async fn run_curl(
     timeout: Duration,
     max_bytes: u64,
     temp: &mut Temp,
-) -> Result<Outcome, ApiError> {
+) -> Result<Outcome, DownloadError> {
     let shown = hop.url.redacted();
-    let too_large = || {
-        ApiError::new(
-            crate::api::Code::CapacityExceeded,
-            format!("the image at {shown} is larger than the {max_bytes} bytes the images directory can take"),
-        )
-        .field("source")
-        .details(json!({ "resource": "image_bytes", "available": max_bytes }))
-    };
-    let config = curl_config(hop).ok_or_else(|| ApiError::invalid("source", "the URL cannot be passed to curl"))?;
+    let too_large = || DownloadError::TooLarge { shown: shown.clone(), max_bytes };
+    let config = curl_config(hop).ok_or(DownloadError::NotForCurl)?;
     let mut child = Command::new(curl)
         .args(curl_args(timeout, max_bytes))
         .stdin_data(config)
@@ -326,9 +415,9 @@ async fn run_curl(
         .capture_stderr()
         .spawn()
         .await
-        .map_err(|e| failed(format!("cannot run {} to fetch the image: {e} (install curl)", curl.display())))?;
+        .map_err(|source| DownloadError::Spawn { curl: curl.to_path_buf(), source })?;
     let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
-        return Err(failed("curl started without its pipes".into()));
+        return Err(DownloadError::NoPipes);
     };
     let stderr = tokio::spawn(async move {
         let mut text = Vec::new();
@@ -357,11 +446,11 @@ async fn run_curl(
     })
     .await;
     let status = match body {
-        Ok(Ok(true)) => child.wait().await.map_err(|e| failed(format!("cannot wait for curl: {e}")))?,
+        Ok(Ok(true)) => child.wait().await.map_err(DownloadError::Wait)?,
         // curl is killed when `child` drops.
         Ok(Ok(false)) => return Err(too_large()),
-        Ok(Err(e)) => return Err(failed(format!("cannot write the downloaded image: {e}"))),
-        Err(_) => return Err(failed(format!("the download took longer than {} s", timeout.as_secs()))),
+        Ok(Err(e)) => return Err(DownloadError::Write(e)),
+        Err(_) => return Err(DownloadError::TimedOut(timeout.as_secs())),
     };
     let (message, report) = split_report(&stderr.await.unwrap_or_default());
     let message = hop.url.scrub(&message);
@@ -370,19 +459,30 @@ async fn run_curl(
         return Err(too_large());
     }
     if !status.success() {
-        return Err(failed(format!("curl could not fetch {shown}: {message} ({status})")));
+        return Err(DownloadError::Curl { shown, message, status });
     }
     match report {
         Some((200..=299, _)) => Ok(Outcome::Body),
         Some((300..=399, next)) if !next.is_empty() => Ok(Outcome::Redirect(next)),
-        Some((code, _)) => Err(failed(format!("{shown} answered HTTP {code}, neither an image nor a redirect"))),
-        None => Err(failed(format!("curl reported no HTTP status for {shown}: {message}"))),
+        Some((code, _)) => Err(DownloadError::Status { shown, code }),
+        None => Err(DownloadError::NoStatus { shown, message }),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::ApiError;
+
+    /// The hop check as a client sees it: through the boundary's mapping.
+    async fn check_hop<R: Resolve>(
+        url: SourceUrl,
+        policy: &AllowPrivate,
+        resolver: &R,
+        from: Option<&SourceUrl>,
+    ) -> Result<Hop, ApiError> {
+        super::check_hop(url, policy, resolver, from).await.map_err(ApiError::from)
+    }
 
     fn hop(url: &str, addr: &str) -> Hop {
         Hop { url: source_url::parse(url).unwrap(), addr: addr.parse().unwrap() }

@@ -22,11 +22,9 @@ mod records;
 mod temp;
 pub mod url;
 
-use crate::api::{ApiError, Code};
 use crate::config::Config;
 use crate::qemu::boot_files::Version;
 pub use records::ImageRecord;
-use serde_json::json;
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -49,6 +47,67 @@ pub enum Source {
     Url(url::SourceUrl),
 }
 
+/// Why the image store refuses a request. The API codes and fields are given at the boundary
+/// (`crate::owner_errors`); the texts here are the messages users read.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// The image name is not a plain file name.
+    #[error("{0:?} is not a plain file name (1-255 of A-Z a-z 0-9 . _ - +, not starting with a dot)")]
+    NotAName(String),
+    /// The sha256 asked for is not 64 hex digits.
+    #[error("the sha256 must be 64 hex digits")]
+    BadSha256,
+    /// The download timeout asked for is 0.
+    #[error("the timeout must be at least 1 second")]
+    ZeroTimeout,
+    /// An http(s) URL the strict parser refuses.
+    #[error("{0}")]
+    BadUrl(#[source] url::UrlError),
+    /// A URL of another scheme.
+    #[error("only http:// and https:// URLs are fetched")]
+    NotFetched,
+    /// A source that is neither a URL nor a file in the import directory.
+    #[error(
+        "{given:?} is neither an http(s) URL nor a file in the import directory {} \
+         (its name, or its absolute path)",
+        .dir.display()
+    )]
+    NotImportable {
+        /// The source as given.
+        given: String,
+        /// The import directory.
+        dir: PathBuf,
+    },
+    /// Another import or delete holds the name.
+    #[error("another import or delete of image {0:?} is in progress")]
+    Busy(String),
+    /// A file does not have the sha256 asked for; nothing was kept.
+    #[error("{what} has sha256 {found}, not {expected} as asked; nothing was kept")]
+    Mismatch {
+        /// The file, as the request named it (never a URL's query string).
+        what: String,
+        /// The sha256 asked for.
+        expected: String,
+        /// The sha256 it has.
+        found: String,
+        /// Its length.
+        bytes: u64,
+    },
+    /// A recorded image's file no longer has the sha256 it was recorded with: the name is at
+    /// fault, not the sha256 asked for.
+    #[error("{what} has sha256 {found}, not {expected} as asked; nothing was kept")]
+    Changed {
+        /// The file.
+        what: String,
+        /// The sha256 asked for (and recorded).
+        expected: String,
+        /// The sha256 it has.
+        found: String,
+        /// Its length.
+        bytes: u64,
+    },
+}
+
 /// A checked `image.import` request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImportRequest {
@@ -65,36 +124,35 @@ pub struct ImportRequest {
 /// Checks an `image.import` request against the config: nothing is touched.
 ///
 /// # Errors
-/// 2001 naming `name` (not a plain file name), `sha256` (not 64 hex digits), `source` (a URL
-/// [`url::parse`] refuses: not http(s), user information, spaces, quotes, control or
-/// non-ASCII characters, an ambiguous host; a path outside `paths.import`) or `timeout_s` (0).
+/// [`ImageError::NotAName`], [`ImageError::BadSha256`], [`ImageError::ZeroTimeout`], or for the
+/// source [`ImageError::BadUrl`] (a URL [`url::parse`] refuses: user information, spaces,
+/// quotes, control or non-ASCII characters, an ambiguous host), [`ImageError::NotFetched`]
+/// (not http(s)) or [`ImageError::NotImportable`] (a path outside `paths.import`): all 2001 on
+/// the field at fault.
 pub fn check_import(
     config: &Config,
     name: &str,
     sha256: &str,
     source: Option<&str>,
     timeout_s: Option<u64>,
-) -> Result<ImportRequest, ApiError> {
+) -> Result<ImportRequest, ImageError> {
     if !is_image_name(name) {
-        return Err(ApiError::invalid(
-            "name",
-            format!("{name:?} is not a plain file name (1-255 of A-Z a-z 0-9 . _ - +, not starting with a dot)"),
-        ));
+        return Err(ImageError::NotAName(name.to_string()));
     }
     if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(ApiError::invalid("sha256", "the sha256 must be 64 hex digits"));
+        return Err(ImageError::BadSha256);
     }
     let timeout_s = timeout_s.unwrap_or(DEFAULT_DOWNLOAD_TIMEOUT_S);
     if timeout_s == 0 {
-        return Err(ApiError::invalid("timeout_s", "the timeout must be at least 1 second"));
+        return Err(ImageError::ZeroTimeout);
     }
     let source = match source {
         None => Source::InPlace,
         Some(s) if s.starts_with("http://") || s.starts_with("https://") => {
-            Source::Url(url::parse(s).map_err(|e| ApiError::invalid("source", e.to_string()))?)
+            Source::Url(url::parse(s).map_err(ImageError::BadUrl)?)
         }
         Some(s) if s.contains("://") => {
-            return Err(ApiError::invalid("source", "only http:// and https:// URLs are fetched"));
+            return Err(ImageError::NotFetched);
         }
         Some(s) => Source::File(import_path(config, s)?),
     };
@@ -108,7 +166,7 @@ pub fn check_import(
 
 /// `source` as a path in `paths.import`: a plain file name there, or an absolute path whose
 /// parent is that directory (lexically; the open does not follow a symlink).
-fn import_path(config: &Config, source: &str) -> Result<PathBuf, ApiError> {
+fn import_path(config: &Config, source: &str) -> Result<PathBuf, ImageError> {
     let dir = config.paths.import_dir();
     let path = Path::new(source);
     let file = if path.is_absolute() {
@@ -118,14 +176,7 @@ fn import_path(config: &Config, source: &str) -> Result<PathBuf, ApiError> {
     };
     match file {
         Some(f) if is_image_name(f) => Ok(dir.join(f)),
-        _ => Err(ApiError::invalid(
-            "source",
-            format!(
-                "{source:?} is neither an http(s) URL nor a file in the import directory {} \
-                 (its name, or its absolute path)",
-                dir.display()
-            ),
-        )),
+        _ => Err(ImageError::NotImportable { given: source.to_string(), dir }),
     }
 }
 
@@ -203,15 +254,11 @@ impl Store {
     /// Takes `name` for one import or delete.
     ///
     /// # Errors
-    /// 4090 when another import or delete of that name is in progress.
-    pub fn begin(&self, name: &str) -> Result<NameGuard, ApiError> {
+    /// [`ImageError::Busy`] (4090) when another import or delete of that name is in progress.
+    pub fn begin(&self, name: &str) -> Result<NameGuard, ImageError> {
         let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
         if !busy.insert(name.to_string()) {
-            return Err(ApiError::new(
-                Code::Busy,
-                format!("another import or delete of image {name:?} is in progress"),
-            )
-            .field("name"));
+            return Err(ImageError::Busy(name.to_string()));
         }
         Ok(NameGuard { busy: Arc::clone(&self.busy), name: name.to_string() })
     }
@@ -309,14 +356,14 @@ impl Store {
     }
 }
 
-/// 2003: `what` does not have the sha256 `expected`.
-pub fn mismatch(what: &str, expected: &str, found: &str, bytes: u64) -> ApiError {
-    ApiError::new(
-        Code::ChecksumMismatch,
-        format!("{what} has sha256 {found}, not {expected} as asked; nothing was kept"),
-    )
-    .field("sha256")
-    .details(json!({ "expected": expected, "found": found, "bytes": bytes }))
+/// 2003 on `sha256`: `what` does not have the sha256 `expected`.
+pub fn mismatch(what: &str, expected: &str, found: &str, bytes: u64) -> ImageError {
+    ImageError::Mismatch { what: what.to_string(), expected: expected.to_string(), found: found.to_string(), bytes }
+}
+
+/// 2003 on `name`: the recorded image `what` changed on disk since it was recorded.
+pub fn changed(what: &str, expected: &str, found: &str, bytes: u64) -> ImageError {
+    ImageError::Changed { what: what.to_string(), expected: expected.to_string(), found: found.to_string(), bytes }
 }
 
 #[cfg(test)]

@@ -1,5 +1,18 @@
 use super::*;
+use crate::api::{ApiError, Code};
 use crate::validate::tests::config;
+
+/// The request check as a client sees it: through the boundary's mapping, so these tests hold
+/// the codes and fields of the API.
+fn check_import(
+    config: &Config,
+    name: &str,
+    sha256: &str,
+    source: Option<&str>,
+    timeout_s: Option<u64>,
+) -> Result<ImportRequest, ApiError> {
+    super::check_import(config, name, sha256, source, timeout_s).map_err(ApiError::from)
+}
 
 fn sha(data: &[u8]) -> String {
     crate::qemu::integrity::sha256_of(&mut &data[..]).unwrap()
@@ -57,7 +70,7 @@ fn a_temp_file_is_placed_whole_never_over_a_file_and_removed_when_dropped() {
     let d = tempfile::tempdir().unwrap();
     let (_c, store) = store_in(d.path());
     let held = store.begin("a.raw").unwrap();
-    assert_eq!(store.begin("a.raw").unwrap_err().code, Code::Busy, "one operation per name");
+    assert_eq!(ApiError::from(store.begin("a.raw").unwrap_err()).code, Code::Busy, "one operation per name");
 
     let mut data = vec![7u8; 3000];
     data.extend(vec![0u8; 2 * temp::BLOCK]);

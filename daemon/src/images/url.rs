@@ -59,6 +59,8 @@ impl std::fmt::Display for UrlError {
     }
 }
 
+impl std::error::Error for UrlError {}
+
 /// Parses an `http://` or `https://` URL (module doc).
 ///
 /// # Errors

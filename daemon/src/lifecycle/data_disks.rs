@@ -90,7 +90,7 @@ impl Manager {
             .reservations
             .space_left(state)
             .map_err(|e| failed(format!("cannot read the free space of {}: {e}", state.display())))?;
-        crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)
+        Ok(crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)?)
     }
 
     /// Deletes files in the VM's data disk directory that no record names (a VM of this name

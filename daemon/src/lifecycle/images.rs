@@ -117,7 +117,7 @@ impl Manager {
         let found = match crate::blocking::run(|| std::fs::File::open(&path)) {
             Ok(f) => match crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(f)).await {
                 Ok(info) => (Some(info.format), Some(info.virtual_size)),
-                Err(crate::disk::DiskError::Pinned(refusal)) => return Err(*refusal),
+                Err(crate::disk::DiskError::Pinned(refusal)) => return Err(refusal.into()),
                 Err(e) => {
                     tracing::debug!(image = name, error = %e, "QEMU cannot read an image");
                     (None, None)
@@ -220,7 +220,7 @@ impl Manager {
         }
         let found = temp.finish().map_err(|e| failed(format!("cannot write the image: {e}")))?;
         if found != req.sha256 {
-            return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()));
+            return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()).into());
         }
         crate::crashpoint::hit(&self.config.paths.run, "image:hashed");
         let file = temp.reopen().map_err(|e| failed(format!("cannot reopen the image: {e}")))?;
@@ -283,9 +283,7 @@ impl Manager {
                 return Ok(ImportResult { changed: false, image: self.view_of(&req.name, r) });
             }
             (Some(_), Some(crate::images::Verdict::Mismatch { found })) => {
-                return Err(
-                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len()).field("name")
-                );
+                return Err(crate::images::changed(&path.display().to_string(), &req.sha256, &found, meta.len()).into());
             }
             _ => {}
         }
@@ -299,7 +297,7 @@ impl Manager {
         if found != req.sha256 {
             return Err(match req.source {
                 Source::InPlace => {
-                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len())
+                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len()).into()
                 }
                 _ => exists(&found),
             });
@@ -354,9 +352,9 @@ impl Manager {
     fn reserve_image_file(&self, from: &std::path::Path) -> Result<crate::disk::reserve::Reservation, ApiError> {
         let len = crate::blocking::run(|| std::fs::metadata(from)).map_or(0, |m| m.len());
         let images = &self.config.paths.images;
-        self.reservations
-            .reserve(images, len, PERCENT)
-            .map_err(|e| crate::disk::space::refusal(e, images, &from.display().to_string(), "source", "image_bytes"))
+        self.reservations.reserve(images, len, PERCENT).map_err(|e| {
+            crate::disk::space::refusal(e, images, &from.display().to_string(), "source", "image_bytes").into()
+        })
     }
 
     fn record_image(&self, held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), ApiError> {

@@ -56,7 +56,7 @@ impl Manager {
             .await
             .map_err(|e| pci_error("read", e))?
             .map_err(|e| pci_error("read", e))?;
-        check::check(&wanted, &devices, &usage, &held).map(Some)
+        Ok(Some(check::check(&wanted, &devices, &usage, &held)?))
     }
 
     /// Re-checks and binds the VM's devices to vfio-pci, recording the original drivers first.
@@ -93,7 +93,7 @@ impl Manager {
                 Ok(())
             }
             Err(e) => {
-                let err = e.to_api_error();
+                let err = ApiError::from(&e);
                 let restored_all = match &e {
                     bind::BindError::Bind { restore_failures, .. } => restore_failures.is_empty(),
                     _ => false,
@@ -148,7 +148,7 @@ impl Manager {
             }
             Err(e) => {
                 tracing::error!(vm = name, error = %e, "cannot give passthrough devices back");
-                Err(e.to_api_error())
+                Err(ApiError::from(&e))
             }
         }
     }

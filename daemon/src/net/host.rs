@@ -14,10 +14,9 @@ use super::link::{LinkInfo, Netlink};
 use super::tap::create_tap;
 use super::NetError;
 use super::{owner_alias, parse_owner, Owner};
-use crate::api::{ApiError, Code, NicSpec};
+use crate::api::NicSpec;
 use crate::config::{Config, Network};
 use crate::nic::NicAlloc;
-use serde_json::json;
 use std::collections::HashSet;
 use std::os::fd::OwnedFd;
 
@@ -32,9 +31,29 @@ pub struct NetworkState {
     pub detail: String,
 }
 
-fn net_error(step: &str, e: &NetError) -> ApiError {
-    ApiError::new(Code::ProvisioningFailed, format!("host networking failed at {step}: {e}"))
-        .details(json!({ "step": format!("network.{step}") }))
+/// Why a VM's NICs could not be attached ([`HostNet::attach_nics`]). The API codes are given at
+/// the boundary (`crate::owner_errors`).
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// NIC `nic` names a network the config does not define.
+    #[error("no network {network:?}")]
+    NoNetwork {
+        /// The NIC's index in `spec.nics`.
+        nic: usize,
+        /// The network it names.
+        network: String,
+    },
+    /// A host step for NIC `nic` failed; the taps made so far are gone.
+    #[error("host networking failed at {step}: {source}")]
+    Step {
+        /// The NIC's index in `spec.nics`.
+        nic: usize,
+        /// The step (`bridge`, `tap`, `alias`, `mtu`, `attach`, `vlan`, `up`).
+        step: &'static str,
+        /// What the kernel said.
+        #[source]
+        source: NetError,
+    },
 }
 
 /// Host networking through one netlink connection.
@@ -179,24 +198,25 @@ impl HostNet {
     /// On error, every tap made so far is gone (its fd is dropped) and nothing else changed.
     ///
     /// # Errors
-    /// 4001 naming the step and the NIC.
+    /// [`AttachError::NoNetwork`] for a network the config lacks, [`AttachError::Step`] naming
+    /// the step and the NIC.
     pub async fn attach_nics(
         &self,
         config: &Config,
         vm: &str,
         nics: &[NicSpec],
         allocs: &[NicAlloc],
-    ) -> Result<Vec<OwnedFd>, ApiError> {
+    ) -> Result<Vec<OwnedFd>, AttachError> {
         let mut fds = Vec::with_capacity(nics.len());
         for (i, (nic, alloc)) in nics.iter().zip(allocs).enumerate() {
-            let net = config.networks.get(&nic.network).ok_or_else(|| {
-                ApiError::new(Code::NotInModel, format!("no network {:?}", nic.network))
-                    .field(format!("spec.nics[{i}].network"))
-            })?;
-            let fd = self.attach_one(vm, net, nic, alloc).await.map_err(|(step, e)| {
-                let mut err = net_error(step, &e);
-                err.field = Some(format!("spec.nics[{i}]"));
-                err
+            let net = config
+                .networks
+                .get(&nic.network)
+                .ok_or_else(|| AttachError::NoNetwork { nic: i, network: nic.network.clone() })?;
+            let fd = self.attach_one(vm, net, nic, alloc).await.map_err(|(step, source)| AttachError::Step {
+                nic: i,
+                step,
+                source,
             })?;
             fds.push(fd);
         }

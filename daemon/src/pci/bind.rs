@@ -30,11 +30,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
 use super::check::Assignment;
 use super::{Pci, PciError, VFIO_PCI};
-use crate::api::{ApiError, Code};
 use crate::hardware::PciAddress;
 
 /// A sensible bound on each wait for a driver to take a device. `drivers_probe` and `bind` probe
@@ -128,10 +126,6 @@ impl StepFailure {
     fn new(address: PciAddress, step: Step, reason: impl fmt::Display) -> StepFailure {
         StepFailure { address, step, reason: reason.to_string() }
     }
-
-    fn to_json(&self) -> serde_json::Value {
-        json!({"address": self.address.to_string(), "step": self.step, "reason": self.reason})
-    }
 }
 
 /// Lists failures for a message.
@@ -175,25 +169,6 @@ pub enum BindError {
         /// One failure per device that was not restored.
         failures: Vec<StepFailure>,
     },
-}
-
-impl BindError {
-    /// The API error to report: 4001 (a host step failed), with the failures in
-    /// `details.failures` (and `details.restore_failures` after a failed bind).
-    pub fn to_api_error(&self) -> ApiError {
-        let details = match self {
-            BindError::NoVfioPci => json!({"failures": []}),
-            BindError::Bind { failure, restored, restore_failures } => json!({
-                "failures": [failure.to_json()],
-                "restored": restored.iter().map(ToString::to_string).collect::<Vec<_>>(),
-                "restore_failures": restore_failures.iter().map(StepFailure::to_json).collect::<Vec<_>>(),
-            }),
-            BindError::Release { failures } => {
-                json!({"failures": failures.iter().map(StepFailure::to_json).collect::<Vec<_>>()})
-            }
-        };
-        ApiError::new(Code::ProvisioningFailed, self.to_string()).details(details)
-    }
 }
 
 /// `/dev/vfio/N`, the device node QEMU opens for IOMMU group `group`.
@@ -400,6 +375,8 @@ mod tests {
     use super::super::fake::{addr, FakeDevice, FakeSysfs};
     use super::super::sysfs::SysfsIo;
     use super::*;
+    use crate::api::Code;
+    use serde_json::json;
     use std::sync::Arc;
 
     const NIC1: &str = "0000:00:05.0";
@@ -611,7 +588,7 @@ mod tests {
             assert_eq!(f.driver_of(d).as_deref(), Some("e1000e"), "{d}");
             assert_eq!(f.override_of(d), None, "{d}");
         }
-        let api = e.to_api_error();
+        let api = crate::api::ApiError::from(&e);
         assert_eq!(api.code, Code::ProvisioningFailed);
         assert_eq!(api.details["failures"][0]["step"], "wait_bound");
         assert_eq!(api.details["restored"], json!([NIC2, NIC1]));
@@ -663,7 +640,7 @@ mod tests {
         let plan = plan_bindings(&pci, &assignment(&[NIC1])).unwrap();
         assert_eq!(bind_vfio(&pci, &plan, SHORT, |_| {}), Err(BindError::NoVfioPci));
         assert!(f.writes().is_empty());
-        assert_eq!(BindError::NoVfioPci.to_api_error().code, Code::ProvisioningFailed);
+        assert_eq!(crate::api::ApiError::from(&BindError::NoVfioPci).code, Code::ProvisioningFailed);
     }
 
     #[test]
@@ -749,7 +726,7 @@ mod tests {
         assert_eq!(got, [(addr(NIC1), Step::Unbind), (addr(NIC2), Step::WaitRestored)]);
         assert!(failures[1].reason.contains("without a driver"), "{}", failures[1].reason);
         assert_eq!(f.driver_of(NVME), None);
-        assert_eq!(e.to_api_error().details["failures"].as_array().map(Vec::len), Some(2));
+        assert_eq!(crate::api::ApiError::from(&e).details["failures"].as_array().map(Vec::len), Some(2));
         // Once the faults are gone, releasing again finishes the job.
         f.heal();
         release(&pci, &plan, SHORT, |_| {}).unwrap();

@@ -30,10 +30,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde_json::{json, Value};
-
 use super::{PciDevice, PCI_STUB, VFIO_PCI};
-use crate::api::{ApiError, Code};
 use crate::hardware::PciAddress;
 
 /// What the host itself uses, by kernel name: filled by the caller from netlink and
@@ -80,6 +77,182 @@ pub struct Assignment {
     pub groups: Vec<u32>,
 }
 
+/// Why the requested devices may not go to the VM: the first failing kind of [`check`], with
+/// every offender of that kind. The API codes and fields are given at the boundary
+/// (`crate::owner_errors`); the texts here are the messages users read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckError {
+    /// Step 1: a device is absent, requested twice, or a bridge.
+    #[error("{}", join(&.0.iter().map(|p| p.problem.clone()).collect::<Vec<_>>()))]
+    Shape(Vec<ShapeProblem>),
+    /// Step 2: devices held by other VMs.
+    #[error("{}", join(&.0.iter().map(|c| format!("{} ({}) in use by {}", c.address, c.field, c.holder)).collect::<Vec<_>>()))]
+    Held(Vec<HeldConflict>),
+    /// Step 3: devices the host itself uses, one entry per use, in request order.
+    #[error(
+        "{}. Passing it through would take it away from the host; release it on the host first \
+         (remove addresses, routes and bridge/bond membership, unmount)",
+        host_use_text(.0)
+    )]
+    InUseByHost(Vec<HostUse>),
+    /// Step 4, before groups are looked at: requested devices without an IOMMU group (the IOMMU
+    /// is off or absent).
+    #[error("{}", no_group_text(.0))]
+    NoIommuGroup(Vec<Requested>),
+    /// Step 4: groups with members that are neither requested nor harmless, in group order.
+    #[error(
+        "{}. A VM can only be given whole IOMMU groups (QEMU would refuse with \"group is not \
+         viable\"): pass those devices through to this VM as well, or unbind them from their host \
+         drivers, or choose a device in a group of its own",
+        join(&.0.iter().map(BlockedGroup::text).collect::<Vec<_>>())
+    )]
+    GroupNotViable(Vec<BlockedGroup>),
+}
+
+impl CheckError {
+    /// The spec field of the first offending request.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            CheckError::Shape(v) => v.first().map(|p| p.field.as_str()),
+            CheckError::Held(v) => v.first().map(|c| c.field.as_str()),
+            CheckError::InUseByHost(v) => v.first().map(|u| u.field.as_str()),
+            CheckError::NoIommuGroup(v) => v.first().map(|r| r.field.as_str()),
+            CheckError::GroupNotViable(v) => v.first().map(|g| g.field.as_str()),
+        }
+    }
+}
+
+/// One request that fails step 1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShapeProblem {
+    /// The requested address.
+    pub address: PciAddress,
+    /// The spec field that asked for it.
+    pub field: String,
+    /// What is wrong, as a sentence naming both.
+    pub problem: String,
+}
+
+/// One request held by another VM (step 2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldConflict {
+    /// The requested address.
+    pub address: PciAddress,
+    /// The spec field that asked for it.
+    pub field: String,
+    /// The VM holding it.
+    pub holder: String,
+}
+
+/// What of the host uses a requested device (step 3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostUseKind {
+    /// One of its network interfaces has an IP address.
+    Address(String),
+    /// One of its network interfaces carries a default route.
+    DefaultRoute(String),
+    /// One of its network interfaces is a bridge or bond port.
+    Enslaved(String),
+    /// A block device below it is mounted.
+    Mounted(String),
+}
+
+impl HostUseKind {
+    /// The reason as the API names it (`details.in_use[].reason`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            HostUseKind::Address(_) => "address",
+            HostUseKind::DefaultRoute(_) => "default_route",
+            HostUseKind::Enslaved(_) => "enslaved",
+            HostUseKind::Mounted(_) => "mounted",
+        }
+    }
+
+    fn text(&self) -> String {
+        match self {
+            HostUseKind::Address(i) => format!("interface {i} has an IP address"),
+            HostUseKind::DefaultRoute(i) => format!("interface {i} carries a default route"),
+            HostUseKind::Enslaved(i) => format!("interface {i} is a bridge or bond port"),
+            HostUseKind::Mounted(d) => format!("block device {d} is mounted"),
+        }
+    }
+}
+
+/// One use by the host of one requested device (step 3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostUse {
+    /// The requested address.
+    pub address: PciAddress,
+    /// The spec field that asked for it.
+    pub field: String,
+    /// The use.
+    pub kind: HostUseKind,
+}
+
+/// One IOMMU group that cannot go to the VM whole (step 4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockedGroup {
+    /// The group number.
+    pub group: u32,
+    /// The first requested device in it.
+    pub address: PciAddress,
+    /// The spec field that asked for it.
+    pub field: String,
+    /// The members that block it, in address order.
+    pub blocking: Vec<Blocker>,
+}
+
+impl BlockedGroup {
+    fn text(&self) -> String {
+        let names: Vec<String> = self
+            .blocking
+            .iter()
+            .map(|m| match (&m.holder, &m.driver) {
+                (Some(h), _) => format!("{} (held by VM {h})", m.address),
+                (None, Some(d)) => format!("{} (driver {d})", m.address),
+                (None, None) => m.address.to_string(),
+            })
+            .collect();
+        format!("IOMMU group {} of {} ({}) also contains {}", self.group, self.address, self.field, names.join(", "))
+    }
+}
+
+/// A group member that is neither requested nor harmless.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Blocker {
+    /// Its address.
+    pub address: PciAddress,
+    /// Its host driver, if any.
+    pub driver: Option<String>,
+    /// The VM holding it, if any.
+    pub holder: Option<String>,
+}
+
+/// The uses of step 3 grouped by device, in request order.
+fn host_use_text(uses: &[HostUse]) -> String {
+    let mut texts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while let Some(first) = uses.get(i) {
+        let same: Vec<&HostUse> =
+            uses[i..].iter().take_while(|u| u.address == first.address && u.field == first.field).collect();
+        i += same.len();
+        let reasons: Vec<String> = same.iter().map(|u| u.kind.text()).collect();
+        texts.push(format!("{} ({}) is in use by the host: {}", first.address, first.field, reasons.join(", ")));
+    }
+    join(&texts)
+}
+
+fn no_group_text(no_group: &[Requested]) -> String {
+    let names: Vec<String> = no_group.iter().map(|r| format!("{} ({})", r.address, r.field)).collect();
+    format!(
+        "{} {} no IOMMU group: the IOMMU is off or absent, so VFIO cannot isolate {}. Enable \
+         VT-d/AMD-Vi in the firmware and boot the host with intel_iommu=on (or amd_iommu=on)",
+        names.join(", "),
+        if no_group.len() == 1 { "has" } else { "have" },
+        if no_group.len() == 1 { "it" } else { "them" },
+    )
+}
+
 /// Checks that the `requested` devices may go to one VM.
 ///
 /// `devices` must hold every requested device that exists and every member of their IOMMU
@@ -88,15 +261,16 @@ pub struct Assignment {
 ///
 /// # Errors
 /// The first failing kind, listing every offender of that kind (see the module documentation):
-/// 2001 (absent, requested twice, a bridge), 3003 (`details.conflicts`), 3005 (`details.in_use`),
-/// 3004 (`details.blocking`, or `details.no_iommu_group` when the IOMMU is off). `field` is the
-/// first offending request's field.
+/// [`CheckError::Shape`] (absent, requested twice, a bridge; 2001), [`CheckError::Held`] (3003),
+/// [`CheckError::InUseByHost`] (3005), [`CheckError::NoIommuGroup`] when the IOMMU is off or
+/// [`CheckError::GroupNotViable`] (3004). [`CheckError::field`] is the first offending
+/// request's field.
 pub fn check(
     requested: &[Requested],
     devices: &BTreeMap<PciAddress, PciDevice>,
     usage: &HostUsage,
     held: &BTreeMap<PciAddress, String>,
-) -> Result<Assignment, ApiError> {
+) -> Result<Assignment, CheckError> {
     check_shape(requested, devices)?;
     check_held(requested, held)?;
     check_host_use(requested, devices, usage)?;
@@ -111,9 +285,8 @@ fn join(parts: &[String]) -> String {
 }
 
 /// Step 1: present, once, an endpoint (2001).
-fn check_shape(requested: &[Requested], devices: &BTreeMap<PciAddress, PciDevice>) -> Result<(), ApiError> {
+fn check_shape(requested: &[Requested], devices: &BTreeMap<PciAddress, PciDevice>) -> Result<(), CheckError> {
     let mut problems = Vec::new();
-    let mut first_field = None;
     let mut seen: BTreeMap<PciAddress, &str> = BTreeMap::new();
     for r in requested {
         let problem = if let Some(earlier) = seen.insert(r.address, &r.field) {
@@ -128,34 +301,30 @@ fn check_shape(requested: &[Requested], devices: &BTreeMap<PciAddress, PciDevice
                 Some(_) => None,
             }
         };
-        if let Some(p) = problem {
-            first_field.get_or_insert_with(|| r.field.clone());
-            problems.push((r, p));
+        if let Some(problem) = problem {
+            problems.push(ShapeProblem { address: r.address, field: r.field.clone(), problem });
         }
     }
     if problems.is_empty() {
-        return Ok(());
+        Ok(())
+    } else {
+        Err(CheckError::Shape(problems))
     }
-    let messages: Vec<String> = problems.iter().map(|(_, p)| p.clone()).collect();
-    let list: Vec<Value> = problems
-        .iter()
-        .map(|(r, p)| json!({"address": r.address.to_string(), "field": r.field, "problem": p}))
-        .collect();
-    let mut e = ApiError::new(Code::InvalidSpec, join(&messages)).details(json!({ "problems": list }));
-    e.field = first_field;
-    Err(e)
 }
 
 /// Step 2: not held by another VM (3003).
-fn check_held(requested: &[Requested], held: &BTreeMap<PciAddress, String>) -> Result<(), ApiError> {
-    let conflicts: Vec<(&Requested, &String)> =
-        requested.iter().filter_map(|r| held.get(&r.address).map(|h| (r, h))).collect();
-    let Some((first, _)) = conflicts.first() else { return Ok(()) };
-    let message =
-        join(&conflicts.iter().map(|(r, h)| format!("{} ({}) in use by {h}", r.address, r.field)).collect::<Vec<_>>());
-    let list: Vec<Value> =
-        conflicts.iter().map(|(r, h)| json!({"address": r.address.to_string(), "holder": h})).collect();
-    Err(ApiError::new(Code::HardwareInUse, message).field(first.field.clone()).details(json!({ "conflicts": list })))
+fn check_held(requested: &[Requested], held: &BTreeMap<PciAddress, String>) -> Result<(), CheckError> {
+    let conflicts: Vec<HeldConflict> = requested
+        .iter()
+        .filter_map(|r| {
+            held.get(&r.address).map(|h| HeldConflict { address: r.address, field: r.field.clone(), holder: h.clone() })
+        })
+        .collect();
+    if conflicts.is_empty() {
+        Ok(())
+    } else {
+        Err(CheckError::Held(conflicts))
+    }
 }
 
 /// Step 3: the host does not use the device (3005).
@@ -163,48 +332,33 @@ fn check_host_use(
     requested: &[Requested],
     devices: &BTreeMap<PciAddress, PciDevice>,
     usage: &HostUsage,
-) -> Result<(), ApiError> {
-    let mut uses: Vec<Value> = Vec::new();
-    let mut texts: Vec<String> = Vec::new();
-    let mut first_field = None;
+) -> Result<(), CheckError> {
+    let mut uses: Vec<HostUse> = Vec::new();
     for r in requested {
         let Some(d) = devices.get(&r.address) else { continue };
-        let mut reasons = Vec::new();
+        let mut add = |kind| uses.push(HostUse { address: r.address, field: r.field.clone(), kind });
         for iface in &d.net_ifaces {
-            let rules: [(&BTreeSet<String>, &str, &str); 3] = [
-                (&usage.ifaces_with_address, "address", "has an IP address"),
-                (&usage.default_route_ifaces, "default_route", "carries a default route"),
-                (&usage.enslaved_ifaces, "enslaved", "is a bridge or bond port"),
-            ];
-            for (set, reason, text) in rules {
-                if set.contains(iface) {
-                    uses.push(json!({"address": r.address.to_string(), "interface": iface, "reason": reason}));
-                    reasons.push(format!("interface {iface} {text}"));
-                }
+            if usage.ifaces_with_address.contains(iface) {
+                add(HostUseKind::Address(iface.clone()));
+            }
+            if usage.default_route_ifaces.contains(iface) {
+                add(HostUseKind::DefaultRoute(iface.clone()));
+            }
+            if usage.enslaved_ifaces.contains(iface) {
+                add(HostUseKind::Enslaved(iface.clone()));
             }
         }
         for dev in &d.block_devs {
             if usage.mounted_block_devs.contains(dev) {
-                uses.push(json!({"address": r.address.to_string(), "block_device": dev, "reason": "mounted"}));
-                reasons.push(format!("block device {dev} is mounted"));
+                add(HostUseKind::Mounted(dev.clone()));
             }
         }
-        if !reasons.is_empty() {
-            first_field.get_or_insert_with(|| r.field.clone());
-            texts.push(format!("{} ({}) is in use by the host: {}", r.address, r.field, reasons.join(", ")));
-        }
     }
-    if texts.is_empty() {
-        return Ok(());
+    if uses.is_empty() {
+        Ok(())
+    } else {
+        Err(CheckError::InUseByHost(uses))
     }
-    let message = format!(
-        "{}. Passing it through would take it away from the host; release it on the host first \
-         (remove addresses, routes and bridge/bond membership, unmount)",
-        join(&texts)
-    );
-    let mut e = ApiError::new(Code::InUseByHost, message).details(json!({ "in_use": uses }));
-    e.field = first_field;
-    Err(e)
 }
 
 /// Step 4: whole IOMMU groups (3004). Returns the groups, ascending.
@@ -212,24 +366,16 @@ fn check_groups(
     requested: &[Requested],
     devices: &BTreeMap<PciAddress, PciDevice>,
     held: &BTreeMap<PciAddress, String>,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<Vec<u32>, CheckError> {
     let wanted: BTreeSet<PciAddress> = requested.iter().map(|r| r.address).collect();
 
-    let no_group: Vec<&Requested> =
-        requested.iter().filter(|r| devices.get(&r.address).is_some_and(|d| d.iommu_group.is_none())).collect();
-    if let Some(first) = no_group.first() {
-        let names: Vec<String> = no_group.iter().map(|r| format!("{} ({})", r.address, r.field)).collect();
-        let message = format!(
-            "{} {} no IOMMU group: the IOMMU is off or absent, so VFIO cannot isolate {}. Enable \
-             VT-d/AMD-Vi in the firmware and boot the host with intel_iommu=on (or amd_iommu=on)",
-            names.join(", "),
-            if no_group.len() == 1 { "has" } else { "have" },
-            if no_group.len() == 1 { "it" } else { "them" },
-        );
-        let list: Vec<String> = no_group.iter().map(|r| r.address.to_string()).collect();
-        return Err(ApiError::new(Code::GroupNotViable, message)
-            .field(first.field.clone())
-            .details(json!({"no_iommu_group": list, "blocking": []})));
+    let no_group: Vec<Requested> = requested
+        .iter()
+        .filter(|r| devices.get(&r.address).is_some_and(|d| d.iommu_group.is_none()))
+        .cloned()
+        .collect();
+    if !no_group.is_empty() {
+        return Err(CheckError::NoIommuGroup(no_group));
     }
 
     // Group -> the first request in it (for the field and the message).
@@ -239,11 +385,9 @@ fn check_groups(
             groups.entry(g).or_insert(r);
         }
     }
-    let mut blocking: Vec<Value> = Vec::new();
-    let mut texts: Vec<String> = Vec::new();
-    let mut first_field = None;
+    let mut blocked: Vec<BlockedGroup> = Vec::new();
     for (&group, r) in &groups {
-        let mut names = Vec::new();
+        let mut blocking = Vec::new();
         for m in devices.values().filter(|m| m.iommu_group == Some(group) && !wanted.contains(&m.address)) {
             let holder = held.get(&m.address);
             let harmless =
@@ -251,45 +395,35 @@ fn check_groups(
             if harmless && holder.is_none() {
                 continue;
             }
-            blocking.push(json!({
-                "address": m.address.to_string(),
-                "driver": m.driver,
-                "group": group,
-                "holder": holder,
-            }));
-            names.push(match (holder, &m.driver) {
-                (Some(h), _) => format!("{} (held by VM {h})", m.address),
-                (None, Some(d)) => format!("{} (driver {d})", m.address),
-                (None, None) => m.address.to_string(),
-            });
+            blocking.push(Blocker { address: m.address, driver: m.driver.clone(), holder: holder.cloned() });
         }
-        if !names.is_empty() {
-            first_field.get_or_insert_with(|| r.field.clone());
-            texts.push(format!(
-                "IOMMU group {group} of {} ({}) also contains {}",
-                r.address,
-                r.field,
-                names.join(", ")
-            ));
+        if !blocking.is_empty() {
+            blocked.push(BlockedGroup { group, address: r.address, field: r.field.clone(), blocking });
         }
     }
-    if texts.is_empty() {
-        return Ok(groups.into_keys().collect());
+    if blocked.is_empty() {
+        Ok(groups.into_keys().collect())
+    } else {
+        Err(CheckError::GroupNotViable(blocked))
     }
-    let message = format!(
-        "{}. A VM can only be given whole IOMMU groups (QEMU would refuse with \"group is not \
-         viable\"): pass those devices through to this VM as well, or unbind them from their host \
-         drivers, or choose a device in a group of its own",
-        join(&texts)
-    );
-    let mut e = ApiError::new(Code::GroupNotViable, message).details(json!({ "blocking": blocking }));
-    e.field = first_field;
-    Err(e)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::{ApiError, Code};
+    use serde_json::json;
+
+    /// The check as a client sees it: through the boundary's mapping, so these tests hold the
+    /// codes, fields, details and messages of the API.
+    fn check(
+        requested: &[Requested],
+        devices: &BTreeMap<PciAddress, PciDevice>,
+        usage: &HostUsage,
+        held: &BTreeMap<PciAddress, String>,
+    ) -> Result<Assignment, ApiError> {
+        super::check(requested, devices, usage, held).map_err(ApiError::from)
+    }
 
     fn a(text: &str) -> PciAddress {
         PciAddress::parse(text).unwrap()

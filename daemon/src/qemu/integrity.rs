@@ -22,9 +22,8 @@
 //! launch, not this one; the binary's directory is root's.
 
 use super::boot_files::Version;
-use crate::api::{ApiError, CheckItem, CheckStatus, Code};
+use crate::api::{CheckItem, CheckStatus};
 use crate::config::Config;
-use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -52,6 +51,40 @@ impl Verdict {
             Ok(found) => Verdict::Mismatch { found },
             Err(e) => Verdict::Unreadable(e.to_string()),
         }
+    }
+}
+
+/// A run of a pinned binary refused: it is not the binary the config pins, or it cannot be read
+/// to check it. Nothing was started. The API code (4002 on the pin's key) is given at the
+/// boundary (`crate::owner_errors`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{} is not the binary {key} pins ({expected}): {}; nothing was started", .path.display(), why(.verdict))]
+pub struct PinError {
+    /// The config key that pins it (`qemu.sha256`).
+    pub key: &'static str,
+    /// The binary.
+    pub path: PathBuf,
+    /// The pinned sha256, lower-case hex.
+    pub expected: String,
+    /// What the check found: [`Verdict::Mismatch`] or [`Verdict::Unreadable`].
+    pub verdict: Verdict,
+}
+
+impl PinError {
+    /// The sha256 the file has (`None` when it cannot be read).
+    pub fn found(&self) -> Option<&str> {
+        match &self.verdict {
+            Verdict::Mismatch { found } => Some(found),
+            Verdict::Match | Verdict::Unreadable(_) => None,
+        }
+    }
+}
+
+fn why(verdict: &Verdict) -> String {
+    match verdict {
+        Verdict::Mismatch { found } => format!("its sha256 is {found}"),
+        Verdict::Unreadable(e) => format!("it cannot be read to check it ({e})"),
+        Verdict::Match => "it matches".to_string(),
     }
 }
 
@@ -97,32 +130,23 @@ impl Pinned {
     /// Checks the binary before a run of it: the one check every run goes through.
     ///
     /// # Errors
-    /// 4002 on the pin's key when the binary's sha256 is not the pinned one or it cannot be read
-    /// (`details`: path, expected, found).
-    pub fn verify(&self) -> Result<(), ApiError> {
+    /// [`PinError`] (4002 on the pin's key) when the binary's sha256 is not the pinned one or it
+    /// cannot be read.
+    pub fn verify(&self) -> Result<(), PinError> {
         self.refusal(&self.check()).map_or(Ok(()), Err)
     }
 
     /// The error a launch gets for `verdict` (`None` when it matches).
-    fn refusal(&self, verdict: &Verdict) -> Option<ApiError> {
-        let (found, why) = match verdict {
-            Verdict::Match => return None,
-            Verdict::Mismatch { found } => (json!(found), format!("its sha256 is {found}")),
-            Verdict::Unreadable(e) => (json!(null), format!("it cannot be read to check it ({e})")),
-        };
-        Some(
-            ApiError::new(
-                Code::BinaryMismatch,
-                format!(
-                    "{} is not the binary {} pins ({}): {why}; nothing was started",
-                    self.path.display(),
-                    self.key,
-                    self.expected
-                ),
-            )
-            .field(self.key)
-            .details(json!({"path": self.path, "expected": self.expected, "found": found})),
-        )
+    fn refusal(&self, verdict: &Verdict) -> Option<PinError> {
+        match verdict {
+            Verdict::Match => None,
+            Verdict::Mismatch { .. } | Verdict::Unreadable(_) => Some(PinError {
+                key: self.key,
+                path: self.path.clone(),
+                expected: self.expected.clone(),
+                verdict: verdict.clone(),
+            }),
+        }
     }
 
     /// `host.check`'s item for this binary.
@@ -163,7 +187,7 @@ impl Integrity {
             match pinned.check() {
                 Verdict::Match => tracing::info!(binary = %pinned.path.display(), "binary matches its sha256"),
                 other => {
-                    let err = pinned.refusal(&other).map(|e| e.message).unwrap_or_default();
+                    let err = pinned.refusal(&other).map(|e| e.to_string()).unwrap_or_default();
                     tracing::error!(key = pinned.key, "{err}: launches will be refused");
                 }
             }
@@ -173,9 +197,9 @@ impl Integrity {
     /// Checks the QEMU binary before it is launched.
     ///
     /// # Errors
-    /// 4002 on `qemu.sha256` when the binary's sha256 is not the pinned one or it cannot be
-    /// read (`details`: path, expected, found).
-    pub fn verify_qemu(&self) -> Result<(), ApiError> {
+    /// [`PinError`] (4002 on `qemu.sha256`) when the binary's sha256 is not the pinned one or it
+    /// cannot be read.
+    pub fn verify_qemu(&self) -> Result<(), PinError> {
         self.qemu.as_deref().map_or(Ok(()), Pinned::verify)
     }
 
@@ -226,6 +250,8 @@ pub(crate) fn hex(digest: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::Code;
+    use serde_json::json;
 
     /// sha256 of "abc" (FIPS 180-2's example).
     const ABC: &str = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
@@ -248,7 +274,7 @@ mod tests {
         let verdict = pinned.check();
         let Verdict::Mismatch { found } = &verdict else { panic!("{verdict:?}") };
         assert_ne!(found, ABC);
-        let err = pinned.refusal(&verdict).unwrap();
+        let err = crate::api::ApiError::from(pinned.refusal(&verdict).unwrap());
         assert_eq!((err.code, err.field.as_deref()), (Code::BinaryMismatch, Some("qemu.sha256")));
         assert_eq!(err.details["found"], json!(found));
         assert!(err.message.contains(&path.display().to_string()), "{}", err.message);

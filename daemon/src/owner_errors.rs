@@ -1,0 +1,537 @@
+//! The one boundary where resource owners' errors become API errors.
+//!
+//! Owners (host networking, PCI passthrough, images, disk space, binary integrity, backups)
+//! return their own `thiserror` enums: what went wrong, with the offending value as data and the
+//! underlying error as `#[source]`. They know nothing of the wire. This module alone decides the
+//! API code, the request `field` at fault and `details` of each variant, as `From` impls, so a
+//! `?` in the lifecycle (whose steps return [`ApiError`]) converts at the edge and the owners'
+//! texts reach the client unchanged as the message.
+//!
+//! It lives beside the owners rather than in `api/`: `api` is the wire's vocabulary that the
+//! owners themselves use (specs, NIC specs), so mapping there would make `api` import every
+//! owner and close a cycle.
+//!
+//! The test at the bottom reads the code table of docs/api.md and fails when a documented code
+//! has no producer here or elsewhere (named in [`tests`]), or when a mapping changes a code or a
+//! field.
+
+use serde_json::{json, Value};
+
+use crate::api::{ApiError, Code};
+use crate::backup::{BackupError, ManifestError};
+use crate::disk::space::SpaceError;
+use crate::images::download::DownloadError;
+use crate::images::ImageError;
+use crate::net::host::AttachError;
+use crate::pci::bind::{BindError, StepFailure};
+use crate::pci::check::{CheckError, HostUseKind};
+use crate::qemu::integrity::PinError;
+
+/// An error with `code`, the owner's text as the message and `field` when there is one.
+fn api(code: Code, e: &impl std::fmt::Display, field: Option<&str>) -> ApiError {
+    ApiError { code, message: e.to_string(), field: field.map(str::to_string), details: Value::Null }
+}
+
+impl From<AttachError> for ApiError {
+    /// A network the config lacks is 3001 on `spec.nics[i].network`; a failed host step is 4001
+    /// on `spec.nics[i]` with `details.step` `network.<step>`.
+    fn from(e: AttachError) -> ApiError {
+        match &e {
+            AttachError::NoNetwork { nic, .. } => api(Code::NotInModel, &e, Some(&format!("spec.nics[{nic}].network"))),
+            AttachError::Step { nic, step, .. } => {
+                api(Code::ProvisioningFailed, &e, Some(&format!("spec.nics[{nic}]")))
+                    .details(json!({ "step": format!("network.{step}") }))
+            }
+        }
+    }
+}
+
+impl From<CheckError> for ApiError {
+    /// 2001 with `details.problems`, 3003 with `details.conflicts`, 3005 with `details.in_use`,
+    /// 3004 with `details.blocking` (and `details.no_iommu_group`); `field` is the first
+    /// offending request's.
+    fn from(e: CheckError) -> ApiError {
+        let (code, details) = match &e {
+            CheckError::Shape(problems) => {
+                let list: Vec<Value> = problems
+                    .iter()
+                    .map(|p| json!({"address": p.address.to_string(), "field": p.field, "problem": p.problem}))
+                    .collect();
+                (Code::InvalidSpec, json!({ "problems": list }))
+            }
+            CheckError::Held(conflicts) => {
+                let list: Vec<Value> =
+                    conflicts.iter().map(|c| json!({"address": c.address.to_string(), "holder": c.holder})).collect();
+                (Code::HardwareInUse, json!({ "conflicts": list }))
+            }
+            CheckError::InUseByHost(uses) => {
+                let list: Vec<Value> = uses
+                    .iter()
+                    .map(|u| {
+                        let address = u.address.to_string();
+                        match &u.kind {
+                            HostUseKind::Mounted(dev) => {
+                                json!({"address": address, "block_device": dev, "reason": u.kind.reason()})
+                            }
+                            HostUseKind::Address(i) | HostUseKind::DefaultRoute(i) | HostUseKind::Enslaved(i) => {
+                                json!({"address": address, "interface": i, "reason": u.kind.reason()})
+                            }
+                        }
+                    })
+                    .collect();
+                (Code::InUseByHost, json!({ "in_use": list }))
+            }
+            CheckError::NoIommuGroup(requested) => {
+                let list: Vec<String> = requested.iter().map(|r| r.address.to_string()).collect();
+                (Code::GroupNotViable, json!({"no_iommu_group": list, "blocking": []}))
+            }
+            CheckError::GroupNotViable(groups) => {
+                let list: Vec<Value> = groups
+                    .iter()
+                    .flat_map(|g| {
+                        g.blocking.iter().map(move |m| {
+                            json!({
+                                "address": m.address.to_string(),
+                                "driver": m.driver,
+                                "group": g.group,
+                                "holder": m.holder,
+                            })
+                        })
+                    })
+                    .collect();
+                (Code::GroupNotViable, json!({ "blocking": list }))
+            }
+        };
+        api(code, &e, e.field()).details(details)
+    }
+}
+
+fn step_failure(f: &StepFailure) -> Value {
+    json!({"address": f.address.to_string(), "step": f.step, "reason": f.reason})
+}
+
+impl From<&BindError> for ApiError {
+    /// 4001 (a host step failed), with the failures in `details.failures` (and
+    /// `details.restored`, `details.restore_failures` after a failed bind).
+    fn from(e: &BindError) -> ApiError {
+        let details = match e {
+            BindError::NoVfioPci => json!({"failures": []}),
+            BindError::Bind { failure, restored, restore_failures } => json!({
+                "failures": [step_failure(failure)],
+                "restored": restored.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "restore_failures": restore_failures.iter().map(step_failure).collect::<Vec<_>>(),
+            }),
+            BindError::Release { failures } => {
+                json!({"failures": failures.iter().map(step_failure).collect::<Vec<_>>()})
+            }
+        };
+        api(Code::ProvisioningFailed, e, None).details(details)
+    }
+}
+
+impl From<ImageError> for ApiError {
+    /// 2001 on the request field at fault, 4090 on `name`, 2003 on `sha256` (`name` for a
+    /// recorded image that changed) with `details: {expected, found, bytes}`.
+    fn from(e: ImageError) -> ApiError {
+        match &e {
+            ImageError::NotAName(_) => api(Code::InvalidSpec, &e, Some("name")),
+            ImageError::BadSha256 => api(Code::InvalidSpec, &e, Some("sha256")),
+            ImageError::ZeroTimeout => api(Code::InvalidSpec, &e, Some("timeout_s")),
+            ImageError::BadUrl(_) | ImageError::NotFetched | ImageError::NotImportable { .. } => {
+                api(Code::InvalidSpec, &e, Some("source"))
+            }
+            ImageError::Busy(_) => api(Code::Busy, &e, Some("name")),
+            ImageError::Mismatch { expected, found, bytes, .. } => api(Code::ChecksumMismatch, &e, Some("sha256"))
+                .details(json!({ "expected": expected, "found": found, "bytes": bytes })),
+            ImageError::Changed { expected, found, bytes, .. } => api(Code::ChecksumMismatch, &e, Some("name"))
+                .details(json!({ "expected": expected, "found": found, "bytes": bytes })),
+        }
+    }
+}
+
+impl From<DownloadError> for ApiError {
+    /// Always on `source`: 2001 for a URL or address that is not fetched (`details: {address,
+    /// host}` for an address), 3002 for a body too large (`details: {resource, available}`),
+    /// else 4001 with `details.step` `download`.
+    fn from(e: DownloadError) -> ApiError {
+        let source = Some("source");
+        match &e {
+            DownloadError::Refused { host, addr, .. } => {
+                api(Code::InvalidSpec, &e, source).details(json!({ "address": addr.to_string(), "host": host }))
+            }
+            DownloadError::RedirectNotFetched { .. } | DownloadError::NotForCurl => api(Code::InvalidSpec, &e, source),
+            DownloadError::TooLarge { max_bytes, .. } => api(Code::CapacityExceeded, &e, source)
+                .details(json!({ "resource": "image_bytes", "available": max_bytes })),
+            DownloadError::Resolve { .. }
+            | DownloadError::NoAddress { .. }
+            | DownloadError::TimedOut(_)
+            | DownloadError::TooManyRedirects(_)
+            | DownloadError::Write(_)
+            | DownloadError::Spawn { .. }
+            | DownloadError::NoPipes
+            | DownloadError::Wait(_)
+            | DownloadError::Curl { .. }
+            | DownloadError::Status { .. }
+            | DownloadError::NoStatus { .. } => {
+                api(Code::ProvisioningFailed, &e, source).details(json!({ "step": "download" }))
+            }
+        }
+    }
+}
+
+impl From<SpaceError> for ApiError {
+    /// 4001 when the free space cannot be read; 3002 on the field the room is for, with
+    /// `details: {resource, requested, available, ...}`.
+    fn from(e: SpaceError) -> ApiError {
+        match &e {
+            SpaceError::Unreadable { .. } => api(Code::ProvisioningFailed, &e, None),
+            SpaceError::NoRoom { field, resource, refused, .. } => api(Code::CapacityExceeded, &e, Some(field))
+                .details(json!({
+                    "resource": resource,
+                    "requested": refused.requested,
+                    "available": refused.available,
+                    "reserved": refused.reserved,
+                })),
+            SpaceError::Disks { requested_gib, available_gib, free_bytes, total_bytes, data_disks, .. } => {
+                let field = if *data_disks { "spec.disks" } else { "spec.boot.disk_gib" };
+                api(Code::CapacityExceeded, &e, Some(field)).details(json!({
+                    "resource": "disk_gib",
+                    "requested": requested_gib,
+                    "available": available_gib,
+                    "free_bytes": free_bytes,
+                    "total_bytes": total_bytes,
+                }))
+            }
+        }
+    }
+}
+
+impl From<PinError> for ApiError {
+    /// 4002 on the pin's key (`qemu.sha256`), `details: {path, expected, found}` (`found` null
+    /// when the binary cannot be read).
+    fn from(e: PinError) -> ApiError {
+        api(Code::BinaryMismatch, &e, Some(e.key)).details(json!({
+            "path": e.path,
+            "expected": e.expected,
+            "found": e.found(),
+        }))
+    }
+}
+
+impl From<BackupError> for ApiError {
+    /// On `backup`: 2001 for a name or a manifest that is not a backup's, 4040 for none, 2003
+    /// (`details.file`) for a `manifest.json` that is not a regular file or would take what is
+    /// not the backup's; 4001 with `details.step` `export` when a backup cannot be written.
+    fn from(e: BackupError) -> ApiError {
+        let backup = Some("backup");
+        let manifest = json!({ "file": "manifest.json" });
+        match &e {
+            BackupError::NotAName(_) | BackupError::Unreadable { .. } => api(Code::InvalidSpec, &e, backup),
+            BackupError::NoSuchBackup { .. } => api(Code::NotFound, &e, backup),
+            BackupError::NotAFile { .. } => api(Code::ChecksumMismatch, &e, backup).details(manifest),
+            BackupError::Manifest { source: ManifestError::Invalid(_), .. } => {
+                api(Code::InvalidSpec, &e, backup).details(manifest)
+            }
+            BackupError::Manifest { source: ManifestError::TakesOthers(_), .. } => {
+                api(Code::ChecksumMismatch, &e, backup).details(manifest)
+            }
+            BackupError::Create { .. }
+            | BackupError::NoFreeName { .. }
+            | BackupError::Encode(_)
+            | BackupError::Finish { .. } => {
+                api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "export" }))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::error::ALL_CODES;
+    use crate::disk::reserve::Refused;
+    use crate::hardware::PciAddress;
+    use crate::images::address::Class;
+    use crate::images::url::UrlError;
+    use crate::net::NetError;
+    use crate::pci::check::{BlockedGroup, Blocker, HeldConflict, HostUse, Requested, ShapeProblem};
+    use crate::qemu::integrity::Verdict;
+    use std::collections::BTreeSet;
+
+    fn pci(text: &str) -> PciAddress {
+        PciAddress::parse(text).unwrap()
+    }
+
+    /// One owner error through the mapping, with the code and field it must give.
+    struct Case {
+        what: &'static str,
+        error: ApiError,
+        code: Code,
+        field: Option<&'static str>,
+    }
+
+    fn case(what: &'static str, error: impl Into<ApiError>, code: Code, field: Option<&'static str>) -> Case {
+        Case { what, error: error.into(), code, field }
+    }
+
+    /// Every variant of every owner error, mapped.
+    fn cases() -> Vec<Case> {
+        let a = pci("0000:00:05.0");
+        vec![
+            case(
+                "net: NIC on an unknown network",
+                AttachError::NoNetwork { nic: 1, network: "lan".into() },
+                Code::NotInModel,
+                Some("spec.nics[1].network"),
+            ),
+            case(
+                "net: a host step",
+                AttachError::Step { nic: 0, step: "tap", source: NetError::Exists("vm-a-0".into()) },
+                Code::ProvisioningFailed,
+                Some("spec.nics[0]"),
+            ),
+            case(
+                "pci: absent device",
+                CheckError::Shape(vec![ShapeProblem { address: a, field: "spec.pci[0]".into(), problem: "x".into() }]),
+                Code::InvalidSpec,
+                Some("spec.pci[0]"),
+            ),
+            case(
+                "pci: held by another VM",
+                CheckError::Held(vec![HeldConflict {
+                    address: a,
+                    field: "spec.hardware.sfp[0]".into(),
+                    holder: "b".into(),
+                }]),
+                Code::HardwareInUse,
+                Some("spec.hardware.sfp[0]"),
+            ),
+            case(
+                "pci: used by the host",
+                CheckError::InUseByHost(vec![HostUse {
+                    address: a,
+                    field: "spec.pci[1]".into(),
+                    kind: HostUseKind::Mounted("sda1".into()),
+                }]),
+                Code::InUseByHost,
+                Some("spec.pci[1]"),
+            ),
+            case(
+                "pci: no IOMMU group",
+                CheckError::NoIommuGroup(vec![Requested::new(a, "spec.pci[0]")]),
+                Code::GroupNotViable,
+                Some("spec.pci[0]"),
+            ),
+            case(
+                "pci: group not viable",
+                CheckError::GroupNotViable(vec![BlockedGroup {
+                    group: 3,
+                    address: a,
+                    field: "spec.pci[0]".into(),
+                    blocking: vec![Blocker { address: pci("0000:00:05.1"), driver: Some("ahci".into()), holder: None }],
+                }]),
+                Code::GroupNotViable,
+                Some("spec.pci[0]"),
+            ),
+            case("pci: vfio-pci missing", &BindError::NoVfioPci, Code::ProvisioningFailed, None),
+            case("images: name", ImageError::NotAName("a/b".into()), Code::InvalidSpec, Some("name")),
+            case("images: sha256", ImageError::BadSha256, Code::InvalidSpec, Some("sha256")),
+            case("images: timeout", ImageError::ZeroTimeout, Code::InvalidSpec, Some("timeout_s")),
+            case("images: URL", ImageError::BadUrl(UrlError::UserInfo), Code::InvalidSpec, Some("source")),
+            case("images: scheme", ImageError::NotFetched, Code::InvalidSpec, Some("source")),
+            case(
+                "images: path",
+                ImageError::NotImportable { given: "/etc/shadow".into(), dir: "/x".into() },
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case("images: busy", ImageError::Busy("a.raw".into()), Code::Busy, Some("name")),
+            case("images: mismatch", crate::images::mismatch("a", "b", "c", 1), Code::ChecksumMismatch, Some("sha256")),
+            case("images: changed", crate::images::changed("a", "b", "c", 1), Code::ChecksumMismatch, Some("name")),
+            case(
+                "download: refused address",
+                DownloadError::Refused {
+                    what: "u".into(),
+                    host: "h".into(),
+                    addr: "10.0.0.1".parse().unwrap(),
+                    class: Class::Private,
+                },
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case(
+                "download: redirect",
+                DownloadError::RedirectNotFetched { from: "u".into(), source: UrlError::UserInfo },
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case("download: curl config", DownloadError::NotForCurl, Code::InvalidSpec, Some("source")),
+            case(
+                "download: too large",
+                DownloadError::TooLarge { shown: "u".into(), max_bytes: 1 },
+                Code::CapacityExceeded,
+                Some("source"),
+            ),
+            case("download: timeout", DownloadError::TimedOut(3), Code::ProvisioningFailed, Some("source")),
+            case(
+                "download: redirects",
+                DownloadError::TooManyRedirects(None),
+                Code::ProvisioningFailed,
+                Some("source"),
+            ),
+            case("download: pipes", DownloadError::NoPipes, Code::ProvisioningFailed, Some("source")),
+            case(
+                "download: status",
+                DownloadError::Status { shown: "u".into(), code: 404 },
+                Code::ProvisioningFailed,
+                Some("source"),
+            ),
+            case(
+                "disk space: unreadable",
+                SpaceError::Unreadable { dir: "/s".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "disk space: a copy's room",
+                SpaceError::NoRoom {
+                    what: "the copies".into(),
+                    dir: "/s".into(),
+                    field: "snapshot".into(),
+                    resource: "disk_bytes",
+                    refused: Refused { requested: 2, available: 1, free: 1, reserved: 0 },
+                },
+                Code::CapacityExceeded,
+                Some("snapshot"),
+            ),
+            case(
+                "disk space: new data disks",
+                SpaceError::Disks {
+                    requested_gib: 2,
+                    available_gib: 1,
+                    why: "do not fit",
+                    free_bytes: 1,
+                    total_bytes: 1,
+                    data_disks: true,
+                },
+                Code::CapacityExceeded,
+                Some("spec.disks"),
+            ),
+            case(
+                "integrity: another binary",
+                PinError {
+                    key: "qemu.sha256",
+                    path: "/usr/bin/qemu".into(),
+                    expected: "a".into(),
+                    verdict: Verdict::Mismatch { found: "b".into() },
+                },
+                Code::BinaryMismatch,
+                Some("qemu.sha256"),
+            ),
+            case("backup: name", BackupError::NotAName("../x".into()), Code::InvalidSpec, Some("backup")),
+            case(
+                "backup: none",
+                BackupError::NoSuchBackup { backup: "b".into(), dir: "/d".into() },
+                Code::NotFound,
+                Some("backup"),
+            ),
+            case(
+                "backup: manifest not a file",
+                BackupError::NotAFile { path: "/m".into(), what: "a FIFO" },
+                Code::ChecksumMismatch,
+                Some("backup"),
+            ),
+            case(
+                "backup: unreadable manifest",
+                BackupError::Unreadable { path: "/m".into(), source: std::io::Error::other("x") },
+                Code::InvalidSpec,
+                Some("backup"),
+            ),
+            case(
+                "backup: not a manifest",
+                BackupError::Manifest { path: "/m".into(), source: ManifestError::Invalid("x".into()) },
+                Code::InvalidSpec,
+                Some("backup"),
+            ),
+            case(
+                "backup: a manifest taking others' files",
+                BackupError::Manifest { path: "/m".into(), source: ManifestError::TakesOthers("x".into()) },
+                Code::ChecksumMismatch,
+                Some("backup"),
+            ),
+            case(
+                "backup: export",
+                BackupError::NoFreeName { vm: "v".into(), dir: "/d".into() },
+                Code::ProvisioningFailed,
+                None,
+            ),
+        ]
+    }
+
+    /// Codes no owner produces, and where they come from instead (each has its own tests
+    /// there).
+    const PRODUCED_ELSEWHERE: &[(Code, &str)] = &[
+        (Code::ParseError, "rpc::request (the line)"),
+        (Code::InvalidRequest, "rpc::request (the envelope)"),
+        (Code::MethodNotFound, "rpc::methods (the method table)"),
+        (Code::InvalidParams, "rpc::methods (params decoding)"),
+        (Code::Internal, "rpc::server (a failed task), lifecycle (unreadable record)"),
+        (Code::Unauthorized, "rpc::auth"),
+        (Code::ReadOnly, "rpc::auth"),
+        (Code::LimitExceeded, "rpc::limits, console"),
+        (Code::RateLimited, "rpc::agent_rate"),
+        (Code::InvalidSpec, "validate (spec rules)"),
+        (Code::SpecDrift, "lifecycle::reconfigure (vm.apply)"),
+        (Code::ChecksumMismatch, "lifecycle::snapshots (vm.revert)"),
+        (Code::NotInModel, "validate (hardware indexes)"),
+        (Code::CapacityExceeded, "capacity (CPU and memory admission)"),
+        (Code::HardwareInUse, "capacity, nic (device and NIC conflicts)"),
+        (Code::NotFound, "lifecycle::registry"),
+        (Code::Busy, "lifecycle::registry, console"),
+        (Code::AgentNotConnected, "agent::supervisor"),
+        (Code::AgentTimeout, "agent::supervisor"),
+        (Code::ConsoleUnavailable, "console"),
+        (Code::ImageInUse, "lifecycle::images (image.delete)"),
+        (Code::ImageExists, "lifecycle::images (image.import)"),
+        (Code::NotFrozen, "lifecycle::snapshots (requires frozen)"),
+    ];
+
+    /// The codes of docs/api.md's error table, in its order.
+    fn documented_codes() -> Vec<i32> {
+        let doc = include_str!("../../docs/api.md");
+        let start = doc.find("| Code | `kind` | Meaning | When |").expect("api.md has the error code table");
+        doc[start..]
+            .lines()
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| {
+                let cell = l.split('|').nth(1).unwrap_or_default().trim();
+                cell.parse().unwrap_or_else(|_| panic!("not a code in api.md's table: {l}"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_mapping_keeps_its_code_and_field() {
+        for c in cases() {
+            assert_eq!((c.error.code, c.error.field.as_deref()), (c.code, c.field), "{}", c.what);
+            assert!(!c.error.message.is_empty(), "{}: the owner's text is the message", c.what);
+        }
+    }
+
+    #[test]
+    fn every_code_documented_in_api_md_is_still_produced() {
+        let documented = documented_codes();
+        assert_eq!(documented.len(), ALL_CODES.len(), "api.md's table and api::Code differ: {documented:?}");
+        let mapped: BTreeSet<i32> = cases().iter().map(|c| c.error.code.as_i32()).collect();
+        let elsewhere: BTreeSet<i32> = PRODUCED_ELSEWHERE.iter().map(|(c, _)| c.as_i32()).collect();
+        for n in documented {
+            let code = Code::from_i32(n).unwrap_or_else(|| panic!("api.md documents {n}, which api::Code lacks"));
+            assert!(
+                mapped.contains(&n) || elsewhere.contains(&n),
+                "api.md documents {n} ({}) but nothing produces it any more",
+                code.kind()
+            );
+        }
+    }
+}
