@@ -20,6 +20,10 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
 
+/// How long [`TestHost::wait_status`] looks for the event of a status `vm.get` already shows
+/// before it reports the change as made without one (a bound on a report, not on the test).
+const EVENT_AFTER_VIEW: Duration = Duration::from_secs(5);
+
 /// A `[networks.lan]` table: a bridge vmhostd creates, host address 10.0.0.1/24.
 pub const LAN_NETWORK: &str = r#"
 [networks.lan]
@@ -35,10 +39,6 @@ pub const GUEST_READY: &str = "VMHOST-GUEST-READY";
 /// The unprivileged user test hosts run QEMU as (`qemu.user`), created by tests/setup.sh. Not
 /// `vmhost-qemu`: the packaging test installs and purges the package that owns that user.
 pub const QEMU_USER: &str = "vmhost-test-qemu";
-
-/// How long a daemon start may take before the test fails (a failure bound: it returns as soon
-/// as the socket answers).
-pub const DAEMON_START: Duration = Duration::from_secs(60);
 
 /// The workspace root.
 pub fn workspace() -> PathBuf {
@@ -315,18 +315,9 @@ reserved_memory_gib = 1
     /// Starts (or restarts) vmhostd and waits until its socket answers.
     pub fn spawn_daemon(&mut self) {
         self.launch_daemon();
-        let up = wait::poll(DAEMON_START, || {
-            if let Some(Ok(Some(status))) = self.daemon.as_mut().map(|c| c.try_wait()) {
-                panic!("vmhostd exited with {status}; log:\n{}", self.daemon_log());
-            }
-            match Client::connect(&self.socket).map(|mut c| c.call::<Value>("host.info", json!({}))) {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(e)) | Err(e) => Err(e.to_string()),
-            }
-        });
-        if let Err(last) = up {
-            panic!("vmhostd did not answer host.info within {DAEMON_START:?} ({last}); log:\n{}", self.daemon_log());
-        }
+        let log = self.dir.path().join("vmhostd.log");
+        let Some(daemon) = self.daemon.as_mut() else { return };
+        wait::daemon_answers(&self.socket, daemon, || fs::read_to_string(&log).unwrap_or_default());
     }
 
     /// Starts (or restarts) vmhostd and returns at once, without waiting for its socket (the
@@ -548,14 +539,61 @@ reserved_memory_gib = 1
         let v = self.wait_vm(name, &format!("to become {status}"), timeout, |v| v["status"] == status);
         // A status change must be an event: tell when this one came without one.
         let already = before.is_some_and(|b| b["status"] == status);
-        let mut told = false;
-        while let Ok(Some(e)) = events.next_event(Duration::ZERO) {
-            told |= e.vm == name && e.to.is_some_and(|t| serde_json::to_value(t).is_ok_and(|t| t == status));
+        // The event follows the record's commit, so it may come just after vm.get saw it.
+        let mut told = already;
+        while !told {
+            let Ok(Some(e)) = events.next_event(EVENT_AFTER_VIEW) else { break };
+            told = e.vm == name && e.to.is_some_and(|t| serde_json::to_value(t).is_ok_and(|t| t == status));
         }
-        if !already && !told {
+        if !told {
             eprintln!("note: {name} became {status} without an events.event saying so");
         }
         v
+    }
+
+    /// Arms the daemon's crash point `step` (`RUN/crashpoint`, docs/lifecycle.md): the daemon
+    /// kills itself with SIGKILL when it reaches that step.
+    pub fn arm_crash(&self, step: &str) {
+        fs::write(self.run().join(vmhost::crashpoint::FILE), step).expect("arm the crash point");
+    }
+
+    /// Disarms the crash point.
+    pub fn disarm_crash(&self) {
+        let _ = fs::remove_file(self.run().join(vmhost::crashpoint::FILE));
+    }
+
+    /// Waits until the daemon died at the armed crash point `step` (its log says so), reaps
+    /// it, disarms the point and restarts the daemon: the exact place of a "daemon killed
+    /// mid-operation" instead of a kill after some time.
+    ///
+    /// # Panics
+    /// When the daemon does not die, or died elsewhere.
+    pub fn restart_after_crash(&mut self, step: &str) {
+        let pid = self.daemon_pid().expect("daemon") as i32;
+        wait::until_true(
+            &format!("vmhostd to die at the crash point {step}"),
+            Duration::from_secs(120),
+            || !alive(pid),
+            || "still running".into(),
+        );
+        let log = self.daemon_log();
+        let reached = log.lines().any(|l| l.contains("crash point reached") && l.contains(&format!("\"{step}\"")));
+        assert!(reached, "{step}: the crash point was not what killed it; log:\n{log}");
+        self.kill_daemon(); // reap
+        self.disarm_crash();
+        self.spawn_daemon();
+    }
+
+    /// Calls `method` with the crash point `step` armed, expecting the daemon to die under it,
+    /// then restarts it ([`TestHost::restart_after_crash`]).
+    ///
+    /// # Panics
+    /// When the call is answered, or the daemon does not die at `step`.
+    pub fn crash_during(&mut self, step: &str, method: &str, params: Value) {
+        self.arm_crash(step);
+        let answer = self.client().call::<Value>(method, params);
+        assert!(answer.is_err(), "{step}: {method} answered although the daemon should have died: {answer:?}");
+        self.restart_after_crash(step);
     }
 
     /// Runs `ip -n NETNS ARGS...` (inspection and fixtures only) and returns its stdout.

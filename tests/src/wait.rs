@@ -18,7 +18,15 @@
 //! Order of use: a test calls [`until`] (or [`poll`] when not reaching the state is an answer
 //! rather than a failure), or the `TestHost` methods built on them.
 
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
+use vmhost::client::Client;
+
+/// How long a daemon start may take before the test fails (a failure bound: the wait returns
+/// as soon as the socket answers).
+pub const DAEMON_START: Duration = Duration::from_secs(60);
 
 /// The shortest pause between two looks of [`until`]: most facts come soon after the call
 /// that makes them.
@@ -72,6 +80,45 @@ pub fn poll<T>(bound: Duration, mut probe: impl FnMut() -> Result<T, String>) ->
 /// As [`until`].
 pub fn until_true(what: &str, bound: Duration, mut ok: impl FnMut() -> bool, state: impl Fn() -> String) {
     until(what, bound, || if ok() { Ok(()) } else { Err(state()) })
+}
+
+/// Waits until a daemon answers `host.info` on `socket` and returns the answer.
+///
+/// # Panics
+/// When `daemon` exits first, or [`DAEMON_START`] passes; both with `log()` (its log).
+pub fn daemon_answers(socket: &Path, daemon: &mut Child, log: impl Fn() -> String) -> Value {
+    let up = poll(DAEMON_START, || {
+        if let Ok(Some(status)) = daemon.try_wait() {
+            panic!("vmhostd exited with {status}; log:\n{}", log());
+        }
+        match Client::connect(socket).map(|mut c| c.call::<Value>("host.info", json!({}))) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) | Err(e) => Err(e.to_string()),
+        }
+    });
+    up.unwrap_or_else(|last| {
+        panic!(
+            "vmhostd did not answer host.info on {} within {DAEMON_START:?} ({last}); log:\n{}",
+            socket.display(),
+            log()
+        )
+    })
+}
+
+/// Waits until `child` exits and returns its status.
+///
+/// # Panics
+/// When `bound` passes first (the child is killed then), naming `what`.
+pub fn exited(child: &mut Child, what: &str, bound: Duration) -> ExitStatus {
+    let status = poll(bound, || match child.try_wait() {
+        Ok(Some(status)) => Ok(status),
+        Ok(None) => Err("still running".into()),
+        Err(e) => Err(e.to_string()),
+    });
+    status.unwrap_or_else(|last| {
+        let _ = child.kill();
+        panic!("gave up waiting for {what} to exit after {bound:?} ({last})")
+    })
 }
 
 #[cfg(test)]
