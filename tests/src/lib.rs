@@ -485,6 +485,22 @@ reserved_memory_gib = 1
         wait::poll(timeout, || if self.serial(name).contains(needle) { Ok(()) } else { Err(String::new()) }).is_ok()
     }
 
+    /// Waits until the serial log of `name` holds `needle` at least `n` times (the `n`th boot,
+    /// the `n`th thaw, ...).
+    ///
+    /// # Panics
+    /// When `timeout` (a failure bound) passes first, with the log.
+    pub fn wait_serial_count(&self, name: &str, needle: &str, n: usize, timeout: Duration) {
+        wait::until(&format!("{n} times {needle:?} on {name}'s console"), timeout, || {
+            let log = self.serial(name);
+            if log.matches(needle).count() >= n {
+                Ok(())
+            } else {
+                Err(format!("serial:\n{log}"))
+            }
+        });
+    }
+
     /// Waits until `vm.get` of `name` satisfies `ok` and returns that view. Woken by the VM's
     /// events (`events.subscribe`, made before the first look so no change is missed), not by a
     /// timer; see [`wait`].
