@@ -20,6 +20,10 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use vmhost::client::Client;
 
+/// How long [`TestHost::wait_status`] looks for the event of a status `vm.get` already shows
+/// before it reports the change as made without one (a bound on a report, not on the test).
+const EVENT_AFTER_VIEW: Duration = Duration::from_secs(5);
+
 /// A `[networks.lan]` table: a bridge vmhostd creates, host address 10.0.0.1/24.
 pub const LAN_NETWORK: &str = r#"
 [networks.lan]
@@ -311,19 +315,9 @@ reserved_memory_gib = 1
     /// Starts (or restarts) vmhostd and waits until its socket answers.
     pub fn spawn_daemon(&mut self) {
         self.launch_daemon();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(mut c) = Client::connect(&self.socket) {
-                if c.call::<Value>("host.info", json!({})).is_ok() {
-                    return;
-                }
-            }
-            if let Some(Ok(Some(status))) = self.daemon.as_mut().map(|c| c.try_wait()) {
-                panic!("vmhostd exited with {status}; log:\n{}", self.daemon_log());
-            }
-            assert!(Instant::now() < deadline, "vmhostd did not come up; log:\n{}", self.daemon_log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let log = self.dir.path().join("vmhostd.log");
+        let Some(daemon) = self.daemon.as_mut() else { return };
+        wait::daemon_answers(&self.socket, daemon, || fs::read_to_string(&log).unwrap_or_default());
     }
 
     /// Starts (or restarts) vmhostd and returns at once, without waiting for its socket (the
@@ -485,29 +479,137 @@ reserved_memory_gib = 1
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
-    /// Waits until the serial log of `name` contains `needle`.
+    /// Waits until the serial log of `name` contains `needle`; false when `timeout` (a failure
+    /// bound, not a speed) passed first.
     pub fn wait_serial(&self, name: &str, needle: &str, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if self.serial(name).contains(needle) {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        false
+        wait::poll(timeout, || if self.serial(name).contains(needle) { Ok(()) } else { Err(String::new()) }).is_ok()
     }
 
-    /// Waits until `vm.get` reports `status` for `name`.
-    pub fn wait_status(&self, name: &str, status: &str, timeout: Duration) -> Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let v = self.call("vm.get", json!({ "name": name }));
-            if v["status"] == status {
-                return v;
+    /// Waits until the serial log of `name` holds `needle` at least `n` times (the `n`th boot,
+    /// the `n`th thaw, ...).
+    ///
+    /// # Panics
+    /// When `timeout` (a failure bound) passes first, with the log.
+    pub fn wait_serial_count(&self, name: &str, needle: &str, n: usize, timeout: Duration) {
+        wait::until(&format!("{n} times {needle:?} on {name}'s console"), timeout, || {
+            let log = self.serial(name);
+            if log.matches(needle).count() >= n {
+                Ok(())
+            } else {
+                Err(format!("serial:\n{log}"))
             }
-            assert!(Instant::now() < deadline, "{name} never became {status}: {v}");
-            std::thread::sleep(Duration::from_millis(100));
+        });
+    }
+
+    /// Waits until `vm.get` of `name` satisfies `ok` and returns that view. Woken by the VM's
+    /// events (`events.subscribe`, made before the first look so no change is missed), not by a
+    /// timer; see [`wait`].
+    ///
+    /// # Panics
+    /// When `timeout` (a failure bound) passes first, naming `what`, the last view and the
+    /// VM's events seen meanwhile.
+    pub fn wait_vm(&self, name: &str, what: &str, timeout: Duration, mut ok: impl FnMut(&Value) -> bool) -> Value {
+        let mut events = self.client();
+        events.subscribe_events().unwrap_or_else(|e| panic!("events.subscribe while waiting for {name} {what}: {e}"));
+        let mut reads = self.client();
+        let deadline = Instant::now() + timeout;
+        let mut seen: Vec<String> = Vec::new();
+        loop {
+            let view = match reads.call::<Value>("vm.get", json!({ "name": name })) {
+                Ok(v) => v,
+                Err(e) => json!({ "vm.get error": e.to_string() }),
+            };
+            if ok(&view) {
+                return view;
+            }
+            // The next event of this VM, or a look again after a second: a change the daemon
+            // makes without an event is still seen (and [`TestHost::wait_status`] reports it).
+            let got = loop {
+                let now = Instant::now();
+                assert!(
+                    now < deadline,
+                    "gave up waiting for {name} {what} after {timeout:?}; last vm.get: {view}; its events meanwhile: {seen:?}"
+                );
+                match events.next_event((deadline - now).min(wait::RECHECK)) {
+                    Ok(Some(e)) if e.vm == name => {
+                        break Some(format!("{:?} -> {:?} ({})", e.from, e.to, e.reason));
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => break None,
+                    Err(e) => panic!("events of {name} while waiting for {what}: {e}"),
+                }
+            };
+            seen.extend(got);
         }
+    }
+
+    /// Waits until `vm.get` reports `status` for `name` ([`TestHost::wait_vm`]), and returns
+    /// that view.
+    ///
+    /// # Panics
+    /// When `timeout` (a failure bound) passes first.
+    pub fn wait_status(&self, name: &str, status: &str, timeout: Duration) -> Value {
+        let mut events = self.client();
+        events.subscribe_events().unwrap_or_else(|e| panic!("events.subscribe while waiting for {name}: {e}"));
+        let before = self.client().call::<Value>("vm.get", json!({ "name": name })).ok();
+        let v = self.wait_vm(name, &format!("to become {status}"), timeout, |v| v["status"] == status);
+        // A status change must be an event: tell when this one came without one.
+        let already = before.is_some_and(|b| b["status"] == status);
+        // The event follows the record's commit, so it may come just after vm.get saw it.
+        let mut told = already;
+        while !told {
+            let Ok(Some(e)) = events.next_event(EVENT_AFTER_VIEW) else { break };
+            told = e.vm == name && e.to.is_some_and(|t| serde_json::to_value(t).is_ok_and(|t| t == status));
+        }
+        if !told {
+            eprintln!("note: {name} became {status} without an events.event saying so");
+        }
+        v
+    }
+
+    /// Arms the daemon's crash point `step` (`RUN/crashpoint`, docs/lifecycle.md): the daemon
+    /// kills itself with SIGKILL when it reaches that step.
+    pub fn arm_crash(&self, step: &str) {
+        fs::write(self.run().join(vmhost::crashpoint::FILE), step).expect("arm the crash point");
+    }
+
+    /// Disarms the crash point.
+    pub fn disarm_crash(&self) {
+        let _ = fs::remove_file(self.run().join(vmhost::crashpoint::FILE));
+    }
+
+    /// Waits until the daemon died at the armed crash point `step` (its log says so), reaps
+    /// it, disarms the point and restarts the daemon: the exact place of a "daemon killed
+    /// mid-operation" instead of a kill after some time.
+    ///
+    /// # Panics
+    /// When the daemon does not die, or died elsewhere.
+    pub fn restart_after_crash(&mut self, step: &str) {
+        let pid = self.daemon_pid().expect("daemon") as i32;
+        wait::until_true(
+            &format!("vmhostd to die at the crash point {step}"),
+            Duration::from_secs(120),
+            || !alive(pid),
+            || "still running".into(),
+        );
+        let log = self.daemon_log();
+        let reached = log.lines().any(|l| l.contains("crash point reached") && l.contains(&format!("\"{step}\"")));
+        assert!(reached, "{step}: the crash point was not what killed it; log:\n{log}");
+        self.kill_daemon(); // reap
+        self.disarm_crash();
+        self.spawn_daemon();
+    }
+
+    /// Calls `method` with the crash point `step` armed, expecting the daemon to die under it,
+    /// then restarts it ([`TestHost::restart_after_crash`]).
+    ///
+    /// # Panics
+    /// When the call is answered, or the daemon does not die at `step`.
+    pub fn crash_during(&mut self, step: &str, method: &str, params: Value) {
+        self.arm_crash(step);
+        let answer = self.client().call::<Value>(method, params);
+        assert!(answer.is_err(), "{step}: {method} answered although the daemon should have died: {answer:?}");
+        self.restart_after_crash(step);
     }
 
     /// Runs `ip -n NETNS ARGS...` (inspection and fixtures only) and returns its stdout.
@@ -611,6 +713,7 @@ pub mod bench_stats;
 pub mod bench_storage;
 pub mod boot_sector;
 pub mod lab;
+pub mod wait;
 
 /// `text` without ANSI colour sequences: the daemon's log is coloured, and tests read it.
 pub fn plain_log(text: &str) -> String {
@@ -798,30 +901,23 @@ pub fn disk_spec(host: &TestHost, name: &str, disks: Value, extra_cmdline: &str)
 /// as `(dev, serial, sectors, mark)`.
 pub fn disk_report(host: &TestHost, name: &str, boot: usize, timeout: Duration) -> Vec<(String, String, u64, String)> {
     let marker = "VMHOST-GUEST-READY";
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
+    wait::until(&format!("{name}'s disk report of boot {boot}"), timeout, || {
         let log = host.serial(name);
         let boots: Vec<&str> = log.split(marker).skip(1).collect();
         // The guest prints its report after READY and ends it with VMHOST-DISKS-DONE.
-        if boots.len() >= boot {
-            let section = boots[boot - 1];
-            let lines: Vec<(String, String, u64, String)> = section
-                .lines()
-                .filter_map(|l| l.trim().strip_prefix("VMHOST-DISK "))
-                .filter_map(|l| {
-                    let mut parts = l.split_whitespace();
-                    let dev = parts.next()?.to_string();
-                    let serial = parts.next()?.strip_prefix("serial=")?.to_string();
-                    let sectors = parts.next()?.strip_prefix("sectors=")?.parse().ok()?;
-                    let mark = parts.next()?.strip_prefix("mark=")?.to_string();
-                    Some((dev, serial, sectors, mark))
-                })
-                .collect();
-            if section.contains("VMHOST-DISKS-DONE") {
-                return lines;
-            }
-        }
-        assert!(std::time::Instant::now() < deadline, "{name}: no disk report for boot {boot}; serial:\n{log}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        let section = boots.get(boot.wrapping_sub(1)).filter(|s| s.contains("VMHOST-DISKS-DONE"));
+        let Some(section) = section else { return Err(format!("serial:\n{log}")) };
+        Ok(section
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("VMHOST-DISK "))
+            .filter_map(|l| {
+                let mut parts = l.split_whitespace();
+                let dev = parts.next()?.to_string();
+                let serial = parts.next()?.strip_prefix("serial=")?.to_string();
+                let sectors = parts.next()?.strip_prefix("sectors=")?.parse().ok()?;
+                let mark = parts.next()?.strip_prefix("mark=")?.to_string();
+                Some((dev, serial, sectors, mark))
+            })
+            .collect())
+    })
 }

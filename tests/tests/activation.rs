@@ -10,7 +10,7 @@ use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vmhost::client::Client;
 use vmhost_tests::bin;
 
@@ -88,19 +88,7 @@ impl Setup {
 
 /// Calls host.info on `socket`, retrying until the daemon answers.
 fn wait_info(socket: &Path, daemon: &mut Child, setup: &Setup) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(mut c) = Client::connect(socket) {
-            if let Ok(v) = c.call::<Value>("host.info", json!({})) {
-                return v;
-            }
-        }
-        if let Ok(Some(status)) = daemon.try_wait() {
-            panic!("vmhostd exited with {status}; log:\n{}", setup.log());
-        }
-        assert!(Instant::now() < deadline, "vmhostd did not answer on {}; log:\n{}", socket.display(), setup.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    vmhost_tests::wait::daemon_answers(socket, daemon, || setup.log())
 }
 
 fn sigterm(child: &mut Child) -> std::process::ExitStatus {
@@ -111,17 +99,7 @@ fn sigterm(child: &mut Child) -> std::process::ExitStatus {
 
 /// Waits for the daemon to exit by itself and returns its status.
 fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            return status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("vmhostd did not exit");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    vmhost_tests::wait::exited(child, "vmhostd", timeout)
 }
 
 fn recv(sock: &UnixDatagram) -> String {

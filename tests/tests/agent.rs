@@ -19,15 +19,10 @@ fn spec(name: &str, addr: &str, extra_cmdline: &str) -> Value {
 }
 
 fn wait_agent(host: &TestHost, name: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let v = host.call("vm.get", json!({ "name": name }));
-        if v["agent"]["connected"] == true {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "agent of {name} never connected: {v}\n{}", host.serial(name));
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    let connected = |v: &Value| v["agent"]["connected"] == true;
+    let v = host.wait_vm(name, "to have its agent connected", Duration::from_secs(300), connected);
+    assert!(connected(&v), "{}", host.serial(name));
+    v
 }
 
 fn check(host: &TestHost, name: &str) -> Value {
@@ -97,16 +92,12 @@ fn guest_ifaces(host: &TestHost, name: &str) -> Vec<Value> {
 }
 
 fn wait_for<F: Fn() -> bool>(host: &TestHost, what: &str, f: F) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !f() {
-        if Instant::now() > deadline {
-            let log = host.daemon_log();
-            let agent: Vec<&str> =
-                log.lines().filter(|l| l.contains("vmhost::agent") || l.contains("lifecycle::agent")).collect();
-            panic!("timed out waiting for {what}; agent log:\n{}\nserial:\n{}", agent.join("\n"), host.serial("gi"));
-        }
-        std::thread::sleep(Duration::from_millis(300));
-    }
+    vmhost_tests::wait::until_true(what, Duration::from_secs(300), f, || {
+        let log = host.daemon_log();
+        let agent: Vec<&str> =
+            log.lines().filter(|l| l.contains("vmhost::agent") || l.contains("lifecycle::agent")).collect();
+        format!("agent log:\n{}\nserial:\n{}", agent.join("\n"), host.serial("gi"))
+    });
 }
 
 #[test]
@@ -134,14 +125,9 @@ fn guest_interfaces_are_applied_live_kept_across_reboots_and_removed() {
     wait_for(&host, "the rebooted guest's agent", || {
         host.client().call::<Value>("vm.guest_info", json!({ "name": "gi" })).is_ok_and(|i| i["boot_id"] != before)
     });
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !guest_ifaces(&host, "gi").iter().any(|i| i["name"] == "eth0.20") {
-        let log = host.daemon_log();
-        let tail: Vec<&str> =
-            log.lines().filter(|l| !l.contains("rpc_conn") && (l.contains("agent") || l.contains("guest"))).collect();
-        assert!(Instant::now() < deadline, "eth0.20 not back after the reboot; daemon log:\n{}", tail.join("\n"));
-        std::thread::sleep(Duration::from_millis(300));
-    }
+    wait_for(&host, "eth0.20 back after the reboot", || {
+        guest_ifaces(&host, "gi").iter().any(|i| i["name"] == "eth0.20")
+    });
 
     // A daemon restart: the session comes back.
     host.kill_daemon();
@@ -230,28 +216,18 @@ fn guest_strings_are_escaped_in_the_log_and_in_vmhostctl() {
     let liar = json!({"name": "liar", "cpu": 1, "memory_mib": 256,
         "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": "console=ttyS0 panic=-1 quiet"}});
     host.call("vm.create", json!({ "spec": liar }));
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let v = loop {
-        let v = host.call("vm.get", json!({ "name": "liar" }));
-        if v["agent"]["connected"] == true {
-            break v;
-        }
-        let log = vmhost_tests::plain_log(&host.daemon_log());
-        assert!(Instant::now() < deadline, "the liar never got a session: {v}\n{}\n{log}", host.serial("liar"));
-        std::thread::sleep(Duration::from_millis(250));
-    };
+    let v = wait_agent(&host, "liar");
     assert!(v["agent"]["version"].as_str().unwrap().contains("\nFORGED-LINE"), "the API keeps the raw value: {v}");
 
     // The log: the guest's version and its error message each stay on their own line, escaped.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let log = loop {
+    let log = vmhost_tests::wait::until("net.apply's refusal in the daemon's log", Duration::from_secs(120), || {
         let log = host.daemon_log();
         if log.contains("guest interfaces not applied") {
-            break log;
+            Ok(log)
+        } else {
+            Err(log)
         }
-        assert!(Instant::now() < deadline, "net.apply's refusal never logged:\n{log}");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    });
     let plain = vmhost_tests::plain_log(&log);
     let connected: Vec<&str> = plain.lines().filter(|l| l.contains("guest agent connected")).collect();
     assert_eq!(connected.len(), 1, "{plain}");

@@ -5,8 +5,8 @@
 
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
-use vmhost_tests::{alive, HostOptions, TestHost};
+use std::time::Duration;
+use vmhost_tests::{alive, wait, HostOptions, TestHost};
 
 const DESIRED_RUNNING: [&str; 5] = ["a1", "a2", "a3", "a4", "a5"];
 
@@ -29,11 +29,12 @@ fn simulate_host_reboot(host: &mut TestHost) {
     for pid in &pids {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), nix::sys::signal::Signal::SIGKILL);
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while pids.iter().any(|p| alive(*p)) {
-        assert!(Instant::now() < deadline, "QEMUs did not die");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait::until_true(
+        "the killed QEMUs to be gone",
+        Duration::from_secs(60),
+        || !pids.iter().any(|p| alive(*p)),
+        || format!("alive: {:?}", pids.iter().filter(|p| alive(**p)).collect::<Vec<_>>()),
+    );
 }
 
 /// The VM transitions in a daemon log, in order: (vm, from, to).
@@ -71,15 +72,8 @@ fn a_rebooted_host_gets_its_vms_back_at_most_n_starting_at_once() {
     host.spawn_daemon();
 
     // No client call but reads: every VM desired running comes back.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let st = statuses(&host);
-        let running: BTreeSet<&str> = st.iter().filter(|(_, s)| s == "running").map(|(n, _)| n.as_str()).collect();
-        if DESIRED_RUNNING.iter().all(|n| running.contains(n)) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "not every VM came back: {st:?}");
-        std::thread::sleep(Duration::from_millis(200));
+    for name in DESIRED_RUNNING {
+        host.wait_status(name, "running", Duration::from_secs(300));
     }
     assert_eq!(host.qemu_pids().len(), DESIRED_RUNNING.len(), "one QEMU each, none for the stopped VM");
     assert_eq!(host.call("vm.get", json!({ "name": "off" }))["status"], "stopped");

@@ -330,11 +330,7 @@ fn a_data_disk_whose_header_names_a_host_file_never_makes_qemu_open_it() {
     let two = json!([{"name": "logs", "size_gib": 1, "format": "qcow2"}, {"name": "extra", "size_gib": 1, "format": "qcow2"}]);
     let v = host.call("vm.apply", json!({ "spec": disk_spec(&host, "held", two, ""), "restart": false }));
     assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(false)), "hot-plugged: {v}");
-    let deadline = std::time::Instant::now() + BOOT;
-    while !host.serial("held").contains("VMHOST-DISK-ADDED") {
-        assert!(std::time::Instant::now() < deadline, "{}", host.serial("held"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    assert!(host.wait_serial("held", "VMHOST-DISK-ADDED", BOOT), "{}", host.serial("held"));
     // QEMU keeps a backing file it opened open as long as the disk's node: it has none.
     let fds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()

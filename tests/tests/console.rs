@@ -14,7 +14,7 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vmhost_tests::{bin, HostOptions, TestHost, GUEST_READY};
 
 /// Debian's `nogroup`: the read-only group of these hosts.
@@ -103,15 +103,12 @@ impl Console {
 
     /// Waits until the output after byte `from` holds `needle`.
     fn wait_for(&self, from: usize, needle: &str) {
-        let deadline = Instant::now() + ANSWER;
-        loop {
-            let got = self.out.lock().unwrap()[from..].to_vec();
-            if String::from_utf8_lossy(&got).contains(needle) {
-                return;
-            }
-            assert!(Instant::now() < deadline, "no {needle:?} after byte {from}; output:\n{}", self.text());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        vmhost_tests::wait::until_true(
+            &format!("{needle:?} after byte {from}"),
+            ANSWER,
+            || String::from_utf8_lossy(&self.out.lock().unwrap()[from..]).contains(needle),
+            || format!("output:\n{}", self.text()),
+        );
     }
 
     fn send(&mut self, bytes: &[u8]) {
@@ -121,14 +118,14 @@ impl Console {
     }
 
     fn wait_exit(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + ANSWER;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            assert!(Instant::now() < deadline, "vmhostctl console did not exit; output:\n{}", self.text());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let out = self.out.clone();
+        let status = vmhost_tests::wait::poll(ANSWER, || match self.child.try_wait() {
+            Ok(Some(st)) => Ok(st),
+            _ => Err(String::new()),
+        });
+        status.unwrap_or_else(|_| {
+            panic!("vmhostctl console did not exit; output:\n{}", String::from_utf8_lossy(&out.lock().unwrap()))
+        })
     }
 }
 

@@ -11,7 +11,7 @@
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vmhost_tests::{HostOptions, TestHost, LAN_NETWORK};
 
 const CREATE_STEPS: [&str; 11] = [
@@ -52,31 +52,8 @@ fn spec(name: &str) -> Value {
                      {"name": "logs", "size_gib": 1}]})
 }
 
-fn arm(host: &TestHost, step: &str) {
-    std::fs::write(host.run().join(vmhost::crashpoint::FILE), step).expect("arm the crash point");
-}
-
-fn disarm(host: &TestHost) {
-    let _ = std::fs::remove_file(host.run().join(vmhost::crashpoint::FILE));
-}
-
-/// Calls `method` expecting the daemon to die under it; waits until it is gone, then restarts it.
 fn crash_during(host: &mut TestHost, step: &str, method: &str, params: Value) {
-    arm(host, step);
-    let pid = host.daemon_pid().expect("daemon");
-    let answer = host.client().call::<Value>(method, params);
-    assert!(answer.is_err(), "{step}: {method} answered although the daemon should have died: {answer:?}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while vmhost_tests::alive(pid as i32) {
-        assert!(Instant::now() < deadline, "{step}: vmhostd did not die at the crash point");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let log = host.daemon_log();
-    let reached = log.lines().any(|l| l.contains("crash point reached") && l.contains(&format!("\"{step}\"")));
-    assert!(reached, "{step}: the crash point was not what killed it; log:\n{log}");
-    host.kill_daemon(); // reap
-    disarm(host);
-    host.spawn_daemon();
+    host.crash_during(step, method, params);
 }
 
 fn files_in(dir: &Path) -> Vec<String> {
@@ -230,26 +207,13 @@ fn a_daemon_killed_during_a_policy_restart_ends_with_one_qemu() {
         let v = host.call("vm.create", json!({ "spec": spec(name) }));
         let disk = host.state().join("disks").join(format!("{name}.qcow2"));
         let ino = std::fs::metadata(&disk).expect("overlay").ino();
-        arm(&host, step);
-        let daemon = host.daemon_pid().expect("daemon");
+        host.arm_crash(step);
         let qemu = nix::unistd::Pid::from_raw(v["vm"]["pid"].as_i64().expect("pid") as i32);
         nix::sys::signal::kill(qemu, nix::sys::signal::Signal::SIGKILL).expect("kill QEMU");
         // The policy restarts it after 1 s and the daemon dies at the crash point.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while vmhost_tests::alive(daemon as i32) {
-            assert!(Instant::now() < deadline, "{step}: the restart never reached the crash point");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert!(host.daemon_log().contains(&format!("\"{step}\"")), "{step}: not the crash point");
-        host.kill_daemon();
-        disarm(&host);
-        host.spawn_daemon();
+        host.restart_after_crash(step);
         // Re-adopted or started by autostart: running, one QEMU, the same disk.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while host.call("vm.get", json!({ "name": name }))["status"] != "running" {
-            assert!(Instant::now() < deadline, "{step}: never running again");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        host.wait_status(name, "running", Duration::from_secs(300));
         assert_eq!(host.qemu_pids().len(), 1, "{step}: exactly one QEMU");
         assert_eq!(std::fs::metadata(&disk).expect("overlay").ino(), ino, "{step}: same disk");
         assert_consistent(&host, step);

@@ -9,8 +9,8 @@
 use serde_json::{json, Value};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-use vmhost_tests::{alive, plain_log, HostOptions, TestHost, GUEST_READY, QEMU_USER};
+use std::time::Duration;
+use vmhost_tests::{alive, plain_log, wait, HostOptions, TestHost, GUEST_READY, QEMU_USER};
 
 const BOOT: Duration = Duration::from_secs(90);
 const QEMU: &str = "/usr/bin/qemu-system-x86_64";
@@ -51,15 +51,17 @@ fn start_as(mut cmd: Command, user: &str, marker: &str, what: &'static str) -> F
     cmd.uid(uid).gid(gid).current_dir("/").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
     let child = cmd.spawn().unwrap_or_else(|e| panic!("start {what}: {e}"));
     let fake = Fake { child, what };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let cmdline = std::fs::read(format!("/proc/{}/cmdline", fake.pid())).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(marker) {
-            return fake;
-        }
-        assert!(Instant::now() < deadline, "{what} never showed the marker");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let cmdline = || {
+        String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", fake.pid())).unwrap_or_default())
+            .into_owned()
+    };
+    wait::until_true(
+        &format!("{what} to show the marker"),
+        Duration::from_secs(60),
+        || cmdline().contains(marker),
+        cmdline,
+    );
+    fake
 }
 
 /// `sleep 1000` whose argv[0] is the marker, run as `user`.
@@ -101,16 +103,17 @@ fn start_ticks(pid: i32) -> u64 {
 fn wait_past_start_of(fakes: &[Fake]) {
     let last = fakes.iter().map(|f| start_ticks(f.pid())).max().unwrap_or(0);
     let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).unwrap().unwrap() as f64;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    let ticks = || {
         let uptime = std::fs::read_to_string("/proc/uptime").unwrap();
         let secs: f64 = uptime.split_whitespace().next().unwrap().parse().unwrap();
-        if (secs * hz) as u64 > last + 1 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the clock did not pass tick {last}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+        (secs * hz) as u64
+    };
+    wait::until_true(
+        &format!("the clock to pass tick {last}"),
+        Duration::from_secs(60),
+        || ticks() > last + 1,
+        || format!("tick {}", ticks()),
+    );
 }
 
 /// The executable of `pid` (root reads any).
@@ -142,16 +145,8 @@ fn assert_real_qemu(vm: &Value, fakes: &[Fake]) -> i32 {
 }
 
 /// How often the guest reached userspace, by its serial log.
-fn boots(host: &TestHost, name: &str) -> usize {
-    host.serial(name).matches(GUEST_READY).count()
-}
-
 fn wait_boots(host: &TestHost, name: &str, n: usize) {
-    let deadline = Instant::now() + BOOT;
-    while boots(host, name) < n {
-        assert!(Instant::now() < deadline, "{name} did not boot {n} times:\n{}", host.serial(name));
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    host.wait_serial_count(name, GUEST_READY, n, BOOT);
 }
 
 #[test]
@@ -204,11 +199,7 @@ fn recovery_does_not_adopt_a_fake_and_still_adopts_the_real_qemu() {
     // The daemon dies; while it is down, the QEMU of "gone" dies too and fakes take its marker.
     host.kill_daemon();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(gone), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while alive(gone) {
-        assert!(Instant::now() < deadline, "QEMU {gone} did not die");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait::until_true(&format!("QEMU {gone} to die"), Duration::from_secs(60), || !alive(gone), || "alive".into());
     let fakes = fakes(&host, "gone", false);
     // The daemon takes a process that started in the same clock tick as its spawner for one
     // started after it (judged by its parent); the fakes must be judged by their executable.

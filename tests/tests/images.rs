@@ -296,11 +296,12 @@ fn allowed_networks_are_reached_redirects_are_checked_and_url_secrets_stay_secre
         let mut c = vmhost::client::Client::connect(&socket).unwrap();
         c.call::<Value>("image.import", json!({"name": "slow.raw", "sha256": sha, "source": url}))
     });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !server.requests().iter().any(|r| r.starts_with("/slow.raw")) {
-        assert!(std::time::Instant::now() < deadline, "curl never asked for /slow.raw");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    vmhost_tests::wait::until_true(
+        "curl to ask for /slow.raw",
+        std::time::Duration::from_secs(120),
+        || server.requests().iter().any(|r| r.starts_with("/slow.raw")),
+        || format!("requests: {:?}", server.requests()),
+    );
     let mut curls = 0;
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else { continue };

@@ -2,7 +2,7 @@
 
 use serde_json::{json, Value};
 use std::time::Duration;
-use vmhost_tests::{alive, HostOptions, TestHost, GUEST_READY};
+use vmhost_tests::{alive, wait, HostOptions, TestHost, GUEST_READY};
 
 const BOOT: Duration = Duration::from_secs(90);
 
@@ -226,17 +226,14 @@ fn events_report_state_changes_and_a_killed_qemu_is_dead() {
     assert!(v["last_error"]["message"].as_str().unwrap().contains("exited unexpectedly"));
     // The exit is recorded first, then the run dir goes, under the VM's busy flag: a start
     // meanwhile is 4090 (it would otherwise lose its new run dir and taps to that cleanup).
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let started = loop {
-        match host.client().call::<Value>("vm.start", json!({ "name": "ev" })) {
-            Ok(v) => break v,
-            Err(vmhost::client::ClientError::Api(e)) if e.code.as_i32() == 4090 => {
-                assert!(std::time::Instant::now() < deadline, "ev stayed busy after its exit");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => panic!("vm.start: {e}"),
-        }
-    };
+    let started = wait::until("ev's exit handling to end (vm.start not 4090)", Duration::from_secs(60), || match host
+        .client()
+        .call::<Value>("vm.start", json!({ "name": "ev" }))
+    {
+        Ok(v) => Ok(v),
+        Err(vmhost::client::ClientError::Api(e)) if e.code.as_i32() == 4090 => Err(e.to_string()),
+        Err(e) => panic!("vm.start: {e}"),
+    });
     // A dead VM can be started again.
     assert_eq!(started["vm"]["status"], "running");
 }
@@ -286,11 +283,12 @@ fn vms_survive_a_daemon_kill_and_are_adopted() {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
     let on_disk =
         || -> Value { serde_json::from_slice(&std::fs::read(host.state().join("vms/keep.json")).unwrap()).unwrap() };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while on_disk()["status"] != "dead" {
-        assert!(std::time::Instant::now() < deadline, "the record never said dead: {}", on_disk());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait::until_true(
+        "the record to say dead",
+        Duration::from_secs(60),
+        || on_disk()["status"] == "dead",
+        || on_disk().to_string(),
+    );
 }
 
 #[test]
@@ -393,8 +391,9 @@ fn a_busy_vm_refuses_a_second_operation_and_stop_timeouts_are_bounded() {
     assert_eq!((code, e.field.as_deref()), (-32602, Some("timeout_s")));
     let pid = host.call("vm.get", json!({ "name": "deaf" }))["pid"].as_i64().unwrap() as i32;
     std::thread::scope(|s| {
-        let stopper = s.spawn(|| host.call("vm.stop", json!({ "name": "deaf", "timeout_s": 4 })));
-        std::thread::sleep(Duration::from_millis(1000));
+        // A timeout long enough for the calls below to see the stop in progress on a loaded machine.
+        let stopper = s.spawn(|| host.call("vm.stop", json!({ "name": "deaf", "timeout_s": 20 })));
+        host.wait_status("deaf", "stopping", Duration::from_secs(60));
         let (code, _) = host.call_err("vm.start", json!({ "name": "deaf" }));
         assert_eq!(code, 4090);
         assert_eq!(host.call_err("vm.destroy", json!({ "name": "deaf" })).0, 4090);
@@ -458,7 +457,8 @@ fn a_stop_interrupted_by_a_daemon_kill_is_finished_after_restart() {
         let mut c = vmhost::client::Client::connect(&socket).unwrap();
         let _ = c.call::<Value>("vm.stop", json!({ "name": "half", "timeout_s": 600 }));
     });
-    std::thread::sleep(Duration::from_millis(1500));
+    // The stop has begun (recorded before its event) and waits on the deaf guest.
+    host.wait_status("half", "stopping", Duration::from_secs(60));
     host.kill_daemon();
     let _ = stopper.join();
     assert!(alive(pid), "QEMU outlives the daemon");

@@ -370,22 +370,15 @@ fn instance_id(seed: &std::path::Path) -> String {
 fn killing_the_daemon_mid_create_leaves_no_orphan_link() {
     // Autostart off: the check is what the restart settles, before anything starts a VM again.
     let mut host = host_with(&format!("{LAN}\n[lifecycle]\nautostart = false\n"));
-    // Kill vmhostd at different points of a create with two NICs, restart, and check that every
-    // link carrying a VM marker belongs to a VM whose QEMU runs.
-    for (round, delay_ms) in [0u64, 20, 60, 120, 250, 500].into_iter().enumerate() {
+    // Kill vmhostd at each step of a create with two NICs (its crash points, docs/lifecycle.md),
+    // restart, and check that every link carrying a VM marker belongs to a VM whose QEMU runs.
+    let steps =
+        ["create:recorded", "create:disks", "launch:recorded", "launch:taps", "launch:spawned", "launch:launched"];
+    for (round, step) in steps.into_iter().enumerate() {
         let name = format!("k{round}");
         let mut spec = nic_spec(&host, &name, &format!("10.0.0.{}/24", 20 + round), &[]);
         spec["nics"] = json!([spec["nics"][0].clone(), {"network": "lan"}]);
-        let socket = host.socket.clone();
-        let creator = std::thread::spawn(move || {
-            if let Ok(mut c) = vmhost::client::Client::connect(&socket) {
-                let _ = c.call::<Value>("vm.create", json!({ "spec": spec }));
-            }
-        });
-        std::thread::sleep(Duration::from_millis(delay_ms));
-        host.kill_daemon();
-        let _ = creator.join();
-        host.spawn_daemon();
+        host.crash_during(step, "vm.create", json!({ "spec": spec }));
         let running: Vec<String> = host
             .call("vm.list", json!({}))
             .as_array()
@@ -396,7 +389,11 @@ fn killing_the_daemon_mid_create_leaves_no_orphan_link() {
             .collect();
         for l in host.links() {
             if let Some(owner) = l["ifalias"].as_str().and_then(|a| a.strip_prefix("vmhost:vm=")) {
-                assert!(running.iter().any(|r| r == owner), "round {round}: orphan {} of {owner}", l["ifname"]);
+                assert!(
+                    running.iter().any(|r| r == owner),
+                    "round {round}: orphan {} of {owner} after {step}",
+                    l["ifname"]
+                );
             }
         }
         let pids = host.qemu_pids();

@@ -4,24 +4,16 @@
 //! leaves a killed VM `dead`.
 
 use serde_json::{json, Value};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vmhost_tests::{alive, HostOptions, TestHost, GUEST_READY};
 
 fn view(host: &TestHost, name: &str) -> Value {
     host.call("vm.get", json!({ "name": name }))
 }
 
-/// Polls `vm.get` until `ok` holds (bounded).
+/// Waits (on the VM's events) until its view satisfies `ok`; the bound only fails the test.
 fn wait_until(host: &TestHost, name: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let v = view(host, name);
-        if ok(&v) {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{name}: never {what}: {v}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    host.wait_vm(name, what, Duration::from_secs(300), ok)
 }
 
 fn kill9(pid: i64) {
@@ -74,11 +66,7 @@ fn never_leaves_a_killed_vm_dead() {
             .find(|l| l.contains("QEMU ended without vmhostd asking") && l.contains("fragile"))
             .map(str::to_string)
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while decided().is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let line = decided();
+    let line = vmhost_tests::wait::poll(Duration::from_secs(60), || decided().ok_or_else(String::new)).ok();
     assert!(line.as_deref().is_some_and(|l| l.contains("verdict=Dead")), "{line:?}");
     assert!(!alive(pid as i32));
 }

@@ -285,11 +285,7 @@ fn require_refuses_a_kernel_without_landlock_and_best_effort_reports_it() {
         std::fs::read_to_string(&host.config).unwrap().replace("sandbox = \"require\"", "sandbox = \"best-effort\"");
     std::fs::write(&host.config, text).unwrap();
     let mut child = without_landlock(&host).stderr(std::process::Stdio::null()).spawn().unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while vmhost::client::Client::connect(&host.socket).is_err() {
-        assert!(std::time::Instant::now() < deadline, "best-effort daemon did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    vmhost_tests::wait::daemon_answers(&host.socket, &mut child, || host.daemon_log());
     let items = check_items(&host);
     let _ = child.kill();
     let _ = child.wait();
@@ -343,11 +339,9 @@ fn qemu_cannot_open_an_ip_socket() {
         assert!(desc.contains("Address family not supported"), "{what}: {answer}");
     }
     assert_eq!(answers[3], json!({"return": {}}), "a Unix socket backend still works");
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while unix.accept().is_err() {
-        assert!(std::time::Instant::now() < deadline, "QEMU did not connect to the Unix listener");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    vmhost_tests::wait::until("QEMU to connect to the Unix listener", Duration::from_secs(60), || {
+        unix.accept().map_err(|e| e.to_string())
+    });
     tcp.set_nonblocking(true).unwrap();
     assert!(tcp.accept().is_err(), "QEMU connected over TCP");
     assert_eq!(host.qemu_pids(), vec![qemu], "the same QEMU runs on");

@@ -15,8 +15,7 @@ use serde_json::{json, Value};
 use std::fs;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
-use vmhost::client::Client;
+use std::time::Duration;
 use vmhost_tests::{alive, bin, HostOptions, TestHost, GUEST_READY};
 
 const BOOT: Duration = Duration::from_secs(90);
@@ -72,19 +71,7 @@ impl GroupDaemon {
             .spawn()
             .expect("spawn vmhostd");
         let mut d = GroupDaemon { child, exited: false };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(mut c) = Client::connect(&host.socket) {
-                if c.call::<Value>("host.info", json!({})).is_ok() {
-                    break;
-                }
-            }
-            if let Ok(Some(status)) = d.child.try_wait() {
-                panic!("vmhostd exited with {status}; log:\n{}", host.daemon_log());
-            }
-            assert!(Instant::now() < deadline, "vmhostd did not come up; log:\n{}", host.daemon_log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        vmhost_tests::wait::daemon_answers(&host.socket, &mut d.child, || host.daemon_log());
         let pid = d.pid();
         let (_, _, pgrp, _) = stat(pid).expect("vmhostd's stat");
         assert_eq!(pgrp, pid, "vmhostd leads its own process group");
@@ -102,23 +89,15 @@ impl GroupDaemon {
         let pgid = self.pid();
         assert!(!live_members(pgid).is_empty());
         kill(Pid::from_raw(-pgid), sig).unwrap_or_else(|e| panic!("kill -{sig} -- -{pgid}: {e}"));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("wait vmhostd") {
-                self.exited = true;
-                break status;
-            }
-            assert!(Instant::now() < deadline, "vmhostd ignored {sig}; log:\n{}", host.daemon_log());
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        loop {
-            let left = live_members(pgid);
-            if left.is_empty() {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{sig} to group {pgid} left {left:?} running");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let status =
+            vmhost_tests::wait::exited(&mut self.child, &format!("vmhostd after {sig}"), Duration::from_secs(60));
+        self.exited = true;
+        vmhost_tests::wait::until_true(
+            &format!("{sig} to group {pgid} to end all of it"),
+            Duration::from_secs(60),
+            || live_members(pgid).is_empty(),
+            || format!("left running: {:?}; daemon log:\n{}", live_members(pgid), host.daemon_log()),
+        );
         status
     }
 }

@@ -93,15 +93,16 @@ fn mounting_vm(host: &TestHost, name: &str, disks: Value, cmdline: &str, mounts:
         "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": format!("console=ttyS0 panic=-1 quiet {cmdline}")},
         "disks": disks});
     host.call("vm.create", json!({ "spec": spec }));
-    let deadline = std::time::Instant::now() + BOOT;
-    while host.serial(name).matches("VMHOST-MOUNTED ").count() < mounts
-        || host.call("vm.get", json!({"name": name}))["agent"]["connected"] != true
-    {
+    vmhost_tests::wait::until("the mounts and the agent", BOOT, || {
         let log = host.serial(name);
         assert!(!log.contains("VMHOST-MOUNT-FAILED"), "{log}");
-        assert!(std::time::Instant::now() < deadline, "no mounts or no agent: {log}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        let agent = host.call("vm.get", json!({"name": name}))["agent"]["connected"] == true;
+        if log.matches("VMHOST-MOUNTED ").count() >= mounts && agent {
+            Ok(())
+        } else {
+            Err(format!("agent connected: {agent}; serial:\n{log}"))
+        }
+    });
 }
 
 #[test]
@@ -208,11 +209,12 @@ fn an_image_vms_overlay_is_put_back_and_a_tampered_snapshot_changes_nothing() {
     let marker_count = |h: &TestHost| h.serial("web").matches("VMHOST-SNAP-BOOT").count();
     let seen = marker_count(&host);
     host.call("vm.start", json!({"name": "web"}));
-    let deadline = std::time::Instant::now() + BOOT;
-    while marker_count(&host) == seen {
-        assert!(std::time::Instant::now() < deadline, "no boot after the revert: {}", host.serial("web"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    vmhost_tests::wait::until_true(
+        "a boot after the revert",
+        BOOT,
+        || marker_count(&host) > seen,
+        || host.serial("web"),
+    );
     assert_eq!(instance_id(&host, "web"), first_id, "a revert of the same root disk keeps the instance");
 
     // Replaced by another image and back (each a new root disk, a new instance id), then
@@ -275,11 +277,7 @@ fn a_copy_of_a_stopped_vm_is_stopped_only_after_a_clean_power_off() {
 
     // Started again and powered off cleanly (the guest answers the ACPI power button): stopped.
     host.call("vm.start", json!({"name": "pc"}));
-    let deadline = std::time::Instant::now() + BOOT;
-    while host.serial("pc").matches("VMHOST-GUEST-READY").count() < 2 {
-        assert!(std::time::Instant::now() < deadline, "no second boot: {}", host.serial("pc"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    host.wait_serial_count("pc", "VMHOST-GUEST-READY", 2, BOOT);
     host.call("vm.stop", json!({"name": "pc", "timeout_s": 60}));
     assert!(host.serial("pc").contains("VMHOST-GUEST-POWEROFF"), "{}", host.serial("pc"));
     let s = host.call("vm.snapshot", json!({"name": "pc", "snapshot": "clean", "requires": "frozen"}));
@@ -304,11 +302,7 @@ fn the_guest_agent_freezes_the_guests_file_systems_around_a_live_copy() {
         "boot": {"kernel": g.kernel, "initrd": g.initrd, "cmdline": "console=ttyS0 panic=-1 quiet"},
         "disks": [{"name": "nsm", "size_gib": 1, "format": "raw"}]});
     host.call("vm.create", json!({ "spec": spec }));
-    let deadline = std::time::Instant::now() + BOOT;
-    while host.call("vm.get", json!({"name": "ag"}))["agent"]["connected"] != true {
-        assert!(std::time::Instant::now() < deadline, "no agent: {}", host.serial("ag"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    host.wait_vm("ag", "to have its agent connected", BOOT, |v| v["agent"]["connected"] == true);
     let s = host.call("vm.snapshot", json!({"name": "ag", "snapshot": "quiet"}));
     // The test guest's root is its initramfs: nothing on a block device to freeze. The agent
     // answered, froze nothing: crash-consistent, and it says why.
@@ -320,19 +314,13 @@ fn the_guest_agent_freezes_the_guests_file_systems_around_a_live_copy() {
     assert!(freeze < thaw, "frozen, then thawed: {log}");
     let e = host.call("vm.export", json!({"name": "ag"}));
     assert_eq!((&e["manifest"]["frozen"], &e["manifest"]["consistency"]), (&json!([]), &json!("crash")), "{e}");
-    let deadline = std::time::Instant::now() + BOOT;
-    while host.serial("ag").matches("fs.thaw: thawed").count() < 2 {
-        assert!(std::time::Instant::now() < deadline, "the export froze and thawed too: {}", host.serial("ag"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    // The export froze and thawed too.
+    host.wait_serial_count("ag", "fs.thaw: thawed", 2, BOOT);
     // Required frozen: refused after the freeze found nothing, the guest thawed again.
     let e = refused_when_frozen_is_required(&host, "ag");
     assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("no file system to freeze")), "{e:?}");
-    let deadline = std::time::Instant::now() + BOOT;
-    while host.serial("ag").matches("fs.thaw: thawed").count() < 4 {
-        assert!(std::time::Instant::now() < deadline, "each refusal thawed: {}", host.serial("ag"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    // Each refusal thawed.
+    host.wait_serial_count("ag", "fs.thaw: thawed", 4, BOOT);
 }
 
 #[test]
@@ -357,11 +345,8 @@ fn a_file_system_the_agent_cannot_freeze_makes_the_copy_crash_and_an_ext4_alone_
     assert_eq!((&listed[0]["consistency"], &listed[0]["skipped"][0]["mount"]), (&json!("crash"), &json!("/efi")));
     // The guest's journal (here its console) says what was skipped, and everything was thawed.
     assert!(host.wait_serial("mixed", "fs.freeze: skipped /efi (vfat)", BOOT), "{}", host.serial("mixed"));
-    let deadline = std::time::Instant::now() + BOOT;
-    while host.serial("mixed").matches("fs.thaw: thawed [\"/data\"]").count() < 3 {
-        assert!(std::time::Instant::now() < deadline, "every freeze thawed: {}", host.serial("mixed"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    // Every freeze thawed.
+    host.wait_serial_count("mixed", "fs.thaw: thawed [\"/data\"]", 3, BOOT);
     host.call("vm.destroy", json!({"name": "mixed"}));
 
     // Only the ext4: every file system frozen.

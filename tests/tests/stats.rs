@@ -8,7 +8,7 @@
 use serde_json::{json, Value};
 use std::io::Write;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vmhost_tests::{boot_sector, workspace, HostOptions, TestHost, LAN_NETWORK};
 
 const BOOT: Duration = Duration::from_secs(90);
@@ -23,15 +23,14 @@ fn num(v: &Value) -> f64 {
 
 /// Polls `vm.stats` until `ok` holds for the report, and returns that report.
 fn wait_stats(host: &TestHost, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + BOOT;
-    loop {
+    vmhost_tests::wait::until(what, BOOT, || {
         let r = host.call("vm.stats", json!({}));
         if ok(&r) {
-            return r;
+            Ok(r)
+        } else {
+            Err(format!("{r:#}"))
         }
-        assert!(Instant::now() < deadline, "{what}: {r:#}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    })
 }
 
 fn start_host() -> TestHost {

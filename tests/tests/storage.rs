@@ -216,15 +216,9 @@ fn a_replace_makes_a_new_boot_disk_and_keeps_every_data_disk() {
     host.call("vm.start", json!({ "name": "img" }));
     let booted = |image: &str| {
         let after = format!("VMHOST-IMAGE {image}");
-        let deadline = std::time::Instant::now() + BOOT;
-        while std::time::Instant::now() < deadline {
-            let log = host.serial("img");
-            if log.split(&after).nth(1).is_some_and(|rest| rest.contains("VMHOST-NSM kept across a replace")) {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        false
+        let kept =
+            |log: &str| log.split(&after).nth(1).is_some_and(|rest| rest.contains("VMHOST-NSM kept across a replace"));
+        vmhost_tests::wait::poll(BOOT, || if kept(&host.serial("img")) { Ok(()) } else { Err(String::new()) }).is_ok()
     };
     assert!(booted("base"), "the guest reads the data disk: {}", host.serial("img"));
     let pid = host.call("vm.get", json!({ "name": "img" }))["pid"].as_i64().unwrap();
@@ -361,11 +355,12 @@ fn disks_come_and_go_while_running_and_a_restart_puts_them_in_order() {
     more["disks"] = json!([{"name": "a", "size_gib": 1}, {"name": "b", "size_gib": 1, "keep_on_destroy": true}]);
     let v = host.call("vm.apply", json!({ "spec": more, "restart": false }));
     assert_eq!((&v["vm"]["pid"], &v["vm"]["pending_restart"]), (&pid, &json!(true)), "{v}");
-    let deadline = std::time::Instant::now() + BOOT;
-    while host.serial("pend").matches("VMHOST-DISK-REMOVED").count() == removals {
-        assert!(std::time::Instant::now() < deadline, "{}", host.serial("pend"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    vmhost_tests::wait::until_true(
+        "the guest to report the unplug",
+        BOOT,
+        || host.serial("pend").matches("VMHOST-DISK-REMOVED").count() > removals,
+        || host.serial("pend"),
+    );
     assert!(!c.exists(), "an unplugged disk without keep_on_destroy is deleted");
 
     // The restart applies the rest and the spec's order; b still holds what the guest wrote.
@@ -378,15 +373,9 @@ fn disks_come_and_go_while_running_and_a_restart_puts_them_in_order() {
 
 /// Waits for the guest to report a hot-plugged disk with serial `serial`.
 fn wait_added(host: &TestHost, name: &str, serial: &str) -> bool {
-    let deadline = std::time::Instant::now() + BOOT;
     let needle = format!("serial={serial}");
-    while std::time::Instant::now() < deadline {
-        if host.serial(name).lines().any(|l| l.contains("VMHOST-DISK-ADDED ") && l.trim_end().ends_with(&needle)) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    false
+    let added = |log: &str| log.lines().any(|l| l.contains("VMHOST-DISK-ADDED ") && l.trim_end().ends_with(&needle));
+    vmhost_tests::wait::poll(BOOT, || if added(&host.serial(name)) { Ok(()) } else { Err(String::new()) }).is_ok()
 }
 
 /// `qemu-img info -U` of `path` (as root, from the host).
@@ -486,12 +475,7 @@ fn an_existing_disk_is_imported_as_the_root_disk_and_goes_with_the_vm() {
     // Stop and start keep it (the guest boots from it again); host.info counts it.
     host.call("vm.stop", json!({ "name": "moved", "timeout_s": 1 }));
     host.call("vm.start", json!({ "name": "moved" }));
-    let booted = || host.serial("moved").matches("VMHOST-ROOT-DISK-BOOTED").count();
-    let deadline = std::time::Instant::now() + BOOT;
-    while booted() < 2 {
-        assert!(std::time::Instant::now() < deadline, "no second boot: {}", host.serial("moved"));
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    host.wait_serial_count("moved", "VMHOST-ROOT-DISK-BOOTED", 2, BOOT);
     assert_eq!(std::fs::metadata(&root).unwrap().ino(), ino);
     let info = host.call("host.info", json!({}));
     assert_eq!(info["storage"]["provisioned_bytes"], 2u64 << 30, "{info}");

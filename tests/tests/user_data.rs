@@ -52,19 +52,10 @@ fn printed_blocks(serial: &str) -> Vec<(String, String)> {
 
 /// Waits for the `n`th user-data block on `name`'s console.
 fn wait_block(host: &TestHost, name: &str, n: usize) -> (String, String) {
-    let deadline = std::time::Instant::now() + BOOT;
-    loop {
-        let blocks = printed_blocks(&host.serial(name));
-        if blocks.len() >= n {
-            return blocks[n - 1].clone();
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no user-data block {n} on the console of {name}:\n{}",
-            host.serial(name)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    vmhost_tests::wait::until(&format!("user-data block {n} on the console of {name}"), BOOT, || {
+        let log = host.serial(name);
+        printed_blocks(&log).get(n - 1).cloned().ok_or_else(|| format!("serial:\n{log}"))
+    })
 }
 
 #[test]
