@@ -7,8 +7,9 @@
 //! [`super::teardown`]) is what rollback, stop and destroy share.
 
 use super::processes::Search;
+use super::teardown::partial_overlay;
 use super::undo::{Step, Undo};
-use super::{last_error, provisioning, Manager};
+use super::{provisioning, Manager};
 use crate::api::{ApiError, Code, Firmware, VmStatus};
 use crate::process::ProcessIdentity;
 use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
@@ -18,11 +19,6 @@ use serde_json::json;
 use std::os::unix::fs::DirBuilderExt;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Where an overlay is written before it is renamed into place.
-pub(super) fn partial_overlay(paths: &VmPaths) -> std::path::PathBuf {
-    paths.overlay.with_extension("qcow2.partial")
-}
 
 /// What [`Manager::open_passed_fds`] opened.
 struct PassedFds {
@@ -395,15 +391,6 @@ impl Manager {
         Ok(PassedFds { fds, base_format })
     }
 
-    /// Removes the VM's run dir (sockets, pid file). Errors are logged: nothing depends on it.
-    pub(super) fn clean_run_dir(&self, paths: &VmPaths) {
-        match crate::blocking::run(|| std::fs::remove_dir_all(&paths.run_dir)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(dir = %paths.run_dir.display(), error = %e, "cannot remove run dir"),
-        }
-    }
-
     /// Marks a VM running after a successful launch and starts watching its process.
     pub(super) fn mark_running(
         self: &Arc<Self>,
@@ -423,20 +410,5 @@ impl Manager {
         self.watch(name, id);
         self.watch_agent(name);
         Ok(())
-    }
-
-    /// Records a failed operation on `name`.
-    pub(super) fn mark_failed(&self, name: &str, e: &ApiError, release: bool) {
-        let le = last_error(e);
-        if let Err(save) = self.update(name, "failed", |r| {
-            r.status = VmStatus::Failed;
-            r.process = None;
-            r.last_error = Some(le);
-            if release {
-                r.reserved = false;
-            }
-        }) {
-            tracing::error!(vm = name, error = %save, "cannot record the failure");
-        }
     }
 }

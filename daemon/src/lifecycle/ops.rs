@@ -4,7 +4,7 @@
 //! assumes the flag is held, so compound operations (restart, apply with replace) run their
 //! steps without letting another operation in between.
 
-use super::launch::partial_overlay;
+use super::teardown::partial_overlay;
 use super::teardown::Devices;
 use super::undo::{Step, Undo};
 use super::{Manager, OpGuard};

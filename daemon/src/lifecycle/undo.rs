@@ -97,6 +97,21 @@ impl Manager {
         error
     }
 
+    /// Records a failed operation on `name`.
+    pub(super) fn mark_failed(&self, name: &str, e: &ApiError, release: bool) {
+        let le = super::last_error(e);
+        if let Err(save) = self.update(name, "failed", |r| {
+            r.status = VmStatus::Failed;
+            r.process = None;
+            r.last_error = Some(le);
+            if release {
+                r.reserved = false;
+            }
+        }) {
+            tracing::error!(vm = name, error = %save, "cannot record the failure");
+        }
+    }
+
     /// Records VM `name` `failed` with `e` while its QEMU may still run: the process stays
     /// recorded, so nothing treats the VM as stopped.
     fn mark_failed_keeping_process(&self, name: &str, e: &ApiError) {
