@@ -35,6 +35,7 @@ mod hotplug;
 mod images;
 mod launch;
 mod live_copy;
+mod op;
 mod ops;
 mod processes;
 mod reconcile;

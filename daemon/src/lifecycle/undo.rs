@@ -57,6 +57,16 @@ impl Undo {
     pub fn push(&mut self, step: Step) {
         self.steps.push(step);
     }
+
+    /// Whether a failure releases the VM's reservation.
+    pub fn releases(&self) -> bool {
+        self.release
+    }
+
+    /// From now on a failure releases the VM's reservation too.
+    pub fn release_on_failure(&mut self) {
+        self.release = true;
+    }
 }
 
 impl Manager {
