@@ -335,6 +335,18 @@ pub enum VmStatus {
 }
 
 impl VmStatus {
+    /// Every status, in declaration order (for the transition table's exhaustive tests).
+    pub const ALL: [VmStatus; 8] = [
+        VmStatus::Creating,
+        VmStatus::Starting,
+        VmStatus::Running,
+        VmStatus::Stopping,
+        VmStatus::Stopped,
+        VmStatus::Failed,
+        VmStatus::Dead,
+        VmStatus::Destroying,
+    ];
+
     /// Lowercase name.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -225,13 +225,11 @@ impl Manager {
             r.unclean_end = unclean_end_after(&cause);
             match decided {
                 Verdict::Stopped => {
-                    r.status = VmStatus::Stopped;
+                    r.set_status(VmStatus::Stopped)?;
                     r.spec.state = crate::api::DesiredState::Stopped;
                 }
-                Verdict::Dead | Verdict::Restart(_) => {
-                    r.status = VmStatus::Dead;
-                }
-                Verdict::GiveUp => r.status = VmStatus::Failed,
+                Verdict::Dead | Verdict::Restart(_) => r.set_status(VmStatus::Dead)?,
+                Verdict::GiveUp => r.set_status(VmStatus::Failed)?,
             }
             if let ExitCause::Failure(why) = &cause {
                 let message = match decided {
@@ -291,8 +289,10 @@ impl Manager {
                         "restart policy: start failed",
                         |r, busy| !busy && r.status == VmStatus::Dead,
                         |r| {
-                            r.status = VmStatus::Failed;
-                            r.last_error = Some(le);
+                            // The condition holds it dead, and dead -> failed is in the table.
+                            if r.set_status(VmStatus::Failed).is_ok() {
+                                r.last_error = Some(le);
+                            }
                         },
                     );
                 }

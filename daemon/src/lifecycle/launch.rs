@@ -205,8 +205,7 @@ impl Manager {
         crate::blocking::run(|| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&paths.run_dir))
             .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
         undo.push(Step::HostSide);
-        self.update(&name, "launching QEMU", |r| {
-            r.status = during;
+        self.update_status(&name, "launching QEMU", during, |r| {
             r.last_error = None;
             // The new QEMU runs the recorded spec: nothing is pending any more.
             r.running_spec = None;
@@ -411,8 +410,7 @@ impl Manager {
     ) -> Result<(), ApiError> {
         let now = crate::api::now_rfc3339();
         let pid = id.clone();
-        self.update(name, reason, |r| {
-            r.status = VmStatus::Running;
+        self.update_status(name, reason, VmStatus::Running, |r| {
             r.process = Some(pid);
             r.started_at = Some(now);
             r.last_error = None;

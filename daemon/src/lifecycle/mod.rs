@@ -440,6 +440,28 @@ impl Manager {
         self.update_if(name, reason, |_, _| true, change)?.ok_or_else(|| ApiError::not_found(name))
     }
 
+    /// [`Manager::update`] that also moves the record to status `to`, checked against the
+    /// transition table ([`crate::state::transition`]) before `change` runs.
+    ///
+    /// # Errors
+    /// As [`Manager::update`]; 5000 when the table refuses the change (a bug: nothing is written).
+    fn update_status(
+        &self,
+        name: &str,
+        reason: &str,
+        to: VmStatus,
+        change: impl FnOnce(&mut VmRecord),
+    ) -> Result<VmRecord, ApiError> {
+        let (_, new) = self.registry.write(name, reason, |t| {
+            let Some(old) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
+            let mut rec = old.clone();
+            rec.set_status(to)?;
+            change(&mut rec);
+            Ok((Change::Put(Box::new(rec)), ()))
+        })?;
+        new.ok_or_else(|| ApiError::not_found(name))
+    }
+
     /// A step boundary the fault tests may crash the daemon at ([`crate::crashpoint`]).
     fn crashpoint(&self, step: &str) {
         crate::crashpoint::hit(&self.config.paths.run, step);

@@ -130,8 +130,7 @@ impl Manager {
         timeout_s: u64,
         force: bool,
     ) -> Result<(), ApiError> {
-        self.update(name, reason, |r| {
-            r.status = VmStatus::Stopping;
+        self.update_status(name, reason, VmStatus::Stopping, |r| {
             if let Some(state) = desired {
                 r.spec.state = state;
             }
@@ -167,8 +166,7 @@ impl Manager {
         let by = reason.strip_suffix(": stopping").unwrap_or(reason);
         let unclean = (!exited).then(|| killed_by(by, &killed));
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
-        self.update(name, reason, |r| {
-            r.status = VmStatus::Stopped;
+        self.update_status(name, reason, VmStatus::Stopped, |r| {
             r.process = None;
             // A clean power-off leaves clean disks; a kill leaves them as a power cut would.
             r.unclean_end = unclean;
@@ -379,7 +377,7 @@ impl VmOp {
         step!(self, self.make_data_disks(&vm.spec, true).await);
         self.crashpoint("create:disks");
         if vm.spec.state == DesiredState::Stopped {
-            self.mgr().update(self.name(), "created stopped", |r| r.status = VmStatus::Stopped)?;
+            self.mgr().update_status(self.name(), "created stopped", VmStatus::Stopped, |_| {})?;
         } else {
             let id = step!(self, self.launch(vm, VmStatus::Creating).await);
             self.mark_running(id, "vm.create")?;
@@ -458,12 +456,10 @@ impl VmOp {
                 VmStatus::Running | VmStatus::Starting | VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed
             );
             if state_changed || status_changed {
-                mgr.update(name, "vm.stop", |r| {
+                let to = if status_changed { VmStatus::Stopped } else { rec.status };
+                mgr.update_status(name, "vm.stop", to, |r| {
                     r.spec.state = DesiredState::Stopped;
                     r.process = None;
-                    if status_changed {
-                        r.status = VmStatus::Stopped;
-                    }
                 })?;
                 return Ok(true);
             }
@@ -484,8 +480,7 @@ impl VmOp {
         let name = name.as_str();
         // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
         // the restart policy) starts a VM the operator asked to destroy.
-        mgr.update(name, "vm.destroy", |r| {
-            r.status = VmStatus::Destroying;
+        mgr.update_status(name, "vm.destroy", VmStatus::Destroying, |r| {
             r.spec.state = DesiredState::Stopped;
         })?;
         mgr.crashpoint("destroy:recorded");

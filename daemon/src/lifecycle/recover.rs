@@ -120,8 +120,7 @@ impl<'m> Recovery<'m> {
                 tracing::info!(vm = name, "finishing an interrupted stop");
                 mgr.processes.kill(name, &id).await?;
                 mgr.clean_run_dir(&paths);
-                mgr.update(name, "stop completed after vmhostd restart", |r| {
-                    r.status = VmStatus::Stopped;
+                mgr.update_status(name, "stop completed after vmhostd restart", VmStatus::Stopped, |r| {
                     r.process = None;
                     r.unclean_end =
                         Some(super::ops::killed_by("a stop interrupted by a vmhostd restart", "finished after it"));
@@ -189,8 +188,7 @@ impl<'m> Recovery<'m> {
             _ => mgr.end_root_disk_import(name)?,
         }
         let record_error = to != VmStatus::Stopped;
-        mgr.update(name, why, |r| {
-            r.status = to;
+        mgr.update_status(name, why, to, |r| {
             r.process = None;
             if undo_create {
                 r.reserved = false;

@@ -239,7 +239,14 @@ impl Registry {
                 let (change, value) = decide(&mut t)?;
                 match change {
                     Change::Keep => return Ok((value, None, None, false)),
-                    Change::Put(rec) => (t.vms.insert(name.to_string(), (*rec).clone()), Some(*rec), value),
+                    Change::Put(rec) => {
+                        // Every committed status change, however the record was made (a
+                        // replace writes a new one), is one the table allows.
+                        if let Some(old) = t.vms.get(name) {
+                            crate::state::transition::check(name, old.status, rec.status)?;
+                        }
+                        (t.vms.insert(name.to_string(), (*rec).clone()), Some(*rec), value)
+                    }
                     Change::Remove => (t.vms.remove(name), None, value),
                 }
             };

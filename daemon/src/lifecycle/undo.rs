@@ -110,8 +110,7 @@ impl Manager {
     /// Records a failed operation on `name`.
     pub(super) fn mark_failed(&self, name: &str, e: &ApiError, release: bool) {
         let le = super::last_error(e);
-        if let Err(save) = self.update(name, "failed", |r| {
-            r.status = VmStatus::Failed;
+        if let Err(save) = self.update_status(name, "failed", VmStatus::Failed, |r| {
             r.process = None;
             r.last_error = Some(le);
             if release {
@@ -126,8 +125,7 @@ impl Manager {
     /// recorded, so nothing treats the VM as stopped.
     fn mark_failed_keeping_process(&self, name: &str, e: &ApiError) {
         let le = super::last_error(e);
-        if let Err(save) = self.update(name, "failed", |r| {
-            r.status = VmStatus::Failed;
+        if let Err(save) = self.update_status(name, "failed", VmStatus::Failed, |r| {
             r.last_error = Some(le);
         }) {
             tracing::error!(vm = name, error = %save, "cannot record the failure");

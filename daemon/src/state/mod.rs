@@ -7,6 +7,7 @@
 
 pub mod atomic;
 pub mod dirs;
+pub mod transition;
 
 use crate::api::{LastError, VmSpec, VmStatus};
 use crate::nic::NicAlloc;
@@ -30,7 +31,8 @@ pub struct VmRecord {
     pub version: u32,
     /// The declared spec (its `state` is the desired state).
     pub spec: VmSpec,
-    /// Observed status as last recorded.
+    /// Observed status as last recorded. Changed only through [`VmRecord::set_status`] (the
+    /// registry checks every committed change against [`transition::EDGES`] too).
     pub status: VmStatus,
     /// Whether the VM's CPU, memory and hardware are held (false after a failed create).
     pub reserved: bool,
@@ -167,6 +169,17 @@ impl VmRecord {
         let booted = self.running_spec.as_ref().unwrap_or(&self.spec);
         self.instance_id = Some(crate::seed::adopted_instance_id(seed, booted));
         true
+    }
+
+    /// Moves the record to status `to` if [`transition::EDGES`] allows it from the current one
+    /// (keeping the status always is); a refusal is logged at error and changes nothing.
+    ///
+    /// # Errors
+    /// [`transition::TransitionError`] when the change is not allowed.
+    pub fn set_status(&mut self, to: VmStatus) -> Result<(), transition::TransitionError> {
+        transition::check(&self.spec.name, self.status, to)?;
+        self.status = to;
+        Ok(())
     }
 
     /// The VM's name.
