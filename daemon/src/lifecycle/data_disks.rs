@@ -21,6 +21,8 @@
 //! A replace (new `boot.image`) runs a create without clearing orphans or undoing anything
 //! but what it made, so every data disk outlives it.
 
+use super::op::VmOp;
+use super::undo::Step;
 use super::Manager;
 use crate::api::{ApiError, Code, DataDiskSpec, DiskFormat, KeptDisk, VmSpec};
 use crate::qemu::argv::VmPaths;
@@ -91,30 +93,6 @@ impl Manager {
             .space_left(state)
             .map_err(|e| failed(format!("cannot read the free space of {}: {e}", state.display())))?;
         Ok(crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)?)
-    }
-
-    /// Deletes files in the VM's data disk directory that no record names (a VM of this name
-    /// is being created, so none can be its own): a new VM never inherits a stranger's disk,
-    /// nor a UEFI variables store ([`VmPaths::uefi_vars`]) with a stranger's boot entries, which
-    /// is therefore not exempt (its own is copied at its first start). Kept disks are elsewhere
-    /// and are not touched.
-    ///
-    /// # Errors
-    /// 4001 step `data_disk` when one cannot be deleted.
-    pub(super) fn clear_orphan_disks(&self, name: &str) -> Result<(), ApiError> {
-        let dir = self.paths(name).disk_dir;
-        // An entry that cannot be read is skipped, as before: the rest are still cleared.
-        let Ok(entries) = crate::blocking::run(|| std::fs::read_dir(&dir).map(|rd| rd.flatten().collect::<Vec<_>>()))
-        else {
-            return Ok(());
-        };
-        for entry in entries {
-            let path = entry.path();
-            tracing::warn!(vm = name, path = %path.display(), "removing an orphaned file of the VM's disk directory");
-            remove_file(&path)?;
-        }
-        remove_if_empty(&dir);
-        Ok(())
     }
 
     /// Makes every data disk `spec` lists that has no file yet: one kept by the destroy of a VM
@@ -377,6 +355,55 @@ impl Manager {
         }
         remove_if_empty(&dir);
         Ok(crate::api::disks::PurgeReport { deleted })
+    }
+}
+
+impl VmOp {
+    /// Deletes files in the VM's data disk directory that no record names (a VM of this name
+    /// is being created, so none can be its own): a new VM never inherits a stranger's disk,
+    /// nor a UEFI variables store ([`VmPaths::uefi_vars`]) with a stranger's boot entries, which
+    /// is therefore not exempt (its own is copied at its first start). Kept disks are elsewhere
+    /// and are not touched.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when one cannot be deleted.
+    pub(super) fn clear_orphan_disks(&self) -> Result<(), ApiError> {
+        let name = self.name();
+        let dir = self.paths().disk_dir.clone();
+        // An entry that cannot be read is skipped, as before: the rest are still cleared.
+        let Ok(entries) = crate::blocking::run(|| std::fs::read_dir(&dir).map(|rd| rd.flatten().collect::<Vec<_>>()))
+        else {
+            return Ok(());
+        };
+        for entry in entries {
+            let path = entry.path();
+            tracing::warn!(vm = name, path = %path.display(), "removing an orphaned file of the VM's disk directory");
+            remove_file(&path)?;
+        }
+        remove_if_empty(&dir);
+        Ok(())
+    }
+
+    /// The data disk step ([`Manager::ensure_data_disks`]). With `track` (a create) each disk
+    /// is recorded before it is touched, and what the step made or took back is undone on
+    /// failure.
+    ///
+    /// # Errors
+    /// As [`Manager::ensure_data_disks`].
+    pub(super) async fn make_data_disks(&mut self, spec: &VmSpec, track: bool) -> Result<(), ApiError> {
+        if track {
+            // Its undo reads the record, which names each disk before it is touched.
+            self.push(Step::DataDisks);
+        }
+        self.mgr().ensure_data_disks(spec, track).await
+    }
+
+    /// The create that tracked its disks has ended ([`Manager::end_disk_tracking`]).
+    ///
+    /// # Errors
+    /// The record cannot be written.
+    pub(super) fn end_disk_tracking(&self) -> Result<(), ApiError> {
+        self.mgr().end_disk_tracking(self.name())
     }
 }
 

@@ -3,7 +3,8 @@
 //! Every running VM is watched twice: its process by a pidfd ([`Manager::watch`]), and its
 //! event monitor (a second QMP monitor, `RUN/NAME/qmpev`) by a listener that remembers whether
 //! a `SHUTDOWN` event said the guest asked for it. When the process ends while no operation
-//! holds the VM ([`Manager::on_exit`]):
+//! holds the VM ([`Manager::on_exit`]; while one does, the exit is queued behind it and
+//! handled the moment it ends, [`super::busy`]):
 //!
 //! 1. the cause is the listener's answer (waited for briefly: the event is written before QEMU
 //!    exits): a guest power-off, or anything else (crash, kill, a host-side `quit`);
@@ -38,9 +39,6 @@ pub const MAX_BACKOFF_S: u64 = 60;
 
 /// How long `on_exit` waits for the event listener to have read the `SHUTDOWN` event.
 const EVENT_WAIT: Duration = Duration::from_secs(2);
-/// How often and how long `on_exit` re-checks a busy VM (an hour: the longest stop timeout).
-const EXIT_RECHECK_EVERY: Duration = Duration::from_millis(250);
-const EXIT_RECHECKS: u32 = 4 * 3600;
 
 /// Why QEMU ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +56,16 @@ pub(super) fn unclean_end_after(cause: &ExitCause) -> Option<String> {
         ExitCause::GuestPowerOff => None,
         ExitCause::Failure(why) => Some(format!("the VM's QEMU ended without a clean power-off ({why})")),
     }
+}
+
+/// An exit that arrived while an operation held the VM, handled when the operation ends
+/// ([`super::busy`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PendingExit {
+    /// The QEMU that ended.
+    pub id: ProcessIdentity,
+    /// Why, as the event monitor said.
+    pub cause: ExitCause,
 }
 
 /// What happens to a VM whose QEMU ended without vmhostd asking.
@@ -183,75 +191,79 @@ impl Manager {
     }
 
     /// Records the end of a VM's process and applies its restart policy. While an operation
-    /// holds the VM, the operation decides; the check is repeated until it is done.
+    /// holds the VM, the exit is queued behind it ([`super::busy`]) and this runs again the
+    /// moment the operation ends, on the record the operation left.
     pub(super) async fn on_exit(self: &Arc<Self>, name: &str, id: &ProcessIdentity, cause: ExitCause) {
-        for _ in 0..EXIT_RECHECKS {
-            let mut was_busy = false;
-            let mut decided = Verdict::Dead;
-            let now = unix_now();
-            // The record and the VM's busy flag in one step: the cleanup below must not take
-            // the run dir, taps or devices of a start that begins meanwhile.
-            let result = self.write_and_hold(name, "QEMU exited", |t| {
-                let busy = t.busy.contains(name);
-                was_busy = busy;
-                let Some(rec) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
-                if busy || rec.status != VmStatus::Running || rec.process.as_ref() != Some(id) {
-                    return Ok((Change::Keep, ()));
-                }
-                let mut r = rec.clone();
-                let failures = match cause {
-                    ExitCause::GuestPowerOff => r.failures.clone(),
-                    ExitCause::Failure(_) => failures_after(&r.failures, unix_time_of(r.started_at.as_deref()), now),
-                };
-                decided = verdict(r.spec.restart_policy, &cause, failures.len());
-                r.failures = failures;
-                r.process = None;
-                r.last_exit = Some(match &cause {
-                    ExitCause::GuestPowerOff => "guest powered off".to_string(),
-                    ExitCause::Failure(why) => why.clone(),
-                });
-                r.unclean_end = unclean_end_after(&cause);
-                match decided {
-                    Verdict::Stopped => {
-                        r.set_status(VmStatus::Stopped)?;
-                        r.spec.state = crate::api::DesiredState::Stopped;
-                    }
-                    Verdict::Dead | Verdict::Restart(_) => r.set_status(VmStatus::Dead)?,
-                    Verdict::GiveUp => r.set_status(VmStatus::Failed)?,
-                }
-                if let ExitCause::Failure(why) = &cause {
-                    let message = match decided {
-                        Verdict::GiveUp => format!(
-                            "{why}; {MAX_FAILURES} failures within {} minutes: not restarted again",
-                            FAILURE_WINDOW_S / 60
-                        ),
-                        _ => why.clone(),
-                    };
-                    r.last_error = Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message });
-                }
-                Ok((Change::Put(Box::new(r)), ()))
+        let mut decided = Verdict::Dead;
+        let mut queued = false;
+        let now = unix_now();
+        // The record and the VM's busy flag in one step: the cleanup below must not take the
+        // run dir, taps or devices of a start that begins meanwhile, and an operation that
+        // ends meanwhile must find the exit queued.
+        let result = self.write_and_hold(name, "QEMU exited", |t| {
+            if t.busy.contains(name) {
+                let exit = PendingExit { id: id.clone(), cause: cause.clone() };
+                queued = t.busy.queue_exit(name, exit).is_none();
+                return Ok((Change::Keep, ()));
+            }
+            let Some(rec) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
+            if rec.status != VmStatus::Running || rec.process.as_ref() != Some(id) {
+                return Ok((Change::Keep, ()));
+            }
+            let mut r = rec.clone();
+            let failures = match cause {
+                ExitCause::GuestPowerOff => r.failures.clone(),
+                ExitCause::Failure(_) => failures_after(&r.failures, unix_time_of(r.started_at.as_deref()), now),
+            };
+            decided = verdict(r.spec.restart_policy, &cause, failures.len());
+            r.failures = failures;
+            r.process = None;
+            r.last_exit = Some(match &cause {
+                ExitCause::GuestPowerOff => "guest powered off".to_string(),
+                ExitCause::Failure(why) => why.clone(),
             });
-            match result {
-                Ok((Some(guard), ())) => {
-                    tracing::info!(vm = name, cause = ?cause, verdict = ?decided, "QEMU ended without vmhostd asking");
-                    if let Err(e) = self.release_host_side(name, Devices::Release).await {
-                        tracing::error!(vm = name, error = %e, "passthrough devices of an ended VM not restored");
-                    }
-                    drop(guard);
-                    if let Verdict::Restart(after) = decided {
-                        self.restart_later(name, after);
-                    }
-                    return;
+            r.unclean_end = unclean_end_after(&cause);
+            match decided {
+                Verdict::Stopped => {
+                    r.set_status(VmStatus::Stopped)?;
+                    r.spec.state = crate::api::DesiredState::Stopped;
                 }
-                Ok((None, ())) if was_busy => tokio::time::sleep(EXIT_RECHECK_EVERY).await,
-                Ok((None, ())) => return, // stopped, restarted or destroyed by an operation
-                Err(e) => {
-                    tracing::error!(vm = name, error = %e, "cannot record the VM's exit");
-                    return;
+                Verdict::Dead | Verdict::Restart(_) => r.set_status(VmStatus::Dead)?,
+                Verdict::GiveUp => r.set_status(VmStatus::Failed)?,
+            }
+            if let ExitCause::Failure(why) = &cause {
+                let message = match decided {
+                    Verdict::GiveUp => format!(
+                        "{why}; {MAX_FAILURES} failures within {} minutes: not restarted again",
+                        FAILURE_WINDOW_S / 60
+                    ),
+                    _ => why.clone(),
+                };
+                r.last_error = Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message });
+            }
+            Ok((Change::Put(Box::new(r)), ()))
+        });
+        match result {
+            Ok((Some(guard), ())) => {
+                tracing::info!(vm = name, cause = ?cause, verdict = ?decided, "QEMU ended without vmhostd asking");
+                if let Err(e) = self.release_host_side(name, Devices::Release).await {
+                    tracing::error!(vm = name, error = %e, "passthrough devices of an ended VM not restored");
+                }
+                drop(guard);
+                if let Verdict::Restart(after) = decided {
+                    self.restart_later(name, after);
                 }
             }
+            Ok((None, ())) if queued => {
+                tracing::debug!(
+                    vm = name,
+                    pid = id.pid,
+                    "QEMU ended while an operation holds the VM; handled when it ends"
+                );
+            }
+            Ok((None, ())) => {} // stopped, restarted or destroyed by an operation
+            Err(e) => tracing::error!(vm = name, error = %e, "cannot record the VM's exit"),
         }
-        tracing::warn!(vm = name, "VM stayed busy; its exit is left to reads and operations");
     }
 
     /// Starts VM `name` again after `after`, if by then it is still `dead`, desired running and

@@ -6,9 +6,11 @@
 //! process itself is [`super::processes`]'s). Teardown (`Processes::kill`, then
 //! [`super::teardown`]) is what rollback, stop and destroy share.
 
+use super::op::VmOp;
 use super::processes::Search;
+use super::teardown::partial_overlay;
 use super::undo::{Step, Undo};
-use super::{last_error, provisioning, Manager};
+use super::{provisioning, Manager};
 use crate::api::{ApiError, Code, Firmware, VmStatus};
 use crate::process::ProcessIdentity;
 use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
@@ -18,11 +20,6 @@ use serde_json::json;
 use std::os::unix::fs::DirBuilderExt;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Where an overlay is written before it is renamed into place.
-pub(super) fn partial_overlay(paths: &VmPaths) -> std::path::PathBuf {
-    paths.overlay.with_extension("qcow2.partial")
-}
 
 /// What [`Manager::open_passed_fds`] opened.
 struct PassedFds {
@@ -153,6 +150,16 @@ impl Manager {
             )
         })?;
         Ok(())
+    }
+
+    /// Removes the VM's overlay (and seed) as part of a rollback ([`Step::Overlay`]).
+    pub(super) fn undo_overlay(&self, name: &str) {
+        let _ = crate::blocking::run(|| std::fs::remove_file(self.paths(name).seed));
+        let overlay = self.paths(name).overlay;
+        if let Err(e) = crate::disk::remove_overlay(&overlay) {
+            tracing::error!(vm = name, error = %e, "rollback: cannot remove the overlay");
+        }
+        let _ = self.update(name, "rollback", |r| r.overlay = None);
     }
 
     /// The live QEMU of VM `name`, if any: the recorded identity while it still runs. Only for a
@@ -394,15 +401,6 @@ impl Manager {
         Ok(PassedFds { fds, base_format })
     }
 
-    /// Removes the VM's run dir (sockets, pid file). Errors are logged: nothing depends on it.
-    pub(super) fn clean_run_dir(&self, paths: &VmPaths) {
-        match crate::blocking::run(|| std::fs::remove_dir_all(&paths.run_dir)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(dir = %paths.run_dir.display(), error = %e, "cannot remove run dir"),
-        }
-    }
-
     /// Marks a VM running after a successful launch and starts watching its process.
     pub(super) fn mark_running(
         self: &Arc<Self>,
@@ -422,18 +420,63 @@ impl Manager {
         self.watch_agent(name);
         Ok(())
     }
+}
 
-    /// Records a failed operation on `name`.
-    pub(super) fn mark_failed(&self, name: &str, e: &ApiError, release: bool) {
-        let le = last_error(e);
-        if let Err(save) = self.update_status(name, "failed", VmStatus::Failed, |r| {
-            r.process = None;
-            r.last_error = Some(le);
-            if release {
-                r.reserved = false;
+impl VmOp {
+    /// Removes an overlay (or a half-made one) without a record: the orphan of an earlier
+    /// crash, which a new VM never inherits.
+    ///
+    /// # Errors
+    /// 4001 when one cannot be removed.
+    pub(super) fn remove_stale_overlays(&self) -> Result<(), ApiError> {
+        for stale in [self.paths().overlay.clone(), partial_overlay(self.paths())] {
+            if stale.exists() {
+                tracing::warn!(vm = self.name(), path = %stale.display(), "removing an orphaned overlay");
+                crate::disk::remove_overlay(&stale).map_err(|e| {
+                    ApiError::new(Code::ProvisioningFailed, format!("cannot remove orphaned overlay: {e}"))
+                })?;
             }
-        }) {
-            tracing::error!(vm = name, error = %save, "cannot record the failure");
         }
+        Ok(())
+    }
+
+    /// The overlay step ([`Manager::ensure_overlay`]): an overlay it made is removed again on
+    /// failure when the failure releases the VM (a create, a start that reserved it again).
+    /// When it fails, the record stops naming the overlay it could not make.
+    ///
+    /// # Errors
+    /// As [`Manager::ensure_overlay`].
+    pub(super) async fn make_overlay(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
+        match self.mgr().ensure_overlay(vm).await {
+            Ok(made) => {
+                if made && self.undo_mut().releases() {
+                    self.push(Step::Overlay);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // The partial overlay is gone; the record must stop naming it.
+                let _ = self.mgr().update(self.name(), "rollback", |r| r.overlay = None);
+                Err(e)
+            }
+        }
+    }
+
+    /// The launch step ([`Manager::launch_qemu`]): each thing it makes (run dir, devices,
+    /// process) is pushed as it is made.
+    ///
+    /// # Errors
+    /// As [`Manager::launch_qemu`].
+    pub(super) async fn launch(&mut self, vm: &ValidSpec, during: VmStatus) -> Result<ProcessIdentity, ApiError> {
+        let mgr = Arc::clone(self.mgr());
+        mgr.launch_qemu(vm, during, self.undo_mut()).await
+    }
+
+    /// Records the VM running on `id` and watches it ([`Manager::mark_running`]).
+    ///
+    /// # Errors
+    /// The record cannot be written.
+    pub(super) fn mark_running(&self, id: ProcessIdentity, reason: &str) -> Result<(), ApiError> {
+        self.mgr().mark_running(self.name(), id, reason)
     }
 }

@@ -27,6 +27,7 @@
 mod agent;
 mod autostart;
 mod backup;
+mod busy;
 mod copies;
 mod data_disks;
 mod exits;
@@ -34,6 +35,7 @@ mod hotplug;
 mod images;
 mod launch;
 mod live_copy;
+mod op;
 mod ops;
 mod processes;
 mod reconcile;
@@ -127,8 +129,27 @@ pub(crate) struct OpGuard {
 }
 
 impl Drop for OpGuard {
+    /// Gives the flag back and has the exits that arrived meanwhile handled at once
+    /// ([`busy`]): the operation is over, so the exit handler decides again on the record the
+    /// operation left (its own kill of QEMU no longer matches it, and is ignored).
     fn drop(&mut self) {
-        self.mgr.lock().busy.remove(&self.name);
+        let queued = self.mgr.lock().busy.release(&self.name);
+        if queued.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Operations run on the runtime; without one, reads and the next operation see
+            // the dead QEMU, as for an unwatched VM.
+            tracing::error!(vm = %self.name, "an exit queued behind an operation is left unhandled: no runtime");
+            return;
+        };
+        let mgr = Arc::clone(&self.mgr);
+        let name = self.name.clone();
+        runtime.spawn(async move {
+            for exit in queued {
+                mgr.on_exit(&name, &exit.id, exit.cause).await;
+            }
+        });
     }
 }
 
@@ -260,7 +281,7 @@ impl Manager {
     fn begin(self: &Arc<Self>, name: &str) -> Result<(OpGuard, VmRecord), ApiError> {
         let mut t = self.lock();
         let rec = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
-        if !t.busy.insert(name.to_string()) {
+        if !t.busy.take(name) {
             return Err(busy(name));
         }
         Ok((OpGuard { mgr: self.clone(), name: name.to_string() }, rec))
@@ -310,8 +331,7 @@ impl Manager {
         let written = self.registry.write(name, reason, |t| {
             let (change, value) = decide(t)?;
             if matches!(change, Change::Put(_)) {
-                t.busy.insert(name.to_string());
-                took.set(true);
+                took.set(t.busy.take(name));
             }
             Ok((change, value))
         });

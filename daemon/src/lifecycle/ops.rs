@@ -4,14 +4,14 @@
 //! assumes the flag is held, so compound operations (restart, apply with replace) run their
 //! steps without letting another operation in between.
 
-use super::launch::partial_overlay;
+use super::op::{step, VmOp};
+use super::root_disk::Import;
 use super::teardown::Devices;
-use super::undo::{Step, Undo};
-use super::{Manager, OpGuard};
+use super::Manager;
 use crate::api::{ApiError, ApplyParams, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
 use crate::plan::Change;
 use crate::process;
-use crate::validate::{validate_spec, BootSource, ValidSpec};
+use crate::validate::{validate_spec, ValidSpec};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
@@ -44,88 +44,12 @@ impl Manager {
                 self.precheck_admission(&vm.spec)?;
                 self.check_passthrough(&vm.spec).await?;
             }
-            let guard = self.reserve_new(&vm.spec)?;
-            if let Err(e) = self.clear_orphan_disks(&vm.spec.name) {
-                self.mark_failed(&vm.spec.name, &e, true);
-                return Err(e);
-            }
-            if let Some(import) = import {
-                if let Err(e) = self.import_root_disk(&vm.spec, import).await {
-                    self.undo_root_disk(&vm.spec.name);
-                    self.mark_failed(&vm.spec.name, &e, true);
-                    return Err(e);
-                }
-            }
-            self.create_held(&guard, &vm).await?;
+            let mut op = self.reserve_op(&vm.spec)?;
+            op.create_steps(&vm, import).await?;
             Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
         }
         .instrument(span)
         .await
-    }
-
-    /// The host steps of a create (and of a replace, after the teardown, which kept the data
-    /// disks); the record (status `creating`, resources reserved) exists. Undoing it removes
-    /// only what it made and returns the data disks it took back.
-    async fn create_held(self: &Arc<Self>, _g: &OpGuard, vm: &ValidSpec) -> Result<(), ApiError> {
-        let name = vm.spec.name.as_str();
-        self.crashpoint("create:recorded");
-        // An overlay without a record is an orphan of an earlier crash: a new VM never inherits it.
-        let paths = self.paths(name);
-        for stale in [paths.overlay.clone(), partial_overlay(&paths)] {
-            if stale.exists() {
-                tracing::warn!(vm = name, path = %stale.display(), "removing an orphaned overlay");
-                if let Err(e) = crate::disk::remove_overlay(&stale) {
-                    let err = ApiError::new(Code::ProvisioningFailed, format!("cannot remove orphaned overlay: {e}"));
-                    self.mark_failed(name, &err, true);
-                    return Err(err);
-                }
-            }
-        }
-        let made_overlay = match self.ensure_overlay(vm).await {
-            Ok(made) => made,
-            Err(e) => {
-                // The partial overlay is gone; the record must stop naming it.
-                let _ = self.update(name, "rollback", |r| r.overlay = None);
-                self.mark_failed(name, &e, true);
-                return Err(e);
-            }
-        };
-        let mut undo = Undo::new(true);
-        if made_overlay || matches!(vm.boot, BootSource::Image { .. }) {
-            undo.push(Step::Overlay);
-        }
-        // Both record what they take as they go: on the stack before they run.
-        undo.push(Step::RootDisk);
-        undo.push(Step::DataDisks);
-        self.crashpoint("create:overlay");
-        if let Err(e) = self.ensure_data_disks(&vm.spec, true).await {
-            return Err(self.unwind(name, undo, e).await);
-        }
-        self.crashpoint("create:disks");
-        if vm.spec.state == DesiredState::Stopped {
-            self.update_status(name, "created stopped", VmStatus::Stopped, |_| {})?;
-            self.end_root_disk_import(name)?;
-            return self.end_disk_tracking(name);
-        }
-        match self.launch_qemu(vm, VmStatus::Creating, &mut undo).await {
-            Ok(id) => {
-                self.mark_running(name, id, "vm.create")?;
-                self.crashpoint("create:running");
-                self.end_root_disk_import(name)?;
-                self.end_disk_tracking(name)
-            }
-            Err(e) => Err(self.unwind(name, undo, e).await),
-        }
-    }
-
-    /// Removes the VM's overlay (and seed) as part of a rollback ([`Step::Overlay`]).
-    pub(super) fn undo_overlay(&self, name: &str) {
-        let _ = crate::blocking::run(|| std::fs::remove_file(self.paths(name).seed));
-        let overlay = self.paths(name).overlay;
-        if let Err(e) = crate::disk::remove_overlay(&overlay) {
-            tracing::error!(vm = name, error = %e, "rollback: cannot remove the overlay");
-        }
-        let _ = self.update(name, "rollback", |r| r.overlay = None);
     }
 
     /// `vm.start`.
@@ -136,8 +60,8 @@ impl Manager {
     pub async fn start(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.start", vm = %name);
         async move {
-            let (guard, _) = self.begin(name)?;
-            let changed = self.start_held(&guard, name, "vm.start").await?;
+            let (mut op, _) = self.begin_op(name)?;
+            let changed = op.start_steps("vm.start").await?;
             // An operator's start begins the restart policy's count afresh.
             self.update(name, "vm.start", |r| r.failures.clear())?;
             Ok(Mutation::new(changed, Some(self.get(name)?)))
@@ -160,76 +84,15 @@ impl Manager {
     ) -> Result<Option<Mutation>, ApiError> {
         let span = tracing::info_span!("vm.start", vm = %name, why);
         async move {
-            let (guard, rec) = self.begin(name)?;
+            let (mut op, rec) = self.begin_op(name)?;
             if rec.spec.state != DesiredState::Running || !statuses.contains(&rec.status) {
                 return Ok(None);
             }
-            let changed = self.start_held(&guard, name, why).await?;
+            let changed = op.start_steps(why).await?;
             Ok(Some(Mutation::new(changed, Some(self.get(name)?))))
         }
         .instrument(span)
         .await
-    }
-
-    /// The steps of a start with the busy flag held; `reason` is the events' reason.
-    pub(super) async fn start_held(self: &Arc<Self>, _g: &OpGuard, name: &str, reason: &str) -> Result<bool, ApiError> {
-        let rec = self.record(name)?;
-        Self::check_not_reverting(&rec)?;
-        let state_changed = rec.spec.state != DesiredState::Running;
-        if let Some(id) = self.find_live(name, rec.process.as_ref())? {
-            if state_changed || rec.status != VmStatus::Running {
-                self.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
-                self.mark_running(name, id, "already running")?;
-                return Ok(true);
-            }
-            return Ok(false);
-        }
-        let mut spec = rec.spec.clone();
-        spec.state = DesiredState::Running;
-        let vm = validate_spec(&spec, &self.config)?;
-        self.check_launch_files(&vm).await?;
-        self.check_passthrough(&vm.spec).await?;
-        let reserved_here = !rec.reserved;
-        if reserved_here {
-            self.reserve_existing(name)?;
-        } else {
-            self.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
-        }
-        let made_overlay = match self.ensure_overlay(&vm).await {
-            Ok(m) => m,
-            Err(e) => {
-                self.mark_failed(name, &e, reserved_here);
-                return Err(e);
-            }
-        };
-        let mut undo = Undo::new(reserved_here);
-        if reserved_here && made_overlay {
-            undo.push(Step::Overlay);
-        }
-        // A boot.disk VM whose failed create gave its disk back imports it again.
-        undo.push(Step::RootDisk);
-        if let Err(e) = self.ensure_root_disk(&vm).await {
-            return Err(self.unwind(name, undo, e).await);
-        }
-        // A disk added while the VM was stopped is made now; one a change dropped goes only
-        // once the new spec runs (a failed restart rolls back to the spec that still has it).
-        if let Err(e) = self.ensure_data_disks(&vm.spec, false).await {
-            return Err(self.unwind(name, undo, e).await);
-        }
-        let pending_from = rec.running_spec.clone();
-        match self.launch_qemu(&vm, VmStatus::Starting, &mut undo).await {
-            Ok(id) => {
-                self.mark_running(name, id, reason)?;
-                self.end_root_disk_import(name)?;
-                if let Some(previous) = pending_from {
-                    if let Err(e) = self.retire_data_disks(&previous, &vm.spec) {
-                        tracing::error!(vm = name, error = %e.message, "a dropped data disk stays in place");
-                    }
-                }
-                Ok(true)
-            }
-            Err(e) => Err(self.unwind(name, undo, e).await),
-        }
     }
 
     /// `vm.stop`: ACPI powerdown over QMP, SIGKILL after `timeout_s` (at once with `force`).
@@ -241,36 +104,12 @@ impl Manager {
         let span = tracing::info_span!("vm.stop", vm = %p.name);
         async move {
             check_stop_timeout(&p)?;
-            let (guard, _) = self.begin(&p.name)?;
-            let changed = self.stop_held(&guard, &p).await?;
+            let (mut op, _) = self.begin_op(&p.name)?;
+            let changed = op.stop_steps(&p).await?;
             Ok(Mutation::new(changed, Some(self.get(&p.name)?)))
         }
         .instrument(span)
         .await
-    }
-
-    async fn stop_held(self: &Arc<Self>, _g: &OpGuard, p: &StopParams) -> Result<bool, ApiError> {
-        let name = p.name.as_str();
-        let rec = self.record(name)?;
-        let state_changed = rec.spec.state != DesiredState::Stopped;
-        let Some(id) = self.find_live(name, rec.process.as_ref())? else {
-            self.release_host_side(name, Devices::Release).await?;
-            let status_changed = matches!(
-                rec.status,
-                VmStatus::Running | VmStatus::Starting | VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed
-            );
-            if state_changed || status_changed {
-                let to = if status_changed { VmStatus::Stopped } else { rec.status };
-                self.update_status(name, "vm.stop", to, |r| {
-                    r.spec.state = DesiredState::Stopped;
-                    r.process = None;
-                })?;
-                return Ok(true);
-            }
-            return Ok(false);
-        };
-        self.shut_down(name, &id, "vm.stop", Some(DesiredState::Stopped), p.timeout_s, p.force).await?;
-        Ok(true)
     }
 
     /// Ends the live QEMU `id` of VM `name`: records it `stopping` (for `reason`, with desired
@@ -343,9 +182,9 @@ impl Manager {
         let span = tracing::info_span!("vm.restart", vm = %p.name);
         async move {
             check_stop_timeout(&p)?;
-            let (guard, _) = self.begin(&p.name)?;
-            self.stop_held(&guard, &p).await?;
-            self.start_held(&guard, &p.name, "vm.restart").await?;
+            let (mut op, _) = self.begin_op(&p.name)?;
+            op.stop_steps(&p).await?;
+            op.start_steps("vm.restart").await?;
             Ok(Mutation::new(true, Some(self.get(&p.name)?)))
         }
         .instrument(span)
@@ -360,40 +199,12 @@ impl Manager {
     pub async fn destroy(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.destroy", vm = %name);
         async move {
-            let (guard, _) = self.begin(name)?;
-            let kept_disks = self.destroy_held(&guard, name).await?;
+            let (mut op, _) = self.begin_op(name)?;
+            let kept_disks = op.destroy_steps().await?;
             Ok(Mutation { changed: true, vm: None, kept_disks })
         }
         .instrument(span)
         .await
-    }
-
-    async fn destroy_held(self: &Arc<Self>, _g: &OpGuard, name: &str) -> Result<Vec<std::path::PathBuf>, ApiError> {
-        // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
-        // the restart policy) starts a VM the operator asked to destroy.
-        self.update_status(name, "vm.destroy", VmStatus::Destroying, |r| {
-            r.spec.state = DesiredState::Stopped;
-        })?;
-        self.crashpoint("destroy:recorded");
-        self.teardown(name).await?;
-        self.crashpoint("destroy:torn-down");
-        let spec = self.record(name)?.spec;
-        // The operator asked to destroy the VM: its imported root disk goes with it
-        // (keep_on_destroy is a data disk's option only).
-        if let Err(e) = self.dispose_root_disk(name) {
-            self.mark_failed(name, &e, false);
-            return Err(e);
-        }
-        let kept = match self.dispose_data_disks(&spec) {
-            Ok(kept) => kept,
-            Err(e) => {
-                self.mark_failed(name, &e, false);
-                return Err(e);
-            }
-        };
-        self.crashpoint("destroy:disks");
-        self.forget(name, "destroyed")?;
-        Ok(kept)
     }
 
     /// Ends the VM's QEMU and removes its run dir, overlay and console log. The record and the
@@ -469,7 +280,7 @@ impl Manager {
         self.check_launch_files(&vm).await?;
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
         async move {
-            let (guard, current) = self.begin(&spec.name)?;
+            let (mut op, current) = self.begin_op(&spec.name)?;
             self.admit_disk_space(Some(&current.spec), &vm.spec)?;
             if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
                 // Capacity and conflicts in place of the old spec first, then the kernel's view
@@ -483,11 +294,7 @@ impl Manager {
             // Admission of the new spec in place of the old and the record swap are one step:
             // a refusal leaves the old VM as it was.
             self.swap_spec(&spec.name, &vm.spec)?;
-            if let Err(e) = self.teardown(&spec.name).await {
-                self.mark_failed(&spec.name, &e, true);
-                return Err(e);
-            }
-            self.create_held(&guard, &vm).await?;
+            op.replace_steps(&vm).await?;
             Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
         }
         .instrument(span)
@@ -507,7 +314,7 @@ impl Manager {
         // agent apply them. The run state is converged after that, in the same call.
         let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;
         if interfaces_changed {
-            let (_guard, _) = self.begin(&spec.name)?;
+            let (_op, _) = self.begin_op(&spec.name)?;
             let wanted = spec.guest_interfaces.clone();
             self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
             if self.find_live(&spec.name, current.process.as_ref())?.is_some() {
@@ -526,6 +333,167 @@ impl Manager {
                 self.stop(StopParams { name: spec.name.clone(), timeout_s, force: false }).await
             }
         }
+    }
+}
+
+impl VmOp {
+    /// `vm.create` after its record is written ([`Manager::reserve_op`]), step by step. The
+    /// first failure before QEMU runs unwinds every step before it and records the VM `failed`
+    /// with its reservation released; `import` is the `boot.disk` file inspected before.
+    ///
+    /// # Errors
+    /// 4001 naming the step that failed (everything undone); a record write error after QEMU
+    /// runs (the VM is left as recorded).
+    async fn create_steps(&mut self, vm: &ValidSpec, import: Option<Import>) -> Result<(), ApiError> {
+        // A new VM never inherits a stranger's files of its name.
+        step!(self, self.clear_orphan_disks());
+        if let Some(import) = import {
+            step!(self, self.import_root_disk(&vm.spec, import).await);
+        }
+        self.build(vm).await
+    }
+
+    /// A replace (`vm.apply` of a new `boot.image` with `replace`), the new spec swapped in:
+    /// the old QEMU and overlay go ([`Manager::teardown`]; the data disks stay), then the
+    /// create's steps build the new VM. A failure releases the reservation.
+    ///
+    /// # Errors
+    /// As [`VmOp::create_steps`].
+    async fn replace_steps(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
+        self.release_on_failure();
+        let mgr = Arc::clone(self.mgr());
+        step!(self, mgr.teardown(self.name()).await);
+        self.build(vm).await
+    }
+
+    /// The host steps a create and a replace share: overlay, data disks, then QEMU (or the
+    /// record `stopped` for a VM created stopped). Undoing them removes only what they made and
+    /// returns the data disks they took back.
+    async fn build(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
+        self.crashpoint("create:recorded");
+        step!(self, self.remove_stale_overlays());
+        step!(self, self.make_overlay(vm).await);
+        self.crashpoint("create:overlay");
+        step!(self, self.make_data_disks(&vm.spec, true).await);
+        self.crashpoint("create:disks");
+        if vm.spec.state == DesiredState::Stopped {
+            self.mgr().update_status(self.name(), "created stopped", VmStatus::Stopped, |_| {})?;
+        } else {
+            let id = step!(self, self.launch(vm, VmStatus::Creating).await);
+            self.mark_running(id, "vm.create")?;
+            self.crashpoint("create:running");
+        }
+        // Done: what the steps made is the VM's now.
+        self.end_root_disk_import()?;
+        self.end_disk_tracking()
+    }
+
+    /// The steps of a start (`reason` is the events' reason): an already live QEMU is adopted;
+    /// else boot files and devices checked, the reservation taken again if a failed create
+    /// released it, overlay, root disk, data disks, QEMU. A failure unwinds what this start
+    /// made and records the VM `failed` (releasing the reservation if this start took it).
+    ///
+    /// # Errors
+    /// As `vm.start`.
+    pub(super) async fn start_steps(&mut self, reason: &str) -> Result<bool, ApiError> {
+        let mgr = Arc::clone(self.mgr());
+        let name = self.name().to_string();
+        let name = name.as_str();
+        let rec = mgr.record(name)?;
+        Manager::check_not_reverting(&rec)?;
+        let state_changed = rec.spec.state != DesiredState::Running;
+        if let Some(id) = mgr.find_live(name, rec.process.as_ref())? {
+            if state_changed || rec.status != VmStatus::Running {
+                mgr.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
+                self.mark_running(id, "already running")?;
+                return Ok(true);
+            }
+            return Ok(false);
+        }
+        let mut spec = rec.spec.clone();
+        spec.state = DesiredState::Running;
+        let vm = validate_spec(&spec, &mgr.config)?;
+        mgr.check_launch_files(&vm).await?;
+        mgr.check_passthrough(&vm.spec).await?;
+        if rec.reserved {
+            mgr.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
+        } else {
+            mgr.reserve_existing(name)?;
+            self.release_on_failure();
+        }
+        step!(self, self.make_overlay(&vm).await);
+        // A boot.disk VM whose failed create gave its disk back imports it again.
+        step!(self, self.ensure_root_disk(&vm).await);
+        // A disk added while the VM was stopped is made now; one a change dropped goes only
+        // once the new spec runs (a failed restart rolls back to the spec that still has it).
+        step!(self, self.make_data_disks(&vm.spec, false).await);
+        let pending_from = rec.running_spec.clone();
+        let id = step!(self, self.launch(&vm, VmStatus::Starting).await);
+        self.mark_running(id, reason)?;
+        self.end_root_disk_import()?;
+        if let Some(previous) = pending_from {
+            if let Err(e) = mgr.retire_data_disks(&previous, &vm.spec) {
+                tracing::error!(vm = name, error = %e.message, "a dropped data disk stays in place");
+            }
+        }
+        Ok(true)
+    }
+
+    /// The steps of a stop: a live QEMU is shut down ([`Manager::shut_down`]); else what the
+    /// VM still holds on the host is given back and the record says `stopped`.
+    ///
+    /// # Errors
+    /// As `vm.stop`.
+    pub(super) async fn stop_steps(&mut self, p: &StopParams) -> Result<bool, ApiError> {
+        let mgr = Arc::clone(self.mgr());
+        let name = p.name.as_str();
+        let rec = mgr.record(name)?;
+        let state_changed = rec.spec.state != DesiredState::Stopped;
+        let Some(id) = mgr.find_live(name, rec.process.as_ref())? else {
+            mgr.release_host_side(name, Devices::Release).await?;
+            let status_changed = matches!(
+                rec.status,
+                VmStatus::Running | VmStatus::Starting | VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed
+            );
+            if state_changed || status_changed {
+                let to = if status_changed { VmStatus::Stopped } else { rec.status };
+                mgr.update_status(name, "vm.stop", to, |r| {
+                    r.spec.state = DesiredState::Stopped;
+                    r.process = None;
+                })?;
+                return Ok(true);
+            }
+            return Ok(false);
+        };
+        mgr.shut_down(name, &id, "vm.stop", Some(DesiredState::Stopped), p.timeout_s, p.force).await?;
+        Ok(true)
+    }
+
+    /// The steps of a destroy: recorded `destroying`, QEMU and run files gone, the root disk
+    /// and data disks disposed of, the record deleted. Returns the data disks kept.
+    ///
+    /// # Errors
+    /// As `vm.destroy` (the record then says `failed` and keeps what still exists).
+    async fn destroy_steps(&mut self) -> Result<Vec<std::path::PathBuf>, ApiError> {
+        let mgr = Arc::clone(self.mgr());
+        let name = self.name().to_string();
+        let name = name.as_str();
+        // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
+        // the restart policy) starts a VM the operator asked to destroy.
+        mgr.update_status(name, "vm.destroy", VmStatus::Destroying, |r| {
+            r.spec.state = DesiredState::Stopped;
+        })?;
+        mgr.crashpoint("destroy:recorded");
+        mgr.teardown(name).await?;
+        mgr.crashpoint("destroy:torn-down");
+        let spec = mgr.record(name)?.spec;
+        // The operator asked to destroy the VM: its imported root disk goes with it
+        // (keep_on_destroy is a data disk's option only).
+        step!(self, mgr.dispose_root_disk(name));
+        let kept = step!(self, mgr.dispose_data_disks(&spec));
+        mgr.crashpoint("destroy:disks");
+        mgr.forget(name, "destroyed")?;
+        Ok(kept)
     }
 }
 

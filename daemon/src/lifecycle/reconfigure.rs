@@ -25,7 +25,8 @@
 //!
 //! The overlay is never removed or recreated here: its inode and every byte survive.
 
-use super::{Manager, OpGuard};
+use super::op::VmOp;
+use super::Manager;
 use crate::api::{ApiError, Code, DesiredState, Mutation, VmSpec};
 use crate::qemu::argv::DISK_DRIVE;
 use crate::validate::ValidSpec;
@@ -60,8 +61,8 @@ impl Manager {
         let span = tracing::info_span!("vm.reconfigure", vm = %name, fields = %fields.join(","));
         async move {
             self.check_launch_files(&vm).await?;
-            let (guard, _) = self.begin(&name)?;
-            self.reconfigure_held(&guard, &vm, restart, allow_restart, timeout_s).await?;
+            let (mut op, _) = self.begin_op(&name)?;
+            self.reconfigure_held(&mut op, &vm, restart, allow_restart, timeout_s).await?;
             Ok(Mutation::new(true, Some(self.get(&name)?)))
         }
         .instrument(span)
@@ -70,7 +71,7 @@ impl Manager {
 
     async fn reconfigure_held(
         self: &Arc<Self>,
-        g: &OpGuard,
+        op: &mut VmOp,
         vm: &ValidSpec,
         restart: bool,
         allow_restart: bool,
@@ -99,7 +100,7 @@ impl Manager {
             self.grow_offline(&vm.spec, grow_to).await?;
             self.retire_dropped_disks(&old, &vm.spec)?;
             if vm.spec.state == DesiredState::Running {
-                self.start_held(g, name, "reconfigure").await?;
+                op.start_steps("reconfigure").await?;
             }
             return Ok(());
         };
@@ -158,11 +159,11 @@ impl Manager {
         // overlay is never shrunk).
         let disk = [running.boot.disk_gib, old.spec.boot.disk_gib].into_iter().flatten().max();
         if let Err(e) = self.grow_offline(&vm.spec, grow_to).await {
-            return Err(self.roll_back(g, &running, disk, e).await);
+            return Err(self.roll_back(op, &running, disk, e).await);
         }
-        match self.start_held(g, name, "reconfigure").await {
+        match op.start_steps("reconfigure").await {
             Ok(_) => Ok(()),
-            Err(e) => Err(self.roll_back(g, &running, disk.max(grow_to), e).await),
+            Err(e) => Err(self.roll_back(op, &running, disk.max(grow_to), e).await),
         }
     }
 
@@ -171,7 +172,7 @@ impl Manager {
     /// with it. Returns the error to report: `cause`, saying whether the old spec runs again.
     async fn roll_back(
         self: &Arc<Self>,
-        g: &OpGuard,
+        op: &mut VmOp,
         previous: &VmSpec,
         disk_gib: Option<u64>,
         cause: ApiError,
@@ -184,7 +185,7 @@ impl Manager {
         tracing::warn!(vm = name, error = %cause, "reconfigure failed; starting the VM with its previous spec");
         let restored = async {
             self.swap_in_place(name, &spec, None)?;
-            self.start_held(g, name, "reconfigure rolled back").await
+            op.start_steps("reconfigure rolled back").await
         }
         .await;
         let (message, rolled_back) = match &restored {

@@ -167,7 +167,7 @@ impl<'m> Recovery<'m> {
     fn settle_without_process(&self, name: &str, paths: &VmPaths, status: VmStatus) -> Result<(), ApiError> {
         let mgr = self.mgr;
         mgr.clean_run_dir(paths);
-        let _ = crate::disk::remove_overlay(&super::launch::partial_overlay(paths));
+        let _ = crate::disk::remove_overlay(&super::teardown::partial_overlay(paths));
         let settle = match status {
             VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
             VmStatus::Stopping => Some((VmStatus::Stopped, "stop completed while vmhostd was not running", false)),

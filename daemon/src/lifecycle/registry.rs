@@ -40,8 +40,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub(super) struct Table {
     /// Every VM's record (a write's new record from the moment it is decided).
     pub vms: BTreeMap<String, VmRecord>,
-    /// VMs an operation holds ([`super::OpGuard`]).
-    pub busy: HashSet<String>,
+    /// VMs an operation holds ([`super::OpGuard`]), with the exits queued behind it.
+    pub busy: super::busy::BusyFlags,
     /// Record files that could not be read at start.
     pub broken: BTreeMap<String, BrokenRecord>,
     /// Images being deleted: no VM is admitted with one as its boot image meanwhile.

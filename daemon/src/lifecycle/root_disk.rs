@@ -22,6 +22,8 @@
 //! offline ([`Manager::grow_root_disk`]), never below the size it had when imported
 //! ([`check_root_disk_size`]).
 
+use super::op::VmOp;
+use super::undo::Step;
 use super::Manager;
 use crate::api::{ApiError, Code, DataDiskSpec, DiskFormat, VmSpec};
 use crate::disk::GIB;
@@ -384,6 +386,37 @@ impl Manager {
     pub(super) fn root_disk_bytes(rec: &VmRecord) -> u64 {
         let declared = rec.spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
         rec.root_disk.as_ref().map_or(0, |r| r.imported_bytes.max(declared))
+    }
+}
+
+impl VmOp {
+    /// The root disk step of a `boot.disk` create ([`Manager::import_root_disk`]): a file moved
+    /// in is given back to the import directory on failure.
+    ///
+    /// # Errors
+    /// As [`Manager::import_root_disk`].
+    pub(super) async fn import_root_disk(&mut self, spec: &VmSpec, import: Import) -> Result<(), ApiError> {
+        // Its undo reads the record, which names the disk before it is moved.
+        self.push(Step::RootDisk);
+        self.mgr().import_root_disk(spec, import).await
+    }
+
+    /// The root disk step of a start ([`Manager::ensure_root_disk`]): a disk a failed create
+    /// gave back is imported again, and given back again if this start fails.
+    ///
+    /// # Errors
+    /// As [`Manager::ensure_root_disk`].
+    pub(super) async fn ensure_root_disk(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
+        self.push(Step::RootDisk);
+        self.mgr().ensure_root_disk(vm).await.map(drop)
+    }
+
+    /// The operation that imported the root disk has succeeded ([`Manager::end_root_disk_import`]).
+    ///
+    /// # Errors
+    /// The record cannot be written.
+    pub(super) fn end_root_disk_import(&self) -> Result<(), ApiError> {
+        self.mgr().end_root_disk_import(self.name())
     }
 }
 

@@ -16,9 +16,14 @@
 //! A teardown that ends the VM's disk too (destroy, replace, recovery finishing a destroy) then
 //! calls [`Manager::remove_run_files`].
 
-use super::launch::partial_overlay;
 use super::Manager;
 use crate::api::{ApiError, Code};
+use crate::qemu::argv::VmPaths;
+
+/// Where an overlay is written before it is renamed into place.
+pub(super) fn partial_overlay(paths: &VmPaths) -> std::path::PathBuf {
+    paths.overlay.with_extension("qcow2.partial")
+}
 
 /// Whether [`Manager::release_host_side`] gives the passthrough devices back too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +35,15 @@ pub(super) enum Devices {
 }
 
 impl Manager {
+    /// Removes the VM's run dir (sockets, pid file). Errors are logged: nothing depends on it.
+    pub(super) fn clean_run_dir(&self, paths: &VmPaths) {
+        match crate::blocking::run(|| std::fs::remove_dir_all(&paths.run_dir)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(dir = %paths.run_dir.display(), error = %e, "cannot remove run dir"),
+        }
+    }
+
     /// Releases VM `name`'s run dir, taps, agent session and (with [`Devices::Release`]) its
     /// passthrough devices, in that order. Call only once no QEMU of the VM runs.
     ///

@@ -57,6 +57,16 @@ impl Undo {
     pub fn push(&mut self, step: Step) {
         self.steps.push(step);
     }
+
+    /// Whether a failure releases the VM's reservation.
+    pub fn releases(&self) -> bool {
+        self.release
+    }
+
+    /// From now on a failure releases the VM's reservation too.
+    pub fn release_on_failure(&mut self) {
+        self.release = true;
+    }
 }
 
 impl Manager {
@@ -95,6 +105,20 @@ impl Manager {
         }
         self.mark_failed(name, &error, undo.release);
         error
+    }
+
+    /// Records a failed operation on `name`.
+    pub(super) fn mark_failed(&self, name: &str, e: &ApiError, release: bool) {
+        let le = super::last_error(e);
+        if let Err(save) = self.update_status(name, "failed", VmStatus::Failed, |r| {
+            r.process = None;
+            r.last_error = Some(le);
+            if release {
+                r.reserved = false;
+            }
+        }) {
+            tracing::error!(vm = name, error = %save, "cannot record the failure");
+        }
     }
 
     /// Records VM `name` `failed` with `e` while its QEMU may still run: the process stays

@@ -1,0 +1,128 @@
+//! One operation on one VM, as a value ([`VmOp`]), the way [`super::recover`]'s `Recovery` is
+//! one for recovery.
+//!
+//! Only two steps make one: [`Manager::begin_op`] takes an existing VM's busy flag, and
+//! [`Manager::reserve_op`] admits a new VM, writes its record and takes its flag in one step.
+//! The operation then carries what each of its steps needs (the manager, the VM's name and
+//! paths, the flag, the undo stack), so the steps are its methods, each in the file of the
+//! resource it touches (overlay and launch in [`super::launch`], root disk in
+//! [`super::root_disk`], data disks in [`super::data_disks`]). Order of use:
+//!
+//! 1. begin or reserve;
+//! 2. the steps, each pushing how to take back what it made ([`VmOp::push`]) as it succeeds
+//!    (or before it runs, for a step that records what it takes as it goes);
+//! 3. on the first failure, [`VmOp::fail`]: the stack is unwound newest first and the VM
+//!    recorded `failed`, in one call ([`step!`] writes it at each step);
+//! 4. the operation is dropped: the flag goes back, and an exit that arrived meanwhile is
+//!    handled at once ([`super::busy`]).
+
+use super::undo::{Step, Undo};
+use super::{Manager, OpGuard};
+use crate::api::{ApiError, VmSpec};
+use crate::qemu::argv::VmPaths;
+use crate::state::VmRecord;
+use std::sync::Arc;
+
+/// Runs one step of operation `$op`: the step's value, or else `$op` fails ([`VmOp::fail`])
+/// and the enclosing function returns the error.
+macro_rules! step {
+    ($op:expr, $step:expr) => {{
+        let result = $step;
+        match result {
+            Ok(value) => value,
+            Err(e) => return Err($op.fail(e).await),
+        }
+    }};
+}
+pub(crate) use step;
+
+/// One operation on one VM, holding its busy flag for as long as it lives.
+pub(super) struct VmOp {
+    mgr: Arc<Manager>,
+    name: String,
+    paths: VmPaths,
+    /// What to take back on failure, oldest first.
+    undo: Undo,
+    /// Dropped last: the flag goes back once everything above is done.
+    _guard: OpGuard,
+}
+
+impl Manager {
+    /// Begins an operation on the existing VM `name`: takes its busy flag. Returns the record as
+    /// it was when the flag was taken. A failure of this operation keeps the VM's reservation
+    /// unless [`VmOp::release_on_failure`] says otherwise.
+    ///
+    /// # Errors
+    /// 4040 when there is no such VM, 4090 when another operation holds it.
+    pub(super) fn begin_op(self: &Arc<Self>, name: &str) -> Result<(VmOp, VmRecord), ApiError> {
+        let (guard, rec) = self.begin(name)?;
+        Ok((self.op(name, guard, false), rec))
+    }
+
+    /// Admits `spec` as a new VM and begins its create: capacity and conflicts checked, the
+    /// record written (status `creating`), the busy flag taken, all in one step
+    /// ([`Manager::reserve_new`]). A failure of this operation releases the reservation.
+    ///
+    /// # Errors
+    /// As [`Manager::reserve_new`]; nothing was recorded.
+    pub(super) fn reserve_op(self: &Arc<Self>, spec: &VmSpec) -> Result<VmOp, ApiError> {
+        let guard = self.reserve_new(spec)?;
+        Ok(self.op(&spec.name, guard, true))
+    }
+
+    fn op(self: &Arc<Self>, name: &str, guard: OpGuard, release: bool) -> VmOp {
+        VmOp {
+            mgr: Arc::clone(self),
+            name: name.to_string(),
+            paths: self.paths(name),
+            undo: Undo::new(release),
+            _guard: guard,
+        }
+    }
+}
+
+impl VmOp {
+    /// The VM's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The VM's paths.
+    pub fn paths(&self) -> &VmPaths {
+        &self.paths
+    }
+
+    /// The manager (host-wide state).
+    pub fn mgr(&self) -> &Arc<Manager> {
+        &self.mgr
+    }
+
+    /// Records that `step` must be taken back if the operation fails.
+    pub fn push(&mut self, step: Step) {
+        self.undo.push(step);
+    }
+
+    /// The undo stack, for a step that pushes onto it as it goes (the launch).
+    pub fn undo_mut(&mut self) -> &mut Undo {
+        &mut self.undo
+    }
+
+    /// From now on a failure releases the VM's reservation too (a replace that swapped the
+    /// spec in, a start that reserved the VM again).
+    pub fn release_on_failure(&mut self) {
+        self.undo.release_on_failure();
+    }
+
+    /// A step boundary the fault tests may crash the daemon at ([`crate::crashpoint`]).
+    pub fn crashpoint(&self, step: &str) {
+        self.mgr.crashpoint(step);
+    }
+
+    /// The operation failed with `error`: takes back what its steps made, newest first, and
+    /// records the VM `failed` ([`Manager::unwind`]). Returns the error to report (the kill's
+    /// when QEMU could not be ended). The stack is empty afterwards.
+    pub async fn fail(&mut self, error: ApiError) -> ApiError {
+        let undo = std::mem::replace(&mut self.undo, Undo::new(false));
+        self.mgr.unwind(&self.name, undo, error).await
+    }
+}
