@@ -10,8 +10,27 @@
 //! 2. [`BusyFlags::queue_exit`] from the exit watcher when [`BusyFlags::contains`] says held;
 //! 3. [`BusyFlags::release`] when the operation ends, returning what was queued meanwhile.
 
-use super::exits::PendingExit;
+use crate::process::ProcessIdentity;
 use std::collections::HashMap;
+
+/// Why QEMU ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExitCause {
+    /// The guest powered itself off (`SHUTDOWN` with `guest: true`).
+    GuestPowerOff,
+    /// Anything else: a crash, a kill, a host-side quit; the text says what is known.
+    Failure(String),
+}
+
+/// An exit that arrived while an operation held the VM, handled when the operation ends
+/// ([`super::busy`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PendingExit {
+    /// The QEMU that ended.
+    pub id: ProcessIdentity,
+    /// Why, as the event monitor said.
+    pub cause: ExitCause,
+}
 
 /// The VMs an operation holds, each with the exits queued behind its operation.
 #[derive(Debug, Default)]

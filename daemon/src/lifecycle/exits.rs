@@ -22,6 +22,8 @@
 //! 10 minutes of uptime reset the count. A restart that fails to start leaves the VM `failed`
 //! (no retry loop).
 
+pub use super::busy::ExitCause;
+pub(super) use super::busy::PendingExit;
 use super::registry::Change;
 use super::teardown::Devices;
 use super::Manager;
@@ -40,15 +42,6 @@ pub const MAX_BACKOFF_S: u64 = 60;
 /// How long `on_exit` waits for the event listener to have read the `SHUTDOWN` event.
 const EVENT_WAIT: Duration = Duration::from_secs(2);
 
-/// Why QEMU ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExitCause {
-    /// The guest powered itself off (`SHUTDOWN` with `guest: true`).
-    GuestPowerOff,
-    /// Anything else: a crash, a kill, a host-side quit; the text says what is known.
-    Failure(String),
-}
-
 /// The VM's [`crate::state::VmRecord::unclean_end`] after its QEMU ended by `cause`: none after
 /// the guest's own power-off, the cause otherwise.
 pub(super) fn unclean_end_after(cause: &ExitCause) -> Option<String> {
@@ -56,16 +49,6 @@ pub(super) fn unclean_end_after(cause: &ExitCause) -> Option<String> {
         ExitCause::GuestPowerOff => None,
         ExitCause::Failure(why) => Some(format!("the VM's QEMU ended without a clean power-off ({why})")),
     }
-}
-
-/// An exit that arrived while an operation held the VM, handled when the operation ends
-/// ([`super::busy`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct PendingExit {
-    /// The QEMU that ended.
-    pub id: ProcessIdentity,
-    /// Why, as the event monitor said.
-    pub cause: ExitCause,
 }
 
 /// What happens to a VM whose QEMU ended without vmhostd asking.
