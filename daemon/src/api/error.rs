@@ -265,12 +265,6 @@ impl ApiError {
     }
 }
 
-impl From<ApiError> for jsonrpsee::types::ErrorObjectOwned {
-    fn from(e: ApiError) -> Self {
-        jsonrpsee::types::ErrorObjectOwned::owned(e.code.as_i32(), e.message.clone(), Some(e.data()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,66 +22,11 @@ pub use error::{ApiError, Code};
 /// Protocol version reported by `host.info`.
 pub const API_VERSION: u32 = 1;
 
-/// Methods that change nothing; a read-only peer may call only these.
-pub const READ_METHODS: &[&str] = &[
-    "host.info",
-    "host.check",
-    "vm.list",
-    "vm.get",
-    "vm.guest_info",
-    "vm.guest_network",
-    "vm.check",
-    "vm.console",
-    "vm.stats",
-    "host.stats",
-    "events.subscribe",
-    "events.unsubscribe",
-    "image.list",
-    "vm.snapshots",
-];
-
-/// Every method of API v1, in documentation order.
-pub const ALL_METHODS: &[&str] = &[
-    "host.info",
-    "host.check",
-    "host.reconcile",
-    "host.shutdown_vms",
-    "host.purge_kept_disks",
-    "vm.list",
-    "vm.get",
-    "vm.create",
-    "vm.apply",
-    "vm.start",
-    "vm.stop",
-    "vm.restart",
-    "vm.destroy",
-    "vm.guest_info",
-    "vm.guest_network",
-    "vm.check",
-    "vm.console",
-    "vm.stats",
-    "host.stats",
-    "events.subscribe",
-    "events.unsubscribe",
-    "image.import",
-    "image.list",
-    "image.delete",
-    "vm.export",
-    "vm.import",
-    "vm.snapshot",
-    "vm.snapshots",
-    "vm.revert",
-    "vm.snapshot_delete",
-];
+// The methods themselves (names, access, params types) are listed once, in
+// `crate::rpc::methods::METHODS`.
 
 /// Name of the JSON-RPC notification carrying an [`Event`].
 pub const EVENT_NOTIFICATION: &str = "events.event";
-
-/// True when `method` only reads. `host.reconcile` with `dry_run: true` is a read, but the
-/// method as a whole is classed mutating: the check happens before params are parsed.
-pub fn is_read_method(method: &str) -> bool {
-    READ_METHODS.contains(&method)
-}
 
 /// The state an operator wants a VM in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -887,29 +832,5 @@ mod tests {
         bad["boot"]["firmware"] = "efi".into();
         let e = serde_json::from_value::<VmSpec>(bad).unwrap_err().to_string();
         assert!(e.contains("bios") && e.contains("uefi"), "{e}");
-    }
-
-    #[test]
-    fn read_methods_are_known_methods() {
-        for m in READ_METHODS {
-            assert!(ALL_METHODS.contains(m));
-        }
-        assert!(!is_read_method("vm.create"));
-        assert!(is_read_method("vm.list"));
-    }
-
-    /// docs/api.md's paragraph "Read methods (`api::READ_METHODS`): ..." names exactly the
-    /// methods of [`READ_METHODS`]: the list operators read their access rules from cannot
-    /// drift from the code again (it once left out `image.list` and `vm.snapshots`).
-    #[test]
-    fn api_md_lists_exactly_the_read_methods() {
-        let doc = include_str!("../../../docs/api.md");
-        let start = doc.find("Read methods (`api::READ_METHODS`):").expect("api.md has the read methods paragraph");
-        let paragraph = &doc[start..];
-        let paragraph = &paragraph[..paragraph.find("Everything else").expect("the paragraph ends")];
-        let named: std::collections::BTreeSet<&str> =
-            paragraph.split('`').skip(1).step_by(2).filter(|word| ALL_METHODS.contains(word)).collect();
-        let code: std::collections::BTreeSet<&str> = READ_METHODS.iter().copied().collect();
-        assert_eq!(named, code, "docs/api.md's read methods differ from api::READ_METHODS");
     }
 }

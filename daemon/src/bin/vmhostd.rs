@@ -147,7 +147,9 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     let config = Arc::new(config);
     tracing::info!(config = %config.file.display(), accel = config.qemu.accel.as_str(), "vmhostd starting");
     let manager = Manager::open(config.clone(), EventBus::default()).await?;
-    let module = methods::build(manager.clone()).map_err(|e| format!("method table: {e}"))?;
+    let consoles = vmhost::console::Consoles::new(manager.clone());
+    let dispatcher =
+        Arc::new(methods::dispatcher(manager.clone(), consoles).map_err(|e| format!("method table: {e}"))?);
     let inherited = activation.listener.take();
     let activated = inherited.is_some();
     let listener = match inherited {
@@ -191,12 +193,8 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     if let Err(e) = activation.notify("READY=1") {
         tracing::warn!(error = %e, "cannot notify the service manager");
     }
-    let options = server::Options {
-        idle_timeout: std::time::Duration::from_secs(config.access.idle_timeout_s),
-        consoles: Some(vmhost::console::Consoles::new(manager.clone())),
-        views: Some(manager.clone()),
-    };
-    let served = server::serve_with(listener, module.into(), policy, options, stop_rx).await;
+    let options = server::Options { idle_timeout: std::time::Duration::from_secs(config.access.idle_timeout_s) };
+    let served = server::serve_with(listener, dispatcher, policy, options, stop_rx).await;
     let _ = activation.notify("STOPPING=1");
     // An inherited socket stays: systemd keeps listening on it and starts vmhostd again on demand.
     if !activated {

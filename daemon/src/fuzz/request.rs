@@ -2,8 +2,9 @@
 //! client sends on the API socket.
 //!
 //! [`request_line`] runs the line through exactly what the server does before dispatch
-//! ([`classify`], [`Request::parse`] per request or batch element) and then parses the params of
-//! every known method into its closed type ([`parse_params`]), as the method table does. It
+//! ([`classify`], which parses every request's envelope) and then parses the params of every
+//! known method into its closed type, with the check of the one method table
+//! ([`crate::rpc::methods::METHODS`]), as the method's handler does. It
 //! panics when a promise breaks: a refused line is -32700, -32600 or 1003 (an over-long batch), an accepted request has a
 //! string/number/null id and array/object params, an invalid one is answered with a valid id or
 //! `null`, and a params refusal is -32602 naming a field. `image.import`'s params also go through
@@ -12,11 +13,10 @@
 //! keeps nothing after a `?` but the redaction mark.
 
 use crate::api::images::ImportParams;
-use crate::api::{ApplyParams, Code, ConsoleParams, CreateParams, NameParams, ReconcileParams, StopParams};
-use crate::rpc::methods::parse_params;
-use crate::rpc::request::{classify, is_valid_id, Line, Request};
-use jsonrpsee::types::Params;
-use serde::de::DeserializeOwned;
+use crate::api::Code;
+use crate::rpc::methods::{self, parse_params};
+use crate::rpc::request::{classify, is_valid_id, Line, Parsed};
+use serde_json::value::RawValue;
 
 /// Runs `data` as one request line.
 ///
@@ -28,53 +28,43 @@ pub fn request_line(data: &[u8]) {
         Line::Error(e) => {
             assert!(matches!(e.code, Code::ParseError | Code::InvalidRequest | Code::LimitExceeded), "{e:?}");
         }
-        Line::Single(text) => one_request(&text),
+        Line::Single(parsed) => one_request(parsed),
         Line::Batch(elements) => {
             assert!(!elements.is_empty(), "an empty batch is refused, not dispatched");
             assert!(elements.len() <= crate::rpc::limits::MAX_BATCH, "an over-long batch is refused, not dispatched");
             for element in elements {
-                one_request(element.get());
+                one_request(element);
             }
         }
     }
 }
 
-fn one_request(text: &str) {
-    match Request::parse(text) {
+fn one_request(parsed: Parsed) {
+    match parsed {
         Ok(request) => {
-            if let Some(id) = request.id {
+            if let Some(id) = &request.id {
                 assert!(is_valid_id(id), "accepted id {}", id.get());
             }
-            if let Some(params) = request.params {
+            if let Some(params) = &request.params {
                 assert!(params.get().starts_with(['[', '{']), "accepted params {}", params.get());
             }
-            typed_params(&request.method, &Params::new(request.params.map(|p| p.get())));
+            typed_params(&request.method, request.params.as_deref());
         }
-        Err(invalid) => assert!(is_valid_id(invalid.id), "answered with id {}", invalid.id.get()),
+        Err(invalid) => assert!(is_valid_id(&invalid.id), "answered with id {}", invalid.id.get()),
     }
 }
 
 /// The params of each method, parsed into the type its handler uses.
-fn typed_params(method: &str, params: &Params<'_>) {
-    match method {
-        "host.info" | "host.stats" => check::<serde_json::Map<String, serde_json::Value>>(params),
-        "vm.stats" => check::<crate::api::stats::StatsParams>(params),
-        "host.reconcile" => check::<ReconcileParams>(params),
-        "vm.create" => check::<CreateParams>(params),
-        "vm.apply" => check::<ApplyParams>(params),
-        "vm.stop" | "vm.restart" => check::<StopParams>(params),
-        // Parsed by the transport before it switches the connection (rpc::server).
-        "vm.console" => check::<ConsoleParams>(params),
-        "vm.get" | "vm.start" | "vm.destroy" | "vm.guest_info" | "vm.guest_network" | "vm.check" => {
-            check::<NameParams>(params)
+fn typed_params(method: &str, params: Option<&RawValue>) {
+    let Some(m) = methods::find(method) else { return };
+    if let Err(e) = (m.check)(params) {
+        assert_eq!(e.code, Code::InvalidParams, "{e:?}");
+        assert!(e.field.as_deref().is_some_and(|f| !f.is_empty()), "a params refusal names its field: {e:?}");
+    }
+    if method == "image.import" {
+        if let Ok(p) = parse_params::<ImportParams>(params) {
+            image_import(&p);
         }
-        "image.import" => {
-            check::<ImportParams>(params);
-            if let Ok(p) = parse_params::<ImportParams>(params) {
-                image_import(&p);
-            }
-        }
-        _ => {}
     }
 }
 
@@ -98,13 +88,6 @@ fn image_import(p: &ImportParams) {
                 assert!(after.is_none_or(|q| q == crate::images::url::REDACTED), "{shown}");
             }
         }
-    }
-}
-
-fn check<T: DeserializeOwned>(params: &Params<'_>) {
-    if let Err(e) = parse_params::<T>(params) {
-        assert_eq!(e.code, Code::InvalidParams, "{e:?}");
-        assert!(e.field.as_deref().is_some_and(|f| !f.is_empty()), "a params refusal names its field: {e:?}");
     }
 }
 

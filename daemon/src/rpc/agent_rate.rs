@@ -6,18 +6,15 @@
 //! admins (root and the admin group) have their own bucket per VM ([`ADMIN`]), so read-only
 //! traffic never spends theirs. A refused call gets 1004 before anything is dispatched.
 //!
-//! Used by the server per request: [`AgentRate::check`] (the method and its `name` param), which
-//! runs the pure [`Bucket::take`] under a lock.
+//! Used per call of a method whose rate class is `Agent` in the method table
+//! ([`super::methods::METHODS`]), once its params are parsed: [`AgentRate::check`] (its `name`
+//! param and the peer's role), which runs the pure [`Bucket::take`] under a lock.
 
 use crate::api::{ApiError, Code};
 use crate::rpc::auth::Role;
-use serde_json::value::RawValue;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// The methods that call a VM's guest agent.
-pub const AGENT_METHODS: [&str; 3] = ["vm.check", "vm.guest_info", "vm.guest_network"];
 
 /// A rate: `burst` calls at once, then one call per `every`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,30 +84,12 @@ pub struct AgentRate {
     buckets: Mutex<HashMap<(String, bool), Bucket>>,
 }
 
-/// The `name` param of an agent method, as an object member or the first array element.
-fn name_param(params: Option<&RawValue>) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Named {
-        name: String,
-    }
-    let text = params?.get();
-    if let Ok(Named { name }) = serde_json::from_str::<Named>(text) {
-        return Some(name);
-    }
-    serde_json::from_str::<(String,)>(text).ok().map(|(name,)| name)
-}
-
 impl AgentRate {
-    /// Counts a call of `method` by a peer of `role`; only agent methods with a `name` param are
-    /// counted (others fail their params check anyway).
+    /// Counts a guest-agent call for VM `name` by a peer of `role`.
     ///
     /// # Errors
     /// 1004 with `field: "name"` and `details.retry_after_ms`.
-    pub fn check(&self, method: &str, params: Option<&RawValue>, role: Role) -> Result<(), ApiError> {
-        if !AGENT_METHODS.contains(&method) {
-            return Ok(());
-        }
-        let Some(name) = name_param(params) else { return Ok(()) };
+    pub fn check(&self, name: &str, role: Role) -> Result<(), ApiError> {
         let readonly = role == Role::ReadOnly;
         let rate = if readonly { READONLY } else { ADMIN };
         let now = Instant::now();
@@ -118,7 +97,7 @@ impl AgentRate {
         if buckets.len() >= MAX_BUCKETS {
             buckets.retain(|(_, ro), b| !b.is_full(if *ro { READONLY } else { ADMIN }, now));
         }
-        let mut key = (name, readonly);
+        let mut key = (name.to_string(), readonly);
         if key.0.len() > MAX_NAME || (buckets.len() >= MAX_BUCKETS && !buckets.contains_key(&key)) {
             key.0 = String::new();
         }
@@ -145,10 +124,6 @@ impl AgentRate {
 mod tests {
     use super::*;
 
-    fn raw(text: &str) -> Box<RawValue> {
-        RawValue::from_string(text.to_string()).unwrap()
-    }
-
     #[test]
     fn a_bucket_allows_its_burst_then_its_rate() {
         let start = Instant::now();
@@ -169,28 +144,23 @@ mod tests {
     #[test]
     fn readonly_peers_do_not_spend_the_admins_calls() {
         let rate = AgentRate::default();
-        let p = raw(r#"{"name":"sensor1"}"#);
         for _ in 0..READONLY.burst {
-            rate.check("vm.check", Some(&p), Role::ReadOnly).unwrap();
+            rate.check("sensor1", Role::ReadOnly).unwrap();
         }
-        let err = rate.check("vm.check", Some(&p), Role::ReadOnly).unwrap_err();
+        let err = rate.check("sensor1", Role::ReadOnly).unwrap_err();
         assert_eq!((err.code, err.field.as_deref()), (Code::RateLimited, Some("name")));
         assert!(err.details["retry_after_ms"].as_u64().unwrap() >= 1);
         // The same VM's admin bucket is full, another VM's read-only bucket too.
-        rate.check("vm.guest_info", Some(&p), Role::Admin).unwrap();
-        rate.check("vm.check", Some(&raw(r#"["other"]"#)), Role::ReadOnly).unwrap();
-        // The three agent methods share the bucket; other methods are not counted.
-        assert!(rate.check("vm.guest_network", Some(&p), Role::ReadOnly).is_err());
-        rate.check("vm.get", Some(&p), Role::ReadOnly).unwrap();
-        rate.check("vm.check", None, Role::ReadOnly).unwrap();
+        rate.check("sensor1", Role::Admin).unwrap();
+        rate.check("other", Role::ReadOnly).unwrap();
+        assert!(rate.check("sensor1", Role::ReadOnly).is_err());
     }
 
     #[test]
     fn made_up_names_cannot_grow_the_map() {
         let rate = AgentRate::default();
         for i in 0..MAX_BUCKETS * 3 {
-            let p = raw(&format!(r#"{{"name":"junk{i}"}}"#));
-            let _ = rate.check("vm.check", Some(&p), Role::ReadOnly);
+            let _ = rate.check(&format!("junk{i}"), Role::ReadOnly);
         }
         assert!(rate.buckets.lock().unwrap().len() <= MAX_BUCKETS + 1);
     }

@@ -21,7 +21,7 @@ use tracing::warn;
 pub struct AccessPolicy {
     /// Members may call every method (root always may).
     pub admin_gid: Option<u32>,
-    /// Members may call only the methods for which [`crate::api::is_read_method`] is true.
+    /// Members may call only the methods for which access is `Read` in [`crate::rpc::methods::METHODS`].
     pub readonly_gid: Option<u32>,
 }
 
@@ -59,7 +59,7 @@ fn resolve_group(name: &str, role: &str) -> Option<u32> {
 pub enum Role {
     /// Every method.
     Admin,
-    /// Only read methods ([`crate::api::is_read_method`]); mutating calls get error 1002.
+    /// Only read methods (access `Read` in [`crate::rpc::methods::METHODS`]); mutating calls get error 1002.
     ReadOnly,
 }
 

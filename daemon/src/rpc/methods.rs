@@ -1,28 +1,281 @@
-//! The method table of API v1: parses params into the closed wire types and calls the manager.
+//! The method table of API v1: the one place a method is described, and what runs it.
 //!
-//! [`build`] registers every method of [`crate::api::ALL_METHODS`] on a jsonrpsee `RpcModule`;
-//! the transport ([`super::server`]) dispatches lines to it. Params are parsed here with the
-//! path of the offending field, so a bad request gets -32602 naming exactly what is wrong.
+//! [`METHODS`] holds, per method and in documentation order: its name, who may call it
+//! ([`Access`]), whether it counts against the guest-agent rate ([`RateClass`]), the closed type
+//! its params are parsed into, and its handler. Everything else is derived from it: the
+//! dispatcher the server runs ([`dispatcher`]), the read-only peers' list ([`read_methods`],
+//! docs/api.md is tested against it), the agent rate's methods and the fuzz target's params
+//! checks ([`Method::check`]).
+//!
+//! Order of use: [`dispatcher`] at start-up; per request the server finds the method, checks
+//! its access, and the handler parses the params once ([`parse_params`], a -32602 names the
+//! field at fault), counts an agent call ([`crate::rpc::agent_rate`]), then runs.
 
+use crate::api::backup::{ExportParams, ImportVmParams};
+use crate::api::disks::PurgeKeptDisksParams;
+use crate::api::images::{ImageNameParams, ImportParams};
+use crate::api::snapshots::{SnapshotParams, TakeSnapshotParams};
+use crate::api::stats::StatsParams;
 use crate::api::{
-    ApiError, ApplyParams, Code, CreateParams, NameParams, ReconcileParams, ShutdownVmsParams, StopParams,
-    EVENT_NOTIFICATION,
+    ApiError, ApplyParams, Code, ConsoleParams, CreateParams, HostCheck, NameParams, ReconcileParams,
+    ShutdownVmsParams, StopParams, EVENT_NOTIFICATION,
 };
+use crate::console::Consoles;
 use crate::lifecycle::Manager;
+use crate::rpc::agent_rate::AgentRate;
+use crate::rpc::auth::Role;
+use crate::rpc::dispatch::{Access, Body, Dispatcher, Handler, Running, Sink};
 use crate::rpc::single_flight::SingleFlight;
-use jsonrpsee::types::{ErrorObjectOwned, Params};
-use jsonrpsee::{RpcModule, SubscriptionMessage};
 use serde::de::DeserializeOwned;
+use serde_json::value::RawValue;
 use std::sync::Arc;
 
-type RpcResult<T> = Result<T, ErrorObjectOwned>;
+/// Params that are not looked at: any object or array.
+type Anything = serde::de::IgnoredAny;
+
+/// Params that must be an object (members are not looked at).
+type Object = serde_json::Map<String, serde_json::Value>;
+
+/// Whether calls count against a VM's guest-agent rate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateClass {
+    /// Not counted.
+    Free,
+    /// Calls the VM's guest agent: counted per VM (its `name` param) and role.
+    Agent,
+}
+
+/// One method of API v1.
+pub struct Method {
+    /// Its name.
+    pub name: &'static str,
+    /// Who may call it.
+    pub access: Access,
+    /// Whether it counts against the guest-agent rate.
+    pub rate: RateClass,
+    /// The type its params are parsed into, as written here.
+    pub params: &'static str,
+    /// Parses params into that type and drops them (the fuzz target's check).
+    pub check: fn(Option<&RawValue>) -> Result<(), ApiError>,
+    /// What runs it.
+    pub kind: Kind,
+}
+
+/// Parses a call's params, counts an agent call, and starts it.
+pub type CallFn = fn(&Arc<Context>, Option<&RawValue>, Role) -> Result<Running, ApiError>;
+
+/// How a method runs.
+#[derive(Clone, Copy)]
+pub enum Kind {
+    /// Parses its params, counts an agent call, and starts.
+    Call(CallFn),
+    /// `events.subscribe`: VM status changes as notifications.
+    Subscribe,
+    /// `events.unsubscribe`.
+    Unsubscribe,
+    /// `vm.console`: the transport switches the connection.
+    Console,
+}
+
+/// What the handlers share.
+pub struct Context {
+    manager: Arc<Manager>,
+    /// One host check at a time: it starts processes, and concurrent callers share its report.
+    host_check: Arc<SingleFlight<HostCheck>>,
+    /// Guest-agent calls per VM and role.
+    agent_calls: AgentRate,
+}
+
+/// Serializes a method's result as its answer.
+fn json<T: serde::Serialize>(result: T) -> Result<Body, ApiError> {
+    Body::json(&result)
+}
+
+/// One [`Method`] of kind [`Kind::Call`]: `call!(name, access, rate, ParamsType, |ctx, p| body)`,
+/// where `body` is an expression (it may `.await`) giving `Result<Body, ApiError>`.
+macro_rules! call {
+    (@rate Free, $ctx:ident, $p:ident, $role:ident) => {};
+    (@rate Agent, $ctx:ident, $p:ident, $role:ident) => {
+        $ctx.agent_calls.check(&$p.name, $role)?
+    };
+    ($name:literal, $access:ident, $rate:ident, $params:ty, |$ctx:ident, $p:pat_param| $run:expr) => {
+        Method {
+            name: $name,
+            access: Access::$access,
+            rate: RateClass::$rate,
+            params: stringify!($params),
+            check: |raw| parse_params::<$params>(raw).map(drop),
+            kind: Kind::Call(|ctx, raw, role| {
+                let params = parse_params::<$params>(raw)?;
+                call!(@rate $rate, ctx, params, role);
+                let _ = role;
+                let $ctx = Arc::clone(ctx);
+                let $p = params;
+                Ok(Box::pin(async move { $run }))
+            }),
+        }
+    };
+}
+
+/// Every method of API v1, in documentation order.
+pub static METHODS: [Method; 30] = [
+    // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
+    call!("host.info", Read, Free, Object, |ctx, _p| json(crate::blocking::run(|| ctx.manager.host_info()))),
+    call!("host.check", Read, Free, Anything, |ctx, _p| {
+        let mgr = Arc::clone(&ctx.manager);
+        let report = ctx
+            .host_check
+            .run(|| async move {
+                tracing::debug!("host check running");
+                let networks = mgr.host_net().probe_networks(mgr.config()).await;
+                let images = mgr.image_check();
+                let uefi_vms = mgr.uefi_vms();
+                crate::preflight::check(
+                    mgr.config(),
+                    &mgr.broken_records(),
+                    &networks,
+                    mgr.binary_integrity(),
+                    images,
+                    &uefi_vms,
+                )
+                .await
+            })
+            .await;
+        report.ok_or_else(|| ApiError::internal("the host check failed unexpectedly")).and_then(json)
+    }),
+    call!("host.reconcile", Write, Free, ReconcileParams, |ctx, p| ctx.manager.reconcile(p).await.and_then(json)),
+    call!("host.shutdown_vms", Write, Free, ShutdownVmsParams, |ctx, p| {
+        ctx.manager.shutdown_vms(p.timeout_s).await.and_then(json)
+    }),
+    call!("host.purge_kept_disks", Write, Free, PurgeKeptDisksParams, |ctx, p| {
+        ctx.manager.purge_kept_disks(&p.vm).and_then(json)
+    }),
+    // The manager's ready-made views, answered as they are (not serialized again).
+    call!("vm.list", Read, Free, Anything, |ctx, _p| Ok(Body::from(ctx.manager.list_json()))),
+    call!("vm.get", Read, Free, NameParams, |ctx, p| ctx.manager.get_json(&p.name).map(Body::from)),
+    call!("vm.create", Write, Free, CreateParams, |ctx, p| ctx.manager.create(p.spec).await.and_then(json)),
+    call!("vm.apply", Write, Free, ApplyParams, |ctx, p| ctx.manager.apply(p).await.and_then(json)),
+    call!("vm.start", Write, Free, NameParams, |ctx, p| ctx.manager.start(&p.name).await.and_then(json)),
+    call!("vm.stop", Write, Free, StopParams, |ctx, p| ctx.manager.stop(p).await.and_then(json)),
+    call!("vm.restart", Write, Free, StopParams, |ctx, p| ctx.manager.restart(p).await.and_then(json)),
+    call!("vm.destroy", Write, Free, NameParams, |ctx, p| ctx.manager.destroy(&p.name).await.and_then(json)),
+    call!("vm.guest_info", Read, Agent, NameParams, |ctx, p| ctx.manager.guest_info(&p.name).await.and_then(json)),
+    call!("vm.guest_network", Read, Agent, NameParams, |ctx, p| {
+        ctx.manager.guest_network(&p.name).await.and_then(json)
+    }),
+    call!("vm.check", Read, Agent, NameParams, |ctx, p| ctx.manager.check_guest(&p.name).await.and_then(json)),
+    Method {
+        name: "vm.console",
+        access: Access::Read,
+        rate: RateClass::Free,
+        params: "ConsoleParams",
+        check: |raw| parse_params::<ConsoleParams>(raw).map(drop),
+        kind: Kind::Console,
+    },
+    call!("vm.stats", Read, Free, StatsParams, |ctx, p| ctx.manager.vm_stats(p).await.and_then(json)),
+    call!("host.stats", Read, Free, Object, |ctx, _p| json(ctx.manager.host_stats().await)),
+    Method {
+        name: "events.subscribe",
+        access: Access::Read,
+        rate: RateClass::Free,
+        params: "Anything",
+        check: |raw| parse_params::<Anything>(raw).map(drop),
+        kind: Kind::Subscribe,
+    },
+    Method {
+        name: "events.unsubscribe",
+        access: Access::Read,
+        rate: RateClass::Free,
+        params: "[subscription_id]",
+        // Any params: other shapes end nothing and answer false.
+        check: |_| Ok(()),
+        kind: Kind::Unsubscribe,
+    },
+    call!("image.import", Write, Free, ImportParams, |ctx, p| ctx.manager.image_import(p).await.and_then(json)),
+    call!("image.list", Read, Free, Object, |ctx, _p| ctx.manager.image_list().await.and_then(json)),
+    call!("image.delete", Write, Free, ImageNameParams, |ctx, p| {
+        ctx.manager.image_delete(&p.name).await.and_then(json)
+    }),
+    call!("vm.export", Write, Free, ExportParams, |ctx, p| ctx.manager.export_vm(p).await.and_then(json)),
+    call!("vm.import", Write, Free, ImportVmParams, |ctx, p| ctx.manager.import_vm(p).await.and_then(json)),
+    call!("vm.snapshot", Write, Free, TakeSnapshotParams, |ctx, p| ctx.manager.snapshot(p).await.and_then(json)),
+    call!("vm.snapshots", Read, Free, NameParams, |ctx, p| {
+        crate::blocking::run(|| ctx.manager.snapshots(&p.name)).and_then(json)
+    }),
+    call!("vm.revert", Write, Free, SnapshotParams, |ctx, p| ctx.manager.revert(p).await.and_then(json)),
+    call!("vm.snapshot_delete", Write, Free, SnapshotParams, |ctx, p| {
+        ctx.manager.snapshot_delete(p).await.and_then(json)
+    }),
+];
+
+/// The method called `name`.
+pub fn find(name: &str) -> Option<&'static Method> {
+    METHODS.iter().find(|m| m.name == name)
+}
+
+/// The methods a read-only peer may call, in documentation order.
+pub fn read_methods() -> impl Iterator<Item = &'static str> {
+    METHODS.iter().filter(|m| m.access == Access::Read).map(|m| m.name)
+}
+
+/// Builds the daemon's dispatcher over `manager` from [`METHODS`].
+///
+/// # Errors
+/// Only if a method name were in the table twice (a programming error caught by the tests).
+pub fn dispatcher(manager: Arc<Manager>, consoles: Arc<Consoles>) -> Result<Dispatcher, String> {
+    let ctx =
+        Arc::new(Context { manager, host_check: Arc::new(SingleFlight::default()), agent_calls: AgentRate::default() });
+    let mut dispatcher = Dispatcher::new();
+    for method in &METHODS {
+        let handler = match method.kind {
+            Kind::Call(call) => {
+                let ctx = Arc::clone(&ctx);
+                Handler::Call(Arc::new(move |raw, role| call(&ctx, raw, role)))
+            }
+            Kind::Subscribe => {
+                let manager = Arc::clone(&ctx.manager);
+                Handler::Subscribe {
+                    notification: EVENT_NOTIFICATION,
+                    open: Arc::new(move |sink| {
+                        // Subscribed before the answer is sent: no change after it is missed.
+                        let events = manager.events().subscribe();
+                        Box::pin(send_events(events, sink))
+                    }),
+                }
+            }
+            Kind::Unsubscribe => Handler::Unsubscribe,
+            Kind::Console => Handler::Console(Arc::clone(&consoles)),
+        };
+        dispatcher.add(method.name, method.access, handler)?;
+    }
+    Ok(dispatcher)
+}
+
+/// Sends VM status changes to a subscriber until it unsubscribes or its connection ends.
+async fn send_events(mut events: tokio::sync::broadcast::Receiver<crate::api::Event>, sink: Sink) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        tokio::select! {
+            () = sink.closed() => break,
+            event = events.recv() => match event {
+                Ok(event) => {
+                    if sink.send(&event).await.is_err() {
+                        break;
+                    }
+                }
+                Err(RecvError::Lagged(n)) => tracing::warn!(missed = n, "event subscriber fell behind; events dropped"),
+                Err(RecvError::Closed) => break,
+            },
+        }
+    }
+}
 
 /// Parses method params (an object; absent means `{}`) into `T`, naming the field at fault.
 ///
 /// # Errors
 /// -32602 with `data.field` set to the dotted path (`spec.boot.kernel`, or `params`).
-pub fn parse_params<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, ApiError> {
-    let raw = params.as_str().unwrap_or("{}");
+pub fn parse_params<T: DeserializeOwned>(params: Option<&RawValue>) -> Result<T, ApiError> {
+    let raw = params.map_or("{}", RawValue::get);
     let de = &mut serde_json::Deserializer::from_str(raw);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let mut path = field_path(e.path());
@@ -65,260 +318,94 @@ fn field_path(path: &serde_path_to_error::Path) -> String {
     out
 }
 
-fn call<T>(r: Result<T, ApiError>) -> RpcResult<T> {
-    r.map_err(Into::into)
-}
-
-/// Builds the method table over `manager`.
-///
-/// # Errors
-/// Only if a method name were registered twice (a programming error caught by the tests).
-pub fn build(manager: Arc<Manager>) -> Result<RpcModule<Arc<Manager>>, jsonrpsee::core::RegisterMethodError> {
-    let mut m = RpcModule::new(manager);
-    // One host check at a time: it starts processes, and concurrent callers share its report.
-    let host_check = Arc::new(SingleFlight::default());
-    m.register_method("host.info", |params, mgr, _| {
-        // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
-        call(
-            parse_params::<serde_json::Map<String, serde_json::Value>>(&params)
-                .map(|_| crate::blocking::run(|| mgr.host_info())),
-        )
-    })?;
-    m.register_async_method("host.check", move |_params, mgr, _| {
-        let host_check = Arc::clone(&host_check);
-        async move {
-            let report = host_check
-                .run(|| async move {
-                    tracing::debug!("host check running");
-                    let networks = mgr.host_net().probe_networks(mgr.config()).await;
-                    let images = mgr.image_check();
-                    let uefi_vms = mgr.uefi_vms();
-                    crate::preflight::check(
-                        mgr.config(),
-                        &mgr.broken_records(),
-                        &networks,
-                        mgr.binary_integrity(),
-                        images,
-                        &uefi_vms,
-                    )
-                    .await
-                })
-                .await;
-            call(report.ok_or_else(|| ApiError::internal("the host check failed unexpectedly")))
-        }
-    })?;
-    m.register_async_method("host.reconcile", |params, mgr, _| async move {
-        let p: ReconcileParams = match parse_params(&params) {
-            Ok(p) => p,
-            Err(e) => return call(Err(e)),
-        };
-        call(mgr.reconcile(p).await)
-    })?;
-    m.register_async_method("host.shutdown_vms", |params, mgr, _| async move {
-        match parse_params::<ShutdownVmsParams>(&params) {
-            Ok(p) => call(mgr.shutdown_vms(p.timeout_s).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_method("host.purge_kept_disks", |params, mgr, _| {
-        call(parse_params::<crate::api::disks::PurgeKeptDisksParams>(&params).and_then(|p| mgr.purge_kept_disks(&p.vm)))
-    })?;
-    m.register_method("vm.list", |_params, mgr, _| call(Ok::<_, ApiError>(mgr.list_json())))?;
-    m.register_method("vm.get", |params, mgr, _| {
-        call(parse_params::<NameParams>(&params).and_then(|p| mgr.get_json(&p.name)))
-    })?;
-    m.register_async_method("vm.create", |params, mgr, _| async move {
-        match parse_params::<CreateParams>(&params) {
-            Ok(p) => call(mgr.create(p.spec).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.apply", |params, mgr, _| async move {
-        match parse_params::<ApplyParams>(&params) {
-            Ok(p) => call(mgr.apply(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.start", |params, mgr, _| async move {
-        match parse_params::<NameParams>(&params) {
-            Ok(p) => call(mgr.start(&p.name).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.stop", |params, mgr, _| async move {
-        match parse_params::<StopParams>(&params) {
-            Ok(p) => call(mgr.stop(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.restart", |params, mgr, _| async move {
-        match parse_params::<StopParams>(&params) {
-            Ok(p) => call(mgr.restart(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.destroy", |params, mgr, _| async move {
-        match parse_params::<NameParams>(&params) {
-            Ok(p) => call(mgr.destroy(&p.name).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.guest_info", |params, mgr, _| async move {
-        match parse_params::<NameParams>(&params) {
-            Ok(p) => call(mgr.guest_info(&p.name).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.guest_network", |params, mgr, _| async move {
-        match parse_params::<NameParams>(&params) {
-            Ok(p) => call(mgr.guest_network(&p.name).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.check", |params, mgr, _| async move {
-        match parse_params::<NameParams>(&params) {
-            Ok(p) => call(mgr.check_guest(&p.name).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    // The transport serves vm.console itself (it switches the connection to a byte stream,
-    // docs/console.md); what reaches this table is a vm.console it cannot switch for.
-    m.register_method("vm.console", |_params, _mgr, _| {
-        call(Err::<(), _>(ApiError::new(
-            Code::InvalidRequest,
-            "vm.console must be a request of its own line, with an id (not in a batch, not a notification)",
-        )))
-    })?;
-    m.register_async_method("vm.stats", |params, mgr, _| async move {
-        match parse_params::<crate::api::stats::StatsParams>(&params) {
-            Ok(p) => call(mgr.vm_stats(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("host.stats", |params, mgr, _| async move {
-        match parse_params::<serde_json::Map<String, serde_json::Value>>(&params) {
-            Ok(_) => call(Ok::<_, ApiError>(mgr.host_stats().await)),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("image.import", |params, mgr, _| async move {
-        match parse_params::<crate::api::images::ImportParams>(&params) {
-            Ok(p) => call(mgr.image_import(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("image.list", |params, mgr, _| async move {
-        match parse_params::<serde_json::Map<String, serde_json::Value>>(&params) {
-            Ok(_) => call(mgr.image_list().await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("image.delete", |params, mgr, _| async move {
-        match parse_params::<crate::api::images::ImageNameParams>(&params) {
-            Ok(p) => call(mgr.image_delete(&p.name).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.export", |params, mgr, _| async move {
-        match parse_params::<crate::api::backup::ExportParams>(&params) {
-            Ok(p) => call(mgr.export_vm(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.import", |params, mgr, _| async move {
-        match parse_params::<crate::api::backup::ImportVmParams>(&params) {
-            Ok(p) => call(mgr.import_vm(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.snapshot", |params, mgr, _| async move {
-        match parse_params::<crate::api::snapshots::TakeSnapshotParams>(&params) {
-            Ok(p) => call(mgr.snapshot(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_method("vm.snapshots", |params, mgr, _| {
-        call(parse_params::<NameParams>(&params).and_then(|p| crate::blocking::run(|| mgr.snapshots(&p.name))))
-    })?;
-    m.register_async_method("vm.revert", |params, mgr, _| async move {
-        match parse_params::<crate::api::snapshots::SnapshotParams>(&params) {
-            Ok(p) => call(mgr.revert(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_async_method("vm.snapshot_delete", |params, mgr, _| async move {
-        match parse_params::<crate::api::snapshots::SnapshotParams>(&params) {
-            Ok(p) => call(mgr.snapshot_delete(p).await),
-            Err(e) => call(Err(e)),
-        }
-    })?;
-    m.register_subscription(
-        "events.subscribe",
-        EVENT_NOTIFICATION,
-        "events.unsubscribe",
-        |_params, pending, mgr, _| async move {
-            let mut rx = mgr.events().subscribe();
-            let sink = pending.accept().await?;
-            loop {
-                tokio::select! {
-                    _ = sink.closed() => break,
-                    ev = rx.recv() => match ev {
-                        Ok(ev) => {
-                            let msg = SubscriptionMessage::from(serde_json::value::to_raw_value(&ev)?);
-                            if sink.send(msg).await.is_err() {
-                                break;
-                            }
-                        }
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                            tracing::warn!(missed = n, "event subscriber fell behind; events dropped");
-                        }
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
-                    },
-                }
-            }
-            Ok(())
-        },
-    )?;
-    Ok(m)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn p(s: &'static str) -> Params<'static> {
-        Params::new(Some(s))
+    fn p(s: &'static str) -> Option<&'static RawValue> {
+        Some(Box::leak(RawValue::from_string(s.to_string()).unwrap()))
+    }
+
+    #[test]
+    fn the_table_names_each_method_once_and_derives_the_lists() {
+        let names: std::collections::BTreeSet<&str> = METHODS.iter().map(|m| m.name).collect();
+        assert_eq!(names.len(), METHODS.len(), "a method is in the table twice");
+        let agent: Vec<&str> = METHODS.iter().filter(|m| m.rate == RateClass::Agent).map(|m| m.name).collect();
+        assert_eq!(agent, ["vm.guest_info", "vm.guest_network", "vm.check"]);
+        assert!(agent.iter().all(|m| find(m).is_some_and(|m| m.access == Access::Read && m.params == "NameParams")));
+        let read: Vec<&str> = read_methods().collect();
+        assert!(read.contains(&"vm.list") && read.contains(&"events.unsubscribe") && !read.contains(&"vm.create"));
+        assert!(find("vm.console").is_some_and(|m| matches!(m.kind, Kind::Console)));
+        assert!(find("no.such").is_none());
+    }
+
+    /// docs/api.md's paragraph "Read methods (...)" names exactly the methods whose access is
+    /// `Read` in [`METHODS`]: the list operators read their access rules from cannot drift from
+    /// the code again (it once left out `image.list` and `vm.snapshots`).
+    #[test]
+    fn api_md_lists_exactly_the_read_methods() {
+        let doc = include_str!("../../../docs/api.md");
+        let start = doc.find("Read methods (`rpc::methods::METHODS`").expect("api.md has the read methods paragraph");
+        let paragraph = &doc[start..];
+        let paragraph = &paragraph[..paragraph.find("Everything else").expect("the paragraph ends")];
+        let named: std::collections::BTreeSet<&str> =
+            paragraph.split('`').skip(1).step_by(2).filter(|word| find(word).is_some()).collect();
+        let code: std::collections::BTreeSet<&str> = read_methods().collect();
+        assert_eq!(named, code, "docs/api.md's read methods differ from the method table");
+    }
+
+    /// Each method's check parses its params into the type its handler uses: a wrong type or a
+    /// missing member is -32602 naming the field, absent params are `{}`.
+    #[test]
+    fn each_check_parses_into_the_handlers_params_type() {
+        for m in &METHODS {
+            match m.params {
+                "NameParams" | "ConsoleParams" | "ImageNameParams" => {
+                    let e = (m.check)(None).unwrap_err();
+                    assert_eq!((e.code, e.field.as_deref()), (Code::InvalidParams, Some("name")), "{}", m.name);
+                    let e = (m.check)(p(r#"{"name": 1}"#)).unwrap_err();
+                    assert_eq!(e.field.as_deref(), Some("name"), "{}", m.name);
+                    assert!((m.check)(p(r#"{"name": "a"}"#)).is_ok(), "{}", m.name);
+                }
+                "Object" => {
+                    assert!((m.check)(None).is_ok(), "{}", m.name);
+                    assert_eq!((m.check)(p("[1]")).unwrap_err().field.as_deref(), Some("params"), "{}", m.name);
+                }
+                "Anything" | "[subscription_id]" => assert!((m.check)(p("[1]")).is_ok(), "{}", m.name),
+                _ => assert!((m.check)(p("7")).is_err(), "{}", m.name),
+            }
+        }
     }
 
     #[test]
     fn params_errors_name_the_field() {
-        let e = parse_params::<NameParams>(&p("{}")).unwrap_err();
+        let e = parse_params::<NameParams>(p("{}")).unwrap_err();
         assert_eq!((e.code, e.field.as_deref()), (Code::InvalidParams, Some("name")));
-        let e = parse_params::<NameParams>(&p(r#"{"name": 3}"#)).unwrap_err();
+        let e = parse_params::<NameParams>(p(r#"{"name": 3}"#)).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("name"));
-        let e = parse_params::<NameParams>(&p(r#"{"name": "a", "x": 1}"#)).unwrap_err();
+        let e = parse_params::<NameParams>(p(r#"{"name": "a", "x": 1}"#)).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("x"));
         let e =
-            parse_params::<CreateParams>(&p(r#"{"spec": {"name": "a", "cpu": "two", "memory_mib": 1, "boot": {}}}"#))
+            parse_params::<CreateParams>(p(r#"{"spec": {"name": "a", "cpu": "two", "memory_mib": 1, "boot": {}}}"#))
                 .unwrap_err();
         assert_eq!(e.field.as_deref(), Some("spec.cpu"));
-        let e = parse_params::<CreateParams>(&p(
+        let e = parse_params::<CreateParams>(p(
             r#"{"spec": {"name": "a", "cpu": 1, "memory_mib": 1, "boot": {"kernal": "/k"}}}"#,
         ))
         .unwrap_err();
         assert_eq!(e.field.as_deref(), Some("spec.boot.kernal"));
-        let e = parse_params::<NameParams>(&p(r#""a""#)).unwrap_err();
+        let e = parse_params::<NameParams>(p(r#""a""#)).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("params"));
-        assert!(parse_params::<NameParams>(&p(r#"{"name": "a"}"#)).is_ok());
+        assert!(parse_params::<NameParams>(p(r#"{"name": "a"}"#)).is_ok());
     }
 
     #[test]
     fn an_empty_key_is_named_not_left_empty() {
-        let e = parse_params::<NameParams>(&p(r#"{"": "sensor1"}"#)).unwrap_err();
+        let e = parse_params::<NameParams>(p(r#"{"": "sensor1"}"#)).unwrap_err();
         assert_eq!((e.code, e.field.as_deref()), (Code::InvalidParams, Some(r#""""#)));
-        let e = parse_params::<CreateParams>(&p(r#"{"spec": {"": 1}}"#)).unwrap_err();
+        let e = parse_params::<CreateParams>(p(r#"{"spec": {"": 1}}"#)).unwrap_err();
         assert_eq!(e.field.as_deref(), Some(r#"spec."""#));
-        let e = parse_params::<CreateParams>(&p(
+        let e = parse_params::<CreateParams>(p(
             r#"{"spec": {"name": "a", "cpu": 1, "memory_mib": 1, "boot": {}, "nics": [{"": 1}]}}"#,
         ))
         .unwrap_err();

@@ -1,9 +1,10 @@
 //! The RPC transport: newline-delimited JSON-RPC 2.0 on a Unix stream socket.
 //!
-//! jsonrpsee's own servers speak HTTP and WebSocket; vmhost speaks one JSON message per line on a
-//! Unix socket and gates every connection on the kernel's peer credentials. This module is that
-//! transport and nothing more: methods are registered and dispatched by jsonrpsee
-//! ([`Methods::raw_json_request`]), access is decided by [`super::auth`].
+//! vmhost speaks one JSON message per line on a Unix socket and gates every connection on the
+//! kernel's peer credentials. This module is that transport: a line is parsed once
+//! ([`request::classify`]), the method is looked up in the one dispatcher ([`Dispatcher`], made
+//! from [`super::methods::METHODS`]), and its answer is written once, with the client's id, the
+//! result's JSON written after the head that carries it. Access is decided by [`super::auth`].
 //!
 //! Order of use: [`bind`] creates the socket file at start-up, in a directory only the daemon may
 //! write ([`socket_dir`]; or [`from_inherited`] takes the one systemd passed), then [`serve`]
@@ -15,32 +16,33 @@
 //!    needs a read-only slot (1003 otherwise). Refusals are logged at most once per interval;
 //! 3. the bounded line reader (`read_line`): a line over [`MAX_LINE`] ends the connection, and
 //!    an idle connection (nothing in flight, no subscription) is closed after the idle timeout;
-//! 4. the line parser (`handle_line`, with the pure [`request::classify`]): invalid UTF-8 or
-//!    JSON is answered with -32700, an array is a batch (over [`limits::MAX_BATCH`]: 1003),
-//!    anything else a single request;
-//! 5. per request (`Conn::process`): shape check ([`Request::parse`], -32600), read-only check
-//!    (1002), guest-agent rate ([`AgentRate`], 1004), subscription slots (1003), then dispatch in
-//!    its own task, at most [`MAX_IN_FLIGHT`] at a time per connection and per uid, each holding
-//!    its slot until its answer is queued;
+//! 4. the line parser (`handle_line`, with the pure [`request::classify`], which parses each
+//!    request's envelope in the same pass): invalid UTF-8 or JSON is answered with -32700, an
+//!    array is a batch (over [`limits::MAX_BATCH`]: 1003), anything else a single request;
+//! 5. per request (`Conn::process`), in its own task, at most [`MAX_IN_FLIGHT`] at a time per
+//!    connection and per uid, each holding its slot until its answer is queued: shape (-32600),
+//!    method lookup (-32601), read-only check (1002), then the handler, which parses the params
+//!    into their type (-32602) and counts guest-agent calls (1004, [`super::agent_rate`]);
+//!    a subscription takes its slots first (1003);
 //! 6. the write queue and writer task (`write_loop`): answers go out as they complete, followed
 //!    by any subscription notifications; the queue is bounded in bytes ([`limits::Budget`]), a
 //!    full one makes its senders wait (so the reader stops: back-pressure), and a peer that does
 //!    not read for [`WRITE_TIMEOUT`] is dropped;
-//! 7. `vm.console` alone on its line (`Conn::console`) is not dispatched: once the client is
-//!    attached ([`Consoles::attach`]), reading stops, the answers in flight are written, then the
-//!    answer of `vm.console`, and the connection becomes the console's byte stream
-//!    ([`crate::console::session`]) until it closes.
+//! 7. `vm.console` alone on its line, with an id (`Conn::console`), is the one method the
+//!    transport runs itself: once the client is attached ([`crate::console::Consoles::attach`]), reading stops,
+//!    the answers in flight are written, then the answer of `vm.console`, and the connection
+//!    becomes the console's byte stream ([`crate::console::session`]) until it closes.
 
-use crate::api::{self, ApiError, Code, ConsoleAttached, ConsoleParams};
+use crate::api::error::ErrorData;
+use crate::api::{ApiError, Code, ConsoleAttached, ConsoleParams};
 use crate::console::hub::{Attachment, Peer};
-use crate::console::Consoles;
-use crate::rpc::agent_rate::AgentRate;
 use crate::rpc::auth::{self, AccessPolicy, PeerIdentity, Role};
+use crate::rpc::dispatch::{self, Access, Body, Dispatcher, Handler, Sink};
 use crate::rpc::limits::{self, Budget, Registry, SharedThrottle, Slot};
-use crate::rpc::request::{self, Line, Request};
+use crate::rpc::request::{self, Envelope, Line, Parsed};
 use crate::rpc::socket_dir;
-use jsonrpsee::{MethodCallback, Methods};
-use serde::{Deserialize, Deserializer, Serialize};
+use futures_util::FutureExt;
+use serde::Serialize;
 use serde_json::value::RawValue;
 use std::io::{self, ErrorKind};
 use std::os::unix::fs::FileTypeExt;
@@ -50,7 +52,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
@@ -65,11 +67,12 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long [`serve`] waits, after shutdown, for connections to deliver in-flight answers.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// Capacity of the channel between a jsonrpsee subscription and its connection.
+/// Capacity of the channel between a subscription's task and its connection.
 const SUBSCRIPTION_BUFFER: usize = 64;
 
-/// How long a subscription handler may take to accept or reject its subscription.
-const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bodies up to this size are copied into the write buffer (coalesced with other lines);
+/// larger ones are written from where they are.
+const INLINE_BODY: usize = 16 * 1024;
 
 /// Read buffer per connection.
 const READ_BUFFER: usize = 64 * 1024;
@@ -152,7 +155,7 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Accepts connections on `listener` and serves `methods` on each, until `shutdown` becomes
+/// Accepts connections on `listener` and serves the methods of `dispatcher` on each, until `shutdown` becomes
 /// true (or its sender is dropped).
 ///
 /// Each connection is its own task: a slow, hostile or broken client affects only itself. On
@@ -168,11 +171,11 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
 /// `ENOTSOCK`, ...). Transient accept errors such as `EMFILE` are logged and retried.
 pub async fn serve(
     listener: UnixListener,
-    methods: Methods,
+    dispatcher: Arc<Dispatcher>,
     policy: Arc<AccessPolicy>,
     shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
-    serve_with(listener, methods, policy, Options::default(), shutdown).await
+    serve_with(listener, dispatcher, policy, Options::default(), shutdown).await
 }
 
 /// Settings of [`serve_with`] that come from the configuration.
@@ -181,24 +184,17 @@ pub struct Options {
     /// A connection with no request in flight, no subscription and no complete request line for
     /// this long is closed (`access.idle_timeout_s`).
     pub idle_timeout: Duration,
-    /// Serves `vm.console` (without it, `vm.console` is dispatched like any method).
-    pub consoles: Option<Arc<Consoles>>,
-    /// Answers `vm.list` and `vm.get` from the manager's ready-made JSON views ([`read_view`]),
-    /// past the method table: its answers are serialized again and then validated by parsing,
-    /// which for 1000 VMs cost more than the rest of the call. Without it, they are dispatched
-    /// like any method (same answers).
-    pub views: Option<Arc<crate::lifecycle::Manager>>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { idle_timeout: limits::DEFAULT_IDLE_TIMEOUT, consoles: None, views: None }
+        Options { idle_timeout: limits::DEFAULT_IDLE_TIMEOUT }
     }
 }
 
 /// What every connection of one server shares.
 struct Shared {
-    methods: Methods,
+    dispatcher: Arc<Dispatcher>,
     policy: Arc<AccessPolicy>,
     options: Options,
     registry: Arc<Registry>,
@@ -206,8 +202,6 @@ struct Shared {
     /// [`limits::REFUSAL_LOG_INTERVAL`] each.
     slot_log: SharedThrottle,
     refusal_log: SharedThrottle,
-    /// Guest-agent calls per VM and role.
-    agent_calls: Arc<AgentRate>,
 }
 
 /// [`serve`] with `options`.
@@ -217,7 +211,7 @@ struct Shared {
 /// As [`serve`].
 pub async fn serve_with(
     listener: UnixListener,
-    methods: Methods,
+    dispatcher: Arc<Dispatcher>,
     policy: Arc<AccessPolicy>,
     options: Options,
     mut shutdown: watch::Receiver<bool>,
@@ -225,13 +219,12 @@ pub async fn serve_with(
     let mut connections = JoinSet::new();
     let mut next_conn: u64 = 0;
     let shared = Arc::new(Shared {
-        methods,
+        dispatcher,
         policy,
         options,
         registry: Registry::new(),
         slot_log: SharedThrottle::default(),
         refusal_log: SharedThrottle::default(),
-        agent_calls: Arc::new(AgentRate::default()),
     });
     // Handed to each connection; `shutdown` itself is borrowed by the select below.
     let for_connections = shutdown.clone();
@@ -405,8 +398,8 @@ enum Phase {
 
 /// What the tasks of one connection share.
 struct Conn {
-    /// The method table.
-    methods: Methods,
+    /// The methods.
+    dispatcher: Arc<Dispatcher>,
     /// What the peer may call.
     role: Role,
     /// The write queue; each entry is one complete line holding its share of the byte budget.
@@ -417,16 +410,10 @@ struct Conn {
     subscriptions: Arc<Semaphore>,
     /// Its uid's subscriptions (`None` for root).
     uid_subscriptions: Option<Arc<Semaphore>>,
-    /// Guest-agent calls per VM and role, shared by all connections.
-    agent_calls: Arc<AgentRate>,
     /// The connection's [`Phase`]; shared with the writer, which holds no `out` sender.
     phase: Arc<watch::Sender<Phase>>,
     /// Who the peer is (for `vm.console`'s writer).
     peer: Peer,
-    /// Serves `vm.console`.
-    consoles: Option<Arc<Consoles>>,
-    /// Serves `vm.list` and `vm.get` from ready-made views.
-    views: Option<Arc<crate::lifecycle::Manager>>,
 }
 
 /// One line in the write queue, with the bytes of the budget it holds until it is written.
@@ -435,31 +422,37 @@ struct Queued {
     _bytes: OwnedSemaphorePermit,
 }
 
-/// One line to write (the line end is added when it is written): text of its own, or its own
-/// head and tail around a body shared with other answers (the `vm.list` array, 450 KB with
-/// 1000 VMs), which is written from where it is instead of being copied per answer.
+/// One line to write (the line end is added when it is written): text of its own, or a success
+/// made of its head (which carries the client's id), the method's [`Body`] as it was serialized
+/// (the `vm.list` array, 450 KB with 1000 VMs, is shared by every answer and written from where
+/// it is), and the closing brace.
 struct OutLine {
     head: String,
-    shared: Option<(Arc<RawValue>, &'static str)>,
+    body: Option<Body>,
 }
 
 impl OutLine {
     /// A line of its own text.
     fn own(text: String) -> OutLine {
-        OutLine { head: text, shared: None }
+        OutLine { head: text, body: None }
+    }
+
+    /// The success answer to `id`: `body` is its result.
+    fn success(id: &RawValue, body: Body) -> OutLine {
+        OutLine { head: success_head(id), body: Some(body) }
     }
 
     /// The line's length, without its line end.
     fn len(&self) -> usize {
-        self.head.len() + self.shared.as_ref().map_or(0, |(body, tail)| body.get().len() + tail.len())
+        self.head.len() + self.body.as_ref().map_or(0, |body| body.get().len() + SUCCESS_TAIL.len())
     }
 
     /// Appends the whole line to `text` (a batch's array).
     fn append_to(&self, text: &mut String) {
         text.push_str(&self.head);
-        if let Some((body, tail)) = &self.shared {
+        if let Some(body) = &self.body {
             text.push_str(body.get());
-            text.push_str(tail);
+            text.push_str(SUCCESS_TAIL);
         }
     }
 }
@@ -495,17 +488,14 @@ async fn run(
     let phase = Arc::new(watch::channel(Phase::Open).0);
     let writer = tokio::spawn(write_loop(wr, queue, Arc::clone(&phase)).in_current_span());
     let conn = Arc::new(Conn {
-        methods: shared.methods.clone(),
+        dispatcher: Arc::clone(&shared.dispatcher),
         role,
         out,
         queued: budget.queued,
         subscriptions: budget.subscriptions,
         uid_subscriptions: budget.uid_subscriptions,
-        agent_calls: Arc::clone(&shared.agent_calls),
         phase: Arc::clone(&phase),
         peer,
-        consoles: shared.options.consoles.clone(),
-        views: shared.options.views.clone(),
     });
     let mut permits = Permits {
         in_flight: budget.in_flight,
@@ -757,27 +747,26 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
             conn.send(error_line(RawValue::NULL, &err)).await;
             return Ok(());
         }
-        Line::Single(text) => {
-            match conn.console(&text).await {
-                Some(Ok(switch)) => return Err(End::Console(Box::new(switch))),
-                Some(Err(answer)) => {
+        Line::Single(parsed) => {
+            let parsed = match conn.console(parsed).await {
+                Console::Switch(switch) => return Err(End::Console(Box::new(switch))),
+                Console::Refused(answer) => {
                     conn.send(answer).await;
                     return Ok(());
                 }
-                None => {}
-            }
+                Console::Other(parsed) => parsed,
+            };
             let permit = permits.acquire().await.ok_or(End::Stopped)?;
             let conn = Arc::clone(conn);
             tokio::spawn(
                 async move {
-                    let reply = conn.process(&text).await;
-                    drop(text);
+                    let reply = conn.process(parsed).await;
                     if let Some(response) = reply.response {
                         conn.send(response).await;
                     }
                     drop(permit);
-                    if let Some(notifications) = reply.notifications {
-                        conn.forward(notifications).await;
+                    if let Some(subscription) = reply.subscription {
+                        conn.forward(subscription).await;
                     }
                 }
                 .in_current_span(),
@@ -792,7 +781,7 @@ async fn handle_line(conn: &Arc<Conn>, line: Vec<u8>, permits: &mut Permits<'_>)
         let conn = Arc::clone(conn);
         replies.push(tokio::spawn(
             async move {
-                let reply = conn.process(element.get()).await;
+                let reply = conn.process(element).await;
                 (reply, permit)
             }
             .in_current_span(),
@@ -821,7 +810,7 @@ async fn answer_batch(conn: Arc<Conn>, replies: Vec<JoinHandle<(Reply, InFlight)
                     }
                     response.append_to(&mut line);
                 }
-                subscriptions.extend(reply.notifications);
+                subscriptions.extend(reply.subscription);
                 held.push(permit);
             }
             Err(e) => error!(error = %e, "batch element task failed"),
@@ -833,35 +822,46 @@ async fn answer_batch(conn: Arc<Conn>, replies: Vec<JoinHandle<(Reply, InFlight)
         conn.send(line).await;
     }
     drop(held);
-    for notifications in subscriptions {
-        tokio::spawn(Arc::clone(&conn).forward_owned(notifications).in_current_span());
+    for subscription in subscriptions {
+        tokio::spawn(Arc::clone(&conn).forward_owned(subscription).in_current_span());
     }
 }
 
-/// The notifications of an open subscription, with the subscription slots it holds.
+/// An open subscription as its connection holds it: its notifications, what ends it, and the
+/// subscription slots it holds. Dropping it ends the subscription (its task sees the sink close).
 struct Subscription {
-    notifications: mpsc::Receiver<Box<RawValue>>,
+    id: u64,
+    dispatcher: Arc<Dispatcher>,
+    notifications: mpsc::Receiver<String>,
+    /// Resolves when `events.unsubscribe` names this subscription.
+    unsubscribed: oneshot::Receiver<()>,
     _own: OwnedSemaphorePermit,
     _uid: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.dispatcher.forget(self.id);
+    }
 }
 
 /// The outcome of one request.
 struct Reply {
     /// The response object, `None` for a notification.
     response: Option<OutLine>,
-    /// Where a subscription's notifications arrive; `None` when nothing can arrive.
-    notifications: Option<Subscription>,
+    /// The subscription the request opened, whose notifications follow its answer.
+    subscription: Option<Subscription>,
 }
 
 impl Reply {
     /// A reply with a response and no notifications.
     fn answer(response: impl Into<OutLine>) -> Reply {
-        Reply { response: Some(response.into()), notifications: None }
+        Reply { response: Some(response.into()), subscription: None }
     }
 
     /// A reply to a notification: nothing.
     fn silent() -> Reply {
-        Reply { response: None, notifications: None }
+        Reply { response: None, subscription: None }
     }
 
     /// An error reply to `id` (nothing for a notification).
@@ -871,6 +871,24 @@ impl Reply {
             None => Reply::silent(),
         }
     }
+
+    /// A success reply to `id` (nothing for a notification).
+    fn success(id: Option<&RawValue>, body: Body) -> Reply {
+        match id {
+            Some(id) => Reply::answer(OutLine::success(id, body)),
+            None => Reply::silent(),
+        }
+    }
+}
+
+/// What [`Conn::console`] made of a single request.
+enum Console {
+    /// The client is attached: switch the connection over.
+    Switch(ConsoleSwitch),
+    /// Attaching was refused: the error line to answer (the connection stays JSON-RPC).
+    Refused(String),
+    /// Not a `vm.console` the transport switches for: dispatch it.
+    Other(Parsed),
 }
 
 impl Conn {
@@ -900,36 +918,41 @@ impl Conn {
         self.out.send(Queued { line, _bytes: bytes }).is_ok()
     }
 
-    /// Attaches the client to a console when `text` is a `vm.console` request with an id (and
-    /// this server serves consoles): `Some(Ok)` to switch the connection over, `Some(Err)` with
-    /// the error line to answer (the connection stays JSON-RPC), `None` for any other request.
-    async fn console(&self, text: &str) -> Option<Result<ConsoleSwitch, String>> {
-        let consoles = self.consoles.as_ref()?;
-        // Most lines are not vm.console: skip the second parse for them. A method name spelled
-        // with JSON escapes is not switched (the method table answers it with -32600).
-        if !text.contains("\"vm.console\"") {
-            return None;
-        }
-        let request = Request::parse(text).ok()?;
-        let id = request.id.filter(|_| request.method == "vm.console")?;
-        let params = jsonrpsee::types::Params::new(request.params.map(RawValue::get));
-        let params: ConsoleParams = match crate::rpc::methods::parse_params(&params) {
+    /// Attaches the client to a console when `parsed` is a `vm.console` request with an id (the
+    /// method the transport runs itself); any other request is handed back.
+    async fn console(&self, parsed: Parsed) -> Console {
+        let (consoles, envelope) = match &parsed {
+            Ok(envelope) if envelope.id.is_some() => match self.dispatcher.get(&envelope.method) {
+                Some(dispatch::Entry { handler: Handler::Console(consoles), .. }) => (Arc::clone(consoles), envelope),
+                _ => return Console::Other(parsed),
+            },
+            _ => return Console::Other(parsed),
+        };
+        let id = envelope.id.as_deref().unwrap_or(RawValue::NULL);
+        let params: ConsoleParams = match crate::rpc::methods::parse_params(envelope.params.as_deref()) {
             Ok(p) => p,
-            Err(err) => return Some(Err(error_line(id, &err))),
+            Err(err) => return Console::Refused(error_line(id, &err)),
         };
         match consoles.attach(&params, self.role, self.peer).await {
             Ok(attachment) => {
                 let result = ConsoleAttached {
-                    name: params.name.clone(),
                     read_only: !attachment.member.writer,
                     replay_bytes: attachment.replay.len() as u64,
+                    name: params.name,
                 };
-                let answer = to_line(&serde_json::json!({"jsonrpc": "2.0", "id": id, "result": result}));
-                Some(Ok(ConsoleSwitch { answer, attachment, early_input: Vec::new() }))
+                let answer = match Body::json(&result) {
+                    Ok(body) => {
+                        let mut line = String::new();
+                        OutLine::success(id, body).append_to(&mut line);
+                        line
+                    }
+                    Err(err) => return Console::Refused(error_line(id, &err)),
+                };
+                Console::Switch(ConsoleSwitch { answer, attachment, early_input: Vec::new() })
             }
             Err(err) => {
                 info!(vm = %params.name, code = err.code.as_i32(), "console attach refused");
-                Some(Err(error_line(id, &err)))
+                Console::Refused(error_line(id, &err))
             }
         }
     }
@@ -959,105 +982,114 @@ impl Conn {
         Ok((own, uid))
     }
 
-    /// Checks and dispatches one request (a single line or a batch element; valid JSON).
-    async fn process(&self, text: &str) -> Reply {
-        let request = match Request::parse(text) {
-            Ok(request) => request,
+    /// Checks and runs one request (a single line or a batch element) and makes its answer.
+    async fn process(&self, parsed: Parsed) -> Reply {
+        let Envelope { id, method, params } = match parsed {
+            Ok(envelope) => envelope,
             Err(invalid) => {
                 debug!(message = %invalid.message, "invalid request");
                 let err = ApiError::new(Code::InvalidRequest, invalid.message);
-                return Reply::answer(error_line(invalid.id, &err));
+                return Reply::answer(error_line(&invalid.id, &err));
             }
         };
-        let method = request.method.as_str();
-        debug!(method, notification = request.id.is_none(), "request");
-        // Unknown methods go through to jsonrpsee, which answers -32601 for any role.
-        if self.role == Role::ReadOnly && !api::is_read_method(method) && self.methods.method(method).is_some() {
+        let id = id.as_deref();
+        let method = method.as_str();
+        debug!(method, notification = id.is_none(), "request");
+        let Some(entry) = self.dispatcher.get(method) else {
+            // For any role: an unknown name is not a method a read-only peer was refused.
+            return Reply::error(id, &dispatch::method_not_found());
+        };
+        if self.role == Role::ReadOnly && entry.access == Access::Write {
             warn!(method, "read-only peer called a mutating method; refused");
             let err = ApiError::new(
                 Code::ReadOnly,
                 format!("method {method} is not allowed: this peer has read-only access"),
             )
             .field("method");
-            return Reply::error(request.id, &err);
+            return Reply::error(id, &err);
         }
-        if let Err(err) = self.agent_calls.check(method, request.params, self.role) {
-            debug!(method, "guest-agent call refused by the rate limit");
-            return Reply::error(request.id, &err);
-        }
-        if let (Some(views), Some(id)) = (&self.views, request.id) {
-            if let Some(line) = read_view(views, method, request.params, id) {
-                return Reply::answer(line);
-            }
-        }
-        let is_subscription = matches!(self.methods.method(method), Some(MethodCallback::Subscription(_)));
-        let slots = if is_subscription {
-            match self.subscription_slots() {
-                Ok(slots) => Some(slots),
-                Err(err) => {
-                    warn!(method, limit = %err.details["limit"], "subscription refused");
-                    return Reply::error(request.id, &err);
+        match &entry.handler {
+            Handler::Call(call) => {
+                let running = match call(params.as_deref(), self.role) {
+                    Ok(running) => running,
+                    Err(err) => {
+                        if err.code == Code::RateLimited {
+                            debug!(method, "guest-agent call refused by the rate limit");
+                        }
+                        return Reply::error(id, &err);
+                    }
+                };
+                drop(params);
+                // A panicking method costs one -32603 answer, not the connection.
+                match std::panic::AssertUnwindSafe(running).catch_unwind().await {
+                    Ok(Ok(body)) => Reply::success(id, body),
+                    Ok(Err(err)) => Reply::error(id, &err),
+                    Err(_) => {
+                        error!(method, "method panicked");
+                        Reply::error(id, &ApiError::internal(format!("method {method} failed unexpectedly")))
+                    }
                 }
             }
-        } else {
-            None
-        };
-        // Dispatch our own rewrite of the request (id 0, known members only), so what runs is
-        // exactly what was checked; the client's id is put back on the answer below.
-        let call = to_line(&Call { jsonrpc: "2.0", id: 0, method, params: request.params });
-        let methods = self.methods.clone();
-        // Its own task, so a panicking method costs one -32603 answer, not the connection.
-        let mut task = tokio::spawn(async move { methods.raw_json_request(&call, SUBSCRIPTION_BUFFER).await });
-        let dispatched = if is_subscription {
-            // jsonrpsee's direct-call path waits forever when a subscription handler drops its
-            // pending sink without accepting or rejecting it; bound that wait.
-            match tokio::time::timeout(SUBSCRIBE_TIMEOUT, &mut task).await {
-                Ok(dispatched) => dispatched,
-                Err(_) => {
-                    task.abort();
-                    error!(method, "subscription neither accepted nor rejected in time");
-                    let err = ApiError::internal(format!("method {method} did not answer"));
-                    return Reply::error(request.id, &err);
+            Handler::Subscribe { notification, open } => {
+                // A notification opens nothing: no one could learn the subscription's id.
+                let Some(id) = id else { return Reply::silent() };
+                let (own, uid) = match self.subscription_slots() {
+                    Ok(slots) => slots,
+                    Err(err) => {
+                        warn!(method, limit = %err.details["limit"], "subscription refused");
+                        return Reply::error(Some(id), &err);
+                    }
+                };
+                let (sub, unsubscribed) = self.dispatcher.open();
+                let (tx, notifications) = mpsc::channel(SUBSCRIPTION_BUFFER);
+                tokio::spawn(open(Sink::new(sub, notification, tx)).in_current_span());
+                let subscription = Subscription {
+                    id: sub,
+                    dispatcher: Arc::clone(&self.dispatcher),
+                    notifications,
+                    unsubscribed,
+                    _own: own,
+                    _uid: uid,
+                };
+                match Body::json(&sub) {
+                    Ok(body) => Reply { response: Some(OutLine::success(id, body)), subscription: Some(subscription) },
+                    Err(err) => Reply::error(Some(id), &err),
                 }
             }
-        } else {
-            task.await
-        };
-        let Some(id) = request.id else {
-            // Notification: no answer; dropping the receiver ends any subscription it opened.
-            return Reply::silent();
-        };
-        match dispatched {
-            Ok(Ok((answer, notifications))) => {
-                let notifications = slots.map(|(own, uid)| Subscription { notifications, _own: own, _uid: uid });
-                Reply { response: Some(response_line(id, &answer).into()), notifications }
+            Handler::Unsubscribe => {
+                let ended =
+                    dispatch::unsubscribe_id(params.as_deref()).is_some_and(|sub| self.dispatcher.unsubscribe(sub));
+                match Body::json(&ended) {
+                    Ok(body) => Reply::success(id, body),
+                    Err(err) => Reply::error(id, &err),
+                }
             }
-            Ok(Err(e)) => {
-                error!(method, error = %e, "jsonrpsee rejected a rewritten request");
-                Reply::answer(error_line(id, &ApiError::internal("request could not be dispatched")))
-            }
-            Err(e) => {
-                error!(method, error = %e, "method task failed");
-                let err = ApiError::internal(format!("method {method} failed unexpectedly"));
-                Reply::answer(error_line(id, &err))
+            Handler::Console(_) => {
+                let err = ApiError::new(
+                    Code::InvalidRequest,
+                    "vm.console must be a request of its own line, with an id (not in a batch, not a notification)",
+                );
+                Reply::error(id, &err)
             }
         }
     }
 
-    /// Writes a subscription's notifications until it ends or the connection stops; its
-    /// subscription slots are given back then.
-    async fn forward(&self, subscription: Subscription) {
+    /// Writes a subscription's notifications until it ends, is unsubscribed, or the connection
+    /// stops; its subscription slots are given back then.
+    async fn forward(&self, mut subscription: Subscription) {
         let mut phase = self.phase.subscribe();
-        let mut notifications = subscription.notifications;
         loop {
             tokio::select! {
                 biased;
                 () = phase_reached(&mut phase, Phase::Draining) => break,
-                message = notifications.recv() => match message {
-                    Some(message) if self.send(message.get().to_owned()).await => {}
+                _ = &mut subscription.unsubscribed => break,
+                message = subscription.notifications.recv() => {
                     // Ended, or the connection is gone.
-                    _ => break,
-                },
+                    let Some(message) = message else { break };
+                    if !self.send(message).await {
+                        break;
+                    }
+                }
             }
         }
     }
@@ -1093,14 +1125,19 @@ async fn write_loop(
         let mut next = Some(first);
         while let Some(queued) = next {
             buf.extend_from_slice(queued.line.head.as_bytes());
-            if let Some((body, tail)) = &queued.line.shared {
-                if !write_out(&mut wr, &buf, &mut dead, &phase).await
-                    || !write_out(&mut wr, body.get().as_bytes(), &mut dead, &phase).await
-                {
-                    return None;
+            if let Some(body) = &queued.line.body {
+                let body = body.get().as_bytes();
+                if body.len() <= INLINE_BODY {
+                    buf.extend_from_slice(body);
+                } else {
+                    if !write_out(&mut wr, &buf, &mut dead, &phase).await
+                        || !write_out(&mut wr, body, &mut dead, &phase).await
+                    {
+                        return None;
+                    }
+                    buf.clear();
                 }
-                buf.clear();
-                buf.extend_from_slice(tail.as_bytes());
+                buf.extend_from_slice(SUCCESS_TAIL.as_bytes());
             }
             buf.push(b'\n');
             written_lines.push(queued);
@@ -1145,117 +1182,42 @@ async fn write_out(
     }
 }
 
-/// The request handed to jsonrpsee.
+/// An error response line; `error` is the JSON-RPC error object.
 #[derive(Serialize)]
-struct Call<'a> {
-    jsonrpc: &'static str,
-    id: u8,
-    method: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    params: Option<&'a RawValue>,
-}
-
-/// A response line; `error` is a JSON-RPC error object.
-#[derive(Serialize)]
-struct Response<'a, E: Serialize> {
+struct ErrorResponse<'a> {
     jsonrpc: &'static str,
     id: &'a RawValue,
+    error: ErrorObject<'a>,
+}
+
+/// A JSON-RPC error object: `data` is vmhost's, absent only for -32601 (as it always was).
+#[derive(Serialize)]
+struct ErrorObject<'a> {
+    code: i32,
+    message: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    result: Option<&'a RawValue>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<E>,
+    data: Option<ErrorData>,
 }
 
-/// The parts of a jsonrpsee response we keep.
-#[derive(Deserialize)]
-struct Answer<'a> {
-    /// Present (even when `null`) on success.
-    #[serde(borrow, default, deserialize_with = "present")]
-    result: Option<&'a RawValue>,
-    /// Present on failure.
-    #[serde(borrow, default)]
-    error: Option<&'a RawValue>,
-}
+/// How every success line ends, after its result.
+const SUCCESS_TAIL: &str = "}";
 
-/// Deserializes a member that is present as `Some`, even when it is `null`.
-fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
-    <&RawValue>::deserialize(d).map(Some)
-}
-
-/// The answer to `vm.list` or `vm.get` (request `id`, `params`) made of the manager's JSON
-/// views, the same the method table would give; `None` for any other method.
-fn read_view(
-    manager: &crate::lifecycle::Manager,
-    method: &str,
-    params: Option<&RawValue>,
-    id: &RawValue,
-) -> Option<OutLine> {
-    match method {
-        // Like the method table's vm.list, it takes any params.
-        "vm.list" => {
-            let list = manager.list_json().0;
-            Some(OutLine { head: success_head(id, 0), shared: Some((list, "}")) })
-        }
-        "vm.get" => {
-            let params = jsonrpsee::types::Params::new(params.map(RawValue::get));
-            let view =
-                crate::rpc::methods::parse_params::<api::NameParams>(&params).and_then(|p| manager.get_json(&p.name));
-            Some(OutLine::own(match view {
-                Ok(view) => success_line(id, view.0.get().len(), |line| line.push_str(view.0.get())),
-                Err(err) => error_line(id, &err),
-            }))
-        }
-        _ => None,
-    }
-}
-
-/// A success line to `id` whose result `write` appends (about `hint` bytes), made in one buffer.
-fn success_line(id: &RawValue, hint: usize, write: impl FnOnce(&mut String)) -> String {
-    let mut line = success_head(id, hint + 1);
-    write(&mut line);
-    line.push('}');
-    line
-}
-
-/// A success to `id` up to its result, with room for `more` bytes after it.
-fn success_head(id: &RawValue, more: usize) -> String {
+/// A success to `id` up to its result.
+fn success_head(id: &RawValue) -> String {
     const HEAD: &str = r#"{"jsonrpc":"2.0","id":"#;
     const RESULT: &str = r#","result":"#;
-    let mut line = String::with_capacity(HEAD.len() + id.get().len() + RESULT.len() + more);
+    let mut line = String::with_capacity(HEAD.len() + id.get().len() + RESULT.len());
     line.push_str(HEAD);
     line.push_str(id.get());
     line.push_str(RESULT);
     line
 }
 
-/// How jsonrpsee starts a success for our id 0 (its `Response` serializes `jsonrpc`, `id`,
-/// then `result`, and nothing after it).
-const SUCCESS_FOR_ID_0: &str = r#"{"jsonrpc":"2.0","id":0,"result":"#;
-
-/// Re-addresses a jsonrpsee response (made for id 0) to the client's `id`.
-fn response_line(id: &RawValue, answer: &RawValue) -> String {
-    // A success is re-addressed by splicing: parsing a 450 KB `vm.list` again only to copy it
-    // cost more than making it. Anything else takes the parse below.
-    if let Some(result) = answer.get().strip_prefix(SUCCESS_FOR_ID_0).and_then(|r| r.strip_suffix('}')) {
-        return success_line(id, result.len(), |line| line.push_str(result));
-    }
-    match serde_json::from_str::<Answer<'_>>(answer.get()) {
-        Ok(Answer { error: Some(error), .. }) => {
-            to_line(&Response { jsonrpc: "2.0", id, result: None, error: Some(error) })
-        }
-        Ok(Answer { result: Some(result), .. }) => {
-            to_line(&Response::<()> { jsonrpc: "2.0", id, result: Some(result), error: None })
-        }
-        _ => {
-            error!(answer = answer.get(), "jsonrpsee answered neither result nor error");
-            error_line(id, &ApiError::internal("malformed method response"))
-        }
-    }
-}
-
 /// An error response line.
 fn error_line(id: &RawValue, err: &ApiError) -> String {
-    to_line(&Response { jsonrpc: "2.0", id, result: None, error: Some(err.to_json()) })
+    let data = (err.code != Code::MethodNotFound).then(|| err.data());
+    let error = ErrorObject { code: err.code.as_i32(), message: &err.message, data };
+    to_line(&ErrorResponse { jsonrpc: "2.0", id, error })
 }
 
 /// Serializes a message; our messages always serialize, the fallback only avoids a panic.
@@ -1271,8 +1233,118 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    fn raw(text: &str) -> &RawValue {
-        serde_json::from_str(text).unwrap()
+    /// Serializations of [`Counted`] so far.
+    static SERIALIZED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    /// A result that counts how often it is serialized.
+    struct Counted;
+
+    impl Serialize for Counted {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            SERIALIZED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            s.serialize_str("counted")
+        }
+    }
+
+    /// `t.count` (read) answers [`Counted`]; `t.add` (write) takes `{a, b}` and answers the sum;
+    /// `t.panic` (read) panics.
+    fn test_dispatcher() -> Dispatcher {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Add {
+            a: u32,
+            b: u32,
+        }
+        let mut d = Dispatcher::new();
+        d.add("t.count", Access::Read, Handler::Call(Arc::new(|_, _| Ok(Box::pin(async { Body::json(&Counted) })))))
+            .unwrap();
+        d.add(
+            "t.add",
+            Access::Write,
+            Handler::Call(Arc::new(|raw, _| {
+                let p: Add = crate::rpc::methods::parse_params(raw)?;
+                Ok(Box::pin(async move { Body::json(&(p.a + p.b)) }))
+            })),
+        )
+        .unwrap();
+        d.add("t.panic", Access::Read, Handler::Call(Arc::new(|_, _| Ok(Box::pin(async { panic!("boom") }))))).unwrap();
+        d
+    }
+
+    fn test_conn(role: Role) -> Conn {
+        let (out, _queue) = mpsc::unbounded_channel();
+        Conn {
+            dispatcher: Arc::new(test_dispatcher()),
+            role,
+            out,
+            queued: Arc::new(Semaphore::new(1 << 20)),
+            subscriptions: Arc::new(Semaphore::new(limits::MAX_SUBSCRIPTIONS_PER_CONNECTION)),
+            uid_subscriptions: None,
+            phase: Arc::new(watch::channel(Phase::Open).0),
+            peer: Peer { uid: 0, pid: 0 },
+        }
+    }
+
+    /// The answer line `conn` makes for `line` (a single request), `None` for none.
+    async fn answer(conn: &Conn, line: &str) -> Option<String> {
+        let Line::Single(parsed) = request::classify(line.as_bytes().to_vec()) else { panic!("{line}") };
+        conn.process(parsed).await.response.map(|out| {
+            let mut text = String::new();
+            out.append_to(&mut text);
+            text
+        })
+    }
+
+    #[tokio::test]
+    async fn the_dispatcher_answers_each_id_kind_with_that_id_serializing_once() {
+        let conn = test_conn(Role::Admin);
+        for id in [r#""a \" b""#, "17", "-1.50e3", "null", r#""""#] {
+            let before = SERIALIZED.load(std::sync::atomic::Ordering::SeqCst);
+            let line = answer(&conn, &format!(r#"{{"jsonrpc":"2.0","method":"t.count","id":{id}}}"#)).await.unwrap();
+            assert_eq!(line, format!(r#"{{"jsonrpc":"2.0","id":{id},"result":"counted"}}"#));
+            assert_eq!(SERIALIZED.load(std::sync::atomic::Ordering::SeqCst) - before, 1, "serialized once");
+        }
+        // A notification runs and is not answered.
+        let before = SERIALIZED.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(answer(&conn, r#"{"jsonrpc":"2.0","method":"t.count"}"#).await, None);
+        assert_eq!(SERIALIZED.load(std::sync::atomic::Ordering::SeqCst) - before, 1);
+        let sum = answer(&conn, r#"{"jsonrpc":"2.0","method":"t.add","params":{"a":2,"b":3},"id":[]}"#).await;
+        assert!(sum.unwrap().contains("id must be"), "an invalid id is refused");
+        let sum = answer(&conn, r#"{"jsonrpc":"2.0","method":"t.add","params":[2,3],"id":"s"}"#).await;
+        assert_eq!(sum.unwrap(), r#"{"jsonrpc":"2.0","id":"s","result":5}"#);
+    }
+
+    #[tokio::test]
+    async fn the_dispatcher_refuses_unknown_methods_bad_params_and_writes_by_readers() {
+        let conn = test_conn(Role::Admin);
+        let unknown = answer(&conn, r#"{"jsonrpc":"2.0","method":"t.nope","id":1}"#).await.unwrap();
+        assert_eq!(unknown, r#"{"jsonrpc":"2.0","id":1,"error":{"code":-32601,"message":"Method not found"}}"#);
+        assert_eq!(answer(&conn, r#"{"jsonrpc":"2.0","method":"t.nope"}"#).await, None);
+        let error = |line: String| -> serde_json::Value { serde_json::from_str::<serde_json::Value>(&line).unwrap() };
+        let wrong = error(
+            answer(&conn, r#"{"jsonrpc":"2.0","method":"t.add","params":{"a":"x","b":1},"id":2}"#).await.unwrap(),
+        );
+        assert_eq!((wrong["id"].as_i64(), wrong["error"]["code"].as_i64()), (Some(2), Some(-32602)));
+        assert_eq!(wrong["error"]["data"]["field"], "a");
+        let missing = error(answer(&conn, r#"{"jsonrpc":"2.0","method":"t.add","id":3}"#).await.unwrap());
+        assert_eq!(
+            (missing["error"]["code"].as_i64(), missing["error"]["data"]["field"].as_str()),
+            (Some(-32602), Some("a"))
+        );
+        let panicked = error(answer(&conn, r#"{"jsonrpc":"2.0","method":"t.panic","id":4}"#).await.unwrap());
+        assert_eq!(panicked["error"]["code"], -32603);
+        assert_eq!(panicked["error"]["message"], "method t.panic failed unexpectedly");
+        let reader = test_conn(Role::ReadOnly);
+        let refused = error(
+            answer(&reader, r#"{"jsonrpc":"2.0","method":"t.add","params":{"a":1,"b":1},"id":5}"#).await.unwrap(),
+        );
+        assert_eq!(
+            (refused["error"]["code"].as_i64(), refused["error"]["data"]["field"].as_str()),
+            (Some(1002), Some("method"))
+        );
+        let unknown = error(answer(&reader, r#"{"jsonrpc":"2.0","method":"t.nope","id":6}"#).await.unwrap());
+        assert_eq!(unknown["error"]["code"], -32601, "an unknown method is -32601 for a reader too");
+        assert!(answer(&reader, r#"{"jsonrpc":"2.0","method":"t.count","id":7}"#).await.unwrap().contains("counted"));
     }
 
     async fn frames(input: &[u8]) -> Vec<(Frame, Vec<u8>)> {
@@ -1301,7 +1373,8 @@ mod tests {
             Arc::from(RawValue::from_string(format!("[{}]", "1,".repeat(100_000) + "2")).unwrap());
         let lines = [
             OutLine::own("small".into()),
-            OutLine { head: "head:".into(), shared: Some((Arc::clone(&list), "}")) },
+            OutLine { head: "head:".into(), body: Some(Body::Shared(Arc::clone(&list))) },
+            OutLine { head: "h2:".into(), body: Some(Body::Own(RawValue::from_string("[1]".into()).unwrap())) },
             OutLine::own("after".into()),
         ];
         for line in lines {
@@ -1310,7 +1383,7 @@ mod tests {
         }
         drop(tx);
         let writer = tokio::spawn(write_loop(wr, rx, phase));
-        let expected = format!("small\nhead:{}}}\nafter\n", list.get());
+        let expected = format!("small\nhead:{}}}\nh2:[1]}}\nafter\n", list.get());
         let mut got = vec![0; expected.len()];
         let mut b = b;
         b.read_exact(&mut got).await.unwrap();
@@ -1367,62 +1440,6 @@ mod tests {
     }
 
     #[test]
-    fn parses_valid_requests() {
-        let r = Request::parse(r#"{"jsonrpc":"2.0","id":"a","method":"vm.get","params":{"name":"x"}}"#).ok().unwrap();
-        assert_eq!(r.id.map(RawValue::get), Some(r#""a""#));
-        assert_eq!(r.method, "vm.get");
-        assert_eq!(r.params.map(RawValue::get), Some(r#"{"name":"x"}"#));
-        let n = Request::parse(r#"{"jsonrpc":"2.0","method":"vm.list"}"#).ok().unwrap();
-        assert!(n.id.is_none() && n.params.is_none());
-        let null_id = Request::parse(r#"{"jsonrpc":"2.0","method":"m","id":null}"#).ok().unwrap();
-        assert_eq!(null_id.id.map(RawValue::get), Some("null"));
-        let negative = Request::parse(r#"{"jsonrpc":"2.0","method":"m","id":-1.5}"#).ok().unwrap();
-        assert_eq!(negative.id.map(RawValue::get), Some("-1.5"));
-    }
-
-    #[test]
-    fn rejects_malformed_requests_keeping_a_valid_id() {
-        let cases = [
-            (r#"1"#, "null"),
-            (r#"[1]"#, "null"),
-            (r#"{"jsonrpc":"2.0","method":"m","id":{}}"#, "null"),
-            (r#"{"jsonrpc":"2.0","method":"m","id":true}"#, "null"),
-            (r#"{"jsonrpc":"1.0","method":"m","id":7}"#, "7"),
-            (r#"{"method":"m","id":7}"#, "7"),
-            (r#"{"jsonrpc":"2.0","id":"x"}"#, r#""x""#),
-            (r#"{"jsonrpc":"2.0","method":5,"id":7}"#, "7"),
-            (r#"{"jsonrpc":"2.0","method":"m","params":3,"id":7}"#, "7"),
-            (r#"{"jsonrpc":"2.0","method":"m","extra":1,"id":7}"#, "7"),
-        ];
-        for (text, id) in cases {
-            match Request::parse(text) {
-                Ok(_) => panic!("{text} accepted"),
-                Err(invalid) => assert_eq!(invalid.id.get(), id, "{text}: {}", invalid.message),
-            }
-        }
-    }
-
-    #[test]
-    fn readdresses_jsonrpsee_answers() {
-        let ok = response_line(raw("17"), raw(r#"{"jsonrpc":"2.0","id":0,"result":null}"#));
-        assert_eq!(ok, r#"{"jsonrpc":"2.0","id":17,"result":null}"#);
-        let err = response_line(
-            raw(r#""x""#),
-            raw(r#"{"jsonrpc":"2.0","id":0,"error":{"code":-32601,"message":"Method not found"}}"#),
-        );
-        assert_eq!(err, r#"{"jsonrpc":"2.0","id":"x","error":{"code":-32601,"message":"Method not found"}}"#);
-        let big = response_line(raw(r#"{"a":[1]}"#), raw(r#"{"jsonrpc":"2.0","id":0,"result":[{"x":"}"},2]}"#));
-        assert_eq!(big, r#"{"jsonrpc":"2.0","id":{"a":[1]},"result":[{"x":"}"},2]}"#);
-        serde_json::from_str::<serde_json::Value>(&big).unwrap();
-        let bad = response_line(raw("1"), raw(r#"{"jsonrpc":"2.0","id":0}"#));
-        // The views' answers are made the same way, in one buffer.
-        let made = success_line(raw(r#""q""#), 0, |l| l.push_str(r#"[{"a":1},{"b":"}"}]"#));
-        assert_eq!(made, r#"{"jsonrpc":"2.0","id":"q","result":[{"a":1},{"b":"}"}]}"#);
-        assert!(made.capacity() > made.len(), "no room for the line end");
-        assert!(bad.contains("-32603"), "{bad}");
-    }
-
-    #[test]
     fn serve_can_be_spawned() {
         // The daemon spawns `serve` on a multi-threaded runtime: its future must be Send.
         fn assert_send<T: Send>(_: &T) {}
@@ -1431,8 +1448,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let listener = bind(&dir.path().join("s"), 0o600).unwrap();
         let (_stop, stopped) = watch::channel(false);
-        let methods = Methods::from(jsonrpsee::RpcModule::new(()));
-        assert_send(&serve(listener, methods, Arc::new(AccessPolicy::default()), stopped));
+        assert_send(&serve(listener, Arc::new(Dispatcher::new()), Arc::new(AccessPolicy::default()), stopped));
     }
 
     #[test]
