@@ -197,6 +197,9 @@ pub struct QemuConfig {
     pub cpu_model: String,
     /// Seconds QEMU may take to initialise before the start counts as failed.
     pub launch_timeout_s: u64,
+    /// Spare PCIe root ports a q35 VM starts with, each able to take one hot-plugged data
+    /// disk ([`crate::qemu::hotplug`]); each costs a TCG guest boot time (docs/performance.md).
+    pub hotplug_ports: usize,
     /// The unprivileged user QEMU runs as (docs/sandbox.md).
     pub user: String,
     /// QEMU's own seccomp filter: `-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,
@@ -219,6 +222,14 @@ pub struct UserIds {
     pub gid: u32,
 }
 
+/// The default `qemu.hotplug_ports` (docs/performance.md, "Spare hot-plug root ports").
+pub const DEFAULT_HOTPLUG_PORTS: usize = 4;
+
+/// The most `qemu.hotplug_ports`: the root ports of the data disks and the spare ones share
+/// three PCI slots of eight functions ([`crate::qemu::hotplug::root_port_args`]), and 16 data
+/// disks take two of them.
+pub const MAX_HOTPLUG_PORTS: usize = 8;
+
 /// The default `qemu.user`, which the Debian package creates.
 pub const DEFAULT_QEMU_USER: &str = "vmhost-qemu";
 
@@ -231,6 +242,7 @@ impl Default for QemuConfig {
             machine: "q35".into(),
             cpu_model: String::new(),
             launch_timeout_s: 30,
+            hotplug_ports: DEFAULT_HOTPLUG_PORTS,
             user: DEFAULT_QEMU_USER.into(),
             sandbox: true,
             sha256: None,
@@ -646,6 +658,15 @@ impl Config {
         if raw.qemu.launch_timeout_s == 0 {
             return Err(key_err("qemu.launch_timeout_s", "must be at least 1".into()));
         }
+        if raw.qemu.hotplug_ports > MAX_HOTPLUG_PORTS {
+            return Err(key_err(
+                "qemu.hotplug_ports",
+                format!(
+                    "{} is more than {MAX_HOTPLUG_PORTS} (with 16 data disks the ports fill three PCI slots)",
+                    raw.qemu.hotplug_ports
+                ),
+            ));
+        }
         let user_ok = raw.qemu.user.len() <= 32
             && raw.qemu.user.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c == '_')
             && raw.qemu.user.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-_".contains(c));
@@ -885,6 +906,8 @@ reserved_memory_gib = 8
             format!("[access]\nsocket_mode = \"0999\"\n{hw}"),
             format!("[access]\nsocket_mode = 660\n{hw}"),
             format!("[qemu]\nlaunch_timeout_s = 0\n{hw}"),
+            format!("[qemu]\nhotplug_ports = 9\n{hw}"),
+            format!("[qemu]\nhotplug_ports = -1\n{hw}"),
             format!("{hw}[hardware.sfp]\nfive = \"0000:ca:00.0\"\n"),
             format!("{hw}[hardware.sfp]\n5 = \"ca:00\"\n"),
             format!("{hw}[networks.lan]\nsubnet = \"10.0.0.0/24\"\n"),

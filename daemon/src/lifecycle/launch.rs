@@ -265,7 +265,7 @@ impl Manager {
         // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client
         // of a dead QEMU's sockets is refused rather than queued.
         drop(request);
-        let id = launched?;
+        let crate::qemu::launch::Launched { identity: id, qmp } = launched?;
         // Killed on failure from here on, also when its identity cannot be recorded.
         undo.push(Step::Process(id.clone()));
         self.crashpoint("launch:spawned");
@@ -275,7 +275,7 @@ impl Manager {
             r.qemu_started();
         })?;
         self.crashpoint("launch:launched");
-        self.processes.verify_running(&paths).await?;
+        self.processes.verify_running(qmp).await?;
         Ok(id)
     }
 

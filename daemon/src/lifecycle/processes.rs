@@ -16,7 +16,7 @@ use crate::process::{self, ProcessIdentity};
 use crate::qemu::argv::VmPaths;
 use crate::qemu::identity::{self, QemuCheck};
 use crate::qemu::integrity::Integrity;
-use crate::qemu::launch::{launch, LaunchRequest};
+use crate::qemu::launch::{launch, LaunchRequest, Launched};
 use crate::qemu::qmp::Qmp;
 use serde_json::json;
 use std::sync::Arc;
@@ -103,14 +103,14 @@ impl Processes {
         .map_err(unknown_liveness)
     }
 
-    /// Starts QEMU as `request` says and returns its identity once it runs (daemonized, its
-    /// QMP socket up). Dropping `request` afterwards closes our copies of the descriptors it
+    /// Starts QEMU as `request` says and returns its identity and the QMP connection it greeted
+    /// on, once it runs. Dropping `request` afterwards closes our copies of the descriptors it
     /// handed over.
     ///
     /// # Errors
     /// 4002 when the binary is not the one `qemu.sha256` pins; 4001 step `qemu` with the tail
     /// of QEMU's log.
-    pub async fn spawn(&self, request: &LaunchRequest) -> Result<ProcessIdentity, ApiError> {
+    pub async fn spawn(&self, request: &LaunchRequest) -> Result<Launched, ApiError> {
         // Checked here too, not only when the operation began: the last moment before the exec.
         self.integrity.verify_qemu()?;
         launch(request).await.map_err(|e| {
@@ -120,16 +120,14 @@ impl Processes {
         })
     }
 
-    /// Checks over QMP that the QEMU at `paths` runs its guest.
+    /// Checks over `qmp`, the connection a just-launched QEMU greeted on ([`Launched::qmp`]),
+    /// that it runs its guest.
     ///
     /// # Errors
     /// 4001 step `qemu_verify` when QMP does not answer or reports another status.
-    pub async fn verify_running(&self, paths: &VmPaths) -> Result<(), ApiError> {
-        let verified = async {
-            let mut qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(|e| e.to_string())?;
-            qmp.query_status().await.map_err(|e| e.to_string())
-        }
-        .await;
+    pub async fn verify_running(&self, mut qmp: Qmp) -> Result<(), ApiError> {
+        qmp.set_timeout(QMP_TIMEOUT);
+        let verified = qmp.query_status().await.map_err(|e| e.to_string());
         let why = match verified {
             Ok(status) if status == "running" => return Ok(()),
             Ok(s) => format!("QEMU reports status {s:?}"),

@@ -373,7 +373,7 @@ pub fn build_argv(
     }
     // On q35 each data disk sits behind its own root port, so it can be unplugged, and spare
     // ports take hot-plugged ones (qemu/hotplug.rs).
-    let ports = crate::qemu::hotplug::root_port_args(&config.qemu.machine, spec.disks.len());
+    let ports = crate::qemu::hotplug::root_port_args(&config.qemu.machine, spec.disks.len(), config.qemu.hotplug_ports);
     for port in &ports {
         push(&["-device", port]);
     }
@@ -664,7 +664,7 @@ mod tests {
         // all defined before the disks that name them.
         let ports: Vec<&str> =
             value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("pcie-root-port,id=hp")).collect();
-        assert_eq!(ports.len(), 2 + crate::qemu::hotplug::SPARE_PORTS);
+        assert_eq!(ports.len(), 2 + c.qemu.hotplug_ports);
         let position = |needle: &str| argv.iter().position(|a| a.starts_with(needle)).unwrap();
         assert!(position("pcie-root-port,id=hp1,") < position("virtio-blk-pci,drive=data-nsm"));
         let (nsm_fd, logs_fd) = (3 + layout.len() - 4, 3 + layout.len() - 2);

@@ -8,7 +8,8 @@
 //!    [`fdset_opaque`]), `blockdev-add` of node `data-NAME` on `/dev/fdset/N` ([`blockdev_args`]),
 //!    then `device_add` of a `virtio-blk-pci` with id `data-NAME` and the disk's serial on a free
 //!    root port ([`free_port`]; QEMU starts with one per data disk, which can thus be unplugged,
-//!    and [`SPARE_PORTS`] more, [`root_port_args`]). A step that fails undoes the ones before it.
+//!    and `qemu.hotplug_ports` spare ones, [`root_port_args`]). A step that fails undoes the
+//!    ones before it.
 //! 2. [`detach`]: `device_del`, then the guest must release the device (QEMU reports
 //!    `DEVICE_DELETED`); only then are the node and the fd set removed. A guest that does not
 //!    release it in time keeps it, and nothing else is removed.
@@ -31,9 +32,6 @@ pub fn data_drive(name: &str) -> String {
     format!("data-{name}")
 }
 
-/// Spare PCIe root ports a q35 VM starts with, each able to take one hot-plugged disk.
-pub const SPARE_PORTS: usize = 4;
-
 /// The PCI slot of the first root port: they fill slots from here up, eight functions each,
 /// far above the slots QEMU gives the other devices in command-line order from slot 1.
 const FIRST_PORT_SLOT: usize = 0x1b;
@@ -51,14 +49,14 @@ pub fn is_pcie(machine: &str) -> bool {
 }
 
 /// The `-device` values of the root ports of a VM with `disks` data disks: one per data disk
-/// (port `i` for disk `i`) and [`SPARE_PORTS`] more (none for a machine without PCIe). They
-/// sit at fixed addresses, eight to a slot (multifunction, as libvirt packs them), so they take
-/// no slot another device had and 16 disks and the spares need three slots.
-pub fn root_port_args(machine: &str, disks: usize) -> Vec<String> {
+/// (port `i` for disk `i`) and `spare` more (`qemu.hotplug_ports`; none for a machine without
+/// PCIe). They sit at fixed addresses, eight to a slot (multifunction, as libvirt packs them),
+/// so they take no slot another device had and 16 disks and 8 spares need three slots.
+pub fn root_port_args(machine: &str, disks: usize, spare: usize) -> Vec<String> {
     if !is_pcie(machine) {
         return Vec::new();
     }
-    (0..disks + SPARE_PORTS)
+    (0..disks + spare)
         .map(|i| {
             let (slot, function) = (FIRST_PORT_SLOT + i / 8, i % 8);
             let multifunction = if function == 0 { ",multifunction=on" } else { "" };
@@ -157,7 +155,9 @@ pub fn free_port(query_pci: &Value) -> Option<String> {
 #[derive(Debug, thiserror::Error)]
 pub enum HotplugError {
     /// Every spare root port holds a device (or the VM was started without them).
-    #[error("no free hot-plug slot (a VM has {SPARE_PORTS}; a restart attaches the disk instead)")]
+    #[error(
+        "no free hot-plug slot (a VM starts with qemu.hotplug_ports of them; a restart attaches the disk instead)"
+    )]
     NoFreeSlot,
     /// The guest did not release the device in time; it stays attached until it does.
     #[error("the guest did not release the disk within {0:?}")]
@@ -347,17 +347,25 @@ mod tests {
 
     #[test]
     fn a_port_per_disk_and_spares_only_on_pcie_machines_eight_to_a_slot() {
-        let ports = root_port_args("q35", 5);
-        assert_eq!(ports.len(), 5 + SPARE_PORTS);
+        let ports = root_port_args("q35", 5, 4);
+        assert_eq!(ports.len(), 5 + 4);
         assert_eq!(ports[0], "pcie-root-port,id=hp0,bus=pcie.0,chassis=1,addr=0x1b.0x0,multifunction=on");
         assert_eq!(ports[7], "pcie-root-port,id=hp7,bus=pcie.0,chassis=8,addr=0x1b.0x7");
         assert_eq!(ports[8], "pcie-root-port,id=hp8,bus=pcie.0,chassis=9,addr=0x1c.0x0,multifunction=on");
         assert_eq!(
-            root_port_args("q35", 16).last().map(String::as_str),
+            root_port_args("q35", 16, 4).last().map(String::as_str),
             Some("pcie-root-port,id=hp19,bus=pcie.0,chassis=20,addr=0x1d.0x3")
         );
-        assert_eq!(root_port_args("pc-q35-7.2", 0).len(), SPARE_PORTS);
-        assert!(root_port_args("pc", 3).is_empty() && root_port_args("pc-i440fx-7.2", 0).is_empty());
+        // The most of both still fits the three slots below the seed's port (0x1e).
+        let most = crate::api::disks::MAX_DATA_DISKS;
+        assert_eq!(
+            root_port_args("q35", most, crate::config::MAX_HOTPLUG_PORTS).last().map(String::as_str),
+            Some("pcie-root-port,id=hp23,bus=pcie.0,chassis=24,addr=0x1d.0x7")
+        );
+        assert_eq!(root_port_args("pc-q35-7.2", 0, 4).len(), 4);
+        // qemu.hotplug_ports = 0: only the disks' own ports.
+        assert_eq!(root_port_args("q35", 2, 0).len(), 2);
+        assert!(root_port_args("pc", 3, 4).is_empty() && root_port_args("pc-i440fx-7.2", 0, 4).is_empty());
     }
 
     #[test]

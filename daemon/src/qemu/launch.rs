@@ -18,7 +18,9 @@
 //!    QEMU's exit (the reason is in the log, returned as the stderr tail).
 //!
 //! On every failure path, including the caller dropping the future, QEMU is killed (the
-//! spawn handle's drop): a failed launch leaves no process. On success the handle is detached.
+//! spawn handle's drop): a failed launch leaves no process. On success the handle is detached
+//! and the caller gets the greeted connection ([`Launched::qmp`]): its checks go over it at once
+//! instead of waiting for QEMU to notice this one closed and accept another.
 
 use std::ffi::OsString;
 use std::io::{self, Read, Seek, SeekFrom};
@@ -136,13 +138,24 @@ impl LaunchError {
     }
 }
 
-/// Starts QEMU and returns the identity of its process once it greets on QMP.
+/// A QEMU that greeted on QMP.
+#[derive(Debug)]
+pub struct Launched {
+    /// Its process.
+    pub identity: ProcessIdentity,
+    /// The connection it greeted on, past negotiation, on [`LaunchRequest::qmp`]: QEMU serves
+    /// one client at a time there, so this one is the caller's until dropped.
+    pub qmp: Qmp,
+}
+
+/// Starts QEMU and returns its process and QMP connection once it greets on QMP.
 ///
 /// # Errors
 /// See [`LaunchError`]; each variant says when it happens. Whatever the error, no process
 /// started by this call keeps running.
-pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError> {
+pub async fn launch(req: &LaunchRequest) -> Result<Launched, LaunchError> {
     check_request(req)?;
+    crate::crashpoint::reached("qemu:spawn");
     let deadline = Instant::now() + req.timeout;
     let log = std::fs::OpenOptions::new()
         .append(true)
@@ -164,6 +177,7 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
         .keep_kvm_group(req.kvm);
     // From here on, any early return (or the caller dropping us) kills QEMU (the handle's drop).
     let mut child = command.spawn().await.map_err(LaunchError::Spawn)?;
+    crate::crashpoint::reached("qemu:spawned");
     let identity = match process::identify(child.pid) {
         Ok(id) => id,
         Err(e) => {
@@ -187,9 +201,10 @@ pub async fn launch(req: &LaunchRequest) -> Result<ProcessIdentity, LaunchError>
         () = tokio::time::sleep_until(deadline) => None,
     };
     match greeted {
-        Some(Ok(_qmp)) => {
+        Some(Ok(qmp)) => {
+            crate::crashpoint::reached("qemu:greeted");
             child.detach();
-            Ok(identity)
+            Ok(Launched { identity, qmp })
         }
         Some(Err(e)) => {
             // The socket closed or broke: QEMU is most likely exiting; its status is the better
@@ -362,8 +377,11 @@ mod tests {
     async fn good_launch_returns_the_live_vm_process_once_qmp_greets() {
         let p = paths();
         let req = request(&p, &[]);
-        let id = launch(&req).await.unwrap();
+        let Launched { identity: id, qmp: mut greeted } = launch(&req).await.unwrap();
         drop(req);
+        // The connection QEMU greeted on is the caller's: it answers on it at once.
+        assert_eq!(greeted.query_status().await.unwrap(), "running");
+        drop(greeted);
 
         assert_ne!(id.pid, std::process::id() as i32);
         assert!(process::liveness(id.pid).is_alive());
@@ -375,7 +393,7 @@ mod tests {
         let args = process::cmdline(id.pid).unwrap();
         assert!(!args.iter().any(|a| a == "-daemonize"), "{args:?}");
 
-        // Up means QMP answers at once, on the socket the caller bound.
+        // Up means QMP answers at once, on the socket the caller bound, also on a new connection.
         let mut qmp = Qmp::connect(&p.sock, Duration::from_secs(2)).await.unwrap();
         assert_eq!(qmp.query_status().await.unwrap(), "running");
         qmp.quit().await.unwrap();
@@ -390,7 +408,7 @@ mod tests {
         let fb: OwnedFd = std::fs::File::create(&b).unwrap().into();
         let mut req = request(&p, &[]);
         req.fds.extend([fa, fb]);
-        let id = launch(&req).await.unwrap();
+        let id = launch(&req).await.unwrap().identity;
         let link = |n: i32| std::fs::read_link(format!("/proc/{}/fd/{n}", id.pid)).unwrap();
         assert!(link(FIRST_PASSED_FD).to_string_lossy().starts_with("socket:"));
         assert_eq!(link(FIRST_PASSED_FD + 1), a);
@@ -406,7 +424,7 @@ mod tests {
         let mut req = request(&p, &[]);
         // Below this machine's hard limit (8 MiB), which cannot be raised here.
         req.memlock = Some(4 * 1024 * 1024);
-        let id = launch(&req).await.unwrap();
+        let id = launch(&req).await.unwrap().identity;
         let limits = std::fs::read_to_string(format!("/proc/{}/limits", id.pid)).unwrap();
         let line = limits.lines().find(|l| l.starts_with("Max locked memory")).unwrap().to_string();
         kill(&id).await;
@@ -418,7 +436,7 @@ mod tests {
         let p = paths();
         let mut req = request(&p, &[]);
         req.user = Some(UserIds { uid: 65534, gid: 65534 });
-        let id = launch(&req).await.unwrap();
+        let id = launch(&req).await.unwrap().identity;
         let status = std::fs::read_to_string(format!("/proc/{}/status", id.pid)).unwrap();
         kill(&id).await;
         let field = |name: &str| {

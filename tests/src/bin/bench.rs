@@ -37,13 +37,19 @@
 //! [--parallel N] [--parallel-rounds N] [--idle-vms N] [--idle-secs N] [--idle-settle N]
 //! [--nic-rounds N] [--boot-rounds N] [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR]
 //! [--check-rounds N] [--reconfigure-rounds N] [--autostart-vms N] [--stats-vms N] [--stats-calls N]
-//! [--storage-rounds N] [--image-rounds N] [--image-mib N]`; 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test
+//! [--storage-rounds N] [--image-rounds N] [--image-mib N] [--create-rounds N] [--port-rounds N]`;
+//! 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test
 //! guest's `vmlinuz` and `initramfs.cpio.gz` from DIR instead of building it (the same files for
-//! two builds compared). Sections (`--only`, comma-separated; all without it): `read`,
+//! two builds compared). Sections (`--only`, comma-separated; all without it): `create`
+//! (`vm.create` against raw QEMU with the same argv, and step by step) and `ports` (TCG boot with
+//! 0 to 4 spare hot-plug root ports), both in `bench_create.rs`, `read`,
 //! `reconcile`, `churn`, `restart`, `adopt`, `parallel`, `idle` (`scale` names these seven), `nic`,
 //! `boot`, `agent`, `reconfigure`, `autostart`, `stats`, `storage`, `images`. `--quick` is a smoke test:
 //! without `--only` it runs the scale sections only, at small defaults (200 records, 4 running,
 //! 4 parallel, 10 idle VMs over 10 s, one round each); options given explicitly still win.
+
+#[path = "../bench_create.rs"]
+mod bench_create;
 
 use serde_json::{json, Value};
 use std::fs;
@@ -577,7 +583,9 @@ fn read_bench(
 const SCALE_SECTIONS: [&str; 7] = ["read", "reconcile", "churn", "restart", "adopt", "parallel", "idle"];
 
 /// Every section `--only` accepts (and `scale` for all of [`SCALE_SECTIONS`]).
-const SECTIONS: [&str; 15] = [
+const SECTIONS: [&str; 17] = [
+    "create",
+    "ports",
     "read",
     "reconcile",
     "churn",
@@ -1204,6 +1212,12 @@ fn main() {
         );
     }
     print_goals(&goals);
+    if selected("create") {
+        bench_create::create(arg("--create-rounds", 31));
+    }
+    if selected("ports") {
+        bench_create::ports(arg("--port-rounds", 5));
+    }
     if selected("nic") {
         nic_bench(arg("--nic-rounds", 7));
     }
