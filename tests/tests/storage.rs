@@ -371,6 +371,47 @@ fn disks_come_and_go_while_running_and_a_restart_puts_them_in_order() {
     assert_eq!(host.call("vm.get", json!({ "name": "pend" }))["pending_restart"], false);
 }
 
+/// VM `track`'s spec with `disks`; its guest writes a marker to disk `x` when it has one.
+fn track_spec(host: &TestHost, disks: Value) -> Value {
+    disk_spec(host, "track", disks, "vmhost.writemark=x:precious")
+}
+
+/// A disk still named by an earlier operation (a hot-plug that a crash cut short while QEMU
+/// died too) is the VM's once a QEMU starts on it: a later hot-plug that QEMU refuses undoes
+/// only its own disk, never one the guest wrote to.
+#[test]
+fn a_disk_the_guest_wrote_is_never_undone_by_a_later_failed_hot_plug() {
+    let mut host = host();
+    let a = json!({"name": "a", "size_gib": 1});
+    let x = json!({"name": "x", "size_gib": 1, "format": "raw"});
+    host.call("vm.create", json!({ "spec": track_spec(&host, json!([a])) }));
+    assert_eq!(disk_report(&host, "track", 1).len(), 1);
+    let qemu = host.call("vm.get", json!({ "name": "track" }))["pid"].as_i64().expect("pid") as i32;
+
+    // The daemon dies once x is made for a hot-plug, before QEMU has it, and QEMU dies too.
+    host.arm_crash("data_disk:made");
+    let answer =
+        host.client().call::<Value>("vm.apply", json!({ "spec": track_spec(&host, json!([a, x])), "timeout_s": 5 }));
+    assert!(answer.is_err(), "the daemon should have died: {answer:?}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(qemu), nix::sys::signal::Signal::SIGKILL).expect("kill QEMU");
+    vmhost_tests::wait::until_true("QEMU to end", BOOT, || !vmhost_tests::alive(qemu), || "alive".into());
+    host.restart_after_crash("data_disk:made");
+
+    // Autostart boots it again, now with x, and the guest writes to x.
+    assert!(host.wait_serial("track", "VMHOST-WROTE x precious", BOOT), "{}", host.serial("track"));
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(host.state().join("vms/track.json")).expect("record")).expect("json");
+    assert!(record.get("new_disks").is_none(), "x is the VM's now, not the hot-plug's: {record}");
+
+    // A hot-plug QEMU cannot take (y's path is a directory) fails and takes back only y.
+    std::fs::create_dir(data_disk(&host, "track", "y.qcow2")).expect("y as a directory");
+    let y = json!({"name": "y", "size_gib": 1});
+    let (code, e) = host.call_err("vm.apply", json!({ "spec": track_spec(&host, json!([a, x, y])), "timeout_s": 5 }));
+    assert_eq!(code, 4001, "{e:?}");
+    let written = std::fs::read(data_disk(&host, "track", "x.raw")).expect("x is still there");
+    assert!(written.starts_with(b"VMHOSTMARK:precious"), "x keeps what the guest wrote");
+}
+
 /// Waits for the guest to report a hot-plugged disk with serial `serial`.
 fn wait_added(host: &TestHost, name: &str, serial: &str) -> bool {
     let needle = format!("serial={serial}");

@@ -13,6 +13,8 @@
 //!    [`Manager::end_disk_tracking`] when the create ends, or [`Manager::undo_data_disks`]
 //!    when it is undone (new ones deleted, taken-back ones returned);
 //! 2. a start: [`Manager::ensure_data_disks`] without tracking (a disk added while stopped);
+//!    before either, names an earlier operation left tracked become the VM's disks
+//!    ([`VmOp::make_data_disks`]: a QEMU may have had them);
 //! 3. a change of a stopped VM: [`Manager::grow_data_disks`], then, once the VM runs its new
 //!    spec, [`Manager::retire_data_disks`] for the disks the spec dropped;
 //! 4. a destroy: [`Manager::dispose_data_disks`], whose kept paths the reply names;
@@ -391,6 +393,11 @@ impl VmOp {
     /// # Errors
     /// As [`Manager::ensure_data_disks`].
     pub(super) async fn make_data_disks(&mut self, spec: &VmSpec, track: bool) -> Result<(), ApiError> {
+        // Disks still named from an earlier operation (a hot-plug whose answer was lost, or
+        // one a crash cut short while QEMU died too) are the VM's from here on: a QEMU may have
+        // had them and its guest written to them, so nothing this operation undoes may delete
+        // them. This operation has tracked nothing yet, so every name there is such a leftover.
+        self.end_disk_tracking()?;
         if track {
             // Its undo reads the record, which names each disk before it is touched.
             self.push(Step::DataDisks);

@@ -154,7 +154,15 @@ impl Manager {
             match self.plug(&mut q, name, disk, pcie).await {
                 Ok(()) => {}
                 Err((error, HotplugOutcome::Refused)) => {
-                    self.undo_data_disks(name);
+                    // Only what QEMU does not have is undone: a disk still tracked from an
+                    // earlier attach whose answer was lost may be in the guest's hands. When
+                    // QEMU cannot say, nothing is deleted.
+                    match hotplug::attached(&mut q).await {
+                        Ok(devices) => self.undo_data_disks_except(name, &devices),
+                        Err(e) => {
+                            tracing::error!(vm = name, error = %e, "a refused hot-plug's disk stays: QEMU cannot say what it has")
+                        }
+                    }
                     return Err(fail(touched)(error));
                 }
                 // QEMU may have it: the disk stays tracked, and the next apply or a restart
