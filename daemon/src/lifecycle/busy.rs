@@ -74,8 +74,6 @@ impl BusyFlags {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lifecycle::exits::ExitCause;
-    use crate::process::ProcessIdentity;
 
     fn exit(pid: i32) -> PendingExit {
         let id = ProcessIdentity { pid, start_ticks: 1 };

@@ -184,9 +184,9 @@ impl Manager {
         // run dir, taps or devices of a start that begins meanwhile, and an operation that
         // ends meanwhile must find the exit queued.
         let result = self.write_and_hold(name, "QEMU exited", |t| {
-            if t.busy.contains(name) {
-                let exit = PendingExit { id: id.clone(), cause: cause.clone() };
-                queued = t.busy.queue_exit(name, exit).is_none();
+            let exit = PendingExit { id: id.clone(), cause: cause.clone() };
+            if t.busy.queue_exit(name, exit).is_none() {
+                queued = true;
                 return Ok((Change::Keep, ()));
             }
             let Some(rec) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
