@@ -25,7 +25,7 @@ pub const STEP_TARGET: &str = "vmhost::step";
 /// Logs that an operation reached `step` (debug level, target [`STEP_TARGET`]).
 #[inline]
 pub fn reached(step: &str) {
-    tracing::debug!(target: "vmhost::step", step, "step");
+    tracing::debug!(target: STEP_TARGET, step, "step");
 }
 
 /// Kills the daemon with SIGKILL when `RUN/crashpoint` names `step` (debug builds only).
