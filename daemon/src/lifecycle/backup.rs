@@ -64,7 +64,7 @@ impl Manager {
     /// nothing is left in `paths.backups`.
     pub async fn export_vm(self: &Arc<Self>, p: ExportParams) -> Result<ExportResult, ApiError> {
         let within = copy_timeout(p.timeout_s)?;
-        let (_guard, rec) = self.begin(&p.name)?;
+        let (_guard, rec) = self.begin(&p.name).await?;
         Self::check_not_reverting(&rec)?;
         let (live, spec, disks) = self.copy_sources(&rec, "export").await?;
         let stopped = self.check_requires(&rec, live, p.requires, "export")?;

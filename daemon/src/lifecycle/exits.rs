@@ -14,7 +14,8 @@
 //!    of 1 s doubling to 60 s, or `failed` at the 5th failure within 10 minutes;
 //! 3. the verdict is recorded (status, `last_exit`, the failure times) before anything else,
 //!    taking the VM's busy flag in the same step; then the VM's run dir, taps, agent session and
-//!    devices go ([`super::teardown`]) and the flag is released;
+//!    devices go ([`super::teardown`]) and the flag is released (an operation asked for
+//!    meanwhile, by a client that saw the new status, waits for that: [`super::busy`]);
 //! 4. a restart sleeps the backoff and starts the VM through the ordinary start steps (reason
 //!    `restart policy`), only if it is still `dead` and desired running and nobody else is working
 //!    on it. A daemon killed meanwhile leaves a `dead` VM desired running, which autostart starts.
@@ -183,7 +184,7 @@ impl Manager {
         // The record and the VM's busy flag in one step: the cleanup below must not take the
         // run dir, taps or devices of a start that begins meanwhile, and an operation that
         // ends meanwhile must find the exit queued.
-        let result = self.write_and_hold(name, "QEMU exited", |t| {
+        let result = self.write_and_hold(name, "QEMU exited", super::busy::Holder::ExitCleanup, |t| {
             let exit = PendingExit { id: id.clone(), cause: cause.clone() };
             if t.busy.queue_exit(name, exit).is_none() {
                 queued = true;

@@ -277,14 +277,29 @@ impl Manager {
         }
     }
 
-    /// Takes the busy flag of an existing VM.
-    fn begin(self: &Arc<Self>, name: &str) -> Result<(OpGuard, VmRecord), ApiError> {
-        let mut t = self.lock();
-        let rec = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
-        if !t.busy.take(name) {
-            return Err(busy(name));
+    /// Takes the busy flag of an existing VM; while the exit watcher cleans up after its QEMU,
+    /// waits for that first (up to [`busy::CLEANUP_WAIT`]). Returns the record as it was when
+    /// the flag was taken.
+    ///
+    /// # Errors
+    /// 4040 when there is no such VM, 4090 when another operation holds it (or the cleanup
+    /// outlasts the wait).
+    async fn begin(self: &Arc<Self>, name: &str) -> Result<(OpGuard, VmRecord), ApiError> {
+        let deadline = tokio::time::Instant::now() + busy::CLEANUP_WAIT;
+        loop {
+            let released = {
+                let mut t = self.lock();
+                let rec = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+                match t.busy.take(name, busy::Holder::Operation) {
+                    busy::Take::Taken => return Ok((OpGuard { mgr: self.clone(), name: name.to_string() }, rec)),
+                    busy::Take::Busy => return Err(busy(name)),
+                    busy::Take::AfterCleanup(released) => released,
+                }
+            };
+            if !busy::wait_for_release(released, deadline).await {
+                return Err(busy(name));
+            }
         }
-        Ok((OpGuard { mgr: self.clone(), name: name.to_string() }, rec))
     }
 
     /// Admits `spec` as a new VM: capacity, conflicts, record written (with a new instance id:
@@ -292,7 +307,7 @@ impl Manager {
     fn reserve_new(self: &Arc<Self>, spec: &VmSpec) -> Result<OpGuard, ApiError> {
         let name = &spec.name;
         let instance_id = new_instance_id(name)?;
-        let (guard, ()) = self.write_and_hold(name, "vm.create", |t| {
+        let (guard, ()) = self.write_and_hold(name, "vm.create", busy::Holder::Operation, |t| {
             if t.vms.contains_key(name) {
                 return Err(ApiError::invalid("spec.name", format!("a VM named {name:?} already exists")));
             }
@@ -325,13 +340,14 @@ impl Manager {
         self: &Arc<Self>,
         name: &str,
         reason: &str,
+        holder: busy::Holder,
         decide: impl FnOnce(&mut Table) -> Result<(Change, T), ApiError>,
     ) -> Result<(Option<OpGuard>, T), ApiError> {
         let took = std::cell::Cell::new(false);
         let written = self.registry.write(name, reason, |t| {
             let (change, value) = decide(t)?;
             if matches!(change, Change::Put(_)) {
-                took.set(t.busy.take(name));
+                took.set(matches!(t.busy.take(name, holder), busy::Take::Taken));
             }
             Ok((change, value))
         });

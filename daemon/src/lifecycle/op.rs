@@ -53,9 +53,9 @@ impl Manager {
     /// unless [`VmOp::release_on_failure`] says otherwise.
     ///
     /// # Errors
-    /// 4040 when there is no such VM, 4090 when another operation holds it.
-    pub(super) fn begin_op(self: &Arc<Self>, name: &str) -> Result<(VmOp, VmRecord), ApiError> {
-        let (guard, rec) = self.begin(name)?;
+    /// As [`Manager::begin`]: 4040 when there is no such VM, 4090 when another operation holds it.
+    pub(super) async fn begin_op(self: &Arc<Self>, name: &str) -> Result<(VmOp, VmRecord), ApiError> {
+        let (guard, rec) = self.begin(name).await?;
         Ok((self.op(name, guard, false), rec))
     }
 

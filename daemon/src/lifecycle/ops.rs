@@ -60,7 +60,7 @@ impl Manager {
     pub async fn start(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.start", vm = %name);
         async move {
-            let (mut op, _) = self.begin_op(name)?;
+            let (mut op, _) = self.begin_op(name).await?;
             let changed = op.start_steps("vm.start").await?;
             // An operator's start begins the restart policy's count afresh.
             self.update(name, "vm.start", |r| r.failures.clear())?;
@@ -84,7 +84,7 @@ impl Manager {
     ) -> Result<Option<Mutation>, ApiError> {
         let span = tracing::info_span!("vm.start", vm = %name, why);
         async move {
-            let (mut op, rec) = self.begin_op(name)?;
+            let (mut op, rec) = self.begin_op(name).await?;
             if rec.spec.state != DesiredState::Running || !statuses.contains(&rec.status) {
                 return Ok(None);
             }
@@ -104,7 +104,7 @@ impl Manager {
         let span = tracing::info_span!("vm.stop", vm = %p.name);
         async move {
             check_stop_timeout(&p)?;
-            let (mut op, _) = self.begin_op(&p.name)?;
+            let (mut op, _) = self.begin_op(&p.name).await?;
             let changed = op.stop_steps(&p).await?;
             Ok(Mutation::new(changed, Some(self.get(&p.name)?)))
         }
@@ -182,7 +182,7 @@ impl Manager {
         let span = tracing::info_span!("vm.restart", vm = %p.name);
         async move {
             check_stop_timeout(&p)?;
-            let (mut op, _) = self.begin_op(&p.name)?;
+            let (mut op, _) = self.begin_op(&p.name).await?;
             op.stop_steps(&p).await?;
             op.start_steps("vm.restart").await?;
             Ok(Mutation::new(true, Some(self.get(&p.name)?)))
@@ -199,7 +199,7 @@ impl Manager {
     pub async fn destroy(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
         let span = tracing::info_span!("vm.destroy", vm = %name);
         async move {
-            let (mut op, _) = self.begin_op(name)?;
+            let (mut op, _) = self.begin_op(name).await?;
             let kept_disks = op.destroy_steps().await?;
             Ok(Mutation { changed: true, vm: None, kept_disks })
         }
@@ -280,7 +280,7 @@ impl Manager {
         self.check_launch_files(&vm).await?;
         let span = tracing::info_span!("vm.replace", vm = %spec.name);
         async move {
-            let (mut op, current) = self.begin_op(&spec.name)?;
+            let (mut op, current) = self.begin_op(&spec.name).await?;
             self.admit_disk_space(Some(&current.spec), &vm.spec)?;
             if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
                 // Capacity and conflicts in place of the old spec first, then the kernel's view
@@ -314,7 +314,7 @@ impl Manager {
         // agent apply them. The run state is converged after that, in the same call.
         let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;
         if interfaces_changed {
-            let (_op, _) = self.begin_op(&spec.name)?;
+            let (_op, _) = self.begin_op(&spec.name).await?;
             let wanted = spec.guest_interfaces.clone();
             self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
             if self.find_live(&spec.name, current.process.as_ref())?.is_some() {

@@ -61,7 +61,7 @@ impl Manager {
         let span = tracing::info_span!("vm.reconfigure", vm = %name, fields = %fields.join(","));
         async move {
             self.check_launch_files(&vm).await?;
-            let (mut op, _) = self.begin_op(&name)?;
+            let (mut op, _) = self.begin_op(&name).await?;
             self.reconfigure_held(&mut op, &vm, restart, allow_restart, timeout_s).await?;
             Ok(Mutation::new(true, Some(self.get(&name)?)))
         }

@@ -49,7 +49,7 @@ impl Manager {
 
     /// One VM of [`Manager::shutdown_vms`].
     async fn power_off(self: &Arc<Self>, name: &str, timeout_s: u64) -> Result<(), ApiError> {
-        let (_guard, rec) = self.begin(name)?;
+        let (_guard, rec) = self.begin(name).await?;
         let Some(id) = self.find_live(name, rec.process.as_ref())? else { return Ok(()) };
         self.shut_down(name, &id, "host shutdown", None, timeout_s, false).await
     }

@@ -96,7 +96,7 @@ impl Manager {
     pub async fn snapshot(self: &Arc<Self>, p: TakeSnapshotParams) -> Result<Snapshot, ApiError> {
         check_name(&p.snapshot)?;
         let within = copy_timeout(p.timeout_s)?;
-        let (_guard, rec) = self.begin(&p.name)?;
+        let (_guard, rec) = self.begin(&p.name).await?;
         Self::check_not_reverting(&rec)?;
         let existing = self.list_snapshots(&p.name)?;
         if existing.iter().any(|s| s.name == p.snapshot) {
@@ -231,7 +231,7 @@ impl Manager {
     /// on `snapshot` (a copy is not what the snapshot recorded; nothing replaced), 4001.
     pub async fn revert(self: &Arc<Self>, p: SnapshotParams) -> Result<Mutation, ApiError> {
         check_name(&p.snapshot)?;
-        let (_guard, rec) = self.begin(&p.name)?;
+        let (_guard, rec) = self.begin(&p.name).await?;
         let snapshot = self.list_snapshots(&p.name)?.into_iter().find(|s| s.name == p.snapshot).ok_or_else(|| {
             ApiError::new(Code::NotFound, format!("VM {:?} has no snapshot {:?}", p.name, p.snapshot)).field("snapshot")
         })?;
@@ -303,7 +303,7 @@ impl Manager {
     /// 2001 on `snapshot`, 4040, 4090, 4001.
     pub async fn snapshot_delete(self: &Arc<Self>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
         check_name(&p.snapshot)?;
-        let (_guard, rec) = self.begin(&p.name)?;
+        let (_guard, rec) = self.begin(&p.name).await?;
         if rec.reverting.as_deref() == Some(p.snapshot.as_str()) {
             return Err(ApiError::new(
                 Code::Busy,
