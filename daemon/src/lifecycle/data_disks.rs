@@ -408,8 +408,9 @@ impl VmOp {
     /// # Errors
     /// As [`Manager::ensure_data_disks`].
     pub(super) async fn make_data_disks(&mut self, spec: &VmSpec, track: bool) -> Result<(), ApiError> {
-        // Disks still named from an earlier operation (a hot-plug whose answer was lost, or
-        // one a crash cut short while QEMU died too) are the VM's from here on: a QEMU may have
+        // Disks still named from an earlier operation (a hot-plug whose answer was lost, then
+        // its QEMU ended; a record written before recovery ended the tracking of a hot-plug
+        // whose QEMU died in a crash) are the VM's from here on: a QEMU may have
         // had them and its guest written to them, so nothing this operation undoes may delete
         // them. This operation has tracked nothing yet, so every name there is such a leftover.
         self.end_disk_tracking()?;

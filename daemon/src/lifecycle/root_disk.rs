@@ -10,9 +10,9 @@
 //!    or data file (refused: flatten it first); then [`Manager::admit_import`] (disk space for
 //!    what it grows by);
 //! 2. [`Manager::import_root_disk`]: the record names the disk and where it came from
-//!    (`root_disk`, and the import in progress as the record's [`crate::state::DiskWork`]) before
-//!    the rename, so a crash never loses it; the moved file is
-//!    checked to be the inode inspected, made 0600 and grown to `disk_gib`;
+//!    (`root_disk`, and the import in progress in its [`crate::state::DiskWork`]) before the
+//!    rename, so a crash never loses it; the moved file is checked to be the inode inspected,
+//!    made 0600 and grown to `disk_gib`;
 //! 3. when the create (or the start that imported it again) has succeeded,
 //!    [`Manager::end_root_disk_import`]; when it is undone, [`Manager::undo_root_disk`] moves the
 //!    file back to the import directory (an operator's disk is never deleted by a failure);
@@ -215,8 +215,8 @@ impl Manager {
     }
 
     /// Moves `import` in as VM `spec.name`'s root disk: recorded first (`root_disk`, and the
-    /// import in progress), renamed (never over an existing file), checked to be the inspected inode,
-    /// made 0600, grown to `disk_gib`.
+    /// import in progress), renamed (never over an existing file), checked to be the inspected
+    /// inode, made 0600, grown to `disk_gib`.
     ///
     /// # Errors
     /// 4001 step `root_disk` when the record cannot be written or the file cannot be moved,

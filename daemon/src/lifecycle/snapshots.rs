@@ -12,15 +12,14 @@
 //! Like a backup, a snapshot is written into `.NAME.partial` and renamed once whole.
 //!
 //! A revert (stopped VM only) first checks the snapshot was of the same disks (names, formats,
-//! sizes: 2001 otherwise), records the intent ([`crate::state::Intent::Revert`]: no start until a
-//! revert completes),
-//! copies every disk out of the snapshot next to the VM's own file checking its sha256, then
-//! renames each over the VM's file and clears the intent, in the same record update putting
-//! back the cloud-init instance id the snapshot recorded (a snapshot survives a replace: image
-//! A, B, then A again passes the disk check with a root disk of the first instance) and whether
-//! the disks are clean ([`crate::state::VmRecord::unclean_end`]). Only the VM's own disk files
-//! are written; nothing outside the VM is touched. Newer snapshots stay. A destroy removes the
-//! VM's snapshots with its disks.
+//! sizes: 2001 otherwise), records the intent ([`crate::state::Intent::Revert`]: no start until
+//! a revert completes), copies every disk out of the snapshot next to the VM's own file checking
+//! its sha256, then renames each over the VM's file and clears the intent, in the same record
+//! update putting back the cloud-init instance id the snapshot recorded (a snapshot survives a
+//! replace: image A, B, then A again passes the disk check with a root disk of the first
+//! instance) and whether the disks are clean ([`crate::state::VmRecord::unclean_end`]). Only
+//! the VM's own disk files are written; nothing outside the VM is touched. Newer snapshots
+//! stay. A destroy removes the VM's snapshots with its disks.
 
 use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk};
 use super::Manager;
@@ -286,8 +285,7 @@ impl Manager {
             let own = disk.file.file_name().and_then(|n| n.to_str()).unwrap_or(&saved.file);
             copies.push((copy_checked(&checked, saved, dir, own)?, disk.file.clone()));
         }
-        let snap = p.snapshot.clone();
-        self.update(&p.name, "vm.revert", |r| r.start_revert(&snap))?;
+        self.update(&p.name, "vm.revert", |r| r.start_revert(&p.snapshot))?;
         self.crashpoint("revert:recorded");
         for (temp, file) in copies {
             temp.replace(&file).map_err(|e| failed(format!("cannot put {} back: {e}", file.display())))?;
