@@ -9,7 +9,7 @@
 //! 0. before any of them: [`Manager::admit_disk_space`] (3002 when the new disks do not fit);
 //! 1. a create: [`Manager::clear_orphan_disks`] (files no record names), then
 //!    [`Manager::ensure_data_disks`] with tracking (each disk taken back from `kept-disks` is
-//!    named in `reclaimed_disks`, each new one in `new_disks`, before the file is touched);
+//!    named in the record's disk work ([`crate::state::DiskWork`]) before the file is touched);
 //!    [`Manager::end_disk_tracking`] when the create ends, or [`Manager::undo_data_disks`]
 //!    when it is undone (new ones deleted, taken-back ones returned);
 //! 2. a start: [`Manager::ensure_data_disks`] without tracking (a disk added while stopped);
@@ -100,8 +100,8 @@ impl Manager {
     /// Makes every data disk `spec` lists that has no file yet: one kept by the destroy of a VM
     /// of this name (same disk name and format) is taken back and grown to the spec's size if
     /// smaller, else a new one is made (under a temporary name, then renamed). With `track`
-    /// (a create), each is named in the record (`reclaimed_disks`, `new_disks`) before its file
-    /// is touched.
+    /// (a create), each is named in the record's disk work ([`crate::state::DiskWork`]) before
+    /// its file is touched.
     ///
     /// # Errors
     /// 4001 step `data_disk` when a disk cannot be made, moved or grown (what was made before
@@ -128,8 +128,7 @@ impl Manager {
         let kept = paths.kept_disk(disk);
         if kept.exists() {
             if track {
-                let d = disk.name.clone();
-                self.update(name, "taking back a kept disk", |r| r.reclaimed_disks.push(d))?;
+                self.record_intent(name, "taking back a kept disk", |r| r.track_reclaimed_disk(&disk.name))?;
             }
             move_disk(&kept, &file)?;
             tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
@@ -147,8 +146,7 @@ impl Manager {
             return Ok(());
         }
         if track {
-            let d = disk.name.clone();
-            self.update(name, "making a data disk", |r| r.new_disks.push(d))?;
+            self.record_intent(name, "making a data disk", |r| r.track_new_disk(&disk.name))?;
         }
         let partial = paths.partial_data_disk(disk);
         remove_file(&partial)?;
@@ -167,19 +165,34 @@ impl Manager {
         Ok(())
     }
 
+    /// Records what the operation in progress on VM `name` is about to do to the host
+    /// (`start`: a [`crate::state::Intent`] begun or extended), before it does it.
+    ///
+    /// # Errors
+    /// The record cannot be written; 5000 when the record holds an intent this one cannot join
+    /// (an unfinished revert: callers refuse such a VM first).
+    pub(super) fn record_intent(
+        &self,
+        name: &str,
+        reason: &str,
+        start: impl FnOnce(&mut crate::state::VmRecord) -> Result<(), crate::state::IntentError>,
+    ) -> Result<(), ApiError> {
+        let mut outcome = Ok(());
+        self.update(name, reason, |r| outcome = start(r))?;
+        outcome.map_err(|e| ApiError::internal(format!("VM {name:?}: {e}")))
+    }
+
     /// The create that tracked its disks has ended (made or undone): nothing is to be undone
     /// any more.
     ///
     /// # Errors
     /// The record cannot be written.
     pub(super) fn end_disk_tracking(&self, name: &str) -> Result<(), ApiError> {
-        let rec = self.record(name)?;
-        if rec.new_disks.is_empty() && rec.reclaimed_disks.is_empty() {
+        if !self.record(name)?.tracks_data_disks() {
             return Ok(());
         }
         self.update(name, "data disks settled", |r| {
-            r.new_disks.clear();
-            r.reclaimed_disks.clear();
+            r.end_disk_tracking();
         })
         .map(drop)
     }
@@ -196,15 +209,17 @@ impl Manager {
     pub(super) fn undo_data_disks_except(&self, name: &str, attached: &std::collections::BTreeSet<String>) {
         let Ok(rec) = self.record(name) else { return };
         let paths = self.paths(name);
+        let nothing = crate::state::DiskWork::default();
+        let work = rec.disk_work().unwrap_or(&nothing);
         let by_name = |n: &String| rec.spec.disks.iter().find(|d| &d.name == n && !attached.contains(n.as_str()));
-        for disk in rec.new_disks.iter().filter_map(by_name) {
+        for disk in work.new.iter().filter_map(by_name) {
             for file in [paths.data_disk(disk), paths.partial_data_disk(disk)] {
                 if let Err(e) = remove_file(&file) {
                     tracing::error!(vm = name, error = %e.message, "rollback: a new data disk stays");
                 }
             }
         }
-        for disk in rec.reclaimed_disks.iter().filter_map(by_name) {
+        for disk in work.reclaimed.iter().filter_map(by_name) {
             let file = paths.data_disk(disk);
             if file.exists() {
                 if let Err(e) = move_disk(&file, &paths.kept_disk(disk)) {
@@ -393,8 +408,9 @@ impl VmOp {
     /// # Errors
     /// As [`Manager::ensure_data_disks`].
     pub(super) async fn make_data_disks(&mut self, spec: &VmSpec, track: bool) -> Result<(), ApiError> {
-        // Disks still named from an earlier operation (a hot-plug whose answer was lost, or
-        // one a crash cut short while QEMU died too) are the VM's from here on: a QEMU may have
+        // Disks still named from an earlier operation (a hot-plug whose answer was lost, then
+        // its QEMU ended; a record written before recovery ended the tracking of a hot-plug
+        // whose QEMU died in a crash) are the VM's from here on: a QEMU may have
         // had them and its guest written to them, so nothing this operation undoes may delete
         // them. This operation has tracked nothing yet, so every name there is such a leftover.
         self.end_disk_tracking()?;

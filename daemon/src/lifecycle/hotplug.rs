@@ -10,7 +10,7 @@
 //!    blocks reserved);
 //! 2. unplug each dropped disk ([`crate::qemu::hotplug::detach`]: the guest must release it),
 //!    record that QEMU no longer has it, then delete it or keep it (`keep_on_destroy`);
-//! 3. hot-plug each new disk: make it (tracked in `new_disks`/`reclaimed_disks` like a create's,
+//! 3. hot-plug each new disk: make it (tracked in the record's disk work like a create's,
 //!    so a crash before it is attached undoes it), attach it on descriptors
 //!    ([`crate::qemu::hotplug::attach`]), record that QEMU has it, end the tracking.
 //!
@@ -241,7 +241,7 @@ impl Manager {
         let asked = |e: HotplugError| failed("*", "settle", e);
         let devices: BTreeSet<String> = hotplug::attached(q).await.map_err(asked)?;
         hotplug::clear_half_attached(q, &devices).await.map_err(asked)?;
-        if !rec.new_disks.is_empty() || !rec.reclaimed_disks.is_empty() {
+        if rec.tracks_data_disks() {
             tracing::info!(vm = name, "undoing data disks of an interrupted hot-plug");
             self.undo_data_disks_except(name, &devices);
         }

@@ -201,6 +201,11 @@ impl<'m> Recovery<'m> {
             if status == VmStatus::Running {
                 r.unclean_end = Some(format!("the VM's QEMU ended without a clean power-off vmhostd saw ({why})"));
             }
+            if matches!(status, VmStatus::Running | VmStatus::Stopping) {
+                // Disks a hot-plug cut short still tracks were in reach of a QEMU that ran:
+                // its guest may have written them, so they are the VM's now, not an undo's.
+                r.end_disk_tracking();
+            }
         })?;
         Ok(())
     }
@@ -240,6 +245,64 @@ mod tests {
         }
     }
 
+    /// A manager over the state directory of `config`, with the fake `sysfs`, as `Manager::open`
+    /// makes it but without recovering yet.
+    fn manager(config: crate::config::Config, store: Store, sysfs: &Arc<FakeSysfs>) -> Arc<Manager> {
+        let config = Arc::new(config);
+        let (records, _) = store.load_all().unwrap();
+        let events = crate::events::EventBus::default();
+        Arc::new(Manager {
+            config: config.clone(),
+            registry: super::super::Registry::new(config.clone(), store, events.clone(), records, Vec::new()),
+            events,
+            _state_lock: super::super::lock_state_dir(&config.paths.state).unwrap(),
+            net: crate::net::host::HostNet::connect().unwrap(),
+            net_states: Mutex::new(BTreeMap::new()),
+            pci: Arc::new(crate::pci::Pci::new(Box::new(Arc::clone(sysfs)))),
+            processes: super::super::processes::Processes::new(config.clone()),
+            agents: Arc::default(),
+            stats_monitors: Default::default(),
+            qmp_sessions: Arc::default(),
+            images: crate::images::Store::open(&config).unwrap(),
+            image_probes: Mutex::default(),
+            reservations: crate::disk::reserve::Ledger::default(),
+            backups: crate::backup::Backups::open(&config),
+        })
+    }
+
+    /// A VM that was running while a hot-plug had made disk `x` (tracked, not yet attached)
+    /// when vmhostd died, and whose QEMU died too: recovery records it dead and `x` as the VM's
+    /// (its guest may have written it), so no later undo deletes it and the record holds no
+    /// intent. Before, the tracking stayed on the dead record until the next start ended it.
+    #[tokio::test]
+    async fn recovery_makes_the_disks_of_a_hotplug_whose_qemu_died_the_vms() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = crate::validate::tests::config();
+        config.paths.state = dir.path().join("state");
+        config.paths.run = dir.path().join("run");
+        crate::state::dirs::prepare(&config.paths.state).unwrap();
+        std::fs::create_dir_all(&config.paths.run).unwrap();
+        let store = Store::open(&config.paths.state).unwrap();
+        let mut spec = crate::validate::tests::spec("vm-2");
+        spec.disks = vec![serde_json::from_value(serde_json::json!({ "name": "x", "size_gib": 1 })).unwrap()];
+        let mut rec = VmRecord::new(spec.clone());
+        rec.status = VmStatus::Running;
+        rec.process = Some(ProcessIdentity { pid: i32::MAX - 5, start_ticks: 1 });
+        rec.track_new_disk("x").unwrap();
+        store.save(&mut rec).unwrap();
+        let file = VmPaths::for_vm(&config, "vm-2").data_disk(&spec.disks[0]);
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::write(&file, b"written by the guest").unwrap();
+
+        let mgr = manager(config, store, &Arc::new(FakeSysfs::new()));
+        mgr.recover_all().await;
+
+        let rec = mgr.record("vm-2").unwrap();
+        assert_eq!((rec.status, &rec.intent), (VmStatus::Dead, &None));
+        mgr.undo_data_disks("vm-2");
+        assert_eq!(std::fs::read(&file).unwrap(), b"written by the guest");
+    }
+
     /// The recovery a restarted daemon runs, on a record of a VM that was running with a device
     /// passed through, whose QEMU died while no daemon ran, while a process that is not QEMU
     /// carries the VM's marker (started by this test process, which plays the spawner here, as
@@ -277,26 +340,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
 
-        let config = Arc::new(config);
-        let (records, _) = store.load_all().unwrap();
-        let events = crate::events::EventBus::default();
-        let mgr = Arc::new(Manager {
-            config: config.clone(),
-            registry: super::super::Registry::new(config.clone(), store, events.clone(), records, Vec::new()),
-            events,
-            _state_lock: super::super::lock_state_dir(&config.paths.state).unwrap(),
-            net: crate::net::host::HostNet::connect().unwrap(),
-            net_states: Mutex::new(BTreeMap::new()),
-            pci: Arc::new(crate::pci::Pci::new(Box::new(Arc::clone(&sysfs)))),
-            processes: super::super::processes::Processes::new(config.clone()),
-            agents: Arc::default(),
-            stats_monitors: Default::default(),
-            qmp_sessions: Arc::default(),
-            images: crate::images::Store::open(&config).unwrap(),
-            image_probes: Mutex::default(),
-            reservations: crate::disk::reserve::Ledger::default(),
-            backups: crate::backup::Backups::open(&config),
-        });
+        let mgr = manager(config, store, &sysfs);
         mgr.recover_all().await;
 
         let rec = mgr.record("vm-1").unwrap();

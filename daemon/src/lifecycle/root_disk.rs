@@ -10,8 +10,9 @@
 //!    or data file (refused: flatten it first); then [`Manager::admit_import`] (disk space for
 //!    what it grows by);
 //! 2. [`Manager::import_root_disk`]: the record names the disk and where it came from
-//!    (`root_disk`, `importing`) before the rename, so a crash never loses it; the moved file is
-//!    checked to be the inode inspected, made 0600 and grown to `disk_gib`;
+//!    (`root_disk`, and the import in progress in its [`crate::state::DiskWork`]) before the
+//!    rename, so a crash never loses it; the moved file is checked to be the inode inspected,
+//!    made 0600 and grown to `disk_gib`;
 //! 3. when the create (or the start that imported it again) has succeeded,
 //!    [`Manager::end_root_disk_import`]; when it is undone, [`Manager::undo_root_disk`] moves the
 //!    file back to the import directory (an operator's disk is never deleted by a failure);
@@ -213,9 +214,9 @@ impl Manager {
         self.admit_provision(request)
     }
 
-    /// Moves `import` in as VM `spec.name`'s root disk: recorded first (`root_disk`,
-    /// `importing`), renamed (never over an existing file), checked to be the inspected inode,
-    /// made 0600, grown to `disk_gib`.
+    /// Moves `import` in as VM `spec.name`'s root disk: recorded first (`root_disk`, and the
+    /// import in progress), renamed (never over an existing file), checked to be the inspected
+    /// inode, made 0600, grown to `disk_gib`.
     ///
     /// # Errors
     /// 4001 step `root_disk` when the record cannot be written or the file cannot be moved,
@@ -232,11 +233,10 @@ impl Manager {
             imported_bytes: import.virtual_size,
             source: import.source.clone(),
             source_mode: import.mode,
-            importing: true,
         };
-        self.update(name, "importing the root disk", |r| r.root_disk = Some(root))?;
+        self.record_intent(name, "importing the root disk", |r| r.start_root_import(root))?;
         if let Err(e) = rename_no_replace(&import.source, &target) {
-            let _ = self.update(name, "root disk not moved", |r| r.root_disk = None);
+            let _ = self.update(name, "root disk not moved", VmRecord::drop_root_disk);
             let why = match e.raw_os_error() {
                 Some(libc::EXDEV) => "it is on another file system (a disk is renamed, never copied)".to_string(),
                 Some(libc::EEXIST) => format!("{} exists", target.display()),
@@ -287,13 +287,11 @@ impl Manager {
     /// # Errors
     /// The record cannot be written.
     pub(super) fn end_root_disk_import(&self, name: &str) -> Result<(), ApiError> {
-        if !self.record(name)?.root_disk.is_some_and(|r| r.importing) {
+        if !self.record(name)?.importing_root() {
             return Ok(());
         }
         self.update(name, "root disk imported", |r| {
-            if let Some(root) = &mut r.root_disk {
-                root.importing = false;
-            }
+            r.end_root_import();
         })
         .map(drop)
     }
@@ -304,14 +302,14 @@ impl Manager {
     /// destroy tries again rather than deleting it.
     pub(super) fn undo_root_disk(&self, name: &str) {
         let Ok(rec) = self.record(name) else { return };
-        let Some(root) = rec.root_disk.filter(|r| r.importing) else { return };
+        let Some(root) = rec.root_disk.as_ref().filter(|_| rec.importing_root()) else { return };
         let paths = self.paths(name);
-        if let Err(e) = self.give_back(&paths.root_disk(root.format), &root) {
+        if let Err(e) = self.give_back(&paths.root_disk(root.format), root) {
             tracing::error!(vm = name, error = %e.message, "rollback: the imported disk was not given back");
             return;
         }
         remove_if_empty(&paths.disk_dir);
-        if let Err(e) = self.update(name, "root disk given back", |r| r.root_disk = None) {
+        if let Err(e) = self.update(name, "root disk given back", VmRecord::drop_root_disk) {
             tracing::error!(vm = name, error = %e.message, "rollback: cannot record the returned disk");
         }
     }
@@ -347,11 +345,12 @@ impl Manager {
     /// # Errors
     /// 4001 step `root_disk` when it cannot be deleted or given back.
     pub(super) fn dispose_root_disk(&self, name: &str) -> Result<(), ApiError> {
-        let Some(root) = self.record(name)?.root_disk else { return Ok(()) };
+        let rec = self.record(name)?;
+        let Some(root) = rec.root_disk.as_ref() else { return Ok(()) };
         let paths = self.paths(name);
         let file = paths.root_disk(root.format);
-        if root.importing {
-            self.give_back(&file, &root)?;
+        if rec.importing_root() {
+            self.give_back(&file, root)?;
         } else {
             match crate::blocking::run(|| std::fs::remove_file(&file)) {
                 Ok(()) => tracing::info!(vm = name, path = %file.display(), "deleted the root disk"),
@@ -360,7 +359,7 @@ impl Manager {
             }
         }
         remove_if_empty(&paths.disk_dir);
-        self.update(name, "root disk disposed of", |r| r.root_disk = None).map(drop)
+        self.update(name, "root disk disposed of", VmRecord::drop_root_disk).map(drop)
     }
 
     /// Grows the root disk of a `boot.disk` VM whose QEMU is not running to `gib`.
@@ -438,7 +437,6 @@ mod tests {
             imported_bytes,
             source: "/var/lib/vmhost/import/d.qcow2".into(),
             source_mode: 0o640,
-            importing: false,
         });
         rec
     }

@@ -12,14 +12,14 @@
 //! Like a backup, a snapshot is written into `.NAME.partial` and renamed once whole.
 //!
 //! A revert (stopped VM only) first checks the snapshot was of the same disks (names, formats,
-//! sizes: 2001 otherwise), records the intent (`reverting`: no start until a revert completes),
-//! copies every disk out of the snapshot next to the VM's own file checking its sha256, then
-//! renames each over the VM's file and clears the intent, in the same record update putting
-//! back the cloud-init instance id the snapshot recorded (a snapshot survives a replace: image
-//! A, B, then A again passes the disk check with a root disk of the first instance) and whether
-//! the disks are clean ([`crate::state::VmRecord::unclean_end`]). Only the VM's own disk files
-//! are written; nothing outside the VM is touched. Newer snapshots stay. A destroy removes the
-//! VM's snapshots with its disks.
+//! sizes: 2001 otherwise), records the intent ([`crate::state::Intent::Revert`]: no start until
+//! a revert completes), copies every disk out of the snapshot next to the VM's own file checking
+//! its sha256, then renames each over the VM's file and clears the intent, in the same record
+//! update putting back the cloud-init instance id the snapshot recorded (a snapshot survives a
+//! replace: image A, B, then A again passes the disk check with a root disk of the first
+//! instance) and whether the disks are clean ([`crate::state::VmRecord::unclean_end`]). Only
+//! the VM's own disk files are written; nothing outside the VM is touched. Newer snapshots
+//! stay. A destroy removes the VM's snapshots with its disks.
 
 use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk};
 use super::Manager;
@@ -65,7 +65,7 @@ fn snapshot_entry(disk: &VmDisk) -> BackupDisk {
 /// the current one when it recorded none; the disks clean only when the snapshot's copy was
 /// (`frozen` or `stopped`).
 fn complete_revert(r: &mut VmRecord, snapshot: &Snapshot) {
-    r.reverting = None;
+    r.end_revert();
     if let Some(id) = &snapshot.instance_id {
         r.instance_id = Some(id.clone());
     }
@@ -285,8 +285,7 @@ impl Manager {
             let own = disk.file.file_name().and_then(|n| n.to_str()).unwrap_or(&saved.file);
             copies.push((copy_checked(&checked, saved, dir, own)?, disk.file.clone()));
         }
-        let snap = p.snapshot.clone();
-        self.update(&p.name, "vm.revert", |r| r.reverting = Some(snap))?;
+        self.update(&p.name, "vm.revert", |r| r.start_revert(&p.snapshot))?;
         self.crashpoint("revert:recorded");
         for (temp, file) in copies {
             temp.replace(&file).map_err(|e| failed(format!("cannot put {} back: {e}", file.display())))?;
@@ -304,7 +303,7 @@ impl Manager {
     pub async fn snapshot_delete(self: &Arc<Self>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
         check_name(&p.snapshot)?;
         let (_guard, rec) = self.begin(&p.name).await?;
-        if rec.reverting.as_deref() == Some(p.snapshot.as_str()) {
+        if rec.reverting() == Some(p.snapshot.as_str()) {
             return Err(ApiError::new(
                 Code::Busy,
                 format!(
@@ -359,7 +358,7 @@ impl Manager {
 
     /// 4090 when a revert of VM `rec` was interrupted: its disks may be part reverted.
     pub(super) fn check_not_reverting(rec: &crate::state::VmRecord) -> Result<(), ApiError> {
-        match &rec.reverting {
+        match rec.reverting() {
             Some(s) => Err(ApiError::new(
                 Code::Busy,
                 format!("a revert of VM {:?} to snapshot {s:?} was interrupted: run vm.revert again", rec.spec.name),
@@ -418,9 +417,9 @@ mod tests {
         // Taken under instance X; a replace (A -> B) and another (B -> A) made Z since.
         let mut rec = VmRecord::new(crate::validate::tests::spec("v"));
         rec.instance_id = Some("vmhost-v-z".into());
-        rec.reverting = Some("s1".into());
+        rec.start_revert("s1");
         complete_revert(&mut rec, &snapshot(Some("vmhost-v-x"), Some(Consistency::Stopped)));
-        assert_eq!((rec.instance_id.as_deref(), rec.reverting.as_deref()), (Some("vmhost-v-x"), None));
+        assert_eq!((rec.instance_id.as_deref(), rec.reverting()), (Some("vmhost-v-x"), None));
         assert_eq!(rec.unclean_end, None, "a stopped copy is clean");
         // A snapshot from before vmhostd recorded the id keeps the current one.
         complete_revert(&mut rec, &snapshot(None, Some(Consistency::Frozen)));

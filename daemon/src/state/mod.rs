@@ -2,12 +2,18 @@
 //!
 //! One JSON file per VM under `STATE/vms/`, replaced atomically ([`atomic`]). The lifecycle writes
 //! a record *before* it touches the host (intent first), so after a crash every host resource
-//! that might exist is named by a record and can be found and cleaned up. [`Store::load_all`]
-//! runs once at start; unreadable files are reported and left in place, never overwritten.
+//! that might exist is named by a record and can be found and cleaned up: what the operation in
+//! progress must finish or undo is the record's one [`Intent`] ([`intent`]). On disk a record is
+//! the layout every release wrote ([`file`]). [`Store::load_all`] runs once at start; unreadable
+//! files are reported and left in place, never overwritten.
 
 pub mod atomic;
 pub mod dirs;
+mod file;
+pub mod intent;
 pub mod transition;
+
+pub use intent::{DiskWork, Intent, IntentError};
 
 use crate::api::{LastError, VmSpec, VmStatus};
 use crate::nic::NicAlloc;
@@ -23,9 +29,9 @@ pub const RECORD_VERSION: u32 = 1;
 /// [`VmRecord::unclean_end`] while a QEMU runs, and after it ended in a way vmhostd did not see.
 pub const QEMU_RUNNING: &str = "the VM's QEMU was started and vmhostd did not see it end with a clean power-off";
 
-/// What the daemon remembers about one VM.
+/// What the daemon remembers about one VM. Stored as [`file::RecordFile`], today's layout.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(from = "file::RecordFile", into = "file::RecordFile")]
 pub struct VmRecord {
     /// Record format version.
     pub version: u32,
@@ -49,52 +55,33 @@ pub struct VmRecord {
     /// Last failure.
     pub last_error: Option<LastError>,
     /// MAC and tap name of each NIC, kept for the VM's life.
-    #[serde(default)]
     pub nics: Vec<NicAlloc>,
     /// PCI functions moved to vfio-pci for this VM, with their original drivers; written before
     /// the first sysfs change and cleared once they are given back. Not an operation's log:
     /// held for as long as the devices are bound (the whole run of the VM's QEMU), read by
     /// admission (conflicts), the sandbox and recovery (given back when no QEMU runs).
-    #[serde(default)]
     pub vfio: Vec<crate::pci::bind::Binding>,
     /// The spec the running QEMU was started with, when `spec` was changed since without a
     /// restart (`vm.apply` with `restart: false`): the VM holds what both ask for until its
-    /// next start, which applies `spec` and clears this.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// next start, which applies `spec` and clears this. Not an operation's log: a change
+    /// pending across operations, until a start applies it.
     pub running_spec: Option<VmSpec>,
     /// Restarts made by the restart policy, over the VM's life.
-    #[serde(default)]
     pub restarts: u32,
     /// Unix times of the unexpected exits in the current 10-minute window (the policy's count).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failures: Vec<u64>,
     /// Why QEMU last ended without vmhostd asking.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_exit: Option<String>,
-    /// Data disks the create or hot-plug in progress made (named before each is made): undoing
-    /// it deletes exactly these. Cleared when the operation ends; also left behind when
-    /// recovery finds the QEMU of a hot-plug cut short gone (the record then says `dead`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub new_disks: Vec<String>,
-    /// Data disks the create or hot-plug in progress took back from `kept-disks` (named before
-    /// each is moved): undoing it moves exactly these back. Cleared as `new_disks` is.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub reclaimed_disks: Vec<String>,
     /// The root disk a `boot.disk` import moved in, named before the move; kept for the VM's
-    /// life. Only its `importing` is an operation's log (a create, or a start importing it
-    /// again after a failed create gave it back).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// life. Not an operation's log: whether its import is still in progress is
+    /// [`VmRecord::intent`]'s ([`DiskWork::importing_root`]).
     pub root_disk: Option<RootDisk>,
-    /// A `vm.revert` to this snapshot began replacing the VM's disks and has not finished:
-    /// the disks may be part old, part reverted, so the VM is not started (nor replaced, nor
-    /// that snapshot deleted) until a revert completes. Outlives a crash at rest: recovery
-    /// does not finish it, the operator's next revert does.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reverting: Option<String>,
+    /// The operation in progress, as far as a crash must know it: what it must finish or undo
+    /// ([`intent`]: who starts and ends each). `None` when nothing is in progress.
+    pub intent: Option<Intent>,
     /// The cloud-init instance id its seed carries ([`crate::seed`]): made with each new root
     /// disk (a create, a replace), kept through every other change. `None` only in a record
     /// written before ids were recorded, until [`VmRecord::adopt_instance_id`] gives it one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<String>,
     /// Why the VM's disks may be as a power cut leaves them, when they may: set when a QEMU of
     /// the VM starts ([`VmRecord::qemu_started`]), replaced by the cause when it ends any way but
@@ -102,14 +89,12 @@ pub struct VmRecord {
     /// running), cleared by a clean power-off (the guest's own, or the one a stop asked for) and
     /// by a revert to a snapshot that is not crash-consistent. While set, a copy of the stopped
     /// VM is `crash` with this as its reason, not `stopped`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unclean_end: Option<String>,
 }
 
 /// A `boot.disk` VM's root disk: `STATE/disks/NAME/root.FORMAT`, moved in from the import
 /// directory (docs/storage.md).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RootDisk {
     /// Its format, as probed at import and pinned from then on.
     pub format: crate::api::DiskFormat,
@@ -119,10 +104,6 @@ pub struct RootDisk {
     pub source: PathBuf,
     /// Its permission bits there, given back when it goes back.
     pub source_mode: u32,
-    /// Set before the move, cleared when the operation that imported it has succeeded: while
-    /// set, undoing that operation (or a restart settling it) moves the file back to `source`.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub importing: bool,
 }
 
 impl VmRecord {
@@ -146,10 +127,8 @@ impl VmRecord {
             restarts: 0,
             failures: Vec::new(),
             last_exit: None,
-            new_disks: Vec::new(),
-            reclaimed_disks: Vec::new(),
             root_disk: None,
-            reverting: None,
+            intent: None,
             instance_id: None,
             unclean_end: None,
         }
