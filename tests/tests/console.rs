@@ -263,16 +263,29 @@ fn a_client_that_never_reads_stops_neither_the_guest_nor_the_log_and_the_log_out
         assert!(n > 0);
         echoed.extend_from_slice(&buf[..n]);
     }
-    host.kill_daemon();
     let last_line =
         |log: &str| log.lines().filter_map(|l| l.trim_end().strip_prefix("while-down-42-")?.parse::<u32>().ok()).max();
+    let seen = |host: &TestHost, at_kill: Option<u32>| {
+        let log = host.serial("con2");
+        let tail: String = log.chars().rev().take(600).collect::<Vec<_>>().into_iter().rev().collect();
+        format!(
+            "last numbered line {:?} ({at_kill:?} when the daemon was killed); the log's end:\n{tail:?}",
+            last_line(&log)
+        )
+    };
+    // The echo shows the command typed, not run: the guest reads its input at the UART's pace,
+    // so the final Enter may still be on its way when the echo of the text is back. Its first
+    // line is the fact that it runs (a kill before it would lose the Enter with the daemon).
+    vmhost_tests::wait::until("the typed command's first line", ANSWER, || {
+        last_line(&host.serial("con2")).map(|_| ()).ok_or_else(|| seen(&host, None))
+    });
+    host.kill_daemon();
     let at_kill = last_line(&host.serial("con2"));
     vmhost_tests::wait::until("a console line printed while vmhostd was down", ANSWER, || {
-        let now = last_line(&host.serial("con2"));
-        if now > at_kill {
+        if last_line(&host.serial("con2")) > at_kill {
             Ok(())
         } else {
-            Err(format!("last numbered line {now:?}, {at_kill:?} when the daemon was killed"))
+            Err(seen(&host, at_kill))
         }
     });
     host.spawn_daemon();
