@@ -25,6 +25,10 @@ pub const LAB_SCENARIO_START: &str = "LAB-SCENARIO-START";
 /// Prefix of the lab's last line: `LAB-RESULT PASS` or `LAB-RESULT FAIL <reason>`.
 pub const LAB_RESULT: &str = "LAB-RESULT ";
 
+/// How long QEMU may take to end after the lab printed its result (the lab powers off by
+/// itself) before it is killed: a failure bound, the result is known already.
+const POWER_OFF: Duration = Duration::from_secs(60);
+
 /// How a lab is booted.
 #[derive(Debug, Clone)]
 pub struct LabOptions {
@@ -217,15 +221,15 @@ pub fn run_lab(scenario: &str, opts: &LabOptions) -> LabOutcome {
     cmd.stdin(Stdio::null()).stdout(err_file.try_clone().expect("dup qemu stderr file")).stderr(err_file);
 
     let started = Instant::now();
-    let deadline = started + opts.timeout;
     let mut qemu = KillOnDrop(cmd.spawn().expect("spawn qemu-system-x86_64 for the lab"));
     let echo = std::env::var_os("VMHOST_LAB_ECHO").is_some_and(|v| v == "1");
     let mut echoed = 0usize;
     let mut boot_time = None;
     let mut result = None;
-    let mut result_seen_at = None;
-    let mut timed_out = false;
-    let exit_status = loop {
+    let mut exit_status = None;
+    // Until the lab printed its result or QEMU ended, whichever comes first; `opts.timeout` is
+    // the failure bound. Each look also echoes the new console output and notes the boot.
+    let finished = crate::wait::poll(opts.timeout, || {
         let log = String::from_utf8_lossy(&fs::read(&console).unwrap_or_default()).into_owned();
         if echo && log.len() > echoed {
             let _ = std::io::stderr().write_all(&log.as_bytes()[echoed..]);
@@ -234,25 +238,22 @@ pub fn run_lab(scenario: &str, opts: &LabOptions) -> LabOutcome {
         if boot_time.is_none() && log.contains(LAB_SCENARIO_START) {
             boot_time = Some(started.elapsed());
         }
-        if result.is_none() {
-            if let Some(r) = find_result(&log) {
-                result = Some(r);
-                result_seen_at = Some(Instant::now());
-            }
-        }
         if let Ok(Some(status)) = qemu.0.try_wait() {
-            break Some(status);
+            exit_status = Some(status);
         }
-        // After the result the lab powers off by itself within seconds.
-        if result_seen_at.is_some_and(|t| t.elapsed() > Duration::from_secs(30)) {
-            break None;
+        result = find_result(&log);
+        if result.is_some() || exit_status.is_some() {
+            Ok(())
+        } else {
+            Err(String::new())
         }
-        if Instant::now() >= deadline {
-            timed_out = result.is_none();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    });
+    let timed_out = finished.is_err();
+    // After its result the lab powers off by itself; QEMU is killed if it has not within
+    // POWER_OFF (a failure bound of the power-off, which the result does not depend on).
+    if exit_status.is_none() && !timed_out {
+        exit_status = crate::wait::poll(POWER_OFF, || qemu.0.try_wait().ok().flatten().ok_or_else(String::new)).ok();
+    }
     if exit_status.is_none() {
         let _ = qemu.0.kill();
     }

@@ -543,6 +543,46 @@ reserved_memory_gib = 1
         }
     }
 
+    /// Waits until `vm.list` satisfies `ok` and returns that list: [`TestHost::wait_vm`] for a
+    /// fact about the host's whole set of VMs (which exist, which run). Woken by any VM's event,
+    /// and looks again once a second without one.
+    ///
+    /// # Errors
+    /// When `timeout` (a failure bound) passes first: a message naming `what`, the last list
+    /// and the events seen meanwhile, for the caller to add what it knows and panic with.
+    pub fn wait_list(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut ok: impl FnMut(&Value) -> bool,
+    ) -> Result<Value, String> {
+        let mut events = self.client();
+        events.subscribe_events().unwrap_or_else(|e| panic!("events.subscribe while waiting for {what}: {e}"));
+        let mut reads = self.client();
+        let deadline = Instant::now() + timeout;
+        let mut seen: Vec<String> = Vec::new();
+        loop {
+            let list = match reads.call::<Value>("vm.list", json!({})) {
+                Ok(v) => v,
+                Err(e) => json!({ "vm.list error": e.to_string() }),
+            };
+            if ok(&list) {
+                return Ok(list);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "gave up waiting for {what} after {timeout:?}; last vm.list: {list}; events meanwhile: {seen:?}"
+                ));
+            }
+            match events.next_event((deadline - now).min(wait::RECHECK)) {
+                Ok(Some(e)) => seen.push(format!("{}: {:?} -> {:?} ({})", e.vm, e.from, e.to, e.reason)),
+                Ok(None) => {}
+                Err(e) => panic!("events while waiting for {what}: {e}"),
+            }
+        }
+    }
+
     /// Waits until `vm.get` reports `status` for `name` ([`TestHost::wait_vm`]), and returns
     /// that view.
     ///

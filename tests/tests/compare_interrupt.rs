@@ -18,6 +18,11 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use vmhost_tests::wait;
+
+/// How long vmhost-compare, and then what it started, may take to be gone after SIGINT (a
+/// failure bound: the test goes on as soon as they are).
+const EXIT: Duration = Duration::from_secs(120);
 
 /// A live process: parent pid and command line.
 struct Proc {
@@ -95,21 +100,21 @@ fn sigint_stops_everything_vmhost_compare_started() {
     let text = || stderr.lock().expect("stderr lock").clone();
 
     // The known point: the first measured round, with its QEMU running.
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let before = loop {
+    let round1 = wait::poll(Duration::from_secs(300), || {
         if let Some(st) = child.try_wait().expect("try_wait") {
             panic!("vmhost-compare exited with {st} before the first round; stderr:\n{}", text());
         }
         let tree = descendants(me);
         if text().contains("round 1 of") && tree.values().any(|c| c.contains("qemu-system")) {
-            break tree;
+            Ok(tree)
+        } else {
+            Err(format!("its tree: {tree:#?}"))
         }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("no QEMU in round 1 within 300 s; stderr:\n{}", text());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    });
+    let before = round1.unwrap_or_else(|last| {
+        let _ = child.kill();
+        panic!("no QEMU in round 1 within 300 s ({last}); stderr:\n{}", text());
+    });
     assert!(before.values().any(|c| c.contains("vmhostd")), "no vmhostd running: {before:#?}");
     let dirs: Vec<PathBuf> =
         text().lines().filter_map(|l| l.strip_prefix("vmhost-compare: temp dir ")).map(PathBuf::from).collect();
@@ -121,28 +126,28 @@ fn sigint_stops_everything_vmhost_compare_started() {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGINT)
         .expect("send SIGINT");
     let t = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("try_wait") {
-            break Some(st);
-        }
-        if t.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait::poll(EXIT, || child.try_wait().expect("try_wait").ok_or_else(String::new)).ok();
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     let _ = reader.join();
     let took = t.elapsed();
 
     // A SIGKILLed process needs a moment to finish exiting after vmhost-compare returns (the
-    // QEMUs are not its children, so it does not wait for them): allow 3 s for the tree to
-    // empty, then whatever is left is a leak.
-    let settle = Instant::now() + Duration::from_secs(3);
+    // QEMUs are not its children, so it does not wait for them): the tree is waited on until
+    // it is empty; what is still there after a generous bound (a failure bound, not a speed)
+    // is a leak.
     let mut left = descendants(me);
-    while !left.is_empty() && Instant::now() < settle {
-        std::thread::sleep(Duration::from_millis(50));
+    if let Err(still) = wait::poll(EXIT, || {
         left = descendants(me);
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{left:#?}"))
+        }
+    }) {
+        eprintln!("descendants still there {EXIT:?} after vmhost-compare exited: {still}");
     }
     // Also anything anywhere naming one of its dirs (e.g. a process that changed its parent).
     for (pid, p) in live_processes() {
@@ -165,7 +170,8 @@ fn sigint_stops_everything_vmhost_compare_started() {
     {}
 
     let text = text();
-    let status = status.unwrap_or_else(|| panic!("vmhost-compare still running 120 s after SIGINT; stderr:\n{text}"));
+    let status =
+        status.unwrap_or_else(|| panic!("vmhost-compare still running {EXIT:?} after SIGINT; stderr:\n{text}"));
     eprintln!("vmhost-compare exited {took:?} after SIGINT; before it, its tree was {before:#?}");
     assert_eq!(status.code(), Some(130), "exit status {status}; stderr:\n{text}");
     let last = text.lines().last().unwrap_or_default();

@@ -250,19 +250,44 @@ fn a_client_that_never_reads_stops_neither_the_guest_nor_the_log_and_the_log_out
 
     // VMs outlive the daemon, and so does their console log: a command typed before the daemon
     // is killed prints while it is down, and the log has it; after its restart the console
-    // attaches again and replays it.
+    // attaches again and replays it. The command prints numbered lines, one a second, so
+    // "printed while down" is a fact (a line numbered above any the log had when the daemon
+    // was gone), not a bet that a `sleep` outlasts the kill.
     let (mut typer, _, _) = host.client().console("con2", false, false).expect("attach again");
-    typer.write_all(b"sleep 3; echo while-down-$((7*6))\r").unwrap();
+    typer.write_all(b"i=0; while [ $i -lt 900 ]; do echo while-down-$((7*6))-$i; i=$((i+1)); sleep 1; done\r").unwrap();
     let mut echoed = Vec::new();
     let mut buf = [0u8; 4096];
     typer.set_read_timeout(Some(ANSWER)).unwrap();
-    while !String::from_utf8_lossy(&echoed).contains("while-down-$((7*6))") {
+    while !String::from_utf8_lossy(&echoed).contains("while-down-$((7*6))-$i") {
         let n = typer.read(&mut buf).expect("echo of the command");
         assert!(n > 0);
         echoed.extend_from_slice(&buf[..n]);
     }
+    let last_line =
+        |log: &str| log.lines().filter_map(|l| l.trim_end().strip_prefix("while-down-42-")?.parse::<u32>().ok()).max();
+    let seen = |host: &TestHost, at_kill: Option<u32>| {
+        let log = host.serial("con2");
+        let tail: String = log.chars().rev().take(600).collect::<Vec<_>>().into_iter().rev().collect();
+        format!(
+            "last numbered line {:?} ({at_kill:?} when the daemon was killed); the log's end:\n{tail:?}",
+            last_line(&log)
+        )
+    };
+    // The echo shows the command typed, not run: the guest reads its input at the UART's pace,
+    // so the final Enter may still be on its way when the echo of the text is back. Its first
+    // line is the fact that it runs (a kill before it would lose the Enter with the daemon).
+    vmhost_tests::wait::until("the typed command's first line", ANSWER, || {
+        last_line(&host.serial("con2")).map(|_| ()).ok_or_else(|| seen(&host, None))
+    });
     host.kill_daemon();
-    assert!(host.wait_serial("con2", "\nwhile-down-42", ANSWER), "the log missed output while vmhostd was down");
+    let at_kill = last_line(&host.serial("con2"));
+    vmhost_tests::wait::until("a console line printed while vmhostd was down", ANSWER, || {
+        if last_line(&host.serial("con2")) > at_kill {
+            Ok(())
+        } else {
+            Err(seen(&host, at_kill))
+        }
+    });
     host.spawn_daemon();
     host.wait_status("con2", "running", Duration::from_secs(60));
     let (mut again, early, attached) = host.client().console("con2", true, false).expect("attach after a restart");

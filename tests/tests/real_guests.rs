@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
-use vmhost_tests::{build_debs, run_ok, workspace, HostOptions, TestHost, LAN_NETWORK};
+use vmhost_tests::{build_debs, run_ok, wait, workspace, HostOptions, TestHost, LAN_NETWORK};
 
 /// A boot of a real guest under TCG on a busy 2-core machine (35-50 s when alone).
 const BOOT: Duration = Duration::from_secs(420);
@@ -77,17 +77,15 @@ fn call(host: &TestHost, method: &str, params: Value) -> Value {
 
 /// Waits until `vm.check` of `name` answers ok; returns the last answer.
 fn wait_check_ok(host: &TestHost, name: &str, timeout: Duration) -> Value {
-    let deadline = Instant::now() + timeout;
-    let mut last = Value::Null;
-    while Instant::now() < deadline {
-        match host.client().call::<Value>("vm.check", json!({ "name": name })) {
-            Ok(v) if v["ok"] == true => return v,
-            Ok(v) => last = v,
-            Err(e) => last = json!(e.to_string()),
-        }
-        std::thread::sleep(Duration::from_secs(2));
-    }
-    panic!("vm.check of {name} never ok: {last}\nconsole:\n{}", tail(&host.serial(name), 6000));
+    // The agent's answer, not a daemon state: no event says "the guest's network is as declared".
+    let ok = wait::poll(timeout, || match host.client().call::<Value>("vm.check", json!({ "name": name })) {
+        Ok(v) if v["ok"] == true => Ok(v),
+        Ok(v) => Err(v.to_string()),
+        Err(e) => Err(e.to_string()),
+    });
+    ok.unwrap_or_else(|last| {
+        panic!("vm.check of {name} never ok within {timeout:?}: {last}\nconsole:\n{}", tail(&host.serial(name), 6000))
+    })
 }
 
 fn tail(text: &str, bytes: usize) -> &str {
@@ -135,15 +133,14 @@ impl Ssh {
 
     /// Waits until an SSH login works (sshd up, the key installed by cloud-init).
     fn wait(&self, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let out = self.command("true").output().expect("run ssh");
+        wait::until(&format!("an SSH login to {}", self.address), timeout, || {
+            let out = self.command("true").output().map_err(|e| format!("run ssh: {e}"))?;
             if out.status.success() {
-                return;
+                Ok(())
+            } else {
+                Err(String::from_utf8_lossy(&out.stderr).into_owned())
             }
-            assert!(Instant::now() < deadline, "no SSH login: {}", String::from_utf8_lossy(&out.stderr));
-            std::thread::sleep(Duration::from_secs(2));
-        }
+        });
     }
 
     /// Waits until cloud-init has finished this boot (its final stage runs `runcmd` after sshd
@@ -320,21 +317,23 @@ fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
 
     // 2. Debian 12: the Security Onion bootstrap joins the grid.
     if let Some(master) = &master {
-        let deadline = Instant::now() + BOOT;
-        loop {
+        // The master's key list is salt's, outside vmhostd: looked at again until it has the key.
+        let joined = wait::poll(BOOT, || {
             let keys = master.keys();
             if keys["minions"].as_array().is_some_and(|m| m.iter().any(|k| k == name.as_str())) {
-                break;
+                Ok(())
+            } else {
+                Err(keys.to_string())
             }
-            assert!(
-                Instant::now() < deadline,
-                "{name}'s key never reached the master: {keys}\nminion: {}",
+        });
+        if let Err(keys) = joined {
+            panic!(
+                "{name}'s key never reached the master within {BOOT:?}: {keys}\nminion: {}",
                 ssh.command("sudo journalctl -u salt-minion --no-pager | tail -n 30")
                     .output()
                     .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
                     .unwrap_or_default()
             );
-            std::thread::sleep(Duration::from_secs(2));
         }
         let conf = ssh.run("cat /etc/salt/minion");
         assert!(conf.contains("master: 10.0.0.1") && conf.contains(&format!("id: {name}")), "{conf}");
@@ -371,16 +370,13 @@ fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
     // 5. The agent survives a reboot of the guest by itself.
     let before = boot_id(&host, &name);
     let _ = ssh.command("sudo systemctl reboot").output();
-    let deadline = Instant::now() + BOOT;
-    loop {
-        if let Ok(info) = host.client().call::<Value>("vm.guest_info", json!({ "name": name })) {
-            if info["boot_id"].as_str().is_some_and(|b| !b.is_empty() && b != before) {
-                break;
-            }
+    wait::until("the agent back after the guest's reboot, with a new boot id", BOOT, || {
+        match host.client().call::<Value>("vm.guest_info", json!({ "name": name })) {
+            Ok(info) if info["boot_id"].as_str().is_some_and(|b| !b.is_empty() && b != before) => Ok(()),
+            Ok(info) => Err(format!("boot id {} (before the reboot: {before})", info["boot_id"])),
+            Err(e) => Err(e.to_string()),
         }
-        assert!(Instant::now() < deadline, "the agent did not come back after the guest's reboot");
-        std::thread::sleep(Duration::from_secs(2));
-    }
+    });
     wait_check_ok(&host, &name, BOOT);
 
     // 6. vm.stop is a clean ACPI power-off: the guest's systemd powers off, QEMU is not killed.

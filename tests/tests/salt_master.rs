@@ -23,9 +23,13 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use vmhost_tests::{guest, run_ok, workspace, HostOptions, TestHost, LAN_NETWORK};
+use vmhost_tests::{guest, run_ok, wait, workspace, HostOptions, TestHost, LAN_NETWORK};
 
-const WAIT: Duration = Duration::from_secs(120);
+/// The failure bound of every wait on salt (a master's start, an event, a VM the engine made).
+const WAIT: Duration = Duration::from_secs(300);
+
+/// How long salt's processes get to end after SIGTERM before SIGKILL.
+const GRACE: Duration = Duration::from_secs(3);
 
 /// A process started in its own process group; dropping it ends the whole group (salt's
 /// masters and minions fork worker processes): SIGTERM, up to 3 s, then SIGKILL.
@@ -62,13 +66,11 @@ impl Drop for Group {
         // Give the group leader 3 s to shut down its workers, then SIGKILL whatever of the
         // group is left. A salt-minion's graceful shutdown takes 6-8 s here and can hang for
         // good when its process manager restarts an engine that the same SIGTERM ended.
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_)) | Err(_)) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        // (A grace period, not a wait for a fact: SIGKILL follows either way.)
+        let _ = wait::poll(GRACE, || match self.child.try_wait() {
+            Ok(None) => Err(String::new()),
+            Ok(Some(_)) | Err(_) => Ok(()),
+        });
         let _ = nix::sys::signal::kill(pgid, nix::sys::signal::Signal::SIGKILL);
         let _ = self.child.wait();
     }
@@ -198,12 +200,15 @@ engines:
         let mut salt = Salt { dir, vms, events, procs };
 
         // The listener subscribes once the master's publisher socket exists.
-        let deadline = Instant::now() + WAIT;
-        while !salt.path("master/sock/master_event_pub.ipc").exists() {
+        let publisher = salt.path("master/sock/master_event_pub.ipc");
+        wait::until("salt-master's publisher socket", WAIT, || {
             salt.procs[0].assert_running(&mlog);
-            assert!(Instant::now() < deadline, "salt-master did not come up:\n{}", read(&mlog));
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            if publisher.exists() {
+                Ok(())
+            } else {
+                Err(format!("no {}; master log:\n{}", publisher.display(), read(&mlog)))
+            }
+        });
         let llog = salt.path("listener.out");
         let listener = Group::spawn(
             "listener",
@@ -266,27 +271,24 @@ engines:
     }
 
     fn wait_event(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(e) = self.events().into_iter().find(|e| pred(e)) {
-                return e;
-            }
-            assert!(Instant::now() < deadline, "no event for {what}; events:\n{}\n{}", read(&self.events), self.logs());
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        wait::until(&format!("an event for {what}"), WAIT, || {
+            self.events()
+                .into_iter()
+                .find(|e| pred(e))
+                .ok_or_else(|| format!("events:\n{}\n{}", read(&self.events), self.logs()))
+        })
     }
 
     /// Waits until `get` gives something other than null.
     fn wait_for_value(&self, what: &str, get: impl Fn() -> Value) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
+        wait::until(what, WAIT, || {
             let v = get();
-            if !v.is_null() {
-                return v;
+            if v.is_null() {
+                Err(format!("nothing yet\n{}", self.logs()))
+            } else {
+                Ok(v)
             }
-            assert!(Instant::now() < deadline, "timed out waiting for {what}\n{}", self.logs());
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        })
     }
 
     fn tag_event(&self, tag: &str) -> Value {
@@ -319,10 +321,14 @@ impl Drop for Salt {
         for g in &groups {
             let _ = nix::sys::signal::kill(*g, nix::sys::signal::Signal::SIGTERM);
         }
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline && self.procs.iter_mut().any(|p| matches!(p.child.try_wait(), Ok(None))) {
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        // (A grace period, not a wait for a fact: SIGKILL follows either way.)
+        let _ = wait::poll(GRACE, || {
+            if self.procs.iter_mut().any(|p| matches!(p.child.try_wait(), Ok(None))) {
+                Err(String::new())
+            } else {
+                Ok(())
+            }
+        });
         for g in &groups {
             let _ = nix::sys::signal::kill(*g, nix::sys::signal::Signal::SIGKILL);
         }
@@ -337,11 +343,7 @@ fn read(p: &Path) -> String {
 }
 
 fn wait_for(cond: impl Fn() -> bool, what: &str, log: &Path) {
-    let deadline = Instant::now() + WAIT;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}:\n{}", read(log));
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait::until_true(what, WAIT, cond, || read(log));
 }
 
 /// `{name: (status, pid)}` of a host's VMs.
@@ -360,20 +362,15 @@ fn vms(host: &TestHost) -> Vec<(String, String, Option<u64>)> {
         .collect()
 }
 
-fn names(host: &TestHost) -> Vec<String> {
-    vms(host).into_iter().map(|(n, _, _)| n).collect()
-}
-
+/// Waits, on the host's events, until it has exactly the VMs `want` (sorted), all running.
 fn wait_vms(host: &TestHost, want: &[&str], salt: &Salt) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let now = vms(host);
-        let running = now.iter().all(|(_, s, _)| s == "running");
-        if running && names(host) == want {
-            return;
-        }
-        assert!(Instant::now() < deadline, "host never had exactly {want:?} running: {now:?}\n{}", salt.logs());
-        std::thread::sleep(Duration::from_millis(200));
+    let exactly = |list: &Value| {
+        let Some(list) = list.as_array() else { return false };
+        list.iter().all(|v| v["status"] == "running")
+            && list.iter().map(|v| v["name"].as_str()).eq(want.iter().map(|w| Some(*w)))
+    };
+    if let Err(e) = host.wait_list(&format!("exactly {want:?} running"), WAIT, exactly) {
+        panic!("{e}\n{}", salt.logs());
     }
 }
 
