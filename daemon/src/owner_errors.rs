@@ -25,7 +25,9 @@ use crate::images::ImageError;
 use crate::net::host::AttachError;
 use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
+use crate::pci::PassthroughError;
 use crate::qemu::integrity::PinError;
+use crate::seed::SeedError;
 
 /// An error with `code`, the owner's text as the message and `field` when there is one.
 fn api(code: Code, e: &impl std::fmt::Display, field: Option<&str>) -> ApiError {
@@ -126,6 +128,20 @@ impl From<&BindError> for ApiError {
             }
         };
         api(Code::ProvisioningFailed, e, None).details(details)
+    }
+}
+
+impl From<PassthroughError> for ApiError {
+    /// 4001 with `details.step` `vfio.<step>` (`vfio_access` for a group node).
+    fn from(e: PassthroughError) -> ApiError {
+        api(Code::ProvisioningFailed, &e, None).details(json!({ "step": e.step() }))
+    }
+}
+
+impl From<SeedError> for ApiError {
+    /// 4001 with `details.step` `seed` (`instance_id` for a new instance id).
+    fn from(e: SeedError) -> ApiError {
+        api(Code::ProvisioningFailed, &e, None).details(json!({ "step": e.step() }))
     }
 }
 
@@ -255,6 +271,7 @@ mod tests {
     use crate::images::url::UrlError;
     use crate::net::NetError;
     use crate::pci::check::{BlockedGroup, Blocker, HeldConflict, HostUse, Requested, ShapeProblem};
+    use crate::pci::{PassthroughStep, PciError};
     use crate::qemu::integrity::Verdict;
     use std::collections::BTreeSet;
 
@@ -334,6 +351,32 @@ mod tests {
                 Some("spec.pci[0]"),
             ),
             case("pci: vfio-pci missing", &BindError::NoVfioPci, Code::ProvisioningFailed, None),
+            case(
+                "pci: host usage unreadable",
+                PassthroughError::HostUsage(NetError::Exists("x".into())),
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "pci: modprobe",
+                PassthroughError::Pci { step: PassthroughStep::Modprobe, source: PciError::Modprobe("x".into()) },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "pci: group node",
+                PassthroughError::Access { node: "/dev/vfio/3".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case("seed: no instance id", SeedError::NoInstanceId { vm: "a".into() }, Code::ProvisioningFailed, None),
+            case("seed: write", SeedError::Write(std::io::Error::other("x")), Code::ProvisioningFailed, None),
+            case(
+                "seed: instance id",
+                SeedError::InstanceId(std::io::Error::other("x")),
+                Code::ProvisioningFailed,
+                None,
+            ),
             case("images: name", ImageError::NotAName("a/b".into()), Code::InvalidSpec, Some("name")),
             case("images: sha256", ImageError::BadSha256, Code::InvalidSpec, Some("sha256")),
             case("images: timeout", ImageError::ZeroTimeout, Code::InvalidSpec, Some("timeout_s")),
@@ -466,6 +509,53 @@ mod tests {
                 None,
             ),
         ]
+    }
+
+    /// The lifecycle's own texts (message and `details.step`) of errors it used to format
+    /// itself, which the owners now carry: clients and tests read them, so they stay exactly.
+    fn texts() -> Vec<(ApiError, &'static str, &'static str)> {
+        let io = || std::io::Error::other("boom");
+        vec![
+            (
+                PassthroughError::HostUsage(NetError::Exists("t".into())).into(),
+                "PCI passthrough failed at host_usage: t already exists",
+                "vfio.host_usage",
+            ),
+            (
+                PassthroughError::Pci { step: PassthroughStep::Read, source: PciError::Modprobe("x".into()) }.into(),
+                "PCI passthrough failed at read: cannot load vfio-pci: x",
+                "vfio.read",
+            ),
+            (
+                PassthroughError::Pci { step: PassthroughStep::Plan, source: PciError::Modprobe("x".into()) }.into(),
+                "PCI passthrough failed at plan: cannot load vfio-pci: x",
+                "vfio.plan",
+            ),
+            (
+                PassthroughError::Access { node: "/dev/vfio/3".into(), source: io() }.into(),
+                "cannot give /dev/vfio/3 to the group of qemu.user: boom",
+                "vfio_access",
+            ),
+            (
+                SeedError::NoInstanceId { vm: "a".into() }.into(),
+                "the record of VM \"a\" has no cloud-init instance id",
+                "seed",
+            ),
+            (SeedError::Write(io()).into(), "cannot write the cloud-init seed: boom", "seed"),
+            (
+                SeedError::InstanceId(io()).into(),
+                "cannot make a cloud-init instance id (/dev/urandom): boom",
+                "instance_id",
+            ),
+        ]
+    }
+
+    #[test]
+    fn texts_the_lifecycle_used_to_make_are_unchanged() {
+        for (e, message, step) in texts() {
+            assert_eq!(e.message, message);
+            assert_eq!(e.details["step"], step, "{message}");
+        }
     }
 
     /// Codes no owner produces, and where they come from instead (each has its own tests

@@ -15,6 +15,7 @@ use crate::api::{ApiError, Code, Firmware, VmStatus};
 use crate::process::ProcessIdentity;
 use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
 use crate::qemu::launch::LaunchRequest;
+use crate::seed::SeedError;
 use crate::validate::{BootSource, ValidSpec};
 use serde_json::json;
 use std::os::unix::fs::DirBuilderExt;
@@ -233,13 +234,10 @@ impl Manager {
         if crate::seed::has_seed(vm) {
             // Every record has one (made at create and replace, adopted at start for older
             // records); its absence is a daemon fault, never a reason to make a new instance.
-            let instance_id = rec.instance_id.ok_or_else(|| {
-                provisioning("seed", format!("the record of VM {name:?} has no cloud-init instance id"))
-            })?;
+            let instance_id = rec.instance_id.ok_or_else(|| SeedError::NoInstanceId { vm: name.clone() })?;
             let files = crate::seed::render(&vm.spec, &allocs, &instance_id);
             // Built and fsynced off the runtime worker: 20 launches at once must not stall it.
-            crate::blocking::run(|| crate::seed::write_seed(&paths.seed, &files))
-                .map_err(|e| provisioning("seed", format!("cannot write the cloud-init seed: {e}")))?;
+            crate::blocking::run(|| crate::seed::write_seed(&paths.seed, &files))?;
         } else {
             // A kernel VM whose user_data was dropped: its old seed (and the text in it) goes.
             let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
