@@ -20,8 +20,9 @@ use serde_json::{json, Value};
 use crate::api::{ApiError, Code};
 use crate::backup::{BackupError, ManifestError};
 use crate::disk::space::SpaceError;
+use crate::disk::DiskError;
 use crate::images::download::DownloadError;
-use crate::images::ImageError;
+use crate::images::{ImageError, StoreError};
 use crate::net::host::AttachError;
 use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
@@ -161,6 +162,38 @@ impl From<ImageError> for ApiError {
                 .details(json!({ "expected": expected, "found": found, "bytes": bytes })),
             ImageError::Changed { expected, found, bytes, .. } => api(Code::ChecksumMismatch, &e, Some("name"))
                 .details(json!({ "expected": expected, "found": found, "bytes": bytes })),
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    /// 2001 on `source` for a file to import that is not one the store takes (`name` for a
+    /// name holding something other than a file), 4093 on `name` for an image placed meanwhile,
+    /// 4002 for a QEMU binary that is not the pinned one, else 4001 with `details.step`
+    /// `image_list`, `image_delete` or `image_import`.
+    fn from(e: StoreError) -> ApiError {
+        let e = match e {
+            StoreError::Inspect { source: DiskError::Pinned(refusal), .. } => return refusal.into(),
+            e => e,
+        };
+        let step = |step: &str| api(Code::ProvisioningFailed, &e, None).details(json!({ "step": step }));
+        match &e {
+            StoreError::SourceUnreadable { .. }
+            | StoreError::SourceLink { .. }
+            | StoreError::NotAnImage { .. }
+            | StoreError::NamesAnotherFile { .. } => api(Code::InvalidSpec, &e, Some("source")),
+            StoreError::NotAFile { .. } => api(Code::InvalidSpec, &e, Some("name")),
+            StoreError::Appeared { .. } => api(Code::ImageExists, &e, Some("name")),
+            StoreError::List { .. } => step("image_list"),
+            StoreError::Delete { .. } => step("image_delete"),
+            StoreError::Create { .. }
+            | StoreError::Copy { .. }
+            | StoreError::Write(_)
+            | StoreError::Reopen(_)
+            | StoreError::Place { .. }
+            | StoreError::Unreadable { .. }
+            | StoreError::Inspect { .. }
+            | StoreError::Record { .. } => step("image_import"),
         }
     }
 }
@@ -392,6 +425,77 @@ mod tests {
             case("images: mismatch", crate::images::mismatch("a", "b", "c", 1), Code::ChecksumMismatch, Some("sha256")),
             case("images: changed", crate::images::changed("a", "b", "c", 1), Code::ChecksumMismatch, Some("name")),
             case(
+                "images: unreadable source",
+                StoreError::copying("/i/a".as_ref(), std::io::ErrorKind::NotFound.into()),
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case(
+                "images: linked source",
+                StoreError::copying("/i/a".as_ref(), std::io::Error::from_raw_os_error(libc::ELOOP)),
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case(
+                "images: copy",
+                StoreError::copying("/i/a".as_ref(), std::io::Error::other("x")),
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "images: placed meanwhile",
+                StoreError::placing("a", "/s/a".as_ref(), std::io::ErrorKind::AlreadyExists.into()),
+                Code::ImageExists,
+                Some("name"),
+            ),
+            case(
+                "images: place",
+                StoreError::placing("a", "/s/a".as_ref(), std::io::Error::other("x")),
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case("images: not a file", StoreError::NotAFile { path: "/s/a".into() }, Code::InvalidSpec, Some("name")),
+            case("images: not an image", StoreError::inspecting("a", tool_error()), Code::InvalidSpec, Some("source")),
+            case(
+                "images: QEMU not run",
+                StoreError::inspecting(
+                    "a",
+                    DiskError::Timeout { operation: "probe", after: std::time::Duration::ZERO },
+                ),
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "images: QEMU not pinned",
+                StoreError::inspecting("a", pinned()),
+                Code::BinaryMismatch,
+                Some("qemu.sha256"),
+            ),
+            case(
+                "images: names a backing file",
+                StoreError::NamesAnotherFile { what: "a".into(), other: "b".into() },
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case(
+                "images: list",
+                StoreError::List { dir: "/s".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "images: delete",
+                StoreError::Delete { name: "a".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "images: record",
+                StoreError::Record { name: "a".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
                 "download: refused address",
                 DownloadError::Refused {
                     what: "u".into(),
@@ -547,7 +651,80 @@ mod tests {
                 "cannot make a cloud-init instance id (/dev/urandom): boom",
                 "instance_id",
             ),
+            (StoreError::List { dir: "/s".into(), source: io() }.into(), "cannot read /s: boom", "image_list"),
+            (
+                StoreError::Create { dir: "/s".into(), source: io() }.into(),
+                "cannot create a file in /s: boom",
+                "image_import",
+            ),
+            (StoreError::copying("/i/a".as_ref(), io()).into(), "cannot copy /i/a: boom", "image_import"),
+            (StoreError::Write(io()).into(), "cannot write the image: boom", "image_import"),
+            (StoreError::Reopen(io()).into(), "cannot reopen the image: boom", "image_import"),
+            (
+                StoreError::placing("a", "/s/a".as_ref(), io()).into(),
+                "cannot move the image into place at /s/a: boom",
+                "image_import",
+            ),
+            (
+                StoreError::Unreadable { path: "/s/a".into(), source: io() }.into(),
+                "cannot read /s/a: boom",
+                "image_import",
+            ),
+            (
+                StoreError::inspecting(
+                    "a",
+                    DiskError::Timeout { operation: "probe", after: std::time::Duration::from_secs(1) },
+                )
+                .into(),
+                "cannot inspect a: QEMU did not probe the image within 1s",
+                "image_import",
+            ),
+            (
+                StoreError::Record { name: "a".into(), source: io() }.into(),
+                "the image \"a\" is in place, but its record cannot be written (boom); import it again",
+                "image_import",
+            ),
+            (
+                StoreError::Delete { name: "a".into(), source: io() }.into(),
+                "cannot delete image \"a\": boom",
+                "image_delete",
+            ),
         ]
+    }
+
+    /// The texts of refusals the lifecycle used to make itself (no `details`).
+    fn refusal_texts() -> Vec<(ApiError, &'static str)> {
+        vec![
+            (
+                StoreError::copying("/i/a".as_ref(), std::io::ErrorKind::NotFound.into()).into(),
+                "cannot read /i/a: entity not found",
+            ),
+            (
+                StoreError::copying("/i/a".as_ref(), std::io::Error::from_raw_os_error(libc::ELOOP)).into(),
+                "/i/a is a symbolic link",
+            ),
+            (
+                StoreError::placing("a", "/s/a".as_ref(), std::io::ErrorKind::AlreadyExists.into()).into(),
+                "an image \"a\" appeared meanwhile",
+            ),
+            (StoreError::NotAFile { path: "/s/a".into() }.into(), "/s/a is not a regular file"),
+            (
+                StoreError::inspecting("a", tool_error()).into(),
+                "QEMU cannot read a as a disk image: QEMU could not probe the image: not an image",
+            ),
+            (
+                StoreError::NamesAnotherFile { what: "a".into(), other: "b".into() }.into(),
+                "a names another file (\"b\") as its backing or data file: flatten it first (qemu-img convert)",
+            ),
+        ]
+    }
+
+    #[test]
+    fn refusal_texts_are_unchanged() {
+        for (e, message) in refusal_texts() {
+            assert_eq!(e.message, message);
+            assert_eq!(e.details, Value::Null, "{message}");
+        }
     }
 
     #[test]
@@ -556,6 +733,19 @@ mod tests {
             assert_eq!(e.message, message);
             assert_eq!(e.details["step"], step, "{message}");
         }
+    }
+
+    fn tool_error() -> DiskError {
+        DiskError::Tool { operation: "probe", reason: "not an image".into(), stderr_tail: "tail".into() }
+    }
+
+    fn pinned() -> DiskError {
+        DiskError::Pinned(PinError {
+            key: "qemu.sha256",
+            path: "/usr/bin/qemu".into(),
+            expected: "a".into(),
+            verdict: Verdict::Mismatch { found: "b".into() },
+        })
     }
 
     /// Codes no owner produces, and where they come from instead (each has its own tests
