@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 
 use crate::api::{ApiError, Code};
 use crate::backup::{BackupError, ManifestError};
+use crate::disk::data::DataDiskError;
 use crate::disk::space::SpaceError;
 use crate::disk::DiskError;
 use crate::images::download::DownloadError;
@@ -252,6 +253,26 @@ impl From<SpaceError> for ApiError {
                 }))
             }
         }
+    }
+}
+
+impl From<DataDiskError> for ApiError {
+    /// 4002 when the QEMU binary is not the pinned one; else 4001 with `details.step`
+    /// `data_disk` (and `details.disk`, `details.stderr` for a disk QEMU could not make or grow).
+    fn from(e: DataDiskError) -> ApiError {
+        let e = match e {
+            DataDiskError::GrowTakenBack { source: DiskError::Pinned(refusal), .. }
+            | DataDiskError::Create { source: DiskError::Pinned(refusal), .. }
+            | DataDiskError::Grow { source: DiskError::Pinned(refusal), .. } => return refusal.into(),
+            e => e,
+        };
+        let details = match &e {
+            DataDiskError::Create { disk, source } | DataDiskError::Grow { disk, source, .. } => {
+                json!({ "step": "data_disk", "disk": disk, "stderr": source.stderr_tail().unwrap_or_default() })
+            }
+            _ => json!({ "step": "data_disk" }),
+        };
+        api(Code::ProvisioningFailed, &e, None).details(details)
     }
 }
 
@@ -565,6 +586,24 @@ mod tests {
                 Some("spec.disks"),
             ),
             case(
+                "data disk: make",
+                DataDiskError::Create { disk: "d".into(), source: tool_error() },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "data disk: QEMU not pinned",
+                DataDiskError::Grow { disk: "d".into(), size_gib: 2, source: pinned() },
+                Code::BinaryMismatch,
+                Some("qemu.sha256"),
+            ),
+            case(
+                "data disk: kept one there",
+                DataDiskError::KeptTaken { disk: "d".into(), to: "/k/d.raw".into() },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
                 "integrity: another binary",
                 PinError {
                     key: "qemu.sha256",
@@ -651,6 +690,47 @@ mod tests {
                 "cannot make a cloud-init instance id (/dev/urandom): boom",
                 "instance_id",
             ),
+            (DataDiskError::Dir { dir: "/d".into(), source: io() }.into(), "cannot create /d: boom", "data_disk"),
+            (
+                DataDiskError::Delete { path: "/d/a".into(), source: io() }.into(),
+                "cannot delete /d/a: boom",
+                "data_disk",
+            ),
+            (
+                DataDiskError::Move { from: "/d/a".into(), to: "/k/a".into(), source: io() }.into(),
+                "cannot move /d/a to /k/a: boom",
+                "data_disk",
+            ),
+            (
+                DataDiskError::Space { dir: "/s".into(), source: io() }.into(),
+                "cannot read the free space of /s: boom",
+                "data_disk",
+            ),
+            (
+                DataDiskError::GrowTakenBack { disk: "d".into(), source: tool_error() }.into(),
+                "cannot grow data disk \"d\": QEMU could not probe the image: not an image",
+                "data_disk",
+            ),
+            (
+                DataDiskError::Place { disk: "d".into(), source: io() }.into(),
+                "cannot move data disk \"d\" into place: boom",
+                "data_disk",
+            ),
+            (
+                DataDiskError::KeptTaken { disk: "d".into(), to: "/k/d.raw".into() }.into(),
+                "cannot keep data disk \"d\": /k/d.raw already holds a kept disk; purge it first",
+                "data_disk",
+            ),
+            (DataDiskError::ReadKept { dir: "/k".into(), source: io() }.into(), "cannot read /k: boom", "data_disk"),
+            (
+                DataDiskError::Purge {
+                    source: Box::new(DataDiskError::Delete { path: "/k/b".into(), source: io() }),
+                    deleted: vec!["/k/a".into()],
+                }
+                .into(),
+                "cannot delete /k/b: boom (deleted before: [\"/k/a\"])",
+                "data_disk",
+            ),
             (StoreError::List { dir: "/s".into(), source: io() }.into(), "cannot read /s: boom", "image_list"),
             (
                 StoreError::Create { dir: "/s".into(), source: io() }.into(),
@@ -717,6 +797,16 @@ mod tests {
                 "a names another file (\"b\") as its backing or data file: flatten it first (qemu-img convert)",
             ),
         ]
+    }
+
+    #[test]
+    fn a_disk_qemu_could_not_make_or_grow_names_itself_and_qemu_s_words() {
+        let made: ApiError = DataDiskError::Create { disk: "d".into(), source: tool_error() }.into();
+        assert_eq!(made.message, "cannot make data disk \"d\": QEMU could not probe the image: not an image");
+        assert_eq!(made.details, json!({ "step": "data_disk", "disk": "d", "stderr": "tail" }));
+        let grown: ApiError = DataDiskError::Grow { disk: "d".into(), size_gib: 2, source: tool_error() }.into();
+        assert_eq!(grown.message, "cannot grow data disk \"d\" to 2 GiB: QEMU could not probe the image: not an image");
+        assert_eq!(grown.details, json!({ "step": "data_disk", "disk": "d", "stderr": "tail" }));
     }
 
     #[test]
