@@ -21,7 +21,7 @@ use crate::api::{ApiError, Code};
 use crate::backup::{BackupError, ManifestError};
 use crate::disk::data::DataDiskError;
 use crate::disk::space::SpaceError;
-use crate::disk::DiskError;
+use crate::disk::{DiskError, OverlayError};
 use crate::images::download::DownloadError;
 use crate::images::{ImageError, StoreError};
 use crate::net::host::AttachError;
@@ -271,6 +271,26 @@ impl From<DataDiskError> for ApiError {
                 json!({ "step": "data_disk", "disk": disk, "stderr": source.stderr_tail().unwrap_or_default() })
             }
             _ => json!({ "step": "data_disk" }),
+        };
+        api(Code::ProvisioningFailed, &e, None).details(details)
+    }
+}
+
+impl From<OverlayError> for ApiError {
+    /// 4002 when the QEMU binary is not the pinned one; else 4001 with `details.step` `disk`
+    /// (and QEMU's `stderr`) or `qemu_files`, none for an orphan's removal.
+    fn from(e: OverlayError) -> ApiError {
+        let e = match e {
+            OverlayError::Create(DiskError::Pinned(refusal)) | OverlayError::Base(DiskError::Pinned(refusal)) => {
+                return refusal.into()
+            }
+            e => e,
+        };
+        let details = match &e {
+            OverlayError::Create(d) => json!({ "step": "disk", "stderr": d.stderr_tail().unwrap_or_default() }),
+            OverlayError::Place(_) => json!({ "step": "disk" }),
+            OverlayError::Base(_) => json!({ "step": "qemu_files" }),
+            OverlayError::RemoveOrphan(_) => Value::Null,
         };
         api(Code::ProvisioningFailed, &e, None).details(details)
     }
@@ -585,6 +605,8 @@ mod tests {
                 Code::CapacityExceeded,
                 Some("spec.disks"),
             ),
+            case("overlay: make", OverlayError::Create(tool_error()), Code::ProvisioningFailed, None),
+            case("overlay: QEMU not pinned", OverlayError::Base(pinned()), Code::BinaryMismatch, Some("qemu.sha256")),
             case(
                 "data disk: make",
                 DataDiskError::Create { disk: "d".into(), source: tool_error() },
@@ -689,6 +711,12 @@ mod tests {
                 SeedError::InstanceId(io()).into(),
                 "cannot make a cloud-init instance id (/dev/urandom): boom",
                 "instance_id",
+            ),
+            (OverlayError::Place(io()).into(), "cannot move the overlay into place: boom", "disk"),
+            (
+                OverlayError::Base(tool_error()).into(),
+                "cannot read the base image: QEMU could not probe the image: not an image",
+                "qemu_files",
             ),
             (DataDiskError::Dir { dir: "/d".into(), source: io() }.into(), "cannot create /d: boom", "data_disk"),
             (
@@ -807,6 +835,16 @@ mod tests {
         let grown: ApiError = DataDiskError::Grow { disk: "d".into(), size_gib: 2, source: tool_error() }.into();
         assert_eq!(grown.message, "cannot grow data disk \"d\" to 2 GiB: QEMU could not probe the image: not an image");
         assert_eq!(grown.details, json!({ "step": "data_disk", "disk": "d", "stderr": "tail" }));
+    }
+
+    #[test]
+    fn an_overlay_qemu_could_not_make_carries_qemu_s_words() {
+        let e: ApiError = OverlayError::Create(tool_error()).into();
+        assert_eq!(e.message, "cannot create the overlay disk: QEMU could not probe the image: not an image");
+        assert_eq!(e.details, json!({ "step": "disk", "stderr": "tail" }));
+        let orphan: ApiError = OverlayError::RemoveOrphan(tool_error()).into();
+        assert_eq!(orphan.message, "cannot remove orphaned overlay: QEMU could not probe the image: not an image");
+        assert_eq!(orphan.details, Value::Null);
     }
 
     #[test]
