@@ -19,13 +19,17 @@ use serde_json::{json, Value};
 
 use crate::api::{ApiError, Code};
 use crate::backup::{BackupError, ManifestError};
+use crate::disk::data::DataDiskError;
 use crate::disk::space::SpaceError;
+use crate::disk::{DiskError, OverlayError};
 use crate::images::download::DownloadError;
-use crate::images::ImageError;
+use crate::images::{ImageError, StoreError};
 use crate::net::host::AttachError;
 use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
+use crate::pci::PassthroughError;
 use crate::qemu::integrity::PinError;
+use crate::seed::SeedError;
 
 /// An error with `code`, the owner's text as the message and `field` when there is one.
 fn api(code: Code, e: &impl std::fmt::Display, field: Option<&str>) -> ApiError {
@@ -129,6 +133,20 @@ impl From<&BindError> for ApiError {
     }
 }
 
+impl From<PassthroughError> for ApiError {
+    /// 4001 with `details.step` `vfio.<step>` (`vfio_access` for a group node).
+    fn from(e: PassthroughError) -> ApiError {
+        api(Code::ProvisioningFailed, &e, None).details(json!({ "step": e.step() }))
+    }
+}
+
+impl From<SeedError> for ApiError {
+    /// 4001 with `details.step` `seed` (`instance_id` for a new instance id).
+    fn from(e: SeedError) -> ApiError {
+        api(Code::ProvisioningFailed, &e, None).details(json!({ "step": e.step() }))
+    }
+}
+
 impl From<ImageError> for ApiError {
     /// 2001 on the request field at fault, 4090 on `name`, 2003 on `sha256` (`name` for a
     /// recorded image that changed) with `details: {expected, found, bytes}`.
@@ -145,6 +163,38 @@ impl From<ImageError> for ApiError {
                 .details(json!({ "expected": expected, "found": found, "bytes": bytes })),
             ImageError::Changed { expected, found, bytes, .. } => api(Code::ChecksumMismatch, &e, Some("name"))
                 .details(json!({ "expected": expected, "found": found, "bytes": bytes })),
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    /// 2001 on `source` for a file to import that is not one the store takes (`name` for a
+    /// name holding something other than a file), 4093 on `name` for an image placed meanwhile,
+    /// 4002 for a QEMU binary that is not the pinned one, else 4001 with `details.step`
+    /// `image_list`, `image_delete` or `image_import`.
+    fn from(e: StoreError) -> ApiError {
+        let e = match e {
+            StoreError::Inspect { source: DiskError::Pinned(refusal), .. } => return refusal.into(),
+            e => e,
+        };
+        let step = |step: &str| api(Code::ProvisioningFailed, &e, None).details(json!({ "step": step }));
+        match &e {
+            StoreError::SourceUnreadable { .. }
+            | StoreError::SourceLink { .. }
+            | StoreError::NotAnImage { .. }
+            | StoreError::NamesAnotherFile { .. } => api(Code::InvalidSpec, &e, Some("source")),
+            StoreError::NotAFile { .. } => api(Code::InvalidSpec, &e, Some("name")),
+            StoreError::Appeared { .. } => api(Code::ImageExists, &e, Some("name")),
+            StoreError::List { .. } => step("image_list"),
+            StoreError::Delete { .. } => step("image_delete"),
+            StoreError::Create { .. }
+            | StoreError::Copy { .. }
+            | StoreError::Write(_)
+            | StoreError::Reopen(_)
+            | StoreError::Place { .. }
+            | StoreError::Unreadable { .. }
+            | StoreError::Inspect { .. }
+            | StoreError::Record { .. } => step("image_import"),
         }
     }
 }
@@ -206,6 +256,46 @@ impl From<SpaceError> for ApiError {
     }
 }
 
+impl From<DataDiskError> for ApiError {
+    /// 4002 when the QEMU binary is not the pinned one; else 4001 with `details.step`
+    /// `data_disk` (and `details.disk`, `details.stderr` for a disk QEMU could not make or grow).
+    fn from(e: DataDiskError) -> ApiError {
+        let e = match e {
+            DataDiskError::GrowTakenBack { source: DiskError::Pinned(refusal), .. }
+            | DataDiskError::Create { source: DiskError::Pinned(refusal), .. }
+            | DataDiskError::Grow { source: DiskError::Pinned(refusal), .. } => return refusal.into(),
+            e => e,
+        };
+        let details = match &e {
+            DataDiskError::Create { disk, source } | DataDiskError::Grow { disk, source, .. } => {
+                json!({ "step": "data_disk", "disk": disk, "stderr": source.stderr_tail().unwrap_or_default() })
+            }
+            _ => json!({ "step": "data_disk" }),
+        };
+        api(Code::ProvisioningFailed, &e, None).details(details)
+    }
+}
+
+impl From<OverlayError> for ApiError {
+    /// 4002 when the QEMU binary is not the pinned one; else 4001 with `details.step` `disk`
+    /// (and QEMU's `stderr`) or `qemu_files`, none for an orphan's removal.
+    fn from(e: OverlayError) -> ApiError {
+        let e = match e {
+            OverlayError::Create(DiskError::Pinned(refusal)) | OverlayError::Base(DiskError::Pinned(refusal)) => {
+                return refusal.into()
+            }
+            e => e,
+        };
+        let details = match &e {
+            OverlayError::Create(d) => json!({ "step": "disk", "stderr": d.stderr_tail().unwrap_or_default() }),
+            OverlayError::Place(_) => json!({ "step": "disk" }),
+            OverlayError::Base(_) => json!({ "step": "qemu_files" }),
+            OverlayError::RemoveOrphan(_) => Value::Null,
+        };
+        api(Code::ProvisioningFailed, &e, None).details(details)
+    }
+}
+
 impl From<PinError> for ApiError {
     /// 4002 on the pin's key (`qemu.sha256`), `details: {path, expected, found}` (`found` null
     /// when the binary cannot be read).
@@ -255,6 +345,7 @@ mod tests {
     use crate::images::url::UrlError;
     use crate::net::NetError;
     use crate::pci::check::{BlockedGroup, Blocker, HeldConflict, HostUse, Requested, ShapeProblem};
+    use crate::pci::{PassthroughStep, PciError};
     use crate::qemu::integrity::Verdict;
     use std::collections::BTreeSet;
 
@@ -334,6 +425,32 @@ mod tests {
                 Some("spec.pci[0]"),
             ),
             case("pci: vfio-pci missing", &BindError::NoVfioPci, Code::ProvisioningFailed, None),
+            case(
+                "pci: host usage unreadable",
+                PassthroughError::HostUsage(NetError::Exists("x".into())),
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "pci: modprobe",
+                PassthroughError::Pci { step: PassthroughStep::Modprobe, source: PciError::Modprobe("x".into()) },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "pci: group node",
+                PassthroughError::Access { node: "/dev/vfio/3".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case("seed: no instance id", SeedError::NoInstanceId { vm: "a".into() }, Code::ProvisioningFailed, None),
+            case("seed: write", SeedError::Write(std::io::Error::other("x")), Code::ProvisioningFailed, None),
+            case(
+                "seed: instance id",
+                SeedError::InstanceId(std::io::Error::other("x")),
+                Code::ProvisioningFailed,
+                None,
+            ),
             case("images: name", ImageError::NotAName("a/b".into()), Code::InvalidSpec, Some("name")),
             case("images: sha256", ImageError::BadSha256, Code::InvalidSpec, Some("sha256")),
             case("images: timeout", ImageError::ZeroTimeout, Code::InvalidSpec, Some("timeout_s")),
@@ -348,6 +465,77 @@ mod tests {
             case("images: busy", ImageError::Busy("a.raw".into()), Code::Busy, Some("name")),
             case("images: mismatch", crate::images::mismatch("a", "b", "c", 1), Code::ChecksumMismatch, Some("sha256")),
             case("images: changed", crate::images::changed("a", "b", "c", 1), Code::ChecksumMismatch, Some("name")),
+            case(
+                "images: unreadable source",
+                StoreError::copying("/i/a".as_ref(), std::io::ErrorKind::NotFound.into()),
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case(
+                "images: linked source",
+                StoreError::copying("/i/a".as_ref(), std::io::Error::from_raw_os_error(libc::ELOOP)),
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case(
+                "images: copy",
+                StoreError::copying("/i/a".as_ref(), std::io::Error::other("x")),
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "images: placed meanwhile",
+                StoreError::placing("a", "/s/a".as_ref(), std::io::ErrorKind::AlreadyExists.into()),
+                Code::ImageExists,
+                Some("name"),
+            ),
+            case(
+                "images: place",
+                StoreError::placing("a", "/s/a".as_ref(), std::io::Error::other("x")),
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case("images: not a file", StoreError::NotAFile { path: "/s/a".into() }, Code::InvalidSpec, Some("name")),
+            case("images: not an image", StoreError::inspecting("a", tool_error()), Code::InvalidSpec, Some("source")),
+            case(
+                "images: QEMU not run",
+                StoreError::inspecting(
+                    "a",
+                    DiskError::Timeout { operation: "probe", after: std::time::Duration::ZERO },
+                ),
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "images: QEMU not pinned",
+                StoreError::inspecting("a", pinned()),
+                Code::BinaryMismatch,
+                Some("qemu.sha256"),
+            ),
+            case(
+                "images: names a backing file",
+                StoreError::NamesAnotherFile { what: "a".into(), other: "b".into() },
+                Code::InvalidSpec,
+                Some("source"),
+            ),
+            case(
+                "images: list",
+                StoreError::List { dir: "/s".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "images: delete",
+                StoreError::Delete { name: "a".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "images: record",
+                StoreError::Record { name: "a".into(), source: std::io::Error::other("x") },
+                Code::ProvisioningFailed,
+                None,
+            ),
             case(
                 "download: refused address",
                 DownloadError::Refused {
@@ -417,6 +605,26 @@ mod tests {
                 Code::CapacityExceeded,
                 Some("spec.disks"),
             ),
+            case("overlay: make", OverlayError::Create(tool_error()), Code::ProvisioningFailed, None),
+            case("overlay: QEMU not pinned", OverlayError::Base(pinned()), Code::BinaryMismatch, Some("qemu.sha256")),
+            case(
+                "data disk: make",
+                DataDiskError::Create { disk: "d".into(), source: tool_error() },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "data disk: QEMU not pinned",
+                DataDiskError::Grow { disk: "d".into(), size_gib: 2, source: pinned() },
+                Code::BinaryMismatch,
+                Some("qemu.sha256"),
+            ),
+            case(
+                "data disk: kept one there",
+                DataDiskError::KeptTaken { disk: "d".into(), to: "/k/d.raw".into() },
+                Code::ProvisioningFailed,
+                None,
+            ),
             case(
                 "integrity: another binary",
                 PinError {
@@ -466,6 +674,206 @@ mod tests {
                 None,
             ),
         ]
+    }
+
+    /// The lifecycle's own texts (message and `details.step`) of errors it used to format
+    /// itself, which the owners now carry: clients and tests read them, so they stay exactly.
+    fn texts() -> Vec<(ApiError, &'static str, &'static str)> {
+        let io = || std::io::Error::other("boom");
+        vec![
+            (
+                PassthroughError::HostUsage(NetError::Exists("t".into())).into(),
+                "PCI passthrough failed at host_usage: t already exists",
+                "vfio.host_usage",
+            ),
+            (
+                PassthroughError::Pci { step: PassthroughStep::Read, source: PciError::Modprobe("x".into()) }.into(),
+                "PCI passthrough failed at read: cannot load vfio-pci: x",
+                "vfio.read",
+            ),
+            (
+                PassthroughError::Pci { step: PassthroughStep::Plan, source: PciError::Modprobe("x".into()) }.into(),
+                "PCI passthrough failed at plan: cannot load vfio-pci: x",
+                "vfio.plan",
+            ),
+            (
+                PassthroughError::Access { node: "/dev/vfio/3".into(), source: io() }.into(),
+                "cannot give /dev/vfio/3 to the group of qemu.user: boom",
+                "vfio_access",
+            ),
+            (
+                SeedError::NoInstanceId { vm: "a".into() }.into(),
+                "the record of VM \"a\" has no cloud-init instance id",
+                "seed",
+            ),
+            (SeedError::Write(io()).into(), "cannot write the cloud-init seed: boom", "seed"),
+            (
+                SeedError::InstanceId(io()).into(),
+                "cannot make a cloud-init instance id (/dev/urandom): boom",
+                "instance_id",
+            ),
+            (OverlayError::Place(io()).into(), "cannot move the overlay into place: boom", "disk"),
+            (
+                OverlayError::Base(tool_error()).into(),
+                "cannot read the base image: QEMU could not probe the image: not an image",
+                "qemu_files",
+            ),
+            (DataDiskError::Dir { dir: "/d".into(), source: io() }.into(), "cannot create /d: boom", "data_disk"),
+            (
+                DataDiskError::Delete { path: "/d/a".into(), source: io() }.into(),
+                "cannot delete /d/a: boom",
+                "data_disk",
+            ),
+            (
+                DataDiskError::Move { from: "/d/a".into(), to: "/k/a".into(), source: io() }.into(),
+                "cannot move /d/a to /k/a: boom",
+                "data_disk",
+            ),
+            (
+                DataDiskError::Space { dir: "/s".into(), source: io() }.into(),
+                "cannot read the free space of /s: boom",
+                "data_disk",
+            ),
+            (
+                DataDiskError::GrowTakenBack { disk: "d".into(), source: tool_error() }.into(),
+                "cannot grow data disk \"d\": QEMU could not probe the image: not an image",
+                "data_disk",
+            ),
+            (
+                DataDiskError::Place { disk: "d".into(), source: io() }.into(),
+                "cannot move data disk \"d\" into place: boom",
+                "data_disk",
+            ),
+            (
+                DataDiskError::KeptTaken { disk: "d".into(), to: "/k/d.raw".into() }.into(),
+                "cannot keep data disk \"d\": /k/d.raw already holds a kept disk; purge it first",
+                "data_disk",
+            ),
+            (DataDiskError::ReadKept { dir: "/k".into(), source: io() }.into(), "cannot read /k: boom", "data_disk"),
+            (
+                DataDiskError::Purge {
+                    source: Box::new(DataDiskError::Delete { path: "/k/b".into(), source: io() }),
+                    deleted: vec!["/k/a".into()],
+                }
+                .into(),
+                "cannot delete /k/b: boom (deleted before: [\"/k/a\"])",
+                "data_disk",
+            ),
+            (StoreError::List { dir: "/s".into(), source: io() }.into(), "cannot read /s: boom", "image_list"),
+            (
+                StoreError::Create { dir: "/s".into(), source: io() }.into(),
+                "cannot create a file in /s: boom",
+                "image_import",
+            ),
+            (StoreError::copying("/i/a".as_ref(), io()).into(), "cannot copy /i/a: boom", "image_import"),
+            (StoreError::Write(io()).into(), "cannot write the image: boom", "image_import"),
+            (StoreError::Reopen(io()).into(), "cannot reopen the image: boom", "image_import"),
+            (
+                StoreError::placing("a", "/s/a".as_ref(), io()).into(),
+                "cannot move the image into place at /s/a: boom",
+                "image_import",
+            ),
+            (
+                StoreError::Unreadable { path: "/s/a".into(), source: io() }.into(),
+                "cannot read /s/a: boom",
+                "image_import",
+            ),
+            (
+                StoreError::inspecting(
+                    "a",
+                    DiskError::Timeout { operation: "probe", after: std::time::Duration::from_secs(1) },
+                )
+                .into(),
+                "cannot inspect a: QEMU did not probe the image within 1s",
+                "image_import",
+            ),
+            (
+                StoreError::Record { name: "a".into(), source: io() }.into(),
+                "the image \"a\" is in place, but its record cannot be written (boom); import it again",
+                "image_import",
+            ),
+            (
+                StoreError::Delete { name: "a".into(), source: io() }.into(),
+                "cannot delete image \"a\": boom",
+                "image_delete",
+            ),
+        ]
+    }
+
+    /// The texts of refusals the lifecycle used to make itself (no `details`).
+    fn refusal_texts() -> Vec<(ApiError, &'static str)> {
+        vec![
+            (
+                StoreError::copying("/i/a".as_ref(), std::io::ErrorKind::NotFound.into()).into(),
+                "cannot read /i/a: entity not found",
+            ),
+            (
+                StoreError::copying("/i/a".as_ref(), std::io::Error::from_raw_os_error(libc::ELOOP)).into(),
+                "/i/a is a symbolic link",
+            ),
+            (
+                StoreError::placing("a", "/s/a".as_ref(), std::io::ErrorKind::AlreadyExists.into()).into(),
+                "an image \"a\" appeared meanwhile",
+            ),
+            (StoreError::NotAFile { path: "/s/a".into() }.into(), "/s/a is not a regular file"),
+            (
+                StoreError::inspecting("a", tool_error()).into(),
+                "QEMU cannot read a as a disk image: QEMU could not probe the image: not an image",
+            ),
+            (
+                StoreError::NamesAnotherFile { what: "a".into(), other: "b".into() }.into(),
+                "a names another file (\"b\") as its backing or data file: flatten it first (qemu-img convert)",
+            ),
+        ]
+    }
+
+    #[test]
+    fn a_disk_qemu_could_not_make_or_grow_names_itself_and_qemu_s_words() {
+        let made: ApiError = DataDiskError::Create { disk: "d".into(), source: tool_error() }.into();
+        assert_eq!(made.message, "cannot make data disk \"d\": QEMU could not probe the image: not an image");
+        assert_eq!(made.details, json!({ "step": "data_disk", "disk": "d", "stderr": "tail" }));
+        let grown: ApiError = DataDiskError::Grow { disk: "d".into(), size_gib: 2, source: tool_error() }.into();
+        assert_eq!(grown.message, "cannot grow data disk \"d\" to 2 GiB: QEMU could not probe the image: not an image");
+        assert_eq!(grown.details, json!({ "step": "data_disk", "disk": "d", "stderr": "tail" }));
+    }
+
+    #[test]
+    fn an_overlay_qemu_could_not_make_carries_qemu_s_words() {
+        let e: ApiError = OverlayError::Create(tool_error()).into();
+        assert_eq!(e.message, "cannot create the overlay disk: QEMU could not probe the image: not an image");
+        assert_eq!(e.details, json!({ "step": "disk", "stderr": "tail" }));
+        let orphan: ApiError = OverlayError::RemoveOrphan(tool_error()).into();
+        assert_eq!(orphan.message, "cannot remove orphaned overlay: QEMU could not probe the image: not an image");
+        assert_eq!(orphan.details, Value::Null);
+    }
+
+    #[test]
+    fn refusal_texts_are_unchanged() {
+        for (e, message) in refusal_texts() {
+            assert_eq!(e.message, message);
+            assert_eq!(e.details, Value::Null, "{message}");
+        }
+    }
+
+    #[test]
+    fn texts_the_lifecycle_used_to_make_are_unchanged() {
+        for (e, message, step) in texts() {
+            assert_eq!(e.message, message);
+            assert_eq!(e.details["step"], step, "{message}");
+        }
+    }
+
+    fn tool_error() -> DiskError {
+        DiskError::Tool { operation: "probe", reason: "not an image".into(), stderr_tail: "tail".into() }
+    }
+
+    fn pinned() -> DiskError {
+        DiskError::Pinned(PinError {
+            key: "qemu.sha256",
+            path: "/usr/bin/qemu".into(),
+            expected: "a".into(),
+            verdict: Verdict::Mismatch { found: "b".into() },
+        })
     }
 
     /// Codes no owner produces, and where they come from instead (each has its own tests

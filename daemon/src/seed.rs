@@ -46,6 +46,34 @@ const SEED_BYTES: u64 = 1024 * 1024;
 /// wins (and one with `vendor_data: {enabled: false}` turns this off).
 pub const VENDOR_DATA: &str = "#cloud-config\nupdates:\n  network:\n    when: [boot-new-instance, boot]\n";
 
+/// What can go wrong giving a VM its seed.
+#[derive(Debug, thiserror::Error)]
+pub enum SeedError {
+    /// The record of a VM that gets a seed has no instance id: a daemon fault (every record
+    /// gets one), never a reason to make a new instance.
+    #[error("the record of VM {vm:?} has no cloud-init instance id")]
+    NoInstanceId {
+        /// The VM.
+        vm: String,
+    },
+    /// The seed volume could not be written; the previous one, if any, is unchanged.
+    #[error("cannot write the cloud-init seed: {0}")]
+    Write(#[source] io::Error),
+    /// `/dev/urandom` could not be read for a new instance id.
+    #[error("cannot make a cloud-init instance id (/dev/urandom): {0}")]
+    InstanceId(#[source] io::Error),
+}
+
+impl SeedError {
+    /// The launch step the API names (`details.step`).
+    pub fn step(&self) -> &'static str {
+        match self {
+            SeedError::NoInstanceId { .. } | SeedError::Write(_) => "seed",
+            SeedError::InstanceId(_) => "instance_id",
+        }
+    }
+}
+
 /// Whether VM `vm` gets a seed: an image-booted VM always (its hostname and network come from
 /// it); a direct-kernel VM only with `user_data` (its network comes from `ip=`, and a guest that
 /// did not ask for a seed gets no extra disk); an imported disk never (a new instance would make
@@ -145,10 +173,10 @@ fn network_config(spec: &VmSpec, allocs: &[NicAlloc]) -> String {
 /// `/dev/urandom`), made when the VM gets a new root disk.
 ///
 /// # Errors
-/// `/dev/urandom` cannot be read.
-pub fn new_instance_id(name: &str) -> io::Result<String> {
+/// [`SeedError::InstanceId`] when `/dev/urandom` cannot be read.
+pub fn new_instance_id(name: &str) -> Result<String, SeedError> {
     let mut bytes = [0u8; 16];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).map_err(SeedError::InstanceId)?;
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     Ok(format!("vmhost-{name}-{hex}"))
 }
@@ -196,8 +224,8 @@ pub fn read_seed_file(path: &Path, name: &str) -> io::Result<String> {
 /// Writes `files` as a FAT volume labelled CIDATA at `path` (temp file, then rename).
 ///
 /// # Errors
-/// I/O errors; the previous seed, if any, is then unchanged.
-pub fn write_seed(path: &Path, files: &SeedFiles) -> io::Result<()> {
+/// [`SeedError::Write`]; the previous seed, if any, is then unchanged.
+pub fn write_seed(path: &Path, files: &SeedFiles) -> Result<(), SeedError> {
     let tmp = path.with_extension("img.partial");
     let result = (|| {
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
@@ -228,7 +256,7 @@ pub fn write_seed(path: &Path, files: &SeedFiles) -> io::Result<()> {
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    result
+    result.map_err(SeedError::Write)
 }
 
 #[cfg(test)]

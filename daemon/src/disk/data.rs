@@ -11,16 +11,139 @@
 //!    [`preallocate_tail`] reserves the new blocks of a preallocated raw disk);
 //! 3. keeping, taking back and deleting files is the lifecycle's business (renames and
 //!    unlinks, [`crate::lifecycle`]): nothing here deletes a disk that was made.
+//!
+//! Every failure of a data disk step, these and the lifecycle's, is a [`DataDiskError`]: the
+//! disk it concerns and the underlying error, given its API code at `crate::owner_errors`.
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::offline_qemu::{Input, Session, Tool};
 use super::{bounded, DiskError, GIB};
 use crate::api::{DataDiskSpec, DiskFormat};
+
+/// Why a data disk step failed (step `data_disk` in the API).
+#[derive(Debug, thiserror::Error)]
+pub enum DataDiskError {
+    /// A data disk directory cannot be made.
+    #[error("cannot create {}: {source}", .dir.display())]
+    Dir {
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A file cannot be deleted.
+    #[error("cannot delete {}: {source}", .path.display())]
+    Delete {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A disk cannot be moved (kept, or taken back).
+    #[error("cannot move {} to {}: {source}", .from.display(), .to.display())]
+    Move {
+        /// Where it was.
+        from: PathBuf,
+        /// Where it was to go.
+        to: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The free space of the state directory cannot be read.
+    #[error("cannot read the free space of {}: {source}", .dir.display())]
+    Space {
+        /// The state directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A disk taken back from the kept disks cannot be grown to the spec's size.
+    #[error("cannot grow data disk {disk:?}: {source}")]
+    GrowTakenBack {
+        /// The disk's name.
+        disk: String,
+        /// Why.
+        #[source]
+        source: DiskError,
+    },
+    /// A new disk cannot be made ([`create`]).
+    #[error("cannot make data disk {disk:?}: {source}")]
+    Create {
+        /// The disk's name.
+        disk: String,
+        /// Why.
+        #[source]
+        source: DiskError,
+    },
+    /// A new disk cannot be renamed into place.
+    #[error("cannot move data disk {disk:?} into place: {source}")]
+    Place {
+        /// The disk's name.
+        disk: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A disk of a stopped VM cannot be grown ([`grow`]).
+    #[error("cannot grow data disk {disk:?} to {size_gib} GiB: {source}")]
+    Grow {
+        /// The disk's name.
+        disk: String,
+        /// The size asked for.
+        size_gib: u64,
+        /// Why.
+        #[source]
+        source: DiskError,
+    },
+    /// A disk to keep cannot be: a kept disk of that name is already there.
+    #[error("cannot keep data disk {disk:?}: {} already holds a kept disk; purge it first", .to.display())]
+    KeptTaken {
+        /// The disk's name.
+        disk: String,
+        /// The kept disk's path.
+        to: PathBuf,
+    },
+    /// The kept disks' directory cannot be read.
+    #[error("cannot read {}: {source}", .dir.display())]
+    ReadKept {
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A purge stopped at a file it could not delete, after deleting others.
+    #[error("{source} (deleted before: {deleted:?})")]
+    Purge {
+        /// The failure.
+        #[source]
+        source: Box<DataDiskError>,
+        /// What was deleted before it.
+        deleted: Vec<PathBuf>,
+    },
+}
+
+impl DataDiskError {
+    /// The QEMU error under it, if any.
+    pub fn disk_error(&self) -> Option<&DiskError> {
+        match self {
+            DataDiskError::GrowTakenBack { source, .. }
+            | DataDiskError::Create { source, .. }
+            | DataDiskError::Grow { source, .. } => Some(source),
+            DataDiskError::Purge { source, .. } => source.disk_error(),
+            _ => None,
+        }
+    }
+}
 
 /// Makes the data disk `spec` at `path`, which must not exist.
 ///

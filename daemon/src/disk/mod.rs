@@ -131,6 +131,23 @@ pub struct BaseInfo {
     pub virtual_size: u64,
 }
 
+/// Why a step of a launch with an overlay failed (the API's `details.step` in brackets).
+#[derive(Debug, thiserror::Error)]
+pub enum OverlayError {
+    /// QEMU could not make the overlay (`disk`, with QEMU's stderr).
+    #[error("cannot create the overlay disk: {0}")]
+    Create(#[source] DiskError),
+    /// The new overlay could not be renamed into place (`disk`).
+    #[error("cannot move the overlay into place: {0}")]
+    Place(#[source] io::Error),
+    /// QEMU could not read the base image's format (`qemu_files`).
+    #[error("cannot read the base image: {0}")]
+    Base(#[source] DiskError),
+    /// An overlay no record names could not be removed.
+    #[error("cannot remove orphaned overlay: {0}")]
+    RemoveOrphan(#[source] DiskError),
+}
+
 /// Format and virtual size of `base`, probed by QEMU as `qemu.user` on a read-only descriptor.
 /// Works while VMs run on overlays of it (they hold it read-only).
 ///

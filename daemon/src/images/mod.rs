@@ -108,6 +108,177 @@ pub enum ImageError {
     },
 }
 
+/// Why a step of the image store failed on the host, or the file it was given is not an image
+/// it takes. The API codes, fields and steps are given at the boundary
+/// (`crate::owner_errors`); the texts here are the messages users read.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The images directory cannot be listed.
+    #[error("cannot read {}: {source}", .dir.display())]
+    List {
+        /// The images directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No temp file can be made in the images directory.
+    #[error("cannot create a file in {}: {source}", .dir.display())]
+    Create {
+        /// The images directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file to import is absent or not a file: the request is at fault.
+    #[error("cannot read {}: {source}", .from.display())]
+    SourceUnreadable {
+        /// The file to import.
+        from: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file to import is a symbolic link, which an import never follows.
+    #[error("{} is a symbolic link", .from.display())]
+    SourceLink {
+        /// The file to import.
+        from: PathBuf,
+        /// `ELOOP`.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Copying the file to import failed on the host.
+    #[error("cannot copy {}: {source}", .from.display())]
+    Copy {
+        /// The file to import.
+        from: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The temp file could not be finished (written out, hashed, synced).
+    #[error("cannot write the image: {0}")]
+    Write(#[source] std::io::Error),
+    /// The finished temp file could not be opened again for QEMU to read.
+    #[error("cannot reopen the image: {0}")]
+    Reopen(#[source] std::io::Error),
+    /// Another image of the name was placed while this one was copied: nothing is replaced.
+    #[error("an image {name:?} appeared meanwhile")]
+    Appeared {
+        /// The image name.
+        name: String,
+        /// `EEXIST`.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The temp file could not be renamed into place.
+    #[error("cannot move the image into place at {}: {source}", .path.display())]
+    Place {
+        /// The image's path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An image file already in the directory cannot be read (to hash or inspect it).
+    #[error("cannot read {}: {source}", .path.display())]
+    Unreadable {
+        /// The image's path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The name holds something other than a regular file.
+    #[error("{} is not a regular file", .path.display())]
+    NotAFile {
+        /// The image's path.
+        path: PathBuf,
+    },
+    /// QEMU cannot read the file as a disk image: the request's file is at fault.
+    #[error("QEMU cannot read {what} as a disk image: {source}")]
+    NotAnImage {
+        /// The file, as the request named it.
+        what: String,
+        /// QEMU's answer.
+        #[source]
+        source: crate::disk::DiskError,
+    },
+    /// QEMU could not be run to read the file (or is not the pinned binary).
+    #[error("cannot inspect {what}: {source}")]
+    Inspect {
+        /// The file, as the request named it.
+        what: String,
+        /// Why.
+        #[source]
+        source: crate::disk::DiskError,
+    },
+    /// The image names a backing or data file: an overlay over it would reach a file vmhostd
+    /// does not manage.
+    #[error("{what} names another file ({other:?}) as its backing or data file: flatten it first (qemu-img convert)")]
+    NamesAnotherFile {
+        /// The file, as the request named it.
+        what: String,
+        /// The file it names.
+        other: String,
+    },
+    /// The image is in place but its record could not be written.
+    #[error("the image {name:?} is in place, but its record cannot be written ({source}); import it again")]
+    Record {
+        /// The image name.
+        name: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The image's file or record could not be removed.
+    #[error("cannot delete image {name:?}: {source}")]
+    Delete {
+        /// The image name.
+        name: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl StoreError {
+    /// A failed [`copy`] of the file to import: the request's fault when the file is absent,
+    /// not a file or a symbolic link, else the host's.
+    pub fn copying(from: &Path, source: std::io::Error) -> StoreError {
+        let from = from.to_path_buf();
+        match source.kind() {
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::InvalidInput => {
+                StoreError::SourceUnreadable { from, source }
+            }
+            _ if source.raw_os_error() == Some(libc::ELOOP) => StoreError::SourceLink { from, source },
+            _ => StoreError::Copy { from, source },
+        }
+    }
+
+    /// A failed [`Temp::place`] of image `name` at `path`.
+    pub fn placing(name: &str, path: &Path, source: std::io::Error) -> StoreError {
+        if source.kind() == std::io::ErrorKind::AlreadyExists {
+            StoreError::Appeared { name: name.to_string(), source }
+        } else {
+            StoreError::Place { path: path.to_path_buf(), source }
+        }
+    }
+
+    /// QEMU's failure to read `what`: the file's fault when QEMU ran and refused it.
+    pub fn inspecting(what: &str, source: crate::disk::DiskError) -> StoreError {
+        let what = what.to_string();
+        match source {
+            crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
+                StoreError::NotAnImage { what, source }
+            }
+            source => StoreError::Inspect { what, source },
+        }
+    }
+}
+
 /// A checked `image.import` request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImportRequest {
@@ -276,28 +447,30 @@ impl Store {
     /// Records `name` (the guard shows the caller holds it).
     ///
     /// # Errors
-    /// The records file cannot be written (the previous records stay).
-    pub fn put(&self, _held: &NameGuard, name: &str, record: ImageRecord) -> std::io::Result<()> {
-        self.records.put(name, Some(record))
+    /// [`StoreError::Record`]: the records file cannot be written (the previous records stay).
+    pub fn put(&self, _held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), StoreError> {
+        self.records.put(name, Some(record)).map_err(|source| StoreError::Record { name: name.to_string(), source })
     }
 
     /// A new hidden temp file for image `name`, removed when dropped unless placed.
     ///
     /// # Errors
-    /// It cannot be created.
-    pub fn temp(&self, _held: &NameGuard, name: &str) -> std::io::Result<Temp> {
-        Temp::create(&self.dir, name)
+    /// [`StoreError::Create`]: it cannot be created.
+    pub fn temp(&self, _held: &NameGuard, name: &str) -> Result<Temp, StoreError> {
+        Temp::create(&self.dir, name).map_err(|source| StoreError::Create { dir: self.dir.clone(), source })
     }
 
     /// Removes image `name` and its record. Returns whether there was either.
     ///
     /// # Errors
-    /// The file cannot be removed (the record stays), or the records cannot be written.
-    pub fn remove(&self, _held: &NameGuard, name: &str) -> std::io::Result<bool> {
-        let file = crate::blocking::run(|| crate::state::atomic::remove_durable(&self.path(name)))?;
+    /// [`StoreError::Delete`]: the file cannot be removed (the record stays), or the records
+    /// cannot be written.
+    pub fn remove(&self, _held: &NameGuard, name: &str) -> Result<bool, StoreError> {
+        let delete = |source| StoreError::Delete { name: name.to_string(), source };
+        let file = crate::blocking::run(|| crate::state::atomic::remove_durable(&self.path(name))).map_err(delete)?;
         let recorded = self.records.get(name).is_some();
         if recorded {
-            self.records.put(name, None)?;
+            self.records.put(name, None).map_err(delete)?;
         }
         Ok(file || recorded)
     }
@@ -305,8 +478,8 @@ impl Store {
     /// The image files: regular files of the directory not starting with a dot, by name.
     ///
     /// # Errors
-    /// The directory cannot be read.
-    pub fn files(&self) -> std::io::Result<BTreeMap<String, std::fs::Metadata>> {
+    /// [`StoreError::List`]: the directory cannot be read.
+    pub fn files(&self) -> Result<BTreeMap<String, std::fs::Metadata>, StoreError> {
         crate::blocking::run(|| {
             let mut out = BTreeMap::new();
             let entries = match std::fs::read_dir(&self.dir) {
@@ -328,6 +501,7 @@ impl Store {
             }
             Ok(out)
         })
+        .map_err(|source| StoreError::List { dir: self.dir.clone(), source })
     }
 
     /// Checks recorded image `name` against its record: a file whose identity and times are

@@ -27,19 +27,15 @@ use super::op::VmOp;
 use super::undo::Step;
 use super::Manager;
 use crate::api::{ApiError, Code, DataDiskSpec, DiskFormat, KeptDisk, VmSpec};
+use crate::disk::data::DataDiskError;
 use crate::qemu::argv::VmPaths;
-use serde_json::json;
 use std::path::{Path, PathBuf};
-
-fn failed(message: String) -> ApiError {
-    super::provisioning("data_disk", message)
-}
 
 /// Creates `dir` (mode 0700) unless it exists.
 fn private_dir(dir: &Path) -> Result<(), ApiError> {
     crate::blocking::run(|| crate::state::dirs::private_dir(dir))
         .map(drop)
-        .map_err(|e| failed(format!("cannot create {}: {e}", dir.display())))
+        .map_err(|source| DataDiskError::Dir { dir: dir.to_path_buf(), source }.into())
 }
 
 /// Removes `dir` if it is empty; anything else in it stays (and is logged).
@@ -53,10 +49,14 @@ fn remove_if_empty(dir: &Path) {
 
 /// Removes `path`; absent is fine. (A disk of many gigabytes takes a while to unlink.)
 fn remove_file(path: &Path) -> Result<(), ApiError> {
+    delete(path).map_err(|source| DataDiskError::Delete { path: path.to_path_buf(), source }.into())
+}
+
+/// [`remove_file`] with the bare I/O error (a purge wraps it with what it deleted before).
+fn delete(path: &Path) -> std::io::Result<()> {
     match crate::blocking::run(|| std::fs::remove_file(path)) {
-        Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(failed(format!("cannot delete {}: {e}", path.display()))),
+        other => other,
     }
 }
 
@@ -66,7 +66,7 @@ fn move_disk(from: &Path, to: &Path) -> Result<(), ApiError> {
         private_dir(dir)?;
     }
     crate::blocking::run(|| std::fs::rename(from, to))
-        .map_err(|e| failed(format!("cannot move {} to {}: {e}", from.display(), to.display())))
+        .map_err(|source| DataDiskError::Move { from: from.to_path_buf(), to: to.to_path_buf(), source }.into())
 }
 
 impl Manager {
@@ -93,7 +93,7 @@ impl Manager {
         let space = self
             .reservations
             .space_left(state)
-            .map_err(|e| failed(format!("cannot read the free space of {}: {e}", state.display())))?;
+            .map_err(|source| DataDiskError::Space { dir: state.clone(), source })?;
         Ok(crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)?)
     }
 
@@ -142,7 +142,7 @@ impl Manager {
             self.crashpoint("data_disk:reclaimed");
             crate::disk::data::grow(&self.disk_tool(), &file, disk)
                 .await
-                .map_err(|e| e.or_api(|e| failed(format!("cannot grow data disk {:?}: {e}", disk.name))))?;
+                .map_err(|source| DataDiskError::GrowTakenBack { disk: disk.name.clone(), source })?;
             return Ok(());
         }
         if track {
@@ -150,16 +150,12 @@ impl Manager {
         }
         let partial = paths.partial_data_disk(disk);
         remove_file(&partial)?;
-        crate::disk::data::create(&self.disk_tool(), &partial, disk).await.map_err(|e| {
-            e.or_api(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                failed(format!("cannot make data disk {:?}: {e}", disk.name))
-                    .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
-            })
-        })?;
-        crate::blocking::run(|| std::fs::rename(&partial, &file)).map_err(|e| {
+        crate::disk::data::create(&self.disk_tool(), &partial, disk)
+            .await
+            .map_err(|source| DataDiskError::Create { disk: disk.name.clone(), source })?;
+        crate::blocking::run(|| std::fs::rename(&partial, &file)).map_err(|source| {
             let _ = remove_file(&partial);
-            failed(format!("cannot move data disk {:?} into place: {e}", disk.name))
+            DataDiskError::Place { disk: disk.name.clone(), source }
         })?;
         self.crashpoint("data_disk:made");
         Ok(())
@@ -244,12 +240,10 @@ impl Manager {
             if !file.exists() {
                 continue; // made at the next start
             }
-            crate::disk::data::grow(&self.disk_tool(), &file, disk).await.map_err(|e| {
-                e.or_api(|e| {
-                    let tail = e.stderr_tail().unwrap_or_default().to_string();
-                    failed(format!("cannot grow data disk {:?} to {} GiB: {e}", disk.name, disk.size_gib))
-                        .details(json!({ "step": "data_disk", "disk": disk.name, "stderr": tail }))
-                })
+            crate::disk::data::grow(&self.disk_tool(), &file, disk).await.map_err(|source| DataDiskError::Grow {
+                disk: disk.name.clone(),
+                size_gib: disk.size_gib,
+                source,
             })?;
         }
         Ok(())
@@ -297,11 +291,7 @@ impl Manager {
             if disk.keep_on_destroy {
                 let to = paths.kept_disk(disk);
                 if to.exists() {
-                    return Err(failed(format!(
-                        "cannot keep data disk {:?}: {} already holds a kept disk; purge it first",
-                        disk.name,
-                        to.display()
-                    )));
+                    return Err(DataDiskError::KeptTaken { disk: disk.name.clone(), to }.into());
                 }
                 move_disk(&file, &to)?;
                 tracing::info!(vm = name, disk = %disk.name, path = %to.display(), "kept a data disk");
@@ -359,13 +349,14 @@ impl Manager {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(ApiError::new(Code::NotFound, format!("no kept disks for VM {vm:?}")).field("vm"));
             }
-            Err(e) => return Err(failed(format!("cannot read {}: {e}", dir.display()))),
+            Err(source) => return Err(DataDiskError::ReadKept { dir, source }.into()),
         };
         let mut deleted = Vec::new();
         for entry in entries {
             let path = entry.path();
-            if let Err(e) = remove_file(&path) {
-                return Err(failed(format!("{} (deleted before: {deleted:?})", e.message)));
+            if let Err(source) = delete(&path) {
+                let source = Box::new(DataDiskError::Delete { path, source });
+                return Err(DataDiskError::Purge { source, deleted }.into());
             }
             tracing::info!(vm, path = %path.display(), "purged a kept data disk");
             deleted.push(path);

@@ -12,7 +12,7 @@
 use super::Manager;
 use crate::api::images::{DeleteResult, ImageView, ImportParams, ImportResult};
 use crate::api::{ApiError, Code};
-use crate::images::{ImageRecord, ImportRequest, NameGuard, Source};
+use crate::images::{ImageRecord, ImportRequest, NameGuard, Source, StoreError};
 use crate::qemu::boot_files::Version;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -69,9 +69,7 @@ impl Manager {
     /// 4001 when the directory cannot be read; 4002 on `qemu.sha256` when a file without a record
     /// must be read by QEMU and the binary is not the pinned one.
     pub async fn image_list(&self) -> Result<Vec<ImageView>, ApiError> {
-        let files = self.images.files().map_err(|e| {
-            super::provisioning("image_list", format!("cannot read {}: {e}", self.config.paths.images.display()))
-        })?;
+        let files = self.images.files()?;
         let records = self.images.records();
         let mut out = Vec::with_capacity(files.len());
         for (name, meta) in files {
@@ -183,22 +181,11 @@ impl Manager {
             })?,
         };
         let max_bytes = room.bytes();
-        let mut temp = self
-            .images
-            .temp(&held, &req.name)
-            .map_err(|e| failed(format!("cannot create a file in {}: {e}", self.config.paths.images.display())))?;
+        let mut temp = self.images.temp(&held, &req.name)?;
         temp.hold(room);
         match &req.source {
             Source::File(from) => {
-                crate::images::copy(from, &mut temp).map_err(|e| match e.kind() {
-                    std::io::ErrorKind::NotFound | std::io::ErrorKind::InvalidInput => {
-                        ApiError::invalid("source", format!("cannot read {}: {e}", from.display()))
-                    }
-                    _ if e.raw_os_error() == Some(libc::ELOOP) => {
-                        ApiError::invalid("source", format!("{} is a symbolic link", from.display()))
-                    }
-                    _ => failed(format!("cannot copy {}: {e}", from.display())),
-                })?;
+                crate::images::copy(from, &mut temp).map_err(|e| StoreError::copying(from, e))?;
             }
             Source::Url(_) => {
                 let Some(first_hop) = first_hop else {
@@ -218,21 +205,15 @@ impl Manager {
             }
             Source::InPlace => {}
         }
-        let found = temp.finish().map_err(|e| failed(format!("cannot write the image: {e}")))?;
+        let found = temp.finish().map_err(StoreError::Write)?;
         if found != req.sha256 {
             return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()).into());
         }
         crate::crashpoint::hit(&self.config.paths.run, "image:hashed");
-        let file = temp.reopen().map_err(|e| failed(format!("cannot reopen the image: {e}")))?;
+        let file = temp.reopen().map_err(StoreError::Reopen)?;
         let (format, virtual_size) = self.inspect_image(file, &source_text).await?;
         let bytes = temp.bytes();
-        let meta = temp.place(&path).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AlreadyExists {
-                ApiError::new(Code::ImageExists, format!("an image {:?} appeared meanwhile", req.name)).field("name")
-            } else {
-                failed(format!("cannot move the image into place at {}: {e}", path.display()))
-            }
-        })?;
+        let meta = temp.place(&path).map_err(|e| StoreError::placing(&req.name, &path, e))?;
         crate::crashpoint::hit(&self.config.paths.run, "image:placed");
         let record = ImageRecord {
             sha256: req.sha256.clone(),
@@ -258,7 +239,7 @@ impl Manager {
     ) -> Result<ImportResult, ApiError> {
         let path = self.images.path(&req.name);
         if !meta.file_type().is_file() {
-            return Err(ApiError::invalid("name", format!("{} is not a regular file", path.display())));
+            return Err(StoreError::NotAFile { path }.into());
         }
         let recorded = self.images.record(&req.name);
         let exists = |sha256: &str| {
@@ -293,7 +274,7 @@ impl Manager {
             let version = Version::of(&file.metadata()?);
             crate::qemu::integrity::sha256_of(&mut file).map(|found| (found, version))
         })
-        .map_err(|e| failed(format!("cannot read {}: {e}", path.display())))?;
+        .map_err(|source| StoreError::Unreadable { path: path.clone(), source })?;
         if found != req.sha256 {
             return Err(match req.source {
                 Source::InPlace => {
@@ -303,7 +284,7 @@ impl Manager {
             });
         }
         let file = crate::blocking::run(|| std::fs::File::open(&path))
-            .map_err(|e| failed(format!("cannot read {}: {e}", path.display())))?;
+            .map_err(|source| StoreError::Unreadable { path: path.clone(), source })?;
         let (format, virtual_size) = self.inspect_image(file, &path.display().to_string()).await?;
         let record = ImageRecord {
             sha256: found,
@@ -325,19 +306,11 @@ impl Manager {
     /// 2001 on `source` when QEMU cannot read it as an image or it names a backing or data
     /// file (an overlay over it would reach a file vmhostd does not manage).
     async fn inspect_image(&self, file: std::fs::File, what: &str) -> Result<(String, u64), ApiError> {
-        let info = crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(file)).await.map_err(|e| {
-            e.or_api(|e| match e {
-                crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
-                    ApiError::invalid("source", format!("QEMU cannot read {what} as a disk image: {e}"))
-                }
-                other => failed(format!("cannot inspect {what}: {other}")),
-            })
-        })?;
+        let info = crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(file))
+            .await
+            .map_err(|e| StoreError::inspecting(what, e))?;
         if let Some(other) = info.backing.as_ref().or(info.data_file.as_ref()) {
-            return Err(ApiError::invalid(
-                "source",
-                format!("{what} names another file ({other:?}) as its backing or data file: flatten it first (qemu-img convert)"),
-            ));
+            return Err(StoreError::NamesAnotherFile { what: what.to_string(), other: other.clone() }.into());
         }
         Ok((info.format, info.virtual_size))
     }
@@ -358,9 +331,7 @@ impl Manager {
     }
 
     fn record_image(&self, held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), ApiError> {
-        self.images.put(held, name, record).map_err(|e| {
-            failed(format!("the image {name:?} is in place, but its record cannot be written ({e}); import it again"))
-        })
+        Ok(self.images.put(held, name, record)?)
     }
 
     fn view_of(&self, name: &str, r: &ImageRecord) -> ImageView {
@@ -403,10 +374,7 @@ impl Manager {
             t.images_going.insert(name.to_string());
             Going { mgr: self, name: name.to_string() }
         };
-        let changed = self
-            .images
-            .remove(&held, name)
-            .map_err(|e| super::provisioning("image_delete", format!("cannot delete image {name:?}: {e}")))?;
+        let changed = self.images.remove(&held, name)?;
         if changed {
             tracing::info!(image = name, "image deleted");
         }

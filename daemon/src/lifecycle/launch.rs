@@ -11,10 +11,12 @@ use super::processes::Search;
 use super::teardown::partial_overlay;
 use super::undo::{Step, Undo};
 use super::{provisioning, Manager};
-use crate::api::{ApiError, Code, Firmware, VmStatus};
+use crate::api::{ApiError, Firmware, VmStatus};
+use crate::disk::OverlayError;
 use crate::process::ProcessIdentity;
 use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
 use crate::qemu::launch::LaunchRequest;
+use crate::seed::SeedError;
 use crate::validate::{BootSource, ValidSpec};
 use serde_json::json;
 use std::os::unix::fs::DirBuilderExt;
@@ -104,16 +106,12 @@ impl Manager {
         let base = self.config.paths.images.join(image);
         let partial = partial_overlay(&paths);
         let _ = crate::disk::remove_overlay(&partial);
-        crate::disk::create_overlay(&self.disk_tool(), &base, &partial, *disk_gib).await.map_err(|e| {
-            e.or_api(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                ApiError::new(Code::ProvisioningFailed, format!("cannot create the overlay disk: {e}"))
-                    .details(json!({ "step": "disk", "stderr": tail }))
-            })
-        })?;
+        crate::disk::create_overlay(&self.disk_tool(), &base, &partial, *disk_gib)
+            .await
+            .map_err(OverlayError::Create)?;
         crate::blocking::run(|| std::fs::rename(&partial, &paths.overlay)).map_err(|e| {
             let _ = crate::disk::remove_overlay(&partial);
-            provisioning("disk", format!("cannot move the overlay into place: {e}"))
+            OverlayError::Place(e)
         })?;
         Ok(true)
     }
@@ -233,13 +231,10 @@ impl Manager {
         if crate::seed::has_seed(vm) {
             // Every record has one (made at create and replace, adopted at start for older
             // records); its absence is a daemon fault, never a reason to make a new instance.
-            let instance_id = rec.instance_id.ok_or_else(|| {
-                provisioning("seed", format!("the record of VM {name:?} has no cloud-init instance id"))
-            })?;
+            let instance_id = rec.instance_id.ok_or_else(|| SeedError::NoInstanceId { vm: name.clone() })?;
             let files = crate::seed::render(&vm.spec, &allocs, &instance_id);
             // Built and fsynced off the runtime worker: 20 launches at once must not stall it.
-            crate::blocking::run(|| crate::seed::write_seed(&paths.seed, &files))
-                .map_err(|e| provisioning("seed", format!("cannot write the cloud-init seed: {e}")))?;
+            crate::blocking::run(|| crate::seed::write_seed(&paths.seed, &files))?;
         } else {
             // A kernel VM whose user_data was dropped: its old seed (and the text in it) goes.
             let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
@@ -359,9 +354,7 @@ impl Manager {
                 PassedFd::OverlayRo => read_only(&paths.overlay)?,
                 PassedFd::Base => {
                     let Some(base) = &base else { continue };
-                    let info = crate::disk::base_info(&self.disk_tool(), base).await.map_err(|e| {
-                        e.or_api(|e| provisioning("qemu_files", format!("cannot read the base image: {e}")))
-                    })?;
+                    let info = crate::disk::base_info(&self.disk_tool(), base).await.map_err(OverlayError::Base)?;
                     base_format = info.format;
                     read_only(base)?
                 }
@@ -432,9 +425,7 @@ impl VmOp {
         for stale in [self.paths().overlay.clone(), partial_overlay(self.paths())] {
             if stale.exists() {
                 tracing::warn!(vm = self.name(), path = %stale.display(), "removing an orphaned overlay");
-                crate::disk::remove_overlay(&stale).map_err(|e| {
-                    ApiError::new(Code::ProvisioningFailed, format!("cannot remove orphaned overlay: {e}"))
-                })?;
+                crate::disk::remove_overlay(&stale).map_err(OverlayError::RemoveOrphan)?;
             }
         }
         Ok(())

@@ -676,8 +676,7 @@ impl Manager {
 /// # Errors
 /// 4001 with step `instance_id` when `/dev/urandom` cannot be read; nothing was changed.
 fn new_instance_id(name: &str) -> Result<String, ApiError> {
-    crate::blocking::run(|| crate::seed::new_instance_id(name))
-        .map_err(|e| provisioning("instance_id", format!("cannot make a cloud-init instance id (/dev/urandom): {e}")))
+    crate::blocking::run(|| crate::seed::new_instance_id(name)).map_err(ApiError::from)
 }
 
 /// Gives each record written before instance ids were recorded the id its guest last booted

@@ -13,19 +13,14 @@
 //! Sysfs writes and the bounded waits for the kernel block, so they run on the blocking pool.
 
 use super::Manager;
-use crate::api::{ApiError, Code, VmSpec};
+use crate::api::{ApiError, VmSpec};
 use crate::hardware::PciAddress;
 use crate::pci::bind::{self, Binding, BIND_TIMEOUT};
 use crate::pci::check::{self, Assignment, Requested};
+use crate::pci::{PassthroughError, PassthroughStep};
 use crate::sandbox::spawn::{self, NodeAccess, VFIO_NODE_MODES};
 use crate::validate::requested_devices;
-use serde_json::json;
 use std::collections::BTreeMap;
-
-fn pci_error(step: &str, e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(Code::ProvisioningFailed, format!("PCI passthrough failed at {step}: {e}"))
-        .details(json!({ "step": format!("vfio.{step}") }))
-}
 
 impl Manager {
     /// Checks that every passthrough device of `spec` can go to it now. Changes nothing.
@@ -41,7 +36,7 @@ impl Manager {
         if wanted.is_empty() {
             return Ok(None);
         }
-        let usage = crate::host_usage::gather(self.net.netlink()).await.map_err(|e| pci_error("host_usage", e))?;
+        let usage = crate::host_usage::gather(self.net.netlink()).await.map_err(PassthroughError::HostUsage)?;
         // Devices bound for other VMs (what their records say), never this VM's own.
         let held: BTreeMap<_, _> = self
             .lock()
@@ -54,8 +49,8 @@ impl Manager {
         let addresses: Vec<_> = wanted.iter().map(|r| r.address).collect();
         let devices = tokio::task::spawn_blocking(move || pci.devices_with_groups(&addresses))
             .await
-            .map_err(|e| pci_error("read", e))?
-            .map_err(|e| pci_error("read", e))?;
+            .map_err(PassthroughError::task(PassthroughStep::Read))?
+            .map_err(PassthroughError::pci(PassthroughStep::Read))?;
         Ok(Some(check::check(&wanted, &devices, &usage, &held)?))
     }
 
@@ -67,15 +62,16 @@ impl Manager {
     pub(super) async fn bind_passthrough(&self, spec: &VmSpec) -> Result<(), ApiError> {
         let Some(assignment) = self.check_passthrough(spec).await? else { return Ok(()) };
         if !self.pci.vfio_pci_present() {
-            let loaded =
-                tokio::task::spawn_blocking(crate::pci::load_vfio_pci).await.map_err(|e| pci_error("modprobe", e))?;
-            loaded.map_err(|e| pci_error("modprobe", e))?;
+            let loaded = tokio::task::spawn_blocking(crate::pci::load_vfio_pci)
+                .await
+                .map_err(PassthroughError::task(PassthroughStep::Modprobe))?;
+            loaded.map_err(PassthroughError::pci(PassthroughStep::Modprobe))?;
         }
         let pci = self.pci.clone();
         let planned = tokio::task::spawn_blocking(move || bind::plan_bindings(&pci, &assignment))
             .await
-            .map_err(|e| pci_error("plan", e))?
-            .map_err(|e| pci_error("plan", e))?;
+            .map_err(PassthroughError::task(PassthroughStep::Plan))?
+            .map_err(PassthroughError::pci(PassthroughStep::Plan))?;
         // Intent first: after a crash from here on, recovery knows what to give back.
         let record = planned.clone();
         self.update(&spec.name, "vfio intent", |r| r.vfio = record)?;
@@ -85,7 +81,7 @@ impl Manager {
         let after_each = numbered_crashpoint(self.config.paths.run.clone(), "vfio:bound");
         let bound = tokio::task::spawn_blocking(move || bind::bind_vfio(&pci, &to_bind, BIND_TIMEOUT, after_each))
             .await
-            .map_err(|e| pci_error("bind", e))?;
+            .map_err(PassthroughError::task(PassthroughStep::Bind))?;
         match bound {
             Ok(()) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -138,7 +134,7 @@ impl Manager {
         let after_each = numbered_crashpoint(self.config.paths.run.clone(), "vfio:released");
         let released = tokio::task::spawn_blocking(move || bind::release(&pci, &bindings, BIND_TIMEOUT, after_each))
             .await
-            .map_err(|e| pci_error("release", e))?;
+            .map_err(PassthroughError::task(PassthroughStep::Release))?;
         match released {
             Ok(()) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -202,9 +198,8 @@ impl Manager {
     }
 }
 
-fn access_error(node: &std::path::Path, e: std::io::Error) -> ApiError {
-    ApiError::new(Code::ProvisioningFailed, format!("cannot give {} to the group of qemu.user: {e}", node.display()))
-        .details(json!({ "step": "vfio_access" }))
+fn access_error(node: &std::path::Path, source: std::io::Error) -> ApiError {
+    PassthroughError::Access { node: node.to_path_buf(), source }.into()
 }
 
 /// Records `before` on every binding in its group (`groups` maps devices to groups) that has

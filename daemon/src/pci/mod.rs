@@ -86,6 +86,102 @@ pub enum PciError {
     Modprobe(String),
 }
 
+/// A step of passthrough around the check and the bind, by the name the API reports it under
+/// (`details.step` `vfio.<name>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassthroughStep {
+    /// Reading how the host uses its interfaces and block devices (netlink, mounts).
+    HostUsage,
+    /// Reading the requested devices and their IOMMU groups from sysfs.
+    Read,
+    /// Loading vfio-pci.
+    Modprobe,
+    /// Reading each device's current driver before binding.
+    Plan,
+    /// Binding to vfio-pci (only the task itself: a refused bind is a [`bind::BindError`]).
+    Bind,
+    /// Giving the devices back (only the task itself: a refused release is a [`bind::BindError`]).
+    Release,
+}
+
+impl PassthroughStep {
+    /// The name in messages and in `details.step` (after `vfio.`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PassthroughStep::HostUsage => "host_usage",
+            PassthroughStep::Read => "read",
+            PassthroughStep::Modprobe => "modprobe",
+            PassthroughStep::Plan => "plan",
+            PassthroughStep::Bind => "bind",
+            PassthroughStep::Release => "release",
+        }
+    }
+}
+
+impl fmt::Display for PassthroughStep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A passthrough step that could not be carried out (as opposed to one that refused the
+/// request: [`check::CheckError`], [`bind::BindError`]).
+#[derive(Debug, thiserror::Error)]
+pub enum PassthroughError {
+    /// The host's use of its interfaces could not be read.
+    #[error("PCI passthrough failed at host_usage: {0}")]
+    HostUsage(#[source] crate::net::NetError),
+    /// Reading sysfs or loading vfio-pci failed.
+    #[error("PCI passthrough failed at {step}: {source}")]
+    Pci {
+        /// The step.
+        step: PassthroughStep,
+        /// Why.
+        #[source]
+        source: PciError,
+    },
+    /// The blocking task that ran the step panicked or was cancelled.
+    #[error("PCI passthrough failed at {step}: {source}")]
+    Task {
+        /// The step.
+        step: PassthroughStep,
+        /// Why.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+    /// An IOMMU group's node could not be read or given to QEMU's group (API step
+    /// `vfio_access`, not `vfio.<step>`: it is QEMU's access, not the device's binding).
+    #[error("cannot give {} to the group of qemu.user: {source}", .node.display())]
+    Access {
+        /// `/dev/vfio/N`.
+        node: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl PassthroughError {
+    /// The API's `details.step`: `vfio.<step>`, or `vfio_access`.
+    pub fn step(&self) -> String {
+        match self {
+            PassthroughError::HostUsage(_) => format!("vfio.{}", PassthroughStep::HostUsage),
+            PassthroughError::Pci { step, .. } | PassthroughError::Task { step, .. } => format!("vfio.{step}"),
+            PassthroughError::Access { .. } => "vfio_access".to_string(),
+        }
+    }
+
+    /// `step`'s [`PciError`], for `map_err`.
+    pub fn pci(step: PassthroughStep) -> impl FnOnce(PciError) -> PassthroughError {
+        move |source| PassthroughError::Pci { step, source }
+    }
+
+    /// `step`'s failed task, for `map_err`.
+    pub fn task(step: PassthroughStep) -> impl FnOnce(tokio::task::JoinError) -> PassthroughError {
+        move |source| PassthroughError::Task { step, source }
+    }
+}
+
 /// One PCI function as sysfs shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PciDevice {
