@@ -5,6 +5,7 @@
 //! steps without letting another operation in between.
 
 use super::op::{step, VmOp};
+use super::registry::Change as RecordChange;
 use super::root_disk::Import;
 use super::teardown::Devices;
 use super::Manager;
@@ -198,7 +199,7 @@ impl Manager {
             }
             // Admission of the new spec in place of the old and the record swap are one step:
             // a refusal leaves the old VM as it was.
-            self.swap_spec(&spec.name, &vm.spec)?;
+            op.swap_spec(&vm.spec)?;
             op.replace_steps(&vm).await?;
             Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
         }
@@ -322,7 +323,7 @@ impl VmOp {
         if rec.reserved {
             mgr.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
         } else {
-            mgr.reserve_existing(name)?;
+            self.reserve_existing()?;
             self.release_on_failure();
         }
         step!(self, self.make_overlay(&vm).await);
@@ -432,6 +433,53 @@ impl VmOp {
             }
             r.process = None;
             r.overlay = None;
+        })?;
+        Ok(())
+    }
+
+    /// Re-reserves the resources of the VM, whose reservation was released (a failed create):
+    /// admission and the record write happen under one lock, like a create.
+    ///
+    /// # Errors
+    /// 3002/3003 from admission (nothing written), or the record cannot be written.
+    fn reserve_existing(&self) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        mgr.registry.write(name, "reserved again", |t| {
+            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+            let mut rec = old.clone();
+            rec.spec.state = DesiredState::Running;
+            rec.nics = mgr.admit_locked(t, &rec.spec, &old.nics)?;
+            rec.reserved = true;
+            Ok((RecordChange::Put(Box::new(rec)), ()))
+        })?;
+        Ok(())
+    }
+
+    /// Replaces the VM's spec by `spec` in one step under the allocation lock: the new spec is
+    /// admitted in place of the old, and the record (status `creating`) keeps the old process
+    /// and overlay so [`VmOp::teardown`] can end them. After a crash, recovery undoes the
+    /// interrupted create; the new spec stays recorded as `failed`. The new root disk is a new
+    /// cloud-init instance: the record gets a new instance id.
+    ///
+    /// # Errors
+    /// 4090 when the VM's disks are part reverted, 3002/3003 from admission (nothing written),
+    /// or the record cannot be written.
+    fn swap_spec(&self, spec: &VmSpec) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        let instance_id = super::new_instance_id(name)?;
+        mgr.registry.write(name, "vm.apply replace", |t| {
+            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+            // A replace keeps the data disks, which may be part reverted.
+            Manager::check_not_reverting(&old)?;
+            let mut rec = crate::state::VmRecord::new(spec.clone());
+            rec.nics = mgr.admit_locked(t, spec, &[])?;
+            rec.process = old.process.clone();
+            rec.overlay = old.overlay.clone();
+            rec.vfio = old.vfio.clone();
+            rec.instance_id = Some(instance_id);
+            // The data disks stay, as the old QEMU left them.
+            rec.unclean_end = old.unclean_end.clone();
+            Ok((RecordChange::Put(Box::new(rec)), ()))
         })?;
         Ok(())
     }
