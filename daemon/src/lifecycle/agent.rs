@@ -1,6 +1,11 @@
 //! Guest agent use by the lifecycle: keeping a session per running VM, applying the spec's
 //! `guest_interfaces` whenever a session (re)starts, and `vm.check` with expectations taken from
 //! the spec and the VM record, never from the guest.
+//!
+//! All of it stays on [`Manager`], taking the VM's name: the session callback applies the
+//! interfaces with no operation running (an operation's `vm.apply` calls the same
+//! [`Manager::apply_guest_interfaces`]), and the `vm.guest_*`/`vm.check` calls are reads that
+//! take no busy flag.
 
 use super::Manager;
 use crate::agent::supervisor::SessionEvent;

@@ -1,8 +1,9 @@
 //! `vm.export` and `vm.import` (docs/backup.md): a VM's spec and disks written to a directory
 //! of `paths.backups`, and a VM made again from one, on this host or another.
 //!
-//! An export holds the VM's busy flag for its whole length (nothing changes its disks
-//! meanwhile). A stopped VM's disks are copied by QEMU without a guest ([`crate::disk::export`]);
+//! An export is an operation on the VM ([`VmOp`], begun with [`Manager::begin_op`]): it holds
+//! the VM's busy flag for its whole length (nothing changes its disks meanwhile), and a failed
+//! export records nothing on the VM (its copies go with the partial backup directory). A stopped VM's disks are copied by QEMU without a guest ([`crate::disk::export`]);
 //! a running VM's by its own QEMU, every disk as it was at one instant, with the guest's file
 //! systems frozen for that instant when its agent can ([`super::live_copy`]). The boot disk becomes a flat qcow2 (an image VM's
 //! base flattened in, so the backup needs no image); data disks keep their format. Each copy
@@ -16,6 +17,7 @@
 //! `boot.disk` VM). A create that fails removes the copies.
 
 use super::copies::{copy_checked, copy_timeout, create_target, seal_copies, CheckedFrom, VmDisk};
+use super::op::VmOp;
 use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
 use crate::api::disks::DiskFormat;
@@ -64,7 +66,7 @@ impl Manager {
     /// nothing is left in `paths.backups`.
     pub async fn export_vm(self: &Arc<Self>, p: ExportParams) -> Result<ExportResult, ApiError> {
         let within = copy_timeout(p.timeout_s)?;
-        let (_guard, rec) = self.begin(&p.name).await?;
+        let (op, rec) = self.begin_op(&p.name).await?;
         Self::check_not_reverting(&rec)?;
         let (live, spec, disks) = self.copy_sources(&rec, "export").await?;
         let stopped = self.check_requires(&rec, live, p.requires, "export")?;
@@ -84,10 +86,10 @@ impl Manager {
         let partial = self.backups.begin(&p.name)?;
         let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
         let made = if let Some(stopped) = stopped {
-            self.export_stopped(&disks, &mut entries, &targets, within).await?;
+            op.export_stopped(&disks, &mut entries, &targets, within).await?;
             stopped
         } else {
-            self.export_live(&p.name, &disks, &mut entries, &targets, within, p.requires).await?
+            op.export_live(&disks, &mut entries, &targets, within, p.requires).await?
         };
         seal_copies(partial.dir(), &mut entries, "export")?;
         let manifest = Manifest {
@@ -108,71 +110,6 @@ impl Manager {
         let path = partial.finish(&manifest)?;
         tracing::info!(vm = %p.name, backup = %backup, live, consistency = made.consistency.as_str(), "exported");
         Ok(ExportResult { backup, path, manifest })
-    }
-
-    /// Copies a stopped VM's disks with QEMU without a guest, flattening each disk's layers.
-    async fn export_stopped(
-        &self,
-        disks: &[VmDisk],
-        entries: &mut [BackupDisk],
-        targets: &[PathBuf],
-        within: Duration,
-    ) -> Result<(), ApiError> {
-        let mut flat = Vec::new();
-        for ((disk, entry), target) in disks.iter().zip(entries.iter_mut()).zip(targets) {
-            let info = crate::disk::import::inspect(&self.disk_tool(), open_ro(&disk.file)?)
-                .await
-                .map_err(|e| e.or_api(|e| failed(format!("cannot read {}: {e}", disk.file.display()))))?;
-            entry.virtual_size = info.virtual_size;
-            let len = if entry.format == DiskFormat::Raw { info.virtual_size } else { 0 };
-            let mut opened = Vec::new();
-            for (path, format) in layers(disk) {
-                opened.push((open_ro(path)?, format.to_string()));
-            }
-            flat.push(FlatDisk {
-                layers: opened,
-                target: create_target(target, len, "export")?,
-                format: entry.format.as_str(),
-                virtual_size: info.virtual_size,
-            });
-        }
-        crate::disk::export::flatten(&self.disk_tool(), flat, within).await.map_err(|e| {
-            e.or_api(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                failed(format!("cannot copy the disks: {e}")).details(json!({ "step": "export", "stderr": tail }))
-            })
-        })
-    }
-
-    /// Copies a running VM's disks in its own QEMU, all at one instant
-    /// ([`super::live_copy`]); returns what the copy is.
-    async fn export_live(
-        &self,
-        name: &str,
-        disks: &[VmDisk],
-        entries: &mut [BackupDisk],
-        targets: &[PathBuf],
-        within: Duration,
-        requires: Option<Requirement>,
-    ) -> Result<CopyConsistency, ApiError> {
-        let mut live: Vec<super::live_copy::Target> = disks
-            .iter()
-            .zip(entries.iter())
-            .zip(targets)
-            .map(|((d, e), path)| super::live_copy::Target {
-                device: d.device.clone(),
-                path: path.clone(),
-                format: e.format.as_str(),
-                backing: None,
-                sync: "full",
-                virtual_size: 0,
-            })
-            .collect();
-        let made = self.copy_disks_live(name, &mut live, within, requires, "export").await?;
-        for (e, t) in entries.iter_mut().zip(&live) {
-            e.virtual_size = t.virtual_size;
-        }
-        Ok(made)
     }
 
     /// `vm.import` (module doc).
@@ -330,6 +267,72 @@ impl Manager {
             Ok(()) => Ok(()),
             Err(why) => Err(refused_copy(disk, why)),
         }
+    }
+}
+
+impl VmOp {
+    /// Copies the stopped VM's disks with QEMU without a guest, flattening each disk's layers.
+    async fn export_stopped(
+        &self,
+        disks: &[VmDisk],
+        entries: &mut [BackupDisk],
+        targets: &[PathBuf],
+        within: Duration,
+    ) -> Result<(), ApiError> {
+        let mut flat = Vec::new();
+        for ((disk, entry), target) in disks.iter().zip(entries.iter_mut()).zip(targets) {
+            let info = crate::disk::import::inspect(&self.mgr().disk_tool(), open_ro(&disk.file)?)
+                .await
+                .map_err(|e| e.or_api(|e| failed(format!("cannot read {}: {e}", disk.file.display()))))?;
+            entry.virtual_size = info.virtual_size;
+            let len = if entry.format == DiskFormat::Raw { info.virtual_size } else { 0 };
+            let mut opened = Vec::new();
+            for (path, format) in layers(disk) {
+                opened.push((open_ro(path)?, format.to_string()));
+            }
+            flat.push(FlatDisk {
+                layers: opened,
+                target: create_target(target, len, "export")?,
+                format: entry.format.as_str(),
+                virtual_size: info.virtual_size,
+            });
+        }
+        crate::disk::export::flatten(&self.mgr().disk_tool(), flat, within).await.map_err(|e| {
+            e.or_api(|e| {
+                let tail = e.stderr_tail().unwrap_or_default().to_string();
+                failed(format!("cannot copy the disks: {e}")).details(json!({ "step": "export", "stderr": tail }))
+            })
+        })
+    }
+
+    /// Copies the running VM's disks in its own QEMU, all at one instant
+    /// ([`super::live_copy`]); returns what the copy is.
+    async fn export_live(
+        &self,
+        disks: &[VmDisk],
+        entries: &mut [BackupDisk],
+        targets: &[PathBuf],
+        within: Duration,
+        requires: Option<Requirement>,
+    ) -> Result<CopyConsistency, ApiError> {
+        let mut live: Vec<super::live_copy::Target> = disks
+            .iter()
+            .zip(entries.iter())
+            .zip(targets)
+            .map(|((d, e), path)| super::live_copy::Target {
+                device: d.device.clone(),
+                path: path.clone(),
+                format: e.format.as_str(),
+                backing: None,
+                sync: "full",
+                virtual_size: 0,
+            })
+            .collect();
+        let made = self.mgr().copy_disks_live(self.name(), &mut live, within, requires, "export").await?;
+        for (e, t) in entries.iter_mut().zip(&live) {
+            e.virtual_size = t.virtual_size;
+        }
+        Ok(made)
     }
 }
 

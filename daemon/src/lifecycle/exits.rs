@@ -22,6 +22,11 @@
 //!
 //! 10 minutes of uptime reset the count. A restart that fails to start leaves the VM `failed`
 //! (no retry loop).
+//!
+//! These stay [`Manager`] methods that take the VM's name, not steps of an operation
+//! ([`super::op::VmOp`]): the watcher runs beside every operation, and the cleanup holds the
+//! VM's flag through a guard from [`Manager::write_and_hold`] (`busy::Holder::ExitCleanup`), not
+//! as an operation, so that its record and its flag are one step.
 
 pub use super::busy::ExitCause;
 pub(super) use super::busy::PendingExit;

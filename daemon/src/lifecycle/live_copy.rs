@@ -17,6 +17,10 @@
 //! started jobs are cancelled (4094, nothing kept); then the copies awaited.
 //!
 //! A stopped VM's copy is known before anything is made ([`Manager::check_requires`]).
+//!
+//! [`Manager::copy_disks_live`] and the freeze and thaw it uses stay [`Manager`] methods taking
+//! the VM's name, one body for both callers: an export runs it as a step of its operation
+//! (`VmOp::export_live`, [`super::backup`]), `vm.snapshot` still under a bare busy guard.
 
 use super::Manager;
 use crate::api::snapshots::{Consistency, CopyConsistency, Requirement};

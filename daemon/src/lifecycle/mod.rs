@@ -390,44 +390,6 @@ impl Manager {
         self.admit_locked(&t, spec, &[]).map(|_| ())
     }
 
-    /// Re-reserves the resources of an existing VM whose reservation was released (a failed
-    /// create): admission and the record write happen under one lock, like a create.
-    fn reserve_existing(&self, name: &str) -> Result<(), ApiError> {
-        self.registry.write(name, "reserved again", |t| {
-            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
-            let mut rec = old.clone();
-            rec.spec.state = crate::api::DesiredState::Running;
-            rec.nics = self.admit_locked(t, &rec.spec, &old.nics)?;
-            rec.reserved = true;
-            Ok((Change::Put(Box::new(rec)), ()))
-        })?;
-        Ok(())
-    }
-
-    /// Replaces the spec of VM `name` by `spec` in one step under the allocation lock: the new
-    /// spec is admitted in place of the old, and the record (status `creating`) keeps the old
-    /// process and overlay so the caller can tear them down. After a crash, recovery undoes the
-    /// interrupted create; the new spec stays recorded as `failed`. The new root disk is a new
-    /// cloud-init instance: the record gets a new instance id.
-    fn swap_spec(&self, name: &str, spec: &VmSpec) -> Result<VmRecord, ApiError> {
-        let instance_id = new_instance_id(name)?;
-        let (old, _) = self.registry.write(name, "vm.apply replace", |t| {
-            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
-            // A replace keeps the data disks, which may be part reverted.
-            Self::check_not_reverting(&old)?;
-            let mut rec = VmRecord::new(spec.clone());
-            rec.nics = self.admit_locked(t, spec, &[])?;
-            rec.process = old.process.clone();
-            rec.overlay = old.overlay.clone();
-            rec.vfio = old.vfio.clone();
-            rec.instance_id = Some(instance_id);
-            // The data disks stay, as the old QEMU left them.
-            rec.unclean_end = old.unclean_end.clone();
-            Ok((Change::Put(Box::new(rec)), old))
-        })?;
-        Ok(old)
-    }
-
     /// Like [`Manager::update`], but only when `condition` holds for the current record (and
     /// the VM's busy flag), checked under the same lock. Returns the new record when the change
     /// was made, `None` when the VM is absent or the condition failed.

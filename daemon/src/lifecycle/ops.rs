@@ -5,15 +5,14 @@
 //! steps without letting another operation in between.
 
 use super::op::{step, VmOp};
+use super::registry::Change as RecordChange;
 use super::root_disk::Import;
 use super::teardown::Devices;
 use super::Manager;
 use crate::api::{ApiError, ApplyParams, Code, DesiredState, Mutation, StopParams, VmSpec, VmStatus};
 use crate::plan::Change;
-use crate::process;
 use crate::validate::{validate_spec, ValidSpec};
 use std::sync::Arc;
-use std::time::Duration;
 use tracing::Instrument;
 
 /// Longest graceful-stop wait accepted; the busy flag is held that long.
@@ -112,68 +111,6 @@ impl Manager {
         .await
     }
 
-    /// Ends the live QEMU `id` of VM `name`: records it `stopping` (for `reason`, with desired
-    /// state `desired` when given: `vm.stop` sets it, a reconfigure or host shutdown keeps it),
-    /// then ACPI powerdown and up to `timeout_s` for the guest to power off (unless `force`),
-    /// else SIGKILL; then its taps, agent session, run dir and passthrough devices go, and the
-    /// VM is `stopped`.
-    ///
-    /// # Errors
-    /// 4001 when QEMU could not be ended (the record keeps the process) or devices not given
-    /// back.
-    pub(super) async fn shut_down(
-        &self,
-        name: &str,
-        id: &crate::process::ProcessIdentity,
-        reason: &str,
-        desired: Option<DesiredState>,
-        timeout_s: u64,
-        force: bool,
-    ) -> Result<(), ApiError> {
-        self.update_status(name, reason, VmStatus::Stopping, |r| {
-            if let Some(state) = desired {
-                r.spec.state = state;
-            }
-        })?;
-        let mut exited = false;
-        // Why QEMU is killed, when it is.
-        let mut killed = "asked to force it".to_string();
-        if !force {
-            let asked = async {
-                let mut qmp = self.qmp(name, Duration::from_secs(5)).await?;
-                qmp.system_powerdown().await
-            }
-            .await;
-            match asked {
-                Ok(()) => {
-                    let wait = Duration::from_secs(timeout_s);
-                    // Only an observed exit counts; a failed watch falls through to the kill.
-                    exited = matches!(tokio::time::timeout(wait, process::wait_exit_of(id)).await, Ok(Ok(())));
-                    if !exited {
-                        tracing::warn!(vm = name, "guest did not power off within {wait:?}; killing QEMU");
-                        killed = format!("the guest did not power off within {timeout_s} s");
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(vm = name, error = %e, "ACPI powerdown failed; killing QEMU");
-                    killed = "the ACPI power-down request failed".to_string();
-                }
-            }
-        }
-        if !exited {
-            self.processes.kill(name, id).await?;
-        }
-        let by = reason.strip_suffix(": stopping").unwrap_or(reason);
-        let unclean = (!exited).then(|| killed_by(by, &killed));
-        let reason = if exited { "guest powered off" } else { "QEMU killed" };
-        self.update_status(name, reason, VmStatus::Stopped, |r| {
-            r.process = None;
-            // A clean power-off leaves clean disks; a kill leaves them as a power cut would.
-            r.unclean_end = unclean;
-        })?;
-        self.release_host_side(name, Devices::Release).await
-    }
-
     /// `vm.restart`: a stop (same params as `vm.stop`) followed by a start, as one operation.
     ///
     /// # Errors
@@ -205,37 +142,6 @@ impl Manager {
         }
         .instrument(span)
         .await
-    }
-
-    /// Ends the VM's QEMU and removes its run dir, overlay and console log. The record and the
-    /// data disks stay (a destroy disposes of them next, a replace keeps them).
-    async fn teardown(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
-        let rec = self.record(name)?;
-        let live = self.find_live(name, rec.process.as_ref())?;
-        if let Some(id) = &live {
-            if let Err(e) = self.processes.kill(name, id).await {
-                self.mark_failed(name, &e, false);
-                return Err(e);
-            }
-        }
-        self.crashpoint("teardown:killed");
-        if let Err(e) = self.release_host_side(name, Devices::Release).await {
-            self.mark_failed(name, &e, false);
-            return Err(e);
-        }
-        if let Err(err) = self.remove_run_files(name) {
-            self.mark_failed(name, &err, false);
-            return Err(err);
-        }
-        self.update(name, "torn down", |r| {
-            if live.is_some() {
-                // A replace keeps the data disks it wrote.
-                r.unclean_end = Some(killed_by("a replace", "it tears the VM down without a power-off"));
-            }
-            r.process = None;
-            r.overlay = None;
-        })?;
-        Ok(())
     }
 
     /// `vm.apply`: create when absent; converge the run state (and guest interfaces) when the
@@ -293,7 +199,7 @@ impl Manager {
             }
             // Admission of the new spec in place of the old and the record swap are one step:
             // a refusal leaves the old VM as it was.
-            self.swap_spec(&spec.name, &vm.spec)?;
+            op.swap_spec(&vm.spec)?;
             op.replace_steps(&vm).await?;
             Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
         }
@@ -354,15 +260,14 @@ impl VmOp {
     }
 
     /// A replace (`vm.apply` of a new `boot.image` with `replace`), the new spec swapped in:
-    /// the old QEMU and overlay go ([`Manager::teardown`]; the data disks stay), then the
+    /// the old QEMU and overlay go ([`VmOp::teardown`]; the data disks stay), then the
     /// create's steps build the new VM. A failure releases the reservation.
     ///
     /// # Errors
     /// As [`VmOp::create_steps`].
     async fn replace_steps(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
         self.release_on_failure();
-        let mgr = Arc::clone(self.mgr());
-        step!(self, mgr.teardown(self.name()).await);
+        step!(self, self.teardown().await);
         self.build(vm).await
     }
 
@@ -418,7 +323,7 @@ impl VmOp {
         if rec.reserved {
             mgr.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
         } else {
-            mgr.reserve_existing(name)?;
+            self.reserve_existing()?;
             self.release_on_failure();
         }
         step!(self, self.make_overlay(&vm).await);
@@ -439,7 +344,7 @@ impl VmOp {
         Ok(true)
     }
 
-    /// The steps of a stop: a live QEMU is shut down ([`Manager::shut_down`]); else what the
+    /// The steps of a stop: a live QEMU is shut down ([`VmOp::shut_down`]); else what the
     /// VM still holds on the host is given back and the record says `stopped`.
     ///
     /// # Errors
@@ -465,7 +370,7 @@ impl VmOp {
             }
             return Ok(false);
         };
-        mgr.shut_down(name, &id, "vm.stop", Some(DesiredState::Stopped), p.timeout_s, p.force).await?;
+        self.shut_down(&id, "vm.stop", Some(DesiredState::Stopped), p.timeout_s, p.force).await?;
         Ok(true)
     }
 
@@ -484,7 +389,7 @@ impl VmOp {
             r.spec.state = DesiredState::Stopped;
         })?;
         mgr.crashpoint("destroy:recorded");
-        mgr.teardown(name).await?;
+        self.teardown().await?;
         mgr.crashpoint("destroy:torn-down");
         let spec = mgr.record(name)?.spec;
         // The operator asked to destroy the VM: its imported root disk goes with it
@@ -494,6 +399,89 @@ impl VmOp {
         mgr.crashpoint("destroy:disks");
         mgr.forget(name, "destroyed")?;
         Ok(kept)
+    }
+
+    /// Ends the VM's QEMU and removes its run dir, overlay and console log. The record and the
+    /// data disks stay (a destroy disposes of them next, a replace keeps them).
+    ///
+    /// # Errors
+    /// 4001 when QEMU cannot be ended or a file cannot be removed: the record then says
+    /// `failed` (reservation kept) and keeps what still exists.
+    pub(super) async fn teardown(&self) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        let rec = mgr.record(name)?;
+        let live = mgr.find_live(name, rec.process.as_ref())?;
+        if let Some(id) = &live {
+            if let Err(e) = mgr.processes.kill(name, id).await {
+                mgr.mark_failed(name, &e, false);
+                return Err(e);
+            }
+        }
+        self.crashpoint("teardown:killed");
+        if let Err(e) = mgr.release_host_side(name, Devices::Release).await {
+            mgr.mark_failed(name, &e, false);
+            return Err(e);
+        }
+        if let Err(err) = mgr.remove_run_files(name) {
+            mgr.mark_failed(name, &err, false);
+            return Err(err);
+        }
+        mgr.update(name, "torn down", |r| {
+            if live.is_some() {
+                // A replace keeps the data disks it wrote.
+                r.unclean_end = Some(killed_by("a replace", "it tears the VM down without a power-off"));
+            }
+            r.process = None;
+            r.overlay = None;
+        })?;
+        Ok(())
+    }
+
+    /// Re-reserves the resources of the VM, whose reservation was released (a failed create):
+    /// admission and the record write happen under one lock, like a create.
+    ///
+    /// # Errors
+    /// 3002/3003 from admission (nothing written), or the record cannot be written.
+    fn reserve_existing(&self) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        mgr.registry.write(name, "reserved again", |t| {
+            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+            let mut rec = old.clone();
+            rec.spec.state = DesiredState::Running;
+            rec.nics = mgr.admit_locked(t, &rec.spec, &old.nics)?;
+            rec.reserved = true;
+            Ok((RecordChange::Put(Box::new(rec)), ()))
+        })?;
+        Ok(())
+    }
+
+    /// Replaces the VM's spec by `spec` in one step under the allocation lock: the new spec is
+    /// admitted in place of the old, and the record (status `creating`) keeps the old process
+    /// and overlay so [`VmOp::teardown`] can end them. After a crash, recovery undoes the
+    /// interrupted create; the new spec stays recorded as `failed`. The new root disk is a new
+    /// cloud-init instance: the record gets a new instance id.
+    ///
+    /// # Errors
+    /// 4090 when the VM's disks are part reverted, 3002/3003 from admission (nothing written),
+    /// or the record cannot be written.
+    fn swap_spec(&self, spec: &VmSpec) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        let instance_id = super::new_instance_id(name)?;
+        mgr.registry.write(name, "vm.apply replace", |t| {
+            let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
+            // A replace keeps the data disks, which may be part reverted.
+            Manager::check_not_reverting(&old)?;
+            let mut rec = crate::state::VmRecord::new(spec.clone());
+            rec.nics = mgr.admit_locked(t, spec, &[])?;
+            rec.process = old.process.clone();
+            rec.overlay = old.overlay.clone();
+            rec.vfio = old.vfio.clone();
+            rec.instance_id = Some(instance_id);
+            // The data disks stay, as the old QEMU left them.
+            rec.unclean_end = old.unclean_end.clone();
+            Ok((RecordChange::Put(Box::new(rec)), ()))
+        })?;
+        Ok(())
     }
 }
 

@@ -62,63 +62,68 @@ impl Manager {
         async move {
             self.check_launch_files(&vm).await?;
             let (mut op, _) = self.begin_op(&name).await?;
-            self.reconfigure_held(&mut op, &vm, restart, allow_restart, timeout_s).await?;
+            op.reconfigure_steps(&vm, restart, allow_restart, timeout_s).await?;
             Ok(Mutation::new(true, Some(self.get(&name)?)))
         }
         .instrument(span)
         .await
     }
+}
 
-    async fn reconfigure_held(
-        self: &Arc<Self>,
-        op: &mut VmOp,
+impl VmOp {
+    /// The steps of a reconfigure once the flag is held (module doc, from step 2).
+    ///
+    /// # Errors
+    /// As [`Manager::reconfigure`].
+    async fn reconfigure_steps(
+        &mut self,
         vm: &ValidSpec,
         restart: bool,
         allow_restart: bool,
         timeout_s: u64,
     ) -> Result<(), ApiError> {
-        let name = vm.spec.name.as_str();
-        let old = self.record(name)?;
+        let mgr = Arc::clone(self.mgr());
+        let old = mgr.record(self.name())?;
         // Its disks may be part reverted: a change (a disk grown or dropped) would make the
         // revert that must finish first impossible.
-        Self::check_not_reverting(&old)?;
-        self.admit_disk_space(Some(&old.spec), &vm.spec)?;
-        let live = self.find_live(name, old.process.as_ref())?;
+        Manager::check_not_reverting(&old)?;
+        mgr.admit_disk_space(Some(&old.spec), &vm.spec)?;
+        let live = mgr.find_live(self.name(), old.process.as_ref())?;
         if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
             // Capacity and conflicts first, then the kernel's view of the devices; the record
             // swap below admits again under the lock.
             {
-                let t = self.lock();
-                self.admit_locked(&t, &vm.spec, &old.nics)?;
+                let t = mgr.lock();
+                mgr.admit_locked(&t, &vm.spec, &old.nics)?;
             }
-            self.check_passthrough(&vm.spec).await?;
+            mgr.check_passthrough(&vm.spec).await?;
         }
         let grow_to = grown_disk(&old.spec, &vm.spec);
         let Some(id) = live else {
-            self.swap_in_place(name, &vm.spec, None)?;
+            self.swap_in_place(&vm.spec, None)?;
             self.crashpoint("reconfigure:recorded");
             self.grow_offline(&vm.spec, grow_to).await?;
             self.retire_dropped_disks(&old, &vm.spec)?;
             if vm.spec.state == DesiredState::Running {
-                op.start_steps("reconfigure").await?;
+                self.start_steps("reconfigure").await?;
             }
             return Ok(());
         };
         if vm.spec.state == DesiredState::Stopped {
             // Changed and to be stopped: a stop, not a restart, whatever `restart` says.
-            self.swap_in_place(name, &vm.spec, None)?;
+            self.swap_in_place(&vm.spec, None)?;
             self.crashpoint("reconfigure:recorded");
-            self.shut_down(name, &id, "reconfigure: stopping", None, timeout_s, false).await?;
+            self.shut_down(&id, "reconfigure: stopping", None, timeout_s, false).await?;
             self.grow_offline(&vm.spec, grow_to).await?;
             return self.retire_dropped_disks(&old, &vm.spec);
         }
         // What the live QEMU runs: the recorded spec, or an older one a change is pending over.
         let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
-        let live_disks = !restart && self.disks_live_capable(name, &running, &vm.spec).await?;
+        let live_disks = !restart && mgr.disks_live_capable(self.name(), &running, &vm.spec).await?;
         if !restart && !live_disks && !allow_restart {
             // A disk change this QEMU cannot take live (no free root port, a disk on a bus
             // that cannot unplug) and no restart allowed: it waits for the next start.
-            self.swap_in_place(name, &vm.spec, Some(running.clone()))?;
+            self.swap_in_place(&vm.spec, Some(running.clone()))?;
             self.crashpoint("reconfigure:recorded");
             return Ok(());
         }
@@ -127,16 +132,14 @@ impl Manager {
             // last recorded one (a disk-only change leaves an earlier change pending). Disks
             // change live (grow, unplug, hot-plug), each step recorded as QEMU takes it.
             let pending = super::hotplug::still_pending(&running, &vm.spec);
-            self.swap_in_place(name, &vm.spec, pending.then_some(running.clone()))?;
+            self.swap_in_place(&vm.spec, pending.then_some(running.clone()))?;
             self.crashpoint("reconfigure:recorded");
             let release = Duration::from_secs(timeout_s);
             let live = async {
                 if let Some(gib) = grow_to {
-                    self.grow_live(name, gib)
-                        .await
-                        .map_err(|error| super::hotplug::LiveFailure { error, touched: false })?;
+                    self.grow_live(gib).await.map_err(|error| super::hotplug::LiveFailure { error, touched: false })?;
                 }
-                self.change_disks_live(name, &running, &vm.spec, release).await.map_err(|mut f| {
+                mgr.change_disks_live(self.name(), &running, &vm.spec, release).await.map_err(|mut f| {
                     f.touched |= grow_to.is_some();
                     f
                 })
@@ -145,38 +148,32 @@ impl Manager {
                 // Nothing changed in QEMU: the old record again. Else the record says what
                 // QEMU has, and the rest stays pending.
                 if !f.touched {
-                    self.swap_in_place(name, &old.spec, old.running_spec.clone())?;
+                    self.swap_in_place(&old.spec, old.running_spec.clone())?;
                 }
                 return Err(f.error);
             }
             return Ok(());
         }
-        self.swap_in_place(name, &vm.spec, Some(running.clone()))?;
+        self.swap_in_place(&vm.spec, Some(running.clone()))?;
         self.crashpoint("reconfigure:recorded");
-        self.shut_down(name, &id, "reconfigure: stopping", None, timeout_s, false).await?;
+        self.shut_down(&id, "reconfigure: stopping", None, timeout_s, false).await?;
         self.crashpoint("reconfigure:stopped");
         // A rollback restores what ran, with the largest disk size any of the specs had (the
         // overlay is never shrunk).
         let disk = [running.boot.disk_gib, old.spec.boot.disk_gib].into_iter().flatten().max();
         if let Err(e) = self.grow_offline(&vm.spec, grow_to).await {
-            return Err(self.roll_back(op, &running, disk, e).await);
+            return Err(self.roll_back(&running, disk, e).await);
         }
-        match op.start_steps("reconfigure").await {
+        match self.start_steps("reconfigure").await {
             Ok(_) => Ok(()),
-            Err(e) => Err(self.roll_back(op, &running, disk.max(grow_to), e).await),
+            Err(e) => Err(self.roll_back(&running, disk.max(grow_to), e).await),
         }
     }
 
     /// After a failed restart with the new spec: records `previous` (the spec that ran) again,
     /// with `disk_gib` the size the overlay has now (a disk is never shrunk), and starts the VM
     /// with it. Returns the error to report: `cause`, saying whether the old spec runs again.
-    async fn roll_back(
-        self: &Arc<Self>,
-        op: &mut VmOp,
-        previous: &VmSpec,
-        disk_gib: Option<u64>,
-        cause: ApiError,
-    ) -> ApiError {
+    async fn roll_back(&mut self, previous: &VmSpec, disk_gib: Option<u64>, cause: ApiError) -> ApiError {
         let name = previous.name.as_str();
         let mut spec = previous.clone();
         if spec.boot.disk_gib.is_some() && disk_gib.is_some() {
@@ -184,8 +181,8 @@ impl Manager {
         }
         tracing::warn!(vm = name, error = %cause, "reconfigure failed; starting the VM with its previous spec");
         let restored = async {
-            self.swap_in_place(name, &spec, None)?;
-            op.start_steps("reconfigure rolled back").await
+            self.swap_in_place(&spec, None)?;
+            self.start_steps("reconfigure rolled back").await
         }
         .await;
         let (message, rolled_back) = match &restored {
@@ -205,18 +202,19 @@ impl Manager {
         }))
     }
 
-    /// Records `spec` for VM `name` in place of its current one, admitted (capacity, conflicts,
+    /// Records `spec` for the VM in place of its current one, admitted (capacity, conflicts,
     /// NICs keeping their MACs and taps) against every other VM under the allocation lock, the
     /// VM's own holdings counted as released. `running` is the spec its live QEMU still runs,
     /// if that differs. Status, process, overlay and device bindings are kept.
     ///
     /// # Errors
     /// 3002/3003 from admission (nothing written), or the record cannot be written.
-    fn swap_in_place(&self, name: &str, spec: &VmSpec, running: Option<VmSpec>) -> Result<(), ApiError> {
-        self.registry.write(name, "vm.apply in place", |t| {
+    fn swap_in_place(&self, spec: &VmSpec, running: Option<VmSpec>) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        mgr.registry.write(name, "vm.apply in place", |t| {
             let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
             let mut rec = old.clone();
-            rec.nics = self.admit_locked(t, spec, &old.nics)?;
+            rec.nics = mgr.admit_locked(t, spec, &old.nics)?;
             rec.spec = spec.clone();
             rec.running_spec = running;
             rec.reserved = rec.reserved || spec.state == DesiredState::Running;
@@ -230,24 +228,25 @@ impl Manager {
     /// start).
     fn retire_dropped_disks(&self, old: &crate::state::VmRecord, spec: &VmSpec) -> Result<(), ApiError> {
         for previous in std::iter::once(&old.spec).chain(old.running_spec.as_ref()) {
-            self.retire_data_disks(previous, spec)?;
+            self.mgr().retire_data_disks(previous, spec)?;
         }
         Ok(())
     }
 
-    /// Grows the data disks of a stopped VM to their sizes in `spec`, and its overlay to `gib`
-    /// (nothing when `None` or there is no overlay).
+    /// Grows the data disks of the stopped VM to their sizes in `spec`, and its overlay to
+    /// `gib` (nothing when `None` or there is no overlay).
     async fn grow_offline(&self, spec: &VmSpec, gib: Option<u64>) -> Result<(), ApiError> {
-        self.grow_data_disks(spec).await?;
+        let mgr = self.mgr();
+        mgr.grow_data_disks(spec).await?;
         let Some(gib) = gib else { return Ok(()) };
         if spec.boot.disk.is_some() {
-            return self.grow_root_disk(spec, gib).await;
+            return mgr.grow_root_disk(spec, gib).await;
         }
-        let overlay = self.paths(&spec.name).overlay;
+        let overlay = &self.paths().overlay;
         if !overlay.exists() {
             return Ok(());
         }
-        crate::disk::grow_overlay(&self.disk_tool(), &overlay, gib).await.map_err(|e| {
+        crate::disk::grow_overlay(&mgr.disk_tool(), overlay, gib).await.map_err(|e| {
             e.or_api(|e| {
                 let tail = e.stderr_tail().unwrap_or_default().to_string();
                 ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
@@ -257,10 +256,10 @@ impl Manager {
         Ok(())
     }
 
-    /// Grows a running VM's disk to `gib` over QMP; the guest sees the new size at once.
-    async fn grow_live(&self, name: &str, gib: u64) -> Result<(), ApiError> {
+    /// Grows the running VM's disk to `gib` over QMP; the guest sees the new size at once.
+    async fn grow_live(&self, gib: u64) -> Result<(), ApiError> {
         let grown = async {
-            let mut q = self.qmp(name, RESIZE_TIMEOUT).await?;
+            let mut q = self.mgr().qmp(self.name(), RESIZE_TIMEOUT).await?;
             q.block_resize(DISK_DRIVE, gib.saturating_mul(1 << 30)).await
         }
         .await;

@@ -1,16 +1,23 @@
-//! `host.shutdown_vms`: power every running VM off before the host goes down, keeping their
+//! Powering a VM's QEMU off ([`VmOp::shut_down`], the one power-off of `vm.stop`, a reconfigure
+//! that stops or restarts the VM, and host shutdown), and `host.shutdown_vms`.
+//!
+//! `host.shutdown_vms` powers every running VM off before the host goes down, keeping their
 //! desired state `running` so that autostart ([`super::autostart`]) brings them back at the next
 //! boot. The packaged `vmhost-guests.service` calls it at host shutdown (like libvirt-guests);
 //! stopping or restarting vmhostd itself never touches a VM.
 //!
-//! Every running VM at once: each takes its busy flag, is recorded `stopping`, gets the ACPI
-//! power button, and is killed if it is still up after `timeout_s`
-//! ([`Manager::shut_down`], the same steps as `vm.stop`). A VM another operation holds is
-//! reported (4090) and left alone.
+//! Every running VM at once: each begins an operation ([`Manager::begin_op`]: its busy flag),
+//! then [`VmOp::shut_down`]: recorded `stopping`, the ACPI power button, killed if it is still
+//! up after `timeout_s`, what it held on the host given back, recorded `stopped`. A VM another
+//! operation holds is reported (4090) and left alone.
 
+use super::op::VmOp;
+use super::teardown::Devices;
 use super::Manager;
-use crate::api::{ApiError, ShutdownReport, ShutdownResult, VmStatus};
+use crate::api::{ApiError, DesiredState, ShutdownReport, ShutdownResult, VmStatus};
+use crate::process::{self, ProcessIdentity};
 use std::sync::Arc;
+use std::time::Duration;
 
 impl Manager {
     /// Powers off every running VM in parallel (ACPI, then SIGKILL after `timeout_s`), leaving
@@ -47,10 +54,74 @@ impl Manager {
         Ok(ShutdownReport { vms, ok })
     }
 
-    /// One VM of [`Manager::shutdown_vms`].
+    /// One VM of [`Manager::shutdown_vms`], as an operation of its own.
     async fn power_off(self: &Arc<Self>, name: &str, timeout_s: u64) -> Result<(), ApiError> {
-        let (_guard, rec) = self.begin(name).await?;
+        let (op, rec) = self.begin_op(name).await?;
         let Some(id) = self.find_live(name, rec.process.as_ref())? else { return Ok(()) };
-        self.shut_down(name, &id, "host shutdown", None, timeout_s, false).await
+        op.shut_down(&id, "host shutdown", None, timeout_s, false).await
+    }
+}
+
+impl VmOp {
+    /// Ends the VM's live QEMU `id`: records it `stopping` (for `reason`, with desired state
+    /// `desired` when given: `vm.stop` sets it, a reconfigure or host shutdown keeps it), then
+    /// ACPI powerdown and up to `timeout_s` for the guest to power off (unless `force`), else
+    /// SIGKILL; then its taps, agent session, run dir and passthrough devices go, and the VM is
+    /// `stopped`.
+    ///
+    /// # Errors
+    /// 4001 when QEMU could not be ended (the record keeps the process) or devices not given
+    /// back.
+    pub(super) async fn shut_down(
+        &self,
+        id: &ProcessIdentity,
+        reason: &str,
+        desired: Option<DesiredState>,
+        timeout_s: u64,
+        force: bool,
+    ) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        mgr.update_status(name, reason, VmStatus::Stopping, |r| {
+            if let Some(state) = desired {
+                r.spec.state = state;
+            }
+        })?;
+        let mut exited = false;
+        // Why QEMU is killed, when it is.
+        let mut killed = "asked to force it".to_string();
+        if !force {
+            let asked = async {
+                let mut qmp = mgr.qmp(name, Duration::from_secs(5)).await?;
+                qmp.system_powerdown().await
+            }
+            .await;
+            match asked {
+                Ok(()) => {
+                    let wait = Duration::from_secs(timeout_s);
+                    // Only an observed exit counts; a failed watch falls through to the kill.
+                    exited = matches!(tokio::time::timeout(wait, process::wait_exit_of(id)).await, Ok(Ok(())));
+                    if !exited {
+                        tracing::warn!(vm = name, "guest did not power off within {wait:?}; killing QEMU");
+                        killed = format!("the guest did not power off within {timeout_s} s");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(vm = name, error = %e, "ACPI powerdown failed; killing QEMU");
+                    killed = "the ACPI power-down request failed".to_string();
+                }
+            }
+        }
+        if !exited {
+            mgr.processes.kill(name, id).await?;
+        }
+        let by = reason.strip_suffix(": stopping").unwrap_or(reason);
+        let unclean = (!exited).then(|| super::ops::killed_by(by, &killed));
+        let reason = if exited { "guest powered off" } else { "QEMU killed" };
+        mgr.update_status(name, reason, VmStatus::Stopped, |r| {
+            r.process = None;
+            // A clean power-off leaves clean disks; a kill leaves them as a power cut would.
+            r.unclean_end = unclean;
+        })?;
+        mgr.release_host_side(name, Devices::Release).await
     }
 }

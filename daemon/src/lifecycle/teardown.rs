@@ -14,7 +14,14 @@
 //! once it knows no QEMU of the VM holds them.
 //!
 //! A teardown that ends the VM's disk too (destroy, replace, recovery finishing a destroy) then
-//! calls [`Manager::remove_run_files`].
+//! calls [`Manager::remove_run_files`]; for a destroy or replace, both are steps of
+//! `VmOp::teardown` ([`super::ops`]).
+//!
+//! The two stay [`Manager`] methods that take the VM's name: the exit cleanup
+//! ([`super::exits`]), recovery ([`super::recover`]) and the unwind of a failed operation
+//! ([`Manager::unwind`]) run them without an operation, and one body serves all. This file
+//! names no operation type: [`super::undo`] (which [`super::op`] uses) takes [`Devices`] from
+//! here, so an `impl VmOp` here would close an import cycle (`layers` test).
 
 use super::Manager;
 use crate::api::{ApiError, Code};

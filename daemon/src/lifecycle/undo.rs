@@ -10,6 +10,9 @@
 //!    (disks: its undo reads the record), after a step that makes one thing at once;
 //! 3. on failure, [`Manager::unwind`] with the error; on success, drop the stack.
 //!
+//! [`Manager::unwind`] stays a [`Manager`] method taking the VM's name: [`super::op::VmOp::fail`]
+//! is its one caller, handing it the stack it takes out of the operation.
+//!
 //! The QEMU process is taken back first (it was started last): if it cannot be killed, the
 //! unwind stops there and the record keeps the process, so nothing a live QEMU holds (its
 //! disks, devices, taps) is taken from under it.
