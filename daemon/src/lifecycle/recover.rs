@@ -270,6 +270,16 @@ mod tests {
         })
     }
 
+    /// A test config whose state and run directories are made under `dir`.
+    fn config_in(dir: &std::path::Path) -> crate::config::Config {
+        let mut config = crate::validate::tests::config();
+        config.paths.state = dir.join("state");
+        config.paths.run = dir.join("run");
+        crate::state::dirs::prepare(&config.paths.state).unwrap();
+        std::fs::create_dir_all(&config.paths.run).unwrap();
+        config
+    }
+
     /// A VM that was running while a hot-plug had made disk `x` (tracked, not yet attached)
     /// when vmhostd died, and whose QEMU died too: recovery records it dead and `x` as the VM's
     /// (its guest may have written it), so no later undo deletes it and the record holds no
@@ -277,11 +287,7 @@ mod tests {
     #[tokio::test]
     async fn recovery_makes_the_disks_of_a_hotplug_whose_qemu_died_the_vms() {
         let dir = tempfile::tempdir().unwrap();
-        let mut config = crate::validate::tests::config();
-        config.paths.state = dir.path().join("state");
-        config.paths.run = dir.path().join("run");
-        crate::state::dirs::prepare(&config.paths.state).unwrap();
-        std::fs::create_dir_all(&config.paths.run).unwrap();
+        let config = config_in(dir.path());
         let store = Store::open(&config.paths.state).unwrap();
         let mut spec = crate::validate::tests::spec("vm-2");
         spec.disks = vec![serde_json::from_value(serde_json::json!({ "name": "x", "size_gib": 1 })).unwrap()];
@@ -312,11 +318,7 @@ mod tests {
     #[tokio::test]
     async fn recovery_gives_passthrough_devices_back_despite_a_fake_qemu() {
         let dir = tempfile::tempdir().unwrap();
-        let mut config = crate::validate::tests::config();
-        config.paths.state = dir.path().join("state");
-        config.paths.run = dir.path().join("run");
-        crate::state::dirs::prepare(&config.paths.state).unwrap();
-        std::fs::create_dir_all(&config.paths.run).unwrap();
+        let config = config_in(dir.path());
 
         let sysfs = Arc::new(FakeSysfs::new());
         sysfs.add_driver("e1000e", &[(0x8086, 0x10d3)]).add_driver(crate::pci::VFIO_PCI, &[]);
