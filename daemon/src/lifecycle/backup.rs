@@ -328,7 +328,7 @@ impl VmOp {
                 virtual_size: 0,
             })
             .collect();
-        let made = self.mgr().copy_disks_live(self.name(), &mut live, within, requires, "export").await?;
+        let made = self.copy_disks_live(&mut live, within, requires, "export").await?;
         for (e, t) in entries.iter_mut().zip(&live) {
             e.virtual_size = t.virtual_size;
         }

@@ -18,10 +18,12 @@
 //!
 //! A stopped VM's copy is known before anything is made ([`Manager::check_requires`]).
 //!
-//! [`Manager::copy_disks_live`] and the freeze and thaw it uses stay [`Manager`] methods taking
-//! the VM's name, one body for both callers: an export runs it as a step of its operation
-//! (`VmOp::export_live`, [`super::backup`]), `vm.snapshot` still under a bare busy guard.
+//! [`VmOp::copy_disks_live`] and the freeze and thaw it uses are steps of the operation that
+//! holds the VM: an export (`VmOp::export_live`, [`super::backup`]) or a snapshot
+//! ([`super::snapshots`]). [`Manager::check_requires`] stays a [`Manager`] method: it reads only
+//! the record and the agent hub, before the caller makes anything.
 
+use super::op::VmOp;
 use super::Manager;
 use crate::api::snapshots::{Consistency, CopyConsistency, Requirement};
 use crate::api::{ApiError, Code};
@@ -169,7 +171,7 @@ fn failed(step: &str, message: String) -> ApiError {
 impl Manager {
     /// What can be known of a copy of VM `rec` before anything is made, checked against
     /// `requires`: a stopped VM's copy is what [`super::copies::stopped_copy`] says (returned);
-    /// a running VM's is known only once the freeze answered ([`Manager::copy_disks_live`]),
+    /// a running VM's is known only once the freeze answered ([`VmOp::copy_disks_live`]),
     /// but without an agent session it cannot be frozen.
     ///
     /// # Errors
@@ -197,8 +199,10 @@ impl Manager {
         let why = format!("the guest agent of VM {name:?} is not connected");
         Err(not_frozen(name, step, &consistency_of(&Freeze::NoAgent(why))))
     }
+}
 
-    /// Copies VM `name`'s disks into `targets` (module doc); `step` names the operation in
+impl VmOp {
+    /// Copies the VM's disks into `targets` (module doc); `step` names the operation in
     /// errors. Returns what the copy is.
     ///
     /// # Errors
@@ -206,13 +210,14 @@ impl Manager {
     /// all frozen (no copy was started; the caller removes the targets).
     pub(super) async fn copy_disks_live(
         &self,
-        name: &str,
         targets: &mut [Target],
         within: Duration,
         requires: Option<Requirement>,
         step: &str,
     ) -> Result<CopyConsistency, ApiError> {
-        let mut q = self.qmp(name, Duration::from_secs(5)).await.map_err(|e| failed(step, format!("QMP: {e}")))?;
+        let name = self.name();
+        let mgr = self.mgr();
+        let mut q = mgr.qmp(name, Duration::from_secs(5)).await.map_err(|e| failed(step, format!("QMP: {e}")))?;
         let blocks = q.execute("query-block", None).await.map_err(|e| failed(step, format!("query-block: {e}")))?;
         let mut qcow2 = Vec::new();
         let mut disks = Vec::new();
@@ -233,7 +238,7 @@ impl Manager {
             }
             disks.push(LiveDisk { device: t.device.clone(), target: fd, format: t.format, sync: t.sync });
         }
-        crate::disk::export::make_qcow2_targets(&self.disk_tool(), qcow2)
+        crate::disk::export::make_qcow2_targets(&mgr.disk_tool(), qcow2)
             .await
             .map_err(|e| e.or_api(|e| failed(step, format!("cannot make the copies: {e}"))))?;
         let (mut started, mut result) = crate::disk::export::prepare_live(&mut q, &disks).await;
@@ -241,13 +246,13 @@ impl Manager {
         if result.is_ok() {
             // The agent's watchdog runs from its answer, so timing from the request is on the safe side.
             let asked = tokio::time::Instant::now();
-            let freeze = self.freeze_guest(name).await;
+            let freeze = self.freeze_guest().await;
             let consistency = consistency_of(&freeze);
             // Whatever the freeze answered (a timeout, an answer refused), something may be frozen.
             let thaw = !matches!(freeze, Freeze::NoAgent(_));
             if !consistency.meets(requires) {
                 if thaw {
-                    self.thaw_guest(name).await;
+                    self.thaw_guest().await;
                 }
                 // Nothing was started: this only takes the targets out of QEMU again.
                 if let Err(e) = crate::disk::export::finish_live(&mut q, started, &disks, Ok(()), within).await {
@@ -259,7 +264,7 @@ impl Manager {
             result = crate::disk::export::trigger_live(&mut q, &mut started, &disks).await;
             let held = asked.elapsed();
             if thaw {
-                self.thaw_guest(name).await;
+                self.thaw_guest().await;
             }
             let consistency = frozen_until_started(consistency, held);
             if result.is_ok() && !consistency.meets(requires) {
@@ -293,9 +298,9 @@ impl Manager {
     }
 
     /// The guest agent's `fs.freeze` ([`Freeze`]).
-    async fn freeze_guest(&self, name: &str) -> Freeze {
+    async fn freeze_guest(&self) -> Freeze {
         let params = json!({ "timeout_s": FREEZE_TIMEOUT_S });
-        match self.agents.call::<FreezeReport>(name, "fs.freeze", params).await {
+        match self.mgr().agents.call::<FreezeReport>(self.name(), "fs.freeze", params).await {
             Ok(report) => Freeze::Done(report),
             Err(e) if e.code == Code::AgentNotConnected => Freeze::NoAgent(e.message),
             Err(e) => Freeze::Failed(e.message),
@@ -303,9 +308,9 @@ impl Manager {
     }
 
     /// The guest agent's `fs.thaw` (its own watchdog thaws anyway after the freeze's timeout).
-    async fn thaw_guest(&self, name: &str) {
-        if let Err(e) = self.agents.call::<FreezeReport>(name, "fs.thaw", json!({})).await {
-            tracing::warn!(vm = name, error = %e, "fs.thaw failed; the agent thaws by itself after its timeout");
+    async fn thaw_guest(&self) {
+        if let Err(e) = self.mgr().agents.call::<FreezeReport>(self.name(), "fs.thaw", json!({})).await {
+            tracing::warn!(vm = self.name(), error = %e, "fs.thaw failed; the agent thaws by itself after its timeout");
         }
     }
 }

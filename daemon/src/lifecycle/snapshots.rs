@@ -20,8 +20,13 @@
 //! instance) and whether the disks are clean ([`crate::state::VmRecord::unclean_end`]). Only
 //! the VM's own disk files are written; nothing outside the VM is touched. Newer snapshots
 //! stay. A destroy removes the VM's snapshots with its disks.
+//!
+//! A snapshot, a revert and a delete are operations on the VM ([`VmOp`], begun with
+//! [`Manager::begin_op`]); none records a failure on the VM (what they made is removed, the
+//! VM's disks are untouched until a revert's copies are all checked).
 
 use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk};
+use super::op::VmOp;
 use super::Manager;
 use crate::api::backup::BackupDisk;
 use crate::api::disks::DiskFormat;
@@ -96,7 +101,7 @@ impl Manager {
     pub async fn snapshot(self: &Arc<Self>, p: TakeSnapshotParams) -> Result<Snapshot, ApiError> {
         check_name(&p.snapshot)?;
         let within = copy_timeout(p.timeout_s)?;
-        let (_guard, rec) = self.begin(&p.name).await?;
+        let (op, rec) = self.begin_op(&p.name).await?;
         Self::check_not_reverting(&rec)?;
         let existing = self.list_snapshots(&p.name)?;
         if existing.iter().any(|s| s.name == p.snapshot) {
@@ -139,7 +144,7 @@ impl Manager {
             }
             stopped
         } else {
-            self.snapshot_live(&p.name, &disks, &mut entries, &partial, within, p.requires).await?
+            op.snapshot_live(&disks, &mut entries, &partial, within, p.requires).await?
         };
         seal_copies(&partial, &mut entries, "snapshot")?;
         let snapshot = Snapshot {
@@ -165,37 +170,6 @@ impl Manager {
         let consistency = snapshot.consistency.map_or("-", |c| c.as_str());
         tracing::info!(vm = %p.name, snapshot = %p.snapshot, live, consistency, "snapshot taken");
         Ok(snapshot)
-    }
-
-    /// Copies a running VM's disks in its QEMU, all at one instant ([`super::live_copy`]);
-    /// returns what the copy is.
-    async fn snapshot_live(
-        &self,
-        name: &str,
-        disks: &[VmDisk],
-        entries: &mut [BackupDisk],
-        partial: &Path,
-        within: Duration,
-        requires: Option<crate::api::snapshots::Requirement>,
-    ) -> Result<CopyConsistency, ApiError> {
-        let mut live: Vec<super::live_copy::Target> = disks
-            .iter()
-            .zip(entries.iter())
-            .map(|(d, e)| super::live_copy::Target {
-                device: d.device.clone(),
-                path: partial.join(&e.file),
-                format: e.format.as_str(),
-                backing: d.base.clone(),
-                // An overlay's copy holds what the VM wrote; its header names the same base.
-                sync: if d.base.is_some() { "top" } else { "full" },
-                virtual_size: 0,
-            })
-            .collect();
-        let made = self.copy_disks_live(name, &mut live, within, requires, "snapshot").await?;
-        for (e, t) in entries.iter_mut().zip(&live) {
-            e.virtual_size = t.virtual_size;
-        }
-        Ok(made)
     }
 
     /// The VM's snapshots, oldest first.
@@ -231,7 +205,7 @@ impl Manager {
     /// on `snapshot` (a copy is not what the snapshot recorded; nothing replaced), 4001.
     pub async fn revert(self: &Arc<Self>, p: SnapshotParams) -> Result<Mutation, ApiError> {
         check_name(&p.snapshot)?;
-        let (_guard, rec) = self.begin(&p.name).await?;
+        let (_op, rec) = self.begin_op(&p.name).await?;
         let snapshot = self.list_snapshots(&p.name)?.into_iter().find(|s| s.name == p.snapshot).ok_or_else(|| {
             ApiError::new(Code::NotFound, format!("VM {:?} has no snapshot {:?}", p.name, p.snapshot)).field("snapshot")
         })?;
@@ -302,7 +276,7 @@ impl Manager {
     /// 2001 on `snapshot`, 4040, 4090, 4001.
     pub async fn snapshot_delete(self: &Arc<Self>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
         check_name(&p.snapshot)?;
-        let (_guard, rec) = self.begin(&p.name).await?;
+        let (_op, rec) = self.begin_op(&p.name).await?;
         if rec.reverting() == Some(p.snapshot.as_str()) {
             return Err(ApiError::new(
                 Code::Busy,
@@ -379,6 +353,38 @@ impl Drop for RemoveDir {
                 tracing::warn!(dir = %dir.display(), error = %e, "cannot remove an unfinished snapshot");
             }
         }
+    }
+}
+
+impl VmOp {
+    /// Copies a running VM's disks in its QEMU, all at one instant ([`super::live_copy`]);
+    /// returns what the copy is.
+    async fn snapshot_live(
+        &self,
+        disks: &[VmDisk],
+        entries: &mut [BackupDisk],
+        partial: &Path,
+        within: Duration,
+        requires: Option<crate::api::snapshots::Requirement>,
+    ) -> Result<CopyConsistency, ApiError> {
+        let mut live: Vec<super::live_copy::Target> = disks
+            .iter()
+            .zip(entries.iter())
+            .map(|(d, e)| super::live_copy::Target {
+                device: d.device.clone(),
+                path: partial.join(&e.file),
+                format: e.format.as_str(),
+                backing: d.base.clone(),
+                // An overlay's copy holds what the VM wrote; its header names the same base.
+                sync: if d.base.is_some() { "top" } else { "full" },
+                virtual_size: 0,
+            })
+            .collect();
+        let made = self.copy_disks_live(&mut live, within, requires, "snapshot").await?;
+        for (e, t) in entries.iter_mut().zip(&live) {
+            e.virtual_size = t.virtual_size;
+        }
+        Ok(made)
     }
 }
 
