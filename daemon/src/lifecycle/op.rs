@@ -16,6 +16,8 @@
 //! 4. the operation is dropped: the flag goes back, and an exit that arrived meanwhile is
 //!    handled at once ([`super::busy`]).
 
+use super::processes::Search;
+use super::teardown::Devices;
 use super::undo::{Step, Undo};
 use super::{Manager, OpGuard};
 use crate::api::{ApiError, VmSpec};
@@ -119,10 +121,44 @@ impl VmOp {
     }
 
     /// The operation failed with `error`: takes back what its steps made, newest first, and
-    /// records the VM `failed` ([`Manager::unwind`]). Returns the error to report (the kill's
-    /// when QEMU could not be ended). The stack is empty afterwards.
+    /// records the VM `failed` (releasing its reservation if the stack says so). Returns the
+    /// error to report: `error`, or the kill's when QEMU could not be ended (the unwind stops
+    /// there and the record keeps the process, so nothing a live QEMU holds is taken from under
+    /// it). The stack is empty afterwards.
     pub async fn fail(&mut self, error: ApiError) -> ApiError {
-        let undo = std::mem::replace(&mut self.undo, Undo::new(false));
-        self.mgr.unwind(&self.name, undo, error).await
+        let (mgr, name) = (&self.mgr, self.name.as_str());
+        let release = self.undo.releases();
+        let steps: Vec<Step> = self.undo.newest_first().collect();
+        for step in steps {
+            match step {
+                Step::Process(id) => {
+                    if let Err(kill) = mgr.processes.kill(name, &id).await {
+                        mgr.mark_failed_keeping_process(name, &kill);
+                        return kill;
+                    }
+                    if let Err(e) = mgr.update(name, "launch undone", |r| r.process = None) {
+                        tracing::error!(vm = name, error = %e, "rollback: cannot record that QEMU is gone");
+                    }
+                }
+                Step::Devices => {
+                    // Only when no QEMU of this VM can still hold them.
+                    let recorded = mgr.record(name).ok().and_then(|r| r.process);
+                    if matches!(mgr.processes.find(&self.paths, recorded.as_ref(), Search::Proc), Ok(None)) {
+                        if let Err(e) = mgr.release_passthrough(name).await {
+                            tracing::error!(vm = name, error = %e, "rollback: passthrough devices not restored");
+                        }
+                    }
+                }
+                Step::HostSide => {
+                    let _ = mgr.release_host_side(name, Devices::Keep).await;
+                }
+                Step::DataDisks => mgr.undo_data_disks(name),
+                Step::RootDisk => mgr.undo_root_disk(name),
+                Step::Overlay => mgr.undo_overlay(name),
+            }
+        }
+        mgr.mark_failed(name, &error, release);
+        self.undo = Undo::new(false);
+        error
     }
 }
