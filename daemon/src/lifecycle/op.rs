@@ -21,6 +21,7 @@ use super::teardown::Devices;
 use super::undo::{Step, Undo};
 use super::{Manager, OpGuard};
 use crate::api::{ApiError, VmSpec};
+use crate::process::ProcessIdentity;
 use crate::qemu::argv::VmPaths;
 use crate::state::VmRecord;
 use std::sync::Arc;
@@ -113,6 +114,44 @@ impl VmOp {
     /// spec in, a start that reserved the VM again).
     pub fn release_on_failure(&mut self) {
         self.undo.release_on_failure();
+    }
+
+    /// The VM's record as it is now ([`Manager::record`]).
+    ///
+    /// # Errors
+    /// 4040 when the record is gone.
+    pub fn record(&self) -> Result<VmRecord, ApiError> {
+        self.mgr.record(&self.name)
+    }
+
+    /// Changes the VM's record ([`Manager::update`]); the status stays.
+    ///
+    /// # Errors
+    /// 4040 when the record is gone; 4001 when it cannot be written.
+    pub fn update(&self, reason: &str, change: impl FnOnce(&mut VmRecord)) -> Result<VmRecord, ApiError> {
+        self.mgr.update(&self.name, reason, change)
+    }
+
+    /// Changes the VM's status to `to` and its record with `change`, checked against the
+    /// transition table ([`Manager::update_status`]).
+    ///
+    /// # Errors
+    /// As [`VmOp::update`]; 5000 when the table refuses the change.
+    pub fn update_status(
+        &self,
+        reason: &str,
+        to: crate::api::VmStatus,
+        change: impl FnOnce(&mut VmRecord),
+    ) -> Result<VmRecord, ApiError> {
+        self.mgr.update_status(&self.name, reason, to, change)
+    }
+
+    /// The VM's live QEMU, if any ([`Manager::find_live`]): `recorded` while it still runs.
+    ///
+    /// # Errors
+    /// 4001 when /proc cannot be read.
+    pub fn find_live(&self, recorded: Option<&ProcessIdentity>) -> Result<Option<ProcessIdentity>, ApiError> {
+        self.mgr.find_live(&self.name, recorded)
     }
 
     /// A step boundary the fault tests may crash the daemon at ([`crate::crashpoint`]).

@@ -304,12 +304,12 @@ impl VmOp {
         let mgr = Arc::clone(self.mgr());
         let name = self.name().to_string();
         let name = name.as_str();
-        let rec = mgr.record(name)?;
+        let rec = self.record()?;
         Manager::check_not_reverting(&rec)?;
         let state_changed = rec.spec.state != DesiredState::Running;
-        if let Some(id) = mgr.find_live(name, rec.process.as_ref())? {
+        if let Some(id) = self.find_live(rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
-                mgr.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
+                self.update(reason, |r| r.spec.state = DesiredState::Running)?;
                 self.mark_running(id, "already running")?;
                 return Ok(true);
             }
@@ -321,7 +321,7 @@ impl VmOp {
         mgr.check_launch_files(&vm).await?;
         mgr.check_passthrough(&vm.spec).await?;
         if rec.reserved {
-            mgr.update(name, reason, |r| r.spec.state = DesiredState::Running)?;
+            self.update(reason, |r| r.spec.state = DesiredState::Running)?;
         } else {
             self.reserve_existing()?;
             self.release_on_failure();
@@ -352,9 +352,9 @@ impl VmOp {
     pub(super) async fn stop_steps(&mut self, p: &StopParams) -> Result<bool, ApiError> {
         let mgr = Arc::clone(self.mgr());
         let name = p.name.as_str();
-        let rec = mgr.record(name)?;
+        let rec = self.record()?;
         let state_changed = rec.spec.state != DesiredState::Stopped;
-        let Some(id) = mgr.find_live(name, rec.process.as_ref())? else {
+        let Some(id) = self.find_live(rec.process.as_ref())? else {
             mgr.release_host_side(name, Devices::Release).await?;
             let status_changed = matches!(
                 rec.status,
@@ -362,7 +362,7 @@ impl VmOp {
             );
             if state_changed || status_changed {
                 let to = if status_changed { VmStatus::Stopped } else { rec.status };
-                mgr.update_status(name, "vm.stop", to, |r| {
+                self.update_status("vm.stop", to, |r| {
                     r.spec.state = DesiredState::Stopped;
                     r.process = None;
                 })?;
@@ -385,13 +385,13 @@ impl VmOp {
         let name = name.as_str();
         // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
         // the restart policy) starts a VM the operator asked to destroy.
-        mgr.update_status(name, "vm.destroy", VmStatus::Destroying, |r| {
+        self.update_status("vm.destroy", VmStatus::Destroying, |r| {
             r.spec.state = DesiredState::Stopped;
         })?;
         mgr.crashpoint("destroy:recorded");
         self.teardown().await?;
         mgr.crashpoint("destroy:torn-down");
-        let spec = mgr.record(name)?.spec;
+        let spec = self.record()?.spec;
         // The operator asked to destroy the VM: its imported root disk goes with it
         // (keep_on_destroy is a data disk's option only).
         step!(self, mgr.dispose_root_disk(name));
@@ -409,8 +409,8 @@ impl VmOp {
     /// `failed` (reservation kept) and keeps what still exists.
     pub(super) async fn teardown(&self) -> Result<(), ApiError> {
         let (mgr, name) = (self.mgr(), self.name());
-        let rec = mgr.record(name)?;
-        let live = mgr.find_live(name, rec.process.as_ref())?;
+        let rec = self.record()?;
+        let live = self.find_live(rec.process.as_ref())?;
         if let Some(id) = &live {
             if let Err(e) = mgr.processes.kill(name, id).await {
                 mgr.mark_failed(name, &e, false);
@@ -426,7 +426,7 @@ impl VmOp {
             mgr.mark_failed(name, &err, false);
             return Err(err);
         }
-        mgr.update(name, "torn down", |r| {
+        self.update("torn down", |r| {
             if live.is_some() {
                 // A replace keeps the data disks it wrote.
                 r.unclean_end = Some(killed_by("a replace", "it tears the VM down without a power-off"));

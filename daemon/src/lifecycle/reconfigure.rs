@@ -83,12 +83,12 @@ impl VmOp {
         timeout_s: u64,
     ) -> Result<(), ApiError> {
         let mgr = Arc::clone(self.mgr());
-        let old = mgr.record(self.name())?;
+        let old = self.record()?;
         // Its disks may be part reverted: a change (a disk grown or dropped) would make the
         // revert that must finish first impossible.
         Manager::check_not_reverting(&old)?;
         mgr.admit_disk_space(Some(&old.spec), &vm.spec)?;
-        let live = mgr.find_live(self.name(), old.process.as_ref())?;
+        let live = self.find_live(old.process.as_ref())?;
         if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
             // Capacity and conflicts first, then the kernel's view of the devices; the record
             // swap below admits again under the lock.

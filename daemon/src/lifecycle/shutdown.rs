@@ -81,7 +81,7 @@ impl VmOp {
         force: bool,
     ) -> Result<(), ApiError> {
         let (mgr, name) = (self.mgr(), self.name());
-        mgr.update_status(name, reason, VmStatus::Stopping, |r| {
+        self.update_status(reason, VmStatus::Stopping, |r| {
             if let Some(state) = desired {
                 r.spec.state = state;
             }
@@ -117,7 +117,7 @@ impl VmOp {
         let by = reason.strip_suffix(": stopping").unwrap_or(reason);
         let unclean = (!exited).then(|| super::ops::killed_by(by, &killed));
         let reason = if exited { "guest powered off" } else { "QEMU killed" };
-        mgr.update_status(name, reason, VmStatus::Stopped, |r| {
+        self.update_status(reason, VmStatus::Stopped, |r| {
             r.process = None;
             // A clean power-off leaves clean disks; a kill leaves them as a power cut would.
             r.unclean_end = unclean;
