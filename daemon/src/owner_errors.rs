@@ -278,7 +278,7 @@ impl From<DataDiskError> for ApiError {
 
 impl From<OverlayError> for ApiError {
     /// 4002 when the QEMU binary is not the pinned one; else 4001 with `details.step` `disk`
-    /// (and QEMU's `stderr`) or `qemu_files`, none for an orphan's removal.
+    /// (and QEMU's `stderr`) or `qemu_files`, none for a removal (an orphan's, the VM's own).
     fn from(e: OverlayError) -> ApiError {
         let e = match e {
             OverlayError::Create(DiskError::Pinned(refusal)) | OverlayError::Base(DiskError::Pinned(refusal)) => {
@@ -290,7 +290,7 @@ impl From<OverlayError> for ApiError {
             OverlayError::Create(d) => json!({ "step": "disk", "stderr": d.stderr_tail().unwrap_or_default() }),
             OverlayError::Place(_) => json!({ "step": "disk" }),
             OverlayError::Base(_) => json!({ "step": "qemu_files" }),
-            OverlayError::RemoveOrphan(_) => Value::Null,
+            OverlayError::RemoveOrphan(_) | OverlayError::Remove(_) => Value::Null,
         };
         api(Code::ProvisioningFailed, &e, None).details(details)
     }
@@ -606,6 +606,7 @@ mod tests {
                 Some("spec.disks"),
             ),
             case("overlay: make", OverlayError::Create(tool_error()), Code::ProvisioningFailed, None),
+            case("overlay: remove", OverlayError::Remove(tool_error()), Code::ProvisioningFailed, None),
             case("overlay: QEMU not pinned", OverlayError::Base(pinned()), Code::BinaryMismatch, Some("qemu.sha256")),
             case(
                 "data disk: make",
@@ -845,6 +846,13 @@ mod tests {
         let orphan: ApiError = OverlayError::RemoveOrphan(tool_error()).into();
         assert_eq!(orphan.message, "cannot remove orphaned overlay: QEMU could not probe the image: not an image");
         assert_eq!(orphan.details, Value::Null);
+        let busy = std::io::Error::from_raw_os_error(libc::EBUSY);
+        let own: ApiError = OverlayError::Remove(DiskError::Io { path: "/s/o.qcow2".into(), source: busy }).into();
+        assert_eq!((own.code, own.field.as_deref(), &own.details), (Code::ProvisioningFailed, None, &Value::Null));
+        assert_eq!(
+            own.message,
+            format!("cannot remove the overlay: /s/o.qcow2: {}", std::io::Error::from_raw_os_error(libc::EBUSY))
+        );
     }
 
     #[test]

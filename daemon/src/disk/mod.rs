@@ -146,6 +146,9 @@ pub enum OverlayError {
     /// An overlay no record names could not be removed.
     #[error("cannot remove orphaned overlay: {0}")]
     RemoveOrphan(#[source] DiskError),
+    /// The VM's own overlay (or a half-made one) could not be removed at its teardown.
+    #[error("cannot remove the overlay: {0}")]
+    Remove(#[source] DiskError),
 }
 
 /// Format and virtual size of `base`, probed by QEMU as `qemu.user` on a read-only descriptor.

@@ -81,8 +81,7 @@ impl Manager {
         // Copies an interrupted revert left beside the overlay.
         crate::blocking::run(|| crate::images::remove_leftovers_of(&paths.overlay));
         for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
-            crate::disk::remove_overlay(&overlay)
-                .map_err(|e| ApiError::new(Code::ProvisioningFailed, format!("cannot remove the overlay: {e}")))?;
+            crate::disk::remove_overlay(&overlay).map_err(crate::disk::OverlayError::Remove)?;
         }
         for vars in [paths.uefi_vars(), paths.partial_uefi_vars()] {
             match crate::blocking::run(|| std::fs::remove_file(&vars)) {
