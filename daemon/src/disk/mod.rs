@@ -149,6 +149,16 @@ pub enum OverlayError {
     /// The VM's own overlay (or a half-made one) could not be removed at its teardown.
     #[error("cannot remove the overlay: {0}")]
     Remove(#[source] DiskError),
+    /// QEMU could not grow a stopped VM's overlay to `gib` GiB (`disk_grow`, with QEMU's
+    /// stderr).
+    #[error("cannot grow the disk to {gib} GiB: {source}")]
+    Grow {
+        /// The size asked for.
+        gib: u64,
+        /// Why.
+        #[source]
+        source: DiskError,
+    },
 }
 
 /// Format and virtual size of `base`, probed by QEMU as `qemu.user` on a read-only descriptor.

@@ -246,13 +246,9 @@ impl VmOp {
         if !overlay.exists() {
             return Ok(());
         }
-        crate::disk::grow_overlay(&mgr.disk_tool(), overlay, gib).await.map_err(|e| {
-            e.or_api(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
-                    .details(json!({ "step": "disk_grow", "stderr": tail }))
-            })
-        })?;
+        crate::disk::grow_overlay(&mgr.disk_tool(), overlay, gib)
+            .await
+            .map_err(|source| crate::disk::OverlayError::Grow { gib, source })?;
         Ok(())
     }
 
