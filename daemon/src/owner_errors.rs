@@ -21,7 +21,7 @@ use crate::api::{ApiError, Code};
 use crate::backup::{BackupError, ManifestError};
 use crate::disk::data::DataDiskError;
 use crate::disk::space::SpaceError;
-use crate::disk::{DiskError, OverlayError};
+use crate::disk::{DiskError, GrowError, OverlayError};
 use crate::images::download::DownloadError;
 use crate::images::{ImageError, StoreError};
 use crate::net::host::AttachError;
@@ -278,24 +278,32 @@ impl From<DataDiskError> for ApiError {
 
 impl From<OverlayError> for ApiError {
     /// 4002 when the QEMU binary is not the pinned one; else 4001 with `details.step` `disk`
-    /// (and QEMU's `stderr`), `disk_grow` (and QEMU's `stderr`) or `qemu_files`, none for a
-    /// removal (an orphan's, the VM's own).
+    /// (and QEMU's `stderr`) or `qemu_files`, none for a removal (an orphan's, the VM's own).
     fn from(e: OverlayError) -> ApiError {
         let e = match e {
-            OverlayError::Create(DiskError::Pinned(refusal))
-            | OverlayError::Base(DiskError::Pinned(refusal))
-            | OverlayError::Grow { source: DiskError::Pinned(refusal), .. } => return refusal.into(),
+            OverlayError::Create(DiskError::Pinned(refusal)) | OverlayError::Base(DiskError::Pinned(refusal)) => {
+                return refusal.into()
+            }
             e => e,
         };
         let details = match &e {
             OverlayError::Create(d) => json!({ "step": "disk", "stderr": d.stderr_tail().unwrap_or_default() }),
             OverlayError::Place(_) => json!({ "step": "disk" }),
             OverlayError::Base(_) => json!({ "step": "qemu_files" }),
-            OverlayError::Grow { source, .. } => {
-                json!({ "step": "disk_grow", "stderr": source.stderr_tail().unwrap_or_default() })
-            }
             OverlayError::RemoveOrphan(_) | OverlayError::Remove(_) => Value::Null,
         };
+        api(Code::ProvisioningFailed, &e, None).details(details)
+    }
+}
+
+impl From<GrowError> for ApiError {
+    /// 4002 when the QEMU binary is not the pinned one; else 4001 with `details.step`
+    /// `disk_grow` and QEMU's `stderr`.
+    fn from(e: GrowError) -> ApiError {
+        if let DiskError::Pinned(refusal) = e.source {
+            return refusal.into();
+        }
+        let details = json!({ "step": "disk_grow", "stderr": e.source.stderr_tail().unwrap_or_default() });
         api(Code::ProvisioningFailed, &e, None).details(details)
     }
 }
@@ -611,10 +619,10 @@ mod tests {
             ),
             case("overlay: make", OverlayError::Create(tool_error()), Code::ProvisioningFailed, None),
             case("overlay: remove", OverlayError::Remove(tool_error()), Code::ProvisioningFailed, None),
-            case("overlay: grow", OverlayError::Grow { gib: 2, source: tool_error() }, Code::ProvisioningFailed, None),
+            case("disk: grow", GrowError { gib: 2, source: tool_error() }, Code::ProvisioningFailed, None),
             case(
-                "overlay: grow, QEMU not pinned",
-                OverlayError::Grow { gib: 2, source: pinned() },
+                "disk: grow, QEMU not pinned",
+                GrowError { gib: 2, source: pinned() },
                 Code::BinaryMismatch,
                 Some("qemu.sha256"),
             ),
@@ -864,7 +872,7 @@ mod tests {
             own.message,
             format!("cannot remove the overlay: /s/o.qcow2: {}", std::io::Error::from_raw_os_error(libc::EBUSY))
         );
-        let grown: ApiError = OverlayError::Grow { gib: 20, source: tool_error() }.into();
+        let grown: ApiError = GrowError { gib: 20, source: tool_error() }.into();
         assert_eq!(grown.message, "cannot grow the disk to 20 GiB: QEMU could not probe the image: not an image");
         assert_eq!(grown.details, json!({ "step": "disk_grow", "stderr": "tail" }));
     }

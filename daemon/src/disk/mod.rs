@@ -149,16 +149,18 @@ pub enum OverlayError {
     /// The VM's own overlay (or a half-made one) could not be removed at its teardown.
     #[error("cannot remove the overlay: {0}")]
     Remove(#[source] DiskError),
-    /// QEMU could not grow a stopped VM's overlay to `gib` GiB (`disk_grow`, with QEMU's
-    /// stderr).
-    #[error("cannot grow the disk to {gib} GiB: {source}")]
-    Grow {
-        /// The size asked for.
-        gib: u64,
-        /// Why.
-        #[source]
-        source: DiskError,
-    },
+}
+
+/// QEMU could not grow a stopped VM's disk (its overlay, or its imported root disk) to `gib`
+/// GiB, for `vm.apply` with a larger `disk_gib` (`disk_grow`, with QEMU's stderr).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot grow the disk to {gib} GiB: {source}")]
+pub struct GrowError {
+    /// The size asked for.
+    pub gib: u64,
+    /// Why.
+    #[source]
+    pub source: DiskError,
 }
 
 /// Format and virtual size of `base`, probed by QEMU as `qemu.user` on a read-only descriptor.

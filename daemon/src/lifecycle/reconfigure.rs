@@ -248,7 +248,7 @@ impl VmOp {
         }
         crate::disk::grow_overlay(&mgr.disk_tool(), overlay, gib)
             .await
-            .map_err(|source| crate::disk::OverlayError::Grow { gib, source })?;
+            .map_err(|source| crate::disk::GrowError { gib, source })?;
         Ok(())
     }
 

@@ -26,7 +26,7 @@
 use super::op::VmOp;
 use super::undo::Step;
 use super::Manager;
-use crate::api::{ApiError, Code, DataDiskSpec, DiskFormat, VmSpec};
+use crate::api::{ApiError, DataDiskSpec, DiskFormat, VmSpec};
 use crate::disk::GIB;
 use crate::state::{RootDisk, VmRecord};
 use crate::validate::{BootSource, ValidSpec};
@@ -369,13 +369,9 @@ impl Manager {
     pub(super) async fn grow_root_disk(&self, spec: &VmSpec, gib: u64) -> Result<(), ApiError> {
         let Some(root) = self.record(&spec.name)?.root_disk else { return Ok(()) };
         let file = self.paths(&spec.name).root_disk(root.format);
-        crate::disk::data::grow(&self.disk_tool(), &file, &as_disk(root.format, gib)).await.map_err(|e| {
-            e.or_api(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB: {e}"))
-                    .details(json!({ "step": "disk_grow", "stderr": tail }))
-            })
-        })?;
+        crate::disk::data::grow(&self.disk_tool(), &file, &as_disk(root.format, gib))
+            .await
+            .map_err(|source| crate::disk::GrowError { gib, source })?;
         Ok(())
     }
 
