@@ -113,6 +113,12 @@ impl DiskError {
         }
     }
 
+    /// Whether QEMU ran and refused the file it was given (its answer, not a failure to run
+    /// it): the file is at fault, not the host.
+    pub fn file_refused(&self) -> bool {
+        matches!(self, DiskError::Tool { .. } | DiskError::Output(_))
+    }
+
     /// QEMU's stderr tail, for [`DiskError::Tool`] (the most precise reason a user can read).
     pub fn stderr_tail(&self) -> Option<&str> {
         match self {

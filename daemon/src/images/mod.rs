@@ -270,11 +270,10 @@ impl StoreError {
     /// QEMU's failure to read `what`: the file's fault when QEMU ran and refused it.
     pub fn inspecting(what: &str, source: crate::disk::DiskError) -> StoreError {
         let what = what.to_string();
-        match source {
-            crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
-                StoreError::NotAnImage { what, source }
-            }
-            source => StoreError::Inspect { what, source },
+        if source.file_refused() {
+            StoreError::NotAnImage { what, source }
+        } else {
+            StoreError::Inspect { what, source }
         }
     }
 }

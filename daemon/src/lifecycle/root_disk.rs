@@ -162,13 +162,14 @@ impl Manager {
         let fd =
             opened.try_clone().map(OwnedFd::from).map_err(|e| failed(format!("cannot duplicate a descriptor: {e}")))?;
         let info = crate::disk::import::inspect(&self.disk_tool(), fd).await.map_err(|e| {
-            e.or_api(|e| match e {
-                crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
+            e.or_api(|e| {
+                if e.file_refused() {
                     let tail = e.stderr_tail().unwrap_or_default().to_string();
                     refused(format!("QEMU cannot read {} as a disk image: {e}", source.display()))
                         .details(json!({ "stderr": tail }))
+                } else {
+                    failed(format!("cannot inspect {}: {e}", source.display()))
                 }
-                other => failed(format!("cannot inspect {}: {other}", source.display())),
             })
         })?;
         let format = match info.format.as_str() {
