@@ -165,10 +165,9 @@ impl VmOp {
     /// there and the record keeps the process, so nothing a live QEMU holds is taken from under
     /// it). The stack is empty afterwards.
     pub async fn fail(&mut self, error: ApiError) -> ApiError {
+        let mut undo = std::mem::replace(&mut self.undo, Undo::new(false));
         let (mgr, name) = (&self.mgr, self.name.as_str());
-        let release = self.undo.releases();
-        let steps: Vec<Step> = self.undo.newest_first().collect();
-        for step in steps {
+        for step in undo.newest_first() {
             match step {
                 Step::Process(id) => {
                     if let Err(kill) = mgr.processes.kill(name, &id).await {
@@ -196,8 +195,7 @@ impl VmOp {
                 Step::Overlay => mgr.undo_overlay(name),
             }
         }
-        mgr.mark_failed(name, &error, release);
-        self.undo = Undo::new(false);
+        mgr.mark_failed(name, &error, undo.releases());
         error
     }
 }

@@ -220,10 +220,10 @@ impl Manager {
         // agent apply them. The run state is converged after that, in the same call.
         let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;
         if interfaces_changed {
-            let (_op, _) = self.begin_op(&spec.name).await?;
+            let (op, _) = self.begin_op(&spec.name).await?;
             let wanted = spec.guest_interfaces.clone();
-            self.update(&spec.name, "guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
-            if self.find_live(&spec.name, current.process.as_ref())?.is_some() {
+            op.update("guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
+            if op.find_live(current.process.as_ref())?.is_some() {
                 self.apply_guest_interfaces(&spec.name).await?;
             }
         }

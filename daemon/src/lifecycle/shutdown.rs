@@ -57,7 +57,7 @@ impl Manager {
     /// One VM of [`Manager::shutdown_vms`], as an operation of its own.
     async fn power_off(self: &Arc<Self>, name: &str, timeout_s: u64) -> Result<(), ApiError> {
         let (op, rec) = self.begin_op(name).await?;
-        let Some(id) = self.find_live(name, rec.process.as_ref())? else { return Ok(()) };
+        let Some(id) = op.find_live(rec.process.as_ref())? else { return Ok(()) };
         op.shut_down(&id, "host shutdown", None, timeout_s, false).await
     }
 }

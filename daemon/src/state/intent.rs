@@ -110,9 +110,6 @@ impl VmRecord {
 
     /// The disk work in progress, begun here when there is none.
     fn disk_work_mut(&mut self) -> Result<&mut DiskWork, IntentError> {
-        if let Some(snapshot) = self.reverting() {
-            return Err(IntentError::Reverting(snapshot.to_string()));
-        }
         let intent = self.intent.get_or_insert_with(|| Intent::Disks(DiskWork::default()));
         match intent {
             Intent::Disks(w) => Ok(w),
