@@ -508,39 +508,13 @@ reserved_memory_gib = 1
     /// # Panics
     /// When `timeout` (a failure bound) passes first, naming `what`, the last view and the
     /// VM's events seen meanwhile.
-    pub fn wait_vm(&self, name: &str, what: &str, timeout: Duration, mut ok: impl FnMut(&Value) -> bool) -> Value {
-        let mut events = self.client();
-        events.subscribe_events().unwrap_or_else(|e| panic!("events.subscribe while waiting for {name} {what}: {e}"));
-        let mut reads = self.client();
-        let deadline = Instant::now() + timeout;
-        let mut seen: Vec<String> = Vec::new();
-        loop {
-            let view = match reads.call::<Value>("vm.get", json!({ "name": name })) {
-                Ok(v) => v,
-                Err(e) => json!({ "vm.get error": e.to_string() }),
-            };
-            if ok(&view) {
-                return view;
-            }
-            // The next event of this VM, or a look again after a second: a change the daemon
-            // makes without an event is still seen (and [`TestHost::wait_status`] reports it).
-            let got = loop {
-                let now = Instant::now();
-                assert!(
-                    now < deadline,
-                    "gave up waiting for {name} {what} after {timeout:?}; last vm.get: {view}; its events meanwhile: {seen:?}"
-                );
-                match events.next_event((deadline - now).min(wait::RECHECK)) {
-                    Ok(Some(e)) if e.vm == name => {
-                        break Some(format!("{:?} -> {:?} ({})", e.from, e.to, e.reason));
-                    }
-                    Ok(Some(_)) => {}
-                    Ok(None) => break None,
-                    Err(e) => panic!("events of {name} while waiting for {what}: {e}"),
-                }
-            };
-            seen.extend(got);
-        }
+    pub fn wait_vm(&self, name: &str, what: &str, timeout: Duration, ok: impl FnMut(&Value) -> bool) -> Value {
+        let read = |c: &mut Client| match c.call::<Value>("vm.get", json!({ "name": name })) {
+            Ok(v) => v,
+            Err(e) => json!({ "vm.get error": e.to_string() }),
+        };
+        let what = format!("{name} {what}");
+        self.wait_on_events(&what, timeout, read, |e| e.vm == name, ok).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Waits until `vm.list` satisfies `ok` and returns that list: [`TestHost::wait_vm`] for a
@@ -550,10 +524,28 @@ reserved_memory_gib = 1
     /// # Errors
     /// When `timeout` (a failure bound) passes first: a message naming `what`, the last list
     /// and the events seen meanwhile, for the caller to add what it knows and panic with.
-    pub fn wait_list(
+    pub fn wait_list(&self, what: &str, timeout: Duration, ok: impl FnMut(&Value) -> bool) -> Result<Value, String> {
+        let read = |c: &mut Client| match c.call::<Value>("vm.list", json!({})) {
+            Ok(v) => v,
+            Err(e) => json!({ "vm.list error": e.to_string() }),
+        };
+        self.wait_on_events(what, timeout, read, |_| true, ok)
+    }
+
+    /// The one event-driven wait under [`TestHost::wait_vm`] and [`TestHost::wait_list`]: reads
+    /// with `read` until `ok` holds, again at each event `relevant` selects (subscribed before
+    /// the first read, so no change is missed) or after [`wait::RECHECK`] without one (a change
+    /// made without an event is still seen).
+    ///
+    /// # Errors
+    /// When `timeout` (a failure bound) passes first: a message naming `what`, the last value
+    /// read and the relevant events seen meanwhile.
+    fn wait_on_events(
         &self,
         what: &str,
         timeout: Duration,
+        mut read: impl FnMut(&mut Client) -> Value,
+        relevant: impl Fn(&vmhost::api::Event) -> bool,
         mut ok: impl FnMut(&Value) -> bool,
     ) -> Result<Value, String> {
         let mut events = self.client();
@@ -562,23 +554,27 @@ reserved_memory_gib = 1
         let deadline = Instant::now() + timeout;
         let mut seen: Vec<String> = Vec::new();
         loop {
-            let list = match reads.call::<Value>("vm.list", json!({})) {
-                Ok(v) => v,
-                Err(e) => json!({ "vm.list error": e.to_string() }),
-            };
-            if ok(&list) {
-                return Ok(list);
+            let value = read(&mut reads);
+            if ok(&value) {
+                return Ok(value);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(format!(
-                    "gave up waiting for {what} after {timeout:?}; last vm.list: {list}; events meanwhile: {seen:?}"
-                ));
-            }
-            match events.next_event((deadline - now).min(wait::RECHECK)) {
-                Ok(Some(e)) => seen.push(format!("{}: {:?} -> {:?} ({})", e.vm, e.from, e.to, e.reason)),
-                Ok(None) => {}
-                Err(e) => panic!("events while waiting for {what}: {e}"),
+            // The next relevant event, or a look again after a while.
+            loop {
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(format!(
+                        "gave up waiting for {what} after {timeout:?}; last read: {value}; events meanwhile: {seen:?}"
+                    ));
+                }
+                match events.next_event((deadline - now).min(wait::RECHECK)) {
+                    Ok(Some(e)) if relevant(&e) => {
+                        seen.push(format!("{}: {:?} -> {:?} ({})", e.vm, e.from, e.to, e.reason));
+                        break;
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(e) => panic!("events while waiting for {what}: {e}"),
+                }
             }
         }
     }
