@@ -396,6 +396,16 @@ reserved_memory_gib = 1
         c.wait().expect("wait vmhostd")
     }
 
+    /// Waits for the daemon to exit on its own (a signal someone else sent) and returns its
+    /// status; it is not signalled here.
+    ///
+    /// # Panics
+    /// When no daemon runs, or it has not exited within `bound` (it is killed then).
+    pub fn daemon_exited(&mut self, bound: std::time::Duration) -> std::process::ExitStatus {
+        let mut c = self.daemon.take().expect("daemon running");
+        wait::exited(&mut c, "vmhostd", bound)
+    }
+
     /// The daemon's log so far.
     pub fn daemon_log(&self) -> String {
         fs::read_to_string(self.dir.path().join("vmhostd.log")).unwrap_or_default()
