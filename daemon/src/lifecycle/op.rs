@@ -6,7 +6,8 @@
 //! The operation then carries what each of its steps needs (the manager, the VM's name and
 //! paths, the flag, the undo stack), so the steps are its methods, each in the file of the
 //! resource it touches (overlay and launch in [`super::launch`], root disk in
-//! [`super::root_disk`], data disks in [`super::data_disks`]). Order of use:
+//! [`super::root_disk`], data disks in [`super::data_disks`], devices in [`super::vfio`], a
+//! running VM's disk changes in [`super::hotplug`]). Order of use:
 //!
 //! 1. begin or reserve;
 //! 2. the steps, each pushing how to take back what it made ([`VmOp::push`]) as it succeeds
@@ -105,9 +106,9 @@ impl VmOp {
         self.undo.push(step);
     }
 
-    /// The undo stack, for a step that pushes onto it as it goes (the launch).
-    pub fn undo_mut(&mut self) -> &mut Undo {
-        &mut self.undo
+    /// Whether a failure releases the VM's reservation (a step undoes more then: the overlay).
+    pub fn releases(&self) -> bool {
+        self.undo.releases()
     }
 
     /// From now on a failure releases the VM's reservation too (a replace that swapped the
@@ -192,7 +193,7 @@ impl VmOp {
                 }
                 Step::DataDisks => mgr.undo_data_disks(name),
                 Step::RootDisk => mgr.undo_root_disk(name),
-                Step::Overlay => mgr.undo_overlay(name),
+                Step::Overlay => self.undo_overlay(),
             }
         }
         mgr.mark_failed(name, &error, undo.releases());
