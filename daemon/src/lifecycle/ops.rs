@@ -337,7 +337,7 @@ impl VmOp {
         self.mark_running(id, reason)?;
         self.end_root_disk_import()?;
         if let Some(previous) = pending_from {
-            if let Err(e) = mgr.retire_data_disks(&previous, &vm.spec) {
+            if let Err(e) = self.retire_data_disks(&previous, &vm.spec) {
                 tracing::error!(vm = name, error = %e.message, "a dropped data disk stays in place");
             }
         }
