@@ -101,7 +101,9 @@ impl Manager {
     /// The live QEMU of VM `name`, if any: the recorded identity while it still runs. Only for a
     /// VM that recovery has not settled (a QEMU may have started just before a crash, before its
     /// identity was recorded) is /proc searched for its marker: after a settled recovery, every
-    /// QEMU of a VM is recorded, so the search would only cost a /proc scan per call.
+    /// QEMU of a VM is recorded, so the search would only cost a /proc scan per call. Runs
+    /// without an operation too: `vm.apply` of an unchanged spec looks before it starts or
+    /// stops the VM as an operation of its own ([`VmOp::find_live`] is the operation's).
     ///
     /// # Errors
     /// 4001 when /proc cannot be read (e.g. out of file descriptors): whether QEMU runs is then
@@ -115,7 +117,8 @@ impl Manager {
         self.processes.find(&self.paths(name), recorded, search)
     }
 
-    /// Marks a VM running after a successful launch and starts watching its process.
+    /// Marks a VM running after a successful launch and starts watching its process. Runs
+    /// without an operation too: recovery re-adopts a VM whose QEMU kept running with it.
     pub(super) fn mark_running(
         self: &Arc<Self>,
         name: &str,
