@@ -7,16 +7,16 @@
 //! create merely took back. The lifecycle calls, in this order:
 //!
 //! 0. before any of them: [`Manager::admit_disk_space`] (3002 when the new disks do not fit);
-//! 1. a create: [`Manager::clear_orphan_disks`] (files no record names), then
-//!    [`Manager::ensure_data_disks`] with tracking (each disk taken back from `kept-disks` is
+//! 1. a create: [`VmOp::clear_orphan_disks`] (files no record names), then
+//!    [`VmOp::make_data_disks`] with tracking (each disk taken back from `kept-disks` is
 //!    named in the record's disk work ([`crate::state::DiskWork`]) before the file is touched);
-//!    [`Manager::end_disk_tracking`] when the create ends, or [`Manager::undo_data_disks`]
+//!    [`VmOp::end_disk_tracking`] when the create ends, or [`Manager::undo_data_disks`]
 //!    when it is undone (new ones deleted, taken-back ones returned);
-//! 2. a start: [`Manager::ensure_data_disks`] without tracking (a disk added while stopped);
+//! 2. a start: [`VmOp::make_data_disks`] without tracking (a disk added while stopped);
 //!    before either, names an earlier operation left tracked become the VM's disks
 //!    ([`VmOp::make_data_disks`]: a QEMU may have had them);
-//! 3. a change of a stopped VM: [`Manager::grow_data_disks`], then, once the VM runs its new
-//!    spec, [`Manager::retire_data_disks`] for the disks the spec dropped;
+//! 3. a change of a stopped VM: [`VmOp::grow_data_disks`], then, once the VM runs its new
+//!    spec, [`VmOp::retire_data_disks`] for the disks the spec dropped;
 //! 4. a destroy: [`Manager::dispose_data_disks`], whose kept paths the reply names;
 //! 5. the host: [`Manager::kept_disks`] (`host.info`), [`Manager::purge_kept_disks`].
 //!
@@ -97,76 +97,15 @@ impl Manager {
         Ok(crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)?)
     }
 
-    /// Makes every data disk `spec` lists that has no file yet: one kept by the destroy of a VM
-    /// of this name (same disk name and format) is taken back and grown to the spec's size if
-    /// smaller, else a new one is made (under a temporary name, then renamed). With `track`
-    /// (a create), each is named in the record's disk work ([`crate::state::DiskWork`]) before
-    /// its file is touched.
-    ///
-    /// # Errors
-    /// 4001 step `data_disk` when a disk cannot be made, moved or grown (what was made before
-    /// stays; the caller decides whether to undo it).
-    pub(super) async fn ensure_data_disks(&self, spec: &VmSpec, track: bool) -> Result<(), ApiError> {
-        for disk in &spec.disks {
-            self.ensure_data_disk(&spec.name, disk, track).await?;
-        }
-        Ok(())
-    }
-
-    /// [`Manager::ensure_data_disks`] for one disk of VM `name` (a hot-plug makes its disk
-    /// alone).
-    ///
-    /// # Errors
-    /// As [`Manager::ensure_data_disks`].
-    pub(super) async fn ensure_data_disk(&self, name: &str, disk: &DataDiskSpec, track: bool) -> Result<(), ApiError> {
-        let paths = self.paths(name);
-        private_dir(&paths.disk_dir)?;
-        let file = paths.data_disk(disk);
-        if file.exists() {
-            return Ok(());
-        }
-        let kept = paths.kept_disk(disk);
-        if kept.exists() {
-            if track {
-                self.record_intent(name, "taking back a kept disk", |r| r.track_reclaimed_disk(&disk.name))?;
-            }
-            move_disk(&kept, &file)?;
-            tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
-            // The last one taken back leaves no empty `kept-disks/NAME/` (an undo makes it
-            // again); others kept there keep it.
-            if let Err(e) = crate::blocking::run(|| std::fs::remove_dir(&paths.kept_dir)) {
-                if e.raw_os_error() != Some(libc::ENOTEMPTY) {
-                    tracing::warn!(dir = %paths.kept_dir.display(), error = %e, "left an empty kept-disks directory");
-                }
-            }
-            self.crashpoint("data_disk:reclaimed");
-            crate::disk::data::grow(&self.disk_tool(), &file, disk)
-                .await
-                .map_err(|source| DataDiskError::GrowTakenBack { disk: disk.name.clone(), source })?;
-            return Ok(());
-        }
-        if track {
-            self.record_intent(name, "making a data disk", |r| r.track_new_disk(&disk.name))?;
-        }
-        let partial = paths.partial_data_disk(disk);
-        remove_file(&partial)?;
-        crate::disk::data::create(&self.disk_tool(), &partial, disk)
-            .await
-            .map_err(|source| DataDiskError::Create { disk: disk.name.clone(), source })?;
-        crate::blocking::run(|| std::fs::rename(&partial, &file)).map_err(|source| {
-            let _ = remove_file(&partial);
-            DataDiskError::Place { disk: disk.name.clone(), source }
-        })?;
-        self.crashpoint("data_disk:made");
-        Ok(())
-    }
-
     /// Records what the operation in progress on VM `name` is about to do to the host
     /// (`start`: a [`crate::state::Intent`] begun or extended), before it does it.
     ///
     /// # Errors
     /// The record cannot be written; 5000 when the record holds an intent this one cannot join
     /// (an unfinished revert: callers refuse such a VM first).
+    ///
+    /// A `Manager` method because the root disk's import ([`super::root_disk`]), not an
+    /// operation's method yet, records its intent with it too.
     pub(super) fn record_intent(
         &self,
         name: &str,
@@ -179,7 +118,8 @@ impl Manager {
     }
 
     /// The create that tracked its disks has ended (made or undone): nothing is to be undone
-    /// any more.
+    /// any more. Runs without an operation too: [`Manager::undo_data_disks_except`] ends with
+    /// it, and recovery runs that.
     ///
     /// # Errors
     /// The record cannot be written.
@@ -196,12 +136,16 @@ impl Manager {
     /// Undoes the data disk steps of a create: deletes the disks it made and returns those it
     /// took back to `kept-disks`, as the record names them; disks it found in place (a
     /// replace keeps them) are not touched. Failures are logged: an undo goes as far as it can.
+    /// Runs without an operation too: recovery undoes an interrupted create's disks with it
+    /// ([`super::recover`]), and an operation's unwind ([`VmOp::fail`]) calls the same body.
     pub(super) fn undo_data_disks(&self, name: &str) {
         self.undo_data_disks_except(name, &std::collections::BTreeSet::new());
     }
 
     /// [`Manager::undo_data_disks`], except for the disks named in `attached` (a running QEMU
-    /// has them: they are the VM's now).
+    /// has them: they are the VM's now). Runs without an operation too: recovery's
+    /// [`Manager::settle_hotplug`]; a refused hot-plug ([`VmOp::change_disks_live`]) calls it
+    /// from its operation.
     pub(super) fn undo_data_disks_except(&self, name: &str, attached: &std::collections::BTreeSet<String>) {
         let Ok(rec) = self.record(name) else { return };
         let paths = self.paths(name);
@@ -229,40 +173,9 @@ impl Manager {
         }
     }
 
-    /// Grows every data disk of a VM whose QEMU is not running to its size in `spec`.
-    ///
-    /// # Errors
-    /// 4001 step `data_disk` naming the disk.
-    pub(super) async fn grow_data_disks(&self, spec: &VmSpec) -> Result<(), ApiError> {
-        let paths = self.paths(&spec.name);
-        for disk in &spec.disks {
-            let file = paths.data_disk(disk);
-            if !file.exists() {
-                continue; // made at the next start
-            }
-            crate::disk::data::grow(&self.disk_tool(), &file, disk).await.map_err(|source| DataDiskError::Grow {
-                disk: disk.name.clone(),
-                size_gib: disk.size_gib,
-                source,
-            })?;
-        }
-        Ok(())
-    }
-
-    /// Deals with the disks `old` lists and `new` does not (the VM runs `new` or is stopped):
-    /// kept in `kept-disks` when `old` said `keep_on_destroy`, else deleted. Returns the kept
-    /// paths.
-    ///
-    /// # Errors
-    /// 4001 step `data_disk` when one cannot be moved or deleted.
-    pub(super) fn retire_data_disks(&self, old: &VmSpec, new: &VmSpec) -> Result<Vec<PathBuf>, ApiError> {
-        let dropped: Vec<&DataDiskSpec> =
-            old.disks.iter().filter(|d| !new.disks.iter().any(|n| n.name == d.name && n.format == d.format)).collect();
-        self.let_go(&new.name, &dropped)
-    }
-
     /// A destroy's share: every data disk of `spec` kept or deleted, leftovers of interrupted
-    /// steps deleted, the directory removed when empty. Returns the kept paths.
+    /// steps deleted, the directory removed when empty. Returns the kept paths. Runs without
+    /// an operation too: recovery finishes an interrupted destroy with it.
     ///
     /// # Errors
     /// 4001 step `data_disk` when a disk cannot be moved or deleted.
@@ -279,7 +192,8 @@ impl Manager {
         Ok(kept)
     }
 
-    /// Keeps (moves) or deletes each of `disks` of VM `name`; returns the kept paths.
+    /// Keeps (moves) or deletes each of `disks` of VM `name`; returns the kept paths. Runs
+    /// without an operation too: recovery finishes a destroy and settles a hot-plug with it.
     pub(super) fn let_go(&self, name: &str, disks: &[&DataDiskSpec]) -> Result<Vec<PathBuf>, ApiError> {
         let paths = self.paths(name);
         let mut kept = Vec::new();
@@ -392,12 +306,13 @@ impl VmOp {
         Ok(())
     }
 
-    /// The data disk step ([`Manager::ensure_data_disks`]). With `track` (a create) each disk
-    /// is recorded before it is touched, and what the step made or took back is undone on
-    /// failure.
+    /// The data disk step: makes every data disk `spec` lists that has no file yet
+    /// ([`VmOp::ensure_data_disk`]). With `track` (a create) each disk is recorded before it is
+    /// touched, and what the step made or took back is undone on failure.
     ///
     /// # Errors
-    /// As [`Manager::ensure_data_disks`].
+    /// 4001 step `data_disk` when a disk cannot be made, moved or grown; the record cannot be
+    /// written.
     pub(super) async fn make_data_disks(&mut self, spec: &VmSpec, track: bool) -> Result<(), ApiError> {
         // Disks still named from an earlier operation (a hot-plug whose answer was lost, then
         // its QEMU ended; a record written before recovery ended the tracking of a hot-plug
@@ -409,10 +324,98 @@ impl VmOp {
             // Its undo reads the record, which names each disk before it is touched.
             self.push(Step::DataDisks);
         }
-        self.mgr().ensure_data_disks(spec, track).await
+        for disk in &spec.disks {
+            self.ensure_data_disk(disk, track).await?;
+        }
+        Ok(())
     }
 
-    /// The create that tracked its disks has ended ([`Manager::end_disk_tracking`]).
+    /// Makes data disk `disk` unless it has a file: one kept by the destroy of a VM of this
+    /// name (same disk name and format) is taken back and grown to the spec's size if smaller,
+    /// else a new one is made (under a temporary name, then renamed). With `track` (a create, a
+    /// hot-plug) it is named in the record's disk work ([`crate::state::DiskWork`]) before its
+    /// file is touched.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when the disk cannot be made, moved or grown (what was made before
+    /// stays; the operation decides whether to undo it).
+    pub(super) async fn ensure_data_disk(&self, disk: &DataDiskSpec, track: bool) -> Result<(), ApiError> {
+        let (mgr, name, paths) = (self.mgr(), self.name(), self.paths());
+        private_dir(&paths.disk_dir)?;
+        let file = paths.data_disk(disk);
+        if file.exists() {
+            return Ok(());
+        }
+        let kept = paths.kept_disk(disk);
+        if kept.exists() {
+            if track {
+                mgr.record_intent(name, "taking back a kept disk", |r| r.track_reclaimed_disk(&disk.name))?;
+            }
+            move_disk(&kept, &file)?;
+            tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
+            // The last one taken back leaves no empty `kept-disks/NAME/` (an undo makes it
+            // again); others kept there keep it.
+            if let Err(e) = crate::blocking::run(|| std::fs::remove_dir(&paths.kept_dir)) {
+                if e.raw_os_error() != Some(libc::ENOTEMPTY) {
+                    tracing::warn!(dir = %paths.kept_dir.display(), error = %e, "left an empty kept-disks directory");
+                }
+            }
+            self.crashpoint("data_disk:reclaimed");
+            crate::disk::data::grow(&mgr.disk_tool(), &file, disk)
+                .await
+                .map_err(|source| DataDiskError::GrowTakenBack { disk: disk.name.clone(), source })?;
+            return Ok(());
+        }
+        if track {
+            mgr.record_intent(name, "making a data disk", |r| r.track_new_disk(&disk.name))?;
+        }
+        let partial = paths.partial_data_disk(disk);
+        remove_file(&partial)?;
+        crate::disk::data::create(&mgr.disk_tool(), &partial, disk)
+            .await
+            .map_err(|source| DataDiskError::Create { disk: disk.name.clone(), source })?;
+        crate::blocking::run(|| std::fs::rename(&partial, &file)).map_err(|source| {
+            let _ = remove_file(&partial);
+            DataDiskError::Place { disk: disk.name.clone(), source }
+        })?;
+        self.crashpoint("data_disk:made");
+        Ok(())
+    }
+
+    /// Grows every data disk of a VM whose QEMU is not running to its size in `spec`.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` naming the disk.
+    pub(super) async fn grow_data_disks(&self, spec: &VmSpec) -> Result<(), ApiError> {
+        let (mgr, paths) = (self.mgr(), self.paths());
+        for disk in &spec.disks {
+            let file = paths.data_disk(disk);
+            if !file.exists() {
+                continue; // made at the next start
+            }
+            crate::disk::data::grow(&mgr.disk_tool(), &file, disk).await.map_err(|source| DataDiskError::Grow {
+                disk: disk.name.clone(),
+                size_gib: disk.size_gib,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Deals with the disks `old` lists and `new` does not (the VM runs `new` or is stopped):
+    /// kept in `kept-disks` when `old` said `keep_on_destroy`, else deleted. Returns the kept
+    /// paths.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when one cannot be moved or deleted.
+    pub(super) fn retire_data_disks(&self, old: &VmSpec, new: &VmSpec) -> Result<Vec<PathBuf>, ApiError> {
+        let dropped: Vec<&DataDiskSpec> =
+            old.disks.iter().filter(|d| !new.disks.iter().any(|n| n.name == d.name && n.format == d.format)).collect();
+        self.mgr().let_go(self.name(), &dropped)
+    }
+
+    /// The create that tracked its disks has ended: the operation's step, whose body
+    /// ([`Manager::end_disk_tracking`]) the undo of the data disks shares without an operation.
     ///
     /// # Errors
     /// The record cannot be written.

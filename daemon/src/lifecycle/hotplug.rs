@@ -1,6 +1,6 @@
 //! Changing a running VM's data disks without a restart: grow, unplug, hot-plug.
 //!
-//! [`Manager::change_disks_live`] is the running-VM branch of a reconfigure whose disk change
+//! [`VmOp::change_disks_live`] is the running-VM branch of a reconfigure whose disk change
 //! [`crate::plan::live_disk_changes`] can reach live. The record's `running_spec` says what the
 //! live QEMU has; it is written before the first step (the change is pending) and after every
 //! disk that changed in QEMU, so a crash at any point leaves a record that is right or one step
@@ -18,6 +18,7 @@
 //! is returned) and stops there: what was done before it stays done and recorded, and the rest
 //! of the change stays pending (`pending_restart`) until the next start or apply.
 
+use super::op::VmOp;
 use super::Manager;
 use crate::api::{ApiError, Code, DataDiskSpec, VmSpec};
 use crate::qemu::hotplug::{self, DiskFds, HotplugError};
@@ -62,8 +63,8 @@ pub(super) struct LiveFailure {
     pub touched: bool,
 }
 
-impl Manager {
-    /// Whether the running QEMU of VM `name` can take `running`'s data disks to `desired`'s
+impl VmOp {
+    /// Whether the VM's running QEMU can take `running`'s data disks to `desired`'s
     /// live: the change is one [`crate::plan::live_disk_changes`] allows, there are enough free
     /// root ports for the new disks, and each dropped disk sits behind a root port (a VM
     /// started before disks had ports has them where they cannot be unplugged). No disk change
@@ -71,46 +72,42 @@ impl Manager {
     ///
     /// # Errors
     /// 4001 when QEMU cannot be asked.
-    pub(super) async fn disks_live_capable(
-        &self,
-        name: &str,
-        running: &VmSpec,
-        desired: &VmSpec,
-    ) -> Result<bool, ApiError> {
+    pub(super) async fn disks_live_capable(&self, running: &VmSpec, desired: &VmSpec) -> Result<bool, ApiError> {
+        let mgr = self.mgr();
         let Some(changes) = crate::plan::live_disk_changes(running, desired) else { return Ok(false) };
         if changes.add.is_empty() && changes.remove.is_empty() {
             return Ok(true);
         }
-        let mut q = self.qmp(name, QMP_TIMEOUT).await.map_err(|e| failed("*", "change", e))?;
+        let mut q = mgr.qmp(self.name(), QMP_TIMEOUT).await.map_err(|e| failed("*", "change", e))?;
         let remove: Vec<&str> = changes.remove.iter().map(|d| d.name.as_str()).collect();
-        let pcie = hotplug::is_pcie(&self.config.qemu.machine);
+        let pcie = hotplug::is_pcie(&mgr.config.qemu.machine);
         hotplug::can_change(&mut q, pcie, changes.add.len(), &remove).await.map_err(|e| failed("*", "change", e))
     }
 
-    /// Takes the running QEMU of VM `name` from `running`'s data disks to `desired`'s (see the
+    /// Takes the VM's running QEMU from `running`'s data disks to `desired`'s (see the
     /// module doc). `release`: how long a guest may take to let go of an unplugged disk (at
-    /// least [`MIN_RELEASE`]). The caller checked [`Manager::disks_live_capable`].
+    /// least [`MIN_RELEASE`]). The caller checked [`VmOp::disks_live_capable`].
     ///
     /// # Errors
     /// 4001 step `data_disk` naming the disk whose step failed; the record then says what QEMU
     /// has.
     pub(super) async fn change_disks_live(
         &self,
-        name: &str,
         running: &VmSpec,
         desired: &VmSpec,
         release: Duration,
     ) -> Result<(), LiveFailure> {
+        let (mgr, name) = (self.mgr(), self.name());
         let untouched = |error: ApiError| LiveFailure { error, touched: false };
         let Some(changes) = crate::plan::live_disk_changes(running, desired) else { return Ok(()) };
         if changes.is_empty() {
             return Ok(());
         }
-        let paths = self.paths(name);
+        let paths = self.paths();
         let first =
             changes.grow.first().map(|d| d.0).or(changes.remove.first().copied()).or(changes.add.first().copied());
         let first = first.map(|d| d.name.as_str()).unwrap_or_default();
-        let mut q = self.qmp(name, QMP_TIMEOUT).await.map_err(|e| untouched(failed(first, "change", e)))?;
+        let mut q = mgr.qmp(name, QMP_TIMEOUT).await.map_err(|e| untouched(failed(first, "change", e)))?;
         q.set_timeout(QMP_TIMEOUT);
         let mut touched = false;
         let fail = |touched: bool| move |error: ApiError| LiveFailure { error, touched };
@@ -121,7 +118,7 @@ impl Manager {
             let args = json!({ "device": drive, "node-name": drive, "size": disk.size_gib.saturating_mul(1 << 30) });
             q.execute("block_resize", Some(args)).await.map_err(|e| fail(touched)(failed(&disk.name, "grow", e)))?;
             touched = true;
-            self.record_running_disks(name, |disks| {
+            self.record_running_disks(|disks| {
                 if let Some(d) = disks.iter_mut().find(|d| d.name == disk.name) {
                     d.size_gib = disk.size_gib;
                 }
@@ -145,20 +142,20 @@ impl Manager {
             self.crashpoint("hotplug:detached");
             // The file first: a crash before the record is written leaves a record that says
             // QEMU has the disk, which a restart corrects and then finds no file to retire.
-            self.let_go(name, &[*disk]).map_err(fail(true))?;
-            self.record_running_disks(name, |disks| disks.retain(|d| d.name != disk.name)).map_err(fail(true))?;
+            mgr.let_go(name, &[*disk]).map_err(fail(true))?;
+            self.record_running_disks(|disks| disks.retain(|d| d.name != disk.name)).map_err(fail(true))?;
         }
 
-        let pcie = hotplug::is_pcie(&self.config.qemu.machine);
+        let pcie = hotplug::is_pcie(&mgr.config.qemu.machine);
         for disk in &changes.add {
-            match self.plug(&mut q, name, disk, pcie).await {
+            match self.plug(&mut q, disk, pcie).await {
                 Ok(()) => {}
                 Err((error, HotplugOutcome::Refused)) => {
                     // Only what QEMU does not have is undone: a disk still tracked from an
                     // earlier attach whose answer was lost may be in the guest's hands. When
                     // QEMU cannot say, nothing is deleted.
                     match hotplug::attached(&mut q).await {
-                        Ok(devices) => self.undo_data_disks_except(name, &devices),
+                        Ok(devices) => mgr.undo_data_disks_except(name, &devices),
                         Err(e) => {
                             tracing::error!(vm = name, error = %e, "a refused hot-plug's disk stays: QEMU cannot say what it has")
                         }
@@ -172,32 +169,26 @@ impl Manager {
             touched = true;
             self.crashpoint("hotplug:attached");
             let order: Vec<&str> = desired.disks.iter().map(|d| d.name.as_str()).collect();
-            self.record_running_disks(name, |disks| {
+            self.record_running_disks(|disks| {
                 disks.push((*disk).clone());
                 disks.sort_by_key(|d| order.iter().position(|n| *n == d.name));
             })
             .map_err(fail(true))?;
-            self.end_disk_tracking(name).map_err(fail(true))?;
+            self.end_disk_tracking().map_err(fail(true))?;
         }
         Ok(())
     }
 
-    /// Makes (or takes back) `disk` for VM `name`, tracked, and attaches it to QEMU, unless
-    /// QEMU has it already (an attach whose answer was lost).
-    async fn plug(
-        &self,
-        q: &mut Qmp,
-        name: &str,
-        disk: &DataDiskSpec,
-        pcie: bool,
-    ) -> Result<(), (ApiError, HotplugOutcome)> {
+    /// Makes (or takes back) `disk`, tracked, and attaches it to QEMU, unless QEMU has it
+    /// already (an attach whose answer was lost).
+    async fn plug(&self, q: &mut Qmp, disk: &DataDiskSpec, pcie: bool) -> Result<(), (ApiError, HotplugOutcome)> {
         let refused = |e: ApiError| (e, HotplugOutcome::Refused);
         let present = hotplug::attached(q).await.map_err(|e| refused(failed(&disk.name, "hot-plug", e)))?;
         if present.contains(&disk.name) {
             return Ok(());
         }
-        self.ensure_data_disk(name, disk, true).await.map_err(refused)?;
-        let file = self.paths(name).data_disk(disk);
+        self.ensure_data_disk(disk, true).await.map_err(refused)?;
+        let file = self.paths().data_disk(disk);
         let open = |write: bool| {
             crate::blocking::run(|| {
                 std::fs::OpenOptions::new()
@@ -217,22 +208,25 @@ impl Manager {
         })
     }
 
-    /// Changes the data disks recorded as what VM `name`'s QEMU has (`running_spec`, or the
-    /// spec when nothing is pending) with `change`; clears `running_spec` once nothing is
-    /// pending any more.
-    fn record_running_disks(&self, name: &str, change: impl FnOnce(&mut Vec<DataDiskSpec>)) -> Result<(), ApiError> {
-        self.update(name, "data disks changed while running", |r| {
+    /// Changes the data disks recorded as what the VM's QEMU has (`running_spec`, or the spec
+    /// when nothing is pending) with `change`; clears `running_spec` once nothing is pending
+    /// any more.
+    fn record_running_disks(&self, change: impl FnOnce(&mut Vec<DataDiskSpec>)) -> Result<(), ApiError> {
+        self.update("data disks changed while running", |r| {
             let mut running = r.running_spec.clone().unwrap_or_else(|| r.spec.clone());
             change(&mut running.disks);
             r.running_spec = still_pending(&running, &r.spec).then_some(running);
         })
         .map(drop)
     }
+}
 
+impl Manager {
     /// After a daemon restart, for a re-adopted VM: takes what QEMU behind `q` really has as
     /// what the record says it runs. Removes block nodes and fd sets no device uses (a crash
     /// mid-attach), undoes tracked disks that never got a device, and deletes or keeps the
-    /// file of a disk QEMU let go of that no spec lists any more (a crash mid-unplug).
+    /// file of a disk QEMU let go of that no spec lists any more (a crash mid-unplug). Runs
+    /// without an operation: recovery's ([`super::recover`]), before any operation can begin.
     ///
     /// # Errors
     /// 4001 when QEMU cannot be asked, or a file or the record cannot be changed.

@@ -1,20 +1,23 @@
 //! The steps that bring one VM's QEMU up and take it down, each with its undo.
 //!
-//! Order on the way up: boot files checked, overlay ([`Manager::ensure_overlay`]), data disks
-//! ([`super::data_disks`]), run dir, a UEFI VM's variables store ([`Manager::ensure_uefi_vars`]),
-//! QEMU launched and its identity recorded at once, QMP verified ([`Manager::launch_qemu`]; the
-//! process itself is [`super::processes`]'s). Teardown (`Processes::kill`, then
-//! [`super::teardown`]) is what rollback, stop and destroy share.
+//! Order on the way up: boot files checked ([`Manager::check_launch_files`], before the
+//! operation takes the VM's flag), overlay ([`VmOp::make_overlay`]), data disks
+//! ([`super::data_disks`]), then [`VmOp::launch`]: run dir, devices bound ([`super::vfio`]),
+//! seed, a UEFI VM's variables store ([`VmOp::ensure_uefi_vars`]), taps, QEMU launched and its
+//! identity recorded at once, QMP verified (the process itself is [`super::processes`]'s).
+//! Each of these steps is a method of the operation ([`VmOp`]) and pushes its own undo.
+//! Teardown (`Processes::kill`, then [`super::teardown`]) is what rollback, stop and destroy
+//! share.
 
 use super::op::VmOp;
 use super::processes::Search;
 use super::teardown::partial_overlay;
-use super::undo::{Step, Undo};
+use super::undo::Step;
 use super::{provisioning, Manager};
 use crate::api::{ApiError, Firmware, VmStatus};
 use crate::disk::OverlayError;
 use crate::process::ProcessIdentity;
-use crate::qemu::argv::{build_argv, passed_fds, PassedFd, VmPaths};
+use crate::qemu::argv::{build_argv, passed_fds, PassedFd};
 use crate::qemu::launch::LaunchRequest;
 use crate::seed::SeedError;
 use crate::validate::{BootSource, ValidSpec};
@@ -23,7 +26,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What [`Manager::open_passed_fds`] opened.
+/// What [`VmOp::open_passed_fds`] opened.
 struct PassedFds {
     /// In [`passed_fds`] order.
     fds: Vec<std::os::fd::OwnedFd>,
@@ -54,6 +57,9 @@ impl Manager {
     /// one `qemu.sha256` pins (QEMU also works the VM's image files), the files the spec
     /// names exist and, for a kernel and initrd, vmhostd can open them, and for a UEFI VM
     /// vmhostd can open the `[firmware]` files. Nothing is read yet: the launch copies them.
+    /// Runs without an operation too: a create, a replace and a reconfigure check before they
+    /// take the VM's flag (a refusal then leaves nothing to undo), and reconcile's plan checks
+    /// with no operation at all.
     ///
     /// # Errors
     /// 4002 on `qemu.sha256` for another binary; 2001 naming the field of a missing or
@@ -92,78 +98,12 @@ impl Manager {
         Ok(())
     }
 
-    /// Makes the overlay of an image-booted VM unless it exists. Returns true when it made one.
-    /// The record names the overlay before QEMU writes it, into a temp file that is renamed into
-    /// place, so a crash leaves neither an orphan nor a half-made overlay.
-    pub(super) async fn ensure_overlay(&self, vm: &ValidSpec) -> Result<bool, ApiError> {
-        let BootSource::Image { image, disk_gib } = &vm.boot else { return Ok(false) };
-        let paths = self.paths(&vm.spec.name);
-        if crate::blocking::run(|| paths.overlay.exists()) {
-            return Ok(false);
-        }
-        let overlay = paths.overlay.clone();
-        self.update(&vm.spec.name, "overlay", |r| r.overlay = Some(overlay))?;
-        let base = self.config.paths.images.join(image);
-        let partial = partial_overlay(&paths);
-        let _ = crate::disk::remove_overlay(&partial);
-        crate::disk::create_overlay(&self.disk_tool(), &base, &partial, *disk_gib)
-            .await
-            .map_err(OverlayError::Create)?;
-        crate::blocking::run(|| std::fs::rename(&partial, &paths.overlay)).map_err(|e| {
-            let _ = crate::disk::remove_overlay(&partial);
-            OverlayError::Place(e)
-        })?;
-        Ok(true)
-    }
-
-    /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars`, unless it has
-    /// one: the store is the guest's (boot entries, settings) and outlives restarts, until the
-    /// destroy ([`Manager::remove_run_files`]). A BIOS VM keeps a store it had (going back to
-    /// UEFI finds its settings). Nothing is recorded: the path follows from the name, and every
-    /// path that forgets a record removes it first.
-    ///
-    /// # Errors
-    /// 4001 step `firmware` when the directory or the copy cannot be made (nothing is left).
-    pub(super) fn ensure_uefi_vars(&self, vm: &ValidSpec) -> Result<(), ApiError> {
-        if vm.spec.boot.firmware != Firmware::Uefi {
-            return Ok(());
-        }
-        let paths = self.paths(&vm.spec.name);
-        let vars = paths.uefi_vars();
-        crate::blocking::run(|| {
-            if vars.exists() {
-                return Ok(());
-            }
-            crate::state::dirs::private_dir(&paths.disk_dir)?;
-            crate::qemu::firmware::copy_vars(&self.config.firmware.uefi_vars, &vars, &paths.partial_uefi_vars())
-        })
-        .map_err(|e| {
-            provisioning(
-                "firmware",
-                format!(
-                    "cannot copy the UEFI variables store {} to {}: {e}",
-                    self.config.firmware.uefi_vars.display(),
-                    vars.display()
-                ),
-            )
-        })?;
-        Ok(())
-    }
-
-    /// Removes the VM's overlay (and seed) as part of a rollback ([`Step::Overlay`]).
-    pub(super) fn undo_overlay(&self, name: &str) {
-        let _ = crate::blocking::run(|| std::fs::remove_file(self.paths(name).seed));
-        let overlay = self.paths(name).overlay;
-        if let Err(e) = crate::disk::remove_overlay(&overlay) {
-            tracing::error!(vm = name, error = %e, "rollback: cannot remove the overlay");
-        }
-        let _ = self.update(name, "rollback", |r| r.overlay = None);
-    }
-
     /// The live QEMU of VM `name`, if any: the recorded identity while it still runs. Only for a
     /// VM that recovery has not settled (a QEMU may have started just before a crash, before its
     /// identity was recorded) is /proc searched for its marker: after a settled recovery, every
-    /// QEMU of a VM is recorded, so the search would only cost a /proc scan per call.
+    /// QEMU of a VM is recorded, so the search would only cost a /proc scan per call. Runs
+    /// without an operation too: `vm.apply` of an unchanged spec looks before it starts or
+    /// stops the VM as an operation of its own ([`VmOp::find_live`] is the operation's).
     ///
     /// # Errors
     /// 4001 when /proc cannot be read (e.g. out of file descriptors): whether QEMU runs is then
@@ -177,224 +117,8 @@ impl Manager {
         self.processes.find(&self.paths(name), recorded, search)
     }
 
-    /// Launches QEMU for `vm`, records its identity, and checks over QMP that it runs.
-    /// Leaves no process behind on error. The caller sets the final status.
-    /// `during` is the status recorded while QEMU starts: `creating` for a create (so a crash
-    /// in this step is undone as a create), `starting` otherwise.
-    pub(super) async fn launch_qemu(
-        self: &Arc<Self>,
-        vm: &ValidSpec,
-        during: VmStatus,
-        undo: &mut Undo,
-    ) -> Result<ProcessIdentity, ApiError> {
-        let name = vm.spec.name.clone();
-        let paths = self.paths(&name);
-        if let Some(id) = self.processes.find(&paths, None, Search::Proc)? {
-            // Never start a VM twice: a QEMU of this VM is already up (e.g. launched just before a
-            // daemon crash); adopt it.
-            tracing::warn!(vm = %name, pid = id.pid, "found a live QEMU for this VM; adopting it");
-            self.update(&name, "adopted", |r| {
-                r.process = Some(id.clone());
-                r.qemu_started();
-            })?;
-            return Ok(id);
-        }
-        self.clean_run_dir(&paths);
-        crate::blocking::run(|| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&paths.run_dir))
-            .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
-        undo.push(Step::HostSide);
-        self.update_status(&name, "launching QEMU", during, |r| {
-            r.last_error = None;
-            // The new QEMU runs the recorded spec: nothing is pending any more.
-            r.running_spec = None;
-        })?;
-        self.crashpoint("launch:recorded");
-        // A failed bind restores what it changed itself.
-        self.bind_passthrough(&vm.spec).await?;
-        undo.push(Step::Devices);
-        self.crashpoint("launch:bound");
-        self.start_process(vm, &paths, undo).await
-    }
-
-    /// Seed, taps, QEMU, QMP check: the steps after the devices are bound.
-    async fn start_process(
-        self: &Arc<Self>,
-        vm: &ValidSpec,
-        paths: &VmPaths,
-        undo: &mut Undo,
-    ) -> Result<ProcessIdentity, ApiError> {
-        let name = vm.spec.name.clone();
-        let paths = paths.clone();
-        let rec = self.record(&name)?;
-        let allocs = rec.nics;
-        self.hand_vfio_groups_to_qemu(&name).await?;
-        if crate::seed::has_seed(vm) {
-            // Every record has one (made at create and replace, adopted at start for older
-            // records); its absence is a daemon fault, never a reason to make a new instance.
-            let instance_id = rec.instance_id.ok_or_else(|| SeedError::NoInstanceId { vm: name.clone() })?;
-            let files = crate::seed::render(&vm.spec, &allocs, &instance_id);
-            // Built and fsynced off the runtime worker: 20 launches at once must not stall it.
-            crate::blocking::run(|| crate::seed::write_seed(&paths.seed, &files))?;
-        } else {
-            // A kernel VM whose user_data was dropped: its old seed (and the text in it) goes.
-            let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
-        }
-        self.ensure_uefi_vars(vm)?;
-        // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
-        // failure below removes the taps: they are not persistent.
-        let fds = self.net.attach_nics(&self.config, &name, &vm.spec.nics, &allocs).await?;
-        self.crashpoint("launch:taps");
-        let opened = self.open_passed_fds(vm, &paths, fds).await?;
-        let request = LaunchRequest {
-            binary: self.config.qemu.binary.clone(),
-            argv: build_argv(vm, &self.config, &paths, &allocs, &opened.base_format),
-            qmp: paths.qmp.clone(),
-            log: paths.qemu_log.clone(),
-            timeout: Duration::from_secs(self.config.qemu.launch_timeout_s),
-            fds: opened.fds,
-            memlock: self.memlock_for(&vm.spec),
-            user: self.config.qemu_user,
-            kvm: self.config.qemu.accel == crate::config::Accel::Kvm,
-        };
-        let launched = self.processes.spawn(&request).await;
-        // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client
-        // of a dead QEMU's sockets is refused rather than queued.
-        drop(request);
-        let crate::qemu::launch::Launched { identity: id, qmp } = launched?;
-        // Killed on failure from here on, also when its identity cannot be recorded.
-        undo.push(Step::Process(id.clone()));
-        self.crashpoint("launch:spawned");
-        // From here its disks are not known to be clean until it powers off cleanly.
-        self.update(&name, "launched", |r| {
-            r.process = Some(id.clone());
-            r.qemu_started();
-        })?;
-        self.crashpoint("launch:launched");
-        self.processes.verify_running(qmp).await?;
-        Ok(id)
-    }
-
-    /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP, agent and
-    /// serial console sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
-    /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
-    /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
-    /// initrd (copied here when this file version has no copy yet) and, with `user_data`, the
-    /// seed, for a `boot.disk` VM its
-    /// root disk (read-write and read-only), the data disks (read-write and read-only), and for
-    /// a UEFI VM the firmware code (read-only) and its variables store (read-write and
-    /// read-only).
-    /// Also returns the base image's format (a `boot.disk` VM: its root disk's).
-    ///
-    /// # Errors
-    /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound; 2001 naming
-    /// the field when the kernel or initrd can no longer be read.
-    async fn open_passed_fds(
-        &self,
-        vm: &ValidSpec,
-        paths: &VmPaths,
-        taps: Vec<std::os::fd::OwnedFd>,
-    ) -> Result<PassedFds, ApiError> {
-        use std::fs::OpenOptions;
-        use std::os::fd::OwnedFd;
-        use std::os::unix::fs::OpenOptionsExt;
-        let failed = |what: &std::path::Path, e: std::io::Error| {
-            provisioning("qemu_files", format!("cannot open {} for QEMU: {e}", what.display()))
-        };
-        let listen = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
-            crate::blocking::run(|| {
-                let _ = std::fs::remove_file(path);
-                std::os::unix::net::UnixListener::bind(path)
-            })
-            .map(OwnedFd::from)
-            .map_err(|e| failed(path, e))
-        };
-        let read_only = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
-            crate::blocking::run(|| std::fs::File::open(path)).map(OwnedFd::from).map_err(|e| failed(path, e))
-        };
-        let read_write = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
-            crate::blocking::run(|| OpenOptions::new().read(true).write(true).open(path))
-                .map(OwnedFd::from)
-                .map_err(|e| failed(path, e))
-        };
-        let mut taps = taps.into_iter();
-        let mut fds = Vec::new();
-        let mut base_format = String::new();
-        let base = match &vm.boot {
-            BootSource::Image { image, .. } => Some(self.config.paths.images.join(image)),
-            BootSource::Kernel { .. } | BootSource::Disk { .. } => None,
-        };
-        // A boot.disk VM's root disk, in the format recorded at import (never probed again).
-        let root = match &vm.boot {
-            BootSource::Disk { .. } => {
-                let format =
-                    self.record(&vm.spec.name)?.root_disk.map(|r| r.format).ok_or_else(|| {
-                        provisioning("qemu_files", "the record names no imported root disk".to_string())
-                    })?;
-                base_format = format.as_str().to_string();
-                Some(paths.root_disk(format))
-            }
-            _ => None,
-        };
-        for which in passed_fds(vm, vm.spec.nics.len()) {
-            let fd = match which {
-                PassedFd::Qmp => listen(&paths.qmp)?,
-                PassedFd::Agent => listen(&paths.agent)?,
-                PassedFd::QmpEvents => listen(&paths.qmp_events)?,
-                PassedFd::Console => listen(&paths.console)?,
-                PassedFd::QmpStats => listen(&paths.qmp_stats)?,
-                PassedFd::SerialLog => crate::blocking::run(|| {
-                    OpenOptions::new().append(true).create(true).mode(0o600).open(&paths.serial_log)
-                })
-                .map(OwnedFd::from)
-                .map_err(|e| failed(&paths.serial_log, e))?,
-                PassedFd::Tap(i) => {
-                    taps.next().ok_or_else(|| provisioning("qemu_files", format!("no tap for NIC {i}")))?
-                }
-                PassedFd::OverlayRw => read_write(&paths.overlay)?,
-                PassedFd::OverlayRo => read_only(&paths.overlay)?,
-                PassedFd::Base => {
-                    let Some(base) = &base else { continue };
-                    let info = crate::disk::base_info(&self.disk_tool(), base).await.map_err(OverlayError::Base)?;
-                    base_format = info.format;
-                    read_only(base)?
-                }
-                PassedFd::Seed => read_only(&paths.seed)?,
-                PassedFd::DataDisk(i) => {
-                    let Some(disk) = vm.spec.disks.get(i) else { continue };
-                    read_write(&paths.data_disk(disk))?
-                }
-                PassedFd::DataDiskRo(i) => {
-                    let Some(disk) = vm.spec.disks.get(i) else { continue };
-                    read_only(&paths.data_disk(disk))?
-                }
-                PassedFd::RootDisk => {
-                    let Some(root) = &root else { continue };
-                    read_write(root)?
-                }
-                PassedFd::RootDiskRo => {
-                    let Some(root) = &root else { continue };
-                    read_only(root)?
-                }
-                PassedFd::UefiCode => read_only(&self.config.firmware.uefi_code)?,
-                PassedFd::UefiVars => read_write(&paths.uefi_vars())?,
-                PassedFd::UefiVarsRo => read_only(&paths.uefi_vars())?,
-                PassedFd::Kernel | PassedFd::Initrd => {
-                    let BootSource::Kernel { kernel, initrd, .. } = &vm.boot else { continue };
-                    let (field, path) = match (which, initrd) {
-                        (PassedFd::Initrd, Some(i)) => ("spec.boot.initrd", i),
-                        (PassedFd::Initrd, None) => continue,
-                        _ => ("spec.boot.kernel", kernel),
-                    };
-                    let copied = boot_file(&self.config.paths.boot_dirs(), field, path, true).await?;
-                    copied.ok_or_else(|| provisioning("qemu_files", format!("no copy of {}", path.display())))?
-                }
-            };
-            fds.push(fd);
-        }
-        Ok(PassedFds { fds, base_format })
-    }
-
-    /// Marks a VM running after a successful launch and starts watching its process.
+    /// Marks a VM running after a successful launch and starts watching its process. Runs
+    /// without an operation too: recovery re-adopts a VM whose QEMU kept running with it.
     pub(super) fn mark_running(
         self: &Arc<Self>,
         name: &str,
@@ -431,36 +155,305 @@ impl VmOp {
         Ok(())
     }
 
-    /// The overlay step ([`Manager::ensure_overlay`]): an overlay it made is removed again on
+    /// The overlay step ([`VmOp::ensure_overlay`]): an overlay it made is removed again on
     /// failure when the failure releases the VM (a create, a start that reserved it again).
     /// When it fails, the record stops naming the overlay it could not make.
     ///
     /// # Errors
-    /// As [`Manager::ensure_overlay`].
+    /// 4001 step `disk` when the overlay cannot be made or put in place; the record cannot be
+    /// written.
     pub(super) async fn make_overlay(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
-        match self.mgr().ensure_overlay(vm).await {
+        match self.ensure_overlay(vm).await {
             Ok(made) => {
-                if made && self.undo_mut().releases() {
+                if made && self.releases() {
                     self.push(Step::Overlay);
                 }
                 Ok(())
             }
             Err(e) => {
                 // The partial overlay is gone; the record must stop naming it.
-                let _ = self.mgr().update(self.name(), "rollback", |r| r.overlay = None);
+                let _ = self.update("rollback", |r| r.overlay = None);
                 Err(e)
             }
         }
     }
 
-    /// The launch step ([`Manager::launch_qemu`]): each thing it makes (run dir, devices,
-    /// process) is pushed as it is made.
+    /// Makes the overlay of an image-booted VM unless it exists. Returns true when it made one.
+    /// The record names the overlay before QEMU writes it, into a temp file that is renamed into
+    /// place, so a crash leaves neither an orphan nor a half-made overlay.
+    async fn ensure_overlay(&self, vm: &ValidSpec) -> Result<bool, ApiError> {
+        let BootSource::Image { image, disk_gib } = &vm.boot else { return Ok(false) };
+        let (mgr, paths) = (self.mgr(), self.paths());
+        if crate::blocking::run(|| paths.overlay.exists()) {
+            return Ok(false);
+        }
+        let overlay = paths.overlay.clone();
+        self.update("overlay", |r| r.overlay = Some(overlay))?;
+        let base = mgr.config.paths.images.join(image);
+        let partial = partial_overlay(paths);
+        let _ = crate::disk::remove_overlay(&partial);
+        crate::disk::create_overlay(&mgr.disk_tool(), &base, &partial, *disk_gib)
+            .await
+            .map_err(OverlayError::Create)?;
+        crate::blocking::run(|| std::fs::rename(&partial, &paths.overlay)).map_err(|e| {
+            let _ = crate::disk::remove_overlay(&partial);
+            OverlayError::Place(e)
+        })?;
+        Ok(true)
+    }
+
+    /// Removes the VM's overlay (and seed) as part of a rollback ([`Step::Overlay`]).
+    pub(super) fn undo_overlay(&self) {
+        let paths = self.paths();
+        let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
+        if let Err(e) = crate::disk::remove_overlay(&paths.overlay) {
+            tracing::error!(vm = self.name(), error = %e, "rollback: cannot remove the overlay");
+        }
+        let _ = self.update("rollback", |r| r.overlay = None);
+    }
+
+    /// The launch step: launches QEMU for `vm`, records its identity, and checks over QMP that
+    /// it runs. Each thing it makes (run dir, devices, process) is pushed as it is made, so a
+    /// failure leaves no process behind once the operation fails. The caller sets the final
+    /// status. `during` is the status recorded while QEMU starts: `creating` for a create (so a
+    /// crash in this step is undone as a create), `starting` otherwise.
     ///
     /// # Errors
-    /// As [`Manager::launch_qemu`].
+    /// 4001 naming the step that failed (`run_dir`, `qemu_files`, a device, the taps, QEMU's
+    /// start or QMP check); 2001 when a kernel or initrd can no longer be read; the record
+    /// cannot be written.
     pub(super) async fn launch(&mut self, vm: &ValidSpec, during: VmStatus) -> Result<ProcessIdentity, ApiError> {
         let mgr = Arc::clone(self.mgr());
-        mgr.launch_qemu(vm, during, self.undo_mut()).await
+        let paths = self.paths();
+        if let Some(id) = mgr.processes.find(paths, None, Search::Proc)? {
+            // Never start a VM twice: a QEMU of this VM is already up (e.g. launched just before a
+            // daemon crash); adopt it.
+            tracing::warn!(vm = %self.name(), pid = id.pid, "found a live QEMU for this VM; adopting it");
+            self.update("adopted", |r| {
+                r.process = Some(id.clone());
+                r.qemu_started();
+            })?;
+            return Ok(id);
+        }
+        mgr.clean_run_dir(paths);
+        crate::blocking::run(|| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&paths.run_dir))
+            .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
+        self.push(Step::HostSide);
+        self.update_status("launching QEMU", during, |r| {
+            r.last_error = None;
+            // The new QEMU runs the recorded spec: nothing is pending any more.
+            r.running_spec = None;
+        })?;
+        self.crashpoint("launch:recorded");
+        // A failed bind restores what it changed itself.
+        self.bind_passthrough(&vm.spec).await?;
+        self.push(Step::Devices);
+        self.crashpoint("launch:bound");
+        self.start_process(vm).await
+    }
+
+    /// Seed, taps, QEMU, QMP check: the steps of the launch after the devices are bound.
+    async fn start_process(&mut self, vm: &ValidSpec) -> Result<ProcessIdentity, ApiError> {
+        let mgr = Arc::clone(self.mgr());
+        let name = self.name().to_string();
+        let paths = self.paths().clone();
+        let rec = self.record()?;
+        let allocs = rec.nics;
+        self.hand_vfio_groups_to_qemu().await?;
+        if crate::seed::has_seed(vm) {
+            // Every record has one (made at create and replace, adopted at start for older
+            // records); its absence is a daemon fault, never a reason to make a new instance.
+            let instance_id = rec.instance_id.ok_or_else(|| SeedError::NoInstanceId { vm: name.clone() })?;
+            let files = crate::seed::render(&vm.spec, &allocs, &instance_id);
+            // Built and fsynced off the runtime worker: 20 launches at once must not stall it.
+            crate::blocking::run(|| crate::seed::write_seed(&paths.seed, &files))?;
+        } else {
+            // A kernel VM whose user_data was dropped: its old seed (and the text in it) goes.
+            let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
+        }
+        self.ensure_uefi_vars(vm)?;
+        // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
+        // failure below removes the taps: they are not persistent.
+        let fds = mgr.net.attach_nics(&mgr.config, &name, &vm.spec.nics, &allocs).await?;
+        self.crashpoint("launch:taps");
+        let opened = self.open_passed_fds(vm, fds).await?;
+        let request = LaunchRequest {
+            binary: mgr.config.qemu.binary.clone(),
+            argv: build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format),
+            qmp: paths.qmp.clone(),
+            log: paths.qemu_log.clone(),
+            timeout: Duration::from_secs(mgr.config.qemu.launch_timeout_s),
+            fds: opened.fds,
+            memlock: mgr.memlock_for(&vm.spec),
+            user: mgr.config.qemu_user,
+            kvm: mgr.config.qemu.accel == crate::config::Accel::Kvm,
+        };
+        let launched = mgr.processes.spawn(&request).await;
+        // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client
+        // of a dead QEMU's sockets is refused rather than queued.
+        drop(request);
+        let crate::qemu::launch::Launched { identity: id, qmp } = launched?;
+        // Killed on failure from here on, also when its identity cannot be recorded.
+        self.push(Step::Process(id.clone()));
+        self.crashpoint("launch:spawned");
+        // From here its disks are not known to be clean until it powers off cleanly.
+        self.update("launched", |r| {
+            r.process = Some(id.clone());
+            r.qemu_started();
+        })?;
+        self.crashpoint("launch:launched");
+        mgr.processes.verify_running(qmp).await?;
+        Ok(id)
+    }
+
+    /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars`, unless it has
+    /// one: the store is the guest's (boot entries, settings) and outlives restarts, until the
+    /// destroy ([`Manager::remove_run_files`]). A BIOS VM keeps a store it had (going back to
+    /// UEFI finds its settings). Nothing is recorded: the path follows from the name, and every
+    /// path that forgets a record removes it first.
+    ///
+    /// # Errors
+    /// 4001 step `firmware` when the directory or the copy cannot be made (nothing is left).
+    fn ensure_uefi_vars(&self, vm: &ValidSpec) -> Result<(), ApiError> {
+        if vm.spec.boot.firmware != Firmware::Uefi {
+            return Ok(());
+        }
+        let (mgr, paths) = (self.mgr(), self.paths());
+        let vars = paths.uefi_vars();
+        crate::blocking::run(|| {
+            if vars.exists() {
+                return Ok(());
+            }
+            crate::state::dirs::private_dir(&paths.disk_dir)?;
+            crate::qemu::firmware::copy_vars(&mgr.config.firmware.uefi_vars, &vars, &paths.partial_uefi_vars())
+        })
+        .map_err(|e| {
+            provisioning(
+                "firmware",
+                format!(
+                    "cannot copy the UEFI variables store {} to {}: {e}",
+                    mgr.config.firmware.uefi_vars.display(),
+                    vars.display()
+                ),
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP, agent and
+    /// serial console sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
+    /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
+    /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
+    /// initrd (copied here when this file version has no copy yet) and, with `user_data`, the
+    /// seed, for a `boot.disk` VM its
+    /// root disk (read-write and read-only), the data disks (read-write and read-only), and for
+    /// a UEFI VM the firmware code (read-only) and its variables store (read-write and
+    /// read-only).
+    /// Also returns the base image's format (a `boot.disk` VM: its root disk's).
+    ///
+    /// # Errors
+    /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound; 2001 naming
+    /// the field when the kernel or initrd can no longer be read.
+    async fn open_passed_fds(&self, vm: &ValidSpec, taps: Vec<std::os::fd::OwnedFd>) -> Result<PassedFds, ApiError> {
+        let (mgr, paths) = (self.mgr(), self.paths());
+        use std::fs::OpenOptions;
+        use std::os::fd::OwnedFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let failed = |what: &std::path::Path, e: std::io::Error| {
+            provisioning("qemu_files", format!("cannot open {} for QEMU: {e}", what.display()))
+        };
+        let listen = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
+            crate::blocking::run(|| {
+                let _ = std::fs::remove_file(path);
+                std::os::unix::net::UnixListener::bind(path)
+            })
+            .map(OwnedFd::from)
+            .map_err(|e| failed(path, e))
+        };
+        let read_only = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
+            crate::blocking::run(|| std::fs::File::open(path)).map(OwnedFd::from).map_err(|e| failed(path, e))
+        };
+        let read_write = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
+            crate::blocking::run(|| OpenOptions::new().read(true).write(true).open(path))
+                .map(OwnedFd::from)
+                .map_err(|e| failed(path, e))
+        };
+        let mut taps = taps.into_iter();
+        let mut fds = Vec::new();
+        let mut base_format = String::new();
+        let base = match &vm.boot {
+            BootSource::Image { image, .. } => Some(mgr.config.paths.images.join(image)),
+            BootSource::Kernel { .. } | BootSource::Disk { .. } => None,
+        };
+        // A boot.disk VM's root disk, in the format recorded at import (never probed again).
+        let root = match &vm.boot {
+            BootSource::Disk { .. } => {
+                let format =
+                    self.record()?.root_disk.map(|r| r.format).ok_or_else(|| {
+                        provisioning("qemu_files", "the record names no imported root disk".to_string())
+                    })?;
+                base_format = format.as_str().to_string();
+                Some(paths.root_disk(format))
+            }
+            _ => None,
+        };
+        for which in passed_fds(vm, vm.spec.nics.len()) {
+            let fd = match which {
+                PassedFd::Qmp => listen(&paths.qmp)?,
+                PassedFd::Agent => listen(&paths.agent)?,
+                PassedFd::QmpEvents => listen(&paths.qmp_events)?,
+                PassedFd::Console => listen(&paths.console)?,
+                PassedFd::QmpStats => listen(&paths.qmp_stats)?,
+                PassedFd::SerialLog => crate::blocking::run(|| {
+                    OpenOptions::new().append(true).create(true).mode(0o600).open(&paths.serial_log)
+                })
+                .map(OwnedFd::from)
+                .map_err(|e| failed(&paths.serial_log, e))?,
+                PassedFd::Tap(i) => {
+                    taps.next().ok_or_else(|| provisioning("qemu_files", format!("no tap for NIC {i}")))?
+                }
+                PassedFd::OverlayRw => read_write(&paths.overlay)?,
+                PassedFd::OverlayRo => read_only(&paths.overlay)?,
+                PassedFd::Base => {
+                    let Some(base) = &base else { continue };
+                    let info = crate::disk::base_info(&mgr.disk_tool(), base).await.map_err(OverlayError::Base)?;
+                    base_format = info.format;
+                    read_only(base)?
+                }
+                PassedFd::Seed => read_only(&paths.seed)?,
+                PassedFd::DataDisk(i) => {
+                    let Some(disk) = vm.spec.disks.get(i) else { continue };
+                    read_write(&paths.data_disk(disk))?
+                }
+                PassedFd::DataDiskRo(i) => {
+                    let Some(disk) = vm.spec.disks.get(i) else { continue };
+                    read_only(&paths.data_disk(disk))?
+                }
+                PassedFd::RootDisk => {
+                    let Some(root) = &root else { continue };
+                    read_write(root)?
+                }
+                PassedFd::RootDiskRo => {
+                    let Some(root) = &root else { continue };
+                    read_only(root)?
+                }
+                PassedFd::UefiCode => read_only(&mgr.config.firmware.uefi_code)?,
+                PassedFd::UefiVars => read_write(&paths.uefi_vars())?,
+                PassedFd::UefiVarsRo => read_only(&paths.uefi_vars())?,
+                PassedFd::Kernel | PassedFd::Initrd => {
+                    let BootSource::Kernel { kernel, initrd, .. } = &vm.boot else { continue };
+                    let (field, path) = match (which, initrd) {
+                        (PassedFd::Initrd, Some(i)) => ("spec.boot.initrd", i),
+                        (PassedFd::Initrd, None) => continue,
+                        _ => ("spec.boot.kernel", kernel),
+                    };
+                    let copied = boot_file(&mgr.config.paths.boot_dirs(), field, path, true).await?;
+                    copied.ok_or_else(|| provisioning("qemu_files", format!("no copy of {}", path.display())))?
+                }
+            };
+            fds.push(fd);
+        }
+        Ok(PassedFds { fds, base_format })
     }
 
     /// Records the VM running on `id` and watches it ([`Manager::mark_running`]).

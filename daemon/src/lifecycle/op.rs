@@ -6,7 +6,8 @@
 //! The operation then carries what each of its steps needs (the manager, the VM's name and
 //! paths, the flag, the undo stack), so the steps are its methods, each in the file of the
 //! resource it touches (overlay and launch in [`super::launch`], root disk in
-//! [`super::root_disk`], data disks in [`super::data_disks`]). Order of use:
+//! [`super::root_disk`], data disks in [`super::data_disks`], devices in [`super::vfio`], a
+//! running VM's disk changes in [`super::hotplug`]). Order of use:
 //!
 //! 1. begin or reserve;
 //! 2. the steps, each pushing how to take back what it made ([`VmOp::push`]) as it succeeds
@@ -20,7 +21,7 @@ use super::processes::Search;
 use super::teardown::Devices;
 use super::undo::{Step, Undo};
 use super::{Manager, OpGuard};
-use crate::api::{ApiError, VmSpec};
+use crate::api::{ApiError, VmSpec, VmStatus};
 use crate::process::ProcessIdentity;
 use crate::qemu::argv::VmPaths;
 use crate::state::VmRecord;
@@ -105,9 +106,9 @@ impl VmOp {
         self.undo.push(step);
     }
 
-    /// The undo stack, for a step that pushes onto it as it goes (the launch).
-    pub fn undo_mut(&mut self) -> &mut Undo {
-        &mut self.undo
+    /// Whether a failure releases the VM's reservation (a step undoes more then: the overlay).
+    pub fn releases(&self) -> bool {
+        self.undo.releases()
     }
 
     /// From now on a failure releases the VM's reservation too (a replace that swapped the
@@ -140,7 +141,7 @@ impl VmOp {
     pub fn update_status(
         &self,
         reason: &str,
-        to: crate::api::VmStatus,
+        to: VmStatus,
         change: impl FnOnce(&mut VmRecord),
     ) -> Result<VmRecord, ApiError> {
         self.mgr.update_status(&self.name, reason, to, change)
@@ -171,7 +172,7 @@ impl VmOp {
             match step {
                 Step::Process(id) => {
                     if let Err(kill) = mgr.processes.kill(name, &id).await {
-                        mgr.mark_failed_keeping_process(name, &kill);
+                        self.mark_failed_keeping_process(&kill);
                         return kill;
                     }
                     if let Err(e) = mgr.update(name, "launch undone", |r| r.process = None) {
@@ -192,10 +193,36 @@ impl VmOp {
                 }
                 Step::DataDisks => mgr.undo_data_disks(name),
                 Step::RootDisk => mgr.undo_root_disk(name),
-                Step::Overlay => mgr.undo_overlay(name),
+                Step::Overlay => self.undo_overlay(),
             }
         }
-        mgr.mark_failed(name, &error, undo.releases());
+        self.mark_failed(&error, undo.releases());
         error
+    }
+
+    /// Records the operation failed with `e` (the process gone, the reservation released with
+    /// `release`). A record that cannot be written is logged: the error to report is `e`.
+    pub(super) fn mark_failed(&self, e: &ApiError, release: bool) {
+        let le = super::last_error(e);
+        if let Err(save) = self.update_status("failed", VmStatus::Failed, |r| {
+            r.process = None;
+            r.last_error = Some(le);
+            if release {
+                r.reserved = false;
+            }
+        }) {
+            tracing::error!(vm = self.name(), error = %save, "cannot record the failure");
+        }
+    }
+
+    /// Records the VM `failed` with `e` while its QEMU may still run: the process stays
+    /// recorded, so nothing treats the VM as stopped.
+    fn mark_failed_keeping_process(&self, e: &ApiError) {
+        let le = super::last_error(e);
+        if let Err(save) = self.update_status("failed", VmStatus::Failed, |r| {
+            r.last_error = Some(le);
+        }) {
+            tracing::error!(vm = self.name(), error = %save, "cannot record the failure");
+        }
     }
 }

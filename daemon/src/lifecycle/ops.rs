@@ -337,7 +337,7 @@ impl VmOp {
         self.mark_running(id, reason)?;
         self.end_root_disk_import()?;
         if let Some(previous) = pending_from {
-            if let Err(e) = mgr.retire_data_disks(&previous, &vm.spec) {
+            if let Err(e) = self.retire_data_disks(&previous, &vm.spec) {
                 tracing::error!(vm = name, error = %e.message, "a dropped data disk stays in place");
             }
         }
@@ -413,17 +413,17 @@ impl VmOp {
         let live = self.find_live(rec.process.as_ref())?;
         if let Some(id) = &live {
             if let Err(e) = mgr.processes.kill(name, id).await {
-                mgr.mark_failed(name, &e, false);
+                self.mark_failed(&e, false);
                 return Err(e);
             }
         }
         self.crashpoint("teardown:killed");
         if let Err(e) = mgr.release_host_side(name, Devices::Release).await {
-            mgr.mark_failed(name, &e, false);
+            self.mark_failed(&e, false);
             return Err(e);
         }
         if let Err(err) = mgr.remove_run_files(name) {
-            mgr.mark_failed(name, &err, false);
+            self.mark_failed(&err, false);
             return Err(err);
         }
         self.update("torn down", |r| {

@@ -119,7 +119,7 @@ impl VmOp {
         }
         // What the live QEMU runs: the recorded spec, or an older one a change is pending over.
         let running = old.running_spec.clone().unwrap_or_else(|| old.spec.clone());
-        let live_disks = !restart && mgr.disks_live_capable(self.name(), &running, &vm.spec).await?;
+        let live_disks = !restart && self.disks_live_capable(&running, &vm.spec).await?;
         if !restart && !live_disks && !allow_restart {
             // A disk change this QEMU cannot take live (no free root port, a disk on a bus
             // that cannot unplug) and no restart allowed: it waits for the next start.
@@ -139,7 +139,7 @@ impl VmOp {
                 if let Some(gib) = grow_to {
                     self.grow_live(gib).await.map_err(|error| super::hotplug::LiveFailure { error, touched: false })?;
                 }
-                mgr.change_disks_live(self.name(), &running, &vm.spec, release).await.map_err(|mut f| {
+                self.change_disks_live(&running, &vm.spec, release).await.map_err(|mut f| {
                     f.touched |= grow_to.is_some();
                     f
                 })
@@ -228,7 +228,7 @@ impl VmOp {
     /// start).
     fn retire_dropped_disks(&self, old: &crate::state::VmRecord, spec: &VmSpec) -> Result<(), ApiError> {
         for previous in std::iter::once(&old.spec).chain(old.running_spec.as_ref()) {
-            self.mgr().retire_data_disks(previous, spec)?;
+            self.retire_data_disks(previous, spec)?;
         }
         Ok(())
     }
@@ -237,7 +237,7 @@ impl VmOp {
     /// `gib` (nothing when `None` or there is no overlay).
     async fn grow_offline(&self, spec: &VmSpec, gib: Option<u64>) -> Result<(), ApiError> {
         let mgr = self.mgr();
-        mgr.grow_data_disks(spec).await?;
+        self.grow_data_disks(spec).await?;
         let Some(gib) = gib else { return Ok(()) };
         if spec.boot.disk.is_some() {
             return mgr.grow_root_disk(spec, gib).await;

@@ -18,8 +18,9 @@
 //! `VmOp::teardown` ([`super::ops`]).
 //!
 //! The two stay [`Manager`] methods that take the VM's name: the exit cleanup
-//! ([`super::exits`]), recovery ([`super::recover`]) and the unwind of a failed operation
-//! ([`Manager::unwind`]) run them without an operation, and one body serves all. This file
+//! ([`super::exits`]) and recovery ([`super::recover`]) run them without an operation, the
+//! unwind of a failed operation ([`super::op::VmOp::fail`]) and `VmOp::teardown` within one,
+//! and one body serves all. This file
 //! names no operation type: [`super::undo`] (which [`super::op`] uses) takes [`Devices`] from
 //! here, so an `impl VmOp` here would close an import cycle (`layers` test).
 

@@ -2,7 +2,7 @@
 //!
 //! Every step that makes something on the host pushes how to take it back ([`Step`]) onto the
 //! operation's [`Undo`]; when a later step fails, [`super::op::VmOp::fail`] takes them back in
-//! reverse and records the VM `failed` ([`Manager::mark_failed`]). Order of use:
+//! reverse and records the VM `failed` ([`super::op::VmOp::mark_failed`]). Order of use:
 //!
 //! 1. [`Undo::new`] when the operation starts (saying whether a failure releases the VM's
 //!    reservation);
@@ -17,8 +17,6 @@
 //! unwind stops there and the record keeps the process, so nothing a live QEMU holds (its
 //! disks, devices, taps) is taken from under it.
 
-use super::Manager;
-use crate::api::{ApiError, VmStatus};
 use crate::process::ProcessIdentity;
 
 /// One thing a create or start made, and so must take back on failure.
@@ -71,32 +69,5 @@ impl Undo {
     /// From now on a failure releases the VM's reservation too.
     pub fn release_on_failure(&mut self) {
         self.release = true;
-    }
-}
-
-impl Manager {
-    /// Records a failed operation on `name`.
-    pub(super) fn mark_failed(&self, name: &str, e: &ApiError, release: bool) {
-        let le = super::last_error(e);
-        if let Err(save) = self.update_status(name, "failed", VmStatus::Failed, |r| {
-            r.process = None;
-            r.last_error = Some(le);
-            if release {
-                r.reserved = false;
-            }
-        }) {
-            tracing::error!(vm = name, error = %save, "cannot record the failure");
-        }
-    }
-
-    /// Records VM `name` `failed` with `e` while its QEMU may still run: the process stays
-    /// recorded, so nothing treats the VM as stopped.
-    pub(super) fn mark_failed_keeping_process(&self, name: &str, e: &ApiError) {
-        let le = super::last_error(e);
-        if let Err(save) = self.update_status(name, "failed", VmStatus::Failed, |r| {
-            r.last_error = Some(le);
-        }) {
-            tracing::error!(vm = name, error = %save, "cannot record the failure");
-        }
     }
 }

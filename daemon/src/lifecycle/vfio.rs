@@ -1,9 +1,9 @@
 //! Passthrough steps of the lifecycle: check, bind before QEMU, release after it.
 //!
 //! Order: [`Manager::check_passthrough`] before anything is recorded or touched (2001, 3003,
-//! 3004, 3005 refuse the request cleanly); [`Manager::bind_passthrough`] right before QEMU, which
+//! 3004, 3005 refuse the request cleanly); [`VmOp::bind_passthrough`] right before QEMU, which
 //! records every affected function's original driver in the VM record *before* the first sysfs
-//! write; [`Manager::hand_vfio_groups_to_qemu`] after it, which records each IOMMU group node's
+//! write; [`VmOp::hand_vfio_groups_to_qemu`] after it, which records each IOMMU group node's
 //! group and mode *before* the spawner gives the node to QEMU's group;
 //! [`Manager::release_passthrough`] after QEMU is gone (stop, destroy, death, failed launch, and
 //! at daemon start for VMs whose QEMU vanished), which first puts each node's group and mode
@@ -12,6 +12,7 @@
 //!
 //! Sysfs writes and the bounded waits for the kernel block, so they run on the blocking pool.
 
+use super::op::VmOp;
 use super::Manager;
 use crate::api::{ApiError, VmSpec};
 use crate::hardware::PciAddress;
@@ -54,56 +55,9 @@ impl Manager {
         Ok(Some(check::check(&wanted, &devices, &usage, &held)?))
     }
 
-    /// Re-checks and binds the VM's devices to vfio-pci, recording the original drivers first.
-    ///
-    /// # Errors
-    /// As [`Manager::check_passthrough`], and 4001 when binding fails (every device already
-    /// changed is restored; if a restore fails too, the record keeps the bindings for a retry).
-    pub(super) async fn bind_passthrough(&self, spec: &VmSpec) -> Result<(), ApiError> {
-        let Some(assignment) = self.check_passthrough(spec).await? else { return Ok(()) };
-        if !self.pci.vfio_pci_present() {
-            let loaded = tokio::task::spawn_blocking(crate::pci::load_vfio_pci)
-                .await
-                .map_err(PassthroughError::task(PassthroughStep::Modprobe))?;
-            loaded.map_err(PassthroughError::pci(PassthroughStep::Modprobe))?;
-        }
-        let pci = self.pci.clone();
-        let planned = tokio::task::spawn_blocking(move || bind::plan_bindings(&pci, &assignment))
-            .await
-            .map_err(PassthroughError::task(PassthroughStep::Plan))?
-            .map_err(PassthroughError::pci(PassthroughStep::Plan))?;
-        // Intent first: after a crash from here on, recovery knows what to give back.
-        let record = planned.clone();
-        self.update(&spec.name, "vfio intent", |r| r.vfio = record)?;
-        let pci = self.pci.clone();
-        let to_bind = planned.clone();
-        let started = std::time::Instant::now();
-        let after_each = numbered_crashpoint(self.config.paths.run.clone(), "vfio:bound");
-        let bound = tokio::task::spawn_blocking(move || bind::bind_vfio(&pci, &to_bind, BIND_TIMEOUT, after_each))
-            .await
-            .map_err(PassthroughError::task(PassthroughStep::Bind))?;
-        match bound {
-            Ok(()) => {
-                let ms = started.elapsed().as_secs_f64() * 1e3;
-                tracing::info!(vm = %spec.name, devices = planned.len(), elapsed_ms = ms, "vfio bound");
-                Ok(())
-            }
-            Err(e) => {
-                let err = ApiError::from(&e);
-                let restored_all = match &e {
-                    bind::BindError::Bind { restore_failures, .. } => restore_failures.is_empty(),
-                    _ => false,
-                };
-                if restored_all {
-                    let _ = self.update(&spec.name, "vfio restored", |r| r.vfio.clear());
-                }
-                Err(err)
-            }
-        }
-    }
-
     /// Gives the VM's devices back to their original drivers. Clears the record's bindings on
-    /// success; keeps them (for a later retry) on failure.
+    /// success; keeps them (for a later retry) on failure. Runs without an operation too: the
+    /// exit cleanup ([`super::teardown`]) and recovery give a dead QEMU's devices back.
     ///
     /// # Errors
     /// 4001 listing every device that could not be restored.
@@ -131,7 +85,7 @@ impl Manager {
         let pci = self.pci.clone();
         let count = bindings.len();
         let started = std::time::Instant::now();
-        let after_each = numbered_crashpoint(self.config.paths.run.clone(), "vfio:released");
+        let after_each = numbered_crashpoint("vfio:released", self.config.paths.run.clone());
         let released = tokio::task::spawn_blocking(move || bind::release(&pci, &bindings, BIND_TIMEOUT, after_each))
             .await
             .map_err(PassthroughError::task(PassthroughStep::Release))?;
@@ -149,6 +103,63 @@ impl Manager {
         }
     }
 
+    /// RLIMIT_MEMLOCK QEMU needs: VFIO pins all guest RAM (plus room for QEMU's own buffers).
+    pub(super) fn memlock_for(&self, spec: &VmSpec) -> Option<u64> {
+        (!requested_devices(spec, &self.config.hardware).is_empty())
+            .then(|| (spec.memory_mib + 1024).saturating_mul(1024 * 1024))
+    }
+}
+
+impl VmOp {
+    /// Re-checks and binds the VM's devices to vfio-pci, recording the original drivers first.
+    ///
+    /// # Errors
+    /// As [`Manager::check_passthrough`], and 4001 when binding fails (every device already
+    /// changed is restored; if a restore fails too, the record keeps the bindings for a retry).
+    pub(super) async fn bind_passthrough(&self, spec: &VmSpec) -> Result<(), ApiError> {
+        let mgr = self.mgr();
+        let Some(assignment) = mgr.check_passthrough(spec).await? else { return Ok(()) };
+        if !mgr.pci.vfio_pci_present() {
+            let loaded = tokio::task::spawn_blocking(crate::pci::load_vfio_pci)
+                .await
+                .map_err(PassthroughError::task(PassthroughStep::Modprobe))?;
+            loaded.map_err(PassthroughError::pci(PassthroughStep::Modprobe))?;
+        }
+        let pci = mgr.pci.clone();
+        let planned = tokio::task::spawn_blocking(move || bind::plan_bindings(&pci, &assignment))
+            .await
+            .map_err(PassthroughError::task(PassthroughStep::Plan))?
+            .map_err(PassthroughError::pci(PassthroughStep::Plan))?;
+        // Intent first: after a crash from here on, recovery knows what to give back.
+        let record = planned.clone();
+        self.update("vfio intent", |r| r.vfio = record)?;
+        let pci = mgr.pci.clone();
+        let to_bind = planned.clone();
+        let started = std::time::Instant::now();
+        let after_each = numbered_crashpoint("vfio:bound", mgr.config.paths.run.clone());
+        let bound = tokio::task::spawn_blocking(move || bind::bind_vfio(&pci, &to_bind, BIND_TIMEOUT, after_each))
+            .await
+            .map_err(PassthroughError::task(PassthroughStep::Bind))?;
+        match bound {
+            Ok(()) => {
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                tracing::info!(vm = %spec.name, devices = planned.len(), elapsed_ms = ms, "vfio bound");
+                Ok(())
+            }
+            Err(e) => {
+                let err = ApiError::from(&e);
+                let restored_all = match &e {
+                    bind::BindError::Bind { restore_failures, .. } => restore_failures.is_empty(),
+                    _ => false,
+                };
+                if restored_all {
+                    let _ = self.update("vfio restored", |r| r.vfio.clear());
+                }
+                Err(err)
+            }
+        }
+    }
+
     /// Lets QEMU's user open the VFIO group nodes of the VM's bound devices: group
     /// `qemu.user`'s, mode 0660, changed by the spawner (the daemon's seccomp table has no
     /// path-based chmod or chown). Each node's group and mode before are recorded in the VM's
@@ -157,12 +168,13 @@ impl Manager {
     ///
     /// # Errors
     /// 4001 with step `vfio_access` when a node's group or mode cannot be changed or recorded.
-    pub(super) async fn hand_vfio_groups_to_qemu(&self, name: &str) -> Result<(), ApiError> {
+    pub(super) async fn hand_vfio_groups_to_qemu(&self) -> Result<(), ApiError> {
         use std::os::unix::fs::MetadataExt;
-        let Some(user) = self.config.qemu_user.filter(|u| u.uid != 0) else { return Ok(()) };
-        let bindings = self.record(name)?.vfio;
+        let (mgr, name) = (self.mgr(), self.name());
+        let Some(user) = mgr.config.qemu_user.filter(|u| u.uid != 0) else { return Ok(()) };
+        let bindings = self.record()?.vfio;
         let groups: Vec<(PciAddress, u32)> =
-            bindings.iter().filter_map(|b| Some((b.address, self.pci.iommu_group(b.address).ok()??))).collect();
+            bindings.iter().filter_map(|b| Some((b.address, mgr.pci.iommu_group(b.address).ok()??))).collect();
         let unique: std::collections::BTreeSet<u32> = groups.iter().map(|(_, g)| *g).collect();
         for g in unique {
             let node = bind::vfio_group_dev(g);
@@ -178,7 +190,7 @@ impl Manager {
                     Err(e) => return Err(access_error(&node, e)),
                 };
                 let groups = groups.clone();
-                self.update(name, "vfio node intent", move |r| record_node_before(&mut r.vfio, &groups, before))?;
+                self.update("vfio node intent", move |r| record_node_before(&mut r.vfio, &groups, before))?;
             }
             match spawn::vfio_node(g, user.gid, VFIO_NODE_MODES).await {
                 Ok(_) => tracing::debug!(vm = name, node = %node.display(), "VFIO group handed to QEMU's group"),
@@ -189,12 +201,6 @@ impl Manager {
             }
         }
         Ok(())
-    }
-
-    /// RLIMIT_MEMLOCK QEMU needs: VFIO pins all guest RAM (plus room for QEMU's own buffers).
-    pub(super) fn memlock_for(&self, spec: &VmSpec) -> Option<u64> {
-        (!requested_devices(spec, &self.config.hardware).is_empty())
-            .then(|| (spec.memory_mib + 1024).saturating_mul(1024 * 1024))
     }
 }
 
@@ -226,7 +232,7 @@ fn nodes_to_revert(bindings: &[Binding]) -> Vec<NodeAccess> {
 /// The hook for [`bind::bind_vfio`] and [`bind::release`]: the crash point `STEP:N` after the
 /// Nth device. A crash between two devices leaves some changed and some not: the fault tests
 /// need that state, which no step boundary of the lifecycle shows.
-fn numbered_crashpoint(run: std::path::PathBuf, step: &'static str) -> impl FnMut(&Binding) {
+fn numbered_crashpoint(step: &'static str, run: std::path::PathBuf) -> impl FnMut(&Binding) {
     let mut n = 0;
     move |_| {
         n += 1;
