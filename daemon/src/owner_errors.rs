@@ -1081,6 +1081,16 @@ mod tests {
                 "cannot inspect root.qcow2 from the backup: boom",
             ),
             wrapped(
+                FileError::Encode {
+                    step: "snapshot".into(),
+                    source: serde_json::from_str::<Value>("{").expect_err("not JSON"),
+                },
+                pf,
+                None,
+                step("snapshot"),
+                "EOF while parsing an object at line 1 column 1",
+            ),
+            wrapped(
                 FileError::OpenImport { path: "/i/d".into(), source: io() },
                 Code::InvalidSpec,
                 Some("spec.boot.disk"),

@@ -130,6 +130,15 @@ pub enum FileError {
         #[source]
         source: io::Error,
     },
+    /// What a file was to hold (a snapshot's description) could not be encoded.
+    #[error("{source}")]
+    Encode {
+        /// The API step.
+        step: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
     /// The file offered for a `boot.disk` import cannot be opened (2001 on `spec.boot.disk`).
     #[error("cannot open {}: {source}", .path.display())]
     OpenImport {
@@ -162,7 +171,8 @@ impl FileError {
             | FileError::PutBack { step, .. }
             | FileError::CopyOut { step, .. }
             | FileError::PlaceOut { step, .. }
-            | FileError::InspectOut { step, .. } => Some(step),
+            | FileError::InspectOut { step, .. }
+            | FileError::Encode { step, .. } => Some(step),
             FileError::OpenImport { .. } => None,
         }
     }

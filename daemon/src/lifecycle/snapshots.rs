@@ -165,7 +165,8 @@ impl Manager {
             spec,
             disks: entries,
         };
-        let json = serde_json::to_vec_pretty(&snapshot).map_err(|e| failed(e.to_string()))?;
+        let json =
+            serde_json::to_vec_pretty(&snapshot).map_err(|source| FileError::Encode { step: STEP.into(), source })?;
         crate::blocking::run(|| {
             crate::state::atomic::write_atomic(&partial.join("snapshot.json"), &json)?;
             std::fs::rename(&partial, &done)?;
