@@ -5,7 +5,10 @@
 //! underlying error as `#[source]`. They know nothing of the wire. This module alone decides the
 //! API code, the request `field` at fault and `details` of each variant, as `From` impls, so a
 //! `?` in the lifecycle (whose steps return [`ApiError`]) converts at the edge and the owners'
-//! texts reach the client unchanged as the message.
+//! texts reach the client unchanged as the message. Where the lifecycle adds context to an
+//! owner's error (which disk, which step) or fails in file work of its own, it wraps it in a
+//! type of [`crate::lifecycle::errors`], mapped here too, so its code is chosen here and
+//! nowhere else.
 //!
 //! It lives beside the owners rather than in `api/`: `api` is the wire's vocabulary that the
 //! owners themselves use (specs, NIC specs), so mapping there would make `api` import every
