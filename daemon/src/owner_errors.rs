@@ -5,7 +5,10 @@
 //! underlying error as `#[source]`. They know nothing of the wire. This module alone decides the
 //! API code, the request `field` at fault and `details` of each variant, as `From` impls, so a
 //! `?` in the lifecycle (whose steps return [`ApiError`]) converts at the edge and the owners'
-//! texts reach the client unchanged as the message.
+//! texts reach the client unchanged as the message. Where the lifecycle adds context to an
+//! owner's error (which disk, which step) or fails in file work of its own, it wraps it in a
+//! type of [`crate::lifecycle::errors`], mapped here too, so its code is chosen here and
+//! nowhere else.
 //!
 //! It lives beside the owners rather than in `api/`: `api` is the wire's vocabulary that the
 //! owners themselves use (specs, NIC specs), so mapping there would make `api` import every
@@ -24,6 +27,7 @@ use crate::disk::space::SpaceError;
 use crate::disk::{DiskError, GrowError, OverlayError};
 use crate::images::download::DownloadError;
 use crate::images::{ImageError, StoreError};
+use crate::lifecycle::errors::{DiskStepError, FileError, QemuStepError};
 use crate::net::host::AttachError;
 use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
@@ -344,6 +348,77 @@ impl From<BackupError> for ApiError {
                 api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "export" }))
             }
         }
+    }
+}
+
+impl From<FileError> for ApiError {
+    /// 4001 with `details.step` the step the file belongs to; 2001 on `spec.boot.disk` for a
+    /// file offered for import that cannot be opened.
+    fn from(e: FileError) -> ApiError {
+        match e.step() {
+            Some(step) => api(Code::ProvisioningFailed, &e, None).details(json!({ "step": step })),
+            None => api(Code::InvalidSpec, &e, Some("spec.boot.disk")),
+        }
+    }
+}
+
+impl From<DiskStepError> for ApiError {
+    /// 4002 when the QEMU binary is not the pinned one. An import's file QEMU refused: 2001 on
+    /// `spec.boot.disk` (`details.stderr`); a backup's copy it refused: 2003 on `backup`
+    /// (`details.file`). Else 4001 with `details.step` (and QEMU's `stderr` for a grow of an
+    /// imported disk and a stopped VM's export).
+    fn from(e: DiskStepError) -> ApiError {
+        let e = match e {
+            DiskStepError::InspectImport { source: DiskError::Pinned(refusal), .. }
+            | DiskStepError::GrowImport { source: DiskError::Pinned(refusal), .. }
+            | DiskStepError::InspectCopy { source: DiskError::Pinned(refusal), .. }
+            | DiskStepError::ReadDisk { source: DiskError::Pinned(refusal), .. }
+            | DiskStepError::Flatten { source: DiskError::Pinned(refusal) }
+            | DiskStepError::BaseImage { source: DiskError::Pinned(refusal), .. }
+            | DiskStepError::MakeCopies { source: DiskError::Pinned(refusal), .. } => return refusal.into(),
+            e => e,
+        };
+        let refused = e.disk_error().file_refused();
+        let tail = e.disk_error().stderr_tail().unwrap_or_default().to_string();
+        let step = |step: &str| api(Code::ProvisioningFailed, &e, None).details(json!({ "step": step }));
+        match &e {
+            DiskStepError::InspectImport { .. } if refused => {
+                api(Code::InvalidSpec, &e, Some("spec.boot.disk")).details(json!({ "stderr": tail }))
+            }
+            DiskStepError::InspectImport { .. } => step("root_disk"),
+            DiskStepError::GrowImport { .. } => {
+                api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "root_disk", "stderr": tail }))
+            }
+            DiskStepError::InspectCopy { file, .. } if refused => {
+                api(Code::ChecksumMismatch, &e, Some("backup")).details(json!({ "file": file }))
+            }
+            DiskStepError::InspectCopy { .. } => step("import"),
+            DiskStepError::Flatten { .. } => {
+                api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "export", "stderr": tail }))
+            }
+            DiskStepError::ReadDisk { step: s, .. }
+            | DiskStepError::BaseImage { step: s, .. }
+            | DiskStepError::MakeCopies { step: s, .. } => step(s),
+        }
+    }
+}
+
+impl From<QemuStepError> for ApiError {
+    /// 4001 with `details.step`: `qemu` (and the log's `stderr`), `qemu_verify`, `kill`,
+    /// `process`, `disk_grow`, `data_disk` (and `details.disk`), or the copy's step.
+    fn from(e: QemuStepError) -> ApiError {
+        let details = match &e {
+            QemuStepError::Start(launch) => {
+                json!({ "step": "qemu", "stderr": launch.stderr_tail().unwrap_or_default() })
+            }
+            QemuStepError::VerifyQmp(_) | QemuStepError::VerifyStatus(_) => json!({ "step": "qemu_verify" }),
+            QemuStepError::MayStillRun { .. } => json!({ "step": "kill" }),
+            QemuStepError::Liveness(_) => json!({ "step": "process" }),
+            QemuStepError::Qmp { step, .. } | QemuStepError::LiveCopy { step, .. } => json!({ "step": step }),
+            QemuStepError::GrowLive { .. } => json!({ "step": "disk_grow" }),
+            QemuStepError::LiveDisk { disk, .. } => json!({ "step": "data_disk", "disk": disk }),
+        };
+        api(Code::ProvisioningFailed, &e, None).details(details)
     }
 }
 
@@ -891,6 +966,340 @@ mod tests {
             assert_eq!(e.message, message);
             assert_eq!(e.details["step"], step, "{message}");
         }
+    }
+
+    /// One lifecycle wrapper through the mapping: code, field, the whole `details` and the
+    /// message, each as the lifecycle used to make it with `format!` at the call site.
+    struct Wrapped {
+        error: ApiError,
+        code: Code,
+        field: Option<&'static str>,
+        details: Value,
+        message: String,
+    }
+
+    fn wrapped(
+        error: impl Into<ApiError>,
+        code: Code,
+        field: Option<&'static str>,
+        details: Value,
+        message: &str,
+    ) -> Wrapped {
+        Wrapped { error: error.into(), code, field, details, message: message.to_string() }
+    }
+
+    /// Every variant of the lifecycle's wrappers ([`crate::lifecycle::errors`]).
+    fn lifecycle_wrappers() -> Vec<Wrapped> {
+        use crate::disk::export::LiveError;
+        use crate::lifecycle::errors::LiveDiskCause;
+        use crate::qemu::hotplug::HotplugError;
+        use crate::qemu::launch::LaunchError;
+        use crate::qemu::qmp::QmpError;
+        let io = || std::io::Error::other("boom");
+        let pf = Code::ProvisioningFailed;
+        let step = |s: &str| json!({ "step": s });
+        let exists = std::io::Error::from_raw_os_error(libc::EEXIST);
+        let exdev = std::io::Error::from_raw_os_error(libc::EXDEV);
+        vec![
+            wrapped(
+                FileError::File { step: "root_disk".into(), action: "stat", path: "/i/d".into(), source: io() },
+                pf,
+                None,
+                step("root_disk"),
+                "cannot stat /i/d: boom",
+            ),
+            wrapped(
+                FileError::Unnamed { step: "snapshot".into(), action: "write a copy", source: io() },
+                pf,
+                None,
+                step("snapshot"),
+                "cannot write a copy: boom",
+            ),
+            wrapped(
+                FileError::MakePrivate { step: "root_disk".into(), path: "/s/root.qcow2".into(), source: io() },
+                pf,
+                None,
+                step("root_disk"),
+                "cannot make /s/root.qcow2 private: boom",
+            ),
+            wrapped(
+                FileError::Move { step: "root_disk".into(), from: "/i/d".into(), to: "/s/r".into(), source: io() },
+                pf,
+                None,
+                step("root_disk"),
+                "cannot move /i/d to /s/r: boom",
+            ),
+            wrapped(
+                FileError::Move { step: "root_disk".into(), from: "/i/d".into(), to: "/s/r".into(), source: exists },
+                pf,
+                None,
+                step("root_disk"),
+                "cannot move /i/d to /s/r: /s/r exists",
+            ),
+            wrapped(
+                FileError::Move { step: "root_disk".into(), from: "/i/d".into(), to: "/s/r".into(), source: exdev },
+                pf,
+                None,
+                step("root_disk"),
+                "cannot move /i/d to /s/r: it is on another file system (a disk is renamed, never copied)",
+            ),
+            wrapped(
+                FileError::MoveBack { step: "root_disk".into(), from: "/s/r".into(), to: "/i/d".into(), source: io() },
+                pf,
+                None,
+                step("root_disk"),
+                "cannot move /s/r back to /i/d: boom",
+            ),
+            wrapped(
+                FileError::PutBack { step: "snapshot".into(), path: "/s/o.qcow2".into(), source: io() },
+                pf,
+                None,
+                step("snapshot"),
+                "cannot put /s/o.qcow2 back: boom",
+            ),
+            wrapped(
+                FileError::CopyOut {
+                    step: "import".into(),
+                    file: "root.qcow2".into(),
+                    place: "in the backup".into(),
+                    source: io(),
+                },
+                pf,
+                None,
+                step("import"),
+                "cannot copy root.qcow2 in the backup: boom",
+            ),
+            wrapped(
+                FileError::PlaceOut { step: "import".into(), file: "root.qcow2".into(), source: io() },
+                pf,
+                None,
+                step("import"),
+                "cannot place root.qcow2 from the backup: boom",
+            ),
+            wrapped(
+                FileError::InspectOut { step: "import".into(), file: "root.qcow2".into(), source: io() },
+                pf,
+                None,
+                step("import"),
+                "cannot inspect root.qcow2 from the backup: boom",
+            ),
+            wrapped(
+                FileError::Encode {
+                    step: "snapshot".into(),
+                    source: serde_json::from_str::<Value>("{").expect_err("not JSON"),
+                },
+                pf,
+                None,
+                step("snapshot"),
+                "EOF while parsing an object at line 1 column 1",
+            ),
+            wrapped(
+                FileError::OpenImport { path: "/i/d".into(), source: io() },
+                Code::InvalidSpec,
+                Some("spec.boot.disk"),
+                Value::Null,
+                "cannot open /i/d: boom",
+            ),
+            wrapped(
+                DiskStepError::InspectImport { path: "/i/d".into(), source: tool_error() },
+                Code::InvalidSpec,
+                Some("spec.boot.disk"),
+                json!({ "stderr": "tail" }),
+                "QEMU cannot read /i/d as a disk image: QEMU could not probe the image: not an image",
+            ),
+            wrapped(
+                DiskStepError::InspectImport { path: "/i/d".into(), source: timeout() },
+                pf,
+                None,
+                step("root_disk"),
+                "cannot inspect /i/d: QEMU did not probe the image within 1s",
+            ),
+            wrapped(
+                DiskStepError::GrowImport { gib: 20, source: tool_error() },
+                pf,
+                None,
+                json!({ "step": "root_disk", "stderr": "tail" }),
+                "cannot grow the imported disk to 20 GiB: QEMU could not probe the image: not an image",
+            ),
+            wrapped(
+                DiskStepError::InspectCopy { file: "root.qcow2".into(), source: tool_error() },
+                Code::ChecksumMismatch,
+                Some("backup"),
+                json!({ "file": "root.qcow2" }),
+                "root.qcow2 in the backup: QEMU cannot read it as a disk image: QEMU could not probe the image: \
+                 not an image; nothing was imported",
+            ),
+            wrapped(
+                DiskStepError::InspectCopy { file: "root.qcow2".into(), source: timeout() },
+                pf,
+                None,
+                step("import"),
+                "cannot inspect root.qcow2 from the backup: QEMU did not probe the image within 1s",
+            ),
+            wrapped(
+                DiskStepError::ReadDisk { step: "export".into(), path: "/s/o.qcow2".into(), source: timeout() },
+                pf,
+                None,
+                step("export"),
+                "cannot read /s/o.qcow2: QEMU did not probe the image within 1s",
+            ),
+            wrapped(
+                DiskStepError::Flatten { source: tool_error() },
+                pf,
+                None,
+                json!({ "step": "export", "stderr": "tail" }),
+                "cannot copy the disks: QEMU could not probe the image: not an image",
+            ),
+            wrapped(
+                DiskStepError::Flatten { source: timeout() },
+                pf,
+                None,
+                json!({ "step": "export", "stderr": "" }),
+                "cannot copy the disks: QEMU did not probe the image within 1s",
+            ),
+            wrapped(
+                DiskStepError::BaseImage { step: "snapshot".into(), path: "/i/base".into(), source: tool_error() },
+                pf,
+                None,
+                step("snapshot"),
+                "cannot read the base image /i/base: QEMU could not probe the image: not an image",
+            ),
+            wrapped(
+                DiskStepError::MakeCopies { step: "export".into(), source: tool_error() },
+                pf,
+                None,
+                step("export"),
+                "cannot make the copies: QEMU could not probe the image: not an image",
+            ),
+            wrapped(
+                QemuStepError::Start(LaunchError::Timeout {
+                    after: std::time::Duration::from_secs(1),
+                    stderr_tail: "t".into(),
+                }),
+                pf,
+                None,
+                json!({ "step": "qemu", "stderr": "t" }),
+                "QEMU failed to start: QEMU did not start within 1s; stderr: t",
+            ),
+            wrapped(
+                QemuStepError::VerifyQmp(QmpError::Closed),
+                pf,
+                None,
+                step("qemu_verify"),
+                "QEMU started but is not running: QMP check failed: QMP connection closed by QEMU",
+            ),
+            wrapped(
+                QemuStepError::VerifyStatus("paused".into()),
+                pf,
+                None,
+                step("qemu_verify"),
+                "QEMU started but is not running: QEMU reports status \"paused\"",
+            ),
+            wrapped(
+                QemuStepError::MayStillRun { pid: 7, source: Some(io()), after: std::time::Duration::from_secs(5) },
+                pf,
+                None,
+                step("kill"),
+                "QEMU (pid 7) may still run: cannot watch it exit: boom",
+            ),
+            wrapped(
+                QemuStepError::MayStillRun { pid: 7, source: None, after: std::time::Duration::from_secs(5) },
+                pf,
+                None,
+                step("kill"),
+                "QEMU (pid 7) may still run: it did not exit within 5s of SIGKILL",
+            ),
+            wrapped(
+                QemuStepError::Liveness(io()),
+                pf,
+                None,
+                step("process"),
+                "cannot tell whether the VM's QEMU still runs (boom); nothing was changed",
+            ),
+            wrapped(
+                QemuStepError::Qmp { step: "backup".into(), what: "query-block", source: QmpError::Closed },
+                pf,
+                None,
+                step("backup"),
+                "query-block: QMP connection closed by QEMU",
+            ),
+            wrapped(
+                QemuStepError::LiveCopy { step: "snapshot".into(), source: LiveError::Abandoned("x") },
+                pf,
+                None,
+                step("snapshot"),
+                "cannot copy the running VM's disks: the copy was given up: x",
+            ),
+            wrapped(
+                QemuStepError::GrowLive { gib: 20, source: QmpError::Closed },
+                pf,
+                None,
+                step("disk_grow"),
+                "cannot grow the disk to 20 GiB while running: QMP connection closed by QEMU",
+            ),
+            wrapped(
+                QemuStepError::LiveDisk {
+                    disk: "d".into(),
+                    what: "grow",
+                    source: LiveDiskCause::Qmp(QmpError::Closed),
+                },
+                pf,
+                None,
+                json!({ "step": "data_disk", "disk": "d" }),
+                "cannot grow data disk \"d\" while running: QMP connection closed by QEMU",
+            ),
+            wrapped(
+                QemuStepError::LiveDisk { disk: "*".into(), what: "settle", source: LiveDiskCause::Io(io()) },
+                pf,
+                None,
+                json!({ "step": "data_disk", "disk": "*" }),
+                "cannot settle data disk \"*\" while running: boom",
+            ),
+            wrapped(
+                QemuStepError::LiveDisk {
+                    disk: "d".into(),
+                    what: "hot-plug",
+                    source: LiveDiskCause::Hotplug(HotplugError::Uncertain(QmpError::Closed)),
+                },
+                pf,
+                None,
+                json!({ "step": "data_disk", "disk": "d" }),
+                "cannot hot-plug data disk \"d\" while running: device_add: no answer (QMP connection closed by \
+                 QEMU); QEMU may have attached the disk",
+            ),
+        ]
+    }
+
+    #[test]
+    fn the_lifecycle_s_wrappers_keep_code_field_details_and_text() {
+        for w in lifecycle_wrappers() {
+            let e = &w.error;
+            assert_eq!(e.message, w.message);
+            assert_eq!((e.code, e.field.as_deref()), (w.code, w.field), "{}", w.message);
+            assert_eq!(e.details, w.details, "{}", w.message);
+        }
+    }
+
+    #[test]
+    fn a_pin_refusal_inside_a_lifecycle_wrapper_stays_4002() {
+        let wrappers = [
+            DiskStepError::InspectImport { path: "/i/d".into(), source: pinned() },
+            DiskStepError::GrowImport { gib: 2, source: pinned() },
+            DiskStepError::InspectCopy { file: "f".into(), source: pinned() },
+            DiskStepError::ReadDisk { step: "export".into(), path: "/f".into(), source: pinned() },
+            DiskStepError::Flatten { source: pinned() },
+            DiskStepError::BaseImage { step: "export".into(), path: "/b".into(), source: pinned() },
+            DiskStepError::MakeCopies { step: "export".into(), source: pinned() },
+        ];
+        for w in wrappers {
+            let e: ApiError = w.into();
+            assert_eq!((e.code, e.field.as_deref()), (Code::BinaryMismatch, Some("qemu.sha256")));
+            assert_eq!(e.details["expected"], "a");
+        }
+    }
+
+    fn timeout() -> DiskError {
+        DiskError::Timeout { operation: "probe", after: std::time::Duration::from_secs(1) }
     }
 
     fn tool_error() -> DiskError {

@@ -104,15 +104,6 @@ pub enum DiskError {
 }
 
 impl DiskError {
-    /// The refusal of a binary that is not the pinned one (4002) as it is, anything else as
-    /// `other` maps it: each caller has its own code for QEMU's failures, a pin has one.
-    pub fn or_api(self, other: impl FnOnce(DiskError) -> crate::api::ApiError) -> crate::api::ApiError {
-        match self {
-            DiskError::Pinned(refusal) => refusal.into(),
-            e => other(e),
-        }
-    }
-
     /// Whether QEMU ran and refused the file it was given (its answer, not a failure to run
     /// it): the file is at fault, not the host.
     pub fn file_refused(&self) -> bool {

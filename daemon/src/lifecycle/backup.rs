@@ -17,6 +17,7 @@
 //! `boot.disk` VM). A create that fails removes the copies.
 
 use super::copies::{copy_checked, copy_timeout, create_target, seal_copies, CheckedFrom, VmDisk};
+use super::errors::{DiskStepError, FileError};
 use super::op::VmOp;
 use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
@@ -31,10 +32,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-fn failed(message: String) -> ApiError {
-    super::provisioning("export", message)
-}
-
 /// A disk's layers, bottom first, with their formats: its base image then its file, or its
 /// file alone.
 fn layers(disk: &VmDisk) -> Vec<(&Path, &str)> {
@@ -48,7 +45,7 @@ fn layers(disk: &VmDisk) -> Vec<(&Path, &str)> {
 fn open_ro(path: &Path) -> Result<OwnedFd, ApiError> {
     crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path))
         .map(OwnedFd::from)
-        .map_err(|e| failed(format!("cannot open {}: {e}", path.display())))
+        .map_err(|e| FileError::file("export", "open", path)(e).into())
 }
 
 /// [`crate::state::VmRecord::unclean_end`] of a VM imported from `backup` with `manifest`: none
@@ -215,9 +212,8 @@ impl Manager {
     ) -> Result<(), ApiError> {
         let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
         let temp = copy_checked(&from, disk, &self.config.paths.import_dir(), &format!("{vm}-{}", disk.file))?;
-        let failed = |e: std::io::Error| {
-            super::provisioning("import", format!("cannot place {} from the backup: {e}", disk.file))
-        };
+        let failed =
+            |source: std::io::Error| FileError::PlaceOut { step: "import".into(), file: disk.file.clone(), source };
         if let Some(parent) = dest.parent() {
             if !placed.dirs.iter().any(|d| d == parent)
                 && !crate::blocking::run(|| parent.try_exists()).map_err(failed)?
@@ -245,23 +241,18 @@ impl Manager {
             DiskRole::Data => spec.disks.iter().find(|d| d.name == disk.name).map(|d| d.size_gib),
         };
         let cannot =
-            |e: String| super::provisioning("import", format!("cannot inspect {} from the backup: {e}", disk.file));
+            |source: std::io::Error| FileError::InspectOut { step: "import".into(), file: disk.file.clone(), source };
         let fd =
             crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(dest))
                 .map(OwnedFd::from)
-                .map_err(|e| cannot(e.to_string()))?;
+                .map_err(cannot)?;
         let found = if disk.format == DiskFormat::Raw {
-            let len = std::fs::File::from(fd).metadata().map_err(|e| cannot(e.to_string()))?.len();
+            let len = std::fs::File::from(fd).metadata().map_err(cannot)?.len();
             crate::disk::import::ImportInfo { format: "raw".into(), virtual_size: len, backing: None, data_file: None }
         } else {
-            crate::disk::import::inspect(&self.disk_tool(), fd).await.map_err(|e| {
-                e.or_api(|e| match e {
-                    crate::disk::DiskError::Tool { .. } | crate::disk::DiskError::Output(_) => {
-                        refused_copy(disk, format!("QEMU cannot read it as a disk image: {e}"))
-                    }
-                    other => cannot(other.to_string()),
-                })
-            })?
+            crate::disk::import::inspect(&self.disk_tool(), fd)
+                .await
+                .map_err(|source| DiskStepError::InspectCopy { file: disk.file.clone(), source })?
         };
         match check_copy(disk.format, limit_gib, &found) {
             Ok(()) => Ok(()),
@@ -283,7 +274,7 @@ impl VmOp {
         for ((disk, entry), target) in disks.iter().zip(entries.iter_mut()).zip(targets) {
             let info = crate::disk::import::inspect(&self.mgr().disk_tool(), open_ro(&disk.file)?)
                 .await
-                .map_err(|e| e.or_api(|e| failed(format!("cannot read {}: {e}", disk.file.display()))))?;
+                .map_err(|source| DiskStepError::ReadDisk { step: "export".into(), path: disk.file.clone(), source })?;
             entry.virtual_size = info.virtual_size;
             let len = if entry.format == DiskFormat::Raw { info.virtual_size } else { 0 };
             let mut opened = Vec::new();
@@ -297,12 +288,9 @@ impl VmOp {
                 virtual_size: info.virtual_size,
             });
         }
-        crate::disk::export::flatten(&self.mgr().disk_tool(), flat, within).await.map_err(|e| {
-            e.or_api(|e| {
-                let tail = e.stderr_tail().unwrap_or_default().to_string();
-                failed(format!("cannot copy the disks: {e}")).details(json!({ "step": "export", "stderr": tail }))
-            })
-        })
+        crate::disk::export::flatten(&self.mgr().disk_tool(), flat, within)
+            .await
+            .map_err(|source| DiskStepError::Flatten { source }.into())
     }
 
     /// Copies the running VM's disks in its own QEMU, all at one instant

@@ -4,6 +4,7 @@
 //! made ([`seal_copies`]), and a copy taken back out, checked against its sha256
 //! ([`copy_checked`]).
 
+use super::errors::{DiskStepError, FileError};
 use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole};
 use crate::api::disks::DiskFormat;
@@ -105,7 +106,7 @@ pub(super) fn create_target(path: &Path, len: u64, step: &str) -> Result<OwnedFd
         Ok::<_, std::io::Error>(f)
     })
     .map(OwnedFd::from)
-    .map_err(|e| super::provisioning(step, format!("cannot create {}: {e}", path.display())))
+    .map_err(|e| FileError::file(step, "create", path)(e).into())
 }
 
 /// Reads each copy of `entries` in `dir` back once: its sha256 and size into its entry, a raw
@@ -123,7 +124,7 @@ pub(super) fn seal_copies(dir: &Path, entries: &mut [BackupDisk], step: &str) ->
             f.sync_all()?;
             Ok::<_, std::io::Error>((sha, f.metadata()?.len()))
         })
-        .map_err(|e| super::provisioning(step, format!("cannot read back {}: {e}", target.display())))?;
+        .map_err(FileError::file(step, "read back", &target))?;
         entry.sha256 = sha256;
         entry.bytes = bytes;
     }
@@ -152,8 +153,12 @@ pub(super) fn copy_checked(
     temp_dir: &Path,
     temp_name: &str,
 ) -> Result<crate::images::Temp, ApiError> {
-    let failed =
-        |e: std::io::Error| super::provisioning(from.step, format!("cannot copy {} {}: {e}", disk.file, from.place));
+    let failed = |source: std::io::Error| FileError::CopyOut {
+        step: from.step.into(),
+        file: disk.file.clone(),
+        place: from.place.into(),
+        source,
+    };
     let mut temp = crate::images::Temp::create(temp_dir, temp_name).map_err(failed)?;
     crate::images::copy(&from.dir.join(&disk.file), &mut temp).map_err(failed)?;
     let found = temp.finish().map_err(failed)?;
@@ -199,9 +204,9 @@ impl Manager {
         let mut out = Vec::new();
         if let Some(image) = &spec.boot.image {
             let base = self.config.paths.images.join(image);
-            let format = crate::disk::base_format(&self.disk_tool(), &base).await.map_err(|e| {
-                e.or_api(|e| super::provisioning(step, format!("cannot read the base image {}: {e}", base.display())))
-            })?;
+            let format = crate::disk::base_format(&self.disk_tool(), &base)
+                .await
+                .map_err(|source| DiskStepError::BaseImage { step: step.into(), path: base.clone(), source })?;
             out.push(root(DiskFormat::Qcow2, paths.overlay.clone(), Some((base, format))));
         } else if spec.boot.disk.is_some() {
             let disk = rec

@@ -20,7 +20,7 @@
 
 use super::op::VmOp;
 use super::Manager;
-use crate::api::{ApiError, Code, DataDiskSpec, VmSpec};
+use crate::api::{ApiError, DataDiskSpec, VmSpec};
 use crate::qemu::hotplug::{self, DiskFds, HotplugError};
 use crate::qemu::qmp::Qmp;
 use serde_json::json;
@@ -42,9 +42,8 @@ enum HotplugOutcome {
     Unknown,
 }
 
-fn failed(disk: &str, what: &str, e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(Code::ProvisioningFailed, format!("cannot {what} data disk {disk:?} while running: {e}"))
-        .details(json!({ "step": "data_disk", "disk": disk }))
+fn failed(disk: &str, what: &'static str, e: impl Into<super::errors::LiveDiskCause>) -> ApiError {
+    super::errors::QemuStepError::LiveDisk { disk: disk.into(), what, source: e.into() }.into()
 }
 
 /// Whether a QEMU running `running` still lacks part of `spec`: a restart, or a live disk step.
@@ -204,7 +203,7 @@ impl VmOp {
         hotplug::attach(q, disk, &fds, pcie).await.map_err(|e| {
             let outcome =
                 if matches!(e, HotplugError::Uncertain(_)) { HotplugOutcome::Unknown } else { HotplugOutcome::Refused };
-            (failed(&disk.name, "hot-plug", &e), outcome)
+            (failed(&disk.name, "hot-plug", e), outcome)
         })
     }
 

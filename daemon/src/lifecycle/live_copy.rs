@@ -23,6 +23,7 @@
 //! ([`super::snapshots`]). [`Manager::check_requires`] stays a [`Manager`] method: it reads only
 //! the record and the agent hub, before the caller makes anything.
 
+use super::errors::{DiskStepError, FileError, QemuStepError};
 use super::op::VmOp;
 use super::Manager;
 use crate::api::snapshots::{Consistency, CopyConsistency, Requirement};
@@ -217,8 +218,9 @@ impl VmOp {
     ) -> Result<CopyConsistency, ApiError> {
         let name = self.name();
         let mgr = self.mgr();
-        let mut q = mgr.qmp(name, Duration::from_secs(5)).await.map_err(|e| failed(step, format!("QMP: {e}")))?;
-        let blocks = q.execute("query-block", None).await.map_err(|e| failed(step, format!("query-block: {e}")))?;
+        let qmp = |what| move |source| QemuStepError::Qmp { step: step.into(), what, source };
+        let mut q = mgr.qmp(name, Duration::from_secs(5)).await.map_err(qmp("QMP"))?;
+        let blocks = q.execute("query-block", None).await.map_err(qmp("query-block"))?;
         let mut qcow2 = Vec::new();
         let mut disks = Vec::new();
         for t in targets.iter_mut() {
@@ -233,14 +235,14 @@ impl VmOp {
             let raw = t.format == "raw";
             let fd = super::copies::create_target(&t.path, if raw { t.virtual_size } else { 0 }, step)?;
             if !raw {
-                let copy = fd.try_clone().map_err(|e| failed(step, format!("cannot duplicate a descriptor: {e}")))?;
+                let copy = fd.try_clone().map_err(FileError::unnamed(step, "duplicate a descriptor"))?;
                 qcow2.push(QcowTarget { fd: copy, bytes: t.virtual_size, backing: t.backing.clone() });
             }
             disks.push(LiveDisk { device: t.device.clone(), target: fd, format: t.format, sync: t.sync });
         }
         crate::disk::export::make_qcow2_targets(&mgr.disk_tool(), qcow2)
             .await
-            .map_err(|e| e.or_api(|e| failed(step, format!("cannot make the copies: {e}"))))?;
+            .map_err(|source| DiskStepError::MakeCopies { step: step.into(), source })?;
         let (mut started, mut result) = crate::disk::export::prepare_live(&mut q, &disks).await;
         let mut made = None;
         if result.is_ok() {
@@ -280,7 +282,7 @@ impl VmOp {
         }
         crate::disk::export::finish_live(&mut q, started, &disks, result, within)
             .await
-            .map_err(|e| failed(step, format!("cannot copy the running VM's disks: {e}")))?;
+            .map_err(|source| QemuStepError::LiveCopy { step: step.into(), source })?;
         let made = made.ok_or_else(|| failed(step, "the copies were not started".to_string()))?;
         match (&made.consistency, &made.reason) {
             (Consistency::Crash, Some(reason)) => {

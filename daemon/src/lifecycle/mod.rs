@@ -30,6 +30,7 @@ mod backup;
 mod busy;
 mod copies;
 mod data_disks;
+pub(crate) mod errors;
 mod exits;
 mod hotplug;
 mod images;
@@ -267,8 +268,8 @@ impl Manager {
     }
 
     /// The QEMU that works on image files: `qemu.binary` as `qemu.user` ([`crate::disk`]), with
-    /// its `qemu.sha256` pin, checked before each of its runs (4002: map errors with
-    /// [`crate::disk::DiskError::or_api`]).
+    /// its `qemu.sha256` pin, checked before each of its runs (4002: wrap its errors in an
+    /// owner's or a [`errors::DiskStepError`], whose mapping keeps a pin refusal 4002).
     fn disk_tool(&self) -> crate::disk::Tool {
         crate::disk::Tool {
             binary: self.config.qemu.binary.clone(),

@@ -9,8 +9,8 @@
 //! Order for one QEMU: [`Processes::find`] (never start a VM twice), [`Processes::spawn`],
 //! [`Processes::verify_running`], and at the end [`Processes::kill`].
 
-use super::provisioning;
-use crate::api::{ApiError, Code};
+use super::errors::QemuStepError;
+use crate::api::ApiError;
 use crate::config::Config;
 use crate::process::{self, ProcessIdentity};
 use crate::qemu::argv::VmPaths;
@@ -18,7 +18,6 @@ use crate::qemu::identity::{self, QemuCheck};
 use crate::qemu::integrity::Integrity;
 use crate::qemu::launch::{launch, LaunchRequest, Launched};
 use crate::qemu::qmp::Qmp;
-use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -113,11 +112,7 @@ impl Processes {
     pub async fn spawn(&self, request: &LaunchRequest) -> Result<Launched, ApiError> {
         // Checked here too, not only when the operation began: the last moment before the exec.
         self.integrity.verify_qemu()?;
-        launch(request).await.map_err(|e| {
-            let tail = e.stderr_tail().unwrap_or_default().to_string();
-            ApiError::new(Code::ProvisioningFailed, format!("QEMU failed to start: {e}"))
-                .details(json!({"step": "qemu", "stderr": tail}))
-        })
+        Ok(launch(request).await.map_err(QemuStepError::Start)?)
     }
 
     /// Checks over `qmp`, the connection a just-launched QEMU greeted on ([`Launched::qmp`]),
@@ -127,13 +122,11 @@ impl Processes {
     /// 4001 step `qemu_verify` when QMP does not answer or reports another status.
     pub async fn verify_running(&self, mut qmp: Qmp) -> Result<(), ApiError> {
         qmp.set_timeout(QMP_TIMEOUT);
-        let verified = qmp.query_status().await.map_err(|e| e.to_string());
-        let why = match verified {
-            Ok(status) if status == "running" => return Ok(()),
-            Ok(s) => format!("QEMU reports status {s:?}"),
-            Err(e) => format!("QMP check failed: {e}"),
-        };
-        Err(provisioning("qemu_verify", format!("QEMU started but is not running: {why}")))
+        match qmp.query_status().await {
+            Ok(status) if status == "running" => Ok(()),
+            Ok(status) => Err(QemuStepError::VerifyStatus(status).into()),
+            Err(e) => Err(QemuStepError::VerifyQmp(e).into()),
+        }
     }
 
     /// Sends SIGKILL to VM `name`'s QEMU `id` (only if it still is that QEMU) and waits
@@ -160,17 +153,18 @@ impl Processes {
                 Ok(())
             }
             outcome => {
-                let why = match outcome {
-                    Ok(Err(e)) => format!("cannot watch it exit: {e}"),
-                    _ => format!("it did not exit within {KILL_WAIT:?} of SIGKILL"),
+                let source = match outcome {
+                    Ok(Err(e)) => Some(e),
+                    _ => None,
                 };
-                tracing::error!(vm = name, pid = id.pid, "QEMU may still run: {why}");
-                Err(provisioning("kill", format!("QEMU (pid {}) may still run: {why}", id.pid)))
+                let e = QemuStepError::MayStillRun { pid: id.pid, source, after: KILL_WAIT };
+                tracing::error!(vm = name, pid = id.pid, "{e}");
+                Err(e.into())
             }
         }
     }
 }
 
 fn unknown_liveness(e: std::io::Error) -> ApiError {
-    provisioning("process", format!("cannot tell whether the VM's QEMU still runs ({e}); nothing was changed"))
+    QemuStepError::Liveness(e).into()
 }

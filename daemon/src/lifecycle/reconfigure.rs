@@ -259,10 +259,7 @@ impl VmOp {
             q.block_resize(DISK_DRIVE, gib.saturating_mul(1 << 30)).await
         }
         .await;
-        grown.map_err(|e| {
-            ApiError::new(Code::ProvisioningFailed, format!("cannot grow the disk to {gib} GiB while running: {e}"))
-                .details(json!({ "step": "disk_grow" }))
-        })
+        Ok(grown.map_err(|source| super::errors::QemuStepError::GrowLive { gib, source })?)
     }
 }
 

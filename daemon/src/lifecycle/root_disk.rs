@@ -23,6 +23,7 @@
 //! offline ([`Manager::grow_root_disk`]), never below the size it had when imported
 //! ([`check_root_disk_size`]).
 
+use super::errors::{DiskStepError, FileError};
 use super::op::VmOp;
 use super::undo::Step;
 use super::Manager;
@@ -51,8 +52,11 @@ pub(super) struct Import {
     mode: u32,
 }
 
+/// The API step of this module's failures.
+const STEP: &str = "root_disk";
+
 fn failed(message: String) -> ApiError {
-    super::provisioning("root_disk", message)
+    super::provisioning(STEP, message)
 }
 
 fn refused(message: String) -> ApiError {
@@ -133,9 +137,9 @@ impl Manager {
                 source.display(),
                 dir.display()
             )),
-            _ => refused(format!("cannot open {}: {e}", source.display())),
+            _ => FileError::OpenImport { path: source.clone(), source: e }.into(),
         })?;
-        let meta = opened.metadata().map_err(|e| failed(format!("cannot stat {}: {e}", source.display())))?;
+        let meta = opened.metadata().map_err(FileError::file(STEP, "stat", &source))?;
         if !meta.file_type().is_file() {
             return Err(refused(format!("{} is not a regular file", source.display())));
         }
@@ -148,8 +152,7 @@ impl Manager {
             )));
         }
         let disks = self.config.paths.state.join("disks");
-        let state_dev =
-            std::fs::metadata(&disks).map_err(|e| failed(format!("cannot stat {}: {e}", disks.display())))?.dev();
+        let state_dev = std::fs::metadata(&disks).map_err(FileError::file(STEP, "stat", &disks))?.dev();
         if meta.dev() != state_dev {
             return Err(refused(format!(
                 "{} is on another file system than the state directory {}: vmhostd only renames an \
@@ -159,19 +162,10 @@ impl Manager {
             ))
             .details(json!({ "reason": "cross_device" })));
         }
-        let fd =
-            opened.try_clone().map(OwnedFd::from).map_err(|e| failed(format!("cannot duplicate a descriptor: {e}")))?;
-        let info = crate::disk::import::inspect(&self.disk_tool(), fd).await.map_err(|e| {
-            e.or_api(|e| {
-                if e.file_refused() {
-                    let tail = e.stderr_tail().unwrap_or_default().to_string();
-                    refused(format!("QEMU cannot read {} as a disk image: {e}", source.display()))
-                        .details(json!({ "stderr": tail }))
-                } else {
-                    failed(format!("cannot inspect {}: {e}", source.display()))
-                }
-            })
-        })?;
+        let fd = opened.try_clone().map(OwnedFd::from).map_err(FileError::unnamed(STEP, "duplicate a descriptor"))?;
+        let info = crate::disk::import::inspect(&self.disk_tool(), fd)
+            .await
+            .map_err(|e| DiskStepError::InspectImport { path: source.clone(), source: e })?;
         let format = match info.format.as_str() {
             "qcow2" => DiskFormat::Qcow2,
             "raw" => DiskFormat::Raw,
@@ -227,8 +221,7 @@ impl Manager {
         let name = spec.name.as_str();
         let paths = self.paths(name);
         let target = paths.root_disk(import.format);
-        crate::state::dirs::private_dir(&paths.disk_dir)
-            .map_err(|e| failed(format!("cannot create {}: {e}", paths.disk_dir.display())))?;
+        crate::state::dirs::private_dir(&paths.disk_dir).map_err(FileError::file(STEP, "create", &paths.disk_dir))?;
         let root = RootDisk {
             format: import.format,
             imported_bytes: import.virtual_size,
@@ -238,12 +231,7 @@ impl Manager {
         self.record_intent(name, "importing the root disk", |r| r.start_root_import(root))?;
         if let Err(e) = rename_no_replace(&import.source, &target) {
             let _ = self.update(name, "root disk not moved", VmRecord::drop_root_disk);
-            let why = match e.raw_os_error() {
-                Some(libc::EXDEV) => "it is on another file system (a disk is renamed, never copied)".to_string(),
-                Some(libc::EEXIST) => format!("{} exists", target.display()),
-                _ => e.to_string(),
-            };
-            return Err(failed(format!("cannot move {} to {}: {why}", import.source.display(), target.display())));
+            return Err(FileError::Move { step: STEP.into(), from: import.source, to: target, source: e }.into());
         }
         tracing::info!(vm = name, from = %import.source.display(), to = %target.display(), "imported a root disk");
         self.crashpoint("root_disk:moved");
@@ -256,15 +244,11 @@ impl Manager {
             return Err(failed(format!("{} changed while it was being imported", import.source.display())));
         }
         nix::sys::stat::fchmod(import.file.as_fd(), nix::sys::stat::Mode::from_bits_truncate(0o600))
-            .map_err(|e| failed(format!("cannot make {} private: {e}", target.display())))?;
+            .map_err(|e| FileError::MakePrivate { step: STEP.into(), path: target.clone(), source: e.into() })?;
         if let Some(gib) = spec.boot.disk_gib {
-            crate::disk::data::grow(&self.disk_tool(), &target, &as_disk(import.format, gib)).await.map_err(|e| {
-                e.or_api(|e| {
-                    let tail = e.stderr_tail().unwrap_or_default().to_string();
-                    failed(format!("cannot grow the imported disk to {gib} GiB: {e}"))
-                        .details(json!({ "step": "root_disk", "stderr": tail }))
-                })
-            })?;
+            crate::disk::data::grow(&self.disk_tool(), &target, &as_disk(import.format, gib))
+                .await
+                .map_err(|source| DiskStepError::GrowImport { gib, source })?;
         }
         Ok(())
     }
@@ -321,7 +305,7 @@ impl Manager {
             Ok(f) => f,
             // Never moved (a crash before the rename), or already back.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(failed(format!("cannot open {}: {e}", file.display()))),
+            Err(e) => return Err(FileError::file(STEP, "open", file)(e).into()),
         };
         let mode = nix::sys::stat::Mode::from_bits_truncate(root.source_mode);
         if let Err(e) = nix::sys::stat::fchmod(opened.as_fd(), mode) {
@@ -335,7 +319,12 @@ impl Manager {
             }
             other => other,
         };
-        result.map_err(|e| failed(format!("cannot move {} back to {}: {e}", file.display(), to.display())))?;
+        result.map_err(|e| FileError::MoveBack {
+            step: STEP.into(),
+            from: file.to_path_buf(),
+            to: to.clone(),
+            source: e,
+        })?;
         tracing::warn!(path = %to.display(), "gave an imported disk back to the import directory");
         Ok(())
     }
@@ -356,7 +345,7 @@ impl Manager {
             match crate::blocking::run(|| std::fs::remove_file(&file)) {
                 Ok(()) => tracing::info!(vm = name, path = %file.display(), "deleted the root disk"),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(failed(format!("cannot delete {}: {e}", file.display()))),
+                Err(e) => return Err(FileError::file(STEP, "delete", &file)(e).into()),
             }
         }
         remove_if_empty(&paths.disk_dir);

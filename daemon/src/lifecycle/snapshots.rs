@@ -26,6 +26,7 @@
 //! VM's disks are untouched until a revert's copies are all checked).
 
 use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk};
+use super::errors::FileError;
 use super::op::VmOp;
 use super::Manager;
 use crate::api::backup::BackupDisk;
@@ -40,8 +41,11 @@ use std::time::Duration;
 /// Most snapshots a VM keeps.
 pub const MAX_SNAPSHOTS: usize = 16;
 
+/// The API step of this module's failures.
+const STEP: &str = "snapshot";
+
 fn failed(message: String) -> ApiError {
-    super::provisioning("snapshot", message)
+    super::provisioning(STEP, message)
 }
 
 fn is_snapshot_name(name: &str) -> bool {
@@ -131,16 +135,18 @@ impl Manager {
             let _ = std::fs::remove_dir_all(&partial);
             crate::state::dirs::private_dir(&partial)
         })
-        .map_err(|e| failed(format!("cannot create {}: {e}", partial.display())))?;
+        .map_err(FileError::file(STEP, "create", &partial))?;
         let mut cleanup = RemoveDir(Some(partial.clone()));
         let made = if let Some(stopped) = stopped {
             for (d, e) in disks.iter().zip(&entries) {
-                let mut temp = crate::images::Temp::create(&partial, &e.file)
-                    .map_err(|e| failed(format!("cannot create a copy in {}: {e}", partial.display())))?;
-                crate::images::copy(&d.file, &mut temp)
-                    .map_err(|e| failed(format!("cannot copy {}: {e}", d.file.display())))?;
-                temp.finish().map_err(|e| failed(format!("cannot write a copy: {e}")))?;
-                temp.place(&partial.join(&e.file)).map_err(|e| failed(format!("cannot place a copy: {e}")))?;
+                let mut temp = crate::images::Temp::create(&partial, &e.file).map_err(FileError::file(
+                    STEP,
+                    "create a copy in",
+                    &partial,
+                ))?;
+                crate::images::copy(&d.file, &mut temp).map_err(FileError::file(STEP, "copy", &d.file))?;
+                temp.finish().map_err(FileError::unnamed(STEP, "write a copy"))?;
+                temp.place(&partial.join(&e.file)).map_err(FileError::unnamed(STEP, "place a copy"))?;
             }
             stopped
         } else {
@@ -159,13 +165,14 @@ impl Manager {
             spec,
             disks: entries,
         };
-        let json = serde_json::to_vec_pretty(&snapshot).map_err(|e| failed(e.to_string()))?;
+        let json =
+            serde_json::to_vec_pretty(&snapshot).map_err(|source| FileError::Encode { step: STEP.into(), source })?;
         crate::blocking::run(|| {
             crate::state::atomic::write_atomic(&partial.join("snapshot.json"), &json)?;
             std::fs::rename(&partial, &done)?;
             std::fs::File::open(&dir)?.sync_all()
         })
-        .map_err(|e| failed(format!("cannot finish the snapshot in {}: {e}", partial.display())))?;
+        .map_err(FileError::file(STEP, "finish the snapshot in", &partial))?;
         cleanup.0 = None;
         let consistency = snapshot.consistency.map_or("-", |c| c.as_str());
         tracing::info!(vm = %p.name, snapshot = %p.snapshot, live, consistency, "snapshot taken");
@@ -262,7 +269,7 @@ impl Manager {
         self.update(&p.name, "vm.revert", |r| r.start_revert(&p.snapshot))?;
         self.crashpoint("revert:recorded");
         for (temp, file) in copies {
-            temp.replace(&file).map_err(|e| failed(format!("cannot put {} back: {e}", file.display())))?;
+            temp.replace(&file).map_err(|source| FileError::PutBack { step: STEP.into(), path: file, source })?;
         }
         // The disks and the instance id their guest booted with go back together.
         self.update(&p.name, "vm.revert", |r| complete_revert(r, &snapshot))?;
@@ -293,7 +300,7 @@ impl Manager {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
             Err(e) => Err(e),
         })
-        .map_err(|e| failed(format!("cannot delete {}: {e}", dir.display())))?;
+        .map_err(FileError::file(STEP, "delete", &dir))?;
         Ok(SnapshotDeleted { changed, snapshot: p.snapshot })
     }
 
@@ -327,7 +334,7 @@ impl Manager {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),
         })
-        .map_err(|e| failed(format!("cannot delete the snapshots in {}: {e}", dir.display())))
+        .map_err(|e| FileError::file(STEP, "delete the snapshots in", &dir)(e).into())
     }
 
     /// 4090 when a revert of VM `rec` was interrupted: its disks may be part reverted.
