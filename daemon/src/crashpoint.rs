@@ -68,7 +68,7 @@ mod tests {
                 continue;
             }
             let text = std::fs::read_to_string(&path).unwrap();
-            for marker in ["crashpoint(\"", "paths.run, \"", "numbered_crashpoint(self.config.paths.run.clone(), \""] {
+            for marker in ["crashpoint(\"", "paths.run, \""] {
                 for piece in text.split(marker).skip(1) {
                     let step = &piece[..piece.find('"').unwrap()];
                     let name = |c: char| c.is_ascii_lowercase() || "_:-".contains(c);

@@ -27,7 +27,7 @@ use crate::disk::space::SpaceError;
 use crate::disk::{DiskError, GrowError, OverlayError};
 use crate::images::download::DownloadError;
 use crate::images::{ImageError, StoreError};
-use crate::lifecycle::errors::{DiskStepError, FileError, QemuStepError};
+use crate::lifecycle::errors::{DiskStepError, FileError, IntentRefused, LaunchFileError, QemuStepError};
 use crate::net::host::AttachError;
 use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
@@ -400,6 +400,33 @@ impl From<DiskStepError> for ApiError {
             | DiskStepError::BaseImage { step: s, .. }
             | DiskStepError::MakeCopies { step: s, .. } => step(s),
         }
+    }
+}
+
+impl From<LaunchFileError> for ApiError {
+    /// 2001 on the kernel's or initrd's field; 2001 on `spec.boot.firmware` with
+    /// `details.path` and `details.config`; 4001 step `qemu_files` or `firmware`; 4001 for
+    /// the variables store's removal.
+    fn from(e: LaunchFileError) -> ApiError {
+        match &e {
+            LaunchFileError::BootFile { field, .. } => api(Code::InvalidSpec, &e, Some(field)),
+            LaunchFileError::Firmware(f) => api(Code::InvalidSpec, &e, Some("spec.boot.firmware"))
+                .details(json!({ "path": f.path(), "config": f.key() })),
+            LaunchFileError::OpenForQemu { .. } => {
+                api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "qemu_files" }))
+            }
+            LaunchFileError::CopyVars { .. } => {
+                api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "firmware" }))
+            }
+            LaunchFileError::RemoveVars { .. } => api(Code::ProvisioningFailed, &e, None),
+        }
+    }
+}
+
+impl From<IntentRefused> for ApiError {
+    /// 5000: an operation began disk work its own checks should have refused.
+    fn from(e: IntentRefused) -> ApiError {
+        api(Code::Internal, &e, None)
     }
 }
 
@@ -1001,6 +1028,73 @@ mod tests {
         let exists = std::io::Error::from_raw_os_error(libc::EEXIST);
         let exdev = std::io::Error::from_raw_os_error(libc::EXDEV);
         vec![
+            wrapped(
+                LaunchFileError::BootFile {
+                    field: "spec.boot.kernel",
+                    path: "/b/k".into(),
+                    source: std::io::Error::from(std::io::ErrorKind::NotFound),
+                },
+                Code::InvalidSpec,
+                Some("spec.boot.kernel"),
+                Value::Null,
+                "/b/k does not exist",
+            ),
+            wrapped(
+                LaunchFileError::BootFile {
+                    field: "spec.boot.initrd",
+                    path: "/b/i".into(),
+                    source: std::io::Error::from_raw_os_error(libc::EACCES),
+                },
+                Code::InvalidSpec,
+                Some("spec.boot.initrd"),
+                Value::Null,
+                "vmhostd cannot read /b/i: Permission denied (os error 13)",
+            ),
+            wrapped(
+                LaunchFileError::BootFile { field: "spec.boot.kernel", path: "/b/k".into(), source: io() },
+                Code::InvalidSpec,
+                Some("spec.boot.kernel"),
+                Value::Null,
+                "cannot use /b/k: boom",
+            ),
+            wrapped(
+                LaunchFileError::Firmware(crate::qemu::firmware::FirmwareError::NotAFile {
+                    key: "firmware.uefi_code",
+                    path: "/f/code.fd".into(),
+                }),
+                Code::InvalidSpec,
+                Some("spec.boot.firmware"),
+                json!({ "path": "/f/code.fd", "config": "firmware.uefi_code" }),
+                "boot.firmware uefi: /f/code.fd is not a regular file",
+            ),
+            wrapped(
+                LaunchFileError::OpenForQemu { path: "/r/serial.log".into(), source: io() },
+                pf,
+                None,
+                step("qemu_files"),
+                "cannot open /r/serial.log for QEMU: boom",
+            ),
+            wrapped(
+                LaunchFileError::CopyVars { from: "/f/vars.fd".into(), to: "/s/vars.fd".into(), source: io() },
+                pf,
+                None,
+                step("firmware"),
+                "cannot copy the UEFI variables store /f/vars.fd to /s/vars.fd: boom",
+            ),
+            wrapped(
+                LaunchFileError::RemoveVars { path: "/s/vars.fd".into(), source: io() },
+                pf,
+                None,
+                Value::Null,
+                "cannot remove the UEFI variables store /s/vars.fd: boom",
+            ),
+            wrapped(
+                IntentRefused { vm: "v".into(), source: crate::state::IntentError::Reverting("s1".into()) },
+                Code::Internal,
+                None,
+                Value::Null,
+                "VM \"v\": a revert to snapshot \"s1\" is unfinished: no disk work may begin",
+            ),
             wrapped(
                 FileError::File { step: "root_disk".into(), action: "stat", path: "/i/d".into(), source: io() },
                 pf,

@@ -169,7 +169,7 @@ impl Manager {
         match &result {
             Ok(_) => {
                 // The create took them, and the kept-disks directory with its last disk
-                // ([`Manager::ensure_data_disk`]).
+                // ([`VmOp::ensure_data_disk`]).
                 placed.files.clear();
                 placed.dirs.clear();
                 if let Some(why) = imported_unclean(&p.backup, &manifest) {

@@ -23,6 +23,7 @@
 //! A replace (new `boot.image`) runs a create without clearing orphans or undoing anything
 //! but what it made, so every data disk outlives it.
 
+use super::errors::IntentRefused;
 use super::op::VmOp;
 use super::undo::Step;
 use super::Manager;
@@ -95,26 +96,6 @@ impl Manager {
             .space_left(state)
             .map_err(|source| DataDiskError::Space { dir: state.clone(), source })?;
         Ok(crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)?)
-    }
-
-    /// Records what the operation in progress on VM `name` is about to do to the host
-    /// (`start`: a [`crate::state::Intent`] begun or extended), before it does it.
-    ///
-    /// # Errors
-    /// The record cannot be written; 5000 when the record holds an intent this one cannot join
-    /// (an unfinished revert: callers refuse such a VM first).
-    ///
-    /// A `Manager` method because the root disk's import ([`super::root_disk`]), not an
-    /// operation's method yet, records its intent with it too.
-    pub(super) fn record_intent(
-        &self,
-        name: &str,
-        reason: &str,
-        start: impl FnOnce(&mut crate::state::VmRecord) -> Result<(), crate::state::IntentError>,
-    ) -> Result<(), ApiError> {
-        let mut outcome = Ok(());
-        self.update(name, reason, |r| outcome = start(r))?;
-        outcome.map_err(|e| ApiError::internal(format!("VM {name:?}: {e}")))
     }
 
     /// The create that tracked its disks has ended (made or undone): nothing is to be undone
@@ -281,6 +262,23 @@ impl Manager {
 }
 
 impl VmOp {
+    /// Records what this operation is about to do to the host (`start`: a
+    /// [`crate::state::Intent`] begun or extended), before it does it.
+    ///
+    /// # Errors
+    /// The record cannot be written; 5000 when the record holds an intent this one cannot join
+    /// (an unfinished revert: callers refuse such a VM first).
+    pub(super) fn record_intent(
+        &self,
+        reason: &str,
+        start: impl FnOnce(&mut crate::state::VmRecord) -> Result<(), crate::state::IntentError>,
+    ) -> Result<(), ApiError> {
+        let mut outcome = Ok(());
+        self.update(reason, |r| outcome = start(r))?;
+        outcome.map_err(|source| IntentRefused { vm: self.name().to_string(), source })?;
+        Ok(())
+    }
+
     /// Deletes files in the VM's data disk directory that no record names (a VM of this name
     /// is being created, so none can be its own): a new VM never inherits a stranger's disk,
     /// nor a UEFI variables store ([`VmPaths::uefi_vars`]) with a stranger's boot entries, which
@@ -349,7 +347,7 @@ impl VmOp {
         let kept = paths.kept_disk(disk);
         if kept.exists() {
             if track {
-                mgr.record_intent(name, "taking back a kept disk", |r| r.track_reclaimed_disk(&disk.name))?;
+                self.record_intent("taking back a kept disk", |r| r.track_reclaimed_disk(&disk.name))?;
             }
             move_disk(&kept, &file)?;
             tracing::info!(vm = name, disk = %disk.name, "took back a kept data disk");
@@ -367,7 +365,7 @@ impl VmOp {
             return Ok(());
         }
         if track {
-            mgr.record_intent(name, "making a data disk", |r| r.track_new_disk(&disk.name))?;
+            self.record_intent("making a data disk", |r| r.track_new_disk(&disk.name))?;
         }
         let partial = paths.partial_data_disk(disk);
         remove_file(&partial)?;

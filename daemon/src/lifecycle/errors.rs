@@ -9,7 +9,8 @@
 //!
 //! [`FileError`] is the lifecycle's own `std::io` work (root disk import, snapshots, copies,
 //! backups); [`DiskStepError`] a QEMU-without-a-guest step ([`crate::disk`]), whose pin refusal
-//! stays 4002; [`QemuStepError`] the running QEMU's (its launch, QMP, its process).
+//! stays 4002; [`QemuStepError`] the running QEMU's (its launch, QMP, its process);
+//! [`LaunchFileError`] the files a launch needs; [`IntentRefused`] a record that would not begin an operation's intent.
 
 use crate::disk::export::LiveError;
 use crate::disk::DiskError;
@@ -148,6 +149,76 @@ pub enum FileError {
         #[source]
         source: io::Error,
     },
+}
+
+/// A file a launch needs, or its UEFI variables store, that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchFileError {
+    /// The kernel or initrd the spec names cannot be opened by the spawner (2001 on `field`).
+    #[error("{}", boot_file(.path, .source))]
+    BootFile {
+        /// `spec.boot.kernel` or `spec.boot.initrd`.
+        field: &'static str,
+        /// The file the spec names.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A UEFI VM's firmware files are missing or unreadable (2001 on `spec.boot.firmware`).
+    #[error("boot.firmware uefi: {0}")]
+    Firmware(#[source] crate::qemu::firmware::FirmwareError),
+    /// A file QEMU is handed as a descriptor cannot be opened (4001 step `qemu_files`).
+    #[error("cannot open {} for QEMU: {source}", .path.display())]
+    OpenForQemu {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The host's UEFI variables template cannot be copied to the VM's store (4001 step
+    /// `firmware`).
+    #[error("cannot copy the UEFI variables store {} to {}: {source}", .from.display(), .to.display())]
+    CopyVars {
+        /// `firmware.uefi_vars`.
+        from: PathBuf,
+        /// The VM's store.
+        to: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The VM's UEFI variables store cannot be removed (4001, no step).
+    #[error("cannot remove the UEFI variables store {}: {source}", .path.display())]
+    RemoveVars {
+        /// The store.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Why a boot file cannot be used, in the words a user acts on.
+fn boot_file(path: &Path, e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::NotFound => format!("{} does not exist", path.display()),
+        io::ErrorKind::PermissionDenied => format!("vmhostd cannot read {}: {e}", path.display()),
+        _ => format!("cannot use {}: {e}", path.display()),
+    }
+}
+
+/// A VM's record refused the intent an operation asked it to begin (an unfinished revert):
+/// a bug, since every operation that makes disks refuses such a VM first (5000).
+#[derive(Debug, thiserror::Error)]
+#[error("VM {vm:?}: {source}")]
+pub struct IntentRefused {
+    /// The VM.
+    pub vm: String,
+    /// What the record said.
+    #[source]
+    pub source: crate::state::IntentError,
 }
 
 /// Why an import's rename failed, in the words a user acts on.

@@ -9,6 +9,7 @@
 //! Teardown (`Processes::kill`, then [`super::teardown`]) is what rollback, stop and destroy
 //! share.
 
+use super::errors::{FileError, LaunchFileError};
 use super::op::VmOp;
 use super::processes::Search;
 use super::teardown::partial_overlay;
@@ -21,7 +22,6 @@ use crate::qemu::argv::{build_argv, passed_fds, PassedFd};
 use crate::qemu::launch::LaunchRequest;
 use crate::seed::SeedError;
 use crate::validate::{BootSource, ValidSpec};
-use serde_json::json;
 use std::os::unix::fs::DirBuilderExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,18 +38,13 @@ struct PassedFds {
 /// field `field` names. Whatever stops it is the spec's problem: 2001 naming the field.
 async fn boot_file(
     dirs: &[std::path::PathBuf],
-    field: &str,
+    field: &'static str,
     path: &std::path::Path,
     copy: bool,
 ) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
-    crate::sandbox::spawn::boot_file(dirs, path, copy).await.map_err(|e| {
-        let why = match e.kind() {
-            std::io::ErrorKind::NotFound => format!("{} does not exist", path.display()),
-            std::io::ErrorKind::PermissionDenied => format!("vmhostd cannot read {}: {e}", path.display()),
-            _ => format!("cannot use {}: {e}", path.display()),
-        };
-        ApiError::invalid(field, why)
-    })
+    crate::sandbox::spawn::boot_file(dirs, path, copy)
+        .await
+        .map_err(|source| LaunchFileError::BootFile { field, path: path.to_path_buf(), source }.into())
 }
 
 impl Manager {
@@ -69,10 +64,8 @@ impl Manager {
         if vm.spec.boot.firmware == Firmware::Uefi {
             // The host's files, but the spec's choice: refused like a missing image, before
             // anything is made (a BIOS VM never needs them).
-            crate::blocking::run(|| crate::qemu::firmware::check(&self.config.firmware)).map_err(|e| {
-                ApiError::invalid("spec.boot.firmware", format!("boot.firmware uefi: {e}"))
-                    .details(json!({ "path": e.path(), "config": e.key() }))
-            })?;
+            crate::blocking::run(|| crate::qemu::firmware::check(&self.config.firmware))
+                .map_err(LaunchFileError::Firmware)?;
         }
         match &vm.boot {
             BootSource::Image { image, .. } => {
@@ -237,7 +230,7 @@ impl VmOp {
         }
         mgr.clean_run_dir(paths);
         crate::blocking::run(|| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&paths.run_dir))
-            .map_err(|e| provisioning("run_dir", format!("cannot create {}: {e}", paths.run_dir.display())))?;
+            .map_err(FileError::file("run_dir", "create", &paths.run_dir))?;
         self.push(Step::HostSide);
         self.update_status("launching QEMU", during, |r| {
             r.last_error = None;
@@ -327,15 +320,10 @@ impl VmOp {
             crate::state::dirs::private_dir(&paths.disk_dir)?;
             crate::qemu::firmware::copy_vars(&mgr.config.firmware.uefi_vars, &vars, &paths.partial_uefi_vars())
         })
-        .map_err(|e| {
-            provisioning(
-                "firmware",
-                format!(
-                    "cannot copy the UEFI variables store {} to {}: {e}",
-                    mgr.config.firmware.uefi_vars.display(),
-                    vars.display()
-                ),
-            )
+        .map_err(|source| LaunchFileError::CopyVars {
+            from: mgr.config.firmware.uefi_vars.clone(),
+            to: vars.clone(),
+            source,
         })?;
         Ok(())
     }
@@ -359,8 +347,8 @@ impl VmOp {
         use std::fs::OpenOptions;
         use std::os::fd::OwnedFd;
         use std::os::unix::fs::OpenOptionsExt;
-        let failed = |what: &std::path::Path, e: std::io::Error| {
-            provisioning("qemu_files", format!("cannot open {} for QEMU: {e}", what.display()))
+        let failed = |what: &std::path::Path, source: std::io::Error| -> ApiError {
+            LaunchFileError::OpenForQemu { path: what.to_path_buf(), source }.into()
         };
         let listen = |path: &std::path::Path| -> Result<OwnedFd, ApiError> {
             crate::blocking::run(|| {

@@ -240,7 +240,7 @@ impl VmOp {
         self.grow_data_disks(spec).await?;
         let Some(gib) = gib else { return Ok(()) };
         if spec.boot.disk.is_some() {
-            return mgr.grow_root_disk(spec, gib).await;
+            return self.grow_root_disk(gib).await;
         }
         let overlay = &self.paths().overlay;
         if !overlay.exists() {

@@ -9,7 +9,7 @@
 //!    QEMU as `qemu.user` says its format (qcow2 or raw), size and whether it names a backing
 //!    or data file (refused: flatten it first); then [`Manager::admit_import`] (disk space for
 //!    what it grows by);
-//! 2. [`Manager::import_root_disk`]: the record names the disk and where it came from
+//! 2. [`VmOp::import_root_disk`] (or [`VmOp::ensure_root_disk`] for a start): the record names the disk and where it came from
 //!    (`root_disk`, and the import in progress in its [`crate::state::DiskWork`]) before the
 //!    rename, so a crash never loses it; the moved file is checked to be the inode inspected,
 //!    made 0600 and grown to `disk_gib`;
@@ -20,7 +20,7 @@
 //!    VM); one whose import never completed goes back instead.
 //!
 //! A changed `disk_gib` grows it like an overlay: live (`block_resize` of the boot drive) or
-//! offline ([`Manager::grow_root_disk`]), never below the size it had when imported
+//! offline ([`VmOp::grow_root_disk`]), never below the size it had when imported
 //! ([`check_root_disk_size`]).
 
 use super::errors::{DiskStepError, FileError};
@@ -209,65 +209,8 @@ impl Manager {
         self.admit_provision(request)
     }
 
-    /// Moves `import` in as VM `spec.name`'s root disk: recorded first (`root_disk`, and the
-    /// import in progress), renamed (never over an existing file), checked to be the inspected
-    /// inode, made 0600, grown to `disk_gib`.
-    ///
-    /// # Errors
-    /// 4001 step `root_disk` when the record cannot be written or the file cannot be moved,
-    /// checked, or grown; a file moved in stays named by the record, for
-    /// [`Manager::undo_root_disk`].
-    pub(super) async fn import_root_disk(&self, spec: &VmSpec, import: Import) -> Result<(), ApiError> {
-        let name = spec.name.as_str();
-        let paths = self.paths(name);
-        let target = paths.root_disk(import.format);
-        crate::state::dirs::private_dir(&paths.disk_dir).map_err(FileError::file(STEP, "create", &paths.disk_dir))?;
-        let root = RootDisk {
-            format: import.format,
-            imported_bytes: import.virtual_size,
-            source: import.source.clone(),
-            source_mode: import.mode,
-        };
-        self.record_intent(name, "importing the root disk", |r| r.start_root_import(root))?;
-        if let Err(e) = rename_no_replace(&import.source, &target) {
-            let _ = self.update(name, "root disk not moved", VmRecord::drop_root_disk);
-            return Err(FileError::Move { step: STEP.into(), from: import.source, to: target, source: e }.into());
-        }
-        tracing::info!(vm = name, from = %import.source.display(), to = %target.display(), "imported a root disk");
-        self.crashpoint("root_disk:moved");
-        // The name may have been swapped between the inspection and the rename: what moved in
-        // must be the inode QEMU inspected, still not a symlink.
-        let moved = open_no_follow(&target).and_then(|f| f.metadata());
-        let inspected = import.file.metadata();
-        let same = matches!((&moved, &inspected), (Ok(a), Ok(b)) if a.dev() == b.dev() && a.ino() == b.ino() && a.file_type().is_file());
-        if !same {
-            return Err(failed(format!("{} changed while it was being imported", import.source.display())));
-        }
-        nix::sys::stat::fchmod(import.file.as_fd(), nix::sys::stat::Mode::from_bits_truncate(0o600))
-            .map_err(|e| FileError::MakePrivate { step: STEP.into(), path: target.clone(), source: e.into() })?;
-        if let Some(gib) = spec.boot.disk_gib {
-            crate::disk::data::grow(&self.disk_tool(), &target, &as_disk(import.format, gib))
-                .await
-                .map_err(|source| DiskStepError::GrowImport { gib, source })?;
-        }
-        Ok(())
-    }
-
-    /// A start of a `boot.disk` VM whose disk is not in place (its create failed and moved it
-    /// back): imports it again. Returns whether it did (the start undoes it when it fails).
-    ///
-    /// # Errors
-    /// As [`Manager::inspect_import`] and [`Manager::import_root_disk`].
-    pub(super) async fn ensure_root_disk(&self, vm: &ValidSpec) -> Result<bool, ApiError> {
-        if !matches!(vm.boot, BootSource::Disk { .. }) || self.record(&vm.spec.name)?.root_disk.is_some() {
-            return Ok(false);
-        }
-        let Some(import) = self.inspect_import(vm).await? else { return Ok(false) };
-        self.import_root_disk(&vm.spec, import).await?;
-        Ok(true)
-    }
-
-    /// The operation that imported the root disk has succeeded: the VM owns it.
+    /// The operation that imported the root disk has succeeded: the VM owns it. Runs without
+    /// an operation too: recovery ends an import whose VM got past its create.
     ///
     /// # Errors
     /// The record cannot be written.
@@ -284,7 +227,8 @@ impl Manager {
     /// Undoes an import the record says is in progress: the file goes back to the import
     /// directory with its permissions (to `FILE.returned` if its name was taken meanwhile), and
     /// the record stops naming it. Failures are logged: the record then keeps naming it, and a
-    /// destroy tries again rather than deleting it.
+    /// destroy tries again rather than deleting it. Runs without an operation too: recovery
+    /// undoes the import of a create or start that died.
     pub(super) fn undo_root_disk(&self, name: &str) {
         let Ok(rec) = self.record(name) else { return };
         let Some(root) = rec.root_disk.as_ref().filter(|_| rec.importing_root()) else { return };
@@ -330,7 +274,8 @@ impl Manager {
     }
 
     /// A destroy's share: deletes the VM's root disk (an import that never completed goes
-    /// back to the import directory instead).
+    /// back to the import directory instead). Runs without an operation too: recovery finishes
+    /// a destroy that died.
     ///
     /// # Errors
     /// 4001 step `root_disk` when it cannot be deleted or given back.
@@ -352,19 +297,6 @@ impl Manager {
         self.update(name, "root disk disposed of", VmRecord::drop_root_disk).map(drop)
     }
 
-    /// Grows the root disk of a `boot.disk` VM whose QEMU is not running to `gib`.
-    ///
-    /// # Errors
-    /// 4001 step `disk_grow` with QEMU's reason.
-    pub(super) async fn grow_root_disk(&self, spec: &VmSpec, gib: u64) -> Result<(), ApiError> {
-        let Some(root) = self.record(&spec.name)?.root_disk else { return Ok(()) };
-        let file = self.paths(&spec.name).root_disk(root.format);
-        crate::disk::data::grow(&self.disk_tool(), &file, &as_disk(root.format, gib))
-            .await
-            .map_err(|source| crate::disk::GrowError { gib, source })?;
-        Ok(())
-    }
-
     /// The full size of the root disk a `boot.disk` VM owns (for `host.info`'s
     /// `provisioned_bytes`, which [`crate::disk::space::provisioned`] leaves it out of): its
     /// `disk_gib`, or the size it was imported with when that is larger.
@@ -375,25 +307,33 @@ impl Manager {
 }
 
 impl VmOp {
-    /// The root disk step of a `boot.disk` create ([`Manager::import_root_disk`]): a file moved
-    /// in is given back to the import directory on failure.
+    /// The root disk step of a `boot.disk` create: moves `import` in as the VM's root disk.
+    /// Recorded first (`root_disk`, and the import in progress), renamed (never over an existing
+    /// file), checked to be the inspected inode, made 0600, grown to `disk_gib`. A file moved in
+    /// is given back to the import directory if the operation fails.
     ///
     /// # Errors
-    /// As [`Manager::import_root_disk`].
+    /// 4001 step `root_disk` when the record cannot be written or the file cannot be moved,
+    /// checked, or grown; a file moved in stays named by the record, for
+    /// [`Manager::undo_root_disk`].
     pub(super) async fn import_root_disk(&mut self, spec: &VmSpec, import: Import) -> Result<(), ApiError> {
         // Its undo reads the record, which names the disk before it is moved.
         self.push(Step::RootDisk);
-        self.mgr().import_root_disk(spec, import).await
+        self.move_in(spec, import).await
     }
 
-    /// The root disk step of a start ([`Manager::ensure_root_disk`]): a disk a failed create
-    /// gave back is imported again, and given back again if this start fails.
+    /// The root disk step of a start: a `boot.disk` VM whose disk is not in place (its create
+    /// failed and gave it back) imports it again, and gives it back again if this start fails.
     ///
     /// # Errors
-    /// As [`Manager::ensure_root_disk`].
+    /// As [`Manager::inspect_import`] and [`VmOp::import_root_disk`].
     pub(super) async fn ensure_root_disk(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
         self.push(Step::RootDisk);
-        self.mgr().ensure_root_disk(vm).await.map(drop)
+        if !matches!(vm.boot, BootSource::Disk { .. }) || self.record()?.root_disk.is_some() {
+            return Ok(());
+        }
+        let Some(import) = self.mgr().inspect_import(vm).await? else { return Ok(()) };
+        self.move_in(&vm.spec, import).await
     }
 
     /// The operation that imported the root disk has succeeded ([`Manager::end_root_disk_import`]).
@@ -402,6 +342,57 @@ impl VmOp {
     /// The record cannot be written.
     pub(super) fn end_root_disk_import(&self) -> Result<(), ApiError> {
         self.mgr().end_root_disk_import(self.name())
+    }
+
+    /// Grows the root disk of a `boot.disk` VM whose QEMU is not running to `gib` (a
+    /// reconfigure).
+    ///
+    /// # Errors
+    /// 4001 step `disk_grow` with QEMU's reason.
+    pub(super) async fn grow_root_disk(&self, gib: u64) -> Result<(), ApiError> {
+        let Some(root) = self.record()?.root_disk else { return Ok(()) };
+        let file = self.paths().root_disk(root.format);
+        crate::disk::data::grow(&self.mgr().disk_tool(), &file, &as_disk(root.format, gib))
+            .await
+            .map_err(|source| crate::disk::GrowError { gib, source })?;
+        Ok(())
+    }
+
+    /// The import itself, once its undo is on the stack.
+    async fn move_in(&self, spec: &VmSpec, import: Import) -> Result<(), ApiError> {
+        let name = self.name();
+        let paths = self.paths();
+        let target = paths.root_disk(import.format);
+        crate::state::dirs::private_dir(&paths.disk_dir).map_err(FileError::file(STEP, "create", &paths.disk_dir))?;
+        let root = RootDisk {
+            format: import.format,
+            imported_bytes: import.virtual_size,
+            source: import.source.clone(),
+            source_mode: import.mode,
+        };
+        self.record_intent("importing the root disk", |r| r.start_root_import(root))?;
+        if let Err(e) = rename_no_replace(&import.source, &target) {
+            let _ = self.update("root disk not moved", VmRecord::drop_root_disk);
+            return Err(FileError::Move { step: STEP.into(), from: import.source, to: target, source: e }.into());
+        }
+        tracing::info!(vm = name, from = %import.source.display(), to = %target.display(), "imported a root disk");
+        self.crashpoint("root_disk:moved");
+        // The name may have been swapped between the inspection and the rename: what moved in
+        // must be the inode QEMU inspected, still not a symlink.
+        let moved = open_no_follow(&target).and_then(|f| f.metadata());
+        let inspected = import.file.metadata();
+        let same = matches!((&moved, &inspected), (Ok(a), Ok(b)) if a.dev() == b.dev() && a.ino() == b.ino() && a.file_type().is_file());
+        if !same {
+            return Err(failed(format!("{} changed while it was being imported", import.source.display())));
+        }
+        nix::sys::stat::fchmod(import.file.as_fd(), nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .map_err(|e| FileError::MakePrivate { step: STEP.into(), path: target.clone(), source: e.into() })?;
+        if let Some(gib) = spec.boot.disk_gib {
+            crate::disk::data::grow(&self.mgr().disk_tool(), &target, &as_disk(import.format, gib))
+                .await
+                .map_err(|source| DiskStepError::GrowImport { gib, source })?;
+        }
+        Ok(())
     }
 }
 

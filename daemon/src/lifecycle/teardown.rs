@@ -24,8 +24,9 @@
 //! names no operation type: [`super::undo`] (which [`super::op`] uses) takes [`Devices`] from
 //! here, so an `impl VmOp` here would close an import cycle (`layers` test).
 
+use super::errors::LaunchFileError;
 use super::Manager;
-use crate::api::{ApiError, Code};
+use crate::api::ApiError;
 use crate::qemu::argv::VmPaths;
 
 /// Where an overlay is written before it is renamed into place.
@@ -88,12 +89,7 @@ impl Manager {
             match crate::blocking::run(|| std::fs::remove_file(&vars)) {
                 Ok(()) => tracing::info!(vm = name, path = %vars.display(), "removed the UEFI variables store"),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(ApiError::new(
-                        Code::ProvisioningFailed,
-                        format!("cannot remove the UEFI variables store {}: {e}", vars.display()),
-                    ))
-                }
+                Err(source) => return Err(LaunchFileError::RemoveVars { path: vars.clone(), source }.into()),
             }
         }
         for file in [&paths.seed, &paths.serial_log, &paths.qemu_log] {
