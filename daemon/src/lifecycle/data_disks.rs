@@ -10,20 +10,21 @@
 //! 1. a create: [`VmOp::clear_orphan_disks`] (files no record names), then
 //!    [`VmOp::make_data_disks`] with tracking (each disk taken back from `kept-disks` is
 //!    named in the record's disk work ([`crate::state::DiskWork`]) before the file is touched);
-//!    [`VmOp::end_disk_tracking`] when the create ends, or [`Manager::undo_data_disks`]
+//!    [`HeldVm::end_disk_tracking`] when the create ends, or [`HeldVm::undo_data_disks`]
 //!    when it is undone (new ones deleted, taken-back ones returned);
 //! 2. a start: [`VmOp::make_data_disks`] without tracking (a disk added while stopped);
 //!    before either, names an earlier operation left tracked become the VM's disks
 //!    ([`VmOp::make_data_disks`]: a QEMU may have had them);
 //! 3. a change of a stopped VM: [`VmOp::grow_data_disks`], then, once the VM runs its new
 //!    spec, [`VmOp::retire_data_disks`] for the disks the spec dropped;
-//! 4. a destroy: [`Manager::dispose_data_disks`], whose kept paths the reply names;
+//! 4. a destroy: [`HeldVm::dispose_data_disks`], whose kept paths the reply names;
 //! 5. the host: [`Manager::kept_disks`] (`host.info`), [`Manager::purge_kept_disks`].
 //!
 //! A replace (new `boot.image`) runs a create without clearing orphans or undoing anything
 //! but what it made, so every data disk outlives it.
 
 use super::errors::IntentRefused;
+use super::held::HeldVm;
 use super::op::VmOp;
 use super::undo::Step;
 use super::Manager;
@@ -98,107 +99,6 @@ impl Manager {
         Ok(crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)?)
     }
 
-    /// The create that tracked its disks has ended (made or undone): nothing is to be undone
-    /// any more. Runs without an operation too: [`Manager::undo_data_disks_except`] ends with
-    /// it, and recovery runs that.
-    ///
-    /// # Errors
-    /// The record cannot be written.
-    pub(super) fn end_disk_tracking(&self, name: &str) -> Result<(), ApiError> {
-        if !self.record(name)?.tracks_data_disks() {
-            return Ok(());
-        }
-        self.update(name, "data disks settled", |r| {
-            r.end_disk_tracking();
-        })
-        .map(drop)
-    }
-
-    /// Undoes the data disk steps of a create: deletes the disks it made and returns those it
-    /// took back to `kept-disks`, as the record names them; disks it found in place (a
-    /// replace keeps them) are not touched. Failures are logged: an undo goes as far as it can.
-    /// Runs without an operation too: recovery undoes an interrupted create's disks with it
-    /// ([`super::recover`]), and an operation's unwind ([`VmOp::fail`]) calls the same body.
-    pub(super) fn undo_data_disks(&self, name: &str) {
-        self.undo_data_disks_except(name, &std::collections::BTreeSet::new());
-    }
-
-    /// [`Manager::undo_data_disks`], except for the disks named in `attached` (a running QEMU
-    /// has them: they are the VM's now). Runs without an operation too: recovery's
-    /// [`Manager::settle_hotplug`]; a refused hot-plug ([`VmOp::change_disks_live`]) calls it
-    /// from its operation.
-    pub(super) fn undo_data_disks_except(&self, name: &str, attached: &std::collections::BTreeSet<String>) {
-        let Ok(rec) = self.record(name) else { return };
-        let paths = self.paths(name);
-        let nothing = crate::state::DiskWork::default();
-        let work = rec.disk_work().unwrap_or(&nothing);
-        let by_name = |n: &String| rec.spec.disks.iter().find(|d| &d.name == n && !attached.contains(n.as_str()));
-        for disk in work.new.iter().filter_map(by_name) {
-            for file in [paths.data_disk(disk), paths.partial_data_disk(disk)] {
-                if let Err(e) = remove_file(&file) {
-                    tracing::error!(vm = name, error = %e.message, "rollback: a new data disk stays");
-                }
-            }
-        }
-        for disk in work.reclaimed.iter().filter_map(by_name) {
-            let file = paths.data_disk(disk);
-            if file.exists() {
-                if let Err(e) = move_disk(&file, &paths.kept_disk(disk)) {
-                    tracing::error!(vm = name, error = %e.message, "rollback: a taken-back disk was not returned");
-                }
-            }
-        }
-        remove_if_empty(&paths.disk_dir);
-        if let Err(e) = self.end_disk_tracking(name) {
-            tracing::error!(vm = name, error = %e.message, "rollback: cannot clear the disk tracking");
-        }
-    }
-
-    /// A destroy's share: every data disk of `spec` kept or deleted, leftovers of interrupted
-    /// steps deleted, the directory removed when empty. Returns the kept paths. Runs without
-    /// an operation too: recovery finishes an interrupted destroy with it.
-    ///
-    /// # Errors
-    /// 4001 step `data_disk` when a disk cannot be moved or deleted.
-    pub(super) fn dispose_data_disks(&self, spec: &VmSpec) -> Result<Vec<PathBuf>, ApiError> {
-        // Snapshots are copies of the VM's disks: they go with them.
-        self.dispose_snapshots(&spec.name)?;
-        let all: Vec<&DataDiskSpec> = spec.disks.iter().collect();
-        let kept = self.let_go(&spec.name, &all)?;
-        let paths = self.paths(&spec.name);
-        for disk in &spec.disks {
-            remove_file(&paths.partial_data_disk(disk))?;
-        }
-        remove_if_empty(&paths.disk_dir);
-        Ok(kept)
-    }
-
-    /// Keeps (moves) or deletes each of `disks` of VM `name`; returns the kept paths. Runs
-    /// without an operation too: recovery finishes a destroy and settles a hot-plug with it.
-    pub(super) fn let_go(&self, name: &str, disks: &[&DataDiskSpec]) -> Result<Vec<PathBuf>, ApiError> {
-        let paths = self.paths(name);
-        let mut kept = Vec::new();
-        for disk in disks {
-            let file = paths.data_disk(disk);
-            if !file.exists() {
-                continue;
-            }
-            if disk.keep_on_destroy {
-                let to = paths.kept_disk(disk);
-                if to.exists() {
-                    return Err(DataDiskError::KeptTaken { disk: disk.name.clone(), to }.into());
-                }
-                move_disk(&file, &to)?;
-                tracing::info!(vm = name, disk = %disk.name, path = %to.display(), "kept a data disk");
-                kept.push(to);
-            } else {
-                remove_file(&file)?;
-                tracing::info!(vm = name, disk = %disk.name, "deleted a data disk");
-            }
-        }
-        Ok(kept)
-    }
-
     /// Every data disk in `STATE/kept-disks`, by VM and disk name.
     pub fn kept_disks(&self) -> Vec<KeptDisk> {
         let root = self.config.paths.state.join("kept-disks");
@@ -261,6 +161,111 @@ impl Manager {
     }
 }
 
+impl HeldVm {
+    /// The create that tracked its disks has ended (made or undone): nothing is to be undone
+    /// any more. A create's last step, and the end of [`HeldVm::undo_data_disks_except`].
+    ///
+    /// # Errors
+    /// The record cannot be written.
+    pub(super) fn end_disk_tracking(&self) -> Result<(), ApiError> {
+        if !self.record()?.tracks_data_disks() {
+            return Ok(());
+        }
+        self.update("data disks settled", |r| {
+            r.end_disk_tracking();
+        })
+        .map(drop)
+    }
+
+    /// Undoes the data disk steps of a create: deletes the disks it made and returns those it
+    /// took back to `kept-disks`, as the record names them; disks it found in place (a
+    /// replace keeps them) are not touched. Failures are logged: an undo goes as far as it can.
+    /// An operation's unwind ([`VmOp::fail`]) and recovery (an interrupted create) use it.
+    pub(super) fn undo_data_disks(&self) {
+        self.undo_data_disks_except(&std::collections::BTreeSet::new());
+    }
+
+    /// [`HeldVm::undo_data_disks`], except for the disks named in `attached` (a running QEMU
+    /// has them: they are the VM's now): a refused hot-plug ([`VmOp::change_disks_live`]) and
+    /// recovery's [`HeldVm::settle_hotplug`].
+    pub(super) fn undo_data_disks_except(&self, attached: &std::collections::BTreeSet<String>) {
+        let name = self.name();
+        let Ok(rec) = self.record() else { return };
+        let paths = self.paths();
+        let nothing = crate::state::DiskWork::default();
+        let work = rec.disk_work().unwrap_or(&nothing);
+        let by_name = |n: &String| rec.spec.disks.iter().find(|d| &d.name == n && !attached.contains(n.as_str()));
+        for disk in work.new.iter().filter_map(by_name) {
+            for file in [paths.data_disk(disk), paths.partial_data_disk(disk)] {
+                if let Err(e) = remove_file(&file) {
+                    tracing::error!(vm = name, error = %e.message, "rollback: a new data disk stays");
+                }
+            }
+        }
+        for disk in work.reclaimed.iter().filter_map(by_name) {
+            let file = paths.data_disk(disk);
+            if file.exists() {
+                if let Err(e) = move_disk(&file, &paths.kept_disk(disk)) {
+                    tracing::error!(vm = name, error = %e.message, "rollback: a taken-back disk was not returned");
+                }
+            }
+        }
+        remove_if_empty(&paths.disk_dir);
+        if let Err(e) = self.end_disk_tracking() {
+            tracing::error!(vm = name, error = %e.message, "rollback: cannot clear the disk tracking");
+        }
+    }
+
+    /// A destroy's share: every data disk of `spec` (the VM's) kept or deleted, leftovers of
+    /// interrupted steps deleted, the directory removed when empty. Returns the kept paths.
+    /// A destroy and recovery (finishing an interrupted one) use it.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when a disk cannot be moved or deleted.
+    pub(super) fn dispose_data_disks(&self, spec: &VmSpec) -> Result<Vec<PathBuf>, ApiError> {
+        // Snapshots are copies of the VM's disks: they go with them.
+        self.dispose_snapshots()?;
+        let all: Vec<&DataDiskSpec> = spec.disks.iter().collect();
+        let kept = self.let_go(&all)?;
+        let paths = self.paths();
+        for disk in &spec.disks {
+            remove_file(&paths.partial_data_disk(disk))?;
+        }
+        remove_if_empty(&paths.disk_dir);
+        Ok(kept)
+    }
+
+    /// Keeps (moves) or deletes each of `disks` of the VM; returns the kept paths. A destroy,
+    /// a change that drops disks (live or not) and recovery settling a hot-plug use it.
+    ///
+    /// # Errors
+    /// 4001 step `data_disk` when a disk cannot be moved or deleted, or its kept name is taken.
+    pub(super) fn let_go(&self, disks: &[&DataDiskSpec]) -> Result<Vec<PathBuf>, ApiError> {
+        let name = self.name();
+        let paths = self.paths();
+        let mut kept = Vec::new();
+        for disk in disks {
+            let file = paths.data_disk(disk);
+            if !file.exists() {
+                continue;
+            }
+            if disk.keep_on_destroy {
+                let to = paths.kept_disk(disk);
+                if to.exists() {
+                    return Err(DataDiskError::KeptTaken { disk: disk.name.clone(), to }.into());
+                }
+                move_disk(&file, &to)?;
+                tracing::info!(vm = name, disk = %disk.name, path = %to.display(), "kept a data disk");
+                kept.push(to);
+            } else {
+                remove_file(&file)?;
+                tracing::info!(vm = name, disk = %disk.name, "deleted a data disk");
+            }
+        }
+        Ok(kept)
+    }
+}
+
 impl VmOp {
     /// Records what this operation is about to do to the host (`start`: a
     /// [`crate::state::Intent`] begun or extended), before it does it.
@@ -317,7 +322,7 @@ impl VmOp {
         // whose QEMU died in a crash) are the VM's from here on: a QEMU may have
         // had them and its guest written to them, so nothing this operation undoes may delete
         // them. This operation has tracked nothing yet, so every name there is such a leftover.
-        self.end_disk_tracking()?;
+        self.held().end_disk_tracking()?;
         if track {
             // Its undo reads the record, which names each disk before it is touched.
             self.push(Step::DataDisks);
@@ -409,16 +414,7 @@ impl VmOp {
     pub(super) fn retire_data_disks(&self, old: &VmSpec, new: &VmSpec) -> Result<Vec<PathBuf>, ApiError> {
         let dropped: Vec<&DataDiskSpec> =
             old.disks.iter().filter(|d| !new.disks.iter().any(|n| n.name == d.name && n.format == d.format)).collect();
-        self.mgr().let_go(self.name(), &dropped)
-    }
-
-    /// The create that tracked its disks has ended: the operation's step, whose body
-    /// ([`Manager::end_disk_tracking`]) the undo of the data disks shares without an operation.
-    ///
-    /// # Errors
-    /// The record cannot be written.
-    pub(super) fn end_disk_tracking(&self) -> Result<(), ApiError> {
-        self.mgr().end_disk_tracking(self.name())
+        self.held().let_go(&dropped)
     }
 }
 

@@ -26,10 +26,12 @@
 //! These stay [`Manager`] methods that take the VM's name, not steps of an operation
 //! ([`super::op::VmOp`]): the watcher runs beside every operation, and the cleanup holds the
 //! VM's flag through a guard from [`Manager::write_and_hold`] (`busy::Holder::ExitCleanup`), not
-//! as an operation, so that its record and its flag are one step.
+//! as an operation, so that its record and its flag are one step. Holding the flag, the
+//! cleanup makes a [`HeldVm`] for the steps it shares with operations and recovery.
 
 pub use super::busy::ExitCause;
 pub(super) use super::busy::PendingExit;
+use super::held::HeldVm;
 use super::registry::Change;
 use super::teardown::Devices;
 use super::Manager;
@@ -235,7 +237,7 @@ impl Manager {
         match result {
             Ok((Some(guard), ())) => {
                 tracing::info!(vm = name, cause = ?cause, verdict = ?decided, "QEMU ended without vmhostd asking");
-                if let Err(e) = self.release_host_side(name, Devices::Release).await {
+                if let Err(e) = HeldVm::new(self, name).release_host_side(Devices::Release).await {
                     tracing::error!(vm = name, error = %e, "passthrough devices of an ended VM not restored");
                 }
                 drop(guard);

@@ -4,7 +4,7 @@
 //! [`crate::plan::live_disk_changes`] can reach live. The record's `running_spec` says what the
 //! live QEMU has; it is written before the first step (the change is pending) and after every
 //! disk that changed in QEMU, so a crash at any point leaves a record that is right or one step
-//! behind, which [`Manager::settle_hotplug`] puts right from what QEMU shows. In order:
+//! behind, which [`HeldVm::settle_hotplug`] puts right from what QEMU shows. In order:
 //!
 //! 1. grow: `block_resize` of each larger disk (a preallocated raw disk then gets its new
 //!    blocks reserved);
@@ -18,8 +18,8 @@
 //! is returned) and stops there: what was done before it stays done and recorded, and the rest
 //! of the change stays pending (`pending_restart`) until the next start or apply.
 
+use super::held::HeldVm;
 use super::op::VmOp;
-use super::Manager;
 use crate::api::{ApiError, DataDiskSpec, VmSpec};
 use crate::qemu::hotplug::{self, DiskFds, HotplugError};
 use crate::qemu::qmp::Qmp;
@@ -141,7 +141,7 @@ impl VmOp {
             self.crashpoint("hotplug:detached");
             // The file first: a crash before the record is written leaves a record that says
             // QEMU has the disk, which a restart corrects and then finds no file to retire.
-            mgr.let_go(name, &[*disk]).map_err(fail(true))?;
+            self.held().let_go(&[*disk]).map_err(fail(true))?;
             self.record_running_disks(|disks| disks.retain(|d| d.name != disk.name)).map_err(fail(true))?;
         }
 
@@ -154,7 +154,7 @@ impl VmOp {
                     // earlier attach whose answer was lost may be in the guest's hands. When
                     // QEMU cannot say, nothing is deleted.
                     match hotplug::attached(&mut q).await {
-                        Ok(devices) => mgr.undo_data_disks_except(name, &devices),
+                        Ok(devices) => self.held().undo_data_disks_except(&devices),
                         Err(e) => {
                             tracing::error!(vm = name, error = %e, "a refused hot-plug's disk stays: QEMU cannot say what it has")
                         }
@@ -173,7 +173,7 @@ impl VmOp {
                 disks.sort_by_key(|d| order.iter().position(|n| *n == d.name));
             })
             .map_err(fail(true))?;
-            self.end_disk_tracking().map_err(fail(true))?;
+            self.held().end_disk_tracking().map_err(fail(true))?;
         }
         Ok(())
     }
@@ -220,23 +220,24 @@ impl VmOp {
     }
 }
 
-impl Manager {
+impl HeldVm {
     /// After a daemon restart, for a re-adopted VM: takes what QEMU behind `q` really has as
     /// what the record says it runs. Removes block nodes and fd sets no device uses (a crash
     /// mid-attach), undoes tracked disks that never got a device, and deletes or keeps the
-    /// file of a disk QEMU let go of that no spec lists any more (a crash mid-unplug). Runs
-    /// without an operation: recovery's ([`super::recover`]), before any operation can begin.
+    /// file of a disk QEMU let go of that no spec lists any more (a crash mid-unplug).
+    /// Recovery's ([`super::recover`]), before any operation can begin.
     ///
     /// # Errors
     /// 4001 when QEMU cannot be asked, or a file or the record cannot be changed.
-    pub(super) async fn settle_hotplug(&self, name: &str, q: &mut Qmp) -> Result<(), ApiError> {
-        let rec = self.record(name)?;
+    pub(super) async fn settle_hotplug(&self, q: &mut Qmp) -> Result<(), ApiError> {
+        let name = self.name();
+        let rec = self.record()?;
         let asked = |e: HotplugError| failed("*", "settle", e);
         let devices: BTreeSet<String> = hotplug::attached(q).await.map_err(asked)?;
         hotplug::clear_half_attached(q, &devices).await.map_err(asked)?;
         if rec.tracks_data_disks() {
             tracing::info!(vm = name, "undoing data disks of an interrupted hot-plug");
-            self.undo_data_disks_except(name, &devices);
+            self.undo_data_disks_except(&devices);
         }
         let running = rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone());
         let mut actual = running.clone();
@@ -255,10 +256,10 @@ impl Manager {
             .iter()
             .filter(|d| !devices.contains(&d.name) && !rec.spec.disks.iter().any(|s| s.name == d.name))
             .collect();
-        self.update(name, "data disks settled after a restart", |r| {
+        self.update("data disks settled after a restart", |r| {
             r.running_spec = still_pending(&actual, &r.spec).then_some(actual.clone());
         })?;
-        self.let_go(name, &gone)?;
+        self.let_go(&gone)?;
         Ok(())
     }
 }

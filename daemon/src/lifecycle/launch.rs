@@ -10,6 +10,7 @@
 //! share.
 
 use super::errors::{FileError, LaunchFileError};
+use super::held::HeldVm;
 use super::op::VmOp;
 use super::processes::Search;
 use super::teardown::partial_overlay;
@@ -109,25 +110,26 @@ impl Manager {
         let search = if self.lock().unsettled.contains(name) { Search::Proc } else { Search::None };
         self.processes.find(&self.paths(name), recorded, search)
     }
+}
 
-    /// Marks a VM running after a successful launch and starts watching its process. Runs
-    /// without an operation too: recovery re-adopts a VM whose QEMU kept running with it.
-    pub(super) fn mark_running(
-        self: &Arc<Self>,
-        name: &str,
-        id: ProcessIdentity,
-        reason: &str,
-    ) -> Result<(), ApiError> {
+impl HeldVm {
+    /// Marks the VM running on `id` after a successful launch and starts watching its process
+    /// and its agent. A create or start, and recovery re-adopting a VM whose QEMU kept running.
+    ///
+    /// # Errors
+    /// The record cannot be written.
+    pub(super) fn mark_running(&self, id: ProcessIdentity, reason: &str) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
         let now = crate::api::now_rfc3339();
         let pid = id.clone();
-        self.update_status(name, reason, VmStatus::Running, |r| {
+        self.update_status(reason, VmStatus::Running, |r| {
             r.process = Some(pid);
             r.started_at = Some(now);
             r.last_error = None;
             r.qemu_started();
         })?;
-        self.watch(name, id);
-        self.watch_agent(name);
+        mgr.watch(name, id);
+        mgr.watch_agent(name);
         Ok(())
     }
 }
@@ -228,7 +230,7 @@ impl VmOp {
             })?;
             return Ok(id);
         }
-        mgr.clean_run_dir(paths);
+        self.held().clean_run_dir();
         crate::blocking::run(|| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&paths.run_dir))
             .map_err(FileError::file("run_dir", "create", &paths.run_dir))?;
         self.push(Step::HostSide);
@@ -301,7 +303,7 @@ impl VmOp {
 
     /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars`, unless it has
     /// one: the store is the guest's (boot entries, settings) and outlives restarts, until the
-    /// destroy ([`Manager::remove_run_files`]). A BIOS VM keeps a store it had (going back to
+    /// destroy ([`HeldVm::remove_run_files`]). A BIOS VM keeps a store it had (going back to
     /// UEFI finds its settings). Nothing is recorded: the path follows from the name, and every
     /// path that forgets a record removes it first.
     ///
@@ -442,13 +444,5 @@ impl VmOp {
             fds.push(fd);
         }
         Ok(PassedFds { fds, base_format })
-    }
-
-    /// Records the VM running on `id` and watches it ([`Manager::mark_running`]).
-    ///
-    /// # Errors
-    /// The record cannot be written.
-    pub(super) fn mark_running(&self, id: ProcessIdentity, reason: &str) -> Result<(), ApiError> {
-        self.mgr().mark_running(self.name(), id, reason)
     }
 }

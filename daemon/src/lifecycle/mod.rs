@@ -21,6 +21,8 @@
 //! `host.stats`), [`images`] (the image store with the VMs that use each image), [`backup`]
 //! (`vm.export`, `vm.import`), [`copies`] (what snapshots and backups share), [`snapshots`] (`vm.snapshot`, `vm.revert`, ...), [`teardown`] (what every path that ends a QEMU gives back, in one order),
 //! [`undo`] (the undo stack a create or start pushes its steps onto, unwound on failure),
+//! [`held`] (one VM its caller holds exclusively: the steps an operation shares with the exit
+//! cleanup and recovery),
 //! [`registry`] (records, their files and the views readers are served), [`processes`] (the
 //! QEMU processes: started, found, checked, killed).
 
@@ -32,6 +34,7 @@ mod copies;
 mod data_disks;
 pub(crate) mod errors;
 mod exits;
+mod held;
 mod hotplug;
 mod images;
 mod launch;

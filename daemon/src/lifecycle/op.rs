@@ -3,11 +3,14 @@
 //!
 //! Only two steps make one: [`Manager::begin_op`] takes an existing VM's busy flag, and
 //! [`Manager::reserve_op`] admits a new VM, writes its record and takes its flag in one step.
-//! The operation then carries what each of its steps needs (the manager, the VM's name and
-//! paths, the flag, the undo stack), so the steps are its methods, each in the file of the
-//! resource it touches (overlay and launch in [`super::launch`], root disk in
-//! [`super::root_disk`], data disks in [`super::data_disks`], devices in [`super::vfio`], a
-//! running VM's disk changes in [`super::hotplug`]). Order of use:
+//! The operation then carries what each of its steps needs (the VM it holds, a
+//! [`HeldVm`]: the manager, the VM's name and paths; the flag; the undo stack), so the steps
+//! are its methods, each in the file of the resource it touches (overlay and launch in
+//! [`super::launch`], root disk in [`super::root_disk`], data disks in [`super::data_disks`],
+//! devices in [`super::vfio`], a running VM's disk changes in [`super::hotplug`]). What an
+//! operation shares with the exit cleanup and recovery (giving back, undoing, disposing of
+//! what a VM holds) is a method of the held VM instead ([`super::held`]), reached with
+//! [`VmOp::held`]. Order of use:
 //!
 //! 1. begin or reserve;
 //! 2. the steps, each pushing how to take back what it made ([`VmOp::push`]) as it succeeds
@@ -17,6 +20,7 @@
 //! 4. the operation is dropped: the flag goes back, and an exit that arrived meanwhile is
 //!    handled at once ([`super::busy`]).
 
+use super::held::HeldVm;
 use super::processes::Search;
 use super::teardown::Devices;
 use super::undo::{Step, Undo};
@@ -42,9 +46,8 @@ pub(crate) use step;
 
 /// One operation on one VM, holding its busy flag for as long as it lives.
 pub(super) struct VmOp {
-    mgr: Arc<Manager>,
-    name: String,
-    paths: VmPaths,
+    /// The VM, held through the flag below.
+    held: HeldVm,
     /// What to take back on failure, oldest first.
     undo: Undo,
     /// Dropped last: the flag goes back once everything above is done.
@@ -75,30 +78,30 @@ impl Manager {
     }
 
     fn op(self: &Arc<Self>, name: &str, guard: OpGuard, release: bool) -> VmOp {
-        VmOp {
-            mgr: Arc::clone(self),
-            name: name.to_string(),
-            paths: self.paths(name),
-            undo: Undo::new(release),
-            _guard: guard,
-        }
+        VmOp { held: HeldVm::new(self, name), undo: Undo::new(release), _guard: guard }
     }
 }
 
 impl VmOp {
+    /// The VM this operation holds, for the steps it shares with what holds a VM without an
+    /// operation ([`super::held`]).
+    pub fn held(&self) -> &HeldVm {
+        &self.held
+    }
+
     /// The VM's name.
     pub fn name(&self) -> &str {
-        &self.name
+        self.held.name()
     }
 
     /// The VM's paths.
     pub fn paths(&self) -> &VmPaths {
-        &self.paths
+        self.held.paths()
     }
 
     /// The manager (host-wide state).
     pub fn mgr(&self) -> &Arc<Manager> {
-        &self.mgr
+        self.held.mgr()
     }
 
     /// Records that `step` must be taken back if the operation fails.
@@ -117,24 +120,23 @@ impl VmOp {
         self.undo.release_on_failure();
     }
 
-    /// The VM's record as it is now ([`Manager::record`]).
+    /// The VM's record as it is now ([`HeldVm::record`]).
     ///
     /// # Errors
     /// 4040 when the record is gone.
     pub fn record(&self) -> Result<VmRecord, ApiError> {
-        self.mgr.record(&self.name)
+        self.held.record()
     }
 
-    /// Changes the VM's record ([`Manager::update`]); the status stays.
+    /// Changes the VM's record ([`HeldVm::update`]); the status stays.
     ///
     /// # Errors
     /// 4040 when the record is gone; 4001 when it cannot be written.
     pub fn update(&self, reason: &str, change: impl FnOnce(&mut VmRecord)) -> Result<VmRecord, ApiError> {
-        self.mgr.update(&self.name, reason, change)
+        self.held.update(reason, change)
     }
 
-    /// Changes the VM's status to `to` and its record with `change`, checked against the
-    /// transition table ([`Manager::update_status`]).
+    /// Changes the VM's status to `to` and its record with `change` ([`HeldVm::update_status`]).
     ///
     /// # Errors
     /// As [`VmOp::update`]; 5000 when the table refuses the change.
@@ -144,7 +146,7 @@ impl VmOp {
         to: VmStatus,
         change: impl FnOnce(&mut VmRecord),
     ) -> Result<VmRecord, ApiError> {
-        self.mgr.update_status(&self.name, reason, to, change)
+        self.held.update_status(reason, to, change)
     }
 
     /// The VM's live QEMU, if any ([`Manager::find_live`]): `recorded` while it still runs.
@@ -152,12 +154,12 @@ impl VmOp {
     /// # Errors
     /// 4001 when /proc cannot be read.
     pub fn find_live(&self, recorded: Option<&ProcessIdentity>) -> Result<Option<ProcessIdentity>, ApiError> {
-        self.mgr.find_live(&self.name, recorded)
+        self.mgr().find_live(self.name(), recorded)
     }
 
     /// A step boundary the fault tests may crash the daemon at ([`crate::crashpoint`]).
     pub fn crashpoint(&self, step: &str) {
-        self.mgr.crashpoint(step);
+        self.mgr().crashpoint(step);
     }
 
     /// The operation failed with `error`: takes back what its steps made, newest first, and
@@ -167,7 +169,8 @@ impl VmOp {
     /// it). The stack is empty afterwards.
     pub async fn fail(&mut self, error: ApiError) -> ApiError {
         let mut undo = std::mem::replace(&mut self.undo, Undo::new(false));
-        let (mgr, name) = (&self.mgr, self.name.as_str());
+        let held = &self.held;
+        let (mgr, name) = (held.mgr(), held.name());
         for step in undo.newest_first() {
             match step {
                 Step::Process(id) => {
@@ -175,24 +178,24 @@ impl VmOp {
                         self.mark_failed_keeping_process(&kill);
                         return kill;
                     }
-                    if let Err(e) = mgr.update(name, "launch undone", |r| r.process = None) {
+                    if let Err(e) = held.update("launch undone", |r| r.process = None) {
                         tracing::error!(vm = name, error = %e, "rollback: cannot record that QEMU is gone");
                     }
                 }
                 Step::Devices => {
                     // Only when no QEMU of this VM can still hold them.
-                    let recorded = mgr.record(name).ok().and_then(|r| r.process);
-                    if matches!(mgr.processes.find(&self.paths, recorded.as_ref(), Search::Proc), Ok(None)) {
-                        if let Err(e) = mgr.release_passthrough(name).await {
+                    let recorded = held.record().ok().and_then(|r| r.process);
+                    if matches!(mgr.processes.find(held.paths(), recorded.as_ref(), Search::Proc), Ok(None)) {
+                        if let Err(e) = held.release_passthrough().await {
                             tracing::error!(vm = name, error = %e, "rollback: passthrough devices not restored");
                         }
                     }
                 }
                 Step::HostSide => {
-                    let _ = mgr.release_host_side(name, Devices::Keep).await;
+                    let _ = held.release_host_side(Devices::Keep).await;
                 }
-                Step::DataDisks => mgr.undo_data_disks(name),
-                Step::RootDisk => mgr.undo_root_disk(name),
+                Step::DataDisks => held.undo_data_disks(),
+                Step::RootDisk => held.undo_root_disk(),
                 Step::Overlay => self.undo_overlay(),
             }
         }

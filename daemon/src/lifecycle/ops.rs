@@ -285,12 +285,12 @@ impl VmOp {
             self.mgr().update_status(self.name(), "created stopped", VmStatus::Stopped, |_| {})?;
         } else {
             let id = step!(self, self.launch(vm, VmStatus::Creating).await);
-            self.mark_running(id, "vm.create")?;
+            self.held().mark_running(id, "vm.create")?;
             self.crashpoint("create:running");
         }
         // Done: what the steps made is the VM's now.
-        self.end_root_disk_import()?;
-        self.end_disk_tracking()
+        self.held().end_root_disk_import()?;
+        self.held().end_disk_tracking()
     }
 
     /// The steps of a start (`reason` is the events' reason): an already live QEMU is adopted;
@@ -310,7 +310,7 @@ impl VmOp {
         if let Some(id) = self.find_live(rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
                 self.update(reason, |r| r.spec.state = DesiredState::Running)?;
-                self.mark_running(id, "already running")?;
+                self.held().mark_running(id, "already running")?;
                 return Ok(true);
             }
             return Ok(false);
@@ -334,8 +334,8 @@ impl VmOp {
         step!(self, self.make_data_disks(&vm.spec, false).await);
         let pending_from = rec.running_spec.clone();
         let id = step!(self, self.launch(&vm, VmStatus::Starting).await);
-        self.mark_running(id, reason)?;
-        self.end_root_disk_import()?;
+        self.held().mark_running(id, reason)?;
+        self.held().end_root_disk_import()?;
         if let Some(previous) = pending_from {
             if let Err(e) = self.retire_data_disks(&previous, &vm.spec) {
                 tracing::error!(vm = name, error = %e.message, "a dropped data disk stays in place");
@@ -350,12 +350,10 @@ impl VmOp {
     /// # Errors
     /// As `vm.stop`.
     pub(super) async fn stop_steps(&mut self, p: &StopParams) -> Result<bool, ApiError> {
-        let mgr = Arc::clone(self.mgr());
-        let name = p.name.as_str();
         let rec = self.record()?;
         let state_changed = rec.spec.state != DesiredState::Stopped;
         let Some(id) = self.find_live(rec.process.as_ref())? else {
-            mgr.release_host_side(name, Devices::Release).await?;
+            self.held().release_host_side(Devices::Release).await?;
             let status_changed = matches!(
                 rec.status,
                 VmStatus::Running | VmStatus::Starting | VmStatus::Stopping | VmStatus::Dead | VmStatus::Failed
@@ -394,8 +392,8 @@ impl VmOp {
         let spec = self.record()?.spec;
         // The operator asked to destroy the VM: its imported root disk goes with it
         // (keep_on_destroy is a data disk's option only).
-        step!(self, mgr.dispose_root_disk(name));
-        let kept = step!(self, mgr.dispose_data_disks(&spec));
+        step!(self, self.held().dispose_root_disk());
+        let kept = step!(self, self.held().dispose_data_disks(&spec));
         mgr.crashpoint("destroy:disks");
         mgr.forget(name, "destroyed")?;
         Ok(kept)
@@ -418,11 +416,11 @@ impl VmOp {
             }
         }
         self.crashpoint("teardown:killed");
-        if let Err(e) = mgr.release_host_side(name, Devices::Release).await {
+        if let Err(e) = self.held().release_host_side(Devices::Release).await {
             self.mark_failed(&e, false);
             return Err(e);
         }
-        if let Err(err) = mgr.remove_run_files(name) {
+        if let Err(err) = self.held().remove_run_files() {
             self.mark_failed(&err, false);
             return Err(err);
         }

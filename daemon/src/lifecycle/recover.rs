@@ -11,11 +11,11 @@
 //! settled without error leaves the registry's `unsettled` set: from then on only a launch
 //! searches /proc for its QEMU.
 
+use super::held::HeldVm;
 use super::processes::Search;
 use super::teardown::Devices;
 use super::Manager;
 use crate::api::{ApiError, Code, VmStatus};
-use crate::qemu::argv::VmPaths;
 use crate::qemu::identity;
 use crate::qemu::qmp::Qmp;
 use futures_util::StreamExt;
@@ -81,20 +81,21 @@ impl<'m> Recovery<'m> {
     async fn recover(&self, name: &str) -> Result<(), ApiError> {
         let mgr = self.mgr;
         self.settle(name).await?;
+        let held = HeldVm::new(mgr, name);
         // Devices of a VM without a live QEMU go back to their host drivers.
         let rec = mgr.record(name);
         if let Ok(rec) = rec {
             if rec.vfio.is_empty() {
                 return Ok(());
             }
-            let live = mgr.processes.find(&mgr.paths(name), rec.process.as_ref(), self.search())?;
+            let live = mgr.processes.find(held.paths(), rec.process.as_ref(), self.search())?;
             if live.is_none() {
                 tracing::info!(
                     vm = name,
                     devices = rec.vfio.len(),
                     "restoring passthrough devices of a VM that is not running"
                 );
-                mgr.release_passthrough(name).await?;
+                held.release_passthrough().await?;
             }
         }
         Ok(())
@@ -105,11 +106,12 @@ impl<'m> Recovery<'m> {
     /// the record.
     async fn settle(&self, name: &str) -> Result<(), ApiError> {
         let mgr = self.mgr;
+        let held = HeldVm::new(mgr, name);
         let rec = mgr.record(name)?;
-        let paths = mgr.paths(name);
+        let paths = held.paths();
         // If /proc cannot be read the record is left exactly as it is: guessing could start a
         // VM twice or delete a live VM's sockets.
-        let live = mgr.processes.find(&paths, rec.process.as_ref(), self.search())?;
+        let live = mgr.processes.find(paths, rec.process.as_ref(), self.search())?;
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
@@ -119,7 +121,7 @@ impl<'m> Recovery<'m> {
             (Some(id), VmStatus::Stopping) => {
                 tracing::info!(vm = name, "finishing an interrupted stop");
                 mgr.processes.kill(name, &id).await?;
-                mgr.clean_run_dir(&paths);
+                held.clean_run_dir();
                 mgr.update_status(name, "stop completed after vmhostd restart", VmStatus::Stopped, |r| {
                     r.process = None;
                     r.unclean_end =
@@ -131,7 +133,7 @@ impl<'m> Recovery<'m> {
                 // The create never reached `running`: undo it rather than adopt a half-made VM.
                 tracing::info!(vm = name, "undoing an interrupted create");
                 mgr.processes.kill(name, &id).await?;
-                self.settle_without_process(name, &paths, VmStatus::Creating)
+                self.settle_without_process(&held, VmStatus::Creating)
             }
             (Some(id), _) => {
                 // Re-adopt: QMP must answer, but a VM whose monitor is wedged is still running
@@ -143,30 +145,30 @@ impl<'m> Recovery<'m> {
                             Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP query failed"),
                         }
                         // A disk change cut short: the record takes what QEMU has.
-                        if let Err(e) = mgr.settle_hotplug(name, &mut q).await {
+                        if let Err(e) = held.settle_hotplug(&mut q).await {
                             tracing::warn!(vm = name, error = %e, "re-adopted VM; its data disks were not checked");
                         }
                     }
                     Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP unreachable"),
                 }
                 let started_at = rec.started_at.clone();
-                mgr.mark_running(name, id, "re-adopted after daemon restart")?;
+                held.mark_running(id, "re-adopted after daemon restart")?;
                 // It runs on its imported disk: the import is done.
-                mgr.end_root_disk_import(name)?;
+                held.end_root_disk_import()?;
                 if started_at.is_some() {
                     mgr.update(name, "re-adopted", |r| r.started_at = started_at)?;
                 }
                 Ok(())
             }
             (None, VmStatus::Destroying) => self.finish_destroy(name).await,
-            (None, status) => self.settle_without_process(name, &paths, status),
+            (None, status) => self.settle_without_process(&held, status),
         }
     }
 
     /// Settles a record whose QEMU is gone.
-    fn settle_without_process(&self, name: &str, paths: &VmPaths, status: VmStatus) -> Result<(), ApiError> {
-        let mgr = self.mgr;
-        mgr.clean_run_dir(paths);
+    fn settle_without_process(&self, held: &HeldVm, status: VmStatus) -> Result<(), ApiError> {
+        let (mgr, name, paths) = (self.mgr, held.name(), held.paths());
+        held.clean_run_dir();
         let _ = crate::disk::remove_overlay(&super::teardown::partial_overlay(paths));
         let settle = match status {
             VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
@@ -179,13 +181,13 @@ impl<'m> Recovery<'m> {
         if undo_create {
             let _ = crate::disk::remove_overlay(&paths.overlay);
             let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
-            mgr.undo_data_disks(name);
+            held.undo_data_disks();
         }
         match status {
             // A create or start interrupted while it imported a root disk gives it back.
-            VmStatus::Creating | VmStatus::Starting => mgr.undo_root_disk(name),
+            VmStatus::Creating | VmStatus::Starting => held.undo_root_disk(),
             // It ran on it: the import is done.
-            _ => mgr.end_root_disk_import(name)?,
+            _ => held.end_root_disk_import()?,
         }
         let record_error = to != VmStatus::Stopped;
         mgr.update_status(name, why, to, |r| {
@@ -213,11 +215,12 @@ impl<'m> Recovery<'m> {
     /// Completes a destroy a restart interrupted, as `vm.destroy` would have.
     async fn finish_destroy(&self, name: &str) -> Result<(), ApiError> {
         let mgr = self.mgr;
-        mgr.release_host_side(name, Devices::Release).await?;
-        mgr.remove_run_files(name)?;
+        let held = HeldVm::new(mgr, name);
+        held.release_host_side(Devices::Release).await?;
+        held.remove_run_files()?;
         let spec = mgr.record(name)?.spec;
-        mgr.dispose_root_disk(name)?;
-        mgr.dispose_data_disks(&spec)?;
+        held.dispose_root_disk()?;
+        held.dispose_data_disks(&spec)?;
         mgr.forget(name, "destroyed (completed after restart)")
     }
 }
@@ -228,6 +231,7 @@ mod tests {
     use crate::pci::bind::Binding;
     use crate::pci::fake::{addr, FakeDevice, FakeSysfs};
     use crate::process::ProcessIdentity;
+    use crate::qemu::argv::VmPaths;
     use crate::state::{Store, VmRecord};
     use std::collections::BTreeMap;
     use std::os::unix::process::CommandExt;
@@ -305,7 +309,7 @@ mod tests {
 
         let rec = mgr.record("vm-2").unwrap();
         assert_eq!((rec.status, &rec.intent), (VmStatus::Dead, &None));
-        mgr.undo_data_disks("vm-2");
+        HeldVm::new(&mgr, "vm-2").undo_data_disks();
         assert_eq!(std::fs::read(&file).unwrap(), b"written by the guest");
     }
 

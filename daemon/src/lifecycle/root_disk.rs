@@ -14,9 +14,9 @@
 //!    rename, so a crash never loses it; the moved file is checked to be the inode inspected,
 //!    made 0600 and grown to `disk_gib`;
 //! 3. when the create (or the start that imported it again) has succeeded,
-//!    [`Manager::end_root_disk_import`]; when it is undone, [`Manager::undo_root_disk`] moves the
+//!    [`HeldVm::end_root_disk_import`]; when it is undone, [`HeldVm::undo_root_disk`] moves the
 //!    file back to the import directory (an operator's disk is never deleted by a failure);
-//! 4. a destroy: [`Manager::dispose_root_disk`] deletes it (the operator asked to destroy the
+//! 4. a destroy: [`HeldVm::dispose_root_disk`] deletes it (the operator asked to destroy the
 //!    VM); one whose import never completed goes back instead.
 //!
 //! A changed `disk_gib` grows it like an overlay: live (`block_resize` of the boot drive) or
@@ -24,6 +24,7 @@
 //! ([`check_root_disk_size`]).
 
 use super::errors::{DiskStepError, FileError};
+use super::held::HeldVm;
 use super::op::VmOp;
 use super::undo::Step;
 use super::Manager;
@@ -209,16 +210,26 @@ impl Manager {
         self.admit_provision(request)
     }
 
-    /// The operation that imported the root disk has succeeded: the VM owns it. Runs without
-    /// an operation too: recovery ends an import whose VM got past its create.
+    /// The full size of the root disk a `boot.disk` VM owns (for `host.info`'s
+    /// `provisioned_bytes`, which [`crate::disk::space::provisioned`] leaves it out of): its
+    /// `disk_gib`, or the size it was imported with when that is larger.
+    pub(super) fn root_disk_bytes(rec: &VmRecord) -> u64 {
+        let declared = rec.spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
+        rec.root_disk.as_ref().map_or(0, |r| r.imported_bytes.max(declared))
+    }
+}
+
+impl HeldVm {
+    /// The operation that imported the root disk has succeeded: the VM owns it. A create or
+    /// start that imported it, and recovery ending an import whose VM got past its create.
     ///
     /// # Errors
     /// The record cannot be written.
-    pub(super) fn end_root_disk_import(&self, name: &str) -> Result<(), ApiError> {
-        if !self.record(name)?.importing_root() {
+    pub(super) fn end_root_disk_import(&self) -> Result<(), ApiError> {
+        if !self.record()?.importing_root() {
             return Ok(());
         }
-        self.update(name, "root disk imported", |r| {
+        self.update("root disk imported", |r| {
             r.end_root_import();
         })
         .map(drop)
@@ -227,65 +238,37 @@ impl Manager {
     /// Undoes an import the record says is in progress: the file goes back to the import
     /// directory with its permissions (to `FILE.returned` if its name was taken meanwhile), and
     /// the record stops naming it. Failures are logged: the record then keeps naming it, and a
-    /// destroy tries again rather than deleting it. Runs without an operation too: recovery
-    /// undoes the import of a create or start that died.
-    pub(super) fn undo_root_disk(&self, name: &str) {
-        let Ok(rec) = self.record(name) else { return };
+    /// destroy tries again rather than deleting it. An operation's unwind ([`VmOp::fail`]) and
+    /// recovery (a create or start that died) use it.
+    pub(super) fn undo_root_disk(&self) {
+        let name = self.name();
+        let Ok(rec) = self.record() else { return };
         let Some(root) = rec.root_disk.as_ref().filter(|_| rec.importing_root()) else { return };
-        let paths = self.paths(name);
-        if let Err(e) = self.give_back(&paths.root_disk(root.format), root) {
+        let paths = self.paths();
+        if let Err(e) = give_back(&paths.root_disk(root.format), root) {
             tracing::error!(vm = name, error = %e.message, "rollback: the imported disk was not given back");
             return;
         }
         remove_if_empty(&paths.disk_dir);
-        if let Err(e) = self.update(name, "root disk given back", VmRecord::drop_root_disk) {
+        if let Err(e) = self.update("root disk given back", VmRecord::drop_root_disk) {
             tracing::error!(vm = name, error = %e.message, "rollback: cannot record the returned disk");
         }
     }
 
-    /// Moves the root disk `file` back to where `root` says it came from.
-    fn give_back(&self, file: &Path, root: &RootDisk) -> Result<(), ApiError> {
-        let opened = match open_no_follow(file) {
-            Ok(f) => f,
-            // Never moved (a crash before the rename), or already back.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(FileError::file(STEP, "open", file)(e).into()),
-        };
-        let mode = nix::sys::stat::Mode::from_bits_truncate(root.source_mode);
-        if let Err(e) = nix::sys::stat::fchmod(opened.as_fd(), mode) {
-            tracing::warn!(path = %file.display(), error = %e, "cannot restore the returned disk's mode");
-        }
-        let mut to = root.source.clone();
-        let result = match rename_no_replace(file, &to) {
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                to.as_mut_os_string().push(".returned");
-                rename_no_replace(file, &to)
-            }
-            other => other,
-        };
-        result.map_err(|e| FileError::MoveBack {
-            step: STEP.into(),
-            from: file.to_path_buf(),
-            to: to.clone(),
-            source: e,
-        })?;
-        tracing::warn!(path = %to.display(), "gave an imported disk back to the import directory");
-        Ok(())
-    }
-
     /// A destroy's share: deletes the VM's root disk (an import that never completed goes
-    /// back to the import directory instead). Runs without an operation too: recovery finishes
-    /// a destroy that died.
+    /// back to the import directory instead). A destroy and recovery (finishing one that
+    /// died) use it.
     ///
     /// # Errors
     /// 4001 step `root_disk` when it cannot be deleted or given back.
-    pub(super) fn dispose_root_disk(&self, name: &str) -> Result<(), ApiError> {
-        let rec = self.record(name)?;
+    pub(super) fn dispose_root_disk(&self) -> Result<(), ApiError> {
+        let name = self.name();
+        let rec = self.record()?;
         let Some(root) = rec.root_disk.as_ref() else { return Ok(()) };
-        let paths = self.paths(name);
+        let paths = self.paths();
         let file = paths.root_disk(root.format);
         if rec.importing_root() {
-            self.give_back(&file, root)?;
+            give_back(&file, root)?;
         } else {
             match crate::blocking::run(|| std::fs::remove_file(&file)) {
                 Ok(()) => tracing::info!(vm = name, path = %file.display(), "deleted the root disk"),
@@ -294,16 +277,38 @@ impl Manager {
             }
         }
         remove_if_empty(&paths.disk_dir);
-        self.update(name, "root disk disposed of", VmRecord::drop_root_disk).map(drop)
+        self.update("root disk disposed of", VmRecord::drop_root_disk).map(drop)
     }
+}
 
-    /// The full size of the root disk a `boot.disk` VM owns (for `host.info`'s
-    /// `provisioned_bytes`, which [`crate::disk::space::provisioned`] leaves it out of): its
-    /// `disk_gib`, or the size it was imported with when that is larger.
-    pub(super) fn root_disk_bytes(rec: &VmRecord) -> u64 {
-        let declared = rec.spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
-        rec.root_disk.as_ref().map_or(0, |r| r.imported_bytes.max(declared))
+/// Moves the root disk `file` back to where `root` says it came from.
+fn give_back(file: &Path, root: &RootDisk) -> Result<(), ApiError> {
+    let opened = match open_no_follow(file) {
+        Ok(f) => f,
+        // Never moved (a crash before the rename), or already back.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(FileError::file(STEP, "open", file)(e).into()),
+    };
+    let mode = nix::sys::stat::Mode::from_bits_truncate(root.source_mode);
+    if let Err(e) = nix::sys::stat::fchmod(opened.as_fd(), mode) {
+        tracing::warn!(path = %file.display(), error = %e, "cannot restore the returned disk's mode");
     }
+    let mut to = root.source.clone();
+    let result = match rename_no_replace(file, &to) {
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+            to.as_mut_os_string().push(".returned");
+            rename_no_replace(file, &to)
+        }
+        other => other,
+    };
+    result.map_err(|e| FileError::MoveBack {
+        step: STEP.into(),
+        from: file.to_path_buf(),
+        to: to.clone(),
+        source: e,
+    })?;
+    tracing::warn!(path = %to.display(), "gave an imported disk back to the import directory");
+    Ok(())
 }
 
 impl VmOp {
@@ -315,7 +320,7 @@ impl VmOp {
     /// # Errors
     /// 4001 step `root_disk` when the record cannot be written or the file cannot be moved,
     /// checked, or grown; a file moved in stays named by the record, for
-    /// [`Manager::undo_root_disk`].
+    /// [`HeldVm::undo_root_disk`].
     pub(super) async fn import_root_disk(&mut self, spec: &VmSpec, import: Import) -> Result<(), ApiError> {
         // Its undo reads the record, which names the disk before it is moved.
         self.push(Step::RootDisk);
@@ -334,14 +339,6 @@ impl VmOp {
         }
         let Some(import) = self.mgr().inspect_import(vm).await? else { return Ok(()) };
         self.move_in(&vm.spec, import).await
-    }
-
-    /// The operation that imported the root disk has succeeded ([`Manager::end_root_disk_import`]).
-    ///
-    /// # Errors
-    /// The record cannot be written.
-    pub(super) fn end_root_disk_import(&self) -> Result<(), ApiError> {
-        self.mgr().end_root_disk_import(self.name())
     }
 
     /// Grows the root disk of a `boot.disk` VM whose QEMU is not running to `gib` (a

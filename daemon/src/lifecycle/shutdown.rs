@@ -122,6 +122,6 @@ impl VmOp {
             // A clean power-off leaves clean disks; a kill leaves them as a power cut would.
             r.unclean_end = unclean;
         })?;
-        mgr.release_host_side(name, Devices::Release).await
+        self.held().release_host_side(Devices::Release).await
     }
 }

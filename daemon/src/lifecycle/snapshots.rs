@@ -27,6 +27,7 @@
 
 use super::copies::{copy_checked, copy_timeout, seal_copies, CheckedFrom, VmDisk};
 use super::errors::FileError;
+use super::held::HeldVm;
 use super::op::VmOp;
 use super::Manager;
 use crate::api::backup::BackupDisk;
@@ -324,19 +325,6 @@ impl Manager {
         }
     }
 
-    /// Removes every snapshot of VM `name` (its destroy).
-    ///
-    /// # Errors
-    /// 4001 when the directory cannot be removed.
-    pub(super) fn dispose_snapshots(&self, name: &str) -> Result<(), ApiError> {
-        let dir = self.snapshots_dir(name);
-        crate::blocking::run(|| match std::fs::remove_dir_all(&dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
-        })
-        .map_err(|e| FileError::file(STEP, "delete the snapshots in", &dir)(e).into())
-    }
-
     /// 4090 when a revert of VM `rec` was interrupted: its disks may be part reverted.
     pub(super) fn check_not_reverting(rec: &crate::state::VmRecord) -> Result<(), ApiError> {
         match rec.reverting() {
@@ -347,6 +335,22 @@ impl Manager {
             .field("name")),
             None => Ok(()),
         }
+    }
+}
+
+impl HeldVm {
+    /// Removes every snapshot of the VM: its destroy's, with its data disks
+    /// ([`HeldVm::dispose_data_disks`]).
+    ///
+    /// # Errors
+    /// 4001 when the directory cannot be removed.
+    pub(super) fn dispose_snapshots(&self) -> Result<(), ApiError> {
+        let dir = self.mgr().snapshots_dir(self.name());
+        crate::blocking::run(|| match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        })
+        .map_err(|e| FileError::file(STEP, "delete the snapshots in", &dir)(e).into())
     }
 }
 

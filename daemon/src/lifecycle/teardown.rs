@@ -1,7 +1,7 @@
 //! Giving back what a VM holds on the host around its QEMU, written once.
 //!
 //! Every path that ends a VM's QEMU (stop, destroy, replace, an exit vmhostd did not ask for,
-//! a launch that failed, recovery finishing a destroy) calls [`Manager::release_host_side`]
+//! a launch that failed, recovery finishing a destroy) calls [`HeldVm::release_host_side`]
 //! once no QEMU of the VM can run any more (killed, or seen gone), in this order:
 //!
 //! 1. the run dir with its sockets (a client of a dead QEMU's socket is refused, not queued);
@@ -14,18 +14,18 @@
 //! once it knows no QEMU of the VM holds them.
 //!
 //! A teardown that ends the VM's disk too (destroy, replace, recovery finishing a destroy) then
-//! calls [`Manager::remove_run_files`]; for a destroy or replace, both are steps of
+//! calls [`HeldVm::remove_run_files`]; for a destroy or replace, both are steps of
 //! `VmOp::teardown` ([`super::ops`]).
 //!
-//! The two stay [`Manager`] methods that take the VM's name: the exit cleanup
-//! ([`super::exits`]) and recovery ([`super::recover`]) run them without an operation, the
-//! unwind of a failed operation ([`super::op::VmOp::fail`]) and `VmOp::teardown` within one,
-//! and one body serves all. This file
-//! names no operation type: [`super::undo`] (which [`super::op`] uses) takes [`Devices`] from
-//! here, so an `impl VmOp` here would close an import cycle (`layers` test).
+//! They are methods of the held VM ([`super::held`]), not of an operation: the exit cleanup
+//! ([`super::exits`]) and recovery ([`super::recover`]) run them without one, the unwind of a
+//! failed operation ([`super::op::VmOp::fail`]) and `VmOp::teardown` within one, and one body
+//! serves all. This file names no operation type: [`super::undo`] (which [`super::op`] uses)
+//! takes [`Devices`] from here, so an `impl VmOp` here would close an import cycle (`layers`
+//! test).
 
 use super::errors::LaunchFileError;
-use super::Manager;
+use super::held::HeldVm;
 use crate::api::ApiError;
 use crate::qemu::argv::VmPaths;
 
@@ -34,7 +34,7 @@ pub(super) fn partial_overlay(paths: &VmPaths) -> std::path::PathBuf {
     paths.overlay.with_extension("qcow2.partial")
 }
 
-/// Whether [`Manager::release_host_side`] gives the passthrough devices back too.
+/// Whether [`HeldVm::release_host_side`] gives the passthrough devices back too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Devices {
     /// Back to their original drivers.
@@ -43,9 +43,11 @@ pub(super) enum Devices {
     Keep,
 }
 
-impl Manager {
+impl HeldVm {
     /// Removes the VM's run dir (sockets, pid file). Errors are logged: nothing depends on it.
-    pub(super) fn clean_run_dir(&self, paths: &VmPaths) {
+    /// A launch clears it before making it again; recovery, of a VM whose QEMU is gone.
+    pub(super) fn clean_run_dir(&self) {
+        let paths = self.paths();
         match crate::blocking::run(|| std::fs::remove_dir_all(&paths.run_dir)) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -53,22 +55,23 @@ impl Manager {
         }
     }
 
-    /// Releases VM `name`'s run dir, taps, agent session and (with [`Devices::Release`]) its
+    /// Releases the VM's run dir, taps, agent session and (with [`Devices::Release`]) its
     /// passthrough devices, in that order. Call only once no QEMU of the VM runs.
     ///
     /// # Errors
     /// A device could not be given back to its driver (the record keeps it, for a retry).
-    pub(super) async fn release_host_side(&self, name: &str, devices: Devices) -> Result<(), ApiError> {
-        self.clean_run_dir(&self.paths(name));
-        self.net.detach_nics(name).await;
-        self.agents.stop(name);
+    pub(super) async fn release_host_side(&self, devices: Devices) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        self.clean_run_dir();
+        mgr.net.detach_nics(name).await;
+        mgr.agents.stop(name);
         match devices {
-            Devices::Release => self.release_passthrough(name).await,
+            Devices::Release => self.release_passthrough().await,
             Devices::Keep => Ok(()),
         }
     }
 
-    /// Removes the files VM `name`'s QEMU ran on or wrote beside the record: the overlay (and
+    /// Removes the files the VM's QEMU ran on or wrote beside the record: the overlay (and
     /// a half-made one), a UEFI VM's variables store (and a half-made copy), the seed, the
     /// serial and QEMU logs. The disks the VM owns (root, data) stay: a destroy disposes of
     /// them next, a replace keeps them. The variables store goes with the overlay: its boot
@@ -78,11 +81,11 @@ impl Manager {
     /// # Errors
     /// 4001 when an overlay or the variables store cannot be removed (a seed or log that
     /// cannot is only logged).
-    pub(super) fn remove_run_files(&self, name: &str) -> Result<(), ApiError> {
-        let paths = self.paths(name);
+    pub(super) fn remove_run_files(&self) -> Result<(), ApiError> {
+        let (name, paths) = (self.name(), self.paths());
         // Copies an interrupted revert left beside the overlay.
         crate::blocking::run(|| crate::images::remove_leftovers_of(&paths.overlay));
-        for overlay in [paths.overlay.clone(), partial_overlay(&paths)] {
+        for overlay in [paths.overlay.clone(), partial_overlay(paths)] {
             crate::disk::remove_overlay(&overlay).map_err(crate::disk::OverlayError::Remove)?;
         }
         for vars in [paths.uefi_vars(), paths.partial_uefi_vars()] {

@@ -5,13 +5,14 @@
 //! records every affected function's original driver in the VM record *before* the first sysfs
 //! write; [`VmOp::hand_vfio_groups_to_qemu`] after it, which records each IOMMU group node's
 //! group and mode *before* the spawner gives the node to QEMU's group;
-//! [`Manager::release_passthrough`] after QEMU is gone (stop, destroy, death, failed launch, and
+//! [`HeldVm::release_passthrough`] after QEMU is gone (stop, destroy, death, failed launch, and
 //! at daemon start for VMs whose QEMU vanished), which first puts each node's group and mode
 //! back, then the drivers. The record's bindings are cleared only once release succeeded, so a
 //! failed release is retried at the next opportunity.
 //!
 //! Sysfs writes and the bounded waits for the kernel block, so they run on the blocking pool.
 
+use super::held::HeldVm;
 use super::op::VmOp;
 use super::Manager;
 use crate::api::{ApiError, VmSpec};
@@ -55,14 +56,24 @@ impl Manager {
         Ok(Some(check::check(&wanted, &devices, &usage, &held)?))
     }
 
+    /// RLIMIT_MEMLOCK QEMU needs: VFIO pins all guest RAM (plus room for QEMU's own buffers).
+    pub(super) fn memlock_for(&self, spec: &VmSpec) -> Option<u64> {
+        (!requested_devices(spec, &self.config.hardware).is_empty())
+            .then(|| (spec.memory_mib + 1024).saturating_mul(1024 * 1024))
+    }
+}
+
+impl HeldVm {
     /// Gives the VM's devices back to their original drivers. Clears the record's bindings on
-    /// success; keeps them (for a later retry) on failure. Runs without an operation too: the
-    /// exit cleanup ([`super::teardown`]) and recovery give a dead QEMU's devices back.
+    /// success; keeps them (for a later retry) on failure. The host side's last step
+    /// ([`super::teardown`]: an operation, the exit cleanup, recovery finishing a destroy);
+    /// recovery, and a failed launch's unwind, also call it alone once no QEMU holds them.
     ///
     /// # Errors
     /// 4001 listing every device that could not be restored.
-    pub(super) async fn release_passthrough(&self, name: &str) -> Result<(), ApiError> {
-        let bindings: Vec<Binding> = match self.record(name) {
+    pub(super) async fn release_passthrough(&self) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr(), self.name());
+        let bindings: Vec<Binding> = match self.record() {
             Ok(r) => r.vfio,
             Err(_) => return Ok(()),
         };
@@ -82,10 +93,10 @@ impl Manager {
                 }
             }
         }
-        let pci = self.pci.clone();
+        let pci = mgr.pci.clone();
         let count = bindings.len();
         let started = std::time::Instant::now();
-        let after_each = numbered_crashpoint("vfio:released", self.config.paths.run.clone());
+        let after_each = numbered_crashpoint("vfio:released", mgr.config.paths.run.clone());
         let released = tokio::task::spawn_blocking(move || bind::release(&pci, &bindings, BIND_TIMEOUT, after_each))
             .await
             .map_err(PassthroughError::task(PassthroughStep::Release))?;
@@ -93,7 +104,7 @@ impl Manager {
             Ok(()) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
                 tracing::info!(vm = %name, devices = count, elapsed_ms = ms, "vfio released");
-                self.update(name, "vfio released", |r| r.vfio.clear())?;
+                self.update("vfio released", |r| r.vfio.clear())?;
                 Ok(())
             }
             Err(e) => {
@@ -101,12 +112,6 @@ impl Manager {
                 Err(ApiError::from(&e))
             }
         }
-    }
-
-    /// RLIMIT_MEMLOCK QEMU needs: VFIO pins all guest RAM (plus room for QEMU's own buffers).
-    pub(super) fn memlock_for(&self, spec: &VmSpec) -> Option<u64> {
-        (!requested_devices(spec, &self.config.hardware).is_empty())
-            .then(|| (spec.memory_mib + 1024).saturating_mul(1024 * 1024))
     }
 }
 
