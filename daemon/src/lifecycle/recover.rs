@@ -7,7 +7,9 @@
 //!
 //! Order: [`Recovery::scan`] reads /proc once for the processes carrying any VM's marker
 //! ([`identity::MarkerIndex`]); then [`Recovery::run`] settles up to [`RECOVER_AT_ONCE`] VMs at
-//! once, each against that index (a recorded QEMU that still runs is verified directly). A VM
+//! once, each against that index (a recorded QEMU that still runs is verified directly) and
+//! each through a [`HeldVm`]: nothing else can hold a VM before the daemon serves, so the
+//! steps recovery shares with operations (undo, release, disposal) are the held VM's. A VM
 //! settled without error leaves the registry's `unsettled` set: from then on only a launch
 //! searches /proc for its QEMU.
 
@@ -62,7 +64,9 @@ impl<'m> Recovery<'m> {
         let names: Vec<String> = self.mgr.lock().vms.keys().cloned().collect();
         futures_util::stream::iter(names)
             .for_each_concurrent(RECOVER_AT_ONCE, |name| async move {
-                match self.recover(&name).await {
+                // Recovery runs before the daemon serves: nothing else holds the VM.
+                let held = HeldVm::new(self.mgr, &name);
+                match self.recover(&held).await {
                     Ok(()) => {
                         self.mgr.lock().unsettled.remove(&name);
                     }
@@ -77,13 +81,12 @@ impl<'m> Recovery<'m> {
         Search::Index(&self.index)
     }
 
-    /// Settles VM `name`, then gives its passthrough devices back if no QEMU of it runs.
-    async fn recover(&self, name: &str) -> Result<(), ApiError> {
-        let mgr = self.mgr;
-        self.settle(name).await?;
-        let held = HeldVm::new(mgr, name);
+    /// Settles the VM, then gives its passthrough devices back if no QEMU of it runs.
+    async fn recover(&self, held: &HeldVm) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr, held.name());
+        self.settle(held).await?;
         // Devices of a VM without a live QEMU go back to their host drivers.
-        let rec = mgr.record(name);
+        let rec = held.record();
         if let Ok(rec) = rec {
             if rec.vfio.is_empty() {
                 return Ok(());
@@ -101,13 +104,12 @@ impl<'m> Recovery<'m> {
         Ok(())
     }
 
-    /// Brings VM `name`'s record in line with what runs: a live QEMU is re-adopted (or killed
+    /// Brings the VM's record in line with what runs: a live QEMU is re-adopted (or killed
     /// when the record says it was being stopped, destroyed or created), a gone one settles
     /// the record.
-    async fn settle(&self, name: &str) -> Result<(), ApiError> {
-        let mgr = self.mgr;
-        let held = HeldVm::new(mgr, name);
-        let rec = mgr.record(name)?;
+    async fn settle(&self, held: &HeldVm) -> Result<(), ApiError> {
+        let (mgr, name) = (self.mgr, held.name());
+        let rec = held.record()?;
         let paths = held.paths();
         // If /proc cannot be read the record is left exactly as it is: guessing could start a
         // VM twice or delete a live VM's sockets.
@@ -116,13 +118,13 @@ impl<'m> Recovery<'m> {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
                 mgr.processes.kill(name, &id).await?;
-                self.finish_destroy(name).await
+                self.finish_destroy(held).await
             }
             (Some(id), VmStatus::Stopping) => {
                 tracing::info!(vm = name, "finishing an interrupted stop");
                 mgr.processes.kill(name, &id).await?;
                 held.clean_run_dir();
-                mgr.update_status(name, "stop completed after vmhostd restart", VmStatus::Stopped, |r| {
+                held.update_status("stop completed after vmhostd restart", VmStatus::Stopped, |r| {
                     r.process = None;
                     r.unclean_end =
                         Some(super::ops::killed_by("a stop interrupted by a vmhostd restart", "finished after it"));
@@ -133,7 +135,7 @@ impl<'m> Recovery<'m> {
                 // The create never reached `running`: undo it rather than adopt a half-made VM.
                 tracing::info!(vm = name, "undoing an interrupted create");
                 mgr.processes.kill(name, &id).await?;
-                self.settle_without_process(&held, VmStatus::Creating)
+                self.settle_without_process(held, VmStatus::Creating)
             }
             (Some(id), _) => {
                 // Re-adopt: QMP must answer, but a VM whose monitor is wedged is still running
@@ -156,18 +158,18 @@ impl<'m> Recovery<'m> {
                 // It runs on its imported disk: the import is done.
                 held.end_root_disk_import()?;
                 if started_at.is_some() {
-                    mgr.update(name, "re-adopted", |r| r.started_at = started_at)?;
+                    held.update("re-adopted", |r| r.started_at = started_at)?;
                 }
                 Ok(())
             }
-            (None, VmStatus::Destroying) => self.finish_destroy(name).await,
-            (None, status) => self.settle_without_process(&held, status),
+            (None, VmStatus::Destroying) => self.finish_destroy(held).await,
+            (None, status) => self.settle_without_process(held, status),
         }
     }
 
     /// Settles a record whose QEMU is gone.
     fn settle_without_process(&self, held: &HeldVm, status: VmStatus) -> Result<(), ApiError> {
-        let (mgr, name, paths) = (self.mgr, held.name(), held.paths());
+        let paths = held.paths();
         held.clean_run_dir();
         let _ = crate::disk::remove_overlay(&super::teardown::partial_overlay(paths));
         let settle = match status {
@@ -190,7 +192,7 @@ impl<'m> Recovery<'m> {
             _ => held.end_root_disk_import()?,
         }
         let record_error = to != VmStatus::Stopped;
-        mgr.update_status(name, why, to, |r| {
+        held.update_status(why, to, |r| {
             r.process = None;
             if undo_create {
                 r.reserved = false;
@@ -213,15 +215,13 @@ impl<'m> Recovery<'m> {
     }
 
     /// Completes a destroy a restart interrupted, as `vm.destroy` would have.
-    async fn finish_destroy(&self, name: &str) -> Result<(), ApiError> {
-        let mgr = self.mgr;
-        let held = HeldVm::new(mgr, name);
+    async fn finish_destroy(&self, held: &HeldVm) -> Result<(), ApiError> {
         held.release_host_side(Devices::Release).await?;
         held.remove_run_files()?;
-        let spec = mgr.record(name)?.spec;
+        let spec = held.record()?.spec;
         held.dispose_root_disk()?;
         held.dispose_data_disks(&spec)?;
-        mgr.forget(name, "destroyed (completed after restart)")
+        self.mgr.forget(held.name(), "destroyed (completed after restart)")
     }
 }
 
