@@ -13,19 +13,23 @@
 //! the run dir, taps and run files ([`super::teardown`]) and the passthrough devices
 //! ([`super::vfio`]).
 //!
-//! Who makes one: an operation with `VmOp::held` (its own, for as long as it lives); the exit
-//! cleanup and recovery with [`HeldVm::new`], which trusts its caller to hold the VM. Nothing
-//! else may: the methods change the VM's files and record without taking its flag.
+//! Who makes one: [`HeldVm::new`], which trusts its caller to hold the VM: the exit cleanup
+//! once it has the flag, recovery, and the making of an operation (`Manager::begin_op`,
+//! `Manager::reserve_op`, with the flag just taken), whose steps reach it with `VmOp::held`.
+//! Nothing else may: the methods change the VM's files and record without taking its flag.
 //!
-//! Order of use, for what a VM holds on the host (each method's doc says where it is used):
+//! Order of use (each method's doc says who calls it):
 //!
-//! 1. made (or borrowed from the operation);
-//! 2. once no QEMU of the VM runs: `release_host_side`, then for a VM whose disks go too
-//!    `remove_run_files`;
-//! 3. the disks: `undo_data_disks` and `undo_root_disk` for a create taken back,
-//!    `end_disk_tracking` and `end_root_disk_import` for one that succeeded,
-//!    `dispose_root_disk` then `dispose_data_disks` for a destroy;
-//! 4. dropped: it holds nothing itself, the caller's flag (or recovery's turn) still does.
+//! 1. made, or borrowed from the operation;
+//! 2. a VM that runs: `mark_running` once its QEMU is up (recovery re-adopting one first
+//!    settles a hot-plug cut short, `settle_hotplug`), then `end_root_disk_import` and
+//!    `end_disk_tracking`: what the operation made is the VM's;
+//! 3. once no QEMU of the VM runs: `release_host_side` (run dir, taps, agent, devices), then,
+//!    for a VM whose disks go too, `remove_run_files`;
+//! 4. the disks: `undo_data_disks` then `undo_root_disk` for a create or start taken back;
+//!    `dispose_root_disk` then `dispose_data_disks` (with the snapshots) for a destroy;
+//! 5. dropped: it takes no flag itself; the caller's flag (or recovery's turn) is what holds
+//!    the VM.
 
 use super::Manager;
 use crate::api::{ApiError, VmStatus};
@@ -41,8 +45,9 @@ pub(super) struct HeldVm {
 }
 
 impl HeldVm {
-    /// The VM `name`, which the caller holds: the exit cleanup with its busy flag taken, or
-    /// recovery before the daemon serves. An operation uses its own (`VmOp::held`).
+    /// The VM `name`, which the caller holds: the exit cleanup with its busy flag taken,
+    /// recovery before the daemon serves, an operation being made with its flag taken (its
+    /// steps then use `VmOp::held`).
     pub(super) fn new(mgr: &Arc<Manager>, name: &str) -> HeldVm {
         HeldVm { mgr: Arc::clone(mgr), name: name.to_string(), paths: mgr.paths(name) }
     }
