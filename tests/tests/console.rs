@@ -230,7 +230,16 @@ fn a_client_that_never_reads_stops_neither_the_guest_nor_the_log_and_the_log_out
         .write_all(b"i=0; while [ $i -lt 12000 ]; do echo flood-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; i=$((i+1)); done; echo flood-done-$((6*7))\r")
         .unwrap();
     // The guest's output reaches the log all the same, and the daemon answers meanwhile.
-    assert!(host.wait_serial("con2", "flood-done-42", Duration::from_secs(600)), "the guest's output stalled");
+    if !host.wait_serial("con2", "flood-done-42", Duration::from_secs(600)) {
+        let log = host.serial("con2");
+        let tail = |s: &str, n: usize| s.chars().skip(s.chars().count().saturating_sub(n)).collect::<String>();
+        panic!(
+            "the guest's output stalled; serial log ({} bytes) ends:\n{}\nvmhostd's log ends:\n{}",
+            log.len(),
+            tail(&log, 2000),
+            tail(&host.daemon_log(), 4000)
+        );
+    }
     let log = host.serial("con2");
     assert!(log.contains("flood-11999-"), "lines are missing from the log");
     assert_eq!(host.call("vm.get", json!({ "name": "con2" }))["status"], "running");
