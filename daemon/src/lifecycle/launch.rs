@@ -129,7 +129,7 @@ impl HeldVm {
             r.qemu_started();
         })?;
         mgr.watch(name, id);
-        mgr.watch_agent(name);
+        super::agent::watch_agent(mgr, name);
         Ok(())
     }
 }

@@ -26,8 +26,8 @@
 //! [`registry`] (records, their files and the views readers are served), [`processes`] (the
 //! QEMU processes: started, found, checked, killed).
 
-mod agent;
-mod autostart;
+pub(crate) mod agent;
+pub mod autostart;
 mod backup;
 mod busy;
 mod copies;
@@ -42,14 +42,14 @@ mod live_copy;
 mod op;
 mod ops;
 mod processes;
-mod reconcile;
+pub(crate) mod reconcile;
 mod reconfigure;
 mod recover;
 mod registry;
 mod root_disk;
-mod shutdown;
+pub(crate) mod shutdown;
 mod snapshots;
-mod stats;
+pub(crate) mod stats;
 mod teardown;
 mod undo;
 mod vfio;

@@ -146,12 +146,12 @@ impl Manager {
 
     /// `vm.apply`: create when absent; converge the run state (and guest interfaces) when the
     /// spec is equal; change the VM in place, keeping its disk, when anything but `boot.image`
-    /// differs ([`Manager::reconfigure`]); replace it (a new disk) only for a `boot.image`
+    /// differs ([`super::reconfigure::reconfigure`]); replace it (a new disk) only for a `boot.image`
     /// change with `replace`.
     ///
     /// # Errors
     /// As create; 2002 naming `spec.boot.image` (with `details.fields`) for an image change
-    /// without `replace`; 2001 for a smaller disk; as [`Manager::reconfigure`]. A refused
+    /// without `replace`; 2001 for a smaller disk; as [`super::reconfigure::reconfigure`]. A refused
     /// change (2001/2002/3002/3003/3004/3005) leaves the VM exactly as it was.
     pub async fn apply(self: &Arc<Self>, p: ApplyParams) -> Result<Mutation, ApiError> {
         let ApplyParams { spec, replace, restart, timeout_s } = p;
@@ -170,13 +170,14 @@ impl Manager {
                     Some(running) => {
                         let fields = crate::plan::spec_drift(running, &spec);
                         let needed = restart && crate::plan::restart_needed(running, &spec);
-                        self.reconfigure(vm, fields, needed, restart, timeout_s).await
+                        super::reconfigure::reconfigure(self, vm, fields, needed, restart, timeout_s).await
                     }
                     None => self.converge_unchanged(&current, spec, timeout_s).await,
                 };
             }
             Change::Reconfigure { fields, restart: needs_restart } => {
-                return self.reconfigure(vm, fields, needs_restart && restart, restart, timeout_s).await;
+                return super::reconfigure::reconfigure(self, vm, fields, needs_restart && restart, restart, timeout_s)
+                    .await;
             }
             Change::Replace { fields } => fields,
         };
@@ -224,7 +225,7 @@ impl Manager {
             let wanted = spec.guest_interfaces.clone();
             op.update("guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
             if op.find_live(current.process.as_ref())?.is_some() {
-                self.apply_guest_interfaces(&spec.name).await?;
+                super::agent::apply_guest_interfaces(self, &spec.name).await?;
             }
         }
         let up = self.find_live(&spec.name, current.process.as_ref())?.is_some();

@@ -143,9 +143,14 @@ pub static METHODS: [Method; 30] = [
             .await;
         report.ok_or_else(|| ApiError::internal("the host check failed unexpectedly")).and_then(json)
     }),
-    call!("host.reconcile", Write, Free, ReconcileParams, |ctx, p| ctx.manager.reconcile(p).await.and_then(json)),
+    call!("host.reconcile", Write, Free, ReconcileParams, |ctx, p| crate::lifecycle::reconcile::reconcile(
+        &ctx.manager,
+        p
+    )
+    .await
+    .and_then(json)),
     call!("host.shutdown_vms", Write, Free, ShutdownVmsParams, |ctx, p| {
-        ctx.manager.shutdown_vms(p.timeout_s).await.and_then(json)
+        crate::lifecycle::shutdown::shutdown_vms(&ctx.manager, p.timeout_s).await.and_then(json)
     }),
     call!("host.purge_kept_disks", Write, Free, PurgeKeptDisksParams, |ctx, p| {
         ctx.manager.purge_kept_disks(&p.vm).and_then(json)
@@ -159,11 +164,18 @@ pub static METHODS: [Method; 30] = [
     call!("vm.stop", Write, Free, StopParams, |ctx, p| ctx.manager.stop(p).await.and_then(json)),
     call!("vm.restart", Write, Free, StopParams, |ctx, p| ctx.manager.restart(p).await.and_then(json)),
     call!("vm.destroy", Write, Free, NameParams, |ctx, p| ctx.manager.destroy(&p.name).await.and_then(json)),
-    call!("vm.guest_info", Read, Agent, NameParams, |ctx, p| ctx.manager.guest_info(&p.name).await.and_then(json)),
+    call!("vm.guest_info", Read, Agent, NameParams, |ctx, p| crate::lifecycle::agent::guest_info(
+        &ctx.manager,
+        &p.name
+    )
+    .await
+    .and_then(json)),
     call!("vm.guest_network", Read, Agent, NameParams, |ctx, p| {
-        ctx.manager.guest_network(&p.name).await.and_then(json)
+        crate::lifecycle::agent::guest_network(&ctx.manager, &p.name).await.and_then(json)
     }),
-    call!("vm.check", Read, Agent, NameParams, |ctx, p| ctx.manager.check_guest(&p.name).await.and_then(json)),
+    call!("vm.check", Read, Agent, NameParams, |ctx, p| crate::lifecycle::agent::check_guest(&ctx.manager, &p.name)
+        .await
+        .and_then(json)),
     Method {
         name: "vm.console",
         access: Access::Read,
@@ -172,8 +184,10 @@ pub static METHODS: [Method; 30] = [
         check: |raw| parse_params::<ConsoleParams>(raw).map(drop),
         kind: Kind::Console,
     },
-    call!("vm.stats", Read, Free, StatsParams, |ctx, p| ctx.manager.vm_stats(p).await.and_then(json)),
-    call!("host.stats", Read, Free, Object, |ctx, _p| json(ctx.manager.host_stats().await)),
+    call!("vm.stats", Read, Free, StatsParams, |ctx, p| crate::lifecycle::stats::vm_stats(&ctx.manager, p)
+        .await
+        .and_then(json)),
+    call!("host.stats", Read, Free, Object, |ctx, _p| json(crate::lifecycle::stats::host_stats(&ctx.manager).await)),
     Method {
         name: "events.subscribe",
         access: Access::Read,
