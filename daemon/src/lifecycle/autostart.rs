@@ -16,7 +16,7 @@ use std::sync::Arc;
 /// The records autostart starts: desired `running`, and settled as not running (`dead`,
 /// `stopped`, `failed`) by the recovery that ran before. Whether their QEMU is really gone is
 /// checked again by the start itself (a live one is adopted, never started twice).
-pub fn candidates<'a>(records: impl IntoIterator<Item = &'a VmRecord>) -> Vec<String> {
+pub(crate) fn candidates<'a>(records: impl IntoIterator<Item = &'a VmRecord>) -> Vec<String> {
     records
         .into_iter()
         .filter(|r| r.spec.state == DesiredState::Running)
@@ -47,7 +47,7 @@ pub fn autostart(mgr: &Arc<Manager>) -> Option<tokio::task::JoinHandle<()>> {
             tasks.spawn(async move {
                 let Ok(_slot) = slots.acquire_owned().await else { return };
                 let settled = [VmStatus::Dead, VmStatus::Stopped, VmStatus::Failed];
-                match mgr.start_if_wanted("autostart", &name, &settled).await {
+                match super::ops::start_if_wanted(&mgr, "autostart", &name, &settled).await {
                     Ok(Some(_)) => tracing::info!(vm = %name, "autostart: started"),
                     Ok(None) => tracing::info!(vm = %name, "autostart: changed meanwhile; left as it is"),
                     Err(e) => tracing::warn!(vm = %name, error = %e, "autostart: start failed"),

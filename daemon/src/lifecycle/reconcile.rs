@@ -48,7 +48,7 @@ async fn plan_and_run(mgr: &Arc<Manager>, p: ReconcileParams) -> ReconcileReport
         }
         let Some(spec) = specs.get(entry.vm.as_str()) else { continue };
         if let Ok(vm) = crate::validate::validate_spec(spec, &mgr.config) {
-            if let Err(e) = mgr.check_launch_files(&vm).await {
+            if let Err(e) = super::launch::check_launch_files(mgr, &vm).await {
                 entry.error = Some(e.to_json());
             }
         }
@@ -99,17 +99,19 @@ async fn run_entry(
         // A desired VM that keeps its spec: vm.apply converges its run state and its guest
         // interfaces (which are applied live, not a replace).
         (PlanAction::None | PlanAction::Start | PlanAction::Stop, Some(spec)) => {
-            mgr.apply(apply_params(spec.clone(), false, timeout_s)).await?
+            super::ops::apply(mgr, apply_params(spec.clone(), false, timeout_s)).await?
         }
         (PlanAction::None, None) => return Ok(false),
-        (PlanAction::Destroy, _) => mgr.destroy(&entry.vm).await?,
-        (PlanAction::Stop, None) => mgr.stop(StopParams { name: entry.vm.clone(), timeout_s, force: false }).await?,
-        (PlanAction::Start, None) => mgr.start(&entry.vm).await?,
-        (PlanAction::Create, _) => mgr.create(need_spec()?).await?,
+        (PlanAction::Destroy, _) => super::ops::destroy(mgr, &entry.vm).await?,
+        (PlanAction::Stop, None) => {
+            super::ops::stop(mgr, StopParams { name: entry.vm.clone(), timeout_s, force: false }).await?
+        }
+        (PlanAction::Start, None) => super::ops::start(mgr, &entry.vm).await?,
+        (PlanAction::Create, _) => super::ops::create(mgr, need_spec()?).await?,
         // In place, the disk kept; restarted when needed, like vm.apply's default.
-        (PlanAction::Reconfigure, _) => mgr.apply(apply_params(need_spec()?, false, timeout_s)).await?,
+        (PlanAction::Reconfigure, _) => super::ops::apply(mgr, apply_params(need_spec()?, false, timeout_s)).await?,
         // Planned only with `replace: true` (else the entry carries a 2002 and never runs).
-        (PlanAction::Replace, _) => mgr.apply(apply_params(need_spec()?, true, timeout_s)).await?,
+        (PlanAction::Replace, _) => super::ops::apply(mgr, apply_params(need_spec()?, true, timeout_s)).await?,
     };
     Ok(m.changed)
 }

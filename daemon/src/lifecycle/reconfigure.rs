@@ -59,7 +59,7 @@ pub(super) async fn reconfigure(
     let name = vm.spec.name.clone();
     let span = tracing::info_span!("vm.reconfigure", vm = %name, fields = %fields.join(","));
     async move {
-        mgr.check_launch_files(&vm).await?;
+        super::launch::check_launch_files(mgr, &vm).await?;
         let (mut op, _) = mgr.begin_op(&name).await?;
         op.reconfigure_steps(&vm, restart, allow_restart, timeout_s).await?;
         Ok(Mutation::new(true, Some(mgr.get(&name)?)))
@@ -84,8 +84,8 @@ impl VmOp {
         let old = self.record()?;
         // Its disks may be part reverted: a change (a disk grown or dropped) would make the
         // revert that must finish first impossible.
-        Manager::check_not_reverting(&old)?;
-        mgr.admit_disk_space(Some(&old.spec), &vm.spec)?;
+        super::snapshots::check_not_reverting(&old)?;
+        super::data_disks::admit_disk_space(&mgr, Some(&old.spec), &vm.spec)?;
         let live = self.find_live(old.process.as_ref())?;
         if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
             // Capacity and conflicts first, then the kernel's view of the devices; the record
@@ -94,7 +94,7 @@ impl VmOp {
                 let t = mgr.lock();
                 mgr.admit_locked(&t, &vm.spec, &old.nics)?;
             }
-            mgr.check_passthrough(&vm.spec).await?;
+            super::vfio::check_passthrough(&mgr, &vm.spec).await?;
         }
         let grow_to = grown_disk(&old.spec, &vm.spec);
         let Some(id) = live else {
