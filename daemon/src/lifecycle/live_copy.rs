@@ -20,8 +20,8 @@
 //!
 //! [`VmOp::copy_disks_live`] and the freeze and thaw it uses are steps of the operation that
 //! holds the VM: an export (`VmOp::export_live`, [`super::backup`]) or a snapshot
-//! ([`super::snapshots`]). [`check_requires`] stays a [`Manager`] method: it reads only
-//! the record and the agent hub, before the caller makes anything.
+//! ([`super::snapshots`]). [`check_requires`] is a function taking the manager, not a step:
+//! it reads only the record and the agent hub, before the caller makes anything.
 
 use super::errors::{DiskStepError, FileError, QemuStepError};
 use super::op::VmOp;
