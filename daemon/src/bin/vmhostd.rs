@@ -187,7 +187,7 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
         tracing::info!(socket = %config.paths.socket.display(), "serving");
     }
     // In the background: the socket is served while VMs desired running come back.
-    let _autostart = manager.autostart();
+    let _autostart = vmhost::lifecycle::autostart::autostart(&manager);
     // QEMU writes each VM's logs itself; they are capped from the side (module doc of logcap).
     let _logcap = vmhost::logcap::spawn(config.paths.state.join("logs"), config.logs.max_bytes);
     if let Err(e) = activation.notify("READY=1") {

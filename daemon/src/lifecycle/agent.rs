@@ -4,7 +4,7 @@
 //!
 //! All of it stays on [`Manager`], taking the VM's name: the session callback applies the
 //! interfaces with no operation running (an operation's `vm.apply` calls the same
-//! [`Manager::apply_guest_interfaces`]), and the `vm.guest_*`/`vm.check` calls are reads that
+//! [`apply_guest_interfaces`]), and the `vm.guest_*`/`vm.check` calls are reads that
 //! take no busy flag.
 
 use super::Manager;
@@ -17,66 +17,64 @@ use vmhost_agent_protocol::{
     AgentInfo, ApplyParams, ApplyReport, CheckParams, CheckReport, Expected, ExpectedNic, NetState,
 };
 
-impl Manager {
-    /// Starts keeping an agent session for `name` (idempotent).
-    pub(super) fn watch_agent(self: &Arc<Self>, name: &str) {
-        let mgr = Arc::downgrade(self);
-        let vm = name.to_string();
-        self.agents.start(name, self.paths(name).agent, move |event| {
-            let mgr = mgr.clone();
-            let vm = vm.clone();
-            async move {
-                let Some(mgr) = mgr.upgrade() else { return };
-                if event == SessionEvent::GuestRebooted {
-                    tracing::info!(vm = %vm, "guest rebooted; re-applying its interfaces");
-                }
-                if let Err(e) = mgr.apply_guest_interfaces(&vm).await {
-                    tracing::warn!(vm = %vm, error = %e, "guest interfaces not applied");
-                }
+/// Starts keeping an agent session for `name` (idempotent).
+pub(super) fn watch_agent(mgr: &Arc<Manager>, name: &str) {
+    let weak = Arc::downgrade(mgr);
+    let vm = name.to_string();
+    mgr.agents.start(name, mgr.paths(name).agent, move |event| {
+        let mgr = weak.clone();
+        let vm = vm.clone();
+        async move {
+            let Some(mgr) = mgr.upgrade() else { return };
+            if event == SessionEvent::GuestRebooted {
+                tracing::info!(vm = %vm, "guest rebooted; re-applying its interfaces");
             }
-        });
-    }
-
-    /// Sends the spec's `guest_interfaces` to the agent (an empty list deletes what the agent
-    /// made before).
-    pub(super) async fn apply_guest_interfaces(&self, name: &str) -> Result<ApplyReport, ApiError> {
-        let spec = self.record(name)?.spec;
-        let report: ApplyReport =
-            self.agents.call(name, "net.apply", json!(ApplyParams { interfaces: spec.guest_interfaces })).await?;
-        if report.changed {
-            let (created, deleted) = (GuestList(&report.created), GuestList(&report.deleted));
-            tracing::info!(vm = name, %created, %deleted, "guest interfaces applied");
+            if let Err(e) = apply_guest_interfaces(&mgr, &vm).await {
+                tracing::warn!(vm = %vm, error = %e, "guest interfaces not applied");
+            }
         }
-        Ok(report)
-    }
+    });
+}
 
-    /// `vm.guest_info`.
-    ///
-    /// # Errors
-    /// 4040, 5001, 5002.
-    pub async fn guest_info(&self, name: &str) -> Result<AgentInfo, ApiError> {
-        self.record(name)?;
-        self.agents.call(name, "agent.info", json!({})).await
+/// Sends the spec's `guest_interfaces` to the agent (an empty list deletes what the agent
+/// made before).
+pub(super) async fn apply_guest_interfaces(mgr: &Manager, name: &str) -> Result<ApplyReport, ApiError> {
+    let spec = mgr.record(name)?.spec;
+    let report: ApplyReport =
+        mgr.agents.call(name, "net.apply", json!(ApplyParams { interfaces: spec.guest_interfaces })).await?;
+    if report.changed {
+        let (created, deleted) = (GuestList(&report.created), GuestList(&report.deleted));
+        tracing::info!(vm = name, %created, %deleted, "guest interfaces applied");
     }
+    Ok(report)
+}
 
-    /// `vm.guest_network`: what the guest sees.
-    ///
-    /// # Errors
-    /// 4040, 5001, 5002.
-    pub async fn guest_network(&self, name: &str) -> Result<NetState, ApiError> {
-        self.record(name)?;
-        self.agents.call(name, "net.state", json!({})).await
-    }
+/// `vm.guest_info`.
+///
+/// # Errors
+/// 4040, 5001, 5002.
+pub(crate) async fn guest_info(mgr: &Manager, name: &str) -> Result<AgentInfo, ApiError> {
+    mgr.record(name)?;
+    mgr.agents.call(name, "agent.info", json!({})).await
+}
 
-    /// `vm.check`: is the guest's network what the spec declares?
-    ///
-    /// # Errors
-    /// 4040, 5001, 5002.
-    pub async fn check_guest(&self, name: &str) -> Result<CheckReport, ApiError> {
-        let rec = self.record(name)?;
-        let expected = expected_network(&rec);
-        self.agents.call(name, "net.check", json!(CheckParams { expected })).await
-    }
+/// `vm.guest_network`: what the guest sees.
+///
+/// # Errors
+/// 4040, 5001, 5002.
+pub(crate) async fn guest_network(mgr: &Manager, name: &str) -> Result<NetState, ApiError> {
+    mgr.record(name)?;
+    mgr.agents.call(name, "net.state", json!({})).await
+}
+
+/// `vm.check`: is the guest's network what the spec declares?
+///
+/// # Errors
+/// 4040, 5001, 5002.
+pub(crate) async fn check_guest(mgr: &Manager, name: &str) -> Result<CheckReport, ApiError> {
+    let rec = mgr.record(name)?;
+    let expected = expected_network(&rec);
+    mgr.agents.call(name, "net.check", json!(CheckParams { expected })).await
 }
 
 /// What `vm.check` expects, from the spec (addresses, gateway, DNS) and the record (MACs).

@@ -1,7 +1,7 @@
 //! Autostart: after a host reboot (or QEMU ending while vmhostd was down) the VMs that are
 //! desired `running` come back without any client asking.
 //!
-//! [`Manager::autostart`] runs once, after [`Manager::open`] has re-adopted and settled every
+//! [`autostart`] runs once, after [`Manager::open`] has re-adopted and settled every
 //! record ([`super::recover`]) and before nothing else: it spawns a task and returns at once, so
 //! the socket is served meanwhile. The task picks the candidates ([`candidates`], pure), then
 //! starts them through the ordinary start path (`vm.start`'s steps, busy flag, events with the
@@ -16,7 +16,7 @@ use std::sync::Arc;
 /// The records autostart starts: desired `running`, and settled as not running (`dead`,
 /// `stopped`, `failed`) by the recovery that ran before. Whether their QEMU is really gone is
 /// checked again by the start itself (a live one is adopted, never started twice).
-pub fn candidates<'a>(records: impl IntoIterator<Item = &'a VmRecord>) -> Vec<String> {
+pub(crate) fn candidates<'a>(records: impl IntoIterator<Item = &'a VmRecord>) -> Vec<String> {
     records
         .into_iter()
         .filter(|r| r.spec.state == DesiredState::Running)
@@ -25,39 +25,37 @@ pub fn candidates<'a>(records: impl IntoIterator<Item = &'a VmRecord>) -> Vec<St
         .collect()
 }
 
-impl Manager {
-    /// Starts the [`candidates`] in the background, `lifecycle.start_concurrency` at a time,
-    /// unless `lifecycle.autostart` is off. Returns the task (tests and shutdown may await it).
-    pub fn autostart(self: &Arc<Self>) -> Option<tokio::task::JoinHandle<()>> {
-        if !self.config.lifecycle.autostart {
-            tracing::info!("lifecycle.autostart is off: VMs desired running stay as they are");
-            return None;
-        }
-        let names = candidates(self.lock().vms.values());
-        if names.is_empty() {
-            return None;
-        }
-        let limit = self.config.lifecycle.concurrency();
-        tracing::info!(vms = names.len(), concurrency = limit, "autostart: starting VMs desired running");
-        let mgr = self.clone();
-        Some(tokio::spawn(async move {
-            let slots = Arc::new(tokio::sync::Semaphore::new(limit));
-            let mut tasks = tokio::task::JoinSet::new();
-            for name in names {
-                let (mgr, slots) = (mgr.clone(), slots.clone());
-                tasks.spawn(async move {
-                    let Ok(_slot) = slots.acquire_owned().await else { return };
-                    let settled = [VmStatus::Dead, VmStatus::Stopped, VmStatus::Failed];
-                    match mgr.start_if_wanted("autostart", &name, &settled).await {
-                        Ok(Some(_)) => tracing::info!(vm = %name, "autostart: started"),
-                        Ok(None) => tracing::info!(vm = %name, "autostart: changed meanwhile; left as it is"),
-                        Err(e) => tracing::warn!(vm = %name, error = %e, "autostart: start failed"),
-                    }
-                });
-            }
-            while tasks.join_next().await.is_some() {}
-        }))
+/// Starts the [`candidates`] in the background, `lifecycle.start_concurrency` at a time,
+/// unless `lifecycle.autostart` is off. Returns the task (tests and shutdown may await it).
+pub fn autostart(mgr: &Arc<Manager>) -> Option<tokio::task::JoinHandle<()>> {
+    if !mgr.config.lifecycle.autostart {
+        tracing::info!("lifecycle.autostart is off: VMs desired running stay as they are");
+        return None;
     }
+    let names = candidates(mgr.lock().vms.values());
+    if names.is_empty() {
+        return None;
+    }
+    let limit = mgr.config.lifecycle.concurrency();
+    tracing::info!(vms = names.len(), concurrency = limit, "autostart: starting VMs desired running");
+    let mgr = mgr.clone();
+    Some(tokio::spawn(async move {
+        let slots = Arc::new(tokio::sync::Semaphore::new(limit));
+        let mut tasks = tokio::task::JoinSet::new();
+        for name in names {
+            let (mgr, slots) = (mgr.clone(), slots.clone());
+            tasks.spawn(async move {
+                let Ok(_slot) = slots.acquire_owned().await else { return };
+                let settled = [VmStatus::Dead, VmStatus::Stopped, VmStatus::Failed];
+                match super::ops::start_if_wanted(&mgr, "autostart", &name, &settled).await {
+                    Ok(Some(_)) => tracing::info!(vm = %name, "autostart: started"),
+                    Ok(None) => tracing::info!(vm = %name, "autostart: changed meanwhile; left as it is"),
+                    Err(e) => tracing::warn!(vm = %name, error = %e, "autostart: start failed"),
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+    }))
 }
 
 #[cfg(test)]

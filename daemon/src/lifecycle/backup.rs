@@ -54,210 +54,210 @@ fn imported_unclean(backup: &str, manifest: &Manifest) -> Option<String> {
     super::copies::restored_unclean(&format!("imported from backup {backup:?}"), manifest.consistency)
 }
 
-impl Manager {
-    /// `vm.export` (module doc).
-    ///
-    /// # Errors
-    /// 2001 on `timeout_s`, 4040, 4090 (another operation on the VM), 3002 on `name`, 4001
-    /// `step: export`, 4094 on `requires` (a running VM's guest file systems not all frozen);
-    /// nothing is left in `paths.backups`.
-    pub async fn export_vm(self: &Arc<Self>, p: ExportParams) -> Result<ExportResult, ApiError> {
-        let within = copy_timeout(p.timeout_s)?;
-        let (op, rec) = self.begin_op(&p.name).await?;
-        Self::check_not_reverting(&rec)?;
-        let (live, spec, disks) = self.copy_sources(&rec, "export").await?;
-        let stopped = self.check_requires(&rec, live, p.requires, "export")?;
-        // The boot disk becomes one flat qcow2; data disks keep their format.
-        let mut entries: Vec<BackupDisk> = disks
-            .iter()
-            .map(|d| {
-                let format = if d.role == DiskRole::Root { DiskFormat::Qcow2 } else { d.format };
-                let mut e = d.entry(String::new(), format);
-                e.file = crate::backup::file_of(&e);
-                e
-            })
-            .collect();
-        let files: Vec<&Path> = disks.iter().flat_map(|d| layers(d).into_iter().map(|(p, _)| p)).collect();
-        let backups = self.config.paths.backups_dir();
-        let _room = crate::disk::space::reserve_copy_room(&self.reservations, &backups, &files, "name")?;
-        let partial = self.backups.begin(&p.name)?;
-        let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
-        let made = if let Some(stopped) = stopped {
-            op.export_stopped(&disks, &mut entries, &targets, within).await?;
-            stopped
-        } else {
-            op.export_live(&disks, &mut entries, &targets, within, p.requires).await?
-        };
-        seal_copies(partial.dir(), &mut entries, "export")?;
-        let manifest = Manifest {
-            format: crate::backup::FORMAT.into(),
-            version: 1,
-            created_at: crate::api::now_rfc3339(),
-            vmhost_version: super::VERSION.into(),
-            vm: p.name.clone(),
-            spec,
-            live,
-            consistency: Some(made.consistency),
-            reason: made.reason,
-            frozen: made.frozen,
-            skipped: made.skipped,
-            disks: entries,
-        };
-        let backup = partial.name().to_string();
-        let path = partial.finish(&manifest)?;
-        tracing::info!(vm = %p.name, backup = %backup, live, consistency = made.consistency.as_str(), "exported");
-        Ok(ExportResult { backup, path, manifest })
-    }
+/// `vm.export` (module doc).
+///
+/// # Errors
+/// 2001 on `timeout_s`, 4040, 4090 (another operation on the VM), 3002 on `name`, 4001
+/// `step: export`, 4094 on `requires` (a running VM's guest file systems not all frozen);
+/// nothing is left in `paths.backups`.
+pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<ExportResult, ApiError> {
+    let within = copy_timeout(p.timeout_s)?;
+    let (op, rec) = mgr.begin_op(&p.name).await?;
+    super::snapshots::check_not_reverting(&rec)?;
+    let (live, spec, disks) = super::copies::copy_sources(mgr, &rec, "export").await?;
+    let stopped = super::live_copy::check_requires(mgr, &rec, live, p.requires, "export")?;
+    // The boot disk becomes one flat qcow2; data disks keep their format.
+    let mut entries: Vec<BackupDisk> = disks
+        .iter()
+        .map(|d| {
+            let format = if d.role == DiskRole::Root { DiskFormat::Qcow2 } else { d.format };
+            let mut e = d.entry(String::new(), format);
+            e.file = crate::backup::file_of(&e);
+            e
+        })
+        .collect();
+    let files: Vec<&Path> = disks.iter().flat_map(|d| layers(d).into_iter().map(|(p, _)| p)).collect();
+    let backups = mgr.config.paths.backups_dir();
+    let _room = crate::disk::space::reserve_copy_room(&mgr.reservations, &backups, &files, "name")?;
+    let partial = mgr.backups.begin(&p.name)?;
+    let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
+    let made = if let Some(stopped) = stopped {
+        op.export_stopped(&disks, &mut entries, &targets, within).await?;
+        stopped
+    } else {
+        op.export_live(&disks, &mut entries, &targets, within, p.requires).await?
+    };
+    seal_copies(partial.dir(), &mut entries, "export")?;
+    let manifest = Manifest {
+        format: crate::backup::FORMAT.into(),
+        version: 1,
+        created_at: crate::api::now_rfc3339(),
+        vmhost_version: super::VERSION.into(),
+        vm: p.name.clone(),
+        spec,
+        live,
+        consistency: Some(made.consistency),
+        reason: made.reason,
+        frozen: made.frozen,
+        skipped: made.skipped,
+        disks: entries,
+    };
+    let backup = partial.name().to_string();
+    let path = partial.finish(&manifest)?;
+    tracing::info!(vm = %p.name, backup = %backup, live, consistency = made.consistency.as_str(), "exported");
+    Ok(ExportResult { backup, path, manifest })
+}
 
-    /// `vm.import` (module doc).
-    ///
-    /// # Errors
-    /// 2001 on `backup` (a bad name or manifest; a disk's destination already taken) or as a
-    /// `vm.create` of the backup's spec would; 4040 (no such backup); 2003 on `backup` (a file
-    /// is not what the manifest says; nothing left); what `vm.create` returns.
-    pub async fn import_vm(self: &Arc<Self>, p: ImportVmParams) -> Result<Mutation, ApiError> {
-        let (dir, manifest) = self.backups.read(&p.backup)?;
-        let mut spec = manifest.spec.clone();
-        if let Some(name) = p.name {
-            spec.name = name;
-        }
-        if let Some(state) = p.state {
-            spec.state = state;
-        }
-        let root_file = format!("{}-root.qcow2", spec.name);
-        if manifest.disks.iter().any(|d| d.role == DiskRole::Root) {
-            spec.boot = BootSpec {
-                disk: Some(root_file.clone()),
-                disk_gib: spec.boot.disk_gib,
-                firmware: spec.boot.firmware,
-                ..BootSpec::default()
-            };
-        }
-        crate::validate::validate_spec(&spec, &self.config)?;
-        if self.lock().vms.contains_key(&spec.name) {
-            return Err(ApiError::invalid("name", format!("a VM named {:?} already exists", spec.name)));
-        }
-        let import_dir = self.config.paths.import_dir();
-        let paths = self.paths(&spec.name);
-        let destinations: Vec<PathBuf> = manifest
-            .disks
-            .iter()
-            .map(|d| match d.role {
-                DiskRole::Root => import_dir.join(&root_file),
-                DiskRole::Data => paths.kept_dir.join(&d.file),
-            })
-            .collect();
-        if let Some(taken) = destinations.iter().find(|d| d.exists()) {
-            return Err(ApiError::invalid(
-                "backup",
-                format!("{} exists: a disk of this backup would go there; move it away first", taken.display()),
-            ));
-        }
-        let files: Vec<PathBuf> = manifest.disks.iter().map(|d| dir.join(&d.file)).collect();
-        let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
-        let room = crate::disk::space::reserve_copy_room(&self.reservations, &import_dir, &files, "backup")?;
-        let mut placed = Placed { files: Vec::new(), dirs: Vec::new() };
-        for (disk, dest) in manifest.disks.iter().zip(&destinations) {
-            self.copy_out(&dir, disk, dest, &spec.name, &mut placed)?;
-            self.inspect_copy(disk, dest, &spec).await?;
-        }
-        // The copies are on the file system now: the create's own admission sees them there.
-        drop(room);
-        let name = spec.name.clone();
-        let ours = spec.clone();
-        let result = self.create(spec).await;
-        match &result {
-            Ok(_) => {
-                // The create took them, and the kept-disks directory with its last disk
-                // ([`VmOp::ensure_data_disk`]).
-                placed.files.clear();
-                placed.dirs.clear();
-                if let Some(why) = imported_unclean(&p.backup, &manifest) {
-                    // Its disks are the backup's: a copy of it stopped is no better than they are.
-                    let marked = self.update_if(
-                        &name,
-                        "imported",
-                        |r, busy| !busy && r.unclean_end.is_none(),
-                        |r| r.unclean_end = Some(why),
-                    );
-                    if let Err(e) = marked {
-                        tracing::warn!(vm = %name, error = %e, "cannot record that the imported disks are crash-consistent");
-                    }
-                }
-                tracing::info!(vm = %name, backup = %p.backup, "imported");
-            }
-            // A create that failed after recording the VM leaves it `failed`: an import that
-            // failed leaves nothing (the name was free), so it goes too (only this import's:
-            // its spec names this import's root disk).
-            Err(_) if self.lock().vms.get(&name).is_some_and(|r| r.status == VmStatus::Failed && r.spec == ours) => {
-                if let Err(e) = self.destroy(&name).await {
-                    tracing::warn!(vm = %name, error = %e, "cannot remove the VM of a failed import");
+/// `vm.import` (module doc).
+///
+/// # Errors
+/// 2001 on `backup` (a bad name or manifest; a disk's destination already taken) or as a
+/// `vm.create` of the backup's spec would; 4040 (no such backup); 2003 on `backup` (a file
+/// is not what the manifest says; nothing left); what `vm.create` returns.
+pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<Mutation, ApiError> {
+    let (dir, manifest) = mgr.backups.read(&p.backup)?;
+    let mut spec = manifest.spec.clone();
+    if let Some(name) = p.name {
+        spec.name = name;
+    }
+    if let Some(state) = p.state {
+        spec.state = state;
+    }
+    let root_file = format!("{}-root.qcow2", spec.name);
+    if manifest.disks.iter().any(|d| d.role == DiskRole::Root) {
+        spec.boot = BootSpec {
+            disk: Some(root_file.clone()),
+            disk_gib: spec.boot.disk_gib,
+            firmware: spec.boot.firmware,
+            ..BootSpec::default()
+        };
+    }
+    crate::validate::validate_spec(&spec, &mgr.config)?;
+    if mgr.lock().vms.contains_key(&spec.name) {
+        return Err(ApiError::invalid("name", format!("a VM named {:?} already exists", spec.name)));
+    }
+    let import_dir = mgr.config.paths.import_dir();
+    let paths = mgr.paths(&spec.name);
+    let destinations: Vec<PathBuf> = manifest
+        .disks
+        .iter()
+        .map(|d| match d.role {
+            DiskRole::Root => import_dir.join(&root_file),
+            DiskRole::Data => paths.kept_dir.join(&d.file),
+        })
+        .collect();
+    if let Some(taken) = destinations.iter().find(|d| d.exists()) {
+        return Err(ApiError::invalid(
+            "backup",
+            format!("{} exists: a disk of this backup would go there; move it away first", taken.display()),
+        ));
+    }
+    let files: Vec<PathBuf> = manifest.disks.iter().map(|d| dir.join(&d.file)).collect();
+    let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+    let room = crate::disk::space::reserve_copy_room(&mgr.reservations, &import_dir, &files, "backup")?;
+    let mut placed = Placed { files: Vec::new(), dirs: Vec::new() };
+    for (disk, dest) in manifest.disks.iter().zip(&destinations) {
+        copy_out(mgr, &dir, disk, dest, &spec.name, &mut placed)?;
+        inspect_copy(mgr, disk, dest, &spec).await?;
+    }
+    // The copies are on the file system now: the create's own admission sees them there.
+    drop(room);
+    let name = spec.name.clone();
+    let ours = spec.clone();
+    let result = super::ops::create(mgr, spec).await;
+    match &result {
+        Ok(_) => {
+            // The create took them, and the kept-disks directory with its last disk
+            // ([`VmOp::ensure_data_disk`]).
+            placed.files.clear();
+            placed.dirs.clear();
+            if let Some(why) = imported_unclean(&p.backup, &manifest) {
+                // Its disks are the backup's: a copy of it stopped is no better than they are.
+                let marked = mgr.update_if(
+                    &name,
+                    "imported",
+                    |r, busy| !busy && r.unclean_end.is_none(),
+                    |r| r.unclean_end = Some(why),
+                );
+                if let Err(e) = marked {
+                    tracing::warn!(vm = %name, error = %e, "cannot record that the imported disks are crash-consistent");
                 }
             }
-            Err(_) => {}
+            tracing::info!(vm = %name, backup = %p.backup, "imported");
         }
-        result
-    }
-
-    /// Copies backup file `disk` from `dir` to `dest` through a temp file in the import
-    /// directory (the state file system), checking its sha256; `dest` and a directory made for
-    /// it are named in `placed` as soon as they exist.
-    fn copy_out(
-        &self,
-        dir: &Path,
-        disk: &BackupDisk,
-        dest: &Path,
-        vm: &str,
-        placed: &mut Placed,
-    ) -> Result<(), ApiError> {
-        let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
-        let temp = copy_checked(&from, disk, &self.config.paths.import_dir(), &format!("{vm}-{}", disk.file))?;
-        let failed =
-            |source: std::io::Error| FileError::PlaceOut { step: "import".into(), file: disk.file.clone(), source };
-        if let Some(parent) = dest.parent() {
-            if !placed.dirs.iter().any(|d| d == parent)
-                && !crate::blocking::run(|| parent.try_exists()).map_err(failed)?
-            {
-                crate::blocking::run(|| crate::state::dirs::private_dir(parent)).map_err(failed)?;
-                placed.dirs.push(parent.to_path_buf());
+        // A create that failed after recording the VM leaves it `failed`: an import that
+        // failed leaves nothing (the name was free), so it goes too (only this import's:
+        // its spec names this import's root disk).
+        Err(_) if mgr.lock().vms.get(&name).is_some_and(|r| r.status == VmStatus::Failed && r.spec == ours) => {
+            if let Err(e) = super::ops::destroy(mgr, &name).await {
+                tracing::warn!(vm = %name, error = %e, "cannot remove the VM of a failed import");
             }
         }
-        temp.place(dest).map_err(failed)?;
-        placed.files.push(dest.to_path_buf());
-        Ok(())
+        Err(_) => {}
     }
+    result
+}
 
-    /// Inspects the copy at `dest` of backup disk `disk` as a `boot.disk` is inspected (QEMU as
-    /// `qemu.user` on a read-only descriptor): it must be the format the manifest declares,
-    /// name no backing file and no external data file, and be no larger than `spec` says. A raw
-    /// disk is not probed: its bytes are the guest's (a guest may well have written a qcow2
-    /// header into it) and QEMU is always told it is raw; its length is its size.
-    ///
-    /// # Errors
-    /// 2003 on `backup` naming the file; 4001 `step: import` when it cannot be read.
-    async fn inspect_copy(&self, disk: &BackupDisk, dest: &Path, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
-        let limit_gib = match disk.role {
-            DiskRole::Root => spec.boot.disk_gib,
-            DiskRole::Data => spec.disks.iter().find(|d| d.name == disk.name).map(|d| d.size_gib),
-        };
-        let cannot =
-            |source: std::io::Error| FileError::InspectOut { step: "import".into(), file: disk.file.clone(), source };
-        let fd =
-            crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(dest))
-                .map(OwnedFd::from)
-                .map_err(cannot)?;
-        let found = if disk.format == DiskFormat::Raw {
-            let len = std::fs::File::from(fd).metadata().map_err(cannot)?.len();
-            crate::disk::import::ImportInfo { format: "raw".into(), virtual_size: len, backing: None, data_file: None }
-        } else {
-            crate::disk::import::inspect(&self.disk_tool(), fd)
-                .await
-                .map_err(|source| DiskStepError::InspectCopy { file: disk.file.clone(), source })?
-        };
-        match check_copy(disk.format, limit_gib, &found) {
-            Ok(()) => Ok(()),
-            Err(why) => Err(refused_copy(disk, why)),
+/// Copies backup file `disk` from `dir` to `dest` through a temp file in the import
+/// directory (the state file system), checking its sha256; `dest` and a directory made for
+/// it are named in `placed` as soon as they exist.
+fn copy_out(
+    mgr: &Manager,
+    dir: &Path,
+    disk: &BackupDisk,
+    dest: &Path,
+    vm: &str,
+    placed: &mut Placed,
+) -> Result<(), ApiError> {
+    let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
+    let temp = copy_checked(&from, disk, &mgr.config.paths.import_dir(), &format!("{vm}-{}", disk.file))?;
+    let failed =
+        |source: std::io::Error| FileError::PlaceOut { step: "import".into(), file: disk.file.clone(), source };
+    if let Some(parent) = dest.parent() {
+        if !placed.dirs.iter().any(|d| d == parent) && !crate::blocking::run(|| parent.try_exists()).map_err(failed)? {
+            crate::blocking::run(|| crate::state::dirs::private_dir(parent)).map_err(failed)?;
+            placed.dirs.push(parent.to_path_buf());
         }
+    }
+    temp.place(dest).map_err(failed)?;
+    placed.files.push(dest.to_path_buf());
+    Ok(())
+}
+
+/// Inspects the copy at `dest` of backup disk `disk` as a `boot.disk` is inspected (QEMU as
+/// `qemu.user` on a read-only descriptor): it must be the format the manifest declares,
+/// name no backing file and no external data file, and be no larger than `spec` says. A raw
+/// disk is not probed: its bytes are the guest's (a guest may well have written a qcow2
+/// header into it) and QEMU is always told it is raw; its length is its size.
+///
+/// # Errors
+/// 2003 on `backup` naming the file; 4001 `step: import` when it cannot be read.
+async fn inspect_copy(
+    mgr: &Manager,
+    disk: &BackupDisk,
+    dest: &Path,
+    spec: &crate::api::VmSpec,
+) -> Result<(), ApiError> {
+    let limit_gib = match disk.role {
+        DiskRole::Root => spec.boot.disk_gib,
+        DiskRole::Data => spec.disks.iter().find(|d| d.name == disk.name).map(|d| d.size_gib),
+    };
+    let cannot =
+        |source: std::io::Error| FileError::InspectOut { step: "import".into(), file: disk.file.clone(), source };
+    let fd = crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(dest))
+        .map(OwnedFd::from)
+        .map_err(cannot)?;
+    let found = if disk.format == DiskFormat::Raw {
+        let len = std::fs::File::from(fd).metadata().map_err(cannot)?.len();
+        crate::disk::import::ImportInfo { format: "raw".into(), virtual_size: len, backing: None, data_file: None }
+    } else {
+        crate::disk::import::inspect(&mgr.disk_tool(), fd)
+            .await
+            .map_err(|source| DiskStepError::InspectCopy { file: disk.file.clone(), source })?
+    };
+    match check_copy(disk.format, limit_gib, &found) {
+        Ok(()) => Ok(()),
+        Err(why) => Err(refused_copy(disk, why)),
     }
 }
 
@@ -334,7 +334,7 @@ fn refused_copy(disk: &BackupDisk, why: String) -> ApiError {
     .details(json!({ "file": disk.file }))
 }
 
-/// What a disk copied out of a backup must be ([`Manager::inspect_copy`]): the `declared`
+/// What a disk copied out of a backup must be ([`inspect_copy`]): the `declared`
 /// format, no backing file (QEMU would open the host file its header names), no external data
 /// file (the same), and no larger than `limit_gib` (the spec's size) when the spec has one.
 fn check_copy(

@@ -1,6 +1,6 @@
 //! Copies of a VM's disks, what snapshots ([`super::snapshots`]) and backups
 //! ([`super::backup`]) share: which files a VM's disks are and what a copy of them reads
-//! ([`Manager::copy_sources`]), the empty targets ([`create_target`]), each copy's sha256 once
+//! ([`copy_sources`]), the empty targets ([`create_target`]), each copy's sha256 once
 //! made ([`seal_copies`]), and a copy taken back out, checked against its sha256
 //! ([`copy_checked`]).
 
@@ -176,57 +176,55 @@ pub(super) fn copy_checked(
     Ok(temp)
 }
 
-impl Manager {
-    /// What a copy of VM `rec` reads: whether it runs (then its QEMU copies, and the disks are
-    /// those of the spec it runs with), that spec, and each disk: the boot disk (an image VM's
-    /// overlay over its base, or a `boot.disk` root disk; none for a direct-kernel VM), then the
-    /// data disks in spec order.
-    ///
-    /// # Errors
-    /// 4001 with `step` when the base image's format cannot be read or the record names no
-    /// root disk.
-    pub(super) async fn copy_sources(
-        &self,
-        rec: &VmRecord,
-        step: &str,
-    ) -> Result<(bool, VmSpec, Vec<VmDisk>), ApiError> {
-        let live = rec.status == VmStatus::Running;
-        let spec = if live { rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone()) } else { rec.spec.clone() };
-        let paths = self.paths(&spec.name);
-        let root = |format, file, base| VmDisk {
-            role: DiskRole::Root,
-            name: "root".into(),
-            format,
-            file,
-            base,
-            device: "virtio0".into(),
-        };
-        let mut out = Vec::new();
-        if let Some(image) = &spec.boot.image {
-            let base = self.config.paths.images.join(image);
-            let format = crate::disk::base_format(&self.disk_tool(), &base)
-                .await
-                .map_err(|source| DiskStepError::BaseImage { step: step.into(), path: base.clone(), source })?;
-            out.push(root(DiskFormat::Qcow2, paths.overlay.clone(), Some((base, format))));
-        } else if spec.boot.disk.is_some() {
-            let disk = rec
-                .root_disk
-                .as_ref()
-                .ok_or_else(|| super::provisioning(step, "the VM's record names no root disk".into()))?;
-            out.push(root(disk.format, paths.root_disk(disk.format), None));
-        }
-        for d in &spec.disks {
-            out.push(VmDisk {
-                role: DiskRole::Data,
-                name: d.name.clone(),
-                format: d.format,
-                file: paths.data_disk(d),
-                base: None,
-                device: crate::qemu::argv::data_drive(&d.name),
-            });
-        }
-        Ok((live, spec, out))
+/// What a copy of VM `rec` reads: whether it runs (then its QEMU copies, and the disks are
+/// those of the spec it runs with), that spec, and each disk: the boot disk (an image VM's
+/// overlay over its base, or a `boot.disk` root disk; none for a direct-kernel VM), then the
+/// data disks in spec order.
+///
+/// # Errors
+/// 4001 with `step` when the base image's format cannot be read or the record names no
+/// root disk.
+pub(super) async fn copy_sources(
+    mgr: &Manager,
+    rec: &VmRecord,
+    step: &str,
+) -> Result<(bool, VmSpec, Vec<VmDisk>), ApiError> {
+    let live = rec.status == VmStatus::Running;
+    let spec = if live { rec.running_spec.clone().unwrap_or_else(|| rec.spec.clone()) } else { rec.spec.clone() };
+    let paths = mgr.paths(&spec.name);
+    let root = |format, file, base| VmDisk {
+        role: DiskRole::Root,
+        name: "root".into(),
+        format,
+        file,
+        base,
+        device: "virtio0".into(),
+    };
+    let mut out = Vec::new();
+    if let Some(image) = &spec.boot.image {
+        let base = mgr.config.paths.images.join(image);
+        let format = crate::disk::base_format(&mgr.disk_tool(), &base)
+            .await
+            .map_err(|source| DiskStepError::BaseImage { step: step.into(), path: base.clone(), source })?;
+        out.push(root(DiskFormat::Qcow2, paths.overlay.clone(), Some((base, format))));
+    } else if spec.boot.disk.is_some() {
+        let disk = rec
+            .root_disk
+            .as_ref()
+            .ok_or_else(|| super::provisioning(step, "the VM's record names no root disk".into()))?;
+        out.push(root(disk.format, paths.root_disk(disk.format), None));
     }
+    for d in &spec.disks {
+        out.push(VmDisk {
+            role: DiskRole::Data,
+            name: d.name.clone(),
+            format: d.format,
+            file: paths.data_disk(d),
+            base: None,
+            device: crate::qemu::argv::data_drive(&d.name),
+        });
+    }
+    Ok((live, spec, out))
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //! its intent first, so a crash never leaves a disk that nothing names or deletes one that a
 //! create merely took back. The lifecycle calls, in this order:
 //!
-//! 0. before any of them: [`Manager::admit_disk_space`] (3002 when the new disks do not fit);
+//! 0. before any of them: [`admit_disk_space`] (3002 when the new disks do not fit);
 //! 1. a create: [`VmOp::clear_orphan_disks`] (files no record names), then
 //!    [`VmOp::make_data_disks`] with tracking (each disk taken back from `kept-disks` is
 //!    named in the record's disk work ([`crate::state::DiskWork`]) before the file is touched);
@@ -18,7 +18,7 @@
 //! 3. a change of a stopped VM: [`VmOp::grow_data_disks`], then, once the VM runs its new
 //!    spec, [`VmOp::retire_data_disks`] for the disks the spec dropped;
 //! 4. a destroy: [`HeldVm::dispose_data_disks`], whose kept paths the reply names;
-//! 5. the host: [`Manager::kept_disks`] (`host.info`), [`Manager::purge_kept_disks`].
+//! 5. the host: [`kept_disks`] (`host.info`), [`purge_kept_disks`].
 //!
 //! A replace (new `boot.image`) runs a create without clearing orphans or undoing anything
 //! but what it made, so every data disk outlives it.
@@ -71,94 +71,89 @@ fn move_disk(from: &Path, to: &Path) -> Result<(), ApiError> {
         .map_err(|source| DataDiskError::Move { from: from.to_path_buf(), to: to.to_path_buf(), source }.into())
 }
 
-impl Manager {
-    /// Disk-space admission ([`crate::disk::space`]): refuses (3002) a create (`old` none), a
-    /// change or a replace whose new disks do not fit the state file system's free space.
-    /// Before anything is made or recorded.
-    ///
-    /// # Errors
-    /// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
-    pub(super) fn admit_disk_space(&self, old: Option<&VmSpec>, new: &VmSpec) -> Result<(), ApiError> {
-        self.admit_provision(crate::disk::space::new_provision(old, new))
-    }
+/// Disk-space admission ([`crate::disk::space`]): refuses (3002) a create (`old` none), a
+/// change or a replace whose new disks do not fit the state file system's free space.
+/// Before anything is made or recorded.
+///
+/// # Errors
+/// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
+pub(super) fn admit_disk_space(mgr: &Manager, old: Option<&VmSpec>, new: &VmSpec) -> Result<(), ApiError> {
+    admit_provision(mgr, crate::disk::space::new_provision(old, new))
+}
 
-    /// Admits `request` (new provisioned bytes) against the state file system's free space,
-    /// less what running imports, snapshots and exports hold there ([`crate::disk::reserve`]).
-    ///
-    /// # Errors
-    /// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
-    pub(super) fn admit_provision(&self, request: crate::disk::space::Provision) -> Result<(), ApiError> {
-        if request.bytes == 0 {
-            return Ok(());
-        }
-        let state = &self.config.paths.state;
-        let space = self
-            .reservations
-            .space_left(state)
-            .map_err(|source| DataDiskError::Space { dir: state.clone(), source })?;
-        Ok(crate::disk::space::admit(request, space, self.config.storage.overcommit_percent)?)
+/// Admits `request` (new provisioned bytes) against the state file system's free space,
+/// less what running imports, snapshots and exports hold there ([`crate::disk::reserve`]).
+///
+/// # Errors
+/// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
+pub(super) fn admit_provision(mgr: &Manager, request: crate::disk::space::Provision) -> Result<(), ApiError> {
+    if request.bytes == 0 {
+        return Ok(());
     }
+    let state = &mgr.config.paths.state;
+    let space =
+        mgr.reservations.space_left(state).map_err(|source| DataDiskError::Space { dir: state.clone(), source })?;
+    Ok(crate::disk::space::admit(request, space, mgr.config.storage.overcommit_percent)?)
+}
 
-    /// Every data disk in `STATE/kept-disks`, by VM and disk name.
-    pub fn kept_disks(&self) -> Vec<KeptDisk> {
-        let root = self.config.paths.state.join("kept-disks");
-        let mut out = Vec::new();
-        let Ok(vms) = std::fs::read_dir(&root) else { return out };
-        for vm in vms.flatten() {
-            let Ok(files) = std::fs::read_dir(vm.path()) else { continue };
-            for file in files.flatten() {
-                let path = file.path();
-                let Some((disk, format)) = parse_file_name(&path) else { continue };
-                let file_bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
-                out.push(KeptDisk {
-                    vm: vm.file_name().to_string_lossy().into_owned(),
-                    name: disk,
-                    format,
-                    path,
-                    file_bytes,
-                });
-            }
+/// Every data disk in `STATE/kept-disks`, by VM and disk name.
+pub(super) fn kept_disks(mgr: &Manager) -> Vec<KeptDisk> {
+    let root = mgr.config.paths.state.join("kept-disks");
+    let mut out = Vec::new();
+    let Ok(vms) = std::fs::read_dir(&root) else { return out };
+    for vm in vms.flatten() {
+        let Ok(files) = std::fs::read_dir(vm.path()) else { continue };
+        for file in files.flatten() {
+            let path = file.path();
+            let Some((disk, format)) = parse_file_name(&path) else { continue };
+            let file_bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
+            out.push(KeptDisk {
+                vm: vm.file_name().to_string_lossy().into_owned(),
+                name: disk,
+                format,
+                path,
+                file_bytes,
+            });
         }
-        out.sort_by(|a, b| (&a.vm, &a.name).cmp(&(&b.vm, &b.name)));
-        out
     }
+    out.sort_by(|a, b| (&a.vm, &a.name).cmp(&(&b.vm, &b.name)));
+    out
+}
 
-    /// `host.purge_kept_disks`: deletes the data disks kept for VM `vm`.
-    ///
-    /// # Errors
-    /// 2001 on `vm` for a name that is not a VM name; 4040 when nothing is kept for it; 4090
-    /// while an operation holds a VM of that name; 4001 when a file cannot be deleted (those
-    /// deleted before are reported in the message).
-    pub fn purge_kept_disks(&self, vm: &str) -> Result<crate::api::disks::PurgeReport, ApiError> {
-        if !crate::validate::is_valid_name(vm) {
-            return Err(ApiError::invalid("vm", format!("{vm:?} is not a VM name")));
-        }
-        if self.lock().busy.contains(vm) {
-            // A create of that name may be taking a kept disk back right now.
-            return Err(super::busy(vm));
-        }
-        let dir = VmPaths::for_vm(&self.config, vm).kept_dir;
-        let entries = match crate::blocking::run(|| std::fs::read_dir(&dir).map(|rd| rd.flatten().collect::<Vec<_>>()))
-        {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(ApiError::new(Code::NotFound, format!("no kept disks for VM {vm:?}")).field("vm"));
-            }
-            Err(source) => return Err(DataDiskError::ReadKept { dir, source }.into()),
-        };
-        let mut deleted = Vec::new();
-        for entry in entries {
-            let path = entry.path();
-            if let Err(source) = delete(&path) {
-                let source = Box::new(DataDiskError::Delete { path, source });
-                return Err(DataDiskError::Purge { source, deleted }.into());
-            }
-            tracing::info!(vm, path = %path.display(), "purged a kept data disk");
-            deleted.push(path);
-        }
-        remove_if_empty(&dir);
-        Ok(crate::api::disks::PurgeReport { deleted })
+/// `host.purge_kept_disks`: deletes the data disks kept for VM `vm`.
+///
+/// # Errors
+/// 2001 on `vm` for a name that is not a VM name; 4040 when nothing is kept for it; 4090
+/// while an operation holds a VM of that name; 4001 when a file cannot be deleted (those
+/// deleted before are reported in the message).
+pub(crate) fn purge_kept_disks(mgr: &Manager, vm: &str) -> Result<crate::api::disks::PurgeReport, ApiError> {
+    if !crate::validate::is_valid_name(vm) {
+        return Err(ApiError::invalid("vm", format!("{vm:?} is not a VM name")));
     }
+    if mgr.lock().busy.contains(vm) {
+        // A create of that name may be taking a kept disk back right now.
+        return Err(super::busy(vm));
+    }
+    let dir = VmPaths::for_vm(&mgr.config, vm).kept_dir;
+    let entries = match crate::blocking::run(|| std::fs::read_dir(&dir).map(|rd| rd.flatten().collect::<Vec<_>>())) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(ApiError::new(Code::NotFound, format!("no kept disks for VM {vm:?}")).field("vm"));
+        }
+        Err(source) => return Err(DataDiskError::ReadKept { dir, source }.into()),
+    };
+    let mut deleted = Vec::new();
+    for entry in entries {
+        let path = entry.path();
+        if let Err(source) = delete(&path) {
+            let source = Box::new(DataDiskError::Delete { path, source });
+            return Err(DataDiskError::Purge { source, deleted }.into());
+        }
+        tracing::info!(vm, path = %path.display(), "purged a kept data disk");
+        deleted.push(path);
+    }
+    remove_if_empty(&dir);
+    Ok(crate::api::disks::PurgeReport { deleted })
 }
 
 impl HeldVm {

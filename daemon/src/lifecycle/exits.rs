@@ -265,7 +265,7 @@ impl Manager {
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
             let Some(mgr) = mgr.upgrade() else { return };
-            match mgr.start_if_wanted("restart policy", &name, &[VmStatus::Dead]).await {
+            match super::ops::start_if_wanted(&mgr, "restart policy", &name, &[VmStatus::Dead]).await {
                 Ok(Some(_)) => {
                     let _ = mgr.update(&name, "restart policy", |r| r.restarts = r.restarts.saturating_add(1));
                     tracing::info!(vm = %name, "restarted by its restart policy");

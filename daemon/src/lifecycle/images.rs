@@ -38,378 +38,376 @@ impl Drop for Going<'_> {
     }
 }
 
-impl Manager {
-    /// The VMs that boot from image `name` ([`boots_from`]) by their spec or running spec,
-    /// by name.
-    fn image_users(&self, t: &super::Table, name: &str) -> Vec<String> {
-        let dir = &self.config.paths.images;
-        t.vms
-            .values()
-            .filter(|r| std::iter::once(&r.spec).chain(r.running_spec.as_ref()).any(|s| boots_from(&s.boot, dir, name)))
-            .map(|r| r.spec.name.clone())
-            .collect()
-    }
+/// The VMs that boot from image `name` ([`boots_from`]) by their spec or running spec,
+/// by name.
+fn image_users(mgr: &Manager, t: &super::Table, name: &str) -> Vec<String> {
+    let dir = &mgr.config.paths.images;
+    t.vms
+        .values()
+        .filter(|r| std::iter::once(&r.spec).chain(r.running_spec.as_ref()).any(|s| boots_from(&s.boot, dir, name)))
+        .map(|r| r.spec.name.clone())
+        .collect()
+}
 
-    /// 4090 on `spec.boot.image` (or `.kernel`, `.initrd`) when `spec` boots from an image
-    /// being deleted (admission, under the table lock).
-    pub(super) fn check_image_staying(&self, t: &super::Table, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
-        let dir = &self.config.paths.images;
-        for image in &t.images_going {
-            if let Some(field) = boot_field_using(&spec.boot, dir, image) {
-                return Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted"))
-                    .field(format!("spec.boot.{field}")));
-            }
+/// 4090 on `spec.boot.image` (or `.kernel`, `.initrd`) when `spec` boots from an image
+/// being deleted (admission, under the table lock).
+pub(super) fn check_image_staying(mgr: &Manager, t: &super::Table, spec: &crate::api::VmSpec) -> Result<(), ApiError> {
+    let dir = &mgr.config.paths.images;
+    for image in &t.images_going {
+        if let Some(field) = boot_field_using(&spec.boot, dir, image) {
+            return Err(ApiError::new(Code::Busy, format!("image {image:?} is being deleted"))
+                .field(format!("spec.boot.{field}")));
         }
-        Ok(())
     }
+    Ok(())
+}
 
-    /// `image.list`: every image file, with its record and users.
-    ///
-    /// # Errors
-    /// 4001 when the directory cannot be read; 4002 on `qemu.sha256` when a file without a record
-    /// must be read by QEMU and the binary is not the pinned one.
-    pub async fn image_list(&self) -> Result<Vec<ImageView>, ApiError> {
-        let files = self.images.files()?;
-        let records = self.images.records();
-        let mut out = Vec::with_capacity(files.len());
-        for (name, meta) in files {
-            let (format, virtual_size) = match records.get(&name) {
-                Some(r) => (Some(r.format.clone()), Some(r.virtual_size)),
-                None => self.probe_unrecorded(&name, &meta).await?,
-            };
-            out.push(ImageView {
-                used_by: Vec::new(),
-                bytes: meta.len(),
-                format,
-                virtual_size,
-                sha256: records.get(&name).map(|r| r.sha256.clone()),
-                source: records.get(&name).and_then(|r| r.source.as_deref().map(crate::images::url::redact_text)),
-                imported_at: records.get(&name).map(|r| r.imported_at.clone()),
-                name,
-            });
-        }
-        let t = self.lock();
-        for view in &mut out {
-            view.used_by = self.image_users(&t, &view.name);
-        }
-        Ok(out)
-    }
-
-    /// Format and virtual size of an image without a record: QEMU reads it (once per version
-    /// of the file); `None`s when it cannot.
-    ///
-    /// # Errors
-    /// 4002 when the QEMU binary is not the pinned one (nothing ran, nothing is remembered).
-    async fn probe_unrecorded(
-        &self,
-        name: &str,
-        meta: &std::fs::Metadata,
-    ) -> Result<(Option<String>, Option<u64>), ApiError> {
-        let version = Version::of(meta);
-        if let Some((v, found)) = self.image_probes.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
-            if *v == version {
-                return Ok(found.clone());
-            }
-        }
-        let path = self.images.path(name);
-        let found = match crate::blocking::run(|| std::fs::File::open(&path)) {
-            Ok(f) => match crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(f)).await {
-                Ok(info) => (Some(info.format), Some(info.virtual_size)),
-                Err(crate::disk::DiskError::Pinned(refusal)) => return Err(refusal.into()),
-                Err(e) => {
-                    tracing::debug!(image = name, error = %e, "QEMU cannot read an image");
-                    (None, None)
-                }
-            },
-            Err(_) => (None, None),
+/// `image.list`: every image file, with its record and users.
+///
+/// # Errors
+/// 4001 when the directory cannot be read; 4002 on `qemu.sha256` when a file without a record
+/// must be read by QEMU and the binary is not the pinned one.
+pub(crate) async fn image_list(mgr: &Manager) -> Result<Vec<ImageView>, ApiError> {
+    let files = mgr.images.files()?;
+    let records = mgr.images.records();
+    let mut out = Vec::with_capacity(files.len());
+    for (name, meta) in files {
+        let (format, virtual_size) = match records.get(&name) {
+            Some(r) => (Some(r.format.clone()), Some(r.virtual_size)),
+            None => probe_unrecorded(mgr, &name, &meta).await?,
         };
-        self.image_probes.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string(), (version, found.clone()));
-        Ok(found)
-    }
-
-    /// `image.import` (module doc).
-    ///
-    /// # Errors
-    /// 2001 (a bad name, sha256, source or timeout; an image QEMU cannot read or that names a
-    /// backing or data file), 2003 (another sha256; nothing kept), 4093 (another image of that
-    /// name), 4040 (no source and no such image), 3002 on `source` (a local file or a download
-    /// larger than 90 % of the images directory's free space less what other imports,
-    /// snapshots and exports hold there), 4090 (another import or delete of the name), 4001
-    /// (a download or file step).
-    pub async fn image_import(&self, p: ImportParams) -> Result<ImportResult, ApiError> {
-        let req = crate::images::check_import(&self.config, &p.name, &p.sha256, p.source.as_deref(), p.timeout_s)?;
-        let held = self.images.begin(&req.name)?;
-        let path = self.images.path(&req.name);
-        let there = crate::blocking::run(|| std::fs::symlink_metadata(&path)).ok();
-        if let Some(meta) = there {
-            return self.import_existing(&held, &req, &meta).await;
-        }
-        let source_text = match &req.source {
-            Source::InPlace => {
-                return Err(ApiError::new(
-                    Code::NotFound,
-                    format!(
-                        "no image {:?} in {}: give a source (a URL or a file in the import directory)",
-                        req.name,
-                        self.config.paths.images.display()
-                    ),
-                )
-                .field("source"));
-            }
-            Source::File(path) => path.display().to_string(),
-            // Never the query string: a signed URL's token is a secret (download module doc).
-            Source::Url(url) => url.redacted(),
-        };
-        // Where a URL leads is checked before anything is made or fetched.
-        let first_hop = match &req.source {
-            Source::Url(url) => Some(
-                crate::images::download::check_hop(
-                    url.clone(),
-                    &self.config.images.allow_private,
-                    &crate::images::download::SystemResolver,
-                    None,
-                )
-                .await?,
-            ),
-            _ => None,
-        };
-        // The room it will take, reserved before a byte is written ([`crate::disk::reserve`]).
-        let room = match &req.source {
-            Source::File(from) => self.reserve_image_file(from)?,
-            _ => self.reservations.reserve_rest(&self.config.paths.images, PERCENT).map_err(|e| {
-                crate::disk::space::refusal(e, &self.config.paths.images, "the download", "source", "image_bytes")
-            })?,
-        };
-        let max_bytes = room.bytes();
-        let mut temp = self.images.temp(&held, &req.name)?;
-        temp.hold(room);
-        match &req.source {
-            Source::File(from) => {
-                crate::images::copy(from, &mut temp).map_err(|e| StoreError::copying(from, e))?;
-            }
-            Source::Url(_) => {
-                let Some(first_hop) = first_hop else {
-                    return Err(failed("a URL import without its checked address".into()));
-                };
-                crate::images::download::fetch(
-                    &self.config.images.curl,
-                    self.config.qemu_user,
-                    first_hop,
-                    &self.config.images.allow_private,
-                    &crate::images::download::SystemResolver,
-                    req.timeout,
-                    max_bytes,
-                    &mut temp,
-                )
-                .await?;
-            }
-            Source::InPlace => {}
-        }
-        let found = temp.finish().map_err(StoreError::Write)?;
-        if found != req.sha256 {
-            return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()).into());
-        }
-        crate::crashpoint::hit(&self.config.paths.run, "image:hashed");
-        let file = temp.reopen().map_err(StoreError::Reopen)?;
-        let (format, virtual_size) = self.inspect_image(file, &source_text).await?;
-        let bytes = temp.bytes();
-        let meta = temp.place(&path).map_err(|e| StoreError::placing(&req.name, &path, e))?;
-        crate::crashpoint::hit(&self.config.paths.run, "image:placed");
-        let record = ImageRecord {
-            sha256: req.sha256.clone(),
-            bytes,
-            format,
-            virtual_size,
-            source: Some(source_text),
-            imported_at: crate::api::now_rfc3339(),
-            version: Version::of(&meta),
-        };
-        self.record_image(&held, &req.name, record.clone())?;
-        tracing::info!(image = %req.name, sha256 = %req.sha256, bytes, "image imported");
-        Ok(ImportResult { changed: true, image: self.view_of(&req.name, &record) })
-    }
-
-    /// An import of a name that has a file: the same sha256 is recorded (or was: no change),
-    /// another is refused; the file is never replaced.
-    async fn import_existing(
-        &self,
-        held: &NameGuard,
-        req: &ImportRequest,
-        meta: &std::fs::Metadata,
-    ) -> Result<ImportResult, ApiError> {
-        let path = self.images.path(&req.name);
-        if !meta.file_type().is_file() {
-            return Err(StoreError::NotAFile { path }.into());
-        }
-        let recorded = self.images.record(&req.name);
-        let exists = |sha256: &str| {
-            ApiError::new(
-                Code::ImageExists,
-                format!(
-                    "image {:?} is there with sha256 {sha256}, not {}: delete it first (VMs using it keep \
-                     overlays over it, so it is never replaced)",
-                    req.name, req.sha256
-                ),
-            )
-            .field("name")
-            .details(json!({ "sha256": sha256 }))
-        };
-        let verdict = match &recorded {
-            Some(r) if r.sha256 != req.sha256 => return Err(exists(&r.sha256)),
-            Some(_) => self.images.verify(&req.name),
-            None => None,
-        };
-        match (&recorded, verdict) {
-            (Some(r), Some(crate::images::Verdict::Match)) => {
-                return Ok(ImportResult { changed: false, image: self.view_of(&req.name, r) });
-            }
-            (Some(_), Some(crate::images::Verdict::Mismatch { found })) => {
-                return Err(crate::images::changed(&path.display().to_string(), &req.sha256, &found, meta.len()).into());
-            }
-            _ => {}
-        }
-        // No record (put there by hand, or a crash before the record): hash it where it is.
-        let (found, version) = crate::blocking::run(|| {
-            let mut file = std::fs::File::open(&path)?;
-            let version = Version::of(&file.metadata()?);
-            crate::qemu::integrity::sha256_of(&mut file).map(|found| (found, version))
-        })
-        .map_err(|source| StoreError::Unreadable { path: path.clone(), source })?;
-        if found != req.sha256 {
-            return Err(match req.source {
-                Source::InPlace => {
-                    crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len()).into()
-                }
-                _ => exists(&found),
-            });
-        }
-        let file = crate::blocking::run(|| std::fs::File::open(&path))
-            .map_err(|source| StoreError::Unreadable { path: path.clone(), source })?;
-        let (format, virtual_size) = self.inspect_image(file, &path.display().to_string()).await?;
-        let record = ImageRecord {
-            sha256: found,
+        out.push(ImageView {
+            used_by: Vec::new(),
             bytes: meta.len(),
             format,
             virtual_size,
-            source: None,
-            imported_at: crate::api::now_rfc3339(),
-            version,
-        };
-        self.record_image(held, &req.name, record.clone())?;
-        tracing::info!(image = %req.name, sha256 = %req.sha256, "image recorded where it was");
-        Ok(ImportResult { changed: true, image: self.view_of(&req.name, &record) })
+            sha256: records.get(&name).map(|r| r.sha256.clone()),
+            source: records.get(&name).and_then(|r| r.source.as_deref().map(crate::images::url::redact_text)),
+            imported_at: records.get(&name).map(|r| r.imported_at.clone()),
+            name,
+        });
     }
-
-    /// QEMU (as `qemu.user`, on a descriptor) reads the image's format and size.
-    ///
-    /// # Errors
-    /// 2001 on `source` when QEMU cannot read it as an image or it names a backing or data
-    /// file (an overlay over it would reach a file vmhostd does not manage).
-    async fn inspect_image(&self, file: std::fs::File, what: &str) -> Result<(String, u64), ApiError> {
-        let info = crate::disk::import::inspect(&self.disk_tool(), OwnedFd::from(file))
-            .await
-            .map_err(|e| StoreError::inspecting(what, e))?;
-        if let Some(other) = info.backing.as_ref().or(info.data_file.as_ref()) {
-            return Err(StoreError::NamesAnotherFile { what: what.to_string(), other: other.clone() }.into());
-        }
-        Ok((info.format, info.virtual_size))
+    let t = mgr.lock();
+    for view in &mut out {
+        view.used_by = image_users(mgr, &t, &view.name);
     }
+    Ok(out)
+}
 
-    /// Reserves room for a copy of the file at `from` in the images directory: its size, with
-    /// [`PERCENT`] of the free space the most it may take next to what other operations hold
-    /// there, the margin a download keeps. An unreadable file reserves nothing (its copy then
-    /// fails with the reason).
-    ///
-    /// # Errors
-    /// 3002 on `source` (`resource: image_bytes`); 4001 when the free space cannot be read.
-    fn reserve_image_file(&self, from: &std::path::Path) -> Result<crate::disk::reserve::Reservation, ApiError> {
-        let len = crate::blocking::run(|| std::fs::metadata(from)).map_or(0, |m| m.len());
-        let images = &self.config.paths.images;
-        self.reservations.reserve(images, len, PERCENT).map_err(|e| {
-            crate::disk::space::refusal(e, images, &from.display().to_string(), "source", "image_bytes").into()
-        })
-    }
-
-    fn record_image(&self, held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), ApiError> {
-        Ok(self.images.put(held, name, record)?)
-    }
-
-    fn view_of(&self, name: &str, r: &ImageRecord) -> ImageView {
-        ImageView {
-            name: name.to_string(),
-            bytes: r.bytes,
-            format: Some(r.format.clone()),
-            virtual_size: Some(r.virtual_size),
-            sha256: Some(r.sha256.clone()),
-            source: r.source.as_deref().map(crate::images::url::redact_text),
-            imported_at: Some(r.imported_at.clone()),
-            used_by: self.image_users(&self.lock(), name),
+/// Format and virtual size of an image without a record: QEMU reads it (once per version
+/// of the file); `None`s when it cannot.
+///
+/// # Errors
+/// 4002 when the QEMU binary is not the pinned one (nothing ran, nothing is remembered).
+async fn probe_unrecorded(
+    mgr: &Manager,
+    name: &str,
+    meta: &std::fs::Metadata,
+) -> Result<(Option<String>, Option<u64>), ApiError> {
+    let version = Version::of(meta);
+    if let Some((v, found)) = mgr.image_probes.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
+        if *v == version {
+            return Ok(found.clone());
         }
     }
-
-    /// `image.delete` (module doc).
-    ///
-    /// # Errors
-    /// 2001 (a bad name), 4092 (VMs use it; `details.vms`), 4090 (another import or delete
-    /// of it), 4001 (the file cannot be removed).
-    pub async fn image_delete(&self, name: &str) -> Result<DeleteResult, ApiError> {
-        if !crate::images::is_image_name(name) {
-            return Err(ApiError::invalid("name", format!("{name:?} is not an image name")));
-        }
-        let held = self.images.begin(name)?;
-        let _going = {
-            let mut t = self.lock();
-            let users = self.image_users(&t, name);
-            if !users.is_empty() {
-                return Err(ApiError::new(
-                    Code::ImageInUse,
-                    format!(
-                        "image {name:?} is the base image, kernel or initrd of VMs {users:?}: destroy them (or \
-                         change what they boot from) first"
-                    ),
-                )
-                .field("name")
-                .details(json!({ "vms": users })));
+    let path = mgr.images.path(name);
+    let found = match crate::blocking::run(|| std::fs::File::open(&path)) {
+        Ok(f) => match crate::disk::import::inspect(&mgr.disk_tool(), OwnedFd::from(f)).await {
+            Ok(info) => (Some(info.format), Some(info.virtual_size)),
+            Err(crate::disk::DiskError::Pinned(refusal)) => return Err(refusal.into()),
+            Err(e) => {
+                tracing::debug!(image = name, error = %e, "QEMU cannot read an image");
+                (None, None)
             }
-            t.images_going.insert(name.to_string());
-            Going { mgr: self, name: name.to_string() }
-        };
-        let changed = self.images.remove(&held, name)?;
-        if changed {
-            tracing::info!(image = name, "image deleted");
-        }
-        Ok(DeleteResult { changed, name: name.to_string() })
-    }
+        },
+        Err(_) => (None, None),
+    };
+    mgr.image_probes.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string(), (version, found.clone()));
+    Ok(found)
+}
 
-    /// What `host.check` says of the recorded images (`images` item); each check does its file
-    /// I/O off the runtime workers ([`crate::images::Store::verify`]).
-    pub fn image_check(&self) -> crate::api::CheckItem {
-        use crate::api::CheckStatus;
-        let records: BTreeMap<String, ImageRecord> = self.images.records();
-        let mut bad = Vec::new();
-        for name in records.keys() {
-            match self.images.verify(name) {
-                Some(crate::images::Verdict::Match) | None => {}
-                Some(crate::images::Verdict::Mismatch { found }) => {
-                    bad.push(format!("{name}: sha256 {found}, recorded {}", records[name].sha256))
-                }
-                Some(crate::images::Verdict::Unreadable(e)) => bad.push(format!("{name}: cannot be read ({e})")),
-            }
-        }
-        let (status, detail) = if bad.is_empty() {
-            (CheckStatus::Ok, format!("{} recorded images match their sha256", records.len()))
-        } else {
-            (CheckStatus::Error, bad.join("; "))
-        };
-        crate::api::CheckItem { name: "images".into(), status, detail }
+/// `image.import` (module doc).
+///
+/// # Errors
+/// 2001 (a bad name, sha256, source or timeout; an image QEMU cannot read or that names a
+/// backing or data file), 2003 (another sha256; nothing kept), 4093 (another image of that
+/// name), 4040 (no source and no such image), 3002 on `source` (a local file or a download
+/// larger than 90 % of the images directory's free space less what other imports,
+/// snapshots and exports hold there), 4090 (another import or delete of the name), 4001
+/// (a download or file step).
+pub(crate) async fn image_import(mgr: &Manager, p: ImportParams) -> Result<ImportResult, ApiError> {
+    let req = crate::images::check_import(&mgr.config, &p.name, &p.sha256, p.source.as_deref(), p.timeout_s)?;
+    let held = mgr.images.begin(&req.name)?;
+    let path = mgr.images.path(&req.name);
+    let there = crate::blocking::run(|| std::fs::symlink_metadata(&path)).ok();
+    if let Some(meta) = there {
+        return import_existing(mgr, &held, &req, &meta).await;
     }
+    let source_text = match &req.source {
+        Source::InPlace => {
+            return Err(ApiError::new(
+                Code::NotFound,
+                format!(
+                    "no image {:?} in {}: give a source (a URL or a file in the import directory)",
+                    req.name,
+                    mgr.config.paths.images.display()
+                ),
+            )
+            .field("source"));
+        }
+        Source::File(path) => path.display().to_string(),
+        // Never the query string: a signed URL's token is a secret (download module doc).
+        Source::Url(url) => url.redacted(),
+    };
+    // Where a URL leads is checked before anything is made or fetched.
+    let first_hop = match &req.source {
+        Source::Url(url) => Some(
+            crate::images::download::check_hop(
+                url.clone(),
+                &mgr.config.images.allow_private,
+                &crate::images::download::SystemResolver,
+                None,
+            )
+            .await?,
+        ),
+        _ => None,
+    };
+    // The room it will take, reserved before a byte is written ([`crate::disk::reserve`]).
+    let room = match &req.source {
+        Source::File(from) => reserve_image_file(mgr, from)?,
+        _ => mgr.reservations.reserve_rest(&mgr.config.paths.images, PERCENT).map_err(|e| {
+            crate::disk::space::refusal(e, &mgr.config.paths.images, "the download", "source", "image_bytes")
+        })?,
+    };
+    let max_bytes = room.bytes();
+    let mut temp = mgr.images.temp(&held, &req.name)?;
+    temp.hold(room);
+    match &req.source {
+        Source::File(from) => {
+            crate::images::copy(from, &mut temp).map_err(|e| StoreError::copying(from, e))?;
+        }
+        Source::Url(_) => {
+            let Some(first_hop) = first_hop else {
+                return Err(failed("a URL import without its checked address".into()));
+            };
+            crate::images::download::fetch(
+                &mgr.config.images.curl,
+                mgr.config.qemu_user,
+                first_hop,
+                &mgr.config.images.allow_private,
+                &crate::images::download::SystemResolver,
+                req.timeout,
+                max_bytes,
+                &mut temp,
+            )
+            .await?;
+        }
+        Source::InPlace => {}
+    }
+    let found = temp.finish().map_err(StoreError::Write)?;
+    if found != req.sha256 {
+        return Err(crate::images::mismatch(&source_text, &req.sha256, &found, temp.bytes()).into());
+    }
+    crate::crashpoint::hit(&mgr.config.paths.run, "image:hashed");
+    let file = temp.reopen().map_err(StoreError::Reopen)?;
+    let (format, virtual_size) = inspect_image(mgr, file, &source_text).await?;
+    let bytes = temp.bytes();
+    let meta = temp.place(&path).map_err(|e| StoreError::placing(&req.name, &path, e))?;
+    crate::crashpoint::hit(&mgr.config.paths.run, "image:placed");
+    let record = ImageRecord {
+        sha256: req.sha256.clone(),
+        bytes,
+        format,
+        virtual_size,
+        source: Some(source_text),
+        imported_at: crate::api::now_rfc3339(),
+        version: Version::of(&meta),
+    };
+    record_image(mgr, &held, &req.name, record.clone())?;
+    tracing::info!(image = %req.name, sha256 = %req.sha256, bytes, "image imported");
+    Ok(ImportResult { changed: true, image: view_of(mgr, &req.name, &record) })
+}
+
+/// An import of a name that has a file: the same sha256 is recorded (or was: no change),
+/// another is refused; the file is never replaced.
+async fn import_existing(
+    mgr: &Manager,
+    held: &NameGuard,
+    req: &ImportRequest,
+    meta: &std::fs::Metadata,
+) -> Result<ImportResult, ApiError> {
+    let path = mgr.images.path(&req.name);
+    if !meta.file_type().is_file() {
+        return Err(StoreError::NotAFile { path }.into());
+    }
+    let recorded = mgr.images.record(&req.name);
+    let exists = |sha256: &str| {
+        ApiError::new(
+            Code::ImageExists,
+            format!(
+                "image {:?} is there with sha256 {sha256}, not {}: delete it first (VMs using it keep \
+                 overlays over it, so it is never replaced)",
+                req.name, req.sha256
+            ),
+        )
+        .field("name")
+        .details(json!({ "sha256": sha256 }))
+    };
+    let verdict = match &recorded {
+        Some(r) if r.sha256 != req.sha256 => return Err(exists(&r.sha256)),
+        Some(_) => mgr.images.verify(&req.name),
+        None => None,
+    };
+    match (&recorded, verdict) {
+        (Some(r), Some(crate::images::Verdict::Match)) => {
+            return Ok(ImportResult { changed: false, image: view_of(mgr, &req.name, r) });
+        }
+        (Some(_), Some(crate::images::Verdict::Mismatch { found })) => {
+            return Err(crate::images::changed(&path.display().to_string(), &req.sha256, &found, meta.len()).into());
+        }
+        _ => {}
+    }
+    // No record (put there by hand, or a crash before the record): hash it where it is.
+    let (found, version) = crate::blocking::run(|| {
+        let mut file = std::fs::File::open(&path)?;
+        let version = Version::of(&file.metadata()?);
+        crate::qemu::integrity::sha256_of(&mut file).map(|found| (found, version))
+    })
+    .map_err(|source| StoreError::Unreadable { path: path.clone(), source })?;
+    if found != req.sha256 {
+        return Err(match req.source {
+            Source::InPlace => {
+                crate::images::mismatch(&path.display().to_string(), &req.sha256, &found, meta.len()).into()
+            }
+            _ => exists(&found),
+        });
+    }
+    let file = crate::blocking::run(|| std::fs::File::open(&path))
+        .map_err(|source| StoreError::Unreadable { path: path.clone(), source })?;
+    let (format, virtual_size) = inspect_image(mgr, file, &path.display().to_string()).await?;
+    let record = ImageRecord {
+        sha256: found,
+        bytes: meta.len(),
+        format,
+        virtual_size,
+        source: None,
+        imported_at: crate::api::now_rfc3339(),
+        version,
+    };
+    record_image(mgr, held, &req.name, record.clone())?;
+    tracing::info!(image = %req.name, sha256 = %req.sha256, "image recorded where it was");
+    Ok(ImportResult { changed: true, image: view_of(mgr, &req.name, &record) })
+}
+
+/// QEMU (as `qemu.user`, on a descriptor) reads the image's format and size.
+///
+/// # Errors
+/// 2001 on `source` when QEMU cannot read it as an image or it names a backing or data
+/// file (an overlay over it would reach a file vmhostd does not manage).
+async fn inspect_image(mgr: &Manager, file: std::fs::File, what: &str) -> Result<(String, u64), ApiError> {
+    let info = crate::disk::import::inspect(&mgr.disk_tool(), OwnedFd::from(file))
+        .await
+        .map_err(|e| StoreError::inspecting(what, e))?;
+    if let Some(other) = info.backing.as_ref().or(info.data_file.as_ref()) {
+        return Err(StoreError::NamesAnotherFile { what: what.to_string(), other: other.clone() }.into());
+    }
+    Ok((info.format, info.virtual_size))
+}
+
+/// Reserves room for a copy of the file at `from` in the images directory: its size, with
+/// [`PERCENT`] of the free space the most it may take next to what other operations hold
+/// there, the margin a download keeps. An unreadable file reserves nothing (its copy then
+/// fails with the reason).
+///
+/// # Errors
+/// 3002 on `source` (`resource: image_bytes`); 4001 when the free space cannot be read.
+fn reserve_image_file(mgr: &Manager, from: &std::path::Path) -> Result<crate::disk::reserve::Reservation, ApiError> {
+    let len = crate::blocking::run(|| std::fs::metadata(from)).map_or(0, |m| m.len());
+    let images = &mgr.config.paths.images;
+    mgr.reservations.reserve(images, len, PERCENT).map_err(|e| {
+        crate::disk::space::refusal(e, images, &from.display().to_string(), "source", "image_bytes").into()
+    })
+}
+
+fn record_image(mgr: &Manager, held: &NameGuard, name: &str, record: ImageRecord) -> Result<(), ApiError> {
+    Ok(mgr.images.put(held, name, record)?)
+}
+
+fn view_of(mgr: &Manager, name: &str, r: &ImageRecord) -> ImageView {
+    ImageView {
+        name: name.to_string(),
+        bytes: r.bytes,
+        format: Some(r.format.clone()),
+        virtual_size: Some(r.virtual_size),
+        sha256: Some(r.sha256.clone()),
+        source: r.source.as_deref().map(crate::images::url::redact_text),
+        imported_at: Some(r.imported_at.clone()),
+        used_by: image_users(mgr, &mgr.lock(), name),
+    }
+}
+
+/// `image.delete` (module doc).
+///
+/// # Errors
+/// 2001 (a bad name), 4092 (VMs use it; `details.vms`), 4090 (another import or delete
+/// of it), 4001 (the file cannot be removed).
+pub(crate) async fn image_delete(mgr: &Manager, name: &str) -> Result<DeleteResult, ApiError> {
+    if !crate::images::is_image_name(name) {
+        return Err(ApiError::invalid("name", format!("{name:?} is not an image name")));
+    }
+    let held = mgr.images.begin(name)?;
+    let _going = {
+        let mut t = mgr.lock();
+        let users = image_users(mgr, &t, name);
+        if !users.is_empty() {
+            return Err(ApiError::new(
+                Code::ImageInUse,
+                format!(
+                    "image {name:?} is the base image, kernel or initrd of VMs {users:?}: destroy them (or \
+                     change what they boot from) first"
+                ),
+            )
+            .field("name")
+            .details(json!({ "vms": users })));
+        }
+        t.images_going.insert(name.to_string());
+        Going { mgr, name: name.to_string() }
+    };
+    let changed = mgr.images.remove(&held, name)?;
+    if changed {
+        tracing::info!(image = name, "image deleted");
+    }
+    Ok(DeleteResult { changed, name: name.to_string() })
+}
+
+/// What `host.check` says of the recorded images (`images` item); each check does its file
+/// I/O off the runtime workers ([`crate::images::Store::verify`]).
+pub(crate) fn image_check(mgr: &Manager) -> crate::api::CheckItem {
+    use crate::api::CheckStatus;
+    let records: BTreeMap<String, ImageRecord> = mgr.images.records();
+    let mut bad = Vec::new();
+    for name in records.keys() {
+        match mgr.images.verify(name) {
+            Some(crate::images::Verdict::Match) | None => {}
+            Some(crate::images::Verdict::Mismatch { found }) => {
+                bad.push(format!("{name}: sha256 {found}, recorded {}", records[name].sha256))
+            }
+            Some(crate::images::Verdict::Unreadable(e)) => bad.push(format!("{name}: cannot be read ({e})")),
+        }
+    }
+    let (status, detail) = if bad.is_empty() {
+        (CheckStatus::Ok, format!("{} recorded images match their sha256", records.len()))
+    } else {
+        (CheckStatus::Error, bad.join("; "))
+    };
+    crate::api::CheckItem { name: "images".into(), status, detail }
 }
 
 /// Whether a VM booting with `boot` uses image `name` of `images_dir`: as its base image
 /// (`boot.image`), or as its kernel or initrd (`boot.kernel`, `boot.initrd` naming a file of
 /// the images directory: the image store's files are boot files when `paths.boot` includes
 /// it, as it does by default). Lexical, as the boot-directory rule is ([`crate::qemu::boot_files::boot_dir_of`]).
-pub(crate) fn boots_from(boot: &crate::api::BootSpec, images_dir: &std::path::Path, name: &str) -> bool {
+pub(super) fn boots_from(boot: &crate::api::BootSpec, images_dir: &std::path::Path, name: &str) -> bool {
     boot_field_using(boot, images_dir, name).is_some()
 }
 

@@ -1,6 +1,6 @@
 //! The steps that bring one VM's QEMU up and take it down, each with its undo.
 //!
-//! Order on the way up: boot files checked ([`Manager::check_launch_files`], before the
+//! Order on the way up: boot files checked ([`check_launch_files`], before the
 //! operation takes the VM's flag), overlay ([`VmOp::make_overlay`]), data disks
 //! ([`super::data_disks`]), then [`VmOp::launch`]: run dir, devices bound ([`super::vfio`]),
 //! seed, a UEFI VM's variables store ([`VmOp::ensure_uefi_vars`]), taps, QEMU launched and its
@@ -48,68 +48,66 @@ async fn boot_file(
         .map_err(|source| LaunchFileError::BootFile { field, path: path.to_path_buf(), source }.into())
 }
 
-impl Manager {
-    /// Checks the files a launch of `vm` needs before anything is made: the QEMU binary is the
-    /// one `qemu.sha256` pins (QEMU also works the VM's image files), the files the spec
-    /// names exist and, for a kernel and initrd, vmhostd can open them, and for a UEFI VM
-    /// vmhostd can open the `[firmware]` files. Nothing is read yet: the launch copies them.
-    /// Runs without an operation too: a create, a replace and a reconfigure check before they
-    /// take the VM's flag (a refusal then leaves nothing to undo), and reconcile's plan checks
-    /// with no operation at all.
-    ///
-    /// # Errors
-    /// 4002 on `qemu.sha256` for another binary; 2001 naming the field of a missing or
-    /// unreadable file (`spec.boot.firmware` for the firmware, with `details.path`).
-    pub(super) async fn check_launch_files(&self, vm: &ValidSpec) -> Result<(), ApiError> {
-        self.processes.integrity().verify_qemu()?;
-        if vm.spec.boot.firmware == Firmware::Uefi {
-            // The host's files, but the spec's choice: refused like a missing image, before
-            // anything is made (a BIOS VM never needs them).
-            crate::blocking::run(|| crate::qemu::firmware::check(&self.config.firmware))
-                .map_err(LaunchFileError::Firmware)?;
-        }
-        match &vm.boot {
-            BootSource::Image { image, .. } => {
-                let p = self.config.paths.images.join(image);
-                if !p.is_file() {
-                    return Err(ApiError::invalid(
-                        "spec.boot.image",
-                        format!("no image {image:?} in {}", self.config.paths.images.display()),
-                    ));
-                }
-            }
-            BootSource::Kernel { kernel, initrd, .. } => {
-                let dirs = self.config.paths.boot_dirs();
-                boot_file(&dirs, "spec.boot.kernel", kernel, false).await?;
-                if let Some(i) = initrd {
-                    boot_file(&dirs, "spec.boot.initrd", i, false).await?;
-                }
-            }
-            // The file is in the import directory only until the create moves it: a create
-            // checks it ([`Manager::inspect_import`]), later operations use the moved file.
-            BootSource::Disk { .. } => {}
-        }
-        Ok(())
+/// Checks the files a launch of `vm` needs before anything is made: the QEMU binary is the
+/// one `qemu.sha256` pins (QEMU also works the VM's image files), the files the spec
+/// names exist and, for a kernel and initrd, vmhostd can open them, and for a UEFI VM
+/// vmhostd can open the `[firmware]` files. Nothing is read yet: the launch copies them.
+/// Runs without an operation too: a create, a replace and a reconfigure check before they
+/// take the VM's flag (a refusal then leaves nothing to undo), and reconcile's plan checks
+/// with no operation at all.
+///
+/// # Errors
+/// 4002 on `qemu.sha256` for another binary; 2001 naming the field of a missing or
+/// unreadable file (`spec.boot.firmware` for the firmware, with `details.path`).
+pub(super) async fn check_launch_files(mgr: &Manager, vm: &ValidSpec) -> Result<(), ApiError> {
+    mgr.processes.integrity().verify_qemu()?;
+    if vm.spec.boot.firmware == Firmware::Uefi {
+        // The host's files, but the spec's choice: refused like a missing image, before
+        // anything is made (a BIOS VM never needs them).
+        crate::blocking::run(|| crate::qemu::firmware::check(&mgr.config.firmware))
+            .map_err(LaunchFileError::Firmware)?;
     }
+    match &vm.boot {
+        BootSource::Image { image, .. } => {
+            let p = mgr.config.paths.images.join(image);
+            if !p.is_file() {
+                return Err(ApiError::invalid(
+                    "spec.boot.image",
+                    format!("no image {image:?} in {}", mgr.config.paths.images.display()),
+                ));
+            }
+        }
+        BootSource::Kernel { kernel, initrd, .. } => {
+            let dirs = mgr.config.paths.boot_dirs();
+            boot_file(&dirs, "spec.boot.kernel", kernel, false).await?;
+            if let Some(i) = initrd {
+                boot_file(&dirs, "spec.boot.initrd", i, false).await?;
+            }
+        }
+        // The file is in the import directory only until the create moves it: a create
+        // checks it ([`super::root_disk::inspect_import`]), later operations use the moved file.
+        BootSource::Disk { .. } => {}
+    }
+    Ok(())
+}
 
-    /// The live QEMU of VM `name`, if any: the recorded identity while it still runs. Only for a
-    /// VM that recovery has not settled (a QEMU may have started just before a crash, before its
-    /// identity was recorded) is /proc searched for its marker: after a settled recovery, every
-    /// QEMU of a VM is recorded, so the search would only cost a /proc scan per call. Runs
-    /// without an operation too: `vm.apply` of an unchanged spec looks before it starts or
-    /// stops the VM as an operation of its own ([`VmOp::find_live`] is the operation's).
-    ///
-    /// # Errors
-    /// 4001 when /proc cannot be read (e.g. out of file descriptors): whether QEMU runs is then
-    /// unknown, and acting as if it did not could start the VM twice.
-    pub(super) fn find_live(
-        &self,
-        name: &str,
-        recorded: Option<&ProcessIdentity>,
-    ) -> Result<Option<ProcessIdentity>, ApiError> {
-        let search = if self.lock().unsettled.contains(name) { Search::Proc } else { Search::None };
-        self.processes.find(&self.paths(name), recorded, search)
-    }
+/// The live QEMU of VM `name`, if any: the recorded identity while it still runs. Only for a
+/// VM that recovery has not settled (a QEMU may have started just before a crash, before its
+/// identity was recorded) is /proc searched for its marker: after a settled recovery, every
+/// QEMU of a VM is recorded, so the search would only cost a /proc scan per call. Runs
+/// without an operation too: `vm.apply` of an unchanged spec looks before it starts or
+/// stops the VM as an operation of its own ([`VmOp::find_live`] is the operation's).
+///
+/// # Errors
+/// 4001 when /proc cannot be read (e.g. out of file descriptors): whether QEMU runs is then
+/// unknown, and acting as if it did not could start the VM twice.
+pub(super) fn find_live(
+    mgr: &Manager,
+    name: &str,
+    recorded: Option<&ProcessIdentity>,
+) -> Result<Option<ProcessIdentity>, ApiError> {
+    let search = if mgr.lock().unsettled.contains(name) { Search::Proc } else { Search::None };
+    mgr.processes.find(&mgr.paths(name), recorded, search)
 }
 
 impl HeldVm {
@@ -129,12 +127,20 @@ impl HeldVm {
             r.qemu_started();
         })?;
         mgr.watch(name, id);
-        mgr.watch_agent(name);
+        super::agent::watch_agent(mgr, name);
         Ok(())
     }
 }
 
 impl VmOp {
+    /// The VM's live QEMU, if any ([`find_live`]): `recorded` while it still runs.
+    ///
+    /// # Errors
+    /// 4001 when /proc cannot be read.
+    pub fn find_live(&self, recorded: Option<&ProcessIdentity>) -> Result<Option<ProcessIdentity>, ApiError> {
+        find_live(self.mgr(), self.name(), recorded)
+    }
+
     /// Removes an overlay (or a half-made one) without a record: the orphan of an earlier
     /// crash, which a new VM never inherits.
     ///
@@ -279,7 +285,7 @@ impl VmOp {
             log: paths.qemu_log.clone(),
             timeout: Duration::from_secs(mgr.config.qemu.launch_timeout_s),
             fds: opened.fds,
-            memlock: mgr.memlock_for(&vm.spec),
+            memlock: super::vfio::memlock_for(&mgr, &vm.spec),
             user: mgr.config.qemu_user,
             kvm: mgr.config.qemu.accel == crate::config::Accel::Kvm,
         };

@@ -3,7 +3,7 @@
 //! for that instant when its agent can, and the copy saying which it is ([`CopyConsistency`]).
 //!
 //! The order: with `requires: "frozen"`, a VM without an agent session is refused
-//! ([`Manager::check_freezable`], before the caller makes anything); QEMU's sizes of the disks
+//! ([`check_requires`], before the caller makes anything); QEMU's sizes of the disks
 //! (`query-block`); the empty targets made (0600, a raw one at its size, a qcow2 one's header by
 //! QEMU without a guest) and added to QEMU; the guest agent's `fs.freeze` (when a session is
 //! open); what the copy will be ([`consistency_of`]): `frozen` only when the agent froze at least
@@ -16,12 +16,12 @@
 //! watchdog may have thawed first: [`frozen_until_started`]), and under `requires: "frozen"` its
 //! started jobs are cancelled (4094, nothing kept); then the copies awaited.
 //!
-//! A stopped VM's copy is known before anything is made ([`Manager::check_requires`]).
+//! A stopped VM's copy is known before anything is made ([`check_requires`]).
 //!
 //! [`VmOp::copy_disks_live`] and the freeze and thaw it uses are steps of the operation that
 //! holds the VM: an export (`VmOp::export_live`, [`super::backup`]) or a snapshot
-//! ([`super::snapshots`]). [`Manager::check_requires`] stays a [`Manager`] method: it reads only
-//! the record and the agent hub, before the caller makes anything.
+//! ([`super::snapshots`]). [`check_requires`] is a function taking the manager, not a step:
+//! it reads only the record and the agent hub, before the caller makes anything.
 
 use super::errors::{DiskStepError, FileError, QemuStepError};
 use super::op::VmOp;
@@ -169,37 +169,35 @@ fn failed(step: &str, message: String) -> ApiError {
     super::provisioning(step, message)
 }
 
-impl Manager {
-    /// What can be known of a copy of VM `rec` before anything is made, checked against
-    /// `requires`: a stopped VM's copy is what [`super::copies::stopped_copy`] says (returned);
-    /// a running VM's is known only once the freeze answered ([`VmOp::copy_disks_live`]),
-    /// but without an agent session it cannot be frozen.
-    ///
-    /// # Errors
-    /// 4094 when `requires` is `frozen` and the copy would be `crash`: a stopped VM whose disks
-    /// were not left by a clean power-off, a running VM whose agent has no session.
-    pub(super) fn check_requires(
-        &self,
-        rec: &VmRecord,
-        live: bool,
-        requires: Option<Requirement>,
-        step: &str,
-    ) -> Result<Option<CopyConsistency>, ApiError> {
-        let name = rec.name();
-        if !live {
-            let made = super::copies::stopped_copy(rec);
-            if !made.meets(requires) {
-                tracing::warn!(vm = name, step, reason = ?made.reason, "refused: the copy would be crash-consistent");
-                return Err(not_frozen(name, step, &made));
-            }
-            return Ok(Some(made));
+/// What can be known of a copy of VM `rec` before anything is made, checked against
+/// `requires`: a stopped VM's copy is what [`super::copies::stopped_copy`] says (returned);
+/// a running VM's is known only once the freeze answered ([`VmOp::copy_disks_live`]),
+/// but without an agent session it cannot be frozen.
+///
+/// # Errors
+/// 4094 when `requires` is `frozen` and the copy would be `crash`: a stopped VM whose disks
+/// were not left by a clean power-off, a running VM whose agent has no session.
+pub(super) fn check_requires(
+    mgr: &Manager,
+    rec: &VmRecord,
+    live: bool,
+    requires: Option<Requirement>,
+    step: &str,
+) -> Result<Option<CopyConsistency>, ApiError> {
+    let name = rec.name();
+    if !live {
+        let made = super::copies::stopped_copy(rec);
+        if !made.meets(requires) {
+            tracing::warn!(vm = name, step, reason = ?made.reason, "refused: the copy would be crash-consistent");
+            return Err(not_frozen(name, step, &made));
         }
-        if requires.is_none() || self.agents.status(name).connected {
-            return Ok(None);
-        }
-        let why = format!("the guest agent of VM {name:?} is not connected");
-        Err(not_frozen(name, step, &consistency_of(&Freeze::NoAgent(why))))
+        return Ok(Some(made));
     }
+    if requires.is_none() || mgr.agents.status(name).connected {
+        return Ok(None);
+    }
+    let why = format!("the guest agent of VM {name:?} is not connected");
+    Err(not_frozen(name, step, &consistency_of(&Freeze::NoAgent(why))))
 }
 
 impl VmOp {

@@ -26,30 +26,30 @@
 //! [`registry`] (records, their files and the views readers are served), [`processes`] (the
 //! QEMU processes: started, found, checked, killed).
 
-mod agent;
-mod autostart;
-mod backup;
+pub(crate) mod agent;
+pub mod autostart;
+pub(crate) mod backup;
 mod busy;
 mod copies;
-mod data_disks;
+pub(crate) mod data_disks;
 pub(crate) mod errors;
 mod exits;
 mod held;
 mod hotplug;
-mod images;
+pub(crate) mod images;
 mod launch;
 mod live_copy;
 mod op;
-mod ops;
+pub(crate) mod ops;
 mod processes;
-mod reconcile;
+pub(crate) mod reconcile;
 mod reconfigure;
 mod recover;
 mod registry;
 mod root_disk;
-mod shutdown;
-mod snapshots;
-mod stats;
+pub(crate) mod shutdown;
+pub(crate) mod snapshots;
+pub(crate) mod stats;
 mod teardown;
 mod undo;
 mod vfio;
@@ -71,7 +71,12 @@ pub use registry::RawView;
 /// Daemon version reported by `host.info`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// Owns every VM of this host.
+/// The host-wide state every operation shares: the VM registry, the hubs (agent sessions, stats
+/// monitors, QMP sessions), the config and the host's resources (networks, PCI devices, images,
+/// backups, disk reservations). Its methods are this state's accessors and what must happen under
+/// its table lock; a request's entry point is a function of its module taking the manager
+/// ([`ops::create`], [`snapshots::snapshot`], ...), one VM's steps are [`op::VmOp`] methods,
+/// and what an operation shares with recovery and the exit cleanup is [`held`].
 pub struct Manager {
     config: Arc<Config>,
     events: EventBus,
@@ -205,7 +210,7 @@ impl Manager {
         });
         mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;
-        mgr.remove_partial_snapshots();
+        snapshots::remove_partial_snapshots(&mgr);
         mgr.refresh_networks().await;
         let live: HashSet<String> =
             mgr.lock().vms.values().filter(|r| r.status == VmStatus::Running).map(|r| r.spec.name.clone()).collect();
@@ -371,7 +376,7 @@ impl Manager {
     /// Capacity, hardware and NIC admission of `spec` against every other VM that holds
     /// resources; returns its NIC allocations (keeping `previous` where still free).
     fn admit_locked(&self, t: &Table, spec: &VmSpec, previous: &[NicAlloc]) -> Result<Vec<NicAlloc>, ApiError> {
-        self.check_image_staying(t, spec)?;
+        images::check_image_staying(self, t, spec)?;
         let held: Vec<&VmRecord> = t.vms.values().filter(|r| r.reserved && r.spec.name != spec.name).collect();
         // A VM changed without a restart holds what its live QEMU was started with too.
         let specs = Self::holding_specs;
@@ -534,13 +539,13 @@ impl Manager {
 
     /// `host.info`.
     pub fn host_info(&self) -> HostInfo {
-        let kept_disks = self.kept_disks();
+        let kept_disks = data_disks::kept_disks(self);
         let space = crate::disk::space::FsSpace::of(&self.config.paths.state).ok();
         // What the records hold, under the table lock (in-memory only) ...
         let (provisioned_bytes, cpu, memory_mib, mut hardware, vm_count, networks) = {
             let t = self.lock();
             let provisioned: u64 =
-                t.vms.values().map(|r| crate::disk::space::provisioned(&r.spec) + Manager::root_disk_bytes(r)).sum();
+                t.vms.values().map(|r| crate::disk::space::provisioned(&r.spec) + root_disk::root_disk_bytes(r)).sum();
             let held: Vec<Holding<'_>> = t
                 .vms
                 .values()

@@ -26,7 +26,6 @@ use super::teardown::Devices;
 use super::undo::{Step, Undo};
 use super::{Manager, OpGuard};
 use crate::api::{ApiError, VmSpec, VmStatus};
-use crate::process::ProcessIdentity;
 use crate::qemu::argv::VmPaths;
 use crate::state::VmRecord;
 use std::sync::Arc;
@@ -147,14 +146,6 @@ impl VmOp {
         change: impl FnOnce(&mut VmRecord),
     ) -> Result<VmRecord, ApiError> {
         self.held.update_status(reason, to, change)
-    }
-
-    /// The VM's live QEMU, if any ([`Manager::find_live`]): `recorded` while it still runs.
-    ///
-    /// # Errors
-    /// 4001 when /proc cannot be read.
-    pub fn find_live(&self, recorded: Option<&ProcessIdentity>) -> Result<Option<ProcessIdentity>, ApiError> {
-        self.mgr().find_live(self.name(), recorded)
     }
 
     /// A step boundary the fault tests may crash the daemon at ([`crate::crashpoint`]).

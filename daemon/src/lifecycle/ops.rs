@@ -18,226 +18,225 @@ use tracing::Instrument;
 /// Longest graceful-stop wait accepted; the busy flag is held that long.
 pub const MAX_STOP_TIMEOUT_S: u64 = 3600;
 
-impl Manager {
-    /// `vm.create`: defines the VM and, unless `spec.state` is `stopped`, starts it.
-    ///
-    /// # Errors
-    /// 2001/3001 invalid spec, 3002/3003 refused by capacity or conflicts, 4002 when the QEMU
-    /// binary is not the pinned one (nothing changed for any of these), 4001 when a host step
-    /// fails (everything undone, the record says `failed`).
-    pub async fn create(self: &Arc<Self>, spec: VmSpec) -> Result<Mutation, ApiError> {
-        let span = tracing::info_span!("vm.create", vm = %spec.name);
-        async move {
-            let vm = validate_spec(&spec, &self.config)?;
-            self.check_launch_files(&vm).await?;
-            // A boot.disk file is checked (and its growth admitted) before anything is recorded.
-            let import = self.inspect_import(&vm).await?;
-            match &import {
-                Some(import) => self.admit_import(&vm.spec, import)?,
-                None => self.admit_disk_space(None, &vm.spec)?,
-            }
-            if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
-                // Capacity and conflicts first (what the records say), then what the kernel says
-                // about the devices; both before anything is recorded. reserve_new admits again
-                // under the lock, so nothing can slip in between.
-                self.precheck_admission(&vm.spec)?;
-                self.check_passthrough(&vm.spec).await?;
-            }
-            let mut op = self.reserve_op(&vm.spec)?;
-            op.create_steps(&vm, import).await?;
-            Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
+/// `vm.create`: defines the VM and, unless `spec.state` is `stopped`, starts it.
+///
+/// # Errors
+/// 2001/3001 invalid spec, 3002/3003 refused by capacity or conflicts, 4002 when the QEMU
+/// binary is not the pinned one (nothing changed for any of these), 4001 when a host step
+/// fails (everything undone, the record says `failed`).
+pub(crate) async fn create(mgr: &Arc<Manager>, spec: VmSpec) -> Result<Mutation, ApiError> {
+    let span = tracing::info_span!("vm.create", vm = %spec.name);
+    async move {
+        let vm = validate_spec(&spec, &mgr.config)?;
+        super::launch::check_launch_files(mgr, &vm).await?;
+        // A boot.disk file is checked (and its growth admitted) before anything is recorded.
+        let import = super::root_disk::inspect_import(mgr, &vm).await?;
+        match &import {
+            Some(import) => super::root_disk::admit_import(mgr, &vm.spec, import)?,
+            None => super::data_disks::admit_disk_space(mgr, None, &vm.spec)?,
         }
-        .instrument(span)
-        .await
+        if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
+            // Capacity and conflicts first (what the records say), then what the kernel says
+            // about the devices; both before anything is recorded. reserve_new admits again
+            // under the lock, so nothing can slip in between.
+            mgr.precheck_admission(&vm.spec)?;
+            super::vfio::check_passthrough(mgr, &vm.spec).await?;
+        }
+        let mut op = mgr.reserve_op(&vm.spec)?;
+        op.create_steps(&vm, import).await?;
+        Ok(Mutation::new(true, Some(mgr.get(&spec.name)?)))
     }
+    .instrument(span)
+    .await
+}
 
-    /// `vm.start`.
-    ///
-    /// # Errors
-    /// 4040, 4090, 3002/3003 when a VM whose reservation was released no longer fits, 4002
-    /// when the QEMU binary is not the pinned one, 4001.
-    pub async fn start(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
-        let span = tracing::info_span!("vm.start", vm = %name);
-        async move {
-            let (mut op, _) = self.begin_op(name).await?;
-            let changed = op.start_steps("vm.start").await?;
-            // An operator's start begins the restart policy's count afresh.
-            self.update(name, "vm.start", |r| r.failures.clear())?;
-            Ok(Mutation::new(changed, Some(self.get(name)?)))
-        }
-        .instrument(span)
-        .await
+/// `vm.start`.
+///
+/// # Errors
+/// 4040, 4090, 3002/3003 when a VM whose reservation was released no longer fits, 4002
+/// when the QEMU binary is not the pinned one, 4001.
+pub(crate) async fn start(mgr: &Arc<Manager>, name: &str) -> Result<Mutation, ApiError> {
+    let span = tracing::info_span!("vm.start", vm = %name);
+    async move {
+        let (mut op, _) = mgr.begin_op(name).await?;
+        let changed = op.start_steps("vm.start").await?;
+        // An operator's start begins the restart policy's count afresh.
+        mgr.update(name, "vm.start", |r| r.failures.clear())?;
+        Ok(Mutation::new(changed, Some(mgr.get(name)?)))
     }
+    .instrument(span)
+    .await
+}
 
-    /// A start vmhostd makes on its own (`why`: autostart, the restart policy): only if, under
-    /// the VM's busy flag, it is still desired running and in one of `statuses`, so that an
-    /// operator's stop, start or destroy meanwhile always wins. `None` when not started.
-    ///
-    /// # Errors
-    /// As `vm.start`; 4090 when an operation holds the VM.
-    pub(super) async fn start_if_wanted(
-        self: &Arc<Self>,
-        why: &str,
-        name: &str,
-        statuses: &[VmStatus],
-    ) -> Result<Option<Mutation>, ApiError> {
-        let span = tracing::info_span!("vm.start", vm = %name, why);
-        async move {
-            let (mut op, rec) = self.begin_op(name).await?;
-            if rec.spec.state != DesiredState::Running || !statuses.contains(&rec.status) {
-                return Ok(None);
-            }
-            let changed = op.start_steps(why).await?;
-            Ok(Some(Mutation::new(changed, Some(self.get(name)?))))
+/// A start vmhostd makes on its own (`why`: autostart, the restart policy): only if, under
+/// the VM's busy flag, it is still desired running and in one of `statuses`, so that an
+/// operator's stop, start or destroy meanwhile always wins. `None` when not started.
+///
+/// # Errors
+/// As `vm.start`; 4090 when an operation holds the VM.
+pub(super) async fn start_if_wanted(
+    mgr: &Arc<Manager>,
+    why: &str,
+    name: &str,
+    statuses: &[VmStatus],
+) -> Result<Option<Mutation>, ApiError> {
+    let span = tracing::info_span!("vm.start", vm = %name, why);
+    async move {
+        let (mut op, rec) = mgr.begin_op(name).await?;
+        if rec.spec.state != DesiredState::Running || !statuses.contains(&rec.status) {
+            return Ok(None);
         }
-        .instrument(span)
-        .await
+        let changed = op.start_steps(why).await?;
+        Ok(Some(Mutation::new(changed, Some(mgr.get(name)?))))
     }
+    .instrument(span)
+    .await
+}
 
-    /// `vm.stop`: ACPI powerdown over QMP, SIGKILL after `timeout_s` (at once with `force`).
-    ///
-    /// # Errors
-    /// 2001 for a timeout above [`MAX_STOP_TIMEOUT_S`], 4040, 4090, 4001 when QEMU could not be
-    /// ended (the record then keeps the process).
-    pub async fn stop(self: &Arc<Self>, p: StopParams) -> Result<Mutation, ApiError> {
-        let span = tracing::info_span!("vm.stop", vm = %p.name);
-        async move {
-            check_stop_timeout(&p)?;
-            let (mut op, _) = self.begin_op(&p.name).await?;
-            let changed = op.stop_steps(&p).await?;
-            Ok(Mutation::new(changed, Some(self.get(&p.name)?)))
-        }
-        .instrument(span)
-        .await
+/// `vm.stop`: ACPI powerdown over QMP, SIGKILL after `timeout_s` (at once with `force`).
+///
+/// # Errors
+/// 2001 for a timeout above [`MAX_STOP_TIMEOUT_S`], 4040, 4090, 4001 when QEMU could not be
+/// ended (the record then keeps the process).
+pub(crate) async fn stop(mgr: &Arc<Manager>, p: StopParams) -> Result<Mutation, ApiError> {
+    let span = tracing::info_span!("vm.stop", vm = %p.name);
+    async move {
+        check_stop_timeout(&p)?;
+        let (mut op, _) = mgr.begin_op(&p.name).await?;
+        let changed = op.stop_steps(&p).await?;
+        Ok(Mutation::new(changed, Some(mgr.get(&p.name)?)))
     }
+    .instrument(span)
+    .await
+}
 
-    /// `vm.restart`: a stop (same params as `vm.stop`) followed by a start, as one operation.
-    ///
-    /// # Errors
-    /// As `vm.stop` and `vm.start`.
-    pub async fn restart(self: &Arc<Self>, p: StopParams) -> Result<Mutation, ApiError> {
-        let span = tracing::info_span!("vm.restart", vm = %p.name);
-        async move {
-            check_stop_timeout(&p)?;
-            let (mut op, _) = self.begin_op(&p.name).await?;
-            op.stop_steps(&p).await?;
-            op.start_steps("vm.restart").await?;
-            Ok(Mutation::new(true, Some(self.get(&p.name)?)))
-        }
-        .instrument(span)
-        .await
+/// `vm.restart`: a stop (same params as `vm.stop`) followed by a start, as one operation.
+///
+/// # Errors
+/// As `vm.stop` and `vm.start`.
+pub(crate) async fn restart(mgr: &Arc<Manager>, p: StopParams) -> Result<Mutation, ApiError> {
+    let span = tracing::info_span!("vm.restart", vm = %p.name);
+    async move {
+        check_stop_timeout(&p)?;
+        let (mut op, _) = mgr.begin_op(&p.name).await?;
+        op.stop_steps(&p).await?;
+        op.start_steps("vm.restart").await?;
+        Ok(Mutation::new(true, Some(mgr.get(&p.name)?)))
     }
+    .instrument(span)
+    .await
+}
 
-    /// `vm.destroy`: kills QEMU, removes overlay, sockets, console log and record.
-    ///
-    /// # Errors
-    /// 4040, 4090, 4001 when QEMU cannot be ended or a file cannot be removed (the record then
-    /// says `failed` and keeps what still exists).
-    pub async fn destroy(self: &Arc<Self>, name: &str) -> Result<Mutation, ApiError> {
-        let span = tracing::info_span!("vm.destroy", vm = %name);
-        async move {
-            let (mut op, _) = self.begin_op(name).await?;
-            let kept_disks = op.destroy_steps().await?;
-            Ok(Mutation { changed: true, vm: None, kept_disks })
-        }
-        .instrument(span)
-        .await
+/// `vm.destroy`: kills QEMU, removes overlay, sockets, console log and record.
+///
+/// # Errors
+/// 4040, 4090, 4001 when QEMU cannot be ended or a file cannot be removed (the record then
+/// says `failed` and keeps what still exists).
+pub(crate) async fn destroy(mgr: &Arc<Manager>, name: &str) -> Result<Mutation, ApiError> {
+    let span = tracing::info_span!("vm.destroy", vm = %name);
+    async move {
+        let (mut op, _) = mgr.begin_op(name).await?;
+        let kept_disks = op.destroy_steps().await?;
+        Ok(Mutation { changed: true, vm: None, kept_disks })
     }
+    .instrument(span)
+    .await
+}
 
-    /// `vm.apply`: create when absent; converge the run state (and guest interfaces) when the
-    /// spec is equal; change the VM in place, keeping its disk, when anything but `boot.image`
-    /// differs ([`Manager::reconfigure`]); replace it (a new disk) only for a `boot.image`
-    /// change with `replace`.
-    ///
-    /// # Errors
-    /// As create; 2002 naming `spec.boot.image` (with `details.fields`) for an image change
-    /// without `replace`; 2001 for a smaller disk; as [`Manager::reconfigure`]. A refused
-    /// change (2001/2002/3002/3003/3004/3005) leaves the VM exactly as it was.
-    pub async fn apply(self: &Arc<Self>, p: ApplyParams) -> Result<Mutation, ApiError> {
-        let ApplyParams { spec, replace, restart, timeout_s } = p;
-        check_stop_timeout(&StopParams { name: spec.name.clone(), timeout_s, force: false })?;
-        let vm = validate_spec(&spec, &self.config)?;
-        let Ok(current) = self.record(&spec.name) else { return self.create(spec).await };
-        super::root_disk::check_root_disk_size(&current, &spec)?;
-        let fields = match crate::plan::classify(&current.spec, &spec)? {
-            Change::None => {
-                // A change recorded with `restart: false` (or just before a crash) is applied now.
-                // Disk steps alone (a hot-plug cut short) are done live whatever `restart` says.
-                let pending = current.running_spec.as_ref().filter(|running| {
-                    current.status == VmStatus::Running && (restart || !crate::plan::restart_needed(running, &spec))
-                });
-                return match pending {
-                    Some(running) => {
-                        let fields = crate::plan::spec_drift(running, &spec);
-                        let needed = restart && crate::plan::restart_needed(running, &spec);
-                        self.reconfigure(vm, fields, needed, restart, timeout_s).await
-                    }
-                    None => self.converge_unchanged(&current, spec, timeout_s).await,
-                };
-            }
-            Change::Reconfigure { fields, restart: needs_restart } => {
-                return self.reconfigure(vm, fields, needs_restart && restart, restart, timeout_s).await;
-            }
-            Change::Replace { fields } => fields,
-        };
-        if !replace {
-            return Err(crate::plan::replace_needed(&spec.name, &fields));
-        }
-        self.check_launch_files(&vm).await?;
-        let span = tracing::info_span!("vm.replace", vm = %spec.name);
-        async move {
-            let (mut op, current) = self.begin_op(&spec.name).await?;
-            self.admit_disk_space(Some(&current.spec), &vm.spec)?;
-            if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
-                // Capacity and conflicts in place of the old spec first, then the kernel's view
-                // of the devices; swap_spec admits again under the lock.
-                {
-                    let t = self.lock();
-                    self.admit_locked(&t, &vm.spec, &[])?;
+/// `vm.apply`: create when absent; converge the run state (and guest interfaces) when the
+/// spec is equal; change the VM in place, keeping its disk, when anything but `boot.image`
+/// differs ([`super::reconfigure::reconfigure`]); replace it (a new disk) only for a `boot.image`
+/// change with `replace`.
+///
+/// # Errors
+/// As create; 2002 naming `spec.boot.image` (with `details.fields`) for an image change
+/// without `replace`; 2001 for a smaller disk; as [`super::reconfigure::reconfigure`]. A refused
+/// change (2001/2002/3002/3003/3004/3005) leaves the VM exactly as it was.
+pub(crate) async fn apply(mgr: &Arc<Manager>, p: ApplyParams) -> Result<Mutation, ApiError> {
+    let ApplyParams { spec, replace, restart, timeout_s } = p;
+    check_stop_timeout(&StopParams { name: spec.name.clone(), timeout_s, force: false })?;
+    let vm = validate_spec(&spec, &mgr.config)?;
+    let Ok(current) = mgr.record(&spec.name) else { return create(mgr, spec).await };
+    super::root_disk::check_root_disk_size(&current, &spec)?;
+    let fields = match crate::plan::classify(&current.spec, &spec)? {
+        Change::None => {
+            // A change recorded with `restart: false` (or just before a crash) is applied now.
+            // Disk steps alone (a hot-plug cut short) are done live whatever `restart` says.
+            let pending = current.running_spec.as_ref().filter(|running| {
+                current.status == VmStatus::Running && (restart || !crate::plan::restart_needed(running, &spec))
+            });
+            return match pending {
+                Some(running) => {
+                    let fields = crate::plan::spec_drift(running, &spec);
+                    let needed = restart && crate::plan::restart_needed(running, &spec);
+                    super::reconfigure::reconfigure(mgr, vm, fields, needed, restart, timeout_s).await
                 }
-                self.check_passthrough(&vm.spec).await?;
-            }
-            // Admission of the new spec in place of the old and the record swap are one step:
-            // a refusal leaves the old VM as it was.
-            op.swap_spec(&vm.spec)?;
-            op.replace_steps(&vm).await?;
-            Ok(Mutation::new(true, Some(self.get(&spec.name)?)))
+                None => converge_unchanged(mgr, &current, spec, timeout_s).await,
+            };
         }
-        .instrument(span)
-        .await
+        Change::Reconfigure { fields, restart: needs_restart } => {
+            return super::reconfigure::reconfigure(mgr, vm, fields, needs_restart && restart, restart, timeout_s)
+                .await;
+        }
+        Change::Replace { fields } => fields,
+    };
+    if !replace {
+        return Err(crate::plan::replace_needed(&spec.name, &fields));
     }
-
-    /// `vm.apply` with an unchanged spec: guest interfaces change live, under the VM's busy
-    /// flag (recorded, then applied by the agent); then the run state is converged, in the same
-    /// call.
-    async fn converge_unchanged(
-        self: &Arc<Self>,
-        current: &crate::state::VmRecord,
-        spec: VmSpec,
-        timeout_s: u64,
-    ) -> Result<Mutation, ApiError> {
-        // Guest interfaces change live, under the VM's busy flag: record them, then have the
-        // agent apply them. The run state is converged after that, in the same call.
-        let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;
-        if interfaces_changed {
-            let (op, _) = self.begin_op(&spec.name).await?;
-            let wanted = spec.guest_interfaces.clone();
-            op.update("guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
-            if op.find_live(current.process.as_ref())?.is_some() {
-                self.apply_guest_interfaces(&spec.name).await?;
+    super::launch::check_launch_files(mgr, &vm).await?;
+    let span = tracing::info_span!("vm.replace", vm = %spec.name);
+    async move {
+        let (mut op, current) = mgr.begin_op(&spec.name).await?;
+        super::data_disks::admit_disk_space(mgr, Some(&current.spec), &vm.spec)?;
+        if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
+            // Capacity and conflicts in place of the old spec first, then the kernel's view
+            // of the devices; swap_spec admits again under the lock.
+            {
+                let t = mgr.lock();
+                mgr.admit_locked(&t, &vm.spec, &[])?;
             }
+            super::vfio::check_passthrough(mgr, &vm.spec).await?;
         }
-        let up = self.find_live(&spec.name, current.process.as_ref())?.is_some();
-        let converge = match spec.state {
-            DesiredState::Running => !up,
-            DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,
-        };
-        match (converge, spec.state) {
-            (false, _) => Ok(Mutation::new(interfaces_changed, Some(self.get(&spec.name)?))),
-            (true, DesiredState::Running) => self.start(&spec.name).await,
-            (true, DesiredState::Stopped) => {
-                self.stop(StopParams { name: spec.name.clone(), timeout_s, force: false }).await
-            }
+        // Admission of the new spec in place of the old and the record swap are one step:
+        // a refusal leaves the old VM as it was.
+        op.swap_spec(&vm.spec)?;
+        op.replace_steps(&vm).await?;
+        Ok(Mutation::new(true, Some(mgr.get(&spec.name)?)))
+    }
+    .instrument(span)
+    .await
+}
+
+/// `vm.apply` with an unchanged spec: guest interfaces change live, under the VM's busy
+/// flag (recorded, then applied by the agent); then the run state is converged, in the same
+/// call.
+async fn converge_unchanged(
+    mgr: &Arc<Manager>,
+    current: &crate::state::VmRecord,
+    spec: VmSpec,
+    timeout_s: u64,
+) -> Result<Mutation, ApiError> {
+    // Guest interfaces change live, under the VM's busy flag: record them, then have the
+    // agent apply them. The run state is converged after that, in the same call.
+    let interfaces_changed = current.spec.guest_interfaces != spec.guest_interfaces;
+    if interfaces_changed {
+        let (op, _) = mgr.begin_op(&spec.name).await?;
+        let wanted = spec.guest_interfaces.clone();
+        op.update("guest_interfaces", |r| r.spec.guest_interfaces = wanted)?;
+        if op.find_live(current.process.as_ref())?.is_some() {
+            super::agent::apply_guest_interfaces(mgr, &spec.name).await?;
+        }
+    }
+    let up = super::launch::find_live(mgr, &spec.name, current.process.as_ref())?.is_some();
+    let converge = match spec.state {
+        DesiredState::Running => !up,
+        DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,
+    };
+    match (converge, spec.state) {
+        (false, _) => Ok(Mutation::new(interfaces_changed, Some(mgr.get(&spec.name)?))),
+        (true, DesiredState::Running) => start(mgr, &spec.name).await,
+        (true, DesiredState::Stopped) => {
+            stop(mgr, StopParams { name: spec.name.clone(), timeout_s, force: false }).await
         }
     }
 }
@@ -305,7 +304,7 @@ impl VmOp {
         let name = self.name().to_string();
         let name = name.as_str();
         let rec = self.record()?;
-        Manager::check_not_reverting(&rec)?;
+        super::snapshots::check_not_reverting(&rec)?;
         let state_changed = rec.spec.state != DesiredState::Running;
         if let Some(id) = self.find_live(rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
@@ -318,8 +317,8 @@ impl VmOp {
         let mut spec = rec.spec.clone();
         spec.state = DesiredState::Running;
         let vm = validate_spec(&spec, &mgr.config)?;
-        mgr.check_launch_files(&vm).await?;
-        mgr.check_passthrough(&vm.spec).await?;
+        super::launch::check_launch_files(&mgr, &vm).await?;
+        super::vfio::check_passthrough(&mgr, &vm.spec).await?;
         if rec.reserved {
             self.update(reason, |r| r.spec.state = DesiredState::Running)?;
         } else {
@@ -468,7 +467,7 @@ impl VmOp {
         mgr.registry.write(name, "vm.apply replace", |t| {
             let old = t.vms.get(name).cloned().ok_or_else(|| ApiError::not_found(name))?;
             // A replace keeps the data disks, which may be part reverted.
-            Manager::check_not_reverting(&old)?;
+            super::snapshots::check_not_reverting(&old)?;
             let mut rec = crate::state::VmRecord::new(spec.clone());
             rec.nics = mgr.admit_locked(t, spec, &[])?;
             rec.process = old.process.clone();

@@ -25,97 +25,95 @@ fn order(action: PlanAction) -> u8 {
     }
 }
 
-impl Manager {
-    /// Plans (and unless `dry_run`, executes) a reconcile.
-    pub async fn reconcile(self: &Arc<Self>, p: ReconcileParams) -> Result<ReconcileReport, ApiError> {
-        // Before anything runs: an invalid timeout would otherwise fail every stop and apply
-        // after the destroys and creates were done.
-        super::ops::check_stop_timeout_s(p.timeout_s)?;
-        Ok(self.plan_and_run(p).await)
-    }
+/// Plans (and unless `dry_run`, executes) a reconcile.
+pub(crate) async fn reconcile(mgr: &Arc<Manager>, p: ReconcileParams) -> Result<ReconcileReport, ApiError> {
+    // Before anything runs: an invalid timeout would otherwise fail every stop and apply
+    // after the destroys and creates were done.
+    super::ops::check_stop_timeout_s(p.timeout_s)?;
+    Ok(plan_and_run(mgr, p).await)
+}
 
-    async fn plan_and_run(self: &Arc<Self>, p: ReconcileParams) -> ReconcileReport {
-        let current: BTreeMap<String, CurrentVm> = self.current_vms();
-        let mut plan = plan_reconcile(&self.config, &p.vms, &current, p.prune, p.replace);
-        let specs: BTreeMap<&str, &VmSpec> = p.vms.iter().map(|s| (s.name.as_str(), s)).collect();
-        // The plan is pure; the files a spec names are checked here, so a dry run also shows a
-        // missing image or kernel.
-        for entry in plan.iter_mut().filter(|e| e.error.is_none()) {
-            if !matches!(
-                entry.action,
-                PlanAction::Create | PlanAction::Replace | PlanAction::Reconfigure | PlanAction::Start
-            ) {
-                continue;
+async fn plan_and_run(mgr: &Arc<Manager>, p: ReconcileParams) -> ReconcileReport {
+    let current: BTreeMap<String, CurrentVm> = mgr.current_vms();
+    let mut plan = plan_reconcile(&mgr.config, &p.vms, &current, p.prune, p.replace);
+    let specs: BTreeMap<&str, &VmSpec> = p.vms.iter().map(|s| (s.name.as_str(), s)).collect();
+    // The plan is pure; the files a spec names are checked here, so a dry run also shows a
+    // missing image or kernel.
+    for entry in plan.iter_mut().filter(|e| e.error.is_none()) {
+        if !matches!(
+            entry.action,
+            PlanAction::Create | PlanAction::Replace | PlanAction::Reconfigure | PlanAction::Start
+        ) {
+            continue;
+        }
+        let Some(spec) = specs.get(entry.vm.as_str()) else { continue };
+        if let Ok(vm) = crate::validate::validate_spec(spec, &mgr.config) {
+            if let Err(e) = super::launch::check_launch_files(mgr, &vm).await {
+                entry.error = Some(e.to_json());
             }
-            let Some(spec) = specs.get(entry.vm.as_str()) else { continue };
-            if let Ok(vm) = crate::validate::validate_spec(spec, &self.config) {
-                if let Err(e) = self.check_launch_files(&vm).await {
-                    entry.error = Some(e.to_json());
-                }
-            }
         }
-        if p.dry_run {
-            let ok = plan.iter().all(|e| e.error.is_none());
-            return ReconcileReport { dry_run: true, plan, results: Vec::new(), ok };
-        }
-        let mut indexed: Vec<(usize, &PlanEntry)> = plan.iter().enumerate().collect();
-        indexed.sort_by_key(|(i, e)| (order(e.action), *i));
-        let mut results: Vec<(usize, ReconcileResult)> = Vec::new();
-        for (i, entry) in indexed {
-            let outcome = match &entry.error {
-                Some(err) => Err(ApiError::from_json(err)),
-                None => self.run_entry(entry, specs.get(entry.vm.as_str()).copied(), p.timeout_s).await,
-            };
-            let result = match outcome {
-                Ok(changed) => {
-                    ReconcileResult { vm: entry.vm.clone(), action: entry.action, ok: true, changed, error: None }
-                }
-                Err(e) => {
-                    tracing::warn!(vm = %entry.vm, action = ?entry.action, error = %e, "reconcile entry failed");
-                    ReconcileResult {
-                        vm: entry.vm.clone(),
-                        action: entry.action,
-                        ok: false,
-                        changed: false,
-                        error: Some(e.to_json()),
-                    }
-                }
-            };
-            results.push((i, result));
-        }
-        results.sort_by_key(|(i, _)| *i);
-        let results: Vec<ReconcileResult> = results.into_iter().map(|(_, r)| r).collect();
-        let ok = results.iter().all(|r| r.ok);
-        ReconcileReport { dry_run: false, plan, results, ok }
     }
-
-    async fn run_entry(
-        self: &Arc<Self>,
-        entry: &PlanEntry,
-        spec: Option<&VmSpec>,
-        timeout_s: u64,
-    ) -> Result<bool, ApiError> {
-        let need_spec = || spec.cloned().ok_or_else(|| ApiError::internal("plan entry without a spec"));
-        let m: Mutation = match (entry.action, spec) {
-            // A desired VM that keeps its spec: vm.apply converges its run state and its guest
-            // interfaces (which are applied live, not a replace).
-            (PlanAction::None | PlanAction::Start | PlanAction::Stop, Some(spec)) => {
-                self.apply(apply_params(spec.clone(), false, timeout_s)).await?
-            }
-            (PlanAction::None, None) => return Ok(false),
-            (PlanAction::Destroy, _) => self.destroy(&entry.vm).await?,
-            (PlanAction::Stop, None) => {
-                self.stop(StopParams { name: entry.vm.clone(), timeout_s, force: false }).await?
-            }
-            (PlanAction::Start, None) => self.start(&entry.vm).await?,
-            (PlanAction::Create, _) => self.create(need_spec()?).await?,
-            // In place, the disk kept; restarted when needed, like vm.apply's default.
-            (PlanAction::Reconfigure, _) => self.apply(apply_params(need_spec()?, false, timeout_s)).await?,
-            // Planned only with `replace: true` (else the entry carries a 2002 and never runs).
-            (PlanAction::Replace, _) => self.apply(apply_params(need_spec()?, true, timeout_s)).await?,
+    if p.dry_run {
+        let ok = plan.iter().all(|e| e.error.is_none());
+        return ReconcileReport { dry_run: true, plan, results: Vec::new(), ok };
+    }
+    let mut indexed: Vec<(usize, &PlanEntry)> = plan.iter().enumerate().collect();
+    indexed.sort_by_key(|(i, e)| (order(e.action), *i));
+    let mut results: Vec<(usize, ReconcileResult)> = Vec::new();
+    for (i, entry) in indexed {
+        let outcome = match &entry.error {
+            Some(err) => Err(ApiError::from_json(err)),
+            None => run_entry(mgr, entry, specs.get(entry.vm.as_str()).copied(), p.timeout_s).await,
         };
-        Ok(m.changed)
+        let result = match outcome {
+            Ok(changed) => {
+                ReconcileResult { vm: entry.vm.clone(), action: entry.action, ok: true, changed, error: None }
+            }
+            Err(e) => {
+                tracing::warn!(vm = %entry.vm, action = ?entry.action, error = %e, "reconcile entry failed");
+                ReconcileResult {
+                    vm: entry.vm.clone(),
+                    action: entry.action,
+                    ok: false,
+                    changed: false,
+                    error: Some(e.to_json()),
+                }
+            }
+        };
+        results.push((i, result));
     }
+    results.sort_by_key(|(i, _)| *i);
+    let results: Vec<ReconcileResult> = results.into_iter().map(|(_, r)| r).collect();
+    let ok = results.iter().all(|r| r.ok);
+    ReconcileReport { dry_run: false, plan, results, ok }
+}
+
+async fn run_entry(
+    mgr: &Arc<Manager>,
+    entry: &PlanEntry,
+    spec: Option<&VmSpec>,
+    timeout_s: u64,
+) -> Result<bool, ApiError> {
+    let need_spec = || spec.cloned().ok_or_else(|| ApiError::internal("plan entry without a spec"));
+    let m: Mutation = match (entry.action, spec) {
+        // A desired VM that keeps its spec: vm.apply converges its run state and its guest
+        // interfaces (which are applied live, not a replace).
+        (PlanAction::None | PlanAction::Start | PlanAction::Stop, Some(spec)) => {
+            super::ops::apply(mgr, apply_params(spec.clone(), false, timeout_s)).await?
+        }
+        (PlanAction::None, None) => return Ok(false),
+        (PlanAction::Destroy, _) => super::ops::destroy(mgr, &entry.vm).await?,
+        (PlanAction::Stop, None) => {
+            super::ops::stop(mgr, StopParams { name: entry.vm.clone(), timeout_s, force: false }).await?
+        }
+        (PlanAction::Start, None) => super::ops::start(mgr, &entry.vm).await?,
+        (PlanAction::Create, _) => super::ops::create(mgr, need_spec()?).await?,
+        // In place, the disk kept; restarted when needed, like vm.apply's default.
+        (PlanAction::Reconfigure, _) => super::ops::apply(mgr, apply_params(need_spec()?, false, timeout_s)).await?,
+        // Planned only with `replace: true` (else the entry carries a 2002 and never runs).
+        (PlanAction::Replace, _) => super::ops::apply(mgr, apply_params(need_spec()?, true, timeout_s)).await?,
+    };
+    Ok(m.changed)
 }
 
 /// `vm.apply`'s params for a reconcile entry: restart when needed, the request's stop timeout.

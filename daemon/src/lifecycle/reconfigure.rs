@@ -38,43 +38,41 @@ use tracing::Instrument;
 /// How long a live disk grow may take over QMP.
 const RESIZE_TIMEOUT: Duration = Duration::from_secs(30);
 
-impl Manager {
-    /// Changes VM `vm.spec.name` in place to `vm` (`fields` differ; `restart`: a running VM
-    /// restarts for it, else the change waits for its next start except disk changes, which
-    /// are live; `allow_restart`: the caller's `restart`, which lets a disk change this QEMU
-    /// cannot take live restart it instead). See the module doc for the order.
-    ///
-    /// # Errors
-    /// 2001 (files), 4002 (the QEMU binary is not the pinned one; checked for every change,
-    /// also one that starts nothing), 3002/3003/3004/3005 (admission, devices) with nothing
-    /// changed; 4090 when
-    /// the VM is busy; 4001 when a host step fails, after the rollback described above.
-    pub(super) async fn reconfigure(
-        self: &Arc<Self>,
-        vm: ValidSpec,
-        fields: Vec<String>,
-        restart: bool,
-        allow_restart: bool,
-        timeout_s: u64,
-    ) -> Result<Mutation, ApiError> {
-        let name = vm.spec.name.clone();
-        let span = tracing::info_span!("vm.reconfigure", vm = %name, fields = %fields.join(","));
-        async move {
-            self.check_launch_files(&vm).await?;
-            let (mut op, _) = self.begin_op(&name).await?;
-            op.reconfigure_steps(&vm, restart, allow_restart, timeout_s).await?;
-            Ok(Mutation::new(true, Some(self.get(&name)?)))
-        }
-        .instrument(span)
-        .await
+/// Changes VM `vm.spec.name` in place to `vm` (`fields` differ; `restart`: a running VM
+/// restarts for it, else the change waits for its next start except disk changes, which
+/// are live; `allow_restart`: the caller's `restart`, which lets a disk change this QEMU
+/// cannot take live restart it instead). See the module doc for the order.
+///
+/// # Errors
+/// 2001 (files), 4002 (the QEMU binary is not the pinned one; checked for every change,
+/// also one that starts nothing), 3002/3003/3004/3005 (admission, devices) with nothing
+/// changed; 4090 when
+/// the VM is busy; 4001 when a host step fails, after the rollback described above.
+pub(super) async fn reconfigure(
+    mgr: &Arc<Manager>,
+    vm: ValidSpec,
+    fields: Vec<String>,
+    restart: bool,
+    allow_restart: bool,
+    timeout_s: u64,
+) -> Result<Mutation, ApiError> {
+    let name = vm.spec.name.clone();
+    let span = tracing::info_span!("vm.reconfigure", vm = %name, fields = %fields.join(","));
+    async move {
+        super::launch::check_launch_files(mgr, &vm).await?;
+        let (mut op, _) = mgr.begin_op(&name).await?;
+        op.reconfigure_steps(&vm, restart, allow_restart, timeout_s).await?;
+        Ok(Mutation::new(true, Some(mgr.get(&name)?)))
     }
+    .instrument(span)
+    .await
 }
 
 impl VmOp {
     /// The steps of a reconfigure once the flag is held (module doc, from step 2).
     ///
     /// # Errors
-    /// As [`Manager::reconfigure`].
+    /// As [`reconfigure`].
     async fn reconfigure_steps(
         &mut self,
         vm: &ValidSpec,
@@ -86,8 +84,8 @@ impl VmOp {
         let old = self.record()?;
         // Its disks may be part reverted: a change (a disk grown or dropped) would make the
         // revert that must finish first impossible.
-        Manager::check_not_reverting(&old)?;
-        mgr.admit_disk_space(Some(&old.spec), &vm.spec)?;
+        super::snapshots::check_not_reverting(&old)?;
+        super::data_disks::admit_disk_space(&mgr, Some(&old.spec), &vm.spec)?;
         let live = self.find_live(old.process.as_ref())?;
         if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
             // Capacity and conflicts first, then the kernel's view of the devices; the record
@@ -96,7 +94,7 @@ impl VmOp {
                 let t = mgr.lock();
                 mgr.admit_locked(&t, &vm.spec, &old.nics)?;
             }
-            mgr.check_passthrough(&vm.spec).await?;
+            super::vfio::check_passthrough(&mgr, &vm.spec).await?;
         }
         let grow_to = grown_disk(&old.spec, &vm.spec);
         let Some(id) = live else {

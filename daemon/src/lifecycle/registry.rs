@@ -53,7 +53,7 @@ pub(super) struct Table {
     /// VMs whose QEMU could not be watched: their liveness is read from /proc.
     unwatched: HashSet<String>,
     /// VMs recovery has not settled yet (all of them at start): only these can have a QEMU
-    /// whose identity is not recorded ([`super::Manager::find_live`]).
+    /// whose identity is not recorded ([`super::launch::find_live`]).
     pub unsettled: HashSet<String>,
 }
 

@@ -4,10 +4,10 @@
 //!
 //! The lifecycle calls, in this order:
 //!
-//! 1. [`Manager::inspect_import`] before anything is recorded: the file is opened without
+//! 1. [`inspect_import`] before anything is recorded: the file is opened without
 //!    following a symlink, must be a regular file with one link on the state file system, and
 //!    QEMU as `qemu.user` says its format (qcow2 or raw), size and whether it names a backing
-//!    or data file (refused: flatten it first); then [`Manager::admit_import`] (disk space for
+//!    or data file (refused: flatten it first); then [`admit_import`] (disk space for
 //!    what it grows by);
 //! 2. [`VmOp::import_root_disk`] (or [`VmOp::ensure_root_disk`] for a start): the record names the disk and where it came from
 //!    (`root_disk`, and the import in progress in its [`crate::state::DiskWork`]) before the
@@ -118,105 +118,103 @@ fn as_disk(format: DiskFormat, size_gib: u64) -> DataDiskSpec {
     }
 }
 
-impl Manager {
-    /// The checks of a `boot.disk` spec's file, before anything is recorded; `None` for other
-    /// boot sources.
-    ///
-    /// # Errors
-    /// 2001 on `spec.boot.disk` when the file is missing, a symlink, not a regular file, has
-    /// other hard links, is on another file system than the state directory, is neither qcow2
-    /// nor raw, or names a backing or data file; 2001 on `spec.boot.disk_gib` when that is
-    /// below the disk's size; 4001 step `root_disk` when QEMU cannot be run.
-    pub(super) async fn inspect_import(&self, vm: &ValidSpec) -> Result<Option<Import>, ApiError> {
-        let BootSource::Disk { file, .. } = &vm.boot else { return Ok(None) };
-        let dir = self.config.paths.import_dir();
-        let source = dir.join(file);
-        let opened = open_no_follow(&source).map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOENT) => refused(format!("no file {file:?} in the import directory {}", dir.display())),
-            Some(libc::ELOOP) => refused(format!(
-                "{} is a symbolic link; move the disk file itself into {}",
-                source.display(),
-                dir.display()
-            )),
-            _ => FileError::OpenImport { path: source.clone(), source: e }.into(),
-        })?;
-        let meta = opened.metadata().map_err(FileError::file(STEP, "stat", &source))?;
-        if !meta.file_type().is_file() {
-            return Err(refused(format!("{} is not a regular file", source.display())));
-        }
-        if meta.nlink() != 1 {
-            // Another name of the same inode (libvirt's pool?) would still reach the VM's disk.
+/// The checks of a `boot.disk` spec's file, before anything is recorded; `None` for other
+/// boot sources.
+///
+/// # Errors
+/// 2001 on `spec.boot.disk` when the file is missing, a symlink, not a regular file, has
+/// other hard links, is on another file system than the state directory, is neither qcow2
+/// nor raw, or names a backing or data file; 2001 on `spec.boot.disk_gib` when that is
+/// below the disk's size; 4001 step `root_disk` when QEMU cannot be run.
+pub(super) async fn inspect_import(mgr: &Manager, vm: &ValidSpec) -> Result<Option<Import>, ApiError> {
+    let BootSource::Disk { file, .. } = &vm.boot else { return Ok(None) };
+    let dir = mgr.config.paths.import_dir();
+    let source = dir.join(file);
+    let opened = open_no_follow(&source).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) => refused(format!("no file {file:?} in the import directory {}", dir.display())),
+        Some(libc::ELOOP) => refused(format!(
+            "{} is a symbolic link; move the disk file itself into {}",
+            source.display(),
+            dir.display()
+        )),
+        _ => FileError::OpenImport { path: source.clone(), source: e }.into(),
+    })?;
+    let meta = opened.metadata().map_err(FileError::file(STEP, "stat", &source))?;
+    if !meta.file_type().is_file() {
+        return Err(refused(format!("{} is not a regular file", source.display())));
+    }
+    if meta.nlink() != 1 {
+        // Another name of the same inode (libvirt's pool?) would still reach the VM's disk.
+        return Err(refused(format!(
+            "{} has {} hard links; remove the others first (the disk must be the VM's alone)",
+            source.display(),
+            meta.nlink()
+        )));
+    }
+    let disks = mgr.config.paths.state.join("disks");
+    let state_dev = std::fs::metadata(&disks).map_err(FileError::file(STEP, "stat", &disks))?.dev();
+    if meta.dev() != state_dev {
+        return Err(refused(format!(
+            "{} is on another file system than the state directory {}: vmhostd only renames an \
+             imported disk, never copies it; use an import directory on that file system",
+            source.display(),
+            mgr.config.paths.state.display()
+        ))
+        .details(json!({ "reason": "cross_device" })));
+    }
+    let fd = opened.try_clone().map(OwnedFd::from).map_err(FileError::unnamed(STEP, "duplicate a descriptor"))?;
+    let info = crate::disk::import::inspect(&mgr.disk_tool(), fd)
+        .await
+        .map_err(|e| DiskStepError::InspectImport { path: source.clone(), source: e })?;
+    let format = match info.format.as_str() {
+        "qcow2" => DiskFormat::Qcow2,
+        "raw" => DiskFormat::Raw,
+        other => {
             return Err(refused(format!(
-                "{} has {} hard links; remove the others first (the disk must be the VM's alone)",
-                source.display(),
-                meta.nlink()
-            )));
-        }
-        let disks = self.config.paths.state.join("disks");
-        let state_dev = std::fs::metadata(&disks).map_err(FileError::file(STEP, "stat", &disks))?.dev();
-        if meta.dev() != state_dev {
-            return Err(refused(format!(
-                "{} is on another file system than the state directory {}: vmhostd only renames an \
-                 imported disk, never copies it; use an import directory on that file system",
-                source.display(),
-                self.config.paths.state.display()
-            ))
-            .details(json!({ "reason": "cross_device" })));
-        }
-        let fd = opened.try_clone().map(OwnedFd::from).map_err(FileError::unnamed(STEP, "duplicate a descriptor"))?;
-        let info = crate::disk::import::inspect(&self.disk_tool(), fd)
-            .await
-            .map_err(|e| DiskStepError::InspectImport { path: source.clone(), source: e })?;
-        let format = match info.format.as_str() {
-            "qcow2" => DiskFormat::Qcow2,
-            "raw" => DiskFormat::Raw,
-            other => {
-                return Err(refused(format!(
-                    "{} is a {other:?} image; only qcow2 and raw disks are imported \
-                     (qemu-img convert -O qcow2 it first)",
-                    source.display()
-                )))
-            }
-        };
-        if let Some(backing) = &info.backing {
-            return Err(refused(format!(
-                "{} is a qcow2 overlay on the backing file {backing:?}: flatten it first \
-                 (qemu-img convert -O qcow2 {} flat.qcow2) and import the flat file",
-                source.display(),
+                "{} is a {other:?} image; only qcow2 and raw disks are imported \
+                 (qemu-img convert -O qcow2 it first)",
                 source.display()
-            )));
+            )))
         }
-        if let Some(data) = &info.data_file {
-            return Err(refused(format!(
-                "{} keeps its data in the external file {data:?}: flatten it first (qemu-img convert -O qcow2)",
-                source.display()
-            )));
-        }
-        check_not_smaller(&vm.spec, info.virtual_size)?;
-        let mode = meta.mode() & 0o7777;
-        Ok(Some(Import { source, file: opened, format, virtual_size: info.virtual_size, mode }))
+    };
+    if let Some(backing) = &info.backing {
+        return Err(refused(format!(
+            "{} is a qcow2 overlay on the backing file {backing:?}: flatten it first \
+             (qemu-img convert -O qcow2 {} flat.qcow2) and import the flat file",
+            source.display(),
+            source.display()
+        )));
     }
+    if let Some(data) = &info.data_file {
+        return Err(refused(format!(
+            "{} keeps its data in the external file {data:?}: flatten it first (qemu-img convert -O qcow2)",
+            source.display()
+        )));
+    }
+    check_not_smaller(&vm.spec, info.virtual_size)?;
+    let mode = meta.mode() & 0o7777;
+    Ok(Some(Import { source, file: opened, format, virtual_size: info.virtual_size, mode }))
+}
 
-    /// Disk-space admission of a create importing `import` ([`crate::disk::space`]): its data
-    /// disks and what the root disk grows by to reach `disk_gib`; the imported bytes are on
-    /// the file system already and a rename adds none.
-    ///
-    /// # Errors
-    /// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
-    pub(super) fn admit_import(&self, spec: &VmSpec, import: &Import) -> Result<(), ApiError> {
-        let mut request = crate::disk::space::new_provision(None, spec);
-        let wanted = spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
-        request.bytes = request.bytes.saturating_add(wanted.saturating_sub(import.virtual_size));
-        self.admit_provision(request)
-    }
+/// Disk-space admission of a create importing `import` ([`crate::disk::space`]): its data
+/// disks and what the root disk grows by to reach `disk_gib`; the imported bytes are on
+/// the file system already and a rename adds none.
+///
+/// # Errors
+/// 3002 `resource: disk_gib`; 4001 when the free space cannot be read.
+pub(super) fn admit_import(mgr: &Manager, spec: &VmSpec, import: &Import) -> Result<(), ApiError> {
+    let mut request = crate::disk::space::new_provision(None, spec);
+    let wanted = spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
+    request.bytes = request.bytes.saturating_add(wanted.saturating_sub(import.virtual_size));
+    super::data_disks::admit_provision(mgr, request)
+}
 
-    /// The full size of the root disk a `boot.disk` VM owns (for `host.info`'s
-    /// `provisioned_bytes`, which [`crate::disk::space::provisioned`] leaves it out of): its
-    /// `disk_gib`, or the size it was imported with when that is larger.
-    pub(super) fn root_disk_bytes(rec: &VmRecord) -> u64 {
-        let declared = rec.spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
-        rec.root_disk.as_ref().map_or(0, |r| r.imported_bytes.max(declared))
-    }
+/// The full size of the root disk a `boot.disk` VM owns (for `host.info`'s
+/// `provisioned_bytes`, which [`crate::disk::space::provisioned`] leaves it out of): its
+/// `disk_gib`, or the size it was imported with when that is larger.
+pub(super) fn root_disk_bytes(rec: &VmRecord) -> u64 {
+    let declared = rec.spec.boot.disk_gib.map_or(0, |g| g.saturating_mul(GIB));
+    rec.root_disk.as_ref().map_or(0, |r| r.imported_bytes.max(declared))
 }
 
 impl HeldVm {
@@ -331,13 +329,13 @@ impl VmOp {
     /// failed and gave it back) imports it again, and gives it back again if this start fails.
     ///
     /// # Errors
-    /// As [`Manager::inspect_import`] and [`VmOp::import_root_disk`].
+    /// As [`inspect_import`] and [`VmOp::import_root_disk`].
     pub(super) async fn ensure_root_disk(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
         self.push(Step::RootDisk);
         if !matches!(vm.boot, BootSource::Disk { .. }) || self.record()?.root_disk.is_some() {
             return Ok(());
         }
-        let Some(import) = self.mgr().inspect_import(vm).await? else { return Ok(()) };
+        let Some(import) = inspect_import(self.mgr(), vm).await? else { return Ok(()) };
         self.move_in(&vm.spec, import).await
     }
 
@@ -427,11 +425,11 @@ mod tests {
         spec.boot.disk_gib = None;
         assert!(check_root_disk_size(&rec, &spec).is_ok());
         // host.info counts the imported size where the spec says less (or nothing).
-        assert_eq!(Manager::root_disk_bytes(&rec), 20 * GIB + 1);
-        assert_eq!(Manager::root_disk_bytes(&record(Some(30), 20 * GIB)), 30 * GIB);
+        assert_eq!(root_disk_bytes(&rec), 20 * GIB + 1);
+        assert_eq!(root_disk_bytes(&record(Some(30), 20 * GIB)), 30 * GIB);
         let mut failed = record(Some(30), 20 * GIB);
         failed.root_disk = None;
-        assert_eq!(Manager::root_disk_bytes(&failed), 0, "a disk given back is not the VM's");
+        assert_eq!(root_disk_bytes(&failed), 0, "a disk given back is not the VM's");
     }
 
     #[test]

@@ -19,47 +19,45 @@ use crate::process::{self, ProcessIdentity};
 use std::sync::Arc;
 use std::time::Duration;
 
-impl Manager {
-    /// Powers off every running VM in parallel (ACPI, then SIGKILL after `timeout_s`), leaving
-    /// each one's desired state as it is.
-    ///
-    /// # Errors
-    /// None as a whole: each VM's outcome is in the report.
-    pub async fn shutdown_vms(self: &Arc<Self>, timeout_s: u64) -> Result<ShutdownReport, ApiError> {
-        super::ops::check_stop_timeout_s(timeout_s)?;
-        let running: Vec<String> = self
-            .list()
-            .into_iter()
-            .filter(|v| matches!(v.status, VmStatus::Running | VmStatus::Starting))
-            .map(|v| v.name)
-            .collect();
-        tracing::info!(vms = running.len(), timeout_s, "host.shutdown_vms: powering off every running VM");
-        let mut tasks = tokio::task::JoinSet::new();
-        for name in running {
-            let mgr = self.clone();
-            tasks.spawn(async move {
-                let outcome = mgr.power_off(&name, timeout_s).await;
-                ShutdownResult { ok: outcome.is_ok(), error: outcome.err().map(|e| e.to_json()), vm: name }
-            });
-        }
-        let mut vms = Vec::new();
-        while let Some(done) = tasks.join_next().await {
-            match done {
-                Ok(result) => vms.push(result),
-                Err(e) => tracing::error!(error = %e, "host.shutdown_vms: a task failed"),
-            }
-        }
-        vms.sort_by(|a, b| a.vm.cmp(&b.vm));
-        let ok = vms.iter().all(|r| r.ok);
-        Ok(ShutdownReport { vms, ok })
+/// Powers off every running VM in parallel (ACPI, then SIGKILL after `timeout_s`), leaving
+/// each one's desired state as it is.
+///
+/// # Errors
+/// None as a whole: each VM's outcome is in the report.
+pub(crate) async fn shutdown_vms(mgr: &Arc<Manager>, timeout_s: u64) -> Result<ShutdownReport, ApiError> {
+    super::ops::check_stop_timeout_s(timeout_s)?;
+    let running: Vec<String> = mgr
+        .list()
+        .into_iter()
+        .filter(|v| matches!(v.status, VmStatus::Running | VmStatus::Starting))
+        .map(|v| v.name)
+        .collect();
+    tracing::info!(vms = running.len(), timeout_s, "host.shutdown_vms: powering off every running VM");
+    let mut tasks = tokio::task::JoinSet::new();
+    for name in running {
+        let mgr = mgr.clone();
+        tasks.spawn(async move {
+            let outcome = power_off(&mgr, &name, timeout_s).await;
+            ShutdownResult { ok: outcome.is_ok(), error: outcome.err().map(|e| e.to_json()), vm: name }
+        });
     }
+    let mut vms = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok(result) => vms.push(result),
+            Err(e) => tracing::error!(error = %e, "host.shutdown_vms: a task failed"),
+        }
+    }
+    vms.sort_by(|a, b| a.vm.cmp(&b.vm));
+    let ok = vms.iter().all(|r| r.ok);
+    Ok(ShutdownReport { vms, ok })
+}
 
-    /// One VM of [`Manager::shutdown_vms`], as an operation of its own.
-    async fn power_off(self: &Arc<Self>, name: &str, timeout_s: u64) -> Result<(), ApiError> {
-        let (op, rec) = self.begin_op(name).await?;
-        let Some(id) = op.find_live(rec.process.as_ref())? else { return Ok(()) };
-        op.shut_down(&id, "host shutdown", None, timeout_s, false).await
-    }
+/// One VM of [`shutdown_vms`], as an operation of its own.
+async fn power_off(mgr: &Arc<Manager>, name: &str, timeout_s: u64) -> Result<(), ApiError> {
+    let (op, rec) = mgr.begin_op(name).await?;
+    let Some(id) = op.find_live(rec.process.as_ref())? else { return Ok(()) };
+    op.shut_down(&id, "host shutdown", None, timeout_s, false).await
 }
 
 impl VmOp {

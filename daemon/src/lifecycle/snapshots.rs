@@ -91,250 +91,238 @@ fn disks_of(spec: &VmSpec) -> (Vec<(String, DiskFormat, u64)>, crate::api::BootS
     (disks, boot)
 }
 
-impl Manager {
-    /// `STATE/snapshots/VM`.
-    pub(super) fn snapshots_dir(&self, name: &str) -> PathBuf {
-        self.config.paths.state.join("snapshots").join(name)
-    }
+/// `STATE/snapshots/VM`.
+pub(super) fn snapshots_dir(mgr: &Manager, name: &str) -> PathBuf {
+    mgr.config.paths.state.join("snapshots").join(name)
+}
 
-    /// `vm.snapshot` (module doc).
-    ///
-    /// # Errors
-    /// 2001 on `snapshot` (a bad or taken name, or [`MAX_SNAPSHOTS`] reached) or `timeout_s`,
-    /// 4040, 4090, 4001 `step: snapshot`, 4094 on `requires` (a running VM's guest file systems
-    /// not all frozen); nothing is kept.
-    pub async fn snapshot(self: &Arc<Self>, p: TakeSnapshotParams) -> Result<Snapshot, ApiError> {
-        check_name(&p.snapshot)?;
-        let within = copy_timeout(p.timeout_s)?;
-        let (op, rec) = self.begin_op(&p.name).await?;
-        Self::check_not_reverting(&rec)?;
-        let existing = self.list_snapshots(&p.name)?;
-        if existing.iter().any(|s| s.name == p.snapshot) {
-            return Err(ApiError::invalid(
-                "snapshot",
-                format!("VM {:?} has a snapshot {:?} already", p.name, p.snapshot),
-            ));
-        }
-        if existing.len() >= MAX_SNAPSHOTS {
-            return Err(ApiError::invalid(
-                "snapshot",
-                format!("VM {:?} has {MAX_SNAPSHOTS} snapshots: delete one", p.name),
-            ));
-        }
-        let (live, spec, disks) = self.copy_sources(&rec, "snapshot").await?;
-        let stopped = self.check_requires(&rec, live, p.requires, "snapshot")?;
-        let mut entries: Vec<BackupDisk> = disks.iter().map(snapshot_entry).collect();
-        let files: Vec<&Path> = disks.iter().map(|d| d.file.as_path()).collect();
-        let _room =
-            crate::disk::space::reserve_copy_room(&self.reservations, &self.config.paths.state, &files, "snapshot")?;
-        let dir = self.snapshots_dir(&p.name);
-        let partial = dir.join(format!(".{}.partial", p.snapshot));
-        let done = dir.join(&p.snapshot);
-        crate::blocking::run(|| {
-            crate::state::dirs::private_dir(&self.config.paths.state.join("snapshots"))?;
-            crate::state::dirs::private_dir(&dir)?;
-            let _ = std::fs::remove_dir_all(&partial);
-            crate::state::dirs::private_dir(&partial)
-        })
-        .map_err(FileError::file(STEP, "create", &partial))?;
-        let mut cleanup = RemoveDir(Some(partial.clone()));
-        let made = if let Some(stopped) = stopped {
-            for (d, e) in disks.iter().zip(&entries) {
-                let mut temp = crate::images::Temp::create(&partial, &e.file).map_err(FileError::file(
-                    STEP,
-                    "create a copy in",
-                    &partial,
-                ))?;
-                crate::images::copy(&d.file, &mut temp).map_err(FileError::file(STEP, "copy", &d.file))?;
-                temp.finish().map_err(FileError::unnamed(STEP, "write a copy"))?;
-                temp.place(&partial.join(&e.file)).map_err(FileError::unnamed(STEP, "place a copy"))?;
-            }
-            stopped
-        } else {
-            op.snapshot_live(&disks, &mut entries, &partial, within, p.requires).await?
-        };
-        seal_copies(&partial, &mut entries, "snapshot")?;
-        let snapshot = Snapshot {
-            name: p.snapshot.clone(),
-            created_at: crate::api::now_rfc3339(),
-            live,
-            consistency: Some(made.consistency),
-            reason: made.reason,
-            frozen: made.frozen,
-            skipped: made.skipped,
-            instance_id: rec.instance_id.clone(),
-            spec,
-            disks: entries,
-        };
-        let json =
-            serde_json::to_vec_pretty(&snapshot).map_err(|source| FileError::Encode { step: STEP.into(), source })?;
-        crate::blocking::run(|| {
-            crate::state::atomic::write_atomic(&partial.join("snapshot.json"), &json)?;
-            std::fs::rename(&partial, &done)?;
-            std::fs::File::open(&dir)?.sync_all()
-        })
-        .map_err(FileError::file(STEP, "finish the snapshot in", &partial))?;
-        cleanup.0 = None;
-        let consistency = snapshot.consistency.map_or("-", |c| c.as_str());
-        tracing::info!(vm = %p.name, snapshot = %p.snapshot, live, consistency, "snapshot taken");
-        Ok(snapshot)
+/// `vm.snapshot` (module doc).
+///
+/// # Errors
+/// 2001 on `snapshot` (a bad or taken name, or [`MAX_SNAPSHOTS`] reached) or `timeout_s`,
+/// 4040, 4090, 4001 `step: snapshot`, 4094 on `requires` (a running VM's guest file systems
+/// not all frozen); nothing is kept.
+pub(crate) async fn snapshot(mgr: &Arc<Manager>, p: TakeSnapshotParams) -> Result<Snapshot, ApiError> {
+    check_name(&p.snapshot)?;
+    let within = copy_timeout(p.timeout_s)?;
+    let (op, rec) = mgr.begin_op(&p.name).await?;
+    check_not_reverting(&rec)?;
+    let existing = list_snapshots(mgr, &p.name)?;
+    if existing.iter().any(|s| s.name == p.snapshot) {
+        return Err(ApiError::invalid("snapshot", format!("VM {:?} has a snapshot {:?} already", p.name, p.snapshot)));
     }
-
-    /// The VM's snapshots, oldest first.
-    fn list_snapshots(&self, name: &str) -> Result<Vec<Snapshot>, ApiError> {
-        let dir = self.snapshots_dir(name);
-        let mut out: Vec<Snapshot> = crate::blocking::run(|| {
-            let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
-            entries
-                .flatten()
-                .filter(|e| e.file_name().to_str().is_some_and(is_snapshot_name))
-                .filter_map(|e| std::fs::read(e.path().join("snapshot.json")).ok())
-                .filter_map(|b| serde_json::from_slice::<Snapshot>(&b).ok())
-                .collect()
-        });
-        out.sort_by(|a, b| (&a.created_at, &a.name).cmp(&(&b.created_at, &b.name)));
-        Ok(out)
+    if existing.len() >= MAX_SNAPSHOTS {
+        return Err(ApiError::invalid(
+            "snapshot",
+            format!("VM {:?} has {MAX_SNAPSHOTS} snapshots: delete one", p.name),
+        ));
     }
+    let (live, spec, disks) = super::copies::copy_sources(mgr, &rec, "snapshot").await?;
+    let stopped = super::live_copy::check_requires(mgr, &rec, live, p.requires, "snapshot")?;
+    let mut entries: Vec<BackupDisk> = disks.iter().map(snapshot_entry).collect();
+    let files: Vec<&Path> = disks.iter().map(|d| d.file.as_path()).collect();
+    let _room = crate::disk::space::reserve_copy_room(&mgr.reservations, &mgr.config.paths.state, &files, "snapshot")?;
+    let dir = snapshots_dir(mgr, &p.name);
+    let partial = dir.join(format!(".{}.partial", p.snapshot));
+    let done = dir.join(&p.snapshot);
+    crate::blocking::run(|| {
+        crate::state::dirs::private_dir(&mgr.config.paths.state.join("snapshots"))?;
+        crate::state::dirs::private_dir(&dir)?;
+        let _ = std::fs::remove_dir_all(&partial);
+        crate::state::dirs::private_dir(&partial)
+    })
+    .map_err(FileError::file(STEP, "create", &partial))?;
+    let mut cleanup = RemoveDir(Some(partial.clone()));
+    let made = if let Some(stopped) = stopped {
+        for (d, e) in disks.iter().zip(&entries) {
+            let mut temp = crate::images::Temp::create(&partial, &e.file).map_err(FileError::file(
+                STEP,
+                "create a copy in",
+                &partial,
+            ))?;
+            crate::images::copy(&d.file, &mut temp).map_err(FileError::file(STEP, "copy", &d.file))?;
+            temp.finish().map_err(FileError::unnamed(STEP, "write a copy"))?;
+            temp.place(&partial.join(&e.file)).map_err(FileError::unnamed(STEP, "place a copy"))?;
+        }
+        stopped
+    } else {
+        op.snapshot_live(&disks, &mut entries, &partial, within, p.requires).await?
+    };
+    seal_copies(&partial, &mut entries, "snapshot")?;
+    let snapshot = Snapshot {
+        name: p.snapshot.clone(),
+        created_at: crate::api::now_rfc3339(),
+        live,
+        consistency: Some(made.consistency),
+        reason: made.reason,
+        frozen: made.frozen,
+        skipped: made.skipped,
+        instance_id: rec.instance_id.clone(),
+        spec,
+        disks: entries,
+    };
+    let json =
+        serde_json::to_vec_pretty(&snapshot).map_err(|source| FileError::Encode { step: STEP.into(), source })?;
+    crate::blocking::run(|| {
+        crate::state::atomic::write_atomic(&partial.join("snapshot.json"), &json)?;
+        std::fs::rename(&partial, &done)?;
+        std::fs::File::open(&dir)?.sync_all()
+    })
+    .map_err(FileError::file(STEP, "finish the snapshot in", &partial))?;
+    cleanup.0 = None;
+    let consistency = snapshot.consistency.map_or("-", |c| c.as_str());
+    tracing::info!(vm = %p.name, snapshot = %p.snapshot, live, consistency, "snapshot taken");
+    Ok(snapshot)
+}
 
-    /// `vm.snapshots`: the VM's snapshots, oldest first.
-    ///
-    /// # Errors
-    /// 4040.
-    pub fn snapshots(&self, name: &str) -> Result<Vec<Snapshot>, ApiError> {
-        self.record(name)?;
-        self.list_snapshots(name)
+/// The VM's snapshots, oldest first.
+fn list_snapshots(mgr: &Manager, name: &str) -> Result<Vec<Snapshot>, ApiError> {
+    let dir = snapshots_dir(mgr, name);
+    let mut out: Vec<Snapshot> = crate::blocking::run(|| {
+        let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+        entries
+            .flatten()
+            .filter(|e| e.file_name().to_str().is_some_and(is_snapshot_name))
+            .filter_map(|e| std::fs::read(e.path().join("snapshot.json")).ok())
+            .filter_map(|b| serde_json::from_slice::<Snapshot>(&b).ok())
+            .collect()
+    });
+    out.sort_by(|a, b| (&a.created_at, &a.name).cmp(&(&b.created_at, &b.name)));
+    Ok(out)
+}
+
+/// `vm.snapshots`: the VM's snapshots, oldest first.
+///
+/// # Errors
+/// 4040.
+pub(crate) fn snapshots(mgr: &Manager, name: &str) -> Result<Vec<Snapshot>, ApiError> {
+    mgr.record(name)?;
+    list_snapshots(mgr, name)
+}
+
+/// `vm.revert` (module doc).
+///
+/// # Errors
+/// 2001 on `snapshot` (a bad name; the VM's disks are not the snapshot's), 4040 (no VM; no
+/// such snapshot, on `snapshot`), 4090 (running: stop it first; another operation), 2003
+/// on `snapshot` (a copy is not what the snapshot recorded; nothing replaced), 4001.
+pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Mutation, ApiError> {
+    check_name(&p.snapshot)?;
+    let (_op, rec) = mgr.begin_op(&p.name).await?;
+    let snapshot = list_snapshots(mgr, &p.name)?.into_iter().find(|s| s.name == p.snapshot).ok_or_else(|| {
+        ApiError::new(Code::NotFound, format!("VM {:?} has no snapshot {:?}", p.name, p.snapshot)).field("snapshot")
+    })?;
+    if matches!(rec.status, VmStatus::Running | VmStatus::Starting | VmStatus::Stopping) {
+        return Err(ApiError::new(
+            Code::Busy,
+            format!("VM {:?} is {}: stop it before a revert", p.name, rec.status.as_str()),
+        )
+        .field("name"));
     }
-
-    /// `vm.revert` (module doc).
-    ///
-    /// # Errors
-    /// 2001 on `snapshot` (a bad name; the VM's disks are not the snapshot's), 4040 (no VM; no
-    /// such snapshot, on `snapshot`), 4090 (running: stop it first; another operation), 2003
-    /// on `snapshot` (a copy is not what the snapshot recorded; nothing replaced), 4001.
-    pub async fn revert(self: &Arc<Self>, p: SnapshotParams) -> Result<Mutation, ApiError> {
-        check_name(&p.snapshot)?;
-        let (_op, rec) = self.begin_op(&p.name).await?;
-        let snapshot = self.list_snapshots(&p.name)?.into_iter().find(|s| s.name == p.snapshot).ok_or_else(|| {
-            ApiError::new(Code::NotFound, format!("VM {:?} has no snapshot {:?}", p.name, p.snapshot)).field("snapshot")
-        })?;
-        if matches!(rec.status, VmStatus::Running | VmStatus::Starting | VmStatus::Stopping) {
-            return Err(ApiError::new(
-                Code::Busy,
-                format!("VM {:?} is {}: stop it before a revert", p.name, rec.status.as_str()),
-            )
-            .field("name"));
-        }
-        if disks_of(&snapshot.spec) != disks_of(&rec.spec) {
-            return Err(ApiError::invalid(
-                "snapshot",
-                format!(
-                    "VM {:?}'s boot disk or data disks (names, formats, sizes) changed since snapshot {:?}: a revert puts back \
-                     disks as they were, so they must be the same",
-                    p.name, p.snapshot
-                ),
-            ));
-        }
-        let (_, _, disks) = self.copy_sources(&rec, "snapshot").await?;
-        let same_files = disks.len() == snapshot.disks.len()
-            && disks
-                .iter()
-                .map(snapshot_entry)
-                .zip(&snapshot.disks)
-                .all(|(d, s)| d.file == s.file && d.format == s.format);
-        if !same_files {
-            return Err(ApiError::invalid(
-                "snapshot",
-                format!("snapshot {:?} does not hold the files of VM {:?}'s disks", p.snapshot, p.name),
-            ));
-        }
-        let from = self.snapshots_dir(&p.name).join(&p.snapshot);
-        let copies: Vec<PathBuf> = snapshot.disks.iter().map(|s| from.join(&s.file)).collect();
-        let copies: Vec<&Path> = copies.iter().map(PathBuf::as_path).collect();
-        let _room =
-            crate::disk::space::reserve_copy_room(&self.reservations, &self.config.paths.state, &copies, "snapshot")?;
-        // Copies an interrupted revert left beside the disks (named after the disk's file, so
-        // another VM's revert in the same directory keeps its own).
-        for d in &disks {
-            crate::blocking::run(|| crate::images::remove_leftovers_of(&d.file));
-        }
-        // Copied out first, next to each file (the same file system: the rename is atomic).
-        let place = format!("of snapshot {:?}", p.snapshot);
-        let checked =
-            CheckedFrom { dir: &from, field: "snapshot", place: &place, undone: "reverted", step: "snapshot" };
-        let mut copies = Vec::new();
-        for (disk, saved) in disks.iter().zip(&snapshot.disks) {
-            let dir = disk.file.parent().ok_or_else(|| failed("a disk without a directory".into()))?;
-            let own = disk.file.file_name().and_then(|n| n.to_str()).unwrap_or(&saved.file);
-            copies.push((copy_checked(&checked, saved, dir, own)?, disk.file.clone()));
-        }
-        self.update(&p.name, "vm.revert", |r| r.start_revert(&p.snapshot))?;
-        self.crashpoint("revert:recorded");
-        for (temp, file) in copies {
-            temp.replace(&file).map_err(|source| FileError::PutBack { step: STEP.into(), path: file, source })?;
-        }
-        // The disks and the instance id their guest booted with go back together.
-        self.update(&p.name, "vm.revert", |r| complete_revert(r, &snapshot))?;
-        tracing::info!(vm = %p.name, snapshot = %p.snapshot, "reverted");
-        Ok(Mutation::new(true, Some(self.get(&p.name)?)))
+    if disks_of(&snapshot.spec) != disks_of(&rec.spec) {
+        return Err(ApiError::invalid(
+            "snapshot",
+            format!(
+                "VM {:?}'s boot disk or data disks (names, formats, sizes) changed since snapshot {:?}: a revert puts back \
+                 disks as they were, so they must be the same",
+                p.name, p.snapshot
+            ),
+        ));
     }
-
-    /// `vm.snapshot_delete`.
-    ///
-    /// # Errors
-    /// 2001 on `snapshot`, 4040, 4090, 4001.
-    pub async fn snapshot_delete(self: &Arc<Self>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
-        check_name(&p.snapshot)?;
-        let (_op, rec) = self.begin_op(&p.name).await?;
-        if rec.reverting() == Some(p.snapshot.as_str()) {
-            return Err(ApiError::new(
-                Code::Busy,
-                format!(
-                    "a revert of VM {:?} to snapshot {:?} was interrupted: run it again before deleting it",
-                    p.name, p.snapshot
-                ),
-            )
-            .field("snapshot"));
-        }
-        let dir = self.snapshots_dir(&p.name).join(&p.snapshot);
-        let changed = crate::blocking::run(|| match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        })
-        .map_err(FileError::file(STEP, "delete", &dir))?;
-        Ok(SnapshotDeleted { changed, snapshot: p.snapshot })
+    let (_, _, disks) = super::copies::copy_sources(mgr, &rec, "snapshot").await?;
+    let same_files = disks.len() == snapshot.disks.len()
+        && disks.iter().map(snapshot_entry).zip(&snapshot.disks).all(|(d, s)| d.file == s.file && d.format == s.format);
+    if !same_files {
+        return Err(ApiError::invalid(
+            "snapshot",
+            format!("snapshot {:?} does not hold the files of VM {:?}'s disks", p.snapshot, p.name),
+        ));
     }
+    let from = snapshots_dir(mgr, &p.name).join(&p.snapshot);
+    let copies: Vec<PathBuf> = snapshot.disks.iter().map(|s| from.join(&s.file)).collect();
+    let copies: Vec<&Path> = copies.iter().map(PathBuf::as_path).collect();
+    let _room = crate::disk::space::reserve_copy_room(&mgr.reservations, &mgr.config.paths.state, &copies, "snapshot")?;
+    // Copies an interrupted revert left beside the disks (named after the disk's file, so
+    // another VM's revert in the same directory keeps its own).
+    for d in &disks {
+        crate::blocking::run(|| crate::images::remove_leftovers_of(&d.file));
+    }
+    // Copied out first, next to each file (the same file system: the rename is atomic).
+    let place = format!("of snapshot {:?}", p.snapshot);
+    let checked = CheckedFrom { dir: &from, field: "snapshot", place: &place, undone: "reverted", step: "snapshot" };
+    let mut copies = Vec::new();
+    for (disk, saved) in disks.iter().zip(&snapshot.disks) {
+        let dir = disk.file.parent().ok_or_else(|| failed("a disk without a directory".into()))?;
+        let own = disk.file.file_name().and_then(|n| n.to_str()).unwrap_or(&saved.file);
+        copies.push((copy_checked(&checked, saved, dir, own)?, disk.file.clone()));
+    }
+    mgr.update(&p.name, "vm.revert", |r| r.start_revert(&p.snapshot))?;
+    mgr.crashpoint("revert:recorded");
+    for (temp, file) in copies {
+        temp.replace(&file).map_err(|source| FileError::PutBack { step: STEP.into(), path: file, source })?;
+    }
+    // The disks and the instance id their guest booted with go back together.
+    mgr.update(&p.name, "vm.revert", |r| complete_revert(r, &snapshot))?;
+    tracing::info!(vm = %p.name, snapshot = %p.snapshot, "reverted");
+    Ok(Mutation::new(true, Some(mgr.get(&p.name)?)))
+}
 
-    /// Removes the `.NAME.partial` directories of snapshots a crash interrupted (at start).
-    pub(super) fn remove_partial_snapshots(&self) {
-        let root = self.config.paths.state.join("snapshots");
-        let Ok(vms) = std::fs::read_dir(&root) else { return };
-        for vm in vms.flatten() {
-            let Ok(entries) = std::fs::read_dir(vm.path()) else { continue };
-            for e in entries.flatten() {
-                let partial = e.file_name().to_str().is_some_and(|n| n.starts_with('.') && n.ends_with(".partial"));
-                if partial {
-                    match std::fs::remove_dir_all(e.path()) {
-                        Ok(()) => tracing::info!(dir = %e.path().display(), "removed an interrupted snapshot"),
-                        Err(err) => {
-                            tracing::warn!(dir = %e.path().display(), error = %err, "cannot remove an interrupted snapshot")
-                        }
+/// `vm.snapshot_delete`.
+///
+/// # Errors
+/// 2001 on `snapshot`, 4040, 4090, 4001.
+pub(crate) async fn snapshot_delete(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
+    check_name(&p.snapshot)?;
+    let (_op, rec) = mgr.begin_op(&p.name).await?;
+    if rec.reverting() == Some(p.snapshot.as_str()) {
+        return Err(ApiError::new(
+            Code::Busy,
+            format!(
+                "a revert of VM {:?} to snapshot {:?} was interrupted: run it again before deleting it",
+                p.name, p.snapshot
+            ),
+        )
+        .field("snapshot"));
+    }
+    let dir = snapshots_dir(mgr, &p.name).join(&p.snapshot);
+    let changed = crate::blocking::run(|| match std::fs::remove_dir_all(&dir) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    })
+    .map_err(FileError::file(STEP, "delete", &dir))?;
+    Ok(SnapshotDeleted { changed, snapshot: p.snapshot })
+}
+
+/// Removes the `.NAME.partial` directories of snapshots a crash interrupted (at start).
+pub(super) fn remove_partial_snapshots(mgr: &Manager) {
+    let root = mgr.config.paths.state.join("snapshots");
+    let Ok(vms) = std::fs::read_dir(&root) else { return };
+    for vm in vms.flatten() {
+        let Ok(entries) = std::fs::read_dir(vm.path()) else { continue };
+        for e in entries.flatten() {
+            let partial = e.file_name().to_str().is_some_and(|n| n.starts_with('.') && n.ends_with(".partial"));
+            if partial {
+                match std::fs::remove_dir_all(e.path()) {
+                    Ok(()) => tracing::info!(dir = %e.path().display(), "removed an interrupted snapshot"),
+                    Err(err) => {
+                        tracing::warn!(dir = %e.path().display(), error = %err, "cannot remove an interrupted snapshot")
                     }
                 }
             }
         }
     }
+}
 
-    /// 4090 when a revert of VM `rec` was interrupted: its disks may be part reverted.
-    pub(super) fn check_not_reverting(rec: &crate::state::VmRecord) -> Result<(), ApiError> {
-        match rec.reverting() {
-            Some(s) => Err(ApiError::new(
-                Code::Busy,
-                format!("a revert of VM {:?} to snapshot {s:?} was interrupted: run vm.revert again", rec.spec.name),
-            )
-            .field("name")),
-            None => Ok(()),
-        }
+/// 4090 when a revert of VM `rec` was interrupted: its disks may be part reverted.
+pub(super) fn check_not_reverting(rec: &crate::state::VmRecord) -> Result<(), ApiError> {
+    match rec.reverting() {
+        Some(s) => Err(ApiError::new(
+            Code::Busy,
+            format!("a revert of VM {:?} to snapshot {s:?} was interrupted: run vm.revert again", rec.spec.name),
+        )
+        .field("name")),
+        None => Ok(()),
     }
 }
 
@@ -345,7 +333,7 @@ impl HeldVm {
     /// # Errors
     /// 4001 when the directory cannot be removed.
     pub(super) fn dispose_snapshots(&self) -> Result<(), ApiError> {
-        let dir = self.mgr().snapshots_dir(self.name());
+        let dir = snapshots_dir(self.mgr(), self.name());
         crate::blocking::run(|| match std::fs::remove_dir_all(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),

@@ -1,6 +1,6 @@
 //! Passthrough steps of the lifecycle: check, bind before QEMU, release after it.
 //!
-//! Order: [`Manager::check_passthrough`] before anything is recorded or touched (2001, 3003,
+//! Order: [`check_passthrough`] before anything is recorded or touched (2001, 3003,
 //! 3004, 3005 refuse the request cleanly); [`VmOp::bind_passthrough`] right before QEMU, which
 //! records every affected function's original driver in the VM record *before* the first sysfs
 //! write; [`VmOp::hand_vfio_groups_to_qemu`] after it, which records each IOMMU group node's
@@ -24,43 +24,41 @@ use crate::sandbox::spawn::{self, NodeAccess, VFIO_NODE_MODES};
 use crate::validate::requested_devices;
 use std::collections::BTreeMap;
 
-impl Manager {
-    /// Checks that every passthrough device of `spec` can go to it now. Changes nothing.
-    ///
-    /// # Errors
-    /// 2001 (absent, a bridge), 3003 (bound for another VM), 3005 (used by the host), 3004
-    /// (IOMMU group not viable, listing the blocking devices), 4001 when sysfs or netlink fail.
-    pub(super) async fn check_passthrough(&self, spec: &VmSpec) -> Result<Option<Assignment>, ApiError> {
-        let wanted: Vec<Requested> = crate::validate::requested_devices_with_fields(spec, &self.config.hardware)
-            .into_iter()
-            .map(|(addr, field)| Requested::new(addr, field))
-            .collect();
-        if wanted.is_empty() {
-            return Ok(None);
-        }
-        let usage = crate::host_usage::gather(self.net.netlink()).await.map_err(PassthroughError::HostUsage)?;
-        // Devices bound for other VMs (what their records say), never this VM's own.
-        let held: BTreeMap<_, _> = self
-            .lock()
-            .vms
-            .values()
-            .filter(|r| r.spec.name != spec.name)
-            .flat_map(|r| r.vfio.iter().map(move |b| (b.address, r.spec.name.clone())))
-            .collect();
-        let pci = self.pci.clone();
-        let addresses: Vec<_> = wanted.iter().map(|r| r.address).collect();
-        let devices = tokio::task::spawn_blocking(move || pci.devices_with_groups(&addresses))
-            .await
-            .map_err(PassthroughError::task(PassthroughStep::Read))?
-            .map_err(PassthroughError::pci(PassthroughStep::Read))?;
-        Ok(Some(check::check(&wanted, &devices, &usage, &held)?))
+/// Checks that every passthrough device of `spec` can go to it now. Changes nothing.
+///
+/// # Errors
+/// 2001 (absent, a bridge), 3003 (bound for another VM), 3005 (used by the host), 3004
+/// (IOMMU group not viable, listing the blocking devices), 4001 when sysfs or netlink fail.
+pub(super) async fn check_passthrough(mgr: &Manager, spec: &VmSpec) -> Result<Option<Assignment>, ApiError> {
+    let wanted: Vec<Requested> = crate::validate::requested_devices_with_fields(spec, &mgr.config.hardware)
+        .into_iter()
+        .map(|(addr, field)| Requested::new(addr, field))
+        .collect();
+    if wanted.is_empty() {
+        return Ok(None);
     }
+    let usage = crate::host_usage::gather(mgr.net.netlink()).await.map_err(PassthroughError::HostUsage)?;
+    // Devices bound for other VMs (what their records say), never this VM's own.
+    let held: BTreeMap<_, _> = mgr
+        .lock()
+        .vms
+        .values()
+        .filter(|r| r.spec.name != spec.name)
+        .flat_map(|r| r.vfio.iter().map(move |b| (b.address, r.spec.name.clone())))
+        .collect();
+    let pci = mgr.pci.clone();
+    let addresses: Vec<_> = wanted.iter().map(|r| r.address).collect();
+    let devices = tokio::task::spawn_blocking(move || pci.devices_with_groups(&addresses))
+        .await
+        .map_err(PassthroughError::task(PassthroughStep::Read))?
+        .map_err(PassthroughError::pci(PassthroughStep::Read))?;
+    Ok(Some(check::check(&wanted, &devices, &usage, &held)?))
+}
 
-    /// RLIMIT_MEMLOCK QEMU needs: VFIO pins all guest RAM (plus room for QEMU's own buffers).
-    pub(super) fn memlock_for(&self, spec: &VmSpec) -> Option<u64> {
-        (!requested_devices(spec, &self.config.hardware).is_empty())
-            .then(|| (spec.memory_mib + 1024).saturating_mul(1024 * 1024))
-    }
+/// RLIMIT_MEMLOCK QEMU needs: VFIO pins all guest RAM (plus room for QEMU's own buffers).
+pub(super) fn memlock_for(mgr: &Manager, spec: &VmSpec) -> Option<u64> {
+    (!requested_devices(spec, &mgr.config.hardware).is_empty())
+        .then(|| (spec.memory_mib + 1024).saturating_mul(1024 * 1024))
 }
 
 impl HeldVm {
@@ -119,11 +117,11 @@ impl VmOp {
     /// Re-checks and binds the VM's devices to vfio-pci, recording the original drivers first.
     ///
     /// # Errors
-    /// As [`Manager::check_passthrough`], and 4001 when binding fails (every device already
+    /// As [`check_passthrough`], and 4001 when binding fails (every device already
     /// changed is restored; if a restore fails too, the record keeps the bindings for a retry).
     pub(super) async fn bind_passthrough(&self, spec: &VmSpec) -> Result<(), ApiError> {
         let mgr = self.mgr();
-        let Some(assignment) = mgr.check_passthrough(spec).await? else { return Ok(()) };
+        let Some(assignment) = check_passthrough(mgr, spec).await? else { return Ok(()) };
         if !mgr.pci.vfio_pci_present() {
             let loaded = tokio::task::spawn_blocking(crate::pci::load_vfio_pci)
                 .await

@@ -21,7 +21,7 @@ use crate::api::{
     ShutdownVmsParams, StopParams, EVENT_NOTIFICATION,
 };
 use crate::console::Consoles;
-use crate::lifecycle::Manager;
+use crate::lifecycle::{self, Manager};
 use crate::rpc::agent_rate::AgentRate;
 use crate::rpc::auth::Role;
 use crate::rpc::dispatch::{Access, Body, Dispatcher, Handler, Running, Sink};
@@ -128,7 +128,7 @@ pub static METHODS: [Method; 30] = [
             .run(|| async move {
                 tracing::debug!("host check running");
                 let networks = mgr.host_net().probe_networks(mgr.config()).await;
-                let images = mgr.image_check();
+                let images = lifecycle::images::image_check(&mgr);
                 let uefi_vms = mgr.uefi_vms();
                 crate::preflight::check(
                     mgr.config(),
@@ -143,27 +143,41 @@ pub static METHODS: [Method; 30] = [
             .await;
         report.ok_or_else(|| ApiError::internal("the host check failed unexpectedly")).and_then(json)
     }),
-    call!("host.reconcile", Write, Free, ReconcileParams, |ctx, p| ctx.manager.reconcile(p).await.and_then(json)),
+    call!("host.reconcile", Write, Free, ReconcileParams, |ctx, p| lifecycle::reconcile::reconcile(&ctx.manager, p)
+        .await
+        .and_then(json)),
     call!("host.shutdown_vms", Write, Free, ShutdownVmsParams, |ctx, p| {
-        ctx.manager.shutdown_vms(p.timeout_s).await.and_then(json)
+        lifecycle::shutdown::shutdown_vms(&ctx.manager, p.timeout_s).await.and_then(json)
     }),
     call!("host.purge_kept_disks", Write, Free, PurgeKeptDisksParams, |ctx, p| {
-        ctx.manager.purge_kept_disks(&p.vm).and_then(json)
+        lifecycle::data_disks::purge_kept_disks(&ctx.manager, &p.vm).and_then(json)
     }),
     // The manager's ready-made views, answered as they are (not serialized again).
     call!("vm.list", Read, Free, Anything, |ctx, _p| Ok(Body::from(ctx.manager.list_json()))),
     call!("vm.get", Read, Free, NameParams, |ctx, p| ctx.manager.get_json(&p.name).map(Body::from)),
-    call!("vm.create", Write, Free, CreateParams, |ctx, p| ctx.manager.create(p.spec).await.and_then(json)),
-    call!("vm.apply", Write, Free, ApplyParams, |ctx, p| ctx.manager.apply(p).await.and_then(json)),
-    call!("vm.start", Write, Free, NameParams, |ctx, p| ctx.manager.start(&p.name).await.and_then(json)),
-    call!("vm.stop", Write, Free, StopParams, |ctx, p| ctx.manager.stop(p).await.and_then(json)),
-    call!("vm.restart", Write, Free, StopParams, |ctx, p| ctx.manager.restart(p).await.and_then(json)),
-    call!("vm.destroy", Write, Free, NameParams, |ctx, p| ctx.manager.destroy(&p.name).await.and_then(json)),
-    call!("vm.guest_info", Read, Agent, NameParams, |ctx, p| ctx.manager.guest_info(&p.name).await.and_then(json)),
+    call!("vm.create", Write, Free, CreateParams, |ctx, p| lifecycle::ops::create(&ctx.manager, p.spec)
+        .await
+        .and_then(json)),
+    call!("vm.apply", Write, Free, ApplyParams, |ctx, p| lifecycle::ops::apply(&ctx.manager, p).await.and_then(json)),
+    call!("vm.start", Write, Free, NameParams, |ctx, p| lifecycle::ops::start(&ctx.manager, &p.name)
+        .await
+        .and_then(json)),
+    call!("vm.stop", Write, Free, StopParams, |ctx, p| lifecycle::ops::stop(&ctx.manager, p).await.and_then(json)),
+    call!("vm.restart", Write, Free, StopParams, |ctx, p| lifecycle::ops::restart(&ctx.manager, p)
+        .await
+        .and_then(json)),
+    call!("vm.destroy", Write, Free, NameParams, |ctx, p| lifecycle::ops::destroy(&ctx.manager, &p.name)
+        .await
+        .and_then(json)),
+    call!("vm.guest_info", Read, Agent, NameParams, |ctx, p| lifecycle::agent::guest_info(&ctx.manager, &p.name)
+        .await
+        .and_then(json)),
     call!("vm.guest_network", Read, Agent, NameParams, |ctx, p| {
-        ctx.manager.guest_network(&p.name).await.and_then(json)
+        lifecycle::agent::guest_network(&ctx.manager, &p.name).await.and_then(json)
     }),
-    call!("vm.check", Read, Agent, NameParams, |ctx, p| ctx.manager.check_guest(&p.name).await.and_then(json)),
+    call!("vm.check", Read, Agent, NameParams, |ctx, p| lifecycle::agent::check_guest(&ctx.manager, &p.name)
+        .await
+        .and_then(json)),
     Method {
         name: "vm.console",
         access: Access::Read,
@@ -172,8 +186,10 @@ pub static METHODS: [Method; 30] = [
         check: |raw| parse_params::<ConsoleParams>(raw).map(drop),
         kind: Kind::Console,
     },
-    call!("vm.stats", Read, Free, StatsParams, |ctx, p| ctx.manager.vm_stats(p).await.and_then(json)),
-    call!("host.stats", Read, Free, Object, |ctx, _p| json(ctx.manager.host_stats().await)),
+    call!("vm.stats", Read, Free, StatsParams, |ctx, p| lifecycle::stats::vm_stats(&ctx.manager, p)
+        .await
+        .and_then(json)),
+    call!("host.stats", Read, Free, Object, |ctx, _p| json(lifecycle::stats::host_stats(&ctx.manager).await)),
     Method {
         name: "events.subscribe",
         access: Access::Read,
@@ -191,20 +207,30 @@ pub static METHODS: [Method; 30] = [
         check: |_| Ok(()),
         kind: Kind::Unsubscribe,
     },
-    call!("image.import", Write, Free, ImportParams, |ctx, p| ctx.manager.image_import(p).await.and_then(json)),
-    call!("image.list", Read, Free, Object, |ctx, _p| ctx.manager.image_list().await.and_then(json)),
+    call!("image.import", Write, Free, ImportParams, |ctx, p| lifecycle::images::image_import(&ctx.manager, p)
+        .await
+        .and_then(json)),
+    call!("image.list", Read, Free, Object, |ctx, _p| lifecycle::images::image_list(&ctx.manager).await.and_then(json)),
     call!("image.delete", Write, Free, ImageNameParams, |ctx, p| {
-        ctx.manager.image_delete(&p.name).await.and_then(json)
+        lifecycle::images::image_delete(&ctx.manager, &p.name).await.and_then(json)
     }),
-    call!("vm.export", Write, Free, ExportParams, |ctx, p| ctx.manager.export_vm(p).await.and_then(json)),
-    call!("vm.import", Write, Free, ImportVmParams, |ctx, p| ctx.manager.import_vm(p).await.and_then(json)),
-    call!("vm.snapshot", Write, Free, TakeSnapshotParams, |ctx, p| ctx.manager.snapshot(p).await.and_then(json)),
+    call!("vm.export", Write, Free, ExportParams, |ctx, p| lifecycle::backup::export_vm(&ctx.manager, p)
+        .await
+        .and_then(json)),
+    call!("vm.import", Write, Free, ImportVmParams, |ctx, p| lifecycle::backup::import_vm(&ctx.manager, p)
+        .await
+        .and_then(json)),
+    call!("vm.snapshot", Write, Free, TakeSnapshotParams, |ctx, p| lifecycle::snapshots::snapshot(&ctx.manager, p)
+        .await
+        .and_then(json)),
     call!("vm.snapshots", Read, Free, NameParams, |ctx, p| {
-        crate::blocking::run(|| ctx.manager.snapshots(&p.name)).and_then(json)
+        crate::blocking::run(|| lifecycle::snapshots::snapshots(&ctx.manager, &p.name)).and_then(json)
     }),
-    call!("vm.revert", Write, Free, SnapshotParams, |ctx, p| ctx.manager.revert(p).await.and_then(json)),
+    call!("vm.revert", Write, Free, SnapshotParams, |ctx, p| lifecycle::snapshots::revert(&ctx.manager, p)
+        .await
+        .and_then(json)),
     call!("vm.snapshot_delete", Write, Free, SnapshotParams, |ctx, p| {
-        ctx.manager.snapshot_delete(p).await.and_then(json)
+        lifecycle::snapshots::snapshot_delete(&ctx.manager, p).await.and_then(json)
     }),
 ];
 
