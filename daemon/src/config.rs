@@ -359,7 +359,7 @@ impl Default for RawStorage {
     }
 }
 
-/// `[storage]`: disk-space admission ([`crate::capacity::admit_disk_space`]).
+/// `[storage]`: disk-space admission ([`crate::lifecycle::data_disks::admit_disk_space`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StorageConfig {
     /// `overcommit` in percent: new disks may provision up to this share of the state file
