@@ -55,6 +55,22 @@ fn rss_kib(proc_root: &Path) -> u64 {
     }
 }
 
+/// `PRETTY_NAME` of an os-release file's text (os-release(5): shell-like `KEY=value`, the value
+/// optionally in double or single quotes), cut to 128 bytes; `None` when absent or empty.
+pub fn pretty_name(os_release: &str) -> Option<String> {
+    let value = os_release.lines().find_map(|l| l.trim().strip_prefix("PRETTY_NAME="))?;
+    let value = value.trim();
+    let unquoted =
+        ['"', '\''].iter().find_map(|q| value.strip_prefix(*q).and_then(|v| v.strip_suffix(*q))).unwrap_or(value);
+    let text: String = unquoted.replace("\\\"", "\"").chars().take(128).collect();
+    (!text.is_empty()).then_some(text)
+}
+
+/// The guest's operating system name: `/etc/os-release`, else `/usr/lib/os-release`.
+fn os_name() -> Option<String> {
+    ["/etc/os-release", "/usr/lib/os-release"].iter().find_map(|p| pretty_name(&read(Path::new(p))))
+}
+
 /// The `agent.info` reply, read below `proc_root` (`/proc` outside tests).
 pub fn agent_info(proc_root: &Path) -> AgentInfo {
     AgentInfo {
@@ -64,12 +80,24 @@ pub fn agent_info(proc_root: &Path) -> AgentInfo {
         uptime_s: parse_uptime(&read(&proc_root.join("uptime"))),
         boot_id: read(&proc_root.join("sys/kernel/random/boot_id")).trim().to_string(),
         rss_kib: rss_kib(proc_root),
+        os: os_name(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_os_is_os_release_s_pretty_name() {
+        let debian = "PRETTY_NAME=\"Debian GNU/Linux 12 (bookworm)\"\nNAME=\"Debian GNU/Linux\"\n";
+        assert_eq!(pretty_name(debian).as_deref(), Some("Debian GNU/Linux 12 (bookworm)"));
+        assert_eq!(pretty_name("PRETTY_NAME='Alpine Linux v3.20'\n").as_deref(), Some("Alpine Linux v3.20"));
+        assert_eq!(pretty_name("PRETTY_NAME=Buildroot\n").as_deref(), Some("Buildroot"));
+        assert_eq!(pretty_name("NAME=x\nPRETTY_NAME=\"\"\n"), None);
+        assert_eq!(pretty_name(""), None);
+        assert_eq!(pretty_name(&format!("PRETTY_NAME={}", "x".repeat(500))).map(|s| s.len()), Some(128));
+    }
 
     #[test]
     fn proc_files_are_parsed() {
@@ -104,7 +132,8 @@ mod tests {
                 kernel: "6.1.0-57-cloud-amd64".into(),
                 uptime_s: 12,
                 boot_id: "0f7c2a9e-1b2c-4d3e-8f90-123456789abc".into(),
-                rss_kib: 1300
+                rss_kib: 1300,
+                os: info.os.clone(),
             }
         );
         // The real /proc works too.

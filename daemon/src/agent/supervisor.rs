@@ -320,6 +320,7 @@ mod tests {
             uptime_s,
             boot_id: boot_id.into(),
             rss_kib: 1,
+            os: None,
         }
     }
 

@@ -16,6 +16,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod exec;
+
 /// The protocol version `hello` announces and the daemon requires; bumped on any incompatible
 /// change.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -66,6 +68,10 @@ pub struct AgentInfo {
     pub boot_id: String,
     /// The agent's own resident set size in KiB.
     pub rss_kib: u64,
+    /// The guest's operating system: `PRETTY_NAME` of `/etc/os-release` (or
+    /// `/usr/lib/os-release`), absent when neither names one (agents before issue 29 never send it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub os: Option<String>,
 }
 
 /// The reply of `net.state`: the guest's network as the host sees it.
