@@ -19,13 +19,23 @@ Configuration (minion config, grains or pillar, read with ``config.get``):
     seconds to wait for a ``reconcile`` that is not a dry run, default 900.
 
 ``image_import`` waits ``vmhost:timeout`` plus its ``timeout_s`` (the daemon's default for a
-download, 3600, when it is not given).
+download, 3600, when it is not given); ``guest_exec`` waits ``vmhost:timeout`` plus its
+``timeout_s``.
+
+``guest_exec``, ``guest_file_push`` and ``guest_file_pull`` reach into the guest as root
+through vmhostd (``vm.exec``, ``vm.file_push``, ``vm.file_pull``; off unless the host's
+``[agent] allow_exec`` is true). Every rule (limits, who may, what is logged) is the daemon's;
+these functions only shape the request. With ``test=True`` (or a ``test`` run) they return the
+request they would send and send nothing.
 
 A daemon error raises ``CommandExecutionError`` (the subclass ``VmhostdError``, with ``code``,
 ``kind``, ``field`` and ``details``) whose message reads
 ``vmhostd error 2001 (spec.nics[0].ipv4.address): ...``.
 """
 
+import base64
+import binascii
+import hashlib
 import json
 import os
 import socket
@@ -417,3 +427,289 @@ def image_delete(name):
     CLI Example: ``salt '*' vmhost.image_delete old-base.qcow2``
     """
     return _call("image.delete", {"name": name})
+
+
+# vm.exec's and vm.file_push's limits (docs/api.md); the daemon checks them again.
+MAX_EXEC_STDIN = 1024 * 1024
+MAX_PUSH_INLINE = 768 * 1024
+# Seconds vmhostd may take past a command's timeout_s before it answers 5002.
+EXEC_ANSWER_MARGIN = 10
+
+
+def _test_mode(test):
+    """``test`` when given, else the run's ``test`` option (``salt-call ... test=True``)."""
+    if test is not None:
+        return _flag(test, "test")
+    opts = globals().get("__opts__")
+    return bool(opts.get("test")) if isinstance(opts, dict) else False
+
+
+def _argv(argv):
+    """A command as a list of strings: a list, or JSON text of one. A plain string is refused
+    rather than split: there is no shell unless the argv names one (``["sh", "-c", "..."]``)."""
+    if isinstance(argv, str):
+        try:
+            argv = json.loads(argv)
+        except ValueError:
+            raise CommandExecutionError(
+                f"argv must be a list of strings, not the string {argv!r}: no shell is run unless "
+                'the list names one, e.g. ["sh", "-c", "..."]'
+            ) from None
+    if not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, str) for a in argv):
+        raise CommandExecutionError("argv must be a non-empty list of strings")
+    return list(argv)
+
+
+def _bytes(value, name):
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    raise CommandExecutionError(f"{name} must be text or bytes")
+
+
+def _b64(data):
+    return base64.b64encode(data).decode("ascii")
+
+
+def _mode(mode):
+    """Permission bits: digits read as octal whatever their type (``644``, ``"0644"``, as
+    Salt's file functions read them), at most 7777."""
+    text = str(mode).strip()
+    text = text[2:] if text.lower().startswith("0o") else text
+    try:
+        value = int(text, 8)
+    except ValueError:
+        raise CommandExecutionError(f"mode must be octal permission bits such as 0644, not {mode!r}") from None
+    if not 0 <= value <= 0o7777:
+        raise CommandExecutionError(f"mode {mode!r} is above 7777")
+    return value
+
+
+def _exit_status(result):
+    """The shell's exit status of a vm.exec answer: the code, 128 + signal, 124 at the timeout."""
+    if result.get("timed_out"):
+        return 124
+    if isinstance(result.get("signal"), int):
+        return 128 + result["signal"]
+    code = result.get("exit_code")
+    return code if isinstance(code, int) else 255
+
+
+def guest_exec(
+    name,
+    argv,
+    env=None,
+    cwd=None,
+    stdin=None,
+    timeout_s=60,
+    max_output=None,
+    encoding=None,
+    test=None,
+):
+    """
+    Run a command as root in the guest (``vm.exec``; needs ``[agent] allow_exec = true`` on the
+    host and no ``guest_exec: false`` in the VM's spec). No shell unless ``argv`` names one.
+
+    name
+        the VM.
+    argv
+        the program and its arguments, a list (or JSON text of one); a plain string is refused.
+    env
+        a list of ``NAME=value`` (or a dict) added to the guest's fixed base environment.
+    cwd
+        absolute working directory in the guest (default ``/``).
+    stdin
+        text or bytes for the command's stdin (at most 1 MiB); none: ``/dev/null``.
+    timeout_s
+        seconds the command may run (1-86400, default 60); then its process group is killed
+        and the answer says ``timed_out: true``. The call waits that long plus
+        ``vmhost:timeout``.
+    max_output
+        bytes kept per stream (daemon default 1 MiB, at most 4 MiB); ``*_truncated`` says when
+        more was written.
+    encoding
+        ``text`` (the daemon's default: output as UTF-8, invalid bytes replaced) or ``base64``.
+    test
+        True: return ``{"test": true, "method": "vm.exec", "params": ...}`` (stdin as its
+        length) and run nothing. Default: the run's ``test`` option.
+
+    Returns the daemon's answer ``{exit_code, signal, timed_out, duration_ms, stdout, stderr,
+    stdout_bytes, stderr_bytes, stdout_truncated, stderr_truncated, encoding, slot}``; a command
+    that fails is an answer, not an error, and sets the job's retcode to its exit status
+    (128 + signal, 124 at the timeout). vmhostd's refusals raise: 4095 exec off (``details.reason``
+    ``host`` or ``spec``), 4096 all 8 slots busy, 5001 no exec server in the guest.
+
+    CLI Example: ``salt 'hv1' vmhost.guest_exec sensor1 '["systemctl", "is-active", "salt-minion"]'``
+    """
+    params = {"name": name, "argv": _argv(argv), "timeout_s": _timeout_s(timeout_s)}
+    if env not in (None, ""):
+        if isinstance(env, dict):
+            env = [f"{k}={v}" for k, v in env.items()]
+        if not isinstance(env, (list, tuple)) or not all(isinstance(e, str) for e in env):
+            raise CommandExecutionError("env must be a list of NAME=value strings (or a dict)")
+        params["env"] = list(env)
+    if cwd not in (None, ""):
+        params["cwd"] = cwd
+    data = None
+    if stdin is not None:
+        data = _bytes(stdin, "stdin")
+        if len(data) > MAX_EXEC_STDIN:
+            raise CommandExecutionError(f"stdin is {len(data)} bytes, above vm.exec's {MAX_EXEC_STDIN}")
+        params["stdin"] = _b64(data)
+    if max_output not in (None, ""):
+        params["max_output"] = _timeout_s(max_output)
+    if encoding not in (None, ""):
+        if encoding not in ("text", "base64"):
+            raise CommandExecutionError(f"encoding must be text or base64, not {encoding!r}")
+        params["encoding"] = encoding
+    if _test_mode(test):
+        shown = dict(params)
+        if data is not None:
+            shown["stdin"] = f"<{len(data)} bytes>"
+        return {"test": True, "method": "vm.exec", "params": shown}
+    wait = float(_option("timeout", DEFAULT_TIMEOUT)) + max(params["timeout_s"], 0) + EXEC_ANSWER_MARGIN
+    result = _call("vm.exec", params, timeout=wait)
+    context = globals().get("__context__")
+    if isinstance(result, dict) and isinstance(context, dict):
+        status = _exit_status(result)
+        if status:
+            context["retcode"] = status
+    return result
+
+
+def guest_file_push(
+    name,
+    path,
+    content=None,
+    source=None,
+    mode=None,
+    owner=None,
+    mkdir=False,
+    test=None,
+):
+    """
+    Write a file in the guest (``vm.file_push``): atomically (a temp file beside it, renamed
+    into place once its sha256 checked), owned by root unless ``owner`` says otherwise. Needs
+    ``[agent] allow_exec = true`` on the host.
+
+    name
+        the VM.
+    path
+        absolute path in the guest. Its directory must exist unless ``mkdir=True``.
+    content
+        text or bytes, at most 768 KiB; sent with its sha256, which vmhostd and the guest check.
+    source
+        instead of ``content``: a path relative to the host's ``[agent] files_dir``, which
+        vmhostd reads itself (up to ``[agent] max_file_mib``).
+    mode
+        permission bits, digits read as octal (``644`` or ``"0644"``); the daemon's default 0644.
+    owner
+        ``user[:group]`` in the guest, names or numbers.
+    mkdir
+        create missing parent directories.
+    test
+        True: return the request (content as its size and sha256) and send nothing.
+
+    Returns ``{path, size, sha256}``.
+
+    CLI Example: ``salt 'hv1' vmhost.guest_file_push sensor1 /etc/motd content='managed by vmhost'``
+    """
+    if (content is None) == (source in (None, "")):
+        raise CommandExecutionError("give exactly one of content or source")
+    params = {"name": name, "path": path, "mkdir": _flag(mkdir, "mkdir")}
+    if mode not in (None, ""):
+        params["mode"] = _mode(mode)
+    if owner not in (None, ""):
+        params["owner"] = str(owner)
+    data = None
+    if content is not None:
+        data = _bytes(content, "content")
+        if len(data) > MAX_PUSH_INLINE:
+            raise CommandExecutionError(
+                f"content is {len(data)} bytes, above the {MAX_PUSH_INLINE} vm.file_push takes inline: "
+                "put the file in the host's [agent] files_dir and give source"
+            )
+        params["content"] = _b64(data)
+        params["sha256"] = hashlib.sha256(data).hexdigest()
+    else:
+        params["source"] = source
+    if _test_mode(test):
+        shown = dict(params)
+        if data is not None:
+            shown["content"] = f"<{len(data)} bytes>"
+        return {"test": True, "method": "vm.file_push", "params": shown}
+    return _call("vm.file_push", params)
+
+
+def guest_file_pull(name, path, max_bytes=None, dest=None, test=None):
+    """
+    Read a file from the guest (``vm.file_pull``). Needs ``[agent] allow_exec = true`` on the
+    host.
+
+    name
+        the VM.
+    path
+        absolute path of a regular file in the guest.
+    max_bytes
+        refuse a larger file (daemon default 1 MiB, at most 2 MiB; a larger file is error 4001).
+    dest
+        an absolute path on the minion to write the file to, atomically (temp file, fsync,
+        rename), with a new file's mode (0666 less the umask), never the guest's; the answer
+        then has no ``content``.
+    test
+        True: return the request and send nothing.
+
+    Returns ``{path, size, sha256, mode, content}`` (``content`` base64), after checking that
+    the content has that size and sha256 (``CommandExecutionError`` otherwise, nothing written).
+
+    CLI Example: ``salt 'hv1' vmhost.guest_file_pull sensor1 /etc/os-release``
+    """
+    params = {"name": name, "path": path}
+    if max_bytes not in (None, ""):
+        params["max_bytes"] = _timeout_s(max_bytes)
+    if dest not in (None, "") and not os.path.isabs(str(dest)):
+        raise CommandExecutionError(f"dest must be an absolute path, not {dest!r}")
+    if _test_mode(test):
+        return {"test": True, "method": "vm.file_pull", "params": params, "dest": dest}
+    result = _call("vm.file_pull", params)
+    if not isinstance(result, dict) or not isinstance(result.get("content"), str):
+        raise CommandExecutionError("vm.file_pull answered without content")
+    try:
+        data = base64.b64decode(result["content"], validate=True)
+    except (binascii.Error, ValueError):
+        raise CommandExecutionError("vm.file_pull's content is not base64") from None
+    if result.get("size") != len(data) or result.get("sha256") != hashlib.sha256(data).hexdigest():
+        raise CommandExecutionError(
+            f"vm.file_pull's content ({len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}) does not "
+            f"match the answer's size {result.get('size')!r} and sha256 {result.get('sha256')!r}: nothing written"
+        )
+    if dest not in (None, ""):
+        _write_atomically(str(dest), data)
+        result = {k: v for k, v in result.items() if k != "content"}
+        result["dest"] = str(dest)
+    return result
+
+
+def _write_atomically(dest, data):
+    """``dest`` replaced by ``data`` whole: a reader sees the old file or the new one."""
+    directory = os.path.dirname(dest) or "/"
+    tmp = os.path.join(directory, f".{os.path.basename(dest)}.vmhost-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise CommandExecutionError(f"cannot write {dest}: {exc.strerror or exc}") from None
