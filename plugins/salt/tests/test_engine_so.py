@@ -612,6 +612,147 @@ class BootstrapTest(Base):
         self.assertIn("master: m2", self.client.calls[-1][2]["vms"][0]["user_data"])
 
 
+SCRIPT = "#!/bin/sh\necho master={master} id={vm_name} > /etc/salt/minion.d/vmhost.conf\n"
+NO_CLOUD_INIT = {"kernel": "/boot/vmlinuz", "initrd": "/boot/initrd.img", "cloud_init": False}
+
+
+class ExecHost(ErrHost):
+    """An ErrHost whose guests run vmhost.guest_file_push and vmhost.guest_exec: ``booting``
+    VMs answer 5001 (no exec server yet), ``failing`` ones run the bootstrap with exit 1 (the
+    execution module then returns retcode 1, which the fake client shows as an ERROR)."""
+
+    def __init__(self, vms=()):
+        super().__init__(vms)
+        self.booting = set()
+        self.failing = set()
+        self.files = {}
+        self.ran = []
+
+    def guest_file_push(self, name, path, content, mode, mkdir):
+        if name in self.booting:
+            raise RuntimeError("vmhostd error 5001: the guest of VM has no exec server (yet)")
+        self.files[(name, path)] = (content, mode, mkdir)
+        return {"path": path, "size": len(content), "sha256": "x"}
+
+    def guest_exec(self, name, argv, timeout_s):
+        if name in self.booting:
+            raise RuntimeError("vmhostd error 5001: the guest of VM has no exec server (yet)")
+        self.ran.append((name, argv, timeout_s))
+        if name in self.failing:
+            raise RuntimeError("{'exit_code': 1, 'stderr': 'no network'}")
+        return {"exit_code": 0, "signal": None, "timed_out": False, "duration_ms": 7, "stdout": "", "stderr": ""}
+
+
+class ExecBootstrapTest(Base):
+    """A boot source with cloud_init: false: no user_data (no seed), the bootstrap script pushed
+    and run through vm.exec once per VM instead."""
+
+    def setUp(self):
+        super().setUp()
+        self.hosts["hv1"] = ExecHost()
+        self.host = self.hosts["hv1"]
+
+    def exec_engine(self, **over):
+        boot = {"default": {"image": "so-base.qcow2", "disk_gib": 10}, "roles": {"sensor": NO_CLOUD_INIT}}
+        return self.engine(bootstrap=SCRIPT, master="so-manager", boot=boot, so_compat=False, **over)
+
+    def statuses(self, vm):
+        return [t.rsplit("/", 1)[1] for t, _ in self.events if t.startswith(f"vmhost/hv1/{vm}/")]
+
+    def test_config(self):
+        boot = {"default": NO_CLOUD_INIT}
+        self.assertEqual(config(boot=boot)["boot"]["default"]["cloud_init"], False)
+        self.assertNotIn(
+            "cloud_init", config(boot={"default": dict(NO_CLOUD_INIT, cloud_init=True)})["boot"]["default"]
+        )
+        with self.assertRaisesRegex(eng.ConfigError, "must be a script"):
+            config(boot=boot, bootstrap=BOOT, master="m")
+        with self.assertRaisesRegex(eng.ConfigError, "cloud_init must be true or false"):
+            config(boot={"default": dict(NO_CLOUD_INIT, cloud_init="no")})
+        with self.assertRaisesRegex(eng.ConfigError, "bootstrap_timeout"):
+            config(boot=boot, bootstrap=SCRIPT, master="m", bootstrap_timeout=900)
+        self.assertEqual(config(bootstrap_timeout=30)["bootstrap_timeout"], 30)
+
+    def test_mapping_leaves_out_user_data_and_collects_the_script(self):
+        cfg = config(boot={"default": IMAGE_BOOT, "roles": {"sensor": NO_CLOUD_INIT}}, bootstrap=SCRIPT, master="m")
+        found = {}
+        specs, errors, _, _ = eng.map_file(
+            json.dumps([so_entry("a"), so_entry("b", role="searchnode")]), cfg, "f", "hv1", None, found
+        )
+        self.assertEqual(errors, [])
+        sensor, search = specs
+        self.assertNotIn("user_data", sensor, "no seed for a VM without cloud-init")
+        self.assertNotIn("cloud_init", sensor["boot"], "not a vmhostd spec field")
+        self.assertEqual(
+            search["user_data"], "#!/bin/sh\necho master=m id=b_searchnode > /etc/salt/minion.d/vmhost.conf\n"
+        )
+        self.assertEqual(found, {"a_sensor": "#!/bin/sh\necho master=m id=a_sensor > /etc/salt/minion.d/vmhost.conf\n"})
+
+    def test_the_script_is_pushed_and_run_once_per_vm(self):
+        self.write("hv1", [so_entry("a"), so_entry("b", role="searchnode")])
+        engine = self.exec_engine()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(
+            self.host.files,
+            {
+                ("a_sensor", eng.BOOTSTRAP_PATH): (
+                    "#!/bin/sh\necho master=so-manager id=a_sensor > /etc/salt/minion.d/vmhost.conf\n",
+                    "0700",
+                    True,
+                )
+            },
+        )
+        self.assertEqual(self.host.ran, [("a_sensor", [eng.BOOTSTRAP_PATH], 600)])
+        self.assertIn("bootstrapped", self.statuses("a_sensor"))
+        # The next run (the interval passed) does not run it again, nor does a new engine.
+        self.now += 400
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.now += 400
+        self.assertEqual(self.exec_engine().run_once(), {"hv1": "ok"})
+        self.assertEqual(len(self.host.ran), 1)
+
+    def test_a_booting_guest_is_waited_for_and_a_failure_retried(self):
+        self.write("hv1", [so_entry("a")])
+        self.host.booting.add("a_sensor")
+        engine = self.exec_engine()
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.statuses("a_sensor")[-1], "bootstrap_waiting")
+        self.assertEqual(engine.run_once(), {"hv1": "skipped"}, "retried after retry seconds, not at once")
+        self.now += 60
+        self.host.booting.clear()
+        self.host.failing.add("a_sensor")
+        self.assertEqual(engine.run_once(), {"hv1": "partial"})
+        self.assertEqual(self.statuses("a_sensor")[-1], "bootstrap_failed")
+        self.now += 60
+        self.host.failing.clear()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.statuses("a_sensor")[-1], "bootstrapped")
+        self.assertEqual(len(self.host.ran), 2)
+
+    def test_stopped_vms_wait_and_a_recreated_vm_runs_it_again(self):
+        self.write("hv1", [so_entry("a", powercontrol="Stop")])
+        engine = self.exec_engine()
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(self.host.ran, [], "a stopped VM is not bootstrapped")
+        self.write("hv1", [so_entry("a")])
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(len(self.host.ran), 1)
+        # Destroyed by hand, then made again by the engine: a new disk, so a new bootstrap.
+        self.host.vms.discard("a_sensor")
+        self.host.specs.pop("a_sensor")
+        self.now += 400
+        self.assertEqual(engine.run_once(), {"hv1": "ok"})
+        self.assertEqual(len(self.host.ran), 2)
+
+    def test_dry_run_runs_nothing(self):
+        self.write("hv1", [so_entry("a")])
+        self.assertEqual(self.exec_engine(dry_run=True).run_once(), {"hv1": "ok"})
+        self.assertEqual((self.host.files, self.host.ran), ({}, []))
+
+
+IMAGE_BOOT = {"image": "so-base.qcow2", "disk_gib": 10}
+
+
 class BlockingClient(FakeClient):
     """A FakeClient whose calls for the minions in ``block`` wait until ``release`` is set."""
 

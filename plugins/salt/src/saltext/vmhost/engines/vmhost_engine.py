@@ -13,8 +13,9 @@ daemon's 2002, is reported as ``reconcile_failed`` and its VM is left alone.
 A drop-in for Security Onion's virtual_node_manager: VMs named ``<hostname>_<role>``, the file
 ``<hypervisor>VMs`` driving the one accepted minion ``minion_id`` names (default
 ``{hypervisor}_*``), SO's tracking/.error/.status files and ``soc/dyanno/hypervisor/<status>``
-events with ``so_compat``, an optional cloud-init ``bootstrap`` per VM, and hypervisors
-reconciled concurrently (``parallel`` worker threads, one LocalClient each).
+events with ``so_compat``, an optional cloud-init ``bootstrap`` per VM (run through vmhostd's
+``vm.exec`` instead for VMs whose boot says ``cloud_init: false``), and hypervisors reconciled
+concurrently (``parallel`` worker threads, one LocalClient each).
 
 Master config::
 
@@ -84,6 +85,15 @@ GLOB_CHARS = frozenset("*?[")
 # What the daemon accepts as a spec's user_data.
 MAX_USER_DATA = 64 * 1024
 BOOTSTRAP_KEYS = ("vm_name", "hypervisor", "master", "hostname", "role")
+# Where the bootstrap of a VM without cloud-init is written in the guest and run from (not
+# /run or /tmp: often mounted noexec).
+BOOTSTRAP_PATH = "/var/lib/vmhost/bootstrap"
+# Seconds vmhost.guest_exec on the minion waits past the command's own timeout (vmhost:timeout,
+# default 120, plus the daemon's 10 s), which the engine's LocalClient timeout must cover too.
+BOOTSTRAP_MARGIN = 150
+# vmhostd's "cannot reach the guest's exec server" (not booted yet, no exec server): the
+# bootstrap waits for a later run.
+EXEC_UNREACHABLE = 5001
 # vmhostd reads a request line of at most 1 MiB; all of a hypervisor's specs go in one
 # vmhost.reconcile request, so their JSON (as the execution module sends it) must fit, with a
 # margin for the JSON-RPC envelope.
@@ -151,8 +161,13 @@ def _check_boot(boot, where):
         raise ConfigError(f"{where} must be a mapping")
     if "image" in boot and "kernel" in boot:
         raise ConfigError(f"{where}: give either image or kernel, not both")
+    cloud_init = boot.get("cloud_init", True)
+    if not isinstance(cloud_init, bool):
+        raise ConfigError(f"{where}.cloud_init must be true or false")
+    # A guest that does not run cloud-init gets its bootstrap through vm.exec instead.
+    no_cloud_init = {} if cloud_init else {"cloud_init": False}
     if "image" in boot:
-        extra = set(boot) - {"image", "disk_gib"}
+        extra = set(boot) - {"image", "disk_gib", "cloud_init"}
         if extra:
             raise ConfigError(f"{where}: unknown keys with image: {sorted(extra)}")
         if not isinstance(boot["image"], str) or not boot["image"]:
@@ -160,9 +175,9 @@ def _check_boot(boot, where):
         disk = boot.get("disk_gib")
         if isinstance(disk, bool) or not isinstance(disk, int) or disk < 1:
             raise ConfigError(f"{where}.disk_gib must be a positive integer")
-        return {"image": boot["image"], "disk_gib": disk}
+        return {"image": boot["image"], "disk_gib": disk, **no_cloud_init}
     if "kernel" in boot:
-        extra = set(boot) - {"kernel", "initrd", "cmdline"}
+        extra = set(boot) - {"kernel", "initrd", "cmdline", "cloud_init"}
         if extra:
             raise ConfigError(f"{where}: unknown keys with kernel: {sorted(extra)}")
         out = {}
@@ -173,7 +188,7 @@ def _check_boot(boot, where):
                 out[key] = boot[key]
         if not out["kernel"].startswith("/"):
             raise ConfigError(f"{where}.kernel must be an absolute path")
-        return out
+        return {**out, **no_cloud_init}
     raise ConfigError(f"{where} needs image (with disk_gib) or kernel")
 
 
@@ -234,6 +249,7 @@ def parse_config(kwargs, default_master=None):
         "bootstrap",
         "master",
         "parallel",
+        "bootstrap_timeout",
     }
     unknown = set(kwargs) - known
     if unknown:
@@ -286,6 +302,24 @@ def parse_config(kwargs, default_master=None):
         raise ConfigError("master must be a host name or address")
     if bootstrap is not None and master is None:
         raise ConfigError("bootstrap needs master (the address the guests' salt-minion connects to)")
+    boots = ([default] if default else []) + list(roles.values())
+    if bootstrap is not None and any(b.get("cloud_init") is False for b in boots):
+        if not bootstrap.startswith("#!"):
+            raise ConfigError(
+                "bootstrap must be a script (its first line #!, which cloud-init runs too) when a boot "
+                "source has cloud_init: false: such VMs run it through vm.exec"
+            )
+    timeout = _positive(kwargs, "timeout", 960)
+    bootstrap_timeout = kwargs.get("bootstrap_timeout", 600)
+    if (
+        isinstance(bootstrap_timeout, bool)
+        or not isinstance(bootstrap_timeout, int)
+        or not 1 <= bootstrap_timeout <= timeout - BOOTSTRAP_MARGIN
+    ):
+        raise ConfigError(
+            f"bootstrap_timeout must be an integer from 1 to timeout - {BOOTSTRAP_MARGIN} "
+            f"({timeout - BOOTSTRAP_MARGIN:g}) seconds"
+        )
     parallel = kwargs.get("parallel", 8)
     if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 64:
         raise ConfigError("parallel must be an integer from 1 to 64")
@@ -297,7 +331,8 @@ def parse_config(kwargs, default_master=None):
         "interval": _positive(kwargs, "interval", 300),
         "poll": _positive(kwargs, "poll", 10),
         "retry": _positive(kwargs, "retry", 60),
-        "timeout": _positive(kwargs, "timeout", 960),
+        "timeout": timeout,
+        "bootstrap_timeout": bootstrap_timeout,
         "prune": prune,
         "dry_run": bool(kwargs.get("dry_run", False)),
         "minion_id": minion_id,
@@ -475,11 +510,14 @@ def _indices(entry, cls):
     return out
 
 
-def map_entry(entry, config, source="<file>", index=0, hypervisor=""):
+def map_entry(entry, config, source="<file>", index=0, hypervisor="", exec_bootstraps=None):
     """Maps one Security Onion VM entry onto a vmhostd VM spec.
 
     ``config`` is the result of :func:`parse_config` (``network``, ``boot``, ``bootstrap`` and
     ``master`` are used); ``hypervisor`` (the file's prefix) goes into the bootstrap text.
+    The rendered bootstrap is the spec's ``user_data``, except for a boot source with
+    ``cloud_init: false``: then it goes into ``exec_bootstraps`` (a dict, ``{name: text}``)
+    when given, to be run through vm.exec, and the spec has no ``user_data`` (no seed).
     Raises :class:`EntryError` naming the file, entry and field for anything unusable.
     """
     name = vm_name(entry)
@@ -539,7 +577,7 @@ def map_entry(entry, config, source="<file>", index=0, hypervisor=""):
                 f"no boot source configured for role {role} (set boot.roles.{role} "
                 "or boot.default in the engine config)",
             )
-        spec["boot"] = dict(boot)
+        spec["boot"] = {k: v for k, v in boot.items() if k != "cloud_init"}
         if nsm > 0 and "disk" not in hardware:
             # Security Onion's NSM volume: a raw, fully preallocated data disk, virtio-blk with
             # cache=none and io=native, the guest's disk right after the OS disk.
@@ -561,21 +599,27 @@ def map_entry(entry, config, source="<file>", index=0, hypervisor=""):
             size = len(text.encode("utf-8"))
             if size > MAX_USER_DATA:
                 raise _Bad("user_data", f"the rendered bootstrap is {size} bytes, above {MAX_USER_DATA}")
-            spec["user_data"] = text
+            if boot.get("cloud_init") is False:
+                if exec_bootstraps is not None:
+                    exec_bootstraps[name] = text
+            else:
+                spec["user_data"] = text
     except _Bad as exc:
         field, message = exc.args
         raise EntryError(source, index, field, message, name) from None
     return spec
 
 
-def map_file(text, config, source="<file>", hypervisor="", raw=None):
+def map_file(text, config, source="<file>", hypervisor="", raw=None, exec_bootstraps=None):
     """Maps a whole ``<hypervisor>VMs`` file.
 
     Returns ``(specs, errors, protected, complete)``: the specs of the good entries in file
     order, an :class:`EntryError` per bad entry, the VM names of bad entries whose name could
     still be derived (they must not be pruned), and whether every bad entry had such a name.
     A file that is not a JSON array raises :class:`EntryError` (index ``None``, field ``file``).
-    ``raw``, when a dict, receives ``{name: entry}`` of the good entries, as in the file.
+    ``raw``, when a dict, receives ``{name: entry}`` of the good entries, as in the file;
+    ``exec_bootstraps``, when a dict, the bootstraps of the good entries to run through vm.exec
+    (:func:`map_entry`).
     """
     try:
         data = json.loads(text)
@@ -586,7 +630,8 @@ def map_file(text, config, source="<file>", hypervisor="", raw=None):
     specs, errors, protected, complete, seen = [], [], set(), True, {}
     for index, entry in enumerate(data):
         try:
-            spec = map_entry(entry, config, source, index, hypervisor)
+            found = {}
+            spec = map_entry(entry, config, source, index, hypervisor, found)
             if spec["name"] in seen:
                 raise EntryError(
                     source,
@@ -604,6 +649,8 @@ def map_file(text, config, source="<file>", hypervisor="", raw=None):
             continue
         seen[spec["name"]] = index
         specs.append(spec)
+        if exec_bootstraps is not None:
+            exec_bootstraps.update(found)
         if raw is not None:
             raw[spec["name"]] = entry
     return specs, errors, protected, complete
@@ -1018,6 +1065,10 @@ class Engine:
                     for n in (managed if isinstance(managed, list) else [])
                     if isinstance(n, str) and VM_NAME_RE.match(n)
                 )
+                done = rec.get("bootstrapped")
+                rec["bootstrapped"] = sorted(
+                    n for n in (done if isinstance(done, list) else []) if isinstance(n, str) and VM_NAME_RE.match(n)
+                )
                 out[hyp] = rec
         return out
 
@@ -1312,8 +1363,9 @@ class Engine:
         except UnicodeDecodeError:
             raise HypervisorFailure(f"{path}: not UTF-8") from None
         raw = {}
+        bootstraps = {}
         try:
-            specs, errors, protected, complete = map_file(text, self.config, path, hyp, raw)
+            specs, errors, protected, complete = map_file(text, self.config, path, hyp, raw, bootstraps)
         except EntryError as exc:
             self._fire(minion, HYPERVISOR_TAG, "invalid", {"file": path, "field": exc.field, "error": str(exc)})
             raise HypervisorFailure(str(exc)) from None
@@ -1363,7 +1415,20 @@ class Engine:
             so = SoFiles(self.vms_fd(), self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
         try:
             return self._reconcile(
-                hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held_names, send_prune
+                hyp,
+                minion,
+                path,
+                specs,
+                errors,
+                protected,
+                complete,
+                managed,
+                raw,
+                so,
+                all_ok,
+                held_names,
+                send_prune,
+                {n: t for n, t in bootstraps.items() if n not in held},
             )
         finally:
             if so is not None:
@@ -1389,7 +1454,21 @@ class Engine:
         return not held
 
     def _reconcile(
-        self, hyp, minion, path, specs, errors, protected, complete, managed, raw, so, all_ok, held, send_prune
+        self,
+        hyp,
+        minion,
+        path,
+        specs,
+        errors,
+        protected,
+        complete,
+        managed,
+        raw,
+        so,
+        all_ok,
+        held,
+        send_prune,
+        bootstraps=None,
     ):
         prune = self.config["prune"]
         dry = self.config["dry_run"]
@@ -1510,11 +1589,14 @@ class Engine:
                     },
                 )
         if not dry:
+            all_ok = self._bootstrap(hyp, minion, bootstraps or {}, specs, results) and all_ok
             # A VM stays managed until it is seen gone; bad entries keep their VMs managed.
             keep = (managed & (on_host_extra | protected)) - destroyed
             with self.lock:
                 rec = self.state.setdefault(hyp, {"managed": []})
                 rec["managed"] = sorted(desired | keep)
+                # A VM that is gone has its bootstrap run again if it comes back (a new disk).
+                rec["bootstrapped"] = sorted(set(rec.get("bootstrapped", [])) & set(rec["managed"]))
         if so is not None:
             all_ok = self._so_tidy(so, desired | protected | on_host_extra, complete, now) and all_ok
         summary = {
@@ -1530,6 +1612,62 @@ class Engine:
         self._fire(minion, HYPERVISOR_TAG, "reconciled" if all_ok else "reconcile_failed", summary)
         log.info("vmhost_engine: %s: %s", minion, summary)
         return all_ok
+
+    def _bootstrap(self, hyp, minion, bootstraps, specs, results):
+        """Runs the bootstrap of each VM without cloud-init (boot ``cloud_init: false``) that is
+        running and has not had it: written to BOOTSTRAP_PATH (``vmhost.guest_file_push``, mode
+        0700) and run (``vmhost.guest_exec``, ``bootstrap_timeout``) on its hypervisor minion.
+        Once per VM, as cloud-init runs user-data once per instance: the VMs that ran it are
+        recorded in the engine's state (a new VM, from a create, runs it again). A VM whose guest
+        cannot be reached yet (5001: still booting) is told ``bootstrap_waiting``, one whose
+        bootstrap failed ``bootstrap_failed``; both are tried again at the next run (the run is
+        partial, so it comes after ``retry`` seconds). Returns False when any is left to do."""
+        if not bootstraps:
+            return True
+        with self.lock:
+            done = set((self.state.get(hyp) or {}).get("bootstrapped", []))
+        outcome = {r["vm"]: r for r in results}
+        running = {s["name"] for s in specs if s.get("state") == "running"}
+        ok = True
+        for name in sorted(bootstraps):
+            res = outcome.get(name)
+            if res is None or not res["ok"] or name not in running:
+                continue
+            if res["action"] == "create" and res.get("changed"):
+                done.discard(name)
+            if name in done:
+                continue
+            try:
+                self._call(
+                    minion,
+                    "vmhost.guest_file_push",
+                    {"name": name, "path": BOOTSTRAP_PATH, "content": bootstraps[name], "mode": "0700", "mkdir": True},
+                )
+                ret = self._call(
+                    minion,
+                    "vmhost.guest_exec",
+                    {"name": name, "argv": [BOOTSTRAP_PATH], "timeout_s": self.config["bootstrap_timeout"]},
+                )
+                if not isinstance(ret, dict) or ret.get("exit_code") != 0 or ret.get("timed_out"):
+                    raise HypervisorFailure(f"{BOOTSTRAP_PATH} ended {_exec_outcome(ret)}")
+            except HypervisorFailure as exc:
+                ok = False
+                waiting = f"vmhostd error {EXEC_UNREACHABLE}" in str(exc)
+                status = "bootstrap_waiting" if waiting else "bootstrap_failed"
+                (log.info if waiting else log.error)("vmhost_engine: %s: %s: %s: %s", minion, name, status, exc)
+                self._fire(minion, name, status, {"error": str(exc)[:1000], "path": BOOTSTRAP_PATH})
+                continue
+            done.add(name)
+            self._fire(
+                minion,
+                name,
+                "bootstrapped",
+                {"path": BOOTSTRAP_PATH, "exit_code": 0, "duration_ms": ret.get("duration_ms")},
+            )
+        with self.lock:
+            rec = self.state.setdefault(hyp, {"managed": []})
+            rec["bootstrapped"] = sorted(done)
+        return ok
 
     def _so_result(self, so, hyp, res, plan_item, raw, processing, now):
         """SO's files and events for one VM's reconcile result. False when a file could not be
@@ -1609,6 +1747,17 @@ class Engine:
         if retcode not in (0, None) or (isinstance(body, str) and body.startswith("ERROR")):
             raise HypervisorFailure(f"{fun} failed on {hyp}: {str(body)[:1000]}")
         return body
+
+
+def _exec_outcome(ret):
+    """How a vm.exec answer says its command ended, for a message (the guest's stderr is cut)."""
+    if not isinstance(ret, dict):
+        return f"with an answer that is not vm.exec's: {str(ret)[:200]}"
+    if ret.get("timed_out"):
+        return "killed at its timeout"
+    if ret.get("signal") is not None:
+        return f"by signal {ret.get('signal')}"
+    return f"with exit code {ret.get('exit_code')}: {str(ret.get('stderr', ''))[:500]}"
 
 
 def _no_answer(answer):
