@@ -5,7 +5,8 @@
 //! runtime. It speaks the framing of [`crate::rpc::server`]: one JSON-RPC 2.0 message per line.
 //!
 //! Order of use: [`Client::connect`], optionally [`Client::set_timeout`], then [`Client::call`]
-//! for typed calls. For events, [`Client::subscribe_events`] once, then [`Client::next_event`] in
+//! for typed calls ([`Client::call_streaming`] for a call whose output comes as notifications
+//! before its answer). For events, [`Client::subscribe_events`] once, then [`Client::next_event`] in
 //! a loop. [`Client::console`] turns the connection into a console's byte stream. Protocol tests use [`Client::call_raw`], [`Client::send_raw`] and
 //! [`Client::read_raw_line`] to send arbitrary bytes and see the daemon's exact answer.
 
@@ -105,6 +106,37 @@ impl Client {
     /// as 1001), [`ClientError::Timeout`] when no answer came in time, [`ClientError::Protocol`]
     /// when the result does not decode as `T`, [`ClientError::Io`] when the connection fails.
     pub fn call<T: DeserializeOwned>(&mut self, method: &str, params: Value) -> Result<T, ClientError> {
+        self.exchange(method, params, None, |_| Ok(()))
+    }
+
+    /// Calls `method` like [`Client::call`], handing each notification named `notification`
+    /// that arrives before the answer to `on_notification` (its `params`) as it comes, in order;
+    /// other notifications are queued as [`Client::call`] queues them. This is how
+    /// `vm.exec {stream: true}` delivers output before its answer.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::call`]; an error `on_notification` returns ends the call with it (the answer
+    /// is not waited for).
+    pub fn call_streaming<T: DeserializeOwned>(
+        &mut self,
+        method: &str,
+        params: Value,
+        notification: &str,
+        on_notification: impl FnMut(Value) -> Result<(), ClientError>,
+    ) -> Result<T, ClientError> {
+        self.exchange(method, params, Some(notification), on_notification)
+    }
+
+    /// One request and its answer; notifications named `notification` go to `on_notification`,
+    /// the others to the queue, answers to earlier calls that timed out are skipped.
+    fn exchange<T: DeserializeOwned>(
+        &mut self,
+        method: &str,
+        params: Value,
+        notification: Option<&str>,
+        mut on_notification: impl FnMut(Value) -> Result<(), ClientError>,
+    ) -> Result<T, ClientError> {
         let id = self.next_id;
         self.next_id += 1;
         let mut request = json!({"jsonrpc": "2.0", "id": id, "method": method});
@@ -115,9 +147,13 @@ impl Client {
         let deadline = Instant::now() + self.timeout;
         let id = Value::from(id);
         loop {
-            let message = self.read_message(deadline, self.timeout)?;
+            let mut message = self.read_message(deadline, self.timeout)?;
             if is_notification(&message) {
-                self.queued.push_back(message);
+                if notification.is_some() && message.get("method").and_then(Value::as_str) == notification {
+                    on_notification(message.get_mut("params").map(Value::take).unwrap_or(Value::Null))?;
+                } else {
+                    self.queued.push_back(message);
+                }
                 continue;
             }
             let answer_id = message.get("id");
@@ -429,6 +465,27 @@ mod tests {
             Err(ClientError::Api(e)) => assert_eq!(e.code, Code::Unauthorized),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn streaming_call_hands_over_its_notifications_in_order_and_queues_the_rest() {
+        let (_dir, path) = fake_daemon(&[
+            r#"{"jsonrpc":"2.0","method":"vm.exec.output","params":{"name":"a","stream":"stdout","data":"b25l"}}"#,
+            r#"{"jsonrpc":"2.0","method":"events.event","params":{"subscription":5,"result":{"vm":"a","from":null,"to":"running","reason":"r","time":"t"}}}"#,
+            r#"{"jsonrpc":"2.0","method":"vm.exec.output","params":{"name":"a","stream":"stderr","data":"dHdv"}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"result":{"exit_code":3}}"#,
+        ]);
+        let mut client = Client::connect(&path).unwrap();
+        let mut seen = Vec::new();
+        let got: Value = client
+            .call_streaming("vm.exec", json!({"name": "a"}), "vm.exec.output", |p| {
+                seen.push(p["data"].as_str().unwrap_or_default().to_string());
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(got, json!({"exit_code": 3}));
+        assert_eq!(seen, ["b25l", "dHdv"]);
+        assert!(client.next_event(Duration::from_millis(10)).unwrap().is_some(), "other notifications are kept");
     }
 
     #[test]

@@ -33,6 +33,17 @@ macro_rules! tell {
     ($($arg:tt)*) => { eprintln!("{}", vmhost::guest_text::escape(&format!($($arg)*))) };
 }
 
+// The guest access commands, one file each beside this one (a crate root's `mod` looks in
+// its own directory, hence the paths).
+#[path = "vmhostctl/base64.rs"]
+mod base64;
+#[path = "vmhostctl/exec.rs"]
+mod exec;
+#[path = "vmhostctl/files.rs"]
+mod files;
+#[path = "vmhostctl/ssh.rs"]
+mod ssh;
+
 /// JSON for output: serde escapes the C0 controls in strings; C1 ones are escaped here too.
 fn json_line(text: &str) -> String {
     vmhost::guest_text::escape_json_c1(text).into_owned()
@@ -193,6 +204,18 @@ enum Cmd {
     /// The image store: import (verified by sha256), list, delete.
     #[command(subcommand)]
     Image(ImageCmd),
+    /// Run a command as root in the guest and exit with its exit code (128 + signal, 124 at
+    /// its timeout, 255 when vmhostd fails); its output is printed as it comes. Needs
+    /// `[agent] allow_exec` (docs/guest-exec.md).
+    Exec(exec::ExecArgs),
+    /// Copy a local file (or one in vmhostd's `[agent] files_dir`, `--source`) into the guest,
+    /// atomically, checked by sha256.
+    Push(files::PushArgs),
+    /// Copy a file out of the guest to LOCAL, atomically, checked by sha256.
+    Pull(files::PullArgs),
+    /// ssh to the VM: its spec's static address, else the guest agent's; user from `-l`, the
+    /// spec's `ssh.user`, else root.
+    Ssh(ssh::SshArgs),
     /// Call any method with JSON params.
     Call { method: String, params: Option<String> },
 }
@@ -227,9 +250,27 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    if let Cmd::Exec(args) = &cli.cmd {
+        // The guest command's exit code is vmhostctl's: vmhostd's own failures take 255, which
+        // no other meaning of vmhostctl's codes (1, 2, 3) can be confused with.
+        return match connect(&cli).and_then(|c| exec::run(c, args, cli.json)) {
+            Ok(code) => ExitCode::from(code),
+            Err(failure) => {
+                report(&cli, failure);
+                ExitCode::from(exec::DAEMON_FAILURE)
+            }
+        };
+    }
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(Failure::Api(e)) => {
+        Err(failure) => report(&cli, failure),
+    }
+}
+
+/// Prints a failure (its JSON too with `--json`) and returns vmhostctl's exit code for it.
+fn report(cli: &Cli, failure: Failure) -> ExitCode {
+    match failure {
+        Failure::Api(e) => {
             if cli.json {
                 println!("{}", json_line(&json!({"error": e.to_json()}).to_string()));
             }
@@ -240,15 +281,15 @@ fn main() -> ExitCode {
             }
             ExitCode::from(1)
         }
-        Err(Failure::Connect(m)) => {
+        Failure::Connect(m) => {
             tell!("vmhostctl: {m}");
             ExitCode::from(3)
         }
-        Err(Failure::Usage(m)) => {
+        Failure::Usage(m) => {
             tell!("vmhostctl: {m}");
             ExitCode::from(2)
         }
-        Err(Failure::Console(m)) => {
+        Failure::Console(m) => {
             eprintln!();
             tell!("vmhostctl: {m}");
             ExitCode::from(4)
@@ -256,6 +297,7 @@ fn main() -> ExitCode {
     }
 }
 
+#[derive(Debug)]
 enum Failure {
     Api(vmhost::api::ApiError),
     Connect(String),
@@ -294,9 +336,13 @@ fn read_json(file: &PathBuf) -> Result<Value, Failure> {
     serde_json::from_str(&text).map_err(|e| Failure::Usage(format!("{}: invalid JSON: {e}", file.display())))
 }
 
+fn connect(cli: &Cli) -> Result<Client, Failure> {
+    Client::connect(&cli.socket)
+        .map_err(|e| Failure::Connect(format!("cannot reach vmhostd at {}: {e}", cli.socket.display())))
+}
+
 fn run(cli: &Cli) -> Result<(), Failure> {
-    let mut c = Client::connect(&cli.socket)
-        .map_err(|e| Failure::Connect(format!("cannot reach vmhostd at {}: {e}", cli.socket.display())))?;
+    let mut c = connect(cli)?;
     if let Cmd::Console { name, read_only, force } = &cli.cmd {
         return console(c, name, *read_only, *force);
     }
@@ -567,6 +613,48 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             } else {
                 say!("{name}: {}", if v["changed"] == true { "deleted" } else { "absent" });
             }
+        }
+        Cmd::Exec(_) => {}
+        Cmd::Push(args) => {
+            let v = files::push(&mut c, args)?;
+            if cli.json {
+                out(&v);
+            } else {
+                say!(
+                    "{}: {} bytes written to {} (sha256 {})",
+                    args.name,
+                    v["size"],
+                    v["path"].as_str().unwrap_or_default(),
+                    v["sha256"].as_str().unwrap_or_default()
+                );
+            }
+        }
+        Cmd::Pull(args) => {
+            let mut v = files::pull(&mut c, args)?;
+            if cli.json {
+                // The content is in LOCAL; the answer without it says what was written.
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("content");
+                }
+                out(&v);
+            } else if args.local.as_os_str() != "-" {
+                say!(
+                    "{}: {} bytes of {} written to {} (sha256 {})",
+                    args.name,
+                    v["size"],
+                    args.guest_path,
+                    args.local.display(),
+                    v["sha256"].as_str().unwrap_or_default()
+                );
+            }
+        }
+        Cmd::Ssh(args) => {
+            let vm: Value = c.call("vm.get", json!({ "name": args.name }))?;
+            let addr = ssh::find_address(&mut c, &args.name, &vm)?;
+            let user = ssh::user_of(args.user.as_deref(), &vm);
+            let argv = ssh::ssh_argv(&user, addr, &args.extra)?;
+            drop(c);
+            return Err(ssh::exec_ssh(&argv));
         }
         Cmd::Call { method, params } => {
             let p: Value = match params {
