@@ -3,7 +3,7 @@
 //! `vm.exec` with `vm.exec.output` notifications before its answer, `vm.file_push`,
 //! `vm.file_pull`, `vm.get`, `vm.guest_network`), so what is checked is the CLI: exit codes,
 //! streaming, the files it writes and the argv it hands to `ssh`. The same commands against a
-//! real vmhostd and guest are in `guest_exec.rs`.
+//! real vmhostd and guest are in `guest_cli_e2e.rs`.
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
