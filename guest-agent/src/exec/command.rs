@@ -63,6 +63,9 @@ pub struct Spec {
     pub max_output: u64,
 }
 
+/// What an `env` entry must be.
+const ENV_RULE: &str = "an environment entry is NAME=value, NAME [A-Za-z_][A-Za-z0-9_]*, at most 4096 bytes, no NUL";
+
 /// `name` is a portable environment variable name (`[A-Za-z_][A-Za-z0-9_]*`).
 fn is_env_name(name: &str) -> bool {
     let mut chars = name.chars();
@@ -104,12 +107,7 @@ pub fn validate(p: &ExecParams) -> Result<Spec, RpcError> {
             Some((name, value)) if is_env_name(name) && !value.contains('\0') && entry.len() <= MAX_ARG => {
                 env.push((name.to_string(), value.to_string()));
             }
-            _ => return Err(RpcError::invalid(
-                &format!("env[{i}]"),
-                format!(
-                    "an environment entry is NAME=value, NAME [A-Za-z_][A-Za-z0-9_]*, at most {MAX_ARG} bytes, no NUL"
-                ),
-            )),
+            _ => return Err(RpcError::invalid(&format!("env[{i}]"), ENV_RULE)),
         }
     }
     let cwd = p.cwd.clone().unwrap_or_else(|| "/".to_string());
