@@ -636,7 +636,7 @@ mod tests {
     fn bytes_of(notes: &[(String, Value)], method: &str, stream: Option<&str>) -> Vec<u8> {
         notes
             .iter()
-            .filter(|(m, p)| m == method && stream.is_none_or(|s| p["stream"] == s))
+            .filter(|(m, p)| m == method && stream.map_or(true, |s| p["stream"] == s))
             .flat_map(|(_, p)| decode(p["data"].as_str().unwrap_or("")).unwrap_or_default())
             .collect()
     }
