@@ -571,6 +571,29 @@ fn exec_ports(dir: &Path) {
     );
     drop(slow);
 
+    // A host hang-up mid-command kills it in the guest (the real port reports the hang-up).
+    let mut gone = Host::connect(&dir.join("exec.1.sock"), Duration::from_secs(10));
+    gone.sync("gone", Duration::from_secs(60));
+    let argv = json!(["/bin/sh", "-c", "echo $$; exec sleep 1000"]);
+    gone.request(1, "exec", json!({"argv": argv, "timeout_s": 600, "max_output": 100}), b"");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pid = loop {
+        let line = gone.line(deadline).expect("the command's pid");
+        if let Ok(v) = serde_json::from_slice::<Value>(&line) {
+            if v["method"] == "exec.output" {
+                break String::from_utf8_lossy(&streamed_bytes(&[v["params"].clone()], Some("stdout")))
+                    .trim()
+                    .to_string();
+            }
+        }
+    };
+    drop(gone);
+    let check =
+        format!("i=0; while kill -0 {pid} 2>/dev/null; do i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.1; done");
+    let (_, reply) =
+        exec_call(dir, 0, "exec", json!({"argv": ["/bin/sh", "-c", check], "timeout_s": 60, "max_output": 0}), b"");
+    assert_eq!(reply["result"]["exit_code"], 0, "the command survived its host's hang-up: {reply}");
+
     // The clock: set to 2001, then back.
     let year = |dir: &Path| {
         let (notes, _) =
