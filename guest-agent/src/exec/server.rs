@@ -42,6 +42,30 @@ use crate::protocol::{
 /// How long one wait for input lasts before the loop looks again.
 const POLL_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Longest error message sent, in bytes (the design's bound: a message names a guest path,
+/// which can be 4 KiB, or a tool's output).
+pub const MAX_MESSAGE: usize = 512;
+
+/// `reply` with an error message cut to [`MAX_MESSAGE`] bytes (on a character boundary, `...`
+/// marking the cut).
+fn answer(id: &Value, method: &str, outcome: Result<Value, RpcError>) -> String {
+    reply(
+        id,
+        method,
+        outcome.map_err(|mut e| {
+            if e.message.len() > MAX_MESSAGE {
+                let mut end = MAX_MESSAGE - 3;
+                while !e.message.is_char_boundary(end) {
+                    end -= 1;
+                }
+                e.message.truncate(end);
+                e.message.push_str("...");
+            }
+            e
+        }),
+    )
+}
+
 /// How long the host may pause between two chunks of a transfer.
 pub const CHUNK_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -329,7 +353,7 @@ impl ExecServer {
             "sync" => {
                 let outcome = sync(params);
                 self.synced = outcome.is_ok();
-                return Ok(Some(reply(id, method, outcome)));
+                return Ok(Some(answer(id, method, outcome)));
             }
             "hello" => {
                 let outcome = parse_params::<NoParams>(params).and_then(|_| {
@@ -339,19 +363,19 @@ impl ExecServer {
                         capabilities: EXEC_CAPABILITIES.iter().map(|c| c.to_string()).collect(),
                     })
                 });
-                return Ok(Some(reply(id, method, outcome)));
+                return Ok(Some(answer(id, method, outcome)));
             }
             _ => {}
         }
         if !EXEC_CAPABILITIES.contains(&method) {
-            return Ok(Some(reply(
+            return Ok(Some(answer(
                 id,
                 method,
                 Err(RpcError::new(METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
             )));
         }
         if !std::mem::take(&mut self.synced) {
-            return Ok(Some(reply(
+            return Ok(Some(answer(
                 id,
                 method,
                 Err(RpcError::new(INVALID_REQUEST, "one request per session, after sync: send sync first")),
@@ -376,7 +400,7 @@ impl ExecServer {
                 let how = parse_params::<NoParams>(params).map(|_| power::plan(&self.system.run_systemd));
                 if let Ok(how) = how {
                     self.log(&format!("guest.shutdown: powering off ({})", how.describe()));
-                    let line = reply(id, method, to_value(&ShutdownReply { how: how.describe().to_string() }));
+                    let line = answer(id, method, to_value(&ShutdownReply { how: how.describe().to_string() }));
                     if let Err(e) = self.conn.send(&line) {
                         self.log(&format!("reply dropped: {e}"));
                     }
@@ -401,7 +425,7 @@ impl ExecServer {
             }),
             _ => Err(RpcError::new(METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
         };
-        Ok(Some(reply(id, method, outcome)))
+        Ok(Some(answer(id, method, outcome)))
     }
 
     /// `exec`: stdin read, command run and supervised.
@@ -731,6 +755,20 @@ mod tests {
         host.request(4, "file.pull", json!({"path": target.display().to_string(), "max_bytes": 1000}));
         let v = host.line();
         assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("200000 bytes")), "{v}");
+        host.hang_up();
+    }
+
+    #[test]
+    fn error_messages_are_bounded() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut host = Host::start(dir.path());
+        host.sync("m");
+        let path = format!("{}/{}/f", dir.path().display(), "é/".repeat(1300));
+        host.request(1, "file.push", json!({"path": path, "mode": 0o644, "size": 1, "sha256": sha256_hex(b"x")}));
+        host.chunks(b"x", 1);
+        let v = host.line();
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.len() <= MAX_MESSAGE && message.ends_with("...") && message.contains("does not exist"), "{v}");
         host.hang_up();
     }
 
