@@ -628,6 +628,12 @@ fn exec_ports(dir: &Path) {
     assert_eq!(reply["result"], json!({"size": content.len(), "sha256": sha, "mode": 0o600}));
     assert!(streamed_bytes(&notes, None) == content, "pulled content differs");
 
+    // The exec server's own memory (the command's parent), after the transfers.
+    let rss = r#"grep -E '^Rss' /proc/$PPID/smaps_rollup"#;
+    let (notes, _) =
+        exec_call(dir, 1, "exec", json!({"argv": ["/bin/sh", "-c", rss], "timeout_s": 30, "max_output": 1000}), b"");
+    eprintln!("budget: exec server {}", String::from_utf8_lossy(&streamed_bytes(&notes, Some("stdout"))).trim());
+
     // SSH keys: busybox has no useradd or adduser here, so the account is appended to passwd.
     let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 operator@host";
     let (_, reply) = exec_call(dir, 0, "ssh.authorize", json!({"user": "vmhost", "keys": [key]}), b"");

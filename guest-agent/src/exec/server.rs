@@ -795,12 +795,17 @@ mod tests {
         let pidfile = dir.path().join("pid");
         host.sync("h");
         let script = format!("echo $$ > {}; echo started; exec sleep 1000", pidfile.display());
-        host.request(1, "exec", json!({"argv": ["/bin/sh", "-c", script], "timeout_s": 600, "max_output": 100}));
+        host.request(1, "exec", json!({"argv": ["/bin/sh", "-c", script], "timeout_s": 60, "max_output": 100}));
         let v = host.line();
         assert_eq!(v["method"], "exec.output", "{v}");
         let pid: i32 = std::fs::read_to_string(&pidfile).ok().and_then(|t| t.trim().parse().ok()).expect("pid");
+        let _ = host.writer.shutdown(std::net::Shutdown::Both);
+        // Killed on the hang-up, well before its 60 s timeout.
+        let start = Instant::now();
+        while std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok() {
+            assert!(start.elapsed() < Duration::from_secs(10), "the command survived the hang-up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
         host.hang_up();
-        // The server has returned: the command was killed and reaped before that.
-        assert!(std::fs::read_to_string(format!("/proc/{pid}/stat")).is_err(), "the command survived the hang-up");
     }
 }
