@@ -263,14 +263,12 @@ pub struct ExecServer {
     slot: usize,
     /// A `sync` of the current session was answered and no request ran since.
     synced: bool,
-    /// Whether the last look saw a host (for logging transitions only).
-    connected: Option<bool>,
 }
 
 impl ExecServer {
     /// A server for slot `slot` on `port`.
     pub fn new(port: Port, system: System, slot: usize) -> ExecServer {
-        ExecServer { conn: Conn::new(port), system, slot, synced: false, connected: None }
+        ExecServer { conn: Conn::new(port), system, slot, synced: false }
     }
 
     /// Logs `message` with the slot.
@@ -286,10 +284,8 @@ impl ExecServer {
         let mut last_check = Instant::now();
         loop {
             match self.turn(POLL_INTERVAL) {
+                // Unlike the agent port, connections are not logged: a host opens one per request.
                 Ok(Readiness::HangUp) => {
-                    if self.connected != Some(false) {
-                        self.connected = Some(false);
-                    }
                     if last_check.elapsed() >= RECHECK {
                         last_check = Instant::now();
                         if !still_there(&self.conn.port) {
@@ -298,7 +294,7 @@ impl ExecServer {
                     }
                     std::thread::sleep(HANGUP_RETRY);
                 }
-                Ok(_) => self.connected = Some(true),
+                Ok(_) => {}
                 Err(e) => return e,
             }
         }
