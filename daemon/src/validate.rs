@@ -534,6 +534,7 @@ reserved_memory_gib = 4
             guest_interfaces: Vec::new(),
             restart_policy: Default::default(),
             user_data: None,
+            guest_exec: true,
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),

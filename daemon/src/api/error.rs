@@ -75,6 +75,12 @@ pub enum Code {
     /// systems cannot all be frozen (no agent session, its freeze failed, a file system it
     /// skipped); `details: {consistency, reason, frozen, skipped}`. Nothing was copied or kept.
     NotFrozen,
+    /// `vm.exec`, `vm.file_push`, `vm.file_pull` are not allowed: by the host's config
+    /// (`[agent] allow_exec = false`, `details.reason: "host"`) or by the VM's spec
+    /// (`guest_exec: false`, `details.reason: "spec"`).
+    ExecDisabled,
+    /// All exec slots of the VM are in use (`details.slots`); retry when one ends.
+    SlotsBusy,
 }
 
 impl Code {
@@ -108,6 +114,8 @@ impl Code {
             Code::ImageInUse => 4092,
             Code::ImageExists => 4093,
             Code::NotFrozen => 4094,
+            Code::ExecDisabled => 4095,
+            Code::SlotsBusy => 4096,
         }
     }
 
@@ -141,6 +149,8 @@ impl Code {
             Code::ImageInUse => "image_in_use",
             Code::ImageExists => "image_exists",
             Code::NotFrozen => "not_frozen",
+            Code::ExecDisabled => "exec_disabled",
+            Code::SlotsBusy => "slots_busy",
         }
     }
 
@@ -151,7 +161,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 27] = [
+pub const ALL_CODES: [Code; 29] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -179,6 +189,8 @@ pub const ALL_CODES: [Code; 27] = [
     Code::ImageInUse,
     Code::ImageExists,
     Code::NotFrozen,
+    Code::ExecDisabled,
+    Code::SlotsBusy,
 ];
 
 /// `error.data` of every vmhost error.
@@ -295,6 +307,13 @@ mod tests {
         assert_eq!((Code::NotFrozen.as_i32(), Code::NotFrozen.kind()), (4094, "not_frozen"));
         assert_eq!(serde_json::to_value(Code::NotFrozen).unwrap(), "not_frozen");
         assert_eq!(Code::from_i32(4094), Some(Code::NotFrozen));
+    }
+
+    #[test]
+    fn exec_codes_are_4095_and_4096() {
+        assert_eq!((Code::ExecDisabled.as_i32(), Code::ExecDisabled.kind()), (4095, "exec_disabled"));
+        assert_eq!((Code::SlotsBusy.as_i32(), Code::SlotsBusy.kind()), (4096, "slots_busy"));
+        assert_eq!(serde_json::to_value(Code::SlotsBusy).unwrap(), "slots_busy");
     }
 
     #[test]
