@@ -85,3 +85,106 @@ fn ssh_runs_ssh_at_the_spec_s_address_or_else_the_agent_s() {
     assert_eq!(out.status.code(), Some(1), "vmhostd's 4040: {out:?}");
     assert!(argv().is_empty(), "ssh not run for a VM that does not exist");
 }
+
+/// `[agent]` with exec on and `files_dir`.
+fn exec_host(files_dir: &Path) -> TestHost {
+    let extra = format!("[agent]\nallow_exec = true\nfiles_dir = \"{}\"\n", files_dir.display());
+    TestHost::start(HostOptions { extra, ..HostOptions::default() })
+}
+
+/// Waits until `vmhostctl exec NAME -- true` succeeds: the guest booted and its exec server
+/// answers.
+fn wait_exec(host: &TestHost, name: &str) {
+    wait::until(&format!("the exec server of {name}"), Duration::from_secs(300), || {
+        let out = host.ctl(&["exec", name, "--", "true"]);
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!("{:?}: {}", out.status.code(), String::from_utf8_lossy(&out.stderr)))
+        }
+    });
+}
+
+#[test]
+fn exec_passes_status_and_output_through_and_files_go_both_ways() {
+    let files = tempfile::Builder::new().prefix("vmhfiles").tempdir_in("/tmp").expect("tempdir");
+    let host = exec_host(files.path());
+    host.call("vm.create", json!({ "spec": spec("ex", json!([])) }));
+    wait_exec(&host, "ex");
+
+    for (cmd, code) in [("exit 7", 7), ("kill -TERM $$", 143), ("exit 0", 0)] {
+        let out = host.ctl(&["exec", "ex", "--", "sh", "-c", cmd]);
+        assert_eq!(out.status.code(), Some(code), "{cmd}: {out:?}");
+    }
+    let out = host.ctl(&["exec", "ex", "--timeout", "2", "--", "sleep", "60"]);
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+
+    // Output arrives while the command runs: the command waits for a file that only a second
+    // command, run after the first line was read, creates.
+    let mut child = Command::new(bin("vmhostctl"))
+        .arg("--socket")
+        .arg(&host.socket)
+        .args(["exec", "ex", "--", "sh", "-c", "echo first; while [ ! -e /tmp/go ]; do sleep 1; done; echo second >&2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run vmhostctl exec");
+    let mut stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut first).expect("read the first line");
+    assert_eq!(first, "first\n");
+    assert!(host.ctl(&["exec", "ex", "--", "touch", "/tmp/go"]).status.success());
+    let out = child.wait_with_output().expect("wait for vmhostctl");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "second\n");
+
+    // stdin, env and cwd reach the command.
+    let mut child = Command::new(bin("vmhostctl"))
+        .arg("--socket")
+        .arg(&host.socket)
+        .args([
+            "exec",
+            "ex",
+            "--stdin",
+            "--env",
+            "GREETING=hello",
+            "--cwd",
+            "/tmp",
+            "--",
+            "sh",
+            "-c",
+            "cat; echo \" $GREETING $(pwd)\"",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run vmhostctl exec");
+    std::io::Write::write_all(&mut child.stdin.take().expect("stdin"), b"from stdin").expect("write stdin");
+    let out = child.wait_with_output().expect("wait for vmhostctl");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "from stdin hello /tmp\n", "{out:?}");
+
+    // A file pushed inline and pulled back, and one vmhostd reads from files_dir.
+    let local = tempfile::tempdir().expect("tempdir");
+    let blob: Vec<u8> = (0..700_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    std::fs::write(local.path().join("blob"), &blob).expect("write blob");
+    let blob_path = local.path().join("blob");
+    let out =
+        host.ctl(&["push", "ex", blob_path.to_str().unwrap_or_default(), "/root/in/blob", "--mkdir", "--mode", "0600"]);
+    assert!(out.status.success(), "{out:?}");
+    let sum = host.ctl(&["exec", "ex", "--", "sha256sum", "/root/in/blob"]);
+    assert!(String::from_utf8_lossy(&sum.stdout).starts_with(&vmhost_tests::sha256_hex(&blob)), "{sum:?}");
+    let back = local.path().join("back");
+    let out = host.ctl(&["pull", "ex", "/root/in/blob", back.to_str().unwrap_or_default()]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(vmhost_tests::sha256_file(&back), vmhost_tests::sha256_hex(&blob));
+
+    let big: Vec<u8> = (0..1_500_000u32).map(|i| (i % 253) as u8).collect();
+    std::fs::write(files.path().join("big.bin"), &big).expect("write big.bin");
+    let out = host.ctl(&["push", "ex", "/root/big.bin", "--source", "big.bin"]);
+    assert!(out.status.success(), "{out:?}");
+    let big_back = local.path().join("big.bin");
+    let out =
+        host.ctl(&["pull", "ex", "/root/big.bin", big_back.to_str().unwrap_or_default(), "--max-bytes", "2097152"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(vmhost_tests::sha256_file(&big_back), vmhost_tests::sha256_hex(&big));
+}
