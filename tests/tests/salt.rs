@@ -734,3 +734,48 @@ fn hardware_from_so_rewrites_only_the_hardware_tables_and_restarts_once() {
     assert_eq!(fs::read_to_string(&host.config).expect("config"), after);
     assert_eq!(restarts(), 1);
 }
+
+/// The guest access functions with real `salt-call` against a real vmhostd (`[agent]
+/// allow_exec = true`) and the agent guest's exec server: a command's output and status (the
+/// job's retcode too), `test=True` running nothing, a file pushed and pulled back.
+#[test]
+fn guest_functions_run_commands_and_move_files_in_a_real_guest() {
+    let host = TestHost::start(HostOptions { extra: "[agent]\nallow_exec = true\n".into(), ..HostOptions::default() });
+    let mut spec = host.kernel_spec("gx");
+    spec["boot"]["initrd"] = json!(vmhost_tests::agent_guest().initrd);
+    host.call("vm.create", json!({ "spec": spec }));
+    vmhost_tests::wait::until("the exec server of gx", std::time::Duration::from_secs(300), || {
+        let out = host.ctl(&["exec", "gx", "--", "true"]);
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    });
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+
+    let argv = r#"["sh", "-c", "echo out; echo err >&2; exit 3"]"#;
+    let r = minion.call(&["vmhost.guest_exec", "gx", argv]);
+    assert_eq!(
+        (r["exit_code"].clone(), r["stdout"].clone(), r["stderr"].clone()),
+        (json!(3), json!("out\n"), json!("err\n")),
+        "{r}"
+    );
+    let passthrough = minion.run(&["--retcode-passthrough", "vmhost.guest_exec", "gx", argv]);
+    assert_eq!(passthrough.status.code(), Some(3), "the command's status is the job's retcode");
+
+    let t = minion.call(&["vmhost.guest_exec", "gx", r#"["touch", "/tmp/ran"]"#, "test=True"]);
+    assert_eq!(t["test"], true, "{t}");
+    let probe = minion.call(&["vmhost.guest_exec", "gx", r#"["test", "-e", "/tmp/ran"]"#]);
+    assert_eq!(probe["exit_code"], 1, "test=True ran nothing: {probe}");
+
+    let pushed = minion.call(&["vmhost.guest_file_push", "gx", "/etc/motd", "content=hello from salt", "mode=640"]);
+    assert_eq!(pushed["size"], 15, "{pushed}");
+    let pulled = minion.call(&["vmhost.guest_file_pull", "gx", "/etc/motd"]);
+    assert_eq!(
+        (pulled["content"].clone(), pulled["mode"].clone()),
+        (json!("aGVsbG8gZnJvbSBzYWx0"), json!(0o640)),
+        "{pulled}"
+    );
+}

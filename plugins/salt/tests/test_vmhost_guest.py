@@ -2,6 +2,7 @@
 vmhostd: the requests they send, test=True sending nothing, retcodes and the pulled file's checks."""
 
 import base64
+import collections
 import hashlib
 import os
 import stat
@@ -16,17 +17,21 @@ def b64(data):
     return base64.b64encode(data).decode()
 
 
+class LoaderContext(collections.UserDict):
+    """Like Salt's NamedLoaderContext: dict-like, not a dict."""
+
+
 class GuestTest(unittest.TestCase):
     def start(self, methods, opts=None):
         self.daemon = ScriptedVmhostd(methods)
         self.addCleanup(self.daemon.close)
-        self.context = {}
+        self.context = LoaderContext()
         dunders = {
             "__salt__": {"config.get": config_get({"vmhost:socket": self.daemon.path})},
             "__context__": self.context,
         }
         if opts is not None:
-            dunders["__opts__"] = opts
+            dunders["__opts__"] = LoaderContext(opts)
         self.mod = load("modules", dunders)
         return self.daemon
 

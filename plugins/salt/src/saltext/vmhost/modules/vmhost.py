@@ -440,8 +440,9 @@ def _test_mode(test):
     """``test`` when given, else the run's ``test`` option (``salt-call ... test=True``)."""
     if test is not None:
         return _flag(test, "test")
+    # Salt injects __opts__ as a dict-like loader context, not a dict.
     opts = globals().get("__opts__")
-    return bool(opts.get("test")) if isinstance(opts, dict) else False
+    return bool(opts.get("test")) if hasattr(opts, "get") else False
 
 
 def _argv(argv):
@@ -570,8 +571,10 @@ def guest_exec(
         return {"test": True, "method": "vm.exec", "params": shown}
     wait = float(_option("timeout", DEFAULT_TIMEOUT)) + max(params["timeout_s"], 0) + EXEC_ANSWER_MARGIN
     result = _call("vm.exec", params, timeout=wait)
+    # Salt injects __context__ as a dict-like loader context (not a dict); cmd.run sets the
+    # job's retcode through it the same way.
     context = globals().get("__context__")
-    if isinstance(result, dict) and isinstance(context, dict):
+    if isinstance(result, dict) and hasattr(context, "__setitem__"):
         status = _exit_status(result)
         if status:
             context["retcode"] = status
