@@ -390,3 +390,40 @@ fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
     let run = puppet.apply(&sock, absent, &[]);
     assert_eq!(run.code, 0, "{}", run.output);
 }
+
+/// `vmhost::guest_exec` and `vmhost::guest_file_push` in a real `puppet apply` against a real
+/// vmhostd (`[agent] allow_exec = true`) and the agent guest's exec server: the answer in the
+/// manifest, a failing checked command failing the run, a file pushed that the guest then has.
+#[test]
+fn puppet_functions_run_commands_and_push_files_in_a_real_guest() {
+    let host = TestHost::start(HostOptions { extra: "[agent]\nallow_exec = true\n".into(), ..HostOptions::default() });
+    let mut spec = host.kernel_spec("px");
+    spec["boot"]["initrd"] = json!(vmhost_tests::agent_guest().initrd);
+    host.call("vm.create", json!({ "spec": spec }));
+    vmhost_tests::wait::until("the exec server of px", Duration::from_secs(300), || {
+        let out = host.ctl(&["exec", "px", "--", "true"]);
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    });
+    let puppet = Puppet::new();
+    let run = puppet.apply(
+        &host.socket,
+        "$r = vmhost::guest_exec('px', ['sh', '-c', 'echo \"$A\"; exit 4'], { env => { 'A' => 'from-puppet' } })\n\
+         notice(\"exit=${r['exit_code']} out=${r['stdout']}\")\n\
+         $p = vmhost::guest_file_push('px', '/etc/pushed', \"by puppet\\n\", { mode => '0640' })\n\
+         notice(\"pushed=${p['size']}\")\n",
+        &[],
+    );
+    assert_eq!(run.code, 0, "{}", run.output);
+    assert!(run.output.contains("exit=4 out=from-puppet"), "{}", run.output);
+    assert!(run.output.contains("pushed=10"), "{}", run.output);
+    let cat = host.ctl(&["exec", "px", "--", "cat", "/etc/pushed"]);
+    assert_eq!(String::from_utf8_lossy(&cat.stdout), "by puppet\n", "{cat:?}");
+
+    let run = puppet.apply(&host.socket, "vmhost::guest_exec('px', ['false'], { check => true })", &[]);
+    assert_eq!(run.code, 1, "{}", run.output);
+    assert!(run.output.contains("false exited with status 1"), "{}", run.output);
+}
