@@ -13,6 +13,8 @@
 //! `vmhost/<minion id>/<vm>/<status>`. An edited entry is reconfigured in place (same disk
 //! inode, a new QEMU with the new memory); an entry whose VM has another image is reported
 //! `reconcile_failed` with the daemon's 2002 and its VM left alone: the engine never replaces.
+//! A boot source with `cloud_init: false` gets its bootstrap script through `vm.exec` instead of
+//! a seed.
 //!
 //! Needs `tests/setup.sh` (target/salt-venv with salt 3007) and `cargo build --workspace --bins`.
 
@@ -119,6 +121,12 @@ impl Salt {
     /// A master and one running minion per `hosts` entry (`(minion id, its vmhostd)`); `down`
     /// names minions whose keys the master has accepted but that never run.
     fn start(hosts: &[(&str, &TestHost)], down: &[&str]) -> Salt {
+        Salt::start_with(hosts, down, false)
+    }
+
+    /// As [`Salt::start`]; with `exec_bootstrap` the engine's one boot source is the agent guest
+    /// with `cloud_init: false` and its bootstrap a script, run through `vm.exec`.
+    fn start_with(hosts: &[(&str, &TestHost)], down: &[&str], exec_bootstrap: bool) -> Salt {
         let dir = tempfile::Builder::new().prefix("slt").tempdir_in("/tmp").expect("tempdir");
         let d = dir.path().to_path_buf();
         let (publish, ret) = (free_port(), free_port());
@@ -127,6 +135,47 @@ impl Salt {
         let vms = d.join("vms");
         fs::create_dir_all(&vms).expect("vms dir");
         fs::create_dir_all(d.join("master/conf")).expect("master dir");
+        let agent = vmhost_tests::agent_guest();
+        let exec_engine = format!(
+            r#"      timeout: 300
+      so_compat: true
+      master: salt.so.test
+      bootstrap_timeout: 60
+      bootstrap: |
+        #!/bin/sh
+        echo "{{vm_name}} {{master}} {{hypervisor}}" > /root/bootstrapped
+      boot:
+        default:
+          kernel: {kernel}
+          initrd: {initrd}
+          cmdline: "console=ttyS0 panic=-1 quiet"
+          cloud_init: false
+"#,
+            kernel = agent.kernel.display(),
+            initrd = agent.initrd.display(),
+        );
+        let default_engine = format!(
+            r#"      timeout: 60
+      so_compat: true
+      master: salt.so.test
+      bootstrap: |
+        #cloud-config
+        salt_minion:
+          conf:
+            id: {{vm_name}}
+            master: {{master}}
+            grains: {{{{hypervisor: {{hypervisor}}, role: {{role}}}}}}
+      boot:
+        default:
+          kernel: {kernel}
+          initrd: {initrd}
+          cmdline: "console=ttyS0 panic=-1 quiet"
+        roles:
+          heavynode: {{image: base.qcow2, disk_gib: 1}}
+"#,
+            kernel = g.kernel.display(),
+            initrd = g.initrd.display(),
+        );
         let master = format!(
             r#"root_dir: {d}/master
 pki_dir: {d}/master/pki
@@ -149,29 +198,11 @@ engines:
       poll: 1
       retry: 3
       interval: 600
-      timeout: 60
-      so_compat: true
-      master: salt.so.test
-      bootstrap: |
-        #cloud-config
-        salt_minion:
-          conf:
-            id: {{vm_name}}
-            master: {{master}}
-            grains: {{{{hypervisor: {{hypervisor}}, role: {{role}}}}}}
-      boot:
-        default:
-          kernel: {kernel}
-          initrd: {initrd}
-          cmdline: "console=ttyS0 panic=-1 quiet"
-        roles:
-          heavynode: {{image: base.qcow2, disk_gib: 1}}
-"#,
+{engine}"#,
             d = d.display(),
             ext = ext.display(),
             vms = vms.display(),
-            kernel = g.kernel.display(),
-            initrd = g.initrd.display(),
+            engine = if exec_bootstrap { exec_engine } else { default_engine },
         );
         fs::write(d.join("master/conf/master"), master).expect("master config");
         // Accepted keys of minions that never connect: a hypervisor that is down.
@@ -639,4 +670,23 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
     eprintln!("edits done after {:?}", t0.elapsed());
     drop(salt);
     eprintln!("salt stopped after {:?}", t0.elapsed());
+}
+
+/// A boot source with `cloud_init: false`: the VM gets no user_data, and the engine runs the
+/// bootstrap script through the hypervisor minion's `vmhost.guest_file_push` and
+/// `vmhost.guest_exec` once the guest's exec server answers (`bootstrap_waiting` until then).
+#[test]
+fn a_vm_without_cloud_init_gets_its_bootstrap_through_exec() {
+    let extra = format!("{LAN_NETWORK}\n[agent]\nallow_exec = true\n");
+    let hv1 = TestHost::start(HostOptions { netns: true, extra, ..HostOptions::default() });
+    let salt = Salt::start_with(&[("hv1_hypervisor", &hv1)], &[], true);
+    salt.write_vms("hv1", json!([so_entry("idh1", "idh", json!({"network_mode": "dhcp4"}))]));
+    let done = salt.tag_event("vmhost/hv1_hypervisor/idh1_idh/bootstrapped");
+    assert_eq!(done["data"]["exit_code"], 0, "{done}");
+    let vm = hv1.call("vm.get", json!({"name": "idh1_idh"}));
+    assert!(vm["spec"]["user_data"].is_null(), "no seed for a guest without cloud-init: {vm}");
+    let out = hv1.ctl(&["exec", "idh1_idh", "--", "cat", "/root/bootstrapped"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "idh1_idh salt.so.test hv1\n", "{out:?}\n{}", salt.logs());
+    let runs = salt.events().iter().filter(|e| e["tag"] == "vmhost/hv1_hypervisor/idh1_idh/bootstrapped").count();
+    assert_eq!(runs, 1, "once per VM");
 }

@@ -671,7 +671,14 @@ class ExecBootstrapTest(Base):
             config(boot={"default": dict(NO_CLOUD_INIT, cloud_init="no")})
         with self.assertRaisesRegex(eng.ConfigError, "bootstrap_timeout"):
             config(boot=boot, bootstrap=SCRIPT, master="m", bootstrap_timeout=900)
+        with self.assertRaisesRegex(eng.ConfigError, "timeout must be above 150"):
+            config(boot=boot, bootstrap=SCRIPT, master="m", timeout=60)
+        with self.assertRaisesRegex(eng.ConfigError, "positive integer"):
+            config(bootstrap_timeout=0)
         self.assertEqual(config(bootstrap_timeout=30)["bootstrap_timeout"], 30)
+        # Without exec bootstraps a short timeout (the end-to-end test's 60 s) stays valid.
+        self.assertEqual(config(timeout=60)["bootstrap_timeout"], 600)
+        self.assertEqual(config(boot=boot, bootstrap=SCRIPT, master="m", timeout=300)["bootstrap_timeout"], 150)
 
     def test_mapping_leaves_out_user_data_and_collects_the_script(self):
         cfg = config(boot={"default": IMAGE_BOOT, "roles": {"sensor": NO_CLOUD_INIT}}, bootstrap=SCRIPT, master="m")

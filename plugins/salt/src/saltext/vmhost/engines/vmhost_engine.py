@@ -91,6 +91,7 @@ BOOTSTRAP_PATH = "/var/lib/vmhost/bootstrap"
 # Seconds vmhost.guest_exec on the minion waits past the command's own timeout (vmhost:timeout,
 # default 120, plus the daemon's 10 s), which the engine's LocalClient timeout must cover too.
 BOOTSTRAP_MARGIN = 150
+DEFAULT_BOOTSTRAP_TIMEOUT = 600
 # vmhostd's "cannot reach the guest's exec server" (not booted yet, no exec server): the
 # bootstrap waits for a later run.
 EXEC_UNREACHABLE = 5001
@@ -302,6 +303,12 @@ def parse_config(kwargs, default_master=None):
         raise ConfigError("master must be a host name or address")
     if bootstrap is not None and master is None:
         raise ConfigError("bootstrap needs master (the address the guests' salt-minion connects to)")
+    timeout = _positive(kwargs, "timeout", 960)
+    bootstrap_timeout = kwargs.get("bootstrap_timeout")
+    if bootstrap_timeout is not None and (
+        isinstance(bootstrap_timeout, bool) or not isinstance(bootstrap_timeout, int) or bootstrap_timeout < 1
+    ):
+        raise ConfigError("bootstrap_timeout must be a positive integer number of seconds")
     boots = ([default] if default else []) + list(roles.values())
     if bootstrap is not None and any(b.get("cloud_init") is False for b in boots):
         if not bootstrap.startswith("#!"):
@@ -309,17 +316,20 @@ def parse_config(kwargs, default_master=None):
                 "bootstrap must be a script (its first line #!, which cloud-init runs too) when a boot "
                 "source has cloud_init: false: such VMs run it through vm.exec"
             )
-    timeout = _positive(kwargs, "timeout", 960)
-    bootstrap_timeout = kwargs.get("bootstrap_timeout", 600)
-    if (
-        isinstance(bootstrap_timeout, bool)
-        or not isinstance(bootstrap_timeout, int)
-        or not 1 <= bootstrap_timeout <= timeout - BOOTSTRAP_MARGIN
-    ):
-        raise ConfigError(
-            f"bootstrap_timeout must be an integer from 1 to timeout - {BOOTSTRAP_MARGIN} "
-            f"({timeout - BOOTSTRAP_MARGIN:g}) seconds"
-        )
+        # The minion's vmhost.guest_exec waits the bootstrap's timeout plus BOOTSTRAP_MARGIN;
+        # the engine's wait for the minion (timeout) must cover that.
+        limit = int(timeout - BOOTSTRAP_MARGIN)
+        if limit < 1:
+            raise ConfigError(
+                f"timeout must be above {BOOTSTRAP_MARGIN} s when a boot source has cloud_init: false "
+                "(the bootstrap runs within it)"
+            )
+        if bootstrap_timeout is None:
+            bootstrap_timeout = min(DEFAULT_BOOTSTRAP_TIMEOUT, limit)
+        elif bootstrap_timeout > limit:
+            raise ConfigError(f"bootstrap_timeout must be at most timeout - {BOOTSTRAP_MARGIN} ({limit}) seconds")
+    if bootstrap_timeout is None:
+        bootstrap_timeout = DEFAULT_BOOTSTRAP_TIMEOUT
     parallel = kwargs.get("parallel", 8)
     if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 64:
         raise ConfigError("parallel must be an integer from 1 to 64")
