@@ -156,6 +156,13 @@ fn a_guest_without_an_exec_server_is_5001_in_bounded_time() {
         assert_eq!(host.call_err("vm.file_pull", json!({"name": "plain", "path": "/x"})).0, 5001);
     }
     assert_eq!(host.call("vm.get", json!({"name": "plain"}))["status"], "running");
+    // A VM whose QEMU an older vmhostd started has no exec port sockets: told to restart.
+    for slot in 0..8 {
+        std::fs::remove_file(host.run().join("plain").join(format!("exec{slot}"))).unwrap();
+    }
+    let (code, e) = host.call_err("vm.exec", json!({"name": "plain", "argv": ["true"]}));
+    assert_eq!(code, 5001);
+    assert!(e.message.contains("restart the VM to get exec ports"), "{e:?}");
     let _ = std::fs::remove_dir_all(files);
 }
 
