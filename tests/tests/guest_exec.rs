@@ -234,11 +234,19 @@ fn streamed_output_arrives_before_the_answer() {
     let files = files_dir();
     let host = exec_host(&files);
     boot_with_exec(&host, "s");
+    // Every command is an event carrying the guest action, and an audit line.
+    let events = UnixStream::connect(&host.socket).unwrap();
+    events.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut events_r = BufReader::new(events.try_clone().unwrap());
+    writeln!(&events, "{}", json!({"jsonrpc": "2.0", "id": 1, "method": "events.subscribe"})).unwrap();
+    let mut line = String::new();
+    events_r.read_line(&mut line).unwrap();
     let s = UnixStream::connect(&host.socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let mut r = BufReader::new(s.try_clone().unwrap());
     let mut w = s;
-    let params = json!({"name": "s", "argv": ["sh", "-c", "echo one; sleep 2; echo two >&2"], "stream": true});
+    let params = json!({"name": "s", "argv": ["sh", "-c", "echo one; sleep 2; echo two >&2"], "stream": true,
+        "env": ["SECRET_NAME=hunter2"]});
     writeln!(w, "{}", json!({"jsonrpc": "2.0", "id": 9, "method": "vm.exec", "params": params})).unwrap();
     let mut notes = Vec::new();
     let answer = loop {
@@ -259,6 +267,29 @@ fn streamed_output_arrives_before_the_answer() {
     assert_eq!(notes[0]["name"], "s");
     let result = &answer["result"];
     assert_eq!((result["stdout"].as_str(), result["stdout_bytes"].as_u64()), (Some(""), Some(4)), "{answer}");
+    let event = loop {
+        let mut line = String::new();
+        events_r.read_line(&mut line).unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap();
+        if v["params"]["result"]["guest"].is_object() {
+            break v["params"]["result"].clone();
+        }
+    };
+    assert_eq!(
+        (event["vm"].as_str(), event["from"].as_str(), event["to"].as_str()),
+        (Some("s"), Some("running"), Some("running"))
+    );
+    let guest = &event["guest"];
+    assert_eq!(
+        (guest["action"].as_str(), guest["peer_uid"].as_u64(), guest["exit_code"].as_i64()),
+        (Some("exec"), Some(0), Some(0)),
+        "{event}"
+    );
+    assert_eq!(guest["argv"][0], "sh");
+    let log = vmhost_tests::plain_log(&host.daemon_log());
+    let audit: Vec<&str> = log.lines().filter(|l| l.contains("vmhost::audit") && l.contains("SECRET_NAME")).collect();
+    assert!(!audit.is_empty(), "an audit line names the env entry");
+    assert!(audit.iter().all(|l| !l.contains("hunter2")), "never an environment value: {audit:?}");
     let _ = std::fs::remove_dir_all(files);
 }
 
