@@ -8,6 +8,7 @@
 pub mod backup;
 pub mod disks;
 pub mod error;
+pub mod housekeeping;
 pub mod images;
 pub mod snapshots;
 pub mod stats;
@@ -18,6 +19,7 @@ use std::path::PathBuf;
 
 pub use disks::{DataDiskSpec, DiskAio, DiskCache, DiskFormat, KeptDisk};
 pub use error::{ApiError, Code};
+pub use housekeeping::{SshSpec, StopMethod};
 
 /// Protocol version reported by `host.info`.
 pub const API_VERSION: u32 = 1;
@@ -102,6 +104,11 @@ pub struct VmSpec {
     /// Changed without a restart (read at the guest's first boot; the next start writes it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_data: Option<String>,
+    /// An account in the guest and the SSH public keys that may log in to it (the seed and the
+    /// exec server write them); changed live. Left out when absent, so older specs and
+    /// records compare and serialize as they did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh: Option<SshSpec>,
 }
 
 /// One NIC of a VM: a tap on a configured network.
@@ -490,6 +497,10 @@ pub struct StopParams {
     /// Kill at once, no ACPI powerdown.
     #[serde(default)]
     pub force: bool,
+    /// How the guest is asked to power off: `acpi` (default) or `agent` (the exec server's
+    /// `guest.shutdown`, ACPI at once when that cannot be asked).
+    #[serde(default)]
+    pub method: StopMethod,
 }
 
 fn default_stop_timeout() -> u64 {

@@ -154,7 +154,7 @@ pub(crate) async fn destroy(mgr: &Arc<Manager>, name: &str) -> Result<Mutation, 
 /// change (2001/2002/3002/3003/3004/3005) leaves the VM exactly as it was.
 pub(crate) async fn apply(mgr: &Arc<Manager>, p: ApplyParams) -> Result<Mutation, ApiError> {
     let ApplyParams { spec, replace, restart, timeout_s } = p;
-    check_stop_timeout(&StopParams { name: spec.name.clone(), timeout_s, force: false })?;
+    check_stop_timeout(&StopParams { name: spec.name.clone(), timeout_s, force: false, method: Default::default() })?;
     let vm = validate_spec(&spec, &mgr.config)?;
     let Ok(current) = mgr.record(&spec.name) else { return create(mgr, spec).await };
     super::root_disk::check_root_disk_size(&current, &spec)?;
@@ -236,7 +236,7 @@ async fn converge_unchanged(
         (false, _) => Ok(Mutation::new(interfaces_changed, Some(mgr.get(&spec.name)?))),
         (true, DesiredState::Running) => start(mgr, &spec.name).await,
         (true, DesiredState::Stopped) => {
-            stop(mgr, StopParams { name: spec.name.clone(), timeout_s, force: false }).await
+            stop(mgr, StopParams { name: spec.name.clone(), timeout_s, force: false, method: Default::default() }).await
         }
     }
 }
