@@ -532,7 +532,7 @@ fn seed_cases() -> Vec<SeedCase> {
         SeedCase {
             what: "an ssh account beside the test's user-data (vendor-data)",
             ipv4: vec![json!({"mode": "dhcp"})],
-            user_data: Some("#cloud-config\nruncmd: [true]\n".into()),
+            user_data: Some("#cloud-config\nruncmd:\n  - [\"true\"]\n".into()),
             ssh: Some(json!({"keys": [SEED_KEY]})),
             present: vec!["eth0"],
         },
