@@ -97,6 +97,7 @@ if readelf -l "$d/usr/sbin/vmhost-agent" | grep -q 'INTERP'; then
     exit 1
 fi
 install -m 0644 guest-agent/vmhost-agent.service "$d/lib/systemd/system/vmhost-agent.service"
+install -m 0644 guest-agent/vmhost-agent-exec.service "$d/lib/systemd/system/vmhost-agent-exec.service"
 install -m 0644 guest-agent/README.md "$d/usr/share/doc/vmhost-agent/README.md"
 copyright >"$d/usr/share/doc/vmhost-agent/copyright"
 chmod 0644 "$d/usr/share/doc/vmhost-agent/copyright"

@@ -64,7 +64,7 @@ pub struct Agent {
 }
 
 /// Serializes a reply value.
-fn to_value<T: serde::Serialize>(value: &T) -> Result<Value, RpcError> {
+pub(crate) fn to_value<T: serde::Serialize>(value: &T) -> Result<Value, RpcError> {
     serde_json::to_value(value).map_err(|e| RpcError::internal(format!("cannot serialize the reply: {e}")))
 }
 
@@ -87,16 +87,22 @@ impl Agent {
     }
 }
 
+/// `sync`, the same on the agent port and the exec ports.
+///
+/// # Errors
+/// -32602 for parameters of the wrong shape, 5100 for an empty or longer than [`MAX_NONCE`] nonce.
+pub fn sync(params: Option<Value>) -> Result<Value, RpcError> {
+    let p: SyncParams = parse_params(params)?;
+    if p.nonce.is_empty() || p.nonce.len() > MAX_NONCE {
+        return Err(RpcError::invalid("nonce", format!("nonce must be 1 to {MAX_NONCE} bytes")));
+    }
+    to_value(&SyncReply { nonce: p.nonce })
+}
+
 impl Methods for Agent {
     fn call(&mut self, method: &str, params: Option<Value>) -> Result<Value, RpcError> {
         match method {
-            "sync" => {
-                let p: SyncParams = parse_params(params)?;
-                if p.nonce.is_empty() || p.nonce.len() > MAX_NONCE {
-                    return Err(RpcError::invalid("nonce", format!("nonce must be 1 to {MAX_NONCE} bytes")));
-                }
-                to_value(&SyncReply { nonce: p.nonce })
-            }
+            "sync" => sync(params),
             "hello" => {
                 parse_params::<NoParams>(params)?;
                 to_value(&info::hello())

@@ -13,6 +13,7 @@ pub mod addr;
 pub mod agent;
 pub mod apply;
 pub mod check;
+pub mod exec;
 pub mod freeze;
 pub mod fuzz;
 pub mod info;

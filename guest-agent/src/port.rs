@@ -85,6 +85,12 @@ fn poll(fd: &OwnedFd, events: libc::c_short, timeout: Duration) -> io::Result<li
     Ok(if n == 0 { 0 } else { pfd.revents })
 }
 
+impl AsRawFd for Port {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
 impl Port {
     /// Opens the device at `path` read-write and non-blocking.
     ///

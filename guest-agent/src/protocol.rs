@@ -206,44 +206,95 @@ pub fn handle_frame(frame: &Frame, methods: &mut dyn Methods) -> Option<String> 
 /// - The answer to `sync` starts with a newline, which ends any partial line an earlier session
 ///   left in the agent-to-host direction; the host discards everything up to the sync answer.
 pub fn handle_line(line: &[u8], methods: &mut dyn Methods) -> Option<String> {
+    match parse_line(line) {
+        Parsed::Nothing => None,
+        Parsed::Answer(text) => Some(text),
+        Parsed::Request { id, method, params } => {
+            let outcome = methods.call(&method, params);
+            Some(reply(&id, &method, outcome))
+        }
+    }
+}
+
+/// What one input line is, as [`parse_line`] reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Parsed {
+    /// Nothing to do: a blank line or a valid notification.
+    Nothing,
+    /// The line was no valid request: send this error back (no newline).
+    Answer(String),
+    /// A valid request to run, then answer with [`reply`].
+    Request {
+        /// Its id.
+        id: Value,
+        /// Its method.
+        method: String,
+        /// Its parameters (`None` when absent or `null`).
+        params: Option<Value>,
+    },
+}
+
+/// Reads one complete line (without its newline) under the rules of [`handle_line`], without
+/// running anything: the exec ports' server runs some requests itself (they read and write more
+/// than one line), and all of them go through the same envelope checks.
+pub fn parse_line(line: &[u8]) -> Parsed {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     if line.iter().all(u8::is_ascii_whitespace) {
-        return None;
+        return Parsed::Nothing;
     }
     let Ok(text) = std::str::from_utf8(line) else {
-        return Some(error_null(PARSE_ERROR, "invalid UTF-8"));
+        return Parsed::Answer(error_null(PARSE_ERROR, "invalid UTF-8"));
     };
     let value: Value = match serde_json::from_str(text) {
         Ok(value) => value,
-        Err(e) => return Some(error_null(PARSE_ERROR, format!("invalid JSON: {e}"))),
+        Err(e) => return Parsed::Answer(error_null(PARSE_ERROR, format!("invalid JSON: {e}"))),
     };
     let mut object = match value {
         Value::Object(object) => object,
-        Value::Array(_) => return Some(error_null(INVALID_REQUEST, "batch requests are not supported")),
-        _ => return Some(error_null(INVALID_REQUEST, "a request must be a JSON object")),
+        Value::Array(_) => return Parsed::Answer(error_null(INVALID_REQUEST, "batch requests are not supported")),
+        _ => return Parsed::Answer(error_null(INVALID_REQUEST, "a request must be a JSON object")),
     };
     let id = match object.remove("id") {
         None => None,
         Some(id @ (Value::String(_) | Value::Number(_) | Value::Null)) => Some(id),
-        Some(_) => return Some(error_null(INVALID_REQUEST, "id must be a string, a number or null")),
+        Some(_) => return Parsed::Answer(error_null(INVALID_REQUEST, "id must be a string, a number or null")),
     };
-    let request = check_envelope(object);
-    let id = match (id, &request) {
-        (Some(id), _) => id,
+    match (id, check_envelope(object)) {
+        (Some(id), Ok((method, params))) => Parsed::Request { id, method, params },
+        (Some(id), Err(e)) => Parsed::Answer(respond(&id, Err(e))),
         // A valid notification: never answered, so not run either.
-        (None, Ok(_)) => return None,
+        (None, Ok(_)) => Parsed::Nothing,
         // An invalid request is answered even without an id (JSON-RPC 2.0, section 5).
-        (None, Err(_)) => Value::Null,
-    };
-    let outcome = request.and_then(|(method, params)| {
-        let sync = method == "sync";
-        methods.call(&method, params).map(|result| (result, sync))
-    });
-    Some(match outcome {
-        Ok((result, true)) => format!("\n{}", respond(&id, Ok(result))),
-        Ok((result, false)) => respond(&id, Ok(result)),
-        Err(e) => respond(&id, Err(e)),
-    })
+        (None, Err(e)) => Parsed::Answer(respond(&Value::Null, Err(e))),
+    }
+}
+
+/// The answer (no newline) to request `id` of `method`: a success starts with a newline when the
+/// method is `sync` (see [`handle_line`]); an answer over [`MAX_FRAME`] becomes [`INTERNAL_ERROR`].
+pub fn reply(id: &Value, method: &str, outcome: Result<Value, RpcError>) -> String {
+    match outcome {
+        Ok(result) if method == "sync" => format!("\n{}", respond(id, Ok(result))),
+        outcome => respond(id, outcome),
+    }
+}
+
+/// A notification line (no newline): `{"jsonrpc":"2.0","method":METHOD,"params":PARAMS}`.
+///
+/// # Errors
+/// When `params` cannot be serialized or the line would exceed [`MAX_FRAME`].
+pub fn notification<T: Serialize>(method: &str, params: &T) -> Result<String, RpcError> {
+    #[derive(Serialize)]
+    struct Notification<'a, T> {
+        jsonrpc: &'static str,
+        method: &'a str,
+        params: &'a T,
+    }
+    let text = serde_json::to_string(&Notification { jsonrpc: "2.0", method, params })
+        .map_err(|e| RpcError::internal(format!("cannot serialize a notification: {e}")))?;
+    if text.len() > MAX_FRAME {
+        return Err(RpcError::internal(format!("notification of {} bytes exceeds the frame limit", text.len())));
+    }
+    Ok(text)
 }
 
 /// Checks `jsonrpc`, `method`, `params` and that no other member is present (the id is already

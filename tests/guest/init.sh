@@ -268,10 +268,14 @@ if grep -qw vmhost.shell /proc/cmdline; then
     ) &
 fi
 
-# The guest agent, when the image was built with one (EXTRA_FILES in build.sh).
-# Its output goes to the serial console, next to the kernel's.
+# The guest agent, when the image was built with one (EXTRA_FILES in build.sh), and the same
+# binary's exec-port server (commands, files, clock, shutdown, SSH keys: issue 29), as a real
+# guest runs them under vmhost-agent.service and vmhost-agent-exec.service. A hostile stand-in
+# packed as /bin/vmhost-agent is started both ways too (tests/guest/hostile/).
+# Their output goes to the serial console, next to the kernel's.
 if [ -x /bin/vmhost-agent ]; then
     /bin/vmhost-agent &
+    /bin/vmhost-agent --exec &
 fi
 
 # PID 1 must never exit (the kernel would panic). Console input goes to the

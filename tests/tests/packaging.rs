@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use vmhost_tests::{build_debs, run_ok, wait, workspace};
 
 const PACKAGES: [&str; 2] = ["vmhostd", "vmhost-agent"];
-const UNITS: [&str; 4] = ["vmhostd.service", "vmhostd.socket", "vmhost-guests.service", "vmhost-agent.service"];
+const UNITS: [&str; 5] =
+    ["vmhostd.service", "vmhostd.socket", "vmhost-guests.service", "vmhost-agent.service", "vmhost-agent-exec.service"];
 const UNIT_DIR: &str = "/lib/systemd/system";
 const CONFIG: &str = "/etc/vmhost/vmhostd.toml";
 const SOCKET: &str = "/run/vmhost/vmhostd.sock";
@@ -200,6 +201,7 @@ fn debs_install_verify_serve_and_purge_cleanly() {
         "/etc/systemd/system/multi-user.target.wants/vmhostd.service",
         "/etc/systemd/system/multi-user.target.wants/vmhost-guests.service",
         "/etc/systemd/system/multi-user.target.wants/vmhost-agent.service",
+        "/etc/systemd/system/multi-user.target.wants/vmhost-agent-exec.service",
     ] {
         assert!(fs::symlink_metadata(link).is_ok(), "{link} missing: unit not enabled");
     }
@@ -251,8 +253,13 @@ fn debs_install_verify_serve_and_purge_cleanly() {
     assert!(exposure <= MAX_EXPOSURE, "exposure {exposure} > {MAX_EXPOSURE}:\n{security}");
     // The guest unit is shipped as it is in the tree (guest-agent/src/freeze.rs tests that one
     // lets the agent freeze: CAP_SYS_ADMIN, the guest's real mounts).
-    let agent_unit = fs::read(Path::new(UNIT_DIR).join("vmhost-agent.service")).expect("agent unit");
-    assert_eq!(agent_unit, fs::read(workspace().join("guest-agent/vmhost-agent.service")).expect("unit in the tree"));
+    // The exec ports' unit too (unsandboxed by design: its comments say why).
+    for unit in ["vmhost-agent.service", "vmhost-agent-exec.service"] {
+        let shipped = fs::read(Path::new(UNIT_DIR).join(unit)).unwrap_or_else(|e| panic!("{unit}: {e}"));
+        let tree =
+            fs::read(workspace().join("guest-agent").join(unit)).unwrap_or_else(|e| panic!("{unit} in the tree: {e}"));
+        assert_eq!(shipped, tree, "{unit} is not shipped as it is in the tree");
+    }
     let socket_unit = fs::read_to_string(Path::new(UNIT_DIR).join("vmhostd.socket")).expect("socket unit");
     assert!(socket_unit.lines().any(|l| l == format!("ListenStream={SOCKET}")), "socket unit and config disagree");
 
