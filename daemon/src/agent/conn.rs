@@ -91,6 +91,13 @@ impl AgentConn {
         self.wait_reply(&json!(id), timeout).await
     }
 
+    /// The synchronised stream, the bytes already read past the last reply and the next free
+    /// request id: for a session that goes on with bulk transfers of its own (an exec port's,
+    /// [`super::exec::session`]) after [`AgentConn::connect`].
+    pub fn into_parts(self) -> (UnixStream, LineReader, u64) {
+        (self.stream, self.reader, self.next_id)
+    }
+
     async fn write_line(&mut self, text: &str) -> Result<(), AgentError> {
         let mut bytes = text.as_bytes().to_vec();
         bytes.push(b'\n');

@@ -337,7 +337,7 @@ impl VmOp {
     }
 
     /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP, agent and
-    /// serial console sockets (bound here, in the run dir only the daemon can enter), the serial log, the taps
+    /// serial console sockets and the exec ports' (bound here, in the run dir only the daemon can enter), the serial log, the taps
     /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
     /// initrd (copied here when this file version has no copy yet) and, with `user_data`, the
@@ -436,6 +436,10 @@ impl VmOp {
                 PassedFd::UefiCode => read_only(&mgr.config.firmware.uefi_code)?,
                 PassedFd::UefiVars => read_write(&paths.uefi_vars())?,
                 PassedFd::UefiVarsRo => read_only(&paths.uefi_vars())?,
+                PassedFd::Exec(i) => {
+                    let Some(socket) = paths.exec.get(i) else { continue };
+                    listen(socket)?
+                }
                 PassedFd::Kernel | PassedFd::Initrd => {
                     let BootSource::Kernel { kernel, initrd, .. } = &vm.boot else { continue };
                     let (field, path) = match (which, initrd) {

@@ -43,6 +43,10 @@ pub const UEFI_VARS_NODE: &str = "uefi-vars";
 /// virtio-serial port name the guest agent looks for.
 pub const AGENT_PORT_NAME: &str = "org.vmhost.agent.0";
 
+/// Exec ports (slots) every VM gets: `org.vmhost.exec.0` to `.7`, served by
+/// `vmhost-agent --exec` ([`vmhost_agent_protocol::exec`]).
+pub const EXEC_SLOTS: usize = vmhost_agent_protocol::exec::EXEC_SLOTS;
+
 /// Where one VM's files live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmPaths {
@@ -57,6 +61,10 @@ pub struct VmPaths {
     pub qmp_stats: PathBuf,
     /// Guest agent chardev socket.
     pub agent: PathBuf,
+    /// The exec ports' chardev sockets, slot `i` at index `i` (`RUN/NAME/execI`: no dot, so
+    /// the longest is as long as `agent` and [`crate::config::MAX_RUN_DIR_LEN`] holds). A VM
+    /// whose QEMU a vmhostd before issue 29 started has none of these files.
+    pub exec: Vec<PathBuf>,
     /// The serial console's socket (`con`, short: every socket path must fit `sun_path` for a
     /// [`crate::config::MAX_RUN_DIR_LEN`] run dir); the daemon connects to it while clients are
     /// attached ([`crate::console`]).
@@ -87,6 +95,7 @@ impl VmPaths {
             qmp_events: run_dir.join("qmpev"),
             qmp_stats: run_dir.join("qmpst"),
             agent: run_dir.join("agent"),
+            exec: (0..EXEC_SLOTS).map(|i| run_dir.join(format!("exec{i}"))).collect(),
             console: run_dir.join("con"),
             run_dir,
             serial_log: config.paths.state.join("logs").join(format!("{name}.serial.log")),
@@ -189,6 +198,9 @@ pub enum PassedFd {
     /// The variables store, read-only, in the same fd set (QEMU may open it read-only first,
     /// as an image).
     UefiVarsRo,
+    /// The listening socket of exec port `i` ([`VmPaths::exec`]). Last of all, so every other
+    /// descriptor keeps the number VMs started before exec ports had.
+    Exec(usize),
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -215,6 +227,7 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
     if vm.spec.boot.firmware == Firmware::Uefi {
         fds.extend([PassedFd::UefiCode, PassedFd::UefiVars, PassedFd::UefiVarsRo]);
     }
+    fds.extend((0..EXEC_SLOTS).map(PassedFd::Exec));
     fds
 }
 
@@ -293,6 +306,12 @@ pub fn build_argv(
     push(&["-device", "virtio-serial-pci,id=vser0"]);
     push(&["-chardev", &format!("socket,id=agent0,fd={},server=on,wait=off", fd(PassedFd::Agent))]);
     push(&["-device", &format!("virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}")]);
+    // Always there, also when exec is off: the clock, shutdown and SSH keys use them too.
+    for slot in 0..EXEC_SLOTS {
+        push(&["-chardev", &format!("socket,id=exec{slot},fd={},server=on,wait=off", fd(PassedFd::Exec(slot)))]);
+        let port = vmhost_agent_protocol::exec::exec_port_name(slot);
+        push(&["-device", &format!("virtserialport,bus=vser0.0,chardev=exec{slot},name={port}")]);
+    }
     if uefi {
         // OVMF's code read-only and the VM's variables store read-write, each a `file` node
         // over its fd set under a `raw` node, as libvirt does with paths. QEMU never sees
@@ -448,6 +467,41 @@ mod tests {
         build_argv(&v, c, &p, &[], "qcow2").into_iter().map(|o| o.into_string().unwrap()).collect()
     }
 
+    /// The descriptors before the exec ports, which come last in every layout
+    /// (`exec_ports_are_the_last_descriptors`).
+    fn before_exec(v: &ValidSpec) -> Vec<PassedFd> {
+        let mut fds = passed_fds(v, 0);
+        fds.truncate(fds.len() - EXEC_SLOTS);
+        fds
+    }
+
+    #[test]
+    fn exec_ports_are_the_last_descriptors() {
+        let c = config();
+        let mut s = spec("vm-1");
+        let argv = argv_of(&s, &c);
+        let layout = passed_fds(&validate_spec(&s, &c).unwrap(), 0);
+        let tail: Vec<PassedFd> = (0..EXEC_SLOTS).map(PassedFd::Exec).collect();
+        assert_eq!(layout[layout.len() - EXEC_SLOTS..], tail);
+        let first = 3 + layout.len() - EXEC_SLOTS;
+        for slot in 0..EXEC_SLOTS {
+            let chardev = format!("socket,id=exec{slot},fd={},server=on,wait=off", first + slot);
+            assert!(argv.contains(&chardev), "{chardev} in {argv:?}");
+            let port = format!("virtserialport,bus=vser0.0,chardev=exec{slot},name=org.vmhost.exec.{slot}");
+            assert!(argv.contains(&port), "{port}");
+        }
+        // Also with a UEFI VM's three descriptors: still last.
+        s.boot = BootSpec {
+            image: Some("base.qcow2".into()),
+            disk_gib: Some(4),
+            firmware: Firmware::Uefi,
+            ..BootSpec::default()
+        };
+        let layout = passed_fds(&validate_spec(&s, &c).unwrap(), 0);
+        assert_eq!(layout[layout.len() - EXEC_SLOTS - 1], PassedFd::UefiVarsRo);
+        assert_eq!(layout[layout.len() - EXEC_SLOTS..], tail);
+    }
+
     fn value_after<'a>(argv: &'a [String], flag: &str) -> Vec<&'a str> {
         argv.windows(2).filter(|w| w[0] == flag).map(|w| w[1].as_str()).collect()
     }
@@ -470,7 +524,7 @@ mod tests {
         assert!(!argv.iter().any(|a| a.contains("/boot/")), "{argv:?}");
         let v = validate_spec(&s, &c).unwrap();
         assert_eq!(
-            passed_fds(&v, 0),
+            before_exec(&v),
             [
                 PassedFd::Qmp,
                 PassedFd::Agent,
@@ -491,7 +545,7 @@ mod tests {
         );
         s.boot.initrd = None;
         let v = validate_spec(&s, &c).unwrap();
-        assert_eq!(passed_fds(&v, 0), KERNEL_ONLY_FDS);
+        assert_eq!(before_exec(&v), KERNEL_ONLY_FDS);
         assert!(!argv_of(&s, &c).contains(&"-initrd".to_string()));
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0"]);
         // In the foreground (the spawner holds it), under QEMU's own seccomp filter.
@@ -533,7 +587,7 @@ mod tests {
         s.user_data = Some("#cloud-config\n".into());
         let v = validate_spec(&s, &c).unwrap();
         // The seed after everything else: the other descriptors keep their numbers.
-        assert_eq!(passed_fds(&v, 0), [KERNEL_ONLY_FDS.as_slice(), &[PassedFd::Seed]].concat());
+        assert_eq!(before_exec(&v), [KERNEL_ONLY_FDS.as_slice(), &[PassedFd::Seed]].concat());
         let argv = argv_of(&s, &c);
         assert_eq!(
             value_after(&argv, "-add-fd"),
@@ -563,7 +617,7 @@ mod tests {
             keep_on_destroy: false,
         }];
         let v = validate_spec(&s, &c).unwrap();
-        assert_eq!(passed_fds(&v, 0)[7..], [PassedFd::DataDisk(0), PassedFd::DataDiskRo(0), PassedFd::Seed]);
+        assert_eq!(before_exec(&v)[7..], [PassedFd::DataDisk(0), PassedFd::DataDiskRo(0), PassedFd::Seed]);
         let argv = argv_of(&s, &c);
         let disks: Vec<&str> =
             value_after(&argv, "-device").into_iter().filter(|d| d.starts_with("virtio-blk")).collect();
@@ -588,7 +642,7 @@ mod tests {
         s.boot = BootSpec { image: Some("base.qcow2".into()), disk_gib: Some(4), ..BootSpec::default() };
         let v = validate_spec(&s, &c).unwrap();
         assert_eq!(
-            passed_fds(&v, 0),
+            before_exec(&v),
             [
                 PassedFd::Qmp,
                 PassedFd::Agent,
@@ -643,7 +697,7 @@ mod tests {
         s.disks =
             vec![disk("nsm", DiskFormat::Raw, DiskCache::None), disk("logs", DiskFormat::Qcow2, DiskCache::Writeback)];
         let v = validate_spec(&s, &c).unwrap();
-        let layout = passed_fds(&v, 0);
+        let layout = before_exec(&v);
         assert_eq!(
             &layout[layout.len() - 4..],
             [PassedFd::DataDisk(0), PassedFd::DataDiskRo(0), PassedFd::DataDisk(1), PassedFd::DataDiskRo(1)]
@@ -701,7 +755,7 @@ mod tests {
         s.boot = BootSpec { disk: Some("old-vm.qcow2".into()), ..BootSpec::default() };
         let v = validate_spec(&s, &c).unwrap();
         assert_eq!(
-            passed_fds(&v, 0),
+            before_exec(&v),
             [
                 PassedFd::Qmp,
                 PassedFd::Agent,
@@ -748,7 +802,7 @@ mod tests {
         s.boot.firmware = Firmware::Uefi;
         let uefi = [PassedFd::UefiCode, PassedFd::UefiVars, PassedFd::UefiVarsRo];
         let v = validate_spec(&s, &c).unwrap();
-        assert_eq!(passed_fds(&v, 0), [KERNEL_ONLY_FDS.as_slice(), &uefi].concat());
+        assert_eq!(before_exec(&v), [KERNEL_ONLY_FDS.as_slice(), &uefi].concat());
         let argv = argv_of(&s, &c);
         assert_eq!(value_after(&argv, "-machine"), ["q35,pflash0=uefi-code,pflash1=uefi-vars"]);
         assert_eq!(
@@ -781,7 +835,7 @@ mod tests {
         // With a seed (user_data) and data disks: after those too.
         s.user_data = Some("#cloud-config\n".into());
         let v = validate_spec(&s, &c).unwrap();
-        assert_eq!(passed_fds(&v, 0), [KERNEL_ONLY_FDS.as_slice(), &[PassedFd::Seed], &uefi].concat());
+        assert_eq!(before_exec(&v), [KERNEL_ONLY_FDS.as_slice(), &[PassedFd::Seed], &uefi].concat());
         // An image VM: after its overlay, base, seed and monitors.
         s.user_data = None;
         s.boot = BootSpec {
@@ -791,8 +845,8 @@ mod tests {
             ..BootSpec::default()
         };
         let v = validate_spec(&s, &c).unwrap();
-        let layout = passed_fds(&v, 0);
-        assert_eq!(layout[..10], passed_fds(&validate_spec(&bios(&s), &c).unwrap(), 0)[..]);
+        let layout = before_exec(&v);
+        assert_eq!(layout[..10], before_exec(&validate_spec(&bios(&s), &c).unwrap())[..]);
         assert_eq!(layout[10..], uefi);
         // A BIOS VM's command line has none of it.
         let argv = argv_of(&bios(&s), &c);
@@ -825,7 +879,7 @@ mod tests {
             .collect();
         assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6", "tap,id=net1,fd=7"]);
         assert_eq!(
-            passed_fds(&v, 2)[3..],
+            passed_fds(&v, 2)[3..passed_fds(&v, 2).len() - EXEC_SLOTS],
             [
                 PassedFd::Tap(0),
                 PassedFd::Tap(1),
@@ -907,5 +961,7 @@ mod tests {
         let p = VmPaths::for_vm(&c, &"n".repeat(63));
         assert_eq!(p.agent.as_os_str().len(), 107);
         assert!(p.qmp.as_os_str().len() <= 107);
+        assert_eq!(p.exec.len(), EXEC_SLOTS);
+        assert!(p.exec.iter().all(|e| e.as_os_str().len() <= 107), "{:?}", p.exec);
     }
 }
