@@ -1435,6 +1435,7 @@ mod tests {
         (Code::ImageInUse, "lifecycle::images (image.delete)"),
         (Code::ImageExists, "lifecycle::images (image.import)"),
         (Code::NotFrozen, "lifecycle::snapshots (requires frozen)"),
+        (Code::SlotsBusy, "lifecycle::housekeeping (every exec slot taken)"),
     ];
 
     /// The codes of docs/api.md's error table, in its order.

@@ -75,6 +75,9 @@ pub enum Code {
     /// systems cannot all be frozen (no agent session, its freeze failed, a file system it
     /// skipped); `details: {consistency, reason, frozen, skipped}`. Nothing was copied or kept.
     NotFrozen,
+    /// All 8 exec slots of the VM are in use (`vm.exec`, transfers, housekeeping);
+    /// `details.slots`. Try again when one is free.
+    SlotsBusy,
 }
 
 impl Code {
@@ -108,6 +111,7 @@ impl Code {
             Code::ImageInUse => 4092,
             Code::ImageExists => 4093,
             Code::NotFrozen => 4094,
+            Code::SlotsBusy => 4096,
         }
     }
 
@@ -141,6 +145,7 @@ impl Code {
             Code::ImageInUse => "image_in_use",
             Code::ImageExists => "image_exists",
             Code::NotFrozen => "not_frozen",
+            Code::SlotsBusy => "slots_busy",
         }
     }
 
@@ -151,7 +156,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 27] = [
+pub const ALL_CODES: [Code; 28] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -179,6 +184,7 @@ pub const ALL_CODES: [Code; 27] = [
     Code::ImageInUse,
     Code::ImageExists,
     Code::NotFrozen,
+    Code::SlotsBusy,
 ];
 
 /// `error.data` of every vmhost error.
