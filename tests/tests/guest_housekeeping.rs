@@ -93,10 +93,8 @@ fn a_guest_gets_its_keys_its_clock_and_an_agent_power_off() {
 
     // 3. vm.guest_info shows the OS (the initramfs has no os-release: give it one).
     let release = "PRETTY_NAME=\"vmhost test guest 29\"\nID=vmhost\n";
-    let pushed = host.call(
-        "vm.file_push",
-        json!({"name": "house", "path": "/etc/os-release", "content": b64(release.as_bytes())}),
-    );
+    let pushed = host
+        .call("vm.file_push", json!({"name": "house", "path": "/etc/os-release", "content": b64(release.as_bytes())}));
     assert_eq!(pushed["size"], release.len(), "{pushed}");
     let info = host.call("vm.guest_info", json!({"name": "house"}));
     assert_eq!(info["os"], "vmhost test guest 29", "{info}");
@@ -159,7 +157,8 @@ fn b64(bytes: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::new();
     for c in bytes.chunks(3) {
-        let n = (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
+        let n =
+            (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
         for i in 0..4 {
             if i <= c.len() {
                 out.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
