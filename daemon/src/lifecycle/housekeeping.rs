@@ -85,8 +85,9 @@ async fn request<P: Serialize, R: DeserializeOwned>(
         .map_err(|e| exec_error(name, method, e))
 }
 
-/// Logs the audit line of a housekeeping action and emits its event.
-fn audit(mgr: &Manager, name: &str, peer_uid: u32, kind: GuestActionKind, slot: usize, what: &str) {
+/// Logs the audit line of a housekeeping action (asked of the guest on `slot`, or failed
+/// before) and emits its event.
+fn audit(mgr: &Manager, name: &str, peer_uid: u32, kind: GuestActionKind, slot: Option<usize>, what: &str) {
     tracing::info!(target: "vmhost::audit", peer_uid, vm = name, action = ?kind, slot, "{what}");
     let status = mgr.record(name).ok().map(|r| r.status);
     let action = GuestAction {
@@ -109,17 +110,19 @@ fn audit(mgr: &Manager, name: &str, peer_uid: u32, kind: GuestActionKind, slot: 
 /// As [`request`].
 pub(crate) async fn sync_time(mgr: &Manager, name: &str, peer_uid: u32) -> Result<SyncTimeReply, ApiError> {
     let sent = host_now_ns();
-    let (reply, slot): (TimeSetReply, usize) = request(mgr, name, "time.set", &TimeSetParams { unix_ns: sent }).await?;
-    let synced = sync_reply(sent, &reply);
-    audit(
-        mgr,
-        name,
-        peer_uid,
-        GuestActionKind::SyncTime,
-        slot,
-        &format!("guest sync_time: clock was {}, offset {} ms", synced.before, synced.offset_ms),
-    );
-    Ok(synced)
+    let kind = GuestActionKind::SyncTime;
+    match request::<_, TimeSetReply>(mgr, name, "time.set", &TimeSetParams { unix_ns: sent }).await {
+        Ok((reply, slot)) => {
+            let synced = sync_reply(sent, &reply);
+            let what = format!("guest sync_time: clock was {}, offset {} ms", synced.before, synced.offset_ms);
+            audit(mgr, name, peer_uid, kind, Some(slot), &what);
+            Ok(synced)
+        }
+        Err(e) => {
+            audit(mgr, name, peer_uid, kind, None, &format!("guest sync_time failed: {}", e.message));
+            Err(e)
+        }
+    }
 }
 
 /// [`sync_time`] that vmhostd starts on its own (`why`: a paused guest runs again); a
@@ -164,10 +167,18 @@ impl PowerOff {
 /// # Errors
 /// As [`request`].
 pub(super) async fn ask_shutdown(mgr: &Manager, name: &str, peer_uid: u32) -> Result<ShutdownReply, ApiError> {
-    let (reply, slot): (ShutdownReply, usize) = request(mgr, name, "guest.shutdown", &json!({})).await?;
-    let how = crate::guest_text::GuestText(&reply.how).to_string();
-    audit(mgr, name, peer_uid, GuestActionKind::Shutdown, slot, &format!("guest shutdown asked: {how}"));
-    Ok(reply)
+    let kind = GuestActionKind::Shutdown;
+    match request::<_, ShutdownReply>(mgr, name, "guest.shutdown", &json!({})).await {
+        Ok((reply, slot)) => {
+            let how = crate::guest_text::GuestText(&reply.how).to_string();
+            audit(mgr, name, peer_uid, kind, Some(slot), &format!("guest shutdown asked: {how}"));
+            Ok(reply)
+        }
+        Err(e) => {
+            audit(mgr, name, peer_uid, kind, None, &format!("guest shutdown failed: {}", e.message));
+            Err(e)
+        }
+    }
 }
 
 /// Writes the recorded spec's `ssh` keys into the guest (`ssh.authorize`); `None` when the

@@ -95,8 +95,8 @@ pub struct Manager {
     processes: processes::Processes,
     /// Guest agent sessions, one per running VM.
     agents: Arc<crate::agent::supervisor::AgentHub>,
-    /// The exec slots of every VM: housekeeping requests take one like `vm.exec` does.
-    exec_slots: Arc<crate::agent::exec::slots::ExecSlots>,
+    /// Each VM's exec slots ([`exec`]): which of its exec ports a call holds.
+    exec_slots: crate::agent::exec::slots::ExecSlots,
     /// `vm.stats`' connections to each running QEMU's stats monitor.
     stats_monitors: crate::stats::sampler::Samplers,
     /// Each running QEMU's kept QMP session (its event monitor), lent to operations.
@@ -204,7 +204,7 @@ impl Manager {
             pci: Arc::new(crate::pci::Pci::real()),
             processes,
             agents: Arc::default(),
-            exec_slots: Arc::default(),
+            exec_slots: Default::default(),
             stats_monitors: Default::default(),
             qmp_sessions: Arc::default(),
             images,

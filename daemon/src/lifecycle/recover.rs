@@ -265,7 +265,7 @@ mod tests {
             pci: Arc::new(crate::pci::Pci::new(Box::new(Arc::clone(sysfs)))),
             processes: super::super::processes::Processes::new(config.clone()),
             agents: Arc::default(),
-            exec_slots: Arc::default(),
+            exec_slots: Default::default(),
             stats_monitors: Default::default(),
             qmp_sessions: Arc::default(),
             images: crate::images::Store::open(&config).unwrap(),
