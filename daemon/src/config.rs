@@ -346,6 +346,33 @@ impl Default for ImagesConfig {
     }
 }
 
+/// `[agent]`: what the guest's exec server may be asked (docs/guest-exec.md).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentConfig {
+    /// Whether `vm.exec`, `vm.file_push` and `vm.file_pull` may run at all (default false:
+    /// 4095 with `details.reason: "host"`). A VM's spec can still refuse them
+    /// (`guest_exec: false`).
+    pub allow_exec: bool,
+    /// The directory `vm.file_push`'s `source` names files beneath (absolute); without it a
+    /// `source` is refused.
+    pub files_dir: Option<PathBuf>,
+    /// Largest `source` file, in MiB (1 to 4096).
+    pub max_file_mib: u64,
+}
+
+/// Default `[agent] max_file_mib`.
+pub const DEFAULT_MAX_FILE_MIB: u64 = 64;
+
+/// Largest `[agent] max_file_mib`.
+pub const MAX_FILE_MIB: u64 = 4096;
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig { allow_exec: false, files_dir: None, max_file_mib: DEFAULT_MAX_FILE_MIB }
+    }
+}
+
 /// `[storage]` as written: `overcommit` is a ratio.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -457,6 +484,8 @@ struct RawConfig {
     storage: RawStorage,
     #[serde(default)]
     images: ImagesConfig,
+    #[serde(default)]
+    agent: AgentConfig,
     hardware: RawHardware,
     #[serde(default)]
     networks: BTreeMap<String, RawNetwork>,
@@ -539,6 +568,8 @@ pub struct Config {
     pub storage: StorageConfig,
     /// `[images]`.
     pub images: ImagesConfig,
+    /// `[agent]`.
+    pub agent: AgentConfig,
     /// Socket mode parsed from `access.socket_mode`.
     pub socket_mode: u32,
     /// `[hardware]`.
@@ -611,6 +642,19 @@ impl Config {
         }
         if !raw.images.curl.is_absolute() {
             return Err(key_err("images.curl", format!("{} is not an absolute path", raw.images.curl.display())));
+        }
+        if let Some(dir) = &raw.agent.files_dir {
+            // Lexical, like paths.boot: a request names a path beneath it.
+            let text = dir.to_string_lossy();
+            if !dir.is_absolute() || text.split('/').any(|c| c == "." || c == "..") {
+                return Err(key_err(
+                    "agent.files_dir",
+                    format!("{text:?} is not an absolute path without . or .. components"),
+                ));
+            }
+        }
+        if !(1..=MAX_FILE_MIB).contains(&raw.agent.max_file_mib) {
+            return Err(key_err("agent.max_file_mib", format!("must be between 1 and {MAX_FILE_MIB}")));
         }
         if raw.images.download_ports.contains(&0) {
             return Err(key_err("images.download_ports", "0 is not a port".to_string()));
@@ -830,6 +874,7 @@ impl Config {
             logs: raw.logs,
             storage,
             images: raw.images,
+            agent: raw.agent,
             socket_mode,
             hardware: Hardware {
                 cpu: h.cpu,
@@ -908,6 +953,8 @@ reserved_memory_gib = 8
             format!("[qemu]\nlaunch_timeout_s = 0\n{hw}"),
             format!("[qemu]\nhotplug_ports = 9\n{hw}"),
             format!("[qemu]\nhotplug_ports = -1\n{hw}"),
+            format!("[agent]\nfiles_dir = \"files\"\n{hw}"),
+            format!("[agent]\nmax_file_mib = 0\n{hw}"),
             format!("{hw}[hardware.sfp]\nfive = \"0000:ca:00.0\"\n"),
             format!("{hw}[hardware.sfp]\n5 = \"ca:00\"\n"),
             format!("{hw}[networks.lan]\nsubnet = \"10.0.0.0/24\"\n"),
@@ -1200,6 +1247,18 @@ reserved_memory_gib = 8
         }
         let (key, _) = key_error(&format!("[firmware]\nsecure_boot = true\n{hw}"));
         assert_eq!(key, "firmware.secure_boot");
+    }
+
+    #[test]
+    fn agent_exec_is_off_by_default_and_files_dir_must_be_absolute() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(hw).unwrap();
+        assert_eq!(c.agent, AgentConfig { allow_exec: false, files_dir: None, max_file_mib: 64 });
+        let c = parse(&format!("[agent]\nallow_exec = true\nfiles_dir = \"/srv/f\"\nmax_file_mib = 8\n{hw}")).unwrap();
+        assert_eq!(c.agent, AgentConfig { allow_exec: true, files_dir: Some("/srv/f".into()), max_file_mib: 8 });
+        for bad in ["files_dir = \"/srv/../etc\"", "max_file_mib = 4097", "allow = true"] {
+            assert!(parse(&format!("[agent]\n{bad}\n{hw}")).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! than [`CAPACITY`] events behind loses the oldest ones (it is told how many via a log line)
 //! rather than slowing the daemon down.
 
+use crate::api::exec::GuestAction;
 use crate::api::{now_rfc3339, Event, VmStatus};
 use tokio::sync::broadcast;
 
@@ -25,8 +26,22 @@ impl Default for EventBus {
 impl EventBus {
     /// Publishes a change of `vm` from `from` to `to`. No subscriber is fine.
     pub fn emit(&self, vm: &str, from: Option<VmStatus>, to: Option<VmStatus>, reason: impl Into<String>) {
-        let event = Event { vm: vm.to_string(), from, to, reason: reason.into(), time: now_rfc3339() };
+        let event = Event { vm: vm.to_string(), from, to, reason: reason.into(), time: now_rfc3339(), guest: None };
         tracing::info!(vm, from = ?from, to = ?to, reason = %event.reason, "vm event");
+        let _ = self.tx.send(event);
+    }
+
+    /// Publishes a guest action on `vm` (a command, a transfer, a clock set, a shutdown asked
+    /// of the guest): `from` and `to` are both its current status.
+    pub fn emit_guest(&self, vm: &str, status: Option<VmStatus>, reason: impl Into<String>, guest: GuestAction) {
+        let event = Event {
+            vm: vm.to_string(),
+            from: status,
+            to: status,
+            reason: reason.into(),
+            time: now_rfc3339(),
+            guest: Some(guest),
+        };
         let _ = self.tx.send(event);
     }
 

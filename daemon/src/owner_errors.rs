@@ -20,6 +20,8 @@
 
 use serde_json::{json, Value};
 
+use crate::agent::exec::files::SourceError;
+use crate::agent::exec::session::ExecError;
 use crate::api::{ApiError, Code};
 use crate::backup::{BackupError, ManifestError};
 use crate::disk::data::DataDiskError;
@@ -38,6 +40,42 @@ use crate::seed::SeedError;
 /// An error with `code`, the owner's text as the message and `field` when there is one.
 fn api(code: Code, e: &impl std::fmt::Display, field: Option<&str>) -> ApiError {
     ApiError { code, message: e.to_string(), field: field.map(str::to_string), details: Value::Null }
+}
+
+impl From<ExecError> for ApiError {
+    fn from(e: ExecError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            ExecError::Busy(_) => ApiError::new(Code::SlotsBusy, message)
+                .field("name")
+                .details(json!({"slots": crate::agent::exec::slots::EXEC_SLOTS})),
+            ExecError::NoPorts | ExecError::NoServer { .. } | ExecError::NotServed(_) | ExecError::Session(_) => {
+                ApiError::new(Code::AgentNotConnected, message).field("name")
+            }
+            ExecError::Timeout { .. } => ApiError::new(Code::AgentTimeout, message).field("name"),
+            ExecError::Refused { code, message: guest, data, .. } => ApiError::new(Code::ProvisioningFailed, message)
+                .details(json!({"agent_error": {"code": code, "message": guest, "data": data}})),
+            ExecError::Checksum { what, expected, found, bytes } => {
+                let field = (what == "the content").then_some("sha256");
+                let e = ApiError::new(Code::ChecksumMismatch, message)
+                    .details(json!({"expected": expected, "found": found, "bytes": bytes}));
+                match field {
+                    Some(f) => e.field(f),
+                    None => e,
+                }
+            }
+            ExecError::CallerGone => ApiError::internal(message),
+            ExecError::Source { .. } => {
+                ApiError::new(Code::ProvisioningFailed, message).field("source").details(json!({"step": "source"}))
+            }
+        }
+    }
+}
+
+impl From<SourceError> for ApiError {
+    fn from(e: SourceError) -> ApiError {
+        ApiError::new(Code::InvalidParams, e.to_string()).field("source")
+    }
 }
 
 impl From<AttachError> for ApiError {
@@ -483,6 +521,43 @@ mod tests {
     fn cases() -> Vec<Case> {
         let a = pci("0000:00:05.0");
         vec![
+            case(
+                "exec: all slots busy",
+                ExecError::Busy(crate::agent::exec::slots::SlotsBusy),
+                Code::SlotsBusy,
+                Some("name"),
+            ),
+            case("exec: no exec ports", ExecError::NoPorts, Code::AgentNotConnected, Some("name")),
+            case(
+                "exec: no reply in time",
+                ExecError::Timeout { method: "exec".into(), after: std::time::Duration::from_secs(70) },
+                Code::AgentTimeout,
+                Some("name"),
+            ),
+            case(
+                "exec: the guest refused",
+                ExecError::Refused { method: "exec".into(), code: 5100, message: "no".into(), data: Value::Null },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "exec: pushed content is not what sha256 says",
+                ExecError::Checksum { what: "the content", expected: "a".into(), found: "b".into(), bytes: 1 },
+                Code::ChecksumMismatch,
+                Some("sha256"),
+            ),
+            case(
+                "exec: a pulled file is not what the guest says",
+                ExecError::Checksum { what: "the file received", expected: "a".into(), found: "b".into(), bytes: 1 },
+                Code::ChecksumMismatch,
+                None,
+            ),
+            case(
+                "exec: source escapes files_dir",
+                SourceError::NotRelative("../x".into()),
+                Code::InvalidParams,
+                Some("source"),
+            ),
             case(
                 "net: NIC on an unknown network",
                 AttachError::NoNetwork { nic: 1, network: "lan".into() },
@@ -1435,7 +1510,7 @@ mod tests {
         (Code::ImageInUse, "lifecycle::images (image.delete)"),
         (Code::ImageExists, "lifecycle::images (image.import)"),
         (Code::NotFrozen, "lifecycle::snapshots (requires frozen)"),
-        (Code::SlotsBusy, "lifecycle::housekeeping (every exec slot taken)"),
+        (Code::ExecDisabled, "lifecycle::exec (allow_exec, guest_exec)"),
     ];
 
     /// The codes of docs/api.md's error table, in its order.

@@ -80,6 +80,7 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         restart_policy,
         user_data,
         ssh: _,
+        guest_exec,
     } = a;
     *name == b.name
         && *role == b.role
@@ -92,6 +93,7 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         && *nics == b.nics
         && *restart_policy == b.restart_policy
         && *user_data == b.user_data
+        && *guest_exec == b.guest_exec
 }
 
 /// What turning a VM's `current` spec into `desired` takes.
@@ -117,8 +119,9 @@ pub enum Change {
 /// The fields whose change needs no restart: a disk grows live, the restart policy is the
 /// daemon's own business, and cloud-init reads user-data at a first boot only, so a running
 /// guest has nothing to take from a new one (the seed is written from the recorded spec at the
-/// next start, like the rest of it).
-const LIVE_FIELDS: [&str; 3] = ["boot.disk_gib", "restart_policy", "user_data"];
+/// next start, like the rest of it). `guest_exec` is only checked by the daemon when a call
+/// comes.
+const LIVE_FIELDS: [&str; 4] = ["boot.disk_gib", "restart_policy", "user_data", "guest_exec"];
 
 /// Whether a running VM must restart for a change of `fields`.
 pub fn needs_restart(fields: &[String]) -> bool {

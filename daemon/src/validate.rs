@@ -617,6 +617,7 @@ reserved_memory_gib = 4
             restart_policy: Default::default(),
             user_data: None,
             ssh: None,
+            guest_exec: true,
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),

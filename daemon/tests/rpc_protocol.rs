@@ -57,6 +57,7 @@ fn event(i: u32) -> Event {
         to: Some(VmStatus::Running),
         reason: "test".into(),
         time: api::now_rfc3339(),
+        guest: None,
     }
 }
 

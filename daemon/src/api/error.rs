@@ -75,8 +75,11 @@ pub enum Code {
     /// systems cannot all be frozen (no agent session, its freeze failed, a file system it
     /// skipped); `details: {consistency, reason, frozen, skipped}`. Nothing was copied or kept.
     NotFrozen,
-    /// All 8 exec slots of the VM are in use (`vm.exec`, transfers, housekeeping);
-    /// `details.slots`. Try again when one is free.
+    /// `vm.exec`, `vm.file_push`, `vm.file_pull` are not allowed: by the host's config
+    /// (`[agent] allow_exec = false`, `details.reason: "host"`) or by the VM's spec
+    /// (`guest_exec: false`, `details.reason: "spec"`).
+    ExecDisabled,
+    /// All exec slots of the VM are in use (`details.slots`); retry when one ends.
     SlotsBusy,
 }
 
@@ -111,6 +114,7 @@ impl Code {
             Code::ImageInUse => 4092,
             Code::ImageExists => 4093,
             Code::NotFrozen => 4094,
+            Code::ExecDisabled => 4095,
             Code::SlotsBusy => 4096,
         }
     }
@@ -145,6 +149,7 @@ impl Code {
             Code::ImageInUse => "image_in_use",
             Code::ImageExists => "image_exists",
             Code::NotFrozen => "not_frozen",
+            Code::ExecDisabled => "exec_disabled",
             Code::SlotsBusy => "slots_busy",
         }
     }
@@ -156,7 +161,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 28] = [
+pub const ALL_CODES: [Code; 29] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -184,6 +189,7 @@ pub const ALL_CODES: [Code; 28] = [
     Code::ImageInUse,
     Code::ImageExists,
     Code::NotFrozen,
+    Code::ExecDisabled,
     Code::SlotsBusy,
 ];
 
@@ -301,6 +307,13 @@ mod tests {
         assert_eq!((Code::NotFrozen.as_i32(), Code::NotFrozen.kind()), (4094, "not_frozen"));
         assert_eq!(serde_json::to_value(Code::NotFrozen).unwrap(), "not_frozen");
         assert_eq!(Code::from_i32(4094), Some(Code::NotFrozen));
+    }
+
+    #[test]
+    fn exec_codes_are_4095_and_4096() {
+        assert_eq!((Code::ExecDisabled.as_i32(), Code::ExecDisabled.kind()), (4095, "exec_disabled"));
+        assert_eq!((Code::SlotsBusy.as_i32(), Code::SlotsBusy.kind()), (4096, "slots_busy"));
+        assert_eq!(serde_json::to_value(Code::SlotsBusy).unwrap(), "slots_busy");
     }
 
     #[test]

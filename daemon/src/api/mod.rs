@@ -8,6 +8,7 @@
 pub mod backup;
 pub mod disks;
 pub mod error;
+pub mod exec;
 pub mod housekeeping;
 pub mod images;
 pub mod snapshots;
@@ -109,6 +110,14 @@ pub struct VmSpec {
     /// records compare and serialize as they did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssh: Option<SshSpec>,
+    /// Whether `vm.exec`, `vm.file_push` and `vm.file_pull` may run in this VM (default true;
+    /// the host must also allow them with `[agent] allow_exec`). Changed without a restart.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub guest_exec: bool,
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// One NIC of a VM: a tap on a configured network.
@@ -793,6 +802,10 @@ pub struct Event {
     pub reason: String,
     /// RFC 3339 time.
     pub time: String,
+    /// The command, transfer or housekeeping call made in the guest, for events about one
+    /// (`from` and `to` are then the VM's current status).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<exec::GuestAction>,
 }
 
 /// RFC 3339 UTC timestamp with seconds, for records and events.

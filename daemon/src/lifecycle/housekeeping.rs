@@ -13,7 +13,7 @@
 //! `ssh` changed.
 
 use super::Manager;
-use crate::agent::exec::session::{self, ExecError};
+use crate::agent::exec::session;
 use crate::api::exec::{GuestAction, GuestActionKind};
 use crate::api::housekeeping::SyncTimeReply;
 use crate::api::{ApiError, Code, VmStatus};
@@ -22,9 +22,7 @@ use serde::Serialize;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use vmhost_agent_protocol::exec::{
-    ShutdownReply, SshAuthorizeParams, SshAuthorizeReply, TimeSetParams, TimeSetReply, EXEC_SLOTS,
-};
+use vmhost_agent_protocol::exec::{ShutdownReply, SshAuthorizeParams, SshAuthorizeReply, TimeSetParams, TimeSetReply};
 
 /// How long a housekeeping request's reply may take once its session is open: each is one
 /// quick system call or account change in the guest.
@@ -35,35 +33,12 @@ pub(super) fn own_uid() -> u32 {
     nix::unistd::getuid().as_raw()
 }
 
-/// The API error of a failed exec-port request `method` to VM `vm`.
-fn exec_error(vm: &str, method: &str, e: ExecError) -> ApiError {
-    let not_connected = |why: String| ApiError::new(Code::AgentNotConnected, why).field("name");
-    match e {
-        ExecError::Busy(_) => ApiError::new(
-            Code::SlotsBusy,
-            format!("all {EXEC_SLOTS} exec slots of VM {vm:?} are in use; try again when one is free"),
-        )
-        .field("name")
-        .details(json!({ "slots": EXEC_SLOTS })),
-        ExecError::NoPorts | ExecError::NoServer { .. } | ExecError::NotServed(_) | ExecError::Session(_) => {
-            not_connected(format!("VM {vm:?}: {e}"))
-        }
-        ExecError::Timeout { .. } => ApiError::new(Code::AgentTimeout, format!("VM {vm:?}: {e}")).field("name"),
-        ExecError::Refused { code, message, data, .. } => ApiError::new(
-            Code::ProvisioningFailed,
-            format!("the guest's exec server refused {method}: {}", crate::guest_text::GuestText(&message)),
-        )
-        .details(json!({ "agent_error": { "code": code, "message": message, "data": data } })),
-        other => ApiError::new(Code::ProvisioningFailed, format!("VM {vm:?}: {other}")),
-    }
-}
-
 /// One housekeeping request on a free exec slot of VM `name`, whose QEMU must be running.
 /// Returns the reply and the slot.
 ///
 /// # Errors
 /// 4040; 5001 when the VM is not running, has no exec ports or no exec server answers; 4096,
-/// 5002, 4001 (see [`exec_error`]).
+/// 5002, 4001 with `details.agent_error` (the mapping of `ExecError` in `owner_errors.rs`).
 async fn request<P: Serialize, R: DeserializeOwned>(
     mgr: &Manager,
     name: &str,
@@ -80,15 +55,15 @@ async fn request<P: Serialize, R: DeserializeOwned>(
         .field("name"));
     }
     let sockets = mgr.paths(name).exec;
-    session::call(&mgr.exec_slots, name, &sockets, method, params, REPLY_BOUND)
-        .await
-        .map_err(|e| exec_error(name, method, e))
+    // Not `super::exec::exec_port_call`: that one wants the VM running, and a stop asks
+    // `guest.shutdown` after recording `stopping`.
+    Ok(session::call(&mgr.exec_slots, name, &sockets, method, params, REPLY_BOUND).await?)
 }
 
 /// Logs the audit line of a housekeeping action (asked of the guest on `slot`, or failed
 /// before) and emits its event.
 fn audit(mgr: &Manager, name: &str, peer_uid: u32, kind: GuestActionKind, slot: Option<usize>, what: &str) {
-    tracing::info!(target: "vmhost::audit", peer_uid, vm = name, action = ?kind, slot, "{what}");
+    tracing::info!(target: super::exec::AUDIT_TARGET, peer_uid, vm = name, action = ?kind, slot, "{what}");
     let status = mgr.record(name).ok().map(|r| r.status);
     let action = GuestAction {
         action: kind,
@@ -193,7 +168,7 @@ pub(super) async fn authorize_ssh(mgr: &Manager, name: &str) -> Result<Option<Ss
     if reply.changed || reply.created {
         let path = crate::guest_text::GuestText(&reply.path).to_string();
         tracing::info!(
-            target: "vmhost::audit",
+            target: super::exec::AUDIT_TARGET,
             vm = name,
             user = %ssh.user,
             keys = ssh.keys.len(),
@@ -298,14 +273,15 @@ mod tests {
 
     #[test]
     fn exec_failures_become_the_documented_codes() {
+        use crate::agent::exec::session::ExecError;
         use crate::agent::exec::slots::SlotsBusy;
-        let e = exec_error("vm", "time.set", ExecError::Busy(SlotsBusy));
+        let e = ApiError::from(ExecError::Busy(SlotsBusy));
         assert_eq!((e.code.as_i32(), e.field.as_deref()), (4096, Some("name")));
         assert_eq!(e.details, json!({"slots": 8}));
-        let e = exec_error("vm", "time.set", ExecError::NoPorts);
+        let e = ApiError::from(ExecError::NoPorts);
         assert_eq!(e.code.as_i32(), 5001);
         assert!(e.message.contains("restart the VM to get exec ports"), "{}", e.message);
-        let e = exec_error("vm", "time.set", ExecError::Timeout { method: "time.set".into(), after: REPLY_BOUND });
+        let e = ApiError::from(ExecError::Timeout { method: "time.set".into(), after: REPLY_BOUND });
         assert_eq!(e.code.as_i32(), 5002);
         let refused = ExecError::Refused {
             method: "time.set".into(),
@@ -313,7 +289,7 @@ mod tests {
             message: "no\u{1b}[2J".into(),
             data: json!({"field": "unix_ns"}),
         };
-        let e = exec_error("vm", "time.set", refused);
+        let e = ApiError::from(refused);
         assert_eq!(e.code.as_i32(), 4001);
         assert!(!e.message.contains('\u{1b}'), "the guest's text is escaped: {}", e.message);
         assert_eq!(e.details["agent_error"]["data"]["field"], "unix_ns");

@@ -33,6 +33,7 @@ mod busy;
 mod copies;
 pub(crate) mod data_disks;
 pub(crate) mod errors;
+pub(crate) mod exec;
 mod exits;
 mod held;
 mod hotplug;

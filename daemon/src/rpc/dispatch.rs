@@ -72,9 +72,53 @@ impl From<crate::lifecycle::RawView> for Body {
 /// A started call: resolves to the answer.
 pub type Running = BoxFuture<'static, Result<Body, ApiError>>;
 
-/// Parses the params (absent: `None`) for a peer of `role` and starts the call; `Err` is the
-/// refusal to answer (-32602 naming the field, 1004, ...).
-pub type CallFn = Arc<dyn Fn(Option<&RawValue>, Role) -> Result<Running, ApiError> + Send + Sync>;
+/// Parses the params (absent: `None`) for `caller` and starts the call; `Err` is the refusal to
+/// answer (-32602 naming the field, 1004, ...).
+pub type CallFn = Arc<dyn Fn(Option<&RawValue>, Caller) -> Result<Running, ApiError> + Send + Sync>;
+
+/// Who makes a call, and where its notifications go.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// What the peer may call.
+    pub role: Role,
+    /// The peer's uid (kernel credentials at connect), for audit lines.
+    pub uid: u32,
+    /// Notifications written on the caller's connection before the call's answer.
+    pub notify: Notifier,
+}
+
+impl Caller {
+    /// A caller whose notifications go nowhere (tests, batch-less tools).
+    pub fn new(role: Role, uid: u32) -> Caller {
+        Caller { role, uid, notify: Notifier { tx: None } }
+    }
+}
+
+/// Sends notifications of one call (`vm.exec.output`) to its caller's connection, where they
+/// are written before the call's answer. Bounded: a caller that does not read makes `send` wait
+/// (back-pressure reaches the guest), and a gone connection makes it fail.
+#[derive(Debug, Clone)]
+pub struct Notifier {
+    tx: Option<mpsc::Sender<String>>,
+}
+
+impl Notifier {
+    /// A notifier writing into `tx`.
+    pub(crate) fn new(tx: mpsc::Sender<String>) -> Notifier {
+        Notifier { tx: Some(tx) }
+    }
+
+    /// Sends one notification `{"jsonrpc":"2.0","method":METHOD,"params":PARAMS}`.
+    ///
+    /// # Errors
+    /// [`Closed`] when the caller's connection is gone (or there is none).
+    pub async fn send<T: Serialize + ?Sized>(&self, method: &str, params: &T) -> Result<(), Closed> {
+        let tx = self.tx.as_ref().ok_or(Closed)?;
+        let line = serde_json::to_string(&serde_json::json!({"jsonrpc": "2.0", "method": method, "params": params}))
+            .map_err(|_| Closed)?;
+        tx.send(line).await.map_err(|_| Closed)
+    }
+}
 
 /// Starts a subscription's task, which sends notifications through the [`Sink`] until it closes.
 /// Whatever the notifications come from must be subscribed to before this returns, so nothing

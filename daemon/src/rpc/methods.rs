@@ -13,6 +13,7 @@
 
 use crate::api::backup::{ExportParams, ImportVmParams};
 use crate::api::disks::PurgeKeptDisksParams;
+use crate::api::exec::{ExecOutput, ExecParams, ExecResult, FilePullParams, FilePushParams, EXEC_OUTPUT_NOTIFICATION};
 use crate::api::images::{ImageNameParams, ImportParams};
 use crate::api::snapshots::{SnapshotParams, TakeSnapshotParams};
 use crate::api::stats::StatsParams;
@@ -23,8 +24,7 @@ use crate::api::{
 use crate::console::Consoles;
 use crate::lifecycle::{self, Manager};
 use crate::rpc::agent_rate::AgentRate;
-use crate::rpc::auth::Role;
-use crate::rpc::dispatch::{Access, Body, Dispatcher, Handler, Running, Sink};
+use crate::rpc::dispatch::{Access, Body, Caller, Dispatcher, Handler, Running, Sink};
 use crate::rpc::single_flight::SingleFlight;
 use serde::de::DeserializeOwned;
 use serde_json::value::RawValue;
@@ -62,7 +62,7 @@ pub struct Method {
 }
 
 /// Parses a call's params, counts an agent call, and starts it.
-pub type CallFn = fn(&Arc<Context>, Option<&RawValue>, Role) -> Result<Running, ApiError>;
+pub type CallFn = fn(&Arc<Context>, Option<&RawValue>, Caller) -> Result<Running, ApiError>;
 
 /// How a method runs.
 #[derive(Clone, Copy)]
@@ -94,23 +94,28 @@ fn json<T: serde::Serialize>(result: T) -> Result<Body, ApiError> {
 /// One [`Method`] of kind [`Kind::Call`]: `call!(name, access, rate, ParamsType, |ctx, p| body)`,
 /// where `body` is an expression (it may `.await`) giving `Result<Body, ApiError>`.
 macro_rules! call {
-    (@rate Free, $ctx:ident, $p:ident, $role:ident) => {};
-    (@rate Agent, $ctx:ident, $p:ident, $role:ident) => {
+    (@rate Free, $ctx:ident, $p:ident, $role:expr) => {};
+    (@rate Agent, $ctx:ident, $p:ident, $role:expr) => {
         $ctx.agent_calls.check(&$p.name, $role)?
     };
     ($name:literal, $access:ident, $rate:ident, $params:ty, |$ctx:ident, $p:pat_param| $run:expr) => {
+        call!($name, $access, $rate, $params, |$ctx, $p, _caller| $run)
+    };
+    // The same, with the caller (its uid and notifications) in `$caller`.
+    ($name:literal, $access:ident, $rate:ident, $params:ty, |$ctx:ident, $p:pat_param, $caller:ident| $run:expr) => {
         Method {
             name: $name,
             access: Access::$access,
             rate: RateClass::$rate,
             params: stringify!($params),
             check: |raw| parse_params::<$params>(raw).map(drop),
-            kind: Kind::Call(|ctx, raw, role| {
+            kind: Kind::Call(|ctx, raw, caller| {
                 let params = parse_params::<$params>(raw)?;
-                call!(@rate $rate, ctx, params, role);
-                let _ = role;
+                call!(@rate $rate, ctx, params, caller.role);
                 let $ctx = Arc::clone(ctx);
                 let $p = params;
+                #[allow(unused_variables)]
+                let $caller = caller;
                 Ok(Box::pin(async move { $run }))
             }),
         }
@@ -118,7 +123,7 @@ macro_rules! call {
 }
 
 /// Every method of API v1, in documentation order.
-pub static METHODS: [Method; 31] = [
+pub static METHODS: [Method; 34] = [
     // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
     call!("host.info", Read, Free, Object, |ctx, _p| json(crate::blocking::run(|| ctx.manager.host_info()))),
     call!("host.check", Read, Free, Anything, |ctx, _p| {
@@ -162,12 +167,12 @@ pub static METHODS: [Method; 31] = [
     call!("vm.start", Write, Free, NameParams, |ctx, p| lifecycle::ops::start(&ctx.manager, &p.name)
         .await
         .and_then(json)),
-    call!("vm.stop", Write, Free, StopParams, |ctx, p| lifecycle::ops::stop(&ctx.manager, p, peer_uid())
+    call!("vm.stop", Write, Free, StopParams, |ctx, p, caller| lifecycle::ops::stop(&ctx.manager, p, caller.uid)
         .await
         .and_then(json)),
-    call!("vm.restart", Write, Free, StopParams, |ctx, p| lifecycle::ops::restart(&ctx.manager, p, peer_uid())
-        .await
-        .and_then(json)),
+    call!("vm.restart", Write, Free, StopParams, |ctx, p, caller| {
+        lifecycle::ops::restart(&ctx.manager, p, caller.uid).await.and_then(json)
+    }),
     call!("vm.destroy", Write, Free, NameParams, |ctx, p| lifecycle::ops::destroy(&ctx.manager, &p.name)
         .await
         .and_then(json)),
@@ -180,8 +185,18 @@ pub static METHODS: [Method; 31] = [
     call!("vm.check", Read, Agent, NameParams, |ctx, p| lifecycle::agent::check_guest(&ctx.manager, &p.name)
         .await
         .and_then(json)),
-    call!("vm.sync_time", Write, Agent, NameParams, |ctx, p| {
-        lifecycle::housekeeping::sync_time(&ctx.manager, &p.name, peer_uid()).await.and_then(json)
+    // Commands and files in the guest, as root: admins only, counted like agent calls, and
+    // the caller's uid goes to the audit line.
+    call!("vm.exec", Write, Agent, ExecParams, |ctx, p, caller| exec(&ctx.manager, p, caller).await.and_then(json)),
+    call!("vm.file_push", Write, Agent, FilePushParams, |ctx, p, caller| {
+        lifecycle::exec::file_push(&ctx.manager, p, caller.uid).await.and_then(json)
+    }),
+    call!("vm.file_pull", Write, Agent, FilePullParams, |ctx, p, caller| {
+        lifecycle::exec::file_pull(&ctx.manager, p, caller.uid).await.and_then(json)
+    }),
+    // Housekeeping the operator asks for: admins only, no allow_exec needed.
+    call!("vm.sync_time", Write, Agent, NameParams, |ctx, p, caller| {
+        lifecycle::housekeeping::sync_time(&ctx.manager, &p.name, caller.uid).await.and_then(json)
     }),
     Method {
         name: "vm.console",
@@ -239,11 +254,6 @@ pub static METHODS: [Method; 31] = [
     }),
 ];
 
-/// PLACEHOLDER until the RPC layer hands handlers the peer's uid (wt-exec): the daemon's own.
-fn peer_uid() -> u32 {
-    nix::unistd::getuid().as_raw()
-}
-
 /// The method called `name`.
 pub fn find(name: &str) -> Option<&'static Method> {
     METHODS.iter().find(|m| m.name == name)
@@ -266,7 +276,7 @@ pub fn dispatcher(manager: Arc<Manager>, consoles: Arc<Consoles>) -> Result<Disp
         let handler = match method.kind {
             Kind::Call(call) => {
                 let ctx = Arc::clone(&ctx);
-                Handler::Call(Arc::new(move |raw, role| call(&ctx, raw, role)))
+                Handler::Call(Arc::new(move |raw, caller| call(&ctx, raw, caller)))
             }
             Kind::Subscribe => {
                 let manager = Arc::clone(&ctx.manager);
@@ -285,6 +295,28 @@ pub fn dispatcher(manager: Arc<Manager>, consoles: Arc<Consoles>) -> Result<Disp
         dispatcher.add(method.name, method.access, handler)?;
     }
     Ok(dispatcher)
+}
+
+/// `vm.exec`: with `stream`, its output goes to the caller as `vm.exec.output` notifications
+/// while the command runs (the connection writes them before the answer). A caller that goes
+/// away closes the channel, which ends the session and so kills the command in the guest.
+async fn exec(mgr: &Arc<Manager>, p: ExecParams, caller: Caller) -> Result<ExecResult, ApiError> {
+    if !p.stream {
+        return lifecycle::exec::exec(mgr, p, caller.uid, None).await;
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<crate::agent::exec::session::OutputChunk>(2);
+    let name = p.name.clone();
+    let forward = async move {
+        while let Some(chunk) = rx.recv().await {
+            let data = crate::agent::exec::base64::encode(&chunk.data);
+            let note = ExecOutput { name: name.clone(), stream: chunk.stream, data };
+            if caller.notify.send(EXEC_OUTPUT_NOTIFICATION, &note).await.is_err() {
+                break;
+            }
+        }
+    };
+    let (result, ()) = tokio::join!(lifecycle::exec::exec(mgr, p, caller.uid, Some(tx)), forward);
+    result
 }
 
 /// Sends VM status changes to a subscriber until it unsubscribes or its connection ends.
@@ -367,9 +399,23 @@ mod tests {
         let names: std::collections::BTreeSet<&str> = METHODS.iter().map(|m| m.name).collect();
         assert_eq!(names.len(), METHODS.len(), "a method is in the table twice");
         let agent: Vec<&str> = METHODS.iter().filter(|m| m.rate == RateClass::Agent).map(|m| m.name).collect();
-        assert_eq!(agent, ["vm.guest_info", "vm.guest_network", "vm.check", "vm.sync_time"]);
-        assert!(agent.iter().all(|m| find(m).is_some_and(|m| m.params == "NameParams")));
-        assert!(find("vm.sync_time").is_some_and(|m| m.access == Access::Write), "housekeeping is admin only");
+        assert_eq!(
+            agent,
+            [
+                "vm.guest_info",
+                "vm.guest_network",
+                "vm.check",
+                "vm.exec",
+                "vm.file_push",
+                "vm.file_pull",
+                "vm.sync_time"
+            ]
+        );
+        assert!(agent[..3]
+            .iter()
+            .all(|m| find(m).is_some_and(|m| m.access == Access::Read && m.params == "NameParams")));
+        // Commands and files in a guest run as root there, and housekeeping changes it: admins only.
+        assert!(agent[3..].iter().all(|m| find(m).is_some_and(|m| m.access == Access::Write)));
         let read: Vec<&str> = read_methods().collect();
         assert!(read.contains(&"vm.list") && read.contains(&"events.unsubscribe") && !read.contains(&"vm.create"));
         assert!(find("vm.console").is_some_and(|m| matches!(m.kind, Kind::Console)));

@@ -61,6 +61,10 @@ pub use super::limits::{MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID, MAX_IN_FLIGHT}
 /// Longest accepted request line in bytes, without its `\n` (or `\r\n`).
 pub const MAX_LINE: usize = 1024 * 1024;
 
+/// Notifications of one call (`vm.exec.output`) queued before the connection's writer takes
+/// them: a few chunks, so a streaming call waits on a slow reader instead of buffering.
+const CALL_NOTIFICATION_BUFFER: usize = 4;
+
 /// How long one write may wait for the peer to read before the peer is dropped.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -1010,7 +1014,10 @@ impl Conn {
         }
         match &entry.handler {
             Handler::Call(call) => {
-                let running = match call(params.as_deref(), self.role) {
+                let (tx, mut notifications) = mpsc::channel(CALL_NOTIFICATION_BUFFER);
+                let caller =
+                    dispatch::Caller { role: self.role, uid: self.peer.uid, notify: dispatch::Notifier::new(tx) };
+                let running = match call(params.as_deref(), caller) {
                     Ok(running) => running,
                     Err(err) => {
                         if err.code == Code::RateLimited {
@@ -1021,7 +1028,30 @@ impl Conn {
                 };
                 drop(params);
                 // A panicking method costs one -32603 answer, not the connection.
-                match std::panic::AssertUnwindSafe(running).catch_unwind().await {
+                let mut running = std::panic::AssertUnwindSafe(running).catch_unwind();
+                // The call's notifications are written as they come, all before its answer
+                // (this task queues the answer after them). A connection that is gone closes
+                // the channel, which the call sees as its caller gone.
+                let mut open = true;
+                let outcome = loop {
+                    tokio::select! {
+                        biased;
+                        line = notifications.recv(), if open => match line {
+                            Some(line) => {
+                                if !self.send(line).await {
+                                    open = false;
+                                    notifications.close();
+                                }
+                            }
+                            None => open = false,
+                        },
+                        outcome = &mut running => break outcome,
+                    }
+                };
+                while let Ok(line) = notifications.try_recv() {
+                    self.send(line).await;
+                }
+                match outcome {
                     Ok(Ok(body)) => Reply::success(id, body),
                     Ok(Err(err)) => Reply::error(id, &err),
                     Err(_) => {

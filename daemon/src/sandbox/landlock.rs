@@ -119,6 +119,9 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
         ),
         rule(p.backups_dir(), Access::ReadWrite, "backups vm.export writes and vm.import reads"),
     ];
+    if let Some(dir) = &config.agent.files_dir {
+        v.push(rule(dir, Access::Read, "[agent] files_dir: the files vm.file_push sends (source)"));
+    }
     if let Some(dir) = p.socket.parent() {
         v.push(rule(dir, Access::Socket, "the API socket (created at start, removed at exit)"));
     }
