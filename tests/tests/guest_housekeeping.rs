@@ -4,12 +4,13 @@
 //! One direct-kernel guest that ignores the ACPI power button (`vmhost.noacpi`) lives through
 //! all of it: the spec's SSH keys land in it (no cloud-init: the exec server writes them), a
 //! live `vm.apply` of `ssh` rewrites them, `vm.guest_info` shows its OS, its clock set to 2001 is
-//! corrected by `vm.sync_time`, and `vm.stop {method: "agent"}` powers it off. A guest without
+//! corrected by `vm.sync_time` and again after it was paused and resumed, and
+//! `vm.stop {method: "agent"}` powers it off. A guest without
 //! an exec server is stopped with `method: "agent"` too: through ACPI, at once.
 
 use serde_json::{json, Value};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use vmhost_tests::{agent_guest, guest, wait, HostOptions, TestHost};
+use vmhost_tests::{agent_guest, guest, qmp_commands, wait, HostOptions, TestHost};
 
 const BOOT: Duration = Duration::from_secs(300);
 
@@ -118,7 +119,22 @@ fn a_guest_gets_its_keys_its_clock_and_an_agent_power_off() {
     assert_eq!((e.vm.as_str(), &action["guest"]["action"]), ("house", &json!("sync_time")), "{action}");
     assert!(host.daemon_log().contains("sync_time"), "an audit line");
 
-    // 5. vm.stop {method: "agent"} powers off a guest that ignores ACPI, long before the
+    // 5. A paused guest that runs again gets its clock synced by vmhostd on its own (QEMU's
+    // RESUME after STOP, here an operator's stop/cont on the VM's QMP socket).
+    run(&host, "house", &["date", "-u", "-s", "2001-01-01 00:00:00"]);
+    let monitor = host.run().join("house").join("qmp");
+    let answers = qmp_commands(&monitor, &[json!({"execute": "stop"}), json!({"execute": "cont"})]);
+    assert!(answers.iter().all(|a| a.get("return").is_some()), "{answers:?}");
+    wait::until("the guest's clock synced after the resume", Duration::from_secs(120), || {
+        let apart = (guest_now_s(&host, "house") - host_now_s()).abs();
+        if apart <= 5 {
+            Ok(())
+        } else {
+            Err(format!("{apart} s apart"))
+        }
+    });
+
+    // 6. vm.stop {method: "agent"} powers off a guest that ignores ACPI, long before the
     // timeout would kill it.
     let stopped = host.call("vm.stop", json!({"name": "house", "method": "agent", "timeout_s": 600}));
     assert_eq!(stopped["vm"]["status"], "stopped", "{stopped}");
