@@ -8,6 +8,9 @@
 //!
 //! The design is blocking and single-threaded on purpose: the agent answers one host, one request
 //! at a time, and must fit a 2 MiB static binary and 4 MiB of RSS.
+//!
+//! The same binary with `--exec` is the exec ports' server ([`exec`]): a separate process, run
+//! as root without the agent unit's sandbox, with one blocking thread per exec port (slot).
 
 pub mod addr;
 pub mod agent;

@@ -100,6 +100,13 @@ fn boot(kernel: &Path, initrd: &Path, dir: &Path) -> Vm {
         .arg("-chardev")
         .arg(format!("socket,id=agent0,path={},server=on,wait=off", sock.display()))
         .args(["-device", "virtserialport,bus=vser0.0,chardev=agent0,name=org.vmhost.agent.0"])
+        // Two of the eight exec ports (vmhost-agent --exec serves whichever exist).
+        .arg("-chardev")
+        .arg(format!("socket,id=exec0,path={},server=on,wait=off", dir.join("exec.0.sock").display()))
+        .args(["-device", "virtserialport,bus=vser0.0,chardev=exec0,name=org.vmhost.exec.0"])
+        .arg("-chardev")
+        .arg(format!("socket,id=exec1,path={},server=on,wait=off", dir.join("exec.1.sock").display()))
+        .args(["-device", "virtserialport,bus=vser0.0,chardev=exec1,name=org.vmhost.exec.1"])
         .args(["-netdev", "user,id=n0", "-device", &format!("virtio-net-pci,netdev=n0,mac={MAC}")])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -230,6 +237,34 @@ impl Host {
             if &value["id"] == id {
                 return Some(value);
             }
+        }
+    }
+
+    /// Sends request `id` and then `chunks` as chunk lines, without waiting.
+    fn request(&mut self, id: u64, method: &str, params: Value, chunks: &[u8]) {
+        let mut text = format!("{}\n", json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
+        for piece in chunks.chunks(32 * 1024) {
+            text.push_str(&format!("{}\n", json!({"data": vmhost_agent::exec::chunks::encode(piece)})));
+        }
+        self.send(text.as_bytes());
+    }
+
+    /// The notifications for request `id` (their params) and then its reply.
+    fn streamed(&mut self, id: u64, timeout: Duration) -> (Vec<Value>, Value) {
+        let deadline = Instant::now() + timeout;
+        let mut notes = Vec::new();
+        loop {
+            let line = self.line(deadline).unwrap_or_else(|| panic!("no reply to {id} within {timeout:?}"));
+            assert!(line.len() <= 64 * 1024, "agent sent a frame of {} bytes", line.len());
+            if line.is_empty() {
+                continue;
+            }
+            let v: Value = serde_json::from_slice(&line).expect("JSON");
+            if v["id"] == json!(id) {
+                return (notes, v);
+            }
+            assert_eq!(v["params"]["id"], json!(id), "{v}");
+            notes.push(v["params"].clone());
         }
     }
 
@@ -423,6 +458,8 @@ fn agent_in_the_test_guest() {
     let rss = info["rss_kib"].as_u64().expect("rss_kib");
     eprintln!("budget: agent RSS after the whole session {rss} KiB");
 
+    exec_ports(dir.path());
+
     // A guest reboot under a host that stays connected: the new agent answers a sync on the same
     // host connection (what the host sends meanwhile waits in the chardev), with a new uptime.
     let answer = qmp(&dir.path().join("qmp.sock"), "system_reset");
@@ -439,5 +476,181 @@ fn agent_in_the_test_guest() {
     }
     assert!(serial.contains("vmhost-agent: no host connected; waiting"), "{serial}");
     assert!(!serial.contains("panicked"), "{serial}");
+    assert!(serial.contains("vmhost-agent: exec.0: serving on"), "{serial}");
+
+    // Last: guest.shutdown powers the guest off (no systemd in the test guest: reboot(2)).
+    let mut ex = Host::connect(&dir.path().join("exec.1.sock"), Duration::from_secs(10));
+    ex.sync("off", Duration::from_secs(60));
+    ex.request(1, "guest.shutdown", json!({}), b"");
+    let (_, reply) = ex.streamed(1, Duration::from_secs(30));
+    assert_eq!(reply["result"], json!({"how": "reboot(2)"}));
+    let off = Instant::now();
+    loop {
+        if let Ok(Some(_)) = vm.child.try_wait() {
+            break;
+        }
+        assert!(off.elapsed() < Duration::from_secs(60), "QEMU still running after guest.shutdown");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("timing: guest.shutdown to QEMU exit: {:.1} s", off.elapsed().as_secs_f64());
     eprintln!("timing: whole guest session {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// Output bytes of `stream` in `exec.output` notifications (or all `file.data` when `None`).
+fn streamed_bytes(notes: &[Value], stream: Option<&str>) -> Vec<u8> {
+    notes
+        .iter()
+        .filter(|p| stream.map_or(true, |s| p["stream"] == s))
+        .flat_map(|p| vmhost_agent::exec::chunks::decode(p["data"].as_str().unwrap_or("")).expect("base64"))
+        .collect()
+}
+
+/// One exec-port session on `exec.N.sock`: sync, the request and its chunks, the notifications
+/// and the reply.
+fn exec_call(dir: &Path, slot: usize, method: &str, params: Value, chunks: &[u8]) -> (Vec<Value>, Value) {
+    let mut ex = Host::connect(&dir.join(format!("exec.{slot}.sock")), Duration::from_secs(10));
+    ex.sync(&format!("{method}-{slot}"), Duration::from_secs(60));
+    ex.request(7, method, params, chunks);
+    ex.streamed(7, Duration::from_secs(60))
+}
+
+/// The exec ports' server in the test guest: commands, the clock, files and SSH keys.
+fn exec_ports(dir: &Path) {
+    let mut ex = Host::connect(&dir.join("exec.0.sock"), Duration::from_secs(10));
+    ex.sync("exec-hello", Duration::from_secs(60));
+    let hello = ex.ok("hello", json!({}));
+    assert_eq!(hello["capabilities"], json!(vmhost_agent_protocol::exec::EXEC_CAPABILITIES));
+    drop(ex);
+
+    let argv = json!(["/bin/sh", "-c", "cat; echo err >&2; exit 3"]);
+    let (notes, reply) = timed("exec (sh with stdin)", || {
+        exec_call(
+            dir,
+            0,
+            "exec",
+            json!({"argv": argv, "stdin_bytes": 5, "timeout_s": 30, "max_output": 1024}),
+            b"hello",
+        )
+    });
+    assert_eq!(
+        (reply["result"]["exit_code"].clone(), reply["result"]["stdout_bytes"].clone()),
+        (json!(3), json!(5)),
+        "{reply}"
+    );
+    assert_eq!(streamed_bytes(&notes, Some("stdout")), b"hello");
+    assert_eq!(streamed_bytes(&notes, Some("stderr")), b"err\n");
+
+    let (_, reply) = timed("exec (timeout)", || {
+        exec_call(dir, 0, "exec", json!({"argv": ["sleep", "100"], "timeout_s": 1, "max_output": 0}), b"")
+    });
+    assert_eq!(
+        (reply["result"]["timed_out"].clone(), reply["result"]["signal"].clone()),
+        (json!(true), json!(9)),
+        "{reply}"
+    );
+
+    // Two slots at once: a command on exec.1 does not hold one on exec.0.
+    let mut slow = Host::connect(&dir.join("exec.1.sock"), Duration::from_secs(10));
+    slow.sync("slow", Duration::from_secs(60));
+    slow.request(
+        1,
+        "exec",
+        json!({"argv": ["/bin/sh", "-c", "sleep 5; echo slow"], "timeout_s": 60, "max_output": 100}),
+        b"",
+    );
+    let (notes, reply) =
+        exec_call(dir, 0, "exec", json!({"argv": ["echo", "fast"], "timeout_s": 30, "max_output": 100}), b"");
+    assert_eq!(
+        (streamed_bytes(&notes, Some("stdout")), reply["result"]["exit_code"].clone()),
+        (b"fast\n".to_vec(), json!(0))
+    );
+    let (notes, reply) = slow.streamed(1, Duration::from_secs(60));
+    assert_eq!(
+        (streamed_bytes(&notes, Some("stdout")), reply["result"]["exit_code"].clone()),
+        (b"slow\n".to_vec(), json!(0))
+    );
+    drop(slow);
+
+    // A host hang-up mid-command kills it in the guest (the real port reports the hang-up).
+    let mut gone = Host::connect(&dir.join("exec.1.sock"), Duration::from_secs(10));
+    gone.sync("gone", Duration::from_secs(60));
+    let argv = json!(["/bin/sh", "-c", "echo $$; exec sleep 1000"]);
+    gone.request(1, "exec", json!({"argv": argv, "timeout_s": 600, "max_output": 100}), b"");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pid = loop {
+        let line = gone.line(deadline).expect("the command's pid");
+        if let Ok(v) = serde_json::from_slice::<Value>(&line) {
+            if v["method"] == "exec.output" {
+                break String::from_utf8_lossy(&streamed_bytes(&[v["params"].clone()], Some("stdout")))
+                    .trim()
+                    .to_string();
+            }
+        }
+    };
+    drop(gone);
+    let check =
+        format!("i=0; while kill -0 {pid} 2>/dev/null; do i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.1; done");
+    let (_, reply) =
+        exec_call(dir, 0, "exec", json!({"argv": ["/bin/sh", "-c", check], "timeout_s": 60, "max_output": 0}), b"");
+    assert_eq!(reply["result"]["exit_code"], 0, "the command survived its host's hang-up: {reply}");
+
+    // The clock: set to 2001, then back.
+    let year = |dir: &Path| {
+        let (notes, _) =
+            exec_call(dir, 0, "exec", json!({"argv": ["date", "-u", "+%Y"], "timeout_s": 30, "max_output": 100}), b"");
+        String::from_utf8_lossy(&streamed_bytes(&notes, Some("stdout"))).trim().to_string()
+    };
+    let (_, reply) = exec_call(dir, 1, "time.set", json!({"unix_ns": 978_307_200_000_000_000u64}), b"");
+    assert_eq!(reply["result"]["after_ns"].as_u64().map(|ns| ns / 1_000_000_000), Some(978_307_200), "{reply}");
+    assert_eq!(year(dir), "2001");
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let (_, reply) = exec_call(dir, 1, "time.set", json!({"unix_ns": now}), b"");
+    assert!(reply["result"]["before_ns"].as_u64().is_some_and(|ns| ns < now), "{reply}");
+    assert_ne!(year(dir), "2001");
+
+    // Files: 1 MiB pushed (parents created) and pulled back equal.
+    let content: Vec<u8> = (0..1024 * 1024u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    let sha = vmhost_agent::exec::files::sha256_hex(&content);
+    let (_, reply) = timed("file.push 1 MiB", || {
+        exec_call(
+            dir,
+            0,
+            "file.push",
+            json!({"path": "/srv/data/blob", "mode": 0o600, "size": content.len(), "sha256": sha, "mkdir": true}),
+            &content,
+        )
+    });
+    assert_eq!(reply["result"], json!({"size": content.len(), "sha256": sha}));
+    let (notes, reply) = timed("file.pull 1 MiB", || {
+        exec_call(dir, 1, "file.pull", json!({"path": "/srv/data/blob", "max_bytes": 2 * 1024 * 1024}), b"")
+    });
+    assert_eq!(reply["result"], json!({"size": content.len(), "sha256": sha, "mode": 0o600}));
+    assert!(streamed_bytes(&notes, None) == content, "pulled content differs");
+
+    // The exec server's own memory (the command's parent), after the transfers.
+    let rss = r#"grep -E '^Rss' /proc/$PPID/smaps_rollup"#;
+    let (notes, _) =
+        exec_call(dir, 1, "exec", json!({"argv": ["/bin/sh", "-c", rss], "timeout_s": 30, "max_output": 1000}), b"");
+    eprintln!("budget: exec server {}", String::from_utf8_lossy(&streamed_bytes(&notes, Some("stdout"))).trim());
+
+    // SSH keys: busybox has no useradd or adduser here, so the account is appended to passwd.
+    let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 operator@host";
+    let (_, reply) = exec_call(dir, 0, "ssh.authorize", json!({"user": "vmhost", "keys": [key]}), b"");
+    assert_eq!(
+        reply["result"],
+        json!({"created": true, "path": "/home/vmhost/.ssh/authorized_keys", "changed": true}),
+        "{reply}"
+    );
+    let (_, reply) = exec_call(dir, 0, "ssh.authorize", json!({"user": "vmhost", "keys": [key]}), b"");
+    assert_eq!(reply["result"]["changed"], false);
+    let (notes, _) = exec_call(
+        dir,
+        0,
+        "exec",
+        json!({"argv": ["/bin/sh", "-c", "stat -c '%u %a' /home/vmhost/.ssh /home/vmhost/.ssh/authorized_keys; cat /home/vmhost/.ssh/authorized_keys"], "timeout_s": 30, "max_output": 1000}),
+        b"",
+    );
+    let text = String::from_utf8_lossy(&streamed_bytes(&notes, Some("stdout"))).into_owned();
+    assert_eq!(text, format!("1000 700\n1000 600\n{key}\n"));
 }

@@ -186,6 +186,7 @@ in_tree "$tree" dpkg -i /tmp/vmhost-agent.deb >/dev/null
 cleanup
 rm -f "$tree/tmp/vmhost-agent.deb"
 [ -L "$tree/etc/systemd/system/multi-user.target.wants/vmhost-agent.service" ] || die "vmhost-agent.service not enabled by its package"
+[ -L "$tree/etc/systemd/system/multi-user.target.wants/vmhost-agent-exec.service" ] || die "vmhost-agent-exec.service not enabled by its package"
 
 kver=$(basename "$(ls -d "$tree"/lib/modules/*/ | sort -V | tail -n 1)")
 [ -f "$tree/boot/vmlinuz-$kver" ] && [ -f "$tree/boot/initrd.img-$kver" ] || die "no kernel or initrd for $kver in the tree"

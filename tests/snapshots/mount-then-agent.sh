@@ -10,6 +10,12 @@
 # kernel's ext4 driver, which freezes it; TYPE vfat: mkdosfs, which the kernel cannot freeze) and
 # mounted read-write at DIR; "VMHOST-MOUNTED SERIAL TYPE DIR" (or VMHOST-MOUNT-FAILED) on the
 # console says so.
+#
+# init.sh also starts it with --exec (the exec ports' server, issue 29): that start only runs the
+# real agent's exec mode, so the disks are formatted and mounted once.
+if [ "${1:-}" = --exec ]; then
+    exec /bin/vmhost-agent-real --exec
+fi
 for m in fat vfat nls_cp437 nls_ascii; do
     modprobe -q "$m" 2>/dev/null
 done

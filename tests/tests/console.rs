@@ -30,6 +30,17 @@ fn shell_vm(name: &str) -> TestHost {
     spec["boot"]["cmdline"] = json!("console=ttyS0 panic=-1 quiet vmhost.shell");
     host.call("vm.create", json!({ "spec": spec }));
     assert!(host.wait_serial(name, GUEST_READY, Duration::from_secs(120)), "{name} never came up");
+    // init.sh starts the shell on ttyS0 after it prints GUEST_READY: wait until a shell answers,
+    // so what a test types reaches a shell rather than a terminal nobody reads yet. Typed again
+    // every few seconds (a line typed before the shell started may be lost with its tty);
+    // `shell-9` appears only when a shell ran the line, the terminal's echo shows `$((3*3))`.
+    let (mut probe, _, _) = host.client().console(name, false, false).expect("attach to probe the shell");
+    let answered = (0..24).any(|_| {
+        probe.write_all(b"echo shell-$((3*3))\r").expect("type the probe");
+        host.wait_serial(name, "shell-9", Duration::from_secs(5))
+    });
+    assert!(answered, "{name}'s shell never answered; serial log:\n{}", host.serial(name));
+    drop(probe);
     host
 }
 

@@ -115,7 +115,7 @@ impl Push {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 return Err(RpcError::invalid(
                     "path",
-                    format!("directory {} does not exist (mkdir: true creates it)", dir.display()),
+                    format!("the parent directory does not exist (mkdir: true creates it): {}", dir.display()),
                 ))
             }
             Err(e) => return Err(RpcError::invalid("path", format!("cannot use {}: {e}", dir.display()))),

@@ -42,6 +42,30 @@ use crate::protocol::{
 /// How long one wait for input lasts before the loop looks again.
 const POLL_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Longest error message sent, in bytes (the design's bound: a message names a guest path,
+/// which can be 4 KiB, or a tool's output).
+pub const MAX_MESSAGE: usize = 512;
+
+/// `reply` with an error message cut to [`MAX_MESSAGE`] bytes (on a character boundary, `...`
+/// marking the cut).
+fn answer(id: &Value, method: &str, outcome: Result<Value, RpcError>) -> String {
+    reply(
+        id,
+        method,
+        outcome.map_err(|mut e| {
+            if e.message.len() > MAX_MESSAGE {
+                let mut end = MAX_MESSAGE - 3;
+                while !e.message.is_char_boundary(end) {
+                    end -= 1;
+                }
+                e.message.truncate(end);
+                e.message.push_str("...");
+            }
+            e
+        }),
+    )
+}
+
 /// How long the host may pause between two chunks of a transfer.
 pub const CHUNK_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -239,14 +263,12 @@ pub struct ExecServer {
     slot: usize,
     /// A `sync` of the current session was answered and no request ran since.
     synced: bool,
-    /// Whether the last look saw a host (for logging transitions only).
-    connected: Option<bool>,
 }
 
 impl ExecServer {
     /// A server for slot `slot` on `port`.
     pub fn new(port: Port, system: System, slot: usize) -> ExecServer {
-        ExecServer { conn: Conn::new(port), system, slot, synced: false, connected: None }
+        ExecServer { conn: Conn::new(port), system, slot, synced: false }
     }
 
     /// Logs `message` with the slot.
@@ -262,10 +284,8 @@ impl ExecServer {
         let mut last_check = Instant::now();
         loop {
             match self.turn(POLL_INTERVAL) {
+                // Unlike the agent port, connections are not logged: a host opens one per request.
                 Ok(Readiness::HangUp) => {
-                    if self.connected != Some(false) {
-                        self.connected = Some(false);
-                    }
                     if last_check.elapsed() >= RECHECK {
                         last_check = Instant::now();
                         if !still_there(&self.conn.port) {
@@ -274,7 +294,7 @@ impl ExecServer {
                     }
                     std::thread::sleep(HANGUP_RETRY);
                 }
-                Ok(_) => self.connected = Some(true),
+                Ok(_) => {}
                 Err(e) => return e,
             }
         }
@@ -329,7 +349,7 @@ impl ExecServer {
             "sync" => {
                 let outcome = sync(params);
                 self.synced = outcome.is_ok();
-                return Ok(Some(reply(id, method, outcome)));
+                return Ok(Some(answer(id, method, outcome)));
             }
             "hello" => {
                 let outcome = parse_params::<NoParams>(params).and_then(|_| {
@@ -339,19 +359,19 @@ impl ExecServer {
                         capabilities: EXEC_CAPABILITIES.iter().map(|c| c.to_string()).collect(),
                     })
                 });
-                return Ok(Some(reply(id, method, outcome)));
+                return Ok(Some(answer(id, method, outcome)));
             }
             _ => {}
         }
         if !EXEC_CAPABILITIES.contains(&method) {
-            return Ok(Some(reply(
+            return Ok(Some(answer(
                 id,
                 method,
                 Err(RpcError::new(METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
             )));
         }
         if !std::mem::take(&mut self.synced) {
-            return Ok(Some(reply(
+            return Ok(Some(answer(
                 id,
                 method,
                 Err(RpcError::new(INVALID_REQUEST, "one request per session, after sync: send sync first")),
@@ -376,7 +396,7 @@ impl ExecServer {
                 let how = parse_params::<NoParams>(params).map(|_| power::plan(&self.system.run_systemd));
                 if let Ok(how) = how {
                     self.log(&format!("guest.shutdown: powering off ({})", how.describe()));
-                    let line = reply(id, method, to_value(&ShutdownReply { how: how.describe().to_string() }));
+                    let line = answer(id, method, to_value(&ShutdownReply { how: how.describe().to_string() }));
                     if let Err(e) = self.conn.send(&line) {
                         self.log(&format!("reply dropped: {e}"));
                     }
@@ -401,7 +421,7 @@ impl ExecServer {
             }),
             _ => Err(RpcError::new(METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
         };
-        Ok(Some(reply(id, method, outcome)))
+        Ok(Some(answer(id, method, outcome)))
     }
 
     /// `exec`: stdin read, command run and supervised.
@@ -636,7 +656,7 @@ mod tests {
     fn bytes_of(notes: &[(String, Value)], method: &str, stream: Option<&str>) -> Vec<u8> {
         notes
             .iter()
-            .filter(|(m, p)| m == method && stream.is_none_or(|s| p["stream"] == s))
+            .filter(|(m, p)| m == method && stream.map_or(true, |s| p["stream"] == s))
             .flat_map(|(_, p)| decode(p["data"].as_str().unwrap_or("")).unwrap_or_default())
             .collect()
     }
@@ -735,6 +755,20 @@ mod tests {
     }
 
     #[test]
+    fn error_messages_are_bounded() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut host = Host::start(dir.path());
+        host.sync("m");
+        let path = format!("{}/{}/f", dir.path().display(), "é/".repeat(1300));
+        host.request(1, "file.push", json!({"path": path, "mode": 0o644, "size": 1, "sha256": sha256_hex(b"x")}));
+        host.chunks(b"x", 1);
+        let v = host.line();
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.len() <= MAX_MESSAGE && message.ends_with("...") && message.contains("does not exist"), "{v}");
+        host.hang_up();
+    }
+
+    #[test]
     fn shutdown_replies_first_then_powers_off() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut host = Host::start(dir.path());
@@ -757,12 +791,17 @@ mod tests {
         let pidfile = dir.path().join("pid");
         host.sync("h");
         let script = format!("echo $$ > {}; echo started; exec sleep 1000", pidfile.display());
-        host.request(1, "exec", json!({"argv": ["/bin/sh", "-c", script], "timeout_s": 600, "max_output": 100}));
+        host.request(1, "exec", json!({"argv": ["/bin/sh", "-c", script], "timeout_s": 60, "max_output": 100}));
         let v = host.line();
         assert_eq!(v["method"], "exec.output", "{v}");
         let pid: i32 = std::fs::read_to_string(&pidfile).ok().and_then(|t| t.trim().parse().ok()).expect("pid");
+        let _ = host.writer.shutdown(std::net::Shutdown::Both);
+        // Killed on the hang-up, well before its 60 s timeout.
+        let start = Instant::now();
+        while std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok() {
+            assert!(start.elapsed() < Duration::from_secs(10), "the command survived the hang-up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
         host.hang_up();
-        // The server has returned: the command was killed and reaped before that.
-        assert!(std::fs::read_to_string(format!("/proc/{pid}/stat")).is_err(), "the command survived the hang-up");
     }
 }
