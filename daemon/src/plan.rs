@@ -41,7 +41,8 @@ pub struct CurrentVm {
 }
 
 /// Dotted paths of the fields that differ between two specs, ignoring `state` (a state change is
-/// a start or stop, not drift) and `guest_interfaces` (applied live by the guest agent).
+/// a start or stop, not drift), `guest_interfaces` (applied live by the guest agent) and `ssh`
+/// (written live by the guest's exec server).
 pub fn spec_drift(current: &VmSpec, desired: &VmSpec) -> Vec<String> {
     // Most specs of a reconcile are unchanged: say so without building two JSON trees.
     if same_but_convergent(current, desired) {
@@ -53,6 +54,7 @@ pub fn spec_drift(current: &VmSpec, desired: &VmSpec) -> Vec<String> {
         if let Some(o) = v.as_object_mut() {
             o.remove("state");
             o.remove("guest_interfaces");
+            o.remove("ssh");
         }
     }
     let mut out = Vec::new();
@@ -61,7 +63,7 @@ pub fn spec_drift(current: &VmSpec, desired: &VmSpec) -> Vec<String> {
 }
 
 /// True when `a` and `b` differ at most in what converges without a change (`state`,
-/// `guest_interfaces`). Every field is named, so a new one cannot be forgotten here.
+/// `guest_interfaces`, `ssh`). Every field is named, so a new one cannot be forgotten here.
 fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
     let VmSpec {
         name,
@@ -77,6 +79,7 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         guest_interfaces: _,
         restart_policy,
         user_data,
+        ssh: _,
         guest_exec,
     } = a;
     *name == b.name
@@ -359,6 +362,9 @@ pub fn plan_reconcile(
                         _ if cur.spec.guest_interfaces != spec.guest_interfaces => {
                             (PlanAction::None, "guest interfaces differ (applied live by the agent)".to_string())
                         }
+                        _ if cur.spec.ssh != spec.ssh => {
+                            (PlanAction::None, "ssh access differs (written live by the exec server)".to_string())
+                        }
                         _ => (PlanAction::None, format!("up to date ({})", cur.status)),
                     },
                 }
@@ -492,8 +498,32 @@ mod tests {
             vlan_id: None,
             address: "10.0.0.2/24".into(),
         }];
+        b.ssh = Some(crate::api::SshSpec {
+            user: "ops".into(),
+            keys: vec!["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA".into()],
+        });
         assert!(same_but_convergent(&a, &b));
         assert!(spec_drift(&a, &b).is_empty());
+    }
+
+    #[test]
+    fn an_ssh_change_is_no_drift_and_a_reconcile_says_so() {
+        let a = spec("sensor1_sensor");
+        let mut b = a.clone();
+        b.ssh = Some(crate::api::SshSpec {
+            user: "ops".into(),
+            keys: vec!["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA".into()],
+        });
+        assert_eq!(classify(&a, &b).unwrap(), Change::None);
+        assert_eq!(classify(&b, &a).unwrap(), Change::None, "removing it neither");
+        let p = plan_reconcile(&config(), &[b.clone()], &cur(&[(a.clone(), VmStatus::Running)]), false, false);
+        assert_eq!(
+            (p[0].action, p[0].reason.as_str()),
+            (PlanAction::None, "ssh access differs (written live by the exec server)")
+        );
+        // With another change it is a reconfigure of that field only.
+        b.memory_mib += 1;
+        assert_eq!(classify(&a, &b).unwrap(), Change::Reconfigure { fields: vec!["memory_mib".into()], restart: true });
     }
 
     #[test]

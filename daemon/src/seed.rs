@@ -17,7 +17,9 @@
 //! spec, given once to VMs recorded before ids were.
 //!
 //! `user-data` is the spec's `user_data` verbatim when it is set, else a generated
-//! `#cloud-config` setting the hostname. The hostname (`local-hostname`, `hostname`) is the
+//! `#cloud-config` setting the hostname. The spec's `ssh` account is a `users` entry of the
+//! generated user-data, or of `vendor-data` when the user-data is the spec's (cloud-init merges
+//! user-data over vendor-data: a `user_data` with its own `users` replaces it). The hostname (`local-hostname`, `hostname`) is the
 //! VM name with `_` as `-` ([`crate::validate::hostname_of`]).
 //!
 //! The network config is cloud-init's version 1, which every cloud-init from 22.4 (Debian 12)
@@ -26,7 +28,7 @@
 //! valid YAML: every value in it comes from a validated spec, and serde_json does the quoting,
 //! so no guest-visible text is hand-escaped.
 
-use crate::api::{DesiredState, Ipv4Spec, VmSpec};
+use crate::api::{DesiredState, Ipv4Spec, SshSpec, VmSpec};
 use crate::nic::NicAlloc;
 use crate::validate::{hostname_of, ValidSpec};
 use serde_json::{json, Map, Value};
@@ -111,15 +113,39 @@ pub struct SeedFiles {
 pub fn render(spec: &VmSpec, allocs: &[NicAlloc], instance_id: &str) -> SeedFiles {
     let hostname = hostname_of(&spec.name);
     let meta = json!({ "instance-id": instance_id, "local-hostname": hostname });
-    SeedFiles {
-        meta_data: format!("{}\n", meta),
-        user_data: match &spec.user_data {
-            Some(text) => text.clone(),
-            None => format!("#cloud-config\n{}\n", json!({ "hostname": hostname, "preserve_hostname": false })),
-        },
-        vendor_data: VENDOR_DATA.to_string(),
-        network_config: network_config(spec, allocs),
-    }
+    let users = spec.ssh.as_ref().map(users);
+    let mut vendor_data = VENDOR_DATA.to_string();
+    let user_data = match &spec.user_data {
+        Some(text) => {
+            // The user's text is not ours to edit (it may be a script or a MIME archive):
+            // the account goes into vendor-data, which cloud-init merges under it.
+            if let Some(users) = &users {
+                vendor_data.push_str(&format!("users: {users}\n"));
+            }
+            text.clone()
+        }
+        None => {
+            let mut config = json!({ "hostname": hostname, "preserve_hostname": false });
+            if let Some(users) = users {
+                config["users"] = users;
+            }
+            format!("#cloud-config\n{config}\n")
+        }
+    };
+    SeedFiles { meta_data: format!("{}\n", meta), user_data, vendor_data, network_config: network_config(spec, allocs) }
+}
+
+/// cloud-init's `users` for the spec's `ssh`: the distribution's default user as without it
+/// (`default`), then the account with the keys, its password locked and no `sudo`. cloud-init
+/// creates it at a new instance's first boot only (`users` is a per-instance module); a key
+/// changed later reaches the guest through the exec server's `ssh.authorize`.
+fn users(ssh: &SshSpec) -> Value {
+    json!(["default", {
+        "name": ssh.user,
+        "lock_passwd": true,
+        "shell": "/bin/sh",
+        "ssh_authorized_keys": ssh.keys,
+    }])
 }
 
 /// The `network-config` of `spec`'s NICs, in cloud-init's network config **version 1**: one
@@ -516,6 +542,66 @@ mod tests {
         assert_eq!(meta["instance-id"], "vmhost-sensor1_sensor-00");
         let user: Value = serde_json::from_str(files.user_data.strip_prefix("#cloud-config\n").unwrap()).unwrap();
         assert_eq!(user["hostname"], "sensor1-sensor");
+    }
+
+    const KEYS: [&str; 2] = [
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA ops@example",
+        "ecdsa-sha2-nistp256 AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTY= \"quoted\" comment",
+    ];
+
+    fn with_ssh(mut s: VmSpec) -> VmSpec {
+        s.ssh = Some(SshSpec { user: "ops".into(), keys: KEYS.iter().map(|k| k.to_string()).collect() });
+        s
+    }
+
+    /// The `users` the spec's ssh makes, as cloud-init reads it.
+    fn expected_users() -> Value {
+        json!(["default", {"name": "ops", "lock_passwd": true, "shell": "/bin/sh", "ssh_authorized_keys": KEYS}])
+    }
+
+    #[test]
+    fn ssh_keys_are_a_users_entry_of_the_generated_user_data() {
+        let plain = render(&spec(), &allocs(), ID);
+        let with = render(&with_ssh(spec()), &allocs(), ID);
+        let user: Value = serde_json::from_str(with.user_data.strip_prefix("#cloud-config\n").unwrap()).unwrap();
+        assert_eq!(user, json!({"hostname": "web1", "preserve_hostname": false, "users": expected_users()}));
+        // No sudo, no other file changed.
+        assert!(!with.user_data.contains("sudo"), "{}", with.user_data);
+        assert_eq!(
+            (&with.meta_data, &with.vendor_data, &with.network_config),
+            (&plain.meta_data, &plain.vendor_data, &plain.network_config)
+        );
+        // Without ssh the generated user-data is as it always was.
+        assert_eq!(plain.user_data, "#cloud-config\n{\"hostname\":\"web1\",\"preserve_hostname\":false}\n");
+    }
+
+    #[test]
+    fn with_the_spec_s_user_data_ssh_keys_go_to_vendor_data() {
+        let text = "#!/bin/sh\necho not a cloud-config\n";
+        let mut s = with_ssh(spec());
+        s.user_data = Some(text.into());
+        let files = render(&s, &allocs(), ID);
+        assert_eq!(files.user_data, text, "the user's text is never edited");
+        let users_line = files.vendor_data.strip_prefix(VENDOR_DATA).unwrap();
+        let users: Value = serde_json::from_str(users_line.strip_prefix("users: ").unwrap().trim_end()).unwrap();
+        assert_eq!(users, expected_users());
+        assert!(users_line.ends_with('\n') && users_line.lines().count() == 1, "{users_line:?}");
+    }
+
+    #[test]
+    fn a_seed_with_ssh_keys_is_written_and_read_back() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("seed.img");
+        let mut s = with_ssh(spec());
+        s.ssh.as_mut().unwrap().keys =
+            vec![format!("ssh-rsa {}", "A".repeat(crate::validate::MAX_SSH_KEY_LINE - 8)); 16];
+        for user_data in [None, Some("#cloud-config\n".to_string())] {
+            s.user_data = user_data;
+            let files = render(&s, &allocs(), ID);
+            write_seed(&path, &files).unwrap();
+            assert_eq!(read_seed_file(&path, "user-data").unwrap(), files.user_data);
+            assert_eq!(read_seed_file(&path, "vendor-data").unwrap(), files.vendor_data);
+        }
     }
 
     #[test]

@@ -193,6 +193,7 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
     }
     crate::nic::validate_nics(spec, config)?;
     validate_guest_interfaces(spec)?;
+    validate_ssh(spec)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
 }
 
@@ -330,6 +331,87 @@ fn validate_guest_interfaces(spec: &VmSpec) -> Result<(), ApiError> {
             (None, Some(_)) => return Err(ApiError::invalid(f("link"), "a vlan_id needs a link")),
         }
         crate::ipv4::Ipv4Cidr::parse(&g.address).map_err(|m| ApiError::invalid(f("address"), m))?;
+    }
+    Ok(())
+}
+
+/// Most keys `ssh.keys` may hold.
+pub const MAX_SSH_KEYS: usize = 16;
+
+/// Longest line of `ssh.keys`, in bytes: an RSA key of 16384 bits is about 2.8 KiB with a
+/// long comment.
+pub const MAX_SSH_KEY_LINE: usize = 8 * 1024;
+
+/// The key types `ssh.keys` accept: OpenSSH's public key types minus DSA (removed from
+/// OpenSSH) and certificates (a CA is not what a per-VM key list is for).
+pub const SSH_KEY_TYPES: [&str; 7] = [
+    "ssh-ed25519",
+    "ssh-rsa",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+    "sk-ssh-ed25519@openssh.com",
+    "sk-ecdsa-sha2-nistp256@openssh.com",
+];
+
+/// Why `user` cannot be `ssh.user`, if it cannot: `[a-z_][a-z0-9_-]{0,31}` (Debian's
+/// `adduser` default rule, without its `$`, and what `useradd` takes everywhere).
+fn ssh_user_problem(user: &str) -> Option<&'static str> {
+    let mut chars = user.chars();
+    match chars.next() {
+        None => Some("is empty"),
+        Some(c) if !(c.is_ascii_lowercase() || c == '_') => Some("must start with a-z or _"),
+        _ if user.len() > 32 => Some("is longer than 32 characters"),
+        _ if !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-') => {
+            Some("may hold only a-z, 0-9, _ and -")
+        }
+        _ => None,
+    }
+}
+
+/// Why `line` cannot be a line of `ssh.keys`, if it cannot: one line of at most
+/// [`MAX_SSH_KEY_LINE`] bytes, printable (no control character: it is written into
+/// `authorized_keys` and shown in logs), `TYPE BASE64 [COMMENT]` with TYPE one of
+/// [`SSH_KEY_TYPES`]. Starting with the type leaves no room for `authorized_keys` options
+/// (`command=`, `from=`, ...).
+fn ssh_key_problem(line: &str) -> Option<String> {
+    if line.len() > MAX_SSH_KEY_LINE {
+        return Some(format!("is {} bytes; at most {MAX_SSH_KEY_LINE} are allowed", line.len()));
+    }
+    if line.chars().any(char::is_control) {
+        return Some("contains a line break or another control character".into());
+    }
+    let mut words = line.split(' ');
+    let kind = words.next().unwrap_or_default();
+    if !SSH_KEY_TYPES.contains(&kind) {
+        return Some(format!("does not start with a key type ({})", SSH_KEY_TYPES.join(", ")));
+    }
+    let blob = words.next().unwrap_or_default();
+    let base64 = |c: char| c.is_ascii_alphanumeric() || "+/=".contains(c);
+    if blob.len() < 16 || !blob.chars().all(base64) {
+        return Some(format!("has no base64 key after {kind:?}"));
+    }
+    None
+}
+
+/// `ssh`: `user` per [`ssh_user_problem`], 1 to [`MAX_SSH_KEYS`] keys, each per
+/// [`ssh_key_problem`]. The guest's exec server checks again.
+fn validate_ssh(spec: &VmSpec) -> Result<(), ApiError> {
+    let Some(ssh) = &spec.ssh else { return Ok(()) };
+    if let Some(problem) = ssh_user_problem(&ssh.user) {
+        return Err(ApiError::invalid("spec.ssh.user", format!("user name {:?} {problem}", ssh.user)));
+    }
+    if ssh.keys.is_empty() || ssh.keys.len() > MAX_SSH_KEYS {
+        return Err(ApiError::invalid(
+            "spec.ssh.keys",
+            format!("{} keys; 1 to {MAX_SSH_KEYS} are allowed", ssh.keys.len()),
+        ));
+    }
+    for (i, key) in ssh.keys.iter().enumerate() {
+        if let Some(problem) = ssh_key_problem(key) {
+            // The key itself is not repeated: it may be long, and the field names it.
+            return Err(ApiError::invalid(format!("spec.ssh.keys[{i}]"), format!("the key {problem}")));
+        }
     }
     Ok(())
 }
@@ -534,6 +616,7 @@ reserved_memory_gib = 4
             guest_interfaces: Vec::new(),
             restart_policy: Default::default(),
             user_data: None,
+            ssh: None,
             guest_exec: true,
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
@@ -875,6 +958,73 @@ reserved_memory_gib = 4
         s.guest_interfaces.push(vlan("v65", "eth0", 65));
         let e = validate_spec(&s, &config()).unwrap_err();
         assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.guest_interfaces")));
+    }
+
+    const ED25519: &str =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA ops@example";
+
+    fn with_ssh(user: &str, keys: &[&str]) -> VmSpec {
+        let mut s = spec("a");
+        s.ssh = Some(crate::api::SshSpec { user: user.into(), keys: keys.iter().map(|k| k.to_string()).collect() });
+        s
+    }
+
+    #[test]
+    fn ssh_users_follow_the_useradd_rule() {
+        for good in ["vmhost", "_svc", "a", "ops-1_x", &"u".repeat(32)] {
+            assert!(validate_spec(&with_ssh(good, &[ED25519]), &config()).is_ok(), "{good}");
+        }
+        for bad in ["", "Root", "1ops", "-x", "a b", "a.b", "a$", "ü", "a/b", &"u".repeat(33), "a\n"] {
+            assert_eq!(err(&with_ssh(bad, &[ED25519])), (2001, "spec.ssh.user".into()), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn ssh_keys_are_one_to_sixteen_public_key_lines() {
+        assert_eq!(err(&with_ssh("vmhost", &[])), (2001, "spec.ssh.keys".into()));
+        let many = vec![ED25519; MAX_SSH_KEYS];
+        assert!(validate_spec(&with_ssh("vmhost", &many), &config()).is_ok());
+        let too_many = vec![ED25519; MAX_SSH_KEYS + 1];
+        assert_eq!(err(&with_ssh("vmhost", &too_many)), (2001, "spec.ssh.keys".into()));
+        let blob = "AAAAB3NzaC1yc2EAAAADAQABAAABAQ";
+        for kind in SSH_KEY_TYPES {
+            let key = format!("{kind} {blob}");
+            assert!(validate_spec(&with_ssh("vmhost", &[&key]), &config()).is_ok(), "{kind}");
+        }
+        // At most 8 KiB, comment included.
+        let long = format!("ssh-rsa {blob} {}", "c".repeat(MAX_SSH_KEY_LINE - 9 - blob.len()));
+        assert_eq!(long.len(), MAX_SSH_KEY_LINE);
+        assert!(validate_spec(&with_ssh("vmhost", &[&long]), &config()).is_ok());
+        let bad = [
+            format!("{long}c"),
+            format!("ssh-dss {blob}"),
+            format!("ssh-ed25519-cert-v01@openssh.com {blob}"),
+            format!("command=\"/bin/sh\" ssh-ed25519 {blob}"),
+            format!(" ssh-ed25519 {blob}"),
+            "ssh-ed25519".to_string(),
+            "ssh-ed25519 ".to_string(),
+            "ssh-ed25519 short".to_string(),
+            format!("ssh-ed25519 {blob}!"),
+            format!("ssh-ed25519 {blob} a\nssh-rsa {blob}"),
+            format!("ssh-ed25519 {blob} a\r"),
+            format!("ssh-ed25519 {blob} \u{1b}[2J"),
+            format!("ssh-ed25519 {blob}\0"),
+            String::new(),
+        ];
+        for key in &bad {
+            assert_eq!(err(&with_ssh("vmhost", &[ED25519, key])), (2001, "spec.ssh.keys[1]".into()), "{key:?}");
+        }
+    }
+
+    #[test]
+    fn ssh_errors_name_the_problem_not_the_key() {
+        let e =
+            validate_spec(&with_ssh("vmhost", &["ssh-dss AAAAB3NzaC1yc2EAAAADAQABAAABAQ secret-comment"]), &config())
+                .unwrap_err();
+        assert!(e.message.contains("does not start with a key type (ssh-ed25519, ssh-rsa"), "{}", e.message);
+        assert!(!e.message.contains("secret-comment"), "{}", e.message);
+        let e = validate_spec(&with_ssh("Root", &[ED25519]), &config()).unwrap_err();
+        assert_eq!(e.message, "user name \"Root\" must start with a-z or _");
     }
 
     #[test]

@@ -437,8 +437,13 @@ struct SeedCase {
     what: &'static str,
     ipv4: Vec<Value>,
     user_data: Option<String>,
+    /// The spec's `ssh` (JSON), if any.
+    ssh: Option<Value>,
     present: Vec<&'static str>,
 }
+
+/// A key for the seed cases' ssh accounts.
+const SEED_KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA t@t";
 
 fn seed_cases() -> Vec<SeedCase> {
     let static_full = json!({"mode": "static", "address": "10.0.0.5/24", "gateway": "10.0.0.1",
@@ -448,6 +453,7 @@ fn seed_cases() -> Vec<SeedCase> {
             what: "static with gateway, two DNS servers and two search domains, generated user-data",
             ipv4: vec![static_full.clone()],
             user_data: None,
+            ssh: None,
             present: vec!["10.0.0.5/24", "10.0.0.1", "10.0.0.53", "10.0.0.54", "example.test", "corp.test", "eth0"],
         },
         SeedCase {
@@ -456,6 +462,7 @@ fn seed_cases() -> Vec<SeedCase> {
             user_data: Some(test_user_data(
                 "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA t@t",
             )),
+            ssh: None,
             present: vec!["192.168.7.9/16", "eth0"],
         },
         SeedCase {
@@ -465,6 +472,7 @@ fn seed_cases() -> Vec<SeedCase> {
                 json!({"mode": "static", "address": "10.2.0.5/24", "search": ["only.test"]}),
             ],
             user_data: None,
+            ssh: None,
             present: vec!["10.1.0.5/24", "10.1.0.1", "10.1.0.53", "10.2.0.5/24", "only.test", "eth0", "eth1"],
         },
         SeedCase {
@@ -473,10 +481,23 @@ fn seed_cases() -> Vec<SeedCase> {
                 json!({"mode": "static", "address": "10.3.0.5/24", "gateway": "10.3.0.1", "search": ["lost.test"]}),
             ],
             user_data: None,
+            ssh: None,
             present: vec!["10.3.0.5/24", "10.3.0.1", "lost.test", "eth0"],
         },
-        SeedCase { what: "DHCP", ipv4: vec![json!({"mode": "dhcp"})], user_data: None, present: vec!["eth0"] },
-        SeedCase { what: "a NIC without an address", ipv4: vec![Value::Null], user_data: None, present: vec!["eth0"] },
+        SeedCase {
+            what: "DHCP",
+            ipv4: vec![json!({"mode": "dhcp"})],
+            user_data: None,
+            ssh: None,
+            present: vec!["eth0"],
+        },
+        SeedCase {
+            what: "a NIC without an address",
+            ipv4: vec![Value::Null],
+            user_data: None,
+            ssh: None,
+            present: vec!["eth0"],
+        },
         SeedCase {
             what: "four NICs: static with gateway, DHCP, none, static",
             ipv4: vec![
@@ -486,6 +507,7 @@ fn seed_cases() -> Vec<SeedCase> {
                 json!({"mode": "static", "address": "172.16.0.9/12"}),
             ],
             user_data: Some("#cloud-config\nruncmd:\n  - [sh, -c, 'echo \"{\\\"a\\\": 1}\" > /x']\n".into()),
+            ssh: None,
             present: vec![
                 "10.0.0.5/24",
                 "10.0.0.1",
@@ -497,6 +519,22 @@ fn seed_cases() -> Vec<SeedCase> {
                 "eth2",
                 "eth3",
             ],
+        },
+        SeedCase {
+            what: "an ssh account, generated user-data",
+            ipv4: vec![json!({"mode": "dhcp"})],
+            user_data: None,
+            ssh: Some(
+                json!({"user": "ops", "keys": [SEED_KEY, "ecdsa-sha2-nistp256 AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTYAAABBBEmKSENjQEezOmxkZMy7opKgwFB9nkt5YRrYMjNuG5N87uRgg6CLrbo5wAdT/y6v0mKV0U2w0WZ2YB/++Tpockg= a@b"]}),
+            ),
+            present: vec!["eth0"],
+        },
+        SeedCase {
+            what: "an ssh account beside the test's user-data (vendor-data)",
+            ipv4: vec![json!({"mode": "dhcp"})],
+            user_data: Some("#cloud-config\nruncmd:\n  - [\"true\"]\n".into()),
+            ssh: Some(json!({"keys": [SEED_KEY]})),
+            present: vec!["eth0"],
         },
     ]
 }
@@ -513,6 +551,9 @@ fn render_case(case: &SeedCase) -> vmhost::seed::SeedFiles {
         "boot": {"image": "debian.qcow2", "disk_gib": 4}, "nics": nics});
     if let Some(text) = &case.user_data {
         spec["user_data"] = json!(text);
+    }
+    if let Some(ssh) = &case.ssh {
+        spec["ssh"] = ssh.clone();
     }
     let spec: vmhost::api::VmSpec = serde_json::from_value(spec).expect("a spec");
     let allocs: Vec<vmhost::nic::NicAlloc> = (0..case.ipv4.len())

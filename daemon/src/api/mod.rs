@@ -9,6 +9,7 @@ pub mod backup;
 pub mod disks;
 pub mod error;
 pub mod exec;
+pub mod housekeeping;
 pub mod images;
 pub mod snapshots;
 pub mod stats;
@@ -19,6 +20,7 @@ use std::path::PathBuf;
 
 pub use disks::{DataDiskSpec, DiskAio, DiskCache, DiskFormat, KeptDisk};
 pub use error::{ApiError, Code};
+pub use housekeeping::{SshSpec, StopMethod};
 
 /// Protocol version reported by `host.info`.
 pub const API_VERSION: u32 = 1;
@@ -103,6 +105,11 @@ pub struct VmSpec {
     /// Changed without a restart (read at the guest's first boot; the next start writes it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_data: Option<String>,
+    /// An account in the guest and the SSH public keys that may log in to it (the seed and the
+    /// exec server write them); changed live. Left out when absent, so older specs and
+    /// records compare and serialize as they did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh: Option<SshSpec>,
     /// Whether `vm.exec`, `vm.file_push` and `vm.file_pull` may run in this VM (default true;
     /// the host must also allow them with `[agent] allow_exec`). Changed without a restart.
     #[serde(default = "default_true", skip_serializing_if = "is_true")]
@@ -499,6 +506,10 @@ pub struct StopParams {
     /// Kill at once, no ACPI powerdown.
     #[serde(default)]
     pub force: bool,
+    /// How the guest is asked to power off: `acpi` (default) or `agent` (the exec server's
+    /// `guest.shutdown`, ACPI at once when that cannot be asked).
+    #[serde(default)]
+    pub method: StopMethod,
 }
 
 fn default_stop_timeout() -> u64 {

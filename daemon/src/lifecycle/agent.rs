@@ -1,5 +1,6 @@
 //! Guest agent use by the lifecycle: keeping a session per running VM, applying the spec's
-//! `guest_interfaces` whenever a session (re)starts, and `vm.check` with expectations taken from
+//! `guest_interfaces` (and, through the exec server, its `ssh` keys:
+//! [`super::housekeeping::authorize_ssh_soon`]) whenever a session (re)starts, and `vm.check` with expectations taken from
 //! the spec and the VM record, never from the guest.
 //!
 //! All of it stays on [`Manager`], taking the VM's name: the session callback applies the
@@ -32,6 +33,8 @@ pub(super) fn watch_agent(mgr: &Arc<Manager>, name: &str) {
             if let Err(e) = apply_guest_interfaces(&mgr, &vm).await {
                 tracing::warn!(vm = %vm, error = %e, "guest interfaces not applied");
             }
+            // The spec's SSH keys go with the interfaces, through the exec server.
+            super::housekeeping::authorize_ssh_soon(&mgr, &vm);
         }
     });
 }

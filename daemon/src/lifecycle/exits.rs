@@ -143,15 +143,17 @@ impl Manager {
     }
 
     /// Listens on the VM's event monitor until QEMU closes it, telling the agent hub of every
-    /// guest reset, and keeps it as the VM's QMP session ([`crate::qemu::session`]) meanwhile.
-    /// The task's result: whether the
+    /// guest reset, syncing the guest's clock when a paused guest runs again
+    /// ([`super::housekeeping::sync_time_after`]: `RESUME` after `STOP`), and keeps it as the
+    /// VM's QMP session ([`crate::qemu::session`]) meanwhile. The task's result: whether the
     /// last `SHUTDOWN` event said the guest asked (`None`: no such event, or no monitor, as for
     /// a VM started before it existed).
-    fn listen_for_shutdown(&self, name: &str) -> tokio::task::JoinHandle<Option<bool>> {
+    fn listen_for_shutdown(self: &Arc<Self>, name: &str) -> tokio::task::JoinHandle<Option<bool>> {
         let socket = self.paths(name).qmp_events;
         let name = name.to_string();
         let agents = Arc::clone(&self.agents);
         let sessions = Arc::clone(&self.qmp_sessions);
+        let mgr = Arc::downgrade(self);
         tokio::spawn(async move {
             let qmp = match crate::qemu::qmp::Qmp::connect(&socket, Duration::from_secs(10)).await {
                 Ok(q) => q,
@@ -164,6 +166,9 @@ impl Manager {
             let session = crate::qemu::session::Session::new(qmp);
             sessions.insert(&name, &session);
             let mut guest = None;
+            // The guest's vCPUs were stopped (an operator's `stop`, an I/O error): its clock
+            // stood still meanwhile.
+            let mut paused = false;
             while let Ok(event) = session.next_event().await {
                 if event["event"] == "SHUTDOWN" {
                     // guest: true also comes with a guest panic ("guest-panic"): only a power-off
@@ -174,6 +179,12 @@ impl Manager {
                     // The guest boots again: its agent is worth trying at once, not after the
                     // backoff the absent agent had reached.
                     agents.guest_booted(&name);
+                } else if event["event"] == "STOP" {
+                    paused = true;
+                } else if event["event"] == "RESUME" && std::mem::take(&mut paused) {
+                    if let Some(mgr) = mgr.upgrade() {
+                        tokio::spawn(super::housekeeping::sync_time_after(mgr, name.clone(), "the guest resumed"));
+                    }
                 }
             }
             sessions.remove(&name, &session);

@@ -37,6 +37,7 @@ pub(crate) mod exec;
 mod exits;
 mod held;
 mod hotplug;
+pub(crate) mod housekeeping;
 pub(crate) mod images;
 mod launch;
 mod live_copy;

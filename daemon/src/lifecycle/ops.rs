@@ -93,17 +93,18 @@ pub(super) async fn start_if_wanted(
     .await
 }
 
-/// `vm.stop`: ACPI powerdown over QMP, SIGKILL after `timeout_s` (at once with `force`).
+/// `vm.stop`: ACPI powerdown over QMP (or the exec server's `guest.shutdown` with `method:
+/// "agent"`, for the API peer `peer_uid`), SIGKILL after `timeout_s` (at once with `force`).
 ///
 /// # Errors
 /// 2001 for a timeout above [`MAX_STOP_TIMEOUT_S`], 4040, 4090, 4001 when QEMU could not be
 /// ended (the record then keeps the process).
-pub(crate) async fn stop(mgr: &Arc<Manager>, p: StopParams) -> Result<Mutation, ApiError> {
+pub(crate) async fn stop(mgr: &Arc<Manager>, p: StopParams, peer_uid: u32) -> Result<Mutation, ApiError> {
     let span = tracing::info_span!("vm.stop", vm = %p.name);
     async move {
         check_stop_timeout(&p)?;
         let (mut op, _) = mgr.begin_op(&p.name).await?;
-        let changed = op.stop_steps(&p).await?;
+        let changed = op.stop_steps(&p, peer_uid).await?;
         Ok(Mutation::new(changed, Some(mgr.get(&p.name)?)))
     }
     .instrument(span)
@@ -114,12 +115,12 @@ pub(crate) async fn stop(mgr: &Arc<Manager>, p: StopParams) -> Result<Mutation, 
 ///
 /// # Errors
 /// As `vm.stop` and `vm.start`.
-pub(crate) async fn restart(mgr: &Arc<Manager>, p: StopParams) -> Result<Mutation, ApiError> {
+pub(crate) async fn restart(mgr: &Arc<Manager>, p: StopParams, peer_uid: u32) -> Result<Mutation, ApiError> {
     let span = tracing::info_span!("vm.restart", vm = %p.name);
     async move {
         check_stop_timeout(&p)?;
         let (mut op, _) = mgr.begin_op(&p.name).await?;
-        op.stop_steps(&p).await?;
+        op.stop_steps(&p, peer_uid).await?;
         op.start_steps("vm.restart").await?;
         Ok(Mutation::new(true, Some(mgr.get(&p.name)?)))
     }
@@ -154,7 +155,7 @@ pub(crate) async fn destroy(mgr: &Arc<Manager>, name: &str) -> Result<Mutation, 
 /// change (2001/2002/3002/3003/3004/3005) leaves the VM exactly as it was.
 pub(crate) async fn apply(mgr: &Arc<Manager>, p: ApplyParams) -> Result<Mutation, ApiError> {
     let ApplyParams { spec, replace, restart, timeout_s } = p;
-    check_stop_timeout(&StopParams { name: spec.name.clone(), timeout_s, force: false })?;
+    check_stop_timeout(&StopParams { name: spec.name.clone(), timeout_s, force: false, method: Default::default() })?;
     let vm = validate_spec(&spec, &mgr.config)?;
     let Ok(current) = mgr.record(&spec.name) else { return create(mgr, spec).await };
     super::root_disk::check_root_disk_size(&current, &spec)?;
@@ -207,9 +208,9 @@ pub(crate) async fn apply(mgr: &Arc<Manager>, p: ApplyParams) -> Result<Mutation
     .await
 }
 
-/// `vm.apply` with an unchanged spec: guest interfaces change live, under the VM's busy
-/// flag (recorded, then applied by the agent); then the run state is converged, in the same
-/// call.
+/// `vm.apply` with an unchanged spec: guest interfaces and SSH access change live, under the
+/// VM's busy flag (recorded, then applied by the agent or written by the exec server); then
+/// the run state is converged, in the same call.
 async fn converge_unchanged(
     mgr: &Arc<Manager>,
     current: &crate::state::VmRecord,
@@ -227,16 +228,27 @@ async fn converge_unchanged(
             super::agent::apply_guest_interfaces(mgr, &spec.name).await?;
         }
     }
+    // SSH access changes live the same way, through the exec server.
+    let ssh_changed = current.spec.ssh != spec.ssh;
+    if ssh_changed {
+        let (op, _) = mgr.begin_op(&spec.name).await?;
+        let wanted = spec.ssh.clone();
+        op.update("ssh", |r| r.spec.ssh = wanted)?;
+        if op.find_live(current.process.as_ref())?.is_some() {
+            super::housekeeping::authorize_ssh(mgr, &spec.name).await?;
+        }
+    }
     let up = super::launch::find_live(mgr, &spec.name, current.process.as_ref())?.is_some();
     let converge = match spec.state {
         DesiredState::Running => !up,
         DesiredState::Stopped => up || current.spec.state != DesiredState::Stopped,
     };
     match (converge, spec.state) {
-        (false, _) => Ok(Mutation::new(interfaces_changed, Some(mgr.get(&spec.name)?))),
+        (false, _) => Ok(Mutation::new(interfaces_changed || ssh_changed, Some(mgr.get(&spec.name)?))),
         (true, DesiredState::Running) => start(mgr, &spec.name).await,
         (true, DesiredState::Stopped) => {
-            stop(mgr, StopParams { name: spec.name.clone(), timeout_s, force: false }).await
+            let p = StopParams { name: spec.name.clone(), timeout_s, force: false, method: Default::default() };
+            stop(mgr, p, super::housekeeping::own_uid()).await
         }
     }
 }
@@ -348,7 +360,7 @@ impl VmOp {
     ///
     /// # Errors
     /// As `vm.stop`.
-    pub(super) async fn stop_steps(&mut self, p: &StopParams) -> Result<bool, ApiError> {
+    pub(super) async fn stop_steps(&mut self, p: &StopParams, peer_uid: u32) -> Result<bool, ApiError> {
         let rec = self.record()?;
         let state_changed = rec.spec.state != DesiredState::Stopped;
         let Some(id) = self.find_live(rec.process.as_ref())? else {
@@ -367,7 +379,8 @@ impl VmOp {
             }
             return Ok(false);
         };
-        self.shut_down(&id, "vm.stop", Some(DesiredState::Stopped), p.timeout_s, p.force).await?;
+        let how = super::housekeeping::PowerOff::of(p.force, p.method, peer_uid);
+        self.shut_down(&id, "vm.stop", Some(DesiredState::Stopped), p.timeout_s, how).await?;
         Ok(true)
     }
 

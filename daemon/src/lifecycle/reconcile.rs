@@ -104,7 +104,8 @@ async fn run_entry(
         (PlanAction::None, None) => return Ok(false),
         (PlanAction::Destroy, _) => super::ops::destroy(mgr, &entry.vm).await?,
         (PlanAction::Stop, None) => {
-            super::ops::stop(mgr, StopParams { name: entry.vm.clone(), timeout_s, force: false }).await?
+            let p = StopParams { name: entry.vm.clone(), timeout_s, force: false, method: Default::default() };
+            super::ops::stop(mgr, p, super::housekeeping::own_uid()).await?
         }
         (PlanAction::Start, None) => super::ops::start(mgr, &entry.vm).await?,
         (PlanAction::Create, _) => super::ops::create(mgr, need_spec()?).await?,

@@ -111,7 +111,7 @@ impl VmOp {
             // Changed and to be stopped: a stop, not a restart, whatever `restart` says.
             self.swap_in_place(&vm.spec, None)?;
             self.crashpoint("reconfigure:recorded");
-            self.shut_down(&id, "reconfigure: stopping", None, timeout_s, false).await?;
+            self.shut_down(&id, "reconfigure: stopping", None, timeout_s, super::housekeeping::PowerOff::Acpi).await?;
             self.grow_offline(&vm.spec, grow_to).await?;
             return self.retire_dropped_disks(&old, &vm.spec);
         }
@@ -154,7 +154,7 @@ impl VmOp {
         }
         self.swap_in_place(&vm.spec, Some(running.clone()))?;
         self.crashpoint("reconfigure:recorded");
-        self.shut_down(&id, "reconfigure: stopping", None, timeout_s, false).await?;
+        self.shut_down(&id, "reconfigure: stopping", None, timeout_s, super::housekeeping::PowerOff::Acpi).await?;
         self.crashpoint("reconfigure:stopped");
         // A rollback restores what ran, with the largest disk size any of the specs had (the
         // overlay is never shrunk).

@@ -57,14 +57,15 @@ pub(crate) async fn shutdown_vms(mgr: &Arc<Manager>, timeout_s: u64) -> Result<S
 async fn power_off(mgr: &Arc<Manager>, name: &str, timeout_s: u64) -> Result<(), ApiError> {
     let (op, rec) = mgr.begin_op(name).await?;
     let Some(id) = op.find_live(rec.process.as_ref())? else { return Ok(()) };
-    op.shut_down(&id, "host shutdown", None, timeout_s, false).await
+    op.shut_down(&id, "host shutdown", None, timeout_s, super::housekeeping::PowerOff::Acpi).await
 }
 
 impl VmOp {
     /// Ends the VM's live QEMU `id`: records it `stopping` (for `reason`, with desired state
     /// `desired` when given: `vm.stop` sets it, a reconfigure or host shutdown keeps it), then
-    /// ACPI powerdown and up to `timeout_s` for the guest to power off (unless `force`), else
-    /// SIGKILL; then its taps, agent session, run dir and passthrough devices go, and the VM is
+    /// asks the guest to power off as `how` says (the exec server's `guest.shutdown`, falling
+    /// back to ACPI powerdown at once, or ACPI powerdown) and waits up to `timeout_s` for it
+    /// (nothing of this with [`super::housekeeping::PowerOff::Kill`]), else SIGKILL; then its taps, agent session, run dir and passthrough devices go, and the VM is
     /// `stopped`.
     ///
     /// # Errors
@@ -76,7 +77,7 @@ impl VmOp {
         reason: &str,
         desired: Option<DesiredState>,
         timeout_s: u64,
-        force: bool,
+        how: super::housekeeping::PowerOff,
     ) -> Result<(), ApiError> {
         let (mgr, name) = (self.mgr(), self.name());
         self.update_status(reason, VmStatus::Stopping, |r| {
@@ -87,8 +88,23 @@ impl VmOp {
         let mut exited = false;
         // Why QEMU is killed, when it is.
         let mut killed = "asked to force it".to_string();
-        if !force {
+        if how != super::housekeeping::PowerOff::Kill {
+            let agent_asked = match how {
+                super::housekeeping::PowerOff::Agent { peer_uid } => {
+                    match super::housekeeping::ask_shutdown(mgr, name, peer_uid).await {
+                        Ok(_) => true,
+                        Err(e) => {
+                            tracing::warn!(vm = name, error = %e, "guest.shutdown could not be asked; falling back to ACPI");
+                            false
+                        }
+                    }
+                }
+                super::housekeeping::PowerOff::Kill | super::housekeeping::PowerOff::Acpi => false,
+            };
             let asked = async {
+                if agent_asked {
+                    return Ok(());
+                }
                 let mut qmp = mgr.qmp(name, Duration::from_secs(5)).await?;
                 qmp.system_powerdown().await
             }

@@ -65,6 +65,9 @@ impl HeldVm {
         self.clean_run_dir();
         mgr.net.detach_nics(name).await;
         mgr.agents.stop(name);
+        // The VM's exec slots entry goes once no call holds a slot (a call still running ends
+        // with the session QEMU's exit broke).
+        mgr.exec_slots.forget(name);
         match devices {
             Devices::Release => self.release_passthrough().await,
             Devices::Keep => Ok(()),

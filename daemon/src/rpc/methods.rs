@@ -123,7 +123,7 @@ macro_rules! call {
 }
 
 /// Every method of API v1, in documentation order.
-pub static METHODS: [Method; 33] = [
+pub static METHODS: [Method; 34] = [
     // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
     call!("host.info", Read, Free, Object, |ctx, _p| json(crate::blocking::run(|| ctx.manager.host_info()))),
     call!("host.check", Read, Free, Anything, |ctx, _p| {
@@ -167,10 +167,12 @@ pub static METHODS: [Method; 33] = [
     call!("vm.start", Write, Free, NameParams, |ctx, p| lifecycle::ops::start(&ctx.manager, &p.name)
         .await
         .and_then(json)),
-    call!("vm.stop", Write, Free, StopParams, |ctx, p| lifecycle::ops::stop(&ctx.manager, p).await.and_then(json)),
-    call!("vm.restart", Write, Free, StopParams, |ctx, p| lifecycle::ops::restart(&ctx.manager, p)
+    call!("vm.stop", Write, Free, StopParams, |ctx, p, caller| lifecycle::ops::stop(&ctx.manager, p, caller.uid)
         .await
         .and_then(json)),
+    call!("vm.restart", Write, Free, StopParams, |ctx, p, caller| {
+        lifecycle::ops::restart(&ctx.manager, p, caller.uid).await.and_then(json)
+    }),
     call!("vm.destroy", Write, Free, NameParams, |ctx, p| lifecycle::ops::destroy(&ctx.manager, &p.name)
         .await
         .and_then(json)),
@@ -191,6 +193,10 @@ pub static METHODS: [Method; 33] = [
     }),
     call!("vm.file_pull", Write, Agent, FilePullParams, |ctx, p, caller| {
         lifecycle::exec::file_pull(&ctx.manager, p, caller.uid).await.and_then(json)
+    }),
+    // Housekeeping the operator asks for: admins only, no allow_exec needed.
+    call!("vm.sync_time", Write, Agent, NameParams, |ctx, p, caller| {
+        lifecycle::housekeeping::sync_time(&ctx.manager, &p.name, caller.uid).await.and_then(json)
     }),
     Method {
         name: "vm.console",
@@ -393,11 +399,22 @@ mod tests {
         let names: std::collections::BTreeSet<&str> = METHODS.iter().map(|m| m.name).collect();
         assert_eq!(names.len(), METHODS.len(), "a method is in the table twice");
         let agent: Vec<&str> = METHODS.iter().filter(|m| m.rate == RateClass::Agent).map(|m| m.name).collect();
-        assert_eq!(agent, ["vm.guest_info", "vm.guest_network", "vm.check", "vm.exec", "vm.file_push", "vm.file_pull"]);
+        assert_eq!(
+            agent,
+            [
+                "vm.guest_info",
+                "vm.guest_network",
+                "vm.check",
+                "vm.exec",
+                "vm.file_push",
+                "vm.file_pull",
+                "vm.sync_time"
+            ]
+        );
         assert!(agent[..3]
             .iter()
             .all(|m| find(m).is_some_and(|m| m.access == Access::Read && m.params == "NameParams")));
-        // Commands and files in a guest run as root there: admins only.
+        // Commands and files in a guest run as root there, and housekeeping changes it: admins only.
         assert!(agent[3..].iter().all(|m| find(m).is_some_and(|m| m.access == Access::Write)));
         let read: Vec<&str> = read_methods().collect();
         assert!(read.contains(&"vm.list") && read.contains(&"events.unsubscribe") && !read.contains(&"vm.create"));
