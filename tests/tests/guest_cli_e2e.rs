@@ -11,6 +11,9 @@ use vmhost_tests::{agent_guest, bin, wait, HostOptions, TestHost};
 
 const LAN: &str = vmhost_tests::LAN_NETWORK;
 
+/// An OpenSSH public key for a spec's `ssh.keys`.
+const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA ops@example";
+
 /// A direct-kernel VM of the agent guest with `nics`.
 fn spec(name: &str, nics: Value) -> Value {
     let g = agent_guest();
@@ -80,6 +83,14 @@ fn ssh_runs_ssh_at_the_spec_s_address_or_else_the_agent_s() {
     let out = ctl(&host, &path, &["ssh", "dynamic", "-l", "admin"]);
     assert_eq!(out.status.code(), Some(7), "{out:?}");
     assert_eq!(argv(), ["-l", "admin", "10.20.0.7"]);
+
+    // The spec's ssh account is the default user.
+    let mut keyed = spec("keyed", json!([{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.9/24"}}]));
+    keyed["ssh"] = json!({"user": "ops", "keys": [KEY]});
+    host.call("vm.create", json!({ "spec": keyed }));
+    let out = ctl(&host, &path, &["ssh", "keyed"]);
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
+    assert_eq!(argv(), ["-l", "ops", "10.0.0.9"]);
 
     let out = ctl(&host, &path, &["ssh", "nosuch"]);
     assert_eq!(out.status.code(), Some(1), "vmhostd's 4040: {out:?}");
