@@ -244,7 +244,7 @@ impl Host {
     fn request(&mut self, id: u64, method: &str, params: Value, chunks: &[u8]) {
         let mut text = format!("{}\n", json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
         for piece in chunks.chunks(32 * 1024) {
-            text.push_str(&format!("{}\n", json!({"data": vmhost_agent::exec::chunks::encode(piece)})));
+            text.push_str(&format!("{}\n", json!({"data": vmhost_agent_protocol::base64::encode(piece)})));
         }
         self.send(text.as_bytes());
     }
@@ -501,7 +501,7 @@ fn streamed_bytes(notes: &[Value], stream: Option<&str>) -> Vec<u8> {
     notes
         .iter()
         .filter(|p| stream.map_or(true, |s| p["stream"] == s))
-        .flat_map(|p| vmhost_agent::exec::chunks::decode(p["data"].as_str().unwrap_or("")).expect("base64"))
+        .flat_map(|p| vmhost_agent_protocol::base64::decode(p["data"].as_str().unwrap_or("")).expect("base64"))
         .collect()
 }
 

@@ -35,8 +35,6 @@ macro_rules! tell {
 
 // The guest access commands, one file each beside this one (a crate root's `mod` looks in
 // its own directory, hence the paths).
-#[path = "vmhostctl/base64.rs"]
-mod base64;
 #[path = "vmhostctl/exec.rs"]
 mod exec;
 #[path = "vmhostctl/files.rs"]

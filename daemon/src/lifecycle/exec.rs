@@ -1,5 +1,6 @@
-//! Commands and files in a running guest (`vm.exec`, `vm.file_push`, `vm.file_pull`) and the
-//! exec-port call the daemon's own housekeeping uses (the clock, shutdown, SSH keys).
+//! Commands and files in a running guest (`vm.exec`, `vm.file_push`, `vm.file_pull`). The
+//! daemon's own housekeeping on the same ports (the clock, shutdown, SSH keys) is
+//! [`super::housekeeping`].
 //!
 //! Order of one call: its params' limits (`check`, -32602), the VM (4040), the opt-in
 //! ([`allowed`]: `[agent] allow_exec`, then the spec's `guest_exec`; 4095 with
@@ -12,7 +13,7 @@
 
 use super::Manager;
 use crate::agent::exec::files::{self, PushContent, PushRequest};
-use crate::agent::exec::session::{self, ExecError, OutputChunk, Session};
+use crate::agent::exec::session::{ExecError, OutputChunk, Session};
 use crate::agent::exec::slots::SlotGuard;
 use crate::api::exec::{
     encode_output, ExecParams, ExecResult, FilePullParams, FilePullResult, FilePushParams, FilePushResult, GuestAction,
@@ -20,10 +21,7 @@ use crate::api::exec::{
 };
 use crate::api::{ApiError, Code, VmStatus};
 use crate::state::VmRecord;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use serde_json::json;
-use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// The audit log's tracing target.
@@ -74,29 +72,6 @@ fn running(name: &str, rec: &VmRecord) -> Result<(), ApiError> {
 /// A free exec slot of `name`.
 fn take_slot(mgr: &Manager, name: &str) -> Result<SlotGuard, ApiError> {
     mgr.exec_slots.try_acquire(name).map_err(|e| ExecError::Busy(e).into())
-}
-
-/// One request with typed params and one typed reply on a free exec slot of the running VM
-/// `name`, with no opt-in check: the housekeeping the operator or the spec asked for
-/// (`time.set`, `guest.shutdown`, `ssh.authorize`). Returns the reply and the slot used.
-///
-/// # Errors
-/// 4040, 5001 (not running, no exec ports, no exec server, a broken session), 4096, 5002
-/// (no reply within `bound`), 4001 with `details.agent_error` (the guest refused).
-// Its callers are the housekeeping calls of issue 29 (the clock, `vm.stop` with `method:
-// "agent"`, SSH keys), built on this module.
-#[allow(dead_code)]
-pub(crate) async fn exec_port_call<P: Serialize, R: DeserializeOwned>(
-    mgr: &Manager,
-    name: &str,
-    method: &str,
-    params: &P,
-    bound: Duration,
-) -> Result<(R, usize), ApiError> {
-    let rec = mgr.record(name)?;
-    running(name, &rec)?;
-    let sockets = mgr.paths(name).exec;
-    Ok(session::call(&mgr.exec_slots, name, &sockets, method, params, bound).await?)
 }
 
 /// `vm.exec`: runs `p.argv` in the guest. Output is collected (at most `max_output` per

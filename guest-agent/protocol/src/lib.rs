@@ -12,10 +12,12 @@
 //! type says so: the request types default their optional members (the agent accepts a partial
 //! request, the daemon always sends every member), and [`DesiredInterface`] is generic over the
 //! VLAN id's integer type. The JSON framing, the JSON-RPC envelope and the methods themselves are
-//! described in `guest-agent/README.md`.
+//! described in `guest-agent/README.md`. The one codec the shapes need, base64 for bulk bytes,
+//! is here too ([`base64`]).
 
 use serde::{Deserialize, Serialize};
 
+pub mod base64;
 pub mod exec;
 
 /// The protocol version `hello` announces and the daemon requires; bumped on any incompatible

@@ -6,74 +6,13 @@
 //! bytes, never more than announced); bytes going back are cut into pieces of at most
 //! [`MAX_CHUNK`] and sent as [`output_line`] (`exec.output`) or [`data_line`] (`file.data`).
 //!
-//! base64 is done here by hand (60 lines, tested against RFC 4648's vectors) instead of a crate:
-//! the agent's static binary has a 2 MiB budget and needs only the one standard alphabet.
+//! base64 is the protocol crate's ([`vmhost_agent_protocol::base64`]), shared with vmhostd.
 
 use serde_json::Value;
+use vmhost_agent_protocol::base64::{decode, encode};
 use vmhost_agent_protocol::exec::{Chunk, OutputStream, MAX_CHUNK};
 
 use crate::protocol::{notification, parse_params, RpcError};
-
-/// The standard alphabet (RFC 4648, section 4).
-const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-/// `data` as standard base64 with padding.
-pub fn encode(data: &[u8]) -> String {
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-    for group in data.chunks(3) {
-        let b = [group[0], group.get(1).copied().unwrap_or(0), group.get(2).copied().unwrap_or(0)];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for (i, shift) in [18u32, 12, 6, 0].into_iter().enumerate() {
-            if i <= group.len() {
-                out.push(char::from(ALPHABET[((n >> shift) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// The value of one base64 character, `None` for any other byte.
-fn value(c: u8) -> Option<u32> {
-    match c {
-        b'A'..=b'Z' => Some(u32::from(c - b'A')),
-        b'a'..=b'z' => Some(u32::from(c - b'a') + 26),
-        b'0'..=b'9' => Some(u32::from(c - b'0') + 52),
-        b'+' => Some(62),
-        b'/' => Some(63),
-        _ => None,
-    }
-}
-
-/// Decodes standard base64 with padding (no line breaks, no other alphabet); `None` when `text`
-/// is not exactly that, including non-zero bits after the last byte (one encoding per content).
-pub fn decode(text: &str) -> Option<Vec<u8>> {
-    let bytes = text.as_bytes();
-    if bytes.len() % 4 != 0 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
-    let groups = bytes.len() / 4;
-    for (g, quad) in bytes.chunks(4).enumerate() {
-        let pad = quad.iter().rev().take_while(|&&c| c == b'=').count();
-        if pad > 2 || (pad > 0 && g + 1 != groups) {
-            return None;
-        }
-        let mut n = 0u32;
-        for &c in &quad[..4 - pad] {
-            n = (n << 6) | value(c)?;
-        }
-        n <<= 6 * pad as u32;
-        let three = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
-        let keep = 3 - pad;
-        if three[keep..].iter().any(|&b| b != 0) {
-            return None;
-        }
-        out.extend_from_slice(&three[..keep]);
-    }
-    Some(out)
-}
 
 /// Reads one host [`Chunk`] line: its raw bytes, at most [`MAX_CHUNK`] and at most `left`.
 ///
@@ -92,7 +31,7 @@ pub fn decode_chunk(line: &[u8], left: u64) -> Result<Vec<u8>, RpcError> {
     if chunk.data.len() > MAX_CHUNK.div_ceil(3) * 4 {
         return Err(RpcError::invalid_params("data", format!("a chunk holds at most {MAX_CHUNK} bytes")));
     }
-    let bytes = decode(&chunk.data).ok_or_else(|| RpcError::invalid_params("data", "chunk data is not base64"))?;
+    let bytes = decode(&chunk.data).map_err(|_| RpcError::invalid_params("data", "chunk data is not base64"))?;
     if bytes.len() > MAX_CHUNK {
         return Err(RpcError::invalid_params("data", format!("a chunk holds at most {MAX_CHUNK} bytes")));
     }
@@ -129,27 +68,6 @@ pub fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn base64_matches_rfc_4648() {
-        for (plain, coded) in [
-            ("", ""),
-            ("f", "Zg=="),
-            ("fo", "Zm8="),
-            ("foo", "Zm9v"),
-            ("foob", "Zm9vYg=="),
-            ("fooba", "Zm9vYmE="),
-            ("foobar", "Zm9vYmFy"),
-        ] {
-            assert_eq!(encode(plain.as_bytes()), coded);
-            assert_eq!(decode(coded).as_deref(), Some(plain.as_bytes()));
-        }
-        let all: Vec<u8> = (0..=255).collect();
-        assert_eq!(decode(&encode(&all)), Some(all));
-        for bad in ["Zg=", "Z===", "Zg==Zg==", "Zh==", "Zm9v\n", "Zm-v", "=Zm9"] {
-            assert_eq!(decode(bad), None, "{bad}");
-        }
-    }
 
     #[test]
     fn chunks_are_bounded_by_size_and_what_is_left() {

@@ -535,13 +535,13 @@ impl ExecServer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::exec::chunks::{decode, encode};
     use crate::exec::files::sha256_hex;
     use serde_json::json;
     use std::io::{BufRead, BufReader, Write};
     use std::os::fd::OwnedFd;
     use std::os::unix::net::UnixStream;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use vmhost_agent_protocol::base64::{decode, encode};
 
     /// A clock that is set, not the machine's.
     struct TestClock(AtomicU64);

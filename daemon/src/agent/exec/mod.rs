@@ -10,7 +10,7 @@
 //! [`files::pull`]; [`files::open_source`] first for a push whose bytes come from
 //! `[agent] files_dir`. [`base64`] is how bulk bytes travel in JSON.
 
-pub mod base64;
+pub use vmhost_agent_protocol::base64;
 pub mod files;
 pub mod session;
 pub mod slots;

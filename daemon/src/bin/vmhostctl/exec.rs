@@ -15,12 +15,12 @@
 //! a guest cannot drive the terminal; to a pipe or file they are written as they came, so
 //! `vmhostctl exec vm -- cat /etc/shadow > copy` keeps the file's bytes.
 
-use super::base64;
 use super::{json_line, Failure};
 use serde_json::{json, Value};
 use std::io::{self, IsTerminal, Read, Write};
 use std::time::Duration;
 use vmhost::client::{Client, ClientError};
+use vmhost_agent_protocol::base64;
 
 /// Longest stdin sent (`vm.exec`'s `stdin` limit, decoded).
 pub const MAX_STDIN: usize = 1024 * 1024;
@@ -121,7 +121,7 @@ pub fn run(mut client: Client, args: &ExecArgs, json_out: bool) -> Result<u8, Fa
         client.call_streaming("vm.exec", params(args, stdin.as_deref(), true), "vm.exec.output", |note| {
             let bytes = note["data"]
                 .as_str()
-                .and_then(base64::decode)
+                .and_then(|text| base64::decode(text).ok())
                 .ok_or_else(|| ClientError::Protocol("vm.exec.output without base64 data".into()))?;
             match note["stream"].as_str() {
                 Some("stdout") => stdout.write(&bytes)?,
@@ -132,7 +132,7 @@ pub fn run(mut client: Client, args: &ExecArgs, json_out: bool) -> Result<u8, Fa
         })?;
     // A daemon that did not stream puts the output in its answer.
     for (key, out) in [("stdout", &mut stdout), ("stderr", &mut stderr)] {
-        if let Some(bytes) = answer[key].as_str().filter(|s| !s.is_empty()).and_then(base64::decode) {
+        if let Some(bytes) = answer[key].as_str().filter(|s| !s.is_empty()).and_then(|text| base64::decode(text).ok()) {
             out.write(&bytes).map_err(output_failed)?;
         }
     }

@@ -12,7 +12,6 @@
 //! atomically ([`write_atomically`]: a temp file beside it, fsync, rename, fsync of the
 //! directory), with the mode a new file gets from the umask, never the guest's.
 
-use super::base64;
 use super::Failure;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -20,6 +19,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, IsTerminal, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use vmhost_agent_protocol::base64;
 
 /// Longest file pushed inline (`vm.file_push`'s `content` limit, decoded); larger files go
 /// through `--source`.
@@ -136,7 +136,7 @@ pub fn push_params(args: &PushArgs, content: Option<&[u8]>) -> Result<Value, Fai
 pub fn check_pulled(answer: &Value) -> Result<Vec<u8>, Failure> {
     let bytes = answer["content"]
         .as_str()
-        .and_then(base64::decode)
+        .and_then(|text| base64::decode(text).ok())
         .ok_or_else(|| Failure::Connect("vm.file_pull answered without base64 content".into()))?;
     if answer["size"].as_u64() != Some(bytes.len() as u64) {
         return Err(Failure::Connect(format!(

@@ -1,15 +1,25 @@
-//! Standard base64 (RFC 4648, with padding): how bulk bytes travel in JSON, both on the exec
-//! ports ([`vmhost_agent_protocol::exec::Chunk`]) and in the API (`stdin`, `content`, output).
+//! Standard base64 (RFC 4648, with padding): how bulk bytes travel in JSON, on the exec ports
+//! ([`crate::exec::Chunk`]'s `data`) and in vmhostd's API (`stdin`, `content`, output). The one
+//! piece of logic in this crate, because all three programs (vmhostd, vmhostctl, the agent)
+//! need the same strict codec and should not each carry a copy.
 //!
-//! Here rather than a dependency: the two functions are all vmhost needs, and [`decode`] is
-//! strict (no whitespace, canonical padding) because its input comes from clients and guests.
+//! Here rather than a dependency: the two functions are all vmhost needs (the agent's static
+//! binary has a 2 MiB budget), and [`decode`] is strict (no whitespace, canonical padding)
+//! because its input comes from clients and guests.
 
 const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
 /// The text is not canonical standard base64.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("not base64 (standard alphabet, with padding)")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NotBase64;
+
+impl std::fmt::Display for NotBase64 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("not base64 (standard alphabet, with padding)")
+    }
+}
+
+impl std::error::Error for NotBase64 {}
 
 /// Encodes `bytes`.
 pub fn encode(bytes: &[u8]) -> String {
@@ -52,7 +62,7 @@ fn value(c: u8) -> Option<u32> {
 /// padding anywhere but at the end, or unused bits that are not zero.
 pub fn decode(text: &str) -> Result<Vec<u8>, NotBase64> {
     let bytes = text.as_bytes();
-    if !bytes.len().is_multiple_of(4) {
+    if bytes.len() % 4 != 0 {
         return Err(NotBase64);
     }
     let mut out = Vec::with_capacity(decoded_len(bytes.len()));
