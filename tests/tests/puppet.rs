@@ -393,7 +393,9 @@ fn puppet_imports_an_image_once_refuses_a_wrong_sha256_and_deletes_it() {
 
 /// `vmhost::guest_exec` and `vmhost::guest_file_push` in a real `puppet apply` against a real
 /// vmhostd (`[agent] allow_exec = true`) and the agent guest's exec server: the answer in the
-/// manifest, a failing checked command failing the run, a file pushed that the guest then has.
+/// manifest, a failing checked command failing the run, a file pushed that the guest then has;
+/// then `vmhost_vm`'s `ssh` written live and `guest_exec => false` refusing vm.exec, both
+/// without a restart.
 #[test]
 fn puppet_functions_run_commands_and_push_files_in_a_real_guest() {
     let host = TestHost::start(HostOptions { extra: "[agent]\nallow_exec = true\n".into(), ..HostOptions::default() });
@@ -426,4 +428,34 @@ fn puppet_functions_run_commands_and_push_files_in_a_real_guest() {
     let run = puppet.apply(&host.socket, "vmhost::guest_exec('px', ['false'], { check => true })", &[]);
     assert_eq!(run.code, 1, "{}", run.output);
     assert!(run.output.contains("false exited with status 1"), "{}", run.output);
+
+    // `ssh` declared on the running VM: written at once by its exec server, no restart, not
+    // named as a reconfigure; the rerun is quiet (vmhostd records the default user, vmhost).
+    let pid = get(&host, "px")["pid"].clone();
+    let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA ops@puppet";
+    let ssh = format!("vmhost_vm {{ 'px': ssh => {{ 'keys' => ['{key}'] }} }}");
+    let run = puppet.apply(&host.socket, &ssh, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(!run.output.contains("reconfigured in place"), "{}", run.output);
+    let v = get(&host, "px");
+    assert_eq!((&v["pid"], &v["spec"]["ssh"]), (&pid, &json!({ "user": "vmhost", "keys": [key] })));
+    let cat = host.ctl(&["exec", "px", "--", "cat", "/home/vmhost/.ssh/authorized_keys"]);
+    assert_eq!(String::from_utf8_lossy(&cat.stdout), format!("{key}\n"), "{cat:?}");
+    let run = puppet.apply(&host.socket, &ssh, &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+
+    // `guest_exec => false`: changed in place without a restart, and vm.exec is refused at once.
+    let off = "vmhost_vm { 'px': guest_exec => false }";
+    let run = puppet.apply(&host.socket, off, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("reconfigured in place, disk kept (guest_exec)"), "{}", run.output);
+    let v = get(&host, "px");
+    assert_eq!((&v["pid"], &v["spec"]["guest_exec"]), (&pid, &json!(false)));
+    let refused = host.call_err("vm.exec", json!({ "name": "px", "argv": ["true"] }));
+    assert_eq!(refused.0, 4095, "{refused:?}");
+    let run = puppet.apply(&host.socket, off, &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+    let run = puppet.apply(&host.socket, "vmhost_vm { 'px': guest_exec => true }", &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert_eq!(get(&host, "px")["spec"].get("guest_exec"), None, "left out of views while true");
 }

@@ -60,11 +60,18 @@ module FakeVmLogic
     end
     return { 'result' => { 'changed' => false, 'vm' => @vms[spec['name']] } } if @ignore_changes
 
-    spec = { 'state' => 'running' }.merge(spec)
+    spec = echoed({ 'state' => 'running' }.merge(spec))
     existed = @vms.key?(spec['name'])
     @vms[spec['name']] = view(spec)
     @vms[spec['name']]['pending_restart'] = existed && params['restart'] == false
     { 'result' => { 'changed' => true, 'vm' => @vms[spec['name']] } }
+  end
+
+  # As vmhostd records a spec: `guest_exec` left out while true, `ssh.user` filled in.
+  def echoed(spec)
+    spec = spec.reject { |k, v| k == 'guest_exec' && v == true }
+    spec['ssh'] = { 'user' => 'vmhost' }.merge(spec['ssh']) if spec['ssh'].is_a?(Hash)
+    spec
   end
 
   def view(spec)
@@ -134,6 +141,55 @@ class TestProvider < Minitest::Test
     # No replace: vmhostd changes CPUs and memory in place, keeping the disk.
     assert_equal false, reqs[1]['params']['replace']
     assert_includes logs_text, 'reconfigured in place, disk kept (cpu, memory_mib)'
+  end
+
+  KEY = 'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA ops@example.org'
+
+  def test_ssh_and_guest_exec_are_sent_and_a_rerun_as_vmhostd_echoes_them_changes_nothing
+    # vmhostd fills in ssh.user and leaves guest_exec out while true: neither is a change.
+    attrs = web1(ssh: { 'keys' => [KEY] }, guest_exec: true)
+    assert apply_vm(**attrs).changed
+    reqs = @fake.request_list
+    assert_equal({ 'keys' => [KEY] }, reqs[1]['params']['spec']['ssh'])
+    assert_equal true, reqs[1]['params']['spec']['guest_exec']
+    refute apply_vm(**attrs).changed
+    assert_equal %w[vm.list], @fake.methods_called
+    refute apply_vm(**web1(ssh: { 'user' => 'vmhost', 'keys' => [KEY] }, guest_exec: 'true')).changed
+  end
+
+  def test_a_change_of_ssh_alone_is_one_apply_and_not_a_reconfigure
+    apply_vm(**web1(ssh: { 'keys' => [KEY] }))
+    @fake.request_list
+    status = apply_vm(name: 'web1', ssh: { 'user' => 'ops', 'keys' => [KEY, KEY.sub('ops@', 'dev@')] })
+    assert status.changed
+    refute status.failed
+    reqs = @fake.request_list
+    assert_equal(%w[vm.list vm.apply], reqs.map { |r| r['method'] })
+    assert_equal({ 'user' => 'ops', 'keys' => [KEY, KEY.sub('ops@', 'dev@')] }, reqs[1]['params']['spec']['ssh'])
+    assert_equal 1, reqs[1]['params']['spec']['cpu']
+    refute_includes logs_text, 'reconfigured in place'
+  end
+
+  def test_ssh_declared_empty_removes_it
+    apply_vm(**web1(ssh: { 'keys' => [KEY] }))
+    @fake.request_list
+    assert apply_vm(name: 'web1', ssh: {}).changed
+    refute @fake.request_list[1]['params']['spec'].key?('ssh')
+    refute apply_vm(name: 'web1', ssh: {}).changed
+  end
+
+  def test_guest_exec_false_is_sent_and_reported_as_changed_without_a_restart
+    apply_vm(**web1)
+    @fake.request_list
+    status = apply_vm(name: 'web1', guest_exec: false)
+    assert status.changed
+    reqs = @fake.request_list
+    assert_equal false, reqs[1]['params']['spec']['guest_exec']
+    assert_includes logs_text, 'reconfigured in place, disk kept (guest_exec)'
+    refute apply_vm(name: 'web1', guest_exec: false).changed
+    @fake.request_list
+    assert apply_vm(name: 'web1', guest_exec: true).changed
+    assert_equal true, @fake.request_list[1]['params']['spec']['guest_exec']
   end
 
   def test_restart_and_its_timeout_are_passed_on

@@ -99,7 +99,51 @@ class TestSpec < Minitest::Test
     assert_empty Spec.drift(old, old.merge('cpu' => '1'))
   end
 
+  KEY = 'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA'
+
+  # What the type munges a declared guest_exec to (Puppet never syncs a should of false).
+  MUNGED_TRUE = :true # rubocop:disable Lint/BooleanSymbol
+  MUNGED_FALSE = :false # rubocop:disable Lint/BooleanSymbol
+
+  def test_guest_exec_is_true_when_the_daemon_leaves_it_out
+    assert_equal true, Spec.attribute_value({ 'name' => 'a' }, :guest_exec)
+    assert_equal false, Spec.attribute_value({ 'name' => 'a', 'guest_exec' => false }, :guest_exec)
+    assert Spec.same?(:guest_exec, true, true)
+    assert Spec.same?(:guest_exec, :absent, true)
+    refute Spec.same?(:guest_exec, true, false)
+    refute Spec.same?(:guest_exec, false, true)
+    assert Spec.same?(:guest_exec, false, MUNGED_FALSE)
+    refute Spec.same?(:guest_exec, true, MUNGED_FALSE)
+    assert Spec.same?(:guest_exec, true, MUNGED_TRUE)
+    assert_equal false, Spec.build('a', nil, { guest_exec: MUNGED_FALSE }, nil)['guest_exec']
+    assert_equal true, Spec.build('a', nil, { guest_exec: MUNGED_TRUE }, nil)['guest_exec']
+  end
+
+  def test_ssh_compares_with_the_daemons_default_user
+    assert_equal :absent, Spec.attribute_value({ 'name' => 'a' }, :ssh)
+    recorded = { 'user' => 'vmhost', 'keys' => [KEY] }
+    assert Spec.same?(:ssh, recorded, { 'keys' => [KEY] })
+    assert Spec.same?(:ssh, recorded, { user: 'vmhost', keys: [KEY] })
+    refute Spec.same?(:ssh, recorded.merge('user' => 'ops'), { 'keys' => [KEY] })
+    refute Spec.same?(:ssh, recorded, { 'keys' => [KEY, "#{KEY} second"] })
+    refute Spec.same?(:ssh, :absent, { 'keys' => [KEY] })
+    assert Spec.same?(:ssh, :absent, {})
+    refute Spec.same?(:ssh, recorded, {})
+  end
+
+  def test_ssh_is_not_drift_and_guest_exec_is_named_as_vmhostd_does
+    old = { 'name' => 'a', 'cpu' => 1, 'memory_mib' => 256, 'boot' => { 'kernel' => '/k' } }
+    assert_empty Spec.drift(old, old.merge('ssh' => { 'user' => 'vmhost', 'keys' => [KEY] }))
+    assert_equal %w[guest_exec], Spec.drift(old, old.merge('guest_exec' => false))
+    spec = Spec.build('a', old.merge('ssh' => { 'user' => 'ops', 'keys' => [KEY] }), { ssh: {}, guest_exec: false },
+                      nil)
+    refute spec.key?('ssh')
+    assert_equal false, spec['guest_exec']
+  end
+
   def test_attribute_for_field
+    assert_equal 'ssh', Spec.attribute_for_field('spec.ssh.keys[0]')
+    assert_equal 'guest_exec', Spec.attribute_for_field('spec.guest_exec')
     assert_equal 'memory', Spec.attribute_for_field('spec.memory_mib')
     assert_equal 'cpu', Spec.attribute_for_field('spec.cpu')
     assert_equal 'nics', Spec.attribute_for_field('spec.nics[0].ipv4.address')

@@ -11,6 +11,9 @@ import unittest
 from vmhost_fakes import Fail, ScriptedVmhostd, config_get, error, load
 
 BOOT = {"kernel": "/srv/vmlinuz"}
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBcBLv4CxEnkCV3cbVwOWXhTlpvaBNB7ymBlsvDu0wOA ops@example.org"
+# As vmhostd records an ssh declared without user.
+RECORDED_SSH = {"user": "vmhost", "keys": [KEY]}
 
 
 def view(spec, status="running", pid=100):
@@ -242,6 +245,57 @@ class TestMode(StateTest):
         self.assertIsNone(ret["result"])
         self.assertIn("guest_interfaces", ret["comment"])
 
+    def test_ssh_alone_is_a_live_change(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "ssh": RECORDED_SSH}
+        reason = "ssh access differs (written live by the exec server)"
+        self.start({"vm.get": lambda p: view(spec), "host.reconcile": plan("none", reason)}, test=True)
+        ssh = {"user": "ops", "keys": [KEY]}
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, ssh=ssh)
+        self.assertIsNone(ret["result"])
+        self.assertEqual(ret["changes"], {"action": "ssh", "reason": reason, "live": ["ssh"]})
+        self.assertEqual(ret["comment"], "VM web would get its ssh applied live")
+        self.assertEqual(self.params("host.reconcile")[0]["vms"][0]["ssh"], ssh)
+        self.assertNothingMutated()
+
+    def test_ssh_without_user_is_the_recorded_default_user(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "ssh": RECORDED_SSH}
+        self.start({"vm.get": lambda p: view(spec), "host.reconcile": plan("none", "up to date (running)")}, test=True)
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, ssh={"keys": [KEY]})
+        self.assertEqual((ret["result"], ret["changes"]), (True, {}))
+        self.assertEqual(ret["comment"], "VM web is as declared (up to date (running))")
+        # No ssh declared against a recorded one: a removal, applied live as well.
+        self.start({"vm.get": lambda p: view(spec), "host.reconcile": plan("none", "ssh access differs")}, test=True)
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT)
+        self.assertEqual(ret["changes"]["live"], ["ssh"])
+
+    def test_guest_interfaces_and_ssh_of_a_stopped_vm_are_recorded(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "state": "stopped"}
+        reason = "guest interfaces differ (applied live by the agent)"
+        self.start({"vm.get": lambda p: view(spec, "stopped", None), "host.reconcile": plan("none", reason)}, test=True)
+        gi = [{"name": "d0", "address": "10.9.0.1/24"}]
+        ret = self.state.stopped("web", cpu=1, memory_mib=256, boot=BOOT, guest_interfaces=gi, ssh={"keys": [KEY]})
+        self.assertIsNone(ret["result"])
+        self.assertEqual(ret["changes"], {"action": "live", "reason": reason, "live": ["guest_interfaces", "ssh"]})
+        self.assertEqual(
+            ret["comment"],
+            "VM web would get its guest_interfaces and ssh recorded (the guest gets the change at its next start)",
+        )
+
+    def test_guest_exec_is_a_reconfigure_without_restart(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
+        reason = "changed in place, disk kept (no restart): guest_exec"
+        self.start(
+            {
+                "vm.get": lambda p: view(spec),
+                "host.reconcile": plan("reconfigure", reason, fields=["guest_exec"], restart=False),
+            },
+            test=True,
+        )
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, guest_exec=False)
+        self.assertIsNone(ret["result"])
+        self.assertEqual(ret["comment"], "VM web would be reconfigured in place (disk kept): guest_exec; no restart")
+        self.assertIs(self.params("host.reconcile")[0]["vms"][0]["guest_exec"], False)
+
     def test_absent_predicts_destroy_without_destroying(self):
         spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
         self.start({"vm.get": lambda p: view(spec)}, test=True)
@@ -360,6 +414,46 @@ class RealRun(StateTest):
             },
         )
         self.assertEqual(self.params("vm.apply")[0]["restart"], False)
+
+    def test_ssh_alone_applied_live(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "ssh": RECORDED_SSH}
+        changed = dict(spec, ssh={"user": "ops", "keys": [KEY]})
+        self.start(
+            {"vm.get": lambda p: view(spec, pid=7), "vm.apply": lambda p: {"changed": True, "vm": view(changed, pid=7)}}
+        )
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, ssh={"user": "ops", "keys": [KEY]})
+        self.assertIs(ret["result"], True)
+        self.assertEqual(ret["comment"], "VM web updated: its ssh applied live (running)")
+        self.assertEqual(
+            ret["changes"], {"old": {"spec": {"ssh": RECORDED_SSH}}, "new": {"spec": {"ssh": changed["ssh"]}}}
+        )
+        self.assertEqual(self.params("vm.apply")[0]["spec"]["ssh"], {"user": "ops", "keys": [KEY]})
+
+    def test_guest_interfaces_of_a_stopped_vm_recorded(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "state": "stopped"}
+        gi = [{"name": "d0", "address": "10.9.0.1/24"}]
+        after = view(dict(spec, guest_interfaces=gi), "stopped", None)
+        self.start(
+            {"vm.get": lambda p: view(spec, "stopped", None), "vm.apply": lambda p: {"changed": True, "vm": after}}
+        )
+        ret = self.state.stopped("web", cpu=1, memory_mib=256, boot=BOOT, guest_interfaces=gi)
+        self.assertEqual(
+            ret["comment"],
+            "VM web updated: its guest_interfaces recorded (the guest gets the change at its next start) (stopped)",
+        )
+
+    def test_guest_exec_reconfigured_in_place(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
+        changed = dict(spec, guest_exec=False)
+        self.start(
+            {"vm.get": lambda p: view(spec, pid=7), "vm.apply": lambda p: {"changed": True, "vm": view(changed, pid=7)}}
+        )
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, guest_exec=False)
+        self.assertEqual(ret["comment"], "VM web reconfigured in place (disk kept): guest_exec (running)")
+        self.assertEqual(
+            ret["changes"], {"old": {"spec": {"guest_exec": None}}, "new": {"spec": {"guest_exec": False}}}
+        )
+        self.assertIs(self.params("vm.apply")[0]["spec"]["guest_exec"], False)
 
     def test_replaced_with_a_new_disk(self):
         spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": {"image": "old.qcow2", "disk_gib": 2}}

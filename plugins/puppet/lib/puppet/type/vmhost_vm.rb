@@ -296,4 +296,45 @@ Puppet::Type.newtype(:vmhost_vm) do
       PuppetX::Vmhost::Spec.same?(:guest_interfaces, is, should)
     end
   end
+
+  # Values :true / :false, not Ruby booleans: Puppet never syncs a property whose should is
+  # `false`. Spec.build sends them as JSON booleans.
+  newproperty(:guest_exec) do
+    desc <<~DOC
+      Whether vmhostd may run commands and transfer files in this guest (`vm.exec`,
+      `vm.file_push`, `vm.file_pull`; spec `guest_exec`). `false` makes vmhostd refuse them
+      with error 4095 (`reason: spec`). The host must allow them too (`[agent] allow_exec` in
+      vmhostd's config); `true` does not override that. vmhostd changes it without a restart
+      (it is checked when a call comes). Not declared: left as recorded (vmhostd's default is
+      `true`).
+    DOC
+
+    newvalues('true', 'false')
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:guest_exec, is, should)
+    end
+  end
+
+  newproperty(:ssh) do
+    desc <<~DOC
+      SSH access to the guest (spec `ssh`): a hash `{ 'user' => 'ops', 'keys' => ['ssh-ed25519
+      AAAA... ops@example.org'] }`, an account (optional, vmhostd's default `vmhost`, created
+      when missing, no sudo) and the complete list of OpenSSH public keys that may log in to it
+      (1 to 16). vmhostd checks the user name and the keys (2001 on `spec.ssh...`) and writes
+      them through the cloud-init seed and the guest's exec server. A change is applied live
+      (no restart, no `replace` needed); on a running VM that needs the guest's exec server
+      (`vmhost-agent --exec`, else error 5001; the new value stays recorded and is written at
+      the agent's next session). `ssh => {}` removes it from the spec (nothing is deleted in
+      the guest).
+    DOC
+    extend shape
+
+    validate { |value| self.class.hash_with_string_keys!(value, 'ssh') }
+    munge { |value| PuppetX::Vmhost::Spec.normalize(value, 'ssh') }
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:ssh, is, should)
+    end
+  end
 end

@@ -19,8 +19,14 @@ module PuppetX
         boot: 'boot',
         nics: 'nics',
         disks: 'disks',
-        guest_interfaces: 'guest_interfaces'
+        guest_interfaces: 'guest_interfaces',
+        guest_exec: 'guest_exec',
+        ssh: 'ssh'
       }.freeze
+
+      # The account `ssh` gets when it names none: vmhostd fills it in and echoes it, so a
+      # declared `ssh` without `user` compares equal to the recorded one (docs/api.md).
+      SSH_DEFAULT_USER = 'vmhost'
 
       # Members whose value is an integer in the spec, at any depth.
       INTEGER_KEYS = %w[cpu memory_mib disk_gib size_gib vlan vlan_id].freeze
@@ -97,6 +103,8 @@ module PuppetX
         when :hardware, :boot then value.nil? ? {} : normalize(value, key)
         when :pci, :nics, :disks, :guest_interfaces then value.nil? ? [] : normalize(value, key)
         when :role then value.nil? ? :absent : value
+        # vmhostd leaves `guest_exec` out of its views while it is true, the default.
+        when :guest_exec then value.nil? ? true : value
         else value.nil? ? :absent : normalize(value, key)
         end
       end
@@ -104,6 +112,8 @@ module PuppetX
       # Whether a declared value (DESIRED) matches the daemon's (CURRENT) for ATTR.
       def same?(attr, current, desired)
         return current.nil? || current == :absent if desired.nil? || desired == :absent
+
+        current = true if attr == :guest_exec && (current.nil? || current == :absent)
 
         right = comparable(attr, desired)
         if current.nil? || current == :absent
@@ -115,7 +125,29 @@ module PuppetX
       end
 
       def comparable(attr, value)
-        attr == :hardware ? normalize_hardware(value) : normalize(value, ATTRIBUTES.fetch(attr))
+        case attr
+        when :hardware then normalize_hardware(value)
+        when :guest_exec then boolean(value)
+        when :ssh then ssh_with_user(normalize(value, 'ssh'))
+        else normalize(value, ATTRIBUTES.fetch(attr))
+        end
+      end
+
+      # true / false from a Ruby boolean or the :true / :false (or 'true' / 'false') the type
+      # munges `guest_exec` to; anything else unchanged (the daemon refuses it).
+      def boolean(value)
+        case value.to_s
+        when 'true' then true
+        when 'false' then false
+        else value
+        end
+      end
+
+      # `ssh` with the account vmhostd records when none is named.
+      def ssh_with_user(value)
+        return value if !value.is_a?(Hash) || value.empty? || value.key?('user')
+
+        { 'user' => SSH_DEFAULT_USER }.merge(value)
       end
 
       # The full spec for vm.apply: the recorded spec (CURRENT, nil for a new VM) with every
@@ -129,7 +161,7 @@ module PuppetX
           if value.nil? || value == :absent
             spec.delete(key)
           else
-            spec[key] = value
+            spec[key] = attr == :guest_exec ? boolean(value) : value
           end
         end
         if state.nil?
@@ -141,11 +173,13 @@ module PuppetX
       end
 
       # Members that are never drift: the run state converges by a start or stop, guest
-      # interfaces are applied live.
-      NOT_DRIFT = %w[state guest_interfaces].freeze
+      # interfaces are applied live by the guest agent and SSH access is written live by the
+      # guest's exec server. (`guest_exec` is drift as vmhostd names it, but changes without a
+      # restart.)
+      NOT_DRIFT = %w[state guest_interfaces ssh].freeze
 
       # Dotted paths of the spec members that differ between two recorded specs (`cpu`,
-      # `boot.image`), as vmhostd names them; `state` and `guest_interfaces` are not drift.
+      # `boot.image`), as vmhostd names them; `state`, `guest_interfaces` and `ssh` are not drift.
       def drift(old_spec, new_spec, path = nil)
         a = normalize(old_spec || {})
         b = normalize(new_spec || {})

@@ -9,8 +9,8 @@ Puppet::Type.type(:vmhost_vm).provide(:vmhostd) do
     Current state comes from one `vm.list` per socket (prefetch). Changes are collected and
     applied once, in `flush`: `vm.apply` with the full spec (the daemon creates, starts,
     stops, changes the VM in place keeping its disk, replaces it for a new boot image with
-    `replace => true`, or changes guest interfaces, as its own rules say), or `vm.destroy` for
-    `ensure => absent`. Nothing is sent in noop mode.
+    `replace => true`, or changes guest interfaces and SSH access live, as its own rules
+    say), or `vm.destroy` for `ensure => absent`. Nothing is sent in noop mode.
   DOC
 
   # client, instances, prefetch (one vm.list per socket), socket, send_call, puppet_error.

@@ -237,7 +237,7 @@ def get(name):
 def apply(spec, replace=False, restart=True, timeout_s=30):
     """
     Make one VM so (``vm.apply``): create it, converge its run state to ``spec.state``, apply
-    ``guest_interfaces`` live, and change an existing VM whose spec differs **in place, keeping
+    ``guest_interfaces`` and ``ssh`` live, and change an existing VM whose spec differs **in place, keeping
     its disk** (CPUs, memory, role, devices, NICs, kernel/initrd/cmdline, a larger disk). A
     running VM restarts for such a change (ACPI power-off, killed after ``timeout_s`` seconds, at
     most 3600, then started with the new spec) unless ``restart=False``, which only records the

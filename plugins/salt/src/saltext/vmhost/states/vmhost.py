@@ -63,8 +63,17 @@ _ACTION_TEXT = {
     "destroy": "destroyed",
 }
 # Spec members that are never drift: the run state converges by a start or stop, guest
-# interfaces are applied live by the guest agent.
-_NOT_DRIFT = ("state", "guest_interfaces")
+# interfaces are applied live by the guest agent and SSH access is written live by the guest's
+# exec server. (``guest_exec`` is drift as vmhostd names it, changed in place without a restart.)
+_NOT_DRIFT = ("state", "guest_interfaces", "ssh")
+# The members of those that vmhost.apply changes live (the run state aside), in comment order.
+_LIVE = ("guest_interfaces", "ssh")
+# The account vmhostd records for an ``ssh`` that names none (docs/api.md, "The VM spec"): a
+# declared ``ssh`` without ``user`` is the same as the recorded one with this user.
+_SSH_DEFAULT_USER = "vmhost"
+# Statuses in which vmhost.apply sends a live change to the guest at once; otherwise the change
+# is recorded and reaches the guest at its next start.
+_UP = ("running", "starting", "creating")
 _REPLACE_HINT = "set replace: True to recreate the VM with a new disk (its old disk overlay is deleted)"
 
 
@@ -146,6 +155,29 @@ def _without(spec, keys):
     return {k: v for k, v in (spec or {}).items() if k not in keys}
 
 
+def _live_value(spec, key):
+    """``spec[key]`` as vmhostd compares it: a missing list is empty, ``ssh`` has its user."""
+    value = (spec or {}).get(key)
+    if key == "guest_interfaces":
+        return value or []
+    if key == "ssh" and isinstance(value, dict) and "user" not in value:
+        return dict(value, user=_SSH_DEFAULT_USER)
+    return value
+
+
+def _live_changes(old_spec, new_spec):
+    """The live members (``guest_interfaces``, ``ssh``) that differ between two specs."""
+    return [k for k in _LIVE if _live_value(old_spec, k) != _live_value(new_spec, k)]
+
+
+def _live_text(live, status):
+    """How a change of the live members ``live`` reaches the guest, for comments."""
+    what = " and ".join(live)
+    if status in _UP:
+        return f"its {what} applied live"
+    return f"its {what} recorded (the guest gets the change at its next start)"
+
+
 def _error_comment(exc_text, code, replace):
     """A daemon error as the comment; a 2002 (a new boot.image) says how to allow it."""
     if code == SPEC_DRIFT and not replace:
@@ -165,6 +197,9 @@ def _what_changed(current, new):
         return text
     if current.get("pending_restart") and not new.get("pending_restart"):
         return "restarted to apply its pending change"
+    live = _live_changes(current.get("spec"), new.get("spec"))
+    if live:
+        return f"updated: {_live_text(live, new.get('status'))}"
     return "updated"
 
 
@@ -191,19 +226,21 @@ def _dry_run(ret, spec, current, replace, restart):
         return ret
     if action == "reconfigure":
         return _dry_run_reconfigure(ret, name, reason, fields, bool(entry.get("restart")), restart)
-    # The plan's `none` also covers a change of guest_interfaces alone, which vm.apply makes
-    # live; the recorded list tells whether there is one.
+    # The plan's `none` also covers a change of guest_interfaces or ssh alone, which vm.apply
+    # makes live; the recorded spec tells whether there is one.
+    live = []
     if action == "none" and current is not None:
-        recorded = (current.get("spec") or {}).get("guest_interfaces") or []
-        if recorded != (spec.get("guest_interfaces") or []):
-            action = "guest_interfaces"
+        live = _live_changes(current.get("spec"), spec)
+        if live:
+            action = live[0] if len(live) == 1 else "live"
     if action == "none":
         ret["comment"] = f"VM {name} is as declared ({reason})"
         return ret
     ret["result"] = None
     ret["changes"] = {"action": action, "reason": reason}
-    if action == "guest_interfaces":
-        ret["comment"] = f"VM {name} would get its guest_interfaces applied live"
+    if live:
+        ret["changes"]["live"] = live
+        ret["comment"] = f"VM {name} would get {_live_text(live, current.get('status'))}"
     elif action == "replace":
         ret["changes"]["fields"] = fields
         ret["comment"] = f"VM {name} would be replaced (new disk; the old disk overlay is deleted): {', '.join(fields)}"
@@ -295,7 +332,9 @@ def running(name, spec=None, replace=False, restart=True, timeout_s=30, **kwargs
     spec
         optional dict with spec members (e.g. from pillar); the state's other arguments are
         spec members too (``cpu``, ``memory_mib``, ``boot``, ``nics``, ``disks``, ``hardware``,
-        ``pci``, ``role``, ``guest_interfaces``) and override it.
+        ``pci``, ``role``, ``guest_interfaces``, ``ssh``, ``guest_exec``) and override it. A
+        change of ``guest_interfaces`` or ``ssh`` alone is applied live (no restart);
+        ``guest_exec`` is changed in place without a restart.
     replace
         only for a change of ``boot.image``, which needs a new disk: True recreates the VM
         (vmhostd deletes its old disk overlay); False (default) fails with vmhostd's 2002. Every
