@@ -245,6 +245,22 @@ pub struct GuestAction {
     pub timed_out: Option<bool>,
 }
 
+impl GuestAction {
+    /// `action` asked by `peer_uid`, with nothing known yet about what it touched or how it ended.
+    pub fn new(action: GuestActionKind, peer_uid: u32) -> GuestAction {
+        GuestAction {
+            action,
+            peer_uid,
+            argv: None,
+            path: None,
+            sha256: None,
+            exit_code: None,
+            signal: None,
+            timed_out: None,
+        }
+    }
+}
+
 fn bad(field: impl Into<String>, message: impl Into<String>) -> ApiError {
     ApiError::new(Code::InvalidParams, message).field(field)
 }

@@ -104,16 +104,7 @@ pub(crate) async fn exec(
         Err(e) => Err(e),
     };
     let env = p.env_names();
-    let mut action = GuestAction {
-        action: GuestActionKind::Exec,
-        peer_uid,
-        argv: Some(p.argv.clone()),
-        path: None,
-        sha256: None,
-        exit_code: None,
-        signal: None,
-        timed_out: None,
-    };
+    let mut action = GuestAction { argv: Some(p.argv.clone()), ..GuestAction::new(GuestActionKind::Exec, peer_uid) };
     match outcome {
         Ok(out) => {
             let r = &out.reply;
@@ -181,16 +172,8 @@ pub(crate) async fn file_push(mgr: &Manager, p: FilePushParams, peer_uid: u32) -
         Ok(mut session) => files::push(&mut session, &request, content).await,
         Err(e) => Err(e),
     };
-    let mut action = GuestAction {
-        action: GuestActionKind::FilePush,
-        peer_uid,
-        argv: None,
-        path: Some(p.path.clone()),
-        sha256: None,
-        exit_code: None,
-        signal: None,
-        timed_out: None,
-    };
+    let mut action =
+        GuestAction { path: Some(p.path.clone()), ..GuestAction::new(GuestActionKind::FilePush, peer_uid) };
     match outcome {
         Ok(reply) => {
             tracing::info!(target: AUDIT_TARGET, peer_uid, vm = %p.name, action = "file_push", path = %p.path,
@@ -226,16 +209,8 @@ pub(crate) async fn file_pull(mgr: &Manager, p: FilePullParams, peer_uid: u32) -
         Ok(mut session) => files::pull(&mut session, &p.path, p.max_bytes).await,
         Err(e) => Err(e),
     };
-    let mut action = GuestAction {
-        action: GuestActionKind::FilePull,
-        peer_uid,
-        argv: None,
-        path: Some(p.path.clone()),
-        sha256: None,
-        exit_code: None,
-        signal: None,
-        timed_out: None,
-    };
+    let mut action =
+        GuestAction { path: Some(p.path.clone()), ..GuestAction::new(GuestActionKind::FilePull, peer_uid) };
     match outcome {
         Ok((reply, data)) => {
             tracing::info!(target: AUDIT_TARGET, peer_uid, vm = %p.name, action = "file_pull", path = %p.path,

@@ -65,16 +65,7 @@ async fn request<P: Serialize, R: DeserializeOwned>(
 fn audit(mgr: &Manager, name: &str, peer_uid: u32, kind: GuestActionKind, slot: Option<usize>, what: &str) {
     tracing::info!(target: super::exec::AUDIT_TARGET, peer_uid, vm = name, action = ?kind, slot, "{what}");
     let status = mgr.record(name).ok().map(|r| r.status);
-    let action = GuestAction {
-        action: kind,
-        peer_uid,
-        argv: None,
-        path: None,
-        sha256: None,
-        exit_code: None,
-        signal: None,
-        timed_out: None,
-    };
+    let action = GuestAction::new(kind, peer_uid);
     mgr.events().emit_guest(name, status, what, action);
 }
 
