@@ -88,7 +88,7 @@ pub struct Caller {
 }
 
 impl Caller {
-    /// A caller whose notifications go nowhere (tests, batch-less tools).
+    /// A caller whose notifications go nowhere (every [`Handler::Call`], tests).
     pub fn new(role: Role, uid: u32) -> Caller {
         Caller { role, uid, notify: Notifier { tx: None } }
     }
@@ -129,6 +129,9 @@ pub type SubscribeFn = Arc<dyn Fn(Sink) -> BoxFuture<'static, ()> + Send + Sync>
 pub enum Handler {
     /// An ordinary call: one answer.
     Call(CallFn),
+    /// A call that may send notifications to its caller before its answer (`vm.exec` with
+    /// `stream`): only these get a notification channel, so ordinary calls cost nothing more.
+    Notifying(CallFn),
     /// Opens a subscription whose notifications are named `notification`; the answer is its id.
     Subscribe {
         /// The notifications' `method`.

@@ -69,6 +69,8 @@ pub type CallFn = fn(&Arc<Context>, Option<&RawValue>, Caller) -> Result<Running
 pub enum Kind {
     /// Parses its params, counts an agent call, and starts.
     Call(CallFn),
+    /// The same, for a call that may send its caller notifications before the answer.
+    Notifying(CallFn),
     /// `events.subscribe`: VM status changes as notifications.
     Subscribe,
     /// `events.unsubscribe`.
@@ -91,7 +93,8 @@ fn json<T: serde::Serialize>(result: T) -> Result<Body, ApiError> {
     Body::json(&result)
 }
 
-/// One [`Method`] of kind [`Kind::Call`]: `call!(name, access, rate, ParamsType, |ctx, p| body)`,
+/// One [`Method`] of kind [`Kind::Call`] (or, with `notifying` first, [`Kind::Notifying`]):
+/// `call!(name, access, rate, ParamsType, |ctx, p| body)`,
 /// where `body` is an expression (it may `.await`) giving `Result<Body, ApiError>`.
 macro_rules! call {
     (@rate Free, $ctx:ident, $p:ident, $role:expr) => {};
@@ -101,15 +104,22 @@ macro_rules! call {
     ($name:literal, $access:ident, $rate:ident, $params:ty, |$ctx:ident, $p:pat_param| $run:expr) => {
         call!($name, $access, $rate, $params, |$ctx, $p, _caller| $run)
     };
-    // The same, with the caller (its uid and notifications) in `$caller`.
+    // The same, with the caller (its uid) in `$caller`.
     ($name:literal, $access:ident, $rate:ident, $params:ty, |$ctx:ident, $p:pat_param, $caller:ident| $run:expr) => {
+        call!(@kind Call, $name, $access, $rate, $params, |$ctx, $p, $caller| $run)
+    };
+    // A call that sends notifications through `$caller.notify` ([`Kind::Notifying`]).
+    (notifying $name:literal, $access:ident, $rate:ident, $params:ty, |$ctx:ident, $p:pat_param, $caller:ident| $run:expr) => {
+        call!(@kind Notifying, $name, $access, $rate, $params, |$ctx, $p, $caller| $run)
+    };
+    (@kind $kind:ident, $name:literal, $access:ident, $rate:ident, $params:ty, |$ctx:ident, $p:pat_param, $caller:ident| $run:expr) => {
         Method {
             name: $name,
             access: Access::$access,
             rate: RateClass::$rate,
             params: stringify!($params),
             check: |raw| parse_params::<$params>(raw).map(drop),
-            kind: Kind::Call(|ctx, raw, caller| {
+            kind: Kind::$kind(|ctx, raw, caller| {
                 let params = parse_params::<$params>(raw)?;
                 call!(@rate $rate, ctx, params, caller.role);
                 let $ctx = Arc::clone(ctx);
@@ -187,7 +197,9 @@ pub static METHODS: [Method; 34] = [
         .and_then(json)),
     // Commands and files in the guest, as root: admins only, counted like agent calls, and
     // the caller's uid goes to the audit line.
-    call!("vm.exec", Write, Agent, ExecParams, |ctx, p, caller| exec(&ctx.manager, p, caller).await.and_then(json)),
+    call!(notifying "vm.exec", Write, Agent, ExecParams, |ctx, p, caller| exec(&ctx.manager, p, caller)
+        .await
+        .and_then(json)),
     call!("vm.file_push", Write, Agent, FilePushParams, |ctx, p, caller| {
         lifecycle::exec::file_push(&ctx.manager, p, caller.uid).await.and_then(json)
     }),
@@ -277,6 +289,10 @@ pub fn dispatcher(manager: Arc<Manager>, consoles: Arc<Consoles>) -> Result<Disp
             Kind::Call(call) => {
                 let ctx = Arc::clone(&ctx);
                 Handler::Call(Arc::new(move |raw, caller| call(&ctx, raw, caller)))
+            }
+            Kind::Notifying(call) => {
+                let ctx = Arc::clone(&ctx);
+                Handler::Notifying(Arc::new(move |raw, caller| call(&ctx, raw, caller)))
             }
             Kind::Subscribe => {
                 let manager = Arc::clone(&ctx.manager);
@@ -419,6 +435,10 @@ mod tests {
         let read: Vec<&str> = read_methods().collect();
         assert!(read.contains(&"vm.list") && read.contains(&"events.unsubscribe") && !read.contains(&"vm.create"));
         assert!(find("vm.console").is_some_and(|m| matches!(m.kind, Kind::Console)));
+        // Only a streaming call gets a notification channel per call; the others none.
+        let notifying: Vec<&str> =
+            METHODS.iter().filter(|m| matches!(m.kind, Kind::Notifying(_))).map(|m| m.name).collect();
+        assert_eq!(notifying, ["vm.exec"]);
         assert!(find("no.such").is_none());
     }
 

@@ -1013,10 +1013,14 @@ impl Conn {
             return Reply::error(id, &err);
         }
         match &entry.handler {
-            Handler::Call(call) => {
-                let (tx, mut notifications) = mpsc::channel(CALL_NOTIFICATION_BUFFER);
-                let caller =
-                    dispatch::Caller { role: self.role, uid: self.peer.uid, notify: dispatch::Notifier::new(tx) };
+            Handler::Call(call) | Handler::Notifying(call) => {
+                let (caller, notifications) = if matches!(entry.handler, Handler::Notifying(_)) {
+                    let (tx, rx) = mpsc::channel(CALL_NOTIFICATION_BUFFER);
+                    let notify = dispatch::Notifier::new(tx);
+                    (dispatch::Caller { role: self.role, uid: self.peer.uid, notify }, Some(rx))
+                } else {
+                    (dispatch::Caller::new(self.role, self.peer.uid), None)
+                };
                 let running = match call(params.as_deref(), caller) {
                     Ok(running) => running,
                     Err(err) => {
@@ -1029,28 +1033,34 @@ impl Conn {
                 drop(params);
                 // A panicking method costs one -32603 answer, not the connection.
                 let mut running = std::panic::AssertUnwindSafe(running).catch_unwind();
-                // The call's notifications are written as they come, all before its answer
-                // (this task queues the answer after them). A connection that is gone closes
-                // the channel, which the call sees as its caller gone.
-                let mut open = true;
-                let outcome = loop {
-                    tokio::select! {
-                        biased;
-                        line = notifications.recv(), if open => match line {
-                            Some(line) => {
-                                if !self.send(line).await {
-                                    open = false;
-                                    notifications.close();
-                                }
+                let outcome = match notifications {
+                    None => running.await,
+                    Some(mut notifications) => {
+                        // The call's notifications are written as they come, all before its
+                        // answer (this task queues the answer after them). A connection that is
+                        // gone closes the channel, which the call sees as its caller gone.
+                        let mut open = true;
+                        let outcome = loop {
+                            tokio::select! {
+                                biased;
+                                line = notifications.recv(), if open => match line {
+                                    Some(line) => {
+                                        if !self.send(line).await {
+                                            open = false;
+                                            notifications.close();
+                                        }
+                                    }
+                                    None => open = false,
+                                },
+                                outcome = &mut running => break outcome,
                             }
-                            None => open = false,
-                        },
-                        outcome = &mut running => break outcome,
+                        };
+                        while let Ok(line) = notifications.try_recv() {
+                            self.send(line).await;
+                        }
+                        outcome
                     }
                 };
-                while let Ok(line) = notifications.try_recv() {
-                    self.send(line).await;
-                }
                 match outcome {
                     Ok(Ok(body)) => Reply::success(id, body),
                     Ok(Err(err)) => Reply::error(id, &err),
