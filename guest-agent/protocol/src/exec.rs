@@ -186,6 +186,41 @@ pub struct ShutdownReply {
     pub how: String,
 }
 
+/// Most keys `ssh.authorize` (and a spec's `ssh.keys`) may hold.
+pub const MAX_SSH_KEYS: usize = 16;
+
+/// Longest key line, in bytes: an RSA key of 16384 bits is about 2.8 KiB with a long comment.
+pub const MAX_SSH_KEY_LINE: usize = 8 * 1024;
+
+/// The key types accepted (what OpenSSH writes as a key line's first field): OpenSSH's public
+/// key types minus DSA (removed from OpenSSH) and certificates (a CA is not what a per-VM key
+/// list is for).
+pub const SSH_KEY_TYPES: [&str; 7] = [
+    "ssh-ed25519",
+    "ssh-rsa",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+    "sk-ssh-ed25519@openssh.com",
+    "sk-ecdsa-sha2-nistp256@openssh.com",
+];
+
+/// Why `user` cannot be the account of `ssh.authorize`, if it cannot: `[a-z_][a-z0-9_-]{0,31}`
+/// (Debian's `adduser` default rule without its `$`, and what `useradd` takes everywhere). One
+/// rule for vmhostd's spec check and the agent's own.
+pub fn ssh_user_problem(user: &str) -> Option<&'static str> {
+    let mut chars = user.chars();
+    match chars.next() {
+        None => Some("is empty"),
+        Some(c) if !(c.is_ascii_lowercase() || c == '_') => Some("must start with a-z or _"),
+        _ if user.len() > 32 => Some("is longer than 32 characters"),
+        _ if !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-') => {
+            Some("may hold only a-z, 0-9, _ and -")
+        }
+        _ => None,
+    }
+}
+
 /// Parameters of `ssh.authorize`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -22,25 +22,12 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use vmhost_agent_protocol::exec::{SshAuthorizeParams, SshAuthorizeReply};
+use vmhost_agent_protocol::exec::{
+    ssh_user_problem, SshAuthorizeParams, SshAuthorizeReply, MAX_SSH_KEYS, MAX_SSH_KEY_LINE, SSH_KEY_TYPES,
+};
 
 use super::accounts::{find_user, read_groups, read_users, User};
 use crate::protocol::RpcError;
-
-/// Most keys.
-pub const MAX_KEYS: usize = 16;
-/// Longest key line, in bytes.
-pub const MAX_KEY: usize = 8 * 1024;
-/// The key types accepted (what OpenSSH writes as the first field).
-pub const KEY_TYPES: [&str; 7] = [
-    "ssh-ed25519",
-    "ssh-rsa",
-    "ecdsa-sha2-nistp256",
-    "ecdsa-sha2-nistp384",
-    "ecdsa-sha2-nistp521",
-    "sk-ssh-ed25519@openssh.com",
-    "sk-ecdsa-sha2-nistp256@openssh.com",
-];
 
 /// Where accounts live and how they may be created.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,33 +47,25 @@ impl Default for Accounts {
     }
 }
 
-/// `user` is `[a-z_][a-z0-9_-]{0,31}`.
-fn valid_user(user: &str) -> bool {
-    let mut bytes = user.bytes();
-    user.len() <= 32
-        && bytes.next().is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
-        && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
-}
-
 /// Checks the user name and the keys.
 ///
 /// # Errors
 /// 5100 naming `user`, `keys` or `keys[i]`.
 pub fn validate(p: &SshAuthorizeParams) -> Result<(), RpcError> {
-    if !valid_user(&p.user) {
+    if ssh_user_problem(&p.user).is_some() {
         return Err(RpcError::invalid("user", "user must be [a-z_][a-z0-9_-]{0,31}"));
     }
-    if p.keys.is_empty() || p.keys.len() > MAX_KEYS {
-        return Err(RpcError::invalid("keys", format!("1 to {MAX_KEYS} keys")));
+    if p.keys.is_empty() || p.keys.len() > MAX_SSH_KEYS {
+        return Err(RpcError::invalid("keys", format!("1 to {MAX_SSH_KEYS} keys")));
     }
     for (i, key) in p.keys.iter().enumerate() {
-        let typed = KEY_TYPES.iter().any(|t| key.strip_prefix(t).is_some_and(|rest| rest.starts_with(' ')));
-        if !typed || key.len() > MAX_KEY || key.chars().any(|c| c.is_control()) {
+        let typed = SSH_KEY_TYPES.iter().any(|t| key.strip_prefix(t).is_some_and(|rest| rest.starts_with(' ')));
+        if !typed || key.len() > MAX_SSH_KEY_LINE || key.chars().any(|c| c.is_control()) {
             return Err(RpcError::invalid(
                 &format!("keys[{i}]"),
                 format!(
-                    "a key is one line of at most {MAX_KEY} bytes starting with a known type ({})",
-                    KEY_TYPES.join(", ")
+                    "a key is one line of at most {MAX_SSH_KEY_LINE} bytes starting with a known type ({})",
+                    SSH_KEY_TYPES.join(", ")
                 ),
             ));
         }
@@ -325,7 +304,7 @@ mod tests {
         {
             assert_eq!(field(params("u", &[KEY, bad])), Some("keys[1]".into()), "{bad:?}");
         }
-        let long = format!("ssh-rsa {}", "A".repeat(MAX_KEY));
+        let long = format!("ssh-rsa {}", "A".repeat(MAX_SSH_KEY_LINE));
         assert_eq!(field(params("u", &[&long])), Some("keys[0]".into()));
     }
 
