@@ -997,6 +997,11 @@ reserved_memory_gib = 8
             format!("[agent]\nmax_file_mib = 0\n{hw}"),
             format!("{hw}[hardware.sfp]\nfive = \"0000:ca:00.0\"\n"),
             format!("{hw}[hardware.sfp]\n5 = \"ca:00\"\n"),
+            format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\" }}\n"),
+            format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\", id = \"8086\" }}\n"),
+            format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\", id = \"8086:1572\", mac = \"3c:fd:fe:aa:bb\" }}\n"),
+            format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\", id = \"8086:1572\", serial = \"x\" }}\n"),
+            format!("{hw}[hardware.sfp]\n5 = 7\n"),
             format!("{hw}[networks.lan]\nsubnet = \"10.0.0.0/24\"\n"),
             format!("{hw}[networks.LAN]\nbridge = \"br0\"\n"),
         ];
