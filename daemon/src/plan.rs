@@ -512,6 +512,17 @@ mod tests {
     }
 
     #[test]
+    fn a_change_of_nic_queues_needs_a_restart() {
+        let mut a = spec("mq");
+        a.nics = vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 }];
+        let mut b = a.clone();
+        b.nics[0].queues = 4;
+        let fields = spec_drift(&a, &b);
+        assert_eq!(fields, ["nics"]);
+        assert!(needs_restart(&fields));
+    }
+
+    #[test]
     fn an_ssh_change_is_no_drift_and_a_reconcile_says_so() {
         let a = spec("sensor1_sensor");
         let mut b = a.clone();
