@@ -459,3 +459,51 @@ fn puppet_functions_run_commands_and_push_files_in_a_real_guest() {
     assert_eq!(run.code, 2, "{}", run.output);
     assert_eq!(get(&host, "px")["spec"].get("guest_exec"), None, "left out of views while true");
 }
+
+/// `vmhost_vm`'s placement attributes against a real vmhostd whose config names no
+/// `[hardware] vm_cpus`: `cpu_policy => 'shared'`, `numa => 'none'` and `emulator_cpu =>
+/// false` are sent and recorded (vmhostd leaves shared and false out of its views), and a rerun
+/// is quiet; NIC `queues` round-trip on a stopped VM (`1` in sync with vmhostd leaving it out);
+/// `cpu_policy => 'dedicated'` fails the resource with the daemon's 3001 on
+/// `spec.cpu_policy`, naming the attribute, and creates nothing.
+#[test]
+fn puppet_placement_attributes_round_trip_and_dedicated_without_vm_cpus_fails_with_3001() {
+    let host = TestHost::start(HostOptions {
+        extra: "[networks.void]\nbridge = \"br-void-none\"\n".into(),
+        ..HostOptions::default()
+    });
+    let puppet = Puppet::new();
+    let sock = host.socket.clone();
+
+    let shared = vm("perf1", "running", "cpu_policy => 'shared', numa => 'none', emulator_cpu => false,");
+    let run = puppet.apply(&sock, &shared, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    let v = get(&host, "perf1");
+    assert_eq!(v["status"], "running", "{v}");
+    assert_eq!(v["spec"]["numa"], "none", "{v}");
+    assert!(v["spec"].get("cpu_policy").is_none_or(|p| p == "shared"), "{v}");
+    assert!(v["spec"].get("emulator_cpu").is_none_or(|e| e == false), "{v}");
+    let run = puppet.apply(&sock, &shared, &[]);
+    assert_eq!(run.code, 0, "the rerun must change nothing:\n{}", run.output);
+    assert_eq!(get(&host, "perf1")["pid"], v["pid"]);
+
+    let queues = vm(
+        "perf2",
+        "stopped",
+        "nics => [{ 'network' => 'void', 'queues' => 4 }, { 'network' => 'void', 'queues' => '1' }],",
+    );
+    let run = puppet.apply(&sock, &queues, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    let nics = get(&host, "perf2")["spec"]["nics"].clone();
+    assert_eq!(nics[0]["queues"], 4, "{nics}");
+    assert!(nics[1].get("queues").is_none_or(|q| q == 1), "{nics}");
+    let run = puppet.apply(&sock, &queues, &[]);
+    assert_eq!(run.code, 0, "the rerun must change nothing:\n{}", run.output);
+
+    let dedicated = vm("perf3", "running", "cpu_policy => 'dedicated',");
+    let run = puppet.apply(&sock, &dedicated, &[]);
+    assert_eq!(run.code & 4, 4, "{}", run.output);
+    assert!(run.output.contains("error 3001 (not_in_model) on field spec.cpu_policy"), "{}", run.output);
+    assert!(run.output.contains("(attribute cpu_policy)"), "{}", run.output);
+    assert_eq!(host.call_err("vm.get", json!({ "name": "perf3" })).0, 4040, "a refused spec creates nothing");
+}

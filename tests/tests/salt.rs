@@ -779,3 +779,59 @@ fn guest_functions_run_commands_and_move_files_in_a_real_guest() {
         "{pulled}"
     );
 }
+
+/// A network whose bridge does not exist: configured, so a stopped VM's NIC on it is admitted and
+/// recorded (no tap is made until it starts).
+const VOID_NETWORK: &str = "[networks.void]\nbridge = \"br-void-none\"\n";
+
+/// The placement members pass through the states to vmhostd and back. The test config names no
+/// `[hardware] vm_cpus`: a VM declared `cpu_policy: shared` with `numa: "none"` is created and
+/// runs, its view shows them (`shared` left out as vmhostd's default), and a rerun changes
+/// nothing; a NIC's `queues` round-trips on a stopped VM; `cpu_policy: dedicated` fails with the
+/// daemon's 3001 on `spec.cpu_policy`, under `test=True` too, and nothing is created.
+#[test]
+fn placement_members_round_trip_and_dedicated_without_vm_cpus_is_the_daemons_3001() {
+    let host = TestHost::start(HostOptions { extra: VOID_NETWORK.into(), ..HostOptions::default() });
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+
+    let mut spec = host.kernel_spec("shared1");
+    spec["cpu_policy"] = json!("shared");
+    spec["numa"] = json!("none");
+    spec["emulator_cpu"] = json!(false);
+    minion.sls("shared1", "shared1", "vmhost.running", &args_of(&spec));
+    let r = minion.apply("shared1", false);
+    assert_eq!(r["result"], true, "{r}");
+    let vm = host.call("vm.get", json!({ "name": "shared1" }));
+    assert_eq!(vm["status"], "running", "{vm}");
+    assert_eq!(vm["spec"]["numa"], "none", "{vm}");
+    assert!(vm["spec"].get("cpu_policy").is_none_or(|p| p == "shared"), "{vm}");
+    assert!(vm["spec"].get("emulator_cpu").is_none_or(|e| e == false), "{vm}");
+    let pid = vm["pid"].clone();
+    for test in [true, false] {
+        let r = minion.apply("shared1", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "rerun, test={test}: {r}");
+    }
+    assert_eq!(host.call("vm.get", json!({ "name": "shared1" }))["pid"], pid, "the rerun restarted nothing");
+
+    let mut spec = host.kernel_spec("mq1");
+    spec["nics"] = json!([{ "network": "void", "queues": 4 }, { "network": "void", "queues": 1 }]);
+    minion.sls("mq1", "mq1", "vmhost.stopped", &args_of(&spec));
+    let r = minion.apply("mq1", false);
+    assert_eq!(r["result"], true, "{r}");
+    let nics = host.call("vm.get", json!({ "name": "mq1" }))["spec"]["nics"].clone();
+    assert_eq!(nics[0]["queues"], 4, "{nics}");
+    assert!(nics[1].get("queues").is_none_or(|q| q == 1), "{nics}");
+    let r = minion.apply("mq1", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "{r}");
+
+    let mut spec = host.kernel_spec("ded1");
+    spec["cpu_policy"] = json!("dedicated");
+    minion.sls("ded1", "ded1", "vmhost.running", &args_of(&spec));
+    for test in [true, false] {
+        let r = minion.apply("ded1", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "test={test}: {r}");
+        assert!(comment(&r).contains("vmhostd error 3001 (spec.cpu_policy)"), "test={test}: {r}");
+    }
+    assert_eq!(get_err(&host, "ded1"), 4040, "a refused spec creates nothing");
+}

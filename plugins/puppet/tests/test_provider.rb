@@ -4,102 +4,13 @@ require_relative 'puppet_run'
 
 require 'puppet/type/vmhost_vm'
 require 'puppet/provider/vmhost_vm/vmhostd'
-
-# A tiny daemon: enough of vm.list / vm.get / vm.apply / vm.destroy for the provider, over the
-# test's @vms (name => VM view).
-module FakeVmLogic
-  def handle(req)
-    p = req['params'] || {}
-    case req['method']
-    when 'vm.list' then { 'result' => @vms.values }
-    when 'vm.get' then @vms[p['name']] ? { 'result' => @vms[p['name']] } : not_found
-    when 'vm.apply' then apply(p['spec'], p)
-    when 'vm.destroy' then { 'result' => { 'changed' => !@vms.delete(p['name']).nil?, 'vm' => nil } }
-    else { 'error' => { 'code' => -32_601, 'message' => 'Method not found' } }
-    end
-  end
-
-  def not_found
-    { 'error' => { 'code' => 4040, 'message' => 'no VM', 'data' => { 'kind' => 'not_found', 'field' => 'name' } } }
-  end
-
-  # Like serde in the daemon: an integer member sent as a string is -32602.
-  def wrong_type(value, key = nil)
-    case value
-    when Hash then value.map { |k, v| wrong_type(v, k) }.compact.first
-    when Array then value.map { |v| wrong_type(v, key) }.compact.first
-    else key if %w[cpu memory_mib disk_gib vlan vlan_id].include?(key) && !value.is_a?(Integer)
-    end
-  end
-
-  # Like vmhostd: only a new boot image needs replace (2002 without it); anything else is
-  # changed in place, and with restart: false a running VM shows pending_restart.
-  def image_drift(spec, params)
-    old = @vms[spec['name']]
-    return nil if old.nil? || params['replace']
-    return nil if old['spec'].dig('boot', 'image') == spec.dig('boot', 'image')
-
-    { 'error' => { 'code' => 2002,
-                   'message' => "VM \"#{spec['name']}\": boot.image changes, which needs a new disk and destroys " \
-                                'the old one (boot.image); pass replace: true to do that',
-                   'data' => { 'kind' => 'spec_drift', 'field' => 'spec.boot.image',
-                               'details' => { 'fields' => ['boot.image'] } } } }
-  end
-
-  def apply(spec, params = {})
-    drift = image_drift(spec, params)
-    return drift if drift
-
-    if (field = wrong_type(spec))
-      return { 'error' => { 'code' => -32_602, 'message' => "invalid type for #{field}",
-                            'data' => { 'kind' => 'invalid_params', 'field' => "spec.#{field}", 'details' => nil } } }
-    end
-    if spec['memory_mib'].to_i < 32
-      return { 'error' => { 'code' => 2001, 'message' => 'memory_mib must be at least 32',
-                            'data' => { 'kind' => 'invalid_spec', 'field' => 'spec.memory_mib', 'details' => nil } } }
-    end
-    return { 'result' => { 'changed' => false, 'vm' => @vms[spec['name']] } } if @ignore_changes
-
-    spec = echoed({ 'state' => 'running' }.merge(spec))
-    existed = @vms.key?(spec['name'])
-    @vms[spec['name']] = view(spec)
-    @vms[spec['name']]['pending_restart'] = existed && params['restart'] == false
-    { 'result' => { 'changed' => true, 'vm' => @vms[spec['name']] } }
-  end
-
-  # As vmhostd records a spec: `guest_exec` left out while true, `ssh.user` filled in.
-  def echoed(spec)
-    spec = spec.reject { |k, v| k == 'guest_exec' && v == true }
-    spec['ssh'] = { 'user' => 'vmhost' }.merge(spec['ssh']) if spec['ssh'].is_a?(Hash)
-    spec
-  end
-
-  def view(spec)
-    { 'name' => spec['name'], 'spec' => spec, 'desired_state' => spec['state'],
-      'status' => spec['state'] == 'running' ? 'running' : 'stopped' }
-  end
-end
+require_relative 'fake_vm_logic'
 
 # The type and provider in a real (in-process) Puppet catalog run against a fake daemon:
 # what is sent, how often, and what a rerun or noop does.
 class TestProvider < Minitest::Test
   include PuppetRun
   include FakeVmLogic
-
-  KERNEL_BOOT = { 'kernel' => '/srv/vmlinuz', 'initrd' => '/srv/initrd', 'cmdline' => 'console=ttyS0' }.freeze
-
-  def setup
-    @vms = {}
-    super
-  end
-
-  def apply_vm(noop: false, **attrs)
-    apply_resource(:vmhost_vm, noop: noop, **attrs)
-  end
-
-  def web1(**extra)
-    { name: 'web1', ensure: 'running', cpu: 1, memory: '256M', boot: KERNEL_BOOT }.merge(extra)
-  end
 
   def test_create_sends_one_apply_with_the_declared_spec
     status = apply_vm(**web1(nics: [{ 'network' => 'lan', 'ipv4' => { 'mode' => 'dhcp' } }]))
@@ -294,8 +205,12 @@ class TestProvider < Minitest::Test
     assert_raises(Puppet::ResourceError) { type.new(name: 'x', boot: '/vmlinuz') }
     assert_raises(Puppet::ResourceError) { type.new(name: 'x', socket: 'relative.sock') }
     assert_raises(Puppet::ResourceError) { type.new(name: 'x', ensure: 'paused') }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', numa: -1) }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', cpu_policy: 1) }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', hugepages: 2) }
+    assert_raises(Puppet::ResourceError) { type.new(name: 'x', emulator_cpu: 'yes') }
     # Rules are the daemon's: a name it would refuse passes the type.
-    assert type.new(name: 'Not_A_Valid_Name', cpu: 100_000)
+    assert type.new(name: 'Not_A_Valid_Name', cpu: 100_000, cpu_policy: 'pinned', numa: 'everywhere', hugepages: '3M')
   end
 
   def test_instances_read_the_default_socket

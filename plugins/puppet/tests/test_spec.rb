@@ -141,9 +141,47 @@ class TestSpec < Minitest::Test
     assert_equal false, spec['guest_exec']
   end
 
+  def test_performance_members_left_out_by_the_daemon_have_their_default
+    spec = { 'name' => 'a' }
+    assert_equal 'shared', Spec.attribute_value(spec, :cpu_policy)
+    assert_equal false, Spec.attribute_value(spec, :emulator_cpu)
+    assert_equal :absent, Spec.attribute_value(spec, :numa)
+    assert_equal :absent, Spec.attribute_value(spec, :hugepages)
+    assert Spec.same?(:cpu_policy, :absent, 'shared')
+    refute Spec.same?(:cpu_policy, :absent, 'dedicated')
+    assert Spec.same?(:emulator_cpu, :absent, MUNGED_FALSE)
+    refute Spec.same?(:emulator_cpu, false, MUNGED_TRUE)
+    assert Spec.same?(:emulator_cpu, true, MUNGED_TRUE)
+    assert Spec.same?(:numa, 1, 1)
+    refute Spec.same?(:numa, :absent, 'none')
+    assert Spec.same?(:numa, :absent, :absent)
+    refute Spec.same?(:hugepages, '2M', :absent)
+  end
+
+  def test_a_nic_without_queues_has_one_queue_pair
+    assert Spec.same?(:nics, [{ 'network' => 'lan' }], [{ 'network' => 'lan', 'queues' => '1' }])
+    assert Spec.same?(:nics, [{ 'network' => 'lan', 'queues' => 4 }], [{ 'network' => 'lan', 'queues' => '4' }])
+    refute Spec.same?(:nics, [{ 'network' => 'lan' }], [{ 'network' => 'lan', 'queues' => 2 }])
+  end
+
+  def test_build_sends_performance_members_as_vmhostd_takes_them
+    recorded = { 'name' => 'a', 'cpu' => 2, 'memory_mib' => 2048, 'state' => 'running',
+                 'boot' => { 'kernel' => '/k' }, 'hugepages' => '2M', 'numa' => 'auto' }
+    spec = Spec.build('a', recorded, { cpu_policy: 'dedicated', numa: '0', emulator_cpu: MUNGED_TRUE,
+                                       hugepages: :absent }, nil)
+    assert_equal ['dedicated', 0, true], spec.values_at('cpu_policy', 'numa', 'emulator_cpu')
+    refute spec.key?('hugepages')
+    assert_equal %w[cpu_policy emulator_cpu hugepages numa], Spec.drift(recorded, spec)
+    assert_equal false, Spec.build('a', nil, { emulator_cpu: MUNGED_FALSE }, nil)['emulator_cpu']
+  end
+
   def test_attribute_for_field
     assert_equal 'ssh', Spec.attribute_for_field('spec.ssh.keys[0]')
     assert_equal 'guest_exec', Spec.attribute_for_field('spec.guest_exec')
+    assert_equal 'cpu_policy', Spec.attribute_for_field('spec.cpu_policy')
+    assert_equal 'numa', Spec.attribute_for_field('spec.numa')
+    assert_equal 'hugepages', Spec.attribute_for_field('spec.hugepages')
+    assert_equal 'emulator_cpu', Spec.attribute_for_field('spec.emulator_cpu')
     assert_equal 'memory', Spec.attribute_for_field('spec.memory_mib')
     assert_equal 'cpu', Spec.attribute_for_field('spec.cpu')
     assert_equal 'nics', Spec.attribute_for_field('spec.nics[0].ipv4.address')

@@ -934,3 +934,98 @@ class MigrationTest(Base):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+SENSOR_PERF = {"cpu_policy": "dedicated", "numa": "auto", "hugepages": "1G", "emulator_cpu": True}
+
+
+class PerformanceTest(Base):
+    """``performance`` / ``performance_roles``: placement members SO's file has no fields for."""
+
+    def test_config_shapes(self):
+        self.assertEqual((config()["performance"], config()["performance_roles"]), ({}, {}))
+        ok = config(performance={"cpu_policy": "shared", "numa": 1}, performance_roles={"sensor": SENSOR_PERF})
+        self.assertEqual(ok["performance"], {"cpu_policy": "shared", "numa": 1})
+        self.assertEqual(ok["performance_roles"], {"sensor": SENSOR_PERF})
+        self.assertEqual(
+            config(performance_roles={"sensor": {"numa": None}})["performance_roles"]["sensor"], {"numa": None}
+        )
+        bad = [
+            {"performance": "dedicated"},
+            {"performance": {"cpu": 2}},
+            {"performance": {"cpu_policy": "pinned"}},
+            {"performance": {"numa": "1"}},
+            {"performance": {"numa": -1}},
+            {"performance": {"numa": True}},
+            {"performance": {"numa": None}},
+            {"performance": {"hugepages": "2m"}},
+            {"performance": {"emulator_cpu": "yes"}},
+            {"performance_roles": [SENSOR_PERF]},
+            {"performance_roles": {"sensors": SENSOR_PERF}},
+            {"performance_roles": {"sensor": {"hugepages": 2}}},
+        ]
+        for over in bad:
+            with self.subTest(over=over), self.assertRaises(eng.ConfigError):
+                config(**over)
+
+    def test_the_default_and_a_roles_values_go_into_the_spec(self):
+        cfg = config(
+            performance={"numa": "none", "hugepages": "2M"},
+            performance_roles={"sensor": {"cpu_policy": "dedicated", "numa": "auto", "hugepages": None}},
+        )
+        sensor = eng.map_entry(so_entry("a", memory=8), cfg, "f", 0, "hv1")
+        self.assertEqual(
+            {k: sensor.get(k) for k in eng.PERFORMANCE_KEYS},
+            {"cpu_policy": "dedicated", "numa": "auto", "hugepages": None, "emulator_cpu": None},
+        )
+        self.assertNotIn("hugepages", sensor, "a null in the role drops the default's value")
+        search = eng.map_entry(so_entry("b", role="searchnode"), cfg, "f", 1, "hv1")
+        self.assertEqual((search["numa"], search["hugepages"], search.get("cpu_policy")), ("none", "2M", None))
+        plain = eng.map_entry(so_entry("c"), config(), "f", 2, "hv1")
+        self.assertFalse(set(eng.PERFORMANCE_KEYS) & set(plain), plain)
+
+    def test_a_changed_default_reconverges_as_a_hardware_configuration(self):
+        a = so_entry("a", sfp=["5"])
+        self.write("hv1", [a])
+        self.assertEqual(self.engine().run_once(), {"hv1": "ok"})
+        self.assertNotIn("cpu_policy", self.hosts["hv1"].specs["a_sensor"])
+        self.events.clear()
+        engine = self.engine(performance_roles={"sensor": SENSOR_PERF})
+        self.assertEqual(engine.run_once(), {"hv1": "ok"}, "a config change is a change even with the file as it was")
+        spec = self.hosts["hv1"].specs["a_sensor"]
+        self.assertEqual({k: spec[k] for k in SENSOR_PERF}, SENSOR_PERF)
+        reconciled = dict(self.events)["vmhost/hv1/a_sensor/reconciled"]
+        self.assertEqual((reconciled["action"], reconciled["fields"]), ("reconfigure", sorted(SENSOR_PERF)))
+        self.assertEqual(
+            self.so_events(),
+            [
+                (
+                    "soc/dyanno/hypervisor/hardware configuration",
+                    {"vm_name": "a_sensor", "hypervisor": "hv1", "status": "Hardware Configuration"},
+                )
+            ],
+        )
+        self.now += 1
+        self.assertEqual(self.engine(performance_roles={"sensor": SENSOR_PERF}).run_once(), {"hv1": "skipped"})
+
+    def test_configs_without_it_keep_their_digest(self):
+        # The digest as engines before performance computed it: no rerun after an upgrade.
+        cfg = config()
+        h = eng.hashlib.sha256(b"[]\0")
+        keys = ("network", "boot", "prune", "dry_run", "bootstrap", "master", "so_compat")
+        relevant = dict({k: cfg.get(k) for k in keys}, minion="hv1")
+        h.update(json.dumps(relevant, sort_keys=True).encode())
+        self.assertEqual(eng.content_digest(b"[]", cfg, "hv1"), h.hexdigest())
+        self.assertNotEqual(eng.content_digest(b"[]", config(performance={"numa": "none"}), "hv1"), h.hexdigest())
+
+    def test_a_host_without_vm_cpus_is_sos_hardware_validation_failure(self):
+        self.write("hv1", [so_entry("a")])
+        self.hosts["hv1"].errors = {
+            "a_sensor": daemon_error(3001, "the host config names no vm_cpus", "spec.cpu_policy", kind="not_in_model")
+        }
+        self.assertEqual(self.engine(performance_roles={"sensor": SENSOR_PERF}).run_once(), {"hv1": "partial"})
+        self.assertEqual(
+            self.so_file("hv1", "a_sensor.error")["error_details"],
+            {"code": 3, "message": "Hardware validation failure: the host config names no vm_cpus"},
+        )
+        self.assertEqual(self.so_file("hv1", "a_sensor.status")["status"], "Hardware Configuration Failed")

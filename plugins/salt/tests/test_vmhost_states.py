@@ -296,6 +296,73 @@ class TestMode(StateTest):
         self.assertEqual(ret["comment"], "VM web would be reconfigured in place (disk kept): guest_exec; no restart")
         self.assertIs(self.params("host.reconcile")[0]["vms"][0]["guest_exec"], False)
 
+    def test_placement_members_go_to_the_dry_run_and_their_change_restarts(self):
+        spec = {"name": "web", "cpu": 2, "memory_mib": 2048, "boot": BOOT}
+        fields = ["cpu_policy", "emulator_cpu", "hugepages", "nics", "numa"]
+        reason = "changed in place, disk kept (restarts): " + ", ".join(fields)
+        self.start(
+            {
+                "vm.get": lambda p: view(spec),
+                "host.reconcile": plan("reconfigure", reason, fields=fields, restart=True),
+            },
+            test=True,
+        )
+        nics = [{"network": "lan", "queues": 4}]
+        ret = self.state.running(
+            "web",
+            cpu=2,
+            memory_mib=2048,
+            boot=BOOT,
+            cpu_policy="dedicated",
+            numa=1,
+            hugepages="1G",
+            emulator_cpu=True,
+            nics=nics,
+        )
+        self.assertIsNone(ret["result"])
+        self.assertEqual(
+            ret["comment"], f"VM web would be reconfigured in place (disk kept): {', '.join(fields)}; it is restarted"
+        )
+        sent = self.params("host.reconcile")[0]["vms"][0]
+        self.assertEqual(
+            {k: sent.get(k) for k in ("cpu_policy", "numa", "hugepages", "emulator_cpu", "nics")},
+            {"cpu_policy": "dedicated", "numa": 1, "hugepages": "1G", "emulator_cpu": True, "nics": nics},
+        )
+        self.assertNothingMutated()
+
+    def test_placement_defaults_declared_against_a_spec_without_them_are_as_declared(self):
+        # vmhostd leaves cpu_policy shared, emulator_cpu false and a NIC's queues 1 out of the
+        # recorded spec; its plan says there is nothing to do and the state says so.
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "nics": [{"network": "lan"}]}
+        self.start({"vm.get": lambda p: view(spec), "host.reconcile": plan("none", "up to date (running)")}, test=True)
+        ret = self.state.running(
+            "web",
+            cpu=1,
+            memory_mib=256,
+            boot=BOOT,
+            cpu_policy="shared",
+            emulator_cpu=False,
+            nics=[{"network": "lan", "queues": 1}],
+        )
+        self.assertEqual((ret["result"], ret["changes"]), (True, {}))
+
+    def test_a_placement_refusal_of_the_dry_run_names_code_and_field(self):
+        err = error(
+            3002,
+            "node 0 has 1 free VM CPU, VM web asks for 2",
+            field="spec.cpu",
+            details={"resource": "cpu", "node": 0, "requested": 2, "available": 1},
+            kind="capacity",
+        )
+        self.start({"vm.get": not_found, "host.reconcile": plan("create", "not on the host", err)}, test=True)
+        ret = self.state.running("web", cpu=2, memory_mib=256, boot=BOOT, cpu_policy="dedicated")
+        self.assertIs(ret["result"], False)
+        self.assertEqual(
+            ret["comment"],
+            "VM web would fail to be created: vmhostd error 3002 (spec.cpu): "
+            "node 0 has 1 free VM CPU, VM web asks for 2",
+        )
+
     def test_absent_predicts_destroy_without_destroying(self):
         spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
         self.start({"vm.get": lambda p: view(spec)}, test=True)
@@ -454,6 +521,32 @@ class RealRun(StateTest):
             ret["changes"], {"old": {"spec": {"guest_exec": None}}, "new": {"spec": {"guest_exec": False}}}
         )
         self.assertIs(self.params("vm.apply")[0]["spec"]["guest_exec"], False)
+
+    def test_placement_members_sent_and_reported_as_an_in_place_change(self):
+        spec = {"name": "web", "cpu": 2, "memory_mib": 2048, "boot": BOOT}
+        changed = dict(spec, cpu_policy="dedicated", numa="auto", hugepages="2M")
+        self.start(
+            {"vm.get": lambda p: view(spec, pid=7), "vm.apply": lambda p: {"changed": True, "vm": view(changed, pid=8)}}
+        )
+        ret = self.state.running("web", **{k: v for k, v in changed.items() if k != "name"})
+        self.assertIs(ret["result"], True)
+        self.assertEqual(
+            ret["comment"], "VM web reconfigured in place (disk kept): cpu_policy, hugepages, numa (running)"
+        )
+        sent = self.params("vm.apply")[0]["spec"]
+        self.assertEqual(
+            (sent["cpu_policy"], sent["numa"], sent["hugepages"]),
+            ("dedicated", "auto", "2M"),
+        )
+
+    def test_dedicated_without_vm_cpus_fails_with_the_daemons_3001(self):
+        err = error(3001, "the host config names no vm_cpus", field="spec.cpu_policy", kind="not_in_model")
+        self.start({"vm.get": not_found, "vm.apply": lambda p: (_ for _ in ()).throw(Fail(err))})
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, cpu_policy="dedicated", numa="none")
+        self.assertIs(ret["result"], False)
+        self.assertEqual(ret["changes"], {})
+        self.assertEqual(ret["comment"], "vmhostd error 3001 (spec.cpu_policy): the host config names no vm_cpus")
+        self.assertEqual(self.params("vm.apply")[0]["spec"]["numa"], "none")
 
     def test_replaced_with_a_new_disk(self):
         spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": {"image": "old.qcow2", "disk_gib": 2}}

@@ -247,8 +247,9 @@ Puppet::Type.newtype(:vmhost_vm) do
       `{ 'network' => 'lan', 'vlan' => 10, 'mac' => '52:54:00:12:34:56',
          'ipv4' => { 'mode' => 'static', 'address' => '10.0.0.5/24', 'gateway' => '10.0.0.1',
                      'dns' => ['10.0.0.1'], 'search' => ['example.org'] } }`
-      or `'ipv4' => { 'mode' => 'dhcp' }`. Compared as a whole, in order. `nics => []`
-      declares a VM without NICs.
+      or `'ipv4' => { 'mode' => 'dhcp' }`, and `'queues' => 4` for that many queue pairs
+      (multiqueue tap and virtio-net, 1 to 16; 1, the default, is what a NIC without it has).
+      Compared as a whole, in order. `nics => []` declares a VM without NICs.
     DOC
     extend shape
 
@@ -313,6 +314,67 @@ Puppet::Type.newtype(:vmhost_vm) do
 
     def insync?(is)
       PuppetX::Vmhost::Spec.same?(:guest_exec, is, should)
+    end
+  end
+
+  newproperty(:cpu_policy) do
+    desc <<~DOC
+      Whether the VM's vCPUs share host CPUs (`shared`, vmhostd's default) or each gets a host
+      CPU of its own (`dedicated`; spec `cpu_policy`). `dedicated` needs `[hardware] vm_cpus`
+      in vmhostd's config (else error 3001 on `spec.cpu_policy`) and enough free VM CPUs
+      (else 3002 with the numbers). A change restarts a running VM (`restart => false` leaves
+      it pending). Not declared: left as recorded; a VM whose view has none is `shared`.
+    DOC
+
+    validate do |value|
+      raise ArgumentError, "cpu_policy must be a string, not #{value.inspect}" unless value.is_a?(String)
+    end
+  end
+
+  newproperty(:numa) do
+    desc <<~DOC
+      NUMA placement of the VM's CPUs and memory (spec `numa`): `auto` (one node: its
+      passthrough devices' node, else the one with most room), `spread` (several nodes when one
+      is too small), `none` (no binding) or a node number such as `1`. Not declared: left as
+      recorded; vmhostd places a VM without one as `auto` when dedicated, `none` when shared,
+      and `numa => absent` goes back to that. A change restarts a running VM.
+    DOC
+
+    validate do |value|
+      ok = value.is_a?(String) || (value.is_a?(Integer) && !value.negative?)
+      raise ArgumentError, "numa must be a string or a node number, not #{value.inspect}" unless ok
+    end
+    # vmhostd takes a node as a JSON number: '1' is node 1.
+    munge { |value| value == 'absent' ? :absent : PuppetX::Vmhost::Spec.integerish(value) }
+  end
+
+  newproperty(:hugepages) do
+    desc <<~DOC
+      Back the guest's memory with hugepages of this size (spec `hugepages`): `2M` or `1G`,
+      taken from the host's free pool on the VM's node when it starts (error 3002 when too few
+      are free; `memory` must be a multiple of the page size, else 2001). `hugepages => absent`
+      removes it (normal memory, transparent hugepages). A change restarts a running VM.
+    DOC
+
+    validate do |value|
+      raise ArgumentError, "hugepages must be a string, not #{value.inspect}" unless value.is_a?(String)
+    end
+    munge { |value| value == 'absent' ? :absent : value }
+  end
+
+  # :true / :false as for guest_exec (Puppet never syncs a should of `false`).
+  newproperty(:emulator_cpu) do
+    desc <<~DOC
+      Whether a `dedicated` VM gets one more dedicated host CPU, on its node, for QEMU's own
+      threads (I/O, the main loop) besides its vCPUs (spec `emulator_cpu`; vmhostd refuses it
+      without `cpu_policy => dedicated`, error 2001). Not declared: left as recorded; a VM
+      whose view has none is `false`. A change restarts a running VM.
+    DOC
+
+    newvalues('true', 'false')
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:emulator_cpu, is, should)
     end
   end
 

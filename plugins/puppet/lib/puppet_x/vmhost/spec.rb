@@ -21,15 +21,30 @@ module PuppetX
         disks: 'disks',
         guest_interfaces: 'guest_interfaces',
         guest_exec: 'guest_exec',
-        ssh: 'ssh'
+        ssh: 'ssh',
+        cpu_policy: 'cpu_policy',
+        numa: 'numa',
+        hugepages: 'hugepages',
+        emulator_cpu: 'emulator_cpu'
       }.freeze
+
+      # Members vmhostd leaves out of its views while they have their default: a VM whose view
+      # lacks one has this value (docs/api.md, "The VM spec").
+      IMPLIED = { guest_exec: true, cpu_policy: 'shared', emulator_cpu: false }.freeze
+
+      # Members sent as JSON booleans: the type munges them to :true / :false.
+      BOOLEANS = %i[guest_exec emulator_cpu].freeze
 
       # The account `ssh` gets when it names none: vmhostd fills it in and echoes it, so a
       # declared `ssh` without `user` compares equal to the recorded one (docs/api.md).
       SSH_DEFAULT_USER = 'vmhost'
 
-      # Members whose value is an integer in the spec, at any depth.
-      INTEGER_KEYS = %w[cpu memory_mib disk_gib size_gib vlan vlan_id].freeze
+      # Members whose value is an integer in the spec, at any depth (`numa` when it names a
+      # node: a whole-number string becomes that node, `auto` and the like stay strings).
+      INTEGER_KEYS = %w[cpu memory_mib disk_gib size_gib vlan vlan_id queues numa].freeze
+
+      # A NIC's `queues` when it is not given; vmhostd leaves it out of its views then.
+      DEFAULT_QUEUES = 1
 
       # Statuses in which the VM counts as running (ensure => running is in sync).
       RUNNING_STATUSES = %w[running starting creating].freeze
@@ -103,8 +118,8 @@ module PuppetX
         when :hardware, :boot then value.nil? ? {} : normalize(value, key)
         when :pci, :nics, :disks, :guest_interfaces then value.nil? ? [] : normalize(value, key)
         when :role then value.nil? ? :absent : value
-        # vmhostd leaves `guest_exec` out of its views while it is true, the default.
-        when :guest_exec then value.nil? ? true : value
+        # vmhostd leaves these out of its views while they have their default.
+        when *IMPLIED.keys then value.nil? ? IMPLIED[attr] : value
         else value.nil? ? :absent : normalize(value, key)
         end
       end
@@ -113,7 +128,7 @@ module PuppetX
       def same?(attr, current, desired)
         return current.nil? || current == :absent if desired.nil? || desired == :absent
 
-        current = true if attr == :guest_exec && (current.nil? || current == :absent)
+        current = IMPLIED[attr] if IMPLIED.key?(attr) && (current.nil? || current == :absent)
 
         right = comparable(attr, desired)
         if current.nil? || current == :absent
@@ -127,20 +142,28 @@ module PuppetX
       def comparable(attr, value)
         case attr
         when :hardware then normalize_hardware(value)
-        when :guest_exec then boolean(value)
+        when *BOOLEANS then boolean(value)
         when :ssh then ssh_with_user(normalize(value, 'ssh'))
+        when :nics then normalize(value, 'nics').map { |nic| without_default_queues(nic) }
         else normalize(value, ATTRIBUTES.fetch(attr))
         end
       end
 
       # true / false from a Ruby boolean or the :true / :false (or 'true' / 'false') the type
-      # munges `guest_exec` to; anything else unchanged (the daemon refuses it).
+      # munges `guest_exec` and `emulator_cpu` to; anything else unchanged (the daemon refuses it).
       def boolean(value)
         case value.to_s
         when 'true' then true
         when 'false' then false
         else value
         end
+      end
+
+      # A NIC as vmhostd echoes it: `queues` left out at its default, 1.
+      def without_default_queues(nic)
+        return nic unless nic.is_a?(Hash) && nic['queues'] == DEFAULT_QUEUES
+
+        nic.dup.tap { |copy| copy.delete('queues') }
       end
 
       # `ssh` with the account vmhostd records when none is named.
@@ -161,7 +184,7 @@ module PuppetX
           if value.nil? || value == :absent
             spec.delete(key)
           else
-            spec[key] = attr == :guest_exec ? boolean(value) : value
+            spec[key] = BOOLEANS.include?(attr) ? boolean(value) : value
           end
         end
         if state.nil?

@@ -27,6 +27,8 @@ Master config::
             default: {image: so-base.qcow2, disk_gib: 220}
             roles:
               sensor: {image: so-sensor.qcow2, disk_gib: 300}
+          performance_roles:
+            sensor: {cpu_policy: dedicated, numa: auto, hugepages: 1G}
 """
 
 import concurrent.futures
@@ -119,8 +121,16 @@ SO_PROVISION_CODE = 4
 SO_ERROR_DROPPED = ("cpu", "memory", "sfp", "copper")
 # A "Destroyed Instance" .status file is deleted after this many seconds (SO: 48 hours).
 SO_DESTROYED_KEEP = 48 * 3600
-# Spec fields whose change in place SO calls "Hardware Configuration".
-HARDWARE_FIELDS = ("cpu", "memory_mib", "hardware", "pci", "disks")
+# Spec fields whose change in place SO calls "Hardware Configuration" (where the VM's CPUs and
+# memory sit is part of it).
+HARDWARE_FIELDS = ("cpu", "memory_mib", "hardware", "pci", "disks", "cpu_policy", "numa", "hugepages", "emulator_cpu")
+# The placement members the engine config's ``performance`` and ``performance_roles`` may set:
+# vmhostd spec members of the same names (docs/api.md). SO's VMs file has no such fields, so the
+# engine config is where a hypervisor's sensors get dedicated CPUs, NUMA placement and hugepages.
+PERFORMANCE_KEYS = ("cpu_policy", "numa", "hugepages", "emulator_cpu")
+CPU_POLICIES = ("shared", "dedicated")
+NUMA_WORDS = ("auto", "spread", "none")
+HUGEPAGE_SIZES = ("2M", "1G")
 
 __virtualname__ = "vmhost_engine"
 
@@ -193,6 +203,46 @@ def _check_boot(boot, where):
     raise ConfigError(f"{where} needs image (with disk_gib) or kernel")
 
 
+def _check_performance(value, where, role=False):
+    """A ``performance`` mapping: the values of :data:`PERFORMANCE_KEYS` as vmhostd takes them
+    (their shape only; whether the host can give them is the daemon's to say, per VM). In a
+    role's mapping (``role``) a null removes the default's value for that role."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping of {', '.join(PERFORMANCE_KEYS)}")
+    extra = set(value) - set(PERFORMANCE_KEYS)
+    if extra:
+        raise ConfigError(f"{where}: unknown keys {sorted(extra)} (known: {', '.join(PERFORMANCE_KEYS)})")
+    out = {}
+    for key, item in value.items():
+        if item is None and role:
+            out[key] = None
+        elif key == "cpu_policy" and item not in CPU_POLICIES:
+            raise ConfigError(f"{where}.cpu_policy must be one of {', '.join(CPU_POLICIES)}")
+        elif (
+            key == "numa"
+            and item not in NUMA_WORDS
+            and (isinstance(item, bool) or not isinstance(item, int) or item < 0)
+        ):
+            raise ConfigError(f"{where}.numa must be one of {', '.join(NUMA_WORDS)} or a NUMA node number")
+        elif key == "hugepages" and item not in HUGEPAGE_SIZES:
+            raise ConfigError(f"{where}.hugepages must be one of {', '.join(HUGEPAGE_SIZES)}")
+        elif key == "emulator_cpu" and not isinstance(item, bool):
+            raise ConfigError(f"{where}.emulator_cpu must be true or false")
+        else:
+            out[key] = item
+    return out
+
+
+def performance_for(config, role):
+    """The placement members of a VM of ``role``: ``performance`` with the role's
+    ``performance_roles`` entry put over it key by key (a null there drops the key)."""
+    merged = dict(config.get("performance") or {})
+    merged.update((config.get("performance_roles") or {}).get(role) or {})
+    return {k: v for k, v in merged.items() if v is not None}
+
+
 def _positive(kwargs, key, default):
     value = kwargs.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -251,6 +301,8 @@ def parse_config(kwargs, default_master=None):
         "master",
         "parallel",
         "bootstrap_timeout",
+        "performance",
+        "performance_roles",
     }
     unknown = set(kwargs) - known
     if unknown:
@@ -333,6 +385,18 @@ def parse_config(kwargs, default_master=None):
     parallel = kwargs.get("parallel", 8)
     if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 64:
         raise ConfigError("parallel must be an integer from 1 to 64")
+    performance = _check_performance(kwargs.get("performance"), "performance")
+    performance_roles = kwargs.get("performance_roles") or {}
+    if not isinstance(performance_roles, dict):
+        raise ConfigError("performance_roles must be a mapping of role to a performance mapping")
+    for role in performance_roles:
+        if role not in SO_ROLES:
+            # A misspelt role would silently leave its VMs on the default.
+            raise ConfigError(f"performance_roles: {role!r} is not one of {', '.join(SO_ROLES)}")
+    performance_roles = {
+        role: _check_performance(value, f"performance_roles.{role}", role=True)
+        for role, value in performance_roles.items()
+    }
     return {
         "vms_dir": vms_dir,
         "suffix": suffix,
@@ -351,6 +415,8 @@ def parse_config(kwargs, default_master=None):
         "bootstrap": bootstrap,
         "master": master.strip() if master else None,
         "parallel": parallel,
+        "performance": performance,
+        "performance_roles": performance_roles,
     }
 
 
@@ -523,8 +589,9 @@ def _indices(entry, cls):
 def map_entry(entry, config, source="<file>", index=0, hypervisor="", exec_bootstraps=None):
     """Maps one Security Onion VM entry onto a vmhostd VM spec.
 
-    ``config`` is the result of :func:`parse_config` (``network``, ``boot``, ``bootstrap`` and
-    ``master`` are used); ``hypervisor`` (the file's prefix) goes into the bootstrap text.
+    ``config`` is the result of :func:`parse_config` (``network``, ``boot``, ``bootstrap``,
+    ``master``, ``performance`` and ``performance_roles`` are used); ``hypervisor`` (the file's
+    prefix) goes into the bootstrap text.
     The rendered bootstrap is the spec's ``user_data``, except for a boot source with
     ``cloud_init: false``: then it goes into ``exec_bootstraps`` (a dict, ``{name: text}``)
     when given, to be run through vm.exec, and the spec has no ``user_data`` (no seed).
@@ -553,6 +620,7 @@ def map_entry(entry, config, source="<file>", index=0, hypervisor="", exec_boots
                 spec["cpu"] = value
             else:
                 spec["memory_mib"] = value * 1024
+        spec.update(performance_for(config, role))
         state = "running"
         power = entry.get("powercontrol")
         if not _blank(power):
@@ -738,6 +806,11 @@ def content_digest(content, config, minion=None, shared=()):
     h.update(content)
     h.update(b"\0")
     relevant = {k: config.get(k) for k in ("network", "boot", "prune", "dry_run", "bootstrap", "master", "so_compat")}
+    # Only when set, so that the digests of configs without them stay as they were (no rerun of
+    # every hypervisor after an upgrade).
+    for key in ("performance", "performance_roles"):
+        if config.get(key):
+            relevant[key] = config[key]
     relevant["minion"] = minion
     if shared:
         relevant["shared"] = sorted(shared)

@@ -243,7 +243,10 @@ def apply(spec, replace=False, restart=True, timeout_s=30):
     most 3600, then started with the new spec) unless ``restart=False``, which only records the
     change for its next start (the VM view shows ``pending_restart: true``). Only a change of
     ``boot.image`` needs ``replace=True``, which recreates the VM with a new disk (**the old disk
-    overlay is deleted**); without it vmhostd refuses with 2002. Returns ``{changed, vm}``.
+    overlay is deleted**); without it vmhostd refuses with 2002. The placement members
+    (``cpu_policy``, ``numa``, ``hugepages``, ``emulator_cpu``, a NIC's ``queues``) are spec
+    members like the others, sent as given and checked by vmhostd (3001 when the host cannot
+    give them at all, 3002 when too little is free now). Returns ``{changed, vm}``.
 
     CLI Example: ``salt '*' vmhost.apply '{"name": "web", "cpu": 1, ...}' timeout_s=60``
     """

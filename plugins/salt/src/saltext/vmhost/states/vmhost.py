@@ -332,9 +332,13 @@ def running(name, spec=None, replace=False, restart=True, timeout_s=30, **kwargs
     spec
         optional dict with spec members (e.g. from pillar); the state's other arguments are
         spec members too (``cpu``, ``memory_mib``, ``boot``, ``nics``, ``disks``, ``hardware``,
-        ``pci``, ``role``, ``guest_interfaces``, ``ssh``, ``guest_exec``) and override it. A
-        change of ``guest_interfaces`` or ``ssh`` alone is applied live (no restart);
-        ``guest_exec`` is changed in place without a restart.
+        ``pci``, ``role``, ``guest_interfaces``, ``ssh``, ``guest_exec``, ``cpu_policy``,
+        ``numa``, ``hugepages``, ``emulator_cpu``; a NIC may carry ``queues``) and override it.
+        A change of ``guest_interfaces`` or ``ssh`` alone is applied live (no restart);
+        ``guest_exec`` is changed in place without a restart; ``cpu_policy``, ``numa``,
+        ``hugepages``, ``emulator_cpu`` and ``queues`` need a restart (see ``restart``). They
+        are passed through as given: vmhostd checks them (a ``numa`` node is a number, ``numa:
+        1``, not ``"1"``) and places the VM when it starts (3001/3002 when the host cannot).
     replace
         only for a change of ``boot.image``, which needs a new disk: True recreates the VM
         (vmhostd deletes its old disk overlay); False (default) fails with vmhostd's 2002. Every
