@@ -15,7 +15,7 @@ pub mod allocate;
 pub mod cpuset;
 pub mod topology;
 
-pub use allocate::{place, shared_pool};
+pub use allocate::{place, shared_cpus, shared_pool};
 pub use cpuset::CpuSet;
 
 use crate::api::{CpuPolicy, HugePageSize, NumaPolicy};
