@@ -81,6 +81,10 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         user_data,
         ssh: _,
         guest_exec,
+        cpu_policy,
+        numa,
+        hugepages,
+        emulator_cpu,
     } = a;
     *name == b.name
         && *role == b.role
@@ -94,6 +98,10 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         && *restart_policy == b.restart_policy
         && *user_data == b.user_data
         && *guest_exec == b.guest_exec
+        && *cpu_policy == b.cpu_policy
+        && *numa == b.numa
+        && *hugepages == b.hugepages
+        && *emulator_cpu == b.emulator_cpu
 }
 
 /// What turning a VM's `current` spec into `desired` takes.

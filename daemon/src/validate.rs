@@ -586,6 +586,10 @@ reserved_memory_gib = 4
             user_data: None,
             ssh: None,
             guest_exec: true,
+            cpu_policy: Default::default(),
+            numa: None,
+            hugepages: None,
+            emulator_cpu: false,
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),
