@@ -145,6 +145,48 @@ fn dedicated_vcpus_get_their_cpu_and_keep_it_across_restarts() {
     }
 }
 
+/// Every thread of `pid` on `cpus`; panics naming them as last seen.
+fn wait_all_on(pid: i32, cpus: &str) {
+    let r = wait::poll(BOUND, || {
+        let t = threads(pid);
+        if !t.is_empty() && t.values().all(|(_, l)| l == cpus) {
+            Ok(())
+        } else {
+            Err(format!("{t:?}"))
+        }
+    });
+    if let Err(e) = r {
+        panic!("QEMU {pid}: not every thread on {cpus}: {e}");
+    }
+}
+
+/// With no housekeeping CPU (`vm_cpus` = every CPU), a running shared VM floats over the shared
+/// pool, and is moved as dedicated VMs take CPUs from it and give them back.
+#[test]
+fn shared_vms_follow_the_shared_pool() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let host = host("vm_cpus = \"0-1\"");
+    host.call("vm.create", json!({ "spec": spec(&host, "sh", "shared") }));
+    let shared = pid_of(&host, "sh");
+    wait_all_on(shared, "0-1");
+    assert_eq!(view(&host, "sh")["placement"]["cpus"], "0-1");
+    // A dedicated VM takes CPU 0: the shared VM moves to CPU 1, record and threads.
+    let r = host.call("vm.create", json!({ "spec": spec(&host, "ded", "dedicated") }));
+    assert_eq!(r["vm"]["placement"]["vcpus"], json!([0]), "{r}");
+    wait_all_on(shared, "1");
+    assert_eq!(view(&host, "sh")["placement"]["cpus"], "1");
+    let vcpu_ok = threads(pid_of(&host, "ded")).values().filter(|(n, _)| n.starts_with("CPU ")).all(|(_, l)| l == "0");
+    assert!(vcpu_ok, "the dedicated vCPU on CPU 0");
+    // The last shared CPU is not given to a dedicated VM while a shared VM runs.
+    let (code, e) = host.call_err("vm.create", json!({ "spec": spec(&host, "ded2", "dedicated") }));
+    assert_eq!((code, e.details["resource"].clone()), (3002, json!("shared_cpus")), "{e:?}");
+    // Destroyed, its CPU goes back to the pool, and the shared VM with it.
+    host.call("vm.destroy", json!({ "name": "ded" }));
+    wait_all_on(shared, "0-1");
+    assert_eq!(view(&host, "sh")["placement"]["cpus"], "0-1");
+    host.call("vm.destroy", json!({ "name": "sh" }));
+}
+
 /// The 2 MiB pool's `(total, free)` pages, system-wide.
 fn hugepages() -> (u64, u64) {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
