@@ -54,9 +54,10 @@ done
 
 # The guest's module list plus fw_cfg (the scenario channel) and vmxnet3 (the one
 # emulated NIC besides virtio-net that this kernel drives: a passthrough candidate
-# with a host driver to give back to; it has no e1000/e1000e/igb).
+# with a host driver to give back to; it has no e1000/e1000e/igb) and vhost_net (with vhost
+# and tap: /dev/vhost-net for the nested VMs' NICs, docs/networking.md).
 LAB_MODULES="virtio_pci virtio_console virtio_net virtio_blk 8021q bridge tun dummy
-vfio_pci vfio_iommu_type1 button evdev qemu_fw_cfg vmxnet3 $LAB_EXTRA_MODULES"
+vfio_pci vfio_iommu_type1 button evdev qemu_fw_cfg vmxnet3 vhost_net $LAB_EXTRA_MODULES"
 
 exec 9>"$OUTDIR/.lock"
 flock 9
