@@ -151,13 +151,19 @@ impl HeldVm {
     }
 
     /// Pins each vCPU thread of a dedicated VM's fresh QEMU `pid` to its CPU, as `query-cpus-fast`
-    /// names them (every other thread is on the emulator CPUs since the spawn).
+    /// names them (every other thread is on the emulator CPUs since the spawn); a shared VM's
+    /// every thread onto its pool as the record says now (the pool may have changed between the
+    /// start's write and the spawn, [`repin_shared`]).
     ///
     /// # Errors
     /// 4001 step `placement` when QMP does not answer or a thread cannot be pinned.
     pub(super) async fn pin_vcpus(&self, pid: i32, qmp: &mut Qmp) -> Result<(), ApiError> {
         let Some(placement) = self.record()?.placement else { return Ok(()) };
         if placement.policy != CpuPolicy::Dedicated {
+            // A shared VM: onto its pool as recorded now (it may have moved since the spawn).
+            if !placement.cpus.is_empty() {
+                crate::blocking::run(|| pin::pin_process(pid, &placement.cpus))?;
+            }
             return Ok(());
         }
         let timeout = qmp.timeout();
@@ -222,19 +228,20 @@ impl HeldVm {
 /// Failures are logged: the VM runs on, on its old CPUs.
 pub(super) fn repin_shared(mgr: &Manager) {
     let Some(vm_cpus) = mgr.config.hardware.vm_cpus.as_ref() else { return };
-    let moves: Vec<(String, i32, CpuSet, CpuSet)> = {
+    // Every shared holder: a running one is moved; one still starting (no process yet) only
+    // has its record changed, and its launch pins it there ([`HeldVm::pin_vcpus`]).
+    let moves: Vec<(String, Option<i32>, CpuSet, CpuSet)> = {
         let t = mgr.lock();
         let held = holdings(t.vms.values(), "");
         let Some(pool) = allocate::shared_pool(Some(vm_cpus), &held) else { return };
         t.vms
             .values()
-            .filter(|r| matches!(r.status, VmStatus::Running | VmStatus::Stopping))
             .filter_map(|r| {
                 let p = r.placement.as_ref()?;
-                let pid = r.process.as_ref()?.pid;
                 if p.policy != CpuPolicy::Shared || p.cpus.is_empty() {
                     return None;
                 }
+                let pid = r.process.as_ref().map(|id| id.pid);
                 Some((r.spec.name.clone(), pid, p.cpus.clone(), pool.clone()))
             })
             .collect()
@@ -256,7 +263,11 @@ pub(super) fn repin_shared(mgr: &Manager) {
         if target == old || target.is_empty() {
             continue;
         }
-        match crate::blocking::run(|| pin::pin_process(pid, &target)) {
+        let pinned = match pid {
+            Some(pid) => crate::blocking::run(|| pin::pin_process(pid, &target)),
+            None => Ok(()),
+        };
+        match pinned {
             Ok(()) => {
                 tracing::info!(vm = %name, from = %old, to = %target, "shared VM moved to the new shared pool");
                 let _ = mgr.update(&name, "shared pool changed", |r| {
