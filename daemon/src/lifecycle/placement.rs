@@ -248,17 +248,11 @@ pub(super) fn repin_shared(mgr: &Manager) {
     };
     let topo = (!moves.is_empty()).then(|| mgr.topology.now());
     for (name, pid, old, pool) in moves {
-        let nodes = mgr.record(&name).ok().and_then(|r| r.placement).map(|p| p.nodes).unwrap_or_default();
-        let target = match (&topo, nodes.is_empty()) {
-            (Some(topo), false) => {
-                let on_nodes = topo
-                    .nodes
-                    .iter()
-                    .filter(|n| nodes.contains(&n.id))
-                    .fold(CpuSet::from_cpus([]), |acc, n| acc.union(&n.cpus));
-                pool.intersection(&on_nodes)
-            }
-            _ => pool,
+        let Some(placement) = mgr.record(&name).ok().and_then(|r| r.placement) else { continue };
+        // On its nodes when it is bound to nodes (rule 6).
+        let target = match &topo {
+            Some(topo) => allocate::shared_cpus(topo, &pool, &placement),
+            None => pool,
         };
         if target == old || target.is_empty() {
             continue;
