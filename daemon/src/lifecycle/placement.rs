@@ -137,7 +137,15 @@ impl HeldVm {
             rec.placement = match &topo {
                 Some(topo) => {
                     let held = holdings(t.vms.values(), name);
-                    allocate::place(topo, mgr.config.hardware.vm_cpus.as_ref(), &held, &req)?
+                    let vm_cpus = mgr.config.hardware.vm_cpus.as_ref();
+                    let mut placed = allocate::place(topo, vm_cpus, &held, &req)?;
+                    if let Some(p) = placed.as_mut().filter(|p| p.is_dedicated() && p.emulator.is_empty()) {
+                        // No housekeeping CPU: QEMU's other threads float with the shared pool
+                        // as it is with this VM's CPUs taken out ([`repin_shared`] moves them).
+                        let pool = allocate::shared_pool(vm_cpus, &held).unwrap_or_default();
+                        p.emulator = pool.difference(&p.cpus);
+                    }
+                    placed
                 }
                 None => None,
             };
@@ -246,6 +254,7 @@ pub(super) fn repin_shared(mgr: &Manager) {
             })
             .collect()
     };
+    repin_floating_emulators(mgr, vm_cpus);
     let topo = (!moves.is_empty()).then(|| mgr.topology.now());
     for (name, pid, old, pool) in moves {
         let Some(placement) = mgr.record(&name).ok().and_then(|r| r.placement) else { continue };
@@ -275,6 +284,46 @@ pub(super) fn repin_shared(mgr: &Manager) {
             }
             Err(e) => tracing::warn!(vm = %name, error = %e, "cannot move a shared VM to the new shared pool"),
         }
+    }
+}
+
+/// A dedicated VM placed without a housekeeping CPU (and without `emulator_cpu`) runs QEMU's
+/// other threads on the shared pool of its start ([`HeldVm::mark_start`]): its emulator set is
+/// inside `vm_cpus` and apart from its own CPUs. Those follow the pool like a shared VM's; an
+/// empty pool leaves them where they are.
+fn repin_floating_emulators(mgr: &Manager, vm_cpus: &CpuSet) {
+    let moves: Vec<(String, Option<i32>, Placement, CpuSet)> = {
+        let t = mgr.lock();
+        let held = holdings(t.vms.values(), "");
+        let Some(pool) = allocate::shared_pool(Some(vm_cpus), &held) else { return };
+        t.vms
+            .values()
+            .filter_map(|r| {
+                let p = r.placement.as_ref()?;
+                let floating = p.is_dedicated()
+                    && !p.emulator.is_empty()
+                    && p.emulator.intersection(&p.cpus).is_empty()
+                    && p.emulator.difference(vm_cpus).is_empty();
+                (floating && !pool.is_empty() && p.emulator != pool)
+                    .then(|| (r.spec.name.clone(), r.process.as_ref().map(|id| id.pid), p.clone(), pool.clone()))
+            })
+            .collect()
+    };
+    for (name, pid, mut placement, pool) in moves {
+        placement.emulator = pool.clone();
+        if let Some(pid) = pid {
+            let moved = crate::blocking::run(|| plan_threads(pid, &placement, &[]).and_then(|p| pin::pin_threads(&p)));
+            if let Err(e) = moved {
+                tracing::warn!(vm = %name, error = %e, "cannot move a dedicated VM's emulator threads to the new shared pool");
+                continue;
+            }
+        }
+        tracing::info!(vm = %name, emulator = %pool, "dedicated VM's emulator threads follow the shared pool");
+        let _ = mgr.update(&name, "shared pool changed", |r| {
+            if let Some(p) = r.placement.as_mut() {
+                p.emulator = pool.clone();
+            }
+        });
     }
 }
 
