@@ -207,3 +207,69 @@ fn vfio_crash_between_devices_in_the_lab() {
         assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);
     }
 }
+
+/// The NUMA lab: 4 vCPUs in two NUMA nodes (node 0: CPUs 0-1, node 1: CPUs 2-3; 1536 MiB of RAM
+/// each), the VFIO lab's IOMMU, and a vmxnet3 behind a PCIe expander bus on node 1 (`pxb-pcie`,
+/// `numa_node=1`, and a root port), so the lab kernel sees a passthrough NIC on node 1 as on a
+/// two-socket host; vhost_net is loaded. Lab memory is the sum of the two nodes' backends (QEMU
+/// refuses any other `-m`).
+fn numa_lab() -> LabOptions {
+    let args = [
+        "-M",
+        "kernel-irqchip=split",
+        "-object",
+        "memory-backend-ram,id=m0,size=1536M",
+        "-object",
+        "memory-backend-ram,id=m1,size=1536M",
+        "-numa",
+        "node,nodeid=0,cpus=0-1,memdev=m0",
+        "-numa",
+        "node,nodeid=1,cpus=2-3,memdev=m1",
+        "-device",
+        "intel-iommu,intremap=on,caching-mode=on",
+        "-device",
+        "pxb-pcie,id=pxb1,bus_nr=0x80,numa_node=1,bus=pcie.0",
+        "-device",
+        "pcie-root-port,id=rp1,bus=pxb1,chassis=1,slot=1",
+        "-device",
+        "vmxnet3,bus=rp1",
+    ];
+    LabOptions {
+        memory_mib: 3072,
+        cpus: 4,
+        timeout: Duration::from_secs(40 * 60),
+        extra_qemu_args: args.iter().map(|s| s.to_string()).collect(),
+        extra_cmdline: "intel_iommu=on lab.modules=vhost_net".into(),
+        ..LabOptions::default()
+    }
+}
+
+/// NUMA placement on a two-node host (the NUMA lab above): the lab shows two nodes with their
+/// CPUs, the vmxnet3 on node 1 in an IOMMU group of its own and on its driver, 2 MiB hugepages
+/// reserved on each node (sysfs and the node's meminfo agree) and /dev/vhost-net.
+#[test]
+fn numa_placement_in_the_lab() {
+    let out = run_lab(include_str!("../lab/scenarios/numa.sh"), &numa_lab());
+    eprintln!("lab numa: {} after {:.1?} (boot {:.1?})", out.result, out.elapsed, out.boot_time.unwrap_or_default());
+    // The facts (sysfs paths and values) and timings for docs/performance-tuning.md, with the
+    // verbose checks' output.
+    for line in out.log.lines().filter(|l| l.contains("TIMING") || l.contains("FACT") || l.starts_with("  | ")) {
+        eprintln!("  {line}");
+    }
+    assert!(out.passed, "lab scenario failed: {}\n----- lab console -----\n{}", out.result, out.log);
+    let checks = out.checks();
+    for name in [
+        "two-nodes",
+        "node0-cpus",
+        "node1-cpus",
+        "nic-found",
+        "nic-on-node1",
+        "nic-iommu-group",
+        "nic-on-vmxnet3",
+        "hugepages-node0",
+        "hugepages-node1",
+        "vhost-net-dev",
+    ] {
+        assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);
+    }
+}
