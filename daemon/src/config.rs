@@ -6,7 +6,7 @@
 //! would let the daemon hand out hardware it does not have.
 
 use crate::api::HardwareClass;
-use crate::hardware::{HardwareModel, PciAddress};
+use crate::hardware::{DeviceIdentity, HardwareModel, PciAddress};
 use crate::ipv4::Ipv4Cidr;
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
@@ -435,12 +435,14 @@ struct RawHardware {
     reserved_cpu: u32,
     #[serde(default)]
     reserved_memory_gib: u64,
+    // An address string or a table pinning the device's identity: read by `model_entry`, which
+    // names the inner key of a bad table (serde's untagged enums only say "no variant matched").
     #[serde(default)]
-    disk: BTreeMap<String, String>,
+    disk: BTreeMap<String, toml::Value>,
     #[serde(default)]
-    copper: BTreeMap<String, String>,
+    copper: BTreeMap<String, toml::Value>,
     #[serde(default)]
-    sfp: BTreeMap<String, String>,
+    sfp: BTreeMap<String, toml::Value>,
     #[serde(default)]
     allow_raw_pci: bool,
 }
@@ -765,17 +767,17 @@ impl Config {
         for (class, table) in
             [(HardwareClass::Disk, &h.disk), (HardwareClass::Copper, &h.copper), (HardwareClass::Sfp, &h.sfp)]
         {
-            for (index_text, addr_text) in table {
+            for (index_text, value) in table {
                 let key = format!("hardware.{class}.{index_text}");
                 let index: u32 =
                     index_text.parse().ok().filter(|i: &u32| i.to_string() == *index_text).ok_or_else(|| {
                         key_err(&key, format!("index {index_text:?} is not a plain non-negative integer"))
                     })?;
-                let addr = PciAddress::parse(addr_text).map_err(|p| key_err(&key, p))?;
+                let (addr, identity) = model_entry(value).map_err(|(sub, p)| key_err(&format!("{key}{sub}"), p))?;
                 if let Some(other) = seen.insert(addr, key.clone()) {
                     return Err(key_err(&key, format!("PCI address {addr} is already used by {other}")));
                 }
-                items.push((class, index, addr));
+                items.push((class, index, addr, identity));
             }
         }
 
@@ -881,11 +883,49 @@ impl Config {
                 memory_mib,
                 reserved_cpu: h.reserved_cpu,
                 reserved_memory_mib: h.reserved_memory_gib * 1024,
-                model: HardwareModel::new(items),
+                model: HardwareModel::with_identities(items),
                 allow_raw_pci: h.allow_raw_pci,
             },
         })
     }
+}
+
+/// One `[hardware.CLASS]` value: an address string, or a table `{ pci, id, subsystem, mac }`
+/// pinning what the device at the address must be. An error is the key below the entry it is
+/// about (`.id`, or empty for the entry itself) and the problem.
+fn model_entry(value: &toml::Value) -> Result<(PciAddress, Option<DeviceIdentity>), (String, String)> {
+    let table = match value {
+        toml::Value::String(text) => return Ok((PciAddress::parse(text).map_err(|p| (String::new(), p))?, None)),
+        toml::Value::Table(table) => table,
+        other => {
+            return Err((
+                String::new(),
+                format!(
+                    "invalid type: {}, expected a PCI address string or a table {{ pci, id, subsystem, mac }}",
+                    other.type_str()
+                ),
+            ))
+        }
+    };
+    if let Some(unknown) = table.keys().find(|k| !["pci", "id", "subsystem", "mac"].contains(&k.as_str())) {
+        return Err((format!(".{unknown}"), format!("unknown key {unknown:?}, expected pci, id, subsystem or mac")));
+    }
+    let text = |name: &str| -> Result<Option<&str>, (String, String)> {
+        match table.get(name) {
+            None => Ok(None),
+            Some(toml::Value::String(t)) => Ok(Some(t.as_str())),
+            Some(other) => Err((format!(".{name}"), format!("invalid type: {}, expected a string", other.type_str()))),
+        }
+    };
+    let field = |name: &'static str| move |p: String| (format!(".{name}"), p);
+    let addr_text =
+        text("pci")?.ok_or_else(|| (String::new(), "the table form needs pci (the address)".to_string()))?;
+    let addr = PciAddress::parse(addr_text).map_err(field("pci"))?;
+    let id_text = text("id")?.ok_or_else(|| (String::new(), "the table form needs id (\"vvvv:dddd\")".to_string()))?;
+    let (vendor, device) = DeviceIdentity::parse_ids(id_text).map_err(field("id"))?;
+    let subsystem = text("subsystem")?.map(DeviceIdentity::parse_ids).transpose().map_err(field("subsystem"))?;
+    let mac = text("mac")?.map(DeviceIdentity::parse_mac).transpose().map_err(field("mac"))?;
+    Ok((addr, Some(DeviceIdentity { vendor, device, subsystem, mac })))
 }
 
 fn parse_mode(text: &str) -> Result<u32, String> {
@@ -957,6 +997,11 @@ reserved_memory_gib = 8
             format!("[agent]\nmax_file_mib = 0\n{hw}"),
             format!("{hw}[hardware.sfp]\nfive = \"0000:ca:00.0\"\n"),
             format!("{hw}[hardware.sfp]\n5 = \"ca:00\"\n"),
+            format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\" }}\n"),
+            format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\", id = \"8086\" }}\n"),
+            format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\", id = \"8086:1572\", mac = \"3c:fd:fe:aa:bb\" }}\n"),
+            format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\", id = \"8086:1572\", serial = \"x\" }}\n"),
+            format!("{hw}[hardware.sfp]\n5 = 7\n"),
             format!("{hw}[networks.lan]\nsubnet = \"10.0.0.0/24\"\n"),
             format!("{hw}[networks.LAN]\nbridge = \"br0\"\n"),
         ];
@@ -1079,6 +1124,58 @@ reserved_memory_gib = 8
             let text = text.replace("{long}", &"s".repeat(110));
             let (key, problem) = key_error(&text);
             assert_eq!(&key, want_key, "{text}");
+            assert!(problem.contains(want_problem), "{text}: {problem}");
+        }
+    }
+
+    #[test]
+    fn model_entries_may_pin_the_device_identity() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(&format!(
+            "{hw}[hardware.sfp]\n5 = {{ pci = \"0000:07:00.0\", id = \"8086:1572\", subsystem = \"8086:0007\", \
+             mac = \"3C:FD:FE:aa:bb:cc\" }}\n6 = {{ pci = \"08:00.0\", id = \"15AD:07b0\" }}\n7 = \"0000:09:00.0\"\n"
+        ))
+        .unwrap();
+        let m = &c.hardware.model;
+        assert_eq!(m.get(HardwareClass::Sfp, 5).unwrap().to_string(), "0000:07:00.0");
+        assert_eq!(
+            m.identity(HardwareClass::Sfp, 5),
+            Some(DeviceIdentity {
+                vendor: 0x8086,
+                device: 0x1572,
+                subsystem: Some((0x8086, 7)),
+                mac: Some([0x3c, 0xfd, 0xfe, 0xaa, 0xbb, 0xcc]),
+            })
+        );
+        assert_eq!(
+            m.identity(HardwareClass::Sfp, 6),
+            Some(DeviceIdentity { vendor: 0x15ad, device: 0x07b0, subsystem: None, mac: None })
+        );
+        assert_eq!(m.get(HardwareClass::Sfp, 6).unwrap().to_string(), "0000:08:00.0");
+        assert_eq!(m.identity(HardwareClass::Sfp, 7), None);
+        assert_eq!(m.len(), 3);
+
+        let sfp = |entry: &str| format!("{hw}[hardware.sfp]\n5 = {entry}\n");
+        let cases = [
+            (sfp("{ pci = \"0000:07:00.0\", id = \"8086\" }"), "hardware.sfp.5.id", "vvvv:dddd"),
+            (sfp("{ pci = \"0000:07:00.0\", id = \"8086:zzzz\" }"), "hardware.sfp.5.id", "PCI id pair"),
+            (sfp("{ pci = \"0000:07:00.0\" }"), "hardware.sfp.5", "needs id"),
+            (sfp("{ id = \"8086:1572\" }"), "hardware.sfp.5", "needs pci"),
+            (sfp("{ pci = \"07:00\", id = \"8086:1572\" }"), "hardware.sfp.5.pci", "PCI address"),
+            (sfp("{ pci = \"0000:07:00.0\", id = \"8086:1572\", subsystem = \"8086\" }"), "hardware.sfp.5.subsystem", "vvvv:dddd"),
+            (sfp("{ pci = \"0000:07:00.0\", id = \"8086:1572\", mac = \"3c:fd:fe:aa:bb\" }"), "hardware.sfp.5.mac", "MAC"),
+            (sfp("{ pci = \"0000:07:00.0\", id = \"8086:1572\", serial = \"x\" }"), "hardware.sfp.5.serial", "unknown key"),
+            (sfp("{ pci = \"0000:07:00.0\", id = 8086 }"), "hardware.sfp.5.id", "integer"),
+            (sfp("7"), "hardware.sfp.5", "PCI address string or a table"),
+            (
+                format!("{hw}[hardware.sfp]\n5 = {{ pci = \"07:00.0\", id = \"8086:1572\" }}\n[hardware.copper]\n1 = \"0000:07:00.0\"\n"),
+                "hardware.sfp.5",
+                "already used by hardware.copper.1",
+            ),
+        ];
+        for (text, want_key, want_problem) in cases {
+            let (key, problem) = key_error(&text);
+            assert_eq!(key, want_key, "{text}");
             assert!(problem.contains(want_problem), "{text}: {problem}");
         }
     }

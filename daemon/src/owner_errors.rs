@@ -33,6 +33,7 @@ use crate::lifecycle::errors::{DiskStepError, FileError, IntentRefused, LaunchFi
 use crate::net::host::AttachError;
 use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
+use crate::pci::identity::{FoundMac, IdentityError, PinnedMismatch};
 use crate::pci::PassthroughError;
 use crate::qemu::integrity::PinError;
 use crate::seed::SeedError;
@@ -149,6 +150,40 @@ impl From<CheckError> for ApiError {
             }
         };
         api(code, &e, e.field()).details(details)
+    }
+}
+
+/// One mismatch as `details`: `{class, index, pci, expected: {id, subsystem, mac}, found: {id,
+/// subsystem, mac, mac_problem}}`; `found.mac` is `"unknown"` (with `mac_problem`) when the pin has
+/// a MAC that could not be read, `null` when the pin has none.
+fn mismatch_details(m: &PinnedMismatch) -> Value {
+    let e = &m.mismatch.expected;
+    let f = &m.mismatch.found;
+    let (mac, problem) = match &f.mac {
+        FoundMac::NotRead => (Value::Null, Value::Null),
+        FoundMac::Address(a) => (json!(crate::hardware::mac_text(a)), Value::Null),
+        FoundMac::Unknown(why) => (json!("unknown"), json!(why)),
+    };
+    json!({
+        "class": m.class,
+        "index": m.index,
+        "pci": m.address.to_string(),
+        "field": m.field,
+        "expected": {"id": e.id_text(), "subsystem": e.subsystem_text(), "mac": e.mac_text()},
+        "found": {"id": f.id_text(), "subsystem": f.subsystem_text(), "mac": mac, "mac_problem": problem},
+    })
+}
+
+impl From<IdentityError> for ApiError {
+    /// 3006 on the first mismatching request's field; `details` is the first mismatch
+    /// ([`mismatch_details`]) plus `mismatches`, every one of them.
+    fn from(e: IdentityError) -> ApiError {
+        let IdentityError::Mismatch(list) = &e;
+        let mut details = list.first().map(mismatch_details).unwrap_or(Value::Null);
+        if let Value::Object(map) = &mut details {
+            map.insert("mismatches".into(), Value::Array(list.iter().map(mismatch_details).collect()));
+        }
+        api(Code::DeviceMismatch, &e, list.first().map(|m| m.field.as_str())).details(details)
     }
 }
 
@@ -612,6 +647,31 @@ mod tests {
                 }]),
                 Code::GroupNotViable,
                 Some("spec.pci[0]"),
+            ),
+            case(
+                "pci: not the pinned device",
+                IdentityError::Mismatch(vec![PinnedMismatch {
+                    class: crate::api::HardwareClass::Sfp,
+                    index: 5,
+                    address: a,
+                    field: "spec.hardware.sfp[0]".into(),
+                    mismatch: crate::pci::identity::Mismatch {
+                        expected: crate::hardware::DeviceIdentity {
+                            vendor: 0x8086,
+                            device: 0x1572,
+                            subsystem: None,
+                            mac: None,
+                        },
+                        found: crate::pci::identity::Found {
+                            vendor: 0x8086,
+                            device: 0x10d3,
+                            subsystem: None,
+                            mac: FoundMac::NotRead,
+                        },
+                    },
+                }]),
+                Code::DeviceMismatch,
+                Some("spec.hardware.sfp[0]"),
             ),
             case("pci: vfio-pci missing", &BindError::NoVfioPci, Code::ProvisioningFailed, None),
             case(

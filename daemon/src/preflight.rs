@@ -136,6 +136,52 @@ fn hardware(config: &Config) -> CheckItem {
     }
 }
 
+/// `hardware_identity`: every model entry that pins an identity is the device at its address
+/// (`judged` by `lifecycle::vfio::judge_model`). `ok` when each matches (or nothing is pinned),
+/// `error` listing each mismatch, `missing` when the only trouble is an absent device.
+pub fn hardware_identity(
+    judged: Result<Vec<(crate::pci::identity::PinnedDevice, crate::pci::identity::Judged)>, String>,
+) -> CheckItem {
+    use crate::pci::identity::Judged;
+    const NAME: &str = "hardware_identity";
+    let judged = match judged {
+        Ok(j) => j,
+        Err(e) => return item(NAME, CheckStatus::Error, format!("cannot read the pinned devices: {e}")),
+    };
+    if judged.is_empty() {
+        return item(NAME, CheckStatus::Ok, "no device identity pinned (skipped)");
+    }
+    let mut mismatches = Vec::new();
+    let mut absent = Vec::new();
+    let mut held = Vec::new();
+    for (p, j) in &judged {
+        match j {
+            Judged::Matches => {
+                if let (Some(vm), Some(_)) = (&p.held_by, p.identity.mac) {
+                    held.push(format!("{} {} (MAC not readable while on vfio-pci for {vm})", p.class, p.index));
+                }
+            }
+            Judged::Absent => absent.push(format!("{} {} ({})", p.class, p.index, p.address)),
+            Judged::Mismatch(m) => mismatches.push(m.to_string()),
+        }
+    }
+    if !mismatches.is_empty() {
+        let mut detail = mismatches.join("; ");
+        if !absent.is_empty() {
+            detail.push_str(&format!("; not present: {}", absent.join(", ")));
+        }
+        return item(NAME, CheckStatus::Error, detail);
+    }
+    if !absent.is_empty() {
+        return item(NAME, CheckStatus::Missing, format!("not present: {}", absent.join(", ")));
+    }
+    let mut detail = format!("all {} pinned devices match", judged.len());
+    if !held.is_empty() {
+        detail.push_str(&format!("; ids only for {}", held.join(", ")));
+    }
+    item(NAME, CheckStatus::Ok, detail)
+}
+
 /// IOMMU, vfio-pci (loaded if needed) and /dev/vfio/vfio: only required when passthrough is
 /// configured (a model with devices, or raw PCI allowed).
 async fn vfio(config: &Config) -> Vec<CheckItem> {
@@ -228,7 +274,8 @@ fn networks(states: &[NetworkState]) -> Vec<CheckItem> {
 }
 
 /// Runs every preflight check; `networks` is what the network owner found at its last check,
-/// `uefi_vms` the VMs whose spec asks for UEFI firmware.
+/// `uefi_vms` the VMs whose spec asks for UEFI firmware, `identity` the [`hardware_identity`]
+/// item.
 pub async fn check(
     config: &Config,
     broken: &[BrokenRecord],
@@ -236,6 +283,7 @@ pub async fn check(
     integrity: &crate::qemu::integrity::Integrity,
     images: CheckItem,
     uefi_vms: &[String],
+    identity: CheckItem,
 ) -> HostCheck {
     let mut items = vec![
         binary_version("qemu", &config.qemu.binary, integrity.verify_qemu()).await,
@@ -244,6 +292,7 @@ pub async fn check(
         writable_dir("run_dir", &config.paths.run),
         readable_dir("image_dir", &config.paths.images),
         hardware(config),
+        identity,
         records(broken),
     ];
     items.extend(integrity.items(config));
@@ -265,6 +314,68 @@ mod tests {
         item("images", CheckStatus::Ok, "0 recorded images match their sha256")
     }
 
+    fn identity_item() -> CheckItem {
+        hardware_identity(Ok(Vec::new()))
+    }
+
+    #[test]
+    fn hardware_identity_lists_each_mismatch() {
+        use crate::api::HardwareClass;
+        use crate::hardware::{DeviceIdentity, PciAddress};
+        use crate::pci::identity::{Found, FoundMac, Judged, Mismatch, PinnedDevice, PinnedMismatch};
+        let id = DeviceIdentity { vendor: 0x15ad, device: 0x07b0, subsystem: None, mac: Some([2, 0, 0, 0, 0, 1]) };
+        let dev = |index: u32, addr: &str, held_by: Option<&str>| PinnedDevice {
+            class: HardwareClass::Copper,
+            index,
+            address: PciAddress::parse(addr).unwrap(),
+            identity: id,
+            field: format!("hardware.copper.{index}"),
+            held_by: held_by.map(str::to_string),
+        };
+        let it = identity_item();
+        assert_eq!((it.name.as_str(), it.status), ("hardware_identity", CheckStatus::Ok));
+        assert!(it.detail.contains("skipped"), "{}", it.detail);
+
+        let ok = vec![
+            (dev(1, "0000:00:05.0", None), Judged::Matches),
+            (dev(2, "0000:00:06.0", Some("p1")), Judged::Matches),
+        ];
+        let it = hardware_identity(Ok(ok.clone()));
+        assert_eq!(it.status, CheckStatus::Ok);
+        assert!(
+            it.detail.contains("all 2 pinned devices match") && it.detail.contains("on vfio-pci for p1"),
+            "{}",
+            it.detail
+        );
+
+        let mismatch = |index: u32, addr: &str| {
+            let p = dev(index, addr, None);
+            let found =
+                Found { vendor: 0x8086, device: 0x10d3, subsystem: None, mac: FoundMac::Address([2, 0, 0, 0, 0, 9]) };
+            let m = PinnedMismatch {
+                class: p.class,
+                index,
+                address: p.address,
+                field: p.field.clone(),
+                mismatch: Mismatch { expected: id, found },
+            };
+            (p, Judged::Mismatch(m))
+        };
+        let mut bad = ok;
+        bad.push(mismatch(3, "0000:00:07.0"));
+        bad.push(mismatch(4, "0000:00:08.0"));
+        bad.push((dev(5, "0000:00:09.0", None), Judged::Absent));
+        let it = hardware_identity(Ok(bad));
+        assert_eq!(it.status, CheckStatus::Error);
+        assert!(it.detail.contains("hardware copper 3 (0000:00:07.0) is 8086:10d3 (MAC 02:00:00:00:00:09), the model pins 15ad:07b0 (MAC 02:00:00:00:00:01)"), "{}", it.detail);
+        assert!(it.detail.contains("hardware copper 4 (0000:00:08.0)"), "{}", it.detail);
+        assert!(it.detail.ends_with("not present: copper 5 (0000:00:09.0)"), "{}", it.detail);
+
+        let it = hardware_identity(Ok(vec![(dev(5, "0000:00:09.0", None), Judged::Absent)]));
+        assert_eq!(it.status, CheckStatus::Missing);
+        assert_eq!(hardware_identity(Err("x".into())).status, CheckStatus::Error);
+    }
+
     #[tokio::test]
     async fn reports_missing_binaries_and_dirs() {
         let d = tempfile::tempdir().unwrap();
@@ -273,7 +384,8 @@ mod tests {
         c.paths.state = d.path().to_path_buf();
         c.paths.run = d.path().join("absent");
         c.paths.images = d.path().join("absent-images");
-        let r = check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item(), &[]).await;
+        let r =
+            check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], identity_item()).await;
         assert!(!r.ok);
         let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
         assert_eq!(status("qemu"), CheckStatus::Missing);
@@ -286,7 +398,9 @@ mod tests {
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "the probe file is removed");
         let broken = [BrokenRecord { path: "/x/a.json".into(), name: "a".into(), error: "bad".into() }];
         let nets = [NetworkState { name: "lan".into(), ready: false, detail: "bridge br0 does not exist".into() }];
-        let r = check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item(), &[]).await;
+        let r =
+            check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], identity_item())
+                .await;
         assert_eq!(r.items.iter().find(|i| i.name == "network.lan").unwrap().status, CheckStatus::Error);
         assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
     }

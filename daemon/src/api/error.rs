@@ -50,6 +50,10 @@ pub enum Code {
     /// A passthrough device is in use by the host itself (an addressed or routed network
     /// interface, a bridge or bond member, a mounted file system).
     InUseByHost,
+    /// A passthrough device is not the device its model entry pins (`[hardware.CLASS]` with
+    /// `id`, `subsystem`, `mac`): `details: {class, index, pci, expected, found}`. Nothing was
+    /// bound.
+    DeviceMismatch,
     /// QEMU or another host step failed.
     ProvisioningFailed,
     /// A binary vmhostd would run does not have the sha256 the config pins (`qemu.sha256`);
@@ -104,6 +108,7 @@ impl Code {
             Code::HardwareInUse => 3003,
             Code::GroupNotViable => 3004,
             Code::InUseByHost => 3005,
+            Code::DeviceMismatch => 3006,
             Code::ProvisioningFailed => 4001,
             Code::BinaryMismatch => 4002,
             Code::NotFound => 4040,
@@ -139,6 +144,7 @@ impl Code {
             Code::HardwareInUse => "hardware_in_use",
             Code::GroupNotViable => "group_not_viable",
             Code::InUseByHost => "in_use_by_host",
+            Code::DeviceMismatch => "device_mismatch",
             Code::ProvisioningFailed => "provisioning_failed",
             Code::BinaryMismatch => "binary_mismatch",
             Code::NotFound => "not_found",
@@ -161,7 +167,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 29] = [
+pub const ALL_CODES: [Code; 30] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -179,6 +185,7 @@ pub const ALL_CODES: [Code; 29] = [
     Code::HardwareInUse,
     Code::GroupNotViable,
     Code::InUseByHost,
+    Code::DeviceMismatch,
     Code::ProvisioningFailed,
     Code::BinaryMismatch,
     Code::NotFound,
@@ -300,6 +307,8 @@ mod tests {
         // The serde name is the kind.
         assert_eq!(serde_json::to_value(Code::GroupNotViable).unwrap(), "group_not_viable");
         assert_eq!(serde_json::to_value(Code::InUseByHost).unwrap(), "in_use_by_host");
+        assert_eq!((Code::DeviceMismatch.as_i32(), Code::DeviceMismatch.kind()), (3006, "device_mismatch"));
+        assert_eq!(serde_json::to_value(Code::DeviceMismatch).unwrap(), "device_mismatch");
     }
 
     #[test]

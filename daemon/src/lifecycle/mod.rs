@@ -54,7 +54,7 @@ pub(crate) mod snapshots;
 pub(crate) mod stats;
 mod teardown;
 mod undo;
-mod vfio;
+pub(crate) mod vfio;
 
 use crate::api::{ApiError, Code, HostInfo, LastError, VmSpec, VmStatus, VmView, API_VERSION};
 use crate::capacity::{self, Holding};

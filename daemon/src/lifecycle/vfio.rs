@@ -1,7 +1,8 @@
 //! Passthrough steps of the lifecycle: check, bind before QEMU, release after it.
 //!
 //! Order: [`check_passthrough`] before anything is recorded or touched (2001, 3003,
-//! 3004, 3005 refuse the request cleanly); [`VmOp::bind_passthrough`] right before QEMU, which
+//! 3004, 3005 refuse the request cleanly, then 3006 when a device is not the one its model entry
+//! pins: [`check_identity`]); [`VmOp::bind_passthrough`] right before QEMU, which
 //! records every affected function's original driver in the VM record *before* the first sysfs
 //! write; [`VmOp::hand_vfio_groups_to_qemu`] after it, which records each IOMMU group node's
 //! group and mode *before* the spawner gives the node to QEMU's group;
@@ -19,6 +20,7 @@ use crate::api::{ApiError, VmSpec};
 use crate::hardware::PciAddress;
 use crate::pci::bind::{self, Binding, BIND_TIMEOUT};
 use crate::pci::check::{self, Assignment, Requested};
+use crate::pci::identity::{self, IdentityError, Judged, PinnedDevice};
 use crate::pci::{PassthroughError, PassthroughStep};
 use crate::sandbox::spawn::{self, NodeAccess, VFIO_NODE_MODES};
 use crate::validate::requested_devices;
@@ -28,7 +30,8 @@ use std::collections::BTreeMap;
 ///
 /// # Errors
 /// 2001 (absent, a bridge), 3003 (bound for another VM), 3005 (used by the host), 3004
-/// (IOMMU group not viable, listing the blocking devices), 4001 when sysfs or netlink fail.
+/// (IOMMU group not viable, listing the blocking devices), 3006 (not the device the model
+/// pins), 4001 when sysfs or netlink fail.
 pub(super) async fn check_passthrough(mgr: &Manager, spec: &VmSpec) -> Result<Option<Assignment>, ApiError> {
     let wanted: Vec<Requested> = crate::validate::requested_devices_with_fields(spec, &mgr.config.hardware)
         .into_iter()
@@ -52,7 +55,113 @@ pub(super) async fn check_passthrough(mgr: &Manager, spec: &VmSpec) -> Result<Op
         .await
         .map_err(PassthroughError::task(PassthroughStep::Read))?
         .map_err(PassthroughError::pci(PassthroughStep::Read))?;
-    Ok(Some(check::check(&wanted, &devices, &usage, &held)?))
+    let assignment = check::check(&wanted, &devices, &usage, &held)?;
+    check_identity(mgr, spec, &wanted).await?;
+    Ok(Some(assignment))
+}
+
+/// Checks that every requested device whose model entry pins an identity is that device. Runs
+/// within [`check_passthrough`], so on every start before any bind (nothing is bound when it
+/// refuses). A device this VM's record already has on vfio-pci (a reconfigure of a running VM)
+/// is judged without its MAC, which it has no interface to show: it was judged before it was
+/// bound.
+///
+/// # Errors
+/// 3006 listing every mismatch; 4001 (step `vfio.identity`) when sysfs cannot be read.
+async fn check_identity(mgr: &Manager, spec: &VmSpec, wanted: &[Requested]) -> Result<(), ApiError> {
+    let model = &mgr.config.hardware.model;
+    if model.pinned().next().is_none() {
+        return Ok(());
+    }
+    let own: Vec<PciAddress> =
+        mgr.lock().vms.get(&spec.name).map(|r| r.vfio.iter().map(|b| b.address).collect()).unwrap_or_default();
+    let pinned: Vec<PinnedDevice> = wanted
+        .iter()
+        .filter_map(|r| {
+            let (class, index, _, identity) = model.pinned().find(|(_, _, a, _)| *a == r.address)?;
+            Some(PinnedDevice {
+                class,
+                index,
+                address: r.address,
+                identity,
+                field: r.field.clone(),
+                held_by: own.contains(&r.address).then(|| spec.name.clone()),
+            })
+        })
+        .collect();
+    let mismatches: Vec<_> = judge_devices(mgr, &pinned)
+        .await?
+        .into_iter()
+        .filter_map(|j| match j {
+            Judged::Mismatch(m) => Some(m),
+            Judged::Matches | Judged::Absent => None,
+        })
+        .collect();
+    if mismatches.is_empty() {
+        Ok(())
+    } else {
+        Err(IdentityError::Mismatch(mismatches).into())
+    }
+}
+
+/// Every pinned model entry judged against the device at its address, for `host.check`: a
+/// device a VM's record has on vfio-pci is judged without its MAC ([`PinnedDevice::held_by`]).
+///
+/// # Errors
+/// When sysfs cannot be read.
+pub(crate) async fn judge_model(mgr: &Manager) -> Result<Vec<(PinnedDevice, Judged)>, PassthroughError> {
+    let holders: BTreeMap<PciAddress, String> =
+        mgr.lock().vms.values().flat_map(|r| r.vfio.iter().map(move |b| (b.address, r.spec.name.clone()))).collect();
+    let pinned: Vec<PinnedDevice> = mgr
+        .config
+        .hardware
+        .model
+        .pinned()
+        .map(|(class, index, address, identity)| PinnedDevice {
+            class,
+            index,
+            address,
+            identity,
+            field: format!("hardware.{class}.{index}"),
+            held_by: holders.get(&address).cloned(),
+        })
+        .collect();
+    let judged = judge_devices(mgr, &pinned).await?;
+    Ok(pinned.into_iter().zip(judged).collect())
+}
+
+/// Reads `pinned`'s devices (sysfs, on the blocking pool) and judges each: the MAC is each
+/// network interface's permanent address as the net owner's netlink reports it
+/// (`IFLA_PERM_ADDRESS`), else sysfs's address when sysfs says it is the permanent one.
+async fn judge_devices(mgr: &Manager, pinned: &[PinnedDevice]) -> Result<Vec<Judged>, PassthroughError> {
+    let pci = mgr.pci.clone();
+    let addresses: Vec<PciAddress> = pinned.iter().map(|p| p.address).collect();
+    let readings = tokio::task::spawn_blocking(move || {
+        addresses.iter().map(|&a| identity::read(&pci, a)).collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(PassthroughError::task(PassthroughStep::Identity))?
+    .map_err(PassthroughError::pci(PassthroughStep::Identity))?;
+    let mut out = Vec::with_capacity(pinned.len());
+    for (p, reading) in pinned.iter().zip(&readings) {
+        let mut permanent = BTreeMap::new();
+        if let (Some(reading), true) = (reading, p.expected().mac.is_some()) {
+            for n in &reading.netdevs {
+                match mgr.net.netlink().permanent_address(&n.name).await {
+                    Ok(Some(mac)) => {
+                        permanent.insert(n.name.clone(), mac);
+                    }
+                    Ok(None) => {}
+                    // Not fatal: sysfs's permanent address still counts, and without one the
+                    // MAC is unknown, which refuses the device.
+                    Err(e) => tracing::warn!(device = %p.address, interface = %n.name, error = %e,
+                        "cannot read the permanent address over netlink"),
+                }
+            }
+        }
+        out.push(identity::judge_pinned(p, reading.as_ref(), &permanent));
+    }
+    Ok(out)
 }
 
 /// RLIMIT_MEMLOCK QEMU needs: VFIO pins all guest RAM (plus room for QEMU's own buffers).

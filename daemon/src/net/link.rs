@@ -573,6 +573,30 @@ impl Netlink {
             Err(e) => Err(map_vlan_err("set bridge vlan filtering", || format!("link #{bridge_index}"))(e)),
         }
     }
+
+    /// The permanent hardware address of link `name` (`IFLA_PERM_ADDRESS`: the address the
+    /// device came with, what `ethtool -P` shows, whatever address it has now); `None` when
+    /// there is no such link or the kernel reports none (virtual links, drivers without one).
+    ///
+    /// # Errors
+    /// [`NetError::InvalidName`] for a name no link can have; [`NetError::Netlink`] when the
+    /// request fails.
+    pub async fn permanent_address(&self, name: &str) -> Result<Option<[u8; 6]>, NetError> {
+        validate_link_name(name)?;
+        let mut answers = self.handle.link().get().match_name(name).execute();
+        match answers.try_next().await {
+            Ok(msg) => Ok(msg.and_then(|m| {
+                m.attributes.iter().find_map(|a| match a {
+                    LinkAttribute::PermAddress(bytes) => {
+                        <[u8; 6]>::try_from(bytes.as_slice()).ok().filter(|b| b.iter().any(|&x| x != 0))
+                    }
+                    _ => None,
+                })
+            })),
+            Err(e) if errno_of(&e) == Some(libc::ENODEV) => Ok(None),
+            Err(source) => Err(NetError::Netlink { op: "get link", errno: errno_of(&source), source }),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -587,6 +611,20 @@ mod tests {
     fn ip(args: &[&str]) {
         let out = Command::new("ip").args(args).output().expect("run ip");
         assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    #[test]
+    fn virtual_and_absent_links_have_no_permanent_address() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            // lo has no hardware address; a bridge's is generated, never permanent.
+            assert_eq!(nl.permanent_address("lo").await.unwrap(), None);
+            let alias = owner_alias(&Owner::Network("perm".into()));
+            nl.create_bridge("vmbr-perm", false, &alias).await.unwrap();
+            assert_eq!(nl.permanent_address("vmbr-perm").await.unwrap(), None);
+            assert_eq!(nl.permanent_address("no-such-link").await.unwrap(), None);
+            assert!(nl.permanent_address("a/b").await.is_err());
+        });
     }
 
     #[test]

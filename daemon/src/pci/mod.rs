@@ -12,7 +12,9 @@
 //!
 //! 1. at start-up and in `host.check`: [`Pci::iommu_enabled`], [`Pci::vfio_pci_present`] (else
 //!    [`load_vfio_pci`]), [`vfio_container_present`], and [`Pci::device`] for every model entry;
-//! 2. before anything is touched: [`Pci::devices_with_groups`] reads the requested devices and all
+//! 2. before anything is touched: [`identity::read`] and [`identity::judge`] for every requested
+//!    device whose model entry pins an identity (a mismatch is API code 3006), then
+//!    [`Pci::devices_with_groups`] reads the requested devices and all
 //!    members of their IOMMU groups, and [`check::check`] (pure) turns them, the host's own use of
 //!    interfaces and block devices ([`check::HostUsage`]) and what other VMs hold into an
 //!    [`check::Assignment`] or the API error that explains the refusal (2001, 3003, 3004, 3005);
@@ -29,6 +31,7 @@ pub mod bind;
 pub mod check;
 #[cfg(test)]
 pub mod fake;
+pub mod identity;
 pub mod sysfs;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -94,6 +97,8 @@ pub enum PassthroughStep {
     HostUsage,
     /// Reading the requested devices and their IOMMU groups from sysfs.
     Read,
+    /// Reading what the requested devices are, for the model's identity pins.
+    Identity,
     /// Loading vfio-pci.
     Modprobe,
     /// Reading each device's current driver before binding.
@@ -110,6 +115,7 @@ impl PassthroughStep {
         match self {
             PassthroughStep::HostUsage => "host_usage",
             PassthroughStep::Read => "read",
+            PassthroughStep::Identity => "identity",
             PassthroughStep::Modprobe => "modprobe",
             PassthroughStep::Plan => "plan",
             PassthroughStep::Bind => "bind",

@@ -145,6 +145,9 @@ pub static METHODS: [Method; 34] = [
                 let networks = mgr.host_net().probe_networks(mgr.config()).await;
                 let images = lifecycle::images::image_check(&mgr);
                 let uefi_vms = mgr.uefi_vms();
+                let identity = crate::preflight::hardware_identity(
+                    lifecycle::vfio::judge_model(&mgr).await.map_err(|e| e.to_string()),
+                );
                 crate::preflight::check(
                     mgr.config(),
                     &mgr.broken_records(),
@@ -152,6 +155,7 @@ pub static METHODS: [Method; 34] = [
                     mgr.binary_integrity(),
                     images,
                     &uefi_vms,
+                    identity,
                 )
                 .await
             })
