@@ -16,6 +16,12 @@ use std::net::Ipv4Addr;
 
 /// Most NICs a VM may have.
 pub const MAX_NICS: usize = 8;
+/// Most queue pairs one NIC may have (`spec.nics[i].queues`).
+pub const MAX_QUEUES: u8 = 16;
+/// Most queue pairs over all of a VM's NICs: each queue is a tap descriptor and, with
+/// vhost-net, a vhost descriptor QEMU is handed, and one launch passes at most
+/// [`crate::sandbox::spawn::MAX_PASSED_FDS`] descriptors.
+pub const MAX_VM_QUEUES: u32 = 64;
 /// Tap names start with this, so vmhostd's links are recognisable at a glance.
 pub const TAP_PREFIX: &str = "vmh";
 
@@ -27,6 +33,11 @@ pub struct NicAlloc {
     pub mac: String,
     /// Host tap name (at most 15 bytes).
     pub tap: String,
+    /// The QEMU that runs now got vhost-net descriptors for this NIC (set at each launch,
+    /// [`crate::net::vhost`]). Left out when false, so older records load and write back as
+    /// they were.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub vhost: bool,
 }
 
 /// Another VM's NICs as allocation sees them.
@@ -95,8 +106,19 @@ pub fn validate_nics(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
         return Err(ApiError::invalid("spec.nics", format!("at most {MAX_NICS} NICs per VM")));
     }
     let mut macs = HashSet::new();
+    let mut queues = 0u32;
     for (i, nic) in spec.nics.iter().enumerate() {
         let f = |k: &str| format!("spec.nics[{i}].{k}");
+        if !(1..=MAX_QUEUES).contains(&nic.queues) {
+            return Err(ApiError::invalid(f("queues"), format!("{} queues: must be 1-{MAX_QUEUES}", nic.queues)));
+        }
+        queues += u32::from(nic.queues);
+        if queues > MAX_VM_QUEUES {
+            return Err(ApiError::invalid(
+                f("queues"),
+                format!("at most {MAX_VM_QUEUES} queues over all of a VM's NICs ({queues} up to this one)"),
+            ));
+        }
         let net = config.networks.get(&nic.network).ok_or_else(|| {
             ApiError::new(Code::NotInModel, format!("no network {:?} on this host", nic.network)).field(f("network"))
         })?;
@@ -307,7 +329,9 @@ pub fn allocate(
                 m
             }
         };
-        out.push(NicAlloc { mac: format_mac(mac), tap: format!("{stem}n{i}") });
+        // What the running QEMU got stays recorded through a change that waits for a restart.
+        let vhost = previous.get(i).is_some_and(|p| p.vhost);
+        out.push(NicAlloc { mac: format_mac(mac), tap: format!("{stem}n{i}"), vhost });
     }
     Ok(out)
 }
@@ -398,6 +422,7 @@ vlan_filtering = true
                 dns: vec!["10.0.0.1".into()],
                 search: vec!["example.org".into()],
             }),
+            queues: 1,
         }
     }
 
@@ -429,6 +454,30 @@ vlan_filtering = true
         let mut d = nic("lan", None);
         d.ipv4 = Some(Ipv4Spec::Dhcp {});
         assert!(validate_nics(&with(vec![d]), &config()).is_ok());
+    }
+
+    #[test]
+    fn queues_are_1_to_16_per_nic_and_64_per_vm() {
+        let q = |n: u8| {
+            let mut x = nic("open", None);
+            x.queues = n;
+            x
+        };
+        for good in [1, 2, 8, MAX_QUEUES] {
+            assert!(validate_nics(&with(vec![q(good)]), &config()).is_ok(), "{good}");
+        }
+        for bad in [0, MAX_QUEUES + 1, 255] {
+            assert_eq!(verr(&with(vec![q(1), q(bad)])), (2001, "spec.nics[1].queues".into()), "{bad}");
+        }
+        // Four NICs of 16 fill the VM's 64; a fifth queue anywhere is one too many.
+        assert!(validate_nics(&with(vec![q(16); 4]), &config()).is_ok());
+        assert_eq!(verr(&with(vec![q(16), q(16), q(16), q(16), q(1)])), (2001, "spec.nics[4].queues".into()));
+        // 1 is the default and is left out, so older specs serialize byte for byte.
+        let json = serde_json::to_string(&q(1)).unwrap();
+        assert_eq!(json, r#"{"network":"open"}"#);
+        let back: NicSpec = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.queues, 1);
+        assert_eq!(serde_json::to_value(q(4)).unwrap()["queues"], 4);
     }
 
     #[test]
@@ -503,7 +552,7 @@ vlan_filtering = true
         // Another VM already holding the MAC and tap stem we would derive: both are bumped.
         let mut clash = spec("other");
         clash.nics = vec![nic("lan", None)];
-        let held = vec![NicAlloc { mac: a[0].mac.clone(), tap: a[0].tap.clone() }];
+        let held = vec![NicAlloc { mac: a[0].mac.clone(), tap: a[0].tap.clone(), vhost: false }];
         let b = allocate(&s, &c, &[NicHolding { vm: "other", spec: &clash, allocs: &held }], &[]).unwrap();
         assert_ne!(b[0].mac, a[0].mac);
         assert_ne!(b[0].tap[..11], a[0].tap[..11]);
@@ -519,7 +568,7 @@ vlan_filtering = true
         let mut n = nic("lan", Some("10.0.0.5/24"));
         n.mac = Some("02:00:00:00:00:09".into());
         o.nics = vec![n];
-        let oa = vec![NicAlloc { mac: "02:00:00:00:00:09".into(), tap: "vmh00000000n0".into() }];
+        let oa = vec![NicAlloc { mac: "02:00:00:00:00:09".into(), tap: "vmh00000000n0".into(), vhost: false }];
         let others = [NicHolding { vm: "web", spec: &o, allocs: &oa }];
         let mut mine = nic("lan", Some("10.0.0.5/24"));
         mine.mac = Some("02:00:00:00:00:09".into());

@@ -289,7 +289,11 @@ fn diff_values(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
 
 /// The MACs a spec fixes, as allocations (tap names do not matter for a simulation).
 fn declared_macs(spec: &VmSpec) -> Vec<NicAlloc> {
-    spec.nics.iter().filter_map(|n| n.mac.clone()).map(|mac| NicAlloc { mac, tap: String::new() }).collect()
+    spec.nics
+        .iter()
+        .filter_map(|n| n.mac.clone())
+        .map(|mac| NicAlloc { mac, tap: String::new(), vhost: false })
+        .collect()
 }
 
 /// True when a VM in `status` counts as running for planning.
@@ -479,7 +483,8 @@ mod tests {
             ("boot.firmware", |s| s.boot.firmware = crate::api::Firmware::Uefi),
             ("disks", |s| s.disks = vec![disk("d", 1, crate::api::DiskFormat::Raw)]),
             ("nics", |s| {
-                s.nics = vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }]
+                s.nics =
+                    vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 }]
             }),
             ("restart_policy", |s| s.restart_policy = crate::api::RestartPolicy::Never),
             ("user_data", |s| s.user_data = Some("#cloud-config\n".into())),
@@ -504,6 +509,17 @@ mod tests {
         });
         assert!(same_but_convergent(&a, &b));
         assert!(spec_drift(&a, &b).is_empty());
+    }
+
+    #[test]
+    fn a_change_of_nic_queues_needs_a_restart() {
+        let mut a = spec("mq");
+        a.nics = vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 }];
+        let mut b = a.clone();
+        b.nics[0].queues = 4;
+        let fields = spec_drift(&a, &b);
+        assert_eq!(fields, ["nics"]);
+        assert!(needs_restart(&fields));
     }
 
     #[test]

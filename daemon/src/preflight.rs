@@ -255,6 +255,17 @@ fn uefi_firmware(config: &Config, uefi_vms: &[String]) -> CheckItem {
     item(NAME, status, format!("{e}; boot.firmware uefi is used by {}", uefi_vms.join(", ")))
 }
 
+/// vhost-net ([`crate::net::vhost`]): `ok` either way, since VMs start without it (their
+/// virtio-net then runs in QEMU's userspace, slower); the detail says which and why.
+fn vhost_net(status: &crate::net::vhost::VhostStatus) -> CheckItem {
+    let detail = if status.usable {
+        format!("{}: VM NICs get vhost-net (the host kernel moves their packets)", status.reason)
+    } else {
+        format!("not usable, VMs run virtio-net in QEMU's userspace (slower): {}", status.reason)
+    };
+    item("vhost_net", CheckStatus::Ok, detail)
+}
+
 fn records(broken: &[BrokenRecord]) -> CheckItem {
     if broken.is_empty() {
         return item("vm_records", CheckStatus::Ok, "all VM records readable");
@@ -299,6 +310,7 @@ pub async fn check(
     items.push(images);
     items.push(uefi_firmware(config, uefi_vms));
     items.extend(networks(network_states));
+    items.push(vhost_net(&crate::net::vhost::probe()));
     items.extend(vfio(config).await);
     items.extend(crate::sandbox::report::items(config, &crate::sandbox::state()));
     let ok = items.iter().all(|i| i.status == CheckStatus::Ok);
@@ -403,6 +415,22 @@ mod tests {
                 .await;
         assert_eq!(r.items.iter().find(|i| i.name == "network.lan").unwrap().status, CheckStatus::Error);
         assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
+    }
+
+    #[test]
+    fn vhost_net_says_why_without_failing_the_check() {
+        use crate::net::vhost::{probe_at, VhostStatus};
+        let d = tempfile::tempdir().unwrap();
+        let it = vhost_net(&probe_at(&d.path().join("vhost-net")));
+        assert_eq!(it.status, CheckStatus::Ok);
+        assert!(
+            it.detail.starts_with("not usable, VMs run virtio-net in QEMU's userspace")
+                && it.detail.contains("modprobe vhost_net"),
+            "{}",
+            it.detail
+        );
+        let it = vhost_net(&VhostStatus { usable: true, reason: "/dev/vhost-net opens read-write".into() });
+        assert_eq!((it.status, it.detail.contains("get vhost-net")), (CheckStatus::Ok, true), "{}", it.detail);
     }
 
     #[test]

@@ -303,6 +303,7 @@ mod tests {
                 dns: dns.iter().map(|s| s.to_string()).collect(),
                 search: search.iter().map(|s| s.to_string()).collect(),
             }),
+            queues: 1,
         }
     }
 
@@ -310,13 +311,13 @@ mod tests {
         let mut s = crate::validate::tests::spec("web1");
         s.nics = vec![
             static_nic(Some("10.0.0.1"), &["10.0.0.1"], &["example.org"]),
-            NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) },
+            NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}), queues: 1 },
         ];
         s
     }
 
     fn alloc(i: usize) -> NicAlloc {
-        NicAlloc { mac: format!("02:00:00:00:00:{:02x}", i + 1), tap: format!("vmh0n{i}") }
+        NicAlloc { mac: format!("02:00:00:00:00:{:02x}", i + 1), tap: format!("vmh0n{i}"), vhost: false }
     }
 
     fn allocs() -> Vec<NicAlloc> {
@@ -386,10 +387,11 @@ mod tests {
 
     #[test]
     fn dhcp_and_unconfigured_nics() {
-        let sub = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) });
+        let sub =
+            one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}), queues: 1 });
         assert_eq!(sub, json!({"type": "dhcp4"}));
         // Brought up without an address (vm.check expects every NIC up).
-        let sub = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None });
+        let sub = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 });
         assert_eq!(sub, json!({"type": "manual", "control": "auto"}));
     }
 
@@ -399,8 +401,14 @@ mod tests {
         s.nics = (0..8)
             .map(|i| match i % 3 {
                 0 => static_nic(Some("10.0.0.1"), &["10.0.0.1"], &[]),
-                1 => NicSpec { network: "lan".into(), vlan: Some(7), mac: None, ipv4: Some(Ipv4Spec::Dhcp {}) },
-                _ => NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None },
+                1 => NicSpec {
+                    network: "lan".into(),
+                    vlan: Some(7),
+                    mac: None,
+                    ipv4: Some(Ipv4Spec::Dhcp {}),
+                    queues: 1,
+                },
+                _ => NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 },
             })
             .collect();
         let e = entries(&s);
@@ -455,7 +463,7 @@ mod tests {
             |s| s.state = DesiredState::Stopped,
             |s| s.role = Some("sensor".into()),
             |s| s.nics[0] = static_nic(None, &[], &[]),
-            |s| s.nics.push(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }),
+            |s| s.nics.push(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 }),
             |s| s.nics.clear(),
             |s| s.disks = vec![crate::validate::tests::data_disk("nsm", 2, crate::api::DiskFormat::Raw)],
             |s| s.restart_policy = crate::api::RestartPolicy::Always,

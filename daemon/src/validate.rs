@@ -606,6 +606,7 @@ reserved_memory_gib = 4
                 dns: vec![],
                 search: vec![],
             }),
+            queues: 1,
         }
     }
 

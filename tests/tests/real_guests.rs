@@ -557,7 +557,11 @@ fn render_case(case: &SeedCase) -> vmhost::seed::SeedFiles {
     }
     let spec: vmhost::api::VmSpec = serde_json::from_value(spec).expect("a spec");
     let allocs: Vec<vmhost::nic::NicAlloc> = (0..case.ipv4.len())
-        .map(|i| vmhost::nic::NicAlloc { mac: format!("52:54:00:12:34:{i:02x}"), tap: format!("vmh0n{i}") })
+        .map(|i| vmhost::nic::NicAlloc {
+            mac: format!("52:54:00:12:34:{i:02x}"),
+            tap: format!("vmh0n{i}"),
+            vhost: false,
+        })
         .collect();
     vmhost::seed::render(&spec, &allocs, &vmhost::seed::new_instance_id("seed_check").expect("an instance id"))
 }

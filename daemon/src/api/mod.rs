@@ -135,6 +135,20 @@ pub struct NicSpec {
     /// Guest IPv4 configuration; none means the guest is not configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ipv4: Option<Ipv4Spec>,
+    /// Queue pairs (1-16): above 1 the tap is multiqueue (one descriptor per queue) and the
+    /// guest's virtio-net has as many rx/tx queue pairs. Left out when 1, so older specs and
+    /// records compare and serialize as they did. A change needs a restart.
+    #[serde(default = "one_queue", skip_serializing_if = "is_one_queue")]
+    pub queues: u8,
+}
+
+/// A NIC's default number of queue pairs.
+fn one_queue() -> u8 {
+    1
+}
+
+fn is_one_queue(q: &u8) -> bool {
+    *q == 1
 }
 
 /// Guest IPv4 configuration of a NIC.
@@ -393,6 +407,14 @@ pub struct NicView {
     pub mac: String,
     /// Host tap name.
     pub tap: String,
+    /// The running QEMU's NIC is served by vhost-net in the host kernel (false while the VM
+    /// does not run, or when `/dev/vhost-net` was not usable at its start: virtio-net then runs
+    /// in QEMU's userspace).
+    #[serde(default)]
+    pub vhost: bool,
+    /// The queue pairs of the spec the VM runs (`spec`'s while it is stopped).
+    #[serde(default = "one_queue")]
+    pub queues: u8,
 }
 
 /// The guest agent's session as `vm.get` shows it; the daemon's agent supervisor keeps it up to

@@ -19,7 +19,7 @@ use super::{provisioning, Manager};
 use crate::api::{ApiError, Firmware, VmStatus};
 use crate::disk::OverlayError;
 use crate::process::ProcessIdentity;
-use crate::qemu::argv::{build_argv, passed_fds, PassedFd};
+use crate::qemu::argv::{build_argv, launch_fds, PassedFd};
 use crate::qemu::launch::LaunchRequest;
 use crate::seed::SeedError;
 use crate::validate::{BootSource, ValidSpec};
@@ -29,7 +29,7 @@ use std::time::Duration;
 
 /// What [`VmOp::open_passed_fds`] opened.
 struct PassedFds {
-    /// In [`passed_fds`] order.
+    /// In [`launch_fds`] order.
     fds: Vec<std::os::fd::OwnedFd>,
     /// The base image's format ([`crate::disk::base_info`]), empty for a direct-kernel VM.
     base_format: String,
@@ -89,6 +89,23 @@ pub(super) async fn check_launch_files(mgr: &Manager, vm: &ValidSpec) -> Result<
         BootSource::Disk { .. } => {}
     }
     Ok(())
+}
+
+/// One vhost-net descriptor per queue of each of `vm`'s NICs, or `None` (logged) when
+/// `/dev/vhost-net` cannot be opened: the VM then runs virtio-net in QEMU's userspace. All its
+/// NICs or none, so one VM never mixes the two.
+fn open_vhost(name: &str, vm: &ValidSpec) -> Option<Vec<Vec<std::os::fd::OwnedFd>>> {
+    if vm.spec.nics.is_empty() {
+        return None;
+    }
+    let queues: Vec<u8> = vm.spec.nics.iter().map(|n| n.queues).collect();
+    match crate::blocking::run(|| crate::net::vhost::open_for_nics(&queues)) {
+        Ok(fds) => Some(fds),
+        Err(e) => {
+            tracing::info!(vm = name, error = %e, "NICs without vhost-net: virtio-net runs in QEMU's userspace");
+            None
+        }
+    }
 }
 
 /// The live QEMU of VM `name`, if any: the recorded identity while it still runs. Only for a
@@ -259,7 +276,7 @@ impl VmOp {
         let name = self.name().to_string();
         let paths = self.paths().clone();
         let rec = self.record()?;
-        let allocs = rec.nics;
+        let mut allocs = rec.nics;
         self.hand_vfio_groups_to_qemu().await?;
         if crate::seed::has_seed(vm) {
             // Every record has one (made at create and replace, adopted at start for older
@@ -273,11 +290,17 @@ impl VmOp {
             let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
         }
         self.ensure_uefi_vars(vm)?;
+        // vhost-net where /dev/vhost-net opens (one descriptor per queue), else virtio-net in
+        // QEMU's userspace: the VM starts either way, and its record says which it got.
+        let vhost = open_vhost(&name, vm);
+        for a in &mut allocs {
+            a.vhost = vhost.is_some();
+        }
         // Taps first (network owner), then QEMU, which gets their fds. Dropping the fds on any
         // failure below removes the taps: they are not persistent.
         let fds = mgr.net.attach_nics(&mgr.config, &name, &vm.spec.nics, &allocs).await?;
         self.crashpoint("launch:taps");
-        let opened = self.open_passed_fds(vm, fds).await?;
+        let opened = self.open_passed_fds(vm, &allocs, fds, vhost.unwrap_or_default()).await?;
         let request = LaunchRequest {
             binary: mgr.config.qemu.binary.clone(),
             argv: build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format),
@@ -301,6 +324,9 @@ impl VmOp {
         self.update("launched", |r| {
             r.process = Some(id.clone());
             r.qemu_started();
+            for (n, a) in r.nics.iter_mut().zip(&allocs) {
+                n.vhost = a.vhost;
+            }
         })?;
         self.crashpoint("launch:launched");
         mgr.processes.verify_running(qmp).await?;
@@ -336,7 +362,7 @@ impl VmOp {
         Ok(())
     }
 
-    /// Opens what QEMU is handed instead of paths, in [`passed_fds`] order: the QMP, agent and
+    /// Opens what QEMU is handed instead of paths, in [`launch_fds`] order: the QMP, agent and
     /// serial console sockets and the exec ports' (bound here, in the run dir only the daemon can enter), the serial log, the taps
     /// (`taps`, already open), for an image-booted VM the overlay (read-write and read-only),
     /// its base image and the seed, for a direct-kernel VM the sealed copies of its kernel and
@@ -345,12 +371,19 @@ impl VmOp {
     /// root disk (read-write and read-only), the data disks (read-write and read-only), and for
     /// a UEFI VM the firmware code (read-only) and its variables store (read-write and
     /// read-only).
+    /// Last, each NIC's further tap queues and its vhost-net descriptors (`vhost`, already open).
     /// Also returns the base image's format (a `boot.disk` VM: its root disk's).
     ///
     /// # Errors
     /// 4001 with step `qemu_files` when a file cannot be opened or a socket bound; 2001 naming
     /// the field when the kernel or initrd can no longer be read.
-    async fn open_passed_fds(&self, vm: &ValidSpec, taps: Vec<std::os::fd::OwnedFd>) -> Result<PassedFds, ApiError> {
+    async fn open_passed_fds(
+        &self,
+        vm: &ValidSpec,
+        allocs: &[crate::nic::NicAlloc],
+        taps: Vec<Vec<std::os::fd::OwnedFd>>,
+        vhost: Vec<Vec<std::os::fd::OwnedFd>>,
+    ) -> Result<PassedFds, ApiError> {
         let (mgr, paths) = (self.mgr(), self.paths());
         use std::fs::OpenOptions;
         use std::os::fd::OwnedFd;
@@ -374,7 +407,16 @@ impl VmOp {
                 .map(OwnedFd::from)
                 .map_err(|e| failed(path, e))
         };
-        let mut taps = taps.into_iter();
+        // Each NIC's descriptors by queue, taken as the layout names them.
+        let mut taps: Vec<Vec<Option<OwnedFd>>> = taps.into_iter().map(|q| q.into_iter().map(Some).collect()).collect();
+        let mut vhost: Vec<Vec<Option<OwnedFd>>> =
+            vhost.into_iter().map(|q| q.into_iter().map(Some).collect()).collect();
+        let take = |set: &mut Vec<Vec<Option<OwnedFd>>>, what: &str, i: usize, q: usize| {
+            set.get_mut(i)
+                .and_then(|queues| queues.get_mut(q))
+                .and_then(Option::take)
+                .ok_or_else(|| provisioning("qemu_files", format!("no {what} for queue {q} of NIC {i}")))
+        };
         let mut fds = Vec::new();
         let mut base_format = String::new();
         let base = match &vm.boot {
@@ -393,7 +435,7 @@ impl VmOp {
             }
             _ => None,
         };
-        for which in passed_fds(vm, vm.spec.nics.len()) {
+        for which in launch_fds(vm, allocs) {
             let fd = match which {
                 PassedFd::Qmp => listen(&paths.qmp)?,
                 PassedFd::Agent => listen(&paths.agent)?,
@@ -405,9 +447,9 @@ impl VmOp {
                 })
                 .map(OwnedFd::from)
                 .map_err(|e| failed(&paths.serial_log, e))?,
-                PassedFd::Tap(i) => {
-                    taps.next().ok_or_else(|| provisioning("qemu_files", format!("no tap for NIC {i}")))?
-                }
+                PassedFd::Tap(i) => take(&mut taps, "tap", i, 0)?,
+                PassedFd::TapQueue(i, q) => take(&mut taps, "tap", i, q)?,
+                PassedFd::Vhost(i, q) => take(&mut vhost, "vhost-net descriptor", i, q)?,
                 PassedFd::OverlayRw => read_write(&paths.overlay)?,
                 PassedFd::OverlayRo => read_only(&paths.overlay)?,
                 PassedFd::Base => {

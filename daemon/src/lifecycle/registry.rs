@@ -331,7 +331,7 @@ impl Registry {
             started_at: rec.started_at.clone(),
             last_error: rec.last_error.clone(),
             serial_log: paths.serial_log,
-            nics: rec.nics.iter().map(|n| crate::api::NicView { mac: n.mac.clone(), tap: n.tap.clone() }).collect(),
+            nics: nic_views(rec),
             agent,
             pending_restart: rec.running_spec.is_some() && matches!(rec.status, VmStatus::Running | VmStatus::Stopping),
             restarts: rec.restarts,
@@ -431,6 +431,23 @@ impl Registry {
 }
 
 /// A view (or anything serializable) as raw JSON.
+/// What each NIC of `rec` was given: vhost-net only while a QEMU runs (the launch records it),
+/// the queue pairs of the spec that QEMU runs (`running_spec` while a change waits for a
+/// restart).
+fn nic_views(rec: &VmRecord) -> Vec<crate::api::NicView> {
+    let running = rec.running_spec.as_ref().unwrap_or(&rec.spec);
+    rec.nics
+        .iter()
+        .enumerate()
+        .map(|(i, n)| crate::api::NicView {
+            mac: n.mac.clone(),
+            tap: n.tap.clone(),
+            vhost: n.vhost && rec.process.is_some(),
+            queues: running.nics.get(i).map_or(1, |nic| nic.queues),
+        })
+        .collect()
+}
+
 fn raw<T: Serialize>(value: &T) -> Arc<RawValue> {
     let text = serde_json::to_string(value).unwrap_or_else(|e| {
         // Views hold only strings, numbers and plain structs: this does not happen.

@@ -11,7 +11,7 @@
 //! QEMU or daemon that dies cannot leave one behind on its own.
 
 use super::link::{LinkInfo, Netlink};
-use super::tap::create_tap;
+use super::tap::create_tap_queues;
 use super::NetError;
 use super::{owner_alias, parse_owner, Owner};
 use crate::api::NicSpec;
@@ -194,8 +194,9 @@ impl HostNet {
         removed
     }
 
-    /// Creates and attaches the taps of a VM's NICs; returns their fds in NIC order, for QEMU.
-    /// On error, every tap made so far is gone (its fd is dropped) and nothing else changed.
+    /// Creates and attaches the taps of a VM's NICs; returns their fds in NIC order, for QEMU:
+    /// one per queue of each NIC (`nics[i].queues`, a multiqueue tap above 1), queue 0 first.
+    /// On error, every tap made so far is gone (its fds are dropped) and nothing else changed.
     ///
     /// # Errors
     /// [`AttachError::NoNetwork`] for a network the config lacks, [`AttachError::Step`] naming
@@ -206,7 +207,7 @@ impl HostNet {
         vm: &str,
         nics: &[NicSpec],
         allocs: &[NicAlloc],
-    ) -> Result<Vec<OwnedFd>, AttachError> {
+    ) -> Result<Vec<Vec<OwnedFd>>, AttachError> {
         let mut fds = Vec::with_capacity(nics.len());
         for (i, (nic, alloc)) in nics.iter().zip(allocs).enumerate() {
             let net = config
@@ -229,7 +230,7 @@ impl HostNet {
         net: &Network,
         nic: &NicSpec,
         alloc: &NicAlloc,
-    ) -> Result<OwnedFd, (&'static str, NetError)> {
+    ) -> Result<Vec<OwnedFd>, (&'static str, NetError)> {
         let bridge: LinkInfo = self
             .nl
             .link_by_name(&net.bridge)
@@ -246,7 +247,7 @@ impl HostNet {
                 _ => return Err(("tap", NetError::Exists(alloc.tap.clone()))),
             }
         }
-        let fd = create_tap(&alloc.tap).map_err(|e| ("tap", e))?;
+        let fd = create_tap_queues(&alloc.tap, nic.queues).map_err(|e| ("tap", e))?;
         let tap = self
             .nl
             .link_by_name(&alloc.tap)

@@ -16,6 +16,9 @@
 //!    [`link::Netlink::set_alias`] marks it, then it gets the bridge's MTU, is attached with
 //!    [`link::Netlink::set_master`], gets its VLAN ([`link::Netlink::bridge_vlan_add`]) and is brought
 //!    up; the descriptor goes to QEMU (`-netdev tap,fd=N`);
+//!    with more than one queue the tap is multiqueue, one descriptor per queue
+//!    ([`tap::create_tap_queues`]), and where `/dev/vhost-net` opens each queue also gets a
+//!    vhost-net descriptor ([`vhost::open_for_nics`]);
 //! 4. on destroy or at start-up, [`link::Netlink::links`] plus [`parse_owner`] find the links the
 //!    daemon made, and [`link::Netlink::delete_link`] removes them.
 //!
@@ -37,6 +40,7 @@
 pub mod host;
 pub mod link;
 pub mod tap;
+pub mod vhost;
 
 use std::io;
 
@@ -146,6 +150,15 @@ pub enum NetError {
     /// The kernel's answer lacks something it always sends (e.g. a just-created link is missing).
     #[error("unexpected netlink answer: {0}")]
     Unexpected(String),
+    /// `/dev/vhost-net` could not be opened for a NIC queue ([`vhost`]).
+    #[error("vhost-net: {reason}")]
+    Vhost {
+        /// Why, in words an operator acts on (absent device, no module, refused).
+        reason: String,
+        /// The open's failure.
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl NetError {
@@ -163,6 +176,7 @@ impl NetError {
             NetError::Netlink { .. } => "netlink",
             NetError::Io { .. } => "io",
             NetError::Unexpected(_) => "unexpected",
+            NetError::Vhost { .. } => "vhost",
         }
     }
 
@@ -170,7 +184,7 @@ impl NetError {
     pub fn errno(&self) -> Option<i32> {
         match self {
             NetError::Netlink { errno, .. } => *errno,
-            NetError::Io { source, .. } => source.raw_os_error(),
+            NetError::Io { source, .. } | NetError::Vhost { source, .. } => source.raw_os_error(),
             _ => None,
         }
     }

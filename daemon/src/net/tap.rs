@@ -16,6 +16,10 @@
 //! bring it up (see [`super::link::Netlink`]). The tap comes with `IFF_VNET_HDR`, so QEMU can pass
 //! checksum and segmentation offloads through (QEMU checks the flag with `TUNGETIFF`), and
 //! `IFF_NO_PI`, so frames carry no extra packet-information header.
+//!
+//! A NIC with more than one queue pair gets a multiqueue tap ([`create_tap_queues`]): one
+//! descriptor per queue, all of the same link, so the host spreads its packets over as many
+//! QEMU (or vhost-net) threads as the guest has queues.
 
 use std::fs::OpenOptions;
 use std::io;
@@ -42,6 +46,41 @@ pub const TUN_DEVICE: &str = "/dev/net/tun";
 /// otherwise (e.g. `EPERM` without `CAP_NET_ADMIN`).
 pub fn create_tap(name: &str) -> Result<OwnedFd, NetError> {
     validate_link_name(name)?;
+    tun_set_iff(name, libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR | libc::IFF_TUN_EXCL)
+}
+
+/// Creates the tap `name` with `queues` queues and returns one descriptor per queue, queue 0
+/// first: with one queue exactly [`create_tap`]; with more a multiqueue tap (`IFF_MULTI_QUEUE`),
+/// each further descriptor attached by another `TUNSETIFF` with the same name. QEMU gets them as
+/// `-netdev tap,fds=A:B:...` and spreads the guest's virtio-net queue pairs over them. The link
+/// lives while any of them is open, as with one.
+///
+/// Only the first `TUNSETIFF` carries `IFF_TUN_EXCL` (the kernel refuses any attach to an
+/// existing tap with it); the others attach to the tap the first one made a moment ago. On any
+/// failure the descriptors made so far are closed, so the tap goes.
+///
+/// # Errors
+/// As [`create_tap`]; `queues` of 0 is [`NetError::Io`] with `EINVAL` (validation keeps specs at
+/// 1-16).
+pub fn create_tap_queues(name: &str, queues: u8) -> Result<Vec<OwnedFd>, NetError> {
+    if queues <= 1 {
+        if queues == 0 {
+            return Err(NetError::Io { op: "TUNSETIFF", source: io::Error::from_raw_os_error(libc::EINVAL) });
+        }
+        return create_tap(name).map(|fd| vec![fd]);
+    }
+    validate_link_name(name)?;
+    let flags = libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR | libc::IFF_MULTI_QUEUE;
+    let mut fds = Vec::with_capacity(usize::from(queues));
+    fds.push(tun_set_iff(name, flags | libc::IFF_TUN_EXCL)?);
+    for _ in 1..queues {
+        fds.push(tun_set_iff(name, flags)?);
+    }
+    Ok(fds)
+}
+
+/// Opens `/dev/net/tun` and asks for the tap `name` with `flags` (`TUNSETIFF`).
+fn tun_set_iff(name: &str, flags: libc::c_int) -> Result<OwnedFd, NetError> {
     // std opens with O_CLOEXEC.
     let file = OpenOptions::new()
         .read(true)
@@ -57,7 +96,6 @@ pub fn create_tap(name: &str) -> Result<OwnedFd, NetError> {
     for (slot, byte) in req.ifr_name.iter_mut().zip(name.as_bytes()) {
         *slot = *byte as libc::c_char;
     }
-    let flags = libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR | libc::IFF_TUN_EXCL;
     // The flags all fit in 16 bits (the highest is IFF_TUN_EXCL, 0x8000); the kernel reads them as
     // an unsigned short, so the sign of the c_short does not matter.
     req.ifr_ifru.ifru_flags = flags as libc::c_short;
@@ -222,6 +260,73 @@ mod tests {
             child.kill().unwrap();
             child.wait().unwrap();
             assert!(gone(&nl, "vmt-q0").await, "the tap must vanish with QEMU");
+        });
+    }
+
+    /// The queue directories (`rx-0`, `tx-0`, ...) of `link` in the calling thread's network
+    /// namespace. /sys shows the namespace of whoever mounted it, so the thread moves into a mount
+    /// namespace of its own (private: nothing propagates to the host) and mounts a sysfs of its
+    /// network namespace on a temporary directory.
+    fn queue_dirs(link: &str) -> Vec<String> {
+        use std::ffi::CString;
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("unshare(CLONE_NEWNS)");
+        let root = CString::new("/").unwrap();
+        // SAFETY: mount(2) with valid NUL-terminated strings and null data; only changes the
+        // propagation of this thread's own mount namespace.
+        let r = unsafe {
+            libc::mount(
+                std::ptr::null(),
+                root.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(r, 0, "make / private: {}", io::Error::last_os_error());
+        let dir = tempfile::tempdir().unwrap();
+        let target = CString::new(dir.path().to_str().unwrap()).unwrap();
+        let sysfs = CString::new("sysfs").unwrap();
+        // SAFETY: as above; a fresh sysfs on a directory of this private namespace.
+        let r = unsafe { libc::mount(sysfs.as_ptr(), target.as_ptr(), sysfs.as_ptr(), 0, std::ptr::null()) };
+        assert_eq!(r, 0, "mount sysfs: {}", io::Error::last_os_error());
+        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("class/net").join(link).join("queues"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        // SAFETY: unmounts what was mounted above.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        names
+    }
+
+    #[test]
+    fn a_multiqueue_tap_has_one_descriptor_and_one_queue_pair_per_queue() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let fds = create_tap_queues("vmt-mq", 4).unwrap();
+            assert_eq!(fds.len(), 4);
+            let tap = nl.link_by_name("vmt-mq").await.unwrap().expect("one link for every queue");
+            assert_eq!(tap.kind.as_deref(), Some("tun"));
+            assert_eq!(
+                queue_dirs("vmt-mq"),
+                ["rx-0", "rx-1", "rx-2", "rx-3", "tx-0", "tx-1", "tx-2", "tx-3"],
+                "the kernel counts a queue per attached descriptor"
+            );
+            // The link lives while any queue's descriptor is open.
+            let mut fds = fds;
+            let last = fds.pop().unwrap();
+            drop(fds);
+            assert!(nl.link_by_name("vmt-mq").await.unwrap().is_some());
+            drop(last);
+            assert!(gone(&nl, "vmt-mq").await);
+            // One queue is the single-queue tap of create_tap, not a multiqueue one.
+            let one = create_tap_queues("vmt-1q", 1).unwrap();
+            assert_eq!(one.len(), 1);
+            assert_eq!(queue_dirs("vmt-1q"), ["rx-0", "tx-0"]);
+            // Exclusive like create_tap: a second multiqueue tap of the same name is refused.
+            let err = create_tap_queues("vmt-1q", 2).unwrap_err();
+            assert!(matches!(err, NetError::Exists(_)), "{err:?}");
+            assert!(create_tap_queues("vmt-0q", 0).is_err());
         });
     }
 

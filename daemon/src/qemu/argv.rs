@@ -201,6 +201,12 @@ pub enum PassedFd {
     /// The listening socket of exec port `i` ([`VmPaths::exec`]). Last of all, so every other
     /// descriptor keeps the number VMs started before exec ports had.
     Exec(usize),
+    /// Queue `q` (1 and up) of NIC `i`'s multiqueue tap; queue 0 is [`PassedFd::Tap`]. After
+    /// the exec ports ([`launch_fds`]), so a single-queue VM's numbers stay as they were.
+    TapQueue(usize, usize),
+    /// The `/dev/vhost-net` descriptor of queue `q` of NIC `i` ([`crate::net::vhost`]), after
+    /// every tap queue.
+    Vhost(usize, usize),
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -231,6 +237,21 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
     fds
 }
 
+/// The descriptors a launch hands QEMU: [`passed_fds`], then each NIC's further tap queues and
+/// its vhost-net descriptors (`nics[i].vhost`), in NIC order. A NIC with one queue and no
+/// vhost-net adds nothing, so such a VM's numbers are exactly [`passed_fds`]'s.
+pub fn launch_fds(vm: &ValidSpec, nics: &[NicAlloc]) -> Vec<PassedFd> {
+    let mut fds = passed_fds(vm, nics.len());
+    let queues = |i: usize| usize::from(vm.spec.nics.get(i).map_or(1, |n| n.queues.max(1)));
+    for i in 0..nics.len() {
+        fds.extend((1..queues(i)).map(|q| PassedFd::TapQueue(i, q)));
+    }
+    for (i, _) in nics.iter().enumerate().filter(|(_, n)| n.vhost) {
+        fds.extend((0..queues(i)).map(|q| PassedFd::Vhost(i, q)));
+    }
+    fds
+}
+
 /// QEMU's own seccomp filter: no obsolete syscalls, no setuid, no fork or exec, no scheduler
 /// or resource changes (docs/sandbox.md).
 pub const QEMU_SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
@@ -254,7 +275,7 @@ pub fn build_argv(
     nics: &[NicAlloc],
     base_format: &str,
 ) -> Vec<OsString> {
-    let layout = passed_fds(vm, nics.len());
+    let layout = launch_fds(vm, nics);
     let fd = |which: PassedFd| {
         let i = layout.iter().position(|f| *f == which).unwrap_or(layout.len());
         FIRST_PASSED_FD + i as i32
@@ -344,9 +365,24 @@ pub fn build_argv(
         ]);
     }
     for (i, nic) in nics.iter().enumerate() {
-        let fd = fd(PassedFd::Tap(i));
-        push(&["-netdev", &format!("tap,id=net{i},fd={fd}")]);
-        push(&["-device", &format!("virtio-net-pci,netdev=net{i},mac={}", nic.mac)]);
+        // One tap descriptor per queue pair, and with vhost-net one vhost descriptor each; QEMU
+        // takes the queue count from how many `fds` it gets (it refuses `queues=` beside them).
+        let queues = usize::from(spec.nics.get(i).map_or(1, |n| n.queues.max(1)));
+        let taps: Vec<String> = (0..queues)
+            .map(|q| fd(if q == 0 { PassedFd::Tap(i) } else { PassedFd::TapQueue(i, q) }).to_string())
+            .collect();
+        let vhosts: Vec<String> = (0..queues).map(|q| fd(PassedFd::Vhost(i, q)).to_string()).collect();
+        let netdev = match (queues, nic.vhost) {
+            (1, false) => format!("tap,id=net{i},fd={}", taps[0]),
+            (1, true) => format!("tap,id=net{i},fd={},vhost=on,vhostfd={}", taps[0], vhosts[0]),
+            (_, false) => format!("tap,id=net{i},fds={}", taps.join(":")),
+            (_, true) => format!("tap,id=net{i},fds={},vhost=on,vhostfds={}", taps.join(":"), vhosts.join(":")),
+        };
+        push(&["-netdev", &netdev]);
+        // Multiqueue: an MSI-X vector per queue of each direction, one for the control queue
+        // and one for configuration changes.
+        let mq = if queues > 1 { format!(",mq=on,vectors={}", 2 * queues + 2) } else { String::new() };
+        push(&["-device", &format!("virtio-net-pci,netdev=net{i},mac={}{mq}", nic.mac)]);
     }
     // Passthrough devices after the virtio NICs: QEMU gives slots in command-line order, so the
     // declared NICs keep the first guest interface names (eth0, ...) that ip= and seeds use.
@@ -870,7 +906,10 @@ mod tests {
         .unwrap();
         let mut s = spec("web");
         let static_nic = crate::validate::tests::static_nic("lan", "10.0.0.5/24");
-        s.nics = vec![static_nic, crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None }];
+        s.nics = vec![
+            static_nic,
+            crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 },
+        ];
         let v = validate_spec(&s, &c).unwrap();
         let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
         let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "web"), &allocs, "")
@@ -893,6 +932,112 @@ mod tests {
         let devs = value_after(&argv, "-device");
         assert!(devs.contains(&format!("virtio-net-pci,netdev=net1,mac={}", allocs[1].mac).as_str()), "{devs:?}");
         assert_eq!(value_after(&argv, "-append"), ["console=ttyS0 ip=10.0.0.5:::255.255.255.0:web:eth0:off::"]);
+    }
+
+    #[test]
+    fn nic_queues_and_vhost_descriptors_come_after_every_other() {
+        let c = Config::parse(
+            "[paths]\nboot = [\"/boot\"]\n[qemu]\naccel = \"tcg\"\n[hardware]\ncpu = 4\nmemory_gib = 4\n[networks.lan]\nbridge = \"br0\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let mut s = spec("mq");
+        let nic = |queues| crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues };
+        s.nics = vec![nic(1), nic(3)];
+        let v = validate_spec(&s, &c).unwrap();
+        let mut allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
+        let argv_with = |allocs: &[NicAlloc]| -> Vec<String> {
+            build_argv(&v, &c, &VmPaths::for_vm(&c, "mq"), allocs, "")
+                .into_iter()
+                .map(|o| o.into_string().unwrap())
+                .collect()
+        };
+        let base = passed_fds(&v, 2);
+        let n = 3 + base.len();
+        // Without vhost-net: queue 0 keeps the number a single-queue NIC has, the others follow
+        // the exec ports.
+        assert_eq!(launch_fds(&v, &allocs)[..base.len()], base[..]);
+        assert_eq!(launch_fds(&v, &allocs)[base.len()..], [PassedFd::TapQueue(1, 1), PassedFd::TapQueue(1, 2)]);
+        let argv = argv_with(&allocs);
+        assert_eq!(
+            value_after(&argv, "-netdev"),
+            ["tap,id=net0,fd=6".to_string(), format!("tap,id=net1,fds=7:{}:{}", n, n + 1)]
+        );
+        let devs = value_after(&argv, "-device");
+        assert!(devs.contains(&format!("virtio-net-pci,netdev=net0,mac={}", allocs[0].mac).as_str()), "{devs:?}");
+        assert!(
+            devs.contains(&format!("virtio-net-pci,netdev=net1,mac={},mq=on,vectors=8", allocs[1].mac).as_str()),
+            "{devs:?}"
+        );
+        // With vhost-net: one vhost descriptor per queue, after the tap queues.
+        for a in &mut allocs {
+            a.vhost = true;
+        }
+        let layout = launch_fds(&v, &allocs);
+        assert_eq!(layout[..base.len()], base[..]);
+        assert_eq!(
+            layout[base.len()..],
+            [
+                PassedFd::TapQueue(1, 1),
+                PassedFd::TapQueue(1, 2),
+                PassedFd::Vhost(0, 0),
+                PassedFd::Vhost(1, 0),
+                PassedFd::Vhost(1, 1),
+                PassedFd::Vhost(1, 2)
+            ]
+        );
+        let argv = argv_with(&allocs);
+        assert_eq!(
+            value_after(&argv, "-netdev"),
+            [
+                format!("tap,id=net0,fd=6,vhost=on,vhostfd={}", n + 2),
+                format!("tap,id=net1,fds=7:{}:{},vhost=on,vhostfds={}:{}:{}", n, n + 1, n + 3, n + 4, n + 5)
+            ]
+        );
+        // Every other descriptor keeps its number: the kernel, the monitors.
+        assert_eq!(value_after(&argv, "-kernel"), ["/proc/self/fd/8"]);
+        // One queue, no vhost: exactly today's layout and arguments.
+        s.nics = vec![nic(1)];
+        let v = validate_spec(&s, &c).unwrap();
+        let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
+        assert_eq!(launch_fds(&v, &allocs), passed_fds(&v, 1));
+        let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "mq"), &allocs, "")
+            .into_iter()
+            .map(|o| o.into_string().unwrap())
+            .collect();
+        assert_eq!(value_after(&argv, "-netdev"), ["tap,id=net0,fd=6"]);
+        assert!(!argv.iter().any(|a| a.contains("mq=on") || a.contains("vhost")), "{argv:?}");
+    }
+
+    #[test]
+    fn the_most_descriptors_a_vm_can_have_fit_one_launch() {
+        use crate::api::{DiskFormat, Firmware};
+        let c = Config::parse(
+            "[paths]\nboot = [\"/boot\"]\n[qemu]\naccel = \"tcg\"\n[hardware]\ncpu = 4\nmemory_gib = 64\n[networks.lan]\nbridge = \"br0\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let mut s = spec("big");
+        s.boot = BootSpec {
+            image: Some("base.qcow2".into()),
+            disk_gib: Some(4),
+            firmware: Firmware::Uefi,
+            ..BootSpec::default()
+        };
+        s.disks = (0..crate::api::disks::MAX_DATA_DISKS)
+            .map(|i| crate::validate::tests::data_disk(&format!("d{i}"), 1, DiskFormat::Raw))
+            .collect();
+        // Every NIC, the VM's queues spread over them.
+        let per_nic = u8::try_from(crate::nic::MAX_VM_QUEUES / crate::nic::MAX_NICS as u32).unwrap();
+        s.nics = (0..crate::nic::MAX_NICS)
+            .map(|_| crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: per_nic })
+            .collect();
+        let v = validate_spec(&s, &c).unwrap();
+        let mut allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
+        allocs.iter_mut().for_each(|a| a.vhost = true);
+        let n = launch_fds(&v, &allocs).len();
+        assert!(n <= crate::sandbox::spawn::MAX_PASSED_FDS, "{n}");
+        assert_eq!(n, passed_fds(&v, crate::nic::MAX_NICS).len() + 2 * 64 - crate::nic::MAX_NICS);
     }
 
     #[test]

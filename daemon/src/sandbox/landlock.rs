@@ -171,6 +171,9 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
         rule("/dev/null", Access::Device, "null I/O"),
         rule("/dev/urandom", Access::Read, "randomness"),
         rule("/dev/net/tun", Access::Device, "creating tap devices (TUNSETIFF)"),
+        // Skipped when absent at start (vhost_net not loaded): VMs then run without vhost-net
+        // until vmhostd restarts.
+        rule("/dev/vhost-net", Access::Device, "vhost-net: one descriptor per NIC queue, handed to QEMU"),
     ]);
     if passthrough(config) {
         v.push(rule("/dev/vfio", Access::Device, "VFIO groups of passed-through devices"));
@@ -475,6 +478,7 @@ mod tests {
         assert_eq!(find(&c.paths.import_dir().to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find(&c.paths.backups_dir().to_string_lossy()), Some(Access::ReadWrite));
         assert_eq!(find("/dev/net/tun"), Some(Access::Device));
+        assert_eq!(find("/dev/vhost-net"), Some(Access::Device));
         assert_eq!(find("/etc/vmhost"), Some(Access::Read));
         assert_eq!(find("/dev/kvm"), None, "the daemon never opens /dev/kvm");
         assert_eq!(find("/dev/vfio"), None, "no passthrough configured");

@@ -18,8 +18,11 @@ use crate::config::UserIds;
 /// The fd number the first passed descriptor gets in the child.
 pub const FIRST_PASSED_FD: i32 = 3;
 
-/// At most this many descriptors are passed to one child.
-pub const MAX_PASSED_FDS: usize = 64;
+/// At most this many descriptors are passed to one child: a VM's multiqueue NICs bring one tap
+/// and one vhost-net descriptor per queue ([`crate::nic::MAX_VM_QUEUES`] in all, 181 descriptors
+/// at most with every other a VM can have); one request's descriptors travel in one message, and
+/// the kernel takes at most 253 there (`SCM_MAX_FD`).
+pub const MAX_PASSED_FDS: usize = 200;
 
 /// Most bytes of [`Command::stdin_data`]: what a pipe always holds (one page, even for a user
 /// over the kernel's pipe-buffer limits), so writing it never blocks.
