@@ -91,7 +91,9 @@ fn iommu_lab(extra: &[&str]) -> LabOptions {
 /// before QEMU started leaves the devices restored after its restart. The sandboxed daemon
 /// cannot open a modelled device's `remove` or `config` for writing (Landlock grants only
 /// `driver_override` and the drivers' bind files), and passthrough still works. A VFIO group
-/// node that outlives the release (a sibling left on vfio-pci) is put back to root's 0600.
+/// node that outlives the release (a sibling left on vfio-pci) is put back to root's 0600. A
+/// model entry pinning the vmxnet3 to a wrong id refuses the VM with 3006 and leaves the device
+/// on vmxnet3; pinned to its real id and permanent MAC, the VM starts with it.
 #[test]
 fn vfio_passthrough_in_the_lab() {
     let opts =
@@ -127,6 +129,18 @@ fn vfio_passthrough_in_the_lab() {
         "held-device-refused",
         "back-vmxnet3",
         "back-nvme",
+        "identity-check-fails",
+        "identity-mismatch-refused",
+        "identity-mismatch-names-both",
+        "identity-mismatch-untouched",
+        "identity-mismatch-no-override",
+        "identity-mismatch-no-record",
+        "identity-check-ok",
+        "identity-pinned-create",
+        "identity-pinned-bound",
+        "identity-held-ids-only",
+        "identity-pinned-destroy",
+        "identity-pinned-back",
         "restored-after-crash",
     ] {
         assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);

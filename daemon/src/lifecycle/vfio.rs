@@ -1,8 +1,8 @@
 //! Passthrough steps of the lifecycle: check, bind before QEMU, release after it.
 //!
-//! Order: [`check_passthrough`] before anything is recorded or touched (2001, 3003,
-//! 3004, 3005 refuse the request cleanly, then 3006 when a device is not the one its model entry
-//! pins: [`check_identity`]); [`VmOp::bind_passthrough`] right before QEMU, which
+//! Order: [`check_passthrough`] before anything is recorded or touched (3006 when a device is
+//! not the one its model entry pins, [`check_identity`]; then 2001, 3003, 3004, 3005 refuse the
+//! request cleanly); [`VmOp::bind_passthrough`] right before QEMU, which
 //! records every affected function's original driver in the VM record *before* the first sysfs
 //! write; [`VmOp::hand_vfio_groups_to_qemu`] after it, which records each IOMMU group node's
 //! group and mode *before* the spawner gives the node to QEMU's group;
@@ -29,9 +29,9 @@ use std::collections::BTreeMap;
 /// Checks that every passthrough device of `spec` can go to it now. Changes nothing.
 ///
 /// # Errors
-/// 2001 (absent, a bridge), 3003 (bound for another VM), 3005 (used by the host), 3004
-/// (IOMMU group not viable, listing the blocking devices), 3006 (not the device the model
-/// pins), 4001 when sysfs or netlink fail.
+/// 3006 (not the device the model pins), 2001 (absent, a bridge), 3003 (bound for another VM),
+/// 3005 (used by the host), 3004 (IOMMU group not viable, listing the blocking devices), 4001
+/// when sysfs or netlink fail.
 pub(super) async fn check_passthrough(mgr: &Manager, spec: &VmSpec) -> Result<Option<Assignment>, ApiError> {
     let wanted: Vec<Requested> = crate::validate::requested_devices_with_fields(spec, &mgr.config.hardware)
         .into_iter()
@@ -40,6 +40,8 @@ pub(super) async fn check_passthrough(mgr: &Manager, spec: &VmSpec) -> Result<Op
     if wanted.is_empty() {
         return Ok(None);
     }
+    // First: whatever else is true of a device, it does not matter if it is the wrong one.
+    check_identity(mgr, &wanted).await?;
     let usage = crate::host_usage::gather(mgr.net.netlink()).await.map_err(PassthroughError::HostUsage)?;
     // Devices bound for other VMs (what their records say), never this VM's own.
     let held: BTreeMap<_, _> = mgr
@@ -55,26 +57,24 @@ pub(super) async fn check_passthrough(mgr: &Manager, spec: &VmSpec) -> Result<Op
         .await
         .map_err(PassthroughError::task(PassthroughStep::Read))?
         .map_err(PassthroughError::pci(PassthroughStep::Read))?;
-    let assignment = check::check(&wanted, &devices, &usage, &held)?;
-    check_identity(mgr, spec, &wanted).await?;
-    Ok(Some(assignment))
+    Ok(Some(check::check(&wanted, &devices, &usage, &held)?))
 }
 
 /// Checks that every requested device whose model entry pins an identity is that device. Runs
-/// within [`check_passthrough`], so on every start before any bind (nothing is bound when it
-/// refuses). A device this VM's record already has on vfio-pci (a reconfigure of a running VM)
-/// is judged without its MAC, which it has no interface to show: it was judged before it was
-/// bound.
+/// first in [`check_passthrough`], so on every start before any bind (nothing is bound when it
+/// refuses). A device a VM's record has on vfio-pci (this VM's, in a reconfigure of it while
+/// it runs; another VM's, which the 3003 check refuses next) is judged without its MAC, which
+/// it has no interface to show: it was judged before it was bound. An absent device is left to
+/// the 2001 check.
 ///
 /// # Errors
 /// 3006 listing every mismatch; 4001 (step `vfio.identity`) when sysfs cannot be read.
-async fn check_identity(mgr: &Manager, spec: &VmSpec, wanted: &[Requested]) -> Result<(), ApiError> {
+async fn check_identity(mgr: &Manager, wanted: &[Requested]) -> Result<(), ApiError> {
     let model = &mgr.config.hardware.model;
     if model.pinned().next().is_none() {
         return Ok(());
     }
-    let own: Vec<PciAddress> =
-        mgr.lock().vms.get(&spec.name).map(|r| r.vfio.iter().map(|b| b.address).collect()).unwrap_or_default();
+    let holders = vfio_holders(mgr);
     let pinned: Vec<PinnedDevice> = wanted
         .iter()
         .filter_map(|r| {
@@ -85,7 +85,7 @@ async fn check_identity(mgr: &Manager, spec: &VmSpec, wanted: &[Requested]) -> R
                 address: r.address,
                 identity,
                 field: r.field.clone(),
-                held_by: own.contains(&r.address).then(|| spec.name.clone()),
+                held_by: holders.get(&r.address).cloned(),
             })
         })
         .collect();
@@ -110,8 +110,7 @@ async fn check_identity(mgr: &Manager, spec: &VmSpec, wanted: &[Requested]) -> R
 /// # Errors
 /// When sysfs cannot be read.
 pub(crate) async fn judge_model(mgr: &Manager) -> Result<Vec<(PinnedDevice, Judged)>, PassthroughError> {
-    let holders: BTreeMap<PciAddress, String> =
-        mgr.lock().vms.values().flat_map(|r| r.vfio.iter().map(move |b| (b.address, r.spec.name.clone()))).collect();
+    let holders = vfio_holders(mgr);
     let pinned: Vec<PinnedDevice> = mgr
         .config
         .hardware
@@ -128,6 +127,11 @@ pub(crate) async fn judge_model(mgr: &Manager) -> Result<Vec<(PinnedDevice, Judg
         .collect();
     let judged = judge_devices(mgr, &pinned).await?;
     Ok(pinned.into_iter().zip(judged).collect())
+}
+
+/// The VM whose record has each device on vfio-pci.
+fn vfio_holders(mgr: &Manager) -> BTreeMap<PciAddress, String> {
+    mgr.lock().vms.values().flat_map(|r| r.vfio.iter().map(move |b| (b.address, r.spec.name.clone()))).collect()
 }
 
 /// Reads `pinned`'s devices (sysfs, on the blocking pool) and judges each: the MAC is each

@@ -245,7 +245,7 @@ pub struct PinnedDevice {
     pub field: String,
     /// The VM whose record has the device on vfio-pci now. Its MAC is not compared then: the
     /// device has no network interface while a VM holds it, and it was judged before it was
-    /// bound.
+    /// bound (a device held by another VM is refused next, 3003).
     pub held_by: Option<String>,
 }
 

@@ -7,7 +7,8 @@
 #   0000:00:1f.2 ICH9 SATA: shares its group with 00:1f.0 and 00:1f.3; the cloud kernel has
 #                no driver for any of them, so the group is viable  sfp 6
 # vmhostd binds what a VM needs to vfio-pci, QEMU gets it, and everything goes back to its
-# original driver on destroy and after a daemon crash.
+# original driver on destroy and after a daemon crash. A model entry pinning a wrong identity
+# refuses the VM (3006) before anything is bound; the right one (id and MAC) lets it start.
 . /lab/lib.sh
 
 say "scenario vfio: kernel $(uname -r), iommu groups: $(ls /sys/kernel/iommu_groups | wc -l)"
@@ -131,6 +132,37 @@ say "TIMING $(grep -o 'vfio bound.*' "$LAB_DAEMON_LOG" | head -n 1)"
 say "TIMING $(grep -o 'vfio released vm=p1.*' "$LAB_DAEMON_LOG" | head -n 1)"
 check back-vmxnet3 is_drv 0000:00:05.0 vmxnet3
 check back-nvme is_drv 0000:00:06.0 nvme
+
+# --- identity pins ---------------------------------------------------------------------
+# copper 1 pinned to a wrong id (the vmxnet3 is 15ad:07b0): host.check names the mismatch and a
+# VM asking for it is refused with 3006, the device left on vmxnet3 with no driver_override.
+# Pinned to its real id and the permanent MAC of its netdev (read here, before it is bound), it
+# passes: the VM starts with it, and host.check judges it by its ids while p7 holds it.
+mac=$(cat /sys/bus/pci/devices/0000:00:05.0/net/*/address)
+say "vmxnet3 MAC $mac (addr_assign_type $(cat /sys/bus/pci/devices/0000:00:05.0/net/*/addr_assign_type))"
+pin_copper1() {
+    kill_vmhostd
+    sed -i "s|^1 = .*0000:00:05.0.*|1 = $1|" "$LAB_CONFIG"
+    grep -F 0000:00:05.0 "$LAB_CONFIG"
+    restart_vmhostd
+}
+check_item() { ctl check 2>&1 | grep -E "^hardware_identity +$1" || { ctl check 2>&1; return 1; }; }
+pin_copper1 '{ pci = "0000:00:05.0", id = "8086:10d3" }'
+LAB_VERBOSE=1 check identity-check-fails check_item 'error +hardware copper 1 \(0000:00:05.0\) is 15ad:07b0, the model pins 8086:10d3'
+wrong=$(pt_vm p6 '{"copper": [1]}' 2>&1)
+LAB_VERBOSE=1 check identity-mismatch-refused said "$wrong" 'error 3006'
+check identity-mismatch-names-both said "$wrong" 'is 15ad:07b0, the model pins 8086:10d3'
+check identity-mismatch-untouched is_drv 0000:00:05.0 vmxnet3
+no_override() { test "$(cat /sys/bus/pci/devices/0000:00:05.0/driver_override)" = "(null)"; }
+check identity-mismatch-no-override no_override
+check identity-mismatch-no-record sh -c "! vmhostctl --socket $LAB_SOCKET get p6 >/dev/null 2>&1"
+pin_copper1 "{ pci = \"0000:00:05.0\", id = \"15ad:07b0\", mac = \"$mac\" }"
+LAB_VERBOSE=1 check identity-check-ok check_item 'ok +all 1 pinned devices match'
+check identity-pinned-create pt_vm p7 '{"copper": [1]}'
+check identity-pinned-bound is_drv 0000:00:05.0 vfio-pci
+LAB_VERBOSE=1 check identity-held-ids-only check_item 'ok .*on vfio-pci for p7'
+check identity-pinned-destroy ctl destroy p7
+check identity-pinned-back is_drv 0000:00:05.0 vmxnet3
 
 # --- kill -9 of vmhostd after binding, before QEMU starts --------------------------------
 # A QEMU wrapper that takes 30 s to start gives the window; QEMU never starts (the wrapper
