@@ -445,6 +445,7 @@ struct RawHardware {
     sfp: BTreeMap<String, toml::Value>,
     #[serde(default)]
     allow_raw_pci: bool,
+    vm_cpus: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -540,6 +541,10 @@ pub struct Hardware {
     pub model: HardwareModel,
     /// Specs may also name devices by PCI address (`pci: [...]`).
     pub allow_raw_pci: bool,
+    /// The host CPUs VMs may run on (`vm_cpus`, a cpulist): shared VMs float over the ones no
+    /// dedicated VM holds, dedicated VMs take theirs from it, the rest is the host's
+    /// housekeeping set. `None`: no pinning at all, and dedicated VMs are refused.
+    pub vm_cpus: Option<crate::placement::CpuSet>,
 }
 
 /// The validated configuration.
@@ -761,6 +766,19 @@ impl Config {
         }
         let memory_mib =
             h.memory_gib.checked_mul(1024).ok_or_else(|| key_err("hardware.memory_gib", "too large".into()))?;
+        let vm_cpus = match &h.vm_cpus {
+            None => None,
+            Some(text) => {
+                let set = crate::placement::CpuSet::parse(text).map_err(|p| key_err("hardware.vm_cpus", p))?;
+                if let Some(last) = set.last().filter(|&c| c >= h.cpu) {
+                    return Err(key_err(
+                        "hardware.vm_cpus",
+                        format!("CPU {last} is not on this host (cpu = {}: CPUs 0-{})", h.cpu, h.cpu - 1),
+                    ));
+                }
+                Some(set)
+            }
+        };
 
         let mut items = Vec::new();
         let mut seen: HashMap<PciAddress, String> = HashMap::new();
@@ -885,6 +903,7 @@ impl Config {
                 reserved_memory_mib: h.reserved_memory_gib * 1024,
                 model: HardwareModel::with_identities(items),
                 allow_raw_pci: h.allow_raw_pci,
+                vm_cpus,
             },
         })
     }
@@ -995,6 +1014,8 @@ reserved_memory_gib = 8
             format!("[qemu]\nhotplug_ports = -1\n{hw}"),
             format!("[agent]\nfiles_dir = \"files\"\n{hw}"),
             format!("[agent]\nmax_file_mib = 0\n{hw}"),
+            format!("{hw}vm_cpus = \"8-2\"\n"),
+            format!("{hw}vm_cpus = \"0-4\"\n"),
             format!("{hw}[hardware.sfp]\nfive = \"0000:ca:00.0\"\n"),
             format!("{hw}[hardware.sfp]\n5 = \"ca:00\"\n"),
             format!("{hw}[hardware.sfp]\n5 = {{ pci = \"ca:00.0\" }}\n"),
@@ -1034,6 +1055,21 @@ reserved_memory_gib = 8
         assert_eq!(c.hardware.model.get(HardwareClass::Copper, 1).unwrap().to_string(), "0000:c8:00.0");
         assert_eq!(c.hardware.model.get(HardwareClass::Sfp, 5).unwrap().to_string(), "0000:ca:00.0");
         assert!(c.hardware.model.get(HardwareClass::Sfp, 1).is_none());
+    }
+
+    #[test]
+    fn vm_cpus_is_a_cpulist_of_the_hosts_cpus() {
+        let hw = "[hardware]\ncpu = 8\nmemory_gib = 8\n";
+        assert_eq!(parse(hw).unwrap().hardware.vm_cpus, None);
+        let c = parse(&format!("{hw}vm_cpus = \"2-5,7\"\n")).unwrap();
+        assert_eq!(c.hardware.vm_cpus.map(|s| s.to_string()).as_deref(), Some("2-5,7"));
+        for (text, why) in
+            [("\"\"", "empty"), ("\"2-8\"", "CPU 8 is not on this host"), ("\"x\"", "not a CPU"), ("5", "invalid type")]
+        {
+            let (key, problem) = key_error(&format!("{hw}vm_cpus = {text}\n"));
+            assert_eq!(key, "hardware.vm_cpus", "{text}");
+            assert!(problem.contains(why), "{text}: {problem}");
+        }
     }
 
     #[test]

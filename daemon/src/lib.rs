@@ -31,6 +31,7 @@ pub mod net;
 pub mod nic;
 pub mod owner_errors;
 pub mod pci;
+pub mod placement;
 pub mod plan;
 pub mod preflight;
 pub mod process;

@@ -35,6 +35,7 @@ use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
 use crate::pci::identity::{FoundMac, IdentityError, PinnedMismatch};
 use crate::pci::PassthroughError;
+use crate::placement::topology::TopologyError;
 use crate::qemu::integrity::PinError;
 use crate::seed::SeedError;
 
@@ -394,6 +395,17 @@ impl From<PinError> for ApiError {
             "expected": e.expected,
             "found": e.found(),
         }))
+    }
+}
+
+impl From<TopologyError> for ApiError {
+    /// 4001 with `details: {step: "topology", path}`: the host's sysfs did not say where a VM
+    /// could go, which is the host's fault, not the request's.
+    fn from(e: TopologyError) -> ApiError {
+        let path = match &e {
+            TopologyError::Read { path, .. } | TopologyError::Parse { path, .. } => path.clone(),
+        };
+        api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "topology", "path": path }))
     }
 }
 
@@ -923,6 +935,21 @@ mod tests {
                 BackupError::Manifest { path: "/m".into(), source: ManifestError::TakesOthers("x".into()) },
                 Code::ChecksumMismatch,
                 Some("backup"),
+            ),
+            case(
+                "topology: unreadable",
+                TopologyError::Read {
+                    path: "/sys/devices/system/cpu/online".into(),
+                    source: std::io::Error::other("x"),
+                },
+                Code::ProvisioningFailed,
+                None,
+            ),
+            case(
+                "topology: not what the kernel writes",
+                TopologyError::Parse { path: "/sys/x".into(), problem: "x".into() },
+                Code::ProvisioningFailed,
+                None,
             ),
             case(
                 "backup: export",

@@ -63,7 +63,9 @@ pub fn spec_drift(current: &VmSpec, desired: &VmSpec) -> Vec<String> {
 }
 
 /// True when `a` and `b` differ at most in what converges without a change (`state`,
-/// `guest_interfaces`, `ssh`). Every field is named, so a new one cannot be forgotten here.
+/// `guest_interfaces`, `ssh`). Every field is named, so a new one cannot be forgotten here; the
+/// placement fields (`cpu_policy`, `numa`, `hugepages`, `emulator_cpu`) are drift that needs a
+/// restart ([`restart_needed`]: they are not in [`LIVE_FIELDS`]).
 fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
     let VmSpec {
         name,
@@ -81,6 +83,10 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         user_data,
         ssh: _,
         guest_exec,
+        cpu_policy,
+        numa,
+        hugepages,
+        emulator_cpu,
     } = a;
     *name == b.name
         && *role == b.role
@@ -94,6 +100,10 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         && *restart_policy == b.restart_policy
         && *user_data == b.user_data
         && *guest_exec == b.guest_exec
+        && *cpu_policy == b.cpu_policy
+        && *numa == b.numa
+        && *hugepages == b.hugepages
+        && *emulator_cpu == b.emulator_cpu
 }
 
 /// What turning a VM's `current` spec into `desired` takes.
@@ -488,6 +498,10 @@ mod tests {
             }),
             ("restart_policy", |s| s.restart_policy = crate::api::RestartPolicy::Never),
             ("user_data", |s| s.user_data = Some("#cloud-config\n".into())),
+            ("cpu_policy", |s| s.cpu_policy = crate::api::CpuPolicy::Dedicated),
+            ("numa", |s| s.numa = Some(crate::api::NumaPolicy::Node(0))),
+            ("hugepages", |s| s.hugepages = Some(crate::api::HugePageSize::M2)),
+            ("emulator_cpu", |s| s.emulator_cpu = true),
         ];
         for (field, make) in change {
             let mut b = a.clone();
@@ -874,6 +888,43 @@ mod tests {
             let p = plan_reconcile(&config(), &[uefi.clone()], &cur(&[(bios, VmStatus::Running)]), false, false);
             assert_eq!((p[0].action, p[0].restart, p[0].error.clone()), (PlanAction::Reconfigure, Some(true), None));
         }
+    }
+
+    /// Where QEMU's threads and memory go is fixed when it starts (memory backend, affinity):
+    /// each placement field restarts a running VM, and only a running one.
+    #[test]
+    fn a_placement_change_restarts_the_vm() {
+        use crate::api::{CpuPolicy, HugePageSize, NumaPolicy};
+        type Edit = fn(&mut VmSpec);
+        let edits: [(&str, Edit); 5] = [
+            ("cpu_policy", |s| s.cpu_policy = CpuPolicy::Dedicated),
+            ("numa", |s| s.numa = Some(NumaPolicy::Auto)),
+            ("numa", |s| s.numa = Some(NumaPolicy::Node(0))),
+            ("hugepages", |s| s.hugepages = Some(HugePageSize::M2)),
+            ("emulator_cpu", |s| {
+                s.cpu_policy = CpuPolicy::Dedicated;
+                s.emulator_cpu = true;
+            }),
+        ];
+        for (field, edit) in edits {
+            let a = spec("a");
+            let mut b = a.clone();
+            edit(&mut b);
+            assert!(restart_needed(&a, &b), "{field}");
+            assert!(restart_needed(&b, &a), "{field} back");
+            let Change::Reconfigure { fields, restart: true } = classify(&a, &b).unwrap() else {
+                panic!("{field}: {:?}", classify(&a, &b))
+            };
+            assert!(fields.iter().any(|f| f == field), "{field}: {fields:?}");
+        }
+        let mut b = spec("a");
+        b.numa = Some(NumaPolicy::Auto);
+        b.hugepages = Some(HugePageSize::M2);
+        let p = plan_reconcile(&config(), &[b.clone()], &cur(&[(spec("a"), VmStatus::Running)]), false, false);
+        assert_eq!((p[0].action, p[0].restart, p[0].error.clone()), (PlanAction::Reconfigure, Some(true), None));
+        assert_eq!(p[0].fields, vec!["hugepages".to_string(), "numa".into()]);
+        let p = plan_reconcile(&config(), &[b], &cur(&[(spec("a"), VmStatus::Stopped)]), false, false);
+        assert_eq!(p[0].restart, Some(false), "a stopped VM takes it at its next start");
     }
 
     #[test]

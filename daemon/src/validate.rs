@@ -156,6 +156,7 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
         )
         .field("spec.memory_mib"));
     }
+    validate_placement(spec, config)?;
     for (class, indices) in spec.hardware.by_class() {
         let mut seen = HashSet::new();
         for (pos, &index) in indices.iter().enumerate() {
@@ -195,6 +196,59 @@ pub fn validate_spec(spec: &VmSpec, config: &Config) -> Result<ValidSpec, ApiErr
     validate_guest_interfaces(spec)?;
     validate_ssh(spec)?;
     Ok(ValidSpec { spec: spec.clone(), boot })
+}
+
+/// `cpu_policy`, `numa`, `hugepages`, `emulator_cpu` as far as the spec and config tell
+/// (whether a NUMA node exists and what the nodes have left is [`crate::placement::place`]'s):
+/// an emulator CPU is a dedicated VM's, hugepages must hold the memory exactly, and a dedicated
+/// VM needs `[hardware] vm_cpus` with enough CPUs in it.
+///
+/// # Errors
+/// 2001 on `spec.emulator_cpu` or `spec.memory_mib`; 3001 on `spec.cpu_policy` (no `vm_cpus`)
+/// or `spec.cpu` (more CPUs than `vm_cpus` has).
+fn validate_placement(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
+    let dedicated = spec.cpu_policy == crate::api::CpuPolicy::Dedicated;
+    if spec.emulator_cpu && !dedicated {
+        return Err(ApiError::invalid(
+            "spec.emulator_cpu",
+            "emulator_cpu is a dedicated CPU for QEMU's own threads: only with cpu_policy dedicated",
+        ));
+    }
+    if let Some(size) = spec.hugepages {
+        let unit = size.kib() / 1024;
+        if !spec.memory_mib.is_multiple_of(unit) {
+            return Err(ApiError::invalid(
+                "spec.memory_mib",
+                format!(
+                    "memory_mib {} is not a whole number of {size} hugepages (a multiple of {unit})",
+                    spec.memory_mib
+                ),
+            ));
+        }
+    }
+    if dedicated {
+        let Some(vm_cpus) = &config.hardware.vm_cpus else {
+            return Err(ApiError::new(
+                Code::NotInModel,
+                "cpu_policy dedicated needs host CPUs to dedicate: the host config names no vm_cpus",
+            )
+            .field("spec.cpu_policy")
+            .details(serde_json::json!({ "vm_cpus": null })));
+        };
+        let wanted = u64::from(spec.cpu) + u64::from(spec.emulator_cpu);
+        if wanted > vm_cpus.len() as u64 {
+            return Err(ApiError::new(
+                Code::NotInModel,
+                format!(
+                    "a dedicated VM of {wanted} CPUs does not fit in the host's {} vm_cpus ({vm_cpus})",
+                    vm_cpus.len()
+                ),
+            )
+            .field("spec.cpu")
+            .details(serde_json::json!({ "requested": wanted, "vm_cpus": vm_cpus })));
+        }
+    }
+    Ok(())
 }
 
 /// `user_data`: at most [`MAX_USER_DATA`] bytes, no NUL (it is a text file on the seed, and a
@@ -586,6 +640,10 @@ reserved_memory_gib = 4
             user_data: None,
             ssh: None,
             guest_exec: true,
+            cpu_policy: Default::default(),
+            numa: None,
+            hugepages: None,
+            emulator_cpu: false,
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),
@@ -694,6 +752,34 @@ reserved_memory_gib = 4
         assert_eq!(err(&s), (2001, "spec.memory_mib".into()));
         s.memory_mib = 16 * 1024 + 1;
         assert_eq!(err(&s), (3001, "spec.memory_mib".into()));
+    }
+
+    #[test]
+    fn placement_fields() {
+        use crate::api::{CpuPolicy, HugePageSize};
+        let pinned = {
+            let mut c = config();
+            c.hardware.vm_cpus = Some(crate::placement::CpuSet::parse("2-5").unwrap());
+            c
+        };
+        let mut s = spec("a");
+        s.emulator_cpu = true;
+        assert_eq!(err_with(&s, &pinned), (2001, "spec.emulator_cpu".into()));
+        s.cpu_policy = CpuPolicy::Dedicated;
+        assert!(validate_spec(&s, &pinned).is_ok());
+        assert_eq!(err(&s), (3001, "spec.cpu_policy".into()), "no vm_cpus");
+        s.cpu = 4;
+        assert_eq!(err_with(&s, &pinned), (3001, "spec.cpu".into()), "4 + the emulator CPU > 4 vm_cpus");
+        s.emulator_cpu = false;
+        assert!(validate_spec(&s, &pinned).is_ok());
+        let mut s = spec("a");
+        for (size, good, bad) in [(HugePageSize::M2, 258, 257), (HugePageSize::G1, 2048, 1536)] {
+            s.hugepages = Some(size);
+            s.memory_mib = good;
+            assert!(validate_spec(&s, &config()).is_ok(), "{size} {good}");
+            s.memory_mib = bad;
+            assert_eq!(err(&s), (2001, "spec.memory_mib".into()), "{size} {bad}");
+        }
     }
 
     #[test]

@@ -114,6 +114,174 @@ pub struct VmSpec {
     /// the host must also allow them with `[agent] allow_exec`). Changed without a restart.
     #[serde(default = "default_true", skip_serializing_if = "is_true")]
     pub guest_exec: bool,
+    /// `shared` (default: vCPUs float over the shared pool) or `dedicated` (each vCPU on a
+    /// host CPU of its own, from `[hardware] vm_cpus`). Left out when shared. Needs a restart.
+    #[serde(default, skip_serializing_if = "CpuPolicy::is_default")]
+    pub cpu_policy: CpuPolicy,
+    /// Which NUMA node(s) the VM's CPUs and memory come from; absent: `auto` for a dedicated
+    /// VM, `none` for a shared one ([`VmSpec::numa_policy`]). Needs a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<NumaPolicy>,
+    /// Back the guest's memory with preallocated hugepages of this size; absent: normal memory
+    /// (transparent hugepages where the kernel gives them). Needs a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugepages: Option<HugePageSize>,
+    /// One more dedicated CPU, on the VM's node, for QEMU's threads that are not vCPUs (I/O,
+    /// the main loop); only with `cpu_policy: dedicated`. Needs a restart.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub emulator_cpu: bool,
+}
+
+impl VmSpec {
+    /// The NUMA policy the VM is placed by: `numa` when given, else `auto` for a dedicated VM
+    /// and `none` for a shared one.
+    pub fn numa_policy(&self) -> NumaPolicy {
+        self.numa.unwrap_or(match self.cpu_policy {
+            CpuPolicy::Dedicated => NumaPolicy::Auto,
+            CpuPolicy::Shared => NumaPolicy::None,
+        })
+    }
+}
+
+/// `spec.cpu_policy`: whether a VM's vCPUs share host CPUs or each has one of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpuPolicy {
+    /// The vCPUs float over the shared pool (every `vm_cpus` CPU no dedicated VM holds).
+    #[default]
+    Shared,
+    /// Each vCPU is pinned to a host CPU no other VM uses.
+    Dedicated,
+}
+
+impl CpuPolicy {
+    /// True for the default (`shared`), which specs leave out.
+    pub fn is_default(&self) -> bool {
+        *self == CpuPolicy::Shared
+    }
+
+    /// `shared` or `dedicated`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CpuPolicy::Shared => "shared",
+            CpuPolicy::Dedicated => "dedicated",
+        }
+    }
+}
+
+/// `spec.numa`: `"auto"`, `"spread"`, `"none"` or a node number. Closed: any other string or
+/// value is refused when the spec is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NumaPolicy {
+    /// One node: the node of the VM's passthrough devices, else the one with the most room.
+    Auto,
+    /// One node when one fits, else as many as it takes, memory bound over all of them.
+    Spread,
+    /// No node: memory unbound, CPUs from anywhere in `vm_cpus`.
+    None,
+    /// This node.
+    Node(u32),
+}
+
+impl Serialize for NumaPolicy {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            NumaPolicy::Auto => s.serialize_str("auto"),
+            NumaPolicy::Spread => s.serialize_str("spread"),
+            NumaPolicy::None => s.serialize_str("none"),
+            NumaPolicy::Node(n) => s.serialize_u32(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for NumaPolicy {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<NumaPolicy, D::Error> {
+        struct Visit;
+        impl serde::de::Visitor<'_> for Visit {
+            type Value = NumaPolicy;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("\"auto\", \"spread\", \"none\" or a NUMA node number")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<NumaPolicy, E> {
+                match v {
+                    "auto" => Ok(NumaPolicy::Auto),
+                    "spread" => Ok(NumaPolicy::Spread),
+                    "none" => Ok(NumaPolicy::None),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<NumaPolicy, E> {
+                u32::try_from(v)
+                    .map(NumaPolicy::Node)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<NumaPolicy, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+                    .and_then(|v| self.visit_u64(v))
+            }
+        }
+        d.deserialize_any(Visit)
+    }
+}
+
+impl std::fmt::Display for NumaPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NumaPolicy::Auto => f.write_str("auto"),
+            NumaPolicy::Spread => f.write_str("spread"),
+            NumaPolicy::None => f.write_str("none"),
+            NumaPolicy::Node(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// `spec.hugepages`: the size of the hugepages backing a VM's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum HugePageSize {
+    /// 2 MiB pages.
+    #[serde(rename = "2M")]
+    M2,
+    /// 1 GiB pages.
+    #[serde(rename = "1G")]
+    G1,
+}
+
+impl HugePageSize {
+    /// Every size, smallest first.
+    pub const ALL: [HugePageSize; 2] = [HugePageSize::M2, HugePageSize::G1];
+
+    /// The page size in KiB, as in sysfs's `hugepages-<N>kB` directories.
+    pub fn kib(self) -> u64 {
+        match self {
+            HugePageSize::M2 => 2048,
+            HugePageSize::G1 => 1_048_576,
+        }
+    }
+
+    /// How many pages `memory_mib` takes, rounded up (validation makes it exact).
+    pub fn pages_for(self, memory_mib: u64) -> u64 {
+        memory_mib.saturating_mul(1024).div_ceil(self.kib())
+    }
+
+    /// `2M` or `1G`, as in specs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HugePageSize::M2 => "2M",
+            HugePageSize::G1 => "1G",
+        }
+    }
+
+    /// The size whose sysfs directory is `hugepages-<kib>kB`, if vmhost knows it.
+    pub fn from_kib(kib: u64) -> Option<HugePageSize> {
+        HugePageSize::ALL.into_iter().find(|s| s.kib() == kib)
+    }
+}
+
+impl std::fmt::Display for HugePageSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 fn is_true(b: &bool) -> bool {
@@ -398,6 +566,26 @@ pub struct VmView {
     /// without a seed (a `boot.disk` VM, a direct-kernel VM without `user_data`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<String>,
+}
+
+/// Where a running VM runs (`VmView.placement`, `PlanEntry.placement`): CPU sets in the
+/// Linux cpulist form (`"2-5,8"`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementView {
+    /// `shared` or `dedicated`.
+    pub policy: CpuPolicy,
+    /// Every host CPU the VM's threads may use (a shared VM: the shared pool).
+    pub cpus: crate::placement::CpuSet,
+    /// The host CPU of each vCPU, in vCPU order (dedicated); empty for shared.
+    pub vcpus: Vec<u32>,
+    /// Where QEMU's other threads run (empty: the VM's own `cpus`).
+    pub emulator: crate::placement::CpuSet,
+    /// NUMA nodes its memory is bound to (empty: not bound).
+    pub nodes: Vec<u32>,
+    /// The hugepage size backing its memory, if any.
+    pub hugepages: Option<HugePageSize>,
+    /// Hugepages taken on each node (by node number).
+    pub hugepages_per_node: std::collections::BTreeMap<u32, u64>,
 }
 
 /// A NIC's host-side identity.
@@ -855,6 +1043,78 @@ mod tests {
         assert!(s.hardware.is_empty());
         let back: VmSpec = serde_json::from_value(serde_json::to_value(&s).unwrap()).unwrap();
         assert_eq!(back, s);
+    }
+
+    #[test]
+    fn placement_fields_default_and_are_left_out_then() {
+        let j = serde_json::json!({"name": "a", "cpu": 1, "memory_mib": 64, "state": "running",
+            "boot": {"kernel": "/k"}});
+        let s: VmSpec = serde_json::from_value(j.clone()).unwrap();
+        assert_eq!((s.cpu_policy, s.numa, s.hugepages, s.emulator_cpu), (CpuPolicy::Shared, None, None, false));
+        assert_eq!(s.numa_policy(), NumaPolicy::None);
+        // A spec (or record) from before the fields existed serializes exactly as it did.
+        assert_eq!(serde_json::to_value(&s).unwrap(), j);
+        let mut explicit = j.clone();
+        explicit["cpu_policy"] = "shared".into();
+        explicit["emulator_cpu"] = false.into();
+        let s: VmSpec = serde_json::from_value(explicit).unwrap();
+        assert_eq!(serde_json::to_value(&s).unwrap(), j, "defaults are left out");
+        for (numa, policy) in [
+            (serde_json::json!("auto"), NumaPolicy::Auto),
+            (serde_json::json!("spread"), NumaPolicy::Spread),
+            (serde_json::json!("none"), NumaPolicy::None),
+            (serde_json::json!(1), NumaPolicy::Node(1)),
+        ] {
+            let mut d = j.clone();
+            d["cpu_policy"] = "dedicated".into();
+            d["numa"] = numa;
+            d["hugepages"] = "1G".into();
+            d["emulator_cpu"] = true.into();
+            let s: VmSpec = serde_json::from_value(d.clone()).unwrap();
+            assert_eq!(
+                (s.cpu_policy, s.numa, s.hugepages, s.emulator_cpu),
+                (CpuPolicy::Dedicated, Some(policy), Some(HugePageSize::G1), true)
+            );
+            assert_eq!(serde_json::to_value(&s).unwrap(), d);
+        }
+        let mut dedicated = j.clone();
+        dedicated["cpu_policy"] = "dedicated".into();
+        assert_eq!(serde_json::from_value::<VmSpec>(dedicated).unwrap().numa_policy(), NumaPolicy::Auto);
+        // Closed: anything else is refused when the spec is read.
+        for (key, bad) in [
+            ("numa", serde_json::json!("local")),
+            ("numa", serde_json::json!(-1)),
+            ("numa", serde_json::json!(1.5)),
+            ("numa", serde_json::json!(5_000_000_000u64)),
+            ("numa", serde_json::json!(null)),
+            ("cpu_policy", serde_json::json!("isolated")),
+            ("hugepages", serde_json::json!("4K")),
+            ("hugepages", serde_json::json!(2)),
+            ("emulator_cpu", serde_json::json!("yes")),
+        ] {
+            let mut d = j.clone();
+            d[key] = bad.clone();
+            // `null` for an Option reads as absent, like every optional field of a spec.
+            let r = serde_json::from_value::<VmSpec>(d);
+            if bad.is_null() {
+                assert_eq!(r.unwrap().numa, None);
+            } else {
+                assert!(r.is_err(), "{key}: {bad}");
+            }
+        }
+    }
+
+    #[test]
+    fn hugepage_sizes() {
+        assert_eq!((HugePageSize::M2.kib(), HugePageSize::G1.kib()), (2048, 1_048_576));
+        assert_eq!(HugePageSize::M2.pages_for(1024), 512);
+        assert_eq!(HugePageSize::G1.pages_for(4096), 4);
+        assert_eq!(HugePageSize::G1.pages_for(1536), 2, "rounded up");
+        assert_eq!(HugePageSize::from_kib(2048), Some(HugePageSize::M2));
+        assert_eq!(HugePageSize::from_kib(64), None);
+        assert_eq!(serde_json::to_value(HugePageSize::M2).unwrap(), serde_json::json!("2M"));
+        let map: std::collections::BTreeMap<HugePageSize, u64> = [(HugePageSize::G1, 1)].into();
+        assert_eq!(serde_json::to_value(map).unwrap(), serde_json::json!({"1G": 1}));
     }
 
     #[test]

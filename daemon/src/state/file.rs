@@ -77,6 +77,9 @@ pub(super) struct RecordFile {
     /// [`VmRecord::unclean_end`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     unclean_end: Option<String>,
+    /// [`VmRecord::placement`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    placement: Option<crate::placement::Placement>,
 }
 
 /// [`RootDisk`] on disk, where the import in progress is its `importing`.
@@ -147,6 +150,7 @@ impl From<RecordFile> for VmRecord {
             intent,
             instance_id: f.instance_id,
             unclean_end: f.unclean_end,
+            placement: f.placement,
         }
     }
 }
@@ -189,6 +193,7 @@ impl From<VmRecord> for RecordFile {
             reverting,
             instance_id: r.instance_id,
             unclean_end: r.unclean_end,
+            placement: r.placement,
         }
     }
 }
@@ -248,6 +253,32 @@ mod tests {
             let importing = json.get("root_disk").map(|d| d.get("importing").is_some_and(|i| i == true));
             assert_eq!(importing, expected.get("root").and_then(serde_json::Value::as_bool), "{:?}", r.intent);
         }
+    }
+
+    /// A placement is kept while the QEMU runs and left out when there is none, so a record
+    /// without one is written as before.
+    #[test]
+    fn a_placement_is_recorded_and_left_out_when_none() {
+        let r = VmRecord::new(spec("v"));
+        assert_eq!(reread(&r).1.get("placement"), None);
+        let mut placed = r.clone();
+        placed.placement = Some(crate::placement::Placement {
+            policy: crate::api::CpuPolicy::Dedicated,
+            vcpus: vec![2, 3],
+            cpus: crate::placement::CpuSet::parse("2-4").unwrap(),
+            emulator: crate::placement::CpuSet::parse("4").unwrap(),
+            nodes: vec![1],
+            hugepages: Some(crate::api::HugePageSize::M2),
+            hugepages_per_node: [(1, 128)].into(),
+            memory_mib: 256,
+        });
+        let (back, json) = reread(&placed);
+        assert_eq!(back, placed);
+        assert_eq!(
+            json["placement"],
+            serde_json::json!({"policy": "dedicated", "vcpus": [2, 3], "cpus": "2-4", "emulator": "4",
+                "nodes": [1], "hugepages": "2M", "hugepages_per_node": {"1": 128}, "memory_mib": 256})
+        );
     }
 
     /// A revert recorded with data disks an earlier operation left tracked (today's code could

@@ -90,6 +90,10 @@ pub struct VmRecord {
     /// by a revert to a snapshot that is not crash-consistent. While set, a copy of the stopped
     /// VM is `crash` with this as its reason, not `stopped`.
     pub unclean_end: Option<String>,
+    /// Where the VM's QEMU runs ([`crate::placement`]): set under the allocation lock in the
+    /// same write that marks a start (before the host is touched), cleared when the QEMU is
+    /// gone. A stopped VM holds none.
+    pub placement: Option<crate::placement::Placement>,
 }
 
 /// A `boot.disk` VM's root disk: `STATE/disks/NAME/root.FORMAT`, moved in from the import
@@ -131,6 +135,7 @@ impl VmRecord {
             intent: None,
             instance_id: None,
             unclean_end: None,
+            placement: None,
         }
     }
 
