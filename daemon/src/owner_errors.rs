@@ -35,6 +35,7 @@ use crate::pci::bind::{BindError, StepFailure};
 use crate::pci::check::{CheckError, HostUseKind};
 use crate::pci::identity::{FoundMac, IdentityError, PinnedMismatch};
 use crate::pci::PassthroughError;
+use crate::placement::pin::PinError as CpuPinError;
 use crate::placement::topology::TopologyError;
 use crate::qemu::integrity::PinError;
 use crate::seed::SeedError;
@@ -409,6 +410,15 @@ impl From<TopologyError> for ApiError {
     }
 }
 
+impl From<CpuPinError> for ApiError {
+    /// 4001 `details.step: "placement"`: QEMU's threads could not be put on the VM's CPUs
+    /// (the launch fails and is undone; a pin that cannot be kept is not a VM that runs as
+    /// asked).
+    fn from(e: CpuPinError) -> ApiError {
+        api(Code::ProvisioningFailed, &e, None).details(json!({"step": "placement"}))
+    }
+}
+
 impl From<BackupError> for ApiError {
     /// On `backup`: 2001 for a name or a manifest that is not a backup's, 4040 for none, 2003
     /// (`details.file`) for a `manifest.json` that is not a regular file or would take what is
@@ -568,6 +578,12 @@ mod tests {
     fn cases() -> Vec<Case> {
         let a = pci("0000:00:05.0");
         vec![
+            case(
+                "placement: a QEMU thread cannot be pinned",
+                CpuPinError::SetAffinity { tid: 7, cpus: "1".into(), source: nix::errno::Errno::EPERM },
+                Code::ProvisioningFailed,
+                None,
+            ),
             case(
                 "exec: all slots busy",
                 ExecError::Busy(crate::agent::exec::slots::SlotsBusy),

@@ -566,6 +566,11 @@ pub struct VmView {
     /// without a seed (a `boot.disk` VM, a direct-kernel VM without `user_data`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<String>,
+    /// Where its QEMU runs (CPUs, NUMA nodes, hugepages) while it runs with a placement
+    /// (docs/lifecycle.md, "Placement"); absent for a stopped VM and for one no placement
+    /// applies to (no `vm_cpus`, shared, no NUMA or hugepage wish).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementView>,
 }
 
 /// Where a running VM runs (`VmView.placement`, `PlanEntry.placement`): CPU sets in the

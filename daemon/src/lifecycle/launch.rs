@@ -19,7 +19,7 @@ use super::{provisioning, Manager};
 use crate::api::{ApiError, Firmware, VmStatus};
 use crate::disk::OverlayError;
 use crate::process::ProcessIdentity;
-use crate::qemu::argv::{build_argv, launch_fds, PassedFd};
+use crate::qemu::argv::{apply_placement, build_argv, launch_fds, PassedFd};
 use crate::qemu::launch::LaunchRequest;
 use crate::seed::SeedError;
 use crate::validate::{BootSource, ValidSpec};
@@ -257,12 +257,16 @@ impl VmOp {
         crate::blocking::run(|| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&paths.run_dir))
             .map_err(FileError::file("run_dir", "create", &paths.run_dir))?;
         self.push(Step::HostSide);
-        self.update_status("launching QEMU", during, |r| {
+        // The placement is decided and recorded in the same write (docs/lifecycle.md).
+        let marked = self.held().mark_start("launching QEMU", during, &vm.spec, |r| {
             r.last_error = None;
             // The new QEMU runs the recorded spec: nothing is pending any more.
             r.running_spec = None;
         })?;
         self.crashpoint("launch:recorded");
+        if marked.placement.is_some() {
+            self.crashpoint("placement:recorded");
+        }
         // A failed bind restores what it changed itself.
         self.bind_passthrough(&vm.spec).await?;
         self.push(Step::Devices);
@@ -301,9 +305,13 @@ impl VmOp {
         let fds = mgr.net.attach_nics(&mgr.config, &name, &vm.spec.nics, &allocs).await?;
         self.crashpoint("launch:taps");
         let opened = self.open_passed_fds(vm, &allocs, fds, vhost.unwrap_or_default()).await?;
+        let mut argv = build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format);
+        if let Some(placement) = &rec.placement {
+            apply_placement(&mut argv, placement);
+        }
         let request = LaunchRequest {
             binary: mgr.config.qemu.binary.clone(),
-            argv: build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format),
+            argv,
             qmp: paths.qmp.clone(),
             log: paths.qemu_log.clone(),
             timeout: Duration::from_secs(mgr.config.qemu.launch_timeout_s),
@@ -311,12 +319,13 @@ impl VmOp {
             memlock: super::vfio::memlock_for(&mgr, &vm.spec),
             user: mgr.config.qemu_user,
             kvm: mgr.config.qemu.accel == crate::config::Accel::Kvm,
+            affinity: super::placement::spawn_affinity(rec.placement.as_ref()),
         };
         let launched = mgr.processes.spawn(&request).await;
         // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client
         // of a dead QEMU's sockets is refused rather than queued.
         drop(request);
-        let crate::qemu::launch::Launched { identity: id, qmp } = launched?;
+        let crate::qemu::launch::Launched { identity: id, mut qmp } = launched?;
         // Killed on failure from here on, also when its identity cannot be recorded.
         self.push(Step::Process(id.clone()));
         self.crashpoint("launch:spawned");
@@ -329,6 +338,7 @@ impl VmOp {
             }
         })?;
         self.crashpoint("launch:launched");
+        self.held().pin_vcpus(id.pid, &mut qmp).await?;
         mgr.processes.verify_running(qmp).await?;
         Ok(id)
     }

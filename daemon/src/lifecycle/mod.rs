@@ -43,6 +43,7 @@ mod launch;
 mod live_copy;
 mod op;
 pub(crate) mod ops;
+mod placement;
 mod processes;
 pub(crate) mod reconcile;
 mod reconfigure;

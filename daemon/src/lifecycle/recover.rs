@@ -11,7 +11,9 @@
 //! each through a [`HeldVm`]: nothing else can hold a VM before the daemon serves, so the
 //! steps recovery shares with operations (undo, release, disposal) are the held VM's. A VM
 //! settled without error leaves the registry's `unsettled` set: from then on only a launch
-//! searches /proc for its QEMU.
+//! searches /proc for its QEMU. A settled VM's placement is checked last but one, before its
+//! devices: a live QEMU's threads against the record ([`HeldVm::check_pins`]), a gone one's
+//! released.
 
 use super::held::HeldVm;
 use super::processes::Search;
@@ -85,6 +87,16 @@ impl<'m> Recovery<'m> {
     async fn recover(&self, held: &HeldVm) -> Result<(), ApiError> {
         let (mgr, name) = (self.mgr, held.name());
         self.settle(held).await?;
+        // A re-adopted QEMU's threads are checked against its placement (re-pinned where they
+        // differ); a VM without a live QEMU holds none.
+        if let Ok(rec) = held.record() {
+            if rec.placement.is_some() {
+                match mgr.processes.find(held.paths(), rec.process.as_ref(), self.search())? {
+                    Some(id) => held.check_pins(id.pid),
+                    None => held.release_placement(),
+                }
+            }
+        }
         // Devices of a VM without a live QEMU go back to their host drivers.
         let rec = held.record();
         if let Ok(rec) = rec {

@@ -337,6 +337,7 @@ impl Registry {
             restarts: rec.restarts,
             last_exit: rec.last_exit.clone(),
             instance_id: rec.instance_id.clone().filter(|_| crate::seed::spec_has_seed(&rec.spec)),
+            placement: rec.placement.as_ref().map(crate::api::PlacementView::from),
         };
         if rec.status == VmStatus::Running && t.exited.get(name).is_some_and(|id| rec.process.as_ref() == Some(id)) {
             CachedView::dead(&mut view);

@@ -7,7 +7,8 @@
 //! 1. the run dir with its sockets (a client of a dead QEMU's socket is refused, not queued);
 //! 2. the taps (network owner, [`crate::net`]);
 //! 3. the guest agent session;
-//! 4. the passthrough devices back to their host drivers ([`super::vfio`]), last: it needs
+//! 4. the placement ([`super::placement`]: a dedicated VM's CPUs go back to the shared pool);
+//! 5. the passthrough devices back to their host drivers ([`super::vfio`]), last: it needs
 //!    QEMU gone, and it is the only step that can fail.
 //!
 //! A launch that failed keeps the devices ([`Devices::Keep`]): it gives them back itself, only
@@ -68,6 +69,8 @@ impl HeldVm {
         // The VM's exec slots entry goes once no call holds a slot (a call still running ends
         // with the session QEMU's exit broke).
         mgr.exec_slots.forget(name);
+        // Its CPUs (and hugepages) are free once no QEMU runs on them.
+        self.release_placement();
         match devices {
             Devices::Release => self.release_passthrough().await,
             Devices::Keep => Ok(()),

@@ -13,6 +13,7 @@
 
 pub mod allocate;
 pub mod cpuset;
+pub mod pin;
 pub mod topology;
 
 pub use allocate::{place, shared_pool};

@@ -14,9 +14,10 @@
 //! variables store) is two more fd sets under `-blockdev` nodes the machine's flash devices
 //! name.
 
-use crate::api::Firmware;
+use crate::api::{Firmware, HugePageSize};
 use crate::config::{Accel, Config};
 use crate::nic::{kernel_ip_params, NicAlloc};
+use crate::placement::Placement;
 use crate::qemu::boot_files::proc_path;
 pub use crate::qemu::hotplug::data_drive;
 use crate::qemu::launch::FIRST_PASSED_FD;
@@ -488,6 +489,66 @@ pub fn build_argv(
         BootSource::Disk { .. } => {}
     }
     a.into_iter().map(OsString::from).collect()
+}
+
+/// The id of a placed VM's memory backend (`-machine memory-backend=`).
+pub const MEMORY_BACKEND: &str = "ram0";
+
+/// `nodes` in QEMU's `host-nodes` syntax: contiguous runs as `A-B`, runs after the first as
+/// further `host-nodes=` keys (a comma inside one value would end it).
+fn host_nodes(nodes: &[u32]) -> String {
+    let mut sorted = nodes.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for n in sorted {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == n => *end = n,
+            _ => runs.push((n, n)),
+        }
+    }
+    runs.iter()
+        .map(|(a, b)| if a == b { format!("host-nodes={a}") } else { format!("host-nodes={a}-{b}") })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The `-object` of a placed VM's memory: `None` when the placement neither binds memory to
+/// nodes nor asks for hugepages (QEMU's default RAM, transparent hugepages as the host does).
+/// A memfd backend needs no hugetlbfs mount: QEMU makes an anonymous hugetlb file itself
+/// (`hugetlb=on`), and `prealloc` takes every page at start, so a short pool fails the
+/// launch instead of the guest later.
+pub fn memory_backend(placement: &Placement) -> Option<String> {
+    if placement.nodes.is_empty() && placement.hugepages.is_none() {
+        return None;
+    }
+    let mut o = format!("memory-backend-memfd,id={MEMORY_BACKEND},size={}M,share=on", placement.memory_mib);
+    if let Some(size) = placement.hugepages {
+        let size = match size {
+            HugePageSize::M2 => "2M",
+            HugePageSize::G1 => "1G",
+        };
+        o.push_str(&format!(",hugetlb=on,hugetlbsize={size},prealloc=on"));
+    }
+    if !placement.nodes.is_empty() {
+        o.push_str(&format!(",{},policy=bind", host_nodes(&placement.nodes)));
+    }
+    Some(o)
+}
+
+/// Adds a placed VM's memory backend to an argv made by [`build_argv`]: the `-object` after
+/// `-m`, and `memory-backend=` merged into the `-machine` option (QEMU takes one). Nothing
+/// changes for a placement without nodes or hugepages. The vCPU count stays `-smp N`: its
+/// threads are pinned after the launch (`crate::placement::pin`).
+pub fn apply_placement(argv: &mut Vec<OsString>, placement: &Placement) {
+    let Some(object) = memory_backend(placement) else { return };
+    if let Some(i) = argv.iter().position(|a| a == "-machine") {
+        if let Some(machine) = argv.get_mut(i + 1) {
+            machine.push(format!(",memory-backend={MEMORY_BACKEND}"));
+        }
+    }
+    let at = argv.iter().position(|a| a == "-m").map_or(argv.len(), |i| (i + 2).min(argv.len()));
+    argv.splice(at..at, [OsString::from("-object"), OsString::from(object)]);
 }
 
 #[cfg(test)]
@@ -1108,5 +1169,54 @@ mod tests {
         assert!(p.qmp.as_os_str().len() <= 107);
         assert_eq!(p.exec.len(), EXEC_SLOTS);
         assert!(p.exec.iter().all(|e| e.as_os_str().len() <= 107), "{:?}", p.exec);
+    }
+
+    fn placement(nodes: Vec<u32>, hugepages: Option<HugePageSize>) -> Placement {
+        Placement {
+            policy: crate::api::CpuPolicy::Dedicated,
+            vcpus: vec![2, 3],
+            cpus: crate::placement::CpuSet::from_cpus([2, 3]),
+            emulator: crate::placement::CpuSet::from_cpus([0]),
+            nodes,
+            hugepages,
+            hugepages_per_node: Default::default(),
+            memory_mib: 256,
+        }
+    }
+
+    #[test]
+    fn a_placed_vm_gets_a_bound_memfd_backend() {
+        let c = config();
+        let mut s = spec("vm-1");
+        s.memory_mib = 256;
+        let plain = argv_of(&s, &c);
+        let with = |p: &Placement| {
+            let mut argv: Vec<OsString> = plain.iter().map(OsString::from).collect();
+            apply_placement(&mut argv, p);
+            argv.into_iter().map(|o| o.into_string().unwrap()).collect::<Vec<String>>()
+        };
+        // CPUs only (no nodes, no hugepages): the argv is unchanged.
+        assert_eq!(with(&placement(vec![], None)), plain);
+        let argv = with(&placement(vec![1], Some(HugePageSize::M2)));
+        assert_eq!(value_after(&argv, "-machine"), [format!("{},memory-backend=ram0", c.qemu.machine)]);
+        assert_eq!(
+            value_after(&argv, "-object"),
+            ["memory-backend-memfd,id=ram0,size=256M,share=on,hugetlb=on,hugetlbsize=2M,prealloc=on,host-nodes=1,policy=bind"]
+        );
+        // Right after the memory size, which stays.
+        let m = argv.iter().position(|a| a == "-m").unwrap();
+        assert_eq!((argv[m + 1].as_str(), argv[m + 2].as_str()), ("256", "-object"));
+        assert_eq!(value_after(&argv, "-smp"), value_after(&plain, "-smp"));
+        assert_eq!(argv.len(), plain.len() + 2);
+        let argv = with(&placement(vec![0, 1, 3], Some(HugePageSize::G1)));
+        assert_eq!(
+            value_after(&argv, "-object"),
+            ["memory-backend-memfd,id=ram0,size=256M,share=on,hugetlb=on,hugetlbsize=1G,prealloc=on,host-nodes=0-1,host-nodes=3,policy=bind"]
+        );
+        let argv = with(&placement(vec![0], None));
+        assert_eq!(
+            value_after(&argv, "-object"),
+            ["memory-backend-memfd,id=ram0,size=256M,share=on,host-nodes=0,policy=bind"]
+        );
     }
 }

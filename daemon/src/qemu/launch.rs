@@ -68,6 +68,9 @@ pub struct LaunchRequest {
     pub user: Option<UserIds>,
     /// `accel = "kvm"`: QEMU keeps the group owning `/dev/kvm` ([`crate::qemu::kvm`]).
     pub kvm: bool,
+    /// The CPUs QEMU (every thread it makes) starts on, set before the exec; empty: the
+    /// spawner's ([`crate::lifecycle`]'s placement decides).
+    pub affinity: Vec<u32>,
 }
 
 const CAP_SYS_RESOURCE: u32 = 24;
@@ -173,6 +176,7 @@ pub async fn launch(req: &LaunchRequest) -> Result<Launched, LaunchError> {
         .stderr_to(log.into())
         .pass_fds(fds)
         .memlock(req.memlock)
+        .affinity(req.affinity.iter().copied())
         .user(req.user)
         .keep_kvm_group(req.kvm);
     // From here on, any early return (or the caller dropping us) kills QEMU (the handle's drop).
@@ -325,6 +329,7 @@ mod tests {
             memlock: None,
             user: None,
             kvm: false,
+            affinity: Vec::new(),
         }
     }
 

@@ -28,6 +28,21 @@ pub const DAEMON: &[(Capability, &str)] = &[
     ),
 ];
 
+/// Why the daemon keeps `CAP_SYS_NICE` when `[hardware] vm_cpus` is configured.
+pub const SYS_NICE_WHY: &str = "sched_setaffinity of the threads of QEMU processes running as another user \
+     (vCPU pinning, re-pinning shared VMs, repairing pins after a restart)";
+
+/// The daemon's set: [`DAEMON`] plus `CAP_SYS_NICE` when `pinning` (`[hardware] vm_cpus` is
+/// configured): changing the affinity of another user's task needs it, and without `vm_cpus`
+/// nothing is pinned, so the daemon does not keep it.
+pub fn daemon_caps(pinning: bool) -> Vec<(Capability, &'static str)> {
+    let mut v = DAEMON.to_vec();
+    if pinning {
+        v.push((Capability::CAP_SYS_NICE, SYS_NICE_WHY));
+    }
+    v
+}
+
 /// What the spawner keeps, each with the reason. `CAP_DAC_READ_SEARCH` is permitted but not
 /// effective: [`with_effective`] raises it only while a kernel or initrd is opened.
 pub const SPAWNER: &[(Capability, &str)] = &[
@@ -221,6 +236,10 @@ mod tests {
         let d: Vec<Capability> = DAEMON.iter().map(|(c, _)| *c).collect();
         assert_eq!(d, [Capability::CAP_NET_ADMIN, Capability::CAP_KILL]);
         assert_eq!(names(mask(&d)), "cap_kill,cap_net_admin");
+        let d: Vec<Capability> = daemon_caps(false).iter().map(|(c, _)| *c).collect();
+        assert_eq!(names(mask(&d)), "cap_kill,cap_net_admin");
+        let d: Vec<Capability> = daemon_caps(true).iter().map(|(c, _)| *c).collect();
+        assert_eq!(names(mask(&d)), "cap_kill,cap_net_admin,cap_sys_nice");
         let s: Vec<Capability> = spawner_caps(false).iter().map(|(c, _)| *c).collect();
         assert_eq!(names(mask(&s)), "cap_dac_read_search,cap_setgid,cap_setuid,cap_sys_resource");
         let s: Vec<Capability> = spawner_caps(true).iter().map(|(c, _)| *c).collect();

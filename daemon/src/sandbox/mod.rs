@@ -13,7 +13,8 @@
 //! 4. [`spawn`]: fork the spawner, which confines itself ([`caps::spawner_caps`],
 //!    [`landlock::spawner_rules`], no seccomp of its own) and then only starts the allowlisted
 //!    programs, each but the image download under [`child_seccomp`] (no IP socket);
-//! 5. [`caps`]: the daemon drops to CAP_NET_ADMIN and CAP_KILL (all five sets, securebits
+//! 5. [`caps`]: the daemon drops to CAP_NET_ADMIN and CAP_KILL, plus CAP_SYS_NICE when
+//!    `[hardware] vm_cpus` is configured ([`caps::daemon_caps`]) (all five sets, securebits
 //!    locked); VFIO group nodes are handed to QEMU by the spawner ([`spawn::vfio_node`]);
 //! 6. [`landlock`]: the daemon's file rules ([`landlock::daemon_rules`]), no TCP;
 //! 7. [`seccomp`]: the daemon's syscall table, last, so the steps before need no syscall the
@@ -183,7 +184,8 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     st.spawner = Some(report);
 
     // 5. Capabilities.
-    let keep: Vec<::caps::Capability> = caps::DAEMON.iter().map(|(c, _)| *c).collect();
+    let pinning = config.hardware.vm_cpus.is_some();
+    let keep: Vec<::caps::Capability> = caps::daemon_caps(pinning).iter().map(|(c, _)| *c).collect();
     match caps::restrict(&keep, &[]) {
         Ok(()) => st.caps = Some(Ok(())),
         Err(e) => {

@@ -120,6 +120,7 @@ pub const ALLOWED: &[Syscall] = &[
     sys!(SYS_set_tid_address, THREAD),
     sys!(SYS_sched_yield, THREAD),
     sys!(SYS_sched_getaffinity, "tokio sizes its thread pool"),
+    sys!(SYS_sched_setaffinity, "pinning QEMU's threads to a VM's placement (placement::pin)"),
     sys!(SYS_gettid, THREAD),
     sys!(SYS_prctl, "thread names (PR_SET_NAME)"),
     sys!(SYS_exit, THREAD),

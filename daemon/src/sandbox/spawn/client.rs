@@ -17,7 +17,7 @@ use std::process::{ExitStatus, Stdio};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-use super::setup::{place_fds, stdin_of, ChildSetup, CHILD_PATH, MAX_PASSED_FDS};
+use super::setup::{cpu_mask, place_fds, stdin_of, ChildSetup, CHILD_PATH, MAX_PASSED_FDS};
 use super::wire::{next_message, reply_error, send_request, spawner, utf8, Control, Request, RunRequest};
 use crate::config::UserIds;
 
@@ -37,6 +37,7 @@ pub struct Command {
     memlock: Option<u64>,
     user: Option<UserIds>,
     kvm: bool,
+    affinity: Option<Vec<u32>>,
 }
 
 impl Command {
@@ -58,6 +59,7 @@ impl Command {
             memlock: None,
             user: None,
             kvm: false,
+            affinity: None,
         }
     }
 
@@ -124,6 +126,16 @@ impl Command {
     /// RLIMIT_MEMLOCK (soft and hard) of the child, in bytes.
     pub fn memlock(mut self, bytes: Option<u64>) -> Command {
         self.memlock = bytes;
+        self
+    }
+
+    /// Runs the program on `cpus` only: the child sets its own affinity before the exec, so
+    /// every thread it makes starts there (QEMU of a placed VM, docs/lifecycle.md). An empty
+    /// set leaves the affinity as it is.
+    /// (`CpuSet::iter()` of a placement, or any list of CPU numbers.)
+    pub fn affinity(mut self, cpus: impl IntoIterator<Item = u32>) -> Command {
+        let cpus: Vec<u32> = cpus.into_iter().collect();
+        self.affinity = (!cpus.is_empty()).then_some(cpus);
         self
     }
 
@@ -309,7 +321,8 @@ fn spawn_local(cmd: Command) -> io::Result<Child> {
         command.stderr(Stdio::from(file));
     }
     let raw_fds: Vec<RawFd> = cmd.fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let setup = ChildSetup::new(cmd.memlock, cmd.user, groups_for(cmd.user, cmd.kvm));
+    let mask = cmd.affinity.as_deref().map(cpu_mask).transpose()?;
+    let setup = ChildSetup::new(cmd.memlock, cmd.user, groups_for(cmd.user, cmd.kvm)).with_affinity(mask);
     // SAFETY: ChildSetup::apply and place_fds only call async-signal-safe functions and do not
     // allocate.
     unsafe {
@@ -341,6 +354,7 @@ async fn spawn_remote(control: &Control, cmd: Command) -> io::Result<Child> {
         stderr: cmd.stderr || cmd.stderr_file.is_some(),
         nfds: cmd.fds.len(),
         memlock: cmd.memlock,
+        affinity: cmd.affinity,
     });
     let mut send: Vec<OwnedFd> = Vec::new();
     let (mut stdout, mut stderr) = (None, None);
@@ -381,7 +395,7 @@ pub(super) fn groups_for(user: Option<UserIds>, kvm: bool) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::spawn::pgrp_and_session;
+    use crate::sandbox::spawn::{cpus_allowed, pgrp_and_session};
 
     #[tokio::test]
     async fn local_output_and_kill_on_drop() {
@@ -395,6 +409,22 @@ mod tests {
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         assert!(stat.is_empty() || stat.contains(") Z"), "{stat}");
+    }
+
+    #[tokio::test]
+    async fn a_child_runs_on_the_cpus_asked_for() {
+        let ours = cpus_allowed(i32::try_from(std::process::id()).unwrap());
+        // The last CPU this process may use: a set different from ours on any machine with two.
+        let last: u32 = ours.rsplit([',', '-']).next().unwrap().parse().unwrap();
+        let mut child = Command::new("/bin/sleep").args(["30"]).affinity([last]).spawn().await.unwrap();
+        assert_eq!(cpus_allowed(child.pid), last.to_string());
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+        // No set (or an empty one): the parent's.
+        let mut child = Command::new("/bin/sleep").args(["30"]).affinity([]).spawn().await.unwrap();
+        assert_eq!(cpus_allowed(child.pid), ours);
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
     }
 
     #[tokio::test]

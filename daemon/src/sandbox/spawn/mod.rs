@@ -85,3 +85,10 @@ fn pgrp_and_session(pid: &str) -> (i32, i32) {
     let rest: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
     (rest[2].parse().unwrap(), rest[3].parse().unwrap())
 }
+
+/// The `Cpus_allowed_list:` of process `pid` (`self` works).
+#[cfg(test)]
+fn cpus_allowed(pid: i32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string()
+}

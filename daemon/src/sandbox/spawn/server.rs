@@ -20,7 +20,7 @@ use nix::sys::socket::MsgFlags;
 
 use super::client::groups_for;
 use super::requests::set_vfio_node;
-use super::setup::{place_fds, stdin_of, ChildSetup, CHILD_PATH, MAX_PASSED_FDS};
+use super::setup::{cpu_mask, place_fds, stdin_of, ChildSetup, CHILD_PATH, MAX_PASSED_FDS};
 use super::wire::{recv_with_fds, send_reply, Reply, Request, RunRequest};
 use crate::config::UserIds;
 
@@ -263,7 +263,8 @@ fn launch(
     command.stderr(if req.stderr { stdio.next().map_or_else(Stdio::null, Stdio::from) } else { Stdio::null() });
     let raw: Vec<RawFd> = passed.iter().map(AsRawFd::as_raw_fd).collect();
     let user = allow.user_for(&program);
-    let setup = ChildSetup::new(req.memlock, user, groups_for(user, allow.kvm));
+    let mask = req.affinity.as_deref().map(cpu_mask).transpose()?;
+    let setup = ChildSetup::new(req.memlock, user, groups_for(user, allow.kvm)).with_affinity(mask);
     let raise_module = ambient_sys_module && MODPROBE.iter().any(|m| Path::new(m) == program);
     // SAFETY: only async-signal-safe calls (setsid, setrlimit, setgroups, setgid, setuid, umask,
     // prctl, landlock_restrict_self, fcntl, dup2, seccomp), no allocation: the filter's program
@@ -354,6 +355,7 @@ mod tests {
             stderr: false,
             nfds: 0,
             memlock: None,
+            affinity: None,
         };
         let no_ip = crate::sandbox::child_seccomp::program();
         let mut child = start(req, Vec::new(), &allow, false, None, &no_ip).unwrap();
@@ -362,6 +364,33 @@ mod tests {
         assert_ne!(pgrp_and_session("self"), (pid, pid));
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn spawner_children_run_on_the_cpus_asked_for() {
+        let allow = sleep_only();
+        let req = RunRequest {
+            program: "/bin/sleep".into(),
+            args: vec!["30".into()],
+            stdin: None,
+            stdout: false,
+            stderr: false,
+            nfds: 0,
+            memlock: None,
+            affinity: Some(vec![0]),
+        };
+        let mut child = start(req, Vec::new(), &allow, false, None, &crate::sandbox::child_seccomp::program()).unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        assert_eq!(crate::sandbox::spawn::cpus_allowed(pid), "0");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // Through the wire: the field survives the JSON, and an old request without it loads.
+        let json =
+            r#"{"op":"run","program":"/bin/sleep","args":[],"stdout":false,"stderr":false,"nfds":0,"memlock":null}"#;
+        assert!(matches!(
+            serde_json::from_str::<Request>(json).unwrap(),
+            Request::Run(RunRequest { affinity: None, .. })
+        ));
     }
 
     /// The `Seccomp:` line of /proc/PID/status (0 none, 2 a filter).
@@ -380,6 +409,7 @@ mod tests {
                 stderr: false,
                 nfds: 0,
                 memlock: None,
+                affinity: None,
                 stdin: None,
             };
             start(req, Vec::new(), allow, false, None, &crate::sandbox::child_seccomp::program()).unwrap()
@@ -401,6 +431,7 @@ mod tests {
             stderr: false,
             nfds: 0,
             memlock: None,
+            affinity: None,
             stdin: None,
         };
         let mut child = launch(req, Vec::new(), &allow, false, None, None).unwrap();

@@ -1,6 +1,7 @@
 //! What every started program gets between fork and exec, whichever process forks it (the
-//! spawner, or the daemon without one): its own session, its memlock limit, its user and
-//! groups, its stdin, and the passed descriptors in place at [`FIRST_PASSED_FD`] and up.
+//! spawner, or the daemon without one): its own session, its CPU affinity, its memlock limit,
+//! its user and groups, its stdin, and the passed descriptors in place at [`FIRST_PASSED_FD`]
+//! and up.
 //!
 //! The lowest layer of the spawner: it knows nothing of the wire or of who asks. Everything
 //! here after the fork is async-signal-safe and allocates nothing; what needs the group
@@ -87,8 +88,11 @@ fn new_session() -> io::Result<()> {
 }
 
 /// What every started program gets between fork and exec, whether the spawner or the daemon
-/// starts it: its own session, then its memlock limit, then its user.
+/// starts it: its own session, then its CPU affinity, then its memlock limit, then its user.
 pub(super) struct ChildSetup {
+    /// The CPUs the program (and every thread it makes) may run on ([`cpu_mask`]); `None`
+    /// inherits the forking process's.
+    affinity: Option<nix::sched::CpuSet>,
     memlock: Option<u64>,
     user: Option<UserIds>,
     /// Computed before the fork (it reads /dev/kvm and the group database).
@@ -99,13 +103,26 @@ impl ChildSetup {
     /// `groups`: the supplementary groups `user` keeps ([`super::client::groups_for`]), looked
     /// up by the caller, since that reads `/dev/kvm` and the group database.
     pub(super) fn new(memlock: Option<u64>, user: Option<UserIds>, groups: Vec<u32>) -> ChildSetup {
-        ChildSetup { memlock, user, groups }
+        ChildSetup { affinity: None, memlock, user, groups }
+    }
+
+    /// Runs the program on `mask`'s CPUs only ([`cpu_mask`]): set by the child on itself before
+    /// the exec, so every thread the program ever makes starts there (QEMU's vCPU threads are
+    /// pinned one by one later; its other threads stay on this set).
+    pub(super) fn with_affinity(mut self, mask: Option<nix::sched::CpuSet>) -> ChildSetup {
+        self.affinity = mask;
+        self
     }
 
     /// Runs in the forked child: only async-signal-safe calls, no allocation.
     pub(super) fn apply(&self) -> io::Result<()> {
         // Its own session and process group, whatever the program (module doc).
         new_session()?;
+        // A task may always narrow its own affinity, before or after the user change; before
+        // keeps it beside the other process-wide settings.
+        if let Some(mask) = &self.affinity {
+            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), mask).map_err(io::Error::from)?;
+        }
         // The limit before the user change: raising it needs CAP_SYS_RESOURCE, which the uid
         // change drops.
         if let Some(bytes) = self.memlock {
@@ -145,6 +162,21 @@ fn stdin_pipe(data: &str) -> io::Result<OwnedFd> {
     // The child reads it blocking, as any stdin.
     nix::fcntl::fcntl(&r, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()))?;
     Ok(r)
+}
+
+/// The kernel's affinity mask for `cpus`, built before the fork (the child only installs it).
+///
+/// # Errors
+/// A CPU number beyond what a `cpu_set_t` holds (`InvalidInput`).
+pub(super) fn cpu_mask(cpus: &[u32]) -> io::Result<nix::sched::CpuSet> {
+    let mut mask = nix::sched::CpuSet::new();
+    for &cpu in cpus {
+        let cpu = usize::try_from(cpu).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        mask.set(cpu).map_err(|_| {
+            io::Error::new(io::ErrorKind::InvalidInput, format!("CPU {cpu} is beyond the affinity mask"))
+        })?;
+    }
+    Ok(mask)
 }
 
 /// The child's stdin: `data` in a pipe, or `/dev/null`.

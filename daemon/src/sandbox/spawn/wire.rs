@@ -89,6 +89,9 @@ pub(super) struct RunRequest {
     pub(super) stderr: bool,
     pub(super) nfds: usize,
     pub(super) memlock: Option<u64>,
+    /// The CPUs the program runs on ([`super::Command::affinity`]); absent: the spawner's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) affinity: Option<Vec<u32>>,
 }
 
 /// A VFIO group node's group and permission bits: what [`super::vfio_node`] found before it
