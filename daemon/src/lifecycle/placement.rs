@@ -283,21 +283,17 @@ pub(super) fn repin_shared(mgr: &Manager) {
     }
 }
 
-/// Until `placement::topology::read` lands (part "place"): one node with every online CPU.
+/// The sysfs readers of part "place" under the names this module used while they were missing.
 mod shim {
-    use crate::placement::topology::{Node, Topology};
-    use crate::placement::CpuSet;
+    use crate::placement::topology::{self, Topology};
     use std::path::Path;
 
     pub(super) fn read(sys: &Path) -> Result<Topology, String> {
-        let online = std::fs::read_to_string(sys.join("devices/system/cpu/online")).map_err(|e| e.to_string())?;
-        let online = CpuSet::parse(online.trim())?;
-        let node = Node { id: 0, cpus: online.clone(), memory_mib: 0, hugepages: Default::default() };
-        Ok(Topology { nodes: vec![node], online })
+        topology::read(sys).map_err(|e| e.to_string())
     }
 
-    pub(super) fn pci_node(_sys: &Path, _addr: crate::hardware::PciAddress) -> Option<u32> {
-        None
+    pub(super) fn pci_node(sys: &Path, addr: crate::hardware::PciAddress) -> Option<u32> {
+        topology::pci_node(sys, addr)
     }
 }
 
