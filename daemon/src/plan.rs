@@ -38,6 +38,8 @@ pub struct CurrentVm {
     pub status: VmStatus,
     /// It runs an older spec than `spec` (a change recorded with `restart: false`).
     pub pending_restart: bool,
+    /// Where its QEMU runs, while one does ([`crate::placement`]).
+    pub placement: Option<crate::placement::Placement>,
 }
 
 /// Dotted paths of the fields that differ between two specs, ignoring `state` (a state change is
@@ -297,6 +299,82 @@ fn diff_values(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
     }
 }
 
+/// The order a reconcile runs its entries in: resources are freed before they are taken
+/// (destroy, stop, reconfigure, replace, create, start), request order within each.
+pub fn run_order(action: PlanAction) -> u8 {
+    match action {
+        PlanAction::Destroy => 0,
+        PlanAction::Stop => 1,
+        PlanAction::Reconfigure => 2,
+        PlanAction::Replace => 3,
+        PlanAction::Create => 4,
+        PlanAction::Start => 5,
+        PlanAction::None => 6,
+    }
+}
+
+/// Fills `placement` of the planned entries that would start a VM (a create or replace of a
+/// VM desired running, a start, a reconfigure that restarts or starts it) with what
+/// [`crate::placement::place`] answers, in the run's order ([`run_order`]), each next to what
+/// the VMs before it would hold: the running VMs' placements, less those the run stops,
+/// destroys, replaces or restarts first, plus those placed before it. A refusal becomes the
+/// entry's `error`. Entries that already fail are left as they are and hold nothing new.
+/// `device_nodes` gives the NUMA nodes of a spec's passthrough devices.
+pub fn place_entries(
+    entries: &mut [PlanEntry],
+    desired: &[VmSpec],
+    current: &BTreeMap<String, CurrentVm>,
+    topo: &crate::placement::topology::Topology,
+    vm_cpus: Option<&crate::placement::CpuSet>,
+    device_nodes: &dyn Fn(&VmSpec) -> Vec<u32>,
+) {
+    use crate::api::DesiredState::Running;
+    use crate::placement::{place, Held, Placement, Request};
+    let spec_of = |name: &str| desired.iter().find(|s| s.name == name);
+    let starts = |e: &PlanEntry| {
+        let running = spec_of(&e.vm).is_some_and(|s| s.state == Running);
+        let up = current.get(&e.vm).is_some_and(|c| is_up(c.status));
+        e.error.is_none()
+            && match e.action {
+                PlanAction::Create | PlanAction::Replace => running,
+                PlanAction::Start => true,
+                PlanAction::Reconfigure => running && (e.restart == Some(true) || !up),
+                _ => false,
+            }
+    };
+    let releases = |e: &PlanEntry| {
+        e.error.is_none()
+            && match e.action {
+                PlanAction::Stop | PlanAction::Destroy | PlanAction::Replace => true,
+                PlanAction::Reconfigure => e.restart == Some(true),
+                _ => false,
+            }
+    };
+    let released: HashSet<&str> = entries.iter().filter(|e| releases(e)).map(|e| e.vm.as_str()).collect();
+    // (name, placement, its QEMU runs)
+    let mut holdings: Vec<(String, Placement, bool)> = current
+        .iter()
+        .filter(|(name, _)| !released.contains(name.as_str()))
+        .filter_map(|(name, c)| Some((name.clone(), c.placement.clone()?, c.status == VmStatus::Running)))
+        .collect();
+    let mut order: Vec<usize> = (0..entries.len()).filter(|&i| starts(&entries[i])).collect();
+    order.sort_by_key(|&i| (run_order(entries[i].action), i));
+    for i in order {
+        let Some(spec) = spec_of(&entries[i].vm) else { continue };
+        let held: Vec<Held<'_>> =
+            holdings.iter().map(|(vm, placement, settled)| Held { vm, placement, settled: *settled }).collect();
+        match place(topo, vm_cpus, &held, &Request::of(spec, device_nodes(spec))) {
+            Ok(Some(p)) => {
+                entries[i].placement = Some((&p).into());
+                holdings.retain(|(vm, _, _)| *vm != spec.name);
+                holdings.push((spec.name.clone(), p, false));
+            }
+            Ok(None) => {}
+            Err(e) => entries[i].error = Some(e.to_json()),
+        }
+    }
+}
+
 /// The MACs a spec fixes, as allocations (tap names do not matter for a simulation).
 fn declared_macs(spec: &VmSpec) -> Vec<NicAlloc> {
     spec.nics
@@ -389,7 +467,7 @@ pub fn plan_reconcile(
         } else {
             validate_spec(spec, config).err().map(|e| e.to_json()).or(refused)
         };
-        entries.push(PlanEntry { vm: spec.name.clone(), action, reason, error, fields, restart });
+        entries.push(PlanEntry { vm: spec.name.clone(), action, reason, error, fields, restart, placement: None });
     }
     for name in current.keys().filter(|n| !seen.contains(*n)) {
         let (action, reason) = if prune {
@@ -397,7 +475,15 @@ pub fn plan_reconcile(
         } else {
             (PlanAction::None, "not in the desired set; kept (prune is off)".to_string())
         };
-        entries.push(PlanEntry { vm: name.clone(), action, reason, error: None, fields: Vec::new(), restart: None });
+        entries.push(PlanEntry {
+            vm: name.clone(),
+            action,
+            reason,
+            error: None,
+            fields: Vec::new(),
+            restart: None,
+            placement: None,
+        });
     }
 
     // Admit the final set into a simulated host: the kept VMs, then the desired VMs that keep
@@ -452,7 +538,9 @@ mod tests {
     fn cur(specs: &[(VmSpec, VmStatus)]) -> BTreeMap<String, CurrentVm> {
         specs
             .iter()
-            .map(|(s, st)| (s.name.clone(), CurrentVm { spec: s.clone(), status: *st, pending_restart: false }))
+            .map(|(s, st)| {
+                (s.name.clone(), CurrentVm { spec: s.clone(), status: *st, pending_restart: false, placement: None })
+            })
             .collect()
     }
 
@@ -925,6 +1013,91 @@ mod tests {
         assert_eq!(p[0].fields, vec!["hugepages".to_string(), "numa".into()]);
         let p = plan_reconcile(&config(), &[b], &cur(&[(spec("a"), VmStatus::Stopped)]), false, false);
         assert_eq!(p[0].restart, Some(false), "a stopped VM takes it at its next start");
+    }
+
+    /// A dry run's placements: in the run's order, next to what stays and what was placed
+    /// before, after what the run stops or restarts first.
+    #[test]
+    fn a_dry_run_places_what_it_would_start_in_the_runs_order() {
+        use crate::api::{CpuPolicy, DesiredState};
+        use crate::placement::topology::{Node, Topology};
+        use crate::placement::{CpuSet, Placement};
+        let cpus = |t: &str| CpuSet::parse(t).unwrap();
+        let topo = Topology {
+            nodes: vec![
+                Node { id: 0, cpus: cpus("0-3"), memory_mib: 4096, hugepages: Default::default() },
+                Node { id: 1, cpus: cpus("4-7"), memory_mib: 4096, hugepages: Default::default() },
+            ],
+            online: cpus("0-7"),
+        };
+        let mut config = config();
+        config.hardware.vm_cpus = Some(cpus("1-7"));
+        // Room enough in the CPU count that only placement refuses.
+        (config.hardware.cpu, config.hardware.reserved_cpu) = (32, 0);
+        let dedicated = |name: &str, cpu: u32| {
+            let mut s = spec(name);
+            s.cpu_policy = CpuPolicy::Dedicated;
+            s.cpu = cpu;
+            s
+        };
+        let old = dedicated("old", 4);
+        let mut current = cur(&[(old.clone(), VmStatus::Running), (spec("idle"), VmStatus::Stopped)]);
+        current.get_mut("old").unwrap().placement = Some(Placement {
+            policy: CpuPolicy::Dedicated,
+            vcpus: vec![4, 5, 6, 7],
+            cpus: cpus("4-7"),
+            emulator: cpus("0"),
+            nodes: vec![1],
+            hugepages: None,
+            hugepages_per_node: Default::default(),
+            memory_mib: 256,
+        });
+        let run = |desired: &[VmSpec]| {
+            let mut p = plan_reconcile(&config, desired, &current, false, false);
+            place_entries(&mut p, desired, &current, &topo, config.hardware.vm_cpus.as_ref(), &|_| Vec::new());
+            p.iter()
+                .map(|e| {
+                    let code = e.error.as_ref().and_then(|v| v["code"].as_i64());
+                    (e.vm.clone(), e.placement.as_ref().map(|p| p.cpus.to_string()), code)
+                })
+                .collect::<Vec<_>>()
+        };
+        let row = |vm: &str, cpus: Option<&str>, code: Option<i64>| (vm.to_string(), cpus.map(str::to_string), code);
+        // "old" keeps 4-7: the first create gets node 0's three CPUs, the second has none left;
+        // the start of "idle" (shared) floats over what is left (nothing: refused).
+        assert_eq!(
+            run(&[old.clone(), dedicated("a", 3), dedicated("b", 1), spec("idle")]),
+            vec![
+                row("old", None, None),
+                row("a", Some("1-3"), None),
+                row("b", None, Some(3002)),
+                row("idle", None, Some(3002)),
+            ]
+        );
+        // Stopped first, "old"'s CPUs are free for the creates (stops run before creates,
+        // whatever the request order).
+        let mut stop = old.clone();
+        stop.state = DesiredState::Stopped;
+        assert_eq!(
+            run(&[dedicated("a", 4), stop, dedicated("b", 3)]),
+            vec![
+                row("a", Some("4-7"), None),
+                row("old", None, None),
+                row("b", Some("1-3"), None),
+                row("idle", None, None)
+            ]
+        );
+        // A restart for a change gives it a new placement, made before the creates': node 1
+        // again (4 free there), then node 0 for the create (3 free there, 2 on node 1).
+        let smaller = dedicated("old", 2);
+        assert_eq!(
+            run(&[dedicated("a", 3), smaller]),
+            vec![row("a", Some("1-3"), None), row("old", Some("4-5"), None), row("idle", None, None)]
+        );
+        // A VM that keeps running keeps its placement (no new one); one desired stopped gets none.
+        let mut idle = spec("idle");
+        idle.state = DesiredState::Stopped;
+        assert_eq!(run(&[old, idle]), vec![row("old", None, None), row("idle", None, None)]);
     }
 
     #[test]

@@ -820,6 +820,11 @@ pub struct PlanEntry {
     /// is not running).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart: Option<bool>,
+    /// On a dry run, for an entry that would start a VM with a placement (pinned CPUs, NUMA
+    /// binding or hugepages): where it would run, next to what the VMs before it in the run's
+    /// order hold (a refusal is the entry's `error`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementView>,
 }
 
 /// The outcome of one reconcile entry.
@@ -911,6 +916,74 @@ pub struct HostInfo {
     /// The state file system, where every VM disk lives.
     #[serde(default)]
     pub storage: StorageInfo,
+    /// The host's NUMA nodes as the kernel shows them now, with what VMs hold on each.
+    #[serde(default)]
+    pub numa: Vec<NodeInfo>,
+    /// The host's CPUs by use: `vm_cpus`, housekeeping, the shared pool and dedicated CPUs.
+    #[serde(default)]
+    pub cpus: CpuInfo,
+}
+
+/// One NUMA node as `host.info` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// Its number.
+    pub node: u32,
+    /// Its online CPUs (cpulist).
+    pub cpus: crate::placement::CpuSet,
+    /// Those of them in `[hardware] vm_cpus` (empty when it is not set).
+    pub vm_cpus: crate::placement::CpuSet,
+    /// Its memory, MiB.
+    pub memory_mib: u64,
+    /// The hugepage pools the kernel offers on it, by size (`"2M"`, `"1G"`), in pages.
+    pub hugepages: std::collections::BTreeMap<HugePageSize, HugePagesInfo>,
+    /// PCI addresses of the model's devices attached to it.
+    pub devices: Vec<String>,
+    /// VMs whose memory is bound to it or that have dedicated CPUs on it.
+    pub holders: Vec<NodeHolder>,
+}
+
+/// One hugepage pool, in pages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HugePagesInfo {
+    /// Pages reserved (`nr_hugepages`).
+    pub total: u64,
+    /// Pages no one uses (`free_hugepages`).
+    pub free: u64,
+}
+
+/// A VM on a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeHolder {
+    /// VM name.
+    pub vm: String,
+    /// Its CPUs on this node (a shared VM: the shared pool's there).
+    pub cpus: crate::placement::CpuSet,
+    /// They are the VM's own (`cpu_policy` `dedicated`).
+    pub dedicated: bool,
+}
+
+/// The host's CPUs by use (`host.info`'s `cpus`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpuInfo {
+    /// `[hardware] vm_cpus`; null when not set (nothing is pinned).
+    pub vm_cpus: Option<crate::placement::CpuSet>,
+    /// Online CPUs not in `vm_cpus` (QEMU's non-vCPU threads run there); empty without
+    /// `vm_cpus`.
+    pub housekeeping: crate::placement::CpuSet,
+    /// `vm_cpus` no dedicated VM holds: where shared VMs' vCPUs float; null without `vm_cpus`.
+    pub shared_pool: Option<crate::placement::CpuSet>,
+    /// Every dedicated CPU and the VM holding it, by CPU.
+    pub dedicated: Vec<DedicatedCpu>,
+}
+
+/// A CPU a dedicated VM holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DedicatedCpu {
+    /// Host CPU number.
+    pub cpu: u32,
+    /// VM name.
+    pub vm: String,
 }
 
 /// The state file system as `host.info` shows it.

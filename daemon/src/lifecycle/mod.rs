@@ -54,6 +54,7 @@ pub(crate) mod shutdown;
 pub(crate) mod snapshots;
 pub(crate) mod stats;
 mod teardown;
+mod topology;
 mod undo;
 pub(crate) mod vfio;
 
@@ -111,6 +112,8 @@ pub struct Manager {
     image_probes: Mutex<ImageProbes>,
     /// Disk space held by running imports, snapshots and exports ([`crate::disk::reserve`]).
     reservations: crate::disk::reserve::Ledger,
+    /// The host's NUMA nodes, CPUs and hugepage pools ([`topology`]), for placement.
+    topology: topology::HostTopology,
 }
 
 /// Format and virtual size of unrecorded images, by name, with the file version read.
@@ -212,6 +215,7 @@ impl Manager {
             images,
             image_probes: Mutex::default(),
             reservations: crate::disk::reserve::Ledger::default(),
+            topology: topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config_for_backups),
             backups: crate::backup::Backups::open(&config_for_backups),
         });
         mgr.processes.integrity().log_at_start();
@@ -505,6 +509,7 @@ impl Manager {
                     spec: rec.spec.clone(),
                     status: v.status,
                     pending_restart: v.pending_restart,
+                    placement: rec.placement.clone(),
                 };
                 Some((v.name.clone(), current))
             })
@@ -548,7 +553,9 @@ impl Manager {
         let kept_disks = data_disks::kept_disks(self);
         let space = crate::disk::space::FsSpace::of(&self.config.paths.state).ok();
         // What the records hold, under the table lock (in-memory only) ...
-        let (provisioned_bytes, cpu, memory_mib, mut hardware, vm_count, networks) = {
+        let topo = self.topology.now();
+        let vm_cpus = self.config.hardware.vm_cpus.as_ref();
+        let (provisioned_bytes, cpu, memory_mib, mut hardware, vm_count, networks, cpu_use, numa) = {
             let t = self.lock();
             let provisioned: u64 =
                 t.vms.values().map(|r| crate::disk::space::provisioned(&r.spec) + root_disk::root_disk_bytes(r)).sum();
@@ -559,7 +566,19 @@ impl Manager {
                 .flat_map(|r| Self::holding_specs(r).into_iter().map(|spec| Holding { name: &r.spec.name, spec }))
                 .collect();
             let (cpu, memory_mib, hardware) = capacity::usage(&self.config.hardware, &held);
-            (provisioned, cpu, memory_mib, hardware, t.vms.len(), self.network_info(&t))
+            let placed = topology::held(t.vms.values());
+            let devices: Vec<(String, Option<u32>)> = self
+                .config
+                .hardware
+                .model
+                .iter()
+                .map(|(_, _, addr)| {
+                    (addr.to_string(), crate::placement::topology::pci_node(self.topology.sys_root(), addr))
+                })
+                .collect();
+            let numa = topology::node_infos(&topo, vm_cpus, &placed, &devices);
+            let cpus = topology::cpu_info(&topo, vm_cpus, &placed);
+            (provisioned, cpu, memory_mib, hardware, t.vms.len(), self.network_info(&t), cpus, numa)
         };
         // ... then what the kernel says about each device right now (sysfs reads, no writes).
         for item in &mut hardware {
@@ -586,6 +605,8 @@ impl Manager {
             networks,
             kept_disks,
             storage,
+            numa,
+            cpus: cpu_use,
         }
     }
 

@@ -13,18 +13,6 @@ use crate::plan::{plan_reconcile, CurrentVm};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-fn order(action: PlanAction) -> u8 {
-    match action {
-        PlanAction::Destroy => 0,
-        PlanAction::Stop => 1,
-        PlanAction::Reconfigure => 2,
-        PlanAction::Replace => 3,
-        PlanAction::Create => 4,
-        PlanAction::Start => 5,
-        PlanAction::None => 6,
-    }
-}
-
 /// Plans (and unless `dry_run`, executes) a reconcile.
 pub(crate) async fn reconcile(mgr: &Arc<Manager>, p: ReconcileParams) -> Result<ReconcileReport, ApiError> {
     // Before anything runs: an invalid timeout would otherwise fail every stop and apply
@@ -54,11 +42,22 @@ async fn plan_and_run(mgr: &Arc<Manager>, p: ReconcileParams) -> ReconcileReport
         }
     }
     if p.dry_run {
+        // Where each VM the run would start goes, next to what the VMs before it hold.
+        let topo = mgr.topology.now();
+        let device_nodes = |spec: &VmSpec| mgr.topology.device_nodes(spec, &mgr.config);
+        crate::plan::place_entries(
+            &mut plan,
+            &p.vms,
+            &current,
+            &topo,
+            mgr.config.hardware.vm_cpus.as_ref(),
+            &device_nodes,
+        );
         let ok = plan.iter().all(|e| e.error.is_none());
         return ReconcileReport { dry_run: true, plan, results: Vec::new(), ok };
     }
     let mut indexed: Vec<(usize, &PlanEntry)> = plan.iter().enumerate().collect();
-    indexed.sort_by_key(|(i, e)| (order(e.action), *i));
+    indexed.sort_by_key(|(i, e)| (crate::plan::run_order(e.action), *i));
     let mut results: Vec<(usize, ReconcileResult)> = Vec::new();
     for (i, entry) in indexed {
         let outcome = match &entry.error {

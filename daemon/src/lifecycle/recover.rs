@@ -283,6 +283,7 @@ mod tests {
             images: crate::images::Store::open(&config).unwrap(),
             image_probes: Mutex::default(),
             reservations: crate::disk::reserve::Ledger::default(),
+            topology: super::super::topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config),
             backups: crate::backup::Backups::open(&config),
         })
     }

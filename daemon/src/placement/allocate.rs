@@ -8,13 +8,13 @@
 //!    other dedicated VM holds, lowest numbers first, and may not empty the shared pool while a
 //!    shared VM runs;
 //! 2. its node is its passthrough devices' node, else the node with the most free CPUs (then the
-//!    most memory room, then the lowest id) that fits; `spread` (rule 5) takes more nodes in that
-//!    order when no single one fits;
+//!    most memory room, then the lowest id) that fits;
 //! 3. a node's memory room is its memory less what VMs bound to it hold (a VM bound to k nodes
 //!    counts 1/k on each);
 //! 4. hugepages come from the node's free pool less the pages of VMs placed but not yet running
 //!    (a running VM's pages are already out of `free`);
-//! 6. a shared VM with a node floats over the shared pool's CPUs of that node, bound to it.
+//! 5. `spread` takes more nodes, in rule 2's order, when no single one fits;
+//! 6. a shared VM floats over the shared pool (with a node: the pool's CPUs there, bound to it).
 //!
 //! Refusals are 3001 when the host can never do it (no `vm_cpus`, no such node, a hugepage size
 //! the kernel does not offer) and 3002 when it has no room now, with `details.resource` and the
