@@ -233,6 +233,9 @@ check d1-hugepages-from-node1 hp_are "$HP_PAGES" $((HP_PAGES - 64))
 check d1-get-placement placement_shows d1 "\"vcpus\":\[$d1_cpus\]" '"nodes":\[1\]' '"hugepages":"2M"'
 check d1-host-info-node1 node_holds 1 d1
 LAB_VERBOSE=1 check d1-host-info sh -c "vmhostctl --socket $LAB_SOCKET info"
+say "FACT d1 QEMU argv: $(tr '\0' ' ' <"/proc/$(vm_qemu_pid d1)/cmdline" | grep -oE '(memory-backend-memfd|memory-backend=)[^ ]*' | tr '\n' ' ')"
+say "FACT d1 vm.get: $(flat_json get d1 | grep -oE '"placement":\{[^}]*\}[^}]*\}')"
+say "FACT host.info: $(flat_json info)"
 
 # --- a second dedicated VM, no devices, normal memory ----------------------------------
 t0=$(lab_uptime)
