@@ -399,6 +399,15 @@ impl From<PinError> for ApiError {
     }
 }
 
+impl From<CpuPinError> for ApiError {
+    /// 4001 `details.step: "placement"`: QEMU's threads could not be put on the VM's CPUs
+    /// (the launch fails and is undone; a pin that cannot be kept is not a VM that runs as
+    /// asked).
+    fn from(e: CpuPinError) -> ApiError {
+        api(Code::ProvisioningFailed, &e, None).details(json!({"step": "placement"}))
+    }
+}
+
 impl From<TopologyError> for ApiError {
     /// 4001 with `details: {step: "topology", path}`: the host's sysfs did not say where a VM
     /// could go, which is the host's fault, not the request's.
@@ -407,15 +416,6 @@ impl From<TopologyError> for ApiError {
             TopologyError::Read { path, .. } | TopologyError::Parse { path, .. } => path.clone(),
         };
         api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "topology", "path": path }))
-    }
-}
-
-impl From<CpuPinError> for ApiError {
-    /// 4001 `details.step: "placement"`: QEMU's threads could not be put on the VM's CPUs
-    /// (the launch fails and is undone; a pin that cannot be kept is not a VM that runs as
-    /// asked).
-    fn from(e: CpuPinError) -> ApiError {
-        api(Code::ProvisioningFailed, &e, None).details(json!({"step": "placement"}))
     }
 }
 

@@ -19,7 +19,7 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 const BOUND: Duration = Duration::from_secs(300);
 
 fn host(extra: &str) -> TestHost {
-    let extra = format!("{extra}\n[lifecycle]\nautostart = true\n");
+    let extra = format!("{extra}\n[lifecycle]\nautostart = false\n");
     TestHost::start(HostOptions { extra, ..HostOptions::default() })
 }
 
@@ -107,18 +107,10 @@ fn dedicated_vcpus_get_their_cpu_and_keep_it_across_restarts() {
         threads(qemu).values().filter(|(n, _)| n.starts_with("CPU ")).count()
     );
 
-    // A shared VM while the shared pool is empty: the allocator's rule decides (3002 for an
-    // empty pool), and the dedicated VM's CPU is not shared with it.
-    let shared = host.client().call::<Value>("vm.create", json!({ "spec": spec(&host, "sh", "shared") }));
-    match &shared {
-        Ok(r) => {
-            let pid = pid_of(&host, "sh");
-            assert!(threads(pid).values().all(|(_, l)| l != "1"), "a shared VM runs on the dedicated CPU: {r}");
-            host.call("vm.destroy", json!({ "name": "sh" }));
-        }
-        Err(vmhost::client::ClientError::Api(e)) => assert_eq!(e.code.as_i32(), 3002, "{e:?}"),
-        Err(e) => panic!("vm.create: {e}"),
-    }
+    // A shared VM while the shared pool is empty (CPU 1 is dedicated, CPU 0 housekeeping): the
+    // allocator refuses it (3002, `shared_cpus`) rather than run it on a dedicated CPU.
+    let (code, e) = host.call_err("vm.create", json!({ "spec": spec(&host, "sh", "shared") }));
+    assert_eq!((code, e.details["resource"].clone()), (3002, json!("shared_cpus")), "{e:?}");
 
     // kill -9 of vmhostd: the QEMU runs on with its pins, and the restarted daemon shows them.
     host.kill_daemon();
@@ -137,15 +129,62 @@ fn dedicated_vcpus_get_their_cpu_and_keep_it_across_restarts() {
     let log = vmhost_tests::plain_log(&host.daemon_log());
     assert!(log.contains("re-pinning"), "the repair is logged");
 
-    // Stop gives CPU 1 back: a new dedicated VM gets it.
+    // Stop gives CPU 1 back: another dedicated VM gets it.
     host.call("vm.stop", json!({ "name": "ded", "force": true }));
     assert!(view(&host, "ded")["placement"].is_null(), "a stopped VM holds no placement");
-    let r = host.call("vm.create", json!({ "spec": spec(&host, "ded3", "dedicated") }));
+    // A start killed right after its placement was recorded: the restart finds no QEMU and
+    // releases it, so CPU 1 is free again.
+    host.crash_during("placement:recorded", "vm.create", json!({ "spec": spec(&host, "ded3", "dedicated") }));
+    let v = view(&host, "ded3");
+    assert_eq!((v["status"].clone(), v["placement"].clone()), (json!("failed"), Value::Null), "{v}");
+    let r = host.call("vm.start", json!({ "name": "ded3" }));
     assert_eq!(r["vm"]["placement"]["vcpus"], json!([1]), "{r}");
     wait_pins(pid_of(&host, "ded3"), "1", "0");
     for vm in ["ded3", "ded"] {
         host.call("vm.destroy", json!({ "name": vm }));
     }
+}
+
+/// Every thread of `pid` on `cpus`; panics naming them as last seen.
+fn wait_all_on(pid: i32, cpus: &str) {
+    let r = wait::poll(BOUND, || {
+        let t = threads(pid);
+        if !t.is_empty() && t.values().all(|(_, l)| l == cpus) {
+            Ok(())
+        } else {
+            Err(format!("{t:?}"))
+        }
+    });
+    if let Err(e) = r {
+        panic!("QEMU {pid}: not every thread on {cpus}: {e}");
+    }
+}
+
+/// With no housekeeping CPU (`vm_cpus` = every CPU), a running shared VM floats over the shared
+/// pool, and is moved as dedicated VMs take CPUs from it and give them back.
+#[test]
+fn shared_vms_follow_the_shared_pool() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let host = host("vm_cpus = \"0-1\"");
+    host.call("vm.create", json!({ "spec": spec(&host, "sh", "shared") }));
+    let shared = pid_of(&host, "sh");
+    wait_all_on(shared, "0-1");
+    assert_eq!(view(&host, "sh")["placement"]["cpus"], "0-1");
+    // A dedicated VM takes CPU 0: the shared VM moves to CPU 1, record and threads.
+    let r = host.call("vm.create", json!({ "spec": spec(&host, "ded", "dedicated") }));
+    assert_eq!(r["vm"]["placement"]["vcpus"], json!([0]), "{r}");
+    wait_all_on(shared, "1");
+    assert_eq!(view(&host, "sh")["placement"]["cpus"], "1");
+    let vcpu_ok = threads(pid_of(&host, "ded")).values().filter(|(n, _)| n.starts_with("CPU ")).all(|(_, l)| l == "0");
+    assert!(vcpu_ok, "the dedicated vCPU on CPU 0");
+    // The last shared CPU is not given to a dedicated VM while a shared VM runs.
+    let (code, e) = host.call_err("vm.create", json!({ "spec": spec(&host, "ded2", "dedicated") }));
+    assert_eq!((code, e.details["resource"].clone()), (3002, json!("shared_cpus")), "{e:?}");
+    // Destroyed, its CPU goes back to the pool, and the shared VM with it.
+    host.call("vm.destroy", json!({ "name": "ded" }));
+    wait_all_on(shared, "0-1");
+    assert_eq!(view(&host, "sh")["placement"]["cpus"], "0-1");
+    host.call("vm.destroy", json!({ "name": "sh" }));
 }
 
 /// The 2 MiB pool's `(total, free)` pages, system-wide.

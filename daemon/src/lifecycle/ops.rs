@@ -42,6 +42,10 @@ pub(crate) async fn create(mgr: &Arc<Manager>, spec: VmSpec) -> Result<Mutation,
             mgr.precheck_admission(&vm.spec)?;
             super::vfio::check_passthrough(mgr, &vm.spec).await?;
         }
+        if vm.spec.state == DesiredState::Running {
+            // Where it would run (3001/3002) before anything is recorded.
+            super::placement::check(mgr, &vm.spec)?;
+        }
         let mut op = mgr.reserve_op(&vm.spec)?;
         op.create_steps(&vm, import).await?;
         Ok(Mutation::new(true, Some(mgr.get(&spec.name)?)))
@@ -331,6 +335,7 @@ impl VmOp {
         let vm = validate_spec(&spec, &mgr.config)?;
         super::launch::check_launch_files(&mgr, &vm).await?;
         super::vfio::check_passthrough(&mgr, &vm.spec).await?;
+        super::placement::check(&mgr, &vm.spec)?;
         if rec.reserved {
             self.update(reason, |r| r.spec.state = DesiredState::Running)?;
         } else {

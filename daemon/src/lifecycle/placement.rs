@@ -20,11 +20,9 @@ use super::held::HeldVm;
 use super::registry::Change;
 use super::Manager;
 use crate::api::{ApiError, CpuPolicy, NumaPolicy, VmSpec, VmStatus};
-use crate::placement::topology::Topology;
 use crate::placement::{allocate, pin, CpuSet, Held, Placement, Request};
 use crate::qemu::qmp::Qmp;
 use crate::state::VmRecord;
-use std::path::Path;
 use std::time::Duration;
 
 /// How long QMP may take to name the vCPU threads.
@@ -39,34 +37,26 @@ fn wants_placement(mgr: &Manager, spec: &VmSpec) -> bool {
         || spec.numa_policy() != NumaPolicy::None
 }
 
-/// Where sysfs is ([`topology::read`]).
-const SYS_ROOT: &str = "/sys";
-
-/// The host's topology, read (sysfs) before the lock is taken.
-fn read_topology() -> Result<Topology, ApiError> {
-    crate::blocking::run(|| shim::read(Path::new(SYS_ROOT)))
-        .map_err(|e| super::provisioning("placement", format!("cannot read the host's NUMA topology: {e}")))
-}
-
-/// What the allocator is asked for `spec` ([`Request::of`]), with its passthrough devices'
-/// nodes (sysfs reads: before the lock).
-fn request<'a>(mgr: &Manager, spec: &'a VmSpec) -> Request<'a> {
-    let mut device_nodes: Vec<u32> = crate::validate::requested_devices(spec, &mgr.config.hardware)
-        .into_iter()
-        .filter_map(|addr| crate::blocking::run(|| shim::pci_node(Path::new(SYS_ROOT), addr)))
-        .collect();
-    device_nodes.sort_unstable();
-    device_nodes.dedup();
-    Request::of(spec, device_nodes)
-}
-
-/// What every other VM holds, from the table.
+/// What every VM but `except` holds, from the table ([`super::topology::held`]).
 fn holdings<'t>(vms: impl Iterator<Item = &'t VmRecord>, except: &str) -> Vec<Held<'t>> {
-    vms.filter(|r| r.spec.name != except)
-        .filter_map(|r| {
-            r.placement.as_ref().map(|p| Held { vm: &r.spec.name, placement: p, settled: r.process.is_some() })
-        })
-        .collect()
+    super::topology::held(vms.filter(|r| r.spec.name != except))
+}
+
+/// Whether `spec` can be placed now, against what the other VMs hold, without recording
+/// anything: a create or start refuses with the allocator's 3001/3002 before it changes
+/// anything (the start's write decides again under the lock, [`HeldVm::mark_start`]).
+///
+/// # Errors
+/// 3001/3002 from [`allocate::place`].
+pub(super) fn check(mgr: &Manager, spec: &VmSpec) -> Result<(), ApiError> {
+    if !wants_placement(mgr, spec) {
+        return Ok(());
+    }
+    let topo = mgr.topology.now();
+    let req = Request::of(spec, mgr.topology.device_nodes(spec, &mgr.config));
+    let t = mgr.lock();
+    let held = holdings(t.vms.values(), &spec.name);
+    allocate::place(&topo, mgr.config.hardware.vm_cpus.as_ref(), &held, &req).map(drop)
 }
 
 /// The CPUs QEMU is spawned on: a dedicated VM's emulator CPUs (its vCPU threads move to
@@ -137,8 +127,9 @@ impl HeldVm {
         change: impl FnOnce(&mut VmRecord),
     ) -> Result<VmRecord, ApiError> {
         let (mgr, name) = (self.mgr(), self.name());
-        let topo = if wants_placement(mgr, spec) { Some(read_topology()?) } else { None };
-        let req = request(mgr, spec);
+        // Sysfs is read before the lock: the pools as they are now, the devices' nodes.
+        let topo = wants_placement(mgr, spec).then(|| mgr.topology.now());
+        let req = Request::of(spec, mgr.topology.device_nodes(spec, &mgr.config));
         let (_, new) = mgr.registry.write(name, reason, |t| {
             let Some(old) = t.vms.get(name) else { return Ok((Change::Keep, ())) };
             let mut rec = old.clone();
@@ -249,7 +240,7 @@ pub(super) fn repin_shared(mgr: &Manager) {
             })
             .collect()
     };
-    let topo = if moves.is_empty() { None } else { read_topology().ok() };
+    let topo = (!moves.is_empty()).then(|| mgr.topology.now());
     for (name, pid, old, pool) in moves {
         let nodes = mgr.record(&name).ok().and_then(|r| r.placement).map(|p| p.nodes).unwrap_or_default();
         let target = match (&topo, nodes.is_empty()) {
@@ -280,20 +271,6 @@ pub(super) fn repin_shared(mgr: &Manager) {
             }
             Err(e) => tracing::warn!(vm = %name, error = %e, "cannot move a shared VM to the new shared pool"),
         }
-    }
-}
-
-/// The sysfs readers of part "place" under the names this module used while they were missing.
-mod shim {
-    use crate::placement::topology::{self, Topology};
-    use std::path::Path;
-
-    pub(super) fn read(sys: &Path) -> Result<Topology, String> {
-        topology::read(sys).map_err(|e| e.to_string())
-    }
-
-    pub(super) fn pci_node(sys: &Path, addr: crate::hardware::PciAddress) -> Option<u32> {
-        topology::pci_node(sys, addr)
     }
 }
 
