@@ -266,8 +266,8 @@ fn numa_lab() -> LabOptions {
 /// thread's `Cpus_allowed_list` is a node-1 CPU, QEMU's other threads on housekeeping CPU 0, its
 /// RAM `bind:1` and `huge` in numa_maps, node 1's free pages down by 64 and node 0's not;
 /// vm.get and host.info show it); a second dedicated VM gets another CPU and its node's memory;
-/// asking more CPUs, a full node or more hugepages than are free is 3002 with the numbers and
-/// changes no pin or pool (a VM refused at its start holds no placement); after
+/// asking more CPUs, a full node or more hugepages than are free is 3002 with the numbers,
+/// records nothing and changes no pin or pool; after
 /// `kill -9` of vmhostd and a restart the pins are unchanged and a vCPU moved by hand meanwhile
 /// is put back; stop gives the pages and the CPU back (another VM takes it); a wrong pinned
 /// identity is reported by `host.check` and refused with 3006, the NIC left on its driver;
