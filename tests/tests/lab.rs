@@ -319,6 +319,8 @@ fn numa_placement_in_the_lab() {
         "restart-d2-running",
         "restart-d1-pin-kept",
         "restart-d2-pin-restored",
+        "restart-d2-repin-logged",
+        "restart-d1-not-repinned",
         "restart-d1-placement",
         "restart-hugepages-unchanged",
         "d1-stop",

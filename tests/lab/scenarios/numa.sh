@@ -290,6 +290,11 @@ check restart-d1-running wait_status d1 running 60
 check restart-d2-running wait_status d2 running 60
 check restart-d1-pin-kept cpus_are d1 "$d1_cpus"
 check restart-d2-pin-restored cpus_are d2 "$d2_cpus"
+# repin_logged VM: the restart's recovery said it found VM's thread elsewhere and re-pinned it.
+repin_logged() { grep 'not where the placement says' "$LAB_DAEMON_LOG" | grep -E "vm=\"?$1\"?( |$)"; }
+LAB_VERBOSE=1 check restart-d2-repin-logged repin_logged d2
+# d1's pins were kept, not redone: no such line for it.
+expect_fail restart-d1-not-repinned repin_logged d1
 check restart-d1-placement placement_shows d1 "\"vcpus\":\[$d1_cpus\]" '"nodes":\[1\]'
 check restart-hugepages-unchanged hp_are "$HP_PAGES" $((HP_PAGES - 64))
 
