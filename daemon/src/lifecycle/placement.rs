@@ -61,13 +61,12 @@ pub(super) fn check(mgr: &Manager, spec: &VmSpec) -> Result<(), ApiError> {
 
 /// The CPUs QEMU is spawned on: a dedicated VM's emulator CPUs (its vCPU threads move to
 /// their own next), a shared VM's pool; empty (inherit the spawner's) without either.
-pub(super) fn spawn_affinity(placement: Option<&Placement>) -> Vec<u32> {
-    let Some(p) = placement else { return Vec::new() };
-    let set = match p.policy {
-        CpuPolicy::Dedicated if !p.emulator.is_empty() => &p.emulator,
-        _ => &p.cpus,
-    };
-    set.iter().collect()
+pub(super) fn spawn_affinity(placement: Option<&Placement>) -> CpuSet {
+    let Some(p) = placement else { return CpuSet::default() };
+    match p.policy {
+        CpuPolicy::Dedicated if !p.emulator.is_empty() => p.emulator.clone(),
+        _ => p.cpus.clone(),
+    }
 }
 
 /// The CPUs each thread should be on: vCPU `i` of a dedicated VM on `vcpus[i]` (a thread
@@ -299,15 +298,15 @@ mod tests {
         assert_eq!(wanted(&d, None), Some(CpuSet::from_cpus([4])));
         // A vCPU index beyond the placement (hot-added?) floats with the emulator threads.
         assert_eq!(wanted(&d, Some(7)), Some(CpuSet::from_cpus([4])));
-        assert_eq!(spawn_affinity(Some(&d)), [4]);
+        assert_eq!(spawn_affinity(Some(&d)), CpuSet::from_cpus([4]));
         // No emulator set (no housekeeping CPUs): the other threads on the VM's own CPUs.
         let bare = placement(CpuPolicy::Dedicated, vec![1], &[1], &[]);
         assert_eq!(wanted(&bare, None), Some(CpuSet::from_cpus([1])));
-        assert_eq!(spawn_affinity(Some(&bare)), [1]);
+        assert_eq!(spawn_affinity(Some(&bare)), CpuSet::from_cpus([1]));
         let s = placement(CpuPolicy::Shared, vec![], &[1, 2], &[1, 2]);
         assert_eq!(wanted(&s, Some(0)), Some(CpuSet::from_cpus([1, 2])));
         assert_eq!(wanted(&s, None), Some(CpuSet::from_cpus([1, 2])));
-        assert_eq!(spawn_affinity(Some(&s)), [1, 2]);
+        assert_eq!(spawn_affinity(Some(&s)), CpuSet::from_cpus([1, 2]));
         // Memory-only (no vm_cpus): nothing pinned.
         let m = placement(CpuPolicy::Shared, vec![], &[], &[]);
         assert_eq!(wanted(&m, None), None);

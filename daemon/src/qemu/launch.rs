@@ -70,7 +70,7 @@ pub struct LaunchRequest {
     pub kvm: bool,
     /// The CPUs QEMU (every thread it makes) starts on, set before the exec; empty: the
     /// spawner's ([`crate::lifecycle`]'s placement decides).
-    pub affinity: Vec<u32>,
+    pub affinity: crate::placement::CpuSet,
 }
 
 const CAP_SYS_RESOURCE: u32 = 24;
@@ -176,7 +176,7 @@ pub async fn launch(req: &LaunchRequest) -> Result<Launched, LaunchError> {
         .stderr_to(log.into())
         .pass_fds(fds)
         .memlock(req.memlock)
-        .affinity(req.affinity.iter().copied())
+        .affinity(&req.affinity)
         .user(req.user)
         .keep_kvm_group(req.kvm);
     // From here on, any early return (or the caller dropping us) kills QEMU (the handle's drop).
@@ -329,7 +329,7 @@ mod tests {
             memlock: None,
             user: None,
             kvm: false,
-            affinity: Vec::new(),
+            affinity: Default::default(),
         }
     }
 

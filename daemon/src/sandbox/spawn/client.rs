@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use super::setup::{cpu_mask, place_fds, stdin_of, ChildSetup, CHILD_PATH, MAX_PASSED_FDS};
 use super::wire::{next_message, reply_error, send_request, spawner, utf8, Control, Request, RunRequest};
 use crate::config::UserIds;
+use crate::placement::CpuSet;
 
 /// An async pipe from a child's stdout or stderr.
 pub type Pipe = Box<dyn AsyncRead + Unpin + Send>;
@@ -132,10 +133,8 @@ impl Command {
     /// Runs the program on `cpus` only: the child sets its own affinity before the exec, so
     /// every thread it makes starts there (QEMU of a placed VM, docs/lifecycle.md). An empty
     /// set leaves the affinity as it is.
-    /// (`CpuSet::iter()` of a placement, or any list of CPU numbers.)
-    pub fn affinity(mut self, cpus: impl IntoIterator<Item = u32>) -> Command {
-        let cpus: Vec<u32> = cpus.into_iter().collect();
-        self.affinity = (!cpus.is_empty()).then_some(cpus);
+    pub fn affinity(mut self, cpus: &CpuSet) -> Command {
+        self.affinity = (!cpus.is_empty()).then(|| cpus.iter().collect());
         self
     }
 
@@ -416,12 +415,13 @@ mod tests {
         let ours = cpus_allowed(i32::try_from(std::process::id()).unwrap());
         // The last CPU this process may use: a set different from ours on any machine with two.
         let last: u32 = ours.rsplit([',', '-']).next().unwrap().parse().unwrap();
-        let mut child = Command::new("/bin/sleep").args(["30"]).affinity([last]).spawn().await.unwrap();
+        let mut child =
+            Command::new("/bin/sleep").args(["30"]).affinity(&CpuSet::from_cpus([last])).spawn().await.unwrap();
         assert_eq!(cpus_allowed(child.pid), last.to_string());
         child.start_kill().unwrap();
         child.wait().await.unwrap();
         // No set (or an empty one): the parent's.
-        let mut child = Command::new("/bin/sleep").args(["30"]).affinity([]).spawn().await.unwrap();
+        let mut child = Command::new("/bin/sleep").args(["30"]).affinity(&CpuSet::default()).spawn().await.unwrap();
         assert_eq!(cpus_allowed(child.pid), ours);
         child.start_kill().unwrap();
         child.wait().await.unwrap();
