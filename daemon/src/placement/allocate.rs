@@ -51,9 +51,7 @@ pub fn place(
             Some(_) => a.fit(&[], false).map(Some),
         };
     }
-    let placement = a.choose()?;
-    a.keeps_shared_pool(&placement)?;
-    Ok(Some(placement))
+    a.choose().map(Some)
 }
 
 /// The CPUs shared VMs may use now: `vm_cpus` minus every dedicated holding (`vm_cpus` None:
@@ -61,6 +59,24 @@ pub fn place(
 pub fn shared_pool(vm_cpus: Option<&CpuSet>, held: &[Held<'_>]) -> Option<CpuSet> {
     let vm_cpus = vm_cpus?;
     Some(dedicated(held.iter()).iter().fold(vm_cpus.clone(), |pool, cpus| pool.difference(cpus)))
+}
+
+/// Where a shared VM placed as `placement` floats when the shared pool is `pool`: the pool, or
+/// the pool's CPUs on its nodes when it is bound to nodes (rule 6), for re-pinning it when
+/// dedicated VMs come and go. A dedicated placement keeps its own CPUs.
+pub fn shared_cpus(topo: &Topology, pool: &CpuSet, placement: &Placement) -> CpuSet {
+    if placement.is_dedicated() {
+        return placement.cpus.clone();
+    }
+    if placement.nodes.is_empty() {
+        return pool.clone();
+    }
+    let span = topo
+        .nodes
+        .iter()
+        .filter(|n| placement.nodes.contains(&n.id))
+        .fold(CpuSet::default(), |all, n| all.union(&n.cpus));
+    pool.intersection(&span)
 }
 
 /// The CPU sets of the dedicated holdings among `held`.
@@ -349,7 +365,7 @@ impl<'t> Allocator<'t, '_, '_> {
                 }
             }
         }
-        Ok(Placement {
+        let placement = Placement {
             policy: req.policy,
             vcpus,
             cpus,
@@ -358,35 +374,46 @@ impl<'t> Allocator<'t, '_, '_> {
             hugepages: req.hugepages,
             hugepages_per_node,
             memory_mib: req.memory_mib,
-        })
+        };
+        self.keeps_shared_pool(&placement)?;
+        Ok(placement)
     }
 
-    /// Rule 1's second half: a dedicated placement may not take the last shared CPU while
-    /// shared VMs hold placements (they would have nowhere to run).
+    /// Rule 1's second half: a dedicated placement may not take the last shared CPU of a shared
+    /// VM that holds a placement (runs): the last of the pool, or of the pool on the nodes a
+    /// shared VM is bound to. They would have nowhere to run.
     fn keeps_shared_pool(&self, placement: &Placement) -> Result<(), ApiError> {
         if !placement.is_dedicated() {
             return Ok(());
         }
-        let shared_vms = self.held.iter().filter(|h| !h.placement.is_dedicated()).count();
         let pool = self.vm_cpus.map(|v| v.difference(&self.dedicated_held())).unwrap_or_default();
         let after = pool.difference(&placement.cpus);
-        if shared_vms == 0 || !after.is_empty() {
+        let starved: Vec<&str> = self
+            .held
+            .iter()
+            .filter(|h| !h.placement.is_dedicated())
+            .filter(|h| shared_cpus(self.topo, &after, h.placement).is_empty())
+            .map(|h| h.vm)
+            .collect();
+        if starved.is_empty() {
             return Ok(());
         }
         Err(ApiError::new(
             Code::CapacityExceeded,
             format!(
-                "VM {:?}: its {} dedicated CPUs would take the last of the {} shared CPUs ({pool}) while {shared_vms} \
-                 shared VM(s) run on them",
+                "VM {:?}: its {} dedicated CPUs would take the last shared CPUs of {} running shared VM(s) ({}); \
+                 the shared pool is {pool}",
                 self.req.vm,
                 placement.cpus.len(),
-                pool.len()
+                starved.len(),
+                starved.join(", "),
             ),
         )
         .field("spec.cpu")
         .details(json!({
             "resource": "shared_cpus",
-            "shared_vms": shared_vms,
+            "shared_vms": starved.len(),
+            "vms": starved,
             "requested": placement.cpus.len(),
             "available": pool.len(),
         })))
@@ -910,7 +937,7 @@ mod tests {
                 "dedicated may not empty the pool while a shared VM runs",
                 Some("4-5"),
                 ded(2),
-                r#"3002 spec.cpu {"available":2,"requested":2,"resource":"shared_cpus","shared_vms":1}"#,
+                r#"3002 spec.cpu {"available":2,"requested":2,"resource":"shared_cpus","shared_vms":1,"vms":["s"]}"#,
             )
             .holding("s", holding(false, "4-5", &[], 256, &[]), true),
             case("... and may when none runs", Some("4-5"), ded(2), "vcpus=[4, 5] cpus=4-5 emu=0-3,6-7 nodes=[1] hp=-"),
@@ -924,6 +951,42 @@ mod tests {
         ]);
     }
 
+    /// A shared VM bound to a node keeps at least one shared CPU there; `auto` then takes the
+    /// other node.
+    #[test]
+    fn dedicated_vms_leave_a_bound_shared_vm_a_cpu_on_its_node() {
+        check(vec![
+            case(
+                "node 1's last shared CPUs: refused",
+                Some("4-7"),
+                ded(4).numa(NumaPolicy::Node(1)),
+                r#"3002 spec.cpu {"available":4,"requested":4,"resource":"shared_cpus","shared_vms":1,"vms":["s"]}"#,
+            )
+            .holding("s", holding(false, "4-7", &[1], 256, &[]), true),
+            case("auto: the other node", ALL, ded(4), "vcpus=[4, 5, 6, 7] cpus=4-7 emu=0 nodes=[1] hp=-").holding(
+                "s",
+                holding(false, "1-3", &[0], 256, &[]),
+                true,
+            ),
+            case(
+                "auto: node 1 (preferred: more room) would starve it, node 0 does not",
+                ALL,
+                ded(3),
+                "vcpus=[1, 2, 3] cpus=1-3 emu=0 nodes=[0] hp=-",
+            )
+            .holding("d", holding(true, "7", &[1], 256, &[]), true)
+            .holding("m", holding(true, "", &[0], 3000, &[]), true)
+            .holding("s", holding(false, "4-6", &[1], 256, &[]), true),
+            case(
+                "an unbound shared VM keeps the pool elsewhere",
+                ALL,
+                ded(4),
+                "vcpus=[4, 5, 6, 7] cpus=4-7 emu=0 nodes=[1] hp=-",
+            )
+            .holding("s", holding(false, "1-7", &[], 256, &[]), true),
+        ]);
+    }
+
     #[test]
     fn shared_pool_is_vm_cpus_less_dedicated_holdings() {
         let a = holding(true, "2-3", &[0], 256, &[]);
@@ -932,6 +995,16 @@ mod tests {
         assert_eq!(shared_pool(Some(&cpus("1-7")), &held), Some(cpus("1,4-7")));
         assert_eq!(shared_pool(Some(&cpus("1-7")), &[]), Some(cpus("1-7")));
         assert_eq!(shared_pool(None, &held), None);
+    }
+
+    #[test]
+    fn a_shared_vm_floats_over_the_pool_on_its_nodes() {
+        let topo = two_nodes();
+        let pool = cpus("1-3,6-7");
+        assert_eq!(shared_cpus(&topo, &pool, &holding(false, "1-7", &[], 256, &[])), pool);
+        assert_eq!(shared_cpus(&topo, &pool, &holding(false, "4-7", &[1], 256, &[])), cpus("6-7"));
+        assert_eq!(shared_cpus(&topo, &pool, &holding(false, "", &[0, 1], 256, &[])), pool);
+        assert_eq!(shared_cpus(&topo, &pool, &holding(true, "4-5", &[1], 256, &[])), cpus("4-5"));
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod cpuset;
 pub mod pin;
 pub mod topology;
 
-pub use allocate::{place, shared_pool};
+pub use allocate::{place, shared_cpus, shared_pool};
 pub use cpuset::CpuSet;
 
 use crate::api::{CpuPolicy, HugePageSize, NumaPolicy};
