@@ -1,7 +1,8 @@
 //! vmhost: the host daemon's library.
 //!
 //! The tree is the table of contents. Pure planning lives in [`config`], [`hardware`],
-//! [`validate`], [`capacity`] and [`plan`]; each host resource has one owner ([`disk`] for
+//! [`validate`], [`capacity`], [`plan`] and [`placement`]'s allocator (which CPUs, NUMA nodes and
+//! hugepages a VM's QEMU gets); each host resource has one owner ([`disk`] for
 //! overlays, [`qemu`] for processes, [`state`] for records); only [`lifecycle`] coordinates them.
 //! [`sandbox`] confines the daemon at start. [`rpc`] is the socket front end and [`client`] the matching client used by `vmhostctl`, the
 //! benchmark and the tests; [`console`] serves the VMs' serial consoles through that socket.
