@@ -52,10 +52,11 @@ for b in vmhostd vmhostctl; do
     [ -x "$BIN_DIR/$b" ] || die "$BIN_DIR/$b not found: run \`cargo build --workspace --bins\` first"
 done
 
-# The guest's module list plus fw_cfg (the scenario channel) and vmxnet3 (the one
+# The guest's module list plus fw_cfg (the scenario channel), vmxnet3 (the one
 # emulated NIC besides virtio-net that this kernel drives: a passthrough candidate
-# with a host driver to give back to; it has no e1000/e1000e/igb) and vhost_net (with vhost
-# and tap: /dev/vhost-net for the nested VMs' NICs, docs/networking.md).
+# with a host driver to give back to; it has no e1000/e1000e/igb) and vhost_net
+# (/dev/vhost-net for nested VMs' NICs; pulls in vhost, vhost_iotlb and tap; loaded
+# with lab.modules=vhost_net).
 LAB_MODULES="virtio_pci virtio_console virtio_net virtio_blk 8021q bridge tun dummy
 vfio_pci vfio_iommu_type1 button evdev qemu_fw_cfg vmxnet3 vhost_net $LAB_EXTRA_MODULES"
 
@@ -64,9 +65,13 @@ flock 9
 
 # --- base layer: kernel, busybox, modules (tests/guest/build.sh) -------------------
 # The default image is the nested VMs' guest; the lab base is a variant with more modules.
+# GUEST_DIR is shared by worktrees whose module lists may differ: the base's name carries
+# a digest of the list, so one build never replaces the base another is about to read.
 "$REPO/tests/guest/build.sh" "$GUEST_DIR"
-MODULES="$LAB_MODULES" INITRAMFS_NAME=initramfs-labbase.cpio.gz "$REPO/tests/guest/build.sh" "$GUEST_DIR"
-BASE="$GUEST_DIR/initramfs-labbase.cpio.gz"
+# shellcheck disable=SC2086  # word splitting normalizes the list's whitespace
+BASE_NAME="initramfs-labbase-$(echo $LAB_MODULES | sha256sum | cut -c1-12).cpio.gz"
+MODULES="$LAB_MODULES" INITRAMFS_NAME=$BASE_NAME "$REPO/tests/guest/build.sh" "$GUEST_DIR"
+BASE="$GUEST_DIR/$BASE_NAME"
 VERSION=$(cat "$GUEST_DIR/kernel-version")
 
 # --- tools needed here ---------------------------------------------------------------

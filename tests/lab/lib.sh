@@ -239,6 +239,39 @@ qmp() {
     printf '{"execute": "qmp_capabilities"}\n%s\n' "$_cmd" | socat -t 5 - "UNIX-CONNECT:$1"
 }
 
+# vm_qemu_pid VM: PID of VM's nested QEMU (its argv has `-name guest=VM,...`).
+vm_qemu_pid() {
+    for _d in /proc/[0-9]*; do
+        case $(readlink "$_d/exe" 2>/dev/null) in *qemu-system-*) ;; *) continue ;; esac
+        tr '\0' ' ' <"$_d/cmdline" 2>/dev/null | grep -q -- "guest=$1," && { echo "${_d##*/}"; return 0; }
+    done
+    echo "no QEMU for $1" >&2
+    return 1
+}
+
+# qemu_threads VM: one line per thread of VM's QEMU: TID, Cpus_allowed_list, comm (vCPU
+# threads are "CPU N/TCG": vmhostd starts QEMU with debug-threads=on).
+qemu_threads() {
+    _p=$(vm_qemu_pid "$1") || return 1
+    for _t in /proc/"$_p"/task/*; do
+        echo "${_t##*/} $(awk '$1 == "Cpus_allowed_list:" { print $2 }' "$_t/status") $(cat "$_t/comm")"
+    done
+}
+
+# vcpu_cpus VM [N]: Cpus_allowed_list of the thread of VM's vCPU N (default 0).
+vcpu_cpus() {
+    _th=$(qemu_threads "$1") || return 1
+    _l=$(echo "$_th" | awk -v c="CPU ${2:-0}/TCG" '{ t = $3; for (i = 4; i <= NF; i++) t = t " " $i } t == c { print $2 }')
+    [ -n "$_l" ] || { echo "$1: no thread \"CPU ${2:-0}/TCG\":" >&2; echo "$_th" >&2; return 1; }
+    echo "$_l"
+}
+
+# flat_json ARGS...: `vmhostctl --json ARGS` with every blank and newline taken out, for grep
+# (`"key":value`; values with blanks lose them too).
+flat_json() {
+    ctl --json "$@" | tr -d ' \n'
+}
+
 # dump_logs: vmhostd's log and the tail of every nested serial log, for diagnosis.
 dump_logs() {
     if [ -f "$LAB_DAEMON_LOG" ]; then
