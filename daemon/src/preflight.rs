@@ -310,7 +310,7 @@ pub async fn check(
     items.push(images);
     items.push(uefi_firmware(config, uefi_vms));
     items.extend(networks(network_states));
-    items.push(vhost_net(&crate::net::vhost::probe()));
+    items.push(vhost_net(&crate::net::vhost::for_accel(config.qemu.accel, crate::net::vhost::probe())));
     items.extend(vfio(config).await);
     items.extend(crate::sandbox::report::items(config, &crate::sandbox::state()));
     let ok = items.iter().all(|i| i.status == CheckStatus::Ok);

@@ -344,6 +344,9 @@ fn numa_placement_in_the_lab() {
         "d6-create",
         "v1-repinned-off-dedicated",
         "v2-repinned-off-dedicated",
+        "tcg-vhost-not-used",
+        "v3-nic-no-vhost",
+        "v3-qemu-no-vhost-fd",
     ] {
         assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);
     }

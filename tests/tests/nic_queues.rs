@@ -37,6 +37,7 @@ fn a_nic_with_two_queues_gives_the_guest_two_queue_pairs_without_vhost_net_here(
     let detail = item["detail"].as_str().unwrap();
     assert!(
         detail.starts_with("not usable, VMs run virtio-net in QEMU's userspace")
+            && detail.contains("accel is tcg")
             && detail.contains("/dev/vhost-net does not exist"),
         "{detail}"
     );

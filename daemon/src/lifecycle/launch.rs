@@ -94,8 +94,14 @@ pub(super) async fn check_launch_files(mgr: &Manager, vm: &ValidSpec) -> Result<
 /// One vhost-net descriptor per queue of each of `vm`'s NICs, or `None` (logged) when
 /// `/dev/vhost-net` cannot be opened: the VM then runs virtio-net in QEMU's userspace. All its
 /// NICs or none, so one VM never mixes the two.
-fn open_vhost(name: &str, vm: &ValidSpec) -> Option<Vec<Vec<std::os::fd::OwnedFd>>> {
+fn open_vhost(name: &str, vm: &ValidSpec, accel: crate::config::Accel) -> Option<Vec<Vec<std::os::fd::OwnedFd>>> {
     if vm.spec.nics.is_empty() {
+        return None;
+    }
+    // Under TCG QEMU would take the descriptors and fall back on userspace at the guest's
+    // driver start: not tried, so the view never says vhost when the guest does not get it.
+    if let Some(why) = crate::net::vhost::accel_refusal(accel) {
+        tracing::info!(vm = name, reason = %why, "NICs without vhost-net: virtio-net runs in QEMU's userspace");
         return None;
     }
     let queues: Vec<u8> = vm.spec.nics.iter().map(|n| n.queues).collect();
@@ -296,7 +302,7 @@ impl VmOp {
         self.ensure_uefi_vars(vm)?;
         // vhost-net where /dev/vhost-net opens (one descriptor per queue), else virtio-net in
         // QEMU's userspace: the VM starts either way, and its record says which it got.
-        let vhost = open_vhost(&name, vm);
+        let vhost = open_vhost(&name, vm, mgr.config.qemu.accel);
         for a in &mut allocs {
             a.vhost = vhost.is_some();
         }

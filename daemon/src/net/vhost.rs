@@ -7,8 +7,13 @@
 //! (`vhostfd=`/`vhostfds=`) and binds it to itself (`VHOST_SET_OWNER`), so it needs no access to
 //! the device node: the daemon opens it, as it makes the taps.
 //!
-//! Order of use: [`probe`] answers `host.check` (item `vhost_net`) and whether a launch tries
-//! vhost at all; at a launch, [`open_for_nics`] opens one descriptor per queue of each NIC,
+//! vhost-net needs KVM: virtio-pci uses ioeventfds only with KVM, and without them QEMU cannot
+//! start vhost-net; under TCG it would take the descriptors and then, when the guest's driver
+//! starts, fall back on userspace virtio-net, while the view said vhost. So [`for_accel`] makes
+//! vhost-net unusable under TCG, and the view and `host.check` say so.
+//!
+//! Order of use: [`for_accel`] (of [`probe`]) answers `host.check` (item `vhost_net`) and whether
+//! a launch tries vhost at all; at a launch, [`open_for_nics`] opens one descriptor per queue of each NIC,
 //! before the taps are made. Nothing is configured: vhost-net is used whenever the device can be
 //! opened, and a VM starts without it (virtio-net in QEMU's userspace, slower but the same to
 //! the guest) when it cannot. What a running VM got is in its record ([`crate::nic::NicAlloc`])
@@ -31,6 +36,39 @@ pub struct VhostStatus {
     pub usable: bool,
     /// What was found: the device opened, or why it did not (absent, refused, no module).
     pub reason: String,
+}
+
+/// Debug builds only (tests): set to `1`, vhost-net is used under TCG too, so the lab (TCG) can
+/// prove that the descriptors reach QEMU. QEMU then falls back on userspace virtio-net.
+pub const TEST_UNDER_TCG_VAR: &str = "VMHOST_TEST_VHOST_UNDER_TCG";
+
+/// Why VMs run with `accel` get no vhost-net whatever the device says (TCG: no ioeventfds
+/// without KVM, module doc), or `None` when they may. Pure apart from the debug builds' test
+/// variable.
+pub fn accel_refusal(accel: crate::config::Accel) -> Option<String> {
+    let test_override = cfg!(debug_assertions) && std::env::var(TEST_UNDER_TCG_VAR).as_deref() == Ok("1");
+    refusal(accel, test_override)
+}
+
+fn refusal(accel: crate::config::Accel, test_override: bool) -> Option<String> {
+    match accel {
+        crate::config::Accel::Tcg if !test_override => {
+            Some("accel is tcg: vhost-net needs KVM's ioeventfds (QEMU would fall back on userspace virtio-net)".into())
+        }
+        _ => None,
+    }
+}
+
+/// The device's `status` as it applies to VMs run with `accel` ([`accel_refusal`]).
+pub fn for_accel(accel: crate::config::Accel, status: VhostStatus) -> VhostStatus {
+    judge_accel(status, accel_refusal(accel))
+}
+
+fn judge_accel(status: VhostStatus, refusal: Option<String>) -> VhostStatus {
+    match refusal {
+        Some(why) => VhostStatus { usable: false, reason: format!("{why}; {}", status.reason) },
+        None => status,
+    }
 }
 
 /// Opens `/dev/vhost-net` once and closes it again: can a launch get vhost-net descriptors?
@@ -120,6 +158,24 @@ mod tests {
         assert!(r(libc::ENODEV).contains("no driver"));
         assert!(r(libc::ENXIO).contains("no driver"));
         assert!(r(libc::EIO).contains("cannot be opened"));
+    }
+
+    #[test]
+    fn tcg_never_gets_vhost_unless_a_test_asks() {
+        use crate::config::Accel;
+        assert_eq!(refusal(Accel::Kvm, false), None);
+        assert_eq!(refusal(Accel::Kvm, true), None);
+        assert_eq!(refusal(Accel::Tcg, true), None, "the lab's override");
+        let why = refusal(Accel::Tcg, false).unwrap();
+        assert!(why.contains("accel is tcg") && why.contains("KVM"), "{why}");
+        let ok = VhostStatus { usable: true, reason: "/dev/vhost-net opens read-write".into() };
+        assert_eq!(judge_accel(ok.clone(), None), ok);
+        let tcg = judge_accel(ok, Some(why));
+        assert!(
+            !tcg.usable && tcg.reason.contains("accel is tcg") && tcg.reason.ends_with("opens read-write"),
+            "{}",
+            tcg.reason
+        );
     }
 
     #[test]

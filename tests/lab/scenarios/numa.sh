@@ -120,6 +120,10 @@ net_ready() {
         sleep 0.5
     done
 }
+# Under TCG vhost-net cannot start (virtio-pci has no ioeventfds without KVM) and vmhostd does
+# not use it (checked at the end); the debug builds' override lets the lab prove that the
+# descriptors reach QEMU, one per queue.
+export VMHOST_TEST_VHOST_UNDER_TCG=1
 start_vmhostd "$(hw_toml "$NIC_ID")"
 check network-ready net_ready
 LAB_VERBOSE=1 check host-check sh -c "vmhostctl --socket $LAB_SOCKET check; true"
@@ -357,5 +361,15 @@ pool=$(for c in 1 2 3; do [ "$c" = "$d6_cpus" ] || echo "$c"; done | tr '\n' ','
 say "FACT d6 vCPU 0 on $d6_cpus; shared pool now $pool"
 check v1-repinned-off-dedicated all_on v1 "$pool"
 check v2-repinned-off-dedicated all_on v2 "$pool"
+
+# --- without the override: TCG gets no vhost-net, and says so --------------------------
+check v-destroy sh -c "vmhostctl --socket $LAB_SOCKET destroy v1 && vmhostctl --socket $LAB_SOCKET destroy v2"
+kill_vmhostd TERM
+unset VMHOST_TEST_VHOST_UNDER_TCG
+restart_vmhostd
+check tcg-vhost-not-used check_item vhost_net 'ok +not usable.*accel is tcg'
+require v3-create pvm v3 1 128 '"nics": [{"network": "lab"}],'
+check v3-nic-no-vhost nic_shows v3 '"vhost":false'
+LAB_VERBOSE=1 check v3-qemu-no-vhost-fd vhost_fds v3 0
 
 finish
