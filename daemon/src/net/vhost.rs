@@ -46,8 +46,21 @@ pub const TEST_UNDER_TCG_VAR: &str = "VMHOST_TEST_VHOST_UNDER_TCG";
 /// without KVM, module doc), or `None` when they may. Pure apart from the debug builds' test
 /// variable.
 pub fn accel_refusal(accel: crate::config::Accel) -> Option<String> {
-    let test_override = cfg!(debug_assertions) && std::env::var(TEST_UNDER_TCG_VAR).as_deref() == Ok("1");
-    refusal(accel, test_override)
+    refusal(accel, test_override())
+}
+
+/// [`TEST_UNDER_TCG_VAR`] as the process started: the sandbox clears the environment, so
+/// [`capture_test_override`] reads it before (the first call reads it otherwise).
+static TEST_OVERRIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Reads [`TEST_UNDER_TCG_VAR`] once (debug builds; always false in release builds). Called by
+/// the sandbox before it clears the environment.
+pub fn capture_test_override() {
+    test_override();
+}
+
+fn test_override() -> bool {
+    *TEST_OVERRIDE.get_or_init(|| cfg!(debug_assertions) && std::env::var(TEST_UNDER_TCG_VAR).as_deref() == Ok("1"))
 }
 
 fn refusal(accel: crate::config::Accel, test_override: bool) -> Option<String> {

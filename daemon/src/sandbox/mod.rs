@@ -130,6 +130,8 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
     }
     #[cfg(debug_assertions)]
     let probe = probe::requested();
+    // Test variables read later are read now, before the environment goes.
+    crate::net::vhost::capture_test_override();
 
     // 1. Environment and descriptors.
     let keep = env::activation_fds(
