@@ -19,7 +19,7 @@ use super::{provisioning, Manager};
 use crate::api::{ApiError, Firmware, VmStatus};
 use crate::disk::OverlayError;
 use crate::process::ProcessIdentity;
-use crate::qemu::argv::{apply_placement, build_argv, launch_fds, PassedFd};
+use crate::qemu::argv::{build_argv, launch_fds, PassedFd};
 use crate::qemu::launch::LaunchRequest;
 use crate::seed::SeedError;
 use crate::validate::{BootSource, ValidSpec};
@@ -311,10 +311,7 @@ impl VmOp {
         let fds = mgr.net.attach_nics(&mgr.config, &name, &vm.spec.nics, &allocs).await?;
         self.crashpoint("launch:taps");
         let opened = self.open_passed_fds(vm, &allocs, fds, vhost.unwrap_or_default()).await?;
-        let mut argv = build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format);
-        if let Some(placement) = &rec.placement {
-            apply_placement(&mut argv, placement);
-        }
+        let argv = build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format, rec.placement.as_ref());
         let request = LaunchRequest {
             binary: mgr.config.qemu.binary.clone(),
             argv,

@@ -14,7 +14,7 @@
 //! variables store) is two more fd sets under `-blockdev` nodes the machine's flash devices
 //! name.
 
-use crate::api::{Firmware, HugePageSize};
+use crate::api::Firmware;
 use crate::config::{Accel, Config};
 use crate::nic::{kernel_ip_params, NicAlloc};
 use crate::placement::Placement;
@@ -243,14 +243,18 @@ pub fn passed_fds(vm: &ValidSpec, nics: usize) -> Vec<PassedFd> {
 /// vhost-net adds nothing, so such a VM's numbers are exactly [`passed_fds`]'s.
 pub fn launch_fds(vm: &ValidSpec, nics: &[NicAlloc]) -> Vec<PassedFd> {
     let mut fds = passed_fds(vm, nics.len());
-    let queues = |i: usize| usize::from(vm.spec.nics.get(i).map_or(1, |n| n.queues.max(1)));
     for i in 0..nics.len() {
-        fds.extend((1..queues(i)).map(|q| PassedFd::TapQueue(i, q)));
+        fds.extend((1..nic_queues(vm, i)).map(|q| PassedFd::TapQueue(i, q)));
     }
     for (i, _) in nics.iter().enumerate().filter(|(_, n)| n.vhost) {
-        fds.extend((0..queues(i)).map(|q| PassedFd::Vhost(i, q)));
+        fds.extend((0..nic_queues(vm, i)).map(|q| PassedFd::Vhost(i, q)));
     }
     fds
+}
+
+/// NIC `i`'s queue pairs (at least one).
+fn nic_queues(vm: &ValidSpec, i: usize) -> usize {
+    usize::from(vm.spec.nics.get(i).map_or(1, |n| n.queues.max(1)))
 }
 
 /// QEMU's own seccomp filter: no obsolete syscalls, no setuid, no fork or exec, no scheduler
@@ -275,6 +279,7 @@ pub fn build_argv(
     paths: &VmPaths,
     nics: &[NicAlloc],
     base_format: &str,
+    placement: Option<&Placement>,
 ) -> Vec<OsString> {
     let layout = launch_fds(vm, nics);
     let fd = |which: PassedFd| {
@@ -286,20 +291,30 @@ pub fn build_argv(
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
     push(&["-name", &format!("guest={},debug-threads=on", spec.name)]);
     let uefi = spec.boot.firmware == Firmware::Uefi;
+    // A placement that binds memory or asks for hugepages: QEMU's RAM is that backend.
+    let memory = placement.and_then(memory_backend);
+    let mut machine = config.qemu.machine.clone();
     if uefi {
         // The machine's two flash devices are the blockdev nodes made below (validate.rs
         // allows uefi only on machine types that have them).
-        push(&["-machine", &format!("{},pflash0={UEFI_CODE_NODE},pflash1={UEFI_VARS_NODE}", config.qemu.machine)]);
-    } else {
-        push(&["-machine", &config.qemu.machine]);
+        machine.push_str(&format!(",pflash0={UEFI_CODE_NODE},pflash1={UEFI_VARS_NODE}"));
     }
+    if memory.is_some() {
+        machine.push_str(&format!(",memory-backend={MEMORY_BACKEND}"));
+    }
+    push(&["-machine", &machine]);
     push(&["-accel", config.qemu.accel.as_str()]);
     match (config.qemu.cpu_model.as_str(), config.qemu.accel) {
         ("", Accel::Kvm) => push(&["-cpu", "host"]),
         ("", Accel::Tcg) => {}
         (model, _) => push(&["-cpu", model]),
     }
+    // The vCPU count stays `-smp N`: its threads are pinned after the launch
+    // (`crate::placement::pin`).
     push(&["-smp", &spec.cpu.to_string(), "-m", &spec.memory_mib.to_string()]);
+    if let Some(object) = &memory {
+        push(&["-object", object]);
+    }
     push(&["-nodefaults", "-no-user-config", "-display", "none"]);
     if config.qemu.sandbox {
         push(&["-sandbox", QEMU_SANDBOX]);
@@ -368,7 +383,7 @@ pub fn build_argv(
     for (i, nic) in nics.iter().enumerate() {
         // One tap descriptor per queue pair, and with vhost-net one vhost descriptor each; QEMU
         // takes the queue count from how many `fds` it gets (it refuses `queues=` beside them).
-        let queues = usize::from(spec.nics.get(i).map_or(1, |n| n.queues.max(1)));
+        let queues = nic_queues(vm, i);
         let taps: Vec<String> = (0..queues)
             .map(|q| fd(if q == 0 { PassedFd::Tap(i) } else { PassedFd::TapQueue(i, q) }).to_string())
             .collect();
@@ -524,10 +539,6 @@ pub fn memory_backend(placement: &Placement) -> Option<String> {
     }
     let mut o = format!("memory-backend-memfd,id={MEMORY_BACKEND},size={}M,share=on", placement.memory_mib);
     if let Some(size) = placement.hugepages {
-        let size = match size {
-            HugePageSize::M2 => "2M",
-            HugePageSize::G1 => "1G",
-        };
         o.push_str(&format!(",hugetlb=on,hugetlbsize={size},prealloc=on"));
     }
     if !placement.nodes.is_empty() {
@@ -536,32 +547,17 @@ pub fn memory_backend(placement: &Placement) -> Option<String> {
     Some(o)
 }
 
-/// Adds a placed VM's memory backend to an argv made by [`build_argv`]: the `-object` after
-/// `-m`, and `memory-backend=` merged into the `-machine` option (QEMU takes one). Nothing
-/// changes for a placement without nodes or hugepages. The vCPU count stays `-smp N`: its
-/// threads are pinned after the launch (`crate::placement::pin`).
-pub fn apply_placement(argv: &mut Vec<OsString>, placement: &Placement) {
-    let Some(object) = memory_backend(placement) else { return };
-    if let Some(i) = argv.iter().position(|a| a == "-machine") {
-        if let Some(machine) = argv.get_mut(i + 1) {
-            machine.push(format!(",memory-backend={MEMORY_BACKEND}"));
-        }
-    }
-    let at = argv.iter().position(|a| a == "-m").map_or(argv.len(), |i| (i + 2).min(argv.len()));
-    argv.splice(at..at, [OsString::from("-object"), OsString::from(object)]);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::BootSpec;
+    use crate::api::{BootSpec, HugePageSize};
     use crate::validate::tests::{config, spec};
     use crate::validate::validate_spec;
 
     fn argv_of(s: &crate::api::VmSpec, c: &Config) -> Vec<String> {
         let v = validate_spec(s, c).unwrap();
         let p = VmPaths::for_vm(c, &s.name);
-        build_argv(&v, c, &p, &[], "qcow2").into_iter().map(|o| o.into_string().unwrap()).collect()
+        build_argv(&v, c, &p, &[], "qcow2", None).into_iter().map(|o| o.into_string().unwrap()).collect()
     }
 
     /// The descriptors before the exec ports, which come last in every layout
@@ -869,7 +865,7 @@ mod tests {
             [("qcow2", "/var/lib/vmhost/disks/vm-4/root.qcow2"), ("raw", "/var/lib/vmhost/disks/vm-4/root.raw")]
         {
             let argv: Vec<String> =
-                build_argv(&v, &c, &p, &[], format).into_iter().map(|o| o.into_string().unwrap()).collect();
+                build_argv(&v, &c, &p, &[], format, None).into_iter().map(|o| o.into_string().unwrap()).collect();
             assert_eq!(
                 value_after(&argv, "-add-fd")[1..],
                 [format!("fd=6,set=6,opaque={path}"), "fd=7,set=6".to_string()]
@@ -884,7 +880,7 @@ mod tests {
             assert!(!argv.contains(&"-kernel".to_string()));
         }
         // Anything but raw is qcow2: a format text can never reach the option list.
-        let argv: Vec<String> = build_argv(&v, &c, &p, &[], "raw,file.filename=/etc/shadow")
+        let argv: Vec<String> = build_argv(&v, &c, &p, &[], "raw,file.filename=/etc/shadow", None)
             .into_iter()
             .map(|o| o.into_string().unwrap())
             .collect();
@@ -973,7 +969,7 @@ mod tests {
         ];
         let v = validate_spec(&s, &c).unwrap();
         let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
-        let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "web"), &allocs, "")
+        let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "web"), &allocs, "", None)
             .into_iter()
             .map(|o| o.into_string().unwrap())
             .collect();
@@ -1008,7 +1004,7 @@ mod tests {
         let v = validate_spec(&s, &c).unwrap();
         let mut allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
         let argv_with = |allocs: &[NicAlloc]| -> Vec<String> {
-            build_argv(&v, &c, &VmPaths::for_vm(&c, "mq"), allocs, "")
+            build_argv(&v, &c, &VmPaths::for_vm(&c, "mq"), allocs, "", None)
                 .into_iter()
                 .map(|o| o.into_string().unwrap())
                 .collect()
@@ -1062,7 +1058,7 @@ mod tests {
         let v = validate_spec(&s, &c).unwrap();
         let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
         assert_eq!(launch_fds(&v, &allocs), passed_fds(&v, 1));
-        let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "mq"), &allocs, "")
+        let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "mq"), &allocs, "", None)
             .into_iter()
             .map(|o| o.into_string().unwrap())
             .collect();
@@ -1148,7 +1144,7 @@ mod tests {
         let mut s = spec("vm-2");
         s.boot = BootSpec { image: Some("base.img".into()), disk_gib: Some(4), ..BootSpec::default() };
         let v = validate_spec(&s, &c).unwrap();
-        let argv = build_argv(&v, &c, &VmPaths::for_vm(&c, "vm-2"), &[], "raw,file.filename=/etc/shadow");
+        let argv = build_argv(&v, &c, &VmPaths::for_vm(&c, "vm-2"), &[], "raw,file.filename=/etc/shadow", None);
         let drive = argv.iter().find(|a| a.to_string_lossy().starts_with("file=/dev/fdset/6")).unwrap();
         assert!(drive.to_string_lossy().contains("backing.driver=rawfilefilenameetcshadow,"), "{drive:?}");
     }
@@ -1190,9 +1186,10 @@ mod tests {
         let mut s = spec("vm-1");
         s.memory_mib = 256;
         let plain = argv_of(&s, &c);
+        let v = validate_spec(&s, &c).unwrap();
+        let paths = VmPaths::for_vm(&c, &s.name);
         let with = |p: &Placement| {
-            let mut argv: Vec<OsString> = plain.iter().map(OsString::from).collect();
-            apply_placement(&mut argv, p);
+            let argv = build_argv(&v, &c, &paths, &[], "qcow2", Some(p));
             argv.into_iter().map(|o| o.into_string().unwrap()).collect::<Vec<String>>()
         };
         // CPUs only (no nodes, no hugepages): the argv is unchanged.
