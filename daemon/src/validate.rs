@@ -228,12 +228,7 @@ fn validate_placement(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
     }
     if dedicated {
         let Some(vm_cpus) = &config.hardware.vm_cpus else {
-            return Err(ApiError::new(
-                Code::NotInModel,
-                "cpu_policy dedicated needs host CPUs to dedicate: the host config names no vm_cpus",
-            )
-            .field("spec.cpu_policy")
-            .details(serde_json::json!({ "vm_cpus": null })));
+            return Err(crate::placement::allocate::no_vm_cpus(None));
         };
         let wanted = u64::from(spec.cpu) + u64::from(spec.emulator_cpu);
         if wanted > vm_cpus.len() as u64 {

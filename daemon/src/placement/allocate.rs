@@ -84,6 +84,18 @@ fn dedicated<'h, 'a: 'h>(held: impl Iterator<Item = &'h Held<'a>>) -> Vec<&'h Cp
     held.filter(|h| h.placement.is_dedicated()).map(|h| &h.placement.cpus).collect()
 }
 
+/// The 3001 of a dedicated VM on a host whose config names no `vm_cpus` (validation's and the
+/// allocator's, which names the VM `vm`).
+pub fn no_vm_cpus(vm: Option<&str>) -> ApiError {
+    let who = vm.map(|vm| format!("VM {vm:?}: ")).unwrap_or_default();
+    ApiError::new(
+        Code::NotInModel,
+        format!("{who}cpu_policy dedicated needs host CPUs to dedicate: the host config names no vm_cpus"),
+    )
+    .field("spec.cpu_policy")
+    .details(json!({ "vm_cpus": Value::Null }))
+}
+
 /// One placement question: the request and what it is asked against.
 struct Allocator<'t, 'h, 'a> {
     topo: &'t Topology,
@@ -97,14 +109,7 @@ impl<'t> Allocator<'t, '_, '_> {
     fn admissible(&self) -> Result<(), ApiError> {
         let vm = self.req.vm;
         if self.req.policy == CpuPolicy::Dedicated && self.vm_cpus.is_none() {
-            return Err(ApiError::new(
-                Code::NotInModel,
-                format!(
-                    "VM {vm:?}: cpu_policy dedicated needs host CPUs to dedicate: the host config names no vm_cpus"
-                ),
-            )
-            .field("spec.cpu_policy")
-            .details(json!({ "vm_cpus": Value::Null })));
+            return Err(no_vm_cpus(Some(vm)));
         }
         if let NumaPolicy::Node(n) = self.req.numa {
             if self.topo.node(n).is_none() {
