@@ -16,6 +16,20 @@ pub const MAX_CPU: u32 = 65_535;
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CpuSet(BTreeSet<u32>);
 
+/// The kernel's affinity mask (`cpu_set_t`) of `cpus`: the one place a CPU list becomes one
+/// (the spawner's child and [`super::pin`] install it).
+///
+/// # Errors
+/// The first CPU a `cpu_set_t` cannot hold.
+pub fn kernel_mask(cpus: impl IntoIterator<Item = u32>) -> Result<nix::sched::CpuSet, u32> {
+    let mut mask = nix::sched::CpuSet::new();
+    for cpu in cpus {
+        let index = usize::try_from(cpu).map_err(|_| cpu)?;
+        mask.set(index).map_err(|_| cpu)?;
+    }
+    Ok(mask)
+}
+
 impl CpuSet {
     /// Reads a cpulist: comma-separated `N` and `A-B` items (A <= B), spaces around items
     /// allowed, each CPU at most [`MAX_CPU`]. Items may overlap and come in any order.

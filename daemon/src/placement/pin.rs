@@ -73,11 +73,7 @@ fn task_dir(pid: i32) -> PathBuf {
 /// [`PinError::CpuOutOfRange`], or the kernel refused ([`PinError::SetAffinity`]; ESRCH when
 /// the thread is gone).
 pub fn set_affinity(tid: i32, cpus: &CpuSet) -> Result<(), PinError> {
-    let mut mask = nix::sched::CpuSet::new();
-    for cpu in cpus.iter() {
-        let index = usize::try_from(cpu).map_err(|_| PinError::CpuOutOfRange { cpu })?;
-        mask.set(index).map_err(|_| PinError::CpuOutOfRange { cpu })?;
-    }
+    let mask = super::cpuset::kernel_mask(cpus.iter()).map_err(|cpu| PinError::CpuOutOfRange { cpu })?;
     sched_setaffinity(Pid::from_raw(tid), &mask).map_err(|source| PinError::SetAffinity {
         tid,
         cpus: cpus.to_string(),

@@ -169,14 +169,8 @@ fn stdin_pipe(data: &str) -> io::Result<OwnedFd> {
 /// # Errors
 /// A CPU number beyond what a `cpu_set_t` holds (`InvalidInput`).
 pub(super) fn cpu_mask(cpus: &[u32]) -> io::Result<nix::sched::CpuSet> {
-    let mut mask = nix::sched::CpuSet::new();
-    for &cpu in cpus {
-        let cpu = usize::try_from(cpu).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        mask.set(cpu).map_err(|_| {
-            io::Error::new(io::ErrorKind::InvalidInput, format!("CPU {cpu} is beyond the affinity mask"))
-        })?;
-    }
-    Ok(mask)
+    crate::placement::cpuset::kernel_mask(cpus.iter().copied())
+        .map_err(|cpu| io::Error::new(io::ErrorKind::InvalidInput, format!("CPU {cpu} is beyond the affinity mask")))
 }
 
 /// The child's stdin: `data` in a pipe, or `/dev/null`.
