@@ -321,6 +321,15 @@ impl Default for LogsConfig {
     }
 }
 
+/// `[capture]`: the host interfaces monitor NICs may copy frames from (docs/capture.md), as
+/// the hardware model lists the devices VMs may pass through.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CaptureConfig {
+    /// Interface names (valid Linux names, no repeats): a monitor NIC's `source` must be one.
+    pub interfaces: Vec<String>,
+}
+
 /// `[images]`: how `image.import` fetches a URL (docs/images.md).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -489,6 +498,8 @@ struct RawConfig {
     images: ImagesConfig,
     #[serde(default)]
     agent: AgentConfig,
+    #[serde(default)]
+    capture: CaptureConfig,
     hardware: RawHardware,
     #[serde(default)]
     networks: BTreeMap<String, RawNetwork>,
@@ -577,6 +588,8 @@ pub struct Config {
     pub images: ImagesConfig,
     /// `[agent]`.
     pub agent: AgentConfig,
+    /// `[capture]`.
+    pub capture: CaptureConfig,
     /// Socket mode parsed from `access.socket_mode`.
     pub socket_mode: u32,
     /// `[hardware]`.
@@ -880,6 +893,16 @@ impl Config {
             );
         }
 
+        let mut seen = std::collections::HashSet::new();
+        for (i, name) in raw.capture.interfaces.iter().enumerate() {
+            if !is_valid_ifname(name) {
+                return Err(key_err(&format!("capture.interfaces[{i}]"), format!("{name:?} is not an interface name")));
+            }
+            if !seen.insert(name) {
+                return Err(key_err(&format!("capture.interfaces[{i}]"), format!("{name:?} is listed twice")));
+            }
+        }
+
         Ok(Config {
             networks,
             file: file.to_path_buf(),
@@ -895,6 +918,7 @@ impl Config {
             storage,
             images: raw.images,
             agent: raw.agent,
+            capture: raw.capture,
             socket_mode,
             hardware: Hardware {
                 cpu: h.cpu,

@@ -423,6 +423,7 @@ vlan_filtering = true
                 search: vec!["example.org".into()],
             }),
             queues: 1,
+            ..Default::default()
         }
     }
 

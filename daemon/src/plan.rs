@@ -581,8 +581,14 @@ mod tests {
             ("boot.firmware", |s| s.boot.firmware = crate::api::Firmware::Uefi),
             ("disks", |s| s.disks = vec![disk("d", 1, crate::api::DiskFormat::Raw)]),
             ("nics", |s| {
-                s.nics =
-                    vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 }]
+                s.nics = vec![crate::api::NicSpec {
+                    network: "lan".into(),
+                    vlan: None,
+                    mac: None,
+                    ipv4: None,
+                    queues: 1,
+                    ..Default::default()
+                }]
             }),
             ("restart_policy", |s| s.restart_policy = crate::api::RestartPolicy::Never),
             ("user_data", |s| s.user_data = Some("#cloud-config\n".into())),
@@ -616,7 +622,14 @@ mod tests {
     #[test]
     fn a_change_of_nic_queues_needs_a_restart() {
         let mut a = spec("mq");
-        a.nics = vec![crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 }];
+        a.nics = vec![crate::api::NicSpec {
+            network: "lan".into(),
+            vlan: None,
+            mac: None,
+            ipv4: None,
+            queues: 1,
+            ..Default::default()
+        }];
         let mut b = a.clone();
         b.nics[0].queues = 4;
         let fields = spec_drift(&a, &b);

@@ -304,6 +304,7 @@ mod tests {
                 search: search.iter().map(|s| s.to_string()).collect(),
             }),
             queues: 1,
+            ..Default::default()
         }
     }
 
@@ -311,7 +312,14 @@ mod tests {
         let mut s = crate::validate::tests::spec("web1");
         s.nics = vec![
             static_nic(Some("10.0.0.1"), &["10.0.0.1"], &["example.org"]),
-            NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}), queues: 1 },
+            NicSpec {
+                network: "lan".into(),
+                vlan: None,
+                mac: None,
+                ipv4: Some(Ipv4Spec::Dhcp {}),
+                queues: 1,
+                ..Default::default()
+            },
         ];
         s
     }
@@ -387,11 +395,24 @@ mod tests {
 
     #[test]
     fn dhcp_and_unconfigured_nics() {
-        let sub =
-            one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: Some(Ipv4Spec::Dhcp {}), queues: 1 });
+        let sub = one_nic(NicSpec {
+            network: "lan".into(),
+            vlan: None,
+            mac: None,
+            ipv4: Some(Ipv4Spec::Dhcp {}),
+            queues: 1,
+            ..Default::default()
+        });
         assert_eq!(sub, json!({"type": "dhcp4"}));
         // Brought up without an address (vm.check expects every NIC up).
-        let sub = one_nic(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 });
+        let sub = one_nic(NicSpec {
+            network: "lan".into(),
+            vlan: None,
+            mac: None,
+            ipv4: None,
+            queues: 1,
+            ..Default::default()
+        });
         assert_eq!(sub, json!({"type": "manual", "control": "auto"}));
     }
 
@@ -407,8 +428,16 @@ mod tests {
                     mac: None,
                     ipv4: Some(Ipv4Spec::Dhcp {}),
                     queues: 1,
+                    ..Default::default()
                 },
-                _ => NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 },
+                _ => NicSpec {
+                    network: "lan".into(),
+                    vlan: None,
+                    mac: None,
+                    ipv4: None,
+                    queues: 1,
+                    ..Default::default()
+                },
             })
             .collect();
         let e = entries(&s);
@@ -463,7 +492,16 @@ mod tests {
             |s| s.state = DesiredState::Stopped,
             |s| s.role = Some("sensor".into()),
             |s| s.nics[0] = static_nic(None, &[], &[]),
-            |s| s.nics.push(NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 }),
+            |s| {
+                s.nics.push(NicSpec {
+                    network: "lan".into(),
+                    vlan: None,
+                    mac: None,
+                    ipv4: None,
+                    queues: 1,
+                    ..Default::default()
+                })
+            },
             |s| s.nics.clear(),
             |s| s.disks = vec![crate::validate::tests::data_disk("nsm", 2, crate::api::DiskFormat::Raw)],
             |s| s.restart_policy = crate::api::RestartPolicy::Always,

@@ -660,6 +660,7 @@ reserved_memory_gib = 4
                 search: vec![],
             }),
             queues: 1,
+            ..Default::default()
         }
     }
 

@@ -288,12 +288,35 @@ fn is_true(b: &bool) -> bool {
     *b
 }
 
-/// One NIC of a VM: a tap on a configured network.
+/// One NIC of a VM: a tap on a configured network (`mode: "bridge"`, the default), or a capture
+/// NIC fed with copies of a host interface's frames (`mode: "monitor"`, docs/capture.md).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NicSpec {
-    /// Name of a `[networks.NAME]` of the host config.
+    /// What the NIC is attached to. Left out when `bridge`, so older specs and records compare
+    /// and serialize as they did.
+    #[serde(default, skip_serializing_if = "NicMode::is_bridge")]
+    pub mode: NicMode,
+    /// Name of a `[networks.NAME]` of the host config; required for a bridge NIC, refused for a
+    /// monitor NIC (empty, and then left out).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub network: String,
+    /// A monitor NIC's source: a host interface listed in `[capture] interfaces`; refused for a
+    /// bridge NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// A monitor NIC's direction: frames the source receives and sends (`both`, the default) or
+    /// only those it receives (`ingress`); refused for a bridge NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direction: Option<CaptureDirection>,
+    /// Tagged VLANs (1-4094) the tap port carries besides the access `vlan`, on a network with
+    /// `vlan_filtering`; bridge NICs only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vlans: Vec<u16>,
+    /// The tap port carries every VLAN 1-4094 tagged (a trunk), on a network with
+    /// `vlan_filtering`; bridge NICs only, not with `vlans`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub trunk: bool,
     /// Access VLAN (1-4094) on a network with `vlan_filtering`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vlan: Option<u16>,
@@ -313,6 +336,53 @@ pub struct NicSpec {
 /// A NIC's default number of queue pairs.
 fn one_queue() -> u8 {
     1
+}
+
+impl Default for NicSpec {
+    /// A bridge NIC on no network yet, one queue: what a literal starts from.
+    fn default() -> Self {
+        NicSpec {
+            mode: NicMode::Bridge,
+            network: String::new(),
+            source: None,
+            direction: None,
+            vlans: Vec::new(),
+            trunk: false,
+            vlan: None,
+            mac: None,
+            ipv4: None,
+            queues: 1,
+        }
+    }
+}
+
+/// What a NIC is attached to (`spec.nics[i].mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NicMode {
+    /// A tap on a configured network's bridge.
+    #[default]
+    Bridge,
+    /// A capture NIC: copies of a host interface's frames, nothing sent back (docs/capture.md).
+    Monitor,
+}
+
+impl NicMode {
+    /// True for the default mode (left out when serialized).
+    pub fn is_bridge(&self) -> bool {
+        *self == NicMode::Bridge
+    }
+}
+
+/// Which frames of its source a monitor NIC gets (`spec.nics[i].direction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CaptureDirection {
+    /// Frames the source receives and frames it sends.
+    #[default]
+    Both,
+    /// Frames the source receives only.
+    Ingress,
 }
 
 fn is_one_queue(q: &u8) -> bool {

@@ -965,7 +965,14 @@ mod tests {
         let static_nic = crate::validate::tests::static_nic("lan", "10.0.0.5/24");
         s.nics = vec![
             static_nic,
-            crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: 1 },
+            crate::api::NicSpec {
+                network: "lan".into(),
+                vlan: None,
+                mac: None,
+                ipv4: None,
+                queues: 1,
+                ..Default::default()
+            },
         ];
         let v = validate_spec(&s, &c).unwrap();
         let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
@@ -999,7 +1006,14 @@ mod tests {
         )
         .unwrap();
         let mut s = spec("mq");
-        let nic = |queues| crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues };
+        let nic = |queues| crate::api::NicSpec {
+            network: "lan".into(),
+            vlan: None,
+            mac: None,
+            ipv4: None,
+            queues,
+            ..Default::default()
+        };
         s.nics = vec![nic(1), nic(3)];
         let v = validate_spec(&s, &c).unwrap();
         let mut allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
@@ -1087,7 +1101,14 @@ mod tests {
         // Every NIC, the VM's queues spread over them.
         let per_nic = u8::try_from(crate::nic::MAX_VM_QUEUES / crate::nic::MAX_NICS as u32).unwrap();
         s.nics = (0..crate::nic::MAX_NICS)
-            .map(|_| crate::api::NicSpec { network: "lan".into(), vlan: None, mac: None, ipv4: None, queues: per_nic })
+            .map(|_| crate::api::NicSpec {
+                network: "lan".into(),
+                vlan: None,
+                mac: None,
+                ipv4: None,
+                queues: per_nic,
+                ..Default::default()
+            })
             .collect();
         let v = validate_spec(&s, &c).unwrap();
         let mut allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
