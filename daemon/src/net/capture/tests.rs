@@ -568,9 +568,10 @@ async fn sync_attaches_is_idempotent_and_gives_back() {
     let report = cap.sync_with(&fake, &[]).await;
     assert!(report.monitors.is_empty());
     assert_eq!(report.sources, [SourceReport { source: SRC.into(), present: true, promisc: false, vmhost_filters: 0 }]);
-    let k = fake.k();
-    assert!(k.clsact.is_empty() && k.links.iter().all(|l| !l.promisc));
-    drop(k);
+    {
+        let k = fake.k();
+        assert!(k.clsact.is_empty() && k.links.iter().all(|l| !l.promisc));
+    }
     assert!(!path.exists(), "the ledger goes last");
     let changes = fake.k().changes;
     assert!(cap.sync_with(&fake, &[]).await.sources.is_empty());
@@ -598,10 +599,11 @@ async fn sync_reports_missing_source_and_tap_and_reattaches_a_returning_source()
     fake.k().links.push(LinkState { index: 40, name: SRC.into(), promisc: false });
     let report = cap.sync_with(&fake, &want2).await;
     assert_eq!(states(&report), ["attached", "tap_missing"]);
-    let k = fake.k();
-    assert_eq!(k.filters[&40].len(), 2);
-    assert!(k.filters[&40].iter().all(|f| f.mirred_to == Some(A_INDEX)));
-    drop(k);
+    {
+        let k = fake.k();
+        assert_eq!(k.filters[&40].len(), 2);
+        assert!(k.filters[&40].iter().all(|f| f.mirred_to == Some(A_INDEX)));
+    }
     let l = ledger::read_all(&d.path().join("capture"));
     assert_eq!(l.ok[SRC].ifindex, 40);
 }
