@@ -715,6 +715,44 @@ mod tests {
     }
 
     #[test]
+    fn the_daemons_seccomp_filter_allows_tc_and_the_link_watch() {
+        in_netns(|| async {
+            // Fixtures first: under the filter no program can be run.
+            run("ip", &["link", "add", "src0", "type", "veth", "peer", "name", "peer0"]);
+            // The filter binds this thread only (the test's own), as it binds the daemon's.
+            crate::sandbox::seccomp::apply(crate::config::SeccompMode::Enforce).unwrap();
+            // SAFETY: a plain unshare, refused under the filter (proves it is in force).
+            let refused = unsafe { libc::unshare(libc::CLONE_NEWNS) };
+            assert_eq!((refused, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
+            let nl = Netlink::connect().unwrap();
+            let mut watch = super::super::watch::LinkWatch::open().unwrap();
+            let src = nl.link_by_name("src0").await.unwrap().unwrap().index;
+            let tap_fd = create_tap("vmhmon0").unwrap();
+            let tap = nl.link_by_name("vmhmon0").await.unwrap().unwrap().index;
+            nl.set_ipv6_off(tap).await.unwrap();
+            nl.set_promisc(src, true).await.unwrap();
+            nl.add_clsact(src).await.unwrap();
+            let id = nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            nl.add_clsact(tap).await.unwrap();
+            nl.add_drop_all(tap, Hook::Ingress).await.unwrap();
+            assert_eq!(nl.filters(src, Hook::Ingress).await.unwrap()[0].id, id);
+            nl.del_filter(src, &id).await.unwrap();
+            nl.del_clsact(src).await.unwrap();
+            nl.set_up(src).await.unwrap();
+            let seen = tokio::time::timeout(WAIT, async {
+                while let Some(change) = watch.next().await {
+                    if change.name == "src0" {
+                        return true;
+                    }
+                }
+                false
+            });
+            assert!(seen.await.unwrap(), "the watch sees src0 change");
+            drop(tap_fd);
+        });
+    }
+
+    #[test]
     fn del_filter_removes_only_its_own_filter() {
         in_netns(|| async {
             let nl = Netlink::connect().unwrap();
