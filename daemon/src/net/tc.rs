@@ -18,10 +18,13 @@
 //! Kernel modules: `sch_ingress` (clsact), `cls_bpf`, `act_mirred`. A missing one answers
 //! `ENOENT` (the kernel's module autoload failed), which is [`NetError::Unsupported`] here.
 //!
-//! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added:
-//! `filter protocol all pref 49152 bpf chain 0 handle 0x1 bytecode '1,6 0 0 4294967295'`, then
-//! `action order 1: mirred (Egress Mirror to device TAP) pipe`, its counters, and `cookie`
-//! followed by the cookie in hex (`766d6863...`, "vmhc" and the tap name's tail).
+//! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added (the first filter on
+//! the hook gets pref 49152, each later one the next lower free pref):
+//! `filter protocol all pref 49152 bpf chain 0 handle 0x1 not_in_hw bytecode '1,6 0 0 4294967295'`,
+//! then `action order 1: mirred (Egress Mirror to device TAP) pipe`, its counters (`Sent N bytes
+//! M pkt`), and `cookie` followed by the cookie in hex (`766d6863...`: "vmhc" and the tap name's
+//! tail). A monitor tap's drop filter shows as `bpf ... direct-action not_in_hw bytecode '1,6 0 0 2'`
+//! under `tc filter show dev TAP ingress`.
 
 use futures_util::StreamExt;
 use rtnetlink::packet_core::{
