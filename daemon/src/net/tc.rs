@@ -21,7 +21,7 @@
 //! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added (the first filter on
 //! the hook gets pref 49152, each later one the next lower free pref):
 //! `filter protocol all pref 49152 bpf chain 0 handle 0x1 not_in_hw bytecode '1,6 0 0 4294967295'`,
-//! then `action order 1: mirred (Egress Mirror to device TAP) pipe`, its counters (`Sent N bytes
+//! then `action order 1: mirred (Egress Mirror to device TAP) continue`, its counters (`Sent N bytes
 //! M pkt`), and `cookie` followed by the cookie in hex (`766d6863...`: "vmhc" and the tap name's
 //! tail). A monitor tap's drop filter shows as `bpf ... direct-action not_in_hw bytecode '1,6 0 0 2'`
 //! under `tc filter show dev TAP ingress`.
@@ -142,8 +142,10 @@ fn ret_program(k: u32) -> Vec<TcFilterBpfOption> {
 /// The `mirred` action that mirrors every frame to `target`'s egress and carries `cookie`.
 fn mirror_action(target: u32, cookie: &[u8]) -> TcAction {
     let mut parms = TcMirror::default();
-    // "pipe": the frame goes on its way after the copy (mirror, not redirect).
-    parms.generic.action = TcActionType::Pipe;
+    // "continue" (TC_ACT_UNSPEC): after the copy, classification goes on to the next filter.
+    // "pipe" would end it here: a second monitor's mirror and any operator filter after this one
+    // (the kernel gives a new filter the prio before the first) would never see a frame.
+    parms.generic.action = TcActionType::Unspec;
     parms.eaction = TcMirrorActionType::EgressMirror;
     parms.ifindex = target;
     let mut action = TcAction::default();
@@ -426,7 +428,8 @@ impl Netlink {
     ///
     /// The classifier returns -1 ("match, default class") for every frame, whatever its length
     /// (u32 would miss frames with fewer than 4 bytes after the Ethernet header); the action
-    /// copies the frame to `target`'s egress and lets the original go on (`pipe`).
+    /// copies the frame to `target`'s egress and lets classification go on to the next filter
+    /// (`continue`), so other mirrors and filters on the hook still see the frame.
     ///
     /// # Errors
     /// [`NetError::InvalidCookie`] for an empty cookie or one over [`MAX_COOKIE`] bytes;
