@@ -37,6 +37,7 @@
 //! in the lab host: a QEMU/TCG VM running Debian's cloud kernel, whose bridge has VLAN filtering
 //! (built separately, see the host-networking issue).
 
+pub mod backing;
 pub mod host;
 pub mod link;
 pub mod tap;
