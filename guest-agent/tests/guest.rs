@@ -313,7 +313,10 @@ fn agent_in_the_test_guest() {
     // hello and agent.info.
     let hello = timed("hello", || host.ok("hello", json!({})));
     assert_eq!(hello["protocol_version"], 1);
-    assert_eq!(hello["capabilities"], json!(["agent.info", "net.state", "net.check", "net.apply", "fs.freeze"]));
+    assert_eq!(
+        hello["capabilities"],
+        json!(["agent.info", "net.state", "net.check", "net.apply", "fs.freeze", "net.capture"])
+    );
     assert_eq!(hello["agent_version"], env!("CARGO_PKG_VERSION"));
     let info = host.ok("agent.info", json!(null));
     assert_eq!(info["hostname"], "g", "{info}");
