@@ -23,8 +23,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use futures_util::TryStreamExt;
 use rtnetlink::packet_route::address::AddressAttribute;
 use rtnetlink::packet_route::link::{
-    AfSpecBridge, BridgeVlanInfoFlags, InfoKind, LinkAttribute, LinkExtentMask, LinkFlags, LinkInfo as NlLinkInfo,
-    LinkMessage,
+    AfSpecBridge, AfSpecInet6, AfSpecUnspec, BridgeVlanInfoFlags, In6AddrGenMode, InfoKind, LinkAttribute,
+    LinkExtentMask, LinkFlags, LinkInfo as NlLinkInfo, LinkMessage,
 };
 use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::{LinkBridge, LinkBridgeVlan, LinkMessageBuilder, LinkUnspec};
@@ -52,6 +52,10 @@ pub struct LinkInfo {
     pub master: Option<u32>,
     /// Administratively up (`IFF_UP`); says nothing about carrier.
     pub up: bool,
+    /// The user-set promiscuous flag (`IFF_PROMISC` in `ifi_flags`): what `ip link set promisc`
+    /// and [`Netlink::set_promisc`] set. The kernel reports it apart from the promiscuity count
+    /// that bridges and packet sockets take, so a bridge port reads `false` unless someone set it.
+    pub promisc: bool,
     /// Ethernet address, for links that have a six-byte one.
     pub mac: Option<[u8; 6]>,
 }
@@ -67,6 +71,7 @@ impl LinkInfo {
             mtu: 0,
             master: None,
             up: msg.header.flags.contains(LinkFlags::Up),
+            promisc: msg.header.flags.contains(LinkFlags::Promisc),
             mac: None,
         };
         for attr in &msg.attributes {
@@ -133,14 +138,72 @@ pub struct BridgeVlan {
     pub untagged: bool,
 }
 
+/// A set of VLAN ids, each 1-4094, for [`Netlink::bridge_vlan_add_tagged`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VlanSet(std::collections::BTreeSet<u16>);
+
+impl VlanSet {
+    /// The set of `vids`; repeats count once.
+    ///
+    /// # Errors
+    /// [`NetError::InvalidVlan`] for 0 or an id above 4094.
+    pub fn new(vids: impl IntoIterator<Item = u16>) -> Result<VlanSet, NetError> {
+        let mut set = std::collections::BTreeSet::new();
+        for vid in vids {
+            check_vid(vid)?;
+            set.insert(vid);
+        }
+        Ok(VlanSet(set))
+    }
+
+    /// Every VLAN, 1-4094 (a trunk).
+    pub fn all() -> VlanSet {
+        VlanSet((1..=4094).collect())
+    }
+
+    /// The set without `vid` (a port's PVID, which must keep its own flags).
+    #[must_use]
+    pub fn without(mut self, vid: u16) -> VlanSet {
+        self.0.remove(&vid);
+        self
+    }
+
+    /// Whether the set has no VLAN.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `vid` is in the set.
+    pub fn contains(&self, vid: u16) -> bool {
+        self.0.contains(&vid)
+    }
+
+    /// The ids in ascending order.
+    pub fn iter(&self) -> impl Iterator<Item = u16> + '_ {
+        self.0.iter().copied()
+    }
+
+    /// The runs of consecutive ids, `(first, last)`, ascending: what one message carries.
+    pub fn ranges(&self) -> Vec<(u16, u16)> {
+        let mut out: Vec<(u16, u16)> = Vec::new();
+        for vid in self.iter() {
+            match out.last_mut() {
+                Some((_, last)) if *last + 1 == vid => *last = vid,
+                _ => out.push((vid, vid)),
+            }
+        }
+        out
+    }
+}
+
 /// A netlink route socket and the task that drives it.
 ///
 /// Requests are sent from any task; answers are matched to requests by the connection task,
 /// spawned by [`Netlink::connect`] on the current tokio runtime and stopped when this value is
 /// dropped. The socket lives in the network namespace of the thread that called `connect`.
 pub struct Netlink {
-    /// The request side of the connection.
-    handle: rtnetlink::Handle,
+    /// The request side of the connection (`net::tc` builds its own messages on it).
+    pub(super) handle: rtnetlink::Handle,
     /// The connection task.
     task: tokio::task::JoinHandle<()>,
 }
@@ -152,7 +215,7 @@ impl Drop for Netlink {
 }
 
 /// The errno in an rtnetlink error, when it is a kernel answer.
-fn errno_of(e: &rtnetlink::Error) -> Option<i32> {
+pub(super) fn errno_of(e: &rtnetlink::Error) -> Option<i32> {
     match e {
         rtnetlink::Error::NetlinkError(msg) => msg.code.map(|code| code.get().abs()),
         _ => None,
@@ -531,6 +594,68 @@ impl Netlink {
             .map_err(map_vlan_err("delete bridge vlan", || format!("link #{port_index}")))
     }
 
+    /// Adds every VLAN of `vids` to bridge port `port_index` as a tagged VLAN (not PVID, not
+    /// untagged): a trunk. Runs of consecutive ids travel as ranges (`RangeBegin`/`RangeEnd`), all
+    /// in one message, so a trunk of 1-4094 is one request. An empty set changes nothing.
+    ///
+    /// A VLAN the port has already gets the tagged flags (so adding the port's PVID here would
+    /// take its PVID away: leave it out of `vids`).
+    ///
+    /// # Errors
+    /// [`NetError::NotFound`], [`NetError::NotABridgePort`], [`NetError::Unsupported`],
+    /// [`NetError::Netlink`] as for [`Netlink::bridge_vlan_add`].
+    pub async fn bridge_vlan_add_tagged(&self, port_index: u32, vids: &VlanSet) -> Result<(), NetError> {
+        let ranges = vids.ranges();
+        let Some(&(first, _)) = ranges.first() else { return Ok(()) };
+        self.check_port(port_index, first).await?;
+        let mut msg = LinkBridgeVlan::new(port_index);
+        for (start, end) in ranges {
+            msg = if start == end {
+                msg.vlan(start, BridgeVlanInfoFlags::empty())
+            } else {
+                msg.vlan_range_start(start, BridgeVlanInfoFlags::empty())
+                    .vlan_range_end(end, BridgeVlanInfoFlags::empty())
+            };
+        }
+        self.handle
+            .link()
+            .set(msg.build())
+            .execute()
+            .await
+            .map_err(map_vlan_err("add bridge vlans", || format!("link #{port_index}")))
+    }
+
+    /// Sets or clears the user-set promiscuous flag of link `index` (`ip link set promisc`);
+    /// [`LinkInfo::promisc`] reads it back. The promiscuity count others hold (a bridge, a packet
+    /// socket) is theirs and stays.
+    ///
+    /// # Errors
+    /// [`NetError::NotFound`] when there is no such link; [`NetError::Netlink`] otherwise.
+    pub async fn set_promisc(&self, index: u32, on: bool) -> Result<(), NetError> {
+        self.change("set promisc", index, LinkUnspec::new_with_index(index).promiscuous(on).build()).await
+    }
+
+    /// Turns IPv6 address generation off on link `index` (`IFLA_INET6_ADDR_GEN_MODE` = none):
+    /// called on a monitor tap before it goes up, it gets no link-local address, so the host
+    /// sends no router solicitation, no DAD and no MLD report into the guest's capture.
+    ///
+    /// A link without IPv6 (IPv6 disabled in the kernel, or an MTU below 1280) has nothing to
+    /// turn off: that is success.
+    ///
+    /// # Errors
+    /// [`NetError::NotFound`] when there is no such link; [`NetError::Netlink`] otherwise.
+    pub async fn set_ipv6_off(&self, index: u32) -> Result<(), NetError> {
+        let spec = LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(vec![AfSpecInet6::AddrGenMode(
+            In6AddrGenMode::None,
+        )])]);
+        let msg = LinkUnspec::new_with_index(index).append_extra_attribute(spec).build();
+        match self.handle.link().change(msg).execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if errno_of(&e) == Some(libc::EAFNOSUPPORT) => Ok(()),
+            Err(e) => Err(map_err("set ipv6 addrgenmode", || format!("link #{index}"))(e)),
+        }
+    }
+
     /// The VLANs of bridge port (or bridge) `port_index`, from an `AF_BRIDGE` link dump with
     /// `RTEXT_FILTER_BRVLAN`. Empty when the link is not a bridge or bridge port, or when the
     /// kernel has no VLAN filtering.
@@ -815,6 +940,94 @@ mod tests {
             let err = nl.create_bridge("vmbr1", true, "vmhost:net=v").await.unwrap_err();
             assert!(matches!(err, NetError::Unsupported { .. }), "{err:?}");
             assert_eq!(nl.link_by_name("vmbr1").await.unwrap(), None);
+        });
+    }
+
+    #[test]
+    fn promisc_flag_round_trips_apart_from_a_bridge_count() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            ip(&["link", "add", "src0", "type", "veth", "peer", "name", "peer0"]);
+            let src = nl.link_by_name("src0").await.unwrap().unwrap();
+            assert!(!src.promisc);
+            // A bridge port has a promiscuity count from the bridge, not the user-set flag.
+            let br = nl.create_bridge("br0", false, "").await.unwrap();
+            nl.set_master(src.index, br.index).await.unwrap();
+            nl.set_up(src.index).await.unwrap();
+            assert!(!nl.link_by_index(src.index).await.unwrap().unwrap().promisc);
+            nl.set_promisc(src.index, true).await.unwrap();
+            let on = nl.link_by_index(src.index).await.unwrap().unwrap();
+            assert!(on.promisc && on.up && on.master == Some(br.index), "{on:?}");
+            nl.set_promisc(src.index, false).await.unwrap();
+            let off = nl.link_by_index(src.index).await.unwrap().unwrap();
+            assert!(!off.promisc && off.up && off.master == Some(br.index), "{off:?}");
+            let err = nl.set_promisc(4242, true).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+        });
+    }
+
+    #[test]
+    fn ipv6_off_before_up_leaves_a_tap_without_link_local_address() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let _quiet = tap::create_tap("vmtq0").unwrap();
+            let _plain = tap::create_tap("vmtp0").unwrap();
+            let quiet = nl.link_by_name("vmtq0").await.unwrap().unwrap().index;
+            let plain = nl.link_by_name("vmtp0").await.unwrap().unwrap().index;
+            nl.set_ipv6_off(quiet).await.unwrap();
+            nl.set_up(quiet).await.unwrap();
+            nl.set_up(plain).await.unwrap();
+            let link_local = |addrs: Vec<(IpAddr, u8)>| {
+                addrs.iter().any(|(ip, _)| matches!(ip, IpAddr::V6(v6) if v6.segments()[0] == 0xfe80))
+            };
+            // The tap without the call gets its fe80 address on up (so the check can fail)...
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !link_local(nl.addresses(plain).await.unwrap()) {
+                assert!(std::time::Instant::now() < deadline, "no fe80 address on the plain tap");
+                tokio::task::yield_now().await;
+            }
+            // ...by the same time the quiet one has none.
+            assert!(!link_local(nl.addresses(quiet).await.unwrap()));
+            assert_eq!(nl.addresses(quiet).await.unwrap(), []);
+            let err = nl.set_ipv6_off(4242).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+        });
+    }
+
+    #[test]
+    fn vlan_sets_are_checked_and_sent_as_ranges() {
+        assert_eq!(VlanSet::all().ranges(), [(1, 4094)]);
+        assert_eq!(VlanSet::all().without(1).ranges(), [(2, 4094)]);
+        assert_eq!(VlanSet::all().without(100).ranges(), [(1, 99), (101, 4094)]);
+        let set = VlanSet::new([20, 10, 11, 12, 4094, 11]).unwrap();
+        assert_eq!(set.ranges(), [(10, 12), (20, 20), (4094, 4094)]);
+        assert_eq!(set.iter().collect::<Vec<_>>(), [10, 11, 12, 20, 4094]);
+        assert!(set.contains(20) && !set.contains(13));
+        assert!(VlanSet::new([]).unwrap().is_empty());
+        assert_eq!(VlanSet::new([]).unwrap().ranges(), []);
+        for bad in [0, 4095] {
+            assert!(matches!(VlanSet::new([5, bad]), Err(NetError::InvalidVlan(v)) if v == bad));
+        }
+    }
+
+    #[test]
+    fn tagged_vlans_on_this_kernel_are_unsupported() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let br = nl.create_bridge("vmbr0", false, "vmhost:net=lan").await.unwrap();
+            let _tap = tap::create_tap("vmt0").unwrap();
+            let port = nl.link_by_name("vmt0").await.unwrap().unwrap();
+            // An empty set asks nothing of the kernel.
+            nl.bridge_vlan_add_tagged(port.index, &VlanSet::default()).await.unwrap();
+            let err = nl.bridge_vlan_add_tagged(port.index, &VlanSet::all()).await.unwrap_err();
+            assert!(matches!(err, NetError::NotABridgePort(i) if i == port.index), "{err:?}");
+            nl.set_master(port.index, br.index).await.unwrap();
+            for set in [VlanSet::all().without(1), VlanSet::new([10, 20]).unwrap()] {
+                let err = nl.bridge_vlan_add_tagged(port.index, &set).await.unwrap_err();
+                assert!(matches!(err, NetError::Unsupported { what: VLAN_FILTERING }), "{err:?}");
+            }
+            let err = nl.bridge_vlan_add_tagged(4242, &VlanSet::all()).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
         });
     }
 
