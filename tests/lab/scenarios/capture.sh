@@ -125,10 +125,32 @@ for v in tv tt ms; do
     while ! agent_up "$v" && [ $t -lt 300 ]; do sleep 2; t=$((t + 2)); done
     check "$v-agent" agent_up "$v"
 done
+# retry SECS CMD...: CMD until it succeeds, for at most SECS seconds (a loaded lab drops agent
+# sessions whose ping took over 3 s; they reconnect).
+retry() {
+    _s=$1
+    shift
+    _t=0
+    until "$@"; do
+        [ $_t -ge "$_s" ] && return 1
+        sleep 2
+        _t=$((_t + 2))
+    done
+}
 # The agent set the monitor NICs up and promiscuous, no address: vm.check says so.
-LAB_VERBOSE=1 check ms-vm-check ctl check ms
+LAB_VERBOSE=1 check ms-vm-check retry 180 ctl check ms
 
-rx() { ctl exec "$1" -- cat "/sys/class/net/$2/statistics/rx_packets" | tr -dc 0-9; }
+# rx VM IFACE: the guest's receive counter (-1 when no exec answered within 120 s).
+rx() {
+    _t=0
+    while :; do
+        _v=$(ctl exec "$1" -- cat "/sys/class/net/$2/statistics/rx_packets" 2>/dev/null | tr -dc 0-9)
+        [ -n "$_v" ] && { echo "$_v"; return 0; }
+        [ $_t -ge 120 ] && { echo -1; return 1; }
+        sleep 2
+        _t=$((_t + 2))
+    done
+}
 # burst IFACE COUNT: COUNT ARP requests from gen's IFACE (one a second), waiting for all.
 burst() {
     _n=$(subnet_of "$1")
