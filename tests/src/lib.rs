@@ -758,6 +758,7 @@ pub mod bench_lifecycle;
 pub mod bench_stats;
 pub mod bench_storage;
 pub mod boot_sector;
+pub mod frames;
 pub mod lab;
 pub mod wait;
 
