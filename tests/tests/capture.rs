@@ -489,3 +489,42 @@ fn settle_and_stop(host: &TestHost, name: &str, step: &str, before: Before) {
     host.call("vm.destroy", json!({"name": name}));
     expect_given_back(host, SRC, before, &format!("{step}: destroy"));
 }
+
+#[test]
+fn a_source_not_listed_or_not_present_is_refused_naming_the_nic_and_creates_nothing() {
+    // "gone0" is listed but does not exist; "src0" exists but a NIC may not name "peer0".
+    let host = TestHost::start(HostOptions {
+        netns: true,
+        extra: format!("[capture]\ninterfaces = [{SRC:?}, \"gone0\"]\n"),
+        ..HostOptions::default()
+    });
+    make_source(&host, SRC, PEER);
+    let links_before = host.links().len();
+    for (name, nics, code, field, words) in [
+        (
+            "unlisted",
+            monitor(PEER, None),
+            3001,
+            "spec.nics[0].source",
+            "the host config lists no capture interface peer0",
+        ),
+        ("absent", monitor("gone0", None), 3001, "spec.nics[0].source", "no interface gone0 on the host"),
+        ("nosource", json!([{"mode": "monitor"}]), 2001, "spec.nics[0].source", ""),
+        ("withnet", json!([{"mode": "monitor", "source": SRC, "network": "lan"}]), 2001, "spec.nics[0].network", ""),
+    ] {
+        let (got, e) = host.call_err("vm.create", json!({ "spec": crash_spec_with(&host, name, nics) }));
+        assert_eq!((got, e.field.as_deref()), (code, Some(field)), "{name}: {e:?}");
+        assert!(e.message.contains(words), "{name}: {}", e.message);
+        assert_eq!(host.call_err("vm.get", json!({ "name": name })).0, 4040, "{name}: no record");
+    }
+    assert_eq!(host.links().len(), links_before, "no link was created");
+    assert_eq!(vmhost_filters(&host, SRC), 0);
+    assert!(!promisc(&host, SRC));
+}
+
+/// The plain guest with `nics`.
+fn crash_spec_with(host: &TestHost, name: &str, nics: Value) -> Value {
+    let mut s = host.kernel_spec(name);
+    s["nics"] = nics;
+    s
+}
