@@ -20,7 +20,8 @@
 //! data disks ([`vmhost_tests::bench_storage`]): create with 0, 1, 4 data disks, live grow, hot-plug round trip.
 //! Then capture NICs ([`vmhost_tests::bench_capture`]): frames per second a monitored source
 //! delivers into 1 and 4 monitoring guests (`--capture-secs N` of sending per row, frames of
-//! 14 + `--capture-payload N` bytes, 60 by default).
+//! 14 + `--capture-payload N` bytes, 60 by default; `--capture-guests 0,1,4` the rows, 0 = the
+//! sender alone).
 //!
 //! Scale (issue 18, docs/performance.md "Scale"): on the host with the `--vms` records, after the
 //! read table, figures printed beside their goals (`GOAL | figure | goal | measured | met` lines
@@ -41,7 +42,7 @@
 //! [--nic-rounds N] [--boot-rounds N] [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR]
 //! [--check-rounds N] [--reconfigure-rounds N] [--autostart-vms N] [--stats-vms N] [--stats-calls N]
 //! [--storage-rounds N] [--image-rounds N] [--image-mib N] [--create-rounds N] [--port-rounds N]
-//! [--capture-secs N] [--capture-payload N]`;
+//! [--capture-secs N] [--capture-payload N] [--capture-guests N,...]`;
 //! 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test
 //! guest's `vmlinuz` and `initramfs.cpio.gz` from DIR instead of building it (the same files for
 //! two builds compared). Sections (`--only`, comma-separated; all without it): `create`
@@ -1255,7 +1256,9 @@ fn main() {
     if selected("capture") {
         vmhost_tests::bench_capture::capture(
             arg("--capture-secs", 10) as u64,
-            &[0, 1, 4],
+            &arg_str("--capture-guests")
+                .map(|l| l.split(',').filter_map(|n| n.trim().parse().ok()).collect::<Vec<usize>>())
+                .unwrap_or_else(|| vec![0, 1, 4]),
             arg("--capture-payload", frames_min_payload()),
         );
     }
