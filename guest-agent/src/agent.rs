@@ -19,7 +19,7 @@ use crate::netlink::Netlink;
 use crate::probe;
 use crate::protocol::{parse_params, Methods, RpcError, INVALID_SEMANTICS, METHOD_NOT_FOUND};
 use crate::state::{read_dns, Snapshot, RESOLVED_CONF, RESOLV_CONF};
-use vmhost_agent_protocol::{SyncParams, SyncReply};
+use vmhost_agent_protocol::{NetStateParams, SyncParams, SyncReply};
 
 /// Longest nonce `sync` accepts, in bytes.
 pub const MAX_NONCE: usize = 128;
@@ -79,11 +79,11 @@ impl Agent {
         Agent { paths, freezer: crate::freeze::Freezer::default() }
     }
 
-    /// `net.state` as a typed value.
-    fn net_state(&self) -> Result<crate::state::NetState, RpcError> {
+    /// `net.state` as a typed value; `promisc`: with each link's promiscuous flag.
+    fn net_state(&self, promisc: bool) -> Result<crate::state::NetState, RpcError> {
         let snapshot = Snapshot::take(&mut netlink()?)
             .map_err(|e| RpcError::internal(format!("cannot read the network state: {e}")))?;
-        Ok(snapshot.view(read_dns(&self.paths.resolv_conf, &self.paths.resolved_conf)))
+        Ok(snapshot.view_with(read_dns(&self.paths.resolv_conf, &self.paths.resolved_conf), promisc))
     }
 }
 
@@ -112,13 +112,14 @@ impl Methods for Agent {
                 to_value(&info::agent_info(&self.paths.proc_root))
             }
             "net.state" => {
-                parse_params::<NoParams>(params)?;
-                to_value(&self.net_state()?)
+                let p: NetStateParams = parse_params(params)?;
+                to_value(&self.net_state(p.promisc)?)
             }
             "net.check" => {
                 let p: CheckParams = parse_params(params)?;
                 let expected = check::validate(&p.expected)?;
-                let state = self.net_state()?;
+                // The capture checks read the flag; the reply carries only the checks.
+                let state = self.net_state(true)?;
                 to_value(&check::evaluate(&expected, &state, &mut probe::ping))
             }
             "net.apply" => {
@@ -183,7 +184,7 @@ mod tests {
         assert_eq!(v["result"]["protocol_version"], 1);
         assert_eq!(
             v["result"]["capabilities"],
-            json!(["agent.info", "net.state", "net.check", "net.apply", "fs.freeze"])
+            json!(["agent.info", "net.state", "net.check", "net.apply", "fs.freeze", "net.capture"])
         );
         let v = call(r#"{"jsonrpc":"2.0","id":2,"method":"agent.info","params":{}}"#);
         assert!(v["result"]["rss_kib"].as_u64().unwrap_or(0) > 0, "{v}");
@@ -212,6 +213,10 @@ mod tests {
         assert_eq!(v["error"]["data"]["field"], "interfaces[0].address");
         let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"net.check","params":{"expected":{"gateway":"x"}}}"#);
         assert_eq!(v["error"]["data"]["field"], "expected.gateway");
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"net.state","params":{"promisc":1}}"#);
+        assert_eq!(v["error"]["data"]["field"], "promisc");
+        let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"net.apply","params":{"interfaces":[],"capture":["x"]}}"#);
+        assert_eq!(v["error"]["data"]["field"], "capture[0]");
         let v = call(r#"{"jsonrpc":"2.0","id":1,"method":"vm.start"}"#);
         assert_eq!(v["error"]["code"], METHOD_NOT_FOUND);
     }

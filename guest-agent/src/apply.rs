@@ -2,7 +2,11 @@
 //!
 //! The rules (the same as empeira's guest-interface reconciler):
 //! - the agent owns exactly the links whose `ifalias` is [`MARKER`]; it never changes, deletes or
-//!   readdresses any other link, in particular not the primary NICs and their addresses;
+//!   readdresses any other link, in particular not the primary NICs and their addresses. The one
+//!   exception are the capture NICs the request names by MAC (`capture`: monitor NICs on the
+//!   host, which carry copies of another network's frames): the agent sets them up and
+//!   promiscuous (virtio-net passes only the guest's own unicast otherwise) and never adds,
+//!   removes or changes an address on them;
 //! - the request is the whole desired set: owned links that are not in it are deleted (that is how
 //!   removal works), so the same request twice changes nothing the second time;
 //! - names, VLAN ids and addresses are validated against the rules and the current state before
@@ -12,9 +16,9 @@
 //!   default routes and the addresses of links the agent does not own unchanged); a failure is
 //!   5101 naming what failed.
 //!
-//! Order of use: [`validate`] (pure, on a [`Snapshot`]), [`plan`] (pure: the [`Step`]s from the
-//! snapshot to the desired state), [`save_intent`], [`execute`] (netlink), then [`verify`] (pure, on
-//! a second snapshot). [`apply`] runs the whole sequence. A failure half-way is not rolled back: the
+//! Order of use: [`validate`] and [`validate_capture`] (pure, on a [`Snapshot`]), [`plan`] and
+//! [`plan_capture`] (pure: the [`Step`]s from the snapshot to the desired state), [`save_intent`],
+//! [`execute`] (netlink), then [`verify`] and [`verify_capture`] (pure, on a second snapshot). [`apply`] runs the whole sequence. A failure half-way is not rolled back: the
 //! kernel state is whatever the completed steps made it (the error lists them), and the next apply
 //! reconciles from there.
 
@@ -111,8 +115,13 @@ pub enum Step {
         /// The address.
         address: Ipv4Net,
     },
-    /// Set an owned link up.
+    /// Set a link up: an owned one, or a capture NIC.
     SetUp {
+        /// The link.
+        name: String,
+    },
+    /// Set a capture NIC promiscuous.
+    SetPromisc {
         /// The link.
         name: String,
     },
@@ -129,6 +138,7 @@ impl fmt::Display for Step {
             Step::DeleteAddress { name, address } => write!(f, "remove {address} from {name}"),
             Step::AddAddress { name, address } => write!(f, "add {address} to {name}"),
             Step::SetUp { name } => write!(f, "set {name} up"),
+            Step::SetPromisc { name } => write!(f, "set {name} promiscuous"),
         }
     }
 }
@@ -141,7 +151,8 @@ impl Step {
             | Step::Create { name, .. }
             | Step::DeleteAddress { name, .. }
             | Step::AddAddress { name, .. }
-            | Step::SetUp { name } => name,
+            | Step::SetUp { name }
+            | Step::SetPromisc { name } => name,
         }
     }
 }
@@ -350,6 +361,83 @@ pub fn plan(desired: &[Desired], state: &Snapshot) -> Plan {
     out
 }
 
+/// A capture NIC of the request, as found in the state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaptureNic {
+    /// The guest's name for it.
+    pub name: String,
+    /// Its index.
+    pub index: u32,
+}
+
+/// Finds the capture NICs `params.capture` names by MAC: the plain device (no link kind, as a
+/// virtio NIC) with that MAC, else another link with it that is neither a VLAN (which shares its
+/// parent's MAC) nor one of the agent's own.
+///
+/// # Errors
+/// 5100 with `data.field` `capture[i]`: more than [`MAX_INTERFACES`], a malformed MAC, a MAC
+/// listed twice, or no such link with that MAC.
+pub fn validate_capture(params: &ApplyParams, state: &Snapshot) -> Result<Vec<CaptureNic>, RpcError> {
+    if params.capture.len() > MAX_INTERFACES {
+        return Err(RpcError::invalid("capture", format!("at most {MAX_INTERFACES} capture NICs per request")));
+    }
+    let mut out: Vec<CaptureNic> = Vec::with_capacity(params.capture.len());
+    for (i, mac) in params.capture.iter().enumerate() {
+        let field = format!("capture[{i}]");
+        let mac = crate::addr::parse_mac(mac).map_err(|e| RpcError::invalid(&field, format!("{field}: {e}")))?;
+        let text = crate::addr::format_mac(&mac);
+        let candidates = || state.links.iter().filter(|l| l.mac == Some(mac) && l.name != "lo" && l.alias != MARKER);
+        let nic = candidates().find(|l| l.kind.is_empty()).or_else(|| candidates().find(|l| l.kind != "vlan"));
+        let Some(link) = nic else {
+            return Err(RpcError::invalid(&field, format!("{field}: no NIC with MAC {text}")));
+        };
+        if out.iter().any(|c| c.index == link.index) {
+            return Err(RpcError::invalid(&field, format!("{field}: {text} is listed twice")));
+        }
+        out.push(CaptureNic { name: link.name.clone(), index: link.index });
+    }
+    Ok(out)
+}
+
+/// The steps that make each capture NIC promiscuous and up, and the names of those that change.
+pub fn plan_capture(capture: &[CaptureNic], state: &Snapshot) -> (Vec<Step>, Vec<String>) {
+    let mut steps = Vec::new();
+    let mut changed = Vec::new();
+    for nic in capture {
+        let Some(link) = state.links.iter().find(|l| l.index == nic.index) else { continue };
+        let before = steps.len();
+        if !link.promisc {
+            steps.push(Step::SetPromisc { name: nic.name.clone() });
+        }
+        if !link.up {
+            steps.push(Step::SetUp { name: nic.name.clone() });
+        }
+        if steps.len() > before {
+            changed.push(nic.name.clone());
+        }
+    }
+    (steps, changed)
+}
+
+/// One sentence per capture NIC that is not up and promiscuous in `after`.
+pub fn verify_capture(capture: &[CaptureNic], after: &Snapshot) -> Vec<String> {
+    let mut failures = Vec::new();
+    for nic in capture {
+        match after.links.iter().find(|l| l.index == nic.index) {
+            None => failures.push(format!("capture {}: missing", nic.name)),
+            Some(link) => {
+                if !link.up {
+                    failures.push(format!("capture {}: not up", nic.name));
+                }
+                if !link.promisc {
+                    failures.push(format!("capture {}: not promiscuous", nic.name));
+                }
+            }
+        }
+    }
+    failures
+}
+
 /// Saves `params` as the intent at `path` (atomically: a temporary file, fsync, rename), creating
 /// its directory with mode 0700. An identical file is left alone.
 ///
@@ -413,6 +501,7 @@ pub fn execute(steps: &[Step], netlink: &mut Netlink, state: &Snapshot) -> Resul
                 lookup(&index, name).and_then(|i| netlink.add_address(i, address.addr, address.prefix))
             }
             Step::SetUp { name } => lookup(&index, name).and_then(|i| netlink.set_up(i, true)),
+            Step::SetPromisc { name } => lookup(&index, name).and_then(|i| netlink.set_promisc(i, true)),
         };
         if let Err(source) = result {
             return Err(Box::new(StepError { step: step.clone(), completed, source }));
@@ -539,7 +628,11 @@ pub fn apply(params: &ApplyParams, netlink: &mut Netlink, intent: &Path) -> Resu
     };
     let before = read(netlink)?;
     let desired = validate(params, &before)?;
-    let plan = plan(&desired, &before);
+    let capture = validate_capture(params, &before)?;
+    let mut plan = plan(&desired, &before);
+    let (capture_steps, capture_changed) = plan_capture(&capture, &before);
+    plan.steps.extend(capture_steps);
+    plan.report.updated.extend(capture_changed);
     save_intent(intent, params).map_err(|e| RpcError {
         code: APPLY_FAILED,
         message: format!("cannot save the intent to {}: {e}", intent.display()),
@@ -559,7 +652,8 @@ pub fn apply(params: &ApplyParams, netlink: &mut Netlink, intent: &Path) -> Resu
         });
     }
     let after = read(netlink)?;
-    let failures = verify(&desired, &before, &after);
+    let mut failures = verify(&desired, &before, &after);
+    failures.extend(verify_capture(&capture, &after));
     if !failures.is_empty() {
         return Err(RpcError {
             code: APPLY_FAILED,
@@ -808,6 +902,84 @@ mod tests {
         ))
         .expect_err("unknown member");
         assert_eq!(e.data.map(|d| d["field"].clone()), Some(json!("interfaces[0].mtu")));
+    }
+
+    /// `base()` with a second NIC `eth1` (02:00:00:00:00:02), down, not promiscuous, no address,
+    /// and a VLAN on it sharing its MAC.
+    fn with_capture_nic() -> Snapshot {
+        let mut s = base();
+        s.links[1].mac = Some([2, 0, 0, 0, 0, 1]);
+        let mut eth1 = link(4, "eth1", "", "");
+        eth1.mac = Some([2, 0, 0, 0, 0, 2]);
+        eth1.up = false;
+        let mut vlan = link(5, "eth1.7", "vlan", "operator");
+        vlan.mac = eth1.mac;
+        vlan.parent = Some(4);
+        vlan.vlan_id = Some(7);
+        s.links.splice(3..3, [vlan, eth1]);
+        s
+    }
+
+    #[test]
+    fn capture_nics_are_set_promiscuous_and_up_and_never_addressed() {
+        let state = with_capture_nic();
+        let mut request = standard();
+        request.capture = vec!["02:00:00:00:00:02".into()];
+        let capture = validate_capture(&request, &state).expect("valid");
+        // The NIC itself, not the VLAN sharing its MAC.
+        assert_eq!(capture, [CaptureNic { name: "eth1".into(), index: 4 }]);
+        let (steps, changed) = plan_capture(&capture, &state);
+        let steps: Vec<String> = steps.iter().map(Step::to_string).collect();
+        assert_eq!(steps, ["set eth1 promiscuous", "set eth1 up"]);
+        assert_eq!(changed, ["eth1"]);
+        assert_eq!(verify_capture(&capture, &state), ["capture eth1: not up", "capture eth1: not promiscuous"]);
+        // Once done, nothing more to do, and it verifies; an address on it is not the agent's
+        // business (net.check reports it).
+        let mut done = state.clone();
+        done.links[4].up = true;
+        done.links[4].promisc = true;
+        done.addresses.push(address(4, "192.168.9.9/24"));
+        assert_eq!(plan_capture(&capture, &done), (vec![], vec![]));
+        assert!(verify_capture(&capture, &done).is_empty());
+        // Only the flag that is missing is set.
+        done.links[4].up = false;
+        let (steps, _) = plan_capture(&capture, &done);
+        assert_eq!(steps, [Step::SetUp { name: "eth1".into() }]);
+        // Gone afterwards.
+        done.links.remove(4);
+        assert_eq!(verify_capture(&capture, &done), ["capture eth1: missing"]);
+        // No capture member: nothing (an older daemon's request).
+        assert!(validate_capture(&standard(), &state).expect("valid").is_empty());
+    }
+
+    #[test]
+    fn capture_requests_name_the_field() {
+        let state = with_capture_nic();
+        let refused = |capture: Value| {
+            let p = params(serde_json::json!({"interfaces": [], "capture": capture}));
+            let e = validate_capture(&p, &state).expect_err("refused");
+            assert_eq!(e.code, INVALID_SEMANTICS);
+            let field = e.data.and_then(|d| d["field"].as_str().map(str::to_string)).unwrap_or_default();
+            (field, e.message)
+        };
+        let (field, message) = refused(serde_json::json!(["02:00:00:00:00:02", "02:00"]));
+        assert_eq!(field, "capture[1]", "{message}");
+        let (field, message) = refused(serde_json::json!(["02:00:00:00:00:09"]));
+        assert_eq!((field.as_str(), message.as_str()), ("capture[0]", "capture[0]: no NIC with MAC 02:00:00:00:00:09"));
+        let (field, message) = refused(serde_json::json!(["02:00:00:00:00:02", "02:00:00:00:00:02"]));
+        assert_eq!(field, "capture[1]", "{message}");
+        assert!(message.contains("listed twice"), "{message}");
+        // A MAC only a stacked link has (the operator's VLAN alone) is not a NIC.
+        let mut no_parent = state.clone();
+        no_parent.links.remove(4);
+        let p = params(serde_json::json!({"interfaces": [], "capture": ["02:00:00:00:00:02"]}));
+        assert!(validate_capture(&p, &no_parent).is_err());
+        let many: Vec<String> = (0..=MAX_INTERFACES).map(|i| format!("02:00:00:00:01:{:02x}", i % 256)).collect();
+        let p = params(serde_json::json!({"interfaces": [], "capture": many}));
+        assert_eq!(
+            validate_capture(&p, &state).expect_err("too many").data.map(|d| d["field"].clone()),
+            Some(serde_json::json!("capture"))
+        );
     }
 
     #[test]

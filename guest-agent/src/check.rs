@@ -9,7 +9,11 @@
 //!
 //! Check names are stable strings the host can show and match on:
 //! `nic MAC present`, `nic MAC up` (or `down`), `address A/P on NAME`, `default route via GW`,
-//! `gateway GW reachable`, `dns server S`, `search DOMAIN`.
+//! `gateway GW reachable`, `dns server S`, `search DOMAIN`; for a capture NIC (a monitor NIC on
+//! the host, [`ExpectedNic::capture`]) `nic MAC present`, `capture NAME up`,
+//! `capture NAME promiscuous` and `capture NAME no address` (IPv4: the view has no other) take
+//! the place of the `up` and address checks, NAME being the guest's name for it (`nic MAC` when
+//! it is absent).
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -20,11 +24,24 @@ use crate::probe::ProbeOutcome;
 use crate::protocol::RpcError;
 use crate::state::{Interface, NetState};
 
+/// One expected NIC with its values parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NicExpectation {
+    /// Its MAC.
+    pub mac: [u8; 6],
+    /// The addresses it must have (none for a capture NIC).
+    pub addresses: Vec<Ipv4Net>,
+    /// Whether it must be up (always for a capture NIC).
+    pub up: bool,
+    /// A capture NIC: up, promiscuous, no IPv4 address.
+    pub capture: bool,
+}
+
 /// The host's expectations with every value parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expectations {
-    /// NICs: MAC, addresses, up.
-    pub nics: Vec<([u8; 6], Vec<Ipv4Net>, bool)>,
+    /// NICs.
+    pub nics: Vec<NicExpectation>,
     /// Default gateway.
     pub gateway: Option<Ipv4Addr>,
     /// DNS servers.
@@ -39,21 +56,30 @@ pub struct Expectations {
 ///
 /// # Errors
 /// 5100 with `data.field` (e.g. `expected.interfaces[0].addresses[1]`) for a malformed MAC,
-/// address, gateway, DNS server or search domain, or a MAC listed twice.
+/// address, gateway, DNS server or search domain, a MAC listed twice, or a capture NIC with
+/// addresses or expected down.
 pub fn validate(expected: &Expected) -> Result<Expectations, RpcError> {
     let mut nics = Vec::with_capacity(expected.interfaces.len());
     for (i, nic) in expected.interfaces.iter().enumerate() {
         let field = format!("expected.interfaces[{i}].mac");
         let mac = parse_mac(&nic.mac).map_err(|e| RpcError::invalid(&field, format!("{field}: {e}")))?;
-        if nics.iter().any(|(m, _, _)| *m == mac) {
+        if nics.iter().any(|n: &NicExpectation| n.mac == mac) {
             return Err(RpcError::invalid(&field, format!("{field}: {} is listed twice", format_mac(&mac))));
+        }
+        if nic.capture && !nic.addresses.is_empty() {
+            let field = format!("expected.interfaces[{i}].addresses");
+            return Err(RpcError::invalid(&field, format!("{field}: a capture NIC has no address")));
+        }
+        if nic.capture && !nic.up {
+            let field = format!("expected.interfaces[{i}].up");
+            return Err(RpcError::invalid(&field, format!("{field}: a capture NIC is always up")));
         }
         let mut addresses = Vec::with_capacity(nic.addresses.len());
         for (j, address) in nic.addresses.iter().enumerate() {
             let field = format!("expected.interfaces[{i}].addresses[{j}]");
             addresses.push(address.parse::<Ipv4Net>().map_err(|e| RpcError::invalid(&field, format!("{field}: {e}")))?);
         }
-        nics.push((mac, addresses, nic.up));
+        nics.push(NicExpectation { mac, addresses, up: nic.up, capture: nic.capture });
     }
     let gateway = match &expected.gateway {
         Some(gw) => {
@@ -106,8 +132,9 @@ pub fn evaluate(
     let mut push = |name: String, ok: bool, expected: String, observed: String| {
         checks.push(Check { name, ok, expected, observed });
     };
-    for (mac, addresses, up) in &expected.nics {
-        let mac = format_mac(mac);
+    for want in &expected.nics {
+        let (addresses, up) = (&want.addresses, &want.up);
+        let mac = format_mac(&want.mac);
         let nic = nic_with_mac(state, &mac);
         push(
             format!("nic {mac} present"),
@@ -115,6 +142,31 @@ pub fn evaluate(
             "present".into(),
             nic.map_or_else(|| "absent".into(), |n| n.name.clone()),
         );
+        if want.capture {
+            let name = nic.map_or_else(|| format!("nic {mac}"), |n| n.name.clone());
+            let flag = |on: bool, yes: &str, no: &str| if on { yes.to_string() } else { no.to_string() };
+            let absent = || "absent".to_string();
+            push(
+                format!("capture {name} up"),
+                nic.is_some_and(|n| n.up),
+                "up".into(),
+                nic.map_or_else(absent, |n| flag(n.up, "up", "down")),
+            );
+            // A view without the flag (it cannot happen here: net.check asks for it) fails.
+            push(
+                format!("capture {name} promiscuous"),
+                nic.is_some_and(|n| n.promisc == Some(true)),
+                "promiscuous".into(),
+                nic.map_or_else(absent, |n| flag(n.promisc == Some(true), "promiscuous", "not promiscuous")),
+            );
+            push(
+                format!("capture {name} no address"),
+                nic.is_some_and(|n| n.addresses.is_empty()),
+                "none".into(),
+                nic.map_or_else(absent, |n| list_or_none(&n.addresses, ", ")),
+            );
+            continue;
+        }
         let word = |up: bool| if up { "up" } else { "down" };
         push(
             format!("nic {mac} {}", word(*up)),
@@ -184,6 +236,7 @@ mod tests {
             kind: kind.into(),
             alias: String::new(),
             addresses: addresses.iter().map(|a| a.to_string()).collect(),
+            promisc: Some(false),
         }
     }
 
@@ -279,6 +332,58 @@ mod tests {
     }
 
     #[test]
+    fn a_capture_nic_is_checked_up_promiscuous_and_without_an_address() {
+        let expected = expectations(json!({"interfaces": [
+            {"mac": "02:00:00:00:00:01", "addresses": ["10.0.0.5/24"]},
+            {"mac": "02:00:00:00:00:02", "addresses": [], "up": true, "capture": true}
+        ]}));
+        let names = |report: &CheckReport| -> Vec<(String, bool, String)> {
+            report.checks.iter().map(|c| (c.name.clone(), c.ok, c.observed.clone())).collect()
+        };
+        // eth1 of the made-up guest is down, not promiscuous, unaddressed.
+        let report = evaluate(&expected, &guest(), &mut no_probe);
+        assert!(!report.ok);
+        let row = |name: &str, ok: bool, observed: &str| (name.to_string(), ok, observed.to_string());
+        assert_eq!(
+            names(&report)[3..],
+            [
+                row("nic 02:00:00:00:00:02 present", true, "eth1"),
+                row("capture eth1 up", false, "down"),
+                row("capture eth1 promiscuous", false, "not promiscuous"),
+                row("capture eth1 no address", true, "none"),
+            ]
+        );
+        assert_eq!(report.checks[4].expected, "up");
+        assert_eq!(report.checks[5].expected, "promiscuous");
+        assert_eq!(report.checks[6].expected, "none");
+        // Set up as the agent sets it: every check passes.
+        let mut ready = guest();
+        ready.interfaces[3].up = true;
+        ready.interfaces[3].promisc = Some(true);
+        let report = evaluate(&expected, &ready, &mut no_probe);
+        assert!(report.ok, "{report:?}");
+        // An address someone else gave it fails the check, naming it.
+        ready.interfaces[3].addresses = vec!["192.168.9.9/24".into()];
+        let report = evaluate(&expected, &ready, &mut no_probe);
+        assert_eq!(names(&report)[6], row("capture eth1 no address", false, "192.168.9.9/24"));
+        // A view without the flag (an agent not asked for it) is not taken for promiscuous.
+        ready.interfaces[3].promisc = None;
+        assert!(!evaluate(&expected, &ready, &mut no_probe).checks[5].ok);
+        // An absent capture NIC: every check fails, naming the MAC.
+        let gone = expectations(json!({"interfaces": [{"mac": "02:00:00:00:00:09", "capture": true}]}));
+        let report = evaluate(&gone, &guest(), &mut no_probe);
+        assert_eq!(
+            names(&report),
+            [
+                row("nic 02:00:00:00:00:09 present", false, "absent"),
+                row("capture nic 02:00:00:00:00:09 up", false, "absent"),
+                row("capture nic 02:00:00:00:00:09 promiscuous", false, "absent"),
+                row("capture nic 02:00:00:00:00:09 no address", false, "absent"),
+            ]
+        );
+    }
+
+    #[test]
     fn absent_members_are_not_checked() {
         let report = evaluate(&expectations(json!({})), &guest(), &mut no_probe);
         assert_eq!(report, CheckReport { ok: true, checks: vec![] });
@@ -315,6 +420,14 @@ mod tests {
         assert_eq!(field(json!({"gateway": "10.0.0"})), "expected.gateway");
         assert_eq!(field(json!({"dns": ["1.1.1.1", "dns.example"]})), "expected.dns[1]");
         assert_eq!(field(json!({"search": ["a b"]})), "expected.search[0]");
+        assert_eq!(
+            field(json!({"interfaces": [{"mac": "02:00:00:00:00:01", "capture": true, "addresses": ["10.0.0.5/24"]}]})),
+            "expected.interfaces[0].addresses"
+        );
+        assert_eq!(
+            field(json!({"interfaces": [{"mac": "02:00:00:00:00:01", "capture": true, "up": false}]})),
+            "expected.interfaces[0].up"
+        );
         // Wrong types and unknown members are -32602 from the closed types.
         let e = parse_params::<CheckParams>(Some(json!({"expected": {"gateway": 5}}))).expect_err("type");
         assert_eq!((e.code, e.data.map(|d| d["field"].clone())), (INVALID_PARAMS, Some(json!("expected.gateway"))));

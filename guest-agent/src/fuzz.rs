@@ -37,6 +37,7 @@ fn fabricated_snapshot() -> Snapshot {
         kind: kind.into(),
         alias: alias.into(),
         up: true,
+        promisc: false,
         mtu: 1500,
         mac,
         parent: (kind == "vlan").then_some(2),

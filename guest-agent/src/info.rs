@@ -11,8 +11,10 @@ pub use vmhost_agent_protocol::{AgentInfo, Hello, PROTOCOL_VERSION};
 /// The agent's version (the crate version).
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// The method groups `hello` announces.
-pub const CAPABILITIES: [&str; 5] = ["agent.info", "net.state", "net.check", "net.apply", "fs.freeze"];
+/// The method groups `hello` announces, and `net.capture`: capture NICs in `net.check` and
+/// `net.apply`, the promiscuous flag in `net.state` ([`vmhost_agent_protocol::CAPTURE_CAPABILITY`]).
+pub const CAPABILITIES: [&str; 6] =
+    ["agent.info", "net.state", "net.check", "net.apply", "fs.freeze", vmhost_agent_protocol::CAPTURE_CAPABILITY];
 
 /// The `hello` reply.
 pub fn hello() -> Hello {

@@ -303,6 +303,68 @@ fn net_state_and_check_report_the_namespace() {
 }
 
 #[test]
+fn a_capture_nic_is_made_promiscuous_and_up_checked_and_never_addressed() {
+    in_netns(|| {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut agent = test_agent(&dir);
+        ip("link add eth0 address 02:00:00:00:00:01 type veth peer name eth0p");
+        ip("link add eth1 address 02:00:00:00:00:02 type veth peer name eth1p");
+        ip("link set eth0 up");
+        ip("addr add 10.1.0.5/24 dev eth0");
+        let mut nl = Netlink::open().expect("netlink");
+        let eth1 = index_of(&mut nl, "eth1");
+        // The flag round trip, as the kernel reports it.
+        nl.set_promisc(eth1, true).expect("promisc on");
+        assert!(nl.link_by_name("eth1").expect("get").expect("eth1").promisc);
+        nl.set_promisc(eth1, false).expect("promisc off");
+        assert!(!nl.link_by_name("eth1").expect("get").expect("eth1").promisc);
+
+        let check = json!({"expected": {"interfaces": [
+            {"mac": "02:00:00:00:00:01", "addresses": ["10.1.0.5/24"]},
+            {"mac": "02:00:00:00:00:02", "capture": true}]}});
+        let failed = |v: &Value| -> Vec<String> {
+            v["result"]["checks"]
+                .as_array()
+                .expect("checks")
+                .iter()
+                .filter(|c| c["ok"] == false)
+                .filter_map(|c| c["name"].as_str().map(str::to_string))
+                .collect()
+        };
+        let v = call(&mut agent, "net.check", check.clone());
+        assert_eq!(failed(&v), ["capture eth1 up", "capture eth1 promiscuous"], "{v}");
+
+        let apply = json!({"interfaces": [], "capture": ["02:00:00:00:00:02"]});
+        let v = call(&mut agent, "net.apply", apply.clone());
+        assert_eq!(v["result"], json!({"changed": true, "created": [], "updated": ["eth1"], "deleted": []}), "{v}");
+        let v = call(&mut agent, "net.check", check.clone());
+        assert_eq!(v["result"]["ok"], true, "{v}");
+        let v = call(&mut agent, "net.apply", apply);
+        assert_eq!(v["result"]["changed"], false, "{v}");
+        let s = Snapshot::take(&mut nl).expect("snapshot");
+        let link = s.link("eth1").expect("eth1");
+        assert!(link.up && link.promisc, "{link:?}");
+        assert!(s.addresses_of(eth1).is_empty(), "the agent never addresses a capture NIC");
+        assert_eq!(s.addresses_of(index_of(&mut nl, "eth0")), ["10.1.0.5/24".parse().expect("net")]);
+
+        // net.state reports the flag only when asked.
+        let v = call(&mut agent, "net.state", json!({}));
+        let find = |v: &Value, name: &str| {
+            v["result"]["interfaces"].as_array().and_then(|a| a.iter().find(|i| i["name"] == name).cloned())
+        };
+        assert!(find(&v, "eth1").expect("eth1").get("promisc").is_none(), "{v}");
+        let v = call(&mut agent, "net.state", json!({"promisc": true}));
+        assert_eq!(find(&v, "eth1").expect("eth1")["promisc"], true, "{v}");
+        assert_eq!(find(&v, "eth0").expect("eth0")["promisc"], false, "{v}");
+
+        // An address someone else puts on it fails the check by name.
+        ip("addr add 192.168.9.9/24 dev eth1");
+        let v = call(&mut agent, "net.check", check);
+        assert_eq!(failed(&v), ["capture eth1 no address"], "{v}");
+    });
+}
+
+#[test]
 fn probes_use_raw_or_datagram_sockets_and_stay_bounded() {
     in_netns(|| {
         ip("link set lo up");

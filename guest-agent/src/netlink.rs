@@ -143,6 +143,9 @@ pub struct Link {
     pub alias: String,
     /// Administratively up (`IFF_UP`).
     pub up: bool,
+    /// Promiscuous as set on the link (`IFF_PROMISC` of `ifi_flags`: the kernel reports the bit
+    /// a user set, not the count packet sockets and bridges take).
+    pub promisc: bool,
     /// MTU in bytes.
     pub mtu: u32,
     /// Hardware address, for links that have a six-byte one.
@@ -277,7 +280,12 @@ fn attr_ipv4(payload: &[u8]) -> Option<Ipv4Addr> {
 pub(crate) fn parse_link(body: &[u8]) -> Option<Link> {
     let index = u32_at(body, 4)?;
     let flags = u32_at(body, 8)?;
-    let mut link = Link { index, up: flags & libc::IFF_UP as u32 != 0, ..Link::default() };
+    let mut link = Link {
+        index,
+        up: flags & libc::IFF_UP as u32 != 0,
+        promisc: flags & libc::IFF_PROMISC as u32 != 0,
+        ..Link::default()
+    };
     for (kind, payload) in attrs(body.get(IFINFOMSG..)?) {
         match kind {
             IFLA_IFNAME => link.name = attr_str(payload),
@@ -685,6 +693,17 @@ impl Netlink {
         self.request(RTM_NEWLINK, 0, &payload, "set up").map(drop)
     }
 
+    /// Sets or clears `IFF_PROMISC` on link `index` (the flag a user sets, as
+    /// `ip link set promisc on` does).
+    ///
+    /// # Errors
+    /// [`NetlinkError::Kernel`].
+    pub fn set_promisc(&mut self, index: u32, on: bool) -> Result<(), NetlinkError> {
+        let flag = libc::IFF_PROMISC as u32;
+        let payload = ifinfomsg(index, if on { flag } else { 0 }, flag);
+        self.request(RTM_NEWLINK, 0, &payload, "set promisc").map(drop)
+    }
+
     /// The payload of an address request.
     fn address_payload(index: u32, addr: Ipv4Addr, prefix: u8) -> Vec<u8> {
         let mut payload = ifaddrmsg(index, prefix);
@@ -732,6 +751,17 @@ mod tests {
     }
 
     #[test]
+    fn the_promiscuous_flag_is_read_from_the_link_flags() {
+        let mut attributes = Vec::new();
+        push_str_attr(&mut attributes, IFLA_IFNAME, "eth1");
+        let mut body = ifinfomsg(3, (libc::IFF_UP | libc::IFF_PROMISC) as u32, 0);
+        body.extend_from_slice(&attributes);
+        let link = parse_link(&body).expect("parses");
+        assert!(link.up && link.promisc, "{link:?}");
+        assert!(!parse_link(&link_body(3, true, &attributes)).expect("parses").promisc);
+    }
+
+    #[test]
     fn parses_a_vlan_link() {
         let mut data = Vec::new();
         push_attr(&mut data, IFLA_VLAN_ID, &20u16.to_ne_bytes());
@@ -754,6 +784,7 @@ mod tests {
                 kind: "vlan".into(),
                 alias: "vmhost-agent".into(),
                 up: true,
+                promisc: false,
                 mtu: 1500,
                 mac: Some([2, 0, 0, 0, 0, 1]),
                 parent: Some(2),

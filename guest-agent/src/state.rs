@@ -64,8 +64,15 @@ impl Snapshot {
         self.routes.iter().filter(|r| r.is_default()).copied().collect()
     }
 
-    /// The `net.state` view of this snapshot plus `dns`.
+    /// The `net.state` view of this snapshot plus `dns`, without the links' promiscuous flags
+    /// (what a host that did not ask for them gets).
     pub fn view(&self, dns: Dns) -> NetState {
+        self.view_with(dns, false)
+    }
+
+    /// The `net.state` view of this snapshot plus `dns`; with `promisc`, each interface's
+    /// [`Interface::promisc`] is reported.
+    pub fn view_with(&self, dns: Dns, promisc: bool) -> NetState {
         let interfaces = self
             .links
             .iter()
@@ -77,6 +84,7 @@ impl Snapshot {
                 kind: l.kind.clone(),
                 alias: l.alias.clone(),
                 addresses: self.addresses_of(l.index).iter().map(Ipv4Net::to_string).collect(),
+                promisc: promisc.then_some(l.promisc),
             })
             .collect();
         let routes = self
@@ -266,5 +274,11 @@ mod tests {
         let json = serde_json::to_value(&state).expect("serializes");
         assert_eq!(json["interfaces"][0]["kind"], "");
         assert_eq!(json["routes"][1]["gateway"], serde_json::Value::Null);
+        // The promiscuous flag only when asked (an older host's closed type refuses the member).
+        assert!(json["interfaces"][1].get("promisc").is_none(), "{json}");
+        let mut promisc = snapshot.clone();
+        promisc.links[1].promisc = true;
+        let asked = promisc.view_with(Dns::default(), true);
+        assert_eq!(asked.interfaces.iter().map(|i| i.promisc).collect::<Vec<_>>(), [Some(false), Some(true)]);
     }
 }

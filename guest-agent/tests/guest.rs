@@ -6,7 +6,8 @@
 //! virtio-serial port `org.vmhost.agent.0` on a UNIX socket plus a user-mode NIC configured through
 //! `ip=`, and then plays the host: sync, hello, agent.info (RSS budget), net.state, net.check (passing,
 //! and failing by name for a wrong address and a wrong gateway), net.apply (VLAN + dummy, again
-//! unchanged, then removal), hostile frames, and a disconnect with stale data in both directions
+//! unchanged, then removal), a capture NIC (a second NIC without address set promiscuous and up,
+//! then checked), hostile frames, and a disconnect with stale data in both directions
 //! followed by a reconnect and a successful sync, and finally a guest reset under a host that stays
 //! connected.
 //!
@@ -27,6 +28,8 @@ const SIZE_BUDGET: u64 = 2 * 1024 * 1024;
 const RSS_BUDGET_KIB: u64 = 4 * 1024;
 /// The guest NIC's MAC.
 const MAC: &str = "52:54:00:12:34:56";
+/// The second guest NIC's MAC: no address, the guest side of a capture (monitor) NIC.
+const CAPTURE_MAC: &str = "52:54:00:12:34:57";
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
@@ -108,6 +111,7 @@ fn boot(kernel: &Path, initrd: &Path, dir: &Path) -> Vm {
         .arg(format!("socket,id=exec1,path={},server=on,wait=off", dir.join("exec.1.sock").display()))
         .args(["-device", "virtserialport,bus=vser0.0,chardev=exec1,name=org.vmhost.exec.1"])
         .args(["-netdev", "user,id=n0", "-device", &format!("virtio-net-pci,netdev=n0,mac={MAC}")])
+        .args(["-netdev", "user,id=n1,restrict=on", "-device", &format!("virtio-net-pci,netdev=n1,mac={CAPTURE_MAC}")])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -313,7 +317,10 @@ fn agent_in_the_test_guest() {
     // hello and agent.info.
     let hello = timed("hello", || host.ok("hello", json!({})));
     assert_eq!(hello["protocol_version"], 1);
-    assert_eq!(hello["capabilities"], json!(["agent.info", "net.state", "net.check", "net.apply", "fs.freeze"]));
+    assert_eq!(
+        hello["capabilities"],
+        json!(["agent.info", "net.state", "net.check", "net.apply", "fs.freeze", "net.capture"])
+    );
     assert_eq!(hello["agent_version"], env!("CARGO_PKG_VERSION"));
     let info = host.ok("agent.info", json!(null));
     assert_eq!(info["hostname"], "g", "{info}");
@@ -404,6 +411,33 @@ fn agent_in_the_test_guest() {
     let state = host.ok("net.state", json!({}));
     assert!(interface(&state, "eth0.20").is_none() && interface(&state, "dummy0").is_none(), "{state}");
     assert_eq!(interface(&state, "eth0").map(|i| i["addresses"].clone()), Some(json!(["10.0.2.15/24"])));
+
+    // A capture NIC (issue 31): eth1, which ip= left alone, is set promiscuous and up by net.apply,
+    // never addressed, and then passes the capture checks; the promiscuous flag is in net.state
+    // only when asked for.
+    let capture = json!({"expected": {"interfaces": [{"mac": CAPTURE_MAC, "capture": true}]}});
+    let report = host.ok("net.check", capture.clone());
+    assert!(failed_checks(&report).contains(&"capture eth1 promiscuous".to_string()), "{report}");
+    let applied =
+        timed("net.apply (capture NIC)", || host.ok("net.apply", json!({"interfaces": [], "capture": [CAPTURE_MAC]})));
+    assert_eq!(applied, json!({"changed": true, "created": [], "updated": ["eth1"], "deleted": []}));
+    let report = host.ok("net.check", capture.clone());
+    assert_eq!(report["ok"], true, "{report}");
+    let names: Vec<&str> =
+        report["checks"].as_array().expect("checks").iter().filter_map(|c| c["name"].as_str()).collect();
+    let present = format!("nic {CAPTURE_MAC} present");
+    assert_eq!(names, [present.as_str(), "capture eth1 up", "capture eth1 promiscuous", "capture eth1 no address"]);
+    let state = host.ok("net.state", json!({"promisc": true}));
+    let eth1 = interface(&state, "eth1").unwrap_or_else(|| panic!("no eth1: {state}"));
+    assert_eq!(
+        (&eth1["mac"], &eth1["up"], &eth1["promisc"], &eth1["addresses"]),
+        (&json!(CAPTURE_MAC), &json!(true), &json!(true), &json!([]))
+    );
+    assert_eq!(interface(&state, "eth0").map(|i| i["promisc"].clone()), Some(json!(false)));
+    let plain = host.ok("net.state", json!({}));
+    assert!(interface(&plain, "eth1").is_some_and(|i| i.get("promisc").is_none()), "{plain}");
+    let again = host.ok("net.apply", json!({"interfaces": [], "capture": [CAPTURE_MAC]}));
+    assert_eq!(again["changed"], false, "{again}");
 
     // Hostile frames over the real port: an oversize line, invalid UTF-8, unknown members.
     let mut big = vec![b'x'; 100 * 1024];

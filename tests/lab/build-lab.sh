@@ -57,8 +57,11 @@ done
 # with a host driver to give back to; it has no e1000/e1000e/igb) and vhost_net
 # (/dev/vhost-net for nested VMs' NICs; pulls in vhost, vhost_iotlb and tap; loaded
 # with lab.modules=vhost_net).
+# Capture NICs (scenarios/capture.sh) add tc's clsact (sch_ingress), classic-BPF filters
+# (cls_bpf), mirred (act_mirred), veth pairs for the wires and bonding for a bond source.
 LAB_MODULES="virtio_pci virtio_console virtio_net virtio_blk 8021q bridge tun dummy
-vfio_pci vfio_iommu_type1 button evdev qemu_fw_cfg vmxnet3 vhost_net $LAB_EXTRA_MODULES"
+vfio_pci vfio_iommu_type1 button evdev qemu_fw_cfg vmxnet3 vhost_net
+sch_ingress cls_bpf act_mirred veth bonding $LAB_EXTRA_MODULES"
 
 exec 9>"$OUTDIR/.lock"
 flock 9
@@ -128,6 +131,8 @@ add_elf "$BIN_DIR/vmhostctl" /usr/bin/vmhostctl
 add_elf "$(command -v socat)" /usr/bin/socat
 add_elf "$(command -v ip)" /usr/local/sbin/ip
 add_elf "$(command -v bridge)" /usr/local/sbin/bridge
+# tc: scenarios look at (and make foreign) qdiscs and filters; vmhostd itself never runs it.
+add_elf "$(command -v tc)" /usr/local/sbin/tc
 add "$GUEST_DIR/vmlinuz" /lab/guest/vmlinuz
 add "$GUEST_DIR/initramfs.cpio.gz" /lab/guest/initramfs.cpio.gz
 add "$HERE/init.sh" /init

@@ -351,3 +351,39 @@ fn numa_placement_in_the_lab() {
         assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);
     }
 }
+
+/// Capture NICs and trunks (issue 31) on the lab kernel: a bridge NIC with `vlans: [10, 20]` and
+/// one with `trunk: true` on a VLAN-filtering bridge receive exactly their VLANs' tagged frames
+/// (and the untagged native VLAN 1); a monitor NIC of an 802.1Q sub-interface and one of a bond
+/// receive every frame their source does; after stop no filter, clsact or promiscuous flag of
+/// vmhost's is left, and a foreign clsact and filter are. The nested guests run the agent from
+/// this tree (`agent_guest()`), which sets the monitor NICs promiscuous and reads the counters
+/// for `vm.exec`.
+#[test]
+fn capture_nics_and_trunks_in_the_lab() {
+    let agent = vmhost_tests::agent_guest();
+    let opts = LabOptions {
+        timeout: Duration::from_secs(40 * 60),
+        files: vec![("initramfs-agent".into(), agent.initrd)],
+        ..LabOptions::default()
+    };
+    let out = run_lab(include_str!("../lab/scenarios/capture.sh"), &opts);
+    eprintln!("lab capture: {} after {:.1?}", out.result, out.elapsed);
+    assert!(out.passed, "lab scenario failed: {}\n----- lab console -----\n{}", out.result, out.log);
+    let checks = out.checks();
+    for name in [
+        "tv-tagged-10",
+        "tt-tagged-4094",
+        "vlan-trk0p.10-tv",
+        "vlan-trk0p.30-tv",
+        "vlan-trk0p.30-tt",
+        "monitor-vlan-source",
+        "monitor-bond-source",
+        "ms-vm-check",
+        "vlan-source-no-vmhost-filter",
+        "bond-foreign-filter-kept",
+        "vlan-source-promisc-back",
+    ] {
+        assert!(checks.contains(&format!("CHECK PASS {name}").as_str()), "no PASS for {name}:\n{}", out.log);
+    }
+}

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Mutex as AsyncMutex;
-use vmhost_agent_protocol::AgentInfo;
+use vmhost_agent_protocol::{AgentInfo, Hello};
 
 /// Bound on connecting and resynchronising.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -206,11 +206,28 @@ impl AgentHub {
     /// session is then dropped), 5002 when the agent did not answer in time, 4001 when the agent
     /// refused (its error in `details.agent_error`).
     pub async fn call<T: DeserializeOwned>(&self, vm: &str, method: &str, params: Value) -> Result<T, ApiError> {
+        self.call_with(vm, method, |_| params).await
+    }
+
+    /// Calls `method` on `vm`'s agent with the params `params` builds from the session's
+    /// `hello`, under the session's lock: a request carries only what the agent that answers
+    /// announced it understands (an older agent refuses an unknown member), even when the guest
+    /// swaps its agent between two calls.
+    ///
+    /// # Errors
+    /// As [`AgentHub::call`].
+    pub async fn call_with<T: DeserializeOwned>(
+        &self,
+        vm: &str,
+        method: &str,
+        params: impl FnOnce(&Hello) -> Value,
+    ) -> Result<T, ApiError> {
         let agent = self.get(vm).ok_or_else(|| not_connected(vm, "the VM is not running"))?;
         let mut guard = tokio::time::timeout(CALL_TIMEOUT, agent.conn.lock()).await.map_err(|_| {
             ApiError::new(Code::AgentTimeout, "the guest agent is busy with another call").field("name")
         })?;
         let Some(conn) = guard.as_mut() else { return Err(not_connected(vm, "no session yet")) };
+        let params = params(&conn.hello);
         match conn.call(method, params, CALL_TIMEOUT).await {
             Ok(v) => {
                 agent.update_status(|s| s.last_seen = Some(crate::api::now_rfc3339()));

@@ -23,8 +23,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use futures_util::TryStreamExt;
 use rtnetlink::packet_route::address::AddressAttribute;
 use rtnetlink::packet_route::link::{
-    AfSpecBridge, BridgeVlanInfoFlags, InfoKind, LinkAttribute, LinkExtentMask, LinkFlags, LinkInfo as NlLinkInfo,
-    LinkMessage,
+    AfSpecBridge, AfSpecInet6, AfSpecUnspec, BridgeVlanInfoFlags, In6AddrGenMode, InfoKind, LinkAttribute,
+    LinkExtentMask, LinkFlags, LinkInfo as NlLinkInfo, LinkMessage,
 };
 use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::{LinkBridge, LinkBridgeVlan, LinkMessageBuilder, LinkUnspec};
@@ -52,6 +52,10 @@ pub struct LinkInfo {
     pub master: Option<u32>,
     /// Administratively up (`IFF_UP`); says nothing about carrier.
     pub up: bool,
+    /// The user-set promiscuous flag (`IFF_PROMISC` in `ifi_flags`): what `ip link set promisc`
+    /// and [`Netlink::set_promisc`] set. The kernel reports it apart from the promiscuity count
+    /// that bridges and packet sockets take, so a bridge port reads `false` unless someone set it.
+    pub promisc: bool,
     /// Ethernet address, for links that have a six-byte one.
     pub mac: Option<[u8; 6]>,
 }
@@ -67,6 +71,7 @@ impl LinkInfo {
             mtu: 0,
             master: None,
             up: msg.header.flags.contains(LinkFlags::Up),
+            promisc: msg.header.flags.contains(LinkFlags::Promisc),
             mac: None,
         };
         for attr in &msg.attributes {
@@ -133,14 +138,72 @@ pub struct BridgeVlan {
     pub untagged: bool,
 }
 
+/// A set of VLAN ids, each 1-4094, for [`Netlink::bridge_vlan_add_tagged`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VlanSet(std::collections::BTreeSet<u16>);
+
+impl VlanSet {
+    /// The set of `vids`; repeats count once.
+    ///
+    /// # Errors
+    /// [`NetError::InvalidVlan`] for 0 or an id above 4094.
+    pub fn new(vids: impl IntoIterator<Item = u16>) -> Result<VlanSet, NetError> {
+        let mut set = std::collections::BTreeSet::new();
+        for vid in vids {
+            check_vid(vid)?;
+            set.insert(vid);
+        }
+        Ok(VlanSet(set))
+    }
+
+    /// Every VLAN, 1-4094 (a trunk).
+    pub fn all() -> VlanSet {
+        VlanSet((1..=4094).collect())
+    }
+
+    /// The set without `vid` (a port's PVID, which must keep its own flags).
+    #[must_use]
+    pub fn without(mut self, vid: u16) -> VlanSet {
+        self.0.remove(&vid);
+        self
+    }
+
+    /// Whether the set has no VLAN.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `vid` is in the set.
+    pub fn contains(&self, vid: u16) -> bool {
+        self.0.contains(&vid)
+    }
+
+    /// The ids in ascending order.
+    pub fn iter(&self) -> impl Iterator<Item = u16> + '_ {
+        self.0.iter().copied()
+    }
+
+    /// The runs of consecutive ids, `(first, last)`, ascending: what one message carries.
+    pub fn ranges(&self) -> Vec<(u16, u16)> {
+        let mut out: Vec<(u16, u16)> = Vec::new();
+        for vid in self.iter() {
+            match out.last_mut() {
+                Some((_, last)) if *last + 1 == vid => *last = vid,
+                _ => out.push((vid, vid)),
+            }
+        }
+        out
+    }
+}
+
 /// A netlink route socket and the task that drives it.
 ///
 /// Requests are sent from any task; answers are matched to requests by the connection task,
 /// spawned by [`Netlink::connect`] on the current tokio runtime and stopped when this value is
 /// dropped. The socket lives in the network namespace of the thread that called `connect`.
 pub struct Netlink {
-    /// The request side of the connection.
-    handle: rtnetlink::Handle,
+    /// The request side of the connection (`net::tc` builds its own messages on it).
+    pub(super) handle: rtnetlink::Handle,
     /// The connection task.
     task: tokio::task::JoinHandle<()>,
 }
@@ -152,7 +215,7 @@ impl Drop for Netlink {
 }
 
 /// The errno in an rtnetlink error, when it is a kernel answer.
-fn errno_of(e: &rtnetlink::Error) -> Option<i32> {
+pub(super) fn errno_of(e: &rtnetlink::Error) -> Option<i32> {
     match e {
         rtnetlink::Error::NetlinkError(msg) => msg.code.map(|code| code.get().abs()),
         _ => None,
@@ -529,6 +592,68 @@ impl Netlink {
             .execute()
             .await
             .map_err(map_vlan_err("delete bridge vlan", || format!("link #{port_index}")))
+    }
+
+    /// Adds every VLAN of `vids` to bridge port `port_index` as a tagged VLAN (not PVID, not
+    /// untagged): a trunk. Runs of consecutive ids travel as ranges (`RangeBegin`/`RangeEnd`), all
+    /// in one message, so a trunk of 1-4094 is one request. An empty set changes nothing.
+    ///
+    /// A VLAN the port has already gets the tagged flags (so adding the port's PVID here would
+    /// take its PVID away: leave it out of `vids`).
+    ///
+    /// # Errors
+    /// [`NetError::NotFound`], [`NetError::NotABridgePort`], [`NetError::Unsupported`],
+    /// [`NetError::Netlink`] as for [`Netlink::bridge_vlan_add`].
+    pub async fn bridge_vlan_add_tagged(&self, port_index: u32, vids: &VlanSet) -> Result<(), NetError> {
+        let ranges = vids.ranges();
+        let Some(&(first, _)) = ranges.first() else { return Ok(()) };
+        self.check_port(port_index, first).await?;
+        let mut msg = LinkBridgeVlan::new(port_index);
+        for (start, end) in ranges {
+            msg = if start == end {
+                msg.vlan(start, BridgeVlanInfoFlags::empty())
+            } else {
+                msg.vlan_range_start(start, BridgeVlanInfoFlags::empty())
+                    .vlan_range_end(end, BridgeVlanInfoFlags::empty())
+            };
+        }
+        self.handle
+            .link()
+            .set(msg.build())
+            .execute()
+            .await
+            .map_err(map_vlan_err("add bridge vlans", || format!("link #{port_index}")))
+    }
+
+    /// Sets or clears the user-set promiscuous flag of link `index` (`ip link set promisc`);
+    /// [`LinkInfo::promisc`] reads it back. The promiscuity count others hold (a bridge, a packet
+    /// socket) is theirs and stays.
+    ///
+    /// # Errors
+    /// [`NetError::NotFound`] when there is no such link; [`NetError::Netlink`] otherwise.
+    pub async fn set_promisc(&self, index: u32, on: bool) -> Result<(), NetError> {
+        self.change("set promisc", index, LinkUnspec::new_with_index(index).promiscuous(on).build()).await
+    }
+
+    /// Turns IPv6 address generation off on link `index` (`IFLA_INET6_ADDR_GEN_MODE` = none):
+    /// called on a monitor tap before it goes up, it gets no link-local address, so the host
+    /// sends no router solicitation, no DAD and no MLD report into the guest's capture.
+    ///
+    /// A link without IPv6 (IPv6 disabled in the kernel, or an MTU below 1280) has nothing to
+    /// turn off: that is success.
+    ///
+    /// # Errors
+    /// [`NetError::NotFound`] when there is no such link; [`NetError::Netlink`] otherwise.
+    pub async fn set_ipv6_off(&self, index: u32) -> Result<(), NetError> {
+        let spec = LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(vec![AfSpecInet6::AddrGenMode(
+            In6AddrGenMode::None,
+        )])]);
+        let msg = LinkUnspec::new_with_index(index).append_extra_attribute(spec).build();
+        match self.handle.link().change(msg).execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if errno_of(&e) == Some(libc::EAFNOSUPPORT) => Ok(()),
+            Err(e) => Err(map_err("set ipv6 addrgenmode", || format!("link #{index}"))(e)),
+        }
     }
 
     /// The VLANs of bridge port (or bridge) `port_index`, from an `AF_BRIDGE` link dump with

@@ -37,10 +37,14 @@
 //! in the lab host: a QEMU/TCG VM running Debian's cloud kernel, whose bridge has VLAN filtering
 //! (built separately, see the host-networking issue).
 
+pub mod backing;
+pub mod capture;
 pub mod host;
 pub mod link;
 pub mod tap;
+pub mod tc;
 pub mod vhost;
+pub mod watch;
 
 use std::io;
 
@@ -101,6 +105,9 @@ pub enum NetError {
     /// A VLAN id outside 1..=4094.
     #[error("invalid VLAN id {0} (must be 1..=4094)")]
     InvalidVlan(u16),
+    /// A tc action cookie that is empty or longer than the kernel keeps ([`tc::MAX_COOKIE`] bytes).
+    #[error("invalid tc action cookie of {0} bytes (must be 1..=16)")]
+    InvalidCookie(usize),
     /// An IPv4 prefix length above 32.
     #[error("invalid IPv4 prefix length {0} (must be 0..=32)")]
     InvalidPrefix(u8),
@@ -167,6 +174,7 @@ impl NetError {
         match self {
             NetError::InvalidName { .. } => "invalid_name",
             NetError::InvalidVlan(_) => "invalid_vlan",
+            NetError::InvalidCookie(_) => "invalid_cookie",
             NetError::InvalidPrefix(_) => "invalid_prefix",
             NetError::NotFound(_) => "not_found",
             NetError::Exists(_) => "exists",

@@ -11,7 +11,16 @@
 //! refuses an unknown request member with -32602. Where the two sides need different leniency the
 //! type says so: the request types default their optional members (the agent accepts a partial
 //! request, the daemon always sends every member), and [`DesiredInterface`] is generic over the
-//! VLAN id's integer type. The JSON framing, the JSON-RPC envelope and the methods themselves are
+//! VLAN id's integer type.
+//!
+//! A member is added without breaking either side of a mixed pair (the daemon and the agent are
+//! upgraded separately): a member the **daemon** sends is `#[serde(default)]` for the agent and
+//! left out when it has its default value, and a daemon sends a non-default value only to an agent
+//! whose `hello` lists the capability that introduced it (an older agent would refuse the unknown
+//! member with -32602); a member the **agent** sends is `#[serde(default)]` for the daemon and
+//! sent only when the request asked for it (an older daemon's closed types would refuse the
+//! whole reply). Capture NICs (issue 31) are the first such addition: [`CAPTURE_CAPABILITY`].
+//! The JSON framing, the JSON-RPC envelope and the methods themselves are
 //! described in `guest-agent/README.md`. The one codec the shapes need, base64 for bulk bytes,
 //! is here too ([`base64`]).
 
@@ -23,6 +32,16 @@ pub mod exec;
 /// The protocol version `hello` announces and the daemon requires; bumped on any incompatible
 /// change.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The `hello` capability of agents that understand capture NICs: [`ExpectedNic::capture`],
+/// [`ApplyParams::capture`] and [`NetStateParams::promisc`] (hence [`Interface::promisc`]). A
+/// daemon sends none of these to an agent without it.
+pub const CAPTURE_CAPABILITY: &str = "net.capture";
+
+/// `serde`'s `skip_serializing_if` for members that are left out when false.
+fn is_false(value: &bool) -> bool {
+    !*value
+}
 
 /// Parameters of `sync`, the first request of a host session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,6 +125,22 @@ pub struct Interface {
     pub alias: String,
     /// IPv4 addresses as `a.b.c.d/p`, in the kernel's order.
     pub addresses: Vec<String>,
+    /// Promiscuous mode as set on the link (`IFF_PROMISC` of the link's flags: what
+    /// `ip link set promisc on` sets, not the count packet sockets take). Present only when the
+    /// request asked for it ([`NetStateParams::promisc`]): an older daemon's closed type would
+    /// refuse the reply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub promisc: Option<bool>,
+}
+
+/// Parameters of `net.state` (older daemons send `{}`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetStateParams {
+    /// Report [`Interface::promisc`] of every link. Sent only to agents with
+    /// [`CAPTURE_CAPABILITY`].
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub promisc: bool,
 }
 
 /// One route as `net.state` reports it.
@@ -173,6 +208,11 @@ pub struct ExpectedNic {
     /// Whether it must be administratively up; absent: `true`.
     #[serde(default = "yes")]
     pub up: bool,
+    /// A capture NIC (a monitor NIC of the VM spec): checked up, promiscuous and without an IPv4
+    /// address instead of the plain `up` check; `addresses` must then be empty and `up` true.
+    /// Absent: `false`. Sent only to agents with [`CAPTURE_CAPABILITY`].
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub capture: bool,
 }
 
 /// The default of [`ExpectedNic::up`].
@@ -211,6 +251,11 @@ pub struct Check {
 pub struct ApplyParams<VlanId> {
     /// The desired interfaces.
     pub interfaces: Vec<DesiredInterface<VlanId>>,
+    /// The MACs of the capture NICs: each is set up and promiscuous (its addresses are never
+    /// touched, and none is added). Absent: none. Sent only to agents with
+    /// [`CAPTURE_CAPABILITY`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capture: Vec<String>,
 }
 
 /// One interface the agent is to create and prove: a VLAN when `link` and `vlan_id` are given, a
@@ -304,6 +349,7 @@ mod tests {
                 },
                 DesiredInterface { name: "d0".into(), link: None, vlan_id: None, address: "10.9.0.1/24".into() },
             ],
+            capture: vec![],
         };
         let wire = serde_json::to_value(&sent).expect("serializes");
         assert_eq!(
@@ -325,7 +371,10 @@ mod tests {
     fn check_requests_default_for_the_agent_and_are_complete_from_the_daemon() {
         let read: CheckParams =
             serde_json::from_value(json!({"expected": {"interfaces": [{"mac": "m"}]}})).expect("parses");
-        assert_eq!(read.expected.interfaces, [ExpectedNic { mac: "m".into(), addresses: vec![], up: true }]);
+        assert_eq!(
+            read.expected.interfaces,
+            [ExpectedNic { mac: "m".into(), addresses: vec![], up: true, capture: false }]
+        );
         let sent = serde_json::to_value(CheckParams { expected: Expected::default() }).expect("serializes");
         assert_eq!(
             sent,
@@ -334,6 +383,102 @@ mod tests {
         // Closed, both ways.
         assert!(serde_json::from_value::<CheckParams>(json!({"expected": {}, "x": 1})).is_err());
         assert!(serde_json::from_value::<SyncReply>(json!({"nonce": "n", "x": 1})).is_err());
+    }
+
+    /// The shapes of a daemon and an agent from before capture NICs, as they were: closed, without
+    /// the new members.
+    mod before_capture {
+        use serde::Deserialize;
+
+        #[derive(Debug, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        pub struct ExpectedNic {
+            pub mac: String,
+            #[serde(default)]
+            pub addresses: Vec<String>,
+            #[serde(default)]
+            pub up: Option<bool>,
+        }
+
+        #[derive(Debug, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        pub struct ApplyParams {
+            pub interfaces: Vec<serde_json::Value>,
+        }
+
+        #[derive(Debug, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        pub struct Interface {
+            pub name: String,
+            pub mac: String,
+            pub up: bool,
+            pub mtu: u32,
+            pub kind: String,
+            pub alias: String,
+            pub addresses: Vec<String>,
+        }
+
+        #[derive(Debug, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct NoParams {}
+    }
+
+    #[test]
+    fn capture_members_reach_an_older_peer_only_when_it_asked_or_announced_them() {
+        // A bridge NIC, no capture NICs, a net.state nobody asked promisc of: the wire is what it
+        // was, so an older agent and an older daemon read it.
+        let nic = ExpectedNic { mac: "m".into(), addresses: vec!["10.0.0.5/24".into()], up: true, capture: false };
+        let wire = serde_json::to_value(&nic).expect("serializes");
+        assert_eq!(wire, json!({"mac": "m", "addresses": ["10.0.0.5/24"], "up": true}));
+        assert!(serde_json::from_value::<before_capture::ExpectedNic>(wire).is_ok());
+        let apply = serde_json::to_value(ApplyParams::<u16> { interfaces: vec![], capture: vec![] }).expect("ser");
+        assert_eq!(apply, json!({"interfaces": []}));
+        assert!(serde_json::from_value::<before_capture::ApplyParams>(apply).is_ok());
+        let ask = serde_json::to_value(NetStateParams::default()).expect("serializes");
+        assert_eq!(ask, json!({}));
+        assert!(serde_json::from_value::<before_capture::NoParams>(ask).is_ok());
+        let link = Interface {
+            name: "eth1".into(),
+            mac: "m".into(),
+            up: true,
+            mtu: 1500,
+            kind: String::new(),
+            alias: String::new(),
+            addresses: vec![],
+            promisc: None,
+        };
+        let wire = serde_json::to_value(&link).expect("serializes");
+        assert!(serde_json::from_value::<before_capture::Interface>(wire).is_ok());
+        // The new members are what an older peer refuses: hence the capability and the request's
+        // opt-in.
+        let capture = ExpectedNic { mac: "m".into(), addresses: vec![], up: true, capture: true };
+        let wire = serde_json::to_value(&capture).expect("serializes");
+        assert_eq!(wire["capture"], true);
+        assert!(serde_json::from_value::<before_capture::ExpectedNic>(wire.clone()).is_err());
+        assert_eq!(serde_json::from_value::<ExpectedNic>(wire).expect("parses"), capture);
+        let apply = ApplyParams::<u16> { interfaces: vec![], capture: vec!["m".into()] };
+        let wire = serde_json::to_value(&apply).expect("serializes");
+        assert!(serde_json::from_value::<before_capture::ApplyParams>(wire.clone()).is_err());
+        assert_eq!(serde_json::from_value::<ApplyParams<i64>>(wire).expect("parses").capture, ["m"]);
+        let ask = serde_json::to_value(NetStateParams { promisc: true }).expect("serializes");
+        assert!(serde_json::from_value::<before_capture::NoParams>(ask.clone()).is_err());
+        assert!(serde_json::from_value::<NetStateParams>(ask).expect("parses").promisc);
+        let promisc = serde_json::to_value(Interface { promisc: Some(true), ..link }).expect("serializes");
+        assert!(serde_json::from_value::<before_capture::Interface>(promisc.clone()).is_err());
+        assert_eq!(serde_json::from_value::<Interface>(promisc).expect("parses").promisc, Some(true));
+        // An older agent's reply and request shapes read with the new types.
+        let old =
+            json!({"name": "eth0", "mac": "m", "up": true, "mtu": 1500, "kind": "", "alias": "", "addresses": []});
+        assert_eq!(serde_json::from_value::<Interface>(old).expect("parses").promisc, None);
+        let old = serde_json::from_value::<ExpectedNic>(json!({"mac": "m"})).expect("parses");
+        assert!(!old.capture);
+        assert!(serde_json::from_value::<ApplyParams<i64>>(json!({"interfaces": []}))
+            .expect("parses")
+            .capture
+            .is_empty());
     }
 
     #[test]
