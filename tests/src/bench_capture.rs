@@ -77,9 +77,15 @@ fn boot_guests(host: &TestHost, n: usize) -> Vec<(String, String)> {
             v if v["exit_code"] == 0 => Ok(()),
             other => Err(other.to_string()),
         });
-        // The agent's part does this for capture NICs; harmless when it already did.
-        let r = exec(host, name, &["ip", "link", "set", "eth0", "promisc", "on", "up"]);
-        assert_eq!(r["exit_code"], 0, "{name}: {r}");
+        // The agent makes a capture NIC up and promiscuous (the daemon's net.apply).
+        wait::until(&format!("{name}'s eth0 promiscuous"), Duration::from_secs(120), || {
+            let flags = exec(host, name, &["cat", "/sys/class/net/eth0/flags"]);
+            let text = flags["stdout"].as_str().unwrap_or_default().trim().to_string();
+            match u32::from_str_radix(text.trim_start_matches("0x"), 16) {
+                Ok(bits) if bits & 0x101 == 0x101 => Ok(()),
+                _ => Err(text),
+            }
+        });
     }
     let mut rng = Rng::new();
     let sender = Sender::open(Some(ns(host)), PEER).expect("a sender on the peer");

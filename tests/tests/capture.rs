@@ -106,10 +106,9 @@ fn guest_counters(host: &TestHost, vm: &str, dev: &str) -> Counters {
     frames::parse_counters(r["stdout"].as_str().unwrap_or_default()).unwrap_or_else(|e| panic!("{vm}: {e}"))
 }
 
-/// Creates `spec`, waits for the guest and its exec server, and makes its capture NIC `eth0`
-/// ready to count: up and promiscuous (virtio-net in QEMU filters unicast by the guest's MAC
-/// otherwise). The agent does that for a capture NIC (part "agent"); the exec here is the
-/// fallback for a tree without it and a no-op with it. Returns the VM's tap.
+/// Creates `spec`, waits for the guest and its exec server, and for its capture NIC `eth0` to be
+/// ready to count: up and promiscuous, which the guest agent makes it on the daemon's `net.apply`
+/// (virtio-net in QEMU hands a guest only its own unicast otherwise). Returns the VM's tap.
 fn boot_monitor(host: &TestHost, spec: Value) -> String {
     let name = spec["name"].as_str().expect("a name").to_string();
     let created = host.call("vm.create", json!({ "spec": spec }));
@@ -120,9 +119,7 @@ fn boot_monitor(host: &TestHost, spec: Value) -> String {
             other => Err(format!("{other:?}")),
         }
     });
-    let r = exec(host, &name, &["ip", "link", "set", "eth0", "promisc", "on", "up"]);
-    assert_eq!(r["exit_code"], 0, "{r}");
-    wait::until(&format!("{name}'s eth0 up and promiscuous"), SOON, || {
+    wait::until(&format!("the agent to make {name}'s eth0 up and promiscuous"), SOON, || {
         let flags = exec(host, &name, &["cat", "/sys/class/net/eth0/flags"]);
         let text = flags["stdout"].as_str().unwrap_or_default().trim().to_string();
         let bits = u32::from_str_radix(text.trim_start_matches("0x"), 16).unwrap_or(0);
@@ -282,6 +279,13 @@ fn every_frame_into_the_source_reaches_the_guest_nothing_it_sends_leaks_and_stop
         (json!("monitor"), json!(SRC), json!("attached")),
         "{nic}"
     );
+    // The agent's network check treats it as a capture NIC: up, promiscuous, no address.
+    let check = host.call("vm.check", json!({"name": "sensor"}));
+    assert_eq!(check["ok"], true, "{check}");
+    let names: Vec<&str> =
+        check["checks"].as_array().into_iter().flatten().filter_map(|c| c["name"].as_str()).collect();
+    assert!(names.iter().any(|n| n.starts_with("capture") && n.ends_with("promiscuous")), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("capture") && n.ends_with("no address")), "{names:?}");
     // The tap is vmhost's, not enslaved, and drops what the guest sends (its own ingress).
     let link: Value = serde_json::from_str(&host.ip(&["-j", "-d", "link", "show", "dev", &tap])).unwrap();
     assert!(link[0]["master"].is_null(), "{link}");
