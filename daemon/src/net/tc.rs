@@ -20,7 +20,7 @@
 //!
 //! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added:
 //! `filter protocol all pref 49152 bpf chain 0 handle 0x1 bytecode '1,6 0 0 4294967295'`, then
-//! `action order 1: mirred (Egress Mirror to device TAP) pipe`, its counters, and `cookie`
+//! `action order 1: mirred (Egress Mirror to device TAP) continue`, its counters, and `cookie`
 //! followed by the cookie in hex (`766d6863...`, "vmhc" and the tap name's tail).
 
 use futures_util::StreamExt;
@@ -139,8 +139,10 @@ fn ret_program(k: u32) -> Vec<TcFilterBpfOption> {
 /// The `mirred` action that mirrors every frame to `target`'s egress and carries `cookie`.
 fn mirror_action(target: u32, cookie: &[u8]) -> TcAction {
     let mut parms = TcMirror::default();
-    // "pipe": the frame goes on its way after the copy (mirror, not redirect).
-    parms.generic.action = TcActionType::Pipe;
+    // "continue" (TC_ACT_UNSPEC): after the copy, classification goes on to the next filter.
+    // "pipe" would end it here: a second monitor's mirror and any operator filter after this one
+    // (the kernel gives a new filter the prio before the first) would never see a frame.
+    parms.generic.action = TcActionType::Unspec;
     parms.eaction = TcMirrorActionType::EgressMirror;
     parms.ifindex = target;
     let mut action = TcAction::default();
@@ -423,7 +425,8 @@ impl Netlink {
     ///
     /// The classifier returns -1 ("match, default class") for every frame, whatever its length
     /// (u32 would miss frames with fewer than 4 bytes after the Ethernet header); the action
-    /// copies the frame to `target`'s egress and lets the original go on (`pipe`).
+    /// copies the frame to `target`'s egress and lets classification go on to the next filter
+    /// (`continue`), so other mirrors and filters on the hook still see the frame.
     ///
     /// # Errors
     /// [`NetError::InvalidCookie`] for an empty cookie or one over [`MAX_COOKIE`] bytes;

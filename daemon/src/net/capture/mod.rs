@@ -461,4 +461,6 @@ async fn observe_tc<T: TcOps>(ops: &T, ifindex: u32) -> Result<(bool, Vec<Filter
 }
 
 #[cfg(test)]
+mod netns_tests;
+#[cfg(test)]
 mod tests;

@@ -666,3 +666,10 @@ async fn a_failing_source_fails_its_monitors_only() {
     let k = fake.k();
     assert!(k.clsact.is_empty() && k.links.iter().all(|l| !l.promisc), "eth2 given back too");
 }
+
+/// The lifecycle runs syncs in spawned tasks: the future must be `Send`.
+#[allow(dead_code)]
+fn sync_future_is_send(cap: &Capture, nl: &Netlink) {
+    fn send<T: Send>(_: &T) {}
+    send(&cap.sync(nl, &[]));
+}
