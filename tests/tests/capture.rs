@@ -217,16 +217,35 @@ fn promisc(host: &TestHost, link: &str) -> bool {
 }
 
 /// Adds what an operator might have on a source before vmhost: a clsact qdisc with a u32
-/// filter at pref 7 (no action cookie) on its ingress.
-fn add_foreign_filter(host: &TestHost, link: &str) {
+/// filter at pref 7 (no action cookie) on its ingress, for IPv4 frames only (`protocol ip`)
+/// when `match_all` is false, else for every frame (`protocol all`, match 0/0): a filter whose
+/// match ends classification there.
+fn add_foreign_filter(host: &TestHost, link: &str, match_all: bool) {
     in_ns(host, &["tc", "qdisc", "add", "dev", link, "clsact"]);
+    let protocol = if match_all { "all" } else { "ip" };
     in_ns(
         host,
         &[
-            "tc", "filter", "add", "dev", link, "ingress", "prio", "7", "protocol", "all", "u32", "match", "u32", "0",
-            "0", "classid", "1:1",
+            "tc", "filter", "add", "dev", link, "ingress", "prio", "7", "protocol", protocol, "u32", "match", "u32",
+            "0", "0", "classid", "1:1",
         ],
     );
+}
+
+/// Frames vmhost's mirrors on `link`'s `hook` copied so far: the packets of every action
+/// carrying vmhost's cookie (the kernel's own count, no guest needed).
+fn mirrored(host: &TestHost, link: &str, hook: &str) -> u64 {
+    let out = in_ns(host, &["tc", "-s", "-j", "filter", "show", "dev", link, hook]);
+    let filters: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+    let mut n = 0;
+    for f in filters.as_array().into_iter().flatten() {
+        for a in f["options"]["actions"].as_array().into_iter().flatten() {
+            if a["cookie"].as_str().is_some_and(|c| c.starts_with(COOKIE_HEX)) {
+                n += a["stats"]["packets"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    n
 }
 
 /// What the source looked like before vmhost monitored it.
@@ -338,7 +357,7 @@ fn every_frame_into_the_source_reaches_the_guest_nothing_it_sends_leaks_and_stop
 fn two_guests_on_one_source_see_every_frame_ingress_sees_received_only_and_foreign_settings_stay() {
     let host = capture_host(&[(SRC, PEER)]);
     // The operator's own tc filter and promiscuous flag: vmhost shares them and leaves them.
-    add_foreign_filter(&host, SRC);
+    add_foreign_filter(&host, SRC, false);
     host.ip(&["link", "set", SRC, "promisc", "on"]);
     let before = Before { promisc: true, foreign: true };
     boot_monitor(&host, spec("both", monitor(SRC, None)));
@@ -455,7 +474,7 @@ fn a_daemon_killed_at_any_capture_step_leaves_nothing_of_vmhosts_after_restart_a
     });
     in_ns(&host, &["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"]);
     make_source(&host, SRC, PEER);
-    add_foreign_filter(&host, SRC);
+    add_foreign_filter(&host, SRC, false);
     let before = Before { promisc: false, foreign: true };
     for (round, step) in
         ["launch:capture", "capture:ledger", "capture:promisc", "capture:mirror"].into_iter().enumerate()
@@ -504,21 +523,22 @@ fn a_source_not_listed_or_not_present_is_refused_naming_the_nic_and_creates_noth
     });
     make_source(&host, SRC, PEER);
     let links_before = host.links().len();
-    for (name, nics, code, field, words) in [
+    let cases: [(&str, Value, i32, &str, &[&str]); 4] = [
         (
             "unlisted",
             monitor(PEER, None),
             3001,
             "spec.nics[0].source",
-            "the host config lists no capture interface peer0",
+            &["the host config lists no capture interface", PEER],
         ),
-        ("absent", monitor("gone0", None), 3001, "spec.nics[0].source", "no interface gone0 on the host"),
-        ("nosource", json!([{"mode": "monitor"}]), 2001, "spec.nics[0].source", ""),
-        ("withnet", json!([{"mode": "monitor", "source": SRC, "network": "lan"}]), 2001, "spec.nics[0].network", ""),
-    ] {
+        ("absent", monitor("gone0", None), 3001, "spec.nics[0].source", &["no interface", "gone0", "on the host"]),
+        ("nosource", json!([{"mode": "monitor"}]), 2001, "spec.nics[0].source", &[]),
+        ("withnet", json!([{"mode": "monitor", "source": SRC, "network": "lan"}]), 2001, "spec.nics[0].network", &[]),
+    ];
+    for (name, nics, code, field, words) in cases {
         let (got, e) = host.call_err("vm.create", json!({ "spec": crash_spec_with(&host, name, nics) }));
         assert_eq!((got, e.field.as_deref()), (code, Some(field)), "{name}: {e:?}");
-        assert!(e.message.contains(words), "{name}: {}", e.message);
+        assert!(words.iter().all(|w| e.message.contains(w)), "{name}: {}", e.message);
         assert_eq!(host.call_err("vm.get", json!({ "name": name })).0, 4040, "{name}: no record");
     }
     assert_eq!(host.links().len(), links_before, "no link was created");
@@ -531,4 +551,30 @@ fn crash_spec_with(host: &TestHost, name: &str, nics: Value) -> Value {
     let mut s = host.kernel_spec(name);
     s["nics"] = nics;
     s
+}
+
+#[test]
+fn an_operators_match_all_filter_on_the_source_does_not_hide_frames_from_the_monitor() {
+    // The operator's u32 filter matches every frame and ends classification where it stands:
+    // a mirror placed after it would copy nothing. vmhost's mirror must see every frame the
+    // source receives, and the operator's filter still every frame too.
+    let host = TestHost::start(HostOptions {
+        netns: true,
+        extra: format!("[capture]\ninterfaces = [{SRC:?}]\n"),
+        ..HostOptions::default()
+    });
+    in_ns(&host, &["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"]);
+    make_source(&host, SRC, PEER);
+    add_foreign_filter(&host, SRC, true);
+    // QEMU and its tap are enough: the kernel counts what the mirror copies.
+    host.call("vm.create", json!({ "spec": crash_spec_with(&host, "early", monitor(SRC, Some("ingress"))) }));
+    assert_eq!(vmhost_filters(&host, SRC), 1);
+    let before = mirrored(&host, SRC, "ingress");
+    send_on(&host, PEER, &frames::random_frames(&mut Rng::new(), 20, &[5]));
+    let copied = mirrored(&host, SRC, "ingress") - before;
+    let prefs = in_ns(&host, &["tc", "filter", "show", "dev", SRC, "ingress"]);
+    assert_eq!(copied, 20, "every frame the source received was mirrored; filters:\n{prefs}");
+    assert_eq!(u32_prefs(&host, SRC), vec![7]);
+    host.call("vm.destroy", json!({"name": "early"}));
+    expect_given_back(&host, SRC, Before { promisc: false, foreign: true }, "after destroy");
 }
