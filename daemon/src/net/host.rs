@@ -6,15 +6,24 @@
 //! [`HostNet::attach_nics`] makes the taps and returns their fds for QEMU; after a stop or
 //! destroy, [`HostNet::detach_nics`] removes whatever is left.
 //!
+//! A bridge NIC's tap is a port of its network's bridge: an access port (`vlan`) and/or a trunk
+//! (`vlans` tagged, or `trunk`: every VLAN 1-4094 tagged). A monitor NIC's tap (`mode =
+//! "monitor"`) is on no bridge and never gets an address: it only receives the copies of its
+//! source's frames that `net::capture` mirrors into it, so it takes the source's MTU, has IPv6
+//! address generation off (no link-local address, so the host sends nothing into it of its own),
+//! and a drop filter on its ingress throws away whatever the guest sends.
+//!
 //! Every link vmhostd creates carries an ifalias marker ([`owner_alias`]); a link without one is
 //! never changed or deleted. Taps are not persistent: they vanish when the last fd closes, so a
-//! QEMU or daemon that dies cannot leave one behind on its own.
+//! QEMU or daemon that dies cannot leave one behind on its own (a monitor tap's qdisc and drop
+//! filter go with it).
 
-use super::link::{LinkInfo, Netlink};
+use super::link::{LinkInfo, Netlink, VlanSet};
 use super::tap::create_tap_queues;
+use super::tc::Hook;
 use super::NetError;
 use super::{owner_alias, parse_owner, Owner};
-use crate::api::NicSpec;
+use crate::api::{NicMode, NicSpec};
 use crate::config::{Config, Network};
 use crate::nic::NicAlloc;
 use std::collections::HashSet;
@@ -48,7 +57,8 @@ pub enum AttachError {
     Step {
         /// The NIC's index in `spec.nics`.
         nic: usize,
-        /// The step (`bridge`, `tap`, `alias`, `mtu`, `attach`, `vlan`, `up`).
+        /// The step (`bridge`, `tap`, `alias`, `mtu`, `attach`, `vlan`, `trunk`, `up`; for a
+        /// monitor NIC `source`, `tap`, `alias`, `mtu`, `ipv6`, `drop`, `up`).
         step: &'static str,
         /// What the kernel said.
         #[source]
@@ -196,11 +206,14 @@ impl HostNet {
 
     /// Creates and attaches the taps of a VM's NICs; returns their fds in NIC order, for QEMU:
     /// one per queue of each NIC (`nics[i].queues`, a multiqueue tap above 1), queue 0 first.
+    /// `nics[i].mode` decides what a tap is: a bridge port, or a monitor tap (on no bridge; the
+    /// copies of its source's frames are added later by `net::capture`).
     /// On error, every tap made so far is gone (its fds are dropped) and nothing else changed.
     ///
     /// # Errors
     /// [`AttachError::NoNetwork`] for a network the config lacks, [`AttachError::Step`] naming
-    /// the step and the NIC.
+    /// the step and the NIC (step `source` with [`NetError::NotFound`] when a monitor NIC's
+    /// source does not exist).
     pub async fn attach_nics(
         &self,
         config: &Config,
@@ -210,33 +223,30 @@ impl HostNet {
     ) -> Result<Vec<Vec<OwnedFd>>, AttachError> {
         let mut fds = Vec::with_capacity(nics.len());
         for (i, (nic, alloc)) in nics.iter().zip(allocs).enumerate() {
-            let net = config
-                .networks
-                .get(&nic.network)
-                .ok_or_else(|| AttachError::NoNetwork { nic: i, network: nic.network.clone() })?;
-            let fd = self.attach_one(vm, net, nic, alloc).await.map_err(|(step, source)| AttachError::Step {
-                nic: i,
-                step,
-                source,
-            })?;
+            let made = match nic.mode {
+                NicMode::Bridge => {
+                    let net = config
+                        .networks
+                        .get(&nic.network)
+                        .ok_or_else(|| AttachError::NoNetwork { nic: i, network: nic.network.clone() })?;
+                    self.attach_one(vm, net, nic, alloc).await
+                }
+                NicMode::Monitor => self.attach_monitor(vm, nic, alloc).await,
+            };
+            let fd = made.map_err(|(step, source)| AttachError::Step { nic: i, step, source })?;
             fds.push(fd);
         }
         Ok(fds)
     }
 
-    async fn attach_one(
+    /// Makes the tap `alloc.tap` for `vm`, marked as the VM's, and returns its descriptors and
+    /// what the kernel says of it.
+    async fn make_tap(
         &self,
         vm: &str,
-        net: &Network,
         nic: &NicSpec,
         alloc: &NicAlloc,
-    ) -> Result<Vec<OwnedFd>, (&'static str, NetError)> {
-        let bridge: LinkInfo = self
-            .nl
-            .link_by_name(&net.bridge)
-            .await
-            .map_err(|e| ("bridge", e))?
-            .ok_or_else(|| ("bridge", NetError::NotFound(net.bridge.clone())))?;
+    ) -> Result<(Vec<OwnedFd>, LinkInfo), (&'static str, NetError)> {
         // A stale tap of this VM (say from a QEMU that just died) would make TUNSETIFF attach to
         // it; remove it first, but only if it is ours.
         if let Some(old) = self.nl.link_by_name(&alloc.tap).await.map_err(|e| ("tap", e))? {
@@ -255,6 +265,23 @@ impl HostNet {
             .map_err(|e| ("tap", e))?
             .ok_or_else(|| ("tap", NetError::NotFound(alloc.tap.clone())))?;
         self.nl.set_alias(tap.index, &owner_alias(&Owner::Vm(vm.to_string()))).await.map_err(|e| ("alias", e))?;
+        Ok((fd, tap))
+    }
+
+    async fn attach_one(
+        &self,
+        vm: &str,
+        net: &Network,
+        nic: &NicSpec,
+        alloc: &NicAlloc,
+    ) -> Result<Vec<OwnedFd>, (&'static str, NetError)> {
+        let bridge: LinkInfo = self
+            .nl
+            .link_by_name(&net.bridge)
+            .await
+            .map_err(|e| ("bridge", e))?
+            .ok_or_else(|| ("bridge", NetError::NotFound(net.bridge.clone())))?;
+        let (fd, tap) = self.make_tap(vm, nic, alloc).await?;
         self.nl.set_mtu(tap.index, bridge.mtu).await.map_err(|e| ("mtu", e))?;
         self.nl.set_master(tap.index, bridge.index).await.map_err(|e| ("attach", e))?;
         if let Some(vid) = nic.vlan {
@@ -262,6 +289,35 @@ impl HostNet {
             self.nl.bridge_vlan_add(tap.index, vid, true).await.map_err(|e| ("vlan", e))?;
             let _ = self.nl.bridge_vlan_del(tap.index, 1).await;
         }
+        if let Some(tagged) = trunk_vlans(nic).map_err(|e| ("trunk", e))? {
+            self.nl.bridge_vlan_add_tagged(tap.index, &tagged).await.map_err(|e| ("trunk", e))?;
+        }
+        self.nl.set_up(tap.index).await.map_err(|e| ("up", e))?;
+        Ok(fd)
+    }
+
+    /// A monitor NIC's tap: no bridge, the source's MTU (a copy as large as the source takes in
+    /// must fit), no IPv6 (set before up, so it never has a link-local address and the host
+    /// sends it nothing of its own), and a drop filter on its ingress (what the guest sends goes
+    /// nowhere). Only then up.
+    async fn attach_monitor(
+        &self,
+        vm: &str,
+        nic: &NicSpec,
+        alloc: &NicAlloc,
+    ) -> Result<Vec<OwnedFd>, (&'static str, NetError)> {
+        let name = nic.source.as_deref().unwrap_or_default();
+        let source = self
+            .nl
+            .link_by_name(name)
+            .await
+            .map_err(|e| ("source", e))?
+            .ok_or_else(|| ("source", NetError::NotFound(format!("capture source {name}"))))?;
+        let (fd, tap) = self.make_tap(vm, nic, alloc).await?;
+        self.nl.set_mtu(tap.index, source.mtu).await.map_err(|e| ("mtu", e))?;
+        self.nl.set_ipv6_off(tap.index).await.map_err(|e| ("ipv6", e))?;
+        self.nl.add_clsact(tap.index).await.map_err(|e| ("drop", e))?;
+        self.nl.add_drop_all(tap.index, Hook::Ingress).await.map_err(|e| ("drop", e))?;
         self.nl.set_up(tap.index).await.map_err(|e| ("up", e))?;
         Ok(fd)
     }
@@ -291,7 +347,142 @@ impl HostNet {
     }
 }
 
+/// The VLANs a bridge NIC's tap carries tagged: every VLAN with `trunk`, else `vlans`; without
+/// the port's PVID (the access `vlan`, or the default VLAN 1), which keeps its untagged PVID
+/// entry. `None` when the NIC is no trunk.
+fn trunk_vlans(nic: &NicSpec) -> Result<Option<VlanSet>, NetError> {
+    let set = if nic.trunk {
+        VlanSet::all()
+    } else if nic.vlans.is_empty() {
+        return Ok(None);
+    } else {
+        VlanSet::new(nic.vlans.iter().copied())?
+    };
+    Ok(Some(set.without(nic.vlan.unwrap_or(1))))
+}
+
 /// The marker of a bridge vmhostd owns for network `name`.
 fn owner_alias_network(name: &str) -> String {
     owner_alias(&Owner::Network(name.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::process::Command;
+
+    use super::super::tc::ETH_P_ALL;
+    use super::super::testing::{in_netns, read_test_frames, send_frame, test_frame, write_tap};
+    use super::*;
+
+    fn config() -> Config {
+        let text = "[hardware]\ncpu = 4\nmemory_gib = 8\n[networks.lan]\nbridge = \"br-lan\"\n";
+        Config::parse(text, Path::new("t.toml")).unwrap()
+    }
+
+    fn ip(args: &[&str]) {
+        let out = Command::new("ip").args(args).output().expect("run ip");
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    fn alloc(tap: &str) -> NicAlloc {
+        NicAlloc { mac: "02:00:00:00:00:10".into(), tap: tap.into(), vhost: false }
+    }
+
+    fn monitor(source: &str) -> NicSpec {
+        NicSpec { mode: NicMode::Monitor, source: Some(source.into()), ..NicSpec::default() }
+    }
+
+    #[test]
+    fn a_monitor_tap_is_on_no_bridge_quiet_and_drops_what_the_guest_sends() {
+        in_netns(|| async {
+            let net = HostNet::connect().unwrap();
+            let nl = net.netlink();
+            ip(&["link", "add", "eth7", "mtu", "9000", "type", "veth", "peer", "name", "eth7p"]);
+            let fds = net.attach_nics(&config(), "cap", &[monitor("eth7")], &[alloc("vmhmon0n0")]).await.unwrap();
+            assert_eq!(fds.len(), 1);
+            let tap = nl.link_by_name("vmhmon0n0").await.unwrap().unwrap();
+            assert_eq!(parse_owner(tap.alias.as_deref().unwrap()), Some(Owner::Vm("cap".into())));
+            assert_eq!(tap.master, None, "never enslaved");
+            assert_eq!(tap.mtu, 9000, "the source's MTU");
+            assert!(tap.up);
+            assert_eq!(nl.addresses(tap.index).await.unwrap(), [], "no address, not even fe80");
+            assert!(nl.has_clsact(tap.index).await.unwrap());
+            let drops = nl.filters(tap.index, Hook::Ingress).await.unwrap();
+            assert_eq!(drops.len(), 1, "{drops:?}");
+            assert_eq!(
+                (drops[0].id.kind.as_str(), drops[0].id.protocol, drops[0].cookie.as_ref()),
+                ("bpf", ETH_P_ALL, None)
+            );
+            // Nothing the source has changed.
+            let src = nl.link_by_name("eth7").await.unwrap().unwrap();
+            assert!(!src.promisc && !nl.has_clsact(src.index).await.unwrap());
+
+            // What the guest writes is dropped at the tap's ingress. The drop filter has no action
+            // to count it, the clsact qdisc does.
+            let frame = test_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], None, &[1; 46]);
+            write_tap(&fds[0][0], &frame);
+            let shown = Command::new("tc").args(["-s", "qdisc", "show", "dev", "vmhmon0n0"]).output().unwrap();
+            let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+            assert!(shown.contains("dropped 1"), "{shown}");
+
+            // A copy put into the tap by a mirror reaches the guest's side.
+            nl.set_up(src.index).await.unwrap();
+            nl.set_up(nl.link_by_name("eth7p").await.unwrap().unwrap().index).await.unwrap();
+            nl.add_clsact(src.index).await.unwrap();
+            nl.add_mirror(src.index, Hook::Ingress, tap.index, b"vmhcmon0n0").await.unwrap();
+            send_frame("eth7p", &frame);
+            assert_eq!(read_test_frames(&fds[0][0], 1, std::time::Duration::from_secs(10)), [frame]);
+
+            // The tap, its qdisc and its filter go with the descriptor.
+            drop(fds);
+            assert_eq!(nl.link_by_name("vmhmon0n0").await.unwrap(), None);
+        });
+    }
+
+    #[test]
+    fn a_missing_source_fails_at_step_source_and_leaves_no_tap() {
+        in_netns(|| async {
+            let net = HostNet::connect().unwrap();
+            let nl = net.netlink();
+            ip(&["link", "add", "eth7", "type", "veth", "peer", "name", "eth7p"]);
+            let nics = [monitor("eth7"), monitor("eth8")];
+            let err = net.attach_nics(&config(), "cap", &nics, &[alloc("vmhmon0n0"), alloc("vmhmon0n1")]).await;
+            let Err(AttachError::Step { nic: 1, step: "source", source: NetError::NotFound(what) }) = err else {
+                panic!("{err:?}")
+            };
+            assert!(what.contains("eth8"), "{what}");
+            assert!(net.vm_links("cap").await.is_empty(), "the first NIC's tap went with its fd");
+            assert_eq!(nl.link_by_name("vmhmon0n1").await.unwrap(), None);
+        });
+    }
+
+    #[test]
+    fn bridge_nics_with_tagged_vlans_need_vlan_filtering_here() {
+        in_netns(|| async {
+            let net = HostNet::connect().unwrap();
+            net.netlink().create_bridge("br-lan", false, "").await.unwrap();
+            let plain = NicSpec { network: "lan".into(), ..NicSpec::default() };
+            let fds =
+                net.attach_nics(&config(), "vm", std::slice::from_ref(&plain), &[alloc("vmhbr0n0")]).await.unwrap();
+            drop(fds);
+            for nic in [NicSpec { trunk: true, ..plain.clone() }, NicSpec { vlans: vec![10, 20], ..plain.clone() }] {
+                let err = net.attach_nics(&config(), "vm", &[nic], &[alloc("vmhbr0n1")]).await;
+                let Err(AttachError::Step { nic: 0, step: "trunk", source: NetError::Unsupported { .. } }) = err else {
+                    panic!("{err:?}")
+                };
+            }
+        });
+    }
+
+    #[test]
+    fn trunk_vlans_leave_the_pvid_alone() {
+        let nic = |vlan, vlans: Vec<u16>, trunk| NicSpec { vlan, vlans, trunk, ..NicSpec::default() };
+        assert_eq!(trunk_vlans(&nic(None, vec![], false)).unwrap(), None);
+        assert_eq!(trunk_vlans(&nic(None, vec![], true)).unwrap().unwrap().ranges(), [(2, 4094)]);
+        assert_eq!(trunk_vlans(&nic(Some(5), vec![], true)).unwrap().unwrap().ranges(), [(1, 4), (6, 4094)]);
+        assert_eq!(trunk_vlans(&nic(Some(5), vec![10, 11], false)).unwrap().unwrap().ranges(), [(10, 11)]);
+        assert_eq!(trunk_vlans(&nic(None, vec![1, 7], false)).unwrap().unwrap().ranges(), [(7, 7)]);
+        assert!(matches!(trunk_vlans(&nic(None, vec![4095], false)), Err(NetError::InvalidVlan(4095))));
+    }
 }

@@ -5,8 +5,11 @@
 //! [`Netlink::connect`] once; [`Netlink::link_by_name`] / [`Netlink::links`] to look; for an owned
 //! network [`Netlink::create_bridge`], [`Netlink::set_mtu`], [`Netlink::add_address`],
 //! [`Netlink::set_up`]; per tap (made by [`super::tap::create_tap`]) [`Netlink::set_alias`],
-//! [`Netlink::set_mtu`], [`Netlink::set_master`], [`Netlink::bridge_vlan_add`], [`Netlink::set_up`];
-//! on cleanup [`Netlink::bridge_vlan_del`] and [`Netlink::delete_link`].
+//! [`Netlink::set_mtu`], [`Netlink::set_master`], [`Netlink::bridge_vlan_add`],
+//! [`Netlink::bridge_vlan_add_tagged`] (a trunk), [`Netlink::set_up`]; per monitor tap
+//! [`Netlink::set_ipv6_off`] before [`Netlink::set_up`]; per capture source
+//! [`Netlink::set_promisc`]; on cleanup [`Netlink::bridge_vlan_del`] and [`Netlink::delete_link`].
+//! The tc requests on the same connection are in [`super::tc`].
 //!
 //! Kernel answers are turned into [`NetError`]s that say what happened: `ENODEV` is
 //! [`NetError::NotFound`], `EEXIST` is [`NetError::Exists`], and `EOPNOTSUPP` from a VLAN request is
@@ -940,6 +943,94 @@ mod tests {
             let err = nl.create_bridge("vmbr1", true, "vmhost:net=v").await.unwrap_err();
             assert!(matches!(err, NetError::Unsupported { .. }), "{err:?}");
             assert_eq!(nl.link_by_name("vmbr1").await.unwrap(), None);
+        });
+    }
+
+    #[test]
+    fn promisc_flag_round_trips_apart_from_a_bridge_count() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            ip(&["link", "add", "src0", "type", "veth", "peer", "name", "peer0"]);
+            let src = nl.link_by_name("src0").await.unwrap().unwrap();
+            assert!(!src.promisc);
+            // A bridge port has a promiscuity count from the bridge, not the user-set flag.
+            let br = nl.create_bridge("br0", false, "").await.unwrap();
+            nl.set_master(src.index, br.index).await.unwrap();
+            nl.set_up(src.index).await.unwrap();
+            assert!(!nl.link_by_index(src.index).await.unwrap().unwrap().promisc);
+            nl.set_promisc(src.index, true).await.unwrap();
+            let on = nl.link_by_index(src.index).await.unwrap().unwrap();
+            assert!(on.promisc && on.up && on.master == Some(br.index), "{on:?}");
+            nl.set_promisc(src.index, false).await.unwrap();
+            let off = nl.link_by_index(src.index).await.unwrap().unwrap();
+            assert!(!off.promisc && off.up && off.master == Some(br.index), "{off:?}");
+            let err = nl.set_promisc(4242, true).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+        });
+    }
+
+    #[test]
+    fn ipv6_off_before_up_leaves_a_tap_without_link_local_address() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let _quiet = tap::create_tap("vmtq0").unwrap();
+            let _plain = tap::create_tap("vmtp0").unwrap();
+            let quiet = nl.link_by_name("vmtq0").await.unwrap().unwrap().index;
+            let plain = nl.link_by_name("vmtp0").await.unwrap().unwrap().index;
+            nl.set_ipv6_off(quiet).await.unwrap();
+            nl.set_up(quiet).await.unwrap();
+            nl.set_up(plain).await.unwrap();
+            let link_local = |addrs: Vec<(IpAddr, u8)>| {
+                addrs.iter().any(|(ip, _)| matches!(ip, IpAddr::V6(v6) if v6.segments()[0] == 0xfe80))
+            };
+            // The tap without the call gets its fe80 address on up (so the check can fail)...
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !link_local(nl.addresses(plain).await.unwrap()) {
+                assert!(std::time::Instant::now() < deadline, "no fe80 address on the plain tap");
+                tokio::task::yield_now().await;
+            }
+            // ...by the same time the quiet one has none.
+            assert!(!link_local(nl.addresses(quiet).await.unwrap()));
+            assert_eq!(nl.addresses(quiet).await.unwrap(), []);
+            let err = nl.set_ipv6_off(4242).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+        });
+    }
+
+    #[test]
+    fn vlan_sets_are_checked_and_sent_as_ranges() {
+        assert_eq!(VlanSet::all().ranges(), [(1, 4094)]);
+        assert_eq!(VlanSet::all().without(1).ranges(), [(2, 4094)]);
+        assert_eq!(VlanSet::all().without(100).ranges(), [(1, 99), (101, 4094)]);
+        let set = VlanSet::new([20, 10, 11, 12, 4094, 11]).unwrap();
+        assert_eq!(set.ranges(), [(10, 12), (20, 20), (4094, 4094)]);
+        assert_eq!(set.iter().collect::<Vec<_>>(), [10, 11, 12, 20, 4094]);
+        assert!(set.contains(20) && !set.contains(13));
+        assert!(VlanSet::new([]).unwrap().is_empty());
+        assert_eq!(VlanSet::new([]).unwrap().ranges(), []);
+        for bad in [0, 4095] {
+            assert!(matches!(VlanSet::new([5, bad]), Err(NetError::InvalidVlan(v)) if v == bad));
+        }
+    }
+
+    #[test]
+    fn tagged_vlans_on_this_kernel_are_unsupported() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let br = nl.create_bridge("vmbr0", false, "vmhost:net=lan").await.unwrap();
+            let _tap = tap::create_tap("vmt0").unwrap();
+            let port = nl.link_by_name("vmt0").await.unwrap().unwrap();
+            // An empty set asks nothing of the kernel.
+            nl.bridge_vlan_add_tagged(port.index, &VlanSet::default()).await.unwrap();
+            let err = nl.bridge_vlan_add_tagged(port.index, &VlanSet::all()).await.unwrap_err();
+            assert!(matches!(err, NetError::NotABridgePort(i) if i == port.index), "{err:?}");
+            nl.set_master(port.index, br.index).await.unwrap();
+            for set in [VlanSet::all().without(1), VlanSet::new([10, 20]).unwrap()] {
+                let err = nl.bridge_vlan_add_tagged(port.index, &set).await.unwrap_err();
+                assert!(matches!(err, NetError::Unsupported { what: VLAN_FILTERING }), "{err:?}");
+            }
+            let err = nl.bridge_vlan_add_tagged(4242, &VlanSet::all()).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
         });
     }
 

@@ -19,7 +19,15 @@
 //!    with more than one queue the tap is multiqueue, one descriptor per queue
 //!    ([`tap::create_tap_queues`]), and where `/dev/vhost-net` opens each queue also gets a
 //!    vhost-net descriptor ([`vhost::open_for_nics`]);
-//! 4. on destroy or at start-up, [`link::Netlink::links`] plus [`parse_owner`] find the links the
+//!    a trunk port also gets its tagged VLANs in one message ([`link::Netlink::bridge_vlan_add_tagged`]);
+//!    a monitor NIC's tap (a capture NIC) is on no bridge: it gets its source's MTU, IPv6 address
+//!    generation off ([`link::Netlink::set_ipv6_off`]) and a drop filter on its ingress
+//!    ([`tc::Netlink::add_drop_all`](link::Netlink::add_drop_all)) before it goes up;
+//! 4. for capture NICs, `net::capture` mirrors each source's frames into the monitor taps with
+//!    [`tc`] (a clsact qdisc, a classic-BPF filter with a `mirred` action carrying vmhostd's
+//!    cookie) and sets the source promiscuous ([`link::Netlink::set_promisc`]); the daemon's link
+//!    watcher ([`watch::LinkWatch`]) tells it when a source comes or goes;
+//! 5. on destroy or at start-up, [`link::Netlink::links`] plus [`parse_owner`] find the links the
 //!    daemon made, and [`link::Netlink::delete_link`] removes them.
 //!
 //! # Ownership
@@ -27,7 +35,9 @@
 //! that names its owner ([`Owner`]). The daemon never changes or deletes a link without such a
 //! marker: a bridge the operator made, an uplink, another program's veth are left exactly as they
 //! are. Taps additionally vanish by themselves when their last descriptor closes (see [`tap`]), so a
-//! crash between creating a tap and marking it leaves nothing behind.
+//! crash between creating a tap and marking it leaves nothing behind. On a link vmhostd does not
+//! own (a capture source), its tc filters are marked by their action cookie instead, and a filter
+//! without that cookie is never changed or deleted.
 //!
 //! # Where this is proven
 //! The tests here run against the real kernel, each in its own network namespace (see
@@ -259,6 +269,110 @@ pub(crate) mod testing {
         match thread.join() {
             Ok(value) => value,
             Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+
+    /// The local experimental ethertype test frames carry, so nothing else is mistaken for one.
+    pub(crate) const TEST_ETHERTYPE: u16 = 0x88b5;
+
+    /// An Ethernet frame from `src` to `dst` with [`TEST_ETHERTYPE`] and `payload`, with an
+    /// 802.1Q tag of VLAN `vlan` if given.
+    pub(crate) fn test_frame(dst: [u8; 6], src: [u8; 6], vlan: Option<u16>, payload: &[u8]) -> Vec<u8> {
+        let mut f = Vec::with_capacity(18 + payload.len());
+        f.extend_from_slice(&dst);
+        f.extend_from_slice(&src);
+        if let Some(vid) = vlan {
+            f.extend_from_slice(&0x8100u16.to_be_bytes());
+            f.extend_from_slice(&vid.to_be_bytes());
+        }
+        f.extend_from_slice(&TEST_ETHERTYPE.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// Sends `frame` as it is out of link `ifname` (an `AF_PACKET` raw socket of the calling
+    /// thread's namespace): what a wire delivers to the link's peer.
+    pub(crate) fn send_frame(ifname: &str, frame: &[u8]) {
+        let name = std::ffi::CString::new(ifname).expect("link name");
+        // SAFETY: plain calls with valid pointers; the socket is closed below.
+        unsafe {
+            let index = libc::if_nametoindex(name.as_ptr());
+            assert_ne!(index, 0, "no link {ifname}");
+            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
+            let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+            addr.sll_family = libc::AF_PACKET as u16;
+            addr.sll_ifindex = index as i32;
+            addr.sll_halen = 6;
+            addr.sll_addr[..6].copy_from_slice(&frame[..6]);
+            let sent = libc::sendto(
+                fd,
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&addr as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
+            let err = std::io::Error::last_os_error();
+            libc::close(fd);
+            assert_eq!(sent, frame.len() as isize, "send on {ifname}: {err}");
+        }
+    }
+
+    /// Writes `frame` into a tap's descriptor (made with `IFF_VNET_HDR`): what a guest sends.
+    pub(crate) fn write_tap(fd: &std::os::fd::OwnedFd, frame: &[u8]) {
+        use std::os::fd::AsRawFd;
+        let mut buf = vec![0u8; VNET_HDR + frame.len()];
+        buf[VNET_HDR..].copy_from_slice(frame);
+        // SAFETY: writes from a live buffer to an open descriptor.
+        let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
+        assert_eq!(n, buf.len() as isize, "write tap: {}", std::io::Error::last_os_error());
+    }
+
+    /// The virtio-net header in front of every frame on a tap descriptor (the default size).
+    const VNET_HDR: usize = 10;
+
+    /// Reads frames from a tap's descriptor until `want` test frames ([`TEST_ETHERTYPE`], tagged
+    /// or not) arrived or `within` passed, and returns the test frames (others, such as a
+    /// kernel's own chatter, are skipped).
+    pub(crate) fn read_test_frames(
+        fd: &std::os::fd::OwnedFd,
+        want: usize,
+        within: std::time::Duration,
+    ) -> Vec<Vec<u8>> {
+        use std::os::fd::AsRawFd;
+        let deadline = std::time::Instant::now() + within;
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 65_536 + VNET_HDR];
+        while out.len() < want {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            let ready = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(60_000) as i32 + 1) };
+            if ready <= 0 {
+                continue;
+            }
+            // SAFETY: reads into a live buffer of the given length.
+            let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            assert!(n >= 0, "read tap: {}", std::io::Error::last_os_error());
+            let frame = &buf[VNET_HDR.min(n as usize)..n as usize];
+            if is_test_frame(frame) {
+                out.push(frame.to_vec());
+            }
+        }
+        out
+    }
+
+    /// Whether `frame` carries [`TEST_ETHERTYPE`], behind one 802.1Q tag or none.
+    pub(crate) fn is_test_frame(frame: &[u8]) -> bool {
+        let at = |i: usize| frame.get(i..i + 2).map(|b| u16::from_be_bytes([b[0], b[1]]));
+        match at(12) {
+            Some(0x8100) => at(16) == Some(TEST_ETHERTYPE),
+            Some(t) => t == TEST_ETHERTYPE,
+            None => false,
         }
     }
 }

@@ -18,10 +18,13 @@
 //! Kernel modules: `sch_ingress` (clsact), `cls_bpf`, `act_mirred`. A missing one answers
 //! `ENOENT` (the kernel's module autoload failed), which is [`NetError::Unsupported`] here.
 //!
-//! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added:
-//! `filter protocol all pref 49152 bpf chain 0 handle 0x1 bytecode '1,6 0 0 4294967295'`, then
-//! `action order 1: mirred (Egress Mirror to device TAP) pipe`, its counters, and `cookie`
-//! followed by the cookie in hex (`766d6863...`, "vmhc" and the tap name's tail).
+//! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added (the first filter on
+//! the hook gets pref 49152, each later one the next lower free pref):
+//! `filter protocol all pref 49152 bpf chain 0 handle 0x1 not_in_hw bytecode '1,6 0 0 4294967295'`,
+//! then `action order 1: mirred (Egress Mirror to device TAP) continue`, its counters (`Sent N bytes
+//! M pkt`), and `cookie` followed by the cookie in hex (`766d6863...`: "vmhc" and the tap name's
+//! tail). A monitor tap's drop filter shows as `bpf ... direct-action not_in_hw bytecode '1,6 0 0 2'`
+//! under `tc filter show dev TAP ingress`.
 
 use futures_util::StreamExt;
 use rtnetlink::packet_core::{
@@ -139,8 +142,10 @@ fn ret_program(k: u32) -> Vec<TcFilterBpfOption> {
 /// The `mirred` action that mirrors every frame to `target`'s egress and carries `cookie`.
 fn mirror_action(target: u32, cookie: &[u8]) -> TcAction {
     let mut parms = TcMirror::default();
-    // "pipe": the frame goes on its way after the copy (mirror, not redirect).
-    parms.generic.action = TcActionType::Pipe;
+    // "continue" (TC_ACT_UNSPEC): after the copy, classification goes on to the next filter.
+    // "pipe" would end it here: a second monitor's mirror and any operator filter after this one
+    // (the kernel gives a new filter the prio before the first) would never see a frame.
+    parms.generic.action = TcActionType::Unspec;
     parms.eaction = TcMirrorActionType::EgressMirror;
     parms.ifindex = target;
     let mut action = TcAction::default();
@@ -423,7 +428,8 @@ impl Netlink {
     ///
     /// The classifier returns -1 ("match, default class") for every frame, whatever its length
     /// (u32 would miss frames with fewer than 4 bytes after the Ethernet header); the action
-    /// copies the frame to `target`'s egress and lets the original go on (`pipe`).
+    /// copies the frame to `target`'s egress and lets classification go on to the next filter
+    /// (`continue`), so other mirrors and filters on the hook still see the frame.
     ///
     /// # Errors
     /// [`NetError::InvalidCookie`] for an empty cookie or one over [`MAX_COOKIE`] bytes;
@@ -481,5 +487,314 @@ impl Netlink {
             false,
         ))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+    use std::time::Duration;
+
+    use super::super::tap::create_tap;
+    use super::super::testing::{in_netns, read_test_frames, send_frame, test_frame, write_tap};
+    use super::*;
+
+    /// Runs `cmd ARGS` (`ip`, `tc`) as a test fixture or to look from outside the code under test.
+    fn run(cmd: &str, args: &[&str]) -> String {
+        let out = Command::new(cmd).args(args).output().expect("run fixture command");
+        assert!(out.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    const COOKIE: &[u8] = b"vmhc12345678n0";
+    const WAIT: Duration = Duration::from_secs(10);
+    const DST: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+    const SRC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+
+    /// A veth pair `src0` (the capture source) / `peer0` (the wire), both up, and the index of
+    /// `src0`.
+    async fn source(nl: &Netlink) -> u32 {
+        run("ip", &["link", "add", "src0", "type", "veth", "peer", "name", "peer0"]);
+        for l in ["src0", "peer0"] {
+            let index = nl.link_by_name(l).await.unwrap().unwrap().index;
+            // No IPv6 chatter from the fixture itself.
+            nl.set_ipv6_off(index).await.unwrap();
+            nl.set_up(index).await.unwrap();
+        }
+        nl.link_by_name("src0").await.unwrap().unwrap().index
+    }
+
+    #[test]
+    fn clsact_is_added_seen_and_deleted() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let src = source(&nl).await;
+            assert!(!nl.has_clsact(src).await.unwrap());
+            assert_eq!(nl.filters(src, Hook::Ingress).await.unwrap(), []);
+            nl.add_clsact(src).await.unwrap();
+            assert!(nl.has_clsact(src).await.unwrap());
+            assert!(run("tc", &["qdisc", "show", "dev", "src0"]).contains("clsact"));
+            let err = nl.add_clsact(src).await.unwrap_err();
+            assert!(matches!(err, NetError::Exists(_)), "{err:?}");
+            assert_eq!(nl.filters(src, Hook::Egress).await.unwrap(), []);
+            // Another link's qdisc is not this one's.
+            let peer = nl.link_by_name("peer0").await.unwrap().unwrap().index;
+            assert!(!nl.has_clsact(peer).await.unwrap());
+
+            nl.del_clsact(src).await.unwrap();
+            assert!(!nl.has_clsact(src).await.unwrap());
+            let err = nl.del_clsact(src).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+            let err = nl.add_clsact(4242).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+        });
+    }
+
+    #[test]
+    fn mirror_needs_clsact_a_target_and_a_cookie_that_fits() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let src = source(&nl).await;
+            let peer = nl.link_by_name("peer0").await.unwrap().unwrap().index;
+            let err = nl.add_mirror(src, Hook::Ingress, peer, COOKIE).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(ref s) if s.contains("clsact")), "{err:?}");
+            nl.add_clsact(src).await.unwrap();
+            for cookie in [&b""[..], &[7u8; 17][..]] {
+                let err = nl.add_mirror(src, Hook::Ingress, peer, cookie).await.unwrap_err();
+                assert!(matches!(err, NetError::InvalidCookie(n) if n == cookie.len()), "{err:?}");
+            }
+            let err = nl.add_mirror(src, Hook::Ingress, 4242, COOKIE).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+            let err = nl.add_mirror(src, Hook::Ingress, 0, COOKIE).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+            assert_eq!(nl.filters(src, Hook::Ingress).await.unwrap(), [], "a refused add leaves nothing");
+            let err = nl.add_drop_all(4242, Hook::Ingress).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+        });
+    }
+
+    #[test]
+    fn mirror_copies_every_frame_into_the_tap_with_its_cookie_and_target() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let src = source(&nl).await;
+            let tap_fd = create_tap("vmhmon0").unwrap();
+            let tap = nl.link_by_name("vmhmon0").await.unwrap().unwrap().index;
+            nl.set_ipv6_off(tap).await.unwrap();
+            nl.set_up(tap).await.unwrap();
+            nl.add_clsact(src).await.unwrap();
+
+            let id = nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            assert_eq!(id.hook, Hook::Ingress);
+            assert_eq!(id.kind, "bpf");
+            assert_eq!(id.protocol, ETH_P_ALL);
+            assert_ne!(id.prio, 0);
+            assert_ne!(id.handle, 0);
+            let listed = nl.filters(src, Hook::Ingress).await.unwrap();
+            assert_eq!(listed.len(), 1, "{listed:?}");
+            assert_eq!(listed[0].id, id, "the echoed id is the dumped one");
+            assert_eq!(listed[0].cookie.as_deref(), Some(COOKIE));
+            assert_eq!(listed[0].mirred_to, Some(tap));
+            assert_eq!(listed[0].packets, 0);
+            assert_eq!(nl.filters(src, Hook::Egress).await.unwrap(), []);
+            // What an operator sees: the cookie in hex.
+            let shown = run("tc", &["-s", "filter", "show", "dev", "src0", "ingress"]);
+            let hex: String = COOKIE.iter().map(|b| format!("{b:02x}")).collect();
+            assert!(shown.contains(&format!("cookie {hex}")), "{shown}");
+            assert!(shown.contains("Egress Mirror to device vmhmon0"), "{shown}");
+
+            // An ordinary frame, a VLAN-tagged one and a runt of 20 bytes (6 after the header).
+            let frames = [
+                test_frame(DST, SRC, None, &[1; 46]),
+                test_frame(DST, SRC, Some(10), &[2; 42]),
+                test_frame(DST, SRC, None, &[3; 6]),
+            ];
+            assert_eq!(frames[2].len(), 20);
+            for f in &frames {
+                send_frame("peer0", f);
+            }
+            let got = read_test_frames(&tap_fd, frames.len(), WAIT);
+            assert_eq!(got, frames, "every frame arrives as sent, the VLAN tag included");
+            let after = nl.filters(src, Hook::Ingress).await.unwrap();
+            assert!(after[0].packets >= 3, "{after:?}");
+
+            // The egress hook copies what the source sends.
+            let out = nl.add_mirror(src, Hook::Egress, tap, COOKIE).await.unwrap();
+            assert_eq!(out.hook, Hook::Egress);
+            let sent = test_frame(DST, SRC, None, &[4; 46]);
+            send_frame("src0", &sent);
+            assert_eq!(read_test_frames(&tap_fd, 1, WAIT), [sent]);
+
+            // Without the filter, nothing arrives: the mirror is what delivers.
+            nl.del_filter(src, &id).await.unwrap();
+            nl.del_filter(src, &out).await.unwrap();
+            send_frame("peer0", &frames[0]);
+            send_frame("src0", &frames[0]);
+            // A frame sent after those, through a fresh mirror, arrives first.
+            nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            let marker = test_frame(DST, SRC, None, &[9; 46]);
+            send_frame("peer0", &marker);
+            assert_eq!(read_test_frames(&tap_fd, 1, WAIT), [marker]);
+        });
+    }
+
+    #[test]
+    fn a_gone_target_reads_as_ifindex_zero() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let src = source(&nl).await;
+            let tap_fd = create_tap("vmhmon0").unwrap();
+            let tap = nl.link_by_name("vmhmon0").await.unwrap().unwrap().index;
+            nl.add_clsact(src).await.unwrap();
+            nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            drop(tap_fd);
+            let mut listed = Vec::new();
+            for _ in 0..1000 {
+                listed = nl.filters(src, Hook::Ingress).await.unwrap();
+                if listed[0].mirred_to == Some(0) {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            assert_eq!(listed[0].mirred_to, Some(0), "{listed:?}");
+            assert_eq!(listed[0].cookie.as_deref(), Some(COOKIE));
+        });
+    }
+
+    #[test]
+    fn drop_all_drops_what_the_guest_writes_into_the_tap() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            // Fixture: the tap and a veth in one bridge, so what the tap takes in reaches peer0.
+            let br = nl.create_bridge("br0", false, "").await.unwrap();
+            let src = source(&nl).await;
+            let tap_fd = create_tap("vmhmon0").unwrap();
+            let tap = nl.link_by_name("vmhmon0").await.unwrap().unwrap().index;
+            for (l, master) in [(tap, true), (src, true), (br.index, false)] {
+                nl.set_ipv6_off(l).await.unwrap();
+                if master {
+                    nl.set_master(l, br.index).await.unwrap();
+                }
+                nl.set_up(l).await.unwrap();
+            }
+            let frame = test_frame(DST, SRC, None, &[5; 46]);
+
+            // Without the filter the frame gets through (so the check below can fail).
+            let before = peer_rx(&nl).await;
+            write_tap(&tap_fd, &frame);
+            wait_until(|| async { peer_rx(&nl).await > before }).await;
+
+            nl.add_clsact(tap).await.unwrap();
+            let drop = nl.add_drop_all(tap, Hook::Ingress).await.unwrap();
+            assert_eq!(drop.kind, "bpf");
+            let shown = run("tc", &["filter", "show", "dev", "vmhmon0", "ingress"]);
+            assert!(shown.contains("direct-action") && shown.contains("bytecode '1,6 0 0 2'"), "{shown}");
+            let before = peer_rx(&nl).await;
+            for _ in 0..5 {
+                write_tap(&tap_fd, &frame);
+            }
+            // Lift the filter and send one more: exactly that one arrives, so the five were dropped
+            // (not merely late).
+            nl.del_filter(tap, &drop).await.unwrap();
+            write_tap(&tap_fd, &frame);
+            wait_until(|| async { peer_rx(&nl).await > before }).await;
+            assert_eq!(peer_rx(&nl).await, before + 1);
+        });
+    }
+
+    /// Packets `peer0` received.
+    async fn peer_rx(nl: &Netlink) -> u64 {
+        nl.link_counters().await.unwrap()["peer0"].rx_packets
+    }
+
+    /// Waits (yielding to the runtime, up to [`WAIT`]) until `cond` holds.
+    async fn wait_until<F, Fut>(cond: F)
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = std::time::Instant::now() + WAIT;
+        while !cond().await {
+            assert!(std::time::Instant::now() < deadline, "condition not met within {WAIT:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[test]
+    fn the_daemons_seccomp_filter_allows_tc_and_the_link_watch() {
+        in_netns(|| async {
+            // Fixtures first: under the filter no program can be run.
+            run("ip", &["link", "add", "src0", "type", "veth", "peer", "name", "peer0"]);
+            // The filter binds this thread only (the test's own), as it binds the daemon's.
+            crate::sandbox::seccomp::apply(crate::config::SeccompMode::Enforce).unwrap();
+            // SAFETY: a plain unshare, refused under the filter (proves it is in force).
+            let refused = unsafe { libc::unshare(libc::CLONE_NEWNS) };
+            assert_eq!((refused, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
+            let nl = Netlink::connect().unwrap();
+            let mut watch = super::super::watch::LinkWatch::open().unwrap();
+            let src = nl.link_by_name("src0").await.unwrap().unwrap().index;
+            let tap_fd = create_tap("vmhmon0").unwrap();
+            let tap = nl.link_by_name("vmhmon0").await.unwrap().unwrap().index;
+            nl.set_ipv6_off(tap).await.unwrap();
+            nl.set_promisc(src, true).await.unwrap();
+            nl.add_clsact(src).await.unwrap();
+            let id = nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            nl.add_clsact(tap).await.unwrap();
+            nl.add_drop_all(tap, Hook::Ingress).await.unwrap();
+            assert_eq!(nl.filters(src, Hook::Ingress).await.unwrap()[0].id, id);
+            nl.del_filter(src, &id).await.unwrap();
+            nl.del_clsact(src).await.unwrap();
+            nl.set_up(src).await.unwrap();
+            let seen = tokio::time::timeout(WAIT, async {
+                while let Some(change) = watch.next().await {
+                    if change.name == "src0" {
+                        return true;
+                    }
+                }
+                false
+            });
+            assert!(seen.await.unwrap(), "the watch sees src0 change");
+            drop(tap_fd);
+        });
+    }
+
+    #[test]
+    fn del_filter_removes_only_its_own_filter() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let src = source(&nl).await;
+            let tap_fd = create_tap("vmhmon0").unwrap();
+            let tap = nl.link_by_name("vmhmon0").await.unwrap().unwrap().index;
+            nl.add_clsact(src).await.unwrap();
+            // Foreign filters: a u32 one, and after ours a bpf one at our very priority.
+            run("tc", &["filter", "add", "dev", "src0", "ingress", "u32", "match", "u8", "0", "0", "flowid", "1:1"]);
+            let ours = nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            let pref = ours.prio.to_string();
+            let args = ["filter", "add", "dev", "src0", "ingress", "pref", &pref, "protocol", "all", "handle", "0x7"];
+            run("tc", &[&args[..], &["bpf", "bytecode", "1,6 0 0 0,"]].concat());
+            let before = nl.filters(src, Hook::Ingress).await.unwrap();
+            let foreign: Vec<&FilterInfo> = before.iter().filter(|f| f.id != ours).collect();
+            assert!(foreign.iter().any(|f| f.id.kind == "u32"), "{before:?}");
+            assert!(foreign.iter().any(|f| f.id.prio == ours.prio && f.id.handle == 7), "{before:?}");
+            assert!(foreign.iter().all(|f| f.cookie.is_none()), "{before:?}");
+
+            // A wrong kind or handle at our place deletes nothing.
+            let wrong_kind = FilterId { kind: "u32".into(), ..ours.clone() };
+            assert!(matches!(nl.del_filter(src, &wrong_kind).await.unwrap_err(), NetError::NotFound(_)));
+            let wrong_handle = FilterId { handle: 0x99, ..ours.clone() };
+            assert!(matches!(nl.del_filter(src, &wrong_handle).await.unwrap_err(), NetError::NotFound(_)));
+            let whole_prio = FilterId { handle: 0, ..ours.clone() };
+            assert!(matches!(nl.del_filter(src, &whole_prio).await.unwrap_err(), NetError::NotFound(_)));
+            assert_eq!(nl.filters(src, Hook::Ingress).await.unwrap(), before);
+
+            nl.del_filter(src, &ours).await.unwrap();
+            let after = nl.filters(src, Hook::Ingress).await.unwrap();
+            let expected: Vec<FilterInfo> = before.iter().filter(|f| f.id != ours).cloned().collect();
+            assert_eq!(after, expected);
+            let err = nl.del_filter(src, &ours).await.unwrap_err();
+            assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
+            assert!(nl.has_clsact(src).await.unwrap());
+            drop(tap_fd);
+        });
     }
 }

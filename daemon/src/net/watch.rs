@@ -108,3 +108,53 @@ fn name_of(link: &LinkMessage) -> String {
         })
         .unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+    use std::time::Duration;
+
+    use super::super::testing::in_netns;
+    use super::*;
+
+    fn ip(args: &[&str]) {
+        let out = Command::new("ip").args(args).output().expect("run ip");
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Reads changes until one for `name` with `present` arrives (other links' and repeated
+    /// changes are skipped), failing after ten seconds.
+    async fn until(watch: &mut LinkWatch, name: &str, present: bool) {
+        let wait = async {
+            loop {
+                let change = watch.next().await.expect("watch closed");
+                if change.name == name && change.present == present {
+                    return;
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .unwrap_or_else(|_| panic!("no change {name} present={present}"));
+    }
+
+    #[test]
+    fn a_link_deleted_and_made_again_is_seen_each_time() {
+        in_netns(|| async {
+            let mut watch = LinkWatch::open().unwrap();
+            ip(&["link", "add", "eth9", "type", "veth", "peer", "name", "eth9p"]);
+            until(&mut watch, "eth9", true).await;
+            ip(&["link", "set", "eth9", "up"]);
+            until(&mut watch, "eth9", true).await;
+            ip(&["link", "del", "eth9"]);
+            until(&mut watch, "eth9", false).await;
+            ip(&["link", "add", "eth9", "type", "veth", "peer", "name", "eth9p"]);
+            until(&mut watch, "eth9", true).await;
+        });
+    }
+
+    #[test]
+    fn open_outside_a_runtime_is_an_error() {
+        assert_eq!(LinkWatch::open().err().map(|e| e.code()), Some("io"));
+    }
+}

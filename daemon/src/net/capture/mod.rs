@@ -34,45 +34,9 @@ use serde::{Deserialize, Serialize};
 pub use self::ledger::Ledger;
 pub use self::plan::{plan, Observed, Step};
 use super::link::Netlink;
+pub use super::tc::{FilterId, FilterInfo, Hook};
 use super::{validate_link_name, NetError};
 use crate::api::CaptureDirection;
-
-// ---- stand-ins for net/tc.rs (part "tc"); replaced by `use super::tc::...` after the merge ----
-/// A clsact hook (stand-in for `super::tc::Hook`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Hook {
-    /// Frames the link receives.
-    Ingress,
-    /// Frames the link sends.
-    Egress,
-}
-/// Which filter (stand-in for `super::tc::FilterId`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FilterId {
-    /// Hook.
-    pub hook: Hook,
-    /// Priority.
-    pub prio: u16,
-    /// Protocol.
-    pub protocol: u16,
-    /// Handle.
-    pub handle: u32,
-    /// Kind.
-    pub kind: String,
-}
-/// A filter as the kernel shows it (stand-in for `super::tc::FilterInfo`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FilterInfo {
-    /// Its id.
-    pub id: FilterId,
-    /// Its action's cookie.
-    pub cookie: Option<Vec<u8>>,
-    /// The mirred target ifindex.
-    pub mirred_to: Option<u32>,
-    /// Action packets.
-    pub packets: u64,
-}
-// ---- end of stand-ins ----
 
 /// The start of the action cookie of every filter vmhostd adds.
 pub const COOKIE_PREFIX: &[u8] = b"vmhc";
@@ -205,29 +169,29 @@ impl TcOps for Netlink {
         Ok(Netlink::links(self)
             .await?
             .into_iter()
-            .map(|l| LinkState { index: l.index, name: l.name, promisc: false })
+            .map(|l| LinkState { index: l.index, name: l.name, promisc: l.promisc })
             .collect())
     }
-    async fn has_clsact(&self, _ifindex: u32) -> Result<bool, NetError> {
-        Err(NetError::Unsupported { what: "tc" })
+    async fn has_clsact(&self, ifindex: u32) -> Result<bool, NetError> {
+        Netlink::has_clsact(self, ifindex).await
     }
-    async fn add_clsact(&self, _ifindex: u32) -> Result<(), NetError> {
-        Err(NetError::Unsupported { what: "tc" })
+    async fn add_clsact(&self, ifindex: u32) -> Result<(), NetError> {
+        Netlink::add_clsact(self, ifindex).await
     }
-    async fn del_clsact(&self, _ifindex: u32) -> Result<(), NetError> {
-        Err(NetError::Unsupported { what: "tc" })
+    async fn del_clsact(&self, ifindex: u32) -> Result<(), NetError> {
+        Netlink::del_clsact(self, ifindex).await
     }
-    async fn filters(&self, _ifindex: u32, _hook: Hook) -> Result<Vec<FilterInfo>, NetError> {
-        Err(NetError::Unsupported { what: "tc" })
+    async fn filters(&self, ifindex: u32, hook: Hook) -> Result<Vec<FilterInfo>, NetError> {
+        Netlink::filters(self, ifindex, hook).await
     }
-    async fn add_mirror(&self, _ifindex: u32, _hook: Hook, _target: u32, _cookie: &[u8]) -> Result<FilterId, NetError> {
-        Err(NetError::Unsupported { what: "tc" })
+    async fn add_mirror(&self, ifindex: u32, hook: Hook, target: u32, cookie: &[u8]) -> Result<FilterId, NetError> {
+        Netlink::add_mirror(self, ifindex, hook, target, cookie).await
     }
-    async fn del_filter(&self, _ifindex: u32, _id: &FilterId) -> Result<(), NetError> {
-        Err(NetError::Unsupported { what: "tc" })
+    async fn del_filter(&self, ifindex: u32, id: &FilterId) -> Result<(), NetError> {
+        Netlink::del_filter(self, ifindex, id).await
     }
-    async fn set_promisc(&self, _ifindex: u32, _on: bool) -> Result<(), NetError> {
-        Err(NetError::Unsupported { what: "tc" })
+    async fn set_promisc(&self, ifindex: u32, on: bool) -> Result<(), NetError> {
+        Netlink::set_promisc(self, ifindex, on).await
     }
 }
 
@@ -496,5 +460,7 @@ async fn observe_tc<T: TcOps>(ops: &T, ifindex: u32) -> Result<(bool, Vec<Filter
     Ok((true, filters))
 }
 
+#[cfg(test)]
+mod netns_tests;
 #[cfg(test)]
 mod tests;
