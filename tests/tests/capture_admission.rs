@@ -5,6 +5,7 @@
 //! proven in tests/tests/capture.rs.
 
 use serde_json::{json, Value};
+use std::time::Duration;
 use vmhost_tests::{HostOptions, TestHost, LAN_NETWORK};
 
 fn host() -> TestHost {
@@ -134,4 +135,65 @@ fn a_stopped_vm_with_a_monitor_nic_is_shown_and_cannot_start_without_its_source(
     let item = check["items"].as_array().unwrap().iter().find(|i| i["name"] == "capture").cloned().unwrap();
     assert_eq!(item["status"], "ok", "{item}");
     host.call("vm.destroy", json!({"name": "watch"}));
+}
+
+/// The lifecycle around one running monitor NIC (no frames: tests/tests/capture.rs): the view
+/// and `host.info` say `attached`, the source going away and coming back is seen by the link
+/// watcher (view, events), and a stop gives the source back.
+#[test]
+fn a_running_monitor_follows_its_source_and_a_stop_gives_it_back() {
+    let host = host();
+    let mut events = host.client();
+    events.subscribe_events().expect("subscribe");
+    let nics = json!([{"mode": "monitor", "source": "cap0"}]);
+    host.call("vm.create", json!({"spec": spec(&host, "mon", nics, "running")}));
+    let timeout = Duration::from_secs(60);
+    let vm = host.wait_vm("mon", "capture attached", timeout, |v| v["nics"][0]["capture"] == "attached");
+    assert_eq!(vm["status"], "running", "{vm}");
+    let info = host.call("host.info", json!({}));
+    assert_eq!(info["capture"][0]["promisc"], true, "{info}");
+    assert_eq!(
+        info["capture"][0]["monitors"],
+        json!([{"vm": "mon", "nic": 0, "direction": "both", "state": "attached"}]),
+        "{info}"
+    );
+
+    // The source goes: the watcher notices, the VM keeps running.
+    host.ip(&["link", "del", "cap0"]);
+    let vm = host.wait_vm("mon", "capture source_missing", timeout, |v| v["nics"][0]["capture"] == "source_missing");
+    assert_eq!(vm["status"], "running", "{vm}");
+    // It comes back: mirrored again.
+    host.ip(&["link", "add", "cap0", "type", "veth", "peer", "name", "cap0p"]);
+    host.ip(&["link", "set", "cap0", "up"]);
+    host.wait_vm("mon", "capture attached again", timeout, |v| v["nics"][0]["capture"] == "attached");
+    let mut reasons = Vec::new();
+    while let Ok(Some(e)) = events.next_event(Duration::from_secs(2)) {
+        if e.capture.is_some() {
+            reasons.push(e.reason.clone());
+        }
+        if reasons.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(reasons, ["capture source cap0 lost", "capture source cap0 is back"]);
+
+    // A stop gives the source back: not promiscuous, no filter of ours.
+    host.call("vm.stop", json!({"name": "mon", "force": true}));
+    host.wait_status("mon", "stopped", timeout);
+    let link = host.ip(&["link", "show", "dev", "cap0"]);
+    assert!(!link.contains("PROMISC"), "{link}");
+    let info = host.call("host.info", json!({}));
+    assert_eq!(info["capture"][0]["promisc"], false, "{info}");
+    assert_eq!(info["capture"][0]["monitors"], json!([]), "{info}");
+    let vm = host.call("vm.get", json!({"name": "mon"}));
+    assert!(vm["nics"][0].get("capture").is_none(), "{vm}");
+    let ns = host.netns.clone().expect("a netns");
+    for hook in ["ingress", "egress"] {
+        let out = std::process::Command::new("tc")
+            .args(["-n", &ns, "filter", "show", "dev", "cap0", hook])
+            .output()
+            .expect("tc");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!text.contains("mirred"), "{hook}: {text}");
+    }
 }
