@@ -5,8 +5,11 @@
 //! [`Netlink::connect`] once; [`Netlink::link_by_name`] / [`Netlink::links`] to look; for an owned
 //! network [`Netlink::create_bridge`], [`Netlink::set_mtu`], [`Netlink::add_address`],
 //! [`Netlink::set_up`]; per tap (made by [`super::tap::create_tap`]) [`Netlink::set_alias`],
-//! [`Netlink::set_mtu`], [`Netlink::set_master`], [`Netlink::bridge_vlan_add`], [`Netlink::set_up`];
-//! on cleanup [`Netlink::bridge_vlan_del`] and [`Netlink::delete_link`].
+//! [`Netlink::set_mtu`], [`Netlink::set_master`], [`Netlink::bridge_vlan_add`],
+//! [`Netlink::bridge_vlan_add_tagged`] (a trunk), [`Netlink::set_up`]; per monitor tap
+//! [`Netlink::set_ipv6_off`] before [`Netlink::set_up`]; per capture source
+//! [`Netlink::set_promisc`]; on cleanup [`Netlink::bridge_vlan_del`] and [`Netlink::delete_link`].
+//! The tc requests on the same connection are in [`super::tc`].
 //!
 //! Kernel answers are turned into [`NetError`]s that say what happened: `ENODEV` is
 //! [`NetError::NotFound`], `EEXIST` is [`NetError::Exists`], and `EOPNOTSUPP` from a VLAN request is

@@ -19,7 +19,15 @@
 //!    with more than one queue the tap is multiqueue, one descriptor per queue
 //!    ([`tap::create_tap_queues`]), and where `/dev/vhost-net` opens each queue also gets a
 //!    vhost-net descriptor ([`vhost::open_for_nics`]);
-//! 4. on destroy or at start-up, [`link::Netlink::links`] plus [`parse_owner`] find the links the
+//!    a trunk port also gets its tagged VLANs in one message ([`link::Netlink::bridge_vlan_add_tagged`]);
+//!    a monitor NIC's tap (a capture NIC) is on no bridge: it gets its source's MTU, IPv6 address
+//!    generation off ([`link::Netlink::set_ipv6_off`]) and a drop filter on its ingress
+//!    ([`tc::Netlink::add_drop_all`](link::Netlink::add_drop_all)) before it goes up;
+//! 4. for capture NICs, `net::capture` mirrors each source's frames into the monitor taps with
+//!    [`tc`] (a clsact qdisc, a classic-BPF filter with a `mirred` action carrying vmhostd's
+//!    cookie) and sets the source promiscuous ([`link::Netlink::set_promisc`]); the daemon's link
+//!    watcher ([`watch::LinkWatch`]) tells it when a source comes or goes;
+//! 5. on destroy or at start-up, [`link::Netlink::links`] plus [`parse_owner`] find the links the
 //!    daemon made, and [`link::Netlink::delete_link`] removes them.
 //!
 //! # Ownership
@@ -27,7 +35,9 @@
 //! that names its owner ([`Owner`]). The daemon never changes or deletes a link without such a
 //! marker: a bridge the operator made, an uplink, another program's veth are left exactly as they
 //! are. Taps additionally vanish by themselves when their last descriptor closes (see [`tap`]), so a
-//! crash between creating a tap and marking it leaves nothing behind.
+//! crash between creating a tap and marking it leaves nothing behind. On a link vmhostd does not
+//! own (a capture source), its tc filters are marked by their action cookie instead, and a filter
+//! without that cookie is never changed or deleted.
 //!
 //! # Where this is proven
 //! The tests here run against the real kernel, each in its own network namespace (see

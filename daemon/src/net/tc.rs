@@ -18,10 +18,13 @@
 //! Kernel modules: `sch_ingress` (clsact), `cls_bpf`, `act_mirred`. A missing one answers
 //! `ENOENT` (the kernel's module autoload failed), which is [`NetError::Unsupported`] here.
 //!
-//! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added:
-//! `filter protocol all pref 49152 bpf chain 0 handle 0x1 bytecode '1,6 0 0 4294967295'`, then
-//! `action order 1: mirred (Egress Mirror to device TAP) continue`, its counters, and `cookie`
-//! followed by the cookie in hex (`766d6863...`, "vmhc" and the tap name's tail).
+//! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added (the first filter on
+//! the hook gets pref 49152, each later one the next lower free pref):
+//! `filter protocol all pref 49152 bpf chain 0 handle 0x1 not_in_hw bytecode '1,6 0 0 4294967295'`,
+//! then `action order 1: mirred (Egress Mirror to device TAP) continue`, its counters (`Sent N bytes
+//! M pkt`), and `cookie` followed by the cookie in hex (`766d6863...`: "vmhc" and the tap name's
+//! tail). A monitor tap's drop filter shows as `bpf ... direct-action not_in_hw bytecode '1,6 0 0 2'`
+//! under `tc filter show dev TAP ingress`.
 
 use futures_util::StreamExt;
 use rtnetlink::packet_core::{
@@ -715,6 +718,44 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "condition not met within {WAIT:?}");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    #[test]
+    fn the_daemons_seccomp_filter_allows_tc_and_the_link_watch() {
+        in_netns(|| async {
+            // Fixtures first: under the filter no program can be run.
+            run("ip", &["link", "add", "src0", "type", "veth", "peer", "name", "peer0"]);
+            // The filter binds this thread only (the test's own), as it binds the daemon's.
+            crate::sandbox::seccomp::apply(crate::config::SeccompMode::Enforce).unwrap();
+            // SAFETY: a plain unshare, refused under the filter (proves it is in force).
+            let refused = unsafe { libc::unshare(libc::CLONE_NEWNS) };
+            assert_eq!((refused, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
+            let nl = Netlink::connect().unwrap();
+            let mut watch = super::super::watch::LinkWatch::open().unwrap();
+            let src = nl.link_by_name("src0").await.unwrap().unwrap().index;
+            let tap_fd = create_tap("vmhmon0").unwrap();
+            let tap = nl.link_by_name("vmhmon0").await.unwrap().unwrap().index;
+            nl.set_ipv6_off(tap).await.unwrap();
+            nl.set_promisc(src, true).await.unwrap();
+            nl.add_clsact(src).await.unwrap();
+            let id = nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            nl.add_clsact(tap).await.unwrap();
+            nl.add_drop_all(tap, Hook::Ingress).await.unwrap();
+            assert_eq!(nl.filters(src, Hook::Ingress).await.unwrap()[0].id, id);
+            nl.del_filter(src, &id).await.unwrap();
+            nl.del_clsact(src).await.unwrap();
+            nl.set_up(src).await.unwrap();
+            let seen = tokio::time::timeout(WAIT, async {
+                while let Some(change) = watch.next().await {
+                    if change.name == "src0" {
+                        return true;
+                    }
+                }
+                false
+            });
+            assert!(seen.await.unwrap(), "the watch sees src0 change");
+            drop(tap_fd);
+        });
     }
 
     #[test]

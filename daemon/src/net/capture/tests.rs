@@ -440,6 +440,17 @@ fn a_missing_tap_gets_no_mirror_and_other_sources_monitors_are_ignored() {
 
 // ---- sync against a fake kernel ----
 
+#[tokio::test]
+async fn a_source_name_the_kernel_would_refuse_is_failed_and_writes_nothing() {
+    let (d, cap) = capture();
+    let fake = fake_host();
+    let bad = Monitor { source: "../x".into(), ..both("a", TAP_A) };
+    let report = cap.sync_with(&fake, &[bad]).await;
+    assert!(matches!(&report.monitors[0].1, MonitorState::Failed(e) if e.contains("invalid link name")), "{report:?}");
+    assert_eq!(fake.k().changes, 0);
+    assert!(!d.path().join("x.json").exists() && !d.path().join("capture").exists());
+}
+
 #[derive(Default)]
 struct Kernel {
     links: Vec<LinkState>,
