@@ -139,6 +139,11 @@ pub struct LinkState {
 }
 
 /// The kernel requests the applier makes: [`Netlink`] implements it, unit tests use a fake.
+///
+/// # Errors
+/// Each method answers the kernel's refusal as [`NetError`], as the [`Netlink`] method of the
+/// same name documents; the applier takes `Exists` from `add_clsact` and `NotFound` from
+/// `del_clsact`/`del_filter` as done.
 pub trait TcOps: Sync {
     /// Every link.
     fn links(&self) -> impl Future<Output = Result<Vec<LinkState>, NetError>> + Send;

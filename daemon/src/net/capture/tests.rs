@@ -620,6 +620,27 @@ async fn sync_reports_missing_source_and_tap_and_reattaches_a_returning_source()
 }
 
 #[tokio::test]
+async fn a_restarted_daemon_gives_back_what_the_previous_one_set() {
+    let (d, cap) = capture();
+    let fake = fake_host();
+    cap.sync_with(&fake, &[both("a", TAP_A)]).await;
+    drop(cap);
+    // The VM died with the daemon: its tap is gone, the mirrors point at ifindex 0.
+    {
+        let mut k = fake.k();
+        k.links.retain(|l| l.name != TAP_A);
+        for f in k.filters.values_mut().flatten() {
+            f.mirred_to = Some(0);
+        }
+    }
+    let cap = Capture::new(d.path(), &d.path().join("run"));
+    let report = cap.sync_with(&fake, &[]).await;
+    assert_eq!(report.sources, [SourceReport { source: SRC.into(), present: true, promisc: false, vmhost_filters: 0 }]);
+    let k = fake.k();
+    assert!(k.clsact.is_empty() && k.links.iter().all(|l| !l.promisc));
+}
+
+#[tokio::test]
 async fn sync_removes_our_filters_on_any_link_without_a_ledger() {
     let (d, cap) = capture();
     let fake = fake_host();
