@@ -753,11 +753,13 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
+pub mod bench_capture;
 pub mod bench_images;
 pub mod bench_lifecycle;
 pub mod bench_stats;
 pub mod bench_storage;
 pub mod boot_sector;
+pub mod frames;
 pub mod lab;
 pub mod wait;
 

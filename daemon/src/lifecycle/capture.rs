@@ -104,19 +104,23 @@ async fn sync_except(mgr: &Manager, except: Option<&str>) -> SyncReport {
 }
 
 /// The events a sync's `report` makes after `before`: one per monitor whose state changed
-/// (a monitor seen for the first time, its VM just started, makes none; nor does one that is
-/// gone, its VM stopped). Pure, for its tests.
+/// between `attached`, `source_missing` and `failed` (a monitor seen for the first time or
+/// whose tap is missing, its VM starting, makes none; nor does one that is gone, its VM
+/// stopped). Pure, for its tests.
 pub(super) fn publish_changes(before: &States, report: &SyncReport) -> Vec<(String, CaptureChange, String)> {
     let mut out = Vec::new();
     for (m, state) in &report.monitors {
         let Some(old) = before.get(&(m.vm.clone(), m.nic)) else { continue };
-        if old.name() == state.name() {
+        // A tap appears while its VM starts and goes when its QEMU ends: the VM's own status
+        // events say so.
+        let tap_only = matches!(old, MonitorState::TapMissing) || matches!(state, MonitorState::TapMissing);
+        if old.name() == state.name() || tap_only {
             continue;
         }
         let reason = match state {
             MonitorState::SourceMissing => format!("capture source {} lost", m.source),
             MonitorState::Attached => format!("capture source {} is back", m.source),
-            MonitorState::TapMissing => format!("capture of source {}: the tap of NIC {} is gone", m.source, m.nic),
+            MonitorState::TapMissing => continue,
             MonitorState::Failed(why) => format!("capture of source {} failed: {why}", m.source),
         };
         let change = CaptureChange { nic: m.nic, source: m.source.clone(), state: state.name().to_string() };
@@ -321,6 +325,13 @@ mod tests {
         let same: States = [(("a".to_string(), 0), MonitorState::Failed("x".into()))].into();
         assert!(publish_changes(&same, &report(&[(m("a", 0), MonitorState::Failed("y".into()))])).is_empty());
         assert!(publish_changes(&States::new(), &r).is_empty());
+        // A starting VM's tap appearing is no news, nor is a tap going.
+        let starting: States = [(("a".to_string(), 0), MonitorState::TapMissing)].into();
+        assert!(publish_changes(&starting, &report(&[(m("a", 0), MonitorState::Attached)])).is_empty());
+        let running: States = [(("a".to_string(), 0), MonitorState::Attached)].into();
+        assert!(publish_changes(&running, &report(&[(m("a", 0), MonitorState::TapMissing)])).is_empty());
+        let failing = publish_changes(&running, &report(&[(m("a", 0), MonitorState::Failed("EBUSY".into()))]));
+        assert_eq!(failing[0].2, "capture of source eth1 failed: EBUSY");
     }
 
     #[test]

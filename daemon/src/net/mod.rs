@@ -22,7 +22,7 @@
 //!    a trunk port also gets its tagged VLANs in one message ([`link::Netlink::bridge_vlan_add_tagged`]);
 //!    a monitor NIC's tap (a capture NIC) is on no bridge: it gets its source's MTU, IPv6 address
 //!    generation off ([`link::Netlink::set_ipv6_off`]) and a drop filter on its ingress
-//!    ([`tc::Netlink::add_drop_all`](link::Netlink::add_drop_all)) before it goes up;
+//!    ([`link::Netlink::add_drop_all`], in [`tc`]) before it goes up;
 //! 4. for capture NICs, `net::capture` mirrors each source's frames into the monitor taps with
 //!    [`tc`] (a clsact qdisc, a classic-BPF filter with a `mirred` action carrying vmhostd's
 //!    cookie) and sets the source promiscuous ([`link::Netlink::set_promisc`]); the daemon's link

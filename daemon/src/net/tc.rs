@@ -639,6 +639,43 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_reaches_every_mirror_and_the_filters_after_ours() {
+        in_netns(|| async {
+            let nl = Netlink::connect().unwrap();
+            let src = source(&nl).await;
+            let mut taps = Vec::new();
+            for name in ["vmhmon0", "vmhmon1", "vmhfor0"] {
+                let fd = create_tap(name).unwrap();
+                let index = nl.link_by_name(name).await.unwrap().unwrap().index;
+                nl.set_ipv6_off(index).await.unwrap();
+                nl.set_up(index).await.unwrap();
+                taps.push((fd, index));
+            }
+            nl.add_clsact(src).await.unwrap();
+            // An operator's mirror first: ours get lower prefs, so the kernel runs them before it.
+            let foreign = "bpf bytecode 1,6_0_0_4294967295, action mirred egress mirror dev vmhfor0";
+            let args: Vec<String> = ["filter", "add", "dev", "src0", "ingress"]
+                .iter()
+                .map(|a| a.to_string())
+                .chain(foreign.split(' ').map(|a| a.replace('_', " ")))
+                .collect();
+            run("tc", &args.iter().map(String::as_str).collect::<Vec<_>>());
+            let first = nl.add_mirror(src, Hook::Ingress, taps[0].1, COOKIE).await.unwrap();
+            let second = nl.add_mirror(src, Hook::Ingress, taps[1].1, b"vmhc2").await.unwrap();
+            assert!(second.prio < first.prio, "{first:?} {second:?}");
+            let frame = test_frame(DST, SRC, None, &[6; 46]);
+            send_frame("peer0", &frame);
+            for (fd, _) in &taps {
+                assert_eq!(
+                    read_test_frames(fd, 1, WAIT),
+                    std::slice::from_ref(&frame),
+                    "every mirror, ours and not, copies it"
+                );
+            }
+        });
+    }
+
+    #[test]
     fn a_gone_target_reads_as_ifindex_zero() {
         in_netns(|| async {
             let nl = Netlink::connect().unwrap();

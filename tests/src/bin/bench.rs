@@ -18,6 +18,10 @@
 //! reboot, at the default `start_concurrency` and at 4. Then metrics
 //! ([`vmhost_tests::bench_stats`]): `vm.stats` latency with `--stats-vms` running VMs. Last,
 //! data disks ([`vmhost_tests::bench_storage`]): create with 0, 1, 4 data disks, live grow, hot-plug round trip.
+//! Then capture NICs ([`vmhost_tests::bench_capture`]): frames per second a monitored source
+//! delivers into 1 and 4 monitoring guests (`--capture-secs N` of sending per row, frames of
+//! 14 + `--capture-payload N` bytes, 60 by default; `--capture-guests 0,1,4` the rows, 0 = the
+//! sender alone).
 //!
 //! Scale (issue 18, docs/performance.md "Scale"): on the host with the `--vms` records, after the
 //! read table, figures printed beside their goals (`GOAL | figure | goal | measured | met` lines
@@ -37,14 +41,15 @@
 //! [--parallel N] [--parallel-rounds N] [--idle-vms N] [--idle-secs N] [--idle-settle N]
 //! [--nic-rounds N] [--boot-rounds N] [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR]
 //! [--check-rounds N] [--reconfigure-rounds N] [--autostart-vms N] [--stats-vms N] [--stats-calls N]
-//! [--storage-rounds N] [--image-rounds N] [--image-mib N] [--create-rounds N] [--port-rounds N]`;
+//! [--storage-rounds N] [--image-rounds N] [--image-mib N] [--create-rounds N] [--port-rounds N]
+//! [--capture-secs N] [--capture-payload N] [--capture-guests N,...]`;
 //! 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test
 //! guest's `vmlinuz` and `initramfs.cpio.gz` from DIR instead of building it (the same files for
 //! two builds compared). Sections (`--only`, comma-separated; all without it): `create`
 //! (`vm.create` against raw QEMU with the same argv, and step by step) and `ports` (TCG boot with
 //! 0 to 4 spare hot-plug root ports), both in `bench_create.rs`, `read`,
 //! `reconcile`, `churn`, `restart`, `adopt`, `parallel`, `idle` (`scale` names these seven), `nic`,
-//! `boot`, `agent`, `reconfigure`, `autostart`, `stats`, `storage`, `images`. `--quick` is a smoke test:
+//! `boot`, `agent`, `reconfigure`, `autostart`, `stats`, `storage`, `images`, `capture`. `--quick` is a smoke test:
 //! without `--only` it runs the scale sections only, at small defaults (200 records, 4 running,
 //! 4 parallel, 10 idle VMs over 10 s, one round each); options given explicitly still win.
 
@@ -171,6 +176,11 @@ fn measure(host: &TestHost, method: &'static str, clients: usize, total: usize, 
         p99: percentile(&lat, 0.99),
         per_s: lat.len() as f64 / wall.as_secs_f64(),
     }
+}
+
+/// The payload of a minimal Ethernet frame: 60 bytes before the FCS.
+fn frames_min_payload() -> usize {
+    60 - vmhost_tests::frames::ETH_HLEN
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -583,7 +593,7 @@ fn read_bench(
 const SCALE_SECTIONS: [&str; 7] = ["read", "reconcile", "churn", "restart", "adopt", "parallel", "idle"];
 
 /// Every section `--only` accepts (and `scale` for all of [`SCALE_SECTIONS`]).
-const SECTIONS: [&str; 17] = [
+const SECTIONS: [&str; 18] = [
     "create",
     "ports",
     "read",
@@ -601,6 +611,7 @@ const SECTIONS: [&str; 17] = [
     "stats",
     "storage",
     "images",
+    "capture",
 ];
 
 /// True when the bare flag `name` is given.
@@ -1241,5 +1252,14 @@ fn main() {
     }
     if selected("images") {
         vmhost_tests::bench_images::images(arg("--image-rounds", 3), arg("--image-mib", 1024));
+    }
+    if selected("capture") {
+        vmhost_tests::bench_capture::capture(
+            arg("--capture-secs", 10) as u64,
+            &arg_str("--capture-guests")
+                .map(|l| l.split(',').filter_map(|n| n.trim().parse().ok()).collect::<Vec<usize>>())
+                .unwrap_or_else(|| vec![0, 1, 4]),
+            arg("--capture-payload", frames_min_payload()),
+        );
     }
 }
