@@ -7,12 +7,12 @@
 //! so a plan sees exactly the refusals a real run would get. Conflicts (3003) are reported
 //! before capacity (3002) because they name what to fix.
 
-use crate::api::{ApiError, Code, HardwareItem, ResourceUsage, VmSpec};
+use crate::api::{ApiError, Code, HardwareItem, NicMode, ResourceUsage, VmSpec};
 use crate::config::Hardware;
 use crate::hardware::PciAddress;
-use crate::validate::requested_devices;
+use crate::validate::{requested_devices, requested_devices_with_fields};
 use serde_json::json;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// What one VM holds on the host. A VM may hold by two specs at once (a change waiting for a
 /// restart: the spec its QEMU runs and the recorded one), as two holdings of the same name.
@@ -117,6 +117,89 @@ pub fn check_devices(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> R
         .join("; ");
     let list: Vec<_> = conflicts.into_iter().map(|(_, c)| c).collect();
     let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": list }));
+    e.field = first_field;
+    Err(e)
+}
+
+/// The PCI devices each monitored source depends on ([`crate::net::backing::pci_devices`], read
+/// before the check): source name -> addresses. A source absent from the map has none.
+pub type SourceDevices = BTreeMap<String, BTreeSet<PciAddress>>;
+
+/// Checks that no VM passes through a device a monitored source depends on: `request` monitoring
+/// a source whose device it or another VM in `held` passes through, or `request` passing through
+/// a device a source it or another VM monitors depends on. The capture would see nothing (the
+/// host loses the interface) and the guest would get a device the host still uses.
+///
+/// # Errors
+/// 3003 listing every conflict `{pci, source, holder}`, the field the first names
+/// (`spec.nics[i].source`, `spec.hardware.CLASS[j]`, `spec.pci[j]`).
+pub fn check_capture_devices(
+    hw: &Hardware,
+    held: &[Holding<'_>],
+    request: &VmSpec,
+    sources: &SourceDevices,
+) -> Result<(), ApiError> {
+    let monitored = |spec: &VmSpec| -> Vec<(usize, String)> {
+        spec.nics
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.mode == NicMode::Monitor)
+            .filter_map(|(i, n)| Some((i, n.source.clone()?)))
+            .collect()
+    };
+    let others: Vec<&Holding<'_>> = held.iter().filter(|h| h.name != request.name).collect();
+    let mine = requested_devices_with_fields(request, hw);
+    let mut conflicts = Vec::new();
+    let mut first_field = None;
+    // The request's sources against every VM's devices, its own included.
+    for (i, source) in monitored(request) {
+        let Some(devices) = sources.get(&source) else { continue };
+        let passed = mine
+            .iter()
+            .map(|(a, _)| (*a, request.name.as_str()))
+            .chain(others.iter().flat_map(|h| requested_devices(h.spec, hw).into_iter().map(move |a| (a, h.name))));
+        for (addr, holder) in passed {
+            if devices.contains(&addr) {
+                first_field.get_or_insert_with(|| format!("spec.nics[{i}].source"));
+                conflicts
+                    .push(json!({"pci": addr.to_string(), "source": source, "holder": holder, "held": "passthrough"}));
+            }
+        }
+    }
+    // The request's devices against the other VMs' sources (its own were checked above).
+    for (addr, field) in &mine {
+        for h in &others {
+            for (_, source) in monitored(h.spec) {
+                if sources.get(&source).is_some_and(|d| d.contains(addr)) {
+                    first_field.get_or_insert_with(|| field.clone());
+                    conflicts
+                        .push(json!({"pci": addr.to_string(), "source": source, "holder": h.name, "held": "capture"}));
+                }
+            }
+        }
+    }
+    if conflicts.is_empty() {
+        return Ok(());
+    }
+    conflicts.dedup();
+    let message = conflicts
+        .iter()
+        .map(|c| {
+            let t = |k: &str| c[k].as_str().unwrap_or("?").to_string();
+            if c["held"] == "passthrough" {
+                format!(
+                    "capture source {} depends on PCI device {} passed through to {}",
+                    t("source"),
+                    t("pci"),
+                    t("holder")
+                )
+            } else {
+                format!("PCI device {} carries capture source {} of {}", t("pci"), t("source"), t("holder"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": conflicts }));
     e.field = first_field;
     Err(e)
 }
@@ -336,5 +419,49 @@ mod tests {
         assert_eq!(sfp6.holder.as_deref(), Some("a"));
         assert_eq!(sfp6.pci, "0000:ca:00.1");
         assert!(items.iter().filter(|i| i.holder.is_none()).count() == 5);
+    }
+
+    fn monitor(source: &str) -> crate::api::NicSpec {
+        crate::api::NicSpec { mode: NicMode::Monitor, source: Some(source.into()), ..Default::default() }
+    }
+
+    #[test]
+    fn passthrough_and_capture_of_the_same_device_conflict_both_ways() {
+        let hw = config().hardware;
+        let sfp5 = hw.model.get(crate::api::HardwareClass::Sfp, 5).unwrap();
+        let sources: SourceDevices =
+            [("eth5".to_string(), BTreeSet::from([sfp5])), ("veth0".to_string(), BTreeSet::new())].into();
+        let mut passer = spec("passer");
+        passer.hardware.sfp = vec![5];
+        let mut watcher = spec("watcher");
+        watcher.nics = vec![monitor("veth0"), monitor("eth5")];
+
+        // A monitor of a source whose device another VM passes through.
+        let e = check_capture_devices(&hw, &hold(std::slice::from_ref(&passer)), &watcher, &sources).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::HardwareInUse, Some("spec.nics[1].source")));
+        assert_eq!(e.details["conflicts"][0]["holder"], "passer");
+        assert!(e.message.contains("capture source eth5 depends on PCI device"), "{}", e.message);
+        // The reverse: passing through the device another VM's source depends on.
+        let e = check_capture_devices(&hw, &hold(std::slice::from_ref(&watcher)), &passer, &sources).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::HardwareInUse, Some("spec.hardware.sfp[0]")));
+        assert_eq!(e.details["conflicts"][0]["holder"], "watcher");
+        // The same VM doing both.
+        let mut both = passer.clone();
+        both.nics = vec![monitor("eth5")];
+        let e = check_capture_devices(&hw, &[], &both, &sources).unwrap_err();
+        assert_eq!((e.code, e.field.as_deref()), (Code::HardwareInUse, Some("spec.nics[0].source")));
+        // Its own older holding does not count twice, and is not a conflict of its own.
+        assert!(check_capture_devices(&hw, &hold(std::slice::from_ref(&watcher)), &watcher, &sources).is_ok());
+        // A virtual source depends on no device; another device is no conflict.
+        watcher.nics = vec![monitor("veth0")];
+        assert!(check_capture_devices(&hw, &hold(std::slice::from_ref(&passer)), &watcher, &sources).is_ok());
+        passer.hardware.sfp = vec![4];
+        watcher.nics = vec![monitor("eth5")];
+        assert!(check_capture_devices(&hw, &hold(std::slice::from_ref(&passer)), &watcher, &sources).is_ok());
+        // A raw PCI address is the same device as its model index.
+        let mut raw = spec("raw");
+        raw.pci = vec![sfp5.to_string()];
+        let e = check_capture_devices(&hw, &hold(std::slice::from_ref(&watcher)), &raw, &sources).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("spec.pci[0]"));
     }
 }

@@ -1049,6 +1049,8 @@ reserved_memory_gib = 8
             format!("{hw}[hardware.sfp]\n5 = 7\n"),
             format!("{hw}[networks.lan]\nsubnet = \"10.0.0.0/24\"\n"),
             format!("{hw}[networks.LAN]\nbridge = \"br0\"\n"),
+            format!("[capture]\ninterfaces = [\"eth/1\"]\n{hw}"),
+            format!("[capture]\ninterfaces = [\"eth0\", \"eth0\"]\n{hw}"),
         ];
         for config in cases {
             let error = parse(&config).expect_err(&config).to_string();
@@ -1423,5 +1425,25 @@ reserved_memory_gib = 8
         let e = Config::load(Path::new("/nonexistent/vmhostd.toml")).unwrap_err();
         assert!(matches!(e, ConfigError::Read { .. }));
         assert!(e.to_string().contains("/nonexistent/vmhostd.toml"));
+    }
+
+    #[test]
+    fn capture_interfaces_are_names_without_repeats() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(&format!("[capture]\ninterfaces = [\"eth1\", \"bond0.100\"]\n{hw}")).unwrap();
+        assert_eq!(c.capture.interfaces, ["eth1", "bond0.100"]);
+        assert!(parse(hw).unwrap().capture.interfaces.is_empty(), "none by default");
+        for (list, key, problem) in [
+            (r#"["eth1", "eth/1"]"#, "capture.interfaces[1]", "not an interface name"),
+            (r#"[""]"#, "capture.interfaces[0]", "not an interface name"),
+            (r#"["a-name-far-too-long"]"#, "capture.interfaces[0]", "not an interface name"),
+            (r#"["eth1", "eth2", "eth1"]"#, "capture.interfaces[2]", "listed twice"),
+        ] {
+            let (k, p) = key_error(&format!("[capture]\ninterfaces = {list}\n{hw}"));
+            assert_eq!(k, key, "{list}");
+            assert!(p.contains(problem), "{list}: {p}");
+        }
+        let (k, _) = key_error(&format!("[capture]\nnics = []\n{hw}"));
+        assert_eq!(k, "capture.nics");
     }
 }

@@ -5,7 +5,7 @@
 //! rather than slowing the daemon down.
 
 use crate::api::exec::GuestAction;
-use crate::api::{now_rfc3339, Event, VmStatus};
+use crate::api::{now_rfc3339, CaptureChange, Event, VmStatus};
 use tokio::sync::broadcast;
 
 /// Events buffered per subscriber.
@@ -26,7 +26,15 @@ impl Default for EventBus {
 impl EventBus {
     /// Publishes a change of `vm` from `from` to `to`. No subscriber is fine.
     pub fn emit(&self, vm: &str, from: Option<VmStatus>, to: Option<VmStatus>, reason: impl Into<String>) {
-        let event = Event { vm: vm.to_string(), from, to, reason: reason.into(), time: now_rfc3339(), guest: None };
+        let event = Event {
+            vm: vm.to_string(),
+            from,
+            to,
+            reason: reason.into(),
+            time: now_rfc3339(),
+            guest: None,
+            capture: None,
+        };
         tracing::info!(vm, from = ?from, to = ?to, reason = %event.reason, "vm event");
         let _ = self.tx.send(event);
     }
@@ -41,7 +49,24 @@ impl EventBus {
             reason: reason.into(),
             time: now_rfc3339(),
             guest: Some(guest),
+            capture: None,
         };
+        let _ = self.tx.send(event);
+    }
+
+    /// Publishes a monitor NIC's capture changing state on `vm` (a source lost or back): `from`
+    /// and `to` are both its current status.
+    pub fn emit_capture(&self, vm: &str, status: Option<VmStatus>, reason: impl Into<String>, change: CaptureChange) {
+        let event = Event {
+            vm: vm.to_string(),
+            from: status,
+            to: status,
+            reason: reason.into(),
+            time: now_rfc3339(),
+            guest: None,
+            capture: Some(change),
+        };
+        tracing::info!(vm, reason = %event.reason, "capture event");
         let _ = self.tx.send(event);
     }
 

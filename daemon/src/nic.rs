@@ -6,7 +6,7 @@
 //! the VM's whole life, so MACs and tap names stay stable across restarts and host changes.
 //! [`kernel_ip_params`] renders the guest addresses for direct-kernel VMs.
 
-use crate::api::{ApiError, Code, Ipv4Spec, NicSpec, VmSpec};
+use crate::api::{ApiError, Code, Ipv4Spec, NicMode, NicSpec, VmSpec};
 use crate::config::{Config, Network};
 use crate::ipv4::Ipv4Cidr;
 use serde::{Deserialize, Serialize};
@@ -119,9 +119,15 @@ pub fn validate_nics(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
                 format!("at most {MAX_VM_QUEUES} queues over all of a VM's NICs ({queues} up to this one)"),
             ));
         }
+        if nic.mode == NicMode::Monitor {
+            validate_monitor(nic, config, &f)?;
+            continue;
+        }
+        validate_bridge_only(nic, &f)?;
         let net = config.networks.get(&nic.network).ok_or_else(|| {
             ApiError::new(Code::NotInModel, format!("no network {:?} on this host", nic.network)).field(f("network"))
         })?;
+        validate_tagged(nic, net, &f)?;
         if let Some(v) = nic.vlan {
             if !(1..=4094).contains(&v) {
                 return Err(ApiError::invalid(f("vlan"), format!("VLAN {v} is outside 1-4094")));
@@ -151,6 +157,86 @@ pub fn validate_nics(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
         if let Some(Ipv4Spec::Static { address, gateway, dns, search }) = &nic.ipv4 {
             validate_static(net, address, gateway.as_deref(), dns, search, &f)?;
         }
+    }
+    Ok(())
+}
+
+/// What a bridge NIC must have and must not: a `network`, and none of a monitor NIC's keys.
+fn validate_bridge_only(nic: &NicSpec, f: &dyn Fn(&str) -> String) -> Result<(), ApiError> {
+    if nic.network.is_empty() {
+        return Err(ApiError::invalid(f("network"), "a bridge NIC needs a network"));
+    }
+    if nic.source.is_some() {
+        return Err(ApiError::invalid(f("source"), "only a monitor NIC (mode \"monitor\") has a source"));
+    }
+    if nic.direction.is_some() {
+        return Err(ApiError::invalid(f("direction"), "only a monitor NIC (mode \"monitor\") has a direction"));
+    }
+    Ok(())
+}
+
+/// A bridge NIC's tagged VLANs: `vlans` each 1-4094, no repeats, not the access `vlan`, not
+/// with `trunk`; either one only on a network with VLAN filtering (as `vlan`, 2001).
+fn validate_tagged(nic: &NicSpec, net: &Network, f: &dyn Fn(&str) -> String) -> Result<(), ApiError> {
+    if nic.trunk && !nic.vlans.is_empty() {
+        return Err(ApiError::invalid(f("vlans"), "a trunk carries every VLAN: give vlans or trunk, not both"));
+    }
+    let mut seen = HashSet::new();
+    for (j, &v) in nic.vlans.iter().enumerate() {
+        let field = f(&format!("vlans[{j}]"));
+        if !(1..=4094).contains(&v) {
+            return Err(ApiError::invalid(field, format!("VLAN {v} is outside 1-4094")));
+        }
+        if nic.vlan == Some(v) {
+            return Err(ApiError::invalid(field, format!("VLAN {v} is the NIC's access vlan")));
+        }
+        if !seen.insert(v) {
+            return Err(ApiError::invalid(field, format!("VLAN {v} is listed twice")));
+        }
+    }
+    if !net.vlan_filtering {
+        let key = if nic.trunk {
+            "trunk"
+        } else if !nic.vlans.is_empty() {
+            "vlans"
+        } else {
+            return Ok(());
+        };
+        return Err(ApiError::invalid(
+            f(key),
+            format!("network {:?} has no VLAN filtering; a NIC on it cannot carry tagged VLANs", net.name),
+        ));
+    }
+    Ok(())
+}
+
+/// A monitor NIC: a `source` the host config lists under `[capture] interfaces`, and none of a
+/// bridge NIC's keys (it has no network, sends nothing, and its MAC is derived: an identifier
+/// inside the guest only, never seen on a wire).
+fn validate_monitor(nic: &NicSpec, config: &Config, f: &dyn Fn(&str) -> String) -> Result<(), ApiError> {
+    let refused: [(&str, bool); 6] = [
+        ("network", !nic.network.is_empty()),
+        ("vlan", nic.vlan.is_some()),
+        ("vlans", !nic.vlans.is_empty()),
+        ("trunk", nic.trunk),
+        ("mac", nic.mac.is_some()),
+        ("ipv4", nic.ipv4.is_some()),
+    ];
+    if let Some((key, _)) = refused.iter().find(|(_, set)| *set) {
+        return Err(ApiError::invalid(
+            f(key),
+            format!("a monitor NIC has no {key}: it only receives copies of its source's frames"),
+        ));
+    }
+    let Some(source) = &nic.source else {
+        return Err(ApiError::invalid(f("source"), "a monitor NIC needs a source (a host interface)"));
+    };
+    if !crate::config::is_valid_ifname(source) {
+        return Err(ApiError::invalid(f("source"), format!("{source:?} is not an interface name")));
+    }
+    if !config.capture.interfaces.iter().any(|i| i == source) {
+        return Err(ApiError::new(Code::NotInModel, format!("the host config lists no capture interface {source:?}"))
+            .field(f("source")));
     }
     Ok(())
 }
@@ -405,6 +491,8 @@ bridge = "br-open"
 [networks.vl]
 bridge = "br-vl"
 vlan_filtering = true
+[capture]
+interfaces = ["eth1", "bond0.100"]
 "#,
             Path::new("t.toml"),
         )
@@ -629,5 +717,118 @@ vlan_filtering = true
         let mut other = s.clone();
         other.name = format!("sensor1-{}", "x-".repeat(27));
         assert_ne!(allocate(&other, &c, &[], &[]).unwrap()[0].tap, a[0].tap, "`_` and `-` give different taps");
+    }
+
+    fn monitor(source: Option<&str>) -> NicSpec {
+        NicSpec { mode: NicMode::Monitor, source: source.map(Into::into), ..Default::default() }
+    }
+
+    /// Every rule of bridge vs monitor NICs, tagged VLANs and capture sources, one row each:
+    /// the NIC, the code and the field the refusal names.
+    #[test]
+    fn monitor_and_trunk_rules_name_the_field() {
+        type Edit = fn(&mut NicSpec);
+        type Row = (&'static str, fn() -> NicSpec, Edit, Option<(i32, &'static str)>);
+        let rows: &[Row] = &[
+            ("monitor ok", || monitor(Some("eth1")), |_| {}, None),
+            (
+                "monitor ingress, 4 queues",
+                || monitor(Some("bond0.100")),
+                |n| {
+                    n.direction = Some(crate::api::CaptureDirection::Ingress);
+                    n.queues = 4;
+                },
+                None,
+            ),
+            ("monitor without source", || monitor(None), |_| {}, Some((2001, "source"))),
+            ("monitor bad source name", || monitor(Some("a/b")), |_| {}, Some((2001, "source"))),
+            ("monitor source not listed", || monitor(Some("eth0")), |_| {}, Some((3001, "source"))),
+            ("monitor with network", || monitor(Some("eth1")), |n| n.network = "lan".into(), Some((2001, "network"))),
+            ("monitor with vlan", || monitor(Some("eth1")), |n| n.vlan = Some(10), Some((2001, "vlan"))),
+            ("monitor with vlans", || monitor(Some("eth1")), |n| n.vlans = vec![10], Some((2001, "vlans"))),
+            ("monitor with trunk", || monitor(Some("eth1")), |n| n.trunk = true, Some((2001, "trunk"))),
+            (
+                "monitor with mac",
+                || monitor(Some("eth1")),
+                |n| n.mac = Some("02:00:00:00:00:01".into()),
+                Some((2001, "mac")),
+            ),
+            ("monitor with ipv4", || monitor(Some("eth1")), |n| n.ipv4 = Some(Ipv4Spec::Dhcp {}), Some((2001, "ipv4"))),
+            ("bridge without network", || nic("", None), |_| {}, Some((2001, "network"))),
+            ("bridge with source", || nic("lan", None), |n| n.source = Some("eth1".into()), Some((2001, "source"))),
+            (
+                "bridge with direction",
+                || nic("lan", None),
+                |n| n.direction = Some(crate::api::CaptureDirection::Both),
+                Some((2001, "direction")),
+            ),
+            (
+                "vlans ok",
+                || nic("vl", None),
+                |n| {
+                    n.vlan = Some(5);
+                    n.vlans = vec![10, 20, 4094, 1];
+                },
+                None,
+            ),
+            ("trunk ok", || nic("vl", None), |n| n.trunk = true, None),
+            (
+                "trunk with access vlan ok",
+                || nic("vl", None),
+                |n| {
+                    n.trunk = true;
+                    n.vlan = Some(7);
+                },
+                None,
+            ),
+            ("vlan 0", || nic("vl", None), |n| n.vlans = vec![10, 0], Some((2001, "vlans[1]"))),
+            ("vlan 4095", || nic("vl", None), |n| n.vlans = vec![4095], Some((2001, "vlans[0]"))),
+            ("vlans repeat", || nic("vl", None), |n| n.vlans = vec![10, 20, 10], Some((2001, "vlans[2]"))),
+            (
+                "vlans has the access vlan",
+                || nic("vl", None),
+                |n| {
+                    n.vlan = Some(20);
+                    n.vlans = vec![10, 20];
+                },
+                Some((2001, "vlans[1]")),
+            ),
+            (
+                "vlans and trunk",
+                || nic("vl", None),
+                |n| {
+                    n.vlans = vec![10];
+                    n.trunk = true;
+                },
+                Some((2001, "vlans")),
+            ),
+            ("vlans without filtering", || nic("lan", None), |n| n.vlans = vec![10], Some((2001, "vlans"))),
+            ("trunk without filtering", || nic("lan", None), |n| n.trunk = true, Some((2001, "trunk"))),
+        ];
+        for (what, make, edit, want) in rows {
+            let mut n = make();
+            edit(&mut n);
+            // Second NIC, so the index in the field is checked too.
+            let s = with(vec![nic("lan", None), n]);
+            let got = validate_nics(&s, &config()).err().map(|e| (e.code.as_i32(), e.field.unwrap_or_default()));
+            let want = want.map(|(c, k)| (c, format!("spec.nics[1].{k}")));
+            assert_eq!(got, want, "{what}");
+        }
+    }
+
+    /// A monitor NIC's MAC is derived as a bridge NIC's (an identifier inside the guest only),
+    /// its tap named as any other; it gets no `ip=` even beside addressed NICs.
+    #[test]
+    fn monitor_nics_get_a_mac_and_tap_and_no_ip_param() {
+        let c = config();
+        let s = with(vec![monitor(Some("eth1")), nic("lan", Some("10.0.0.5/24"))]);
+        assert!(validate_nics(&s, &c).is_ok());
+        let a = allocate(&s, &c, &[], &[]).unwrap();
+        assert_eq!(parse_mac(&a[0].mac).unwrap()[0] & 0x03, 0x02);
+        assert!(a[0].tap.ends_with("n0"));
+        let params = kernel_ip_params(&s);
+        assert_eq!(params.len(), 2, "{params:?}");
+        assert!(params[0].contains(":eth1:"), "{params:?}");
+        assert!(params.iter().all(|p| !p.contains("eth0")), "{params:?}");
     }
 }

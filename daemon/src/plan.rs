@@ -1201,4 +1201,43 @@ mod tests {
         let p = plan_reconcile(&c, &[shrunk], &current, false, true);
         assert_eq!(actions(&p)[0], ("a".into(), PlanAction::Reconfigure, Some(2001)));
     }
+
+    /// A NIC's mode, source, direction, tagged VLANs or trunk is fixed when QEMU starts (the
+    /// tap is made for it, attached or mirrored): every change needs a restart.
+    #[test]
+    fn a_change_of_capture_or_tagged_vlans_needs_a_restart() {
+        use crate::api::{CaptureDirection, NicMode, NicSpec};
+        let bridge = NicSpec { network: "lan".into(), ..Default::default() };
+        let monitor = NicSpec { mode: NicMode::Monitor, source: Some("eth1".into()), ..Default::default() };
+        type Edit = fn(&mut NicSpec);
+        let cases: [(&str, &NicSpec, Edit); 7] = [
+            ("mode", &bridge, |n| {
+                n.mode = NicMode::Monitor;
+                n.network.clear();
+                n.source = Some("eth1".into());
+            }),
+            ("source", &monitor, |n| n.source = Some("eth2".into())),
+            ("direction", &monitor, |n| n.direction = Some(CaptureDirection::Ingress)),
+            ("direction both", &monitor, |n| n.direction = Some(CaptureDirection::Both)),
+            ("vlans", &bridge, |n| n.vlans = vec![10]),
+            ("vlans order", &bridge, |n| n.vlans = vec![]),
+            ("trunk", &bridge, |n| n.trunk = true),
+        ];
+        for (what, start, edit) in cases {
+            let mut a = spec("cap");
+            a.nics = vec![start.clone()];
+            if what == "vlans order" {
+                a.nics[0].vlans = vec![10, 20];
+            }
+            let mut b = a.clone();
+            edit(&mut b.nics[0]);
+            assert!(!same_but_convergent(&a, &b), "{what}");
+            assert!(restart_needed(&a, &b), "{what}: {:?}", spec_drift(&a, &b));
+            assert!(restart_needed(&b, &a), "{what} back");
+            match classify(&a, &b).unwrap() {
+                Change::Reconfigure { restart, .. } => assert!(restart, "{what}"),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+    }
 }

@@ -28,7 +28,7 @@
 //! valid YAML: every value in it comes from a validated spec, and serde_json does the quoting,
 //! so no guest-visible text is hand-escaped.
 
-use crate::api::{DesiredState, Ipv4Spec, SshSpec, VmSpec};
+use crate::api::{DesiredState, Ipv4Spec, NicMode, SshSpec, VmSpec};
 use crate::nic::NicAlloc;
 use crate::validate::{hostname_of, ValidSpec};
 use serde_json::{json, Map, Value};
@@ -152,7 +152,8 @@ fn users(ssh: &SshSpec) -> Value {
 /// `physical` entry per NIC, named `eth<i>` and matched by its MAC, with one subnet: `static`
 /// (address, gateway, `dns_nameservers`, `dns_search`, each only when declared), `dhcp4`, or
 /// `manual` with `control: auto` (a NIC without an address is brought up, as `vm.check`
-/// expects).
+/// expects). A monitor NIC is always `manual`: listed, up, no address (the guest agent sets it
+/// promiscuous).
 ///
 /// Why version 1 and not 2: cloud-init itself turns version 1 into each renderer's own form
 /// (ifupdown's `gateway` line, netplan's default route, networkd's `[Route]`), so every version
@@ -169,7 +170,10 @@ fn network_config(spec: &VmSpec, allocs: &[NicAlloc]) -> String {
         .zip(allocs)
         .enumerate()
         .map(|(i, (nic, alloc))| {
-            let subnet = match &nic.ipv4 {
+            // A monitor NIC is brought up and never addressed, whatever else the spec says:
+            // it only receives copies of its source's frames.
+            let ipv4 = if nic.mode == NicMode::Monitor { &None } else { &nic.ipv4 };
+            let subnet = match ipv4 {
                 Some(Ipv4Spec::Static { address, gateway, dns, search }) => {
                     let mut sub = Map::new();
                     sub.insert("type".into(), json!("static"));
@@ -735,5 +739,14 @@ mod tests {
             assert_eq!(&read_seed_file(&path, name).unwrap(), want, "{name}");
         }
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temp file left");
+    }
+
+    #[test]
+    fn monitor_nics_are_listed_up_without_an_address() {
+        let monitor = NicSpec { mode: NicMode::Monitor, source: Some("eth1".into()), ..Default::default() };
+        assert_eq!(one_nic(monitor.clone()), json!({"type": "manual", "control": "auto"}));
+        // Even an ipv4 that validation would refuse never reaches the guest as an address.
+        let sub = one_nic(NicSpec { ipv4: Some(Ipv4Spec::Dhcp {}), ..monitor });
+        assert_eq!(sub, json!({"type": "manual", "control": "auto"}));
     }
 }

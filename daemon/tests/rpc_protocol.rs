@@ -58,6 +58,7 @@ fn event(i: u32) -> Event {
         reason: "test".into(),
         time: api::now_rfc3339(),
         guest: None,
+        capture: None,
     }
 }
 

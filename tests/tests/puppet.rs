@@ -507,3 +507,54 @@ fn puppet_placement_attributes_round_trip_and_dedicated_without_vm_cpus_fails_wi
     assert!(run.output.contains("(attribute cpu_policy)"), "{}", run.output);
     assert_eq!(host.call_err("vm.get", json!({ "name": "perf3" })).0, 4040, "a refused spec creates nothing");
 }
+
+/// `vmhost_vm`'s NIC hashes carry a monitor NIC (issue 31) to a real vmhostd in a netns of its
+/// own whose `[capture] interfaces` lists `cap0`, a veth there: `'mode' => 'monitor'`, `'source'
+/// => 'cap0'`, `'direction' => 'ingress'` and `'trunk' => false` are sent, the VM runs, `vm.get`
+/// shows mode, source and direction as declared and the NIC `attached`, and a rerun is quiet
+/// (`trunk` false in sync with vmhostd leaving it out); a monitor NIC of `cap1` (on the host,
+/// not listed) fails the resource with the daemon's 3001 on `spec.nics[0].source`, naming the
+/// attribute, and creates nothing.
+#[test]
+fn puppet_monitor_nic_round_trips_and_an_unlisted_source_fails_with_3001() {
+    let host = TestHost::start(HostOptions {
+        netns: true,
+        extra: "[capture]\ninterfaces = [\"cap0\"]\n".into(),
+        ..HostOptions::default()
+    });
+    for (name, peer) in [("cap0", "cap0p"), ("cap1", "cap1p")] {
+        host.ip(&["link", "add", name, "type", "veth", "peer", "name", peer]);
+        for link in [name, peer] {
+            host.ip(&["link", "set", link, "up"]);
+        }
+    }
+    let puppet = Puppet::new();
+    let sock = host.socket.clone();
+
+    let sniff = vm(
+        "sniff1",
+        "running",
+        "nics => [{ 'mode' => 'monitor', 'source' => 'cap0', 'direction' => 'ingress', 'trunk' => false }],",
+    );
+    let run = puppet.apply(&sock, &sniff, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    let v = get(&host, "sniff1");
+    assert_eq!(v["status"], "running", "{v}");
+    let nic = &v["spec"]["nics"][0];
+    assert_eq!(
+        (&nic["mode"], &nic["source"], &nic["direction"]),
+        (&json!("monitor"), &json!("cap0"), &json!("ingress"))
+    );
+    assert_eq!(v["nics"][0]["capture"], "attached", "{v}");
+    let run = puppet.apply(&sock, &sniff, &[]);
+    assert_eq!(run.code, 0, "the rerun must change nothing:\n{}", run.output);
+    assert_eq!(get(&host, "sniff1")["pid"], v["pid"]);
+
+    let unlisted = vm("sniff2", "running", "nics => [{ 'mode' => 'monitor', 'source' => 'cap1' }],");
+    let run = puppet.apply(&sock, &unlisted, &[]);
+    assert_eq!(run.code & 4, 4, "{}", run.output);
+    assert!(run.output.contains("error 3001 ("), "{}", run.output);
+    assert!(run.output.contains("on field spec.nics[0].source"), "{}", run.output);
+    assert!(run.output.contains("(attribute nics)"), "{}", run.output);
+    assert_eq!(host.call_err("vm.get", json!({ "name": "sniff2" })).0, 4040, "a refused spec creates nothing");
+}

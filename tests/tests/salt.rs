@@ -835,3 +835,64 @@ fn placement_members_round_trip_and_dedicated_without_vm_cpus_is_the_daemons_300
     }
     assert_eq!(get_err(&host, "ded1"), 4040, "a refused spec creates nothing");
 }
+
+/// The capture config of [`capture_host`]: `cap0` may be monitored, `cap1` (also on the host)
+/// may not.
+const CAPTURE_CONFIG: &str = "[capture]\ninterfaces = [\"cap0\"]\n";
+
+/// A test host in a netns of its own whose `[capture] interfaces` lists `cap0`, a veth made in
+/// that netns (peer `cap0p`), up; `cap1` exists too but is not listed.
+fn capture_host() -> TestHost {
+    let host = TestHost::start(HostOptions { netns: true, extra: CAPTURE_CONFIG.into(), ..HostOptions::default() });
+    for (name, peer) in [("cap0", "cap0p"), ("cap1", "cap1p")] {
+        host.ip(&["link", "add", name, "type", "veth", "peer", "name", peer]);
+        for link in [name, peer] {
+            host.ip(&["link", "set", link, "up"]);
+        }
+    }
+    host
+}
+
+/// A monitor NIC (issue 31) passes through the state: a VM declared with `mode: monitor`,
+/// `source: cap0` (listed in `[capture] interfaces`, a veth in the daemon's netns) and
+/// `direction: ingress` runs, `vm.get` shows the three members as declared and the NIC
+/// `attached`, and a rerun (also `test=True`) changes nothing; a monitor NIC of `cap1`, which
+/// the host config does not list, fails with the daemon's 3001 on `spec.nics[0].source`,
+/// under `test=True` too, and nothing is created.
+#[test]
+fn a_monitor_nic_round_trips_and_a_source_the_host_does_not_list_is_the_daemons_3001() {
+    let host = capture_host();
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+
+    let mut spec = host.kernel_spec("sniff1");
+    spec["nics"] = json!([{ "mode": "monitor", "source": "cap0", "direction": "ingress" }]);
+    minion.sls("sniff1", "sniff1", "vmhost.running", &args_of(&spec));
+    let r = minion.apply("sniff1", false);
+    assert_eq!(r["result"], true, "{r}");
+    let vm = host.call("vm.get", json!({ "name": "sniff1" }));
+    assert_eq!(vm["status"], "running", "{vm}");
+    let nic = &vm["spec"]["nics"][0];
+    assert_eq!(
+        (&nic["mode"], &nic["source"], &nic["direction"]),
+        (&json!("monitor"), &json!("cap0"), &json!("ingress"))
+    );
+    assert!(nic.get("network").is_none_or(|n| n == ""), "a monitor NIC has no network: {vm}");
+    assert_eq!(vm["nics"][0]["capture"], "attached", "{vm}");
+    for test in [true, false] {
+        let r = minion.apply("sniff1", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "rerun, test={test}: {r}");
+    }
+    assert_eq!(host.call("vm.get", json!({ "name": "sniff1" }))["pid"], vm["pid"], "the rerun restarted nothing");
+
+    let mut spec = host.kernel_spec("sniff2");
+    spec["nics"] = json!([{ "mode": "monitor", "source": "cap1" }]);
+    minion.sls("sniff2", "sniff2", "vmhost.running", &args_of(&spec));
+    for test in [true, false] {
+        let r = minion.apply("sniff2", test);
+        assert_eq!((&r["result"], &r["changes"]), (&json!(false), &json!({})), "test={test}: {r}");
+        assert!(comment(&r).contains("vmhostd error 3001 (spec.nics[0].source)"), "test={test}: {r}");
+        assert!(comment(&r).contains("cap1"), "test={test}: {r}");
+    }
+    assert_eq!(get_err(&host, "sniff2"), 4040, "a refused spec creates nothing");
+}

@@ -121,12 +121,13 @@ impl Salt {
     /// A master and one running minion per `hosts` entry (`(minion id, its vmhostd)`); `down`
     /// names minions whose keys the master has accepted but that never run.
     fn start(hosts: &[(&str, &TestHost)], down: &[&str]) -> Salt {
-        Salt::start_with(hosts, down, false)
+        Salt::start_with(hosts, down, false, "")
     }
 
     /// As [`Salt::start`]; with `exec_bootstrap` the engine's one boot source is the agent guest
-    /// with `cloud_init: false` and its bootstrap a script, run through `vm.exec`.
-    fn start_with(hosts: &[(&str, &TestHost)], down: &[&str], exec_bootstrap: bool) -> Salt {
+    /// with `cloud_init: false` and its bootstrap a script, run through `vm.exec`. `engine_extra`
+    /// is appended to the engine's config (lines indented six spaces).
+    fn start_with(hosts: &[(&str, &TestHost)], down: &[&str], exec_bootstrap: bool, engine_extra: &str) -> Salt {
         let dir = tempfile::Builder::new().prefix("slt").tempdir_in("/tmp").expect("tempdir");
         let d = dir.path().to_path_buf();
         let (publish, ret) = (free_port(), free_port());
@@ -198,7 +199,7 @@ engines:
       poll: 1
       retry: 3
       interval: 600
-{engine}"#,
+{engine}{engine_extra}"#,
             d = d.display(),
             ext = ext.display(),
             vms = vms.display(),
@@ -679,7 +680,7 @@ fn master_engine_converges_two_hypervisors_prunes_only_its_vms_and_events_reach_
 fn a_vm_without_cloud_init_gets_its_bootstrap_through_exec() {
     let extra = format!("{LAN_NETWORK}\n[agent]\nallow_exec = true\n");
     let hv1 = TestHost::start(HostOptions { netns: true, extra, ..HostOptions::default() });
-    let salt = Salt::start_with(&[("hv1_hypervisor", &hv1)], &[], true);
+    let salt = Salt::start_with(&[("hv1_hypervisor", &hv1)], &[], true, "");
     salt.write_vms("hv1", json!([so_entry("idh1", "idh", json!({"network_mode": "dhcp4"}))]));
     let done = salt.tag_event("vmhost/hv1_hypervisor/idh1_idh/bootstrapped");
     assert_eq!(done["data"]["exit_code"], 0, "{done}");
@@ -689,4 +690,29 @@ fn a_vm_without_cloud_init_gets_its_bootstrap_through_exec() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "idh1_idh salt.so.test hv1\n", "{out:?}\n{}", salt.logs());
     let runs = salt.events().iter().filter(|e| e["tag"] == "vmhost/hv1_hypervisor/idh1_idh/bootstrapped").count();
     assert_eq!(runs, 1, "once per VM");
+}
+
+/// The engine's `capture_interface` (issue 31): with `capture_interface: span0` (a veth in the
+/// hypervisor's netns, listed in its vmhostd's `[capture] interfaces`), the sensor's VM gets a
+/// second NIC `{mode: monitor, source: span0}` after its addressed one and runs with it
+/// attached, and the search node's VM (not a sniffing role) gets none.
+#[test]
+fn the_engine_gives_sensors_a_monitor_nic_of_the_capture_interface() {
+    let extra = format!("{LAN_NETWORK}\n[capture]\ninterfaces = [\"span0\"]\n");
+    let hv1 = TestHost::start(HostOptions { netns: true, extra, ..HostOptions::default() });
+    hv1.ip(&["link", "add", "span0", "type", "veth", "peer", "name", "span0p"]);
+    for link in ["span0", "span0p"] {
+        hv1.ip(&["link", "set", link, "up"]);
+    }
+    let salt = Salt::start_with(&[("hv1_hypervisor", &hv1)], &[], false, "      capture_interface: span0\n");
+    let dhcp = || json!({"network_mode": "dhcp4"});
+    salt.write_vms("hv1", json!([so_entry("sensor1", "sensor", dhcp()), so_entry("search1", "searchnode", dhcp())]));
+    wait_vms(&hv1, &["search1_searchnode", "sensor1_sensor"], &salt);
+    let sensor = hv1.call("vm.get", json!({"name": "sensor1_sensor"}));
+    let nics = &sensor["spec"]["nics"];
+    assert_eq!(nics[0]["network"], "lan", "{sensor}");
+    assert_eq!(nics[1], json!({"mode": "monitor", "source": "span0"}), "{sensor}");
+    assert_eq!(sensor["nics"][1]["capture"], "attached", "{sensor}");
+    let search = hv1.call("vm.get", json!({"name": "search1_searchnode"}));
+    assert_eq!(search["spec"]["nics"].as_array().map(Vec::len), Some(1), "{search}");
 }

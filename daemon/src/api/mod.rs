@@ -678,6 +678,26 @@ pub struct NicView {
     /// The queue pairs of the spec the VM runs (`spec`'s while it is stopped).
     #[serde(default = "one_queue")]
     pub queues: u8,
+    /// `monitor` for a capture NIC (left out for a bridge NIC), as in the spec the VM runs
+    /// (`spec`'s while it is stopped); so are `source`, `direction`, `vlans` and `trunk`.
+    #[serde(default, skip_serializing_if = "NicMode::is_bridge")]
+    pub mode: NicMode,
+    /// A monitor NIC's source interface.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// A monitor NIC's direction (`both` when the spec leaves it out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direction: Option<CaptureDirection>,
+    /// A bridge NIC's tagged VLANs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vlans: Vec<u16>,
+    /// A bridge NIC carries every VLAN tagged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub trunk: bool,
+    /// A monitor NIC's capture while its VM runs, after the last sync: `attached`,
+    /// `source_missing`, `tap_missing` or `failed` (left out while the VM does not run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capture: Option<String>,
 }
 
 /// The guest agent's session as `vm.get` shows it; the daemon's agent supervisor keeps it up to
@@ -992,6 +1012,36 @@ pub struct HostInfo {
     /// The host's CPUs by use: `vm_cpus`, housekeeping, the shared pool and dedicated CPUs.
     #[serde(default)]
     pub cpus: CpuInfo,
+    /// Every `[capture] interfaces` entry: whether it exists, its promiscuous flag, and the
+    /// monitor NICs of running VMs on it.
+    #[serde(default)]
+    pub capture: Vec<CaptureInfo>,
+}
+
+/// One capture interface as `host.info` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaptureInfo {
+    /// The interface (`[capture] interfaces`).
+    pub interface: String,
+    /// It exists now.
+    pub present: bool,
+    /// Its user-set promiscuous flag (vmhostd sets it while a monitor is attached).
+    pub promisc: bool,
+    /// The monitor NICs of live VMs whose source it is.
+    pub monitors: Vec<CaptureMonitorInfo>,
+}
+
+/// One monitor NIC in `host.info` `capture[].monitors`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaptureMonitorInfo {
+    /// VM name.
+    pub vm: String,
+    /// The NIC's index in its spec.
+    pub nic: usize,
+    /// `both` or `ingress`.
+    pub direction: CaptureDirection,
+    /// `attached`, `source_missing`, `tap_missing` or `failed`.
+    pub state: String,
 }
 
 /// One NUMA node as `host.info` shows it.
@@ -1164,6 +1214,21 @@ pub struct Event {
     /// (`from` and `to` are then the VM's current status).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest: Option<exec::GuestAction>,
+    /// The monitor NIC whose capture changed state, for events about one (`from` and `to` are
+    /// then the VM's current status): its source lost, back, failing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capture: Option<CaptureChange>,
+}
+
+/// A monitor NIC's capture changing state (`Event.capture`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaptureChange {
+    /// The NIC's index in `spec.nics`.
+    pub nic: usize,
+    /// Its source.
+    pub source: String,
+    /// The new state: `attached`, `source_missing`, `tap_missing` or `failed`.
+    pub state: String,
 }
 
 /// RFC 3339 UTC timestamp with seconds, for records and events.

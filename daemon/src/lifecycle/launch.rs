@@ -310,6 +310,7 @@ impl VmOp {
         // failure below removes the taps: they are not persistent.
         let fds = mgr.net.attach_nics(&mgr.config, &name, &vm.spec.nics, &allocs).await?;
         self.crashpoint("launch:taps");
+        self.attach_capture(vm).await?;
         let opened = self.open_passed_fds(vm, &allocs, fds, vhost.unwrap_or_default()).await?;
         let argv = build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format, rec.placement.as_ref());
         let request = LaunchRequest {
@@ -344,6 +345,22 @@ impl VmOp {
         self.held().pin_vcpus(id.pid, &mut qmp).await?;
         mgr.processes.verify_running(qmp).await?;
         Ok(id)
+    }
+
+    /// Mirrors the sources of the VM's monitor NICs into their taps (which exist now: the
+    /// launch holds their descriptors), with its undo entry, then crash point `launch:capture`.
+    ///
+    /// # Errors
+    /// 3001 naming `spec.nics[i].source` when a source is gone; 4001 (step `capture`) when a
+    /// mirror could not be made ([`super::capture::start_failure`]).
+    async fn attach_capture(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
+        if !super::capture::has_monitors(&vm.spec) {
+            return Ok(());
+        }
+        self.push(Step::Capture);
+        let report = super::capture::sync(self.mgr()).await;
+        self.crashpoint("launch:capture");
+        super::capture::start_failure(self.name(), &report)
     }
 
     /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars`, unless it has

@@ -30,6 +30,7 @@ pub(crate) mod agent;
 pub mod autostart;
 pub(crate) mod backup;
 mod busy;
+mod capture;
 mod copies;
 pub(crate) mod data_disks;
 pub(crate) mod errors;
@@ -90,6 +91,10 @@ pub struct Manager {
     _state_lock: nix::fcntl::Flock<std::fs::File>,
     /// Host networking (bridges, taps), the owner of every link vmhostd makes.
     net: HostNet,
+    /// The mirrors of monitor NICs' sources ([`capture`]), next to the taps they feed.
+    capture: crate::net::capture::Capture,
+    /// Each monitor's state after the last sync, diffed for events ([`capture::sync`]).
+    capture_states: tokio::sync::Mutex<capture::States>,
     /// What the last network check found, by network name.
     net_states: Mutex<BTreeMap<String, NetworkState>>,
     /// PCI devices through sysfs, the owner of vfio-pci bindings.
@@ -205,6 +210,8 @@ impl Manager {
             registry,
             _state_lock: state_lock,
             net,
+            capture: crate::net::capture::Capture::new(&config_for_backups.paths.state, &config_for_backups.paths.run),
+            capture_states: tokio::sync::Mutex::default(),
             net_states: Mutex::new(BTreeMap::new()),
             pci: Arc::new(crate::pci::Pci::real()),
             processes,
@@ -228,6 +235,10 @@ impl Manager {
         if !removed.is_empty() {
             tracing::info!(links = ?removed, "removed orphaned links");
         }
+        // Records settled: the mirrors follow them (stale ones of any boot go), then follow
+        // the links.
+        capture::sync(&mgr).await;
+        capture::spawn_watcher(&mgr);
         Ok(mgr)
     }
 
@@ -607,7 +618,20 @@ impl Manager {
             storage,
             numa,
             cpus: cpu_use,
+            // Asks netlink: filled in by the caller, off this blocking read ([`Manager::capture_info`]).
+            capture: Vec::new(),
         }
+    }
+
+    /// `host.info` `capture`: every `[capture] interfaces` entry as the kernel shows it now,
+    /// with the monitors of live VMs on it and their states after the last sync.
+    pub async fn capture_info(&self) -> Vec<crate::api::CaptureInfo> {
+        capture::info(self).await
+    }
+
+    /// `host.check` item `capture`: every configured capture interface exists.
+    pub async fn capture_check(&self) -> crate::api::CheckItem {
+        capture::check_item(&capture::info(self).await)
     }
 
     fn network_info(&self, t: &Table) -> Vec<crate::api::NetworkInfo> {

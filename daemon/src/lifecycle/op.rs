@@ -185,6 +185,9 @@ impl VmOp {
                 Step::HostSide => {
                     let _ = held.release_host_side(Devices::Keep).await;
                 }
+                Step::Capture => {
+                    super::capture::sync_without(held.mgr(), held.name()).await;
+                }
                 Step::DataDisks => held.undo_data_disks(),
                 Step::RootDisk => held.undo_root_disk(),
                 Step::Overlay => self.undo_overlay(),

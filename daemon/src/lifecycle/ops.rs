@@ -43,7 +43,9 @@ pub(crate) async fn create(mgr: &Arc<Manager>, spec: VmSpec) -> Result<Mutation,
             super::vfio::check_passthrough(mgr, &vm.spec).await?;
         }
         if vm.spec.state == DesiredState::Running {
-            // Where it would run (3001/3002) before anything is recorded.
+            // Capture sources present and free of passthrough (3001/3003), where it would run
+            // (3001/3002), before anything is recorded.
+            super::capture::check_sources(mgr, &vm.spec).await?;
             super::placement::check(mgr, &vm.spec)?;
         }
         let mut op = mgr.reserve_op(&vm.spec)?;
@@ -202,6 +204,9 @@ pub(crate) async fn apply(mgr: &Arc<Manager>, p: ApplyParams) -> Result<Mutation
             }
             super::vfio::check_passthrough(mgr, &vm.spec).await?;
         }
+        if vm.spec.state == DesiredState::Running {
+            super::capture::check_sources(mgr, &vm.spec).await?;
+        }
         // Admission of the new spec in place of the old and the record swap are one step:
         // a refusal leaves the old VM as it was.
         op.swap_spec(&vm.spec)?;
@@ -335,6 +340,7 @@ impl VmOp {
         let vm = validate_spec(&spec, &mgr.config)?;
         super::launch::check_launch_files(&mgr, &vm).await?;
         super::vfio::check_passthrough(&mgr, &vm.spec).await?;
+        super::capture::check_sources(&mgr, &vm.spec).await?;
         super::placement::check(&mgr, &vm.spec)?;
         if rec.reserved {
             self.update(reason, |r| r.spec.state = DesiredState::Running)?;

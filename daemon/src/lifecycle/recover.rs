@@ -273,6 +273,8 @@ mod tests {
             events,
             _state_lock: super::super::lock_state_dir(&config.paths.state).unwrap(),
             net: crate::net::host::HostNet::connect().unwrap(),
+            capture: crate::net::capture::Capture::new(&config.paths.state, &config.paths.run),
+            capture_states: tokio::sync::Mutex::default(),
             net_states: Mutex::new(BTreeMap::new()),
             pci: Arc::new(crate::pci::Pci::new(Box::new(Arc::clone(sysfs)))),
             processes: super::super::processes::Processes::new(config.clone()),

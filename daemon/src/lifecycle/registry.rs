@@ -52,6 +52,9 @@ pub(super) struct Table {
     exited: HashMap<String, ProcessIdentity>,
     /// VMs whose QEMU could not be watched: their liveness is read from /proc.
     unwatched: HashSet<String>,
+    /// Each running VM's monitor NIC states after the last capture sync, by NIC index
+    /// ([`Registry::set_capture`]); views show them while the VM runs.
+    capture: BTreeMap<String, BTreeMap<usize, String>>,
     /// VMs recovery has not settled yet (all of them at start): only these can have a QEMU
     /// whose identity is not recorded ([`super::launch::find_live`]).
     pub unsettled: HashSet<String>,
@@ -331,7 +334,7 @@ impl Registry {
             started_at: rec.started_at.clone(),
             last_error: rec.last_error.clone(),
             serial_log: paths.serial_log,
-            nics: nic_views(rec),
+            nics: nic_views(rec, t.capture.get(name)),
             agent,
             pending_restart: rec.running_spec.is_some() && matches!(rec.status, VmStatus::Running | VmStatus::Stopping),
             restarts: rec.restarts,
@@ -411,6 +414,21 @@ impl Registry {
         fresh
     }
 
+    /// Records every VM's monitor NIC states after a capture sync (VM -> NIC index -> state
+    /// name) and renders again the views of the VMs whose states changed.
+    pub fn set_capture(&self, states: BTreeMap<String, BTreeMap<usize, String>>) {
+        let mut t = self.table();
+        let mut changed: Vec<String> =
+            states.iter().filter(|(vm, s)| t.capture.get(*vm) != Some(*s)).map(|(vm, _)| vm.clone()).collect();
+        changed.extend(t.capture.keys().filter(|vm| !states.contains_key(*vm)).cloned());
+        t.capture = states;
+        for name in changed {
+            let (Some(cached), Some(rec)) = (t.views.get(&name).cloned(), t.vms.get(&name).cloned()) else { continue };
+            let fresh = self.render(&rec, &t, cached.agent.clone());
+            t.views.put(name, Arc::new(fresh));
+        }
+    }
+
     /// The exit watcher saw `id`, `name`'s QEMU, end: reads show the VM `dead` from now on,
     /// before the lifecycle has settled it.
     pub fn mark_exited(&self, name: &str, id: &ProcessIdentity) {
@@ -435,7 +453,7 @@ impl Registry {
 /// What each NIC of `rec` was given: vhost-net only while a QEMU runs (the launch records it),
 /// the queue pairs of the spec that QEMU runs (`running_spec` while a change waits for a
 /// restart).
-fn nic_views(rec: &VmRecord) -> Vec<crate::api::NicView> {
+fn nic_views(rec: &VmRecord, capture: Option<&BTreeMap<usize, String>>) -> Vec<crate::api::NicView> {
     let running = rec.running_spec.as_ref().unwrap_or(&rec.spec);
     rec.nics
         .iter()
@@ -445,6 +463,12 @@ fn nic_views(rec: &VmRecord) -> Vec<crate::api::NicView> {
             tap: n.tap.clone(),
             vhost: n.vhost && rec.process.is_some(),
             queues: running.nics.get(i).map_or(1, |nic| nic.queues),
+            mode: running.nics.get(i).map(|nic| nic.mode).unwrap_or_default(),
+            source: running.nics.get(i).and_then(|nic| nic.source.clone()),
+            direction: running.nics.get(i).and_then(|nic| nic.direction),
+            vlans: running.nics.get(i).map(|nic| nic.vlans.clone()).unwrap_or_default(),
+            trunk: running.nics.get(i).is_some_and(|nic| nic.trunk),
+            capture: capture.filter(|_| rec.process.is_some()).and_then(|c| c.get(&i).cloned()),
         })
         .collect()
 }

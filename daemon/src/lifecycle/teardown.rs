@@ -5,7 +5,7 @@
 //! once no QEMU of the VM can run any more (killed, or seen gone), in this order:
 //!
 //! 1. the run dir with its sockets (a client of a dead QEMU's socket is refused, not queued);
-//! 2. the taps (network owner, [`crate::net`]);
+//! 2. the taps (network owner, [`crate::net`]), then the mirrors into them ([`super::capture`]);
 //! 3. the guest agent session;
 //! 4. the placement ([`super::placement`]: a dedicated VM's CPUs go back to the shared pool);
 //! 5. the passthrough devices back to their host drivers ([`super::vfio`]), last: it needs
@@ -65,6 +65,13 @@ impl HeldVm {
         let (mgr, name) = (self.mgr(), self.name());
         self.clean_run_dir();
         mgr.net.detach_nics(name).await;
+        // Its mirrors go with its taps (a VM without monitor NICs has none to remove).
+        let monitored = mgr.lock().vms.get(name).is_some_and(|r| {
+            super::capture::has_monitors(&r.spec) || r.running_spec.as_ref().is_some_and(super::capture::has_monitors)
+        });
+        if monitored {
+            super::capture::sync_without(mgr, name).await;
+        }
         mgr.agents.stop(name);
         // The VM's exec slots entry goes once no call holds a slot (a call still running ends
         // with the session QEMU's exit broke).

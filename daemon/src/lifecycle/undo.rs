@@ -31,6 +31,8 @@ pub(super) enum Step {
     DataDisks,
     /// The run dir, then the taps and the agent session ([`super::teardown`]).
     HostSide,
+    /// Mirrors into this VM's monitor taps: a capture sync without the VM removes them.
+    Capture,
     /// Passthrough devices bound to vfio-pci: given back, once no QEMU of the VM runs.
     Devices,
     /// The QEMU process: killed.

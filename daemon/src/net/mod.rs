@@ -47,6 +47,7 @@
 //! in the lab host: a QEMU/TCG VM running Debian's cloud kernel, whose bridge has VLAN filtering
 //! (built separately, see the host-networking issue).
 
+pub mod backing;
 pub mod capture;
 pub mod host;
 pub mod link;

@@ -135,7 +135,11 @@ macro_rules! call {
 /// Every method of API v1, in documentation order.
 pub static METHODS: [Method; 34] = [
     // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
-    call!("host.info", Read, Free, Object, |ctx, _p| json(crate::blocking::run(|| ctx.manager.host_info()))),
+    call!("host.info", Read, Free, Object, |ctx, _p| {
+        let mut info = crate::blocking::run(|| ctx.manager.host_info());
+        info.capture = ctx.manager.capture_info().await;
+        json(info)
+    }),
     call!("host.check", Read, Free, Anything, |ctx, _p| {
         let mgr = Arc::clone(&ctx.manager);
         let report = ctx
@@ -148,7 +152,7 @@ pub static METHODS: [Method; 34] = [
                 let identity = crate::preflight::hardware_identity(
                     lifecycle::vfio::judge_model(&mgr).await.map_err(|e| e.to_string()),
                 );
-                crate::preflight::check(
+                let mut report = crate::preflight::check(
                     mgr.config(),
                     &mgr.broken_records(),
                     &networks,
@@ -157,7 +161,12 @@ pub static METHODS: [Method; 34] = [
                     &uefi_vms,
                     identity,
                 )
-                .await
+                .await;
+                // What netlink says of the capture interfaces now.
+                let capture = mgr.capture_check().await;
+                report.ok &= capture.status == crate::api::CheckStatus::Ok;
+                report.items.push(capture);
+                report
             })
             .await;
         report.ok_or_else(|| ApiError::internal("the host check failed unexpectedly")).and_then(json)

@@ -43,7 +43,7 @@ module FakeVmLogic
     case value
     when Hash then value.map { |k, v| wrong_type(v, k) }.compact.first
     when Array then value.map { |v| wrong_type(v, key) }.compact.first
-    else key if %w[cpu memory_mib disk_gib vlan vlan_id].include?(key) && !value.is_a?(Integer)
+    else key if %w[cpu memory_mib disk_gib vlan vlans vlan_id].include?(key) && !value.is_a?(Integer)
     end
   end
 
@@ -86,15 +86,22 @@ module FakeVmLogic
   # Members vmhostd leaves out of a recorded spec while they have their default.
   DEFAULTS = { 'guest_exec' => true, 'cpu_policy' => 'shared', 'emulator_cpu' => false }.freeze
 
-  # As vmhostd records a spec: members at their default left out (a NIC's `queues` of 1 too),
-  # `ssh.user` filled in.
+  # A NIC's members vmhostd leaves out of a recorded spec while they have their default.
+  NIC_DEFAULTS = { 'queues' => 1, 'mode' => 'bridge', 'trunk' => false }.freeze
+
+  # As vmhostd records a spec: members at their default left out (a NIC's too, and its empty
+  # `vlans`), `ssh.user` filled in.
   def echoed(spec)
     spec = spec.reject { |k, v| DEFAULTS.key?(k) && DEFAULTS[k] == v }
     spec['ssh'] = { 'user' => 'vmhost' }.merge(spec['ssh']) if spec['ssh'].is_a?(Hash)
-    if spec['nics'].is_a?(Array)
-      spec['nics'] = spec['nics'].map { |n| n.is_a?(Hash) ? n.reject { |k, v| k == 'queues' && v == 1 } : n }
-    end
+    spec['nics'] = spec['nics'].map { |n| echoed_nic(n) } if spec['nics'].is_a?(Array)
     spec
+  end
+
+  def echoed_nic(nic)
+    return nic unless nic.is_a?(Hash)
+
+    nic.reject { |k, v| (NIC_DEFAULTS.key?(k) && NIC_DEFAULTS[k] == v) || (k == 'vlans' && v == []) }
   end
 
   def view(spec)

@@ -164,6 +164,26 @@ class TestSpec < Minitest::Test
     refute Spec.same?(:nics, [{ 'network' => 'lan' }], [{ 'network' => 'lan', 'queues' => 2 }])
   end
 
+  def test_nic_capture_and_trunk_members_compare_as_vmhostd_echoes_them
+    monitor = { 'mode' => 'monitor', 'source' => 'eth1', 'direction' => 'ingress' }
+    assert Spec.same?(:nics, [monitor], [monitor.merge('trunk' => false)])
+    assert Spec.same?(:nics, [{ 'network' => 'lan' }], [{ 'network' => 'lan', 'mode' => 'bridge', 'vlans' => [] }])
+    assert Spec.same?(:nics, [{ 'network' => 'lan', 'vlans' => [10, 20] }],
+                      [{ 'network' => 'lan', 'vlans' => %w[10 20] }])
+    assert Spec.same?(:nics, [{ 'network' => 'lan', 'trunk' => true }], [{ 'network' => 'lan', 'trunk' => true }])
+    refute Spec.same?(:nics, [{ 'network' => 'lan' }], [{ 'network' => 'lan', 'trunk' => true }])
+    refute Spec.same?(:nics, [monitor], [monitor.merge('direction' => 'both')])
+    refute Spec.same?(:nics, [monitor], [monitor.merge('source' => 'eth2')])
+    refute Spec.same?(:nics, [{ 'network' => 'lan', 'vlans' => [10] }], [{ 'network' => 'lan', 'vlans' => [10, 20] }])
+  end
+
+  def test_build_sends_vlans_as_numbers_and_the_rest_as_declared
+    nics = [{ 'network' => 'lan', 'vlans' => %w[10 20] }, { 'mode' => 'monitor', 'source' => 'bond0' }]
+    spec = Spec.build('a', nil, { nics: Spec.normalize(nics, 'nics') }, nil)
+    assert_equal [{ 'network' => 'lan', 'vlans' => [10, 20] }, { 'mode' => 'monitor', 'source' => 'bond0' }],
+                 spec['nics']
+  end
+
   def test_build_sends_performance_members_as_vmhostd_takes_them
     recorded = { 'name' => 'a', 'cpu' => 2, 'memory_mib' => 2048, 'state' => 'running',
                  'boot' => { 'kernel' => '/k' }, 'hugepages' => '2M', 'numa' => 'auto' }

@@ -48,6 +48,31 @@ class MappingTest(unittest.TestCase):
         self.assertEqual(tag, "vmhost/hv1/x/destroyed")
         self.assertIsNone(data["to"])
 
+    def test_a_capture_change_is_forwarded_when_well_formed(self):
+        msg = note("s1_sensor", "running", "running", "capture source eth1 lost")
+        msg["params"]["result"]["capture"] = {"nic": 1, "source": "eth1", "state": "source_missing"}
+        tag, data = ev.event_to_tag_data("hv1", msg)
+        self.assertEqual(tag, "vmhost/hv1/s1_sensor/running")
+        self.assertEqual(
+            (data["reason"], data["capture"]),
+            ("capture source eth1 lost", {"nic": 1, "source": "eth1", "state": "source_missing"}),
+        )
+        self.assertNotIn("capture", ev.event_to_tag_data("hv1", note("s1_sensor", "creating", "running"))[1])
+        for bad in (
+            "eth1",
+            {"nic": "1", "source": "eth1", "state": "attached"},
+            {"nic": True, "source": "eth1", "state": "attached"},
+            {"nic": -1, "source": "eth1", "state": "attached"},
+            {"nic": 0, "source": "../x", "state": "attached"},
+            {"nic": 0, "source": "a" * 16, "state": "attached"},
+            {"nic": 0, "source": "eth 1", "state": "attached"},
+            {"nic": 0, "source": "eth1", "state": "Lost/x"},
+        ):
+            msg["params"]["result"]["capture"] = bad
+            with self.subTest(bad=bad):
+                tag, data = ev.event_to_tag_data("hv1", msg)
+                self.assertNotIn("capture", data, "a malformed capture member is left out, the event kept")
+
     def test_rejects_what_is_not_an_event(self):
         for msg in (
             {"jsonrpc": "2.0", "id": 1, "result": 5},

@@ -1029,3 +1029,125 @@ class PerformanceTest(Base):
             {"code": 3, "message": "Hardware validation failure: the host config names no vm_cpus"},
         )
         self.assertEqual(self.so_file("hv1", "a_sensor.status")["status"], "Hardware Configuration Failed")
+
+
+MONITOR = {"mode": "monitor", "source": "eth1"}
+
+
+class CaptureTest(Base):
+    """``capture_interface`` / ``capture_roles``: a monitor NIC for the VMs of the roles that
+    sniff, from the hypervisor's capture interface, unless the entry declares its own."""
+
+    def test_config_shapes(self):
+        self.assertEqual((config()["capture_interface"], config()["capture_roles"]), (None, ["sensor", "heavynode"]))
+        self.assertEqual(config(capture_interface="bond0.100")["capture_interface"], "bond0.100")
+        self.assertEqual(
+            config(capture_interface={"hv1": "eth1", "hv2": None})["capture_interface"], {"hv1": "eth1", "hv2": None}
+        )
+        self.assertEqual(config(capture_roles=["idh"], capture_interface="eth1")["capture_roles"], ["idh"])
+        self.assertEqual(config(capture_roles=[])["capture_roles"], [])
+        bad = [
+            {"capture_interface": ""},
+            {"capture_interface": "a-name-over-15-bytes"},
+            {"capture_interface": "eth1:0"},
+            {"capture_interface": "eth 1"},
+            {"capture_interface": "../x"},
+            {"capture_interface": ".."},
+            {"capture_interface": ["eth1"]},
+            {"capture_interface": 1},
+            {"capture_interface": {"hv1": ""}},
+            {"capture_interface": {"hv1": 7}},
+            {"capture_roles": "sensor"},
+            {"capture_roles": ["sensors"]},
+            {"capture_roles": ["sensor", "sensor"]},
+            {"capture_roles": None},
+        ]
+        for over in bad:
+            with self.subTest(over=over), self.assertRaises(eng.ConfigError):
+                config(**over)
+
+    def test_the_sniffing_roles_get_a_monitor_nic_after_their_addressed_one(self):
+        cfg = config(capture_interface="eth1")
+        for role in ("sensor", "heavynode"):
+            spec = eng.map_entry(so_entry("a", role=role), cfg, "f", 0, "hv1")
+            self.assertEqual(spec["nics"], [{"network": "br0", "ipv4": {"mode": "dhcp"}}, MONITOR], role)
+        for role in ("searchnode", "receiver", "idh", "fleet"):
+            spec = eng.map_entry(so_entry("a", role=role), cfg, "f", 0, "hv1")
+            self.assertEqual(len(spec["nics"]), 1, role)
+        plain = eng.map_entry(so_entry("a"), config(), "f", 0, "hv1")
+        self.assertEqual(len(plain["nics"]), 1, "no capture_interface, no monitor NIC")
+
+    def test_capture_roles_replace_the_default_roles(self):
+        cfg = config(capture_interface="eth1", capture_roles=["idh"])
+        self.assertEqual(eng.map_entry(so_entry("a", role="idh"), cfg, "f", 0, "hv1")["nics"][1], MONITOR)
+        self.assertEqual(len(eng.map_entry(so_entry("a"), cfg, "f", 0, "hv1")["nics"]), 1)
+        self.assertEqual(
+            len(eng.map_entry(so_entry("a"), config(capture_interface="eth1", capture_roles=[]))["nics"]), 1
+        )
+
+    def test_a_mapping_names_each_hypervisors_interface(self):
+        cfg = config(capture_interface={"hv1": "eth1", "hv2": "bond0", "hv3": None})
+        self.assertEqual(eng.map_entry(so_entry("a"), cfg, "f", 0, "hv1")["nics"][1], MONITOR)
+        self.assertEqual(eng.map_entry(so_entry("a"), cfg, "f", 0, "hv2")["nics"][1]["source"], "bond0")
+        for hyp in ("hv3", "hv4"):
+            self.assertEqual(len(eng.map_entry(so_entry("a"), cfg, "f", 0, hyp)["nics"]), 1, hyp)
+
+    def test_an_entry_declaring_its_own_capture_interface_wins(self):
+        cfg = config(capture_interface="eth1")
+        own = eng.map_entry(so_entry("a", capture_interface="eth2"), cfg, "f", 0, "hv1")
+        self.assertEqual(own["nics"][1:], [{"mode": "monitor", "source": "eth2"}], "one monitor NIC, its own")
+        search = eng.map_entry(so_entry("b", role="searchnode", capture_interface="eth2"), config(), "f", 0, "hv1")
+        self.assertEqual(search["nics"][1:], [{"mode": "monitor", "source": "eth2"}], "any role, no default needed")
+        none = eng.map_entry(so_entry("c", capture_interface=False), cfg, "f", 0, "hv1")
+        self.assertEqual(len(none["nics"]), 1, "false: no monitor NIC")
+        for blank in ("", None, "  "):
+            spec = eng.map_entry(so_entry("d", capture_interface=blank), cfg, "f", 0, "hv1")
+            self.assertEqual(spec["nics"][1:], [MONITOR], f"{blank!r} is SO's empty field: the default")
+        for bad in ("eth/1", 5, True, ["eth1"], "x" * 16):
+            with self.subTest(bad=bad), self.assertRaises(eng.EntryError) as ctx:
+                eng.map_entry(so_entry("e", capture_interface=bad), cfg, "f", 3, "hv1")
+            self.assertEqual(ctx.exception.field, "capture_interface")
+
+    def test_configs_without_it_keep_their_digest(self):
+        h = eng.hashlib.sha256(b"[]\0")
+        keys = ("network", "boot", "prune", "dry_run", "bootstrap", "master", "so_compat")
+        base = config()
+        relevant = dict({k: base.get(k) for k in keys}, minion="hv1")
+        h.update(json.dumps(relevant, sort_keys=True).encode())
+        self.assertEqual(eng.content_digest(b"[]", config(capture_roles=["idh"]), "hv1"), h.hexdigest())
+        with_it = eng.content_digest(b"[]", config(capture_interface="eth1"), "hv1")
+        self.assertNotEqual(with_it, h.hexdigest())
+        self.assertNotEqual(
+            eng.content_digest(b"[]", config(capture_interface="eth1", capture_roles=["idh"]), "hv1"), with_it
+        )
+
+    def test_setting_it_adds_the_nic_to_existing_sensors_in_place(self):
+        self.write("hv1", [so_entry("a"), so_entry("b", role="searchnode")])
+        self.assertEqual(self.engine().run_once(), {"hv1": "ok"})
+        self.events.clear()
+        self.now += 1
+        self.assertEqual(self.engine(capture_interface="eth1").run_once(), {"hv1": "ok"})
+        self.assertEqual(self.hosts["hv1"].specs["a_sensor"]["nics"][1:], [MONITOR])
+        self.assertEqual(len(self.hosts["hv1"].specs["b_searchnode"]["nics"]), 1)
+        reconciled = dict(self.events)["vmhost/hv1/a_sensor/reconciled"]
+        self.assertEqual((reconciled["action"], reconciled["fields"]), ("reconfigure", ["nics"]))
+        self.assertNotIn("vmhost/hv1/b_searchnode/reconciled", dict(self.events))
+        self.now += 1
+        self.assertEqual(self.engine(capture_interface="eth1").run_once(), {"hv1": "skipped"})
+
+    def test_a_source_the_hypervisor_does_not_list_is_sos_hardware_validation_failure(self):
+        self.write("hv1", [so_entry("a"), so_entry("b", role="searchnode")])
+        self.hosts["hv1"].errors = {
+            "a_sensor": daemon_error(
+                3001, "the host config lists no capture interface eth1", "spec.nics[1].source", kind="not_in_model"
+            )
+        }
+        self.assertEqual(self.engine(capture_interface="eth1").run_once(), {"hv1": "partial"})
+        self.assertEqual(
+            self.so_file("hv1", "a_sensor.error")["error_details"],
+            {"code": 3, "message": "Hardware validation failure: the host config lists no capture interface eth1"},
+        )
+        self.assertEqual(self.so_file("hv1", "a_sensor.status")["status"], "Hardware Configuration Failed")
+        failed = dict(self.events)["vmhost/hv1/a_sensor/reconcile_failed"]
+        self.assertEqual((failed["error"]["code"], failed["error"]["field"]), (3001, "spec.nics[1].source"))
+        self.assertIn("b_searchnode", self.hosts["hv1"].vms)

@@ -363,6 +363,45 @@ class TestMode(StateTest):
             "node 0 has 1 free VM CPU, VM web asks for 2",
         )
 
+    def test_capture_and_trunk_members_go_to_the_dry_run_as_given(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "nics": [{"network": "lan"}]}
+        self.start(
+            {
+                "vm.get": lambda p: view(spec),
+                "host.reconcile": plan(
+                    "reconfigure", "changed in place, disk kept (restarts): nics", fields=["nics"], restart=True
+                ),
+            },
+            test=True,
+        )
+        nics = [
+            {"network": "lan", "vlans": [10, 20]},
+            {"network": "lan", "trunk": True},
+            {"mode": "monitor", "source": "eth1", "direction": "ingress"},
+        ]
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, nics=nics)
+        self.assertIsNone(ret["result"])
+        self.assertEqual(ret["comment"], "VM web would be reconfigured in place (disk kept): nics; it is restarted")
+        self.assertEqual(self.params("host.reconcile")[0]["vms"][0]["nics"], nics)
+        self.assertNothingMutated()
+
+    def test_a_monitor_source_the_host_does_not_list_fails_the_dry_run_with_its_3001(self):
+        err = error(
+            3001,
+            "the host config lists no capture interface eth9",
+            field="spec.nics[0].source",
+            kind="not_in_model",
+        )
+        self.start({"vm.get": not_found, "host.reconcile": plan("create", "not on the host", err)}, test=True)
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, nics=[{"mode": "monitor", "source": "eth9"}])
+        self.assertIs(ret["result"], False)
+        self.assertEqual(
+            ret["comment"],
+            "VM web would fail to be created: vmhostd error 3001 (spec.nics[0].source): "
+            "the host config lists no capture interface eth9",
+        )
+        self.assertNothingMutated()
+
     def test_absent_predicts_destroy_without_destroying(self):
         spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT}
         self.start({"vm.get": lambda p: view(spec)}, test=True)
@@ -547,6 +586,29 @@ class RealRun(StateTest):
         self.assertEqual(ret["changes"], {})
         self.assertEqual(ret["comment"], "vmhostd error 3001 (spec.cpu_policy): the host config names no vm_cpus")
         self.assertEqual(self.params("vm.apply")[0]["spec"]["numa"], "none")
+
+    def test_a_monitor_nic_is_sent_as_given_and_reported_as_an_in_place_change(self):
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": BOOT, "nics": [{"network": "lan"}]}
+        nics = [{"network": "lan"}, {"mode": "monitor", "source": "eth1", "direction": "both"}]
+        changed = dict(spec, nics=nics)
+        self.start(
+            {"vm.get": lambda p: view(spec, pid=7), "vm.apply": lambda p: {"changed": True, "vm": view(changed, pid=8)}}
+        )
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, nics=nics)
+        self.assertIs(ret["result"], True)
+        self.assertEqual(ret["comment"], "VM web reconfigured in place (disk kept): nics (running)")
+        self.assertEqual(self.params("vm.apply")[0]["spec"]["nics"], nics)
+        self.assertEqual(ret["changes"]["new"]["spec"]["nics"], nics)
+
+    def test_a_monitor_source_missing_on_the_host_fails_with_the_daemons_3001(self):
+        err = error(3001, "no interface eth1 on the host", field="spec.nics[1].source", kind="not_in_model")
+        self.start({"vm.get": not_found, "vm.apply": lambda p: (_ for _ in ()).throw(Fail(err))})
+        nics = [{"network": "lan"}, {"mode": "monitor", "source": "eth1"}]
+        ret = self.state.running("web", cpu=1, memory_mib=256, boot=BOOT, nics=nics)
+        self.assertIs(ret["result"], False)
+        self.assertEqual(ret["changes"], {})
+        self.assertEqual(ret["comment"], "vmhostd error 3001 (spec.nics[1].source): no interface eth1 on the host")
+        self.assertEqual(self.params("vm.apply")[0]["spec"]["nics"], nics)
 
     def test_replaced_with_a_new_disk(self):
         spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": {"image": "old.qcow2", "disk_gib": 2}}

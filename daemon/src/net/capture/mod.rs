@@ -139,6 +139,11 @@ pub struct LinkState {
 }
 
 /// The kernel requests the applier makes: [`Netlink`] implements it, unit tests use a fake.
+///
+/// # Errors
+/// Each method answers the kernel's refusal as [`NetError`], as the [`Netlink`] method of the
+/// same name documents; the applier takes `Exists` from `add_clsact` and `NotFound` from
+/// `del_clsact`/`del_filter` as done.
 pub trait TcOps: Sync {
     /// Every link.
     fn links(&self) -> impl Future<Output = Result<Vec<LinkState>, NetError>> + Send;
@@ -313,6 +318,12 @@ impl Capture {
         let mut present: BTreeSet<String> = BTreeSet::new();
         let mut reports = Vec::new();
         for source in &sources {
+            if let Err(e) = validate_link_name(source) {
+                // Config and spec checks keep such names out; this keeps a ledger path inside
+                // STATE/capture whatever a caller passes.
+                errors.insert(source.clone(), e.to_string());
+                continue;
+            }
             let link = by_name.get(source.as_str());
             let mut seen = Observed { taps: taps.clone(), ..Observed::default() };
             if let Some(link) = link {
@@ -364,12 +375,12 @@ impl Capture {
         let monitors = desired
             .iter()
             .map(|m| {
-                let state = if !present.contains(&m.source) {
+                let state = if let Some(e) = errors.get(&m.source) {
+                    MonitorState::Failed(e.clone())
+                } else if !present.contains(&m.source) {
                     MonitorState::SourceMissing
                 } else if !taps.contains_key(&m.tap) {
                     MonitorState::TapMissing
-                } else if let Some(e) = errors.get(&m.source) {
-                    MonitorState::Failed(e.clone())
                 } else {
                     MonitorState::Attached
                 };

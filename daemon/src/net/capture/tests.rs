@@ -440,6 +440,17 @@ fn a_missing_tap_gets_no_mirror_and_other_sources_monitors_are_ignored() {
 
 // ---- sync against a fake kernel ----
 
+#[tokio::test]
+async fn a_source_name_the_kernel_would_refuse_is_failed_and_writes_nothing() {
+    let (d, cap) = capture();
+    let fake = fake_host();
+    let bad = Monitor { source: "../x".into(), ..both("a", TAP_A) };
+    let report = cap.sync_with(&fake, &[bad]).await;
+    assert!(matches!(&report.monitors[0].1, MonitorState::Failed(e) if e.contains("invalid link name")), "{report:?}");
+    assert_eq!(fake.k().changes, 0);
+    assert!(!d.path().join("x.json").exists() && !d.path().join("capture").exists());
+}
+
 #[derive(Default)]
 struct Kernel {
     links: Vec<LinkState>,
@@ -606,6 +617,27 @@ async fn sync_reports_missing_source_and_tap_and_reattaches_a_returning_source()
     }
     let l = ledger::read_all(&d.path().join("capture"));
     assert_eq!(l.ok[SRC].ifindex, 40);
+}
+
+#[tokio::test]
+async fn a_restarted_daemon_gives_back_what_the_previous_one_set() {
+    let (d, cap) = capture();
+    let fake = fake_host();
+    cap.sync_with(&fake, &[both("a", TAP_A)]).await;
+    drop(cap);
+    // The VM died with the daemon: its tap is gone, the mirrors point at ifindex 0.
+    {
+        let mut k = fake.k();
+        k.links.retain(|l| l.name != TAP_A);
+        for f in k.filters.values_mut().flatten() {
+            f.mirred_to = Some(0);
+        }
+    }
+    let cap = Capture::new(d.path(), &d.path().join("run"));
+    let report = cap.sync_with(&fake, &[]).await;
+    assert_eq!(report.sources, [SourceReport { source: SRC.into(), present: true, promisc: false, vmhost_filters: 0 }]);
+    let k = fake.k();
+    assert!(k.clsact.is_empty() && k.links.iter().all(|l| !l.promisc));
 }
 
 #[tokio::test]

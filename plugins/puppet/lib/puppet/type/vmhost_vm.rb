@@ -249,7 +249,14 @@ Puppet::Type.newtype(:vmhost_vm) do
                      'dns' => ['10.0.0.1'], 'search' => ['example.org'] } }`
       or `'ipv4' => { 'mode' => 'dhcp' }`, and `'queues' => 4` for that many queue pairs
       (multiqueue tap and virtio-net, 1 to 16; 1, the default, is what a NIC without it has).
-      Compared as a whole, in order. `nics => []` declares a VM without NICs.
+      A bridged NIC may carry tagged VLANs besides its access `vlan`: `'vlans' => [10, 20]`
+      or `'trunk' => true` (every VLAN; a network with `vlan_filtering`). A capture NIC is
+      `{ 'mode' => 'monitor', 'source' => 'eth1', 'direction' => 'ingress' }`: copies of the
+      host interface's frames (`direction` `both`, the default, or `ingress`), nothing sent
+      back; no `network`, `mac`, `vlan` or `ipv4`; the source must be in the host's
+      `[capture] interfaces` (else vmhostd's 3001 on `spec.nics[N].source`). `mode => bridge`
+      and `trunk => false` are what a NIC without them has. A change of these restarts a
+      running VM. Compared as a whole, in order. `nics => []` declares a VM without NICs.
     DOC
     extend shape
 

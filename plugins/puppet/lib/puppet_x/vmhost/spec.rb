@@ -41,10 +41,11 @@ module PuppetX
 
       # Members whose value is an integer in the spec, at any depth (`numa` when it names a
       # node: a whole-number string becomes that node, `auto` and the like stay strings).
-      INTEGER_KEYS = %w[cpu memory_mib disk_gib size_gib vlan vlan_id queues numa].freeze
+      INTEGER_KEYS = %w[cpu memory_mib disk_gib size_gib vlan vlans vlan_id queues numa].freeze
 
-      # A NIC's `queues` when it is not given; vmhostd leaves it out of its views then.
-      DEFAULT_QUEUES = 1
+      # A NIC's members at the values they have when not given (`queues` 1, `mode` bridge,
+      # `trunk` false); vmhostd leaves them out of its views then.
+      NIC_DEFAULTS = { 'queues' => 1, 'mode' => 'bridge', 'trunk' => false }.freeze
 
       # Statuses in which the VM counts as running (ensure => running is in sync).
       RUNNING_STATUSES = %w[running starting creating].freeze
@@ -144,7 +145,7 @@ module PuppetX
         when :hardware then normalize_hardware(value)
         when *BOOLEANS then boolean(value)
         when :ssh then ssh_with_user(normalize(value, 'ssh'))
-        when :nics then normalize(value, 'nics').map { |nic| without_default_queues(nic) }
+        when :nics then normalize(value, 'nics').map { |nic| without_nic_defaults(nic) }
         else normalize(value, ATTRIBUTES.fetch(attr))
         end
       end
@@ -159,11 +160,11 @@ module PuppetX
         end
       end
 
-      # A NIC as vmhostd echoes it: `queues` left out at its default, 1.
-      def without_default_queues(nic)
-        return nic unless nic.is_a?(Hash) && nic['queues'] == DEFAULT_QUEUES
+      # A NIC as vmhostd echoes it: the members of NIC_DEFAULTS left out at their default.
+      def without_nic_defaults(nic)
+        return nic unless nic.is_a?(Hash)
 
-        nic.dup.tap { |copy| copy.delete('queues') }
+        nic.reject { |k, v| NIC_DEFAULTS.key?(k) && NIC_DEFAULTS[k] == v }
       end
 
       # `ssh` with the account vmhostd records when none is named.

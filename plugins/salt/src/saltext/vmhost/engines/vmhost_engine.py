@@ -29,6 +29,7 @@ Master config::
               sensor: {image: so-sensor.qcow2, disk_gib: 300}
           performance_roles:
             sensor: {cpu_policy: dedicated, numa: auto, hugepages: 1G}
+          capture_interface: eth1        # sensors and heavy nodes get a monitor NIC of it
 """
 
 import concurrent.futures
@@ -131,6 +132,10 @@ PERFORMANCE_KEYS = ("cpu_policy", "numa", "hugepages", "emulator_cpu")
 CPU_POLICIES = ("shared", "dedicated")
 NUMA_WORDS = ("auto", "spread", "none")
 HUGEPAGE_SIZES = ("2M", "1G")
+# The SO roles that sniff traffic (a sensor; a heavy node is a sensor and a search node in one):
+# with ``capture_interface`` set, their VMs get a monitor NIC of it unless ``capture_roles``
+# says otherwise. The other roles (search node, receiver, IDH, fleet) take no copy of the wire.
+CAPTURE_ROLES = ("sensor", "heavynode")
 
 __virtualname__ = "vmhost_engine"
 
@@ -243,6 +248,72 @@ def performance_for(config, role):
     return {k: v for k, v in merged.items() if v is not None}
 
 
+def is_ifname(name):
+    """vmhostd's rule for a host interface name (its ``[capture] interfaces``): 1-15 bytes of
+    printable ASCII without ``/`` and ``:``, not ``.`` or ``..``."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name.encode()) <= 15
+        and name not in (".", "..")
+        and all(0x21 <= ord(c) <= 0x7E and c not in "/:" for c in name)
+    )
+
+
+def _check_capture_interface(value):
+    """``capture_interface``: one host interface name for every hypervisor, or a mapping of
+    hypervisor (the file prefix) to a name, or null for none there. Returns a name, a dict, or
+    None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not is_ifname(value):
+            raise ConfigError(f"capture_interface: {value!r} is not an interface name")
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError("capture_interface must be an interface name or a mapping of hypervisor to one")
+    out = {}
+    for hyp, name in value.items():
+        if not isinstance(hyp, str) or not hyp:
+            raise ConfigError("capture_interface: a hypervisor must be a non-empty string")
+        if name is not None and not is_ifname(name):
+            raise ConfigError(f"capture_interface.{hyp}: {name!r} is not an interface name")
+        out[hyp] = name
+    return out
+
+
+def _check_capture_roles(value):
+    """``capture_roles``: a list of SO roles (each once), whose VMs get the capture NIC."""
+    if not isinstance(value, list) or not all(isinstance(r, str) for r in value):
+        raise ConfigError(f"capture_roles must be a list of roles ({', '.join(SO_ROLES)})")
+    for role in value:
+        if role not in SO_ROLES:
+            raise ConfigError(f"capture_roles: {role!r} is not one of {', '.join(SO_ROLES)}")
+    if len(set(value)) != len(value):
+        raise ConfigError("capture_roles: a role is listed twice")
+    return list(value)
+
+
+def capture_source(entry, config, role, hypervisor):
+    """The host interface the monitor NIC of a VM copies, or None for no monitor NIC. An
+    entry's own ``capture_interface`` (vmhost's addition to SO's format) wins: a name is its
+    source whatever the role, ``false`` means none; blank or absent leaves it to the config's
+    ``capture_interface`` (the hypervisor's, when a mapping) for the roles of
+    ``capture_roles``."""
+    own = entry.get("capture_interface")
+    if own is False:
+        return None
+    if not _blank(own):
+        if not is_ifname(own):
+            raise _Bad("capture_interface", f"{json.dumps(own)[:40]} is not an interface name (or false for none)")
+        return own
+    default = config.get("capture_interface")
+    if isinstance(default, dict):
+        default = default.get(hypervisor)
+    if default is None or role not in (config.get("capture_roles") or ()):
+        return None
+    return default
+
+
 def _positive(kwargs, key, default):
     value = kwargs.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -303,6 +374,8 @@ def parse_config(kwargs, default_master=None):
         "bootstrap_timeout",
         "performance",
         "performance_roles",
+        "capture_interface",
+        "capture_roles",
     }
     unknown = set(kwargs) - known
     if unknown:
@@ -397,6 +470,8 @@ def parse_config(kwargs, default_master=None):
         role: _check_performance(value, f"performance_roles.{role}", role=True)
         for role, value in performance_roles.items()
     }
+    capture_interface = _check_capture_interface(kwargs.get("capture_interface"))
+    capture_roles = _check_capture_roles(kwargs.get("capture_roles", list(CAPTURE_ROLES)))
     return {
         "vms_dir": vms_dir,
         "suffix": suffix,
@@ -417,6 +492,8 @@ def parse_config(kwargs, default_master=None):
         "parallel": parallel,
         "performance": performance,
         "performance_roles": performance_roles,
+        "capture_interface": capture_interface,
+        "capture_roles": capture_roles,
     }
 
 
@@ -590,8 +667,9 @@ def map_entry(entry, config, source="<file>", index=0, hypervisor="", exec_boots
     """Maps one Security Onion VM entry onto a vmhostd VM spec.
 
     ``config`` is the result of :func:`parse_config` (``network``, ``boot``, ``bootstrap``,
-    ``master``, ``performance`` and ``performance_roles`` are used); ``hypervisor`` (the file's
-    prefix) goes into the bootstrap text.
+    ``master``, ``performance``, ``performance_roles``, ``capture_interface`` and
+    ``capture_roles`` are used); ``hypervisor`` (the file's prefix) goes into the bootstrap
+    text and picks its ``capture_interface`` from a mapping.
     The rendered bootstrap is the spec's ``user_data``, except for a boot source with
     ``cloud_init: false``: then it goes into ``exec_bootstraps`` (a dict, ``{name: text}``)
     when given, to be run through vm.exec, and the spec has no ``user_data`` (no seed).
@@ -663,6 +741,10 @@ def map_entry(entry, config, source="<file>", index=0, hypervisor="", exec_boots
                 {"name": "nsm", "size_gib": nsm, "format": "raw", "preallocate": True, "cache": "none", "aio": "native"}
             ]
         spec["nics"] = [_ipv4(entry, config["network"])]
+        source = capture_source(entry, config, role, hypervisor)
+        if source is not None:
+            # After the addressed NIC, so the guest's first NIC stays the one it is reached on.
+            spec["nics"].append({"mode": "monitor", "source": source})
         if config.get("bootstrap"):
             text = render(
                 config["bootstrap"],
@@ -811,6 +893,10 @@ def content_digest(content, config, minion=None, shared=()):
     for key in ("performance", "performance_roles"):
         if config.get(key):
             relevant[key] = config[key]
+    # The roles matter only with an interface to give them.
+    if config.get("capture_interface"):
+        relevant["capture_interface"] = config["capture_interface"]
+        relevant["capture_roles"] = config.get("capture_roles")
     relevant["minion"] = minion
     if shared:
         relevant["shared"] = sorted(shared)

@@ -31,6 +31,8 @@ TAG_PART_RE = re.compile(r"[^A-Za-z0-9._-]")
 # vmhostd's VM name rule: 1-63 characters, first [a-z0-9], then [a-z0-9_-].
 VM_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 STATUS_RE = re.compile(r"^[a-z_]{1,32}$")
+# A host interface name as vmhostd accepts one (1-15 printable characters, no / or :).
+IFNAME_RE = re.compile(r"^[!-.0-9;-~]{1,15}$")
 
 __virtualname__ = "vmhost_events"
 
@@ -81,7 +83,25 @@ def event_to_tag_data(hypervisor, message):
         "time": event.get("time") if isinstance(event.get("time"), str) else None,
         "source": "vmhostd",
     }
+    capture = _capture(event.get("capture"))
+    if capture is not None:
+        data["capture"] = capture
     return build_tag(hypervisor, vm, status), data
+
+
+def _capture(value):
+    """A capture event's ``{nic, source, state}`` (a monitor NIC's source lost or back), or None
+    when the event has none or it is not of that shape."""
+    if not isinstance(value, dict):
+        return None
+    nic, source, state = value.get("nic"), value.get("source"), value.get("state")
+    if isinstance(nic, bool) or not isinstance(nic, int) or not 0 <= nic < 1024:
+        return None
+    if not isinstance(source, str) or not IFNAME_RE.match(source) or source in (".", ".."):
+        return None
+    if not isinstance(state, str) or not STATUS_RE.match(state):
+        return None
+    return {"nic": nic, "source": source, "state": state}
 
 
 def socket_path(kwargs, opts, pillar):

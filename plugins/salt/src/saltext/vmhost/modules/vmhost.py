@@ -246,7 +246,12 @@ def apply(spec, replace=False, restart=True, timeout_s=30):
     overlay is deleted**); without it vmhostd refuses with 2002. The placement members
     (``cpu_policy``, ``numa``, ``hugepages``, ``emulator_cpu``, a NIC's ``queues``) are spec
     members like the others, sent as given and checked by vmhostd (3001 when the host cannot
-    give them at all, 3002 when too little is free now). Returns ``{changed, vm}``.
+    give them at all, 3002 when too little is free now). So are a NIC's capture and trunk
+    members (``mode: monitor`` with ``source`` and ``direction``, ``vlans``, ``trunk``): a
+    monitor NIC gets copies of a host interface's frames and sends nothing (docs/capture.md);
+    vmhostd refuses a source its ``[capture] interfaces`` does not list, or that is not on the
+    host, with 3001 on ``spec.nics[N].source``. A change of them restarts. Returns
+    ``{changed, vm}``.
 
     CLI Example: ``salt '*' vmhost.apply '{"name": "web", "cpu": 1, ...}' timeout_s=60``
     """

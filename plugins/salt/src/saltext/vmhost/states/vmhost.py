@@ -333,12 +333,16 @@ def running(name, spec=None, replace=False, restart=True, timeout_s=30, **kwargs
         optional dict with spec members (e.g. from pillar); the state's other arguments are
         spec members too (``cpu``, ``memory_mib``, ``boot``, ``nics``, ``disks``, ``hardware``,
         ``pci``, ``role``, ``guest_interfaces``, ``ssh``, ``guest_exec``, ``cpu_policy``,
-        ``numa``, ``hugepages``, ``emulator_cpu``; a NIC may carry ``queues``) and override it.
-        A change of ``guest_interfaces`` or ``ssh`` alone is applied live (no restart);
-        ``guest_exec`` is changed in place without a restart; ``cpu_policy``, ``numa``,
-        ``hugepages``, ``emulator_cpu`` and ``queues`` need a restart (see ``restart``). They
-        are passed through as given: vmhostd checks them (a ``numa`` node is a number, ``numa:
-        1``, not ``"1"``) and places the VM when it starts (3001/3002 when the host cannot).
+        ``numa``, ``hugepages``, ``emulator_cpu``; a NIC may carry ``queues``, ``vlans``,
+        ``trunk``, or be a capture NIC: ``mode: monitor``, ``source``, ``direction``) and
+        override it. A change of ``guest_interfaces`` or ``ssh`` alone is applied live (no
+        restart); ``guest_exec`` is changed in place without a restart; ``cpu_policy``,
+        ``numa``, ``hugepages``, ``emulator_cpu`` and a NIC's ``queues``, ``mode``, ``source``,
+        ``direction``, ``vlans`` and ``trunk`` need a restart (see ``restart``). They are passed
+        through as given: vmhostd checks them (a ``numa`` node is a number, ``numa: 1``, not
+        ``"1"``; a monitor NIC's ``source`` must be in the host's ``[capture] interfaces`` and
+        present, else 3001 on ``spec.nics[N].source``) and places the VM when it starts
+        (3001/3002 when the host cannot).
     replace
         only for a change of ``boot.image``, which needs a new disk: True recreates the VM
         (vmhostd deletes its old disk overlay); False (default) fails with vmhostd's 2002. Every
