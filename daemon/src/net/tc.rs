@@ -396,12 +396,14 @@ impl Netlink {
         &self,
         ifindex: u32,
         hook: Hook,
+        prio: u16,
         options: Vec<TcFilterBpfOption>,
         what: &'static str,
     ) -> Result<FilterId, NetError> {
         // prio 0 with NLM_F_CREATE: a new classifier instance at a priority the kernel picks
-        // (below the lowest present), so a filter already there is never replaced or joined.
-        let mut msg = filter_message(ifindex, hook, 0, ETH_P_ALL, 0)?;
+        // (after the filters below 0x8000), so a filter already there is never replaced or
+        // joined. Handle 0 with NLM_F_EXCL: a new filter, never a change of one there.
+        let mut msg = filter_message(ifindex, hook, prio, ETH_P_ALL, 0)?;
         msg.attributes.push(TcAttribute::Kind(TcFilterBpf::KIND.to_string()));
         msg.attributes.push(TcAttribute::Options(options.into_iter().map(TcOption::Bpf).collect()));
         let subject = format!("link #{ifindex}");
@@ -437,6 +439,24 @@ impl Netlink {
     /// [`NetError::Unsupported`] without `cls_bpf` or `act_mirred`; [`NetError::Netlink`]
     /// otherwise.
     pub async fn add_mirror(&self, ifindex: u32, hook: Hook, target: u32, cookie: &[u8]) -> Result<FilterId, NetError> {
+        self.add_mirror_at(ifindex, hook, 0, target, cookie).await
+    }
+
+    /// [`Netlink::add_mirror`] at priority `prio` (0: the kernel picks one after the filters
+    /// there). A priority some classifier of another kind or protocol already holds is refused
+    /// by the kernel; one our mirrors hold is joined (the classic-BPF classifier runs each of
+    /// its filters in turn, and a mirror continues).
+    ///
+    /// # Errors
+    /// As [`Netlink::add_mirror`].
+    pub async fn add_mirror_at(
+        &self,
+        ifindex: u32,
+        hook: Hook,
+        prio: u16,
+        target: u32,
+        cookie: &[u8],
+    ) -> Result<FilterId, NetError> {
         if cookie.is_empty() || cookie.len() > MAX_COOKIE {
             return Err(NetError::InvalidCookie(cookie.len()));
         }
@@ -445,7 +465,7 @@ impl Netlink {
         }
         let mut options = ret_program(u32::MAX);
         options.push(bpf_actions(vec![mirror_action(target, cookie)]));
-        self.add_filter(ifindex, hook, options, MIRROR_WHAT).await
+        self.add_filter(ifindex, hook, prio, options, MIRROR_WHAT).await
     }
 
     /// Adds the classic-BPF direct-action filter that drops every frame (the monitor tap's
@@ -457,7 +477,7 @@ impl Netlink {
     pub async fn add_drop_all(&self, ifindex: u32, hook: Hook) -> Result<FilterId, NetError> {
         let mut options = ret_program(i32::from(TcActionType::Shot) as u32);
         options.push(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction));
-        self.add_filter(ifindex, hook, options, DROP_WHAT).await
+        self.add_filter(ifindex, hook, 0, options, DROP_WHAT).await
     }
 
     /// Deletes exactly the filter `id` on link `ifindex`: its priority, protocol, handle and kind

@@ -32,7 +32,7 @@ use std::sync::PoisonError;
 use serde::{Deserialize, Serialize};
 
 pub use self::ledger::Ledger;
-pub use self::plan::{plan, Observed, Step};
+pub use self::plan::{mirror_prio, plan, Observed, Step, FIRST_PRIO};
 use super::link::Netlink;
 pub use super::tc::{FilterId, FilterInfo, Hook};
 use super::{validate_link_name, NetError};
@@ -155,11 +155,13 @@ pub trait TcOps: Sync {
     fn del_clsact(&self, ifindex: u32) -> impl Future<Output = Result<(), NetError>> + Send;
     /// The filters on one hook.
     fn filters(&self, ifindex: u32, hook: Hook) -> impl Future<Output = Result<Vec<FilterInfo>, NetError>> + Send;
-    /// Adds a mirror of `hook` to `target` carrying `cookie`.
+    /// Adds a mirror of `hook` to `target` carrying `cookie`, at priority `prio` (0: the
+    /// kernel's choice).
     fn add_mirror(
         &self,
         ifindex: u32,
         hook: Hook,
+        prio: u16,
         target: u32,
         cookie: &[u8],
     ) -> impl Future<Output = Result<FilterId, NetError>> + Send;
@@ -189,8 +191,15 @@ impl TcOps for Netlink {
     async fn filters(&self, ifindex: u32, hook: Hook) -> Result<Vec<FilterInfo>, NetError> {
         Netlink::filters(self, ifindex, hook).await
     }
-    async fn add_mirror(&self, ifindex: u32, hook: Hook, target: u32, cookie: &[u8]) -> Result<FilterId, NetError> {
-        Netlink::add_mirror(self, ifindex, hook, target, cookie).await
+    async fn add_mirror(
+        &self,
+        ifindex: u32,
+        hook: Hook,
+        prio: u16,
+        target: u32,
+        cookie: &[u8],
+    ) -> Result<FilterId, NetError> {
+        Netlink::add_mirror_at(self, ifindex, hook, prio, target, cookie).await
     }
     async fn del_filter(&self, ifindex: u32, id: &FilterId) -> Result<(), NetError> {
         Netlink::del_filter(self, ifindex, id).await
@@ -429,8 +438,8 @@ impl Capture {
                     Ok(()) | Err(NetError::NotFound(_)) => Ok(()),
                     Err(e) => Err(format!("cannot delete the clsact qdisc of {source}: {e}")),
                 },
-                Step::AddMirror { hook, tap, target } => ops
-                    .add_mirror(ifindex, *hook, *target, &cookie(tap))
+                Step::AddMirror { hook, prio, tap, target } => ops
+                    .add_mirror(ifindex, *hook, *prio, *target, &cookie(tap))
                     .await
                     .map(|_| {
                         applied.ours += 1;

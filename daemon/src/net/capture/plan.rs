@@ -58,6 +58,8 @@ pub enum Step {
     AddMirror {
         /// Which side of the source.
         hook: Hook,
+        /// The priority to add it at ([`mirror_prio`]); 0 lets the kernel choose.
+        prio: u16,
         /// The tap's name (its cookie).
         tap: String,
         /// The tap's ifindex.
@@ -74,6 +76,28 @@ pub fn hooks_of(direction: CaptureDirection) -> &'static [Hook] {
         CaptureDirection::Ingress => &[Hook::Ingress],
     }
 }
+
+/// The priority a new mirror on `hook` gets: the one our mirrors there already share (the
+/// classic-BPF classifier runs every filter of one priority in turn, and ours say `continue`),
+/// else one below every other filter on the hook, so that no filter of the operator's that
+/// ends classification hides a frame from the monitors (ours continue, so theirs still see
+/// every frame). 0 (the kernel picks one after the others) only when an operator's filter
+/// already holds priority 1; then a frame it ends classification for is not mirrored
+/// (docs/capture.md). `leaving` are filters about to be deleted.
+pub fn mirror_prio(seen: &Observed, hook: Hook, leaving: &[FilterId]) -> u16 {
+    let staying = || seen.filters.iter().filter(move |f| f.id.hook == hook && !leaving.contains(&f.id));
+    if let Some(ours) = staying().find(|f| f.cookie.as_deref().and_then(parse_cookie).is_some()) {
+        return ours.id.prio;
+    }
+    match staying().map(|f| f.id.prio).min() {
+        None => FIRST_PRIO,
+        Some(lowest) => lowest.saturating_sub(1),
+    }
+}
+
+/// The priority of the first mirror on a hook without filters: the kernel's own first choice,
+/// so a source with only our filters looks as `tc` users expect.
+pub const FIRST_PRIO: u16 = 0xc000;
 
 /// Whether `ledger` describes the link the kernel shows now (same boot, same ifindex).
 pub fn ledger_is_current(ledger: &Ledger, seen: &Observed, boot_id: &str) -> bool {
@@ -123,6 +147,7 @@ pub fn plan(source: &str, desired: &[&Monitor], seen: &Observed, ledger: Option<
     }
 
     if monitored {
+        let mut adds = Vec::new();
         if current.is_none() {
             // Written before any change. When our filters are already there (the ledger was
             // lost) the flag and the qdisc may be ours; recording them as found keeps them
@@ -141,12 +166,14 @@ pub fn plan(source: &str, desired: &[&Monitor], seen: &Observed, ledger: Option<
         if !seen.clsact {
             steps.push(Step::AddClsact);
         }
-        steps.extend(stale.into_iter().map(Step::DelFilter));
         for ((hook, tap), target) in wanted {
             if !kept.contains(&(hook, tap.clone())) {
-                steps.push(Step::AddMirror { hook, tap, target });
+                let prio = mirror_prio(seen, hook, &stale);
+                adds.push(Step::AddMirror { hook, prio, tap, target });
             }
         }
+        steps.extend(stale.into_iter().map(Step::DelFilter));
+        steps.extend(adds);
         return steps;
     }
 

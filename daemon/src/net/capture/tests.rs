@@ -38,6 +38,15 @@ fn id(hook: Hook, prio: u16) -> FilterId {
     FilterId { hook, prio, protocol: 3, handle: 1, kind: "bpf".to_string() }
 }
 
+/// The id the kernel gives a new bpf filter at `prio` among `filters`: the next free handle of
+/// that priority (0: the kernel picks the priority, here one past the highest).
+fn next_id(filters: &[FilterInfo], hook: Hook, prio: u16) -> FilterId {
+    let prio = if prio == 0 { filters.iter().map(|f| f.id.prio).max().unwrap_or(0) + 1 } else { prio };
+    let handle =
+        filters.iter().filter(|f| f.id.hook == hook && f.id.prio == prio).map(|f| f.id.handle).max().unwrap_or(0) + 1;
+    FilterId { handle, ..id(hook, prio) }
+}
+
 fn ours(hook: Hook, prio: u16, tap: &str, target: Option<u32>) -> FilterInfo {
     FilterInfo { id: id(hook, prio), cookie: Some(cookie(tap)), mirred_to: target, packets: 0 }
 }
@@ -72,10 +81,10 @@ fn simulate(steps: &[Step], seen: &mut Observed, ledger: &mut Option<Ledger>) {
                 seen.clsact = false;
                 seen.filters.clear();
             }
-            Step::AddMirror { hook, tap, target } => {
+            Step::AddMirror { hook, prio, tap, target } => {
                 assert!(seen.clsact, "a mirror before its qdisc: {steps:?}");
-                let prio = seen.filters.iter().map(|f| f.id.prio).max().unwrap_or(0) + 1;
-                seen.filters.push(ours(*hook, prio, tap, Some(*target)));
+                let id = next_id(&seen.filters, *hook, *prio);
+                seen.filters.push(FilterInfo { id, ..ours(*hook, 0, tap, Some(*target)) });
             }
             Step::DelFilter(id) => {
                 let before = seen.filters.len();
@@ -120,7 +129,11 @@ fn check_order(steps: &[Step]) {
 }
 
 fn add(hook: Hook, tap: &str, target: u32) -> Step {
-    Step::AddMirror { hook, tap: tap.to_string(), target }
+    add_at(hook, FIRST_PRIO, tap, target)
+}
+
+fn add_at(hook: Hook, prio: u16, tap: &str, target: u32) -> Step {
+    Step::AddMirror { hook, prio, tap: tap.to_string(), target }
 }
 
 #[test]
@@ -176,12 +189,42 @@ fn a_source_already_promiscuous_with_a_qdisc_is_recorded_so_and_left_so() {
     let steps = converge(&[both("a", TAP_A)], &mut s, &mut l);
     assert_eq!(
         steps,
-        [Step::WriteLedger(ledger(true, false)), add(Hook::Ingress, TAP_A, A_INDEX), add(Hook::Egress, TAP_A, A_INDEX)]
+        [
+            Step::WriteLedger(ledger(true, false)),
+            // The operator's filter holds priority 1: no room before it, the kernel picks.
+            add_at(Hook::Ingress, 0, TAP_A, A_INDEX),
+            add(Hook::Egress, TAP_A, A_INDEX)
+        ]
     );
     let steps = converge(&[], &mut s, &mut l);
-    assert_eq!(steps, [Step::DelFilter(id(Hook::Ingress, 2)), Step::DelFilter(id(Hook::Egress, 3)), Step::DropLedger]);
+    assert_eq!(
+        steps,
+        [Step::DelFilter(id(Hook::Ingress, 2)), Step::DelFilter(id(Hook::Egress, FIRST_PRIO)), Step::DropLedger]
+    );
     assert!(s.promisc && s.clsact, "promisc and the qdisc were there before: kept");
     assert_eq!(s.filters, [foreign(Hook::Ingress, 1, None)]);
+}
+
+#[test]
+fn mirrors_go_before_every_other_filter_and_share_one_priority() {
+    // An operator's filter that ends classification must not hide frames from a monitor: ours
+    // go one priority before the lowest there, and later ones join ours (each continues).
+    let operators = vec![foreign(Hook::Ingress, 7, None), foreign(Hook::Ingress, 9, None)];
+    let mut s = Observed { clsact: true, filters: operators.clone(), ..seen() };
+    let mut l = None;
+    let steps = converge(&[mon("a", TAP_A, CaptureDirection::Ingress)], &mut s, &mut l);
+    assert!(steps.contains(&add_at(Hook::Ingress, 6, TAP_A, A_INDEX)), "{steps:?}");
+    let both_vms = [mon("a", TAP_A, CaptureDirection::Ingress), both("b", TAP_B)];
+    let steps = converge(&both_vms, &mut s, &mut l);
+    assert_eq!(steps, [add_at(Hook::Ingress, 6, TAP_B, B_INDEX), add(Hook::Egress, TAP_B, B_INDEX)]);
+    let prios: Vec<(u16, u32)> =
+        s.filters.iter().filter(|f| f.cookie.is_some()).map(|f| (f.id.prio, f.id.handle)).collect();
+    assert_eq!(prios, [(6, 1), (6, 2), (FIRST_PRIO, 1)], "one priority for ours on a hook, a handle each");
+    // A stale one of ours does not hold the priority for the new one.
+    let prio = mirror_prio(&s, Hook::Ingress, &[id(Hook::Ingress, 6), FilterId { handle: 2, ..id(Hook::Ingress, 6) }]);
+    assert_eq!(prio, 6, "one below the operator's 7 again");
+    converge(&[], &mut s, &mut l);
+    assert_eq!(s.filters, operators, "the operator's filters stay");
 }
 
 #[test]
@@ -196,7 +239,7 @@ fn ingress_only_mirrors_one_hook_and_a_change_of_direction_drops_the_egress_mirr
     let steps = converge(&[both("a", TAP_A)], &mut s, &mut l);
     assert_eq!(steps, [add(Hook::Egress, TAP_A, A_INDEX)]);
     let steps = converge(&[mon("a", TAP_A, CaptureDirection::Ingress)], &mut s, &mut l);
-    assert_eq!(steps, [Step::DelFilter(id(Hook::Egress, 2))]);
+    assert_eq!(steps, [Step::DelFilter(id(Hook::Egress, FIRST_PRIO))]);
 }
 
 #[test]
@@ -236,8 +279,8 @@ fn the_last_leaving_gives_everything_back_in_order() {
     assert_eq!(
         steps,
         [
-            Step::DelFilter(id(Hook::Ingress, 1)),
-            Step::DelFilter(id(Hook::Egress, 2)),
+            Step::DelFilter(id(Hook::Ingress, FIRST_PRIO)),
+            Step::DelFilter(id(Hook::Egress, FIRST_PRIO)),
             Step::DelClsact,
             Step::SetPromisc(false),
             Step::DropLedger,
@@ -393,7 +436,7 @@ fn a_lost_ledger_still_removes_our_filters_but_nothing_else() {
     converge(&[both("a", TAP_A)], &mut s, &mut l);
     let mut l = None; // the ledger file was deleted
     let steps = converge(&[], &mut s, &mut l);
-    assert_eq!(steps, [Step::DelFilter(id(Hook::Ingress, 1)), Step::DelFilter(id(Hook::Egress, 2))]);
+    assert_eq!(steps, [Step::DelFilter(id(Hook::Ingress, FIRST_PRIO)), Step::DelFilter(id(Hook::Egress, FIRST_PRIO))]);
     assert!(s.promisc && s.clsact, "without a ledger nothing says they were ours");
 }
 
@@ -508,7 +551,14 @@ impl TcOps for Fake {
         let k = self.k();
         Ok(k.filters.get(&ifindex).into_iter().flatten().filter(|f| f.id.hook == hook).cloned().collect())
     }
-    async fn add_mirror(&self, ifindex: u32, hook: Hook, target: u32, cookie: &[u8]) -> Result<FilterId, NetError> {
+    async fn add_mirror(
+        &self,
+        ifindex: u32,
+        hook: Hook,
+        prio: u16,
+        target: u32,
+        cookie: &[u8],
+    ) -> Result<FilterId, NetError> {
         let mut k = self.k();
         k.changes += 1;
         if k.fail_mirror {
@@ -518,8 +568,12 @@ impl TcOps for Fake {
             return Err(gone(ifindex));
         }
         let list = k.filters.entry(ifindex).or_default();
-        let prio = list.iter().map(|f| f.id.prio).max().unwrap_or(0) + 1;
-        let f = FilterInfo { id: id(hook, prio), cookie: Some(cookie.to_vec()), mirred_to: Some(target), packets: 0 };
+        let f = FilterInfo {
+            id: next_id(list, hook, prio),
+            cookie: Some(cookie.to_vec()),
+            mirred_to: Some(target),
+            packets: 0,
+        };
         list.push(f.clone());
         Ok(f.id)
     }
