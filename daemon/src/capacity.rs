@@ -6,6 +6,11 @@
 //! [`check_room`] (keeping a running [`Used`] total instead of summing every holder per entry),
 //! so a plan sees exactly the refusals a real run would get. Conflicts (3003) are reported
 //! before capacity (3002) because they name what to fix.
+//!
+//! [`check_capture_devices`] (3003 between passthrough and monitor NICs' sources) takes what
+//! sysfs says each source depends on as an argument ([`crate::net::backing`], read by the
+//! lifecycle before it runs), so it stays pure; reconcile's plan does not run it (no sysfs
+//! read in a dry run).
 
 use crate::api::{ApiError, Code, HardwareItem, NicMode, ResourceUsage, VmSpec};
 use crate::config::Hardware;

@@ -1,7 +1,9 @@
 //! NIC planning: checking a spec's `nics` and choosing each NIC's MAC and tap name.
 //!
 //! Pure functions of (spec, host config, what other VMs hold). [`validate_nics`] runs inside spec
-//! validation (2001/3001); [`allocate`] runs under the lifecycle's allocation lock, reports
+//! validation (2001/3001): a bridge NIC needs a network and may carry tagged `vlans` or a
+//! `trunk`; a monitor NIC needs a `source` from `[capture] interfaces` and has no network,
+//! VLAN, MAC or address (its derived MAC is an identifier inside the guest only); [`allocate`] runs under the lifecycle's allocation lock, reports
 //! conflicts with other VMs (3003), and returns the [`NicAlloc`]s that the VM record keeps for
 //! the VM's whole life, so MACs and tap names stay stable across restarts and host changes.
 //! [`kernel_ip_params`] renders the guest addresses for direct-kernel VMs.

@@ -9,7 +9,11 @@ use std::time::Duration;
 use vmhost_tests::{HostOptions, TestHost, LAN_NETWORK};
 
 fn host() -> TestHost {
-    let extra = format!("{LAN_NETWORK}\n[capture]\ninterfaces = [\"cap0\", \"gone0\"]\n");
+    host_with("")
+}
+
+fn host_with(more: &str) -> TestHost {
+    let extra = format!("{LAN_NETWORK}\n[capture]\ninterfaces = [\"cap0\", \"gone0\"]\n{more}");
     let host = TestHost::start(HostOptions { netns: true, extra, ..HostOptions::default() });
     // The source: a veth in the daemon's namespace (its peer beside it, both down).
     host.ip(&["link", "add", "cap0", "type", "veth", "peer", "name", "cap0p"]);
@@ -196,4 +200,31 @@ fn a_running_monitor_follows_its_source_and_a_stop_gives_it_back() {
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(!text.contains("mirred"), "{hook}: {text}");
     }
+}
+
+/// vmhostd killed right after a start's capture sync (`launch:capture`: mirrors, promiscuous
+/// flag and ledger in place, no QEMU): the restart's recovery sync gives the source back.
+/// (Every capture crash point with frames and foreign filters: tests/tests/capture.rs.)
+#[test]
+fn a_crash_after_the_capture_sync_of_a_start_leaves_nothing_on_the_source() {
+    // Autostart off: what the restart's recovery settles, before anything starts the VM again.
+    let mut host = host_with("[lifecycle]\nautostart = false\n");
+    let nics = json!([{"mode": "monitor", "source": "cap0"}]);
+    let s = spec(&host, "cr", nics, "running");
+    host.crash_during("launch:capture", "vm.create", json!({ "spec": s }));
+    let link = host.ip(&["link", "show", "dev", "cap0"]);
+    assert!(!link.contains("PROMISC"), "{link}");
+    let ns = host.netns.clone().expect("a netns");
+    for hook in ["ingress", "egress"] {
+        let out = std::process::Command::new("tc")
+            .args(["-n", &ns, "filter", "show", "dev", "cap0", hook])
+            .output()
+            .expect("tc");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!text.contains("mirred"), "{hook}: {text}");
+    }
+    let ledgers: Vec<_> = std::fs::read_dir(host.state().join("capture"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(ledgers.is_empty(), "{ledgers:?}");
 }
