@@ -26,15 +26,7 @@ impl Default for EventBus {
 impl EventBus {
     /// Publishes a change of `vm` from `from` to `to`. No subscriber is fine.
     pub fn emit(&self, vm: &str, from: Option<VmStatus>, to: Option<VmStatus>, reason: impl Into<String>) {
-        let event = Event {
-            vm: vm.to_string(),
-            from,
-            to,
-            reason: reason.into(),
-            time: now_rfc3339(),
-            guest: None,
-            capture: None,
-        };
+        let event = Self::event(vm, from, to, reason.into());
         tracing::info!(vm, from = ?from, to = ?to, reason = %event.reason, "vm event");
         let _ = self.tx.send(event);
     }
@@ -42,32 +34,21 @@ impl EventBus {
     /// Publishes a guest action on `vm` (a command, a transfer, a clock set, a shutdown asked
     /// of the guest): `from` and `to` are both its current status.
     pub fn emit_guest(&self, vm: &str, status: Option<VmStatus>, reason: impl Into<String>, guest: GuestAction) {
-        let event = Event {
-            vm: vm.to_string(),
-            from: status,
-            to: status,
-            reason: reason.into(),
-            time: now_rfc3339(),
-            guest: Some(guest),
-            capture: None,
-        };
+        let event = Event { guest: Some(guest), ..Self::event(vm, status, status, reason.into()) };
         let _ = self.tx.send(event);
     }
 
     /// Publishes a monitor NIC's capture changing state on `vm` (a source lost or back): `from`
     /// and `to` are both its current status.
     pub fn emit_capture(&self, vm: &str, status: Option<VmStatus>, reason: impl Into<String>, change: CaptureChange) {
-        let event = Event {
-            vm: vm.to_string(),
-            from: status,
-            to: status,
-            reason: reason.into(),
-            time: now_rfc3339(),
-            guest: None,
-            capture: Some(change),
-        };
+        let event = Event { capture: Some(change), ..Self::event(vm, status, status, reason.into()) };
         tracing::info!(vm, reason = %event.reason, "capture event");
         let _ = self.tx.send(event);
+    }
+
+    /// An event stamped now, about nothing but a status change.
+    fn event(vm: &str, from: Option<VmStatus>, to: Option<VmStatus>, reason: String) -> Event {
+        Event { vm: vm.to_string(), from, to, reason, time: now_rfc3339(), guest: None, capture: None }
     }
 
     /// A receiver of every event published from now on.
