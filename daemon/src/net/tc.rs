@@ -316,16 +316,26 @@ impl Netlink {
     /// # Errors
     /// [`NetError::Netlink`] when the qdisc dump fails.
     pub async fn has_clsact(&self, ifindex: u32) -> Result<bool, NetError> {
-        let index = link_index(ifindex)?;
-        let msg = RouteNetlinkMessage::GetQueueDiscipline(TcMessage::with_index(index));
+        Ok(self.clsact_links().await?.contains(&ifindex))
+    }
+
+    /// The links that have a clsact qdisc: one dump of the host's qdiscs (a capture sync asks
+    /// this once, not once per link).
+    ///
+    /// # Errors
+    /// [`NetError::Netlink`] when the dump fails.
+    pub async fn clsact_links(&self) -> Result<std::collections::BTreeSet<u32>, NetError> {
+        let msg = RouteNetlinkMessage::GetQueueDiscipline(TcMessage::with_index(0));
         let qdiscs = self.tc_request(msg, NLM_F_REQUEST | NLM_F_DUMP).await.map_err(|source| NetError::Netlink {
             op: "dump qdiscs",
             errno: errno_of(&source),
             source,
         })?;
-        Ok(qdiscs.iter().any(|q| {
-            q.header.index == index && q.attributes.iter().any(|a| matches!(a, TcAttribute::Kind(k) if k == "clsact"))
-        }))
+        Ok(qdiscs
+            .iter()
+            .filter(|q| q.attributes.iter().any(|a| matches!(a, TcAttribute::Kind(k) if k == "clsact")))
+            .filter_map(|q| u32::try_from(q.header.index).ok())
+            .collect())
     }
 
     /// Adds a clsact qdisc to link `ifindex` (what `tc qdisc add dev X clsact` does).

@@ -63,6 +63,11 @@ pub fn parse_cookie(bytes: &[u8]) -> Option<String> {
     Some(tap)
 }
 
+/// The tap a filter of vmhost's mirrors into, by its cookie; `None` for anyone else's filter.
+pub fn tap_of(filter: &FilterInfo) -> Option<String> {
+    filter.cookie.as_deref().and_then(parse_cookie)
+}
+
 /// One wanted monitor NIC: mirrors of `source` into `tap` (one per hook of `direction`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Monitor {
@@ -147,8 +152,8 @@ pub struct LinkState {
 pub trait TcOps: Sync {
     /// Every link.
     fn links(&self) -> impl Future<Output = Result<Vec<LinkState>, NetError>> + Send;
-    /// Whether `ifindex` has a clsact qdisc.
-    fn has_clsact(&self, ifindex: u32) -> impl Future<Output = Result<bool, NetError>> + Send;
+    /// The links that have a clsact qdisc.
+    fn clsact_links(&self) -> impl Future<Output = Result<BTreeSet<u32>, NetError>> + Send;
     /// Adds a clsact qdisc ([`NetError::Exists`] when there).
     fn add_clsact(&self, ifindex: u32) -> impl Future<Output = Result<(), NetError>> + Send;
     /// Deletes the clsact qdisc ([`NetError::NotFound`] when gone).
@@ -179,8 +184,8 @@ impl TcOps for Netlink {
             .map(|l| LinkState { index: l.index, name: l.name, promisc: l.promisc })
             .collect())
     }
-    async fn has_clsact(&self, ifindex: u32) -> Result<bool, NetError> {
-        Netlink::has_clsact(self, ifindex).await
+    async fn clsact_links(&self) -> Result<BTreeSet<u32>, NetError> {
+        Netlink::clsact_links(self).await
     }
     async fn add_clsact(&self, ifindex: u32) -> Result<(), NetError> {
         Netlink::add_clsact(self, ifindex).await
@@ -243,8 +248,12 @@ struct Applied {
     promisc: bool,
     /// Our filters on it now.
     ours: usize,
-    /// The first failure; steps after it were not tried.
+    /// The first failure of a step the others depend on (ledger, flag, qdisc, a delete); steps
+    /// after it were not tried.
     error: Option<String>,
+    /// Mirrors that could not be added, by tap: only that monitor failed, the source's other
+    /// mirrors were still tried.
+    mirror_errors: BTreeMap<String, String>,
     /// A ledger was written.
     wrote_ledger: bool,
 }
@@ -308,8 +317,18 @@ impl Capture {
         // Every link with a clsact qdisc is looked at: our filters are found by cookie even
         // where no ledger names the link.
         let mut tc: BTreeMap<u32, Result<(bool, Vec<FilterInfo>), String>> = BTreeMap::new();
-        for link in &links {
-            tc.insert(link.index, observe_tc(ops, link.index).await.map_err(|e| e.to_string()));
+        match ops.clsact_links().await {
+            Ok(with_clsact) => {
+                for link in &links {
+                    let seen = observe_tc(ops, link.index, with_clsact.contains(&link.index)).await;
+                    tc.insert(link.index, seen.map_err(|e| e.to_string()));
+                }
+            }
+            Err(e) => {
+                for link in &links {
+                    tc.insert(link.index, Err(format!("cannot list qdiscs: {e}")));
+                }
+            }
         }
 
         let mut sources: BTreeSet<String> = desired.iter().map(|m| m.source.clone()).collect();
@@ -317,13 +336,14 @@ impl Capture {
         sources.extend(ledgers.unreadable.iter().cloned());
         for link in &links {
             if let Some(Ok((_, filters))) = tc.get(&link.index) {
-                if filters.iter().any(|f| f.cookie.as_deref().and_then(parse_cookie).is_some()) {
+                if filters.iter().any(|f| tap_of(f).is_some()) {
                     sources.insert(link.name.clone());
                 }
             }
         }
 
         let mut errors: BTreeMap<String, String> = BTreeMap::new();
+        let mut mirror_errors: BTreeMap<String, String> = BTreeMap::new();
         let mut present: BTreeSet<String> = BTreeSet::new();
         let mut reports = Vec::new();
         for source in &sources {
@@ -362,7 +382,7 @@ impl Capture {
             }
             let mine: Vec<&Monitor> = desired.iter().filter(|m| &m.source == source).collect();
             let steps = plan(source, &mine, &seen, ledgers.ok.get(source), boot_id);
-            let applied = self.apply(ops, source, &seen, &steps, mine.is_empty()).await;
+            let applied = self.apply(ops, source, &seen, &steps).await;
             if ledgers.unreadable.contains(source) && !applied.wrote_ledger && applied.error.is_none() {
                 // Nothing usable in it, and nothing of ours left that it could describe.
                 if let Err(e) = ledger::remove(&self.dir, source) {
@@ -373,6 +393,10 @@ impl Capture {
                 tracing::warn!(source, error = %e, "capture sync failed on a source");
                 errors.insert(source.clone(), e.clone());
             }
+            for (tap, e) in &applied.mirror_errors {
+                tracing::warn!(source, tap, error = %e, "capture sync failed on a mirror");
+            }
+            mirror_errors.extend(applied.mirror_errors.clone());
             reports.push(SourceReport {
                 source: source.clone(),
                 present: seen.present,
@@ -384,7 +408,7 @@ impl Capture {
         let monitors = desired
             .iter()
             .map(|m| {
-                let state = if let Some(e) = errors.get(&m.source) {
+                let state = if let Some(e) = errors.get(&m.source).or_else(|| mirror_errors.get(&m.tap)) {
                     MonitorState::Failed(e.clone())
                 } else if !present.contains(&m.source) {
                     MonitorState::SourceMissing
@@ -401,14 +425,17 @@ impl Capture {
 
     /// Applies one source's steps in order, stopping at the first failure (later steps depend
     /// on earlier ones: nothing is changed before its ledger is written).
-    async fn apply<T: TcOps>(&self, ops: &T, source: &str, seen: &Observed, steps: &[Step], removal: bool) -> Applied {
+    async fn apply<T: TcOps>(&self, ops: &T, source: &str, seen: &Observed, steps: &[Step]) -> Applied {
         let ifindex = seen.ifindex;
         let mut applied = Applied {
             promisc: seen.promisc,
-            ours: seen.filters.iter().filter(|f| f.cookie.as_deref().and_then(parse_cookie).is_some()).count(),
+            ours: seen.filters.iter().filter(|f| tap_of(f).is_some()).count(),
             error: None,
+            mirror_errors: BTreeMap::new(),
             wrote_ledger: false,
         };
+        // The crash point between the removal of the filters and the rest of a give-back.
+        let removal = steps.contains(&Step::DropLedger);
         let mut mirrored = false;
         for (i, step) in steps.iter().enumerate() {
             let result = match step {
@@ -438,17 +465,22 @@ impl Capture {
                     Ok(()) | Err(NetError::NotFound(_)) => Ok(()),
                     Err(e) => Err(format!("cannot delete the clsact qdisc of {source}: {e}")),
                 },
-                Step::AddMirror { hook, prio, tap, target } => ops
-                    .add_mirror(ifindex, *hook, *prio, *target, &cookie(tap))
-                    .await
-                    .map(|_| {
-                        applied.ours += 1;
-                        if !mirrored {
-                            mirrored = true;
-                            self.crashpoint("capture:mirror");
+                Step::AddMirror { hook, prio, tap, target } => {
+                    match ops.add_mirror(ifindex, *hook, *prio, *target, &cookie(tap)).await {
+                        Ok(_) => {
+                            applied.ours += 1;
+                            if !mirrored {
+                                mirrored = true;
+                                self.crashpoint("capture:mirror");
+                            }
                         }
-                    })
-                    .map_err(|e| format!("cannot mirror {source} into {tap}: {e}")),
+                        Err(e) => {
+                            let why = format!("cannot mirror {source} into {tap}: {e}");
+                            applied.mirror_errors.entry(tap.clone()).or_insert(why);
+                        }
+                    }
+                    Ok(())
+                }
                 Step::DelFilter(id) => match ops.del_filter(ifindex, id).await {
                     Ok(()) | Err(NetError::NotFound(_)) => {
                         applied.ours = applied.ours.saturating_sub(1);
@@ -470,9 +502,10 @@ impl Capture {
     }
 }
 
-/// Whether `ifindex` has a clsact qdisc, and if so the filters of both hooks.
-async fn observe_tc<T: TcOps>(ops: &T, ifindex: u32) -> Result<(bool, Vec<FilterInfo>), NetError> {
-    if !ops.has_clsact(ifindex).await? {
+/// Whether `ifindex` has a clsact qdisc (`clsact`, from the one dump of a sync), and if so the
+/// filters of both hooks.
+async fn observe_tc<T: TcOps>(ops: &T, ifindex: u32, clsact: bool) -> Result<(bool, Vec<FilterInfo>), NetError> {
+    if !clsact {
         return Ok((false, Vec::new()));
     }
     let mut filters = ops.filters(ifindex, Hook::Ingress).await?;

@@ -11,7 +11,7 @@
 //! - a source that is gone keeps nothing: its ledger is dropped (the kernel took its filters);
 //! - a monitored source gets its ledger written before anything else changes (what the
 //!   promiscuous flag and the clsact qdisc were), then the flag, then clsact, then mirrors;
-//! - our filters (action cookie, [`super::parse_cookie`]) that are not wanted, point at another
+//! - our filters (action cookie, [`super::tap_of`]) that are not wanted, point at another
 //!   ifindex than the tap has now, or at nothing, are deleted; any other filter is never touched;
 //! - an unmonitored source is given back: our filters go, clsact goes only when we made it and
 //!   nothing is left on it, the promiscuous flag is cleared only when it was clear before, and
@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::ledger::Ledger;
-use super::{parse_cookie, FilterId, FilterInfo, Hook, Monitor};
+use super::{tap_of, FilterId, FilterInfo, Hook, Monitor};
 use crate::api::CaptureDirection;
 
 /// What the kernel shows for one source, collected before planning.
@@ -86,7 +86,7 @@ pub fn hooks_of(direction: CaptureDirection) -> &'static [Hook] {
 /// (docs/capture.md). `leaving` are filters about to be deleted.
 pub fn mirror_prio(seen: &Observed, hook: Hook, leaving: &[FilterId]) -> u16 {
     let staying = || seen.filters.iter().filter(move |f| f.id.hook == hook && !leaving.contains(&f.id));
-    if let Some(ours) = staying().find(|f| f.cookie.as_deref().and_then(parse_cookie).is_some()) {
+    if let Some(ours) = staying().find(|f| tap_of(f).is_some()) {
         return ours.id.prio;
     }
     match staying().map(|f| f.id.prio).min() {
@@ -127,14 +127,17 @@ pub fn plan(source: &str, desired: &[&Monitor], seen: &Observed, ledger: Option<
             wanted.insert((hook, m.tap.clone()), target);
         }
     }
-    let monitored = desired.iter().any(|m| m.source == source);
+    // Only a monitor whose tap exists holds the source: a VM still listed as starting or
+    // stopping after its taps went (an undone start, a stop without QEMU) must not take back a
+    // source the sync that followed its taps' removal gave back.
+    let monitored = !wanted.is_empty();
 
     // Our filters: keep the first that matches a wanted mirror exactly, delete the rest.
     let mut kept: BTreeSet<(Hook, String)> = BTreeSet::new();
     let mut stale: Vec<FilterId> = Vec::new();
     let mut foreign = 0usize;
     for f in &seen.filters {
-        let Some(tap) = f.cookie.as_deref().and_then(parse_cookie) else {
+        let Some(tap) = tap_of(f) else {
             foreign += 1;
             continue;
         };
@@ -148,17 +151,27 @@ pub fn plan(source: &str, desired: &[&Monitor], seen: &Observed, ledger: Option<
 
     if monitored {
         let mut adds = Vec::new();
-        if current.is_none() {
+        match current {
             // Written before any change. When our filters are already there (the ledger was
             // lost) the flag and the qdisc may be ours; recording them as found keeps them
             // later, and never clearing what may be the operator's is the safe side.
-            steps.push(Step::WriteLedger(Ledger {
+            None => steps.push(Step::WriteLedger(Ledger {
                 source: source.to_string(),
                 ifindex: seen.ifindex,
                 boot_id: boot_id.to_string(),
                 promisc_was: seen.promisc,
                 clsact_made: !seen.clsact,
-            }));
+            })),
+            // Someone took the flag or the qdisc the ledger says were there before us: what
+            // this sync sets again is then ours, recorded before it is made, and given back.
+            Some(l) if (l.promisc_was && !seen.promisc) || (!l.clsact_made && !seen.clsact) => {
+                steps.push(Step::WriteLedger(Ledger {
+                    promisc_was: l.promisc_was && seen.promisc,
+                    clsact_made: l.clsact_made || !seen.clsact,
+                    ..l.clone()
+                }))
+            }
+            Some(_) => {}
         }
         if !seen.promisc {
             steps.push(Step::SetPromisc(true));

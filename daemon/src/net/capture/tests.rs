@@ -430,6 +430,23 @@ fn a_promiscuous_flag_cleared_while_monitored_is_set_again() {
 }
 
 #[test]
+fn what_the_operator_took_meanwhile_and_vmhost_sets_again_is_recorded_first_and_given_back() {
+    // Found promiscuous with a qdisc: neither is vmhost's...
+    let mut s = Observed { promisc: true, clsact: true, ..seen() };
+    let mut l = None;
+    converge(&[both("a", TAP_A)], &mut s, &mut l);
+    assert_eq!(l, Some(ledger(true, false)));
+    // ...then the operator clears the flag and deletes the qdisc (our filters go with it).
+    s.promisc = false;
+    s.clsact = false;
+    s.filters.clear();
+    let steps = converge(&[both("a", TAP_A)], &mut s, &mut l);
+    assert_eq!(steps[..3], [Step::WriteLedger(ledger(false, true)), Step::SetPromisc(true), Step::AddClsact]);
+    converge(&[], &mut s, &mut l);
+    assert_eq!(s, seen(), "what vmhost set again is given back");
+}
+
+#[test]
 fn a_lost_ledger_still_removes_our_filters_but_nothing_else() {
     let mut s = seen();
     let mut l = None;
@@ -475,8 +492,15 @@ fn crashes_between_steps_converge() {
 fn a_missing_tap_gets_no_mirror_and_other_sources_monitors_are_ignored() {
     let mut s = Observed { taps: BTreeMap::new(), ..seen() };
     let mut l = None;
+    // A VM still listed as live whose taps are gone (an undone start, a stop without QEMU)
+    // holds nothing: the source is not taken, or taken back after a give-back.
     let steps = converge(&[both("a", TAP_A)], &mut s, &mut l);
-    assert_eq!(steps, [Step::WriteLedger(ledger(false, true)), Step::SetPromisc(true), Step::AddClsact]);
+    assert_eq!(steps, []);
+    let mut s = seen();
+    converge(&[both("a", TAP_A)], &mut s, &mut l);
+    s.taps.clear();
+    let steps = converge(&[both("a", TAP_A)], &mut s, &mut l);
+    assert!(steps.contains(&Step::SetPromisc(false)) && steps.last() == Some(&Step::DropLedger), "{steps:?}");
     let elsewhere = Monitor { source: "eth9".to_string(), ..both("b", TAP_B) };
     assert_eq!(run(&[elsewhere], &seen(), None), []);
 }
@@ -501,6 +525,8 @@ struct Kernel {
     filters: BTreeMap<u32, Vec<FilterInfo>>,
     changes: usize,
     fail_mirror: bool,
+    /// `add_mirror` into this target fails (a tap that vanished meanwhile).
+    fail_target: Option<u32>,
 }
 
 #[derive(Default)]
@@ -527,8 +553,8 @@ impl TcOps for Fake {
     async fn links(&self) -> Result<Vec<LinkState>, NetError> {
         Ok(self.k().links.clone())
     }
-    async fn has_clsact(&self, ifindex: u32) -> Result<bool, NetError> {
-        Ok(self.k().clsact.contains(&ifindex))
+    async fn clsact_links(&self) -> Result<BTreeSet<u32>, NetError> {
+        Ok(self.k().clsact.clone())
     }
     async fn add_clsact(&self, ifindex: u32) -> Result<(), NetError> {
         let mut k = self.k();
@@ -561,7 +587,7 @@ impl TcOps for Fake {
     ) -> Result<FilterId, NetError> {
         let mut k = self.k();
         k.changes += 1;
-        if k.fail_mirror {
+        if k.fail_mirror || k.fail_target == Some(target) {
             return Err(NetError::Unexpected("refused".into()));
         }
         if !k.clsact.contains(&ifindex) {
@@ -751,6 +777,23 @@ async fn a_failing_source_fails_its_monitors_only() {
     cap.sync_with(&fake, &[]).await;
     let k = fake.k();
     assert!(k.clsact.is_empty() && k.links.iter().all(|l| !l.promisc), "eth2 given back too");
+}
+
+#[tokio::test]
+async fn one_mirror_failing_fails_that_monitor_only() {
+    // A starting VM's mirror cannot be made (its tap went): the VM already attached to the same
+    // source stays attached, no false alarm for it.
+    let (_d, cap) = capture();
+    let fake = fake_host();
+    let report = cap.sync_with(&fake, &[both("a", TAP_A)]).await;
+    assert_eq!(states(&report), ["attached"]);
+    fake.k().fail_target = Some(B_INDEX);
+    let report = cap.sync_with(&fake, &[both("a", TAP_A), both("b", TAP_B)]).await;
+    assert_eq!(report.monitors[0].1, MonitorState::Attached, "{report:?}");
+    assert!(matches!(&report.monitors[1].1, MonitorState::Failed(e) if e.contains(TAP_B)), "{report:?}");
+    fake.k().fail_target = None;
+    let report = cap.sync_with(&fake, &[both("a", TAP_A), both("b", TAP_B)]).await;
+    assert_eq!(states(&report), ["attached", "attached"]);
 }
 
 /// The lifecycle runs syncs in spawned tasks: the future must be `Send`.
