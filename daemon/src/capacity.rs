@@ -12,7 +12,7 @@
 //! lifecycle before it runs), so it stays pure; reconcile's plan does not run it (no sysfs
 //! read in a dry run).
 
-use crate::api::{ApiError, Code, HardwareItem, NicMode, ResourceUsage, VmSpec};
+use crate::api::{ApiError, Code, HardwareItem, ResourceUsage, VmSpec};
 use crate::config::Hardware;
 use crate::hardware::PciAddress;
 use crate::validate::{requested_devices, requested_devices_with_fields};
@@ -145,12 +145,7 @@ pub fn check_capture_devices(
     sources: &SourceDevices,
 ) -> Result<(), ApiError> {
     let monitored = |spec: &VmSpec| -> Vec<(usize, String)> {
-        spec.nics
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| n.mode == NicMode::Monitor)
-            .filter_map(|(i, n)| Some((i, n.source.clone()?)))
-            .collect()
+        spec.monitor_nics().map(|(i, source, _)| (i, source.to_string())).collect()
     };
     let others: Vec<&Holding<'_>> = held.iter().filter(|h| h.name != request.name).collect();
     let mine = requested_devices_with_fields(request, hw);
@@ -427,7 +422,7 @@ mod tests {
     }
 
     fn monitor(source: &str) -> crate::api::NicSpec {
-        crate::api::NicSpec { mode: NicMode::Monitor, source: Some(source.into()), ..Default::default() }
+        crate::api::NicSpec { mode: crate::api::NicMode::Monitor, source: Some(source.into()), ..Default::default() }
     }
 
     #[test]

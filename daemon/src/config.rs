@@ -530,11 +530,33 @@ pub struct Network {
 
 /// True for a valid Linux interface name: 1-15 bytes, no '/', ':' or whitespace, not . or ..
 pub fn is_valid_ifname(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 15
-        && name != "."
-        && name != ".."
-        && name.bytes().all(|b| b.is_ascii_graphic() && b != b'/' && b != b':')
+    ifname_problem(name).is_none()
+}
+
+/// Why `name` is not an interface name vmhostd accepts, or `None`. The kernel's rules
+/// (`dev_valid_name`: 1-15 bytes, not `.` or `..`, no `/`, `:` or whitespace), and also:
+/// printable ASCII only, no `%` (`%d` makes the kernel pick the name, and vmhostd's names are
+/// deterministic), no leading `.` (vmhostd keeps files named after capture interfaces, and a
+/// dot file is a temporary one there). The one rule for config keys, spec fields and the links
+/// vmhostd makes (`net::validate_link_name` gives this reason).
+pub fn ifname_problem(name: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("empty")
+    } else if name.len() > 15 {
+        Some("longer than 15 bytes")
+    } else if name.starts_with('.') {
+        Some("starts with '.'")
+    } else if name.contains('/') {
+        Some("contains '/'")
+    } else if name.contains(':') {
+        Some("contains ':'")
+    } else if name.contains('%') {
+        Some("contains '%'")
+    } else if !name.bytes().all(|b| b.is_ascii_graphic()) {
+        Some("contains whitespace, a control character or a non-ASCII one")
+    } else {
+        None
+    }
 }
 
 /// The host's capacity and passthrough devices.

@@ -424,6 +424,15 @@ pub fn allocate(
     Ok(out)
 }
 
+/// The tap of a VM's NIC `index`, from any of its allocations: every tap of a VM is its one
+/// stem + `n` + the NIC's index ([`allocate`]), so a NIC the running QEMU has keeps its tap
+/// name even after a change waiting for a restart re-allocated the record's NICs. `None`
+/// when the VM has no allocation to take the stem from.
+pub fn tap_for(allocs: &[NicAlloc], index: usize) -> Option<String> {
+    let stem: String = allocs.first()?.tap.chars().take(TAP_PREFIX.len() + 8).collect();
+    Some(format!("{stem}n{index}"))
+}
+
 /// The guest hostname of VM `name`: `_` becomes `-`, since a hostname label is letters, digits
 /// and hyphens only (RFC 1123) and cloud-init, klibc and most resolvers refuse an underscore.
 /// A valid name ([`crate::validate::is_valid_name`]) has 1-63 bytes and starts with a letter

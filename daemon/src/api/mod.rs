@@ -133,6 +133,16 @@ pub struct VmSpec {
 }
 
 impl VmSpec {
+    /// The monitor NICs (`mode: "monitor"` with a `source`) as `(index, source, direction)`,
+    /// `direction` defaulted: what capture, admission and the agent's checks all read.
+    pub fn monitor_nics(&self) -> impl Iterator<Item = (usize, &str, CaptureDirection)> + '_ {
+        self.nics
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.mode == NicMode::Monitor)
+            .filter_map(|(i, n)| Some((i, n.source.as_deref()?, n.direction.unwrap_or_default())))
+    }
+
     /// The NUMA policy the VM is placed by: `numa` when given, else `auto` for a dedicated VM
     /// and `none` for a shared one.
     pub fn numa_policy(&self) -> NumaPolicy {

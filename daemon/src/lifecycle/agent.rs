@@ -51,15 +51,14 @@ fn serves_capture(hello: &Hello) -> bool {
     hello.capabilities.iter().any(|c| c == CAPTURE_CAPABILITY)
 }
 
-/// The MACs of the record's monitor NICs, in NIC order.
+/// The spec whose NICs the guest has: the one its QEMU runs (a NIC change waits for a restart).
+fn booted_spec(rec: &crate::state::VmRecord) -> &crate::api::VmSpec {
+    rec.running_spec.as_ref().unwrap_or(&rec.spec)
+}
+
+/// The MACs of the monitor NICs the guest has, in NIC order.
 fn capture_macs(rec: &crate::state::VmRecord) -> Vec<String> {
-    rec.spec
-        .nics
-        .iter()
-        .zip(&rec.nics)
-        .filter(|(nic, _)| nic.mode == NicMode::Monitor)
-        .map(|(_, alloc)| alloc.mac.clone())
-        .collect()
+    booted_spec(rec).monitor_nics().filter_map(|(i, _, _)| Some(rec.nics.get(i)?.mac.clone())).collect()
 }
 
 /// The `net.apply` request: the spec's guest interfaces, and the monitor NICs' MACs for an agent
@@ -155,12 +154,13 @@ fn unchecked_capture(rec: &crate::state::VmRecord, hello: &Hello, mut report: Ch
     report
 }
 
-/// What `vm.check` expects, from the spec (addresses, gateway, DNS) and the record (MACs).
+/// What `vm.check` expects, from the spec the guest booted (addresses, gateway, DNS) and the
+/// record (MACs).
 /// Monitor NICs are capture NICs (`capture`: up, promiscuous, no address) when the agent
 /// understands them, else plain NICs expected up with no address checked.
 pub(super) fn expected_network(rec: &crate::state::VmRecord, capture: bool) -> Expected {
     let mut e = Expected::default();
-    for (nic, alloc) in rec.spec.nics.iter().zip(&rec.nics) {
+    for (nic, alloc) in booted_spec(rec).nics.iter().zip(&rec.nics) {
         if nic.mode == NicMode::Monitor {
             e.interfaces.push(ExpectedNic { mac: alloc.mac.clone(), addresses: Vec::new(), up: true, capture });
             continue;

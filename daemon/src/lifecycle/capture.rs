@@ -21,7 +21,7 @@
 
 use super::Manager;
 use crate::api::{
-    ApiError, CaptureChange, CaptureInfo, CaptureMonitorInfo, CheckItem, CheckStatus, Code, NicMode, VmSpec, VmStatus,
+    ApiError, CaptureChange, CaptureInfo, CaptureMonitorInfo, CheckItem, CheckStatus, Code, VmSpec, VmStatus,
 };
 use crate::capacity::{Holding, SourceDevices};
 use crate::net::capture::{Monitor, MonitorState, SyncReport};
@@ -42,30 +42,29 @@ fn is_live(status: VmStatus) -> bool {
     matches!(status, VmStatus::Creating | VmStatus::Starting | VmStatus::Running | VmStatus::Stopping)
 }
 
-/// The monitor NICs of `spec` as `(index, source, direction)`.
-fn monitor_nics(spec: &VmSpec) -> impl Iterator<Item = (usize, &str, crate::api::CaptureDirection)> {
-    spec.nics
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| n.mode == NicMode::Monitor)
-        .filter_map(|(i, n)| Some((i, n.source.as_deref()?, n.direction.unwrap_or_default())))
-}
-
-/// Whether `spec` has a monitor NIC.
-pub(super) fn has_monitors(spec: &VmSpec) -> bool {
-    monitor_nics(spec).next().is_some()
+/// Whether the record's spec, or the spec its QEMU runs, has a monitor NIC.
+pub(super) fn has_monitors(rec: &VmRecord) -> bool {
+    rec.spec.monitor_nics().next().is_some()
+        || rec.running_spec.as_ref().is_some_and(|s| s.monitor_nics().next().is_some())
 }
 
 /// The monitors of one record: the spec its QEMU runs (a change waiting for a restart does
-/// not move a mirror), each NIC's tap from its allocation.
+/// not move a mirror, even one that re-allocated the record's NICs for a shorter list), each
+/// NIC's tap named from the VM's tap stem ([`crate::nic::tap_for`]).
 fn monitors_of(rec: &VmRecord) -> Vec<Monitor> {
     let spec = rec.running_spec.as_ref().unwrap_or(&rec.spec);
-    monitor_nics(spec)
+    spec.monitor_nics()
         .filter_map(|(i, source, direction)| {
-            let tap = rec.nics.get(i)?.tap.clone();
+            let tap = crate::nic::tap_for(&rec.nics, i)?;
             Some(Monitor { vm: rec.spec.name.clone(), nic: i, source: source.to_string(), tap, direction })
         })
         .collect()
+}
+
+/// The 3001 of a monitor NIC whose source the host does not have now.
+fn source_absent(nic: usize, source: &str) -> ApiError {
+    ApiError::new(Code::NotInModel, format!("no interface {source:?} on the host"))
+        .field(format!("spec.nics[{nic}].source"))
 }
 
 /// Every monitor every live VM (but `except`) should have now, from the registry.
@@ -137,10 +136,7 @@ pub(super) fn start_failure(name: &str, report: &SyncReport) -> Result<(), ApiEr
     for (m, state) in report.monitors.iter().filter(|(m, _)| m.vm == name) {
         match state {
             MonitorState::Attached => {}
-            MonitorState::SourceMissing => {
-                return Err(ApiError::new(Code::NotInModel, format!("no interface {:?} on the host", m.source))
-                    .field(format!("spec.nics[{}].source", m.nic)));
-            }
+            MonitorState::SourceMissing => return Err(source_absent(m.nic, &m.source)),
             MonitorState::TapMissing | MonitorState::Failed(_) => {
                 let why = match state {
                     MonitorState::Failed(why) => why.clone(),
@@ -165,14 +161,13 @@ pub(super) fn start_failure(name: &str, report: &SyncReport) -> Result<(), ApiEr
 /// 3001 naming `spec.nics[i].source` for an absent source; 3003 for a device conflict; 4001
 /// when netlink cannot be asked.
 pub(super) async fn check_sources(mgr: &Manager, spec: &VmSpec) -> Result<(), ApiError> {
-    for (i, source, _) in monitor_nics(spec) {
+    for (i, source, _) in spec.monitor_nics() {
         let found = mgr.net.netlink().link_by_name(source).await.map_err(|e| {
             ApiError::new(Code::ProvisioningFailed, format!("cannot look up interface {source:?}: {e}"))
                 .details(serde_json::json!({ "step": "capture" }))
         })?;
         if found.is_none() {
-            return Err(ApiError::new(Code::NotInModel, format!("no interface {source:?} on the host"))
-                .field(format!("spec.nics[{i}].source")));
+            return Err(source_absent(i, source));
         }
     }
     let has_devices = !spec.hardware.is_empty() || !spec.pci.is_empty();
@@ -184,9 +179,9 @@ pub(super) async fn check_sources(mgr: &Manager, spec: &VmSpec) -> Result<(), Ap
             .filter(|r| r.reserved && r.spec.name != spec.name)
             .flat_map(|r| Manager::holding_specs(r).into_iter().map(|s| (r.spec.name.clone(), s.clone())))
             .collect();
-        let mut sources: Vec<String> = monitor_nics(spec).map(|(_, s, _)| s.to_string()).collect();
+        let mut sources: Vec<String> = spec.monitor_nics().map(|(_, s, _)| s.to_string()).collect();
         if has_devices {
-            sources.extend(specs.iter().flat_map(|(_, s)| monitor_nics(s).map(|(_, x, _)| x.to_string())));
+            sources.extend(specs.iter().flat_map(|(_, s)| s.monitor_nics().map(|(_, x, _)| x.to_string())));
         }
         (specs, sources)
     };
@@ -303,6 +298,24 @@ mod tests {
 
     fn report(list: &[(Monitor, MonitorState)]) -> SyncReport {
         SyncReport { monitors: list.to_vec(), sources: Vec::new() }
+    }
+
+    #[test]
+    fn a_running_monitor_keeps_its_tap_while_a_shorter_nic_list_waits_for_a_restart() {
+        use crate::api::{NicMode, NicSpec};
+        let monitor = NicSpec { mode: NicMode::Monitor, source: Some("eth1".into()), ..NicSpec::default() };
+        let bridge = NicSpec { network: "lan".into(), ..NicSpec::default() };
+        let mut spec = crate::validate::tests::spec("s");
+        spec.nics = vec![bridge, monitor.clone()];
+        let mut rec = VmRecord::new(spec.clone());
+        // Applied without a restart: the record's NICs were allocated for the new list.
+        rec.running_spec = Some(spec);
+        rec.spec.nics = vec![monitor];
+        rec.nics =
+            vec![crate::nic::NicAlloc { mac: "02:00:00:00:00:01".into(), tap: "vmh0a0b0c0dn0".into(), vhost: false }];
+        let got = monitors_of(&rec);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!((got[0].nic, got[0].tap.as_str()), (1, "vmh0a0b0c0dn1"), "the running QEMU's NIC 1 and its tap");
     }
 
     #[test]

@@ -354,7 +354,7 @@ impl VmOp {
     /// 3001 naming `spec.nics[i].source` when a source is gone; 4001 (step `capture`) when a
     /// mirror could not be made ([`super::capture::start_failure`]).
     async fn attach_capture(&mut self, vm: &ValidSpec) -> Result<(), ApiError> {
-        if !super::capture::has_monitors(&vm.spec) {
+        if vm.spec.monitor_nics().next().is_none() {
             return Ok(());
         }
         self.push(Step::Capture);

@@ -66,9 +66,7 @@ impl HeldVm {
         self.clean_run_dir();
         mgr.net.detach_nics(name).await;
         // Its mirrors go with its taps (a VM without monitor NICs has none to remove).
-        let monitored = mgr.lock().vms.get(name).is_some_and(|r| {
-            super::capture::has_monitors(&r.spec) || r.running_spec.as_ref().is_some_and(super::capture::has_monitors)
-        });
+        let monitored = mgr.lock().vms.get(name).is_some_and(super::capture::has_monitors);
         if monitored {
             super::capture::sync_without(mgr, name).await;
         }
