@@ -192,6 +192,13 @@ fn validate_tagged(nic: &NicSpec, net: &Network, f: &dyn Fn(&str) -> String) -> 
         if nic.vlan == Some(v) {
             return Err(ApiError::invalid(field, format!("VLAN {v} is the NIC's access vlan")));
         }
+        if v == 1 && nic.vlan.is_none() {
+            // Without an access vlan the port keeps the bridge's default: VLAN 1 untagged.
+            return Err(ApiError::invalid(
+                field,
+                "VLAN 1 is this port's untagged native VLAN; set an access vlan to carry it tagged",
+            ));
+        }
         if !seen.insert(v) {
             return Err(ApiError::invalid(field, format!("VLAN {v} is listed twice")));
         }
@@ -795,6 +802,12 @@ interfaces = ["eth1", "bond0.100"]
             ("vlan 0", || nic("vl", None), |n| n.vlans = vec![10, 0], Some((2001, "vlans[1]"))),
             ("vlan 4095", || nic("vl", None), |n| n.vlans = vec![4095], Some((2001, "vlans[0]"))),
             ("vlans repeat", || nic("vl", None), |n| n.vlans = vec![10, 20, 10], Some((2001, "vlans[2]"))),
+            (
+                "vlan 1 tagged without an access vlan",
+                || nic("vl", None),
+                |n| n.vlans = vec![7, 1],
+                Some((2001, "vlans[1]")),
+            ),
             (
                 "vlans has the access vlan",
                 || nic("vl", None),

@@ -251,17 +251,21 @@ fn anything_monitored(mgr: &Manager) -> bool {
     std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some())
 }
 
+/// Subscribes to the kernel's link notifications. Open it before the first sync: a link that
+/// changes between that sync's reading and the watcher's start is then still seen.
+pub(super) fn open_watch() -> Option<crate::net::watch::LinkWatch> {
+    crate::net::watch::LinkWatch::open()
+        .map_err(|e| {
+            tracing::warn!(error = %e, "cannot watch links: capture sources are re-checked only at VM starts and stops");
+        })
+        .ok()
+}
+
 /// Starts the task that syncs whenever host links change (a source unplugged, renamed, back;
 /// a tap gone), debounced by [`DEBOUNCE`], and only while something is monitored. It holds the
 /// manager weakly and ends with it.
-pub(super) fn spawn_watcher(mgr: &Arc<Manager>) {
-    let mut watch = match crate::net::watch::LinkWatch::open() {
-        Ok(w) => w,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot watch links: capture sources are re-checked only at VM starts and stops");
-            return;
-        }
-    };
+pub(super) fn spawn_watcher(mgr: &Arc<Manager>, watch: Option<crate::net::watch::LinkWatch>) {
+    let Some(mut watch) = watch else { return };
     let weak: Weak<Manager> = Arc::downgrade(mgr);
     tokio::spawn(async move {
         while let Some(first) = watch.next().await {

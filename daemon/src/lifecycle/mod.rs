@@ -237,8 +237,9 @@ impl Manager {
         }
         // Records settled: the mirrors follow them (stale ones of any boot go), then follow
         // the links.
+        let watch = capture::open_watch();
         capture::sync(&mgr).await;
-        capture::spawn_watcher(&mgr);
+        capture::spawn_watcher(&mgr, watch);
         Ok(mgr)
     }
 

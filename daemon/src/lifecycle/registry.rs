@@ -465,7 +465,12 @@ fn nic_views(rec: &VmRecord, capture: Option<&BTreeMap<usize, String>>) -> Vec<c
             queues: running.nics.get(i).map_or(1, |nic| nic.queues),
             mode: running.nics.get(i).map(|nic| nic.mode).unwrap_or_default(),
             source: running.nics.get(i).and_then(|nic| nic.source.clone()),
-            direction: running.nics.get(i).and_then(|nic| nic.direction),
+            // A monitor NIC shows the direction it mirrors, `both` when the spec leaves it out.
+            direction: running
+                .nics
+                .get(i)
+                .filter(|nic| nic.mode == crate::api::NicMode::Monitor)
+                .map(|nic| nic.direction.unwrap_or_default()),
             vlans: running.nics.get(i).map(|nic| nic.vlans.clone()).unwrap_or_default(),
             trunk: running.nics.get(i).is_some_and(|nic| nic.trunk),
             capture: capture.filter(|_| rec.process.is_some()).and_then(|c| c.get(&i).cloned()),

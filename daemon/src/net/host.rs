@@ -389,16 +389,6 @@ mod tests {
         NicAlloc { mac: "02:00:00:00:00:10".into(), tap: tap.into(), vhost: false }
     }
 
-    /// Waits up to ten seconds for link `name` to be gone. A tap goes when its last descriptor
-    /// closes, and a child another test thread forks at that moment holds a copy until its exec.
-    async fn wait_gone(nl: &Netlink, name: &str) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while nl.link_by_name(name).await.unwrap().is_some() {
-            assert!(std::time::Instant::now() < deadline, "{name} is still there");
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    }
-
     fn monitor(source: &str) -> NicSpec {
         NicSpec { mode: NicMode::Monitor, source: Some(source.into()), ..NicSpec::default() }
     }
@@ -446,7 +436,7 @@ mod tests {
 
             // The tap, its qdisc and its filter go with the descriptor.
             drop(fds);
-            wait_gone(nl, "vmhmon0n0").await;
+            crate::net::testing::wait_link_gone(nl, "vmhmon0n0").await;
         });
     }
 
@@ -463,7 +453,7 @@ mod tests {
             };
             assert!(what.contains("eth8"), "{what}");
             assert_eq!(nl.link_by_name("vmhmon0n1").await.unwrap(), None, "never made");
-            wait_gone(nl, "vmhmon0n0").await;
+            crate::net::testing::wait_link_gone(nl, "vmhmon0n0").await;
         });
     }
 

@@ -225,6 +225,16 @@ pub fn validate_link_name(name: &str) -> Result<(), NetError> {
 pub(crate) mod testing {
     use std::future::Future;
 
+    /// Waits up to ten seconds for link `name` to be gone. A tap goes when its last descriptor
+    /// closes, and a child another test thread forks at that moment holds a copy until its exec.
+    pub(crate) async fn wait_link_gone(nl: &super::link::Netlink, name: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while nl.link_by_name(name).await.unwrap().is_some() {
+            assert!(std::time::Instant::now() < deadline, "{name} is still there");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     use nix::sched::CloneFlags;
 
     /// Runs `body` in a new thread that first moves into a network namespace of its own

@@ -243,6 +243,7 @@ fn a_source_deleted_and_recreated_is_attached_again() {
 
         // The tap goes (its QEMU died): the filters pointing at it are ours and stale.
         drop(a);
+        crate::net::testing::wait_link_gone(&nl, TAP_A).await;
         let report = cap.sync(&nl, &want).await;
         assert_eq!(report.monitors[0].1, MonitorState::TapMissing);
         assert!(all_filters(&nl, src.index).await.is_empty());
