@@ -580,16 +580,7 @@ mod tests {
             ("boot.cmdline", |s| s.boot.cmdline = Some("quiet".into())),
             ("boot.firmware", |s| s.boot.firmware = crate::api::Firmware::Uefi),
             ("disks", |s| s.disks = vec![disk("d", 1, crate::api::DiskFormat::Raw)]),
-            ("nics", |s| {
-                s.nics = vec![crate::api::NicSpec {
-                    network: "lan".into(),
-                    vlan: None,
-                    mac: None,
-                    ipv4: None,
-                    queues: 1,
-                    ..Default::default()
-                }]
-            }),
+            ("nics", |s| s.nics = vec![crate::api::NicSpec { network: "lan".into(), ..Default::default() }]),
             ("restart_policy", |s| s.restart_policy = crate::api::RestartPolicy::Never),
             ("user_data", |s| s.user_data = Some("#cloud-config\n".into())),
             ("cpu_policy", |s| s.cpu_policy = crate::api::CpuPolicy::Dedicated),
@@ -622,14 +613,7 @@ mod tests {
     #[test]
     fn a_change_of_nic_queues_needs_a_restart() {
         let mut a = spec("mq");
-        a.nics = vec![crate::api::NicSpec {
-            network: "lan".into(),
-            vlan: None,
-            mac: None,
-            ipv4: None,
-            queues: 1,
-            ..Default::default()
-        }];
+        a.nics = vec![crate::api::NicSpec { network: "lan".into(), ..Default::default() }];
         let mut b = a.clone();
         b.nics[0].queues = 4;
         let fields = spec_drift(&a, &b);

@@ -316,14 +316,7 @@ mod tests {
         let mut s = crate::validate::tests::spec("web1");
         s.nics = vec![
             static_nic(Some("10.0.0.1"), &["10.0.0.1"], &["example.org"]),
-            NicSpec {
-                network: "lan".into(),
-                vlan: None,
-                mac: None,
-                ipv4: Some(Ipv4Spec::Dhcp {}),
-                queues: 1,
-                ..Default::default()
-            },
+            NicSpec { network: "lan".into(), ipv4: Some(Ipv4Spec::Dhcp {}), ..Default::default() },
         ];
         s
     }
@@ -399,24 +392,10 @@ mod tests {
 
     #[test]
     fn dhcp_and_unconfigured_nics() {
-        let sub = one_nic(NicSpec {
-            network: "lan".into(),
-            vlan: None,
-            mac: None,
-            ipv4: Some(Ipv4Spec::Dhcp {}),
-            queues: 1,
-            ..Default::default()
-        });
+        let sub = one_nic(NicSpec { network: "lan".into(), ipv4: Some(Ipv4Spec::Dhcp {}), ..Default::default() });
         assert_eq!(sub, json!({"type": "dhcp4"}));
         // Brought up without an address (vm.check expects every NIC up).
-        let sub = one_nic(NicSpec {
-            network: "lan".into(),
-            vlan: None,
-            mac: None,
-            ipv4: None,
-            queues: 1,
-            ..Default::default()
-        });
+        let sub = one_nic(NicSpec { network: "lan".into(), ..Default::default() });
         assert_eq!(sub, json!({"type": "manual", "control": "auto"}));
     }
 
@@ -434,14 +413,7 @@ mod tests {
                     queues: 1,
                     ..Default::default()
                 },
-                _ => NicSpec {
-                    network: "lan".into(),
-                    vlan: None,
-                    mac: None,
-                    ipv4: None,
-                    queues: 1,
-                    ..Default::default()
-                },
+                _ => NicSpec { network: "lan".into(), ..Default::default() },
             })
             .collect();
         let e = entries(&s);
@@ -496,16 +468,7 @@ mod tests {
             |s| s.state = DesiredState::Stopped,
             |s| s.role = Some("sensor".into()),
             |s| s.nics[0] = static_nic(None, &[], &[]),
-            |s| {
-                s.nics.push(NicSpec {
-                    network: "lan".into(),
-                    vlan: None,
-                    mac: None,
-                    ipv4: None,
-                    queues: 1,
-                    ..Default::default()
-                })
-            },
+            |s| s.nics.push(NicSpec { network: "lan".into(), ..Default::default() }),
             |s| s.nics.clear(),
             |s| s.disks = vec![crate::validate::tests::data_disk("nsm", 2, crate::api::DiskFormat::Raw)],
             |s| s.restart_policy = crate::api::RestartPolicy::Always,

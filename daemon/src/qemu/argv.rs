@@ -963,17 +963,7 @@ mod tests {
         .unwrap();
         let mut s = spec("web");
         let static_nic = crate::validate::tests::static_nic("lan", "10.0.0.5/24");
-        s.nics = vec![
-            static_nic,
-            crate::api::NicSpec {
-                network: "lan".into(),
-                vlan: None,
-                mac: None,
-                ipv4: None,
-                queues: 1,
-                ..Default::default()
-            },
-        ];
+        s.nics = vec![static_nic, crate::api::NicSpec { network: "lan".into(), ..Default::default() }];
         let v = validate_spec(&s, &c).unwrap();
         let allocs = crate::nic::allocate(&s, &c, &[], &[]).unwrap();
         let argv: Vec<String> = build_argv(&v, &c, &VmPaths::for_vm(&c, "web"), &allocs, "", None)
