@@ -162,10 +162,12 @@ pub static METHODS: [Method; 34] = [
                     identity,
                 )
                 .await;
-                // What netlink says of the capture interfaces now.
+                // What netlink says of the capture interfaces now: with the host's other
+                // devices, before the sandbox's own layers, which stay last.
                 let capture = mgr.capture_check().await;
                 report.ok &= capture.status == crate::api::CheckStatus::Ok;
-                report.items.push(capture);
+                let at = report.items.iter().position(|i| i.name == "sandbox").unwrap_or(report.items.len());
+                report.items.insert(at, capture);
                 report
             })
             .await;
