@@ -115,15 +115,11 @@ pub fn check_devices(hw: &Hardware, held: &[Holding<'_>], request: &VmSpec) -> R
     if conflicts.is_empty() {
         return Ok(());
     }
-    let message = conflicts
-        .iter()
-        .map(|(what, c)| format!("{what} in use by {}", c["holder"].as_str().unwrap_or("?")))
-        .collect::<Vec<_>>()
-        .join("; ");
-    let list: Vec<_> = conflicts.into_iter().map(|(_, c)| c).collect();
-    let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": list }));
-    e.field = first_field;
-    Err(e)
+    let described = conflicts
+        .into_iter()
+        .map(|(what, c)| (format!("{what} in use by {}", c["holder"].as_str().unwrap_or("?")), c))
+        .collect();
+    Err(ApiError::in_use(described, first_field))
 }
 
 /// The PCI devices each monitored source depends on ([`crate::net::backing::pci_devices`], read
@@ -182,11 +178,11 @@ pub fn check_capture_devices(
         return Ok(());
     }
     conflicts.dedup();
-    let message = conflicts
-        .iter()
+    let described = conflicts
+        .into_iter()
         .map(|c| {
             let t = |k: &str| c[k].as_str().unwrap_or("?").to_string();
-            if c["held"] == "passthrough" {
+            let sentence = if c["held"] == "passthrough" {
                 format!(
                     "capture source {} depends on PCI device {} passed through to {}",
                     t("source"),
@@ -195,13 +191,11 @@ pub fn check_capture_devices(
                 )
             } else {
                 format!("PCI device {} carries capture source {} of {}", t("pci"), t("source"), t("holder"))
-            }
+            };
+            (sentence, c)
         })
-        .collect::<Vec<_>>()
-        .join("; ");
-    let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": conflicts }));
-    e.field = first_field;
-    Err(e)
+        .collect();
+    Err(ApiError::in_use(described, first_field))
 }
 
 /// Checks that `request`'s CPUs and memory fit next to what other VMs hold (`used`).

@@ -355,17 +355,14 @@ pub fn check_conflicts(spec: &VmSpec, config: &Config, others: &[NicHolding<'_>]
         }
     }
     if !conflicts.is_empty() {
-        let message = conflicts
-            .iter()
+        let described = conflicts
+            .into_iter()
             .map(|c| {
                 let text = |k: &str| c[k].as_str().unwrap_or("?").to_string();
-                format!("NIC {} {} {} in use by {}", c["nic"], text("kind"), text("value"), text("holder"))
+                (format!("NIC {} {} {} in use by {}", c["nic"], text("kind"), text("value"), text("holder")), c)
             })
-            .collect::<Vec<_>>()
-            .join("; ");
-        let mut e = ApiError::new(Code::HardwareInUse, message).details(json!({ "conflicts": conflicts }));
-        e.field = first_field;
-        return Err(e);
+            .collect();
+        return Err(ApiError::in_use(described, first_field));
     }
     Ok(())
 }

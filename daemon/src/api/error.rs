@@ -248,6 +248,15 @@ impl ApiError {
         ApiError::new(Code::InvalidSpec, message).field(field)
     }
 
+    /// A 3003 `hardware_in_use`: each conflict's sentence joined with `; ` as the message, the
+    /// conflicts' objects as `details.conflicts`, `field` the first conflict's field.
+    pub fn in_use(conflicts: Vec<(String, Value)>, field: Option<String>) -> Self {
+        let message = conflicts.iter().map(|(sentence, _)| sentence.as_str()).collect::<Vec<_>>().join("; ");
+        let list: Vec<Value> = conflicts.into_iter().map(|(_, c)| c).collect();
+        let details = serde_json::json!({ "conflicts": list });
+        ApiError { code: Code::HardwareInUse, message, field, details }
+    }
+
     /// Shorthand for 4040.
     pub fn not_found(name: &str) -> Self {
         ApiError::new(Code::NotFound, format!("no VM named {name:?}")).field("name")
