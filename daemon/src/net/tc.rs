@@ -8,7 +8,7 @@
 //! here needs the `bpf(2)` syscall: classic BPF travels inside the netlink message
 //! (`TCA_BPF_OPS`), and the kernel checks and runs it itself.
 //!
-//! The capture planner (`net::capture`) uses these calls in this order: [`Netlink::has_clsact`]
+//! The capture planner (`net::capture`) uses these calls in this order: [`Netlink::clsact_links`]
 //! and [`Netlink::filters`] to look; [`Netlink::add_clsact`] where the source has none;
 //! [`Netlink::add_mirror`] per wanted copy (the action carries vmhostd's cookie, the only marker
 //! that makes a filter ours); [`Netlink::del_filter`] for a copy no longer wanted (only that
@@ -18,8 +18,9 @@
 //! Kernel modules: `sch_ingress` (clsact), `cls_bpf`, `act_mirred`. A missing one answers
 //! `ENOENT` (the kernel's module autoload failed), which is [`NetError::Unsupported`] here.
 //!
-//! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added (the first filter on
-//! the hook gets pref 49152, each later one the next lower free pref):
+//! What `tc -s filter show dev SRC ingress` shows for a mirror vmhostd added (the capture planner
+//! puts vmhost's mirrors one pref before every other filter on the hook, all at that pref;
+//! 49152 on a hook with no other filter):
 //! `filter protocol all pref 49152 bpf chain 0 handle 0x1 not_in_hw bytecode '1,6 0 0 4294967295'`,
 //! then `action order 1: mirred (Egress Mirror to device TAP) continue`, its counters (`Sent N bytes
 //! M pkt`), and `cookie` followed by the cookie in hex (`766d6863...`: "vmhc" and the tap name's
@@ -436,7 +437,10 @@ impl Netlink {
     }
 
     /// Adds a classic-BPF match-everything filter with one mirred (egress mirror) action to
-    /// `target`, carrying `cookie`; the kernel picks a free prio. Returns its id.
+    /// `target`, carrying `cookie`, at priority `prio` (0: the kernel picks one after the
+    /// filters there). Returns its id. A priority some classifier of another kind or protocol
+    /// already holds is refused by the kernel; one our mirrors hold is joined (the classic-BPF
+    /// classifier runs each of its filters in turn, and a mirror continues).
     ///
     /// The classifier returns -1 ("match, default class") for every frame, whatever its length
     /// (u32 would miss frames with fewer than 4 bytes after the Ethernet header); the action
@@ -448,18 +452,7 @@ impl Netlink {
     /// [`NetError::NotFound`] when the link, the target or the link's clsact is missing;
     /// [`NetError::Unsupported`] without `cls_bpf` or `act_mirred`; [`NetError::Netlink`]
     /// otherwise.
-    pub async fn add_mirror(&self, ifindex: u32, hook: Hook, target: u32, cookie: &[u8]) -> Result<FilterId, NetError> {
-        self.add_mirror_at(ifindex, hook, 0, target, cookie).await
-    }
-
-    /// [`Netlink::add_mirror`] at priority `prio` (0: the kernel picks one after the filters
-    /// there). A priority some classifier of another kind or protocol already holds is refused
-    /// by the kernel; one our mirrors hold is joined (the classic-BPF classifier runs each of
-    /// its filters in turn, and a mirror continues).
-    ///
-    /// # Errors
-    /// As [`Netlink::add_mirror`].
-    pub async fn add_mirror_at(
+    pub async fn add_mirror(
         &self,
         ifindex: u32,
         hook: Hook,
@@ -586,16 +579,16 @@ mod tests {
             let nl = Netlink::connect().unwrap();
             let src = source(&nl).await;
             let peer = nl.link_by_name("peer0").await.unwrap().unwrap().index;
-            let err = nl.add_mirror(src, Hook::Ingress, peer, COOKIE).await.unwrap_err();
+            let err = nl.add_mirror(src, Hook::Ingress, 0, peer, COOKIE).await.unwrap_err();
             assert!(matches!(err, NetError::NotFound(ref s) if s.contains("clsact")), "{err:?}");
             nl.add_clsact(src).await.unwrap();
             for cookie in [&b""[..], &[7u8; 17][..]] {
-                let err = nl.add_mirror(src, Hook::Ingress, peer, cookie).await.unwrap_err();
+                let err = nl.add_mirror(src, Hook::Ingress, 0, peer, cookie).await.unwrap_err();
                 assert!(matches!(err, NetError::InvalidCookie(n) if n == cookie.len()), "{err:?}");
             }
-            let err = nl.add_mirror(src, Hook::Ingress, 4242, COOKIE).await.unwrap_err();
+            let err = nl.add_mirror(src, Hook::Ingress, 0, 4242, COOKIE).await.unwrap_err();
             assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
-            let err = nl.add_mirror(src, Hook::Ingress, 0, COOKIE).await.unwrap_err();
+            let err = nl.add_mirror(src, Hook::Ingress, 0, 0, COOKIE).await.unwrap_err();
             assert!(matches!(err, NetError::NotFound(_)), "{err:?}");
             assert_eq!(nl.filters(src, Hook::Ingress).await.unwrap(), [], "a refused add leaves nothing");
             let err = nl.add_drop_all(4242, Hook::Ingress).await.unwrap_err();
@@ -614,7 +607,7 @@ mod tests {
             nl.set_up(tap).await.unwrap();
             nl.add_clsact(src).await.unwrap();
 
-            let id = nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            let id = nl.add_mirror(src, Hook::Ingress, 0, tap, COOKIE).await.unwrap();
             assert_eq!(id.hook, Hook::Ingress);
             assert_eq!(id.kind, "bpf");
             assert_eq!(id.protocol, ETH_P_ALL);
@@ -649,7 +642,7 @@ mod tests {
             assert!(after[0].packets >= 3, "{after:?}");
 
             // The egress hook copies what the source sends.
-            let out = nl.add_mirror(src, Hook::Egress, tap, COOKIE).await.unwrap();
+            let out = nl.add_mirror(src, Hook::Egress, 0, tap, COOKIE).await.unwrap();
             assert_eq!(out.hook, Hook::Egress);
             let sent = test_frame(DST, SRC, None, &[4; 46]);
             send_frame("src0", &sent);
@@ -661,7 +654,7 @@ mod tests {
             send_frame("peer0", &frames[0]);
             send_frame("src0", &frames[0]);
             // A frame sent after those, through a fresh mirror, arrives first.
-            nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            nl.add_mirror(src, Hook::Ingress, 0, tap, COOKIE).await.unwrap();
             let marker = test_frame(DST, SRC, None, &[9; 46]);
             send_frame("peer0", &marker);
             assert_eq!(read_test_frames(&tap_fd, 1, WAIT), [marker]);
@@ -690,8 +683,8 @@ mod tests {
                 .chain(foreign.split(' ').map(|a| a.replace('_', " ")))
                 .collect();
             run("tc", &args.iter().map(String::as_str).collect::<Vec<_>>());
-            let first = nl.add_mirror(src, Hook::Ingress, taps[0].1, COOKIE).await.unwrap();
-            let second = nl.add_mirror(src, Hook::Ingress, taps[1].1, b"vmhc2").await.unwrap();
+            let first = nl.add_mirror(src, Hook::Ingress, 0, taps[0].1, COOKIE).await.unwrap();
+            let second = nl.add_mirror(src, Hook::Ingress, 0, taps[1].1, b"vmhc2").await.unwrap();
             assert!(second.prio < first.prio, "{first:?} {second:?}");
             let frame = test_frame(DST, SRC, None, &[6; 46]);
             send_frame("peer0", &frame);
@@ -713,7 +706,7 @@ mod tests {
             let tap_fd = create_tap("vmhmon0").unwrap();
             let tap = nl.link_by_name("vmhmon0").await.unwrap().unwrap().index;
             nl.add_clsact(src).await.unwrap();
-            nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            nl.add_mirror(src, Hook::Ingress, 0, tap, COOKIE).await.unwrap();
             // The tap goes when its last descriptor closes; a child another test forks at that
             // moment holds a copy until its exec, so wait for it.
             drop(tap_fd);
@@ -800,7 +793,7 @@ mod tests {
             nl.set_ipv6_off(tap).await.unwrap();
             nl.set_promisc(src, true).await.unwrap();
             nl.add_clsact(src).await.unwrap();
-            let id = nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            let id = nl.add_mirror(src, Hook::Ingress, 0, tap, COOKIE).await.unwrap();
             nl.add_clsact(tap).await.unwrap();
             nl.add_drop_all(tap, Hook::Ingress).await.unwrap();
             assert_eq!(nl.filters(src, Hook::Ingress).await.unwrap()[0].id, id);
@@ -830,7 +823,7 @@ mod tests {
             nl.add_clsact(src).await.unwrap();
             // Foreign filters: a u32 one, and after ours a bpf one at our very priority.
             run("tc", &["filter", "add", "dev", "src0", "ingress", "u32", "match", "u8", "0", "0", "flowid", "1:1"]);
-            let ours = nl.add_mirror(src, Hook::Ingress, tap, COOKIE).await.unwrap();
+            let ours = nl.add_mirror(src, Hook::Ingress, 0, tap, COOKIE).await.unwrap();
             let pref = ours.prio.to_string();
             let args = ["filter", "add", "dev", "src0", "ingress", "pref", &pref, "protocol", "all", "handle", "0x7"];
             run("tc", &[&args[..], &["bpf", "bytecode", "1,6 0 0 0,"]].concat());

@@ -204,7 +204,7 @@ impl TcOps for Netlink {
         target: u32,
         cookie: &[u8],
     ) -> Result<FilterId, NetError> {
-        Netlink::add_mirror_at(self, ifindex, hook, prio, target, cookie).await
+        Netlink::add_mirror(self, ifindex, hook, prio, target, cookie).await
     }
     async fn del_filter(&self, ifindex: u32, id: &FilterId) -> Result<(), NetError> {
         Netlink::del_filter(self, ifindex, id).await
