@@ -168,8 +168,9 @@ impl HostNet {
             if u.master != Some(bridge.index) {
                 self.nl.set_master(u.index, bridge.index).await.map_err(|e| e.to_string())?;
             }
-            for vid in &net.trunk {
-                self.nl.bridge_vlan_add(u.index, *vid, false).await.map_err(|e| e.to_string())?;
+            if !net.trunk.is_empty() {
+                let tagged = VlanSet::new(net.trunk.iter().copied()).map_err(|e| e.to_string())?;
+                self.nl.bridge_vlan_add_tagged(u.index, &tagged).await.map_err(|e| e.to_string())?;
             }
             self.nl.set_up(u.index).await.map_err(|e| e.to_string())?;
         }
@@ -430,7 +431,7 @@ mod tests {
             nl.set_up(src.index).await.unwrap();
             nl.set_up(nl.link_by_name("eth7p").await.unwrap().unwrap().index).await.unwrap();
             nl.add_clsact(src.index).await.unwrap();
-            nl.add_mirror(src.index, Hook::Ingress, tap.index, b"vmhcmon0n0").await.unwrap();
+            nl.add_mirror(src.index, Hook::Ingress, 0, tap.index, b"vmhcmon0n0").await.unwrap();
             send_frame("eth7p", &frame);
             assert_eq!(read_test_frames(&fds[0][0], 1, std::time::Duration::from_secs(10)), [frame]);
 
