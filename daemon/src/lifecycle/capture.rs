@@ -200,7 +200,7 @@ pub(super) async fn check_sources(mgr: &Manager, spec: &VmSpec) -> Result<(), Ap
 pub(super) async fn info(mgr: &Manager) -> Vec<CaptureInfo> {
     let wanted = desired(mgr, None);
     let states: BTreeMap<(String, usize), String> =
-        mgr.capture.last().monitors.into_iter().map(|(m, s)| ((m.vm, m.nic), s.name().to_string())).collect();
+        mgr.capture_states.lock().await.iter().map(|(k, s)| (k.clone(), s.name().to_string())).collect();
     let mut out = Vec::new();
     for interface in &mgr.config.capture.interfaces {
         let link = mgr.net.netlink().link_by_name(interface).await.ok().flatten();

@@ -93,7 +93,8 @@ pub struct Manager {
     net: HostNet,
     /// The mirrors of monitor NICs' sources ([`capture`]), next to the taps they feed.
     capture: crate::net::capture::Capture,
-    /// Each monitor's state after the last sync, diffed for events ([`capture::sync`]).
+    /// Each monitor's state after the last sync, diffed for events ([`capture::sync`]) and shown
+    /// by `host.info`.
     capture_states: tokio::sync::Mutex<capture::States>,
     /// What the last network check found, by network name.
     net_states: Mutex<BTreeMap<String, NetworkState>>,

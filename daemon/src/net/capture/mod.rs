@@ -8,8 +8,8 @@
 //!
 //! Order of use: [`Capture::new`] once (with the manager); [`Capture::sync`] with every monitor
 //! every live VM should have now, whenever that set or the host's links change (a start after
-//! its taps, a VM's QEMU gone, daemon start, a link watcher); [`Capture::last`] for views. One
-//! sync: collect what the kernel shows ([`Observed`]) and the ledgers ([`Ledger`]), [`plan`] each
+//! its taps, a VM's QEMU gone, daemon start, a link watcher); its report is the caller's to
+//! keep (the lifecycle diffs it for events and views). One sync: collect what the kernel shows ([`Observed`]) and the ledgers ([`Ledger`]), [`plan`] each
 //! source (pure), apply its [`Step`]s in order, report per monitor ([`MonitorState`]).
 //!
 //! # Ownership
@@ -27,7 +27,6 @@ pub mod plan;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::PoisonError;
 
 use serde::{Deserialize, Serialize};
 
@@ -238,8 +237,6 @@ pub struct Capture {
     run: PathBuf,
     /// One sync at a time: two would plan from the same view and add a mirror twice.
     lock: tokio::sync::Mutex<()>,
-    /// The last sync's report.
-    last: std::sync::Mutex<SyncReport>,
 }
 
 /// What applying one source's steps left, for its report.
@@ -261,17 +258,7 @@ struct Applied {
 impl Capture {
     /// The capture owner keeping its ledgers in `STATE/capture` (made at the first write).
     pub fn new(state_dir: &Path, run_dir: &Path) -> Capture {
-        Capture {
-            dir: state_dir.join(ledger::DIR),
-            run: run_dir.to_path_buf(),
-            lock: tokio::sync::Mutex::new(()),
-            last: std::sync::Mutex::new(SyncReport::default()),
-        }
-    }
-
-    /// The last sync's report (empty before the first), for views that do not ask the kernel.
-    pub fn last(&self) -> SyncReport {
-        self.last.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        Capture { dir: state_dir.join(ledger::DIR), run: run_dir.to_path_buf(), lock: tokio::sync::Mutex::new(()) }
     }
 
     /// Makes every monitored source match `desired` (every monitor every live VM should have
@@ -288,9 +275,7 @@ impl Capture {
     /// [`Capture::sync`] through any [`TcOps`].
     pub async fn sync_with<T: TcOps>(&self, ops: &T, desired: &[Monitor]) -> SyncReport {
         let _one_at_a_time = self.lock.lock().await;
-        let report = self.sync_locked(ops, desired, &boot_id()).await;
-        *self.last.lock().unwrap_or_else(PoisonError::into_inner) = report.clone();
-        report
+        self.sync_locked(ops, desired, &boot_id()).await
     }
 
     /// Kills the daemon here when the test armed `step` (debug builds).

@@ -646,7 +646,6 @@ async fn sync_attaches_is_idempotent_and_gives_back() {
     let report = cap.sync_with(&fake, &want).await;
     assert_eq!(states(&report), ["attached", "attached"]);
     assert_eq!(report.sources, [SourceReport { source: SRC.into(), present: true, promisc: true, vmhost_filters: 3 }]);
-    assert_eq!(cap.last(), report);
     let path = ledger::path_of(&d.path().join("capture"), SRC);
     assert!(path.exists());
     assert_eq!(fake.k().filters[&SRC_INDEX].len(), 3);
