@@ -521,6 +521,14 @@ fn seed_cases() -> Vec<SeedCase> {
             ],
         },
         SeedCase {
+            // A monitor NIC ({"monitor": SOURCE} here) is listed up with no address.
+            what: "an addressed NIC and a monitor NIC",
+            ipv4: vec![json!({"mode": "static", "address": "10.4.0.5/24"}), json!({"monitor": "span0"})],
+            user_data: None,
+            ssh: None,
+            present: vec!["10.4.0.5/24", "eth0", "eth1"],
+        },
+        SeedCase {
             what: "an ssh account, generated user-data",
             ipv4: vec![json!({"mode": "dhcp"})],
             user_data: None,
@@ -545,7 +553,11 @@ fn render_case(case: &SeedCase) -> vmhost::seed::SeedFiles {
     let nics: Vec<Value> = case
         .ipv4
         .iter()
-        .map(|ip| if ip.is_null() { json!({"network": "lan"}) } else { json!({"network": "lan", "ipv4": ip}) })
+        .map(|ip| match ip {
+            Value::Null => json!({"network": "lan"}),
+            _ if ip.get("monitor").is_some() => json!({"mode": "monitor", "source": ip["monitor"]}),
+            _ => json!({"network": "lan", "ipv4": ip}),
+        })
         .collect();
     let mut spec = json!({"name": "seed_check", "cpu": 1, "memory_mib": 512,
         "boot": {"image": "debian.qcow2", "disk_gib": 4}, "nics": nics});
