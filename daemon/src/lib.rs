@@ -28,6 +28,7 @@ pub mod ipv4;
 mod layers;
 pub mod lifecycle;
 pub mod logcap;
+pub mod migration;
 pub mod net;
 pub mod nic;
 pub mod owner_errors;

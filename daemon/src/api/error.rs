@@ -85,6 +85,10 @@ pub enum Code {
     ExecDisabled,
     /// All exec slots of the VM are in use (`details.slots`); retry when one ends.
     SlotsBusy,
+    /// `vm.migrate` or `vm.move` cannot move this VM (`details.reason`: `passthrough` devices
+    /// cannot move live, `status` it is not running or stopped as the call needs,
+    /// `firmware` ...); nothing was sent and nothing changed on either host.
+    NotMovable,
 }
 
 impl Code {
@@ -121,6 +125,7 @@ impl Code {
             Code::NotFrozen => 4094,
             Code::ExecDisabled => 4095,
             Code::SlotsBusy => 4096,
+            Code::NotMovable => 4097,
         }
     }
 
@@ -157,6 +162,7 @@ impl Code {
             Code::NotFrozen => "not_frozen",
             Code::ExecDisabled => "exec_disabled",
             Code::SlotsBusy => "slots_busy",
+            Code::NotMovable => "not_movable",
         }
     }
 
@@ -167,7 +173,7 @@ impl Code {
 }
 
 /// Every code, for lookups and documentation tests.
-pub const ALL_CODES: [Code; 30] = [
+pub const ALL_CODES: [Code; 31] = [
     Code::ParseError,
     Code::InvalidRequest,
     Code::MethodNotFound,
@@ -198,6 +204,7 @@ pub const ALL_CODES: [Code; 30] = [
     Code::NotFrozen,
     Code::ExecDisabled,
     Code::SlotsBusy,
+    Code::NotMovable,
 ];
 
 /// `error.data` of every vmhost error.

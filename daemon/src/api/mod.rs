@@ -11,6 +11,7 @@ pub mod error;
 pub mod exec;
 pub mod housekeeping;
 pub mod images;
+pub mod migration;
 pub mod snapshots;
 pub mod stats;
 
@@ -555,11 +556,17 @@ pub enum VmStatus {
     Dead,
     /// A destroy is in progress.
     Destroying,
+    /// Being sent to another vmhostd (`vm.migrate`, `vm.move`): the guest still runs (or is
+    /// kept) here until the destination confirms it runs there.
+    Migrating,
+    /// Being received from another vmhostd (`vm.migrate_in`): NICs and disks made, QEMU (for a
+    /// live migration) waiting for the stream; the guest does not run here yet.
+    Incoming,
 }
 
 impl VmStatus {
     /// Every status, in declaration order (for the transition table's exhaustive tests).
-    pub const ALL: [VmStatus; 8] = [
+    pub const ALL: [VmStatus; 10] = [
         VmStatus::Creating,
         VmStatus::Starting,
         VmStatus::Running,
@@ -568,6 +575,8 @@ impl VmStatus {
         VmStatus::Failed,
         VmStatus::Dead,
         VmStatus::Destroying,
+        VmStatus::Migrating,
+        VmStatus::Incoming,
     ];
 
     /// Lowercase name.
@@ -581,6 +590,8 @@ impl VmStatus {
             VmStatus::Failed => "failed",
             VmStatus::Dead => "dead",
             VmStatus::Destroying => "destroying",
+            VmStatus::Migrating => "migrating",
+            VmStatus::Incoming => "incoming",
         }
     }
 }

@@ -42,6 +42,7 @@ pub(crate) mod housekeeping;
 pub(crate) mod images;
 mod launch;
 mod live_copy;
+pub(crate) mod migrate;
 mod op;
 pub(crate) mod ops;
 mod placement;

@@ -126,6 +126,10 @@ impl<'m> Recovery<'m> {
         // If /proc cannot be read the record is left exactly as it is: guessing could start a
         // VM twice or delete a live VM's sockets.
         let live = mgr.processes.find(paths, rec.process.as_ref(), self.search())?;
+        // A migration's side settles by its own rules (lifecycle/migrate).
+        if rec.migration().is_some() || matches!(rec.status, VmStatus::Migrating | VmStatus::Incoming) {
+            return super::migrate::settle(mgr, held, &rec, live).await;
+        }
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
@@ -190,6 +194,8 @@ impl<'m> Recovery<'m> {
             VmStatus::Starting => Some((VmStatus::Failed, "start interrupted by a vmhostd restart", false)),
             VmStatus::Creating => Some((VmStatus::Failed, "create interrupted by a vmhostd restart", true)),
             VmStatus::Stopped | VmStatus::Failed | VmStatus::Dead | VmStatus::Destroying => None,
+            // Settled by lifecycle/migrate before this is reached.
+            VmStatus::Migrating | VmStatus::Incoming => None,
         };
         let Some((to, why, undo_create)) = settle else { return Ok(()) };
         if undo_create {

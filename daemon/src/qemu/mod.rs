@@ -8,5 +8,6 @@ pub mod identity;
 pub mod integrity;
 pub mod kvm;
 pub mod launch;
+pub mod migration;
 pub mod qmp;
 pub mod session;

@@ -15,6 +15,7 @@ use crate::api::backup::{ExportParams, ImportVmParams};
 use crate::api::disks::PurgeKeptDisksParams;
 use crate::api::exec::{ExecOutput, ExecParams, ExecResult, FilePullParams, FilePushParams, EXEC_OUTPUT_NOTIFICATION};
 use crate::api::images::{ImageNameParams, ImportParams};
+use crate::api::migration::{MigrateInParams, MigrateParams, MoveParams};
 use crate::api::snapshots::{SnapshotParams, TakeSnapshotParams};
 use crate::api::stats::StatsParams;
 use crate::api::{
@@ -133,7 +134,7 @@ macro_rules! call {
 }
 
 /// Every method of API v1, in documentation order.
-pub static METHODS: [Method; 34] = [
+pub static METHODS: [Method; 37] = [
     // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
     call!("host.info", Read, Free, Object, |ctx, _p| {
         let mut info = crate::blocking::run(|| ctx.manager.host_info());
@@ -265,6 +266,15 @@ pub static METHODS: [Method; 34] = [
         .await
         .and_then(json)),
     call!("vm.import", Write, Free, ImportVmParams, |ctx, p| lifecycle::backup::import_vm(&ctx.manager, p)
+        .await
+        .and_then(json)),
+    call!("vm.migrate_in", Write, Free, MigrateInParams, |ctx, p| {
+        lifecycle::migrate::incoming::migrate_in(&ctx.manager, p).await.and_then(json)
+    }),
+    call!("vm.migrate", Write, Free, MigrateParams, |ctx, p| {
+        lifecycle::migrate::outgoing::migrate(&ctx.manager, p).await.and_then(json)
+    }),
+    call!("vm.move", Write, Free, MoveParams, |ctx, p| lifecycle::migrate::cold::move_vm(&ctx.manager, p)
         .await
         .and_then(json)),
     call!("vm.snapshot", Write, Free, TakeSnapshotParams, |ctx, p| lifecycle::snapshots::snapshot(&ctx.manager, p)

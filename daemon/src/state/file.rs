@@ -80,6 +80,9 @@ pub(super) struct RecordFile {
     /// [`VmRecord::placement`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     placement: Option<crate::placement::Placement>,
+    /// [`VmRecord::migration`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    migration: Option<super::migration::MigrationRecord>,
 }
 
 /// [`RootDisk`] on disk, where the import in progress is its `importing`.
@@ -151,6 +154,7 @@ impl From<RecordFile> for VmRecord {
             instance_id: f.instance_id,
             unclean_end: f.unclean_end,
             placement: f.placement,
+            migration: f.migration,
         }
     }
 }
@@ -194,6 +198,7 @@ impl From<VmRecord> for RecordFile {
             instance_id: r.instance_id,
             unclean_end: r.unclean_end,
             placement: r.placement,
+            migration: r.migration,
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod atomic;
 pub mod dirs;
 mod file;
 pub mod intent;
+pub mod migration;
 pub mod transition;
 
 pub use intent::{DiskWork, Intent, IntentError};
@@ -94,6 +95,9 @@ pub struct VmRecord {
     /// same write that marks a start (before the host is touched), cleared when the QEMU is
     /// gone. A stopped VM holds none.
     pub placement: Option<crate::placement::Placement>,
+    /// The migration this VM is part of, on this host's side ([`migration`]): set before
+    /// either side touches the host for it, cleared when this side is done with it.
+    pub migration: Option<migration::MigrationRecord>,
 }
 
 /// A `boot.disk` VM's root disk: `STATE/disks/NAME/root.FORMAT`, moved in from the import
@@ -136,6 +140,7 @@ impl VmRecord {
             instance_id: None,
             unclean_end: None,
             placement: None,
+            migration: None,
         }
     }
 

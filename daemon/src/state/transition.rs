@@ -17,7 +17,7 @@
 //! table; a test keeps the two equal.
 
 use crate::api::VmStatus;
-use VmStatus::{Creating, Dead, Destroying, Failed, Running, Starting, Stopped, Stopping};
+use VmStatus::{Creating, Dead, Destroying, Failed, Incoming, Migrating, Running, Starting, Stopped, Stopping};
 
 /// One allowed change of status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,7 +35,7 @@ const fn edge(from: VmStatus, to: VmStatus, why: &'static str) -> Edge {
 }
 
 /// Every allowed change between two different statuses. `destroying` is left only by a
-/// failure (or by removing the record); `dead` is reached only from `running`.
+/// failure (or by removing the record); `dead` is reached only from `running` and `migrating`.
 pub const EDGES: &[Edge] = &[
     edge(Creating, Running, "a create's QEMU is up"),
     edge(Creating, Stopped, "a create with `state: stopped` is done"),
@@ -76,6 +76,26 @@ pub const EDGES: &[Edge] = &[
     edge(Dead, Failed, "the restart policy's start, or another start, failed before its launch"),
     edge(Dead, Destroying, "vm.destroy"),
     edge(Destroying, Failed, "a destroy failed; what still exists stays recorded"),
+    edge(Creating, Incoming, "vm.migrate_in admitted the VM: what it needs is made, its guest does not run here yet"),
+    edge(Running, Migrating, "vm.migrate begins sending the running VM to another vmhostd"),
+    edge(Stopped, Migrating, "vm.move begins sending the stopped VM to another vmhostd"),
+    edge(
+        Migrating,
+        Running,
+        "a migration failed or was cancelled before the destination confirmed: the guest runs here",
+    ),
+    edge(Migrating, Stopped, "a cold move failed before the destination confirmed: the VM stays here"),
+    edge(Migrating, Destroying, "the destination confirmed: the source gives back what the VM held, as a destroy"),
+    edge(
+        Migrating,
+        Failed,
+        "the outcome cannot be known yet (the destination cannot be asked): the paused guest is kept",
+    ),
+    edge(Migrating, Dead, "QEMU ended during a migration without vmhostd asking"),
+    edge(Incoming, Running, "the source's commit: the guest runs here"),
+    edge(Incoming, Stopped, "a cold move's files arrived and were checked"),
+    edge(Incoming, Destroying, "an incoming migration was abandoned (the source failed, went away or never came)"),
+    edge(Incoming, Failed, "abandoning an incoming migration failed; what still exists stays recorded"),
 ];
 
 /// A status change the table does not allow.
@@ -126,14 +146,16 @@ mod tests {
     /// The table as written out here, independently of [`EDGES`]: every change the lifecycle
     /// makes today. A change to the table must change this too.
     const EXPECTED: &[(VmStatus, &[VmStatus])] = &[
-        (Creating, &[Running, Stopped, Failed, Destroying]),
+        (Creating, &[Running, Stopped, Failed, Destroying, Incoming]),
         (Starting, &[Running, Stopped, Failed, Destroying]),
-        (Running, &[Creating, Starting, Stopping, Stopped, Failed, Dead, Destroying]),
+        (Running, &[Creating, Starting, Stopping, Stopped, Failed, Dead, Destroying, Migrating]),
         (Stopping, &[Creating, Starting, Running, Stopped, Failed, Destroying]),
-        (Stopped, &[Creating, Starting, Running, Failed, Destroying]),
+        (Stopped, &[Creating, Starting, Running, Failed, Destroying, Migrating]),
         (Failed, &[Creating, Starting, Running, Stopping, Stopped, Destroying]),
         (Dead, &[Creating, Starting, Running, Stopped, Failed, Destroying]),
         (Destroying, &[Failed]),
+        (Migrating, &[Running, Stopped, Destroying, Failed, Dead]),
+        (Incoming, &[Running, Stopped, Destroying, Failed]),
     ];
 
     #[test]

@@ -1,0 +1,42 @@
+//! Moving VMs between vmhostds (docs/moving.md): `vm.migrate_in` ([`incoming`], the
+//! destination), `vm.migrate` ([`outgoing`], the source, live), `vm.move` ([`cold`], the
+//! source, a stopped VM), and what a restart of either side settles ([`settle`]).
+//!
+//! The lifecycle is the only coordinator of what a migration touches on each host: the
+//! migration port's streams ([`crate::migration`]), QEMU's side ([`crate::qemu::migration`]),
+//! NICs, disks and the record. The protocol's state lives in the record
+//! ([`crate::state::migration`]), written before each step that depends on it.
+
+pub(crate) mod cold;
+pub(crate) mod incoming;
+pub(crate) mod outgoing;
+
+use super::held::HeldVm;
+use super::Manager;
+use crate::api::ApiError;
+use crate::process::ProcessIdentity;
+use crate::state::migration::MigrationRole;
+use crate::state::VmRecord;
+
+/// Recovery of a VM whose record names a migration (or says `migrating` / `incoming`): each
+/// side settles its own ([`outgoing::recover`], [`incoming::recover`]). `live` is the VM's
+/// QEMU found running.
+///
+/// # Errors
+/// As the side's recovery.
+pub(super) async fn settle(
+    mgr: &std::sync::Arc<Manager>,
+    held: &HeldVm,
+    rec: &VmRecord,
+    live: Option<ProcessIdentity>,
+) -> Result<(), ApiError> {
+    let incoming = match rec.migration() {
+        Some(m) => m.role == MigrationRole::Incoming,
+        None => rec.status == crate::api::VmStatus::Incoming,
+    };
+    if incoming {
+        incoming::recover(mgr, held, rec, live).await
+    } else {
+        outgoing::recover(mgr, held, rec, live).await
+    }
+}

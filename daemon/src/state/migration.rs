@@ -1,0 +1,66 @@
+//! A migration a VM is part of, as its record remembers it ([`VmRecord::migration`]): written
+//! before either vmhostd touches the host for it, so a restart of either knows which side of
+//! which migration it was and how far it got (docs/moving.md, "Crash safety").
+//!
+//! The source's record says `status: migrating` for as long as the guest may still run there;
+//! the destination's says `incoming` until the source's commit. The phase is the whole protocol
+//! state a restart needs: before [`MigrationPhase::Committing`] the destination cannot have
+//! committed (it commits only when asked), so the source resumes its guest; in `Committing` only
+//! the destination's authenticated answer decides; from [`MigrationPhase::Committed`] the guest
+//! runs on the destination and the source only finishes giving back what the VM held.
+
+use crate::api::migration::MoveMode;
+use serde::{Deserialize, Serialize};
+
+use super::VmRecord;
+
+/// Which side of a migration this host is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MigrationRole {
+    /// This host sends the VM (`vm.migrate`, `vm.move`).
+    Outgoing,
+    /// This host receives it (`vm.migrate_in`).
+    Incoming,
+}
+
+/// How far a migration got (module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MigrationPhase {
+    /// Destination: admitted and being made ready, or waiting for / receiving the streams.
+    /// Source: the streams are being set up or run; the destination has not been asked to commit.
+    Sending,
+    /// Source only: the commit was (or is about to be) sent; the destination's answer decides.
+    Committing,
+    /// The destination committed: the guest runs there. Source: what the VM held here is being
+    /// given back. Destination: its QEMU may still have to be resumed.
+    Committed,
+}
+
+/// [`VmRecord::migration`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrationRecord {
+    /// Which side this host is.
+    pub role: MigrationRole,
+    /// Live or cold.
+    pub mode: MoveMode,
+    /// The other vmhostd's migration address (`HOST:PORT`); empty on a destination until the
+    /// source connected.
+    pub peer: String,
+    /// The one-time secret (hex), kept so that after a restart this side can still prove who it
+    /// is to the other, and check the other's answer. The record file is root's, mode 0600.
+    pub secret: String,
+    /// How far it got.
+    pub phase: MigrationPhase,
+    /// RFC 3339, when this side began.
+    pub since: String,
+}
+
+impl VmRecord {
+    /// The migration this VM is part of, if any.
+    pub fn migration(&self) -> Option<&MigrationRecord> {
+        self.migration.as_ref()
+    }
+}
