@@ -79,7 +79,7 @@ def host_view(name, info, vms, images=None):
     ``vmhost.list`` (``vms``) and ``vmhost.image_list`` (``images``; None when unknown: then
     images are not checked). Raises :class:`PlacementError` when ``info`` is not host.info's
     shape."""
-    if not isinstance(info, dict) or not isinstance(info.get("cpu"), dict) or not isinstance(info.get("memory_mib"), dict):
+    if not isinstance(info, dict) or not all(isinstance(info.get(k), dict) for k in ("cpu", "memory_mib")):
         raise PlacementError(f"{name}: host.info answer without cpu and memory_mib")
     if not isinstance(vms, list):
         raise PlacementError(f"{name}: vm.list answer is not a list")
@@ -241,9 +241,9 @@ def misfits(spec, host):
         out.append(f"memory: {need['memory_mib']} MiB needed, {host['memory_free']} MiB free")
     free = host["disk_free"]
     if need["disk_bytes"] and need["disk_bytes"] + host["disk_added"] > free * host["overcommit"]:
+        room = max(free * host["overcommit"] - host["disk_added"], 0) / GIB
         out.append(
-            f"disk: {need['disk_bytes'] / GIB:.0f} GiB needed, "
-            f"{max(free * host['overcommit'] - host['disk_added'], 0) / GIB:.1f} GiB free (overcommit {host['overcommit']:g})"
+            f"disk: {need['disk_bytes'] / GIB:.0f} GiB needed, {room:.1f} GiB free (overcommit {host['overcommit']:g})"
         )
     elif need["prealloc_bytes"] and need["prealloc_bytes"] + host["prealloc_added"] > free * PREALLOC_SHARE:
         out.append(
