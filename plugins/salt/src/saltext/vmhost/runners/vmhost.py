@@ -212,6 +212,13 @@ class Fleet:
         return placement.host_view(minion, info, vms, images)
 
 
+def _local_client():
+    """The master's LocalClient (replaced in the tests by one answering from fake minions)."""
+    import salt.client  # pylint: disable=import-outside-toplevel
+
+    return salt.client.LocalClient(mopts=_opts())
+
+
 def _fleet(hosts=None, tgt_type=None, fleet=None, client=None):
     snapshot = None
     if fleet not in (None, ""):
@@ -223,9 +230,7 @@ def _fleet(hosts=None, tgt_type=None, fleet=None, client=None):
         if not isinstance(snapshot, dict) or not isinstance(snapshot.get("hosts"), dict):
             raise RunnerError(f"{fleet}: not a fleet snapshot (salt-run vmhost.fleet's answer)")
     if client is None and snapshot is None:
-        import salt.client  # pylint: disable=import-outside-toplevel
-
-        client = salt.client.LocalClient(mopts=_opts())
+        client = _local_client()
     return Fleet(
         client,
         _setting(hosts, "hosts", "*"),
