@@ -401,6 +401,12 @@ class Evacuate(unittest.TestCase):
         self.assertEqual(len(plan["moves"]), 1)
         self.assertIn("is taken there", plan["unplaced"][0]["refused"]["a"][0])
 
+    def test_barred_hosts_are_left_out_with_their_reason(self):
+        hosts = [host("src", vms=[vmview(spec("x")), vmview(spec("y"))]), host("a", memory=9000), host("b")]
+        plan = placement.evacuate_plan("src", hosts, barred={"x": {"a": "no file"}, "y": {"a": "no file", "b": "no file"}})
+        self.assertEqual([(m["vm"], m["to"]) for m in plan["moves"]], [("x", "b")])
+        self.assertEqual(plan["unplaced"], [{"vm": "y", "mode": "live", "refused": {"a": ["no file"], "b": ["no file"]}}])
+
     def test_unknown_host(self):
         with self.assertRaises(placement.PlacementError):
             placement.evacuate_plan("nope", [host("a")])

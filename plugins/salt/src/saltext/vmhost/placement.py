@@ -421,14 +421,15 @@ def _size(view):
     return (-_int(spec.get("memory_mib")), -_int(spec.get("cpu")), view.get("name"))
 
 
-def evacuate_plan(host, hosts, anti_affinity="role"):
+def evacuate_plan(host, hosts, anti_affinity="role", barred=None):
     """Where every VM of ``host`` (a name) goes: each VM of its ``vm.list``, the largest
     first (memory, then CPUs, then name), placed among the other ``hosts`` with what the
     moves planned before it took. Returns ``{host, moves, unmovable, unplaced}``: ``moves``
     ``[{vm, to, mode, stop, status, sharing}]`` in order, ``unmovable`` ``[{vm, reason}]``
     (its status forbids a move), ``unplaced`` ``[{vm, mode, refused}]`` (no host fits; a
-    passthrough VM only fits a host whose same hardware class and index is free). The input
-    is not changed."""
+    passthrough VM only fits a host whose same hardware class and index is free).
+    ``barred`` ``{vm: {host: reason}}`` keeps a VM off hosts for reasons outside host.info
+    (the runner's: no Security Onion VMs file drives that host). The input is not changed."""
     hosts = copy.deepcopy(hosts)
     by_name = {h["name"]: h for h in hosts}
     if host not in by_name:
@@ -444,9 +445,11 @@ def evacuate_plan(host, hosts, anti_affinity="role"):
         except PlacementError as exc:
             unmovable.append({"vm": view["name"], "reason": str(exc)})
             continue
-        choice = place(spec, hosts, anti_affinity, exclude=(host,))
+        bars = (barred or {}).get(view["name"]) or {}
+        choice = place(spec, hosts, anti_affinity, exclude=(host, *bars))
         if choice["host"] is None:
-            unplaced.append({"vm": view["name"], "mode": how["mode"], "refused": choice["refused"]})
+            refused = dict(choice["refused"], **{h: [r] for h, r in bars.items() if h != host and h in by_name})
+            unplaced.append({"vm": view["name"], "mode": how["mode"], "refused": refused})
             continue
         take(by_name[choice["host"]], spec, dict(view, spec=spec))
         moves.append(

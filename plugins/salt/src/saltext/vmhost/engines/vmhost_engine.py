@@ -1613,7 +1613,7 @@ class Engine:
             all_ok = False
             specs = [s for s in specs if s["name"] not in moving]
             log.info("vmhost_engine: %s: %s left alone: the vmhost runner is moving them", minion, ", ".join(moving))
-        send_prune = self._prune_all(minion, specs, complete, errors, held) and not moving
+        send_prune = not moving and self._prune_all(minion, specs, complete, errors, held)
         if held:
             all_ok = False
             specs = [s for s in specs if s["name"] not in held]

@@ -332,6 +332,18 @@ class SoVms:
                 return i, item
         return None
 
+    def barred(self, source, hosts):
+        """``{vm: {host: reason}}``: the VMs of ``source`` in its VMs file may go only to hosts
+        a VMs file drives (elsewhere the engine would make them again on ``source``)."""
+        src_hyp = self.hypervisor_of(source)
+        if src_hyp is None:
+            return {}
+        entries, _ = self._read(src_hyp + self.suffix)
+        names = {engine_lib.vm_name(e) for e in entries if engine_lib.vm_name(e)} if isinstance(entries, list) else set()
+        without = [h["name"] for h in hosts if h["name"] != source and self.hypervisor_of(h["name"]) is None]
+        reason = f"no Security Onion VMs file drives it ({source}'s file lists the VM)"
+        return {vm: {h: reason for h in without} for vm in sorted(names) if without}
+
     def holds(self):
         try:
             return engine_lib.read_holds(self.fd)
@@ -592,8 +604,12 @@ def evacuate(host, dry_run=False, hosts=None, tgt_type=None, anti_affinity=None,
             raise RunnerError("fleet=PATH only plans: use dry_run=True, or ask the minions")
         fl = _fleet(hosts, tgt_type, fleet)
         hosts_, skipped = fl.views()
-        plan = placement.evacuate_plan(host, hosts_, _setting(anti_affinity, "anti_affinity", "role"))
-        so_files = None if dry else _so(so)
+        so_files = _so(so)
+        barred = {}
+        if so_files is not None:
+            with so_files:
+                barred = so_files.barred(host, hosts_)
+        plan = placement.evacuate_plan(host, hosts_, _setting(anti_affinity, "anti_affinity", "role"), barred)
     except (RunnerError, placement.PlacementError, OSError) as exc:
         return _failed(str(exc), host=host)
     report = {"host": host, "dry_run": dry, "plan": plan, "skipped": skipped, "done": [], "failed": []}
