@@ -349,7 +349,7 @@ class SecurityOnion(RunnerTest):
         self.assertEqual(sorted(e["hostname"] for e in self.read("hv2")), ["keep", "mover", "other"])
 
     def test_evacuate_never_plans_an_so_vm_onto_a_host_without_a_file(self):
-        self.hv2.memory = 1024  # only hv3 (no VMs file) has room for them
+        self.hv2.memory = 256  # only hv3 (no VMs file) has room for them
         ret = self.runner.evacuate(host="hv1_a1", dry_run=True)
         self.assertEqual(ret["plan"]["moves"], [])
         reasons = ret["plan"]["unplaced"][0]["refused"]
