@@ -75,7 +75,12 @@ class Host:
             nets.append({"name": n, "ready": True, "vlan_filtering": False, "nics": nics})
         return {
             "cpu": {"total": self.cpu, "reserved": 0, "allocated": used_cpu, "available": self.cpu - used_cpu},
-            "memory_mib": {"total": self.memory, "reserved": 0, "allocated": used_mem, "available": self.memory - used_mem},
+            "memory_mib": {
+                "total": self.memory,
+                "reserved": 0,
+                "allocated": used_mem,
+                "available": self.memory - used_mem,
+            },
             "storage": {"total_bytes": self.disk, "free_bytes": self.disk, "provisioned_bytes": 0, "overcommit": 1.0},
             "hardware": copy.deepcopy(self.hardware),
             "networks": nets,

@@ -48,13 +48,20 @@ def spec(name, cpu=1, memory_mib=512, role=None, nics=("lan",), **extra):
 
 def vmview(s, status="running", **extra):
     n = zlib.crc32(s["name"].encode()) % 256
-    out = {"name": s["name"], "spec": s, "status": status, "nics": [{"mac": f"02:00:00:00:{n:02x}:{i:02x}"} for i in range(len(s["nics"]))]}
+    out = {
+        "name": s["name"],
+        "spec": s,
+        "status": status,
+        "nics": [{"mac": f"02:00:00:00:{n:02x}:{i:02x}"} for i in range(len(s["nics"]))],
+    }
     out.update(extra)
     return out
 
 
 def host(name, vms=(), images=("base.qcow2",), **kw):
-    return placement.host_view(name, info(**kw), list(vms), [{"name": i} for i in images] if images is not None else None)
+    return placement.host_view(
+        name, info(**kw), list(vms), [{"name": i} for i in images] if images is not None else None
+    )
 
 
 class HostView(unittest.TestCase):
@@ -75,7 +82,10 @@ class HostView(unittest.TestCase):
                 ],
                 capture=[{"interface": "eth1", "present": True}],
                 kept_disks=[{"vm": "old", "name": "data"}],
-                numa=[{"node": 0, "hugepages": {"2M": {"total": 10, "free": 4}}}, {"node": 1, "hugepages": {"2M": {"free": 3}}}],
+                numa=[
+                    {"node": 0, "hugepages": {"2M": {"total": 10, "free": 4}}},
+                    {"node": 1, "hugepages": {"2M": {"free": 3}}},
+                ],
                 cpus={"vm_cpus": "2-7", "shared_pool": "4-7"},
             ),
             [{"name": "a", "spec": {}}, "junk"],
@@ -228,7 +238,9 @@ class Misfits(unittest.TestCase):
         s = spec("a", nics=())
         s["nics"] = [{"mode": "monitor", "source": "eth1"}]
         self.check(s, host("hv1"), ["capture interface eth1: not in [capture] interfaces"])
-        self.check(s, host("hv1", capture=[{"interface": "eth1", "present": False}]), ["capture interface eth1: absent"])
+        self.check(
+            s, host("hv1", capture=[{"interface": "eth1", "present": False}]), ["capture interface eth1: absent"]
+        )
         self.check(s, host("hv1", capture=[{"interface": "eth1", "present": True}]), [])
 
     def test_image(self):
@@ -356,7 +368,10 @@ class Evacuate(unittest.TestCase):
         self.assertEqual(hosts, before)
 
     def test_what_does_not_fit_is_unplaced_with_reasons(self):
-        hosts = [host("src", vms=[vmview(spec("x", memory_mib=3000)), vmview(spec("y", memory_mib=3000))]), host("a", memory=4000)]
+        hosts = [
+            host("src", vms=[vmview(spec("x", memory_mib=3000)), vmview(spec("y", memory_mib=3000))]),
+            host("a", memory=4000),
+        ]
         plan = placement.evacuate_plan("src", hosts)
         self.assertEqual([m["vm"] for m in plan["moves"]], ["x"])
         self.assertEqual(plan["unplaced"][0]["vm"], "y")
@@ -365,7 +380,9 @@ class Evacuate(unittest.TestCase):
     def test_unmovable_by_status(self):
         hosts = [host("src", vms=[vmview(spec("x"), "failed"), vmview(spec("y"), "stopped")]), host("a")]
         plan = placement.evacuate_plan("src", hosts)
-        self.assertEqual(plan["unmovable"], [{"vm": "x", "reason": "status failed: only a running or stopped VM moves"}])
+        self.assertEqual(
+            plan["unmovable"], [{"vm": "x", "reason": "status failed: only a running or stopped VM moves"}]
+        )
         self.assertEqual(plan["moves"][0]["vm"], "y")
         self.assertEqual((plan["moves"][0]["mode"], plan["moves"][0]["stop"]), ("cold", False))
 
@@ -378,7 +395,9 @@ class Evacuate(unittest.TestCase):
             host("b", memory=1000, hardware=[dev("sfp", 5)]),
         ]
         plan = placement.evacuate_plan("src", hosts)
-        self.assertEqual(plan["moves"], [{"vm": "p1", "to": "b", "mode": "cold", "stop": True, "status": "running", "sharing": []}])
+        self.assertEqual(
+            plan["moves"], [{"vm": "p1", "to": "b", "mode": "cold", "stop": True, "status": "running", "sharing": []}]
+        )
         self.assertEqual(plan["unplaced"][0]["vm"], "p2")
         self.assertIn("held by p1", " ".join(plan["unplaced"][0]["refused"]["b"]))
         self.assertIn("not in the hardware model", " ".join(plan["unplaced"][0]["refused"]["a"]))
@@ -403,9 +422,13 @@ class Evacuate(unittest.TestCase):
 
     def test_barred_hosts_are_left_out_with_their_reason(self):
         hosts = [host("src", vms=[vmview(spec("x")), vmview(spec("y"))]), host("a", memory=9000), host("b")]
-        plan = placement.evacuate_plan("src", hosts, barred={"x": {"a": "no file"}, "y": {"a": "no file", "b": "no file"}})
+        plan = placement.evacuate_plan(
+            "src", hosts, barred={"x": {"a": "no file"}, "y": {"a": "no file", "b": "no file"}}
+        )
         self.assertEqual([(m["vm"], m["to"]) for m in plan["moves"]], [("x", "b")])
-        self.assertEqual(plan["unplaced"], [{"vm": "y", "mode": "live", "refused": {"a": ["no file"], "b": ["no file"]}}])
+        self.assertEqual(
+            plan["unplaced"], [{"vm": "y", "mode": "live", "refused": {"a": ["no file"], "b": ["no file"]}}]
+        )
 
     def test_unknown_host(self):
         with self.assertRaises(placement.PlacementError):

@@ -14,7 +14,14 @@ from vmhost_fakes import error, load, load_engine
 
 
 def sfp(index, holder=None):
-    return {"class": "sfp", "index": index, "pci": f"0000:ca:00.{index}", "holder": holder, "present": True, "driver": None}
+    return {
+        "class": "sfp",
+        "index": index,
+        "pci": f"0000:ca:00.{index}",
+        "holder": holder,
+        "present": True,
+        "driver": None,
+    }
 
 
 class RunnerTest(unittest.TestCase):
@@ -58,7 +65,9 @@ class Migrate(RunnerTest):
 
     def test_live_options_reach_vm_migrate(self):
         self.hv1.add(view(spec("web")))
-        ret = self.runner.migrate(vm="web", to="hv2", source="hv1", max_downtime_ms=50, bandwidth_mib_s=100, timeout_s=60)
+        ret = self.runner.migrate(
+            vm="web", to="hv2", source="hv1", max_downtime_ms=50, bandwidth_mib_s=100, timeout_s=60
+        )
         self.assertTrue(ret["result"], ret)
         migrate = next(p for h, m, p in self.fleet.log if m == "vm.migrate")
         self.assertEqual((migrate["max_downtime_ms"], migrate["bandwidth_mib_s"], migrate["timeout_s"]), (50, 100, 60))
@@ -89,7 +98,7 @@ class Migrate(RunnerTest):
         self.assertFalse(ret["result"])
         self.assertIn("hardware sfp 5: not in the hardware model there", ret["error"])
         self.assertEqual(self.mutations(), [])
-        self.assertEqual(self.context["retcode"], 1)
+        self.assertEqual((self.context["retcode"], ret["retcode"]), (1, 1))
 
     def test_a_destination_without_room_network_or_image_is_refused(self):
         self.hv1.add(view(spec("big", memory_mib=6000, nics=("lan", "dmz"), image="new.qcow2")))
@@ -204,9 +213,16 @@ class Evacuate(RunnerTest):
         plan = ret["plan"]
         self.assertEqual(
             [(m["vm"], m["to"], m["mode"], m["stop"]) for m in plan["moves"]],
-            [("s1", "hv2", "live", False), ("s2", "hv3", "live", False), ("db", "hv2", "cold", False), ("pt", "hv2", "cold", True)],
+            [
+                ("s1", "hv2", "live", False),
+                ("s2", "hv3", "live", False),
+                ("db", "hv2", "cold", False),
+                ("pt", "hv2", "cold", True),
+            ],
         )
-        self.assertEqual(plan["unmovable"], [{"vm": "broken", "reason": "status failed: only a running or stopped VM moves"}])
+        self.assertEqual(
+            plan["unmovable"], [{"vm": "broken", "reason": "status failed: only a running or stopped VM moves"}]
+        )
         self.assertFalse(ret["result"])  # broken stays
         self.assertTrue(ret["dry_run"])
         self.assertEqual(self.mutations(), [])
@@ -216,7 +232,10 @@ class Evacuate(RunnerTest):
         self.hv1.remove("broken")
         ret = self.runner.evacuate(host="hv1")
         self.assertTrue(ret["result"], ret)
-        self.assertEqual([(d["vm"], d["to"], d["mode"]) for d in ret["done"]], [(m["vm"], m["to"], m["mode"]) for m in ret["plan"]["moves"]])
+        self.assertEqual(
+            [(d["vm"], d["to"], d["mode"]) for d in ret["done"]],
+            [(m["vm"], m["to"], m["mode"]) for m in ret["plan"]["moves"]],
+        )
         self.assertEqual(self.hv1.vms, {})
         self.assertEqual(sorted(self.hv2.vms), ["db", "pt", "s1"])
         self.assertEqual(sorted(self.hv3.vms), ["s2"])
@@ -260,7 +279,10 @@ class SecurityOnion(RunnerTest):
         for m in ("hv1_a1", "hv2_b2", "hv3_c3"):
             open(os.path.join(pki, "minions", m), "w").close()
         self.opts.update(
-            {"pki_dir": pki, "engines": [{"vmhost_engine": {"vms_dir": self.vms_dir, "so_compat": True, "network": "lan"}}]}
+            {
+                "pki_dir": pki,
+                "engines": [{"vmhost_engine": {"vms_dir": self.vms_dir, "so_compat": True, "network": "lan"}}],
+            }
         )
         # The fake hosts go by their minion ids here.
         for host, minion in ((self.hv1, "hv1_a1"), (self.hv2, "hv2_b2"), (self.hv3, "hv3_c3")):
@@ -365,12 +387,25 @@ class SecurityOnion(RunnerTest):
             def cmd(self, tgt, fun, kwarg=None, **kw):
                 calls.append(kwarg)
                 vms = [{"vm": s["name"], "action": "none"} for s in kwarg["vms"]]
-                return {tgt[0]: {"ret": {"plan": vms, "results": [dict(v, ok=True, changed=False) for v in vms], "ok": True}, "retcode": 0}}
+                return {
+                    tgt[0]: {
+                        "ret": {"plan": vms, "results": [dict(v, ok=True, changed=False) for v in vms], "ok": True},
+                        "retcode": 0,
+                    }
+                }
 
         config = engine_mod.parse_config(
-            {"vms_dir": self.vms_dir, "network": "lan", "boot": {"default": {"image": "b.qcow2", "disk_gib": 10}}, "so_compat": False, "prune": "all"}
+            {
+                "vms_dir": self.vms_dir,
+                "network": "lan",
+                "boot": {"default": {"image": "b.qcow2", "disk_gib": 10}},
+                "so_compat": False,
+                "prune": "all",
+            }
         )
-        engine = engine_mod.Engine(config, Client(), lambda *a: None, os.path.join(self.dir, "cache"), accepted=lambda: ["hv1_a1", "hv2_b2"])
+        engine = engine_mod.Engine(
+            config, Client(), lambda *a: None, os.path.join(self.dir, "cache"), accepted=lambda: ["hv1_a1", "hv2_b2"]
+        )
         self.addCleanup(engine.close)
         with open(os.path.join(self.vms_dir, ".vmhost-moves.json"), "w", encoding="utf-8") as f:
             json.dump({"mover_sensor": {"from": "hv1_a1", "to": "hv2_b2", "since": 1}}, f)

@@ -117,11 +117,13 @@ def _spec_arg(spec):
 
 
 def _failed(message, **extra):
-    """The answer of a refused or failed call; the job's retcode is 1."""
+    """The answer of a refused or failed call. The job fails: ``salt-run`` exits with the
+    answer's ``retcode`` (Salt 3007 reads it from the returned dict), and the job's
+    ``success`` comes from ``__context__["retcode"]``."""
     context = globals().get("__context__")
     if hasattr(context, "__setitem__"):
         context["retcode"] = 1
-    return dict(extra, result=False, error=message)
+    return dict(extra, result=False, error=message, retcode=1)
 
 
 def _no_answer(answer):
@@ -339,7 +341,9 @@ class SoVms:
         if src_hyp is None:
             return {}
         entries, _ = self._read(src_hyp + self.suffix)
-        names = {engine_lib.vm_name(e) for e in entries if engine_lib.vm_name(e)} if isinstance(entries, list) else set()
+        names = (
+            {engine_lib.vm_name(e) for e in entries if engine_lib.vm_name(e)} if isinstance(entries, list) else set()
+        )
         without = [h["name"] for h in hosts if h["name"] != source and self.hypervisor_of(h["name"]) is None]
         reason = f"no Security Onion VMs file drives it ({source}'s file lists the VM)"
         return {vm: {h: reason for h in without} for vm in sorted(names) if without}
