@@ -12,6 +12,7 @@ import sys
 import tempfile
 import unittest
 
+import tomllib
 from fleet_fakes import Fleet, Host, LocalClient, spec, view
 from vmhost_fakes import SRC, load
 
@@ -57,13 +58,14 @@ class SaltRun(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.dir, ignore_errors=True)
 
-    def salt_run(self, *args):
+    def salt_run(self, *args, conf=None, env=None):
         proc = subprocess.run(
-            [SALT_RUN, "-c", self.conf, "--out=json", *args, f"fleet={self.snapshot}"],
+            [SALT_RUN, "-c", conf or self.conf, "--out=json", *args, f"fleet={self.snapshot}"],
             capture_output=True,
             text=True,
             timeout=120,
             check=False,
+            env=env,
         )
         try:
             out = json.loads(proc.stdout)
@@ -105,6 +107,36 @@ class SaltRun(unittest.TestCase):
         rc, out = self.salt_run("vmhost.evacuate", "host=hv1")
         self.assertEqual(rc, 1, out)
         self.assertIn("fleet=PATH only plans", out["error"])
+
+    def test_the_installed_extensions_entry_point_gives_salt_the_runner(self):
+        """No runner_dirs in the config: Salt finds the runner through the ``runner_dirs``
+        entry point of pyproject.toml, as for an installed extension. The extension is
+        "installed" by a dist-info with pyproject's entry points beside src/ on PYTHONPATH
+        (the shared venv is not touched)."""
+        with open(os.path.join(SRC, "..", "..", "..", "pyproject.toml"), "rb") as f:
+            points = tomllib.load(f)["project"]["entry-points"]["salt.loader"]
+        self.assertEqual(points["runner_dirs"], "saltext.vmhost.loader:get_runner_dirs")
+        site = os.path.join(self.dir, "site")
+        info = os.path.join(site, "saltext.vmhost-0.1.0.dist-info")
+        os.makedirs(info)
+        with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as f:
+            f.write("Metadata-Version: 2.1\nName: saltext.vmhost\nVersion: 0.1.0\n")
+        with open(os.path.join(info, "entry_points.txt"), "w", encoding="utf-8") as f:
+            f.write("[salt.loader]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()))
+        conf = os.path.join(self.dir, "conf-ep")
+        os.mkdir(conf)
+        with open(os.path.join(conf, "master"), "w", encoding="utf-8") as f:
+            json.dump(
+                {"root_dir": os.path.join(self.dir, "root-ep"), "user": getpass.getuser(), "log_level": "warning"}, f
+            )
+        src = os.path.abspath(os.path.join(SRC, "..", ".."))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, src]))
+        rc, out = self.salt_run("vmhost.evacuate", "host=hv1", "dry_run=True", conf=conf, env=env)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual([m["vm"] for m in out["plan"]["moves"]], ["s1", "s2", "db"])
+        # Without the entry point Salt has no such runner: the test above is not vacuous.
+        rc, out = self.salt_run("vmhost.evacuate", "host=hv1", "dry_run=True", conf=conf)
+        self.assertIn("is not available", json.dumps(out))
 
 
 if __name__ == "__main__":
