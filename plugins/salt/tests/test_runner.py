@@ -53,6 +53,9 @@ class Migrate(RunnerTest):
         self.assertEqual((ret["from"], ret["to"], ret["mode"], ret["stop"]), ("hv1", "hv2", "live", False))
         self.assertEqual(ret["outcome"]["downtime_ms"], 100)
         self.assertEqual(self.mutations(), [("hv2", "vm.migrate_in"), ("hv1", "vm.migrate")])
+        # Finding the source asks every minion's vm.list, nothing more; the rest goes to the two.
+        self.assertEqual(self.client.published[0][:3], ("*", "vmhost.list", "glob"))
+        self.assertTrue(all(p[2] == "list" for p in self.client.published[1:]), self.client.published)
         migrate_in = next(p for h, m, p in self.fleet.log if m == "vm.migrate_in")
         self.assertEqual(migrate_in["mode"], "live")
         self.assertEqual(migrate_in["spec"]["nics"][0]["mac"], self.hv2.vms["web"]["nics"][0]["mac"])

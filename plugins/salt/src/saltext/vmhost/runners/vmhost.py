@@ -160,7 +160,7 @@ class Fleet:
             raise RunnerError(f"{fun} failed on {minion}: {str(body)[:2000]}")
         return body
 
-    def _all(self, fun):
+    def lists(self, fun):
         """``({minion: answer}, {minion: why not})`` of ``fun`` on every targeted minion."""
         try:
             ret = self.client.cmd(self.hosts, fun, tgt_type=self.tgt_type, timeout=self.timeout, full_return=True)
@@ -184,9 +184,9 @@ class Fleet:
         A minion missing one of them (no vmhostd, down) is skipped."""
         if self.snapshot is not None:
             return self.snapshot
-        infos, skipped = self._all("vmhost.info")
-        vms, bad_vms = self._all("vmhost.list")
-        images, bad_images = self._all("vmhost.image_list")
+        infos, skipped = self.lists("vmhost.info")
+        vms, bad_vms = self.lists("vmhost.list")
+        images, bad_images = self.lists("vmhost.image_list")
         hosts = {}
         for minion, info in infos.items():
             if minion not in vms:
@@ -432,8 +432,16 @@ def _so(so=None):
 
 def _source_of(fleet, vm):
     """The one minion whose vmhostd has ``vm``, and its view."""
-    raw = fleet.raw()
-    found = [(m, v) for m, d in sorted(raw["hosts"].items()) for v in d.get("vms") or [] if v.get("name") == vm]
+    if fleet.snapshot is not None:
+        lists = {m: d.get("vms") for m, d in fleet.snapshot["hosts"].items()}
+    else:
+        lists, _ = fleet.lists("vmhost.list")
+    found = [
+        (m, v)
+        for m, vms in sorted(lists.items())
+        for v in (vms if isinstance(vms, list) else [])
+        if isinstance(v, dict) and v.get("name") == vm
+    ]
     if not found:
         raise RunnerError(f"no hypervisor among {fleet.hosts} has a VM {vm}")
     if len(found) > 1:
