@@ -338,6 +338,17 @@ class SecurityOnion(RunnerTest):
         self.assertEqual([e["hostname"] for e in self.read("hv2")], ["other"])
         self.assertFalse(os.path.exists(os.path.join(self.vms_dir, ".vmhost-moves.json")))
 
+    def test_a_symlinked_vms_file_is_refused_before_anything(self):
+        real = os.path.join(self.dir, "elsewhere")
+        os.rename(os.path.join(self.vms_dir, "hv1VMs"), real)
+        os.symlink(real, os.path.join(self.vms_dir, "hv1VMs"))
+        ret = self.runner.migrate(vm="mover_sensor", to="hv2_b2")
+        self.assertFalse(ret["result"])
+        self.assertIn("Too many levels of symbolic links", ret["error"])
+        self.assertEqual(self.mutations(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.vms_dir, ".vmhost-moves.json")))
+        self.assertTrue(os.path.islink(os.path.join(self.vms_dir, "hv1VMs")))
+
     def test_no_file_for_the_destination_is_refused_before_anything(self):
         ret = self.runner.migrate(vm="mover_sensor", to="hv3_c3")
         self.assertFalse(ret["result"])
