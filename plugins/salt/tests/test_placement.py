@@ -4,6 +4,7 @@ plans."""
 
 import copy
 import importlib.util
+import json
 import os
 import unittest
 import zlib
@@ -123,6 +124,45 @@ class HostView(unittest.TestCase):
         self.assertEqual(placement._cpulist(""), set())
         self.assertEqual(placement._cpulist(None), set())
         self.assertEqual(placement._cpulist("x-1"), set())
+
+
+API_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "docs", "api.md")
+
+
+def api_example(heading):
+    """The first JSON example under ``heading`` in docs/api.md (answers of a real vmhostd, see
+    "How the examples were made" there)."""
+    with open(API_MD, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("```json", text.index(heading + "\n")) + len("```json")
+    return json.loads(text[start : text.index("```", start)])["result"]
+
+
+class RealAnswers(unittest.TestCase):
+    """host.info and vm.list as docs/api.md shows a real vmhostd's answers."""
+
+    def test_the_documented_answers_read_and_plan(self):
+        src = placement.host_view("hv1", api_example("### host.info"), api_example("### vm.list"), None)
+        self.assertEqual((src["cpu_free"], src["memory_free"]), (0, 2176))
+        self.assertEqual(src["hardware"][("sfp", 5)]["holder"], "sensor1")
+        self.assertEqual(src["networks"]["lan"]["macs"], {"86:db:e8:65:36:be"})
+        self.assertEqual(src["networks"]["lan"]["addresses"], {"10.0.0.5"})
+        self.assertEqual(sorted(v["name"] for v in src["vms"]), ["search1", "sensor1"])
+        free = [
+            dev("disk", 1, pci="0000:c7:00.0"),
+            dev("sfp", 5, pci="0000:ca:00.0"),
+            dev("sfp", 6, pci="0000:ca:00.1"),
+        ]
+        dst = host("hv2", hardware=free)
+        plan = placement.evacuate_plan("hv1", [src, dst])
+        self.assertEqual(
+            plan["moves"],
+            [{"vm": "sensor1", "to": "hv2", "mode": "cold", "stop": True, "status": "running", "sharing": []}],
+        )
+        self.assertEqual(
+            plan["unmovable"], [{"vm": "search1", "reason": "status dead: only a running or stopped VM moves"}]
+        )
+        self.assertEqual(dst["hardware"][("sfp", 5)]["holder"], None)  # the plan books on a copy
 
 
 class Demand(unittest.TestCase):
