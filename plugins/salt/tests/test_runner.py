@@ -349,6 +349,29 @@ class SecurityOnion(RunnerTest):
         self.assertFalse(os.path.exists(os.path.join(self.vms_dir, ".vmhost-moves.json")))
         self.assertTrue(os.path.islink(os.path.join(self.vms_dir, "hv1VMs")))
 
+    def test_holds_are_rewritten_under_an_flock_of_vms_dir(self):
+        import fcntl
+        import threading
+
+        fd = os.open(self.vms_dir, os.O_RDONLY | os.O_DIRECTORY)
+        self.addCleanup(os.close, fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        done = threading.Event()
+        result = {}
+
+        def move():
+            result.update(self.runner.migrate(vm="mover_sensor", to="hv2_b2"))
+            done.set()
+
+        threading.Thread(target=move, daemon=True).start()
+        # Another runner holds the lock: no hold written, nothing sent yet.
+        self.assertFalse(done.wait(0.5))
+        self.assertFalse(os.path.exists(os.path.join(self.vms_dir, ".vmhost-moves.json")))
+        self.assertEqual(self.mutations(), [])
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        self.assertTrue(done.wait(30))
+        self.assertTrue(result["result"], result)
+
     def test_no_file_for_the_destination_is_refused_before_anything(self):
         ret = self.runner.migrate(vm="mover_sensor", to="hv3_c3")
         self.assertFalse(ret["result"])

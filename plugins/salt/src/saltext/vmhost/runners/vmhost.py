@@ -27,6 +27,8 @@ Master config (all optional)::
 See docs/salt.md, "Runner".
 """
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
@@ -354,32 +356,49 @@ class SoVms:
         except OSError as exc:
             raise RunnerError(f"{self.vms_dir}/{engine_lib.HOLDS_FILE}: {exc}") from None
 
+    @contextlib.contextmanager
+    def _locked(self):
+        """Runners at once (two moves, an evacuation and a release) take turns at each
+        read-change-write of the holds and VMs files: an exclusive flock on ``vms_dir``, held
+        for the rewrite only, never across a move."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
     def hold(self, vm, source, destination):
-        holds = self.holds()
-        if vm in holds:
-            raise RunnerError(
-                f"{vm} is held already ({json.dumps(holds[vm], sort_keys=True)}): another move runs, or one "
-                f"was interrupted (then: salt-run vmhost.release {vm})"
-            )
-        holds[vm] = {"from": source, "to": destination, "since": int(self.clock())}
-        _, st = self._read(engine_lib.HOLDS_FILE)
-        self._write(engine_lib.HOLDS_FILE, holds, st, indent=1)
+        with self._locked():
+            holds = self.holds()
+            if vm in holds:
+                raise RunnerError(
+                    f"{vm} is held already ({json.dumps(holds[vm], sort_keys=True)}): another move runs, or one "
+                    f"was interrupted (then: salt-run vmhost.release {vm})"
+                )
+            holds[vm] = {"from": source, "to": destination, "since": int(self.clock())}
+            _, st = self._read(engine_lib.HOLDS_FILE)
+            self._write(engine_lib.HOLDS_FILE, holds, st, indent=1)
 
     def release(self, vm):
-        holds = self.holds()
-        if holds.pop(vm, None) is None:
-            return False
-        _, st = self._read(engine_lib.HOLDS_FILE)
-        if holds:
-            self._write(engine_lib.HOLDS_FILE, holds, st, indent=1)
-        else:
-            os.unlink(engine_lib.HOLDS_FILE, dir_fd=self.fd)
-            os.fsync(self.fd)
-        return True
+        with self._locked():
+            holds = self.holds()
+            if holds.pop(vm, None) is None:
+                return False
+            _, st = self._read(engine_lib.HOLDS_FILE)
+            if holds:
+                self._write(engine_lib.HOLDS_FILE, holds, st, indent=1)
+            else:
+                os.unlink(engine_lib.HOLDS_FILE, dir_fd=self.fd)
+                os.fsync(self.fd)
+            return True
 
     def transfer(self, vm, source_hyp, dest_hyp):
         """Moves ``vm``'s entry from ``source_hyp``'s file to the end of ``dest_hyp``'s (the
         destination's file first: while the hold stands the engine reads neither entry)."""
+        with self._locked():
+            self._transfer(vm, source_hyp, dest_hyp)
+
+    def _transfer(self, vm, source_hyp, dest_hyp):
         src, src_st = self._read(source_hyp + self.suffix)
         dst, dst_st = self._read(dest_hyp + self.suffix)
         if not isinstance(src, list):
