@@ -121,6 +121,8 @@ pub struct Manager {
     reservations: crate::disk::reserve::Ledger,
     /// The host's NUMA nodes, CPUs and hugepage pools ([`topology`]), for placement.
     topology: topology::HostTopology,
+    /// The migration port ([`crate::migration`]): every migration stream of this host.
+    migrations: crate::migration::Migrations,
 }
 
 /// Format and virtual size of unrecorded images, by name, with the file version read.
@@ -225,6 +227,7 @@ impl Manager {
             image_probes: Mutex::default(),
             reservations: crate::disk::reserve::Ledger::default(),
             topology: topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config_for_backups),
+            migrations: crate::migration::Migrations::new(),
             backups: crate::backup::Backups::open(&config_for_backups),
         });
         mgr.processes.integrity().log_at_start();
