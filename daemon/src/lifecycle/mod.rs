@@ -121,7 +121,7 @@ pub struct Manager {
     reservations: crate::disk::reserve::Ledger,
     /// The host's NUMA nodes, CPUs and hugepage pools ([`topology`]), for placement.
     topology: topology::HostTopology,
-    /// The migration port ([`crate::migration`]): every migration stream of this host.
+    /// The migration port ([`crate::migration`]): its listener and the VMs it expects.
     migrations: crate::migration::Migrations,
 }
 
@@ -227,8 +227,8 @@ impl Manager {
             image_probes: Mutex::default(),
             reservations: crate::disk::reserve::Ledger::default(),
             topology: topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config_for_backups),
-            migrations: crate::migration::Migrations::new(),
             backups: crate::backup::Backups::open(&config_for_backups),
+            migrations: crate::migration::Migrations::new(&config_for_backups.migration),
         });
         mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;
@@ -278,6 +278,32 @@ impl Manager {
     /// The event bus.
     pub fn events(&self) -> &EventBus {
         &self.events
+    }
+
+    /// The migration port.
+    pub fn migrations(&self) -> &crate::migration::Migrations {
+        &self.migrations
+    }
+
+    /// Binds the migration port (when `[migration] listen` is set) and serves it in the
+    /// background; called once at start, after recovery settled the records the listener
+    /// answers queries from.
+    ///
+    /// # Errors
+    /// A message when the port cannot be bound (the daemon then refuses to start).
+    pub fn start_migration_port(self: &Arc<Self>) -> Result<(), String> {
+        if self.config.migration.listen.is_none() {
+            return Ok(());
+        }
+        self.migrations.bind().map_err(|e| e.to_string())?;
+        let outcomes = self.migration_outcomes();
+        let mgr = Arc::clone(self);
+        tokio::spawn(async move {
+            if let Err(e) = mgr.migrations.serve(outcomes).await {
+                tracing::error!(error = %e, "migration port stopped");
+            }
+        });
+        Ok(())
     }
 
     /// The in-memory table ([`registry`]): never hold it across I/O.
