@@ -62,6 +62,25 @@ async fn query(address: &str, name: &str, secret: &Secret) -> Outcome {
     }
 }
 
+/// Plays the source up to its `Hello` for `spec` (each data disk 1 GiB raw): the control
+/// channel, authenticated with `secret`.
+async fn send_hello(address: &str, secret: &Secret, spec: &vmhost::api::VmSpec) -> Control {
+    let stream = connect(address, &spec.name, secret, &ChannelKind::Control).await.unwrap();
+    let mut c = Control::new(stream, secret);
+    let disks = vmhost::qemu::migration::disks_of(spec);
+    let hello = Hello {
+        spec: spec.clone(),
+        instance_id: Some("i-migrated".into()),
+        macs: Vec::new(),
+        disks: disks
+            .iter()
+            .map(|d| HelloDisk { device: d.device.clone(), bytes: 1 << 30, format: "raw".into() })
+            .collect(),
+    };
+    c.send(&ControlMsg::Hello(Box::new(hello))).await.unwrap();
+    c
+}
+
 #[test]
 fn migrate_in_without_a_source_is_abandoned_and_leaves_a_tombstone() {
     let (host, address) = host(3);
@@ -132,25 +151,11 @@ fn migrate_in_aborted_by_the_source_after_ready_removes_qemu_and_disks() {
     assert_eq!(disks.len(), 1);
 
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let mut control = rt.block_on(async {
-        let stream = connect(&address, "mig2", &secret, &ChannelKind::Control).await.unwrap();
-        let mut c = Control::new(stream, &secret);
-        let hello = Hello {
-            spec: typed.clone(),
-            instance_id: Some("i-migrated".into()),
-            macs: Vec::new(),
-            disks: disks
-                .iter()
-                .map(|d| HelloDisk { device: d.device.clone(), bytes: 1 << 30, format: "raw".into() })
-                .collect(),
-        };
-        c.send(&ControlMsg::Hello(Box::new(hello))).await.unwrap();
-        match c.recv(Duration::from_secs(120)).await.unwrap() {
-            ControlMsg::Ready { exports } => assert_eq!(exports, vec![disks[0].export.clone()]),
-            other => panic!("expected ready: {other:?}"),
-        }
-        c
-    });
+    let mut control = rt.block_on(send_hello(&address, &secret, &typed));
+    match rt.block_on(control.recv(Duration::from_secs(120))).unwrap() {
+        ControlMsg::Ready { exports } => assert_eq!(exports, vec![disks[0].export.clone()]),
+        other => panic!("expected ready: {other:?}"),
+    }
     // Ready: QEMU waits paused for the state, the data disk exists, the record is incoming.
     let v = host.call("vm.get", json!({ "name": "mig2" }));
     assert_eq!(v["status"], "incoming");
@@ -178,4 +183,33 @@ fn migrate_in_aborted_by_the_source_after_ready_removes_qemu_and_disks() {
     check_tombstone(&host, "mig2", &secret_hex);
     assert_eq!(rt.block_on(query(&address, "mig2", &secret)), Outcome::Abandoned);
     drop(control);
+}
+
+#[test]
+fn a_restart_before_the_commit_abandons_the_migration() {
+    let (mut host, address) = host(60);
+    // Killed right after the record: nothing made yet but the record.
+    host.crash_during("migrate_in:recorded", "vm.migrate_in", json!({ "spec": host.kernel_spec("c1") }));
+    wait_gone(&host, "c1");
+    assert!(host.state().join("migrations/c1.json").exists(), "no tombstone after the restart");
+    assert!(!host.run().join("c1").exists());
+
+    // Killed once QEMU runs for the incoming state (after the source's Hello).
+    let mut spec = host.kernel_spec("c2");
+    spec["disks"] = json!([{ "name": "d", "size_gib": 1 }]);
+    let r = host.call("vm.migrate_in", json!({ "spec": spec.clone() }));
+    let secret_hex = r["secret"].as_str().unwrap().to_string();
+    let secret = Secret::parse(&secret_hex).unwrap();
+    let typed: vmhost::api::VmSpec = serde_json::from_value(spec).unwrap();
+    host.arm_crash("migrate_in:launched");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut control = rt.block_on(send_hello(&address, &secret, &typed));
+    host.restart_after_crash("migrate_in:launched");
+    assert!(rt.block_on(control.recv(Duration::from_secs(30))).is_err(), "the channel outlived the daemon");
+    wait_gone(&host, "c2");
+    assert!(host.qemu_pids().is_empty(), "the restart left the incoming QEMU running");
+    assert!(!host.run().join("c2").exists(), "run dir left");
+    assert!(files_under(&host.state().join("disks/c2")).is_empty(), "disks left");
+    check_tombstone(&host, "c2", &secret_hex);
+    assert_eq!(rt.block_on(query(&address, "c2", &secret)), Outcome::Abandoned);
 }
