@@ -23,7 +23,7 @@ use super::qmp::Qmp;
 use serde_json::{json, Value};
 use std::io::{self, Write};
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -183,9 +183,12 @@ pub fn psk_file_contents(key_hex: &str) -> String {
 /// Writes the TLS key file QEMU reads into a directory of `run_dir` only QEMU's user reads,
 /// and returns that directory opened (QEMU reads it through `/proc/self/fd/N`).
 ///
-/// The directory (`RUN_DIR/migration-tls`, mode 0700) and `keys.psk` (0400) belong to
-/// `qemu_user` (the daemon's user when `None`); a directory left by an earlier attempt is
-/// replaced. The file is written under a temporary name, synced and renamed, so QEMU never
+/// The directory (`RUN_DIR/migration-tls`) and `keys.psk` stay the daemon's: its sandbox may
+/// not change a file's owner. When QEMU runs as another user (`qemu_user`), the directory is
+/// 0711 and the file 0444, so that QEMU can read the file through its descriptor of the
+/// directory; nobody else reaches either by path, because the VM's run dir above them is the
+/// daemon's alone (0700). Otherwise they are 0700 and 0400. A directory left by an earlier
+/// attempt is replaced. The file is written under a temporary name, synced and renamed, so QEMU never
 /// reads half a key. Blocking: call it off the runtime's workers.
 ///
 /// # Errors
@@ -205,27 +208,23 @@ pub fn psk_dir(
         move |source: io::Error| MigrationQemuError::File { what, path, source }
     };
     remove_psk_dir(run_dir).map_err(file_err("remove", &dir))?;
-    std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(file_err("create", &dir))?;
-    let chown = |path: &Path| -> Result<(), MigrationQemuError> {
-        if let Some(u) = qemu_user {
-            std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid)).map_err(file_err("chown", path))?;
-        }
-        Ok(())
-    };
-    chown(&dir)?;
+    let (dir_mode, file_mode) = if qemu_user.is_some() { (0o711, 0o444) } else { (0o700, 0o400) };
+    std::fs::DirBuilder::new().mode(dir_mode).create(&dir).map_err(file_err("create", &dir))?;
+    // The umask may have taken bits the modes need.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(dir_mode)).map_err(file_err("chmod", &dir))?;
     let tmp = dir.join("keys.psk.tmp");
     let file = dir.join("keys.psk");
     {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o400)
+            .mode(file_mode)
             .open(&tmp)
             .map_err(file_err("create", &tmp))?;
+        f.set_permissions(std::fs::Permissions::from_mode(file_mode)).map_err(file_err("chmod", &tmp))?;
         f.write_all(psk_file_contents(key_hex).as_bytes()).map_err(file_err("write", &tmp))?;
         f.sync_all().map_err(file_err("sync", &tmp))?;
     }
-    chown(&tmp)?;
     std::fs::rename(&tmp, &file).map_err(file_err("rename", &file))?;
     let opened = std::fs::OpenOptions::new()
         .read(true)
@@ -802,7 +801,6 @@ mod tests {
 
     #[test]
     fn psk_dir_writes_one_key_line_readable_only_by_its_owner() {
-        use std::os::unix::fs::PermissionsExt;
         let run = tempfile::tempdir().unwrap();
         let fd = psk_dir(run.path(), "00ff", None).unwrap();
         let dir = psk_dir_path(run.path());
@@ -878,18 +876,20 @@ mod tests {
     }
 
     #[test]
-    fn psk_dir_belongs_to_qemus_user() {
+    fn psk_dir_for_another_user_is_readable_through_the_descriptor_only() {
         use std::os::unix::fs::MetadataExt;
-        if !nix::unistd::geteuid().is_root() {
-            return;
-        }
         let run = tempfile::tempdir().unwrap();
         let user = crate::config::UserIds { uid: 64055, gid: 64056 };
         psk_dir(run.path(), "00ff", Some(&user)).unwrap();
         let dir = psk_dir_path(run.path());
-        for p in [dir.clone(), dir.join("keys.psk")] {
+        for (p, mode) in [(dir.clone(), 0o711), (dir.join("keys.psk"), 0o444)] {
             let m = std::fs::metadata(&p).unwrap();
-            assert_eq!((m.uid(), m.gid()), (64055, 64056), "{}", p.display());
+            assert_eq!(
+                (m.uid(), m.permissions().mode() & 0o777),
+                (nix::unistd::geteuid().as_raw(), mode),
+                "{}",
+                p.display()
+            );
         }
     }
 }
