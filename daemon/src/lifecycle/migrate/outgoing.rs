@@ -418,11 +418,9 @@ async fn resume(held: &HeldVm) -> Result<(), ApiError> {
 
 /// Removes QEMU's TLS key directory (errors logged: the run dir goes with the VM anyway).
 fn remove_tls(held: &HeldVm) {
-    let run_dir = held.paths().run_dir.join("migration-tls");
-    match crate::blocking::run(|| std::fs::remove_dir_all(&run_dir)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!(vm = held.name(), error = %e, "cannot remove the migration's TLS key"),
+    let run_dir = held.paths().run_dir.clone();
+    if let Err(e) = crate::blocking::run(|| qemu_mig::remove_psk_dir(&run_dir)) {
+        tracing::warn!(vm = held.name(), error = %e, "cannot remove the migration's TLS key");
     }
 }
 
