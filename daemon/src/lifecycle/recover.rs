@@ -127,10 +127,9 @@ impl<'m> Recovery<'m> {
         // VM twice or delete a live VM's sockets.
         let live = mgr.processes.find(paths, rec.process.as_ref(), self.search())?;
         // A migration's side settles by its own rules (lifecycle/migrate).
-        if rec.migration().is_some() || matches!(rec.status, VmStatus::Migrating | VmStatus::Incoming) {
-            if super::migrate::settle(mgr, held, &rec, live.clone()).await? {
-                return Ok(());
-            }
+        let migrating = rec.migration().is_some() || matches!(rec.status, VmStatus::Migrating | VmStatus::Incoming);
+        if migrating && super::migrate::settle(mgr, held, &rec, live.clone()).await? {
+            return Ok(());
         }
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
@@ -235,7 +234,11 @@ pub(super) async fn finish_destroy(held: &HeldVm) -> Result<(), ApiError> {
 ///
 /// # Errors
 /// The record cannot be written.
-pub(super) async fn readopt(held: &HeldVm, id: crate::process::ProcessIdentity, rec: &crate::state::VmRecord) -> Result<(), ApiError> {
+pub(super) async fn readopt(
+    held: &HeldVm,
+    id: crate::process::ProcessIdentity,
+    rec: &crate::state::VmRecord,
+) -> Result<(), ApiError> {
     let name = held.name();
     match Qmp::connect(&held.paths().qmp, Duration::from_secs(5)).await {
         Ok(mut q) => {

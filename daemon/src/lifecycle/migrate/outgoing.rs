@@ -140,8 +140,7 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
         let mut reporter = Reporter::new(mgr, &p.name);
         reporter.phase("preparing");
         let limit = Duration::from_secs(p.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S));
-        let sent = match tokio::time::timeout(limit, send(&op, &rec, &p, &secret, &mut control, &mut reporter)).await
-        {
+        let sent = match tokio::time::timeout(limit, send(&op, &rec, &p, &secret, &mut control, &mut reporter)).await {
             Ok(sent) => sent,
             Err(_) => Err(failed("migrate", format!("the migration took longer than {} s", limit.as_secs()))),
         };
@@ -295,13 +294,15 @@ async fn send(
                 // Before the commit: ending the mirrors copies what the guest dirtied last, so
                 // only then does the destination have every block.
                 reporter.phase("switching");
-                qemu_mig::finish_source(&mut *qmp(mgr, name).await?).await.map_err(qemu_failed("ending the mirrors"))?;
+                qemu_mig::finish_source(&mut *qmp(mgr, name).await?)
+                    .await
+                    .map_err(qemu_failed("ending the mirrors"))?;
                 remove_tls(op.held());
                 return Ok(Sent {
                     downtime_ms: memory.downtime_ms,
                     ram_bytes: memory.transferred,
                     disk_bytes: reporter.progress().disk_done,
-                })
+                });
             }
             "failed" | "cancelled" | "cancelling" => {
                 let why = memory.error.unwrap_or_else(|| memory.status.clone());
@@ -569,9 +570,9 @@ pub(super) fn spawn_retry(mgr: &Arc<Manager>, name: &str, readopt: bool) {
                 // Another operation holds the VM: ask again later.
                 continue;
             };
-            let Some(m) = rec.migration().filter(|m| {
-                m.role == MigrationRole::Outgoing && m.phase == MigrationPhase::Committing
-            }) else {
+            let Some(m) =
+                rec.migration().filter(|m| m.role == MigrationRole::Outgoing && m.phase == MigrationPhase::Committing)
+            else {
                 return;
             };
             let Ok(secret) = Secret::parse(&m.secret) else {
