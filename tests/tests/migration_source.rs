@@ -171,3 +171,13 @@ fn a_restart_at_migrate_commit_keeps_the_guest_here() {
 fn a_restart_at_migrate_confirmed_ends_the_vm_here() {
     crash_case("migrate:confirmed", true);
 }
+
+#[test]
+fn a_restart_at_migrate_recorded_keeps_the_guest_here() {
+    crash_case("migrate:recorded", false);
+}
+
+#[test]
+fn a_restart_at_migrate_mirroring_keeps_the_guest_here() {
+    crash_case("migrate:mirroring", false);
+}
