@@ -146,7 +146,9 @@ fn crash_case(step: &str, on_destination: bool) {
             Ok(v) => Err(format!("{v}")),
         }
     });
-    assert_eq!(qmp_status(runs, "crashy"), "running");
+    let status = qmp_status(runs, "crashy");
+    let log = |h: &TestHost| h.daemon_log().lines().filter(|l| !l.contains("DEBUG")).collect::<Vec<_>>().join("\n");
+    assert_eq!(status, "running", "{step}\n--- source:\n{}\n--- destination:\n{}", log(&src), log(&dst));
     let view: Value = runs.call("vm.get", json!({ "name": "crashy" }));
     if on_destination {
         // The destination keeps the committed migration to answer the source's queries.
