@@ -77,7 +77,7 @@ impl Framed {
         Ok(stream)
     }
 
-    /// Sends one frame carrying `payload`, then `extra` raw bytes are the caller's to write.
+    /// Sends one frame carrying `payload` (raw bytes after it are the caller's, [`Framed::raw`]).
     pub(crate) async fn send(&mut self, payload: &[u8]) -> Result<(), MigrationError> {
         self.ready(WRITE_TIMEOUT).await?;
         let (mine, theirs) = (self.mine, self.theirs.unwrap_or_default());

@@ -467,6 +467,18 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_port_in_use_is_a_bind_error() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let config = MigrationConfig {
+            listen: Some(taken.local_addr().unwrap()),
+            advertise: Some("h:1".into()),
+            prepare_timeout_s: 1,
+        };
+        let e = Migrations::new(&config).bind().unwrap_err();
+        assert!(matches!(e, MigrationError::Bind { .. }), "{e}");
+    }
+
+    #[tokio::test]
     async fn without_a_port_nothing_is_expected() {
         let m = Migrations::default();
         assert_eq!(m.address(), None);
@@ -504,8 +516,10 @@ mod tests {
     }
 
     /// A peer that speaks the framing by hand: nonce exchange, then whatever frames it likes.
-    async fn raw_peer(secret: Secret, frames: impl FnOnce([u8; 32], [u8; 32]) -> Vec<Vec<u8>> + Send + 'static)
-        -> (Control, tokio::task::JoinHandle<()>) {
+    async fn raw_peer(
+        secret: Secret,
+        frames: impl FnOnce([u8; 32], [u8; 32]) -> Vec<Vec<u8>> + Send + 'static,
+    ) -> (Control, tokio::task::JoinHandle<()>) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (theirs, _) = l.accept().unwrap();

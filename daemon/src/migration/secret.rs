@@ -142,9 +142,7 @@ mod tests {
     }
 
     #[test]
-    fn tls_key_is_the_rfc_4231_hmac_and_not_the_secret() {
-        // RFC 4231 test case 2 checks the HMAC itself with a short key; here the key is 32
-        // bytes of 0x0b, so compare against a second, independent computation instead.
+    fn tls_key_is_derived_and_not_the_secret() {
         let s = Secret([0x0b; 32]);
         let psk = s.tls_psk_hex();
         assert_eq!(psk.len(), 64);
@@ -152,5 +150,16 @@ mod tests {
         assert_eq!(psk, to_hex(&s.mac(&[b"vmhost-qemu-", b"tls-psk"])));
         assert!(s.verify(&[b"vmhost-qemu-tls-psk"], &s.mac(&[b"vmhost-qemu-tls-psk"])));
         assert!(!s.verify(&[b"vmhost-qemu-tls-psk"], &[0u8; 32]));
+    }
+
+    #[test]
+    fn the_mac_is_hmac_sha256() {
+        // RFC 4231 test case 1's data with a 32-byte key (the RFC's is 20 bytes), against
+        // `printf 'Hi There' | openssl dgst -sha256 -mac HMAC -macopt hexkey:0b..0b`.
+        let s = Secret([0x0b; 32]);
+        assert_eq!(
+            to_hex(&s.mac(&[b"Hi ", b"There"])),
+            "198a607eb44bfbc69903a0f1cf2bbdc5ba0aa3f3d9ae3c1c7a3b1696a0b68cf7"
+        );
     }
 }

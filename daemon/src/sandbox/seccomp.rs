@@ -154,7 +154,7 @@ pub const ALLOWED: &[Syscall] = &[
     sys!(SYS_shutdown, SOCK),
     sys!(SYS_getsockname, SOCK),
     sys!(SYS_getpeername, SOCK),
-    sys!(SYS_getsockopt, "SO_PEERCRED of API peers"),
+    sys!(SYS_getsockopt, "SO_PEERCRED of API peers, SO_ERROR of a migration stream's connect"),
     sys!(SYS_setsockopt, SOCK),
     sys!(SYS_sendto, SOCK),
     sys!(SYS_recvfrom, SOCK),
