@@ -326,7 +326,7 @@ impl VmOp {
         let name = name.as_str();
         let rec = self.record()?;
         super::snapshots::check_not_reverting(&rec)?;
-        super::migrate::outgoing::check_not_sending(&rec)?;
+        rec.check_not_sending()?;
         let state_changed = rec.spec.state != DesiredState::Running;
         if let Some(id) = self.find_live(rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
@@ -374,7 +374,7 @@ impl VmOp {
     /// As `vm.stop`.
     pub(super) async fn stop_steps(&mut self, p: &StopParams, peer_uid: u32) -> Result<bool, ApiError> {
         let rec = self.record()?;
-        super::migrate::outgoing::check_not_sending(&rec)?;
+        rec.check_not_sending()?;
         let state_changed = rec.spec.state != DesiredState::Stopped;
         let Some(id) = self.find_live(rec.process.as_ref())? else {
             self.held().release_host_side(Devices::Release).await?;

@@ -63,6 +63,29 @@ impl VmRecord {
     pub fn migration(&self) -> Option<&MigrationRecord> {
         self.migration.as_ref()
     }
+
+    /// Refuses a start or stop of a VM whose outgoing migration is not settled (its outcome
+    /// unknown: its paused guest may be the only copy, or the destination's may run): neither
+    /// autostart nor an operator may run or end it until the destination answers (a destroy
+    /// still may, the operator's call). Here, beside the record, so that every operation can
+    /// ask without importing the migration's lifecycle.
+    ///
+    /// # Errors
+    /// 4090 naming the destination.
+    pub fn check_not_sending(&self) -> Result<(), crate::api::ApiError> {
+        match self.migration().filter(|m| m.role == MigrationRole::Outgoing) {
+            Some(m) => Err(crate::api::ApiError::new(
+                crate::api::Code::Busy,
+                format!(
+                    "VM {:?} is being migrated to {} (or its outcome is not known yet): vmhostd settles it when \
+                     the destination answers",
+                    self.spec.name, m.peer
+                ),
+            )
+            .field("name")),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The VM view's `migration` for `m`, with the progress the running side last reported.

@@ -85,28 +85,6 @@ pub(super) fn check_movable(rec: &VmRecord) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Refuses a start or stop of a VM whose outgoing migration is not settled (the outcome
-/// unknown: its paused guest may be the only copy, or the destination's may run): neither
-/// autostart nor an operator may run or end it until the destination answers (a destroy
-/// still may, the operator's call).
-///
-/// # Errors
-/// 4090 naming the destination.
-pub(in crate::lifecycle) fn check_not_sending(rec: &VmRecord) -> Result<(), ApiError> {
-    match rec.migration().filter(|m| m.role == MigrationRole::Outgoing) {
-        Some(m) => Err(ApiError::new(
-            Code::Busy,
-            format!(
-                "VM {:?} is being migrated to {} (or its outcome is not known yet): vmhostd settles it when the \
-                 destination answers",
-                rec.spec.name, m.peer
-            ),
-        )
-        .field("name")),
-        None => Ok(()),
-    }
-}
-
 /// The call's secret, or 2001 naming `secret`.
 fn parse_secret(hex: &str) -> Result<Secret, ApiError> {
     Secret::parse(hex).map_err(|_| ApiError::invalid("secret", "must be the 64 hex digits vm.migrate_in answered"))
@@ -722,7 +700,7 @@ mod tests {
     #[test]
     fn a_vm_with_an_unsettled_outgoing_migration_is_neither_started_nor_stopped() {
         let mut rec = running();
-        assert!(check_not_sending(&rec).is_ok());
+        assert!(rec.check_not_sending().is_ok());
         let mut m = MigrationRecord {
             role: MigrationRole::Outgoing,
             mode: MoveMode::Live,
@@ -732,11 +710,11 @@ mod tests {
             since: String::new(),
         };
         rec.migration = Some(m.clone());
-        assert_eq!(check_not_sending(&rec).unwrap_err().code.as_i32(), 4090);
+        assert_eq!(rec.check_not_sending().unwrap_err().code.as_i32(), 4090);
         // A destination keeps its committed incoming migration on a VM that is its own.
         m.role = MigrationRole::Incoming;
         rec.migration = Some(m);
-        assert!(check_not_sending(&rec).is_ok());
+        assert!(rec.check_not_sending().is_ok());
     }
 
     #[test]
