@@ -296,6 +296,7 @@ impl Manager {
             return Ok(());
         }
         self.migrations.bind().map_err(|e| e.to_string())?;
+        // The destination's records and tombstones answer (lifecycle/migrate/incoming).
         let outcomes = self.migration_outcomes();
         let mgr = Arc::clone(self);
         tokio::spawn(async move {

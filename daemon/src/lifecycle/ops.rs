@@ -143,7 +143,7 @@ pub(crate) async fn destroy(mgr: &Arc<Manager>, name: &str) -> Result<Mutation, 
     let span = tracing::info_span!("vm.destroy", vm = %name);
     async move {
         let (mut op, _) = mgr.begin_op(name).await?;
-        let kept_disks = op.destroy_steps().await?;
+        let kept_disks = op.destroy_steps("vm.destroy", "destroyed").await?;
         Ok(Mutation { changed: true, vm: None, kept_disks })
     }
     .instrument(span)
@@ -326,6 +326,7 @@ impl VmOp {
         let name = name.as_str();
         let rec = self.record()?;
         super::snapshots::check_not_reverting(&rec)?;
+        rec.check_not_sending()?;
         let state_changed = rec.spec.state != DesiredState::Running;
         if let Some(id) = self.find_live(rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
@@ -373,6 +374,7 @@ impl VmOp {
     /// As `vm.stop`.
     pub(super) async fn stop_steps(&mut self, p: &StopParams, peer_uid: u32) -> Result<bool, ApiError> {
         let rec = self.record()?;
+        rec.check_not_sending()?;
         let state_changed = rec.spec.state != DesiredState::Stopped;
         let Some(id) = self.find_live(rec.process.as_ref())? else {
             self.held().release_host_side(Devices::Release).await?;
@@ -395,18 +397,20 @@ impl VmOp {
         Ok(true)
     }
 
-    /// The steps of a destroy: recorded `destroying`, QEMU and run files gone, the root disk
-    /// and data disks disposed of, the record deleted. Returns the data disks kept.
+    /// The steps of a destroy: recorded `destroying` (`why`), QEMU and run files gone, the root
+    /// disk and data disks disposed of, the record deleted (`gone`: the event's reason). Returns
+    /// the data disks kept. Also how a migration's source ends the VM once the destination
+    /// committed ([`super::migrate::outgoing`]).
     ///
     /// # Errors
     /// As `vm.destroy` (the record then says `failed` and keeps what still exists).
-    async fn destroy_steps(&mut self) -> Result<Vec<std::path::PathBuf>, ApiError> {
+    pub(super) async fn destroy_steps(&mut self, why: &str, gone: &str) -> Result<Vec<std::path::PathBuf>, ApiError> {
         let mgr = Arc::clone(self.mgr());
         let name = self.name().to_string();
         let name = name.as_str();
         // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
         // the restart policy) starts a VM the operator asked to destroy.
-        self.update_status("vm.destroy", VmStatus::Destroying, |r| {
+        self.update_status(why, VmStatus::Destroying, |r| {
             r.spec.state = DesiredState::Stopped;
         })?;
         mgr.crashpoint("destroy:recorded");
@@ -418,7 +422,7 @@ impl VmOp {
         step!(self, self.held().dispose_root_disk());
         let kept = step!(self, self.held().dispose_data_disks(&spec));
         mgr.crashpoint("destroy:disks");
-        mgr.forget(name, "destroyed")?;
+        mgr.forget(name, gone)?;
         Ok(kept)
     }
 

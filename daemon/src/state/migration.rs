@@ -63,4 +63,64 @@ impl VmRecord {
     pub fn migration(&self) -> Option<&MigrationRecord> {
         self.migration.as_ref()
     }
+
+    /// Refuses a start or stop of a VM whose outgoing migration is not settled (its outcome
+    /// unknown: its paused guest may be the only copy, or the destination's may run): neither
+    /// autostart nor an operator may run or end it until the destination answers (a destroy
+    /// still may, the operator's call). Here, beside the record, so that every operation can
+    /// ask without importing the migration's lifecycle.
+    ///
+    /// # Errors
+    /// 4090 naming the destination.
+    pub fn check_not_sending(&self) -> Result<(), crate::api::ApiError> {
+        match self.migration().filter(|m| m.role == MigrationRole::Outgoing) {
+            Some(m) => Err(crate::api::ApiError::new(
+                crate::api::Code::Busy,
+                format!(
+                    "VM {:?} is being migrated to {} (or its outcome is not known yet): vmhostd settles it when \
+                     the destination answers",
+                    self.spec.name, m.peer
+                ),
+            )
+            .field("name")),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The VM view's `migration` for `m`, with the progress the running side last reported.
+pub fn view(
+    m: &MigrationRecord,
+    progress: Option<&crate::api::migration::MigrationProgress>,
+) -> crate::api::migration::MigrationView {
+    let name = |v: serde_json::Result<serde_json::Value>| v.ok().and_then(|v| v.as_str().map(str::to_string));
+    crate::api::migration::MigrationView {
+        role: name(serde_json::to_value(m.role)).unwrap_or_default(),
+        peer: m.peer.clone(),
+        phase: name(serde_json::to_value(m.phase)).unwrap_or_default(),
+        progress: progress.cloned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_view_names_role_and_phase_as_the_record_writes_them_and_carries_the_progress() {
+        let m = MigrationRecord {
+            role: MigrationRole::Outgoing,
+            mode: MoveMode::Live,
+            peer: "10.0.0.2:7300".into(),
+            secret: "00".repeat(32),
+            phase: MigrationPhase::Committing,
+            since: "2026-12-06T00:00:00Z".into(),
+        };
+        let p = crate::api::migration::MigrationProgress { phase: "committing".into(), ..Default::default() };
+        let v = view(&m, Some(&p));
+        assert_eq!((v.role.as_str(), v.phase.as_str(), v.peer.as_str()), ("outgoing", "committing", "10.0.0.2:7300"));
+        assert_eq!(v.progress, Some(p));
+        let json = serde_json::to_value(view(&m, None)).unwrap();
+        assert!(json.get("progress").is_none() && json.get("secret").is_none(), "{json}");
+    }
 }
