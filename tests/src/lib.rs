@@ -756,6 +756,7 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
 pub mod bench_capture;
 pub mod bench_images;
 pub mod bench_lifecycle;
+pub mod bench_migration;
 pub mod bench_stats;
 pub mod bench_storage;
 pub mod boot_sector;
