@@ -330,6 +330,88 @@ pub struct CaptureConfig {
     pub interfaces: Vec<String>,
 }
 
+/// `[migration]` as written: checked into [`MigrationConfig`].
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawMigration {
+    listen: Option<String>,
+    advertise: Option<String>,
+    prepare_timeout_s: u64,
+}
+
+impl Default for RawMigration {
+    fn default() -> Self {
+        RawMigration { listen: None, advertise: None, prepare_timeout_s: DEFAULT_PREPARE_TIMEOUT_S }
+    }
+}
+
+/// How long a destination waits for the source's first stream unless `[migration]` says.
+pub const DEFAULT_PREPARE_TIMEOUT_S: u64 = 300;
+
+/// `[migration]`: the migration port other vmhostds send VMs to (docs/moving.md). Without
+/// `listen` the host has no port, opens no inet socket and cannot receive a VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationConfig {
+    /// The address the port listens on.
+    pub listen: Option<std::net::SocketAddr>,
+    /// `HOST:PORT` a source connects to (what `vm.migrate_in` answers): `advertise`, else
+    /// `listen`. `Some` exactly when `listen` is.
+    pub advertise: Option<String>,
+    /// How long a destination waits for the source's first stream.
+    pub prepare_timeout_s: u64,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> Self {
+        MigrationConfig { listen: None, advertise: None, prepare_timeout_s: DEFAULT_PREPARE_TIMEOUT_S }
+    }
+}
+
+impl MigrationConfig {
+    /// Checks `raw`: `listen` a socket address, `advertise` a `HOST:PORT` (required when
+    /// `listen`'s address is unspecified, since no source could connect to that).
+    fn check(raw: RawMigration) -> Result<MigrationConfig, (&'static str, String)> {
+        if raw.prepare_timeout_s == 0 {
+            return Err(("migration.prepare_timeout_s", "must be at least 1".to_string()));
+        }
+        let listen = match &raw.listen {
+            None => None,
+            Some(text) => {
+                let addr: std::net::SocketAddr = text.parse().map_err(|_| {
+                    ("migration.listen", format!("{text:?} is not ADDRESS:PORT (e.g. \"192.0.2.10:7070\" or \"[::]:7070\")"))
+                })?;
+                if addr.port() == 0 {
+                    return Err(("migration.listen", "0 is not a port".to_string()));
+                }
+                Some(addr)
+            }
+        };
+        let advertise = match (&raw.advertise, listen) {
+            (Some(_), None) => {
+                return Err(("migration.advertise", "needs migration.listen (this host has no migration port)".into()))
+            }
+            (Some(text), Some(_)) => {
+                let ok = text.rsplit_once(':').is_some_and(|(host, port)| {
+                    !host.is_empty() && !host.chars().any(char::is_whitespace) && port.parse::<u16>().is_ok_and(|p| p > 0)
+                });
+                if !ok {
+                    return Err(("migration.advertise", format!("{text:?} is not HOST:PORT")));
+                }
+                Some(text.clone())
+            }
+            (None, Some(addr)) if addr.ip().is_unspecified() => {
+                return Err((
+                    "migration.advertise",
+                    format!("required: migration.listen {addr} is unspecified, so say where sources connect"),
+                ))
+            }
+            (None, Some(addr)) => Some(addr.to_string()),
+            (None, None) => None,
+        };
+        Ok(MigrationConfig { listen, advertise, prepare_timeout_s: raw.prepare_timeout_s })
+    }
+}
+
 /// `[images]`: how `image.import` fetches a URL (docs/images.md).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -500,6 +582,8 @@ struct RawConfig {
     agent: AgentConfig,
     #[serde(default)]
     capture: CaptureConfig,
+    #[serde(default)]
+    migration: RawMigration,
     hardware: RawHardware,
     #[serde(default)]
     networks: BTreeMap<String, RawNetwork>,
@@ -612,6 +696,8 @@ pub struct Config {
     pub agent: AgentConfig,
     /// `[capture]`.
     pub capture: CaptureConfig,
+    /// `[migration]`.
+    pub migration: MigrationConfig,
     /// Socket mode parsed from `access.socket_mode`.
     pub socket_mode: u32,
     /// `[hardware]`.
@@ -698,6 +784,8 @@ impl Config {
         if !(1..=MAX_FILE_MIB).contains(&raw.agent.max_file_mib) {
             return Err(key_err("agent.max_file_mib", format!("must be between 1 and {MAX_FILE_MIB}")));
         }
+        let migration = MigrationConfig::check(std::mem::take(&mut raw.migration))
+            .map_err(|(key, problem)| key_err(key, problem))?;
         if raw.images.download_ports.contains(&0) {
             return Err(key_err("images.download_ports", "0 is not a port".to_string()));
         }
@@ -941,6 +1029,7 @@ impl Config {
             images: raw.images,
             agent: raw.agent,
             capture: raw.capture,
+            migration,
             socket_mode,
             hardware: Hardware {
                 cpu: h.cpu,

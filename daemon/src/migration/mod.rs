@@ -1,18 +1,40 @@
 //! The migration port: the one TCP port through which vmhostds send each other VMs
 //! (docs/moving.md). Owner of every migration stream on this host.
 //!
-//! SKELETON (issue 32): the types and signatures the lifecycle uses; the transport helper
-//! fills the bodies. Order of use:
+//! Order of use:
 //!
-//! 1. [`Migrations::new`] at daemon start from `[migration]`; [`Migrations::serve`] after
-//!    recovery (the listener answers [`ControlMsg::Query`] from records via [`Outcomes`]);
+//! 1. [`Migrations::new`] at daemon start from `[migration]`, [`Migrations::bind`] right after
+//!    (a port that cannot be bound stops the start), [`Migrations::serve`] after recovery (the
+//!    listener answers [`ControlMsg::Query`] from records via [`Outcomes`]);
 //! 2. destination: [`Migrations::expect`] for a VM being received, then its [`Expectation`]
-//!    yields each authenticated [`IncomingChannel`]; dropping it stops expecting;
-//! 3. source: [`connect`] one stream per channel; [`Control`] frames the control channel.
+//!    yields each authenticated [`IncomingChannel`]; dropping it stops expecting; `disk:X`
+//!    streams go to QEMU through [`relay()`], a cold move's through [`files`];
+//! 3. source: [`connect`] one stream per channel; [`Control`] frames the control channel,
+//!    [`files::FileSender`] the files channel.
+//!
+//! The wire itself (pure) is [`wire`]; the secret and its derived keys [`secret`].
 
+mod control;
+pub mod files;
+mod listener;
+pub mod relay;
+pub mod secret;
+pub mod wire;
+
+pub use control::Control;
+pub use listener::Expectation;
+pub use relay::{relay, Relayed};
+pub use secret::Secret;
+
+use crate::api::{ApiError, Code};
+use crate::config::MigrationConfig;
 use std::net::TcpStream;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// How long a source waits to connect and for the destination's opening exchange.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why a migration stream could not be made or used.
 #[derive(Debug, thiserror::Error)]
@@ -20,43 +42,91 @@ pub enum MigrationError {
     /// The port is not configured (`[migration] listen`).
     #[error("this vmhostd has no migration port ([migration] listen is not set)")]
     NotConfigured,
-    /// Not built yet (skeleton).
-    #[error("not built yet: {0}")]
-    NotBuilt(&'static str),
+    /// The port could not be bound.
+    #[error("cannot listen on the migration port {addr}: {source}")]
+    Bind {
+        /// `[migration] listen`.
+        addr: std::net::SocketAddr,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// A socket or file operation failed.
+    #[error("{step}: {source}")]
+    Io {
+        /// What was being done.
+        step: &'static str,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// The peer did not answer in time.
+    #[error("{0}: timed out")]
+    Timeout(&'static str),
+    /// The destination refused the stream (wrong secret, unknown VM, or a second channel).
+    #[error("the destination refused the stream (wrong secret, VM not expected there, or a channel already open)")]
+    Refused,
+    /// The peer's bytes are not the wire.
+    #[error("{0}")]
+    Wire(wire::WireError),
+    /// The peer broke the protocol otherwise (not a migration port, an unexpected message).
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// The stream closed (or an earlier failure ended the channel).
+    #[error("the stream closed")]
+    Closed,
+    /// A secret is not 64 hex digits.
+    #[error("the secret is not 64 hex digits")]
+    BadSecret,
+    /// The kernel's random source failed.
+    #[error("random source: {0}")]
+    Random(String),
+    /// This VM is already expected (a second `vm.migrate_in` of the same name).
+    #[error("VM {0} is already being received")]
+    AlreadyExpected(String),
+    /// A received file does not have the sha256 its header announced (it was removed).
+    #[error("file {name}: sha256 {found} of {bytes} bytes, expected {expected}")]
+    ChecksumMismatch {
+        /// The file's name on the wire.
+        name: String,
+        /// The announced sha256.
+        expected: String,
+        /// What arrived.
+        found: String,
+        /// Its length.
+        bytes: u64,
+    },
 }
 
-/// A one-time migration secret: 32 random bytes, written as 64 hex digits.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret([u8; 32]);
+impl MigrationError {
+    pub(crate) fn io(step: &'static str, source: std::io::Error) -> MigrationError {
+        MigrationError::Io { step, source }
+    }
 
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(..)")
+    /// The API code this error maps to.
+    pub fn code(&self) -> Code {
+        match self {
+            MigrationError::NotConfigured => Code::NotInModel,
+            MigrationError::BadSecret => Code::InvalidSpec,
+            MigrationError::AlreadyExpected(_) => Code::HardwareInUse,
+            MigrationError::ChecksumMismatch { .. } => Code::ChecksumMismatch,
+            _ => Code::ProvisioningFailed,
+        }
     }
 }
 
-impl Secret {
-    /// A new random secret.
-    ///
-    /// # Errors
-    /// When the kernel's random source fails.
-    pub fn generate() -> Result<Secret, MigrationError> {
-        Err(MigrationError::NotBuilt("Secret::generate"))
-    }
-    /// Parses 64 hex digits.
-    ///
-    /// # Errors
-    /// When `hex` is not 64 hex digits.
-    pub fn parse(_hex: &str) -> Result<Secret, MigrationError> {
-        Err(MigrationError::NotBuilt("Secret::parse"))
-    }
-    /// The 64 hex digits.
-    pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
-    }
-    /// The key QEMU's TLS uses (hex), derived from the secret so QEMU never holds the secret.
-    pub fn tls_psk_hex(&self) -> String {
-        String::new()
+impl From<MigrationError> for ApiError {
+    fn from(e: MigrationError) -> ApiError {
+        let code = e.code();
+        let err = ApiError::new(code, e.to_string());
+        match e {
+            MigrationError::NotConfigured => {
+                ApiError::new(code, "this host has no migration port").field("migration.listen")
+            }
+            MigrationError::BadSecret => err.field("secret"),
+            MigrationError::ChecksumMismatch { expected, found, bytes, .. } => {
+                err.details(serde_json::json!({"expected": expected, "found": found, "bytes": bytes}))
+            }
+            _ => err,
+        }
     }
 }
 
@@ -157,87 +227,136 @@ pub trait Outcomes: Send + Sync {
 
 /// The migration port.
 pub struct Migrations {
-    _private: (),
+    config: MigrationConfig,
+    shared: Arc<listener::Shared>,
+    /// Bound by [`Migrations::bind`], taken by [`Migrations::serve`].
+    bound: Mutex<Option<tokio::net::TcpListener>>,
 }
 
 impl Migrations {
-    /// From `[migration]` (skeleton: no port).
-    pub fn new() -> Migrations {
-        Migrations { _private: () }
+    /// From `[migration]`; nothing is bound yet.
+    pub fn new(config: &MigrationConfig) -> Migrations {
+        Migrations { config: config.clone(), shared: Arc::default(), bound: Mutex::new(None) }
     }
+
     /// `HOST:PORT` the destination answers in `vm.migrate_in`, or `None` without a port.
     pub fn address(&self) -> Option<String> {
-        None
+        self.config.advertise.clone()
     }
-    /// Accepts streams until the daemon ends.
+
+    /// How long a destination waits for the source's first stream (`prepare_timeout_s`).
+    pub fn prepare_timeout(&self) -> Duration {
+        Duration::from_secs(self.config.prepare_timeout_s)
+    }
+
+    /// Binds the port (call at start, so a port in use stops the daemon); without a port it
+    /// does nothing. Needs a tokio runtime.
     ///
     /// # Errors
-    /// When the port cannot be bound.
-    pub async fn serve(&self, _outcomes: Arc<dyn Outcomes>) -> Result<(), MigrationError> {
-        Err(MigrationError::NotConfigured)
+    /// [`MigrationError::Bind`] when the port cannot be bound.
+    pub fn bind(&self) -> Result<(), MigrationError> {
+        let Some(addr) = self.config.listen else { return Ok(()) };
+        let mut bound = self.bound.lock().unwrap_or_else(|e| e.into_inner());
+        if bound.is_some() {
+            return Ok(());
+        }
+        let bind = || -> std::io::Result<tokio::net::TcpListener> {
+            let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+            // A restarted daemon rebinds while its predecessor's streams are in TIME_WAIT.
+            socket.set_reuseaddr(true)?;
+            socket.bind(addr)?;
+            socket.listen(128)
+        };
+        *bound = Some(bind().map_err(|source| MigrationError::Bind { addr, source })?);
+        tracing::info!(listen = %addr, advertise = self.config.advertise.as_deref().unwrap_or(""), "migration port listening");
+        Ok(())
     }
+
+    /// Accepts streams until the daemon ends (binds first unless [`Migrations::bind`] did).
+    ///
+    /// # Errors
+    /// [`MigrationError::NotConfigured`] without a port; [`MigrationError::Bind`] when the port
+    /// cannot be bound.
+    pub async fn serve(&self, outcomes: Arc<dyn Outcomes>) -> Result<(), MigrationError> {
+        if self.config.listen.is_none() {
+            return Err(MigrationError::NotConfigured);
+        }
+        self.bind()?;
+        let listener = self.bound.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(listener) = listener else {
+            return Err(MigrationError::Protocol("the migration port is already served".into()));
+        };
+        listener::serve(listener, Arc::clone(&self.shared), outcomes).await;
+        Ok(())
+    }
+
     /// Destination: expect VM `vm`'s streams, authenticated by `secret`.
     ///
     /// # Errors
-    /// [`MigrationError::NotConfigured`] without a port.
-    pub fn expect(&self, _vm: &str, _secret: &Secret) -> Result<Expectation, MigrationError> {
-        Err(MigrationError::NotConfigured)
+    /// [`MigrationError::NotConfigured`] without a port; [`MigrationError::AlreadyExpected`]
+    /// when `vm` is already expected.
+    pub fn expect(&self, vm: &str, secret: &Secret) -> Result<Expectation, MigrationError> {
+        if self.config.listen.is_none() {
+            return Err(MigrationError::NotConfigured);
+        }
+        self.shared.expect(vm, secret)
     }
 }
 
 impl Default for Migrations {
     fn default() -> Self {
-        Self::new()
+        Self::new(&MigrationConfig::default())
     }
 }
 
-/// The streams of one expected incoming migration; dropped, the VM is no longer expected.
-pub struct Expectation {
-    _private: (),
-}
-
-impl Expectation {
-    /// The next authenticated stream, or `None` when `timeout` passes first.
-    pub async fn next(&mut self, _timeout: Duration) -> Option<IncomingChannel> {
-        None
-    }
-}
-
-/// Source: opens a stream of `kind` for VM `vm` to `address`, authenticated with `secret`.
+/// Source: opens a stream of `kind` for VM `vm` to `address` (`HOST:PORT`), authenticated
+/// with `secret`. The stream is in blocking mode.
 ///
 /// # Errors
-/// When the destination cannot be reached or refuses the proof.
+/// When the destination cannot be reached, does not speak the wire, or refuses the proof
+/// ([`MigrationError::Refused`]).
 pub async fn connect(
-    _address: &str,
-    _vm: &str,
-    _secret: &Secret,
-    _kind: &ChannelKind,
+    address: &str,
+    vm: &str,
+    secret: &Secret,
+    kind: &ChannelKind,
 ) -> Result<TcpStream, MigrationError> {
-    Err(MigrationError::NotBuilt("connect"))
-}
-
-/// The control channel, framed and authenticated message by message.
-pub struct Control {
-    _private: (),
-}
-
-impl Control {
-    /// Over a connected control stream.
-    pub fn new(_stream: TcpStream, _secret: &Secret) -> Control {
-        Control { _private: () }
-    }
-    /// Sends one message.
-    ///
-    /// # Errors
-    /// When the stream fails.
-    pub async fn send(&mut self, _msg: &ControlMsg) -> Result<(), MigrationError> {
-        Err(MigrationError::NotBuilt("Control::send"))
-    }
-    /// The next message, waiting at most `timeout`.
-    ///
-    /// # Errors
-    /// When the stream fails or closes, a message is not authentic, or `timeout` passes.
-    pub async fn recv(&mut self, _timeout: Duration) -> Result<ControlMsg, MigrationError> {
-        Err(MigrationError::NotBuilt("Control::recv"))
-    }
+    let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(address))
+        .await
+        .map_err(|_| MigrationError::Timeout("connect"))?
+        .map_err(|e| MigrationError::io("connect", e))?;
+    // Many small writes (frames) follow on the control channel; latency matters more there.
+    let _ = stream.set_nodelay(true);
+    tokio::time::timeout(CONNECT_TIMEOUT, async {
+        let mut greeting = [0u8; wire::GREETING.len() + wire::NONCE_LEN];
+        stream.read_exact(&mut greeting).await.map_err(|e| MigrationError::io("opening exchange", e))?;
+        if &greeting[..wire::GREETING.len()] != wire::GREETING {
+            return Err(MigrationError::Protocol(format!("{address} is not a vmhost migration port")));
+        }
+        let mut nonce = [0u8; wire::NONCE_LEN];
+        nonce.copy_from_slice(&greeting[wire::GREETING.len()..]);
+        let line = wire::encode_open(vm, kind, &wire::proof(secret, &nonce, vm, kind));
+        stream.write_all(&line).await.map_err(|e| MigrationError::io("opening exchange", e))?;
+        // Byte by byte up to `\n`: what follows `ok` belongs to the channel.
+        let mut answer = Vec::new();
+        let mut byte = [0u8; 1];
+        while answer.len() < wire::REFUSED.len() {
+            let n = stream.read(&mut byte).await.map_err(|e| MigrationError::io("opening exchange", e))?;
+            if n == 0 {
+                break;
+            }
+            answer.push(byte[0]);
+            if byte[0] == b'\n' {
+                break;
+            }
+        }
+        match answer.as_slice() {
+            a if a == wire::OK => Ok(()),
+            a if a == wire::REFUSED || a.is_empty() => Err(MigrationError::Refused),
+            _ => Err(MigrationError::Protocol("unexpected answer to the proof".into())),
+        }
+    })
+    .await
+    .map_err(|_| MigrationError::Timeout("opening exchange"))??;
+    listener::into_blocking(stream).map_err(|e| MigrationError::io("connect", e))
 }
