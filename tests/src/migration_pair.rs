@@ -293,7 +293,7 @@ impl CounterWatch {
         let (s, t) = (stop.clone(), ticks.clone());
         let thread = std::thread::spawn(move || {
             let mut offsets: Vec<u64> = logs.iter().map(|p| fs::metadata(p).map(|m| m.len()).unwrap_or(0)).collect();
-            let mut partial = vec![String::new(), String::new()];
+            let mut partial = [String::new(), String::new()];
             while !s.load(Ordering::Relaxed) {
                 for (i, p) in logs.iter().enumerate() {
                     let Ok(mut f) = fs::File::open(p) else { continue };
