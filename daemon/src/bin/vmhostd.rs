@@ -147,6 +147,7 @@ async fn run(config: Config, mut activation: Activation) -> Result<(), String> {
     let config = Arc::new(config);
     tracing::info!(config = %config.file.display(), accel = config.qemu.accel.as_str(), "vmhostd starting");
     let manager = Manager::open(config.clone(), EventBus::default()).await?;
+    manager.start_migration_port()?;
     let consoles = vmhost::console::Consoles::new(manager.clone());
     let dispatcher =
         Arc::new(methods::dispatcher(manager.clone(), consoles).map_err(|e| format!("method table: {e}"))?);

@@ -121,6 +121,31 @@ pub struct Manager {
     reservations: crate::disk::reserve::Ledger,
     /// The host's NUMA nodes, CPUs and hugepage pools ([`topology`]), for placement.
     topology: topology::HostTopology,
+    /// The migration port ([`crate::migration`]): its listener and the VMs it expects.
+    migrations: crate::migration::Migrations,
+}
+
+/// Answers the migration port's queries from the records: a record with an incoming migration
+/// is `committed` (phase committed) or `pending`. (The destination's tombstones of abandoned
+/// migrations are the incoming lifecycle's to add.)
+struct PortOutcomes(std::sync::Weak<Manager>);
+
+impl crate::migration::Outcomes for PortOutcomes {
+    fn outcome(&self, vm: &str) -> Option<(crate::migration::Secret, crate::migration::Outcome)> {
+        use crate::state::migration::{MigrationPhase, MigrationRole};
+        let mgr = self.0.upgrade()?;
+        let table = mgr.lock();
+        let m = table.vms.get(vm)?.migration()?;
+        if m.role != MigrationRole::Incoming {
+            return None;
+        }
+        let secret = crate::migration::Secret::parse(&m.secret).ok()?;
+        let outcome = match m.phase {
+            MigrationPhase::Committed => crate::migration::Outcome::Committed,
+            _ => crate::migration::Outcome::Pending,
+        };
+        Some((secret, outcome))
+    }
 }
 
 /// Format and virtual size of unrecorded images, by name, with the file version read.
@@ -226,6 +251,7 @@ impl Manager {
             reservations: crate::disk::reserve::Ledger::default(),
             topology: topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config_for_backups),
             backups: crate::backup::Backups::open(&config_for_backups),
+            migrations: crate::migration::Migrations::new(&config_for_backups.migration),
         });
         mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;
@@ -275,6 +301,32 @@ impl Manager {
     /// The event bus.
     pub fn events(&self) -> &EventBus {
         &self.events
+    }
+
+    /// The migration port.
+    pub fn migrations(&self) -> &crate::migration::Migrations {
+        &self.migrations
+    }
+
+    /// Binds the migration port (when `[migration] listen` is set) and serves it in the
+    /// background; called once at start, after recovery settled the records the listener
+    /// answers queries from.
+    ///
+    /// # Errors
+    /// A message when the port cannot be bound (the daemon then refuses to start).
+    pub fn start_migration_port(self: &Arc<Self>) -> Result<(), String> {
+        if self.config.migration.listen.is_none() {
+            return Ok(());
+        }
+        self.migrations.bind().map_err(|e| e.to_string())?;
+        let outcomes: Arc<dyn crate::migration::Outcomes> = Arc::new(PortOutcomes(Arc::downgrade(self)));
+        let mgr = Arc::clone(self);
+        tokio::spawn(async move {
+            if let Err(e) = mgr.migrations.serve(outcomes).await {
+                tracing::error!(error = %e, "migration port stopped");
+            }
+        });
+        Ok(())
     }
 
     /// The in-memory table ([`registry`]): never hold it across I/O.

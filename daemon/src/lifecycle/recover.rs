@@ -312,6 +312,7 @@ mod tests {
             reservations: crate::disk::reserve::Ledger::default(),
             topology: super::super::topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config),
             backups: crate::backup::Backups::open(&config),
+            migrations: crate::migration::Migrations::new(&config.migration),
         })
     }
 
