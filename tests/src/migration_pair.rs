@@ -243,6 +243,13 @@ impl Pair {
     }
 }
 
+/// `spec` with its NIC's MAC set in the spec itself (`02:76:6d:00:00:01`), as an operator may
+/// declare it: the spec the source runs is then the very spec the destination admits.
+pub fn with_mac(mut spec: Value) -> Value {
+    spec["nics"][0]["mac"] = json!("02:76:6d:00:00:01");
+    spec
+}
+
 /// The first line of the raw data disk `data` of `name` on `host` (`STATE/disks/NAME/data.raw`
 /// or, kept, `STATE/kept-disks/NAME/data.raw`): `VMHOSTMARK:WORD` after the guest wrote it.
 pub fn disk_mark(path: &Path) -> String {
