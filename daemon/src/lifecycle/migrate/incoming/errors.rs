@@ -60,9 +60,6 @@ pub(crate) enum IncomingError {
     /// completed here.
     #[error("the memory stream is {0:?} here, not completed: nothing to commit")]
     NotCompleted(String),
-    /// 4001 step `migrate_in`: the migration port refused to register the VM.
-    #[error("migration port: {0}")]
-    Port(#[from] crate::migration::MigrationError),
     /// 4001 step `migrate_in`: a local file or socket of the migration.
     #[error("{what}: {source}")]
     Io {
@@ -103,7 +100,6 @@ impl From<IncomingError> for ApiError {
             | IncomingError::NoHello
             | IncomingError::Qemu(_)
             | IncomingError::NotCompleted(_)
-            | IncomingError::Port(_)
             | IncomingError::Io { .. } => super::super::super::provisioning("migrate_in", message),
         }
     }
