@@ -540,14 +540,18 @@ fn settle_dead(held: &HeldVm) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Asks the destination every [`source_outcome::RETRY_EVERY`] what became of VM `name`'s
+/// Asks the destination (first after [`source_outcome::ASK_EVERY`], then every
+/// [`source_outcome::RETRY_EVERY`]) what became of VM `name`'s
 /// migration recorded unknown, and settles it once it answers. Ends when the record no longer
 /// names an outgoing migration in phase `committing` (settled, or destroyed by the operator).
 pub(super) fn spawn_retry(mgr: &Arc<Manager>, name: &str) {
     let (mgr, name) = (Arc::clone(mgr), name.to_string());
     tokio::spawn(async move {
+        // The first question soon: a destination that lost the source abandons within seconds.
+        let mut wait = source_outcome::ASK_EVERY;
         loop {
-            tokio::time::sleep(source_outcome::RETRY_EVERY).await;
+            tokio::time::sleep(wait).await;
+            wait = source_outcome::RETRY_EVERY;
             let Ok((mut op, rec)) = mgr.begin_op(&name).await else {
                 if mgr.record(&name).is_err() {
                     return;
