@@ -9,6 +9,9 @@
 //! console carries a counter every 100 ms with its boot id, which [`CounterWatch`] follows on
 //! both hosts' serial logs at once, timestamping each line as it arrives.
 //!
+//! The daemons run with `sandbox = "require"` as every test host does; `VMHOST_TEST_SANDBOX`
+//! (e.g. `off`) overrides it, to tell a sandbox refusal from a migration defect.
+//!
 //! Order of use: [`Pair::start`], [`Pair::create`] (a VM on the first host), then a migration
 //! ([`Pair::migrate_ctl`] through `vmhostctl --to-socket`, or [`Pair::migrate_in`] and
 //! [`Pair::migrate`] as two API calls), then [`Pair::settled`] to find where the VM runs and
@@ -83,6 +86,7 @@ impl Pair {
                 netns: true,
                 extra: if lan { crate::LAN_NETWORK.to_string() } else { String::new() },
                 memory_gib: opts.memory_gib.unwrap_or(8),
+                sandbox: std::env::var("VMHOST_TEST_SANDBOX").unwrap_or_else(|_| "require".into()),
                 ..HostOptions::default()
             })
         };
