@@ -217,15 +217,17 @@ async fn until_commit(
     op.make_data_disks(&vm.spec, true).await?;
     let id = op.launch_as(vm, VmStatus::Incoming, true).await?;
     op.crashpoint("migrate_in:launched");
-    let qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(qemu_mig::MigrationQemuError::Qmp).map_err(IncomingError::Qemu)?;
+    let qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT)
+        .await
+        .map_err(qemu_mig::MigrationQemuError::Qmp)
+        .map_err(IncomingError::Qemu)?;
     let qmp = Arc::new(tokio::sync::Mutex::new(qmp));
     let nbd = paths.run_dir.join(NBD_SOCKET);
     prepare_qemu(&mgr, &paths.run_dir, &nbd, secret, &disks, &qmp).await?;
     let exports = disks.iter().map(|d| d.export.clone()).collect();
     c.send(&ControlMsg::Ready { exports }).await.map_err(|e| IncomingError::Control(e.to_string()))?;
-    let channels = AbortOnDrop(tokio::spawn(
-        serve_channels(exp, Arc::clone(&qmp), nbd).instrument(tracing::Span::current()),
-    ));
+    let channels =
+        AbortOnDrop(tokio::spawn(serve_channels(exp, Arc::clone(&qmp), nbd).instrument(tracing::Span::current())));
     loop {
         match c.recv(SERVE_TIMEOUT).await.map_err(|e| IncomingError::Control(e.to_string()))? {
             ControlMsg::Commit => break,
@@ -290,7 +292,9 @@ async fn serve_channels(mut exp: Expectation, qmp: Arc<tokio::sync::Mutex<Qmp>>,
                 tokio::spawn(
                     async move {
                         match crate::migration::relay(ch.stream, &nbd).await {
-                            Ok(r) => tracing::info!(export, to_qemu = r.to_qemu, to_peer = r.to_peer, "disk stream ended"),
+                            Ok(r) => {
+                                tracing::info!(export, to_qemu = r.to_qemu, to_peer = r.to_peer, "disk stream ended")
+                            }
                             Err(e) => tracing::warn!(export, error = %e, "disk stream failed"),
                         }
                     }
@@ -441,4 +445,3 @@ pub(in crate::lifecycle) async fn recover(
         RecoverAction::Ordinary => Ok(false),
     }
 }
-

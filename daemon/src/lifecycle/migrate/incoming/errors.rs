@@ -82,10 +82,9 @@ impl From<IncomingError> for ApiError {
                 .field("spec.boot.disk")
                 .details(serde_json::json!({ "reason": "boot_disk" })),
             IncomingError::MacRequired { index } => ApiError::invalid(format!("spec.nics[{index}].mac"), message),
-            IncomingError::Exists(name) => ApiError::in_use(
-                vec![(message, serde_json::json!({ "vm": name }))],
-                Some("spec.name".to_string()),
-            ),
+            IncomingError::Exists(name) => {
+                ApiError::in_use(vec![(message, serde_json::json!({ "vm": name }))], Some("spec.name".to_string()))
+            }
             IncomingError::KeptDisks { vm, disks } => ApiError::in_use(
                 vec![(message, serde_json::json!({ "vm": vm, "kept_disks": disks }))],
                 Some("spec.name".to_string()),
