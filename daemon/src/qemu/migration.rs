@@ -9,9 +9,12 @@
 //! Destination, in order: [`psk_dir`], [`add_tls`], [`start_nbd_server`], [`export_disks`],
 //! [`start_incoming`], then [`incoming_status`] at the commit, [`finish_incoming`], [`resume`].
 //! Source, in order: [`psk_dir`], [`add_tls`], [`start_mirror`] per disk, [`mirrors`] until all
-//! are ready, [`start_memory`], [`progress`] until `completed`, then [`finish_source`] after the
-//! destination's confirmation, or [`cancel_source`] on any failure (also by recovery). Both
-//! sides remove the key directory with [`remove_psk_dir`] once QEMU no longer needs it.
+//! are ready, [`start_memory`], [`progress`] until `completed`, then [`finish_source`] BEFORE
+//! the source tells the destination to commit (its `block-job-cancel` makes each ready mirror
+//! copy what is still dirty before it ends: only then does the destination have every block;
+//! the memory's `completed` says nothing about the disks), or [`cancel_source`] on any failure
+//! before the destination confirmed (also after [`finish_source`], and by recovery). Both sides
+//! remove the key directory with [`remove_psk_dir`] once QEMU no longer needs it.
 //!
 //! The QMP sequence is the one checked by hand on QEMU 7.2 (docs/moving.md); the parsers of
 //! QEMU's answers ([`parse_memory_progress`], [`parse_mirrors`]) are pure and unit-tested.
@@ -623,8 +626,11 @@ pub fn our_nodes(nodes: &Value) -> Vec<String> {
     names
 }
 
-/// Source, after the destination confirmed: the mirror jobs and NBD nodes removed (the paused
-/// guest is then ended by the caller). The key directory's fd set stays listed in QEMU, marked
+/// Source, once the memory stream is `completed` and before the destination is told to commit:
+/// each mirror job ends without a pivot after copying what is still dirty (the source keeps its
+/// disks; the destination then has every block), the NBD nodes and TLS object are removed. The
+/// guest stays paused: the caller ends it after the destination confirmed, or runs it again
+/// with [`cancel_source`] if the destination abandons. The key directory's fd set stays listed in QEMU, marked
 /// removed, while the guest is paused (QEMU closes it only for a running guest); it ends with
 /// the process.
 ///
