@@ -261,6 +261,13 @@ fn nic_queues(vm: &ValidSpec, i: usize) -> usize {
 /// or resource changes (docs/sandbox.md).
 pub const QEMU_SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 
+/// What a migration's destination QEMU gets after [`build_argv`]'s argv
+/// ([`crate::qemu::launch::LaunchRequest::incoming`]): it waits for `migrate-incoming` (the
+/// daemon hands it the stream later, [`crate::qemu::migration::start_incoming`]) and stays
+/// paused after the state arrived until the daemon's `cont`, so the guest never runs on both
+/// hosts.
+pub const INCOMING_ARGS: [&str; 3] = ["-incoming", "defer", "-S"];
+
 /// Doubles commas, QEMU's escape inside option lists.
 pub fn escape_opt(p: &Path) -> String {
     p.to_string_lossy().replace(',', ",,")

@@ -71,6 +71,11 @@ pub struct LaunchRequest {
     /// The CPUs QEMU (every thread it makes) starts on, set before the exec; empty: the
     /// spawner's ([`crate::lifecycle`]'s placement decides).
     pub affinity: crate::placement::CpuSet,
+    /// A migration's destination: QEMU starts paused and waits for the incoming state
+    /// ([`crate::qemu::argv::INCOMING_ARGS`] after [`LaunchRequest::argv`]); the QMP greeting
+    /// still says it is up, but its status is `inmigrate`, not `running`
+    /// ([`crate::qemu::migration`] drives it from there).
+    pub incoming: bool,
 }
 
 const CAP_SYS_RESOURCE: u32 = 24;
@@ -172,7 +177,7 @@ pub async fn launch(req: &LaunchRequest) -> Result<Launched, LaunchError> {
     let fds = req.fds.iter().map(OwnedFd::try_clone).collect::<io::Result<Vec<_>>>().map_err(LaunchError::Spawn)?;
     warn_if_memlock_stays_low(req.memlock);
     let command = spawn::Command::new(&req.binary)
-        .args(req.argv.iter().cloned())
+        .args(full_argv(req))
         .stderr_to(log.into())
         .pass_fds(fds)
         .memlock(req.memlock)
@@ -227,6 +232,12 @@ pub async fn launch(req: &LaunchRequest) -> Result<Launched, LaunchError> {
             Err(LaunchError::Timeout { after: req.timeout, stderr_tail: tail() })
         }
     }
+}
+
+/// The request's argv with the destination's options appended when it is one.
+fn full_argv(req: &LaunchRequest) -> Vec<OsString> {
+    let extra: &[&str] = if req.incoming { &crate::qemu::argv::INCOMING_ARGS } else { &[] };
+    req.argv.iter().cloned().chain(extra.iter().map(OsString::from)).collect()
 }
 
 /// Rejects requests QEMU would fork for (`-daemonize` is forbidden by its seccomp filter and
@@ -330,6 +341,7 @@ mod tests {
             user: None,
             kvm: false,
             affinity: Default::default(),
+            incoming: false,
         }
     }
 

@@ -1,25 +1,81 @@
 //! QEMU's side of a migration, over the VM's QMP session (docs/moving.md).
 //!
-//! SKELETON (issue 32): signatures the lifecycle uses; the QEMU helper fills the bodies.
+//! The daemon owns every socket of a migration and hands QEMU only descriptors (`getfd`,
+//! `add-fd`): QEMU never opens an IP socket or a path of ours. Everything this module makes in
+//! QEMU carries the prefix `vmhost-mig-` ([`PREFIX`]), so that [`cancel_source`] (also run by
+//! recovery, which knows nothing of the attempt) finds and removes exactly what a migration
+//! left, and never what the operator or a hot-plug made.
+//!
 //! Destination, in order: [`psk_dir`], [`add_tls`], [`start_nbd_server`], [`export_disks`],
 //! [`start_incoming`], then [`incoming_status`] at the commit, [`finish_incoming`], [`resume`].
 //! Source, in order: [`psk_dir`], [`add_tls`], [`start_mirror`] per disk, [`mirrors`] until all
 //! are ready, [`start_memory`], [`progress`] until `completed`, then [`finish_source`] after the
-//! destination's confirmation, or [`cancel_source`] on any failure (also by recovery).
+//! destination's confirmation, or [`cancel_source`] on any failure (also by recovery). Both
+//! sides remove the key directory with [`remove_psk_dir`] once QEMU no longer needs it.
+//!
+//! The QMP sequence is the one checked by hand on QEMU 7.2 (docs/moving.md); the parsers of
+//! QEMU's answers ([`parse_memory_progress`], [`parse_mirrors`]) are pure and unit-tested.
 
 use super::qmp::Qmp;
+use serde_json::{json, Value};
+use std::io::{self, Write};
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::path::Path;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Prefix of every name (object, fd, node, job, fd set description) a migration gives QEMU.
+pub const PREFIX: &str = "vmhost-mig-";
+/// The TLS credentials object, on both sides.
+pub const TLS_ID: &str = "vmhost-mig-tls";
+/// The description of the fd set holding the key directory.
+pub const TLS_FDSET_OPAQUE: &str = "vmhost-mig-tls";
+/// The destination's NBD listener (`getfd` name).
+pub const NBD_FDNAME: &str = "vmhost-mig-nbd";
+/// The memory stream (`getfd` name), on both sides.
+pub const RAM_FDNAME: &str = "vmhost-mig-ram";
+/// The PSK identity QEMU's client presents; the key file names it.
+pub const PSK_USER: &str = "vmhost";
+/// The key directory inside the VM's run dir.
+pub const PSK_DIR: &str = "migration-tls";
+/// How long cancelled or finished mirror jobs may take to go away.
+const JOB_GONE_WAIT: Duration = Duration::from_secs(30);
+/// How long a cancelled memory stream may take to stop.
+const MIGRATE_STOP_WAIT: Duration = Duration::from_secs(30);
+/// How often QEMU is asked while waiting for jobs or the stream to stop.
+const POLL: Duration = Duration::from_millis(50);
+/// `max-bandwidth` without a cap: QEMU's own default is 128 MiB/s, far below a LAN's.
+const UNCAPPED_BYTES_S: u64 = 1 << 40;
 
 /// Why a QEMU migration step failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MigrationQemuError {
-    /// A QMP command failed.
+    /// A QMP command failed (QEMU refused it or its session broke).
     #[error("QMP: {0}")]
     Qmp(#[from] super::qmp::QmpError),
-    /// Not built yet (skeleton).
-    #[error("not built yet: {0}")]
-    NotBuilt(&'static str),
+    /// The key directory or file could not be made or opened.
+    #[error("cannot {what} {}: {source}", path.display())]
+    File {
+        /// What was being done (`create`, `write`, `chown`, `open`, ...).
+        what: &'static str,
+        /// The path it was done to.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// QEMU answered something this module cannot use (a reply without a field it needs, a
+    /// disk that is not there).
+    #[error("unexpected answer from QEMU: {0}")]
+    Protocol(String),
+    /// QEMU did not get to the expected state in time (jobs still there, stream not stopped).
+    #[error("QEMU did not {what} within {after:?}")]
+    Timeout {
+        /// What it did not do.
+        what: &'static str,
+        /// How long it was given.
+        after: Duration,
+    },
 }
 
 /// Which end of the TLS session QEMU is.
@@ -72,94 +128,395 @@ pub struct MirrorState {
     pub ready: bool,
 }
 
-/// The disks of a VM's QEMU to mirror, in a fixed order (pure).
-pub fn disks_of(_spec: &crate::api::VmSpec) -> Vec<MigDisk> {
-    Vec::new()
+/// The `getfd` name of disk `export`'s NBD stream on the source.
+pub fn nbd_fdname(export: &str) -> String {
+    format!("{PREFIX}n-{export}")
+}
+
+/// The source's NBD client node of disk `export`, the mirror's target.
+pub fn nbd_node(export: &str) -> String {
+    format!("{PREFIX}{export}")
+}
+
+/// The mirror job of disk `export` (job ids and node names are separate names in QEMU).
+pub fn job_id(export: &str) -> String {
+    format!("{PREFIX}{export}")
+}
+
+/// The disks of a VM's QEMU to mirror, in a fixed order (pure): the boot disk (its overlay's top
+/// layer for an image VM: the destination makes its own overlay on the same base; all of an
+/// imported `boot.disk`), each data disk, the UEFI variables store. Not the seed (the
+/// destination writes an identical one) nor the UEFI code (the host's firmware, read-only); a
+/// direct-kernel VM has no boot disk.
+pub fn disks_of(spec: &crate::api::VmSpec) -> Vec<MigDisk> {
+    let mut disks = Vec::new();
+    let boot = super::argv::DISK_DRIVE;
+    if spec.boot.image.is_some() {
+        disks.push(MigDisk { device: boot.to_string(), export: boot.to_string(), top_only: true });
+    } else if spec.boot.disk.is_some() {
+        disks.push(MigDisk { device: boot.to_string(), export: boot.to_string(), top_only: false });
+    }
+    for disk in &spec.disks {
+        let node = super::hotplug::data_drive(&disk.name);
+        disks.push(MigDisk { device: node.clone(), export: node, top_only: false });
+    }
+    if spec.boot.firmware == crate::api::Firmware::Uefi {
+        let node = super::argv::UEFI_VARS_NODE;
+        disks.push(MigDisk { device: node.to_string(), export: node.to_string(), top_only: false });
+    }
+    disks
+}
+
+/// The key directory of the VM whose run dir is `run_dir`.
+pub fn psk_dir_path(run_dir: &Path) -> PathBuf {
+    run_dir.join(PSK_DIR)
+}
+
+/// The key file's contents: QEMU's `keys.psk` format, one `IDENTITY:HEXKEY` line.
+pub fn psk_file_contents(key_hex: &str) -> String {
+    format!("{PSK_USER}:{key_hex}\n")
 }
 
 /// Writes the TLS key file QEMU reads into a directory of `run_dir` only QEMU's user reads,
 /// and returns that directory opened (QEMU reads it through `/proc/self/fd/N`).
 ///
+/// The directory (`RUN_DIR/migration-tls`, mode 0700) and `keys.psk` (0400) belong to
+/// `qemu_user` (the daemon's user when `None`); a directory left by an earlier attempt is
+/// replaced. The file is written under a temporary name, synced and renamed, so QEMU never
+/// reads half a key. Blocking: call it off the runtime's workers.
+///
 /// # Errors
-/// When the directory or file cannot be made.
+/// [`MigrationQemuError::Protocol`] when `key_hex` is not hex (it would break QEMU's file
+/// format); [`MigrationQemuError::File`] when the directory or file cannot be made.
 pub fn psk_dir(
-    _run_dir: &Path,
-    _key_hex: &str,
-    _qemu_user: Option<&crate::config::UserIds>,
+    run_dir: &Path,
+    key_hex: &str,
+    qemu_user: Option<&crate::config::UserIds>,
 ) -> Result<OwnedFd, MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("psk_dir"))
+    if key_hex.is_empty() || !key_hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(MigrationQemuError::Protocol("the TLS key is not hex".to_string()));
+    }
+    let dir = psk_dir_path(run_dir);
+    let file_err = |what: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source: io::Error| MigrationQemuError::File { what, path, source }
+    };
+    remove_psk_dir(run_dir).map_err(file_err("remove", &dir))?;
+    std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(file_err("create", &dir))?;
+    let chown = |path: &Path| -> Result<(), MigrationQemuError> {
+        if let Some(u) = qemu_user {
+            std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid)).map_err(file_err("chown", path))?;
+        }
+        Ok(())
+    };
+    chown(&dir)?;
+    let tmp = dir.join("keys.psk.tmp");
+    let file = dir.join("keys.psk");
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o400)
+            .open(&tmp)
+            .map_err(file_err("create", &tmp))?;
+        f.write_all(psk_file_contents(key_hex).as_bytes()).map_err(file_err("write", &tmp))?;
+        f.sync_all().map_err(file_err("sync", &tmp))?;
+    }
+    chown(&tmp)?;
+    std::fs::rename(&tmp, &file).map_err(file_err("rename", &file))?;
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY)
+        .open(&dir)
+        .map_err(file_err("open", &dir))?;
+    // std opens with O_CLOEXEC: only the copy handed over with add-fd reaches QEMU.
+    opened.sync_all().map_err(file_err("sync", &dir))?;
+    Ok(opened.into())
+}
+
+/// Removes the key directory of `run_dir` (nothing to do when it is not there).
+///
+/// # Errors
+/// When it exists and cannot be removed.
+pub fn remove_psk_dir(run_dir: &Path) -> io::Result<()> {
+    match std::fs::remove_dir_all(psk_dir_path(run_dir)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The arguments of `object-add` for the credentials in QEMU's descriptor `fd`.
+fn tls_object_args(fd: i64, endpoint: Endpoint) -> Value {
+    let mut args = json!({
+        "qom-type": "tls-creds-psk",
+        "id": TLS_ID,
+        "endpoint": match endpoint { Endpoint::Server => "server", Endpoint::Client => "client" },
+        "dir": format!("/proc/self/fd/{fd}"),
+    });
+    if endpoint == Endpoint::Client {
+        args["username"] = Value::from(PSK_USER);
+    }
+    args
 }
 
 /// Gives QEMU the TLS credentials (`tls-creds-psk`) from `dir`.
 ///
+/// The directory goes into a new fd set (described [`TLS_FDSET_OPAQUE`], so the cleanup finds
+/// it): QEMU keeps that descriptor and reads the key through it. Credentials left by an
+/// earlier attempt are removed first.
+///
 /// # Errors
 /// When QEMU refuses.
-pub async fn add_tls(_qmp: &mut Qmp, _dir: BorrowedFd<'_>, _endpoint: Endpoint) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("add_tls"))
+pub async fn add_tls(qmp: &mut Qmp, dir: BorrowedFd<'_>, endpoint: Endpoint) -> Result<(), MigrationQemuError> {
+    remove_tls(qmp).await?;
+    let reply = qmp.execute_with_fd("add-fd", Some(json!({ "opaque": TLS_FDSET_OPAQUE })), dir).await?;
+    let fd = reply
+        .get("fd")
+        .and_then(Value::as_i64)
+        .ok_or_else(|| MigrationQemuError::Protocol(format!("add-fd answered {reply} without fd")))?;
+    if let Err(e) = qmp.execute("object-add", Some(tls_object_args(fd, endpoint))).await {
+        remove_tls(qmp).await.ok();
+        return Err(e.into());
+    }
+    Ok(())
+}
+
+/// Removes the TLS object and the fd sets of the key directory, whichever exist.
+async fn remove_tls(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
+    let objects = qmp.execute("qom-list", Some(json!({ "path": "/objects" }))).await?;
+    if has_named(&objects, TLS_ID) {
+        qmp.execute("object-del", Some(json!({ "id": TLS_ID }))).await?;
+    }
+    let sets = qmp.execute("query-fdsets", None).await?;
+    for id in fdsets_described(&sets, TLS_FDSET_OPAQUE) {
+        qmp.execute("remove-fd", Some(json!({ "fdset-id": id }))).await?;
+    }
+    Ok(())
+}
+
+/// Whether a `qom-list` answer has an entry `name`.
+fn has_named(list: &Value, name: &str) -> bool {
+    list.as_array().is_some_and(|a| a.iter().any(|o| o.get("name").and_then(Value::as_str) == Some(name)))
+}
+
+/// The ids of the fd sets in a `query-fdsets` answer with a descriptor described `opaque`.
+fn fdsets_described(sets: &Value, opaque: &str) -> Vec<u64> {
+    let Some(sets) = sets.as_array() else { return Vec::new() };
+    sets.iter()
+        .filter(|s| {
+            s.get("fds")
+                .and_then(Value::as_array)
+                .is_some_and(|fds| fds.iter().any(|f| f.get("opaque").and_then(Value::as_str) == Some(opaque)))
+        })
+        .filter_map(|s| s.get("fdset-id").and_then(Value::as_u64))
+        .collect()
 }
 
 /// Destination: QEMU's NBD server on `listener` (a listening Unix socket), with TLS.
 ///
 /// # Errors
 /// When QEMU refuses.
-pub async fn start_nbd_server(_qmp: &mut Qmp, _listener: BorrowedFd<'_>) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("start_nbd_server"))
+pub async fn start_nbd_server(qmp: &mut Qmp, listener: BorrowedFd<'_>) -> Result<(), MigrationQemuError> {
+    // A descriptor of an earlier attempt under the same name would be replaced silently; an
+    // explicit close keeps QEMU's table clean.
+    let _ = qmp.execute("closefd", Some(json!({ "fdname": NBD_FDNAME }))).await;
+    qmp.execute_with_fd("getfd", Some(json!({ "fdname": NBD_FDNAME })), listener).await?;
+    qmp.execute(
+        "nbd-server-start",
+        Some(json!({
+            // SocketAddressLegacy: the fd's name is under `data`.
+            "addr": { "type": "fd", "data": { "str": NBD_FDNAME } },
+            "tls-creds": TLS_ID,
+        })),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The node name of `device` in a `query-block` answer (`inserted.node-name`).
+fn node_of_device(block: &Value, device: &str) -> Option<String> {
+    block
+        .as_array()?
+        .iter()
+        .find(|b| b.get("device").and_then(Value::as_str) == Some(device))
+        .and_then(|b| b.get("inserted").and_then(|i| i.get("node-name")).and_then(Value::as_str).map(str::to_string))
 }
 
 /// Destination: every disk exported writable under its export name.
 ///
+/// A `-drive` disk (`virtio0`) is exported by the node QEMU named itself (`query-block`); the
+/// others' device is their node name.
+///
 /// # Errors
-/// When QEMU refuses.
-pub async fn export_disks(_qmp: &mut Qmp, _disks: &[MigDisk]) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("export_disks"))
+/// When QEMU refuses, or a drive is not in `query-block`.
+pub async fn export_disks(qmp: &mut Qmp, disks: &[MigDisk]) -> Result<(), MigrationQemuError> {
+    let block = qmp.execute("query-block", None).await?;
+    for disk in disks {
+        let node = if disk.device == super::argv::DISK_DRIVE {
+            node_of_device(&block, &disk.device).ok_or_else(|| {
+                MigrationQemuError::Protocol(format!("no node for drive {} in query-block", disk.device))
+            })?
+        } else {
+            disk.device.clone()
+        };
+        qmp.execute(
+            "block-export-add",
+            Some(json!({
+                "type": "nbd",
+                "id": format!("{PREFIX}e-{}", disk.export),
+                "node-name": node,
+                "writable": true,
+                "name": disk.export,
+            })),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// The memory stream's settings both sides need before it starts: QEMU's events and the TLS
+/// credentials (and on the source its limits).
+async fn set_memory_parameters(qmp: &mut Qmp, extra: Value) -> Result<(), MigrationQemuError> {
+    qmp.execute(
+        "migrate-set-capabilities",
+        Some(json!({ "capabilities": [{ "capability": "events", "state": true }] })),
+    )
+    .await?;
+    let mut params = json!({ "tls-creds": TLS_ID });
+    if let (Some(p), Some(extra)) = (params.as_object_mut(), extra.as_object()) {
+        p.extend(extra.clone());
+    }
+    qmp.execute("migrate-set-parameters", Some(params)).await?;
+    Ok(())
+}
+
+/// Hands QEMU `stream` as the memory stream's descriptor.
+async fn give_ram_fd(qmp: &mut Qmp, stream: BorrowedFd<'_>) -> Result<(), MigrationQemuError> {
+    let _ = qmp.execute("closefd", Some(json!({ "fdname": RAM_FDNAME }))).await;
+    qmp.execute_with_fd("getfd", Some(json!({ "fdname": RAM_FDNAME })), stream).await?;
+    Ok(())
 }
 
 /// Destination: QEMU reads the memory stream from `stream`.
 ///
 /// # Errors
 /// When QEMU refuses.
-pub async fn start_incoming(_qmp: &mut Qmp, _stream: BorrowedFd<'_>) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("start_incoming"))
+pub async fn start_incoming(qmp: &mut Qmp, stream: BorrowedFd<'_>) -> Result<(), MigrationQemuError> {
+    set_memory_parameters(qmp, json!({})).await?;
+    give_ram_fd(qmp, stream).await?;
+    qmp.execute("migrate-incoming", Some(json!({ "uri": format!("fd:{RAM_FDNAME}") }))).await?;
+    Ok(())
 }
 
 /// Destination: the incoming stream's state (`completed` once the guest's state arrived).
 ///
 /// # Errors
 /// When QEMU does not answer.
-pub async fn incoming_status(_qmp: &mut Qmp) -> Result<MemoryProgress, MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("incoming_status"))
+pub async fn incoming_status(qmp: &mut Qmp) -> Result<MemoryProgress, MigrationQemuError> {
+    progress(qmp).await
 }
 
 /// Destination: the NBD server stopped and the TLS object removed.
 ///
+/// `nbd-server-stop` also ends the server's exports. Idempotent: a server already stopped is
+/// skipped.
+///
 /// # Errors
 /// When QEMU refuses.
-pub async fn finish_incoming(_qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("finish_incoming"))
+pub async fn finish_incoming(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
+    let exports = qmp.execute("query-block-exports", None).await?;
+    let ours = exports.as_array().is_some_and(|a| {
+        a.iter().any(|e| e.get("id").and_then(Value::as_str).is_some_and(|id| id.starts_with(PREFIX)))
+    });
+    if let Err(e) = qmp.execute("nbd-server-stop", None).await {
+        // Not running is what this step wants; anything else with our exports still up is not.
+        if ours {
+            return Err(e.into());
+        }
+    }
+    let _ = qmp.execute("migrate-set-parameters", Some(json!({ "tls-creds": "" }))).await;
+    remove_tls(qmp).await
 }
 
 /// Runs the paused guest (`cont`).
 ///
 /// # Errors
 /// When QEMU refuses.
-pub async fn resume(_qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("resume"))
+pub async fn resume(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
+    qmp.execute("cont", None).await?;
+    Ok(())
 }
 
 /// Source: mirrors `disk` into the destination's export over `stream` (a connected socket).
 ///
+/// The stream becomes the NBD client node [`nbd_node`] (TLS over the stream), the mirror job
+/// [`job_id`] copies into it: all of the disk, or only the top layer when
+/// [`MigDisk::top_only`]. Connect only after the destination's exports are up: QEMU's NBD
+/// handshake blocks QMP until it gives up.
+///
 /// # Errors
-/// When QEMU refuses.
-pub async fn start_mirror(_qmp: &mut Qmp, _disk: &MigDisk, _stream: BorrowedFd<'_>) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("start_mirror"))
+/// When QEMU refuses (the node is then removed again).
+pub async fn start_mirror(qmp: &mut Qmp, disk: &MigDisk, stream: BorrowedFd<'_>) -> Result<(), MigrationQemuError> {
+    let fdname = nbd_fdname(&disk.export);
+    let node = nbd_node(&disk.export);
+    let _ = qmp.execute("closefd", Some(json!({ "fdname": fdname }))).await;
+    qmp.execute_with_fd("getfd", Some(json!({ "fdname": fdname })), stream).await?;
+    qmp.execute(
+        "blockdev-add",
+        Some(json!({
+            "driver": "nbd",
+            "node-name": node,
+            // SocketAddress (not the legacy one): the name is directly under `str`.
+            "server": { "type": "fd", "str": fdname },
+            "export": disk.export,
+            "tls-creds": TLS_ID,
+        })),
+    )
+    .await?;
+    let mirror = qmp
+        .execute(
+            "blockdev-mirror",
+            Some(json!({
+                "job-id": job_id(&disk.export),
+                "device": disk.device,
+                "target": node,
+                "sync": if disk.top_only { "top" } else { "full" },
+            })),
+        )
+        .await;
+    if let Err(e) = mirror {
+        let _ = qmp.execute("blockdev-del", Some(json!({ "node-name": node }))).await;
+        return Err(e.into());
+    }
+    Ok(())
+}
+
+/// This migration's mirror jobs in a `query-block-jobs` answer (pure): jobs named
+/// [`job_id`], each with the export (= device) its name carries. Other jobs are not ours.
+pub fn parse_mirrors(jobs: &Value) -> Vec<MirrorState> {
+    let Some(jobs) = jobs.as_array() else { return Vec::new() };
+    jobs.iter()
+        .filter_map(|j| {
+            // For a job with a job-id, query-block-jobs' `device` is that id.
+            let id = j.get("device").and_then(Value::as_str)?;
+            let device = id.strip_prefix(PREFIX)?;
+            Some(MirrorState {
+                device: device.to_string(),
+                offset: j.get("offset").and_then(Value::as_u64).unwrap_or(0),
+                len: j.get("len").and_then(Value::as_u64).unwrap_or(0),
+                ready: j.get("ready").and_then(Value::as_bool).unwrap_or(false),
+            })
+        })
+        .collect()
 }
 
 /// Source: the state of this migration's mirror jobs.
 ///
 /// # Errors
 /// When QEMU does not answer.
-pub async fn mirrors(_qmp: &mut Qmp) -> Result<Vec<MirrorState>, MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("mirrors"))
+pub async fn mirrors(qmp: &mut Qmp) -> Result<Vec<MirrorState>, MigrationQemuError> {
+    let jobs = qmp.execute("query-block-jobs", None).await?;
+    Ok(parse_mirrors(&jobs))
 }
 
 /// Source: sends the memory over `stream` (TLS), with QEMU's downtime limit and bandwidth cap.
@@ -167,20 +524,94 @@ pub async fn mirrors(_qmp: &mut Qmp) -> Result<Vec<MirrorState>, MigrationQemuEr
 /// # Errors
 /// When QEMU refuses.
 pub async fn start_memory(
-    _qmp: &mut Qmp,
-    _stream: BorrowedFd<'_>,
-    _max_downtime_ms: u64,
-    _bandwidth_mib_s: Option<u64>,
+    qmp: &mut Qmp,
+    stream: BorrowedFd<'_>,
+    max_downtime_ms: u64,
+    bandwidth_mib_s: Option<u64>,
 ) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("start_memory"))
+    let bandwidth = bandwidth_mib_s.map_or(UNCAPPED_BYTES_S, |m| m.saturating_mul(1 << 20).min(UNCAPPED_BYTES_S));
+    set_memory_parameters(qmp, json!({ "downtime-limit": max_downtime_ms, "max-bandwidth": bandwidth })).await?;
+    give_ram_fd(qmp, stream).await?;
+    qmp.execute("migrate", Some(json!({ "uri": format!("fd:{RAM_FDNAME}") }))).await?;
+    Ok(())
+}
+
+/// A `query-migrate` answer as [`MemoryProgress`] (pure). No migration yet: an empty status
+/// (QEMU answers `{}`).
+pub fn parse_memory_progress(reply: &Value) -> MemoryProgress {
+    let u = |v: Option<&Value>| v.and_then(Value::as_u64).unwrap_or(0);
+    let status = reply.get("status").and_then(Value::as_str).unwrap_or_default().to_string();
+    let ram = reply.get("ram");
+    let downtime = if status == "completed" { reply.get("downtime") } else { reply.get("expected-downtime") };
+    MemoryProgress {
+        transferred: u(ram.and_then(|r| r.get("transferred"))),
+        remaining: u(ram.and_then(|r| r.get("remaining"))),
+        total: u(ram.and_then(|r| r.get("total"))),
+        downtime_ms: u(downtime),
+        error: reply.get("error-desc").and_then(Value::as_str).map(str::to_string),
+        status,
+    }
+}
+
+/// Whether a memory stream in `status` still runs (cancelling it has something to stop).
+pub fn memory_running(status: &str) -> bool {
+    matches!(status, "setup" | "active" | "pre-switchover" | "device" | "postcopy-active" | "wait-unplug")
 }
 
 /// Source: the memory stream's progress.
 ///
 /// # Errors
 /// When QEMU does not answer.
-pub async fn progress(_qmp: &mut Qmp) -> Result<MemoryProgress, MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("progress"))
+pub async fn progress(qmp: &mut Qmp) -> Result<MemoryProgress, MigrationQemuError> {
+    let reply = qmp.execute("query-migrate", None).await?;
+    Ok(parse_memory_progress(&reply))
+}
+
+/// Ends this migration's mirror jobs without a pivot (the source keeps its disks), waits until
+/// they are gone, and removes the NBD nodes. `force` cancels at once instead of letting a
+/// ready mirror complete (for a destination that may be gone).
+async fn end_mirrors(qmp: &mut Qmp, force: bool) -> Result<(), MigrationQemuError> {
+    for job in mirrors(qmp).await? {
+        let id = job_id(&job.device);
+        if let Err(e) = qmp.execute("block-job-cancel", Some(json!({ "device": id, "force": force }))).await {
+            // A job that concluded between the query and the cancel is what we want.
+            if mirrors(qmp).await?.iter().any(|m| m.device == job.device) {
+                return Err(e.into());
+            }
+        }
+    }
+    let deadline = tokio::time::Instant::now() + JOB_GONE_WAIT;
+    while !mirrors(qmp).await?.is_empty() {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(MigrationQemuError::Timeout { what: "end the mirror jobs", after: JOB_GONE_WAIT });
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let nodes = qmp.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await?;
+    for node in our_nodes(&nodes) {
+        qmp.execute("blockdev-del", Some(json!({ "node-name": node }))).await?;
+    }
+    for fdname in [NBD_FDNAME, RAM_FDNAME] {
+        let _ = qmp.execute("closefd", Some(json!({ "fdname": fdname }))).await;
+    }
+    Ok(())
+}
+
+/// The node names of a `query-named-block-nodes` answer that a migration made (pure).
+pub fn our_nodes(nodes: &Value) -> Vec<String> {
+    let mut names: Vec<String> = nodes
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|n| n.get("node-name").and_then(Value::as_str))
+                .filter(|n| n.starts_with(PREFIX))
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names.dedup();
+    names
 }
 
 /// Source, after the destination confirmed: the mirror jobs and NBD nodes removed (the paused
@@ -188,16 +619,204 @@ pub async fn progress(_qmp: &mut Qmp) -> Result<MemoryProgress, MigrationQemuErr
 ///
 /// # Errors
 /// When QEMU refuses.
-pub async fn finish_source(_qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("finish_source"))
+pub async fn finish_source(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
+    end_mirrors(qmp, false).await?;
+    let _ = qmp.execute("migrate-set-parameters", Some(json!({ "tls-creds": "" }))).await;
+    remove_tls(qmp).await
 }
 
 /// Source, on any failure before the destination confirmed (and by recovery): the memory
 /// stream cancelled, the mirror jobs cancelled, the NBD nodes and TLS object removed, and the
 /// guest running again. Idempotent: whatever is already gone is skipped.
 ///
+/// The guest is resumed only when the migration paused it: status `postmigrate` (the memory
+/// went), or `paused` while mirror jobs of ours were there; a guest the operator paused stays
+/// paused.
+///
 /// # Errors
-/// When QEMU refuses to resume the guest.
-pub async fn cancel_source(_qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
-    Err(MigrationQemuError::NotBuilt("cancel_source"))
+/// When QEMU refuses to resume the guest, or a step of the cleanup.
+pub async fn cancel_source(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
+    let had_jobs = !mirrors(qmp).await?.is_empty();
+    let memory = progress(qmp).await?;
+    if memory_running(&memory.status) {
+        qmp.execute("migrate_cancel", None).await?;
+        let deadline = tokio::time::Instant::now() + MIGRATE_STOP_WAIT;
+        while memory_running(&progress(qmp).await?.status) {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(MigrationQemuError::Timeout { what: "cancel the memory stream", after: MIGRATE_STOP_WAIT });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    end_mirrors(qmp, true).await?;
+    let _ = qmp.execute("migrate-set-parameters", Some(json!({ "tls-creds": "" }))).await;
+    remove_tls(qmp).await?;
+    let status = qmp.query_status().await?;
+    if status == "postmigrate" || (status == "paused" && had_jobs) {
+        resume(qmp).await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    fn spec(v: Value) -> crate::api::VmSpec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn disks_of_an_image_vm_mirrors_the_overlay_top_then_data_then_uefi_vars() {
+        let s = spec(json!({"name": "a", "cpu": 1, "memory_mib": 256,
+            "boot": {"image": "deb.qcow2", "firmware": "uefi"},
+            "disks": [{"name": "d1", "size_gib": 1}, {"name": "logs", "size_gib": 1}]}));
+        let d = disks_of(&s);
+        let got: Vec<(&str, &str, bool)> =
+            d.iter().map(|d| (d.device.as_str(), d.export.as_str(), d.top_only)).collect();
+        assert_eq!(
+            got,
+            vec![
+                ("virtio0", "virtio0", true),
+                ("data-d1", "data-d1", false),
+                ("data-logs", "data-logs", false),
+                ("uefi-vars", "uefi-vars", false)
+            ]
+        );
+    }
+
+    #[test]
+    fn disks_of_a_disk_vm_copies_all_of_it_and_a_kernel_vm_has_no_boot_disk() {
+        let s = spec(json!({"name": "a", "cpu": 1, "memory_mib": 256, "boot": {"disk": "root.qcow2"}}));
+        assert_eq!(disks_of(&s), vec![MigDisk { device: "virtio0".into(), export: "virtio0".into(), top_only: false }]);
+        let s = spec(json!({"name": "a", "cpu": 1, "memory_mib": 256,
+            "boot": {"kernel": "/k", "initrd": "/i"}, "disks": [{"name": "x", "size_gib": 1}]}));
+        assert_eq!(disks_of(&s), vec![MigDisk { device: "data-x".into(), export: "data-x".into(), top_only: false }]);
+    }
+
+    #[test]
+    fn memory_progress_while_active_uses_the_expected_downtime() {
+        let p = parse_memory_progress(&json!({
+            "status": "active", "expected-downtime": 300, "total-time": 900,
+            "ram": {"transferred": 1000, "remaining": 2000, "total": 4000, "duplicate": 3}
+        }));
+        assert_eq!(
+            p,
+            MemoryProgress {
+                status: "active".into(),
+                transferred: 1000,
+                remaining: 2000,
+                total: 4000,
+                downtime_ms: 300,
+                error: None
+            }
+        );
+        assert!(memory_running(&p.status));
+    }
+
+    #[test]
+    fn memory_progress_once_completed_uses_the_real_downtime() {
+        let p = parse_memory_progress(&json!({
+            "status": "completed", "downtime": 104, "expected-downtime": 999, "total-time": 1000,
+            "ram": {"transferred": 5, "remaining": 0, "total": 5}
+        }));
+        assert_eq!((p.status.as_str(), p.downtime_ms, p.remaining), ("completed", 104, 0));
+        assert!(!memory_running(&p.status));
+    }
+
+    #[test]
+    fn memory_progress_failed_carries_the_error_and_none_is_empty() {
+        let p = parse_memory_progress(&json!({"status": "failed", "error-desc": "Unable to write"}));
+        assert_eq!((p.status.as_str(), p.error.as_deref()), ("failed", Some("Unable to write")));
+        assert_eq!(parse_memory_progress(&json!({})), MemoryProgress::default());
+        assert_eq!(parse_memory_progress(&json!("nonsense")), MemoryProgress::default());
+        assert!(!memory_running(""));
+    }
+
+    #[test]
+    fn mirrors_are_only_our_jobs_with_their_export() {
+        let jobs = json!([
+            {"type": "mirror", "device": "vmhost-mig-virtio0", "len": 100, "offset": 100, "ready": true,
+             "busy": false, "paused": false, "speed": 0, "io-status": "ok", "status": "ready"},
+            {"type": "mirror", "device": "vmhost-mig-data-d1", "len": 300, "offset": 20, "ready": false},
+            {"type": "backup", "device": "operator-job", "len": 1, "offset": 0, "ready": false}
+        ]);
+        assert_eq!(
+            parse_mirrors(&jobs),
+            vec![
+                MirrorState { device: "virtio0".into(), offset: 100, len: 100, ready: true },
+                MirrorState { device: "data-d1".into(), offset: 20, len: 300, ready: false },
+            ]
+        );
+        assert!(parse_mirrors(&json!({})).is_empty());
+    }
+
+    #[test]
+    fn only_our_nodes_fdsets_and_objects_are_found() {
+        let nodes = json!([{"node-name": "vmhost-mig-virtio0"}, {"node-name": "data-d1"},
+            {"node-name": "vmhost-mig-virtio0"}, {"node-name": "#block123"}]);
+        assert_eq!(our_nodes(&nodes), vec!["vmhost-mig-virtio0".to_string()]);
+        let sets = json!([
+            {"fdset-id": 3, "fds": [{"fd": 40, "opaque": "/run/x/serial.log"}]},
+            {"fdset-id": 51, "fds": [{"fd": 41, "opaque": "vmhost-mig-tls"}]}
+        ]);
+        assert_eq!(fdsets_described(&sets, TLS_FDSET_OPAQUE), vec![51]);
+        let objects = json!([{"name": "vmhost-mig-tls", "type": "child<tls-creds-psk>"}]);
+        assert!(has_named(&objects, TLS_ID));
+        assert!(!has_named(&json!([]), TLS_ID));
+    }
+
+    #[test]
+    fn node_of_a_drive_is_its_inserted_node() {
+        let block = json!([{"device": "virtio0", "inserted": {"node-name": "#block345"}}, {"device": "", "qdev": "x"}]);
+        assert_eq!(node_of_device(&block, "virtio0").as_deref(), Some("#block345"));
+        assert_eq!(node_of_device(&block, "virtio1"), None);
+    }
+
+    #[test]
+    fn tls_object_of_a_client_names_the_user_and_reads_through_the_descriptor() {
+        let c = tls_object_args(42, Endpoint::Client);
+        assert_eq!(c["dir"], "/proc/self/fd/42");
+        assert_eq!((c["endpoint"].as_str(), c["username"].as_str()), (Some("client"), Some(PSK_USER)));
+        let s = tls_object_args(7, Endpoint::Server);
+        assert_eq!((s["endpoint"].as_str(), s.get("username")), (Some("server"), None));
+    }
+
+    #[test]
+    fn psk_dir_writes_one_key_line_readable_only_by_its_owner() {
+        use std::os::unix::fs::PermissionsExt;
+        let run = tempfile::tempdir().unwrap();
+        let fd = psk_dir(run.path(), "00ff", None).unwrap();
+        let dir = psk_dir_path(run.path());
+        assert_eq!(std::fs::read_to_string(dir.join("keys.psk")).unwrap(), "vmhost:00ff\n");
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        assert_eq!(std::fs::metadata(dir.join("keys.psk")).unwrap().permissions().mode() & 0o777, 0o400);
+        assert_eq!(std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap(), dir);
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("keys.psk")]);
+        // A second attempt replaces the first; the removal leaves nothing.
+        psk_dir(run.path(), "abcd", None).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join("keys.psk")).unwrap(), "vmhost:abcd\n");
+        remove_psk_dir(run.path()).unwrap();
+        assert!(!dir.exists());
+        remove_psk_dir(run.path()).unwrap();
+        assert!(matches!(psk_dir(run.path(), "vmhost:1\n", None), Err(MigrationQemuError::Protocol(_))));
+    }
+
+    #[test]
+    fn psk_dir_belongs_to_qemus_user() {
+        use std::os::unix::fs::MetadataExt;
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let run = tempfile::tempdir().unwrap();
+        let user = crate::config::UserIds { uid: 64055, gid: 64056 };
+        psk_dir(run.path(), "00ff", Some(&user)).unwrap();
+        let dir = psk_dir_path(run.path());
+        for p in [dir.clone(), dir.join("keys.psk")] {
+            let m = std::fs::metadata(&p).unwrap();
+            assert_eq!((m.uid(), m.gid()), (64055, 64056), "{}", p.display());
+        }
+    }
 }
