@@ -247,6 +247,21 @@ impl VmOp {
     /// start or QMP check); 2001 when a kernel or initrd can no longer be read; the record
     /// cannot be written.
     pub(super) async fn launch(&mut self, vm: &ValidSpec, during: VmStatus) -> Result<ProcessIdentity, ApiError> {
+        self.launch_as(vm, during, false).await
+    }
+
+    /// [`VmOp::launch`], or with `incoming` a migration's destination: QEMU starts paused,
+    /// waiting for the source's state (`-incoming defer -S`), and is checked to say so
+    /// (`inmigrate`) instead of `running` ([`super::migrate::incoming`]).
+    ///
+    /// # Errors
+    /// As [`VmOp::launch`].
+    pub(super) async fn launch_as(
+        &mut self,
+        vm: &ValidSpec,
+        during: VmStatus,
+        incoming: bool,
+    ) -> Result<ProcessIdentity, ApiError> {
         let mgr = Arc::clone(self.mgr());
         let paths = self.paths();
         if let Some(id) = mgr.processes.find(paths, None, Search::Proc)? {
@@ -277,11 +292,12 @@ impl VmOp {
         self.bind_passthrough(&vm.spec).await?;
         self.push(Step::Devices);
         self.crashpoint("launch:bound");
-        self.start_process(vm).await
+        self.start_process(vm, incoming).await
     }
 
-    /// Seed, taps, QEMU, QMP check: the steps of the launch after the devices are bound.
-    async fn start_process(&mut self, vm: &ValidSpec) -> Result<ProcessIdentity, ApiError> {
+    /// Seed, taps, QEMU, QMP check: the steps of the launch after the devices are bound
+    /// (`incoming`: [`VmOp::launch_as`]).
+    async fn start_process(&mut self, vm: &ValidSpec, incoming: bool) -> Result<ProcessIdentity, ApiError> {
         let mgr = Arc::clone(self.mgr());
         let name = self.name().to_string();
         let paths = self.paths().clone();
@@ -344,7 +360,8 @@ impl VmOp {
         })?;
         self.crashpoint("launch:launched");
         self.held().pin_vcpus(id.pid, &mut qmp).await?;
-        mgr.processes.verify_running(qmp).await?;
+        let expected = if incoming { "inmigrate" } else { "running" };
+        mgr.processes.verify_status(qmp, expected).await?;
         Ok(id)
     }
 

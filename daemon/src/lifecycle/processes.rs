@@ -7,7 +7,7 @@
 //! around each call.
 //!
 //! Order for one QEMU: [`Processes::find`] (never start a VM twice), [`Processes::spawn`],
-//! [`Processes::verify_running`], and at the end [`Processes::kill`].
+//! [`Processes::verify_status`], and at the end [`Processes::kill`].
 
 use super::errors::QemuStepError;
 use crate::api::ApiError;
@@ -116,14 +116,15 @@ impl Processes {
     }
 
     /// Checks over `qmp`, the connection a just-launched QEMU greeted on ([`Launched::qmp`]),
-    /// that it runs its guest.
+    /// that it reports status `expected`: `running` for a guest it runs, `inmigrate` for a
+    /// migration's destination waiting for the source's state.
     ///
     /// # Errors
     /// 4001 step `qemu_verify` when QMP does not answer or reports another status.
-    pub async fn verify_running(&self, mut qmp: Qmp) -> Result<(), ApiError> {
+    pub async fn verify_status(&self, mut qmp: Qmp, expected: &str) -> Result<(), ApiError> {
         qmp.set_timeout(QMP_TIMEOUT);
         match qmp.query_status().await {
-            Ok(status) if status == "running" => Ok(()),
+            Ok(status) if status == expected => Ok(()),
             Ok(status) => Err(QemuStepError::VerifyStatus(status).into()),
             Err(e) => Err(QemuStepError::VerifyQmp(e).into()),
         }

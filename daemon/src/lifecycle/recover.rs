@@ -128,7 +128,9 @@ impl<'m> Recovery<'m> {
         let live = mgr.processes.find(paths, rec.process.as_ref(), self.search())?;
         // A migration's side settles by its own rules (lifecycle/migrate).
         if rec.migration().is_some() || matches!(rec.status, VmStatus::Migrating | VmStatus::Incoming) {
-            return super::migrate::settle(mgr, held, &rec, live).await;
+            if super::migrate::settle(mgr, held, &rec, live.clone()).await? {
+                return Ok(());
+            }
         }
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
@@ -292,6 +294,7 @@ mod tests {
             image_probes: Mutex::default(),
             reservations: crate::disk::reserve::Ledger::default(),
             topology: super::super::topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config),
+            migrations: crate::migration::Migrations::new(),
             backups: crate::backup::Backups::open(&config),
             migrations: crate::migration::Migrations::new(&config.migration),
         })

@@ -20,7 +20,8 @@ use crate::state::VmRecord;
 
 /// Recovery of a VM whose record names a migration (or says `migrating` / `incoming`): each
 /// side settles its own ([`outgoing::recover`], [`incoming::recover`]). `live` is the VM's
-/// QEMU found running.
+/// QEMU found running. Returns true when the VM is settled, false when recovery goes on as for
+/// any VM (a committed incoming VM is an ordinary running one).
 ///
 /// # Errors
 /// As the side's recovery.
@@ -29,7 +30,7 @@ pub(super) async fn settle(
     held: &HeldVm,
     rec: &VmRecord,
     live: Option<ProcessIdentity>,
-) -> Result<(), ApiError> {
+) -> Result<bool, ApiError> {
     let incoming = match rec.migration() {
         Some(m) => m.role == MigrationRole::Incoming,
         None => rec.status == crate::api::VmStatus::Incoming,
@@ -37,6 +38,6 @@ pub(super) async fn settle(
     if incoming {
         incoming::recover(mgr, held, rec, live).await
     } else {
-        outgoing::recover(mgr, held, rec, live).await
+        outgoing::recover(mgr, held, rec, live).await.map(|()| true)
     }
 }

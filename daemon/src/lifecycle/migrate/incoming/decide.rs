@@ -1,0 +1,310 @@
+//! The destination's decisions that need no host: which specs `vm.migrate_in` refuses before
+//! anything is made ([`refuse_unmovable`]), whether a source's `Hello` matches what was
+//! admitted ([`check_hello`]), what a `Query` is answered from a record ([`outcome_of`]), and
+//! what a restart does with an incoming record ([`recover_action`]). Kept apart from the steps
+//! that act on them so each rule is unit-tested on its own.
+//!
+//! Order of use: [`refuse_unmovable`] first in `vm.migrate_in`; [`check_hello`] when the
+//! source's first message arrives; [`outcome_of`] whenever the listener answers a `Query`;
+//! [`recover_action`] once per incoming record at daemon start.
+
+use super::errors::IncomingError;
+use crate::api::migration::MoveMode;
+use crate::api::{DesiredState, NicMode, VmSpec, VmStatus};
+use crate::migration::{Hello, Outcome};
+use crate::state::migration::{MigrationPhase, MigrationRecord, MigrationRole};
+
+/// Refuses a spec this host cannot receive in `mode` (nothing is made yet): a live migration
+/// cannot carry passthrough devices (their state is in the hardware), needs every bridge NIC's
+/// MAC (the guest keeps its interfaces) and, for now, an image or kernel boot (a `boot.disk`
+/// VM's root disk has no file to make on this side before the mirror).
+///
+/// # Errors
+/// [`IncomingError::Passthrough`], [`IncomingError::MacRequired`], [`IncomingError::BootDisk`].
+pub(crate) fn refuse_unmovable(spec: &VmSpec, mode: MoveMode) -> Result<(), IncomingError> {
+    if mode == MoveMode::Cold {
+        // A cold move carries files, not a running guest: nothing here limits it.
+        return Ok(());
+    }
+    if !spec.hardware.is_empty() || !spec.pci.is_empty() {
+        return Err(IncomingError::Passthrough);
+    }
+    if let Some(i) = spec.nics.iter().position(|n| n.mode == NicMode::Bridge && n.mac.is_none()) {
+        return Err(IncomingError::MacRequired { index: i });
+    }
+    if spec.boot.disk.is_some() {
+        return Err(IncomingError::BootDisk);
+    }
+    Ok(())
+}
+
+/// The spec as a destination admits it: the guest runs here once committed, so its desired
+/// state is running whatever the source's spec said.
+pub(crate) fn admitted_spec(spec: &VmSpec, mode: MoveMode) -> VmSpec {
+    let mut spec = spec.clone();
+    if mode == MoveMode::Live {
+        spec.state = DesiredState::Running;
+    }
+    spec
+}
+
+/// Checks the source's `Hello` against the admitted spec and its NIC MACs (`macs`, in spec
+/// order): the QEMU started here must be the source's twin, or the memory stream would be
+/// loaded into a different machine. `state` is ignored (a desired state, not hardware). The
+/// disk list must be the one QEMU's side mirrors for this spec (`devices`, in order).
+///
+/// # Errors
+/// [`IncomingError::HelloMismatch`] naming what differs.
+pub(crate) fn check_hello(
+    admitted: &VmSpec,
+    macs: &[String],
+    devices: &[String],
+    hello: &Hello,
+) -> Result<(), IncomingError> {
+    let mut theirs = hello.spec.clone();
+    theirs.state = admitted.state;
+    if &theirs != admitted {
+        return Err(IncomingError::HelloMismatch("the source runs another spec than the one admitted here".into()));
+    }
+    let lower = |v: &[String]| v.iter().map(|m| m.to_ascii_lowercase()).collect::<Vec<_>>();
+    if hello.macs.len() != admitted.nics.len() {
+        return Err(IncomingError::HelloMismatch(format!(
+            "the source names {} NIC MACs for {} NICs",
+            hello.macs.len(),
+            admitted.nics.len()
+        )));
+    }
+    // Bridge NICs were admitted with the source's MAC; a monitor NIC's may differ here and is
+    // taken from the source (the guest keeps the MAC it saw).
+    for (i, (nic, (ours, theirs))) in admitted.nics.iter().zip(lower(macs).iter().zip(lower(&hello.macs))).enumerate() {
+        if nic.mode == NicMode::Bridge && *ours != theirs {
+            return Err(IncomingError::HelloMismatch(format!(
+                "NIC {i}: the source's MAC is {theirs}, the spec admitted here says {ours}"
+            )));
+        }
+    }
+    let theirs: Vec<&str> = hello.disks.iter().map(|d| d.device.as_str()).collect();
+    let ours: Vec<&str> = devices.iter().map(String::as_str).collect();
+    if theirs != ours {
+        return Err(IncomingError::HelloMismatch(format!(
+            "the source sends disks {theirs:?}, this side expects {ours:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// What a `Query` for a VM is answered from its record: `None` when the record is not the
+/// receiving side of a migration. A committed one is the guest's home now; one being given up
+/// (`failed` or `destroying` before the commit) can never commit any more, since the commit
+/// is only ever written from `incoming`.
+pub(crate) fn outcome_of(status: VmStatus, migration: Option<&MigrationRecord>) -> Option<Outcome> {
+    let m = migration.filter(|m| m.role == MigrationRole::Incoming)?;
+    Some(match (m.phase, status) {
+        (MigrationPhase::Committed, _) => Outcome::Committed,
+        (_, VmStatus::Failed | VmStatus::Destroying) => Outcome::Abandoned,
+        _ => Outcome::Pending,
+    })
+}
+
+/// What a restart does with an incoming record ([`recover_action`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RecoverAction {
+    /// Before the commit: the source cannot have let go of its guest; everything made here
+    /// goes (QEMU killed if found), a tombstone stays for the source's `Query`.
+    Abandon,
+    /// Committed, QEMU found paused (the crash fell between the commit and `cont`): resume it,
+    /// then recover it as any running VM.
+    ResumeThenOrdinary,
+    /// Nothing migration-specific left: recover it as any VM (a committed VM that runs, or
+    /// whose QEMU is gone, or that the operator changed since).
+    Ordinary,
+}
+
+/// The QEMU a restart found for a VM: none, or one whose QMP status is `status` (`None` when
+/// QMP did not answer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum QemuSeen {
+    /// No QEMU of the VM runs.
+    Gone,
+    /// One runs, in this QMP status.
+    Running(Option<String>),
+}
+
+/// The restart's decision for a record whose `migration` is an incoming one or whose status is
+/// `incoming` (pure: the record's status and migration, what runs).
+pub(crate) fn recover_action(status: VmStatus, migration: Option<&MigrationRecord>, qemu: &QemuSeen) -> RecoverAction {
+    let committed = migration.is_some_and(|m| m.phase == MigrationPhase::Committed);
+    if !committed {
+        return match status {
+            // Still receiving, or being given up when the daemon stopped: finish giving it up.
+            VmStatus::Incoming | VmStatus::Destroying | VmStatus::Failed | VmStatus::Creating => RecoverAction::Abandon,
+            _ => RecoverAction::Ordinary,
+        };
+    }
+    match (status, qemu) {
+        (VmStatus::Running, QemuSeen::Running(Some(s))) if s == "paused" || s == "prelaunch" => {
+            RecoverAction::ResumeThenOrdinary
+        }
+        _ => RecoverAction::Ordinary,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::NicSpec;
+    use crate::migration::HelloDisk;
+
+    fn spec() -> VmSpec {
+        let mut s = crate::validate::tests::spec("vm-1");
+        s.nics = vec![NicSpec { network: "lan".into(), mac: Some("52:54:00:00:00:01".into()), ..Default::default() }];
+        s
+    }
+
+    fn record(phase: MigrationPhase, role: MigrationRole) -> MigrationRecord {
+        MigrationRecord {
+            role,
+            mode: MoveMode::Live,
+            peer: String::new(),
+            secret: "00".repeat(32),
+            phase,
+            since: "2026-12-06T00:00:00Z".into(),
+        }
+    }
+
+    fn hello(spec: &VmSpec) -> Hello {
+        Hello {
+            spec: spec.clone(),
+            instance_id: Some("i-1".into()),
+            macs: vec!["52:54:00:00:00:01".into()],
+            disks: vec![HelloDisk { device: "virtio0".into(), bytes: 1 << 30, format: "qcow2".into() }],
+        }
+    }
+
+    #[test]
+    fn live_passthrough_is_not_movable_but_cold_is() {
+        let mut s = spec();
+        s.pci = vec!["0000:00:05.0".into()];
+        assert!(matches!(refuse_unmovable(&s, MoveMode::Live), Err(IncomingError::Passthrough)));
+        assert!(refuse_unmovable(&s, MoveMode::Cold).is_ok());
+        let mut s = spec();
+        s.hardware.copper = vec![0];
+        assert!(matches!(refuse_unmovable(&s, MoveMode::Live), Err(IncomingError::Passthrough)));
+    }
+
+    #[test]
+    fn a_bridge_nic_without_mac_is_refused_naming_it() {
+        let mut s = spec();
+        s.nics.push(NicSpec { network: "lan".into(), ..Default::default() });
+        match refuse_unmovable(&s, MoveMode::Live) {
+            Err(e @ IncomingError::MacRequired { index: 1 }) => {
+                let api: crate::api::ApiError = e.into();
+                assert_eq!(api.field.as_deref(), Some("spec.nics[1].mac"));
+                assert_eq!(api.code, crate::api::Code::InvalidSpec);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(refuse_unmovable(&spec(), MoveMode::Live).is_ok());
+    }
+
+    #[test]
+    fn a_boot_disk_vm_is_refused_live() {
+        let mut s = spec();
+        s.boot.disk = Some("root.qcow2".into());
+        assert!(matches!(refuse_unmovable(&s, MoveMode::Live), Err(IncomingError::BootDisk)));
+    }
+
+    #[test]
+    fn refusals_are_4097_with_their_reason() {
+        let api: crate::api::ApiError = IncomingError::Passthrough.into();
+        assert_eq!((api.code, api.details["reason"].as_str()), (crate::api::Code::NotMovable, Some("passthrough")));
+    }
+
+    #[test]
+    fn hello_must_match_but_not_its_state() {
+        let admitted = admitted_spec(&spec(), MoveMode::Live);
+        let macs = vec!["52:54:00:00:00:01".to_string()];
+        let devices = vec!["virtio0".to_string()];
+        let mut h = hello(&spec());
+        h.spec.state = DesiredState::Stopped;
+        assert!(check_hello(&admitted, &macs, &devices, &h).is_ok());
+        let mut h = hello(&spec());
+        h.spec.memory_mib += 1;
+        assert!(check_hello(&admitted, &macs, &devices, &h).is_err());
+        let mut h = hello(&spec());
+        h.macs = vec!["52:54:00:00:00:02".into()];
+        assert!(check_hello(&admitted, &macs, &devices, &h).is_err());
+        let mut h = hello(&spec());
+        h.macs.clear();
+        assert!(check_hello(&admitted, &macs, &devices, &h).is_err());
+        let mut h = hello(&spec());
+        h.disks.push(HelloDisk { device: "data-x".into(), bytes: 1, format: "raw".into() });
+        assert!(check_hello(&admitted, &macs, &devices, &h).is_err());
+    }
+
+    #[test]
+    fn a_monitor_nic_takes_the_sources_mac() {
+        let mut s = spec();
+        s.nics.push(NicSpec { mode: NicMode::Monitor, source: Some("eth1".into()), ..Default::default() });
+        let admitted = admitted_spec(&s, MoveMode::Live);
+        let mut h = hello(&s);
+        h.macs.push("52:54:00:aa:bb:cc".into());
+        let ours = vec!["52:54:00:00:00:01".to_string(), "52:54:00:11:22:33".to_string()];
+        assert!(check_hello(&admitted, &ours, &["virtio0".to_string()], &h).is_ok());
+    }
+
+    #[test]
+    fn outcomes_from_records() {
+        let incoming = |p| Some(record(p, MigrationRole::Incoming));
+        assert_eq!(outcome_of(VmStatus::Incoming, incoming(MigrationPhase::Sending).as_ref()), Some(Outcome::Pending));
+        assert_eq!(
+            outcome_of(VmStatus::Running, incoming(MigrationPhase::Committed).as_ref()),
+            Some(Outcome::Committed)
+        );
+        // Stopped later by the operator: still committed here.
+        assert_eq!(
+            outcome_of(VmStatus::Stopped, incoming(MigrationPhase::Committed).as_ref()),
+            Some(Outcome::Committed)
+        );
+        assert_eq!(
+            outcome_of(VmStatus::Destroying, incoming(MigrationPhase::Sending).as_ref()),
+            Some(Outcome::Abandoned)
+        );
+        assert_eq!(outcome_of(VmStatus::Failed, incoming(MigrationPhase::Sending).as_ref()), Some(Outcome::Abandoned));
+        let outgoing = record(MigrationPhase::Committed, MigrationRole::Outgoing);
+        assert_eq!(outcome_of(VmStatus::Migrating, Some(&outgoing)), None);
+        assert_eq!(outcome_of(VmStatus::Running, None), None);
+    }
+
+    #[test]
+    fn recovery_abandons_everything_before_the_commit() {
+        let sending = record(MigrationPhase::Sending, MigrationRole::Incoming);
+        for status in [VmStatus::Incoming, VmStatus::Destroying, VmStatus::Failed] {
+            for qemu in [QemuSeen::Gone, QemuSeen::Running(Some("inmigrate".into())), QemuSeen::Running(None)] {
+                assert_eq!(recover_action(status, Some(&sending), &qemu), RecoverAction::Abandon, "{status} {qemu:?}");
+            }
+        }
+        // `incoming` without a migration (a record hand-edited or from a crash mid-write).
+        assert_eq!(recover_action(VmStatus::Incoming, None, &QemuSeen::Gone), RecoverAction::Abandon);
+    }
+
+    #[test]
+    fn recovery_resumes_a_committed_guest_left_paused() {
+        let committed = record(MigrationPhase::Committed, MigrationRole::Incoming);
+        let c = Some(&committed);
+        assert_eq!(
+            recover_action(VmStatus::Running, c, &QemuSeen::Running(Some("paused".into()))),
+            RecoverAction::ResumeThenOrdinary
+        );
+        assert_eq!(
+            recover_action(VmStatus::Running, c, &QemuSeen::Running(Some("running".into()))),
+            RecoverAction::Ordinary
+        );
+        assert_eq!(recover_action(VmStatus::Running, c, &QemuSeen::Running(None)), RecoverAction::Ordinary);
+        // QEMU gone after the commit: the guest was here; recovery records it dead as any VM.
+        assert_eq!(recover_action(VmStatus::Running, c, &QemuSeen::Gone), RecoverAction::Ordinary);
+        // Later operations on a committed VM are ordinary.
+        assert_eq!(recover_action(VmStatus::Stopped, c, &QemuSeen::Gone), RecoverAction::Ordinary);
+        assert_eq!(recover_action(VmStatus::Destroying, c, &QemuSeen::Gone), RecoverAction::Ordinary);
+    }
+}
