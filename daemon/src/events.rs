@@ -5,6 +5,7 @@
 //! rather than slowing the daemon down.
 
 use crate::api::exec::GuestAction;
+use crate::api::migration::MigrationProgress;
 use crate::api::{now_rfc3339, CaptureChange, Event, VmStatus};
 use tokio::sync::broadcast;
 
@@ -46,9 +47,23 @@ impl EventBus {
         let _ = self.tx.send(event);
     }
 
+    /// Publishes how far a migration of `vm` got (a phase change, or progress within one):
+    /// `from` and `to` are both its current status.
+    pub fn emit_migration(
+        &self,
+        vm: &str,
+        status: Option<VmStatus>,
+        reason: impl Into<String>,
+        progress: MigrationProgress,
+    ) {
+        let event = Event { migration: Some(progress), ..Self::event(vm, status, status, reason.into()) };
+        tracing::debug!(vm, reason = %event.reason, "migration event");
+        let _ = self.tx.send(event);
+    }
+
     /// An event stamped now, about nothing but a status change.
     fn event(vm: &str, from: Option<VmStatus>, to: Option<VmStatus>, reason: String) -> Event {
-        Event { vm: vm.to_string(), from, to, reason, time: now_rfc3339(), guest: None, capture: None }
+        Event { vm: vm.to_string(), from, to, reason, time: now_rfc3339(), guest: None, capture: None, migration: None }
     }
 
     /// A receiver of every event published from now on.

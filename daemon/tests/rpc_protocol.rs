@@ -59,6 +59,7 @@ fn event(i: u32) -> Event {
         time: api::now_rfc3339(),
         guest: None,
         capture: None,
+        migration: None,
     }
 }
 

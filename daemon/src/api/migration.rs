@@ -125,3 +125,18 @@ pub struct MigrationProgress {
     /// QEMU's current `expected-downtime`, ms (0 until it estimates).
     pub expected_downtime_ms: u64,
 }
+
+/// A VM view's `migration` (`vm.get`, `vm.list`): present while the record names a migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationView {
+    /// `outgoing` (this host sends the VM) or `incoming`.
+    pub role: String,
+    /// The other vmhostd's migration address (empty on a destination until the source came).
+    pub peer: String,
+    /// The recorded phase: `sending`, `committing` or `committed`.
+    pub phase: String,
+    /// What the migration has done so far, while this vmhostd runs it (absent after a
+    /// restart until it reports again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<MigrationProgress>,
+}

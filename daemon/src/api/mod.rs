@@ -662,6 +662,10 @@ pub struct VmView {
     /// applies to (no `vm_cpus`, shared, no NUMA or hugepage wish).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<PlacementView>,
+    /// The migration the VM is part of while one runs (or its outcome is not yet known):
+    /// which side this host is, the other vmhostd, the phase and the progress so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<migration::MigrationView>,
 }
 
 /// Where a running VM runs (`VmView.placement`, `PlanEntry.placement`): CPU sets in the
@@ -1239,6 +1243,11 @@ pub struct Event {
     /// then the VM's current status): its source lost, back, failing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capture: Option<CaptureChange>,
+    /// How far a migration of the VM got, for events about one (`from` and `to` are then the
+    /// VM's current status): each phase change, and at most every second while disks or
+    /// memory are being sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<migration::MigrationProgress>,
 }
 
 /// A monitor NIC's capture changing state (`Event.capture`).

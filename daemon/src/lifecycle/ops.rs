@@ -143,7 +143,7 @@ pub(crate) async fn destroy(mgr: &Arc<Manager>, name: &str) -> Result<Mutation, 
     let span = tracing::info_span!("vm.destroy", vm = %name);
     async move {
         let (mut op, _) = mgr.begin_op(name).await?;
-        let kept_disks = op.destroy_steps().await?;
+        let kept_disks = op.destroy_steps("vm.destroy", "destroyed").await?;
         Ok(Mutation { changed: true, vm: None, kept_disks })
     }
     .instrument(span)
@@ -395,18 +395,20 @@ impl VmOp {
         Ok(true)
     }
 
-    /// The steps of a destroy: recorded `destroying`, QEMU and run files gone, the root disk
-    /// and data disks disposed of, the record deleted. Returns the data disks kept.
+    /// The steps of a destroy: recorded `destroying` (`why`), QEMU and run files gone, the root
+    /// disk and data disks disposed of, the record deleted (`gone`: the event's reason). Returns
+    /// the data disks kept. Also how a migration's source ends the VM once the destination
+    /// committed ([`super::migrate::outgoing`]).
     ///
     /// # Errors
     /// As `vm.destroy` (the record then says `failed` and keeps what still exists).
-    async fn destroy_steps(&mut self) -> Result<Vec<std::path::PathBuf>, ApiError> {
+    pub(super) async fn destroy_steps(&mut self, why: &str, gone: &str) -> Result<Vec<std::path::PathBuf>, ApiError> {
         let mgr = Arc::clone(self.mgr());
         let name = self.name().to_string();
         let name = name.as_str();
         // Desired stopped too: if the teardown fails, nothing vmhostd does on its own (autostart,
         // the restart policy) starts a VM the operator asked to destroy.
-        self.update_status("vm.destroy", VmStatus::Destroying, |r| {
+        self.update_status(why, VmStatus::Destroying, |r| {
             r.spec.state = DesiredState::Stopped;
         })?;
         mgr.crashpoint("destroy:recorded");
@@ -418,7 +420,7 @@ impl VmOp {
         step!(self, self.held().dispose_root_disk());
         let kept = step!(self, self.held().dispose_data_disks(&spec));
         mgr.crashpoint("destroy:disks");
-        mgr.forget(name, "destroyed")?;
+        mgr.forget(name, gone)?;
         Ok(kept)
     }
 

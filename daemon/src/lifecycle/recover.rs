@@ -136,7 +136,7 @@ impl<'m> Recovery<'m> {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
                 mgr.processes.kill(name, &id).await?;
-                self.finish_destroy(held).await
+                finish_destroy(held).await
             }
             (Some(id), VmStatus::Stopping) => {
                 tracing::info!(vm = name, "finishing an interrupted stop");
@@ -153,96 +153,111 @@ impl<'m> Recovery<'m> {
                 // The create never reached `running`: undo it rather than adopt a half-made VM.
                 tracing::info!(vm = name, "undoing an interrupted create");
                 mgr.processes.kill(name, &id).await?;
-                self.settle_without_process(held, VmStatus::Creating)
+                settle_without_process(held, VmStatus::Creating)
             }
-            (Some(id), _) => {
-                // Re-adopt: QMP must answer, but a VM whose monitor is wedged is still running
-                // and is not killed for it.
-                match Qmp::connect(&paths.qmp, Duration::from_secs(5)).await {
-                    Ok(mut q) => {
-                        match q.query_status().await {
-                            Ok(s) => tracing::info!(vm = name, pid = id.pid, status = %s, "re-adopted running VM"),
-                            Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP query failed"),
-                        }
-                        // A disk change cut short: the record takes what QEMU has.
-                        if let Err(e) = held.settle_hotplug(&mut q).await {
-                            tracing::warn!(vm = name, error = %e, "re-adopted VM; its data disks were not checked");
-                        }
-                    }
-                    Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP unreachable"),
-                }
-                let started_at = rec.started_at.clone();
-                held.mark_running(id, "re-adopted after daemon restart")?;
-                // It runs on its imported disk: the import is done.
-                held.end_root_disk_import()?;
-                if started_at.is_some() {
-                    held.update("re-adopted", |r| r.started_at = started_at)?;
-                }
-                Ok(())
-            }
-            (None, VmStatus::Destroying) => self.finish_destroy(held).await,
-            (None, status) => self.settle_without_process(held, status),
+            (Some(id), _) => readopt(held, id, &rec).await,
+            (None, VmStatus::Destroying) => finish_destroy(held).await,
+            (None, status) => settle_without_process(held, status),
         }
     }
+}
 
-    /// Settles a record whose QEMU is gone.
-    fn settle_without_process(&self, held: &HeldVm, status: VmStatus) -> Result<(), ApiError> {
-        let paths = held.paths();
-        held.clean_run_dir();
-        let _ = crate::disk::remove_overlay(&super::teardown::partial_overlay(paths));
-        let settle = match status {
-            VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
-            VmStatus::Stopping => Some((VmStatus::Stopped, "stop completed while vmhostd was not running", false)),
-            VmStatus::Starting => Some((VmStatus::Failed, "start interrupted by a vmhostd restart", false)),
-            VmStatus::Creating => Some((VmStatus::Failed, "create interrupted by a vmhostd restart", true)),
-            VmStatus::Stopped | VmStatus::Failed | VmStatus::Dead | VmStatus::Destroying => None,
-            // Settled by lifecycle/migrate before this is reached.
-            VmStatus::Migrating | VmStatus::Incoming => None,
-        };
-        let Some((to, why, undo_create)) = settle else { return Ok(()) };
+/// Settles a record whose QEMU is gone, as recovery finds it (`status`: what the record said).
+/// A migration's source whose QEMU went settles here too ([`super::migrate`]).
+///
+/// # Errors
+/// The record cannot be written.
+pub(super) fn settle_without_process(held: &HeldVm, status: VmStatus) -> Result<(), ApiError> {
+    let paths = held.paths();
+    held.clean_run_dir();
+    let _ = crate::disk::remove_overlay(&super::teardown::partial_overlay(paths));
+    let settle = match status {
+        VmStatus::Running => Some((VmStatus::Dead, "QEMU exited while vmhostd was not running", false)),
+        VmStatus::Stopping => Some((VmStatus::Stopped, "stop completed while vmhostd was not running", false)),
+        VmStatus::Starting => Some((VmStatus::Failed, "start interrupted by a vmhostd restart", false)),
+        VmStatus::Creating => Some((VmStatus::Failed, "create interrupted by a vmhostd restart", true)),
+        VmStatus::Stopped | VmStatus::Failed | VmStatus::Dead | VmStatus::Destroying => None,
+        // Settled by lifecycle/migrate before this is reached.
+        VmStatus::Migrating | VmStatus::Incoming => None,
+    };
+    let Some((to, why, undo_create)) = settle else { return Ok(()) };
+    if undo_create {
+        let _ = crate::disk::remove_overlay(&paths.overlay);
+        let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
+        held.undo_data_disks();
+    }
+    match status {
+        // A create or start interrupted while it imported a root disk gives it back.
+        VmStatus::Creating | VmStatus::Starting => held.undo_root_disk(),
+        // It ran on it: the import is done.
+        _ => held.end_root_disk_import()?,
+    }
+    let record_error = to != VmStatus::Stopped;
+    held.update_status(why, to, |r| {
+        r.process = None;
         if undo_create {
-            let _ = crate::disk::remove_overlay(&paths.overlay);
-            let _ = crate::blocking::run(|| std::fs::remove_file(&paths.seed));
-            held.undo_data_disks();
+            r.reserved = false;
+            r.overlay = None;
         }
-        match status {
-            // A create or start interrupted while it imported a root disk gives it back.
-            VmStatus::Creating | VmStatus::Starting => held.undo_root_disk(),
-            // It ran on it: the import is done.
-            _ => held.end_root_disk_import()?,
+        if record_error {
+            r.last_error =
+                Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message: why.to_string() });
         }
-        let record_error = to != VmStatus::Stopped;
-        held.update_status(why, to, |r| {
-            r.process = None;
-            if undo_create {
-                r.reserved = false;
-                r.overlay = None;
-            }
-            if record_error {
-                r.last_error =
-                    Some(crate::api::LastError { code: Code::ProvisioningFailed.as_i32(), message: why.to_string() });
-            }
-            if status == VmStatus::Running {
-                r.unclean_end = Some(format!("the VM's QEMU ended without a clean power-off vmhostd saw ({why})"));
-            }
-            if matches!(status, VmStatus::Running | VmStatus::Stopping) {
-                // Disks a hot-plug cut short still tracks were in reach of a QEMU that ran:
-                // its guest may have written them, so they are the VM's now, not an undo's.
-                r.end_disk_tracking();
-            }
-        })?;
-        Ok(())
-    }
+        if status == VmStatus::Running {
+            r.unclean_end = Some(format!("the VM's QEMU ended without a clean power-off vmhostd saw ({why})"));
+        }
+        if matches!(status, VmStatus::Running | VmStatus::Stopping) {
+            // Disks a hot-plug cut short still tracks were in reach of a QEMU that ran:
+            // its guest may have written them, so they are the VM's now, not an undo's.
+            r.end_disk_tracking();
+        }
+    })?;
+    Ok(())
+}
 
-    /// Completes a destroy a restart interrupted, as `vm.destroy` would have.
-    async fn finish_destroy(&self, held: &HeldVm) -> Result<(), ApiError> {
-        held.release_host_side(Devices::Release).await?;
-        held.remove_run_files()?;
-        let spec = held.record()?.spec;
-        held.dispose_root_disk()?;
-        held.dispose_data_disks(&spec)?;
-        self.mgr.forget(held.name(), "destroyed (completed after restart)")
+/// Completes a destroy a restart interrupted, as `vm.destroy` would have: also how a
+/// migration's source ends the VM when recovery finds the destination committed.
+///
+/// # Errors
+/// A step of the teardown fails (the record keeps what still exists).
+pub(super) async fn finish_destroy(held: &HeldVm) -> Result<(), ApiError> {
+    held.release_host_side(Devices::Release).await?;
+    held.remove_run_files()?;
+    let spec = held.record()?.spec;
+    held.dispose_root_disk()?;
+    held.dispose_data_disks(&spec)?;
+    held.mgr().forget(held.name(), "destroyed (completed after restart)")
+}
+
+/// Re-adopts `id`, the VM's QEMU found running: QMP must answer, but a VM whose monitor is
+/// wedged is still running and is not killed for it. `rec` is the record recovery found. Also
+/// how a migration's source takes its guest back after a restart ([`super::migrate`]).
+///
+/// # Errors
+/// The record cannot be written.
+pub(super) async fn readopt(held: &HeldVm, id: crate::process::ProcessIdentity, rec: &crate::state::VmRecord) -> Result<(), ApiError> {
+    let name = held.name();
+    match Qmp::connect(&held.paths().qmp, Duration::from_secs(5)).await {
+        Ok(mut q) => {
+            match q.query_status().await {
+                Ok(s) => tracing::info!(vm = name, pid = id.pid, status = %s, "re-adopted running VM"),
+                Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP query failed"),
+            }
+            // A disk change cut short: the record takes what QEMU has.
+            if let Err(e) = held.settle_hotplug(&mut q).await {
+                tracing::warn!(vm = name, error = %e, "re-adopted VM; its data disks were not checked");
+            }
+        }
+        Err(e) => tracing::warn!(vm = name, error = %e, "re-adopted VM; QMP unreachable"),
     }
+    let started_at = rec.started_at.clone();
+    held.mark_running(id, "re-adopted after daemon restart")?;
+    // It runs on its imported disk: the import is done.
+    held.end_root_disk_import()?;
+    if started_at.is_some() {
+        held.update("re-adopted", |r| r.started_at = started_at)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

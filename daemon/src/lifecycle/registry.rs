@@ -55,6 +55,9 @@ pub(super) struct Table {
     /// Each running VM's monitor NIC states after the last capture sync, by NIC index
     /// ([`Registry::set_capture`]); views show them while the VM runs.
     capture: BTreeMap<String, BTreeMap<usize, String>>,
+    /// Each migrating VM's progress so far ([`Registry::set_migration_progress`]); views show
+    /// it while the record names the migration.
+    migration_progress: HashMap<String, crate::api::migration::MigrationProgress>,
     /// VMs recovery has not settled yet (all of them at start): only these can have a QEMU
     /// whose identity is not recorded ([`super::launch::find_live`]).
     pub unsettled: HashSet<String>,
@@ -341,6 +344,7 @@ impl Registry {
             last_exit: rec.last_exit.clone(),
             instance_id: rec.instance_id.clone().filter(|_| crate::seed::spec_has_seed(&rec.spec)),
             placement: rec.placement.as_ref().map(crate::api::PlacementView::from),
+            migration: rec.migration().map(|m| crate::state::migration::view(m, t.migration_progress.get(name))),
         };
         if rec.status == VmStatus::Running && t.exited.get(name).is_some_and(|id| rec.process.as_ref() == Some(id)) {
             CachedView::dead(&mut view);
@@ -427,6 +431,19 @@ impl Registry {
             let fresh = self.render(&rec, &t, cached.agent.clone());
             t.views.put(name, Arc::new(fresh));
         }
+    }
+
+    /// Records how far `name`'s migration got (`None` once it is over) and renders its view
+    /// again: progress changes every second, too often for a record write.
+    pub fn set_migration_progress(&self, name: &str, progress: Option<crate::api::migration::MigrationProgress>) {
+        let mut t = self.table();
+        match progress {
+            Some(p) => t.migration_progress.insert(name.to_string(), p),
+            None => t.migration_progress.remove(name),
+        };
+        let (Some(cached), Some(rec)) = (t.views.get(name).cloned(), t.vms.get(name).cloned()) else { return };
+        let fresh = self.render(&rec, &t, cached.agent.clone());
+        t.views.put(name.to_string(), Arc::new(fresh));
     }
 
     /// The exit watcher saw `id`, `name`'s QEMU, end: reads show the VM `dead` from now on,

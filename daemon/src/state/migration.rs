@@ -64,3 +64,17 @@ impl VmRecord {
         self.migration.as_ref()
     }
 }
+
+/// The VM view's `migration` for `m`, with the progress the running side last reported.
+pub fn view(
+    m: &MigrationRecord,
+    progress: Option<&crate::api::migration::MigrationProgress>,
+) -> crate::api::migration::MigrationView {
+    let name = |v: serde_json::Result<serde_json::Value>| v.ok().and_then(|v| v.as_str().map(str::to_string));
+    crate::api::migration::MigrationView {
+        role: name(serde_json::to_value(m.role)).unwrap_or_default(),
+        peer: m.peer.clone(),
+        phase: name(serde_json::to_value(m.phase)).unwrap_or_default(),
+        progress: progress.cloned(),
+    }
+}
