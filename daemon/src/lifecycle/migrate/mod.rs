@@ -10,6 +10,8 @@
 pub(crate) mod cold;
 pub(crate) mod incoming;
 pub(crate) mod outgoing;
+mod progress;
+mod source_outcome;
 
 use super::held::HeldVm;
 use super::Manager;

@@ -1,0 +1,188 @@
+//! The source's side of a migration whose end it did not see: what it does when it finds one
+//! unfinished (after a restart, or when the destination's answer to `Commit` never came).
+//!
+//! Only the destination knows whether it committed once `Commit` may have been sent, so the
+//! source asks it ([`ask`], a new control channel and a `Query`); before that the destination
+//! cannot have committed (it commits only when asked), and after the source recorded the
+//! destination's `Committed` only the source's own teardown is left. [`decide`] is that rule as
+//! a pure function; [`super::outgoing`] carries its actions out.
+//!
+//! Order: [`decide`] with [`Answer::NotAsked`]; on [`SourceAction::Ask`], [`ask`] (again every
+//! [`ASK_EVERY`] for up to [`ASK_FOR`] in the operation) and [`decide`] with the answer; while
+//! it stays [`SourceAction::Wait`], the VM is recorded `failed` with the guest kept paused and
+//! [`super::outgoing::spawn_retry`] asks every [`RETRY_EVERY`] until it can settle.
+
+use crate::migration::{ChannelKind, Control, ControlMsg, Outcome, Secret};
+use crate::state::migration::MigrationPhase;
+use std::time::Duration;
+
+/// How often the operation asks the destination after an unanswered `Commit`.
+pub(super) const ASK_EVERY: Duration = Duration::from_secs(5);
+/// How long the operation keeps asking before it records the outcome unknown.
+pub(super) const ASK_FOR: Duration = Duration::from_secs(60);
+/// How often the background retry asks once the outcome was recorded unknown.
+pub(super) const RETRY_EVERY: Duration = Duration::from_secs(30);
+/// Longest one question may take (connect, `Query`, `Outcome`).
+const ASK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The source's QEMU as found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SourceQemu {
+    /// No QEMU of the VM runs here.
+    Gone,
+    /// It runs and QMP says the guest is paused (`postmigrate`, `paused`, `finish-migrate`).
+    Paused,
+    /// It runs and the guest runs (or QMP gave another status).
+    Running,
+    /// It runs but its monitor did not answer.
+    Unknown,
+}
+
+impl SourceQemu {
+    /// From whether the QEMU was found and the status QMP gave (`None`: it did not answer).
+    pub(super) fn of(found: bool, run_status: Option<&str>) -> SourceQemu {
+        match (found, run_status) {
+            (false, _) => SourceQemu::Gone,
+            (true, None) => SourceQemu::Unknown,
+            (true, Some("postmigrate" | "paused" | "finish-migrate")) => SourceQemu::Paused,
+            (true, Some(_)) => SourceQemu::Running,
+        }
+    }
+}
+
+/// What the destination said when asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Answer {
+    /// Not asked (yet).
+    NotAsked,
+    /// Asked, but no answer came (unreachable, refused, timed out, no such VM known there).
+    Unreachable,
+    /// Its answer.
+    Said(Outcome),
+}
+
+/// What the source does about an unfinished migration (see [`decide`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SourceAction {
+    /// The guest is this host's: QEMU's migration state undone and the guest run again
+    /// (`cancel_source`), the record `running` with its migration cleared.
+    Resume,
+    /// The guest is this host's but its QEMU is gone: the VM is `dead`, the migration cleared.
+    Dead,
+    /// The destination runs the guest: end the VM here as `vm.destroy` would.
+    Finish,
+    /// Only the destination can tell: ask it.
+    Ask,
+    /// It was asked and has not told: keep the guest paused here (or gone), record the outcome
+    /// unknown and ask again later.
+    Wait,
+}
+
+/// The decision (pure): from the recorded `phase` (`None`: the record says `migrating` without
+/// a migration, a crash between two writes of a resume, which is `sending`), the source's QEMU
+/// and the destination's answer.
+///
+/// A QEMU whose monitor did not answer is treated as the one it is: resumed (recovery's
+/// re-adoption copes with a silent monitor) or ended. A guest found running while the phase is
+/// `committing` (an operator's `cont`) changes nothing: the destination's answer still decides,
+/// and a committed destination's guest is the one that lives.
+pub(super) fn decide(phase: Option<MigrationPhase>, qemu: SourceQemu, answer: Answer) -> SourceAction {
+    let here = if qemu == SourceQemu::Gone { SourceAction::Dead } else { SourceAction::Resume };
+    match phase.unwrap_or(MigrationPhase::Sending) {
+        // The destination commits only when asked; `Commit` is sent after `committing` is
+        // recorded.
+        MigrationPhase::Sending => here,
+        MigrationPhase::Committed => SourceAction::Finish,
+        MigrationPhase::Committing => match answer {
+            Answer::NotAsked => SourceAction::Ask,
+            Answer::Said(Outcome::Committed) => SourceAction::Finish,
+            Answer::Said(Outcome::Abandoned) => here,
+            Answer::Said(Outcome::Pending) | Answer::Unreachable => SourceAction::Wait,
+        },
+    }
+}
+
+/// Asks the destination at `destination` what became of VM `vm`'s migration (one new control
+/// channel, one `Query`); [`Answer::Unreachable`] when it cannot tell within a few seconds.
+pub(super) async fn ask(destination: &str, vm: &str, secret: &Secret) -> Answer {
+    let asked = async {
+        let stream = crate::migration::connect(destination, vm, secret, &ChannelKind::Control).await.ok()?;
+        let mut control = Control::new(stream, secret);
+        control.send(&ControlMsg::Query).await.ok()?;
+        match control.recv(ASK_TIMEOUT).await.ok()? {
+            ControlMsg::Outcome { outcome } => Some(outcome),
+            _ => None,
+        }
+    };
+    match tokio::time::timeout(ASK_TIMEOUT * 2, asked).await {
+        Ok(Some(outcome)) => {
+            tracing::info!(vm, destination, ?outcome, "the destination answered");
+            Answer::Said(outcome)
+        }
+        _ => {
+            tracing::warn!(vm, destination, "the destination did not answer what became of the migration");
+            Answer::Unreachable
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use MigrationPhase::{Committed, Committing, Sending};
+    use SourceAction::{Ask, Dead, Finish, Resume, Wait};
+
+    const ALIVE: [SourceQemu; 3] = [SourceQemu::Paused, SourceQemu::Running, SourceQemu::Unknown];
+    const ANSWERS: [Answer; 5] = [
+        Answer::NotAsked,
+        Answer::Unreachable,
+        Answer::Said(Outcome::Committed),
+        Answer::Said(Outcome::Abandoned),
+        Answer::Said(Outcome::Pending),
+    ];
+
+    #[test]
+    fn before_the_commit_the_guest_is_always_the_sources_whatever_anyone_says() {
+        for answer in ANSWERS {
+            for qemu in ALIVE {
+                assert_eq!(decide(Some(Sending), qemu, answer), Resume, "{qemu:?} {answer:?}");
+                assert_eq!(decide(None, qemu, answer), Resume, "{qemu:?} {answer:?}");
+            }
+            assert_eq!(decide(Some(Sending), SourceQemu::Gone, answer), Dead);
+        }
+    }
+
+    #[test]
+    fn once_the_destination_confirmed_the_source_only_finishes() {
+        for answer in ANSWERS {
+            for qemu in ALIVE.into_iter().chain([SourceQemu::Gone]) {
+                assert_eq!(decide(Some(Committed), qemu, answer), Finish, "{qemu:?} {answer:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn while_committing_only_the_destinations_answer_decides() {
+        for qemu in ALIVE {
+            assert_eq!(decide(Some(Committing), qemu, Answer::NotAsked), Ask);
+            assert_eq!(decide(Some(Committing), qemu, Answer::Said(Outcome::Committed)), Finish);
+            assert_eq!(decide(Some(Committing), qemu, Answer::Said(Outcome::Abandoned)), Resume);
+            assert_eq!(decide(Some(Committing), qemu, Answer::Said(Outcome::Pending)), Wait);
+            assert_eq!(decide(Some(Committing), qemu, Answer::Unreachable), Wait);
+        }
+        let gone = SourceQemu::Gone;
+        assert_eq!(decide(Some(Committing), gone, Answer::Said(Outcome::Committed)), Finish);
+        assert_eq!(decide(Some(Committing), gone, Answer::Said(Outcome::Abandoned)), Dead);
+        // Gone here and unknown there: the guest may run there; nothing here may decide.
+        assert_eq!(decide(Some(Committing), gone, Answer::Unreachable), Wait);
+    }
+
+    #[test]
+    fn qemu_run_statuses_read_as_paused_or_running() {
+        assert_eq!(SourceQemu::of(false, Some("running")), SourceQemu::Gone);
+        assert_eq!(SourceQemu::of(true, None), SourceQemu::Unknown);
+        assert_eq!(SourceQemu::of(true, Some("postmigrate")), SourceQemu::Paused);
+        assert_eq!(SourceQemu::of(true, Some("paused")), SourceQemu::Paused);
+        assert_eq!(SourceQemu::of(true, Some("running")), SourceQemu::Running);
+    }
+}
