@@ -125,29 +125,6 @@ pub struct Manager {
     migrations: crate::migration::Migrations,
 }
 
-/// Answers the migration port's queries from the records: a record with an incoming migration
-/// is `committed` (phase committed) or `pending`. (The destination's tombstones of abandoned
-/// migrations are the incoming lifecycle's to add.)
-struct PortOutcomes(std::sync::Weak<Manager>);
-
-impl crate::migration::Outcomes for PortOutcomes {
-    fn outcome(&self, vm: &str) -> Option<(crate::migration::Secret, crate::migration::Outcome)> {
-        use crate::state::migration::{MigrationPhase, MigrationRole};
-        let mgr = self.0.upgrade()?;
-        let table = mgr.lock();
-        let m = table.vms.get(vm)?.migration()?;
-        if m.role != MigrationRole::Incoming {
-            return None;
-        }
-        let secret = crate::migration::Secret::parse(&m.secret).ok()?;
-        let outcome = match m.phase {
-            MigrationPhase::Committed => crate::migration::Outcome::Committed,
-            _ => crate::migration::Outcome::Pending,
-        };
-        Some((secret, outcome))
-    }
-}
-
 /// Format and virtual size of unrecorded images, by name, with the file version read.
 type ImageProbes = std::collections::HashMap<String, (crate::qemu::boot_files::Version, (Option<String>, Option<u64>))>;
 
@@ -319,7 +296,8 @@ impl Manager {
             return Ok(());
         }
         self.migrations.bind().map_err(|e| e.to_string())?;
-        let outcomes: Arc<dyn crate::migration::Outcomes> = Arc::new(PortOutcomes(Arc::downgrade(self)));
+        // The records, and the tombstones of abandoned incoming migrations (migrate::incoming).
+        let outcomes = self.migration_outcomes();
         let mgr = Arc::clone(self);
         tokio::spawn(async move {
             if let Err(e) = mgr.migrations.serve(outcomes).await {
