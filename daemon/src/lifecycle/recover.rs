@@ -309,7 +309,6 @@ mod tests {
             image_probes: Mutex::default(),
             reservations: crate::disk::reserve::Ledger::default(),
             topology: super::super::topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config),
-            migrations: crate::migration::Migrations::new(),
             backups: crate::backup::Backups::open(&config),
             migrations: crate::migration::Migrations::new(&config.migration),
         })

@@ -22,7 +22,7 @@
 mod plan;
 pub(in crate::lifecycle) mod receive;
 
-pub(in crate::lifecycle) use receive::receive;
+pub(in crate::lifecycle) use receive::{receive, Abandon};
 
 use super::super::held::HeldVm;
 use super::super::op::VmOp;
@@ -322,8 +322,9 @@ fn spawn_retry(mgr: &Arc<Manager>, name: &str) {
     });
 }
 
-/// Recovery of a record naming a cold move, on either side (called by [`super::settle`]).
-/// Returns true when the VM is settled, false when recovery goes on as for any VM.
+/// Recovery of a record naming a cold move, on either side (called by [`super::settle`], which
+/// hands in the destination's abandon). Returns true when the VM is settled, false when
+/// recovery goes on as for any VM.
 ///
 /// # Errors
 /// A record write, or a step of the teardown or the abandon, failed.
@@ -332,10 +333,11 @@ pub(in crate::lifecycle) async fn recover(
     held: &HeldVm,
     rec: &VmRecord,
     live: Option<ProcessIdentity>,
+    abandon: Abandon,
 ) -> Result<bool, ApiError> {
     let Some(m) = rec.migration() else { return Ok(false) };
     if m.role == MigrationRole::Incoming {
-        return receive::recover(held, rec).await;
+        return receive::recover(held, rec, abandon).await;
     }
     let mut action = plan::source_action(Some(m.phase), None);
     if action == SourceAction::Ask {

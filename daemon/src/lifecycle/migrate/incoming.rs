@@ -108,7 +108,8 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
         if p.mode == MoveMode::Cold {
             // The cold receive (lifecycle/migrate/cold.rs): the same admission and record, then
             // files instead of a paused QEMU.
-            let task = super::cold::receive(op, vm, expectation, secret.clone(), timeout_s);
+            let abandon: super::cold::Abandon = |h, why| Box::pin(abandon(h, why));
+            let task = super::cold::receive(op, vm, expectation, secret.clone(), timeout_s, abandon);
             tokio::spawn(task.instrument(tracing::Span::current()));
         } else {
             let task = receive(op, vm, expectation, secret.clone(), timeout_s);

@@ -35,7 +35,7 @@ pub(super) async fn settle(
     live: Option<ProcessIdentity>,
 ) -> Result<bool, ApiError> {
     if rec.migration().is_some_and(|m| m.mode == crate::api::migration::MoveMode::Cold) {
-        return cold::recover(mgr, held, rec, live).await;
+        return cold::recover(mgr, held, rec, live, |h, why| Box::pin(incoming::abandon(h, why))).await;
     }
     let incoming = match rec.migration() {
         Some(m) => m.role == MigrationRole::Incoming,

@@ -9,9 +9,10 @@
 //!
 //! Anything that goes wrong before the commit gives the move up: the source is told (`Abort`
 //! with the code: 2003 for a file whose sha256 differs), every file this move could have written
-//! is removed ([`remove_received`]), then the migration is abandoned as a live one is
-//! ([`super::super::incoming::abandon`]: tombstone, record removed). [`recover`] does the same
-//! after a restart before the commit.
+//! is removed ([`remove_received`]), then the migration is abandoned as a live one is (the
+//! destination's `incoming::abandon`: tombstone, record removed; its caller hands it in as an
+//! [`Abandon`], since the incoming side is the one that starts this task). [`recover`] does the
+//! same after a restart before the commit.
 
 use super::super::super::held::HeldVm;
 use super::super::super::op::VmOp;
@@ -23,6 +24,8 @@ use crate::qemu::argv::VmPaths;
 use crate::state::migration::MigrationPhase;
 use crate::state::VmRecord;
 use crate::validate::ValidSpec;
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 /// How long the source may take from opening the control channel to its `Hello` (a `stop:
@@ -33,13 +36,25 @@ const FILES_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the source may take to send `Commit` after `Ready`.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The destination's abandon of an incoming migration (`incoming::abandon`), handed in by the
+/// code that starts a cold receive or settles one: the held VM and why.
+pub(in crate::lifecycle) type Abandon =
+    for<'a> fn(&'a HeldVm, &'a str) -> Pin<Box<dyn Future<Output = Result<(), ApiError>> + Send + 'a>>;
+
 /// 4001 step `migrate_in`.
 fn failed(message: impl Into<String>) -> ApiError {
     super::super::super::provisioning("migrate_in", message.into())
 }
 
 /// The task of one cold receive (module doc). Holds the VM's operation throughout.
-pub(in crate::lifecycle) async fn receive(mut op: VmOp, vm: ValidSpec, exp: Expectation, secret: Secret, timeout_s: u64) {
+pub(in crate::lifecycle) async fn receive(
+    mut op: VmOp,
+    vm: ValidSpec,
+    exp: Expectation,
+    secret: Secret,
+    timeout_s: u64,
+    abandon: Abandon,
+) {
     let mut control: Option<Control> = None;
     match until_commit(&mut op, &vm, exp, &secret, timeout_s, &mut control).await {
         Ok(()) => after_commit(&mut op, &vm, control).await,
@@ -52,7 +67,7 @@ pub(in crate::lifecycle) async fn receive(mut op: VmOp, vm: ValidSpec, exp: Expe
                 }
             }
             let why = format!("cold move abandoned: {}", e.message);
-            if let Err(undo) = give_up(op.held(), &vm.spec, &why).await {
+            if let Err(undo) = give_up(op.held(), &vm.spec, &why, abandon).await {
                 tracing::error!(error = %undo.message, "abandoning the cold move failed: the record keeps what is left");
             }
         }
@@ -216,9 +231,9 @@ async fn after_commit(op: &mut VmOp, vm: &ValidSpec, control: Option<Control>) {
 
 /// Removes every file a cold receive of `spec` may have written ([`plan::received_paths`]),
 /// then abandons the migration as a live one is (tombstone, record removed).
-async fn give_up(held: &HeldVm, spec: &VmSpec, why: &str) -> Result<(), ApiError> {
+async fn give_up(held: &HeldVm, spec: &VmSpec, why: &str, abandon: Abandon) -> Result<(), ApiError> {
     remove_received(held.paths(), spec)?;
-    super::super::incoming::abandon(held, why).await
+    abandon(held, why).await
 }
 
 /// Removes the files of [`plan::received_paths`] (absent is fine) and the disk directory when
@@ -244,12 +259,12 @@ fn remove_received(paths: &VmPaths, spec: &VmSpec) -> Result<(), ApiError> {
 ///
 /// # Errors
 /// As [`give_up`].
-pub(in crate::lifecycle) async fn recover(held: &HeldVm, rec: &VmRecord) -> Result<bool, ApiError> {
+pub(in crate::lifecycle) async fn recover(held: &HeldVm, rec: &VmRecord, abandon: Abandon) -> Result<bool, ApiError> {
     match plan::destination_action(rec.migration().map(|m| m.phase)) {
         DestinationAction::Ordinary => Ok(false),
         DestinationAction::Abandon => {
             tracing::info!(vm = held.name(), "abandoning a cold move a restart interrupted");
-            give_up(held, &rec.spec, "cold move abandoned: vmhostd restarted before the commit").await?;
+            give_up(held, &rec.spec, "cold move abandoned: vmhostd restarted before the commit", abandon).await?;
             Ok(true)
         }
     }
