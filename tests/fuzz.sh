@@ -5,6 +5,7 @@
 #   daemon/fuzz      spec         VM specs and desired sets from clients (vmhost::fuzz::spec)
 #   daemon/fuzz      config       vmhostd.toml (vmhost::fuzz::config)
 #   daemon/fuzz      manifest     a backup's manifest.json, which vm.import reads (vmhost::fuzz::manifest)
+#   daemon/fuzz      migration_wire  what a peer sends on the migration port (vmhost::fuzz::migration_wire)
 #   guest-agent/fuzz agent_request the agent reading what the host writes (vmhost_agent::fuzz)
 # Usage: tests/fuzz.sh [SECONDS per target, default 120] [TARGET...]
 # Not part of CI (tests/run.sh replays the committed corpora and past crashes as unit tests).
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-120}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(agent_frame request spec config manifest agent_request)
+[ ${#targets[@]} -gt 0 ] || targets=(agent_frame request spec config manifest migration_wire agent_request)
 
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz
 # cargo fuzz passes -Z flags (sanitizer, coverage); the machine's toolchain is stable.
@@ -30,7 +31,7 @@ declare -A outcome
 failed=0
 for target in "${targets[@]}"; do
     case $target in
-        agent_frame | request | spec | config | manifest) crate=daemon ;;
+        agent_frame | request | spec | config | manifest | migration_wire) crate=daemon ;;
         agent_request) crate=guest-agent ;;
         *) echo "fuzz.sh: unknown target $target" >&2; exit 2 ;;
     esac

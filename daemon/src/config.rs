@@ -1162,6 +1162,9 @@ reserved_memory_gib = 8
             format!("{hw}[networks.LAN]\nbridge = \"br0\"\n"),
             format!("[capture]\ninterfaces = [\"eth/1\"]\n{hw}"),
             format!("[capture]\ninterfaces = [\"eth0\", \"eth0\"]\n{hw}"),
+            format!("[migration]\nlisten = \"host1:7070\"\n{hw}"),
+            format!("[migration]\nlisten = \"0.0.0.0:7070\"\n{hw}"),
+            format!("[migration]\nadvertise = \"host1:7070\"\n{hw}"),
         ];
         for config in cases {
             let error = parse(&config).expect_err(&config).to_string();
@@ -1178,6 +1181,34 @@ reserved_memory_gib = 8
         match parse(t) {
             Err(ConfigError::Key { key, problem, .. }) => (key, problem),
             other => panic!("expected a key error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn migration_section_is_checked() {
+        let hw = "[hardware]\ncpu = 4\nmemory_gib = 8\n";
+        let c = parse(hw).unwrap();
+        assert_eq!(c.migration, MigrationConfig::default());
+        assert_eq!(c.migration.listen, None);
+        assert_eq!(c.migration.prepare_timeout_s, 300);
+        let c = parse(&format!("[migration]\nlisten = \"192.0.2.1:7070\"\n{hw}")).unwrap();
+        assert_eq!(c.migration.listen, Some("192.0.2.1:7070".parse().unwrap()));
+        assert_eq!(c.migration.advertise.as_deref(), Some("192.0.2.1:7070"));
+        let c = parse(&format!("[migration]\nlisten = \"[::]:7070\"\nadvertise = \"h.example:7\"\nprepare_timeout_s = 9\n{hw}")).unwrap();
+        assert_eq!(c.migration.advertise.as_deref(), Some("h.example:7"));
+        assert_eq!(c.migration.prepare_timeout_s, 9);
+        for (section, key) in [
+            ("listen = \"192.0.2.1\"", "migration.listen"),
+            ("listen = \"192.0.2.1:0\"", "migration.listen"),
+            ("listen = \"[::]:7070\"", "migration.advertise"),
+            ("listen = \"192.0.2.1:7070\"\nadvertise = \"h\"", "migration.advertise"),
+            ("listen = \"192.0.2.1:7070\"\nadvertise = \":7070\"", "migration.advertise"),
+            ("listen = \"192.0.2.1:7070\"\nadvertise = \"h:0\"", "migration.advertise"),
+            ("prepare_timeout_s = 0", "migration.prepare_timeout_s"),
+            ("port = 7070", "migration.port"),
+        ] {
+            let (k, problem) = key_error(&format!("[migration]\n{section}\n{hw}"));
+            assert_eq!(k, key, "{section}: {problem}");
         }
     }
 

@@ -7,6 +7,7 @@
 pub mod agent_frame;
 pub mod config;
 pub mod manifest;
+pub mod migration_wire;
 pub mod request;
 pub mod spec;
 

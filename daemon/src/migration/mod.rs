@@ -231,17 +231,24 @@ pub struct Migrations {
     shared: Arc<listener::Shared>,
     /// Bound by [`Migrations::bind`], taken by [`Migrations::serve`].
     bound: Mutex<Option<tokio::net::TcpListener>>,
+    /// The address bound (the kernel's port when `listen` says 0, as tests do).
+    local: Mutex<Option<std::net::SocketAddr>>,
 }
 
 impl Migrations {
     /// From `[migration]`; nothing is bound yet.
     pub fn new(config: &MigrationConfig) -> Migrations {
-        Migrations { config: config.clone(), shared: Arc::default(), bound: Mutex::new(None) }
+        Migrations { config: config.clone(), shared: Arc::default(), bound: Mutex::new(None), local: Mutex::new(None) }
     }
 
     /// `HOST:PORT` the destination answers in `vm.migrate_in`, or `None` without a port.
     pub fn address(&self) -> Option<String> {
         self.config.advertise.clone()
+    }
+
+    /// The address the port is bound to, once [`Migrations::bind`] did.
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        *self.local.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How long a destination waits for the source's first stream (`prepare_timeout_s`).
@@ -267,7 +274,9 @@ impl Migrations {
             socket.bind(addr)?;
             socket.listen(128)
         };
-        *bound = Some(bind().map_err(|source| MigrationError::Bind { addr, source })?);
+        let listener = bind().map_err(|source| MigrationError::Bind { addr, source })?;
+        *self.local.lock().unwrap_or_else(|e| e.into_inner()) = listener.local_addr().ok();
+        *bound = Some(listener);
         tracing::info!(listen = %addr, advertise = self.config.advertise.as_deref().unwrap_or(""), "migration port listening");
         Ok(())
     }
@@ -359,4 +368,300 @@ pub async fn connect(
     .await
     .map_err(|_| MigrationError::Timeout("opening exchange"))??;
     listener::into_blocking(stream).map_err(|e| MigrationError::io("connect", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    struct Known(Mutex<Option<(Secret, Outcome)>>);
+
+    impl Outcomes for Known {
+        fn outcome(&self, _vm: &str) -> Option<(Secret, Outcome)> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    /// A port on 127.0.0.1 served in the background, with `known` as the records' answer.
+    async fn port(known: Option<(Secret, Outcome)>) -> (Arc<Migrations>, String, Arc<Known>) {
+        let config = MigrationConfig {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            advertise: Some("unused:1".into()),
+            prepare_timeout_s: 1,
+        };
+        let m = Arc::new(Migrations::new(&config));
+        m.bind().unwrap();
+        let addr = m.local_addr().unwrap().to_string();
+        let outcomes = Arc::new(Known(Mutex::new(known)));
+        let (m2, o2) = (Arc::clone(&m), Arc::clone(&outcomes));
+        tokio::spawn(async move { m2.serve(o2).await });
+        (m, addr, outcomes)
+    }
+
+    const T: Duration = Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn an_expected_vm_gets_each_authenticated_stream_with_its_bytes() {
+        let (m, addr, _) = port(None).await;
+        let secret = Secret::generate().unwrap();
+        let mut exp = m.expect("web-1", &secret).unwrap();
+        for kind in [ChannelKind::Control, ChannelKind::Ram, ChannelKind::Disk("virtio0".into()), ChannelKind::Files] {
+            let mut client = connect(&addr, "web-1", &secret, &kind).await.unwrap();
+            use std::io::Write;
+            client.write_all(b"payload").unwrap();
+            let ch = exp.next(T).await.unwrap();
+            assert_eq!(ch.kind, kind);
+            let mut got = [0u8; 7];
+            use std::io::Read;
+            let mut stream = ch.stream;
+            stream.read_exact(&mut got).unwrap();
+            assert_eq!(&got, b"payload", "{kind:?}: the bytes after `ok` belong to the channel");
+        }
+        assert!(exp.next(Duration::from_millis(50)).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn wrong_proofs_unknown_vms_and_second_channels_are_refused() {
+        let (m, addr, _) = port(None).await;
+        let secret = Secret::generate().unwrap();
+        let mut exp = m.expect("web-1", &secret).unwrap();
+        let wrong = Secret::generate().unwrap();
+        for kind in [ChannelKind::Control, ChannelKind::Ram, ChannelKind::Disk("virtio0".into())] {
+            let e = connect(&addr, "web-1", &wrong, &kind).await.unwrap_err();
+            assert!(matches!(e, MigrationError::Refused), "{e}");
+            let e = connect(&addr, "web-2", &secret, &kind).await.unwrap_err();
+            assert!(matches!(e, MigrationError::Refused), "{e}");
+        }
+        assert!(exp.next(Duration::from_millis(50)).await.is_none(), "a refused stream was delivered");
+        // The refusals did not use up the channels: the right proof still opens each once.
+        for kind in [ChannelKind::Control, ChannelKind::Ram] {
+            connect(&addr, "web-1", &secret, &kind).await.unwrap();
+            let e = connect(&addr, "web-1", &secret, &kind).await.unwrap_err();
+            assert!(matches!(e, MigrationError::Refused), "a second {kind:?}: {e}");
+        }
+        // Disks may be reopened (one per export; a retry is the lifecycle's decision).
+        connect(&addr, "web-1", &secret, &ChannelKind::Disk("virtio0".into())).await.unwrap();
+        connect(&addr, "web-1", &secret, &ChannelKind::Disk("virtio0".into())).await.unwrap();
+        let mut kinds = Vec::new();
+        while let Some(ch) = exp.next(Duration::from_millis(200)).await {
+            kinds.push(ch.kind);
+        }
+        assert_eq!(kinds.len(), 4, "{kinds:?}");
+    }
+
+    #[tokio::test]
+    async fn one_expectation_per_vm_and_dropping_it_unregisters() {
+        let (m, addr, _) = port(None).await;
+        let secret = Secret::generate().unwrap();
+        let exp = m.expect("web-1", &secret).unwrap();
+        let e = m.expect("web-1", &secret).err().unwrap();
+        assert!(matches!(e, MigrationError::AlreadyExpected(_)));
+        assert_eq!(ApiError::from(e).code, Code::HardwareInUse);
+        drop(exp);
+        let e = connect(&addr, "web-1", &secret, &ChannelKind::Ram).await.unwrap_err();
+        assert!(matches!(e, MigrationError::Refused), "{e}");
+        let _again = m.expect("web-1", &secret).unwrap();
+        connect(&addr, "web-1", &secret, &ChannelKind::Ram).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn without_a_port_nothing_is_expected() {
+        let m = Migrations::default();
+        assert_eq!(m.address(), None);
+        let e = m.expect("web-1", &Secret::generate().unwrap()).err().unwrap();
+        let api = ApiError::from(e);
+        assert_eq!((api.code, api.data().field.as_deref()), (Code::NotInModel, Some("migration.listen")));
+        assert!(matches!(m.serve(Arc::new(Known(Mutex::new(None)))).await, Err(MigrationError::NotConfigured)));
+    }
+
+    #[tokio::test]
+    async fn control_messages_cross_both_ways_in_order() {
+        let (m, addr, _) = port(None).await;
+        let secret = Secret::generate().unwrap();
+        let mut exp = m.expect("web-1", &secret).unwrap();
+        let stream = connect(&addr, "web-1", &secret, &ChannelKind::Control).await.unwrap();
+        let mut source = Control::new(stream, &secret);
+        let mut dest = Control::new(exp.next(T).await.unwrap().stream, &secret);
+        let s = tokio::spawn(async move {
+            source.send(&ControlMsg::Commit).await.unwrap();
+            source.send(&ControlMsg::Abort { code: 4001, message: "x".into() }).await.unwrap();
+            let got = source.recv(T).await.unwrap();
+            (source, got)
+        });
+        assert_eq!(dest.recv(T).await.unwrap(), ControlMsg::Commit);
+        assert_eq!(dest.recv(T).await.unwrap(), ControlMsg::Abort { code: 4001, message: "x".into() });
+        dest.send(&ControlMsg::Ready { exports: vec!["virtio0".into()] }).await.unwrap();
+        let (mut source, got) = s.await.unwrap();
+        assert_eq!(got, ControlMsg::Ready { exports: vec!["virtio0".into()] });
+        drop(dest);
+        assert!(matches!(source.recv(T).await, Err(MigrationError::Closed)));
+        assert!(matches!(
+            tokio::time::timeout(T, source.recv(Duration::from_millis(10))).await.unwrap(),
+            Err(MigrationError::Closed)
+        ));
+    }
+
+    /// A peer that speaks the framing by hand: nonce exchange, then whatever frames it likes.
+    async fn raw_peer(secret: Secret, frames: impl FnOnce([u8; 32], [u8; 32]) -> Vec<Vec<u8>> + Send + 'static)
+        -> (Control, tokio::task::JoinHandle<()>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (theirs, _) = l.accept().unwrap();
+        theirs.set_nonblocking(true).unwrap();
+        let mut theirs = tokio::net::TcpStream::from_std(theirs).unwrap();
+        let task = tokio::spawn(async move {
+            let mine = [0x42u8; 32];
+            theirs.write_all(&mine).await.unwrap();
+            let mut peer = [0u8; 32];
+            theirs.read_exact(&mut peer).await.unwrap();
+            for f in frames(mine, peer) {
+                let _ = theirs.write_all(&f).await;
+            }
+            let mut rest = Vec::new();
+            let _ = theirs.read_to_end(&mut rest).await;
+        });
+        (Control::new(ours, &secret), task)
+    }
+
+    fn json(msg: &ControlMsg) -> Vec<u8> {
+        serde_json::to_vec(msg).unwrap()
+    }
+
+    #[tokio::test]
+    async fn frames_out_of_sequence_or_with_a_wrong_mac_end_the_channel() {
+        let secret = Secret([1; 32]);
+        // Sequence 1 first (0 was dropped, or 1 is a replay): refused, and the valid 0 after it too.
+        let s = secret.clone();
+        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
+            vec![
+                wire::seal(&s, &mine, &peer, 1, &json(&ControlMsg::Commit)).unwrap(),
+                wire::seal(&s, &mine, &peer, 0, &json(&ControlMsg::Commit)).unwrap(),
+            ]
+        })
+        .await;
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameMac))));
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Closed)));
+        assert!(c.send(&ControlMsg::Query).await.is_err(), "an ended channel still sent");
+        // Another key (an injector without the secret).
+        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
+            vec![wire::seal(&Secret([2; 32]), &mine, &peer, 0, &json(&ControlMsg::Committed)).unwrap()]
+        })
+        .await;
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameMac))));
+        // Our own frame reflected back (MAC'd with our nonce first).
+        let s = secret.clone();
+        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
+            vec![wire::seal(&s, &peer, &mine, 0, &json(&ControlMsg::Commit)).unwrap()]
+        })
+        .await;
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameMac))));
+        // A length beyond the bound is refused before anything is allocated.
+        let (mut c, _t) = raw_peer(secret.clone(), |_, _| vec![u32::MAX.to_be_bytes().to_vec()]).await;
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameLength(_)))));
+        // Authentic but not a control message.
+        let s = secret.clone();
+        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
+            vec![wire::seal(&s, &mine, &peer, 0, b"{\"msg\":\"reboot\"}").unwrap()]
+        })
+        .await;
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Protocol(_))));
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Closed)));
+        // In sequence and authentic: accepted.
+        let s = secret.clone();
+        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
+            vec![
+                wire::seal(&s, &mine, &peer, 0, &json(&ControlMsg::Commit)).unwrap(),
+                wire::seal(&s, &mine, &peer, 1, &json(&ControlMsg::Query)).unwrap(),
+            ]
+        })
+        .await;
+        assert_eq!(c.recv(T).await.unwrap(), ControlMsg::Commit);
+        assert_eq!(c.recv(T).await.unwrap(), ControlMsg::Query);
+    }
+
+    #[tokio::test]
+    async fn a_peer_echoing_our_nonce_is_refused() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (theirs, _) = l.accept().unwrap();
+        theirs.set_nonblocking(true).unwrap();
+        let mut theirs = tokio::net::TcpStream::from_std(theirs).unwrap();
+        tokio::spawn(async move {
+            let mut n = [0u8; 32];
+            theirs.read_exact(&mut n).await.unwrap();
+            theirs.write_all(&n).await.unwrap();
+            let mut rest = Vec::new();
+            let _ = theirs.read_to_end(&mut rest).await;
+        });
+        let mut c = Control::new(ours, &Secret([1; 32]));
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::Reflected))));
+    }
+
+    #[tokio::test]
+    async fn a_silent_peer_times_out() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (_theirs, _) = l.accept().unwrap();
+        let mut c = Control::new(ours, &Secret([1; 32]));
+        assert!(matches!(c.recv(Duration::from_millis(100)).await, Err(MigrationError::Timeout(_))));
+    }
+
+    #[tokio::test]
+    async fn the_listener_answers_a_query_for_a_vm_it_no_longer_expects() {
+        let secret = Secret::generate().unwrap();
+        let (_m, addr, known) = port(Some((secret.clone(), Outcome::Committed))).await;
+        let ask = |secret: Secret| {
+            let addr = addr.clone();
+            async move {
+                let stream = connect(&addr, "web-1", &secret, &ChannelKind::Control).await?;
+                let mut c = Control::new(stream, &secret);
+                c.send(&ControlMsg::Query).await?;
+                c.recv(T).await
+            }
+        };
+        assert_eq!(ask(secret.clone()).await.unwrap(), ControlMsg::Outcome { outcome: Outcome::Committed });
+        *known.0.lock().unwrap() = Some((secret.clone(), Outcome::Abandoned));
+        assert_eq!(ask(secret.clone()).await.unwrap(), ControlMsg::Outcome { outcome: Outcome::Abandoned });
+        // Another secret: refused at the proof. Nothing known: refused (the source keeps asking).
+        assert!(matches!(ask(Secret::generate().unwrap()).await, Err(MigrationError::Refused)));
+        *known.0.lock().unwrap() = None;
+        assert!(matches!(ask(secret.clone()).await, Err(MigrationError::Refused)));
+        // Only a control channel is answered for an unexpected VM.
+        *known.0.lock().unwrap() = Some((secret.clone(), Outcome::Committed));
+        assert!(matches!(connect(&addr, "web-1", &secret, &ChannelKind::Ram).await, Err(MigrationError::Refused)));
+    }
+
+    #[tokio::test]
+    async fn connect_refuses_what_is_not_a_migration_port() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            s.write_all(&[b'x'; 64]).await.unwrap();
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest).await;
+        });
+        let e = connect(&addr, "web-1", &Secret([1; 32]), &ChannelKind::Ram).await.unwrap_err();
+        assert!(matches!(e, MigrationError::Protocol(_)), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_garbage_opening_line_is_refused_and_the_port_keeps_serving() {
+        let (m, addr, _) = port(None).await;
+        let secret = Secret::generate().unwrap();
+        let mut exp = m.expect("web-1", &secret).unwrap();
+        for junk in [&b"\n"[..], b"{\"vm\":1}\n", &[b'a'; 2000][..]] {
+            let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let mut greeting = [0u8; 49];
+            s.read_exact(&mut greeting).await.unwrap();
+            assert!(greeting.starts_with(wire::GREETING));
+            let _ = s.write_all(junk).await;
+            let mut answer = Vec::new();
+            let _ = s.read_to_end(&mut answer).await;
+            assert_ne!(answer, wire::OK);
+        }
+        connect(&addr, "web-1", &secret, &ChannelKind::Ram).await.unwrap();
+        assert_eq!(exp.next(T).await.unwrap().kind, ChannelKind::Ram);
+    }
 }

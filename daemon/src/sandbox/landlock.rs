@@ -4,7 +4,9 @@
 //! config by [`daemon_rules`] and [`spawner_rules`] and applied by [`apply`]. The ruleset
 //! handles every filesystem right of ABI 5 (so device ioctls are covered where the kernel has
 //! ABI 5 or later) and TCP bind/connect (ABI 4; no rule grants them, so neither process can use
-//! TCP). On an older kernel the landlock crate keeps what the kernel knows, and [`apply`]
+//! TCP), except on a host with a migration port ([`daemon_tcp`]): there the daemon may bind that
+//! one port and connect to any (a destination's port is only known per migration), and nothing
+//! else changes. On an older kernel the landlock crate keeps what the kernel knows, and [`apply`]
 //! reports the kernel's ABI and whether the ruleset was fully or partially enforced.
 //!
 //! A rule is added only for a path that exists when the daemon starts (Landlock needs an open
@@ -335,23 +337,49 @@ pub fn kernel_abi() -> i32 {
     i32::try_from(v).ok().filter(|v| *v > 0).unwrap_or(0)
 }
 
-/// Restricts the calling thread (before other threads exist: the process) to `rules`.
+/// The TCP a ruleset allows (Landlock ABI 4 network rights).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Tcp {
+    /// Ports the process may bind (none but the migration port).
+    pub bind: Vec<u16>,
+    /// Ports the process may connect to; `None`: connecting is not handled, so any port is
+    /// allowed (a host with a migration port connects to other hosts' ports).
+    pub connect: Option<Vec<u16>>,
+}
+
+/// The daemon's TCP: nothing (no bind, no connect) unless `[migration] listen` is set; then
+/// bind that port and connect anywhere.
+pub fn daemon_tcp(config: &Config) -> Tcp {
+    match config.migration.listen {
+        None => Tcp { bind: Vec::new(), connect: Some(Vec::new()) },
+        Some(addr) => Tcp { bind: vec![addr.port()], connect: None },
+    }
+}
+
+/// Restricts the calling thread (before other threads exist: the process) to `rules` and
+/// `tcp`.
 ///
 /// # Errors
 /// [`LandlockError`] when the ruleset cannot be built or applied; a kernel without Landlock is
 /// not an error but an [`Outcome`] with status `not enforced`.
 ///
-/// `connect_ports` are the TCP ports the process may connect to (none for the daemon; the
-/// spawner's are for curl alone, see [`child_domain`]).
-pub fn apply(rules: &[Rule], connect_ports: &[u16]) -> Result<Outcome, LandlockError> {
+/// `tcp.connect` for the spawner is the ports curl may connect to (see [`child_domain`]).
+pub fn apply(rules: &[Rule], tcp: &Tcp) -> Result<Outcome, LandlockError> {
     let abi = TARGET_ABI;
+    let net = match tcp.connect {
+        Some(_) => AccessNet::from_all(abi),
+        None => AccessNet::BindTcp.into(),
+    };
     let mut created = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)
         .handle_access(AccessFs::from_all(abi))?
-        .handle_access(AccessNet::from_all(abi))?
+        .handle_access(net)?
         .create()?;
-    for port in connect_ports {
+    for port in tcp.connect.iter().flatten() {
         created = created.add_rule(NetPort::new(*port, AccessNet::ConnectTcp))?;
+    }
+    for port in &tcp.bind {
+        created = created.add_rule(NetPort::new(*port, AccessNet::BindTcp))?;
     }
     let mut skipped = Vec::new();
     let mut added = 0;
@@ -597,7 +625,7 @@ mod tests {
         // The daemon's rules, with the fake tree readable as /sys is.
         let mut rules = daemon_rules(&c, &files);
         rules.push(rule(&root, Access::Read, "the fake sysfs"));
-        assert!(apply(&rules, &[]).unwrap().enforced());
+        assert!(apply(&rules, &daemon_tcp(&c)).unwrap().enforced());
         let write = |p: PathBuf| std::fs::OpenOptions::new().write(true).open(&p).map(|_| ()).map_err(|e| e.kind());
         assert_eq!(write(nic.join("driver_override")), Ok(()));
         assert_eq!(write(root.join("bus/pci/drivers/e1000e/bind")), Ok(()));
@@ -607,6 +635,71 @@ mod tests {
         }
         assert_eq!(write(root.join("bus/pci/drivers/nvme/bind")), Err(std::io::ErrorKind::PermissionDenied));
         println!("landlock-probe: done");
+    }
+
+    #[test]
+    fn the_daemon_gets_tcp_only_with_a_migration_port() {
+        let mut c = config();
+        assert_eq!(daemon_tcp(&c), Tcp { bind: vec![], connect: Some(vec![]) });
+        c.migration.listen = Some("192.0.2.1:7070".parse().unwrap());
+        assert_eq!(daemon_tcp(&c), Tcp { bind: vec![7070], connect: None });
+    }
+
+    const TCP_PROBE_VAR: &str = "VMHOST_TEST_LANDLOCK_TCP_PROBE";
+
+    /// With a migration port the daemon's ruleset lets it bind that port (and no other) and
+    /// connect anywhere; without one it can do neither. Each case in a child process, since a
+    /// Landlock domain cannot be left.
+    #[test]
+    fn the_daemon_binds_only_its_migration_port() {
+        if kernel_abi() < 4 {
+            eprintln!("skipped: this kernel has no Landlock network rights (ABI {})", kernel_abi());
+            return;
+        }
+        // A port that is free now, and a server to connect to outside any domain.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let target = server.local_addr().unwrap().port();
+        for case in ["with", "without"] {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "sandbox::landlock::tests::landlock_tcp_probe", "--ignored", "--nocapture"])
+                .env(TCP_PROBE_VAR, format!("{case}:{port}:{target}"))
+                .output()
+                .unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success(), "{case}: {text}");
+            assert!(text.contains("landlock-tcp-probe: done"), "{case}: the probe did not run:\n{text}");
+        }
+    }
+
+    #[test]
+    #[ignore = "run in a child process by the_daemon_binds_only_its_migration_port"]
+    fn landlock_tcp_probe() {
+        let Some(arg) = std::env::var_os(TCP_PROBE_VAR) else { return };
+        let arg = arg.to_string_lossy().to_string();
+        let parts: Vec<&str> = arg.split(':').collect();
+        let (case, port, target): (&str, u16, u16) = (parts[0], parts[1].parse().unwrap(), parts[2].parse().unwrap());
+        let mut c = config();
+        if case == "with" {
+            c.migration.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
+        }
+        let dir = tempfile::tempdir().unwrap();
+        assert!(apply(&[rule(dir.path(), Access::Read, "test")], &daemon_tcp(&c)).unwrap().enforced());
+        let bind = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).map(|_| ()).map_err(|e| e.kind());
+        let connect = || std::net::TcpStream::connect(("127.0.0.1", target)).map(|_| ()).map_err(|e| e.kind());
+        let denied = Err(std::io::ErrorKind::PermissionDenied);
+        if case == "with" {
+            assert_eq!(bind(port), Ok(()));
+            assert_eq!(connect(), Ok(()));
+        } else {
+            assert_eq!(bind(port), denied);
+            assert_eq!(connect(), denied);
+        }
+        // Any other port, and the kernel's choice of one, stay refused either way.
+        let other = if port == 65535 { port - 1 } else { port + 1 };
+        assert_eq!(bind(other), denied);
+        assert_eq!(bind(0), denied);
+        println!("landlock-tcp-probe: done");
     }
 
     #[test]

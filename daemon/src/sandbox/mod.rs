@@ -203,7 +203,7 @@ pub fn enter(config: &Config) -> Result<(), SandboxError> {
         Vec::new()
     };
     let rules = landlock::daemon_rules(config, &pci_files);
-    match landlock::apply(&rules, &[]) {
+    match landlock::apply(&rules, &landlock::daemon_tcp(config)) {
         Ok(outcome) if outcome.enforced() => st.landlock = Some(Ok(outcome)),
         Ok(outcome) => {
             let reason = format!("the kernel has no Landlock (ABI {})", outcome.kernel_abi);
@@ -314,7 +314,10 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_DAC_READ_SEARCH);
     // Likewise, only while a VFIO group node changes group.
     let _ = ::caps::drop(None, ::caps::CapSet::Effective, ::caps::Capability::CAP_CHOWN);
-    match landlock::apply(&landlock::spawner_rules(config), &config.images.download_ports) {
+    match landlock::apply(
+        &landlock::spawner_rules(config),
+        &landlock::Tcp { bind: Vec::new(), connect: Some(config.images.download_ports.clone()) },
+    ) {
         Ok(o) => {
             report.landlock_enforced = o.enforced();
             report.landlock = format!("{} (kernel ABI {}, {} rules)", o.status, o.kernel_abi, o.rules);
