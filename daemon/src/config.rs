@@ -378,7 +378,10 @@ impl MigrationConfig {
             None => None,
             Some(text) => {
                 let addr: std::net::SocketAddr = text.parse().map_err(|_| {
-                    ("migration.listen", format!("{text:?} is not ADDRESS:PORT (e.g. \"192.0.2.10:7070\" or \"[::]:7070\")"))
+                    (
+                        "migration.listen",
+                        format!("{text:?} is not ADDRESS:PORT (e.g. \"192.0.2.10:7070\" or \"[::]:7070\")"),
+                    )
                 })?;
                 if addr.port() == 0 {
                     return Err(("migration.listen", "0 is not a port".to_string()));
@@ -392,7 +395,9 @@ impl MigrationConfig {
             }
             (Some(text), Some(_)) => {
                 let ok = text.rsplit_once(':').is_some_and(|(host, port)| {
-                    !host.is_empty() && !host.chars().any(char::is_whitespace) && port.parse::<u16>().is_ok_and(|p| p > 0)
+                    !host.is_empty()
+                        && !host.chars().any(char::is_whitespace)
+                        && port.parse::<u16>().is_ok_and(|p| p > 0)
                 });
                 if !ok {
                     return Err(("migration.advertise", format!("{text:?} is not HOST:PORT")));

@@ -340,7 +340,7 @@ impl VmOp {
             user: mgr.config.qemu_user,
             kvm: mgr.config.qemu.accel == crate::config::Accel::Kvm,
             affinity: super::placement::spawn_affinity(rec.placement.as_ref()),
-            incoming: false,
+            incoming,
         };
         let launched = mgr.processes.spawn(&request).await;
         // QEMU holds its own copies now; ours must go so the taps die with QEMU and a client

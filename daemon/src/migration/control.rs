@@ -114,7 +114,8 @@ impl Framed {
         })
         .await
         .map_err(|_| MigrationError::Timeout("receive"))??;
-        let payload = wire::open_frame(&self.secret, &theirs, &mine, self.received, &body).map_err(MigrationError::Wire)?;
+        let payload =
+            wire::open_frame(&self.secret, &theirs, &mine, self.received, &body).map_err(MigrationError::Wire)?;
         let payload = payload.to_vec();
         self.received += 1;
         self.broken = false;

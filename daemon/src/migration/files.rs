@@ -176,7 +176,9 @@ async fn write_file(
         let chunk = &buf[..want];
         hasher.update(chunk);
         if chunk.iter().all(|&b| b == 0) {
-            file.seek(std::io::SeekFrom::Current(want as i64)).await.map_err(|e| MigrationError::io("write file", e))?;
+            file.seek(std::io::SeekFrom::Current(want as i64))
+                .await
+                .map_err(|e| MigrationError::io("write file", e))?;
         } else {
             file.write_all(chunk).await.map_err(|e| MigrationError::io("write file", e))?;
         }

@@ -116,7 +116,9 @@ pub(super) async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>
             let done = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(stream, peer, &shared, &*outcomes)).await;
             drop(permit);
             match done {
-                Err(_) => tracing::warn!(%peer, reason = "opening exchange timed out", "migration port: refused a stream"),
+                Err(_) => {
+                    tracing::warn!(%peer, reason = "opening exchange timed out", "migration port: refused a stream")
+                }
                 Ok(Ok(Delivered::Query(vm, secret, stream))) => {
                     answer_query(&vm, &secret, stream, peer, outcomes).await
                 }
@@ -215,7 +217,13 @@ async fn read_line<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Vec<u8>, S
 }
 
 /// Answers a source's `Query` for a VM this host does not expect, with the record's outcome.
-async fn answer_query(vm: &str, secret: &Secret, stream: tokio::net::TcpStream, peer: SocketAddr, outcomes: Arc<dyn Outcomes>) {
+async fn answer_query(
+    vm: &str,
+    secret: &Secret,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    outcomes: Arc<dyn Outcomes>,
+) {
     let Ok(stream) = into_blocking(stream) else { return };
     let mut control = Control::new(stream, secret);
     match control.recv(QUERY_TIMEOUT).await {

@@ -268,7 +268,8 @@ impl Migrations {
             return Ok(());
         }
         let bind = || -> std::io::Result<tokio::net::TcpListener> {
-            let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+            let socket =
+                if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
             // A restarted daemon rebinds while its predecessor's streams are in TIME_WAIT.
             socket.set_reuseaddr(true)?;
             socket.bind(addr)?;

@@ -122,8 +122,14 @@ mod tests {
         assert_eq!(Secret::parse(&s.to_hex().to_uppercase()).unwrap(), s);
         let good = "00".repeat(32);
         assert!(Secret::parse(&good).is_ok());
-        for bad in ["", "0", &"0".repeat(63), &"0".repeat(65), &format!("{}g", "0".repeat(63)), &format!("{}é", "0".repeat(62))]
-        {
+        for bad in [
+            "",
+            "0",
+            &"0".repeat(63),
+            &"0".repeat(65),
+            &format!("{}g", "0".repeat(63)),
+            &format!("{}é", "0".repeat(62)),
+        ] {
             assert!(matches!(Secret::parse(bad), Err(MigrationError::BadSecret)), "{bad:?}");
         }
     }

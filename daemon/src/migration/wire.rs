@@ -117,10 +117,7 @@ pub fn proof(secret: &Secret, nonce: &[u8; NONCE_LEN], vm: &str, channel: &Chann
 
 /// Whether `open`'s proof is right for `secret` and `nonce` (constant time).
 pub fn verify_proof(secret: &Secret, nonce: &[u8; NONCE_LEN], open: &Open) -> bool {
-    secret.verify(
-        &[PROOF_CONTEXT, nonce, open.vm.as_bytes(), b"\0", open.channel.as_wire().as_bytes()],
-        &open.proof,
-    )
+    secret.verify(&[PROOF_CONTEXT, nonce, open.vm.as_bytes(), b"\0", open.channel.as_wire().as_bytes()], &open.proof)
 }
 
 /// The client's opening line, `\n` included.
@@ -252,17 +249,25 @@ mod tests {
             (format!(r#"{{"vm":"A b","channel":"ram","proof":"{hex}"}}"#), WireError::VmName),
             (format!(r#"{{"vm":"a","channel":"disk:","proof":"{hex}"}}"#), WireError::Channel(String::new())),
             (format!(r#"{{"vm":"a","channel":"disk:../x","proof":"{hex}"}}"#), WireError::Channel(String::new())),
-            (format!(r#"{{"vm":"a","channel":"disk:{}","proof":"{hex}"}}"#, "e".repeat(65)), WireError::Channel(String::new())),
+            (
+                format!(r#"{{"vm":"a","channel":"disk:{}","proof":"{hex}"}}"#, "e".repeat(65)),
+                WireError::Channel(String::new()),
+            ),
             (format!(r#"{{"vm":"a","channel":"video","proof":"{hex}"}}"#), WireError::Channel(String::new())),
             (r#"{"vm":"a","channel":"ram","proof":"zz"}"#.into(), WireError::ProofFormat),
-            (format!(r#"{{"vm":"{}","channel":"ram","proof":"{hex}"}}"#, "a".repeat(2000)), WireError::Open(String::new())),
+            (
+                format!(r#"{{"vm":"{}","channel":"ram","proof":"{hex}"}}"#, "a".repeat(2000)),
+                WireError::Open(String::new()),
+            ),
         ];
         for (line, want) in cases {
             let got = parse_open(line.as_bytes()).expect_err(&line);
             assert_eq!(std::mem::discriminant(&got), std::mem::discriminant(&want), "{line}: {got}");
         }
         assert_eq!(
-            parse_open(format!(r#"{{"vm":"a","channel":"disk:data-x_1.2","proof":"{hex}"}}"#).as_bytes()).unwrap().channel,
+            parse_open(format!(r#"{{"vm":"a","channel":"disk:data-x_1.2","proof":"{hex}"}}"#).as_bytes())
+                .unwrap()
+                .channel,
             ChannelKind::Disk("data-x_1.2".into())
         );
     }

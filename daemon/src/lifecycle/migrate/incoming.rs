@@ -53,12 +53,6 @@ const QMP_TIMEOUT: Duration = Duration::from_secs(10);
 /// QEMU's NBD server's listening socket in the VM's run dir (the relay connects to it).
 const NBD_SOCKET: &str = "migration-nbd.sock";
 
-/// How long the destination waits for the source's control channel (`[migration]
-/// prepare_timeout_s`).
-fn prepare_timeout_s(_mgr: &Manager) -> u64 {
-    300
-}
-
 /// `vm.migrate_in`: admits `p.spec` as a create would, records it `incoming` and answers where
 /// and with what secret the source sends it; the rest runs in a task ([`receive`]).
 ///
@@ -82,10 +76,10 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
         super::super::data_disks::admit_disk_space(mgr, None, &vm.spec)?;
         super::super::capture::check_sources(mgr, &vm.spec).await?;
         super::super::placement::check(mgr, &vm.spec)?;
-        let secret = Secret::generate().map_err(IncomingError::Port)?;
+        let secret = Secret::generate().map_err(ApiError::from)?;
         // Registered before the record: a second migration of the name is refused here, with
         // nothing recorded.
-        let expectation = mgr.migrations.expect(&name, &secret).map_err(IncomingError::Port)?;
+        let expectation = mgr.migrations.expect(&name, &secret).map_err(ApiError::from)?;
         let mut op = mgr.reserve_op(&vm.spec)?;
         // A new migration of the name: the last one's answer is no longer this name's.
         if let Err(source) = tombstone::remove(&mgr.config.paths.state, &name) {
@@ -104,7 +98,7 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
             return Err(op.fail(e).await);
         }
         op.crashpoint("migrate_in:recorded");
-        let timeout_s = prepare_timeout_s(mgr);
+        let timeout_s = mgr.migrations.prepare_timeout().as_secs();
         if p.mode == MoveMode::Cold {
             // The cold receive (lifecycle/migrate/cold.rs): the same admission and record, then
             // files instead of a paused QEMU.
@@ -227,15 +221,17 @@ async fn until_commit(
     op.make_data_disks(&vm.spec, true).await?;
     let id = op.launch_as(vm, VmStatus::Incoming, true).await?;
     op.crashpoint("migrate_in:launched");
-    let qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT).await.map_err(qemu_mig::MigrationQemuError::Qmp).map_err(IncomingError::Qemu)?;
+    let qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT)
+        .await
+        .map_err(qemu_mig::MigrationQemuError::Qmp)
+        .map_err(IncomingError::Qemu)?;
     let qmp = Arc::new(tokio::sync::Mutex::new(qmp));
     let nbd = paths.run_dir.join(NBD_SOCKET);
     prepare_qemu(&mgr, &paths.run_dir, &nbd, secret, &disks, &qmp).await?;
     let exports = disks.iter().map(|d| d.export.clone()).collect();
     c.send(&ControlMsg::Ready { exports }).await.map_err(|e| IncomingError::Control(e.to_string()))?;
-    let channels = AbortOnDrop(tokio::spawn(
-        serve_channels(exp, Arc::clone(&qmp), nbd).instrument(tracing::Span::current()),
-    ));
+    let channels =
+        AbortOnDrop(tokio::spawn(serve_channels(exp, Arc::clone(&qmp), nbd).instrument(tracing::Span::current())));
     loop {
         match c.recv(SERVE_TIMEOUT).await.map_err(|e| IncomingError::Control(e.to_string()))? {
             ControlMsg::Commit => break,
@@ -299,8 +295,10 @@ async fn serve_channels(mut exp: Expectation, qmp: Arc<tokio::sync::Mutex<Qmp>>,
                 let nbd = nbd.clone();
                 tokio::spawn(
                     async move {
-                        match relay(ch.stream, &nbd).await {
-                            Ok((up, down)) => tracing::info!(export, up, down, "disk stream ended"),
+                        match crate::migration::relay(ch.stream, &nbd).await {
+                            Ok(r) => {
+                                tracing::info!(export, to_qemu = r.to_qemu, to_peer = r.to_peer, "disk stream ended")
+                            }
                             Err(e) => tracing::warn!(export, error = %e, "disk stream failed"),
                         }
                     }
@@ -320,15 +318,6 @@ async fn serve_channels(mut exp: Expectation, qmp: Arc<tokio::sync::Mutex<Qmp>>,
     }
 }
 
-/// Copies both ways between a source's disk stream and QEMU's NBD listener at `nbd` until
-/// either side closes; returns the bytes each way.
-async fn relay(tcp: std::net::TcpStream, nbd: &Path) -> std::io::Result<(u64, u64)> {
-    tcp.set_nonblocking(true)?;
-    let mut tcp = tokio::net::TcpStream::from_std(tcp)?;
-    let mut unix = tokio::net::UnixStream::connect(nbd).await?;
-    tokio::io::copy_bidirectional(&mut tcp, &mut unix).await
-}
-
 /// After the commit point: QEMU's migration side ended, the guest resumed, the VM watched as
 /// any running VM (exit watcher, agent), and the source told. Nothing here gives the guest up:
 /// a failure is logged and recorded, and the VM stays this host's.
@@ -346,7 +335,7 @@ async fn after_commit(op: &VmOp, done: Committed, control: Option<Control>) {
     }
     drop(qmp);
     let run_dir = op.paths().run_dir.clone();
-    if let Err(e) = crate::blocking::run(|| remove_psk_dir_tmp(&run_dir)) {
+    if let Err(e) = crate::blocking::run(|| qemu_mig::remove_psk_dir(&run_dir)) {
         tracing::warn!(error = %e, "the migration's TLS key directory stays");
     }
     let _ = crate::blocking::run(|| std::fs::remove_file(run_dir.join(NBD_SOCKET)));
@@ -454,17 +443,9 @@ pub(in crate::lifecycle) async fn recover(
                     Err(e) => tracing::error!(vm = held.name(), error = %e, "a migrated guest could not be resumed"),
                 }
             }
-            let _ = crate::blocking::run(|| remove_psk_dir_tmp(&held.paths().run_dir));
+            let _ = crate::blocking::run(|| qemu_mig::remove_psk_dir(&held.paths().run_dir));
             Ok(false)
         }
         RecoverAction::Ordinary => Ok(false),
-    }
-}
-
-// TEMP until wt-qemu lands: its `remove_psk_dir`.
-fn remove_psk_dir_tmp(run_dir: &Path) -> std::io::Result<()> {
-    match std::fs::remove_dir_all(run_dir.join("migration-tls")) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
     }
 }

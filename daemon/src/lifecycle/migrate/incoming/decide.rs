@@ -90,6 +90,19 @@ pub(crate) fn check_hello(
             "the source sends disks {theirs:?}, this side expects {ours:?}"
         )));
     }
+    // A data disk is made here at the spec's size; QEMU mirrors only into one of the same size,
+    // so a difference is refused now rather than when the mirror starts.
+    for disk in &admitted.disks {
+        let device = crate::qemu::hotplug::data_drive(&disk.name);
+        let Some(sent) = hello.disks.iter().find(|d| d.device == device) else { continue };
+        let made = disk.size_gib << 30;
+        if sent.bytes != made {
+            return Err(IncomingError::HelloMismatch(format!(
+                "data disk {:?}: the source's is {} bytes, the spec's size here is {made}",
+                disk.name, sent.bytes
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -239,6 +252,20 @@ mod tests {
         assert!(check_hello(&admitted, &macs, &devices, &h).is_err());
         let mut h = hello(&spec());
         h.disks.push(HelloDisk { device: "data-x".into(), bytes: 1, format: "raw".into() });
+        assert!(check_hello(&admitted, &macs, &devices, &h).is_err());
+    }
+
+    #[test]
+    fn a_data_disk_of_another_size_is_refused() {
+        let mut s = spec();
+        s.disks = vec![serde_json::from_value(serde_json::json!({ "name": "x", "size_gib": 2 })).unwrap()];
+        let admitted = admitted_spec(&s, MoveMode::Live);
+        let macs = vec!["52:54:00:00:00:01".to_string()];
+        let devices = vec!["virtio0".to_string(), "data-x".to_string()];
+        let mut h = hello(&s);
+        h.disks.push(HelloDisk { device: "data-x".into(), bytes: 2 << 30, format: "raw".into() });
+        assert!(check_hello(&admitted, &macs, &devices, &h).is_ok());
+        h.disks[1].bytes = 3 << 30;
         assert!(check_hello(&admitted, &macs, &devices, &h).is_err());
     }
 

@@ -60,9 +60,6 @@ pub(crate) enum IncomingError {
     /// completed here.
     #[error("the memory stream is {0:?} here, not completed: nothing to commit")]
     NotCompleted(String),
-    /// 4001 step `migrate_in`: the migration port refused to register the VM.
-    #[error("migration port: {0}")]
-    Port(#[from] crate::migration::MigrationError),
     /// 4001 step `migrate_in`: a local file or socket of the migration.
     #[error("{what}: {source}")]
     Io {
@@ -85,10 +82,9 @@ impl From<IncomingError> for ApiError {
                 .field("spec.boot.disk")
                 .details(serde_json::json!({ "reason": "boot_disk" })),
             IncomingError::MacRequired { index } => ApiError::invalid(format!("spec.nics[{index}].mac"), message),
-            IncomingError::Exists(name) => ApiError::in_use(
-                vec![(message, serde_json::json!({ "vm": name }))],
-                Some("spec.name".to_string()),
-            ),
+            IncomingError::Exists(name) => {
+                ApiError::in_use(vec![(message, serde_json::json!({ "vm": name }))], Some("spec.name".to_string()))
+            }
             IncomingError::KeptDisks { vm, disks } => ApiError::in_use(
                 vec![(message, serde_json::json!({ "vm": vm, "kept_disks": disks }))],
                 Some("spec.name".to_string()),
@@ -103,7 +99,6 @@ impl From<IncomingError> for ApiError {
             | IncomingError::NoHello
             | IncomingError::Qemu(_)
             | IncomingError::NotCompleted(_)
-            | IncomingError::Port(_)
             | IncomingError::Io { .. } => super::super::super::provisioning("migrate_in", message),
         }
     }
