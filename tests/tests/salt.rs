@@ -520,7 +520,7 @@ fn installed_extension_provides_modules_states_and_engines_through_entry_points(
     let minion = Minion::new(&host, Loading::Extension);
     let site = minion.pythonpath.clone().expect("installed");
 
-    // The entry points name the three loader hooks, and each returns the package's dir.
+    // The entry points name the four loader hooks, and each returns the package's dir.
     let probe = Command::new(venv_bin("python"))
         .env("PYTHONPATH", &site)
         .args([
@@ -540,6 +540,7 @@ fn installed_extension_provides_modules_states_and_engines_through_entry_points(
             "module_dirs": [pkg.join("modules")],
             "states_dirs": [pkg.join("states")],
             "engines_dirs": [pkg.join("engines")],
+            "runner_dirs": [pkg.join("runners")],
         })
     );
 

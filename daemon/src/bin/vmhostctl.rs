@@ -39,6 +39,8 @@ macro_rules! tell {
 mod exec;
 #[path = "vmhostctl/files.rs"]
 mod files;
+#[path = "vmhostctl/migrate.rs"]
+mod migrate;
 #[path = "vmhostctl/ssh.rs"]
 mod ssh;
 
@@ -214,6 +216,13 @@ enum Cmd {
     /// ssh to the VM: its spec's static address, else the guest agent's; user from `-l`, the
     /// spec's `ssh.user`, else root.
     Ssh(ssh::SshArgs),
+    /// Prepare this host to receive a VM (`vm.migrate_in`) from its spec as the source runs it
+    /// (each NIC with its MAC); prints the address and one-time secret for `migrate`.
+    MigrateIn(migrate::MigrateInArgs),
+    /// Move a running VM live to another vmhostd: prepared with `migrate-in` (`--to`,
+    /// `--secret`), or with `--to-socket` the destination's API socket, which vmhostctl
+    /// prepares itself. Draws the progress as it goes.
+    Migrate(migrate::MigrateArgs),
     /// Call any method with JSON params.
     Call { method: String, params: Option<String> },
 }
@@ -613,6 +622,23 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             }
         }
         Cmd::Exec(_) => {}
+        Cmd::MigrateIn(args) => out(&migrate::migrate_in(&mut c, args)?),
+        Cmd::Migrate(args) => {
+            let v = migrate::migrate(&mut c, &cli.socket, args, cli.json)?;
+            if cli.json {
+                out(&v);
+            } else {
+                say!(
+                    "{}: migrated to {} in {} ms (downtime {} ms, memory {} bytes, disks {} bytes)",
+                    args.name,
+                    v["destination"].as_str().unwrap_or_default(),
+                    v["total_ms"],
+                    v["downtime_ms"],
+                    v["ram_bytes"],
+                    v["disk_bytes"]
+                );
+            }
+        }
         Cmd::Push(args) => {
             let v = files::push(&mut c, args)?;
             if cli.json {

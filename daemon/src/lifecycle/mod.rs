@@ -296,7 +296,7 @@ impl Manager {
             return Ok(());
         }
         self.migrations.bind().map_err(|e| e.to_string())?;
-        // The records, and the tombstones of abandoned incoming migrations (migrate::incoming).
+        // The destination's records and tombstones answer (lifecycle/migrate/incoming).
         let outcomes = self.migration_outcomes();
         let mgr = Arc::clone(self);
         tokio::spawn(async move {

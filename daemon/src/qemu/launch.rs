@@ -418,6 +418,22 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_incoming_launch_waits_paused_for_the_migration() {
+        let p = paths();
+        let mut req = request(&p, &[]);
+        req.incoming = true;
+        let Launched { identity: id, mut qmp } = launch(&req).await.unwrap();
+        drop(req);
+        // Up (greeted) but not running: it waits for migrate-incoming and then stays paused.
+        assert_eq!(qmp.query_status().await.unwrap(), "inmigrate");
+        let args = process::cmdline(id.pid).unwrap();
+        let tail: Vec<&str> = args[args.len() - 3..].iter().map(|a| a.to_str().unwrap_or("")).collect();
+        assert_eq!(tail, crate::qemu::argv::INCOMING_ARGS);
+        qmp.quit().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), process::wait_exit_of(&id)).await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
     async fn passed_fds_arrive_in_qemu_at_3_and_up() {
         let p = paths();
         let (a, b) = (p.dir.path().join("a"), p.dir.path().join("b"));

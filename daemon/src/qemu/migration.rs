@@ -9,9 +9,12 @@
 //! Destination, in order: [`psk_dir`], [`add_tls`], [`start_nbd_server`], [`export_disks`],
 //! [`start_incoming`], then [`incoming_status`] at the commit, [`finish_incoming`], [`resume`].
 //! Source, in order: [`psk_dir`], [`add_tls`], [`start_mirror`] per disk, [`mirrors`] until all
-//! are ready, [`start_memory`], [`progress`] until `completed`, then [`finish_source`] after the
-//! destination's confirmation, or [`cancel_source`] on any failure (also by recovery). Both
-//! sides remove the key directory with [`remove_psk_dir`] once QEMU no longer needs it.
+//! are ready, [`start_memory`], [`progress`] until `completed`, then [`finish_source`] BEFORE
+//! the source tells the destination to commit (its `block-job-cancel` makes each ready mirror
+//! copy what is still dirty before it ends: only then does the destination have every block;
+//! the memory's `completed` says nothing about the disks), or [`cancel_source`] on any failure
+//! before the destination confirmed (also after [`finish_source`], and by recovery). Both sides
+//! remove the key directory with [`remove_psk_dir`] once QEMU no longer needs it.
 //!
 //! The QMP sequence is the one checked by hand on QEMU 7.2 (docs/moving.md); the parsers of
 //! QEMU's answers ([`parse_memory_progress`], [`parse_mirrors`]) are pure and unit-tested.
@@ -287,6 +290,13 @@ async fn remove_tls(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
     if has_named(&objects, TLS_ID) {
         qmp.execute("object-del", Some(json!({ "id": TLS_ID }))).await?;
     }
+    remove_tls_fdsets(qmp).await
+}
+
+/// Removes the fd sets of the key directory. QEMU closes a removed descriptor only while the
+/// guest runs (`monitor_fdset_cleanup`): for a paused guest the set stays listed, marked
+/// removed, until [`resume`] asks again or the process ends.
+async fn remove_tls_fdsets(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
     let sets = qmp.execute("query-fdsets", None).await?;
     for id in fdsets_described(&sets, TLS_FDSET_OPAQUE) {
         qmp.execute("remove-fd", Some(json!({ "fdset-id": id }))).await?;
@@ -419,7 +429,8 @@ pub async fn incoming_status(qmp: &mut Qmp) -> Result<MemoryProgress, MigrationQ
 /// Destination: the NBD server stopped and the TLS object removed.
 ///
 /// `nbd-server-stop` also ends the server's exports. Idempotent: a server already stopped is
-/// skipped.
+/// skipped. The key directory's fd set is removed too, but QEMU closes its descriptor only
+/// while the guest runs: [`resume`] finishes that.
 ///
 /// # Errors
 /// When QEMU refuses.
@@ -438,13 +449,14 @@ pub async fn finish_incoming(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
     remove_tls(qmp).await
 }
 
-/// Runs the paused guest (`cont`).
+/// Runs the paused guest (`cont`), then closes the key directory's descriptor in QEMU, which
+/// QEMU does only once the guest runs (see [`finish_incoming`]).
 ///
 /// # Errors
 /// When QEMU refuses.
 pub async fn resume(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
     qmp.execute("cont", None).await?;
-    Ok(())
+    remove_tls_fdsets(qmp).await
 }
 
 /// Source: mirrors `disk` into the destination's export over `stream` (a connected socket).
@@ -614,8 +626,13 @@ pub fn our_nodes(nodes: &Value) -> Vec<String> {
     names
 }
 
-/// Source, after the destination confirmed: the mirror jobs and NBD nodes removed (the paused
-/// guest is then ended by the caller).
+/// Source, once the memory stream is `completed` and before the destination is told to commit:
+/// each mirror job ends without a pivot after copying what is still dirty (the source keeps its
+/// disks; the destination then has every block), the NBD nodes and TLS object are removed. The
+/// guest stays paused: the caller ends it after the destination confirmed, or runs it again
+/// with [`cancel_source`] if the destination abandons. The key directory's fd set stays listed in QEMU, marked
+/// removed, while the guest is paused (QEMU closes it only for a running guest); it ends with
+/// the process.
 ///
 /// # Errors
 /// When QEMU refuses.
@@ -802,6 +819,62 @@ mod tests {
         assert!(!dir.exists());
         remove_psk_dir(run.path()).unwrap();
         assert!(matches!(psk_dir(run.path(), "vmhost:1\n", None), Err(MigrationQemuError::Protocol(_))));
+    }
+
+    /// QEMU as an unprivileged user, in a run dir it cannot enter (root's 0700): it reads the key
+    /// through its descriptor of the directory, and only once [`psk_dir`] gave it the files.
+    #[tokio::test]
+    async fn qemu_as_its_user_reads_the_key_through_the_descriptor() {
+        use crate::qemu::launch::{launch, LaunchRequest, Launched};
+        use std::os::fd::AsFd;
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let run = tempfile::tempdir().unwrap();
+        let sock = run.path().join("qmp.sock");
+        let listener: OwnedFd = std::os::unix::net::UnixListener::bind(&sock).unwrap().into();
+        let argv = [
+            "-accel",
+            "tcg",
+            "-M",
+            "q35",
+            "-m",
+            "64",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-chardev",
+            "socket,id=qmp,fd=3,server=on,wait=off",
+            "-mon",
+            "chardev=qmp,mode=control",
+        ];
+        let user = crate::config::UserIds { uid: 65534, gid: 65534 };
+        let req = LaunchRequest {
+            binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
+            argv: argv.iter().map(std::ffi::OsString::from).collect(),
+            qmp: sock,
+            log: run.path().join("qemu.log"),
+            timeout: Duration::from_secs(20),
+            fds: vec![listener],
+            memlock: None,
+            user: Some(user),
+            kvm: false,
+            affinity: Default::default(),
+            incoming: false,
+        };
+        let Launched { identity, mut qmp } = launch(&req).await.unwrap();
+        drop(req);
+        // Root's key file: QEMU's user may not read it.
+        let key = "3c".repeat(32);
+        let dir = psk_dir(run.path(), &key, None).unwrap();
+        let refused = add_tls(&mut qmp, dir.as_fd(), Endpoint::Client).await.unwrap_err();
+        assert!(refused.to_string().contains("keys.psk"), "{refused}");
+        let dir = psk_dir(run.path(), &key, Some(&user)).unwrap();
+        add_tls(&mut qmp, dir.as_fd(), Endpoint::Client).await.unwrap();
+        let objects = qmp.execute("qom-list", Some(json!({"path": "/objects"}))).await.unwrap();
+        assert!(has_named(&objects, TLS_ID), "{objects}");
+        qmp.quit().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), crate::process::wait_exit_of(&identity)).await.unwrap().unwrap();
     }
 
     #[test]

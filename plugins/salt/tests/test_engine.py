@@ -702,7 +702,10 @@ class EngineTest(unittest.TestCase):
         os.mkfifo(os.path.join(self.dir, "hv2VMs"))
         self.write("hv1", [entry("a")])
         self.assertEqual(self.engine().run_once(), {"hv1": "ok", "hv2": "failed"})
-        self.assertIn("not a regular file", self.events[-1][1]["error"] if self.events else "")
+        # hv1's worker thread fires its own events meanwhile: look for hv2's, not the last one.
+        hv2 = [data for tag, data in self.events if tag == "vmhost/hv2/_hypervisor/reconcile_failed"]
+        self.assertEqual(len(hv2), 1, self.events)
+        self.assertIn("not a regular file", hv2[0]["error"])
 
     def test_state_file_is_written_atomically_and_synced(self):
         self.write("hv1", [entry("a")])

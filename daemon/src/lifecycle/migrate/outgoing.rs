@@ -167,7 +167,7 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
                     Err(e) => format!("no answer to the commit: {e}"),
                 };
                 tracing::warn!(vm = %p.name, why, "asking the destination what became of the migration");
-                settle(&mut op, &p.destination, &secret, &mut reporter, true).await?;
+                settle(&mut op, &p.destination, &secret, &mut reporter, true, false).await?;
             }
         }
         Ok(MigrateResult {
@@ -377,7 +377,7 @@ async fn give_up(op: &VmOp, control: Option<&mut Control>, error: ApiError, repo
     }
     reporter.phase("failed");
     reporter.clear();
-    if let Err(resume) = resume(op.held()).await {
+    if let Err(resume) = resume(op.held(), false).await {
         return resume;
     }
     error
@@ -386,11 +386,13 @@ async fn give_up(op: &VmOp, control: Option<&mut Control>, error: ApiError, repo
 /// The guest is this host's after all: QEMU's migration state undone and the guest running
 /// again (`cancel_source`), the TLS key removed, the record `running` with no migration. A
 /// QEMU that is gone is left to its exit watcher (queued behind the operation) or recovery.
+/// `readopt`: the QEMU is not watched (recovery found it while the outcome was unknown), so it
+/// is re-adopted as recovery re-adopts a running VM.
 ///
 /// # Errors
 /// QEMU refused to run the guest again: the record then says `failed` (the process kept, its
 /// migration cleared) with that error.
-async fn resume(held: &HeldVm) -> Result<(), ApiError> {
+async fn resume(held: &HeldVm, readopt: bool) -> Result<(), ApiError> {
     let (mgr, name) = (held.mgr(), held.name());
     let cancelled = match mgr.qmp(name, QMP_TIMEOUT).await {
         Ok(mut q) => qemu_mig::cancel_source(&mut q).await.map_err(|e| failed("migrate", format!("{e}"))),
@@ -398,6 +400,13 @@ async fn resume(held: &HeldVm) -> Result<(), ApiError> {
     };
     remove_tls(held);
     match cancelled {
+        Ok(()) if readopt => {
+            let rec = held.update("migration undone: the guest runs here", |r| r.migration = None)?;
+            match super::super::launch::find_live(held.mgr(), held.name(), rec.process.as_ref())? {
+                Some(id) => super::super::recover::readopt(held, id, &rec).await,
+                None => settle_dead(held),
+            }
+        }
         Ok(()) => {
             held.update_status("migration undone: the guest runs here", VmStatus::Running, |r| r.migration = None)?;
             Ok(())
@@ -418,11 +427,9 @@ async fn resume(held: &HeldVm) -> Result<(), ApiError> {
 
 /// Removes QEMU's TLS key directory (errors logged: the run dir goes with the VM anyway).
 fn remove_tls(held: &HeldVm) {
-    let run_dir = held.paths().run_dir.join("migration-tls");
-    match crate::blocking::run(|| std::fs::remove_dir_all(&run_dir)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!(vm = held.name(), error = %e, "cannot remove the migration's TLS key"),
+    let run_dir = held.paths().run_dir.clone();
+    if let Err(e) = crate::blocking::run(|| qemu_mig::remove_psk_dir(&run_dir)) {
+        tracing::warn!(vm = held.name(), error = %e, "cannot remove the migration's TLS key");
     }
 }
 
@@ -453,7 +460,8 @@ async fn finish(op: &mut VmOp, destination: &str, reporter: &mut Reporter) -> Re
 /// `Commit` went out and no answer came (or a restart found phase `committing`): asks the
 /// destination every [`source_outcome::ASK_EVERY`] for up to [`source_outcome::ASK_FOR`]
 /// (`patient`; else once), then does what it said. While it cannot tell, the VM is recorded
-/// `failed` with the guest kept paused, and [`spawn_retry`] asks on.
+/// `failed` with the guest kept paused, and [`spawn_retry`] asks on. `readopt`: its QEMU is not
+/// watched (see [`resume`]).
 ///
 /// # Errors
 /// 4001 step `commit` when the outcome stays unknown; as [`finish`] or [`resume`].
@@ -463,6 +471,7 @@ async fn settle(
     secret: &Secret,
     reporter: &mut Reporter,
     patient: bool,
+    readopt: bool,
 ) -> Result<(), ApiError> {
     let name = op.name().to_string();
     let until = Instant::now() + if patient { source_outcome::ASK_FOR } else { Duration::ZERO };
@@ -474,7 +483,7 @@ async fn settle(
             SourceAction::Resume => {
                 reporter.phase("failed");
                 reporter.clear();
-                resume(op.held()).await?;
+                resume(op.held(), readopt).await?;
                 return Err(failed("commit", "the destination abandoned the migration: the guest runs here"));
             }
             SourceAction::Dead => {
@@ -488,7 +497,7 @@ async fn settle(
             SourceAction::Ask | SourceAction::Wait => {
                 reporter.clear();
                 let e = unknown(op.held())?;
-                spawn_retry(op.mgr(), &name);
+                spawn_retry(op.mgr(), &name, readopt);
                 return Err(e);
             }
         }
@@ -542,14 +551,19 @@ fn settle_dead(held: &HeldVm) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Asks the destination every [`source_outcome::RETRY_EVERY`] what became of VM `name`'s
+/// Asks the destination (first after [`source_outcome::ASK_EVERY`], then every
+/// [`source_outcome::RETRY_EVERY`]) what became of VM `name`'s
 /// migration recorded unknown, and settles it once it answers. Ends when the record no longer
 /// names an outgoing migration in phase `committing` (settled, or destroyed by the operator).
-pub(super) fn spawn_retry(mgr: &Arc<Manager>, name: &str) {
+/// `readopt`: the VM's QEMU is not watched (see [`resume`]).
+pub(super) fn spawn_retry(mgr: &Arc<Manager>, name: &str, readopt: bool) {
     let (mgr, name) = (Arc::clone(mgr), name.to_string());
     tokio::spawn(async move {
+        // The first question soon: a destination that lost the source abandons within seconds.
+        let mut wait = source_outcome::ASK_EVERY;
         loop {
-            tokio::time::sleep(source_outcome::RETRY_EVERY).await;
+            tokio::time::sleep(wait).await;
+            wait = source_outcome::RETRY_EVERY;
             let Ok((mut op, rec)) = mgr.begin_op(&name).await else {
                 if mgr.record(&name).is_err() {
                     return;
@@ -567,7 +581,7 @@ pub(super) fn spawn_retry(mgr: &Arc<Manager>, name: &str) {
                 return;
             };
             let mut reporter = Reporter::new(&mgr, &name);
-            match settle(&mut op, &m.peer.clone(), &secret, &mut reporter, false).await {
+            match settle(&mut op, &m.peer.clone(), &secret, &mut reporter, false, readopt).await {
                 Ok(()) => return,
                 Err(e) => {
                     let still = op.record().ok().and_then(|r| r.migration).is_some();
@@ -643,7 +657,7 @@ pub(in crate::lifecycle) async fn recover(
             if rec.status != VmStatus::Failed {
                 unknown(held)?;
             }
-            spawn_retry(mgr, name);
+            spawn_retry(mgr, name, true);
             Ok(())
         }
         (SourceAction::Resume | SourceAction::Dead, _) => settle_dead(held),

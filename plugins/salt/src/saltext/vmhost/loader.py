@@ -2,7 +2,7 @@
 Salt loader hooks of the installed extension.
 
 Salt 3007 calls the functions named by the ``salt.loader`` entry points of pyproject.toml
-(``module_dirs``, ``states_dirs``, ``engines_dirs``): each returns the directories holding
+(``module_dirs``, ``states_dirs``, ``engines_dirs``, ``runner_dirs``): each returns the directories holding
 modules of that kind.
 """
 
@@ -21,3 +21,7 @@ def get_states_dirs():
 
 def get_engines_dirs():
     return [os.path.join(PKG_DIR, "engines")]
+
+
+def get_runner_dirs():
+    return [os.path.join(PKG_DIR, "runners")]

@@ -76,6 +76,9 @@ REPLACE_HINT = (
     "by hand (salt HYPERVISOR vmhost.destroy NAME) to have it created again from the new image"
 )
 STATE_FILE = "state.json"
+# In vms_dir: the VMs the vmhost runner is moving (runners/vmhost.py), left alone meanwhile. A
+# dot file, so never read as a hypervisor's file.
+HOLDS_FILE = ".vmhost-moves.json"
 MIGRATE_HINT = (
     "this VM was made by an earlier vmhost_engine, which named VMs <hostname>-<role>; the engine "
     "now names them <hostname>_<role> as Security Onion does. It neither destroys the old VM nor "
@@ -981,6 +984,28 @@ def open_dir_nofollow(path):
     return fd
 
 
+def read_holds(dir_fd):
+    """``{vm: {from, to, since}}`` of the holds file in the directory ``dir_fd`` (``vms_dir``):
+    the VMs the vmhost runner is moving between hypervisors right now, which the engine leaves
+    alone. No file: no holds. A file that is not a JSON object of objects raises OSError (the
+    engine then skips the round rather than guess)."""
+    try:
+        fd = os.open(HOLDS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, f"{HOLDS_FILE} is not a regular file")
+        data = f.read(MAX_FILE_BYTES + 1)
+    try:
+        holds = json.loads(data) if data.strip() else {}
+    except ValueError as exc:
+        raise OSError(errno.EINVAL, f"{HOLDS_FILE} is not JSON: {exc}") from None
+    if not isinstance(holds, dict) or not all(isinstance(v, dict) for v in holds.values()):
+        raise OSError(errno.EINVAL, f"{HOLDS_FILE} must be a JSON object of VM name to hold")
+    return holds
+
+
 class SoFiles:
     """Security Onion's files of one hypervisor, in ``<vms_dir>/<hypervisor>/``: the tracking file
     ``<vm>``, ``<vm>.error`` and ``<vm>.status``. Everything goes through a descriptor of that
@@ -1201,6 +1226,15 @@ class Engine:
         if self._vms_fd is None:
             self._vms_fd = open_dir_nofollow(self.config["vms_dir"])
         return self._vms_fd
+
+    def holds(self):
+        """The VM names the vmhost runner holds (:func:`read_holds` of ``vms_dir``)."""
+        try:
+            return read_holds(self.vms_fd())
+        except OSError as exc:
+            # Unreadable holds: hold nothing back would let a moving VM be made again on its
+            # old hypervisor; refuse the run instead (retried).
+            raise HypervisorFailure(f"cannot read {self.config['vms_dir']}/{HOLDS_FILE}: {exc}") from None
 
     def _client(self):
         if self._factory is None:
@@ -1571,14 +1605,22 @@ class Engine:
                 f"({len(specs)} VMs; a long bootstrap text counts once per VM): nothing is applied on "
                 "this hypervisor; shorten the bootstrap text or split its VMs"
             )
-        send_prune = self._prune_all(minion, specs, complete, errors, held)
+        # VMs the vmhost runner is moving between hypervisors (HOLDS_FILE): neither created,
+        # changed nor pruned until the runner has moved their entry to the destination's file
+        # and lifted the hold. The run is not "applied", so it is retried once the hold goes.
+        moving = sorted(set(self.holds()) & ({s["name"] for s in specs} | protected | managed))
+        if moving:
+            all_ok = False
+            specs = [s for s in specs if s["name"] not in moving]
+            log.info("vmhost_engine: %s: %s left alone: the vmhost runner is moving them", minion, ", ".join(moving))
+        send_prune = not moving and self._prune_all(minion, specs, complete, errors, held)
         if held:
             all_ok = False
             specs = [s for s in specs if s["name"] not in held]
             for new, old in sorted(held.items()):
                 log.warning("vmhost_engine: %s: VM %s is not renamed to %s: %s", minion, old, new, MIGRATE_HINT)
                 self._fire(minion, old, "migration_needed", {"file": path, "vm_name": new, "hint": MIGRATE_HINT})
-        held_names = set(held) | set(held.values())
+        held_names = set(held) | set(held.values()) | set(moving)
         so = None
         if self.config.get("so_compat") and not dry:
             so = SoFiles(self.vms_fd(), self.config["vms_dir"], hyp, self.owner, self.euid).__enter__()
@@ -1597,7 +1639,7 @@ class Engine:
                 all_ok,
                 held_names,
                 send_prune,
-                {n: t for n, t in bootstraps.items() if n not in held},
+                {n: t for n, t in bootstraps.items() if n not in held and n not in moving},
             )
         finally:
             if so is not None:

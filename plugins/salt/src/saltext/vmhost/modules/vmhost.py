@@ -17,6 +17,9 @@ Configuration (minion config, grains or pillar, read with ``config.get``):
     ``timeout_s``.
 ``vmhost:reconcile_timeout`` (or ``vmhost.reconcile_timeout``)
     seconds to wait for a ``reconcile`` that is not a dry run, default 900.
+``vmhost:move_timeout`` (or ``vmhost.move_timeout``)
+    seconds to wait for a ``move`` (whole disk files travel), default 21600; ``migrate`` waits
+    ``vmhost:timeout`` plus its ``timeout_s`` (3600 when not given).
 
 ``image_import`` waits ``vmhost:timeout`` plus its ``timeout_s`` (the daemon's default for a
 download, 3600, when it is not given); ``guest_exec`` waits ``vmhost:timeout`` plus its
@@ -435,6 +438,103 @@ def image_delete(name):
     CLI Example: ``salt '*' vmhost.image_delete old-base.qcow2``
     """
     return _call("image.delete", {"name": name})
+
+
+# vm.migrate's own default for timeout_s (the longest a whole migration may take).
+DEFAULT_MIGRATE_TIMEOUT_S = 3600
+# How long vmhost.move waits for vm.move by default (vm.move has no timeout of its own: it
+# streams whole disk files).
+DEFAULT_MOVE_TIMEOUT = 6 * 3600
+
+
+def _optional_int(params, key, value):
+    if value not in (None, ""):
+        params[key] = _int_arg(value, key)
+
+
+def _int_arg(value, name):
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise CommandExecutionError(f"{name} must be an integer, not {value!r}") from None
+    if number < 0:
+        raise CommandExecutionError(f"{name} must not be negative, not {number}")
+    return number
+
+
+def migrate_in(spec, mode="live"):
+    """
+    Prepare this host to receive a VM from another vmhostd (``vm.migrate_in``): the spec is
+    validated and admitted as a create would be, NICs and disks are made (``live``: QEMU waits
+    for the incoming stream) and the answer says where the source sends and with which one-time
+    secret.
+
+    spec
+        the VM as the source runs it (its ``vm.get`` spec), every bridge NIC's ``mac`` set to
+        the MAC the source gave it.
+    mode
+        ``live`` (default; the source then calls ``vmhost.migrate``) or ``cold`` (the source
+        calls ``vmhost.move``).
+
+    Returns ``{name, address, secret, expires_in_s}``: the source must connect within
+    ``expires_in_s`` seconds, or the destination removes what it prepared. The secret is good
+    for this one migration; it is in the job's return (and the master's job cache) until then.
+
+    CLI Example: ``salt hv2 vmhost.migrate_in '{"name": "web", ...}'``
+    """
+    if mode not in ("live", "cold"):
+        raise CommandExecutionError(f"mode must be live or cold, not {mode!r}")
+    return _call("vm.migrate_in", {"spec": _spec(spec), "mode": mode})
+
+
+def migrate(name, destination, secret, max_downtime_ms=None, bandwidth_mib_s=None, timeout_s=None):
+    """
+    Send a running VM to a destination prepared with ``vmhost.migrate_in`` (``vm.migrate``):
+    its disks are mirrored, then its memory, then the guest switches over; until the
+    destination confirms, the guest keeps running here.
+
+    name
+        the VM.
+    destination, secret
+        ``address`` and ``secret`` of the destination's ``vmhost.migrate_in``.
+    max_downtime_ms
+        longest pause of the guest at the switch-over (the daemon's default: 300).
+    bandwidth_mib_s
+        cap of the memory stream in MiB/s (default: none).
+    timeout_s
+        longest the whole migration may take (the daemon's default: 3600); then it is
+        cancelled and the guest keeps running here. The call waits that long plus
+        ``vmhost:timeout``.
+
+    Returns ``{name, destination, mode, total_ms, downtime_ms, ram_bytes, disk_bytes}``.
+    vmhostd refuses with 4097 (``details.reason``: ``status``, ``passthrough``,
+    ``pending_change``) before anything moves.
+
+    CLI Example: ``salt hv1 vmhost.migrate web 10.0.0.2:7070 SECRET``
+    """
+    params = {"name": name, "destination": str(destination), "secret": str(secret)}
+    _optional_int(params, "max_downtime_ms", max_downtime_ms)
+    _optional_int(params, "bandwidth_mib_s", bandwidth_mib_s)
+    _optional_int(params, "timeout_s", timeout_s)
+    wait = params.get("timeout_s", DEFAULT_MIGRATE_TIMEOUT_S)
+    return _call("vm.migrate", params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + wait)
+
+
+def move(name, destination, secret, stop=False):
+    """
+    Move a stopped VM to a destination prepared with ``vmhost.migrate_in`` ``mode=cold``
+    (``vm.move``): its spec and disk files are streamed there, each checked by sha256, and the
+    VM is removed here only after the destination confirmed (kept data disks stay, as a
+    destroy keeps them). With ``stop=True`` a running VM is stopped first and started on the
+    destination.
+
+    The call waits ``vmhost:move_timeout`` seconds (default 21600: whole disk files travel).
+    Returns ``{name, destination, mode, total_ms, downtime_ms, ram_bytes, disk_bytes}``.
+
+    CLI Example: ``salt hv1 vmhost.move sensor1 10.0.0.2:7070 SECRET stop=True``
+    """
+    params = {"name": name, "destination": str(destination), "secret": str(secret), "stop": _flag(stop, "stop")}
+    return _call("vm.move", params, timeout=float(_option("move_timeout", DEFAULT_MOVE_TIMEOUT)))
 
 
 # vm.exec's and vm.file_push's limits (docs/api.md); the daemon checks them again.
