@@ -9,6 +9,9 @@
 //! console carries a counter every 100 ms with its boot id, which [`CounterWatch`] follows on
 //! both hosts' serial logs at once, timestamping each line as it arrives.
 //!
+//! The daemons run with `sandbox = "require"` as every test host does; `VMHOST_TEST_SANDBOX`
+//! (e.g. `off`) overrides it, to tell a sandbox refusal from a migration defect.
+//!
 //! Order of use: [`Pair::start`], [`Pair::create`] (a VM on the first host), then a migration
 //! ([`Pair::migrate_ctl`] through `vmhostctl --to-socket`, or [`Pair::migrate_in`] and
 //! [`Pair::migrate`] as two API calls), then [`Pair::settled`] to find where the VM runs and
@@ -83,6 +86,7 @@ impl Pair {
                 netns: true,
                 extra: if lan { crate::LAN_NETWORK.to_string() } else { String::new() },
                 memory_gib: opts.memory_gib.unwrap_or(8),
+                sandbox: std::env::var("VMHOST_TEST_SANDBOX").unwrap_or_else(|_| "require".into()),
                 ..HostOptions::default()
             })
         };
@@ -243,6 +247,13 @@ impl Pair {
     }
 }
 
+/// `spec` with its NIC's MAC set in the spec itself (`02:76:6d:00:00:01`), as an operator may
+/// declare it: the spec the source runs is then the very spec the destination admits.
+pub fn with_mac(mut spec: Value) -> Value {
+    spec["nics"][0]["mac"] = json!("02:76:6d:00:00:01");
+    spec
+}
+
 /// The first line of the raw data disk `data` of `name` on `host` (`STATE/disks/NAME/data.raw`
 /// or, kept, `STATE/kept-disks/NAME/data.raw`): `VMHOSTMARK:WORD` after the guest wrote it.
 pub fn disk_mark(path: &Path) -> String {
@@ -293,7 +304,7 @@ impl CounterWatch {
         let (s, t) = (stop.clone(), ticks.clone());
         let thread = std::thread::spawn(move || {
             let mut offsets: Vec<u64> = logs.iter().map(|p| fs::metadata(p).map(|m| m.len()).unwrap_or(0)).collect();
-            let mut partial = vec![String::new(), String::new()];
+            let mut partial = [String::new(), String::new()];
             while !s.load(Ordering::Relaxed) {
                 for (i, p) in logs.iter().enumerate() {
                     let Ok(mut f) = fs::File::open(p) else { continue };

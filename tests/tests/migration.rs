@@ -10,7 +10,7 @@
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use vmhost_tests::migration_pair::{
-    continuity, data_disk, disk_mark, tail, CounterWatch, Pair, PairOptions, ADDRS, PORT,
+    continuity, data_disk, disk_mark, tail, with_mac, CounterWatch, Pair, PairOptions, ADDRS, PORT,
 };
 
 /// Bound of a whole migration of a 256 MiB TCG guest (a failure bound, not a speed).
@@ -93,7 +93,8 @@ fn a_running_guest_moves_with_its_counter_boot_id_and_disk_and_the_source_keeps_
 #[test]
 fn two_api_calls_move_a_guest_and_answer_what_it_took() {
     let pair = Pair::start(PairOptions::default());
-    pair.create(0, &pair.spec("calls", 256, "m", false));
+    // A MAC in the spec: the same spec on both sides (the allocated-MAC case is the first test's).
+    pair.create(0, &with_mac(pair.spec("calls", 256, "m", false)));
     let prepared = pair.migrate_in(0, 1, "calls");
     assert_eq!(prepared["address"], format!("{}:{PORT}", ADDRS[1]), "{prepared}");
     assert_eq!(prepared["secret"].as_str().map(str::len), Some(64), "{prepared}");
@@ -222,7 +223,7 @@ enum Ends {
 fn crash_case(side: Side, step: &str, ends: Ends) {
     let mut pair = Pair::start(PairOptions::default());
     let name = "crashy";
-    pair.create(0, &pair.spec(name, 256, "survives", false));
+    pair.create(0, &with_mac(pair.spec(name, 256, "survives", false)));
     let taps = pair.taps(0, name);
     let dying = match side {
         Side::Source => 0,

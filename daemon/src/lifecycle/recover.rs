@@ -235,7 +235,11 @@ pub(super) async fn finish_destroy(held: &HeldVm) -> Result<(), ApiError> {
 ///
 /// # Errors
 /// The record cannot be written.
-pub(super) async fn readopt(held: &HeldVm, id: crate::process::ProcessIdentity, rec: &crate::state::VmRecord) -> Result<(), ApiError> {
+pub(super) async fn readopt(
+    held: &HeldVm,
+    id: crate::process::ProcessIdentity,
+    rec: &crate::state::VmRecord,
+) -> Result<(), ApiError> {
     let name = held.name();
     match Qmp::connect(&held.paths().qmp, Duration::from_secs(5)).await {
         Ok(mut q) => {
