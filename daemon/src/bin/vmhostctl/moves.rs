@@ -35,6 +35,16 @@ pub struct MoveArgs {
 /// Either daemon refuses or cannot be reached.
 pub fn move_vm(c: &mut Client, args: &MoveArgs) -> Result<Value, Failure> {
     let view: Value = c.call("vm.get", json!({ "name": args.name }))?;
+    // Checked before the destination is prepared: a move this host refuses would leave it
+    // waiting for a source that never comes (until its prepare timeout).
+    match view["status"].as_str() {
+        Some("stopped" | "dead") => {}
+        Some("running") if args.stop => {}
+        Some("running") => return Err(Failure::Usage(format!("{} runs: stop it first, or move it with --stop", args.name))),
+        other => {
+            return Err(Failure::Usage(format!("{} is {}: only a stopped or running VM moves", args.name, other.unwrap_or("?"))))
+        }
+    }
     let mut dest = Client::connect(&args.to_socket)
         .map_err(|e| Failure::Connect(format!("cannot reach the destination at {}: {e}", args.to_socket.display())))?;
     dest.set_timeout(Duration::from_secs(300))?;

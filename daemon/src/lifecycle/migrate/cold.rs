@@ -173,8 +173,13 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
             std::fs::symlink_metadata(path).ok().filter(|m| m.is_file()).map(|m| m.len())
         })
     });
+    // The spec as the orchestrator admitted it on the destination: each NIC with its MAC.
+    let mut spec = rec.spec.clone();
+    for (nic, alloc) in spec.nics.iter_mut().zip(&rec.nics) {
+        nic.mac.get_or_insert_with(|| alloc.mac.clone());
+    }
     let hello = Hello {
-        spec: rec.spec.clone(),
+        spec,
         instance_id: rec.instance_id.clone(),
         macs: rec.nics.iter().map(|n| n.mac.clone()).collect(),
         disks: files.iter().map(|f| f.hello.clone()).collect(),
