@@ -77,10 +77,8 @@ fn a_running_vm_moved_with_stop_runs_on_the_destination() {
 
     // Without stop a running VM is refused (before anything is reached) and stays as it is;
     // vmhostctl says so before it prepares the destination.
-    let (code, e) = pair.hosts[0].call_err(
-        "vm.move",
-        json!({ "name": "stopmove", "destination": "127.0.0.1:9", "secret": "00".repeat(32) }),
-    );
+    let (code, e) = pair.hosts[0]
+        .call_err("vm.move", json!({ "name": "stopmove", "destination": "127.0.0.1:9", "secret": "00".repeat(32) }));
     assert_eq!((code, e.details["reason"].clone()), (4097, json!("status")), "{e:?}");
     let out = move_ctl(&pair, "stopmove", &[]);
     assert!(!out.status.success(), "a running VM moved without --stop");
@@ -169,10 +167,9 @@ fn a_file_changed_on_the_wire_is_refused_and_nothing_is_left_on_the_destination(
     let prepared = pair.hosts[1].call("vm.migrate_in", json!({ "spec": incoming, "mode": "cold" }));
     let mut c = pair.hosts[0].client();
     c.set_timeout(MOVE).expect("timeout");
-    let e = match c.call::<Value>(
-        "vm.move",
-        json!({ "name": "badwire", "destination": relay, "secret": prepared["secret"] }),
-    ) {
+    let e = match c
+        .call::<Value>("vm.move", json!({ "name": "badwire", "destination": relay, "secret": prepared["secret"] }))
+    {
         Ok(v) => panic!("a corrupted move succeeded: {v}"),
         Err(vmhost::client::ClientError::Api(e)) => e,
         Err(e) => panic!("vm.move: transport error {e}"),

@@ -40,9 +40,15 @@ pub fn move_vm(c: &mut Client, args: &MoveArgs) -> Result<Value, Failure> {
     match view["status"].as_str() {
         Some("stopped" | "dead") => {}
         Some("running") if args.stop => {}
-        Some("running") => return Err(Failure::Usage(format!("{} runs: stop it first, or move it with --stop", args.name))),
+        Some("running") => {
+            return Err(Failure::Usage(format!("{} runs: stop it first, or move it with --stop", args.name)))
+        }
         other => {
-            return Err(Failure::Usage(format!("{} is {}: only a stopped or running VM moves", args.name, other.unwrap_or("?"))))
+            return Err(Failure::Usage(format!(
+                "{} is {}: only a stopped or running VM moves",
+                args.name,
+                other.unwrap_or("?")
+            )))
         }
     }
     let mut dest = Client::connect(&args.to_socket)

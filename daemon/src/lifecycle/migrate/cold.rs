@@ -205,7 +205,9 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
     match control.recv(wait).await {
         Ok(ControlMsg::Ready { .. }) if sent.is_ok() => {}
         Ok(ControlMsg::Abort { code, message }) => sent = Err(aborted(code, &message)),
-        Ok(other) if sent.is_ok() => sent = Err(failed("move", format!("an unexpected answer to the files: {other:?}"))),
+        Ok(other) if sent.is_ok() => {
+            sent = Err(failed("move", format!("an unexpected answer to the files: {other:?}")))
+        }
         Err(e) if sent.is_ok() => sent = Err(failed("move", format!("no answer to the files: {e}"))),
         _ => {}
     }
@@ -388,7 +390,9 @@ async fn settle_outgoing(
             if rec.status != VmStatus::Failed {
                 let e = failed("commit", "the destination's answer to a cold move is unknown: the disks are kept here");
                 let le = super::super::last_error(&e);
-                held.update_status("the cold move's outcome is unknown", VmStatus::Failed, |r| r.last_error = Some(le))?;
+                held.update_status("the cold move's outcome is unknown", VmStatus::Failed, |r| {
+                    r.last_error = Some(le)
+                })?;
             }
             spawn_retry(mgr, name);
             Ok(())

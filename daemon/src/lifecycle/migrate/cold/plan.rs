@@ -173,7 +173,11 @@ pub(crate) fn same_vm(admitted: &VmSpec, theirs: &VmSpec) -> bool {
 /// The root disk a destination records for a `boot.disk` VM it received: the format and the
 /// imported size the source sent; `source` is where a create would have imported it from (a
 /// destroy deletes a root disk whose import completed, so it is never moved back there).
-pub(crate) fn boot_disk_root(boot: &BootSpec, hello: &[HelloDisk], import_dir: &Path) -> Option<crate::state::RootDisk> {
+pub(crate) fn boot_disk_root(
+    boot: &BootSpec,
+    hello: &[HelloDisk],
+    import_dir: &Path,
+) -> Option<crate::state::RootDisk> {
     let file = boot.disk.as_ref()?;
     let bytes = hello.iter().find(|d| d.device == "virtio0")?.bytes;
     Some(crate::state::RootDisk {
@@ -310,7 +314,9 @@ mod tests {
         let paths = VmPaths::for_vm(&cfg, "vm-1");
         let root = paths.root_disk(DiskFormat::Raw);
         let present = [root.clone(), paths.uefi_vars()];
-        let files = source_files(&spec, &paths, Some((DiskFormat::Raw, 1234)), |p| present.contains(&p.to_path_buf()).then_some(5));
+        let files = source_files(&spec, &paths, Some((DiskFormat::Raw, 1234)), |p| {
+            present.contains(&p.to_path_buf()).then_some(5)
+        });
         let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
         assert_eq!(names, ["boot", "uefi-vars"]);
         assert_eq!(files[0].hello, HelloDisk { device: "virtio0".into(), bytes: 1234, format: "raw".into() });
