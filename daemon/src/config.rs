@@ -1199,7 +1199,10 @@ reserved_memory_gib = 8
         let c = parse(&format!("[migration]\nlisten = \"192.0.2.1:7070\"\n{hw}")).unwrap();
         assert_eq!(c.migration.listen, Some("192.0.2.1:7070".parse().unwrap()));
         assert_eq!(c.migration.advertise.as_deref(), Some("192.0.2.1:7070"));
-        let c = parse(&format!("[migration]\nlisten = \"[::]:7070\"\nadvertise = \"h.example:7\"\nprepare_timeout_s = 9\n{hw}")).unwrap();
+        let c = parse(&format!(
+            "[migration]\nlisten = \"[::]:7070\"\nadvertise = \"h.example:7\"\nprepare_timeout_s = 9\n{hw}"
+        ))
+        .unwrap();
         assert_eq!(c.migration.advertise.as_deref(), Some("h.example:7"));
         assert_eq!(c.migration.prepare_timeout_s, 9);
         for (section, key) in [

@@ -193,3 +193,57 @@ fn a_file_changed_on_the_wire_is_refused_and_nothing_is_left_on_the_destination(
     assert_eq!(after["spec"], before["spec"]);
     assert_eq!(disk_mark(&data_disk(&pair.hosts[0], "badwire")), "VMHOSTMARK:wire-mark");
 }
+
+/// The source daemon killed at crash point `step` of a cold move of a stopped VM, then both
+/// restarted: the VM is `stopped` on the source with its disk, and the destination holds
+/// nothing of it.
+fn source_crash_case(step: &str) {
+    let mut pair = Pair::start(PairOptions::default());
+    let name = "coldcrash";
+    pair.create(0, &pair.spec(name, 256, "survives", false));
+    pair.hosts[0].call("vm.stop", json!({ "name": name }));
+    let before = status(&pair, 0, name).expect("vm");
+    let mut incoming = before["spec"].clone();
+    incoming["nics"][0]["mac"] = before["nics"][0]["mac"].clone();
+    let prepared = pair.hosts[1].call("vm.migrate_in", json!({ "spec": incoming, "mode": "cold" }));
+    pair.hosts[0].arm_crash(step);
+    let socket = pair.hosts[0].socket.clone();
+    let call = std::thread::spawn(move || {
+        vmhost::client::Client::connect(&socket).map_err(|e| e.to_string()).and_then(|mut c| {
+            c.call::<Value>(
+                "vm.move",
+                json!({ "name": name, "destination": prepared["address"], "secret": prepared["secret"] }),
+            )
+            .map_err(|e| e.to_string())
+        })
+    });
+    pair.hosts[0].restart_after_crash(step);
+    let answer = call.join().unwrap_or_else(|_| Err("the call's thread panicked".into()));
+    assert!(answer.is_err(), "{step}: vm.move answered {answer:?} from a daemon that died");
+    pair.hosts[1].kill_daemon();
+    pair.hosts[1].spawn_daemon();
+    vmhost_tests::wait::until(&format!("{step}: settled on both hosts"), Duration::from_secs(120), || {
+        let here = status(&pair, 0, name);
+        let there = status(&pair, 1, name);
+        match (&here, &there) {
+            (Some(v), None) if v["status"] == "stopped" && v.get("migration").is_none_or(Value::is_null) => Ok(()),
+            _ => Err(format!("source {here:?}; destination {there:?}")),
+        }
+    });
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[0], name)), "VMHOSTMARK:survives", "{step}: the marker");
+    assert!(!pair.hosts[1].state().join("disks").join(name).exists(), "{step}: the destination kept files");
+    // It is an ordinary stopped VM again: it moves now.
+    let out = move_ctl(&pair, name, &[]);
+    ctl_ok(&pair, &out, "vmhostctl move after the crash");
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[1], name)), "VMHOSTMARK:survives");
+}
+
+#[test]
+fn crash_at_move_recorded_leaves_the_vm_stopped_on_the_source() {
+    source_crash_case("move:recorded");
+}
+
+#[test]
+fn crash_at_move_sent_leaves_the_vm_stopped_on_the_source() {
+    source_crash_case("move:sent");
+}

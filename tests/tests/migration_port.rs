@@ -103,8 +103,12 @@ fn a_sandboxed_daemon_binds_its_port_accepts_and_refuses_a_wrong_proof() {
     assert_eq!(rest(b), b"refused\n");
     // The same proof replayed on another stream (whose nonce differs): refused.
     let (mut c, _) = open(port);
-    c.write_all(&wire::encode_open("web-1", &ChannelKind::Ram, &wire::proof(&wrong, &nonce_b, "web-1", &ChannelKind::Ram)))
-        .expect("send");
+    c.write_all(&wire::encode_open(
+        "web-1",
+        &ChannelKind::Ram,
+        &wire::proof(&wrong, &nonce_b, "web-1", &ChannelKind::Ram),
+    ))
+    .expect("send");
     assert_eq!(rest(c), b"refused\n");
     // Not the wire at all: refused.
     let (mut d, _) = open(port);

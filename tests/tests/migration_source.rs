@@ -112,7 +112,8 @@ fn a_destination_that_refuses_changes_nothing_here() {
     assert_eq!(after["pid"], before["pid"]);
     assert_eq!(qmp_status(&src, "stayer"), "running");
 
-    let (code, e) = src.call_err("vm.migrate", json!({ "name": "stayer", "destination": "127.0.0.1:1", "secret": "x" }));
+    let (code, e) =
+        src.call_err("vm.migrate", json!({ "name": "stayer", "destination": "127.0.0.1:1", "secret": "x" }));
     assert_eq!((code, e.field.as_deref()), (2001, Some("secret")));
     src.call("vm.stop", json!({ "name": "stayer", "force": true }));
     let (code, e) = src.call_err(

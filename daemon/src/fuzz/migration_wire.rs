@@ -67,7 +67,8 @@ fn frame(data: &[u8]) {
 fn control_json(data: &[u8]) {
     let Ok(msg) = serde_json::from_slice::<ControlMsg>(data) else { return };
     let json = serde_json::to_vec(&msg).unwrap_or_else(|e| panic!("an accepted message serializes: {e}"));
-    let again: ControlMsg = serde_json::from_slice(&json).unwrap_or_else(|e| panic!("accepted once, refused back: {e}"));
+    let again: ControlMsg =
+        serde_json::from_slice(&json).unwrap_or_else(|e| panic!("accepted once, refused back: {e}"));
     assert_eq!(again, msg);
 }
 

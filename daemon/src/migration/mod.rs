@@ -504,8 +504,10 @@ mod tests {
     }
 
     /// A peer that speaks the framing by hand: nonce exchange, then whatever frames it likes.
-    async fn raw_peer(secret: Secret, frames: impl FnOnce([u8; 32], [u8; 32]) -> Vec<Vec<u8>> + Send + 'static)
-        -> (Control, tokio::task::JoinHandle<()>) {
+    async fn raw_peer(
+        secret: Secret,
+        frames: impl FnOnce([u8; 32], [u8; 32]) -> Vec<Vec<u8>> + Send + 'static,
+    ) -> (Control, tokio::task::JoinHandle<()>) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (theirs, _) = l.accept().unwrap();

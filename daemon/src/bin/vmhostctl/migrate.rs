@@ -89,21 +89,28 @@ pub fn migrate(c: &mut Client, socket: &Path, args: &MigrateArgs, quiet: bool) -
     let (destination, secret) = match &args.to_socket {
         Some(dest_socket) => {
             let view: Value = c.call("vm.get", json!({ "name": args.name }))?;
-            let mut dest = Client::connect(dest_socket)
-                .map_err(|e| Failure::Connect(format!("cannot reach the destination at {}: {e}", dest_socket.display())))?;
+            let mut dest = Client::connect(dest_socket).map_err(|e| {
+                Failure::Connect(format!("cannot reach the destination at {}: {e}", dest_socket.display()))
+            })?;
             dest.set_timeout(Duration::from_secs(300))?;
-            let prepared: Value = dest.call("vm.migrate_in", json!({ "spec": incoming_spec(&view), "mode": "live" }))?;
+            let prepared: Value =
+                dest.call("vm.migrate_in", json!({ "spec": incoming_spec(&view), "mode": "live" }))?;
             let field = |k: &str| prepared[k].as_str().map(str::to_string);
             match (field("address"), field("secret")) {
                 (Some(a), Some(s)) => (a, s),
-                _ => return Err(Failure::Connect(format!("vm.migrate_in answered without address or secret: {prepared}"))),
+                _ => {
+                    return Err(Failure::Connect(format!(
+                        "vm.migrate_in answered without address or secret: {prepared}"
+                    )))
+                }
             }
         }
         None => (args.to.clone().unwrap_or_default(), args.secret.clone().unwrap_or_default()),
     };
     let done = Arc::new(AtomicBool::new(false));
     let watcher = (!quiet).then(|| watch(socket.to_path_buf(), args.name.clone(), Arc::clone(&done)));
-    let mut params = json!({ "name": args.name, "destination": destination, "secret": secret, "timeout_s": args.timeout });
+    let mut params =
+        json!({ "name": args.name, "destination": destination, "secret": secret, "timeout_s": args.timeout });
     if let Some(ms) = args.max_downtime_ms {
         params["max_downtime_ms"] = json!(ms);
     }
@@ -213,7 +220,8 @@ mod tests {
         assert!(render(&p).starts_with("committing  disks 1.2/2.0 GiB"));
         let early = MigrationProgress { phase: "preparing".into(), ..Default::default() };
         assert_eq!(render(&early), "preparing");
-        let disks = MigrationProgress { phase: "disks".into(), disk_done: 3 * GIB, disk_total: 2 * GIB, ..Default::default() };
+        let disks =
+            MigrationProgress { phase: "disks".into(), disk_done: 3 * GIB, disk_total: 2 * GIB, ..Default::default() };
         assert_eq!(render(&disks), "disks 2.0/2.0 GiB", "a mirror's growing length never shows more than all");
     }
 

@@ -139,8 +139,7 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
         let mut reporter = Reporter::new(mgr, &p.name);
         reporter.phase("preparing");
         let limit = Duration::from_secs(p.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S));
-        let sent = match tokio::time::timeout(limit, send(&op, &rec, &p, &secret, &mut control, &mut reporter)).await
-        {
+        let sent = match tokio::time::timeout(limit, send(&op, &rec, &p, &secret, &mut control, &mut reporter)).await {
             Ok(sent) => sent,
             Err(_) => Err(failed("migrate", format!("the migration took longer than {} s", limit.as_secs()))),
         };
@@ -571,9 +570,9 @@ pub(super) fn spawn_retry(mgr: &Arc<Manager>, name: &str, readopt: bool) {
                 // Another operation holds the VM: ask again later.
                 continue;
             };
-            let Some(m) = rec.migration().filter(|m| {
-                m.role == MigrationRole::Outgoing && m.phase == MigrationPhase::Committing
-            }) else {
+            let Some(m) =
+                rec.migration().filter(|m| m.role == MigrationRole::Outgoing && m.phase == MigrationPhase::Committing)
+            else {
                 return;
             };
             let Ok(secret) = Secret::parse(&m.secret) else {

@@ -114,6 +114,9 @@ mod tests {
             error: None,
         };
         let p = with_memory(MigrationProgress { disk_done: 3, ..Default::default() }, &m);
-        assert_eq!((p.ram_done, p.ram_remaining, p.ram_total, p.expected_downtime_ms, p.disk_done), (100, 50, 256, 120, 3));
+        assert_eq!(
+            (p.ram_done, p.ram_remaining, p.ram_total, p.expected_downtime_ms, p.disk_done),
+            (100, 50, 256, 120, 3)
+        );
     }
 }
