@@ -127,10 +127,10 @@ impl<'m> Recovery<'m> {
         // VM twice or delete a live VM's sockets.
         let live = mgr.processes.find(paths, rec.process.as_ref(), self.search())?;
         // A migration's side settles by its own rules (lifecycle/migrate).
-        if rec.migration().is_some() || matches!(rec.status, VmStatus::Migrating | VmStatus::Incoming) {
-            if super::migrate::settle(mgr, held, &rec, live.clone()).await? {
-                return Ok(());
-            }
+        // (false: what is left is settled as for any VM below.)
+        let migrating = rec.migration().is_some() || matches!(rec.status, VmStatus::Migrating | VmStatus::Incoming);
+        if migrating && super::migrate::settle(mgr, held, &rec, live.clone()).await? {
+            return Ok(());
         }
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
