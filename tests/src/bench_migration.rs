@@ -6,7 +6,7 @@
 //! it sent, and the longest gap between two counter lines the guest printed (what a user of
 //! the guest saw, measured on the consoles to 5 ms). Prints figures; asserts nothing about time.
 
-use crate::migration_pair::{continuity, data_disk, CounterWatch, Pair, PairOptions};
+use crate::migration_pair::{continuity, data_disk, with_mac, CounterWatch, Pair, PairOptions};
 use serde_json::{json, Value};
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -58,7 +58,7 @@ pub fn migration(rounds: usize) {
         for round in 0..rounds {
             let pair = Pair::start(PairOptions::default());
             let name = "bench-mig";
-            let mut spec = pair.spec(name, case.memory_mib, "bench", false);
+            let mut spec = with_mac(pair.spec(name, case.memory_mib, "bench", false));
             spec["disks"][0]["size_gib"] = json!(case.disk_gib);
             if case.filled {
                 let mut stopped = spec.clone();

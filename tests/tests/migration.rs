@@ -245,6 +245,31 @@ fn crash_case(side: Side, step: &str, ends: Ends) {
                     .map_err(|e| e.to_string())
                 })
             });
+            // The daemon dies at the point, or the call ends without it getting there: then
+            // say what the call answered and what both daemons logged.
+            let pid = pair.hosts[dying].daemon_pid().expect("daemon") as i32;
+            vmhost_tests::wait::until_true(
+                &format!("vmhostd to die at {step} or vm.migrate to end"),
+                Duration::from_secs(180),
+                || !vmhost_tests::alive(pid) || call.is_finished(),
+                || "neither yet".into(),
+            );
+            // A call cut by the death may end a moment before the process is seen gone.
+            let died = vmhost_tests::wait::poll(Duration::from_secs(5), || {
+                if vmhost_tests::alive(pid) {
+                    Err(String::new())
+                } else {
+                    Ok(())
+                }
+            });
+            if died.is_err() {
+                let answer = call.join().unwrap_or_else(|_| Err("the call's thread panicked".into()));
+                panic!(
+                    "{step} was never reached; vm.migrate answered {answer:?}\n--- source log:\n{}\n--- destination log:\n{}",
+                    tail(&pair.hosts[0].daemon_log(), 40),
+                    tail(&pair.hosts[1].daemon_log(), 40)
+                );
+            }
             pair.hosts[dying].restart_after_crash(step);
             call.join().unwrap_or_else(|_| Err("the call's thread panicked".into()))
         }
