@@ -1614,6 +1614,7 @@ mod tests {
         (Code::ImageExists, "lifecycle::images (image.import)"),
         (Code::NotFrozen, "lifecycle::snapshots (requires frozen)"),
         (Code::ExecDisabled, "lifecycle::exec (allow_exec, guest_exec)"),
+        (Code::NotMovable, "lifecycle::migrate (vm.migrate_in, vm.migrate, vm.move)"),
     ];
 
     /// The codes of docs/api.md's error table, in its order.

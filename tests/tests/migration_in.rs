@@ -23,9 +23,14 @@ fn free_port() -> u16 {
 
 /// A host with a migration port on loopback that waits `prepare_s` seconds for a source.
 fn host(prepare_s: u64) -> (TestHost, String) {
+    host_with(prepare_s, HostOptions::default().sandbox)
+}
+
+/// [`host`] with top-level `sandbox = SANDBOX`.
+fn host_with(prepare_s: u64, sandbox: String) -> (TestHost, String) {
     let port = free_port();
     let extra = format!("[migration]\nlisten = \"127.0.0.1:{port}\"\nprepare_timeout_s = {prepare_s}\n");
-    (TestHost::start(HostOptions { extra, sandbox: "off".into(), ..Default::default() }), format!("127.0.0.1:{port}"))
+    (TestHost::start(HostOptions { extra, sandbox, ..Default::default() }), format!("127.0.0.1:{port}"))
 }
 
 /// Waits until VM `name` has no record any more.
@@ -140,7 +145,11 @@ fn migrate_in_refuses_what_cannot_move_and_a_host_without_a_port() {
 
 #[test]
 fn migrate_in_aborted_by_the_source_after_ready_removes_qemu_and_disks() {
-    let (host, address) = host(30);
+    // KNOWN ISSUE (reported to the lead): under the sandbox the daemon's seccomp filter refuses
+    // the path-based chown qemu::migration::psk_dir makes of QEMU's key directory, so a
+    // sandboxed destination aborts before Ready ("cannot chown .../migration-tls"). Back to the
+    // default (require) once psk_dir needs no chown.
+    let (host, address) = host_with(30, "off".into());
     let mut spec = host.kernel_spec("mig2");
     spec["disks"] = json!([{ "name": "d", "size_gib": 1 }]);
     let r = host.call("vm.migrate_in", json!({ "spec": spec.clone() }));

@@ -8,7 +8,8 @@
 //! 1. refusals before anything ([`check_movable`], the secret), the VM's operation taken;
 //! 2. the control channel, then the record `migrating` (phase `sending`), `Hello`, `Ready`;
 //! 3. [`send`]: TLS, one mirror per disk until all are ready, then the memory until QEMU
-//!    completed (the guest is then paused here);
+//!    completed (the guest is then paused here), then the mirrors ended (`finish_source`: they
+//!    copy what is still dirty, so the destination has every block before the commit);
 //! 4. phase `committing`, `Commit`; `Committed` -> phase `committed` and [`finish`]: the VM
 //!    ends here as `vm.destroy` ends it (`VmOp::destroy_steps`, data disks kept as destroy
 //!    keeps them);
@@ -290,11 +291,18 @@ async fn send(
         reporter.tick(now);
         match memory.status.as_str() {
             "completed" => {
+                // Before the commit: ending the mirrors copies what the guest dirtied last, so
+                // only then does the destination have every block.
+                reporter.phase("switching");
+                qemu_mig::finish_source(&mut *qmp(mgr, name).await?)
+                    .await
+                    .map_err(qemu_failed("ending the mirrors"))?;
+                remove_tls(op.held());
                 return Ok(Sent {
                     downtime_ms: memory.downtime_ms,
                     ram_bytes: memory.transferred,
                     disk_bytes: reporter.progress().disk_done,
-                })
+                });
             }
             "failed" | "cancelled" | "cancelling" => {
                 let why = memory.error.unwrap_or_else(|| memory.status.clone());
@@ -432,8 +440,8 @@ fn remove_tls(held: &HeldVm) {
     }
 }
 
-/// The destination confirmed (step 4 of the module doc): phase `committed`, QEMU's migration
-/// state dropped, then the VM ends here as `vm.destroy` ends it.
+/// The destination confirmed (step 4 of the module doc): phase `committed`, then the VM ends
+/// here as `vm.destroy` ends it (QEMU's migration state was dropped before the commit).
 ///
 /// # Errors
 /// As `vm.destroy`'s steps (the record then says `failed`; a restart finishes it).
@@ -441,15 +449,7 @@ async fn finish(op: &mut VmOp, destination: &str, reporter: &mut Reporter) -> Re
     let name = op.name().to_string();
     op.update("vm.migrate: the destination committed", |r| set_phase(r, MigrationPhase::Committed))?;
     op.crashpoint("migrate:confirmed");
-    match op.mgr().qmp(&name, QMP_TIMEOUT).await {
-        Ok(mut q) => {
-            if let Err(e) = qemu_mig::finish_source(&mut q).await {
-                // QEMU is killed next: what it still holds goes with it.
-                tracing::warn!(vm = %name, error = %e, "the mirrors could not be dropped before the end");
-            }
-        }
-        Err(e) => tracing::warn!(vm = %name, error = %e, "QEMU's monitor: the mirrors are dropped with QEMU"),
-    }
+    tracing::info!(vm = %name, destination, "the destination runs the guest; ending it here");
     reporter.phase("done");
     reporter.clear();
     op.destroy_steps("vm.migrate: the guest runs on the destination", &format!("migrated to {destination}")).await?;

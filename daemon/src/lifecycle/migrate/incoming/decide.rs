@@ -61,9 +61,17 @@ pub(crate) fn check_hello(
     devices: &[String],
     hello: &Hello,
 ) -> Result<(), IncomingError> {
-    let mut theirs = hello.spec.clone();
-    theirs.state = admitted.state;
-    if &theirs != admitted {
+    // The MACs are compared below, from what each side allocated: the source's own spec may
+    // leave them to allocation, while the one admitted here names them.
+    let without_macs = |spec: &VmSpec| {
+        let mut spec = spec.clone();
+        spec.state = admitted.state;
+        for nic in &mut spec.nics {
+            nic.mac = None;
+        }
+        spec
+    };
+    if without_macs(&hello.spec) != without_macs(admitted) {
         return Err(IncomingError::HelloMismatch("the source runs another spec than the one admitted here".into()));
     }
     let lower = |v: &[String]| v.iter().map(|m| m.to_ascii_lowercase()).collect::<Vec<_>>();
@@ -240,6 +248,10 @@ mod tests {
         let devices = vec!["virtio0".to_string()];
         let mut h = hello(&spec());
         h.spec.state = DesiredState::Stopped;
+        assert!(check_hello(&admitted, &macs, &devices, &h).is_ok());
+        // The source's spec left its MAC to allocation; the admitted one names it.
+        let mut h = hello(&spec());
+        h.spec.nics[0].mac = None;
         assert!(check_hello(&admitted, &macs, &devices, &h).is_ok());
         let mut h = hello(&spec());
         h.spec.memory_mib += 1;
