@@ -125,3 +125,59 @@ fn a_destination_that_refuses_changes_nothing_here() {
     );
     assert_eq!((code, e.details["reason"].as_str()), (4097, Some("status")));
 }
+
+/// The source daemon killed at `step` of a `vm.migrate`, then restarted: the VM ends on
+/// exactly one host (`on_destination`), with one QEMU across both and no record on the other.
+fn crash_case(step: &str, on_destination: bool) {
+    let (mut src, dst) = (host(), host());
+    running_guest(&src, "crashy");
+    let view: Value = src.call("vm.get", json!({ "name": "crashy" }));
+    let prepared = dst.call("vm.migrate_in", json!({ "spec": view["spec"] }));
+    src.crash_during(
+        step,
+        "vm.migrate",
+        json!({ "name": "crashy", "destination": prepared["address"], "secret": prepared["secret"] }),
+    );
+    let (runs, other) = if on_destination { (&dst, &src) } else { (&src, &dst) };
+    runs.wait_status("crashy", "running", Duration::from_secs(120));
+    vmhost_tests::wait::until("the other host to forget the VM", Duration::from_secs(120), || {
+        match other.client().call::<Value>("vm.get", json!({ "name": "crashy" })) {
+            Err(_) => Ok(()),
+            Ok(v) => Err(format!("{v}")),
+        }
+    });
+    assert_eq!(qmp_status(runs, "crashy"), "running");
+    let view: Value = runs.call("vm.get", json!({ "name": "crashy" }));
+    if on_destination {
+        // The destination keeps the committed migration to answer the source's queries.
+        assert_eq!(view["migration"]["phase"], "committed", "{view}");
+    } else {
+        assert_eq!(view.get("migration"), None, "the source cleared the migration: {view}");
+    }
+    assert_eq!((runs.qemu_pids().len(), other.qemu_pids().len()), (1, 0));
+}
+
+#[test]
+fn a_restart_at_migrate_memory_keeps_the_guest_here() {
+    crash_case("migrate:memory", false);
+}
+
+#[test]
+fn a_restart_at_migrate_commit_keeps_the_guest_here() {
+    crash_case("migrate:commit", false);
+}
+
+#[test]
+fn a_restart_at_migrate_confirmed_ends_the_vm_here() {
+    crash_case("migrate:confirmed", true);
+}
+
+#[test]
+fn a_restart_at_migrate_recorded_keeps_the_guest_here() {
+    crash_case("migrate:recorded", false);
+}
+
+#[test]
+fn a_restart_at_migrate_mirroring_keeps_the_guest_here() {
+    crash_case("migrate:mirroring", false);
+}

@@ -78,3 +78,26 @@ pub fn view(
         progress: progress.cloned(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_view_names_role_and_phase_as_the_record_writes_them_and_carries_the_progress() {
+        let m = MigrationRecord {
+            role: MigrationRole::Outgoing,
+            mode: MoveMode::Live,
+            peer: "10.0.0.2:7300".into(),
+            secret: "00".repeat(32),
+            phase: MigrationPhase::Committing,
+            since: "2026-12-06T00:00:00Z".into(),
+        };
+        let p = crate::api::migration::MigrationProgress { phase: "committing".into(), ..Default::default() };
+        let v = view(&m, Some(&p));
+        assert_eq!((v.role.as_str(), v.phase.as_str(), v.peer.as_str()), ("outgoing", "committing", "10.0.0.2:7300"));
+        assert_eq!(v.progress, Some(p));
+        let json = serde_json::to_value(view(&m, None)).unwrap();
+        assert!(json.get("progress").is_none() && json.get("secret").is_none(), "{json}");
+    }
+}
