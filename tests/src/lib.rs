@@ -756,11 +756,13 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
 pub mod bench_capture;
 pub mod bench_images;
 pub mod bench_lifecycle;
+pub mod bench_migration;
 pub mod bench_stats;
 pub mod bench_storage;
 pub mod boot_sector;
 pub mod frames;
 pub mod lab;
+pub mod migration_pair;
 pub mod wait;
 
 /// `text` without ANSI colour sequences: the daemon's log is coloured, and tests read it.

@@ -41,6 +41,8 @@ mod exec;
 mod files;
 #[path = "vmhostctl/migrate.rs"]
 mod migrate;
+#[path = "vmhostctl/moves.rs"]
+mod moves;
 #[path = "vmhostctl/ssh.rs"]
 mod ssh;
 
@@ -223,6 +225,9 @@ enum Cmd {
     /// `--secret`), or with `--to-socket` the destination's API socket, which vmhostctl
     /// prepares itself. Draws the progress as it goes.
     Migrate(migrate::MigrateArgs),
+    /// Move a stopped VM (with `--stop` a running one, started again there) cold to the
+    /// vmhostd at `--to-socket`: its spec and disk files, each checked by sha256.
+    Move(moves::MoveArgs),
     /// Call any method with JSON params.
     Call { method: String, params: Option<String> },
 }
@@ -623,6 +628,20 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         }
         Cmd::Exec(_) => {}
         Cmd::MigrateIn(args) => out(&migrate::migrate_in(&mut c, args)?),
+        Cmd::Move(args) => {
+            let v = moves::move_vm(&mut c, args)?;
+            if cli.json {
+                out(&v);
+            } else {
+                say!(
+                    "{}: moved to {} in {} ms ({} bytes of disks)",
+                    args.name,
+                    v["destination"].as_str().unwrap_or_default(),
+                    v["total_ms"],
+                    v["disk_bytes"]
+                );
+            }
+        }
         Cmd::Migrate(args) => {
             let v = migrate::migrate(&mut c, &cli.socket, args, cli.json)?;
             if cli.json {

@@ -42,14 +42,15 @@
 //! [--nic-rounds N] [--boot-rounds N] [--boot-kernel-mib N] [--boot-initrd-mib N] [--boot-guest DIR]
 //! [--check-rounds N] [--reconfigure-rounds N] [--autostart-vms N] [--stats-vms N] [--stats-calls N]
 //! [--storage-rounds N] [--image-rounds N] [--image-mib N] [--create-rounds N] [--port-rounds N]
-//! [--capture-secs N] [--capture-payload N] [--capture-guests N,...]`;
+//! [--capture-secs N] [--capture-payload N] [--capture-guests N,...] [--migration-rounds N]`;
 //! 0 VMs or 0 rounds skip that section. `--boot-guest DIR` takes the test
 //! guest's `vmlinuz` and `initramfs.cpio.gz` from DIR instead of building it (the same files for
 //! two builds compared). Sections (`--only`, comma-separated; all without it): `create`
 //! (`vm.create` against raw QEMU with the same argv, and step by step) and `ports` (TCG boot with
 //! 0 to 4 spare hot-plug root ports), both in `bench_create.rs`, `read`,
 //! `reconcile`, `churn`, `restart`, `adopt`, `parallel`, `idle` (`scale` names these seven), `nic`,
-//! `boot`, `agent`, `reconfigure`, `autostart`, `stats`, `storage`, `images`, `capture`. `--quick` is a smoke test:
+//! `boot`, `agent`, `reconfigure`, `autostart`, `stats`, `storage`, `images`, `capture`, `migration` (a running guest moved between two vmhostds:
+//! [`vmhost_tests::bench_migration`]). `--quick` is a smoke test:
 //! without `--only` it runs the scale sections only, at small defaults (200 records, 4 running,
 //! 4 parallel, 10 idle VMs over 10 s, one round each); options given explicitly still win.
 
@@ -593,7 +594,7 @@ fn read_bench(
 const SCALE_SECTIONS: [&str; 7] = ["read", "reconcile", "churn", "restart", "adopt", "parallel", "idle"];
 
 /// Every section `--only` accepts (and `scale` for all of [`SCALE_SECTIONS`]).
-const SECTIONS: [&str; 18] = [
+const SECTIONS: [&str; 19] = [
     "create",
     "ports",
     "read",
@@ -612,6 +613,7 @@ const SECTIONS: [&str; 18] = [
     "storage",
     "images",
     "capture",
+    "migration",
 ];
 
 /// True when the bare flag `name` is given.
@@ -1261,5 +1263,8 @@ fn main() {
                 .unwrap_or_else(|| vec![0, 1, 4]),
             arg("--capture-payload", frames_min_payload()),
         );
+    }
+    if selected("migration") {
+        vmhost_tests::bench_migration::migration(arg("--migration-rounds", 1));
     }
 }

@@ -1,17 +1,401 @@
-//! SKELETON (issue 32): `vm.move`, a stopped VM's spec and disks streamed to another vmhostd
-//! (docs/moving.md); the helper fills it.
+//! `vm.move` (docs/moving.md, "Cold moves"): a stopped VM (or, with `stop`, a running one
+//! stopped first) sent to another vmhostd as its spec and its disk files, for VMs that cannot
+//! migrate live (passthrough) or need not. Both sides are here: the source's operation
+//! ([`move_vm`]) and the destination's receive ([`receive::receive`], run by `vm.migrate_in`
+//! with `mode: cold`), and what a restart of either side settles ([`recover`]).
+//!
+//! Source, in order: refusals ([`plan::admit`]); the control channel opened (nothing changed
+//! when the destination cannot be reached); the VM stopped when asked; the record `migrating`
+//! with a cold migration (crash point `move:recorded`); `Hello`; each file with its sha256 over
+//! the `files` channel ([`crate::migration::files`]); the destination's `Ready` (every file
+//! arrived and matched; crash point `move:sent`); phase `committing`; `Commit`; on `Committed`
+//! the VM ends here as a destroy ends it ([`VmOp::destroy_steps`], data disks kept as a destroy
+//! keeps them). Any failure before `Commit` leaves the VM here `stopped` (started again if this
+//! move stopped it); a `Commit` without an answer is settled by asking the destination, as a
+//! live migration's is.
+//!
+//! The destination's files land where a create puts them ([`plan::placement`]): the overlay
+//! of an image VM, the root disk of a `boot.disk` VM, data disks and UEFI variables in the VM's
+//! disk directory. They are received under partial names and renamed once their sha256 matched,
+//! so a half-received disk never looks like the VM's.
 
+mod plan;
+pub(in crate::lifecycle) mod receive;
+
+pub(in crate::lifecycle) use receive::{receive, Abandon};
+
+use super::super::held::HeldVm;
+use super::super::op::VmOp;
 use super::super::Manager;
-use crate::api::ApiError;
+use super::source_outcome::{self, Answer};
+use crate::api::migration::{MigrateResult, MoveMode, MoveParams};
+use crate::api::{ApiError, Code, DesiredState, StopParams, VmStatus};
+use crate::migration::files::FileSender;
+use crate::migration::{ChannelKind, Control, ControlMsg, Hello, Secret};
+use crate::process::ProcessIdentity;
+use crate::state::migration::{MigrationPhase, MigrationRecord, MigrationRole};
+use crate::state::VmRecord;
+use plan::{SourceAction, SourceFile};
+use serde_json::json;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::Instrument;
 
-/// `vm.move`.
+/// How long the source waits to reach the destination's port.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a `stop: true` move gives the guest to power off before QEMU is killed.
+const STOP_TIMEOUT_S: u64 = 60;
+/// How long the source waits for the destination's verdict on the files (it hashes the last
+/// one as it arrives, so little after the last byte).
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the source waits for `Committed` (the destination writes one record).
+const COMMIT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the source looks for the destination's `Abort` after the files channel failed.
+const ABORT_WAIT: Duration = Duration::from_secs(10);
+
+/// 4097 `not_movable` with `reason`.
+fn not_movable(reason: &str, message: impl Into<String>) -> ApiError {
+    ApiError::new(Code::NotMovable, message).details(json!({ "reason": reason }))
+}
+
+/// 4001 at `step`.
+fn failed(step: &str, message: impl Into<String>) -> ApiError {
+    super::super::provisioning(step, message.into())
+}
+
+/// The destination's `Abort` as this call's error: its code when it is one of ours.
+fn aborted(code: i32, message: &str) -> ApiError {
+    match Code::from_i32(code) {
+        Some(code) => ApiError::new(code, format!("the destination gave up: {message}")),
+        None => failed("destination", format!("the destination gave up: {message}")),
+    }
+    .details(json!({ "step": "destination" }))
+}
+
+/// `vm.move` (module doc).
 ///
 /// # Errors
-/// Not built yet.
-pub(crate) async fn move_vm(
-    _mgr: &Arc<Manager>,
-    _p: crate::api::migration::MoveParams,
-) -> Result<crate::api::migration::MigrateResult, ApiError> {
-    Err(ApiError::internal("vm.move is not built yet"))
+/// 2001 `secret`; 4040, 4090; 4097 reason `status` (neither stopped, nor running with
+/// `stop`); 4001 step `connect` when the destination cannot be reached (nothing changed); as
+/// `vm.stop` for the stop; 4001 step `move` or the destination's own code (2003 for a file that
+/// arrived with another sha256) when the move failed before the commit (the VM stays here);
+/// 4001 step `commit` when the destination's answer is unknown (recorded `failed`, disks kept,
+/// asked again in the background).
+pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<MigrateResult, ApiError> {
+    let span = tracing::info_span!("vm.move", vm = %p.name, destination = %p.destination);
+    async move {
+        let secret =
+            Secret::parse(&p.secret).map_err(|_| ApiError::invalid("secret", "the secret is not 64 hex digits"))?;
+        let started = Instant::now();
+        let (mut op, rec) = mgr.begin_op(&p.name).await?;
+        let live = op.find_live(rec.process.as_ref())?.is_some();
+        let stop = plan::admit(rec.status, live, p.stop).map_err(|e| not_movable("status", e.to_string()))?;
+        let stream = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            crate::migration::connect(&p.destination, &p.name, &secret, &ChannelKind::Control),
+        )
+        .await
+        .map_err(|_| failed("connect", format!("{} did not answer in time", p.destination)))?
+        .map_err(|e| failed("connect", format!("cannot reach the destination {}: {e}", p.destination)))?;
+        let mut control = Control::new(stream, &secret);
+        if stop {
+            let sp = StopParams {
+                name: p.name.clone(),
+                timeout_s: STOP_TIMEOUT_S,
+                force: false,
+                method: Default::default(),
+            };
+            op.stop_steps(&sp, 0).await?;
+        }
+        let record = MigrationRecord {
+            role: MigrationRole::Outgoing,
+            mode: MoveMode::Cold,
+            peer: p.destination.clone(),
+            secret: secret.to_hex(),
+            phase: MigrationPhase::Sending,
+            since: crate::api::now_rfc3339(),
+        };
+        if let Err(e) = op.update_status("vm.move", VmStatus::Migrating, |r| r.migration = Some(record)) {
+            restart(&mut op, stop).await;
+            return Err(e);
+        }
+        op.crashpoint("move:recorded");
+        let disk_bytes = match send(&op, &p, &secret, &mut control).await {
+            Ok(bytes) => bytes,
+            Err(e) => return Err(give_up(&mut op, Some(&mut control), e, stop).await),
+        };
+        op.crashpoint("move:sent");
+        op.update("vm.move: committing", |r| set_phase(r, MigrationPhase::Committing))?;
+        let answer = match control.send(&ControlMsg::Commit).await {
+            Ok(()) => control.recv(COMMIT_TIMEOUT).await,
+            Err(e) => Err(e),
+        };
+        match answer {
+            Ok(ControlMsg::Committed) => finish(&mut op, &p.destination).await?,
+            Ok(ControlMsg::Abort { code, message }) => {
+                return Err(give_up(&mut op, None, aborted(code, &message), stop).await);
+            }
+            other => {
+                tracing::warn!(answer = ?other, "no answer to the commit: asking the destination");
+                settle(&mut op, &p.destination, &secret, stop).await?;
+            }
+        }
+        Ok(MigrateResult {
+            name: p.name.clone(),
+            destination: p.destination.clone(),
+            mode: MoveMode::Cold,
+            total_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            downtime_ms: 0,
+            ram_bytes: 0,
+            disk_bytes,
+        })
+    }
+    .instrument(span)
+    .await
+}
+
+/// The record's migration in phase `phase`.
+fn set_phase(r: &mut VmRecord, phase: MigrationPhase) {
+    if let Some(m) = r.migration.as_mut() {
+        m.phase = phase;
+    }
+}
+
+/// `Hello`, the files, and the destination's `Ready` (every file arrived with its sha256).
+/// Returns the bytes sent.
+async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control) -> Result<u64, ApiError> {
+    let rec = op.record()?;
+    let paths = op.paths().clone();
+    let root = rec.root_disk.as_ref().map(|r| (r.format, r.imported_bytes));
+    let spec = rec.spec.clone();
+    let files: Vec<SourceFile> = crate::blocking::run(|| {
+        plan::source_files(&spec, &paths, root, |path| {
+            std::fs::symlink_metadata(path).ok().filter(|m| m.is_file()).map(|m| m.len())
+        })
+    });
+    // The spec as the orchestrator admitted it on the destination: each NIC with its MAC.
+    let mut spec = rec.spec.clone();
+    for (nic, alloc) in spec.nics.iter_mut().zip(&rec.nics) {
+        nic.mac.get_or_insert_with(|| alloc.mac.clone());
+    }
+    let hello = Hello {
+        spec,
+        instance_id: rec.instance_id.clone(),
+        macs: rec.nics.iter().map(|n| n.mac.clone()).collect(),
+        disks: files.iter().map(|f| f.hello.clone()).collect(),
+    };
+    control.send(&ControlMsg::Hello(Box::new(hello))).await.map_err(|e| failed("move", format!("hello: {e}")))?;
+    let stream = crate::migration::connect(&p.destination, &p.name, secret, &ChannelKind::Files)
+        .await
+        .map_err(|e| failed("move", format!("the files channel: {e}")))?;
+    let mut tx = FileSender::new(stream, secret);
+    let mut bytes = 0;
+    let mut sent = async {
+        for f in &files {
+            let header = tx.send(&f.name, &f.path).await?;
+            tracing::info!(file = %f.name, bytes = header.bytes, sha256 = %header.sha256, "sent");
+            bytes += header.bytes;
+        }
+        tx.finish().await
+    }
+    .await
+    .map_err(|e| failed("move", format!("sending the files: {e}")));
+    // The destination says why it stopped reading, if it did: its verdict decides the error.
+    let wait = if sent.is_ok() { READY_TIMEOUT } else { ABORT_WAIT };
+    match control.recv(wait).await {
+        Ok(ControlMsg::Ready { .. }) if sent.is_ok() => {}
+        Ok(ControlMsg::Abort { code, message }) => sent = Err(aborted(code, &message)),
+        Ok(other) if sent.is_ok() => {
+            sent = Err(failed("move", format!("an unexpected answer to the files: {other:?}")))
+        }
+        Err(e) if sent.is_ok() => sent = Err(failed("move", format!("no answer to the files: {e}"))),
+        _ => {}
+    }
+    sent.map(|()| bytes)
+}
+
+/// Starts the VM again if this move stopped it (a failure before the commit: it was running
+/// when the move began). A failed start is logged; the VM is then `failed` as after any start.
+async fn restart(op: &mut VmOp, stopped_here: bool) {
+    if !stopped_here {
+        return;
+    }
+    if let Err(e) = op.start_steps("vm.move failed: started again").await {
+        tracing::error!(error = %e.message, "the VM this move stopped could not be started again");
+    }
+}
+
+/// A failure before the commit: the destination told (`Abort`, when the channel is up), the VM
+/// recorded `stopped` with its migration cleared, started again if this move stopped it.
+/// Returns `error`.
+async fn give_up(op: &mut VmOp, control: Option<&mut Control>, error: ApiError, stopped_here: bool) -> ApiError {
+    tracing::warn!(error = %error.message, "cold move given up: the VM stays here");
+    if let Some(c) = control {
+        let abort = ControlMsg::Abort { code: error.code.as_i32(), message: error.message.clone() };
+        if let Err(e) = c.send(&abort).await {
+            tracing::info!(error = %e, "the destination was not told of the abort");
+        }
+    }
+    if let Err(e) = op.update_status("vm.move failed: the VM stays here", VmStatus::Stopped, |r| r.migration = None) {
+        tracing::error!(error = %e.message, "cannot record the failed move");
+        return error;
+    }
+    restart(op, stopped_here).await;
+    error
+}
+
+/// The destination has the VM: phase `committed`, then the VM ends here as `vm.destroy` ends it
+/// (data disks with `keep_on_destroy` kept, as a destroy keeps them).
+///
+/// # Errors
+/// As `vm.destroy`'s steps (the record then says `failed`; a restart finishes it).
+async fn finish(op: &mut VmOp, destination: &str) -> Result<(), ApiError> {
+    op.update("vm.move: the destination committed", |r| set_phase(r, MigrationPhase::Committed))?;
+    op.destroy_steps("vm.move: the VM is on the destination", &format!("moved to {destination}")).await?;
+    Ok(())
+}
+
+/// `Answer` as [`plan::source_action`] takes it.
+fn answered(a: Answer) -> Option<Option<crate::migration::Outcome>> {
+    match a {
+        Answer::NotAsked => None,
+        Answer::Unreachable => Some(None),
+        Answer::Said(o) => Some(Some(o)),
+    }
+}
+
+/// `Commit` went out and no answer came: asks the destination every
+/// [`source_outcome::ASK_EVERY`] for up to [`source_outcome::ASK_FOR`] and does what it said;
+/// while it cannot tell, the VM is recorded `failed` (disks kept) and asked about in the
+/// background.
+///
+/// # Errors
+/// 4001 step `commit` when the answer stays unknown; the destination gave the move up (the VM
+/// stays here); as [`finish`].
+async fn settle(op: &mut VmOp, destination: &str, secret: &Secret, stopped_here: bool) -> Result<(), ApiError> {
+    let name = op.name().to_string();
+    let until = Instant::now() + source_outcome::ASK_FOR;
+    loop {
+        let answer = source_outcome::ask(destination, &name, secret).await;
+        match plan::source_action(Some(MigrationPhase::Committing), answered(answer)) {
+            SourceAction::Finish => return finish(op, destination).await,
+            SourceAction::KeepHere => {
+                let e = failed("commit", "the destination gave the move up after the commit was sent");
+                return Err(give_up(op, None, e, stopped_here).await);
+            }
+            SourceAction::Ask | SourceAction::Wait if Instant::now() < until => {
+                tokio::time::sleep(source_outcome::ASK_EVERY).await;
+            }
+            SourceAction::Ask | SourceAction::Wait => break,
+        }
+    }
+    let e = failed(
+        "commit",
+        format!(
+            "the destination's answer is unknown: the VM's disks are kept here until {destination} answers \
+             (asked every {} s)",
+            source_outcome::RETRY_EVERY.as_secs()
+        ),
+    );
+    let le = super::super::last_error(&e);
+    op.update_status("vm.move: the outcome is unknown", VmStatus::Failed, |r| r.last_error = Some(le))?;
+    spawn_retry(op.mgr(), &name);
+    Err(e)
+}
+
+/// Asks the destination every [`source_outcome::RETRY_EVERY`] what became of VM `name`'s cold
+/// move until it answers, then settles the record as recovery does ([`settle_outgoing`]).
+fn spawn_retry(mgr: &Arc<Manager>, name: &str) {
+    let (mgr, name) = (Arc::clone(mgr), name.to_string());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(source_outcome::RETRY_EVERY).await;
+            let Ok((op, rec)) = mgr.begin_op(&name).await else { return };
+            let Some(m) = rec.migration().filter(|m| m.role == MigrationRole::Outgoing && m.mode == MoveMode::Cold)
+            else {
+                return; // settled otherwise (an operator, a restart)
+            };
+            let Ok(secret) = Secret::parse(&m.secret) else { return };
+            let answer = source_outcome::ask(&m.peer, &name, &secret).await;
+            let action = plan::source_action(Some(m.phase), answered(answer));
+            if action == SourceAction::Wait {
+                continue;
+            }
+            if let Err(e) = settle_outgoing(&mgr, op.held(), &rec, None, action).await {
+                tracing::error!(vm = %name, error = %e.message, "settling a cold move failed");
+            }
+            return;
+        }
+    });
+}
+
+/// Recovery of a record naming a cold move, on either side (called by [`super::settle`], which
+/// hands in the destination's abandon). Returns true when the VM is settled, false when
+/// recovery goes on as for any VM.
+///
+/// # Errors
+/// A record write, or a step of the teardown or the abandon, failed.
+pub(in crate::lifecycle) async fn recover(
+    mgr: &Arc<Manager>,
+    held: &HeldVm,
+    rec: &VmRecord,
+    live: Option<ProcessIdentity>,
+    abandon: Abandon,
+) -> Result<bool, ApiError> {
+    let Some(m) = rec.migration() else { return Ok(false) };
+    if m.role == MigrationRole::Incoming {
+        return receive::recover(held, rec, abandon).await;
+    }
+    let mut action = plan::source_action(Some(m.phase), None);
+    if action == SourceAction::Ask {
+        let answer = match Secret::parse(&m.secret) {
+            Ok(secret) => source_outcome::ask(&m.peer, held.name(), &secret).await,
+            Err(_) => Answer::Unreachable,
+        };
+        action = plan::source_action(Some(m.phase), answered(answer));
+    }
+    tracing::info!(vm = held.name(), phase = ?m.phase, ?action, "settling an interrupted cold move");
+    settle_outgoing(mgr, held, rec, live, action).await?;
+    Ok(true)
+}
+
+/// Carries out the source's decision on a cold move's record (recovery, the background retry).
+async fn settle_outgoing(
+    mgr: &Arc<Manager>,
+    held: &HeldVm,
+    rec: &VmRecord,
+    live: Option<ProcessIdentity>,
+    action: SourceAction,
+) -> Result<(), ApiError> {
+    let name = held.name();
+    // A cold move's VM has no QEMU; one found is not the guest's to keep running here.
+    if let Some(id) = live {
+        mgr.processes.kill(name, &id).await?;
+    }
+    match action {
+        SourceAction::KeepHere => held
+            .update_status("the cold move did not complete: the VM stays here", VmStatus::Stopped, |r| {
+                r.migration = None;
+                r.process = None;
+            })
+            .map(drop),
+        SourceAction::Finish => {
+            held.update_status("the VM is on the destination (settled)", VmStatus::Destroying, |r| {
+                r.spec.state = DesiredState::Stopped;
+                r.process = None;
+            })?;
+            super::super::recover::finish_destroy(held).await
+        }
+        SourceAction::Ask | SourceAction::Wait => {
+            if rec.status != VmStatus::Failed {
+                let e = failed("commit", "the destination's answer to a cold move is unknown: the disks are kept here");
+                let le = super::super::last_error(&e);
+                held.update_status("the cold move's outcome is unknown", VmStatus::Failed, |r| {
+                    r.last_error = Some(le)
+                })?;
+            }
+            spawn_retry(mgr, name);
+            Ok(())
+        }
+    }
 }

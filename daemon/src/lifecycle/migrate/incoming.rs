@@ -66,10 +66,6 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
     async move {
         let address = mgr.migrations.address().ok_or(IncomingError::NoPort)?;
         decide::refuse_unmovable(&p.spec, p.mode)?;
-        if p.mode == MoveMode::Cold {
-            // The cold receive (lifecycle/migrate/cold.rs) is wired here once it exists.
-            return Err(ApiError::internal("vm.migrate_in mode cold is not built yet"));
-        }
         let spec = decide::admitted_spec(&p.spec, p.mode);
         let name = spec.name.clone();
         let vm = validate_spec(&spec, &mgr.config)?;
@@ -103,8 +99,16 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
         }
         op.crashpoint("migrate_in:recorded");
         let timeout_s = mgr.migrations.prepare_timeout().as_secs();
-        let task = receive(op, vm, expectation, secret.clone(), timeout_s);
-        tokio::spawn(task.instrument(tracing::Span::current()));
+        if p.mode == MoveMode::Cold {
+            // The cold receive (lifecycle/migrate/cold.rs): the same admission and record, then
+            // files instead of a paused QEMU.
+            let abandon: super::cold::Abandon = |h, why| Box::pin(abandon(h, why));
+            let task = super::cold::receive(op, vm, expectation, secret.clone(), timeout_s, abandon);
+            tokio::spawn(task.instrument(tracing::Span::current()));
+        } else {
+            let task = receive(op, vm, expectation, secret.clone(), timeout_s);
+            tokio::spawn(task.instrument(tracing::Span::current()));
+        }
         Ok(MigrateInResult { name, address, secret: secret.to_hex(), expires_in_s: timeout_s })
     }
     .instrument(span)

@@ -21,7 +21,8 @@ use crate::state::migration::MigrationRole;
 use crate::state::VmRecord;
 
 /// Recovery of a VM whose record names a migration (or says `migrating` / `incoming`): each
-/// side settles its own ([`outgoing::recover`], [`incoming::recover`]). `live` is the VM's
+/// side settles its own ([`outgoing::recover`], [`incoming::recover`]; a cold move's both sides
+/// [`cold::recover`]). `live` is the VM's
 /// QEMU found running. Returns true when the VM is settled, false when recovery goes on as for
 /// any VM (a committed incoming VM is an ordinary running one).
 ///
@@ -33,6 +34,9 @@ pub(super) async fn settle(
     rec: &VmRecord,
     live: Option<ProcessIdentity>,
 ) -> Result<bool, ApiError> {
+    if rec.migration().is_some_and(|m| m.mode == crate::api::migration::MoveMode::Cold) {
+        return cold::recover(mgr, held, rec, live, |h, why| Box::pin(incoming::abandon(h, why))).await;
+    }
     let incoming = match rec.migration() {
         Some(m) => m.role == MigrationRole::Incoming,
         None => rec.status == crate::api::VmStatus::Incoming,

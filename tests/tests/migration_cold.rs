@@ -1,0 +1,249 @@
+//! Cold moves between two vmhostds (`vm.move`, issue 32, docs/moving.md "Cold moves"): two
+//! daemons in their own network namespaces joined by a veth ([`vmhost_tests::migration_pair`]).
+//! A stopped VM's data disk with a marker arrives on the destination and the VM starts there;
+//! a running VM moved with `--stop` runs on the destination afterwards, with its MAC; a byte
+//! changed on the wire (a relay in the test between the two ports) is refused with 2003 and
+//! leaves nothing on the destination and the VM as it was on the source.
+
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+use vmhost_tests::migration_pair::{data_disk, disk_mark, tail, Pair, PairOptions, ADDRS, PORT};
+
+/// Bound of a move of a 1 GiB sparse data disk (hashed on both sides) between TCG hosts.
+const MOVE: Duration = Duration::from_secs(300);
+
+fn ctl_ok(pair: &Pair, out: &std::process::Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\nstdout: {}\nstderr: {}\n--- source log:\n{}\n--- destination log:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        tail(&pair.hosts[0].daemon_log(), 60),
+        tail(&pair.hosts[1].daemon_log(), 60)
+    );
+}
+
+/// `vmhostctl move NAME --to-socket (host 1) [extra]` run against host 0.
+fn move_ctl(pair: &Pair, name: &str, extra: &[&str]) -> std::process::Output {
+    let to = pair.hosts[1].socket.display().to_string();
+    let mut args = vec!["move", name, "--to-socket", to.as_str()];
+    args.extend_from_slice(extra);
+    pair.hosts[0].ctl(&args)
+}
+
+fn status(pair: &Pair, on: usize, name: &str) -> Option<Value> {
+    pair.hosts[on].client().call::<Value>("vm.get", json!({ "name": name })).ok()
+}
+
+#[test]
+fn a_stopped_vm_moves_with_its_data_disk_and_starts_on_the_destination() {
+    let pair = Pair::start(PairOptions::default());
+    let spec = pair.spec("coldvm", 256, "cold-mark", true);
+    pair.create(0, &spec);
+    let taps = pair.taps(0, "coldvm");
+    let mac = status(&pair, 0, "coldvm").expect("vm")["nics"][0]["mac"].clone();
+    pair.hosts[0].call("vm.stop", json!({ "name": "coldvm" }));
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[0], "coldvm")), "VMHOSTMARK:cold-mark");
+
+    let out = move_ctl(&pair, "coldvm", &[]);
+    ctl_ok(&pair, &out, "vmhostctl move");
+    println!("vmhostctl said: {}", String::from_utf8_lossy(&out.stdout).trim());
+
+    // The destination has it stopped, with the disk as it was; the source has nothing.
+    let v = status(&pair, 1, "coldvm").expect("the destination has the VM");
+    assert_eq!(v["status"], "stopped", "{v}");
+    assert_eq!(v["nics"][0]["mac"], mac, "the NIC keeps its MAC");
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[1], "coldvm")), "VMHOSTMARK:cold-mark");
+    pair.assert_clean(0, "coldvm", &taps);
+    let kept = pair.hosts[0].state().join("kept-disks/coldvm/data.raw");
+    assert_eq!(disk_mark(&kept), "VMHOSTMARK:cold-mark", "the source kept the disk as a destroy keeps it");
+
+    // It starts there and its guest runs.
+    pair.hosts[1].call("vm.start", json!({ "name": "coldvm" }));
+    pair.hosts[1].wait_serial_count("coldvm", "VMHOST-COUNT ", 3, Duration::from_secs(120));
+    assert_eq!(pair.settled("coldvm", Duration::from_secs(30)), 1);
+}
+
+#[test]
+fn a_running_vm_moved_with_stop_runs_on_the_destination() {
+    let pair = Pair::start(PairOptions::default());
+    let spec = pair.spec("stopmove", 256, "stop-mark", false);
+    pair.create(0, &spec);
+    let taps = pair.taps(0, "stopmove");
+    let mac = status(&pair, 0, "stopmove").expect("vm")["nics"][0]["mac"].clone();
+
+    // Without stop a running VM is refused (before anything is reached) and stays as it is;
+    // vmhostctl says so before it prepares the destination.
+    let (code, e) = pair.hosts[0]
+        .call_err("vm.move", json!({ "name": "stopmove", "destination": "127.0.0.1:9", "secret": "00".repeat(32) }));
+    assert_eq!((code, e.details["reason"].clone()), (4097, json!("status")), "{e:?}");
+    let out = move_ctl(&pair, "stopmove", &[]);
+    assert!(!out.status.success(), "a running VM moved without --stop");
+    assert!(status(&pair, 1, "stopmove").is_none(), "the destination was prepared for a refused move");
+    assert_eq!(status(&pair, 0, "stopmove").expect("vm")["status"], "running");
+
+    let out = move_ctl(&pair, "stopmove", &["--stop"]);
+    ctl_ok(&pair, &out, "vmhostctl move --stop");
+    assert_eq!(pair.settled("stopmove", MOVE), 1, "it runs on the destination");
+    let v = status(&pair, 1, "stopmove").expect("vm");
+    assert_eq!(v["nics"][0]["mac"], mac, "the NIC keeps its MAC");
+    pair.hosts[1].wait_serial_count("stopmove", "VMHOST-COUNT ", 3, Duration::from_secs(120));
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[1], "stopmove")), "VMHOSTMARK:stop-mark");
+    pair.assert_clean(0, "stopmove", &taps);
+}
+
+/// Relays connections from `listen` (in host 0's namespace) to host 1's migration port,
+/// changing one byte of a `files` stream's file data on its way.
+fn corrupting_relay(netns: &str, listen: &str) {
+    let ns = std::fs::File::open(format!("/run/netns/{netns}")).expect("open netns");
+    let listen = listen.to_string();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let l = TcpListener::bind(&listen).expect("bind the relay");
+        ready_tx.send(()).expect("ready");
+        for client in l.incoming().flatten() {
+            // Threads started here are in this namespace too; the sockets are made already.
+            let server = TcpStream::connect(format!("{}:{PORT}", ADDRS[1])).expect("connect to host 1");
+            let (mut c_in, mut s_out) = (client.try_clone().expect("clone"), server.try_clone().expect("clone"));
+            let (mut s_in, mut c_out) = (server, client);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut s_in, &mut c_out);
+                let _ = c_out.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                // The opening line names the channel; a files stream's file data starts well
+                // before 256 KiB after it (its nonce exchange and header frame are short).
+                let mut line = Vec::new();
+                let mut byte = [0u8; 1];
+                while c_in.read_exact(&mut byte).is_ok() {
+                    line.push(byte[0]);
+                    if byte[0] == b'\n' {
+                        break;
+                    }
+                }
+                let files = String::from_utf8_lossy(&line).contains("\"files\"");
+                if s_out.write_all(&line).is_err() {
+                    return;
+                }
+                let mut at = 0u64;
+                let flip = 256 * 1024u64;
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match c_in.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    if files && at <= flip && flip < at + n as u64 {
+                        buf[(flip - at) as usize] ^= 0xff;
+                    }
+                    at += n as u64;
+                    if s_out.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = s_out.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    ready_rx.recv_timeout(Duration::from_secs(10)).expect("the relay listens");
+}
+
+#[test]
+fn a_file_changed_on_the_wire_is_refused_and_nothing_is_left_on_the_destination() {
+    let pair = Pair::start(PairOptions::default());
+    let spec = pair.spec("badwire", 256, "wire-mark", false);
+    pair.create(0, &spec);
+    pair.hosts[0].call("vm.stop", json!({ "name": "badwire" }));
+    let before = status(&pair, 0, "badwire").expect("vm");
+
+    let relay = format!("{}:{}", ADDRS[0], PORT + 99);
+    corrupting_relay(pair.hosts[0].netns.as_deref().expect("netns"), &relay);
+    let mut incoming = before["spec"].clone();
+    incoming["nics"][0]["mac"] = before["nics"][0]["mac"].clone();
+    let prepared = pair.hosts[1].call("vm.migrate_in", json!({ "spec": incoming, "mode": "cold" }));
+    let mut c = pair.hosts[0].client();
+    c.set_timeout(MOVE).expect("timeout");
+    let e = match c
+        .call::<Value>("vm.move", json!({ "name": "badwire", "destination": relay, "secret": prepared["secret"] }))
+    {
+        Ok(v) => panic!("a corrupted move succeeded: {v}"),
+        Err(vmhost::client::ClientError::Api(e)) => e,
+        Err(e) => panic!("vm.move: transport error {e}"),
+    };
+    assert_eq!(e.code.as_i32(), 2003, "{e:?}\n--- destination log:\n{}", tail(&pair.hosts[1].daemon_log(), 40));
+
+    // The destination gives everything up; the source keeps the VM as it was.
+    vmhost_tests::wait::until("the destination gave the move up", Duration::from_secs(60), || {
+        match status(&pair, 1, "badwire") {
+            None => Ok(()),
+            Some(v) => Err(format!("still recorded: {v}")),
+        }
+    });
+    let disks = pair.hosts[1].state().join("disks/badwire");
+    assert!(!disks.exists(), "the destination kept {}", disks.display());
+    assert!(!pair.hosts[1].state().join("kept-disks/badwire").exists());
+    assert!(!pair.hosts[1].state().join("disks/badwire.qcow2").exists());
+    let after = status(&pair, 0, "badwire").expect("the source keeps the VM");
+    assert_eq!(after["status"], "stopped", "{after}");
+    assert!(after.get("migration").is_none_or(Value::is_null), "{after}");
+    assert_eq!(after["spec"], before["spec"]);
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[0], "badwire")), "VMHOSTMARK:wire-mark");
+}
+
+/// The source daemon killed at crash point `step` of a cold move of a stopped VM, then both
+/// restarted: the VM is `stopped` on the source with its disk, and the destination holds
+/// nothing of it.
+fn source_crash_case(step: &str) {
+    let mut pair = Pair::start(PairOptions::default());
+    let name = "coldcrash";
+    pair.create(0, &pair.spec(name, 256, "survives", false));
+    pair.hosts[0].call("vm.stop", json!({ "name": name }));
+    let before = status(&pair, 0, name).expect("vm");
+    let mut incoming = before["spec"].clone();
+    incoming["nics"][0]["mac"] = before["nics"][0]["mac"].clone();
+    let prepared = pair.hosts[1].call("vm.migrate_in", json!({ "spec": incoming, "mode": "cold" }));
+    pair.hosts[0].arm_crash(step);
+    let socket = pair.hosts[0].socket.clone();
+    let call = std::thread::spawn(move || {
+        vmhost::client::Client::connect(&socket).map_err(|e| e.to_string()).and_then(|mut c| {
+            c.call::<Value>(
+                "vm.move",
+                json!({ "name": name, "destination": prepared["address"], "secret": prepared["secret"] }),
+            )
+            .map_err(|e| e.to_string())
+        })
+    });
+    pair.hosts[0].restart_after_crash(step);
+    let answer = call.join().unwrap_or_else(|_| Err("the call's thread panicked".into()));
+    assert!(answer.is_err(), "{step}: vm.move answered {answer:?} from a daemon that died");
+    pair.hosts[1].kill_daemon();
+    pair.hosts[1].spawn_daemon();
+    vmhost_tests::wait::until(&format!("{step}: settled on both hosts"), Duration::from_secs(120), || {
+        let here = status(&pair, 0, name);
+        let there = status(&pair, 1, name);
+        match (&here, &there) {
+            (Some(v), None) if v["status"] == "stopped" && v.get("migration").is_none_or(Value::is_null) => Ok(()),
+            _ => Err(format!("source {here:?}; destination {there:?}")),
+        }
+    });
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[0], name)), "VMHOSTMARK:survives", "{step}: the marker");
+    assert!(!pair.hosts[1].state().join("disks").join(name).exists(), "{step}: the destination kept files");
+    // It is an ordinary stopped VM again: it moves now.
+    let out = move_ctl(&pair, name, &[]);
+    ctl_ok(&pair, &out, "vmhostctl move after the crash");
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[1], name)), "VMHOSTMARK:survives");
+}
+
+#[test]
+fn crash_at_move_recorded_leaves_the_vm_stopped_on_the_source() {
+    source_crash_case("move:recorded");
+}
+
+#[test]
+fn crash_at_move_sent_leaves_the_vm_stopped_on_the_source() {
+    source_crash_case("move:sent");
+}
