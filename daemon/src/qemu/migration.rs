@@ -210,8 +210,14 @@ pub fn psk_dir(
     remove_psk_dir(run_dir).map_err(file_err("remove", &dir))?;
     let (dir_mode, file_mode) = if qemu_user.is_some() { (0o711, 0o444) } else { (0o700, 0o400) };
     std::fs::DirBuilder::new().mode(dir_mode).create(&dir).map_err(file_err("create", &dir))?;
-    // The umask may have taken bits the modes need.
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(dir_mode)).map_err(file_err("chmod", &dir))?;
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY)
+        .open(&dir)
+        .map_err(file_err("open", &dir))?;
+    // The umask may have taken bits the modes need; through the descriptors (fchmod), as the
+    // sandbox allows no chmod of a path.
+    opened.set_permissions(std::fs::Permissions::from_mode(dir_mode)).map_err(file_err("chmod", &dir))?;
     let tmp = dir.join("keys.psk.tmp");
     let file = dir.join("keys.psk");
     {
@@ -226,11 +232,6 @@ pub fn psk_dir(
         f.sync_all().map_err(file_err("sync", &tmp))?;
     }
     std::fs::rename(&tmp, &file).map_err(file_err("rename", &file))?;
-    let opened = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY)
-        .open(&dir)
-        .map_err(file_err("open", &dir))?;
     // std opens with O_CLOEXEC: only the copy handed over with add-fd reaches QEMU.
     opened.sync_all().map_err(file_err("sync", &dir))?;
     Ok(opened.into())

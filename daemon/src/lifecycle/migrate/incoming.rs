@@ -53,6 +53,9 @@ const QMP_TIMEOUT: Duration = Duration::from_secs(10);
 /// QEMU's NBD server's listening socket in the VM's run dir (the relay connects to it).
 const NBD_SOCKET: &str = "migration-nbd.sock";
 
+/// How long a commit waits for QEMU here to finish loading the stream the source completed.
+const COMMIT_LOAD_WAIT: Duration = Duration::from_secs(10);
+
 /// `vm.migrate_in`: admits `p.spec` as a create would, records it `incoming` and answers where
 /// and with what secret the source sends it; the rest runs in a task ([`receive`]).
 ///
@@ -240,12 +243,21 @@ async fn until_commit(
         }
     }
     drop(channels);
-    let status = {
-        let mut q = qmp.lock().await;
-        qemu_mig::incoming_status(&mut q).await.map_err(IncomingError::Qemu)?
-    };
-    if status.status != "completed" {
-        return Err(IncomingError::NotCompleted(status.status).into());
+    // The source commits once its QEMU says `completed`; ours may still be loading the last
+    // of the device state for a moment: wait for it (a failed or cancelled stream ends it).
+    let deadline = tokio::time::Instant::now() + COMMIT_LOAD_WAIT;
+    loop {
+        let status = {
+            let mut q = qmp.lock().await;
+            qemu_mig::incoming_status(&mut q).await.map_err(IncomingError::Qemu)?
+        };
+        match status.status.as_str() {
+            "completed" => break,
+            "active" | "setup" | "device" if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            _ => return Err(IncomingError::NotCompleted(status.status).into()),
+        }
     }
     op.crashpoint("migrate_in:commit");
     // The commit point: from this write on, the guest is this host's.
