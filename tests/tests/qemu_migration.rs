@@ -251,7 +251,7 @@ async fn live_migration_moves_memory_and_disks_with_tls() {
     assert_eq!(src.qmp.query_status().await.unwrap(), "postmigrate");
     assert_eq!(dst.qmp.query_status().await.unwrap(), "paused");
 
-    mig::finish_source(&mut src.qmp).await.unwrap();
+    mig::finish_source(&mut src.qmp, &migrated_disks()).await.unwrap();
     assert!(mig::mirrors(&mut src.qmp).await.unwrap().is_empty());
     assert_eq!(src.qmp.query_status().await.unwrap(), "postmigrate", "the source stays paused");
     mig::finish_incoming(&mut dst.qmp).await.unwrap();
@@ -328,7 +328,7 @@ async fn cancel_after_the_memory_went_runs_the_source_again() {
     assert_eq!(src.qmp.query_status().await.unwrap(), "postmigrate");
     // The mirrors are synced and ended before the commit is sent; then the destination abandons
     // (its QEMU killed): the source takes the guest back.
-    mig::finish_source(&mut src.qmp).await.unwrap();
+    mig::finish_source(&mut src.qmp, &migrated_disks()).await.unwrap();
     drop(dst);
     mig::cancel_source(&mut src.qmp).await.unwrap();
     assert_eq!(src.qmp.query_status().await.unwrap(), "running");
@@ -435,7 +435,7 @@ async fn a_disk_the_guest_writes_during_the_migration_arrives_whole() {
         (mig::incoming_status(qmp).await.unwrap().status == "completed").then_some(())
     })
     .await;
-    mig::finish_source(&mut src.qmp).await.unwrap();
+    mig::finish_source(&mut src.qmp, &migrated_disks()).await.unwrap();
 
     // Compared before the destination's guest runs (it would go on writing).
     for vm in [&mut src, &mut dst] {

@@ -129,6 +129,11 @@ pub struct MirrorState {
     pub len: u64,
     /// Source and destination are in step (`ready`).
     pub ready: bool,
+    /// The job ended (`concluded`: kept listed until dismissed, so that its end is read, not
+    /// lost): with `error` when it did not complete, a cancel before `ready` included.
+    pub concluded: bool,
+    /// Why it did not complete (QEMU's `error`).
+    pub error: Option<String>,
 }
 
 /// The `getfd` name of disk `export`'s NBD stream on the source.
@@ -493,6 +498,9 @@ pub async fn start_mirror(qmp: &mut Qmp, disk: &MigDisk, stream: BorrowedFd<'_>)
                 "device": disk.device,
                 "target": node,
                 "sync": if disk.top_only { "top" } else { "full" },
+                // Kept after it ends until dismissed: a mirror that fails must be seen to
+                // have failed ([`end_mirrors`]), not vanish as one that completed does.
+                "auto-dismiss": false,
             })),
         )
         .await;
@@ -517,6 +525,8 @@ pub fn parse_mirrors(jobs: &Value) -> Vec<MirrorState> {
                 offset: j.get("offset").and_then(Value::as_u64).unwrap_or(0),
                 len: j.get("len").and_then(Value::as_u64).unwrap_or(0),
                 ready: j.get("ready").and_then(Value::as_bool).unwrap_or(false),
+                concluded: j.get("status").and_then(Value::as_str) == Some("concluded"),
+                error: j.get("error").and_then(Value::as_str).map(str::to_string),
             })
         })
         .collect()
@@ -580,24 +590,55 @@ pub async fn progress(qmp: &mut Qmp) -> Result<MemoryProgress, MigrationQemuErro
 }
 
 /// Ends this migration's mirror jobs without a pivot (the source keeps its disks), waits until
-/// they are gone, and removes the NBD nodes. `force` cancels at once instead of letting a
-/// ready mirror complete (for a destination that may be gone).
-async fn end_mirrors(qmp: &mut Qmp, force: bool) -> Result<(), MigrationQemuError> {
-    for job in mirrors(qmp).await? {
+/// each has concluded, and removes the jobs and the NBD nodes. Without `force`, `expected`
+/// names every disk that must have been mirrored: each must still have its job, `ready`, and
+/// complete without error, or the destination lacks blocks and this fails (the caller then
+/// gives up and the guest runs here). `force` cancels at once instead, whatever the jobs'
+/// state (for a destination that may be gone).
+async fn end_mirrors(qmp: &mut Qmp, force: bool, expected: &[MigDisk]) -> Result<(), MigrationQemuError> {
+    let jobs = mirrors(qmp).await?;
+    let mut incomplete: Vec<String> = Vec::new();
+    if !force {
+        for disk in expected {
+            match jobs.iter().find(|m| m.device == disk.export) {
+                Some(m) if m.ready && !m.concluded => {}
+                Some(m) => incomplete.push(format!(
+                    "{}: {}",
+                    disk.device,
+                    m.error.as_deref().unwrap_or(if m.concluded { "ended" } else { "not in step" })
+                )),
+                None => incomplete.push(format!("{}: its mirror is gone", disk.device)),
+            }
+        }
+    }
+    let cancel_force = force || !incomplete.is_empty();
+    for job in jobs.iter().filter(|j| !j.concluded) {
         let id = job_id(&job.device);
-        if let Err(e) = qmp.execute("block-job-cancel", Some(json!({ "device": id, "force": force }))).await {
+        if let Err(e) = qmp.execute("block-job-cancel", Some(json!({ "device": id, "force": cancel_force }))).await {
             // A job that concluded between the query and the cancel is what we want.
-            if mirrors(qmp).await?.iter().any(|m| m.device == job.device) {
+            if mirrors(qmp).await?.iter().any(|m| m.device == job.device && !m.concluded) {
                 return Err(e.into());
             }
         }
     }
     let deadline = tokio::time::Instant::now() + JOB_GONE_WAIT;
-    while !mirrors(qmp).await?.is_empty() {
+    let ended = loop {
+        let now = mirrors(qmp).await?;
+        if now.iter().all(|m| m.concluded) {
+            break now;
+        }
         if tokio::time::Instant::now() >= deadline {
             return Err(MigrationQemuError::Timeout { what: "end the mirror jobs", after: JOB_GONE_WAIT });
         }
         tokio::time::sleep(POLL).await;
+    };
+    for job in &ended {
+        if let Some(error) = &job.error {
+            if !cancel_force {
+                incomplete.push(format!("{}: {error}", job.device));
+            }
+        }
+        let _ = qmp.execute("job-dismiss", Some(json!({ "id": job_id(&job.device) }))).await;
     }
     let nodes = qmp.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await?;
     for node in our_nodes(&nodes) {
@@ -605,6 +646,12 @@ async fn end_mirrors(qmp: &mut Qmp, force: bool) -> Result<(), MigrationQemuErro
     }
     for fdname in [NBD_FDNAME, RAM_FDNAME] {
         let _ = qmp.execute("closefd", Some(json!({ "fdname": fdname }))).await;
+    }
+    if !force && !incomplete.is_empty() {
+        return Err(MigrationQemuError::Protocol(format!(
+            "a disk did not arrive whole on the destination ({})",
+            incomplete.join("; ")
+        )));
     }
     Ok(())
 }
@@ -636,8 +683,8 @@ pub fn our_nodes(nodes: &Value) -> Vec<String> {
 ///
 /// # Errors
 /// When QEMU refuses.
-pub async fn finish_source(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
-    end_mirrors(qmp, false).await?;
+pub async fn finish_source(qmp: &mut Qmp, disks: &[MigDisk]) -> Result<(), MigrationQemuError> {
+    end_mirrors(qmp, false, disks).await?;
     let _ = qmp.execute("migrate-set-parameters", Some(json!({ "tls-creds": "" }))).await;
     remove_tls(qmp).await
 }
@@ -665,7 +712,7 @@ pub async fn cancel_source(qmp: &mut Qmp) -> Result<(), MigrationQemuError> {
             tokio::time::sleep(POLL).await;
         }
     }
-    end_mirrors(qmp, true).await?;
+    end_mirrors(qmp, true, &[]).await?;
     let _ = qmp.execute("migrate-set-parameters", Some(json!({ "tls-creds": "" }))).await;
     remove_tls(qmp).await?;
     let status = qmp.query_status().await?;
@@ -756,14 +803,29 @@ mod tests {
         let jobs = json!([
             {"type": "mirror", "device": "vmhost-mig-virtio0", "len": 100, "offset": 100, "ready": true,
              "busy": false, "paused": false, "speed": 0, "io-status": "ok", "status": "ready"},
-            {"type": "mirror", "device": "vmhost-mig-data-d1", "len": 300, "offset": 20, "ready": false},
+            {"type": "mirror", "device": "vmhost-mig-data-d1", "len": 300, "offset": 20, "ready": false,
+             "status": "concluded", "error": "Input/output error"},
             {"type": "backup", "device": "operator-job", "len": 1, "offset": 0, "ready": false}
         ]);
         assert_eq!(
             parse_mirrors(&jobs),
             vec![
-                MirrorState { device: "virtio0".into(), offset: 100, len: 100, ready: true },
-                MirrorState { device: "data-d1".into(), offset: 20, len: 300, ready: false },
+                MirrorState {
+                    device: "virtio0".into(),
+                    offset: 100,
+                    len: 100,
+                    ready: true,
+                    concluded: false,
+                    error: None
+                },
+                MirrorState {
+                    device: "data-d1".into(),
+                    offset: 20,
+                    len: 300,
+                    ready: false,
+                    concluded: true,
+                    error: Some("Input/output error".into())
+                },
             ]
         );
         assert!(parse_mirrors(&json!({})).is_empty());

@@ -289,12 +289,14 @@ async fn send(
         let mirrors = qemu_mig::mirrors(&mut *qmp(mgr, name).await?).await.map_err(qemu_failed("the mirrors"))?;
         let now = progress::with_memory(progress::with_mirrors(reporter.progress().clone(), &mirrors), &memory);
         reporter.tick(now);
+        // A mirror that failed after it was ready would leave the destination short of blocks.
+        mirrors_ready(&disks, &mirrors).map_err(|m| failed("migrate", m))?;
         match memory.status.as_str() {
             "completed" => {
                 // Before the commit: ending the mirrors copies what the guest dirtied last, so
                 // only then does the destination have every block.
                 reporter.phase("switching");
-                qemu_mig::finish_source(&mut *qmp(mgr, name).await?)
+                qemu_mig::finish_source(&mut *qmp(mgr, name).await?, &disks)
                     .await
                     .map_err(qemu_failed("ending the mirrors"))?;
                 remove_tls(op.held());
@@ -362,7 +364,11 @@ fn set_exports(disks: &mut [MigDisk], exports: Vec<String>) -> Result<(), String
 fn mirrors_ready(disks: &[MigDisk], mirrors: &[MirrorState]) -> Result<bool, String> {
     let mut ready = true;
     for disk in disks {
-        match mirrors.iter().find(|m| m.device == disk.device) {
+        match mirrors.iter().find(|m| m.device == disk.export) {
+            Some(m) if m.concluded => {
+                let why = m.error.as_deref().unwrap_or("it ended");
+                return Err(format!("the mirror of disk {:?} failed: {why}", disk.device));
+            }
             Some(m) => ready &= m.ready,
             None => return Err(format!("the mirror of disk {:?} ended before it was ready", disk.device)),
         }
@@ -756,9 +762,18 @@ mod tests {
     #[test]
     fn mirrors_are_ready_only_all_together_and_a_vanished_one_fails() {
         let disks = [disk("virtio0"), disk("data-d")];
-        let m = |device: &str, ready| MirrorState { device: device.into(), offset: 0, len: 1, ready };
+        let m = |device: &str, ready| MirrorState {
+            device: device.into(),
+            offset: 0,
+            len: 1,
+            ready,
+            concluded: false,
+            error: None,
+        };
         assert_eq!(mirrors_ready(&disks, &[m("virtio0", true), m("data-d", false)]), Ok(false));
         assert_eq!(mirrors_ready(&disks, &[m("virtio0", true), m("data-d", true)]), Ok(true));
         assert!(mirrors_ready(&disks, &[m("virtio0", true)]).unwrap_err().contains("data-d"));
+        let failed = MirrorState { concluded: true, error: Some("Input/output error".into()), ..m("data-d", true) };
+        assert!(mirrors_ready(&disks, &[m("virtio0", true), failed]).unwrap_err().contains("Input/output error"));
     }
 }

@@ -93,7 +93,7 @@ mod tests {
     use super::*;
 
     fn mirror(offset: u64, len: u64) -> MirrorState {
-        MirrorState { device: "d".into(), offset, len, ready: false }
+        MirrorState { device: "d".into(), offset, len, ready: false, concluded: false, error: None }
     }
 
     #[test]
