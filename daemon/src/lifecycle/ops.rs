@@ -194,6 +194,7 @@ pub(crate) async fn apply(mgr: &Arc<Manager>, p: ApplyParams) -> Result<Mutation
     let span = tracing::info_span!("vm.replace", vm = %spec.name);
     async move {
         let (mut op, current) = mgr.begin_op(&spec.name).await?;
+        current.check_not_moving()?;
         super::data_disks::admit_disk_space(mgr, Some(&current.spec), &vm.spec)?;
         if vm.spec.state == DesiredState::Running && (!vm.spec.hardware.is_empty() || !vm.spec.pci.is_empty()) {
             // Capacity and conflicts in place of the old spec first, then the kernel's view
@@ -326,7 +327,7 @@ impl VmOp {
         let name = name.as_str();
         let rec = self.record()?;
         super::snapshots::check_not_reverting(&rec)?;
-        rec.check_not_sending()?;
+        rec.check_not_moving()?;
         let state_changed = rec.spec.state != DesiredState::Running;
         if let Some(id) = self.find_live(rec.process.as_ref())? {
             if state_changed || rec.status != VmStatus::Running {
@@ -374,7 +375,7 @@ impl VmOp {
     /// As `vm.stop`.
     pub(super) async fn stop_steps(&mut self, p: &StopParams, peer_uid: u32) -> Result<bool, ApiError> {
         let rec = self.record()?;
-        rec.check_not_sending()?;
+        rec.check_not_moving()?;
         let state_changed = rec.spec.state != DesiredState::Stopped;
         let Some(id) = self.find_live(rec.process.as_ref())? else {
             self.held().release_host_side(Devices::Release).await?;

@@ -60,7 +60,8 @@ pub(super) async fn reconfigure(
     let span = tracing::info_span!("vm.reconfigure", vm = %name, fields = %fields.join(","));
     async move {
         super::launch::check_launch_files(mgr, &vm).await?;
-        let (mut op, _) = mgr.begin_op(&name).await?;
+        let (mut op, current) = mgr.begin_op(&name).await?;
+        current.check_not_moving()?;
         op.reconfigure_steps(&vm, restart, allow_restart, timeout_s).await?;
         Ok(Mutation::new(true, Some(mgr.get(&name)?)))
     }

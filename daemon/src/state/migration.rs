@@ -64,22 +64,29 @@ impl VmRecord {
         self.migration.as_ref()
     }
 
-    /// Refuses a start or stop of a VM whose outgoing migration is not settled (its outcome
-    /// unknown: its paused guest may be the only copy, or the destination's may run): neither
-    /// autostart nor an operator may run or end it until the destination answers (a destroy
-    /// still may, the operator's call). Here, beside the record, so that every operation can
-    /// ask without importing the migration's lifecycle.
+    /// Refuses a start, stop, replace or reconfigure of a VM that is being moved: an outgoing
+    /// migration not settled (its outcome unknown: its paused guest may be the only copy, or
+    /// the destination's may run), or an incoming one not committed (the guest runs on the
+    /// source). Neither autostart nor an operator may run, end or rebuild it until the
+    /// migration settles (a destroy still may, the operator's call). Here, beside the record,
+    /// so that every operation can ask without importing the migration's lifecycle.
     ///
     /// # Errors
-    /// 4090 naming the destination.
-    pub fn check_not_sending(&self) -> Result<(), crate::api::ApiError> {
-        match self.migration().filter(|m| m.role == MigrationRole::Outgoing) {
+    /// 4090 naming the other host.
+    pub fn check_not_moving(&self) -> Result<(), crate::api::ApiError> {
+        let moving = self.migration().filter(|m| match m.role {
+            MigrationRole::Outgoing => true,
+            MigrationRole::Incoming => m.phase != MigrationPhase::Committed,
+        });
+        match moving {
             Some(m) => Err(crate::api::ApiError::new(
                 crate::api::Code::Busy,
                 format!(
-                    "VM {:?} is being migrated to {} (or its outcome is not known yet): vmhostd settles it when \
-                     the destination answers",
-                    self.spec.name, m.peer
+                    "VM {:?} is being moved ({} {}; or its outcome is not known yet): vmhostd settles it \
+                     when the other host answers",
+                    self.spec.name,
+                    if m.role == MigrationRole::Outgoing { "to" } else { "from" },
+                    if m.peer.is_empty() { "another vmhostd" } else { m.peer.as_str() },
                 ),
             )
             .field("name")),

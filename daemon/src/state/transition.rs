@@ -79,6 +79,7 @@ pub const EDGES: &[Edge] = &[
     edge(Creating, Incoming, "vm.migrate_in admitted the VM: what it needs is made, its guest does not run here yet"),
     edge(Running, Migrating, "vm.migrate begins sending the running VM to another vmhostd"),
     edge(Stopped, Migrating, "vm.move begins sending the stopped VM to another vmhostd"),
+    edge(Dead, Migrating, "vm.move begins sending the VM whose QEMU ended without vmhostd asking"),
     edge(
         Migrating,
         Running,
@@ -152,7 +153,7 @@ mod tests {
         (Stopping, &[Creating, Starting, Running, Stopped, Failed, Destroying]),
         (Stopped, &[Creating, Starting, Running, Failed, Destroying, Migrating]),
         (Failed, &[Creating, Starting, Running, Stopping, Stopped, Destroying]),
-        (Dead, &[Creating, Starting, Running, Stopped, Failed, Destroying]),
+        (Dead, &[Creating, Starting, Running, Stopped, Failed, Destroying, Migrating]),
         (Destroying, &[Failed]),
         (Migrating, &[Running, Stopped, Destroying, Failed, Dead]),
         (Incoming, &[Running, Stopped, Destroying, Failed]),

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 import unittest
 
-from fleet_fakes import Fleet, Host, LocalClient, spec, view
+from fleet_fakes import Fail, Fleet, Host, LocalClient, spec, view
 from vmhost_fakes import error, load, load_engine
 
 
@@ -337,6 +337,36 @@ class SecurityOnion(RunnerTest):
         self.assertEqual([e["hostname"] for e in self.read("hv1")], ["keep", "mover"])
         self.assertEqual([e["hostname"] for e in self.read("hv2")], ["other"])
         self.assertFalse(os.path.exists(os.path.join(self.vms_dir, ".vmhost-moves.json")))
+
+    def test_a_move_that_commits_after_its_error_moves_the_entry(self):
+        # The source's answer is an error, yet the VM ended on the destination (the daemons
+        # settled an unknown outcome): the entry follows the VM and the hold goes.
+        send = self.fleet.daemons["hv1_a1"].methods["vm.migrate"]
+
+        def late(params):
+            send(params)
+            raise Fail(error(4001, "the destination's answer is unknown", details={"step": "commit"}))
+
+        self.fleet.daemons["hv1_a1"].methods["vm.migrate"] = late
+        self.assertFalse(self.runner.migrate(vm="mover_sensor", to="hv2_b2")["result"])
+        self.assertEqual([e["hostname"] for e in self.read("hv1")], ["keep"])
+        self.assertEqual([e["hostname"] for e in self.read("hv2")], ["other", "mover"])
+        self.assertFalse(os.path.exists(os.path.join(self.vms_dir, ".vmhost-moves.json")))
+
+    def test_an_unknown_outcome_keeps_the_hold(self):
+        # The source keeps the paused guest, recorded failed, while the destination cannot be
+        # asked: nobody knows where the VM will run, so the engine must leave it alone.
+        def unknown(params):
+            self.hv1.vms[params["name"]].update(
+                {"status": "failed", "migration": {"role": "outgoing", "phase": "committing", "peer": "x"}}
+            )
+            raise Fail(error(4001, "the destination's answer is unknown", details={"step": "commit"}))
+
+        self.fleet.daemons["hv1_a1"].methods["vm.migrate"] = unknown
+        self.assertFalse(self.runner.migrate(vm="mover_sensor", to="hv2_b2")["result"])
+        self.assertEqual([e["hostname"] for e in self.read("hv1")], ["keep", "mover"])
+        with open(os.path.join(self.vms_dir, ".vmhost-moves.json"), encoding="utf-8") as f:
+            self.assertIn("mover_sensor", json.load(f))
 
     def test_a_symlinked_vms_file_is_refused_before_anything(self):
         real = os.path.join(self.dir, "elsewhere")

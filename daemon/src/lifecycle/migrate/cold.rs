@@ -310,7 +310,13 @@ fn spawn_retry(mgr: &Arc<Manager>, name: &str) {
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(source_outcome::RETRY_EVERY).await;
-            let Ok((op, rec)) = mgr.begin_op(&name).await else { return };
+            let Ok((op, rec)) = mgr.begin_op(&name).await else {
+                if mgr.record(&name).is_err() {
+                    return;
+                }
+                // Another operation holds the VM: ask again later.
+                continue;
+            };
             let Some(m) = rec.migration().filter(|m| m.role == MigrationRole::Outgoing && m.mode == MoveMode::Cold)
             else {
                 return; // settled otherwise (an operator, a restart)

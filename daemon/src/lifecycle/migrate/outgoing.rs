@@ -167,7 +167,7 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
                     Err(e) => format!("no answer to the commit: {e}"),
                 };
                 tracing::warn!(vm = %p.name, why, "asking the destination what became of the migration");
-                settle(&mut op, &p.destination, &secret, &mut reporter, true, false).await?;
+                settle(&mut op, &p.destination, &secret, &mut reporter, true, false, true).await?;
             }
         }
         Ok(MigrateResult {
@@ -465,8 +465,9 @@ async fn finish(op: &mut VmOp, destination: &str, reporter: &mut Reporter) -> Re
 /// `Commit` went out and no answer came (or a restart found phase `committing`): asks the
 /// destination every [`source_outcome::ASK_EVERY`] for up to [`source_outcome::ASK_FOR`]
 /// (`patient`; else once), then does what it said. While it cannot tell, the VM is recorded
-/// `failed` with the guest kept paused, and [`spawn_retry`] asks on. `readopt`: its QEMU is not
-/// watched (see [`resume`]).
+/// `failed` with the guest kept paused, and [`spawn_retry`] asks on (`retry`: false when
+/// called by that retry itself, which keeps the record as it is and asks again later).
+/// `readopt`: its QEMU is not watched (see [`resume`]).
 ///
 /// # Errors
 /// 4001 step `commit` when the outcome stays unknown; as [`finish`] or [`resume`].
@@ -477,6 +478,7 @@ async fn settle(
     reporter: &mut Reporter,
     patient: bool,
     readopt: bool,
+    retry: bool,
 ) -> Result<(), ApiError> {
     let name = op.name().to_string();
     let until = Instant::now() + if patient { source_outcome::ASK_FOR } else { Duration::ZERO };
@@ -501,6 +503,9 @@ async fn settle(
             }
             SourceAction::Ask | SourceAction::Wait => {
                 reporter.clear();
+                if !retry {
+                    return Err(failed("commit", "the destination's answer is still unknown"));
+                }
                 let e = unknown(op.held())?;
                 spawn_retry(op.mgr(), &name, readopt);
                 return Err(e);
@@ -586,7 +591,7 @@ pub(super) fn spawn_retry(mgr: &Arc<Manager>, name: &str, readopt: bool) {
                 return;
             };
             let mut reporter = Reporter::new(&mgr, &name);
-            match settle(&mut op, &m.peer.clone(), &secret, &mut reporter, false, readopt).await {
+            match settle(&mut op, &m.peer.clone(), &secret, &mut reporter, false, readopt, false).await {
                 Ok(()) => return,
                 Err(e) => {
                     let still = op.record().ok().and_then(|r| r.migration).is_some();
@@ -704,9 +709,9 @@ mod tests {
     }
 
     #[test]
-    fn a_vm_with_an_unsettled_outgoing_migration_is_neither_started_nor_stopped() {
+    fn a_vm_being_moved_is_neither_started_stopped_nor_rebuilt() {
         let mut rec = running();
-        assert!(rec.check_not_sending().is_ok());
+        assert!(rec.check_not_moving().is_ok());
         let mut m = MigrationRecord {
             role: MigrationRole::Outgoing,
             mode: MoveMode::Live,
@@ -716,11 +721,16 @@ mod tests {
             since: String::new(),
         };
         rec.migration = Some(m.clone());
-        assert_eq!(rec.check_not_sending().unwrap_err().code.as_i32(), 4090);
-        // A destination keeps its committed incoming migration on a VM that is its own.
+        assert_eq!(rec.check_not_moving().unwrap_err().code.as_i32(), 4090);
+        // An incoming migration not committed: the guest runs on the source.
         m.role = MigrationRole::Incoming;
+        m.phase = MigrationPhase::Sending;
+        rec.migration = Some(m.clone());
+        assert_eq!(rec.check_not_moving().unwrap_err().code.as_i32(), 4090);
+        // A destination keeps its committed incoming migration on a VM that is its own.
+        m.phase = MigrationPhase::Committed;
         rec.migration = Some(m);
-        assert!(rec.check_not_sending().is_ok());
+        assert!(rec.check_not_moving().is_ok());
     }
 
     #[test]

@@ -499,11 +499,13 @@ def _move(fleet, vm, source, to, view=None, check=True, so=None, migrate_args=No
                 )
             so.hold(vm, source, to)
             so_hyps = (src_hyp, dst_hyp)
+    sent = done = False
     try:
         prepared = fleet.call(to, "vmhost.migrate_in", {"spec": spec, "mode": how["mode"]}, timeout=PREPARE_WAIT)
         if not isinstance(prepared, dict) or not prepared.get("address") or not prepared.get("secret"):
             raise RunnerError(f"vmhost.migrate_in on {to} answered without address and secret: {str(prepared)[:300]}")
         args = {"name": vm, "destination": prepared["address"], "secret": prepared["secret"]}
+        sent = True
         if how["mode"] == "live":
             args.update({k: v for k, v in (migrate_args or {}).items() if v not in (None, "")})
             wait = int(args.get("timeout_s") or DEFAULT_MIGRATE_TIMEOUT_S) + MARGIN
@@ -514,11 +516,42 @@ def _move(fleet, vm, source, to, view=None, check=True, so=None, migrate_args=No
         if so_hyps is not None:
             so.transfer(vm, *so_hyps)
             report["so"] = {"from": so_hyps[0] + so.suffix, "to": so_hyps[1] + so.suffix}
+        done = True
     finally:
-        if so_hyps is not None:
-            # After a failure the VM stayed where it was and its entry with it: lift the hold too.
+        if so_hyps is not None and not done:
+            # Refused before anything was sent: the VM and its entry stayed. Once sent, a
+            # failure may still end with the VM on the destination (the runner's wait ran out,
+            # or the daemons settle an unknown outcome later): the entry follows where the VM
+            # is, and while that is not known the hold stays (`vmhost.release` lifts it).
+            where = _where_now(fleet, vm, source, to) if sent else "source"
+            if where == "destination":
+                so.transfer(vm, *so_hyps)
+            if where is not None:
+                so.release(vm)
+        elif so_hyps is not None:
             so.release(vm)
     return report
+
+
+def _settled(view):
+    """Whether a ``vmhost.get`` answer shows a VM no migration is settling."""
+    if not isinstance(view, dict) or view.get("status") not in ("running", "stopped", "dead"):
+        return False
+    migration = view.get("migration")
+    return not migration or (migration.get("role") == "incoming" and migration.get("phase") == "committed")
+
+
+def _where_now(fleet, vm, source, to):
+    """``"destination"`` or ``"source"`` when the VM is settled on exactly that minion, else
+    None (unknown yet, or unreachable)."""
+    found = {}
+    for side, minion in (("destination", to), ("source", source)):
+        try:
+            found[side] = fleet.call(minion, "vmhost.get", {"name": vm})
+        except RunnerError:
+            found[side] = None
+    here = [side for side, view in found.items() if _settled(view)]
+    return here[0] if len(here) == 1 else None
 
 
 def _migrate_args(max_downtime_ms, bandwidth_mib_s, timeout_s):
