@@ -280,11 +280,6 @@ impl Manager {
         &self.events
     }
 
-    /// The migration port.
-    pub fn migrations(&self) -> &crate::migration::Migrations {
-        &self.migrations
-    }
-
     /// Binds the migration port (when `[migration] listen` is set) and serves it in the
     /// background; called once at start, after recovery settled the records the listener
     /// answers queries from.
