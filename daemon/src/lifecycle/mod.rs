@@ -362,7 +362,11 @@ impl Manager {
 
     /// Admits `spec` as a new VM: capacity, conflicts, record written (with a new instance id:
     /// a new root disk), busy flag taken.
-    fn reserve_new(self: &Arc<Self>, spec: &VmSpec) -> Result<OpGuard, ApiError> {
+    fn reserve_new(
+        self: &Arc<Self>,
+        spec: &VmSpec,
+        incoming: Option<crate::state::migration::MigrationRecord>,
+    ) -> Result<OpGuard, ApiError> {
         let name = &spec.name;
         let instance_id = new_instance_id(name)?;
         let (guard, ()) = self.write_and_hold(name, "vm.create", busy::Holder::Operation, |t| {
@@ -382,6 +386,13 @@ impl Manager {
             let mut rec = VmRecord::new(spec.clone());
             rec.nics = self.admit_locked(t, spec, &[])?;
             rec.instance_id = Some(instance_id);
+            if let Some(m) = incoming {
+                // A migration's destination: `incoming` from its first write, so that no
+                // crash or failure leaves a record a start or autostart would boot while the
+                // guest runs on the source.
+                rec.set_status(VmStatus::Incoming)?;
+                rec.migration = Some(m);
+            }
             Ok((Change::Put(Box::new(rec)), ()))
         })?;
         guard.ok_or_else(|| ApiError::internal(format!("the record of VM {name:?} was written without its busy flag")))

@@ -72,7 +72,21 @@ impl Manager {
     /// # Errors
     /// As [`Manager::reserve_new`]; nothing was recorded.
     pub(super) fn reserve_op(self: &Arc<Self>, spec: &VmSpec) -> Result<VmOp, ApiError> {
-        let guard = self.reserve_new(spec)?;
+        let guard = self.reserve_new(spec, None)?;
+        Ok(self.op(&spec.name, guard, true))
+    }
+
+    /// [`Manager::reserve_op`] for a migration's destination: the record is written
+    /// `incoming` with `migration` in the same step.
+    ///
+    /// # Errors
+    /// As [`Manager::reserve_new`]; nothing was recorded.
+    pub(super) fn reserve_incoming_op(
+        self: &Arc<Self>,
+        spec: &VmSpec,
+        migration: crate::state::migration::MigrationRecord,
+    ) -> Result<VmOp, ApiError> {
+        let guard = self.reserve_new(spec, Some(migration))?;
         Ok(self.op(&spec.name, guard, true))
     }
 

@@ -83,12 +83,9 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
         // Registered before the record: a second migration of the name is refused here, with
         // nothing recorded.
         let expectation = mgr.migrations.expect(&name, &secret).map_err(ApiError::from)?;
-        let mut op = mgr.reserve_op(&vm.spec)?;
         // A new migration of the name: the last one's answer is no longer this name's.
-        if let Err(source) = tombstone::remove(&mgr.config.paths.state, &name) {
-            let e = IncomingError::Io { what: "removing the last migration's tombstone", source };
-            return Err(op.fail(e.into()).await);
-        }
+        tombstone::remove(&mgr.config.paths.state, &name)
+            .map_err(|source| IncomingError::Io { what: "removing the last migration's tombstone", source })?;
         let record = MigrationRecord {
             role: MigrationRole::Incoming,
             mode: p.mode,
@@ -97,9 +94,7 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
             phase: MigrationPhase::Sending,
             since: crate::api::now_rfc3339(),
         };
-        if let Err(e) = op.update_status("vm.migrate_in", VmStatus::Incoming, |r| r.migration = Some(record)) {
-            return Err(op.fail(e).await);
-        }
+        let op = mgr.reserve_incoming_op(&vm.spec, record)?;
         op.crashpoint("migrate_in:recorded");
         let timeout_s = mgr.migrations.prepare_timeout().as_secs();
         if p.mode == MoveMode::Cold {
