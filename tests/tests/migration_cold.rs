@@ -194,6 +194,42 @@ fn a_file_changed_on_the_wire_is_refused_and_nothing_is_left_on_the_destination(
     assert_eq!(disk_mark(&data_disk(&pair.hosts[0], "badwire")), "VMHOSTMARK:wire-mark");
 }
 
+/// A received qcow2 disk is inspected before it is put in place: one whose header names a host
+/// file as its backing file (the destination's QEMU would open it) is refused and nothing is
+/// left on the destination; the source keeps the VM. (A file made on the source by hand here;
+/// a source holding the secret could send any.)
+#[test]
+fn a_received_qcow2_naming_a_host_file_is_refused() {
+    let pair = Pair::start(PairOptions::default());
+    let mut spec = pair.spec("backed", 256, "backed-mark", false);
+    spec["disks"][0]["format"] = json!("qcow2");
+    pair.create(0, &spec);
+    pair.hosts[0].call("vm.stop", json!({ "name": "backed" }));
+    let disk = pair.hosts[0].state().join("disks/backed/data.qcow2");
+    assert!(disk.exists(), "{}", disk.display());
+    let made = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-b", "/etc/hostname", "-F", "raw"])
+        .arg(&disk)
+        .arg("1G")
+        .status()
+        .expect("qemu-img");
+    assert!(made.success());
+
+    let out = move_ctl(&pair, "backed", &[]);
+    assert!(!out.status.success(), "a disk naming /etc/hostname was moved");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("names the backing file"), "{said}");
+    vmhost_tests::wait::until("the destination gave the move up", Duration::from_secs(60), || {
+        match status(&pair, 1, "backed") {
+            None => Ok(()),
+            Some(v) => Err(format!("still recorded: {v}")),
+        }
+    });
+    assert!(!pair.hosts[1].state().join("disks/backed").exists(), "the destination kept the disk");
+    let after = status(&pair, 0, "backed").expect("the source keeps the VM");
+    assert_eq!(after["status"], "stopped", "{after}");
+}
+
 /// The source daemon killed at crash point `step` of a cold move of a stopped VM, then both
 /// restarted: the VM is `stopped` on the source with its disk, and the destination holds
 /// nothing of it.

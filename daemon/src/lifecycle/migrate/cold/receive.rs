@@ -115,7 +115,8 @@ async fn until_commit(
         .map_err(|e| failed(format!("{}: {e}", paths.disk_dir.display())))?;
     let stream = next_channel(&mut exp, ChannelKind::Files, FILES_TIMEOUT).await?;
     drop(exp); // nothing more is expected: a late stream of this VM is refused
-    let got = receive_files(&vm.spec, &paths, &hello, stream, secret).await?;
+    let tool = op.mgr().disk_tool();
+    let got = receive_files(&tool, &vm.spec, &paths, &hello, stream, secret).await?;
     c.send(&ControlMsg::Ready { exports: got }).await.map_err(|e| failed(format!("the control channel: {e}")))?;
     match c.recv(COMMIT_TIMEOUT).await.map_err(|e| failed(format!("the control channel: {e}")))? {
         ControlMsg::Commit => {}
@@ -185,6 +186,7 @@ fn check_hello(admitted: &VmSpec, hello: &Hello) -> Result<(), ApiError> {
 /// 4001 for a name the spec has no place for, a file sent twice, one `Hello` did not announce
 /// or one missing, or a failed stream or file.
 async fn receive_files(
+    tool: &crate::disk::Tool,
     spec: &VmSpec,
     paths: &VmPaths,
     hello: &Hello,
@@ -201,6 +203,16 @@ async fn receive_files(
         }
         let _ = crate::blocking::run(|| std::fs::remove_file(&place.partial));
         rx.receive(&header, &place.partial).await.map_err(ApiError::from)?;
+        let overlay = place.target == paths.overlay;
+        let qcow2 = overlay
+            || place.target == paths.root_disk(crate::api::DiskFormat::Qcow2)
+            || spec
+                .disks
+                .iter()
+                .any(|d| d.format == crate::api::DiskFormat::Qcow2 && paths.data_disk(d) == place.target);
+        if qcow2 {
+            check_received(tool, &place.partial, overlay).await?;
+        }
         crate::blocking::run(|| std::fs::rename(&place.partial, &place.target))
             .map_err(|e| failed(format!("{}: {e}", place.target.display())))?;
         tracing::info!(file = %header.name, bytes = header.bytes, sha256 = %header.sha256, "received");
@@ -210,6 +222,39 @@ async fn receive_files(
         return Err(failed(format!("the source announced {} files and sent {}", hello.disks.len(), got.len())));
     }
     Ok(got)
+}
+
+/// A received qcow2 disk is untrusted input, as an import is: QEMU opens the backing file and
+/// the external data file its header names (as `qemu.user`), and a `boot.disk` root disk is
+/// opened without a backing override. Only an image VM's overlay (`overlay`) may name a
+/// backing file (its base image, which the launch replaces with this host's own image); no
+/// file may keep its data in another one. Inspected by QEMU as `qemu.user`
+/// ([`crate::disk::import::inspect`]), never parsed as root. (A raw disk is opened as raw
+/// whatever its bytes hold: its guest may well have written a qcow2 header into it.)
+///
+/// # Errors
+/// 4001 naming the file when it is not qcow2, names another file, or QEMU cannot read it.
+async fn check_received(tool: &crate::disk::Tool, path: &std::path::Path, overlay: bool) -> Result<(), ApiError> {
+    let opened = path.to_path_buf();
+    let file = crate::blocking::run(move || std::fs::File::open(&opened))
+        .map_err(|e| failed(format!("{}: {e}", path.display())))?;
+    let info = crate::disk::import::inspect(tool, std::os::fd::OwnedFd::from(file))
+        .await
+        .map_err(|e| failed(format!("{} is not a disk image QEMU reads: {e}", path.display())))?;
+    if info.format != "qcow2" {
+        return Err(failed(format!(
+            "{} is {:?}, not the qcow2 its spec declares: refused",
+            path.display(),
+            info.format
+        )));
+    }
+    if let (Some(backing), false) = (&info.backing, overlay) {
+        return Err(failed(format!("{} names the backing file {backing:?}: refused", path.display())));
+    }
+    if let Some(data) = &info.data_file {
+        return Err(failed(format!("{} keeps its data in the external file {data:?}: refused", path.display())));
+    }
+    Ok(())
 }
 
 /// After the commit point: the source told, and the VM started when its admitted spec says
