@@ -3,7 +3,8 @@
 //! A stopped VM's data disk with a marker arrives on the destination and the VM starts there;
 //! a running VM moved with `--stop` runs on the destination afterwards, with its MAC; a byte
 //! changed on the wire (a relay in the test between the two ports) is refused with 2003 and
-//! leaves nothing on the destination and the VM as it was on the source.
+//! leaves nothing on the destination and the VM as it was on the source; so is a qcow2 disk
+//! whose header names a host file as its backing file.
 
 use serde_json::{json, Value};
 use std::io::{Read, Write};
