@@ -88,6 +88,9 @@ pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<Migrate
             Secret::parse(&p.secret).map_err(|_| ApiError::invalid("secret", "the secret is not 64 hex digits"))?;
         let started = Instant::now();
         let (mut op, rec) = mgr.begin_op(&p.name).await?;
+        // Half-reverted disks must not travel, and the snapshot that finishes the revert
+        // would be deleted with the source's copy.
+        super::super::snapshots::check_not_reverting(&rec)?;
         let live = op.find_live(rec.process.as_ref())?.is_some();
         let stop = plan::admit(rec.status, live, p.stop).map_err(|e| not_movable("status", e.to_string()))?;
         let stream = tokio::time::timeout(
