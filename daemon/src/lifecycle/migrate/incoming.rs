@@ -199,19 +199,7 @@ async fn until_commit(
     let devices: Vec<String> = disks.iter().map(|d| d.device.clone()).collect();
     let macs: Vec<String> = op.record()?.nics.iter().map(|n| n.mac.clone()).collect();
     decide::check_hello(&vm.spec, &macs, &devices, &hello)?;
-    op.update("the source connected", |r| {
-        if let Some(m) = r.migration.as_mut() {
-            m.peer = peer;
-        }
-        // The guest's seed and NICs as the source gave them: cloud-init must see the same
-        // instance, the guest the same interfaces.
-        if hello.instance_id.is_some() {
-            r.instance_id = hello.instance_id.clone();
-        }
-        for (nic, mac) in r.nics.iter_mut().zip(&hello.macs) {
-            nic.mac = mac.to_ascii_lowercase();
-        }
-    })?;
+    op.update("the source connected", |r| super::adopt_source(r, peer, &hello))?;
     // The create's disk steps, then its launch with QEMU waiting for the incoming state.
     op.remove_stale_overlays()?;
     op.clear_orphan_disks()?;

@@ -47,3 +47,18 @@ pub(super) async fn settle(
         outgoing::recover(mgr, held, rec, live).await.map(|()| true)
     }
 }
+
+/// What the source's `Hello` gives the destination's record, live or cold: the source's
+/// address, and the guest's seed and NICs as the source gave them (cloud-init must see the same
+/// instance, the guest the same interfaces).
+fn adopt_source(r: &mut crate::state::VmRecord, peer: String, hello: &crate::migration::Hello) {
+    if let Some(m) = r.migration.as_mut() {
+        m.peer = peer;
+    }
+    if hello.instance_id.is_some() {
+        r.instance_id = hello.instance_id.clone();
+    }
+    for (nic, mac) in r.nics.iter_mut().zip(&hello.macs) {
+        nic.mac = mac.to_ascii_lowercase();
+    }
+}

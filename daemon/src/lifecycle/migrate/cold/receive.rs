@@ -94,16 +94,7 @@ async fn until_commit(
     };
     check_hello(&vm.spec, &hello)?;
     op.update("the source connected", |r| {
-        if let Some(m) = r.migration.as_mut() {
-            m.peer = peer;
-        }
-        // The guest keeps its cloud-init instance and its interfaces.
-        if hello.instance_id.is_some() {
-            r.instance_id = hello.instance_id.clone();
-        }
-        for (nic, mac) in r.nics.iter_mut().zip(&hello.macs) {
-            nic.mac = mac.to_ascii_lowercase();
-        }
+        super::super::adopt_source(r, peer, &hello);
         if vm.spec.boot.image.is_some() && hello.disks.iter().any(|d| d.device == "virtio0") {
             // Named before it arrives, as a create names it before QEMU writes it.
             r.overlay = Some(paths.overlay.clone());
