@@ -31,9 +31,14 @@ pub mod state;
 pub const MAX_LOG_MESSAGE: usize = 1024;
 
 /// Writes one line to stderr (the serial console in the test guest, the journal under systemd),
-/// as [`one_line`] makes it.
+/// as [`one_line`] makes it. The line goes out in one `write`: the agent and its `--exec`
+/// process share the console, and `eprintln!` writes the prefix, the message and the newline
+/// apart, so two processes' lines interleaved mid-line there.
 pub fn log(message: &str) {
-    eprintln!("vmhost-agent: {}", one_line(message));
+    use std::io::Write;
+    let line = format!("vmhost-agent: {}\n", one_line(message));
+    // Nothing to do if stderr is gone: the agent's work does not depend on its log.
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 /// `message` as one bounded line: control characters escaped (a newline in a mount point cannot
