@@ -16,6 +16,12 @@
 //! ([`Pair::migrate_ctl`] through `vmhostctl --to-socket`, or [`Pair::migrate_in`] and
 //! [`Pair::migrate`] as two API calls), then [`Pair::settled`] to find where the VM runs and
 //! [`Pair::assert_clean`] on the other host.
+//!
+//! [`Fleet`] is the same for N hosts (tests/tests/salt_fleet.rs: three hypervisors under a
+//! real salt-master): a bridge `migbr` in host 0's namespace with a veth to each other host,
+//! host `i` at [`fleet_addr`]`(i)`, each daemon listening there. Order of use:
+//! [`Fleet::start`], [`create_counter`] on a host, moves (by whatever drives them), then
+//! [`settled_among`] to find where a VM runs and [`assert_clean_of`] on the hosts it left.
 
 use crate::{guest, wait, Guest, HostOptions, TestHost, GUEST_READY};
 use serde_json::{json, Value};
@@ -102,58 +108,27 @@ impl Pair {
             if i == 1 && opts.second_without_port {
                 continue;
             }
-            h.stop_daemon();
-            let mut cfg = fs::read_to_string(&h.config).expect("read config");
-            cfg.push_str(&format!("\n[migration]\nlisten = \"{}:{PORT}\"\n", ADDRS[i]));
-            fs::write(&h.config, cfg).expect("write config");
-            h.spawn_daemon();
+            enable_port(h, ADDRS[i]);
         }
         Pair { hosts }
     }
 
-    /// The spec of a counter guest named `name`: 256 MiB (or `memory_mib`), a NIC on `lan`,
-    /// a raw data disk `data` of 1 GiB (kept on destroy when `keep`) on which the guest writes
-    /// `VMHOSTMARK:{mark}` at boot.
+    /// The spec of a counter guest named `name` ([`counter_spec`]).
     pub fn spec(&self, name: &str, memory_mib: u64, mark: &str, keep: bool) -> Value {
-        let g = counter_guest();
-        json!({
-            "name": name,
-            "cpu": 1,
-            "memory_mib": memory_mib,
-            "boot": {
-                "kernel": g.kernel,
-                "initrd": g.initrd,
-                "cmdline": format!("console=ttyS0 panic=-1 quiet vmhost.skipip vmhost.writemark=data:{mark}"),
-            },
-            "nics": [{ "network": "lan" }],
-            "disks": [{ "name": "data", "size_gib": 1, "format": "raw", "keep_on_destroy": keep }],
-        })
+        counter_spec(name, memory_mib, mark, keep)
     }
 
     /// Creates `spec` on host `on` and waits until its guest wrote its marker and counts.
     ///
     /// # Panics
-    /// When the guest does not come up within a minute.
+    /// When the guest does not come up within two minutes.
     pub fn create(&self, on: usize, spec: &Value) {
-        let h = &self.hosts[on];
-        let name = spec["name"].as_str().expect("spec name");
-        h.call("vm.create", json!({ "spec": spec }));
-        h.wait_serial_count(name, GUEST_READY, 1, Duration::from_secs(120));
-        h.wait_serial_count(name, "VMHOST-WROTE data", 1, Duration::from_secs(60));
-        h.wait_serial_count(name, "VMHOST-COUNT ", 3, Duration::from_secs(60));
+        create_counter(&self.hosts[on], spec);
     }
 
-    /// The `vm.migrate_in` params for moving `name` from host `from`: its `vm.get` spec with
-    /// each NIC's MAC from its NIC view (what `vmhostctl migrate --to-socket` sends).
+    /// The `vm.migrate_in` params for moving `name` from host `from` ([`incoming_spec_of`]).
     pub fn incoming_spec(&self, from: usize, name: &str) -> Value {
-        let v = self.hosts[from].call("vm.get", json!({ "name": name }));
-        let mut spec = v["spec"].clone();
-        if let Some(nics) = spec["nics"].as_array_mut() {
-            for (i, n) in nics.iter_mut().enumerate() {
-                n["mac"] = v["nics"][i]["mac"].clone();
-            }
-        }
-        spec
+        incoming_spec_of(&self.hosts[from], name)
     }
 
     /// `vm.migrate_in` on host `to` for `name` as host `from` runs it; its result.
@@ -181,70 +156,199 @@ impl Pair {
         self.hosts[from].ctl(&["migrate", name, "--to-socket", &to_socket])
     }
 
-    /// Waits until `name` runs on exactly one host with exactly one QEMU across both, and
-    /// the other host has no record of it; returns the host it runs on.
+    /// Waits until `name` runs on exactly one host with exactly one QEMU across both
+    /// ([`settled_among`]); returns the host it runs on.
     ///
     /// # Panics
     /// When that is not so within `timeout`, with both hosts' views and logs' tails.
     pub fn settled(&self, name: &str, timeout: Duration) -> usize {
-        let mut last = String::new();
-        let found = wait::poll(timeout, || {
-            let views: Vec<Result<Value, String>> = self
-                .hosts
-                .iter()
-                .map(|h| h.client().call::<Value>("vm.get", json!({ "name": name })).map_err(|e| e.to_string()))
-                .collect();
-            let qemus: Vec<usize> = self.hosts.iter().map(|h| h.qemu_pids().len()).collect();
-            last = format!("views {views:?}; QEMUs {qemus:?}");
-            let running: Vec<usize> =
-                (0..2).filter(|&i| views[i].as_ref().is_ok_and(|v| v["status"] == "running")).collect();
-            let absent: Vec<usize> = (0..2).filter(|&i| views[i].is_err()).collect();
-            match (running.as_slice(), absent.as_slice()) {
-                ([on], [other]) if qemus[*on] == 1 && qemus[*other] == 0 => Ok(*on),
-                _ => Err(last.clone()),
-            }
-        });
-        match found {
-            Ok(on) => on,
-            Err(_) => panic!(
-                "{name} did not settle on exactly one host within {timeout:?}: {last}\n--- host 0 log tail:\n{}\n--- host 1 log tail:\n{}",
-                tail(&self.hosts[0].daemon_log(), 40),
-                tail(&self.hosts[1].daemon_log(), 40)
-            ),
-        }
+        settled_among(&self.hosts, name, timeout)
     }
 
-    /// Asserts host `on` holds nothing of `name`: no record, no QEMU, no run dir, no disk
-    /// directory (kept disks aside: a destroy keeps them), no tap left in its namespace
-    /// (`taps`: the tap names the VM had there).
+    /// Asserts host `on` holds nothing of `name` ([`assert_clean_of`]).
     ///
     /// # Panics
     /// When something is left.
     pub fn assert_clean(&self, on: usize, name: &str, taps: &[String]) {
-        let h = &self.hosts[on];
-        let err = h.client().call::<Value>("vm.get", json!({ "name": name })).err().map(|e| e.to_string());
-        assert!(err.is_some(), "host {on} still has a record of {name}");
-        assert_eq!(h.qemu_pids(), Vec::<i32>::new(), "host {on} still runs a QEMU");
-        assert!(!h.run().join(name).exists(), "host {on} kept {name}'s run dir");
-        let disks = h.state().join("disks").join(name);
-        let left: Vec<String> = fs::read_dir(&disks)
-            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-            .unwrap_or_default();
-        assert!(left.is_empty(), "host {on} kept {name}'s disks dir {}: {left:?}", disks.display());
-        let links: Vec<String> = h.links().iter().filter_map(|l| l["ifname"].as_str().map(str::to_string)).collect();
-        for t in taps {
-            assert!(!links.contains(t), "host {on} kept the tap {t}: {links:?}");
-        }
+        assert_clean_of(&self.hosts[on], name, taps);
     }
 
     /// The tap names `name` has on host `on`.
     pub fn taps(&self, on: usize, name: &str) -> Vec<String> {
-        let v = self.hosts[on].call("vm.get", json!({ "name": name }));
-        v["nics"]
-            .as_array()
-            .map(|n| n.iter().filter_map(|n| n["tap"].as_str().map(str::to_string)).collect())
-            .unwrap_or_default()
+        taps_of(&self.hosts[on], name)
     }
+}
+
+/// Stops `h`'s daemon, gives it `[migration] listen = "ADDR:PORT"` and starts it again: the
+/// daemon that wrote the config did not have the address yet (it binds it at start).
+fn enable_port(h: &mut TestHost, addr: &str) {
+    h.stop_daemon();
+    let mut cfg = fs::read_to_string(&h.config).expect("read config");
+    cfg.push_str(&format!("\n[migration]\nlisten = \"{addr}:{PORT}\"\n"));
+    fs::write(&h.config, cfg).expect("write config");
+    h.spawn_daemon();
+}
+
+/// Host `i`'s address on a [`Fleet`]'s bridge (`10.78.0.{i+1}`).
+pub fn fleet_addr(i: usize) -> String {
+    format!("10.78.0.{}", i + 1)
+}
+
+/// N hosts on one migration bridge, each with a migration port and the `lan` network.
+pub struct Fleet {
+    /// Host `i` is at [`fleet_addr`]`(i)`.
+    pub hosts: Vec<TestHost>,
+}
+
+impl Fleet {
+    /// Starts one daemon per `memory_gib` entry (its `hardware.memory_gib`), each in its
+    /// namespace, joined by a bridge `migbr` in host 0's namespace (a veth `migpI` there for
+    /// host I, named `mig0` on its side), each listening on its migration port.
+    ///
+    /// # Panics
+    /// When a daemon does not start or a link cannot be made.
+    pub fn start(memory_gib: &[u64]) -> Fleet {
+        let mut hosts: Vec<TestHost> = memory_gib
+            .iter()
+            .map(|&mem| {
+                TestHost::start(HostOptions {
+                    netns: true,
+                    extra: crate::LAN_NETWORK.to_string(),
+                    memory_gib: mem,
+                    sandbox: std::env::var("VMHOST_TEST_SANDBOX").unwrap_or_else(|_| "require".into()),
+                    ..HostOptions::default()
+                })
+            })
+            .collect();
+        let h0 = &hosts[0];
+        h0.ip(&["link", "add", "migbr", "type", "bridge"]);
+        h0.ip(&["addr", "add", &format!("{}/24", fleet_addr(0)), "dev", "migbr"]);
+        h0.ip(&["link", "set", "migbr", "up"]);
+        for (i, h) in hosts.iter().enumerate().skip(1) {
+            let ns = h.netns.clone().expect("netns");
+            let port = format!("migp{i}");
+            h0.ip(&["link", "add", &port, "type", "veth", "peer", "name", "mig0", "netns", &ns]);
+            h0.ip(&["link", "set", &port, "master", "migbr"]);
+            h0.ip(&["link", "set", &port, "up"]);
+            h.ip(&["addr", "add", &format!("{}/24", fleet_addr(i)), "dev", "mig0"]);
+            h.ip(&["link", "set", "mig0", "up"]);
+        }
+        for (i, h) in hosts.iter_mut().enumerate() {
+            h.ip(&["link", "set", "lo", "up"]);
+            enable_port(h, &fleet_addr(i));
+        }
+        Fleet { hosts }
+    }
+}
+
+/// The spec of a counter guest named `name`: 256 MiB (or `memory_mib`), a NIC on `lan`,
+/// a raw data disk `data` of 1 GiB (kept on destroy when `keep`) on which the guest writes
+/// `VMHOSTMARK:{mark}` at boot.
+pub fn counter_spec(name: &str, memory_mib: u64, mark: &str, keep: bool) -> Value {
+    let g = counter_guest();
+    json!({
+        "name": name,
+        "cpu": 1,
+        "memory_mib": memory_mib,
+        "boot": {
+            "kernel": g.kernel,
+            "initrd": g.initrd,
+            "cmdline": format!("console=ttyS0 panic=-1 quiet vmhost.skipip vmhost.writemark=data:{mark}"),
+        },
+        "nics": [{ "network": "lan" }],
+        "disks": [{ "name": "data", "size_gib": 1, "format": "raw", "keep_on_destroy": keep }],
+    })
+}
+
+/// Creates the counter guest `spec` on `h` and waits until it wrote its marker and counts.
+///
+/// # Panics
+/// When the guest does not come up within two minutes.
+pub fn create_counter(h: &TestHost, spec: &Value) {
+    let name = spec["name"].as_str().expect("spec name");
+    h.call("vm.create", json!({ "spec": spec }));
+    h.wait_serial_count(name, GUEST_READY, 1, Duration::from_secs(120));
+    h.wait_serial_count(name, "VMHOST-WROTE data", 1, Duration::from_secs(60));
+    h.wait_serial_count(name, "VMHOST-COUNT ", 3, Duration::from_secs(60));
+}
+
+/// The `vm.migrate_in` spec for moving `name` from `h`: its `vm.get` spec with each NIC's MAC
+/// from its NIC view (what `vmhostctl migrate --to-socket` sends).
+pub fn incoming_spec_of(h: &TestHost, name: &str) -> Value {
+    let v = h.call("vm.get", json!({ "name": name }));
+    let mut spec = v["spec"].clone();
+    if let Some(nics) = spec["nics"].as_array_mut() {
+        for (i, n) in nics.iter_mut().enumerate() {
+            n["mac"] = v["nics"][i]["mac"].clone();
+        }
+    }
+    spec
+}
+
+/// Waits until `name` runs on exactly one of `hosts` with exactly one QEMU across them all
+/// (the others run none), and the others have no record of it; returns the host it runs on.
+///
+/// # Panics
+/// When that is not so within `timeout`, with every host's view and log tail.
+pub fn settled_among(hosts: &[TestHost], name: &str, timeout: Duration) -> usize {
+    let mut last = String::new();
+    let found = wait::poll(timeout, || {
+        let views: Vec<Result<Value, String>> = hosts
+            .iter()
+            .map(|h| h.client().call::<Value>("vm.get", json!({ "name": name })).map_err(|e| e.to_string()))
+            .collect();
+        let qemus: Vec<usize> = hosts.iter().map(|h| h.qemu_pids().len()).collect();
+        last = format!("views {views:?}; QEMUs {qemus:?}");
+        let running: Vec<usize> =
+            (0..hosts.len()).filter(|&i| views[i].as_ref().is_ok_and(|v| v["status"] == "running")).collect();
+        let absent = (0..hosts.len()).filter(|&i| views[i].is_err()).count();
+        match running.as_slice() {
+            [on] if absent == hosts.len() - 1 && qemus[*on] == 1 && qemus.iter().sum::<usize>() == 1 => Ok(*on),
+            _ => Err(last.clone()),
+        }
+    });
+    match found {
+        Ok(on) => on,
+        Err(_) => {
+            let logs: String = hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| format!("\n--- host {i} log tail:\n{}", tail(&h.daemon_log(), 40)))
+                .collect();
+            panic!("{name} did not settle on exactly one host within {timeout:?}: {last}{logs}")
+        }
+    }
+}
+
+/// Asserts `h` holds nothing of `name`: no record, no QEMU, no run dir, no disk directory
+/// (kept disks aside: a destroy keeps them), no tap left in its namespace (`taps`: the tap
+/// names the VM had there).
+///
+/// # Panics
+/// When something is left.
+pub fn assert_clean_of(h: &TestHost, name: &str, taps: &[String]) {
+    let err = h.client().call::<Value>("vm.get", json!({ "name": name })).err().map(|e| e.to_string());
+    assert!(err.is_some(), "{} still has a record of {name}", h.socket.display());
+    assert_eq!(h.qemu_pids(), Vec::<i32>::new(), "{} still runs a QEMU", h.socket.display());
+    assert!(!h.run().join(name).exists(), "{} kept {name}'s run dir", h.socket.display());
+    let disks = h.state().join("disks").join(name);
+    let left: Vec<String> = fs::read_dir(&disks)
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "kept {name}'s disks dir {}: {left:?}", disks.display());
+    let links: Vec<String> = h.links().iter().filter_map(|l| l["ifname"].as_str().map(str::to_string)).collect();
+    for t in taps {
+        assert!(!links.contains(t), "{} kept the tap {t}: {links:?}", h.socket.display());
+    }
+}
+
+/// The tap names `name` has on `h`.
+pub fn taps_of(h: &TestHost, name: &str) -> Vec<String> {
+    let v = h.call("vm.get", json!({ "name": name }));
+    v["nics"]
+        .as_array()
+        .map(|n| n.iter().filter_map(|n| n["tap"].as_str().map(str::to_string)).collect())
+        .unwrap_or_default()
 }
 
 /// `spec` with its NIC's MAC set in the spec itself (`02:76:6d:00:00:01`), as an operator may
