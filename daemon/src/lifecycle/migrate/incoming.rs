@@ -201,6 +201,12 @@ async fn until_commit(
     let devices: Vec<String> = disks.iter().map(|d| d.device.clone()).collect();
     let macs: Vec<String> = op.record()?.nics.iter().map(|n| n.mac.clone()).collect();
     decide::check_hello(&vm.spec, &macs, &devices, &hello)?;
+    if vm.spec.boot.firmware == crate::api::Firmware::Uefi {
+        let template = mgr.config.firmware.uefi_vars.clone();
+        let bytes = crate::blocking::run(|| std::fs::metadata(&template).map(|m| m.len()))
+            .map_err(|source| IncomingError::Io { what: "reading the UEFI variables template's size", source })?;
+        decide::check_uefi_vars(&hello, bytes)?;
+    }
     op.update("the source connected", |r| super::adopt_source(r, peer, &hello))?;
     // The create's disk steps, then its launch with QEMU waiting for the incoming state.
     op.remove_stale_overlays()?;

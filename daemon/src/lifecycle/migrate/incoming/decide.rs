@@ -1,12 +1,12 @@
 //! The destination's decisions that need no host: which specs `vm.migrate_in` refuses before
 //! anything is made ([`refuse_unmovable`]), whether a source's `Hello` matches what was
-//! admitted ([`check_hello`]), which root disk a `boot.disk` VM gets here ([`root_disk_to_make`]),
+//! admitted ([`check_hello`], [`check_uefi_vars`]), which root disk a `boot.disk` VM gets here ([`root_disk_to_make`]),
 //! what a `Query` is answered from a record ([`outcome_of`]), and what a restart does with an
 //! incoming record ([`recover_action`]). Kept apart from the steps that act on them so each
 //! rule is unit-tested on its own.
 //!
-//! Order of use: [`refuse_unmovable`] first in `vm.migrate_in`; [`check_hello`] then
-//! [`root_disk_to_make`] when the source's first message arrives; [`outcome_of`] whenever the
+//! Order of use: [`refuse_unmovable`] first in `vm.migrate_in`; [`check_hello`],
+//! [`check_uefi_vars`] and [`root_disk_to_make`] when the source's first message arrives; [`outcome_of`] whenever the
 //! listener answers a `Query`; [`recover_action`] once per incoming record at daemon start.
 
 use super::errors::IncomingError;
@@ -113,6 +113,26 @@ pub(crate) fn check_hello(
         }
     }
     Ok(())
+}
+
+/// A UEFI VM's variables store is mirrored into one this host copies from its own template
+/// (`[firmware] uefi_vars`, `template_bytes` long). QEMU mirrors only into a store of the same
+/// size, and another size means another OVMF build, whose code would not read the source's
+/// variables after the next restart: refused at `Hello`, before anything is made, rather than
+/// when the mirror starts.
+///
+/// # Errors
+/// [`IncomingError::HelloMismatch`] naming both sizes.
+pub(crate) fn check_uefi_vars(hello: &Hello, template_bytes: u64) -> Result<(), IncomingError> {
+    let node = crate::qemu::argv::UEFI_VARS_NODE;
+    match hello.disks.iter().find(|d| d.device == node) {
+        Some(sent) if sent.bytes != template_bytes => Err(IncomingError::HelloMismatch(format!(
+            "the source's UEFI variables store is {} bytes, this host's template {template_bytes}: \
+             the hosts' OVMF builds differ",
+            sent.bytes
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// The root disk a live migration of a `boot.disk` VM makes here (`None` for another boot
@@ -272,6 +292,17 @@ mod tests {
         let mut s = spec();
         s.boot = BootSpec { disk: Some("root.qcow2".into()), ..Default::default() };
         assert!(refuse_unmovable(&s, MoveMode::Live).is_ok());
+    }
+
+    #[test]
+    fn a_uefi_store_of_another_size_is_refused() {
+        let mut h = hello(&spec());
+        h.disks.push(HelloDisk { device: "uefi-vars".into(), bytes: 540_672, format: "raw".into() });
+        assert!(check_uefi_vars(&h, 540_672).is_ok());
+        // OVMF's 2 MiB build's store beside the 4 MiB one's.
+        assert!(matches!(check_uefi_vars(&h, 131_072), Err(IncomingError::HelloMismatch(m)) if m.contains("131072")));
+        // A BIOS VM sends none.
+        assert!(check_uefi_vars(&hello(&spec()), 131_072).is_ok());
     }
 
     #[test]

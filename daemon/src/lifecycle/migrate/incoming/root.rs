@@ -6,8 +6,7 @@
 //! [`make_root_disk`] runs once, after `Hello` and before QEMU is launched (the launch opens
 //! the file the record names). The record names the disk before the file exists, so a crash
 //! between the two leaves nothing the abandon does not find: `incoming::abandon` deletes it
-//! ([`crate::lifecycle::held::HeldVm`]'s `dispose_root_disk`), since a received disk is never
-//! an import to give back.
+//! (`HeldVm::dispose_root_disk`), since a received disk is never an import to give back.
 
 use super::super::super::data_disks::admit_provision;
 use super::super::super::op::VmOp;
