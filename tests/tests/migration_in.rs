@@ -279,3 +279,27 @@ fn a_boot_disk_vm_is_received_into_a_root_disk_of_the_sources_size_removed_when_
     assert!(files_under(&import).is_empty(), "{:?}", files_under(&import));
     assert_eq!(rt.block_on(query(&address, "bd2", &secret)), Outcome::Abandoned);
 }
+
+#[test]
+fn a_uefi_store_of_another_size_than_this_hosts_template_is_refused_at_hello() {
+    let (host, address) = host(60);
+    let mut spec = host.kernel_spec("efi");
+    spec["boot"]["firmware"] = json!("uefi");
+    let r = host.call("vm.migrate_in", json!({ "spec": spec.clone() }));
+    let secret = Secret::parse(r["secret"].as_str().unwrap()).unwrap();
+    let typed: vmhost::api::VmSpec = serde_json::from_value(spec).unwrap();
+    // The store of OVMF's 2 MiB build; this host's template is the 4 MiB build's (540672 bytes).
+    let disks = vec![HelloDisk { device: "uefi-vars".into(), bytes: 131_072, format: "raw".into() }];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut control = rt.block_on(send_hello_of(&address, &secret, &typed, disks));
+    match rt.block_on(control.recv(Duration::from_secs(60))).unwrap() {
+        ControlMsg::Abort { code, message } => {
+            assert_eq!(code, 2001, "{message}");
+            assert!(message.contains("131072") && message.contains("540672"), "{message}");
+        }
+        other => panic!("expected an abort: {other:?}"),
+    }
+    wait_gone(&host, "efi");
+    assert!(host.qemu_pids().is_empty(), "no QEMU was started");
+    assert!(files_under(&host.state().join("disks/efi")).is_empty(), "nothing made");
+}
