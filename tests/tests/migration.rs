@@ -5,12 +5,16 @@
 //! disk's marker must be there, and the source must hold nothing afterwards (a kept data disk
 //! aside, as a destroy keeps it). The refusals change nothing. A kill -9 of either daemon at
 //! each crash point, then a restart, leaves the VM running on exactly one host with its marker
-//! intact and the other host clean.
+//! intact and the other host clean. A VM booted from its own root disk (`boot.disk`) moves
+//! with what its guest wrote there, and a UEFI guest with its variables store.
 
 use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 use vmhost_tests::migration_pair::{
-    continuity, data_disk, disk_mark, tail, with_mac, CounterWatch, Pair, PairOptions, ADDRS, PORT,
+    continuity, data_disk, disk_mark, parse_tick, tail, with_mac, Continuity, CounterWatch, Pair, PairOptions, ADDRS,
+    PORT,
 };
 
 /// Bound of a whole migration of a 256 MiB TCG guest (a failure bound, not a speed).
@@ -345,4 +349,236 @@ fn crash_at_migrate_commit_leaves_the_vm_on_the_source() {
 #[test]
 fn crash_at_migrate_confirmed_leaves_the_vm_on_the_destination() {
     crash_case(Side::Source, "migrate:confirmed", Ends::Destination);
+}
+
+/// Moves `name` from host 0 to host 1 with `vmhostctl migrate --to-socket` while following its
+/// counter on both consoles; checks that the counter went on from where it was with the same
+/// boot id and that the guest never stood still for long. Returns what the counter did.
+fn move_counting(pair: &Pair, name: &str) -> Continuity {
+    let watch = CounterWatch::start(pair, name);
+    vmhost_tests::wait::until("counter ticks on the source", Duration::from_secs(30), || {
+        if watch.ticks().len() >= 5 {
+            Ok(())
+        } else {
+            Err(format!("{} ticks", watch.ticks().len()))
+        }
+    });
+    let out = pair.migrate_ctl(0, 1, name);
+    assert!(
+        out.status.success(),
+        "vmhostctl migrate --to-socket failed: {}\nstdout: {}\nstderr: {}\n--- source log:\n{}\n--- destination log:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        tail(&pair.hosts[0].daemon_log(), 60),
+        tail(&pair.hosts[1].daemon_log(), 60)
+    );
+    vmhost_tests::wait::until("counter ticks on the destination", Duration::from_secs(60), || {
+        let n = watch.ticks().iter().filter(|t| t.host == 1).count();
+        if n >= 10 {
+            Ok(())
+        } else {
+            Err(format!("{n} ticks on the destination; serial:\n{}", pair.hosts[1].serial(name)))
+        }
+    });
+    let c = continuity(&watch.finish(), 0, 1);
+    println!("{name}: largest gap between two counter lines {:?}", c.largest_gap);
+    assert_eq!(c.boots.len(), 1, "the guest restarted: boot ids {:?}", c.boots);
+    let (last, first) = (c.last_on_source.expect("ticks on the source"), c.first_on_destination.expect("ticks"));
+    assert!(
+        first > last && first <= last + 2,
+        "the counter did not go on from where it was: last {last} on the source, first {first} on the destination"
+    );
+    assert!(c.largest_gap < Duration::from_secs(10), "the guest stood still {:?}", c.largest_gap);
+    let v = pair.hosts[1].call("vm.get", json!({ "name": name }));
+    assert_eq!(v["status"], "running", "{v}");
+    assert_eq!(pair.hosts[1].qemu_pids().len(), 1);
+    c
+}
+
+/// A boot sector that counts, without any OS: it prints `VMHOST-COUNT <boot id> <n>` on COM1
+/// about every 110 ms (two timer ticks of halt) and writes the same line, zero-padded, to the
+/// disk's third sector (offset 1024) each time, through the BIOS (`int 13h`). The boot id is
+/// four hex digits of the TSC at boot. Assembled with GNU as (`.code16`, `-Ttext=0x7c00`):
+///
+/// ```text
+///   xor ax,ax / mov ds,ax / mov es,ax / mov ss,ax / mov sp,0x7c00 / sti / cld
+///   mov di,0x8000 / mov cx,256 / rep stosw          ; line buffer zeroed
+///   rdtsc / xor ax,dx / mov [0x7e00],ax             ; boot id
+///   mov word [0x7e02],0                             ; count
+/// again:
+///   mov di,0x8000 / mov si,prefix / copy "VMHOST-COUNT " up to its NUL
+///   4 hex digits of [0x7e00], ' ', decimal of [0x7e02] (div by 10, digits pushed), "\r\n"
+///   zero the buffer up to 0x8040
+///   out each byte up to the NUL to port 0x3f8
+///   mov ax,0x0301 / mov cx,3 / mov dx,0x80 / mov bx,0x8000 / int 0x13   ; write sector 3
+///   hlt / hlt / inc word [0x7e02] / jmp again
+/// prefix: "VMHOST-COUNT ",0
+/// ```
+const COUNTING_BOOT_SECTOR: &[u8] = &[
+    0x31, 0xc0, 0x8e, 0xd8, 0x8e, 0xc0, 0x8e, 0xd0, 0xbc, 0x00, 0x7c, 0xfb, 0xfc, 0xbf, 0x00, 0x80, 0xb9, 0x00, 0x01,
+    0xf3, 0xab, 0x0f, 0x31, 0x31, 0xd0, 0xa3, 0x00, 0x7e, 0xc7, 0x06, 0x02, 0x7e, 0x00, 0x00, 0xbf, 0x00, 0x80, 0xbe,
+    0x97, 0x7c, 0xac, 0x84, 0xc0, 0x74, 0x03, 0xaa, 0xeb, 0xf8, 0x8b, 0x1e, 0x00, 0x7e, 0xb9, 0x04, 0x00, 0xc1, 0xc3,
+    0x04, 0x88, 0xd8, 0x24, 0x0f, 0x04, 0x30, 0x3c, 0x39, 0x76, 0x02, 0x04, 0x27, 0xaa, 0xe2, 0xee, 0xb0, 0x20, 0xaa,
+    0xa1, 0x02, 0x7e, 0x31, 0xc9, 0xbb, 0x0a, 0x00, 0x31, 0xd2, 0xf7, 0xf3, 0x52, 0x41, 0x85, 0xc0, 0x75, 0xf6, 0x58,
+    0x04, 0x30, 0xaa, 0xe2, 0xfa, 0xb0, 0x0d, 0xaa, 0xb0, 0x0a, 0xaa, 0xb9, 0x40, 0x80, 0x29, 0xf9, 0x30, 0xc0, 0xf3,
+    0xaa, 0xbe, 0x00, 0x80, 0xba, 0xf8, 0x03, 0xac, 0x84, 0xc0, 0x74, 0x03, 0xee, 0xeb, 0xf8, 0xb8, 0x01, 0x03, 0xb9,
+    0x03, 0x00, 0xba, 0x80, 0x00, 0xbb, 0x00, 0x80, 0xcd, 0x13, 0xf4, 0xf4, 0xff, 0x06, 0x02, 0x7e, 0xeb, 0x8b, 0x56,
+    0x4d, 0x48, 0x4f, 0x53, 0x54, 0x2d, 0x43, 0x4f, 0x55, 0x4e, 0x54, 0x20, 0x00,
+];
+
+/// Where the test writes a marker of its own into the root disk before the import (sector 5):
+/// data the guest never touches must arrive too.
+const ROOT_MARK_AT: usize = 4096;
+
+/// Runs `cmd`, panicking with its stderr on failure; its stdout.
+fn run_ok(cmd: &mut Command) -> Vec<u8> {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out.stdout
+}
+
+/// The guest-visible bytes of the qcow2 disk `disk` (read while its QEMU may hold it: `-U`).
+fn qcow2_contents(disk: &Path, scratch: &Path) -> Vec<u8> {
+    run_ok(Command::new("qemu-img").args(["convert", "-U", "-q", "-f", "qcow2", "-O", "raw"]).arg(disk).arg(scratch));
+    std::fs::read(scratch).unwrap()
+}
+
+/// The virtual size of disk image `disk`.
+fn virtual_size(disk: &Path) -> u64 {
+    let info: Value =
+        serde_json::from_slice(&run_ok(Command::new("qemu-img").args(["info", "-U", "--output=json"]).arg(disk)))
+            .unwrap();
+    info["virtual-size"].as_u64().expect("virtual-size")
+}
+
+#[test]
+fn a_vm_booted_from_its_own_root_disk_moves_live_with_what_its_guest_wrote_there() {
+    let pair = Pair::start(PairOptions::default());
+    let name = "rooted";
+    // The root disk as an operator imports it: a qcow2 of 1 MiB (no GiB multiple: the disk made
+    // on the destination must be exactly the source's size) whose boot sector counts.
+    let mut image = vec![0u8; 1 << 20];
+    image[..COUNTING_BOOT_SECTOR.len()].copy_from_slice(COUNTING_BOOT_SECTOR);
+    image[510] = 0x55;
+    image[511] = 0xAA;
+    let mark = b"VMHOSTMARK:root-before";
+    image[ROOT_MARK_AT..ROOT_MARK_AT + mark.len()].copy_from_slice(mark);
+    let raw = pair.hosts[0].dir.path().join("rooted.raw");
+    std::fs::write(&raw, &image).unwrap();
+    let import = pair.hosts[0].state().join("import").join("rooted.qcow2");
+    run_ok(Command::new("qemu-img").args(["convert", "-q", "-f", "raw", "-O", "qcow2"]).arg(&raw).arg(&import));
+    let spec = json!({ "name": name, "cpu": 1, "memory_mib": 128, "boot": { "disk": "rooted.qcow2" } });
+    pair.hosts[0].call("vm.create", json!({ "spec": spec }));
+    pair.hosts[0].wait_serial_count(name, "VMHOST-COUNT ", 3, Duration::from_secs(60));
+    let source_root = pair.hosts[0].state().join("disks").join(name).join("root.qcow2");
+    assert_eq!(virtual_size(&source_root), 1 << 20);
+
+    let c = move_counting(&pair, name);
+
+    // The destination's root disk: where a create's import puts it, the source's format and
+    // size, with the line the guest wrote last before the switch (or a later one) and the
+    // marker it never touched.
+    let root = pair.hosts[1].state().join("disks").join(name).join("root.qcow2");
+    assert_eq!(virtual_size(&root), 1 << 20, "{}", root.display());
+    let bytes = qcow2_contents(&root, &pair.hosts[1].dir.path().join("root-now.raw"));
+    let line = String::from_utf8_lossy(&bytes[1024..1088]).trim_end_matches('\0').to_string();
+    let (boot, n) = parse_tick(&line).unwrap_or_else(|| panic!("no counter line in the root disk: {line:?}"));
+    assert_eq!(boot, c.boots[0], "the root disk's line is another boot's: {line:?}");
+    let last = c.last_on_source.expect("ticks on the source");
+    assert!(n >= last, "the root disk holds count {n}, older than the source's last {last}: a stale copy");
+    assert_eq!(&bytes[ROOT_MARK_AT..ROOT_MARK_AT + mark.len()], mark, "the marker written before the import");
+    assert!(!pair.hosts[1].state().join("import").join("rooted.qcow2").exists(), "nothing in the import directory");
+    // The source keeps nothing: its root disk went with its destroy.
+    pair.assert_clean(0, name, &[]);
+
+    // The received disk is the VM's own: it boots from it again, and goes with its destroy.
+    let boots_before = pair.hosts[1].serial(name);
+    pair.hosts[1].call("vm.restart", json!({ "name": name, "timeout_s": 1, "force": true }));
+    vmhost_tests::wait::until("a new boot from the received root disk", Duration::from_secs(60), || {
+        let log = pair.hosts[1].serial(name);
+        let new = log[boots_before.len().min(log.len())..].lines().filter_map(parse_tick).any(|(b, _)| b != c.boots[0]);
+        if new {
+            Ok(())
+        } else {
+            Err("no counter line of a new boot yet".into())
+        }
+    });
+    pair.hosts[1].call("vm.destroy", json!({ "name": name }));
+    assert!(!root.exists(), "the destroy deletes the received root disk");
+}
+
+/// The test guest with tests/guest/migration-efivar.sh as its program and the `efivarfs`
+/// module (built once per process into `target/guest/initramfs-efivar.cpio.gz`).
+fn efivar_guest() -> vmhost_tests::Guest {
+    static GUEST: std::sync::OnceLock<vmhost_tests::Guest> = std::sync::OnceLock::new();
+    GUEST
+        .get_or_init(|| {
+            let base = vmhost_tests::guest();
+            let root = vmhost_tests::workspace();
+            let out = root.join("target/guest");
+            // build.sh's default list and efivarfs.
+            let modules = "virtio_pci virtio_console virtio_net virtio_blk 8021q bridge tun dummy vfio_pci \
+                           vfio_iommu_type1 button evdev vfat nls_cp437 nls_ascii nls_iso8859-1 nls_utf8 efivarfs";
+            let st = Command::new(root.join("tests/guest/build.sh"))
+                .env(
+                    "EXTRA_FILES",
+                    format!("{}:/bin/vmhost-agent", root.join("tests/guest/migration-efivar.sh").display()),
+                )
+                .env("INITRAMFS_NAME", "initramfs-efivar.cpio.gz")
+                .env("MODULES", modules)
+                .arg(&out)
+                .status()
+                .expect("run tests/guest/build.sh");
+            assert!(st.success(), "tests/guest/build.sh (efivar guest): {st}");
+            vmhost_tests::Guest { kernel: base.kernel, initrd: out.join("initramfs-efivar.cpio.gz") }
+        })
+        .clone()
+}
+
+#[test]
+fn a_uefi_guest_moves_live_with_its_variables_store_as_it_last_wrote_it() {
+    let pair = Pair::start(PairOptions::default());
+    let name = "efi";
+    let g = efivar_guest();
+    let spec = json!({
+        "name": name, "cpu": 1, "memory_mib": 256,
+        "boot": { "kernel": g.kernel, "initrd": g.initrd, "firmware": "uefi",
+                  "cmdline": "console=ttyS0 panic=-1 quiet vmhost.skipip" },
+    });
+    pair.hosts[0].call("vm.create", json!({ "spec": spec }));
+    // OVMF adds about ten seconds to a TCG boot.
+    pair.hosts[0].wait_serial_count(name, "VMHOST-EFIVAR-WROTE ", 1, Duration::from_secs(180));
+    pair.hosts[0].wait_serial_count(name, "VMHOST-COUNT ", 3, Duration::from_secs(60));
+    let log = pair.hosts[0].serial(name);
+    assert!(log.contains("VMHOST-EFIVAR-SEEN none"), "a fresh store has no VmhostMark:\n{log}");
+    let wrote = log
+        .lines()
+        .find_map(|l| l.split("VMHOST-EFIVAR-WROTE ").nth(1))
+        .map(|b| b.trim().to_string())
+        .expect("the guest wrote its variable");
+    // OVMF wrote the variable into the flash device, which is the source's store file.
+    let source_vars = pair.hosts[0].state().join("disks").join(name).join("uefi-vars.fd");
+    let before = std::fs::read(&source_vars).unwrap();
+    assert!(before.windows(wrote.len()).any(|w| w == wrote.as_bytes()), "the store lacks the guest's variable");
+
+    let c = move_counting(&pair, name);
+    assert_eq!(c.boots[0], wrote, "the counting boot is the one that wrote the variable");
+
+    // The destination's store began as a copy of the template and was mirrored over: it is
+    // the source's, byte for byte (the guest wrote no variable since).
+    let vars = pair.hosts[1].state().join("disks").join(name).join("uefi-vars.fd");
+    let after = std::fs::read(&vars).unwrap_or_else(|e| panic!("{}: {e}", vars.display()));
+    assert!(after == before, "the destination's variables store differs from the source's");
+    pair.assert_clean(0, name, &[]);
+
+    // A later restart on the destination: the firmware reads the store from the file, and the
+    // guest finds the variable its boot on the source wrote.
+    pair.hosts[1].call("vm.restart", json!({ "name": name, "timeout_s": 1, "force": true }));
+    let seen = format!("VMHOST-EFIVAR-SEEN {wrote}");
+    assert!(
+        pair.hosts[1].wait_serial(name, &seen, Duration::from_secs(180)),
+        "after a restart on the destination the guest did not find its variable:\n{}",
+        pair.hosts[1].serial(name)
+    );
 }

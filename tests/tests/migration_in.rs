@@ -2,7 +2,8 @@
 //! port (short `prepare_timeout_s`), `vm.migrate_in` through its socket, and either no source
 //! at all or a source played by this test through the migration port's own library (the
 //! authenticated wire and control frames) that says `Hello`, waits for `Ready` and aborts.
-//! Everything the destination made (record, QEMU, data disk, run dir) must go, and a tombstone
+//! Everything the destination made (record, QEMU, data disk, a `boot.disk` VM's root disk, run
+//! dir) must go, and a tombstone
 //! must stay that answers the source's later `Query` with `abandoned`. The whole migration with
 //! two daemons is tests/tests/migration.rs.
 
@@ -65,18 +66,18 @@ async fn query(address: &str, name: &str, secret: &Secret) -> Outcome {
 /// Plays the source up to its `Hello` for `spec` (each data disk 1 GiB raw): the control
 /// channel, authenticated with `secret`.
 async fn send_hello(address: &str, secret: &Secret, spec: &vmhost::api::VmSpec) -> Control {
+    let disks = vmhost::qemu::migration::disks_of(spec)
+        .iter()
+        .map(|d| HelloDisk { device: d.device.clone(), bytes: 1 << 30, format: "raw".into() })
+        .collect();
+    send_hello_of(address, secret, spec, disks).await
+}
+
+/// Plays the source up to its `Hello` for `spec` announcing `disks`.
+async fn send_hello_of(address: &str, secret: &Secret, spec: &vmhost::api::VmSpec, disks: Vec<HelloDisk>) -> Control {
     let stream = connect(address, &spec.name, secret, &ChannelKind::Control).await.unwrap();
     let mut c = Control::new(stream, secret);
-    let disks = vmhost::qemu::migration::disks_of(spec);
-    let hello = Hello {
-        spec: spec.clone(),
-        instance_id: Some("i-migrated".into()),
-        macs: Vec::new(),
-        disks: disks
-            .iter()
-            .map(|d| HelloDisk { device: d.device.clone(), bytes: 1 << 30, format: "raw".into() })
-            .collect(),
-    };
+    let hello = Hello { spec: spec.clone(), instance_id: Some("i-migrated".into()), macs: Vec::new(), disks };
     c.send(&ControlMsg::Hello(Box::new(hello))).await.unwrap();
     c
 }
@@ -212,4 +213,93 @@ fn a_restart_before_the_commit_abandons_the_migration() {
     assert!(files_under(&host.state().join("disks/c2")).is_empty(), "disks left");
     check_tombstone(&host, "c2", &secret_hex);
     assert_eq!(rt.block_on(query(&address, "c2", &secret)), Outcome::Abandoned);
+}
+
+/// The virtual size and format QEMU reads in disk image `disk` (held by a QEMU: `-U`).
+fn image_info(disk: &Path) -> (u64, String) {
+    let out = std::process::Command::new("qemu-img").args(["info", "-U", "--output=json"]).arg(disk).output().unwrap();
+    assert!(out.status.success(), "qemu-img info {}: {}", disk.display(), String::from_utf8_lossy(&out.stderr));
+    let info: Value = serde_json::from_slice(&out.stdout).unwrap();
+    (info["virtual-size"].as_u64().unwrap(), info["format"].as_str().unwrap().to_string())
+}
+
+#[test]
+fn a_boot_disk_vm_is_received_into_a_root_disk_of_the_sources_size_removed_when_given_up() {
+    let (mut host, address) = host(60);
+    let import = host.state().join("import");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // The spec names the file the VM was imported from on its first host: nothing of that name
+    // is needed here.
+    let spec = json!({ "name": "bd1", "cpu": 1, "memory_mib": 128, "boot": { "disk": "libvirt-vm.qcow2" } });
+    let r = host.call("vm.migrate_in", json!({ "spec": spec.clone() }));
+    let secret_hex = r["secret"].as_str().unwrap().to_string();
+    let secret = Secret::parse(&secret_hex).unwrap();
+    assert_eq!(host.call("vm.get", json!({ "name": "bd1" }))["status"], "incoming");
+    let typed: vmhost::api::VmSpec = serde_json::from_value(spec).unwrap();
+    // Not a GiB multiple: an imported disk keeps any size, and a mirror needs it exact.
+    let bytes = (3 << 20) + 512;
+    let disks = vec![HelloDisk { device: "virtio0".into(), bytes, format: "qcow2".into() }];
+    let mut control = rt.block_on(send_hello_of(&address, &secret, &typed, disks));
+    match rt.block_on(control.recv(Duration::from_secs(120))).unwrap() {
+        ControlMsg::Ready { exports } => assert_eq!(exports, vec!["virtio0".to_string()]),
+        other => panic!("expected ready: {other:?}"),
+    }
+    let root = host.state().join("disks/bd1/root.qcow2");
+    assert_eq!(image_info(&root), (bytes, "qcow2".to_string()), "{}", root.display());
+    let argv = vmhost_tests::argv_of(i64::from(host.qemu_pids()[0]));
+    assert!(argv.iter().any(|a| a.contains("id=virtio0,format=qcow2")), "{argv:?}");
+    rt.block_on(async {
+        let abort = ControlMsg::Abort { code: 4001, message: "the test's source gives up".into() };
+        control.send(&abort).await.unwrap();
+    });
+    wait_gone(&host, "bd1");
+    assert!(host.qemu_pids().is_empty());
+    assert!(
+        files_under(&host.state().join("disks/bd1")).is_empty(),
+        "{:?}",
+        files_under(&host.state().join("disks/bd1"))
+    );
+    // Deleted, never given to the import directory: it was never an operator's file.
+    assert!(files_under(&import).is_empty(), "{:?}", files_under(&import));
+    check_tombstone(&host, "bd1", &secret_hex);
+
+    // A raw one, and the daemon killed once QEMU runs: the restart removes it too.
+    let spec = json!({ "name": "bd2", "cpu": 1, "memory_mib": 128, "boot": { "disk": "raw-vm.img" } });
+    let r = host.call("vm.migrate_in", json!({ "spec": spec.clone() }));
+    let secret = Secret::parse(r["secret"].as_str().unwrap()).unwrap();
+    let typed: vmhost::api::VmSpec = serde_json::from_value(spec).unwrap();
+    host.arm_crash("migrate_in:launched");
+    let disks = vec![HelloDisk { device: "virtio0".into(), bytes: 5 << 20, format: "raw".into() }];
+    let mut control = rt.block_on(send_hello_of(&address, &secret, &typed, disks));
+    host.restart_after_crash("migrate_in:launched");
+    assert!(rt.block_on(control.recv(Duration::from_secs(30))).is_err(), "the channel outlived the daemon");
+    wait_gone(&host, "bd2");
+    assert!(host.qemu_pids().is_empty(), "the restart left the incoming QEMU running");
+    assert!(files_under(&host.state().join("disks/bd2")).is_empty(), "disks left");
+    assert!(files_under(&import).is_empty(), "{:?}", files_under(&import));
+    assert_eq!(rt.block_on(query(&address, "bd2", &secret)), Outcome::Abandoned);
+}
+
+#[test]
+fn a_uefi_store_of_another_size_than_this_hosts_template_is_refused_at_hello() {
+    let (host, address) = host(60);
+    let mut spec = host.kernel_spec("efi");
+    spec["boot"]["firmware"] = json!("uefi");
+    let r = host.call("vm.migrate_in", json!({ "spec": spec.clone() }));
+    let secret = Secret::parse(r["secret"].as_str().unwrap()).unwrap();
+    let typed: vmhost::api::VmSpec = serde_json::from_value(spec).unwrap();
+    // The store of OVMF's 2 MiB build; this host's template is the 4 MiB build's (540672 bytes).
+    let disks = vec![HelloDisk { device: "uefi-vars".into(), bytes: 131_072, format: "raw".into() }];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut control = rt.block_on(send_hello_of(&address, &secret, &typed, disks));
+    match rt.block_on(control.recv(Duration::from_secs(60))).unwrap() {
+        ControlMsg::Abort { code, message } => {
+            assert_eq!(code, 2001, "{message}");
+            assert!(message.contains("131072") && message.contains("540672"), "{message}");
+        }
+        other => panic!("expected an abort: {other:?}"),
+    }
+    wait_gone(&host, "efi");
+    assert!(host.qemu_pids().is_empty(), "no QEMU was started");
+    assert!(files_under(&host.state().join("disks/efi")).is_empty(), "nothing made");
 }

@@ -9,7 +9,8 @@
 //! spec (the create's admission, [`Manager::reserve_op`]), records `incoming` and answers;
 //! [`receive`], a task holding the VM's operation, then waits for the source's control
 //! channel and `Hello`, makes the disks and launches QEMU with the create's steps
-//! ([`VmOp::make_overlay`], [`VmOp::make_data_disks`], [`VmOp::launch_as`]), prepares QEMU's
+//! ([`VmOp::make_overlay`], a `boot.disk` VM's empty root disk ([`root::make_root_disk`]),
+//! [`VmOp::make_data_disks`], [`VmOp::launch_as`]), prepares QEMU's
 //! side ([`crate::qemu::migration`]), answers `Ready`, relays the disk streams and hands QEMU
 //! the memory stream ([`serve_channels`]), and on `Commit` writes the commit point into the
 //! record, resumes the guest and answers `Committed`. [`recover`] settles an incoming record
@@ -17,6 +18,7 @@
 
 mod decide;
 mod errors;
+mod root;
 mod tombstone;
 
 use super::super::held::HeldVm;
@@ -60,8 +62,8 @@ const COMMIT_LOAD_WAIT: Duration = Duration::from_secs(10);
 /// and with what secret the source sends it; the rest runs in a task ([`receive`]).
 ///
 /// # Errors
-/// 3001 `migration.listen` without a migration port; 4097 (`passthrough`, `boot_disk`) and
-/// 2001 `spec.nics[i].mac` for what cannot migrate live; 3003 when a VM of the name or data
+/// 3001 `migration.listen` without a migration port; 4097 `passthrough` and 2001
+/// `spec.nics[i].mac` for what cannot migrate live; 3003 when a VM of the name or data
 /// disks kept for it exist; as `vm.create`'s admission (2001/3001/3002/3003/4002). Nothing is
 /// made or recorded for any of these.
 pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result<MigrateInResult, ApiError> {
@@ -199,11 +201,18 @@ async fn until_commit(
     let devices: Vec<String> = disks.iter().map(|d| d.device.clone()).collect();
     let macs: Vec<String> = op.record()?.nics.iter().map(|n| n.mac.clone()).collect();
     decide::check_hello(&vm.spec, &macs, &devices, &hello)?;
+    if vm.spec.boot.firmware == crate::api::Firmware::Uefi {
+        let template = mgr.config.firmware.uefi_vars.clone();
+        let bytes = crate::blocking::run(|| std::fs::metadata(&template).map(|m| m.len()))
+            .map_err(|source| IncomingError::Io { what: "reading the UEFI variables template's size", source })?;
+        decide::check_uefi_vars(&hello, bytes)?;
+    }
     op.update("the source connected", |r| super::adopt_source(r, peer, &hello))?;
     // The create's disk steps, then its launch with QEMU waiting for the incoming state.
     op.remove_stale_overlays()?;
     op.clear_orphan_disks()?;
     op.make_overlay(vm).await?;
+    root::make_root_disk(op, &vm.spec, &hello).await?;
     op.make_data_disks(&vm.spec, true).await?;
     let id = op.launch_as(vm, VmStatus::Incoming, true).await?;
     op.crashpoint("migrate_in:launched");
@@ -353,8 +362,8 @@ async fn after_commit(op: &VmOp, done: Committed, control: Option<Control>) {
 
 /// Gives up the incoming migration of the held VM (before its commit): its QEMU killed, a
 /// tombstone written, the record `destroying`, then what the migration made removed in reverse
-/// (run dir, taps and agent; overlay, UEFI variables and seed; the data disks it made), and the
-/// record removed. The operation's task and recovery share it; each step is idempotent, so an
+/// (run dir, taps and agent; overlay, UEFI variables and seed; the data disks and the root
+/// disk it made), and the record removed. The operation's task and recovery share it; each step is idempotent, so an
 /// abandon a crash interrupted is finished by the next.
 ///
 /// # Errors
@@ -390,7 +399,8 @@ async fn abandon_steps(held: &HeldVm, why: &str) -> Result<(), ApiError> {
     held.remove_run_files()?;
     // Only disks this migration made: a name with kept disks was refused before anything.
     held.undo_data_disks();
-    held.undo_root_disk();
+    // A received root disk is this host's own file, never an import to give back: deleted.
+    held.dispose_root_disk()?;
     mgr.forget(name, "incoming migration abandoned")
 }
 

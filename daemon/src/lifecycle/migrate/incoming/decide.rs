@@ -1,26 +1,30 @@
 //! The destination's decisions that need no host: which specs `vm.migrate_in` refuses before
 //! anything is made ([`refuse_unmovable`]), whether a source's `Hello` matches what was
-//! admitted ([`check_hello`]), what a `Query` is answered from a record ([`outcome_of`]), and
-//! what a restart does with an incoming record ([`recover_action`]). Kept apart from the steps
-//! that act on them so each rule is unit-tested on its own.
+//! admitted ([`check_hello`], [`check_uefi_vars`]), which root disk a `boot.disk` VM gets here ([`root_disk_to_make`]),
+//! what a `Query` is answered from a record ([`outcome_of`]), and what a restart does with an
+//! incoming record ([`recover_action`]). Kept apart from the steps that act on them so each
+//! rule is unit-tested on its own.
 //!
-//! Order of use: [`refuse_unmovable`] first in `vm.migrate_in`; [`check_hello`] when the
-//! source's first message arrives; [`outcome_of`] whenever the listener answers a `Query`;
-//! [`recover_action`] once per incoming record at daemon start.
+//! Order of use: [`refuse_unmovable`] first in `vm.migrate_in`; [`check_hello`],
+//! [`check_uefi_vars`] and [`root_disk_to_make`] when the source's first message arrives; [`outcome_of`] whenever the
+//! listener answers a `Query`; [`recover_action`] once per incoming record at daemon start.
 
 use super::errors::IncomingError;
 use crate::api::migration::MoveMode;
-use crate::api::{DesiredState, NicMode, VmSpec, VmStatus};
-use crate::migration::{Hello, Outcome};
+use crate::api::{BootSpec, DesiredState, DiskFormat, NicMode, VmSpec, VmStatus};
+use crate::migration::{Hello, HelloDisk, Outcome};
 use crate::state::migration::{MigrationPhase, MigrationRecord, MigrationRole};
+use crate::state::RootDisk;
+use std::path::Path;
 
 /// Refuses a spec this host cannot receive in `mode` (nothing is made yet): a live migration
-/// cannot carry passthrough devices (their state is in the hardware), needs every bridge NIC's
-/// MAC (the guest keeps its interfaces) and, for now, an image or kernel boot (a `boot.disk`
-/// VM's root disk has no file to make on this side before the mirror).
+/// cannot carry passthrough devices (their state is in the hardware) and needs every bridge
+/// NIC's MAC (the guest keeps its interfaces). A `boot.disk` VM moves live: its root disk is
+/// made here empty at the source's size once `Hello` says it ([`root_disk_to_make`]) and
+/// mirrored whole.
 ///
 /// # Errors
-/// [`IncomingError::Passthrough`], [`IncomingError::MacRequired`], [`IncomingError::BootDisk`].
+/// [`IncomingError::Passthrough`], [`IncomingError::MacRequired`].
 pub(crate) fn refuse_unmovable(spec: &VmSpec, mode: MoveMode) -> Result<(), IncomingError> {
     if mode == MoveMode::Cold {
         // A cold move carries files, not a running guest: nothing here limits it.
@@ -31,9 +35,6 @@ pub(crate) fn refuse_unmovable(spec: &VmSpec, mode: MoveMode) -> Result<(), Inco
     }
     if let Some(i) = spec.nics.iter().position(|n| n.mode == NicMode::Bridge && n.mac.is_none()) {
         return Err(IncomingError::MacRequired { index: i });
-    }
-    if spec.boot.disk.is_some() {
-        return Err(IncomingError::BootDisk);
     }
     Ok(())
 }
@@ -112,6 +113,64 @@ pub(crate) fn check_hello(
         }
     }
     Ok(())
+}
+
+/// A UEFI VM's variables store is mirrored into one this host copies from its own template
+/// (`[firmware] uefi_vars`, `template_bytes` long). QEMU mirrors only into a store of the same
+/// size, and another size means another OVMF build, whose code would not read the source's
+/// variables after the next restart: refused at `Hello`, before anything is made, rather than
+/// when the mirror starts.
+///
+/// # Errors
+/// [`IncomingError::HelloMismatch`] naming both sizes.
+pub(crate) fn check_uefi_vars(hello: &Hello, template_bytes: u64) -> Result<(), IncomingError> {
+    let node = crate::qemu::argv::UEFI_VARS_NODE;
+    match hello.disks.iter().find(|d| d.device == node) {
+        Some(sent) if sent.bytes != template_bytes => Err(IncomingError::HelloMismatch(format!(
+            "the source's UEFI variables store is {} bytes, this host's template {template_bytes}: \
+             the hosts' OVMF builds differ",
+            sent.bytes
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The root disk a live migration of a `boot.disk` VM makes here (`None` for another boot
+/// source): where a create would have moved the import to (`STATE/disks/NAME/root.FORMAT`), of
+/// the format and exact virtual size the source's QEMU gave in `Hello` (a mirror copies only
+/// into a disk of the same size). Nothing is read from the import directory: `boot.disk` names
+/// the file the VM was imported from on its first host, and `source` only records where a
+/// create here would have taken it from. The disk is this host's from the start (not an
+/// import in progress): an abandon deletes it, never moves it to the import directory.
+/// `imported_bytes` is the size it arrives with, below which a later `disk_gib` may not go.
+///
+/// # Errors
+/// [`IncomingError::HelloMismatch`] when `Hello` sends no boot disk or one neither qcow2 nor
+/// raw.
+pub(crate) fn root_disk_to_make(
+    boot: &BootSpec,
+    disks: &[HelloDisk],
+    import_dir: &Path,
+) -> Result<Option<RootDisk>, IncomingError> {
+    let Some(file) = boot.disk.as_ref() else { return Ok(None) };
+    let device = crate::qemu::argv::DISK_DRIVE;
+    let sent = disks
+        .iter()
+        .find(|d| d.device == device)
+        .ok_or_else(|| IncomingError::HelloMismatch(format!("the source sends no root disk ({device})")))?;
+    let format = match sent.format.as_str() {
+        "qcow2" => DiskFormat::Qcow2,
+        "raw" => DiskFormat::Raw,
+        other => {
+            return Err(IncomingError::HelloMismatch(format!(
+                "the source's root disk is {other:?}: only qcow2 and raw root disks are received"
+            )))
+        }
+    };
+    if sent.bytes == 0 {
+        return Err(IncomingError::HelloMismatch("the source's root disk has no size".into()));
+    }
+    Ok(Some(RootDisk { format, imported_bytes: sent.bytes, source: import_dir.join(file), source_mode: 0o600 }))
 }
 
 /// What a `Query` for a VM is answered from its record: `None` when the record is not the
@@ -229,10 +288,48 @@ mod tests {
     }
 
     #[test]
-    fn a_boot_disk_vm_is_refused_live() {
+    fn a_boot_disk_vm_is_received_live() {
         let mut s = spec();
-        s.boot.disk = Some("root.qcow2".into());
-        assert!(matches!(refuse_unmovable(&s, MoveMode::Live), Err(IncomingError::BootDisk)));
+        s.boot = BootSpec { disk: Some("root.qcow2".into()), ..Default::default() };
+        assert!(refuse_unmovable(&s, MoveMode::Live).is_ok());
+    }
+
+    #[test]
+    fn a_uefi_store_of_another_size_is_refused() {
+        let mut h = hello(&spec());
+        h.disks.push(HelloDisk { device: "uefi-vars".into(), bytes: 540_672, format: "raw".into() });
+        assert!(check_uefi_vars(&h, 540_672).is_ok());
+        // OVMF's 2 MiB build's store beside the 4 MiB one's.
+        assert!(matches!(check_uefi_vars(&h, 131_072), Err(IncomingError::HelloMismatch(m)) if m.contains("131072")));
+        // A BIOS VM sends none.
+        assert!(check_uefi_vars(&hello(&spec()), 131_072).is_ok());
+    }
+
+    #[test]
+    fn a_boot_disk_vm_gets_a_root_disk_of_the_sources_format_and_size() {
+        let boot = BootSpec { disk: Some("old.img".into()), ..Default::default() };
+        let sent = |format: &str, bytes| {
+            vec![
+                HelloDisk { device: "virtio0".into(), bytes, format: format.into() },
+                HelloDisk { device: "data-x".into(), bytes: 1 << 30, format: "qcow2".into() },
+            ]
+        };
+        let imp = Path::new("/var/lib/vmhost/import");
+        // Not a GiB multiple: an imported disk keeps any size, and the mirror needs it exact.
+        let root = root_disk_to_make(&boot, &sent("raw", 1_000_000_512), imp).unwrap().unwrap();
+        assert_eq!((root.format, root.imported_bytes), (DiskFormat::Raw, 1_000_000_512));
+        assert_eq!(root.source, imp.join("old.img"));
+        let root = root_disk_to_make(&boot, &sent("qcow2", 4 << 30), imp).unwrap().unwrap();
+        assert_eq!(root.format, DiskFormat::Qcow2);
+        assert!(matches!(root_disk_to_make(&boot, &sent("vmdk", 1 << 30), imp), Err(IncomingError::HelloMismatch(_))));
+        assert!(matches!(root_disk_to_make(&boot, &sent("raw", 0), imp), Err(IncomingError::HelloMismatch(_))));
+        assert!(matches!(
+            root_disk_to_make(&boot, &sent("raw", 1 << 30)[1..], imp),
+            Err(IncomingError::HelloMismatch(_))
+        ));
+        // An image or kernel VM makes no root disk.
+        let image = BootSpec { image: Some("deb.qcow2".into()), ..Default::default() };
+        assert!(root_disk_to_make(&image, &sent("qcow2", 1 << 30), imp).unwrap().is_none());
     }
 
     #[test]

@@ -13,9 +13,6 @@ pub(crate) enum IncomingError {
     /// 4097 reason `passthrough`: a live migration cannot carry passthrough devices.
     #[error("a VM with passthrough devices cannot migrate live (move it cold: vm.move)")]
     Passthrough,
-    /// 4097 reason `boot_disk`: a `boot.disk` VM is not received live yet.
-    #[error("a VM booted from boot.disk cannot migrate live yet (move it cold: vm.move)")]
-    BootDisk,
     /// 2001 on `spec.nics[i].mac`: a bridge NIC without the source's MAC.
     #[error("required to migrate: the source's MAC")]
     MacRequired {
@@ -78,9 +75,6 @@ impl From<IncomingError> for ApiError {
             IncomingError::Passthrough => ApiError::new(Code::NotMovable, message)
                 .field("spec")
                 .details(serde_json::json!({ "reason": "passthrough" })),
-            IncomingError::BootDisk => ApiError::new(Code::NotMovable, message)
-                .field("spec.boot.disk")
-                .details(serde_json::json!({ "reason": "boot_disk" })),
             IncomingError::MacRequired { index } => ApiError::invalid(format!("spec.nics[{index}].mac"), message),
             IncomingError::Exists(name) => {
                 ApiError::in_use(vec![(message, serde_json::json!({ "vm": name }))], Some("spec.name".to_string()))
