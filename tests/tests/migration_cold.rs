@@ -284,3 +284,87 @@ fn crash_at_move_recorded_leaves_the_vm_stopped_on_the_source() {
 fn crash_at_move_sent_leaves_the_vm_stopped_on_the_source() {
     source_crash_case("move:sent");
 }
+
+/// Writes `VMHOSTMARK:{word}` over the first 64 bytes of the raw data disk at `path` (a
+/// stopped VM's), as its guest writes its marker.
+fn set_mark(path: &std::path::Path, word: &str) {
+    let mut line = format!("VMHOSTMARK:{word}\n").into_bytes();
+    line.resize(64, 0);
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).expect("open the data disk");
+    f.write_all(&line).expect("write the marker");
+    f.sync_all().expect("sync");
+}
+
+/// The names `vm.snapshots` lists for `name` on host `on`, oldest first.
+fn snapshot_names(pair: &Pair, on: usize, name: &str) -> Vec<String> {
+    let list = pair.hosts[on].call("vm.snapshots", json!({ "name": name }));
+    list.as_array().expect("a list").iter().map(|s| s["name"].as_str().expect("a name").to_string()).collect()
+}
+
+/// Snapshots go with a cold move (docs/snapshots.md "Moving a VM"). A running VM with a
+/// snapshot is refused live (4097 `snapshots`: nothing reached, it runs on); stopped, an
+/// unfinished revert (the daemon killed at `revert:recorded`) refuses the cold move (4090) and
+/// nothing moves. Once the revert ran again, the VM with two snapshots moves: both are listed
+/// on the destination, a revert to each there gives back its marker, and the source holds
+/// nothing of them.
+#[test]
+fn snapshots_move_with_a_stopped_vm_and_an_unfinished_revert_refuses_the_move() {
+    let mut pair = Pair::start(PairOptions::default());
+    let name = "snapmove";
+    pair.create(0, &pair.spec(name, 256, "first", false));
+    pair.hosts[0].call("vm.snapshot", json!({ "name": name, "snapshot": "older" }));
+
+    // Live: refused before anything is reached (the destination is not even listening).
+    let (code, e) = pair.hosts[0]
+        .call_err("vm.migrate", json!({ "name": name, "destination": "127.0.0.1:9", "secret": "00".repeat(32) }));
+    assert_eq!((code, e.details["reason"].clone()), (4097, json!("snapshots")), "{e:?}");
+    let v = status(&pair, 0, name).expect("vm");
+    assert_eq!(v["status"], "running", "{v}");
+    assert!(v.get("migration").is_none_or(Value::is_null), "{v}");
+
+    pair.hosts[0].call("vm.stop", json!({ "name": name }));
+    let disk = data_disk(&pair.hosts[0], name);
+    assert_eq!(disk_mark(&disk), "VMHOSTMARK:first");
+    set_mark(&disk, "second");
+    pair.hosts[0].call("vm.snapshot", json!({ "name": name, "snapshot": "newer" }));
+
+    // A revert interrupted after its intent was recorded: the cold move is refused.
+    pair.hosts[0].crash_during("revert:recorded", "vm.revert", json!({ "name": name, "snapshot": "older" }));
+    let (code, e) =
+        pair.hosts[0].call_err("vm.move", json!({ "name": name, "destination": ADDRS[1], "secret": "00".repeat(32) }));
+    assert_eq!(code, 4090, "{e:?}");
+    assert!(e.message.contains("revert"), "{e:?}");
+    assert!(status(&pair, 1, name).is_none(), "the destination got something of a refused move");
+    let v = status(&pair, 0, name).expect("vm");
+    assert_eq!(v["status"], "stopped", "{v}");
+    assert!(v.get("migration").is_none_or(Value::is_null), "{v}");
+    pair.hosts[0].call("vm.revert", json!({ "name": name, "snapshot": "older" }));
+    assert_eq!(disk_mark(&disk), "VMHOSTMARK:first", "the revert ran again");
+    set_mark(&disk, "third");
+
+    let out = move_ctl(&pair, name, &[]);
+    ctl_ok(&pair, &out, "vmhostctl move of a VM with snapshots");
+    let v = status(&pair, 1, name).expect("the destination has the VM");
+    assert_eq!(v["status"], "stopped", "{v}");
+    assert_eq!(snapshot_names(&pair, 1, name), ["older", "newer"]);
+    let dest = data_disk(&pair.hosts[1], name);
+    assert_eq!(disk_mark(&dest), "VMHOSTMARK:third", "the VM's own disk as it was");
+    let snapshots = pair.hosts[1].state().join("snapshots");
+    let left: Vec<_> = std::fs::read_dir(&snapshots)
+        .expect("the destination's snapshots")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, [name], "only the VM's snapshots, nothing staged: {left:?}");
+    assert!(status(&pair, 0, name).is_none(), "the source still has the VM");
+    let source = pair.hosts[0].state().join("snapshots").join(name);
+    assert!(!source.exists(), "the source kept {}", source.display());
+
+    // Each reverts there to what it held.
+    pair.hosts[1].call("vm.revert", json!({ "name": name, "snapshot": "newer" }));
+    assert_eq!(disk_mark(&dest), "VMHOSTMARK:second");
+    pair.hosts[1].call("vm.revert", json!({ "name": name, "snapshot": "older" }));
+    assert_eq!(disk_mark(&dest), "VMHOSTMARK:first");
+    pair.hosts[1].call("vm.start", json!({ "name": name }));
+    pair.hosts[1].wait_serial_count(name, "VMHOST-COUNT ", 3, Duration::from_secs(120));
+}

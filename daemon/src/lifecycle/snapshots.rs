@@ -101,13 +101,16 @@ pub(in crate::lifecycle) fn snapshots_dir(mgr: &Manager, name: &str) -> PathBuf 
 ///
 /// # Errors
 /// 2001 on `snapshot` (a bad or taken name, or [`MAX_SNAPSHOTS`] reached) or `timeout_s`,
-/// 4040, 4090, 4001 `step: snapshot`, 4094 on `requires` (a running VM's guest file systems
+/// 4040, 4090 (also while the VM is being moved), 4001 `step: snapshot`, 4094 on `requires` (a running VM's guest file systems
 /// not all frozen); nothing is kept.
 pub(crate) async fn snapshot(mgr: &Arc<Manager>, p: TakeSnapshotParams) -> Result<Snapshot, ApiError> {
     check_name(&p.snapshot)?;
     let within = copy_timeout(p.timeout_s)?;
     let (op, rec) = mgr.begin_op(&p.name).await?;
     check_not_reverting(&rec)?;
+    // A snapshot taken while a move's outcome is unknown would not be on the destination, and
+    // the source's copy (snapshots included) goes when the destination answers `committed`.
+    rec.check_not_moving()?;
     let existing = list_snapshots(mgr, &p.name)?;
     if existing.iter().any(|s| s.name == p.snapshot) {
         return Err(ApiError::invalid("snapshot", format!("VM {:?} has a snapshot {:?} already", p.name, p.snapshot)));
@@ -210,6 +213,7 @@ pub(crate) fn snapshots(mgr: &Manager, name: &str) -> Result<Vec<Snapshot>, ApiE
 pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Mutation, ApiError> {
     check_name(&p.snapshot)?;
     let (_op, rec) = mgr.begin_op(&p.name).await?;
+    rec.check_not_moving()?;
     let snapshot = list_snapshots(mgr, &p.name)?.into_iter().find(|s| s.name == p.snapshot).ok_or_else(|| {
         ApiError::new(Code::NotFound, format!("VM {:?} has no snapshot {:?}", p.name, p.snapshot)).field("snapshot")
     })?;
@@ -275,6 +279,8 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
 pub(crate) async fn snapshot_delete(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
     check_name(&p.snapshot)?;
     let (_op, rec) = mgr.begin_op(&p.name).await?;
+    // Its snapshots may be the ones a move sent: they settle with it.
+    rec.check_not_moving()?;
     if rec.reverting() == Some(p.snapshot.as_str()) {
         return Err(ApiError::new(
             Code::Busy,
@@ -340,9 +346,12 @@ pub(in crate::lifecycle) fn files_to_move(mgr: &Manager, name: &str) -> Result<V
                 continue;
             }
             let damaged = |why: String| {
-                failed(format!("snapshot {snap:?} of VM {name:?} is not whole ({why}): delete it or repair it to move the VM"))
+                failed(format!(
+                    "snapshot {snap:?} of VM {name:?} is not whole ({why}): delete it or repair it to move the VM"
+                ))
             };
-            let json = std::fs::read(e.path().join(SNAPSHOT_JSON)).map_err(|e| damaged(format!("{SNAPSHOT_JSON}: {e}")))?;
+            let json =
+                std::fs::read(e.path().join(SNAPSHOT_JSON)).map_err(|e| damaged(format!("{SNAPSHOT_JSON}: {e}")))?;
             let s: Snapshot = serde_json::from_slice(&json).map_err(|e| damaged(format!("{SNAPSHOT_JSON}: {e}")))?;
             if s.name != snap || !is_snapshot_name(&snap) {
                 return Err(damaged(format!("its record names {:?}", s.name)));
@@ -355,7 +364,13 @@ pub(in crate::lifecycle) fn files_to_move(mgr: &Manager, name: &str) -> Result<V
                     return Err(damaged(format!("{file} is not a file")));
                 }
                 let allocated = m.blocks().saturating_mul(512).min(m.len());
-                files.push(SnapshotFile { snapshot: snap.clone(), file: file.to_string(), path, bytes: m.len(), allocated });
+                files.push(SnapshotFile {
+                    snapshot: snap.clone(),
+                    file: file.to_string(),
+                    path,
+                    bytes: m.len(),
+                    allocated,
+                });
             }
             snapshots.push(((s.created_at, snap.clone()), files));
         }

@@ -6,8 +6,10 @@
 //!
 //! Source, in order: refusals ([`plan::admit`]); the control channel opened (nothing changed
 //! when the destination cannot be reached); the VM stopped when asked; the record `migrating`
-//! with a cold migration (crash point `move:recorded`); `Hello`; each file with its sha256 over
-//! the `files` channel ([`crate::migration::files`]); the destination's `Ready` (every file
+//! with a cold migration (crash point `move:recorded`); `Hello`; `Announce` (every file to come
+//! with its length and occupied bytes: the disks, then the VM's snapshots, which go with it
+//! since its copy here is deleted at the end); each file with its sha256 over the `files`
+//! channel ([`crate::migration::files`]); the destination's `Ready` (every file
 //! arrived and matched; crash point `move:sent`); phase `committing`; `Commit`; on `Committed`
 //! the VM ends here as a destroy ends it ([`VmOp::destroy_steps`], data disks kept as a destroy
 //! keeps them). Any failure before `Commit` leaves the VM here `stopped` (started again if this

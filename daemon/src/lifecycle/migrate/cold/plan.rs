@@ -619,6 +619,186 @@ mod tests {
         assert_eq!(source_action(Some(Committing), Some(None)), SourceAction::Wait);
     }
 
+    fn file(name: &str, bytes: u64) -> crate::migration::AnnouncedFile {
+        crate::migration::AnnouncedFile { name: name.into(), bytes, allocated: bytes / 2 }
+    }
+
+    #[test]
+    fn snapshot_wire_names_are_plain_names_or_nothing() {
+        assert_eq!(snapshot_wire_name("s1", "snapshot.json"), "snapshot:s1/snapshot.json");
+        assert_eq!(snapshot_of("snapshot:s1/snapshot.json"), Some(("s1", "snapshot.json")));
+        assert_eq!(snapshot_of("snapshot:before-up.1/data.raw"), Some(("before-up.1", "data.raw")));
+        for bad in [
+            "snapshot:../x/snapshot.json",
+            "snapshot:s1/../../etc/passwd",
+            "snapshot:s1/a/b",
+            "snapshot:.s1.partial/snapshot.json",
+            "snapshot:s1/.hidden",
+            "snapshot:s1/",
+            "snapshot:/snapshot.json",
+            "snapshot:s1",
+            "data:x",
+            "boot",
+        ] {
+            assert_eq!(snapshot_of(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn announced_files_are_checked_against_the_spec_before_anything_is_written() {
+        let spec = image_spec(); // raw data disk logs 1 GiB, qcow2 db 1 GiB, an image overlay
+        let hello = vec![
+            HelloDisk { device: "virtio0".into(), bytes: 5 << 20, format: "qcow2".into() },
+            HelloDisk { device: "data-logs".into(), bytes: GIB, format: "raw".into() },
+            HelloDisk { device: "data-db".into(), bytes: 7 << 20, format: "qcow2".into() },
+        ];
+        let files = vec![
+            file("boot", 5 << 20),
+            file("data:logs", GIB),
+            file("data:db", 7 << 20),
+            file("snapshot:s1/snapshot.json", 2000),
+            file("snapshot:s1/logs.raw", GIB),
+            file("snapshot:s2/snapshot.json", 2000),
+        ];
+        let room = check_announced(&spec, &hello, &files).expect("a whole announcement");
+        assert_eq!(room, Room { disks: (5 << 20) / 2 + GIB / 2 + (7 << 20) / 2, snapshots: 1000 + GIB / 2 + 1000 });
+        // allocated is never counted above the length
+        let mut more = files.clone();
+        more[0].allocated = u64::MAX;
+        assert_eq!(check_announced(&spec, &hello, &more).expect("ok").disks, (5 << 20) + GIB / 2 + (7 << 20) / 2);
+
+        let refused = |f: &[crate::migration::AnnouncedFile]| check_announced(&spec, &hello, f).unwrap_err();
+        let mut raw_size = files.clone();
+        raw_size[1].bytes = GIB + 1;
+        assert!(matches!(refused(&raw_size), AnnounceError::Size { name, .. } if name == "data:logs"));
+        raw_size[1].bytes = GIB - 4096;
+        assert!(matches!(refused(&raw_size), AnnounceError::Size { .. }), "a raw disk is exactly its size");
+        let mut qcow = files.clone();
+        qcow[2].bytes = qcow2_bound(GIB) + 1;
+        assert!(matches!(refused(&qcow), AnnounceError::Size { name, .. } if name == "data:db"));
+        let mut unknown = files.clone();
+        unknown.push(file("data:../../etc/shadow", 1));
+        assert_eq!(refused(&unknown), AnnounceError::Unknown("data:../../etc/shadow".into()));
+        let mut twice = files.clone();
+        twice.push(file("data:logs", GIB));
+        assert_eq!(refused(&twice), AnnounceError::Twice("data:logs".into()));
+        let mut missing = files.clone();
+        missing.remove(2);
+        assert_eq!(refused(&missing), AnnounceError::Disks { files: 2, disks: 3 });
+        let mut no_record = files.clone();
+        no_record.swap(3, 4);
+        assert_eq!(refused(&no_record), AnnounceError::NoRecord("s1".into()));
+        let mut big_record = files.clone();
+        big_record[3].bytes = SNAPSHOT_JSON_MAX + 1;
+        assert!(matches!(refused(&big_record), AnnounceError::Size { .. }));
+        let mut many = files.clone();
+        for i in 0..super::super::super::super::snapshots::MAX_SNAPSHOTS {
+            many.push(file(&format!("snapshot:n{i}/snapshot.json"), 10));
+        }
+        assert!(matches!(refused(&many), AnnounceError::TooMany(_)));
+        let e: crate::api::ApiError = AnnounceError::Twice("x".into()).into();
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("files")));
+    }
+
+    #[test]
+    fn a_boot_disk_and_uefi_vars_are_bounded_by_the_spec_and_hello() {
+        let mut spec = image_spec();
+        spec.disks.clear();
+        spec.boot = BootSpec { disk: Some("d.raw".into()), disk_gib: Some(2), ..Default::default() };
+        spec.boot.firmware = crate::api::Firmware::Uefi;
+        let hello = vec![HelloDisk { device: "virtio0".into(), bytes: 3 * GIB, format: "raw".into() }];
+        assert_eq!(disk_bound(&spec, &hello, BOOT), Some(Bound::AtMost(3 * GIB)), "imported larger than disk_gib");
+        spec.boot.disk_gib = Some(4);
+        assert_eq!(disk_bound(&spec, &hello, BOOT), Some(Bound::AtMost(4 * GIB)), "grown since");
+        assert_eq!(disk_bound(&spec, &hello, UEFI_VARS), Some(Bound::AtMost(UEFI_VARS_MAX)));
+        let q = vec![HelloDisk { device: "virtio0".into(), bytes: GIB, format: "qcow2".into() }];
+        assert_eq!(disk_bound(&spec, &q, BOOT), Some(Bound::AtMost(qcow2_bound(4 * GIB))));
+        spec.boot.firmware = crate::api::Firmware::Bios;
+        assert_eq!(disk_bound(&spec, &hello, UEFI_VARS), None, "no variables store without UEFI");
+        assert_eq!(disk_bound(&image_spec(), &hello, BOOT), Some(Bound::Room), "an overlay follows its base");
+    }
+
+    fn record(name: &str) -> (crate::api::snapshots::Snapshot, Vec<crate::migration::AnnouncedFile>) {
+        use crate::api::disks::{BackupDisk, DiskRole};
+        let disk = |role, name: &str, format: DiskFormat, bytes, virtual_size| BackupDisk {
+            role,
+            name: name.into(),
+            file: format!("{name}.{}", format.as_str()),
+            format,
+            virtual_size,
+            bytes,
+            sha256: "ab".repeat(32),
+        };
+        let s = crate::api::snapshots::Snapshot {
+            name: name.into(),
+            created_at: "2026-12-06T05:00:00Z".into(),
+            live: false,
+            consistency: None,
+            reason: None,
+            frozen: Vec::new(),
+            skipped: Vec::new(),
+            instance_id: None,
+            spec: image_spec(),
+            disks: vec![
+                disk(DiskRole::Root, "root", DiskFormat::Qcow2, 3 << 20, 2 * GIB),
+                disk(DiskRole::Data, "logs", DiskFormat::Raw, GIB, GIB),
+            ],
+        };
+        let files = vec![
+            file(&format!("snapshot:{name}/snapshot.json"), 100),
+            file(&format!("snapshot:{name}/root.qcow2"), 3 << 20),
+            file(&format!("snapshot:{name}/logs.raw"), GIB),
+        ];
+        (s, files)
+    }
+
+    #[test]
+    fn a_received_snapshot_record_must_be_the_announced_snapshot() {
+        let (s, files) = record("s1");
+        let json = |s: &crate::api::snapshots::Snapshot| serde_json::to_vec(s).unwrap();
+        assert_eq!(check_snapshot_record("s1", &json(&s), &files), Ok(s.clone()));
+        let refused = |s: &crate::api::snapshots::Snapshot, f: &[crate::migration::AnnouncedFile]| {
+            check_snapshot_record("s1", &json(s), f).unwrap_err()
+        };
+        // Another snapshot's record, or not a record at all (the type is closed).
+        let (other, _) = record("s2");
+        assert!(matches!(refused(&other, &files), AnnounceError::Record { why, .. } if why.contains("\"s2\"")));
+        let mut extra = serde_json::to_value(&s).unwrap();
+        extra["path"] = serde_json::json!("/etc");
+        assert!(check_snapshot_record("s1", &serde_json::to_vec(&extra).unwrap(), &files).is_err());
+        assert!(check_snapshot_record("s1", b"{", &files).is_err());
+        // A copy named as a path, or not as its disk.
+        for bad in ["../../x", "logs.qcow2", "other.raw", ".logs.raw"] {
+            let mut t = s.clone();
+            t.disks[1].file = bad.into();
+            assert!(matches!(refused(&t, &files), AnnounceError::Record { .. }), "{bad}");
+        }
+        let mut t = s.clone();
+        t.disks[1].name = "../x".into();
+        t.disks[1].file = "../x.raw".into();
+        assert!(matches!(refused(&t, &files), AnnounceError::Record { .. }));
+        // Lengths: the announcement's, a raw copy its disk's, a qcow2 within the bound.
+        let mut t = s.clone();
+        t.disks[1].bytes = GIB - 1;
+        assert!(matches!(refused(&t, &files), AnnounceError::Record { .. }));
+        let mut f = files.clone();
+        f[1].bytes = qcow2_bound(2 * GIB) + 1;
+        let mut t = s.clone();
+        t.disks[0].bytes = f[1].bytes;
+        assert!(matches!(refused(&t, &f), AnnounceError::Record { .. }));
+        // Every announced file of the snapshot is one the record names, and none is missing.
+        let mut f = files.clone();
+        f.push(file("snapshot:s1/evil.raw", 1));
+        assert!(matches!(refused(&s, &f), AnnounceError::Record { .. }));
+        let mut f = files.clone();
+        f.pop();
+        assert!(matches!(refused(&s, &f), AnnounceError::Record { .. }));
+        // Another snapshot's files are not this one's business.
+        let mut f = files.clone();
+        f.push(file("snapshot:s10/snapshot.json", 1));
+        assert_eq!(check_snapshot_record("s1", &json(&s), &f), Ok(s));
+    }
+
     #[test]
     fn the_destination_keeps_the_vm_only_from_the_commit_point() {
         assert_eq!(destination_action(Some(MigrationPhase::Committed)), DestinationAction::Ordinary);

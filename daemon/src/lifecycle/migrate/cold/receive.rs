@@ -1,27 +1,30 @@
 //! The destination of a cold move: `vm.migrate_in` with `mode: cold` admitted the VM and
 //! recorded it `incoming` (lifecycle/migrate/incoming.rs, as for a live migration, no NIC and
-//! no QEMU made); [`receive`] is its task. It reads the source's `Hello`, then each file of the
-//! `files` channel into the place a create would give it ([`super::plan::placement`]) under a
-//! partial name, renamed once its sha256 matched; answers `Ready` when every announced file
-//! arrived; on `Commit` records the VM `stopped` with phase `committed` (the commit point: the
-//! VM is this host's from this write), answers `Committed`, and starts the VM when its admitted
-//! spec says `running` (a `stop: true` move of a running VM).
+//! no QEMU made); [`receive`] is its task. It reads the source's `Hello` and `Announce` (every
+//! file to come, checked against the admitted spec by [`super::plan::check_announced`] and its
+//! room reserved before a byte is written), then each file of the `files` channel into the place
+//! a create would give it ([`super::plan::placement`]) under a partial name, renamed once its
+//! sha256 matched, and each snapshot's files into a staging directory
+//! ([`receive_snapshot_file`]); answers `Ready` when every announced file arrived; on `Commit`
+//! records the VM `stopped` with phase `committed` (the commit point: the VM is this host's from
+//! this write), puts the snapshots in place ([`place_snapshots`]), answers `Committed`, and
+//! starts the VM when its admitted spec says `running` (a `stop: true` move of a running VM).
 //!
 //! Anything that goes wrong before the commit gives the move up: the source is told (`Abort`
 //! with the code: 2003 for a file whose sha256 differs), every file this move could have written
-//! is removed ([`remove_received`]), then the migration is abandoned as a live one is (the
+//! is removed ([`remove_received`], and the snapshots' staging directory), then the migration is abandoned as a live one is (the
 //! destination's `incoming::abandon`: tombstone, record removed; its caller hands it in as an
 //! [`Abandon`], since the incoming side is the one that starts this task). [`recover`] does the
 //! same after a restart before the commit.
 
 use super::super::super::held::HeldVm;
 use super::super::super::op::VmOp;
-use super::plan::{self, DestinationAction};
-use crate::api::{ApiError, Code, DesiredState, VmSpec, VmStatus};
-use crate::migration::files::FileReceiver;
 use super::super::super::snapshots;
 use super::super::super::Manager;
+use super::plan::{self, DestinationAction};
+use crate::api::{ApiError, Code, DesiredState, VmSpec, VmStatus};
 use crate::disk::reserve::Reservation;
+use crate::migration::files::FileReceiver;
 use crate::migration::{AnnouncedFile, ChannelKind, Control, ControlMsg, Expectation, Hello, Secret};
 use crate::qemu::argv::VmPaths;
 use crate::state::migration::MigrationPhase;
@@ -346,7 +349,8 @@ async fn receive_snapshot_file(
         })
         .map_err(|e| failed(format!("{}: {e}", partial.display())))?;
         rx.receive(header, &json).await.map_err(ApiError::from)?;
-        let bytes = crate::blocking::run(|| std::fs::read(&json)).map_err(|e| failed(format!("{}: {e}", json.display())))?;
+        let bytes =
+            crate::blocking::run(|| std::fs::read(&json)).map_err(|e| failed(format!("{}: {e}", json.display())))?;
         let record = plan::check_snapshot_record(snapshot, &bytes, into.announced)?;
         let left = record.disks.iter().map(|d| d.file.clone()).collect();
         arriving.push((snapshot.to_string(), Arriving { record, partial, left }));
@@ -453,6 +457,8 @@ async fn check_received(tool: &crate::disk::Tool, path: &std::path::Path, overla
 /// After the commit point: the source told, and the VM started when its admitted spec says
 /// running. Nothing here gives the VM up: a failed start leaves it `failed` as any start does.
 async fn after_commit(op: &mut VmOp, vm: &ValidSpec, control: Option<Control>) {
+    // Before the source hears of the commit (and deletes its copy): its caller may list them.
+    place_snapshots(op.mgr(), op.name());
     if let Some(mut c) = control {
         if let Err(e) = c.send(&ControlMsg::Committed).await {
             // The source asks again (Query) and is answered from the record.
@@ -460,7 +466,6 @@ async fn after_commit(op: &mut VmOp, vm: &ValidSpec, control: Option<Control>) {
         }
     }
     tracing::info!("cold move committed: the VM is this host's");
-    place_snapshots(op.mgr(), op.name());
     if vm.spec.state == DesiredState::Running {
         if let Err(e) = op.start_steps("vm.move: started on the destination").await {
             tracing::error!(error = %e.message, "the moved VM could not be started");
