@@ -301,7 +301,8 @@ pub(crate) fn check_announced(
 /// announcement (pure): the closed [`crate::api::snapshots::Snapshot`] type, its own name the
 /// wire's, each copy named as a snapshot names it (`root.FORMAT`, `DISK.FORMAT`) and announced
 /// with the length the record gives, a raw copy as long as its disk, a qcow2 one within
-/// [`qcow2_bound`], and no other file announced for it. The destination names the snapshot's
+/// [`qcow2_bound`] (when the record gives the disk's size: a live copy's), and no other file
+/// announced for it. The destination names the snapshot's
 /// directory and files from this record, never a path from the wire.
 ///
 /// # Errors
@@ -331,7 +332,10 @@ pub(crate) fn check_snapshot_record(
         if announced != Some(d.bytes) {
             return Err(bad(format!("gives {} {} bytes; {announced:?} were announced", d.file, d.bytes)));
         }
+        // A stopped VM's copies record no virtual size (0): the announcement and the room bound
+        // them then.
         let fits = match d.format {
+            _ if d.virtual_size == 0 => true,
             DiskFormat::Raw => d.bytes == d.virtual_size,
             DiskFormat::Qcow2 => d.bytes <= qcow2_bound(d.virtual_size),
         };
@@ -786,6 +790,10 @@ mod tests {
         let mut t = s.clone();
         t.disks[0].bytes = f[1].bytes;
         assert!(matches!(refused(&t, &f), AnnounceError::Record { .. }));
+        // A stopped VM's copy records no virtual size: its length is the announcement's.
+        let mut t = s.clone();
+        t.disks[1].virtual_size = 0;
+        assert_eq!(check_snapshot_record("s1", &json(&t), &files), Ok(t.clone()));
         // Every announced file of the snapshot is one the record names, and none is missing.
         let mut f = files.clone();
         f.push(file("snapshot:s1/evil.raw", 1));
