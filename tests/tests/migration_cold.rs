@@ -4,7 +4,9 @@
 //! a running VM moved with `--stop` runs on the destination afterwards, with its MAC; a byte
 //! changed on the wire (a relay in the test between the two ports) is refused with 2003 and
 //! leaves nothing on the destination and the VM as it was on the source; so is a qcow2 disk
-//! whose header names a host file as its backing file.
+//! whose header names a host file as its backing file, and a disk larger than its spec allows
+//! (refused from the announcement, before a byte is written). Snapshots move with the VM; a
+//! VM with snapshots is refused live, and one whose revert is unfinished is refused.
 
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -367,4 +369,46 @@ fn snapshots_move_with_a_stopped_vm_and_an_unfinished_revert_refuses_the_move() 
     assert_eq!(disk_mark(&dest), "VMHOSTMARK:first");
     pair.hosts[1].call("vm.start", json!({ "name": name }));
     pair.hosts[1].wait_serial_count(name, "VMHOST-COUNT ", 3, Duration::from_secs(120));
+}
+
+/// The destination checks every announced file against the spec it admitted before it writes
+/// a byte: a raw data disk twice the size its spec gives (grown by hand on the source) is
+/// refused (2001 on `files`), nothing is received or left there, and the source keeps the VM.
+#[test]
+fn a_file_larger_than_its_spec_allows_is_refused_before_anything_is_written() {
+    let pair = Pair::start(PairOptions::default());
+    let name = "toobig";
+    pair.create(0, &pair.spec(name, 256, "big-mark", false));
+    pair.hosts[0].call("vm.stop", json!({ "name": name }));
+    let disk = data_disk(&pair.hosts[0], name);
+    std::fs::OpenOptions::new().write(true).open(&disk).and_then(|f| f.set_len(2 << 30)).expect("grow the disk");
+
+    let incoming = pair.incoming_spec(0, name);
+    let prepared = pair.hosts[1].call("vm.migrate_in", json!({ "spec": incoming, "mode": "cold" }));
+    let mut c = pair.hosts[0].client();
+    c.set_timeout(MOVE).expect("timeout");
+    let e = match c.call::<Value>(
+        "vm.move",
+        json!({ "name": name, "destination": prepared["address"], "secret": prepared["secret"] }),
+    ) {
+        Ok(v) => panic!("a disk larger than its spec moved: {v}"),
+        Err(vmhost::client::ClientError::Api(e)) => e,
+        Err(e) => panic!("vm.move: transport error {e}"),
+    };
+    assert_eq!(e.code.as_i32(), 2001, "{e:?}");
+    assert!(e.message.contains("data:data") && e.message.contains("2147483648"), "{e:?}");
+    vmhost_tests::wait::until("the destination gave the move up", Duration::from_secs(60), || {
+        match status(&pair, 1, name) {
+            None => Ok(()),
+            Some(v) => Err(format!("still recorded: {v}")),
+        }
+    });
+    let log = pair.hosts[1].daemon_log();
+    let received = |l: &&str| l.contains("cold::receive") && l.contains(" received ");
+    assert!(!log.lines().any(|l| received(&l)), "a file was received:\n{log}");
+    assert!(!pair.hosts[1].state().join("disks").join(name).exists(), "the destination kept its disk directory");
+    let v = status(&pair, 0, name).expect("the source keeps the VM");
+    assert_eq!(v["status"], "stopped", "{v}");
+    assert!(v.get("migration").is_none_or(Value::is_null), "{v}");
+    assert_eq!(disk_mark(&disk), "VMHOSTMARK:big-mark");
 }

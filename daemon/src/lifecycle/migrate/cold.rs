@@ -200,12 +200,12 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
         .send(&ControlMsg::Announce { files: announced })
         .await
         .map_err(|e| failed("move", format!("announcing the files: {e}")))?;
-    let stream = crate::migration::connect(&p.destination, &p.name, secret, &ChannelKind::Files)
-        .await
-        .map_err(|e| failed("move", format!("the files channel: {e}")))?;
-    let mut tx = FileSender::new(stream, secret);
     let mut bytes = 0;
     let mut sent = async {
+        // A destination that refused the announcement has let go of the files channel: its
+        // `Abort`, read below, says why.
+        let stream = crate::migration::connect(&p.destination, &p.name, secret, &ChannelKind::Files).await?;
+        let mut tx = FileSender::new(stream, secret);
         for (name, path) in &sent {
             let header = tx.send(name, path).await?;
             tracing::info!(file = %name, bytes = header.bytes, sha256 = %header.sha256, "sent");
