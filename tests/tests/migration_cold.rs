@@ -4,7 +4,9 @@
 //! a running VM moved with `--stop` runs on the destination afterwards, with its MAC; a byte
 //! changed on the wire (a relay in the test between the two ports) is refused with 2003 and
 //! leaves nothing on the destination and the VM as it was on the source; so is a qcow2 disk
-//! whose header names a host file as its backing file.
+//! whose header names a host file as its backing file, and a disk larger than its spec allows
+//! (refused from the announcement, before a byte is written). Snapshots move with the VM; a
+//! VM with snapshots is refused live, and one whose revert is unfinished is refused.
 
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -283,4 +285,130 @@ fn crash_at_move_recorded_leaves_the_vm_stopped_on_the_source() {
 #[test]
 fn crash_at_move_sent_leaves_the_vm_stopped_on_the_source() {
     source_crash_case("move:sent");
+}
+
+/// Writes `VMHOSTMARK:{word}` over the first 64 bytes of the raw data disk at `path` (a
+/// stopped VM's), as its guest writes its marker.
+fn set_mark(path: &std::path::Path, word: &str) {
+    let mut line = format!("VMHOSTMARK:{word}\n").into_bytes();
+    line.resize(64, 0);
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).expect("open the data disk");
+    f.write_all(&line).expect("write the marker");
+    f.sync_all().expect("sync");
+}
+
+/// The names `vm.snapshots` lists for `name` on host `on`, oldest first.
+fn snapshot_names(pair: &Pair, on: usize, name: &str) -> Vec<String> {
+    let list = pair.hosts[on].call("vm.snapshots", json!({ "name": name }));
+    list.as_array().expect("a list").iter().map(|s| s["name"].as_str().expect("a name").to_string()).collect()
+}
+
+/// Snapshots go with a cold move (docs/snapshots.md "Moving a VM"). A running VM with a
+/// snapshot is refused live (4097 `snapshots`: nothing reached, it runs on); stopped, an
+/// unfinished revert (the daemon killed at `revert:recorded`) refuses the cold move (4090) and
+/// nothing moves. Once the revert ran again, the VM with two snapshots moves: both are listed
+/// on the destination, a revert to each there gives back its marker, and the source holds
+/// nothing of them.
+#[test]
+fn snapshots_move_with_a_stopped_vm_and_an_unfinished_revert_refuses_the_move() {
+    let mut pair = Pair::start(PairOptions::default());
+    let name = "snapmove";
+    pair.create(0, &pair.spec(name, 256, "first", false));
+    pair.hosts[0].call("vm.snapshot", json!({ "name": name, "snapshot": "older" }));
+
+    // Live: refused before anything is reached (the destination is not even listening).
+    let (code, e) = pair.hosts[0]
+        .call_err("vm.migrate", json!({ "name": name, "destination": "127.0.0.1:9", "secret": "00".repeat(32) }));
+    assert_eq!((code, e.details["reason"].clone()), (4097, json!("snapshots")), "{e:?}");
+    let v = status(&pair, 0, name).expect("vm");
+    assert_eq!(v["status"], "running", "{v}");
+    assert!(v.get("migration").is_none_or(Value::is_null), "{v}");
+
+    pair.hosts[0].call("vm.stop", json!({ "name": name }));
+    let disk = data_disk(&pair.hosts[0], name);
+    assert_eq!(disk_mark(&disk), "VMHOSTMARK:first");
+    set_mark(&disk, "second");
+    pair.hosts[0].call("vm.snapshot", json!({ "name": name, "snapshot": "newer" }));
+
+    // A revert interrupted after its intent was recorded: the cold move is refused.
+    pair.hosts[0].crash_during("revert:recorded", "vm.revert", json!({ "name": name, "snapshot": "older" }));
+    let (code, e) =
+        pair.hosts[0].call_err("vm.move", json!({ "name": name, "destination": ADDRS[1], "secret": "00".repeat(32) }));
+    assert_eq!(code, 4090, "{e:?}");
+    assert!(e.message.contains("revert"), "{e:?}");
+    assert!(status(&pair, 1, name).is_none(), "the destination got something of a refused move");
+    let v = status(&pair, 0, name).expect("vm");
+    assert_eq!(v["status"], "stopped", "{v}");
+    assert!(v.get("migration").is_none_or(Value::is_null), "{v}");
+    pair.hosts[0].call("vm.revert", json!({ "name": name, "snapshot": "older" }));
+    assert_eq!(disk_mark(&disk), "VMHOSTMARK:first", "the revert ran again");
+    set_mark(&disk, "third");
+
+    let out = move_ctl(&pair, name, &[]);
+    ctl_ok(&pair, &out, "vmhostctl move of a VM with snapshots");
+    let v = status(&pair, 1, name).expect("the destination has the VM");
+    assert_eq!(v["status"], "stopped", "{v}");
+    assert_eq!(snapshot_names(&pair, 1, name), ["older", "newer"]);
+    let dest = data_disk(&pair.hosts[1], name);
+    assert_eq!(disk_mark(&dest), "VMHOSTMARK:third", "the VM's own disk as it was");
+    let snapshots = pair.hosts[1].state().join("snapshots");
+    let left: Vec<_> = std::fs::read_dir(&snapshots)
+        .expect("the destination's snapshots")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, [name], "only the VM's snapshots, nothing staged: {left:?}");
+    assert!(status(&pair, 0, name).is_none(), "the source still has the VM");
+    let source = pair.hosts[0].state().join("snapshots").join(name);
+    assert!(!source.exists(), "the source kept {}", source.display());
+
+    // Each reverts there to what it held.
+    pair.hosts[1].call("vm.revert", json!({ "name": name, "snapshot": "newer" }));
+    assert_eq!(disk_mark(&dest), "VMHOSTMARK:second");
+    pair.hosts[1].call("vm.revert", json!({ "name": name, "snapshot": "older" }));
+    assert_eq!(disk_mark(&dest), "VMHOSTMARK:first");
+    pair.hosts[1].call("vm.start", json!({ "name": name }));
+    pair.hosts[1].wait_serial_count(name, "VMHOST-COUNT ", 3, Duration::from_secs(120));
+}
+
+/// The destination checks every announced file against the spec it admitted before it writes
+/// a byte: a raw data disk twice the size its spec gives (grown by hand on the source) is
+/// refused (2001 on `files`), nothing is received or left there, and the source keeps the VM.
+#[test]
+fn a_file_larger_than_its_spec_allows_is_refused_before_anything_is_written() {
+    let pair = Pair::start(PairOptions::default());
+    let name = "toobig";
+    pair.create(0, &pair.spec(name, 256, "big-mark", false));
+    pair.hosts[0].call("vm.stop", json!({ "name": name }));
+    let disk = data_disk(&pair.hosts[0], name);
+    std::fs::OpenOptions::new().write(true).open(&disk).and_then(|f| f.set_len(2 << 30)).expect("grow the disk");
+
+    let incoming = pair.incoming_spec(0, name);
+    let prepared = pair.hosts[1].call("vm.migrate_in", json!({ "spec": incoming, "mode": "cold" }));
+    let mut c = pair.hosts[0].client();
+    c.set_timeout(MOVE).expect("timeout");
+    let e = match c.call::<Value>(
+        "vm.move",
+        json!({ "name": name, "destination": prepared["address"], "secret": prepared["secret"] }),
+    ) {
+        Ok(v) => panic!("a disk larger than its spec moved: {v}"),
+        Err(vmhost::client::ClientError::Api(e)) => e,
+        Err(e) => panic!("vm.move: transport error {e}"),
+    };
+    assert_eq!(e.code.as_i32(), 2001, "{e:?}");
+    assert!(e.message.contains("data:data") && e.message.contains("2147483648"), "{e:?}");
+    vmhost_tests::wait::until("the destination gave the move up", Duration::from_secs(60), || {
+        match status(&pair, 1, name) {
+            None => Ok(()),
+            Some(v) => Err(format!("still recorded: {v}")),
+        }
+    });
+    let log = pair.hosts[1].daemon_log();
+    let received = |l: &&str| l.contains("cold::receive") && l.contains(" received ");
+    assert!(!log.lines().any(|l| received(&l)), "a file was received:\n{log}");
+    assert!(!pair.hosts[1].state().join("disks").join(name).exists(), "the destination kept its disk directory");
+    let v = status(&pair, 0, name).expect("the source keeps the VM");
+    assert_eq!(v["status"], "stopped", "{v}");
+    assert!(v.get("migration").is_none_or(Value::is_null), "{v}");
+    assert_eq!(disk_mark(&disk), "VMHOSTMARK:big-mark");
 }

@@ -49,7 +49,8 @@ fn failed(message: String) -> ApiError {
     super::provisioning(STEP, message)
 }
 
-fn is_snapshot_name(name: &str) -> bool {
+/// True for a snapshot's name (and a name a move may give a snapshot's directory).
+pub(in crate::lifecycle) fn is_snapshot_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
         && !name.starts_with('.')
         && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
@@ -92,7 +93,7 @@ fn disks_of(spec: &VmSpec) -> (Vec<(String, DiskFormat, u64)>, crate::api::BootS
 }
 
 /// `STATE/snapshots/VM`.
-pub(super) fn snapshots_dir(mgr: &Manager, name: &str) -> PathBuf {
+pub(in crate::lifecycle) fn snapshots_dir(mgr: &Manager, name: &str) -> PathBuf {
     mgr.config.paths.state.join("snapshots").join(name)
 }
 
@@ -100,13 +101,16 @@ pub(super) fn snapshots_dir(mgr: &Manager, name: &str) -> PathBuf {
 ///
 /// # Errors
 /// 2001 on `snapshot` (a bad or taken name, or [`MAX_SNAPSHOTS`] reached) or `timeout_s`,
-/// 4040, 4090, 4001 `step: snapshot`, 4094 on `requires` (a running VM's guest file systems
+/// 4040, 4090 (also while the VM is being moved), 4001 `step: snapshot`, 4094 on `requires` (a running VM's guest file systems
 /// not all frozen); nothing is kept.
 pub(crate) async fn snapshot(mgr: &Arc<Manager>, p: TakeSnapshotParams) -> Result<Snapshot, ApiError> {
     check_name(&p.snapshot)?;
     let within = copy_timeout(p.timeout_s)?;
     let (op, rec) = mgr.begin_op(&p.name).await?;
     check_not_reverting(&rec)?;
+    // A snapshot taken while a move's outcome is unknown would not be on the destination, and
+    // the source's copy (snapshots included) goes when the destination answers `committed`.
+    rec.check_not_moving()?;
     let existing = list_snapshots(mgr, &p.name)?;
     if existing.iter().any(|s| s.name == p.snapshot) {
         return Err(ApiError::invalid("snapshot", format!("VM {:?} has a snapshot {:?} already", p.name, p.snapshot)));
@@ -209,6 +213,7 @@ pub(crate) fn snapshots(mgr: &Manager, name: &str) -> Result<Vec<Snapshot>, ApiE
 pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Mutation, ApiError> {
     check_name(&p.snapshot)?;
     let (_op, rec) = mgr.begin_op(&p.name).await?;
+    rec.check_not_moving()?;
     let snapshot = list_snapshots(mgr, &p.name)?.into_iter().find(|s| s.name == p.snapshot).ok_or_else(|| {
         ApiError::new(Code::NotFound, format!("VM {:?} has no snapshot {:?}", p.name, p.snapshot)).field("snapshot")
     })?;
@@ -274,6 +279,8 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
 pub(crate) async fn snapshot_delete(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
     check_name(&p.snapshot)?;
     let (_op, rec) = mgr.begin_op(&p.name).await?;
+    // Its snapshots may be the ones a move sent: they settle with it.
+    rec.check_not_moving()?;
     if rec.reverting() == Some(p.snapshot.as_str()) {
         return Err(ApiError::new(
             Code::Busy,
@@ -292,6 +299,102 @@ pub(crate) async fn snapshot_delete(mgr: &Arc<Manager>, p: SnapshotParams) -> Re
     })
     .map_err(FileError::file(STEP, "delete", &dir))?;
     Ok(SnapshotDeleted { changed, snapshot: p.snapshot })
+}
+
+/// One snapshot's files as a move carries them ([`files_to_move`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(in crate::lifecycle) struct SnapshotFile {
+    /// The snapshot's name.
+    pub snapshot: String,
+    /// The file's name in the snapshot's directory (`snapshot.json`, then each disk's copy).
+    pub file: String,
+    /// Where it is.
+    pub path: PathBuf,
+    /// Its length.
+    pub bytes: u64,
+    /// The bytes it occupies (allocated blocks).
+    pub allocated: u64,
+}
+
+/// The name of a snapshot's record in its directory.
+pub(in crate::lifecycle) const SNAPSHOT_JSON: &str = "snapshot.json";
+
+/// Every file of every snapshot of VM `name`, oldest snapshot first, each snapshot's
+/// `snapshot.json` before its copies: what a cold move sends so that the snapshots go with the
+/// VM. Strict, since the source's copy (with its snapshots) is deleted once the destination
+/// has them all: a snapshot directory that is not a whole snapshot (unreadable record, a copy
+/// missing) refuses the move rather than being left behind. Interrupted snapshots
+/// (`.NAME.partial`) are not snapshots and stay out.
+///
+/// # Errors
+/// 4001 step `snapshot` naming the snapshot that cannot be read whole.
+pub(in crate::lifecycle) fn files_to_move(mgr: &Manager, name: &str) -> Result<Vec<SnapshotFile>, ApiError> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = snapshots_dir(mgr, name);
+    crate::blocking::run(|| {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(failed(format!("{}: {e}", dir.display()))),
+        };
+        let mut snapshots = Vec::new();
+        for e in entries.flatten() {
+            let Some(snap) = e.file_name().to_str().map(str::to_string) else {
+                return Err(failed(format!("{}: a snapshot whose name is not UTF-8", dir.display())));
+            };
+            if snap.starts_with('.') {
+                continue;
+            }
+            let damaged = |why: String| {
+                failed(format!(
+                    "snapshot {snap:?} of VM {name:?} is not whole ({why}): delete it or repair it to move the VM"
+                ))
+            };
+            let json =
+                std::fs::read(e.path().join(SNAPSHOT_JSON)).map_err(|e| damaged(format!("{SNAPSHOT_JSON}: {e}")))?;
+            let s: Snapshot = serde_json::from_slice(&json).map_err(|e| damaged(format!("{SNAPSHOT_JSON}: {e}")))?;
+            if s.name != snap || !is_snapshot_name(&snap) {
+                return Err(damaged(format!("its record names {:?}", s.name)));
+            }
+            let mut files = Vec::new();
+            for file in std::iter::once(SNAPSHOT_JSON).chain(s.disks.iter().map(|d| d.file.as_str())) {
+                let path = e.path().join(file);
+                let m = std::fs::symlink_metadata(&path).map_err(|e| damaged(format!("{file}: {e}")))?;
+                if !m.is_file() {
+                    return Err(damaged(format!("{file} is not a file")));
+                }
+                let allocated = m.blocks().saturating_mul(512).min(m.len());
+                files.push(SnapshotFile {
+                    snapshot: snap.clone(),
+                    file: file.to_string(),
+                    path,
+                    bytes: m.len(),
+                    allocated,
+                });
+            }
+            snapshots.push(((s.created_at, snap.clone()), files));
+        }
+        snapshots.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(snapshots.into_iter().flat_map(|(_, f)| f).collect())
+    })
+}
+
+/// True when VM `name` has a snapshot (or a directory that claims to be one).
+pub(in crate::lifecycle) fn has_snapshots(mgr: &Manager, name: &str) -> bool {
+    let dir = snapshots_dir(mgr, name);
+    crate::blocking::run(|| {
+        std::fs::read_dir(&dir)
+            .map(|entries| entries.flatten().any(|e| !e.file_name().to_string_lossy().starts_with('.')))
+            .unwrap_or(false)
+    })
+}
+
+/// `STATE/snapshots/.incoming-VM`: where a cold move's snapshots arrive, each whole snapshot
+/// renamed in from its `.NAME.partial`, and renamed as a whole to [`snapshots_dir`] after the
+/// commit point. Only the move of VM `name` writes it (one expectation per name), so a give-up
+/// removes it whole. Not a VM's directory: VM names never start with a dot.
+pub(in crate::lifecycle) fn incoming_dir(mgr: &Manager, name: &str) -> PathBuf {
+    mgr.config.paths.state.join("snapshots").join(format!(".incoming-{name}"))
 }
 
 /// Removes the `.NAME.partial` directories of snapshots a crash interrupted (at start).

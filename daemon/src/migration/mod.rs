@@ -181,6 +181,26 @@ pub enum ControlMsg {
         /// The destination's answer.
         outcome: Outcome,
     },
+    /// Source to destination, right after [`ControlMsg::Hello`] of a cold move: every file the
+    /// `files` channel will carry (the disks, then each snapshot's files), so the destination
+    /// checks each against its spec and admits the space before a byte is written.
+    Announce {
+        /// The files, in the order they are sent.
+        files: Vec<AnnouncedFile>,
+    },
+}
+
+/// One file in [`ControlMsg::Announce`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnnouncedFile {
+    /// Its wire name (`boot`, `data:NAME`, `uefi-vars`, `snapshot:SNAPSHOT/FILE`).
+    pub name: String,
+    /// Its length in bytes (its header on the `files` channel must say the same).
+    pub bytes: u64,
+    /// The bytes it occupies on the source (its allocated blocks): what the destination
+    /// reserves, since the receiver leaves runs of zeros sparse as the source has them.
+    pub allocated: u64,
 }
 
 /// What the source tells the destination first ([`ControlMsg::Hello`]).

@@ -6,8 +6,10 @@
 //!
 //! Source, in order: refusals ([`plan::admit`]); the control channel opened (nothing changed
 //! when the destination cannot be reached); the VM stopped when asked; the record `migrating`
-//! with a cold migration (crash point `move:recorded`); `Hello`; each file with its sha256 over
-//! the `files` channel ([`crate::migration::files`]); the destination's `Ready` (every file
+//! with a cold migration (crash point `move:recorded`); `Hello`; `Announce` (every file to come
+//! with its length and occupied bytes: the disks, then the VM's snapshots, which go with it
+//! since its copy here is deleted at the end); each file with its sha256 over the `files`
+//! channel ([`crate::migration::files`]); the destination's `Ready` (every file
 //! arrived and matched; crash point `move:sent`); phase `committing`; `Commit`; on `Committed`
 //! the VM ends here as a destroy ends it ([`VmOp::destroy_steps`], data disks kept as a destroy
 //! keeps them). Any failure before `Commit` leaves the VM here `stopped` (started again if this
@@ -31,7 +33,7 @@ use super::source_outcome::{self, Answer};
 use crate::api::migration::{MigrateResult, MoveMode, MoveParams};
 use crate::api::{ApiError, Code, DesiredState, StopParams, VmStatus};
 use crate::migration::files::FileSender;
-use crate::migration::{ChannelKind, Control, ControlMsg, Hello, Secret};
+use crate::migration::{AnnouncedFile, ChannelKind, Control, ControlMsg, Hello, Secret};
 use crate::process::ProcessIdentity;
 use crate::state::migration::{MigrationPhase, MigrationRecord, MigrationRole};
 use crate::state::VmRecord;
@@ -176,6 +178,12 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
             std::fs::symlink_metadata(path).ok().filter(|m| m.is_file()).map(|m| m.len())
         })
     });
+    // The snapshots go with the VM: the source's are deleted with its copy once the
+    // destination committed, and it commits only when every one arrived.
+    let snapshots = super::super::snapshots::files_to_move(op.mgr(), op.name())?;
+    let mut sent: Vec<(String, std::path::PathBuf)> = files.iter().map(|f| (f.name.clone(), f.path.clone())).collect();
+    sent.extend(snapshots.iter().map(|f| (plan::snapshot_wire_name(&f.snapshot, &f.file), f.path.clone())));
+    let announced = crate::blocking::run(|| announce(&sent)).map_err(|e| failed("move", e))?;
     // The spec as the orchestrator admitted it on the destination: each NIC with its MAC.
     let mut spec = rec.spec.clone();
     for (nic, alloc) in spec.nics.iter_mut().zip(&rec.nics) {
@@ -188,15 +196,19 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
         disks: files.iter().map(|f| f.hello.clone()).collect(),
     };
     control.send(&ControlMsg::Hello(Box::new(hello))).await.map_err(|e| failed("move", format!("hello: {e}")))?;
-    let stream = crate::migration::connect(&p.destination, &p.name, secret, &ChannelKind::Files)
+    control
+        .send(&ControlMsg::Announce { files: announced })
         .await
-        .map_err(|e| failed("move", format!("the files channel: {e}")))?;
-    let mut tx = FileSender::new(stream, secret);
+        .map_err(|e| failed("move", format!("announcing the files: {e}")))?;
     let mut bytes = 0;
     let mut sent = async {
-        for f in &files {
-            let header = tx.send(&f.name, &f.path).await?;
-            tracing::info!(file = %f.name, bytes = header.bytes, sha256 = %header.sha256, "sent");
+        // A destination that refused the announcement has let go of the files channel: its
+        // `Abort`, read below, says why.
+        let stream = crate::migration::connect(&p.destination, &p.name, secret, &ChannelKind::Files).await?;
+        let mut tx = FileSender::new(stream, secret);
+        for (name, path) in &sent {
+            let header = tx.send(name, path).await?;
+            tracing::info!(file = %name, bytes = header.bytes, sha256 = %header.sha256, "sent");
             bytes += header.bytes;
         }
         tx.finish().await
@@ -215,6 +227,23 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
         _ => {}
     }
     sent.map(|()| bytes)
+}
+
+/// What [`ControlMsg::Announce`] says of each file to send (`(wire name, path)`): its length
+/// and the bytes it occupies.
+///
+/// # Errors
+/// A file that cannot be read (named).
+fn announce(files: &[(String, std::path::PathBuf)]) -> Result<Vec<AnnouncedFile>, String> {
+    use std::os::unix::fs::MetadataExt;
+    files
+        .iter()
+        .map(|(name, path)| {
+            let m = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let allocated = m.blocks().saturating_mul(512).min(m.len());
+            Ok(AnnouncedFile { name: name.clone(), bytes: m.len(), allocated })
+        })
+        .collect()
 }
 
 /// Starts the VM again if this move stopped it (a failure before the commit: it was running

@@ -116,6 +116,14 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
         let started = Instant::now();
         let (mut op, rec) = mgr.begin_op(&p.name).await?;
         check_movable(&rec)?;
+        // Snapshots do not move live (yet): refused before anything is reached, rather than
+        // deleted with the source's copy.
+        if super::super::snapshots::has_snapshots(mgr, &p.name) {
+            return Err(not_movable(
+                "snapshots",
+                format!("VM {:?} has snapshots, which do not move live: delete them or move it cold (vm.move)", p.name),
+            ));
+        }
         if op.find_live(rec.process.as_ref())?.is_none() {
             return Err(not_movable("status", format!("VM {:?} has no running QEMU", p.name)));
         }

@@ -91,6 +91,273 @@ pub(crate) fn source_files(
     out
 }
 
+/// The prefix of a snapshot file's wire name (`snapshot:SNAPSHOT/FILE`).
+const SNAPSHOT: &str = "snapshot:";
+/// Largest `snapshot.json` a destination reads (a spec and a few copies' entries).
+const SNAPSHOT_JSON_MAX: u64 = 1 << 20;
+/// Largest UEFI variables store a destination takes (OVMF's are 128-540 KiB).
+const UEFI_VARS_MAX: u64 = 64 << 20;
+const GIB: u64 = 1 << 30;
+
+/// The wire name of file `file` of snapshot `snapshot`.
+pub(crate) fn snapshot_wire_name(snapshot: &str, file: &str) -> String {
+    format!("{SNAPSHOT}{snapshot}/{file}")
+}
+
+/// A snapshot file's wire name as (snapshot, file), both plain names (a snapshot's name rule;
+/// a single path component that cannot escape or hide); `None` for any other name.
+pub(crate) fn snapshot_of(name: &str) -> Option<(&str, &str)> {
+    let (snapshot, file) = name.strip_prefix(SNAPSHOT)?.split_once('/')?;
+    let ok = super::super::super::snapshots::is_snapshot_name(snapshot)
+        && crate::validate::is_plain_file_name(file)
+        && file.len() <= 128;
+    ok.then_some((snapshot, file))
+}
+
+/// The most a qcow2 file of a disk of `virtual_size` bytes may hold: the disk's bytes plus its
+/// metadata (tables and refcounts, well under 1/64 of the disk) and a fixed margin.
+pub(crate) fn qcow2_bound(virtual_size: u64) -> u64 {
+    virtual_size.saturating_add(virtual_size / 64).saturating_add(64 << 20)
+}
+
+/// What length an announced file may have ([`check_announced`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bound {
+    /// Exactly this (a raw data disk: its size).
+    Exactly(u64),
+    /// At most this.
+    AtMost(u64),
+    /// What the file system has room for (an image VM's overlay, whose size follows its base
+    /// image; a snapshot's copy, checked against its record when that arrives).
+    Room,
+}
+
+impl Bound {
+    fn admits(self, bytes: u64) -> bool {
+        match self {
+            Bound::Exactly(n) => bytes == n,
+            Bound::AtMost(n) => bytes <= n,
+            Bound::Room => true,
+        }
+    }
+}
+
+impl std::fmt::Display for Bound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bound::Exactly(n) => write!(f, "its spec makes it exactly {n} bytes"),
+            Bound::AtMost(n) => write!(f, "its spec allows at most {n} bytes"),
+            Bound::Room => write!(f, "unbounded"),
+        }
+    }
+}
+
+/// The length a VM file `name` of a move of `spec` may have, from the admitted spec (and for a
+/// `boot.disk` root disk the virtual size `Hello` gives): a raw data disk exactly its size, a
+/// qcow2 one at most [`qcow2_bound`] of it; a root disk at most its virtual size (raw) or that
+/// bound (qcow2); the UEFI variables store at most [`UEFI_VARS_MAX`]; an overlay
+/// [`Bound::Room`]. `None` for a name the spec has no place for.
+pub(crate) fn disk_bound(spec: &VmSpec, hello: &[HelloDisk], name: &str) -> Option<Bound> {
+    match name {
+        BOOT if spec.boot.image.is_some() => Some(Bound::Room),
+        BOOT if spec.boot.disk.is_some() => {
+            let imported = hello.iter().find(|d| d.device == "virtio0")?.bytes;
+            let size = imported.max(spec.boot.disk_gib.unwrap_or(0).saturating_mul(GIB));
+            match boot_format(hello)? {
+                DiskFormat::Raw => Some(Bound::AtMost(size)),
+                DiskFormat::Qcow2 => Some(Bound::AtMost(qcow2_bound(size))),
+            }
+        }
+        UEFI_VARS if spec.boot.firmware == crate::api::Firmware::Uefi => Some(Bound::AtMost(UEFI_VARS_MAX)),
+        _ => {
+            let disk = spec.disks.iter().find(|d| Some(d.name.as_str()) == name.strip_prefix(DATA))?;
+            let size = disk.size_gib.saturating_mul(GIB);
+            match disk.format {
+                DiskFormat::Raw => Some(Bound::Exactly(size)),
+                DiskFormat::Qcow2 => Some(Bound::AtMost(qcow2_bound(size))),
+            }
+        }
+    }
+}
+
+/// Why a cold move's announcement ([`crate::migration::ControlMsg::Announce`]) or a received
+/// snapshot record is refused before (or instead of) being written. 2001 on `files`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum AnnounceError {
+    /// A name the admitted spec has no place for (nor a snapshot file's name).
+    #[error("the source announces a file {0:?} this VM has no place for")]
+    Unknown(String),
+    /// The same name twice.
+    #[error("the source announces {0:?} twice")]
+    Twice(String),
+    /// The disk files announced are not the disks `Hello` names.
+    #[error("the source announces {files} disk files for the {disks} disks its hello names")]
+    Disks {
+        /// Disk files announced.
+        files: usize,
+        /// Disks in `Hello`.
+        disks: usize,
+    },
+    /// A length the spec (or the snapshot's record) does not allow.
+    #[error("{name}: {bytes} bytes, but {bound}")]
+    Size {
+        /// The wire name.
+        name: String,
+        /// The length announced.
+        bytes: u64,
+        /// What was allowed.
+        bound: String,
+    },
+    /// A snapshot's files announced before (or without) its `snapshot.json`.
+    #[error("snapshot {0:?}: its files must follow its snapshot.json")]
+    NoRecord(String),
+    /// More snapshots than a VM keeps.
+    #[error("{0} snapshots: a VM keeps at most {max}", max = super::super::super::snapshots::MAX_SNAPSHOTS)]
+    TooMany(usize),
+    /// A received `snapshot.json` that is not the record of the snapshot it came as.
+    #[error("snapshot {snapshot:?}: its snapshot.json {why}")]
+    Record {
+        /// The snapshot (its wire name).
+        snapshot: String,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+impl From<AnnounceError> for crate::api::ApiError {
+    fn from(e: AnnounceError) -> crate::api::ApiError {
+        crate::api::ApiError::invalid("files", e.to_string())
+    }
+}
+
+/// Bytes a move will write on the destination, for its space admission: the VM's disks (in its
+/// disk directory) and the snapshots (under the state directory), each what the files occupy
+/// on the source.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Room {
+    /// The disks'.
+    pub disks: u64,
+    /// The snapshots'.
+    pub snapshots: u64,
+}
+
+/// Checks a cold move's announcement against the admitted `spec` and `hello` before anything
+/// is written (pure): every name known and once, the disk files exactly `Hello`'s disks, each
+/// length within its [`disk_bound`], each snapshot's `snapshot.json` first and at most
+/// [`SNAPSHOT_JSON_MAX`], at most `MAX_SNAPSHOTS` snapshots. Returns the room to admit.
+///
+/// # Errors
+/// [`AnnounceError`] naming the first file at fault.
+pub(crate) fn check_announced(
+    spec: &VmSpec,
+    hello: &[HelloDisk],
+    files: &[crate::migration::AnnouncedFile],
+) -> Result<Room, AnnounceError> {
+    let mut room = Room::default();
+    let mut seen: Vec<&str> = Vec::new();
+    let mut snapshots: Vec<&str> = Vec::new();
+    let mut disks = 0;
+    for f in files {
+        if seen.contains(&f.name.as_str()) {
+            return Err(AnnounceError::Twice(f.name.clone()));
+        }
+        seen.push(&f.name);
+        let occupies = f.allocated.min(f.bytes);
+        let bound = if let Some((snapshot, file)) = snapshot_of(&f.name) {
+            if file == super::super::super::snapshots::SNAPSHOT_JSON {
+                if snapshots.contains(&snapshot) {
+                    return Err(AnnounceError::Twice(f.name.clone()));
+                }
+                snapshots.push(snapshot);
+            } else if !snapshots.contains(&snapshot) {
+                return Err(AnnounceError::NoRecord(snapshot.to_string()));
+            }
+            room.snapshots = room.snapshots.saturating_add(occupies);
+            if file == super::super::super::snapshots::SNAPSHOT_JSON {
+                Bound::AtMost(SNAPSHOT_JSON_MAX)
+            } else {
+                Bound::Room
+            }
+        } else {
+            let bound = disk_bound(spec, hello, &f.name).ok_or_else(|| AnnounceError::Unknown(f.name.clone()))?;
+            disks += 1;
+            room.disks = room.disks.saturating_add(occupies);
+            bound
+        };
+        if !bound.admits(f.bytes) {
+            return Err(AnnounceError::Size { name: f.name.clone(), bytes: f.bytes, bound: bound.to_string() });
+        }
+    }
+    if disks != hello.len() {
+        return Err(AnnounceError::Disks { files: disks, disks: hello.len() });
+    }
+    if snapshots.len() > super::super::super::snapshots::MAX_SNAPSHOTS {
+        return Err(AnnounceError::TooMany(snapshots.len()));
+    }
+    Ok(room)
+}
+
+/// A received `snapshot.json` of snapshot `snapshot` (its wire name), checked against the
+/// announcement (pure): the closed [`crate::api::snapshots::Snapshot`] type, its own name the
+/// wire's, each copy named as a snapshot names it (`root.FORMAT`, `DISK.FORMAT`) and announced
+/// with the length the record gives, a raw copy as long as its disk, a qcow2 one within
+/// [`qcow2_bound`] (when the record gives the disk's size: a live copy's), and no other file
+/// announced for it. The destination names the snapshot's
+/// directory and files from this record, never a path from the wire.
+///
+/// # Errors
+/// [`AnnounceError::Record`] saying what is wrong.
+pub(crate) fn check_snapshot_record(
+    snapshot: &str,
+    json: &[u8],
+    files: &[crate::migration::AnnouncedFile],
+) -> Result<crate::api::snapshots::Snapshot, AnnounceError> {
+    let bad = |why: String| AnnounceError::Record { snapshot: snapshot.to_string(), why };
+    let s: crate::api::snapshots::Snapshot =
+        serde_json::from_slice(json).map_err(|e| bad(format!("is not a snapshot's record: {e}")))?;
+    if s.name != snapshot {
+        return Err(bad(format!("names the snapshot {:?}", s.name)));
+    }
+    let mut expected = vec![super::super::super::snapshots::SNAPSHOT_JSON.to_string()];
+    for d in &s.disks {
+        let named = match d.role {
+            crate::api::disks::DiskRole::Root => d.name == "root",
+            crate::api::disks::DiskRole::Data => crate::validate::is_valid_disk_name(&d.name),
+        };
+        if !named || d.file != format!("{}.{}", d.name, d.format.as_str()) {
+            return Err(bad(format!("names the copy {:?} of disk {:?}", d.file, d.name)));
+        }
+        let wire = snapshot_wire_name(snapshot, &d.file);
+        let announced = files.iter().find(|f| f.name == wire).map(|f| f.bytes);
+        if announced != Some(d.bytes) {
+            return Err(bad(format!("gives {} {} bytes; {announced:?} were announced", d.file, d.bytes)));
+        }
+        // A stopped VM's copies record no virtual size (0): the announcement and the room bound
+        // them then.
+        let fits = match d.format {
+            _ if d.virtual_size == 0 => true,
+            DiskFormat::Raw => d.bytes == d.virtual_size,
+            DiskFormat::Qcow2 => d.bytes <= qcow2_bound(d.virtual_size),
+        };
+        if !fits {
+            return Err(bad(format!("gives {} {} bytes for a disk of {}", d.file, d.bytes, d.virtual_size)));
+        }
+        if expected.contains(&d.file) {
+            return Err(bad(format!("names {} twice", d.file)));
+        }
+        expected.push(d.file.clone());
+    }
+    let prefix = snapshot_wire_name(snapshot, "");
+    let mut announced: Vec<&str> = files.iter().filter_map(|f| f.name.strip_prefix(prefix.as_str())).collect();
+    announced.sort_unstable();
+    let mut want: Vec<&str> = expected.iter().map(String::as_str).collect();
+    want.sort_unstable();
+    if announced != want {
+        return Err(bad(format!("names the files {want:?}; {announced:?} were announced")));
+    }
+    Ok(s)
+}
+
 /// Where the destination writes a received file and renames it once checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Placement {
@@ -354,6 +621,190 @@ mod tests {
         assert_eq!(source_action(Some(Committing), Some(Some(Outcome::Abandoned))), SourceAction::KeepHere);
         assert_eq!(source_action(Some(Committing), Some(Some(Outcome::Pending))), SourceAction::Wait);
         assert_eq!(source_action(Some(Committing), Some(None)), SourceAction::Wait);
+    }
+
+    fn file(name: &str, bytes: u64) -> crate::migration::AnnouncedFile {
+        crate::migration::AnnouncedFile { name: name.into(), bytes, allocated: bytes / 2 }
+    }
+
+    #[test]
+    fn snapshot_wire_names_are_plain_names_or_nothing() {
+        assert_eq!(snapshot_wire_name("s1", "snapshot.json"), "snapshot:s1/snapshot.json");
+        assert_eq!(snapshot_of("snapshot:s1/snapshot.json"), Some(("s1", "snapshot.json")));
+        assert_eq!(snapshot_of("snapshot:before-up.1/data.raw"), Some(("before-up.1", "data.raw")));
+        for bad in [
+            "snapshot:../x/snapshot.json",
+            "snapshot:s1/../../etc/passwd",
+            "snapshot:s1/a/b",
+            "snapshot:.s1.partial/snapshot.json",
+            "snapshot:s1/.hidden",
+            "snapshot:s1/",
+            "snapshot:/snapshot.json",
+            "snapshot:s1",
+            "data:x",
+            "boot",
+        ] {
+            assert_eq!(snapshot_of(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn announced_files_are_checked_against_the_spec_before_anything_is_written() {
+        let spec = image_spec(); // raw data disk logs 1 GiB, qcow2 db 1 GiB, an image overlay
+        let hello = vec![
+            HelloDisk { device: "virtio0".into(), bytes: 5 << 20, format: "qcow2".into() },
+            HelloDisk { device: "data-logs".into(), bytes: GIB, format: "raw".into() },
+            HelloDisk { device: "data-db".into(), bytes: 7 << 20, format: "qcow2".into() },
+        ];
+        let files = vec![
+            file("boot", 5 << 20),
+            file("data:logs", GIB),
+            file("data:db", 7 << 20),
+            file("snapshot:s1/snapshot.json", 2000),
+            file("snapshot:s1/logs.raw", GIB),
+            file("snapshot:s2/snapshot.json", 2000),
+        ];
+        let room = check_announced(&spec, &hello, &files).expect("a whole announcement");
+        assert_eq!(room, Room { disks: (5 << 20) / 2 + GIB / 2 + (7 << 20) / 2, snapshots: 1000 + GIB / 2 + 1000 });
+        // allocated is never counted above the length
+        let mut more = files.clone();
+        more[0].allocated = u64::MAX;
+        assert_eq!(check_announced(&spec, &hello, &more).expect("ok").disks, (5 << 20) + GIB / 2 + (7 << 20) / 2);
+
+        let refused = |f: &[crate::migration::AnnouncedFile]| check_announced(&spec, &hello, f).unwrap_err();
+        let mut raw_size = files.clone();
+        raw_size[1].bytes = GIB + 1;
+        assert!(matches!(refused(&raw_size), AnnounceError::Size { name, .. } if name == "data:logs"));
+        raw_size[1].bytes = GIB - 4096;
+        assert!(matches!(refused(&raw_size), AnnounceError::Size { .. }), "a raw disk is exactly its size");
+        let mut qcow = files.clone();
+        qcow[2].bytes = qcow2_bound(GIB) + 1;
+        assert!(matches!(refused(&qcow), AnnounceError::Size { name, .. } if name == "data:db"));
+        let mut unknown = files.clone();
+        unknown.push(file("data:../../etc/shadow", 1));
+        assert_eq!(refused(&unknown), AnnounceError::Unknown("data:../../etc/shadow".into()));
+        let mut twice = files.clone();
+        twice.push(file("data:logs", GIB));
+        assert_eq!(refused(&twice), AnnounceError::Twice("data:logs".into()));
+        let mut missing = files.clone();
+        missing.remove(2);
+        assert_eq!(refused(&missing), AnnounceError::Disks { files: 2, disks: 3 });
+        let mut no_record = files.clone();
+        no_record.swap(3, 4);
+        assert_eq!(refused(&no_record), AnnounceError::NoRecord("s1".into()));
+        let mut big_record = files.clone();
+        big_record[3].bytes = SNAPSHOT_JSON_MAX + 1;
+        assert!(matches!(refused(&big_record), AnnounceError::Size { .. }));
+        let mut many = files.clone();
+        for i in 0..super::super::super::super::snapshots::MAX_SNAPSHOTS {
+            many.push(file(&format!("snapshot:n{i}/snapshot.json"), 10));
+        }
+        assert!(matches!(refused(&many), AnnounceError::TooMany(_)));
+        let e: crate::api::ApiError = AnnounceError::Twice("x".into()).into();
+        assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("files")));
+    }
+
+    #[test]
+    fn a_boot_disk_and_uefi_vars_are_bounded_by_the_spec_and_hello() {
+        let mut spec = image_spec();
+        spec.disks.clear();
+        spec.boot = BootSpec { disk: Some("d.raw".into()), disk_gib: Some(2), ..Default::default() };
+        spec.boot.firmware = crate::api::Firmware::Uefi;
+        let hello = vec![HelloDisk { device: "virtio0".into(), bytes: 3 * GIB, format: "raw".into() }];
+        assert_eq!(disk_bound(&spec, &hello, BOOT), Some(Bound::AtMost(3 * GIB)), "imported larger than disk_gib");
+        spec.boot.disk_gib = Some(4);
+        assert_eq!(disk_bound(&spec, &hello, BOOT), Some(Bound::AtMost(4 * GIB)), "grown since");
+        assert_eq!(disk_bound(&spec, &hello, UEFI_VARS), Some(Bound::AtMost(UEFI_VARS_MAX)));
+        let q = vec![HelloDisk { device: "virtio0".into(), bytes: GIB, format: "qcow2".into() }];
+        assert_eq!(disk_bound(&spec, &q, BOOT), Some(Bound::AtMost(qcow2_bound(4 * GIB))));
+        spec.boot.firmware = crate::api::Firmware::Bios;
+        assert_eq!(disk_bound(&spec, &hello, UEFI_VARS), None, "no variables store without UEFI");
+        assert_eq!(disk_bound(&image_spec(), &hello, BOOT), Some(Bound::Room), "an overlay follows its base");
+    }
+
+    fn record(name: &str) -> (crate::api::snapshots::Snapshot, Vec<crate::migration::AnnouncedFile>) {
+        use crate::api::disks::{BackupDisk, DiskRole};
+        let disk = |role, name: &str, format: DiskFormat, bytes, virtual_size| BackupDisk {
+            role,
+            name: name.into(),
+            file: format!("{name}.{}", format.as_str()),
+            format,
+            virtual_size,
+            bytes,
+            sha256: "ab".repeat(32),
+        };
+        let s = crate::api::snapshots::Snapshot {
+            name: name.into(),
+            created_at: "2026-12-06T05:00:00Z".into(),
+            live: false,
+            consistency: None,
+            reason: None,
+            frozen: Vec::new(),
+            skipped: Vec::new(),
+            instance_id: None,
+            spec: image_spec(),
+            disks: vec![
+                disk(DiskRole::Root, "root", DiskFormat::Qcow2, 3 << 20, 2 * GIB),
+                disk(DiskRole::Data, "logs", DiskFormat::Raw, GIB, GIB),
+            ],
+        };
+        let files = vec![
+            file(&format!("snapshot:{name}/snapshot.json"), 100),
+            file(&format!("snapshot:{name}/root.qcow2"), 3 << 20),
+            file(&format!("snapshot:{name}/logs.raw"), GIB),
+        ];
+        (s, files)
+    }
+
+    #[test]
+    fn a_received_snapshot_record_must_be_the_announced_snapshot() {
+        let (s, files) = record("s1");
+        let json = |s: &crate::api::snapshots::Snapshot| serde_json::to_vec(s).unwrap();
+        assert_eq!(check_snapshot_record("s1", &json(&s), &files), Ok(s.clone()));
+        let refused = |s: &crate::api::snapshots::Snapshot, f: &[crate::migration::AnnouncedFile]| {
+            check_snapshot_record("s1", &json(s), f).unwrap_err()
+        };
+        // Another snapshot's record, or not a record at all (the type is closed).
+        let (other, _) = record("s2");
+        assert!(matches!(refused(&other, &files), AnnounceError::Record { why, .. } if why.contains("\"s2\"")));
+        let mut extra = serde_json::to_value(&s).unwrap();
+        extra["path"] = serde_json::json!("/etc");
+        assert!(check_snapshot_record("s1", &serde_json::to_vec(&extra).unwrap(), &files).is_err());
+        assert!(check_snapshot_record("s1", b"{", &files).is_err());
+        // A copy named as a path, or not as its disk.
+        for bad in ["../../x", "logs.qcow2", "other.raw", ".logs.raw"] {
+            let mut t = s.clone();
+            t.disks[1].file = bad.into();
+            assert!(matches!(refused(&t, &files), AnnounceError::Record { .. }), "{bad}");
+        }
+        let mut t = s.clone();
+        t.disks[1].name = "../x".into();
+        t.disks[1].file = "../x.raw".into();
+        assert!(matches!(refused(&t, &files), AnnounceError::Record { .. }));
+        // Lengths: the announcement's, a raw copy its disk's, a qcow2 within the bound.
+        let mut t = s.clone();
+        t.disks[1].bytes = GIB - 1;
+        assert!(matches!(refused(&t, &files), AnnounceError::Record { .. }));
+        let mut f = files.clone();
+        f[1].bytes = qcow2_bound(2 * GIB) + 1;
+        let mut t = s.clone();
+        t.disks[0].bytes = f[1].bytes;
+        assert!(matches!(refused(&t, &f), AnnounceError::Record { .. }));
+        // A stopped VM's copy records no virtual size: its length is the announcement's.
+        let mut t = s.clone();
+        t.disks[1].virtual_size = 0;
+        assert_eq!(check_snapshot_record("s1", &json(&t), &files), Ok(t.clone()));
+        // Every announced file of the snapshot is one the record names, and none is missing.
+        let mut f = files.clone();
+        f.push(file("snapshot:s1/evil.raw", 1));
+        assert!(matches!(refused(&s, &f), AnnounceError::Record { .. }));
+        let mut f = files.clone();
+        f.pop();
+        assert!(matches!(refused(&s, &f), AnnounceError::Record { .. }));
+        // Another snapshot's files are not this one's business.
+        let mut f = files.clone();
+        f.push(file("snapshot:s10/snapshot.json", 1));
+        assert_eq!(check_snapshot_record("s1", &json(&s), &f), Ok(s));
     }
 
     #[test]
