@@ -93,6 +93,7 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
             secret: secret.to_hex(),
             phase: MigrationPhase::Sending,
             since: crate::api::now_rfc3339(),
+            stopped: false,
         };
         let op = mgr.reserve_incoming_op(&vm.spec, record)?;
         op.crashpoint("migrate_in:recorded");
