@@ -238,7 +238,10 @@ fn an_unknown_outcome_settled_committed_ends_the_vm_here_as_a_destroy_does() {
     let data_disk = src.state().join("disks/settle-c");
     assert!(data_disk.exists(), "the data disk's directory is where the test looks");
     let settled = src.call("vm.migrate_settle", json!({ "name": "settle-c", "outcome": "committed" }));
-    assert_eq!((settled["outcome"].as_str(), settled["destination"].as_str()), (Some("committed"), Some("unreachable")));
+    assert_eq!(
+        (settled["outcome"].as_str(), settled["destination"].as_str()),
+        (Some("committed"), Some("unreachable"))
+    );
     assert_eq!(settled.get("status"), None, "{settled}");
     let (code, _) = src.call_err("vm.get", json!({ "name": "settle-c" }));
     assert_eq!(code, 4040, "the source still has the VM");

@@ -111,7 +111,9 @@ fn secret_of(args: &MigrateArgs) -> Result<String, Failure> {
             read_secret(f, &path.display().to_string())?
         }
         (None, None) => {
-            return Err(Failure::Usage("migrate --to needs the secret: --secret - (standard input) or --secret-file PATH".into()))
+            return Err(Failure::Usage(
+                "migrate --to needs the secret: --secret - (standard input) or --secret-file PATH".into(),
+            ))
         }
     };
     Ok(text)

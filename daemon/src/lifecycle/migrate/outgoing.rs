@@ -145,7 +145,9 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
         };
         let sent = match sent {
             Ok(sent) => sent,
-            Err(e) => return Err(source_settle::give_up(&mut op, LIVE, Some(&mut control), e, Some(&mut reporter)).await),
+            Err(e) => {
+                return Err(source_settle::give_up(&mut op, LIVE, Some(&mut control), e, Some(&mut reporter)).await)
+            }
         };
         reporter.phase("committing");
         op.update("vm.migrate: committing", |r| source_settle::set_phase(r, MigrationPhase::Committing))?;
@@ -155,10 +157,14 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
             Err(e) => Err(e),
         };
         match answer {
-            Ok(ControlMsg::Committed) => source_settle::finish(&mut op, LIVE, &p.destination, Some(&mut reporter)).await?,
+            Ok(ControlMsg::Committed) => {
+                source_settle::finish(&mut op, LIVE, &p.destination, Some(&mut reporter)).await?
+            }
             Ok(ControlMsg::Abort { code, message }) => {
                 // It did not commit: the guest is this host's.
-                return Err(source_settle::give_up(&mut op, LIVE, None, aborted(code, &message), Some(&mut reporter)).await);
+                return Err(
+                    source_settle::give_up(&mut op, LIVE, None, aborted(code, &message), Some(&mut reporter)).await
+                );
             }
             other => {
                 let why = match other {

@@ -5,12 +5,15 @@
 //! source asks it ([`ask`], a new control channel and a `Query`); before that the destination
 //! cannot have committed (it commits only when asked), and after the source recorded the
 //! destination's `Committed` only the source's own teardown is left. [`decide`] is that rule as
-//! a pure function; [`super::outgoing`] carries its actions out.
+//! a pure function, for a live migration and a cold move alike (a cold VM's QEMU counts as
+//! [`SourceQemu::Gone`]); [`decide_manual`] is the rule for the operator's answer
+//! (`vm.migrate_settle`). [`super::source_settle`] carries their actions out.
 //!
 //! Order: [`decide`] with [`Answer::NotAsked`]; on [`SourceAction::Ask`], [`ask`] (again every
 //! [`ASK_EVERY`] for up to [`ASK_FOR`] in the operation) and [`decide`] with the answer; while
 //! it stays [`SourceAction::Wait`], the VM is recorded `failed` with the guest kept paused and
-//! [`super::outgoing::spawn_retry`] asks every [`RETRY_EVERY`] until it can settle.
+//! the background retry asks every [`RETRY_EVERY`] until it can settle, or the operator settles
+//! it ([`check_settleable`], [`ask`], [`decide_manual`]).
 
 use crate::migration::{ChannelKind, Control, ControlMsg, Outcome, Secret};
 use crate::state::migration::MigrationPhase;
@@ -134,7 +137,9 @@ pub(super) enum ManualRefusal {
     #[error("the destination says {0:?}: the operator's answer contradicts it")]
     Disagrees(Outcome),
     /// The destination has not decided yet: it may still commit (or give up) on its own.
-    #[error("the destination has not decided yet: ask again once it has (it gives up within seconds of losing the source)")]
+    #[error(
+        "the destination has not decided yet: ask again once it has (it gives up within seconds of losing the source)"
+    )]
     Pending,
 }
 
@@ -158,7 +163,9 @@ pub(super) fn decide_manual(operator: Outcome, destination: Answer) -> Result<Ou
 ///
 /// # Errors
 /// A message saying what the VM is instead.
-pub(super) fn check_settleable(rec: &crate::state::VmRecord) -> Result<crate::state::migration::MigrationRecord, String> {
+pub(super) fn check_settleable(
+    rec: &crate::state::VmRecord,
+) -> Result<crate::state::migration::MigrationRecord, String> {
     use crate::api::VmStatus;
     use crate::state::migration::MigrationRole;
     match rec.migration() {

@@ -198,7 +198,10 @@ pub(super) async fn settle(
                 }
                 let held = HeldVm::new(op.mgr(), op.name());
                 keep_here(&held, Some(op), side, action).await?;
-                return Err(failed("commit", "the destination gave the move up after the commit was sent: the VM stays here"));
+                return Err(failed(
+                    "commit",
+                    "the destination gave the move up after the commit was sent: the VM stays here",
+                ));
             }
             SourceAction::Ask | SourceAction::Wait if Instant::now() < until => {
                 tokio::time::sleep(source_outcome::ASK_EVERY).await;
@@ -477,7 +480,10 @@ pub(super) async fn recover(
 /// the destination contradicts the operator (`details.reason` `destination_disagrees`, with
 /// `destination`) or has not decided yet (`destination_pending`); 4097 reason `status` for a VM
 /// whose move's outcome is not unknown; as [`finish`] or the resume.
-pub(crate) async fn migrate_settle(mgr: &Arc<Manager>, p: MigrateSettleParams) -> Result<MigrateSettleResult, ApiError> {
+pub(crate) async fn migrate_settle(
+    mgr: &Arc<Manager>,
+    p: MigrateSettleParams,
+) -> Result<MigrateSettleResult, ApiError> {
     let (mut op, rec) = mgr.begin_op(&p.name).await?;
     let m = source_outcome::check_settleable(&rec).map_err(|why| {
         ApiError::new(Code::NotMovable, format!("VM {:?}: {why}", p.name)).details(json!({ "reason": "status" }))

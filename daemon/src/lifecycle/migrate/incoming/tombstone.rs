@@ -94,7 +94,7 @@ pub(crate) fn read_all(state: &Path, vm: &str) -> Vec<Tombstone> {
         .filter(|e| e.file_name().to_str().and_then(vm_of) == Some(vm))
         .map(|e| (e.metadata().and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH), e.path()))
         .collect();
-    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.sort_by_key(|f| std::cmp::Reverse(f.0));
     found
         .into_iter()
         .take(MAX_PER_VM)
@@ -208,7 +208,8 @@ mod tests {
         assert!(!name.contains(&secret) && !name.contains(&secret[..16]), "{name}");
         assert_eq!(vm_of(name), Some("vm-1"));
         assert_ne!(tag(&secret), tag(&"cd".repeat(32)));
-        for other in ["vm-1.json", "vm-1.json.tmp", ".tmp.vm-1.json", "vm-1.zz.json", ".0123456789abcdef0123456789abcdef.json"]
+        for other in
+            ["vm-1.json", "vm-1.json.tmp", ".tmp.vm-1.json", "vm-1.zz.json", ".0123456789abcdef0123456789abcdef.json"]
         {
             assert_eq!(vm_of(other), None, "{other}");
         }
