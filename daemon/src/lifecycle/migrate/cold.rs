@@ -143,7 +143,7 @@ pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<Migrate
             }
             other => {
                 tracing::warn!(answer = ?other, "no answer to the commit: asking the destination");
-                source_settle::settle(&mut op, COLD, &p.destination, &secret, None, true, true).await?;
+                source_settle::settle(&mut op, COLD, &p.destination, &secret, None).await?;
             }
         }
         Ok(MigrateResult {

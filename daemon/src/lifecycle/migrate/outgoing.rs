@@ -172,7 +172,7 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
                     Err(e) => format!("no answer to the commit: {e}"),
                 };
                 tracing::warn!(vm = %p.name, why, "asking the destination what became of the migration");
-                source_settle::settle(&mut op, LIVE, &p.destination, &secret, Some(&mut reporter), true, true).await?;
+                source_settle::settle(&mut op, LIVE, &p.destination, &secret, Some(&mut reporter)).await?;
             }
         }
         Ok(MigrateResult {

@@ -6,7 +6,7 @@
 //! word (`vm.migrate_settle`, [`migrate_settle`]). [`super::source_outcome`] holds the rules.
 //!
 //! Order: the operation calls [`give_up`] on a failure before `Commit`, [`finish`] on
-//! `Committed`, [`settle`] on no answer; [`settle`] (patient) asks for a while, then records
+//! `Committed`, [`settle`] on no answer; [`settle`] asks for a while, then records
 //! the outcome unknown ([`unknown`]) and leaves it to [`spawn_retry`], which asks every
 //! [`source_outcome::RETRY_EVERY`] until the destination answers or the operator settles it.
 
@@ -167,10 +167,9 @@ pub(super) async fn give_up(
 }
 
 /// `Commit` went out and no answer came: asks the destination every
-/// [`source_outcome::ASK_EVERY`] for up to [`source_outcome::ASK_FOR`] (`patient`; else once),
-/// then does what it said. While it cannot tell, the VM is recorded `failed` (a live guest kept
-/// paused, a cold VM's disks kept) and [`spawn_retry`] asks on (`retry`: false when called by
-/// that retry itself, which keeps the record as it is).
+/// [`source_outcome::ASK_EVERY`] for up to [`source_outcome::ASK_FOR`], then does what it said.
+/// While it cannot tell, the VM is recorded `failed` (a live guest kept paused, a cold VM's
+/// disks kept) and [`spawn_retry`] asks on.
 ///
 /// # Errors
 /// 4001 step `commit` when the outcome stays unknown, or the destination gave the move up (the
@@ -181,11 +180,9 @@ pub(super) async fn settle(
     destination: &str,
     secret: &Secret,
     mut reporter: Option<&mut Reporter>,
-    patient: bool,
-    retry: bool,
 ) -> Result<(), ApiError> {
     let name = op.name().to_string();
-    let until = Instant::now() + if patient { source_outcome::ASK_FOR } else { Duration::ZERO };
+    let until = Instant::now() + source_outcome::ASK_FOR;
     loop {
         let answer = source_outcome::ask(destination, &name, secret).await;
         let qemu = qemu_now(op.held(), side.mode).await;
@@ -209,9 +206,6 @@ pub(super) async fn settle(
             SourceAction::Ask | SourceAction::Wait => {
                 if let Some(r) = reporter.as_deref_mut() {
                     r.clear();
-                }
-                if !retry {
-                    return Err(failed("commit", "the destination's answer is still unknown"));
                 }
                 let e = unknown(op.held(), side.mode)?;
                 spawn_retry(op.mgr(), &name, side.readopt);
