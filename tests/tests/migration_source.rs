@@ -183,3 +183,103 @@ fn a_restart_at_migrate_recorded_keeps_the_guest_here() {
 fn a_restart_at_migrate_mirroring_keeps_the_guest_here() {
     crash_case("migrate:mirroring", false);
 }
+
+/// A `vm.migrate` whose outcome the source cannot learn: the source killed right after it
+/// recorded `committing` (before `Commit` went out), the destination gone before the source
+/// comes back, so nobody answers its questions. Returns the source with the VM `failed`, its
+/// migration `committing`, its guest paused.
+fn unknown_outcome(name: &str) -> TestHost {
+    let (mut src, dst) = (host(), host());
+    running_guest(&src, name);
+    let view: Value = src.call("vm.get", json!({ "name": name }));
+    let prepared = dst.call("vm.migrate_in", json!({ "spec": view["spec"] }));
+    src.arm_crash("migrate:commit");
+    let params = json!({ "name": name, "destination": prepared["address"], "secret": prepared["secret"] });
+    let answer = src.client().call::<Value>("vm.migrate", params);
+    assert!(answer.is_err(), "vm.migrate answered although the daemon should have died: {answer:?}");
+    drop(dst);
+    src.restart_after_crash("migrate:commit");
+    let view = src.wait_status(name, "failed", Duration::from_secs(120));
+    assert_eq!(view["migration"]["phase"], "committing", "{view}");
+    assert_ne!(qmp_status(&src, name), "running", "the guest is kept paused while the outcome is unknown");
+    src
+}
+
+#[test]
+fn an_unknown_outcome_settled_abandoned_runs_the_guest_here_again() {
+    let src = unknown_outcome("settle-a");
+    let pid = src.call("vm.get", json!({ "name": "settle-a" }))["pid"].clone();
+    let out = src.ctl(&["migrate-settle", "settle-a", "--outcome", "abandoned"]);
+    assert!(
+        out.status.success(),
+        "vmhostctl migrate-settle: {}\n{}\n--- source:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        src.daemon_log()
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("unreachable"), "{}", String::from_utf8_lossy(&out.stdout));
+    let view: Value = src.call("vm.get", json!({ "name": "settle-a" }));
+    assert_eq!((view["status"].as_str(), view.get("migration")), (Some("running"), None), "{view}");
+    assert_eq!(view["pid"], pid, "the same QEMU runs the guest");
+    assert_eq!(qmp_status(&src, "settle-a"), "running");
+    assert_eq!(src.qemu_pids().len(), 1);
+    // Settled: a second answer is refused and changes nothing.
+    let (code, e) = src.call_err("vm.migrate_settle", json!({ "name": "settle-a", "outcome": "committed" }));
+    assert_eq!((code, e.details["reason"].as_str()), (4097, Some("status")), "{e:?}");
+    // The re-adopted QEMU is this vmhostd's again: an ordinary stop ends it.
+    src.call("vm.stop", json!({ "name": "settle-a", "force": true }));
+    src.wait_status("settle-a", "stopped", Duration::from_secs(60));
+    assert!(src.qemu_pids().is_empty());
+}
+
+#[test]
+fn an_unknown_outcome_settled_committed_ends_the_vm_here_as_a_destroy_does() {
+    let src = unknown_outcome("settle-c");
+    let data_disk = src.state().join("disks/settle-c");
+    assert!(data_disk.exists(), "the data disk's directory is where the test looks");
+    let settled = src.call("vm.migrate_settle", json!({ "name": "settle-c", "outcome": "committed" }));
+    assert_eq!(
+        (settled["outcome"].as_str(), settled["destination"].as_str()),
+        (Some("committed"), Some("unreachable"))
+    );
+    assert_eq!(settled.get("status"), None, "{settled}");
+    let (code, _) = src.call_err("vm.get", json!({ "name": "settle-c" }));
+    assert_eq!(code, 4040, "the source still has the VM");
+    assert!(src.qemu_pids().is_empty(), "a QEMU is left on the source");
+    assert!(!data_disk.exists(), "the source kept the data disk of a VM that is not keep_on_destroy");
+    let (code, _) = src.call_err("vm.migrate_settle", json!({ "name": "settle-c", "outcome": "abandoned" }));
+    assert_eq!(code, 4040);
+}
+
+#[test]
+fn vmhostctl_migrate_takes_the_secret_from_stdin_or_a_file_never_from_its_command_line() {
+    use std::io::Write;
+    let src = host();
+    let secret = "ab".repeat(32);
+    let out = src.ctl(&["migrate", "nosuch", "--to", "127.0.0.1:1", "--secret", &secret]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("ps"), "a secret on the command line was taken: {stderr}");
+    let out = src.ctl(&["migrate", "nosuch", "--to", "127.0.0.1:1"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--secret-file"));
+
+    // From standard input: a malformed one reaches vmhostd, which names the field.
+    let mut child = std::process::Command::new(vmhost_tests::bin("vmhostctl"))
+        .arg("--socket")
+        .arg(&src.socket)
+        .args(["migrate", "nosuch", "--to", "127.0.0.1:1", "--secret", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run vmhostctl");
+    child.stdin.take().expect("stdin").write_all(b"not-a-secret\n").expect("write the secret");
+    let out = child.wait_with_output().expect("vmhostctl");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("error 2001") && stderr.contains("[secret]"), "{stderr}");
+
+    // From a file: a well-formed one passes vmhostd's check, which then finds no such VM.
+    let file = src.dir.path().join("secret");
+    std::fs::write(&file, format!("{secret}\n")).expect("write the secret file");
+    let out = src.ctl(&["migrate", "nosuch", "--to", "127.0.0.1:1", "--secret-file", &file.display().to_string()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("error 4040"), "{stderr}");
+}

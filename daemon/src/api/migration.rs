@@ -140,3 +140,40 @@ pub struct MigrationView {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<MigrationProgress>,
 }
+
+/// Params of `vm.migrate_settle` (source): the operator's answer for a move whose outcome this
+/// host could not learn (the VM `failed` with its migration in phase `committing`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateSettleParams {
+    /// The VM.
+    pub name: String,
+    /// What the operator found on the destination.
+    pub outcome: SettleOutcome,
+}
+
+/// What became of a move, as the operator tells `vm.migrate_settle`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SettleOutcome {
+    /// The destination runs the VM: it ends here (data disks kept, as a destroy keeps them).
+    Committed,
+    /// The destination does not have it: it stays here (a live guest runs again; a cold VM is
+    /// `stopped`, started again if its move stopped it).
+    Abandoned,
+}
+
+/// Result of `vm.migrate_settle`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrateSettleResult {
+    /// The VM's name.
+    pub name: String,
+    /// What was carried out.
+    pub outcome: SettleOutcome,
+    /// What the destination said when asked: `committed` or `abandoned` (it agreed), or
+    /// `unreachable` (the operator's word decided).
+    pub destination: String,
+    /// The VM's status here afterwards (absent: it ended here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<super::VmStatus>,
+}

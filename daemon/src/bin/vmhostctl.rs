@@ -221,13 +221,17 @@ enum Cmd {
     /// Prepare this host to receive a VM (`vm.migrate_in`) from its spec as the source runs it
     /// (each NIC with its MAC); prints the address and one-time secret for `migrate`.
     MigrateIn(migrate::MigrateInArgs),
-    /// Move a running VM live to another vmhostd: prepared with `migrate-in` (`--to`,
-    /// `--secret`), or with `--to-socket` the destination's API socket, which vmhostctl
+    /// Move a running VM live to another vmhostd: prepared with `migrate-in` (`--to`, and
+    /// `--secret -` on standard input or `--secret-file`), or with `--to-socket` the destination's API socket, which vmhostctl
     /// prepares itself. Draws the progress as it goes.
     Migrate(migrate::MigrateArgs),
     /// Move a stopped VM (with `--stop` a running one, started again there) cold to the
     /// vmhostd at `--to-socket`: its spec and disk files, each checked by sha256.
     Move(moves::MoveArgs),
+    /// Say what became of a move whose outcome this host could not learn (the VM `failed`,
+    /// its migration `committing`), after looking at the destination: `committed` ends it
+    /// here, `abandoned` keeps it here. Refused when the destination answers otherwise.
+    MigrateSettle(migrate::SettleArgs),
     /// Call any method with JSON params.
     Call { method: String, params: Option<String> },
 }
@@ -628,6 +632,20 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         }
         Cmd::Exec(_) => {}
         Cmd::MigrateIn(args) => out(&migrate::migrate_in(&mut c, args)?),
+        Cmd::MigrateSettle(args) => {
+            let v = migrate::settle(&mut c, args)?;
+            if cli.json {
+                out(&v);
+            } else {
+                say!(
+                    "{}: settled {} (the destination: {}); now {}",
+                    args.name,
+                    v["outcome"].as_str().unwrap_or_default(),
+                    v["destination"].as_str().unwrap_or_default(),
+                    v["status"].as_str().unwrap_or("gone from this host")
+                );
+            }
+        }
         Cmd::Move(args) => {
             let v = moves::move_vm(&mut c, args)?;
             if cli.json {

@@ -123,6 +123,8 @@ pub struct Manager {
     topology: topology::HostTopology,
     /// The migration port ([`crate::migration`]): its listener and the VMs it expects.
     migrations: crate::migration::Migrations,
+    /// Moves whose outcome is unknown, asked about in the background ([`migrate::Unsettled`]).
+    unsettled: migrate::Unsettled,
 }
 
 /// Format and virtual size of unrecorded images, by name, with the file version read.
@@ -229,6 +231,7 @@ impl Manager {
             topology: topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config_for_backups),
             backups: crate::backup::Backups::open(&config_for_backups),
             migrations: crate::migration::Migrations::new(&config_for_backups.migration),
+            unsettled: Default::default(),
         });
         mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;

@@ -315,6 +315,7 @@ mod tests {
             topology: super::super::topology::HostTopology::open(crate::pci::sysfs::SYSFS_ROOT, &config),
             backups: crate::backup::Backups::open(&config),
             migrations: crate::migration::Migrations::new(&config.migration),
+            unsettled: Default::default(),
         })
     }
 

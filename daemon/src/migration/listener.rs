@@ -160,24 +160,30 @@ async fn handshake(
     };
     let vm = Some(open.vm.clone());
     let refuse = |reason: &str| (vm.clone(), reason.to_string());
-    let (secret, expected) = match shared.secret_of(&open.vm) {
-        Some(s) => (s, true),
-        None if open.channel == ChannelKind::Control => match outcomes.outcome(&open.vm) {
-            Some((s, _)) => (s, false),
-            None => {
-                let _ = stream.write_all(wire::REFUSED).await;
-                return Err(refuse("unknown VM"));
+    // The expected migration's secret first; a control stream proven with the secret of one
+    // this host answers for (its record's, or a tombstone's: an earlier migration of the name)
+    // is a source's query.
+    let expecting = shared.secret_of(&open.vm);
+    let (secret, expected) = match expecting {
+        Some(s) if wire::verify_proof(&s, &nonce, &open) => (s, true),
+        _ if open.channel == ChannelKind::Control => {
+            match outcomes.outcomes(&open.vm).into_iter().find(|(s, _)| wire::verify_proof(s, &nonce, &open)) {
+                Some((s, _)) => (s, false),
+                None => {
+                    let _ = stream.write_all(wire::REFUSED).await;
+                    return Err(refuse(if expecting.is_some() { "wrong proof" } else { "unknown VM or wrong proof" }));
+                }
             }
-        },
+        }
+        Some(_) => {
+            let _ = stream.write_all(wire::REFUSED).await;
+            return Err(refuse("wrong proof"));
+        }
         None => {
             let _ = stream.write_all(wire::REFUSED).await;
             return Err(refuse("unknown VM"));
         }
     };
-    if !wire::verify_proof(&secret, &nonce, &open) {
-        let _ = stream.write_all(wire::REFUSED).await;
-        return Err(refuse("wrong proof"));
-    }
     if !expected {
         stream.write_all(wire::OK).await.map_err(|e| refuse(&format!("write: {e}")))?;
         return Ok(Delivered::Query(open.vm, secret, stream));
@@ -240,9 +246,9 @@ async fn answer_query(
     // Read again: the answer is the record's now, not when the stream opened.
     // Nothing known any more (or another migration's secret): close unanswered, as for an
     // unknown VM; the source keeps asking rather than act on a guess.
-    let outcome = match outcomes.outcome(vm) {
-        Some((s, o)) if &s == secret => o,
-        _ => return,
+    let outcome = match outcomes.outcomes(vm).into_iter().find(|(s, _)| s == secret) {
+        Some((_, o)) => o,
+        None => return,
     };
     if let Err(e) = control.send(&ControlMsg::Outcome { outcome }).await {
         tracing::warn!(%peer, vm, error = %e, "migration port: cannot answer a query");

@@ -243,6 +243,12 @@ pub enum Outcome {
 pub trait Outcomes: Send + Sync {
     /// The secret and outcome of VM `vm`'s last incoming migration, if this host knows it.
     fn outcome(&self, vm: &str) -> Option<(Secret, Outcome)>;
+
+    /// Every migration of VM `vm` this host can still answer for (the record's, then those it
+    /// gave up, newest first): a source's query is answered by the one whose secret it proves.
+    fn outcomes(&self, vm: &str) -> Vec<(Secret, Outcome)> {
+        self.outcome(vm).into_iter().collect()
+    }
 }
 
 /// The migration port.

@@ -134,7 +134,7 @@ macro_rules! call {
 }
 
 /// Every method of API v1, in documentation order.
-pub static METHODS: [Method; 37] = [
+pub static METHODS: [Method; 38] = [
     // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
     call!("host.info", Read, Free, Object, |ctx, _p| {
         let mut info = crate::blocking::run(|| ctx.manager.host_info());
@@ -277,6 +277,9 @@ pub static METHODS: [Method; 37] = [
     call!("vm.move", Write, Free, MoveParams, |ctx, p| lifecycle::migrate::cold::move_vm(&ctx.manager, p)
         .await
         .and_then(json)),
+    call!("vm.migrate_settle", Write, Free, crate::api::migration::MigrateSettleParams, |ctx, p| {
+        lifecycle::migrate::migrate_settle(&ctx.manager, p).await.and_then(json)
+    }),
     call!("vm.snapshot", Write, Free, TakeSnapshotParams, |ctx, p| lifecycle::snapshots::snapshot(&ctx.manager, p)
         .await
         .and_then(json)),

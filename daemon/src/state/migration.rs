@@ -56,6 +56,10 @@ pub struct MigrationRecord {
     pub phase: MigrationPhase,
     /// RFC 3339, when this side began.
     pub since: String,
+    /// Source of a cold move only: the move stopped the running VM (`stop: true`), so it is
+    /// started again if the move does not happen.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopped: bool,
 }
 
 impl VmRecord {
@@ -122,6 +126,7 @@ mod tests {
             secret: "00".repeat(32),
             phase: MigrationPhase::Committing,
             since: "2026-12-06T00:00:00Z".into(),
+            stopped: false,
         };
         let p = crate::api::migration::MigrationProgress { phase: "committing".into(), ..Default::default() };
         let v = view(&m, Some(&p));

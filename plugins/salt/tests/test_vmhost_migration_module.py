@@ -1,4 +1,5 @@
-"""The execution module's migration functions: vmhost.migrate_in, vmhost.migrate, vmhost.move
+"""The execution module's migration functions: vmhost.migrate_in, vmhost.migrate, vmhost.move,
+vmhost.migrate_settle
 (requests sent, argument checks, how long each call waits, daemon errors)."""
 
 import unittest
@@ -66,6 +67,13 @@ class MigrationFunctions(unittest.TestCase):
                 "vm.move",
                 {"name": "web", "destination": "10.0.0.2:7070", "secret": SECRET, "stop": True},
             ),
+            (
+                self.mod.migrate_settle,
+                ("web", "abandoned"),
+                {},
+                "vm.migrate_settle",
+                {"name": "web", "outcome": "abandoned"},
+            ),
         ]
         for fn, args, kwargs, method, params in cases:
             with self.subTest(method=method, args=args, kwargs=kwargs):
@@ -83,6 +91,8 @@ class MigrationFunctions(unittest.TestCase):
             self.mod.migrate("web", "a:1", SECRET, timeout_s=-1)
         with self.assertRaisesRegex(CommandExecutionError, "stop must be True or False"):
             self.mod.move("web", "a:1", SECRET, stop="maybe")
+        with self.assertRaisesRegex(CommandExecutionError, "outcome must be committed or abandoned"):
+            self.mod.migrate_settle("web", "pending")
         self.assertEqual(self.daemon.requests, [])
 
     def test_waits(self):

@@ -6,7 +6,8 @@
 //! while the call runs a second connection follows the VM's `migration` events to draw the
 //! progress line.
 //!
-//! Order of use: [`migrate_in`] alone prepares a destination; [`migrate`] runs
+//! Order of use: [`migrate_in`] alone prepares a destination; [`settle`] alone answers for a
+//! move whose outcome the source could not learn; [`migrate`] runs
 //! [`incoming_spec`] and `vm.migrate_in` on the destination when given `--to-socket`, then
 //! starts [`watch`] and calls `vm.migrate`; [`render`] is the progress line (pure).
 
@@ -35,12 +36,18 @@ pub struct MigrateInArgs {
 pub struct MigrateArgs {
     /// The VM.
     pub name: String,
-    /// The destination's migration address (`vm.migrate_in`'s `address`).
-    #[arg(long, required_unless_present = "to_socket", conflicts_with = "to_socket", requires = "secret")]
+    /// The destination's migration address (`vm.migrate_in`'s `address`); its secret comes
+    /// with `--secret -` (standard input) or `--secret-file`.
+    #[arg(long, required_unless_present = "to_socket", conflicts_with = "to_socket")]
     pub to: Option<String>,
-    /// The destination's secret (`vm.migrate_in`'s `secret`).
-    #[arg(long, conflicts_with = "to_socket")]
+    /// `-`: read the destination's secret (`vm.migrate_in`'s `secret`) from the first line of
+    /// standard input. Nothing else: a secret on the command line is readable by every local
+    /// user in `ps` and /proc/PID/cmdline.
+    #[arg(long, value_name = "-", conflicts_with_all = ["to_socket", "secret_file"])]
     pub secret: Option<String>,
+    /// Read the destination's secret from the first line of this file.
+    #[arg(long, value_name = "PATH", conflicts_with = "to_socket")]
+    pub secret_file: Option<PathBuf>,
     /// The destination vmhostd's API socket: vmhostctl prepares the destination itself.
     #[arg(long, value_name = "DEST_SOCKET")]
     pub to_socket: Option<PathBuf>,
@@ -81,6 +88,74 @@ pub fn incoming_spec(view: &Value) -> Value {
     spec
 }
 
+/// Longest secret input read (a secret is 64 hex digits; anything longer is not one).
+const MAX_SECRET_INPUT: u64 = 4096;
+
+/// The secret of `migrate --to`: from standard input (`--secret -`) or `--secret-file`, never
+/// from the command line itself.
+///
+/// # Errors
+/// Neither given, a literal `--secret`, or the input cannot be read.
+fn secret_of(args: &MigrateArgs) -> Result<String, Failure> {
+    let text = match (args.secret.as_deref(), &args.secret_file) {
+        (Some("-"), _) => read_secret(std::io::stdin().lock(), "standard input")?,
+        (Some(_), _) => {
+            return Err(Failure::Usage(
+                "--secret takes only `-` (the secret on standard input): on the command line every local user \
+                 could read it in ps; or use --secret-file PATH"
+                    .into(),
+            ))
+        }
+        (None, Some(path)) => {
+            let f = std::fs::File::open(path).map_err(|e| Failure::Usage(format!("{}: {e}", path.display())))?;
+            read_secret(f, &path.display().to_string())?
+        }
+        (None, None) => {
+            return Err(Failure::Usage(
+                "migrate --to needs the secret: --secret - (standard input) or --secret-file PATH".into(),
+            ))
+        }
+    };
+    Ok(text)
+}
+
+/// The first line of `input` (at most [`MAX_SECRET_INPUT`] bytes), trimmed.
+///
+/// # Errors
+/// It cannot be read, or is empty.
+fn read_secret(input: impl std::io::Read, what: &str) -> Result<String, Failure> {
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(input.take(MAX_SECRET_INPUT))
+        .read_line(&mut line)
+        .map_err(|e| Failure::Usage(format!("the secret from {what}: {e}")))?;
+    let secret = line.trim();
+    if secret.is_empty() {
+        return Err(Failure::Usage(format!("no secret in {what}")));
+    }
+    Ok(secret.to_string())
+}
+
+/// Arguments of `vmhostctl migrate-settle`.
+#[derive(clap::Args, Debug)]
+pub struct SettleArgs {
+    /// The VM whose move's outcome is unknown here.
+    pub name: String,
+    /// What the destination shows: `committed` (it runs the VM) or `abandoned` (it does not).
+    #[arg(long, value_parser = ["committed", "abandoned"])]
+    pub outcome: String,
+}
+
+/// `vmhostctl migrate-settle`: the `vm.migrate_settle` result.
+///
+/// # Errors
+/// The daemon refuses (the destination answered otherwise, the VM's outcome is not unknown).
+pub fn settle(c: &mut Client, args: &SettleArgs) -> Result<Value, Failure> {
+    // vmhostd asks the destination first (a few seconds when it cannot be reached).
+    c.set_timeout(Duration::from_secs(120))?;
+    Ok(c.call("vm.migrate_settle", json!({ "name": args.name, "outcome": args.outcome }))?)
+}
+
 /// `vmhostctl migrate`: the `vm.migrate` result.
 ///
 /// # Errors
@@ -105,7 +180,7 @@ pub fn migrate(c: &mut Client, socket: &Path, args: &MigrateArgs, quiet: bool) -
                 }
             }
         }
-        None => (args.to.clone().unwrap_or_default(), args.secret.clone().unwrap_or_default()),
+        None => (args.to.clone().unwrap_or_default(), secret_of(args)?),
     };
     let done = Arc::new(AtomicBool::new(false));
     let watcher = (!quiet).then(|| watch(socket.to_path_buf(), args.name.clone(), Arc::clone(&done)));
@@ -200,6 +275,18 @@ pub fn render(p: &MigrationProgress) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_is_the_first_line_of_its_input_trimmed_and_never_empty() {
+        let hex = "ab".repeat(32);
+        let got = read_secret(format!("  {hex}\r\nsecond line\n").as_bytes(), "t").ok();
+        assert_eq!(got.as_deref(), Some(hex.as_str()));
+        assert!(read_secret("\n".as_bytes(), "t").is_err());
+        assert!(read_secret("".as_bytes(), "t").is_err());
+        // Bounded: an endless input is not read whole.
+        let long = "a".repeat(10_000);
+        assert_eq!(read_secret(long.as_bytes(), "t").ok().map(|s| s.len()), Some(MAX_SECRET_INPUT as usize));
+    }
 
     const MIB: u64 = 1024 * 1024;
     const GIB: u64 = 1024 * MIB;

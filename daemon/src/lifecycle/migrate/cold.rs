@@ -2,7 +2,9 @@
 //! stopped first) sent to another vmhostd as its spec and its disk files, for VMs that cannot
 //! migrate live (passthrough) or need not. Both sides are here: the source's operation
 //! ([`move_vm`]) and the destination's receive ([`receive::receive`], run by `vm.migrate_in`
-//! with `mode: cold`), and what a restart of either side settles ([`recover`]).
+//! with `mode: cold`). What the source does when the move fails, is not answered, or a restart
+//! finds it unfinished is the live migration's code ([`super::source_settle`]); a restart of
+//! the destination is [`receive::recover`].
 //!
 //! Source, in order: refusals ([`plan::admit`]); the control channel opened (nothing changed
 //! when the destination cannot be reached); the VM stopped when asked; the record `migrating`
@@ -26,18 +28,15 @@ pub(in crate::lifecycle) mod receive;
 
 pub(in crate::lifecycle) use receive::{receive, Abandon};
 
-use super::super::held::HeldVm;
 use super::super::op::VmOp;
 use super::super::Manager;
-use super::source_outcome::{self, Answer};
+use super::source_settle::{self, Side};
 use crate::api::migration::{MigrateResult, MoveMode, MoveParams};
-use crate::api::{ApiError, Code, DesiredState, StopParams, VmStatus};
+use crate::api::{ApiError, Code, StopParams, VmStatus};
 use crate::migration::files::FileSender;
 use crate::migration::{AnnouncedFile, ChannelKind, Control, ControlMsg, Hello, Secret};
-use crate::process::ProcessIdentity;
 use crate::state::migration::{MigrationPhase, MigrationRecord, MigrationRole};
-use crate::state::VmRecord;
-use plan::{SourceAction, SourceFile};
+use plan::SourceFile;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,6 +53,9 @@ const READY_TIMEOUT: Duration = Duration::from_secs(120);
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the source looks for the destination's `Abort` after the files channel failed.
 const ABORT_WAIT: Duration = Duration::from_secs(10);
+/// A cold move's settle: one implementation with the live migration's
+/// ([`super::source_settle`]); a cold VM has no QEMU to re-adopt.
+const COLD: Side = Side { mode: MoveMode::Cold, readopt: false };
 
 /// 4097 `not_movable` with `reason`.
 fn not_movable(reason: &str, message: impl Into<String>) -> ApiError {
@@ -119,6 +121,7 @@ pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<Migrate
             secret: secret.to_hex(),
             phase: MigrationPhase::Sending,
             since: crate::api::now_rfc3339(),
+            stopped: stop,
         };
         if let Err(e) = op.update_status("vm.move", VmStatus::Migrating, |r| r.migration = Some(record)) {
             restart(&mut op, stop).await;
@@ -127,22 +130,22 @@ pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<Migrate
         op.crashpoint("move:recorded");
         let disk_bytes = match send(&op, &p, &secret, &mut control).await {
             Ok(bytes) => bytes,
-            Err(e) => return Err(give_up(&mut op, Some(&mut control), e, stop).await),
+            Err(e) => return Err(source_settle::give_up(&mut op, COLD, Some(&mut control), e, None).await),
         };
         op.crashpoint("move:sent");
-        op.update("vm.move: committing", |r| set_phase(r, MigrationPhase::Committing))?;
+        op.update("vm.move: committing", |r| source_settle::set_phase(r, MigrationPhase::Committing))?;
         let answer = match control.send(&ControlMsg::Commit).await {
             Ok(()) => control.recv(COMMIT_TIMEOUT).await,
             Err(e) => Err(e),
         };
         match answer {
-            Ok(ControlMsg::Committed) => finish(&mut op, &p.destination).await?,
+            Ok(ControlMsg::Committed) => source_settle::finish(&mut op, COLD, &p.destination, None).await?,
             Ok(ControlMsg::Abort { code, message }) => {
-                return Err(give_up(&mut op, None, aborted(code, &message), stop).await);
+                return Err(source_settle::give_up(&mut op, COLD, None, aborted(code, &message), None).await);
             }
             other => {
                 tracing::warn!(answer = ?other, "no answer to the commit: asking the destination");
-                settle(&mut op, &p.destination, &secret, stop).await?;
+                source_settle::settle(&mut op, COLD, &p.destination, &secret, None).await?;
             }
         }
         Ok(MigrateResult {
@@ -157,13 +160,6 @@ pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<Migrate
     }
     .instrument(span)
     .await
-}
-
-/// The record's migration in phase `phase`.
-fn set_phase(r: &mut VmRecord, phase: MigrationPhase) {
-    if let Some(m) = r.migration.as_mut() {
-        m.phase = phase;
-    }
 }
 
 /// `Hello`, the files, and the destination's `Ready` (every file arrived with its sha256).
@@ -254,186 +250,5 @@ async fn restart(op: &mut VmOp, stopped_here: bool) {
     }
     if let Err(e) = op.start_steps("vm.move failed: started again").await {
         tracing::error!(error = %e.message, "the VM this move stopped could not be started again");
-    }
-}
-
-/// A failure before the commit: the destination told (`Abort`, when the channel is up), the VM
-/// recorded `stopped` with its migration cleared, started again if this move stopped it.
-/// Returns `error`.
-async fn give_up(op: &mut VmOp, control: Option<&mut Control>, error: ApiError, stopped_here: bool) -> ApiError {
-    tracing::warn!(error = %error.message, "cold move given up: the VM stays here");
-    if let Some(c) = control {
-        let abort = ControlMsg::Abort { code: error.code.as_i32(), message: error.message.clone() };
-        if let Err(e) = c.send(&abort).await {
-            tracing::info!(error = %e, "the destination was not told of the abort");
-        }
-    }
-    if let Err(e) = op.update_status("vm.move failed: the VM stays here", VmStatus::Stopped, |r| r.migration = None) {
-        tracing::error!(error = %e.message, "cannot record the failed move");
-        return error;
-    }
-    restart(op, stopped_here).await;
-    error
-}
-
-/// The destination has the VM: phase `committed`, then the VM ends here as `vm.destroy` ends it
-/// (data disks with `keep_on_destroy` kept, as a destroy keeps them).
-///
-/// # Errors
-/// As `vm.destroy`'s steps (the record then says `failed`; a restart finishes it).
-async fn finish(op: &mut VmOp, destination: &str) -> Result<(), ApiError> {
-    op.update("vm.move: the destination committed", |r| set_phase(r, MigrationPhase::Committed))?;
-    op.destroy_steps("vm.move: the VM is on the destination", &format!("moved to {destination}")).await?;
-    Ok(())
-}
-
-/// `Answer` as [`plan::source_action`] takes it.
-fn answered(a: Answer) -> Option<Option<crate::migration::Outcome>> {
-    match a {
-        Answer::NotAsked => None,
-        Answer::Unreachable => Some(None),
-        Answer::Said(o) => Some(Some(o)),
-    }
-}
-
-/// `Commit` went out and no answer came: asks the destination every
-/// [`source_outcome::ASK_EVERY`] for up to [`source_outcome::ASK_FOR`] and does what it said;
-/// while it cannot tell, the VM is recorded `failed` (disks kept) and asked about in the
-/// background.
-///
-/// # Errors
-/// 4001 step `commit` when the answer stays unknown; the destination gave the move up (the VM
-/// stays here); as [`finish`].
-async fn settle(op: &mut VmOp, destination: &str, secret: &Secret, stopped_here: bool) -> Result<(), ApiError> {
-    let name = op.name().to_string();
-    let until = Instant::now() + source_outcome::ASK_FOR;
-    loop {
-        let answer = source_outcome::ask(destination, &name, secret).await;
-        match plan::source_action(Some(MigrationPhase::Committing), answered(answer)) {
-            SourceAction::Finish => return finish(op, destination).await,
-            SourceAction::KeepHere => {
-                let e = failed("commit", "the destination gave the move up after the commit was sent");
-                return Err(give_up(op, None, e, stopped_here).await);
-            }
-            SourceAction::Ask | SourceAction::Wait if Instant::now() < until => {
-                tokio::time::sleep(source_outcome::ASK_EVERY).await;
-            }
-            SourceAction::Ask | SourceAction::Wait => break,
-        }
-    }
-    let e = failed(
-        "commit",
-        format!(
-            "the destination's answer is unknown: the VM's disks are kept here until {destination} answers \
-             (asked every {} s)",
-            source_outcome::RETRY_EVERY.as_secs()
-        ),
-    );
-    let le = super::super::last_error(&e);
-    op.update_status("vm.move: the outcome is unknown", VmStatus::Failed, |r| r.last_error = Some(le))?;
-    spawn_retry(op.mgr(), &name);
-    Err(e)
-}
-
-/// Asks the destination every [`source_outcome::RETRY_EVERY`] what became of VM `name`'s cold
-/// move until it answers, then settles the record as recovery does ([`settle_outgoing`]).
-fn spawn_retry(mgr: &Arc<Manager>, name: &str) {
-    let (mgr, name) = (Arc::clone(mgr), name.to_string());
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(source_outcome::RETRY_EVERY).await;
-            let Ok((op, rec)) = mgr.begin_op(&name).await else {
-                if mgr.record(&name).is_err() {
-                    return;
-                }
-                // Another operation holds the VM: ask again later.
-                continue;
-            };
-            let Some(m) = rec.migration().filter(|m| m.role == MigrationRole::Outgoing && m.mode == MoveMode::Cold)
-            else {
-                return; // settled otherwise (an operator, a restart)
-            };
-            let Ok(secret) = Secret::parse(&m.secret) else { return };
-            let answer = source_outcome::ask(&m.peer, &name, &secret).await;
-            let action = plan::source_action(Some(m.phase), answered(answer));
-            if action == SourceAction::Wait {
-                continue;
-            }
-            if let Err(e) = settle_outgoing(&mgr, op.held(), &rec, None, action).await {
-                tracing::error!(vm = %name, error = %e.message, "settling a cold move failed");
-            }
-            return;
-        }
-    });
-}
-
-/// Recovery of a record naming a cold move, on either side (called by [`super::settle`], which
-/// hands in the destination's abandon). Returns true when the VM is settled, false when
-/// recovery goes on as for any VM.
-///
-/// # Errors
-/// A record write, or a step of the teardown or the abandon, failed.
-pub(in crate::lifecycle) async fn recover(
-    mgr: &Arc<Manager>,
-    held: &HeldVm,
-    rec: &VmRecord,
-    live: Option<ProcessIdentity>,
-    abandon: Abandon,
-) -> Result<bool, ApiError> {
-    let Some(m) = rec.migration() else { return Ok(false) };
-    if m.role == MigrationRole::Incoming {
-        return receive::recover(held, rec, abandon).await;
-    }
-    let mut action = plan::source_action(Some(m.phase), None);
-    if action == SourceAction::Ask {
-        let answer = match Secret::parse(&m.secret) {
-            Ok(secret) => source_outcome::ask(&m.peer, held.name(), &secret).await,
-            Err(_) => Answer::Unreachable,
-        };
-        action = plan::source_action(Some(m.phase), answered(answer));
-    }
-    tracing::info!(vm = held.name(), phase = ?m.phase, ?action, "settling an interrupted cold move");
-    settle_outgoing(mgr, held, rec, live, action).await?;
-    Ok(true)
-}
-
-/// Carries out the source's decision on a cold move's record (recovery, the background retry).
-async fn settle_outgoing(
-    mgr: &Arc<Manager>,
-    held: &HeldVm,
-    rec: &VmRecord,
-    live: Option<ProcessIdentity>,
-    action: SourceAction,
-) -> Result<(), ApiError> {
-    let name = held.name();
-    // A cold move's VM has no QEMU; one found is not the guest's to keep running here.
-    if let Some(id) = live {
-        mgr.processes.kill(name, &id).await?;
-    }
-    match action {
-        SourceAction::KeepHere => held
-            .update_status("the cold move did not complete: the VM stays here", VmStatus::Stopped, |r| {
-                r.migration = None;
-                r.process = None;
-            })
-            .map(drop),
-        SourceAction::Finish => {
-            held.update_status("the VM is on the destination (settled)", VmStatus::Destroying, |r| {
-                r.spec.state = DesiredState::Stopped;
-                r.process = None;
-            })?;
-            super::super::recover::finish_destroy(held).await
-        }
-        SourceAction::Ask | SourceAction::Wait => {
-            if rec.status != VmStatus::Failed {
-                let e = failed("commit", "the destination's answer to a cold move is unknown: the disks are kept here");
-                let le = super::super::last_error(&e);
-                held.update_status("the cold move's outcome is unknown", VmStatus::Failed, |r| {
-                    r.last_error = Some(le)
-                })?;
-            }
-            spawn_retry(mgr, name);
-            Ok(())
-        }
     }
 }

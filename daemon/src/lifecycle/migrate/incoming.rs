@@ -85,9 +85,6 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
         // Registered before the record: a second migration of the name is refused here, with
         // nothing recorded.
         let expectation = mgr.migrations.expect(&name, &secret).map_err(ApiError::from)?;
-        // A new migration of the name: the last one's answer is no longer this name's.
-        tombstone::remove(&mgr.config.paths.state, &name)
-            .map_err(|source| IncomingError::Io { what: "removing the last migration's tombstone", source })?;
         let record = MigrationRecord {
             role: MigrationRole::Incoming,
             mode: p.mode,
@@ -95,6 +92,7 @@ pub(crate) async fn migrate_in(mgr: &Arc<Manager>, p: MigrateInParams) -> Result
             secret: secret.to_hex(),
             phase: MigrationPhase::Sending,
             since: crate::api::now_rfc3339(),
+            stopped: false,
         };
         let op = mgr.reserve_incoming_op(&vm.spec, record)?;
         op.crashpoint("migrate_in:recorded");

@@ -12,6 +12,9 @@ pub(crate) mod incoming;
 pub(crate) mod outgoing;
 mod progress;
 mod source_outcome;
+mod source_settle;
+
+pub(crate) use source_settle::{migrate_settle, Unsettled};
 
 use super::held::HeldVm;
 use super::Manager;
@@ -21,8 +24,8 @@ use crate::state::migration::MigrationRole;
 use crate::state::VmRecord;
 
 /// Recovery of a VM whose record names a migration (or says `migrating` / `incoming`): each
-/// side settles its own ([`outgoing::recover`], [`incoming::recover`]; a cold move's both sides
-/// [`cold::recover`]). `live` is the VM's
+/// side settles its own (the source, live or cold, [`source_settle::recover`]; the destination
+/// [`incoming::recover`], a cold one's [`cold::receive::recover`]). `live` is the VM's
 /// QEMU found running. Returns true when the VM is settled, false when recovery goes on as for
 /// any VM (a committed incoming VM is an ordinary running one).
 ///
@@ -34,17 +37,18 @@ pub(super) async fn settle(
     rec: &VmRecord,
     live: Option<ProcessIdentity>,
 ) -> Result<bool, ApiError> {
-    if rec.migration().is_some_and(|m| m.mode == crate::api::migration::MoveMode::Cold) {
-        return cold::recover(mgr, held, rec, live, |h, why| Box::pin(incoming::abandon(h, why))).await;
-    }
-    let incoming = match rec.migration() {
-        Some(m) => m.role == MigrationRole::Incoming,
-        None => rec.status == crate::api::VmStatus::Incoming,
+    let role = match rec.migration() {
+        Some(m) => m.role,
+        None if rec.status == crate::api::VmStatus::Incoming => MigrationRole::Incoming,
+        None => MigrationRole::Outgoing,
     };
-    if incoming {
-        incoming::recover(mgr, held, rec, live).await
-    } else {
-        outgoing::recover(mgr, held, rec, live).await.map(|()| true)
+    let cold = rec.migration().is_some_and(|m| m.mode == crate::api::migration::MoveMode::Cold);
+    match (role, cold) {
+        (MigrationRole::Incoming, true) => {
+            cold::receive::recover(held, rec, |h, why| Box::pin(incoming::abandon(h, why))).await
+        }
+        (MigrationRole::Incoming, false) => incoming::recover(mgr, held, rec, live).await,
+        (MigrationRole::Outgoing, _) => source_settle::recover(mgr, held, rec, live).await.map(|()| true),
     }
 }
 

@@ -10,25 +10,21 @@
 //! 3. [`send`]: TLS, one mirror per disk until all are ready, then the memory until QEMU
 //!    completed (the guest is then paused here), then the mirrors ended (`finish_source`: they
 //!    copy what is still dirty, so the destination has every block before the commit);
-//! 4. phase `committing`, `Commit`; `Committed` -> phase `committed` and [`finish`]: the VM
+//! 4. phase `committing`, `Commit`; `Committed` -> phase `committed` and `finish`: the VM
 //!    ends here as `vm.destroy` ends it (`VmOp::destroy_steps`, data disks kept as destroy
 //!    keeps them);
-//! 5. a failure before `Commit` was sent: [`give_up`] (the guest runs on here); `Commit` sent
-//!    but unanswered: [`settle`] asks the destination ([`super::source_outcome`]) and, while it
-//!    cannot tell, keeps the paused guest recorded `failed` with a background retry
-//!    ([`spawn_retry`]).
-//!
-//! [`recover`] is step 5 for a record a restart finds.
+//! 5. a failure before `Commit` was sent: `give_up` (the guest runs on here); `Commit` sent
+//!    but unanswered: `settle` asks the destination and, while it cannot tell, keeps the paused
+//!    guest recorded `failed` with a background retry. Those steps, `finish` and a restart's
+//!    recovery are one implementation with the cold move's ([`super::source_settle`]).
 
 use super::progress::{self, Reporter};
-use super::source_outcome::{self, Answer, SourceAction, SourceQemu};
+use super::source_settle::{self, Side};
 use crate::api::migration::{MigrateParams, MigrateResult, MoveMode};
 use crate::api::{ApiError, Code, VmStatus};
-use crate::lifecycle::held::HeldVm;
 use crate::lifecycle::op::VmOp;
 use crate::lifecycle::Manager;
 use crate::migration::{ChannelKind, Control, ControlMsg, Hello, HelloDisk, MigrationError, Secret};
-use crate::process::ProcessIdentity;
 use crate::qemu::migration::{self as qemu_mig, MigDisk, MirrorState};
 use crate::state::migration::{MigrationPhase, MigrationRecord, MigrationRole};
 use crate::state::VmRecord;
@@ -53,6 +49,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const READY_TIMEOUT: Duration = Duration::from_secs(300);
 /// Longest the destination may take to answer `Commit`.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(60);
+/// The settle of a live migration run by its own operation: its QEMU is watched.
+const LIVE: Side = Side { mode: MoveMode::Live, readopt: false };
 
 /// 4097 `not_movable` with `details.reason`.
 pub(super) fn not_movable(reason: &str, message: impl Into<String>) -> ApiError {
@@ -142,6 +140,7 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
             secret: secret.to_hex(),
             phase: MigrationPhase::Sending,
             since: crate::api::now_rfc3339(),
+            stopped: false,
         };
         op.update_status("vm.migrate", VmStatus::Migrating, |r| r.migration = Some(record))?;
         op.crashpoint("migrate:recorded");
@@ -154,20 +153,26 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
         };
         let sent = match sent {
             Ok(sent) => sent,
-            Err(e) => return Err(give_up(&op, Some(&mut control), e, &mut reporter).await),
+            Err(e) => {
+                return Err(source_settle::give_up(&mut op, LIVE, Some(&mut control), e, Some(&mut reporter)).await)
+            }
         };
         reporter.phase("committing");
-        op.update("vm.migrate: committing", |r| set_phase(r, MigrationPhase::Committing))?;
+        op.update("vm.migrate: committing", |r| source_settle::set_phase(r, MigrationPhase::Committing))?;
         op.crashpoint("migrate:commit");
         let answer = match control.send(&ControlMsg::Commit).await {
             Ok(()) => control.recv(COMMIT_TIMEOUT).await,
             Err(e) => Err(e),
         };
         match answer {
-            Ok(ControlMsg::Committed) => finish(&mut op, &p.destination, &mut reporter).await?,
+            Ok(ControlMsg::Committed) => {
+                source_settle::finish(&mut op, LIVE, &p.destination, Some(&mut reporter)).await?
+            }
             Ok(ControlMsg::Abort { code, message }) => {
                 // It did not commit: the guest is this host's.
-                return Err(give_up(&op, None, aborted(code, &message), &mut reporter).await);
+                return Err(
+                    source_settle::give_up(&mut op, LIVE, None, aborted(code, &message), Some(&mut reporter)).await
+                );
             }
             other => {
                 let why = match other {
@@ -175,7 +180,7 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
                     Err(e) => format!("no answer to the commit: {e}"),
                 };
                 tracing::warn!(vm = %p.name, why, "asking the destination what became of the migration");
-                settle(&mut op, &p.destination, &secret, &mut reporter, true, false, true).await?;
+                source_settle::settle(&mut op, LIVE, &p.destination, &secret, Some(&mut reporter)).await?;
             }
         }
         Ok(MigrateResult {
@@ -197,13 +202,6 @@ struct Sent {
     downtime_ms: u64,
     ram_bytes: u64,
     disk_bytes: u64,
-}
-
-/// The record's migration in phase `phase`.
-fn set_phase(r: &mut VmRecord, phase: MigrationPhase) {
-    if let Some(m) = r.migration.as_mut() {
-        m.phase = phase;
-    }
 }
 
 /// A QMP connection to the VM's QEMU for one step.
@@ -307,7 +305,7 @@ async fn send(
                 qemu_mig::finish_source(&mut *qmp(mgr, name).await?, &disks)
                     .await
                     .map_err(qemu_failed("ending the mirrors"))?;
-                remove_tls(op.held());
+                source_settle::remove_tls(op.held());
                 return Ok(Sent {
                     downtime_ms: memory.downtime_ms,
                     ram_bytes: memory.transferred,
@@ -384,304 +382,6 @@ fn mirrors_ready(disks: &[MigDisk], mirrors: &[MirrorState]) -> Result<bool, Str
     Ok(ready)
 }
 
-/// A failure before the destination committed (step 5 of the module doc): QEMU's side undone
-/// and the guest running again, the destination told (`Abort`) when the channel is up, the
-/// record `running` with its migration cleared. Returns the error to report.
-async fn give_up(op: &VmOp, control: Option<&mut Control>, error: ApiError, reporter: &mut Reporter) -> ApiError {
-    let name = op.name();
-    tracing::warn!(vm = name, error = %error, "migration failed; the guest stays here");
-    if let Some(control) = control {
-        let abort = ControlMsg::Abort { code: error.code.as_i32(), message: error.message.clone() };
-        if let Err(e) = control.send(&abort).await {
-            tracing::info!(vm = name, error = %e, "the destination could not be told (it gives up on its own)");
-        }
-    }
-    reporter.phase("failed");
-    reporter.clear();
-    if let Err(resume) = resume(op.held(), false).await {
-        return resume;
-    }
-    error
-}
-
-/// The guest is this host's after all: QEMU's migration state undone and the guest running
-/// again (`cancel_source`), the TLS key removed, the record `running` with no migration. A
-/// QEMU that is gone is left to its exit watcher (queued behind the operation) or recovery.
-/// `readopt`: the QEMU is not watched (recovery found it while the outcome was unknown), so it
-/// is re-adopted as recovery re-adopts a running VM.
-///
-/// # Errors
-/// QEMU refused to run the guest again: the record then says `failed` (the process kept, its
-/// migration cleared) with that error.
-async fn resume(held: &HeldVm, readopt: bool) -> Result<(), ApiError> {
-    let (mgr, name) = (held.mgr(), held.name());
-    let cancelled = match mgr.qmp(name, QMP_TIMEOUT).await {
-        Ok(mut q) => qemu_mig::cancel_source(&mut q).await.map_err(|e| failed("migrate", format!("{e}"))),
-        Err(e) => Err(failed("migrate", format!("QEMU's monitor: {e}"))),
-    };
-    remove_tls(held);
-    match cancelled {
-        Ok(()) if readopt => {
-            let rec = held.update("migration undone: the guest runs here", |r| r.migration = None)?;
-            match super::super::launch::find_live(held.mgr(), held.name(), rec.process.as_ref())? {
-                Some(id) => super::super::recover::readopt(held, id, &rec).await,
-                None => settle_dead(held),
-            }
-        }
-        Ok(()) => {
-            held.update_status("migration undone: the guest runs here", VmStatus::Running, |r| r.migration = None)?;
-            Ok(())
-        }
-        Err(e) => {
-            let le = crate::api::LastError {
-                code: e.code.as_i32(),
-                message: format!("the guest could not be resumed after the migration failed: {}", e.message),
-            };
-            held.update_status("migration undone; the guest may be paused", VmStatus::Failed, |r| {
-                r.migration = None;
-                r.last_error = Some(le);
-            })?;
-            Err(e)
-        }
-    }
-}
-
-/// Removes QEMU's TLS key directory (errors logged: the run dir goes with the VM anyway).
-fn remove_tls(held: &HeldVm) {
-    let run_dir = held.paths().run_dir.clone();
-    if let Err(e) = crate::blocking::run(|| qemu_mig::remove_psk_dir(&run_dir)) {
-        tracing::warn!(vm = held.name(), error = %e, "cannot remove the migration's TLS key");
-    }
-}
-
-/// The destination confirmed (step 4 of the module doc): phase `committed`, then the VM ends
-/// here as `vm.destroy` ends it (QEMU's migration state was dropped before the commit).
-///
-/// # Errors
-/// As `vm.destroy`'s steps (the record then says `failed`; a restart finishes it).
-async fn finish(op: &mut VmOp, destination: &str, reporter: &mut Reporter) -> Result<(), ApiError> {
-    let name = op.name().to_string();
-    op.update("vm.migrate: the destination committed", |r| set_phase(r, MigrationPhase::Committed))?;
-    op.crashpoint("migrate:confirmed");
-    tracing::info!(vm = %name, destination, "the destination runs the guest; ending it here");
-    reporter.phase("done");
-    reporter.clear();
-    op.destroy_steps("vm.migrate: the guest runs on the destination", &format!("migrated to {destination}")).await?;
-    Ok(())
-}
-
-/// `Commit` went out and no answer came (or a restart found phase `committing`): asks the
-/// destination every [`source_outcome::ASK_EVERY`] for up to [`source_outcome::ASK_FOR`]
-/// (`patient`; else once), then does what it said. While it cannot tell, the VM is recorded
-/// `failed` with the guest kept paused, and [`spawn_retry`] asks on (`retry`: false when
-/// called by that retry itself, which keeps the record as it is and asks again later).
-/// `readopt`: its QEMU is not watched (see [`resume`]).
-///
-/// # Errors
-/// 4001 step `commit` when the outcome stays unknown; as [`finish`] or [`resume`].
-async fn settle(
-    op: &mut VmOp,
-    destination: &str,
-    secret: &Secret,
-    reporter: &mut Reporter,
-    patient: bool,
-    readopt: bool,
-    retry: bool,
-) -> Result<(), ApiError> {
-    let name = op.name().to_string();
-    let until = Instant::now() + if patient { source_outcome::ASK_FOR } else { Duration::ZERO };
-    loop {
-        let answer = source_outcome::ask(destination, &name, secret).await;
-        let qemu = qemu_now(op.held()).await;
-        match source_outcome::decide(Some(MigrationPhase::Committing), qemu, answer) {
-            SourceAction::Finish => return finish(op, destination, reporter).await,
-            SourceAction::Resume => {
-                reporter.phase("failed");
-                reporter.clear();
-                resume(op.held(), readopt).await?;
-                return Err(failed("commit", "the destination abandoned the migration: the guest runs here"));
-            }
-            SourceAction::Dead => {
-                reporter.clear();
-                settle_dead(op.held())?;
-                return Err(failed("commit", "the destination abandoned the migration and QEMU is gone here"));
-            }
-            SourceAction::Ask | SourceAction::Wait if Instant::now() < until => {
-                tokio::time::sleep(source_outcome::ASK_EVERY).await;
-            }
-            SourceAction::Ask | SourceAction::Wait => {
-                reporter.clear();
-                if !retry {
-                    return Err(failed("commit", "the destination's answer is still unknown"));
-                }
-                let e = unknown(op.held())?;
-                spawn_retry(op.mgr(), &name, readopt);
-                return Err(e);
-            }
-        }
-    }
-}
-
-/// The source's QEMU as it is now.
-async fn qemu_now(held: &HeldVm) -> SourceQemu {
-    let rec = held.record().ok();
-    let found = super::super::launch::find_live(held.mgr(), held.name(), rec.as_ref().and_then(|r| r.process.as_ref()));
-    if !matches!(found, Ok(Some(_))) {
-        return SourceQemu::Gone;
-    }
-    let status = match held.mgr().qmp(held.name(), QMP_TIMEOUT).await {
-        Ok(mut q) => q.query_status().await.ok(),
-        Err(_) => None,
-    };
-    SourceQemu::of(true, status.as_deref())
-}
-
-/// Records the outcome unknown: `failed`, the migration (phase `committing`) and the process
-/// kept, the guest left paused. Returns the error to report.
-///
-/// # Errors
-/// The record cannot be written.
-fn unknown(held: &HeldVm) -> Result<ApiError, ApiError> {
-    let message = "the destination's answer is unknown: the guest is kept paused here; vmhostd asks the \
-                   destination again every 30 s and settles the VM when it answers";
-    let e = failed("commit", message);
-    let le = crate::api::LastError { code: e.code.as_i32(), message: message.to_string() };
-    held.update_status("vm.migrate: the outcome is unknown", VmStatus::Failed, |r| r.last_error = Some(le))?;
-    Ok(e)
-}
-
-/// The guest was this host's but its QEMU is gone: recorded `dead` as recovery records a VM
-/// whose QEMU ended unseen, the migration cleared.
-///
-/// # Errors
-/// The record cannot be written.
-fn settle_dead(held: &HeldVm) -> Result<(), ApiError> {
-    remove_tls(held);
-    if held.record()?.status == VmStatus::Failed {
-        held.update_status("migration undone; QEMU is gone", VmStatus::Stopped, |r| {
-            r.process = None;
-            r.migration = None;
-        })?;
-        return Ok(());
-    }
-    super::super::recover::settle_without_process(held, VmStatus::Running)?;
-    held.update("migration undone; QEMU is gone", |r| r.migration = None)?;
-    Ok(())
-}
-
-/// Asks the destination (first after [`source_outcome::ASK_EVERY`], then every
-/// [`source_outcome::RETRY_EVERY`]) what became of VM `name`'s
-/// migration recorded unknown, and settles it once it answers. Ends when the record no longer
-/// names an outgoing migration in phase `committing` (settled, or destroyed by the operator).
-/// `readopt`: the VM's QEMU is not watched (see [`resume`]).
-pub(super) fn spawn_retry(mgr: &Arc<Manager>, name: &str, readopt: bool) {
-    let (mgr, name) = (Arc::clone(mgr), name.to_string());
-    tokio::spawn(async move {
-        // The first question soon: a destination that lost the source abandons within seconds.
-        let mut wait = source_outcome::ASK_EVERY;
-        loop {
-            tokio::time::sleep(wait).await;
-            wait = source_outcome::RETRY_EVERY;
-            let Ok((mut op, rec)) = mgr.begin_op(&name).await else {
-                if mgr.record(&name).is_err() {
-                    return;
-                }
-                // Another operation holds the VM: ask again later.
-                continue;
-            };
-            let Some(m) =
-                rec.migration().filter(|m| m.role == MigrationRole::Outgoing && m.phase == MigrationPhase::Committing)
-            else {
-                return;
-            };
-            let Ok(secret) = Secret::parse(&m.secret) else {
-                tracing::error!(vm = %name, "the recorded migration secret does not read: nothing is asked");
-                return;
-            };
-            let mut reporter = Reporter::new(&mgr, &name);
-            match settle(&mut op, &m.peer.clone(), &secret, &mut reporter, false, readopt, false).await {
-                Ok(()) => return,
-                Err(e) => {
-                    let still = op.record().ok().and_then(|r| r.migration).is_some();
-                    if !still {
-                        tracing::info!(vm = %name, outcome = %e, "the migration is settled");
-                        return;
-                    }
-                }
-            }
-        }
-    });
-}
-
-/// Recovery of the source after a vmhostd restart (module doc of [`super`]): the action
-/// [`source_outcome::decide`] picks from the recorded phase, the QEMU found (`live`) and, in
-/// phase `committing`, the destination's answer.
-///
-/// # Errors
-/// A record write, or a step of the teardown, failed (the record keeps what still exists).
-pub(in crate::lifecycle) async fn recover(
-    mgr: &Arc<Manager>,
-    held: &HeldVm,
-    rec: &VmRecord,
-    live: Option<ProcessIdentity>,
-) -> Result<(), ApiError> {
-    let name = held.name();
-    let m = rec.migration();
-    let phase = m.map(|m| m.phase);
-    let qemu = match &live {
-        None => SourceQemu::Gone,
-        Some(_) => {
-            let status = match crate::qemu::qmp::Qmp::connect(&held.paths().qmp, Duration::from_secs(5)).await {
-                Ok(mut q) => q.query_status().await.ok(),
-                Err(_) => None,
-            };
-            SourceQemu::of(true, status.as_deref())
-        }
-    };
-    let mut action = source_outcome::decide(phase, qemu, Answer::NotAsked);
-    if action == SourceAction::Ask {
-        let answer = match m.map(|m| (Secret::parse(&m.secret), m.peer.as_str())) {
-            Some((Ok(secret), peer)) => source_outcome::ask(peer, name, &secret).await,
-            _ => Answer::Unreachable,
-        };
-        action = source_outcome::decide(phase, qemu, answer);
-    }
-    tracing::info!(vm = name, ?phase, ?qemu, ?action, "settling an interrupted outgoing migration");
-    match (action, live) {
-        (SourceAction::Resume, Some(id)) => {
-            match crate::qemu::qmp::Qmp::connect(&held.paths().qmp, QMP_TIMEOUT).await {
-                Ok(mut q) => {
-                    if let Err(e) = qemu_mig::cancel_source(&mut q).await {
-                        tracing::error!(vm = name, error = %e, "the guest could not be resumed; re-adopted as it is");
-                    }
-                }
-                Err(e) => tracing::error!(vm = name, error = %e, "QEMU's monitor: the guest is re-adopted as it is"),
-            }
-            remove_tls(held);
-            held.update("migration undone after a restart", |r| r.migration = None)?;
-            super::super::recover::readopt(held, id, rec).await
-        }
-        (SourceAction::Finish, live) => {
-            if let Some(id) = live {
-                mgr.processes.kill(name, &id).await?;
-            }
-            held.update_status("the guest runs on the destination (after a restart)", VmStatus::Destroying, |r| {
-                r.spec.state = crate::api::DesiredState::Stopped;
-                r.process = None;
-            })?;
-            super::super::recover::finish_destroy(held).await
-        }
-        (SourceAction::Ask | SourceAction::Wait, _) => {
-            if rec.status != VmStatus::Failed {
-                unknown(held)?;
-            }
-            spawn_retry(mgr, name, true);
-            Ok(())
-        }
-        (SourceAction::Resume | SourceAction::Dead, _) => settle_dead(held),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -726,6 +426,7 @@ mod tests {
             peer: "10.0.0.2:7300".into(),
             secret: "00".repeat(32),
             phase: MigrationPhase::Committing,
+            stopped: false,
             since: String::new(),
         };
         rec.migration = Some(m.clone());

@@ -5,12 +5,15 @@
 //! source asks it ([`ask`], a new control channel and a `Query`); before that the destination
 //! cannot have committed (it commits only when asked), and after the source recorded the
 //! destination's `Committed` only the source's own teardown is left. [`decide`] is that rule as
-//! a pure function; [`super::outgoing`] carries its actions out.
+//! a pure function, for a live migration and a cold move alike (a cold VM's QEMU counts as
+//! [`SourceQemu::Gone`]); [`decide_manual`] is the rule for the operator's answer
+//! (`vm.migrate_settle`). [`super::source_settle`] carries their actions out.
 //!
 //! Order: [`decide`] with [`Answer::NotAsked`]; on [`SourceAction::Ask`], [`ask`] (again every
 //! [`ASK_EVERY`] for up to [`ASK_FOR`] in the operation) and [`decide`] with the answer; while
 //! it stays [`SourceAction::Wait`], the VM is recorded `failed` with the guest kept paused and
-//! [`super::outgoing::spawn_retry`] asks every [`RETRY_EVERY`] until it can settle.
+//! the background retry asks every [`RETRY_EVERY`] until it can settle, or the operator settles
+//! it ([`check_settleable`], [`ask`], [`decide_manual`]).
 
 use crate::migration::{ChannelKind, Control, ControlMsg, Outcome, Secret};
 use crate::state::migration::MigrationPhase;
@@ -126,6 +129,61 @@ pub(super) async fn ask(destination: &str, vm: &str, secret: &Secret) -> Answer 
     }
 }
 
+/// Why `vm.migrate_settle` refuses the operator's answer ([`decide_manual`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(super) enum ManualRefusal {
+    /// The destination answered, and not what the operator said: acting on the operator's word
+    /// would leave the guest on no host or on two.
+    #[error("the destination says {0:?}: the operator's answer contradicts it")]
+    Disagrees(Outcome),
+    /// The destination has not decided yet: it may still commit (or give up) on its own.
+    #[error(
+        "the destination has not decided yet: ask again once it has (it gives up within seconds of losing the source)"
+    )]
+    Pending,
+}
+
+/// What the operator's answer to an unknown outcome becomes (pure): the operator's own when the
+/// destination cannot be asked ([`Answer::Unreachable`]: the operator looked at it, vmhostd
+/// cannot) or agrees, refused when the destination answered otherwise or is still deciding.
+///
+/// # Errors
+/// [`ManualRefusal`].
+pub(super) fn decide_manual(operator: Outcome, destination: Answer) -> Result<Outcome, ManualRefusal> {
+    match destination {
+        Answer::NotAsked | Answer::Unreachable => Ok(operator),
+        Answer::Said(Outcome::Pending) => Err(ManualRefusal::Pending),
+        Answer::Said(said) if said == operator => Ok(operator),
+        Answer::Said(said) => Err(ManualRefusal::Disagrees(said)),
+    }
+}
+
+/// The migration of a VM whose move's outcome is unknown here (pure): an outgoing migration in
+/// phase `committing`, the VM `failed` (recorded unknown) or `migrating` (the move still asks).
+///
+/// # Errors
+/// A message saying what the VM is instead.
+pub(super) fn check_settleable(
+    rec: &crate::state::VmRecord,
+) -> Result<crate::state::migration::MigrationRecord, String> {
+    use crate::api::VmStatus;
+    use crate::state::migration::MigrationRole;
+    match rec.migration() {
+        Some(m)
+            if m.role == MigrationRole::Outgoing
+                && m.phase == MigrationPhase::Committing
+                && matches!(rec.status, VmStatus::Failed | VmStatus::Migrating) =>
+        {
+            Ok(m.clone())
+        }
+        Some(m) => Err(format!(
+            "its move's outcome is not unknown (status {}, {:?} migration in phase {:?})",
+            rec.status, m.role, m.phase
+        )),
+        None => Err(format!("it is {} and is not being moved", rec.status)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,5 +242,66 @@ mod tests {
         assert_eq!(SourceQemu::of(true, Some("postmigrate")), SourceQemu::Paused);
         assert_eq!(SourceQemu::of(true, Some("paused")), SourceQemu::Paused);
         assert_eq!(SourceQemu::of(true, Some("running")), SourceQemu::Running);
+    }
+
+    #[test]
+    fn the_operator_decides_only_when_the_destination_cannot_or_agrees() {
+        use Outcome::{Abandoned, Committed, Pending};
+        for said in [Committed, Abandoned] {
+            assert_eq!(decide_manual(said, Answer::Unreachable), Ok(said));
+            assert_eq!(decide_manual(said, Answer::NotAsked), Ok(said));
+            assert_eq!(decide_manual(said, Answer::Said(said)), Ok(said));
+            assert_eq!(decide_manual(said, Answer::Said(Pending)), Err(ManualRefusal::Pending));
+        }
+        assert_eq!(decide_manual(Committed, Answer::Said(Abandoned)), Err(ManualRefusal::Disagrees(Abandoned)));
+        assert_eq!(decide_manual(Abandoned, Answer::Said(Committed)), Err(ManualRefusal::Disagrees(Committed)));
+    }
+
+    #[test]
+    fn only_an_outgoing_move_in_commit_with_the_vm_failed_or_migrating_is_settled_by_hand() {
+        use crate::api::migration::MoveMode;
+        use crate::api::VmStatus;
+        use crate::state::migration::{MigrationRecord, MigrationRole};
+        let mut rec = crate::state::VmRecord::new(crate::validate::tests::spec("vm-1"));
+        rec.status = VmStatus::Failed;
+        assert!(check_settleable(&rec).is_err());
+        let m = MigrationRecord {
+            role: MigrationRole::Outgoing,
+            mode: MoveMode::Live,
+            peer: "10.0.0.2:7300".into(),
+            secret: "00".repeat(32),
+            phase: Committing,
+            since: String::new(),
+            stopped: false,
+        };
+        rec.migration = Some(m.clone());
+        assert_eq!(check_settleable(&rec), Ok(m.clone()));
+        rec.status = VmStatus::Migrating;
+        assert!(check_settleable(&rec).is_ok());
+        for status in [VmStatus::Running, VmStatus::Stopped, VmStatus::Dead] {
+            rec.status = status;
+            assert!(check_settleable(&rec).is_err(), "{status}");
+        }
+        rec.status = VmStatus::Failed;
+        for phase in [Sending, Committed] {
+            rec.migration = Some(MigrationRecord { phase, ..m.clone() });
+            assert!(check_settleable(&rec).is_err(), "{phase:?}");
+        }
+        rec.migration = Some(MigrationRecord { role: MigrationRole::Incoming, ..m });
+        assert!(check_settleable(&rec).is_err());
+    }
+
+    #[test]
+    fn a_cold_move_stays_here_unless_the_destination_committed() {
+        // A cold move's VM has no QEMU that matters: it is asked about as `Gone`.
+        let gone = SourceQemu::Gone;
+        assert_eq!(decide(Some(Sending), gone, Answer::NotAsked), Dead);
+        assert_eq!(decide(None, gone, Answer::NotAsked), Dead);
+        assert_eq!(decide(Some(Committed), gone, Answer::NotAsked), Finish);
+        assert_eq!(decide(Some(Committing), gone, Answer::NotAsked), Ask);
+        assert_eq!(decide(Some(Committing), gone, Answer::Said(Outcome::Committed)), Finish);
+        assert_eq!(decide(Some(Committing), gone, Answer::Said(Outcome::Abandoned)), Dead);
+        assert_eq!(decide(Some(Committing), gone, Answer::Said(Outcome::Pending)), Wait);
+        assert_eq!(decide(Some(Committing), gone, Answer::Unreachable), Wait);
     }
 }

@@ -2,15 +2,16 @@
 //! each is unit-tested on its own: which statuses may move ([`admit`]), which files a VM's move
 //! carries and under which wire names ([`source_files`]), where the destination puts each of
 //! them ([`placement`]) and which paths it removes when it gives a move up ([`received_paths`]),
-//! and what a restart does with a cold move's record on either side ([`source_action`],
-//! [`destination_action`]).
+//! and what a restart does with a cold move's record on the destination
+//! ([`destination_action`]; the source's is the live migration's rule,
+//! `source_outcome::decide`).
 //!
 //! Order of use: [`admit`] first in `vm.move`; [`source_files`] to build `Hello` and the files
 //! channel; [`placement`] for each file header the destination reads; [`received_paths`] when
 //! the destination abandons; the two recovery decisions once per cold record at daemon start.
 
 use crate::api::{BootSpec, DataDiskSpec, DiskFormat, VmSpec, VmStatus};
-use crate::migration::{HelloDisk, Outcome};
+use crate::migration::HelloDisk;
 use crate::qemu::argv::VmPaths;
 use crate::state::migration::MigrationPhase;
 use std::path::{Path, PathBuf};
@@ -455,36 +456,6 @@ pub(crate) fn boot_disk_root(
     })
 }
 
-/// What a restart does with the source's record of a cold move ([`source_action`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SourceAction {
-    /// The destination has not committed: the VM stays here, `stopped`, its migration cleared.
-    KeepHere,
-    /// The destination has the VM: end it here as a destroy would.
-    Finish,
-    /// Only the destination can tell: ask it.
-    Ask,
-    /// Asked, no answer (or still pending): record `failed` with the disks kept, ask later.
-    Wait,
-}
-
-/// The source's decision (pure): before `committing` the destination cannot have committed (it
-/// commits only on `Commit`, sent after `committing` is recorded); after `committed` only the
-/// teardown is left; in between the destination's answer decides. `answer` is `None` until
-/// asked, `Some(None)` when it could not be asked.
-pub(crate) fn source_action(phase: Option<MigrationPhase>, answer: Option<Option<Outcome>>) -> SourceAction {
-    match phase.unwrap_or(MigrationPhase::Sending) {
-        MigrationPhase::Sending => SourceAction::KeepHere,
-        MigrationPhase::Committed => SourceAction::Finish,
-        MigrationPhase::Committing => match answer {
-            None => SourceAction::Ask,
-            Some(Some(Outcome::Committed)) => SourceAction::Finish,
-            Some(Some(Outcome::Abandoned)) => SourceAction::KeepHere,
-            Some(Some(Outcome::Pending) | None) => SourceAction::Wait,
-        },
-    }
-}
-
 /// What a restart does with the destination's record of a cold move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum DestinationAction {
@@ -608,19 +579,6 @@ mod tests {
         assert!(same_vm(&a, &b));
         b.memory_mib += 1;
         assert!(!same_vm(&a, &b));
-    }
-
-    #[test]
-    fn the_source_keeps_the_vm_until_the_destination_says_committed() {
-        use MigrationPhase::*;
-        assert_eq!(source_action(Some(Sending), None), SourceAction::KeepHere);
-        assert_eq!(source_action(None, None), SourceAction::KeepHere);
-        assert_eq!(source_action(Some(Committed), None), SourceAction::Finish);
-        assert_eq!(source_action(Some(Committing), None), SourceAction::Ask);
-        assert_eq!(source_action(Some(Committing), Some(Some(Outcome::Committed))), SourceAction::Finish);
-        assert_eq!(source_action(Some(Committing), Some(Some(Outcome::Abandoned))), SourceAction::KeepHere);
-        assert_eq!(source_action(Some(Committing), Some(Some(Outcome::Pending))), SourceAction::Wait);
-        assert_eq!(source_action(Some(Committing), Some(None)), SourceAction::Wait);
     }
 
     fn file(name: &str, bytes: u64) -> crate::migration::AnnouncedFile {

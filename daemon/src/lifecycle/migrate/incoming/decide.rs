@@ -249,6 +249,7 @@ mod tests {
             secret: "00".repeat(32),
             phase,
             since: "2026-12-06T00:00:00Z".into(),
+            stopped: false,
         }
     }
 

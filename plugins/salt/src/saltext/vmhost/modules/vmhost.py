@@ -537,6 +537,22 @@ def move(name, destination, secret, stop=False):
     return _call("vm.move", params, timeout=float(_option("move_timeout", DEFAULT_MOVE_TIMEOUT)))
 
 
+def migrate_settle(name, outcome):
+    """
+    Say what became of a move whose outcome this host could not learn (``vm.migrate_settle``;
+    the VM is ``failed`` with its migration ``committing``), after looking at the destination:
+    ``committed`` ends the VM here as a destroy does, ``abandoned`` keeps it here. vmhostd asks
+    the destination first and refuses (4090) an answer the destination contradicts.
+
+    Returns ``{name, outcome, destination, status}``.
+
+    CLI Example: ``salt hv1 vmhost.migrate_settle sensor1 abandoned``
+    """
+    if outcome not in ("committed", "abandoned"):
+        raise CommandExecutionError("outcome must be committed or abandoned")
+    return _call("vm.migrate_settle", {"name": name, "outcome": outcome})
+
+
 # vm.exec's and vm.file_push's limits (docs/api.md); the daemon checks them again.
 MAX_EXEC_STDIN = 1024 * 1024
 MAX_PUSH_INLINE = 768 * 1024
