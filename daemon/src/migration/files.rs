@@ -161,11 +161,9 @@ impl FileSender {
                 }
                 let chunk = &buf[..want];
                 hasher.update(chunk);
-                let frame = if chunk.iter().all(|&b| b == 0) {
-                    FilesFrame::Zeros(want as u64)
-                } else {
-                    FilesFrame::Data(chunk)
-                };
+                // A slice comparison is a memcmp: fast even unoptimised.
+                let frame =
+                    if chunk == &ZEROS[..want] { FilesFrame::Zeros(want as u64) } else { FilesFrame::Data(chunk) };
                 self.framed.send(&frame.encode()).await?;
                 left -= want as u64;
             }
@@ -208,9 +206,10 @@ impl FileReceiver {
     /// `timeout`.
     ///
     /// # Errors
-    /// When the stream fails, closes, or a frame is not authentic or not a header.
+    /// When the stream fails, closes, or a frame is not a header;
+    /// [`MigrationError::FileNotAuthentic`] when it is not authentic.
     pub async fn next(&mut self, timeout: Duration) -> Result<Option<FileHeader>, MigrationError> {
-        let payload = self.framed.recv(timeout).await?;
+        let payload = self.framed.recv(timeout).await.map_err(|e| e.of_file("files channel"))?;
         match parse_frame(&payload) {
             Ok(FilesFrame::Header(h)) => Ok(Some(h)),
             Ok(FilesFrame::End) => Ok(None),
@@ -230,8 +229,9 @@ impl FileReceiver {
     /// take up to a minute to come.
     ///
     /// # Errors
-    /// [`MigrationError::ChecksumMismatch`] when the content does not have the trailer's sha256
-    /// (the file is removed), or the stream, a frame or the file fails (the file is removed).
+    /// [`MigrationError::ChecksumMismatch`] when the content does not have the trailer's sha256,
+    /// [`MigrationError::FileNotAuthentic`] when a frame was changed on the way (both 2003), or
+    /// the stream, a frame or the file fails; the file is removed in every case.
     pub async fn receive(&mut self, header: &FileHeader, dest: &Path) -> Result<FileDone, MigrationError> {
         // Before anything is read: a path that exists is the caller's error, and it is not ours
         // to remove afterwards.
@@ -242,7 +242,7 @@ impl FileReceiver {
                 return Err(MigrationError::io("create file", e));
             }
         };
-        let result = write_file(&mut self.framed, file, header).await;
+        let result = write_file(&mut self.framed, file, header).await.map_err(|e| e.of_file(&header.name));
         if result.is_err() {
             self.framed.break_off();
             let _ = tokio::fs::remove_file(dest).await;
@@ -270,7 +270,7 @@ async fn write_file(
             return Err(protocol(format!("{} is longer than its {} bytes", header.name, header.bytes)));
         }
         match frame {
-            FilesFrame::Data(chunk) if !chunk.iter().all(|&b| b == 0) => {
+            FilesFrame::Data(chunk) if chunk != &ZEROS[..chunk.len()] => {
                 hasher.update(chunk);
                 file.write_all(chunk).await.map_err(|e| MigrationError::io("write file", e))?;
             }
@@ -502,7 +502,8 @@ mod tests {
         assert_eq!(h, FileHeader { name: "x".into(), bytes: 1000 });
         let dest = dir.path().join("out");
         let err = rx.receive(&h, &dest).await.unwrap_err();
-        assert!(matches!(err, MigrationError::Wire(crate::migration::wire::WireError::FrameMac)), "{err}");
+        assert!(matches!(&err, MigrationError::FileNotAuthentic { name, .. } if name == "x"), "{err}");
+        assert_eq!(crate::api::ApiError::from(err).code, crate::api::Code::ChecksumMismatch);
         assert!(!dest.exists());
         drop(rx);
         sender.await.unwrap();

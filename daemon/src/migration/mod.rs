@@ -94,9 +94,29 @@ pub enum MigrationError {
         /// Its length.
         bytes: u64,
     },
+    /// A frame of the `files` channel is not authentic (changed on the way, or not from the
+    /// source): the file being received was removed.
+    #[error("file {name}: {reason}: its bytes were changed on the way")]
+    FileNotAuthentic {
+        /// The file's name on the wire (`files channel` between two files).
+        name: String,
+        /// What the framing found.
+        reason: String,
+    },
 }
 
 impl MigrationError {
+    /// A framing error of the `files` channel as the file's: bytes changed on the way are a
+    /// file that did not arrive as sent (2003), as a wrong sha256 is.
+    pub(crate) fn of_file(self, name: &str) -> MigrationError {
+        match self {
+            MigrationError::Wire(w) => {
+                MigrationError::FileNotAuthentic { name: name.to_string(), reason: w.to_string() }
+            }
+            e => e,
+        }
+    }
+
     pub(crate) fn io(step: &'static str, source: std::io::Error) -> MigrationError {
         MigrationError::Io { step, source }
     }
@@ -107,7 +127,7 @@ impl MigrationError {
             MigrationError::NotConfigured => Code::NotInModel,
             MigrationError::BadSecret => Code::InvalidSpec,
             MigrationError::AlreadyExpected(_) => Code::HardwareInUse,
-            MigrationError::ChecksumMismatch { .. } => Code::ChecksumMismatch,
+            MigrationError::ChecksumMismatch { .. } | MigrationError::FileNotAuthentic { .. } => Code::ChecksumMismatch,
             _ => Code::ProvisioningFailed,
         }
     }
@@ -124,6 +144,9 @@ impl From<MigrationError> for ApiError {
             MigrationError::BadSecret => err.field("secret"),
             MigrationError::ChecksumMismatch { expected, found, bytes, .. } => {
                 err.details(serde_json::json!({"expected": expected, "found": found, "bytes": bytes}))
+            }
+            MigrationError::FileNotAuthentic { name, .. } => {
+                err.details(serde_json::json!({"file": name, "reason": "not_authentic"}))
             }
             _ => err,
         }

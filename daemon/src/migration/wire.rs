@@ -12,8 +12,7 @@
 //! frame is valid on one stream, in one direction, at one position only.
 
 use super::{ChannelKind, Secret};
-use chacha20poly1305::aead::{AeadInPlace, KeyInit};
-use chacha20poly1305::{ChaCha20Poly1305, Nonce, Tag};
+use vmhost_frame_cipher::Key;
 
 /// What the server sends first, before its nonce.
 pub const GREETING: &[u8] = b"VMHOST-MIGRATE/1\n";
@@ -28,7 +27,7 @@ pub const REFUSED: &[u8] = b"refused\n";
 /// Longest frame payload (JSON).
 pub const MAX_FRAME: usize = 1024 * 1024;
 /// Length of a frame's authentication tag (Poly1305).
-pub const TAG_LEN: usize = 16;
+pub const TAG_LEN: usize = vmhost_frame_cipher::TAG_LEN;
 /// Longest export name in a `disk:EXPORT` channel.
 pub const MAX_EXPORT_LEN: usize = 64;
 
@@ -154,7 +153,7 @@ pub fn parse_open(line: &[u8]) -> Result<Open, WireError> {
 /// The key of one direction of one framed stream: what [`seal`] and [`open_frame`] use.
 #[derive(Clone)]
 pub struct FrameKey {
-    cipher: ChaCha20Poly1305,
+    cipher: Key,
     /// The nonce's first byte: 0 for the side whose nonce sorts first, 1 for the other.
     direction: u8,
 }
@@ -186,18 +185,18 @@ pub fn frame_keys(secret: &Secret, mine: &[u8; NONCE_LEN], theirs: &[u8; NONCE_L
         return Err(WireError::Reflected);
     }
     let key = |sender: &[u8; NONCE_LEN], receiver: &[u8; NONCE_LEN]| FrameKey {
-        cipher: ChaCha20Poly1305::new(&secret.mac(&[FRAME_CONTEXT, sender, receiver]).into()),
+        cipher: Key::new(&secret.mac(&[FRAME_CONTEXT, sender, receiver])),
         direction: u8::from(sender > receiver),
     };
     Ok(FrameKeys { send: key(mine, theirs), receive: key(theirs, mine) })
 }
 
 /// The AEAD nonce of a direction's `seq`th frame: direction byte, three zeros, `seq` (u64 BE).
-fn aead_nonce(key: &FrameKey, seq: u64) -> Nonce {
+fn aead_nonce(key: &FrameKey, seq: u64) -> [u8; 12] {
     let mut n = [0u8; 12];
     n[0] = key.direction;
     n[4..].copy_from_slice(&seq.to_be_bytes());
-    n.into()
+    n
 }
 
 /// The length of a frame's body (ciphertext and tag) from its 4-byte big-endian header.
@@ -226,10 +225,7 @@ pub fn seal(key: &FrameKey, seq: u64, payload: &[u8]) -> Result<Vec<u8>, WireErr
     let mut out = Vec::with_capacity(4 + payload.len() + TAG_LEN);
     out.extend_from_slice(&header);
     out.extend_from_slice(payload);
-    let tag = key
-        .cipher
-        .encrypt_in_place_detached(&aead_nonce(key, seq), &header, &mut out[4..])
-        .map_err(|_| WireError::FrameLength(payload.len()))?;
+    let tag = key.cipher.seal(&aead_nonce(key, seq), &header, &mut out[4..]);
     out.extend_from_slice(&tag);
     Ok(out)
 }
@@ -246,11 +242,10 @@ pub fn open_frame(key: &FrameKey, seq: u64, header: [u8; 4], mut body: Vec<u8>) 
     if body.len() != len {
         return Err(WireError::FrameLength(body.len().saturating_sub(TAG_LEN)));
     }
-    let tag = Tag::clone_from_slice(&body[len - TAG_LEN..]);
+    let mut tag = [0u8; TAG_LEN];
+    tag.copy_from_slice(&body[len - TAG_LEN..]);
     body.truncate(len - TAG_LEN);
-    key.cipher
-        .decrypt_in_place_detached(&aead_nonce(key, seq), &header, &mut body, &tag)
-        .map_err(|_| WireError::FrameMac)?;
+    key.cipher.open(&aead_nonce(key, seq), &header, &mut body, &tag).map_err(|_| WireError::FrameMac)?;
     Ok(body)
 }
 
