@@ -340,10 +340,15 @@ fn nothing_a_control_channel_or_a_files_channel_carries_is_on_the_wire_in_plaint
             } else {
                 let (mut src, mut dst) = (Control::new(a, &secret), Control::new(b, &secret));
                 let msg = ControlMsg::Abort { code: 4001, message: marker.clone() };
-                src.send(&msg).await.expect("send");
+                // Both ends at once: each waits for the other's nonce before its first frame.
+                let sent = msg.clone();
+                let source = tokio::spawn(async move {
+                    src.send(&sent).await.expect("send");
+                    src.recv(Duration::from_secs(10)).await.expect("the answer")
+                });
                 assert_eq!(dst.recv(Duration::from_secs(10)).await.expect("receive"), msg);
-                dst.send(&ControlMsg::Abort { code: 4001, message: marker }).await.expect("send back");
-                assert!(matches!(src.recv(Duration::from_secs(10)).await, Ok(ControlMsg::Abort { .. })));
+                dst.send(&msg).await.expect("send back");
+                assert_eq!(source.await.expect("source"), msg);
             }
         });
         for _ in 0..2 {
