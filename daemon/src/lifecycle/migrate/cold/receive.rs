@@ -294,7 +294,7 @@ async fn receive_files(
         if let Some((snapshot, file)) = plan::snapshot_of(&header.name) {
             let (snapshot, file) = (snapshot.to_string(), file.to_string());
             receive_snapshot_file(tool, into, &mut rx, &header, &snapshot, &file, &mut arriving).await?;
-            tracing::info!(file = %header.name, bytes = header.bytes, sha256 = %header.sha256, "received");
+            tracing::info!(file = %header.name, bytes = header.bytes, "received");
             got.push(header.name);
             continue;
         }
@@ -304,7 +304,7 @@ async fn receive_files(
             return Err(failed(format!("the source sent {:?} twice", header.name)));
         }
         let _ = crate::blocking::run(|| std::fs::remove_file(&place.partial));
-        rx.receive(&header, &place.partial).await.map_err(ApiError::from)?;
+        let done = rx.receive(&header, &place.partial).await.map_err(ApiError::from)?;
         let overlay = place.target == paths.overlay;
         let qcow2 = overlay
             || place.target == paths.root_disk(crate::api::DiskFormat::Qcow2)
@@ -317,7 +317,7 @@ async fn receive_files(
         }
         crate::blocking::run(|| std::fs::rename(&place.partial, &place.target))
             .map_err(|e| failed(format!("{}: {e}", place.target.display())))?;
-        tracing::info!(file = %header.name, bytes = header.bytes, sha256 = %header.sha256, "received");
+        tracing::info!(file = %header.name, bytes = header.bytes, sha256 = %done.sha256, "received");
         got.push(header.name);
     }
     if got.len() != into.announced.len() || !arriving.is_empty() {
@@ -365,15 +365,18 @@ async fn receive_snapshot_file(
         let Some(disk) = a.record.disks.iter().find(|d| d.file == file) else {
             return Err(failed(format!("snapshot {snapshot:?}: {file:?} is not one of its copies")));
         };
-        if disk.sha256 != header.sha256 {
+        let path = a.partial.join(file);
+        let done = rx.receive(header, &path).await.map_err(ApiError::from)?;
+        // The trailer's sha256 proves the bytes are what the source read; the record's proves
+        // they are the copy the snapshot was taken as. (A refusal leaves the staging directory
+        // to the give-up, which removes it whole.)
+        if disk.sha256 != done.sha256 {
             return Err(ApiError::new(
                 Code::ChecksumMismatch,
                 format!("snapshot {snapshot:?}: {file} is not the copy its record names (sha256)"),
             )
             .field("files"));
         }
-        let path = a.partial.join(file);
-        rx.receive(header, &path).await.map_err(ApiError::from)?;
         if disk.format == crate::api::DiskFormat::Qcow2 {
             // A root copy of an image VM is an overlay naming its base image, as the VM's own.
             let overlay = disk.role == crate::api::disks::DiskRole::Root && a.record.spec.boot.image.is_some();
