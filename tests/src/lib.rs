@@ -763,6 +763,7 @@ pub mod boot_sector;
 pub mod frames;
 pub mod lab;
 pub mod migration_pair;
+pub mod salt;
 pub mod wait;
 
 /// `text` without ANSI colour sequences: the daemon's log is coloured, and tests read it.

@@ -20,14 +20,13 @@
 
 use serde_json::{json, Value};
 use std::fs;
-use std::net::TcpListener;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use vmhost_tests::migration_pair::{
     assert_clean_of, counter_spec, create_counter, data_disk, disk_mark, parse_tick, taps_of, Fleet,
 };
+use vmhost_tests::salt::{free_port, venv, Group};
 use vmhost_tests::{wait, workspace, TestHost};
 
 /// The failure bound of waits on Salt (the minions' start) and of each `salt-run`.
@@ -35,52 +34,6 @@ const WAIT: Duration = Duration::from_secs(300);
 
 /// Minion ids, in the fleet's host order.
 const IDS: [&str; 3] = ["h1", "h2", "h3"];
-
-/// A process started in its own process group; dropping it ends the whole group (salt's
-/// masters and minions fork workers): SIGTERM, up to 3 s, then SIGKILL.
-struct Group {
-    child: Child,
-}
-
-impl Group {
-    fn spawn(cmd: &mut Command, log: &Path) -> Group {
-        let out = fs::File::create(log).expect("create log");
-        let err = out.try_clone().expect("dup log");
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
-        Group { child }
-    }
-}
-
-impl Drop for Group {
-    fn drop(&mut self) {
-        let pgid = nix::unistd::Pid::from_raw(-(self.child.id() as i32));
-        let _ = nix::sys::signal::kill(pgid, nix::sys::signal::Signal::SIGTERM);
-        // A grace period, not a wait for a fact: SIGKILL follows either way (a minion's
-        // graceful shutdown can hang, see salt_master.rs).
-        let _ = wait::poll(Duration::from_secs(3), || match self.child.try_wait() {
-            Ok(None) => Err(String::new()),
-            Ok(Some(_)) | Err(_) => Ok(()),
-        });
-        let _ = nix::sys::signal::kill(pgid, nix::sys::signal::Signal::SIGKILL);
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
-
-fn venv(bin: &str) -> PathBuf {
-    let p = workspace().join("target/salt-venv/bin").join(bin);
-    assert!(p.exists(), "{} missing: run tests/setup.sh first", p.display());
-    p
-}
 
 fn read(p: &Path) -> String {
     fs::read_to_string(p).unwrap_or_default()
@@ -116,6 +69,7 @@ impl Salt {
         });
         fs::write(d.join("master/master"), master.to_string()).expect("master config");
         let mut procs = vec![Group::spawn(
+            "salt-master",
             Command::new(venv("salt-master")).arg("-c").arg(d.join("master")),
             &d.join("master.out"),
         )];
@@ -140,6 +94,7 @@ impl Salt {
             });
             fs::write(conf.join("minion"), minion.to_string()).expect("minion config");
             procs.push(Group::spawn(
+                id,
                 Command::new(venv("salt-minion")).arg("-c").arg(&conf),
                 &d.join(format!("{id}.out")),
             ));

@@ -20,76 +20,15 @@
 
 use serde_json::{json, Value};
 use std::fs;
-use std::net::TcpListener;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
+use vmhost_tests::salt::{free_port, venv, Group, GRACE};
 use vmhost_tests::{guest, run_ok, wait, workspace, HostOptions, TestHost, LAN_NETWORK};
 
 /// The failure bound of every wait on salt (a master's start, an event, a VM the engine made).
 const WAIT: Duration = Duration::from_secs(300);
 
-/// How long salt's processes get to end after SIGTERM before SIGKILL.
-const GRACE: Duration = Duration::from_secs(3);
-
-/// A process started in its own process group; dropping it ends the whole group (salt's
-/// masters and minions fork worker processes): SIGTERM, up to 3 s, then SIGKILL.
-struct Group {
-    name: &'static str,
-    child: Child,
-}
-
-impl Group {
-    fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Group {
-        let out = fs::File::create(log).expect("create log");
-        let err = out.try_clone().expect("dup log");
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-        Group { name, child }
-    }
-
-    fn assert_running(&mut self, log: &Path) {
-        if let Ok(Some(status)) = self.child.try_wait() {
-            panic!("{} exited with {status}:\n{}", self.name, fs::read_to_string(log).unwrap_or_default());
-        }
-    }
-}
-
-impl Drop for Group {
-    fn drop(&mut self) {
-        let pgid = nix::unistd::Pid::from_raw(-(self.child.id() as i32));
-        let _ = nix::sys::signal::kill(pgid, nix::sys::signal::Signal::SIGTERM);
-        // Give the group leader 3 s to shut down its workers, then SIGKILL whatever of the
-        // group is left. A salt-minion's graceful shutdown takes 6-8 s here and can hang for
-        // good when its process manager restarts an engine that the same SIGTERM ended.
-        // (A grace period, not a wait for a fact: SIGKILL follows either way.)
-        let _ = wait::poll(GRACE, || match self.child.try_wait() {
-            Ok(None) => Err(String::new()),
-            Ok(Some(_)) | Err(_) => Ok(()),
-        });
-        let _ = nix::sys::signal::kill(pgid, nix::sys::signal::Signal::SIGKILL);
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
-
-fn venv(bin: &str) -> PathBuf {
-    let p = workspace().join("target/salt-venv/bin").join(bin);
-    assert!(p.exists(), "{} missing: run tests/setup.sh first", p.display());
-    p
-}
-
-/// Subscribes to the master's event bus and appends every event as a JSON line; prints
-/// READY once subscribed.
 const LISTENER: &str = r#"
 import json, sys
 import salt.config, salt.utils.event
