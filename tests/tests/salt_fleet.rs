@@ -216,6 +216,13 @@ fn list(items: &[(&str, &str)]) -> Vec<(String, String)> {
     items.iter().map(|(n, s)| (n.to_string(), s.to_string())).collect()
 }
 
+/// The runner's list of moves (`plan.moves`, `done`) as (vm, to, mode).
+fn moves_of(list: &Value) -> Vec<(String, String, String)> {
+    let text = |m: &Value, key: &str| m[key].as_str().unwrap_or_default().to_string();
+    let moves = list.as_array().unwrap_or_else(|| panic!("not a list of moves: {list}"));
+    moves.iter().map(|m| (text(m, "vm"), text(m, "to"), text(m, "mode"))).collect()
+}
+
 fn host_index(id: &str) -> usize {
     IDS.iter().position(|i| *i == id).unwrap_or_else(|| panic!("{id} is not a fleet minion"))
 }
@@ -256,18 +263,7 @@ fn evacuate_through_a_real_salt_master_moves_real_vms_as_the_plan_said() {
     let (rc, dry) = salt.run(&["vmhost.evacuate", "host=h1", "dry_run=True"]);
     assert_eq!(rc, 0, "{dry}");
     let plan = &dry["plan"];
-    let moves: Vec<(String, String, String)> = plan["moves"]
-        .as_array()
-        .expect("plan.moves")
-        .iter()
-        .map(|m| {
-            (
-                m["vm"].as_str().unwrap_or_default().into(),
-                m["to"].as_str().unwrap_or_default().into(),
-                m["mode"].as_str().unwrap_or_default().into(),
-            )
-        })
-        .collect();
+    let moves = moves_of(&plan["moves"]);
     let want = |v: &str, to: &str, mode: &str| (v.to_string(), to.to_string(), mode.to_string());
     assert_eq!(moves, [want("s1", "h3", "live"), want("s2", "h2", "live"), want("db", "h3", "cold")], "{dry}");
     assert_eq!((&plan["unmovable"], &plan["unplaced"], &dry["skipped"]), (&json!([]), &json!([]), &json!({})), "{dry}");
@@ -280,18 +276,7 @@ fn evacuate_through_a_real_salt_master_moves_real_vms_as_the_plan_said() {
     assert_eq!(done["result"], true, "{done}");
     assert_eq!(done["failed"], json!([]), "{done}");
     assert_eq!(&done["plan"], plan, "the plan run is the plan shown");
-    let reported: Vec<(String, String, String)> = done["done"]
-        .as_array()
-        .expect("done")
-        .iter()
-        .map(|m| {
-            (
-                m["vm"].as_str().unwrap_or_default().into(),
-                m["to"].as_str().unwrap_or_default().into(),
-                m["mode"].as_str().unwrap_or_default().into(),
-            )
-        })
-        .collect();
+    let reported = moves_of(&done["done"]);
     assert_eq!(reported, moves, "{done}");
     for m in done["done"].as_array().expect("done") {
         eprintln!("{} -> {} ({}): {}", m["vm"], m["to"], m["mode"], m["outcome"]);
