@@ -94,7 +94,8 @@ async fn send_hello(address: &str, secret: &Secret, spec: &vmhost::api::VmSpec) 
 async fn send_hello_of(address: &str, secret: &Secret, spec: &vmhost::api::VmSpec, disks: Vec<HelloDisk>) -> Control {
     let stream = connect(address, &spec.name, secret, &ChannelKind::Control).await.unwrap();
     let mut c = Control::new(stream, secret);
-    let hello = Hello { spec: spec.clone(), instance_id: Some("i-migrated".into()), macs: Vec::new(), disks };
+    let hello =
+        Hello { spec: spec.clone(), instance_id: Some("i-migrated".into()), macs: Vec::new(), disks, machine: None };
     c.send(&ControlMsg::Hello(Box::new(hello))).await.unwrap();
     c
 }

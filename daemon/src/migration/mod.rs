@@ -240,6 +240,27 @@ pub struct Hello {
     pub macs: Vec<String>,
     /// Each disk to mirror: QEMU's device name on the source, its size in bytes, its format.
     pub disks: Vec<HelloDisk>,
+    /// The machine the source's QEMU runs (a live migration's only; a cold move starts QEMU
+    /// afresh). Absent, the destination cannot compare and says so in its log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<MachineFacts>,
+}
+
+/// What a running guest depends on that the destination's QEMU must give it too
+/// ([`Hello::machine`]; compared by `lifecycle::migrate::machine::check`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineFacts {
+    /// The machine type QEMU resolved `-machine` to (`pc-q35-7.2` for `q35`): the devices'
+    /// layout and migration format.
+    pub machine: String,
+    /// `kvm` or `tcg`.
+    pub accel: String,
+    /// `-cpu`'s model (`host`, a named model), empty for QEMU's default.
+    pub cpu: String,
+    /// Under KVM: the CPU features QEMU enables for that model on this host, sorted; the guest
+    /// saw them at boot and may use any of them at any time.
+    pub cpu_features: Vec<String>,
 }
 
 /// One disk in [`Hello`].

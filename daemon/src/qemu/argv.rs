@@ -311,10 +311,8 @@ pub fn build_argv(
     }
     push(&["-machine", &machine]);
     push(&["-accel", config.qemu.accel.as_str()]);
-    match (config.qemu.cpu_model.as_str(), config.qemu.accel) {
-        ("", Accel::Kvm) => push(&["-cpu", "host"]),
-        ("", Accel::Tcg) => {}
-        (model, _) => push(&["-cpu", model]),
+    if let Some(model) = cpu_model(config) {
+        push(&["-cpu", model]);
     }
     // The vCPU count stays `-smp N`: its threads are pinned after the launch
     // (`crate::placement::pin`).
@@ -511,6 +509,16 @@ pub fn build_argv(
         BootSource::Disk { .. } => {}
     }
     a.into_iter().map(OsString::from).collect()
+}
+
+/// `-cpu`'s model for `config` (pure): the configured one, else `host` under KVM (the guest
+/// gets this host's CPU), else none (QEMU's default under TCG).
+pub fn cpu_model(config: &Config) -> Option<&str> {
+    match (config.qemu.cpu_model.as_str(), config.qemu.accel) {
+        ("", Accel::Kvm) => Some("host"),
+        ("", Accel::Tcg) => None,
+        (model, _) => Some(model),
+    }
 }
 
 /// The id of a placed VM's memory backend (`-machine memory-backend=`).

@@ -190,6 +190,8 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
         instance_id: rec.instance_id.clone(),
         macs: rec.nics.iter().map(|n| n.mac.clone()).collect(),
         disks: files.iter().map(|f| f.hello.clone()).collect(),
+        // A cold move's guest boots afresh on the destination's machine.
+        machine: None,
     };
     control.send(&ControlMsg::Hello(Box::new(hello))).await.map_err(|e| failed("move", format!("hello: {e}")))?;
     control

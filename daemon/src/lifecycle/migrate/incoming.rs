@@ -214,10 +214,11 @@ async fn until_commit(
     op.make_data_disks(&vm.spec, true).await?;
     let id = op.launch_as(vm, VmStatus::Incoming, true).await?;
     op.crashpoint("migrate_in:launched");
-    let qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT)
+    let mut qmp = Qmp::connect(&paths.qmp, QMP_TIMEOUT)
         .await
         .map_err(qemu_mig::MigrationQemuError::Qmp)
         .map_err(IncomingError::Qemu)?;
+    check_machine(&mgr, &mut qmp, &hello).await?;
     let qmp = Arc::new(tokio::sync::Mutex::new(qmp));
     let nbd = paths.run_dir.join(NBD_SOCKET);
     prepare_qemu(&mgr, &paths.run_dir, &nbd, secret, &disks, &qmp).await?;
@@ -284,6 +285,20 @@ async fn prepare_qemu(
     qemu_mig::start_nbd_server(&mut q, listener.as_fd()).await?;
     qemu_mig::export_disks(&mut q, disks).await?;
     Ok(())
+}
+
+/// Whether this host's QEMU, up and waiting, gives the guest the machine the source's runs
+/// ([`super::machine`]); before `Ready`, so nothing of the guest has moved when it refuses.
+async fn check_machine(mgr: &Manager, qmp: &mut Qmp, hello: &crate::migration::Hello) -> Result<(), ApiError> {
+    let Some(source) = &hello.machine else {
+        tracing::warn!("the source did not say which machine its guest runs on: not compared");
+        return Ok(());
+    };
+    let here = super::machine::facts(qmp, &mgr.config)
+        .await
+        .map_err(qemu_mig::MigrationQemuError::Qmp)
+        .map_err(IncomingError::Qemu)?;
+    super::machine::check(source, &here).map_err(|m| IncomingError::Machine(m).into())
 }
 
 /// The source's streams after `Ready`: each disk's relayed to QEMU's NBD server (its TLS runs

@@ -9,6 +9,7 @@
 
 pub(crate) mod cold;
 pub(crate) mod incoming;
+mod machine;
 pub(crate) mod outgoing;
 mod progress;
 mod source_outcome;

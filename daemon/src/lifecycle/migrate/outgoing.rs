@@ -248,6 +248,11 @@ async fn send(
         instance_id: rec.instance_id.clone(),
         macs: rec.nics.iter().map(|n| n.mac.clone()).collect(),
         disks: hello_disks(&disks, &blocks).map_err(|m| failed("migrate", m))?,
+        machine: Some(
+            super::machine::facts(&mut *qmp(mgr, name).await?, &mgr.config)
+                .await
+                .map_err(|e| failed("migrate", format!("the machine's facts: {e}")))?,
+        ),
     };
     control.send(&ControlMsg::Hello(Box::new(hello))).await.map_err(channel_failed("Hello"))?;
     match control.recv(READY_TIMEOUT).await.map_err(channel_failed("waiting for Ready"))? {

@@ -259,6 +259,7 @@ mod tests {
             instance_id: Some("i-1".into()),
             macs: vec!["52:54:00:00:00:01".into()],
             disks: vec![HelloDisk { device: "virtio0".into(), bytes: 1 << 30, format: "qcow2".into() }],
+            machine: None,
         }
     }
 

@@ -57,6 +57,10 @@ pub(crate) enum IncomingError {
     /// completed here.
     #[error("the memory stream is {0:?} here, not completed: nothing to commit")]
     NotCompleted(String),
+    /// 4097 reason `machine` or `cpu`: this host's QEMU would not give the guest the machine
+    /// it runs on the source.
+    #[error("{0}")]
+    Machine(super::super::machine::Mismatch),
     /// 4001 step `migrate_in`: a local file or socket of the migration.
     #[error("{what}: {source}")]
     Io {
@@ -75,6 +79,9 @@ impl From<IncomingError> for ApiError {
             IncomingError::Passthrough => ApiError::new(Code::NotMovable, message)
                 .field("spec")
                 .details(serde_json::json!({ "reason": "passthrough" })),
+            IncomingError::Machine(m) => {
+                ApiError::new(Code::NotMovable, message).details(serde_json::json!({ "reason": m.reason() }))
+            }
             IncomingError::MacRequired { index } => ApiError::invalid(format!("spec.nics[{index}].mac"), message),
             IncomingError::Exists(name) => {
                 ApiError::in_use(vec![(message, serde_json::json!({ "vm": name }))], Some("spec.name".to_string()))
