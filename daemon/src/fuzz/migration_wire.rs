@@ -3,14 +3,18 @@
 //!
 //! - `0`: a client's opening line ([`wire::parse_open`]): an accepted line names a valid VM
 //!   and a channel whose export is a safe name, and encodes back to a line that parses equal;
-//! - `1`: a control frame ([`wire::frame_len`], [`wire::open_frame`]): a length outside
-//!   1..=1 MiB is refused, bytes without the right MAC never pass, and what [`wire::seal`] makes
-//!   of the payload opens back to it at its own position only;
+//! - `1`: a frame ([`wire::frame_len`], [`wire::open_frame`]): a length implying a payload
+//!   outside 1..=1 MiB is refused, bytes the fuzzer made never open (it does not know the key),
+//!   and what [`wire::seal`] makes of the payload opens back to it at its own position, in its
+//!   own direction, under its own stream's key only, and does not contain it;
+//! - `3`: a `files` frame's payload ([`files::parse_frame`]): accepted, its chunk or zero run
+//!   is 1 to [`files::CHUNK`] bytes, and it encodes back to a payload that parses equal;
 //! - anything else: a control frame's JSON ([`ControlMsg`]): accepted, it serializes back to
 //!   JSON that parses equal.
 //!
 //! It panics when one of those promises breaks.
 
+use crate::migration::files::{self, FilesFrame};
 use crate::migration::wire::{self, NONCE_LEN};
 use crate::migration::{ControlMsg, Secret};
 
@@ -23,6 +27,7 @@ pub fn wire_bytes(data: &[u8]) {
     match mode {
         0 => opening_line(rest),
         1 => frame(rest),
+        3 => files_frame(rest),
         _ => control_json(rest),
     }
 }
@@ -44,24 +49,43 @@ fn opening_line(line: &[u8]) {
 fn frame(data: &[u8]) {
     let Ok(secret) = Secret::parse(&"5a".repeat(32)) else { unreachable!("64 hex digits") };
     let (a, b) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
+    let (Ok(ours), Ok(theirs)) = (wire::frame_keys(&secret, &a, &b), wire::frame_keys(&secret, &b, &a)) else {
+        unreachable!("two different nonces")
+    };
     if data.len() >= 4 {
         let header = [data[0], data[1], data[2], data[3]];
         let n = u32::from_be_bytes(header) as usize;
         match wire::frame_len(header) {
-            Ok(len) => assert!(len == n && (1..=wire::MAX_FRAME).contains(&len)),
-            Err(_) => assert!(n == 0 || n > wire::MAX_FRAME),
+            Ok(len) => assert!(len == n && (wire::TAG_LEN + 1..=wire::MAX_FRAME + wire::TAG_LEN).contains(&len)),
+            Err(_) => assert!(n <= wire::TAG_LEN || n > wire::MAX_FRAME + wire::TAG_LEN),
         }
-        // Bytes the fuzzer made carry no valid MAC under a secret it does not know.
-        assert!(wire::open_frame(&secret, &a, &b, 0, &data[4..]).is_err(), "a forged frame passed");
+        // Bytes the fuzzer made carry no valid tag under a key it does not know.
+        assert!(wire::open_frame(&theirs.receive, 0, header, data[4..].to_vec()).is_err(), "a forged frame passed");
     }
-    if let Ok(sealed) = wire::seal(&secret, &a, &b, 7, data) {
-        let body = &sealed[4..];
-        assert_eq!(wire::open_frame(&secret, &a, &b, 7, body).ok(), Some(data));
-        assert!(wire::open_frame(&secret, &a, &b, 8, body).is_err(), "replayed at another position");
-        assert!(wire::open_frame(&secret, &b, &a, 7, body).is_err(), "reflected");
+    if let Ok(sealed) = wire::seal(&ours.send, 7, data) {
+        let header = [sealed[0], sealed[1], sealed[2], sealed[3]];
+        let body = sealed[4..].to_vec();
+        assert_eq!(wire::open_frame(&theirs.receive, 7, header, body.clone()).ok().as_deref(), Some(data));
+        assert!(wire::open_frame(&theirs.receive, 8, header, body.clone()).is_err(), "replayed at another position");
+        assert!(wire::open_frame(&ours.receive, 7, header, body.clone()).is_err(), "reflected");
+        if data.len() >= 16 {
+            assert!(!sealed.windows(16).any(|w| w == &data[..16]), "plaintext on the wire");
+        }
     } else {
         assert!(data.is_empty() || data.len() > wire::MAX_FRAME);
     }
+}
+
+fn files_frame(data: &[u8]) {
+    let Ok(frame) = files::parse_frame(data) else { return };
+    match &frame {
+        FilesFrame::Data(d) => assert!((1..=files::CHUNK).contains(&d.len())),
+        FilesFrame::Zeros(n) => assert!((1..=files::CHUNK as u64).contains(n)),
+        FilesFrame::Trailer(sha) => assert!(sha.len() == 64),
+        FilesFrame::Header(_) | FilesFrame::End => {}
+    }
+    let encoded = frame.encode();
+    assert_eq!(files::parse_frame(&encoded).as_ref(), Ok(&frame), "accepted once, refused back");
 }
 
 fn control_json(data: &[u8]) {

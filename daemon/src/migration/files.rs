@@ -1,41 +1,126 @@
-//! A cold move's files (`vm.move`) over the `files` channel: per file an authenticated header
-//! frame `{name, bytes, sha256}` (the framing of [`super::control`]), then exactly `bytes` raw
-//! bytes; an `end` frame closes the list. The header's MAC makes the sha256 authentic, and the
-//! sha256 makes the raw bytes so.
+//! A cold move's files (`vm.move`) over the `files` channel, every byte in encrypted and
+//! authenticated frames (the framing of [`super::control`]): per file a header `{name, bytes}`,
+//! its content in chunks of at most [`CHUNK`] bytes (a chunk of zeros travels as its length
+//! only and stays a hole on the receiver), then a trailer with the sha256 the sender computed
+//! while sending; an `end` frame closes the list. The header goes first, so a multi-GiB disk's
+//! first bytes leave at once (no pass over the file before them); the receiver hashes as it
+//! writes and checks the trailer: the frames already authenticate every chunk, the sha256 is
+//! what the logs and the API's 2003 name.
 //!
 //! Order: source [`FileSender::new`], [`FileSender::send`] per file, [`FileSender::finish`];
 //! destination [`FileReceiver::new`], then [`FileReceiver::next`] and
 //! [`FileReceiver::receive`] per file until `next` answers `None`. The receiver writes where
-//! its caller says, never to a name from the wire.
+//! its caller says, never to a name from the wire. [`parse_frame`] is the pure reading of one
+//! frame's payload (fuzzed).
 
-use super::control::{Framed, WRITE_TIMEOUT};
+use super::control::Framed;
 use super::{MigrationError, Secret};
 use sha2::{Digest, Sha256};
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 
-/// Copy buffer; also the unit in which runs of zeros are skipped (left sparse).
-const CHUNK: usize = 1024 * 1024;
-/// How long a read of a file's bytes may stall.
-const READ_STALL: Duration = Duration::from_secs(60);
+/// Largest chunk of a file's content in one frame (the frame adds one byte: below
+/// [`super::wire::MAX_FRAME`]); also the unit in which runs of zeros are skipped.
+pub const CHUNK: usize = 512 * 1024;
+/// How long the receiver waits for a file's next chunk (or its trailer): an idle timeout, not
+/// a whole file's.
+const CHUNK_STALL: Duration = Duration::from_secs(60);
+
+static ZEROS: [u8; CHUNK] = [0; CHUNK];
 
 /// What a header frame announces.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FileHeader {
     /// The sender's name for the file (the receiver's caller maps it to a path).
     pub name: String,
     /// Its length.
     pub bytes: u64,
-    /// Its sha256 (64 lower-case hex digits).
+}
+
+/// A file sent or received whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileDone {
+    /// Its name on the wire.
+    pub name: String,
+    /// Its length.
+    pub bytes: u64,
+    /// Its sha256 (64 lower-case hex digits), as the trailer said and the receiver found.
     pub sha256: String,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
-#[serde(tag = "frame", rename_all = "snake_case", deny_unknown_fields)]
-enum FilesFrame {
-    File(FileHeader),
+#[serde(deny_unknown_fields)]
+struct Trailer {
+    sha256: String,
+}
+
+/// One frame of the `files` channel, as [`parse_frame`] reads its payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FilesFrame<'a> {
+    /// `H` + JSON: a file begins.
+    Header(FileHeader),
+    /// `D` + 1 to [`CHUNK`] bytes of content.
+    Data(&'a [u8]),
+    /// `Z` + a u64 (big-endian, 1 to [`CHUNK`]): that many zero bytes of content.
+    Zeros(u64),
+    /// `T` + JSON: the file's sha256 (64 lower-case hex digits); the file ends.
+    Trailer(String),
+    /// `E`: no file follows.
     End,
+}
+
+impl FilesFrame<'_> {
+    /// The frame's payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let json = |tag: u8, v: serde_json::Result<Vec<u8>>| {
+            let mut out = vec![tag];
+            out.extend(v.unwrap_or_default());
+            out
+        };
+        match self {
+            FilesFrame::Header(h) => json(b'H', serde_json::to_vec(h)),
+            FilesFrame::Data(d) => [&[b'D'][..], d].concat(),
+            FilesFrame::Zeros(n) => [&[b'Z'][..], &n.to_be_bytes()].concat(),
+            FilesFrame::Trailer(sha256) => json(b'T', serde_json::to_vec(&Trailer { sha256: sha256.clone() })),
+            FilesFrame::End => vec![b'E'],
+        }
+    }
+}
+
+/// Reads one frame's payload.
+///
+/// # Errors
+/// A message saying what is wrong: an unknown kind, a chunk empty or above [`CHUNK`], a header
+/// or trailer that is not its JSON, a sha256 that is not 64 lower-case hex digits.
+pub fn parse_frame(payload: &[u8]) -> Result<FilesFrame<'_>, String> {
+    let Some((&kind, rest)) = payload.split_first() else { return Err("an empty frame".into()) };
+    match kind {
+        b'H' => serde_json::from_slice(rest).map(FilesFrame::Header).map_err(|e| format!("header: {e}")),
+        b'D' if !rest.is_empty() && rest.len() <= CHUNK => Ok(FilesFrame::Data(rest)),
+        b'D' => Err(format!("a chunk of {} bytes", rest.len())),
+        b'Z' => {
+            let n = <[u8; 8]>::try_from(rest).map(u64::from_be_bytes).map_err(|_| "a malformed zero run")?;
+            if n == 0 || n > CHUNK as u64 {
+                return Err(format!("a zero run of {n} bytes"));
+            }
+            Ok(FilesFrame::Zeros(n))
+        }
+        b'T' => {
+            let t: Trailer = serde_json::from_slice(rest).map_err(|e| format!("trailer: {e}"))?;
+            if t.sha256.len() != 64 || !t.sha256.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+                return Err("a trailer whose sha256 is not 64 lower-case hex digits".into());
+            }
+            Ok(FilesFrame::Trailer(t.sha256))
+        }
+        b'E' if rest.is_empty() => Ok(FilesFrame::End),
+        _ => Err(format!("an unknown frame kind {kind:#04x}")),
+    }
+}
+
+fn protocol(what: impl std::fmt::Display) -> MigrationError {
+    MigrationError::Protocol(format!("files channel: {what}"))
 }
 
 /// The source's end of a `files` channel.
@@ -49,40 +134,50 @@ impl FileSender {
         FileSender { framed: Framed::new(stream, secret) }
     }
 
-    /// Sends the file at `path` as `name`: hashes it, sends the header, then its bytes.
+    /// Sends the file at `path` as `name`: the header, its content hashed as it goes, the
+    /// trailer.
     ///
     /// # Errors
-    /// When the file cannot be read or changes length while sent, or the stream fails.
-    pub async fn send(&mut self, name: &str, path: &Path) -> Result<FileHeader, MigrationError> {
-        let (bytes, sha256) = hash_file(path).await?;
-        let header = FileHeader { name: name.to_string(), bytes, sha256 };
-        let json = serde_json::to_vec(&FilesFrame::File(header.clone()))
-            .map_err(|e| MigrationError::Protocol(format!("encode: {e}")))?;
-        self.framed.send(&json).await?;
+    /// When the file cannot be read or shrinks while sent, or the stream fails (which ends the
+    /// channel).
+    pub async fn send(&mut self, name: &str, path: &Path) -> Result<FileDone, MigrationError> {
         let mut file = tokio::fs::File::open(path).await.map_err(|e| MigrationError::io("read file", e))?;
-        let stream = self.framed.raw()?;
+        let bytes = file.metadata().await.map_err(|e| MigrationError::io("read file", e))?.len();
+        let header = FileHeader { name: name.to_string(), bytes };
+        self.framed.send(&FilesFrame::Header(header).encode()).await?;
+        let mut hasher = Sha256::new();
         let mut left = bytes;
         let mut buf = vec![0u8; CHUNK];
         let copied = async {
             while left > 0 {
-                let want = buf.len().min(usize::try_from(left).unwrap_or(CHUNK));
-                let n = file.read(&mut buf[..want]).await.map_err(|e| MigrationError::io("read file", e))?;
-                if n == 0 {
-                    return Err(MigrationError::Protocol(format!("{} shrank while sent", path.display())));
+                let want = CHUNK.min(usize::try_from(left).unwrap_or(CHUNK));
+                let mut filled = 0;
+                while filled < want {
+                    let n = file.read(&mut buf[filled..want]).await.map_err(|e| MigrationError::io("read file", e))?;
+                    if n == 0 {
+                        return Err(MigrationError::Protocol(format!("{} shrank while sent", path.display())));
+                    }
+                    filled += n;
                 }
-                tokio::time::timeout(WRITE_TIMEOUT, stream.write_all(&buf[..n]))
-                    .await
-                    .map_err(|_| MigrationError::Timeout("send file"))?
-                    .map_err(|e| MigrationError::io("send file", e))?;
-                left -= n as u64;
+                let chunk = &buf[..want];
+                hasher.update(chunk);
+                // A slice comparison is a memcmp: fast even unoptimised.
+                let frame =
+                    if chunk == &ZEROS[..want] { FilesFrame::Zeros(want as u64) } else { FilesFrame::Data(chunk) };
+                self.framed.send(&frame.encode()).await?;
+                left -= want as u64;
             }
             Ok(())
         }
         .await;
         if copied.is_err() {
+            // The receiver is mid-file: nothing sent after this could be read in step.
             self.framed.break_off();
         }
-        copied.map(|()| header)
+        copied?;
+        let sha256 = super::secret::to_hex(&hasher.finalize());
+        self.framed.send(&FilesFrame::Trailer(sha256.clone()).encode()).await?;
+        Ok(FileDone { name: name.to_string(), bytes, sha256 })
     }
 
     /// Says no file follows.
@@ -90,10 +185,8 @@ impl FileSender {
     /// # Errors
     /// When the stream fails.
     pub async fn finish(mut self) -> Result<(), MigrationError> {
-        let json = serde_json::to_vec(&FilesFrame::End).map_err(|e| MigrationError::Protocol(e.to_string()))?;
-        self.framed.send(&json).await?;
-        let stream = self.framed.raw()?;
-        let _ = stream.shutdown().await;
+        self.framed.send(&FilesFrame::End.encode()).await?;
+        self.framed.shutdown().await;
         Ok(())
     }
 }
@@ -113,27 +206,33 @@ impl FileReceiver {
     /// `timeout`.
     ///
     /// # Errors
-    /// When the stream fails, closes, or a frame is not authentic or not a header.
+    /// When the stream fails, closes, or a frame is not a header;
+    /// [`MigrationError::FileNotAuthentic`] when it is not authentic.
     pub async fn next(&mut self, timeout: Duration) -> Result<Option<FileHeader>, MigrationError> {
-        let payload = self.framed.recv(timeout).await?;
-        match serde_json::from_slice(&payload) {
-            Ok(FilesFrame::File(h)) => Ok(Some(h)),
+        let payload = self.framed.recv(timeout).await.map_err(|e| e.of_file("files channel"))?;
+        match parse_frame(&payload) {
+            Ok(FilesFrame::Header(h)) => Ok(Some(h)),
             Ok(FilesFrame::End) => Ok(None),
+            Ok(_) => {
+                self.framed.break_off();
+                Err(protocol("content outside a file"))
+            }
             Err(e) => {
                 self.framed.break_off();
-                Err(MigrationError::Protocol(format!("not a files frame: {e}")))
+                Err(protocol(e))
             }
         }
     }
 
-    /// Writes the bytes of the file `header` announced to a new file `dest` (mode 0600; it
-    /// must not exist), hashing as it writes; runs of zeros are left as holes.
+    /// Writes the content of the file `header` announced to a new file `dest` (mode 0600; it
+    /// must not exist), hashing as it writes; runs of zeros are left as holes. Each chunk may
+    /// take up to a minute to come.
     ///
     /// # Errors
-    /// [`MigrationError::ChecksumMismatch`] when the bytes do not have the header's sha256
-    /// (the file is removed), or the stream or file fails (the file is removed).
-    pub async fn receive(&mut self, header: &FileHeader, dest: &Path) -> Result<(), MigrationError> {
-        let stream = self.framed.raw()?;
+    /// [`MigrationError::ChecksumMismatch`] when the content does not have the trailer's sha256,
+    /// [`MigrationError::FileNotAuthentic`] when a frame was changed on the way (both 2003), or
+    /// the stream, a frame or the file fails; the file is removed in every case.
+    pub async fn receive(&mut self, header: &FileHeader, dest: &Path) -> Result<FileDone, MigrationError> {
         // Before anything is read: a path that exists is the caller's error, and it is not ours
         // to remove afterwards.
         let file = match tokio::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(dest).await {
@@ -143,7 +242,7 @@ impl FileReceiver {
                 return Err(MigrationError::io("create file", e));
             }
         };
-        let result = write_file(stream, file, header).await;
+        let result = write_file(&mut self.framed, file, header).await.map_err(|e| e.of_file(&header.name));
         if result.is_err() {
             self.framed.break_off();
             let _ = tokio::fs::remove_file(dest).await;
@@ -153,74 +252,56 @@ impl FileReceiver {
 }
 
 async fn write_file(
-    stream: &mut tokio::net::TcpStream,
+    framed: &mut Framed,
     mut file: tokio::fs::File,
     header: &FileHeader,
-) -> Result<(), MigrationError> {
+) -> Result<FileDone, MigrationError> {
     let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; CHUNK];
     let mut left = header.bytes;
     while left > 0 {
-        let want = buf.len().min(usize::try_from(left).unwrap_or(CHUNK));
-        let mut filled = 0;
-        while filled < want {
-            let n = tokio::time::timeout(READ_STALL, stream.read(&mut buf[filled..want]))
-                .await
-                .map_err(|_| MigrationError::Timeout("receive file"))?
-                .map_err(|e| MigrationError::io("receive file", e))?;
-            if n == 0 {
-                return Err(MigrationError::Closed);
+        let payload = framed.recv(CHUNK_STALL).await?;
+        let frame = parse_frame(&payload).map_err(protocol)?;
+        let n = match &frame {
+            FilesFrame::Data(d) => d.len() as u64,
+            FilesFrame::Zeros(n) => *n,
+            _ => return Err(protocol(format!("{} ended {left} bytes early", header.name))),
+        };
+        if n > left {
+            return Err(protocol(format!("{} is longer than its {} bytes", header.name, header.bytes)));
+        }
+        match frame {
+            FilesFrame::Data(chunk) if chunk != &ZEROS[..chunk.len()] => {
+                hasher.update(chunk);
+                file.write_all(chunk).await.map_err(|e| MigrationError::io("write file", e))?;
             }
-            filled += n;
+            _ => {
+                // usize: n <= CHUNK.
+                hasher.update(&ZEROS[..n as usize]);
+                file.seek(std::io::SeekFrom::Current(n as i64))
+                    .await
+                    .map_err(|e| MigrationError::io("write file", e))?;
+            }
         }
-        let chunk = &buf[..want];
-        hasher.update(chunk);
-        if chunk.iter().all(|&b| b == 0) {
-            file.seek(std::io::SeekFrom::Current(want as i64))
-                .await
-                .map_err(|e| MigrationError::io("write file", e))?;
-        } else {
-            file.write_all(chunk).await.map_err(|e| MigrationError::io("write file", e))?;
-        }
-        left -= want as u64;
+        left -= n;
     }
+    let payload = framed.recv(CHUNK_STALL).await?;
+    let expected = match parse_frame(&payload).map_err(protocol)? {
+        FilesFrame::Trailer(sha256) => sha256,
+        _ => return Err(protocol(format!("{} is longer than its {} bytes", header.name, header.bytes))),
+    };
     // A trailing hole is only a seek: the length makes it part of the file.
     file.set_len(header.bytes).await.map_err(|e| MigrationError::io("write file", e))?;
     file.sync_all().await.map_err(|e| MigrationError::io("write file", e))?;
     let found = super::secret::to_hex(&hasher.finalize());
-    if found != header.sha256.to_ascii_lowercase() {
+    if found != expected {
         return Err(MigrationError::ChecksumMismatch {
             name: header.name.clone(),
-            expected: header.sha256.clone(),
+            expected,
             found,
             bytes: header.bytes,
         });
     }
-    Ok(())
-}
-
-/// Length and sha256 of the file at `path`, read off the async threads.
-async fn hash_file(path: &Path) -> Result<(u64, String), MigrationError> {
-    let path = path.to_path_buf();
-    tokio::task::spawn_blocking(move || {
-        use std::io::Read;
-        let mut file = std::fs::File::open(&path)?;
-        let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; CHUNK];
-        let mut bytes = 0u64;
-        loop {
-            let n = file.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-            bytes += n as u64;
-        }
-        Ok::<_, std::io::Error>((bytes, super::secret::to_hex(&hasher.finalize())))
-    })
-    .await
-    .map_err(|e| MigrationError::Protocol(format!("hash task: {e}")))?
-    .map_err(|e| MigrationError::io("hash file", e))
+    Ok(FileDone { name: header.name.clone(), bytes: header.bytes, sha256: found })
 }
 
 #[cfg(test)]
@@ -234,6 +315,8 @@ mod tests {
         (a, b)
     }
 
+    const T: Duration = Duration::from_secs(10);
+
     #[tokio::test]
     async fn files_arrive_identical_and_sparse_runs_stay_holes() {
         let dir = tempfile::tempdir().unwrap();
@@ -242,56 +325,100 @@ mod tests {
         content[2 * CHUNK + 7] = 9;
         std::fs::write(dir.path().join("a"), &content).unwrap();
         std::fs::write(dir.path().join("b"), b"small").unwrap();
+        std::fs::write(dir.path().join("c"), b"").unwrap();
         let secret = Secret([5; 32]);
         let (a, b) = pair();
         let s2 = secret.clone();
         let d = dir.path().to_path_buf();
         let sender = tokio::spawn(async move {
             let mut tx = FileSender::new(a, &s2);
-            let h1 = tx.send("disk", &d.join("a")).await.unwrap();
-            let h2 = tx.send("overlay", &d.join("b")).await.unwrap();
+            let mut sent = Vec::new();
+            for (name, file) in [("disk", "a"), ("overlay", "b"), ("empty", "c")] {
+                sent.push(tx.send(name, &d.join(file)).await.unwrap());
+            }
             tx.finish().await.unwrap();
-            (h1, h2)
+            sent
         });
         let mut rx = FileReceiver::new(b, &secret);
         let mut got = Vec::new();
-        while let Some(h) = rx.next(Duration::from_secs(10)).await.unwrap() {
+        while let Some(h) = rx.next(T).await.unwrap() {
             let dest = dir.path().join(format!("out-{}", got.len()));
-            rx.receive(&h, &dest).await.unwrap();
-            got.push(h);
+            got.push(rx.receive(&h, &dest).await.unwrap());
         }
-        let (h1, h2) = sender.await.unwrap();
-        assert_eq!(got, vec![h1.clone(), h2]);
-        assert_eq!(h1.bytes, content.len() as u64);
+        let sent = sender.await.unwrap();
+        assert_eq!(got, sent);
+        assert_eq!(sent[0].bytes, content.len() as u64);
+        use sha2::Digest;
+        assert_eq!(sent[0].sha256, crate::migration::secret::to_hex(&Sha256::digest(&content)));
         assert_eq!(std::fs::read(dir.path().join("out-0")).unwrap(), content);
         assert_eq!(std::fs::read(dir.path().join("out-1")).unwrap(), b"small");
+        assert_eq!(std::fs::read(dir.path().join("out-2")).unwrap(), b"");
         use std::os::unix::fs::MetadataExt;
         let blocks = std::fs::metadata(dir.path().join("out-0")).unwrap().blocks() * 512;
         assert!(blocks < content.len() as u64, "zero chunks were written out: {blocks} bytes allocated");
     }
 
+    /// A sender speaking the framing by hand: these payloads, then it closes.
+    fn raw_sender(a: std::net::TcpStream, secret: &Secret, frames: Vec<Vec<u8>>) -> tokio::task::JoinHandle<()> {
+        let secret = secret.clone();
+        tokio::spawn(async move {
+            let mut framed = Framed::new(a, &secret);
+            for f in frames {
+                if framed.send(&f).await.is_err() {
+                    return;
+                }
+            }
+        })
+    }
+
+    fn header(bytes: u64) -> Vec<u8> {
+        FilesFrame::Header(FileHeader { name: "x".into(), bytes }).encode()
+    }
+
     #[tokio::test]
-    async fn a_wrong_hash_fails_and_leaves_no_file() {
+    async fn a_wrong_trailer_fails_2003_and_leaves_no_file() {
         let dir = tempfile::tempdir().unwrap();
         let secret = Secret([5; 32]);
         let (a, b) = pair();
-        let s2 = secret.clone();
-        // A sender whose header lies about the hash: raw frames, as a broken peer would.
-        let sender = tokio::spawn(async move {
-            let mut framed = Framed::new(a, &s2);
-            let header = FileHeader { name: "x".into(), bytes: 4, sha256: "00".repeat(32) };
-            framed.send(&serde_json::to_vec(&FilesFrame::File(header)).unwrap()).await.unwrap();
-            framed.raw().unwrap().write_all(b"abcd").await.unwrap();
-            framed
-        });
+        let frames = vec![header(4), FilesFrame::Data(b"abcd").encode(), FilesFrame::Trailer("00".repeat(32)).encode()];
+        let sender = raw_sender(a, &secret, frames);
         let mut rx = FileReceiver::new(b, &secret);
-        let h = rx.next(Duration::from_secs(10)).await.unwrap().unwrap();
+        let h = rx.next(T).await.unwrap().unwrap();
         let dest = dir.path().join("out");
         let err = rx.receive(&h, &dest).await.unwrap_err();
         assert!(matches!(err, MigrationError::ChecksumMismatch { bytes: 4, .. }), "{err}");
         assert_eq!(crate::api::ApiError::from(err).code, crate::api::Code::ChecksumMismatch);
         assert!(!dest.exists());
-        drop(sender.await.unwrap());
+        sender.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn content_beyond_or_short_of_the_header_is_refused() {
+        let secret = Secret([5; 32]);
+        let cases: Vec<Vec<Vec<u8>>> = vec![
+            // More than announced in one chunk, in zeros, or a second chunk past the end.
+            vec![header(3), FilesFrame::Data(b"abcd").encode()],
+            vec![header(3), FilesFrame::Zeros(4).encode()],
+            vec![header(4), FilesFrame::Data(b"abcd").encode(), FilesFrame::Data(b"e").encode()],
+            // The trailer (or the end) before the content is whole.
+            vec![header(8), FilesFrame::Data(b"abcd").encode(), FilesFrame::Trailer("00".repeat(32)).encode()],
+            vec![header(8), FilesFrame::End.encode()],
+            // Not a frame of this channel.
+            vec![header(8), b"{\"msg\":\"ping\"}".to_vec()],
+        ];
+        for (i, frames) in cases.into_iter().enumerate() {
+            let dir = tempfile::tempdir().unwrap();
+            let (a, b) = pair();
+            let sender = raw_sender(a, &secret, frames);
+            let mut rx = FileReceiver::new(b, &secret);
+            let h = rx.next(T).await.unwrap().unwrap();
+            let dest = dir.path().join("out");
+            let err = rx.receive(&h, &dest).await.unwrap_err();
+            assert!(matches!(err, MigrationError::Protocol(_)), "case {i}: {err}");
+            assert!(!dest.exists(), "case {i}: a part was left");
+            assert!(rx.next(Duration::from_millis(100)).await.is_err(), "case {i}: the channel stays ended");
+            sender.await.unwrap();
+        }
     }
 
     #[tokio::test]
@@ -299,15 +426,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let secret = Secret([5; 32]);
         let (a, b) = pair();
-        let s2 = secret.clone();
-        let sender = tokio::spawn(async move {
-            let mut framed = Framed::new(a, &s2);
-            let header = FileHeader { name: "x".into(), bytes: 100, sha256: "00".repeat(32) };
-            framed.send(&serde_json::to_vec(&FilesFrame::File(header.clone())).unwrap()).await.unwrap();
-            framed.raw().unwrap().write_all(b"abcd").await.unwrap();
-        });
+        let sender = raw_sender(a, &secret, vec![header(100), FilesFrame::Data(b"abcd").encode()]);
         let mut rx = FileReceiver::new(b, &secret);
-        let h = rx.next(Duration::from_secs(10)).await.unwrap().unwrap();
+        let h = rx.next(T).await.unwrap().unwrap();
         sender.await.unwrap();
         let kept = dir.path().join("kept");
         std::fs::write(&kept, b"mine").unwrap();
@@ -320,19 +441,104 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let secret = Secret([5; 32]);
         let (a, b) = pair();
-        let s2 = secret.clone();
-        let sender = tokio::spawn(async move {
-            let mut framed = Framed::new(a, &s2);
-            let header = FileHeader { name: "x".into(), bytes: 100, sha256: "00".repeat(32) };
-            framed.send(&serde_json::to_vec(&FilesFrame::File(header.clone())).unwrap()).await.unwrap();
-            framed.raw().unwrap().write_all(b"abcd").await.unwrap();
-        });
+        let sender = raw_sender(a, &secret, vec![header(100), FilesFrame::Data(b"abcd").encode()]);
         let mut rx = FileReceiver::new(b, &secret);
-        let h = rx.next(Duration::from_secs(10)).await.unwrap().unwrap();
+        let h = rx.next(T).await.unwrap().unwrap();
         sender.await.unwrap();
         let dest = dir.path().join("out");
         assert!(matches!(rx.receive(&h, &dest).await, Err(MigrationError::Closed)));
         assert!(!dest.exists());
         assert!(rx.next(Duration::from_secs(1)).await.is_err(), "the channel stays ended");
+    }
+
+    #[tokio::test]
+    async fn a_tampered_chunk_is_refused_and_removes_the_part() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = Secret([5; 32]);
+        let (a, b) = pair();
+        // A relay that flips one byte of the second frame's ciphertext (the first chunk).
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let to_rx = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (relay_out, _) = l.accept().unwrap();
+        let d = dir.path().join("src");
+        std::fs::write(&d, vec![7u8; 1000]).unwrap();
+        let s2 = secret.clone();
+        let sender = tokio::spawn(async move {
+            let mut tx = FileSender::new(a, &s2);
+            let _ = tx.send("x", &d).await;
+        });
+        let relay = std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let (mut from, mut to) = (b, relay_out);
+            let mut seen = 0usize;
+            let mut buf = [0u8; 4096];
+            let mut flipped = false;
+            loop {
+                let n = match from.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                // Nonce (32), header frame (4 + 26 + 16), then the chunk frame's body.
+                let target = 32 + 4 + 26 + 16 + 4 + 100;
+                if !flipped && seen + n > target {
+                    buf[target - seen] ^= 1;
+                    flipped = true;
+                }
+                seen += n;
+                if to.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+                // The receiver's nonce goes back the other way.
+                if seen == 32 {
+                    let mut nonce = [0u8; 32];
+                    if to.read_exact(&mut nonce).is_err() || from.write_all(&nonce).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let mut rx = FileReceiver::new(to_rx, &secret);
+        let h = rx.next(T).await.unwrap().unwrap();
+        assert_eq!(h, FileHeader { name: "x".into(), bytes: 1000 });
+        let dest = dir.path().join("out");
+        let err = rx.receive(&h, &dest).await.unwrap_err();
+        assert!(matches!(&err, MigrationError::FileNotAuthentic { name, .. } if name == "x"), "{err}");
+        assert_eq!(crate::api::ApiError::from(err).code, crate::api::Code::ChecksumMismatch);
+        assert!(!dest.exists());
+        drop(rx);
+        sender.await.unwrap();
+        relay.join().unwrap();
+    }
+
+    #[test]
+    fn frames_parse_back_and_malformed_ones_are_refused() {
+        let sha = "ab".repeat(32);
+        for f in [
+            FilesFrame::Header(FileHeader { name: "disk".into(), bytes: 7 }),
+            FilesFrame::Data(b"xyz"),
+            FilesFrame::Zeros(CHUNK as u64),
+            FilesFrame::Trailer(sha.clone()),
+            FilesFrame::End,
+        ] {
+            assert_eq!(parse_frame(&f.encode()).unwrap(), f);
+        }
+        let big = vec![1u8; CHUNK + 1];
+        let bad: Vec<Vec<u8>> = vec![
+            vec![],
+            b"D".to_vec(),
+            [&b"D"[..], &big].concat(),
+            [&b"Z"[..], &0u64.to_be_bytes()].concat(),
+            [&b"Z"[..], &(CHUNK as u64 + 1).to_be_bytes()].concat(),
+            b"Z1234".to_vec(),
+            b"H{\"name\":\"x\"}".to_vec(),
+            b"H{\"name\":\"x\",\"bytes\":1,\"sha256\":\"\"}".to_vec(),
+            format!("T{{\"sha256\":\"{}\"}}", "AB".repeat(32)).into_bytes(),
+            b"T{\"sha256\":\"00\"}".to_vec(),
+            b"Ex".to_vec(),
+            b"Q".to_vec(),
+        ];
+        for b in bad {
+            assert!(parse_frame(&b).is_err(), "{:?}", String::from_utf8_lossy(&b));
+        }
     }
 }

@@ -21,7 +21,7 @@ pub mod relay;
 pub mod secret;
 pub mod wire;
 
-pub use control::Control;
+pub use control::{Control, KeepAlive, IDLE_TIMEOUT, PING_INTERVAL};
 pub use listener::Expectation;
 pub use relay::{relay, Relayed};
 pub use secret::Secret;
@@ -94,9 +94,29 @@ pub enum MigrationError {
         /// Its length.
         bytes: u64,
     },
+    /// A frame of the `files` channel is not authentic (changed on the way, or not from the
+    /// source): the file being received was removed.
+    #[error("file {name}: {reason}: its bytes were changed on the way")]
+    FileNotAuthentic {
+        /// The file's name on the wire (`files channel` between two files).
+        name: String,
+        /// What the framing found.
+        reason: String,
+    },
 }
 
 impl MigrationError {
+    /// A framing error of the `files` channel as the file's: bytes changed on the way are a
+    /// file that did not arrive as sent (2003), as a wrong sha256 is.
+    pub(crate) fn of_file(self, name: &str) -> MigrationError {
+        match self {
+            MigrationError::Wire(w) => {
+                MigrationError::FileNotAuthentic { name: name.to_string(), reason: w.to_string() }
+            }
+            e => e,
+        }
+    }
+
     pub(crate) fn io(step: &'static str, source: std::io::Error) -> MigrationError {
         MigrationError::Io { step, source }
     }
@@ -107,7 +127,7 @@ impl MigrationError {
             MigrationError::NotConfigured => Code::NotInModel,
             MigrationError::BadSecret => Code::InvalidSpec,
             MigrationError::AlreadyExpected(_) => Code::HardwareInUse,
-            MigrationError::ChecksumMismatch { .. } => Code::ChecksumMismatch,
+            MigrationError::ChecksumMismatch { .. } | MigrationError::FileNotAuthentic { .. } => Code::ChecksumMismatch,
             _ => Code::ProvisioningFailed,
         }
     }
@@ -124,6 +144,9 @@ impl From<MigrationError> for ApiError {
             MigrationError::BadSecret => err.field("secret"),
             MigrationError::ChecksumMismatch { expected, found, bytes, .. } => {
                 err.details(serde_json::json!({"expected": expected, "found": found, "bytes": bytes}))
+            }
+            MigrationError::FileNotAuthentic { name, .. } => {
+                err.details(serde_json::json!({"file": name, "reason": "not_authentic"}))
             }
             _ => err,
         }
@@ -188,6 +211,9 @@ pub enum ControlMsg {
         /// The files, in the order they are sent.
         files: Vec<AnnouncedFile>,
     },
+    /// Either side, whenever it sent nothing for a while: the channel is alive (consumed by
+    /// [`Control`], never returned by [`Control::recv`]).
+    Ping,
 }
 
 /// One file in [`ControlMsg::Announce`].
@@ -541,10 +567,11 @@ mod tests {
         ));
     }
 
-    /// A peer that speaks the framing by hand: nonce exchange, then whatever frames it likes.
+    /// A peer that speaks the framing by hand: nonce exchange, then whatever frames it likes
+    /// (made with its own keys), then it reads until we close.
     async fn raw_peer(
         secret: Secret,
-        frames: impl FnOnce([u8; 32], [u8; 32]) -> Vec<Vec<u8>> + Send + 'static,
+        frames: impl FnOnce(wire::FrameKeys) -> Vec<Vec<u8>> + Send + 'static,
     ) -> (Control, tokio::task::JoinHandle<()>) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
@@ -556,13 +583,13 @@ mod tests {
             theirs.write_all(&mine).await.unwrap();
             let mut peer = [0u8; 32];
             theirs.read_exact(&mut peer).await.unwrap();
-            for f in frames(mine, peer) {
+            for f in frames(wire::frame_keys(&secret, &mine, &peer).unwrap()) {
                 let _ = theirs.write_all(&f).await;
             }
             let mut rest = Vec::new();
             let _ = theirs.read_to_end(&mut rest).await;
         });
-        (Control::new(ours, &secret), task)
+        (Control::new(ours, &Secret([1; 32])), task)
     }
 
     fn json(msg: &ControlMsg) -> Vec<u8> {
@@ -570,55 +597,130 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn frames_out_of_sequence_or_with_a_wrong_mac_end_the_channel() {
+    async fn frames_out_of_sequence_tampered_or_under_another_key_end_the_channel() {
         let secret = Secret([1; 32]);
         // Sequence 1 first (0 was dropped, or 1 is a replay): refused, and the valid 0 after it too.
-        let s = secret.clone();
-        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
+        let (mut c, _t) = raw_peer(secret.clone(), move |k| {
             vec![
-                wire::seal(&s, &mine, &peer, 1, &json(&ControlMsg::Commit)).unwrap(),
-                wire::seal(&s, &mine, &peer, 0, &json(&ControlMsg::Commit)).unwrap(),
+                wire::seal(&k.send, 1, &json(&ControlMsg::Commit)).unwrap(),
+                wire::seal(&k.send, 0, &json(&ControlMsg::Commit)).unwrap(),
             ]
         })
         .await;
         assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameMac))));
         assert!(matches!(c.recv(T).await, Err(MigrationError::Closed)));
         assert!(c.send(&ControlMsg::Query).await.is_err(), "an ended channel still sent");
+        // The same frame twice (a replay at the next position).
+        let (mut c, _t) = raw_peer(secret.clone(), move |k| {
+            let f = wire::seal(&k.send, 0, &json(&ControlMsg::Commit)).unwrap();
+            vec![f.clone(), f]
+        })
+        .await;
+        assert_eq!(c.recv(T).await.unwrap(), ControlMsg::Commit);
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameMac))));
         // Another key (an injector without the secret).
-        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
-            vec![wire::seal(&Secret([2; 32]), &mine, &peer, 0, &json(&ControlMsg::Committed)).unwrap()]
+        let (mut c, _t) = raw_peer(secret.clone(), move |_| {
+            let k = wire::frame_keys(&Secret([2; 32]), &[0x42; 32], &[0x43; 32]).unwrap();
+            vec![wire::seal(&k.send, 0, &json(&ControlMsg::Committed)).unwrap()]
         })
         .await;
         assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameMac))));
-        // Our own frame reflected back (MAC'd with our nonce first).
-        let s = secret.clone();
-        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
-            vec![wire::seal(&s, &peer, &mine, 0, &json(&ControlMsg::Commit)).unwrap()]
+        // Our own direction's frame reflected back (sealed with the key we send with).
+        let (mut c, _t) =
+            raw_peer(secret.clone(), move |k| vec![wire::seal(&k.receive, 0, &json(&ControlMsg::Commit)).unwrap()])
+                .await;
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameMac))));
+        // A byte of the ciphertext flipped.
+        let (mut c, _t) = raw_peer(secret.clone(), move |k| {
+            let mut f = wire::seal(&k.send, 0, &json(&ControlMsg::Commit)).unwrap();
+            f[6] ^= 1;
+            vec![f]
         })
         .await;
         assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameMac))));
         // A length beyond the bound is refused before anything is allocated.
-        let (mut c, _t) = raw_peer(secret.clone(), |_, _| vec![u32::MAX.to_be_bytes().to_vec()]).await;
+        let (mut c, _t) = raw_peer(secret.clone(), |_| vec![u32::MAX.to_be_bytes().to_vec()]).await;
         assert!(matches!(c.recv(T).await, Err(MigrationError::Wire(wire::WireError::FrameLength(_)))));
         // Authentic but not a control message.
-        let s = secret.clone();
-        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
-            vec![wire::seal(&s, &mine, &peer, 0, b"{\"msg\":\"reboot\"}").unwrap()]
-        })
-        .await;
+        let (mut c, _t) =
+            raw_peer(secret.clone(), move |k| vec![wire::seal(&k.send, 0, b"{\"msg\":\"reboot\"}").unwrap()]).await;
         assert!(matches!(c.recv(T).await, Err(MigrationError::Protocol(_))));
         assert!(matches!(c.recv(T).await, Err(MigrationError::Closed)));
-        // In sequence and authentic: accepted.
-        let s = secret.clone();
-        let (mut c, _t) = raw_peer(secret.clone(), move |mine, peer| {
+        // In sequence and authentic, pings among them: the messages, never a ping.
+        let (mut c, _t) = raw_peer(secret.clone(), move |k| {
             vec![
-                wire::seal(&s, &mine, &peer, 0, &json(&ControlMsg::Commit)).unwrap(),
-                wire::seal(&s, &mine, &peer, 1, &json(&ControlMsg::Query)).unwrap(),
+                wire::seal(&k.send, 0, &json(&ControlMsg::Ping)).unwrap(),
+                wire::seal(&k.send, 1, &json(&ControlMsg::Commit)).unwrap(),
+                wire::seal(&k.send, 2, &json(&ControlMsg::Ping)).unwrap(),
+                wire::seal(&k.send, 3, &json(&ControlMsg::Query)).unwrap(),
             ]
         })
         .await;
         assert_eq!(c.recv(T).await.unwrap(), ControlMsg::Commit);
         assert_eq!(c.recv(T).await.unwrap(), ControlMsg::Query);
+    }
+
+    const FAST: KeepAlive = KeepAlive { ping: Duration::from_millis(50), idle: Duration::from_millis(400) };
+
+    /// Two connected control channels with `FAST` keep-alives.
+    fn fast_pair() -> (Control, Control) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let secret = Secret([3; 32]);
+        (Control::with_keepalive(a, &secret, FAST), Control::with_keepalive(b, &secret, FAST))
+    }
+
+    #[tokio::test]
+    async fn keep_alives_carry_a_channel_through_a_long_silence() {
+        let (mut a, mut b) = fast_pair();
+        let first = tokio::spawn(async move {
+            a.send(&ControlMsg::Query).await.unwrap();
+            a
+        });
+        assert_eq!(b.recv(T).await.unwrap(), ControlMsg::Query);
+        let mut a = first.await.unwrap();
+        // Five idle timeouts with no message either way, and nobody receiving on `a`: the
+        // pings flow from the channels' own tasks.
+        let waited = tokio::time::Instant::now();
+        assert!(matches!(b.recv(FAST.idle * 5).await, Err(MigrationError::Timeout("receive"))));
+        assert!(waited.elapsed() >= FAST.idle * 5);
+        a.send(&ControlMsg::Commit).await.unwrap();
+        assert_eq!(b.recv(T).await.unwrap(), ControlMsg::Commit, "the channel died in the silence");
+        b.send(&ControlMsg::Committed).await.unwrap();
+        assert_eq!(a.recv(T).await.unwrap(), ControlMsg::Committed);
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_answering_is_found_dead_within_the_idle_timeout() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (theirs, _) = l.accept().unwrap();
+        // Half-open: the peer completes the nonce exchange, then neither reads nor writes (and
+        // never closes: no end of stream to see).
+        theirs.set_nonblocking(true).unwrap();
+        let mut theirs = tokio::net::TcpStream::from_std(theirs).unwrap();
+        let peer = tokio::spawn(async move {
+            theirs.write_all(&[0x42; 32]).await.unwrap();
+            let mut n = [0u8; 32];
+            theirs.read_exact(&mut n).await.unwrap();
+            theirs
+        });
+        let mut c = Control::with_keepalive(ours, &Secret([1; 32]), FAST);
+        let started = tokio::time::Instant::now();
+        let e = c.recv(T).await.unwrap_err();
+        let took = started.elapsed();
+        assert!(matches!(e, MigrationError::Timeout(_)), "{e}");
+        assert!(took >= FAST.idle && took < FAST.idle * 3, "found dead after {took:?}");
+        assert!(matches!(c.recv(T).await, Err(MigrationError::Closed)));
+        assert!(c.send(&ControlMsg::Query).await.is_err(), "a dead channel still sent");
+        drop(peer.await.unwrap());
+    }
+
+    #[test]
+    fn the_default_keep_alive_is_five_and_twenty_seconds() {
+        assert_eq!(KeepAlive::default(), KeepAlive { ping: PING_INTERVAL, idle: IDLE_TIMEOUT });
+        assert_eq!((PING_INTERVAL.as_secs(), IDLE_TIMEOUT.as_secs()), (5, 20));
     }
 
     #[tokio::test]

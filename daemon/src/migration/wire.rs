@@ -6,9 +6,13 @@
 //! [`encode_open`] line carrying [`proof`]; the server reads it with [`parse_open`], checks it
 //! with [`verify_proof`] and answers [`OK`] or [`REFUSED`]. On an authenticated stream that is
 //! framed ([`super::Control`], [`super::files`]): each side sends a [`NONCE_LEN`]-byte nonce,
-//! then frames made by [`seal`] and read with [`frame_len`] and [`open_frame`].
+//! both derive the stream's keys with [`frame_keys`], then every frame is made by [`seal`] and
+//! read with [`frame_len`] and [`open_frame`]: encrypted and authenticated (ChaCha20-Poly1305),
+//! numbered per direction, so nothing on the wire after the opening line is plaintext and a
+//! frame is valid on one stream, in one direction, at one position only.
 
 use super::{ChannelKind, Secret};
+use vmhost_frame_cipher::Key;
 
 /// What the server sends first, before its nonce.
 pub const GREETING: &[u8] = b"VMHOST-MIGRATE/1\n";
@@ -22,13 +26,13 @@ pub const OK: &[u8] = b"ok\n";
 pub const REFUSED: &[u8] = b"refused\n";
 /// Longest frame payload (JSON).
 pub const MAX_FRAME: usize = 1024 * 1024;
-/// Length of a frame's MAC.
-pub const MAC_LEN: usize = 32;
+/// Length of a frame's authentication tag (Poly1305).
+pub const TAG_LEN: usize = vmhost_frame_cipher::TAG_LEN;
 /// Longest export name in a `disk:EXPORT` channel.
 pub const MAX_EXPORT_LEN: usize = 64;
 
 const PROOF_CONTEXT: &[u8] = b"vmhost-migrate-v1\0";
-const FRAME_CONTEXT: &[u8] = b"vmhost-migrate-frame-v1\0";
+const FRAME_CONTEXT: &[u8] = b"vmhost-frames-v1\0";
 
 /// Why bytes from a peer are not the wire.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -48,8 +52,9 @@ pub enum WireError {
     /// A frame is longer than [`MAX_FRAME`] (or empty).
     #[error("frame of {0} bytes (at most {MAX_FRAME})")]
     FrameLength(usize),
-    /// A frame's MAC does not match: injected, replayed, reordered or corrupted.
-    #[error("frame not authentic (wrong MAC or out of sequence)")]
+    /// A frame's tag does not match: tampered, injected, replayed, reordered, reflected,
+    /// spliced from another stream or sealed with another key.
+    #[error("frame not authentic (tampered, out of sequence, or another key)")]
     FrameMac,
     /// Both sides sent the same nonce: a reflected stream.
     #[error("the peer sent our own nonce back")]
@@ -145,62 +150,103 @@ pub fn parse_open(line: &[u8]) -> Result<Open, WireError> {
     Ok(Open { vm: json.vm, channel, proof })
 }
 
-/// A frame's payload length from its 4-byte big-endian header.
+/// The key of one direction of one framed stream: what [`seal`] and [`open_frame`] use.
+#[derive(Clone)]
+pub struct FrameKey {
+    cipher: Key,
+    /// The nonce's first byte: 0 for the side whose nonce sorts first, 1 for the other.
+    direction: u8,
+}
+
+impl std::fmt::Debug for FrameKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key: a Debug of a stream's state must not leak it into a log.
+        write!(f, "FrameKey(direction {})", self.direction)
+    }
+}
+
+/// Both keys of one framed stream, as one side sees them.
+#[derive(Debug, Clone)]
+pub struct FrameKeys {
+    /// Seals what this side sends.
+    pub send: FrameKey,
+    /// Opens what the peer sends.
+    pub receive: FrameKey,
+}
+
+/// The keys of a framed stream on which this side sent the nonce `mine` and the peer `theirs`:
+/// each direction's key is HMAC-SHA256(secret, `vmhost-frames-v1\0` || sender's nonce ||
+/// receiver's nonce), so a key belongs to one stream (both nonces are fresh) and one direction.
 ///
 /// # Errors
-/// [`WireError::FrameLength`] when it is 0 or above [`MAX_FRAME`].
+/// [`WireError::Reflected`] when both nonces are equal (our own bytes sent back).
+pub fn frame_keys(secret: &Secret, mine: &[u8; NONCE_LEN], theirs: &[u8; NONCE_LEN]) -> Result<FrameKeys, WireError> {
+    if mine == theirs {
+        return Err(WireError::Reflected);
+    }
+    let key = |sender: &[u8; NONCE_LEN], receiver: &[u8; NONCE_LEN]| FrameKey {
+        cipher: Key::new(&secret.mac(&[FRAME_CONTEXT, sender, receiver])),
+        direction: u8::from(sender > receiver),
+    };
+    Ok(FrameKeys { send: key(mine, theirs), receive: key(theirs, mine) })
+}
+
+/// The AEAD nonce of a direction's `seq`th frame: direction byte, three zeros, `seq` (u64 BE).
+fn aead_nonce(key: &FrameKey, seq: u64) -> [u8; 12] {
+    let mut n = [0u8; 12];
+    n[0] = key.direction;
+    n[4..].copy_from_slice(&seq.to_be_bytes());
+    n
+}
+
+/// The length of a frame's body (ciphertext and tag) from its 4-byte big-endian header.
+///
+/// # Errors
+/// [`WireError::FrameLength`] when the payload it implies is empty or above [`MAX_FRAME`].
 pub fn frame_len(header: [u8; 4]) -> Result<usize, WireError> {
     let n = u32::from_be_bytes(header) as usize;
-    if n == 0 || n > MAX_FRAME {
-        return Err(WireError::FrameLength(n));
+    if n <= TAG_LEN || n > MAX_FRAME + TAG_LEN {
+        return Err(WireError::FrameLength(n.saturating_sub(TAG_LEN)));
     }
     Ok(n)
 }
 
-/// One frame: length, `payload`, MAC over both nonces (the sender's first: that is the
-/// direction), the sender's sequence number and the payload.
+/// One frame: the body's length (4 bytes, big-endian), then `payload` encrypted and
+/// authenticated with `key` as that direction's `seq`th frame (ChaCha20-Poly1305; the header is
+/// authenticated too), then the 16-byte tag.
 ///
 /// # Errors
 /// [`WireError::FrameLength`] when `payload` is empty or above [`MAX_FRAME`].
-pub fn seal(
-    secret: &Secret,
-    sender_nonce: &[u8; NONCE_LEN],
-    receiver_nonce: &[u8; NONCE_LEN],
-    seq: u64,
-    payload: &[u8],
-) -> Result<Vec<u8>, WireError> {
+pub fn seal(key: &FrameKey, seq: u64, payload: &[u8]) -> Result<Vec<u8>, WireError> {
     if payload.is_empty() || payload.len() > MAX_FRAME {
         return Err(WireError::FrameLength(payload.len()));
     }
-    let mac = secret.mac(&[FRAME_CONTEXT, sender_nonce, receiver_nonce, &seq.to_be_bytes(), payload]);
-    let mut out = Vec::with_capacity(4 + payload.len() + MAC_LEN);
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    let header = ((payload.len() + TAG_LEN) as u32).to_be_bytes();
+    let mut out = Vec::with_capacity(4 + payload.len() + TAG_LEN);
+    out.extend_from_slice(&header);
     out.extend_from_slice(payload);
-    out.extend_from_slice(&mac);
+    let tag = key.cipher.seal(&aead_nonce(key, seq), &header, &mut out[4..]);
+    out.extend_from_slice(&tag);
     Ok(out)
 }
 
-/// Checks a frame's body (the payload and MAC after the header) as the `seq`th frame from the
-/// sender of `sender_nonce`; returns the payload.
+/// Opens a frame's `body` (what follows `header`) as the `seq`th frame of the direction `key`
+/// opens; returns the payload.
 ///
 /// # Errors
-/// [`WireError::FrameMac`] when the MAC does not match (including any other sequence number or
-/// direction), [`WireError::FrameLength`] when the body is shorter than a MAC or too long.
-pub fn open_frame<'a>(
-    secret: &Secret,
-    sender_nonce: &[u8; NONCE_LEN],
-    receiver_nonce: &[u8; NONCE_LEN],
-    seq: u64,
-    body: &'a [u8],
-) -> Result<&'a [u8], WireError> {
-    if body.len() <= MAC_LEN || body.len() > MAX_FRAME + MAC_LEN {
-        return Err(WireError::FrameLength(body.len().saturating_sub(MAC_LEN)));
+/// [`WireError::FrameMac`] when it is not authentic: tampered, injected, replayed, reordered,
+/// reflected, from another stream or under another key (they are one case: the tag does not
+/// match); [`WireError::FrameLength`] when `header` and `body` disagree or are out of bounds.
+pub fn open_frame(key: &FrameKey, seq: u64, header: [u8; 4], mut body: Vec<u8>) -> Result<Vec<u8>, WireError> {
+    let len = frame_len(header)?;
+    if body.len() != len {
+        return Err(WireError::FrameLength(body.len().saturating_sub(TAG_LEN)));
     }
-    let (payload, mac) = body.split_at(body.len() - MAC_LEN);
-    if !secret.verify(&[FRAME_CONTEXT, sender_nonce, receiver_nonce, &seq.to_be_bytes(), payload], mac) {
-        return Err(WireError::FrameMac);
-    }
-    Ok(payload)
+    let mut tag = [0u8; TAG_LEN];
+    tag.copy_from_slice(&body[len - TAG_LEN..]);
+    body.truncate(len - TAG_LEN);
+    key.cipher.open(&aead_nonce(key, seq), &header, &mut body, &tag).map_err(|_| WireError::FrameMac)?;
+    Ok(body)
 }
 
 #[cfg(test)]
@@ -272,34 +318,83 @@ mod tests {
         );
     }
 
-    #[test]
-    fn frames_check_mac_sequence_and_direction() {
+    fn keys(secret: &Secret) -> (FrameKeys, FrameKeys) {
         let (a, b) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let frame = seal(&secret(), &a, &b, 5, b"{\"msg\":\"commit\"}").unwrap();
-        let len = frame_len(frame[..4].try_into().unwrap()).unwrap();
-        let body = &frame[4..];
-        assert_eq!(body.len(), len + MAC_LEN);
-        assert_eq!(open_frame(&secret(), &a, &b, 5, body).unwrap(), b"{\"msg\":\"commit\"}");
-        // Replayed (another sequence number), reflected (the other direction), another key,
-        // another channel's nonces, a flipped byte: all refused.
-        assert_eq!(open_frame(&secret(), &a, &b, 6, body), Err(WireError::FrameMac));
-        assert_eq!(open_frame(&secret(), &a, &b, 4, body), Err(WireError::FrameMac));
-        assert_eq!(open_frame(&secret(), &b, &a, 5, body), Err(WireError::FrameMac));
-        assert_eq!(open_frame(&Secret([9; 32]), &a, &b, 5, body), Err(WireError::FrameMac));
-        assert_eq!(open_frame(&secret(), &a, &[3; NONCE_LEN], 5, body), Err(WireError::FrameMac));
-        let mut flipped = body.to_vec();
-        flipped[3] ^= 1;
-        assert_eq!(open_frame(&secret(), &a, &b, 5, &flipped), Err(WireError::FrameMac));
-        assert!(matches!(open_frame(&secret(), &a, &b, 5, &body[..MAC_LEN]), Err(WireError::FrameLength(_))));
+        (frame_keys(secret, &a, &b).unwrap(), frame_keys(secret, &b, &a).unwrap())
+    }
+
+    fn split(frame: &[u8]) -> ([u8; 4], Vec<u8>) {
+        (frame[..4].try_into().unwrap(), frame[4..].to_vec())
+    }
+
+    #[test]
+    fn a_sealed_frame_opens_at_its_position_only() {
+        let (a, b) = keys(&secret());
+        let frame = seal(&a.send, 5, b"{\"msg\":\"commit\"}").unwrap();
+        let (header, body) = split(&frame);
+        assert_eq!(frame_len(header).unwrap(), body.len());
+        assert_eq!(body.len(), 16 + TAG_LEN);
+        assert_eq!(open_frame(&b.receive, 5, header, body.clone()).unwrap(), b"{\"msg\":\"commit\"}");
+        // Replayed or reordered (another sequence number): refused.
+        assert_eq!(open_frame(&b.receive, 6, header, body.clone()), Err(WireError::FrameMac));
+        assert_eq!(open_frame(&b.receive, 4, header, body.clone()), Err(WireError::FrameMac));
+        // Reflected: our own frame back to us opens with neither of our keys.
+        assert_eq!(open_frame(&a.receive, 5, header, body.clone()), Err(WireError::FrameMac));
+        // Another secret, another stream's nonces: refused.
+        let (_, other) = keys(&Secret([9; 32]));
+        assert_eq!(open_frame(&other.receive, 5, header, body.clone()), Err(WireError::FrameMac));
+        let spliced = frame_keys(&secret(), &[2u8; NONCE_LEN], &[3u8; NONCE_LEN]).unwrap();
+        assert_eq!(open_frame(&spliced.receive, 5, header, body.clone()), Err(WireError::FrameMac));
+        // Any byte flipped, in the ciphertext, the tag or the header: refused.
+        for i in 0..body.len() {
+            let mut t = body.clone();
+            t[i] ^= 0x20;
+            assert_eq!(open_frame(&b.receive, 5, header, t), Err(WireError::FrameMac), "byte {i}");
+        }
+        let mut h = frame.clone();
+        h[3] ^= 1;
+        let (h, hb) = split(&h);
+        assert!(open_frame(&b.receive, 5, h, hb).is_err());
+        // Truncated: refused before any decryption.
+        assert!(matches!(
+            open_frame(&b.receive, 5, header, body[..body.len() - 1].to_vec()),
+            Err(WireError::FrameLength(_))
+        ));
+    }
+
+    #[test]
+    fn the_bytes_on_the_wire_are_not_the_payload() {
+        let (a, _) = keys(&secret());
+        let marker = b"MARKER-cloud-init-user-data-MARKER";
+        let frame = seal(&a.send, 0, marker).unwrap();
+        assert!(!frame.windows(8).any(|w| marker.windows(8).any(|m| m == w)), "plaintext on the wire");
+        // The same payload at the next position is other bytes (a fresh nonce per frame).
+        assert_ne!(seal(&a.send, 1, marker).unwrap()[4..], frame[4..]);
+    }
+
+    #[test]
+    fn the_two_directions_and_two_streams_have_different_keys() {
+        let (a, b) = keys(&secret());
+        assert_eq!((a.send.direction, b.send.direction), (0, 1));
+        let x = seal(&a.send, 0, b"x").unwrap();
+        let y = seal(&b.send, 0, b"x").unwrap();
+        assert_ne!(x, y, "both directions sealed alike");
+        assert_eq!(frame_keys(&secret(), &[4; NONCE_LEN], &[4; NONCE_LEN]).err(), Some(WireError::Reflected));
     }
 
     #[test]
     fn frame_lengths_are_bounded() {
         assert_eq!(frame_len(0u32.to_be_bytes()), Err(WireError::FrameLength(0)));
-        assert_eq!(frame_len((MAX_FRAME as u32).to_be_bytes()), Ok(MAX_FRAME));
-        assert!(frame_len((MAX_FRAME as u32 + 1).to_be_bytes()).is_err());
+        assert!(frame_len((TAG_LEN as u32).to_be_bytes()).is_err(), "an empty payload");
+        assert_eq!(frame_len((TAG_LEN as u32 + 1).to_be_bytes()), Ok(TAG_LEN + 1));
+        assert_eq!(frame_len(((MAX_FRAME + TAG_LEN) as u32).to_be_bytes()), Ok(MAX_FRAME + TAG_LEN));
+        assert!(frame_len(((MAX_FRAME + TAG_LEN) as u32 + 1).to_be_bytes()).is_err());
         assert!(frame_len(u32::MAX.to_be_bytes()).is_err());
-        assert!(seal(&secret(), &[0; NONCE_LEN], &[1; NONCE_LEN], 0, b"").is_err());
-        assert!(seal(&secret(), &[0; NONCE_LEN], &[1; NONCE_LEN], 0, &vec![b' '; MAX_FRAME + 1]).is_err());
+        let (a, b) = keys(&secret());
+        assert!(seal(&a.send, 0, b"").is_err());
+        assert!(seal(&a.send, 0, &vec![b' '; MAX_FRAME + 1]).is_err());
+        let big = seal(&a.send, 0, &vec![b' '; MAX_FRAME]).unwrap();
+        let (h, body) = split(&big);
+        assert_eq!(open_frame(&b.receive, 0, h, body).unwrap().len(), MAX_FRAME);
     }
 }

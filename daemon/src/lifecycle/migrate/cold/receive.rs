@@ -304,7 +304,7 @@ async fn receive_files(
             return Err(failed(format!("the source sent {:?} twice", header.name)));
         }
         let _ = crate::blocking::run(|| std::fs::remove_file(&place.partial));
-        rx.receive(&header, &place.partial).await.map_err(ApiError::from)?;
+        let done = rx.receive(&header, &place.partial).await.map_err(ApiError::from)?;
         let overlay = place.target == paths.overlay;
         let qcow2 = overlay
             || place.target == paths.root_disk(crate::api::DiskFormat::Qcow2)
@@ -317,7 +317,7 @@ async fn receive_files(
         }
         crate::blocking::run(|| std::fs::rename(&place.partial, &place.target))
             .map_err(|e| failed(format!("{}: {e}", place.target.display())))?;
-        tracing::info!(file = %header.name, bytes = header.bytes, sha256 = %header.sha256, "received");
+        tracing::info!(file = %header.name, bytes = header.bytes, sha256 = %done.sha256, "received");
         got.push(header.name);
     }
     if got.len() != into.announced.len() || !arriving.is_empty() {
