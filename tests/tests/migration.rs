@@ -14,8 +14,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use vmhost_tests::migration_pair::{
-    continuity, data_disk, disk_mark, parse_tick, tail, with_mac, Continuity, CounterWatch, Pair, PairOptions, ADDRS,
-    PORT,
+    continuity, data_disk, disk_mark, parse_tick, set_mark, tail, with_mac, Continuity, CounterWatch, Pair,
+    PairOptions, ADDRS, PORT,
 };
 
 /// Bound of a whole migration of a 256 MiB TCG guest (a failure bound, not a speed).
@@ -584,20 +584,6 @@ fn a_uefi_guest_moves_live_with_its_variables_store_as_it_last_wrote_it() {
     );
 }
 
-/// Writes `VMHOSTMARK:{word}` over the first sector of a raw disk file, as the guest's
-/// `vmhost.writemark` does: the host stands in for a guest that rewrote its marker between two
-/// snapshots (this guest writes it only at boot). QEMU reads the file through the page cache,
-/// so a copy it makes afterwards sees it.
-fn rewrite_mark(disk: &Path, word: &str) {
-    use std::io::{Seek, SeekFrom, Write};
-    let mut sector = format!("VMHOSTMARK:{word}\n").into_bytes();
-    sector.resize(512, 0);
-    let mut f = std::fs::OpenOptions::new().write(true).open(disk).expect("open the data disk");
-    f.seek(SeekFrom::Start(0)).expect("seek");
-    f.write_all(&sector).expect("write the marker");
-    f.sync_all().expect("sync the data disk");
-}
-
 #[test]
 fn a_running_vm_moves_live_with_its_snapshots_and_reverts_to_the_older_one_on_the_destination() {
     let pair = Pair::start(PairOptions::default());
@@ -608,7 +594,9 @@ fn a_running_vm_moves_live_with_its_snapshots_and_reverts_to_the_older_one_on_th
     assert_eq!(disk_mark(&disk), "VMHOSTMARK:first");
     let s1 = pair.hosts[0].call("vm.snapshot", json!({ "name": "snapper", "snapshot": "s1" }));
     assert_eq!(s1["live"], true, "{s1}");
-    rewrite_mark(&disk, "second");
+    // The host stands in for a guest rewriting its marker (this one writes it only at boot);
+    // QEMU reads the file through the page cache, so the next copy sees it.
+    set_mark(&disk, "second");
     let s2 = pair.hosts[0].call("vm.snapshot", json!({ "name": "snapper", "snapshot": "s2" }));
     assert_eq!(s2["live"], true, "{s2}");
     let source_snapshots = pair.hosts[0].state().join("snapshots/snapper");
