@@ -219,8 +219,10 @@ async fn until_commit(
     };
     let snapshot_bytes = carry::check_live_announcement(&vm.spec, &announced).map_err(ApiError::from)?;
     op.update("the source connected", |r| super::adopt_source(r, peer, &hello))?;
+    // Checked even when none come: the VM must not inherit another's snapshots of its name.
+    let staging = carry::prepare_staging(op.mgr(), op.name(), !announced.is_empty())?;
     if !announced.is_empty() {
-        receive_snapshots(op, &mut exp, secret, &announced, snapshot_bytes).await?;
+        receive_snapshots(op, &mut exp, secret, &announced, &staging, snapshot_bytes).await?;
     }
     // The create's disk steps, then its launch with QEMU waiting for the incoming state.
     op.remove_stale_overlays()?;
@@ -277,20 +279,23 @@ async fn until_commit(
 }
 
 /// The snapshots the source announced, over one `files` stream into the staging directory
-/// ([`carry`]); placed as the VM's after the commit ([`after_commit`], or recovery).
+/// `staging` ([`carry`]); placed as the VM's after the commit ([`after_commit`], or recovery).
+///
+/// # Errors
+/// 3002 when they do not fit; as [`carry::receive_snapshots`].
 async fn receive_snapshots(
     op: &VmOp,
     exp: &mut Expectation,
     secret: &Secret,
     announced: &[crate::migration::AnnouncedFile],
+    staging: &Path,
     bytes: u64,
 ) -> Result<(), ApiError> {
     let (mgr, paths) = (op.mgr(), op.paths());
-    let staging = carry::prepare_staging(mgr, op.name(), true)?;
     let _room = carry::reserve_room(mgr, paths, super::cold::plan::Room { disks: 0, snapshots: bytes })?;
     let stream = carry::next_channel(exp, ChannelKind::Files, FILES_TIMEOUT).await?;
     let tool = mgr.disk_tool();
-    let got = carry::receive_snapshots(&tool, announced, &staging, stream, secret, FILES_TIMEOUT).await?;
+    let got = carry::receive_snapshots(&tool, announced, staging, stream, secret, FILES_TIMEOUT).await?;
     tracing::info!(files = got.len(), bytes, "the VM's snapshots arrived");
     Ok(())
 }

@@ -254,16 +254,22 @@ async fn send(
     // VM's operation is held and its record says migrating.
     let snapshots = carry::snapshot_files(mgr, name)?;
     let announced = crate::blocking::run(|| carry::announce(&snapshots)).map_err(|m| failed("migrate", m))?;
-    control.send(&ControlMsg::Announce { files: announced }).await.map_err(channel_failed("Announce"))?;
-    if !snapshots.is_empty() {
-        let sent = carry::send_files(&p.destination, name, secret, &snapshots).await;
-        if let Err(e) = sent {
-            // A destination that refused the announcement says why on the control channel.
-            return Err(match control.recv(ABORT_WAIT).await {
-                Ok(ControlMsg::Abort { code, message }) => aborted(code, &message),
-                _ => failed("migrate", format!("sending the snapshots: {e}")),
-            });
+    let sent = async {
+        control.send(&ControlMsg::Announce { files: announced }).await.map_err(|e| format!("Announce: {e}"))?;
+        if !snapshots.is_empty() {
+            let bytes = carry::send_files(&p.destination, name, secret, &snapshots).await;
+            bytes.map_err(|e| format!("sending the snapshots: {e}"))?;
         }
+        Ok::<(), String>(())
+    }
+    .await;
+    if let Err(e) = sent {
+        // A destination that refused the Hello or the announcement says why on the control
+        // channel before it lets go of it.
+        return Err(match control.recv(ABORT_WAIT).await {
+            Ok(ControlMsg::Abort { code, message }) => aborted(code, &message),
+            _ => failed("migrate", e),
+        });
     }
     match control.recv(READY_TIMEOUT).await.map_err(channel_failed("waiting for Ready"))? {
         ControlMsg::Ready { exports } => set_exports(&mut disks, exports).map_err(|m| failed("migrate", m))?,
