@@ -366,6 +366,20 @@ pub fn disk_mark(path: &Path) -> String {
     String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or_default().trim_end_matches('\0').to_string()
 }
 
+/// Writes `VMHOSTMARK:{word}` over the first 64 bytes of the raw data disk at `path`, as the
+/// guest writes its marker.
+///
+/// # Panics
+/// When the file cannot be written.
+pub fn set_mark(path: &Path, word: &str) {
+    use std::io::Write;
+    let mut line = format!("VMHOSTMARK:{word}\n").into_bytes();
+    line.resize(64, 0);
+    let mut f = fs::OpenOptions::new().write(true).open(path).expect("open the data disk");
+    f.write_all(&line).expect("write the marker");
+    f.sync_all().expect("sync");
+}
+
 /// Host `h`'s data disk `data` of `name`.
 pub fn data_disk(h: &TestHost, name: &str) -> PathBuf {
     h.state().join("disks").join(name).join("data.raw")

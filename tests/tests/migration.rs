@@ -6,15 +6,16 @@
 //! aside, as a destroy keeps it). The refusals change nothing. A kill -9 of either daemon at
 //! each crash point, then a restart, leaves the VM running on exactly one host with its marker
 //! intact and the other host clean. A VM booted from its own root disk (`boot.disk`) moves
-//! with what its guest wrote there, and a UEFI guest with its variables store.
+//! with what its guest wrote there, a UEFI guest with its variables store, and a VM with
+//! snapshots with every one of them (reverted to on the destination).
 
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use vmhost_tests::migration_pair::{
-    continuity, data_disk, disk_mark, parse_tick, tail, with_mac, Continuity, CounterWatch, Pair, PairOptions, ADDRS,
-    PORT,
+    continuity, data_disk, disk_mark, parse_tick, set_mark, tail, with_mac, Continuity, CounterWatch, Pair,
+    PairOptions, ADDRS, PORT,
 };
 
 /// Bound of a whole migration of a 256 MiB TCG guest (a failure bound, not a speed).
@@ -581,4 +582,44 @@ fn a_uefi_guest_moves_live_with_its_variables_store_as_it_last_wrote_it() {
         "after a restart on the destination the guest did not find its variable:\n{}",
         pair.hosts[1].serial(name)
     );
+}
+
+#[test]
+fn a_running_vm_moves_live_with_its_snapshots_and_reverts_to_the_older_one_on_the_destination() {
+    let pair = Pair::start(PairOptions::default());
+    let spec = pair.spec("snapper", 256, "first", false);
+    pair.create(0, &spec);
+    let taps = pair.taps(0, "snapper");
+    let disk = data_disk(&pair.hosts[0], "snapper");
+    assert_eq!(disk_mark(&disk), "VMHOSTMARK:first");
+    let s1 = pair.hosts[0].call("vm.snapshot", json!({ "name": "snapper", "snapshot": "s1" }));
+    assert_eq!(s1["live"], true, "{s1}");
+    // The host stands in for a guest rewriting its marker (this one writes it only at boot);
+    // QEMU reads the file through the page cache, so the next copy sees it.
+    set_mark(&disk, "second");
+    let s2 = pair.hosts[0].call("vm.snapshot", json!({ "name": "snapper", "snapshot": "s2" }));
+    assert_eq!(s2["live"], true, "{s2}");
+    let source_snapshots = pair.hosts[0].state().join("snapshots/snapper");
+    assert_eq!(disk_mark(&source_snapshots.join("s1/data.raw")), "VMHOSTMARK:first");
+    assert_eq!(disk_mark(&source_snapshots.join("s2/data.raw")), "VMHOSTMARK:second");
+
+    // Live, with the same boot id and the counter going on (move_counting checks both).
+    move_counting(&pair, "snapper");
+    let listed = pair.hosts[1].call("vm.snapshots", json!({ "name": "snapper" }));
+    let names: Vec<&str> = listed.as_array().expect("a list").iter().filter_map(|s| s["name"].as_str()).collect();
+    assert_eq!(names, ["s1", "s2"], "{listed}");
+    let dest_snapshots = pair.hosts[1].state().join("snapshots/snapper");
+    assert_eq!(disk_mark(&dest_snapshots.join("s2/data.raw")), "VMHOSTMARK:second");
+    assert!(!pair.hosts[1].state().join("snapshots/.incoming-snapper").exists(), "the staging directory stays");
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[1], "snapper")), "VMHOSTMARK:second");
+
+    // The source holds nothing: no record, QEMU, disks, tap, nor snapshot.
+    pair.assert_clean(0, "snapper", &taps);
+    assert!(!source_snapshots.exists(), "the source kept the snapshots");
+
+    // The older snapshot's disks come back on the destination.
+    pair.hosts[1].call("vm.stop", json!({ "name": "snapper", "force": true }));
+    let v = pair.hosts[1].call("vm.revert", json!({ "name": "snapper", "snapshot": "s1" }));
+    assert_eq!(v["vm"]["status"], "stopped", "{v}");
+    assert_eq!(disk_mark(&data_disk(&pair.hosts[1], "snapper")), "VMHOSTMARK:first");
 }

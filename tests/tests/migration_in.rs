@@ -90,13 +90,15 @@ async fn send_hello(address: &str, secret: &Secret, spec: &vmhost::api::VmSpec) 
     send_hello_of(address, secret, spec, disks).await
 }
 
-/// Plays the source up to its `Hello` for `spec` announcing `disks`.
+/// Plays the source up to its `Hello` for `spec` announcing `disks`, and the `Announce` of
+/// its snapshots that follows it (none).
 async fn send_hello_of(address: &str, secret: &Secret, spec: &vmhost::api::VmSpec, disks: Vec<HelloDisk>) -> Control {
     let stream = connect(address, &spec.name, secret, &ChannelKind::Control).await.unwrap();
     let mut c = Control::new(stream, secret);
     let hello =
         Hello { spec: spec.clone(), instance_id: Some("i-migrated".into()), macs: Vec::new(), disks, machine: None };
     c.send(&ControlMsg::Hello(Box::new(hello))).await.unwrap();
+    c.send(&ControlMsg::Announce { files: Vec::new() }).await.unwrap();
     c
 }
 

@@ -379,16 +379,6 @@ pub(in crate::lifecycle) fn files_to_move(mgr: &Manager, name: &str) -> Result<V
     })
 }
 
-/// True when VM `name` has a snapshot (or a directory that claims to be one).
-pub(in crate::lifecycle) fn has_snapshots(mgr: &Manager, name: &str) -> bool {
-    let dir = snapshots_dir(mgr, name);
-    crate::blocking::run(|| {
-        std::fs::read_dir(&dir)
-            .map(|entries| entries.flatten().any(|e| !e.file_name().to_string_lossy().starts_with('.')))
-            .unwrap_or(false)
-    })
-}
-
 /// `STATE/snapshots/.incoming-VM`: where a cold move's snapshots arrive, each whole snapshot
 /// renamed in from its `.NAME.partial`, and renamed as a whole to [`snapshots_dir`] after the
 /// commit point. Only the move of VM `name` writes it (one expectation per name), so a give-up

@@ -23,18 +23,18 @@
 //! disk directory. They are received under partial names and renamed once their sha256 matched,
 //! so a half-received disk never looks like the VM's.
 
-mod plan;
+pub(super) mod plan;
 pub(in crate::lifecycle) mod receive;
 
 pub(in crate::lifecycle) use receive::{receive, Abandon};
 
 use super::super::op::VmOp;
 use super::super::Manager;
+use super::carry;
 use super::source_settle::{self, Side};
 use crate::api::migration::{MigrateResult, MoveMode, MoveParams};
 use crate::api::{ApiError, Code, StopParams, VmStatus};
-use crate::migration::files::FileSender;
-use crate::migration::{AnnouncedFile, ChannelKind, Control, ControlMsg, Hello, Secret};
+use crate::migration::{ChannelKind, Control, ControlMsg, Hello, Secret};
 use crate::state::migration::{MigrationPhase, MigrationRecord, MigrationRole};
 use plan::SourceFile;
 use serde_json::json;
@@ -176,10 +176,9 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
     });
     // The snapshots go with the VM: the source's are deleted with its copy once the
     // destination committed, and it commits only when every one arrived.
-    let snapshots = super::super::snapshots::files_to_move(op.mgr(), op.name())?;
     let mut sent: Vec<(String, std::path::PathBuf)> = files.iter().map(|f| (f.name.clone(), f.path.clone())).collect();
-    sent.extend(snapshots.iter().map(|f| (plan::snapshot_wire_name(&f.snapshot, &f.file), f.path.clone())));
-    let announced = crate::blocking::run(|| announce(&sent)).map_err(|e| failed("move", e))?;
+    sent.extend(carry::snapshot_files(op.mgr(), op.name())?);
+    let announced = crate::blocking::run(|| carry::announce(&sent)).map_err(|e| failed("move", e))?;
     // The spec as the orchestrator admitted it on the destination: each NIC with its MAC.
     let mut spec = rec.spec.clone();
     for (nic, alloc) in spec.nics.iter_mut().zip(&rec.nics) {
@@ -198,21 +197,11 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
         .send(&ControlMsg::Announce { files: announced })
         .await
         .map_err(|e| failed("move", format!("announcing the files: {e}")))?;
-    let mut bytes = 0;
-    let mut sent = async {
-        // A destination that refused the announcement has let go of the files channel: its
-        // `Abort`, read below, says why.
-        let stream = crate::migration::connect(&p.destination, &p.name, secret, &ChannelKind::Files).await?;
-        let mut tx = FileSender::new(stream, secret);
-        for (name, path) in &sent {
-            let header = tx.send(name, path).await?;
-            tracing::info!(file = %name, bytes = header.bytes, sha256 = %header.sha256, "sent");
-            bytes += header.bytes;
-        }
-        tx.finish().await
-    }
-    .await
-    .map_err(|e| failed("move", format!("sending the files: {e}")));
+    // A destination that refused the announcement has let go of the files channel: its
+    // `Abort`, read below, says why.
+    let mut sent = carry::send_files(&p.destination, &p.name, secret, &sent)
+        .await
+        .map_err(|e| failed("move", format!("sending the files: {e}")));
     // The destination says why it stopped reading, if it did: its verdict decides the error.
     let wait = if sent.is_ok() { READY_TIMEOUT } else { ABORT_WAIT };
     match control.recv(wait).await {
@@ -224,24 +213,7 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
         Err(e) if sent.is_ok() => sent = Err(failed("move", format!("no answer to the files: {e}"))),
         _ => {}
     }
-    sent.map(|()| bytes)
-}
-
-/// What [`ControlMsg::Announce`] says of each file to send (`(wire name, path)`): its length
-/// and the bytes it occupies.
-///
-/// # Errors
-/// A file that cannot be read (named).
-fn announce(files: &[(String, std::path::PathBuf)]) -> Result<Vec<AnnouncedFile>, String> {
-    use std::os::unix::fs::MetadataExt;
-    files
-        .iter()
-        .map(|(name, path)| {
-            let m = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-            let allocated = m.blocks().saturating_mul(512).min(m.len());
-            Ok(AnnouncedFile { name: name.clone(), bytes: m.len(), allocated })
-        })
-        .collect()
+    sent
 }
 
 /// Starts the VM again if this move stopped it (a failure before the commit: it was running

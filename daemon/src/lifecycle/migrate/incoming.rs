@@ -25,6 +25,7 @@ use super::super::held::HeldVm;
 use super::super::op::VmOp;
 use super::super::teardown::Devices;
 use super::super::Manager;
+use super::carry;
 use crate::api::migration::{MigrateInParams, MigrateInResult, MoveMode};
 use crate::api::{ApiError, DesiredState, VmStatus};
 use crate::migration::{ChannelKind, Control, ControlMsg, Expectation, Secret};
@@ -44,6 +45,10 @@ use tracing::Instrument;
 
 /// Longest the source may take from opening the control channel to its `Hello`.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Longest the source may take to open the `files` stream of the snapshots, and between two
+/// of its chunks.
+const FILES_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Longest the source may stay silent between `Ready` and `Commit`: its own limit (`vm.migrate`
 /// `timeout_s`, default 3600 s) with room to send its `Abort`.
@@ -205,7 +210,20 @@ async fn until_commit(
             .map_err(|source| IncomingError::Io { what: "reading the UEFI variables template's size", source })?;
         decide::check_uefi_vars(&hello, bytes)?;
     }
+    // The snapshots come after the Hello (snapshot files only: the disks travel as QEMU's
+    // mirrors), checked and their room admitted before a byte is written.
+    let announced = match c.recv(HELLO_TIMEOUT).await.map_err(|e| IncomingError::Control(e.to_string()))? {
+        ControlMsg::Announce { files } => files,
+        ControlMsg::Abort { code, message } => return Err(IncomingError::SourceAborted { code, message }.into()),
+        _ => return Err(IncomingError::Control("expected the announcement of the snapshots".into()).into()),
+    };
+    let snapshot_bytes = carry::check_live_announcement(&vm.spec, &announced).map_err(ApiError::from)?;
     op.update("the source connected", |r| super::adopt_source(r, peer, &hello))?;
+    // Checked even when none come: the VM must not inherit another's snapshots of its name.
+    let staging = carry::prepare_staging(op.mgr(), op.name(), !announced.is_empty())?;
+    if !announced.is_empty() {
+        receive_snapshots(op, &mut exp, secret, &announced, &staging, snapshot_bytes).await?;
+    }
     // The create's disk steps, then its launch with QEMU waiting for the incoming state.
     op.remove_stale_overlays()?;
     op.clear_orphan_disks()?;
@@ -259,6 +277,28 @@ async fn until_commit(
     })?;
     op.crashpoint("migrate_in:committed");
     Ok(Committed { id, qmp })
+}
+
+/// The snapshots the source announced, over one `files` stream into the staging directory
+/// `staging` ([`carry`]); placed as the VM's after the commit ([`after_commit`], or recovery).
+///
+/// # Errors
+/// 3002 when they do not fit; as [`carry::receive_snapshots`].
+async fn receive_snapshots(
+    op: &VmOp,
+    exp: &mut Expectation,
+    secret: &Secret,
+    announced: &[crate::migration::AnnouncedFile],
+    staging: &Path,
+    bytes: u64,
+) -> Result<(), ApiError> {
+    let (mgr, paths) = (op.mgr(), op.paths());
+    let _room = carry::reserve_room(mgr, paths, super::cold::plan::Room { disks: 0, snapshots: bytes })?;
+    let stream = carry::next_channel(exp, ChannelKind::Files, FILES_TIMEOUT).await?;
+    let tool = mgr.disk_tool();
+    let got = carry::receive_snapshots(&tool, announced, staging, stream, secret, FILES_TIMEOUT).await?;
+    tracing::info!(files = got.len(), bytes, "the VM's snapshots arrived");
+    Ok(())
 }
 
 /// QEMU's side of the destination: the TLS credentials keyed from the secret, the NBD server on
@@ -364,6 +404,8 @@ async fn after_commit(op: &VmOp, done: Committed, control: Option<Control>) {
     if let Err(e) = held.end_root_disk_import().and_then(|()| held.end_disk_tracking()) {
         tracing::error!(error = %e, "the migrated VM's disks were not recorded as its own");
     }
+    // Before the source hears of the commit (and deletes its copy).
+    carry::place_snapshots(op.mgr(), op.name());
     if let Some(mut c) = control {
         if let Err(e) = c.send(&ControlMsg::Committed).await {
             // The source asks again (Query) and is answered from the record.
@@ -410,6 +452,8 @@ async fn abandon_steps(held: &HeldVm, why: &str) -> Result<(), ApiError> {
     })?;
     held.release_host_side(Devices::Release).await?;
     held.remove_run_files()?;
+    // Snapshots that arrived for a move that did not commit (live or cold).
+    carry::remove_staging(mgr, name)?;
     // Only disks this migration made: a name with kept disks was refused before anything.
     held.undo_data_disks();
     // A received root disk is this host's own file, never an import to give back: deleted.
@@ -462,8 +506,15 @@ pub(in crate::lifecycle) async fn recover(
                 }
             }
             let _ = crate::blocking::run(|| qemu_mig::remove_psk_dir(&held.paths().run_dir));
+            // A crash may fall between the commit write and the snapshots' rename.
+            carry::place_snapshots(held.mgr(), held.name());
             Ok(false)
         }
-        RecoverAction::Ordinary => Ok(false),
+        RecoverAction::Ordinary => {
+            if rec.migration().is_some_and(|m| m.phase == MigrationPhase::Committed) {
+                carry::place_snapshots(held.mgr(), held.name());
+            }
+            Ok(false)
+        }
     }
 }

@@ -7,6 +7,7 @@
 //! NICs, disks and the record. The protocol's state lives in the record
 //! ([`crate::state::migration`]), written before each step that depends on it.
 
+mod carry;
 pub(crate) mod cold;
 pub(crate) mod incoming;
 mod machine;

@@ -6,7 +6,9 @@
 //! of `vm.migrate`:
 //!
 //! 1. refusals before anything ([`check_movable`], the secret), the VM's operation taken;
-//! 2. the control channel, then the record `migrating` (phase `sending`), `Hello`, `Ready`;
+//! 2. the control channel, then the record `migrating` (phase `sending`), `Hello`,
+//!    `Announce` (the VM's snapshot files) and those files over one `files` stream
+//!    ([`carry`]), `Ready`;
 //! 3. [`send`]: TLS, one mirror per disk until all are ready, then the memory until QEMU
 //!    completed (the guest is then paused here), then the mirrors ended (`finish_source`: they
 //!    copy what is still dirty, so the destination has every block before the commit);
@@ -18,6 +20,7 @@
 //!    guest recorded `failed` with a background retry. Those steps, `finish` and a restart's
 //!    recovery are one implementation with the cold move's ([`super::source_settle`]).
 
+use super::carry;
 use super::progress::{self, Reporter};
 use super::source_settle::{self, Side};
 use crate::api::migration::{MigrateParams, MigrateResult, MoveMode};
@@ -49,6 +52,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const READY_TIMEOUT: Duration = Duration::from_secs(300);
 /// Longest the destination may take to answer `Commit`.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the source looks for the destination's `Abort` after the snapshots' stream failed.
+const ABORT_WAIT: Duration = Duration::from_secs(10);
 /// The settle of a live migration run by its own operation: its QEMU is watched.
 const LIVE: Side = Side { mode: MoveMode::Live, readopt: false };
 
@@ -114,14 +119,8 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
         let started = Instant::now();
         let (mut op, rec) = mgr.begin_op(&p.name).await?;
         check_movable(&rec)?;
-        // Snapshots do not move live (yet): refused before anything is reached, rather than
-        // deleted with the source's copy.
-        if super::super::snapshots::has_snapshots(mgr, &p.name) {
-            return Err(not_movable(
-                "snapshots",
-                format!("VM {:?} has snapshots, which do not move live: delete them or move it cold (vm.move)", p.name),
-            ));
-        }
+        // Half-reverted disks must not travel (a running VM has none; the record decides).
+        super::super::snapshots::check_not_reverting(&rec)?;
         if op.find_live(rec.process.as_ref())?.is_none() {
             return Err(not_movable("status", format!("VM {:?} has no running QEMU", p.name)));
         }
@@ -255,6 +254,28 @@ async fn send(
         ),
     };
     control.send(&ControlMsg::Hello(Box::new(hello))).await.map_err(channel_failed("Hello"))?;
+    // The snapshots go with the VM (its copy here, with them, is deleted once the destination
+    // committed, which it does only when every one arrived). They cannot change meanwhile: the
+    // VM's operation is held and its record says migrating.
+    let snapshots = carry::snapshot_files(mgr, name)?;
+    let announced = crate::blocking::run(|| carry::announce(&snapshots)).map_err(|m| failed("migrate", m))?;
+    let sent = async {
+        control.send(&ControlMsg::Announce { files: announced }).await.map_err(|e| format!("Announce: {e}"))?;
+        if !snapshots.is_empty() {
+            let bytes = carry::send_files(&p.destination, name, secret, &snapshots).await;
+            bytes.map_err(|e| format!("sending the snapshots: {e}"))?;
+        }
+        Ok::<(), String>(())
+    }
+    .await;
+    if let Err(e) = sent {
+        // A destination that refused the Hello or the announcement says why on the control
+        // channel before it lets go of it.
+        return Err(match control.recv(ABORT_WAIT).await {
+            Ok(ControlMsg::Abort { code, message }) => aborted(code, &message),
+            _ => failed("migrate", e),
+        });
+    }
     match control.recv(READY_TIMEOUT).await.map_err(channel_failed("waiting for Ready"))? {
         ControlMsg::Ready { exports } => set_exports(&mut disks, exports).map_err(|m| failed("migrate", m))?,
         ControlMsg::Abort { code, message } => return Err(aborted(code, &message)),
