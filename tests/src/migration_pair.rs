@@ -78,6 +78,8 @@ pub struct PairOptions {
     pub second_without_port: bool,
     /// `hardware.memory_gib` of both (default 8).
     pub memory_gib: Option<u64>,
+    /// Host 1's `qemu.machine` (default both `q35`).
+    pub second_machine: Option<String>,
 }
 
 impl Pair {
@@ -87,16 +89,17 @@ impl Pair {
     /// # Panics
     /// When a daemon does not start or the veth cannot be made.
     pub fn start(opts: PairOptions) -> Pair {
-        let host = |lan: bool| {
+        let host = |lan: bool, machine: Option<&String>| {
             TestHost::start(HostOptions {
                 netns: true,
+                machine: machine.cloned().unwrap_or_else(|| HostOptions::default().machine),
                 extra: if lan { crate::LAN_NETWORK.to_string() } else { String::new() },
                 memory_gib: opts.memory_gib.unwrap_or(8),
                 sandbox: std::env::var("VMHOST_TEST_SANDBOX").unwrap_or_else(|_| "require".into()),
                 ..HostOptions::default()
             })
         };
-        let mut hosts = [host(true), host(!opts.second_without_lan)];
+        let mut hosts = [host(true, None), host(!opts.second_without_lan, opts.second_machine.as_ref())];
         // The veth first (the daemons bind their veth address when they start), then the
         // `[migration]` table and a restart: the daemon that wrote the config did not have it.
         let ns1 = hosts[1].netns.clone().expect("netns");

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use vmhost_tests::migration_pair::{
-    continuity, data_disk, disk_mark, parse_tick, set_mark, tail, with_mac, Continuity, CounterWatch, Pair,
+    continuity, data_disk, disk_mark, parse_tick, set_mark, tail, taps_of, with_mac, Continuity, CounterWatch, Pair,
     PairOptions, ADDRS, PORT,
 };
 
@@ -187,6 +187,30 @@ fn a_missing_mac_and_a_wrong_secret_are_refused_and_nothing_changes() {
     // The right secret still works afterwards: the attempt spent nothing.
     pair.migrate(0, "sec", &prepared).unwrap_or_else(|e| panic!("vm.migrate with the right secret: {e}"));
     assert_eq!(pair.settled("sec", MIGRATION), 1);
+}
+
+#[test]
+fn a_destination_whose_qemu_would_change_the_guests_machine_refuses_before_it_moves() {
+    // `q35` resolves to pc-q35-7.2 on the source; the destination runs the older layout.
+    let pair = Pair::start(PairOptions { second_machine: Some("pc-q35-7.1".into()), ..PairOptions::default() });
+    pair.create(0, &pair.spec("mach", 256, "m", false));
+    let before = pair.hosts[0].call("vm.get", json!({ "name": "mach" }));
+    let prepared = pair.migrate_in(0, 1, "mach");
+    let dest_taps = taps_of(&pair.hosts[1], "mach");
+    let e = pair.migrate(0, "mach", &prepared).expect_err("a change of machine type was accepted");
+    assert!(e.contains("4097") && e.contains("pc-q35-7.2") && e.contains("pc-q35-7.1"), "{e}");
+    // The guest never left: the same QEMU runs here, nothing of the move is recorded.
+    let v = pair.hosts[0].call("vm.get", json!({ "name": "mach" }));
+    assert_eq!((v["status"].clone(), v["pid"].clone()), (json!("running"), before["pid"].clone()), "{v}");
+    assert!(v.get("migration").is_none_or(Value::is_null), "{v}");
+    // The destination gave up what it made for the guest.
+    vmhost_tests::wait::until("the destination gives the VM up", Duration::from_secs(60), || {
+        match pair.hosts[1].client().call::<Value>("vm.get", json!({ "name": "mach" })) {
+            Err(_) => Ok(()),
+            Ok(v) => Err(format!("still there: {v}")),
+        }
+    });
+    pair.assert_clean(1, "mach", &dest_taps);
 }
 
 #[test]
