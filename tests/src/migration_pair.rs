@@ -159,6 +159,24 @@ impl Pair {
         self.hosts[from].ctl(&["migrate", name, "--to-socket", &to_socket])
     }
 
+    /// [`Pair::migrate_ctl`], which must succeed.
+    ///
+    /// # Panics
+    /// When it fails, with its output and both daemons' logs' tails.
+    pub fn migrate_ctl_ok(&self, from: usize, to: usize, name: &str) -> std::process::Output {
+        let out = self.migrate_ctl(from, to, name);
+        assert!(
+            out.status.success(),
+            "vmhostctl migrate --to-socket failed: {}\nstdout: {}\nstderr: {}\n--- source log:\n{}\n--- destination log:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            tail(&self.hosts[from].daemon_log(), 60),
+            tail(&self.hosts[to].daemon_log(), 60)
+        );
+        out
+    }
+
     /// Waits until `name` runs on exactly one host with exactly one QEMU across both
     /// ([`settled_among`]); returns the host it runs on.
     ///
