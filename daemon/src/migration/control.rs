@@ -1,5 +1,6 @@
 //! Framed, encrypted and authenticated messages on a migration stream: the control channel
-//! ([`Control`]) and a cold move's files ([`super::files`], through [`Framed`]).
+//! ([`Control`]) and the files channel (a cold move's disks, any move's snapshots:
+//! [`super::files`], through [`Framed`]).
 //!
 //! Why a nonce exchange before the first frame: the sequence numbers restart at 0 on every
 //! stream, so frames keyed by the secret alone could be replayed from an earlier control
@@ -107,7 +108,7 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, key: &FrameKey, seq: u64) -
     wire::open_frame(key, seq, header, body).map_err(MigrationError::Wire)
 }
 
-/// The framing of one stream used in turn by one task (a cold move's files): send and receive
+/// The framing of one stream used in turn by one task (the files channel): send and receive
 /// frames in sequence, no keep-alive.
 pub(crate) struct Framed {
     pending: Option<std::net::TcpStream>,

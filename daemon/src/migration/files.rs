@@ -1,4 +1,4 @@
-//! A cold move's files (`vm.move`) over the `files` channel, every byte in encrypted and
+//! Files over the `files` channel (a cold move's disks, a cold or live move's snapshots), every byte in encrypted and
 //! authenticated frames (the framing of [`super::control`]): per file a header `{name, bytes}`,
 //! its content in chunks of at most [`CHUNK`] bytes (a chunk of zeros travels as its length
 //! only and stays a hole on the receiver), then a trailer with the sha256 the sender computed
@@ -233,6 +233,21 @@ impl FileReceiver {
     /// [`MigrationError::FileNotAuthentic`] when a frame was changed on the way (both 2003), or
     /// the stream, a frame or the file fails; the file is removed in every case.
     pub async fn receive(&mut self, header: &FileHeader, dest: &Path) -> Result<FileDone, MigrationError> {
+        self.receive_within(header, dest, u64::MAX).await
+    }
+
+    /// As [`FileReceiver::receive`], writing at most `max_written` bytes of data (the file's
+    /// holes and 4 KiB blocks of zeros are not written): what the caller reserved on the disk,
+    /// so a source that announced a sparse file and sends a full one cannot fill it.
+    ///
+    /// # Errors
+    /// As [`FileReceiver::receive`]; [`MigrationError::Protocol`] past `max_written`.
+    pub async fn receive_within(
+        &mut self,
+        header: &FileHeader,
+        dest: &Path,
+        max_written: u64,
+    ) -> Result<FileDone, MigrationError> {
         // Before anything is read: a path that exists is the caller's error, and it is not ours
         // to remove afterwards.
         let file = match tokio::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(dest).await {
@@ -242,7 +257,7 @@ impl FileReceiver {
                 return Err(MigrationError::io("create file", e));
             }
         };
-        let result = write_file(&mut self.framed, file, header).await.map_err(|e| e.of_file(&header.name));
+        let result = write_file(&mut self.framed, file, header, max_written).await.map_err(|e| e.of_file(&header.name));
         if result.is_err() {
             self.framed.break_off();
             let _ = tokio::fs::remove_file(dest).await;
@@ -251,13 +266,18 @@ impl FileReceiver {
     }
 }
 
+/// The unit [`write_file`] leaves as a hole when it is all zeros: a file system block.
+const BLOCK: usize = 4096;
+
 async fn write_file(
     framed: &mut Framed,
     mut file: tokio::fs::File,
     header: &FileHeader,
+    max_written: u64,
 ) -> Result<FileDone, MigrationError> {
     let mut hasher = Sha256::new();
     let mut left = header.bytes;
+    let mut written: u64 = 0;
     while left > 0 {
         let payload = framed.recv(CHUNK_STALL).await?;
         let frame = parse_frame(&payload).map_err(protocol)?;
@@ -272,7 +292,24 @@ async fn write_file(
         match frame {
             FilesFrame::Data(chunk) if chunk != &ZEROS[..chunk.len()] => {
                 hasher.update(chunk);
-                file.write_all(chunk).await.map_err(|e| MigrationError::io("write file", e))?;
+                // Block by block, zeros as holes: the file takes about what it took on the
+                // source, which is what the caller reserved.
+                for block in chunk.chunks(BLOCK) {
+                    if block == &ZEROS[..block.len()] {
+                        file.seek(std::io::SeekFrom::Current(block.len() as i64))
+                            .await
+                            .map_err(|e| MigrationError::io("write file", e))?;
+                        continue;
+                    }
+                    written += block.len() as u64;
+                    if written > max_written {
+                        return Err(protocol(format!(
+                            "{} holds more data than the {max_written} bytes its source announced",
+                            header.name
+                        )));
+                    }
+                    file.write_all(block).await.map_err(|e| MigrationError::io("write file", e))?;
+                }
             }
             _ => {
                 // usize: n <= CHUNK.
@@ -289,6 +326,10 @@ async fn write_file(
         FilesFrame::Trailer(sha256) => sha256,
         _ => return Err(protocol(format!("{} is longer than its {} bytes", header.name, header.bytes))),
     };
+    // tokio's File writes in the background and keeps a failed write (ENOSPC, EIO) until the
+    // next write or flush: seeks, set_len and sync_all do not report it. Without this flush a
+    // disk that did not fit would pass its sha256 (hashed from memory) with a hole in it.
+    file.flush().await.map_err(|e| MigrationError::io("write file", e))?;
     // A trailing hole is only a seek: the length makes it part of the file.
     file.set_len(header.bytes).await.map_err(|e| MigrationError::io("write file", e))?;
     file.sync_all().await.map_err(|e| MigrationError::io("write file", e))?;
@@ -390,6 +431,37 @@ mod tests {
         assert_eq!(crate::api::ApiError::from(err).code, crate::api::Code::ChecksumMismatch);
         assert!(!dest.exists());
         sender.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn data_beyond_what_the_receiver_allows_is_refused_and_zero_blocks_do_not_count() {
+        let secret = Secret([5; 32]);
+        // Two data blocks and two zero blocks in one chunk: 8 KiB written.
+        let mut chunk = vec![0u8; 4 * BLOCK];
+        chunk[0] = 1;
+        chunk[3 * BLOCK] = 2;
+        let trailer = super::super::secret::to_hex(&Sha256::digest(&chunk));
+        for (max, ok) in [(2 * BLOCK as u64, true), (2 * BLOCK as u64 - 1, false)] {
+            let dir = tempfile::tempdir().unwrap();
+            let (a, b) = pair();
+            let frames = vec![
+                FilesFrame::Header(FileHeader { name: "x".into(), bytes: chunk.len() as u64 }).encode(),
+                FilesFrame::Data(&chunk).encode(),
+                FilesFrame::Trailer(trailer.clone()).encode(),
+            ];
+            let sender = raw_sender(a, &secret, frames);
+            let mut rx = FileReceiver::new(b, &secret);
+            let h = rx.next(T).await.unwrap().unwrap();
+            let dest = dir.path().join("out");
+            let got = rx.receive_within(&h, &dest, max).await;
+            assert_eq!(got.is_ok(), ok, "max {max}: {got:?}");
+            if ok {
+                assert_eq!(std::fs::read(&dest).unwrap(), chunk);
+            } else {
+                assert!(!dest.exists(), "a refused file stays");
+            }
+            sender.await.unwrap();
+        }
     }
 
     #[tokio::test]

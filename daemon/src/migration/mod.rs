@@ -162,7 +162,7 @@ pub enum ChannelKind {
     Disk(String),
     /// QEMU's memory stream.
     Ram,
-    /// A cold move's files.
+    /// Files: a cold move's disks and snapshots, a live migration's snapshots.
     Files,
 }
 
@@ -204,8 +204,9 @@ pub enum ControlMsg {
         /// The destination's answer.
         outcome: Outcome,
     },
-    /// Source to destination, right after [`ControlMsg::Hello`] of a cold move: every file the
-    /// `files` channel will carry (the disks, then each snapshot's files), so the destination
+    /// Source to destination, right after every [`ControlMsg::Hello`]: every file the `files`
+    /// channel will carry (a cold move's disks, then each snapshot's files; a live
+    /// migration's snapshots only, maybe none), so the destination
     /// checks each against its spec and admits the space before a byte is written.
     Announce {
         /// The files, in the order they are sent.

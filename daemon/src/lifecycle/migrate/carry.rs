@@ -48,15 +48,36 @@ pub(super) fn snapshot_files(mgr: &Manager, name: &str) -> Result<Vec<(String, P
 /// # Errors
 /// A file that cannot be read (named).
 pub(super) fn announce(files: &[(String, PathBuf)]) -> Result<Vec<AnnouncedFile>, String> {
-    use std::os::unix::fs::MetadataExt;
     files
         .iter()
         .map(|(name, path)| {
-            let m = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-            let allocated = m.blocks().saturating_mul(512).min(m.len());
-            Ok(AnnouncedFile { name: name.clone(), bytes: m.len(), allocated })
+            let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let bytes = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?.len();
+            let allocated = data_bytes(&file, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+            Ok(AnnouncedFile { name: name.clone(), bytes, allocated })
         })
         .collect()
+}
+
+/// The bytes of `file` (`len` long) in its data extents (`SEEK_DATA`/`SEEK_HOLE`): at most
+/// what the receiver writes of it, which leaves holes and zero blocks out. Not the blocks it
+/// occupies here: a compressing file system (ZFS, btrfs) counts fewer than the receiver
+/// writes. A file system that does not know holes reports one extent, the whole file.
+fn data_bytes(file: &std::fs::File, len: u64) -> Result<u64, nix::Error> {
+    use nix::unistd::{lseek, Whence};
+    let (mut at, mut data) = (0i64, 0u64);
+    let end = i64::try_from(len).unwrap_or(i64::MAX);
+    while at < end {
+        let start = match lseek(file, at, Whence::SeekData) {
+            Ok(start) => start,
+            Err(nix::Error::ENXIO) => break, // only a hole from `at` to the end
+            Err(e) => return Err(e),
+        };
+        let stop = lseek(file, start, Whence::SeekHole)?.min(end);
+        data += u64::try_from(stop - start).unwrap_or(0);
+        at = stop;
+    }
+    Ok(data)
 }
 
 /// Sends `files` (`(wire name, path)`) over one `files` stream to `destination` for VM `vm`;
@@ -117,12 +138,13 @@ pub(super) async fn next_channel(
 }
 
 /// The snapshots' staging directory of this move ([`snapshots::incoming_dir`]), emptied of what
-/// an earlier give-up left, after checking this host holds no snapshot of a VM of that name
-/// (the move would mix them, and they are not this move's to remove); made when snapshots are
-/// coming (`coming`).
+/// an earlier give-up left empty, after checking this host holds no snapshot of a VM of that
+/// name (the move would mix them, and they are not this move's to remove), staged or placed;
+/// made when snapshots are coming (`coming`).
 ///
 /// # Errors
-/// 3003 when snapshots of that name are here; 4001 when a directory cannot be read or made.
+/// 3003 when snapshots of that name are here (placed or staged); 4001 when a directory cannot
+/// be read or made.
 pub(super) fn prepare_staging(mgr: &Manager, name: &str, coming: bool) -> Result<PathBuf, ApiError> {
     let (dir, staging) = (snapshots::snapshots_dir(mgr, name), snapshots::incoming_dir(mgr, name));
     crate::blocking::run(|| {
@@ -135,12 +157,23 @@ pub(super) fn prepare_staging(mgr: &Manager, name: &str, coming: bool) -> Result
             .field("spec.name"));
         }
         let _ = std::fs::remove_dir(&dir);
-        match std::fs::remove_dir_all(&staging) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(failed(format!("{}: {e}", staging.display())))
-            }
-            _ => {}
+        // Every give-up removes its own staging directory before it forgets the record, so one
+        // left holding something is a committed move's whose snapshots could not be put in
+        // place: their only copy, the source's is gone. Not this move's to remove.
+        let staged = std::fs::read_dir(&staging).map(|mut e| e.next().is_some()).unwrap_or(false);
+        if staged {
+            return Err(ApiError::new(
+                Code::HardwareInUse,
+                format!(
+                    "{} holds snapshots an earlier move of this name brought and could not put in place: \
+                     move them into {} or remove them first",
+                    staging.display(),
+                    dir.display()
+                ),
+            )
+            .field("spec.name"));
         }
+        let _ = std::fs::remove_dir(&staging);
         if coming {
             crate::state::dirs::private_dir(&staging).map_err(|e| failed(format!("{}: {e}", staging.display())))?;
         }
@@ -188,6 +221,13 @@ pub(super) fn check_header(announced: &[AnnouncedFile], got: &[String], header: 
         }
         Some(_) => Ok(()),
     }
+}
+
+/// The most data bytes file `name` may write on this host: what its source announced it
+/// takes there (what was reserved), plus one chunk for the difference of block sizes.
+pub(super) fn written_bound(announced: &[AnnouncedFile], name: &str) -> u64 {
+    let f = announced.iter().find(|f| f.name == name);
+    f.map_or(0, |f| f.allocated.min(f.bytes)).saturating_add(crate::migration::files::CHUNK as u64)
 }
 
 /// A snapshot being received: its checked record and the copies still to come.
@@ -256,7 +296,8 @@ pub(super) async fn receive_snapshot_file(
             crate::state::dirs::private_dir(&partial)
         })
         .map_err(|e| failed(format!("{}: {e}", partial.display())))?;
-        let done = rx.receive(header, &json).await.map_err(ApiError::from)?;
+        let done =
+            rx.receive_within(header, &json, written_bound(announced, &header.name)).await.map_err(ApiError::from)?;
         let bytes =
             crate::blocking::run(|| std::fs::read(&json)).map_err(|e| failed(format!("{}: {e}", json.display())))?;
         let record = plan::check_snapshot_record(snapshot, &bytes, announced)?;
@@ -275,7 +316,8 @@ pub(super) async fn receive_snapshot_file(
             return Err(failed(format!("snapshot {snapshot:?}: {file:?} is not one of its copies")));
         };
         let path = a.partial.join(file);
-        let done = rx.receive(header, &path).await.map_err(ApiError::from)?;
+        let done =
+            rx.receive_within(header, &path, written_bound(announced, &header.name)).await.map_err(ApiError::from)?;
         // The channel's trailer vouches for the bytes sent; the record says which bytes the
         // snapshot took: a copy changed on the source since is not this snapshot's.
         if disk.sha256 != done.sha256 {
@@ -298,6 +340,8 @@ pub(super) async fn receive_snapshot_file(
         let (name, a) = arriving.swap_remove(i);
         let done = staging.join(&name);
         crate::blocking::run(|| {
+            // Its files' names durable before the directory takes its final name.
+            std::fs::File::open(&a.partial)?.sync_all()?;
             std::fs::rename(&a.partial, &done)?;
             std::fs::File::open(staging)?.sync_all()
         })
@@ -385,6 +429,24 @@ pub(super) async fn check_received(tool: &crate::disk::Tool, path: &Path, overla
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn data_bytes_counts_the_data_extents_not_the_holes() {
+        use std::io::{Seek, SeekFrom, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sparse");
+        let mut f = std::fs::File::create(&path).unwrap();
+        f.seek(SeekFrom::Start(1 << 20)).unwrap();
+        f.write_all(&[7u8; 4096]).unwrap();
+        f.set_len(4 << 20).unwrap();
+        f.sync_all().unwrap();
+        let data = super::data_bytes(&std::fs::File::open(&path).unwrap(), 4 << 20).unwrap();
+        // A file system without holes would say 4 MiB; this test's (tmpfs or ext4) has them.
+        assert!((4096..1 << 20).contains(&data), "{data}");
+        let empty = dir.path().join("empty");
+        std::fs::File::create(&empty).unwrap();
+        assert_eq!(super::data_bytes(&std::fs::File::open(&empty).unwrap(), 0).unwrap(), 0);
+    }
+
     use super::*;
 
     fn file(name: &str, bytes: u64) -> AnnouncedFile {

@@ -236,7 +236,7 @@ async fn until_commit(
         .await
         .map_err(qemu_mig::MigrationQemuError::Qmp)
         .map_err(IncomingError::Qemu)?;
-    check_machine(&mgr, &mut qmp, &hello).await?;
+    check_machine(&mut qmp, &hello).await?;
     let qmp = Arc::new(tokio::sync::Mutex::new(qmp));
     let nbd = paths.run_dir.join(NBD_SOCKET);
     prepare_qemu(&mgr, &paths.run_dir, &nbd, secret, &disks, &qmp).await?;
@@ -329,15 +329,13 @@ async fn prepare_qemu(
 
 /// Whether this host's QEMU, up and waiting, gives the guest the machine the source's runs
 /// ([`super::machine`]); before `Ready`, so nothing of the guest has moved when it refuses.
-async fn check_machine(mgr: &Manager, qmp: &mut Qmp, hello: &crate::migration::Hello) -> Result<(), ApiError> {
+async fn check_machine(qmp: &mut Qmp, hello: &crate::migration::Hello) -> Result<(), ApiError> {
     let Some(source) = &hello.machine else {
         tracing::warn!("the source did not say which machine its guest runs on: not compared");
         return Ok(());
     };
-    let here = super::machine::facts(qmp, &mgr.config)
-        .await
-        .map_err(qemu_mig::MigrationQemuError::Qmp)
-        .map_err(IncomingError::Qemu)?;
+    let here =
+        super::machine::facts(qmp).await.map_err(qemu_mig::MigrationQemuError::Qmp).map_err(IncomingError::Qemu)?;
     super::machine::check(source, &here).map_err(|m| IncomingError::Machine(m).into())
 }
 

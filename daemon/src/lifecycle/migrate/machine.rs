@@ -5,10 +5,11 @@
 //! destination refuses before a byte of the guest moves (docs/moving.md).
 //!
 //! Order: the source fills [`crate::migration::Hello::machine`] with [`facts`] of its running
-//! QEMU; the destination, once its own QEMU is up (waiting for the stream), takes its [`facts`]
-//! and [`check`]s the two before it answers `Ready`. [`check`] and the parsers are pure.
+//! QEMU (asked of QEMU, not taken from the config: the config may have changed since the guest
+//! was launched); the destination, once its own QEMU is up (waiting for the stream), takes its
+//! [`facts`] and [`check`]s the two before it answers `Ready`. [`check`] and the parsers are
+//! pure.
 
-use crate::config::Config;
 use crate::migration::MachineFacts;
 use crate::qemu::qmp::{Qmp, QmpError};
 use serde_json::{json, Value};
@@ -41,14 +42,21 @@ impl Mismatch {
     }
 }
 
-/// The running QEMU's machine facts under `config` (the one it was launched with).
+/// The machine facts of the running QEMU behind `qmp`, as QEMU itself says them (not the
+/// daemon's config, which may have changed since the guest was launched).
 ///
 /// # Errors
 /// When QEMU does not answer.
-pub(crate) async fn facts(qmp: &mut Qmp, config: &Config) -> Result<MachineFacts, QmpError> {
-    let machines = qmp.execute("query-machines", None).await?;
-    let cpu = crate::qemu::argv::cpu_model(config).unwrap_or_default().to_string();
-    let accel = config.qemu.accel.as_str().to_string();
+pub(crate) async fn facts(qmp: &mut Qmp) -> Result<MachineFacts, QmpError> {
+    let machine = qmp.execute("qom-get", Some(json!({ "path": "/machine", "property": "type" }))).await?;
+    let kvm = qmp.execute("query-kvm", None).await?;
+    let cpus = qmp.execute("query-cpus-fast", None).await?;
+    let cpu = match cpus.pointer("/0/qom-path").and_then(Value::as_str) {
+        Some(path) => qmp.execute("qom-get", Some(json!({ "path": path, "property": "type" }))).await?,
+        None => Value::Null,
+    };
+    let accel = if kvm.get("enabled").and_then(Value::as_bool) == Some(true) { "kvm" } else { "tcg" };
+    let cpu = model_of_type(cpu.as_str().unwrap_or_default()).to_string();
     // Under TCG QEMU emulates every feature of a model on any host; under KVM they come from
     // the host's CPU, and only the expansion says which.
     let cpu_features = if accel == "kvm" && !cpu.is_empty() {
@@ -57,20 +65,23 @@ pub(crate) async fn facts(qmp: &mut Qmp, config: &Config) -> Result<MachineFacts
     } else {
         Vec::new()
     };
-    Ok(MachineFacts { machine: resolve_machine(&config.qemu.machine, &machines), accel, cpu, cpu_features })
+    Ok(MachineFacts {
+        machine: machine_of_type(machine.as_str().unwrap_or_default()).to_string(),
+        accel: accel.to_string(),
+        cpu,
+        cpu_features,
+    })
 }
 
-/// The machine type `configured` (`-machine`'s value: a name or alias, maybe with options)
-/// resolves to in a `query-machines` answer (pure); itself when QEMU lists neither.
-pub(crate) fn resolve_machine(configured: &str, machines: &Value) -> String {
-    let wanted = configured.split(',').next().unwrap_or_default();
-    let list = machines.as_array().map(Vec::as_slice).unwrap_or_default();
-    list.iter()
-        .find(|m| m.get("alias").and_then(Value::as_str) == Some(wanted))
-        .or_else(|| list.iter().find(|m| m.get("name").and_then(Value::as_str) == Some(wanted)))
-        .and_then(|m| m.get("name").and_then(Value::as_str))
-        .unwrap_or(wanted)
-        .to_string()
+/// The machine type of QOM type `t` (`pc-q35-7.2-machine` -> `pc-q35-7.2`), pure.
+pub(crate) fn machine_of_type(t: &str) -> &str {
+    t.strip_suffix("-machine").unwrap_or(t)
+}
+
+/// The CPU model of QOM type `t` (`host-x86_64-cpu` -> `host`, `qemu64-x86_64-cpu` ->
+/// `qemu64`), pure.
+pub(crate) fn model_of_type(t: &str) -> &str {
+    t.strip_suffix("-x86_64-cpu").unwrap_or(t)
 }
 
 /// The features a `query-cpu-model-expansion` answer enables, sorted (pure).
@@ -121,17 +132,12 @@ mod tests {
     }
 
     #[test]
-    fn an_alias_resolves_to_the_machine_type_it_names_here() {
-        let machines = json!([
-            {"name": "pc-q35-7.1", "hotpluggable-cpus": true},
-            {"name": "pc-q35-7.2", "alias": "q35"},
-            {"name": "pc-i440fx-7.2", "alias": "pc", "is-default": true},
-        ]);
-        assert_eq!(resolve_machine("q35", &machines), "pc-q35-7.2");
-        assert_eq!(resolve_machine("q35,kernel-irqchip=split", &machines), "pc-q35-7.2");
-        assert_eq!(resolve_machine("pc-q35-7.1", &machines), "pc-q35-7.1");
-        assert_eq!(resolve_machine("microvm", &machines), "microvm", "unlisted: compared as written");
-        assert_eq!(resolve_machine("q35", &json!({})), "q35");
+    fn qom_types_name_the_machine_and_the_model() {
+        assert_eq!(machine_of_type("pc-q35-7.2-machine"), "pc-q35-7.2");
+        assert_eq!(machine_of_type("microvm"), "microvm");
+        assert_eq!(model_of_type("host-x86_64-cpu"), "host");
+        assert_eq!(model_of_type("Skylake-Server-v4-x86_64-cpu"), "Skylake-Server-v4");
+        assert_eq!(model_of_type(""), "");
     }
 
     #[test]

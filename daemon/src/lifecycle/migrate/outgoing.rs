@@ -248,7 +248,7 @@ async fn send(
         macs: rec.nics.iter().map(|n| n.mac.clone()).collect(),
         disks: hello_disks(&disks, &blocks).map_err(|m| failed("migrate", m))?,
         machine: Some(
-            super::machine::facts(&mut *qmp(mgr, name).await?, &mgr.config)
+            super::machine::facts(&mut *qmp(mgr, name).await?)
                 .await
                 .map_err(|e| failed("migrate", format!("the machine's facts: {e}")))?,
         ),

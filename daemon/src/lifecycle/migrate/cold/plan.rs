@@ -212,6 +212,9 @@ pub(crate) enum AnnounceError {
     /// A snapshot's files announced before (or without) its `snapshot.json`.
     #[error("snapshot {0:?}: its files must follow its snapshot.json")]
     NoRecord(String),
+    /// More files than the disks and the most snapshots a VM keeps make.
+    #[error("{0} files announced: more than this VM's disks and snapshots can be")]
+    TooManyFiles(usize),
     /// More snapshots than a VM keeps.
     #[error("{0} snapshots: a VM keeps at most {max}", max = super::super::super::snapshots::MAX_SNAPSHOTS)]
     TooMany(usize),
@@ -254,15 +257,21 @@ pub(crate) fn check_announced(
     hello: &[HelloDisk],
     files: &[crate::migration::AnnouncedFile],
 ) -> Result<Room, AnnounceError> {
+    use super::super::super::snapshots::MAX_SNAPSHOTS;
+    // Bounded before the loop: each snapshot is its record and at most a copy per disk (the
+    // root, the data disks, the variables store: Hello's disks), and a peer's list is read once.
+    let most = hello.len().saturating_add(MAX_SNAPSHOTS.saturating_mul(hello.len().saturating_add(2)));
+    if files.len() > most {
+        return Err(AnnounceError::TooManyFiles(files.len()));
+    }
     let mut room = Room::default();
-    let mut seen: Vec<&str> = Vec::new();
+    let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
     let mut snapshots: Vec<&str> = Vec::new();
     let mut disks = 0;
     for f in files {
-        if seen.contains(&f.name.as_str()) {
+        if !seen.insert(f.name.as_str()) {
             return Err(AnnounceError::Twice(f.name.clone()));
         }
-        seen.push(&f.name);
         let occupies = f.allocated.min(f.bytes);
         let bound = if let Some((snapshot, file)) = snapshot_of(&f.name) {
             if file == super::super::super::snapshots::SNAPSHOT_JSON {
@@ -292,7 +301,7 @@ pub(crate) fn check_announced(
     if disks != hello.len() {
         return Err(AnnounceError::Disks { files: disks, disks: hello.len() });
     }
-    if snapshots.len() > super::super::super::snapshots::MAX_SNAPSHOTS {
+    if snapshots.len() > MAX_SNAPSHOTS {
         return Err(AnnounceError::TooMany(snapshots.len()));
     }
     Ok(room)
@@ -658,6 +667,8 @@ mod tests {
             many.push(file(&format!("snapshot:n{i}/snapshot.json"), 10));
         }
         assert!(matches!(refused(&many), AnnounceError::TooMany(_)));
+        let flood: Vec<_> = (0..100_000).map(|i| file(&format!("snapshot:f{i}/snapshot.json"), 10)).collect();
+        assert_eq!(refused(&flood), AnnounceError::TooManyFiles(100_000), "refused before the loop");
         let e: crate::api::ApiError = AnnounceError::Twice("x".into()).into();
         assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("files")));
     }

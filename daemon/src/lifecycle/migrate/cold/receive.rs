@@ -211,7 +211,8 @@ async fn receive_files(
         let place = plan::placement(spec, paths, &hello.disks, &header.name)
             .ok_or_else(|| failed(format!("the source sent a file {:?} this VM has no place for", header.name)))?;
         let _ = crate::blocking::run(|| std::fs::remove_file(&place.partial));
-        let done = rx.receive(&header, &place.partial).await.map_err(ApiError::from)?;
+        let bound = carry::written_bound(into.announced, &header.name);
+        let done = rx.receive_within(&header, &place.partial, bound).await.map_err(ApiError::from)?;
         let overlay = place.target == paths.overlay;
         let qcow2 = overlay
             || place.target == paths.root_disk(crate::api::DiskFormat::Qcow2)
@@ -222,8 +223,15 @@ async fn receive_files(
         if qcow2 {
             carry::check_received(tool, &place.partial, overlay).await?;
         }
-        crate::blocking::run(|| std::fs::rename(&place.partial, &place.target))
-            .map_err(|e| failed(format!("{}: {e}", place.target.display())))?;
+        // The name durable before `Ready`: on `Committed` the source deletes its copy.
+        crate::blocking::run(|| {
+            std::fs::rename(&place.partial, &place.target)?;
+            match place.target.parent() {
+                Some(dir) => std::fs::File::open(dir)?.sync_all(),
+                None => Ok(()),
+            }
+        })
+        .map_err(|e| failed(format!("{}: {e}", place.target.display())))?;
         tracing::info!(file = %header.name, bytes = header.bytes, sha256 = %done.sha256, "received");
         got.push(header.name);
     }
