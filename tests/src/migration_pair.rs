@@ -537,3 +537,22 @@ pub fn continuity(ticks: &[Tick], from: usize, to: usize) -> Continuity {
         on_destination: ticks.iter().filter(|t| t.host == to).count(),
     }
 }
+
+impl Continuity {
+    /// Asserts the guest went on across the move: one boot id, the destination's first count
+    /// right after the source's last (a line cut by the switch is split over both logs, so the
+    /// next whole one may be one later), no stand-still of 10 s.
+    ///
+    /// # Panics
+    /// When it did not.
+    pub fn assert_went_on(&self) {
+        assert_eq!(self.boots.len(), 1, "the guest restarted: boot ids {:?}", self.boots);
+        let last = self.last_on_source.expect("ticks on the source");
+        let first = self.first_on_destination.expect("ticks on the destination");
+        assert!(
+            first > last && first <= last + 2,
+            "the counter did not go on from where it was: last {last} on the source, first {first} on the destination"
+        );
+        assert!(self.largest_gap < Duration::from_secs(10), "the guest stood still {:?}", self.largest_gap);
+    }
+}
