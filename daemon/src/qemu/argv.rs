@@ -513,7 +513,7 @@ pub fn build_argv(
 
 /// `-cpu`'s model for `config` (pure): the configured one, else `host` under KVM (the guest
 /// gets this host's CPU), else none (QEMU's default under TCG).
-pub fn cpu_model(config: &Config) -> Option<&str> {
+fn cpu_model(config: &Config) -> Option<&str> {
     match (config.qemu.cpu_model.as_str(), config.qemu.accel) {
         ("", Accel::Kvm) => Some("host"),
         ("", Accel::Tcg) => None,
