@@ -211,6 +211,8 @@ pub struct QemuConfig {
     /// The sha256 `img_binary` must have: checked at start and by `host.check` only, since
     /// qemu-img is never run.
     pub img_sha256: Option<String>,
+    /// swtpm, the TPM emulator a VM with `tpm: true` gets ([`crate::tpm`]); run as `user`.
+    pub swtpm: PathBuf,
 }
 
 /// A user and group to run a program as: `qemu.user`, resolved when the config is loaded.
@@ -247,6 +249,7 @@ impl Default for QemuConfig {
             sandbox: true,
             sha256: None,
             img_sha256: None,
+            swtpm: "/usr/bin/swtpm".into(),
         }
     }
 }
@@ -758,6 +761,7 @@ impl Config {
             ("paths.socket", &raw.paths.socket),
             ("qemu.binary", &raw.qemu.binary),
             ("qemu.img_binary", &raw.qemu.img_binary),
+            ("qemu.swtpm", &raw.qemu.swtpm),
         ] {
             if !p.is_absolute() {
                 return Err(key_err(key, format!("{} is not an absolute path", p.display())));

@@ -639,6 +639,7 @@ reserved_memory_gib = 4
             numa: None,
             hugepages: None,
             emulator_cpu: false,
+            tpm: false,
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),

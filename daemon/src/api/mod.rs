@@ -131,6 +131,11 @@ pub struct VmSpec {
     /// the main loop); only with `cpu_policy: dedicated`. Needs a restart.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub emulator_cpu: bool,
+    /// A TPM 2.0 for the guest: swtpm on the host, its state kept in the VM's disk directory
+    /// until the destroy ([`crate::tpm`], docs/images.md "TPM"). Left out when false. Needs a
+    /// restart.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tpm: bool,
 }
 
 impl VmSpec {

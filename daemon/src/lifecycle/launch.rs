@@ -50,17 +50,22 @@ async fn boot_file(
 
 /// Checks the files a launch of `vm` needs before anything is made: the QEMU binary is the
 /// one `qemu.sha256` pins (QEMU also works the VM's image files), the files the spec
-/// names exist and, for a kernel and initrd, vmhostd can open them, and for a UEFI VM
-/// vmhostd can open the `[firmware]` files. Nothing is read yet: the launch copies them.
+/// names exist and, for a kernel and initrd, vmhostd can open them, for a UEFI VM
+/// vmhostd can open the `[firmware]` files, and for a VM with `tpm` swtpm is there. Nothing is read yet: the launch copies them.
 /// Runs without an operation too: a create, a replace and a reconfigure check before they
 /// take the VM's flag (a refusal then leaves nothing to undo), and reconcile's plan checks
 /// with no operation at all.
 ///
 /// # Errors
 /// 4002 on `qemu.sha256` for another binary; 2001 naming the field of a missing or
-/// unreadable file (`spec.boot.firmware` for the firmware, with `details.path`).
+/// unreadable file (`spec.boot.firmware` for the firmware, with `details.path`; `spec.tpm`
+/// when swtpm is missing).
 pub(super) async fn check_launch_files(mgr: &Manager, vm: &ValidSpec) -> Result<(), ApiError> {
     mgr.processes.integrity().verify_qemu()?;
+    if vm.spec.tpm {
+        // Like the firmware: the host's program, the spec's choice (2001 on spec.tpm).
+        crate::blocking::run(|| crate::tpm::check(&mgr.config.qemu.swtpm))?;
+    }
     if vm.spec.boot.firmware == Firmware::Uefi {
         // The host's files, but the spec's choice: refused like a missing image, before
         // anything is made (a BIOS VM never needs them).
@@ -327,7 +332,8 @@ impl VmOp {
         let fds = mgr.net.attach_nics(&mgr.config, &name, &vm.spec.nics, &allocs).await?;
         self.crashpoint("launch:taps");
         self.attach_capture(vm).await?;
-        let opened = self.open_passed_fds(vm, &allocs, fds, vhost.unwrap_or_default()).await?;
+        let tpm = self.start_tpm(vm).await?;
+        let opened = self.open_passed_fds(vm, &allocs, fds, vhost.unwrap_or_default(), tpm).await?;
         let argv = build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format, rec.placement.as_ref());
         let request = LaunchRequest {
             binary: mgr.config.qemu.binary.clone(),
@@ -363,6 +369,26 @@ impl VmOp {
         let expected = if incoming { "inmigrate" } else { "running" };
         mgr.processes.verify_status(qmp, expected).await?;
         Ok(id)
+    }
+
+    /// A VM with `tpm`: starts its swtpm ([`crate::tpm::start`]) and records it, then crash
+    /// point `launch:tpm`; returns QEMU's end of its control channel. No undo of its own: swtpm
+    /// ends when that end closes, with QEMU or when a failed launch drops it.
+    ///
+    /// # Errors
+    /// 4001 step `tpm` when swtpm or its state directory cannot be set up; the record cannot
+    /// be written.
+    async fn start_tpm(&mut self, vm: &ValidSpec) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
+        if !vm.spec.tpm {
+            return Ok(None);
+        }
+        let (mgr, paths) = (Arc::clone(self.mgr()), self.paths().clone());
+        let started =
+            crate::tpm::start(&mgr.config.qemu.swtpm, mgr.config.qemu_user, &paths, &paths.qemu_log).await?;
+        let id = started.identity.clone();
+        self.update("tpm", |r| r.tpm_process = Some(id))?;
+        self.crashpoint("launch:tpm");
+        Ok(Some(started.qemu_end))
     }
 
     /// Mirrors the sources of the VM's monitor NICs into their taps (which exist now: the
@@ -419,7 +445,9 @@ impl VmOp {
     /// root disk (read-write and read-only), the data disks (read-write and read-only), and for
     /// a UEFI VM the firmware code (read-only) and its variables store (read-write and
     /// read-only).
-    /// Last, each NIC's further tap queues and its vhost-net descriptors (`vhost`, already open).
+    /// Then each NIC's further tap queues and its vhost-net descriptors (`vhost`, already
+    /// open), and last a `tpm` VM's end of swtpm's control channel (`tpm`, made by
+    /// [`VmOp::start_tpm`]).
     /// Also returns the base image's format (a `boot.disk` VM: its root disk's).
     ///
     /// # Errors
@@ -431,6 +459,7 @@ impl VmOp {
         allocs: &[crate::nic::NicAlloc],
         taps: Vec<Vec<std::os::fd::OwnedFd>>,
         vhost: Vec<Vec<std::os::fd::OwnedFd>>,
+        mut tpm: Option<std::os::fd::OwnedFd>,
     ) -> Result<PassedFds, ApiError> {
         let (mgr, paths) = (self.mgr(), self.paths());
         use std::fs::OpenOptions;
@@ -498,6 +527,9 @@ impl VmOp {
                 PassedFd::Tap(i) => take(&mut taps, "tap", i, 0)?,
                 PassedFd::TapQueue(i, q) => take(&mut taps, "tap", i, q)?,
                 PassedFd::Vhost(i, q) => take(&mut vhost, "vhost-net descriptor", i, q)?,
+                PassedFd::TpmCtrl => {
+                    tpm.take().ok_or_else(|| provisioning("qemu_files", "no TPM control channel".to_string()))?
+                }
                 PassedFd::OverlayRw => read_write(&paths.overlay)?,
                 PassedFd::OverlayRo => read_only(&paths.overlay)?,
                 PassedFd::Base => {

@@ -728,6 +728,11 @@ impl Manager {
             .collect()
     }
 
+    /// The VMs whose spec asks for a TPM, for `host.check` ([`crate::tpm::check_item`]).
+    pub fn tpm_vms(&self) -> Vec<String> {
+        self.lock().vms.values().filter(|r| r.spec.tpm).map(|r| r.spec.name.clone()).collect()
+    }
+
     /// Records that could not be loaded, for `host.check`.
     pub fn broken_records(&self) -> Vec<BrokenRecord> {
         self.lock().broken.values().cloned().collect()

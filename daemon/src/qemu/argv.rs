@@ -208,6 +208,9 @@ pub enum PassedFd {
     /// The `/dev/vhost-net` descriptor of queue `q` of NIC `i` ([`crate::net::vhost`]), after
     /// every tap queue.
     Vhost(usize, usize),
+    /// A VM with `tpm`: QEMU's end of swtpm's control channel, a connected socket
+    /// ([`crate::tpm::start`]). Last of all, so no other descriptor changes number.
+    TpmCtrl,
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -249,6 +252,9 @@ pub fn launch_fds(vm: &ValidSpec, nics: &[NicAlloc]) -> Vec<PassedFd> {
     for (i, _) in nics.iter().enumerate().filter(|(_, n)| n.vhost) {
         fds.extend((0..nic_queues(vm, i)).map(|q| PassedFd::Vhost(i, q)));
     }
+    if vm.spec.tpm {
+        fds.push(PassedFd::TpmCtrl);
+    }
     fds
 }
 
@@ -267,6 +273,9 @@ pub const QEMU_SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=de
 /// paused after the state arrived until the daemon's `cont`, so the guest never runs on both
 /// hosts.
 pub const INCOMING_ARGS: [&str; 3] = ["-incoming", "defer", "-S"];
+
+/// The id of a VM's TPM backend (`-tpmdev`), its chardev (`-ctrl`) and device (`-dev`).
+pub const TPM_ID: &str = "tpm0";
 
 /// Doubles commas, QEMU's escape inside option lists.
 pub fn escape_opt(p: &Path) -> String {
@@ -404,6 +413,13 @@ pub fn build_argv(
         // and one for configuration changes.
         let mq = if queues > 1 { format!(",mq=on,vectors={}", 2 * queues + 2) } else { String::new() };
         push(&["-device", &format!("virtio-net-pci,netdev=net{i},mac={}{mq}", nic.mac)]);
+    }
+    if spec.tpm {
+        // swtpm's control channel, connected already (no server): QEMU hands swtpm the data
+        // channel over it. A CRB interface, as libvirt gives a TPM 2.0 on x86.
+        push(&["-chardev", &format!("socket,id={TPM_ID}-ctrl,fd={}", fd(PassedFd::TpmCtrl))]);
+        push(&["-tpmdev", &format!("emulator,id={TPM_ID},chardev={TPM_ID}-ctrl")]);
+        push(&["-device", &format!("tpm-crb,tpmdev={TPM_ID},id={TPM_ID}-dev")]);
     }
     // Passthrough devices after the virtio NICs: QEMU gives slots in command-line order, so the
     // declared NICs keep the first guest interface names (eth0, ...) that ip= and seeds use.
@@ -960,6 +976,23 @@ mod tests {
         let argv = argv_of(&bios(&s), &c);
         assert_eq!(value_after(&argv, "-machine"), ["q35"]);
         assert!(!argv.iter().any(|a| a.contains("uefi") || a.contains("OVMF") || a == "-blockdev"), "{argv:?}");
+    }
+
+    #[test]
+    fn a_tpm_is_swtpms_channel_as_the_last_descriptor_and_a_crb_device() {
+        let c = config();
+        let mut s = spec("t");
+        let plain = launch_fds(&validate_spec(&s, &c).unwrap(), &[]);
+        assert!(!argv_of(&s, &c).iter().any(|a| a.contains("tpm")));
+        s.tpm = true;
+        let v = validate_spec(&s, &c).unwrap();
+        // Every other descriptor keeps its number.
+        assert_eq!(launch_fds(&v, &[]), [plain.as_slice(), &[PassedFd::TpmCtrl]].concat());
+        let n = FIRST_PASSED_FD + plain.len() as i32;
+        let argv = argv_of(&s, &c);
+        assert!(argv.iter().any(|a| *a == format!("socket,id=tpm0-ctrl,fd={n}")), "{argv:?}");
+        assert_eq!(value_after(&argv, "-tpmdev"), ["emulator,id=tpm0,chardev=tpm0-ctrl"]);
+        assert!(argv.iter().any(|a| a == "tpm-crb,tpmdev=tpm0,id=tpm0-dev"), "{argv:?}");
     }
 
     /// `s` with the default firmware.

@@ -169,6 +169,11 @@ pub static METHODS: [Method; 38] = [
                 report.ok &= capture.status == crate::api::CheckStatus::Ok;
                 let at = report.items.iter().position(|i| i.name == "sandbox").unwrap_or(report.items.len());
                 report.items.insert(at, capture);
+                // swtpm, beside the firmware (both needed only by the VMs that ask for them).
+                let tpm = crate::tpm::check_item(&mgr.config().qemu.swtpm, &mgr.tpm_vms()).await;
+                report.ok &= tpm.status == crate::api::CheckStatus::Ok;
+                let at = report.items.iter().position(|i| i.name == "uefi_firmware").map_or(report.items.len(), |i| i + 1);
+                report.items.insert(at, tpm);
                 report
             })
             .await;
