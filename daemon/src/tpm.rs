@@ -34,10 +34,11 @@
 //! descriptor (that VM's swtpm) or a path through `STATE/disks/NAME` (root) reaches the state;
 //! another VM's QEMU or swtpm (the same user) cannot reach the descriptor either, since each
 //! program the spawner starts is in a Landlock domain of its own, which keeps it out of the
-//! others' `/proc/PID/fd`. The files swtpm writes are `qemu.user`'s, mode 0644
-//! ([`STATE_FILE_MODE`]): the daemon (root without `CAP_DAC_OVERRIDE`) can read them for a
-//! copy; putting a copy back must leave a file `qemu.user` owns, which only the spawner can
-//! make.
+//! others' `/proc/PID/fd`. The files swtpm writes are `qemu.user`'s, mode 0600
+//! ([`STATE_FILE_MODE`]): the daemon (root without `CAP_DAC_OVERRIDE`) can remove them (it
+//! owns the directory) but not read them; a copy must be read by the spawner (which raises
+//! `CAP_DAC_READ_SEARCH` to open boot files), and putting a copy back must leave a file
+//! `qemu.user` owns, which only the spawner can make.
 
 use std::ffi::OsString;
 use std::io;
@@ -58,9 +59,10 @@ pub const STATE_DIR: &str = "tpm";
 /// through its descriptor) create, rename and remove by name only (module doc).
 pub const STATE_DIR_MODE: u32 = 0o703;
 
-/// The permission bits swtpm gives its state files (`--tpmstate ...,mode=`): readable by the
-/// daemon for copies (module doc).
-pub const STATE_FILE_MODE: u32 = 0o644;
+/// The permission bits of swtpm's state files (`--tpmstate ...,mode=`, which it sets on each
+/// file it loads): its user's alone, as the files it writes get anyway (the spawner starts
+/// every program with umask 077).
+pub const STATE_FILE_MODE: u32 = 0o600;
 
 /// The files of a TPM 2.0's state that swtpm's directory backend writes: the persistent state
 /// (always, once the TPM started), the volatile state (after a suspend) and a saved state
@@ -119,7 +121,8 @@ pub fn state_dir(paths: &VmPaths) -> PathBuf {
 
 /// The files that hold the VM's TPM state now (those of [`STATE_FILE_NAMES`] that exist), for
 /// snapshots and backups to copy. Empty when the VM has no TPM state (no `tpm`, or never
-/// started with one). Copy them while swtpm does not run (a stopped VM), or through QEMU.
+/// started with one). Copy them while swtpm does not run (a stopped VM); they are
+/// `qemu.user`'s, mode 0600, so the daemon reads them through the spawner (module doc).
 pub fn state_files(paths: &VmPaths) -> Vec<PathBuf> {
     let dir = state_dir(paths);
     STATE_FILE_NAMES.iter().map(|n| dir.join(n)).filter(|p| p.is_file()).collect()
@@ -157,7 +160,9 @@ pub async fn check_item(swtpm: &Path, tpm_vms: &[String]) -> CheckItem {
                     let version = text.lines().next().unwrap_or("").trim().to_string();
                     return item(CheckStatus::Ok, format!("{}: {version}", swtpm.display()));
                 }
-                Ok(Ok(out)) => (CheckStatus::Error, format!("{} --version exited with {}", swtpm.display(), out.status)),
+                Ok(Ok(out)) => {
+                    (CheckStatus::Error, format!("{} --version exited with {}", swtpm.display(), out.status))
+                }
                 Ok(Err(e)) => (CheckStatus::Error, format!("cannot run {}: {e}", swtpm.display())),
                 Err(_) => (CheckStatus::Error, format!("{} --version did not finish within 10 s", swtpm.display())),
             }
@@ -339,7 +344,7 @@ mod tests {
                 "--ctrl",
                 "type=unixio,clientfd=3",
                 "--tpmstate",
-                "dir=/proc/self/fd/4,mode=0644",
+                "dir=/proc/self/fd/4,mode=0600",
                 "--terminate"
             ]
         );
@@ -383,8 +388,14 @@ mod tests {
         let e: ApiError = check(Path::new("/nonexistent/swtpm")).unwrap_err().into();
         assert_eq!(e.code.as_i32(), 2001);
         assert_eq!(e.field.as_deref(), Some("spec.tpm"));
-        assert!(check(Path::new("/etc/hostname")).is_err(), "not executable");
-        assert!(check(Path::new("/bin")).is_err(), "a directory");
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("swtpm");
+        std::fs::write(&file, b"#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        assert!(check(&file).is_err(), "not executable");
+        std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        assert!(check(&file).is_ok());
+        assert!(check(d.path()).is_err(), "a directory");
     }
 
     #[test]

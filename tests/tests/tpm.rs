@@ -73,16 +73,17 @@ fn assert_sandboxed(pid: i32, state: &Path) {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     let rest: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
     assert_eq!(rest[3], pid.to_string(), "a session of its own");
+    // (The command line ends with a NUL, which argv_of keeps as an empty last argument.)
     let argv = argv_of(i64::from(pid));
     assert_eq!(
-        argv[1..],
+        argv[1..argv.len() - 1],
         [
             "socket",
             "--tpm2",
             "--ctrl",
             "type=unixio,clientfd=3",
             "--tpmstate",
-            "dir=/proc/self/fd/4,mode=0644",
+            "dir=/proc/self/fd/4,mode=0600",
             "--terminate"
         ]
     );
@@ -124,7 +125,7 @@ fn a_vm_keeps_its_tpm_across_restarts_of_the_vm_and_the_daemon_until_the_destroy
     assert_eq!(fs::metadata(state.parent().unwrap()).unwrap().mode() & 0o7777, 0o700);
     let permall = state.join("tpm2-00.permall");
     let m = fs::metadata(&permall).unwrap_or_else(|e| panic!("{}: {e}", permall.display()));
-    assert_eq!(m.mode() & 0o7777, 0o644);
+    assert_eq!(m.mode() & 0o7777, 0o600);
     assert_ne!(m.uid(), 0, "swtpm's");
     // QEMU holds the other end of the channel and the TPM device.
     let qemu = host.call("vm.get", json!({"name": "tpm"}))["pid"].as_i64().unwrap();

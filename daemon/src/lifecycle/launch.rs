@@ -383,8 +383,7 @@ impl VmOp {
             return Ok(None);
         }
         let (mgr, paths) = (Arc::clone(self.mgr()), self.paths().clone());
-        let started =
-            crate::tpm::start(&mgr.config.qemu.swtpm, mgr.config.qemu_user, &paths, &paths.qemu_log).await?;
+        let started = crate::tpm::start(&mgr.config.qemu.swtpm, mgr.config.qemu_user, &paths, &paths.qemu_log).await?;
         let id = started.identity.clone();
         self.update("tpm", |r| r.tpm_process = Some(id))?;
         self.crashpoint("launch:tpm");

@@ -172,7 +172,8 @@ pub static METHODS: [Method; 38] = [
                 // swtpm, beside the firmware (both needed only by the VMs that ask for them).
                 let tpm = crate::tpm::check_item(&mgr.config().qemu.swtpm, &mgr.tpm_vms()).await;
                 report.ok &= tpm.status == crate::api::CheckStatus::Ok;
-                let at = report.items.iter().position(|i| i.name == "uefi_firmware").map_or(report.items.len(), |i| i + 1);
+                let at =
+                    report.items.iter().position(|i| i.name == "uefi_firmware").map_or(report.items.len(), |i| i + 1);
                 report.items.insert(at, tpm);
                 report
             })
