@@ -6,7 +6,8 @@
 //! boot. So a second boot showing a larger count proves the guest met the same TPM state again,
 //! not a new TPM (which starts at 1). Between the boots the daemon is killed and restarted (the
 //! VM and its swtpm run on, recognised by the new daemon), the VM is stopped (swtpm ends with
-//! QEMU), and swtpm is taken away (host.check names the VM that needs it, a start is refused with
+//! QEMU) and later restarted at once (the next swtpm starts only once the last let go of the
+//! state), and swtpm is taken away (host.check names the VM that needs it, a start is refused with
 //! 2001 on `spec.tpm`) and put back. The destroy removes the state. swtpm is a copy in a
 //! directory of the test's own, so that it can go and come back, and so that the test finds
 //! its own swtpm processes by their executable.
@@ -167,10 +168,18 @@ fn a_vm_keeps_its_tpm_across_restarts_of_the_vm_and_the_daemon_until_the_destroy
     assert!(counts[1] > counts[0], "the TPM state did not survive the restart: {counts:?}");
     let second = the_swtpm(&swtpm);
     assert_ne!(second, pid);
+    // A restart kills QEMU and starts the VM again at once: the next swtpm waits for the last
+    // one to let go of the state, and the third boot meets it too.
+    host.call("vm.restart", json!({"name": "tpm", "timeout_s": 1, "force": true}));
+    host.wait_serial_count("tpm", "VMHOST-TPM present", 3, BOOT);
+    let counts = reset_counts(&host, "tpm");
+    assert!(counts[2] > counts[1], "the TPM state did not survive the restart: {counts:?}");
+    assert!(!alive(second), "the last swtpm ended");
+    let third = the_swtpm(&swtpm);
 
     // The destroy ends swtpm and removes the state with the VM's disk directory.
     host.call("vm.destroy", json!({"name": "tpm"}));
-    assert!(!alive(second), "swtpm ended");
+    assert!(!alive(third), "swtpm ended");
     assert!(!state.exists(), "the destroy removed the TPM state");
     assert!(!host.state().join("disks/tpm").exists(), "and the VM's disk directory");
 }

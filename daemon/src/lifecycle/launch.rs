@@ -371,8 +371,8 @@ impl VmOp {
         Ok(id)
     }
 
-    /// A VM with `tpm`: starts its swtpm ([`crate::tpm::start`]) and records it, then crash
-    /// point `launch:tpm`; returns QEMU's end of its control channel. No undo of its own: swtpm
+    /// A VM with `tpm`: ends the last QEMU's swtpm if it still runs ([`crate::tpm::stop`]),
+    /// starts its swtpm ([`crate::tpm::start`]) and records it, then crash point `launch:tpm`; returns QEMU's end of its control channel. No undo of its own: swtpm
     /// ends when that end closes, with QEMU or when a failed launch drops it.
     ///
     /// # Errors
@@ -383,6 +383,11 @@ impl VmOp {
             return Ok(None);
         }
         let (mgr, paths) = (Arc::clone(self.mgr()), self.paths().clone());
+        // No QEMU of the VM runs here (launch_as looked), so a recorded swtpm still alive is
+        // the last QEMU's, a moment from ending (a restart kills QEMU and starts again at
+        // once): it must be gone, and its lock on the state with it, before the next starts.
+        let previous = self.record()?.tpm_process;
+        crate::tpm::stop(self.name(), previous.as_ref()).await;
         let started = crate::tpm::start(&mgr.config.qemu.swtpm, mgr.config.qemu_user, &paths, &paths.qemu_log).await?;
         let id = started.identity.clone();
         self.update("tpm", |r| r.tpm_process = Some(id))?;
