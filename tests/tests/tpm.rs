@@ -206,3 +206,36 @@ fn a_vm_without_a_tpm_has_none_and_a_missing_swtpm_refuses_only_tpm_vms() {
     assert!(!host.state().join("disks/plain/tpm").exists());
     host.call("vm.destroy", json!({"name": "plain"}));
 }
+
+#[test]
+fn a_daemon_killed_once_swtpm_runs_leaves_no_swtpm_and_a_failed_vm_that_starts() {
+    let dir = tempfile::Builder::new().prefix("vmhtpm").tempdir_in("/tmp").unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let swtpm = dir.path().join("swtpm");
+    fs::copy("/usr/bin/swtpm", &swtpm).unwrap();
+    let mut host = TestHost::start(HostOptions {
+        qemu_extra: format!("swtpm = {:?}\n", swtpm.display()),
+        extra: "[lifecycle]\nautostart = false\n".into(),
+        ..HostOptions::default()
+    });
+    let mut spec = host.kernel_spec("tpm");
+    spec["tpm"] = true.into();
+    host.crash_during("launch:tpm", "vm.create", json!({ "spec": spec }));
+    // The daemon held QEMU's end of the channel: with it gone, swtpm ended by itself.
+    wait::until_true(
+        "swtpm to end with the daemon",
+        Duration::from_secs(10),
+        || processes_of(&swtpm).is_empty(),
+        || format!("{:?}", processes_of(&swtpm)),
+    );
+    assert!(host.qemu_pids().is_empty());
+    assert_eq!(host.call("vm.get", json!({"name": "tpm"}))["status"], "failed");
+    // The state it made is the VM's, and the next start uses it.
+    let vm = host.call("vm.start", json!({"name": "tpm"}));
+    assert_eq!(vm["vm"]["status"], "running", "{vm}");
+    host.wait_serial_count("tpm", "VMHOST-TPM present", 1, BOOT);
+    the_swtpm(&swtpm);
+    host.call("vm.destroy", json!({"name": "tpm"}));
+    assert!(processes_of(&swtpm).is_empty());
+    assert!(!host.state().join("disks/tpm").exists());
+}
