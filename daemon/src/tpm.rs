@@ -410,6 +410,19 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn stop_ends_the_recorded_process_and_waits_for_it() {
+        let mut child = std::process::Command::new("/bin/sleep").arg("30").spawn().unwrap();
+        let id = crate::process::identify(child.id() as i32).unwrap();
+        // Reaped here, as the spawner reaps a real swtpm, so the wait sees it gone.
+        let reaper = std::thread::spawn(move || child.wait().unwrap());
+        stop("t1", Some(&id)).await;
+        assert!(!reaper.join().unwrap().success());
+        // Gone, or never recorded: nothing to do.
+        stop("t1", Some(&id)).await;
+        stop("t1", None).await;
+    }
+
+    #[tokio::test]
     async fn a_stray_swtpm_is_ended() {
         let mut child = std::process::Command::new("/bin/sleep").arg("30").spawn().unwrap();
         let id = crate::process::identify(child.id() as i32).unwrap();
