@@ -927,7 +927,8 @@ fn backups_of(host: &TestHost) -> Vec<String> {
 /// that `vmhost.import` makes a VM from under a new name and, after a destroy, under the old
 /// one, each disk holding the pattern. A param the module does not know reaches the daemon,
 /// whose refusal comes back as the module's error with code and field; `test=True` sends
-/// nothing.
+/// nothing. The states `vmhost.snapshot_present` (predicted, taken once) and
+/// `vmhost.snapshot_absent`.
 #[test]
 fn snapshots_revert_export_and_import_through_the_execution_module() {
     let host = TestHost::start(HostOptions::default());
@@ -1016,4 +1017,22 @@ fn snapshots_revert_export_and_import_through_the_execution_module() {
         let disk = host.state().join("disks").join(vm).join("root.qcow2");
         assert!(disk_pattern(&disk, "read", 0x11), "{vm}: {} holds the exported data", disk.display());
     }
+
+    // The states: snapshot_present predicted under test=True, taken once, quiet on a rerun;
+    // snapshot_absent deletes it.
+    let mut args = Map::new();
+    args.insert("vm".into(), json!("web2"));
+    minion.sls("snap", "nightly", "vmhost.snapshot_present", &args);
+    let r = minion.apply("snap", true);
+    assert_eq!((&r["result"], comment(&r)), (&Value::Null, "snapshot nightly of VM web2 would be taken"), "{r}");
+    assert!(host.call("vm.snapshots", json!({"name": "web2"})).as_array().is_some_and(Vec::is_empty));
+    let r = minion.apply("snap", false);
+    assert_eq!((&r["result"], comment(&r)), (&json!(true), "snapshot nightly of VM web2 taken (stopped)"), "{r}");
+    assert_eq!(host.call("vm.snapshots", json!({"name": "web2"}))[0]["name"], "nightly");
+    let r = minion.apply("snap", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "{r}");
+    minion.sls("nosnap", "nightly", "vmhost.snapshot_absent", &args);
+    let r = minion.apply("nosnap", false);
+    assert_eq!((&r["result"], comment(&r)), (&json!(true), "snapshot nightly of VM web2 deleted"), "{r}");
+    assert!(host.call("vm.snapshots", json!({"name": "web2"})).as_array().is_some_and(Vec::is_empty));
 }
