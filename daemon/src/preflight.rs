@@ -255,6 +255,48 @@ fn uefi_firmware(config: &Config, uefi_vms: &[String]) -> CheckItem {
     item(NAME, status, format!("{e}; boot.firmware uefi is used by {}", uefi_vms.join(", ")))
 }
 
+/// The `[firmware]` secure pair a `boot.secure_boot` VM needs ([`crate::qemu::firmware::check_pair`]:
+/// both files, and a template with a Platform Key enrolled), judged like [`uefi_firmware`]:
+/// failing only when a VM (`secure_vms`) asks for Secure Boot.
+fn secure_boot_firmware(config: &Config, secure_vms: &[String]) -> CheckItem {
+    const NAME: &str = "secure_boot_firmware";
+    let pair = crate::qemu::firmware::Pair::of(&config.firmware, true);
+    let e = match crate::qemu::firmware::check_pair(pair) {
+        Ok(p) => {
+            let machine = if crate::validate::is_q35(&config.qemu.machine) {
+                String::new()
+            } else {
+                format!("; but qemu.machine {:?} is not q35, which Secure Boot needs", config.qemu.machine)
+            };
+            return item(
+                NAME,
+                CheckStatus::Ok,
+                format!(
+                    "{} ({} bytes) and {} ({} bytes, keys enrolled) readable{machine}",
+                    pair.code.display(),
+                    p.code_bytes,
+                    pair.vars.display(),
+                    p.vars_bytes
+                ),
+            );
+        }
+        Err(e) => e,
+    };
+    if secure_vms.is_empty() {
+        return item(NAME, CheckStatus::Ok, format!("needed only for boot.secure_boot, which no VM uses: {e}"));
+    }
+    let status = match &e {
+        crate::qemu::firmware::FirmwareError::Missing { .. } => CheckStatus::Missing,
+        crate::qemu::firmware::FirmwareError::Unreadable { source, .. }
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            CheckStatus::Denied
+        }
+        _ => CheckStatus::Error,
+    };
+    item(NAME, status, format!("{e}; boot.secure_boot is used by {}", secure_vms.join(", ")))
+}
+
 /// vhost-net ([`crate::net::vhost`]): `ok` either way, since VMs start without it (their
 /// virtio-net then runs in QEMU's userspace, slower); the detail says which and why.
 fn vhost_net(status: &crate::net::vhost::VhostStatus) -> CheckItem {
@@ -285,8 +327,8 @@ fn networks(states: &[NetworkState]) -> Vec<CheckItem> {
 }
 
 /// Runs every preflight check; `networks` is what the network owner found at its last check,
-/// `uefi_vms` the VMs whose spec asks for UEFI firmware, `identity` the [`hardware_identity`]
-/// item.
+/// `uefi_vms` the VMs whose spec asks for UEFI firmware, `secure_vms` those that ask for Secure
+/// Boot, `identity` the [`hardware_identity`] item.
 pub async fn check(
     config: &Config,
     broken: &[BrokenRecord],
@@ -294,6 +336,7 @@ pub async fn check(
     integrity: &crate::qemu::integrity::Integrity,
     images: CheckItem,
     uefi_vms: &[String],
+    secure_vms: &[String],
     identity: CheckItem,
 ) -> HostCheck {
     let mut items = vec![
@@ -309,6 +352,7 @@ pub async fn check(
     items.extend(integrity.items(config));
     items.push(images);
     items.push(uefi_firmware(config, uefi_vms));
+    items.push(secure_boot_firmware(config, secure_vms));
     items.extend(networks(network_states));
     items.push(vhost_net(&crate::net::vhost::for_accel(config.qemu.accel, crate::net::vhost::probe())));
     items.extend(vfio(config).await);
@@ -397,7 +441,7 @@ mod tests {
         c.paths.run = d.path().join("absent");
         c.paths.images = d.path().join("absent-images");
         let r =
-            check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], identity_item()).await;
+            check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], &[], identity_item()).await;
         assert!(!r.ok);
         let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
         assert_eq!(status("qemu"), CheckStatus::Missing);
@@ -411,7 +455,7 @@ mod tests {
         let broken = [BrokenRecord { path: "/x/a.json".into(), name: "a".into(), error: "bad".into() }];
         let nets = [NetworkState { name: "lan".into(), ready: false, detail: "bridge br0 does not exist".into() }];
         let r =
-            check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], identity_item())
+            check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], &[], identity_item())
                 .await;
         assert_eq!(r.items.iter().find(|i| i.name == "network.lan").unwrap().status, CheckStatus::Error);
         assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
@@ -431,6 +475,34 @@ mod tests {
         );
         let it = vhost_net(&VhostStatus { usable: true, reason: "/dev/vhost-net opens read-write".into() });
         assert_eq!((it.status, it.detail.contains("get vhost-net")), (CheckStatus::Ok, true), "{}", it.detail);
+    }
+
+    #[test]
+    fn secure_boot_firmware_needs_enrolled_keys_and_fails_only_when_a_vm_uses_it() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = config();
+        c.firmware.uefi_secure_code = d.path().join("CODE.secboot.fd");
+        c.firmware.uefi_secure_vars = d.path().join("VARS.ms.fd");
+        let it = secure_boot_firmware(&c, &[]);
+        assert_eq!(it.status, CheckStatus::Ok);
+        assert!(it.detail.starts_with("needed only for boot.secure_boot"), "{}", it.detail);
+        let it = secure_boot_firmware(&c, &["sb".into()]);
+        assert_eq!(it.status, CheckStatus::Missing);
+        assert!(it.detail.contains("CODE.secboot.fd does not exist") && it.detail.ends_with("used by sb"), "{}", it.detail);
+        std::fs::write(&c.firmware.uefi_secure_code, [0u8; 16]).unwrap();
+        // Debian's plain template: no keys, Secure Boot would be off.
+        let Ok(plain) = std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.fd") else { return };
+        std::fs::write(&c.firmware.uefi_secure_vars, plain).unwrap();
+        let it = secure_boot_firmware(&c, &["sb".into()]);
+        assert_eq!(it.status, CheckStatus::Error);
+        assert!(it.detail.contains("no Platform Key"), "{}", it.detail);
+        let Ok(ms) = std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.ms.fd") else { return };
+        std::fs::write(&c.firmware.uefi_secure_vars, ms).unwrap();
+        let it = secure_boot_firmware(&c, &["sb".into()]);
+        assert_eq!(it.status, CheckStatus::Ok, "{}", it.detail);
+        assert!(it.detail.contains("keys enrolled) readable"), "{}", it.detail);
+        c.qemu.machine = "pc".into();
+        assert!(secure_boot_firmware(&c, &[]).detail.contains("not q35"));
     }
 
     #[test]

@@ -150,6 +150,7 @@ pub static METHODS: [Method; 38] = [
                 let networks = mgr.host_net().probe_networks(mgr.config()).await;
                 let images = lifecycle::images::image_check(&mgr);
                 let uefi_vms = mgr.uefi_vms();
+                let secure_vms = mgr.secure_boot_vms();
                 let identity = crate::preflight::hardware_identity(
                     lifecycle::vfio::judge_model(&mgr).await.map_err(|e| e.to_string()),
                 );
@@ -160,6 +161,7 @@ pub static METHODS: [Method; 38] = [
                     mgr.binary_integrity(),
                     images,
                     &uefi_vms,
+                    &secure_vms,
                     identity,
                 )
                 .await;
