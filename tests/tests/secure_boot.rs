@@ -52,7 +52,8 @@ fn kernels(dir: &Path) -> (PathBuf, PathBuf) {
     let (key, cert) = (key.to_str().unwrap(), SNAKEOIL_CERT);
     run("sbsign", &["--key", key, "--cert", cert, "--output", signed.to_str().unwrap(), unsigned.to_str().unwrap()]);
     let out = Command::new("sbverify").args(["--list", unsigned.to_str().unwrap()]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("No signature table"), "{out:?}");
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("No signature table"), "{out:?}");
     (unsigned, signed)
 }
 
