@@ -507,8 +507,11 @@ impl From<LaunchFileError> for ApiError {
             LaunchFileError::BootFile { field, .. } => api(Code::InvalidSpec, &e, Some(field)),
             LaunchFileError::Firmware(f) => {
                 // The secure pair is what boot.secure_boot asks for.
-                let field =
-                    if f.key().starts_with("firmware.uefi_secure_") { "spec.boot.secure_boot" } else { "spec.boot.firmware" };
+                let field = if f.key().starts_with("firmware.uefi_secure_") {
+                    "spec.boot.secure_boot"
+                } else {
+                    "spec.boot.firmware"
+                };
                 api(Code::InvalidSpec, &e, Some(field)).details(json!({ "path": f.path(), "config": f.key() }))
             }
             LaunchFileError::OpenForQemu { .. } => {

@@ -297,6 +297,15 @@ fn secure_boot_firmware(config: &Config, secure_vms: &[String]) -> CheckItem {
     item(NAME, status, format!("{e}; boot.secure_boot is used by {}", secure_vms.join(", ")))
 }
 
+/// Adds the [`secure_boot_firmware`] item to `report` (from [`check`]) right after
+/// `uefi_firmware`, `secure_vms` being the VMs whose spec asks for Secure Boot.
+pub fn add_secure_boot_firmware(report: &mut HostCheck, config: &Config, secure_vms: &[String]) {
+    let it = secure_boot_firmware(config, secure_vms);
+    report.ok &= it.status == CheckStatus::Ok;
+    let at = report.items.iter().position(|i| i.name == "uefi_firmware").map_or(report.items.len(), |i| i + 1);
+    report.items.insert(at, it);
+}
+
 /// vhost-net ([`crate::net::vhost`]): `ok` either way, since VMs start without it (their
 /// virtio-net then runs in QEMU's userspace, slower); the detail says which and why.
 fn vhost_net(status: &crate::net::vhost::VhostStatus) -> CheckItem {
@@ -327,8 +336,8 @@ fn networks(states: &[NetworkState]) -> Vec<CheckItem> {
 }
 
 /// Runs every preflight check; `networks` is what the network owner found at its last check,
-/// `uefi_vms` the VMs whose spec asks for UEFI firmware, `secure_vms` those that ask for Secure
-/// Boot, `identity` the [`hardware_identity`] item.
+/// `uefi_vms` the VMs whose spec asks for UEFI firmware, `identity` the [`hardware_identity`]
+/// item.
 pub async fn check(
     config: &Config,
     broken: &[BrokenRecord],
@@ -336,7 +345,6 @@ pub async fn check(
     integrity: &crate::qemu::integrity::Integrity,
     images: CheckItem,
     uefi_vms: &[String],
-    secure_vms: &[String],
     identity: CheckItem,
 ) -> HostCheck {
     let mut items = vec![
@@ -352,7 +360,6 @@ pub async fn check(
     items.extend(integrity.items(config));
     items.push(images);
     items.push(uefi_firmware(config, uefi_vms));
-    items.push(secure_boot_firmware(config, secure_vms));
     items.extend(networks(network_states));
     items.push(vhost_net(&crate::net::vhost::for_accel(config.qemu.accel, crate::net::vhost::probe())));
     items.extend(vfio(config).await);
@@ -441,7 +448,7 @@ mod tests {
         c.paths.run = d.path().join("absent");
         c.paths.images = d.path().join("absent-images");
         let r =
-            check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], &[], identity_item()).await;
+            check(&c, &[], &[], &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], identity_item()).await;
         assert!(!r.ok);
         let status = |n: &str| r.items.iter().find(|i| i.name == n).unwrap().status;
         assert_eq!(status("qemu"), CheckStatus::Missing);
@@ -455,7 +462,7 @@ mod tests {
         let broken = [BrokenRecord { path: "/x/a.json".into(), name: "a".into(), error: "bad".into() }];
         let nets = [NetworkState { name: "lan".into(), ready: false, detail: "bridge br0 does not exist".into() }];
         let r =
-            check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], &[], identity_item())
+            check(&c, &broken, &nets, &crate::qemu::integrity::Integrity::of(&c), images_item(), &[], identity_item())
                 .await;
         assert_eq!(r.items.iter().find(|i| i.name == "network.lan").unwrap().status, CheckStatus::Error);
         assert_eq!(r.items.iter().find(|i| i.name == "vm_records").unwrap().status, CheckStatus::Error);
@@ -488,7 +495,11 @@ mod tests {
         assert!(it.detail.starts_with("needed only for boot.secure_boot"), "{}", it.detail);
         let it = secure_boot_firmware(&c, &["sb".into()]);
         assert_eq!(it.status, CheckStatus::Missing);
-        assert!(it.detail.contains("CODE.secboot.fd does not exist") && it.detail.ends_with("used by sb"), "{}", it.detail);
+        assert!(
+            it.detail.contains("CODE.secboot.fd does not exist") && it.detail.ends_with("used by sb"),
+            "{}",
+            it.detail
+        );
         std::fs::write(&c.firmware.uefi_secure_code, [0u8; 16]).unwrap();
         // Debian's plain template: no keys, Secure Boot would be off.
         let Ok(plain) = std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.fd") else { return };

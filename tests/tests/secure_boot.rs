@@ -102,7 +102,7 @@ fn pk(path: &Path) -> Option<Vec<u8>> {
 
 /// What the last boot in `log` said of Secure Boot (`VMHOST-SECUREBOOT N`).
 fn last_secure_boot(log: &str) -> &str {
-    let line = log.lines().filter(|l| l.starts_with("VMHOST-SECUREBOOT ")).last().unwrap_or_default();
+    let line = log.lines().rfind(|l| l.starts_with("VMHOST-SECUREBOOT ")).unwrap_or_default();
     line.trim_start_matches("VMHOST-SECUREBOOT ").trim()
 }
 

@@ -408,7 +408,11 @@ impl VmOp {
                 &paths.partial_uefi_vars(),
             )
         })
-        .map_err(|source| LaunchFileError::CopyVars { from: pair.vars.to_path_buf(), to: vars.clone(), source })?;
+        .map_err(|source| LaunchFileError::CopyVars {
+            from: pair.vars.to_path_buf(),
+            to: vars.clone(),
+            source,
+        })?;
         if outcome != crate::qemu::firmware::StoreOutcome::Kept {
             tracing::info!(vm = self.name(), secure_boot = pair.secure, outcome = ?outcome, "UEFI variables store");
         }

@@ -533,7 +533,8 @@ mod tests {
         assert_eq!(fs::read(aside_path(&st, false)).unwrap(), plain_of_guest);
         assert_eq!(ensure(true), StoreOutcome::Kept);
         // Off again: the secure store goes aside and the guest's plain one is back.
-        let secure_of_guest = store(&[(VAR_ADDED, GLOBAL_VARIABLE, "PK", b"vendor pk"), (VAR_ADDED, [1; 16], "X", b"y")]);
+        let secure_of_guest =
+            store(&[(VAR_ADDED, GLOBAL_VARIABLE, "PK", b"vendor pk"), (VAR_ADDED, [1; 16], "X", b"y")]);
         fs::write(&st, &secure_of_guest).unwrap();
         assert_eq!(ensure(false), StoreOutcome::Restored);
         assert_eq!(fs::read(&st).unwrap(), plain_of_guest);
@@ -564,13 +565,17 @@ mod tests {
         let (code, vars) = (d.path().join("CODE.secboot.fd"), d.path().join("VARS.ms.fd"));
         fs::write(&code, [0u8; 64]).unwrap();
         fs::write(&vars, store(&[])).unwrap();
-        let config = FirmwareConfig { uefi_secure_code: code, uefi_secure_vars: vars.clone(), ..FirmwareConfig::default() };
+        let config =
+            FirmwareConfig { uefi_secure_code: code, uefi_secure_vars: vars.clone(), ..FirmwareConfig::default() };
         let e = check_pair(Pair::of(&config, true)).unwrap_err();
         assert!(matches!(e, FirmwareError::NoKeys { key: "firmware.uefi_secure_vars", .. }), "{e}");
         fs::write(&vars, b"garbage").unwrap();
         assert!(matches!(check_pair(Pair::of(&config, true)).unwrap_err(), FirmwareError::NotAStore { .. }));
         let good = store(&[(VAR_ADDED, GLOBAL_VARIABLE, "PK", b"k")]);
         fs::write(&vars, &good).unwrap();
-        assert_eq!(check_pair(Pair::of(&config, true)).unwrap(), Present { code_bytes: 64, vars_bytes: good.len() as u64 });
+        assert_eq!(
+            check_pair(Pair::of(&config, true)).unwrap(),
+            Present { code_bytes: 64, vars_bytes: good.len() as u64 }
+        );
     }
 }

@@ -161,10 +161,10 @@ pub static METHODS: [Method; 38] = [
                     mgr.binary_integrity(),
                     images,
                     &uefi_vms,
-                    &secure_vms,
                     identity,
                 )
                 .await;
+                crate::preflight::add_secure_boot_firmware(&mut report, mgr.config(), &secure_vms);
                 // What netlink says of the capture interfaces now: with the host's other
                 // devices, before the sandbox's own layers, which stay last.
                 let capture = mgr.capture_check().await;
