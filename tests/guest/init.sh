@@ -5,6 +5,7 @@
 # Console protocol (tests match on these):
 #   VMHOST-TPM absent|present reset_count=<n>              once, before FIRMWARE (below)
 #   VMHOST-FIRMWARE efi|bios                               once, just before READY: how it booted
+#   VMHOST-SECUREBOOT 0|1                                  after it, UEFI with efivarfs only: Secure Boot
 #   VMHOST-GUEST-READY <kernel-version> <uptime-seconds>   once, when the guest is up
 #   VMHOST-GUEST-POWEROFF                                  ACPI power button pressed
 #   VMHOST-GUEST-SELF-POWEROFF                             powering off on its own (vmhost.poweroff)
@@ -141,6 +142,15 @@ fi
 # The kernel has /sys/firmware/efi only when UEFI firmware (OVMF) started it through its EFI
 # stub; under SeaBIOS it was loaded the legacy way (boot.firmware, docs/images.md).
 if [ -d /sys/firmware/efi ]; then echo "VMHOST-FIRMWARE efi"; else echo "VMHOST-FIRMWARE bios"; fi
+# Under UEFI, with efivarfs in the image: what the firmware says of Secure Boot, the value byte
+# of its SecureBoot variable (after four bytes of attributes). Unmounted again, so a program that
+# mounts efivarfs itself finds it as before.
+if [ -d /sys/firmware/efi ] && modprobe -q efivarfs 2>/dev/null &&
+    mount -t efivarfs efivarfs /sys/firmware/efi/efivars 2>/dev/null; then
+    sb=/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c
+    [ -f "$sb" ] && echo "VMHOST-SECUREBOOT $(od -An -tu1 "$sb" | awk '{ v = $NF } END { print v }')"
+    umount /sys/firmware/efi/efivars
+fi
 read -r uptime _ </proc/uptime
 echo "VMHOST-GUEST-READY $(uname -r) $uptime"
 # Test hook: vmhost.poweroff makes a guest that powers itself off once it is up (a guest-initiated

@@ -69,8 +69,8 @@ pub(super) async fn check_launch_files(mgr: &Manager, vm: &ValidSpec) -> Result<
     if vm.spec.boot.firmware == Firmware::Uefi {
         // The host's files, but the spec's choice: refused like a missing image, before
         // anything is made (a BIOS VM never needs them).
-        crate::blocking::run(|| crate::qemu::firmware::check(&mgr.config.firmware))
-            .map_err(LaunchFileError::Firmware)?;
+        let pair = crate::qemu::firmware::Pair::of(&mgr.config.firmware, vm.spec.boot.secure_boot);
+        crate::blocking::run(|| crate::qemu::firmware::check_pair(pair)).map_err(LaunchFileError::Firmware)?;
     }
     match &vm.boot {
         BootSource::Image { image, .. } => {
@@ -411,11 +411,14 @@ impl VmOp {
         super::capture::start_failure(self.name(), &report)
     }
 
-    /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars`, unless it has
-    /// one: the store is the guest's (boot entries, settings) and outlives restarts, until the
-    /// destroy ([`HeldVm::remove_run_files`]). A BIOS VM keeps a store it had (going back to
-    /// UEFI finds its settings). Nothing is recorded: the path follows from the name, and every
-    /// path that forgets a record removes it first.
+    /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars` (with
+    /// `boot.secure_boot`, `firmware.uefi_secure_vars`), unless it has one that pairs with the
+    /// code it runs ([`crate::qemu::firmware::ensure_store`]: one of the other kind is set aside
+    /// and the one set aside for this kind comes back): the store is the guest's (boot entries,
+    /// settings) and outlives restarts, until the destroy ([`HeldVm::remove_run_files`]). A BIOS
+    /// VM keeps a store it had (going back to UEFI finds its settings). Nothing is recorded: the
+    /// path follows from the name, the kind from the content, and every path that forgets a
+    /// record removes it first.
     ///
     /// # Errors
     /// 4001 step `firmware` when the directory or the copy cannot be made (nothing is left).
@@ -425,18 +428,24 @@ impl VmOp {
         }
         let (mgr, paths) = (self.mgr(), self.paths());
         let vars = paths.uefi_vars();
-        crate::blocking::run(|| {
-            if vars.exists() {
-                return Ok(());
-            }
+        let pair = crate::qemu::firmware::Pair::of(&mgr.config.firmware, vm.spec.boot.secure_boot);
+        let outcome = crate::blocking::run(|| {
             crate::state::dirs::private_dir(&paths.disk_dir)?;
-            crate::qemu::firmware::copy_vars(&mgr.config.firmware.uefi_vars, &vars, &paths.partial_uefi_vars())
+            crate::qemu::firmware::ensure_store(
+                pair,
+                &mgr.config.firmware.uefi_secure_vars,
+                &vars,
+                &paths.partial_uefi_vars(),
+            )
         })
         .map_err(|source| LaunchFileError::CopyVars {
-            from: mgr.config.firmware.uefi_vars.clone(),
+            from: pair.vars.to_path_buf(),
             to: vars.clone(),
             source,
         })?;
+        if outcome != crate::qemu::firmware::StoreOutcome::Kept {
+            tracing::info!(vm = self.name(), secure_boot = pair.secure, outcome = ?outcome, "UEFI variables store");
+        }
         Ok(())
     }
 
@@ -559,7 +568,9 @@ impl VmOp {
                     let Some(root) = &root else { continue };
                     read_only(root)?
                 }
-                PassedFd::UefiCode => read_only(&mgr.config.firmware.uefi_code)?,
+                PassedFd::UefiCode => {
+                    read_only(crate::qemu::firmware::Pair::of(&mgr.config.firmware, vm.spec.boot.secure_boot).code)?
+                }
                 PassedFd::UefiVars => read_write(&paths.uefi_vars())?,
                 PassedFd::UefiVarsRo => read_only(&paths.uefi_vars())?,
                 PassedFd::Exec(i) => {

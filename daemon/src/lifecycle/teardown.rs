@@ -100,7 +100,7 @@ impl HeldVm {
         for overlay in [paths.overlay.clone(), partial_overlay(paths)] {
             crate::disk::remove_overlay(&overlay).map_err(crate::disk::OverlayError::Remove)?;
         }
-        for vars in [paths.uefi_vars(), paths.partial_uefi_vars()] {
+        for vars in crate::qemu::firmware::store_files(&paths.uefi_vars(), &paths.partial_uefi_vars()) {
             match crate::blocking::run(|| std::fs::remove_file(&vars)) {
                 Ok(()) => tracing::info!(vm = name, path = %vars.display(), "removed the UEFI variables store"),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -315,6 +315,11 @@ pub fn build_argv(
         // allows uefi only on machine types that have them).
         machine.push_str(&format!(",pflash0={UEFI_CODE_NODE},pflash1={UEFI_VARS_NODE}"));
     }
+    if uefi && spec.boot.secure_boot {
+        // OVMF's Secure Boot build keeps the variables behind SMM (validate.rs: q35 only), so
+        // that only the firmware writes the keys; TCG emulates SMM too.
+        machine.push_str(",smm=on");
+    }
     if memory.is_some() {
         machine.push_str(&format!(",memory-backend={MEMORY_BACKEND}"));
     }
@@ -367,7 +372,13 @@ pub fn build_argv(
         // OVMF's code read-only and the VM's variables store read-write, each a `file` node
         // over its fd set under a `raw` node, as libvirt does with paths. QEMU never sees
         // either path: the code's is only the fd set's description.
-        push(&["-add-fd", &fdset(PassedFd::UefiCode, &config.firmware.uefi_code)]);
+        let pair = crate::qemu::firmware::Pair::of(&config.firmware, spec.boot.secure_boot);
+        if pair.secure {
+            // The flash devices answer writes only from SMM: the guest's kernel cannot bypass
+            // the firmware to change the keys.
+            push(&["-global", "driver=cfi.pflash01,property=secure,value=on"]);
+        }
+        push(&["-add-fd", &fdset(PassedFd::UefiCode, pair.code)]);
         let code_file = format!("{UEFI_CODE_NODE}-file");
         push(&[
             "-blockdev",
@@ -993,6 +1004,35 @@ mod tests {
         assert!(argv.iter().any(|a| *a == format!("socket,id=tpm0-ctrl,fd={n}")), "{argv:?}");
         assert_eq!(value_after(&argv, "-tpmdev"), ["emulator,id=tpm0,chardev=tpm0-ctrl"]);
         assert!(argv.iter().any(|a| a == "tpm-crb,tpmdev=tpm0,id=tpm0-dev"), "{argv:?}");
+    }
+
+    #[test]
+    fn a_secure_boot_vm_runs_the_secure_pair_with_smm_and_secure_flash() {
+        let c = Config::parse(
+            "[paths]\nboot = [\"/boot\"]\n[qemu]\naccel = \"tcg\"\n[hardware]\ncpu = 4\nmemory_gib = 4\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let mut s = spec("sb");
+        s.boot.firmware = Firmware::Uefi;
+        let plain = argv_of(&s, &c);
+        s.boot.secure_boot = true;
+        let secure = argv_of(&s, &c);
+        assert_eq!(value_after(&secure, "-machine"), ["q35,pflash0=uefi-code,pflash1=uefi-vars,smm=on"]);
+        assert_eq!(value_after(&secure, "-global"), ["driver=cfi.pflash01,property=secure,value=on"]);
+        fn code(argv: &[String]) -> &str {
+            value_after(argv, "-add-fd").into_iter().find(|a| a.contains("OVMF_CODE")).unwrap_or_default()
+        }
+        assert!(code(&secure).ends_with(",opaque=/usr/share/OVMF/OVMF_CODE_4M.secboot.fd"), "{secure:?}");
+        assert!(code(&plain).ends_with(",opaque=/usr/share/OVMF/OVMF_CODE_4M.fd"), "{plain:?}");
+        // The same descriptors and store: only the machine, the flash's mode and the code differ.
+        assert_eq!(passed_fds(&validate_spec(&s, &c).unwrap(), 0).len(), {
+            s.boot.secure_boot = false;
+            passed_fds(&validate_spec(&s, &c).unwrap(), 0).len()
+        });
+        assert!(!plain.iter().any(|a| a.contains("smm") || a == "-global"), "{plain:?}");
+        let differ: Vec<_> = secure.iter().filter(|a| !plain.contains(a)).collect();
+        assert_eq!(differ.len(), 4, "{differ:?}");
     }
 
     /// `s` with the default firmware.
