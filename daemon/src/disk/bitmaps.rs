@@ -81,11 +81,12 @@ pub fn add_action(node: &str, name: &str) -> Value {
 }
 
 /// The transaction action copying `device` into `target` as job `job`: everything, or with
-/// `bitmap` only its dirty clusters (`sync: incremental`, the bitmap left as it is).
+/// `bitmap` only its dirty clusters (`sync: bitmap` with `bitmap-mode: never`: QEMU 7.2 allows
+/// no other mode with `sync: incremental`; the bitmap is left as it is).
 pub fn backup_action(job: &str, device: &str, target: &str, bitmap: Option<&str>) -> Value {
     let mut data = json!({ "job-id": job, "device": device, "target": target, "sync": "full" });
     if let Some(b) = bitmap {
-        data["sync"] = json!("incremental");
+        data["sync"] = json!("bitmap");
         data["bitmap"] = json!(b);
         data["bitmap-mode"] = json!("never");
     }

@@ -235,7 +235,7 @@ pub async fn trigger_live_with(
     if let Some(actions) = t.get_mut("actions").and_then(Value::as_array_mut) {
         for (action, bitmap) in actions.iter_mut().zip(&extras.bitmaps) {
             if let Some(b) = bitmap {
-                action["data"]["sync"] = json!("incremental");
+                action["data"]["sync"] = json!("bitmap");
                 action["data"]["bitmap"] = json!(b);
                 action["data"]["bitmap-mode"] = json!("never");
             }

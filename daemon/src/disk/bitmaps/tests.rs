@@ -117,7 +117,7 @@ fn an_incremental_copy_names_its_bitmap_and_leaves_it_as_it_is() {
     assert_eq!(
         backup_action("j", "virtio0", "t", Some("vmhost-backup-a")),
         json!({"type": "blockdev-backup", "data": {"job-id": "j", "device": "virtio0", "target": "t",
-               "sync": "incremental", "bitmap": "vmhost-backup-a", "bitmap-mode": "never"}})
+               "sync": "bitmap", "bitmap": "vmhost-backup-a", "bitmap-mode": "never"}})
     );
     assert_eq!(backup_action("j", "d", "t", None)["data"]["sync"], "full");
     assert_eq!(

@@ -70,7 +70,7 @@ pub(super) async fn prune(mgr: &Arc<Manager>, vm: &str, keep: u32) -> Result<Pru
 }
 
 /// Replaces increment `name` by a full backup of the same content and id: every disk made
-/// whole from its chain (checked first), the rest hard-linked (backup files never change).
+/// whole from its chain (checked first), the rest copied (a raw one made sparse again).
 ///
 /// # Errors
 /// 2003 on `backup` for a chain that does not check; 4001.
@@ -84,8 +84,10 @@ async fn merge(mgr: &Arc<Manager>, name: &str) -> Result<(), ApiError> {
     for (disk, layers) in manifest.disks.iter_mut().zip(&layers) {
         let to = partial.dir().join(&disk.file);
         if layers.len() == 1 {
+            // Copied, not linked: the daemon's Landlock rules refuse links across directories.
             let from = layers[0].path();
-            crate::blocking::run(|| std::fs::hard_link(&from, &to)).map_err(FileError::file("prune", "link", &to))?;
+            crate::blocking::run(|| std::fs::copy(&from, &to)).map_err(FileError::file("prune", "copy", &to))?;
+            seal_copies(partial.dir(), std::slice::from_mut(disk), "prune")?;
             continue;
         }
         let mut opened = Vec::new();
@@ -107,7 +109,7 @@ async fn merge(mgr: &Arc<Manager>, name: &str) -> Result<(), ApiError> {
     }
     if let Some(v) = &manifest.uefi_vars {
         let (from, to) = (last.dir.join(&v.file), partial.dir().join(&v.file));
-        crate::blocking::run(|| std::fs::hard_link(&from, &to)).map_err(FileError::file("prune", "link", &to))?;
+        crate::blocking::run(|| std::fs::copy(&from, &to)).map_err(FileError::file("prune", "copy", &to))?;
     }
     manifest.kind = Some(BackupKind::Full);
     manifest.parent = None;
