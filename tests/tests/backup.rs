@@ -524,3 +524,40 @@ fn crash_prune(a: &mut TestHost, step: &str, params: &Value) {
     assert!(!vmhost_tests::alive(pid) || format!("{answer:?}").contains("closed"), "{step}: {answer:?}");
     a.restart_after_crash(step);
 }
+
+/// A UEFI VM's variables store is in every backup (copied by its QEMU at the disks' instant
+/// while it runs, as a file while it is stopped) and back at import, before the first start:
+/// the imported VM boots through OVMF from the store the backup holds.
+#[test]
+fn a_uefi_vms_variables_store_travels_in_its_backups() {
+    let a = host();
+    let mut spec = disk_spec(&a, "efi", json!([{"name": "logs", "size_gib": 1}]), "");
+    spec["boot"]["firmware"] = json!("uefi");
+    a.call("vm.create", json!({ "spec": spec }));
+    assert!(a.wait_serial("efi", "VMHOST-GUEST-READY", BOOT), "{}", a.serial("efi"));
+    let store = a.state().join("disks/efi/uefi-vars.fd");
+
+    let live = a.call("vm.export", json!({ "name": "efi" }));
+    let vars = &live["manifest"]["uefi_vars"];
+    assert_eq!(vars["file"], "uefi-vars.fd", "{live}");
+    let dir = a.state().join("backups").join(live["backup"].as_str().unwrap());
+    assert_eq!(entries(&dir), ["SHA256SUMS", "logs.qcow2", "manifest.json", "uefi-vars.fd"]);
+    run_ok(Command::new("sha256sum").args(["--check", "--quiet", "SHA256SUMS"]).current_dir(&dir));
+    assert_eq!(vars["sha256"].as_str().unwrap(), vmhost_tests::sha256_file(&store), "the store as the guest left it");
+
+    a.call("vm.stop", json!({ "name": "efi" }));
+    let stopped = a.call("vm.export", json!({ "name": "efi" }));
+    assert_eq!(stopped["manifest"]["uefi_vars"]["sha256"].as_str().unwrap(), vmhost_tests::sha256_file(&store));
+
+    let b = host();
+    let backup = live["backup"].as_str().unwrap();
+    copy_backup(&a, &b, backup);
+    let v = b.call("vm.import", json!({ "backup": backup, "name": "efi2", "state": "stopped" }));
+    assert_eq!(v["vm"]["status"], "stopped", "{v}");
+    let there = b.state().join("disks/efi2/uefi-vars.fd");
+    assert_eq!(vmhost_tests::sha256_file(&there).as_str(), vars["sha256"].as_str().unwrap_or_default());
+    // Imported running: the store is in place before the first start, which boots from it.
+    let v = b.call("vm.import", json!({ "backup": backup }));
+    assert_eq!(v["vm"]["status"], "running", "{v}");
+    assert!(b.wait_serial("efi", "VMHOST-GUEST-READY", BOOT), "{}", b.serial("efi"));
+}
