@@ -299,11 +299,17 @@ impl Backups {
             return Err(BackupError::NotAName(name.to_string()));
         }
         let (dir, gone) = (self.dir.join(name), self.dir.join(format!(".{name}.deleting")));
-        crate::blocking::run(|| std::fs::rename(&dir, &gone))
-            .map_err(|source| BackupError::Prune { what: "rename", dir: dir.clone(), source })?;
+        crate::blocking::run(|| std::fs::rename(&dir, &gone)).map_err(|source| BackupError::Prune {
+            what: "rename",
+            dir: dir.clone(),
+            source,
+        })?;
         between();
-        crate::blocking::run(|| std::fs::remove_dir_all(&gone))
-            .map_err(|source| BackupError::Prune { what: "remove", dir: gone.clone(), source })
+        crate::blocking::run(|| std::fs::remove_dir_all(&gone)).map_err(|source| BackupError::Prune {
+            what: "remove",
+            dir: gone.clone(),
+            source,
+        })
     }
 
     /// The directory of backup `backup` and its manifest.
@@ -404,9 +410,7 @@ impl Backups {
     /// parent, or a chain longer than [`MAX_CHAIN`].
     pub fn chain(&self, backup: &str) -> Result<Vec<ReadBackup>, BackupError> {
         let mut chain = vec![self.read_full(backup)?];
-        loop {
-            let Some(child) = chain.last() else { break };
-            let Some(parent) = child.manifest.parent.clone() else { break };
+        while let Some((child, parent)) = chain.last().and_then(|c| Some((c, c.manifest.parent.clone()?))) {
             if chain.len() > MAX_CHAIN {
                 return Err(BackupError::Chain(ChainError::TooLong(backup.to_string())));
             }
@@ -583,7 +587,8 @@ fn check_v2(m: &Manifest) -> Result<(), String> {
         }
     }
     if m.version == 1 {
-        if m.id.is_some() || m.kind.is_some() || m.parent.is_some() || !m.changes.is_empty() || m.merged_from.is_some() {
+        if m.id.is_some() || m.kind.is_some() || m.parent.is_some() || !m.changes.is_empty() || m.merged_from.is_some()
+        {
             return Err("a version 1 manifest has no id, kind, parent or changes".into());
         }
         return Ok(());

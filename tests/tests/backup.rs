@@ -355,7 +355,9 @@ fn guest_sha(path: &Path, format: &str) -> String {
 /// Writes `pattern` over `len` at `offset` into a stopped VM's qcow2 disk, as its guest would
 /// (qemu-io opens it read-write, so its dirty bitmaps record the write).
 fn write_into(path: &Path, pattern: u8, offset: &str, len: &str) {
-    run_ok(Command::new("qemu-io").args(["-f", "qcow2", "-c", &format!("write -P {pattern} {offset} {len}")]).arg(path));
+    run_ok(
+        Command::new("qemu-io").args(["-f", "qcow2", "-c", &format!("write -P {pattern} {offset} {len}")]).arg(path),
+    );
 }
 
 /// `(name, kind, full_reason)` of each disk of an export's manifest.
@@ -496,7 +498,11 @@ fn a_crash_at_each_step_of_an_incremental_export_or_a_prune_loses_no_backup() {
     for step in ["prune:merged", "prune:replaced"] {
         crash_prune(&mut a, step, &prune);
         let left = backup_dirs(&a);
-        assert_eq!(left, made.iter().map(|m| m.0.clone()).collect::<Vec<_>>(), "{step}: every backup stays, no leftover");
+        assert_eq!(
+            left,
+            made.iter().map(|m| m.0.clone()).collect::<Vec<_>>(),
+            "{step}: every backup stays, no leftover"
+        );
     }
     crash_prune(&mut a, "prune:deleting", &prune);
     let v = a.call("vm.backups_prune", prune);

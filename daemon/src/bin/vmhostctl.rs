@@ -604,7 +604,11 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                     Some(parent) => format!("incremental over {parent}"),
                     None => "full".to_string(),
                 };
-                say!("{name}: exported to {} ({kind}; {})", v["path"].as_str().unwrap_or_default(), copy_consistency(m));
+                say!(
+                    "{name}: exported to {} ({kind}; {})",
+                    v["path"].as_str().unwrap_or_default(),
+                    copy_consistency(m)
+                );
                 for change in elements(&m["changes"]) {
                     if let Some(why) = change["full_reason"].as_str() {
                         say!("  {}: copied whole: {why}", change["name"].as_str().unwrap_or_default());

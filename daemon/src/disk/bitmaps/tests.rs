@@ -22,8 +22,9 @@ fn empty(path: &Path) -> OwnedFd {
 }
 
 fn bitmaps_of(path: &Path) -> Vec<String> {
-    let info: Value = serde_json::from_str(&run(&["/usr/bin/qemu-img", "info", "-U", "--output=json", path.to_str().unwrap()]))
-        .unwrap();
+    let info: Value =
+        serde_json::from_str(&run(&["/usr/bin/qemu-img", "info", "-U", "--output=json", path.to_str().unwrap()]))
+            .unwrap();
     info.pointer("/format-specific/data/bitmaps")
         .and_then(Value::as_array)
         .into_iter()
@@ -60,9 +61,10 @@ async fn an_increment_over_its_full_copy_reads_as_the_disk() {
     std::fs::set_permissions(p("vm.qcow2"), std::fs::Permissions::from_mode(0o600)).unwrap();
     let within = Duration::from_secs(60);
 
-    let found = export_offline(&tool(), vec![disk(&p("vm.qcow2"), true, &p("full.qcow2"))], "vmhost-backup-a", None, within)
-        .await
-        .unwrap();
+    let found =
+        export_offline(&tool(), vec![disk(&p("vm.qcow2"), true, &p("full.qcow2"))], "vmhost-backup-a", None, within)
+            .await
+            .unwrap();
     assert_eq!(found, [Tracking::Absent]);
     assert_eq!(bitmaps_of(&p("vm.qcow2")), ["vmhost-backup-a"]);
     run(&["/usr/bin/qemu-img", "compare", "-q", p("vm.qcow2").to_str().unwrap(), p("full.qcow2").to_str().unwrap()]);
@@ -90,7 +92,13 @@ async fn an_increment_over_its_full_copy_reads_as_the_disk() {
         virtual_size: 64 << 20,
     };
     crate::disk::export::flatten(&tool(), vec![restored], within).await.unwrap();
-    run(&["/usr/bin/qemu-img", "compare", "-q", p("vm.qcow2").to_str().unwrap(), p("restored.qcow2").to_str().unwrap()]);
+    run(&[
+        "/usr/bin/qemu-img",
+        "compare",
+        "-q",
+        p("vm.qcow2").to_str().unwrap(),
+        p("restored.qcow2").to_str().unwrap(),
+    ]);
 
     assert_eq!(bitmaps_of(&p("vm.qcow2")), ["vmhost-backup-a", "vmhost-backup-b"]);
     remove_offline(&tool(), vec![rw(&p("vm.qcow2"))], "vmhost-backup-b").await.unwrap();

@@ -134,22 +134,17 @@ pub(super) async fn restore(
     for layer in layers {
         let path = layer.path();
         super::inspect_copy(mgr, &layer.disk, &path, spec).await?;
-        let fd = crate::blocking::run(|| {
-            std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path)
-        })
-        .map(OwnedFd::from)
-        .map_err(FileError::file("import", "open", &path))?;
+        let fd =
+            crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path))
+                .map(OwnedFd::from)
+                .map_err(FileError::file("import", "open", &path))?;
         opened.push((fd, "qcow2".to_string()));
     }
     super::ensure_parent(dest, placed)?;
     let target = create_target(dest, 0, "import")?;
     placed.files.push(dest.to_path_buf());
-    let flat = crate::disk::export::FlatDisk {
-        layers: opened,
-        target,
-        format: "qcow2",
-        virtual_size: disk.virtual_size,
-    };
+    let flat =
+        crate::disk::export::FlatDisk { layers: opened, target, format: "qcow2", virtual_size: disk.virtual_size };
     crate::disk::export::flatten(&mgr.disk_tool(), vec![flat], copy_timeout(None)?)
         .await
         .map_err(|source| DiskStepError::Flatten { source })?;

@@ -27,7 +27,10 @@ pub(super) fn parent_of(backups: &Backups, p: &ExportParams) -> Result<Option<Re
     let Some(since) = &p.since else { return Ok(backups.newest_of(&p.name)) };
     let b = backups.read_full(since)?;
     if b.manifest.vm != p.name {
-        return Err(ApiError::invalid("since", format!("backup {since:?} is of VM {:?}, not {:?}", b.manifest.vm, p.name)));
+        return Err(ApiError::invalid(
+            "since",
+            format!("backup {since:?} is of VM {:?}, not {:?}", b.manifest.vm, p.name),
+        ));
     }
     if b.manifest.id.is_none() {
         return Err(ApiError::invalid(
@@ -73,9 +76,9 @@ pub(super) fn change_of(
     }
     match tracking {
         Tracking::Tracked => DiskChange { name: name.to_string(), kind: BackupKind::Incremental, full_reason: None },
-        Tracking::Absent => full(Some(format!(
-            "no change tracking since backup {dir} (a revert, replace, import or live move since)"
-        ))),
+        Tracking::Absent => {
+            full(Some(format!("no change tracking since backup {dir} (a revert, replace, import or live move since)")))
+        }
         Tracking::Inconsistent => full(Some(format!(
             "the change tracking since backup {dir} was lost: QEMU ended without storing it (killed or crashed)"
         ))),

@@ -438,7 +438,8 @@ impl VmOp {
             let mut q = self.mgr().qmp(self.name(), Duration::from_secs(5)).await.map_err(qmp("QMP"))?;
             for d in disks {
                 let state = if incremental::trackable(d.format) {
-                    let bitmaps = crate::disk::bitmaps::live_state(&mut q, &d.device).await.map_err(qmp("query-block"))?;
+                    let bitmaps =
+                        crate::disk::bitmaps::live_state(&mut q, &d.device).await.map_err(qmp("query-block"))?;
                     crate::disk::bitmaps::tracking(&bitmaps, parent_bitmap.as_deref())
                 } else {
                     crate::disk::bitmaps::Tracking::Absent

@@ -101,7 +101,8 @@ async fn merge(mgr: &Arc<Manager>, name: &str) -> Result<(), ApiError> {
             opened.push((fd, "qcow2".to_string()));
         }
         let target = super::super::copies::create_target(&to, 0, "prune")?;
-        let flat = crate::disk::export::FlatDisk { layers: opened, target, format: "qcow2", virtual_size: disk.virtual_size };
+        let flat =
+            crate::disk::export::FlatDisk { layers: opened, target, format: "qcow2", virtual_size: disk.virtual_size };
         crate::disk::export::flatten(&mgr.disk_tool(), vec![flat], copy_timeout(None)?)
             .await
             .map_err(|source| DiskStepError::Flatten { source })?;
