@@ -508,6 +508,10 @@ fn a_crash_at_each_step_of_an_incremental_export_or_a_prune_loses_no_backup() {
     let v = a.call("vm.backups_prune", prune);
     assert_eq!(v["kept"], json!([made[2].0, made[3].0]), "{v}");
     assert_eq!(backup_dirs(&a), [made[2].0.clone(), made[3].0.clone()]);
+    // A crash while a disk is being restored from its chain leaves nothing behind.
+    a.crash_during("import:restored", "vm.import", json!({ "backup": made[3].0, "name": "r9", "state": "stopped" }));
+    assert!(entries(&a.state().join("kept-disks")).is_empty(), "{:?}", entries(&a.state().join("kept-disks")));
+    assert_eq!(entries(&a.state().join("import")), Vec::<String>::new(), "the temp file went at the restart");
     // Each kept backup restores its disk as it was when made.
     for (i, (backup, sha)) in made[2..].iter().enumerate() {
         let name = format!("r{i}");

@@ -600,15 +600,12 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 out(&v);
             } else {
                 let m = &v["manifest"];
+                // A full backup's line is as before incremental backups were.
                 let kind = match m["parent"]["dir"].as_str() {
-                    Some(parent) => format!("incremental over {parent}"),
-                    None => "full".to_string(),
+                    Some(parent) => format!(", incremental over {parent}"),
+                    None => String::new(),
                 };
-                say!(
-                    "{name}: exported to {} ({kind}; {})",
-                    v["path"].as_str().unwrap_or_default(),
-                    copy_consistency(m)
-                );
+                say!("{name}: exported to {} ({}){kind}", v["path"].as_str().unwrap_or_default(), copy_consistency(m));
                 for change in elements(&m["changes"]) {
                     if let Some(why) = change["full_reason"].as_str() {
                         say!("  {}: copied whole: {why}", change["name"].as_str().unwrap_or_default());

@@ -9,7 +9,7 @@
 //! Order: [`layers_of`], [`verify`], per disk [`restore`] (or the single-file copy of
 //! [`super`]), [`place_vars`]. Retention's merge ([`super::retention`]) uses the same steps.
 
-use super::super::copies::{copy_checked, copy_timeout, create_target, CheckedFrom};
+use super::super::copies::{copy_checked, copy_timeout, CheckedFrom};
 use super::super::errors::{DiskStepError, FileError};
 use super::super::Manager;
 use super::Placed;
@@ -140,16 +140,24 @@ pub(super) async fn restore(
                 .map_err(FileError::file("import", "open", &path))?;
         opened.push((fd, "qcow2".to_string()));
     }
-    super::ensure_parent(dest, placed)?;
-    let target = create_target(dest, 0, "import")?;
-    placed.files.push(dest.to_path_buf());
+    // Made under a temp name in the import directory (removed at the next start if a crash
+    // interrupts it), renamed into place whole: a half-made disk is never where a VM takes
+    // kept disks from.
+    let failed =
+        |source: std::io::Error| FileError::PlaceOut { step: "import".into(), file: disk.file.clone(), source };
+    let name = format!("{}-{}", spec.name, disk.file);
+    let temp = crate::images::Temp::create(&mgr.config.paths.import_dir(), &name).map_err(failed)?;
+    let target = OwnedFd::from(temp.reopen_rw().map_err(failed)?);
     let flat =
         crate::disk::export::FlatDisk { layers: opened, target, format: "qcow2", virtual_size: disk.virtual_size };
     crate::disk::export::flatten(&mgr.disk_tool(), vec![flat], copy_timeout(None)?)
         .await
         .map_err(|source| DiskStepError::Flatten { source })?;
-    crate::blocking::run(|| std::fs::File::open(dest).and_then(|f| f.sync_all()))
-        .map_err(FileError::file("import", "sync", dest))?;
+    crate::blocking::run(|| temp.reopen_rw().and_then(|f| f.sync_all())).map_err(failed)?;
+    mgr.crashpoint("import:restored");
+    super::ensure_parent(dest, placed)?;
+    temp.place(dest).map_err(failed)?;
+    placed.files.push(dest.to_path_buf());
     Ok(())
 }
 
