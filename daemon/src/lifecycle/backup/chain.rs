@@ -12,7 +12,6 @@
 use super::super::copies::{copy_checked, copy_timeout, CheckedFrom};
 use super::super::errors::{DiskStepError, FileError};
 use super::super::Manager;
-use super::Placed;
 use crate::api::backup::{BackupDisk, BackupKind, VarsCopy};
 use crate::api::{ApiError, Code, DesiredState, Mutation};
 use crate::backup::ReadBackup;
@@ -115,7 +114,8 @@ pub(super) fn verify(layers: &[Vec<Layer>], vars: Option<(&Path, &VarsCopy)>) ->
     Ok(())
 }
 
-/// Makes `dest` (a new file) from `layers` of backup disk `disk`: each layer probed as an
+/// Makes a temp file in the import directory (the caller places it) from `layers` of backup
+/// disk `disk`: each layer probed as an
 /// import's copy is (a qcow2 naming no backing or data file, no larger than `spec` says),
 /// then QEMU without a guest lays the increments over the full copy and copies the top whole
 /// into `dest`.
@@ -126,22 +126,21 @@ pub(super) async fn restore(
     mgr: &Arc<Manager>,
     layers: &[Layer],
     disk: &BackupDisk,
-    dest: &Path,
     spec: &crate::api::VmSpec,
-    placed: &mut Placed,
-) -> Result<(), ApiError> {
+) -> Result<crate::images::Temp, ApiError> {
     let mut opened = Vec::new();
     for layer in layers {
         let path = layer.path();
-        super::inspect_copy(mgr, &layer.disk, &path, spec).await?;
-        let fd =
+        let open = || {
             crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path))
                 .map(OwnedFd::from)
-                .map_err(FileError::file("import", "open", &path))?;
-        opened.push((fd, "qcow2".to_string()));
+                .map_err(FileError::file("import", "open", &path))
+        };
+        super::inspect_copy(mgr, &layer.disk, open()?, spec).await?;
+        opened.push((open()?, "qcow2".to_string()));
     }
     // Made under a temp name in the import directory (removed at the next start if a crash
-    // interrupts it), renamed into place whole: a half-made disk is never where a VM takes
+    // interrupts it), placed whole by the caller: a half-made disk is never where a VM takes
     // kept disks from.
     let failed =
         |source: std::io::Error| FileError::PlaceOut { step: "import".into(), file: disk.file.clone(), source };
@@ -155,10 +154,7 @@ pub(super) async fn restore(
         .map_err(|source| DiskStepError::Flatten { source })?;
     crate::blocking::run(|| temp.reopen_rw().and_then(|f| f.sync_all())).map_err(failed)?;
     mgr.crashpoint("import:restored");
-    super::ensure_parent(dest, placed)?;
-    temp.place(dest).map_err(failed)?;
-    placed.files.push(dest.to_path_buf());
-    Ok(())
+    Ok(temp)
 }
 
 /// Puts the backup's UEFI variables store `vars` (in `dir`, checked against its sha256 as it

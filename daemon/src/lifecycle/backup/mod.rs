@@ -242,13 +242,31 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
     // Every file of the chain is what its manifest says before anything is written.
     chain::verify(&layers, manifest.uefi_vars.as_ref().map(|v| (dir.as_path(), v)))?;
     let mut placed = Placed { files: Vec::new(), dirs: Vec::new() };
-    for ((disk, dest), chain) in manifest.disks.iter().zip(&destinations).zip(&layers) {
-        if chain.len() > 1 {
-            chain::restore(mgr, chain, disk, dest, &spec, &mut placed).await?;
+    // Every disk is made under a temp name in the import directory (removed at the next
+    // start after a crash) and inspected; only then are they renamed into place.
+    let mut made = Vec::new();
+    for (disk, chain) in manifest.disks.iter().zip(&layers) {
+        let temp = if chain.len() > 1 {
+            chain::restore(mgr, chain, disk, &spec).await?
         } else {
-            copy_out(mgr, &dir, disk, dest, &spec.name, &mut placed)?;
-        }
-        inspect_copy(mgr, disk, dest, &spec).await?;
+            copy_out(mgr, &dir, disk, &spec.name)?
+        };
+        let fd = temp.reopen().map(OwnedFd::from).map_err(|source| FileError::InspectOut {
+            step: "import".into(),
+            file: disk.file.clone(),
+            source,
+        })?;
+        inspect_copy(mgr, disk, fd, &spec).await?;
+        made.push(temp);
+    }
+    for ((temp, disk), dest) in made.into_iter().zip(&manifest.disks).zip(&destinations) {
+        ensure_parent(dest, &mut placed)?;
+        temp.place(dest).map_err(|source| FileError::PlaceOut {
+            step: "import".into(),
+            file: disk.file.clone(),
+            source,
+        })?;
+        placed.files.push(dest.to_path_buf());
     }
     let wanted = spec.state;
     if manifest.uefi_vars.is_some() {
@@ -296,25 +314,11 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
     result
 }
 
-/// Copies backup file `disk` from `dir` to `dest` through a temp file in the import
-/// directory (the state file system), checking its sha256; `dest` and a directory made for
-/// it are named in `placed` as soon as they exist.
-fn copy_out(
-    mgr: &Manager,
-    dir: &Path,
-    disk: &BackupDisk,
-    dest: &Path,
-    vm: &str,
-    placed: &mut Placed,
-) -> Result<(), ApiError> {
+/// Copies backup file `disk` from `dir` into a temp file in the import directory (the state
+/// file system), checking its sha256; the caller places it.
+fn copy_out(mgr: &Manager, dir: &Path, disk: &BackupDisk, vm: &str) -> Result<crate::images::Temp, ApiError> {
     let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
-    let temp = copy_checked(&from, disk, &mgr.config.paths.import_dir(), &format!("{vm}-{}", disk.file))?;
-    let failed =
-        |source: std::io::Error| FileError::PlaceOut { step: "import".into(), file: disk.file.clone(), source };
-    ensure_parent(dest, placed)?;
-    temp.place(dest).map_err(failed)?;
-    placed.files.push(dest.to_path_buf());
-    Ok(())
+    copy_checked(&from, disk, &mgr.config.paths.import_dir(), &format!("{vm}-{}", disk.file))
 }
 
 /// Makes `dest`'s directory (a VM's kept-disks directory) unless it exists, named in `placed`.
@@ -331,7 +335,7 @@ fn ensure_parent(dest: &Path, placed: &mut Placed) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Inspects the copy at `dest` of backup disk `disk` as a `boot.disk` is inspected (QEMU as
+/// Inspects the copy open as `fd` of backup disk `disk` as a `boot.disk` is inspected (QEMU as
 /// `qemu.user` on a read-only descriptor): it must be the format the manifest declares,
 /// name no backing file and no external data file, and be no larger than `spec` says. A raw
 /// disk is not probed: its bytes are the guest's (a guest may well have written a qcow2
@@ -342,7 +346,7 @@ fn ensure_parent(dest: &Path, placed: &mut Placed) -> Result<(), ApiError> {
 async fn inspect_copy(
     mgr: &Manager,
     disk: &BackupDisk,
-    dest: &Path,
+    fd: OwnedFd,
     spec: &crate::api::VmSpec,
 ) -> Result<(), ApiError> {
     let limit_gib = match disk.role {
@@ -351,9 +355,6 @@ async fn inspect_copy(
     };
     let cannot =
         |source: std::io::Error| FileError::InspectOut { step: "import".into(), file: disk.file.clone(), source };
-    let fd = crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(dest))
-        .map(OwnedFd::from)
-        .map_err(cannot)?;
     let found = if disk.format == DiskFormat::Raw {
         let len = std::fs::File::from(fd).metadata().map_err(cannot)?.len();
         crate::disk::import::ImportInfo { format: "raw".into(), virtual_size: len, backing: None, data_file: None }
