@@ -8,10 +8,16 @@
 //! be the ones its disks would have, and every file is checked against its sha256 as it is
 //! copied out ([`crate::lifecycle`] `vm.import`).
 //!
-//! Order of use: [`Backups::open`] at start; per export [`Backups::begin`], files written into
-//! [`Partial::dir`], [`Partial::finish`]; per import [`Backups::read`].
+//! Version 2 manifests (incremental backups) add the backup's `id`, its `kind`, its `parent`
+//! (directory, id and the sha256 of the parent's `manifest.json`) and per disk how it was
+//! copied ([`crate::api::backup::DiskChange`]); a chain is walked back to its full backup by
+//! [`Backups::chain`], every link checked.
+//!
+//! Order of use: [`Backups::open`] at start; per export [`Backups::newest_of`] (the default
+//! parent), [`Backups::begin`], files written into [`Partial::dir`], [`Partial::finish`]; per
+//! import [`Backups::chain`] (or [`Backups::read`]); per prune [`Backups::of_vm`].
 
-use crate::api::backup::{BackupDisk, DiskRole, Manifest};
+use crate::api::backup::{BackupDisk, BackupKind, DiskRole, Manifest};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -20,6 +26,47 @@ pub const FORMAT: &str = "vmhost-backup";
 
 /// Largest `manifest.json` read.
 const MAX_MANIFEST: u64 = 1 << 20;
+
+/// Manifest version written.
+pub const VERSION: u32 = 2;
+
+/// The file a UEFI VM's variables store has in a backup.
+pub const VARS_FILE: &str = "uefi-vars.fd";
+
+/// Longest chain of increments read (a loop of parents ends here too).
+pub const MAX_CHAIN: usize = 256;
+
+/// Prefix of every dirty bitmap a backup leaves on a disk: `vmhost-backup-ID`.
+pub const BITMAP_PREFIX: &str = "vmhost-backup-";
+
+/// The dirty bitmap of backup `id`.
+pub fn bitmap_of(id: &str) -> String {
+    format!("{BITMAP_PREFIX}{id}")
+}
+
+/// A new backup id: 16 random hex digits.
+///
+/// # Errors
+/// When the kernel gives no random bytes.
+pub fn new_id() -> Result<String, std::io::Error> {
+    let mut b = [0u8; 8];
+    getrandom::fill(&mut b).map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(crate::qemu::integrity::hex(&b))
+}
+
+/// One backup as read: its directory name and path, its manifest and the sha256 of the
+/// manifest's bytes.
+#[derive(Debug, Clone)]
+pub struct ReadBackup {
+    /// Directory name in `paths.backups`.
+    pub name: String,
+    /// Its path.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// sha256 of `manifest.json`.
+    pub manifest_sha256: String,
+}
 
 /// Why a backup cannot be written or read. The API codes are given at the boundary
 /// (`crate::owner_errors`); the texts here are the messages users read.
@@ -82,6 +129,20 @@ pub enum BackupError {
     /// The manifest cannot be encoded.
     #[error("{0}")]
     Encode(#[source] serde_json::Error),
+    /// A chain of backups is not whole ([`ChainError`]).
+    #[error("{0}")]
+    Chain(#[source] ChainError),
+    /// A backup directory cannot be removed or renamed (pruning, merging).
+    #[error("cannot {what} {}: {source}", .dir.display())]
+    Prune {
+        /// What was done.
+        what: &'static str,
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The files cannot be synced or the directory renamed into place; the partial directory
     /// is removed.
     #[error("cannot finish the backup in {}: {source}", .dir.display())]
@@ -92,6 +153,34 @@ pub enum BackupError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Why a chain of backups cannot be restored; checked before anything is written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChainError {
+    /// The parent named is not in `paths.backups`.
+    #[error("backup {child:?} builds on {parent:?}, which is not in {dir} (import it there first)")]
+    MissingParent {
+        /// The backup whose parent is missing.
+        child: String,
+        /// The parent's directory name.
+        parent: String,
+        /// The backups directory.
+        dir: String,
+    },
+    /// The parent found is not the one the child was made on.
+    #[error("backup {child:?} builds on {parent:?} {what}: the chain is broken")]
+    WrongParent {
+        /// The backup.
+        child: String,
+        /// Its parent's directory name.
+        parent: String,
+        /// What differs.
+        what: String,
+    },
+    /// More than [`MAX_CHAIN`] links (or a loop).
+    #[error("backup {0:?} has a chain of more than {MAX_CHAIN} backups")]
+    TooLong(String),
 }
 
 /// Why a manifest's bytes are not a manifest vmhost imports ([`parse_manifest`]).
@@ -132,10 +221,12 @@ impl Backups {
     /// The backups of `config`, with the partial backups a crash left removed.
     pub fn open(config: &crate::config::Config) -> Backups {
         let dir = config.paths.backups_dir();
+        recover_merges(&dir);
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for e in entries.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
-                if name.starts_with('.') && name.ends_with(".partial") {
+                let leftover = [".partial", ".deleting", ".merging"].iter().any(|s| name.ends_with(s));
+                if name.starts_with('.') && leftover {
                     match std::fs::remove_dir_all(e.path()) {
                         Ok(()) => tracing::info!(dir = %e.path().display(), "removed an interrupted export"),
                         Err(err) => {
@@ -176,6 +267,51 @@ impl Backups {
         })
     }
 
+    /// Starts the full copy that will replace increment `name` (retention):
+    /// `.NAME.merging`, a leftover of an earlier attempt removed first.
+    ///
+    /// # Errors
+    /// [`BackupError::Create`].
+    pub fn begin_merge(&self, name: &str) -> Result<Partial, BackupError> {
+        let dir = self.dir.join(format!(".{name}.merging"));
+        crate::blocking::run(|| {
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => return Err(BackupError::Create { dir: dir.clone(), source }),
+            }
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .map_err(|source| BackupError::Create { dir: dir.clone(), source })
+        })?;
+        Ok(Partial { dir, name: name.to_string(), done: false })
+    }
+
+    /// Removes backup `name`: renamed to `.NAME.deleting` first (a crash never leaves half a
+    /// backup under its name), `between()` (a crash point), then removed.
+    ///
+    /// # Errors
+    /// [`BackupError::NotAName`], [`BackupError::Prune`].
+    pub fn delete(&self, name: &str, between: impl FnOnce()) -> Result<(), BackupError> {
+        if !crate::images::is_image_name(name) {
+            return Err(BackupError::NotAName(name.to_string()));
+        }
+        let (dir, gone) = (self.dir.join(name), self.dir.join(format!(".{name}.deleting")));
+        crate::blocking::run(|| std::fs::rename(&dir, &gone)).map_err(|source| BackupError::Prune {
+            what: "rename",
+            dir: dir.clone(),
+            source,
+        })?;
+        between();
+        crate::blocking::run(|| std::fs::remove_dir_all(&gone)).map_err(|source| BackupError::Prune {
+            what: "remove",
+            dir: gone.clone(),
+            source,
+        })
+    }
+
     /// The directory of backup `backup` and its manifest.
     ///
     /// `manifest.json` is opened without following a symbolic link and without blocking (a
@@ -190,6 +326,15 @@ impl Backups {
     /// vmhost backup of version 1 (2001) or whose content would take what is not the backup's
     /// (2003, [`parse_manifest`]).
     pub fn read(&self, backup: &str) -> Result<(PathBuf, Manifest), BackupError> {
+        let b = self.read_full(backup)?;
+        Ok((b.dir, b.manifest))
+    }
+
+    /// [`Backups::read`] with the sha256 of the manifest's bytes.
+    ///
+    /// # Errors
+    /// As [`Backups::read`].
+    pub fn read_full(&self, backup: &str) -> Result<ReadBackup, BackupError> {
         if !crate::images::is_image_name(backup) {
             return Err(BackupError::NotAName(backup.to_string()));
         }
@@ -212,7 +357,138 @@ impl Backups {
             Ok(m) => m,
             Err(source) => return Err(BackupError::Manifest { path, source }),
         };
-        Ok((dir, manifest))
+        let manifest_sha256 = crate::qemu::integrity::sha256_of(&mut &bytes[..])
+            .map_err(|source| BackupError::Unreadable { path: path.clone(), source })?;
+        Ok(ReadBackup { name: backup.to_string(), dir, manifest, manifest_sha256 })
+    }
+
+    /// The backups directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Every readable backup of VM `vm` (its manifest's `vm`), oldest first (by `created_at`,
+    /// then name); one that cannot be read is skipped with a warning.
+    pub fn of_vm(&self, vm: &str) -> Vec<ReadBackup> {
+        let names: Vec<String> = crate::blocking::run(|| {
+            std::fs::read_dir(&self.dir)
+                .map(|rd| {
+                    rd.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .filter(|n| !n.starts_with('.'))
+                        .collect()
+                })
+                .unwrap_or_default()
+        });
+        let mut out: Vec<ReadBackup> = names
+            .iter()
+            .filter_map(|n| match self.read_full(n) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    tracing::debug!(backup = %n, error = %e, "not a readable backup");
+                    None
+                }
+            })
+            .filter(|b| b.manifest.vm == vm)
+            .collect();
+        out.sort_by(|a, b| (&a.manifest.created_at, &a.name).cmp(&(&b.manifest.created_at, &b.name)));
+        out
+    }
+
+    /// The newest backup of VM `vm` that has an id (a version 2 backup): the default parent
+    /// of an incremental backup.
+    pub fn newest_of(&self, vm: &str) -> Option<ReadBackup> {
+        self.of_vm(vm).into_iter().rev().find(|b| b.manifest.id.is_some())
+    }
+
+    /// Backup `backup` and every backup it builds on, the full backup first and `backup`
+    /// last; each parent checked against what its child recorded (directory, id, manifest
+    /// sha256, VM, the same disks and formats). Files are not read here.
+    ///
+    /// # Errors
+    /// As [`Backups::read`] for each; [`BackupError::Chain`] for a missing or different
+    /// parent, or a chain longer than [`MAX_CHAIN`].
+    pub fn chain(&self, backup: &str) -> Result<Vec<ReadBackup>, BackupError> {
+        let mut chain = vec![self.read_full(backup)?];
+        while let Some((child, parent)) = chain.last().and_then(|c| Some((c, c.manifest.parent.clone()?))) {
+            if chain.len() > MAX_CHAIN {
+                return Err(BackupError::Chain(ChainError::TooLong(backup.to_string())));
+            }
+            let read = match self.read_full(&parent.dir) {
+                Ok(b) => b,
+                Err(BackupError::NoSuchBackup { .. }) => {
+                    return Err(BackupError::Chain(ChainError::MissingParent {
+                        child: child.name.clone(),
+                        parent: parent.dir.clone(),
+                        dir: self.dir.display().to_string(),
+                    }))
+                }
+                Err(e) => return Err(e),
+            };
+            check_link(child, &parent, &read).map_err(BackupError::Chain)?;
+            chain.push(read);
+        }
+        chain.reverse();
+        Ok(chain)
+    }
+}
+
+/// `parent_read` is the parent `child` recorded as `parent`: its id, manifest bytes, VM and
+/// disks (names, roles, formats; a disk may have grown since, never shrunk).
+fn check_link(
+    child: &ReadBackup,
+    parent: &crate::api::backup::ParentRef,
+    parent_read: &ReadBackup,
+) -> Result<(), ChainError> {
+    let wrong = |what: String| ChainError::WrongParent { child: child.name.clone(), parent: parent.dir.clone(), what };
+    if parent_read.manifest.id.as_deref() != Some(parent.id.as_str()) {
+        return Err(wrong(format!("whose id is {:?}, not {:?}", parent_read.manifest.id, parent.id)));
+    }
+    // A merged full backup (retention) stands in for the increment it was made from.
+    let merged = parent_read.manifest.merged_from.as_deref() == Some(parent.manifest_sha256.as_str());
+    if parent_read.manifest_sha256 != parent.manifest_sha256 && !merged {
+        return Err(wrong(format!(
+            "whose manifest.json has sha256 {}, not {} as recorded",
+            parent_read.manifest_sha256, parent.manifest_sha256
+        )));
+    }
+    if parent_read.manifest.vm != child.manifest.vm {
+        return Err(wrong(format!("of VM {:?}, not {:?}", parent_read.manifest.vm, child.manifest.vm)));
+    }
+    for (d, c) in child.manifest.disks.iter().zip(&child.manifest.changes) {
+        if c.kind != BackupKind::Incremental {
+            continue;
+        }
+        let below = parent_read.manifest.disks.iter().find(|p| p.role == d.role && p.name == d.name);
+        match below {
+            Some(p) if p.format == d.format && p.virtual_size <= d.virtual_size => {}
+            Some(_) => return Err(wrong(format!("whose disk {:?} is another format or larger", d.name))),
+            None => return Err(wrong(format!("which has no disk {:?}", d.name))),
+        }
+    }
+    Ok(())
+}
+
+/// Finishes what a crash left of a merge ([`Partial::replace`]): a `.NAME.replaced` whose
+/// full copy `.NAME.merging` was sealed but not renamed in gets it renamed in; the replaced
+/// increment is removed once `NAME` is there (or put back when nothing else is).
+fn recover_merges(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(name) = file.strip_prefix('.').and_then(|f| f.strip_suffix(".replaced")) else { continue };
+        let (whole, merging) = (dir.join(name), dir.join(format!(".{name}.merging")));
+        let outcome = if whole.exists() {
+            std::fs::remove_dir_all(e.path())
+        } else if merging.join("manifest.json").exists() {
+            std::fs::rename(&merging, &whole).and_then(|()| std::fs::remove_dir_all(e.path()))
+        } else {
+            std::fs::rename(e.path(), &whole)
+        };
+        match outcome {
+            Ok(()) => tracing::info!(backup = name, "finished an interrupted merge"),
+            Err(err) => tracing::warn!(backup = name, error = %err, "cannot finish an interrupted merge"),
+        }
     }
 }
 
@@ -270,9 +546,10 @@ pub fn parse_manifest(bytes: &[u8]) -> Result<Manifest, ManifestError> {
 /// What a manifest must hold to be read: the format and version, one root disk at most, the
 /// spec's data disks each once, file names as [`file_of`] gives them, hex sha256s.
 fn check(m: &Manifest) -> Result<(), String> {
-    if m.format != FORMAT || m.version != 1 {
-        return Err(format!("format {:?} version {}, not {FORMAT:?} version 1", m.format, m.version));
+    if m.format != FORMAT || !(1..=VERSION).contains(&m.version) {
+        return Err(format!("format {:?} version {}, not {FORMAT:?} version 1 or {VERSION}", m.format, m.version));
     }
+    check_v2(m)?;
     let roots = m.disks.iter().filter(|d| d.role == DiskRole::Root).count();
     if roots > 1 {
         return Err("more than one root disk".into());
@@ -297,6 +574,51 @@ fn check(m: &Manifest) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// What version 2 adds: an id, a kind agreeing with the disks' changes (one per disk, same
+/// order; incremental only for a qcow2), a parent exactly when incremental, the vars store's
+/// file. A version 1 manifest has none of them.
+fn check_v2(m: &Manifest) -> Result<(), String> {
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    if let Some(v) = &m.uefi_vars {
+        if v.file != VARS_FILE || !hex(&v.sha256, 64) {
+            return Err(format!("the UEFI variables store is {:?} with no sha256, not {VARS_FILE:?}", v.file));
+        }
+    }
+    if m.version == 1 {
+        if m.id.is_some() || m.kind.is_some() || m.parent.is_some() || !m.changes.is_empty() || m.merged_from.is_some()
+        {
+            return Err("a version 1 manifest has no id, kind, parent or changes".into());
+        }
+        return Ok(());
+    }
+    let id = m.id.as_deref().unwrap_or_default();
+    if !hex(id, 16) {
+        return Err("no id of 16 hex digits".into());
+    }
+    if m.changes.len() != m.disks.len() || m.changes.iter().zip(&m.disks).any(|(c, d)| c.name != d.name) {
+        return Err("its changes are not one per disk in the disks' order".into());
+    }
+    let incremental = m.changes.iter().any(|c| c.kind == BackupKind::Incremental);
+    for (c, d) in m.changes.iter().zip(&m.disks) {
+        if c.kind == BackupKind::Incremental && d.format != crate::api::disks::DiskFormat::Qcow2 {
+            return Err(format!("disk {:?} is incremental but not a qcow2", d.name));
+        }
+    }
+    match (m.kind, &m.parent, incremental) {
+        (Some(BackupKind::Full), None, false) => Ok(()),
+        (Some(BackupKind::Incremental), Some(p), true) => {
+            if !crate::images::is_image_name(&p.dir) || !hex(&p.id, 16) || !hex(&p.manifest_sha256, 64) {
+                return Err("its parent is not a backup's name, id and manifest sha256".into());
+            }
+            if p.id == id {
+                return Err("it is its own parent".into());
+            }
+            Ok(())
+        }
+        _ => Err("its kind, parent and disk changes disagree".into()),
+    }
 }
 
 /// A backup's VM boots from what the backup holds: its root disk (which the import names
@@ -329,16 +651,9 @@ impl Partial {
     /// [`BackupError::Encode`] or [`BackupError::Finish`] (4001 `step: export`); the partial
     /// directory is removed.
     pub fn finish(mut self, manifest: &Manifest) -> Result<PathBuf, BackupError> {
-        let json = serde_json::to_vec_pretty(manifest).map_err(BackupError::Encode)?;
-        let sums: String = manifest.disks.iter().map(|d| format!("{}  {}\n", d.sha256, d.file)).collect();
         let final_dir = self.dir.with_file_name(&self.name);
         crate::blocking::run(|| {
-            for d in &manifest.disks {
-                std::fs::File::open(self.dir.join(&d.file))?.sync_all()?;
-            }
-            write_synced(&self.dir.join("SHA256SUMS"), sums.as_bytes())?;
-            write_synced(&self.dir.join("manifest.json"), &json)?;
-            std::fs::File::open(&self.dir)?.sync_all()?;
+            self.seal_files(manifest)?;
             std::fs::rename(&self.dir, &final_dir)?;
             if let Some(parent) = final_dir.parent() {
                 std::fs::File::open(parent)?.sync_all()?;
@@ -347,6 +662,53 @@ impl Partial {
         })
         .map_err(|source| BackupError::Finish { dir: self.dir.clone(), source })?;
         self.done = true;
+        Ok(final_dir)
+    }
+
+    /// Writes `manifest.json` and `SHA256SUMS` and fsyncs every file and the directory.
+    fn seal_files(&self, manifest: &Manifest) -> std::io::Result<()> {
+        let json = serde_json::to_vec_pretty(manifest).map_err(std::io::Error::other)?;
+        let mut sums: String = manifest.disks.iter().map(|d| format!("{}  {}\n", d.sha256, d.file)).collect();
+        if let Some(v) = &manifest.uefi_vars {
+            sums.push_str(&format!("{}  {}\n", v.sha256, v.file));
+        }
+        for file in manifest.disks.iter().map(|d| &d.file).chain(manifest.uefi_vars.iter().map(|v| &v.file)) {
+            std::fs::File::open(self.dir.join(file))?.sync_all()?;
+        }
+        write_synced(&self.dir.join("SHA256SUMS"), sums.as_bytes())?;
+        write_synced(&self.dir.join("manifest.json"), &json)?;
+        std::fs::File::open(&self.dir)?.sync_all()
+    }
+
+    /// A merge's end ([`Backups::begin_merge`]): seals the new full backup, then puts it in
+    /// place of the increment of the same name: the increment renamed to `.NAME.replaced`,
+    /// `between()` (a crash point), the full copy renamed to `NAME`, the increment removed. A
+    /// crash anywhere leaves either the increment or its full copy in place
+    /// ([`Backups::open`]).
+    ///
+    /// # Errors
+    /// [`BackupError::Finish`]; the increment is back in place.
+    pub fn replace(mut self, manifest: &Manifest, between: impl FnOnce()) -> Result<PathBuf, BackupError> {
+        let final_dir = self.dir.with_file_name(&self.name);
+        let old = self.dir.with_file_name(format!(".{}.replaced", self.name));
+        fn failed(dir: &Path) -> impl FnOnce(std::io::Error) -> BackupError + '_ {
+            move |source| BackupError::Finish { dir: dir.to_path_buf(), source }
+        }
+        crate::blocking::run(|| self.seal_files(manifest)).map_err(failed(&self.dir))?;
+        crate::blocking::run(|| std::fs::rename(&final_dir, &old)).map_err(failed(&final_dir))?;
+        between();
+        if let Err(e) = crate::blocking::run(|| std::fs::rename(&self.dir, &final_dir)) {
+            let _ = std::fs::rename(&old, &final_dir);
+            return Err(failed(&self.dir)(e));
+        }
+        self.done = true;
+        crate::blocking::run(|| {
+            if let Some(parent) = final_dir.parent() {
+                let _ = std::fs::File::open(parent).and_then(|d| d.sync_all());
+            }
+            std::fs::remove_dir_all(&old)
+        })
+        .map_err(|source| BackupError::Prune { what: "remove", dir: old.clone(), source })?;
         Ok(final_dir)
     }
 
@@ -374,12 +736,13 @@ impl Drop for Partial {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::api::disks::DiskFormat;
     use crate::api::{ApiError, Code};
 
-    fn manifest() -> Manifest {
+    /// A version 1 manifest of VM `v` with a root disk and a raw data disk `nsm`.
+    pub(crate) fn manifest() -> Manifest {
         let mut spec = crate::validate::tests::spec("v");
         spec.disks = vec![crate::validate::tests::data_disk("nsm", 1, DiskFormat::Raw)];
         let disk = |role, name: &str, format| {
@@ -408,6 +771,12 @@ mod tests {
             frozen: Vec::new(),
             skipped: Vec::new(),
             disks: vec![disk(DiskRole::Root, "root", DiskFormat::Qcow2), disk(DiskRole::Data, "nsm", DiskFormat::Raw)],
+            id: None,
+            kind: None,
+            parent: None,
+            merged_from: None,
+            changes: Vec::new(),
+            uefi_vars: None,
         }
     }
 

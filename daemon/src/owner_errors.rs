@@ -436,6 +436,9 @@ impl From<BackupError> for ApiError {
             BackupError::Manifest { source: ManifestError::TakesOthers(_), .. } => {
                 api(Code::ChecksumMismatch, &e, backup).details(manifest)
             }
+            BackupError::Chain(crate::backup::ChainError::MissingParent { .. }) => api(Code::NotFound, &e, backup),
+            BackupError::Chain(_) => api(Code::ChecksumMismatch, &e, backup),
+            BackupError::Prune { .. } => api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "prune" })),
             BackupError::Create { .. }
             | BackupError::NoFreeName { .. }
             | BackupError::Encode(_)

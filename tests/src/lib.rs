@@ -753,6 +753,7 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
+pub mod bench_backups;
 pub mod bench_capture;
 pub mod bench_images;
 pub mod bench_lifecycle;

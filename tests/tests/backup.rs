@@ -342,3 +342,232 @@ fn a_data_disk_whose_header_names_a_host_file_never_makes_qemu_open_it() {
     assert!(!fds.iter().any(|f| f.contains("vmhostd.toml")), "QEMU opened {}: {fds:?}", secret.display());
     assert_eq!(host.call("vm.get", json!({ "name": "held" }))["status"], "running");
 }
+
+/// The sha256 of what the guest reads of qcow2 or raw disk `path` (converted to raw by
+/// qemu-img, `-U`: a running VM may hold it).
+fn guest_sha(path: &Path, format: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("disk.raw");
+    run_ok(Command::new("qemu-img").args(["convert", "-U", "-f", format, "-O", "raw"]).arg(path).arg(&raw));
+    vmhost_tests::sha256_file(&raw)
+}
+
+/// Writes `pattern` over `len` at `offset` into a stopped VM's qcow2 disk, as its guest would
+/// (qemu-io opens it read-write, so its dirty bitmaps record the write).
+fn write_into(path: &Path, pattern: u8, offset: &str, len: &str) {
+    run_ok(
+        Command::new("qemu-io").args(["-f", "qcow2", "-c", &format!("write -P {pattern} {offset} {len}")]).arg(path),
+    );
+}
+
+/// `(name, kind, full_reason)` of each disk of an export's manifest.
+fn changes(export: &Value) -> Vec<(String, String, String)> {
+    export["manifest"]["changes"]
+        .as_array()
+        .unwrap_or(&Vec::new())
+        .iter()
+        .map(|c| {
+            let s = |k: &str| c[k].as_str().unwrap_or_default().to_string();
+            (s("name"), s("kind"), s("full_reason"))
+        })
+        .collect()
+}
+
+fn backup_dirs(host: &TestHost) -> Vec<String> {
+    entries(&host.state().join("backups"))
+}
+
+/// A running guest's disks backed up full, then twice incrementally (after a restart of the
+/// VM and after one of the daemon: the change tracking survives both), with markers the guest
+/// wrote between them; the chain is copied to a second vmhostd and imported there: every disk
+/// equal (sha256 of what the guest reads) to the source's at the last increment's instant, and
+/// the guest there reads the last marker. The raw disk is copied whole every time, with why.
+#[test]
+fn an_incremental_chain_comes_back_on_another_vmhostd_equal_to_the_source() {
+    let mut a = host();
+    let disks = json!([{"name": "nsm", "size_gib": 1, "format": "raw"}, {"name": "logs", "size_gib": 1}]);
+    let spec = |a: &TestHost, mark: &str| disk_spec(a, "db", disks.clone(), &format!("vmhost.writemark=logs:{mark}"));
+    a.call("vm.create", json!({ "spec": spec(&a, "one") }));
+    assert_eq!(marks(&a, "db", 1), ["nsm=-", "logs=one"]);
+
+    let full = a.call("vm.export", json!({ "name": "db", "incremental": true }));
+    assert_eq!((&full["manifest"]["version"], &full["manifest"]["kind"]), (&json!(2), &json!("full")), "{full}");
+    let c = changes(&full);
+    assert_eq!((c[0].1.as_str(), c[1].1.as_str()), ("full", "full"));
+    assert!(c[0].2.starts_with("raw disk") && c[1].2 == "no previous backup", "{c:?}");
+
+    // A restart of the VM (a clean power-off: QEMU stores the bitmap) and a new marker.
+    a.call("vm.apply", json!({ "spec": spec(&a, "two"), "timeout_s": 60 }));
+    assert_eq!(marks(&a, "db", 2), ["nsm=-", "logs=two"]);
+    let inc1 = a.call("vm.export", json!({ "name": "db", "incremental": true }));
+    let m = &inc1["manifest"];
+    assert_eq!((&m["kind"], &m["parent"]["dir"]), (&json!("incremental"), &full["backup"]), "{inc1}");
+    let c = changes(&inc1);
+    assert_eq!((c[0].1.as_str(), c[1].1.as_str(), c[1].2.as_str()), ("full", "incremental", ""), "{c:?}");
+    let inc1_dir = a.state().join("backups").join(inc1["backup"].as_str().unwrap());
+    let small = std::fs::metadata(inc1_dir.join("logs.qcow2")).unwrap().len();
+    assert!(small < 8 << 20, "the increment holds what changed, not the disk: {small} bytes");
+
+    // A restart of the daemon (QEMU runs on), then of the VM, and the last marker.
+    a.stop_daemon();
+    a.spawn_daemon();
+    a.call("vm.apply", json!({ "spec": spec(&a, "three"), "timeout_s": 60 }));
+    assert_eq!(marks(&a, "db", 3), ["nsm=-", "logs=three"]);
+    let out = a.ctl(&["export", "db", "--incremental"]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success() && text.contains("incremental over "), "{out:?}");
+    assert!(text.contains("nsm: copied whole: raw disk"), "{text}");
+    let inc2 = backup_dirs(&a).into_iter().filter(|d| !d.starts_with('.')).max().unwrap();
+    assert!(text.contains(&inc2), "{text} names {inc2}");
+
+    // The source as it was at that instant: the guest wrote nothing since its marker.
+    a.call("vm.stop", json!({ "name": "db" }));
+    let disk_dir = a.state().join("disks/db");
+    let source = (guest_sha(&disk_dir.join("nsm.raw"), "raw"), guest_sha(&disk_dir.join("logs.qcow2"), "qcow2"));
+
+    let mut b = host();
+    for name in [full["backup"].as_str().unwrap(), inc1["backup"].as_str().unwrap(), inc2.as_str()] {
+        copy_backup(&a, &b, name);
+    }
+    // Without its middle link the chain is refused and nothing is made.
+    let mid = b.state().join("backups").join(inc1["backup"].as_str().unwrap());
+    let aside = b.state().join("aside");
+    std::fs::rename(&mid, &aside).unwrap();
+    let (code, e) = b.call_err("vm.import", json!({ "backup": inc2, "state": "stopped" }));
+    assert_eq!((code, e.field.as_deref()), (4040, Some("backup")), "{e:?}");
+    std::fs::rename(&aside, &mid).unwrap();
+    // A changed byte in the full backup at the bottom: refused before anything is written.
+    let bottom = b.state().join("backups").join(full["backup"].as_str().unwrap()).join("logs.qcow2");
+    let saved = std::fs::read(&bottom).unwrap();
+    let mut bad = saved.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 1;
+    std::fs::write(&bottom, &bad).unwrap();
+    let (code, e) = b.call_err("vm.import", json!({ "backup": inc2, "state": "stopped" }));
+    assert_eq!((code, e.details["file"].as_str()), (2003, Some("logs.qcow2")), "{e:?}");
+    assert!(entries(&b.state().join("disks")).is_empty() && entries(&b.state().join("kept-disks")).is_empty());
+    std::fs::write(&bottom, &saved).unwrap();
+
+    let v = b.call("vm.import", json!({ "backup": inc2, "state": "stopped" }));
+    assert_eq!(v["vm"]["status"], "stopped", "{v}");
+    let there = b.state().join("disks/db");
+    assert_eq!((guest_sha(&there.join("nsm.raw"), "raw"), guest_sha(&there.join("logs.qcow2"), "qcow2")), source);
+    b.call("vm.start", json!({ "name": "db" }));
+    assert_eq!(marks(&b, "db", 1), ["nsm=-", "logs=three"]);
+    b.stop_daemon();
+}
+
+/// kill -9 of vmhostd at each step of an incremental export and of a prune (a stopped VM,
+/// written into between backups): afterwards no half backup is left, the next export is still
+/// incremental, and every backup kept is importable with its disks as they were when it was made.
+#[test]
+fn a_crash_at_each_step_of_an_incremental_export_or_a_prune_loses_no_backup() {
+    let mut a = host();
+    let disks = json!([{"name": "nsm", "size_gib": 1, "format": "raw"}, {"name": "logs", "size_gib": 1}]);
+    let mut spec = disk_spec(&a, "s", disks, "");
+    spec["state"] = json!("stopped");
+    a.call("vm.create", json!({ "spec": spec }));
+    let logs = a.state().join("disks/s/logs.qcow2");
+    let export = json!({ "name": "s", "incremental": true });
+    let mut made: Vec<(String, String)> = Vec::new();
+    let newest = |a: &TestHost| backup_dirs(a).into_iter().filter(|d| !d.starts_with('.')).max().unwrap();
+
+    write_into(&logs, 0x11, "0", "1M");
+    let v = a.call("vm.export", export.clone());
+    made.push((v["backup"].as_str().unwrap().to_string(), guest_sha(&logs, "qcow2")));
+
+    write_into(&logs, 0x22, "4M", "1M");
+    a.crash_during("export:copied", "vm.export", export.clone());
+    assert_eq!(backup_dirs(&a), [made[0].0.clone()], "the partial directory is gone");
+    let v = a.call("vm.export", export.clone());
+    assert_eq!(changes(&v)[1].1, "incremental", "the parent's bitmap survived the crash: {v}");
+    made.push((v["backup"].as_str().unwrap().to_string(), guest_sha(&logs, "qcow2")));
+
+    write_into(&logs, 0x33, "8M", "1M");
+    a.crash_during("export:sealed", "vm.export", export.clone());
+    let sealed = newest(&a);
+    assert_eq!(backup_dirs(&a).len(), 3, "the sealed backup stays: {:?}", backup_dirs(&a));
+    made.push((sealed, guest_sha(&logs, "qcow2")));
+    write_into(&logs, 0x44, "0", "64k");
+    let v = a.call("vm.export", export.clone());
+    assert_eq!((&v["manifest"]["parent"]["dir"], changes(&v)[1].1.as_str()), (&json!(made[2].0), "incremental"));
+    made.push((v["backup"].as_str().unwrap().to_string(), guest_sha(&logs, "qcow2")));
+    run_ok(Command::new("qemu-img").args(["check", "-q"]).arg(&logs));
+
+    let prune = json!({ "name": "s", "keep": 2 });
+    for step in ["prune:merged", "prune:replaced"] {
+        crash_prune(&mut a, step, &prune);
+        let left = backup_dirs(&a);
+        assert_eq!(
+            left,
+            made.iter().map(|m| m.0.clone()).collect::<Vec<_>>(),
+            "{step}: every backup stays, no leftover"
+        );
+    }
+    crash_prune(&mut a, "prune:deleting", &prune);
+    let v = a.call("vm.backups_prune", prune);
+    assert_eq!(v["kept"], json!([made[2].0, made[3].0]), "{v}");
+    assert_eq!(backup_dirs(&a), [made[2].0.clone(), made[3].0.clone()]);
+    // A crash while a disk is being restored from its chain leaves nothing behind.
+    a.crash_during("import:restored", "vm.import", json!({ "backup": made[3].0, "name": "r9", "state": "stopped" }));
+    assert!(entries(&a.state().join("kept-disks")).is_empty(), "{:?}", entries(&a.state().join("kept-disks")));
+    assert_eq!(entries(&a.state().join("import")), Vec::<String>::new(), "the temp file went at the restart");
+    // Each kept backup restores its disk as it was when made.
+    for (i, (backup, sha)) in made[2..].iter().enumerate() {
+        let name = format!("r{i}");
+        a.call("vm.import", json!({ "backup": backup, "name": name, "state": "stopped" }));
+        let restored = a.state().join(format!("disks/{name}/logs.qcow2"));
+        assert_eq!(&guest_sha(&restored, "qcow2"), sha, "{backup}");
+    }
+    a.stop_daemon();
+}
+
+/// [`TestHost::crash_during`] of `vm.backups_prune`, saying what the daemon answered when it
+/// did not die.
+fn crash_prune(a: &mut TestHost, step: &str, params: &Value) {
+    a.arm_crash(step);
+    let answer = a.client().call::<Value>("vm.backups_prune", params.clone());
+    let pid = a.daemon_pid().unwrap() as i32;
+    if vmhost_tests::alive(pid) {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(!vmhost_tests::alive(pid) || format!("{answer:?}").contains("closed"), "{step}: {answer:?}");
+    a.restart_after_crash(step);
+}
+
+/// A UEFI VM's variables store is in every backup (copied by its QEMU at the disks' instant
+/// while it runs, as a file while it is stopped) and back at import, before the first start:
+/// the imported VM boots through OVMF from the store the backup holds.
+#[test]
+fn a_uefi_vms_variables_store_travels_in_its_backups() {
+    let a = host();
+    let mut spec = disk_spec(&a, "efi", json!([{"name": "logs", "size_gib": 1}]), "");
+    spec["boot"]["firmware"] = json!("uefi");
+    a.call("vm.create", json!({ "spec": spec }));
+    assert!(a.wait_serial("efi", "VMHOST-GUEST-READY", BOOT), "{}", a.serial("efi"));
+    let store = a.state().join("disks/efi/uefi-vars.fd");
+
+    let live = a.call("vm.export", json!({ "name": "efi" }));
+    let vars = &live["manifest"]["uefi_vars"];
+    assert_eq!(vars["file"], "uefi-vars.fd", "{live}");
+    let dir = a.state().join("backups").join(live["backup"].as_str().unwrap());
+    assert_eq!(entries(&dir), ["SHA256SUMS", "logs.qcow2", "manifest.json", "uefi-vars.fd"]);
+    run_ok(Command::new("sha256sum").args(["--check", "--quiet", "SHA256SUMS"]).current_dir(&dir));
+    assert_eq!(vars["sha256"].as_str().unwrap(), vmhost_tests::sha256_file(&store), "the store as the guest left it");
+
+    a.call("vm.stop", json!({ "name": "efi" }));
+    let stopped = a.call("vm.export", json!({ "name": "efi" }));
+    assert_eq!(stopped["manifest"]["uefi_vars"]["sha256"].as_str().unwrap(), vmhost_tests::sha256_file(&store));
+
+    let b = host();
+    let backup = live["backup"].as_str().unwrap();
+    copy_backup(&a, &b, backup);
+    let v = b.call("vm.import", json!({ "backup": backup, "name": "efi2", "state": "stopped" }));
+    assert_eq!(v["vm"]["status"], "stopped", "{v}");
+    let there = b.state().join("disks/efi2/uefi-vars.fd");
+    assert_eq!(vmhost_tests::sha256_file(&there).as_str(), vars["sha256"].as_str().unwrap_or_default());
+    // Imported running: the store is in place before the first start, which boots from it.
+    let v = b.call("vm.import", json!({ "backup": backup }));
+    assert_eq!(v["vm"]["status"], "running", "{v}");
+    assert!(b.wait_serial("efi", "VMHOST-GUEST-READY", BOOT), "{}", b.serial("efi"));
+}

@@ -174,6 +174,24 @@ enum Cmd {
         /// be frozen (no agent, a failed freeze, a file system it cannot freeze).
         #[arg(long)]
         require_frozen: bool,
+        /// Copy only what changed since the parent backup (per disk; a disk that cannot is
+        /// copied whole and the manifest says why).
+        #[arg(long)]
+        incremental: bool,
+        /// The parent backup (a directory name; default: the VM's newest backup).
+        #[arg(long, requires = "incremental")]
+        since: Option<String>,
+        /// Keep only the VM's newest N backups afterwards.
+        #[arg(long)]
+        keep: Option<u32>,
+    },
+    /// Keep only a VM's newest N backups in paths.backups (an increment whose parent goes is
+    /// merged into a full backup first).
+    BackupsPrune {
+        name: String,
+        /// How many of its newest backups stay.
+        #[arg(long)]
+        keep: u32,
     },
     /// Make a VM from a backup in paths.backups (by its directory name).
     Import {
@@ -562,21 +580,52 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 say!("{name}: snapshot {snapshot} {}", if v["changed"] == true { "deleted" } else { "absent" });
             }
         }
-        Cmd::Export { name, timeout, require_frozen } => {
+        Cmd::Export { name, timeout, require_frozen, incremental, since, keep } => {
             c.set_timeout(Duration::from_secs(timeout.saturating_add(120)))?;
             let mut params = json!({ "name": name, "timeout_s": timeout });
             if *require_frozen {
                 params["requires"] = json!("frozen");
             }
+            if *incremental {
+                params["incremental"] = json!(true);
+            }
+            if let Some(since) = since {
+                params["since"] = json!(since);
+            }
+            if let Some(keep) = keep {
+                params["keep"] = json!(keep);
+            }
             let v: Value = c.call("vm.export", params)?;
             if cli.json {
                 out(&v);
             } else {
-                say!(
-                    "{name}: exported to {} ({})",
-                    v["path"].as_str().unwrap_or_default(),
-                    copy_consistency(&v["manifest"])
-                );
+                let m = &v["manifest"];
+                // A full backup's line is as before incremental backups were.
+                let kind = match m["parent"]["dir"].as_str() {
+                    Some(parent) => format!(", incremental over {parent}"),
+                    None => String::new(),
+                };
+                say!("{name}: exported to {} ({}){kind}", v["path"].as_str().unwrap_or_default(), copy_consistency(m));
+                for change in elements(&m["changes"]) {
+                    if let Some(why) = change["full_reason"].as_str() {
+                        say!("  {}: copied whole: {why}", change["name"].as_str().unwrap_or_default());
+                    }
+                }
+            }
+        }
+        Cmd::BackupsPrune { name, keep } => {
+            c.set_timeout(Duration::from_secs(3600))?;
+            let v: Value = c.call("vm.backups_prune", json!({ "name": name, "keep": keep }))?;
+            if cli.json {
+                out(&v);
+            } else {
+                for (old, _) in elements(&v["merged"]).filter_map(|m| Some((m[0].as_str()?, ()))) {
+                    say!("{name}: merged {old} into a full backup");
+                }
+                for gone in elements(&v["removed"]).filter_map(Value::as_str) {
+                    say!("{name}: removed {gone}");
+                }
+                say!("{name}: {} backup(s) kept", elements(&v["kept"]).count());
             }
         }
         Cmd::Import { backup, name, stopped } => {

@@ -206,8 +206,45 @@ pub async fn prepare_live(q: &mut Qmp, disks: &[LiveDisk]) -> (Started, Result<(
 /// # Errors
 /// [`LiveError::Qmp`].
 pub async fn trigger_live(q: &mut Qmp, started: &mut Started, disks: &[LiveDisk]) -> Result<(), LiveError> {
+    trigger_live_with(q, started, disks, &Extras::default()).await
+}
+
+/// What an incremental backup adds to a live copy's transaction ([`super::bitmaps`]): per disk
+/// (same order) the bitmap whose dirty clusters alone are copied (`sync: incremental`), and
+/// more actions at the same instant (the new backup's bitmaps).
+#[derive(Debug, Default, Clone)]
+pub struct Extras {
+    /// Per disk: `Some(bitmap)` to copy only its dirty clusters.
+    pub bitmaps: Vec<Option<String>>,
+    /// Actions put in the same transaction, before the copies.
+    pub actions: Vec<Value>,
+}
+
+/// [`trigger_live`] with `extras` in the same transaction.
+///
+/// # Errors
+/// [`LiveError::Qmp`].
+pub async fn trigger_live_with(
+    q: &mut Qmp,
+    started: &mut Started,
+    disks: &[LiveDisk],
+    extras: &Extras,
+) -> Result<(), LiveError> {
     let devices: Vec<(&str, &str)> = disks.iter().map(|d| (d.device.as_str(), d.sync)).collect();
-    q.execute("transaction", Some(transaction(started.op, &devices))).await.map_err(step("transaction"))?;
+    let mut t = transaction(started.op, &devices);
+    if let Some(actions) = t.get_mut("actions").and_then(Value::as_array_mut) {
+        for (action, bitmap) in actions.iter_mut().zip(&extras.bitmaps) {
+            if let Some(b) = bitmap {
+                action["data"]["sync"] = json!("bitmap");
+                action["data"]["bitmap"] = json!(b);
+                action["data"]["bitmap-mode"] = json!("never");
+            }
+        }
+        let copies = std::mem::take(actions);
+        actions.extend(extras.actions.iter().cloned());
+        actions.extend(copies);
+    }
+    q.execute("transaction", Some(t)).await.map_err(step("transaction"))?;
     started.triggered = true;
     Ok(())
 }

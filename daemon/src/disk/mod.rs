@@ -20,6 +20,7 @@
 //! ([`offline_qemu`]): no image parser runs as root, and no file is ever made the user's. Each
 //! operation is bounded by [`TOOL_TIMEOUT`]; failures carry QEMU's reason and its stderr tail.
 
+pub mod bitmaps;
 pub mod data;
 pub mod export;
 pub mod import;

@@ -425,6 +425,31 @@ impl Session {
     }
 }
 
+/// Raw steps for callers that compose their own QMP (incremental backups,
+/// [`super::bitmaps`]): a command, a job's wait, an input's `/dev/fdset` path.
+impl Session {
+    /// Runs QMP `command`; a failure becomes [`DiskError::Tool`] with QEMU's stderr.
+    ///
+    /// # Errors
+    /// As [`Session::call`].
+    pub(crate) async fn execute(&mut self, command: &str, arguments: Option<Value>) -> Result<Value, DiskError> {
+        self.call(command, arguments).await
+    }
+
+    /// Waits up to `within` for job `id` to conclude, then dismisses it.
+    ///
+    /// # Errors
+    /// The job's error, a timeout, QMP's errors ([`DiskError::Tool`]).
+    pub(crate) async fn wait_job_until(&mut self, id: &str, within: Duration) -> Result<(), DiskError> {
+        self.wait_job_within(id, within).await
+    }
+}
+
+/// The `/dev/fdset/N` path QEMU opens input `i` by.
+pub(crate) fn input_path(i: usize) -> String {
+    format!("/dev/fdset/{}", fdset(i))
+}
+
 /// `format` and `virtual-size` of a QMP `ImageInfo`.
 pub(crate) fn image_info(image: &Value) -> Result<BaseInfo, DiskError> {
     let format = image

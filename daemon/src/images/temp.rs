@@ -125,6 +125,16 @@ impl Temp {
         crate::blocking::run(|| File::open(&self.path))
     }
 
+    /// A read-write descriptor of the file (for QEMU to write a restored disk into it).
+    ///
+    /// # Errors
+    /// It cannot be reopened.
+    pub fn reopen_rw(&self) -> io::Result<File> {
+        crate::blocking::run(|| {
+            OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(&self.path)
+        })
+    }
+
     /// Renames the file to `to` (never replacing a file there) and syncs the directory.
     /// Returns the placed file's metadata.
     ///

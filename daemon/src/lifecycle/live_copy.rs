@@ -214,6 +214,22 @@ impl VmOp {
         requires: Option<Requirement>,
         step: &str,
     ) -> Result<CopyConsistency, ApiError> {
+        self.copy_disks_live_with(targets, within, requires, step, &crate::disk::export::Extras::default()).await
+    }
+
+    /// [`VmOp::copy_disks_live`] with `extras` in the transaction that starts the copies (an
+    /// incremental backup's bitmaps, [`crate::disk::bitmaps`]).
+    ///
+    /// # Errors
+    /// As [`VmOp::copy_disks_live`].
+    pub(super) async fn copy_disks_live_with(
+        &self,
+        targets: &mut [Target],
+        within: Duration,
+        requires: Option<Requirement>,
+        step: &str,
+        extras: &crate::disk::export::Extras,
+    ) -> Result<CopyConsistency, ApiError> {
         let name = self.name();
         let mgr = self.mgr();
         let qmp = |what| move |source| QemuStepError::Qmp { step: step.into(), what, source };
@@ -261,7 +277,7 @@ impl VmOp {
                 tracing::warn!(vm = name, step, reason = ?consistency.reason, "refused: the copy would be crash-consistent");
                 return Err(not_frozen(name, step, &consistency));
             }
-            result = crate::disk::export::trigger_live(&mut q, &mut started, &disks).await;
+            result = crate::disk::export::trigger_live_with(&mut q, &mut started, &disks, extras).await;
             let held = asked.elapsed();
             if thaw {
                 self.thaw_guest().await;

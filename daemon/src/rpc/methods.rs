@@ -11,7 +11,7 @@
 //! its access, and the handler parses the params once ([`parse_params`], a -32602 names the
 //! field at fault), counts an agent call ([`crate::rpc::agent_rate`]), then runs.
 
-use crate::api::backup::{ExportParams, ImportVmParams};
+use crate::api::backup::{ExportParams, ImportVmParams, PruneParams};
 use crate::api::disks::PurgeKeptDisksParams;
 use crate::api::exec::{ExecOutput, ExecParams, ExecResult, FilePullParams, FilePushParams, EXEC_OUTPUT_NOTIFICATION};
 use crate::api::images::{ImageNameParams, ImportParams};
@@ -134,7 +134,7 @@ macro_rules! call {
 }
 
 /// Every method of API v1, in documentation order.
-pub static METHODS: [Method; 38] = [
+pub static METHODS: [Method; 39] = [
     // Directory listings, statvfs and sysfs reads: off the runtime worker's tasks.
     call!("host.info", Read, Free, Object, |ctx, _p| {
         let mut info = crate::blocking::run(|| ctx.manager.host_info());
@@ -277,6 +277,9 @@ pub static METHODS: [Method; 38] = [
         .await
         .and_then(json)),
     call!("vm.import", Write, Free, ImportVmParams, |ctx, p| lifecycle::backup::import_vm(&ctx.manager, p)
+        .await
+        .and_then(json)),
+    call!("vm.backups_prune", Write, Free, PruneParams, |ctx, p| lifecycle::backup::prune_vm(&ctx.manager, p)
         .await
         .and_then(json)),
     call!("vm.migrate_in", Write, Free, MigrateInParams, |ctx, p| {

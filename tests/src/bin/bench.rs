@@ -50,7 +50,8 @@
 //! 0 to 4 spare hot-plug root ports), both in `bench_create.rs`, `read`,
 //! `reconcile`, `churn`, `restart`, `adopt`, `parallel`, `idle` (`scale` names these seven), `nic`,
 //! `boot`, `agent`, `reconfigure`, `autostart`, `stats`, `storage`, `images`, `capture`, `migration` (a running guest moved between two vmhostds:
-//! [`vmhost_tests::bench_migration`]). `--quick` is a smoke test:
+//! [`vmhost_tests::bench_migration`]), `backups` (a full vs an incremental `vm.export` after 1 MiB
+//! written into a 4 GiB disk: [`vmhost_tests::bench_backups`]). `--quick` is a smoke test:
 //! without `--only` it runs the scale sections only, at small defaults (200 records, 4 running,
 //! 4 parallel, 10 idle VMs over 10 s, one round each); options given explicitly still win.
 
@@ -594,7 +595,7 @@ fn read_bench(
 const SCALE_SECTIONS: [&str; 7] = ["read", "reconcile", "churn", "restart", "adopt", "parallel", "idle"];
 
 /// Every section `--only` accepts (and `scale` for all of [`SCALE_SECTIONS`]).
-const SECTIONS: [&str; 19] = [
+const SECTIONS: [&str; 20] = [
     "create",
     "ports",
     "read",
@@ -614,6 +615,7 @@ const SECTIONS: [&str; 19] = [
     "images",
     "capture",
     "migration",
+    "backups",
 ];
 
 /// True when the bare flag `name` is given.
@@ -1266,5 +1268,8 @@ fn main() {
     }
     if selected("migration") {
         vmhost_tests::bench_migration::migration(arg("--migration-rounds", 1));
+    }
+    if selected("backups") {
+        vmhost_tests::bench_backups::backups(arg("--backup-gib", 4));
     }
 }

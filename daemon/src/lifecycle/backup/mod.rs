@@ -17,14 +17,19 @@
 //! `boot.disk` VM). A create that fails removes the copies.
 
 use super::copies::{copy_checked, copy_timeout, create_target, seal_copies, CheckedFrom, VmDisk};
-use super::errors::{DiskStepError, FileError};
+mod chain;
+mod incremental;
+mod retention;
+
+pub(crate) use retention::prune_vm;
+
+use super::errors::{DiskStepError, FileError, QemuStepError};
 use super::op::VmOp;
 use super::Manager;
-use crate::api::backup::{BackupDisk, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
+use crate::api::backup::{BackupDisk, DiskChange, DiskRole, ExportParams, ExportResult, ImportVmParams, Manifest};
 use crate::api::disks::DiskFormat;
 use crate::api::snapshots::{CopyConsistency, Requirement};
 use crate::api::{ApiError, BootSpec, Mutation, VmStatus};
-use crate::disk::export::FlatDisk;
 use serde_json::json;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -42,6 +47,14 @@ fn layers(disk: &VmDisk) -> Vec<(&Path, &str)> {
         .collect()
 }
 
+fn open_rw(path: &Path) -> Result<OwnedFd, ApiError> {
+    crate::blocking::run(|| {
+        std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(path)
+    })
+    .map(OwnedFd::from)
+    .map_err(|e| FileError::file("export", "open", path)(e).into())
+}
+
 fn open_ro(path: &Path) -> Result<OwnedFd, ApiError> {
     crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path))
         .map(OwnedFd::from)
@@ -57,15 +70,21 @@ fn imported_unclean(backup: &str, manifest: &Manifest) -> Option<String> {
 /// `vm.export` (module doc).
 ///
 /// # Errors
-/// 2001 on `timeout_s`, 4040, 4090 (another operation on the VM), 3002 on `name`, 4001
-/// `step: export`, 4094 on `requires` (a running VM's guest file systems not all frozen);
-/// nothing is left in `paths.backups`.
+/// 2001 on `timeout_s`, `since` or `keep`, 4040, 4090 (another operation on the VM), 3002 on
+/// `name`, 4001 `step: export`, 4094 on `requires` (a running VM's guest file systems not all
+/// frozen); nothing is left in `paths.backups`.
 pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<ExportResult, ApiError> {
     let within = copy_timeout(p.timeout_s)?;
+    if p.keep == Some(0) {
+        return Err(ApiError::invalid("keep", "keep at least 1 backup (the one being made)"));
+    }
     let (op, rec) = mgr.begin_op(&p.name).await?;
     super::snapshots::check_not_reverting(&rec)?;
     let (live, spec, disks) = super::copies::copy_sources(mgr, &rec, "export").await?;
     let stopped = super::live_copy::check_requires(mgr, &rec, live, p.requires, "export")?;
+    let parent = incremental::parent_of(&mgr.backups, &p)?;
+    let id = crate::backup::new_id().map_err(FileError::unnamed("export", "draw a backup id"))?;
+    let bitmap = crate::backup::bitmap_of(&id);
     // The boot disk becomes one flat qcow2; data disks keep their format.
     let mut entries: Vec<BackupDisk> = disks
         .iter()
@@ -80,17 +99,30 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
     let backups = mgr.config.paths.backups_dir();
     let _room = crate::disk::space::reserve_copy_room(&mgr.reservations, &backups, &files, "name")?;
     let partial = mgr.backups.begin(&p.name)?;
+    op.crashpoint("export:begun");
     let targets: Vec<PathBuf> = entries.iter().map(|e| partial.dir().join(&e.file)).collect();
-    let made = if let Some(stopped) = stopped {
-        op.export_stopped(&disks, &mut entries, &targets, within).await?;
-        stopped
+    let vars = (spec.boot.firmware == crate::api::Firmware::Uefi).then(|| partial.dir().join(crate::backup::VARS_FILE));
+    let plan = Increment { id: &bitmap, parent: parent.as_ref(), incremental: p.incremental };
+    let (made, changes) = if let Some(stopped) = stopped {
+        let changes = op.export_stopped(&disks, &mut entries, &targets, within, &plan).await?;
+        (stopped, changes)
     } else {
-        op.export_live(&disks, &mut entries, &targets, within, p.requires).await?
+        op.export_live(&disks, &mut entries, &targets, within, p.requires, &plan, vars.as_deref()).await?
     };
+    op.crashpoint("export:copied");
     seal_copies(partial.dir(), &mut entries, "export")?;
+    let uefi_vars = match &vars {
+        Some(path) => seal_vars(&mgr.paths(&spec.name).uefi_vars(), path, live)?,
+        None => None,
+    };
+    let (kind, parent_ref) = incremental::kind_of(&changes, parent.as_ref());
     let manifest = Manifest {
         format: crate::backup::FORMAT.into(),
-        version: 1,
+        version: crate::backup::VERSION,
+        id: Some(id),
+        kind: Some(kind),
+        parent: parent_ref,
+        merged_from: None,
         created_at: crate::api::now_rfc3339(),
         vmhost_version: super::VERSION.into(),
         vm: p.name.clone(),
@@ -101,11 +133,60 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
         frozen: made.frozen,
         skipped: made.skipped,
         disks: entries,
+        changes,
+        uefi_vars,
     };
     let backup = partial.name().to_string();
     let path = partial.finish(&manifest)?;
-    tracing::info!(vm = %p.name, backup = %backup, live, consistency = made.consistency.as_str(), "exported");
+    op.crashpoint("export:sealed");
+    // Only the newest backup's bitmap is kept: the parent's (and any an interrupted export
+    // left) goes now that this backup is whole. A failure leaves them tracking (harmless).
+    op.drop_old_bitmaps(&disks, live, &bitmap).await;
+    tracing::info!(vm = %p.name, backup = %backup, live, kind = ?kind, consistency = made.consistency.as_str(), "exported");
+    drop(op);
+    if let Some(keep) = p.keep {
+        if let Err(e) = retention::prune(mgr, &p.name, keep).await {
+            tracing::warn!(vm = %p.name, error = %e, "the backup is made but pruning older ones failed");
+        }
+    }
     Ok(ExportResult { backup, path, manifest })
+}
+
+/// The UEFI variables store's copy at `copy` (a running VM's, made by its QEMU) or, for a
+/// stopped VM, a copy of `store` made now; `None` when a stopped VM has none yet (never
+/// started).
+///
+/// # Errors
+/// 4001 `step: export`.
+fn seal_vars(store: &Path, copy: &Path, live: bool) -> Result<Option<crate::api::backup::VarsCopy>, ApiError> {
+    let failed = FileError::file("export", "copy the UEFI variables store", copy);
+    let sealed = crate::blocking::run(|| {
+        if !live {
+            if !store.exists() {
+                return Ok(None);
+            }
+            let mut from = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(store)?;
+            let mut to = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(copy)?;
+            std::io::copy(&mut from, &mut to)?;
+            to.sync_all()?;
+        }
+        let f = std::fs::File::open(copy)?;
+        let sha256 = crate::disk::export::seal(&f, false)?;
+        Ok(Some(crate::api::backup::VarsCopy {
+            file: crate::backup::VARS_FILE.into(),
+            bytes: f.metadata()?.len(),
+            sha256,
+        }))
+    });
+    sealed.map_err(|e| failed(e).into())
+}
+
+/// What an export's copies build on: the new backup's bitmap, the parent, whether an
+/// increment was asked.
+pub(super) struct Increment<'a> {
+    id: &'a str,
+    parent: Option<&'a crate::backup::ReadBackup>,
+    incremental: bool,
 }
 
 /// `vm.import` (module doc).
@@ -115,7 +196,10 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
 /// `vm.create` of the backup's spec would; 4040 (no such backup); 2003 on `backup` (a file
 /// is not what the manifest says; nothing left); what `vm.create` returns.
 pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<Mutation, ApiError> {
-    let (dir, manifest) = mgr.backups.read(&p.backup)?;
+    let chain = mgr.backups.chain(&p.backup)?;
+    let layers = chain::layers_of(&chain).map_err(|why| chain::broken(&p.backup, why))?;
+    let Some(last) = chain.last() else { return Err(chain::broken(&p.backup, "no backup".into())) };
+    let (dir, manifest) = (last.dir.clone(), last.manifest.clone());
     let mut spec = manifest.spec.clone();
     if let Some(name) = p.name {
         spec.name = name;
@@ -153,19 +237,51 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
             format!("{} exists: a disk of this backup would go there; move it away first", taken.display()),
         ));
     }
-    let files: Vec<PathBuf> = manifest.disks.iter().map(|d| dir.join(&d.file)).collect();
+    let files: Vec<PathBuf> = layers.iter().flatten().map(|l| l.path()).collect();
     let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
     let room = crate::disk::space::reserve_copy_room(&mgr.reservations, &import_dir, &files, "backup")?;
+    // Every file of the chain is what its manifest says before anything is written.
+    chain::verify(&layers, manifest.uefi_vars.as_ref().map(|v| (dir.as_path(), v)))?;
     let mut placed = Placed { files: Vec::new(), dirs: Vec::new() };
-    for (disk, dest) in manifest.disks.iter().zip(&destinations) {
-        copy_out(mgr, &dir, disk, dest, &spec.name, &mut placed)?;
-        inspect_copy(mgr, disk, dest, &spec).await?;
+    // Every disk is made under a temp name in the import directory (removed at the next
+    // start after a crash) and inspected; only then are they renamed into place.
+    let mut made = Vec::new();
+    for (disk, chain) in manifest.disks.iter().zip(&layers) {
+        let temp = if chain.len() > 1 {
+            chain::restore(mgr, chain, disk, &spec).await?
+        } else {
+            copy_out(mgr, &dir, disk, &spec.name)?
+        };
+        let fd = temp.reopen().map(OwnedFd::from).map_err(|source| FileError::InspectOut {
+            step: "import".into(),
+            file: disk.file.clone(),
+            source,
+        })?;
+        inspect_copy(mgr, disk, fd, &spec).await?;
+        made.push(temp);
+    }
+    for ((temp, disk), dest) in made.into_iter().zip(&manifest.disks).zip(&destinations) {
+        ensure_parent(dest, &mut placed)?;
+        temp.place(dest).map_err(|source| FileError::PlaceOut {
+            step: "import".into(),
+            file: disk.file.clone(),
+            source,
+        })?;
+        placed.files.push(dest.to_path_buf());
+    }
+    let wanted = spec.state;
+    if manifest.uefi_vars.is_some() {
+        // The store goes in before the VM first starts (a start would copy the template).
+        spec.state = crate::api::DesiredState::Stopped;
     }
     // The copies are on the file system now: the create's own admission sees them there.
     drop(room);
     let name = spec.name.clone();
     let ours = spec.clone();
-    let result = super::ops::create(mgr, spec).await;
+    let mut result = super::ops::create(mgr, spec).await;
+    if let (Ok(_), Some(vars)) = (&result, &manifest.uefi_vars) {
+        result = chain::place_vars(mgr, &name, &dir, vars, wanted).await;
+    }
     match &result {
         Ok(_) => {
             // The create took them, and the kept-disks directory with its last disk
@@ -199,33 +315,28 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
     result
 }
 
-/// Copies backup file `disk` from `dir` to `dest` through a temp file in the import
-/// directory (the state file system), checking its sha256; `dest` and a directory made for
-/// it are named in `placed` as soon as they exist.
-fn copy_out(
-    mgr: &Manager,
-    dir: &Path,
-    disk: &BackupDisk,
-    dest: &Path,
-    vm: &str,
-    placed: &mut Placed,
-) -> Result<(), ApiError> {
+/// Copies backup file `disk` from `dir` into a temp file in the import directory (the state
+/// file system), checking its sha256; the caller places it.
+fn copy_out(mgr: &Manager, dir: &Path, disk: &BackupDisk, vm: &str) -> Result<crate::images::Temp, ApiError> {
     let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
-    let temp = copy_checked(&from, disk, &mgr.config.paths.import_dir(), &format!("{vm}-{}", disk.file))?;
-    let failed =
-        |source: std::io::Error| FileError::PlaceOut { step: "import".into(), file: disk.file.clone(), source };
-    if let Some(parent) = dest.parent() {
-        if !placed.dirs.iter().any(|d| d == parent) && !crate::blocking::run(|| parent.try_exists()).map_err(failed)? {
-            crate::blocking::run(|| crate::state::dirs::private_dir(parent)).map_err(failed)?;
-            placed.dirs.push(parent.to_path_buf());
-        }
+    copy_checked(&from, disk, &mgr.config.paths.import_dir(), &format!("{vm}-{}", disk.file))
+}
+
+/// Makes `dest`'s directory (a VM's kept-disks directory) unless it exists, named in `placed`.
+///
+/// # Errors
+/// 4001 `step: import`.
+fn ensure_parent(dest: &Path, placed: &mut Placed) -> Result<(), ApiError> {
+    let Some(parent) = dest.parent() else { return Ok(()) };
+    let failed = |source: std::io::Error| FileError::file("import", "create", parent)(source);
+    if !placed.dirs.iter().any(|d| d == parent) && !crate::blocking::run(|| parent.try_exists()).map_err(failed)? {
+        crate::blocking::run(|| crate::state::dirs::private_dir(parent)).map_err(failed)?;
+        placed.dirs.push(parent.to_path_buf());
     }
-    temp.place(dest).map_err(failed)?;
-    placed.files.push(dest.to_path_buf());
     Ok(())
 }
 
-/// Inspects the copy at `dest` of backup disk `disk` as a `boot.disk` is inspected (QEMU as
+/// Inspects the copy open as `fd` of backup disk `disk` as a `boot.disk` is inspected (QEMU as
 /// `qemu.user` on a read-only descriptor): it must be the format the manifest declares,
 /// name no backing file and no external data file, and be no larger than `spec` says. A raw
 /// disk is not probed: its bytes are the guest's (a guest may well have written a qcow2
@@ -236,7 +347,7 @@ fn copy_out(
 async fn inspect_copy(
     mgr: &Manager,
     disk: &BackupDisk,
-    dest: &Path,
+    fd: OwnedFd,
     spec: &crate::api::VmSpec,
 ) -> Result<(), ApiError> {
     let limit_gib = match disk.role {
@@ -245,9 +356,6 @@ async fn inspect_copy(
     };
     let cannot =
         |source: std::io::Error| FileError::InspectOut { step: "import".into(), file: disk.file.clone(), source };
-    let fd = crate::blocking::run(|| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(dest))
-        .map(OwnedFd::from)
-        .map_err(cannot)?;
     let found = if disk.format == DiskFormat::Raw {
         let len = std::fs::File::from(fd).metadata().map_err(cannot)?.len();
         crate::disk::import::ImportInfo { format: "raw".into(), virtual_size: len, backing: None, data_file: None }
@@ -263,14 +371,17 @@ async fn inspect_copy(
 }
 
 impl VmOp {
-    /// Copies the stopped VM's disks with QEMU without a guest, flattening each disk's layers.
+    /// Copies the stopped VM's disks with QEMU without a guest, flattening each disk's layers;
+    /// a qcow2 disk holding the parent's bitmap only what changed, and every qcow2 disk given
+    /// the new bitmap ([`crate::disk::bitmaps::export_offline`]). Returns how each was copied.
     async fn export_stopped(
         &self,
         disks: &[VmDisk],
         entries: &mut [BackupDisk],
         targets: &[PathBuf],
         within: Duration,
-    ) -> Result<(), ApiError> {
+        plan: &Increment<'_>,
+    ) -> Result<Vec<DiskChange>, ApiError> {
         let mut flat = Vec::new();
         for ((disk, entry), target) in disks.iter().zip(entries.iter_mut()).zip(targets) {
             let info = crate::disk::import::inspect(&self.mgr().disk_tool(), open_ro(&disk.file)?)
@@ -278,24 +389,40 @@ impl VmOp {
                 .map_err(|source| DiskStepError::ReadDisk { step: "export".into(), path: disk.file.clone(), source })?;
             entry.virtual_size = info.virtual_size;
             let len = if entry.format == DiskFormat::Raw { info.virtual_size } else { 0 };
+            let track = incremental::trackable(disk.format);
             let mut opened = Vec::new();
-            for (path, format) in layers(disk) {
-                opened.push((open_ro(path)?, format.to_string()));
+            let all = layers(disk);
+            for (k, (path, format)) in all.iter().enumerate() {
+                // The disk's own qcow2 file is opened read-write: the new bitmap is stored in it.
+                let fd = if track && k + 1 == all.len() { open_rw(path)? } else { open_ro(path)? };
+                opened.push((fd, format.to_string()));
             }
-            flat.push(FlatDisk {
+            flat.push(crate::disk::bitmaps::OfflineDisk {
                 layers: opened,
+                track,
                 target: create_target(target, len, "export")?,
                 format: entry.format.as_str(),
                 virtual_size: info.virtual_size,
             });
         }
-        crate::disk::export::flatten(&self.mgr().disk_tool(), flat, within)
+        let parent_bitmap = incremental::parent_bitmap(plan.parent);
+        let used = if plan.incremental { parent_bitmap.as_deref() } else { None };
+        let found = crate::disk::bitmaps::export_offline(&self.mgr().disk_tool(), flat, plan.id, used, within)
             .await
-            .map_err(|source| DiskStepError::Flatten { source }.into())
+            .map_err(|source| DiskStepError::Flatten { source })?;
+        Ok(disks
+            .iter()
+            .zip(&found)
+            .map(|(d, t)| incremental::change_of(&d.name, d.format, plan.incremental, plan.parent, t))
+            .collect())
     }
 
     /// Copies the running VM's disks in its own QEMU, all at one instant
-    /// ([`super::live_copy`]); returns what the copy is.
+    /// ([`super::live_copy`]), with the new backup's bitmap added to every qcow2 disk at that
+    /// instant and a disk holding the parent's bitmap copied incrementally; `vars`: where the
+    /// UEFI variables store is copied at the same instant. Returns what the copy is and how
+    /// each disk was copied.
+    #[allow(clippy::too_many_arguments)]
     async fn export_live(
         &self,
         disks: &[VmDisk],
@@ -303,25 +430,94 @@ impl VmOp {
         targets: &[PathBuf],
         within: Duration,
         requires: Option<Requirement>,
-    ) -> Result<CopyConsistency, ApiError> {
-        let mut live: Vec<super::live_copy::Target> = disks
+        plan: &Increment<'_>,
+        vars: Option<&Path>,
+    ) -> Result<(CopyConsistency, Vec<DiskChange>), ApiError> {
+        let parent_bitmap = incremental::parent_bitmap(plan.parent);
+        let mut found = Vec::new();
+        {
+            let qmp = |what| move |source| QemuStepError::Qmp { step: "export".into(), what, source };
+            let mut q = self.mgr().qmp(self.name(), Duration::from_secs(5)).await.map_err(qmp("QMP"))?;
+            for d in disks {
+                let state = if incremental::trackable(d.format) {
+                    let bitmaps =
+                        crate::disk::bitmaps::live_state(&mut q, &d.device).await.map_err(qmp("query-block"))?;
+                    crate::disk::bitmaps::tracking(&bitmaps, parent_bitmap.as_deref())
+                } else {
+                    crate::disk::bitmaps::Tracking::Absent
+                };
+                found.push(state);
+            }
+        }
+        let changes: Vec<DiskChange> = disks
             .iter()
-            .zip(entries.iter())
-            .zip(targets)
-            .map(|((d, e), path)| super::live_copy::Target {
+            .zip(&found)
+            .map(|(d, t)| incremental::change_of(&d.name, d.format, plan.incremental, plan.parent, t))
+            .collect();
+        let mut extras = crate::disk::export::Extras::default();
+        let mut live: Vec<super::live_copy::Target> = Vec::new();
+        for (((d, e), path), c) in disks.iter().zip(entries.iter()).zip(targets).zip(&changes) {
+            live.push(super::live_copy::Target {
                 device: d.device.clone(),
                 path: path.clone(),
                 format: e.format.as_str(),
                 backing: None,
                 sync: "full",
                 virtual_size: 0,
-            })
-            .collect();
-        let made = self.copy_disks_live(&mut live, within, requires, "export").await?;
+            });
+            let inc = c.kind == crate::api::backup::BackupKind::Incremental;
+            extras.bitmaps.push(if inc { parent_bitmap.clone() } else { None });
+            if incremental::trackable(d.format) {
+                extras.actions.push(crate::disk::bitmaps::add_action(&d.device, plan.id));
+            }
+        }
+        if let Some(path) = vars {
+            live.push(super::live_copy::Target {
+                device: crate::qemu::argv::UEFI_VARS_NODE.into(),
+                path: path.to_path_buf(),
+                format: "raw",
+                backing: None,
+                sync: "full",
+                virtual_size: 0,
+            });
+            extras.bitmaps.push(None);
+        }
+        let made = self.copy_disks_live_with(&mut live, within, requires, "export", &extras).await?;
         for (e, t) in entries.iter_mut().zip(&live) {
             e.virtual_size = t.virtual_size;
         }
-        Ok(made)
+        Ok((made, changes))
+    }
+
+    /// Removes every `vmhost-backup-*` bitmap but `keep` from the VM's qcow2 disks (the
+    /// running QEMU's, or an offline session's); failures are logged, never returned: the
+    /// backup is made, and a bitmap left only tracks writes.
+    async fn drop_old_bitmaps(&self, disks: &[VmDisk], live: bool, keep: &str) {
+        let tracked: Vec<&VmDisk> = disks.iter().filter(|d| incremental::trackable(d.format)).collect();
+        if live {
+            let Ok(mut q) = self.mgr().qmp(self.name(), Duration::from_secs(5)).await else {
+                tracing::warn!(vm = self.name(), "cannot remove the previous backup's bitmaps: no QMP");
+                return;
+            };
+            for d in tracked {
+                let found = crate::disk::bitmaps::live_state(&mut q, &d.device).await.unwrap_or_default();
+                let stale = crate::disk::bitmaps::stale(&found, keep);
+                if let Err(e) = crate::disk::bitmaps::remove_live(&mut q, &d.device, &stale).await {
+                    tracing::warn!(vm = self.name(), disk = %d.name, error = %e, "cannot remove an old backup bitmap");
+                }
+            }
+            return;
+        }
+        let mut fds = Vec::new();
+        for d in tracked {
+            match open_rw(&d.file) {
+                Ok(fd) => fds.push(fd),
+                Err(e) => tracing::warn!(vm = self.name(), disk = %d.name, error = %e.message, "cannot open a disk"),
+            }
+        }
+        if let Err(e) = crate::disk::bitmaps::remove_offline(&self.mgr().disk_tool(), fds, keep).await {
+            tracing::warn!(vm = self.name(), error = %e, "cannot remove the previous backup's bitmaps");
+        }
     }
 }
 
