@@ -184,6 +184,8 @@ pub fn live_disk_changes<'a>(current: &'a VmSpec, desired: &'a VmSpec) -> Option
     for (a, b) in old_kept.iter().zip(&new_kept) {
         let mut resized = (*a).clone();
         resized.size_gib = b.size_gib;
+        // Only vm.snapshot and vm.revert read it: QEMU has nothing to change.
+        resized.snapshot = b.snapshot;
         if resized != **b || b.size_gib < a.size_gib {
             return None;
         }

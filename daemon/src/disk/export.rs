@@ -206,8 +206,27 @@ pub async fn prepare_live(q: &mut Qmp, disks: &[LiveDisk]) -> (Started, Result<(
 /// # Errors
 /// [`LiveError::Qmp`].
 pub async fn trigger_live(q: &mut Qmp, started: &mut Started, disks: &[LiveDisk]) -> Result<(), LiveError> {
+    trigger_live_with(q, started, disks, Vec::new()).await
+}
+
+/// [`trigger_live`] with `extra` actions in the same transaction (a snapshot's internal
+/// snapshots of its qcow2 disks, [`super::internal_snapshots::take_actions`]): all at one
+/// instant, or none.
+///
+/// # Errors
+/// [`LiveError::Qmp`].
+pub async fn trigger_live_with(
+    q: &mut Qmp,
+    started: &mut Started,
+    disks: &[LiveDisk],
+    extra: Vec<Value>,
+) -> Result<(), LiveError> {
     let devices: Vec<(&str, &str)> = disks.iter().map(|d| (d.device.as_str(), d.sync)).collect();
-    q.execute("transaction", Some(transaction(started.op, &devices))).await.map_err(step("transaction"))?;
+    let mut actions = transaction(started.op, &devices);
+    if let Some(list) = actions.get_mut("actions").and_then(Value::as_array_mut) {
+        list.extend(extra);
+    }
+    q.execute("transaction", Some(actions)).await.map_err(step("transaction"))?;
     started.triggered = true;
     Ok(())
 }

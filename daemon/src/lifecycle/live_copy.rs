@@ -214,6 +214,22 @@ impl VmOp {
         requires: Option<Requirement>,
         step: &str,
     ) -> Result<CopyConsistency, ApiError> {
+        self.copy_disks_live_with(targets, Vec::new(), within, requires, step).await
+    }
+
+    /// [`VmOp::copy_disks_live`] with `extra` QMP actions in the transaction that starts the
+    /// copies (a snapshot's internal snapshots): taken at the same frozen instant, or not at all.
+    ///
+    /// # Errors
+    /// As [`VmOp::copy_disks_live`].
+    pub(super) async fn copy_disks_live_with(
+        &self,
+        targets: &mut [Target],
+        extra: Vec<serde_json::Value>,
+        within: Duration,
+        requires: Option<Requirement>,
+        step: &str,
+    ) -> Result<CopyConsistency, ApiError> {
         let name = self.name();
         let mgr = self.mgr();
         let qmp = |what| move |source| QemuStepError::Qmp { step: step.into(), what, source };
@@ -261,7 +277,7 @@ impl VmOp {
                 tracing::warn!(vm = name, step, reason = ?consistency.reason, "refused: the copy would be crash-consistent");
                 return Err(not_frozen(name, step, &consistency));
             }
-            result = crate::disk::export::trigger_live(&mut q, &mut started, &disks).await;
+            result = crate::disk::export::trigger_live_with(&mut q, &mut started, &disks, extra).await;
             let held = asked.elapsed();
             if thaw {
                 self.thaw_guest().await;

@@ -502,6 +502,7 @@ mod tests {
             cache: Default::default(),
             aio: None,
             keep_on_destroy: false,
+            snapshot: true,
         }
     }
 
@@ -716,6 +717,10 @@ mod tests {
                 disk(DiskRole::Root, "root", DiskFormat::Qcow2, 3 << 20, 2 * GIB),
                 disk(DiskRole::Data, "logs", DiskFormat::Raw, GIB, GIB),
             ],
+            id: None,
+            internal: Vec::new(),
+            excluded: Vec::new(),
+            uefi_vars: None,
         };
         let files = vec![
             file(&format!("snapshot:{name}/snapshot.json"), 100),
