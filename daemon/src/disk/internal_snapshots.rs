@@ -128,6 +128,27 @@ pub async fn delete(tool: &Tool, disks: Vec<OwnedFd>, tags: &[String]) -> Result
     .await
 }
 
+/// Which disks of `disks` (qcow2 files) do not hold internal snapshot `tag`, by index: checked
+/// before a revert records its intent (a disk replaced since, a file changed by hand).
+///
+/// # Errors
+/// QEMU's errors ([`DiskError::Tool`]), [`DiskError::Timeout`].
+pub async fn missing(tool: &Tool, disks: Vec<OwnedFd>, tag: &str) -> Result<Vec<usize>, DiskError> {
+    if disks.is_empty() {
+        return Ok(Vec::new());
+    }
+    super::bounded("read the snapshots of", async {
+        let (mut session, nodes) = open(tool, disks, Vec::new(), "read the snapshots of").await?;
+        let listed = session.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await?;
+        let missing =
+            nodes.iter().enumerate().filter(|(_, n)| !snapshot_names(&listed, n).iter().any(|t| t == tag)).map(|(i, _)| i);
+        let missing = missing.collect();
+        session.finish().await?;
+        Ok(missing)
+    })
+    .await
+}
+
 /// Puts every disk of `disks` (qcow2 files, read-write) back as it was at internal snapshot
 /// `tag`, using `aux` (an empty file, removed by the caller afterwards) as the scratch image
 /// (module doc). Running it again is harmless.

@@ -75,11 +75,13 @@ async fn take_revert_and_delete_in_any_order() {
     revert(&tool(), vec![open_rw(&disk)], aux("aux2"), "vmhost-b-00000002").await.unwrap();
     assert_eq!(first_bytes(&disk).await, 0x22);
 
+    assert!(missing(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001").await.unwrap().is_empty());
     delete(&tool(), vec![open_rw(&disk)], &["vmhost-a-00000001".to_string(), "vmhost-x-0".to_string()]).await.unwrap();
     assert_eq!(names(&disk).await, ["vmhost-b-00000002"]);
     revert(&tool(), vec![open_rw(&disk)], aux("aux3"), "vmhost-b-00000002").await.unwrap();
     assert_eq!(first_bytes(&disk).await, 0x22);
     assert!(revert(&tool(), vec![open_rw(&disk)], aux("aux4"), "vmhost-a-00000001").await.is_err());
+    assert_eq!(missing(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001").await.unwrap(), [0]);
 }
 
 #[test]

@@ -39,7 +39,7 @@ use super::Manager;
 use crate::api::backup::{BackupDisk, DiskRole};
 use crate::api::disks::DiskFormat;
 use crate::api::snapshots::Snapshot;
-use crate::api::{ApiError, Code, VmSpec, VmStatus};
+use crate::api::{ApiError, Code, VmSpec};
 use crate::state::VmRecord;
 use std::path::{Path, PathBuf};
 

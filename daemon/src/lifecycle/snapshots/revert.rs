@@ -65,6 +65,7 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
             format!("snapshot {:?} does not hold the files of VM {:?}'s disks", p.snapshot, p.name),
         )
     })?;
+    check_tags(mgr, &internal, &snapshot).await?;
     let from = snapshots_dir(mgr, &p.name).join(&p.snapshot);
     let mut sources: Vec<PathBuf> = copied.iter().map(|(_, s)| from.join(&s.file)).collect();
     let vars_file = mgr.paths(&p.name).uefi_vars();
@@ -137,6 +138,34 @@ fn reverted_disks<'a>(
         }
     }
     Some((internal, copied))
+}
+
+/// 2001 on `snapshot` when a disk of `internal` no longer holds the snapshot's tag (its file
+/// is not the one the snapshot was taken of: a replace made a new root disk), checked before
+/// anything is changed.
+///
+/// # Errors
+/// 2001; 4001 step `snapshot`.
+async fn check_tags(mgr: &Manager, internal: &[&VmDisk], snapshot: &Snapshot) -> Result<(), ApiError> {
+    let Some(tag) = snapshot.internal.first().map(|i| i.tag.as_str()) else { return Ok(()) };
+    let files: Vec<PathBuf> = internal.iter().map(|d| d.file.clone()).collect();
+    let fds = open_rw(&files)?;
+    let missing = crate::disk::internal_snapshots::missing(&mgr.disk_tool(), fds, tag)
+        .await
+        .map_err(|e| failed(format!("reading the qcow2 disks' snapshots: {e}")))?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = missing.iter().filter_map(|i| internal.get(*i)).map(|d| d.name.as_str()).collect();
+    Err(ApiError::invalid(
+        "snapshot",
+        format!(
+            "snapshot {:?} is not in disk(s) {} any more (a replace made a new root disk since, or the file was \
+             changed outside vmhostd); nothing was reverted",
+            snapshot.name,
+            names.join(", ")
+        ),
+    ))
 }
 
 /// Copies `saved` out of the snapshot next to `file`, named after it.

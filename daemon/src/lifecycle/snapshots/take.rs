@@ -25,7 +25,6 @@ use crate::api::snapshots::{
     CopyConsistency, InternalDisk, Requirement, Snapshot, SnapshotKind, TakeSnapshotParams, VarsCopy,
 };
 use crate::api::{ApiError, Firmware};
-use crate::state::VmRecord;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
