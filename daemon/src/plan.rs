@@ -851,6 +851,10 @@ mod tests {
             other => panic!("expected a change in place, got {other:?}"),
         };
         assert!(!restarts(classify(&one, &grown).unwrap()), "a larger disk grows live");
+        let mut left_out = one.clone();
+        left_out.disks[0].snapshot = false;
+        assert!(!restarts(classify(&one, &left_out).unwrap()), "snapshot: false changes in place, live");
+        assert!(live_disk_changes(&one, &left_out).unwrap().is_empty());
         assert_eq!(
             live_disk_changes(&one, &grown)
                 .unwrap()

@@ -304,7 +304,8 @@ pub(in crate::lifecycle) fn files_to_move(mgr: &Manager, name: &str) -> Result<V
                 return Err(damaged(format!("its record names {:?}", s.name)));
             }
             let mut files = Vec::new();
-            for file in std::iter::once(SNAPSHOT_JSON).chain(s.disks.iter().map(|d| d.file.as_str())) {
+            let copies = s.disks.iter().map(|d| d.file.as_str()).chain(s.uefi_vars.iter().map(|v| v.file.as_str()));
+            for file in std::iter::once(SNAPSHOT_JSON).chain(copies) {
                 let path = e.path().join(file);
                 let m = std::fs::symlink_metadata(&path).map_err(|e| damaged(format!("{file}: {e}")))?;
                 if !m.is_file() {
