@@ -436,10 +436,8 @@ fn internal_snapshots_refuse_a_live_move_and_go_with_a_cold_one_inside_the_disk(
     assert_eq!(s["internal"][0]["name"], "logs", "{s}");
     let tag = s["internal"][0]["tag"].as_str().expect("tag").to_string();
 
-    let (code, e) = pair.hosts[0].call_err(
-        "vm.migrate",
-        json!({ "name": name, "destination": ADDRS[1], "secret": "00".repeat(32) }),
-    );
+    let (code, e) = pair.hosts[0]
+        .call_err("vm.migrate", json!({ "name": name, "destination": ADDRS[1], "secret": "00".repeat(32) }));
     assert_eq!((code, e.field.as_deref()), (4090, Some("name")), "{e:?}");
     assert!(e.message.contains("vm.move"), "{e:?}");
     assert_eq!(status(&pair, 0, name).expect("vm")["status"], "running");

@@ -200,7 +200,11 @@ fn an_image_vms_overlay_is_put_back_and_a_tampered_snapshot_changes_nothing() {
     assert!(e.details["reason"].as_str().is_some_and(|r| r.contains("vm.stop had to kill")), "{e:?}");
     let s = host.call("vm.snapshot", json!({"name": "web", "snapshot": "good"}));
     // The overlay is qcow2: kept inside it, nothing copied.
-    assert_eq!((&s["live"], &s["disks"], &s["internal"][0]["name"]), (&json!(false), &json!([]), &json!("root")), "{s}");
+    assert_eq!(
+        (&s["live"], &s["disks"], &s["internal"][0]["name"]),
+        (&json!(false), &json!([]), &json!("root")),
+        "{s}"
+    );
     assert_eq!(&s["consistency"], &json!("crash"), "{s}");
     assert!(s["reason"].as_str().is_some_and(|r| r.contains("vm.stop had to kill the VM's QEMU")), "{s}");
     assert_eq!(s["instance_id"], first_id.as_str(), "{s}");
@@ -463,10 +467,8 @@ fn internal_snapshots_revert_either_way_delete_out_of_order_and_leave_a_disk_lef
 
     // A live move cannot carry what is inside the disks: refused before anything is made (the
     // destination is not even tried: it would be 4001 `connect`).
-    let (code, e) = host.call_err(
-        "vm.migrate",
-        json!({"name": "is", "destination": "127.0.0.1:9", "secret": "00".repeat(32)}),
-    );
+    let (code, e) =
+        host.call_err("vm.migrate", json!({"name": "is", "destination": "127.0.0.1:9", "secret": "00".repeat(32)}));
     assert_eq!((code, e.field.as_deref()), (4090, Some("name")), "{e:?}");
     assert!(e.message.contains("cold") && e.message.contains("A, B"), "{e:?}");
 

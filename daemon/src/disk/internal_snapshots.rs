@@ -140,8 +140,11 @@ pub async fn missing(tool: &Tool, disks: Vec<OwnedFd>, tag: &str) -> Result<Vec<
     super::bounded("read the snapshots of", async {
         let (mut session, nodes) = open(tool, disks, Vec::new(), "read the snapshots of").await?;
         let listed = session.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await?;
-        let missing =
-            nodes.iter().enumerate().filter(|(_, n)| !snapshot_names(&listed, n).iter().any(|t| t == tag)).map(|(i, _)| i);
+        let missing = nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| !snapshot_names(&listed, n).iter().any(|t| t == tag))
+            .map(|(i, _)| i);
         let missing = missing.collect();
         session.finish().await?;
         Ok(missing)

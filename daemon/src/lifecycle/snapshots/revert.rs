@@ -22,6 +22,7 @@ use super::{
 use crate::api::disks::DiskFormat;
 use crate::api::snapshots::{Snapshot, SnapshotParams};
 use crate::api::{ApiError, Code, Mutation, VmStatus};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -114,15 +115,15 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
     Ok(Mutation::new(true, Some(mgr.get(&p.name)?)))
 }
 
+/// What a revert puts back: the disks loaded from their tag, and the disks replaced by a copy
+/// with the copy's entry.
+type Reverted<'a> = (Vec<&'a VmDisk>, Vec<(&'a VmDisk, &'a crate::api::backup::BackupDisk)>);
+
 /// The disks a revert to `snapshot` puts back (pure): (disks loaded from their tag, disks
 /// replaced by a copy with the copy's entry); the disks `ignored` names stay as they are.
 /// `None` when the snapshot does not hold a kept disk in the form it has now (a qcow2 disk
 /// copied, a raw one tagged, a file named otherwise, a kept disk not in the snapshot).
-fn reverted_disks<'a>(
-    disks: &'a [VmDisk],
-    snapshot: &'a Snapshot,
-    ignored: &[String],
-) -> Option<(Vec<&'a VmDisk>, Vec<(&'a VmDisk, &'a crate::api::backup::BackupDisk)>)> {
+fn reverted_disks<'a>(disks: &'a [VmDisk], snapshot: &'a Snapshot, ignored: &[String]) -> Option<Reverted<'a>> {
     let mut internal = Vec::new();
     let mut copied = Vec::new();
     for d in disks {
@@ -198,8 +199,6 @@ async fn load_internal(mgr: &Manager, name: &str, internal: &[&VmDisk], snapshot
     let _ = crate::blocking::run(|| std::fs::remove_file(&aux_path));
     done.map_err(|e| failed(format!("loading snapshot {:?} into the qcow2 disks: {e}", snapshot.name)))
 }
-
-use std::os::unix::fs::OpenOptionsExt;
 
 #[cfg(test)]
 mod tests {
