@@ -37,6 +37,23 @@ async fn first_bytes(path: &std::path::Path) -> u8 {
     bytes[0]
 }
 
+/// The persistent bitmaps of the qcow2 at `path`, sorted.
+async fn bitmaps(path: &std::path::Path) -> Vec<String> {
+    let mut s = Session::start(&tool(), vec![Input::Image(open_rw(path))], "test").await.unwrap();
+    let node = s.open_qcow2(0).await.unwrap();
+    let listed = s.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await.unwrap();
+    s.finish().await.unwrap();
+    let node = listed.as_array().unwrap().iter().find(|n| n["node-name"] == node.as_str()).unwrap().clone();
+    let mut names: Vec<String> = node["dirty-bitmaps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|b| b["name"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
 /// Snapshot names of the qcow2 at `path`.
 async fn names(path: &std::path::Path) -> Vec<String> {
     let mut s = Session::start(&tool(), vec![Input::Image(open_rw(path))], "test").await.unwrap();
@@ -59,6 +76,14 @@ async fn take_revert_and_delete_in_any_order() {
     let write = |p: u8| format!("write -P {p} 0 64k");
     qemu_io(&disk, &write(0x11)).await;
     assert_eq!(first_bytes(&disk).await, 0x11);
+    // An incremental backup's change tracking: a persistent bitmap, which a revert removes.
+    let mut s = Session::start(&tool(), vec![Input::Image(open_rw(&disk))], "test").await.unwrap();
+    let node = s.open_qcow2(0).await.unwrap();
+    for name in ["vmhost-backup-1", "vmhost-backup-2"] {
+        let add = json!({ "node": node, "name": name, "persistent": true });
+        s.execute("block-dirty-bitmap-add", Some(add)).await.unwrap();
+    }
+    s.finish().await.unwrap();
     take(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001").await.unwrap();
     qemu_io(&disk, &write(0x22)).await;
     take(&tool(), vec![open_rw(&disk)], "vmhost-b-00000002").await.unwrap();
@@ -70,7 +95,12 @@ async fn take_revert_and_delete_in_any_order() {
         let p = dir.path().join(n);
         OwnedFd::from(std::fs::File::options().read(true).write(true).create_new(true).open(p).unwrap())
     };
+    assert_eq!(bitmaps(&disk).await, ["vmhost-backup-1", "vmhost-backup-2"], "a snapshot is taken with bitmaps");
     revert(&tool(), vec![open_rw(&disk)], aux("aux1"), "vmhost-a-00000001").await.unwrap();
+    assert!(
+        bitmaps(&disk).await.is_empty(),
+        "vmhost's bitmaps removed (QEMU loads no snapshot into a disk with bitmaps)"
+    );
     assert_eq!(first_bytes(&disk).await, 0x11);
     revert(&tool(), vec![open_rw(&disk)], aux("aux2"), "vmhost-b-00000002").await.unwrap();
     assert_eq!(first_bytes(&disk).await, 0x22);
