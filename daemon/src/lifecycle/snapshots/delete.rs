@@ -8,7 +8,7 @@
 
 use super::super::errors::FileError;
 use super::super::Manager;
-use super::{check_name, drop_tags, read_record, snapshots_dir, STEP};
+use super::{check_name, snapshots_dir, STEP};
 use crate::api::snapshots::{SnapshotDeleted, SnapshotParams};
 use crate::api::{ApiError, Code};
 use std::sync::Arc;
@@ -46,28 +46,6 @@ pub(crate) async fn snapshot_delete(mgr: &Arc<Manager>, p: SnapshotParams) -> Re
         return Ok(SnapshotDeleted { changed: false, snapshot: p.snapshot });
     }
     mgr.crashpoint("snapshot-delete:renamed");
-    finish(mgr, &rec, &deleting).await?;
+    super::recover::finish_delete(mgr, &rec, &deleting).await?;
     Ok(SnapshotDeleted { changed: true, snapshot: p.snapshot })
-}
-
-/// Deletes the tags `deleting/snapshot.json` names from VM `rec`'s disks, then the directory.
-///
-/// # Errors
-/// 4001 step `snapshot` (the directory stays for the next try).
-pub(super) async fn finish(
-    mgr: &Manager,
-    rec: &crate::state::VmRecord,
-    deleting: &std::path::Path,
-) -> Result<(), ApiError> {
-    if let Some(s) = crate::blocking::run(|| read_record(deleting)) {
-        let names: Vec<String> = s.internal.iter().map(|d| d.name.clone()).collect();
-        let tags: Vec<String> = s.tags().into_iter().map(str::to_string).collect();
-        drop_tags(mgr, rec, &names, &tags).await?;
-    }
-    mgr.crashpoint("snapshot-delete:tags");
-    crate::blocking::run(|| match std::fs::remove_dir_all(deleting) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    })
-    .map_err(|e| FileError::file(STEP, "delete", deleting)(e).into())
 }

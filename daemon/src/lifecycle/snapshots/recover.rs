@@ -51,7 +51,7 @@ pub(super) async fn recover_vm(mgr: &Manager, rec: &VmRecord) {
     });
     for (path, kind) in found {
         let done = match kind {
-            Leftover::Deleting => super::delete::finish(mgr, rec, &path).await,
+            Leftover::Deleting => finish_delete(mgr, rec, &path).await,
             Leftover::Partial => remove_partial(mgr, rec, &path).await,
         };
         match done {
@@ -76,6 +76,29 @@ async fn remove_partial(mgr: &Manager, rec: &VmRecord, partial: &Path) -> Result
         _ => Ok(()),
     })
     .map_err(|e| super::failed(format!("{}: {e}", partial.display())))
+}
+
+/// Finishes a delete ([`super::delete`]): deletes the tags `deleting/snapshot.json` names from
+/// VM `rec`'s disks, then the directory.
+///
+/// # Errors
+/// 4001 step `snapshot` (the directory stays for the next try).
+pub(super) async fn finish_delete(
+    mgr: &Manager,
+    rec: &crate::state::VmRecord,
+    deleting: &std::path::Path,
+) -> Result<(), crate::api::ApiError> {
+    if let Some(s) = crate::blocking::run(|| read_record(deleting)) {
+        let names: Vec<String> = s.internal.iter().map(|d| d.name.clone()).collect();
+        let tags: Vec<String> = s.tags().into_iter().map(str::to_string).collect();
+        drop_tags(mgr, rec, &names, &tags).await?;
+    }
+    mgr.crashpoint("snapshot-delete:tags");
+    crate::blocking::run(|| match std::fs::remove_dir_all(deleting) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    })
+    .map_err(|e| super::super::errors::FileError::file(super::STEP, "delete", deleting)(e).into())
 }
 
 /// At start, after the VMs' records are recovered: [`recover_vm`] for every VM with a
