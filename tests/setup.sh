@@ -10,13 +10,19 @@ cd "$(dirname "$0")/.."
 
 # Every command the tests and the demo need, with the Debian package that provides it; an
 # absolute path is a file instead (OVMF: the UEFI test's firmware, vmhostd's [firmware] default).
-# curl: image.import from a URL (tests/tests/images.rs). debootstrap, dosfstools, mtools, fdisk:
-# the real guest images (tests/guest/build-real-guest.sh); openssh-client: logging in to them.
+# sbsigntool, openssl and OVMF's snakeoil pair: signing the Secure Boot test's kernels
+# (tests/tests/secure_boot.rs). curl: image.import from a URL (tests/tests/images.rs).
+# swtpm, swtpm_setup: a VM's TPM (`tpm: true`, tests/tests/tpm.rs).
+# debootstrap, dosfstools, mtools, fdisk: the real guest images (tests/guest/build-real-guest.sh);
+# openssh-client: logging in to them.
 required=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils busybox:busybox-static ip:iproute2
     strip:binutils cpio:cpio depmod:kmod socat:socat puppet:puppet rubocop:rubocop
     systemd-analyze:systemd systemd-socket-activate:systemd systemd-nspawn:systemd-container
     adduser:adduser curl:curl sha256sum:coreutils /usr/share/OVMF/OVMF_CODE_4M.fd:ovmf
     /usr/share/OVMF/OVMF_VARS_4M.fd:ovmf
+    /usr/share/OVMF/OVMF_CODE_4M.secboot.fd:ovmf /usr/share/OVMF/OVMF_VARS_4M.snakeoil.fd:ovmf
+    /usr/share/ovmf/PkKek-1-snakeoil.key:ovmf sbsign:sbsigntool sbattach:sbsigntool openssl:openssl
+    swtpm:swtpm swtpm_setup:swtpm-tools
     debootstrap:debootstrap mkfs.fat:dosfstools mcopy:mtools sfdisk:fdisk mkfs.ext4:e2fsprogs
     ssh:openssh-client ssh-keygen:openssh-client)
 

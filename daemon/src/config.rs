@@ -211,6 +211,8 @@ pub struct QemuConfig {
     /// The sha256 `img_binary` must have: checked at start and by `host.check` only, since
     /// qemu-img is never run.
     pub img_sha256: Option<String>,
+    /// swtpm, the TPM emulator a VM with `tpm: true` gets ([`crate::tpm`]); run as `user`.
+    pub swtpm: PathBuf,
 }
 
 /// A user and group to run a program as: `qemu.user`, resolved when the config is loaded.
@@ -247,6 +249,7 @@ impl Default for QemuConfig {
             sandbox: true,
             sha256: None,
             img_sha256: None,
+            swtpm: "/usr/bin/swtpm".into(),
         }
     }
 }
@@ -261,16 +264,32 @@ pub struct FirmwareConfig {
     /// ([`crate::qemu::argv::VmPaths::uefi_vars`]), the second flash device. Its size must
     /// match `uefi_code`'s build (the 4M pair by default).
     pub uefi_vars: PathBuf,
+    /// OVMF's code for `boot.secure_boot` VMs: a build that requires SMM, so that only the
+    /// firmware (not the guest's kernel) can write the variables holding the keys.
+    pub uefi_secure_code: PathBuf,
+    /// The variables template of `boot.secure_boot` VMs, with the keys enrolled (PK, KEK, db)
+    /// and Secure Boot on: a VM's store starts as a copy (docs/images.md#secure-boot).
+    pub uefi_secure_vars: PathBuf,
 }
 
 /// Debian's (package `ovmf`) OVMF build without Secure Boot, 4 MiB flash layout.
 pub const DEFAULT_UEFI_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
 /// The variables template that pairs with [`DEFAULT_UEFI_CODE`].
 pub const DEFAULT_UEFI_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+/// Debian's OVMF build for Secure Boot (SMM required), 4 MiB flash layout.
+pub const DEFAULT_UEFI_SECURE_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.secboot.fd";
+/// Debian's enrolled-keys template for it: Debian's PK, Microsoft's KEK and db (the UEFI CA
+/// that signs shim, which boots Debian's signed GRUB and kernels), Secure Boot on.
+pub const DEFAULT_UEFI_SECURE_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.ms.fd";
 
 impl Default for FirmwareConfig {
     fn default() -> Self {
-        FirmwareConfig { uefi_code: DEFAULT_UEFI_CODE.into(), uefi_vars: DEFAULT_UEFI_VARS.into() }
+        FirmwareConfig {
+            uefi_code: DEFAULT_UEFI_CODE.into(),
+            uefi_vars: DEFAULT_UEFI_VARS.into(),
+            uefi_secure_code: DEFAULT_UEFI_SECURE_CODE.into(),
+            uefi_secure_vars: DEFAULT_UEFI_SECURE_VARS.into(),
+        }
     }
 }
 
@@ -758,14 +777,18 @@ impl Config {
             ("paths.socket", &raw.paths.socket),
             ("qemu.binary", &raw.qemu.binary),
             ("qemu.img_binary", &raw.qemu.img_binary),
+            ("qemu.swtpm", &raw.qemu.swtpm),
         ] {
             if !p.is_absolute() {
                 return Err(key_err(key, format!("{} is not an absolute path", p.display())));
             }
         }
-        for (key, p) in
-            [("firmware.uefi_code", &raw.firmware.uefi_code), ("firmware.uefi_vars", &raw.firmware.uefi_vars)]
-        {
+        for (key, p) in [
+            ("firmware.uefi_code", &raw.firmware.uefi_code),
+            ("firmware.uefi_vars", &raw.firmware.uefi_vars),
+            ("firmware.uefi_secure_code", &raw.firmware.uefi_secure_code),
+            ("firmware.uefi_secure_vars", &raw.firmware.uefi_secure_vars),
+        ] {
             // Lexical, like paths.boot: Landlock grants the directory the path names
             // (docs/sandbox.md), which a `..` would make another one than it looks.
             let text = p.to_string_lossy();
@@ -1556,6 +1579,18 @@ reserved_memory_gib = 8
         }
         let (key, _) = key_error(&format!("[firmware]\nsecure_boot = true\n{hw}"));
         assert_eq!(key, "firmware.secure_boot");
+        assert_eq!(
+            (c.firmware.uefi_secure_code.as_path(), c.firmware.uefi_secure_vars.as_path()),
+            (Path::new("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd"), Path::new("/usr/share/OVMF/OVMF_VARS_4M.ms.fd")),
+            "the secure pair defaults to Debian's, beside a plain pair set in the file"
+        );
+        let c = parse(&format!("[firmware]\nuefi_secure_vars = \"/srv/fw/VARS.snakeoil.fd\"\n{hw}")).unwrap();
+        assert_eq!(c.firmware.uefi_secure_vars, PathBuf::from("/srv/fw/VARS.snakeoil.fd"));
+        for key in ["uefi_secure_code", "uefi_secure_vars"] {
+            let (got, problem) = key_error(&format!("[firmware]\n{key} = \"fw/x.fd\"\n{hw}"));
+            assert_eq!(got, format!("firmware.{key}"));
+            assert!(problem.contains("absolute"), "{problem}");
+        }
     }
 
     #[test]

@@ -43,4 +43,5 @@ pub mod sandbox;
 pub mod seed;
 pub mod state;
 pub mod stats;
+pub mod tpm;
 pub mod validate;

@@ -499,14 +499,21 @@ impl From<DiskStepError> for ApiError {
 }
 
 impl From<LaunchFileError> for ApiError {
-    /// 2001 on the kernel's or initrd's field; 2001 on `spec.boot.firmware` with
-    /// `details.path` and `details.config`; 4001 step `qemu_files` or `firmware`; 4001 for
+    /// 2001 on the kernel's or initrd's field; 2001 on `spec.boot.firmware` (the secure pair:
+    /// `spec.boot.secure_boot`) with `details.path` and `details.config`; 4001 step `qemu_files` or `firmware`; 4001 for
     /// the variables store's removal.
     fn from(e: LaunchFileError) -> ApiError {
         match &e {
             LaunchFileError::BootFile { field, .. } => api(Code::InvalidSpec, &e, Some(field)),
-            LaunchFileError::Firmware(f) => api(Code::InvalidSpec, &e, Some("spec.boot.firmware"))
-                .details(json!({ "path": f.path(), "config": f.key() })),
+            LaunchFileError::Firmware(f) => {
+                // The secure pair is what boot.secure_boot asks for.
+                let field = if f.key().starts_with("firmware.uefi_secure_") {
+                    "spec.boot.secure_boot"
+                } else {
+                    "spec.boot.firmware"
+                };
+                api(Code::InvalidSpec, &e, Some(field)).details(json!({ "path": f.path(), "config": f.key() }))
+            }
             LaunchFileError::OpenForQemu { .. } => {
                 api(Code::ProvisioningFailed, &e, None).details(json!({ "step": "qemu_files" }))
             }

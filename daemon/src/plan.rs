@@ -89,6 +89,7 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         numa,
         hugepages,
         emulator_cpu,
+        tpm,
     } = a;
     *name == b.name
         && *role == b.role
@@ -106,6 +107,7 @@ fn same_but_convergent(a: &VmSpec, b: &VmSpec) -> bool {
         && *numa == b.numa
         && *hugepages == b.hugepages
         && *emulator_cpu == b.emulator_cpu
+        && *tpm == b.tpm
 }
 
 /// What turning a VM's `current` spec into `desired` takes.
@@ -589,6 +591,7 @@ mod tests {
             ("numa", |s| s.numa = Some(crate::api::NumaPolicy::Node(0))),
             ("hugepages", |s| s.hugepages = Some(crate::api::HugePageSize::M2)),
             ("emulator_cpu", |s| s.emulator_cpu = true),
+            ("tpm", |s| s.tpm = true),
         ];
         for (field, make) in change {
             let mut b = a.clone();

@@ -255,6 +255,57 @@ fn uefi_firmware(config: &Config, uefi_vms: &[String]) -> CheckItem {
     item(NAME, status, format!("{e}; boot.firmware uefi is used by {}", uefi_vms.join(", ")))
 }
 
+/// The `[firmware]` secure pair a `boot.secure_boot` VM needs ([`crate::qemu::firmware::check_pair`]:
+/// both files, and a template with a Platform Key enrolled), judged like [`uefi_firmware`]:
+/// failing only when a VM (`secure_vms`) asks for Secure Boot.
+fn secure_boot_firmware(config: &Config, secure_vms: &[String]) -> CheckItem {
+    const NAME: &str = "secure_boot_firmware";
+    let pair = crate::qemu::firmware::Pair::of(&config.firmware, true);
+    let e = match crate::qemu::firmware::check_pair(pair) {
+        Ok(p) => {
+            let machine = if crate::validate::is_q35(&config.qemu.machine) {
+                String::new()
+            } else {
+                format!("; but qemu.machine {:?} is not q35, which Secure Boot needs", config.qemu.machine)
+            };
+            return item(
+                NAME,
+                CheckStatus::Ok,
+                format!(
+                    "{} ({} bytes) and {} ({} bytes, keys enrolled) readable{machine}",
+                    pair.code.display(),
+                    p.code_bytes,
+                    pair.vars.display(),
+                    p.vars_bytes
+                ),
+            );
+        }
+        Err(e) => e,
+    };
+    if secure_vms.is_empty() {
+        return item(NAME, CheckStatus::Ok, format!("needed only for boot.secure_boot, which no VM uses: {e}"));
+    }
+    let status = match &e {
+        crate::qemu::firmware::FirmwareError::Missing { .. } => CheckStatus::Missing,
+        crate::qemu::firmware::FirmwareError::Unreadable { source, .. }
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            CheckStatus::Denied
+        }
+        _ => CheckStatus::Error,
+    };
+    item(NAME, status, format!("{e}; boot.secure_boot is used by {}", secure_vms.join(", ")))
+}
+
+/// Adds the [`secure_boot_firmware`] item to `report` (from [`check`]) right after
+/// `uefi_firmware`, `secure_vms` being the VMs whose spec asks for Secure Boot.
+pub fn add_secure_boot_firmware(report: &mut HostCheck, config: &Config, secure_vms: &[String]) {
+    let it = secure_boot_firmware(config, secure_vms);
+    report.ok &= it.status == CheckStatus::Ok;
+    let at = report.items.iter().position(|i| i.name == "uefi_firmware").map_or(report.items.len(), |i| i + 1);
+    report.items.insert(at, it);
+}
+
 /// vhost-net ([`crate::net::vhost`]): `ok` either way, since VMs start without it (their
 /// virtio-net then runs in QEMU's userspace, slower); the detail says which and why.
 fn vhost_net(status: &crate::net::vhost::VhostStatus) -> CheckItem {
@@ -431,6 +482,38 @@ mod tests {
         );
         let it = vhost_net(&VhostStatus { usable: true, reason: "/dev/vhost-net opens read-write".into() });
         assert_eq!((it.status, it.detail.contains("get vhost-net")), (CheckStatus::Ok, true), "{}", it.detail);
+    }
+
+    #[test]
+    fn secure_boot_firmware_needs_enrolled_keys_and_fails_only_when_a_vm_uses_it() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = config();
+        c.firmware.uefi_secure_code = d.path().join("CODE.secboot.fd");
+        c.firmware.uefi_secure_vars = d.path().join("VARS.ms.fd");
+        let it = secure_boot_firmware(&c, &[]);
+        assert_eq!(it.status, CheckStatus::Ok);
+        assert!(it.detail.starts_with("needed only for boot.secure_boot"), "{}", it.detail);
+        let it = secure_boot_firmware(&c, &["sb".into()]);
+        assert_eq!(it.status, CheckStatus::Missing);
+        assert!(
+            it.detail.contains("CODE.secboot.fd does not exist") && it.detail.ends_with("used by sb"),
+            "{}",
+            it.detail
+        );
+        std::fs::write(&c.firmware.uefi_secure_code, [0u8; 16]).unwrap();
+        // Debian's plain template: no keys, Secure Boot would be off.
+        let Ok(plain) = std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.fd") else { return };
+        std::fs::write(&c.firmware.uefi_secure_vars, plain).unwrap();
+        let it = secure_boot_firmware(&c, &["sb".into()]);
+        assert_eq!(it.status, CheckStatus::Error);
+        assert!(it.detail.contains("no Platform Key"), "{}", it.detail);
+        let Ok(ms) = std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.ms.fd") else { return };
+        std::fs::write(&c.firmware.uefi_secure_vars, ms).unwrap();
+        let it = secure_boot_firmware(&c, &["sb".into()]);
+        assert_eq!(it.status, CheckStatus::Ok, "{}", it.detail);
+        assert!(it.detail.contains("keys enrolled) readable"), "{}", it.detail);
+        c.qemu.machine = "pc".into();
+        assert!(secure_boot_firmware(&c, &[]).detail.contains("not q35"));
     }
 
     #[test]

@@ -485,6 +485,7 @@ fn validate_boot(spec: &VmSpec) -> Result<BootSource, ApiError> {
 /// machine type with flash devices for OVMF's code and variables (`pflash0`, `pflash1`): `pc`
 /// and `q35` and their versioned names, not `microvm` or `isapc`.
 fn validate_firmware(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
+    validate_secure_boot(spec, config)?;
     if spec.boot.firmware != crate::api::Firmware::Uefi || has_pflash(&config.qemu.machine) {
         return Ok(());
     }
@@ -495,6 +496,32 @@ fn validate_firmware(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
             config.qemu.machine
         ),
     ))
+}
+
+/// `boot.secure_boot`: OVMF's Secure Boot build needs UEFI and SMM, which OVMF supports only on
+/// q35 (`q35` or a versioned `pc-q35-*`): on i440fx (`pc`) its SMM build stops at start.
+fn validate_secure_boot(spec: &VmSpec, config: &Config) -> Result<(), ApiError> {
+    if !spec.boot.secure_boot {
+        return Ok(());
+    }
+    if spec.boot.firmware != crate::api::Firmware::Uefi {
+        return Err(ApiError::invalid("spec.boot.secure_boot", "needs boot.firmware uefi (Secure Boot is OVMF's)"));
+    }
+    if !is_q35(&config.qemu.machine) {
+        return Err(ApiError::invalid(
+            "spec.boot.secure_boot",
+            format!(
+                "needs a q35 machine type (SMM for OVMF's Secure Boot build); this host's qemu.machine is {:?}",
+                config.qemu.machine
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// True for the q35 machine types: `q35` and the versioned `pc-q35-*`.
+pub fn is_q35(machine: &str) -> bool {
+    machine == "q35" || machine.starts_with("pc-q35-")
 }
 
 /// True for the machine types that have the `pflash0`/`pflash1` properties: `pc`, `q35` and
@@ -640,6 +667,7 @@ reserved_memory_gib = 4
             numa: None,
             hugepages: None,
             emulator_cpu: false,
+            tpm: false,
             boot: BootSpec {
                 kernel: Some("/boot/vmlinuz".into()),
                 cmdline: Some("console=ttyS0".into()),
@@ -894,6 +922,37 @@ reserved_memory_gib = 4
                 s.boot.firmware = Firmware::Uefi;
             }
         }
+    }
+
+    #[test]
+    fn secure_boot_needs_uefi_on_a_q35_machine() {
+        use crate::api::Firmware;
+        let mut c = config();
+        let mut s = spec("a");
+        s.boot.secure_boot = true;
+        for firmware in [Firmware::Bios, Firmware::Uefi] {
+            s.boot.firmware = firmware;
+            for machine in ["q35", "pc-q35-7.2", "pc", "pc-i440fx-7.2", "microvm"] {
+                c.qemu.machine = machine.into();
+                let got = validate_spec(&s, &c);
+                if firmware == Firmware::Uefi && machine.contains("q35") {
+                    assert!(got.unwrap().spec.boot.secure_boot, "{machine}");
+                    continue;
+                }
+                let e = got.unwrap_err();
+                assert_eq!((e.code.as_i32(), e.field.as_deref()), (2001, Some("spec.boot.secure_boot")), "{machine}");
+                let why = if firmware == Firmware::Bios { "boot.firmware uefi" } else { machine };
+                assert!(e.message.contains(why), "{machine}: {}", e.message);
+            }
+        }
+        // Off, it asks nothing (and is left out of the spec as served).
+        s.boot.secure_boot = false;
+        s.boot.firmware = Firmware::Bios;
+        c.qemu.machine = "pc".into();
+        assert!(validate_spec(&s, &c).is_ok());
+        assert!(serde_json::to_value(&s.boot).unwrap().get("secure_boot").is_none());
+        let on: crate::api::BootSpec = serde_json::from_value(serde_json::json!({"secure_boot": true})).unwrap();
+        assert!(on.secure_boot);
     }
 
     #[test]

@@ -3,7 +3,9 @@
 # Boot the kernel with console=ttyS0 so that everything below reaches the serial log.
 #
 # Console protocol (tests match on these):
+#   VMHOST-TPM absent|present reset_count=<n>              once, before FIRMWARE (below)
 #   VMHOST-FIRMWARE efi|bios                               once, just before READY: how it booted
+#   VMHOST-SECUREBOOT 0|1                                  after it, UEFI with efivarfs only: Secure Boot
 #   VMHOST-GUEST-READY <kernel-version> <uptime-seconds>   once, when the guest is up
 #   VMHOST-GUEST-POWEROFF                                  ACPI power button pressed
 #   VMHOST-GUEST-SELF-POWEROFF                             powering off on its own (vmhost.poweroff)
@@ -112,9 +114,43 @@ for arg in $(cat /proc/cmdline); do
     esac
 done
 
+# A TPM (the VM's `tpm: true`, swtpm on the host): the cloud kernel has tpm_crb and tpm_tis built
+# in, so /dev/tpm0 is there when QEMU gave the guest one. Reported once, before READY:
+#   VMHOST-TPM absent
+#   VMHOST-TPM present reset_count=<n>
+# reset_count is the TPM's resetCount (TPM2_ReadClock, no authorisation needed): the TPM keeps it
+# in its persistent state and adds one at every TPM reset (each boot), so a second boot of the
+# same VM shows a larger count only when the host kept the TPM's state; a new state starts at 1.
+# (printf writes the 10-byte command in one write; the answer is read on the same descriptor.)
+if [ -e /dev/tpm0 ]; then
+    exec 3<>/dev/tpm0
+    printf '\200\001\000\000\000\012\000\000\001\201' >&3
+    answer=$(dd bs=64 count=1 <&3 2>/dev/null | od -An -v -tx1 | tr -d ' \n')
+    exec 3<&-
+    # Header (tag, size, response code: 10 bytes), time (8), clock (8), then resetCount (4).
+    rc=$(echo "$answer" | cut -c13-20)
+    count=$(echo "$answer" | cut -c53-60)
+    if [ "$rc" = 00000000 ] && [ ${#count} = 8 ]; then
+        echo "VMHOST-TPM present reset_count=$((0x$count))"
+    else
+        echo "VMHOST-TPM present reset_count=unreadable answer=$answer"
+    fi
+else
+    echo "VMHOST-TPM absent"
+fi
+
 # The kernel has /sys/firmware/efi only when UEFI firmware (OVMF) started it through its EFI
 # stub; under SeaBIOS it was loaded the legacy way (boot.firmware, docs/images.md).
 if [ -d /sys/firmware/efi ]; then echo "VMHOST-FIRMWARE efi"; else echo "VMHOST-FIRMWARE bios"; fi
+# Under UEFI, with efivarfs in the image: what the firmware says of Secure Boot, the value byte
+# of its SecureBoot variable (after four bytes of attributes). Unmounted again, so a program that
+# mounts efivarfs itself finds it as before.
+if [ -d /sys/firmware/efi ] && modprobe -q efivarfs 2>/dev/null &&
+    mount -t efivarfs efivarfs /sys/firmware/efi/efivars 2>/dev/null; then
+    sb=/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c
+    [ -f "$sb" ] && echo "VMHOST-SECUREBOOT $(od -An -tu1 "$sb" | awk '{ v = $NF } END { print v }')"
+    umount /sys/firmware/efi/efivars
+fi
 read -r uptime _ </proc/uptime
 echo "VMHOST-GUEST-READY $(uname -r) $uptime"
 # Test hook: vmhost.poweroff makes a guest that powers itself off once it is up (a guest-initiated

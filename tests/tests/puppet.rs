@@ -558,3 +558,136 @@ fn puppet_monitor_nic_round_trips_and_an_unlisted_source_fails_with_3001() {
     assert!(run.output.contains("(attribute nics)"), "{}", run.output);
     assert_eq!(host.call_err("vm.get", json!({ "name": "sniff2" })).0, 4040, "a refused spec creates nothing");
 }
+
+/// `qemu-io` on a stopped VM's qcow2 disk: `write -P PATTERN` or `read -P PATTERN` (false
+/// unless every byte there is PATTERN) of 64 KiB at 1 MiB.
+fn disk_pattern(disk: &Path, op: &str, pattern: u8) -> bool {
+    let out = Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", &format!("{op} -P {pattern:#04x} 1M 64k")])
+        .arg(disk)
+        .output()
+        .expect("run qemu-io");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    out.status.success() && !text.contains("failed")
+}
+
+/// The names of VM `vm`'s snapshots.
+fn snapshot_names(host: &TestHost, vm: &str) -> Vec<String> {
+    let list = host.call("vm.snapshots", json!({ "name": vm }));
+    list.as_array().map(|a| a.iter().filter_map(|s| s["name"].as_str().map(String::from)).collect()).unwrap_or_default()
+}
+
+/// Snapshots and backups with real `puppet apply` against a real vmhostd: `vmhost_snapshot`
+/// takes a snapshot after the VM it autorequires is made (once: a rerun changes nothing),
+/// `vmhost::revert` puts a later write back (under --noop it sends nothing), `vmhost::export`
+/// writes a backup `vmhost::import` makes a new VM from with the exported data, an option the
+/// module does not know reaches vmhostd and its refusal fails the run, the Bolt task scripts
+/// run as Bolt runs them (JSON on stdin, the module's files under `_installdir`), and
+/// `ensure => absent` deletes the snapshot.
+#[test]
+fn puppet_snapshots_reverts_exports_and_imports() {
+    let host = TestHost::start(HostOptions::default());
+    let puppet = Puppet::new();
+    let sock = host.socket.clone();
+    vmhost_tests::boot_sector::write_image(
+        &host.images().join("base.raw"),
+        &vmhost_tests::boot_sector::serial_print("VMHOST-PUPPET-SNAP"),
+    );
+    // Declared snapshot first, VM second: autorequire orders them.
+    let manifest = "vmhost_snapshot { 'web/before': ensure => present, requires => 'frozen', timeout_s => 600 }\n\
+                    vmhost_vm { 'web':\n  ensure => stopped,\n  cpu => 1,\n  memory => 64,\n  \
+                    boot => { 'image' => 'base.raw', 'disk_gib' => 1 },\n}\n";
+    let run = puppet.apply(&sock, manifest, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    let (vm_at, snap_at) = (
+        run.output.find("Vmhost_vm[web]/ensure: created"),
+        run.output.find("Vmhost_snapshot[web/before]/ensure: created"),
+    );
+    assert!(vm_at.is_some() && snap_at.is_some() && vm_at < snap_at, "the VM first:\n{}", run.output);
+    assert_eq!(snapshot_names(&host, "web"), ["before"]);
+    let s = &host.call("vm.snapshots", json!({"name": "web"}))[0];
+    assert_eq!(s["consistency"], "stopped", "{s}");
+    let run = puppet.apply(&sock, manifest, &[]);
+    assert_eq!(run.code, 0, "rerun must change nothing:\n{}", run.output);
+
+    // A write after the snapshot; a --noop revert sends nothing, a revert puts it back.
+    let overlay = host.state().join("disks").join("web.qcow2");
+    assert!(disk_pattern(&overlay, "read", 0x00));
+    assert!(disk_pattern(&overlay, "write", 0x22));
+    let revert = "$r = vmhost::revert('web', 'before')\nnotice(\"reverted=${r}\")\n";
+    let run = puppet.apply(&sock, revert, &["--noop"]);
+    assert_eq!(run.code, 0, "{}", run.output);
+    assert!(run.output.contains("reverted={noop => true, method => vm.revert"), "{}", run.output);
+    assert!(disk_pattern(&overlay, "read", 0x22), "--noop reverted");
+    let run = puppet.apply(&sock, revert, &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+    assert!(run.output.contains("reverted={changed => true"), "{}", run.output);
+    assert!(disk_pattern(&overlay, "read", 0x00), "the revert put the snapshot's data back");
+
+    // An option the module does not know goes to vmhostd, which refuses it: the run fails and
+    // nothing is exported.
+    let run = puppet.apply(&sock, "vmhost::export('web', { no_such_param => 1 })", &[]);
+    assert_eq!(run.code, 1, "{}", run.output);
+    assert!(run.output.contains("vmhost::export: vmhostd refused vm.export: error -32602"), "{}", run.output);
+    assert!(run.output.contains("no_such_param"), "{}", run.output);
+    assert!(fs::read_dir(host.state().join("backups")).map(|d| d.count() == 0).unwrap_or(true));
+
+    // Exported with new data, imported as a new VM holding it.
+    assert!(disk_pattern(&overlay, "write", 0x33));
+    let run = puppet.apply(
+        &sock,
+        "$x = vmhost::export('web', { requires => 'frozen' })\nnotice(\"backup=${x['backup']}.\")",
+        &[],
+    );
+    assert_eq!(run.code, 0, "{}", run.output);
+    let backup = run.output.split("backup=").nth(1).and_then(|t| t.split('.').next()).unwrap_or_default().to_string();
+    assert!(host.state().join("backups").join(&backup).join("manifest.json").is_file(), "{backup:?}: {}", run.output);
+    let import = format!("$v = vmhost::import('{backup}', {{ name => 'web2', state => 'stopped' }})\nnotice(\"imported=${{v['vm']['name']}}\")");
+    let run = puppet.apply(&sock, &import, &[]);
+    assert_eq!(run.code, 0, "{}", run.output);
+    assert!(run.output.contains("imported=web2"), "{}", run.output);
+    assert!(disk_pattern(&host.state().join("disks/web2/root.qcow2"), "read", 0x33), "web2 holds the exported data");
+
+    // The Bolt tasks as Bolt runs them: the input on stdin, the module's files under _installdir.
+    let task = |name: &str, input: Value| -> (i32, Value) {
+        use std::io::Write;
+        let mut child = Command::new("ruby")
+            .arg(puppet.dir.path().join("modules/vmhost/tasks").join(format!("{name}.rb")))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run ruby");
+        let mut full = input;
+        full["_installdir"] = json!(puppet.dir.path().join("modules"));
+        full["socket"] = json!(sock);
+        child.stdin.take().expect("stdin").write_all(full.to_string().as_bytes()).expect("write the input");
+        let out = child.wait_with_output().expect("wait for ruby");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let v = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("task {name}: {e}: {text}{}", String::from_utf8_lossy(&out.stderr)));
+        (out.status.code().unwrap_or(-1), v)
+    };
+    let (code, out) = task("snapshot", json!({"vm": "web2", "snapshot": "t1"}));
+    assert_eq!((code, &out["result"]["name"]), (0, &json!("t1")), "{out}");
+    let (code, out) = task("snapshots", json!({"vm": "web2"}));
+    assert_eq!((code, &out["result"][0]["name"]), (0, &json!("t1")), "{out}");
+    let (code, out) = task("import", json!({"backup": backup, "name": "web2"}));
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(
+        (&out["_error"]["details"]["code"], &out["_error"]["details"]["field"]),
+        (&json!(2001), &json!("name")),
+        "{out}"
+    );
+    let (code, out) = task("snapshot_delete", json!({"vm": "web2", "snapshot": "t1"}));
+    assert_eq!((code, &out["result"]["changed"]), (0, &json!(true)), "{out}");
+    assert!(snapshot_names(&host, "web2").is_empty());
+
+    // ensure => absent deletes it; a second run has nothing to do.
+    let absent = "vmhost_snapshot { 'before': vm => 'web', ensure => absent }";
+    let run = puppet.apply(&sock, absent, &[]);
+    assert_eq!(run.code, 2, "{}", run.output);
+    assert!(run.output.contains("Vmhost_snapshot[before]/ensure: removed"), "{}", run.output);
+    assert!(snapshot_names(&host, "web").is_empty());
+    assert_eq!(puppet.apply(&sock, absent, &[]).code, 0);
+}

@@ -897,3 +897,142 @@ fn a_monitor_nic_round_trips_and_a_source_the_host_does_not_list_is_the_daemons_
     }
     assert_eq!(get_err(&host, "sniff2"), 4040, "a refused spec creates nothing");
 }
+
+/// `qemu-io` on a stopped VM's qcow2 disk: `write -P PATTERN` or `read -P PATTERN` (a read
+/// fails unless every byte there is PATTERN) of 64 KiB at 1 MiB. Returns whether it succeeded
+/// (qemu-io exits 0 even when a pattern does not match, so its output says).
+fn disk_pattern(disk: &Path, op: &str, pattern: u8) -> bool {
+    let out = Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", &format!("{op} -P {pattern:#04x} 1M 64k")])
+        .arg(disk)
+        .output()
+        .expect("run qemu-io");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    out.status.success() && !text.contains("Pattern verification failed") && !text.contains("failed")
+}
+
+/// Every entry of `paths.backups`, sorted.
+fn backups_of(host: &TestHost) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(host.state().join("backups"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The execution module's snapshot and backup functions through a real `salt-call` against a
+/// real vmhostd, on a stopped image VM whose disk the test writes with qemu-io: a snapshot
+/// keeps the written pattern, a later write is undone by `vmhost.revert`, the snapshot is
+/// listed and deleted (a second delete is `changed: false`); `vmhost.export` writes a backup
+/// that `vmhost.import` makes a VM from under a new name and, after a destroy, under the old
+/// one, each disk holding the pattern. A param the module does not know reaches the daemon,
+/// whose refusal comes back as the module's error with code and field; `test=True` sends
+/// nothing. The states `vmhost.snapshot_present` (predicted, taken once) and
+/// `vmhost.snapshot_absent`.
+#[test]
+fn snapshots_revert_export_and_import_through_the_execution_module() {
+    let host = TestHost::start(HostOptions::default());
+    vmhost_tests::boot_sector::write_image(
+        &host.images().join("base.raw"),
+        &vmhost_tests::boot_sector::serial_print("VMHOST-SALT-SNAP"),
+    );
+    let spec = json!({"name": "web", "cpu": 1, "memory_mib": 64, "state": "stopped",
+                      "boot": {"image": "base.raw", "disk_gib": 1}});
+    host.call("vm.create", json!({ "spec": spec }));
+    let minion = Minion::new(&host, Loading::Sync);
+    minion.call(&["saltutil.sync_all"]);
+    let fails = |args: &[&str]| {
+        let out = minion.run(args);
+        assert!(!out.status.success(), "salt-call {args:?} should fail");
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    };
+    let overlay = host.state().join("disks").join("web.qcow2");
+    assert!(disk_pattern(&overlay, "write", 0x11));
+
+    let s = minion.call(&["vmhost.snapshot", "web", "before"]);
+    assert_eq!(
+        (&s["name"], &s["live"], &s["consistency"]),
+        (&json!("before"), &json!(false), &json!("stopped")),
+        "{s}"
+    );
+    let listed = minion.call(&["vmhost.snapshots", "web"]);
+    assert_eq!(
+        listed.as_array().map(|a| a.iter().map(|s| s["name"].clone()).collect::<Vec<_>>()),
+        Some(vec![json!("before")]),
+        "{listed}"
+    );
+    // The daemon's rules are the daemon's: a second snapshot of that name is its 2001.
+    let text = fails(&["vmhost.snapshot", "web", "before"]);
+    assert!(text.contains("vmhostd error 2001 (snapshot)"), "{text}");
+
+    // Overwritten, then reverted: the snapshot's pattern is back.
+    assert!(disk_pattern(&overlay, "write", 0x22));
+    assert!(!disk_pattern(&overlay, "read", 0x11));
+    let r = minion.call(&["vmhost.revert", "web", "before"]);
+    assert_eq!((&r["changed"], &r["vm"]["name"]), (&json!(true), &json!("web")), "{r}");
+    assert!(disk_pattern(&overlay, "read", 0x11), "the revert put the snapshot's data back");
+    let text = fails(&["vmhost.revert", "web", "nosuch"]);
+    assert!(text.contains("vmhostd error 4040 (snapshot)"), "{text}");
+
+    // test=True sends nothing; a param the module does not know reaches the daemon, which
+    // refuses it (-32602) and nothing is written.
+    let t = minion.call(&["vmhost.export", "web", "test=True"]);
+    assert_eq!(
+        (&t["test"], &t["method"], &t["params"]),
+        (&json!(true), &json!("vm.export"), &json!({"name": "web"})),
+        "{t}"
+    );
+    let text = fails(&["vmhost.export", "web", "no_such_param=1"]);
+    assert!(text.contains("vmhostd error -32602") && text.contains("no_such_param"), "{text}");
+    assert_eq!(backups_of(&host), Vec::<String>::new(), "nothing exported");
+
+    let x = minion.call(&["vmhost.export", "web", "requires=frozen", "timeout_s=600"]);
+    let backup = x["backup"].as_str().unwrap_or_else(|| panic!("no backup: {x}")).to_string();
+    assert_eq!((&x["manifest"]["vm"], &x["manifest"]["consistency"]), (&json!("web"), &json!("stopped")), "{x}");
+    assert_eq!(backups_of(&host), vec![backup.clone()]);
+
+    // Imported under a new name, stopped: its own disk with the pattern.
+    let v = minion.call(&["vmhost.import", &backup, "name=web2", "state=stopped"]);
+    assert_eq!(
+        (&v["changed"], &v["vm"]["name"], &v["vm"]["status"]),
+        (&json!(true), &json!("web2"), &json!("stopped")),
+        "{v}"
+    );
+    assert_eq!(v["vm"]["spec"]["boot"], json!({"disk": "web2-root.qcow2", "disk_gib": 1}), "{v}");
+    let text = fails(&["vmhost.import", &backup, "name=web2"]);
+    assert!(text.contains("vmhostd error 2001 (name)"), "{text}");
+
+    // The snapshot deleted (a second delete changes nothing), the VM destroyed and imported
+    // back under its own name.
+    let d = minion.call(&["vmhost.snapshot_delete", "web", "before"]);
+    assert_eq!(d["changed"], true, "{d}");
+    let d = minion.call(&["vmhost.snapshot_delete", "web", "before"]);
+    assert_eq!(d["changed"], false, "{d}");
+    assert_eq!(minion.call(&["vmhost.snapshots", "web"]), json!([]));
+    minion.call(&["vmhost.destroy", "web"]);
+    assert_eq!(get_err(&host, "web"), 4040);
+    let v = minion.call(&["vmhost.import", &backup, "state=stopped"]);
+    assert_eq!((&v["vm"]["name"], &v["vm"]["spec"]["boot"]["disk"]), (&json!("web"), &json!("web-root.qcow2")), "{v}");
+    for vm in ["web", "web2"] {
+        let disk = host.state().join("disks").join(vm).join("root.qcow2");
+        assert!(disk_pattern(&disk, "read", 0x11), "{vm}: {} holds the exported data", disk.display());
+    }
+
+    // The states: snapshot_present predicted under test=True, taken once, quiet on a rerun;
+    // snapshot_absent deletes it.
+    let mut args = Map::new();
+    args.insert("vm".into(), json!("web2"));
+    minion.sls("snap", "nightly", "vmhost.snapshot_present", &args);
+    let r = minion.apply("snap", true);
+    assert_eq!((&r["result"], comment(&r)), (&Value::Null, "snapshot nightly of VM web2 would be taken"), "{r}");
+    assert!(host.call("vm.snapshots", json!({"name": "web2"})).as_array().is_some_and(Vec::is_empty));
+    let r = minion.apply("snap", false);
+    assert_eq!((&r["result"], comment(&r)), (&json!(true), "snapshot nightly of VM web2 taken (stopped)"), "{r}");
+    assert_eq!(host.call("vm.snapshots", json!({"name": "web2"}))[0]["name"], "nightly");
+    let r = minion.apply("snap", false);
+    assert_eq!((&r["result"], &r["changes"]), (&json!(true), &json!({})), "{r}");
+    minion.sls("nosnap", "nightly", "vmhost.snapshot_absent", &args);
+    let r = minion.apply("nosnap", false);
+    assert_eq!((&r["result"], comment(&r)), (&json!(true), "snapshot nightly of VM web2 deleted"), "{r}");
+    assert!(host.call("vm.snapshots", json!({"name": "web2"})).as_array().is_some_and(Vec::is_empty));
+}

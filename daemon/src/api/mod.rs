@@ -131,6 +131,11 @@ pub struct VmSpec {
     /// the main loop); only with `cpu_policy: dedicated`. Needs a restart.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub emulator_cpu: bool,
+    /// A TPM 2.0 for the guest: swtpm on the host, its state kept in the VM's disk directory
+    /// until the destroy ([`crate::tpm`], docs/images.md "TPM"). Left out when false. Needs a
+    /// restart.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tpm: bool,
 }
 
 impl VmSpec {
@@ -508,6 +513,10 @@ pub struct BootSpec {
     /// `bios`, so specs and records from before it existed compare equal.
     #[serde(default, skip_serializing_if = "Firmware::is_default")]
     pub firmware: Firmware,
+    /// OVMF with Secure Boot enforcing (`firmware: uefi` on a q35 machine, SMM on; the
+    /// `[firmware]` secure pair, docs/images.md#secure-boot). Left out when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub secure_boot: bool,
 }
 
 /// `boot.firmware`: what QEMU runs before the guest's boot loader or kernel.
@@ -517,7 +526,8 @@ pub enum Firmware {
     /// SeaBIOS, QEMU's built-in BIOS (the default).
     #[default]
     Bios,
-    /// OVMF (EDK II for QEMU) from the host's `[firmware]` files, without Secure Boot.
+    /// OVMF (EDK II for QEMU) from the host's `[firmware]` files; Secure Boot only with
+    /// `boot.secure_boot`.
     Uefi,
 }
 

@@ -129,6 +129,7 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
             disk: Some(root_file.clone()),
             disk_gib: spec.boot.disk_gib,
             firmware: spec.boot.firmware,
+            secure_boot: spec.boot.secure_boot,
             ..BootSpec::default()
         };
     }

@@ -50,22 +50,27 @@ async fn boot_file(
 
 /// Checks the files a launch of `vm` needs before anything is made: the QEMU binary is the
 /// one `qemu.sha256` pins (QEMU also works the VM's image files), the files the spec
-/// names exist and, for a kernel and initrd, vmhostd can open them, and for a UEFI VM
-/// vmhostd can open the `[firmware]` files. Nothing is read yet: the launch copies them.
+/// names exist and, for a kernel and initrd, vmhostd can open them, for a UEFI VM
+/// vmhostd can open the `[firmware]` files, and for a VM with `tpm` swtpm is there. Nothing is read yet: the launch copies them.
 /// Runs without an operation too: a create, a replace and a reconfigure check before they
 /// take the VM's flag (a refusal then leaves nothing to undo), and reconcile's plan checks
 /// with no operation at all.
 ///
 /// # Errors
 /// 4002 on `qemu.sha256` for another binary; 2001 naming the field of a missing or
-/// unreadable file (`spec.boot.firmware` for the firmware, with `details.path`).
+/// unreadable file (`spec.boot.firmware` for the firmware, with `details.path`; `spec.tpm`
+/// when swtpm is missing).
 pub(super) async fn check_launch_files(mgr: &Manager, vm: &ValidSpec) -> Result<(), ApiError> {
     mgr.processes.integrity().verify_qemu()?;
+    if vm.spec.tpm {
+        // Like the firmware: the host's program, the spec's choice (2001 on spec.tpm).
+        crate::blocking::run(|| crate::tpm::check(&mgr.config.qemu.swtpm))?;
+    }
     if vm.spec.boot.firmware == Firmware::Uefi {
         // The host's files, but the spec's choice: refused like a missing image, before
         // anything is made (a BIOS VM never needs them).
-        crate::blocking::run(|| crate::qemu::firmware::check(&mgr.config.firmware))
-            .map_err(LaunchFileError::Firmware)?;
+        let pair = crate::qemu::firmware::Pair::of(&mgr.config.firmware, vm.spec.boot.secure_boot);
+        crate::blocking::run(|| crate::qemu::firmware::check_pair(pair)).map_err(LaunchFileError::Firmware)?;
     }
     match &vm.boot {
         BootSource::Image { image, .. } => {
@@ -327,7 +332,8 @@ impl VmOp {
         let fds = mgr.net.attach_nics(&mgr.config, &name, &vm.spec.nics, &allocs).await?;
         self.crashpoint("launch:taps");
         self.attach_capture(vm).await?;
-        let opened = self.open_passed_fds(vm, &allocs, fds, vhost.unwrap_or_default()).await?;
+        let tpm = self.start_tpm(vm).await?;
+        let opened = self.open_passed_fds(vm, &allocs, fds, vhost.unwrap_or_default(), tpm).await?;
         let argv = build_argv(vm, &mgr.config, &paths, &allocs, &opened.base_format, rec.placement.as_ref());
         let request = LaunchRequest {
             binary: mgr.config.qemu.binary.clone(),
@@ -365,6 +371,30 @@ impl VmOp {
         Ok(id)
     }
 
+    /// A VM with `tpm`: ends the last QEMU's swtpm if it still runs ([`crate::tpm::stop`]),
+    /// starts its swtpm ([`crate::tpm::start`]) and records it, then crash point `launch:tpm`; returns QEMU's end of its control channel. No undo of its own: swtpm
+    /// ends when that end closes, with QEMU or when a failed launch drops it.
+    ///
+    /// # Errors
+    /// 4001 step `tpm` when swtpm or its state directory cannot be set up; the record cannot
+    /// be written.
+    async fn start_tpm(&mut self, vm: &ValidSpec) -> Result<Option<std::os::fd::OwnedFd>, ApiError> {
+        if !vm.spec.tpm {
+            return Ok(None);
+        }
+        let (mgr, paths) = (Arc::clone(self.mgr()), self.paths().clone());
+        // No QEMU of the VM runs here (launch_as looked), so a recorded swtpm still alive is
+        // the last QEMU's, a moment from ending (a restart kills QEMU and starts again at
+        // once): it must be gone, and its lock on the state with it, before the next starts.
+        let previous = self.record()?.tpm_process;
+        crate::tpm::stop(self.name(), previous.as_ref()).await;
+        let started = crate::tpm::start(&mgr.config.qemu.swtpm, mgr.config.qemu_user, &paths, &paths.qemu_log).await?;
+        let id = started.identity.clone();
+        self.update("tpm", |r| r.tpm_process = Some(id))?;
+        self.crashpoint("launch:tpm");
+        Ok(Some(started.qemu_end))
+    }
+
     /// Mirrors the sources of the VM's monitor NICs into their taps (which exist now: the
     /// launch holds their descriptors), with its undo entry, then crash point `launch:capture`.
     ///
@@ -381,11 +411,14 @@ impl VmOp {
         super::capture::start_failure(self.name(), &report)
     }
 
-    /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars`, unless it has
-    /// one: the store is the guest's (boot entries, settings) and outlives restarts, until the
-    /// destroy ([`HeldVm::remove_run_files`]). A BIOS VM keeps a store it had (going back to
-    /// UEFI finds its settings). Nothing is recorded: the path follows from the name, and every
-    /// path that forgets a record removes it first.
+    /// Gives a UEFI VM its own variables store, a copy of `firmware.uefi_vars` (with
+    /// `boot.secure_boot`, `firmware.uefi_secure_vars`), unless it has one that pairs with the
+    /// code it runs ([`crate::qemu::firmware::ensure_store`]: one of the other kind is set aside
+    /// and the one set aside for this kind comes back): the store is the guest's (boot entries,
+    /// settings) and outlives restarts, until the destroy ([`HeldVm::remove_run_files`]). A BIOS
+    /// VM keeps a store it had (going back to UEFI finds its settings). Nothing is recorded: the
+    /// path follows from the name, the kind from the content, and every path that forgets a
+    /// record removes it first.
     ///
     /// # Errors
     /// 4001 step `firmware` when the directory or the copy cannot be made (nothing is left).
@@ -395,18 +428,24 @@ impl VmOp {
         }
         let (mgr, paths) = (self.mgr(), self.paths());
         let vars = paths.uefi_vars();
-        crate::blocking::run(|| {
-            if vars.exists() {
-                return Ok(());
-            }
+        let pair = crate::qemu::firmware::Pair::of(&mgr.config.firmware, vm.spec.boot.secure_boot);
+        let outcome = crate::blocking::run(|| {
             crate::state::dirs::private_dir(&paths.disk_dir)?;
-            crate::qemu::firmware::copy_vars(&mgr.config.firmware.uefi_vars, &vars, &paths.partial_uefi_vars())
+            crate::qemu::firmware::ensure_store(
+                pair,
+                &mgr.config.firmware.uefi_secure_vars,
+                &vars,
+                &paths.partial_uefi_vars(),
+            )
         })
         .map_err(|source| LaunchFileError::CopyVars {
-            from: mgr.config.firmware.uefi_vars.clone(),
+            from: pair.vars.to_path_buf(),
             to: vars.clone(),
             source,
         })?;
+        if outcome != crate::qemu::firmware::StoreOutcome::Kept {
+            tracing::info!(vm = self.name(), secure_boot = pair.secure, outcome = ?outcome, "UEFI variables store");
+        }
         Ok(())
     }
 
@@ -419,7 +458,9 @@ impl VmOp {
     /// root disk (read-write and read-only), the data disks (read-write and read-only), and for
     /// a UEFI VM the firmware code (read-only) and its variables store (read-write and
     /// read-only).
-    /// Last, each NIC's further tap queues and its vhost-net descriptors (`vhost`, already open).
+    /// Then each NIC's further tap queues and its vhost-net descriptors (`vhost`, already
+    /// open), and last a `tpm` VM's end of swtpm's control channel (`tpm`, made by
+    /// [`VmOp::start_tpm`]).
     /// Also returns the base image's format (a `boot.disk` VM: its root disk's).
     ///
     /// # Errors
@@ -431,6 +472,7 @@ impl VmOp {
         allocs: &[crate::nic::NicAlloc],
         taps: Vec<Vec<std::os::fd::OwnedFd>>,
         vhost: Vec<Vec<std::os::fd::OwnedFd>>,
+        mut tpm: Option<std::os::fd::OwnedFd>,
     ) -> Result<PassedFds, ApiError> {
         let (mgr, paths) = (self.mgr(), self.paths());
         use std::fs::OpenOptions;
@@ -498,6 +540,9 @@ impl VmOp {
                 PassedFd::Tap(i) => take(&mut taps, "tap", i, 0)?,
                 PassedFd::TapQueue(i, q) => take(&mut taps, "tap", i, q)?,
                 PassedFd::Vhost(i, q) => take(&mut vhost, "vhost-net descriptor", i, q)?,
+                PassedFd::TpmCtrl => {
+                    tpm.take().ok_or_else(|| provisioning("qemu_files", "no TPM control channel".to_string()))?
+                }
                 PassedFd::OverlayRw => read_write(&paths.overlay)?,
                 PassedFd::OverlayRo => read_only(&paths.overlay)?,
                 PassedFd::Base => {
@@ -523,7 +568,9 @@ impl VmOp {
                     let Some(root) = &root else { continue };
                     read_only(root)?
                 }
-                PassedFd::UefiCode => read_only(&mgr.config.firmware.uefi_code)?,
+                PassedFd::UefiCode => {
+                    read_only(crate::qemu::firmware::Pair::of(&mgr.config.firmware, vm.spec.boot.secure_boot).code)?
+                }
                 PassedFd::UefiVars => read_write(&paths.uefi_vars())?,
                 PassedFd::UefiVarsRo => read_only(&paths.uefi_vars())?,
                 PassedFd::Exec(i) => {

@@ -728,6 +728,17 @@ impl Manager {
             .collect()
     }
 
+    /// The VMs whose spec asks for a TPM, for `host.check` ([`crate::tpm::check_item`]).
+    pub fn tpm_vms(&self) -> Vec<String> {
+        self.lock().vms.values().filter(|r| r.spec.tpm).map(|r| r.spec.name.clone()).collect()
+    }
+
+    /// The VMs whose spec asks for Secure Boot, by name, for `host.check`.
+    pub fn secure_boot_vms(&self) -> Vec<String> {
+        let t = self.lock();
+        t.vms.values().filter(|r| r.spec.boot.secure_boot).map(|r| r.spec.name.clone()).collect()
+    }
+
     /// Records that could not be loaded, for `host.check`.
     pub fn broken_records(&self) -> Vec<BrokenRecord> {
         self.lock().broken.values().cloned().collect()

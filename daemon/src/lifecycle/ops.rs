@@ -444,6 +444,8 @@ impl VmOp {
             }
         }
         self.crashpoint("teardown:killed");
+        // Its swtpm ends with QEMU; it must be gone before the state may be removed.
+        crate::tpm::stop(name, rec.tpm_process.as_ref()).await;
         if let Err(e) = self.held().release_host_side(Devices::Release).await {
             self.mark_failed(&e, false);
             return Err(e);
@@ -459,6 +461,7 @@ impl VmOp {
             }
             r.process = None;
             r.overlay = None;
+            r.tpm_process = None;
         })?;
         Ok(())
     }

@@ -132,10 +132,16 @@ impl<'m> Recovery<'m> {
         if migrating && super::migrate::settle(mgr, held, &rec, live.clone()).await? {
             return Ok(());
         }
+        // The VM's swtpm ends with its QEMU; one whose QEMU is gone is stray (crate::tpm).
+        if live.is_none() {
+            crate::tpm::settle(name, rec.tpm_process.as_ref(), false);
+        }
         match (live, rec.status) {
             (Some(id), VmStatus::Destroying) => {
                 tracing::info!(vm = name, "finishing an interrupted destroy");
                 mgr.processes.kill(name, &id).await?;
+                // Gone before its state is removed.
+                crate::tpm::stop(name, rec.tpm_process.as_ref()).await;
                 finish_destroy(held).await
             }
             (Some(id), VmStatus::Stopping) => {

@@ -87,10 +87,11 @@ impl HeldVm {
     /// serial and QEMU logs. The disks the VM owns (root, data) stay: a destroy disposes of
     /// them next, a replace keeps them. The variables store goes with the overlay: its boot
     /// entries name the disk a replace discards, and a new VM of the name must not inherit
-    /// them. Call only once no QEMU of the VM runs.
+    /// them. The TPM's state ([`crate::tpm::remove_state`]) goes for the same reason. Call only
+    /// once no QEMU (and so no swtpm) of the VM runs.
     ///
     /// # Errors
-    /// 4001 when an overlay or the variables store cannot be removed (a seed or log that
+    /// 4001 when an overlay, the variables store or the TPM state cannot be removed (a seed or log that
     /// cannot is only logged).
     pub(super) fn remove_run_files(&self) -> Result<(), ApiError> {
         let (name, paths) = (self.name(), self.paths());
@@ -99,13 +100,15 @@ impl HeldVm {
         for overlay in [paths.overlay.clone(), partial_overlay(paths)] {
             crate::disk::remove_overlay(&overlay).map_err(crate::disk::OverlayError::Remove)?;
         }
-        for vars in [paths.uefi_vars(), paths.partial_uefi_vars()] {
+        for vars in crate::qemu::firmware::store_files(&paths.uefi_vars(), &paths.partial_uefi_vars()) {
             match crate::blocking::run(|| std::fs::remove_file(&vars)) {
                 Ok(()) => tracing::info!(vm = name, path = %vars.display(), "removed the UEFI variables store"),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(source) => return Err(LaunchFileError::RemoveVars { path: vars.clone(), source }.into()),
             }
         }
+        // The TPM's state goes with the VM, like its variables store.
+        crate::blocking::run(|| crate::tpm::remove_state(paths))?;
         for file in [&paths.seed, &paths.serial_log, &paths.qemu_log] {
             match crate::blocking::run(|| std::fs::remove_file(file)) {
                 Ok(()) => {}

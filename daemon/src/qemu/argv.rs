@@ -208,6 +208,9 @@ pub enum PassedFd {
     /// The `/dev/vhost-net` descriptor of queue `q` of NIC `i` ([`crate::net::vhost`]), after
     /// every tap queue.
     Vhost(usize, usize),
+    /// A VM with `tpm`: QEMU's end of swtpm's control channel, a connected socket
+    /// ([`crate::tpm::start`]). Last of all, so no other descriptor changes number.
+    TpmCtrl,
 }
 
 /// The descriptors a VM's QEMU gets, in order (fd [`FIRST_PASSED_FD`] + index).
@@ -249,6 +252,9 @@ pub fn launch_fds(vm: &ValidSpec, nics: &[NicAlloc]) -> Vec<PassedFd> {
     for (i, _) in nics.iter().enumerate().filter(|(_, n)| n.vhost) {
         fds.extend((0..nic_queues(vm, i)).map(|q| PassedFd::Vhost(i, q)));
     }
+    if vm.spec.tpm {
+        fds.push(PassedFd::TpmCtrl);
+    }
     fds
 }
 
@@ -267,6 +273,9 @@ pub const QEMU_SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=de
 /// paused after the state arrived until the daemon's `cont`, so the guest never runs on both
 /// hosts.
 pub const INCOMING_ARGS: [&str; 3] = ["-incoming", "defer", "-S"];
+
+/// The id of a VM's TPM backend (`-tpmdev`), its chardev (`-ctrl`) and device (`-dev`).
+pub const TPM_ID: &str = "tpm0";
 
 /// Doubles commas, QEMU's escape inside option lists.
 pub fn escape_opt(p: &Path) -> String {
@@ -305,6 +314,11 @@ pub fn build_argv(
         // The machine's two flash devices are the blockdev nodes made below (validate.rs
         // allows uefi only on machine types that have them).
         machine.push_str(&format!(",pflash0={UEFI_CODE_NODE},pflash1={UEFI_VARS_NODE}"));
+    }
+    if uefi && spec.boot.secure_boot {
+        // OVMF's Secure Boot build keeps the variables behind SMM (validate.rs: q35 only), so
+        // that only the firmware writes the keys; TCG emulates SMM too.
+        machine.push_str(",smm=on");
     }
     if memory.is_some() {
         machine.push_str(&format!(",memory-backend={MEMORY_BACKEND}"));
@@ -358,7 +372,13 @@ pub fn build_argv(
         // OVMF's code read-only and the VM's variables store read-write, each a `file` node
         // over its fd set under a `raw` node, as libvirt does with paths. QEMU never sees
         // either path: the code's is only the fd set's description.
-        push(&["-add-fd", &fdset(PassedFd::UefiCode, &config.firmware.uefi_code)]);
+        let pair = crate::qemu::firmware::Pair::of(&config.firmware, spec.boot.secure_boot);
+        if pair.secure {
+            // The flash devices answer writes only from SMM: the guest's kernel cannot bypass
+            // the firmware to change the keys.
+            push(&["-global", "driver=cfi.pflash01,property=secure,value=on"]);
+        }
+        push(&["-add-fd", &fdset(PassedFd::UefiCode, pair.code)]);
         let code_file = format!("{UEFI_CODE_NODE}-file");
         push(&[
             "-blockdev",
@@ -404,6 +424,13 @@ pub fn build_argv(
         // and one for configuration changes.
         let mq = if queues > 1 { format!(",mq=on,vectors={}", 2 * queues + 2) } else { String::new() };
         push(&["-device", &format!("virtio-net-pci,netdev=net{i},mac={}{mq}", nic.mac)]);
+    }
+    if spec.tpm {
+        // swtpm's control channel, connected already (no server): QEMU hands swtpm the data
+        // channel over it. A CRB interface, as libvirt gives a TPM 2.0 on x86.
+        push(&["-chardev", &format!("socket,id={TPM_ID}-ctrl,fd={}", fd(PassedFd::TpmCtrl))]);
+        push(&["-tpmdev", &format!("emulator,id={TPM_ID},chardev={TPM_ID}-ctrl")]);
+        push(&["-device", &format!("tpm-crb,tpmdev={TPM_ID},id={TPM_ID}-dev")]);
     }
     // Passthrough devices after the virtio NICs: QEMU gives slots in command-line order, so the
     // declared NICs keep the first guest interface names (eth0, ...) that ip= and seeds use.
@@ -962,6 +989,52 @@ mod tests {
         let argv = argv_of(&bios(&s), &c);
         assert_eq!(value_after(&argv, "-machine"), ["q35"]);
         assert!(!argv.iter().any(|a| a.contains("uefi") || a.contains("OVMF") || a == "-blockdev"), "{argv:?}");
+    }
+
+    #[test]
+    fn a_tpm_is_swtpms_channel_as_the_last_descriptor_and_a_crb_device() {
+        let c = config();
+        let mut s = spec("t");
+        let plain = launch_fds(&validate_spec(&s, &c).unwrap(), &[]);
+        assert!(!argv_of(&s, &c).iter().any(|a| a.contains("tpm")));
+        s.tpm = true;
+        let v = validate_spec(&s, &c).unwrap();
+        // Every other descriptor keeps its number.
+        assert_eq!(launch_fds(&v, &[]), [plain.as_slice(), &[PassedFd::TpmCtrl]].concat());
+        let n = FIRST_PASSED_FD + plain.len() as i32;
+        let argv = argv_of(&s, &c);
+        assert!(argv.iter().any(|a| *a == format!("socket,id=tpm0-ctrl,fd={n}")), "{argv:?}");
+        assert_eq!(value_after(&argv, "-tpmdev"), ["emulator,id=tpm0,chardev=tpm0-ctrl"]);
+        assert!(argv.iter().any(|a| a == "tpm-crb,tpmdev=tpm0,id=tpm0-dev"), "{argv:?}");
+    }
+
+    #[test]
+    fn a_secure_boot_vm_runs_the_secure_pair_with_smm_and_secure_flash() {
+        let c = Config::parse(
+            "[paths]\nboot = [\"/boot\"]\n[qemu]\naccel = \"tcg\"\n[hardware]\ncpu = 4\nmemory_gib = 4\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let mut s = spec("sb");
+        s.boot.firmware = Firmware::Uefi;
+        let plain = argv_of(&s, &c);
+        s.boot.secure_boot = true;
+        let secure = argv_of(&s, &c);
+        assert_eq!(value_after(&secure, "-machine"), ["q35,pflash0=uefi-code,pflash1=uefi-vars,smm=on"]);
+        assert_eq!(value_after(&secure, "-global"), ["driver=cfi.pflash01,property=secure,value=on"]);
+        fn code(argv: &[String]) -> &str {
+            value_after(argv, "-add-fd").into_iter().find(|a| a.contains("OVMF_CODE")).unwrap_or_default()
+        }
+        assert!(code(&secure).ends_with(",opaque=/usr/share/OVMF/OVMF_CODE_4M.secboot.fd"), "{secure:?}");
+        assert!(code(&plain).ends_with(",opaque=/usr/share/OVMF/OVMF_CODE_4M.fd"), "{plain:?}");
+        // The same descriptors and store: only the machine, the flash's mode and the code differ.
+        assert_eq!(passed_fds(&validate_spec(&s, &c).unwrap(), 0).len(), {
+            s.boot.secure_boot = false;
+            passed_fds(&validate_spec(&s, &c).unwrap(), 0).len()
+        });
+        assert!(!plain.iter().any(|a| a.contains("smm") || a == "-global"), "{plain:?}");
+        let differ: Vec<_> = secure.iter().filter(|a| !plain.contains(a)).collect();
+        assert_eq!(differ.len(), 4, "{differ:?}");
     }
 
     /// `s` with the default firmware.

@@ -150,6 +150,7 @@ pub static METHODS: [Method; 38] = [
                 let networks = mgr.host_net().probe_networks(mgr.config()).await;
                 let images = lifecycle::images::image_check(&mgr);
                 let uefi_vms = mgr.uefi_vms();
+                let secure_vms = mgr.secure_boot_vms();
                 let identity = crate::preflight::hardware_identity(
                     lifecycle::vfio::judge_model(&mgr).await.map_err(|e| e.to_string()),
                 );
@@ -163,12 +164,22 @@ pub static METHODS: [Method; 38] = [
                     identity,
                 )
                 .await;
+                crate::preflight::add_secure_boot_firmware(&mut report, mgr.config(), &secure_vms);
                 // What netlink says of the capture interfaces now: with the host's other
                 // devices, before the sandbox's own layers, which stay last.
                 let capture = mgr.capture_check().await;
                 report.ok &= capture.status == crate::api::CheckStatus::Ok;
                 let at = report.items.iter().position(|i| i.name == "sandbox").unwrap_or(report.items.len());
                 report.items.insert(at, capture);
+                // swtpm, beside the firmware (both needed only by the VMs that ask for them).
+                let tpm = crate::tpm::check_item(&mgr.config().qemu.swtpm, &mgr.tpm_vms()).await;
+                report.ok &= tpm.status == crate::api::CheckStatus::Ok;
+                let at = report
+                    .items
+                    .iter()
+                    .rposition(|i| i.name.ends_with("firmware"))
+                    .map_or(report.items.len(), |i| i + 1);
+                report.items.insert(at, tpm);
                 report
             })
             .await;

@@ -147,6 +147,12 @@ pub fn daemon_rules(config: &Config, pci_files: &[PathBuf]) -> Vec<Rule> {
             &config.firmware.uefi_vars,
             "firmware.uefi_vars: the template each UEFI VM's variables store is copied from",
         ),
+        (true, &config.firmware.uefi_secure_code, "firmware.uefi_secure_code: OVMF's code for Secure Boot VMs"),
+        (
+            true,
+            &config.firmware.uefi_secure_vars,
+            "firmware.uefi_secure_vars: the enrolled-keys template of Secure Boot VMs' stores",
+        ),
     ];
     for (_, file, why) in pinned.into_iter().chain(firmware).filter(|(on, _, _)| *on) {
         for dir in dirs_of(file) {
@@ -538,6 +544,8 @@ mod tests {
         let mut c = config();
         c.firmware.uefi_code = share.join("CODE.fd");
         c.firmware.uefi_vars = share.join("VARS.fd");
+        c.firmware.uefi_secure_code = share.join("CODE.secboot.fd");
+        c.firmware.uefi_secure_vars = share.join("VARS.ms.fd");
         let r = daemon_rules(&c, &[]);
         let reads: Vec<&Path> = r
             .iter()

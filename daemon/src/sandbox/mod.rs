@@ -331,18 +331,21 @@ fn spawner_main(config: &Config, control: std::os::fd::OwnedFd, parent: u32) -> 
     spawn::serve(control, &allow, passthrough)
 }
 
-/// What the spawner may do for `config`: start the QEMU binary (as `qemu.user`), `modprobe
-/// vfio-pci` and hand VFIO group nodes over when passthrough is configured. Nothing else: image
-/// files are worked on by the QEMU binary too ([`crate::disk`]), so `qemu-img` never runs.
+/// What the spawner may do for `config`: start the QEMU binary and swtpm (a VM's TPM,
+/// [`crate::tpm`]), both as `qemu.user`, `modprobe vfio-pci` and hand VFIO group nodes over
+/// when passthrough is configured. Nothing else: image files are worked on by the QEMU binary
+/// too ([`crate::disk`]), so `qemu-img` never runs.
 pub fn allowlist(config: &Config) -> spawn::Allowlist {
     let passthrough = landlock::passthrough(config);
     spawn::Allowlist {
-        programs: vec![config.qemu.binary.clone()],
+        programs: vec![config.qemu.binary.clone(), config.qemu.swtpm.clone()],
         modprobe: passthrough,
         // QEMU first: the /dev/kvm probe runs as the first entry's user.
         run_as: config
             .qemu_user
-            .map(|u| vec![(config.qemu.binary.clone(), u), (config.images.curl.clone(), u)])
+            .map(|u| {
+                vec![(config.qemu.binary.clone(), u), (config.images.curl.clone(), u), (config.qemu.swtpm.clone(), u)]
+            })
             .unwrap_or_default(),
         kvm: config.qemu.accel == crate::config::Accel::Kvm,
         vfio_nodes: passthrough,
@@ -373,5 +376,8 @@ mod tests {
         assert!(!allow.permits(&c.images.curl, &args, None));
         assert!(!allow.permits(&c.images.curl, &["-o".into(), "/etc/passwd".into(), "http://x/".into()], None));
         assert_eq!(allow.user_for(&c.images.curl), c.qemu_user);
+        // swtpm (a VM's TPM) runs as QEMU's user too, never as the spawner's.
+        assert!(allow.permits(&c.qemu.swtpm, &["--version".into()], None));
+        assert_eq!(allow.user_for(&c.qemu.swtpm), c.qemu_user);
     }
 }

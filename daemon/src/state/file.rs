@@ -83,6 +83,9 @@ pub(super) struct RecordFile {
     /// [`VmRecord::migration`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     migration: Option<super::migration::MigrationRecord>,
+    /// [`VmRecord::tpm_process`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tpm_process: Option<ProcessIdentity>,
 }
 
 /// [`RootDisk`] on disk, where the import in progress is its `importing`.
@@ -155,6 +158,7 @@ impl From<RecordFile> for VmRecord {
             unclean_end: f.unclean_end,
             placement: f.placement,
             migration: f.migration,
+            tpm_process: f.tpm_process,
         }
     }
 }
@@ -199,6 +203,7 @@ impl From<VmRecord> for RecordFile {
             unclean_end: r.unclean_end,
             placement: r.placement,
             migration: r.migration,
+            tpm_process: r.tpm_process,
         }
     }
 }

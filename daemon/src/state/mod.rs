@@ -98,6 +98,9 @@ pub struct VmRecord {
     /// The migration this VM is part of, on this host's side ([`migration`]): set before
     /// either side touches the host for it, cleared when this side is done with it.
     pub migration: Option<migration::MigrationRecord>,
+    /// The VM's swtpm ([`crate::tpm`]), recorded when it starts, before QEMU; it ends with
+    /// QEMU. Only ever acted on while that very process (pid and start time) lives.
+    pub tpm_process: Option<ProcessIdentity>,
 }
 
 /// A `boot.disk` VM's root disk: `STATE/disks/NAME/root.FORMAT`, moved in from the import
@@ -141,6 +144,7 @@ impl VmRecord {
             unclean_end: None,
             placement: None,
             migration: None,
+            tpm_process: None,
         }
     }
 

@@ -107,8 +107,8 @@ class Requests(ModuleTest):
         ids = [r["id"] for r in self.daemon.requests]
         self.assertEqual(len(set(ids)), len(ids), "request ids must be unique")
 
-    def test_list_is_exposed_as_list(self):
-        self.assertEqual(self.module().__func_alias__, {"list_": "list"})
+    def test_list_and_import_are_exposed_under_their_names(self):
+        self.assertEqual(self.module().__func_alias__, {"list_": "list", "import_": "import"})
 
     def test_reconcile_returns_the_report_unchanged(self):
         report = {

@@ -80,7 +80,7 @@ fn aborted(code: i32, message: &str) -> ApiError {
 ///
 /// # Errors
 /// 2001 `secret`; 4040, 4090; 4097 reason `status` (neither stopped, nor running with
-/// `stop`); 4001 step `connect` when the destination cannot be reached (nothing changed); as
+/// `stop`) or `tpm` ([`crate::tpm::move_refusal`]); 4001 step `connect` when the destination cannot be reached (nothing changed); as
 /// `vm.stop` for the stop; 4001 step `move` or the destination's own code (2003 for a file that
 /// arrived with another sha256) when the move failed before the commit (the VM stays here);
 /// 4001 step `commit` when the destination's answer is unknown (recorded `failed`, disks kept,
@@ -95,6 +95,9 @@ pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<Migrate
         // Half-reverted disks must not travel, and the snapshot that finishes the revert
         // would be deleted with the source's copy.
         super::super::snapshots::check_not_reverting(&rec)?;
+        if let Some(why) = crate::tpm::move_refusal(&rec.spec) {
+            return Err(not_movable("tpm", why));
+        }
         let live = op.find_live(rec.process.as_ref())?.is_some();
         let stop = plan::admit(rec.status, live, p.stop).map_err(|e| not_movable("status", e.to_string()))?;
         let stream = tokio::time::timeout(

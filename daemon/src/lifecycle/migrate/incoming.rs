@@ -205,7 +205,9 @@ async fn until_commit(
     let macs: Vec<String> = op.record()?.nics.iter().map(|n| n.mac.clone()).collect();
     decide::check_hello(&vm.spec, &macs, &devices, &hello)?;
     if vm.spec.boot.firmware == crate::api::Firmware::Uefi {
-        let template = mgr.config.firmware.uefi_vars.clone();
+        // The template this VM's store is made from here (the secure one with Secure Boot).
+        let template =
+            crate::qemu::firmware::Pair::of(&mgr.config.firmware, vm.spec.boot.secure_boot).vars.to_path_buf();
         let bytes = crate::blocking::run(|| std::fs::metadata(&template).map(|m| m.len()))
             .map_err(|source| IncomingError::Io { what: "reading the UEFI variables template's size", source })?;
         decide::check_uefi_vars(&hello, bytes)?;

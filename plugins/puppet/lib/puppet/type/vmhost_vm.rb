@@ -228,7 +228,8 @@ Puppet::Type.newtype(:vmhost_vm) do
       or `{ 'disk' => 'old-vm.qcow2', 'disk_gib' => 40 }` to import an existing disk from the
       host's `paths.import` as the VM's own root disk (docs/storage.md; never changed later).
       Any of them may add `'firmware' => 'uefi'` (OVMF, docs/images.md); leave it out for BIOS,
-      the default, which vmhostd leaves out of the recorded spec.
+      the default, which vmhostd leaves out of the recorded spec. With `uefi`,
+      `'secure_boot' => true` turns Secure Boot on; leave it out when off (left out as recorded).
       Compared as a whole. Required to create a VM.
     DOC
     extend shape

@@ -20,10 +20,19 @@ Configuration (minion config, grains or pillar, read with ``config.get``):
 ``vmhost:move_timeout`` (or ``vmhost.move_timeout``)
     seconds to wait for a ``move`` (whole disk files travel), default 21600; ``migrate`` waits
     ``vmhost:timeout`` plus its ``timeout_s`` (3600 when not given).
+``vmhost:import_timeout`` (or ``vmhost.import_timeout``)
+    seconds to wait for an ``import`` (whole disk files are copied and hashed), default 21600;
+    ``snapshot``, ``revert`` and ``export`` wait ``vmhost:timeout`` plus their ``timeout_s``
+    (3600, the daemon's default, when not given).
 
 ``image_import`` waits ``vmhost:timeout`` plus its ``timeout_s`` (the daemon's default for a
 download, 3600, when it is not given); ``guest_exec`` waits ``vmhost:timeout`` plus its
 ``timeout_s``.
+
+``snapshot``, ``snapshots``, ``revert``, ``snapshot_delete``, ``export`` and ``import`` are
+the daemon's snapshot and backup methods (``vm.snapshot`` ... ``vm.import``); their params go
+through as given (a param this module does not know, such as one a newer vmhostd added, is
+sent as is and vmhostd accepts or refuses it), so every rule stays the daemon's.
 
 ``guest_exec``, ``guest_file_push`` and ``guest_file_pull`` reach into the guest as root
 through vmhostd (``vm.exec``, ``vm.file_push``, ``vm.file_pull``; off unless the host's
@@ -47,7 +56,7 @@ import time
 from salt.exceptions import CommandExecutionError
 
 __virtualname__ = "vmhost"
-__func_alias__ = {"list_": "list"}
+__func_alias__ = {"list_": "list", "import_": "import"}
 
 DEFAULT_SOCKET = "/run/vmhost/vmhostd.sock"
 DEFAULT_TIMEOUT = 120
@@ -840,3 +849,172 @@ def _write_atomically(dest, data):
         except OSError:
             pass
         raise CommandExecutionError(f"cannot write {dest}: {exc.strerror or exc}") from None
+
+
+# How long vmhost.import waits for vm.import by default (it has no timeout of its own: whole
+# disk files are copied out of the backup and hashed).
+DEFAULT_BACKUP_IMPORT_TIMEOUT = 6 * 3600
+# vm.snapshot's, vm.revert's and vm.export's own default for timeout_s.
+DEFAULT_COPY_TIMEOUT_S = 3600
+
+
+def _passed_through(kwargs):
+    """The caller's extra keyword arguments, as params for the daemon. Salt adds its own
+    (``__pub_fun``, ``__pub_jid``, ...) to a function that takes ``**kwargs``: those are not
+    the caller's and are dropped."""
+    return {k: v for k, v in kwargs.items() if not str(k).startswith("__")}
+
+
+def _copy_call(method, params, test):
+    """Sends a snapshot or backup request (or, with ``test``, returns it), waiting
+    ``vmhost:timeout`` plus the request's ``timeout_s`` (the daemon's default when not given,
+    or when it is not a number: then the daemon refuses it at once)."""
+    if _test_mode(test):
+        return {"test": True, "method": method, "params": params}
+    bound = params.get("timeout_s", DEFAULT_COPY_TIMEOUT_S)
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+        bound = DEFAULT_COPY_TIMEOUT_S
+    return _call(method, params, timeout=float(_option("timeout", DEFAULT_TIMEOUT)) + bound)
+
+
+def snapshot(name, snapshot, timeout_s=None, requires=None, test=None, **kwargs):
+    """
+    Keep VM ``name``'s disks as they are now in snapshot ``snapshot`` (``vm.snapshot``; running
+    or stopped, docs/snapshots.md).
+
+    name
+        the VM.
+    snapshot
+        the snapshot's name (1-64 of ``A-Z a-z 0-9 . _ -``, not starting with a dot; vmhostd
+        checks it).
+    timeout_s
+        longest the copy may take (the daemon's default: 3600). The call waits that long plus
+        ``vmhost:timeout``.
+    requires
+        ``frozen``: vmhostd refuses (4094 on ``requires``) rather than keep a copy that would be
+        crash-consistent.
+    test
+        True: return ``{"test": true, "method": "vm.snapshot", "params": ...}`` and send
+        nothing. Default: the run's ``test`` option.
+
+    Other keyword arguments are sent as params as given (vmhostd refuses one it does not take).
+    Returns the daemon's snapshot (``name``, ``created_at``, ``live``, ``consistency``,
+    ``reason``, ``frozen``, ``spec``, ``disks``, ...).
+
+    CLI Example: ``salt hv1 vmhost.snapshot sensor1 before-upgrade requires=frozen``
+    """
+    params = {"name": name, "snapshot": str(snapshot)}
+    if timeout_s not in (None, ""):
+        params["timeout_s"] = timeout_s
+    if requires not in (None, ""):
+        params["requires"] = requires
+    params.update(_passed_through(kwargs))
+    return _copy_call("vm.snapshot", params, test)
+
+
+def snapshots(name):
+    """
+    VM ``name``'s snapshots, oldest first, each as ``vmhost.snapshot`` returned it
+    (``vm.snapshots``); error 4040 when there is no such VM.
+
+    CLI Example: ``salt hv1 vmhost.snapshots sensor1``
+    """
+    return _call("vm.snapshots", {"name": name})
+
+
+def revert(name, snapshot, timeout_s=None, test=None, **kwargs):
+    """
+    Put VM ``name``'s disks back as they were in snapshot ``snapshot`` (``vm.revert``). The VM
+    must not run (vmhostd refuses with 4090: stop it first); it is not started.
+
+    timeout_s
+        longest the copy back may take (the daemon's default: 3600). The call waits that long
+        plus ``vmhost:timeout``.
+    test
+        True: return the request and send nothing.
+
+    Other keyword arguments are sent as params as given. Returns the daemon's mutation
+    ``{changed, vm}``. Errors: 4040 (no VM; no such snapshot, on ``snapshot``), 4090, 2001 on
+    ``snapshot`` (the VM's disks are not the snapshot's), 2003 (a copy is not what the snapshot
+    recorded; no disk replaced).
+
+    CLI Example: ``salt hv1 vmhost.revert sensor1 before-upgrade``
+    """
+    params = {"name": name, "snapshot": str(snapshot)}
+    if timeout_s not in (None, ""):
+        params["timeout_s"] = timeout_s
+    params.update(_passed_through(kwargs))
+    return _copy_call("vm.revert", params, test)
+
+
+def snapshot_delete(name, snapshot, test=None, **kwargs):
+    """
+    Delete snapshot ``snapshot`` of VM ``name`` (``vm.snapshot_delete``). Returns
+    ``{changed, snapshot}``; ``changed`` is False when there was no such snapshot.
+
+    CLI Example: ``salt hv1 vmhost.snapshot_delete sensor1 before-upgrade``
+    """
+    params = {"name": name, "snapshot": str(snapshot)}
+    params.update(_passed_through(kwargs))
+    return _copy_call("vm.snapshot_delete", params, test)
+
+
+def export(name, timeout_s=None, requires=None, test=None, **kwargs):
+    """
+    Write VM ``name``'s spec and disks to a new backup directory in vmhostd's ``paths.backups``
+    (``vm.export``; running or stopped, docs/backup.md).
+
+    timeout_s
+        longest the copy may take (the daemon's default: 3600). The call waits that long plus
+        ``vmhost:timeout``.
+    requires
+        ``frozen``: refused (4094) rather than a crash-consistent copy.
+    test
+        True: return the request and send nothing.
+
+    Other keyword arguments (e.g. the backup options of a newer vmhostd) are sent as params as
+    given; vmhostd checks them. Returns ``{backup, path, manifest}``: ``backup`` is what
+    ``vmhost.import`` takes.
+
+    CLI Example: ``salt hv1 vmhost.export sensor1 requires=frozen``
+    """
+    params = {"name": name}
+    if timeout_s not in (None, ""):
+        params["timeout_s"] = timeout_s
+    if requires not in (None, ""):
+        params["requires"] = requires
+    params.update(_passed_through(kwargs))
+    return _copy_call("vm.export", params, test)
+
+
+def import_(backup, name=None, state=None, test=None, **kwargs):
+    """
+    Make a VM from backup ``backup`` (a directory name in vmhostd's ``paths.backups``, what
+    ``vmhost.export`` returned as ``backup``) (``vm.import``). Called as ``vmhost.import``.
+
+    backup
+        the backup directory's name.
+    name
+        the new VM's name (default: the exported VM's); a VM of that name must not exist (2001
+        on ``name``).
+    state
+        ``running`` or ``stopped`` (default: the exported spec's).
+    test
+        True: return the request and send nothing.
+
+    Other keyword arguments are sent as params as given. The call waits
+    ``vmhost:import_timeout`` seconds (default 21600: whole disk files are copied and hashed).
+    Returns ``vm.create``'s mutation ``{changed, vm}``. A file whose sha256 is not the
+    manifest's is 2003 on ``backup`` (``details.file``), and nothing is left.
+
+    CLI Example: ``salt hv1 vmhost.import sensor1-20261204T141502Z name=sensor1-copy state=stopped``
+    """
+    params = {"backup": str(backup)}
+    if name not in (None, ""):
+        params["name"] = name
+    if state not in (None, ""):
+        params["state"] = state
+    params.update(_passed_through(kwargs))
+    if _test_mode(test):
+        return {"test": True, "method": "vm.import", "params": params}
+    return _call("vm.import", params, timeout=float(_option("import_timeout", DEFAULT_BACKUP_IMPORT_TIMEOUT)))

@@ -37,6 +37,11 @@ The images VMs boot from (``boot.image``) are declared the same way, verified by
       vmhost.image_present:
         - sha256: 6a3f...e1
         - source: https://cloud.debian.org/images/cloud/bookworm/latest/debian-12-genericcloud-amd64.qcow2
+
+A VM's named snapshots are declared with ``vmhost.snapshot_present`` and
+``vmhost.snapshot_absent`` (``vm.snapshot``, ``vm.snapshot_delete``); reverting, exporting and
+importing are actions, the execution module's ``vmhost.revert``, ``vmhost.export`` and
+``vmhost.import``.
 """
 
 import contextlib
@@ -546,6 +551,105 @@ def image_absent(name):
         return ret
     ret["changes"] = {"old": _image_summary(current) or {"name": name}, "new": None}
     ret["comment"] = f"image {name} deleted"
+    return ret
+
+
+# --- vmhost.snapshot_present / vmhost.snapshot_absent: a VM's named snapshots ---
+
+
+def _snapshot(vm, snapshot):
+    """VM's snapshot of that name as ``vm.snapshots`` lists it, or None (also when there is no
+    such VM: a VM that does not exist has no snapshots)."""
+    try:
+        listed = __salt__["vmhost.snapshots"](vm)
+    except CommandExecutionError as exc:
+        if getattr(exc, "code", None) == NOT_FOUND:
+            return None
+        raise
+    for view in listed or []:
+        if isinstance(view, dict) and view.get("name") == snapshot:
+            return view
+    return None
+
+
+def _snapshot_summary(view):
+    """What the changes show of a snapshot."""
+    return {k: view.get(k) for k in ("name", "created_at", "live", "consistency", "reason") if k in view}
+
+
+def snapshot_present(name, vm, snapshot=None, requires=None, timeout_s=None):
+    """
+    VM ``vm`` has a snapshot named ``snapshot`` (default: the state's name), taken
+    (``vm.snapshot``, running or stopped) when it has none. An existing snapshot is never
+    retaken or compared: it is what the disks were when it was taken. Putting the VM back is an
+    action, ``vmhost.revert`` of the execution module.
+
+    requires
+        ``frozen``: vmhostd refuses (4094) rather than take a crash-consistent snapshot, and
+        the state fails with its reason.
+    timeout_s
+        longest the copy may take (the daemon's default: 3600).
+
+    Under ``test=True`` the prediction comes from ``vm.snapshots``.
+
+    .. code-block:: yaml
+
+        before-upgrade:
+          vmhost.snapshot_present:
+            - vm: sensor1
+            - requires: frozen
+    """
+    ret = _ret(name)
+    snapshot = str(name if snapshot in (None, "") else snapshot)
+    try:
+        if _snapshot(vm, snapshot) is not None:
+            ret["comment"] = f"VM {vm} has snapshot {snapshot}"
+            return ret
+        if __opts__.get("test"):
+            ret["result"] = None
+            ret["changes"] = {"old": None, "new": {"name": snapshot}}
+            ret["comment"] = f"snapshot {snapshot} of VM {vm} would be taken"
+            return ret
+        view = __salt__["vmhost.snapshot"](vm, snapshot, timeout_s=timeout_s, requires=requires, test=False)
+    except CommandExecutionError as exc:
+        ret["result"] = False
+        ret["comment"] = str(exc)
+        return ret
+    ret["changes"] = {"old": None, "new": _snapshot_summary(view if isinstance(view, dict) else {})}
+    ret["comment"] = f"snapshot {snapshot} of VM {vm} taken"
+    if isinstance(view, dict) and view.get("consistency"):
+        ret["comment"] += f" ({view['consistency']})"
+    return ret
+
+
+def snapshot_absent(name, vm, snapshot=None):
+    """
+    VM ``vm`` has no snapshot named ``snapshot`` (default: the state's name): deleted
+    (``vm.snapshot_delete``) when it has one. A VM that does not exist has none. Under
+    ``test=True`` the prediction comes from ``vm.snapshots``.
+    """
+    ret = _ret(name)
+    snapshot = str(name if snapshot in (None, "") else snapshot)
+    try:
+        current = _snapshot(vm, snapshot)
+        if current is None:
+            ret["comment"] = f"VM {vm} has no snapshot {snapshot}"
+            return ret
+        if __opts__.get("test"):
+            ret["result"] = None
+            ret["changes"] = {"old": _snapshot_summary(current), "new": None}
+            ret["comment"] = f"snapshot {snapshot} of VM {vm} would be deleted"
+            return ret
+        result = __salt__["vmhost.snapshot_delete"](vm, snapshot, test=False)
+    except CommandExecutionError as exc:
+        ret["result"] = False
+        ret["comment"] = str(exc)
+        return ret
+    if not (isinstance(result, dict) and result.get("changed")):
+        ret["comment"] = f"VM {vm} has no snapshot {snapshot}"
+        return ret
+    ret["changes"] = {"old": _snapshot_summary(current), "new": None}
+    ret["comment"] = f"snapshot {snapshot} of VM {vm} deleted"
     return ret
 
 
