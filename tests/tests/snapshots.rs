@@ -1,7 +1,7 @@
 //! Snapshots (docs/snapshots.md): a running guest's data disk snapshotted with a marker, the
 //! marker overwritten, the VM stopped and reverted: the guest reads the first marker again; an
 //! image VM's overlay snapshotted while stopped, overwritten so it no longer boots, reverted and
-//! booting again; a tampered snapshot refused with the VM's disks untouched; a destroy removes
+//! booting again; a tampered copy refused with the VM's disks untouched; a destroy removes
 //! the snapshots. Consistency: a guest without an agent is snapshotted `crash` (and refused with
 //! 4094 under `requires: "frozen"`, nothing left), one whose agent has nothing to freeze or
 //! skips a vfat it cannot freeze too, one with only an ext4 mounted `frozen`; exports the same.
@@ -186,7 +186,7 @@ fn a_guest_reads_its_first_marker_again_after_a_revert_of_a_live_snapshot() {
 }
 
 #[test]
-fn an_image_vms_overlay_is_put_back_and_a_tampered_snapshot_changes_nothing() {
+fn an_image_vms_overlay_is_put_back_and_a_replace_leaves_its_snapshot_unrevertable() {
     let host = host();
     boot_sector::write_image(&host.images().join("base.raw"), &boot_sector::serial_print("VMHOST-SNAP-BOOT"));
     let spec = json!({"name": "web", "cpu": 1, "memory_mib": 64, "boot": {"image": "base.raw", "disk_gib": 1}});
