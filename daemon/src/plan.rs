@@ -186,6 +186,8 @@ pub fn live_disk_changes<'a>(current: &'a VmSpec, desired: &'a VmSpec) -> Option
     for (a, b) in old_kept.iter().zip(&new_kept) {
         let mut resized = (*a).clone();
         resized.size_gib = b.size_gib;
+        // Only vm.snapshot and vm.revert read it: QEMU has nothing to change.
+        resized.snapshot = b.snapshot;
         if resized != **b || b.size_gib < a.size_gib {
             return None;
         }
@@ -852,6 +854,10 @@ mod tests {
             other => panic!("expected a change in place, got {other:?}"),
         };
         assert!(!restarts(classify(&one, &grown).unwrap()), "a larger disk grows live");
+        let mut left_out = one.clone();
+        left_out.disks[0].snapshot = false;
+        assert!(!restarts(classify(&one, &left_out).unwrap()), "snapshot: false changes in place, live");
+        assert!(live_disk_changes(&one, &left_out).unwrap().is_empty());
         assert_eq!(
             live_disk_changes(&one, &grown)
                 .unwrap()

@@ -643,6 +643,7 @@ reserved_memory_gib = 4
             cache: crate::api::DiskCache::None,
             aio: None,
             keep_on_destroy: false,
+            snapshot: true,
         }
     }
 
@@ -889,6 +890,7 @@ reserved_memory_gib = 4
             cache: Default::default(),
             aio: None,
             keep_on_destroy: false,
+            snapshot: true,
         }];
         assert_eq!(err(&s), (2001, "spec.disks[0].name".into()));
         s.boot = BootSpec { image: Some("b.qcow2".into()), disk_gib: Some(1), ..BootSpec::default() };

@@ -6,7 +6,8 @@
 //! leaves nothing on the destination and the VM as it was on the source; so is a qcow2 disk
 //! whose header names a host file as its backing file, and a disk larger than its spec allows
 //! (refused from the announcement, before a byte is written). Snapshots move with the VM; a
-//! VM whose revert is unfinished is refused.
+//! VM whose revert is unfinished is refused. Internal snapshots (qcow2 disks) refuse a live move
+//! and go with a cold one inside the disk files.
 
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -403,4 +404,61 @@ fn a_file_larger_than_its_spec_allows_is_refused_before_anything_is_written() {
     assert_eq!(v["status"], "stopped", "{v}");
     assert!(v.get("migration").is_none_or(Value::is_null), "{v}");
     assert_eq!(disk_mark(&disk), "VMHOSTMARK:big-mark");
+}
+
+/// The first marker of the qcow2 disk `path` (converted to raw by `qemu-img`, sparse).
+fn qcow2_mark(path: &std::path::Path) -> String {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let raw = dir.path().join("disk.raw");
+    let st = std::process::Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(path)
+        .arg(&raw)
+        .status()
+        .expect("run qemu-img");
+    assert!(st.success(), "qemu-img convert {}", path.display());
+    disk_mark(&raw)
+}
+
+/// A snapshot that keeps a qcow2 disk inside its file (an internal snapshot) refuses a live
+/// move (4090 on `name`, before the destination is asked) and goes with a cold move inside the
+/// disk file: the destination's disk holds the tag and a revert there brings the marker back.
+#[test]
+fn internal_snapshots_refuse_a_live_move_and_go_with_a_cold_one_inside_the_disk() {
+    let pair = Pair::start(PairOptions::default());
+    let name = "inmove";
+    let mut spec = pair.spec(name, 256, "first", false);
+    spec["disks"].as_array_mut().expect("disks").push(json!({ "name": "logs", "size_gib": 1 }));
+    let cmdline = format!("{} vmhost.writemark=logs:first", spec["boot"]["cmdline"].as_str().expect("cmdline"));
+    spec["boot"]["cmdline"] = json!(cmdline);
+    pair.create(0, &spec);
+    let s = pair.hosts[0].call("vm.snapshot", json!({ "name": name, "snapshot": "older" }));
+    assert_eq!(s["internal"][0]["name"], "logs", "{s}");
+    let tag = s["internal"][0]["tag"].as_str().expect("tag").to_string();
+
+    let (code, e) = pair.hosts[0]
+        .call_err("vm.migrate", json!({ "name": name, "destination": ADDRS[1], "secret": "00".repeat(32) }));
+    assert_eq!((code, e.field.as_deref()), (4090, Some("name")), "{e:?}");
+    assert!(e.message.contains("vm.move"), "{e:?}");
+    assert_eq!(status(&pair, 0, name).expect("vm")["status"], "running");
+
+    pair.hosts[0].call("vm.stop", json!({ "name": name }));
+    let logs = pair.hosts[0].state().join("disks").join(name).join("logs.qcow2");
+    assert_eq!(qcow2_mark(&logs), "VMHOSTMARK:first");
+    let st = std::process::Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", "write -P 0x41 0 512"])
+        .arg(&logs)
+        .status()
+        .expect("qemu-io");
+    assert!(st.success());
+    assert_ne!(qcow2_mark(&logs), "VMHOSTMARK:first");
+
+    let out = move_ctl(&pair, name, &[]);
+    ctl_ok(&pair, &out, "vmhostctl move of a VM with internal snapshots");
+    assert_eq!(snapshot_names(&pair, 1, name), ["older"]);
+    let dest = pair.hosts[1].state().join("disks").join(name).join("logs.qcow2");
+    let info = std::process::Command::new("qemu-img").args(["info", "-U"]).arg(&dest).output().expect("qemu-img");
+    assert!(String::from_utf8_lossy(&info.stdout).contains(&tag), "{info:?}");
+    pair.hosts[1].call("vm.revert", json!({ "name": name, "snapshot": "older" }));
+    assert_eq!(qcow2_mark(&dest), "VMHOSTMARK:first", "the internal snapshot moved inside the disk");
 }

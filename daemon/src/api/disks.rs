@@ -38,6 +38,11 @@ pub struct DataDiskSpec {
     /// create of a VM of the same name with a disk of the same name and format takes it back.
     #[serde(default, skip_serializing_if = "is_false")]
     pub keep_on_destroy: bool,
+    /// `false`: `vm.snapshot` leaves the disk out and `vm.revert` leaves it as it is (a disk of
+    /// captured traffic that must outlive a revert of the system). Changeable in place; left out
+    /// of views when true.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub snapshot: bool,
 }
 
 impl DataDiskSpec {
@@ -58,6 +63,14 @@ impl DataDiskSpec {
 
 fn is_false(b: &bool) -> bool {
     !b
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A data disk's file format.

@@ -1,7 +1,7 @@
 //! `vm.snapshot`, `vm.snapshots`, `vm.revert`, `vm.snapshot_delete`'s wire types
 //! (docs/snapshots.md).
 
-use super::disks::BackupDisk;
+use super::disks::{BackupDisk, DiskRole};
 use super::VmSpec;
 use serde::{Deserialize, Serialize};
 
@@ -145,9 +145,68 @@ pub struct Snapshot {
     pub instance_id: Option<String>,
     /// The VM's spec then: a revert needs the same disks.
     pub spec: VmSpec,
-    /// Each disk's copy: `root` (an image VM's overlay, whose header names the same base image,
-    /// or a `boot.disk` VM's root disk) and the data disks.
+    /// The disks kept as copies (kind `copy`): `root` (an image VM's overlay, whose header names
+    /// the same base image, or a `boot.disk` VM's root disk) and the data disks. Before vmhostd
+    /// kept qcow2 disks' snapshots inside their files every disk was here; now only raw ones.
     pub disks: Vec<BackupDisk>,
+    /// The snapshot's random id (8 hex digits): its tags are `vmhost-NAME-ID`, so a tag a crash
+    /// left is never taken for a later snapshot of the same name. Absent in older snapshots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// The disks kept inside their own qcow2 files (kind `internal`): an internal snapshot,
+    /// taken in constant time, its blocks shared with the disk until the guest overwrites them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub internal: Vec<InternalDisk>,
+    /// Data disks with `snapshot: false`: neither kept nor put back by a revert.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub excluded: Vec<String>,
+    /// A UEFI VM's variables store (boot entries, Secure Boot keys): a copy, put back by a revert.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uefi_vars: Option<VarsCopy>,
+}
+
+/// How a snapshot keeps a disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SnapshotKind {
+    /// A qcow2 internal snapshot inside the disk's own file.
+    Internal,
+    /// A whole copy of the disk's file in the snapshot's directory (raw disks: no internal
+    /// snapshots).
+    Copy,
+}
+
+/// One disk of a snapshot kept inside its own qcow2 file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InternalDisk {
+    /// Root or data.
+    pub role: DiskRole,
+    /// `root`, or the data disk's name.
+    pub name: String,
+    /// Always `internal` (the copies are [`Snapshot::disks`]).
+    pub kind: SnapshotKind,
+    /// The internal snapshot's tag in the disk's file: `vmhost-NAME-ID`.
+    pub tag: String,
+}
+
+/// The copy of a UEFI VM's variables store in a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VarsCopy {
+    /// The file in the snapshot's directory (`uefi-vars.fd`).
+    pub file: String,
+    /// Its length in bytes.
+    pub bytes: u64,
+    /// Its sha256, lower-case hex.
+    pub sha256: String,
+}
+
+impl Snapshot {
+    /// Every tag the snapshot's disks hold.
+    pub fn tags(&self) -> Vec<&str> {
+        self.internal.iter().map(|d| d.tag.as_str()).collect()
+    }
 }
 
 /// Result of `vm.snapshot_delete`.

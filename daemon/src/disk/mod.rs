@@ -24,6 +24,7 @@ pub mod bitmaps;
 pub mod data;
 pub mod export;
 pub mod import;
+pub mod internal_snapshots;
 pub mod offline_qemu;
 pub mod reserve;
 pub mod space;

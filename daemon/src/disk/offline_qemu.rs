@@ -328,6 +328,36 @@ impl Session {
         self.wait_job_within(&job, within).await
     }
 
+    /// Opens image input `i` as a read-write qcow2 node `image{i}` (its backing file never
+    /// opened: internal snapshots and bitmaps live in the file itself); returns the node name.
+    ///
+    /// # Errors
+    /// [`DiskError::Tool`] if QEMU cannot open it as qcow2.
+    pub async fn open_qcow2(&mut self, i: usize) -> Result<String, DiskError> {
+        let file = self.file_node(i).await?;
+        let node = format!("image{i}");
+        let add = json!({ "driver": "qcow2", "node-name": node, "file": file, "backing": null });
+        self.call("blockdev-add", Some(add)).await?;
+        self.nodes.push(node.clone());
+        Ok(node)
+    }
+
+    /// Runs QMP `command` (for [`super::internal_snapshots`]).
+    ///
+    /// # Errors
+    /// [`DiskError::Tool`] with QEMU's answer.
+    pub async fn execute(&mut self, command: &str, arguments: Option<Value>) -> Result<Value, DiskError> {
+        self.call(command, arguments).await
+    }
+
+    /// Waits for job `id` to conclude and dismisses it ([`Session::wait_job`]).
+    ///
+    /// # Errors
+    /// [`DiskError::Tool`] with the job's error.
+    pub async fn run_job(&mut self, id: &str) -> Result<(), DiskError> {
+        self.wait_job(id).await
+    }
+
     /// Quits QEMU and waits for it; anything added is closed and flushed by QEMU on the way.
     ///
     /// # Errors
@@ -426,16 +456,9 @@ impl Session {
 }
 
 /// Raw steps for callers that compose their own QMP (incremental backups,
-/// [`super::bitmaps`]): a command, a job's wait, an input's `/dev/fdset` path.
+/// [`super::bitmaps`]): a job's wait within a time, an input's `/dev/fdset` path
+/// ([`Session::execute`] runs a command).
 impl Session {
-    /// Runs QMP `command`; a failure becomes [`DiskError::Tool`] with QEMU's stderr.
-    ///
-    /// # Errors
-    /// As [`Session::call`].
-    pub(crate) async fn execute(&mut self, command: &str, arguments: Option<Value>) -> Result<Value, DiskError> {
-        self.call(command, arguments).await
-    }
-
     /// Waits up to `within` for job `id` to conclude, then dismisses it.
     ///
     /// # Errors

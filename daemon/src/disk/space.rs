@@ -215,6 +215,7 @@ mod tests {
                 cache: DiskCache::None,
                 aio: None,
                 keep_on_destroy: false,
+                snapshot: true,
             })
             .collect();
         s

@@ -201,28 +201,15 @@ pub(super) fn check_requires(
 }
 
 impl VmOp {
-    /// Copies the VM's disks into `targets` (module doc); `step` names the operation in
-    /// errors. Returns what the copy is.
+    /// Copies the VM's disks into `targets` (module doc), with `extras` in the transaction that
+    /// starts the copies (an incremental backup's bitmaps, [`crate::disk::bitmaps`]; a
+    /// snapshot's internal snapshots, [`crate::disk::internal_snapshots`]): all at the same
+    /// instant or none. `step` names the operation in errors. Returns what the copy is.
     ///
     /// # Errors
     /// 4001 with `step`; 4094 when `requires` is `frozen` and the guest's file systems were not
     /// all frozen (no copy was started; the caller removes the targets).
     pub(super) async fn copy_disks_live(
-        &self,
-        targets: &mut [Target],
-        within: Duration,
-        requires: Option<Requirement>,
-        step: &str,
-    ) -> Result<CopyConsistency, ApiError> {
-        self.copy_disks_live_with(targets, within, requires, step, &crate::disk::export::Extras::default()).await
-    }
-
-    /// [`VmOp::copy_disks_live`] with `extras` in the transaction that starts the copies (an
-    /// incremental backup's bitmaps, [`crate::disk::bitmaps`]).
-    ///
-    /// # Errors
-    /// As [`VmOp::copy_disks_live`].
-    pub(super) async fn copy_disks_live_with(
         &self,
         targets: &mut [Target],
         within: Duration,

@@ -115,6 +115,7 @@ fn as_disk(format: DiskFormat, size_gib: u64) -> DataDiskSpec {
         cache: Default::default(),
         aio: None,
         keep_on_destroy: false,
+        snapshot: true,
     }
 }
 

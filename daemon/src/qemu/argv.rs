@@ -750,6 +750,7 @@ mod tests {
             cache: DiskCache::None,
             aio: None,
             keep_on_destroy: false,
+            snapshot: true,
         }];
         let v = validate_spec(&s, &c).unwrap();
         assert_eq!(before_exec(&v)[7..], [PassedFd::DataDisk(0), PassedFd::DataDiskRo(0), PassedFd::Seed]);
@@ -828,6 +829,7 @@ mod tests {
             cache,
             aio: None,
             keep_on_destroy: false,
+            snapshot: true,
         };
         s.disks =
             vec![disk("nsm", DiskFormat::Raw, DiskCache::None), disk("logs", DiskFormat::Qcow2, DiskCache::Writeback)];

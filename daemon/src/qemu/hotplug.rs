@@ -342,6 +342,7 @@ mod tests {
             cache,
             aio: None,
             keep_on_destroy: false,
+            snapshot: true,
         }
     }
 

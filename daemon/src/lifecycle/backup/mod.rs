@@ -482,7 +482,7 @@ impl VmOp {
             });
             extras.bitmaps.push(None);
         }
-        let made = self.copy_disks_live_with(&mut live, within, requires, "export", &extras).await?;
+        let made = self.copy_disks_live(&mut live, within, requires, "export", &extras).await?;
         for (e, t) in entries.iter_mut().zip(&live) {
             e.virtual_size = t.virtual_size;
         }

@@ -301,7 +301,8 @@ pub(super) async fn receive_snapshot_file(
         let bytes =
             crate::blocking::run(|| std::fs::read(&json)).map_err(|e| failed(format!("{}: {e}", json.display())))?;
         let record = plan::check_snapshot_record(snapshot, &bytes, announced)?;
-        let left = record.disks.iter().map(|d| d.file.clone()).collect();
+        let left = record.disks.iter().map(|d| d.file.clone()).chain(record.uefi_vars.iter().map(|v| v.file.clone()));
+        let left = left.collect();
         arriving.push((snapshot.to_string(), Arriving { record, partial, left }));
         tracing::info!(file = %header.name, bytes = done.bytes, sha256 = %done.sha256, "received");
     } else {
@@ -312,15 +313,19 @@ pub(super) async fn receive_snapshot_file(
             return Err(failed(format!("snapshot {snapshot:?}: {file:?} is not one of its copies, or came twice")));
         };
         a.left.swap_remove(at);
-        let Some(disk) = a.record.disks.iter().find(|d| d.file == file) else {
-            return Err(failed(format!("snapshot {snapshot:?}: {file:?} is not one of its copies")));
+        // A copy of a disk, or of a UEFI VM's variables store (raw, no image to inspect).
+        let disk = a.record.disks.iter().find(|d| d.file == file);
+        let sha256 = match (disk, &a.record.uefi_vars) {
+            (Some(d), _) => d.sha256.clone(),
+            (None, Some(v)) if v.file == file => v.sha256.clone(),
+            _ => return Err(failed(format!("snapshot {snapshot:?}: {file:?} is not one of its copies"))),
         };
         let path = a.partial.join(file);
         let done =
             rx.receive_within(header, &path, written_bound(announced, &header.name)).await.map_err(ApiError::from)?;
         // The channel's trailer vouches for the bytes sent; the record says which bytes the
         // snapshot took: a copy changed on the source since is not this snapshot's.
-        if disk.sha256 != done.sha256 {
+        if sha256 != done.sha256 {
             let _ = crate::blocking::run(|| std::fs::remove_file(&path));
             return Err(ApiError::new(
                 Code::ChecksumMismatch,
@@ -328,7 +333,7 @@ pub(super) async fn receive_snapshot_file(
             )
             .field("files"));
         }
-        if disk.format == crate::api::DiskFormat::Qcow2 {
+        if let Some(disk) = disk.filter(|d| d.format == crate::api::DiskFormat::Qcow2) {
             // A root copy of an image VM is an overlay naming its base image, as the VM's own.
             let overlay = disk.role == crate::api::disks::DiskRole::Root && a.record.spec.boot.image.is_some();
             check_received(tool, &path, overlay).await?;

@@ -124,6 +124,8 @@ pub(crate) async fn migrate(mgr: &Arc<Manager>, p: MigrateParams) -> Result<Migr
         check_movable(&rec)?;
         // Half-reverted disks must not travel (a running VM has none; the record decides).
         super::super::snapshots::check_not_reverting(&rec)?;
+        // Internal snapshots live in the disk files, which a live move does not copy.
+        super::super::snapshots::check_no_internal(mgr, &p.name)?;
         if op.find_live(rec.process.as_ref())?.is_none() {
             return Err(not_movable("status", format!("VM {:?} has no running QEMU", p.name)));
         }

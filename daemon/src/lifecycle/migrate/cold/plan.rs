@@ -357,6 +357,17 @@ pub(crate) fn check_snapshot_record(
         }
         expected.push(d.file.clone());
     }
+    if let Some(v) = &s.uefi_vars {
+        // The variables store's copy: always this name, as long as the record says.
+        if v.file != "uefi-vars.fd" || v.bytes > UEFI_VARS_MAX {
+            return Err(bad(format!("names the variables store's copy {:?}", v.file)));
+        }
+        let announced = files.iter().find(|f| f.name == snapshot_wire_name(snapshot, &v.file)).map(|f| f.bytes);
+        if announced != Some(v.bytes) {
+            return Err(bad(format!("gives {} {} bytes; {announced:?} were announced", v.file, v.bytes)));
+        }
+        expected.push(v.file.clone());
+    }
     let prefix = snapshot_wire_name(snapshot, "");
     let mut announced: Vec<&str> = files.iter().filter_map(|f| f.name.strip_prefix(prefix.as_str())).collect();
     announced.sort_unstable();
@@ -502,6 +513,7 @@ mod tests {
             cache: Default::default(),
             aio: None,
             keep_on_destroy: false,
+            snapshot: true,
         }
     }
 
@@ -716,6 +728,10 @@ mod tests {
                 disk(DiskRole::Root, "root", DiskFormat::Qcow2, 3 << 20, 2 * GIB),
                 disk(DiskRole::Data, "logs", DiskFormat::Raw, GIB, GIB),
             ],
+            id: None,
+            internal: Vec::new(),
+            excluded: Vec::new(),
+            uefi_vars: None,
         };
         let files = vec![
             file(&format!("snapshot:{name}/snapshot.json"), 100),
@@ -740,6 +756,20 @@ mod tests {
         extra["path"] = serde_json::json!("/etc");
         assert!(check_snapshot_record("s1", &serde_json::to_vec(&extra).unwrap(), &files).is_err());
         assert!(check_snapshot_record("s1", b"{", &files).is_err());
+        // A UEFI VM's variables store's copy: announced with the record's length, or refused.
+        let mut uefi = s.clone();
+        uefi.uefi_vars = Some(crate::api::snapshots::VarsCopy {
+            file: "uefi-vars.fd".into(),
+            bytes: 540_672,
+            sha256: "cd".repeat(32),
+        });
+        assert!(matches!(refused(&uefi, &files), AnnounceError::Record { .. }), "not announced");
+        let mut with_vars = files.clone();
+        with_vars.push(file("snapshot:s1/uefi-vars.fd", 540_672));
+        assert_eq!(check_snapshot_record("s1", &json(&uefi), &with_vars), Ok(uefi.clone()));
+        let mut renamed = uefi.clone();
+        renamed.uefi_vars.as_mut().unwrap().file = "../x".into();
+        assert!(matches!(refused(&renamed, &with_vars), AnnounceError::Record { .. }));
         // A copy named as a path, or not as its disk.
         for bad in ["../../x", "logs.qcow2", "other.raw", ".logs.raw"] {
             let mut t = s.clone();
