@@ -84,18 +84,26 @@ module FakeVmLogic
   end
 
   # Members vmhostd leaves out of a recorded spec while they have their default.
-  DEFAULTS = { 'guest_exec' => true, 'cpu_policy' => 'shared', 'emulator_cpu' => false }.freeze
+  DEFAULTS = { 'guest_exec' => true, 'cpu_policy' => 'shared', 'emulator_cpu' => false, 'tpm' => false }.freeze
 
   # A NIC's members vmhostd leaves out of a recorded spec while they have their default.
   NIC_DEFAULTS = { 'queues' => 1, 'mode' => 'bridge', 'trunk' => false }.freeze
 
   # As vmhostd records a spec: members at their default left out (a NIC's too, and its empty
-  # `vlans`), `ssh.user` filled in.
+  # `vlans`; `boot.secure_boot` false, a disk's `snapshot` true), `ssh.user` filled in.
   def echoed(spec)
     spec = spec.reject { |k, v| DEFAULTS.key?(k) && DEFAULTS[k] == v }
+    echoed_nested(spec)
     spec['ssh'] = { 'user' => 'vmhost' }.merge(spec['ssh']) if spec['ssh'].is_a?(Hash)
     spec['nics'] = spec['nics'].map { |n| echoed_nic(n) } if spec['nics'].is_a?(Array)
     spec
+  end
+
+  def echoed_nested(spec)
+    spec['boot'] = spec['boot'].reject { |k, v| k == 'secure_boot' && v == false } if spec['boot'].is_a?(Hash)
+    return unless spec['disks'].is_a?(Array)
+
+    spec['disks'] = spec['disks'].map { |d| d.is_a?(Hash) ? d.reject { |k, v| k == 'snapshot' && v == true } : d }
   end
 
   def echoed_nic(nic)

@@ -184,6 +184,24 @@ class TestBackupFunctions < Minitest::Test
     assert_equal %w[vm.snapshots vm.revert vm.export vm.import vm.export], @fake.methods_called
   end
 
+  def test_backups_prune_sends_name_and_keep
+    @answers['vm.backups_prune'] = echo
+    got = evaluate("vmhost::backups_prune('web', 3, { socket => $socket })")
+    assert_equal({ 'name' => 'web', 'keep' => 3 }, got['params'])
+    # Options pass through; they never override the required params.
+    got = evaluate("vmhost::backups_prune('web', 2, { socket => $socket, keep => 9, dry => true })")
+    assert_equal({ 'name' => 'web', 'keep' => 2, 'dry' => true }, got['params'])
+    @answers['vm.backups_prune'] = ->(_) { err(2001, 'keep must be at least 1', 'keep', 'invalid_spec') }
+    e = assert_raises(StandardError) { evaluate("vmhost::backups_prune('web', 0, { socket => $socket })") }
+    assert_includes e.message,
+                    'vmhost::backups_prune: vmhostd refused vm.backups_prune: error 2001 (invalid_spec) on field keep'
+    assert_equal %w[vm.backups_prune vm.backups_prune vm.backups_prune], @fake.methods_called
+    Puppet[:noop] = true
+    got = evaluate("vmhost::backups_prune('web', 1, { socket => $socket })")
+    assert_equal({ 'noop' => true, 'method' => 'vm.backups_prune', 'params' => { 'name' => 'web', 'keep' => 1 } }, got)
+    assert_empty @fake.request_list
+  end
+
   def test_noop_sends_nothing
     Puppet[:noop] = true
     got = evaluate("vmhost::revert('web', 'old', { socket => $socket })")
@@ -208,6 +226,7 @@ class TestBackupFunctions < Minitest::Test
     assert_equal 300 + 3600, backup.wait('vm.snapshot', { 'timeout_s' => 'soon' })
     assert_equal 300, backup.wait('vm.snapshot_delete', {})
     assert_equal 6 * 3600, backup.wait('vm.import', {})
+    assert_equal 6 * 3600, backup.wait('vm.backups_prune', { 'keep' => 1 })
   end
 end
 
@@ -240,7 +259,9 @@ class TestTasks < Minitest::Test
                    ['vm.export', { 'name' => 'web', 'incremental' => true }]],
       'import' => [{ 'backup' => 'b', 'name' => 'w2', 'state' => 'stopped', '_task' => 'vmhost::import',
                      '_installdir' => '/tmp/x' },
-                   ['vm.import', { 'backup' => 'b', 'name' => 'w2', 'state' => 'stopped' }]]
+                   ['vm.import', { 'backup' => 'b', 'name' => 'w2', 'state' => 'stopped' }]],
+      'backups_prune' => [{ 'vm' => 'web', 'keep' => 2, '_task' => 'vmhost::backups_prune' },
+                          ['vm.backups_prune', { 'name' => 'web', 'keep' => 2 }]]
     }
     cases.each do |task, (input, expected)|
       assert_equal expected, PuppetX::Vmhost::Task.request(task, input), task
@@ -260,5 +281,15 @@ class TestTasks < Minitest::Test
     code, out = run_task('export', { 'vm' => 'web', '_noop' => true })
     assert_equal [0, true, 'vm.export'], [code, out['noop'], out['method']]
     assert_equal %w[vm.snapshot vm.snapshot], @fake.methods_called
+  end
+
+  def test_backups_prune_answers_the_daemons_result_and_needs_keep
+    answer = { 'removed' => ['web-1'], 'merged' => [], 'kept' => ['web-2'] }
+    @answers['vm.backups_prune'] = ->(_) { { 'result' => answer } }
+    code, out = run_task('backups_prune', { 'vm' => 'web', 'keep' => 1 })
+    assert_equal [0, ['web-1'], ['web-2']], [code, out['result']['removed'], out['result']['kept']]
+    assert_equal({ 'name' => 'web', 'keep' => 1 }, @fake.request_list.first['params'])
+    code, out = run_task('backups_prune', { 'vm' => 'web' })
+    assert_equal [1, 'parameter keep is required'], [code, out['_error']['msg']]
   end
 end

@@ -214,3 +214,45 @@ class TestSpec < Minitest::Test
     assert_nil Spec.attribute_for_field(nil)
   end
 end
+
+# tpm, boot.secure_boot (and firmware bios) and a disk's snapshot: declared at their default
+# they compare equal to the daemon's view that leaves them out.
+class TestSpecDefaults < Minitest::Test
+  Spec = PuppetX::Vmhost::Spec
+  MUNGED_TRUE = :true # rubocop:disable Lint/BooleanSymbol
+  MUNGED_FALSE = :false # rubocop:disable Lint/BooleanSymbol
+
+  def test_tpm_left_out_by_the_daemon_is_false_and_is_sent_as_a_boolean
+    assert_equal false, Spec.attribute_value({ 'name' => 'a' }, :tpm)
+    assert_equal true, Spec.attribute_value({ 'name' => 'a', 'tpm' => true }, :tpm)
+    assert Spec.same?(:tpm, :absent, MUNGED_FALSE)
+    assert Spec.same?(:tpm, false, MUNGED_FALSE)
+    refute Spec.same?(:tpm, :absent, MUNGED_TRUE)
+    assert Spec.same?(:tpm, true, MUNGED_TRUE)
+    assert_equal true, Spec.build('a', { 'name' => 'a' }, { tpm: MUNGED_TRUE }, nil)['tpm']
+    assert_equal false, Spec.build('a', { 'name' => 'a', 'tpm' => true }, { tpm: MUNGED_FALSE }, nil)['tpm']
+    assert_equal %w[tpm], Spec.drift({ 'name' => 'a' }, { 'name' => 'a', 'tpm' => true })
+    assert_equal 'tpm', Spec.attribute_for_field('spec.tpm')
+  end
+
+  def test_boot_members_at_their_default_compare_equal_to_the_view_without_them
+    view = { 'image' => 'base.qcow2', 'firmware' => 'uefi' }
+    assert Spec.same?(:boot, view, view.merge('secure_boot' => false))
+    assert Spec.same?(:boot, view, view.merge('secure_boot' => 'false'))
+    refute Spec.same?(:boot, view, view.merge('secure_boot' => true))
+    assert Spec.same?(:boot, view.merge('secure_boot' => true), view.merge('secure_boot' => true))
+    refute Spec.same?(:boot, view.merge('secure_boot' => true), view)
+    bios = { 'image' => 'base.qcow2' }
+    assert Spec.same?(:boot, bios, bios.merge('firmware' => 'bios', 'secure_boot' => false))
+    refute Spec.same?(:boot, bios, view)
+  end
+
+  def test_a_disk_in_snapshots_compares_equal_to_the_view_without_snapshot
+    disk = { 'name' => 'nsm', 'size_gib' => 5 }
+    assert Spec.same?(:disks, [disk], [disk.merge('snapshot' => true, 'size_gib' => '5')])
+    refute Spec.same?(:disks, [disk], [disk.merge('snapshot' => false)])
+    assert Spec.same?(:disks, [disk.merge('snapshot' => false)], [disk.merge('snapshot' => false)])
+    refute Spec.same?(:disks, [disk.merge('snapshot' => false)], [disk])
+    refute Spec.same?(:disks, [disk], [disk, { 'name' => 'b', 'size_gib' => 1, 'snapshot' => true }])
+  end
+end

@@ -229,8 +229,9 @@ Puppet::Type.newtype(:vmhost_vm) do
       host's `paths.import` as the VM's own root disk (docs/storage.md; never changed later).
       Any of them may add `'firmware' => 'uefi'` (OVMF, docs/images.md); leave it out for BIOS,
       the default, which vmhostd leaves out of the recorded spec. With `uefi`,
-      `'secure_boot' => true` turns Secure Boot on; leave it out when off (left out as recorded).
-      Compared as a whole. Required to create a VM.
+      `'secure_boot' => true` turns Secure Boot on. `'firmware' => 'bios'` and
+      `'secure_boot' => false` compare equal to a recorded spec without them.
+      Compared as a whole otherwise. Required to create a VM.
     DOC
     extend shape
 
@@ -274,7 +275,9 @@ Puppet::Type.newtype(:vmhost_vm) do
       The VM's data disks after its boot disk, in guest order (spec `disks`), an array of
       hashes `{ 'name' => 'nsm', 'size_gib' => 500, 'format' => 'raw', 'preallocate' => true,
       'keep_on_destroy' => true }` (optional members: `format` qcow2 or raw, `preallocate`,
-      `cache` none or writeback, `aio`, `keep_on_destroy`). A larger `size_gib` grows the disk
+      `cache` none or writeback, `aio`, `keep_on_destroy`, `snapshot`: `false` leaves the disk
+      out of the VM's snapshots; `true`, the default, compares equal to a recorded disk
+      without it). A larger `size_gib` grows the disk
       live; adding or dropping one restarts a running VM; a smaller size is refused (2001).
       Leave out members at their defaults (the daemon echoes none of them). `disks => []`
       declares a VM without data disks.
@@ -383,6 +386,22 @@ Puppet::Type.newtype(:vmhost_vm) do
 
     def insync?(is)
       PuppetX::Vmhost::Spec.same?(:emulator_cpu, is, should)
+    end
+  end
+
+  # :true / :false as for guest_exec (Puppet never syncs a should of `false`).
+  newproperty(:tpm) do
+    desc <<~DOC
+      Whether the guest gets a TPM 2.0 (spec `tpm`; swtpm on the host, its state kept until
+      the VM is destroyed). The host needs `qemu.swtpm` (else vmhostd's 2001 on `spec.tpm`);
+      a VM with it is not moved (`vm.move`, `vm.migrate`: 4097). Not declared: left as
+      recorded; a VM whose view has none is `false`. A change restarts a running VM.
+    DOC
+
+    newvalues('true', 'false')
+
+    def insync?(is)
+      PuppetX::Vmhost::Spec.same?(:tpm, is, should)
     end
   end
 

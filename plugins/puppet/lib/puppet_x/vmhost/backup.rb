@@ -5,8 +5,9 @@ require_relative 'client'
 module PuppetX
   module Vmhost
     # Snapshots and backups through vmhostd (vm.snapshots, vm.snapshot, vm.revert,
-    # vm.snapshot_delete, vm.export, vm.import): what the vmhost_snapshot provider, the
-    # functions vmhost::snapshots, vmhost::revert, vmhost::export and vmhost::import and the
+    # vm.snapshot_delete, vm.export, vm.import, vm.backups_prune): what the vmhost_snapshot
+    # provider, the functions vmhost::snapshots, vmhost::revert, vmhost::export,
+    # vmhost::import and vmhost::backups_prune and the
     # module's tasks call. Only the request is shaped here: every option but `socket` is sent
     # as a param as given (one this module does not know, such as one a newer vmhostd added,
     # included), and vmhostd checks them all.
@@ -17,8 +18,9 @@ module PuppetX
     module Backup
       # vm.snapshot's, vm.revert's and vm.export's own default for timeout_s.
       DEFAULT_COPY_TIMEOUT_S = 3600
-      # How long vm.import is waited for (it has no timeout of its own: whole disk files are
-      # copied out of the backup and hashed).
+      # How long vm.import and vm.backups_prune are waited for (they have no timeout of their
+      # own: whole disk files are copied out of backups and hashed, for a prune when it merges
+      # an increment into a full backup).
       IMPORT_TIMEOUT = 6 * 3600
       # Options that shape the client, never sent.
       CLIENT_OPTIONS = %w[socket].freeze
@@ -33,12 +35,12 @@ module PuppetX
         extra.merge(base)
       end
 
-      # Seconds to wait for METHOD's answer: vm.import IMPORT_TIMEOUT; a copy (vm.snapshot,
+      # Seconds to wait for METHOD's answer: vm.import and vm.backups_prune IMPORT_TIMEOUT; a copy (vm.snapshot,
       # vm.revert, vm.export) the client's mutating timeout plus its timeout_s (the daemon's
       # default when not given, or when it is not a whole number: the daemon then refuses it
       # at once); anything else the mutating timeout.
       def self.wait(method, params)
-        return IMPORT_TIMEOUT if method == 'vm.import'
+        return IMPORT_TIMEOUT if %w[vm.import vm.backups_prune].include?(method)
         return Client::MUTATING_TIMEOUT unless %w[vm.snapshot vm.revert vm.export].include?(method)
 
         bound = params['timeout_s']

@@ -2,6 +2,37 @@
 
 module PuppetX
   module Vmhost
+    # Members of the spec's nested objects that vmhostd leaves out of its views while they have
+    # their default, so a declared default compares equal to a view without it (no perpetual
+    # change). Used by Spec.comparable, for `nics`, `boot` and `disks`.
+    module SpecDefaults
+      # A NIC's members at the values they have when not given (`queues` 1, `mode` bridge,
+      # `trunk` false).
+      NIC = { 'queues' => 1, 'mode' => 'bridge', 'trunk' => false }.freeze
+
+      # `boot`'s members at the values they have when not given (`firmware` bios,
+      # `secure_boot` false).
+      BOOT = { 'firmware' => 'bios', 'secure_boot' => false }.freeze
+
+      # A data disk's members at the values they have when not given (`snapshot` true: the
+      # disk is in the VM's snapshots).
+      DISK = { 'snapshot' => true }.freeze
+
+      # HASH as vmhostd echoes it: the members of DEFAULTS left out at their default (a
+      # boolean default also matches 'true' / 'false' and :true / :false); anything but a hash
+      # unchanged.
+      def self.strip(hash, defaults)
+        return hash unless hash.is_a?(Hash)
+
+        hash.reject do |k, v|
+          next false unless defaults.key?(k)
+
+          default = defaults[k]
+          [true, false].include?(default) ? v.to_s == default.to_s : default == v
+        end
+      end
+    end
+
     # Turning declared attributes into a vmhostd spec and comparing them with the spec the
     # daemon echoes. The daemon leaves out unset members, empty lists and empty hardware
     # classes when it echoes a spec (docs/api.md, "The VM spec"), so both sides are normalised
@@ -25,15 +56,16 @@ module PuppetX
         cpu_policy: 'cpu_policy',
         numa: 'numa',
         hugepages: 'hugepages',
-        emulator_cpu: 'emulator_cpu'
+        emulator_cpu: 'emulator_cpu',
+        tpm: 'tpm'
       }.freeze
 
       # Members vmhostd leaves out of its views while they have their default: a VM whose view
       # lacks one has this value (docs/api.md, "The VM spec").
-      IMPLIED = { guest_exec: true, cpu_policy: 'shared', emulator_cpu: false }.freeze
+      IMPLIED = { guest_exec: true, cpu_policy: 'shared', emulator_cpu: false, tpm: false }.freeze
 
       # Members sent as JSON booleans: the type munges them to :true / :false.
-      BOOLEANS = %i[guest_exec emulator_cpu].freeze
+      BOOLEANS = %i[guest_exec emulator_cpu tpm].freeze
 
       # The account `ssh` gets when it names none: vmhostd fills it in and echoes it, so a
       # declared `ssh` without `user` compares equal to the recorded one (docs/api.md).
@@ -43,9 +75,8 @@ module PuppetX
       # node: a whole-number string becomes that node, `auto` and the like stay strings).
       INTEGER_KEYS = %w[cpu memory_mib disk_gib size_gib vlan vlans vlan_id queues numa].freeze
 
-      # A NIC's members at the values they have when not given (`queues` 1, `mode` bridge,
-      # `trunk` false); vmhostd leaves them out of its views then.
-      NIC_DEFAULTS = { 'queues' => 1, 'mode' => 'bridge', 'trunk' => false }.freeze
+      # A NIC's members at the values they have when not given (SpecDefaults::NIC).
+      NIC_DEFAULTS = SpecDefaults::NIC
 
       # Statuses in which the VM counts as running (ensure => running is in sync).
       RUNNING_STATUSES = %w[running starting creating].freeze
@@ -146,12 +177,14 @@ module PuppetX
         when *BOOLEANS then boolean(value)
         when :ssh then ssh_with_user(normalize(value, 'ssh'))
         when :nics then normalize(value, 'nics').map { |nic| without_nic_defaults(nic) }
+        when :boot then SpecDefaults.strip(normalize(value, 'boot'), SpecDefaults::BOOT)
+        when :disks then normalize(value, 'disks').map { |disk| SpecDefaults.strip(disk, SpecDefaults::DISK) }
         else normalize(value, ATTRIBUTES.fetch(attr))
         end
       end
 
       # true / false from a Ruby boolean or the :true / :false (or 'true' / 'false') the type
-      # munges `guest_exec` and `emulator_cpu` to; anything else unchanged (the daemon refuses it).
+      # munges `guest_exec`, `emulator_cpu` and `tpm` to; anything else unchanged (the daemon refuses it).
       def boolean(value)
         case value.to_s
         when 'true' then true
@@ -162,9 +195,7 @@ module PuppetX
 
       # A NIC as vmhostd echoes it: the members of NIC_DEFAULTS left out at their default.
       def without_nic_defaults(nic)
-        return nic unless nic.is_a?(Hash)
-
-        nic.reject { |k, v| NIC_DEFAULTS.key?(k) && NIC_DEFAULTS[k] == v }
+        SpecDefaults.strip(nic, NIC_DEFAULTS)
       end
 
       # `ssh` with the account vmhostd records when none is named.

@@ -19,7 +19,8 @@ module PuppetX
         'revert' => ['vm.revert', { 'vm' => 'name', 'snapshot' => 'snapshot' }, %w[timeout_s]],
         'snapshot_delete' => ['vm.snapshot_delete', { 'vm' => 'name', 'snapshot' => 'snapshot' }, []],
         'export' => ['vm.export', { 'vm' => 'name' }, %w[timeout_s requires]],
-        'import' => ['vm.import', { 'backup' => 'backup' }, %w[name state]]
+        'import' => ['vm.import', { 'backup' => 'backup' }, %w[name state]],
+        'backups_prune' => ['vm.backups_prune', { 'vm' => 'name', 'keep' => 'keep' }, []]
       }.freeze
 
       # The method and params of task NAME for INPUT (the task's parameters; Bolt's own, such
