@@ -1,5 +1,5 @@
 """The execution module's snapshot and backup functions: vmhost.snapshot, vmhost.snapshots,
-vmhost.revert, vmhost.snapshot_delete, vmhost.export, vmhost.import (requests sent, params
+vmhost.revert, vmhost.snapshot_delete, vmhost.export, vmhost.import, vmhost.backups_prune (requests sent, params
 passed through, how long each call waits, test mode, daemon errors)."""
 
 import unittest
@@ -135,6 +135,40 @@ class SnapshotFunctions(unittest.TestCase):
         )
         self.mod.import_("b1")
         self.assertEqual(seen, [("vm.import", 21600.0)])
+
+    def test_backups_prune(self):
+        self.start(self.echo, import_timeout=99)
+        seen = []
+        real = self.mod._call
+        self.mod._call = lambda method, params=None, timeout=None: (
+            seen.append((method, timeout)) or real(method, params, timeout)
+        )
+        salt_own = {"__pub_fun": "vmhost.backups_prune", "__pub_jid": "2026"}
+        got = self.mod.backups_prune("web", 3, **salt_own)
+        self.assertEqual(got, {"method": "vm.backups_prune", "params": {"name": "web", "keep": 3}})
+        # Unknown params pass through; values are not reshaped (the daemon checks keep).
+        got = self.mod.backups_prune("web", "0", future=True)
+        self.assertEqual(got["params"], {"name": "web", "keep": "0", "future": True})
+        # A merge copies whole disks: it waits as long as an import.
+        self.assertEqual(seen, [("vm.backups_prune", 99.0), ("vm.backups_prune", 99.0)])
+        got = self.mod.backups_prune("web", 1, test=True)
+        self.assertEqual(got, {"test": True, "method": "vm.backups_prune", "params": {"name": "web", "keep": 1}})
+        self.assertEqual(len(self.daemon.requests), 2)
+
+    def test_backups_prune_answer_and_refusal_are_the_daemons(self):
+        pruned = {"removed": ["web-1"], "merged": [["web-3", "web-2"]], "kept": ["web-3"]}
+
+        def prune(request, conn):
+            if request["params"]["keep"] < 1:
+                send(conn, answer(request, err=error(2001, "keep must be at least 1", "keep", kind="invalid_spec")))
+            else:
+                send(conn, answer(request, pruned))
+
+        self.start(prune)
+        self.assertEqual(self.mod.backups_prune("web", 1), pruned)
+        with self.assertRaises(self.mod.VmhostdError) as ctx:
+            self.mod.backups_prune("web", 0)
+        self.assertEqual((ctx.exception.code, ctx.exception.field), (2001, "keep"))
 
     def test_daemon_errors_raise_with_code_field_and_details(self):
         details = {"file": "root.qcow2", "expected": "ab" * 32, "found": "cd" * 32, "bytes": 512}

@@ -346,6 +346,30 @@ class TestMode(StateTest):
         )
         self.assertEqual((ret["result"], ret["changes"]), (True, {}))
 
+    def test_tpm_secure_boot_and_snapshot_defaults_declared_against_a_spec_without_them_are_as_declared(self):
+        # vmhostd leaves tpm false, boot.secure_boot false and a disk's snapshot true out of the
+        # recorded spec. The state compares nothing itself: the declared values go to the dry
+        # run as given, its plan says there is nothing to do, and the state says so.
+        uefi = dict(BOOT, firmware="uefi")
+        disk = {"name": "data", "size_gib": 1}
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": uefi, "disks": [disk]}
+        self.start({"vm.get": lambda p: view(spec), "host.reconcile": plan("none", "up to date (running)")}, test=True)
+        ret = self.state.running(
+            "web",
+            cpu=1,
+            memory_mib=256,
+            boot=dict(uefi, secure_boot=False),
+            disks=[dict(disk, snapshot=True)],
+            tpm=False,
+        )
+        self.assertEqual((ret["result"], ret["changes"]), (True, {}))
+        sent = self.params("host.reconcile")[0]["vms"][0]
+        self.assertEqual(
+            (sent["tpm"], sent["boot"]["secure_boot"], sent["disks"][0]["snapshot"]),
+            (False, False, True),
+        )
+        self.assertNothingMutated()
+
     def test_a_placement_refusal_of_the_dry_run_names_code_and_field(self):
         err = error(
             3002,
@@ -560,6 +584,43 @@ class RealRun(StateTest):
             ret["changes"], {"old": {"spec": {"guest_exec": None}}, "new": {"spec": {"guest_exec": False}}}
         )
         self.assertIs(self.params("vm.apply")[0]["spec"]["guest_exec"], False)
+
+    def test_tpm_secure_boot_and_snapshot_defaults_declared_are_as_declared(self):
+        uefi = dict(BOOT, firmware="uefi")
+        disk = {"name": "data", "size_gib": 1}
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": uefi, "disks": [disk]}
+        self.start({"vm.get": lambda p: view(spec), "vm.apply": lambda p: {"changed": False, "vm": view(spec)}})
+        ret = self.state.running(
+            "web",
+            cpu=1,
+            memory_mib=256,
+            boot=dict(uefi, secure_boot=False),
+            disks=[dict(disk, snapshot=True)],
+            tpm=False,
+        )
+        self.assertEqual((ret["result"], ret["changes"]), (True, {}))
+        self.assertEqual(ret["comment"], "VM web is as declared (running)")
+        sent = self.params("vm.apply")[0]["spec"]
+        self.assertEqual(
+            (sent["tpm"], sent["boot"]["secure_boot"], sent["disks"][0]["snapshot"]),
+            (False, False, True),
+        )
+
+    def test_tpm_secure_boot_and_an_unsnapshotted_disk_reported_as_an_in_place_change(self):
+        uefi = dict(BOOT, firmware="uefi")
+        disk = {"name": "data", "size_gib": 1}
+        spec = {"name": "web", "cpu": 1, "memory_mib": 256, "boot": uefi, "disks": [disk]}
+        changed = dict(spec, tpm=True, boot=dict(uefi, secure_boot=True), disks=[dict(disk, snapshot=False)])
+        self.start(
+            {"vm.get": lambda p: view(spec, pid=7), "vm.apply": lambda p: {"changed": True, "vm": view(changed, pid=8)}}
+        )
+        ret = self.state.running("web", **{k: v for k, v in changed.items() if k != "name"})
+        self.assertIs(ret["result"], True)
+        # A new secure_boot is no new boot image: in place, the disk kept.
+        self.assertEqual(
+            ret["comment"], "VM web reconfigured in place (disk kept): boot.secure_boot, disks, tpm (running)"
+        )
+        self.assertEqual(ret["changes"]["new"]["spec"]["tpm"], True)
 
     def test_placement_members_sent_and_reported_as_an_in_place_change(self):
         spec = {"name": "web", "cpu": 2, "memory_mib": 2048, "boot": BOOT}

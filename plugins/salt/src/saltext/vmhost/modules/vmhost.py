@@ -21,7 +21,8 @@ Configuration (minion config, grains or pillar, read with ``config.get``):
     seconds to wait for a ``move`` (whole disk files travel), default 21600; ``migrate`` waits
     ``vmhost:timeout`` plus its ``timeout_s`` (3600 when not given).
 ``vmhost:import_timeout`` (or ``vmhost.import_timeout``)
-    seconds to wait for an ``import`` (whole disk files are copied and hashed), default 21600;
+    seconds to wait for an ``import`` or a ``backups_prune`` (whole disk files are copied and
+    hashed), default 21600;
     ``snapshot``, ``revert`` and ``export`` wait ``vmhost:timeout`` plus their ``timeout_s``
     (3600, the daemon's default, when not given).
 
@@ -29,8 +30,9 @@ Configuration (minion config, grains or pillar, read with ``config.get``):
 download, 3600, when it is not given); ``guest_exec`` waits ``vmhost:timeout`` plus its
 ``timeout_s``.
 
-``snapshot``, ``snapshots``, ``revert``, ``snapshot_delete``, ``export`` and ``import`` are
-the daemon's snapshot and backup methods (``vm.snapshot`` ... ``vm.import``); their params go
+``snapshot``, ``snapshots``, ``revert``, ``snapshot_delete``, ``export``, ``import`` and
+``backups_prune`` are the daemon's snapshot and backup methods (``vm.snapshot`` ...
+``vm.import``, ``vm.backups_prune``); their params go
 through as given (a param this module does not know, such as one a newer vmhostd added, is
 sent as is and vmhostd accepts or refuses it), so every rule stays the daemon's.
 
@@ -1018,3 +1020,32 @@ def import_(backup, name=None, state=None, test=None, **kwargs):
     if _test_mode(test):
         return {"test": True, "method": "vm.import", "params": params}
     return _call("vm.import", params, timeout=float(_option("import_timeout", DEFAULT_BACKUP_IMPORT_TIMEOUT)))
+
+
+def backups_prune(name, keep, test=None, **kwargs):
+    """
+    Keep VM ``name``'s newest ``keep`` backups in vmhostd's ``paths.backups`` and remove the
+    others (``vm.backups_prune``; by the backups' manifests, the VM need not exist). A kept
+    increment whose parent goes is first merged into a full backup of the same name
+    (docs/backup.md).
+
+    name
+        the VM whose backups are pruned.
+    keep
+        how many of its newest backups to keep (at least 1: else 2001 on ``keep``).
+    test
+        True: return the request and send nothing.
+
+    Other keyword arguments are sent as params as given. The call waits
+    ``vmhost:import_timeout`` seconds (default 21600: a merge copies and hashes whole disk
+    files). Returns ``{removed, merged, kept}``, backup directories oldest first (``merged``:
+    the pairs merged). A chain to merge that does not check is 2003 or 4040 on ``backup``, and
+    nothing is removed.
+
+    CLI Example: ``salt hv1 vmhost.backups_prune sensor1 keep=7``
+    """
+    params = {"name": name, "keep": keep}
+    params.update(_passed_through(kwargs))
+    if _test_mode(test):
+        return {"test": True, "method": "vm.backups_prune", "params": params}
+    return _call("vm.backups_prune", params, timeout=float(_option("import_timeout", DEFAULT_BACKUP_IMPORT_TIMEOUT)))

@@ -347,7 +347,10 @@ def running(name, spec=None, replace=False, restart=True, timeout_s=30, **kwargs
         through as given: vmhostd checks them (a ``numa`` node is a number, ``numa: 1``, not
         ``"1"``; a monitor NIC's ``source`` must be in the host's ``[capture] interfaces`` and
         present, else 3001 on ``spec.nics[N].source``) and places the VM when it starts
-        (3001/3002 when the host cannot).
+        (3001/3002 when the host cannot). ``tpm``, ``boot``'s ``secure_boot`` and a disk's
+        ``snapshot`` are sent as given too; whether the VM is as declared is vmhostd's answer
+        (``vm.apply``'s ``changed``, the dry run's plan), so ``tpm: False``, ``secure_boot:
+        False`` and ``snapshot: True``, which vmhostd leaves out of its views, are no change.
     replace
         only for a change of ``boot.image``, which needs a new disk: True recreates the VM
         (vmhostd deletes its old disk overlay); False (default) fails with vmhostd's 2002. Every
