@@ -33,6 +33,7 @@ class TestTpm < Minitest::Test
                  disks: [{ 'name' => 'data', 'size_gib' => 1, 'snapshot' => false }])
     assert apply_vm(**attrs).changed
     assert_equal [true, true, false], sent_members
+    assert_includes logs_text, 'reconfigured in place, disk kept (boot.secure_boot, disks, tpm)'
     refute apply_vm(**attrs).changed
     # Back to the defaults: sent explicitly, then in sync with the view without them.
     back = web1(tpm: false, boot: UEFI.merge('secure_boot' => false),
