@@ -175,7 +175,7 @@ pub async fn check_item(swtpm: &Path, tpm_vms: &[String]) -> CheckItem {
 }
 
 /// Makes the VM's state directory unless it exists (its parent, the disk directory, private as
-/// always) and gives it [`STATE_DIR_MODE`]; returns it opened (`O_PATH`), for swtpm.
+/// always) and gives it [`STATE_DIR_MODE`]; returns it opened (read-only, `O_DIRECTORY | O_NOFOLLOW`), for swtpm.
 ///
 /// # Errors
 /// [`TpmError::StateDir`].

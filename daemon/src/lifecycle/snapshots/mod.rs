@@ -170,8 +170,12 @@ async fn drop_tags(mgr: &Manager, rec: &VmRecord, names: &[String], tags: &[Stri
 fn open_rw(files: &[PathBuf]) -> Result<Vec<std::os::fd::OwnedFd>, ApiError> {
     let mut fds = Vec::new();
     for f in files {
-        let file = crate::blocking::run(|| std::fs::OpenOptions::new().read(true).write(true).open(f))
-            .map_err(FileError::file(STEP, "open", f))?;
+        // Never through a link: these are the VM's own files, which vmhostd made.
+        let file = crate::blocking::run(|| {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(f)
+        })
+        .map_err(FileError::file(STEP, "open", f))?;
         fds.push(std::os::fd::OwnedFd::from(file));
     }
     Ok(fds)
