@@ -522,6 +522,37 @@ fn a_crash_at_each_step_of_an_incremental_export_or_a_prune_loses_no_backup() {
     a.stop_daemon();
 }
 
+/// `vm.backups_prune` holds the VM's operation, as an export does: refused (4090, nothing
+/// removed) while another operation of the VM runs (here a stop its boot-sector guest ignores,
+/// held for its `timeout_s`), then it runs; the prune inside `vm.export`'s `keep` still works.
+#[test]
+fn a_prune_is_an_operation_on_the_vm_and_refused_beside_another() {
+    let host = host();
+    boot_sector::write_image(&host.images().join("base.raw"), &boot_sector::serial_print("VMHOST-PRUNE-ROOT"));
+    let spec = json!({"name": "p", "cpu": 1, "memory_mib": 64, "boot": {"image": "base.raw", "disk_gib": 1}});
+    host.call("vm.create", json!({ "spec": spec }));
+    assert!(host.wait_serial("p", "VMHOST-PRUNE-ROOT", BOOT), "{}", host.serial("p"));
+    host.call("vm.stop", json!({ "name": "p", "force": true }));
+    host.call("vm.export", json!({ "name": "p" }));
+    host.call("vm.export", json!({ "name": "p" }));
+    let before = backup_dirs(&host);
+    assert_eq!(before.len(), 2, "{before:?}");
+    host.call("vm.start", json!({ "name": "p" }));
+    std::thread::scope(|s| {
+        // No ACPI in a boot sector: the stop waits its whole timeout, holding the VM's operation.
+        let stopper = s.spawn(|| host.call("vm.stop", json!({ "name": "p", "timeout_s": 20 })));
+        host.wait_status("p", "stopping", Duration::from_secs(60));
+        let (code, e) = host.call_err("vm.backups_prune", json!({ "name": "p", "keep": 1 }));
+        assert_eq!(code, 4090, "{e:?}");
+        assert_eq!(backup_dirs(&host), before, "nothing removed");
+        assert_eq!(stopper.join().unwrap()["vm"]["status"], "stopped");
+    });
+    let v = host.call("vm.backups_prune", json!({ "name": "p", "keep": 1 }));
+    assert_eq!(v["removed"], json!([before[0]]), "{v}");
+    let e = host.call("vm.export", json!({ "name": "p", "keep": 1 }));
+    assert_eq!(backup_dirs(&host), [e["backup"].as_str().unwrap().to_string()], "{e}");
+}
+
 /// [`TestHost::crash_during`] of `vm.backups_prune`, saying what the daemon answered when it
 /// did not die.
 fn crash_prune(a: &mut TestHost, step: &str, params: &Value) {

@@ -214,7 +214,15 @@ fn an_image_vms_overlay_is_put_back_and_a_replace_leaves_its_snapshot_unrevertab
     run_ok(Command::new("qemu-io").args(["-f", "qcow2", "-c", "write -z 0 512"]).arg(&overlay));
     let before = std::fs::read(&overlay).unwrap();
 
-    host.call("vm.revert", json!({"name": "web", "snapshot": "good"}));
+    // `timeout_s` is checked first, as vm.snapshot checks it: nothing reverted, nothing deleted.
+    for bad in [json!(0), json!(86_401)] {
+        for method in ["vm.revert", "vm.snapshot_delete"] {
+            let (code, e) = host.call_err(method, json!({"name": "web", "snapshot": "good", "timeout_s": bad}));
+            assert_eq!((code, e.field.as_deref()), (2001, Some("timeout_s")), "{method} {bad}: {e:?}");
+        }
+    }
+    assert_eq!(std::fs::read(&overlay).unwrap(), before, "nothing reverted");
+    host.call("vm.revert", json!({"name": "web", "snapshot": "good", "timeout_s": 600}));
     assert_ne!(std::fs::read(&overlay).unwrap(), before);
     let marker_count = |h: &TestHost| h.serial("web").matches("VMHOST-SNAP-BOOT").count();
     let seen = marker_count(&host);
@@ -469,7 +477,7 @@ fn internal_snapshots_revert_either_way_delete_out_of_order_and_leave_a_disk_lef
     // destination is not even tried: it would be 4001 `connect`).
     let (code, e) =
         host.call_err("vm.migrate", json!({"name": "is", "destination": "127.0.0.1:9", "secret": "00".repeat(32)}));
-    assert_eq!((code, e.field.as_deref()), (4090, Some("name")), "{e:?}");
+    assert_eq!((code, e.details["reason"].as_str()), (4097, Some("internal_snapshots")), "{e:?}");
     assert!(e.message.contains("cold") && e.message.contains("A, B"), "{e:?}");
 
     stop_quietly(&host, "is");

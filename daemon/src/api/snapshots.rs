@@ -15,7 +15,8 @@ pub struct SnapshotParams {
     pub name: String,
     /// The snapshot: 1-64 of `A-Z a-z 0-9 . _ -`, not starting with a dot.
     pub snapshot: String,
-    /// Longest the copy may take, in seconds (`vm.revert`; default 3600).
+    /// Longest the work on the disks may take, in seconds (1-86400, default 3600): a revert's
+    /// copies and offline session, a delete's offline session.
     #[serde(default)]
     pub timeout_s: Option<u64>,
 }

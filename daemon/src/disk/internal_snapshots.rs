@@ -6,7 +6,9 @@
 //! that also starts the raw disks' copies; [`delete_live`]). A stopped VM's disks are worked on
 //! in an offline QEMU session ([`super::offline_qemu`], files as descriptors, never by name),
 //! in this order per operation: [`take`] (one transaction of `blockdev-snapshot-internal-sync`),
-//! [`delete`] (each tag where present), [`revert`].
+//! [`delete`] (each tag where present), [`revert`]. Each is bounded by the caller's `within`
+//! (the operation's `timeout_s`), which also lets each QMP call and job of the session run that
+//! long: on a large disk a step's refcount updates may take far longer than a small call.
 //!
 //! Why the revert is roundabout: QEMU 7.2 has no QMP command that applies a disk-only internal
 //! snapshot (`snapshot-load` wants a VM state; `qemu-img snapshot -a` cannot open our files, see
@@ -21,6 +23,7 @@ use super::{DiskError, Tool};
 use crate::qemu::qmp::{Qmp, QmpError};
 use serde_json::{json, Value};
 use std::os::fd::OwnedFd;
+use std::time::Duration;
 
 /// Size of the scratch image a revert saves the guestless machine's state into.
 pub const AUX_BYTES: u64 = 1 << 20;
@@ -69,17 +72,20 @@ fn vmhost_bitmaps(nodes: &Value, node: &str) -> Vec<String> {
         .collect()
 }
 
-/// Opens `disks` (qcow2 files, read-write) in a new session for `operation`; returns it and
-/// their nodes, in order. `extra` inputs come after the disks.
+/// Opens `disks` (qcow2 files, read-write) in a new session for `operation` whose calls may
+/// each take up to `within`; returns it and their nodes, in order. `extra` inputs come after
+/// the disks.
 async fn open(
     tool: &Tool,
     disks: Vec<OwnedFd>,
     extra: Vec<OwnedFd>,
     operation: &'static str,
+    within: Duration,
 ) -> Result<(Session, Vec<String>), DiskError> {
     let count = disks.len();
     let inputs = disks.into_iter().chain(extra).map(Input::Image).collect();
     let mut session = Session::start(tool, inputs, operation).await?;
+    session.allow(within);
     let mut nodes = Vec::new();
     for i in 0..count {
         nodes.push(session.open_qcow2(i).await?);
@@ -90,13 +96,13 @@ async fn open(
 /// Takes internal snapshot `tag` of every disk of `disks` (qcow2 files, read-write) at once.
 ///
 /// # Errors
-/// QEMU's errors ([`DiskError::Tool`]), [`DiskError::Timeout`].
-pub async fn take(tool: &Tool, disks: Vec<OwnedFd>, tag: &str) -> Result<(), DiskError> {
+/// QEMU's errors ([`DiskError::Tool`]), [`DiskError::Timeout`] after `within`.
+pub async fn take(tool: &Tool, disks: Vec<OwnedFd>, tag: &str, within: Duration) -> Result<(), DiskError> {
     if disks.is_empty() {
         return Ok(());
     }
-    super::bounded("snapshot", async {
-        let (mut session, nodes) = open(tool, disks, Vec::new(), "snapshot").await?;
+    super::bounded_within("snapshot", within, async {
+        let (mut session, nodes) = open(tool, disks, Vec::new(), "snapshot", within).await?;
         let devices: Vec<&str> = nodes.iter().map(String::as_str).collect();
         session.execute("transaction", Some(json!({ "actions": take_actions(&devices, tag) }))).await?;
         session.finish().await
@@ -108,13 +114,13 @@ pub async fn take(tool: &Tool, disks: Vec<OwnedFd>, tag: &str) -> Result<(), Dis
 /// hold is no error: a crash may have come before it was made or after it was deleted).
 ///
 /// # Errors
-/// QEMU's errors ([`DiskError::Tool`]), [`DiskError::Timeout`].
-pub async fn delete(tool: &Tool, disks: Vec<OwnedFd>, tags: &[String]) -> Result<(), DiskError> {
+/// QEMU's errors ([`DiskError::Tool`]), [`DiskError::Timeout`] after `within`.
+pub async fn delete(tool: &Tool, disks: Vec<OwnedFd>, tags: &[String], within: Duration) -> Result<(), DiskError> {
     if disks.is_empty() || tags.is_empty() {
         return Ok(());
     }
-    super::bounded("delete a snapshot of", async {
-        let (mut session, nodes) = open(tool, disks, Vec::new(), "delete a snapshot of").await?;
+    super::bounded_within("delete a snapshot of", within, async {
+        let (mut session, nodes) = open(tool, disks, Vec::new(), "delete a snapshot of", within).await?;
         let listed = session.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await?;
         for node in &nodes {
             let held = snapshot_names(&listed, node);
@@ -132,13 +138,13 @@ pub async fn delete(tool: &Tool, disks: Vec<OwnedFd>, tags: &[String]) -> Result
 /// before a revert records its intent (a disk replaced since, a file changed by hand).
 ///
 /// # Errors
-/// QEMU's errors ([`DiskError::Tool`]), [`DiskError::Timeout`].
-pub async fn missing(tool: &Tool, disks: Vec<OwnedFd>, tag: &str) -> Result<Vec<usize>, DiskError> {
+/// QEMU's errors ([`DiskError::Tool`]), [`DiskError::Timeout`] after `within`.
+pub async fn missing(tool: &Tool, disks: Vec<OwnedFd>, tag: &str, within: Duration) -> Result<Vec<usize>, DiskError> {
     if disks.is_empty() {
         return Ok(Vec::new());
     }
-    super::bounded("read the snapshots of", async {
-        let (mut session, nodes) = open(tool, disks, Vec::new(), "read the snapshots of").await?;
+    super::bounded_within("read the snapshots of", within, async {
+        let (mut session, nodes) = open(tool, disks, Vec::new(), "read the snapshots of", within).await?;
         let listed = session.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await?;
         let missing = nodes
             .iter()
@@ -157,14 +163,21 @@ pub async fn missing(tool: &Tool, disks: Vec<OwnedFd>, tag: &str) -> Result<Vec<
 /// (module doc). Running it again is harmless.
 ///
 /// # Errors
-/// QEMU's errors ([`DiskError::Tool`]: a disk without the tag), [`DiskError::Timeout`].
-pub async fn revert(tool: &Tool, disks: Vec<OwnedFd>, aux: OwnedFd, tag: &str) -> Result<(), DiskError> {
+/// QEMU's errors ([`DiskError::Tool`]: a disk without the tag), [`DiskError::Timeout`] after
+/// `within`.
+pub async fn revert(
+    tool: &Tool,
+    disks: Vec<OwnedFd>,
+    aux: OwnedFd,
+    tag: &str,
+    within: Duration,
+) -> Result<(), DiskError> {
     if disks.is_empty() {
         return Ok(());
     }
-    super::bounded("revert", async {
+    super::bounded_within("revert", within, async {
         let count = disks.len();
-        let (mut session, nodes) = open(tool, disks, vec![aux], "revert").await?;
+        let (mut session, nodes) = open(tool, disks, vec![aux], "revert", within).await?;
         let listed = session.execute("query-named-block-nodes", Some(json!({ "flat": true }))).await?;
         for node in &nodes {
             if !snapshot_names(&listed, node).iter().any(|t| t == tag) {

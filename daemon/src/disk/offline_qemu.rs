@@ -96,6 +96,8 @@ pub struct Session {
     reader: tokio::task::JoinHandle<()>,
     /// Nodes already added with `blockdev-add`.
     nodes: Vec<String>,
+    /// How long a job waited for by [`Session::run_job`] may run ([`Session::allow`]).
+    job_timeout: Duration,
     /// What this session is for, for errors (`info`, `create`, `resize`).
     operation: &'static str,
 }
@@ -174,7 +176,7 @@ impl Session {
         match greeted {
             Ok(mut qmp) => {
                 qmp.set_timeout(CALL_TIMEOUT);
-                Ok(Session { child, qmp, stderr, reader, nodes: Vec::new(), operation })
+                Ok(Session { child, qmp, stderr, reader, nodes: Vec::new(), operation, job_timeout: CALL_TIMEOUT })
             }
             Err(e) => {
                 let _ = child.start_kill();
@@ -350,12 +352,23 @@ impl Session {
         self.call(command, arguments).await
     }
 
-    /// Waits for job `id` to conclude and dismisses it ([`Session::wait_job`]).
+    /// Waits for job `id` to conclude and dismisses it, up to [`CALL_TIMEOUT`] or what
+    /// [`Session::allow`] set.
     ///
     /// # Errors
     /// [`DiskError::Tool`] with the job's error.
     pub async fn run_job(&mut self, id: &str) -> Result<(), DiskError> {
-        self.wait_job(id).await
+        self.wait_job_within(id, self.job_timeout).await
+    }
+
+    /// Lets each later QMP call and job of this session run up to `within` (never less than
+    /// [`CALL_TIMEOUT`]): an internal snapshot's step on a large disk (refcounts of every
+    /// cluster updated, a snapshot's tables written) may take longer than a small call, and
+    /// the caller's operation (its `timeout_s`) bounds the whole session anyway.
+    pub fn allow(&mut self, within: Duration) {
+        let within = within.max(CALL_TIMEOUT);
+        self.qmp.set_timeout(within);
+        self.job_timeout = within;
     }
 
     /// Quits QEMU and waits for it; anything added is closed and flushed by QEMU on the way.

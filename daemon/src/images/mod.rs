@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 pub(crate) use temp::read_full;
-pub use temp::{copy, Temp};
+pub use temp::{copy, copy_until, Temp};
 
 /// Default longest download (`image.import` `timeout_s`).
 pub const DEFAULT_DOWNLOAD_TIMEOUT_S: u64 = 3600;

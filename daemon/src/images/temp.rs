@@ -184,6 +184,15 @@ impl Drop for Temp {
 /// # Errors
 /// `source` cannot be opened or is not a regular file (`InvalidInput`), or a read or write error.
 pub fn copy(source: &Path, temp: &mut Temp) -> io::Result<()> {
+    copy_until(source, temp, None)
+}
+
+/// [`copy`], given up (`TimedOut`) once `until` has passed: checked between blocks, so the
+/// operation that asked for the copy (its `timeout_s`) ends within a block of its bound.
+///
+/// # Errors
+/// As [`copy`]; `TimedOut` after `until`.
+pub fn copy_until(source: &Path, temp: &mut Temp, until: Option<std::time::Instant>) -> io::Result<()> {
     crate::blocking::run(|| {
         let mut file = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(source)?;
         if !file.metadata()?.file_type().is_file() {
@@ -191,6 +200,9 @@ pub fn copy(source: &Path, temp: &mut Temp) -> io::Result<()> {
         }
         let mut buf = vec![0u8; BLOCK];
         loop {
+            if until.is_some_and(|t| std::time::Instant::now() >= t) {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "the operation's timeout_s passed"));
+            }
             let n = read_full(&mut file, &mut buf)?;
             if n == 0 {
                 return Ok(());

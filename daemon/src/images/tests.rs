@@ -181,3 +181,17 @@ fn the_leftovers_of_one_file_are_its_own_temp_files_only() {
     left.sort();
     assert_eq!(left, [".db.qcow2.import-1-1", ".webx.qcow2.import-1-0", "web.qcow2"]);
 }
+
+#[test]
+fn a_copy_with_a_passed_deadline_is_given_up_and_one_without_runs_whole() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src.raw");
+    std::fs::write(&src, vec![7u8; 3 << 20]).unwrap();
+    let mut temp = Temp::create(d.path(), "out.raw").unwrap();
+    let e = copy_until(&src, &mut temp, Some(std::time::Instant::now())).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    let mut temp = Temp::create(d.path(), "out.raw").unwrap();
+    let later = std::time::Instant::now().checked_add(std::time::Duration::from_secs(3600));
+    copy_until(&src, &mut temp, later).unwrap();
+    assert_eq!(temp.bytes(), 3 << 20);
+}

@@ -19,6 +19,10 @@ use std::time::Duration;
 
 /// Default and largest `timeout_s` of a copy.
 const DEFAULT_TIMEOUT_S: u64 = 3600;
+
+/// The bound of copy work no request asked for (recovery of an interrupted operation): the
+/// default `timeout_s`.
+pub(super) const DEFAULT_COPY_TIMEOUT: Duration = Duration::from_secs(DEFAULT_TIMEOUT_S);
 const MAX_TIMEOUT_S: u64 = 86_400;
 
 /// One disk of a VM as a copy reads it.
@@ -139,6 +143,8 @@ pub(super) struct CheckedFrom<'a> {
     pub place: &'a str,
     pub undone: &'a str,
     pub step: &'a str,
+    /// When the copy is given up (the operation's `timeout_s`); `None`: never.
+    pub until: Option<std::time::Instant>,
 }
 
 /// Copies `disk` out of `from` into a temp file in `temp_dir` named after `temp_name`, hashed as
@@ -160,7 +166,7 @@ pub(super) fn copy_checked(
         source,
     };
     let mut temp = crate::images::Temp::create(temp_dir, temp_name).map_err(failed)?;
-    crate::images::copy(&from.dir.join(&disk.file), &mut temp).map_err(failed)?;
+    crate::images::copy_until(&from.dir.join(&disk.file), &mut temp, from.until).map_err(failed)?;
     let found = temp.finish().map_err(failed)?;
     if found != disk.sha256 {
         return Err(ApiError::new(

@@ -1,5 +1,8 @@
 use super::*;
 
+/// The bound the tests give each operation.
+const T: std::time::Duration = std::time::Duration::from_secs(60);
+
 fn tool() -> Tool {
     Tool { binary: "/usr/bin/qemu-system-x86_64".into(), user: None, pin: None }
 }
@@ -84,9 +87,9 @@ async fn take_revert_and_delete_in_any_order() {
         s.execute("block-dirty-bitmap-add", Some(add)).await.unwrap();
     }
     s.finish().await.unwrap();
-    take(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001").await.unwrap();
+    take(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001", T).await.unwrap();
     qemu_io(&disk, &write(0x22)).await;
-    take(&tool(), vec![open_rw(&disk)], "vmhost-b-00000002").await.unwrap();
+    take(&tool(), vec![open_rw(&disk)], "vmhost-b-00000002", T).await.unwrap();
     qemu_io(&disk, &write(0x33)).await;
     assert_eq!(first_bytes(&disk).await, 0x33);
     assert_eq!(names(&disk).await, ["vmhost-a-00000001", "vmhost-b-00000002"]);
@@ -96,22 +99,48 @@ async fn take_revert_and_delete_in_any_order() {
         OwnedFd::from(std::fs::File::options().read(true).write(true).create_new(true).open(p).unwrap())
     };
     assert_eq!(bitmaps(&disk).await, ["vmhost-backup-1", "vmhost-backup-2"], "a snapshot is taken with bitmaps");
-    revert(&tool(), vec![open_rw(&disk)], aux("aux1"), "vmhost-a-00000001").await.unwrap();
+    revert(&tool(), vec![open_rw(&disk)], aux("aux1"), "vmhost-a-00000001", T).await.unwrap();
     assert!(
         bitmaps(&disk).await.is_empty(),
         "vmhost's bitmaps removed (QEMU loads no snapshot into a disk with bitmaps)"
     );
     assert_eq!(first_bytes(&disk).await, 0x11);
-    revert(&tool(), vec![open_rw(&disk)], aux("aux2"), "vmhost-b-00000002").await.unwrap();
+    revert(&tool(), vec![open_rw(&disk)], aux("aux2"), "vmhost-b-00000002", T).await.unwrap();
     assert_eq!(first_bytes(&disk).await, 0x22);
 
-    assert!(missing(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001").await.unwrap().is_empty());
-    delete(&tool(), vec![open_rw(&disk)], &["vmhost-a-00000001".to_string(), "vmhost-x-0".to_string()]).await.unwrap();
+    assert!(missing(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001", T).await.unwrap().is_empty());
+    delete(&tool(), vec![open_rw(&disk)], &["vmhost-a-00000001".to_string(), "vmhost-x-0".to_string()], T)
+        .await
+        .unwrap();
     assert_eq!(names(&disk).await, ["vmhost-b-00000002"]);
-    revert(&tool(), vec![open_rw(&disk)], aux("aux3"), "vmhost-b-00000002").await.unwrap();
+    revert(&tool(), vec![open_rw(&disk)], aux("aux3"), "vmhost-b-00000002", T).await.unwrap();
     assert_eq!(first_bytes(&disk).await, 0x22);
-    assert!(revert(&tool(), vec![open_rw(&disk)], aux("aux4"), "vmhost-a-00000001").await.is_err());
-    assert_eq!(missing(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001").await.unwrap(), [0]);
+    assert!(revert(&tool(), vec![open_rw(&disk)], aux("aux4"), "vmhost-a-00000001", T).await.is_err());
+    assert_eq!(missing(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001", T).await.unwrap(), [0]);
+}
+
+/// The caller's bound is the operation's: one too short to start QEMU ends it with
+/// [`DiskError::Timeout`] naming that bound (not a fixed one), the disk untouched.
+#[tokio::test]
+async fn each_step_is_bounded_by_the_callers_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("d.qcow2");
+    std::fs::File::create(&disk).unwrap();
+    let mut s = Session::start(&tool(), vec![Input::Image(open_rw(&disk))], "create").await.unwrap();
+    s.create_qcow2(0, 64 << 20, None, false).await.unwrap();
+    s.finish().await.unwrap();
+    let short = std::time::Duration::from_millis(1);
+    match take(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001", short).await {
+        Err(DiskError::Timeout { after, .. }) => assert_eq!(after, short),
+        other => panic!("{other:?}"),
+    }
+    match delete(&tool(), vec![open_rw(&disk)], &["vmhost-a-00000001".to_string()], short).await {
+        Err(DiskError::Timeout { after, .. }) => assert_eq!(after, short),
+        other => panic!("{other:?}"),
+    }
+    assert!(names(&disk).await.is_empty());
+    take(&tool(), vec![open_rw(&disk)], "vmhost-a-00000001", T).await.unwrap();
+    assert_eq!(names(&disk).await, ["vmhost-a-00000001"]);
 }
 
 #[test]

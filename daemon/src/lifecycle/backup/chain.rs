@@ -172,7 +172,14 @@ pub(super) async fn place_vars(
 ) -> Result<Mutation, ApiError> {
     let placed = async {
         let paths = mgr.paths(name);
-        let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
+        let from = CheckedFrom {
+            dir,
+            field: "backup",
+            place: "in the backup",
+            undone: "imported",
+            step: "import",
+            until: None,
+        };
         let disk = BackupDisk {
             role: crate::api::backup::DiskRole::Data,
             name: "uefi-vars".into(),

@@ -143,12 +143,14 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
     // left) goes now that this backup is whole. A failure leaves them tracking (harmless).
     op.drop_old_bitmaps(&disks, live, &bitmap).await;
     tracing::info!(vm = %p.name, backup = %backup, live, kind = ?kind, consistency = made.consistency.as_str(), "exported");
-    drop(op);
+    // Still inside the export's operation: no other export (nor `vm.backups_prune`) of the VM
+    // runs beside the prune.
     if let Some(keep) = p.keep {
         if let Err(e) = retention::prune(mgr, &p.name, keep).await {
             tracing::warn!(vm = %p.name, error = %e, "the backup is made but pruning older ones failed");
         }
     }
+    drop(op);
     Ok(ExportResult { backup, path, manifest })
 }
 
@@ -318,7 +320,8 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
 /// Copies backup file `disk` from `dir` into a temp file in the import directory (the state
 /// file system), checking its sha256; the caller places it.
 fn copy_out(mgr: &Manager, dir: &Path, disk: &BackupDisk, vm: &str) -> Result<crate::images::Temp, ApiError> {
-    let from = CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import" };
+    let from =
+        CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import", until: None };
     copy_checked(&from, disk, &mgr.config.paths.import_dir(), &format!("{vm}-{}", disk.file))
 }
 

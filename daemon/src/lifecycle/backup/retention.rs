@@ -36,19 +36,31 @@ pub(super) fn plan(backups: &[ReadBackup], keep: usize) -> (Vec<String>, Vec<Str
     (gone, merge)
 }
 
-/// `vm.backups_prune`.
+/// `vm.backups_prune`: [`prune`] while holding the VM's operation, as an export does, so that
+/// no export of the VM runs beside it (an incremental export reads the parent a prune could
+/// be removing or merging). Backups of a VM that no longer exists are pruned without one.
 ///
 /// # Errors
-/// 2001 on `keep` (0); 2003 on `backup` for a chain that does not check (nothing removed);
-/// 4001 `step: prune` or `step: import`.
+/// 2001 on `keep` (0); 4090 (another operation on the VM: an export, a start...); 2003 on
+/// `backup` for a chain that does not check (nothing removed); 4001 `step: prune` or `step:
+/// import`.
 pub(crate) async fn prune_vm(mgr: &Arc<Manager>, p: PruneParams) -> Result<PruneResult, ApiError> {
+    if p.keep == 0 {
+        return Err(ApiError::invalid("keep", "keep at least 1 backup"));
+    }
+    let _op = match mgr.begin_op(&p.name).await {
+        Ok((op, _)) => Some(op),
+        Err(e) if e.code == crate::api::Code::NotFound => None,
+        Err(e) => return Err(e),
+    };
     prune(mgr, &p.name, p.keep).await
 }
 
-/// Keeps VM `vm`'s newest `keep` backups (module doc).
+/// Keeps VM `vm`'s newest `keep` backups (module doc). The caller holds the VM's operation
+/// ([`prune_vm`], or the export that just made a backup).
 ///
 /// # Errors
-/// As [`prune_vm`].
+/// As [`prune_vm`], but 4090.
 pub(super) async fn prune(mgr: &Arc<Manager>, vm: &str, keep: u32) -> Result<PruneResult, ApiError> {
     if keep == 0 {
         return Err(ApiError::invalid("keep", "keep at least 1 backup"));

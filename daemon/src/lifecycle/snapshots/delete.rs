@@ -16,9 +16,11 @@ use std::sync::Arc;
 /// `vm.snapshot_delete` (module doc).
 ///
 /// # Errors
-/// 2001 on `snapshot`, 4040, 4090, 4001.
+/// 2001 on `snapshot` or `timeout_s` (outside 1-86400: the bound of deleting the tags of a
+/// stopped VM's disks), 4040, 4090, 4001.
 pub(crate) async fn snapshot_delete(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<SnapshotDeleted, ApiError> {
     check_name(&p.snapshot)?;
+    let within = super::super::copies::copy_timeout(p.timeout_s)?;
     let (_op, rec) = mgr.begin_op(&p.name).await?;
     // Its snapshots may be the ones a move sent: they settle with it.
     rec.check_not_moving()?;
@@ -46,6 +48,6 @@ pub(crate) async fn snapshot_delete(mgr: &Arc<Manager>, p: SnapshotParams) -> Re
         return Ok(SnapshotDeleted { changed: false, snapshot: p.snapshot });
     }
     mgr.crashpoint("snapshot-delete:renamed");
-    super::recover::finish_delete(mgr, &rec, &deleting).await?;
+    super::recover::finish_delete(mgr, &rec, &deleting, within).await?;
     Ok(SnapshotDeleted { changed: true, snapshot: p.snapshot })
 }

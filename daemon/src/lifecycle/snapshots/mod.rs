@@ -135,11 +135,18 @@ fn disks_of(spec: &VmSpec, ignored: &[String]) -> (Vec<(String, DiskFormat, u64)
 }
 
 /// Deletes `tags` from the disks of VM `rec` that `internal` names (the disks it has now; a
-/// disk dropped since is skipped): by its QEMU when it runs, else in an offline session.
+/// disk dropped since is skipped): by its QEMU when it runs, else in an offline session bounded
+/// by `within` (the operation's `timeout_s`).
 ///
 /// # Errors
 /// 4001 step `snapshot`.
-async fn drop_tags(mgr: &Manager, rec: &VmRecord, names: &[String], tags: &[String]) -> Result<(), ApiError> {
+async fn drop_tags(
+    mgr: &Manager,
+    rec: &VmRecord,
+    names: &[String],
+    tags: &[String],
+    within: std::time::Duration,
+) -> Result<(), ApiError> {
     if names.is_empty() || tags.is_empty() {
         return Ok(());
     }
@@ -158,7 +165,7 @@ async fn drop_tags(mgr: &Manager, rec: &VmRecord, names: &[String], tags: &[Stri
     }
     let files: Vec<PathBuf> = disks.iter().map(|d| d.file.clone()).filter(|f| f.exists()).collect();
     let fds = open_rw(&files)?;
-    crate::disk::internal_snapshots::delete(&mgr.disk_tool(), fds, tags)
+    crate::disk::internal_snapshots::delete(&mgr.disk_tool(), fds, tags, within)
         .await
         .map_err(|e| failed(format!("deleting internal snapshots: {e}")))
 }
@@ -200,26 +207,62 @@ fn read_record(dir: &Path) -> Option<Snapshot> {
     serde_json::from_slice(&bytes).ok()
 }
 
-/// 4090 on `name` when VM `name` has a snapshot kept inside its disks: a live move copies only
-/// the disks' current state (`vm.migrate` refuses before anything is made).
+/// 4097 `not_movable`, `details.reason` `internal_snapshots`, when VM `name` has a snapshot
+/// kept inside its disks: a live move copies only the disks' current state (`vm.migrate`
+/// refuses before anything is made). Like the other refusals of a live move (`passthrough`,
+/// `tpm`): something the VM holds, not a busy VM to retry.
 ///
 /// # Errors
-/// 4090.
+/// 4097 as above; also when a snapshot's record cannot be read (fail closed: it may hold
+/// internal snapshots), naming the file.
 pub(in crate::lifecycle) fn check_no_internal(mgr: &Manager, name: &str) -> Result<(), ApiError> {
-    let held: Vec<String> =
-        list_snapshots(mgr, name)?.into_iter().filter(|s| !s.internal.is_empty()).map(|s| s.name).collect();
+    let dir = snapshots_dir(mgr, name);
+    let refuse = |message: String| {
+        ApiError::new(Code::NotMovable, message).details(serde_json::json!({ "reason": "internal_snapshots" }))
+    };
+    let held = crate::blocking::run(|| internal_holders(&dir)).map_err(|e| {
+        refuse(format!(
+            "VM {name:?}: {e}, so a live move cannot tell whether it holds internal snapshots: fix or delete it"
+        ))
+    })?;
     if held.is_empty() {
         return Ok(());
     }
-    Err(ApiError::new(
-        Code::Busy,
-        format!(
-            "VM {name:?} has snapshots kept inside its qcow2 disks ({}), which a live move cannot carry: move it \
-             cold (vm.move) or delete them",
-            held.join(", ")
-        ),
-    )
-    .field("name"))
+    Err(refuse(format!(
+        "VM {name:?} has snapshots kept inside its qcow2 disks ({}), which a live move cannot carry: move it cold \
+         (vm.move) or delete them",
+        held.join(", ")
+    )))
+}
+
+/// The names of the snapshots in `dir` (`STATE/snapshots/VM`) whose record holds an internal
+/// snapshot, sorted; none when `dir` does not exist. Unlike [`list_snapshots`], a record that
+/// cannot be read or parsed is an error naming it: a caller deciding from it must not pass.
+///
+/// # Errors
+/// The directory or a `snapshot.json` cannot be read or is not a snapshot record.
+fn internal_holders(dir: &Path) -> Result<Vec<String>, String> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("cannot read {}: {e}", dir.display())),
+    };
+    let mut held = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+        let Some(snap) = entry.file_name().to_str().filter(|n| is_snapshot_name(n)).map(str::to_string) else {
+            continue;
+        };
+        let file = entry.path().join(SNAPSHOT_JSON);
+        let bytes = std::fs::read(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+        let record: Snapshot =
+            serde_json::from_slice(&bytes).map_err(|e| format!("cannot parse {}: {e}", file.display()))?;
+        if !record.internal.is_empty() {
+            held.push(snap);
+        }
+    }
+    held.sort();
+    Ok(held)
 }
 
 /// `STATE/snapshots/VM`.
@@ -380,6 +423,38 @@ mod tests {
         for bad in ["", ".x", "a/b", "a b", &"x".repeat(65), "..", "ü"] {
             assert!(!is_snapshot_name(bad), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_live_move_check_names_internal_holders_and_fails_closed_on_an_unreadable_record() {
+        use crate::api::snapshots::{InternalDisk, SnapshotKind};
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("vm");
+        assert_eq!(internal_holders(&dir), Ok(Vec::new()), "no snapshots directory");
+        let put = |name: &str, snap: &Snapshot| {
+            std::fs::create_dir_all(dir.join(name)).unwrap();
+            std::fs::write(dir.join(name).join(SNAPSHOT_JSON), serde_json::to_vec(snap).unwrap()).unwrap();
+        };
+        put("copy", &snapshot(None, None));
+        let mut inside = snapshot(None, None);
+        inside.internal.push(InternalDisk {
+            role: DiskRole::Root,
+            name: "root".into(),
+            kind: SnapshotKind::Internal,
+            tag: "vmhost-b-1".into(),
+        });
+        put("B", &inside);
+        put("A", &inside);
+        // A snapshot being taken (dot-named) is not one yet.
+        std::fs::create_dir_all(dir.join(".C.partial")).unwrap();
+        assert_eq!(internal_holders(&dir), Ok(vec!["A".to_string(), "B".to_string()]));
+        // A record that cannot be read may hold internal snapshots: an error naming it.
+        std::fs::write(dir.join("copy").join(SNAPSHOT_JSON), b"{").unwrap();
+        let e = internal_holders(&dir).unwrap_err();
+        assert!(e.contains("cannot parse") && e.contains("copy/snapshot.json"), "{e}");
+        std::fs::remove_file(dir.join("copy").join(SNAPSHOT_JSON)).unwrap();
+        let e = internal_holders(&dir).unwrap_err();
+        assert!(e.contains("cannot read") && e.contains("copy/snapshot.json"), "{e}");
     }
 
     pub(super) fn snapshot(instance_id: Option<&str>, consistency: Option<Consistency>) -> Snapshot {

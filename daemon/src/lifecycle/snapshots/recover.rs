@@ -51,7 +51,7 @@ pub(super) async fn recover_vm(mgr: &Manager, rec: &VmRecord) {
     });
     for (path, kind) in found {
         let done = match kind {
-            Leftover::Deleting => finish_delete(mgr, rec, &path).await,
+            Leftover::Deleting => finish_delete(mgr, rec, &path, super::super::copies::DEFAULT_COPY_TIMEOUT).await,
             Leftover::Partial => remove_partial(mgr, rec, &path).await,
         };
         match done {
@@ -69,7 +69,7 @@ async fn remove_partial(mgr: &Manager, rec: &VmRecord, partial: &Path) -> Result
     if let Some(s) = crate::blocking::run(|| read_record(partial)) {
         let names: Vec<String> = s.internal.iter().map(|d| d.name.clone()).collect();
         let tags: Vec<String> = s.tags().into_iter().map(str::to_string).collect();
-        drop_tags(mgr, rec, &names, &tags).await?;
+        drop_tags(mgr, rec, &names, &tags, super::super::copies::DEFAULT_COPY_TIMEOUT).await?;
     }
     crate::blocking::run(|| match std::fs::remove_dir_all(partial) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
@@ -79,7 +79,7 @@ async fn remove_partial(mgr: &Manager, rec: &VmRecord, partial: &Path) -> Result
 }
 
 /// Finishes a delete ([`super::delete`]): deletes the tags `deleting/snapshot.json` names from
-/// VM `rec`'s disks, then the directory.
+/// VM `rec`'s disks (an offline session bounded by `within`), then the directory.
 ///
 /// # Errors
 /// 4001 step `snapshot` (the directory stays for the next try).
@@ -87,11 +87,12 @@ pub(super) async fn finish_delete(
     mgr: &Manager,
     rec: &crate::state::VmRecord,
     deleting: &std::path::Path,
+    within: std::time::Duration,
 ) -> Result<(), crate::api::ApiError> {
     if let Some(s) = crate::blocking::run(|| read_record(deleting)) {
         let names: Vec<String> = s.internal.iter().map(|d| d.name.clone()).collect();
         let tags: Vec<String> = s.tags().into_iter().map(str::to_string).collect();
-        drop_tags(mgr, rec, &names, &tags).await?;
+        drop_tags(mgr, rec, &names, &tags, within).await?;
     }
     mgr.crashpoint("snapshot-delete:tags");
     crate::blocking::run(|| match std::fs::remove_dir_all(deleting) {

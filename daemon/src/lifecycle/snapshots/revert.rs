@@ -12,7 +12,7 @@
 //! anywhere does the same. Newer snapshots stay: internal snapshots are independent of each
 //! other and of the disk's current state.
 
-use super::super::copies::{copy_checked, CheckedFrom, VmDisk};
+use super::super::copies::{copy_checked, copy_timeout, CheckedFrom, VmDisk};
 use super::super::errors::FileError;
 use super::super::Manager;
 use super::{
@@ -25,18 +25,22 @@ use crate::api::{ApiError, Code, Mutation, VmStatus};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// `vm.revert` (module doc).
 ///
 /// # Errors
-/// 2001 on `snapshot` (a bad name; the VM's disks are not the snapshot's), 4040 (no VM; no
+/// 2001 on `snapshot` (a bad name; the VM's disks are not the snapshot's) or `timeout_s`
+/// (outside 1-86400: the bound of the offline session that loads the qcow2 disks), 4040 (no VM; no
 /// such snapshot, on `snapshot`), 4090 (running: stop it first; another operation), 2003
 /// on `snapshot` (a copy is not what the snapshot recorded; nothing replaced), 4001.
 pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Mutation, ApiError> {
     check_name(&p.snapshot)?;
+    let within = copy_timeout(p.timeout_s)?;
     let (_op, rec) = mgr.begin_op(&p.name).await?;
     rec.check_not_moving()?;
-    let snapshot = list_snapshots(mgr, &p.name)?.into_iter().find(|s| s.name == p.snapshot).ok_or_else(|| {
+    let all = list_snapshots(mgr, &p.name)?;
+    let snapshot = all.iter().find(|s| s.name == p.snapshot).cloned().ok_or_else(|| {
         ApiError::new(Code::NotFound, format!("VM {:?} has no snapshot {:?}", p.name, p.snapshot)).field("snapshot")
     })?;
     if matches!(rec.status, VmStatus::Running | VmStatus::Starting | VmStatus::Stopping) {
@@ -66,7 +70,8 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
             format!("snapshot {:?} does not hold the files of VM {:?}'s disks", p.snapshot, p.name),
         )
     })?;
-    check_tags(mgr, &internal, &snapshot).await?;
+    check_no_dropped_tags(&copied, &snapshot, &all)?;
+    check_tags(mgr, &internal, &snapshot, within).await?;
     let from = snapshots_dir(mgr, &p.name).join(&p.snapshot);
     let mut sources: Vec<PathBuf> = copied.iter().map(|(_, s)| from.join(&s.file)).collect();
     let vars_file = mgr.paths(&p.name).uefi_vars();
@@ -85,7 +90,8 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
     }
     // Copied out first, next to each file (the same file system: the rename is atomic).
     let place = format!("of snapshot {:?}", p.snapshot);
-    let checked = CheckedFrom { dir: &from, field: "snapshot", place: &place, undone: "reverted", step: STEP };
+    let until = std::time::Instant::now().checked_add(within);
+    let checked = CheckedFrom { dir: &from, field: "snapshot", place: &place, undone: "reverted", step: STEP, until };
     let mut temps = Vec::new();
     for (disk, saved) in &copied {
         temps.push((put_next_to(&checked, saved, &disk.file)?, disk.file.clone()));
@@ -104,7 +110,7 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
     }
     mgr.update(&p.name, "vm.revert", |r| r.start_revert(&p.snapshot))?;
     mgr.crashpoint("revert:recorded");
-    load_internal(mgr, &p.name, &internal, &snapshot).await?;
+    load_internal(mgr, &p.name, &internal, &snapshot, within).await?;
     mgr.crashpoint("revert:loaded");
     for (temp, file) in temps {
         temp.replace(&file).map_err(|source| FileError::PutBack { step: STEP.into(), path: file, source })?;
@@ -141,17 +147,71 @@ fn reverted_disks<'a>(disks: &'a [VmDisk], snapshot: &'a Snapshot, ignored: &[St
     Some((internal, copied))
 }
 
+/// The internal snapshots a revert to `snapshot` would destroy (pure): a qcow2 disk that
+/// `snapshot` kept as a copy (taken before internal snapshots existed) is put back by replacing
+/// its file, which drops every tag inside it while the other snapshots of `all` that name them
+/// stay listed. Returns (snapshot, disk) pairs, in `all`'s order.
+fn dropped_tags(
+    copied: &[(&VmDisk, &crate::api::backup::BackupDisk)],
+    snapshot: &Snapshot,
+    all: &[Snapshot],
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for other in all.iter().filter(|s| s.name != snapshot.name) {
+        for (d, _) in copied.iter().filter(|(d, _)| d.format == DiskFormat::Qcow2) {
+            if other.internal.iter().any(|i| i.role == d.role && i.name == d.name) {
+                out.push((other.name.clone(), d.name.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// 2001 on `snapshot` when the revert would replace a qcow2 disk's file that holds other
+/// snapshots' internal snapshots ([`dropped_tags`]), before anything is changed.
+///
+/// # Errors
+/// 2001.
+fn check_no_dropped_tags(
+    copied: &[(&VmDisk, &crate::api::backup::BackupDisk)],
+    snapshot: &Snapshot,
+    all: &[Snapshot],
+) -> Result<(), ApiError> {
+    let dropped = dropped_tags(copied, snapshot, all);
+    if dropped.is_empty() {
+        return Ok(());
+    }
+    let mut held: Vec<&str> = dropped.iter().map(|(s, _)| s.as_str()).collect();
+    held.dedup();
+    let listed: Vec<String> = dropped.iter().map(|(s, d)| format!("{s} in disk {d}")).collect();
+    Err(ApiError::invalid(
+        "snapshot",
+        format!(
+            "snapshot {:?} keeps qcow2 disks as whole copies, and putting them back would drop the internal snapshots \
+             kept inside them ({}); delete snapshot(s) {} first; nothing was reverted",
+            snapshot.name,
+            listed.join(", "),
+            held.join(", ")
+        ),
+    ))
+}
+
 /// 2001 on `snapshot` when a disk of `internal` no longer holds the snapshot's tag (its file
 /// is not the one the snapshot was taken of: a replace made a new root disk), checked before
 /// anything is changed.
 ///
 /// # Errors
 /// 2001; 4001 step `snapshot`.
-async fn check_tags(mgr: &Manager, internal: &[&VmDisk], snapshot: &Snapshot) -> Result<(), ApiError> {
+async fn check_tags(
+    mgr: &Manager,
+    internal: &[&VmDisk],
+    snapshot: &Snapshot,
+    within: Duration,
+) -> Result<(), ApiError> {
     let Some(tag) = snapshot.internal.first().map(|i| i.tag.as_str()) else { return Ok(()) };
     let files: Vec<PathBuf> = internal.iter().map(|d| d.file.clone()).collect();
     let fds = open_rw(&files)?;
-    let missing = crate::disk::internal_snapshots::missing(&mgr.disk_tool(), fds, tag)
+    let missing = crate::disk::internal_snapshots::missing(&mgr.disk_tool(), fds, tag, within)
         .await
         .map_err(|e| failed(format!("reading the qcow2 disks' snapshots: {e}")))?;
     if missing.is_empty() {
@@ -180,12 +240,19 @@ fn put_next_to(
     copy_checked(checked, saved, dir, own)
 }
 
-/// Loads the snapshot's tag into each qcow2 disk of `internal` (an offline session; the scratch
-/// image in the VM's snapshots directory, removed after).
+/// Loads the snapshot's tag into each qcow2 disk of `internal` (an offline session bounded by
+/// `within`, the revert's `timeout_s`; the scratch image in the VM's snapshots directory,
+/// removed after).
 ///
 /// # Errors
 /// 4001 step `snapshot`.
-async fn load_internal(mgr: &Manager, name: &str, internal: &[&VmDisk], snapshot: &Snapshot) -> Result<(), ApiError> {
+async fn load_internal(
+    mgr: &Manager,
+    name: &str,
+    internal: &[&VmDisk],
+    snapshot: &Snapshot,
+    within: Duration,
+) -> Result<(), ApiError> {
     let Some(tag) = snapshot.internal.first().map(|i| i.tag.clone()) else { return Ok(()) };
     let files: Vec<PathBuf> = internal.iter().map(|d| d.file.clone()).collect();
     let fds = open_rw(&files)?;
@@ -195,7 +262,7 @@ async fn load_internal(mgr: &Manager, name: &str, internal: &[&VmDisk], snapshot
         std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&aux_path)
     })
     .map_err(FileError::file(STEP, "create", &aux_path))?;
-    let done = crate::disk::internal_snapshots::revert(&mgr.disk_tool(), fds, aux.into(), &tag).await;
+    let done = crate::disk::internal_snapshots::revert(&mgr.disk_tool(), fds, aux.into(), &tag, within).await;
     let _ = crate::blocking::run(|| std::fs::remove_file(&aux_path));
     done.map_err(|e| failed(format!("loading snapshot {:?} into the qcow2 disks: {e}", snapshot.name)))
 }
@@ -242,5 +309,38 @@ mod tests {
         let mut other = disks;
         other[0].format = DiskFormat::Raw;
         assert!(reverted_disks(&other, &s, &["pcap".to_string()]).is_none());
+    }
+
+    #[test]
+    fn a_revert_that_would_replace_a_qcow2_file_holding_other_snapshots_tags_is_refused() {
+        let disks = vec![disk(DiskRole::Root, "root", DiskFormat::Qcow2), disk(DiskRole::Data, "nsm", DiskFormat::Raw)];
+        // Taken before internal snapshots: both disks copied.
+        let mut old = super::super::tests::snapshot(None, None);
+        old.name = "old".into();
+        old.disks = vec![snapshot_entry(&disks[0]), snapshot_entry(&disks[1])];
+        let mut newer = super::super::tests::snapshot(None, None);
+        newer.name = "newer".into();
+        newer.internal = vec![InternalDisk {
+            role: DiskRole::Root,
+            name: "root".into(),
+            kind: SnapshotKind::Internal,
+            tag: "vmhost-newer-00000001".into(),
+        }];
+        newer.disks = vec![snapshot_entry(&disks[1])];
+        let (internal, copied) = reverted_disks(&disks, &old, &[]).expect("matches");
+        assert!(internal.is_empty());
+        assert!(check_no_dropped_tags(&copied, &old, std::slice::from_ref(&old)).is_ok(), "no other snapshot");
+        let all = vec![old.clone(), newer.clone()];
+        assert_eq!(dropped_tags(&copied, &old, &all), [("newer".to_string(), "root".to_string())]);
+        let e = check_no_dropped_tags(&copied, &old, &all).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("snapshot"));
+        assert!(
+            e.message.contains("newer in disk root") && e.message.contains("delete snapshot(s) newer first"),
+            "{}",
+            e.message
+        );
+        // Reverting to the newer one loads its tag and copies only the raw disk: nothing dropped.
+        let (_, copied) = reverted_disks(&disks, &newer, &[]).expect("matches");
+        assert!(check_no_dropped_tags(&copied, &newer, &all).is_ok());
     }
 }

@@ -110,7 +110,7 @@ pub(crate) async fn snapshot(mgr: &Arc<Manager>, p: TakeSnapshotParams) -> Resul
         Ok(()) => {}
         Err(e) => {
             let names: Vec<String> = internal.iter().map(|d| d.name.clone()).collect();
-            match drop_tags(mgr, &rec, &names, &[tag]).await {
+            match drop_tags(mgr, &rec, &names, &[tag], within).await {
                 Ok(()) => remove_dir(&partial),
                 Err(ee) => tracing::warn!(vm = %p.name, error = %ee.message,
                     "the tags of a failed snapshot stay until the next snapshot operation or start"),
@@ -191,7 +191,7 @@ impl Job<'_> {
                 }
                 let files: Vec<PathBuf> = self.internal.iter().map(|d| d.file.clone()).collect();
                 let fds = open_rw(&files)?;
-                crate::disk::internal_snapshots::take(&mgr.disk_tool(), fds, tag)
+                crate::disk::internal_snapshots::take(&mgr.disk_tool(), fds, tag, self.within)
                     .await
                     .map_err(|e| failed(format!("tagging the qcow2 disks: {e}")))?;
                 made
