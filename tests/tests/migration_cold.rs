@@ -421,7 +421,7 @@ fn qcow2_mark(path: &std::path::Path) -> String {
 }
 
 /// A snapshot that keeps a qcow2 disk inside its file (an internal snapshot) refuses a live
-/// move (4090 on `name`, before the destination is asked) and goes with a cold move inside the
+/// move (4097, reason `internal_snapshots`, before the destination is asked) and goes with a cold move inside the
 /// disk file: the destination's disk holds the tag and a revert there brings the marker back.
 #[test]
 fn internal_snapshots_refuse_a_live_move_and_go_with_a_cold_one_inside_the_disk() {
@@ -438,7 +438,7 @@ fn internal_snapshots_refuse_a_live_move_and_go_with_a_cold_one_inside_the_disk(
 
     let (code, e) = pair.hosts[0]
         .call_err("vm.migrate", json!({ "name": name, "destination": ADDRS[1], "secret": "00".repeat(32) }));
-    assert_eq!((code, e.field.as_deref()), (4090, Some("name")), "{e:?}");
+    assert_eq!((code, e.details["reason"].as_str()), (4097, Some("internal_snapshots")), "{e:?}");
     assert!(e.message.contains("vm.move"), "{e:?}");
     assert_eq!(status(&pair, 0, name).expect("vm")["status"], "running");
 
