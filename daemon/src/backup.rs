@@ -591,7 +591,10 @@ fn check_v2(m: &Manifest) -> Result<(), String> {
             || f.file != crate::tpm::copy_name(&f.name)
             || !hex(&f.sha256, 64)
         {
-            return Err(format!("the TPM state file {:?} ({:?}) is not one vmhost writes, or has no sha256", f.file, f.name));
+            return Err(format!(
+                "the TPM state file {:?} ({:?}) is not one vmhost writes, or has no sha256",
+                f.file, f.name
+            ));
         }
     }
     if m.version == 1 {

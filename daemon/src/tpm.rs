@@ -170,7 +170,10 @@ pub fn open_state_file(dir: std::os::fd::BorrowedFd<'_>, name: &str) -> io::Resu
     let file = nix::fcntl::openat(
         dir,
         name,
-        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK,
+        nix::fcntl::OFlag::O_RDONLY
+            | nix::fcntl::OFlag::O_NOFOLLOW
+            | nix::fcntl::OFlag::O_CLOEXEC
+            | nix::fcntl::OFlag::O_NONBLOCK,
         nix::sys::stat::Mode::empty(),
     )?;
     let meta = nix::sys::stat::fstat(&file)?;
@@ -319,7 +322,11 @@ pub async fn read_state(paths: &VmPaths) -> Result<Vec<(String, Vec<u8>)>, TpmEr
 ///
 /// # Errors
 /// [`TpmError::StateDir`].
-pub async fn put_back_state(paths: &VmPaths, files: Vec<(String, OwnedFd)>, user: Option<UserIds>) -> Result<(), TpmError> {
+pub async fn put_back_state(
+    paths: &VmPaths,
+    files: Vec<(String, OwnedFd)>,
+    user: Option<UserIds>,
+) -> Result<(), TpmError> {
     let dir = prepare_state_dir(paths)?;
     let failed = |source: io::Error| TpmError::StateDir { path: state_dir(paths), source };
     let mut kept = Vec::new();
@@ -390,7 +397,10 @@ pub async fn copy_state_into(paths: &VmPaths, dir: &Path) -> Result<Option<crate
 /// # Errors
 /// [`TpmError::Copy`]: a name that is not a state file's, a copy missing, unreadable or not
 /// what was recorded.
-pub fn open_checked_copy(dir: &Path, copy: &crate::api::snapshots::TpmCopy) -> Result<Vec<(String, OwnedFd)>, TpmError> {
+pub fn open_checked_copy(
+    dir: &Path,
+    copy: &crate::api::snapshots::TpmCopy,
+) -> Result<Vec<(String, OwnedFd)>, TpmError> {
     use std::io::{Read, Seek};
     let mut out = Vec::new();
     for f in &copy.files {
@@ -408,7 +418,12 @@ pub fn open_checked_copy(dir: &Path, copy: &crate::api::snapshots::TpmCopy) -> R
         file.read_to_end(&mut bytes).map_err(|e| bad(e.to_string()))?;
         let sha = crate::agent::exec::files::sha256(&bytes);
         if bytes.len() as u64 != f.bytes || sha != f.sha256 {
-            return Err(bad(format!("{} bytes, sha256 {sha}; recorded {} bytes, sha256 {}", bytes.len(), f.bytes, f.sha256)));
+            return Err(bad(format!(
+                "{} bytes, sha256 {sha}; recorded {} bytes, sha256 {}",
+                bytes.len(),
+                f.bytes,
+                f.sha256
+            )));
         }
         file.rewind().map_err(|e| bad(e.to_string()))?;
         out.push((f.name.clone(), file.into()));
@@ -669,6 +684,79 @@ mod tests {
         std::fs::create_dir_all(&p.disk_dir).unwrap();
         std::os::unix::fs::symlink("/tmp", state_dir(&p)).unwrap();
         assert!(matches!(prepare_state_dir(&p), Err(TpmError::StateDir { .. })));
+    }
+
+    #[test]
+    fn state_files_are_read_and_written_by_name_in_the_directory_never_through_links() {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = paths(d.path());
+        let dir = prepare_state_dir(&p).unwrap();
+        let state = state_dir(&p);
+        // A link named like a state file is neither listed nor opened.
+        std::os::unix::fs::symlink("/etc/hostname", state.join("tpm2-00.permall")).unwrap();
+        assert!(state_files(&p).is_empty());
+        assert_eq!(open_state_file(dir.as_fd(), "tpm2-00.permall").unwrap_err().raw_os_error(), Some(libc::ELOOP));
+        // Only the state's names.
+        assert_eq!(open_state_file(dir.as_fd(), "../x").unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        let src = d.path().join("copy");
+        std::fs::write(&src, b"persistent").unwrap();
+        let data = std::fs::File::open(&src).unwrap();
+        assert_eq!(
+            write_state_file(dir.as_fd(), ".lock", data.as_fd(), None).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+        // Written over the link (renamed over it, not through it), with the state's mode and the
+        // owner asked for.
+        let owner = UserIds { uid: 4321, gid: 4322 };
+        write_state_file(dir.as_fd(), "tpm2-00.permall", data.as_fd(), Some(owner)).unwrap();
+        let m = std::fs::symlink_metadata(state.join("tpm2-00.permall")).unwrap();
+        assert!(m.is_file());
+        assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (4321, 4322, STATE_FILE_MODE));
+        assert_eq!(state_files(&p), [state.join("tpm2-00.permall")]);
+        let mut read = String::new();
+        std::io::Read::read_to_string(
+            &mut std::fs::File::from(open_state_file(dir.as_fd(), "tpm2-00.permall").unwrap()),
+            &mut read,
+        )
+        .unwrap();
+        assert_eq!(read, "persistent");
+        // A child as another user writes a file that user owns.
+        write_state_file_as(dir.as_fd(), "tpm2-00.volatilestate", data.as_fd(), owner).unwrap();
+        let m = std::fs::metadata(state.join("tpm2-00.volatilestate")).unwrap();
+        assert_eq!((m.uid(), m.gid()), (4321, 4322));
+        assert!(std::fs::read_dir(&state)
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().contains("restore")));
+    }
+
+    #[tokio::test]
+    async fn a_copy_is_taken_checked_and_put_back_and_a_changed_copy_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = paths(d.path());
+        let snap = d.path().join("snap");
+        std::fs::create_dir(&snap).unwrap();
+        assert_eq!(copy_state_into(&p, &snap).await.unwrap(), None, "no state yet");
+        prepare_state_dir(&p).unwrap();
+        let state = state_dir(&p);
+        std::fs::write(state.join("tpm2-00.permall"), b"v1").unwrap();
+        let copy = copy_state_into(&p, &snap).await.unwrap().unwrap();
+        assert_eq!(copy.files.len(), 1);
+        assert_eq!(copy.files[0].file, "tpm-tpm2-00.permall");
+        assert_eq!(copy.files[0].bytes, 2);
+        std::fs::write(state.join("tpm2-00.permall"), b"v2 longer").unwrap();
+        std::fs::write(state.join("tpm2-00.volatilestate"), b"later").unwrap();
+        let files = open_checked_copy(&snap, &copy).unwrap();
+        put_back_state(&p, files, None).await.unwrap();
+        assert_eq!(std::fs::read(state.join("tpm2-00.permall")).unwrap(), b"v1");
+        assert!(!state.join("tpm2-00.volatilestate").exists(), "state the copy has not is removed");
+        std::fs::write(snap.join("tpm-tpm2-00.permall"), b"v3").unwrap();
+        assert!(matches!(open_checked_copy(&snap, &copy), Err(TpmError::Copy { .. })));
+        let mut odd = copy.clone();
+        odd.files[0].file = "../x".into();
+        assert!(matches!(open_checked_copy(&snap, &odd), Err(TpmError::Copy { .. })));
     }
 
     #[test]

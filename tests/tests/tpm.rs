@@ -317,7 +317,8 @@ fn a_snapshot_keeps_the_tpm_state_and_a_revert_puts_it_back() {
     let from = host.state().join("backups").join(&backup);
     let sums = fs::read_to_string(from.join("SHA256SUMS")).unwrap();
     assert!(sums.contains("  tpm-tpm2-00.permall\n"), "{sums}");
-    let check = std::process::Command::new("sha256sum").args(["--check", "--quiet", "SHA256SUMS"]).current_dir(&from).status();
+    let check =
+        std::process::Command::new("sha256sum").args(["--check", "--quiet", "SHA256SUMS"]).current_dir(&from).status();
     assert!(check.unwrap().success());
     let other = TestHost::start(HostOptions::default());
     let to = other.state().join("backups").join(&backup);

@@ -196,8 +196,12 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
                     (Some(dir), Some(data), Some(user)) => {
                         crate::tpm::write_state_file_as(dir.as_fd(), &name, data.as_fd(), user)
                     }
-                    (Some(dir), Some(data), None) => crate::tpm::write_state_file(dir.as_fd(), &name, data.as_fd(), None),
-                    _ => Err(io::Error::new(io::ErrorKind::InvalidInput, "a state directory and a file must be passed")),
+                    (Some(dir), Some(data), None) => {
+                        crate::tpm::write_state_file(dir.as_fd(), &name, data.as_fd(), None)
+                    }
+                    _ => {
+                        Err(io::Error::new(io::ErrorKind::InvalidInput, "a state directory and a file must be passed"))
+                    }
                 };
                 match placed {
                     Ok(()) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, None),
