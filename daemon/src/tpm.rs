@@ -74,6 +74,9 @@ pub const STATE_FILE_MODE: u32 = 0o600;
 /// (after a migration). `.lock` is swtpm's lock file, not state.
 pub const STATE_FILE_NAMES: [&str; 3] = ["tpm2-00.permall", "tpm2-00.volatilestate", "tpm2-00.savestate"];
 
+/// The largest state file put back: swtpm's are a few KiB (its NV memory is 128 KiB at most).
+pub const MAX_STATE_FILE_BYTES: u64 = 16 << 20;
+
 /// Why swtpm could not be prepared or started.
 #[derive(Debug, thiserror::Error)]
 pub enum TpmError {
@@ -201,6 +204,14 @@ pub fn write_state_file(
     use nix::fcntl::OFlag;
     use std::io::{Read, Seek, Write};
     check_state_name(name)?;
+    // Never a pipe or a device: the spawner waits for the writer, which must not block.
+    let meta = nix::sys::stat::fstat(data)?;
+    if meta.st_mode & libc::S_IFMT != libc::S_IFREG || meta.st_size as u64 > MAX_STATE_FILE_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("a TPM state file's copy must be a regular file of at most {MAX_STATE_FILE_BYTES} bytes"),
+        ));
+    }
     let dirfd = dir;
     let temp = format!(".{name}.vmhost-restore");
     let _ = nix::unistd::unlinkat(dirfd, temp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
