@@ -586,6 +586,17 @@ fn check_v2(m: &Manifest) -> Result<(), String> {
             return Err(format!("the UEFI variables store is {:?} with no sha256, not {VARS_FILE:?}", v.file));
         }
     }
+    for f in m.tpm.iter().flat_map(|t| &t.files) {
+        if !crate::tpm::STATE_FILE_NAMES.contains(&f.name.as_str())
+            || f.file != crate::tpm::copy_name(&f.name)
+            || !hex(&f.sha256, 64)
+        {
+            return Err(format!(
+                "the TPM state file {:?} ({:?}) is not one vmhost writes, or has no sha256",
+                f.file, f.name
+            ));
+        }
+    }
     if m.version == 1 {
         if m.id.is_some() || m.kind.is_some() || m.parent.is_some() || !m.changes.is_empty() || m.merged_from.is_some()
         {
@@ -672,7 +683,12 @@ impl Partial {
         if let Some(v) = &manifest.uefi_vars {
             sums.push_str(&format!("{}  {}\n", v.sha256, v.file));
         }
-        for file in manifest.disks.iter().map(|d| &d.file).chain(manifest.uefi_vars.iter().map(|v| &v.file)) {
+        let tpm = manifest.tpm.iter().flat_map(|t| &t.files);
+        for f in tpm.clone() {
+            sums.push_str(&format!("{}  {}\n", f.sha256, f.file));
+        }
+        let files = manifest.disks.iter().map(|d| &d.file).chain(manifest.uefi_vars.iter().map(|v| &v.file));
+        for file in files.chain(tpm.map(|f| &f.file)) {
             std::fs::File::open(self.dir.join(file))?.sync_all()?;
         }
         write_synced(&self.dir.join("SHA256SUMS"), sums.as_bytes())?;
@@ -777,6 +793,7 @@ pub(crate) mod tests {
             merged_from: None,
             changes: Vec::new(),
             uefi_vars: None,
+            tpm: None,
         }
     }
 

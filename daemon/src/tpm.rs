@@ -19,7 +19,9 @@
 //! 4. [`settle`] at daemon start: a recorded swtpm whose QEMU is gone is ended;
 //! 5. [`remove_state`] at the destroy.
 //!
-//! [`state_files`] names the state's files for snapshots and backups.
+//! [`state_files`] names the state's files; snapshots and backups copy them with [`read_state`]
+//! and a revert or an import puts a copy back with [`put_back_state`], both through the spawner
+//! ([`crate::sandbox::spawn::tpm_state_file`], [`crate::sandbox::spawn::tpm_state_place`]).
 //!
 //! ## Who can reach the state
 //!
@@ -36,9 +38,12 @@
 //! program the spawner starts is in a Landlock domain of its own, which keeps it out of the
 //! others' `/proc/PID/fd`. The files swtpm writes are `qemu.user`'s, mode 0600
 //! ([`STATE_FILE_MODE`]): the daemon (root without `CAP_DAC_OVERRIDE`) can remove them (it
-//! owns the directory) but not read them; a copy must be read by the spawner (which raises
-//! `CAP_DAC_READ_SEARCH` to open boot files), and putting a copy back must leave a file
-//! `qemu.user` owns, which only the spawner can make.
+//! owns the directory) but not read them. So a copy is read by the spawner, which raises
+//! `CAP_DAC_READ_SEARCH` for the one `openat` of a state file name in the directory descriptor
+//! the daemon hands it (`O_NOFOLLOW`, a regular file only), and a copy is put back by a child
+//! the spawner forks for it that becomes `qemu.user` first and writes, on the descriptors it was
+//! given, a temporary file renamed over the name: the file is `qemu.user`'s without any
+//! `CAP_CHOWN`, and the writer can do no more than swtpm itself could.
 
 use std::ffi::OsString;
 use std::io;
@@ -69,6 +74,9 @@ pub const STATE_FILE_MODE: u32 = 0o600;
 /// (after a migration). `.lock` is swtpm's lock file, not state.
 pub const STATE_FILE_NAMES: [&str; 3] = ["tpm2-00.permall", "tpm2-00.volatilestate", "tpm2-00.savestate"];
 
+/// The largest state file put back: swtpm's are a few KiB (its NV memory is 128 KiB at most).
+pub const MAX_STATE_FILE_BYTES: u64 = 16 << 20;
+
 /// Why swtpm could not be prepared or started.
 #[derive(Debug, thiserror::Error)]
 pub enum TpmError {
@@ -94,6 +102,15 @@ pub enum TpmError {
     /// swtpm could not be started (through the spawner or in-process).
     #[error("cannot start swtpm: {0}")]
     Spawn(#[source] io::Error),
+    /// A copy of the state (in a snapshot or a backup) could not be written, or is missing or
+    /// not what its record says (its sha256 or length differ).
+    #[error("TPM state copy {path}: {reason}")]
+    Copy {
+        /// The copy.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// The state could not be removed.
     #[error("cannot remove the TPM state {path}: {source}")]
     Remove {
@@ -125,7 +142,304 @@ pub fn state_dir(paths: &VmPaths) -> PathBuf {
 /// `qemu.user`'s, mode 0600, so the daemon reads them through the spawner (module doc).
 pub fn state_files(paths: &VmPaths) -> Vec<PathBuf> {
     let dir = state_dir(paths);
-    STATE_FILE_NAMES.iter().map(|n| dir.join(n)).filter(|p| p.is_file()).collect()
+    // Never through a link: a link named like a state file is not state.
+    STATE_FILE_NAMES
+        .iter()
+        .map(|n| dir.join(n))
+        .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+        .collect()
+}
+
+/// Whether `name` is one of [`STATE_FILE_NAMES`]: the only names the state requests open or
+/// write, so a request can name nothing else in the directory it is given.
+fn check_state_name(name: &str) -> io::Result<()> {
+    if STATE_FILE_NAMES.contains(&name) {
+        Ok(())
+    } else {
+        Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{name:?} is not a TPM state file name")))
+    }
+}
+
+/// Opens state file `name` (one of [`STATE_FILE_NAMES`]) in the state directory `dir` for
+/// reading, never through a link, and only a regular file. Run where the file can be read: the
+/// spawner with `CAP_DAC_READ_SEARCH` raised for this open (the files are `qemu.user`'s,
+/// 0600), or a daemon without a spawner.
+///
+/// # Errors
+/// `InvalidInput` for another name or a file that is not regular, the OS error of the open
+/// (`ELOOP` for a link, `NotFound` when there is none).
+pub fn open_state_file(dir: std::os::fd::BorrowedFd<'_>, name: &str) -> io::Result<OwnedFd> {
+    check_state_name(name)?;
+    let file = nix::fcntl::openat(
+        dir,
+        name,
+        nix::fcntl::OFlag::O_RDONLY
+            | nix::fcntl::OFlag::O_NOFOLLOW
+            | nix::fcntl::OFlag::O_CLOEXEC
+            | nix::fcntl::OFlag::O_NONBLOCK,
+        nix::sys::stat::Mode::empty(),
+    )?;
+    let meta = nix::sys::stat::fstat(&file)?;
+    if meta.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("TPM state {name:?} is not a regular file")));
+    }
+    Ok(file)
+}
+
+/// Writes the bytes of `data` (read from its start) as state file `name` in the state
+/// directory `dir`: a temporary file made there (never through a link), written, synced,
+/// given to `owner` when one is named (a daemon without a spawner, which may chown), and
+/// renamed over `name`, so swtpm finds the old file or the new one whole. The spawner runs it
+/// in a short-lived child already running as `qemu.user` ([`write_state_file_as`]), so the
+/// file is that user's without `CAP_CHOWN`.
+///
+/// # Errors
+/// `InvalidInput` for another name; the OS error of any step (the temporary file is removed).
+pub fn write_state_file(
+    dir: std::os::fd::BorrowedFd<'_>,
+    name: &str,
+    data: std::os::fd::BorrowedFd<'_>,
+    owner: Option<UserIds>,
+) -> io::Result<()> {
+    use nix::fcntl::OFlag;
+    use std::io::{Read, Seek, Write};
+    check_state_name(name)?;
+    // Never a pipe or a device: the spawner waits for the writer, which must not block.
+    let meta = nix::sys::stat::fstat(data)?;
+    if meta.st_mode & libc::S_IFMT != libc::S_IFREG || meta.st_size as u64 > MAX_STATE_FILE_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("a TPM state file's copy must be a regular file of at most {MAX_STATE_FILE_BYTES} bytes"),
+        ));
+    }
+    let dirfd = dir;
+    let temp = format!(".{name}.vmhost-restore");
+    let _ = nix::unistd::unlinkat(dirfd, temp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+    let raw = nix::fcntl::openat(
+        dirfd,
+        temp.as_str(),
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::from_bits_truncate(STATE_FILE_MODE),
+    )?;
+    let mut out = std::fs::File::from(raw);
+    let written = (|| {
+        let mut input = std::fs::File::from(data.try_clone_to_owned()?);
+        input.seek(io::SeekFrom::Start(0))?;
+        let mut bytes = Vec::new();
+        input.read_to_end(&mut bytes)?;
+        out.write_all(&bytes)?;
+        if let Some(u) = owner {
+            nix::unistd::fchown(&out, Some(u.uid.into()), Some(u.gid.into()))?;
+        }
+        nix::sys::stat::fchmod(&out, nix::sys::stat::Mode::from_bits_truncate(STATE_FILE_MODE))?;
+        out.sync_all()?;
+        nix::fcntl::renameat(dirfd, temp.as_str(), dirfd, name)?;
+        nix::unistd::fsync(dirfd)?;
+        Ok::<_, io::Error>(())
+    })();
+    if written.is_err() {
+        let _ = nix::unistd::unlinkat(dirfd, temp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+    }
+    written
+}
+
+/// [`write_state_file`] in a child process forked for it that first becomes `user` (no
+/// supplementary groups): the file it makes is that user's, and it can reach no more than that
+/// user may. For a single-threaded process (the spawner), which waits for the child.
+///
+/// # Errors
+/// The fork or the wait failed, or the child's errno (as an `io::Error`).
+pub fn write_state_file_as(
+    dir: std::os::fd::BorrowedFd<'_>,
+    name: &str,
+    data: std::os::fd::BorrowedFd<'_>,
+    user: UserIds,
+) -> io::Result<()> {
+    check_state_name(name)?;
+    // SAFETY: the caller is single-threaded (module doc of the spawner), so the child may do
+    // anything the parent could; it leaves with _exit, running no destructors of the parent's.
+    match unsafe { nix::unistd::fork() }? {
+        nix::unistd::ForkResult::Child => {
+            let result = (|| {
+                nix::unistd::setgroups(&[])?;
+                nix::unistd::setresgid(user.gid.into(), user.gid.into(), user.gid.into())?;
+                nix::unistd::setresuid(user.uid.into(), user.uid.into(), user.uid.into())?;
+                write_state_file(dir, name, data, None)
+            })();
+            let code = match result {
+                Ok(()) => 0,
+                Err(e) => e.raw_os_error().unwrap_or(libc::EIO).clamp(1, 255),
+            };
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(code) }
+        }
+        nix::unistd::ForkResult::Parent { child } => loop {
+            match nix::sys::wait::waitpid(child, None) {
+                Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => return Ok(()),
+                Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => return Err(io::Error::from_raw_os_error(code)),
+                Ok(other) => return Err(io::Error::other(format!("the TPM state writer ended: {other:?}"))),
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        },
+    }
+}
+
+/// The VM's state directory opened for the state requests (`O_DIRECTORY | O_NOFOLLOW`), `None`
+/// when the VM has none (never started with a TPM).
+fn open_existing_state_dir(paths: &VmPaths) -> Result<Option<OwnedFd>, TpmError> {
+    let dir = state_dir(paths);
+    match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW).open(&dir) {
+        Ok(f) => Ok(Some(f.into())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TpmError::StateDir { path: dir, source }),
+    }
+}
+
+/// Reads the VM's TPM state (a snapshot or a backup keeps it): each of [`STATE_FILE_NAMES`]
+/// that exists, by name with its bytes, opened by the spawner ([`crate::sandbox::spawn::tpm_state_file`]).
+/// swtpm writes each file whole as a temporary file renamed into place, so a file opened while
+/// swtpm runs is one whole version of it (a running VM's copy is crash-consistent, taken just
+/// after its disks'). Empty when the VM has no state.
+///
+/// # Errors
+/// [`TpmError::StateDir`] when the directory or a file cannot be opened or read.
+pub async fn read_state(paths: &VmPaths) -> Result<Vec<(String, Vec<u8>)>, TpmError> {
+    use std::io::Read;
+    let Some(dir) = open_existing_state_dir(paths)? else { return Ok(Vec::new()) };
+    let failed = |source: io::Error| TpmError::StateDir { path: state_dir(paths), source };
+    let mut files = Vec::new();
+    for name in STATE_FILE_NAMES {
+        let dup = dir.try_clone().map_err(failed)?;
+        let fd = match spawn::tpm_state_file(dup, name).await {
+            Ok(fd) => fd,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(failed(e)),
+        };
+        let bytes = crate::blocking::run(|| {
+            let mut bytes = Vec::new();
+            std::fs::File::from(fd).read_to_end(&mut bytes).map(|_| bytes)
+        })
+        .map_err(failed)?;
+        files.push((name.to_string(), bytes));
+    }
+    Ok(files)
+}
+
+/// Puts TPM state back (a revert, an import): each of `files` (a name of [`STATE_FILE_NAMES`]
+/// and an open copy of its bytes) written as a file `user` owns ([`write_state_file`], through
+/// the spawner), then every other state file removed, so the directory holds exactly that
+/// state. The VM's swtpm must not run. The directory is made when missing.
+///
+/// # Errors
+/// [`TpmError::StateDir`].
+pub async fn put_back_state(
+    paths: &VmPaths,
+    files: Vec<(String, OwnedFd)>,
+    user: Option<UserIds>,
+) -> Result<(), TpmError> {
+    let dir = prepare_state_dir(paths)?;
+    let failed = |source: io::Error| TpmError::StateDir { path: state_dir(paths), source };
+    let mut kept = Vec::new();
+    for (name, data) in files {
+        let dup = dir.try_clone().map_err(failed)?;
+        spawn::tpm_state_place(dup, &name, data, user).await.map_err(failed)?;
+        kept.push(name);
+    }
+    for name in STATE_FILE_NAMES {
+        if kept.iter().any(|k| k == name) {
+            continue;
+        }
+        match nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir) {
+            Ok(()) | Err(nix::errno::Errno::ENOENT) => {}
+            Err(e) => return Err(failed(e.into())),
+        }
+    }
+    Ok(())
+}
+
+/// The name of a state file's copy in a snapshot's or a backup's directory.
+pub fn copy_name(name: &str) -> String {
+    format!("tpm-{name}")
+}
+
+/// Copies the VM's TPM state ([`read_state`]) into `dir` (a snapshot's or a backup's
+/// directory: root's files, 0600, synced) and returns its record; `None` when the VM has no
+/// state yet.
+///
+/// # Errors
+/// [`TpmError::StateDir`] (reading), [`TpmError::Copy`] (writing).
+pub async fn copy_state_into(paths: &VmPaths, dir: &Path) -> Result<Option<crate::api::snapshots::TpmCopy>, TpmError> {
+    use std::io::Write;
+    let files = read_state(paths).await?;
+    if files.is_empty() {
+        return Ok(None);
+    }
+    let mut record = Vec::new();
+    for (name, bytes) in files {
+        let file = copy_name(&name);
+        let path = dir.join(&file);
+        let failed = |e: io::Error| TpmError::Copy { path: path.clone(), reason: e.to_string() };
+        crate::blocking::run(|| {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)?;
+            f.write_all(&bytes)?;
+            f.sync_all()
+        })
+        .map_err(failed)?;
+        record.push(crate::api::snapshots::TpmFile {
+            name,
+            file,
+            bytes: bytes.len() as u64,
+            sha256: crate::agent::exec::files::sha256(&bytes),
+        });
+    }
+    Ok(Some(crate::api::snapshots::TpmCopy { files: record }))
+}
+
+/// Opens each file of the copy `copy` in `dir` and checks it against its record (length and
+/// sha256), before anything is put back; returns them for [`put_back_state`].
+///
+/// # Errors
+/// [`TpmError::Copy`]: a name that is not a state file's, a copy missing, unreadable or not
+/// what was recorded.
+pub fn open_checked_copy(
+    dir: &Path,
+    copy: &crate::api::snapshots::TpmCopy,
+) -> Result<Vec<(String, OwnedFd)>, TpmError> {
+    use std::io::{Read, Seek};
+    let mut out = Vec::new();
+    for f in &copy.files {
+        let path = dir.join(&f.file);
+        let bad = |reason: String| TpmError::Copy { path: path.clone(), reason };
+        if check_state_name(&f.name).is_err() || f.file != copy_name(&f.name) {
+            return Err(bad(format!("{:?} is not a TPM state file's copy", f.file)));
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(|e| bad(e.to_string()))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes).map_err(|e| bad(e.to_string()))?;
+        let sha = crate::agent::exec::files::sha256(&bytes);
+        if bytes.len() as u64 != f.bytes || sha != f.sha256 {
+            return Err(bad(format!(
+                "{} bytes, sha256 {sha}; recorded {} bytes, sha256 {}",
+                bytes.len(),
+                f.bytes,
+                f.sha256
+            )));
+        }
+        file.rewind().map_err(|e| bad(e.to_string()))?;
+        out.push((f.name.clone(), file.into()));
+    }
+    Ok(out)
 }
 
 /// Whether `swtpm` is an executable regular file.
@@ -381,6 +695,79 @@ mod tests {
         std::fs::create_dir_all(&p.disk_dir).unwrap();
         std::os::unix::fs::symlink("/tmp", state_dir(&p)).unwrap();
         assert!(matches!(prepare_state_dir(&p), Err(TpmError::StateDir { .. })));
+    }
+
+    #[test]
+    fn state_files_are_read_and_written_by_name_in_the_directory_never_through_links() {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = paths(d.path());
+        let dir = prepare_state_dir(&p).unwrap();
+        let state = state_dir(&p);
+        // A link named like a state file is neither listed nor opened.
+        std::os::unix::fs::symlink("/etc/hostname", state.join("tpm2-00.permall")).unwrap();
+        assert!(state_files(&p).is_empty());
+        assert_eq!(open_state_file(dir.as_fd(), "tpm2-00.permall").unwrap_err().raw_os_error(), Some(libc::ELOOP));
+        // Only the state's names.
+        assert_eq!(open_state_file(dir.as_fd(), "../x").unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        let src = d.path().join("copy");
+        std::fs::write(&src, b"persistent").unwrap();
+        let data = std::fs::File::open(&src).unwrap();
+        assert_eq!(
+            write_state_file(dir.as_fd(), ".lock", data.as_fd(), None).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+        // Written over the link (renamed over it, not through it), with the state's mode and the
+        // owner asked for.
+        let owner = UserIds { uid: 4321, gid: 4322 };
+        write_state_file(dir.as_fd(), "tpm2-00.permall", data.as_fd(), Some(owner)).unwrap();
+        let m = std::fs::symlink_metadata(state.join("tpm2-00.permall")).unwrap();
+        assert!(m.is_file());
+        assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (4321, 4322, STATE_FILE_MODE));
+        assert_eq!(state_files(&p), [state.join("tpm2-00.permall")]);
+        let mut read = String::new();
+        std::io::Read::read_to_string(
+            &mut std::fs::File::from(open_state_file(dir.as_fd(), "tpm2-00.permall").unwrap()),
+            &mut read,
+        )
+        .unwrap();
+        assert_eq!(read, "persistent");
+        // A child as another user writes a file that user owns.
+        write_state_file_as(dir.as_fd(), "tpm2-00.volatilestate", data.as_fd(), owner).unwrap();
+        let m = std::fs::metadata(state.join("tpm2-00.volatilestate")).unwrap();
+        assert_eq!((m.uid(), m.gid()), (4321, 4322));
+        assert!(std::fs::read_dir(&state)
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().contains("restore")));
+    }
+
+    #[tokio::test]
+    async fn a_copy_is_taken_checked_and_put_back_and_a_changed_copy_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = paths(d.path());
+        let snap = d.path().join("snap");
+        std::fs::create_dir(&snap).unwrap();
+        assert_eq!(copy_state_into(&p, &snap).await.unwrap(), None, "no state yet");
+        prepare_state_dir(&p).unwrap();
+        let state = state_dir(&p);
+        std::fs::write(state.join("tpm2-00.permall"), b"v1").unwrap();
+        let copy = copy_state_into(&p, &snap).await.unwrap().unwrap();
+        assert_eq!(copy.files.len(), 1);
+        assert_eq!(copy.files[0].file, "tpm-tpm2-00.permall");
+        assert_eq!(copy.files[0].bytes, 2);
+        std::fs::write(state.join("tpm2-00.permall"), b"v2 longer").unwrap();
+        std::fs::write(state.join("tpm2-00.volatilestate"), b"later").unwrap();
+        let files = open_checked_copy(&snap, &copy).unwrap();
+        put_back_state(&p, files, None).await.unwrap();
+        assert_eq!(std::fs::read(state.join("tpm2-00.permall")).unwrap(), b"v1");
+        assert!(!state.join("tpm2-00.volatilestate").exists(), "state the copy has not is removed");
+        std::fs::write(snap.join("tpm-tpm2-00.permall"), b"v3").unwrap();
+        assert!(matches!(open_checked_copy(&snap, &copy), Err(TpmError::Copy { .. })));
+        let mut odd = copy.clone();
+        odd.files[0].file = "../x".into();
+        assert!(matches!(open_checked_copy(&snap, &odd), Err(TpmError::Copy { .. })));
     }
 
     #[test]

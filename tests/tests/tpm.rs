@@ -239,3 +239,100 @@ fn a_daemon_killed_once_swtpm_runs_leaves_no_swtpm_and_a_failed_vm_that_starts()
     assert!(processes_of(&swtpm).is_empty());
     assert!(!host.state().join("disks/tpm").exists());
 }
+
+/// The sha256 (hex) of a file the test reads as root.
+fn sha256_of(path: &Path) -> String {
+    let out = std::process::Command::new("sha256sum").arg(path).output().unwrap();
+    assert!(out.status.success(), "sha256sum {}", path.display());
+    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
+}
+
+/// A snapshot keeps the TPM state (snapshot.json's `tpm`, each file with its sha256) and a
+/// revert puts it back: the guest's reset count after the revert is at most the one the boot
+/// after the snapshot showed, not a larger one, and the files put back are QEMU's user's again
+/// (swtpm loads them: the guest finds its TPM). Then a backup of the running VM, imported on a
+/// second vmhostd, boots with the same TPM (its count goes on from the last boot).
+#[test]
+fn a_snapshot_keeps_the_tpm_state_and_a_revert_puts_it_back() {
+    let host = TestHost::start(HostOptions::default());
+    let mut spec = host.kernel_spec("tpm");
+    spec["tpm"] = true.into();
+    let vm = host.call("vm.create", json!({ "spec": spec }));
+    assert_eq!(vm["vm"]["status"], "running", "{vm}");
+    host.wait_serial_count("tpm", "VMHOST-TPM present", 1, BOOT);
+    assert!(host.wait_serial("tpm", GUEST_READY, BOOT));
+
+    // Of the running VM: swtpm's files read while it runs.
+    host.call("vm.snapshot", json!({"name": "tpm", "snapshot": "s1"}));
+    let dir = host.state().join("snapshots/tpm/s1");
+    let record: Value = serde_json::from_slice(&fs::read(dir.join("snapshot.json")).unwrap()).unwrap();
+    let files = record["tpm"]["files"].as_array().unwrap_or_else(|| panic!("no tpm entry: {record}")).clone();
+    let permall = files.iter().find(|f| f["name"] == "tpm2-00.permall").expect("the persistent state");
+    assert_eq!(permall["file"], "tpm-tpm2-00.permall");
+    let copy = dir.join("tpm-tpm2-00.permall");
+    assert_eq!(permall["sha256"].as_str().unwrap(), sha256_of(&copy));
+    assert_eq!(permall["bytes"].as_u64().unwrap(), fs::metadata(&copy).unwrap().len());
+    let kept = fs::read(&copy).unwrap();
+
+    // Two more boots: the count grows.
+    host.call("vm.restart", json!({"name": "tpm", "timeout_s": 1, "force": true}));
+    host.wait_serial_count("tpm", "VMHOST-TPM present", 2, BOOT);
+    let counts = reset_counts(&host, "tpm");
+    assert!(counts[1] > counts[0], "{counts:?}");
+    host.call("vm.stop", json!({"name": "tpm", "timeout_s": 1, "force": true}));
+    let state = host.state().join("disks/tpm/tpm/tpm2-00.permall");
+    wait::until_true(
+        "swtpm to let go",
+        Duration::from_secs(10),
+        || fs::read(&state).is_ok_and(|now| now != kept),
+        || "the state did not change after the snapshot".into(),
+    );
+
+    // The revert: the state is the snapshot's again, QEMU's user's, 0600.
+    host.call("vm.revert", json!({"name": "tpm", "snapshot": "s1"}));
+    assert_eq!(fs::read(&state).unwrap(), kept, "the TPM state put back");
+    let uid = nix::unistd::User::from_name(QEMU_USER).unwrap().expect("the test's QEMU user").uid.as_raw();
+    let m = fs::metadata(&state).unwrap();
+    assert_eq!((m.uid(), m.mode() & 0o7777), (uid, 0o600));
+    let leftovers: Vec<_> = fs::read_dir(state.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains("vmhost-restore"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // The next boot meets the snapshot's TPM: the count the boot after the snapshot showed.
+    host.call("vm.start", json!({"name": "tpm"}));
+    host.wait_serial_count("tpm", "VMHOST-TPM present", 3, BOOT);
+    let counts = reset_counts(&host, "tpm");
+    assert!(counts[2] > counts[0] && counts[2] <= counts[1], "the revert did not put back the TPM: {counts:?}");
+
+    // A backup of the running VM holds the state (manifest, SHA256SUMS); imported on another
+    // vmhostd, the VM's first boot there meets the same TPM: its count goes on.
+    let export = host.call("vm.export", json!({"name": "tpm"}));
+    let m = &export["manifest"];
+    let files = m["tpm"]["files"].as_array().unwrap_or_else(|| panic!("no tpm entry: {m}"));
+    assert!(files.iter().any(|f| f["file"] == "tpm-tpm2-00.permall"), "{m}");
+    let backup = export["backup"].as_str().unwrap().to_string();
+    let from = host.state().join("backups").join(&backup);
+    let sums = fs::read_to_string(from.join("SHA256SUMS")).unwrap();
+    assert!(sums.contains("  tpm-tpm2-00.permall\n"), "{sums}");
+    let check =
+        std::process::Command::new("sha256sum").args(["--check", "--quiet", "SHA256SUMS"]).current_dir(&from).status();
+    assert!(check.unwrap().success());
+    let other = TestHost::start(HostOptions::default());
+    let to = other.state().join("backups").join(&backup);
+    fs::create_dir_all(&to).unwrap();
+    for e in fs::read_dir(&from).unwrap().flatten() {
+        fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    let v = other.call("vm.import", json!({"backup": backup}));
+    assert_eq!(v["vm"]["status"], "running", "{v}");
+    let state = other.state().join("disks/tpm/tpm/tpm2-00.permall");
+    assert_ne!(fs::metadata(&state).unwrap().uid(), 0, "QEMU's user's");
+    other.wait_serial_count("tpm", "VMHOST-TPM present", 1, BOOT);
+    let there = reset_counts(&other, "tpm");
+    assert!(there[0] > counts[2], "the imported VM met a new TPM: {there:?} after {counts:?}");
+    other.call("vm.destroy", json!({"name": "tpm"}));
+    host.call("vm.destroy", json!({"name": "tpm"}));
+}

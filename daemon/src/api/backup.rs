@@ -167,6 +167,10 @@ pub struct Manifest {
     /// A UEFI VM's variables store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uefi_vars: Option<VarsCopy>,
+    /// A `tpm: true` VM's TPM state (swtpm's files, `tpm-NAME`), put back by an import before
+    /// the VM first starts. Absent for VMs without TPM state and in older backups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<crate::api::snapshots::TpmCopy>,
 }
 
 /// Result of `vm.export`.

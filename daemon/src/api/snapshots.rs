@@ -164,6 +164,32 @@ pub struct Snapshot {
     /// A UEFI VM's variables store (boot entries, Secure Boot keys): a copy, put back by a revert.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uefi_vars: Option<VarsCopy>,
+    /// A `tpm: true` VM's TPM state (swtpm's files): copies, put back by a revert. Absent in
+    /// snapshots of VMs without TPM state and in those taken before vmhostd kept it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<TpmCopy>,
+}
+
+/// The copy of a VM's TPM state in a snapshot or a backup: swtpm's state files.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TpmCopy {
+    /// Each state file the TPM had ([`crate::tpm::STATE_FILE_NAMES`]).
+    pub files: Vec<TpmFile>,
+}
+
+/// One TPM state file's copy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TpmFile {
+    /// swtpm's name for it (`tpm2-00.permall`, ...).
+    pub name: String,
+    /// The copy in the snapshot's or backup's directory (`tpm-NAME`).
+    pub file: String,
+    /// Its length in bytes.
+    pub bytes: u64,
+    /// Its sha256, lower-case hex.
+    pub sha256: String,
 }
 
 /// How a snapshot keeps a disk.

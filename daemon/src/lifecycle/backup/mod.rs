@@ -115,6 +115,15 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
         Some(path) => seal_vars(&mgr.paths(&spec.name).uefi_vars(), path, live)?,
         None => None,
     };
+    // Whole in every backup (a few KiB); of a running VM crash-consistent, read just after the
+    // disks' copies began (swtpm writes each file whole, renamed into place).
+    let tpm = if spec.tpm {
+        crate::tpm::copy_state_into(&mgr.paths(&spec.name), partial.dir())
+            .await
+            .map_err(|e| super::provisioning("export", format!("copying the TPM state: {e}")))?
+    } else {
+        None
+    };
     let (kind, parent_ref) = incremental::kind_of(&changes, parent.as_ref());
     let manifest = Manifest {
         format: crate::backup::FORMAT.into(),
@@ -135,6 +144,7 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
         disks: entries,
         changes,
         uefi_vars,
+        tpm,
     };
     let backup = partial.name().to_string();
     let path = partial.finish(&manifest)?;
@@ -152,6 +162,37 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
     }
     drop(op);
     Ok(ExportResult { backup, path, manifest })
+}
+
+/// Puts an imported VM's TPM state `files` (checked against the manifest before anything was
+/// written) back as `qemu.user`'s files, before the VM first starts; then starts it when
+/// `start` says running (`None`: the variables store goes in next and starts it). On a failure
+/// the VM goes again (the import leaves nothing).
+///
+/// # Errors
+/// 4001 `step: import`, what `vm.start` returns.
+async fn place_tpm(
+    mgr: &Arc<Manager>,
+    name: &str,
+    files: Vec<(String, OwnedFd)>,
+    start: Option<crate::api::DesiredState>,
+) -> Result<crate::api::Mutation, ApiError> {
+    let placed = async {
+        crate::tpm::put_back_state(&mgr.paths(name), files, mgr.config.qemu_user)
+            .await
+            .map_err(|e| super::provisioning("import", format!("putting back the TPM state: {e}")))?;
+        if start == Some(crate::api::DesiredState::Running) {
+            return super::ops::start(mgr, name).await;
+        }
+        Ok(crate::api::Mutation::new(true, Some(mgr.get(name)?)))
+    }
+    .await;
+    if placed.is_err() {
+        if let Err(e) = super::ops::destroy(mgr, name).await {
+            tracing::warn!(vm = %name, error = %e, "cannot remove the VM of a failed import");
+        }
+    }
+    placed
 }
 
 /// The UEFI variables store's copy at `copy` (a running VM's, made by its QEMU) or, for a
@@ -244,6 +285,12 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
     let room = crate::disk::space::reserve_copy_room(&mgr.reservations, &import_dir, &files, "backup")?;
     // Every file of the chain is what its manifest says before anything is written.
     chain::verify(&layers, manifest.uefi_vars.as_ref().map(|v| (dir.as_path(), v)))?;
+    let tpm = match &manifest.tpm {
+        Some(copy) => Some(crate::blocking::run(|| crate::tpm::open_checked_copy(&dir, copy)).map_err(|e| {
+            ApiError::new(crate::api::Code::ChecksumMismatch, format!("{e}; nothing imported")).field("backup")
+        })?),
+        None => None,
+    };
     let mut placed = Placed { files: Vec::new(), dirs: Vec::new() };
     // Every disk is made under a temp name in the import directory (removed at the next
     // start after a crash) and inspected; only then are they renamed into place.
@@ -272,8 +319,9 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
         placed.files.push(dest.to_path_buf());
     }
     let wanted = spec.state;
-    if manifest.uefi_vars.is_some() {
-        // The store goes in before the VM first starts (a start would copy the template).
+    if manifest.uefi_vars.is_some() || tpm.is_some() {
+        // The store and the TPM state go in before the VM first starts (a start would copy the
+        // template, or make a new TPM).
         spec.state = crate::api::DesiredState::Stopped;
     }
     // The copies are on the file system now: the create's own admission sees them there.
@@ -281,6 +329,9 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
     let name = spec.name.clone();
     let ours = spec.clone();
     let mut result = super::ops::create(mgr, spec).await;
+    if let (Ok(_), Some(files)) = (&result, tpm) {
+        result = place_tpm(mgr, &name, files, manifest.uefi_vars.is_none().then_some(wanted)).await;
+    }
     if let (Ok(_), Some(vars)) = (&result, &manifest.uefi_vars) {
         result = chain::place_vars(mgr, &name, &dir, vars, wanted).await;
     }

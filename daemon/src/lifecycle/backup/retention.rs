@@ -124,6 +124,11 @@ async fn merge(mgr: &Arc<Manager>, name: &str) -> Result<(), ApiError> {
         let (from, to) = (last.dir.join(&v.file), partial.dir().join(&v.file));
         crate::blocking::run(|| std::fs::copy(&from, &to)).map_err(FileError::file("prune", "copy", &to))?;
     }
+    // The TPM state is whole in every backup, incremental ones too: the increment's own copy.
+    for f in manifest.tpm.iter().flat_map(|t| &t.files) {
+        let (from, to) = (last.dir.join(&f.file), partial.dir().join(&f.file));
+        crate::blocking::run(|| std::fs::copy(&from, &to)).map_err(FileError::file("prune", "copy", &to))?;
+    }
     manifest.kind = Some(BackupKind::Full);
     manifest.parent = None;
     manifest.merged_from = Some(last.manifest_sha256.clone());

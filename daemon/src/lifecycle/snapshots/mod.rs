@@ -473,6 +473,7 @@ mod tests {
             internal: Vec::new(),
             excluded: Vec::new(),
             uefi_vars: None,
+            tpm: None,
         }
     }
 

@@ -7,7 +7,9 @@
 //! until a revert completes; `revert:recorded`); the qcow2 disks loaded back to the snapshot's
 //! tag in one offline session ([`crate::disk::internal_snapshots::revert`], which removes the
 //! `vmhost-*` change-tracking bitmaps first; `revert:loaded`); the copies renamed over their
-//! files; the intent cleared in the same record update that puts back the cloud-init instance
+//! files; a `tpm: true` VM's TPM state put back (its copies checked with the others, written
+//! as `qemu.user`'s files through the spawner, [`crate::tpm::put_back_state`]; a snapshot
+//! without TPM state leaves the VM's as it is); the intent cleared in the same record update that puts back the cloud-init instance
 //! id the snapshot recorded and whether the disks are clean. Running it again after a crash
 //! anywhere does the same. Newer snapshots stay: internal snapshots are independent of each
 //! other and of the disk's current state.
@@ -108,12 +110,28 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
         };
         temps.push((put_next_to(&checked, &entry, &vars_file)?, vars_file.clone()));
     }
+    // The TPM state's copies checked before anything changes, put back after the disks.
+    let tpm = match &snapshot.tpm {
+        Some(copy) => {
+            let opened = crate::blocking::run(|| crate::tpm::open_checked_copy(&from, copy)).map_err(|e| {
+                ApiError::new(Code::ChecksumMismatch, format!("snapshot {:?}: {e}; nothing reverted", p.snapshot))
+                    .field("snapshot")
+            })?;
+            Some(opened)
+        }
+        None => None,
+    };
     mgr.update(&p.name, "vm.revert", |r| r.start_revert(&p.snapshot))?;
     mgr.crashpoint("revert:recorded");
     load_internal(mgr, &p.name, &internal, &snapshot, within).await?;
     mgr.crashpoint("revert:loaded");
     for (temp, file) in temps {
         temp.replace(&file).map_err(|source| FileError::PutBack { step: STEP.into(), path: file, source })?;
+    }
+    if let Some(files) = tpm {
+        crate::tpm::put_back_state(&mgr.paths(&p.name), files, mgr.config.qemu_user)
+            .await
+            .map_err(|e| failed(format!("putting back the TPM state: {e}")))?;
     }
     // The disks and the instance id their guest booted with go back together.
     mgr.update(&p.name, "vm.revert", |r| complete_revert(r, &snapshot))?;

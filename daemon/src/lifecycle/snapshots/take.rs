@@ -7,7 +7,8 @@
 //! tag that may exist; the internal snapshots and the copies made (a running VM: one
 //! transaction in its QEMU, [`super::super::live_copy`]; a stopped VM: the raw files and the
 //! variables store read, then the qcow2 files tagged in an offline session) (`snapshot:tagged`);
-//! the copies' sha256 into the record, rewritten; the directory renamed to `NAME`. A failure
+//! the copies' sha256 into the record, a `tpm: true` VM's TPM state copied through the spawner
+//! ([`crate::tpm::copy_state_into`]), the record rewritten; the directory renamed to `NAME`. A failure
 //! after the record deletes the tags again and removes the directory; when even that fails the
 //! directory stays for [`super::recover`].
 
@@ -98,6 +99,7 @@ pub(crate) async fn snapshot(mgr: &Arc<Manager>, p: TakeSnapshotParams) -> Resul
             .collect(),
         excluded,
         uefi_vars: None,
+        tpm: None,
     };
     // Before any tag exists: a crash from here on leaves the tags named.
     if let Err(e) = write_record(&partial, &snapshot) {
@@ -203,6 +205,13 @@ impl Job<'_> {
         if let Some(v) = vars.as_mut() {
             seal_copies(partial, std::slice::from_mut(v), STEP)?;
             snapshot.uefi_vars = Some(VarsCopy { file: v.file.clone(), bytes: v.bytes, sha256: v.sha256.clone() });
+        }
+        // After the disks: of a running VM a crash-consistent copy (swtpm writes each file
+        // whole and renames it into place, so each file read is one whole version of it).
+        if snapshot.spec.tpm {
+            snapshot.tpm = crate::tpm::copy_state_into(&mgr.paths(&snapshot.spec.name), partial)
+                .await
+                .map_err(|e| failed(format!("copying the TPM state: {e}")))?;
         }
         snapshot.consistency = Some(made.consistency);
         snapshot.reason = made.reason;

@@ -69,7 +69,7 @@ mod wire;
 
 pub use crate::config::UserIds;
 pub use client::{has_spawner, Child, Command, Pipe};
-pub use requests::{boot_file, kvm_access, vfio_node, VFIO_NODE_MODES};
+pub use requests::{boot_file, kvm_access, tpm_state_file, tpm_state_place, vfio_node, VFIO_NODE_MODES};
 pub(crate) use server::serve;
 pub use server::{Allowlist, MODPROBE};
 pub(crate) use setup::become_user;

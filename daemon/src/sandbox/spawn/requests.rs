@@ -1,5 +1,7 @@
 //! The spawner's requests besides `run`: opening a boot file, probing `/dev/kvm` as QEMU's
-//! user, and handing a VFIO group node to QEMU's group and back.
+//! user, handing a VFIO group node to QEMU's group and back, and reading and putting back a
+//! TPM's state files ([`tpm_state_file`], [`tpm_state_place`]: snapshots, backups, reverts,
+//! imports).
 //!
 //! Each is one async function for the lifecycle and preflight to call: [`boot_file`] (the
 //! check before a launch, then the sealed copy QEMU gets), [`kvm_access`] (at start), and
@@ -124,6 +126,55 @@ pub async fn kvm_access(user: Option<UserIds>) -> io::Result<crate::qemu::kvm::A
         return Err(e);
     }
     answer.access.ok_or_else(|| io::Error::other("spawner reply without access"))
+}
+
+/// Opens TPM state file `name` in the state directory `dir` for reading
+/// ([`crate::tpm::open_state_file`]): in the spawner, which raises `CAP_DAC_READ_SEARCH` for
+/// that open (the file is `qemu.user`'s, mode 0600), or in-process without one.
+///
+/// # Errors
+/// As [`crate::tpm::open_state_file`] (`NotFound` when there is no such file), or the
+/// spawner is gone.
+pub async fn tpm_state_file(dir: OwnedFd, name: &str) -> io::Result<OwnedFd> {
+    let Some(control) = spawner() else {
+        let name = name.to_string();
+        return tokio::task::spawn_blocking(move || {
+            use std::os::fd::AsFd;
+            crate::tpm::open_state_file(dir.as_fd(), &name)
+        })
+        .await
+        .map_err(io::Error::other)?;
+    };
+    let reply = send_request(control, &Request::TpmStateFile { name: name.to_string() }, vec![dir]).await?;
+    let (answer, mut fds) = next_message(&reply, &mut Vec::new()).await?;
+    if let Some(e) = reply_error(&answer) {
+        return Err(e);
+    }
+    fds.pop().ok_or_else(|| io::Error::other("the spawner sent no TPM state file"))
+}
+
+/// Writes the bytes of `data` as TPM state file `name` in the state directory `dir`, a file
+/// `user` owns ([`crate::tpm::write_state_file`]): in the spawner by a child that becomes
+/// `qemu.user` first, or in-process without one (chowned to `user`).
+///
+/// # Errors
+/// As [`crate::tpm::write_state_file`], or the spawner is gone.
+pub async fn tpm_state_place(dir: OwnedFd, name: &str, data: OwnedFd, user: Option<UserIds>) -> io::Result<()> {
+    let Some(control) = spawner() else {
+        let name = name.to_string();
+        return tokio::task::spawn_blocking(move || {
+            use std::os::fd::AsFd;
+            crate::tpm::write_state_file(dir.as_fd(), &name, data.as_fd(), user)
+        })
+        .await
+        .map_err(io::Error::other)?;
+    };
+    let reply = send_request(control, &Request::TpmStatePlace { name: name.to_string() }, vec![dir, data]).await?;
+    let (answer, _) = next_message(&reply, &mut Vec::new()).await?;
+    if let Some(e) = reply_error(&answer) {
+        return Err(e);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

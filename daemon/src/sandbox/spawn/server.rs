@@ -178,6 +178,36 @@ pub(crate) fn serve(control: OwnedFd, allow: &Allowlist, ambient_sys_module: boo
                     Err(e) => send_reply(&reply, &failed(e), None),
                 }
             }
+            Request::TpmStateFile { name } => {
+                let opened = match fds.first() {
+                    Some(dir) => crate::sandbox::caps::with_effective(::caps::Capability::CAP_DAC_READ_SEARCH, || {
+                        crate::tpm::open_state_file(std::os::fd::AsFd::as_fd(dir), &name)
+                    }),
+                    None => Err(io::Error::new(io::ErrorKind::InvalidInput, "no state directory passed")),
+                };
+                match opened {
+                    Ok(fd) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, Some(&fd)),
+                    Err(e) => send_reply(&reply, &failed(e), None),
+                }
+            }
+            Request::TpmStatePlace { name } => {
+                use std::os::fd::AsFd;
+                let placed = match (fds.first(), fds.get(1), allow.run_as.first().map(|(_, u)| *u)) {
+                    (Some(dir), Some(data), Some(user)) => {
+                        crate::tpm::write_state_file_as(dir.as_fd(), &name, data.as_fd(), user)
+                    }
+                    (Some(dir), Some(data), None) => {
+                        crate::tpm::write_state_file(dir.as_fd(), &name, data.as_fd(), None)
+                    }
+                    _ => {
+                        Err(io::Error::new(io::ErrorKind::InvalidInput, "a state directory and a file must be passed"))
+                    }
+                };
+                match placed {
+                    Ok(()) => send_reply(&reply, &Reply { ok: Some(true), ..Reply::default() }, None),
+                    Err(e) => send_reply(&reply, &failed(e), None),
+                }
+            }
             Request::VfioNode { group, gid, mode } => {
                 let changed = if allow.vfio_nodes {
                     crate::sandbox::caps::with_effective(::caps::Capability::CAP_CHOWN, || {

@@ -64,6 +64,19 @@ pub(super) enum Request {
     },
     /// Whether QEMU's user, with the groups QEMU gets, can open `/dev/kvm`.
     KvmAccess,
+    /// Open TPM state file `name` ([`crate::tpm::STATE_FILE_NAMES`]) in the state directory
+    /// passed after the reply socket, with `CAP_DAC_READ_SEARCH` raised for the open
+    /// ([`crate::tpm::open_state_file`]); the reply's `ok` carries it.
+    TpmStateFile {
+        /// The file's name in the directory.
+        name: String,
+    },
+    /// Write the bytes of the file passed second as TPM state file `name` in the state
+    /// directory passed first, as `qemu.user` ([`crate::tpm::write_state_file_as`]).
+    TpmStatePlace {
+        /// The file's name in the directory.
+        name: String,
+    },
     /// Give the VFIO group node `/dev/vfio/GROUP` group `gid` and permission bits `mode`
     /// (within [`super::VFIO_NODE_MODES`]); the reply's `node` is what it had before.
     VfioNode {

@@ -732,6 +732,7 @@ mod tests {
             internal: Vec::new(),
             excluded: Vec::new(),
             uefi_vars: None,
+            tpm: None,
         };
         let files = vec![
             file(&format!("snapshot:{name}/snapshot.json"), 100),
