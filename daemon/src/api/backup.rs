@@ -87,17 +87,8 @@ pub struct DiskChange {
     pub full_reason: Option<String>,
 }
 
-/// A UEFI VM's variables store in a backup.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VarsCopy {
-    /// Always `uefi-vars.fd`.
-    pub file: String,
-    /// Its size in bytes.
-    pub bytes: u64,
-    /// Its sha256, lower-case hex.
-    pub sha256: String,
-}
+/// A UEFI VM's variables store in a backup: the same record as in a snapshot.
+pub use super::snapshots::VarsCopy;
 
 /// Params of `vm.import`.
 #[derive(Debug, Clone, Serialize, Deserialize)]

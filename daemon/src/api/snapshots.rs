@@ -217,7 +217,7 @@ pub struct InternalDisk {
     pub tag: String,
 }
 
-/// The copy of a UEFI VM's variables store in a snapshot.
+/// The copy of a UEFI VM's variables store in a snapshot or a backup (`uefi-vars.fd`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VarsCopy {
