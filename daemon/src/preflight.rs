@@ -243,7 +243,14 @@ fn uefi_firmware(config: &Config, uefi_vms: &[String]) -> CheckItem {
     if uefi_vms.is_empty() {
         return item(NAME, CheckStatus::Ok, format!("needed only for boot.firmware uefi, which no VM uses: {e}"));
     }
-    let status = match &e {
+    let status = firmware_status(&e);
+    item(NAME, status, format!("{e}; boot.firmware uefi is used by {}", uefi_vms.join(", ")))
+}
+
+/// How a firmware file that cannot be used fails a check item: not installed, installed after
+/// vmhostd started (its sandbox cannot read it), or anything else.
+fn firmware_status(e: &crate::qemu::firmware::FirmwareError) -> CheckStatus {
+    match e {
         crate::qemu::firmware::FirmwareError::Missing { .. } => CheckStatus::Missing,
         crate::qemu::firmware::FirmwareError::Unreadable { source, .. }
             if source.kind() == std::io::ErrorKind::PermissionDenied =>
@@ -251,8 +258,7 @@ fn uefi_firmware(config: &Config, uefi_vms: &[String]) -> CheckItem {
             CheckStatus::Denied
         }
         _ => CheckStatus::Error,
-    };
-    item(NAME, status, format!("{e}; boot.firmware uefi is used by {}", uefi_vms.join(", ")))
+    }
 }
 
 /// The `[firmware]` secure pair a `boot.secure_boot` VM needs ([`crate::qemu::firmware::check_pair`]:
@@ -290,15 +296,7 @@ fn secure_boot_firmware(config: &Config, secure_vms: &[String]) -> CheckItem {
     if secure_vms.is_empty() {
         return item(NAME, CheckStatus::Ok, format!("needed only for boot.secure_boot, which no VM uses: {e}"));
     }
-    let status = match &e {
-        crate::qemu::firmware::FirmwareError::Missing { .. } => CheckStatus::Missing,
-        crate::qemu::firmware::FirmwareError::Unreadable { source, .. }
-            if source.kind() == std::io::ErrorKind::PermissionDenied =>
-        {
-            CheckStatus::Denied
-        }
-        _ => CheckStatus::Error,
-    };
+    let status = firmware_status(&e);
     item(NAME, status, format!("{e}; boot.secure_boot is used by {}", secure_vms.join(", ")))
 }
 
