@@ -12,4 +12,7 @@ plugins/salt/tests/check.sh
 plugins/puppet/tests/check.sh
 # The end-to-end tests run the real binaries from target/debug.
 cargo build --workspace --bins
+# The end-to-end tests make real disks (raw ones fully allocated) and backups of them: say how
+# much room they start with, so that a run that fills the disk says so.
+df -h "${TMPDIR:-/tmp}" target | sed 's/^/tests\/run.sh: /'
 cargo test --workspace

@@ -38,7 +38,9 @@
 //! program the spawner starts is in a Landlock domain of its own, which keeps it out of the
 //! others' `/proc/PID/fd`. The files swtpm writes are `qemu.user`'s, mode 0600
 //! ([`STATE_FILE_MODE`]): the daemon (root without `CAP_DAC_OVERRIDE`) can remove them (it
-//! owns the directory) but not read them. So a copy is read by the spawner, which raises
+//! owns the directory) but not read them; swtpm cannot make a directory there, which the daemon
+//! could not empty (`mkdir` is refused to every program the spawner starts:
+//! `crate::sandbox::child_seccomp`). So a copy is read by the spawner, which raises
 //! `CAP_DAC_READ_SEARCH` for the one `openat` of a state file name in the directory descriptor
 //! the daemon hands it (`O_NOFOLLOW`, a regular file only), and a copy is put back by a child
 //! the spawner forks for it that becomes `qemu.user` first and writes, on the descriptors it was

@@ -254,7 +254,7 @@ fn sha256_of(path: &Path) -> String {
 /// second vmhostd, boots with the same TPM (its count goes on from the last boot).
 #[test]
 fn a_snapshot_keeps_the_tpm_state_and_a_revert_puts_it_back() {
-    let host = TestHost::start(HostOptions::default());
+    let mut host = TestHost::start(HostOptions::default());
     let mut spec = host.kernel_spec("tpm");
     spec["tpm"] = true.into();
     let vm = host.call("vm.create", json!({ "spec": spec }));
@@ -288,6 +288,12 @@ fn a_snapshot_keeps_the_tpm_state_and_a_revert_puts_it_back() {
         || "the state did not change after the snapshot".into(),
     );
 
+    // A revert killed after the disks were put back, before the TPM state was: the VM does not
+    // start until the revert is run again, which puts the TPM state back too.
+    host.crash_during("revert:placed", "vm.revert", json!({"name": "tpm", "snapshot": "s1"}));
+    assert_ne!(fs::read(&state).unwrap(), kept, "the TPM state was not put back before the kill");
+    assert_eq!(host.call_err("vm.start", json!({"name": "tpm"})).0, 4090);
+
     // The revert: the state is the snapshot's again, QEMU's user's, 0600.
     host.call("vm.revert", json!({"name": "tpm", "snapshot": "s1"}));
     assert_eq!(fs::read(&state).unwrap(), kept, "the TPM state put back");
@@ -320,12 +326,17 @@ fn a_snapshot_keeps_the_tpm_state_and_a_revert_puts_it_back() {
     let check =
         std::process::Command::new("sha256sum").args(["--check", "--quiet", "SHA256SUMS"]).current_dir(&from).status();
     assert!(check.unwrap().success());
-    let other = TestHost::start(HostOptions::default());
+    let mut other = TestHost::start(HostOptions::default());
     let to = other.state().join("backups").join(&backup);
     fs::create_dir_all(&to).unwrap();
     for e in fs::read_dir(&from).unwrap().flatten() {
         fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
+    // An import killed once it created the VM, before the TPM state was in: the restart removes
+    // that VM (a start would have met a new TPM), the backup stays, and importing it again works.
+    other.crash_during("import:created", "vm.import", json!({"backup": backup}));
+    assert_eq!(other.call_err("vm.get", json!({"name": "tpm"})).0, 4040);
+    assert!(!other.state().join("import/.tpm.placing").exists(), "the import's marker is gone");
     let v = other.call("vm.import", json!({"backup": backup}));
     assert_eq!(v["vm"]["status"], "running", "{v}");
     let state = other.state().join("disks/tpm/tpm/tpm2-00.permall");

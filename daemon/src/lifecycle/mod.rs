@@ -236,6 +236,7 @@ impl Manager {
         mgr.processes.integrity().log_at_start();
         mgr.recover_all().await;
         snapshots::recover_at_start(&mgr).await;
+        backup::recover_imports_at_start(&mgr).await;
         mgr.refresh_networks().await;
         let live: HashSet<String> =
             mgr.lock().vms.values().filter(|r| r.status == VmStatus::Running).map(|r| r.spec.name.clone()).collect();

@@ -23,6 +23,11 @@
 //! - x32 system calls (numbers with bit 30 set) are `ENOSYS`, and calls of a foreign
 //!   architecture (i386 through `int 0x80`) kill the process: the filter's numbers are x86_64's.
 //!
+//! - `mkdir` and `mkdirat` are `EPERM`: swtpm writes its state in a directory that is root's,
+//!   mode 0703 (`crate::tpm`): a directory it made there would be `qemu.user`'s, 0700, and the
+//!   daemon (no `CAP_DAC_OVERRIDE`) could not empty it, so the VM's destroy would fail. No
+//!   program the spawner starts makes a directory (QEMU has no 9p or virtiofs share here).
+//!
 //! Everything else is allowed: this is a deny list on top of QEMU's own `-sandbox` (which stacks
 //! with it; the kernel applies the strictest answer) and the unit's `SystemCallFilter=`. It does
 //! not follow the daemon's `seccomp` setting: `log` exists to find calls missing from the
@@ -58,6 +63,14 @@ pub const BORROWING: [(&str, i64); 4] = [
     ("process_vm_writev", libc::SYS_process_vm_writev),
 ];
 
+/// Calls answered `EPERM`: making a directory (the module doc says why).
+pub const MAKING_DIRECTORIES: [(&str, i64); 2] = [("mkdir", libc::SYS_mkdir), ("mkdirat", libc::SYS_mkdirat)];
+
+/// Every call answered `EPERM`, in the program's order.
+fn refused() -> impl Iterator<Item = &'static (&'static str, i64)> {
+    BORROWING.iter().chain(MAKING_DIRECTORIES.iter())
+}
+
 const LD_W_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
 const JEQ_K: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
 const JSET_K: u16 = (libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K) as u16;
@@ -82,14 +95,14 @@ fn errno(e: i32) -> u32 {
 ///  2  kill
 ///  3  ld nr;    jset x32 bit ? ENOSYS : 5
 ///  5  jeq socket ? domain : next;  jeq socketpair ? domain : next
-///     jeq io_uring_setup ? ENOSYS : next;  jeq each BORROWING ? EPERM : next
+///     jeq io_uring_setup ? ENOSYS : next;  jeq each BORROWING, MAKING_DIRECTORIES ? EPERM : next
 ///     allow
 ///     ENOSYS;  EPERM
 ///     domain: ld args[0];  jeq AF_UNIX ? allow : EAFNOSUPPORT
 /// ```
 pub fn program() -> Vec<Instruction> {
     // Tails, in this order after the checks: allow, ENOSYS, EPERM, then the domain check.
-    let checks = 2 + 1 + BORROWING.len(); // socket, socketpair, io_uring_setup, borrowing
+    let checks = 2 + 1 + refused().count(); // socket, socketpair, io_uring_setup, the EPERM ones
     let mut p = vec![
         stmt(LD_W_ABS, ARCH),
         jump(JEQ_K, AUDIT_ARCH_X86_64, 1, 0),
@@ -108,7 +121,7 @@ pub fn program() -> Vec<Instruction> {
     p.push(jump(JEQ_K, libc::SYS_socket as u32, to_domain(0), 0));
     p.push(jump(JEQ_K, libc::SYS_socketpair as u32, to_domain(1), 0));
     p.push(jump(JEQ_K, libc::SYS_io_uring_setup as u32, to_enosys(2), 0));
-    for (i, (_, nr)) in BORROWING.iter().enumerate() {
+    for (i, (_, nr)) in refused().enumerate() {
         p.push(jump(JEQ_K, *nr as u32, to_eperm(3 + i), 0));
     }
     p.push(stmt(RET_K, libc::SECCOMP_RET_ALLOW));
@@ -188,7 +201,7 @@ mod tests {
                     }
                 } else if n == libc::SYS_io_uring_setup {
                     errno(libc::ENOSYS)
-                } else if BORROWING.iter().any(|(_, b)| *b == n) {
+                } else if refused().any(|(_, b)| *b == n) {
                     errno(libc::EPERM)
                 } else {
                     libc::SECCOMP_RET_ALLOW
@@ -219,7 +232,7 @@ mod tests {
     fn probe_in_filtered_child() -> i32 {
         let mut pair = [-1i32; 2];
         // SAFETY (all calls): plain syscalls with integer arguments or a valid 2-int array.
-        let checks: [(i32, i32); 10] = unsafe {
+        let checks: [(i32, i32); 12] = unsafe {
             [
                 (errno_of(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0).into()), libc::EAFNOSUPPORT),
                 (errno_of(libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0).into()), libc::EAFNOSUPPORT),
@@ -233,6 +246,9 @@ mod tests {
                 (errno_of(libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET, 0, pair.as_mut_ptr()).into()), 0),
                 (errno_of(libc::syscall(libc::SYS_io_uring_setup, 1u32, std::ptr::null_mut::<u8>())), libc::ENOSYS),
                 (errno_of(libc::syscall(libc::SYS_pidfd_getfd, 0, 0, 0)), libc::EPERM),
+                // Unfiltered, these fail with ENOENT (no such parent): the filter answers first.
+                (errno_of(libc::mkdirat(libc::AT_FDCWD, c"/vmhost-no-such-parent/probe".as_ptr(), 0o700).into()), libc::EPERM),
+                (errno_of(libc::mkdir(c"/vmhost-no-such-parent/probe".as_ptr(), 0o700).into()), libc::EPERM),
                 (errno_of(libc::getpid().into()), 0),
             ]
         };

@@ -13,7 +13,7 @@ use super::super::copies::{copy_checked, copy_timeout, CheckedFrom};
 use super::super::errors::{DiskStepError, FileError};
 use super::super::Manager;
 use crate::api::backup::{BackupDisk, BackupKind, VarsCopy};
-use crate::api::{ApiError, Code, DesiredState, Mutation};
+use crate::api::{ApiError, Code};
 use crate::backup::ReadBackup;
 use serde_json::json;
 use std::os::fd::OwnedFd;
@@ -158,56 +158,31 @@ pub(super) async fn restore(
 }
 
 /// Puts the backup's UEFI variables store `vars` (in `dir`, checked against its sha256 as it
-/// is copied) in place for imported VM `name`, then starts it when `wanted` running. On a
-/// failure the VM goes again (the import leaves nothing).
+/// is copied) in place for imported VM `name` (created, stopped).
 ///
 /// # Errors
-/// 2003 on `backup`, 4001 `step: import`, what `vm.start` returns.
-pub(super) async fn place_vars(
-    mgr: &Arc<Manager>,
-    name: &str,
-    dir: &Path,
-    vars: &VarsCopy,
-    wanted: DesiredState,
-) -> Result<Mutation, ApiError> {
-    let placed = async {
-        let paths = mgr.paths(name);
-        let from = CheckedFrom {
-            dir,
-            field: "backup",
-            place: "in the backup",
-            undone: "imported",
-            step: "import",
-            until: None,
-        };
-        let disk = BackupDisk {
-            role: crate::api::backup::DiskRole::Data,
-            name: "uefi-vars".into(),
-            file: vars.file.clone(),
-            format: crate::api::disks::DiskFormat::Raw,
-            virtual_size: vars.bytes,
-            bytes: vars.bytes,
-            sha256: vars.sha256.clone(),
-        };
-        let temp = copy_checked(&from, &disk, &mgr.config.paths.import_dir(), &format!("{name}-uefi-vars.fd"))?;
-        let store = paths.uefi_vars();
-        crate::blocking::run(|| {
-            crate::state::dirs::private_dir(&paths.disk_dir)?;
-            temp.place(&store).map(drop)
-        })
-        .map_err(FileError::file("import", "place the UEFI variables store", &store))?;
-        if wanted == DesiredState::Running {
-            return super::super::ops::start(mgr, name).await;
-        }
-        Ok(Mutation::new(true, Some(mgr.get(name)?)))
-    }
-    .await;
-    if placed.is_err() {
-        if let Err(e) = super::super::ops::destroy(mgr, name).await {
-            tracing::warn!(vm = %name, error = %e, "cannot remove the VM of a failed import");
-        }
-    }
-    placed
+/// 2003 on `backup`, 4001 `step: import`.
+pub(super) fn place_vars(mgr: &Manager, name: &str, dir: &Path, vars: &VarsCopy) -> Result<(), ApiError> {
+    let paths = mgr.paths(name);
+    let from =
+        CheckedFrom { dir, field: "backup", place: "in the backup", undone: "imported", step: "import", until: None };
+    let disk = BackupDisk {
+        role: crate::api::backup::DiskRole::Data,
+        name: "uefi-vars".into(),
+        file: vars.file.clone(),
+        format: crate::api::disks::DiskFormat::Raw,
+        virtual_size: vars.bytes,
+        bytes: vars.bytes,
+        sha256: vars.sha256.clone(),
+    };
+    let temp = copy_checked(&from, &disk, &mgr.config.paths.import_dir(), &format!("{name}-uefi-vars.fd"))?;
+    let store = paths.uefi_vars();
+    crate::blocking::run(|| {
+        crate::state::dirs::private_dir(&paths.disk_dir)?;
+        temp.place(&store).map(drop)
+    })
+    .map_err(FileError::file("import", "place the UEFI variables store", &store))?;
+    Ok(())
 }
 
 #[cfg(test)]

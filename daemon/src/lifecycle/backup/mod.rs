@@ -19,9 +19,11 @@
 use super::copies::{copy_checked, copy_timeout, create_target, seal_copies, CheckedFrom, VmDisk};
 mod chain;
 mod incremental;
+mod placing;
 mod retention;
 
 pub(crate) use retention::prune_vm;
+pub(super) use placing::recover_at_start as recover_imports_at_start;
 
 use super::errors::{DiskStepError, FileError, QemuStepError};
 use super::op::VmOp;
@@ -164,35 +166,52 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
     Ok(ExportResult { backup, path, manifest })
 }
 
-/// Puts an imported VM's TPM state `files` (checked against the manifest before anything was
-/// written) back as `qemu.user`'s files, before the VM first starts; then starts it when
-/// `start` says running (`None`: the variables store goes in next and starts it). On a failure
-/// the VM goes again (the import leaves nothing).
+/// Puts an imported VM's TPM state (checked against the manifest before anything was written)
+/// and its UEFI variables store in place, the VM created and stopped; then starts it when
+/// `wanted` says running. On a failure the VM goes again (the import leaves nothing). The
+/// import's marker ([`placing`]) goes once the files are in or the VM is gone, so a crash
+/// before that removes the VM at the next start, and one after leaves it whole.
 ///
 /// # Errors
-/// 4001 `step: import`, what `vm.start` returns.
-async fn place_tpm(
+/// 2003 on `backup`, 4001 `step: import`, what `vm.start` returns.
+async fn place_then_start(
     mgr: &Arc<Manager>,
     name: &str,
-    files: Vec<(String, OwnedFd)>,
-    start: Option<crate::api::DesiredState>,
+    tpm: Option<Vec<(String, OwnedFd)>>,
+    vars: Option<(&Path, &crate::api::backup::VarsCopy)>,
+    wanted: crate::api::DesiredState,
 ) -> Result<crate::api::Mutation, ApiError> {
+    mgr.crashpoint("import:created");
     let placed = async {
-        crate::tpm::put_back_state(&mgr.paths(name), files, mgr.config.qemu_user)
-            .await
-            .map_err(|e| super::provisioning("import", format!("putting back the TPM state: {e}")))?;
-        if start == Some(crate::api::DesiredState::Running) {
-            return super::ops::start(mgr, name).await;
+        if let Some(files) = tpm {
+            crate::tpm::put_back_state(&mgr.paths(name), files, mgr.config.qemu_user)
+                .await
+                .map_err(|e| super::provisioning("import", format!("putting back the TPM state: {e}")))?;
         }
-        Ok(crate::api::Mutation::new(true, Some(mgr.get(name)?)))
+        if let Some((dir, vars)) = vars {
+            chain::place_vars(mgr, name, dir, vars)?;
+        }
+        Ok::<_, ApiError>(())
     }
     .await;
-    if placed.is_err() {
-        if let Err(e) = super::ops::destroy(mgr, name).await {
-            tracing::warn!(vm = %name, error = %e, "cannot remove the VM of a failed import");
+    let result = match placed {
+        Ok(()) => {
+            placing::end(&mgr.config.paths.import_dir(), name);
+            if wanted == crate::api::DesiredState::Running {
+                super::ops::start(mgr, name).await
+            } else {
+                mgr.get(name).map(|vm| crate::api::Mutation::new(true, Some(vm)))
+            }
+        }
+        Err(e) => Err(e),
+    };
+    if result.is_err() {
+        match super::ops::destroy(mgr, name).await {
+            Ok(_) => placing::end(&mgr.config.paths.import_dir(), name),
+            Err(e) => tracing::warn!(vm = %name, error = %e, "cannot remove the VM of a failed import"),
         }
     }
-    placed
+    result
 }
 
 /// The UEFI variables store's copy at `copy` (a running VM's, made by its QEMU) or, for a
@@ -319,21 +338,21 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
         placed.files.push(dest.to_path_buf());
     }
     let wanted = spec.state;
-    if manifest.uefi_vars.is_some() || tpm.is_some() {
+    let to_place = manifest.uefi_vars.is_some() || tpm.is_some();
+    if to_place {
         // The store and the TPM state go in before the VM first starts (a start would copy the
-        // template, or make a new TPM).
+        // template, or make a new TPM), after the create (which clears a new VM's directory).
         spec.state = crate::api::DesiredState::Stopped;
+        placing::begin(&import_dir, &spec.name, &p.backup)
+            .map_err(FileError::file("import", "record the import", &import_dir))?;
     }
     // The copies are on the file system now: the create's own admission sees them there.
     drop(room);
     let name = spec.name.clone();
     let ours = spec.clone();
     let mut result = super::ops::create(mgr, spec).await;
-    if let (Ok(_), Some(files)) = (&result, tpm) {
-        result = place_tpm(mgr, &name, files, manifest.uefi_vars.is_none().then_some(wanted)).await;
-    }
-    if let (Ok(_), Some(vars)) = (&result, &manifest.uefi_vars) {
-        result = chain::place_vars(mgr, &name, &dir, vars, wanted).await;
+    if to_place && result.is_ok() {
+        result = place_then_start(mgr, &name, tpm, manifest.uefi_vars.as_ref().map(|v| (dir.as_path(), v)), wanted).await;
     }
     match &result {
         Ok(_) => {
@@ -364,6 +383,10 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
             }
         }
         Err(_) => {}
+    }
+    if to_place && !mgr.lock().vms.contains_key(&name) {
+        // The create failed and left nothing (or its VM went): nothing for a restart to remove.
+        placing::end(&import_dir, &name);
     }
     result
 }

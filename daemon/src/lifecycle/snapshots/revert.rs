@@ -128,6 +128,7 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
     for (temp, file) in temps {
         temp.replace(&file).map_err(|source| FileError::PutBack { step: STEP.into(), path: file, source })?;
     }
+    mgr.crashpoint("revert:placed");
     if let Some(files) = tpm {
         crate::tpm::put_back_state(&mgr.paths(&p.name), files, mgr.config.qemu_user)
             .await
