@@ -252,8 +252,17 @@ fn a_client_that_never_reads_stops_neither_the_guest_nor_the_log_and_the_log_out
             tail(&host.daemon_log(), 4000)
         );
     }
+    // Every line but a rare one: QEMU's 16550 drops a byte after 4 failed writes to the
+    // console socket (serial.c MAX_XMIT_RETRY) when the machine is so loaded that vmhostd's
+    // drain falls behind, and its log gets only what the socket took (seen once on a 2-core
+    // machine building beside the tests). A client that stalled the output would lose most.
     let log = host.serial("con2");
-    assert!(log.contains("flood-11999-"), "lines are missing from the log");
+    let whole: std::collections::HashSet<&str> = log
+        .lines()
+        .filter_map(|l| l.trim_end().strip_prefix("flood-")?.strip_suffix("-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"))
+        .collect();
+    let missing = (0..12000).filter(|i| !whole.contains(i.to_string().as_str())).count();
+    assert!(missing <= 12, "{missing} of 12000 lines are missing from the log");
     assert_eq!(host.call("vm.get", json!({ "name": "con2" }))["status"], "running");
     // ... while that client is still attached (it still holds the writer's place): the guest's
     // output did not wait for it to be dropped.

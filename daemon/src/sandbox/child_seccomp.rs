@@ -247,7 +247,10 @@ mod tests {
                 (errno_of(libc::syscall(libc::SYS_io_uring_setup, 1u32, std::ptr::null_mut::<u8>())), libc::ENOSYS),
                 (errno_of(libc::syscall(libc::SYS_pidfd_getfd, 0, 0, 0)), libc::EPERM),
                 // Unfiltered, these fail with ENOENT (no such parent): the filter answers first.
-                (errno_of(libc::mkdirat(libc::AT_FDCWD, c"/vmhost-no-such-parent/probe".as_ptr(), 0o700).into()), libc::EPERM),
+                (
+                    errno_of(libc::mkdirat(libc::AT_FDCWD, c"/vmhost-no-such-parent/probe".as_ptr(), 0o700).into()),
+                    libc::EPERM,
+                ),
                 (errno_of(libc::mkdir(c"/vmhost-no-such-parent/probe".as_ptr(), 0o700).into()), libc::EPERM),
                 (errno_of(libc::getpid().into()), 0),
             ]

@@ -224,7 +224,9 @@ class TestBackupFunctions < Minitest::Test
     assert_equal 300 + 3600, backup.wait('vm.export', {})
     assert_equal 300 + 60, backup.wait('vm.revert', { 'timeout_s' => 60 })
     assert_equal 300 + 3600, backup.wait('vm.snapshot', { 'timeout_s' => 'soon' })
-    assert_equal 300, backup.wait('vm.snapshot_delete', {})
+    assert_equal 300 + 3600, backup.wait('vm.snapshot_delete', {})
+    assert_equal 300 + 90, backup.wait('vm.snapshot_delete', { 'timeout_s' => 90 })
+    assert_equal 300, backup.wait('vm.snapshots', {})
     assert_equal 6 * 3600, backup.wait('vm.import', {})
     assert_equal 6 * 3600, backup.wait('vm.backups_prune', { 'keep' => 1 })
   end
@@ -253,8 +255,8 @@ class TestTasks < Minitest::Test
                      ['vm.snapshot', { 'name' => 'web', 'snapshot' => 's', 'requires' => 'frozen', 'timeout_s' => 9 }]],
       'snapshots' => [{ 'vm' => 'web' }, ['vm.snapshots', { 'name' => 'web' }]],
       'revert' => [{ 'vm' => 'web', 'snapshot' => 's' }, ['vm.revert', { 'name' => 'web', 'snapshot' => 's' }]],
-      'snapshot_delete' => [{ 'vm' => 'web', 'snapshot' => 's' },
-                            ['vm.snapshot_delete', { 'name' => 'web', 'snapshot' => 's' }]],
+      'snapshot_delete' => [{ 'vm' => 'web', 'snapshot' => 's', 'timeout_s' => 30 },
+                            ['vm.snapshot_delete', { 'name' => 'web', 'snapshot' => 's', 'timeout_s' => 30 }]],
       'export' => [{ 'vm' => 'web', 'options' => { 'incremental' => true } },
                    ['vm.export', { 'name' => 'web', 'incremental' => true }]],
       'import' => [{ 'backup' => 'b', 'name' => 'w2', 'state' => 'stopped', '_task' => 'vmhost::import',

@@ -109,6 +109,7 @@ class SnapshotFunctions(unittest.TestCase):
         self.mod.snapshots("web")
         self.mod.revert("web", "s1", timeout_s=5)
         self.mod.snapshot_delete("web", "s1")
+        self.mod.snapshot_delete("web", "s1", timeout_s=7)
         self.mod.export("web")
         self.mod.export("web", timeout_s="soon")
         self.mod.import_("b1")
@@ -120,6 +121,7 @@ class SnapshotFunctions(unittest.TestCase):
                 ("vm.snapshots", None),
                 ("vm.revert", 15.0),
                 ("vm.snapshot_delete", 3610.0),
+                ("vm.snapshot_delete", 17.0),
                 ("vm.export", 3610.0),
                 ("vm.export", 3610.0),
                 ("vm.import", 99.0),

@@ -22,8 +22,8 @@ mod incremental;
 mod placing;
 mod retention;
 
-pub(crate) use retention::prune_vm;
 pub(super) use placing::recover_at_start as recover_imports_at_start;
+pub(crate) use retention::prune_vm;
 
 use super::errors::{DiskStepError, FileError, QemuStepError};
 use super::op::VmOp;
@@ -343,8 +343,11 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
         // The store and the TPM state go in before the VM first starts (a start would copy the
         // template, or make a new TPM), after the create (which clears a new VM's directory).
         spec.state = crate::api::DesiredState::Stopped;
-        placing::begin(&import_dir, &spec.name, &p.backup)
-            .map_err(FileError::file("import", "record the import", &import_dir))?;
+        placing::begin(&import_dir, &spec.name, &p.backup).map_err(FileError::file(
+            "import",
+            "record the import",
+            &import_dir,
+        ))?;
     }
     // The copies are on the file system now: the create's own admission sees them there.
     drop(room);
@@ -352,7 +355,8 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
     let ours = spec.clone();
     let mut result = super::ops::create(mgr, spec).await;
     if to_place && result.is_ok() {
-        result = place_then_start(mgr, &name, tpm, manifest.uefi_vars.as_ref().map(|v| (dir.as_path(), v)), wanted).await;
+        result =
+            place_then_start(mgr, &name, tpm, manifest.uefi_vars.as_ref().map(|v| (dir.as_path(), v)), wanted).await;
     }
     match &result {
         Ok(_) => {

@@ -18,6 +18,7 @@ use crate::api::ApiError;
 use crate::backup::ReadBackup;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// One prune at a time: a merge reads chains another prune could be removing.
@@ -91,6 +92,14 @@ async fn merge(mgr: &Arc<Manager>, name: &str) -> Result<(), ApiError> {
     let layers = chain::layers_of(&chain).map_err(|why| chain::broken(name, why))?;
     let Some(last) = chain.last() else { return Err(chain::broken(name, "no backup".into())) };
     chain::verify(&layers, last.manifest.uefi_vars.as_ref().map(|v| (last.dir.as_path(), v)))?;
+    // The merged copy holds at most what its layers hold: that much room is admitted first, as
+    // for any copy (3002, nothing written), and held while the copy is made.
+    let mut files: Vec<PathBuf> = layers.iter().flatten().map(|l| l.path()).collect();
+    files.extend(last.manifest.uefi_vars.iter().map(|v| last.dir.join(&v.file)));
+    files.extend(last.manifest.tpm.iter().flat_map(|t| &t.files).map(|f| last.dir.join(&f.file)));
+    let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+    let _room =
+        crate::disk::space::reserve_copy_room(&mgr.reservations, &mgr.config.paths.backups_dir(), &files, "keep")?;
     let partial = mgr.backups.begin_merge(name)?;
     let mut manifest = last.manifest.clone();
     for (disk, layers) in manifest.disks.iter_mut().zip(&layers) {

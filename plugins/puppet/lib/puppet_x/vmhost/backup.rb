@@ -16,7 +16,7 @@ module PuppetX
     # `call` (or one of the named methods built on it) sends it; `noop_answer` is what a
     # function returns instead under --noop.
     module Backup
-      # vm.snapshot's, vm.revert's and vm.export's own default for timeout_s.
+      # vm.snapshot's, vm.revert's, vm.snapshot_delete's and vm.export's own default for timeout_s.
       DEFAULT_COPY_TIMEOUT_S = 3600
       # How long vm.import and vm.backups_prune are waited for (they have no timeout of their
       # own: whole disk files are copied out of backups and hashed, for a prune when it merges
@@ -36,12 +36,13 @@ module PuppetX
       end
 
       # Seconds to wait for METHOD's answer: vm.import and vm.backups_prune IMPORT_TIMEOUT; a copy (vm.snapshot,
-      # vm.revert, vm.export) the client's mutating timeout plus its timeout_s (the daemon's
+      # vm.revert, vm.export) or a delete of a snapshot's tags (vm.snapshot_delete) the client's
+      # mutating timeout plus its timeout_s (the daemon's
       # default when not given, or when it is not a whole number: the daemon then refuses it
       # at once); anything else the mutating timeout.
       def self.wait(method, params)
         return IMPORT_TIMEOUT if %w[vm.import vm.backups_prune].include?(method)
-        return Client::MUTATING_TIMEOUT unless %w[vm.snapshot vm.revert vm.export].include?(method)
+        return Client::MUTATING_TIMEOUT unless %w[vm.snapshot vm.revert vm.snapshot_delete vm.export].include?(method)
 
         bound = params['timeout_s']
         bound = DEFAULT_COPY_TIMEOUT_S unless bound.is_a?(Integer) && !bound.negative?

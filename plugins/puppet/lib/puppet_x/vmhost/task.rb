@@ -17,7 +17,7 @@ module PuppetX
         'snapshot' => ['vm.snapshot', { 'vm' => 'name', 'snapshot' => 'snapshot' }, %w[timeout_s requires]],
         'snapshots' => ['vm.snapshots', { 'vm' => 'name' }, []],
         'revert' => ['vm.revert', { 'vm' => 'name', 'snapshot' => 'snapshot' }, %w[timeout_s]],
-        'snapshot_delete' => ['vm.snapshot_delete', { 'vm' => 'name', 'snapshot' => 'snapshot' }, []],
+        'snapshot_delete' => ['vm.snapshot_delete', { 'vm' => 'name', 'snapshot' => 'snapshot' }, %w[timeout_s]],
         'export' => ['vm.export', { 'vm' => 'name' }, %w[timeout_s requires]],
         'import' => ['vm.import', { 'backup' => 'backup' }, %w[name state]],
         'backups_prune' => ['vm.backups_prune', { 'vm' => 'name', 'keep' => 'keep' }, []]

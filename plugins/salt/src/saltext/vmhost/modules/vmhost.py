@@ -23,7 +23,7 @@ Configuration (minion config, grains or pillar, read with ``config.get``):
 ``vmhost:import_timeout`` (or ``vmhost.import_timeout``)
     seconds to wait for an ``import`` or a ``backups_prune`` (whole disk files are copied and
     hashed), default 21600;
-    ``snapshot``, ``revert`` and ``export`` wait ``vmhost:timeout`` plus their ``timeout_s``
+    ``snapshot``, ``revert``, ``snapshot_delete`` and ``export`` wait ``vmhost:timeout`` plus their ``timeout_s``
     (3600, the daemon's default, when not given).
 
 ``image_import`` waits ``vmhost:timeout`` plus its ``timeout_s`` (the daemon's default for a
@@ -949,14 +949,22 @@ def revert(name, snapshot, timeout_s=None, test=None, **kwargs):
     return _copy_call("vm.revert", params, test)
 
 
-def snapshot_delete(name, snapshot, test=None, **kwargs):
+def snapshot_delete(name, snapshot, timeout_s=None, test=None, **kwargs):
     """
     Delete snapshot ``snapshot`` of VM ``name`` (``vm.snapshot_delete``). Returns
     ``{changed, snapshot}``; ``changed`` is False when there was no such snapshot.
 
+    timeout_s
+        longest deleting the snapshot's internal snapshots from the disks may take (the
+        daemon's default: 3600). The call waits that long plus ``vmhost:timeout``.
+    test
+        True: return the request and send nothing.
+
     CLI Example: ``salt hv1 vmhost.snapshot_delete sensor1 before-upgrade``
     """
     params = {"name": name, "snapshot": str(snapshot)}
+    if timeout_s not in (None, ""):
+        params["timeout_s"] = timeout_s
     params.update(_passed_through(kwargs))
     return _copy_call("vm.snapshot_delete", params, test)
 
