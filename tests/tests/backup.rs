@@ -522,6 +522,52 @@ fn a_crash_at_each_step_of_an_incremental_export_or_a_prune_loses_no_backup() {
     a.stop_daemon();
 }
 
+/// kill -9 of vmhostd during incremental exports of a *running* VM (its QEMU holds the bitmaps
+/// and runs on): after the restart the same QEMU runs, no partial backup is left, the next
+/// export is still incremental over the last sealed backup (also after a restart of the VM,
+/// whose QEMU stores the bitmaps at its clean power-off), and the last backup imports with the
+/// disk the guest wrote.
+#[test]
+fn a_crash_during_a_running_vms_incremental_export_loses_no_backup_and_no_tracking() {
+    let mut a = host();
+    let disks = json!([{"name": "logs", "size_gib": 1}]);
+    let spec = |a: &TestHost, mark: &str| disk_spec(a, "lv", disks.clone(), &format!("vmhost.writemark=logs:{mark}"));
+    a.call("vm.create", json!({ "spec": spec(&a, "one") }));
+    assert_eq!(marks(&a, "lv", 1), ["logs=one"]);
+    let export = json!({ "name": "lv", "incremental": true });
+    let full = a.call("vm.export", export.clone());
+    assert_eq!(full["manifest"]["kind"], "full", "{full}");
+    let qemu = a.qemu_pids();
+    assert_eq!(qemu.len(), 1, "{qemu:?}");
+
+    a.crash_during("export:copied", "vm.export", export.clone());
+    assert_eq!(a.qemu_pids(), qemu, "the guest ran on through the daemon's death");
+    assert_eq!(a.call("vm.get", json!({"name": "lv"}))["status"], "running");
+    assert_eq!(backup_dirs(&a), [full["backup"].as_str().unwrap().to_string()], "the partial directory is gone");
+    let inc = a.call("vm.export", export.clone());
+    assert_eq!((&inc["manifest"]["kind"], &inc["manifest"]["parent"]["dir"]), (&json!("incremental"), &full["backup"]));
+
+    a.crash_during("export:sealed", "vm.export", export.clone());
+    assert_eq!(a.qemu_pids(), qemu);
+    let sealed = backup_dirs(&a).into_iter().filter(|d| !d.starts_with('.')).max().unwrap();
+    assert_eq!(backup_dirs(&a).len(), 3, "the sealed backup stays: {:?}", backup_dirs(&a));
+
+    // A clean restart of the VM with a new marker: still incremental, over the sealed one.
+    a.call("vm.apply", json!({ "spec": spec(&a, "two"), "timeout_s": 60 }));
+    assert_eq!(marks(&a, "lv", 2), ["logs=two"]);
+    let last = a.call("vm.export", export);
+    let m = &last["manifest"];
+    assert_eq!((&m["kind"], &m["parent"]["dir"]), (&json!("incremental"), &json!(sealed)), "{last}");
+
+    a.call("vm.stop", json!({ "name": "lv" }));
+    let logs = a.state().join("disks/lv/logs.qcow2");
+    run_ok(Command::new("qemu-img").args(["check", "-q"]).arg(&logs));
+    let source = guest_sha(&logs, "qcow2");
+    a.call("vm.import", json!({ "backup": last["backup"], "name": "lv2", "state": "stopped" }));
+    assert_eq!(guest_sha(&a.state().join("disks/lv2/logs.qcow2"), "qcow2"), source);
+    a.stop_daemon();
+}
+
 /// `vm.backups_prune` holds the VM's operation, as an export does: refused (4090, nothing
 /// removed) while another operation of the VM runs (here a stop its boot-sector guest ignores,
 /// held for its `timeout_s`), then it runs; the prune inside `vm.export`'s `keep` still works.
