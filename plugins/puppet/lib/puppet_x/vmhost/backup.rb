@@ -61,6 +61,20 @@ module PuppetX
         { 'noop' => true, 'method' => method, 'params' => params }
       end
 
+      # The body of the functions vmhost::export, ::import, ::revert and ::backups_prune:
+      # METHOD with BASE (the function's arguments) and OPTS shaped by `params`, nothing sent
+      # under --noop (`noop_answer`), else sent and waited for; a refusal raised as a
+      # Puppet::Error naming FUNCTION (it fails the compilation). Only called from Puppet.
+      def self.function_call(function, method, base, opts)
+        opts ||= {}
+        sent = params(base, opts)
+        return noop_answer(method, sent) if Puppet[:noop]
+
+        call(method, sent, socket: opts['socket'])
+      rescue Vmhost::Error => e
+        raise Puppet::Error, "#{function}: #{e.message}"
+      end
+
       # VM's snapshots, oldest first, as vm.snapshot answered each.
       def self.snapshots(vm, opts = {}, client: nil)
         client ||= Client.new(opts_socket(opts))

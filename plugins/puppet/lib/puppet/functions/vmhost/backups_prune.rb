@@ -21,12 +21,7 @@ Puppet::Functions.create_function(:'vmhost::backups_prune') do
   end
 
   def backups_prune(vm, keep, opts = {})
-    backup = PuppetX::Vmhost::Backup
-    params = backup.params({ 'name' => vm, 'keep' => keep }, opts)
-    return backup.noop_answer('vm.backups_prune', params) if Puppet[:noop]
-
-    backup.call('vm.backups_prune', params, socket: opts['socket'])
-  rescue PuppetX::Vmhost::Error => e
-    raise Puppet::Error, "vmhost::backups_prune: #{e.message}"
+    PuppetX::Vmhost::Backup.function_call('vmhost::backups_prune', 'vm.backups_prune',
+                                          { 'name' => vm, 'keep' => keep }, opts)
   end
 end

@@ -19,12 +19,6 @@ Puppet::Functions.create_function(:'vmhost::export') do
   end
 
   def export(vm, opts = {})
-    backup = PuppetX::Vmhost::Backup
-    params = backup.params({ 'name' => vm }, opts)
-    return backup.noop_answer('vm.export', params) if Puppet[:noop]
-
-    backup.call('vm.export', params, socket: opts['socket'])
-  rescue PuppetX::Vmhost::Error => e
-    raise Puppet::Error, "vmhost::export: #{e.message}"
+    PuppetX::Vmhost::Backup.function_call('vmhost::export', 'vm.export', { 'name' => vm }, opts)
   end
 end

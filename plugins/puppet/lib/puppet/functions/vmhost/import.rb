@@ -19,12 +19,6 @@ Puppet::Functions.create_function(:'vmhost::import') do
   end
 
   def import(backup, opts = {})
-    lib = PuppetX::Vmhost::Backup
-    params = lib.params({ 'backup' => backup }, opts)
-    return lib.noop_answer('vm.import', params) if Puppet[:noop]
-
-    lib.call('vm.import', params, socket: opts['socket'])
-  rescue PuppetX::Vmhost::Error => e
-    raise Puppet::Error, "vmhost::import: #{e.message}"
+    PuppetX::Vmhost::Backup.function_call('vmhost::import', 'vm.import', { 'backup' => backup }, opts)
   end
 end

@@ -20,12 +20,6 @@ Puppet::Functions.create_function(:'vmhost::revert') do
   end
 
   def revert(vm, snapshot, opts = {})
-    backup = PuppetX::Vmhost::Backup
-    params = backup.params({ 'name' => vm, 'snapshot' => snapshot }, opts)
-    return backup.noop_answer('vm.revert', params) if Puppet[:noop]
-
-    backup.call('vm.revert', params, socket: opts['socket'])
-  rescue PuppetX::Vmhost::Error => e
-    raise Puppet::Error, "vmhost::revert: #{e.message}"
+    PuppetX::Vmhost::Backup.function_call('vmhost::revert', 'vm.revert', { 'name' => vm, 'snapshot' => snapshot }, opts)
   end
 end
