@@ -156,13 +156,7 @@ pub async fn export_offline(
     let mut inputs = Vec::new();
     let mut plan = Vec::new();
     for disk in disks {
-        let mut layers = Vec::new();
-        for (fd, format) in disk.layers {
-            layers.push((inputs.len(), format));
-            inputs.push(Input::Image(fd));
-        }
-        let target = inputs.len();
-        inputs.push(Input::Image(disk.target));
+        let (layers, target) = super::offline_qemu::push_disk(&mut inputs, disk.layers, Input::Image, disk.target);
         plan.push((layers, disk.track, target, disk.format, disk.virtual_size));
     }
     bounded_within("export", within, async {

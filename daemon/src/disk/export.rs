@@ -38,13 +38,7 @@ pub async fn flatten(tool: &Tool, disks: Vec<FlatDisk>, within: Duration) -> Res
     let mut inputs = Vec::new();
     let mut plan = Vec::new();
     for disk in disks {
-        let mut layers = Vec::new();
-        for (fd, format) in disk.layers {
-            layers.push((inputs.len(), format));
-            inputs.push(Input::Layer(fd));
-        }
-        let target = inputs.len();
-        inputs.push(Input::Image(disk.target));
+        let (layers, target) = super::offline_qemu::push_disk(&mut inputs, disk.layers, Input::Layer, disk.target);
         plan.push((layers, target, disk.format, disk.virtual_size));
     }
     bounded_within("export", within, async {

@@ -84,6 +84,24 @@ pub enum Input {
     Layer(OwnedFd),
 }
 
+/// Appends one disk's `layers` (bottom first, each made an input by `as_input`) and then its
+/// `target` (read-write) to `inputs`; returns the layers' input numbers with their formats and
+/// the target's, which a session's operations name.
+pub fn push_disk(
+    inputs: &mut Vec<Input>,
+    layers: Vec<(OwnedFd, String)>,
+    as_input: fn(OwnedFd) -> Input,
+    target: OwnedFd,
+) -> (Vec<(usize, String)>, usize) {
+    let mut numbered = Vec::with_capacity(layers.len());
+    for (fd, format) in layers {
+        numbered.push((inputs.len(), format));
+        inputs.push(as_input(fd));
+    }
+    inputs.push(Input::Image(target));
+    (numbered, inputs.len() - 1)
+}
+
 /// A running offline QEMU with its monitor.
 pub struct Session {
     /// The QEMU process; killed when dropped before [`Session::finish`].
