@@ -568,6 +568,47 @@ fn a_crash_during_a_running_vms_incremental_export_loses_no_backup_and_no_tracki
     a.stop_daemon();
 }
 
+/// A revert puts the disks back as the snapshot had them and removes the backups' bitmaps
+/// (QEMU refuses to load a snapshot under them): the next incremental export is a full one and
+/// says why, never an increment over a parent whose blocks the revert changed; the one after it
+/// is incremental again, and both import with the disk as it was.
+#[test]
+fn after_a_revert_the_next_backup_is_full_and_says_why() {
+    let a = host();
+    let mut spec = disk_spec(&a, "rv", json!([{"name": "logs", "size_gib": 1}]), "");
+    spec["state"] = json!("stopped");
+    a.call("vm.create", json!({ "spec": spec }));
+    let logs = a.state().join("disks/rv/logs.qcow2");
+    let export = json!({ "name": "rv", "incremental": true });
+    write_into(&logs, 0x11, "0", "1M");
+    a.call("vm.snapshot", json!({"name": "rv", "snapshot": "s"}));
+    let at_snapshot = guest_sha(&logs, "qcow2");
+    let first = a.call("vm.export", export.clone());
+    assert_eq!(changes(&first)[0].1, "full");
+    write_into(&logs, 0x22, "4M", "1M");
+    let inc = a.call("vm.export", export.clone());
+    assert_eq!(changes(&inc)[0].1, "incremental", "{inc}");
+
+    a.call("vm.revert", json!({"name": "rv", "snapshot": "s"}));
+    assert_eq!(guest_sha(&logs, "qcow2"), at_snapshot);
+    let after = a.call("vm.export", export.clone());
+    let c = changes(&after);
+    assert_eq!(c[0].1, "full", "{after}");
+    assert!(c[0].2.contains("(a revert"), "the reason names the revert: {c:?}");
+    assert_eq!(after["manifest"]["kind"], "full");
+    write_into(&logs, 0x33, "8M", "64k");
+    let next = a.call("vm.export", export);
+    assert_eq!(
+        (&next["manifest"]["kind"], &next["manifest"]["parent"]["dir"]),
+        (&json!("incremental"), &after["backup"])
+    );
+    let now = guest_sha(&logs, "qcow2");
+    a.call("vm.import", json!({ "backup": after["backup"], "name": "rv1", "state": "stopped" }));
+    assert_eq!(guest_sha(&a.state().join("disks/rv1/logs.qcow2"), "qcow2"), at_snapshot);
+    a.call("vm.import", json!({ "backup": next["backup"], "name": "rv2", "state": "stopped" }));
+    assert_eq!(guest_sha(&a.state().join("disks/rv2/logs.qcow2"), "qcow2"), now);
+}
+
 /// `vm.backups_prune` holds the VM's operation, as an export does: refused (4090, nothing
 /// removed) while another operation of the VM runs (here a stop its boot-sector guest ignores,
 /// held for its `timeout_s`), then it runs; the prune inside `vm.export`'s `keep` still works.
