@@ -79,9 +79,6 @@ pub(super) fn check_movable(rec: &VmRecord) -> Result<(), ApiError> {
             format!("VM {:?} has passthrough devices, which cannot move live: use vm.move", rec.spec.name),
         ));
     }
-    if let Some(why) = crate::tpm::move_refusal(&rec.spec) {
-        return Err(not_movable("tpm", why));
-    }
     if rec.running_spec.is_some() {
         return Err(not_movable(
             "pending_change",
