@@ -142,3 +142,108 @@ fn a_running_tpm_vm_moves_live_with_its_tpm_state() {
     dest.call("vm.destroy", json!({ "name": name }));
     assert_no_tpm_left(dest, name);
 }
+
+/// `vmhostctl move NAME --to-socket (host 1)` run against host 0.
+fn move_ctl(pair: &Pair, name: &str) -> std::process::Output {
+    let to = pair.hosts[1].socket.display().to_string();
+    pair.hosts[0].ctl(&["move", name, "--to-socket", to.as_str()])
+}
+
+/// `vm.get` of `name` on `host`, `None` when it has no such VM.
+fn view(host: &TestHost, name: &str) -> Option<Value> {
+    host.client().call::<Value>("vm.get", json!({ "name": name })).ok()
+}
+
+/// A cold move carries the TPM state as files: a snapshot (with its TPM copy) taken on the
+/// source, the VM stopped; the destination killed at `move:tpm` (the state put in place, not
+/// committed) gives the move up on its restart and keeps nothing, the source keeps the VM
+/// stopped with its state; moved again, the destination has the state as QEMU's user's files,
+/// the source nothing; the VM's first boot there goes on from the source's count; a revert
+/// there to the snapshot taken on the source puts its TPM state back too.
+#[test]
+fn a_stopped_tpm_vm_moves_cold_with_its_tpm_state_and_its_snapshots_tpm_copies() {
+    let mut pair = Pair::start(PairOptions::default());
+    let name = "tpmcold";
+    let before = create_with_two_boots(&pair, name);
+    let snap = pair.hosts[0].call("vm.snapshot", json!({ "name": name, "snapshot": "s1" }));
+    assert!(snap["tpm"]["files"].as_array().is_some_and(|f| !f.is_empty()), "no TPM copy: {snap}");
+    let taps = pair.taps(0, name);
+    pair.hosts[0].call("vm.stop", json!({ "name": name }));
+    let source_state = state_dir(&pair.hosts[0], name).join("tpm2-00.permall");
+    wait::until_true("the source's swtpm to end", Duration::from_secs(10), || swtpms_of(&pair.hosts[0]).is_empty(), || {
+        format!("{:?}", swtpms_of(&pair.hosts[0]))
+    });
+    let kept = fs::read(&source_state).expect("the source's state");
+
+    // The destination dies once the state is in place, before its commit: on its restart it
+    // gives the move up; the source keeps the VM and its state.
+    pair.hosts[1].arm_crash("move:tpm");
+    let (from, to) = (pair.hosts[0].socket.clone(), pair.hosts[1].socket.display().to_string());
+    let call = std::thread::spawn(move || {
+        std::process::Command::new(vmhost_tests::bin("vmhostctl"))
+            .arg("--socket")
+            .arg(from)
+            .args(["move", name, "--to-socket", to.as_str()])
+            .output()
+            .expect("run vmhostctl")
+    });
+    pair.hosts[1].restart_after_crash("move:tpm");
+    let out = call.join().expect("the move's thread");
+    assert!(!out.status.success(), "the move succeeded although its destination died before the commit");
+    wait::until("the move given up on both hosts", Duration::from_secs(120), || {
+        match (view(&pair.hosts[0], name), view(&pair.hosts[1], name)) {
+            (Some(v), None) if v["status"] == "stopped" && v.get("migration").is_none_or(Value::is_null) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert!(!pair.hosts[1].state().join("disks").join(name).exists(), "the destination kept files of the move");
+    assert_eq!(fs::read(&source_state).expect("the source's state"), kept, "the source's TPM state");
+
+    // Moved for good.
+    let out = move_ctl(&pair, name);
+    assert!(
+        out.status.success(),
+        "vmhostctl move failed: {}\nstderr: {}\n--- source log:\n{}\n--- destination log:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        tail(&pair.hosts[0].daemon_log(), 40),
+        tail(&pair.hosts[1].daemon_log(), 40),
+    );
+    let dest = &pair.hosts[1];
+    let v = view(dest, name).expect("the destination has the VM");
+    assert_eq!(v["status"], "stopped", "{v}");
+    assert_state_file(dest, name);
+    assert_eq!(fs::read(state_dir(dest, name).join("tpm2-00.permall")).unwrap(), kept, "the same state");
+    let staged: Vec<String> = fs::read_dir(dest.state().join("disks").join(name))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".moving"))
+        .collect();
+    assert!(staged.is_empty(), "the state as it arrived was left: {staged:?}");
+    pair.assert_clean(0, name, &taps);
+    assert_no_tpm_left(&pair.hosts[0], name);
+
+    // Its first boot there meets the same TPM.
+    dest.call("vm.start", json!({ "name": name }));
+    dest.wait_serial_count(name, "VMHOST-TPM present", 1, BOOT);
+    let there = reset_counts(dest, name);
+    assert!(there[0] > before[1], "the moved VM met a new TPM: {there:?} after {before:?} on the source");
+    assert_eq!(swtpms_of(dest).len(), 1);
+
+    // The snapshot taken on the source came with its TPM copy: a revert there puts it back, so
+    // the next boot shows the count the boot after the snapshot showed, not a larger one.
+    dest.call("vm.stop", json!({ "name": name, "timeout_s": 1, "force": true }));
+    wait::until_true("the destination's swtpm to end", Duration::from_secs(10), || swtpms_of(dest).is_empty(), || {
+        format!("{:?}", swtpms_of(dest))
+    });
+    dest.call("vm.revert", json!({ "name": name, "snapshot": "s1" }));
+    assert_state_file(dest, name);
+    dest.call("vm.start", json!({ "name": name }));
+    dest.wait_serial_count(name, "VMHOST-TPM present", 2, BOOT);
+    let after = reset_counts(dest, name);
+    println!("cold move: reset counts on the source {before:?}, on the destination {after:?} (a revert between)");
+    assert!(after[1] > before[1] && after[1] <= after[0], "the revert did not put back the snapshot's TPM: {after:?}");
+    dest.call("vm.destroy", json!({ "name": name }));
+    assert_no_tpm_left(dest, name);
+}
