@@ -42,7 +42,8 @@ fn swtpms_of(host: &TestHost) -> Vec<i32> {
     for e in fs::read_dir("/proc").unwrap().flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
         let exe = fs::read_link(format!("/proc/{pid}/exe")).ok();
-        if !exe.as_deref().is_some_and(|p| p.file_name().is_some_and(|n| n == "swtpm")) {
+        let is_swtpm = exe.as_deref().and_then(|p| p.file_name()).is_some_and(|n| n == "swtpm");
+        if !is_swtpm {
             continue;
         }
         let dir = fs::read_link(format!("/proc/{pid}/fd/4")).ok();
@@ -170,9 +171,12 @@ fn a_stopped_tpm_vm_moves_cold_with_its_tpm_state_and_its_snapshots_tpm_copies()
     let taps = pair.taps(0, name);
     pair.hosts[0].call("vm.stop", json!({ "name": name }));
     let source_state = state_dir(&pair.hosts[0], name).join("tpm2-00.permall");
-    wait::until_true("the source's swtpm to end", Duration::from_secs(10), || swtpms_of(&pair.hosts[0]).is_empty(), || {
-        format!("{:?}", swtpms_of(&pair.hosts[0]))
-    });
+    wait::until_true(
+        "the source's swtpm to end",
+        Duration::from_secs(10),
+        || swtpms_of(&pair.hosts[0]).is_empty(),
+        || format!("{:?}", swtpms_of(&pair.hosts[0])),
+    );
     let kept = fs::read(&source_state).expect("the source's state");
 
     // The destination dies once the state is in place, before its commit: on its restart it
@@ -234,9 +238,12 @@ fn a_stopped_tpm_vm_moves_cold_with_its_tpm_state_and_its_snapshots_tpm_copies()
     // The snapshot taken on the source came with its TPM copy: a revert there puts it back, so
     // the next boot shows the count the boot after the snapshot showed, not a larger one.
     dest.call("vm.stop", json!({ "name": name, "timeout_s": 1, "force": true }));
-    wait::until_true("the destination's swtpm to end", Duration::from_secs(10), || swtpms_of(dest).is_empty(), || {
-        format!("{:?}", swtpms_of(dest))
-    });
+    wait::until_true(
+        "the destination's swtpm to end",
+        Duration::from_secs(10),
+        || swtpms_of(dest).is_empty(),
+        || format!("{:?}", swtpms_of(dest)),
+    );
     dest.call("vm.revert", json!({ "name": name, "snapshot": "s1" }));
     assert_state_file(dest, name);
     dest.call("vm.start", json!({ "name": name }));

@@ -3,8 +3,8 @@
 //! `files` channel's two ends as both use them. One place, so the two kinds of move cannot
 //! drift in what they accept.
 //!
-//! Source, in order: [`snapshot_files`] (every snapshot's `snapshot.json` then its copies,
-//! oldest snapshot first), [`announce`] (their lengths and occupied bytes, for
+//! Source, in order: [`snapshot_files`] (every snapshot's `snapshot.json` then its copies and
+//! its TPM state's copies, oldest snapshot first), [`announce`] (their lengths and occupied bytes, for
 //! `ControlMsg::Announce`), [`send_files`] over one `files` stream.
 //!
 //! Destination, in order: the announcement checked (`cold::plan::check_announced`, or

@@ -9,7 +9,8 @@
 //! Source, in order: refusals ([`plan::admit`]); the control channel opened (nothing changed
 //! when the destination cannot be reached); the VM stopped when asked; the record `migrating`
 //! with a cold migration (crash point `move:recorded`); `Hello`; `Announce` (every file to come
-//! with its length and occupied bytes: the disks, then the VM's snapshots, which go with it
+//! with its length and occupied bytes: the disks, a `tpm` VM's TPM state files (read through
+//! the spawner into root's copies, [`TpmCopies`]), then the VM's snapshots, which go with it
 //! since its copy here is deleted at the end); each file with its sha256 over the `files`
 //! channel ([`crate::migration::files`]); the destination's `Ready` (every file
 //! arrived and matched; crash point `move:sent`); phase `committing`; `Commit`; on `Committed`
@@ -21,7 +22,9 @@
 //! The destination's files land where a create puts them ([`plan::placement`]): the overlay
 //! of an image VM, the root disk of a `boot.disk` VM, data disks and UEFI variables in the VM's
 //! disk directory. They are received under partial names and renamed once their sha256 matched,
-//! so a half-received disk never looks like the VM's.
+//! so a half-received disk never looks like the VM's. The TPM state waits beside them and is
+//! put in the VM's state directory, as `qemu.user`'s, just before the commit (docs/moving.md,
+//! "TPM").
 
 pub(super) mod plan;
 pub(in crate::lifecycle) mod receive;

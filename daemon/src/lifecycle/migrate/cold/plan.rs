@@ -1,6 +1,7 @@
 //! The rules of a cold move that need no host, kept apart from the steps that act on them so
 //! each is unit-tested on its own: which statuses may move ([`admit`]), which files a VM's move
-//! carries and under which wire names ([`source_files`]), where the destination puts each of
+//! carries and under which wire names ([`source_files`]; a TPM's state files as
+//! [`tpm_wire_name`], kept at [`tpm_staged`] until the commit), where the destination puts each of
 //! them ([`placement`]) and which paths it removes when it gives a move up ([`received_paths`]),
 //! and what a restart does with a cold move's record on the destination
 //! ([`destination_action`]; the source's is the live migration's rule,

@@ -5,7 +5,9 @@
 //! room reserved before a byte is written), then each file of the `files` channel into the place
 //! a create would give it ([`super::plan::placement`]) under a partial name, renamed once its
 //! sha256 matched, and each snapshot's files into a staging directory
-//! ([`carry::receive_snapshot_file`]); answers `Ready` when every announced file arrived; on `Commit`
+//! ([`carry::receive_snapshot_file`]), and a `tpm` VM's state files beside the disks
+//! ([`super::plan::tpm_staged`]); answers `Ready` when every announced file arrived; on `Commit`
+//! puts the TPM state in place ([`put_back_tpm`], crash point `move:tpm`), then
 //! records the VM `stopped` with phase `committed` (the commit point: the VM is this host's from
 //! this write), puts the snapshots in place ([`carry::place_snapshots`]), answers `Committed`, and
 //! starts the VM when its admitted spec says `running` (a `stop: true` move of a running VM).
