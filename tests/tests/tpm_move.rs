@@ -101,11 +101,39 @@ fn qemu_log(host: &TestHost, name: &str) -> String {
     fs::read_to_string(host.state().join("logs").join(format!("{name}.qemu.log"))).unwrap_or_default()
 }
 
+/// A live move first fails: the destination is killed once QEMU there has the memory and the
+/// TPM's state (`migrate_in:commit`, before its commit write); on its restart it gives the move
+/// up, ending its swtpm and removing the state it stored, and the guest runs on at the source
+/// with its own. The next move succeeds and carries the TPM.
 #[test]
 fn a_running_tpm_vm_moves_live_with_its_tpm_state() {
-    let pair = Pair::start(PairOptions::default());
+    let mut pair = Pair::start(PairOptions::default());
     let name = "tpmlive";
     let before = create_with_two_boots(&pair, name);
+
+    pair.hosts[1].arm_crash("migrate_in:commit");
+    let (from, to) = (pair.hosts[0].socket.clone(), pair.hosts[1].socket.display().to_string());
+    let call = std::thread::spawn(move || {
+        std::process::Command::new(vmhost_tests::bin("vmhostctl"))
+            .arg("--socket")
+            .arg(from)
+            .args(["migrate", name, "--to-socket", to.as_str()])
+            .output()
+            .expect("run vmhostctl")
+    });
+    pair.hosts[1].restart_after_crash("migrate_in:commit");
+    let out = call.join().expect("the move's thread");
+    assert!(!out.status.success(), "the move succeeded although its destination died before the commit");
+    assert_eq!(pair.settled(name, Duration::from_secs(180)), 0, "the guest stays on the source");
+    wait::until_true(
+        "the destination's swtpm to end",
+        Duration::from_secs(10),
+        || swtpms_of(&pair.hosts[1]).is_empty(),
+        || format!("{:?}", swtpms_of(&pair.hosts[1])),
+    );
+    assert!(!pair.hosts[1].state().join("disks").join(name).exists(), "the destination kept files of the move");
+    assert_eq!(swtpms_of(&pair.hosts[0]).len(), 1, "the source's swtpm runs on");
+    assert_state_file(&pair.hosts[0], name);
 
     let out = pair.migrate_ctl(0, 1, name);
     assert!(

@@ -138,7 +138,6 @@ async fn until_commit(
     // Before the commit: the VM never starts here without the TPM it had there, and a failure
     // leaves it the source's.
     put_back_tpm(op, &announced).await?;
-    op.crashpoint("move:tpm");
     // The commit point: from this write on, the VM is this host's.
     op.update_status("cold move committed: the VM is this host's", VmStatus::Stopped, |r| {
         if let Some(m) = r.migration.as_mut() {
@@ -155,8 +154,8 @@ async fn until_commit(
 /// The TPM state that arrived (`tpm:FILE` names of `announced`, kept at [`plan::tpm_staged`])
 /// put in the VM's state directory as `qemu.user`'s files ([`crate::tpm::put_back_state`],
 /// through the spawner: the daemon cannot write files swtpm would load), then the arrived
-/// copies removed. Nothing when none came (a `tpm` VM never started has no state yet; its
-/// first start makes it). Run again (after a crash) it does the same.
+/// copies removed; crash point `move:tpm`. Nothing when none came (a `tpm` VM never started has
+/// no state yet; its first start makes it).
 ///
 /// # Errors
 /// 4001 when a copy cannot be opened or the state cannot be written.
@@ -185,6 +184,7 @@ async fn put_back_tpm(op: &VmOp, announced: &[AnnouncedFile]) -> Result<(), ApiE
         }
     }
     tracing::info!("the TPM state that arrived is in place");
+    op.crashpoint("move:tpm");
     Ok(())
 }
 
