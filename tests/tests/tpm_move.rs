@@ -104,12 +104,15 @@ fn qemu_log(host: &TestHost, name: &str) -> String {
 /// A live move first fails: the destination is killed once QEMU there has the memory and the
 /// TPM's state (`migrate_in:commit`, before its commit write); on its restart it gives the move
 /// up, ending its swtpm and removing the state it stored, and the guest runs on at the source
-/// with its own. The next move succeeds and carries the TPM.
+/// with its own. The next move succeeds and carries the TPM, and the snapshot taken on the
+/// source (with its TPM copy) reverts there to its TPM.
 #[test]
 fn a_running_tpm_vm_moves_live_with_its_tpm_state() {
     let mut pair = Pair::start(PairOptions::default());
     let name = "tpmlive";
     let before = create_with_two_boots(&pair, name);
+    let snap = pair.hosts[0].call("vm.snapshot", json!({ "name": name, "snapshot": "s1" }));
+    assert!(snap["tpm"]["files"].as_array().is_some_and(|f| !f.is_empty()), "no TPM copy: {snap}");
 
     pair.hosts[1].arm_crash("migrate_in:commit");
     let (from, to) = (pair.hosts[0].socket.clone(), pair.hosts[1].socket.display().to_string());
@@ -166,8 +169,22 @@ fn a_running_tpm_vm_moves_live_with_its_tpm_state() {
         "the moved VM met a new TPM: {there:?} after {before:?} on the source\n{}",
         qemu_log(dest, name)
     );
-    println!("live move: reset counts on the source {before:?}, on the destination after a restart {there:?}");
     assert_state_file(dest, name);
+
+    // The snapshot taken on the source came with its TPM copy: a revert there puts it back.
+    dest.call("vm.stop", json!({ "name": name, "timeout_s": 1, "force": true }));
+    wait::until_true(
+        "the destination's swtpm to end",
+        Duration::from_secs(10),
+        || swtpms_of(dest).is_empty(),
+        || format!("{:?}", swtpms_of(dest)),
+    );
+    dest.call("vm.revert", json!({ "name": name, "snapshot": "s1" }));
+    dest.call("vm.start", json!({ "name": name }));
+    dest.wait_serial_count(name, "VMHOST-TPM present", 2, BOOT);
+    let there = reset_counts(dest, name);
+    println!("live move: reset counts on the source {before:?}, on the destination {there:?} (a revert between)");
+    assert!(there[1] > before[1] && there[1] <= there[0], "the revert did not put back the snapshot's TPM: {there:?}");
     dest.call("vm.destroy", json!({ "name": name }));
     assert_no_tpm_left(dest, name);
 }
