@@ -517,6 +517,60 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshots_tpm_copies_are_sent_by_their_records_names_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join(snapshots::SNAPSHOT_JSON);
+        let mut s = crate::api::snapshots::Snapshot {
+            name: "s1".into(),
+            created_at: "2026-12-06T05:00:00Z".into(),
+            live: false,
+            consistency: None,
+            reason: None,
+            frozen: Vec::new(),
+            skipped: Vec::new(),
+            instance_id: None,
+            spec: crate::validate::tests::spec("vm-1"),
+            disks: Vec::new(),
+            id: None,
+            internal: Vec::new(),
+            excluded: Vec::new(),
+            uefi_vars: None,
+            tpm: None,
+        };
+        let write =
+            |s: &crate::api::snapshots::Snapshot| std::fs::write(&json, serde_json::to_vec(s).unwrap()).unwrap();
+        write(&s);
+        assert_eq!(tpm_copies(&json).unwrap(), Vec::new(), "no TPM copy");
+        let file = |name: &str, copy: &str| crate::api::snapshots::TpmFile {
+            name: name.into(),
+            file: copy.into(),
+            bytes: 5,
+            sha256: "ab".repeat(32),
+        };
+        s.tpm = Some(crate::api::snapshots::TpmCopy { files: vec![file("tpm2-00.permall", "tpm-tpm2-00.permall")] });
+        write(&s);
+        assert_eq!(tpm_copies(&json).unwrap_err().code.as_i32(), 4001, "the copy is not there");
+        std::fs::write(dir.path().join("tpm-tpm2-00.permall"), b"state").unwrap();
+        assert_eq!(
+            tpm_copies(&json).unwrap(),
+            [("tpm-tpm2-00.permall".to_string(), dir.path().join("tpm-tpm2-00.permall"))]
+        );
+        // A record naming another file (a path, another name) is not sent from.
+        for (name, copy) in [("tpm2-00.permall", "../../etc/shadow"), (".lock", "tpm-.lock"), ("tpm2-00.permall", "x")]
+        {
+            s.tpm = Some(crate::api::snapshots::TpmCopy { files: vec![file(name, copy)] });
+            write(&s);
+            assert!(tpm_copies(&json).is_err(), "{copy}");
+        }
+        // A link in place of the copy is not one.
+        std::fs::remove_file(dir.path().join("tpm-tpm2-00.permall")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.path().join("tpm-tpm2-00.permall")).unwrap();
+        s.tpm = Some(crate::api::snapshots::TpmCopy { files: vec![file("tpm2-00.permall", "tpm-tpm2-00.permall")] });
+        write(&s);
+        assert!(tpm_copies(&json).is_err());
+    }
+
+    #[test]
     fn a_header_must_be_announced_once_with_its_length() {
         let announced = [file("snapshot:s1/snapshot.json", 500)];
         let h = |name: &str, bytes| FileHeader { name: name.into(), bytes };
