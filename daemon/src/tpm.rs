@@ -23,6 +23,12 @@
 //! and a revert or an import puts a copy back with [`put_back_state`], both through the spawner
 //! ([`crate::sandbox::spawn::tpm_state_file`], [`crate::sandbox::spawn::tpm_state_place`]).
 //!
+//! Moves (docs/moving.md, "TPM"): a live one needs nothing of this module beyond [`start`] on
+//! the destination: QEMU's `tpm-emulator` backend fetches swtpm's state blobs on the source
+//! and hands them to the destination's swtpm in the migration stream, which stores them in its
+//! state directory. A cold one carries the files: the source reads them with [`read_state`],
+//! the destination puts them back with [`put_back_state`] before its commit.
+//!
 //! ## Who can reach the state
 //!
 //! swtpm keeps its state in a directory (`--tpmstate dir=`), writing each file as a temporary
@@ -152,10 +158,15 @@ pub fn state_files(paths: &VmPaths) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Whether `name` is one of [`STATE_FILE_NAMES`]: what a move or a copy's record may name.
+pub fn is_state_file_name(name: &str) -> bool {
+    STATE_FILE_NAMES.contains(&name)
+}
+
 /// Whether `name` is one of [`STATE_FILE_NAMES`]: the only names the state requests open or
 /// write, so a request can name nothing else in the directory it is given.
 fn check_state_name(name: &str) -> io::Result<()> {
-    if STATE_FILE_NAMES.contains(&name) {
+    if is_state_file_name(name) {
         Ok(())
     } else {
         Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{name:?} is not a TPM state file name")))
@@ -607,20 +618,6 @@ pub async fn stop(vm: &str, recorded: Option<&ProcessIdentity>) {
 
 /// How long [`stop`] waits for swtpm to end.
 pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Why a VM with `tpm` is not moved to another host (`vm.move`, `vm.migrate`: 4097 reason
-/// `tpm`), `None` for one without: its state would have to arrive as files `qemu.user` owns
-/// (module doc), which a move does not make yet, and a guest that met a new TPM there would
-/// lose what it sealed to this one.
-pub fn move_refusal(spec: &crate::api::VmSpec) -> Option<String> {
-    spec.tpm.then(|| {
-        format!(
-            "VM {:?} has a TPM (tpm: true), whose state vmhost does not move to another host yet; \
-             a guest would meet a new TPM there and lose what it sealed to this one",
-            spec.name
-        )
-    })
-}
 
 /// Removes the VM's TPM state (the destroy): the directory and everything in it.
 ///

@@ -3,8 +3,8 @@
 //! `files` channel's two ends as both use them. One place, so the two kinds of move cannot
 //! drift in what they accept.
 //!
-//! Source, in order: [`snapshot_files`] (every snapshot's `snapshot.json` then its copies,
-//! oldest snapshot first), [`announce`] (their lengths and occupied bytes, for
+//! Source, in order: [`snapshot_files`] (every snapshot's `snapshot.json` then its copies and
+//! its TPM state's copies, oldest snapshot first), [`announce`] (their lengths and occupied bytes, for
 //! `ControlMsg::Announce`), [`send_files`] over one `files` stream.
 //!
 //! Destination, in order: the announcement checked (`cold::plan::check_announced`, or
@@ -33,13 +33,52 @@ fn failed(message: impl Into<String>) -> ApiError {
     super::super::provisioning("migrate_in", message.into())
 }
 
-/// Every snapshot file of VM `name` as `(wire name, path)`, in the order they are sent.
+/// Every snapshot file of VM `name` as `(wire name, path)`, in the order they are sent: each
+/// snapshot's files ([`snapshots::files_to_move`]), then the copies of the TPM state its record
+/// names ([`tpm_copies`]).
 ///
 /// # Errors
 /// As [`snapshots::files_to_move`] (a snapshot that is not whole refuses the move).
 pub(super) fn snapshot_files(mgr: &Manager, name: &str) -> Result<Vec<(String, PathBuf)>, ApiError> {
     let files = snapshots::files_to_move(mgr, name)?;
-    Ok(files.into_iter().map(|f| (plan::snapshot_wire_name(&f.snapshot, &f.file), f.path)).collect())
+    let mut out = Vec::with_capacity(files.len());
+    for f in files {
+        let record = (f.file == snapshots::SNAPSHOT_JSON).then(|| f.path.clone());
+        out.push((plan::snapshot_wire_name(&f.snapshot, &f.file), f.path));
+        if let Some(json) = record {
+            let copies = crate::blocking::run(|| tpm_copies(&json))?;
+            out.extend(copies.into_iter().map(|(file, path)| (plan::snapshot_wire_name(&f.snapshot, &file), path)));
+        }
+    }
+    Ok(out)
+}
+
+/// The TPM state copies (`tpm-FILE`, each a regular file beside it) the snapshot record at
+/// `json` names, as `(file, path)`: a `tpm: true` VM's snapshot keeps its TPM state beside its
+/// disks' copies, and the destination's revert puts it back from them.
+///
+/// # Errors
+/// 4001 when the record cannot be read, or names a copy that is not a state file's or is not
+/// there.
+fn tpm_copies(json: &Path) -> Result<Vec<(String, PathBuf)>, ApiError> {
+    let damaged =
+        |why: String| failed(format!("{}: {why}: delete the snapshot or repair it to move the VM", json.display()));
+    let bytes = std::fs::read(json).map_err(|e| damaged(e.to_string()))?;
+    let s: crate::api::snapshots::Snapshot = serde_json::from_slice(&bytes).map_err(|e| damaged(e.to_string()))?;
+    let Some(dir) = json.parent() else { return Ok(Vec::new()) };
+    let mut out = Vec::new();
+    for t in s.tpm.iter().flat_map(|t| &t.files) {
+        if !crate::tpm::is_state_file_name(&t.name) || t.file != crate::tpm::copy_name(&t.name) {
+            return Err(damaged(format!("{:?} is not a TPM state file's copy", t.file)));
+        }
+        let path = dir.join(&t.file);
+        let regular = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_file());
+        if !regular {
+            return Err(damaged(format!("the TPM state's copy {} is not there", t.file)));
+        }
+        out.push((t.file.clone(), path));
+    }
+    Ok(out)
 }
 
 /// What `ControlMsg::Announce` says of each file to send (`(wire name, path)`): its length
@@ -302,7 +341,7 @@ pub(super) async fn receive_snapshot_file(
             crate::blocking::run(|| std::fs::read(&json)).map_err(|e| failed(format!("{}: {e}", json.display())))?;
         let record = plan::check_snapshot_record(snapshot, &bytes, announced)?;
         let left = record.disks.iter().map(|d| d.file.clone()).chain(record.uefi_vars.iter().map(|v| v.file.clone()));
-        let left = left.collect();
+        let left = left.chain(record.tpm.iter().flat_map(|t| t.files.iter().map(|f| f.file.clone()))).collect();
         arriving.push((snapshot.to_string(), Arriving { record, partial, left }));
         tracing::info!(file = %header.name, bytes = done.bytes, sha256 = %done.sha256, "received");
     } else {
@@ -313,11 +352,14 @@ pub(super) async fn receive_snapshot_file(
             return Err(failed(format!("snapshot {snapshot:?}: {file:?} is not one of its copies, or came twice")));
         };
         a.left.swap_remove(at);
-        // A copy of a disk, or of a UEFI VM's variables store (raw, no image to inspect).
+        // A copy of a disk, of a UEFI VM's variables store or of a TPM state file (raw bytes,
+        // no image to inspect).
         let disk = a.record.disks.iter().find(|d| d.file == file);
-        let sha256 = match (disk, &a.record.uefi_vars) {
-            (Some(d), _) => d.sha256.clone(),
-            (None, Some(v)) if v.file == file => v.sha256.clone(),
+        let tpm = a.record.tpm.iter().flat_map(|t| &t.files).find(|t| t.file == file);
+        let sha256 = match (disk, &a.record.uefi_vars, tpm) {
+            (Some(d), _, _) => d.sha256.clone(),
+            (None, Some(v), _) if v.file == file => v.sha256.clone(),
+            (None, _, Some(t)) => t.sha256.clone(),
             _ => return Err(failed(format!("snapshot {snapshot:?}: {file:?} is not one of its copies"))),
         };
         let path = a.partial.join(file);
@@ -472,6 +514,60 @@ mod tests {
         assert_eq!(check_live_announcement(&spec, &copy_first), Err(plan::AnnounceError::NoRecord("s1".into())));
         let twice = [snaps[0].clone(), snaps[0].clone()];
         assert!(matches!(check_live_announcement(&spec, &twice), Err(plan::AnnounceError::Twice(_))));
+    }
+
+    #[test]
+    fn a_snapshots_tpm_copies_are_sent_by_their_records_names_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join(snapshots::SNAPSHOT_JSON);
+        let mut s = crate::api::snapshots::Snapshot {
+            name: "s1".into(),
+            created_at: "2026-12-06T05:00:00Z".into(),
+            live: false,
+            consistency: None,
+            reason: None,
+            frozen: Vec::new(),
+            skipped: Vec::new(),
+            instance_id: None,
+            spec: crate::validate::tests::spec("vm-1"),
+            disks: Vec::new(),
+            id: None,
+            internal: Vec::new(),
+            excluded: Vec::new(),
+            uefi_vars: None,
+            tpm: None,
+        };
+        let write =
+            |s: &crate::api::snapshots::Snapshot| std::fs::write(&json, serde_json::to_vec(s).unwrap()).unwrap();
+        write(&s);
+        assert_eq!(tpm_copies(&json).unwrap(), Vec::new(), "no TPM copy");
+        let file = |name: &str, copy: &str| crate::api::snapshots::TpmFile {
+            name: name.into(),
+            file: copy.into(),
+            bytes: 5,
+            sha256: "ab".repeat(32),
+        };
+        s.tpm = Some(crate::api::snapshots::TpmCopy { files: vec![file("tpm2-00.permall", "tpm-tpm2-00.permall")] });
+        write(&s);
+        assert_eq!(tpm_copies(&json).unwrap_err().code.as_i32(), 4001, "the copy is not there");
+        std::fs::write(dir.path().join("tpm-tpm2-00.permall"), b"state").unwrap();
+        assert_eq!(
+            tpm_copies(&json).unwrap(),
+            [("tpm-tpm2-00.permall".to_string(), dir.path().join("tpm-tpm2-00.permall"))]
+        );
+        // A record naming another file (a path, another name) is not sent from.
+        for (name, copy) in [("tpm2-00.permall", "../../etc/shadow"), (".lock", "tpm-.lock"), ("tpm2-00.permall", "x")]
+        {
+            s.tpm = Some(crate::api::snapshots::TpmCopy { files: vec![file(name, copy)] });
+            write(&s);
+            assert!(tpm_copies(&json).is_err(), "{copy}");
+        }
+        // A link in place of the copy is not one.
+        std::fs::remove_file(dir.path().join("tpm-tpm2-00.permall")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.path().join("tpm-tpm2-00.permall")).unwrap();
+        s.tpm = Some(crate::api::snapshots::TpmCopy { files: vec![file("tpm2-00.permall", "tpm-tpm2-00.permall")] });
+        write(&s);
+        assert!(tpm_copies(&json).is_err());
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! Source, in order: refusals ([`plan::admit`]); the control channel opened (nothing changed
 //! when the destination cannot be reached); the VM stopped when asked; the record `migrating`
 //! with a cold migration (crash point `move:recorded`); `Hello`; `Announce` (every file to come
-//! with its length and occupied bytes: the disks, then the VM's snapshots, which go with it
+//! with its length and occupied bytes: the disks, a `tpm` VM's TPM state files (read through
+//! the spawner into root's copies, [`TpmCopies`]), then the VM's snapshots, which go with it
 //! since its copy here is deleted at the end); each file with its sha256 over the `files`
 //! channel ([`crate::migration::files`]); the destination's `Ready` (every file
 //! arrived and matched; crash point `move:sent`); phase `committing`; `Commit`; on `Committed`
@@ -21,7 +22,9 @@
 //! The destination's files land where a create puts them ([`plan::placement`]): the overlay
 //! of an image VM, the root disk of a `boot.disk` VM, data disks and UEFI variables in the VM's
 //! disk directory. They are received under partial names and renamed once their sha256 matched,
-//! so a half-received disk never looks like the VM's.
+//! so a half-received disk never looks like the VM's. The TPM state waits beside them and is
+//! put in the VM's state directory, as `qemu.user`'s, just before the commit (docs/moving.md,
+//! "TPM").
 
 pub(super) mod plan;
 pub(in crate::lifecycle) mod receive;
@@ -80,7 +83,7 @@ fn aborted(code: i32, message: &str) -> ApiError {
 ///
 /// # Errors
 /// 2001 `secret`; 4040, 4090; 4097 reason `status` (neither stopped, nor running with
-/// `stop`) or `tpm` ([`crate::tpm::move_refusal`]); 4001 step `connect` when the destination cannot be reached (nothing changed); as
+/// `stop`); 4001 step `connect` when the destination cannot be reached (nothing changed); as
 /// `vm.stop` for the stop; 4001 step `move` or the destination's own code (2003 for a file that
 /// arrived with another sha256) when the move failed before the commit (the VM stays here);
 /// 4001 step `commit` when the destination's answer is unknown (recorded `failed`, disks kept,
@@ -95,9 +98,6 @@ pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<Migrate
         // Half-reverted disks must not travel, and the snapshot that finishes the revert
         // would be deleted with the source's copy.
         super::super::snapshots::check_not_reverting(&rec)?;
-        if let Some(why) = crate::tpm::move_refusal(&rec.spec) {
-            return Err(not_movable("tpm", why));
-        }
         let live = op.find_live(rec.process.as_ref())?.is_some();
         let stop = plan::admit(rec.status, live, p.stop).map_err(|e| not_movable("status", e.to_string()))?;
         let stream = tokio::time::timeout(
@@ -180,6 +180,9 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
     // The snapshots go with the VM: the source's are deleted with its copy once the
     // destination committed, and it commits only when every one arrived.
     let mut sent: Vec<(String, std::path::PathBuf)> = files.iter().map(|f| (f.name.clone(), f.path.clone())).collect();
+    // The TPM's state too, as copies the daemon can read (removed when this returns).
+    let tpm = TpmCopies::take(&spec, &paths).await?;
+    sent.extend(tpm.files.iter().cloned());
     sent.extend(carry::snapshot_files(op.mgr(), op.name())?);
     let announced = crate::blocking::run(|| carry::announce(&sent)).map_err(|e| failed("move", e))?;
     // The spec as the orchestrator admitted it on the destination: each NIC with its MAC.
@@ -217,6 +220,69 @@ async fn send(op: &VmOp, p: &MoveParams, secret: &Secret, control: &mut Control)
         _ => {}
     }
     sent
+}
+
+/// A `tpm` VM's TPM state as root's copies the move can send (`tpm:FILE`, [`plan::tpm_wire_name`]):
+/// swtpm's files are `qemu.user`'s, 0600, which the daemon reads only through the spawner
+/// ([`crate::tpm::read_state`]), while the `files` channel sends files by path. They are a few
+/// KiB; kept in `RUN/NAME/tpm-move` (a stopped VM's run dir holds nothing else, and every
+/// launch and teardown empties it) and removed when this value is dropped.
+struct TpmCopies {
+    dir: Option<std::path::PathBuf>,
+    files: Vec<(String, std::path::PathBuf)>,
+}
+
+impl TpmCopies {
+    /// Reads the state (the VM is stopped: swtpm wrote each file whole before it ended) and
+    /// writes each file as a copy. None for a VM without `tpm` or never started with one.
+    ///
+    /// # Errors
+    /// 4001 step `move` when the state cannot be read or a copy written.
+    async fn take(spec: &crate::api::VmSpec, paths: &crate::qemu::argv::VmPaths) -> Result<TpmCopies, ApiError> {
+        let mut copies = TpmCopies { dir: None, files: Vec::new() };
+        if !spec.tpm {
+            return Ok(copies);
+        }
+        let state =
+            crate::tpm::read_state(paths).await.map_err(|e| failed("move", format!("reading the TPM state: {e}")))?;
+        if state.is_empty() {
+            return Ok(copies);
+        }
+        let dir = paths.run_dir.join("tpm-move");
+        copies.dir = Some(dir.clone());
+        let written = crate::blocking::run(|| {
+            use std::io::Write;
+            use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+            let mut files = Vec::new();
+            for (name, bytes) in &state {
+                let path = dir.join(name);
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&path)?;
+                f.write_all(bytes)?;
+                files.push((plan::tpm_wire_name(name), path));
+            }
+            Ok::<_, std::io::Error>(files)
+        });
+        copies.files =
+            written.map_err(|e| failed("move", format!("copying the TPM state into {}: {e}", dir.display())))?;
+        Ok(copies)
+    }
+}
+
+impl Drop for TpmCopies {
+    fn drop(&mut self) {
+        if let Some(dir) = self.dir.take() {
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the TPM state's copies");
+            }
+        }
+    }
 }
 
 /// Starts the VM again if this move stopped it (a failure before the commit: it was running

@@ -441,6 +441,8 @@ async fn abandon_steps(held: &HeldVm, why: &str) -> Result<(), ApiError> {
     if let Some(id) = super::super::launch::find_live(mgr, name, rec.process.as_ref())? {
         mgr.processes.kill(name, &id).await?;
     }
+    // Its swtpm ends with QEMU, and must be gone before its state directory is removed.
+    crate::tpm::stop(name, rec.tpm_process.as_ref()).await;
     // The tombstone before the record goes: a source's Query is answered at every moment.
     if let Some(m) = rec.migration() {
         tombstone::write(&mgr.config.paths.state, name, &m.secret)

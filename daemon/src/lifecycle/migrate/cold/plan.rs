@@ -1,6 +1,7 @@
 //! The rules of a cold move that need no host, kept apart from the steps that act on them so
 //! each is unit-tested on its own: which statuses may move ([`admit`]), which files a VM's move
-//! carries and under which wire names ([`source_files`]), where the destination puts each of
+//! carries and under which wire names ([`source_files`]; a TPM's state files as
+//! [`tpm_wire_name`], kept at [`tpm_staged`] until the commit), where the destination puts each of
 //! them ([`placement`]) and which paths it removes when it gives a move up ([`received_paths`]),
 //! and what a restart does with a cold move's record on the destination
 //! ([`destination_action`]; the source's is the live migration's rule,
@@ -22,6 +23,27 @@ pub(crate) const BOOT: &str = "boot";
 pub(crate) const UEFI_VARS: &str = "uefi-vars";
 /// The prefix of a data disk's wire name (`data:NAME`).
 const DATA: &str = "data:";
+/// The prefix of a TPM state file's wire name (`tpm:tpm2-00.permall`, a name of
+/// [`crate::tpm::STATE_FILE_NAMES`]).
+const TPM: &str = "tpm:";
+
+/// The wire name of the VM's TPM state file `name` (one of [`crate::tpm::STATE_FILE_NAMES`]).
+pub(crate) fn tpm_wire_name(name: &str) -> String {
+    format!("{TPM}{name}")
+}
+
+/// A TPM state file's wire name as its state file name; `None` for any other name, and for a
+/// name after the prefix that is not one of [`crate::tpm::STATE_FILE_NAMES`].
+pub(crate) fn tpm_of(name: &str) -> Option<&str> {
+    name.strip_prefix(TPM).filter(|n| crate::tpm::is_state_file_name(n))
+}
+
+/// Where the destination keeps TPM state file `name` as it arrived, until it puts it back in
+/// the VM's state directory at the commit: `STATE/disks/NAME/tpm-FILE.moving` (root's; no disk
+/// file ends so).
+pub(crate) fn tpm_staged(paths: &VmPaths, name: &str) -> PathBuf {
+    paths.disk_dir.join(format!("{}.moving", crate::tpm::copy_name(name)))
+}
 
 /// Why a VM may not be moved now ([`admit`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -247,8 +269,9 @@ pub(crate) struct Room {
 
 /// Checks a cold move's announcement against the admitted `spec` and `hello` before anything
 /// is written (pure): every name known and once, the disk files exactly `Hello`'s disks, each
-/// length within its [`disk_bound`], each snapshot's `snapshot.json` first and at most
-/// [`SNAPSHOT_JSON_MAX`], at most `MAX_SNAPSHOTS` snapshots. Returns the room to admit.
+/// length within its [`disk_bound`], TPM state files ([`tpm_of`]) only for a `tpm` VM and each
+/// at most [`crate::tpm::MAX_STATE_FILE_BYTES`], each snapshot's `snapshot.json` first and at
+/// most [`SNAPSHOT_JSON_MAX`], at most `MAX_SNAPSHOTS` snapshots. Returns the room to admit.
 ///
 /// # Errors
 /// [`AnnounceError`] naming the first file at fault.
@@ -258,9 +281,12 @@ pub(crate) fn check_announced(
     files: &[crate::migration::AnnouncedFile],
 ) -> Result<Room, AnnounceError> {
     use super::super::super::snapshots::MAX_SNAPSHOTS;
-    // Bounded before the loop: each snapshot is its record and at most a copy per disk (the
-    // root, the data disks, the variables store: Hello's disks), and a peer's list is read once.
-    let most = hello.len().saturating_add(MAX_SNAPSHOTS.saturating_mul(hello.len().saturating_add(2)));
+    // Bounded before the loop: each snapshot is its record, at most a copy per disk (the root,
+    // the data disks, the variables store: Hello's disks) and the TPM's files; the VM's own TPM
+    // files besides its disks; and a peer's list is read once.
+    let tpm = crate::tpm::STATE_FILE_NAMES.len();
+    let per_snapshot = hello.len().saturating_add(2).saturating_add(tpm);
+    let most = hello.len().saturating_add(tpm).saturating_add(MAX_SNAPSHOTS.saturating_mul(per_snapshot));
     if files.len() > most {
         return Err(AnnounceError::TooManyFiles(files.len()));
     }
@@ -288,6 +314,12 @@ pub(crate) fn check_announced(
             } else {
                 Bound::Room
             }
+        } else if let Some(_state) = tpm_of(&f.name) {
+            if !spec.tpm {
+                return Err(AnnounceError::Unknown(f.name.clone()));
+            }
+            room.disks = room.disks.saturating_add(occupies);
+            Bound::AtMost(crate::tpm::MAX_STATE_FILE_BYTES)
         } else {
             let bound = disk_bound(spec, hello, &f.name).ok_or_else(|| AnnounceError::Unknown(f.name.clone()))?;
             disks += 1;
@@ -368,6 +400,18 @@ pub(crate) fn check_snapshot_record(
         }
         expected.push(v.file.clone());
     }
+    for t in s.tpm.iter().flat_map(|t| &t.files) {
+        // A TPM state file's copy: a state file's name, its copy named after it, small.
+        let named = crate::tpm::is_state_file_name(&t.name) && t.file == crate::tpm::copy_name(&t.name);
+        if !named || t.bytes > crate::tpm::MAX_STATE_FILE_BYTES || expected.contains(&t.file) {
+            return Err(bad(format!("names the TPM state's copy {:?} of {:?} ({} bytes)", t.file, t.name, t.bytes)));
+        }
+        let announced = files.iter().find(|f| f.name == snapshot_wire_name(snapshot, &t.file)).map(|f| f.bytes);
+        if announced != Some(t.bytes) {
+            return Err(bad(format!("gives {} {} bytes; {announced:?} were announced", t.file, t.bytes)));
+        }
+        expected.push(t.file.clone());
+    }
     let prefix = snapshot_wire_name(snapshot, "");
     let mut announced: Vec<&str> = files.iter().filter_map(|f| f.name.strip_prefix(prefix.as_str())).collect();
     announced.sort_unstable();
@@ -431,8 +475,10 @@ pub(crate) fn placement(spec: &VmSpec, paths: &VmPaths, hello: &[HelloDisk], nam
 }
 
 /// Every path a cold receive of `spec` may have written (both forms of a root disk, each with
-/// its partial): what the destination removes when it gives the move up. The name was free
-/// and its disk directory cleared before anything arrived, so each is this move's.
+/// its partial; the TPM state files as they arrived, [`tpm_staged`]): what the destination
+/// removes when it gives the move up. The name was free and its disk directory cleared before
+/// anything arrived, so each is this move's. (The TPM state directory, put back from those
+/// before the commit, is removed with `crate::tpm::remove_state`.)
 pub(crate) fn received_paths(spec: &VmSpec, paths: &VmPaths) -> Vec<PathBuf> {
     let mut out = vec![paths.overlay.clone(), super::super::super::teardown::partial_overlay(paths)];
     if spec.boot.disk.is_some() {
@@ -447,6 +493,9 @@ pub(crate) fn received_paths(spec: &VmSpec, paths: &VmPaths) -> Vec<PathBuf> {
     }
     out.push(paths.uefi_vars());
     out.push(paths.partial_uefi_vars());
+    if spec.tpm {
+        out.extend(crate::tpm::STATE_FILE_NAMES.iter().map(|n| tpm_staged(paths, n)));
+    }
     out
 }
 
@@ -805,6 +854,104 @@ mod tests {
         let mut f = files.clone();
         f.push(file("snapshot:s10/snapshot.json", 1));
         assert_eq!(check_snapshot_record("s1", &json(&s), &f), Ok(s));
+    }
+
+    #[test]
+    fn tpm_wire_names_are_the_state_files_names_or_nothing() {
+        assert_eq!(tpm_wire_name("tpm2-00.permall"), "tpm:tpm2-00.permall");
+        for n in crate::tpm::STATE_FILE_NAMES {
+            assert_eq!(tpm_of(&tpm_wire_name(n)), Some(n));
+        }
+        for bad in ["tpm:.lock", "tpm:../tpm2-00.permall", "tpm:", "tpm:tpm2-00.permall/x", "tpm2-00.permall", "data:x"]
+        {
+            assert_eq!(tpm_of(bad), None, "{bad:?}");
+        }
+        // Where they wait for the commit: the VM's disk directory, never a disk's name, and
+        // removed when the move is given up.
+        let cfg = config();
+        let paths = VmPaths::for_vm(&cfg, "vm-1");
+        let staged = tpm_staged(&paths, "tpm2-00.permall");
+        assert_eq!(staged, paths.disk_dir.join("tpm-tpm2-00.permall.moving"));
+        let mut spec = image_spec();
+        assert!(!received_paths(&spec, &paths).contains(&staged));
+        spec.tpm = true;
+        assert!(received_paths(&spec, &paths).contains(&staged));
+        assert_eq!(placement(&spec, &paths, &[], "tpm:tpm2-00.permall"), None, "not a disk's place");
+    }
+
+    #[test]
+    fn tpm_state_files_are_announced_only_for_a_tpm_vm_and_bounded() {
+        let mut spec = image_spec();
+        spec.tpm = true;
+        let hello = vec![
+            HelloDisk { device: "virtio0".into(), bytes: 5 << 20, format: "qcow2".into() },
+            HelloDisk { device: "data-logs".into(), bytes: GIB, format: "raw".into() },
+            HelloDisk { device: "data-db".into(), bytes: 7 << 20, format: "qcow2".into() },
+        ];
+        let files = vec![
+            file("boot", 5 << 20),
+            file("data:logs", GIB),
+            file("data:db", 7 << 20),
+            file("tpm:tpm2-00.permall", 8000),
+            file("tpm:tpm2-00.volatilestate", 2000),
+        ];
+        let room = check_announced(&spec, &hello, &files).expect("a TPM VM's state files");
+        assert_eq!(room.disks, (5 << 20) / 2 + GIB / 2 + (7 << 20) / 2 + 4000 + 1000, "counted with the disks");
+        let refused =
+            |spec: &VmSpec, f: &[crate::migration::AnnouncedFile]| check_announced(spec, &hello, f).unwrap_err();
+        // Not for a VM without a TPM.
+        assert_eq!(refused(&image_spec(), &files), AnnounceError::Unknown("tpm:tpm2-00.permall".into()));
+        // Only the state's names, once, each bounded.
+        let mut other = files.clone();
+        other.push(file("tpm:.lock", 1));
+        assert_eq!(refused(&spec, &other), AnnounceError::Unknown("tpm:.lock".into()));
+        let mut twice = files.clone();
+        twice.push(file("tpm:tpm2-00.permall", 8000));
+        assert_eq!(refused(&spec, &twice), AnnounceError::Twice("tpm:tpm2-00.permall".into()));
+        let mut big = files.clone();
+        big[3].bytes = crate::tpm::MAX_STATE_FILE_BYTES + 1;
+        assert!(matches!(refused(&spec, &big), AnnounceError::Size { name, .. } if name == "tpm:tpm2-00.permall"));
+        // They are not disks: Hello's disks must still all come.
+        let mut no_disk = files.clone();
+        no_disk.remove(1);
+        assert_eq!(refused(&spec, &no_disk), AnnounceError::Disks { files: 2, disks: 3 });
+    }
+
+    #[test]
+    fn a_snapshot_record_names_its_tpm_copies_as_announced() {
+        let (mut s, mut files) = record("s1");
+        s.tpm = Some(crate::api::snapshots::TpmCopy {
+            files: vec![crate::api::snapshots::TpmFile {
+                name: "tpm2-00.permall".into(),
+                file: "tpm-tpm2-00.permall".into(),
+                bytes: 9000,
+                sha256: "ef".repeat(32),
+            }],
+        });
+        let json = |s: &crate::api::snapshots::Snapshot| serde_json::to_vec(s).unwrap();
+        assert!(
+            matches!(check_snapshot_record("s1", &json(&s), &files), Err(AnnounceError::Record { .. })),
+            "not announced"
+        );
+        files.push(file("snapshot:s1/tpm-tpm2-00.permall", 9000));
+        assert_eq!(check_snapshot_record("s1", &json(&s), &files), Ok(s.clone()));
+        let mut t = s.clone();
+        t.tpm.as_mut().unwrap().files[0].bytes = 9001;
+        assert!(matches!(check_snapshot_record("s1", &json(&t), &files), Err(AnnounceError::Record { .. })), "length");
+        for (name, copy) in [(".lock", "tpm-.lock"), ("tpm2-00.permall", "../x"), ("tpm2-00.permall", "logs.raw")] {
+            let mut t = s.clone();
+            t.tpm.as_mut().unwrap().files[0].name = name.into();
+            t.tpm.as_mut().unwrap().files[0].file = copy.into();
+            assert!(
+                matches!(check_snapshot_record("s1", &json(&t), &files), Err(AnnounceError::Record { .. })),
+                "{copy}"
+            );
+        }
+        let mut big = s.clone();
+        big.tpm.as_mut().unwrap().files[0].bytes = crate::tpm::MAX_STATE_FILE_BYTES + 1;
+        let mut f = files.clone();
+        f.last_mut().unwrap().bytes = crate::tpm::MAX_STATE_FILE_BYTES + 1;
+        assert!(matches!(check_snapshot_record("s1", &json(&big), &f), Err(AnnounceError::Record { .. })));
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! room reserved before a byte is written), then each file of the `files` channel into the place
 //! a create would give it ([`super::plan::placement`]) under a partial name, renamed once its
 //! sha256 matched, and each snapshot's files into a staging directory
-//! ([`carry::receive_snapshot_file`]); answers `Ready` when every announced file arrived; on `Commit`
+//! ([`carry::receive_snapshot_file`]), and a `tpm` VM's state files beside the disks
+//! ([`super::plan::tpm_staged`]); answers `Ready` when every announced file arrived; on `Commit`
+//! puts the TPM state in place ([`put_back_tpm`], crash point `move:tpm`), then
 //! records the VM `stopped` with phase `committed` (the commit point: the VM is this host's from
 //! this write), puts the snapshots in place ([`carry::place_snapshots`]), answers `Committed`, and
 //! starts the VM when its admitted spec says `running` (a `stop: true` move of a running VM).
@@ -30,6 +32,7 @@ use crate::state::migration::MigrationPhase;
 use crate::state::VmRecord;
 use crate::validate::ValidSpec;
 use std::future::Future;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::pin::Pin;
 use std::time::Duration;
@@ -132,6 +135,9 @@ async fn until_commit(
         other => return Err(failed(format!("expected the commit, got {other:?}"))),
     }
     let root = plan::boot_disk_root(&vm.spec.boot, &hello.disks, &op.mgr().config.paths.import_dir());
+    // Before the commit: the VM never starts here without the TPM it had there, and a failure
+    // leaves it the source's.
+    put_back_tpm(op, &announced).await?;
     // The commit point: from this write on, the VM is this host's.
     op.update_status("cold move committed: the VM is this host's", VmStatus::Stopped, |r| {
         if let Some(m) = r.migration.as_mut() {
@@ -142,6 +148,43 @@ async fn until_commit(
         }
         r.process = None;
     })?;
+    Ok(())
+}
+
+/// The TPM state that arrived (`tpm:FILE` names of `announced`, kept at [`plan::tpm_staged`])
+/// put in the VM's state directory as `qemu.user`'s files ([`crate::tpm::put_back_state`],
+/// through the spawner: the daemon cannot write files swtpm would load), then the arrived
+/// copies removed; crash point `move:tpm`. Nothing when none came (a `tpm` VM never started has
+/// no state yet; its first start makes it).
+///
+/// # Errors
+/// 4001 when a copy cannot be opened or the state cannot be written.
+async fn put_back_tpm(op: &VmOp, announced: &[AnnouncedFile]) -> Result<(), ApiError> {
+    let paths = op.paths().clone();
+    let names: Vec<&str> = announced.iter().filter_map(|f| plan::tpm_of(&f.name)).collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    let mut files = Vec::new();
+    for name in &names {
+        let staged = plan::tpm_staged(&paths, name);
+        let opened = crate::blocking::run(|| {
+            std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&staged)
+        })
+        .map_err(|e| failed(format!("the TPM state that arrived, {}: {e}", staged.display())))?;
+        files.push((name.to_string(), std::os::fd::OwnedFd::from(opened)));
+    }
+    crate::tpm::put_back_state(&paths, files, op.mgr().config.qemu_user)
+        .await
+        .map_err(|e| failed(format!("putting the TPM state in place: {e}")))?;
+    for name in names {
+        let staged = plan::tpm_staged(&paths, name);
+        if let Err(e) = crate::blocking::run(|| std::fs::remove_file(&staged)) {
+            tracing::warn!(path = %staged.display(), error = %e, "cannot remove the TPM state as it arrived");
+        }
+    }
+    tracing::info!("the TPM state that arrived is in place");
+    op.crashpoint("move:tpm");
     Ok(())
 }
 
@@ -200,6 +243,17 @@ async fn receive_files(
     let mut arriving: Vec<(String, carry::Arriving)> = Vec::new();
     while let Some(header) = rx.next(FILES_TIMEOUT).await.map_err(ApiError::from)? {
         carry::check_header(into.announced, &got, &header)?;
+        if let Some(state) = plan::tpm_of(&header.name) {
+            // The TPM's state: kept as it arrived (the channel checked its sha256) until the
+            // commit puts it back ([`put_back_tpm`]).
+            let staged = plan::tpm_staged(paths, state);
+            let _ = crate::blocking::run(|| std::fs::remove_file(&staged));
+            let bound = carry::written_bound(into.announced, &header.name);
+            let done = rx.receive_within(&header, &staged, bound).await.map_err(ApiError::from)?;
+            tracing::info!(file = %header.name, bytes = done.bytes, sha256 = %done.sha256, "received");
+            got.push(header.name);
+            continue;
+        }
         if let Some((snapshot, file)) = plan::snapshot_of(&header.name) {
             let (snapshot, file) = (snapshot.to_string(), file.to_string());
             let (announced, staging) = (into.announced, into.staging);
@@ -281,6 +335,9 @@ fn remove_received(paths: &VmPaths, spec: &VmSpec) -> Result<(), ApiError> {
             Err(e) => return Err(failed(format!("removing {}: {e}", path.display()))),
         }
     }
+    // The TPM state put back before a commit that did not come (no swtpm runs for a VM not
+    // yet this host's).
+    crate::blocking::run(|| crate::tpm::remove_state(paths))?;
     let _ = crate::blocking::run(|| std::fs::remove_dir(&paths.disk_dir));
     Ok(())
 }
