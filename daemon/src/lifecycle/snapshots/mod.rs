@@ -28,7 +28,7 @@ mod revert;
 mod take;
 
 pub(crate) use delete::snapshot_delete;
-pub(super) use recover::recover_at_start;
+pub(super) use recover::{recover_at_start, recover_vm};
 pub(crate) use revert::revert;
 pub(crate) use take::snapshot;
 

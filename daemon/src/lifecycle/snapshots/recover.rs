@@ -43,7 +43,7 @@ fn leftovers_in(dir: &Path) -> Vec<(PathBuf, Leftover)> {
 
 /// Finishes what a crash left of VM `rec`'s snapshot operations (module doc); failures are
 /// logged and left for the next try.
-pub(super) async fn recover_vm(mgr: &Manager, rec: &VmRecord) {
+pub(in crate::lifecycle) async fn recover_vm(mgr: &Manager, rec: &VmRecord) {
     let dir = snapshots_dir(mgr, rec.name());
     let found = crate::blocking::run(|| {
         let _ = std::fs::remove_file(dir.join(REVERT_AUX));
