@@ -34,7 +34,7 @@ pub(crate) async fn snapshot_delete(mgr: &Arc<Manager>, p: SnapshotParams) -> Re
         )
         .field("snapshot"));
     }
-    super::recover::recover_vm(mgr, &rec).await;
+    super::recover::recover_vm(mgr, &rec, within).await;
     let dir = snapshots_dir(mgr, &p.name);
     let done = dir.join(&p.snapshot);
     let deleting = dir.join(format!(".{}.deleting", p.snapshot));

@@ -41,9 +41,15 @@ fn leftovers_in(dir: &Path) -> Vec<(PathBuf, Leftover)> {
     entries.flatten().filter_map(|e| e.file_name().to_str().and_then(leftover).map(|l| (e.path(), l))).collect()
 }
 
-/// Finishes what a crash left of VM `rec`'s snapshot operations (module doc); failures are
-/// logged and left for the next try.
-pub(in crate::lifecycle) async fn recover_vm(mgr: &Manager, rec: &VmRecord) {
+/// How long recovery at vmhostd's start may take per leftover: the daemon serves nothing until
+/// it is done, so a hung offline session must not hold it for the operations' hour. A leftover
+/// not finished in time stays for the next try (before the VM's next snapshot operation, with
+/// the operation's own bound). Deleting tags walks cluster tables: seconds even for terabytes.
+const AT_START: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Finishes what a crash left of VM `rec`'s snapshot operations (module doc), each bounded by
+/// `within`; failures are logged and left for the next try.
+pub(in crate::lifecycle) async fn recover_vm(mgr: &Manager, rec: &VmRecord, within: std::time::Duration) {
     let dir = snapshots_dir(mgr, rec.name());
     let found = crate::blocking::run(|| {
         let _ = std::fs::remove_file(dir.join(REVERT_AUX));
@@ -51,8 +57,8 @@ pub(in crate::lifecycle) async fn recover_vm(mgr: &Manager, rec: &VmRecord) {
     });
     for (path, kind) in found {
         let done = match kind {
-            Leftover::Deleting => finish_delete(mgr, rec, &path, super::super::copies::DEFAULT_COPY_TIMEOUT).await,
-            Leftover::Partial => remove_partial(mgr, rec, &path).await,
+            Leftover::Deleting => finish_delete(mgr, rec, &path, within).await,
+            Leftover::Partial => remove_partial(mgr, rec, &path, within).await,
         };
         match done {
             Ok(()) => {
@@ -65,11 +71,16 @@ pub(in crate::lifecycle) async fn recover_vm(mgr: &Manager, rec: &VmRecord) {
 }
 
 /// Deletes the tags of an interrupted snapshot, then its directory.
-async fn remove_partial(mgr: &Manager, rec: &VmRecord, partial: &Path) -> Result<(), crate::api::ApiError> {
+async fn remove_partial(
+    mgr: &Manager,
+    rec: &VmRecord,
+    partial: &Path,
+    within: std::time::Duration,
+) -> Result<(), crate::api::ApiError> {
     if let Some(s) = crate::blocking::run(|| read_record(partial)) {
         let names: Vec<String> = s.internal.iter().map(|d| d.name.clone()).collect();
         let tags: Vec<String> = s.tags().into_iter().map(str::to_string).collect();
-        drop_tags(mgr, rec, &names, &tags, super::super::copies::DEFAULT_COPY_TIMEOUT).await?;
+        drop_tags(mgr, rec, &names, &tags, within).await?;
     }
     crate::blocking::run(|| match std::fs::remove_dir_all(partial) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
@@ -117,7 +128,7 @@ pub(in crate::lifecycle) async fn recover_at_start(mgr: &Manager) {
     });
     for vm in vms {
         match mgr.record(&vm) {
-            Ok(rec) => recover_vm(mgr, &rec).await,
+            Ok(rec) => recover_vm(mgr, &rec, AT_START).await,
             Err(_) => {
                 for (path, _) in crate::blocking::run(|| leftovers_in(&root.join(&vm))) {
                     let _ = crate::blocking::run(|| std::fs::remove_dir_all(&path));

@@ -52,7 +52,7 @@ pub(crate) async fn revert(mgr: &Arc<Manager>, p: SnapshotParams) -> Result<Muta
         )
         .field("name"));
     }
-    super::recover::recover_vm(mgr, &rec).await;
+    super::recover::recover_vm(mgr, &rec, within).await;
     let mut ignored = excluded_of(&rec.spec);
     ignored.extend(snapshot.excluded.iter().cloned());
     if disks_of(&snapshot.spec, &ignored) != disks_of(&rec.spec, &ignored) {

@@ -44,7 +44,7 @@ pub(crate) async fn snapshot(mgr: &Arc<Manager>, p: TakeSnapshotParams) -> Resul
     // A snapshot taken while a move's outcome is unknown would not be on the destination, and
     // the source's copy (snapshots included) goes when the destination answers `committed`.
     rec.check_not_moving()?;
-    super::recover::recover_vm(mgr, &rec).await;
+    super::recover::recover_vm(mgr, &rec, within).await;
     let existing = list_snapshots(mgr, &p.name)?;
     if existing.iter().any(|s| s.name == p.snapshot) {
         return Err(ApiError::invalid("snapshot", format!("VM {:?} has a snapshot {:?} already", p.name, p.snapshot)));
