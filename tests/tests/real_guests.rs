@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
-use vmhost_tests::{build_debs, run_ok, wait, workspace, HostOptions, TestHost, LAN_NETWORK};
+use vmhost_tests::{build_debs, plain_log, run_ok, wait, workspace, HostOptions, TestHost, LAN_NETWORK};
 
 /// A boot of a real guest under TCG on a busy 2-core machine (35-50 s when alone).
 const BOOT: Duration = Duration::from_secs(420);
@@ -429,6 +429,89 @@ fn debian12_with_ifupdown_and_cloud_init_22_4() {
 #[test]
 fn debian13_with_netplan_networkd_and_resolved() {
     a_real_guest_lives_its_life(TRIXIE, "10.0.0.22", false);
+}
+
+/// Secure Boot with OVMF and SMM under TCG: shim, GRUB and the kernel each verified before they
+/// run. A failure bound, not a speed (docs/testing.md gives the measured times).
+const SECURE_BOOT: Duration = Duration::from_secs(600);
+
+/// `SecureBoot` in EFI's global-variable namespace: 4 bytes of attributes, then the value.
+const SECURE_BOOT_VAR: &str = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d0-aa0d-00e098032b8c";
+
+/// A distribution's own Secure Boot chain under vmhost's default secure pair (the secboot code
+/// and the `OVMF_VARS_4M.ms.fd` template: Microsoft's keys), with a TPM: the Debian 12 image's
+/// ESP holds Debian's Microsoft-signed shim as `\EFI\BOOT\BOOTX64.EFI` and its Debian-signed
+/// GRUB, which starts Debian's signed kernel. Nothing here is signed by the test.
+#[test]
+fn debian12_boots_its_signed_shim_grub_and_kernel_under_secure_boot_with_a_tpm() {
+    let image = real_image(BOOKWORM);
+    let host = TestHost::start(HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() });
+    let netns = host.netns.clone().expect("netns");
+    let placed = host.images().join("bookworm.qcow2");
+    if fs::hard_link(&image, &placed).is_err() {
+        fs::copy(&image, &placed).expect("copy the image");
+    }
+    let key = host.dir.path().join("id_ed25519");
+    run_ok(Command::new("ssh-keygen").args(["-q", "-t", "ed25519", "-N", ""]).arg("-f").arg(&key));
+    let public = fs::read_to_string(key.with_extension("pub")).expect("public key").trim().to_string();
+    let ssh = Ssh { netns, key, address: "10.0.0.23".into() };
+
+    // The host's firmware is the default secure pair: no `[firmware]` table in the config.
+    let item = host.call("host.check", json!({}))["items"]
+        .as_array()
+        .and_then(|items| items.iter().find(|i| i["name"] == "secure_boot_firmware").cloned())
+        .expect("a secure_boot_firmware item");
+    assert_eq!(item["status"], "ok", "{item}");
+    assert!(item.to_string().contains("OVMF_VARS_4M.ms.fd"), "Microsoft's template: {item}");
+
+    let name = "sb12";
+    let spec = json!({
+        "name": name, "cpu": 2, "memory_mib": 1024, "tpm": true,
+        "boot": {"image": "bookworm.qcow2", "disk_gib": 4, "firmware": "uefi", "secure_boot": true},
+        "nics": [{"network": "lan", "ipv4": {"mode": "static", "address": "10.0.0.23/24", "gateway": "10.0.0.1"}}],
+        "user_data": test_user_data(&public),
+    });
+    let started = Instant::now();
+    call(&host, "vm.create", json!({ "spec": spec }));
+    let check = wait_check_ok(&host, name, SECURE_BOOT);
+    let booted = started.elapsed().as_secs_f64();
+    eprintln!("bookworm under Secure Boot with a TPM: vm.check ok {booted:.0} s after vm.create: {check}");
+
+    // The kernel's own word, on the serial console: it was started with Secure Boot on (the EFI
+    // stub and the kernel read the firmware's variable), so shim and GRUB before it were verified.
+    let console = plain_log(&host.serial(name)).replace('\r', "");
+    assert!(console.contains("secureboot: Secure boot enabled"), "console:\n{}", tail(&console, 6000));
+
+    ssh.wait(SECURE_BOOT);
+    ssh.wait_cloud_init();
+    // The firmware's variable, as the running guest reads it: enabled (last byte 1). The cloud
+    // kernel has efivarfs as a module, which this image's boot does not mount by itself: the
+    // mount loads it.
+    let var = ssh.run(&format!(
+        "sudo sh -c 'mountpoint -q /sys/firmware/efi/efivars || mount -t efivarfs efivarfs /sys/firmware/efi/efivars; \
+         od -An -tu1 {SECURE_BOOT_VAR}'"
+    ));
+    assert_eq!(var.split_whitespace().last(), Some("1"), "SecureBoot variable: {var}");
+    // Debian's kernel locks itself down when booted with Secure Boot (LOCK_DOWN_IN_EFI_SECURE_BOOT).
+    let lockdown = ssh.run("cat /sys/kernel/security/lockdown");
+    assert!(lockdown.contains("[integrity]"), "lockdown: {lockdown}");
+    // The chain that ran is the distribution's: the ESP holds Debian's signed shim and GRUB,
+    // byte for byte what their packages ship.
+    let esp = ssh.run(
+        "sudo mount -o ro /dev/vda1 /mnt && cmp /mnt/EFI/BOOT/BOOTX64.EFI /usr/lib/shim/shimx64.efi.signed && \
+         cmp /mnt/EFI/BOOT/grubx64.efi /usr/lib/grub/x86_64-efi-signed/grubx64.efi.signed && \
+         echo debian-signed; sudo umount /mnt",
+    );
+    assert!(esp.contains("debian-signed"), "{esp}");
+
+    // The TPM: a TPM 2.0 device, and the firmware measured the Secure Boot policy into PCR 7.
+    let tpm = ssh.run("ls /dev/tpm0 /dev/tpmrm0 && cat /sys/class/tpm/tpm0/tpm_version_major");
+    assert_eq!(tpm.lines().last().map(str::trim), Some("2"), "{tpm}");
+    let pcr7 = ssh.run("cat /sys/class/tpm/tpm0/pcr-sha256/7").trim().to_string();
+    assert!(pcr7.len() == 64 && pcr7.chars().any(|c| c != '0'), "PCR 7 holds a measurement: {pcr7}");
+
+    call(&host, "vm.destroy", json!({ "name": name }));
+    eprintln!("bookworm under Secure Boot with a TPM: whole test {:.0} s", started.elapsed().as_secs_f64());
 }
 
 /// One seed to check: a spec's NICs (`ipv4` of each, JSON), its `user_data`, and what each
