@@ -12,14 +12,18 @@
 # Output:
 #   OUTDIR/DIST-tree/     the installed root tree (cached: rebuilt only when the package list or
 #                         this script's tree recipe changes; delete it to pick up new packages)
-#   OUTDIR/DIST.qcow2     a 3 GiB disk: MBR, partition 1 an EFI system partition (GRUB's EFI image
-#                         as \EFI\BOOT\BOOTX64.EFI), partition 2 the ext4 root; GRUB's BIOS boot
-#                         code in the MBR and its core image in the gap after it. Boots under
-#                         SeaBIOS and OVMF alike. Rebuilt when the tree, the agent package or
-#                         this script change.
+#   OUTDIR/DIST.qcow2     a 3 GiB disk: MBR, partition 1 an EFI system partition, partition 2 the
+#                         ext4 root; GRUB's BIOS boot code in the MBR and its core image in the
+#                         gap after it. The ESP holds Debian's Secure Boot chain as
+#                         `grub-install --removable` lays it out: \EFI\BOOT\BOOTX64.EFI is the
+#                         Microsoft-signed shim (shim-signed), grubx64.efi beside it the
+#                         Debian-signed GRUB (grub-efi-amd64-signed), grub.cfg beside them finds
+#                         the root; the kernel is Debian's signed cloud kernel. Boots under
+#                         SeaBIOS, OVMF, and OVMF with Secure Boot and Microsoft's keys.
+#                         Rebuilt when the tree, the agent package or this script change.
 #
 # What is in the image: the cloud kernel, systemd, udev, dbus (logind turns the ACPI power
-# button into a clean power-off), cloud-init, OpenSSH, GRUB, growpart, the vmhost-agent
+# button into a clean power-off), cloud-init, OpenSSH, GRUB, shim, growpart, the vmhost-agent
 # package; in bookworm also a `salt-minion` (Salt 3007 from PyPI in /opt/saltstack/salt, wrapped
 # in a local package named salt-minion so cloud-init's salt_minion module finds it installed).
 # No apt sources are left in the image (the guests have no internet): a module that installs a
@@ -41,7 +45,7 @@ agent_deb=$(cd "$(dirname "$agent_deb")" && pwd)/$(basename "$agent_deb")
 
 common="systemd systemd-sysv udev dbus linux-image-cloud-amd64 initramfs-tools cloud-init locales
 openssh-server cloud-guest-utils e2fsprogs fdisk grub-pc-bin grub-efi-amd64-bin grub-common
-iproute2 iputils-ping sudo ca-certificates util-linux"
+shim-signed grub-efi-amd64-signed iproute2 iputils-ping sudo ca-certificates util-linux"
 case $dist in
 bookworm) packages="$common ifupdown resolvconf isc-dhcp-client python3-venv" ;;
 trixie) packages="$common netplan.io systemd-resolved" ;;
@@ -210,10 +214,17 @@ EOF
 mods="part_msdos ext2 fat search search_fs_uuid normal configfile linux echo test"
 # shellcheck disable=SC2086
 in_tree "$tree" grub-mkimage -O i386-pc -o /tmp/core.img -p /boot/grub -c /tmp/early.cfg biosdisk $mods
-# shellcheck disable=SC2086
-in_tree "$tree" grub-mkimage -O x86_64-efi -o /tmp/BOOTX64.EFI -p /boot/grub -c /tmp/early.cfg $mods efi_gop all_video
-mv "$tree/tmp/core.img" "$tree/tmp/BOOTX64.EFI" "$work/"
-rm -f "$tree/tmp/early.cfg"
+mv "$tree/tmp/core.img" "$work/"
+# UEFI boots Debian's signed binaries, never an image made here: a GRUB built by grub-mkimage is
+# unsigned and Secure Boot would refuse it. Debian's signed GRUB is monolithic (its modules are
+# inside, as lockdown forbids loading more) and reads grub.cfg from the directory it was started
+# from when its built-in \EFI\debian does not exist; the early config above is that file.
+shim="$tree/usr/lib/shim/shimx64.efi.signed"
+grub_efi="$tree/usr/lib/grub/x86_64-efi-signed/grubx64.efi.signed"
+[ -f "$shim" ] && [ -f "$grub_efi" ] || die "no signed shim or GRUB in the tree (packages shim-signed, grub-efi-amd64-signed)"
+cp "$shim" "$work/BOOTX64.EFI"
+cp "$grub_efi" "$work/grubx64.efi"
+mv "$tree/tmp/early.cfg" "$work/grub.cfg"
 
 # Layout (512-byte sectors): 0 MBR; 1..2047 GRUB's core image; 2048.. ESP (63 MiB); then root.
 size_mib=3072 esp_start=2048 esp_sectors=$((63 * 2048))
@@ -223,7 +234,9 @@ root_sectors=$((size_mib * 2048 - root_start))
 
 mkfs.fat -F 32 -n ESP -C "$work/esp.img" $((esp_sectors / 2)) >/dev/null
 MTOOLS_SKIP_CHECK=1 mmd -i "$work/esp.img" ::/EFI ::/EFI/BOOT
-MTOOLS_SKIP_CHECK=1 mcopy -i "$work/esp.img" "$work/BOOTX64.EFI" ::/EFI/BOOT/BOOTX64.EFI
+# No fbx64.efi (shim-helpers' fallback): shim started as BOOTX64.EFI would run it to write boot
+# entries and reset the VM; without it shim starts grubx64.efi at once.
+MTOOLS_SKIP_CHECK=1 mcopy -i "$work/esp.img" "$work/BOOTX64.EFI" "$work/grubx64.efi" "$work/grub.cfg" ::/EFI/BOOT/
 mkfs.ext4 -q -F -U "$root_uuid" -L root -d "$tree" -E root_owner=0:0 "$work/root.img" $((root_sectors / 2))k
 
 truncate -s "${size_mib}M" "$work/disk.raw"
