@@ -107,7 +107,16 @@ pub fn reserve_copy_room(ledger: &Ledger, dir: &Path, files: &[&Path], field: &s
     let needed: u64 = crate::blocking::run(|| {
         files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.blocks().saturating_mul(512)).sum()
     });
-    ledger.reserve(dir, needed, PREALLOCATE_PERCENT).map_err(|e| refusal(e, dir, "the copies", field, "disk_bytes"))
+    reserve_bytes(ledger, dir, needed, field)
+}
+
+/// Reserves `bytes` for copies in `dir`'s file system, as [`reserve_copy_room`] does for the
+/// bytes files hold (for copies that take more than that, e.g. a file copied whole).
+///
+/// # Errors
+/// As [`reserve_copy_room`].
+pub fn reserve_bytes(ledger: &Ledger, dir: &Path, bytes: u64, field: &str) -> Result<Reservation, SpaceError> {
+    ledger.reserve(dir, bytes, PREALLOCATE_PERCENT).map_err(|e| refusal(e, dir, "the copies", field, "disk_bytes"))
 }
 
 /// The error of a reservation `what` could not get in `dir`: [`SpaceError::NoRoom`] naming

@@ -25,6 +25,18 @@ pub const MAX_STOP_TIMEOUT_S: u64 = 3600;
 /// binary is not the pinned one (nothing changed for any of these), 4001 when a host step
 /// fails (everything undone, the record says `failed`).
 pub(crate) async fn create(mgr: &Arc<Manager>, spec: VmSpec) -> Result<Mutation, ApiError> {
+    let name = spec.name.clone();
+    let op = create_held(mgr, spec).await?;
+    drop(op);
+    Ok(Mutation::new(true, Some(mgr.get(&name)?)))
+}
+
+/// [`create`]'s steps, returning the new VM's operation still held: `vm.import` puts the VM's
+/// TPM state and UEFI variables store in place before anything can start it.
+///
+/// # Errors
+/// As [`create`].
+pub(super) async fn create_held(mgr: &Arc<Manager>, spec: VmSpec) -> Result<VmOp, ApiError> {
     let span = tracing::info_span!("vm.create", vm = %spec.name);
     async move {
         let vm = validate_spec(&spec, &mgr.config)?;
@@ -50,7 +62,7 @@ pub(crate) async fn create(mgr: &Arc<Manager>, spec: VmSpec) -> Result<Mutation,
         }
         let mut op = mgr.reserve_op(&vm.spec)?;
         op.create_steps(&vm, import).await?;
-        Ok(Mutation::new(true, Some(mgr.get(&spec.name)?)))
+        Ok(op)
     }
     .instrument(span)
     .await

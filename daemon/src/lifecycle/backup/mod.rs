@@ -167,51 +167,55 @@ pub(crate) async fn export_vm(mgr: &Arc<Manager>, p: ExportParams) -> Result<Exp
 }
 
 /// Puts an imported VM's TPM state (checked against the manifest before anything was written)
-/// and its UEFI variables store in place, the VM created and stopped; then starts it when
-/// `wanted` says running. On a failure the VM goes again (the import leaves nothing). The
-/// import's marker ([`placing`]) goes once the files are in or the VM is gone, so a crash
-/// before that removes the VM at the next start, and one after leaves it whole.
+/// and its UEFI variables store in place, the VM created stopped and its operation `op` still
+/// held (nothing starts it meanwhile); then ends the import's marker ([`placing`]) and starts
+/// the VM when `wanted` says running. On a failure the VM goes again (the import leaves
+/// nothing). A crash before the marker's end removes the VM at the next start; one after
+/// leaves it whole.
 ///
 /// # Errors
 /// 2003 on `backup`, 4001 `step: import`, what `vm.start` returns.
 async fn place_then_start(
-    mgr: &Arc<Manager>,
-    name: &str,
+    mut op: VmOp,
     tpm: Option<Vec<(String, OwnedFd)>>,
     vars: Option<(&Path, &crate::api::backup::VarsCopy)>,
     wanted: crate::api::DesiredState,
 ) -> Result<crate::api::Mutation, ApiError> {
-    mgr.crashpoint("import:created");
+    let mgr = Arc::clone(op.mgr());
+    let name = op.name().to_string();
+    let import_dir = mgr.config.paths.import_dir();
+    op.crashpoint("import:created");
     let placed = async {
         if let Some(files) = tpm {
-            crate::tpm::put_back_state(&mgr.paths(name), files, mgr.config.qemu_user)
+            crate::tpm::put_back_state(&mgr.paths(&name), files, mgr.config.qemu_user)
                 .await
                 .map_err(|e| super::provisioning("import", format!("putting back the TPM state: {e}")))?;
         }
         if let Some((dir, vars)) = vars {
-            chain::place_vars(mgr, name, dir, vars)?;
+            chain::place_vars(&mgr, &name, dir, vars)?;
+        }
+        // Before any start: a marker left behind would have a restart remove the VM.
+        placing::end(&import_dir, &name).map_err(FileError::file("import", "end the import's marker", &import_dir))?;
+        if wanted == crate::api::DesiredState::Running {
+            op.start_steps("vm.import").await?;
         }
         Ok::<_, ApiError>(())
     }
     .await;
-    let result = match placed {
-        Ok(()) => {
-            placing::end(&mgr.config.paths.import_dir(), name);
-            if wanted == crate::api::DesiredState::Running {
-                super::ops::start(mgr, name).await
-            } else {
-                mgr.get(name).map(|vm| crate::api::Mutation::new(true, Some(vm)))
+    match placed {
+        Ok(()) => Ok(crate::api::Mutation::new(true, Some(mgr.get(&name)?))),
+        Err(e) => {
+            match op.destroy_steps("vm.import", "destroyed").await {
+                Ok(_) => {
+                    if let Err(end) = placing::end(&import_dir, &name) {
+                        tracing::warn!(vm = %name, error = %end, "cannot remove an import's marker");
+                    }
+                }
+                Err(gone) => tracing::warn!(vm = %name, error = %gone, "cannot remove the VM of a failed import"),
             }
-        }
-        Err(e) => Err(e),
-    };
-    if result.is_err() {
-        match super::ops::destroy(mgr, name).await {
-            Ok(_) => placing::end(&mgr.config.paths.import_dir(), name),
-            Err(e) => tracing::warn!(vm = %name, error = %e, "cannot remove the VM of a failed import"),
+            Err(e)
         }
     }
-    result
 }
 
 /// The UEFI variables store's copy at `copy` (a running VM's, made by its QEMU) or, for a
@@ -343,21 +347,34 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
         // The store and the TPM state go in before the VM first starts (a start would copy the
         // template, or make a new TPM), after the create (which clears a new VM's directory).
         spec.state = crate::api::DesiredState::Stopped;
-        placing::begin(&import_dir, &spec.name, &p.backup).map_err(FileError::file(
-            "import",
-            "record the import",
-            &import_dir,
-        ))?;
+        placing::begin(&import_dir, &spec).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                ApiError::new(crate::api::Code::Busy, format!("another import of {:?} is in progress", spec.name))
+                    .field("name")
+            } else {
+                FileError::file("import", "record the import", &import_dir)(e).into()
+            }
+        })?;
     }
     // The copies are on the file system now: the create's own admission sees them there.
     drop(room);
     let name = spec.name.clone();
     let ours = spec.clone();
-    let mut result = super::ops::create(mgr, spec).await;
-    if to_place && result.is_ok() {
-        result =
-            place_then_start(mgr, &name, tpm, manifest.uefi_vars.as_ref().map(|v| (dir.as_path(), v)), wanted).await;
-    }
+    let result = if to_place {
+        match super::ops::create_held(mgr, spec).await {
+            Ok(op) => place_then_start(op, tpm, manifest.uefi_vars.as_ref().map(|v| (dir.as_path(), v)), wanted).await,
+            Err(e) => {
+                // This import made no VM (the name may be another client's now): nothing for a
+                // restart to remove.
+                if let Err(end) = placing::end(&import_dir, &name) {
+                    tracing::warn!(vm = %name, error = %end, "cannot remove an import's marker");
+                }
+                Err(e)
+            }
+        }
+    } else {
+        super::ops::create(mgr, spec).await
+    };
     match &result {
         Ok(_) => {
             // The create took them, and the kept-disks directory with its last disk
@@ -387,10 +404,6 @@ pub(crate) async fn import_vm(mgr: &Arc<Manager>, p: ImportVmParams) -> Result<M
             }
         }
         Err(_) => {}
-    }
-    if to_place && !mgr.lock().vms.contains_key(&name) {
-        // The create failed and left nothing (or its VM went): nothing for a restart to remove.
-        placing::end(&import_dir, &name);
     }
     result
 }

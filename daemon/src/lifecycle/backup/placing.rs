@@ -5,8 +5,10 @@
 //! (`IMPORT/.NAME.placing`) before the create and removes it once the files are in (or the
 //! import's VM is gone); at start, [`recover_at_start`] removes the VM of every marker left,
 //! as the failed import would have: the backup still holds everything, and the operator imports
-//! it again. Order: [`begin`] before the create, [`end`] after, [`recover_at_start`] once the
-//! records are recovered.
+//! it again. The import holds the VM's operation from its create until the files are in, so
+//! nothing starts it in between; the marker holds the created spec, so a restart removes only
+//! the VM this import made. Order: [`begin`] before the create, [`end`] once the files are in
+//! (before any start) or the VM is gone, [`recover_at_start`] once the records are recovered.
 
 use super::super::Manager;
 use std::path::{Path, PathBuf};
@@ -26,39 +28,72 @@ fn marked_vm(file_name: &str) -> Option<&str> {
     (!name.is_empty() && !name.contains('/')).then_some(name)
 }
 
-/// Records, durably, that an import of `backup` is about to create VM `name` and then place
-/// its TPM state or variables store.
+/// Records, durably, that an import is about to create VM `spec` and then place its TPM state
+/// or variables store: the marker holds the spec, so that a restart removes only the VM this
+/// import made (another client may create a VM of the name meanwhile).
 ///
 /// # Errors
-/// The write's I/O error (the import then fails before its create).
-pub(super) fn begin(import_dir: &Path, name: &str, backup: &str) -> std::io::Result<()> {
-    crate::state::atomic::write_atomic(&marker(import_dir, name), backup.as_bytes())
-}
-
-/// Removes `name`'s marker: the files are in place, or the import's VM is gone.
-pub(super) fn end(import_dir: &Path, name: &str) {
-    if let Err(e) = crate::state::atomic::remove_durable(&marker(import_dir, name)) {
-        tracing::warn!(vm = %name, error = %e, "cannot remove an import's marker");
+/// `AlreadyExists` when another import of the name holds the marker; the write's I/O error
+/// (the import then fails before its create).
+pub(super) fn begin(import_dir: &Path, spec: &crate::api::VmSpec) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let bytes = serde_json::to_vec(spec).map_err(std::io::Error::other)?;
+    let path = marker(import_dir, &spec.name);
+    // Exclusive: one import of a name at a time owns its marker.
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+    let written = file
+        .write_all(&bytes)
+        .and_then(|()| file.sync_all())
+        .and_then(|()| std::fs::File::open(import_dir)?.sync_all());
+    if written.is_err() {
+        let _ = std::fs::remove_file(&path);
     }
+    written
 }
 
-/// At start: the VM of every marker an interrupted import left is removed (a destroy: its data
-/// disks are kept as a destroy keeps them), then the marker.
+/// Removes `name`'s marker: the files are in place, or the import's VM is gone (or was never
+/// made).
+///
+/// # Errors
+/// The removal's I/O error: the caller must not start the VM (a restart would remove it).
+pub(super) fn end(import_dir: &Path, name: &str) -> std::io::Result<()> {
+    crate::state::atomic::remove_durable(&marker(import_dir, name)).map(drop)
+}
+
+/// The spec a marker holds, `None` when it cannot be read (a crash while it was written:
+/// before the create).
+fn marked_spec(path: &Path) -> Option<crate::api::VmSpec> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+/// At start: the VM of every marker an interrupted import left is removed when it is the VM
+/// that import made (its spec the marker's; a destroy: data disks with `keep_on_destroy` are
+/// kept as a destroy keeps them), then the marker.
 pub(in crate::lifecycle) async fn recover_at_start(mgr: &Arc<Manager>) {
     let dir = mgr.config.paths.import_dir();
-    let names: Vec<String> = crate::blocking::run(|| {
+    let markers: Vec<(String, Option<crate::api::VmSpec>)> = crate::blocking::run(|| {
         let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
-        entries.flatten().filter_map(|e| e.file_name().to_str().and_then(marked_vm).map(str::to_string)).collect()
+        entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_str().and_then(marked_vm).map(str::to_string)?;
+                Some((name, marked_spec(&e.path())))
+            })
+            .collect()
     });
-    for name in names {
-        if mgr.record(&name).is_ok() {
+    for (name, spec) in markers {
+        let made_here = mgr.record(&name).is_ok_and(|r| spec.as_ref() == Some(&r.spec));
+        if made_here {
             tracing::warn!(vm = %name, "an import was interrupted before the VM's TPM state or UEFI variables were in place: removing its VM (import the backup again)");
             if let Err(e) = super::super::ops::destroy(mgr, &name).await {
                 tracing::warn!(vm = %name, error = %e, "cannot remove the VM of an interrupted import; the marker stays");
                 continue;
             }
         }
-        end(&dir, &name);
+        if let Err(e) = end(&dir, &name) {
+            tracing::warn!(vm = %name, error = %e, "cannot remove an interrupted import's marker");
+        }
     }
 }
 
@@ -78,11 +113,17 @@ mod tests {
     }
 
     #[test]
-    fn a_marker_is_written_and_removed() {
+    fn a_marker_holds_the_spec_is_exclusive_and_is_removed() {
         let dir = tempfile::tempdir().unwrap();
-        begin(dir.path(), "db", "db-1").unwrap();
-        assert_eq!(std::fs::read(marker(dir.path(), "db")).unwrap(), b"db-1");
-        end(dir.path(), "db");
+        let spec = crate::validate::tests::spec("db");
+        begin(dir.path(), &spec).unwrap();
+        assert_eq!(marked_spec(&marker(dir.path(), "db")), Some(spec.clone()));
+        let again = begin(dir.path(), &spec).unwrap_err();
+        assert_eq!(again.kind(), std::io::ErrorKind::AlreadyExists, "a second import of the name");
+        end(dir.path(), "db").unwrap();
         assert!(!marker(dir.path(), "db").exists());
+        end(dir.path(), "db").unwrap();
+        std::fs::write(marker(dir.path(), "db"), b"{trunc").unwrap();
+        assert_eq!(marked_spec(&marker(dir.path(), "db")), None, "a marker cut short names no VM");
     }
 }

@@ -18,7 +18,7 @@ use crate::api::ApiError;
 use crate::backup::ReadBackup;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// One prune at a time: a merge reads chains another prune could be removing.
@@ -92,14 +92,22 @@ async fn merge(mgr: &Arc<Manager>, name: &str) -> Result<(), ApiError> {
     let layers = chain::layers_of(&chain).map_err(|why| chain::broken(name, why))?;
     let Some(last) = chain.last() else { return Err(chain::broken(name, "no backup".into())) };
     chain::verify(&layers, last.manifest.uefi_vars.as_ref().map(|v| (last.dir.as_path(), v)))?;
-    // The merged copy holds at most what its layers hold: that much room is admitted first, as
-    // for any copy (3002, nothing written), and held while the copy is made.
-    let mut files: Vec<PathBuf> = layers.iter().flatten().map(|l| l.path()).collect();
-    files.extend(last.manifest.uefi_vars.iter().map(|v| last.dir.join(&v.file)));
-    files.extend(last.manifest.tpm.iter().flat_map(|t| &t.files).map(|f| last.dir.join(&f.file)));
-    let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
-    let _room =
-        crate::disk::space::reserve_copy_room(&mgr.reservations, &mgr.config.paths.backups_dir(), &files, "keep")?;
+    // The room the merged copy takes is admitted first, as for any copy (3002, nothing
+    // written), and held while the copy is made: a chain flattened holds at most what its
+    // layers hold; a single file is copied whole (its holes written until the copy is sealed),
+    // so its length counts; the other files are small.
+    let mut whole: Vec<PathBuf> = layers.iter().filter(|l| l.len() == 1).flatten().map(|l| l.path()).collect();
+    whole.extend(last.manifest.uefi_vars.iter().map(|v| last.dir.join(&v.file)));
+    whole.extend(last.manifest.tpm.iter().flat_map(|t| &t.files).map(|f| last.dir.join(&f.file)));
+    let chained: Vec<PathBuf> = layers.iter().filter(|l| l.len() > 1).flatten().map(|l| l.path()).collect();
+    let needed: u64 = crate::blocking::run(|| {
+        use std::os::unix::fs::MetadataExt;
+        let meta = |f: &PathBuf| std::fs::metadata(f).ok();
+        let whole: u64 = whole.iter().filter_map(meta).map(|m| m.len()).sum();
+        let chained: u64 = chained.iter().filter_map(meta).map(|m| m.blocks().saturating_mul(512)).sum();
+        whole.saturating_add(chained)
+    });
+    let _room = crate::disk::space::reserve_bytes(&mgr.reservations, &mgr.config.paths.backups_dir(), needed, "keep")?;
     let partial = mgr.backups.begin_merge(name)?;
     let mut manifest = last.manifest.clone();
     for (disk, layers) in manifest.disks.iter_mut().zip(&layers) {

@@ -101,7 +101,17 @@ pub(crate) async fn move_vm(mgr: &Arc<Manager>, p: MoveParams) -> Result<Migrate
         // What a crash left of a snapshot operation is finished first: a disk must not carry
         // the tags of a half-taken or half-deleted snapshot, which the destination would never
         // delete (it has no record of them).
-        super::super::snapshots::recover_vm(mgr, &rec, super::super::copies::DEFAULT_COPY_TIMEOUT).await;
+        if !super::super::snapshots::recover_vm(mgr, &rec, super::super::copies::DEFAULT_COPY_TIMEOUT).await {
+            return Err(ApiError::new(
+                crate::api::Code::Busy,
+                format!(
+                    "{}: an interrupted snapshot operation could not be finished (vmhostd's log says why); \
+                     its disks would carry tags the destination has no record of: not moved",
+                    p.name
+                ),
+            )
+            .field("name"));
+        }
         let live = op.find_live(rec.process.as_ref())?.is_some();
         let stop = plan::admit(rec.status, live, p.stop).map_err(|e| not_movable("status", e.to_string()))?;
         let stream = tokio::time::timeout(

@@ -41,33 +41,44 @@ fn leftovers_in(dir: &Path) -> Vec<(PathBuf, Leftover)> {
     entries.flatten().filter_map(|e| e.file_name().to_str().and_then(leftover).map(|l| (e.path(), l))).collect()
 }
 
-/// How long recovery at vmhostd's start may take per leftover: the daemon serves nothing until
-/// it is done, so a hung offline session must not hold it for the operations' hour. A leftover
+/// How long recovery at vmhostd's start may take in all: the daemon serves nothing until it is
+/// done, so a hung offline session must not hold it for the operations' hour. A leftover
 /// not finished in time stays for the next try (before the VM's next snapshot operation, with
 /// the operation's own bound). Deleting tags walks cluster tables: seconds even for terabytes.
 const AT_START: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// Finishes what a crash left of VM `rec`'s snapshot operations (module doc), each bounded by
-/// `within`; failures are logged and left for the next try.
-pub(in crate::lifecycle) async fn recover_vm(mgr: &Manager, rec: &VmRecord, within: std::time::Duration) {
+/// Finishes what a crash left of VM `rec`'s snapshot operations (module doc), all within
+/// `within`; failures are logged and left for the next try. Returns whether none is left.
+pub(in crate::lifecycle) async fn recover_vm(mgr: &Manager, rec: &VmRecord, within: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
     let dir = snapshots_dir(mgr, rec.name());
     let found = crate::blocking::run(|| {
         let _ = std::fs::remove_file(dir.join(REVERT_AUX));
         leftovers_in(&dir)
     });
+    let mut all = true;
     for (path, kind) in found {
-        let done = match kind {
-            Leftover::Deleting => finish_delete(mgr, rec, &path, within).await,
-            Leftover::Partial => remove_partial(mgr, rec, &path, within).await,
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let done = if left.is_zero() {
+            Err(super::failed(format!("no time left to finish {}", path.display())))
+        } else {
+            match kind {
+                Leftover::Deleting => finish_delete(mgr, rec, &path, left).await,
+                Leftover::Partial => remove_partial(mgr, rec, &path, left).await,
+            }
         };
         match done {
             Ok(()) => {
                 tracing::info!(vm = rec.name(), dir = %path.display(), ?kind, "finished an interrupted snapshot operation")
             }
-            Err(e) => tracing::warn!(vm = rec.name(), dir = %path.display(), error = %e.message,
-                "cannot finish an interrupted snapshot operation: left for the next try"),
+            Err(e) => {
+                all = false;
+                tracing::warn!(vm = rec.name(), dir = %path.display(), error = %e.message,
+                    "cannot finish an interrupted snapshot operation: left for the next try")
+            }
         }
     }
+    all
 }
 
 /// Deletes the tags of an interrupted snapshot, then its directory.
@@ -126,9 +137,12 @@ pub(in crate::lifecycle) async fn recover_at_start(mgr: &Manager) {
             .filter(|n| !n.starts_with('.'))
             .collect()
     });
+    let deadline = std::time::Instant::now() + AT_START;
     for vm in vms {
         match mgr.record(&vm) {
-            Ok(rec) => recover_vm(mgr, &rec, AT_START).await,
+            Ok(rec) => {
+                recover_vm(mgr, &rec, deadline.saturating_duration_since(std::time::Instant::now())).await;
+            }
             Err(_) => {
                 for (path, _) in crate::blocking::run(|| leftovers_in(&root.join(&vm))) {
                     let _ = crate::blocking::run(|| std::fs::remove_dir_all(&path));

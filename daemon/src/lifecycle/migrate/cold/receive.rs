@@ -179,9 +179,10 @@ async fn put_back_tpm(op: &VmOp, announced: &[AnnouncedFile]) -> Result<(), ApiE
         .map_err(|e| failed(format!("putting the TPM state in place: {e}")))?;
     for name in names {
         let staged = plan::tpm_staged(&paths, name);
-        if let Err(e) = crate::blocking::run(|| std::fs::remove_file(&staged)) {
-            tracing::warn!(path = %staged.display(), error = %e, "cannot remove the TPM state as it arrived");
-        }
+        // A root-owned copy of the TPM's secrets must not outlive the move: still before the
+        // commit, so failing here gives the move up (which removes the staged files too).
+        crate::blocking::run(|| std::fs::remove_file(&staged))
+            .map_err(|e| failed(format!("removing the TPM state as it arrived, {}: {e}", staged.display())))?;
     }
     tracing::info!("the TPM state that arrived is in place");
     op.crashpoint("move:tpm");
