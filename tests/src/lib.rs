@@ -973,3 +973,14 @@ pub fn disk_report(host: &TestHost, name: &str, boot: usize, timeout: Duration) 
             .collect())
     })
 }
+
+/// The TPM reset counts the test guest printed on `host` for VM `name` (`VMHOST-TPM present
+/// reset_count=N`, one per boot, in order): a count that goes on across boots, restarts, moves
+/// and imports shows the same TPM state.
+pub fn tpm_reset_counts(host: &TestHost, name: &str) -> Vec<u64> {
+    host.serial(name)
+        .lines()
+        .filter_map(|l| l.split("VMHOST-TPM present reset_count=").nth(1))
+        .map(|n| n.trim().parse().unwrap_or_else(|_| panic!("an unreadable TPM answer: {n}")))
+        .collect()
+}

@@ -177,6 +177,24 @@ impl Pair {
         out
     }
 
+    /// `vmhostctl VERB NAME --to-socket` (`migrate` or `move`, from host 0 to host 1) while host
+    /// 1's vmhostd is killed at crash point `step` and started again: the command's output.
+    pub fn ctl_while_destination_dies(&mut self, verb: &str, name: &str, step: &str) -> std::process::Output {
+        self.hosts[1].arm_crash(step);
+        let (from, to) = (self.hosts[0].socket.clone(), self.hosts[1].socket.display().to_string());
+        let args = [verb.to_string(), name.to_string(), "--to-socket".into(), to];
+        let call = std::thread::spawn(move || {
+            std::process::Command::new(crate::bin("vmhostctl"))
+                .arg("--socket")
+                .arg(from)
+                .args(&args)
+                .output()
+                .expect("run vmhostctl")
+        });
+        self.hosts[1].restart_after_crash(step);
+        call.join().expect("the move's thread")
+    }
+
     /// Waits until `name` runs on exactly one host with exactly one QEMU across both
     /// ([`settled_among`]); returns the host it runs on.
     ///

@@ -268,8 +268,9 @@ fn journal_replays(ssh: &Ssh) -> Vec<String> {
         .collect()
 }
 
-/// Everything the issue asks of one real guest. `address` is its static address on `lan`.
-fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
+/// A host in a network namespace with `lan`, the image of `dist` in its images directory, and
+/// an SSH key pair: the host, how to reach the guest at `address`, and the public key.
+fn host_with_image(dist: &str, address: &str) -> (TestHost, Ssh, String) {
     let image = real_image(dist);
     let host = TestHost::start(HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() });
     let netns = host.netns.clone().expect("netns");
@@ -280,7 +281,13 @@ fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
     let key = host.dir.path().join("id_ed25519");
     run_ok(Command::new("ssh-keygen").args(["-q", "-t", "ed25519", "-N", ""]).arg("-f").arg(&key));
     let public = fs::read_to_string(key.with_extension("pub")).expect("public key").trim().to_string();
-    let ssh = Ssh { netns: netns.clone(), key: key.clone(), address: address.into() };
+    (host, Ssh { netns, key, address: address.into() }, public)
+}
+
+/// Everything the issue asks of one real guest. `address` is its static address on `lan`.
+fn a_real_guest_lives_its_life(dist: &str, address: &str, salt: bool) {
+    let (host, ssh, public) = host_with_image(dist, address);
+    let (netns, key) = (ssh.netns.clone(), ssh.key.clone());
 
     let name = format!("{dist}1");
     let master = salt.then(|| SaltMaster::start(&netns, host.dir.path()));
@@ -447,17 +454,7 @@ const SECURE_BOOT_VAR: &str = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93c
 /// Debian's Microsoft-signed shim as `\EFI\BOOT\BOOTX64.EFI` and its Debian-signed GRUB, which
 /// starts Debian's signed kernel. Nothing here is signed by the test. `address` is the VM's on `lan`.
 fn a_real_guest_boots_its_signed_chain_under_secure_boot_with_a_tpm(dist: &str, address: &str) {
-    let image = real_image(dist);
-    let host = TestHost::start(HostOptions { netns: true, extra: LAN_NETWORK.into(), ..HostOptions::default() });
-    let netns = host.netns.clone().expect("netns");
-    let placed = host.images().join(format!("{dist}.qcow2"));
-    if fs::hard_link(&image, &placed).is_err() {
-        fs::copy(&image, &placed).expect("copy the image");
-    }
-    let key = host.dir.path().join("id_ed25519");
-    run_ok(Command::new("ssh-keygen").args(["-q", "-t", "ed25519", "-N", ""]).arg("-f").arg(&key));
-    let public = fs::read_to_string(key.with_extension("pub")).expect("public key").trim().to_string();
-    let ssh = Ssh { netns, key, address: address.into() };
+    let (host, ssh, public) = host_with_image(dist, address);
 
     // The host's firmware is the default secure pair: no `[firmware]` table in the config.
     let item = host.call("host.check", json!({}))["items"]

@@ -17,7 +17,9 @@ use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::Duration;
-use vmhost_tests::{alive, argv_of, wait, HostOptions, TestHost, GUEST_READY, QEMU_USER};
+use vmhost_tests::{
+    alive, argv_of, tpm_reset_counts as reset_counts, wait, HostOptions, TestHost, GUEST_READY, QEMU_USER,
+};
 
 /// How long a TCG boot may take on a busy 2-core machine.
 const BOOT: Duration = Duration::from_secs(120);
@@ -46,15 +48,6 @@ fn the_swtpm(binary: &Path) -> i32 {
         [pid] => Ok(*pid),
         other => Err(format!("swtpm processes: {other:?}")),
     })
-}
-
-/// The reset counts the guest printed, one per boot, in order.
-fn reset_counts(host: &TestHost, name: &str) -> Vec<u64> {
-    host.serial(name)
-        .lines()
-        .filter_map(|l| l.split("VMHOST-TPM present reset_count=").nth(1))
-        .map(|n| n.trim().parse().unwrap_or_else(|_| panic!("an unreadable TPM answer: {n}")))
-        .collect()
 }
 
 /// A field of /proc/PID/status.

@@ -15,19 +15,10 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::time::Duration;
 use vmhost_tests::migration_pair::{tail, Pair, PairOptions};
-use vmhost_tests::{wait, TestHost, QEMU_USER};
+use vmhost_tests::{tpm_reset_counts as reset_counts, wait, TestHost, QEMU_USER};
 
 /// How long a TCG boot may take on a busy 2-core machine.
 const BOOT: Duration = Duration::from_secs(120);
-
-/// The reset counts the guest printed on `host`, one per boot, in order.
-fn reset_counts(host: &TestHost, name: &str) -> Vec<u64> {
-    host.serial(name)
-        .lines()
-        .filter_map(|l| l.split("VMHOST-TPM present reset_count=").nth(1))
-        .map(|n| n.trim().parse().unwrap_or_else(|_| panic!("an unreadable TPM answer: {n}")))
-        .collect()
-}
 
 /// `host`'s TPM state directory of `name`.
 fn state_dir(host: &TestHost, name: &str) -> PathBuf {
@@ -114,18 +105,7 @@ fn a_running_tpm_vm_moves_live_with_its_tpm_state() {
     let snap = pair.hosts[0].call("vm.snapshot", json!({ "name": name, "snapshot": "s1" }));
     assert!(snap["tpm"]["files"].as_array().is_some_and(|f| !f.is_empty()), "no TPM copy: {snap}");
 
-    pair.hosts[1].arm_crash("migrate_in:commit");
-    let (from, to) = (pair.hosts[0].socket.clone(), pair.hosts[1].socket.display().to_string());
-    let call = std::thread::spawn(move || {
-        std::process::Command::new(vmhost_tests::bin("vmhostctl"))
-            .arg("--socket")
-            .arg(from)
-            .args(["migrate", name, "--to-socket", to.as_str()])
-            .output()
-            .expect("run vmhostctl")
-    });
-    pair.hosts[1].restart_after_crash("migrate_in:commit");
-    let out = call.join().expect("the move's thread");
+    let out = pair.ctl_while_destination_dies("migrate", name, "migrate_in:commit");
     assert!(!out.status.success(), "the move succeeded although its destination died before the commit");
     assert_eq!(pair.settled(name, Duration::from_secs(180)), 0, "the guest stays on the source");
     wait::until_true(
@@ -172,21 +152,7 @@ fn a_running_tpm_vm_moves_live_with_its_tpm_state() {
     assert_state_file(dest, name);
 
     // The snapshot taken on the source came with its TPM copy: a revert there puts it back.
-    dest.call("vm.stop", json!({ "name": name, "timeout_s": 1, "force": true }));
-    wait::until_true(
-        "the destination's swtpm to end",
-        Duration::from_secs(10),
-        || swtpms_of(dest).is_empty(),
-        || format!("{:?}", swtpms_of(dest)),
-    );
-    dest.call("vm.revert", json!({ "name": name, "snapshot": "s1" }));
-    dest.call("vm.start", json!({ "name": name }));
-    dest.wait_serial_count(name, "VMHOST-TPM present", 2, BOOT);
-    let there = reset_counts(dest, name);
-    println!("live move: reset counts on the source {before:?}, on the destination {there:?} (a revert between)");
-    assert!(there[1] > before[1] && there[1] <= there[0], "the revert did not put back the snapshot's TPM: {there:?}");
-    dest.call("vm.destroy", json!({ "name": name }));
-    assert_no_tpm_left(dest, name);
+    revert_puts_back_the_snapshots_tpm(dest, name, &before, "live move");
 }
 
 /// `vmhostctl move NAME --to-socket (host 1)` run against host 0.
@@ -226,18 +192,7 @@ fn a_stopped_tpm_vm_moves_cold_with_its_tpm_state_and_its_snapshots_tpm_copies()
 
     // The destination dies once the state is in place, before its commit: on its restart it
     // gives the move up; the source keeps the VM and its state.
-    pair.hosts[1].arm_crash("move:tpm");
-    let (from, to) = (pair.hosts[0].socket.clone(), pair.hosts[1].socket.display().to_string());
-    let call = std::thread::spawn(move || {
-        std::process::Command::new(vmhost_tests::bin("vmhostctl"))
-            .arg("--socket")
-            .arg(from)
-            .args(["move", name, "--to-socket", to.as_str()])
-            .output()
-            .expect("run vmhostctl")
-    });
-    pair.hosts[1].restart_after_crash("move:tpm");
-    let out = call.join().expect("the move's thread");
+    let out = pair.ctl_while_destination_dies("move", name, "move:tpm");
     assert!(!out.status.success(), "the move succeeded although its destination died before the commit");
     wait::until("the move given up on both hosts", Duration::from_secs(120), || {
         match (view(&pair.hosts[0], name), view(&pair.hosts[1], name)) {
@@ -280,8 +235,15 @@ fn a_stopped_tpm_vm_moves_cold_with_its_tpm_state_and_its_snapshots_tpm_copies()
     assert!(there[0] > before[1], "the moved VM met a new TPM: {there:?} after {before:?} on the source");
     assert_eq!(swtpms_of(dest).len(), 1);
 
-    // The snapshot taken on the source came with its TPM copy: a revert there puts it back, so
-    // the next boot shows the count the boot after the snapshot showed, not a larger one.
+    // The snapshot taken on the source came with its TPM copy: a revert there puts it back.
+    revert_puts_back_the_snapshots_tpm(dest, name, &before, "cold move");
+}
+
+/// On the destination `dest` after a move, snapshot `s1` (taken on the source after `before`,
+/// its counts there) reverted: the next boot shows the count the boot after the snapshot
+/// showed, not a larger one (the TPM copy came with the snapshot and was put back); then the
+/// VM is destroyed and no TPM is left.
+fn revert_puts_back_the_snapshots_tpm(dest: &TestHost, name: &str, before: &[u64], how: &str) {
     dest.call("vm.stop", json!({ "name": name, "timeout_s": 1, "force": true }));
     wait::until_true(
         "the destination's swtpm to end",
@@ -294,7 +256,7 @@ fn a_stopped_tpm_vm_moves_cold_with_its_tpm_state_and_its_snapshots_tpm_copies()
     dest.call("vm.start", json!({ "name": name }));
     dest.wait_serial_count(name, "VMHOST-TPM present", 2, BOOT);
     let after = reset_counts(dest, name);
-    println!("cold move: reset counts on the source {before:?}, on the destination {after:?} (a revert between)");
+    println!("{how}: reset counts on the source {before:?}, on the destination {after:?} (a revert between)");
     assert!(after[1] > before[1] && after[1] <= after[0], "the revert did not put back the snapshot's TPM: {after:?}");
     dest.call("vm.destroy", json!({ "name": name }));
     assert_no_tpm_left(dest, name);

@@ -520,23 +520,7 @@ mod tests {
     fn a_snapshots_tpm_copies_are_sent_by_their_records_names_only() {
         let dir = tempfile::tempdir().unwrap();
         let json = dir.path().join(snapshots::SNAPSHOT_JSON);
-        let mut s = crate::api::snapshots::Snapshot {
-            name: "s1".into(),
-            created_at: "2026-12-06T05:00:00Z".into(),
-            live: false,
-            consistency: None,
-            reason: None,
-            frozen: Vec::new(),
-            skipped: Vec::new(),
-            instance_id: None,
-            spec: crate::validate::tests::spec("vm-1"),
-            disks: Vec::new(),
-            id: None,
-            internal: Vec::new(),
-            excluded: Vec::new(),
-            uefi_vars: None,
-            tpm: None,
-        };
+        let mut s = snapshots::tests::snapshot(None, None);
         let write =
             |s: &crate::api::snapshots::Snapshot| std::fs::write(&json, serde_json::to_vec(s).unwrap()).unwrap();
         write(&s);

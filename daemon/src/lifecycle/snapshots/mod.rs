@@ -411,7 +411,7 @@ impl HeldVm {
 }
 
 #[cfg(test)]
-mod tests {
+pub(in crate::lifecycle) mod tests {
     use super::*;
     use crate::api::snapshots::Consistency;
 
@@ -457,7 +457,7 @@ mod tests {
         assert!(e.contains("cannot read") && e.contains("copy/snapshot.json"), "{e}");
     }
 
-    pub(super) fn snapshot(instance_id: Option<&str>, consistency: Option<Consistency>) -> Snapshot {
+    pub(in crate::lifecycle) fn snapshot(instance_id: Option<&str>, consistency: Option<Consistency>) -> Snapshot {
         Snapshot {
             name: "s1".into(),
             created_at: "2026-12-04T14:22:31Z".into(),

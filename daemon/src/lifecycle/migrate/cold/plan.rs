@@ -651,6 +651,15 @@ mod tests {
         assert!(!same_vm(&a, &b));
     }
 
+    /// What the source of [`image_spec`]'s VM says of its disks.
+    fn image_hello() -> Vec<HelloDisk> {
+        vec![
+            HelloDisk { device: "virtio0".into(), bytes: 5 << 20, format: "qcow2".into() },
+            HelloDisk { device: "data-logs".into(), bytes: GIB, format: "raw".into() },
+            HelloDisk { device: "data-db".into(), bytes: 7 << 20, format: "qcow2".into() },
+        ]
+    }
+
     fn file(name: &str, bytes: u64) -> crate::migration::AnnouncedFile {
         crate::migration::AnnouncedFile { name: name.into(), bytes, allocated: bytes / 2 }
     }
@@ -679,11 +688,7 @@ mod tests {
     #[test]
     fn announced_files_are_checked_against_the_spec_before_anything_is_written() {
         let spec = image_spec(); // raw data disk logs 1 GiB, qcow2 db 1 GiB, an image overlay
-        let hello = vec![
-            HelloDisk { device: "virtio0".into(), bytes: 5 << 20, format: "qcow2".into() },
-            HelloDisk { device: "data-logs".into(), bytes: GIB, format: "raw".into() },
-            HelloDisk { device: "data-db".into(), bytes: 7 << 20, format: "qcow2".into() },
-        ];
+        let hello = image_hello();
         let files = vec![
             file("boot", 5 << 20),
             file("data:logs", GIB),
@@ -883,11 +888,7 @@ mod tests {
     fn tpm_state_files_are_announced_only_for_a_tpm_vm_and_bounded() {
         let mut spec = image_spec();
         spec.tpm = true;
-        let hello = vec![
-            HelloDisk { device: "virtio0".into(), bytes: 5 << 20, format: "qcow2".into() },
-            HelloDisk { device: "data-logs".into(), bytes: GIB, format: "raw".into() },
-            HelloDisk { device: "data-db".into(), bytes: 7 << 20, format: "qcow2".into() },
-        ];
+        let hello = image_hello();
         let files = vec![
             file("boot", 5 << 20),
             file("data:logs", GIB),
