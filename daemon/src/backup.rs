@@ -587,10 +587,7 @@ fn check_v2(m: &Manifest) -> Result<(), String> {
         }
     }
     for f in m.tpm.iter().flat_map(|t| &t.files) {
-        if !crate::tpm::STATE_FILE_NAMES.contains(&f.name.as_str())
-            || f.file != crate::tpm::copy_name(&f.name)
-            || !hex(&f.sha256, 64)
-        {
+        if !crate::tpm::names_a_state_copy(f) || !hex(&f.sha256, 64) {
             return Err(format!(
                 "the TPM state file {:?} ({:?}) is not one vmhost writes, or has no sha256",
                 f.file, f.name

@@ -163,6 +163,12 @@ pub fn is_state_file_name(name: &str) -> bool {
     STATE_FILE_NAMES.contains(&name)
 }
 
+/// Whether a record's TPM entry `f` (a snapshot's, a backup's) names a state file's copy: one
+/// of [`STATE_FILE_NAMES`], kept as [`copy_name`] of it (no other file, no path).
+pub fn names_a_state_copy(f: &crate::api::snapshots::TpmFile) -> bool {
+    is_state_file_name(&f.name) && f.file == copy_name(&f.name)
+}
+
 /// Whether `name` is one of [`STATE_FILE_NAMES`]: the only names the state requests open or
 /// write, so a request can name nothing else in the directory it is given.
 fn check_state_name(name: &str) -> io::Result<()> {
@@ -430,7 +436,7 @@ pub fn open_checked_copy(
     for f in &copy.files {
         let path = dir.join(&f.file);
         let bad = |reason: String| TpmError::Copy { path: path.clone(), reason };
-        if check_state_name(&f.name).is_err() || f.file != copy_name(&f.name) {
+        if !names_a_state_copy(f) {
             return Err(bad(format!("{:?} is not a TPM state file's copy", f.file)));
         }
         let mut file = std::fs::OpenOptions::new()

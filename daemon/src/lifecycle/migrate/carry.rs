@@ -68,7 +68,7 @@ fn tpm_copies(json: &Path) -> Result<Vec<(String, PathBuf)>, ApiError> {
     let Some(dir) = json.parent() else { return Ok(Vec::new()) };
     let mut out = Vec::new();
     for t in s.tpm.iter().flat_map(|t| &t.files) {
-        if !crate::tpm::is_state_file_name(&t.name) || t.file != crate::tpm::copy_name(&t.name) {
+        if !crate::tpm::names_a_state_copy(t) {
             return Err(damaged(format!("{:?} is not a TPM state file's copy", t.file)));
         }
         let path = dir.join(&t.file);

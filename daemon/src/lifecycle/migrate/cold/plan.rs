@@ -402,8 +402,10 @@ pub(crate) fn check_snapshot_record(
     }
     for t in s.tpm.iter().flat_map(|t| &t.files) {
         // A TPM state file's copy: a state file's name, its copy named after it, small.
-        let named = crate::tpm::is_state_file_name(&t.name) && t.file == crate::tpm::copy_name(&t.name);
-        if !named || t.bytes > crate::tpm::MAX_STATE_FILE_BYTES || expected.contains(&t.file) {
+        if !crate::tpm::names_a_state_copy(t)
+            || t.bytes > crate::tpm::MAX_STATE_FILE_BYTES
+            || expected.contains(&t.file)
+        {
             return Err(bad(format!("names the TPM state's copy {:?} of {:?} ({} bytes)", t.file, t.name, t.bytes)));
         }
         let announced = files.iter().find(|f| f.name == snapshot_wire_name(snapshot, &t.file)).map(|f| f.bytes);
